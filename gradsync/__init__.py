@@ -1,0 +1,24 @@
+"""gradsync: distributed deep-learning training.
+
+    import gradsync as gs
+    gs.init()
+    y = gs.allreduce(x, op=gs.Sum)
+
+See the README for the launcher (``gradsync run -np N ...``) and the configuration table.
+"""
+
+from .api import *  # noqa: F401,F403
+from .api import __all__ as _api_all
+from .collectives.ops import Average, Max, Min, Product, ReduceOp, Sum
+from .config import Config
+from .engine import Handle
+from .errors import (AuthenticationError, CollectiveMismatchError, ConfigError, GradsyncError,
+                     GradsyncTimeoutError, PeerLostError, ProtocolError)
+
+__version__ = "0.1.0"
+
+__all__ = list(_api_all) + [
+    "Sum", "Average", "Min", "Max", "Product", "ReduceOp", "Config", "Handle",
+    "GradsyncError", "ConfigError", "PeerLostError", "CollectiveMismatchError",
+    "GradsyncTimeoutError", "AuthenticationError", "ProtocolError", "__version__",
+]

@@ -1,0 +1,361 @@
+"""The public API: process identity and collectives on NumPy arrays and torch CPU tensors.
+
+Naming follows Horovod: ``allreduce`` returns a new tensor, ``allreduce_`` works in place,
+``allreduce_async`` / ``allreduce_async_`` return a Handle that ``synchronize`` finishes and
+``poll`` checks. Each public function validates its arguments, wraps the tensor, and hands
+one closure to the engine; the work is in ``operations.py``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import threading
+
+import numpy as np
+
+from . import operations as ops
+from .collectives.ops import Average, ReduceOp
+from .config import load_config
+from .engine import Engine, Handle
+from .tensors import wrap
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+    "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async",
+    "broadcast_async_", "reducescatter", "reducescatter_async", "alltoall", "alltoall_async",
+    "barrier", "broadcast_object", "allgather_object", "synchronize", "poll",
+]
+
+log = logging.getLogger("gradsync")
+
+_state_lock = threading.Lock()
+_world = None
+_engine: Engine | None = None
+_unnamed = itertools.count()
+
+
+def init(**settings) -> None:
+    """Joins the job: finds the other ranks and connects to them. Idempotent.
+
+    Args:
+        **settings: any ``gradsync.Config`` field; overrides ``GRADSYNC_*`` variables.
+    """
+    global _world, _engine
+    with _state_lock:
+        if _world is not None:
+            return
+        from .launch_env import detect
+        from .world import World
+
+        config = load_config(settings)
+        if config.log_level != "WARNING":
+            log.setLevel(config.log_level)
+        world = World.connect(config, detect())
+        _world, _engine = world, Engine(world)
+        atexit.register(shutdown)
+
+
+def shutdown() -> None:
+    """Finishes queued operations and closes every connection. ``init()`` may follow."""
+    global _world, _engine
+    with _state_lock:
+        if _world is None:
+            return
+        world, engine = _world, _engine
+        _world = _engine = None
+    try:
+        if world.failure is None:
+            engine.drain()
+    finally:
+        engine.stop()
+        world.close()
+
+
+def is_initialized() -> bool:
+    return _world is not None
+
+
+def _w():
+    if _world is None:
+        raise ValueError("gradsync has not been initialised: call gradsync.init() first")
+    return _world
+
+
+def rank() -> int:
+    """This process's rank, 0 .. size()-1."""
+    return _w().rank
+
+
+def size() -> int:
+    """The number of ranks in the job."""
+    return _w().size
+
+
+def local_rank() -> int:
+    """This process's rank among the ranks on its host."""
+    return _w().local_rank
+
+
+def local_size() -> int:
+    """The number of ranks on this process's host."""
+    return _w().local_size
+
+
+def cross_rank() -> int:
+    """The index of this host among the hosts that have a rank with this local rank."""
+    return _w().cross_rank
+
+
+def cross_size() -> int:
+    """The number of hosts that have a rank with this local rank."""
+    return _w().cross_size
+
+
+def _name(name: str | None, kind: str) -> str:
+    return name if name is not None else f"{kind}.noname.{next(_unnamed)}"
+
+
+def _check_op(op) -> ReduceOp:
+    if not isinstance(op, ReduceOp):
+        raise TypeError(f"op must be one of gradsync.Sum, Average, Min, Max, Product; got {op!r}")
+    return op
+
+
+def _submit(fn, name: str, asynchronous: bool):
+    engine = _engine
+    if engine is None:
+        _w()
+    return engine.submit(fn, name) if asynchronous else engine.run(fn, name)
+
+
+# ----------------------------------------------------------------------------- allreduce
+def _allreduce(tensor, op, name, prescale_factor, postscale_factor, algorithm, inplace, asynchronous):
+    world, op = _w(), _check_op(op)
+    buf = wrap(tensor, writable=inplace)
+    name = _name(name, "allreduce")
+    target = buf.flat if inplace else buf.flat.copy()
+
+    def run():
+        ops.allreduce(world, target, buf.dtype, op, name=name, shape=buf.shape,
+                      prescale=prescale_factor, postscale=postscale_factor, algorithm=algorithm)
+        if inplace:
+            buf.write_back()
+            return tensor
+        return buf.to_user(target, buf.shape)
+
+    return _submit(run, name, asynchronous)
+
+
+def allreduce(tensor, op: ReduceOp = Average, name: str | None = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              algorithm: str = "auto"):
+    """Returns the reduction of ``tensor`` over all ranks; ``tensor`` is untouched.
+
+    Args:
+        tensor: NumPy array or torch CPU tensor, the same shape and dtype on every rank.
+        op: Sum, Average (default, as in Horovod), Min, Max or Product.
+        name: identifies the collective in error reports; ranks must agree on it.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result after the reduction (and averaging).
+        algorithm: ``auto``, ``ring``, ``doubling``, ``halving_doubling`` or ``shm``.
+    """
+    return _allreduce(tensor, op, name, prescale_factor, postscale_factor, algorithm, False, False)
+
+
+def allreduce_(tensor, op: ReduceOp = Average, name: str | None = None,
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               algorithm: str = "auto"):
+    """In-place ``allreduce``: the result replaces ``tensor``, which is returned."""
+    return _allreduce(tensor, op, name, prescale_factor, postscale_factor, algorithm, True, False)
+
+
+def allreduce_async(tensor, op: ReduceOp = Average, name: str | None = None,
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    algorithm: str = "auto") -> Handle:
+    """Starts an ``allreduce``; ``synchronize(handle)`` returns the new tensor."""
+    return _allreduce(tensor, op, name, prescale_factor, postscale_factor, algorithm, False, True)
+
+
+def allreduce_async_(tensor, op: ReduceOp = Average, name: str | None = None,
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     algorithm: str = "auto") -> Handle:
+    """Starts an in-place ``allreduce``; don't touch ``tensor`` until it is synchronized."""
+    return _allreduce(tensor, op, name, prescale_factor, postscale_factor, algorithm, True, True)
+
+
+# ----------------------------------------------------------------------------- allgather
+def _allgather(tensor, name, asynchronous):
+    world, buf = _w(), wrap(tensor)
+    name = _name(name, "allgather")
+    if not buf.shape:
+        raise ValueError("allgather needs a tensor of at least one dimension")
+
+    def run():
+        out, rows = ops.allgather(world, buf.flat, buf.dtype, name=name, shape=buf.shape)
+        return buf.to_user(out, (sum(rows),) + tuple(buf.shape[1:]))
+
+    return _submit(run, name, asynchronous)
+
+
+def allgather(tensor, name: str | None = None):
+    """Concatenates every rank's ``tensor`` along dimension 0 (whose size may differ)."""
+    return _allgather(tensor, name, False)
+
+
+def allgather_async(tensor, name: str | None = None) -> Handle:
+    """Starts an ``allgather``; ``synchronize(handle)`` returns the gathered tensor."""
+    return _allgather(tensor, name, True)
+
+
+# ----------------------------------------------------------------------------- broadcast
+def _broadcast(tensor, root_rank, name, inplace, asynchronous):
+    world = _w()
+    if not 0 <= root_rank < world.size:
+        raise ValueError(f"root_rank {root_rank} is outside 0..{world.size - 1}")
+    buf = wrap(tensor, writable=inplace)
+    name = _name(name, "broadcast")
+    target = buf.flat if inplace else buf.flat.copy()
+
+    def run():
+        ops.broadcast(world, target, buf.dtype, root_rank, name=name, shape=buf.shape)
+        if inplace:
+            buf.write_back()
+            return tensor
+        return buf.to_user(target, buf.shape)
+
+    return _submit(run, name, asynchronous)
+
+
+def broadcast(tensor, root_rank: int, name: str | None = None):
+    """Returns root_rank's ``tensor`` on every rank; ``tensor`` is untouched."""
+    return _broadcast(tensor, root_rank, name, False, False)
+
+
+def broadcast_(tensor, root_rank: int, name: str | None = None):
+    """In-place ``broadcast``: root_rank's values replace ``tensor``, which is returned."""
+    return _broadcast(tensor, root_rank, name, True, False)
+
+
+def broadcast_async(tensor, root_rank: int, name: str | None = None) -> Handle:
+    """Starts a ``broadcast``; ``synchronize(handle)`` returns the new tensor."""
+    return _broadcast(tensor, root_rank, name, False, True)
+
+
+def broadcast_async_(tensor, root_rank: int, name: str | None = None) -> Handle:
+    """Starts an in-place ``broadcast``."""
+    return _broadcast(tensor, root_rank, name, True, True)
+
+
+# ----------------------------------------------------------------------------- reducescatter
+def _reducescatter(tensor, op, name, prescale_factor, postscale_factor, asynchronous):
+    world, op, buf = _w(), _check_op(op), wrap(tensor)
+    name = _name(name, "reducescatter")
+    if not buf.shape:
+        raise ValueError("reducescatter needs a tensor of at least one dimension")
+    work = buf.flat.copy()
+
+    def run():
+        mine = ops.reducescatter(world, work, buf.dtype, op, name=name, shape=buf.shape,
+                                 prescale=prescale_factor, postscale=postscale_factor)
+        rows = ops.split_rows(buf.shape[0], world.size)[world.rank]
+        return buf.to_user(mine, (rows,) + tuple(buf.shape[1:]))
+
+    return _submit(run, name, asynchronous)
+
+
+def reducescatter(tensor, op: ReduceOp = Average, name: str | None = None,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0):
+    """Reduces ``tensor`` over all ranks and returns this rank's block of rows.
+
+    Rows are split as evenly as possible; the first ``rows % size`` ranks get one more.
+    """
+    return _reducescatter(tensor, op, name, prescale_factor, postscale_factor, False)
+
+
+def reducescatter_async(tensor, op: ReduceOp = Average, name: str | None = None,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Starts a ``reducescatter``; ``synchronize(handle)`` returns this rank's block."""
+    return _reducescatter(tensor, op, name, prescale_factor, postscale_factor, True)
+
+
+# ----------------------------------------------------------------------------- alltoall
+def _alltoall(tensor, splits, name, asynchronous):
+    world, buf = _w(), wrap(tensor)
+    name = _name(name, "alltoall")
+    if not buf.shape:
+        raise ValueError("alltoall needs a tensor of at least one dimension")
+    rows = buf.shape[0]
+    if splits is None:
+        if rows % world.size:
+            raise ValueError(f"alltoall without splits needs dimension 0 ({rows}) divisible by "
+                             f"the number of ranks ({world.size})")
+        send = [rows // world.size] * world.size
+    else:
+        send = [int(s) for s in (splits.tolist() if hasattr(splits, "tolist") else splits)]
+        if len(send) != world.size or min(send) < 0 or sum(send) != rows:
+            raise ValueError(f"splits {send} must have one non-negative entry per rank "
+                             f"({world.size}) summing to dimension 0 ({rows})")
+
+    def run():
+        out, received = ops.alltoall(world, buf.flat, buf.dtype, send, name=name, shape=buf.shape)
+        result = buf.to_user(out, (sum(received),) + tuple(buf.shape[1:]))
+        if splits is None:
+            return result
+        return result, buf.to_user(np.asarray(received, dtype=np.int32), (world.size,))
+
+    return _submit(run, name, asynchronous)
+
+
+def alltoall(tensor, splits=None, name: str | None = None):
+    """Sends ``splits[j]`` rows of ``tensor`` to rank j and returns the rows received.
+
+    Without ``splits`` the rows are divided equally and the received tensor is returned;
+    with ``splits`` (as in Horovod) a pair ``(received, received_splits)``.
+    """
+    return _alltoall(tensor, splits, name, False)
+
+
+def alltoall_async(tensor, splits=None, name: str | None = None) -> Handle:
+    """Starts an ``alltoall``; ``synchronize(handle)`` returns what ``alltoall`` would."""
+    return _alltoall(tensor, splits, name, True)
+
+
+# ----------------------------------------------------------------------------- the rest
+def barrier() -> None:
+    """Returns once every rank has called ``barrier``."""
+    world = _w()
+    _submit(lambda: ops.barrier(world), "barrier", False)
+
+
+def broadcast_object(obj=None, root_rank: int = 0, name: str | None = None):
+    """Returns root_rank's ``obj`` (any picklable object) on every rank."""
+    world = _w()
+    if not 0 <= root_rank < world.size:
+        raise ValueError(f"root_rank {root_rank} is outside 0..{world.size - 1}")
+    name = _name(name, "broadcast_object")
+    return _submit(lambda: ops.broadcast_object(world, obj, root_rank, name=name), name, False)
+
+
+def allgather_object(obj, name: str | None = None) -> list:
+    """Returns the list of every rank's ``obj`` (any picklable object), in rank order."""
+    world = _w()
+    name = _name(name, "allgather_object")
+    return _submit(lambda: ops.allgather_object(world, obj, name=name), name, False)
+
+
+def synchronize(handle: Handle):
+    """Waits for an async operation and returns its result (or raises its error)."""
+    if not isinstance(handle, Handle):
+        raise TypeError(f"synchronize takes a Handle from an *_async call, got {handle!r}")
+    return handle.wait()
+
+
+def poll(handle: Handle) -> bool:
+    """True once the async operation behind ``handle`` has finished."""
+    if not isinstance(handle, Handle):
+        raise TypeError(f"poll takes a Handle from an *_async call, got {handle!r}")
+    return handle.poll()

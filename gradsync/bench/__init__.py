@@ -1,0 +1,1 @@
+"""Benchmarks: ``gradsync bench ...`` commands, each beside a peer measured in the same run."""

@@ -1,0 +1,145 @@
+"""Allreduce benchmark in the style of nccl-tests, with torch.distributed (gloo) beside it.
+
+Run as ``gradsync bench allreduce -np N [--compare gloo]``; every rank runs this module.
+For each size: warm-up, then ``iters`` timed in-place allreduces, each started after a barrier
+so that ranks start together, each timed on every rank; a sample is the slowest rank's time
+(the collective is not done until the last rank is). The iteration count is chosen on rank 0
+and broadcast so that all ranks agree. After timing, one allreduce of known inputs is checked
+(#wrong = elements that differ from the closed form). Only rank 0 prints.
+
+    algbw = size / time            busbw = algbw * 2 (n - 1) / n
+
+busbw is the per-link traffic of a bandwidth-optimal allreduce, comparable across n.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+__all__ = ["parser", "run", "parse_size"]
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().rstrip("B")
+    unit = text[-1] if text and text[-1] in _UNITS else ""
+    return int(float(text[:len(text) - len(unit)]) * _UNITS[unit])
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gradsync bench allreduce")
+    p.add_argument("--sizes", default="4K:64M", help="MIN:MAX bytes, stepping by --factor (default 4K:64M)")
+    p.add_argument("--factor", type=int, default=4, help="size multiplier between rows (default 4)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "int32"])
+    p.add_argument("--algorithm", default="auto", help="gradsync algorithm (default auto)")
+    p.add_argument("--compare", choices=["gloo", "none"], default="none",
+                   help="also measure torch.distributed with this backend, in the same run")
+    p.add_argument("--seconds", type=float, default=0.5, help="target timed seconds per size")
+    p.add_argument("--max-iters", type=int, default=1000)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json", help="write the rows to this file (rank 0)")
+    return p
+
+
+def _timed(fn, barrier, iters: int, reduce_max) -> list[float]:
+    samples = np.empty(iters)
+    for i in range(iters):
+        barrier()
+        start = time.perf_counter()
+        fn()
+        samples[i] = time.perf_counter() - start
+    return reduce_max(samples).tolist()
+
+
+def run(args) -> list[dict]:
+    import torch
+
+    import gradsync as gs
+
+    torch.set_num_threads(1)
+    gs.init()
+    rank, n = gs.rank(), gs.size()
+    gloo = None
+    if args.compare == "gloo":
+        import torch.distributed as dist
+        from gradsync import api
+
+        store = torch.distributed.PrefixStore("bench-gloo", api._world.store._base)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=n)
+        gloo = dist
+    lo, hi = (parse_size(s) for s in args.sizes.split(":"))
+    dtype = np.dtype(args.dtype)
+    reduce_max = lambda a: gs.allreduce(a, op=gs.Max, name="bench.samples")  # noqa: E731
+    rows = []
+    size = lo
+    while size <= hi:
+        count = max(1, size // dtype.itemsize)
+        x = np.ones(count, dtype=dtype)
+        row = {"size": count * dtype.itemsize, "count": count, "dtype": dtype.name,
+               "algorithm": args.algorithm, "ranks": n}
+        impls = [("gradsync", lambda: gs.allreduce_(x, op=gs.Sum, name="bench",
+                                                    algorithm=args.algorithm),
+                  gs.barrier)]
+        if gloo is not None:
+            t = torch.from_numpy(x)
+            impls.append(("gloo", lambda: gloo.all_reduce(t), gloo.barrier))
+        for label, fn, barrier in impls:
+            for _ in range(args.warmup):
+                fn()
+            probe = _timed(fn, barrier, 2, reduce_max)
+            iters = int(min(args.max_iters, max(5, args.seconds / max(min(probe), 1e-6))))
+            iters = int(gs.broadcast_object(iters, 0, name="bench.iters"))
+            samples = _timed(fn, barrier, iters, reduce_max)
+            x[:] = np.arange(count) % 5 + rank          # closed form: sum = n*(i%5) + n(n-1)/2
+            fn()
+            want = n * (np.arange(count) % 5) + n * (n - 1) / 2
+            wrong = int(gs.allreduce(np.array([np.count_nonzero(x != want.astype(dtype))]),
+                                     op=gs.Sum, name="bench.wrong")[0])
+            x[:] = 1
+            med = statistics.median(samples)
+            algbw = row["size"] / med / 1e9
+            row[label] = {"time_us": med * 1e6, "iqr_us": float(np.subtract(
+                *np.percentile(samples, [75, 25])) * 1e6), "iters": iters, "algbw": algbw,
+                "busbw": algbw * (2 * (n - 1) / n if n > 1 else 1), "wrong": wrong}
+        if gloo is not None:
+            row["ratio"] = row["gradsync"]["busbw"] / row["gloo"]["busbw"]
+        rows.append(row)
+        if rank == 0:
+            _print_row(row, header=len(rows) == 1, compare=gloo is not None)
+        size *= args.factor
+    if rank == 0 and args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if gloo is not None:
+        gloo.destroy_process_group()
+    gs.shutdown()
+    return rows
+
+
+def _print_row(row: dict, header: bool, compare: bool) -> None:
+    if header:
+        cols = f"{'size(B)':>12} {'count':>11} {'type':>8} {'algorithm':>10} {'time(us)':>10} " \
+               f"{'algbw':>7} {'busbw':>7} {'#wrong':>6}"
+        if compare:
+            cols += f" | {'gloo(us)':>10} {'busbw':>7} {'#wrong':>6} {'ratio':>6}"
+        print(f"# allreduce, {row['ranks']} ranks, in place, op=sum; busbw = algbw*2(n-1)/n "
+              f"(GB/s); time = median over iterations of the slowest rank", flush=True)
+        print(cols, flush=True)
+    g = row["gradsync"]
+    line = f"{row['size']:>12} {row['count']:>11} {row['dtype']:>8} {row['algorithm']:>10} " \
+           f"{g['time_us']:>10.1f} {g['algbw']:>7.2f} {g['busbw']:>7.2f} {g['wrong']:>6}"
+    if compare:
+        o = row["gloo"]
+        line += f" | {o['time_us']:>10.1f} {o['busbw']:>7.2f} {o['wrong']:>6} {row['ratio']:>6.2f}"
+    print(line, flush=True)
+
+
+if __name__ == "__main__":
+    run(parser().parse_args(sys.argv[1:]))

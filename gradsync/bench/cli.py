@@ -1,0 +1,30 @@
+"""``gradsync bench``: starts the benchmark's ranks through ``gradsync run``.
+
+    gradsync bench allreduce -np 2 [--compare gloo] [--sizes 4K:64M] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+__all__ = ["main"]
+
+BENCHMARKS = {"allreduce": "gradsync.bench.allreduce"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gradsync bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("benchmark", choices=sorted(BENCHMARKS))
+    parser.add_argument("-np", dest="np", type=int, default=2, help="number of ranks (default 2)")
+    args, rest = parser.parse_known_args(argv)
+    if args.np < 1:
+        parser.error("-np must be at least 1")
+    module = BENCHMARKS[args.benchmark]
+    # Validate the benchmark's own options here, before any rank starts.
+    __import__(module, fromlist=["parser"]).parser().parse_args(rest)
+    cmd = [sys.executable, "-m", "gradsync", "run", "-np", str(args.np),
+           sys.executable, "-m", module, *rest]
+    return subprocess.call(cmd)

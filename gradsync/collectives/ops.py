@@ -1,0 +1,87 @@
+"""Reduction operators and the element-wise kernels the algorithms call.
+
+Algorithms move raw bytes; the only place that knows what the bytes mean is a ``Reducer``:
+``reducer(dst, src)`` folds ``src`` into ``dst`` in place, both NumPy arrays of the same
+length. NumPy has no bfloat16, so bfloat16 data travels as ``uint16`` arrays and its reducer
+reinterprets them as torch bfloat16 tensors (zero-copy) for the arithmetic.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Callable
+
+import numpy as np
+
+__all__ = ["ReduceOp", "Sum", "Average", "Min", "Max", "Product", "Reducer", "make_reducer",
+           "BFLOAT16"]
+
+BFLOAT16 = "bfloat16"
+"""Dtype tag of bfloat16 data, which NumPy carries as uint16."""
+
+
+class ReduceOp(enum.Enum):
+    """How allreduce combines the ranks' values. ``Average`` is ``Sum`` then divide by size."""
+
+    SUM = "sum"
+    AVERAGE = "average"
+    MIN = "min"
+    MAX = "max"
+    PRODUCT = "product"
+
+    def __repr__(self) -> str:
+        return f"gradsync.{self.name.capitalize()}"
+
+
+Sum, Average, Min, Max, Product = (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN, ReduceOp.MAX,
+                                   ReduceOp.PRODUCT)
+
+Reducer = Callable[[np.ndarray, np.ndarray], None]
+
+_NUMPY_UFUNCS = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVERAGE: np.add,  # the division happens once, after the reduction
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.PRODUCT: np.multiply,
+}
+
+
+def _bool_kernel(op: ReduceOp) -> Reducer:
+    # On booleans SUM/AVERAGE/MAX are "any" and PRODUCT/MIN are "all", as in torch.distributed.
+    ufunc = np.logical_or if op in (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MAX) else np.logical_and
+    return lambda dst, src: ufunc(dst, src, out=dst)
+
+
+def _torch_kernel(op: ReduceOp, dtype) -> Reducer:
+    import torch
+
+    fn = {
+        ReduceOp.SUM: torch.add, ReduceOp.AVERAGE: torch.add, ReduceOp.MIN: torch.minimum,
+        ReduceOp.MAX: torch.maximum, ReduceOp.PRODUCT: torch.mul,
+    }[op]
+
+    def reduce(dst: np.ndarray, src: np.ndarray) -> None:
+        d = torch.from_numpy(dst).view(dtype)
+        fn(d, torch.from_numpy(src).view(dtype), out=d)
+
+    return reduce
+
+
+def make_reducer(op: ReduceOp, dtype: "np.dtype | str") -> Reducer:
+    """Returns the in-place kernel ``reducer(dst, src)`` for ``op`` on ``dtype``.
+
+    ``dtype`` is a NumPy dtype or ``BFLOAT16``. Float16 goes through torch, whose CPU kernels
+    are vectorised, where NumPy's emulate half precision one element at a time.
+    """
+    if dtype == BFLOAT16:
+        import torch
+        return _torch_kernel(op, torch.bfloat16)
+    dtype = np.dtype(dtype)
+    if dtype == np.float16:
+        import torch
+        return _torch_kernel(op, torch.float16)
+    if dtype == np.bool_:
+        return _bool_kernel(op)
+    ufunc = _NUMPY_UFUNCS[op]
+    return lambda dst, src: ufunc(dst, src, out=dst)

@@ -1,0 +1,136 @@
+"""The engine: runs collectives in the order ranks issue them, in the background when asked.
+
+Collectives follow MPI semantics: every rank issues the same collectives in the same order,
+so the engine never reorders them. Asynchronous operations go to a queue served by one
+background thread (the *progress thread*); the caller gets a ``Handle`` to ``synchronize`` or
+``poll``. A synchronous call made while nothing is queued or running runs inline on the
+caller's thread: that saves the two thread hand-offs (tens of microseconds under the GIL) that
+would otherwise dominate a small allreduce. Order is still kept, because "nothing queued"
+means every earlier operation has finished.
+
+Fusion is not guessed here from timing (what happens to be queued differs between ranks, so
+fusing it would need a negotiation round per cycle); callers that know a group of tensors
+(``grouped_allreduce``, gradient buckets) fuse it themselves, identically on every rank.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Callable
+
+from .errors import GradsyncError
+
+__all__ = ["Engine", "Handle"]
+
+
+class Handle:
+    """An operation in flight; ``synchronize(handle)`` returns its result."""
+
+    __slots__ = ("name", "_done", "_result", "_error")
+
+    def __init__(self, name: str):
+        self.name = name
+        self._done = threading.Event()
+        self._result = None
+        self._error: BaseException | None = None
+
+    def poll(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None):
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"operation '{self.name}' still in flight")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _finish(self, result=None, error: BaseException | None = None) -> None:
+        self._result, self._error = result, error
+        self._done.set()
+
+    def __repr__(self) -> str:
+        return f"<gradsync.Handle {self.name!r} {'done' if self.poll() else 'in flight'}>"
+
+
+class Engine:
+    """Executes operations of one World, in issue order."""
+
+    def __init__(self, world):
+        self.world = world
+        self._queue: collections.deque[tuple[Handle, Callable]] = collections.deque()
+        self._cv = threading.Condition()
+        self._busy = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def run(self, fn: Callable, name: str):
+        """Runs ``fn`` after every earlier operation and returns its result."""
+        with self._cv:
+            inline = not self._queue and not self._busy
+            if inline:
+                self._busy = True
+        if not inline:
+            return self.submit(fn, name).wait()
+        try:
+            return self._execute(fn)
+        finally:
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+
+    def submit(self, fn: Callable, name: str) -> Handle:
+        """Queues ``fn`` for the progress thread; returns its Handle."""
+        handle = Handle(name)
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("gradsync is shutting down")
+            self._queue.append((handle, fn))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="gradsync-progress",
+                                                 daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+        return handle
+
+    def _execute(self, fn: Callable):
+        if self.world.failure is not None:
+            raise self.world.failure
+        try:
+            return fn()
+        except GradsyncError as exc:
+            error = self.world.fail(exc)
+            if error is exc:
+                raise
+            raise error from exc
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue or self._busy:
+                    if self._stopping and not self._queue:
+                        return
+                    self._cv.wait()
+                handle, fn = self._queue.popleft()
+                self._busy = True
+            try:
+                handle._finish(result=self._execute(fn))
+            except BaseException as exc:  # delivered to whoever synchronizes the handle
+                handle._finish(error=exc)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def drain(self) -> None:
+        """Waits until every queued operation has finished."""
+        with self._cv:
+            while self._queue or self._busy:
+                self._cv.wait()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()

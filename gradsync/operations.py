@@ -1,0 +1,188 @@
+"""Each collective as one synchronous function over a World: describe it, pick the algorithm,
+run it. The engine calls these (inline or on its progress thread); the public API in
+``api.py`` only validates arguments and wraps tensors.
+
+Every operation starts with ``comm.begin(description)``; the description names everything
+that must agree between ranks (operation, name, dtype, shape, reduce op, root, algorithm), so
+ranks that issued different collectives fail at their first frame with a report that shows
+what each rank issued.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+
+from .collectives import alltoall as _alltoall
+from .collectives import doubling, halving_doubling, ring, tree
+from .collectives.ops import BFLOAT16, ReduceOp, make_reducer
+from .collectives.planner import choose_allreduce
+
+__all__ = ["allreduce", "allgather", "broadcast", "reducescatter", "alltoall", "barrier",
+           "broadcast_object", "allgather_object", "scale"]
+
+
+def scale(flat: np.ndarray, dtype, factor: float, divide: bool = False) -> None:
+    """Multiplies (or divides) ``flat`` by ``factor`` in place, in its own dtype."""
+    if dtype == BFLOAT16 or flat.dtype == np.float16:
+        import torch
+
+        t = torch.from_numpy(flat)
+        if dtype == BFLOAT16:
+            t = t.view(torch.bfloat16)
+        t.div_(factor) if divide else t.mul_(factor)
+    elif flat.dtype.kind == "f":
+        np.divide(flat, factor, out=flat) if divide else np.multiply(flat, factor, out=flat)
+    elif divide:
+        np.floor_divide(flat, flat.dtype.type(factor), out=flat)
+    else:
+        np.multiply(flat, factor, out=flat, casting="unsafe")
+
+
+def _run_allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, algorithm: str) -> None:
+    reducer = make_reducer(op, dtype)
+    cfg = world.config
+    if algorithm == "shm":
+        world.shm_group.allreduce(flat, reducer, world.comm)
+    elif algorithm == "ring":
+        ring.allreduce(world.comm, flat, reducer, cfg.chunk_bytes)
+    elif algorithm == "doubling":
+        doubling.allreduce(world.comm, flat, reducer)
+    else:
+        halving_doubling.allreduce(world.comm, flat, reducer)
+
+
+def allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, *, name: str, shape: tuple,
+              prescale: float = 1.0, postscale: float = 1.0, algorithm: str = "auto") -> None:
+    """Reduces ``flat`` in place across all ranks."""
+    alg = choose_allreduce(flat.nbytes, world.size, algorithm, world.config,
+                           world.shm_group is not None)
+    world.comm.begin(f"allreduce '{name}' {_dt(dtype)}{list(shape)} op={op.name} "
+                     f"prescale={prescale} postscale={postscale} algorithm={alg}",
+                     world.config.check_collectives)
+    if prescale != 1.0:
+        scale(flat, dtype, prescale)
+    if world.size > 1 and flat.size:
+        _run_allreduce(world, flat, dtype, op, alg)
+    if op is ReduceOp.AVERAGE and world.size > 1:
+        scale(flat, dtype, world.size, divide=True)
+    if postscale != 1.0:
+        scale(flat, dtype, postscale)
+
+
+def _dt(dtype) -> str:
+    return BFLOAT16 if dtype == BFLOAT16 else np.dtype(dtype).name
+
+
+def _allgather_counts(world, count: int, what: str) -> list[int]:
+    comm = world.comm
+    comm.begin(f"allgather sizes of {what}", world.config.check_collectives)
+    counts = np.zeros(world.size, dtype=np.int64)
+    counts[world.rank] = count
+    ring.allgather(comm, counts, [1] * world.size, world.config.chunk_bytes)
+    return counts.tolist()
+
+
+def allgather(world, flat: np.ndarray, dtype, *, name: str, shape: tuple) -> tuple[np.ndarray, list[int]]:
+    """Concatenates every rank's ``flat`` along the first dimension.
+
+    Returns:
+        The gathered flat array and the number of rows each rank contributed.
+    """
+    shape = tuple(shape) or (1,)
+    row = int(np.prod(shape[1:], dtype=np.int64))
+    what = f"'{name}' {_dt(dtype)}[*, {', '.join(map(str, shape[1:]))}]"
+    rows = _allgather_counts(world, shape[0], what)
+    out = np.empty(sum(rows) * row, dtype=flat.dtype)
+    offset = sum(rows[:world.rank]) * row
+    out[offset:offset + flat.size] = flat
+    world.comm.begin(f"allgather {what} rows={rows}", world.config.check_collectives)
+    if world.size > 1 and out.size:
+        ring.allgather(world.comm, out.view(np.uint8), [r * row * flat.itemsize for r in rows],
+                       world.config.chunk_bytes)
+    return out, rows
+
+
+def broadcast(world, flat: np.ndarray, dtype, root: int, *, name: str, shape: tuple) -> None:
+    """Copies root's ``flat`` into every rank's ``flat``, in place."""
+    world.comm.begin(f"broadcast '{name}' {_dt(dtype)}{list(shape)} root={root}",
+                     world.config.check_collectives)
+    if world.size > 1 and flat.size:
+        tree.broadcast(world.comm, flat.view(np.uint8), root, world.config.chunk_bytes)
+
+
+def split_rows(rows: int, size: int) -> list[int]:
+    """Rows per rank when ``rows`` are split as evenly as possible (first ranks get more)."""
+    base, extra = divmod(rows, size)
+    return [base + (r < extra) for r in range(size)]
+
+
+def reducescatter(world, flat: np.ndarray, dtype, op: ReduceOp, *, name: str, shape: tuple,
+                  prescale: float = 1.0, postscale: float = 1.0) -> np.ndarray:
+    """Reduces ``flat`` (a scratch copy; it is overwritten) and returns this rank's block."""
+    shape = tuple(shape) or (1,)
+    row = int(np.prod(shape[1:], dtype=np.int64))
+    counts = [r * row for r in split_rows(shape[0], world.size)]
+    world.comm.begin(f"reducescatter '{name}' {_dt(dtype)}{list(shape)} op={op.name} "
+                     f"prescale={prescale} postscale={postscale}", world.config.check_collectives)
+    if prescale != 1.0:
+        scale(flat, dtype, prescale)
+    if world.size > 1 and flat.size:
+        ring.reduce_scatter(world.comm, flat, counts, make_reducer(op, dtype),
+                            world.config.chunk_bytes)
+    start = sum(counts[:world.rank])
+    mine = flat[start:start + counts[world.rank]].copy()
+    if op is ReduceOp.AVERAGE and world.size > 1:
+        scale(mine, dtype, world.size, divide=True)
+    if postscale != 1.0:
+        scale(mine, dtype, postscale)
+    return mine
+
+
+def alltoall(world, flat: np.ndarray, dtype, splits: list[int], *, name: str,
+             shape: tuple) -> tuple[np.ndarray, list[int]]:
+    """Sends ``splits[j]`` rows to rank j; returns the received rows and their splits."""
+    shape = tuple(shape) or (1,)
+    row = int(np.prod(shape[1:], dtype=np.int64))
+    comm, check = world.comm, world.config.check_collectives
+    what = f"'{name}' {_dt(dtype)}[*, {', '.join(map(str, shape[1:]))}]"
+    comm.begin(f"alltoall splits of {what}", check)
+    send_splits = np.asarray(splits, dtype=np.int64)
+    recv_splits = np.empty(world.size, dtype=np.int64)
+    ones = [1] * world.size
+    _alltoall.alltoall(comm, send_splits, ones, recv_splits, ones)
+    received = recv_splits.tolist()
+    out = np.empty(sum(received) * row, dtype=flat.dtype)
+    comm.begin(f"alltoall {what}", check)
+    item = flat.itemsize
+    _alltoall.alltoall(comm, flat.view(np.uint8), [s * row * item for s in splits],
+                       out.view(np.uint8), [s * row * item for s in received])
+    return out, received
+
+
+def barrier(world) -> None:
+    """Returns once every rank has entered the barrier."""
+    world.comm.begin("barrier", world.config.check_collectives)
+    if world.size > 1:
+        token = np.zeros(1, dtype=np.uint8)
+        doubling.allreduce(world.comm, token, make_reducer(ReduceOp.MAX, np.uint8))
+
+
+def broadcast_object(world, obj, root: int, *, name: str):
+    """Pickles ``obj`` on root and returns the unpickled copy on every rank."""
+    payload = pickle.dumps(obj) if world.rank == root else b""
+    length = np.array([len(payload)], dtype=np.int64)
+    broadcast(world, length, length.dtype, root, name=f"{name}.length", shape=(1,))
+    data = np.frombuffer(bytearray(payload) if world.rank == root else
+                         bytearray(int(length[0])), dtype=np.uint8)
+    broadcast(world, data, data.dtype, root, name=name, shape=(int(length[0]),))
+    return obj if world.rank == root else pickle.loads(data.tobytes())
+
+
+def allgather_object(world, obj, *, name: str) -> list:
+    """Returns the list of every rank's ``obj``, in rank order."""
+    data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+    out, rows = allgather(world, data, data.dtype, name=name, shape=data.shape)
+    bounds = np.cumsum([0] + rows)
+    return [pickle.loads(out[bounds[r]:bounds[r + 1]].tobytes()) for r in range(world.size)]

@@ -1,0 +1,113 @@
+"""How ranks find each other: torch.distributed's TCPStore, namespaced by job.
+
+The store carries only small control data: each rank's address, port, host and pid; the job
+secret when no launcher provided one; barrier counters; and the job's *abort record*, the first
+failure any rank reported, which every waiting rank polls so that one rank's error ends the
+collective everywhere instead of leaving the others to hang.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from datetime import timedelta
+
+from .errors import GradsyncTimeoutError, PeerLostError
+
+__all__ = ["Store"]
+
+_ABORT = "abort"
+
+
+class Store:
+    """A thread-safe, job-scoped view of a torch TCPStore.
+
+    Args:
+        addr, port: where the store listens.
+        is_server: host the store in this process (rank 0 under torchrun/SLURM/mpirun).
+        job: the job id; every key is prefixed with it.
+        timeout: seconds to wait for the store and for keys.
+        world_size: number of ranks (for the server's bookkeeping).
+    """
+
+    def __init__(self, addr: str, port: int, is_server: bool, job: str, timeout: float,
+                 world_size: int):
+        from torch.distributed import PrefixStore, TCPStore
+
+        self.timeout = timeout
+        try:
+            base = TCPStore(addr, port, world_size if is_server else None, is_server,
+                            timedelta(seconds=timeout), wait_for_workers=False)
+        except (RuntimeError, OSError) as exc:
+            raise GradsyncTimeoutError(f"could not reach the rendezvous store at {addr}:{port} "
+                                       f"within {timeout:.0f}s: {exc}") from None
+        self._base = base  # the server must outlive the prefixed view
+        self._store = PrefixStore(f"gradsync/{job}/", base)
+        self._lock = threading.Lock()
+
+    def set(self, key: str, value: str | bytes) -> None:
+        with self._lock:
+            self._store.set(key, value)
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        with self._lock:
+            self._store.set_timeout(timedelta(seconds=timeout or self.timeout))
+            try:
+                return self._store.get(key)
+            except RuntimeError as exc:  # torch raises DistStoreError (a RuntimeError)
+                raise GradsyncTimeoutError(f"waiting for '{key}' in the rendezvous store: "
+                                           f"{exc}") from None
+            finally:
+                self._store.set_timeout(timedelta(seconds=self.timeout))
+
+    def add(self, key: str, amount: int) -> int:
+        with self._lock:
+            return self._store.add(key, amount)
+
+    def check(self, key: str) -> bool:
+        with self._lock:
+            return self._store.check([key])
+
+    def shared_secret(self, rank: int) -> bytes:
+        """The job secret, made by rank 0, when no launcher provided one."""
+        if rank == 0:
+            self.set("secret", secrets.token_hex(32))
+        return bytes.fromhex(self.get("secret").decode())
+
+    def barrier(self, name: str, size: int, timeout: float) -> None:
+        """Returns once all ``size`` ranks reached barrier ``name`` (each name used once)."""
+        arrived = self.add(f"barrier/{name}", 1)
+        if arrived == size:
+            self.set(f"barrier/{name}/done", "1")
+        self.get(f"barrier/{name}/done", timeout)
+
+    def post_abort(self, record: dict) -> dict:
+        """Records this failure unless another rank's came first; returns the winning one."""
+        text = json.dumps(record)
+        with self._lock:
+            current = self._store.compare_set(_ABORT, "", text)
+        return json.loads(current)
+
+    def read_abort(self) -> dict | None:
+        """The job's abort record, or None. Raises PeerLostError if the store is gone."""
+        try:
+            if not self.check(_ABORT):
+                return None
+            return json.loads(self.get(_ABORT))
+        except (RuntimeError, OSError) as exc:
+            raise PeerLostError(f"lost the rendezvous store: {exc} (its host, usually rank 0 "
+                                f"or the launcher, has probably died)") from None
+
+    def wait_keys(self, keys: list[str], timeout: float) -> dict[str, bytes]:
+        """Gets whichever of ``keys`` appear within ``timeout``; missing ones are left out."""
+        found: dict[str, bytes] = {}
+        end = time.monotonic() + timeout
+        while True:
+            for key in keys:
+                if key not in found and self.check(key):
+                    found[key] = self.get(key)
+            if len(found) == len(keys) or time.monotonic() >= end:
+                return found
+            time.sleep(0.02)

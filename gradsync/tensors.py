@@ -1,0 +1,107 @@
+"""Adapters between user tensors (NumPy arrays, torch CPU tensors) and the flat byte-level
+arrays the collectives work on.
+
+A ``Buffer`` is a 1-D contiguous NumPy view of the user's data (no copy when the input is
+contiguous) plus what is needed to hand a result back in the user's type. bfloat16, which
+NumPy lacks, is viewed as int16 and tagged ``BFLOAT16`` so that reducers know what the bits
+mean.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .collectives.ops import BFLOAT16
+
+__all__ = ["Buffer", "wrap", "is_torch"]
+
+
+def is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+@dataclass
+class Buffer:
+    """A flat view of a user tensor.
+
+    Attributes:
+        flat: 1-D contiguous NumPy array sharing memory with ``source`` where possible.
+        dtype: the NumPy dtype, or ``BFLOAT16``.
+        shape: the user's shape.
+        source: the user's object.
+        copied: True if ``flat`` is a copy (non-contiguous input), so in-place results must be
+            written back with ``write_back``.
+    """
+
+    flat: np.ndarray
+    dtype: object
+    shape: tuple
+    source: object
+    copied: bool
+
+    @property
+    def dtype_name(self) -> str:
+        return BFLOAT16 if self.dtype == BFLOAT16 else np.dtype(self.dtype).name
+
+    def describe(self) -> str:
+        return f"{self.dtype_name}{list(self.shape)}"
+
+    def write_back(self) -> None:
+        """Copies ``flat`` into a non-contiguous source after an in-place operation."""
+        if not self.copied:
+            return
+        if is_torch(self.source):
+            self.source.copy_(self.to_user(self.flat, self.shape))
+        else:
+            self.source[...] = self.flat.reshape(self.shape)
+
+    def to_user(self, flat: np.ndarray, shape: tuple):
+        """Wraps a result array in the user's type (torch tensor or NumPy array), no copy."""
+        if not is_torch(self.source):
+            return flat.reshape(shape)
+        import torch
+
+        tensor = torch.from_numpy(flat).reshape(shape)
+        return tensor.view(torch.bfloat16) if self.dtype == BFLOAT16 else tensor
+
+
+def wrap(x, *, writable: bool = False) -> Buffer:
+    """Returns a Buffer over ``x`` (a NumPy array or a torch CPU tensor).
+
+    Raises:
+        TypeError: for other types, GPU tensors (not supported by the CPU transports yet) or
+            complex/object dtypes.
+    """
+    if is_torch(x):
+        import torch
+
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
+        if x.device.type != "cpu":
+            raise TypeError(f"gradsync's collectives take CPU tensors; got one on {x.device}")
+        t = x.detach()
+        copied = not t.is_contiguous()
+        if copied:
+            t = t.contiguous()
+        if t.dtype == torch.bfloat16:
+            flat, dtype = t.view(torch.int16).numpy().reshape(-1), BFLOAT16
+        else:
+            flat = t.numpy().reshape(-1)
+            dtype = flat.dtype
+        return _checked(Buffer(flat, dtype, tuple(x.shape), x, copied))
+    if isinstance(x, np.ndarray):
+        copied = not x.flags.c_contiguous
+        if writable and not copied and not x.flags.writeable:
+            raise ValueError("in-place collective on a read-only array")
+        flat = np.ascontiguousarray(x).reshape(-1)
+        return _checked(Buffer(flat, flat.dtype, x.shape, x, copied))
+    raise TypeError(f"expected a numpy.ndarray or torch.Tensor, got {type(x).__name__}")
+
+
+def _checked(buf: Buffer) -> Buffer:
+    if buf.dtype != BFLOAT16 and buf.flat.dtype.kind not in "biuf":
+        raise TypeError(f"collectives take boolean, integer or floating-point data, got "
+                        f"{buf.flat.dtype}")
+    return buf

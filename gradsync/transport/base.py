@@ -1,0 +1,164 @@
+"""The narrow interface every transport implements, and the loop that drives it.
+
+A ``Pair`` is this rank's connection to one peer. It moves *frames* (``frame.py``): a header
+then a payload that goes straight from the sender's buffer into the receiver's buffer. Pairs
+are non-blocking: ``Send`` and ``Recv`` are small state machines that a pair advances a bit
+at a time, so one thread can drive many of them at once (a ring step sends right while it
+receives from the left) without a thread per connection. ``wait_all`` is that driver: it
+advances every operation, sleeps in ``select`` (sockets) or a spin-then-sleep back-off (shared
+memory) when nothing moves, and checks the deadline and the job's abort flag while it waits.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import time
+from typing import Callable, Sequence
+
+from ..errors import CollectiveMismatchError, GradsyncTimeoutError, ProtocolError
+from . import frame
+
+__all__ = ["Pair", "Send", "Recv", "Expect", "wait_all"]
+
+
+class Expect:
+    """What the receiver expects of the next frame: checked before the payload is trusted."""
+
+    __slots__ = ("seq", "step", "signature", "describe")
+
+    def __init__(self, seq: int, step: int, signature: int, describe: Callable[[], str]):
+        self.seq, self.step, self.signature, self.describe = seq, step, signature, describe
+
+
+class Send:
+    """One frame on its way out: ``header`` then ``payload``; ``offset`` counts bytes sent."""
+
+    __slots__ = ("pair", "header", "payload", "offset", "total")
+
+    def __init__(self, pair: "Pair", header: bytes, payload: memoryview):
+        self.pair, self.header, self.payload = pair, header, payload
+        self.offset, self.total = 0, len(header) + payload.nbytes
+
+    def advance(self) -> bool:
+        return self.pair.advance_send(self)
+
+
+class Recv:
+    """One frame on its way in, straight into ``payload`` (a writable byte view)."""
+
+    __slots__ = ("pair", "expect", "payload", "header_buf", "header_got", "offset")
+
+    def __init__(self, pair: "Pair", expect: Expect, payload: memoryview):
+        self.pair, self.expect, self.payload = pair, expect, payload
+        self.header_buf = bytearray(frame.HEADER_SIZE)
+        self.header_got = 0
+        self.offset = 0
+
+    def advance(self) -> bool:
+        return self.pair.advance_recv(self)
+
+    def check_header(self) -> None:
+        """Validates the received header against ``expect``; raises before any payload lands."""
+        h = frame.unpack(self.header_buf)
+        e = self.expect
+        if h.kind != frame.Kind.DATA:
+            raise ProtocolError(f"rank {self.pair.peer} sent a control frame (kind {h.kind}) "
+                                f"where data was expected")
+        if h.seq != e.seq or (e.signature and h.signature != e.signature):
+            raise CollectiveMismatchError(
+                f"rank {self.pair.peer} sent data for a different collective "
+                f"(its collective #{h.seq}, signature {h.signature:#x}) than this rank's "
+                f"#{e.seq} {e.describe()} (signature {e.signature:#x})")
+        if h.step != e.step or h.length != self.payload.nbytes:
+            raise ProtocolError(f"rank {self.pair.peer} sent message {h.step} of {h.length} bytes "
+                                f"in collective #{h.seq}; expected message {e.step} of "
+                                f"{self.payload.nbytes} bytes")
+
+
+class Pair:
+    """This rank's connection to one peer. Subclasses: ``TcpPair``, ``ShmPair``."""
+
+    peer: int
+    #: A selectable file descriptor, or -1 when the pair must be polled (shared memory).
+    fileno: int = -1
+
+    def advance_send(self, op: Send) -> bool:
+        """Moves as much of ``op`` as possible without blocking; True once all is sent."""
+        raise NotImplementedError
+
+    def advance_recv(self, op: Recv) -> bool:
+        """Moves as much of ``op`` as possible without blocking; True once all has arrived."""
+        raise NotImplementedError
+
+    def check_alive(self) -> None:
+        """Raises PeerLostError if the peer is known to be gone (called while waiting)."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+# Spin this many rounds on shared memory before yielding the CPU, then sleep with a
+# doubling back-off capped at _MAX_NAP. Spinning keeps latency low when each rank has a core;
+# the naps keep oversubscribed hosts (more ranks than cores, as in CI) from starving the peer
+# we are waiting for.
+_SPINS = 200
+_YIELDS = 2000
+_MAX_NAP = 0.0005
+
+
+def wait_all(ops: Sequence["Send | Recv"], deadline: float,
+             on_idle: Callable[[float], None], what: Callable[[], str]) -> None:
+    """Advances ``ops`` until all are complete.
+
+    Args:
+        ops: the sends and receives of one step; their order on each pair is their wire order.
+        deadline: ``time.monotonic()`` value after which GradsyncTimeoutError is raised.
+        on_idle: called with the seconds waited so far, about every abort_poll_interval while
+            nothing moves; it raises when the job was aborted or a peer is known dead.
+        what: describes the wait for error messages (called only on the error path).
+    """
+    pending = [op for op in ops if not op.advance()]
+    if not pending:
+        return
+    started = time.monotonic()
+    next_idle = started + 0.05
+    idle_rounds = 0
+    nap = 1e-6
+    while pending:
+        before = _moved(pending)
+        still = [op for op in pending if not op.advance()]
+        progressed = len(still) != len(pending) or _moved(still) != before
+        pending = still
+        if not pending:
+            return
+        if progressed:
+            idle_rounds, nap = 0, 1e-6
+            continue
+        idle_rounds += 1
+        now = time.monotonic()
+        if now >= next_idle:
+            if now >= deadline:
+                raise GradsyncTimeoutError(f"timed out after {now - started:.1f}s waiting for "
+                                           f"{what()}")
+            for op in pending:
+                op.pair.check_alive()
+            on_idle(now - started)
+            next_idle = now + 0.05
+        if all(op.pair.fileno >= 0 for op in pending):
+            # Only sockets: sleep in the kernel until one is ready (or it is time to look up).
+            rd = [op.pair.fileno for op in pending if isinstance(op, Recv)]
+            wr = [op.pair.fileno for op in pending if isinstance(op, Send)]
+            select.select(rd, wr, [], max(0.0, min(next_idle, deadline) - now))
+        elif idle_rounds < _SPINS:
+            pass
+        elif idle_rounds < _SPINS + _YIELDS:
+            os.sched_yield()
+        else:
+            time.sleep(nap)
+            nap = min(nap * 2, _MAX_NAP)
+
+
+def _moved(ops) -> int:
+    """Bytes moved so far by ``ops``: a change means progress short of completion."""
+    return sum(op.offset + getattr(op, "header_got", 0) for op in ops)

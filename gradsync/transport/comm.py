@@ -1,0 +1,107 @@
+"""The communicator: what collective algorithms see of the transports.
+
+An algorithm knows its rank, the world size and one verb, ``exchange``: post these sends and
+these receives together and return when all are done. The communicator stamps every frame with
+the collective's sequence number, the message's index on its pair, and the collective's
+signature, so that a rank that issued a different collective is caught at its first frame.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from . import frame
+from .base import Expect, Pair, Recv, Send, wait_all
+
+__all__ = ["Comm"]
+
+
+def _bytes_view(buf) -> memoryview:
+    view = memoryview(buf)
+    if not view.c_contiguous:
+        raise ValueError("transport buffers must be contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+class Comm:
+    """Point-to-point messaging between the ranks of one job, for collective algorithms.
+
+    Args:
+        rank: this rank.
+        size: the number of ranks.
+        pairs: a connected Pair for every other rank.
+        timeout: seconds one collective may wait on live peers.
+        on_idle: called while waiting (see ``wait_all``); raises to abort the wait.
+    """
+
+    def __init__(self, rank: int, size: int, pairs: Mapping[int, Pair], timeout: float,
+                 on_idle: Callable[[float], None] = lambda waited: None):
+        self.rank, self.size = rank, size
+        self.pairs = dict(pairs)
+        self.timeout = timeout
+        self.on_idle = on_idle
+        self.seq = 0
+        self.signature = 0
+        self.description = "no collective"
+        self._deadline = 0.0
+        self._sent: dict[int, int] = {}
+        self._received: dict[int, int] = {}
+        self._scratch: dict[int, np.ndarray] = {}
+
+    def begin(self, description: str, check: bool = True) -> None:
+        """Starts the next collective. Every rank must call it with the same description."""
+        self.seq += 1
+        self.description = description
+        self.signature = frame.signature_of(description) if check else 0
+        self._deadline = time.monotonic() + self.timeout
+        self._sent.clear()
+        self._received.clear()
+
+    def exchange(self, sends: Sequence[tuple[int, object]] = (),
+                 recvs: Sequence[tuple[int, object]] = ()) -> None:
+        """Sends each ``(peer, buffer)`` and receives into each ``(peer, buffer)``, concurrently.
+
+        Buffers are contiguous arrays or memoryviews; only their bytes travel, so a receive
+        buffer must have exactly the size of the matching send. Messages between two ranks
+        arrive in the order they were posted.
+        """
+        ops: list[Send | Recv] = []
+        for peer, buf in sends:
+            step = self._sent.get(peer, 0)
+            self._sent[peer] = step + 1
+            payload = _bytes_view(buf)
+            header = frame.pack(frame.Kind.DATA, self.seq, step, self.signature, payload.nbytes)
+            ops.append(Send(self.pairs[peer], header, payload))
+        for peer, buf in recvs:
+            step = self._received.get(peer, 0)
+            self._received[peer] = step + 1
+            expect = Expect(self.seq, step, self.signature, self._describe)
+            ops.append(Recv(self.pairs[peer], expect, _bytes_view(buf)))
+        wait_all(ops, self._deadline, self.on_idle,
+                 lambda: self._waiting_for(sends, recvs))
+
+    def scratch(self, nbytes: int, slot: int = 0) -> np.ndarray:
+        """A reusable uint8 work buffer of at least ``nbytes`` (one per ``slot``).
+
+        Reusing it avoids a fresh allocation, and the page faults that come with it, per call.
+        """
+        buf = self._scratch.get(slot)
+        if buf is None or buf.nbytes < nbytes:
+            buf = np.empty(max(nbytes, 4096), dtype=np.uint8)
+            self._scratch[slot] = buf
+        return buf[:nbytes]
+
+    def _describe(self) -> str:
+        return self.description
+
+    def _waiting_for(self, sends, recvs) -> str:
+        peers = sorted({p for p, _ in sends} | {p for p, _ in recvs})
+        return (f"collective #{self.seq} {self.description} on rank {self.rank}: "
+                f"exchanging with rank(s) {peers}")
+
+    def close(self) -> None:
+        for pair in self.pairs.values():
+            pair.close()

@@ -1,0 +1,230 @@
+"""The world: this process's view of the job once ``init()`` has connected it.
+
+``World.connect`` runs the rendezvous (addresses through the store), derives the local and
+cross ranks from the host names, connects a pair to every other rank (shared memory to ranks on
+the same host, TCP to the others, unless ``transport`` forces one) and, when every rank is on
+one host, sets up the host's shared-memory allreduce group.
+
+It also owns failure handling: the first rank to see a distributed error posts it as the job's
+abort record; every rank that waits polls the record (``on_idle``) and raises the same error,
+so one failure ends the collective on every rank within about ``abort_poll_interval``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+from .config import Config
+from .errors import (AuthenticationError, CollectiveMismatchError, ConfigError, GradsyncError,
+                     GradsyncTimeoutError, PeerLostError, ProtocolError)
+from .launch_env import LaunchEnv
+from .rendezvous import Store
+from .transport import tcp
+from .transport.base import Pair
+from .transport.comm import Comm
+
+__all__ = ["World", "PeerInfo"]
+
+log = logging.getLogger("gradsync")
+
+_ERRORS = {cls.__name__: cls for cls in
+           (PeerLostError, CollectiveMismatchError, GradsyncTimeoutError, AuthenticationError,
+            ProtocolError, GradsyncError)}
+_MISMATCH_GRACE = 2.0
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    rank: int
+    host: str
+    addr: str
+    port: int
+    pid: int
+
+
+def _listen_addr(config: Config, env: LaunchEnv) -> str:
+    if config.addr:
+        return config.addr
+    if env.store_addr in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    # The address of the interface that routes to the store is one the other hosts can reach.
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((env.store_addr, env.store_port or 1))
+        return probe.getsockname()[0]
+    except OSError:
+        return "0.0.0.0"
+    finally:
+        probe.close()
+
+
+class World:
+    """Identity, connections and failure handling of one initialised process."""
+
+    def __init__(self, config: Config, env: LaunchEnv, store: Store, peers: list[PeerInfo],
+                 comm: Comm, shm_group, listener: tcp.Listener):
+        self.config, self.env, self.store = config, env, store
+        self.rank, self.size = env.rank, env.size
+        self.peers = peers
+        self.comm = comm
+        self.shm_group = shm_group
+        self.listener = listener
+        hosts = list(dict.fromkeys(p.host for p in peers))  # in order of first rank
+        mine = [p.rank for p in peers if p.host == env.hostname]
+        self.local_rank, self.local_size = mine.index(self.rank), len(mine)
+        same_local = [h for h in hosts
+                      if sum(1 for p in peers if p.host == h) > self.local_rank]
+        self.cross_rank, self.cross_size = same_local.index(env.hostname), len(same_local)
+        self.local_ranks = mine
+        self.single_host = len(hosts) == 1
+        self.failure: GradsyncError | None = None
+        self._next_poll = 0.0
+        self._stall_warned = -1
+        comm.on_idle = self.on_idle
+
+    # ------------------------------------------------------------------ set-up
+    @classmethod
+    def connect(cls, config: Config, env: LaunchEnv) -> "World":
+        deadline = time.monotonic() + config.connect_timeout
+        store = Store(env.store_addr, env.store_port, env.store_is_server, env.job_id,
+                      config.connect_timeout, env.size)
+        try:
+            return cls._connect(config, env, store, deadline)
+        except GradsyncError as exc:
+            # Tell the others, who would otherwise wait for this rank until their deadline.
+            try:
+                winner = store.post_abort({"kind": type(exc).__name__, "rank": env.rank,
+                                           "message": f"init failed: {exc}",
+                                           "peer": getattr(exc, "peer", None)})
+            except (GradsyncError, RuntimeError, OSError):
+                raise exc from None
+            if winner["rank"] != env.rank:
+                cls_ = _ERRORS.get(winner["kind"], GradsyncError)
+                raise cls_(f"rank {winner['rank']} reported: {winner['message']}") from exc
+            raise
+
+    @classmethod
+    def _connect(cls, config: Config, env: LaunchEnv, store: Store, deadline: float) -> "World":
+        def alive() -> None:
+            record = store.read_abort()
+            if record is not None and record["rank"] != env.rank:
+                cls_ = _ERRORS.get(record["kind"], GradsyncError)
+                raise cls_(f"rank {record['rank']} reported: {record['message']}")
+
+        secret = env.secret or store.shared_secret(env.rank)
+        addr = _listen_addr(config, env)
+        listener = tcp.Listener(addr, env.rank, secret, env.job_id,
+                                expect=set(range(env.rank + 1, env.size)))
+        me = PeerInfo(env.rank, env.hostname, addr, listener.port, os.getpid())
+        store.set(f"peer/{env.rank}", json.dumps(me.__dict__))
+        peers = [PeerInfo(**json.loads(store.get(f"peer/{r}"))) for r in range(env.size)]
+        local = {p.rank for p in peers if p.host == env.hostname} - {env.rank}
+        if config.transport == "shm" and len(local) != env.size - 1:
+            raise ConfigError("GRADSYNC_TRANSPORT=shm needs every rank on this host, but ranks "
+                              f"{sorted(p.rank for p in peers if p.host != env.hostname)} are "
+                              "on other hosts")
+        use_shm = set() if config.transport == "tcp" else local
+        pairs: dict[int, Pair] = {}
+        # Higher ranks connect to lower ones; each pair gets exactly one TCP connection, and
+        # every rank keeps one to every peer, shm peers included: a closed socket is how the
+        # death of a peer on another host is noticed, and it carries nothing else.
+        for peer in peers[:env.rank]:
+            sock = tcp.connect(peer.addr, peer.port, env.rank, peer.rank, secret, env.job_id,
+                               deadline, alive)
+            pairs[peer.rank] = tcp.TcpPair(peer.rank, sock)
+        for r, sock in listener.wait_for(set(range(env.rank + 1, env.size)), deadline,
+                                          alive).items():
+            pairs[r] = tcp.TcpPair(r, sock)
+        shm_group = None
+        if use_shm:
+            from . import _shm_setup
+            pairs, shm_group = _shm_setup.connect(config, env, store, peers, pairs, use_shm,
+                                                  deadline)
+        comm = Comm(env.rank, env.size, pairs, config.timeout)
+        store.barrier("connected", env.size, max(1.0, deadline - time.monotonic()))
+        world = cls(config, env, store, peers, comm, shm_group, listener)
+        log.debug("rank %d connected: %d shm peers, %d tcp peers", env.rank, len(use_shm),
+                  env.size - 1 - len(use_shm))
+        return world
+
+    # ------------------------------------------------------------------ failures
+    def on_idle(self, waited: float) -> None:
+        """Called by every wait while nothing moves: polls the abort record, warns on stalls."""
+        now = time.monotonic()
+        if now < self._next_poll:
+            return
+        self._next_poll = now + self.config.abort_poll_interval
+        record = self.store.read_abort()
+        if record is not None and record["rank"] != self.rank:
+            raise self._from_record(record)
+        if waited > self.config.stall_warning and self._stall_warned != self.comm.seq:
+            self._stall_warned = self.comm.seq
+            log.warning("rank %d has waited %.0fs in collective #%d %s; are all ranks issuing "
+                        "it?", self.rank, waited, self.comm.seq, self.comm.description)
+
+    def fail(self, exc: GradsyncError) -> GradsyncError:
+        """Records ``exc`` as the job's failure (unless another rank's came first).
+
+        Returns the error this rank should raise: for a mismatch, one that lists what every
+        rank issued.
+        """
+        if self.failure is not None:
+            return self.failure
+        record = {"kind": type(exc).__name__, "rank": self.rank, "message": str(exc),
+                  "peer": getattr(exc, "peer", None)}
+        try:
+            if isinstance(exc, CollectiveMismatchError):
+                self._post_description()
+            winner = self.store.post_abort(record)
+        except (GradsyncError, RuntimeError, OSError):
+            winner = record
+        if winner["rank"] != self.rank:
+            self.failure = self._from_record(winner)
+        elif isinstance(exc, CollectiveMismatchError):
+            self.failure = CollectiveMismatchError(self._mismatch_report())
+        else:
+            self.failure = exc
+        return self.failure
+
+    def _from_record(self, record: dict) -> GradsyncError:
+        if self.failure is not None:
+            return self.failure
+        cls = _ERRORS.get(record["kind"], GradsyncError)
+        if cls is CollectiveMismatchError:
+            self._post_description()
+            error: GradsyncError = cls(self._mismatch_report())
+        elif cls is PeerLostError:
+            error = cls(f"rank {record['rank']} reported: {record['message']}",
+                        peer=record.get("peer"))
+        else:
+            error = cls(f"rank {record['rank']} reported: {record['message']}")
+        self.failure = error
+        return error
+
+    def _post_description(self) -> None:
+        self.store.set(f"issued/{self.rank}",
+                       f"#{self.comm.seq} {self.comm.description}" if self.comm.seq else
+                       "no collective yet")
+
+    def _mismatch_report(self) -> str:
+        keys = [f"issued/{r}" for r in range(self.size)]
+        found = self.store.wait_keys(keys, _MISMATCH_GRACE)
+        groups: dict[str, list[int]] = {}
+        for r in range(self.size):
+            what = found.get(f"issued/{r}", b"(not in a collective: did not answer)").decode()
+            groups.setdefault(what, []).append(r)
+        lines = [f"rank{'s' if len(rs) > 1 else ''} {rs if len(rs) > 1 else rs[0]}: {what}"
+                 for what, rs in sorted(groups.items(), key=lambda kv: kv[1])]
+        return ("ranks issued different collectives (all ranks must issue the same "
+                "collectives in the same order):\n  " + "\n  ".join(lines))
+
+    def close(self) -> None:
+        self.comm.close()
+        if self.shm_group is not None:
+            self.shm_group.close()
+        self.listener.close()

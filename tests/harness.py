@@ -1,0 +1,97 @@
+"""Runs rank scripts through the real launcher, with a deadline that can never hang CI.
+
+Each rank arms ``faulthandler.dump_traceback_later`` (via GS_TEST_DEADLINE, read by
+``tests/ranks/common.py``), so a stuck rank prints every thread's stack and exits a few seconds
+before the harness gives up; the launcher then stops the others. If even that fails, the
+harness kills the launcher's whole process group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+RANKS = Path(__file__).parent / "ranks"
+
+
+@dataclass
+class Result:
+    returncode: int
+    output: str
+
+    def __str__(self) -> str:
+        return f"exit {self.returncode}\n{self.output[-6000:]}"
+
+
+def launch(np_: int, script: str, *args: str, timeout: float = 60, env: dict | None = None,
+           launcher_args: tuple = ()) -> Result:
+    """Runs ``gradsync run -np N python tests/ranks/<script> args`` and returns its result."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+    full_env.update({"GS_TEST_DEADLINE": str(max(5.0, timeout - 8)),
+                     "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    full_env.update(env or {})
+    cmd = [sys.executable, "-m", "gradsync", "run", "-np", str(np_), *launcher_args,
+           sys.executable, str(RANKS / script), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{script} with {np_} ranks passed its {timeout}s deadline:\n"
+                             f"{out[-6000:]}") from None
+    return Result(proc.returncode, out)
+
+
+@dataclass
+class Rank:
+    rank: int
+    returncode: int
+    output: str
+
+
+def spawn(np_: int, script: str, *args: str, timeout: float = 60, env: dict | None = None,
+          per_rank_env=None) -> list[Rank]:
+    """Starts ``np_`` ranks the way torchrun does (RANK, WORLD_SIZE, MASTER_ADDR, ...), without
+    gradsync's launcher, so that each rank's own exit status and output can be checked (the
+    launcher would stop the survivors of a failure before they report it).
+    """
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(np_):
+        e = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+        e.update({"RANK": str(r), "WORLD_SIZE": str(np_), "LOCAL_RANK": str(r),
+                  "LOCAL_WORLD_SIZE": str(np_), "MASTER_ADDR": "127.0.0.1",
+                  "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                  "GS_TEST_DEADLINE": str(max(5.0, timeout - 8))})
+        e.update(env or {})
+        e.update((per_rank_env or (lambda r: {}))(r))
+        procs.append(subprocess.Popen([sys.executable, str(RANKS / script), *args],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, env=e, start_new_session=True))
+    results = []
+    try:
+        for r, p in enumerate(procs):
+            out, _ = p.communicate(timeout=timeout)
+            results.append(Rank(r, p.returncode, out))
+    except subprocess.TimeoutExpired:
+        dump = []
+        for r, p in enumerate(procs):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            dump.append(f"--- rank {r} ---\n{p.communicate()[0][-3000:]}")
+        raise AssertionError(f"{script} passed its {timeout}s deadline:\n" + "\n".join(dump)) from None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    return results

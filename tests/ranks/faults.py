@@ -1,0 +1,93 @@
+"""Failure scenarios; each rank prints one RESULT line that the test checks.
+
+    faults.py kill VICTIM      VICTIM SIGKILLs itself in the middle of a 64 MiB allreduce
+    faults.py mismatch WHAT    rank 1 issues a different collective (shape/dtype/op/name/kind)
+    faults.py intruders        garbage, truncated and wrong-secret connections mid-job
+    faults.py exit-early       rank 1 returns before the last allreduce
+"""
+
+import os
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+
+import common  # noqa: F401  (deadline)
+import numpy as np
+
+import gradsync as gs
+
+mode = sys.argv[1]
+gs.init(timeout=float(os.environ.get("FAULT_TIMEOUT", "20")))
+R, N = gs.rank(), gs.size()
+
+
+def report(exc: BaseException) -> None:
+    print(f"RESULT rank={R} {type(exc).__name__}: {exc}", flush=True)
+    os._exit(17)
+
+
+gs.allreduce(np.ones(10), name="warm-up")
+start = time.monotonic()
+try:
+    if mode == "kill":
+        victim = int(sys.argv[2])
+        x = np.ones(16 << 20, dtype=np.float32)
+        if R == victim:
+            threading.Timer(0.02, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        for _ in range(50):
+            gs.allreduce_(x, name="big", algorithm=os.environ.get("FAULT_ALGORITHM", "auto"))
+        print(f"RESULT rank={R} no error", flush=True)
+    elif mode == "mismatch":
+        what = sys.argv[2]
+        shape, dtype, op, name = (10, 4), np.float32, gs.Sum, "grad.fc1"
+        odd = R == 1
+        if odd and what == "shape":
+            shape = (10, 5)
+        if odd and what == "dtype":
+            dtype = np.float64
+        if odd and what == "op":
+            op = gs.Max
+        if odd and what == "name":
+            name = "grad.fc2"
+        x = np.ones(shape, dtype=dtype)
+        if odd and what == "kind":
+            gs.broadcast(x, 0, name=name)
+        else:
+            gs.allreduce(x, op=op, name=name, algorithm=os.environ.get("FAULT_ALGORITHM", "auto"))
+        print(f"RESULT rank={R} no error", flush=True)
+    elif mode == "intruders":
+        from gradsync import api
+        from gradsync.transport import frame
+
+        world = api._world
+        if R == 0:
+            for peer in world.peers[1:]:
+                for payload in (b"GET / HTTP/1.1\r\n\r\n",                       # garbage
+                                frame.pack(frame.Kind.PROOF, 0, 0, 0, 1 << 40),  # absurd length
+                                frame.pack(frame.Kind.PROOF, 0, 0, 0, 80)[:20],  # truncated
+                                frame.pack(frame.Kind.PROOF, 0, 0, 0, 80) + b"\0" * 80):  # bad MAC
+                    with socket.create_connection((peer.addr, peer.port)) as s:
+                        s.sendall(payload)
+                        s.settimeout(5)
+                        try:
+                            while s.recv(4096):
+                                pass
+                        except OSError:
+                            pass
+        y = gs.allreduce(np.full(1000, R, dtype=np.float64), op=gs.Sum)
+        assert (y == N * (N - 1) / 2).all()
+        gs.barrier()
+        print(f"RESULT rank={R} ok rejected={world.listener.rejected}", flush=True)
+    elif mode == "exit-early":
+        if R == 1:
+            print(f"RESULT rank={R} left", flush=True)
+            os._exit(0)
+        time.sleep(0.5)
+        gs.allreduce(np.ones(10), name="after")
+        print(f"RESULT rank={R} no error", flush=True)
+except gs.GradsyncError as exc:
+    print(f"ELAPSED rank={R} {time.monotonic() - start:.2f}", flush=True)
+    report(exc)
