@@ -207,13 +207,22 @@ class World:
         return error
 
     def _post_description(self) -> None:
+        try:
+            self._set_description()
+        except (RuntimeError, OSError):
+            pass
+
+    def _set_description(self) -> None:
         self.store.set(f"issued/{self.rank}",
                        f"#{self.comm.seq} {self.comm.description}" if self.comm.seq else
                        "no collective yet")
 
     def _mismatch_report(self) -> str:
         keys = [f"issued/{r}" for r in range(self.size)]
-        found = self.store.wait_keys(keys, _MISMATCH_GRACE)
+        try:
+            found = self.store.wait_keys(keys, _MISMATCH_GRACE)
+        except (RuntimeError, OSError):  # the store's host left: report what this rank knows
+            found = {f"issued/{self.rank}": f"#{self.comm.seq} {self.comm.description}".encode()}
         groups: dict[str, list[int]] = {}
         for r in range(self.size):
             what = found.get(f"issued/{r}", b"(not in a collective: did not answer)").decode()

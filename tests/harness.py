@@ -56,23 +56,37 @@ class Rank:
 
 
 def spawn(np_: int, script: str, *args: str, timeout: float = 60, env: dict | None = None,
-          per_rank_env=None) -> list[Rank]:
+          per_rank_env=None, agent_store: bool = True) -> list[Rank]:
     """Starts ``np_`` ranks the way torchrun does (RANK, WORLD_SIZE, MASTER_ADDR, ...), without
     gradsync's launcher, so that each rank's own exit status and output can be checked (the
     launcher would stop the survivors of a failure before they report it).
+
+    Args:
+        agent_store: host the store here, as torchrun's agent does
+            (TORCHELASTIC_USE_AGENT_STORE=True); otherwise rank 0 hosts it.
     """
     import socket
+    from datetime import timedelta
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = None
+    if agent_store:
+        from torch.distributed import TCPStore
+
+        store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout),
+                         wait_for_workers=False)
+        port = store.port
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
     procs = []
     for r in range(np_):
         e = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
         e.update({"RANK": str(r), "WORLD_SIZE": str(np_), "LOCAL_RANK": str(r),
                   "LOCAL_WORLD_SIZE": str(np_), "MASTER_ADDR": "127.0.0.1",
                   "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-                  "GS_TEST_DEADLINE": str(max(5.0, timeout - 8))})
+                  "GS_TEST_DEADLINE": str(max(5.0, timeout - 8)),
+                  "TORCHELASTIC_USE_AGENT_STORE": str(agent_store)})
         e.update(env or {})
         e.update((per_rank_env or (lambda r: {}))(r))
         procs.append(subprocess.Popen([sys.executable, str(RANKS / script), *args],

@@ -25,7 +25,8 @@ R, N = gs.rank(), gs.size()
 
 
 def report(exc: BaseException) -> None:
-    print(f"RESULT rank={R} {type(exc).__name__}: {exc}", flush=True)
+    one_line = str(exc).replace("\n", " | ")
+    print(f"RESULT rank={R} {type(exc).__name__}: {one_line}", flush=True)
     os._exit(17)
 
 

@@ -1,0 +1,180 @@
+"""Ring reduce-scatter, allgather and allreduce: bandwidth-optimal for large messages.
+
+Vocabulary. The ``n`` ranks form a ring: rank ``r`` sends to ``right = r + 1`` and receives
+from ``left = r - 1`` (mod n). The data is cut into ``n`` *blocks*, block ``b`` holding
+``counts[b]`` elements from ``offsets[b]``; rank ``b`` owns block ``b`` at the end of the
+reduce-scatter. Each block travels as *segments* of at most ``chunk_bytes`` bytes (an empty
+block still counts as one empty segment, so every block is at least one message).
+
+Reduce-scatter. In step ``s = 0 .. n-2`` rank ``r`` sends block ``r-1-s`` to the right and
+receives block ``r-2-s`` from the left, folding it into its own copy. A block picks up one
+rank's contribution per step, so after ``n-1`` steps the block that arrives last, ``r - n = r``,
+holds every rank's contribution. With 3 ranks holding ``x0, x1, x2``::
+
+                step 0                      step 1
+    rank 0   send B2, recv B1 (x0+x2)    send B1, recv B0 (x0+x1+x2)
+    rank 1   send B0, recv B2 (x1+x0)    send B2, recv B1 (x1+x0+x2)
+    rank 2   send B1, recv B0 (x2+x1)    send B0, recv B2 (x2+x1+x0)
+
+Each block is reduced in one place only, so once the allgather has copied it out, every rank
+holds the same bits whatever the reduction order was.
+
+Allgather. The same walk without reduction: in step ``s`` rank ``r`` sends block ``r-s`` (its
+own first, then the ones it has just received) and receives block ``r-1-s`` straight into
+place.
+
+The pipeline. Each rank sees the schedule as two streams of segments: the ones it sends
+right, and the ones it receives from the left. Its receive stream is its left neighbour's send
+stream, and it is also its own send stream shifted by one block: what arrives in step ``s``
+leaves in step ``s+1``. So exchange ``k`` posts send segment ``k`` together with receive
+segment ``k``; the segment going out arrived at least one exchange earlier (the shift is the
+first block's segment count, never zero), so nobody waits on itself, and there is no barrier
+between steps: while one segment is being reduced, its successor is already on the wire.
+Example: 7 float32 elements, counts ``[3, 2, 2]``, ``chunk_bytes=8`` (two elements per
+segment), so B0 is ``B0a = [0:2]`` and ``B0b = [2:3]``; reduce-scatter exchanges::
+
+                exchange 0           exchange 1            exchange 2
+    rank 0   send B2,  recv B1    send B1,  recv B0a               recv B0b
+    rank 1   send B0a, recv B2    send B0b, recv B1     send B2
+    rank 2   send B1,  recv B0a   send B0a, recv B0b    send B0b, recv B2
+
+Rank 2 forwards B0a while B0b comes in. In the reduce-scatter a segment lands in a scratch
+segment (slot 0) and the reducer folds it into the block; in the allgather it is final, so it
+lands directly in ``data``. Traffic per rank: ``(n-1)/n`` of the data each way per phase.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from ..transport.comm import Comm
+from .ops import Reducer
+
+__all__ = ["reduce_scatter", "allgather", "allreduce", "even_counts", "block_offsets"]
+
+
+def even_counts(length: int, size: int) -> list[int]:
+    """Splits ``length`` elements into ``size`` blocks whose lengths differ by at most one."""
+    base, extra = divmod(length, size)
+    return [base + (b < extra) for b in range(size)]
+
+
+def reduce_scatter(comm: Comm, data: np.ndarray, counts: Sequence[int], reducer: Reducer,
+                   chunk_bytes: int) -> None:
+    """Reduces ``data`` over all ranks, leaving each rank's own block fully reduced.
+
+    Args:
+        comm: the communicator; the caller has called ``comm.begin`` for this collective.
+        data: this rank's contribution, a contiguous 1-D array; reduced in place. On return,
+            ``data[offsets[r]:offsets[r] + counts[r]]`` is the reduction of that block over all
+            ranks; the other blocks hold partial reductions.
+        counts: elements per block, one per rank, summing to ``len(data)``; zeros allowed.
+        reducer: the kernel that folds a received segment into ``data``.
+        chunk_bytes: the largest segment on the wire; scratch slot 0 holds one segment.
+    """
+    offsets = _offsets(comm, data, counts, chunk_bytes)
+    _circulate(comm, data, offsets, comm.rank - 1, _segment_elems(data, counts, chunk_bytes),
+               reducer)
+
+
+def allgather(comm: Comm, data: np.ndarray, counts: Sequence[int], chunk_bytes: int) -> None:
+    """Fills every rank's block of ``data`` from the rank that owns it.
+
+    Args:
+        comm: the communicator; the caller has called ``comm.begin`` for this collective.
+        data: the whole output, a contiguous 1-D array; this rank's block is already filled.
+        counts: elements per block, one per rank, summing to ``len(data)``; zeros allowed.
+        chunk_bytes: the largest segment on the wire.
+    """
+    offsets = _offsets(comm, data, counts, chunk_bytes)
+    _circulate(comm, data, offsets, comm.rank, _segment_elems(data, counts, chunk_bytes), None)
+
+
+def allreduce(comm: Comm, data: np.ndarray, reducer: Reducer, chunk_bytes: int) -> None:
+    """Reduces ``data`` in place over all ranks: a reduce-scatter, then an allgather.
+
+    Args:
+        comm: the communicator; the caller has called ``comm.begin`` for this collective.
+        data: a contiguous 1-D array; on return it holds the same reduction on every rank.
+        reducer: the kernel that folds a received segment into ``data``.
+        chunk_bytes: the largest segment on the wire; scratch slot 0 holds one segment.
+    """
+    counts = even_counts(len(data), comm.size)
+    reduce_scatter(comm, data, counts, reducer, chunk_bytes)
+    allgather(comm, data, counts, chunk_bytes)
+
+
+def block_offsets(counts: Sequence[int], size: int, length: int) -> list[int]:
+    """Validates one count per rank against ``length``; returns the ``size + 1`` boundaries."""
+    if len(counts) != size:
+        raise ValueError(f"{len(counts)} counts for {size} ranks")
+    offsets = [0]
+    for count in counts:
+        if count < 0:
+            raise ValueError(f"negative count in {list(counts)}")
+        offsets.append(offsets[-1] + count)
+    if offsets[-1] != length:
+        raise ValueError(f"counts {list(counts)} sum to {offsets[-1]}, not {length} elements")
+    return offsets
+
+
+def _offsets(comm: Comm, data: np.ndarray, counts: Sequence[int], chunk_bytes: int) -> list[int]:
+    """Validates the arguments; returns the ``n + 1`` block boundaries."""
+    if data.ndim != 1 or not data.flags.c_contiguous:
+        raise ValueError(f"ring collectives take a contiguous 1-D array, got shape {data.shape}")
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    return block_offsets(counts, comm.size, len(data))
+
+
+def _segment_elems(data: np.ndarray, counts: Sequence[int], chunk_bytes: int) -> int:
+    # Capped by the largest block, so a huge chunk_bytes ("don't segment") doesn't ask for a
+    # huge scratch buffer. Every rank computes the same value from the same counts.
+    return max(1, min(chunk_bytes // data.itemsize, max(counts)))
+
+
+def _segments(offsets: list[int], first_block: int, seg_elems: int) -> Iterator[tuple[int, int]]:
+    """The ``(start, stop)`` of each segment of blocks ``first_block``, ``first_block - 1``, ...
+
+    Covers ``n - 1`` blocks, one per ring step; an empty block yields one empty segment.
+    """
+    n = len(offsets) - 1
+    for step in range(n - 1):
+        block = (first_block - step) % n
+        start, end = offsets[block], offsets[block + 1]
+        while True:
+            stop = min(start + seg_elems, end)
+            yield start, stop
+            start = stop
+            if start >= end:
+                break
+
+
+def _circulate(comm: Comm, data: np.ndarray, offsets: list[int], first_send_block: int,
+               seg_elems: int, reducer: "Reducer | None") -> None:
+    """Runs one ring phase: reduce-scatter when ``reducer`` is given, allgather when None."""
+    n = comm.size
+    if n == 1:
+        return
+    right, left = (comm.rank + 1) % n, (comm.rank - 1) % n
+    sends = _segments(offsets, first_send_block, seg_elems)
+    recvs = _segments(offsets, first_send_block - 1, seg_elems)
+    scratch = None
+    if reducer is not None:
+        scratch = comm.scratch(seg_elems * data.itemsize).view(data.dtype)
+    send, recv = next(sends, None), next(recvs, None)
+    while send is not None or recv is not None:
+        # The streams differ in length by the segment counts of two blocks, so near the end a
+        # rank may only send or only receive.
+        outgoing = [] if send is None else [(right, data[send[0]:send[1]])]
+        incoming = []
+        if recv is not None:
+            start, stop = recv
+            landing = data[start:stop] if scratch is None else scratch[:stop - start]
+            incoming.append((left, landing))
+        comm.exchange(outgoing, incoming)
+        if scratch is not None and recv is not None and stop > start:
+            reducer(data[start:stop], landing)
+        send, recv = next(sends, None), next(recvs, None)

@@ -1,0 +1,26 @@
+"""Every collective through the real launcher at 1, 2, 3 and 4 ranks, against NumPy.
+
+The rank side is tests/ranks/sweep.py; it sweeps op x dtype x element count x algorithm
+(including the shared-memory one when every rank is on one host) and exits non-zero at the
+first wrong element, printing what it was.
+"""
+
+import pytest
+
+from harness import launch
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_sweep_default_transport(n):
+    result = launch(n, "sweep.py", timeout=240)
+    assert result.returncode == 0, result
+    assert result.output.count("checks passed") == n, result
+
+
+@pytest.mark.parametrize("n", [3])
+def test_sweep_over_tcp(n):
+    result = launch(n, "sweep.py", "tcp", timeout=240, env={"GRADSYNC_TRANSPORT": "tcp"})
+    assert result.returncode == 0, result
+    assert result.output.count("checks passed") == n, result

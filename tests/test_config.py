@@ -1,0 +1,44 @@
+"""Pure logic: the configuration object and its one environment rule."""
+
+import pytest
+
+from gradsync.config import Config, load_config
+from gradsync.errors import ConfigError
+
+
+def test_precedence_keyword_over_environment_over_default():
+    cfg = load_config({"timeout": 5.0}, {"GRADSYNC_TIMEOUT": "9", "GRADSYNC_CHUNK_BYTES": "0x1000"})
+    assert cfg.timeout == 5.0
+    assert cfg.chunk_bytes == 4096
+    assert cfg.transport == Config().transport
+
+
+@pytest.mark.parametrize("variable, value", [
+    ("GRADSYNC_TIMEOUT", "soon"), ("GRADSYNC_TRANSPORT", "carrier-pigeon"),
+    ("GRADSYNC_CHUNK_BYTES", "100"), ("GRADSYNC_CHECK_COLLECTIVES", "maybe"),
+])
+def test_bad_values_name_the_variable(variable, value):
+    with pytest.raises(ConfigError, match=variable.removeprefix("GRADSYNC_").lower() + "|" + variable):
+        load_config(environ={variable: value})
+
+
+def test_unknown_variable_and_keyword_fail_loudly():
+    with pytest.raises(ConfigError, match="GRADSYNC_TIMEOUTS"):
+        load_config(environ={"GRADSYNC_TIMEOUTS": "3"})
+    with pytest.raises(ConfigError, match="timeouts"):
+        load_config({"timeouts": 3})
+
+
+def test_identity_variables_are_not_settings():
+    cfg = load_config(environ={"GRADSYNC_RANK": "3", "GRADSYNC_HOSTNAME": "h1"})
+    assert cfg == Config()
+
+
+def test_booleans():
+    assert load_config(environ={"GRADSYNC_CHECK_COLLECTIVES": "off"}).check_collectives is False
+    assert load_config(environ={"GRADSYNC_CHECK_COLLECTIVES": "1"}).check_collectives is True
+
+
+def test_config_is_frozen():
+    with pytest.raises(Exception):
+        Config().timeout = 1

@@ -1,0 +1,89 @@
+"""Failures end in the documented error on every rank, within a deadline; nothing hangs.
+
+Ranks are started here the way torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR, ...),
+without gradsync's launcher, because the launcher would stop the survivors of a failure
+before they could report what they saw. tests/ranks/faults.py is the rank side.
+"""
+
+import re
+
+import pytest
+
+from harness import spawn
+
+pytestmark = pytest.mark.multiprocess
+
+
+def results(ranks):
+    out = {}
+    for r in ranks:
+        m = re.search(r"RESULT rank=(\d+) (.*)", r.output)
+        out[r.rank] = m.group(2) if m else f"<no result, exit {r.returncode}>\n{r.output[-3000:]}"
+    return out
+
+
+def elapsed(ranks):
+    return [float(m.group(1)) for r in ranks for m in [re.search(r"ELAPSED rank=\d+ ([\d.]+)", r.output)] if m]
+
+
+@pytest.mark.parametrize("n, victim, algorithm", [(2, 1, "auto"), (3, 2, "ring"), (4, 1, "auto"),
+                                                  (3, 0, "doubling")])
+def test_killed_rank_is_a_lost_peer_on_every_other_rank(n, victim, algorithm):
+    ranks = spawn(n, "faults.py", "kill", str(victim), timeout=60,
+                  env={"FAULT_ALGORITHM": algorithm, "FAULT_TIMEOUT": "30"})
+    got = results(ranks)
+    for r in range(n):
+        if r == victim:
+            assert ranks[r].returncode == -9
+            continue
+        assert got[r].startswith("PeerLostError"), got
+        assert f"rank {victim}" in got[r], got
+    # lost peers are noticed from closed sockets / vanished pids, far before the 30 s timeout
+    assert max(elapsed(ranks)) < 10, elapsed(ranks)
+
+
+@pytest.mark.parametrize("what, detail", [
+    ("shape", r"float32\[10, 5\]"), ("dtype", "float64"), ("op", "op=MAX"),
+    ("name", "grad.fc2"), ("kind", "broadcast"),
+])
+@pytest.mark.parametrize("n", [2, 3])
+def test_mismatched_collectives_fail_on_every_rank(n, what, detail):
+    ranks = spawn(n, "faults.py", "mismatch", what, timeout=60)
+    got = results(ranks)
+    for r in range(n):
+        assert got[r].startswith("CollectiveMismatchError"), got
+        assert re.search(detail, got[r]), got[r]   # the report shows what rank 1 issued
+        assert "grad.fc1" in got[r] or what == "kind", got[r]  # ... and what the others did
+
+
+def test_mismatch_is_caught_by_the_tcp_frames_too():
+    ranks = spawn(3, "faults.py", "mismatch", "shape", timeout=60,
+                  env={"GRADSYNC_TRANSPORT": "tcp", "FAULT_ALGORITHM": "ring"})
+    got = results(ranks)
+    assert all(v.startswith("CollectiveMismatchError") for v in got.values()), got
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_intruders_are_dropped_and_the_job_goes_on(n):
+    ranks = spawn(n, "faults.py", "intruders", timeout=60)
+    got = results(ranks)
+    assert all(v.startswith("ok") for v in got.values()), got
+    for r in range(1, n):
+        assert "rejected=4" in got[r], got
+        assert "dropped a connection" in ranks[r].output
+
+
+def test_a_rank_that_leaves_early_is_a_lost_peer():
+    ranks = spawn(3, "faults.py", "exit-early", timeout=60)
+    got = results(ranks)
+    assert got[1] == "left"
+    for r in (0, 2):
+        assert got[r].startswith("PeerLostError") and "rank 1" in got[r], got
+
+
+def test_wrong_secret_fails_init_on_every_rank():
+    ranks = spawn(3, "faults.py", "intruders", timeout=60, per_rank_env=lambda r: {
+        "GRADSYNC_SECRET": ("ab" if r == 2 else "cd") * 32})
+    for r in ranks:
+        assert r.returncode not in (0, None), r.output
+        assert "AuthenticationError" in r.output, r.output

@@ -1,0 +1,148 @@
+"""Frames and the TCP transport, in one process: handshake, authentication, hostile input."""
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from gradsync.errors import (AuthenticationError, CollectiveMismatchError, PeerLostError,
+                             ProtocolError)
+from gradsync.transport import frame
+from gradsync.transport.comm import Comm
+from gradsync.transport.tcp import Listener, TcpPair, connect
+
+SECRET = b"s" * 32
+
+
+def test_frame_round_trip_and_validation():
+    raw = frame.pack(frame.Kind.DATA, 7, 2, 0xABC, 100)
+    h = frame.unpack(raw)
+    assert (h.kind, h.seq, h.step, h.signature, h.length) == (1, 7, 2, 0xABC, 100)
+    with pytest.raises(ProtocolError, match="magic"):
+        frame.unpack(b"XXXX" + raw[4:])
+    with pytest.raises(ProtocolError, match="version"):
+        frame.unpack(raw[:4] + b"\x09" + raw[5:])
+    with pytest.raises(ProtocolError, match="kind"):
+        frame.unpack(raw[:5] + b"\x63" + raw[6:])
+    assert frame.signature_of("a") == frame.signature_of("a") != frame.signature_of("b")
+
+
+@pytest.fixture
+def pair_of_comms():
+    listener = Listener("127.0.0.1", 0, SECRET, "job", {1})
+    s1 = connect("127.0.0.1", listener.port, 1, 0, SECRET, "job", time.monotonic() + 5)
+    s0 = listener.wait_for({1}, time.monotonic() + 5)[1]
+    comms = [Comm(0, 2, {1: TcpPair(1, s0)}, 5.0), Comm(1, 2, {0: TcpPair(0, s1)}, 5.0)]
+    yield listener, comms
+    for c in comms:
+        c.close()
+    listener.close()
+
+
+def _both(comms, fn):
+    errors = [None, None]
+
+    def run(i):
+        try:
+            fn(comms[i])
+        except BaseException as exc:  # collected for the assertion below
+            errors[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+        assert not t.is_alive(), "exchange hung"
+    return errors
+
+
+@pytest.mark.parametrize("count", [0, 1, 1000, 3 << 20])
+def test_exchange_streams_into_the_destination(pair_of_comms, count):
+    _, comms = pair_of_comms
+    got = [np.empty(count, np.float32), np.empty(count, np.float32)]
+
+    def fn(c):
+        c.begin("x")
+        c.exchange([(1 - c.rank, np.full(count, c.rank + 1, np.float32))], [(1 - c.rank, got[c.rank])])
+
+    assert _both(comms, fn) == [None, None]
+    assert (got[0] == 2).all() and (got[1] == 1).all()
+
+
+def test_different_collectives_are_caught_at_the_first_frame(pair_of_comms):
+    _, comms = pair_of_comms
+
+    def fn(c):
+        c.begin(f"allreduce float32[{10 + c.rank}]")
+        c.exchange([(1 - c.rank, np.zeros(4))], [(1 - c.rank, np.zeros(4))])
+
+    errors = _both(comms, fn)
+    assert all(isinstance(e, CollectiveMismatchError) for e in errors), errors
+
+
+def test_closed_peer_is_a_lost_peer(pair_of_comms):
+    _, comms = pair_of_comms
+    comms[1].close()
+    comms[0].begin("x")
+    with pytest.raises(PeerLostError, match="rank 1") as info:
+        comms[0].exchange([], [(1, np.zeros(4))])
+    assert info.value.peer == 1
+
+
+def test_wrong_secret_is_refused_and_the_listener_survives():
+    listener = Listener("127.0.0.1", 0, SECRET, "job", {1, 2})
+    with pytest.raises(AuthenticationError, match="GRADSYNC_SECRET"):
+        connect("127.0.0.1", listener.port, 1, 0, b"w" * 32, "job", time.monotonic() + 5)
+    with pytest.raises(AuthenticationError):  # right secret, another job
+        connect("127.0.0.1", listener.port, 1, 0, SECRET, "other-job", time.monotonic() + 5)
+    connect("127.0.0.1", listener.port, 2, 0, SECRET, "job", time.monotonic() + 5)
+    assert listener.wait_for({2}, time.monotonic() + 5)
+    assert listener.rejected == 2
+    listener.close()
+
+
+@pytest.mark.parametrize("payload", [
+    b"\x16\x03\x01 hello tls" * 10,
+    frame.pack(frame.Kind.PROOF, 0, 0, 0, 1 << 40),
+    frame.pack(frame.Kind.PROOF, 0, 0, 0, 80)[:17],
+    frame.pack(frame.Kind.DATA, 0, 0, 0, 8) + b"\0" * 8,
+], ids=["not-gradsync", "absurd-length", "truncated", "data-before-handshake"])
+def test_garbage_is_dropped_and_logged(payload, caplog):
+    listener = Listener("127.0.0.1", 0, SECRET, "job", {1})
+    with socket.create_connection(("127.0.0.1", listener.port)) as s:
+        s.sendall(payload)
+        s.shutdown(socket.SHUT_WR)
+        s.settimeout(5)
+        try:
+            while s.recv(4096):
+                pass
+        except ConnectionResetError:  # closed with our bytes unread: also a drop
+            pass
+    deadline = time.monotonic() + 5
+    while listener.rejected == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert listener.rejected == 1
+    assert "dropped a connection" in caplog.text
+    # the rank still accepts its real peer
+    connect("127.0.0.1", listener.port, 1, 0, SECRET, "job", time.monotonic() + 5)
+    assert listener.wait_for({1}, time.monotonic() + 5)
+    listener.close()
+
+
+def test_silent_connection_does_not_block_others(monkeypatch):
+    from gradsync.transport import tcp
+
+    monkeypatch.setattr(tcp, "HANDSHAKE_TIMEOUT", 0.5)
+    listener = Listener("127.0.0.1", 0, SECRET, "job", {1})
+    silent = socket.create_connection(("127.0.0.1", listener.port))
+    connect("127.0.0.1", listener.port, 1, 0, SECRET, "job", time.monotonic() + 5)
+    assert listener.wait_for({1}, time.monotonic() + 5)
+    deadline = time.monotonic() + 5
+    while listener.rejected == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert listener.rejected == 1  # timed out and dropped
+    silent.close()
+    listener.close()
