@@ -19,7 +19,7 @@ from . import operations as ops
 from .collectives.ops import Average, ReduceOp
 from .config import load_config
 from .engine import Engine, Handle
-from .tensors import wrap
+from .tensors import is_torch, wrap
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -305,7 +305,12 @@ def _alltoall(tensor, splits, name, asynchronous):
         result = buf.to_user(out, (sum(received),) + tuple(buf.shape[1:]))
         if splits is None:
             return result
-        return result, buf.to_user(np.asarray(received, dtype=np.int32), (world.size,))
+        counts = np.asarray(received, dtype=np.int32)
+        if is_torch(tensor):
+            import torch
+
+            return result, torch.from_numpy(counts)
+        return result, counts
 
     return _submit(run, name, asynchronous)
 

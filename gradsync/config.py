@@ -54,7 +54,7 @@ class Config:
     chunk_bytes: int = 1 << 20
     """Pipelining unit of the ring and the shm algorithms (the segment size)."""
 
-    shm_slot_bytes: int = 8 << 20
+    shm_slot_bytes: int = 1 << 20
     """Bytes each local rank owns in the host's shared-memory allreduce segment (per buffer)."""
 
     small_bytes: int = 64 << 10

@@ -11,6 +11,7 @@ what each rank issued.
 from __future__ import annotations
 
 import pickle
+import time
 
 import numpy as np
 
@@ -40,11 +41,16 @@ def scale(flat: np.ndarray, dtype, factor: float, divide: bool = False) -> None:
         np.multiply(flat, factor, out=flat, casting="unsafe")
 
 
+def _deadline(world) -> float:
+    return time.monotonic() + world.config.timeout
+
+
 def _run_allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, algorithm: str) -> None:
     reducer = make_reducer(op, dtype)
     cfg = world.config
     if algorithm == "shm":
-        world.shm_group.allreduce(flat, reducer, world.comm)
+        world.shm_group.allreduce(flat, reducer, _deadline(world), world.on_idle,
+                                  world.comm.signature)
     elif algorithm == "ring":
         ring.allreduce(world.comm, flat, reducer, cfg.chunk_bytes)
     elif algorithm == "doubling":
@@ -109,7 +115,11 @@ def broadcast(world, flat: np.ndarray, dtype, root: int, *, name: str, shape: tu
     world.comm.begin(f"broadcast '{name}' {_dt(dtype)}{list(shape)} root={root}",
                      world.config.check_collectives)
     if world.size > 1 and flat.size:
-        tree.broadcast(world.comm, flat.view(np.uint8), root, world.config.chunk_bytes)
+        if world.shm_group is not None:
+            world.shm_group.broadcast(flat.view(np.uint8), root, _deadline(world),
+                                      world.on_idle, world.comm.signature)
+        else:
+            tree.broadcast(world.comm, flat.view(np.uint8), root, world.config.chunk_bytes)
 
 
 def split_rows(rows: int, size: int) -> list[int]:
@@ -164,7 +174,9 @@ def alltoall(world, flat: np.ndarray, dtype, splits: list[int], *, name: str,
 def barrier(world) -> None:
     """Returns once every rank has entered the barrier."""
     world.comm.begin("barrier", world.config.check_collectives)
-    if world.size > 1:
+    if world.shm_group is not None:
+        world.shm_group.barrier(_deadline(world), world.on_idle, world.comm.signature)
+    elif world.size > 1:
         token = np.zeros(1, dtype=np.uint8)
         doubling.allreduce(world.comm, token, make_reducer(ReduceOp.MAX, np.uint8))
 

@@ -129,15 +129,16 @@ class World:
                               f"{sorted(p.rank for p in peers if p.host != env.hostname)} are "
                               "on other hosts")
         use_shm = set() if config.transport == "tcp" else local
+        # Only ranks on different hosts (all of them, with transport=tcp) get a TCP
+        # connection: the higher rank of each pair connects to the lower one.
+        tcp_peers = set(range(env.size)) - use_shm - {env.rank}
         pairs: dict[int, Pair] = {}
-        # Higher ranks connect to lower ones; each pair gets exactly one TCP connection, and
-        # every rank keeps one to every peer, shm peers included: a closed socket is how the
-        # death of a peer on another host is noticed, and it carries nothing else.
         for peer in peers[:env.rank]:
-            sock = tcp.connect(peer.addr, peer.port, env.rank, peer.rank, secret, env.job_id,
-                               deadline, alive)
-            pairs[peer.rank] = tcp.TcpPair(peer.rank, sock)
-        for r, sock in listener.wait_for(set(range(env.rank + 1, env.size)), deadline,
+            if peer.rank in tcp_peers:
+                sock = tcp.connect(peer.addr, peer.port, env.rank, peer.rank, secret,
+                                   env.job_id, deadline, alive)
+                pairs[peer.rank] = tcp.TcpPair(peer.rank, sock)
+        for r, sock in listener.wait_for({r for r in tcp_peers if r > env.rank}, deadline,
                                           alive).items():
             pairs[r] = tcp.TcpPair(r, sock)
         shm_group = None

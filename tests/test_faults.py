@@ -82,8 +82,9 @@ def test_a_rank_that_leaves_early_is_a_lost_peer():
 
 
 def test_wrong_secret_fails_init_on_every_rank():
+    # The secret guards TCP connections, so each rank plays a different host.
     ranks = spawn(3, "faults.py", "intruders", timeout=60, per_rank_env=lambda r: {
-        "GRADSYNC_SECRET": ("ab" if r == 2 else "cd") * 32})
+        "GRADSYNC_SECRET": ("ab" if r == 2 else "cd") * 32, "GRADSYNC_HOSTNAME": f"host{r}"})
     for r in ranks:
         assert r.returncode not in (0, None), r.output
         assert "AuthenticationError" in r.output, r.output

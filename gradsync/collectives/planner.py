@@ -33,7 +33,7 @@ def choose_allreduce(nbytes: int, size: int, requested: str, config, has_shm_gro
     if requested not in ALGORITHMS:
         raise ValueError(f"unknown allreduce algorithm {requested!r}; choose from "
                          f"{('auto',) + ALGORITHMS}")
-    if requested == "shm" and not has_shm_group:
+    if requested == "shm" and not has_shm_group and size > 1:
         raise ValueError("the shm allreduce needs every rank on one host with shared memory "
                          "(transport not forced to tcp)")
     return requested

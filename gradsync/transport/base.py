@@ -102,7 +102,7 @@ class Pair:
 # doubling back-off capped at _MAX_NAP. Spinning keeps latency low when each rank has a core;
 # the naps keep oversubscribed hosts (more ranks than cores, as in CI) from starving the peer
 # we are waiting for.
-_SPINS = 200
+_SPINS = 20
 _YIELDS = 2000
 _MAX_NAP = 0.0005
 

@@ -1,0 +1,409 @@
+"""Allreduce, broadcast and barrier among the ranks of one host, through one shared segment.
+
+Vocabulary. The host's *local ranks* 0..n-1 share one segment. Each local rank owns two
+*slots* of ``slot_bytes`` (double buffering) and one cache line of *counters*. The data is
+processed in *pieces* of at most one slot; every piece gets the next *sequence number*
+``seq`` (global across calls, never reset, identical on every rank because every rank
+processes the same pieces), and uses the slots of *parity* ``seq % 2``. A piece is split
+evenly into n *sub-slices* (boundaries rounded to cache lines, some possibly empty);
+local rank i *owns* sub-slice i: it alone reduces it.
+
+One piece of an allreduce, on local rank i:
+
+    1. copy-in   copy the piece into my slot, except sub-slice i (only I would read it);
+                 publish arrived[i] = seq; wait until every arrived[r] >= seq, then check
+                 that every rank issued the same collective (signature, size, kind).
+    2. reduce    fold sub-slice i of every other rank's slot into data[sub-slice i], in the
+                 order of local ranks (mine first); copy the result into my slot;
+                 publish reduced[i] = seq; wait until every reduced[r] >= seq.
+    3. copy-out  copy sub-slice r of rank r's slot into data, for every r != i.
+
+Worked example: 3 local ranks, a piece of 6 float32 (cache-line rounding aside), so the
+sub-slices are [0,2) [2,4) [4,6). Rank 1 copies data[0:2] and data[4:6] into its slot and
+arrives; then it computes data[2:4] = data[2:4] + slot0[2:4] + slot2[2:4] (ranks 0 and 2
+do the same for [0,2) and [4,6)), copies data[2:4] into slot1[2:4] and publishes reduced;
+then it copies slot0[0:2] and slot2[4:6] into its data. Each element is computed by exactly
+one rank and copied by the others, so every rank ends with bitwise identical values, and
+the fold order (owner's value first, then the others by local rank) is fixed for a given
+host size. Per rank and per byte of data, an allreduce moves (n-1)/n in, folds (n-1)/n,
+publishes 1/n and copies (n-1)/n out: about 3 passes over memory, against 8(n-1)/n for a
+ring allreduce over the byte rings of ``transport/shm.py`` (each of its 2(n-1)/n sends is
+copied into a ring and out again, and half of them are folded).
+
+Why two slots suffice. Every read of a parity-p buffer for piece k (another rank reading my
+slot in step 2 or 3 of piece k) happens before that reader publishes arrived = k+1, because
+it publishes arrived k+1 only after finishing piece k. I write my parity-p slot again only
+for piece k+2, and only after my arrival wait of piece k+1 saw arrived >= k+1 from every
+rank: so every reader has finished with piece k. Meanwhile piece k+1 uses the other slot,
+which is why a fast rank may copy in piece k+1 while a slow one still copies out piece k.
+The same holds when broadcasts and barriers interleave with allreduces: all of them arrive
+once per piece and read only after their arrival wait.
+
+Why no locks. Each counter has one writer and each rank's counters sit on their own cache
+line, written after the bytes they publish; a reader loads the counter, then the bytes. On
+x86-64 (TSO) stores become visible in program order, loads happen in program order, and a
+store is never moved ahead of an earlier load, which is what the two arguments above need
+(``transport/shm.py`` spells out the assumptions; this module refuses to run elsewhere).
+
+Every wait spins, then yields, then naps (the host may have more ranks than cores), checks
+the deadline, calls ``on_idle`` about every 50 ms, and checks that the ranks it waits for are
+alive (pid and start time registered in their counter line) and have not left the group.
+A group on which a collective failed is not used again: the failing rank marks itself gone,
+so the others raise at once instead of waiting for their deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..errors import CollectiveMismatchError, GradsyncError, GradsyncTimeoutError, PeerLostError
+from ..transport.shm import (CACHE_LINE, Backoff, attach_segment, check_job_id, create_segment,
+                             process_start_time, require_tso, unlink_segment)
+from .ops import Reducer
+
+__all__ = ["ShmGroup", "DEFAULT_SLOT_BYTES", "group_segment_name", "create_group_segment"]
+
+DEFAULT_SLOT_BYTES = 1 << 20
+
+_MAGIC = 0x31505247_4E595347  # "GSYNGRP1" read as little-endian bytes
+_WORDS = CACHE_LINE // 8
+# Line 0 holds the layout: magic, local size, slot bytes. Then two lines per local rank r,
+# written only by r: its counters, and what it issued (kind, bytes, signature) at its latest
+# two pieces, by parity. The issued words need two copies because a broadcast or a barrier
+# synchronises once per piece: a rank past its arrival wait at piece k may already write
+# piece k+1's words while a slower rank still compares piece k's. It cannot reach k+2, whose
+# arrival needs the slower rank's arrival at k+1.
+_ARRIVED, _REDUCED, _PID, _STARTED, _CLOSED = range(5)
+_ISSUED = _WORDS  # + 3 * parity: kind (| root << 8), total bytes, signature
+_ALLREDUCE, _BROADCAST, _BARRIER = 1, 2, 3
+_KIND_NAMES = {_ALLREDUCE: "allreduce", _BROADCAST: "broadcast", _BARRIER: "barrier"}
+_MASK64 = (1 << 64) - 1
+_CHECK_EVERY = 0.05
+_PAGE = 4096
+
+
+def _control_bytes(local_size: int) -> int:
+    return -(-(1 + 2 * local_size) * CACHE_LINE // _PAGE) * _PAGE
+
+
+def group_segment_name(job: str, tag: str = "host") -> str:
+    """Name of the host's segment; ``tag`` tells apart several groups of one job."""
+    return f"gradsync-{check_job_id(job)}-{check_job_id(tag)}"
+
+
+def create_group_segment(name: str, local_size: int, slot_bytes: int) -> mmap.mmap:
+    """Creates and lays out the segment (called by local rank 0 only).
+
+    ``slot_bytes`` is rounded up to a multiple of 64 bytes.
+    """
+    if local_size < 1:
+        raise ValueError(f"local_size must be at least 1, got {local_size}")
+    if slot_bytes < 1:
+        raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
+    slot_bytes = -(-slot_bytes // CACHE_LINE) * CACHE_LINE
+    seg = create_segment(name, _control_bytes(local_size) + 2 * local_size * slot_bytes)
+    header = memoryview(seg)[:CACHE_LINE].cast("Q")
+    header[1], header[2] = local_size, slot_bytes
+    header[0] = _MAGIC  # last: an attacher that sees the magic sees the layout
+    header.release()
+    return seg
+
+
+class ShmGroup:
+    """The local ranks of one host, joined by one shared segment (set up once, reused).
+
+    Collectives on one group must be issued by one thread at a time, in the same order on
+    every local rank (the sequence numbers pair them up).
+
+    Args:
+        segment: the mapped segment (``create_group_segment`` or ``attach_segment``).
+        local_rank: this process's index among the host's ranks.
+        ranks: the global rank of each local rank, for error messages (default: local ranks).
+    """
+
+    def __init__(self, segment: mmap.mmap, local_rank: int, ranks: "Sequence[int] | None" = None):
+        require_tso()
+        header = memoryview(segment)[:CACHE_LINE].cast("Q")
+        magic, size, slot_bytes = header[0], header[1], header[2]
+        header.release()
+        if magic != _MAGIC or len(segment) != _control_bytes(size) + 2 * size * slot_bytes:
+            raise ValueError("not a gradsync shared-memory group segment (bad magic or size)")
+        if not 0 <= local_rank < size:
+            raise ValueError(f"local_rank {local_rank} outside the group's {size} ranks")
+        self.rank, self.size, self.slot_bytes = local_rank, size, slot_bytes
+        self.ranks = list(ranks) if ranks is not None else list(range(size))
+        if len(self.ranks) != size:
+            raise ValueError(f"ranks has {len(self.ranks)} entries for {size} local ranks")
+        self._segment = segment
+        self._ctl = memoryview(segment)[:_control_bytes(size)].cast("Q")
+        self._mine = self._line(local_rank)
+        self._others = [r for r in range(size) if r != local_rank]
+        base = _control_bytes(size)
+        self._slots = [[np.frombuffer(segment, np.uint8, slot_bytes,
+                                      base + (2 * r + parity) * slot_bytes)
+                        for parity in (0, 1)] for r in range(size)]
+        self._views: dict[np.dtype, list[list[np.ndarray]]] = {}
+        self._seq = 0
+        self._failed: "BaseException | None" = None
+        self._ctl[self._mine + _STARTED] = max(process_start_time(os.getpid()) or 0, 0)
+        self._ctl[self._mine + _PID] = os.getpid()
+
+    @classmethod
+    def open(cls, job: str, local_rank: int, local_size: int, barrier: Callable[[], None],
+             slot_bytes: int = DEFAULT_SLOT_BYTES, ranks: "Sequence[int] | None" = None,
+             tag: str = "host") -> "ShmGroup":
+        """Sets up the host's group; every local rank calls it at the same time.
+
+        Local rank 0 creates the segment; ``barrier()``; the others attach; ``barrier()``;
+        local rank 0 unlinks it, so nothing remains in /dev/shm however the job ends.
+
+        Args:
+            job: the job id (letters, digits, ``_.-``), the same on every local rank.
+            local_rank: this process's index among the host's ``local_size`` ranks.
+            barrier: returns only once every local rank has called it (a store barrier).
+            slot_bytes: the piece size; local rank 0's value wins. 512 KiB-1 MiB was fastest
+                for 64 MiB on a 2-core host (L2 of 1 MiB per core); 4 MiB was 50% slower.
+            ranks: the global rank of each local rank, for error messages.
+            tag: tells apart several groups of one job on one host.
+        """
+        name = group_segment_name(job, tag)
+        seg = create_group_segment(name, local_size, slot_bytes) if local_rank == 0 else None
+        try:
+            barrier()  # the segment exists before anyone attaches
+            group = cls(seg if seg is not None else attach_segment(name), local_rank, ranks)
+            if group.size != local_size:
+                raise ValueError(f"segment {name} is for {group.size} ranks, not {local_size}")
+            barrier()  # everyone has mapped it (and registered its pid) before it is unlinked
+        finally:
+            if local_rank == 0:
+                unlink_segment(name)
+        return group
+
+    # --- collectives ---------------------------------------------------------------------
+
+    def allreduce(self, data: np.ndarray, reducer: Reducer, deadline: float,
+                  on_idle: Callable[[float], None] = lambda waited: None,
+                  signature: int = 0) -> None:
+        """Reduces ``data`` in place across the local ranks; all end with identical bytes.
+
+        Args:
+            data: a C-contiguous NumPy array, same dtype and size on every local rank.
+            reducer: ``reducer(dst, src)`` folds ``src`` into ``dst`` (``ops.make_reducer``).
+            deadline: ``time.monotonic()`` value after which GradsyncTimeoutError is raised.
+            on_idle: called with the seconds waited, about every 50 ms of waiting.
+            signature: 64-bit hash of the collective; ranks that pass different ones raise
+                CollectiveMismatchError.
+        """
+        flat = self._flat(data, writable=True)
+        if self.size == 1:
+            return
+        with self._guard():
+            views = self._views_of(flat.dtype)
+            step = self.slot_bytes // flat.itemsize
+            align = max(1, CACHE_LINE // flat.itemsize)
+            # An empty array still takes one (empty) piece, so that its signature is checked.
+            for start in range(0, max(flat.size, 1), step):
+                piece = flat[start:start + step]
+                seq = self._next_seq()
+                slots = [v[seq & 1] for v in views]
+                bounds = self._split(piece.size, align)
+                lo, hi = bounds[self.rank], bounds[self.rank + 1]
+                self._copy_in(piece, slots[self.rank], lo, hi)
+                self._arrive(seq, _ALLREDUCE, flat.nbytes, signature, deadline, on_idle)
+                self._reduce(piece, slots, lo, hi, reducer)
+                self._publish(_REDUCED, seq)
+                self._wait(_REDUCED, seq, deadline, on_idle, "finish reducing")
+                self._copy_out(piece, slots, bounds)
+
+    def broadcast(self, data: np.ndarray, root: int, deadline: float,
+                  on_idle: Callable[[float], None] = lambda waited: None,
+                  signature: int = 0) -> None:
+        """Copies local rank ``root``'s ``data`` into every other local rank's ``data``.
+
+        Arguments as for ``allreduce``; ``root`` is a local rank.
+        """
+        if not 0 <= root < self.size:
+            raise ValueError(f"root {root} outside the group's {self.size} local ranks")
+        flat = self._flat(data, writable=self.rank != root)
+        if self.size == 1:
+            return
+        with self._guard():
+            views = self._views_of(flat.dtype)
+            step = self.slot_bytes // flat.itemsize
+            for start in range(0, max(flat.size, 1), step):
+                piece = flat[start:start + step]
+                seq = self._next_seq()
+                slot = views[root][seq & 1][:piece.size]
+                if self.rank == root:
+                    slot[...] = piece
+                self._arrive(seq, _BROADCAST | root << 8, flat.nbytes, signature, deadline,
+                             on_idle)
+                if self.rank != root:
+                    piece[...] = slot
+
+    def barrier(self, deadline: float, on_idle: Callable[[float], None] = lambda waited: None,
+                signature: int = 0) -> None:
+        """Returns once every local rank has entered the barrier."""
+        if self.size == 1:
+            return
+        with self._guard():
+            self._arrive(self._next_seq(), _BARRIER, 0, signature, deadline, on_idle)
+
+    def close(self) -> None:
+        """Leaves the group: the others' waits on this rank raise PeerLostError. Unmaps."""
+        if self._segment is None:
+            return
+        self._ctl[self._mine + _CLOSED] = 1
+        self._slots, self._views = [], {}
+        self._ctl.release()
+        try:
+            self._segment.close()
+        except BufferError:
+            pass  # a caller still holds a view of a slot; the mapping goes when it does
+        self._segment = None
+
+    # --- the steps of a piece (separate methods so that a profiler can time each) --------
+
+    def _copy_in(self, piece: np.ndarray, slot: np.ndarray, lo: int, hi: int) -> None:
+        slot[:lo] = piece[:lo]
+        slot[hi:piece.size] = piece[hi:]
+
+    def _reduce(self, piece: np.ndarray, slots: list[np.ndarray], lo: int, hi: int,
+                reducer: Reducer) -> None:
+        own = piece[lo:hi]
+        if own.size:
+            for r in self._others:  # a fixed order: the bits never depend on timing
+                reducer(own, slots[r][lo:hi])
+        slots[self.rank][lo:hi] = own
+
+    def _copy_out(self, piece: np.ndarray, slots: list[np.ndarray], bounds: list[int]) -> None:
+        for r in self._others:
+            lo, hi = bounds[r], bounds[r + 1]
+            piece[lo:hi] = slots[r][lo:hi]
+
+    def _arrive(self, seq: int, kind: int, nbytes: int, signature: int, deadline: float,
+                on_idle: Callable[[float], None]) -> None:
+        """Publishes this rank's arrival at piece ``seq``, waits for all, checks they agree."""
+        c, mine = self._ctl, self._mine
+        at = _ISSUED + 3 * (seq & 1)
+        c[mine + at], c[mine + at + 1], c[mine + at + 2] = kind, nbytes, signature & _MASK64
+        c[mine + _ARRIVED] = seq  # last: publishes the slot's bytes and the words above
+        self._wait(_ARRIVED, seq, deadline, on_idle, "arrive")
+        issued = [tuple(c[self._line(r) + at:self._line(r) + at + 3]) for r in range(self.size)]
+        if any(i != issued[self.rank] for i in issued):
+            raise CollectiveMismatchError(
+                f"local ranks issued different collectives at shared-memory piece #{seq}: " +
+                "; ".join(f"local rank {r} (rank {self.ranks[r]}) {_describe(*issued[r])}"
+                          for r in range(self.size)))
+
+    def _publish(self, word: int, seq: int) -> None:
+        self._ctl[self._mine + word] = seq
+
+    def _wait(self, word: int, seq: int, deadline: float, on_idle: Callable[[float], None],
+              phase: str) -> None:
+        """Waits until counter ``word`` of every other local rank reaches ``seq``."""
+        c = self._ctl
+        waiting = [r for r in self._others if c[self._line(r) + word] < seq]
+        if not waiting:
+            return
+        backoff = Backoff()
+        started = time.monotonic()
+        next_check = started + _CHECK_EVERY
+        while True:
+            still = [r for r in waiting if c[self._line(r) + word] < seq]
+            if not still:
+                return
+            if len(still) < len(waiting):
+                backoff.reset()
+            waiting = still
+            backoff.idle()
+            now = time.monotonic()
+            if now >= next_check:
+                self._check_alive(waiting)
+                if now >= deadline:
+                    raise GradsyncTimeoutError(
+                        f"local rank {self.rank} (rank {self.ranks[self.rank]}) timed out after "
+                        f"{now - started:.1f}s at shared-memory piece #{seq} waiting for local "
+                        f"rank(s) {waiting} (rank(s) {[self.ranks[r] for r in waiting]}) to "
+                        f"{phase}; they are alive: are they in another collective?")
+                on_idle(now - started)
+                next_check = now + _CHECK_EVERY
+
+    def _check_alive(self, local_ranks: list[int]) -> None:
+        c = self._ctl
+        for r in local_ranks:
+            line = self._line(r)
+            why = None
+            if c[line + _CLOSED]:
+                why = "left the group (it closed it or failed a collective)"
+            elif c[line + _PID]:
+                started = process_start_time(c[line + _PID])
+                if started is None or started not in (c[line + _STARTED], -1):
+                    why = f"(pid {c[line + _PID]}) exited or was killed"
+            if why:
+                raise PeerLostError(f"local rank {self.rank} (rank {self.ranks[self.rank]}): "
+                                    f"local rank {r} (rank {self.ranks[r]}) {why}",
+                                    peer=self.ranks[r])
+
+    # --- helpers -----------------------------------------------------------------------------
+
+    def _line(self, local_rank: int) -> int:
+        return (1 + 2 * local_rank) * _WORDS
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _split(self, count: int, align: int) -> list[int]:
+        """Boundaries of the n sub-slices of ``count`` elements, on multiples of ``align``."""
+        units = -(-count // align)
+        return [min(count, (j * units // self.size) * align) for j in range(self.size + 1)]
+
+    def _views_of(self, dtype: np.dtype) -> list[list[np.ndarray]]:
+        views = self._views.get(dtype)
+        if views is None:
+            usable = self.slot_bytes - self.slot_bytes % dtype.itemsize
+            views = [[s[:usable].view(dtype) for s in pair] for pair in self._slots]
+            self._views[dtype] = views
+        return views
+
+    def _flat(self, data: np.ndarray, writable: bool) -> np.ndarray:
+        if self._failed is not None:
+            raise GradsyncError(f"this shared-memory group is unusable after an earlier "
+                                f"failure: {self._failed}")
+        if self._segment is None:
+            raise ValueError("the shared-memory group is closed")
+        if not isinstance(data, np.ndarray) or not data.flags.c_contiguous:
+            raise TypeError("shared-memory collectives take C-contiguous NumPy arrays")
+        if writable and not data.flags.writeable:
+            raise ValueError("the array is read-only but the collective writes into it")
+        if data.itemsize > self.slot_bytes:
+            raise ValueError(f"{data.dtype} elements do not fit a {self.slot_bytes}-byte slot")
+        return data.reshape(-1)
+
+    @contextlib.contextmanager
+    def _guard(self):
+        """Marks the group failed, and this rank gone, when a collective raises midway.
+
+        The counters of a half-done collective cannot be reconciled, so the others must not
+        wait for this rank until their deadline: seeing it gone they raise PeerLostError now.
+        """
+        try:
+            yield
+        except BaseException as exc:
+            self._failed = exc
+            self._ctl[self._mine + _CLOSED] = 1
+            raise
+
+
+def _describe(kind: int, nbytes: int, signature: int) -> str:
+    what = _KIND_NAMES.get(kind & 0xFF, f"kind {kind & 0xFF}")
+    if kind & 0xFF == _BROADCAST:
+        what += f" from local rank {kind >> 8}"
+    return f"{what} of {nbytes} bytes (signature {signature:#x})"

@@ -1,0 +1,181 @@
+"""The ``gradsync`` command: ``gradsync run`` starts a job, ``gradsync bench`` measures.
+
+``gradsync run -np 4 -H a:2,b:2 python train.py`` is horovodrun's command line; see
+``launcher.py`` for what the launcher does with it. ``tests/test_cli_surface.py`` pins the
+options of ``run``: adding one is a deliberate change of that list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Mapping, Sequence
+
+from ..config import ENV_PREFIX, IDENTITY_VARIABLES
+from .launcher import DEFAULT_START_TIMEOUT, Host, LaunchSpec, launch, place
+
+__all__ = ["main", "build_parser", "add_run_arguments", "parse_hosts", "read_hostfile",
+           "resolve_exports"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of the ``gradsync`` command and its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="gradsync", description="Distributed training: launch jobs and measure them.")
+    commands = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
+    run = add_run_arguments(commands.add_parser(
+        "run", help="start a job's ranks on this host or over ssh",
+        description="Start COMMAND as NP ranks, forward their output, and stop every rank "
+                    "when one fails (exiting with that rank's status)."))
+    run.set_defaults(run_parser=run)  # so that usage errors found later print run's usage
+    # ``bench`` owns its arguments: main() hands them over before this parser sees them, and
+    # the entry here only lists it in ``gradsync --help``.
+    commands.add_parser("bench", add_help=False,
+                        help="collective, training and parameter-server benchmarks")
+    return parser
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds the options of ``gradsync run`` to ``parser`` (returned for chaining)."""
+    job = parser.add_argument_group("job")
+    job.add_argument("-np", "--num-proc", type=int, required=True, metavar="NP",
+                     help="number of ranks")
+    where = job.add_mutually_exclusive_group()
+    where.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...",
+                       help="hosts and their slots, filled in order (default localhost:NP)")
+    where.add_argument("--hostfile", metavar="FILE",
+                       help="file with one 'host slots=N' per line, instead of -H")
+    remote = parser.add_argument_group("remote hosts")
+    remote.add_argument("--ssh-command", default="ssh", metavar="CMD",
+                        help="command that runs a command on a remote host (default: ssh)")
+    remote.add_argument("--ssh-port", type=int, metavar="PORT", help="ssh port of the hosts")
+    remote.add_argument("--start-timeout", type=float, metavar="SECONDS",
+                        help="seconds for ssh to connect (default "
+                             f"{DEFAULT_START_TIMEOUT:g}); when given, also how long the ranks "
+                             "wait for each other in init() (GRADSYNC_CONNECT_TIMEOUT)")
+    env = parser.add_argument_group("environment")
+    env.add_argument("-x", action="append", default=[], metavar="VAR[=VALUE]", dest="exports",
+                     help="set VAR for every rank, to VALUE or to its value here; repeatable "
+                          "(local ranks inherit the whole environment, remote ranks get only "
+                          "these and GRADSYNC_* settings)")
+    output = parser.add_argument_group("output")
+    output.add_argument("--output-prefix", action=argparse.BooleanOptionalAction, default=True,
+                        help="prefix each line of a rank's output with [RANK]<stdout>: or "
+                             "[RANK]<stderr>: (default: on)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND ...",
+                        help="the program every rank runs, with its arguments")
+    return parser
+
+
+def parse_hosts(text: str) -> list[Host]:
+    """Parses ``-H host1:2,host2:4`` (a host without ``:slots`` has one slot).
+
+    Raises:
+        ValueError: an empty name or a slot count that is not a positive integer.
+    """
+    hosts = []
+    for item in text.split(","):
+        name, _, slots = item.strip().rpartition(":") if ":" in item else (item.strip(), "", "1")
+        hosts.append(_host(name, slots, f"-H entry {item.strip()!r}"))
+    return hosts
+
+
+def read_hostfile(path: str) -> list[Host]:
+    """Reads a host file: one ``host slots=N``, ``host:N`` or ``host`` per line; ``#`` comments.
+
+    Raises:
+        ValueError: a line in another form (the message names the file and line number).
+    """
+    hosts = []
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            words = line.split("#", 1)[0].split()
+            if not words:
+                continue
+            where = f"{path}:{number}"
+            if len(words) == 1 and ":" in words[0]:
+                name, _, slots = words[0].rpartition(":")
+            elif len(words) == 1:
+                name, slots = words[0], "1"
+            elif len(words) == 2 and words[1].startswith("slots="):
+                name, slots = words[0], words[1][len("slots="):]
+            else:
+                raise ValueError(f"{where}: expected 'host slots=N', got {line.strip()!r}")
+            hosts.append(_host(name, slots, where))
+    if not hosts:
+        raise ValueError(f"host file {path} names no host")
+    return hosts
+
+
+def _host(name: str, slots: str, where: str) -> Host:
+    if not name:
+        raise ValueError(f"{where}: empty host name")
+    try:
+        count = int(slots)
+    except ValueError:
+        raise ValueError(f"{where}: slots must be an integer, got {slots!r}") from None
+    if count < 1:
+        raise ValueError(f"{where}: slots must be at least 1, got {count}")
+    return Host(name, count)
+
+
+def resolve_exports(items: Sequence[str], environ: Mapping[str, str]) -> dict[str, str]:
+    """Turns ``-x VAR=value`` and ``-x VAR`` (the launcher's own value) into a mapping.
+
+    Raises:
+        ValueError: a bad name, a name gradsync run sets itself, or ``VAR`` not set here.
+    """
+    exports = {}
+    for item in items:
+        name, has_value, value = item.partition("=")
+        if not name.isidentifier():
+            raise ValueError(f"-x {item!r}: {name!r} is not a variable name")
+        if name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX):] in IDENTITY_VARIABLES:
+            raise ValueError(f"-x {item!r}: gradsync run sets {name} for each rank itself")
+        if not has_value:
+            if name not in environ:
+                raise ValueError(f"-x {name}: {name} is not set in the launcher's environment")
+            value = environ[name]
+        exports[name] = value
+    return exports
+
+
+def _spec(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LaunchSpec:
+    """Checks the parsed options and turns them into a LaunchSpec; errors exit with usage."""
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command given (e.g. gradsync run -np 2 python train.py)")
+    try:
+        if args.hostfile:
+            hosts = read_hostfile(args.hostfile)
+        else:
+            hosts = parse_hosts(args.hosts) if args.hosts else []
+        # Placement is checked here, so that too few slots is a usage error.
+        place(hosts or [Host("localhost", args.num_proc)], args.num_proc)
+        return LaunchSpec(command=command, num_proc=args.num_proc, hosts=hosts,
+                          ssh_command=args.ssh_command, ssh_port=args.ssh_port,
+                          start_timeout=args.start_timeout, output_prefix=args.output_prefix,
+                          env=resolve_exports(args.exports, os.environ))
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
+
+
+def _bench(argv: list[str]) -> int:
+    try:
+        # Imported on use: the benchmarks pull in much more than the launcher needs.
+        from ..bench.cli import main as bench_main
+    except ImportError as exc:
+        print(f"gradsync bench is not available: {exc}", file=sys.stderr)
+        return 2
+    return bench_main(argv) or 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the ``gradsync`` command; returns its exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return launch(_spec(args.run_parser, args))

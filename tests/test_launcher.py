@@ -1,0 +1,364 @@
+"""gradsync run: placement logic, then real launches of tiny ``python -c`` ranks.
+
+Every launch has a deadline; the launcher runs in its own session and is stopped (SIGTERM,
+then SIGKILL) if a test fails while it runs, and the ranks never sleep longer than ``NAP``
+seconds, so nothing outlives a failed test for long.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from gradsync.run.cli import parse_hosts, read_hostfile, resolve_exports
+from gradsync.run.launcher import Host, Slot, _remote_script, place
+
+ROOT = Path(__file__).resolve().parent.parent
+DEADLINE = 30.0
+NAP = 30  # how long a rank that should be stopped sleeps: far beyond any expected exit
+STOP_WITHIN = 5.0  # seconds from a rank's failure to the launcher's exit (grace is 3 s)
+
+FAKE_SSH = """\
+#!/bin/sh
+# Stands in for ssh: logs its arguments, skips the options, fails for host 'unreachable', and
+# runs the command here with an almost empty environment, like a fresh login on another host.
+printf '%s\\n' "$*" >> "$FAKE_SSH_LOG"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -o|-p) shift 2 ;;
+    -*) shift ;;
+    *) break ;;
+  esac
+done
+if [ "$1" = unreachable ]; then
+  echo "ssh: connect to host unreachable port 22: Connection refused" >&2
+  exit 255
+fi
+shift
+exec env -i PATH="$PATH" PYTHONPATH="$PYTHONPATH" sh -c "$*"
+"""
+
+
+# ---------------------------------------------------------------- placement (no processes)
+def test_place_fills_hosts_in_order_with_horovod_cross_ranks():
+    slots = place([Host("a", 2), Host("b", 2), Host("c", 4)], 5)
+    assert slots == [
+        Slot(0, "a", 0, 2, 0, 3), Slot(1, "a", 1, 2, 0, 2),
+        Slot(2, "b", 0, 2, 1, 3), Slot(3, "b", 1, 2, 1, 2),
+        Slot(4, "c", 0, 1, 2, 3),
+    ]
+
+
+def test_place_errors_name_the_hosts():
+    with pytest.raises(ValueError, match=r"3 ranks need 3 slots but the hosts have 2 \(a:1, b:1\)"):
+        place([Host("a", 1), Host("b", 1)], 3)
+    with pytest.raises(ValueError, match="more than once: a"):
+        place([Host("a", 1), Host("a", 1)], 2)
+
+
+def test_parse_hosts_and_hostfile(tmp_path):
+    assert parse_hosts("n1:2, n2,n3:4") == [Host("n1", 2), Host("n2", 1), Host("n3", 4)]
+    for bad in ("n1:0", "n1:x", ":2"):
+        with pytest.raises(ValueError):
+            parse_hosts(bad)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# the cluster\nn1 slots=2\n\nn2:3  # comment\nn3\n")
+    assert read_hostfile(str(hostfile)) == [Host("n1", 2), Host("n2", 3), Host("n3", 1)]
+    hostfile.write_text("n1 cpus=2\n")
+    with pytest.raises(ValueError, match=f"{hostfile}:1"):
+        read_hostfile(str(hostfile))
+
+
+def test_exports():
+    assert resolve_exports(["A=1", "B", "C=x=y"], {"B": "from-here"}) == \
+        {"A": "1", "B": "from-here", "C": "x=y"}
+    with pytest.raises(ValueError, match="MISSING is not set"):
+        resolve_exports(["MISSING"], {})
+    with pytest.raises(ValueError, match="sets GRADSYNC_SECRET"):
+        resolve_exports(["GRADSYNC_SECRET=00"], {})
+
+
+# ---------------------------------------------------------------- helpers for real launches
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+@contextmanager
+def launcher(*args: str, **env):
+    """Starts ``gradsync run ARGS`` and makes sure it is gone when the block ends."""
+    proc = subprocess.Popen([sys.executable, "-m", "gradsync", "run", *args], cwd=ROOT,
+                            env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # the launcher stops its ranks on SIGTERM
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        try:
+            proc.communicate(timeout=10)
+        except (subprocess.TimeoutExpired, ValueError):
+            pass  # ValueError: a test already read the pipes to their end
+
+
+def run(*args: str, **env) -> tuple[int, list[str], list[str], float]:
+    """Runs ``gradsync run ARGS`` to its end; returns (status, stdout lines, stderr lines,
+    wall-clock time of the launcher's exit)."""
+    with launcher(*args, **env) as proc:
+        out, err = proc.communicate(timeout=DEADLINE)
+    return proc.returncode, out.splitlines(), err.splitlines(), time.time()
+
+
+def rank_code(body: str) -> list[str]:
+    """A ``python -c`` rank with ``rank`` and ``size`` defined."""
+    prelude = "import os, sys, time\nrank = int(os.environ['GRADSYNC_RANK'])\n" \
+              "size = int(os.environ['GRADSYNC_SIZE'])\n"
+    return [sys.executable, "-c", prelude + textwrap.dedent(body)]
+
+
+def gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie whose parent has not reaped it counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float = 5.0) -> list[int]:
+    """The pids still alive after ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and not all(gone(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if not gone(p)]
+
+
+@pytest.fixture
+def fake_ssh(tmp_path):
+    script = tmp_path / "fake_ssh"
+    script.write_text(FAKE_SSH)
+    script.chmod(0o755)
+    return script, tmp_path / "ssh.log"
+
+
+# ---------------------------------------------------------------- real launches
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("np_, prefix", [(1, False), (2, True), (3, True)])
+def test_ranks_exit_zero_with_whole_prefixed_lines(np_, prefix):
+    # Each line is written in two pieces with a pause between: a forwarder that did not wait
+    # for the newline would interleave the pieces of different ranks.
+    code = rank_code("""
+        for name, stream in (("out", sys.stdout), ("err", sys.stderr)):
+            stream.write(f"{name} from {rank} of {size}, first half ")
+            stream.flush()
+        time.sleep(0.2)
+        print("second half")
+        print("second half", file=sys.stderr)
+        sys.stdout.write("no newline at the end")
+    """)
+    status, out, err, _ = run("-np", str(np_), *([] if prefix else ["--no-output-prefix"]),
+                              *code)
+    assert status == 0, err
+    tag = "[{0}]<{1}>:" if prefix else ""
+    assert sorted(out) == sorted(
+        [tag.format(r, "stdout") + f"out from {r} of {np_}, first half second half"
+         for r in range(np_)] +
+        [tag.format(r, "stdout") + "no newline at the end" for r in range(np_)])
+    assert sorted(err) == sorted(tag.format(r, "stderr") + f"err from {r} of {np_}, first half "
+                                 "second half" for r in range(np_))
+
+
+@pytest.mark.multiprocess
+def test_identity_variables_and_store():
+    code = rank_code("""
+        import json, socket
+        from gradsync.launch_env import detect
+        env = detect()
+        # Something must be listening at the store address: the launcher's TCPStore.
+        socket.create_connection((env.store_addr, env.store_port), timeout=5).close()
+        names = [n for n in os.environ if n.startswith("GRADSYNC_")]
+        print(json.dumps({**{n: os.environ[n] for n in names}, "source": env.source,
+                          "secret_len": len(env.secret), "server": env.store_is_server}))
+    """)
+    with launcher("-np", "3", "-x", "EXTRA=1", *code) as proc:
+        out, err = proc.communicate(timeout=DEADLINE)
+    assert proc.returncode == 0, err
+    ranks = sorted((json.loads(line.split(":", 1)[1]) for line in out.splitlines()),
+                   key=lambda v: int(v["GRADSYNC_RANK"]))
+    assert [r["GRADSYNC_RANK"] for r in ranks] == ["0", "1", "2"]
+    for rank, seen in enumerate(ranks):
+        assert seen["GRADSYNC_SIZE"] == "3"
+        assert (seen["GRADSYNC_LOCAL_RANK"], seen["GRADSYNC_LOCAL_SIZE"]) == (str(rank), "3")
+        assert (seen["GRADSYNC_CROSS_RANK"], seen["GRADSYNC_CROSS_SIZE"]) == ("0", "1")
+        assert seen["GRADSYNC_HOSTNAME"] == "localhost"
+        assert seen["GRADSYNC_STORE_ADDR"] == "127.0.0.1"
+        assert seen["GRADSYNC_LAUNCHER_PID"] == str(proc.pid)
+        assert (seen["source"], seen["secret_len"], seen["server"]) == ("gradsync", 32, False)
+    for name in ("GRADSYNC_JOB_ID", "GRADSYNC_SECRET", "GRADSYNC_STORE_PORT"):
+        assert len({seen[name] for seen in ranks}) == 1, name  # the same for the whole job
+
+
+@pytest.mark.multiprocess
+def test_failing_rank_stops_the_job_with_its_status():
+    code = rank_code(f"""
+        if rank == 1:
+            time.sleep(0.3)
+            print(time.time())
+            sys.exit(3)
+        time.sleep({NAP})
+    """)
+    status, out, err, ended = run("-np", "3", "--no-output-prefix", *code)
+    assert status == 3
+    assert err[-1] == "gradsync run: rank 1 on host localhost exited with status 3; " \
+                      "stopped 2 other ranks"
+    assert ended - float(out[0]) < STOP_WITHIN
+
+
+@pytest.mark.multiprocess
+def test_rank_killed_by_a_signal_gives_128_plus_signal():
+    code = rank_code(f"""
+        import signal
+        if rank == 0:
+            print(time.time())
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep({NAP})
+    """)
+    status, out, err, ended = run("-np", "2", "--no-output-prefix", *code)
+    assert status == 137
+    assert err[-1] == "gradsync run: rank 0 on host localhost was killed by signal 9 " \
+                      "(SIGKILL); stopped 1 other rank"
+    assert ended - float(out[0]) < STOP_WITHIN
+
+
+@pytest.mark.multiprocess
+def test_sigint_stops_every_rank_and_its_children():
+    # Each rank starts a child of its own: stopping the job must reach it too.
+    code = rank_code(f"""
+        import subprocess
+        child = subprocess.Popen(["sleep", "{NAP}"])
+        print(os.getpid(), child.pid, flush=True)
+        time.sleep({NAP})
+    """)
+    with launcher("-np", "2", "--no-output-prefix", *code) as proc:
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout],
+                         daemon=True).start()
+        pids = [int(p) for _ in range(2) for p in lines.get(timeout=DEADLINE).split()]
+        assert len(pids) == 4
+        proc.send_signal(signal.SIGINT)
+        proc.wait(DEADLINE)
+        err = proc.stderr.read()
+    assert proc.returncode == 130
+    assert err.splitlines()[-1] == "gradsync run: interrupted by SIGINT; stopped 2 ranks"
+    assert wait_gone(pids) == []
+
+
+@pytest.mark.multiprocess
+def test_fake_ssh_places_remote_ranks_and_hides_the_secret(fake_ssh):
+    ssh, log = fake_ssh
+    code = rank_code("""
+        import json
+        names = [n for n in os.environ if n.startswith("GRADSYNC_") or n in ("FOO", "LOCAL_ONLY")]
+        print(json.dumps({n: os.environ[n] for n in names}))
+    """)
+    status, out, err, _ = run("-np", "4", "-H", "localhost:1,hostA:2,hostB:2",
+                              "--ssh-command", str(ssh), "--ssh-port", "2222", "-x", "FOO=bar",
+                              *code, FAKE_SSH_LOG=str(log), LOCAL_ONLY="1")
+    assert status == 0, err
+    ranks = {int(v["GRADSYNC_RANK"]): v for v in
+             (json.loads(line.split(":", 1)[1]) for line in out)}
+    placement = {r: (v["GRADSYNC_HOSTNAME"], v["GRADSYNC_LOCAL_RANK"], v["GRADSYNC_LOCAL_SIZE"],
+                     v["GRADSYNC_CROSS_RANK"], v["GRADSYNC_CROSS_SIZE"])
+                 for r, v in ranks.items()}
+    assert placement == {0: ("localhost", "0", "1", "0", "3"), 1: ("hostA", "0", "2", "1", "3"),
+                         2: ("hostA", "1", "2", "0", "1"), 3: ("hostB", "0", "1", "2", "3")}
+    assert all(v["FOO"] == "bar" for v in ranks.values())
+    # Remote ranks get their identity and -x, not the launcher's whole environment.
+    assert [r for r, v in ranks.items() if "LOCAL_ONLY" in v] == [0]
+    secret = ranks[0]["GRADSYNC_SECRET"]
+    assert len(secret) == 64 and all(v["GRADSYNC_SECRET"] == secret for v in ranks.values())
+    # Every rank must reach the store at the same address (local ones included).
+    assert len({v["GRADSYNC_STORE_ADDR"] for v in ranks.values()}) == 1
+    calls = log.read_text()
+    assert secret not in calls  # it went over stdin, not onto a command line
+    # Per host a reachability check, then one call per rank (hostB's second slot is unused).
+    hosts = re.findall(r"^-o BatchMode=yes -o ConnectTimeout=\d+ -p 2222 (\S+) ", calls, re.M)
+    assert sorted(hosts) == ["hostA", "hostA", "hostA", "hostB", "hostB"]
+    assert calls.count("BatchMode") == len(hosts)
+
+
+@pytest.mark.multiprocess
+def test_remote_failure_stops_local_and_remote_ranks(fake_ssh):
+    ssh, log = fake_ssh
+    code = rank_code(f"""
+        print(os.getpid(), time.time(), flush=True)
+        if rank == 2:
+            time.sleep(0.3)
+            sys.exit(4)
+        time.sleep({NAP})
+    """)
+    status, out, err, ended = run("-np", "3", "-H", "localhost:1,hostB:2",
+                                    "--ssh-command", str(ssh), "--no-output-prefix", *code,
+                                    FAKE_SSH_LOG=str(log))
+    assert status == 4
+    assert err[-1] == "gradsync run: rank 2 on host hostB exited with status 4; " \
+                      "stopped 2 other ranks"
+    assert ended - max(float(line.split()[1]) for line in out) < STOP_WITHIN + 0.3
+    assert wait_gone([int(line.split()[0]) for line in out]) == []
+
+
+@pytest.mark.multiprocess
+def test_unreachable_host_is_reported_before_any_rank_starts(fake_ssh):
+    ssh, log = fake_ssh
+    status, out, err, _ = run("-np", "2", "-H", "localhost:1,unreachable:1", "--ssh-command",
+                              str(ssh), sys.executable, "-c", "print('started')",
+                              FAKE_SSH_LOG=str(log))
+    assert status == 255 and out == []
+    assert "cannot run commands on unreachable" in err[-1] and "Connection refused" in err[-1]
+
+
+def test_lost_connection_kills_the_remote_rank():
+    """The remote script's lifeline: when ssh's stdin closes (the launcher died or the
+    connection dropped), the remote rank is terminated, by SIGKILL if it ignores SIGTERM."""
+    rank = [sys.executable, "-c", "import os, signal, time; "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            f"print(os.getpid(), flush=True); time.sleep({NAP})"]
+    proc = subprocess.Popen(["sh", "-c", _remote_script(str(ROOT), {}, rank, 0.5)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        proc.stdin.write(b"00ff\n")
+        proc.stdin.flush()
+        pid = int(proc.stdout.readline())
+        proc.stdin.close()  # what a lost connection looks like from the remote side
+        assert wait_gone([pid], timeout=5.0) == []
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(5)

@@ -1,0 +1,349 @@
+"""Shared memory: the rings of ``transport/shm.py`` and the host group of ``collectives/shm.py``.
+
+Multi-process tests fork real ranks (no launcher needed); every launch has a deadline after
+which its processes dump their stacks and are killed, so a hang fails the test instead of CI.
+Every launch also asserts that nothing of its job is left in /dev/shm, killed ranks included.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import functools
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+import traceback
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch  # noqa: F401 - imported before forking, so float16 ranks do not each import it
+
+from gradsync.collectives.ops import Max, Sum, make_reducer
+from gradsync.collectives.shm import ShmGroup
+from gradsync.errors import CollectiveMismatchError, PeerLostError
+from gradsync.transport import frame
+from gradsync.transport.base import Expect, Recv, Send, wait_all
+from gradsync.transport.comm import Comm
+from gradsync.transport.shm import (ShmPair, attach_ring, create_ring, open_pairs,
+                                    process_start_time, unlink_ring)
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs Linux /dev/shm")
+
+_TINY_RING = 256  # bytes: every frame of more than a few bytes wraps around
+
+
+def _leftovers(job: str) -> list[str]:
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(f"gradsync-{job}-"))
+
+
+# --- launching ranks --------------------------------------------------------------------------
+
+@dataclass
+class Rank:
+    rank: int
+    size: int
+    job: str
+    barrier: Callable[[], None]
+    pids: list[int]
+
+
+def _child(fn, rank, size, job, barrier, pids, results, timeout, args):
+    # A hung rank prints where it hangs and exits before the parent gives up on it.
+    faulthandler.dump_traceback_later(timeout, exit=True)
+    try:
+        pids[rank] = os.getpid()
+        barrier.wait(timeout)
+        ctx = Rank(rank, size, job, functools.partial(barrier.wait, timeout), list(pids))
+        results.put((rank, "ok", fn(ctx, *args)))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
+        results.put((rank, "crash", traceback.format_exc()))
+
+
+def _launch(size: int, fn, *args, timeout: float = 15.0, expect: "int | None" = None) -> dict:
+    """Runs ``fn(Rank, *args)`` in ``size`` forked processes; returns {rank: fn's result}.
+
+    ``expect`` results are awaited (fewer when a test kills a rank on purpose).
+    """
+    ctx = mp.get_context("fork")
+    job = f"t{uuid.uuid4().hex[:10]}"
+    barrier, results, pids = ctx.Barrier(size), ctx.Queue(), ctx.Array("q", size)
+    procs = [ctx.Process(target=_child, daemon=True,
+                         args=(fn, r, size, job, barrier, pids, results, timeout, args))
+             for r in range(size)]
+    for p in procs:
+        p.start()
+    got: dict = {}
+    deadline = time.monotonic() + timeout + 3
+    try:
+        while len(got) < (size if expect is None else expect):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                pytest.fail(f"ranks {sorted(set(range(size)) - set(got))} did not finish "
+                            f"within {timeout}s (their stacks are above)")
+            try:
+                rank, status, value = results.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                continue
+            if status == "crash":
+                pytest.fail(f"rank {rank} raised:\n{value}")
+            got[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert _leftovers(job) == [], "segments left in /dev/shm"
+    return got
+
+
+def _raises(fn, *args) -> tuple[str, str, float]:
+    """Calls fn; returns (exception class name, message, seconds until it raised)."""
+    start = time.monotonic()
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001 - the test inspects what came out
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return "nothing", "", time.monotonic() - start
+
+
+# --- ShmPair -------------------------------------------------------------------------------
+
+def _pattern(nbytes: int, seed: int) -> np.ndarray:
+    return ((np.arange(nbytes, dtype=np.int64) * 31 + seed * 7) % 251).astype(np.uint8)
+
+
+def _loopback(capacity: int = _TINY_RING):
+    """Both ends of a ring pair in this process: a sends to b."""
+    job = f"t{uuid.uuid4().hex[:10]}"
+    a_in, b_in = create_ring(job, 0, 1, capacity), create_ring(job, 1, 0, capacity)
+    a_out, b_out = attach_ring(job, 1, 0), attach_ring(job, 0, 1)
+    unlink_ring(job, 0, 1)
+    unlink_ring(job, 1, 0)
+    assert _leftovers(job) == []
+    return ShmPair(1, os.getpid(), a_in, a_out), ShmPair(0, os.getpid(), b_in, b_out)
+
+
+def _frame(sender: ShmPair, receiver: ShmPair, payload: np.ndarray, out: np.ndarray,
+           signature: int = 5, expected_signature: int = 5) -> None:
+    header = frame.pack(frame.Kind.DATA, 1, 0, signature, payload.nbytes)
+    ops = [Send(sender, header, memoryview(payload)),
+           Recv(receiver, Expect(1, 0, expected_signature, lambda: "test"), memoryview(out))]
+    wait_all(ops, time.monotonic() + 5, lambda waited: None, lambda: "test frame")
+
+
+def test_pair_frames_wrap_around_a_tiny_ring():
+    a, b = _loopback()
+    sizes = [0, 1, 7, 40, 215, 216, 217, 255, 256, 257, 1000, 3 * _TINY_RING + 13, 0, 1]
+    for i, size in enumerate(sizes):  # consecutive frames start at every ring offset
+        out = np.zeros(size, np.uint8)
+        _frame(a, b, _pattern(size, i), out)
+        np.testing.assert_array_equal(out, _pattern(size, i), err_msg=f"frame of {size} bytes")
+
+
+def test_pair_checks_header_before_any_payload_lands():
+    a, b = _loopback()
+    out = np.zeros(100, np.uint8)
+    with pytest.raises(CollectiveMismatchError, match="signature 0x6"):
+        _frame(a, b, _pattern(100, 1), out, signature=6)
+    assert not out.any()
+
+
+def test_pair_close_is_seen_by_the_peer():
+    a, b = _loopback()  # a: rank 0's pair to rank 1; b: rank 1's pair to rank 0
+    a.close()
+    with pytest.raises(PeerLostError, match="rank 0 .* closed") as info:
+        b.check_alive()
+    assert info.value.peer == 0
+
+
+def _pair_exchange(ctx: Rank, sizes: list[int]):
+    peer = 1 - ctx.rank
+    pairs = open_pairs(ctx.job, ctx.rank, {peer: ctx.pids[peer]}, ctx.barrier, _TINY_RING)
+    ctx.barrier()  # both ranks have unlinked their segments
+    leftover = _leftovers(ctx.job)
+    comm = Comm(ctx.rank, 2, pairs, timeout=10)
+    for size in sizes:
+        comm.begin(f"exchange {size}")
+        inbox = np.empty(size, np.uint8)
+        # Both ranks send more than the ring holds while receiving: only works if sends and
+        # receives are advanced together.
+        comm.exchange(sends=[(peer, _pattern(size, ctx.rank))], recvs=[(peer, inbox)])
+        np.testing.assert_array_equal(inbox, _pattern(size, peer))
+    return leftover
+
+
+def test_pair_between_processes_exchanges_frames_both_ways():
+    results = _launch(2, _pair_exchange, [0, 1, 255, 4099, 50_000])
+    assert results == {0: [], 1: []}  # nothing in /dev/shm once open_pairs returned
+
+
+def _pair_peer_killed(ctx: Rank):
+    peer = 1 - ctx.rank
+    pairs = open_pairs(ctx.job, ctx.rank, {peer: ctx.pids[peer]}, ctx.barrier, _TINY_RING)
+    if ctx.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    comm = Comm(0, 2, pairs, timeout=20)
+    comm.begin("send to the dead")
+    sent = _raises(comm.exchange, [(1, np.zeros(10_000, np.uint8))], ())
+    comm.begin("receive from the dead")
+    received = _raises(comm.exchange, (), [(1, np.zeros(10, np.uint8))])
+    return sent, received
+
+
+def test_pair_killed_peer_raises_peer_lost_quickly():
+    results = _launch(2, _pair_peer_killed, expect=1)
+    for name, message, seconds in results[0]:
+        assert name == "PeerLostError" and "rank 1" in message, message
+        assert seconds < 2.0
+
+
+def test_process_start_time_tells_dead_from_alive():
+    assert process_start_time(os.getpid()) not in (None, -1)
+    child = mp.get_context("fork").Process(target=os._exit, args=(0,))
+    child.start()
+    while child.exitcode is None and process_start_time(child.pid) is not None:
+        time.sleep(0.01)
+    assert process_start_time(child.pid) is None  # a zombie, or reaped
+    child.join()
+
+
+# --- ShmGroup ------------------------------------------------------------------------------
+
+_SLOT = 256  # bytes: 64 float32 or 32 int64 per piece, so 1000 elements take many pieces
+_DTYPES = (np.float32, np.int64, np.float16)
+_OPS = {"sum": (Sum, np.add), "max": (Max, np.maximum)}
+
+
+def _counts(size: int) -> list[int]:
+    # empty, one, fewer than the ranks, uneven, many pieces (and not a whole number of them)
+    return sorted({0, 1, max(size - 1, 0), 37, 1001})
+
+
+def _input(count: int, dtype, rank: int) -> np.ndarray:
+    # Small integers: every sum is exact in float16, whatever the order of the reduction.
+    return (((np.arange(count) * 7 + rank * 5) % 11) - 5).astype(dtype)
+
+
+def _group_sweep(ctx: Rank):
+    group = ShmGroup.open(ctx.job, ctx.rank, ctx.size, ctx.barrier, slot_bytes=_SLOT)
+    ctx.barrier()  # every rank is past open(): the segment must be gone by now
+    out = {"leftover": _leftovers(ctx.job)}
+    deadline = time.monotonic() + 10
+    for count in _counts(ctx.size):
+        for dtype in _DTYPES:
+            for name, (op, _) in _OPS.items():
+                data = _input(count, dtype, ctx.rank)
+                group.allreduce(data, make_reducer(op, dtype), deadline, signature=count)
+                out[count, np.dtype(dtype).name, name] = data.tobytes()
+        data = _input(count, np.float32, ctx.rank)
+        group.broadcast(data, ctx.size - 1, deadline)  # interleaved with the allreduces
+        out[count, "broadcast"] = data.tobytes()
+    group.barrier(deadline)
+    return out
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_group_allreduce_and_broadcast_match_numpy(size):
+    results = _launch(size, _group_sweep)
+    for rank in range(size):
+        assert results[rank]["leftover"] == []
+    for count in _counts(size):
+        for dtype in _DTYPES:
+            for name, (_, ufunc) in _OPS.items():
+                inputs = [_input(count, dtype, r) for r in range(size)]
+                want = functools.reduce(lambda x, y: ufunc(x, y), inputs).tobytes()
+                for rank in range(size):  # bitwise equal to NumPy, hence across ranks
+                    assert results[rank][count, np.dtype(dtype).name, name] == want, \
+                        (count, np.dtype(dtype).name, name, rank)
+        root = _input(count, np.float32, size - 1).tobytes()
+        assert all(results[r][count, "broadcast"] == root for r in range(size))
+
+
+def _group_mismatch(ctx: Rank, how: str):
+    group = ShmGroup.open(ctx.job, ctx.rank, ctx.size, ctx.barrier, slot_bytes=_SLOT)
+    odd = ctx.rank == 1
+    data = np.ones(100 if how == "size" and odd else 50, np.float32)
+    deadline = time.monotonic() + 10
+    if how == "kind" and odd:
+        return _raises(group.barrier, deadline, lambda waited: None, 0x1234)
+    return _raises(group.allreduce, data, make_reducer(Sum, data.dtype), deadline,
+                   lambda waited: None, 0xBAD if how == "signature" and odd else 0x1234)
+
+
+@pytest.mark.parametrize("how", ["signature", "size", "kind"])
+def test_group_mismatched_collectives_raise_on_every_rank(how):
+    results = _launch(3, _group_mismatch, how)
+    for rank in range(3):
+        name, message, _ = results[rank]
+        assert name == "CollectiveMismatchError", message
+        assert "local rank 1 (rank 1)" in message and "0x1234" in message, message
+        if how == "signature":
+            assert "0xbad" in message
+
+
+def _die_in_third_reduce(group: ShmGroup) -> None:
+    """Kills this rank in the middle of the third piece: after arriving, before reducing."""
+    reduce, calls = group._reduce, [0]
+
+    def reduce_or_die(*args):
+        calls[0] += 1
+        if calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        reduce(*args)
+
+    group._reduce = reduce_or_die
+
+
+def _group_rank_killed(ctx: Rank):
+    group = ShmGroup.open(ctx.job, ctx.rank, ctx.size, ctx.barrier, slot_bytes=_SLOT)
+    if ctx.rank == 2:
+        _die_in_third_reduce(group)
+    data = np.ones(1000, np.float32)
+    return _raises(group.allreduce, data, make_reducer(Sum, data.dtype),
+                   time.monotonic() + 20)
+
+
+def test_group_killed_rank_raises_peer_lost_on_the_others():
+    results = _launch(3, _group_rank_killed, expect=2)
+    for rank in (0, 1):
+        name, message, seconds = results[rank]
+        assert name == "PeerLostError" and "local rank 2 (rank 2)" in message, message
+        assert seconds < 3.0
+
+
+def _group_silent_peer(ctx: Rank):
+    group = ShmGroup.open(ctx.job, ctx.rank, ctx.size, ctx.barrier)
+    if ctx.rank == 1:
+        ctx.barrier()  # stays alive but never joins the collective
+        return None
+    idle: list[float] = []
+    result = _raises(group.allreduce, np.ones(10, np.int64), make_reducer(Sum, np.int64),
+                     time.monotonic() + 0.3, idle.append)
+    ctx.barrier()
+    return result, len(idle)
+
+
+def test_group_times_out_naming_the_missing_rank():
+    results = _launch(2, _group_silent_peer)
+    (name, message, seconds), idle_calls = results[0]
+    assert name == "GradsyncTimeoutError" and "local rank(s) [1]" in message, message
+    assert 0.3 <= seconds < 2.0 and idle_calls >= 3
+
+
+def test_group_split_covers_every_element_once():
+    group = object.__new__(ShmGroup)
+    for size in (1, 2, 3, 4, 7):
+        group.size = size
+        for count in (0, 1, 5, 16, 17, 1000):
+            for align in (1, 4, 16):
+                bounds = group._split(count, align)
+                assert bounds[0] == 0 and bounds[-1] == count and len(bounds) == size + 1
+                assert all(x <= y for x, y in zip(bounds, bounds[1:]))
+                assert all(b % align == 0 for b in bounds[:-1])
+
