@@ -25,7 +25,7 @@ t = torch.arange(4.0) * (rank + 1)
 gathered = gs.allgather(t.reshape(1, 4))       # one row per rank
 root_value = gs.broadcast(torch.tensor([rank]), root_rank=0)
 mine = gs.reducescatter(torch.ones(size * 2, 3), op=gs.Sum)
-info = gs.allgather_object({"rank": rank, "host": gs.local_rank()})
+info = gs.allgather_object({"rank": rank, "local_rank": gs.local_rank()})
 
 if rank == 0:
     print(f"{size} ranks; allreduce of 4 MB took {elapsed * 1e3:.2f} ms")

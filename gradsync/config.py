@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, fields
 from typing import Mapping
 
@@ -52,7 +53,7 @@ class Config:
     """Allreduce algorithm: ``auto``, ``ring``, ``doubling``, ``halving_doubling`` or ``shm``."""
 
     chunk_bytes: int = 1 << 20
-    """Pipelining unit of the ring and the shm algorithms (the segment size)."""
+    """Pipelining unit (segment size) of the ring and tree algorithms between pairs of ranks."""
 
     shm_slot_bytes: int = 1 << 20
     """Bytes each local rank owns in the host's shared-memory allreduce segment (per buffer)."""
@@ -70,7 +71,7 @@ class Config:
     """Bytes of small tensors packed into one fusion buffer (Horovod's HOROVOD_FUSION_THRESHOLD)."""
 
     stall_warning: float = 60.0
-    """Seconds a collective may wait before a warning names the ranks it waits for."""
+    """Seconds a collective may wait before a warning names it (are all ranks issuing it?)."""
 
     abort_poll_interval: float = 0.1
     """Seconds between checks of the job's abort flag while a rank waits."""
@@ -105,6 +106,10 @@ class Config:
         return dataclasses.replace(self, **changes)
 
 
+_SIZE = re.compile(r"(\d+)\s*([KkMmGg])(?:i?[Bb])?")
+_SHIFT = {"K": 10, "M": 20, "G": 30}
+
+
 def _parse(field: dataclasses.Field, variable: str, text: str):
     kind = field.type
     try:
@@ -116,6 +121,9 @@ def _parse(field: dataclasses.Field, variable: str, text: str):
                 return False
             raise ValueError(text)
         if kind == "int":
+            size = _SIZE.fullmatch(text.strip())
+            if size:  # 64K, 1M, 4MiB, 2GB: binary units
+                return int(size[1]) << _SHIFT[size[2].upper()]
             return int(text, 0)
         if kind == "float":
             return float(text)

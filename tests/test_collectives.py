@@ -7,7 +7,7 @@ first wrong element, printing what it was.
 
 import pytest
 
-from harness import launch
+from harness import launch, spawn
 
 pytestmark = pytest.mark.multiprocess
 
@@ -24,3 +24,12 @@ def test_sweep_over_tcp(n):
     result = launch(n, "sweep.py", "tcp", timeout=240, env={"GRADSYNC_TRANSPORT": "tcp"})
     assert result.returncode == 0, result
     assert result.output.count("checks passed") == n, result
+
+
+def test_sweep_on_two_emulated_hosts():
+    # Ranks 0-1 play one host and 2-3 another: shared memory inside each, TCP between them.
+    ranks = spawn(4, "sweep.py", timeout=240,
+                  per_rank_env=lambda r: {"GRADSYNC_HOSTNAME": f"host{r // 2}"})
+    for r in ranks:
+        assert r.returncode == 0, r.output
+        assert "checks passed" in r.output, r.output

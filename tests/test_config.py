@@ -42,3 +42,14 @@ def test_booleans():
 def test_config_is_frozen():
     with pytest.raises(Exception):
         Config().timeout = 1
+
+
+@pytest.mark.parametrize("text, value", [("4M", 4 << 20), ("64K", 64 << 10), ("2MiB", 2 << 20),
+                                         ("1GB", 1 << 30), ("4096", 4096), ("0x400", 1024)])
+def test_byte_sizes_take_binary_units(text, value):
+    assert load_config(environ={"GRADSYNC_SHM_SLOT_BYTES": text}).shm_slot_bytes == value
+
+
+def test_a_bad_size_names_the_variable():
+    with pytest.raises(ConfigError, match="GRADSYNC_CHUNK_BYTES='4X'"):
+        load_config(environ={"GRADSYNC_CHUNK_BYTES": "4X"})

@@ -7,6 +7,11 @@ so that ranks start together, each timed on every rank; a sample is the slowest 
 and broadcast so that all ranks agree. After timing, one allreduce of known inputs is checked
 (#wrong = elements that differ from the closed form). Only rank 0 prints.
 
+The timed buffer holds zeros, so that repeated in-place sums stay finite (ones would double
+every iteration and overflow to inf after about 128 of them). The ``memcpy`` column is the
+floor: one process copying the same number of bytes (``np.copyto``), measured on every rank
+at the same moment, so under the same load.
+
     algbw = size / time            busbw = algbw * 2 (n - 1) / n
 
 busbw is the per-link traffic of a bandwidth-optimal allreduce, comparable across n.
@@ -45,6 +50,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-iters", type=int, default=1000)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", help="write the rows to this file (rank 0)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the largest size, profile 20 gradsync allreduces of it on "
+                        "rank 0 (cProfile) and print where the time goes")
     return p
 
 
@@ -65,13 +73,16 @@ def run(args) -> list[dict]:
 
     torch.set_num_threads(1)
     gs.init()
+    from gradsync import api
+    from gradsync.collectives.planner import choose_allreduce
+
+    world = api._world
     rank, n = gs.rank(), gs.size()
     gloo = None
     if args.compare == "gloo":
         import torch.distributed as dist
-        from gradsync import api
 
-        store = torch.distributed.PrefixStore("bench-gloo", api._world.store._base)
+        store = torch.distributed.PrefixStore("bench-gloo", world.store._base)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=n)
         gloo = dist
     lo, hi = (parse_size(s) for s in args.sizes.split(":"))
@@ -81,10 +92,14 @@ def run(args) -> list[dict]:
     size = lo
     while size <= hi:
         count = max(1, size // dtype.itemsize)
-        x = np.ones(count, dtype=dtype)
+        x = np.zeros(count, dtype=dtype)
         row = {"size": count * dtype.itemsize, "count": count, "dtype": dtype.name,
-               "algorithm": args.algorithm, "ranks": n}
-        impls = [("gradsync", lambda: gs.allreduce_(x, op=gs.Sum, name="bench",
+               "algorithm": choose_allreduce(count * dtype.itemsize, n, args.algorithm,
+                                             world.config, world.shm_group is not None),
+               "transport": world.config.transport, "ranks": n}
+        copy_src = np.zeros_like(x)
+        impls = [("memcpy", lambda: np.copyto(x, copy_src), gs.barrier)]
+        impls += [("gradsync", lambda: gs.allreduce_(x, op=gs.Sum, name="bench",
                                                     algorithm=args.algorithm),
                   gs.barrier)]
         if gloo is not None:
@@ -97,12 +112,14 @@ def run(args) -> list[dict]:
             iters = int(min(args.max_iters, max(5, args.seconds / max(min(probe), 1e-6))))
             iters = int(gs.broadcast_object(iters, 0, name="bench.iters"))
             samples = _timed(fn, barrier, iters, reduce_max)
-            x[:] = np.arange(count) % 5 + rank          # closed form: sum = n*(i%5) + n(n-1)/2
-            fn()
-            want = n * (np.arange(count) % 5) + n * (n - 1) / 2
-            wrong = int(gs.allreduce(np.array([np.count_nonzero(x != want.astype(dtype))]),
-                                     op=gs.Sum, name="bench.wrong")[0])
-            x[:] = 1
+            wrong = 0
+            if label != "memcpy":
+                x[:] = np.arange(count) % 5 + rank  # closed form: sum = n*(i%5) + n(n-1)/2
+                fn()
+                want = n * (np.arange(count) % 5) + n * (n - 1) / 2
+                wrong = int(gs.allreduce(np.array([np.count_nonzero(x != want.astype(dtype))]),
+                                         op=gs.Sum, name="bench.wrong")[0])
+                x[:] = 0
             med = statistics.median(samples)
             algbw = row["size"] / med / 1e9
             row[label] = {"time_us": med * 1e6, "iqr_us": float(np.subtract(
@@ -114,6 +131,9 @@ def run(args) -> list[dict]:
         if rank == 0:
             _print_row(row, header=len(rows) == 1, compare=gloo is not None)
         size *= args.factor
+    if args.profile:
+        _profile(lambda: gs.allreduce_(x, op=gs.Sum, name="bench", algorithm=args.algorithm),
+                 gs.barrier, rank)
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -123,18 +143,42 @@ def run(args) -> list[dict]:
     return rows
 
 
+def _profile(fn, barrier, rank: int, iters: int = 20) -> None:
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    for _ in range(iters):
+        barrier()
+        if rank == 0:
+            profiler.enable()
+        fn()
+        if rank == 0:
+            profiler.disable()
+    if rank == 0:
+        out = io.StringIO()
+        stats = pstats.Stats(profiler, stream=out)
+        stats.sort_stats("tottime").print_stats(12)
+        print(f"# profile of rank 0 over {iters} allreduces of the largest size "
+              "(tottime = time in the function itself)", flush=True)
+        print(out.getvalue(), flush=True)
+
+
 def _print_row(row: dict, header: bool, compare: bool) -> None:
     if header:
-        cols = f"{'size(B)':>12} {'count':>11} {'type':>8} {'algorithm':>10} {'time(us)':>10} " \
-               f"{'algbw':>7} {'busbw':>7} {'#wrong':>6}"
+        cols = f"{'size(B)':>12} {'count':>11} {'type':>8} {'algorithm':>16} {'time(us)':>10} " \
+               f"{'algbw':>7} {'busbw':>7} {'#wrong':>6} {'memcpy(us)':>10}"
         if compare:
             cols += f" | {'gloo(us)':>10} {'busbw':>7} {'#wrong':>6} {'ratio':>6}"
-        print(f"# allreduce, {row['ranks']} ranks, in place, op=sum; busbw = algbw*2(n-1)/n "
+        print(f"# allreduce, {row['ranks']} ranks, transport={row['transport']}, in place, "
+              f"op=sum; busbw = algbw*2(n-1)/n "
               f"(GB/s); time = median over iterations of the slowest rank", flush=True)
         print(cols, flush=True)
     g = row["gradsync"]
-    line = f"{row['size']:>12} {row['count']:>11} {row['dtype']:>8} {row['algorithm']:>10} " \
-           f"{g['time_us']:>10.1f} {g['algbw']:>7.2f} {g['busbw']:>7.2f} {g['wrong']:>6}"
+    line = f"{row['size']:>12} {row['count']:>11} {row['dtype']:>8} {row['algorithm']:>16} " \
+           f"{g['time_us']:>10.1f} {g['algbw']:>7.2f} {g['busbw']:>7.2f} {g['wrong']:>6} " \
+           f"{row['memcpy']['time_us']:>10.1f}"
     if compare:
         o = row["gloo"]
         line += f" | {o['time_us']:>10.1f} {o['busbw']:>7.2f} {o['wrong']:>6} {row['ratio']:>6.2f}"
