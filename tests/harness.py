@@ -41,8 +41,14 @@ def launch(np_: int, script: str, *args: str, timeout: float = 60, env: dict | N
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        # SIGTERM first: the launcher then stops its ranks (each in its own session); SIGKILL
+        # if it has not finished within a few seconds.
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=8)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
         raise AssertionError(f"{script} with {np_} ranks passed its {timeout}s deadline:\n"
                              f"{out[-6000:]}") from None
     return Result(proc.returncode, out)
