@@ -1,0 +1,48 @@
+"""Ctrl-C on `gradsync run` in the middle of shared-memory allreduces: every rank stops, the
+launcher exits 130, and nothing is left in /dev/shm."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness import RANKS
+
+pytestmark = pytest.mark.multiprocess
+
+
+def segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("gradsync-*")}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ctrl_c_mid_allreduce_stops_every_rank_and_leaks_no_segment(n):
+    before = segments()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+    env.update(GS_TEST_DEADLINE="40", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "gradsync", "run", "-np", str(n),
+                             sys.executable, str(RANKS / "busy.py")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        ready = 0
+        deadline = time.monotonic() + 30
+        while ready < n and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            ready += line.rstrip().endswith("ready")
+        assert ready == n, "ranks did not start"
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(20)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130
+    left = subprocess.run(["pgrep", "-f", str(RANKS / "busy.py")], capture_output=True, text=True)
+    assert left.stdout == "", f"ranks still running: {left.stdout}"
+    assert segments() - before == set()
