@@ -72,6 +72,7 @@ try:
                                 frame.pack(frame.Kind.PROOF, 0, 0, 0, 80) + b"\0" * 80):  # bad MAC
                     with socket.create_connection((peer.addr, peer.port)) as s:
                         s.sendall(payload)
+                        s.shutdown(socket.SHUT_WR)  # then EOF: a truncated frame ends here
                         s.settimeout(5)
                         try:
                             while s.recv(4096):
