@@ -161,7 +161,8 @@ def allreduce(tensor, op: ReduceOp = Average, name: str | None = None,
         name: identifies the collective in error reports; ranks must agree on it.
         prescale_factor: multiplies the input before the reduction.
         postscale_factor: multiplies the result after the reduction (and averaging).
-        algorithm: ``auto``, ``ring``, ``doubling``, ``halving_doubling`` or ``shm``.
+        algorithm: ``auto`` or one of ``ring``, ``topo_ring``, ``doubling``,
+            ``halving_doubling``, ``hierarchical``, ``shm`` (see ``collectives/planner.py``).
     """
     return _allreduce(tensor, op, name, prescale_factor, postscale_factor, algorithm, False, False)
 

@@ -32,7 +32,7 @@ IDENTITY_VARIABLES = frozenset(
 )
 
 TRANSPORTS = ("auto", "tcp", "shm")
-ALGORITHMS = ("auto", "ring", "doubling", "halving_doubling", "shm")
+ALGORITHMS = ("auto", "ring", "topo_ring", "doubling", "halving_doubling", "hierarchical", "shm")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,7 +50,8 @@ class Config:
     """``auto`` (shm within a host, tcp between hosts), ``tcp`` or ``shm`` (forces one)."""
 
     algorithm: str = "auto"
-    """Allreduce algorithm: ``auto``, ``ring``, ``doubling``, ``halving_doubling`` or ``shm``."""
+    """Allreduce algorithm: ``auto`` (the planner's choice) or one of ``ring``, ``topo_ring``,
+    ``doubling``, ``halving_doubling``, ``hierarchical``, ``shm``."""
 
     chunk_bytes: int = 1 << 20
     """Pipelining unit (segment size) of the ring and tree algorithms between pairs of ranks."""
@@ -75,6 +76,10 @@ class Config:
 
     abort_poll_interval: float = 0.1
     """Seconds between checks of the job's abort flag while a rank waits."""
+
+    topology: str = ""
+    """Path of a topology file (tiers' bandwidth and latency, groups of hosts; JSON or YAML),
+    as written by ``gradsync probe``; empty: built-in defaults for the tiers, no groups."""
 
     addr: str = ""
     """Address this rank listens on; empty means the one that routes to the store."""

@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from .collectives import alltoall as _alltoall
-from .collectives import doubling, halving_doubling, ring, tree
+from .collectives import doubling, halving_doubling, hierarchical, ring, tree
 from .collectives.ops import BFLOAT16, ReduceOp, make_reducer
 from .collectives.planner import choose_allreduce
 
@@ -53,6 +53,11 @@ def _run_allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, algorithm: str)
                                   world.comm.signature)
     elif algorithm == "ring":
         ring.allreduce(world.comm, flat, reducer, cfg.chunk_bytes)
+    elif algorithm == "topo_ring":
+        ring.allreduce(world.comm.view(world.ring_order), flat, reducer, cfg.chunk_bytes)
+    elif algorithm == "hierarchical":
+        hierarchical.allreduce(world.comm, flat, reducer, world.ring_order, world.levels,
+                               cfg.chunk_bytes, cfg.small_bytes)
     elif algorithm == "doubling":
         doubling.allreduce(world.comm, flat, reducer)
     else:
@@ -63,7 +68,7 @@ def allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, *, name: str, shape:
               prescale: float = 1.0, postscale: float = 1.0, algorithm: str = "auto") -> None:
     """Reduces ``flat`` in place across all ranks."""
     alg = choose_allreduce(flat.nbytes, world.size, algorithm, world.config,
-                           world.shm_group is not None)
+                           world.shm_group is not None, world.topology)
     world.comm.begin(f"allreduce '{name}' {_dt(dtype)}{list(shape)} op={op.name} "
                      f"prescale={prescale} postscale={postscale} algorithm={alg}",
                      world.config.check_collectives)
@@ -105,8 +110,12 @@ def allgather(world, flat: np.ndarray, dtype, *, name: str, shape: tuple) -> tup
     out[offset:offset + flat.size] = flat
     world.comm.begin(f"allgather {what} rows={rows}", world.config.check_collectives)
     if world.size > 1 and out.size:
-        ring.allgather(world.comm, out.view(np.uint8), [r * row * flat.itemsize for r in rows],
-                       world.config.chunk_bytes)
+        counts = [r * row * flat.itemsize for r in rows]
+        if world.hierarchical:
+            hierarchical.allgather(world.comm, out.view(np.uint8), counts, world.ring_order,
+                                   world.levels, world.config.chunk_bytes)
+        else:
+            ring.allgather(world.comm, out.view(np.uint8), counts, world.config.chunk_bytes)
     return out, rows
 
 
@@ -118,6 +127,9 @@ def broadcast(world, flat: np.ndarray, dtype, root: int, *, name: str, shape: tu
         if world.shm_group is not None:
             world.shm_group.broadcast(flat.view(np.uint8), root, _deadline(world),
                                       world.on_idle, world.comm.signature)
+        elif world.hierarchical:
+            hierarchical.broadcast(world.comm, flat.view(np.uint8), root, world.ring_order,
+                                   world.levels, world.config.chunk_bytes)
         else:
             tree.broadcast(world.comm, flat.view(np.uint8), root, world.config.chunk_bytes)
 

@@ -19,6 +19,8 @@ import socket
 import time
 from dataclasses import dataclass
 
+from . import topology
+from .collectives import hierarchical
 from .config import Config
 from .errors import (AuthenticationError, CollectiveMismatchError, ConfigError, GradsyncError,
                      GradsyncTimeoutError, PeerLostError, ProtocolError)
@@ -82,6 +84,12 @@ class World:
         self.cross_rank, self.cross_size = same_local.index(env.hostname), len(same_local)
         self.local_ranks = mine
         self.single_host = len(hosts) == 1
+        spec = topology.load(config.topology) if config.topology else None
+        self.topology = topology.Topology.from_hosts([p.host for p in peers], spec)
+        self.ring_order = self.topology.ring_order()
+        self.levels = hierarchical.levels_of(self.topology)
+        # Hierarchical allgather and broadcast pay off when some host has several ranks.
+        self.hierarchical = not self.single_host and len(hosts) < self.size
         self.failure: GradsyncError | None = None
         self._next_poll = 0.0
         self._stall_warned = -1

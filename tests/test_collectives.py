@@ -26,10 +26,13 @@ def test_sweep_over_tcp(n):
     assert result.output.count("checks passed") == n, result
 
 
-def test_sweep_on_two_emulated_hosts():
-    # Ranks 0-1 play one host and 2-3 another: shared memory inside each, TCP between them.
-    ranks = spawn(4, "sweep.py", timeout=240,
-                  per_rank_env=lambda r: {"GRADSYNC_HOSTNAME": f"host{r // 2}"})
+@pytest.mark.parametrize("layout", ["aabb", "abab", "abcab"])
+def test_sweep_on_emulated_hosts(layout):
+    # Rank r plays host layout[r]: shared memory inside a host, TCP between hosts; "abab"
+    # numbers ranks across hosts alternately, "abcab" has uneven hosts. The hierarchical and
+    # topology-ordered algorithms run here on real processes.
+    ranks = spawn(len(layout), "sweep.py", timeout=240,
+                  per_rank_env=lambda r: {"GRADSYNC_HOSTNAME": f"host-{layout[r]}"})
     for r in ranks:
         assert r.returncode == 0, r.output
         assert "checks passed" in r.output, r.output

@@ -16,7 +16,7 @@ import numpy as np
 from . import frame
 from .base import Expect, Pair, Recv, Send, wait_all
 
-__all__ = ["Comm"]
+__all__ = ["Comm", "CommView"]
 
 
 def _bytes_view(buf) -> memoryview:
@@ -94,6 +94,11 @@ class Comm:
             self._scratch[slot] = buf
         return buf[:nbytes]
 
+    def view(self, ranks: Sequence[int]) -> "CommView":
+        """The ranks ``ranks`` (global, in this order, this rank among them) as a communicator
+        of their own: rank ``i`` of the view is ``ranks[i]``. See ``CommView``."""
+        return CommView(self, ranks)
+
     def _describe(self) -> str:
         return self.description
 
@@ -105,3 +110,46 @@ class Comm:
     def close(self) -> None:
         for pair in self.pairs.values():
             pair.close()
+
+
+class CommView:
+    """A subset or reordering of a Comm's ranks that algorithms can run on unchanged.
+
+    Hierarchical algorithms run a ring inside each host, another across hosts, and a ring
+    in topology order renumbers all ranks; each of these is a view. A view has no state of its
+    own: its frames go out on the parent's pairs with the parent's sequence number, signature
+    and per-pair message counters, so views used one after another inside one collective pair
+    up their messages exactly as the parent's own would (every rank walks the same views in
+    the same order).
+
+    Args:
+        parent: the job's Comm (or another view).
+        ranks: global ranks of the view's members, in the view's order; must hold this rank.
+    """
+
+    def __init__(self, parent: "Comm | CommView", ranks: Sequence[int]):
+        root = parent.root if isinstance(parent, CommView) else parent
+        ranks = [parent.ranks[r] for r in ranks] if isinstance(parent, CommView) else list(ranks)
+        if root.rank not in ranks:
+            raise ValueError(f"rank {root.rank} is not in the view {ranks}")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"a view lists a rank twice: {ranks}")
+        self.root, self.ranks = root, ranks
+        self.rank, self.size = ranks.index(root.rank), len(ranks)
+
+    @property
+    def signature(self) -> int:
+        return self.root.signature
+
+    def exchange(self, sends: Sequence[tuple[int, object]] = (),
+                 recvs: Sequence[tuple[int, object]] = ()) -> None:
+        """``Comm.exchange`` with peers given as ranks of this view."""
+        self.root.exchange([(self.ranks[p], b) for p, b in sends],
+                           [(self.ranks[p], b) for p, b in recvs])
+
+    def scratch(self, nbytes: int, slot: int = 0) -> np.ndarray:
+        return self.root.scratch(nbytes, slot)
+
+    def view(self, ranks: Sequence[int]) -> "CommView":
+        """A view of this view: ``ranks`` are ranks of this view."""
+        return CommView(self, ranks)

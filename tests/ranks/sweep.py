@@ -17,7 +17,7 @@ R, N = gs.rank(), gs.size()
 OPS = {"sum": gs.Sum, "average": gs.Average, "min": gs.Min, "max": gs.Max, "product": gs.Product}
 DTYPES = ["float32", "float64", "int32", "int64", "uint8", "float16", "bfloat16", "bool"]
 COUNTS = [0, 1, max(N - 1, 1), 7 * N + 3, 1000]  # 1000 elements span many 256-byte chunks
-ALGORITHMS = ["auto", "ring", "doubling", "halving_doubling"]
+ALGORITHMS = ["auto", "ring", "topo_ring", "doubling", "halving_doubling", "hierarchical"]
 if gs.local_size() == N and len(sys.argv) < 2:
     ALGORITHMS.append("shm")
 checked = 0
