@@ -208,9 +208,10 @@ def parse(spec: Mapping, topo: Topology, source: str = "topology") -> Topology:
     """Applies a parsed topology file to ``topo`` (the placement); errors name the field."""
     if not isinstance(spec, Mapping):
         raise ConfigError(f"{source}: the top level must be a mapping, got {type(spec).__name__}")
-    unknown = set(spec) - {"tiers", "reduce_bandwidth", "groups"}
+    unknown = set(spec) - {"tiers", "reduce_bandwidth", "groups", "measured"}
     if unknown:
         raise ConfigError(f"{source}: unknown field(s) {sorted(unknown)}; known: groups, "
+                          "measured (informative, written by gradsync probe), "
                           "reduce_bandwidth, tiers")
     tiers = dict(topo.tiers)
     declared = spec.get("tiers", {})

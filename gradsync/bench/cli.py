@@ -11,7 +11,7 @@ import sys
 
 __all__ = ["main"]
 
-BENCHMARKS = {"allreduce": "gradsync.bench.allreduce"}
+BENCHMARKS = {"allreduce": "gradsync.bench.allreduce", "probe": "gradsync.bench.probe"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("benchmark", choices=sorted(BENCHMARKS))
     parser.add_argument("-np", dest="np", type=int, default=2, help="number of ranks (default 2)")
+    parser.add_argument("-H", "--hosts", help="hosts and slots, as for gradsync run")
     args, rest = parser.parse_known_args(argv)
     if args.np < 1:
         parser.error("-np must be at least 1")
@@ -26,5 +27,5 @@ def main(argv: list[str] | None = None) -> int:
     # Validate the benchmark's own options here, before any rank starts.
     __import__(module, fromlist=["parser"]).parser().parse_args(rest)
     cmd = [sys.executable, "-m", "gradsync", "run", "-np", str(args.np),
-           sys.executable, "-m", module, *rest]
+           *(["-H", args.hosts] if args.hosts else []), sys.executable, "-m", module, *rest]
     return subprocess.call(cmd)

@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     # the entry here only lists it in ``gradsync --help``.
     commands.add_parser("bench", add_help=False,
                         help="collective, training and parameter-server benchmarks")
+    commands.add_parser("plan", add_help=False,
+                        help="the planner's predicted time per algorithm and size")
+    commands.add_parser("probe", add_help=False,
+                        help="measure each network tier, write a topology file")
     return parser
 
 
@@ -176,6 +180,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])
+    if argv[:1] == ["plan"]:
+        from ..bench import plan
+        return plan.main(argv[1:])
+    if argv[:1] == ["probe"]:
+        return _bench(["probe", *argv[1:]])
     parser = build_parser()
     args = parser.parse_args(argv)
     return launch(_spec(args.run_parser, args))

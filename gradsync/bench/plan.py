@@ -1,0 +1,78 @@
+"""``gradsync plan``: what the planner predicts for each allreduce algorithm, and its choice.
+
+    gradsync plan --hosts h0:2,h1:2 [--alternate] [--topology topo.json] [--sizes 4K:256M]
+
+Pure computation, no job: the placement comes from ``--hosts`` (ranks filled host by host,
+or dealt across hosts with ``--alternate``), the tiers from ``--topology`` (a file written by
+``gradsync probe``) or the defaults. Times are the cost model's (``collectives/planner.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..collectives.planner import CANDIDATES, plan
+from ..topology import Topology, load
+from .allreduce import parse_size
+
+__all__ = ["main", "parser", "placement"]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gradsync plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hosts", required=True, help="HOST:RANKS,... e.g. h0:2,h1:2")
+    p.add_argument("--alternate", action="store_true",
+                   help="number ranks across hosts alternately (rank r on host r %% H)")
+    p.add_argument("--topology", help="topology file (JSON/YAML) with tiers and groups")
+    p.add_argument("--sizes", default="4K:256M", help="MIN:MAX bytes, x4 per row")
+    p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    return p
+
+
+def placement(hosts: str, alternate: bool) -> list[str]:
+    """The host of each rank for ``h0:2,h1:2``-style text."""
+    slots = []
+    for item in hosts.split(","):
+        name, _, count = item.partition(":")
+        slots.append((name, int(count or 1)))
+    if not alternate:
+        return [name for name, count in slots for _ in range(count)]
+    left, out = dict(slots), []
+    while any(left.values()):
+        for name, _ in slots:
+            if left[name]:
+                out.append(name)
+                left[name] -= 1
+    return out
+
+
+def main(argv: "list[str] | None" = None) -> int:
+    args = parser().parse_args(argv)
+    spec = load(args.topology) if args.topology else None
+    topo = Topology.from_hosts(placement(args.hosts, args.alternate), spec)
+    lo, hi = (parse_size(s) for s in args.sizes.split(":"))
+    sizes = []
+    while lo <= hi:
+        sizes.append(lo)
+        lo *= 4
+    rows = plan(topo, sizes)
+    if args.json:
+        json.dump(rows, sys.stdout, indent=1)
+        print()
+        return 0
+    print("# " + topo.describe().replace("\n", "\n# "))
+    print(f"# predicted allreduce time (us) per algorithm; ranks: "
+          f"{' '.join(placement(args.hosts, args.alternate))}")
+    print(f"{'size(B)':>12} " + " ".join(f"{a:>16}" for a in CANDIDATES) + f" {'choice':>16}")
+    for row in rows:
+        print(f"{row['size']:>12} " +
+              " ".join(f"{row['predicted'][a] * 1e6:>16.1f}" for a in CANDIDATES) +
+              f" {row['choice']:>16}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""The planner's cost model on synthetic topologies, ``gradsync plan``, ``gradsync probe``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gradsync.bench import plan as plan_cli
+from gradsync.collectives.planner import choose_allreduce, predict
+from gradsync.config import Config
+from gradsync.topology import Topology, load
+from harness import spawn
+
+GBIT = {"tiers": {"host": {"bandwidth": "1gbit", "latency": "100us"},
+                  "local": {"bandwidth": "5GB/s", "latency": "5us"}}}
+MiB = 1 << 20
+
+
+def topo(layout: str, spec=None) -> Topology:
+    return Topology.from_hosts(list(layout), spec or GBIT)
+
+
+def choice(layout: str, nbytes: int, spec=None) -> str:
+    return choose_allreduce(nbytes, len(layout), "auto", Config(), False, topo(layout, spec))
+
+
+def test_large_messages_across_hosts_go_hierarchical():
+    assert choice("aabb", 64 * MiB) == "hierarchical"
+    assert choice("aaabbb", 64 * MiB) == "hierarchical"
+    assert choice("aab", 64 * MiB) == "hierarchical"
+
+
+def test_small_messages_take_the_fewest_steps():
+    assert choice("aabb", 4096) == "doubling"
+    assert choice("aaaabbbb", 1024) == "doubling"
+
+
+def test_predicted_gains_match_the_traffic_argument():
+    # 2 hosts x 2 ranks: a ring dealt across hosts puts every edge on the slow tier and
+    # two streams on each NIC; in host order two edges cross; the hierarchical allreduce
+    # moves 2(H-1)/H of the data per host over both of its ranks' streams.
+    t = topo("abab")
+    flat = predict("ring", 64 * MiB, t)
+    ordered = predict("topo_ring", 64 * MiB, t)
+    hier = predict("hierarchical", 64 * MiB, t)
+    assert flat / hier == pytest.approx(2.9, rel=0.1)
+    assert ordered / hier == pytest.approx(1.46, rel=0.1)
+    # Inter-host bandwidth of the hierarchical plan: (H-1)/H * 2 of the data through 1 Gbit/s.
+    assert 64 * MiB / hier == pytest.approx(125e6, rel=0.1)
+
+
+def test_three_tiers_keep_the_slowest_tier_for_the_least_traffic():
+    spec = {**GBIT, "groups": {"g0": ["a", "b"], "g1": ["c", "d"]}}
+    spec["tiers"] = {**GBIT["tiers"], "group": {"bandwidth": "200mbit", "latency": "200us"}}
+    t = topo("aabbccdd", spec)
+    # The group uplinks carry 2(G-1)/G of the data instead of the ring's 2(n-1)/n: 1.75x less.
+    assert predict("hierarchical", 64 * MiB, t) < predict("topo_ring", 64 * MiB, t) / 1.4
+    assert choice("aabbccdd", 64 * MiB, spec) == "hierarchical"
+
+
+def test_one_host_uses_the_shared_memory_group_or_sizes():
+    assert choose_allreduce(64 * MiB, 4, "auto", Config(), True, topo("aaaa")) == "shm"
+    assert choose_allreduce(4096, 4, "auto", Config(), False, topo("aaaa")) == "doubling"
+    assert choose_allreduce(64 * MiB, 4, "auto", Config(), False, topo("aaaa")) == "ring"
+    with pytest.raises(ValueError, match="unknown allreduce algorithm"):
+        choose_allreduce(1, 2, "rings", Config(), False, topo("ab"))
+
+
+def test_plan_prints_every_candidate_and_a_choice(capsys, tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(GBIT))
+    assert plan_cli.main(["--hosts", "h0:2,h1:2", "--alternate", "--topology", str(path),
+                          "--sizes", "4K:64M"]) == 0
+    out = capsys.readouterr().out
+    assert "ranks: h0 h1 h0 h1" in out
+    rows = [line.split() for line in out.splitlines() if line and line[0] != "#"][1:]
+    assert len(rows) == 8 and rows[0][0] == "4096" and rows[-1][0] == str(64 * MiB)
+    assert all(len(r) == 7 for r in rows)
+    assert plan_cli.placement("a:2,b:1", True) == ["a", "b", "a"]
+
+
+@pytest.mark.multiprocess
+def test_probe_measures_each_tier_and_writes_a_loadable_file(tmp_path):
+    out = tmp_path / "probe.json"
+    ranks = spawn(4, "probe.py", "--out", str(out), "--pings", "20", "--streams", "2",
+                  timeout=90, per_rank_env=lambda r: {"GRADSYNC_HOSTNAME": f"h{r // 2}"})
+    assert all(r.returncode == 0 for r in ranks), [r.output for r in ranks]
+    written = json.loads(out.read_text())
+    assert set(written["measured"]) == {"local", "host"}
+    assert written["measured"]["local"]["ranks"] == [0, 1]
+    assert written["measured"]["host"]["ranks"] == [0, 2]
+    again = Topology.from_hosts(["h0", "h0", "h1", "h1"], load(out))
+    assert again.tiers["host"].bandwidth == written["tiers"]["host"]["bandwidth"] > 0
