@@ -43,7 +43,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", default="4K:64M", help="MIN:MAX bytes, stepping by --factor (default 4K:64M)")
     p.add_argument("--factor", type=int, default=4, help="size multiplier between rows (default 4)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "int32"])
-    p.add_argument("--algorithm", default="auto", help="gradsync algorithm (default auto)")
+    p.add_argument("--algorithm", default="auto",
+                   help="gradsync algorithm, or several separated by commas, each measured in "
+                        "the same run (e.g. ring,topo_ring,hierarchical,auto); default auto")
+    p.add_argument("--topology", help="topology file for the planner (GRADSYNC_TOPOLOGY)")
     p.add_argument("--compare", choices=["gloo", "none"], default="none",
                    help="also measure torch.distributed with this backend, in the same run")
     p.add_argument("--seconds", type=float, default=0.5, help="target timed seconds per size")
@@ -72,7 +75,7 @@ def run(args) -> list[dict]:
     import gradsync as gs
 
     torch.set_num_threads(1)
-    gs.init()
+    gs.init(**({"topology": args.topology} if args.topology else {}))
     from gradsync import api
     from gradsync.collectives.planner import choose_allreduce
 
@@ -90,49 +93,42 @@ def run(args) -> list[dict]:
     reduce_max = lambda a: gs.allreduce(a, op=gs.Max, name="bench.samples")  # noqa: E731
     rows = []
     size = lo
+    algorithms = args.algorithm.split(",")
     while size <= hi:
         count = max(1, size // dtype.itemsize)
+        nbytes = count * dtype.itemsize
         x = np.zeros(count, dtype=dtype)
-        row = {"size": count * dtype.itemsize, "count": count, "dtype": dtype.name,
-               "algorithm": choose_allreduce(count * dtype.itemsize, n, args.algorithm,
-                                             world.config, world.shm_group is not None),
-               "transport": world.config.transport, "ranks": n}
         copy_src = np.zeros_like(x)
-        impls = [("memcpy", lambda: np.copyto(x, copy_src), gs.barrier)]
-        impls += [("gradsync", lambda: gs.allreduce_(x, op=gs.Sum, name="bench",
-                                                    algorithm=args.algorithm),
-                  gs.barrier)]
+        impls = [("memcpy", "memcpy", lambda: np.copyto(x, copy_src), gs.barrier)]
+        for alg in algorithms:
+            impls.append(("gradsync", alg, lambda alg=alg: gs.allreduce_(
+                x, op=gs.Sum, name="bench", algorithm=alg), gs.barrier))
         if gloo is not None:
             t = torch.from_numpy(x)
-            impls.append(("gloo", lambda: gloo.all_reduce(t), gloo.barrier))
-        for label, fn, barrier in impls:
-            for _ in range(args.warmup):
-                fn()
-            probe = _timed(fn, barrier, 2, reduce_max)
-            iters = int(min(args.max_iters, max(5, args.seconds / max(min(probe), 1e-6))))
-            iters = int(gs.broadcast_object(iters, 0, name="bench.iters"))
-            samples = _timed(fn, barrier, iters, reduce_max)
-            wrong = 0
-            if label != "memcpy":
-                x[:] = np.arange(count) % 5 + rank  # closed form: sum = n*(i%5) + n(n-1)/2
-                fn()
-                want = n * (np.arange(count) % 5) + n * (n - 1) / 2
-                wrong = int(gs.allreduce(np.array([np.count_nonzero(x != want.astype(dtype))]),
-                                         op=gs.Sum, name="bench.wrong")[0])
-                x[:] = 0
-            med = statistics.median(samples)
-            algbw = row["size"] / med / 1e9
-            row[label] = {"time_us": med * 1e6, "iqr_us": float(np.subtract(
-                *np.percentile(samples, [75, 25])) * 1e6), "iters": iters, "algbw": algbw,
-                "busbw": algbw * (2 * (n - 1) / n if n > 1 else 1), "wrong": wrong}
-        if gloo is not None:
-            row["ratio"] = row["gradsync"]["busbw"] / row["gloo"]["busbw"]
-        rows.append(row)
-        if rank == 0:
-            _print_row(row, header=len(rows) == 1, compare=gloo is not None)
+            impls.append(("gloo", "gloo", lambda: gloo.all_reduce(t), gloo.barrier))
+        measured = {}
+        for label, key, fn, barrier in impls:
+            measured[key] = _measure(args, fn, barrier, reduce_max, x, label != "memcpy",
+                                     rank, n, nbytes, gs)
+        for alg in algorithms:
+            row = {"size": nbytes, "count": count, "dtype": dtype.name, "requested": alg,
+                   "algorithm": choose_allreduce(nbytes, n, alg, world.config,
+                                                 world.shm_group is not None, world.topology),
+                   "transport": world.config.transport, "ranks": n,
+                   "gradsync": measured[alg], "memcpy": measured["memcpy"]}
+            if gloo is not None:
+                row["gloo"] = measured["gloo"]
+                row["ratio"] = row["gradsync"]["busbw"] / row["gloo"]["busbw"]
+            if len(algorithms) > 1:
+                row["speedup_vs_first"] = measured[algorithms[0]]["time_us"] / \
+                    measured[alg]["time_us"]
+            rows.append(row)
+            if rank == 0:
+                _print_row(row, header=len(rows) == 1, compare=gloo is not None,
+                           several=len(algorithms) > 1)
         size *= args.factor
     if args.profile:
-        _profile(lambda: gs.allreduce_(x, op=gs.Sum, name="bench", algorithm=args.algorithm),
+        _profile(lambda: gs.allreduce_(x, op=gs.Sum, name="bench", algorithm=algorithms[0]),
                  gs.barrier, rank)
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
@@ -141,6 +137,31 @@ def run(args) -> list[dict]:
         gloo.destroy_process_group()
     gs.shutdown()
     return rows
+
+
+def _measure(args, fn, barrier, reduce_max, x, check: bool, rank: int, n: int, nbytes: int,
+             gs) -> dict:
+    """Median time of ``fn`` (the slowest rank's per iteration), and a correctness check."""
+    for _ in range(args.warmup):
+        fn()
+    probe = _timed(fn, barrier, 2, reduce_max)
+    iters = int(min(args.max_iters, max(5, args.seconds / max(min(probe), 1e-6))))
+    iters = int(gs.broadcast_object(iters, 0, name="bench.iters"))
+    samples = _timed(fn, barrier, iters, reduce_max)
+    wrong = 0
+    if check:
+        count = x.size
+        x[:] = np.arange(count) % 5 + rank  # closed form: sum = n*(i%5) + n(n-1)/2
+        fn()
+        want = n * (np.arange(count) % 5) + n * (n - 1) / 2
+        wrong = int(gs.allreduce(np.array([np.count_nonzero(x != want.astype(x.dtype))]),
+                                 op=gs.Sum, name="bench.wrong")[0])
+        x[:] = 0
+    med = statistics.median(samples)
+    algbw = nbytes / med / 1e9
+    return {"time_us": med * 1e6, "iqr_us": float(np.subtract(
+        *np.percentile(samples, [75, 25])) * 1e6), "iters": iters, "algbw": algbw,
+        "busbw": algbw * (2 * (n - 1) / n if n > 1 else 1), "wrong": wrong}
 
 
 def _profile(fn, barrier, rank: int, iters: int = 20) -> None:
@@ -165,15 +186,19 @@ def _profile(fn, barrier, rank: int, iters: int = 20) -> None:
         print(out.getvalue(), flush=True)
 
 
-def _print_row(row: dict, header: bool, compare: bool) -> None:
+def _print_row(row: dict, header: bool, compare: bool, several: bool = False) -> None:
     if header:
         cols = f"{'size(B)':>12} {'count':>11} {'type':>8} {'algorithm':>16} {'time(us)':>10} " \
                f"{'algbw':>7} {'busbw':>7} {'#wrong':>6} {'memcpy(us)':>10}"
         if compare:
             cols += f" | {'gloo(us)':>10} {'busbw':>7} {'#wrong':>6} {'ratio':>6}"
+        if several:
+            cols += f" | {'speedup':>7}"
         print(f"# allreduce, {row['ranks']} ranks, transport={row['transport']}, in place, "
               f"op=sum; busbw = algbw*2(n-1)/n "
-              f"(GB/s); time = median over iterations of the slowest rank", flush=True)
+              f"(GB/s); time = median over iterations of the slowest rank"
+              + ("; speedup = time of the first algorithm listed / this one's" if several
+                 else ""), flush=True)
         print(cols, flush=True)
     g = row["gradsync"]
     line = f"{row['size']:>12} {row['count']:>11} {row['dtype']:>8} {row['algorithm']:>16} " \
@@ -182,6 +207,8 @@ def _print_row(row: dict, header: bool, compare: bool) -> None:
     if compare:
         o = row["gloo"]
         line += f" | {o['time_us']:>10.1f} {o['busbw']:>7.2f} {o['wrong']:>6} {row['ratio']:>6.2f}"
+    if several:
+        line += f" | {row['speedup_vs_first']:>7.2f}"
     print(line, flush=True)
 
 
