@@ -19,6 +19,7 @@ from .errors import GradsyncTimeoutError, PeerLostError
 __all__ = ["Store"]
 
 _ABORT = "abort"
+_BASES: dict = {}
 
 
 class Store:
@@ -37,13 +38,20 @@ class Store:
         from torch.distributed import PrefixStore, TCPStore
 
         self.timeout = timeout
-        try:
-            base = TCPStore(addr, port, world_size if is_server else None, is_server,
-                            timedelta(seconds=timeout), wait_for_workers=False)
-        except (RuntimeError, OSError) as exc:
-            raise GradsyncTimeoutError(f"could not reach the rendezvous store at {addr}:{port} "
-                                       f"within {timeout:.0f}s: {exc}") from None
-        self._base = base  # the server must outlive the prefixed view
+        key = (addr, port, is_server)
+        base = _BASES.get(key)
+        if base is None:
+            try:
+                base = TCPStore(addr, port, world_size if is_server else None, is_server,
+                                timedelta(seconds=timeout), wait_for_workers=False)
+            except (RuntimeError, OSError) as exc:
+                raise GradsyncTimeoutError(f"could not reach the rendezvous store at "
+                                           f"{addr}:{port} within {timeout:.0f}s: {exc}") from None
+            # Kept for the life of the process: a store hosted here must outlive this rank's
+            # shutdown (other ranks may still read the abort record), and a later init() of
+            # the same job reuses it (under a new key prefix, see World.connect).
+            _BASES[key] = base
+        self._base = base
         self._store = PrefixStore(f"gradsync/{job}/", base)
         self._lock = threading.Lock()
 

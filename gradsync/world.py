@@ -12,6 +12,8 @@ so one failure ends the collective on every rank within about ``abort_poll_inter
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -38,6 +40,7 @@ _ERRORS = {cls.__name__: cls for cls in
            (PeerLostError, CollectiveMismatchError, GradsyncTimeoutError, AuthenticationError,
             ProtocolError, GradsyncError)}
 _MISMATCH_GRACE = 2.0
+_generations = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,12 @@ class World:
     # ------------------------------------------------------------------ set-up
     @classmethod
     def connect(cls, config: Config, env: LaunchEnv) -> "World":
+        # A process that shuts down and initialises again joins a new incarnation of the job:
+        # its store keys, handshakes and segments must not meet the previous one's. Every rank
+        # counts its own init() calls, and all ranks make the same number of them.
+        generation = next(_generations)
+        if generation:
+            env = dataclasses.replace(env, job_id=f"{env.job_id}.{generation}")
         deadline = time.monotonic() + config.connect_timeout
         store = Store(env.store_addr, env.store_port, env.store_is_server, env.job_id,
                       config.connect_timeout, env.size)

@@ -71,10 +71,10 @@ try:
                                 frame.pack(frame.Kind.PROOF, 0, 0, 0, 80)[:20],  # truncated
                                 frame.pack(frame.Kind.PROOF, 0, 0, 0, 80) + b"\0" * 80):  # bad MAC
                     with socket.create_connection((peer.addr, peer.port)) as s:
-                        s.sendall(payload)
-                        s.shutdown(socket.SHUT_WR)  # then EOF: a truncated frame ends here
                         s.settimeout(5)
                         try:
+                            s.sendall(payload)
+                            s.shutdown(socket.SHUT_WR)  # EOF: a truncated frame ends here
                             while s.recv(4096):
                                 pass
                         except OSError:
