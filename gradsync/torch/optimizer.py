@@ -1,0 +1,547 @@
+"""DistributedOptimizer: Horovod's gradient-averaging optimizer wrapper, on fixed buckets.
+
+The returned object *is* an instance of the wrapped optimizer's class. DistributedOptimizer
+builds, once per optimizer class, a subclass whose methods come first from the
+``_DistributedOptimizer`` mixin below, and gives the new object the wrapped optimizer's
+attributes (the very same ``param_groups``, ``state`` and ``defaults``). So ``isinstance(opt,
+torch.optim.SGD)``, ``state_dict``/``load_state_dict``, LR schedulers and
+``torch.amp.GradScaler`` work as on the original. The class has to be made at run time
+because the wrapped class is only known then (Horovod does the same); all the behaviour is in
+the mixin, which is ordinary code.
+
+One round (one optimizer step), on each rank:
+
+1. backward. ``Tensor.register_post_accumulate_grad_hook`` reports each parameter whose
+   gradient has been accumulated. After ``backward_passes_per_step`` reports, the gradient is
+   copied into its view of its bucket (``buckets.py``). When a bucket is complete and every
+   earlier bucket has been launched, its allreduce goes to the engine's progress thread
+   (``allreduce_async_``) and runs while backward computes the next gradients.
+2. ``step()`` or ``synchronize()``. Buckets not launched yet, because a member got no gradient
+   (a parameter unused this step, a branch this rank did not take) or fewer passes than
+   expected, are completed with what is there (zeros for a missing gradient, as Horovod does)
+   and launched, in order. Then each bucket is waited for: only allreduces still in flight
+   cost time. Every ``param.grad`` becomes its view of the reduced bucket.
+3. the wrapped optimizer's own ``step``.
+
+A round is reduced once: ``synchronize()`` again before the next backward, or ``step()`` after
+it, does nothing more. Between backward and ``synchronize()`` the allreduces may be running, so
+a gradient changed in place then (clipping too early) would be lost or race with them: the
+version counters of the gradients and buckets, recorded when they were staged and launched,
+turn that into an error.
+
+Averaging: with ``op=Average`` the engine divides the sum by the number of ranks. With a
+``gradient_predivide_factor`` f, each rank's gradients are multiplied by 1/f before the sum
+and the result by f after the division (1/size overall; the split keeps half-precision sums
+in range). Compression casts each bucket to the wire dtype before its allreduce and back
+after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from .. import api as gs
+from ..collectives.ops import Average, ReduceOp, Sum
+from .buckets import Bucket, assign_buckets, check_layout
+from .compression import Compression, Compressor
+from .mpi_ops import _ADASUM, Adasum, ProcessSet, _check_process_set, global_process_set
+
+__all__ = ["DistributedOptimizer"]
+
+_LIVE: "weakref.WeakSet[_DistributedOptimizer]" = weakref.WeakSet()
+"""DistributedOptimizers with hooks registered; ``join()`` follows their buckets."""
+
+_OWNER = "_gradsync_optimizer"
+"""Attribute of a managed parameter: a weak reference to the optimizer whose hook it carries."""
+
+_MODIFIED = (
+    "{what} was modified between backward() and synchronize() (by GradScaler.unscale_, "
+    "clip_grad_norm_, ...), after its allreduce had started: the change would be lost or race "
+    "with the allreduce. Call optimizer.synchronize() first, then modify the gradients, then "
+    "call optimizer.step() inside optimizer.skip_synchronize() (docs/torch.md)")
+
+
+class _DistributedOptimizer:
+    """Reduces gradients across ranks before the wrapped optimizer's step (module docstring)."""
+
+    backward_passes_per_step: int
+    op: ReduceOp
+    gradient_predivide_factor: float
+    sparse_as_dense: bool
+
+    # ------------------------------------------------------------------ set-up
+    def _gs_setup(self, named_parameters, compression: type[Compressor],
+                  backward_passes_per_step: int, op: ReduceOp,
+                  gradient_predivide_factor: float, groups, sparse_as_dense: bool) -> None:
+        self._gs_names = _parameter_names(self.param_groups, named_parameters)
+        self._gs_groups = _check_groups(groups, self.param_groups)
+        self._gs_compression = compression
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op, self.sparse_as_dense = op, sparse_as_dense
+        self.gradient_predivide_factor = gradient_predivide_factor
+        factor = gradient_predivide_factor
+        self._gs_scale = (1.0 / factor, factor) if op is Average else (1.0, 1.0)
+        self._gs_should_synchronize = True
+        self._gs_synchronized = False
+        self._gs_superseded = False
+        self._gs_hooks: list[torch.utils.hooks.RemovableHandle] = []
+        weakref.finalize(self, _remove_hooks, self._gs_hooks)
+        self._gs_build()
+
+    def _gs_build(self) -> None:
+        """Plans the buckets and hooks every trainable parameter (a collective: the layout
+        check). Runs at construction and after ``add_param_group``."""
+        _remove_hooks(self._gs_hooks)
+        _LIVE.discard(self)
+        params, names = [], []
+        self._gs_frozen: list[tuple[str, torch.Tensor]] = []
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                name = self._gs_names.get(id(p), f"allreduce.noname.{gi}.{pi}")
+                if p.requires_grad:
+                    params.append(p)
+                    names.append(name)
+                else:
+                    self._gs_frozen.append((name, p))
+        self._gs_buckets: list[Bucket] = []
+        self._gs_slot_param: list[torch.Tensor] = []
+        self._gs_slot_view: list[torch.Tensor] = []
+        self._gs_slot_bucket: list[Bucket] = []
+        self._gs_slot_name: list[str] = []
+        # Horovod reduces nothing in a one-rank job; neither do we (step is the plain step).
+        if gs.size() > 1 and params:
+            for k, members in enumerate(assign_buckets(params, self._gs_groups)):
+                first = len(self._gs_slot_param)
+                bucket = Bucket(k, list(range(first, first + len(members))),
+                                [params[i] for i in members], [names[i] for i in members])
+                self._gs_buckets.append(bucket)
+                for param, view in bucket.pairs:
+                    self._gs_slot_param.append(param)
+                    self._gs_slot_view.append(view)
+                    self._gs_slot_bucket.append(bucket)
+                self._gs_slot_name.extend(bucket.names)
+            check_layout(self._gs_buckets)
+            ref = weakref.ref(self)
+            for slot, param in enumerate(self._gs_slot_param):
+                self._gs_hooks.append(param.register_post_accumulate_grad_hook(_hook(ref, slot)))
+                _take_ownership(param, ref)
+            _LIVE.add(self)
+        self._gs_reset_round()
+
+    def _gs_supersede(self) -> None:
+        """Called when a newer DistributedOptimizer hooks one of our parameters."""
+        _remove_hooks(self._gs_hooks)
+        _LIVE.discard(self)
+        self._gs_buckets = []
+        self._gs_round_open = False
+        self._gs_superseded = True
+
+    # ------------------------------------------------------------------ one round
+    def _gs_reset_round(self) -> None:
+        self._gs_passes_left = [self.backward_passes_per_step] * len(self._gs_slot_param)
+        self._gs_sparse: dict[int, int] = {}  # slot -> sparse_dim of its sparse gradient
+        # The gradient each slot was copied from, and its version then: a later in-place change
+        # would never reach the bucket, so _gs_finish refuses it.
+        self._gs_staged: list[torch.Tensor | None] = [None] * len(self._gs_slot_param)
+        self._gs_staged_version = [0] * len(self._gs_slot_param)
+        for bucket in self._gs_buckets:
+            bucket.pending = len(bucket.slots)
+        self._gs_next = 0  # the next bucket to launch
+        self._gs_round_open = False  # a hook fired since the last synchronize
+
+    def _gs_grad_ready(self, slot: int, param: torch.Tensor) -> None:
+        """The hook: ``param``'s gradient has been accumulated (once more) this round."""
+        left = self._gs_passes_left[slot]
+        if left == 0:
+            raise RuntimeError(
+                f"the gradient of '{self._gs_slot_name[slot]}' was computed more than "
+                f"backward_passes_per_step={self.backward_passes_per_step} times before "
+                "step() or synchronize(); raise backward_passes_per_step to accumulate more "
+                "backward passes locally")
+        if not self._gs_round_open:
+            # A new round: gradients synchronized before it (and never stepped with, as when
+            # GradScaler skips a step) are superseded by this backward's.
+            self._gs_round_open, self._gs_synchronized = True, False
+        self._gs_passes_left[slot] = left - 1
+        if left > 1:
+            return
+        self._gs_stage(slot, param.grad)
+        bucket = self._gs_slot_bucket[slot]
+        bucket.pending -= 1
+        if bucket.pending == 0 and bucket.index == self._gs_next:
+            self._gs_launch_ready()
+
+    def _gs_stage(self, slot: int, grad: torch.Tensor | None) -> None:
+        """Puts a gradient into its view of its bucket (zeros for a missing one)."""
+        view = self._gs_slot_view[slot]
+        if grad is view:  # backward accumulated straight into the bucket
+            return
+        if grad is None:
+            view.zero_()
+            return
+        self._gs_staged[slot], self._gs_staged_version[slot] = grad, grad._version
+        if grad.layout != torch.strided:
+            if not self.sparse_as_dense:
+                raise NotImplementedError(
+                    f"'{self._gs_slot_name[slot]}' has a sparse gradient; gradsync reduces "
+                    "dense buffers only: pass sparse_as_dense=True to DistributedOptimizer")
+            self._gs_sparse[slot] = grad.sparse_dim()
+            grad = grad.to_dense()
+        view.copy_(grad)
+
+    def _gs_launch_ready(self) -> None:
+        buckets = self._gs_buckets
+        while self._gs_next < len(buckets) and buckets[self._gs_next].pending == 0:
+            self._gs_launch(buckets[self._gs_next])
+
+    def _gs_launch(self, bucket: Bucket) -> None:
+        if bucket.flag is not None:
+            bucket.flag.fill_(1)  # "this rank is still training", for ranks that joined
+        bucket.pending = 0
+        bucket.wire, bucket.ctx = self._gs_compression.compress(bucket.buffer)
+        prescale, postscale = self._gs_scale
+        bucket.handle = gs.allreduce_async_(bucket.wire, op=self.op, name=bucket.name,
+                                            prescale_factor=prescale, postscale_factor=postscale)
+        # Views share their base's version counter, and the allreduce writes through NumPy
+        # without bumping it: any change seen in _gs_finish came from an in-place op on a grad.
+        bucket.version = bucket.buffer._version
+        self._gs_next = bucket.index + 1
+
+    def _gs_finish(self, bucket: Bucket) -> None:
+        bucket.handle.wait()
+        if bucket.buffer._version != bucket.version:
+            raise RuntimeError(_MODIFIED.format(what=f"a gradient in {bucket.name}"))
+        result = self._gs_compression.decompress(bucket.wire, bucket.ctx)
+        if result is not bucket.buffer:
+            bucket.buffer.copy_(result)
+        bucket.handle = bucket.wire = bucket.ctx = None
+        staged, versions, sparse = self._gs_staged, self._gs_staged_version, self._gs_sparse
+        for slot, (param, view) in zip(bucket.slots, bucket.pairs):
+            grad = param.grad
+            if grad is view:
+                continue
+            source = staged[slot]
+            if source is not None and (grad is not source or grad._version != versions[slot]):
+                raise RuntimeError(_MODIFIED.format(
+                    what=f"the gradient of '{self._gs_slot_name[slot]}'"))
+            # Sparse gradients are handed back in the layout backward produced.
+            param.grad = view.to_sparse(sparse[slot]) if slot in sparse else view
+
+    def _gs_follow_round(self) -> bool:
+        """On a rank that has joined: contributes zeros to one round of the others' buckets.
+
+        Returns:
+            False, after the first bucket, if its join flag shows that no rank is training.
+        """
+        prescale, postscale = self._gs_scale
+        for bucket in self._gs_buckets:
+            wire, ctx = self._gs_compression.compress(torch.zeros_like(bucket.buffer))
+            gs.allreduce_(wire, op=self.op, name=bucket.name, prescale_factor=prescale,
+                          postscale_factor=postscale)
+            if bucket.flag is not None and not self._gs_compression.decompress(wire, ctx)[-1]:
+                return False
+        return True
+
+    def _gs_check_usable(self) -> None:
+        if self._gs_superseded:
+            raise RuntimeError("this DistributedOptimizer no longer reduces gradients: a newer "
+                               "DistributedOptimizer was created over its parameters; use that "
+                               "one")
+
+    # ------------------------------------------------------------------ public
+    def synchronize(self) -> None:
+        """Finishes this round's gradient allreduce; each ``param.grad`` then holds the result.
+
+        Launches, in order, the buckets that backward did not complete (a missing gradient
+        counts as zeros), then waits for every bucket still in flight. Once a round is
+        synchronized, calling it again before the next backward (or ``step()`` after it) does
+        not reduce the gradients a second time.
+        """
+        self._gs_check_usable()
+        if self._gs_synchronized and not self._gs_round_open:
+            return
+        if self._gs_buckets:
+            for name, param in self._gs_frozen:
+                if param.requires_grad:
+                    raise RuntimeError(
+                        f"parameter '{name}' became trainable after DistributedOptimizer was "
+                        "created, so no rank reduces its gradient; create the "
+                        "DistributedOptimizer after unfreezing (or add it with "
+                        "add_param_group)")
+            passes_left = self._gs_passes_left
+            for bucket in self._gs_buckets[self._gs_next:]:
+                for slot in bucket.slots:
+                    if passes_left[slot]:
+                        self._gs_stage(slot, self._gs_slot_param[slot].grad)
+                self._gs_launch(bucket)
+            for bucket in self._gs_buckets:
+                self._gs_finish(bucket)
+            self._gs_reset_round()
+        self._gs_synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Within it, ``step()`` does not synchronize: for use after ``synchronize()``.
+
+        Example (gradient clipping)::
+
+            loss.backward()
+            optimizer.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        """
+        self._gs_should_synchronize = False
+        try:
+            yield
+        finally:
+            self._gs_should_synchronize = True
+
+    def step(self, closure: Callable[[], torch.Tensor] | None = None):
+        """Synchronizes (unless inside ``skip_synchronize``), then the wrapped step.
+
+        With a ``closure``, the gradients it computes are synchronized before the wrapped
+        optimizer uses them.
+        """
+        if self._gs_should_synchronize:
+            if closure is None:
+                self.synchronize()
+            else:
+                closure = self._gs_synchronizing(closure)
+        try:
+            return super().step() if closure is None else super().step(closure)
+        finally:
+            self._gs_synchronized = False
+
+    def _gs_synchronizing(self, closure: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        def synchronized_closure() -> torch.Tensor:
+            loss = closure()
+            self.synchronize()
+            return loss
+
+        return synchronized_closure
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._gs_round_open:
+            raise RuntimeError(
+                "optimizer.zero_grad() was called after backward() but before step() or "
+                "synchronize(): this round's gradients are being reduced across ranks. Call "
+                "step() (or synchronize()) first")
+        super().zero_grad(set_to_none)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Loads the wrapped optimizer's state; a round in progress is finished and dropped."""
+        for bucket in self._gs_buckets:
+            if bucket.handle is not None:
+                bucket.handle.wait()
+                bucket.handle = bucket.wire = bucket.ctx = None
+        self._gs_reset_round()
+        self._gs_synchronized, self._gs_should_synchronize = False, True
+        super().load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Adds a group, as ``torch.optim.Optimizer`` does, and re-plans the buckets.
+
+        Every rank must add the same group at the same point: re-planning checks the layout
+        with a collective.
+        """
+        self._gs_require_idle("add_param_group")
+        super().add_param_group(param_group)
+        self._gs_build()
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Changes how many backward passes are accumulated before the allreduce."""
+        _check_passes(passes)
+        self._gs_require_idle("set_backward_passes_per_step")
+        self.backward_passes_per_step = passes
+        self._gs_reset_round()
+
+    def _gs_require_idle(self, what: str) -> None:
+        if self._gs_round_open:
+            raise RuntimeError(f"{what}() was called between backward() and step(); call "
+                               "step() or synchronize() first")
+
+
+_MIXIN_NAMES = frozenset(n for n in vars(_DistributedOptimizer) if not n.startswith("__"))
+_CLASSES: dict[type, type] = {}
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,
+                         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+                         compression: type[Compressor] = Compression.none,
+                         backward_passes_per_step: int = 1, op: ReduceOp = Average,
+                         gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                         groups: int | list[list[torch.Tensor]] | None = None,
+                         sparse_as_dense: bool = False,
+                         process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
+    """Wraps ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
+
+    Gradient allreduces start during backward, in fixed buckets of at most
+    ``fusion_threshold`` bytes (``GRADSYNC_FUSION_THRESHOLD``); ``step()`` waits for those still
+    in flight. Use the returned optimizer, not ``optimizer``: they share ``param_groups`` and
+    ``state``.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer``.
+        named_parameters: ``(name, parameter)`` pairs naming every parameter of
+            ``optimizer`` (usually ``model.named_parameters()``); names appear in errors.
+        compression: ``Compression.none``, ``.fp16``, ``.bf16`` or a custom compressor.
+        backward_passes_per_step: backward passes accumulated locally per allreduce.
+        op: ``Average`` (default) or ``Sum``.
+        gradient_predivide_factor: with ``Average``, scale by 1/f before the sum and by f/size
+            after it.
+        num_groups: deprecated spelling of an integer ``groups`` (as in Horovod).
+        groups: explicit fusion groups instead of the threshold: an int (that many groups of
+            consecutive parameters) or a list of lists of parameters (each list one group; any
+            parameter not listed is a group of its own).
+        sparse_as_dense: reduce sparse gradients as dense tensors (otherwise they raise).
+        process_set: only the global process set is supported.
+
+    Raises:
+        ValueError: bad ``named_parameters`` (not pairs, duplicate names, an optimizer
+            parameter without a name), bad ``groups``, op other than Average/Sum, a predivide
+            factor with Sum.
+        NotImplementedError: ``op=Adasum`` or a non-global ``process_set``.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError("this optimizer is already a DistributedOptimizer")
+    _check_process_set(process_set)
+    if op is Adasum:
+        raise NotImplementedError(_ADASUM)
+    if op not in (Average, Sum):
+        raise ValueError(f"DistributedOptimizer reduces gradients with op=Average or op=Sum, "
+                         f"got {op!r}")
+    if gradient_predivide_factor <= 0:
+        raise ValueError(f"gradient_predivide_factor must be positive, got "
+                         f"{gradient_predivide_factor}")
+    if gradient_predivide_factor != 1.0 and op is not Average:
+        raise ValueError("gradient_predivide_factor is only supported with op=Average")
+    if not (callable(getattr(compression, "compress", None))
+            and callable(getattr(compression, "decompress", None))):
+        raise TypeError(f"compression must have compress() and decompress(), got {compression!r}")
+    _check_passes(backward_passes_per_step)
+    if num_groups:
+        warnings.warn("num_groups is deprecated (as in Horovod): use groups", DeprecationWarning,
+                      stacklevel=2)
+        groups = num_groups if groups is None else groups
+    base = type(optimizer)
+    cls = _CLASSES.get(base)
+    if cls is None:
+        cls = _CLASSES[base] = type(base.__name__, (_DistributedOptimizer, base),
+                                    {"__module__": __name__})
+    wrapped = cls.__new__(cls)
+    # Instance attributes that shadow our methods (an LR scheduler wraps ``optimizer.step`` on
+    # the instance) would bypass the synchronization: they stay behind with ``optimizer``.
+    wrapped.__dict__.update((k, v) for k, v in vars(optimizer).items() if k not in _MIXIN_NAMES)
+    wrapped._gs_setup(named_parameters, compression, backward_passes_per_step, op,
+                      gradient_predivide_factor, groups, sparse_as_dense)
+    return wrapped
+
+
+def live_optimizers() -> list[_DistributedOptimizer]:
+    """The DistributedOptimizers of this process that reduce gradients (for ``join``)."""
+    return list(_LIVE)
+
+
+# ----------------------------------------------------------------------------- helpers
+def _hook(ref: "weakref.ref[_DistributedOptimizer]", slot: int) -> Callable[[torch.Tensor], None]:
+    # A weak reference: the parameters must not keep a discarded optimizer (and its buckets)
+    # alive; when it is collected, the finalizer removes the hooks.
+    def hook(param: torch.Tensor) -> None:
+        optimizer = ref()
+        if optimizer is not None:
+            optimizer._gs_grad_ready(slot, param)
+
+    return hook
+
+
+def _remove_hooks(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
+def _take_ownership(param: torch.Tensor, ref: "weakref.ref[_DistributedOptimizer]") -> None:
+    # Two live optimizers hooked on one parameter would both launch allreduces for it, and the
+    # older one's never-synchronized rounds would fail the next backward. Re-wrapping a model
+    # (a new DistributedOptimizer over the same parameters) is common, so the newest wins.
+    previous = getattr(param, _OWNER, None)
+    previous = previous() if previous is not None else None
+    if previous is not None and previous is not ref():
+        previous._gs_supersede()
+    setattr(param, _OWNER, ref)
+
+
+def _check_passes(passes: int) -> None:
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"backward_passes_per_step must be a positive integer, got {passes!r}")
+
+
+def _parameter_names(param_groups: list[dict], named_parameters) -> dict[int, str]:
+    """Validates ``named_parameters`` as Horovod does; returns id(parameter) -> name."""
+    if named_parameters is None:
+        return {id(p): f"allreduce.noname.{gi}.{pi}"
+                for gi, group in enumerate(param_groups) for pi, p in enumerate(group["params"])}
+    named = list(named_parameters)
+    if not all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.Tensor)
+               for x in named):
+        raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, "
+                         "usually produced by model.named_parameters()")
+    seen: set[str] = set()
+    duplicates: set[str] = set()
+    for name, _ in named:
+        if name in seen:
+            duplicates.add(name)
+        seen.add(name)
+    if duplicates:
+        raise ValueError(f"Parameter names in named_parameters must be unique. Found "
+                         f"duplicates: {', '.join(sorted(map(str, duplicates)))}")
+    names: dict[int, str] = {}
+    for name, p in named:
+        if id(p) in names:
+            raise ValueError(f"parameter '{names[id(p)]}' appears again in named_parameters as "
+                             f"'{name}': each parameter needs exactly one name")
+        names[id(p)] = name
+    unnamed = [f"param_groups[{gi}]['params'][{pi}] of shape {tuple(p.shape)}"
+               for gi, group in enumerate(param_groups) for pi, p in enumerate(group["params"])
+               if id(p) not in names]
+    if unnamed:
+        more = f" and {len(unnamed) - 3} more" if len(unnamed) > 3 else ""
+        raise ValueError("named_parameters was specified, but one or more model parameters "
+                         f"were not named: {', '.join(unnamed[:3])}{more} (pass the "
+                         "named_parameters() of the model that the optimizer trains)")
+    return names
+
+
+def _check_groups(groups, param_groups: list[dict]) -> int | list[list[torch.Tensor]] | None:
+    if groups is None:
+        return None
+    if isinstance(groups, bool) or not isinstance(groups, (int, list)) or (
+            isinstance(groups, int) and groups <= 0):
+        raise ValueError(f"groups should be a positive integer or a list of lists of "
+                         f"torch.Tensor, got {groups!r}")
+    if isinstance(groups, int):
+        return groups
+    in_optimizer = {id(p) for group in param_groups for p in group["params"]}
+    seen: set[int] = set()
+    for group in groups:
+        if not isinstance(group, (list, tuple)):
+            raise ValueError(f"groups should be a list of lists of torch.Tensor, found {group!r}")
+        for p in group:
+            if not isinstance(p, torch.Tensor):
+                raise ValueError(f"groups must consist of torch.Tensor, found {type(p).__name__}")
+            if id(p) in seen:
+                raise ValueError("A parameter can only appear once in groups")
+            if id(p) not in in_optimizer:
+                raise ValueError(f"groups contains a tensor of shape {tuple(p.shape)} that is "
+                                 "not a parameter of the optimizer")
+            seen.add(id(p))
+    return [list(group) for group in groups]
