@@ -63,7 +63,9 @@ def _measure(comm, a: int, b: int, pings: int, streams: int) -> "tuple[float, fl
             comm.exchange(sends=[(peer, small)])
         trips.append(time.perf_counter() - start)
     big = np.ones(_STREAM, dtype=np.uint8)
+    # A warm-up message, acknowledged, so that the clock starts with empty socket buffers.
     comm.exchange(sends=[(peer, big)]) if me_first else comm.exchange(recvs=[(peer, big)])
+    comm.exchange(recvs=[(peer, small)]) if me_first else comm.exchange(sends=[(peer, small)])
     start = time.perf_counter()
     for _ in range(streams):
         comm.exchange(sends=[(peer, big)]) if me_first else comm.exchange(recvs=[(peer, big)])
@@ -114,6 +116,7 @@ def run(args) -> dict:
             json.dump(out, f, indent=1)
         print(json.dumps(out["measured"], indent=1), flush=True)
         print(f"wrote {args.out}", flush=True)
+    gs.barrier()  # the file exists before any rank returns (a next init may read it)
     gs.shutdown()
     return to_dict(probed)
 
