@@ -186,9 +186,16 @@ def _profile(fn, barrier, rank: int, iters: int = 20) -> None:
         print(out.getvalue(), flush=True)
 
 
+def _alg_label(row: dict) -> str:
+    """``auto:ring`` for the planner's choice, else the algorithm's name."""
+    if row.get("requested", row["algorithm"]) == row["algorithm"]:
+        return row["algorithm"]
+    return f"{row['requested']}:{row['algorithm']}"
+
+
 def _print_row(row: dict, header: bool, compare: bool, several: bool = False) -> None:
     if header:
-        cols = f"{'size(B)':>12} {'count':>11} {'type':>8} {'algorithm':>16} {'time(us)':>10} " \
+        cols = f"{'size(B)':>12} {'count':>11} {'type':>8} {'algorithm':>22} {'time(us)':>10} " \
                f"{'algbw':>7} {'busbw':>7} {'#wrong':>6} {'memcpy(us)':>10}"
         if compare:
             cols += f" | {'gloo(us)':>10} {'busbw':>7} {'#wrong':>6} {'ratio':>6}"
@@ -201,7 +208,7 @@ def _print_row(row: dict, header: bool, compare: bool, several: bool = False) ->
                  else ""), flush=True)
         print(cols, flush=True)
     g = row["gradsync"]
-    line = f"{row['size']:>12} {row['count']:>11} {row['dtype']:>8} {row['algorithm']:>16} " \
+    line = f"{row['size']:>12} {row['count']:>11} {row['dtype']:>8} {_alg_label(row):>22} " \
            f"{g['time_us']:>10.1f} {g['algbw']:>7.2f} {g['busbw']:>7.2f} {g['wrong']:>6} " \
            f"{row['memcpy']['time_us']:>10.1f}"
     if compare:
