@@ -249,3 +249,16 @@ def test_planner_predictions_agree_with_measurements(tmp_path):
     for alg in measured:
         assert 1 / 1.25 < measured[alg] / predicted[alg] < 1.25, (alg, got)
     assert measured[got["choice"]] <= 1.15 * min(measured.values()), got
+
+
+def test_sweep_on_three_hosts_in_two_groups(tmp_path):
+    # The topology file declares the groups, so the hierarchical algorithms run three tiers.
+    import json
+
+    with cluster([("h0", 2), ("h1", 1), ("h2", 2)], {"g0": ["h0", "h1"], "g1": ["h2"]}) as c:
+        path = tmp_path / "topo.json"
+        path.write_text(json.dumps(c.topology_spec()))
+        results = run_ranks(c, "sweep.py", timeout=100, placement="alternate",
+                            env={"GRADSYNC_TOPOLOGY": str(path)})
+    for r in results:
+        assert r.returncode == 0 and "checks passed" in r.output, r
