@@ -1,6 +1,7 @@
 """``gradsync bench``: starts the benchmark's ranks through ``gradsync run``.
 
     gradsync bench allreduce -np 2 [--compare gloo] [--sizes 4K:64M] ...
+    gradsync bench train -np 2 [--compare ddp] [--model mlp|cnn|both] [--profile] ...
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import sys
 
 __all__ = ["main"]
 
-BENCHMARKS = {"allreduce": "gradsync.bench.allreduce", "probe": "gradsync.bench.probe"}
+BENCHMARKS = {"allreduce": "gradsync.bench.allreduce", "probe": "gradsync.bench.probe",
+              "train": "gradsync.bench.train"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -73,7 +73,18 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
         state_dict = _rebuild(structure, tensors)
     _broadcast_fused(tensors, root_rank, "broadcast_optimizer_state")
     if not is_root:
+        # load_state_dict replaces param_groups and state with new objects; put the contents
+        # back into the old ones, which a wrapped optimizer and any LR scheduler built on it
+        # still hold (otherwise a scheduler would change an lr that nothing reads any more,
+        # and ranks would drift apart without an error).
+        groups, state = optimizer.param_groups, optimizer.state
         optimizer.load_state_dict(state_dict)
+        for old, new in zip(groups, optimizer.param_groups):
+            old.clear()
+            old.update(new)
+        state.clear()
+        state.update(optimizer.state)
+        optimizer.param_groups, optimizer.state = groups, state
 
 
 def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None,

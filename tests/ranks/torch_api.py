@@ -308,6 +308,21 @@ for make in (lambda ps: torch.optim.Adam(ps, lr=0.01 if R == 0 else 0.5),
                 assert len(value) == len(mine["state"][pid][key]), (name, key)
             else:
                 assert mine["state"][pid][key] == value, (name, key)
+# A scheduler built on the unwrapped optimizer before the broadcast still drives the
+# DistributedOptimizer's learning rate afterwards, on every rank (Horovod updates in place).
+net = torch.nn.Linear(3, 2)
+inner = torch.optim.SGD(net.parameters(), lr=0.1 if R == 0 else 0.7)
+scheduler = torch.optim.lr_scheduler.LinearLR(inner, start_factor=0.5, total_iters=4)
+dist_opt = hvd.DistributedOptimizer(inner, named_parameters=net.named_parameters())
+hvd.broadcast_optimizer_state(dist_opt, root_rank=0)
+for _ in range(3):
+    net(torch.ones(4, 3)).sum().backward()
+    dist_opt.step()
+    dist_opt.zero_grad()
+    scheduler.step()
+lrs = hvd.allgather_object(dist_opt.param_groups[0]["lr"])
+assert inner.param_groups[0] is dist_opt.param_groups[0], "param_groups no longer shared"
+assert len(set(lrs)) == 1, f"ranks use different learning rates after a broadcast: {lrs}"
 print(f"rank {R}: broadcast_parameters/optimizer_state ok", flush=True)
 
 # --- SyncBatchNorm = BatchNorm on the concatenated batch (rank r holds r + 2 samples)

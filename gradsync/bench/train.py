@@ -1,0 +1,339 @@
+"""Training throughput: gradsync.torch's DistributedOptimizer beside DDP (gloo), in one run.
+
+Run as ``gradsync bench train -np N [--model mlp|cnn|both] [--compare ddp]``; every rank runs
+this module. Each rank trains on its own synthetic batch (random tensors made once, seeded by
+rank) with SGD (momentum 0.9), one thread per rank. Every model is built once from a fixed
+seed and copied, so all modes start from the same weights. The modes:
+
+- ``single``: rank 0 trains alone (a plain optimizer) while the other ranks block on the
+  rendezvous store, a socket read that takes no CPU. This is a one-rank job on this machine,
+  the baseline of scaling efficiency: ``eff = job samples/s / (N x single)``. It is the honest
+  baseline: the textbook definition, and what a user gains by adding ranks. Running N copies
+  at once costs something even without communication (memory bandwidth, shared caches, the
+  launcher and the other ranks' threads), and that loss counts against scaling here.
+- ``local``: every rank trains its own copy at the same time, without communication. The
+  same computation under the same load as the distributed modes, so ``comm = job samples/s /
+  local`` isolates what communication costs (and ``local / (N x single)`` what the load does).
+- ``gradsync``: ``gradsync.torch.DistributedOptimizer`` (its buckets are allreduced while
+  backward runs; ``step()`` waits for the rest).
+- ``ddp``: ``torch.nn.parallel.DistributedDataParallel``, gloo, on the job's store
+  (``--compare ddp``).
+
+Timing: each mode first runs ``--warmup`` steps. Then ``--windows`` rounds; in each round each
+mode in turn runs ``--steps`` steps, started after a barrier and timed on every rank; a
+window's time is the slowest rank's (the step is not done until the last rank is). The modes
+take turns window by window, so that a slow spell of the machine hits them alike. Rates are
+samples/s of the whole job (N x batch x steps / time; ``single``: one rank) and the table
+shows their median over windows, with the interquartile range of the distributed modes in
+percent of it. The step and window counts are rank 0's, broadcast.
+
+After timing, every rank's parameters are checksummed (CRC32 of their bytes) and gathered:
+gradsync and DDP must leave all ranks with identical parameters, bit for bit. The exit status
+is 1 when they don't.
+
+``--profile`` adds a pass that times each phase of a step on rank 0: forward (with
+zero_grad), backward (for gradsync: its hooks copy gradients into buckets and launch their
+allreduces; for DDP: its allreduces, which backward waits for), sync (gradsync's
+``synchronize()``: launching what backward did not and waiting for the allreduces in
+flight), update (the wrapped optimizer's step, inside ``skip_synchronize()``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+import zlib
+
+import numpy as np
+
+__all__ = ["parser", "run", "build_model"]
+
+MODELS = ("mlp", "cnn")
+
+
+def _count(minimum: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gradsync bench train")
+    p.add_argument("--model", choices=[*MODELS, "both"], default="both")
+    p.add_argument("--batch-size", type=_count(1), default=32, help="samples per rank per step")
+    p.add_argument("--steps", type=_count(1), default=20,
+                   help="steps per timed window (default 20)")
+    p.add_argument("--windows", type=_count(1), default=5,
+                   help="timed windows per mode (default 5)")
+    p.add_argument("--warmup", type=_count(0), default=5,
+                   help="untimed steps per mode (default 5)")
+    p.add_argument("--compare", choices=["ddp", "none"], default="none",
+                   help="also measure DistributedDataParallel (gloo), in the same run")
+    p.add_argument("--compression", choices=["none", "fp16", "bf16"], default="none",
+                   help="gradsync's gradient compression")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the rows to this file (rank 0)")
+    p.add_argument("--profile", action="store_true",
+                   help="time forward, backward, sync and update of each mode (rank 0)")
+    return p
+
+
+def build_model(name: str):
+    """The benchmark's models and the shape of one input sample.
+
+    ``mlp``: 1024-1024-1024-10, 2.1M parameters (8.4 MB of gradients), little compute per
+    byte, so communication matters. ``cnn``: three 3x3 convolutions with pooling and two
+    linear layers on CIFAR-sized input (3x32x32), 0.62M parameters, compute-bound.
+    """
+    import torch.nn as nn
+
+    if name == "mlp":
+        return nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                             nn.Linear(1024, 10)), (1024,)
+    if name == "cnn":
+        def conv(c_in, c_out):
+            return [nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
+
+        model = nn.Sequential(*conv(3, 32), *conv(32, 64), *conv(64, 128), nn.Flatten(),
+                              nn.Linear(128 * 4 * 4, 256), nn.ReLU(), nn.Linear(256, 10))
+        return model, (3, 32, 32)
+    raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+
+
+class _Trainer:
+    """One mode's model, optimizer and step; ``timed_step`` adds the phase timers."""
+
+    def __init__(self, mode: str, model, x, y, hvd, compression: str):
+        import torch
+        import torch.nn.functional as F
+
+        self.mode, self.model, self.x, self.y, self.F = mode, model, x, y, F
+        if mode == "ddp":
+            self.model = torch.nn.parallel.DistributedDataParallel(model)
+        self.opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        if mode == "gradsync":
+            self.opt = hvd.DistributedOptimizer(self.opt, named_parameters=model.named_parameters(),
+                                                compression=getattr(hvd.Compression, compression))
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+            hvd.broadcast_optimizer_state(self.opt, root_rank=0)
+
+    def step(self) -> None:
+        self.opt.zero_grad()
+        self.F.cross_entropy(self.model(self.x), self.y).backward()
+        self.opt.step()
+
+    def timed_step(self) -> list[float]:
+        """One step; returns the seconds of forward, backward, sync and update."""
+        t0 = time.perf_counter()
+        self.opt.zero_grad()
+        loss = self.F.cross_entropy(self.model(self.x), self.y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        if self.mode == "gradsync":
+            self.opt.synchronize()
+            t3 = time.perf_counter()
+            with self.opt.skip_synchronize():
+                self.opt.step()
+        else:
+            t3 = t2
+            self.opt.step()
+        t4 = time.perf_counter()
+        return [t1 - t0, t2 - t1, t3 - t2, t4 - t3]
+
+    def checksum(self) -> int:
+        crc = 0
+        for p in self.model.parameters():
+            crc = zlib.crc32(p.detach().numpy().tobytes(), crc)
+        return crc
+
+
+def run(args) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+
+    import gradsync.torch as hvd
+    from gradsync import api
+
+    hvd.init()
+    torch.set_num_threads(1)
+    world = api._world
+    rank, n = hvd.rank(), hvd.size()
+    compare = args.compare == "ddp"
+    if compare:
+        store = torch.distributed.PrefixStore("bench-train-ddp", world.store._base)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=n)
+    # Rank 0's counts, so that every rank issues the same collectives.
+    steps, args.windows, args.warmup = hvd.broadcast_object(
+        (args.steps, args.windows, args.warmup), 0, name="bench.train.counts")
+    modes = ["single", "local", "gradsync"] + (["ddp"] if compare else [])
+    rows = []
+    for model_name in MODELS if args.model == "both" else [args.model]:
+        torch.manual_seed(args.seed)  # the same initial weights on every rank
+        base, shape = build_model(model_name)
+        gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own data
+        x = torch.randn(args.batch_size, *shape, generator=gen)
+        y = torch.randint(0, 10, (args.batch_size,), generator=gen)
+        local = _Trainer("local", copy.deepcopy(base), x, y, hvd, args.compression)
+        trainers = {"single": local, "local": local,
+                    "gradsync": _Trainer("gradsync", copy.deepcopy(base), x, y, hvd,
+                                         args.compression)}
+        if compare:
+            trainers["ddp"] = _Trainer("ddp", copy.deepcopy(base), x, y, hvd, args.compression)
+        for mode in modes:
+            if mode != "single":  # ``local`` warms up the model ``single`` uses
+                for _ in range(args.warmup):
+                    trainers[mode].step()
+        times = {mode: [] for mode in modes}
+        for w in range(args.windows):
+            for mode in modes:
+                times[mode].append(_window(trainers[mode], steps, mode, rank, n, world,
+                                           f"{model_name}.{w}"))
+        row = _summarise(model_name, base, args, n, steps, times, world)
+        if args.profile:
+            row["profile_ms"] = {mode: _profile(trainers[mode], steps * args.windows)
+                                 for mode in modes if mode != "single"}
+        sums = {mode: hvd.allgather_object(trainers[mode].checksum(), name=f"bench.crc.{mode}")
+                for mode in modes if mode in ("gradsync", "ddp")}
+        row["checksums"] = sums
+        row["identical"] = all(len(set(v)) == 1 for v in sums.values())
+        rows.append(row)
+        if rank == 0:
+            _print_row(row, header=len(rows) == 1, compare=compare)
+    if rank == 0:
+        _print_footer(rows, compare, args.profile)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+    if compare:
+        dist.destroy_process_group()
+    hvd.shutdown()
+    return rows
+
+
+def _window(trainer: _Trainer, steps: int, mode: str, rank: int, n: int, world,
+            key: str) -> float:
+    """Times ``steps`` steps of ``trainer``; returns this rank's seconds (0 when idle)."""
+    import gradsync as gs
+
+    gs.barrier()
+    if mode == "single":
+        elapsed = 0.0
+        if rank == 0:
+            start = time.perf_counter()
+            for _ in range(steps):
+                trainer.step()
+            elapsed = time.perf_counter() - start
+        # The others wait in a blocking read of the store, leaving the machine to rank 0.
+        world.store.barrier(f"bench.train.single.{key}", n, world.store.timeout)
+        return elapsed
+    start = time.perf_counter()
+    for _ in range(steps):
+        trainer.step()
+    return time.perf_counter() - start
+
+
+def _summarise(model_name, base, args, n, steps, times, world) -> dict:
+    import gradsync as gs
+
+    row = {"model": model_name, "params": sum(p.numel() for p in base.parameters()),
+           "batch": args.batch_size, "ranks": n, "steps": steps, "windows": args.windows,
+           "compression": args.compression,
+           "fusion_threshold": world.config.fusion_threshold}
+    for mode, samples in times.items():
+        slowest = gs.allreduce(np.array(samples), op=gs.Max, name=f"bench.train.{mode}")
+        ranks = 1 if mode == "single" else n
+        rates = ranks * args.batch_size * steps / slowest
+        q75, q25 = np.percentile(rates, [75, 25])
+        median = statistics.median(rates.tolist())
+        row[mode] = {"samples_per_s": median, "iqr_pct": 100 * (q75 - q25) / median,
+                     "step_ms": statistics.median(slowest.tolist()) / steps * 1e3}
+    single = row["single"]["samples_per_s"]
+    for mode in ("local", "gradsync", "ddp"):
+        if mode in row:
+            row[mode]["eff"] = row[mode]["samples_per_s"] / (n * single)
+            row[mode]["comm"] = row[mode]["samples_per_s"] / row["local"]["samples_per_s"]
+    if "ddp" in row:
+        row["ratio"] = row["gradsync"]["samples_per_s"] / row["ddp"]["samples_per_s"]
+    return row
+
+
+def _profile(trainer: _Trainer, steps: int) -> dict:
+    """Median seconds of each phase over ``steps`` steps, as milliseconds."""
+    import gradsync as gs
+
+    gs.barrier()
+    phases = np.array([trainer.timed_step() for _ in range(steps)])
+    med = np.median(phases, axis=0) * 1e3
+    return {"forward": med[0], "backward": med[1], "sync": med[2], "update": med[3],
+            "total": float(np.median(phases.sum(axis=1)) * 1e3)}
+
+
+def _print_row(row: dict, header: bool, compare: bool) -> None:
+    if header:
+        fusion = row["fusion_threshold"]
+        fusion = f"{fusion >> 20}M" if fusion % (1 << 20) == 0 else f"{fusion}B"
+        for line in (
+                f"training throughput, {row['ranks']} ranks x 1 thread, synthetic data, SGD, "
+                f"batch {row['batch']} per rank, {row['windows']} windows x {row['steps']} "
+                f"steps after warm-up; gradsync compression={row['compression']}, "
+                f"fusion_threshold={fusion}",
+                "samples/s of the whole job, median over windows of the slowest rank; "
+                "iqr = interquartile range, % of the median",
+                "single = rank 0 alone, the others blocked on the store (the 1-rank baseline); "
+                "local = every rank at once, no communication",
+                "eff = rate / (N x single): scaling efficiency; comm = rate / local: "
+                "what communication costs"):
+            print(f"# {line}", flush=True)
+        cols = f"{'model':>5} {'params':>7} {'batch':>5} | {'single':>8} {'local':>8} | " \
+               f"{'gradsync':>9} {'iqr%':>5} {'eff':>5} {'comm':>5}"
+        if compare:
+            cols += f" | {'ddp':>9} {'iqr%':>5} {'eff':>5} {'comm':>5} | {'gs/ddp':>6}"
+        print(cols, flush=True)
+    g = row["gradsync"]
+    line = f"{row['model']:>5} {row['params'] / 1e6:>6.2f}M {row['batch']:>5} | " \
+           f"{row['single']['samples_per_s']:>8.1f} {row['local']['samples_per_s']:>8.1f} | " \
+           f"{g['samples_per_s']:>9.1f} {g['iqr_pct']:>5.1f} {g['eff']:>5.2f} {g['comm']:>5.2f}"
+    if compare:
+        d = row["ddp"]
+        line += f" | {d['samples_per_s']:>9.1f} {d['iqr_pct']:>5.1f} {d['eff']:>5.2f} " \
+                f"{d['comm']:>5.2f} | {row['ratio']:>6.2f}"
+    print(line, flush=True)
+
+
+def _print_footer(rows: list[dict], compare: bool, profile: bool) -> None:
+    for row in rows:
+        n = row["ranks"]
+        parts = []
+        for mode, sums in row["checksums"].items():
+            same = len(set(sums)) == 1
+            crcs = f"{sums[0]:08x}" if same else ", ".join(f"{s:08x}" for s in sums)
+            parts.append(f"{mode} {'yes' if same else 'NO'} (crc32 {crcs})")
+        agree = ""
+        if compare and row["identical"]:
+            same = row["checksums"]["gradsync"][0] == row["checksums"]["ddp"][0]
+            agree = f"; gradsync and ddp {'agree' if same else 'differ'}"
+        print(f"# {row['model']}: parameters identical on all {n} ranks after training: "
+              + ", ".join(parts) + agree, flush=True)
+    if profile:
+        print("# profile, rank 0, median ms per step: forward (with zero_grad), backward, "
+              "sync (gradsync's synchronize()), update (optimizer step)", flush=True)
+        print(f"{'model':>5} {'mode':>8} {'forward':>8} {'backward':>8} {'sync':>8} "
+              f"{'update':>8} {'total':>8}", flush=True)
+        for row in rows:
+            for mode, ph in row["profile_ms"].items():
+                print(f"{row['model']:>5} {mode:>8} {ph['forward']:>8.2f} {ph['backward']:>8.2f} "
+                      f"{ph['sync']:>8.2f} {ph['update']:>8.2f} {ph['total']:>8.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    results = run(parser().parse_args(sys.argv[1:]))
+    sys.exit(0 if all(row["identical"] for row in results) else 1)

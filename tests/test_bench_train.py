@@ -1,0 +1,72 @@
+"""``gradsync bench train`` end to end at 2 ranks, with a few steps: the table's shape, the
+DDP comparison, the profile, the JSON rows and the identical-parameters check."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+
+TIMEOUT = 120
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen([sys.executable, "-m", "gradsync", "bench", "train", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"bench train passed its {TIMEOUT}s deadline:\n"
+                             f"{proc.communicate()[0][-6000:]}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out)
+
+
+def test_table_ddp_comparison_profile_and_identical_parameters(tmp_path):
+    rows_file = tmp_path / "rows.json"
+    result = bench("-np", "2", "--compare", "ddp", "--steps", "2", "--windows", "2",
+                   "--warmup", "1", "--profile", "--json", str(rows_file))
+    out = result.stdout
+    assert result.returncode == 0, out
+    lines = [line.split(":", 1)[1] for line in out.splitlines() if line.startswith("[0]<stdout>:")]
+    assert "[1]<stdout>:" not in out, out  # only rank 0 prints
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["model", "params"])
+    names = lines[header].split()
+    assert names == ["model", "params", "batch", "|", "single", "local", "|", "gradsync", "iqr%",
+                     "eff", "comm", "|", "ddp", "iqr%", "eff", "comm", "|", "gs/ddp"], out
+    table = [line.split() for line in lines[header + 1:header + 3]]
+    assert [row[0] for row in table] == ["mlp", "cnn"], out
+    for row in table:
+        assert len(row) == len(names), out
+        rates = [float(row[i]) for i, name in enumerate(names) if name in ("single", "local",
+                                                                         "gradsync", "ddp")]
+        assert all(rate > 0 for rate in rates), out
+    for model in ("mlp", "cnn"):
+        assert re.search(rf"# {model}: parameters identical on all 2 ranks after training: "
+                         r"gradsync yes \(crc32 [0-9a-f]{8}\), ddp yes \(crc32 [0-9a-f]{8}\)",
+                         out), out
+    profile = [line.split() for line in lines if re.match(r"\s*(mlp|cnn)\s+(local|gradsync|ddp)\s",
+                                                          line)]
+    assert sorted((p[0], p[1]) for p in profile) == sorted(
+        (m, mode) for m in ("mlp", "cnn") for mode in ("local", "gradsync", "ddp")), out
+    rows = json.loads(rows_file.read_text())
+    assert [row["model"] for row in rows] == ["mlp", "cnn"]
+    for row in rows:
+        assert row["identical"] is True
+        assert row["ratio"] == pytest.approx(row["gradsync"]["samples_per_s"]
+                                             / row["ddp"]["samples_per_s"])
+        assert len(row["checksums"]["gradsync"]) == 2
+
+
+def test_bad_option_fails_before_any_rank_starts():
+    result = bench("-np", "2", "--model", "resnet")
+    assert result.returncode == 2
+    assert "invalid choice: 'resnet'" in result.stdout
