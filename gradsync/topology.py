@@ -104,22 +104,6 @@ class Topology:
             return "local"
         return "host" if self.group_of[ha] == self.group_of[hb] else "group"
 
-    def ranks_by_host(self, ranks: "Sequence[int] | None" = None) -> list[list[int]]:
-        """``ranks`` (default all) split by host, hosts in topology order, ranks ascending."""
-        ranks = range(self.size) if ranks is None else ranks
-        by: dict[int, list[int]] = {}
-        for r in sorted(ranks, key=self._key):
-            by.setdefault(self.host_of[r], []).append(r)
-        return list(by.values())
-
-    def ranks_by_group(self, ranks: "Sequence[int] | None" = None) -> list[list[int]]:
-        """``ranks`` (default all) split by group of hosts, in topology order."""
-        ranks = range(self.size) if ranks is None else ranks
-        by: dict[int, list[int]] = {}
-        for r in sorted(ranks, key=self._key):
-            by.setdefault(self.group_of[self.host_of[r]], []).append(r)
-        return list(by.values())
-
     def ring_order(self, ranks: "Sequence[int] | None" = None) -> list[int]:
         """``ranks`` ordered so that a ring through them crosses each slow tier least often.
 

@@ -42,7 +42,8 @@ from ..transport.comm import Comm, CommView
 from . import doubling, ring, tree
 from .ops import Reducer
 
-__all__ = ["allreduce", "allgather", "broadcast", "levels_of", "block_owners"]
+__all__ = ["allreduce", "allgather", "broadcast", "levels_of", "splitting", "units",
+           "block_owners"]
 
 Level = Callable[[int], int]
 """Maps a global rank to its unit at one tier (its host, or its group of hosts)."""
@@ -56,7 +57,8 @@ def levels_of(topo: Topology) -> list[Level]:
     return levels
 
 
-def _units(ranks: Sequence[int], level: Level) -> list[list[int]]:
+def units(ranks: Sequence[int], level: Level) -> list[list[int]]:
+    """``ranks`` split by their unit at ``level``, units and ranks in the order of ``ranks``."""
     by: dict[int, list[int]] = {}
     for r in ranks:
         by.setdefault(level(r), []).append(r)
@@ -84,29 +86,29 @@ def allreduce(comm: Comm, data: np.ndarray, reducer: Reducer, order: Sequence[in
     _allreduce(comm, list(order), data, reducer, list(levels), chunk_bytes, small_bytes)
 
 
-def _splitting(ranks: Sequence[int], levels: Sequence[Level]) -> list[Level]:
+def splitting(ranks: Sequence[int], levels: Sequence[Level]) -> list[Level]:
     """The levels that split ``ranks`` into several units of which some hold several ranks."""
     return [lv for lv in levels if 1 < len({lv(r) for r in ranks}) < len(ranks)]
 
 
 def _allreduce(comm: Comm, ranks: list[int], data: np.ndarray, reducer: Reducer,
                levels: list[Level], chunk_bytes: int, small_bytes: int) -> None:
-    levels = _splitting(ranks, levels)
+    levels = splitting(ranks, levels)
     if not levels:
         _flat(_view(comm, ranks), data, reducer, chunk_bytes, small_bytes)
         return
-    units = _units(ranks, levels[0])
-    me = next(i for i, u in enumerate(units) if comm.rank in u)
-    m, owners = block_owners([len(u) for u in units])
+    parts = units(ranks, levels[0])
+    me = next(i for i, u in enumerate(parts) if comm.rank in u)
+    m, owners = block_owners([len(u) for u in parts])
     bounds = ring.block_offsets(ring.even_counts(data.size, m), m, data.size)
     mine = owners[me]
-    local = _view(comm, units[me])
+    local = _view(comm, parts[me])
     counts = [sum(bounds[b + 1] - bounds[b] for b in range(m) if mine[b] == j)
-              for j in range(len(units[me]))]
+              for j in range(len(parts[me]))]
     ring.reduce_scatter(local, data, counts, reducer, chunk_bytes)
     for b in range(m):
-        if units[me][mine[b]] == comm.rank:
-            group = [unit[owners[u][b]] for u, unit in enumerate(units)]
+        if parts[me][mine[b]] == comm.rank:
+            group = [unit[owners[u][b]] for u, unit in enumerate(parts)]
             _allreduce(comm, group, data[bounds[b]:bounds[b + 1]], reducer, levels[1:],
                        chunk_bytes, small_bytes)
     ring.allgather(local, data, counts, chunk_bytes)
@@ -135,25 +137,25 @@ def allgather(comm: Comm, data: np.ndarray, counts: Sequence[int], order: Sequen
     """
     ranks = list(order)
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int)
-    levels = _splitting(ranks, levels)
+    levels = splitting(ranks, levels)
     span = lambda r: (int(offsets[r]), int(offsets[r + 1]))  # noqa: E731
     if not levels:
         _gather_spans(_view(comm, ranks), data, [[span(r)] for r in ranks], chunk_bytes)
         return
-    units = _units(ranks, levels[0])
-    me = next(i for i, u in enumerate(units) if comm.rank in u)
-    local = _view(comm, units[me])
-    _gather_spans(local, data, [[span(r)] for r in units[me]], chunk_bytes)
-    m, owners = block_owners([len(u) for u in units])
-    pieces = [_slices([span(r) for r in u], m) for u in units]  # pieces[u][s]: spans
+    parts = units(ranks, levels[0])
+    me = next(i for i, u in enumerate(parts) if comm.rank in u)
+    local = _view(comm, parts[me])
+    _gather_spans(local, data, [[span(r)] for r in parts[me]], chunk_bytes)
+    m, owners = block_owners([len(u) for u in parts])
+    pieces = [_slices([span(r) for r in u], m) for u in parts]  # pieces[u][s]: spans
     for s in range(m):
-        if units[me][owners[me][s]] == comm.rank:
-            group = [unit[owners[u][s]] for u, unit in enumerate(units)]
-            _gather_spans(_view(comm, group), data, [pieces[u][s] for u in range(len(units))],
+        if parts[me][owners[me][s]] == comm.rank:
+            group = [unit[owners[u][s]] for u, unit in enumerate(parts)]
+            _gather_spans(_view(comm, group), data, [pieces[u][s] for u in range(len(parts))],
                           chunk_bytes)
-    others = [u for u in range(len(units)) if u != me]
+    others = [u for u in range(len(parts)) if u != me]
     _gather_spans(local, data, [[sp for u in others for s in range(m) if owners[me][s] == j
-                                 for sp in pieces[u][s]] for j in range(len(units[me]))],
+                                 for sp in pieces[u][s]] for j in range(len(parts[me]))],
                   chunk_bytes)
 
 
@@ -213,16 +215,16 @@ def broadcast(comm: Comm, data: np.ndarray, root: int, order: Sequence[int],
 
 def _broadcast(comm: Comm, ranks: list[int], data: np.ndarray, root: int,
                levels: list[Level], chunk_bytes: int) -> None:
-    levels = _splitting(ranks, levels)
+    levels = splitting(ranks, levels)
     if not levels:
         tree.broadcast(_view(comm, ranks), data, ranks.index(root), chunk_bytes)
         return
-    units = _units(ranks, levels[0])
-    leaders = [root if root in u else u[0] for u in units]
-    me = next(i for i, u in enumerate(units) if comm.rank in u)
+    parts = units(ranks, levels[0])
+    leaders = [root if root in u else u[0] for u in parts]
+    me = next(i for i, u in enumerate(parts) if comm.rank in u)
     if comm.rank in leaders:
         _broadcast(comm, leaders, data, root, levels[1:], chunk_bytes)
-    tree.broadcast(_view(comm, units[me]), data, units[me].index(leaders[me]), chunk_bytes)
+    tree.broadcast(_view(comm, parts[me]), data, parts[me].index(leaders[me]), chunk_bytes)
 
 
 def _view(comm: Comm, ranks: list[int]) -> "Comm | CommView":

@@ -30,6 +30,7 @@ import math
 from typing import Sequence
 
 from ..topology import Topology
+from . import hierarchical
 from .doubling import core_size
 
 __all__ = ["ALGORITHMS", "CANDIDATES", "choose_allreduce", "predict", "plan"]
@@ -137,25 +138,21 @@ def _halving_doubling(topo: Topology, ranks: Sequence[int], nbytes: float) -> fl
 
 
 def _hierarchical(topo: Topology, ranks: Sequence[int], nbytes: float,
-                  levels: Sequence[str] = ("host", "group")) -> float:
-    """Mirrors ``hierarchical.allreduce``: a ring allreduce's worth of traffic inside each
-    unit (reduce-scatter, then allgather), and the shares' allreduce across units, where a
-    rank of a unit with k ranks handles ceil(m / k) of the m shares one after another, while
-    the k ranks of its unit share the unit's uplink."""
-    unit_of = {"host": lambda r: topo.host_of[r],
-               "group": lambda r: topo.group_of[topo.host_of[r]]}
-    levels = [lv for lv in levels
-              if 1 < len({unit_of[lv](r) for r in ranks}) < len(ranks)]
+                  levels: "Sequence | None" = None) -> float:
+    """Mirrors ``hierarchical.allreduce`` (with its own level and unit helpers): a ring
+    allreduce's worth of traffic inside each unit (reduce-scatter, then allgather), and the
+    shares' allreduce across units, where a rank of a unit with k ranks handles ceil(m / k)
+    of the m shares one after another, while the k ranks of its unit share its uplink."""
+    levels = hierarchical.splitting(ranks, hierarchical.levels_of(topo) if levels is None
+                                    else levels)
     if not levels:
         return _ring(topo, topo.ring_order(ranks), nbytes)
-    units: dict[int, list[int]] = {}
-    for r in topo.ring_order(ranks):
-        units.setdefault(unit_of[levels[0]](r), []).append(r)
-    m = max(len(u) for u in units.values())
-    inside = max(_ring(topo, u, nbytes) for u in units.values())
-    owners = [u[0] for u in units.values()]  # stand-ins for each share's owners, one per unit
+    parts = hierarchical.units(topo.ring_order(ranks), levels[0])
+    m = max(len(u) for u in parts)
+    inside = max(_ring(topo, u, nbytes) for u in parts)
+    owners = [u[0] for u in parts]  # stand-ins for each share's owners, one per unit
     cross = max(math.ceil(m / k) * _hierarchical(topo, owners, nbytes * k / m, levels[1:])
-                for k in {len(u) for u in units.values()})
+                for k in {len(u) for u in parts})
     return inside + cross
 
 
