@@ -211,11 +211,18 @@ def test_ranks_past_the_harness_deadline_are_killed(two_hosts):
         assert _ip("netns", "pids", h.ns) == "", f"processes left in {h.name}"
 
 
-def test_command_line_runs_every_rank_and_exits_with_the_failure():
+def test_command_line_runs_every_rank_and_exits_with_the_failure(tmp_path):
     require_netns()
-    show = ("import os, sys; e = os.environ; print(e['RANK'], e['WORLD_SIZE'], e['LOCAL_RANK'],"
-            " e['LOCAL_WORLD_SIZE'], e['MASTER_ADDR'], e['GRADSYNC_HOSTNAME']);"
-            "sys.exit(3 if e['RANK'] == '1' else 0)")
+    # Ranks 0 and 2 print, then leave a mark; rank 1 fails only once both marks exist, so the
+    # tool cannot stop them before they have printed (namespaces share the file system).
+    show = ("import os, sys, time; e = os.environ; print(e['RANK'], e['WORLD_SIZE'],"
+            " e['LOCAL_RANK'], e['LOCAL_WORLD_SIZE'], e['MASTER_ADDR'], e['GRADSYNC_HOSTNAME'],"
+            " flush=True)\n"
+            f"marks = [os.path.join({str(tmp_path)!r}, r) for r in ('0', '2')]\n"
+            "if e['RANK'] != '1':\n    open(marks[e['RANK'] == '2'], 'w').close()\n"
+            "else:\n    end = time.monotonic() + 30\n"
+            "    while not all(map(os.path.exists, marks)) and time.monotonic() < end:\n"
+            "        time.sleep(0.01)\n    sys.exit(3)")
     proc = subprocess.run([sys.executable, "-m", "gradsync.bench.netns", "--hosts", "a:2,b:1",
                            "--alternate", "--", sys.executable, "-c", show],
                           capture_output=True, text=True, timeout=60)
