@@ -9,6 +9,7 @@ one closure to the engine; the work is in ``operations.py``.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import logging
 import threading
@@ -54,7 +55,15 @@ def init(**settings) -> None:
         config = load_config(settings)
         if config.log_level != "WARNING":
             log.setLevel(config.log_level)
-        world = World.connect(config, detect())
+        env = detect()
+        if env.is_server:
+            # A parameter-server rank (GRADSYNC_SERVERS): serve until the workers are done,
+            # then end the process, as MXNet's servers do. Its script goes no further.
+            from .ps.server import serve
+            raise SystemExit(serve(config, env))
+        if env.servers:
+            env = dataclasses.replace(env, size=env.workers, servers=0)  # workers-only collectives
+        world = World.connect(config, env)
         _world, _engine = world, Engine(world)
         atexit.register(shutdown)
 

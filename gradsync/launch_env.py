@@ -19,6 +19,11 @@ Under every source ``GRADSYNC_HOSTNAME``, ``GRADSYNC_SECRET`` (hex) and ``GRADSY
 override what the launcher implies, and ``GRADSYNC_STORE_ADDR``/``_PORT`` override
 ``MASTER_ADDR``/``MASTER_PORT``. The local and cross ranks are ``None`` where the launcher does
 not say; gradsync then derives them from the host names after the rendezvous.
+
+Roles: a job may have parameter servers. ``GRADSYNC_SERVERS=S`` (set by ``gradsync run
+--servers S``; export it on every rank under the other launchers) makes the last S ranks the
+servers and the first ``size - S`` the workers, under every source; at least one rank must be a
+worker. ``LaunchEnv.workers``, ``is_server`` and ``server_rank`` follow from it.
 """
 
 from __future__ import annotations
@@ -75,6 +80,24 @@ class LaunchEnv:
     """Which launcher: one of ``SOURCES``."""
     launcher_pid: int | None = None
     """Pid of the ``gradsync run`` process on the launcher's host (gradsync source only)."""
+    servers: int = 0
+    """Number of parameter-server ranks in the job: the last ``servers`` ranks (0: no parameter
+    servers)."""
+
+    @property
+    def workers(self) -> int:
+        """Number of worker ranks: ranks ``0 .. workers - 1``."""
+        return self.size - self.servers
+
+    @property
+    def is_server(self) -> bool:
+        """Whether this rank is a parameter server (one of the last ``servers`` ranks)."""
+        return self.rank >= self.workers
+
+    @property
+    def server_rank(self) -> int | None:
+        """Index of this rank among the servers (``rank - workers``); None on a worker."""
+        return self.rank - self.workers if self.is_server else None
 
 
 def detect(environ: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -88,8 +111,8 @@ def detect(environ: Mapping[str, str] | None = None) -> LaunchEnv:
 
     Raises:
         ConfigError: a variable is not an integer, is negative, or contradicts another (a rank
-            not below the size), or the store address cannot be determined. The message names
-            the variable, its value and what to export.
+            not below the size, ``GRADSYNC_SERVERS`` leaving no worker), or the store address
+            cannot be determined. The message names the variable, its value and what to export.
     """
     env = _Reader(os.environ if environ is None else environ)
     if env.has("GRADSYNC_RANK") or env.has("GRADSYNC_SIZE"):
@@ -178,8 +201,8 @@ def _identity(env: _Reader, names: tuple[str, str, str, str | None]) -> dict:
     return dict(rank=rank, size=size, local_rank=local_rank, local_size=local_size)
 
 
-def _common(env: _Reader, default_host: str | None) -> dict:
-    """The overrides every source honours: host name and secret."""
+def _common(env: _Reader, default_host: str | None, size: int) -> dict:
+    """What every source honours: the host name and secret overrides, and the servers."""
     hostname = env.get("GRADSYNC_HOSTNAME") or default_host or socket.gethostname()
     text = env.get("GRADSYNC_SECRET")
     secret = None
@@ -190,7 +213,26 @@ def _common(env: _Reader, default_host: str | None) -> dict:
             # The value is a secret: say what is wrong with it, not what it is.
             raise ConfigError(f"GRADSYNC_SECRET is not hexadecimal ({len(text)} characters); "
                               "export it as e.g. $(openssl rand -hex 32)") from None
-    return dict(hostname=hostname, secret=secret)
+    return dict(hostname=hostname, secret=secret, servers=_servers(env, size))
+
+
+def _servers(env: _Reader, size: int) -> int:
+    """``GRADSYNC_SERVERS``: how many of the last ranks are parameter servers (default 0)."""
+    text = env.get("GRADSYNC_SERVERS")
+    if text is None:
+        return 0
+    ranks = f"a job of {size} rank{'' if size == 1 else 's'}"
+    try:
+        servers = int(text, 10)
+    except ValueError:
+        servers = -1
+    if servers < 0:
+        raise ConfigError(f"GRADSYNC_SERVERS={text!r} is not a number of parameter-server ranks; "
+                          f"{ranks} needs an integer from 0 to {size - 1}")
+    if servers >= size:
+        raise ConfigError(f"GRADSYNC_SERVERS={servers} leaves no worker in {ranks}; servers are "
+                          "the last GRADSYNC_SERVERS ranks and at least one rank must be a worker")
+    return servers
 
 
 def _store(env: _Reader) -> tuple[str | None, int | None]:
@@ -214,7 +256,8 @@ def _from_gradsync(env: _Reader) -> LaunchEnv:
                           "the rendezvous store (gradsync run sets all of them)")
     launcher_pid = env.integer("GRADSYNC_LAUNCHER_PID", required=False, minimum=1)
     return LaunchEnv(
-        **ident, cross_rank=cross_rank, cross_size=cross_size, **_common(env, None),
+        **ident, cross_rank=cross_rank, cross_size=cross_size,
+        **_common(env, None, ident["size"]),
         store_addr=addr, store_port=port,
         # gradsync run hosts the store itself (it outlives every rank and can watch the job);
         # ranks given GRADSYNC_* by hand, without the launcher, fall back to rank 0.
@@ -251,7 +294,8 @@ def _from_torchrun(env: _Reader) -> LaunchEnv:
     # attempt's keys (its abort record above all) from leaking into the new one.
     restart = env.integer("TORCHELASTIC_RESTART_COUNT", required=False) or 0
     return LaunchEnv(
-        **ident, cross_rank=cross_rank, cross_size=cross_size, **_common(env, None),
+        **ident, cross_rank=cross_rank, cross_size=cross_size,
+        **_common(env, None, ident["size"]),
         store_addr=addr, store_port=port,
         store_is_server=ident["rank"] == 0 and not agent_store,
         job_id=env.get("GRADSYNC_JOB_ID") or f"{run_id}.{restart}", source="torchrun")
@@ -300,8 +344,8 @@ def _from_slurm(env: _Reader) -> LaunchEnv:
                           "with rank 0's host")
     return LaunchEnv(
         **ident, cross_rank=cross_rank, cross_size=cross_size,
-        **_common(env, env.get("SLURMD_NODENAME")), store_addr=addr, store_port=port,
-        store_is_server=ident["rank"] == 0, job_id=job_id, source="slurm")
+        **_common(env, env.get("SLURMD_NODENAME"), ident["size"]), store_addr=addr,
+        store_port=port, store_is_server=ident["rank"] == 0, job_id=job_id, source="slurm")
 
 
 def _slurm_per_node(env: _Reader, size: int) -> list[int] | None:
@@ -363,7 +407,7 @@ def _from_mpirun(env: _Reader) -> LaunchEnv:
                           "... (or GRADSYNC_STORE_ADDR/GRADSYNC_STORE_PORT)")
     job = env.first("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "OMPI_MCA_orte_ess_jobid")
     return LaunchEnv(
-        **ident, cross_rank=None, cross_size=None, **_common(env, None),
+        **ident, cross_rank=None, cross_size=None, **_common(env, None, ident["size"]),
         store_addr=addr, store_port=port, store_is_server=ident["rank"] == 0,
         job_id=env.get("GRADSYNC_JOB_ID") or
         (f"mpirun-{job[1]}" if job else f"mpirun-{addr}-{port}"), source="mpirun")
@@ -380,6 +424,6 @@ def _single(env: _Reader) -> LaunchEnv:
     # to know it, so the small race with other programs is the only risk.
     return LaunchEnv(
         rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1,
-        **_common(env, None), store_addr="127.0.0.1", store_port=_free_port(),
+        **_common(env, None, 1), store_addr="127.0.0.1", store_port=_free_port(),
         store_is_server=True, job_id=env.get("GRADSYNC_JOB_ID") or f"single-{os.getpid()}",
         source="single")

@@ -10,7 +10,7 @@ from gradsync.run import cli
 
 RUN_OPTIONS = [
     "--help", "--hostfile", "--hosts", "--no-output-prefix", "--num-proc", "--output-prefix",
-    "--ssh-command", "--ssh-port", "--start-timeout", "-H", "-h", "-np", "-x",
+    "--servers", "--ssh-command", "--ssh-port", "--start-timeout", "-H", "-h", "-np", "-x",
 ]
 
 

@@ -4,6 +4,7 @@ import socket
 
 import pytest
 
+from gradsync.config import Config, load_config
 from gradsync.errors import ConfigError
 from gradsync.launch_env import detect, slurm_first_host, slurm_tasks_per_node
 
@@ -197,6 +198,55 @@ def test_inconsistent_values_name_the_variable_and_value(environ, variable, valu
 def test_rank_without_size_is_an_error():
     with pytest.raises(ConfigError, match="GRADSYNC_SIZE"):
         detect({"GRADSYNC_RANK": "0"})
+
+
+# ---------------------------------------------------------------- parameter-server roles
+def test_no_parameter_servers_by_default():
+    env = detect(gradsync_vars(rank=3))
+    assert (env.servers, env.workers, env.is_server, env.server_rank) == (0, 4, False, None)
+    single = detect({})
+    assert (single.servers, single.workers, single.is_server) == (0, 1, False)
+    assert detect(gradsync_vars(GRADSYNC_SERVERS="")).servers == 0  # exported but empty: unset
+
+
+@pytest.mark.parametrize("environ, source, servers, workers, server_rank", [
+    (gradsync_vars(rank=3, GRADSYNC_SERVERS="2"), "gradsync", 2, 2, 1),
+    (torchrun_vars(rank=3, GRADSYNC_SERVERS="1"), "torchrun", 1, 3, 0),
+    (slurm_vars(rank=5, GRADSYNC_SERVERS="3"), "slurm", 3, 5, 0),
+    (ompi_vars(rank=2, GRADSYNC_SERVERS="2"), "mpirun", 2, 1, 1),
+])
+def test_servers_are_read_under_every_source(environ, source, servers, workers, server_rank):
+    env = detect(environ)
+    assert (env.source, env.servers, env.workers, env.is_server, env.server_rank) == \
+        (source, servers, workers, True, server_rank)
+
+
+def test_servers_are_the_last_ranks():
+    roles = [detect(gradsync_vars(rank=r, GRADSYNC_SIZE="5", GRADSYNC_SERVERS="2"))
+             for r in range(5)]
+    assert [(e.workers, e.is_server, e.server_rank) for e in roles] == \
+        [(3, False, None)] * 3 + [(3, True, 0), (3, True, 1)]
+
+
+def test_servers_variable_is_not_a_config_setting():
+    assert load_config(environ={"GRADSYNC_SERVERS": "1"}) == Config()
+
+
+@pytest.mark.parametrize("environ, value, size", [
+    (gradsync_vars(GRADSYNC_SERVERS="-1"), "-1", "4 ranks"),
+    (gradsync_vars(GRADSYNC_SERVERS="two"), "two", "4 ranks"),
+    (torchrun_vars(GRADSYNC_SERVERS="1.5"), "1.5", "4 ranks"),
+    (gradsync_vars(GRADSYNC_SERVERS="4"), "4", "4 ranks"),
+    (slurm_vars(GRADSYNC_SERVERS="9"), "9", "8 ranks"),
+    ({"GRADSYNC_SERVERS": "1"}, "1", "1 rank"),  # a single process is its only worker
+])
+def test_bad_servers_name_the_variable_value_and_size(environ, value, size):
+    with pytest.raises(ConfigError) as info:
+        detect(environ)
+    message = str(info.value)
+    assert f"GRADSYNC_SERVERS={value}" in message.replace("'", "") and f"of {size}" in message
+    if value.isdigit():
+        assert "leaves no worker" in message
 
 
 # ---------------------------------------------------------------- SLURM formats

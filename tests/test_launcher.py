@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from gradsync.run import cli
 from gradsync.run.cli import parse_hosts, read_hostfile, resolve_exports
 from gradsync.run.launcher import Host, Slot, _remote_script, place
 
@@ -217,6 +218,7 @@ def test_identity_variables_and_store():
         assert seen["GRADSYNC_HOSTNAME"] == "localhost"
         assert seen["GRADSYNC_STORE_ADDR"] == "127.0.0.1"
         assert seen["GRADSYNC_LAUNCHER_PID"] == str(proc.pid)
+        assert seen["GRADSYNC_SERVERS"] == "0"  # set even without servers: nothing leaks in
         assert (seen["source"], seen["secret_len"], seen["server"]) == ("gradsync", 32, False)
     for name in ("GRADSYNC_JOB_ID", "GRADSYNC_SECRET", "GRADSYNC_STORE_PORT"):
         assert len({seen[name] for seen in ranks}) == 1, name  # the same for the whole job
@@ -275,6 +277,73 @@ def test_sigint_stops_every_rank_and_its_children():
     assert proc.returncode == 130
     assert err.splitlines()[-1] == "gradsync run: interrupted by SIGINT; stopped 2 ranks"
     assert wait_gone(pids) == []
+
+
+# ---------------------------------------------------------------- parameter-server jobs
+def test_servers_need_slots_of_their_own(capsys):
+    for argv, message in (
+            (["-np", "2", "--servers", "1", "-H", "a:1,b:1"],
+             "3 ranks need 3 slots but the hosts have 2 (a:1, b:1)"),
+            (["-np", "2", "--servers", "-1"], "servers must be >= 0, got -1")):
+        with pytest.raises(SystemExit) as info:
+            cli.main(["run", *argv, "true"])
+        assert info.value.code == 2
+        assert message in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_servers_are_the_last_ranks_of_the_job():
+    code = rank_code("""
+        from gradsync.launch_env import detect
+        env = detect()
+        print(rank, size, os.environ["GRADSYNC_SERVERS"], env.workers, env.server_rank)
+    """)
+    status, out, err, _ = run("-np", "2", "--servers", "1", "--no-output-prefix", *code)
+    assert status == 0, err
+    assert sorted(out) == ["0 3 1 2 None", "1 3 1 2 None", "2 3 1 2 0"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("failure, status, how", [
+    ("sys.exit(3)", 3, "exited with status 3"),
+    ("os.kill(os.getpid(), 9)", 137, "was killed by signal 9 (SIGKILL)"),
+], ids=["exit", "signal"])
+def test_failing_worker_lets_the_others_finish(failure, status, how):
+    code = rank_code(f"""
+        if rank == 1:
+            time.sleep(0.2)
+            {failure}
+        time.sleep(1.0)
+        print("finished", rank, time.time())
+    """)
+    with launcher("-np", "2", "--servers", "1", "--no-output-prefix", *code) as proc:
+        first = proc.stderr.readline()
+        reported = time.time()
+        out, err = proc.communicate(timeout=DEADLINE)
+    assert proc.returncode == status
+    assert first == f"gradsync run: worker rank 1 on host localhost {how}; the other ranks go " \
+                    "on (parameter-server job)\n"
+    finished = [line.split() for line in out.splitlines()]
+    assert sorted(rank for _, rank, _ in finished) == ["0", "2"]
+    assert all(reported < float(at) for _, _, at in finished)  # reported at once, not at the end
+    assert err.splitlines() == [f"gradsync run: worker rank 1 on host localhost failed earlier "
+                                f"({how}); the job ran to its end"]
+
+
+@pytest.mark.multiprocess
+def test_failing_server_stops_the_job_with_its_status():
+    code = rank_code(f"""
+        if rank == 2:
+            time.sleep(0.3)
+            print(time.time())
+            sys.exit(4)
+        time.sleep({NAP})
+    """)
+    status, out, err, ended = run("-np", "2", "--servers", "1", "--no-output-prefix", *code)
+    assert status == 4
+    assert err[-1] == "gradsync run: rank 2 (server 0) on host localhost exited with status 4; " \
+                      "stopped 2 other ranks"
+    assert ended - float(out[0]) < STOP_WITHIN
 
 
 @pytest.mark.multiprocess

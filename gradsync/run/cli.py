@@ -1,7 +1,8 @@
 """The ``gradsync`` command: ``gradsync run`` starts a job, ``gradsync bench`` measures.
 
 ``gradsync run -np 4 -H a:2,b:2 python train.py`` is horovodrun's command line; see
-``launcher.py`` for what the launcher does with it. ``tests/test_cli_surface.py`` pins the
+``launcher.py`` for what the launcher does with it. ``--servers S`` adds S parameter-server
+ranks after the NP workers (the job's last S ranks). ``tests/test_cli_surface.py`` pins the
 options of ``run``: adding one is a deliberate change of that list.
 """
 
@@ -27,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = add_run_arguments(commands.add_parser(
         "run", help="start a job's ranks on this host or over ssh",
         description="Start COMMAND as NP ranks, forward their output, and stop every rank "
-                    "when one fails (exiting with that rank's status)."))
+                    "when one fails (exiting with that rank's status). With --servers, a "
+                    "failing worker is reported and the other ranks go on."))
     run.set_defaults(run_parser=run)  # so that usage errors found later print run's usage
     # ``bench`` owns its arguments: main() hands them over before this parser sees them, and
     # the entry here only lists it in ``gradsync --help``.
@@ -45,9 +47,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     job = parser.add_argument_group("job")
     job.add_argument("-np", "--num-proc", type=int, required=True, metavar="NP",
                      help="number of ranks")
+    job.add_argument("--servers", type=int, default=0, metavar="S",
+                     help="also start S parameter-server ranks after the NP workers (the last S "
+                          "ranks; see gradsync.ps)")
     where = job.add_mutually_exclusive_group()
     where.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...",
-                       help="hosts and their slots, filled in order (default localhost:NP)")
+                       help="hosts and their slots, filled in order (default localhost:NP+S)")
     where.add_argument("--hostfile", metavar="FILE",
                        help="file with one 'host slots=N' per line, instead of -H")
     remote = parser.add_argument_group("remote hosts")
@@ -155,12 +160,13 @@ def _spec(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LaunchSp
             hosts = read_hostfile(args.hostfile)
         else:
             hosts = parse_hosts(args.hosts) if args.hosts else []
-        # Placement is checked here, so that too few slots is a usage error.
-        place(hosts or [Host("localhost", args.num_proc)], args.num_proc)
-        return LaunchSpec(command=command, num_proc=args.num_proc, hosts=hosts,
-                          ssh_command=args.ssh_command, ssh_port=args.ssh_port,
+        spec = LaunchSpec(command=command, num_proc=args.num_proc, servers=args.servers,
+                          hosts=hosts, ssh_command=args.ssh_command, ssh_port=args.ssh_port,
                           start_timeout=args.start_timeout, output_prefix=args.output_prefix,
                           env=resolve_exports(args.exports, os.environ))
+        # Placement is checked here, so that too few slots is a usage error.
+        place(hosts or [Host("localhost", spec.size)], spec.size)
+        return spec
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
 

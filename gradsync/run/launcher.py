@@ -18,6 +18,13 @@ A job goes through five steps:
 5. **Exit** with the failed rank's status (128 + signal number for a signal, as a shell does),
    128 + the signal the launcher received, or 0 when every rank exited 0.
 
+Parameter-server jobs (``servers`` > 0): the ``num_proc`` workers are ranks ``0 .. num_proc - 1``
+and the servers the last ``servers`` ranks, placed after them like any rank; every rank runs
+the same command and learns the split from ``GRADSYNC_SERVERS``. The servers hold the model, so
+a failing server ends the job as above; a failing worker does not (the others can go on without
+it): the launcher reports it at once, waits for every rank to end, and then exits with the
+status of the first worker that failed.
+
 Output: every line a rank writes goes to the launcher's stdout or stderr as
 ``[<rank>]<stdout>:<line>`` or ``[<rank>]<stderr>:<line>`` (horovodrun's format), or as it
 is with ``output_prefix=False``. Whole lines are written under one lock, so lines of different
@@ -128,9 +135,11 @@ class LaunchSpec:
     command: Sequence[str]
     """The program and its arguments, run by every rank."""
     num_proc: int
-    """Number of ranks."""
+    """Number of worker ranks: all the ranks when ``servers`` is 0."""
+    servers: int = 0
+    """Parameter-server ranks started after the workers: the last ``servers`` ranks."""
     hosts: Sequence[Host] = ()
-    """Hosts in placement order; empty means ``localhost`` with ``num_proc`` slots."""
+    """Hosts in placement order; empty means ``localhost`` with ``size`` slots."""
     ssh_command: str = "ssh"
     """Command (split like a shell would) that runs a command on a remote host."""
     ssh_port: int | None = None
@@ -149,12 +158,19 @@ class LaunchSpec:
             raise ValueError("no command to run")
         if self.num_proc < 1:
             raise ValueError(f"the number of ranks must be at least 1, got {self.num_proc}")
+        if self.servers < 0:
+            raise ValueError(f"the number of servers must be >= 0, got {self.servers}")
         if self.start_timeout is not None and self.start_timeout <= 0:
             raise ValueError(f"start_timeout must be positive, got {self.start_timeout}")
         if self.ssh_port is not None and not 1 <= self.ssh_port <= 65535:
             raise ValueError(f"ssh_port must be a TCP port (1-65535), got {self.ssh_port}")
         if self.stop_grace < 0:
             raise ValueError(f"stop_grace must be >= 0, got {self.stop_grace}")
+
+    @property
+    def size(self) -> int:
+        """Number of ranks in the job: workers and servers."""
+        return self.num_proc + self.servers
 
 
 def launch(spec: LaunchSpec, stdout: BinaryIO | None = None,
@@ -170,9 +186,9 @@ def launch(spec: LaunchSpec, stdout: BinaryIO | None = None,
             the process's own by default.
 
     Raises:
-        ValueError: the hosts cannot hold ``spec.num_proc`` ranks.
+        ValueError: the hosts cannot hold ``spec.size`` ranks.
     """
-    slots = place(spec.hosts or [Host("localhost", spec.num_proc)], spec.num_proc)
+    slots = place(spec.hosts or [Host("localhost", spec.size)], spec.size)
     output = _Output(spec.output_prefix, stdout or sys.stdout.buffer,
                      stderr or sys.stderr.buffer)
     return _Job(spec, slots, output).run()
@@ -201,6 +217,11 @@ def _store_addr(remote_hosts: Sequence[str]) -> str:
             return probe.getsockname()[0]
     except OSError:
         return socket.gethostname()
+
+
+def _status(code: int) -> int:
+    """The launcher's exit status for a rank's return code: 128 + signal, as a shell does."""
+    return code if code > 0 else 128 - code
 
 
 def _describe(code: int) -> str:
@@ -315,7 +336,7 @@ class _Job:
                 # Reached on every path (an exception included), so no rank outlives the job.
                 stopped = self._stop()
                 self.output.drain(_DRAIN)
-        if summary and self.ranks:
+        if summary and self.ranks and others is not None:
             summary += f"; stopped {stopped} {others}rank{'' if stopped == 1 else 's'}"
         if summary:
             self.output.message(summary)
@@ -383,7 +404,7 @@ class _Job:
             "LOCAL_SIZE": slot.local_size, "CROSS_RANK": slot.cross_rank,
             "CROSS_SIZE": slot.cross_size, "HOSTNAME": slot.host,
             "STORE_ADDR": self.store_addr, "STORE_PORT": port, "JOB_ID": self.job_id,
-            "LAUNCHER_PID": os.getpid(),
+            "LAUNCHER_PID": os.getpid(), "SERVERS": self.spec.servers,
         }
         return {ENV_PREFIX + name: str(value) for name, value in variables.items()}
 
@@ -441,13 +462,17 @@ class _Job:
         return argv + [host, command]
 
     # ------------------------------------------------------------------ watch and stop
-    def _watch(self) -> tuple[int, str | None, str]:
-        """Waits for the end: every rank exited 0, one failed, or the launcher got a signal.
+    def _watch(self) -> tuple[int, str | None, str | None]:
+        """Waits for the end: every rank ended, one stopping the job failed, or the launcher
+        got a signal. A failed worker of a parameter-server job is reported, not stopping.
 
         Returns:
-            The exit status, the summary line (None for success) and "other " when the
-            summary is about one rank (so the ranks it stopped are the other ones).
+            The exit status, the summary line (None for success) and what the ranks that
+            ``_stop`` finds running are called in it: "other " when the summary is about one
+            rank, "" after a signal, None when every rank ended by itself (nothing to count).
         """
+        failed: list[tuple[int, str, str]] = []  # a parameter-server job's failed workers
+        seen: set[int] = set()
         while True:
             if self.received is not None:
                 name = signal.Signals(self.received).name
@@ -457,14 +482,36 @@ class _Job:
                 code = rank.proc.poll()
                 if code is None:
                     running = True
-                elif code != 0:
-                    summary = f"rank {rank.slot.rank} on host {rank.slot.host} {_describe(code)}"
-                    if rank.remote and code == 255:
-                        summary += " (ssh returns 255 when the connection fails)"
-                    return (code if code > 0 else 128 - code), summary, "other "
+                elif code != 0 and rank.slot.rank not in seen:
+                    who, what = self._failure(rank, code)
+                    if not self.spec.servers or rank.slot.rank >= self.spec.num_proc:
+                        return _status(code), f"{who} {what}", "other "
+                    seen.add(rank.slot.rank)
+                    failed.append((_status(code), who, what))
+                    self.output.message(f"{who} {what}; the other ranks go on "
+                                        "(parameter-server job)")
             if not running:
-                return 0, None, ""
+                if not failed:
+                    return 0, None, None
+                status, who, what = failed[0]
+                first = f", the first of {len(failed)} failed workers" if len(failed) > 1 else ""
+                summary = f"{who} failed earlier ({what}){first}; the job ran to its end"
+                return status, summary, None
             time.sleep(_POLL)
+
+    def _failure(self, rank: _Rank, code: int) -> tuple[str, str]:
+        """Who failed and how, e.g. ("rank 5 (server 1) on host a", "exited with status 1")."""
+        index, workers = rank.slot.rank, self.spec.num_proc
+        if not self.spec.servers:
+            name = f"rank {index}"
+        elif index < workers:
+            name = f"worker rank {index}"
+        else:
+            name = f"rank {index} (server {index - workers})"
+        what = _describe(code)
+        if rank.remote and code == 255:
+            what += " (ssh returns 255 when the connection fails)"
+        return f"{name} on host {rank.slot.host}", what
 
     def _stop(self) -> int:
         """Stops every rank: SIGTERM, then SIGKILL after the grace. Returns how many ranks

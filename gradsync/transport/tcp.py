@@ -156,15 +156,19 @@ class Listener:
         secret: the job's secret.
         job: the job id, bound into every proof so that a peer of another job is refused.
         expect: ranks allowed to connect (each once).
+        on_accept: if given, called with ``(rank, socket)`` for each authenticated connection
+            (on its handshake thread) instead of keeping it for ``wait_for``.
     """
 
-    def __init__(self, addr: str, rank: int, secret: bytes, job: str, expect: set[int]):
+    def __init__(self, addr: str, rank: int, secret: bytes, job: str, expect: set[int],
+                 on_accept: Callable[[int, socket.socket], None] | None = None):
         self.rank, self.secret, self.job = rank, secret, job.encode()
         self._expect = set(expect)
         self._accepted: dict[int, socket.socket] = {}
         self._cond = threading.Condition()
         self._closed = False
         self.rejected = 0
+        self._on_accept = on_accept
         self.sock = socket.create_server((addr, 0), backlog=128)
         self.port = self.sock.getsockname()[1]
         self._thread = threading.Thread(target=self._serve, name="gradsync-listener", daemon=True)
@@ -200,6 +204,8 @@ class Listener:
                 _tune(sock)
                 self._accepted[peer] = sock
                 self._cond.notify_all()
+            if self._on_accept is not None:
+                self._on_accept(peer, sock)
         except (AuthenticationError, ProtocolError, OSError, struct.error) as exc:
             self.rejected += 1
             log.warning("rank %d dropped a connection from %s: %s", self.rank, address, exc)

@@ -1,0 +1,294 @@
+"""The worker's side of parameter-server training: ``ParameterClient``.
+
+    ps = gradsync.ps.ParameterClient(model, optimizer="sgd", lr=0.1, momentum=0.9, mode="sync")
+    for x, y in batches:
+        loss_fn(model(x), y).backward()
+        ps.step()          # push the gradients, wait as the mode says, pull the parameters
+
+The client lays every parameter end to end in one flat float32 buffer and makes the model's
+float32 parameters views of it, so ``pull`` reads the servers' regions straight into the
+model; gradients likewise live in one flat buffer (``p.grad`` are views of it) that ``push``
+writes straight into this worker's slots on the servers. Server ``s`` owns the slice
+``bounds[s]:bounds[s+1]`` of both (sharding.py). Each server has its own request thread here,
+so pushes and pulls to several servers are in flight together.
+
+The servers learn the model from the first worker's ``hello``; every worker must build the
+same model with the same settings (a difference is a CollectiveMismatchError naming it).
+Worker 0's initial parameters are what training starts from (as ``broadcast_parameters`` does
+in allreduce training), unless ``restore`` names a checkpoint that ``save`` wrote.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import time
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..transport import regions
+from . import factors as fc
+from .consistency import MODES
+
+__all__ = ["ParameterClient"]
+
+
+def _parameters(model) -> list:
+    items = model.named_parameters() if hasattr(model, "named_parameters") else model
+    out = []
+    for i, item in enumerate(items):
+        name, p = item if isinstance(item, tuple) else (f"param.{i}", item)
+        if p.requires_grad:
+            out.append((name, p))
+    if not out:
+        raise ValueError("the model has no parameter that requires a gradient")
+    return out
+
+
+class ParameterClient:
+    """Trains ``model`` through the job's parameter servers.
+
+    Args:
+        model: an ``nn.Module``, or an iterable of parameters or ``(name, parameter)`` pairs.
+        optimizer: the servers' optimizer, ``"sgd"`` or ``"adam"``; its hyperparameters
+            (``lr``, ``momentum``, ``weight_decay``, ``betas``, ...) go in ``**hyper``.
+        mode: ``"sync"``, ``"backup"``, ``"async"`` or ``"ssp"`` (see ``consistency.py``).
+        backup: ``backup`` mode's gradients per round: an int k, or a fraction of the workers
+            (default 0.75, Project Adam's choice), rounded up.
+        staleness: ``ssp`` mode's bound s (default 3).
+        factor_fc: a batch size K: send the factors of the gradients of ``nn.Linear`` weights
+            for which K*(M+N) < M*N instead of the gradients (``factors.py``).
+        restore: a directory written by ``save``: the servers start from it.
+        **hyper: the optimizer's hyperparameters, ``lr`` included.
+    """
+
+    def __init__(self, model, optimizer: str = "sgd", mode: str = "sync",
+                 backup: float | None = None, staleness: int | None = None,
+                 factor_fc: int | None = None, restore: str | None = None, **hyper):
+        from .. import api
+        from ..launch_env import detect
+        from ..rendezvous import Store
+        from ..world import _listen_addr
+
+        api.init()  # on a server rank this serves and exits; on a worker it returns
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        env, config = detect(), api._w().config
+        if env.servers == 0:
+            raise ConfigError("this job has no parameter servers: start it with "
+                              "'gradsync run -np N --servers S ...' or set GRADSYNC_SERVERS=S "
+                              "on every rank (the last S ranks serve)")
+        self.rank, self.workers, self.servers = env.rank, env.workers, env.servers
+        self.mode = mode
+        self.params = _parameters(model)
+        numels = [p.numel() for _, p in self.params]
+        spec = {"names": [n for n, _ in self.params], "numels": numels,
+                "optimizer": optimizer.lower(), "hyper": _jsonable(hyper), "mode": mode,
+                "restore": restore, "factored": self._factored(model, factor_fc)}
+        if mode == "backup":
+            k = 0.75 if backup is None else backup
+            spec["backup"] = int(k) if isinstance(k, int) else max(1, math.ceil(k * self.workers))
+        if mode == "ssp":
+            spec["staleness"] = 3 if staleness is None else int(staleness)
+        self.spec = spec
+
+        store = Store(env.store_addr, env.store_port, env.store_is_server, env.job_id,
+                      config.connect_timeout, env.size)
+        secret = env.secret or store.get("secret")
+        self.endpoint = regions.Endpoint(env.rank, env.hostname, secret, f"{env.job_id}.ps",
+                                         addr=_listen_addr(config, env), timeout=config.timeout,
+                                         direct=config.transport != "tcp",
+                                         label=f"worker {env.rank}")
+        deadline = time.monotonic() + config.connect_timeout
+        self.peers = []
+        for s in range(self.servers):
+            info = json.loads(store.get(f"ps/server/{s}", config.connect_timeout))
+            rank = self.workers + s
+            self.peers.append(self.endpoint.connect(rank, info["addr"], info["port"], deadline,
+                                                    f"parameter server {s} (rank {rank})"))
+        self._closed = False
+        atexit.register(self.close)
+        self._buffers(numels)
+        replies = regions.wait([p.call_async("hello", spec=spec) for p in self.peers])
+        self.bounds = [tuple(r["bounds"]) for r in replies]
+        for peer in self.peers:
+            peer.refresh()
+        self._layouts = [fc.layout(spec["factored"], numels, lo, hi) for lo, hi in self.bounds]
+        self._fbuf = [np.zeros(fc.slot_floats(lay), np.float32) for lay in self._layouts]
+        if self.rank == 0 and not replies[0]["restored"]:
+            regions.wait([peer.region("params").write_async(self.flat[lo:hi])
+                          for peer, (lo, hi) in zip(self.peers, self.bounds)])
+        self.tags = [r["version"] for r in
+                     regions.wait([p.call_async("ready") for p in self.peers])]
+        self.applied = True
+        self.bytes_pushed = 0
+        self.pull()
+
+    # ------------------------------------------------------------------ set-up
+    def _factored(self, model, rows: int | None) -> list[dict]:
+        """The Linear weights worth factoring at batch size ``rows``, with capture hooks."""
+        self._inputs: dict[int, object] = {}
+        self._errors: dict[int, object] = {}
+        self._seen: dict[int, int] = {}
+        if not rows or not hasattr(model, "modules"):
+            return []
+        import torch
+
+        index = {id(p): i for i, (_, p) in enumerate(self.params)}
+        out = []
+        for module in model.modules():
+            if not isinstance(module, torch.nn.Linear) or id(module.weight) not in index:
+                continue
+            m, n = module.weight.shape
+            if rows * (m + n) >= m * n:
+                continue
+            i = index[id(module.weight)]
+            out.append({"tensor": i, "out": m, "in": n, "max_rows": rows})
+            module.register_forward_hook(self._capture_input(i, n))
+            module.register_full_backward_hook(self._capture_error(i, m))
+        return out
+
+    def _capture_input(self, i: int, n: int):
+        def hook(module, args, output):
+            self._seen[i] = self._seen.get(i, 0) + 1
+            self._inputs[i] = args[0].detach().reshape(-1, n).float().numpy()
+        return hook
+
+    def _capture_error(self, i: int, m: int):
+        def hook(module, grad_input, grad_output):
+            self._errors[i] = grad_output[0].detach().reshape(-1, m).float().numpy()
+        return hook
+
+    def _buffers(self, numels: list[int]) -> None:
+        import torch
+
+        total = sum(numels)
+        self.flat = np.zeros(total, np.float32)
+        self.gflat = np.zeros(total, np.float32)
+        self._views = []
+        at = 0
+        with torch.no_grad():
+            for (_, p), n in zip(self.params, numels):
+                pv = torch.from_numpy(self.flat[at:at + n]).view(p.shape)
+                gv = torch.from_numpy(self.gflat[at:at + n]).view(p.shape)
+                pv.copy_(p.detach().float())
+                aliased = p.dtype == torch.float32 and p.device.type == "cpu"
+                if aliased:
+                    # The model reads the flat buffer itself: a pull needs no further copy.
+                    p.data = pv
+                    p.grad = gv
+                self._views.append((p, pv, gv, aliased))
+                at += n
+
+    # ------------------------------------------------------------------ training
+    def push(self) -> bool:
+        """Sends this step's gradients; returns when the mode lets this worker go on.
+
+        Returns:
+            Whether every server applied them (False: ``backup`` dropped a late gradient).
+        """
+        self._gather()
+        handles = [peer.submit(lambda s=s: self._push_to(s), f"push to server {s}")
+                   for s, peer in enumerate(self.peers)]
+        replies = regions.wait(handles)
+        self.tags = [r["version"] for r in replies]
+        self.applied = all(r["applied"] for r in replies)
+        self._inputs.clear()
+        self._errors.clear()
+        self._seen.clear()
+        return self.applied
+
+    def _push_to(self, s: int) -> dict:
+        peer, (lo, hi), layers = self.peers[s], self.bounds[s], self._layouts[s]
+        slot = peer.region(f"grad.{self.rank}")
+        if not layers:
+            slot.write(self.gflat[lo:hi])
+            self.bytes_pushed += (hi - lo) * 4
+            return peer.call("push", tag=self.tags[s])
+        inputs = {i: x for i, x in self._inputs.items() if self._seen.get(i) == 1}
+        rows = fc.pack(layers, self._fbuf[s], inputs, self._errors)
+        region = peer.region(f"factors.{self.rank}")
+        for a, b in fc.sent_floats(layers, rows):
+            region.write(self._fbuf[s][a:b], a * 4)
+            self.bytes_pushed += (b - a) * 4
+        # The dense part: everything but the weights whose factors went instead.
+        at = lo
+        for layer, k in sorted(zip(layers, rows), key=lambda lk: lk[0].a):
+            if k != fc.DENSE:
+                if layer.a > at:
+                    slot.write(self.gflat[at:layer.a], (at - lo) * 4)
+                    self.bytes_pushed += (layer.a - at) * 4
+                at = layer.b
+        if hi > at:
+            slot.write(self.gflat[at:hi], (at - lo) * 4)
+            self.bytes_pushed += (hi - at) * 4
+        return peer.call("push", tag=self.tags[s], rows=rows)
+
+    def pull(self) -> None:
+        """Reads the newest parameters of every server into the model."""
+        regions.wait([peer.region("params").read_async(self.flat[lo:hi])
+                      for peer, (lo, hi) in zip(self.peers, self.bounds)])
+        import torch
+
+        with torch.no_grad():
+            for p, pv, _, aliased in self._views:
+                if not aliased:
+                    p.copy_(pv)
+
+    def step(self) -> bool:
+        """``push``, ``pull``, then zero the gradients (as ``optimizer.step(); zero_grad()``).
+
+        Returns what ``push`` returned."""
+        applied = self.push()
+        self.pull()
+        self.gflat[:] = 0
+        return applied
+
+    def _gather(self) -> None:
+        """Makes ``gflat`` hold this step's gradients, wherever autograd left them."""
+        with __import__("torch").no_grad():
+            for p, _, gv, aliased in self._views:
+                g = p.grad
+                if g is None:
+                    gv.zero_()
+                elif not (aliased and g.data_ptr() == gv.data_ptr()):
+                    gv.copy_(g)
+                    if aliased:
+                        p.grad = gv
+
+    # ------------------------------------------------------------------ the servers
+    def stats(self) -> list[dict]:
+        """Each server's counters: version, applied, dropped, max_staleness, max_clock_gap,
+        clocks, live and lost workers."""
+        return regions.wait([p.call_async("stats") for p in self.peers])
+
+    def save(self, directory: str) -> None:
+        """Each server writes its shard, optimizer state and clock to ``directory`` (call it
+        from one worker; the files are ``server-<s>.npz``)."""
+        regions.wait([p.call_async("save", directory=directory) for p in self.peers])
+
+    def close(self) -> None:
+        """Tells the servers this worker is done (they end when every worker is)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            regions.wait([p.call_async("bye") for p in self.peers])
+        except Exception:  # a server that is already gone does not need the goodbye
+            pass
+        for peer in self.peers:
+            peer.close()
+        self.endpoint.close()
+
+
+def _jsonable(hyper: dict) -> dict:
+    out = {}
+    for k, v in hyper.items():
+        out[k] = list(v) if isinstance(v, tuple) else v
+    try:
+        json.dumps(out)
+    except TypeError as exc:
+        raise TypeError(f"optimizer hyperparameters must be numbers or lists: {exc}") from None
+    return out

@@ -1,0 +1,296 @@
+"""A parameter server: one shard of the model in memory regions, its optimizer, its clock.
+
+A job started with ``GRADSYNC_SERVERS=S`` (``gradsync run -np N --servers S``) has its last S
+ranks serve; ``gradsync.init()`` on such a rank calls ``serve`` and exits when the workers are
+done. The server knows nothing of the model until the workers say ``hello``: the first hello
+carries the *spec* (tensor sizes, optimizer, mode), and the server then allocates its regions
+in shared memory (``transport/regions.py``)::
+
+    params      float32[n]    this server's slice of the flat parameter vector
+    grad.<w>    float32[n]    worker w's gradient slot (written by worker w only)
+    factors.<w> float32[...]  worker w's activations and errors of factored layers (factors.py)
+    meta        int64[2]      [version, 0]: the version the parameters hold
+
+A step, seen from worker w: it *writes* its gradient into ``grad.<w>`` (one-sided: a memcpy
+into the server's memory on the same host, a stream into it over TCP otherwise), then
+*calls* ``push(tag)``: a 60-byte control message saying "my gradient of version ``tag`` is in
+my slot". The server's ``Clock`` (consistency.py) decides when to apply it; applying averages
+the chosen slots stripe by stripe and runs the optimizer on each stripe of ``params`` under
+that stripe's lock. The push returns when the worker may go on; it then *reads* ``params``.
+No tensor is ever serialised, and the server's CPU never touches a worker's pull.
+
+Failures: a worker whose connection drops is dropped from training (``Clock.leave``), which
+in ``sync`` mode fails every other worker's push with PeerLostError naming it. The server
+ends when every worker has said ``bye`` or is gone. ``save`` writes the shard, the
+optimizer's state and the clock to an ``.npz``; a hello with ``restore`` loads one back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+
+import numpy as np
+
+from ..errors import CollectiveMismatchError, GradsyncError, GradsyncTimeoutError, PeerLostError
+from ..transport.regions import STRIPE_BYTES, Endpoint
+from . import factors as fc
+from . import optim
+from .consistency import Clock
+from .sharding import bounds
+
+__all__ = ["Server", "serve", "checkpoint_path"]
+
+log = logging.getLogger("gradsync.ps")
+
+_STRIPE = STRIPE_BYTES // 4  # float32 elements per stripe
+
+
+def checkpoint_path(directory: str, server: int) -> str:
+    return os.path.join(directory, f"server-{server}.npz")
+
+
+class Server:
+    """One parameter server of a job.
+
+    Args:
+        index: this server's index, 0 .. servers-1.
+        servers, workers: how many of each the job has.
+        endpoint: this server's region endpoint (workers connect to it).
+        timeout: seconds a push may wait for other workers.
+        connect_timeout: seconds every worker has to say hello once the first has.
+    """
+
+    def __init__(self, index: int, servers: int, workers: int, endpoint: Endpoint,
+                 timeout: float = 300.0, connect_timeout: float = 60.0):
+        self.index, self.servers, self.workers = index, servers, workers
+        self.endpoint, self.timeout, self.connect_timeout = endpoint, timeout, connect_timeout
+        self.spec: dict | None = None
+        self.clock: Clock | None = None
+        self._cv = threading.Condition()
+        self._greeted: dict[int, dict] = {}
+        self._mapped: set[int] = set()
+        self._left: set[int] = set()
+        self._lost: set[int] = set()
+        self._factor_rows: dict[int, list[int]] = {}
+        self.done = threading.Event()
+        for method in ("hello", "ready", "push", "save", "stats", "bye"):
+            endpoint.on_call(method, getattr(self, "_" + method))
+        endpoint.on_disconnect(self._disconnected)
+
+    # ------------------------------------------------------------------ set-up
+    def _hello(self, worker: int, args: dict) -> dict:
+        spec = args["spec"]
+        with self._cv:
+            if self.spec is None:
+                self._setup(spec)
+            elif spec != self.spec:
+                first = min(self._greeted)
+                diff = sorted(k for k in set(spec) | set(self.spec)
+                              if spec.get(k) != self.spec.get(k))
+                raise CollectiveMismatchError(
+                    f"worker {worker}'s parameter client differs from worker {first}'s in "
+                    f"{', '.join(diff)}: every worker must build the same model and pass the "
+                    f"same settings (worker {worker}: "
+                    f"{ {k: _short(spec.get(k)) for k in diff} }, worker {first}: "
+                    f"{ {k: _short(self.spec.get(k)) for k in diff} })")
+            self._greeted[worker] = spec
+            self._cv.notify_all()
+            self._barrier(self._greeted, "say hello")
+            return {"version": self.clock.version, "restored": bool(spec.get("restore")),
+                    "bounds": [self.lo, self.hi], "workers": self.workers}
+
+    def _setup(self, spec: dict) -> None:
+        total = sum(spec["numels"])
+        cuts = bounds(total, self.servers)
+        self.lo, self.hi = cuts[self.index], cuts[self.index + 1]
+        n = self.hi - self.lo
+        ep = self.endpoint
+        self.params = ep.allocate("params", (n,), np.float32)
+        self.slots = [ep.allocate(f"grad.{w}", (n,), np.float32) for w in range(self.workers)]
+        self.factored = fc.layout(spec.get("factored", []), spec["numels"], self.lo, self.hi)
+        words = fc.slot_floats(self.factored)
+        self.factor_slots = [ep.allocate(f"factors.{w}", (words,), np.float32)
+                             for w in range(self.workers)] if words else []
+        self.meta = ep.allocate("meta", (2,), np.int64)
+        self.optimizer = optim.make(spec["optimizer"], n, **spec["hyper"])
+        self.clock = Clock(spec["mode"], self.workers, self._apply, backup=spec.get("backup"),
+                           staleness=spec.get("staleness"), timeout=self.timeout)
+        self._scratch = np.empty(min(n, _STRIPE) or 1, dtype=np.float32)
+        self.spec = spec
+        if spec.get("restore"):
+            self._load(checkpoint_path(spec["restore"], self.index))
+
+    def _ready(self, worker: int, args: dict) -> dict:
+        with self._cv:
+            self._mapped.add(worker)
+            self._cv.notify_all()
+            self._barrier(self._mapped, "map the regions")
+            # Every worker on this host has mapped the segments: their names can go, so a
+            # crash from here on leaves nothing behind in /dev/shm.
+            self.endpoint.unlink_segments()
+            return {"version": self.clock.version}
+
+    def _barrier(self, arrived, what: str) -> None:
+        """Waits (holding ``_cv``) until every worker is in ``arrived``."""
+        end = time.monotonic() + self.connect_timeout
+        while len(arrived) < self.workers:
+            if self._lost:
+                raise PeerLostError(f"worker(s) {sorted(self._lost)} were lost before training "
+                                    f"started", peer=min(self._lost))
+            left = end - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(self.workers)) - set(arrived))
+                raise GradsyncTimeoutError(f"parameter server {self.index}: worker(s) {missing} "
+                                           f"did not {what} within {self.connect_timeout:.0f}s")
+            self._cv.wait(min(left, 0.5))
+
+    # ------------------------------------------------------------------ training
+    def _push(self, worker: int, args: dict) -> dict:
+        if self.clock is None:
+            raise ValueError(f"worker {worker} pushed before saying hello")
+        if self.factored:
+            rows = [int(k) for k in args.get("rows", [])]
+            if len(rows) != len(self.factored):
+                raise ValueError(f"worker {worker} sent rows for {len(rows)} factored layers, "
+                                 f"this server has {len(self.factored)}")
+            self._factor_rows[worker] = rows
+        return self.clock.push(worker, int(args["tag"]))
+
+    def _apply(self, workers, average: bool) -> None:
+        """Applies the gradients in ``workers``' slots (called by the Clock, under its lock)."""
+        for w in workers:
+            if self.factored:
+                fc.expand(self.factored, self.factor_slots[w], self._factor_rows[w],
+                          self.slots[w], self.lo)
+        scale = 1.0 / len(workers) if average and len(workers) > 1 else 1.0
+        opt, stripes = self.optimizer, self.endpoint.region("params").stripes
+        opt.begin_step()
+        for a in range(0, self.hi - self.lo, _STRIPE):
+            b = min(a + _STRIPE, self.hi - self.lo)
+            g = self._scratch[:b - a]
+            np.copyto(g, self.slots[workers[0]][a:b])
+            for w in workers[1:]:
+                np.add(g, self.slots[w][a:b], out=g)
+            if scale != 1.0:
+                g *= scale
+            stripes.acquire(a * 4)
+            try:
+                opt.update(self.params[a:b], g, a, b)
+            finally:
+                stripes.release(a * 4)
+        self.meta[0] = self.clock.version + 1
+
+    def _stats(self, worker: int, args: dict) -> dict:
+        if self.clock is None:
+            return {"server": self.index, "version": 0}
+        return {"server": self.index, "lo": self.lo, "hi": self.hi, **self.clock.counters()}
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save(self, worker: int, args: dict) -> dict:
+        path = checkpoint_path(args["directory"], self.index)
+        os.makedirs(args["directory"], exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp.npz"
+        # Under the clock's lock: no update can land between the parameters, the optimizer
+        # state and the clock that go into one file.
+        with self.clock._cv:
+            state = self.optimizer.state_dict()
+            arrays = {f"opt.{k}": np.asarray(v) for k, v in state.items()}
+            np.savez(tmp, params=self.params, spec=json.dumps(self.spec, sort_keys=True),
+                     clock=json.dumps(self.clock.state()), bounds=np.array([self.lo, self.hi]),
+                     **arrays)
+        os.replace(tmp, path)
+        return {"path": path, "version": self.clock.version}
+
+    def _load(self, path: str) -> None:
+        try:
+            data = np.load(path, allow_pickle=False)
+        except FileNotFoundError:
+            raise ValueError(f"parameter server {self.index}: no checkpoint at {path}") from None
+        saved = json.loads(str(data["spec"]))
+        mine = {k: v for k, v in self.spec.items() if k != "restore"}
+        saved.pop("restore", None)
+        if saved["numels"] != mine["numels"] or list(data["bounds"]) != [self.lo, self.hi]:
+            raise ValueError(f"{path} holds another model or sharding (saved bounds "
+                             f"{list(data['bounds'])}, this server {[self.lo, self.hi]}); "
+                             f"restore with the same model and number of servers")
+        self.params[:] = data["params"]
+        state = {k[4:]: (data[k] if data[k].ndim else data[k].item())
+                 for k in data.files if k.startswith("opt.")}
+        self.optimizer.load_state_dict(state)
+        self.clock.restore(json.loads(str(data["clock"])))
+        self.meta[0] = self.clock.version
+        log.info("parameter server %d restored version %d from %s", self.index,
+                 self.clock.version, path)
+
+    # ------------------------------------------------------------------ leaving
+    def _bye(self, worker: int, args: dict) -> dict:
+        with self._cv:
+            self._left.add(worker)
+        if self.clock is not None:
+            self.clock.leave(worker, died=False)
+        self._maybe_done()
+        return {}
+
+    def _disconnected(self, worker: int, error) -> None:
+        with self._cv:
+            if worker in self._left:
+                return
+            self._lost.add(worker)
+            self._cv.notify_all()
+        mode = self.clock.mode if self.clock else "set-up"
+        log.warning("parameter server %d lost worker %d (%s); %s", self.index, worker,
+                    error or "connection closed without bye",
+                    "the job cannot go on (sync mode)" if mode == "sync" else
+                    f"training goes on without it ({mode} mode)")
+        if self.clock is not None:
+            self.clock.leave(worker, died=True)
+        self._maybe_done()
+
+    def _maybe_done(self) -> None:
+        with self._cv:
+            if len(self._left | self._lost) >= self.workers:
+                self.done.set()
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def serve(config, env) -> int:
+    """Runs this rank's parameter server until every worker is done; returns an exit status."""
+    from ..rendezvous import Store
+    from ..world import _listen_addr
+
+    store = Store(env.store_addr, env.store_port, env.store_is_server, env.job_id,
+                  config.connect_timeout, env.size)
+    secret = env.secret or store.shared_secret(env.rank)
+    index = env.server_rank
+    endpoint = Endpoint(env.rank, env.hostname, secret, f"{env.job_id}.ps",
+                        addr=_listen_addr(config, env), expect=set(range(env.workers)),
+                        timeout=config.timeout, direct=config.transport != "tcp",
+                        label=f"parameter server {index} (rank {env.rank})")
+    server = Server(index, env.servers, env.workers, endpoint, config.timeout,
+                    config.connect_timeout)
+    store.set(f"ps/server/{index}", json.dumps({"addr": endpoint.addr, "port": endpoint.port,
+                                                "host": env.hostname}))
+    try:
+        while not server.done.wait(1.0):
+            record = store.read_abort()
+            if record is not None and not server._greeted:
+                raise GradsyncError(f"rank {record['rank']} reported before training started: "
+                                    f"{record['message']}")
+        failure = server.clock.failure if server.clock else None
+        if failure is not None:
+            log.error("parameter server %d: %s", index, failure)
+            return 1
+        return 0
+    except GradsyncError as exc:
+        log.error("parameter server %d: %s", index, exc)
+        return 1
+    finally:
+        endpoint.close()

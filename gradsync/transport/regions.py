@@ -1,0 +1,697 @@
+"""One-sided memory regions: remote memory that peers read, write and accumulate into.
+
+"RPC considered harmful" (Xue et al.) argues that a remote peer holding tensors should look
+like a device with memory, not like a service: the caller names a region and a byte range and
+the bytes move, with no serialisation and no handler in between. This module gives every
+process an ``Endpoint`` that *owns* named regions (``allocate`` or ``register``) and *reaches*
+other endpoints' regions (``connect(...).region(name)``), each remote region offering
+``read``, ``write`` and ``accumulate`` (add into) on a byte range, blocking or ``*_async``.
+
+How the bytes move depends on where the owner is:
+
+- **Same host, region allocated in shared memory** (``allocate``): the peer maps the region's
+  segment and does the access itself, a single ``memcpy`` (or an add) in its own process; the
+  owner's CPU is not involved at all. The mapping is exactly the region, so a peer cannot
+  touch memory outside it.
+- **Otherwise** (another host, ``transport="tcp"``, or a region ``register``-ed from ordinary
+  memory): a request goes over an authenticated TCP connection (the handshake of ``tcp.py``)
+  to the owner, where one thread per connected peer validates the header
+  (``rma_frame.check_access``: bounds, alignment) and then ``recv_into``-s a WRITE straight
+  into the region, or ``sendall``-s a READ straight from it. An ACCUMULATE is received a
+  stripe at a time into a per-connection scratch buffer and added in place: the one copy an
+  add cannot avoid.
+
+Concurrency. A region is cut into *stripes* (``STRIPE_BYTES``, 1 MiB). A write or an
+accumulate holds the lock of one stripe at a time (a ``threading.Lock`` per stripe inside a
+process, and an ``fcntl`` record lock on the stripe's bytes of the shared segment across
+processes), so concurrent accumulates from several peers lose no update, and a write never
+interleaves with an accumulate inside a stripe. Accumulators start at a stripe chosen by their
+endpoint id and wrap around, so that several peers adding into one region work on different
+stripes instead of queueing behind each other. A read takes each stripe's lock shared: a read
+sees every stripe at one moment, but different stripes may be from before and after a
+concurrent update (as with RDMA; a caller that needs one version of a whole region arranges
+that itself, as the parameter server does with its rounds).
+
+Control messages (``call``) travel on the same TCP connection as small JSON objects and are
+answered by handlers the owner registers (``on_call``). They carry who did what, never tensors.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import fcntl
+import itertools
+import json
+import logging
+import os
+import socket
+import threading
+from typing import Callable
+
+import numpy as np
+
+from ..engine import Handle
+from ..errors import (AuthenticationError, CollectiveMismatchError, ConfigError, GradsyncError,
+                      GradsyncTimeoutError, PeerLostError, ProtocolError)
+from . import rma_frame as rf
+from . import shm, tcp
+
+__all__ = ["Endpoint", "Region", "RemotePeer", "RemoteRegion", "Stripes", "STRIPE_BYTES",
+           "RegionAccessError", "wait"]
+
+log = logging.getLogger("gradsync.regions")
+
+STRIPE_BYTES = 1 << 20
+_DRAIN_LIMIT = 1 << 30  # payload bytes of a refused request that are read and dropped
+
+
+class RegionAccessError(GradsyncError, ValueError):
+    """The owner refused an access: no such region, or a range outside it."""
+
+
+_ERRORS = {cls.__name__: cls for cls in
+           (PeerLostError, CollectiveMismatchError, GradsyncTimeoutError, AuthenticationError,
+            ProtocolError, ConfigError, RegionAccessError, GradsyncError)}
+
+
+def _as_bytes(buf, writable: bool) -> np.ndarray:
+    """A flat uint8 NumPy view of a contiguous array or CPU tensor (no copy)."""
+    if hasattr(buf, "detach") and hasattr(buf, "numpy"):
+        buf = buf.detach().numpy()
+    arr = np.asarray(buf)
+    if not arr.flags.c_contiguous:
+        raise ValueError("region buffers must be contiguous")
+    if writable and not arr.flags.writeable:
+        raise ValueError("the destination of a read must be writable")
+    return arr.reshape(-1).view(np.uint8)
+
+
+# --- stripes and local memory ---------------------------------------------------------------
+
+class Stripes:
+    """Per-stripe locks of one region, across the threads of a process and (with ``fd``,
+    the region's shared segment) across processes.
+
+    POSIX record locks belong to a process, so two threads of one process would both get
+    them; the thread lock in front of each makes them exclusive between threads too.
+    """
+
+    def __init__(self, nbytes: int, fd: int | None, stripe: int = STRIPE_BYTES):
+        self.nbytes, self.fd, self.stripe = nbytes, fd, stripe
+        self.count = max(1, -(-nbytes // stripe))
+        self._locks = [threading.Lock() for _ in range(self.count)]
+
+    def pieces(self, lo: int, hi: int, start: int = 0):
+        """``[lo, hi)`` cut at stripe boundaries, beginning with the piece in stripe ``start``
+        (mod the stripes it spans) and wrapping around."""
+        if hi <= lo:
+            return []
+        first, last = lo // self.stripe, (hi - 1) // self.stripe
+        span = last - first + 1
+        out = []
+        for k in range(span):
+            s = first + (start + k) % span
+            out.append((max(lo, s * self.stripe), min(hi, (s + 1) * self.stripe)))
+        return out
+
+    def acquire(self, at: int, shared: bool = False) -> None:
+        """Locks the stripe holding byte ``at``."""
+        s = at // self.stripe
+        self._locks[s].acquire()
+        if self.fd is not None:
+            try:
+                fcntl.lockf(self.fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX,
+                            self.stripe, s * self.stripe)
+            except BaseException:
+                self._locks[s].release()
+                raise
+
+    def release(self, at: int) -> None:
+        s = at // self.stripe
+        if self.fd is not None:
+            fcntl.lockf(self.fd, fcntl.LOCK_UN, self.stripe, s * self.stripe)
+        self._locks[s].release()
+
+
+class Memory:
+    """Bytes of a region that this process can touch, with the region's dtype and locks.
+
+    The owner's ``Region`` is one; so is a peer's mapping of a shared region.
+    """
+
+    def __init__(self, u8: np.ndarray, dtype: np.dtype, stripes: Stripes):
+        self.u8, self.dtype, self.stripes = u8, np.dtype(dtype), stripes
+        self.nbytes = u8.nbytes
+
+    def read(self, out: np.ndarray, offset: int) -> None:
+        for a, b in self.stripes.pieces(offset, offset + out.nbytes):
+            self.stripes.acquire(a, shared=True)
+            try:
+                np.copyto(out[a - offset:b - offset], self.u8[a:b])
+            finally:
+                self.stripes.release(a)
+
+    def write(self, src: np.ndarray, offset: int) -> None:
+        for a, b in self.stripes.pieces(offset, offset + src.nbytes):
+            self.stripes.acquire(a)
+            try:
+                np.copyto(self.u8[a:b], src[a - offset:b - offset])
+            finally:
+                self.stripes.release(a)
+
+    def accumulate(self, src: np.ndarray, offset: int, start: int = 0) -> None:
+        for a, b in self.stripes.pieces(offset, offset + src.nbytes, start):
+            self.add_piece(src[a - offset:b - offset], a)
+
+    def add_piece(self, src: np.ndarray, at: int) -> None:
+        """Adds the bytes ``src`` (this region's elements) at ``at``, within one stripe."""
+        dst = self.u8[at:at + src.nbytes].view(self.dtype)
+        self.stripes.acquire(at)
+        try:
+            np.add(dst, src.view(self.dtype), out=dst)
+        finally:
+            self.stripes.release(at)
+
+
+class Region(Memory):
+    """A region this endpoint owns: a named, contiguous array that peers may access.
+
+    Attributes:
+        array: the owner's own view of the memory (use it like any array; take
+            ``stripes`` or use ``read``/``write``/``accumulate`` when peers may write it).
+        segment: the shared-memory segment's name, empty for ordinary memory.
+    """
+
+    def __init__(self, index: int, name: str, array: np.ndarray, segment: str = "",
+                 fd: int | None = None, mapping=None):
+        super().__init__(array.reshape(-1).view(np.uint8), array.dtype,
+                         Stripes(array.nbytes, fd))
+        self.index, self.name, self.array = index, name, array
+        self.segment, self.fd, self.mapping = segment, fd, mapping
+
+    def describe(self) -> dict:
+        return {"index": self.index, "name": self.name, "nbytes": self.nbytes,
+                "dtype": self.dtype.str, "shape": list(self.array.shape),
+                "segment": self.segment}
+
+
+# --- the endpoint ---------------------------------------------------------------------------
+
+class Endpoint:
+    """This process's regions, the thread that serves them, and its connections to others.
+
+    Args:
+        ident: this endpoint's id among the job's endpoints (a rank).
+        host: this process's host name (peers on the same host map shared regions).
+        secret, job: the job's secret and id; connections prove both (``tcp.py``).
+        addr: the address to listen on.
+        expect: the ids of the peers that may connect (each once).
+        timeout: seconds one request may wait for its reply, and a peer's stream may stall.
+        direct: map same-host shared regions (False forces every access over TCP).
+        label: how peers' error messages name this endpoint.
+    """
+
+    def __init__(self, ident: int, host: str, secret: bytes, job: str, addr: str = "127.0.0.1",
+                 expect: set[int] = frozenset(), timeout: float = 300.0, direct: bool = True,
+                 label: str = ""):
+        self.ident, self.host, self.job = ident, host, shm.check_job_id(job)
+        self.secret, self.timeout, self.direct = secret, timeout, direct
+        self.label = label or f"endpoint {ident}"
+        self.regions: list[Region] = []
+        self._by_name: dict[str, Region] = {}
+        self._handlers: dict[str, Callable[[int, dict], dict]] = {
+            "_regions": lambda peer, args: self._directory()}
+        self._on_disconnect: list[Callable[[int, BaseException | None], None]] = []
+        self._lock = threading.Lock()
+        self._conns: dict[int, socket.socket] = {}
+        self._closed = False
+        self._segments = itertools.count()
+        # Names still in /dev/shm; unlinked at exit even if close() is never reached (only a
+        # kill -9 before unlink_segments() can leave one behind).
+        self._linked: set[str] = set()
+        atexit.register(_unlink_all, self._linked)
+        self.listener = tcp.Listener(addr, ident, secret, job, expect, on_accept=self._accepted)
+        self.addr, self.port = addr, self.listener.port
+
+    # ------------------------------------------------------------------ owning regions
+    def allocate(self, name: str, shape, dtype=np.float32) -> np.ndarray:
+        """A new zeroed region in shared memory, which same-host peers access directly."""
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes == 0:
+            return self.register(name, np.zeros(shape, dtype))
+        segment = f"gradsync-{self.job}-r{self.ident}-{next(self._segments)}"
+        mapping = shm.create_segment(segment, nbytes)
+        self._linked.add(segment)
+        # The record locks need a descriptor of the segment for the life of the region.
+        fd = os.open(os.path.join(shm.SHM_DIR, segment), os.O_RDWR)
+        array = np.frombuffer(mapping, dtype=dtype, count=nbytes // dtype.itemsize).reshape(shape)
+        return self._add(name, array, segment, fd, mapping).array
+
+    def register(self, name: str, array) -> Region:
+        """Makes an existing contiguous array (or CPU tensor) a region; peers reach it over
+        TCP only, through this endpoint's serving threads."""
+        if hasattr(array, "detach") and hasattr(array, "numpy"):
+            array = array.detach().numpy()
+        if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
+            raise ValueError("a region must be a contiguous NumPy array or CPU tensor")
+        return self._add(name, array, "", None, None)
+
+    def _add(self, name, array, segment, fd, mapping) -> Region:
+        with self._lock:
+            if name in self._by_name:
+                raise ValueError(f"{self.label} already has a region named {name!r}")
+            region = Region(len(self.regions), name, array, segment, fd, mapping)
+            self.regions.append(region)
+            self._by_name[name] = region
+        return region
+
+    def region(self, name: str) -> Region:
+        return self._by_name[name]
+
+    def unlink_segments(self) -> None:
+        """Removes the shared segments' names: peers that mapped them keep their mappings, new
+        ones can no longer map them. Call once every same-host peer has mapped them."""
+        _unlink_all(self._linked)
+
+    def on_call(self, method: str, handler: Callable[[int, dict], dict]) -> None:
+        """Answers ``call(method, ...)`` from peers with ``handler(peer, args) -> dict``.
+
+        Handlers run on the calling peer's serving thread; one may block (its peer waits for
+        the reply). A GradsyncError or ValueError it raises reaches the caller as the same
+        class."""
+        self._handlers[method] = handler
+
+    def on_disconnect(self, callback: Callable[[int, BaseException | None], None]) -> None:
+        """``callback(peer, error)`` when a peer's connection ends (error None: closed)."""
+        self._on_disconnect.append(callback)
+
+    def _directory(self) -> dict:
+        return {"host": self.host, "pid": os.getpid(),
+                "regions": [r.describe() for r in self.regions]}
+
+    # ------------------------------------------------------------------ serving peers
+    def _accepted(self, peer: int, sock: socket.socket) -> None:
+        with self._lock:
+            if self._closed:
+                sock.close()
+                return
+            self._conns[peer] = sock
+        threading.Thread(target=self._serve, args=(peer, sock), daemon=True,
+                         name=f"gradsync-region-peer{peer}").start()
+
+    def _serve(self, peer: int, sock: socket.socket) -> None:
+        """One peer's requests, in order, until it closes the connection."""
+        error: BaseException | None = None
+        scratch = np.empty(STRIPE_BYTES, dtype=np.uint8)
+        try:
+            while True:
+                raw = _recv_exact(sock, rf.HEADER_SIZE, eof_ok=True)
+                if raw is None:
+                    break
+                req = rf.unpack(raw, rf.Op.REQUESTS)
+                if req.op == rf.Op.CALL:
+                    self._serve_call(peer, sock, req)
+                else:
+                    self._serve_access(sock, req, scratch)
+        except (OSError, ProtocolError, ValueError) as exc:
+            error = exc
+            if not self._closed:
+                log.warning("%s dropped its connection from peer %d: %s", self.label, peer, exc)
+        finally:
+            with self._lock:
+                self._conns.pop(peer, None)
+            try:
+                sock.close()
+            except OSError:
+                pass
+            if not self._closed:
+                for callback in self._on_disconnect:
+                    callback(peer, error)
+
+    def _serve_call(self, peer: int, sock: socket.socket, req: rf.Request) -> None:
+        payload = _recv_exact(sock, req.length)
+        try:
+            message = json.loads(payload)
+            method = message.pop("method")
+            handler = self._handlers.get(method)
+            if handler is None:
+                raise ValueError(f"{self.label} has no control method {method!r}")
+            reply = json.dumps(handler(peer, message)).encode()
+            op = rf.Op.REPLY
+        except (GradsyncError, ValueError, TypeError, KeyError) as exc:
+            reply, op = _error_payload(exc), rf.Op.ERROR
+        except Exception as exc:  # a bug in a handler must not take the owner down
+            log.exception("%s: control method failed for peer %d", self.label, peer)
+            reply, op = _error_payload(exc), rf.Op.ERROR
+        sock.sendall(rf.pack(op, req.request, 0, 0, len(reply)) + reply)
+
+    def _serve_access(self, sock: socket.socket, req: rf.Request, scratch: np.ndarray) -> None:
+        why = rf.check_access(req, self.regions, lambda r: r.dtype.itemsize)
+        if why is not None:
+            if req.op != rf.Op.READ:
+                if req.length > _DRAIN_LIMIT:
+                    raise ProtocolError(f"refused request of {req.length} bytes: {why}")
+                _drain(sock, req.length, scratch)
+            body = _error_payload(RegionAccessError(f"{self.label}: {why}"))
+            sock.sendall(rf.pack(rf.Op.ERROR, req.request, 0, 0, len(body)) + body)
+            return
+        region = self.regions[req.region]
+        lo, hi = req.offset, req.offset + req.length
+        if req.op == rf.Op.READ:
+            sock.sendall(rf.pack(rf.Op.REPLY, req.request, req.region, lo, req.length))
+            for a, b in region.stripes.pieces(lo, hi):
+                region.stripes.acquire(a, shared=True)
+                try:
+                    sock.sendall(region.u8[a:b])
+                finally:
+                    region.stripes.release(a)
+        elif req.op == rf.Op.WRITE:
+            # Straight from the socket into the region, one stripe (and its lock) at a time.
+            for a, b in region.stripes.pieces(lo, hi):
+                region.stripes.acquire(a)
+                try:
+                    _recv_into(sock, region.u8[a:b])
+                finally:
+                    region.stripes.release(a)
+            sock.sendall(rf.pack(rf.Op.REPLY, req.request, req.region, lo, 0))
+        else:
+            for a, b in region.stripes.pieces(lo, hi):
+                piece = scratch[:b - a]
+                _recv_into(sock, piece)
+                region.add_piece(piece, a)
+            sock.sendall(rf.pack(rf.Op.REPLY, req.request, req.region, lo, 0))
+
+    # ------------------------------------------------------------------ reaching peers
+    def connect(self, peer: int, addr: str, port: int, deadline: float,
+                label: str = "") -> "RemotePeer":
+        """Connects to endpoint ``peer`` (listening at ``addr:port``) and reads its regions."""
+        sock = tcp.connect(addr, port, self.ident, peer, self.secret, self.job, deadline)
+        return RemotePeer(self, peer, sock, label or f"endpoint {peer}")
+
+    def close(self) -> None:
+        """Stops serving, closes every connection and frees this endpoint's regions."""
+        with self._lock:
+            self._closed = True
+            conns = list(self._conns.values())
+        self.listener.close()
+        for sock in conns:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.unlink_segments()
+        for region in self.regions:
+            if region.fd is not None:
+                os.close(region.fd)
+                region.fd = region.stripes.fd = None
+
+
+def _unlink_all(names: set[str]) -> None:
+    for name in list(names):
+        shm.unlink_segment(name)
+        names.discard(name)
+
+
+def _error_payload(exc: BaseException) -> bytes:
+    kind = type(exc).__name__ if type(exc).__name__ in _ERRORS else (
+        "ValueError" if isinstance(exc, (ValueError, TypeError, KeyError)) else "GradsyncError")
+    return json.dumps({"kind": kind, "message": str(exc),
+                       "peer": getattr(exc, "peer", None)}).encode()
+
+
+def _recv_exact(sock: socket.socket, n: int, eof_ok: bool = False) -> bytes | None:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            if eof_ok and got == 0:
+                return None
+            raise ConnectionResetError(f"connection closed after {got} of {n} bytes")
+        got += k
+    return bytes(buf)
+
+
+def _recv_into(sock: socket.socket, dst: np.ndarray) -> None:
+    view, got, n = memoryview(dst), 0, dst.nbytes
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionResetError(f"connection closed after {got} of {n} bytes")
+        got += k
+
+
+def _drain(sock: socket.socket, n: int, scratch: np.ndarray) -> None:
+    while n > 0:
+        k = min(n, scratch.nbytes)
+        _recv_into(sock, scratch[:k])
+        n -= k
+
+
+# --- the peer side --------------------------------------------------------------------------
+
+class RemotePeer:
+    """A connection to another endpoint: its regions and its control methods.
+
+    Requests on one peer run one at a time in the order issued (blocking ones on the caller's
+    thread, ``*_async`` ones on this peer's own thread), so requests to different peers can
+    be in flight together while those to one peer stay ordered.
+    """
+
+    def __init__(self, endpoint: Endpoint, ident: int, sock: socket.socket, label: str):
+        self.endpoint, self.ident, self.label = endpoint, ident, label
+        self.sock = sock
+        sock.settimeout(endpoint.timeout)
+        self._lock = threading.Lock()
+        self._requests = itertools.count(1)
+        self._queue: collections.deque = collections.deque()
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._regions: dict[str, RemoteRegion] = {}
+        self._maps: list = []
+        self.host = ""
+        self.pid = 0
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Reads the owner's region table again (after it allocated new regions)."""
+        info = self.call("_regions")
+        self.host, self.pid = info["host"], info["pid"]
+        for desc in info["regions"]:
+            if desc["name"] not in self._regions:
+                self._regions[desc["name"]] = RemoteRegion(self, desc, self._map(desc))
+
+    def _map(self, desc: dict) -> Memory | None:
+        if not (self.endpoint.direct and desc["segment"] and self.host == self.endpoint.host):
+            return None
+        try:
+            mapping = shm.attach_segment(desc["segment"])
+            fd = os.open(os.path.join(shm.SHM_DIR, desc["segment"]), os.O_RDWR)
+        except (FileNotFoundError, PermissionError) as exc:
+            # Same host name but another machine (or the owner already unlinked it): go on
+            # over TCP, which reaches every region.
+            log.debug("%s: region %s not mapped (%s); using TCP", self.label, desc["name"], exc)
+            return None
+        self._maps.append((mapping, fd))
+        u8 = np.frombuffer(mapping, dtype=np.uint8, count=desc["nbytes"])
+        return Memory(u8, np.dtype(desc["dtype"]), Stripes(desc["nbytes"], fd))
+
+    def region(self, name: str) -> "RemoteRegion":
+        """The owner's region ``name``; KeyError names the regions it has."""
+        if name not in self._regions:
+            self.refresh()
+        try:
+            return self._regions[name]
+        except KeyError:
+            raise KeyError(f"{self.label} has no region {name!r} (it has "
+                           f"{sorted(self._regions)})") from None
+
+    # ------------------------------------------------------------------ requests
+    def call(self, method: str, **args) -> dict:
+        """Sends a control message and returns the owner's JSON reply."""
+        body = json.dumps({"method": method, **args}).encode()
+        reply = self.request(rf.Op.CALL, 0, 0, body)
+        return json.loads(reply)
+
+    def call_async(self, method: str, **args) -> Handle:
+        return self.submit(lambda: self.call(method, **args), f"{self.label}.{method}")
+
+    def request(self, op: int, region: int, offset: int, payload=None, length: int = 0,
+                into: np.ndarray | None = None) -> bytes | None:
+        """One request and its reply, under this peer's lock. Returns a control reply's bytes."""
+        with self._lock:
+            if self._closed:
+                raise PeerLostError(f"the connection to {self.label} is closed", peer=self.ident)
+            rid = next(self._requests)
+            size = length if payload is None else len(payload) if isinstance(payload, bytes) \
+                else payload.nbytes
+            try:
+                header = rf.pack(op, rid, region, offset, size)
+                if payload is None:
+                    self.sock.sendall(header)
+                elif isinstance(payload, bytes):
+                    self.sock.sendall(header + payload)
+                else:
+                    self.sock.sendall(header)
+                    self.sock.sendall(payload)
+                reply = rf.unpack(_recv_exact(self.sock, rf.HEADER_SIZE), rf.Op.REPLIES)
+                if reply.request != rid:
+                    raise ProtocolError(f"{self.label} answered request {reply.request}, "
+                                        f"expected {rid}")
+                if reply.op == rf.Op.ERROR:
+                    raise _error_from(json.loads(_recv_exact(self.sock, reply.length)),
+                                      self.ident)
+                if into is not None:
+                    if reply.length != into.nbytes:
+                        raise ProtocolError(f"{self.label} sent {reply.length} bytes for a "
+                                            f"read of {into.nbytes}")
+                    _recv_into(self.sock, into)
+                    return None
+                if reply.length > rf.MAX_CALL:
+                    raise ProtocolError(f"{self.label} sent a reply of {reply.length} bytes")
+                return _recv_exact(self.sock, reply.length)
+            except socket.timeout:
+                self._closed = True
+                raise GradsyncTimeoutError(f"{self.label} did not answer within "
+                                           f"{self.endpoint.timeout:.0f}s") from None
+            except (OSError, ProtocolError) as exc:
+                # The stream is no longer in step with the owner: nothing more can go on it.
+                self._closed = True
+                raise PeerLostError(f"lost the connection to {self.label}: {exc} (did it exit "
+                                    f"or crash?)", peer=self.ident) from None
+
+    def submit(self, fn: Callable, name: str) -> Handle:
+        """Runs ``fn`` on this peer's request thread, after every earlier async request."""
+        handle = Handle(name)
+        with self._cv:
+            self._queue.append((handle, fn))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, daemon=True,
+                                                name=f"gradsync-regions-to{self.ident}")
+                self._thread.start()
+            self._cv.notify()
+        return handle
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._cv.wait()
+                handle, fn = self._queue.popleft()
+            if fn is None:
+                return
+            try:
+                handle._finish(result=fn())
+            except BaseException as exc:  # delivered to whoever waits on the handle
+                handle._finish(error=exc)
+
+    def close(self) -> None:
+        """Closes the connection (the owner sees a clean close) and unmaps shared regions."""
+        if self._thread is not None:
+            with self._cv:
+                self._queue.append((None, None))
+                self._cv.notify()
+            self._thread.join(self.endpoint.timeout)
+        with self._lock:
+            self._closed = True
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+        for region in self._regions.values():
+            region.direct = None
+        for mapping, fd in self._maps:
+            os.close(fd)
+        self._maps.clear()
+
+
+def _error_from(record: dict, peer: int) -> GradsyncError | ValueError:
+    cls = _ERRORS.get(record.get("kind"))
+    if cls is None:
+        return ValueError(record.get("message", "")) if record.get("kind") == "ValueError" \
+            else GradsyncError(record.get("message", ""))
+    if cls is PeerLostError:
+        return cls(record["message"], peer=record.get("peer"))
+    return cls(record["message"])
+
+
+class RemoteRegion:
+    """A region of another endpoint; offsets and sizes are in bytes.
+
+    Attributes:
+        name, nbytes, dtype, shape: as the owner registered it.
+        direct: this process's mapping of the region when it is shared memory on this host
+            (accesses are then a copy in this process), else None (accesses go over TCP).
+    """
+
+    def __init__(self, peer: RemotePeer, desc: dict, direct: Memory | None):
+        self.peer, self.index, self.name = peer, desc["index"], desc["name"]
+        self.nbytes, self.dtype = desc["nbytes"], np.dtype(desc["dtype"])
+        self.shape = tuple(desc["shape"])
+        self.direct = direct
+
+    def _check(self, what: str, nbytes: int, offset: int) -> None:
+        if offset < 0 or nbytes > self.nbytes - offset:
+            raise ValueError(f"{what} of {nbytes} bytes at offset {offset} is outside region "
+                             f"'{self.name}' of {self.peer.label} ({self.nbytes} bytes)")
+
+    def read(self, out, offset: int = 0):
+        """Copies ``out.nbytes`` bytes of the region from ``offset`` into ``out``; returns it."""
+        u8 = _as_bytes(out, writable=True)
+        self._check("read", u8.nbytes, offset)
+        if self.direct is not None:
+            self.direct.read(u8, offset)
+        else:
+            self.peer.request(rf.Op.READ, self.index, offset, length=u8.nbytes, into=u8)
+        return out
+
+    def write(self, src, offset: int = 0) -> None:
+        """Copies the bytes of ``src`` into the region at ``offset``."""
+        u8 = _as_bytes(src, writable=False)
+        self._check("write", u8.nbytes, offset)
+        if self.direct is not None:
+            self.direct.write(u8, offset)
+        else:
+            self.peer.request(rf.Op.WRITE, self.index, offset, u8)
+
+    def accumulate(self, src, offset: int = 0) -> None:
+        """Adds ``src`` (of the region's dtype) element-wise into the region at ``offset``."""
+        arr = src.detach().numpy() if hasattr(src, "detach") else np.asarray(src)
+        if arr.dtype != self.dtype:
+            raise TypeError(f"accumulate of {arr.dtype} into region '{self.name}' of "
+                            f"{self.dtype}: convert first")
+        u8 = _as_bytes(arr, writable=False)
+        self._check("accumulate", u8.nbytes, offset)
+        if offset % self.dtype.itemsize:
+            raise ValueError(f"accumulate offset {offset} is not a multiple of the element "
+                             f"size {self.dtype.itemsize}")
+        if self.direct is not None:
+            self.direct.accumulate(u8, offset, start=self.peer.endpoint.ident)
+        else:
+            self.peer.request(rf.Op.ACCUMULATE, self.index, offset, u8)
+
+    def read_async(self, out, offset: int = 0) -> Handle:
+        return self.peer.submit(lambda: self.read(out, offset), f"read {self.name}")
+
+    def write_async(self, src, offset: int = 0) -> Handle:
+        return self.peer.submit(lambda: self.write(src, offset), f"write {self.name}")
+
+    def accumulate_async(self, src, offset: int = 0) -> Handle:
+        return self.peer.submit(lambda: self.accumulate(src, offset), f"accumulate {self.name}")
+
+
+def wait(handles) -> list:
+    """Waits for every handle and returns their results; raises the first error."""
+    results, first = [], None
+    for h in handles:
+        try:
+            results.append(h.wait())
+        except BaseException as exc:
+            first = first or exc
+            results.append(None)
+    if first is not None:
+        raise first
+    return results
