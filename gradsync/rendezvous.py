@@ -82,6 +82,10 @@ class Store:
         """The job secret, made by rank 0, when no launcher provided one."""
         if rank == 0:
             self.set("secret", secrets.token_hex(32))
+        return self.read_secret()
+
+    def read_secret(self) -> bytes:
+        """The job secret that rank 0 made (``shared_secret``); waits for it."""
         return bytes.fromhex(self.get("secret").decode())
 
     def barrier(self, name: str, size: int, timeout: float) -> None:

@@ -431,3 +431,25 @@ def test_lost_connection_kills_the_remote_rank():
         except ProcessLookupError:
             pass
         proc.wait(5)
+
+
+def test_servers_left_running_after_every_worker_ended_are_stopped(monkeypatch):
+    """Workers that never reach their servers (here: they just exit) must not leave the job
+    waiting on servers forever: the launcher stops them SERVER_LINGER seconds later."""
+    import io
+
+    from gradsync.run import launcher as launcher_module
+
+    monkeypatch.setattr(launcher_module, "SERVER_LINGER", 0.5)
+    code = ("import os, time\n"
+            "if int(os.environ['GRADSYNC_RANK']) >= 2: time.sleep(60)\n")
+    out, err = io.BytesIO(), io.BytesIO()
+    spec = launcher_module.LaunchSpec(command=[sys.executable, "-c", code], num_proc=2,
+                                      servers=1, stop_grace=0.5)
+    started = time.monotonic()
+    status = launcher_module.launch(spec, out, err)
+    took = time.monotonic() - started
+    assert status == 0, err.getvalue()
+    assert took < 15, took
+    assert b"still running 0.5s after the last worker ended" in err.getvalue()
+    assert b"stopped 1 rank" in err.getvalue()

@@ -96,20 +96,35 @@ class ParameterClient:
 
         store = Store(env.store_addr, env.store_port, env.store_is_server, env.job_id,
                       config.connect_timeout, env.size)
-        secret = env.secret or store.get("secret")
+        secret = env.secret or store.read_secret()  # worker 0 made it in init()
         self.endpoint = regions.Endpoint(env.rank, env.hostname, secret, f"{env.job_id}.ps",
                                          addr=_listen_addr(config, env), timeout=config.timeout,
                                          direct=config.transport != "tcp",
                                          label=f"worker {env.rank}")
         deadline = time.monotonic() + config.connect_timeout
         self.peers = []
-        for s in range(self.servers):
-            info = json.loads(store.get(f"ps/server/{s}", config.connect_timeout))
-            rank = self.workers + s
-            self.peers.append(self.endpoint.connect(rank, info["addr"], info["port"], deadline,
-                                                    f"parameter server {s} (rank {rank})"))
-        self._closed = False
+        self._closed = self._left = False
+        try:
+            for s in range(self.servers):
+                info = json.loads(store.get(f"ps/server/{s}", config.connect_timeout))
+                rank = self.workers + s
+                self.peers.append(self.endpoint.connect(
+                    rank, info["addr"], info["port"], deadline,
+                    f"parameter server {s} (rank {rank})"))
+            self._start(spec, numels)
+        except BaseException:
+            # Not a member of training: drop the connections without a goodbye, so that the
+            # servers (and through them the other workers) see this worker as lost.
+            for peer in self.peers:
+                peer.close()
+            self.endpoint.close()
+            self._closed = True
+            raise
         atexit.register(self.close)
+
+    def _start(self, spec: dict, numels: list[int]) -> None:
+        """hello (the servers set up), map their regions, worker 0's initial parameters,
+        ready (everyone has mapped), and the first pull."""
         self._buffers(numels)
         replies = regions.wait([p.call_async("hello", spec=spec) for p in self.peers])
         self.bounds = [tuple(r["bounds"]) for r in replies]
@@ -146,19 +161,20 @@ class ParameterClient:
                 continue
             i = index[id(module.weight)]
             out.append({"tensor": i, "out": m, "in": n, "max_rows": rows})
-            module.register_forward_hook(self._capture_input(i, n))
-            module.register_full_backward_hook(self._capture_error(i, m))
+            module.register_forward_hook(self._capture(i, m, n))
         return out
 
-    def _capture_input(self, i: int, n: int):
+    def _capture(self, i: int, m: int, n: int):
+        """A forward hook keeping the layer's input x and, through a hook on its output, the
+        error delta that backward brings back to it."""
+        def keep_error(grad):
+            self._errors[i] = grad.detach().reshape(-1, m).float().numpy()
+
         def hook(module, args, output):
             self._seen[i] = self._seen.get(i, 0) + 1
             self._inputs[i] = args[0].detach().reshape(-1, n).float().numpy()
-        return hook
-
-    def _capture_error(self, i: int, m: int):
-        def hook(module, grad_input, grad_output):
-            self._errors[i] = grad_output[0].detach().reshape(-1, m).float().numpy()
+            if output.requires_grad:
+                output.register_hook(keep_error)
         return hook
 
     def _buffers(self, numels: list[int]) -> None:
@@ -185,6 +201,9 @@ class ParameterClient:
     # ------------------------------------------------------------------ training
     def push(self) -> bool:
         """Sends this step's gradients; returns when the mode lets this worker go on.
+
+        Raises:
+            PeerLostError: a server died, or (``sync``) another worker did.
 
         Returns:
             Whether every server applied them (False: ``backup`` dropped a late gradient).
@@ -269,13 +288,22 @@ class ParameterClient:
         from one worker; the files are ``server-<s>.npz``)."""
         regions.wait([p.call_async("save", directory=directory) for p in self.peers])
 
+    def leave(self) -> None:
+        """Tells the servers this worker pushes no more, so that rounds stop counting on it
+        (``sync``, ``backup``) and the slowest-worker bound ignores it (``ssp``), as Horovod's
+        ``join`` does. ``pull``, ``stats`` and ``save`` still work; ``close`` follows."""
+        if self._left:
+            return
+        self._left = True
+        regions.wait([p.call_async("bye") for p in self.peers])
+
     def close(self) -> None:
-        """Tells the servers this worker is done (they end when every worker is)."""
+        """``leave``, then disconnect (the servers end when every worker has)."""
         if self._closed:
             return
         self._closed = True
         try:
-            regions.wait([p.call_async("bye") for p in self.peers])
+            self.leave()
         except Exception:  # a server that is already gone does not need the goodbye
             pass
         for peer in self.peers:

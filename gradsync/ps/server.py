@@ -19,9 +19,10 @@ the chosen slots stripe by stripe and runs the optimizer on each stripe of ``par
 that stripe's lock. The push returns when the worker may go on; it then *reads* ``params``.
 No tensor is ever serialised, and the server's CPU never touches a worker's pull.
 
-Failures: a worker whose connection drops is dropped from training (``Clock.leave``), which
-in ``sync`` mode fails every other worker's push with PeerLostError naming it. The server
-ends when every worker has said ``bye`` or is gone. ``save`` writes the shard, the
+Failures: a worker whose connection drops without a ``bye`` is dropped from training
+(``Clock.leave``), which in ``sync`` mode fails every other worker's push with PeerLostError
+naming it. A worker that says ``bye`` has left training but may still pull, read counters and
+save; the server ends when every worker has disconnected. ``save`` writes the shard, the
 optimizer's state and the clock to an ``.npz``; a hello with ``restore`` loads one back.
 """
 
@@ -74,7 +75,8 @@ class Server:
         self._greeted: dict[int, dict] = {}
         self._mapped: set[int] = set()
         self._left: set[int] = set()
-        self._lost: set[int] = set()
+        self._lost: set[int] = set()   # disconnected without saying bye
+        self._gone: set[int] = set()   # disconnected, either way
         self._factor_rows: dict[int, list[int]] = {}
         self.done = threading.Event()
         for method in ("hello", "ready", "push", "save", "stats", "bye"):
@@ -138,9 +140,10 @@ class Server:
         """Waits (holding ``_cv``) until every worker is in ``arrived``."""
         end = time.monotonic() + self.connect_timeout
         while len(arrived) < self.workers:
-            if self._lost:
-                raise PeerLostError(f"worker(s) {sorted(self._lost)} were lost before training "
-                                    f"started", peer=min(self._lost))
+            gone = self._lost | (self._gone - set(arrived))
+            if gone:
+                raise PeerLostError(f"worker(s) {sorted(gone)} left before training started "
+                                    f"(see their own errors)", peer=min(gone))
             left = end - time.monotonic()
             if left <= 0:
                 missing = sorted(set(range(self.workers)) - set(arrived))
@@ -162,6 +165,9 @@ class Server:
 
     def _apply(self, workers, average: bool) -> None:
         """Applies the gradients in ``workers``' slots (called by the Clock, under its lock)."""
+        # Summed in worker order, not arrival order: the same gradients give the same bits,
+        # so a restored checkpoint continues exactly as the original run did.
+        workers = sorted(workers)
         for w in workers:
             if self.factored:
                 fc.expand(self.factored, self.factor_slots[w], self._factor_rows[w],
@@ -232,12 +238,13 @@ class Server:
             self._left.add(worker)
         if self.clock is not None:
             self.clock.leave(worker, died=False)
-        self._maybe_done()
         return {}
 
     def _disconnected(self, worker: int, error) -> None:
         with self._cv:
+            self._gone.add(worker)
             if worker in self._left:
+                self._maybe_done()
                 return
             self._lost.add(worker)
             self._cv.notify_all()
@@ -248,12 +255,13 @@ class Server:
                     f"training goes on without it ({mode} mode)")
         if self.clock is not None:
             self.clock.leave(worker, died=True)
-        self._maybe_done()
+        with self._cv:
+            self._maybe_done()
 
     def _maybe_done(self) -> None:
-        with self._cv:
-            if len(self._left | self._lost) >= self.workers:
-                self.done.set()
+        """(Holding ``_cv``.) The server is done once every worker has disconnected."""
+        if len(self._gone) >= self.workers:
+            self.done.set()
 
 
 def _short(value, limit: int = 80) -> str:
@@ -268,7 +276,7 @@ def serve(config, env) -> int:
 
     store = Store(env.store_addr, env.store_port, env.store_is_server, env.job_id,
                   config.connect_timeout, env.size)
-    secret = env.secret or store.shared_secret(env.rank)
+    secret = env.secret or store.read_secret()  # worker 0 (rank 0) makes it
     index = env.server_rank
     endpoint = Endpoint(env.rank, env.hostname, secret, f"{env.job_id}.ps",
                         addr=_listen_addr(config, env), expect=set(range(env.workers)),

@@ -23,7 +23,10 @@ and the servers the last ``servers`` ranks, placed after them like any rank; eve
 the same command and learns the split from ``GRADSYNC_SERVERS``. The servers hold the model, so
 a failing server ends the job as above; a failing worker does not (the others can go on without
 it): the launcher reports it at once, waits for every rank to end, and then exits with the
-status of the first worker that failed.
+status of the first worker that failed. Servers end by themselves once every worker has said
+goodbye or died; servers still running ``SERVER_LINGER`` seconds after the last worker ended
+(workers that died before reaching their servers, or a script that never used them) are
+stopped, so that such a job cannot hang.
 
 Output: every line a rank writes goes to the launcher's stdout or stderr as
 ``[<rank>]<stdout>:<line>`` or ``[<rank>]<stderr>:<line>`` (horovodrun's format), or as it
@@ -63,6 +66,7 @@ from typing import BinaryIO, Callable, Mapping, Sequence
 from ..config import ENV_PREFIX, IDENTITY_VARIABLES
 
 __all__ = ["Host", "Slot", "LaunchSpec", "place", "launch", "is_local", "STOP_GRACE",
+           "SERVER_LINGER",
            "DEFAULT_START_TIMEOUT"]
 
 STOP_GRACE = 3.0
@@ -70,6 +74,9 @@ STOP_GRACE = 3.0
 
 DEFAULT_START_TIMEOUT = 30.0
 """Seconds an ssh connection (and the reachability check before the launch) may take."""
+
+SERVER_LINGER = 10.0
+"""Seconds servers may run on after every worker of a parameter-server job has ended."""
 
 _POLL = 0.05  # how often the watcher looks at the ranks: the delay before a failure is seen
 _DRAIN = 2.0  # seconds to wait for the last output after the ranks are gone
@@ -473,6 +480,7 @@ class _Job:
         """
         failed: list[tuple[int, str, str]] = []  # a parameter-server job's failed workers
         seen: set[int] = set()
+        workers_ended: float | None = None
         while True:
             if self.received is not None:
                 name = signal.Signals(self.received).name
@@ -490,13 +498,21 @@ class _Job:
                     failed.append((_status(code), who, what))
                     self.output.message(f"{who} {what}; the other ranks go on "
                                         "(parameter-server job)")
-            if not running:
+            if self.spec.servers and workers_ended is None and all(
+                    r.proc.poll() is not None for r in self.ranks[:self.spec.num_proc]):
+                workers_ended = time.monotonic()
+            lingered = workers_ended is not None and \
+                time.monotonic() - workers_ended > SERVER_LINGER
+            if not running or lingered:
+                linger = (f"; the servers were still running {SERVER_LINGER:g}s after the last "
+                          f"worker ended and were stopped") if running else ""
                 if not failed:
-                    return 0, None, None
+                    return 0, (f"every worker ended{linger}" if linger else None), \
+                        ("" if linger else None)
                 status, who, what = failed[0]
                 first = f", the first of {len(failed)} failed workers" if len(failed) > 1 else ""
-                summary = f"{who} failed earlier ({what}){first}; the job ran to its end"
-                return status, summary, None
+                summary = f"{who} failed earlier ({what}){first}; the job ran to its end{linger}"
+                return status, summary, ("" if linger else None)
             time.sleep(_POLL)
 
     def _failure(self, rank: _Rank, code: int) -> tuple[str, str]:

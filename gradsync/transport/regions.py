@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import errno
 import fcntl
 import itertools
 import json
@@ -47,6 +48,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from typing import Callable
 
 import numpy as np
@@ -121,7 +123,7 @@ class Stripes:
         self._locks[s].acquire()
         if self.fd is not None:
             try:
-                fcntl.lockf(self.fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX,
+                _lock_range(self.fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX,
                             self.stripe, s * self.stripe)
             except BaseException:
                 self._locks[s].release()
@@ -132,6 +134,23 @@ class Stripes:
         if self.fd is not None:
             fcntl.lockf(self.fd, fcntl.LOCK_UN, self.stripe, s * self.stripe)
         self._locks[s].release()
+
+
+def _lock_range(fd: int, how: int, length: int, start: int) -> None:
+    """``fcntl.lockf`` that waits through the kernel's false deadlock reports.
+
+    The kernel looks for deadlocks between processes, not threads: while a thread of process A
+    holds a stripe and another thread of A waits for a stripe that B holds, B asking for A's
+    stripe looks like a cycle and fails with EDEADLK. Every holder of a stripe here releases it
+    without waiting for another, so the cycle is never real: wait a moment and ask again.
+    """
+    while True:
+        try:
+            return fcntl.lockf(fd, how, length, start)
+        except OSError as exc:
+            if exc.errno != errno.EDEADLK:
+                raise
+        time.sleep(0.001)
 
 
 class Memory:
@@ -307,9 +326,14 @@ class Endpoint:
         scratch = np.empty(STRIPE_BYTES, dtype=np.uint8)
         try:
             while True:
+                # A peer may idle between requests as long as it likes, but once a request has
+                # begun its bytes must keep coming: a WRITE that stalls half-way holds its
+                # stripe's lock, and every other peer of that stripe would wait with it.
+                sock.settimeout(None)
                 raw = _recv_exact(sock, rf.HEADER_SIZE, eof_ok=True)
                 if raw is None:
                     break
+                sock.settimeout(self.timeout)
                 req = rf.unpack(raw, rf.Op.REQUESTS)
                 if req.op == rf.Op.CALL:
                     self._serve_call(peer, sock, req)
@@ -542,17 +566,18 @@ class RemotePeer:
                     raise ProtocolError(f"{self.label} answered request {reply.request}, "
                                         f"expected {rid}")
                 if reply.op == rf.Op.ERROR:
-                    raise _error_from(json.loads(_recv_exact(self.sock, reply.length)),
-                                      self.ident)
-                if into is not None:
+                    refused = _error_from(json.loads(_recv_exact(self.sock, reply.length)),
+                                          self.ident)
+                elif into is not None:
                     if reply.length != into.nbytes:
                         raise ProtocolError(f"{self.label} sent {reply.length} bytes for a "
                                             f"read of {into.nbytes}")
                     _recv_into(self.sock, into)
                     return None
-                if reply.length > rf.MAX_CALL:
-                    raise ProtocolError(f"{self.label} sent a reply of {reply.length} bytes")
-                return _recv_exact(self.sock, reply.length)
+                else:
+                    if reply.length > rf.MAX_CALL:
+                        raise ProtocolError(f"{self.label} sent a reply of {reply.length} bytes")
+                    return _recv_exact(self.sock, reply.length)
             except socket.timeout:
                 self._closed = True
                 raise GradsyncTimeoutError(f"{self.label} did not answer within "
@@ -562,6 +587,9 @@ class RemotePeer:
                 self._closed = True
                 raise PeerLostError(f"lost the connection to {self.label}: {exc} (did it exit "
                                     f"or crash?)", peer=self.ident) from None
+        # Raised outside the socket handling: a refusal is an answer, not a broken stream
+        # (and a GradsyncTimeoutError it carries is no socket timeout).
+        raise refused
 
     def submit(self, fn: Callable, name: str) -> Handle:
         """Runs ``fn`` on this peer's request thread, after every earlier async request."""

@@ -1,0 +1,214 @@
+"""Parameter-server checks, one scenario per run: ``ps_check.py SCENARIO [ARGS]``.
+
+Every rank runs this script; server ranks serve inside ``ParameterClient`` (``gs.init``) and
+exit. Workers train a small MLP on closed-form batches (``batch(worker, step)``), so a
+reference model trained locally on the same batches is what the servers must hold.
+
+    parity OPT [STEPS]     sync mode vs a local torch optimizer over every worker's batch
+    factor                 parity with Project Adam's factored Linear gradients; less traffic
+    mode MODE STEPS        the last worker is slow; each mode's guarantee from the counters
+    kill MODE              worker 2 dies at step 3; the others finish (async, backup) or
+                           raise PeerLostError naming it (sync)
+    killserver             worker 0 kills server 0; every worker raises PeerLostError
+    save DIR / restore DIR a checkpoint at step 3 restores the same parameters and continues
+                           to the same step-5 parameters
+    mismatch               worker 1 builds another model
+"""
+
+import common  # noqa: F401  (deadline)
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import torch
+
+import gradsync as gs
+import gradsync.ps
+from gradsync.errors import CollectiveMismatchError, PeerLostError
+
+
+def model(hidden: int = 32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(24, hidden), torch.nn.Tanh(),
+                               torch.nn.Linear(hidden, 4))
+
+
+def batch(worker: int, step: int, rows: int = 8):
+    g = torch.Generator().manual_seed(1000 * step + worker)
+    x = torch.randn(rows, 24, generator=g)
+    return x, x[:, :4] * 0.5
+
+
+def loss(m, worker, step):
+    x, y = batch(worker, step)
+    return torch.nn.functional.mse_loss(m(x), y)
+
+
+def train_step(m, ps, worker, step):
+    loss(m, worker, step).backward()
+    return ps.step()
+
+
+def max_diff(a, b) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def fail(message: str) -> None:
+    print(f"FAIL worker {os.environ.get('GRADSYNC_RANK')}: {message}", flush=True)
+    sys.exit(1)
+
+
+def parity(optimizer: str, steps: int, factor: bool = False) -> None:
+    hyper = {"sgd": {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3},
+             "adam": {"lr": 0.01, "weight_decay": 1e-3}}[optimizer]
+    width = 256 if factor else 32
+    m = model(width)
+    ps = gradsync.ps.ParameterClient(m, optimizer=optimizer, mode="sync",
+                                     factor_fc=8 if factor else None, **hyper)
+    ref = model(width)
+    opt = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[optimizer](ref.parameters(), **hyper)
+    dense = 0
+    for step in range(steps):
+        train_step(m, ps, ps.rank, step)
+        opt.zero_grad()
+        for w in range(ps.workers):
+            (loss(ref, w, step) / ps.workers).backward()
+        opt.step()
+        dense += sum(p.numel() for p in m.parameters()) * 4
+        diff = max_diff(m, ref)
+        if diff > 2e-5:
+            fail(f"step {step}: parameters differ from the local {optimizer} by {diff:.3g}")
+    print(f"worker {ps.rank}: {steps} steps match {optimizer} (max diff {diff:.2g}); "
+          f"pushed {ps.bytes_pushed} bytes, dense {dense}, ratio {dense / ps.bytes_pushed:.2f}")
+    if factor and not dense > 1.5 * ps.bytes_pushed:
+        fail(f"factored push sent {ps.bytes_pushed} bytes, dense would be {dense}")
+    ps.close()
+
+
+def modes(mode: str, steps: int) -> None:
+    m = model()
+    ps = gradsync.ps.ParameterClient(m, optimizer="sgd", lr=0.05, mode=mode,
+                                     backup=2, staleness=1)
+    slow = ps.rank == ps.workers - 1
+    for step in range(steps):
+        if slow:
+            time.sleep(0.08)
+        train_step(m, ps, ps.rank, step)
+    ps.leave()
+    gs.barrier()  # every worker has left: the counters are final
+    if ps.rank == 0:
+        total = ps.workers * steps
+        for st in ps.stats():
+            print(f"server {st['server']}: {st}")
+            checks = {
+                "sync": [st["applied"] == total, st["version"] == steps, st["dropped"] == 0,
+                         st["max_staleness"] == 0],
+                "backup": [st["applied"] + st["dropped"] == total, st["dropped"] >= 1,
+                           st["max_staleness"] == 0],
+                "async": [st["applied"] == total, st["version"] == total,
+                          st["max_staleness"] >= 1],
+                "ssp": [st["applied"] == total, 1 <= st["max_clock_gap"] <= 1,
+                        st["max_staleness"] >= 1],
+            }[mode]
+            if not all(checks):
+                fail(f"{mode} counters break the mode's guarantee: {st} ({checks})")
+        print(f"{mode}: counters hold")
+    ps.close()
+
+
+def kill(mode: str) -> None:
+    m = model()
+    ps = gradsync.ps.ParameterClient(m, optimizer="sgd", lr=0.05, mode=mode, backup=2)
+    try:
+        for step in range(10):
+            if ps.rank == 2 and step == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+            train_step(m, ps, ps.rank, step)
+    except PeerLostError as exc:
+        print(f"worker {ps.rank}: PeerLostError peer={exc.peer}: {exc}")
+        sys.exit(3)
+    if ps.rank == 0:
+        end = time.monotonic() + 20
+        while (stats := ps.stats())[0]["lost"] != [2] and time.monotonic() < end:
+            time.sleep(0.1)
+        print(f"worker 0 finished 10 steps; server counters {stats}")
+    ps.close()
+
+
+def killserver() -> None:
+    m = model()
+    ps = gradsync.ps.ParameterClient(m, optimizer="sgd", lr=0.05, mode="sync")
+    try:
+        for step in range(50):
+            if ps.rank == 0 and step == 3:
+                os.kill(ps.peers[0].pid, signal.SIGKILL)
+            train_step(m, ps, ps.rank, step)
+    except PeerLostError as exc:
+        print(f"worker {ps.rank}: PeerLostError peer={exc.peer}: {exc}")
+        sys.exit(3)
+    fail("trained 50 steps although the server was killed")
+
+
+def checkpoint(action: str, directory: str) -> None:
+    m = model()
+    ps = gradsync.ps.ParameterClient(m, optimizer="adam", lr=0.01, mode="sync",
+                                     restore=directory if action == "restore" else None)
+    flat = lambda: np.concatenate([p.detach().numpy().ravel() for p in m.parameters()])  # noqa
+    start = 0
+    if action == "save":
+        for step in range(3):
+            train_step(m, ps, ps.rank, step)
+        if ps.rank == 0:
+            ps.save(directory)
+            np.save(os.path.join(directory, "p3.npy"), flat())
+        gs.barrier()
+        start = 3
+    else:
+        if not np.array_equal(flat(), np.load(os.path.join(directory, "p3.npy"))):
+            fail("restored parameters differ from the saved ones")
+        if ps.tags != [3] * ps.servers:
+            fail(f"restored version {ps.tags}, expected 3")
+    for step in range(3, 5):
+        train_step(m, ps, ps.rank, step)
+    if ps.rank == 0:
+        path = os.path.join(directory, "p5.npy")
+        if action == "save":
+            np.save(path, flat())
+        elif not np.array_equal(flat(), np.load(path)):
+            fail(f"after restore, step 5 differs from the original run by "
+                 f"{np.abs(flat() - np.load(path)).max():.3g}")
+        print(f"{action}: ok (start {start})")
+    ps.close()
+
+
+def mismatch() -> None:
+    m = model(32 if int(os.environ.get("RANK", os.environ.get("GRADSYNC_RANK"))) == 0 else 33)
+    try:
+        gradsync.ps.ParameterClient(m, optimizer="sgd", lr=0.1)
+    except (CollectiveMismatchError, PeerLostError) as exc:
+        print(f"{type(exc).__name__}: {exc}")
+        sys.exit(3)
+    fail("different models were accepted")
+
+
+if __name__ == "__main__":
+    scenario, args = sys.argv[1], sys.argv[2:]
+    if scenario == "parity":
+        parity(args[0], int(args[1]) if len(args) > 1 else 4)
+    elif scenario == "factor":
+        parity("sgd", 3, factor=True)
+    elif scenario == "mode":
+        modes(args[0], int(args[1]))
+    elif scenario == "kill":
+        kill(args[0])
+    elif scenario == "killserver":
+        killserver()
+    elif scenario in ("save", "restore"):
+        checkpoint(scenario, args[0])
+    elif scenario == "mismatch":
+        mismatch()
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")

@@ -1,0 +1,240 @@
+"""Parameter-server training through the launcher: every mode, failures, checkpoints.
+
+The rank side is tests/ranks/ps_check.py (one scenario per run); pure logic (sharding, the
+consistency clock, factor layout) is tested here without processes.
+"""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from gradsync.ps import factors as fc
+from gradsync.ps.consistency import Clock
+from gradsync.ps.sharding import bounds, offsets
+
+import harness
+
+
+# --- pure logic ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("total, servers", [(0, 1), (5, 3), (1016, 2), (1000, 3), (64, 4),
+                                            (10 ** 6 + 7, 4)])
+def test_bounds_cover_the_vector_in_nearly_equal_aligned_slices(total, servers):
+    b = bounds(total, servers)
+    assert b[0] == 0 and b[-1] == total and b == sorted(b) and len(b) == servers + 1
+    sizes = np.diff(b)
+    assert sizes.max() - sizes.min() <= 16 * 2 or total < 16 * servers
+    assert all(x % 16 == 0 for x in b[:-1])
+
+
+def test_offsets_and_errors():
+    assert offsets([10, 1000, 6]) == [0, 10, 1010, 1016]
+    with pytest.raises(ValueError):
+        bounds(10, 0)
+    with pytest.raises(ValueError):
+        offsets([-1])
+
+
+@pytest.mark.parametrize("lo, hi", [(0, 4096), (0, 100), (100, 2000), (37, 38), (2000, 4096)])
+def test_factored_gradient_equals_dense_on_any_slice(lo, hi):
+    """A server holding [lo, hi) of the flat vector forms exactly its part of delta^T x."""
+    rng = np.random.default_rng(0)
+    numels = [10, 48 * 40, 48, 2118]  # the 48 x 40 weight at 10..1930, cut anywhere
+    factored = [{"tensor": 1, "out": 48, "in": 40, "max_rows": 8}]
+    layers = fc.layout(factored, numels, lo, hi)
+    x = rng.standard_normal((5, 40)).astype(np.float32)
+    d = rng.standard_normal((5, 48)).astype(np.float32)
+    region = np.zeros(fc.slot_floats(layers), np.float32)
+    rows = fc.pack(layers, region, {1: x}, {1: d})
+    grad = np.full(hi - lo, 7.0, np.float32)
+    fc.expand(layers, region, rows, grad, lo)
+    dense = np.full(4096, 7.0, np.float32)
+    dense[10:10 + 48 * 40] = (d.T @ x).reshape(-1)
+    np.testing.assert_allclose(grad, dense[lo:hi], rtol=1e-5, atol=1e-5)
+    if layers:
+        assert rows == [5]
+        assert fc.pack(layers, region, {1: np.zeros((9, 40), np.float32)}, {1: d}) == [fc.DENSE]
+
+
+def _clock(mode, workers=3, **kw):
+    applied = []
+    clock = Clock(mode, workers, lambda ws, avg: applied.append((sorted(ws), avg)),
+                  timeout=5, **kw)
+    return clock, applied
+
+
+def _push_later(clock, worker, tag, out):
+    def push():
+        try:
+            out.append((worker, clock.push(worker, tag)))
+        except Exception as exc:  # checked by the test through what is (not) in ``out``
+            errors.append(exc)
+
+    errors = []
+    t = threading.Thread(target=push)
+    t.start()
+    return t
+
+
+def test_sync_round_waits_for_every_worker_and_averages():
+    clock, applied = _clock("sync")
+    out = []
+    threads = [_push_later(clock, w, 0, out) for w in (2, 0)]
+    time.sleep(0.2)
+    assert applied == [] and not out
+    threads.append(_push_later(clock, 1, 0, out))
+    for t in threads:
+        t.join(5)
+    assert applied == [([0, 1, 2], True)]
+    assert sorted(w for w, _ in out) == [0, 1, 2] and all(r["version"] == 1 for _, r in out)
+
+
+def test_backup_closes_at_k_and_drops_the_late_gradient():
+    clock, applied = _clock("backup", backup=2)
+    out = []
+    for t in [_push_later(clock, w, 0, out) for w in (0, 2)]:
+        t.join(5)
+    assert applied == [([0, 2], True)]
+    assert clock.push(1, 0) == {"version": 1, "applied": False}
+    assert clock.counters()["dropped"] == 1
+
+
+def test_async_applies_at_once_and_measures_staleness():
+    clock, applied = _clock("async")
+    assert clock.push(0, 0)["version"] == 1
+    assert clock.push(1, 0)["version"] == 2
+    assert clock.push(2, 0)["version"] == 3
+    assert clock.counters()["max_staleness"] == 2 and len(applied) == 3
+
+
+def test_ssp_never_lets_a_worker_run_more_than_s_ahead():
+    clock, applied = _clock("ssp", workers=2, staleness=1)
+    assert clock.push(0, 0)["applied"]            # clock 1 vs 0: within the bound
+    out = []
+    t = _push_later(clock, 0, 1, out)             # clock 2 vs 0: must wait
+    time.sleep(0.2)
+    assert not out
+    clock.push(1, 0)                              # the slow worker catches up one clock
+    t.join(5)
+    assert out and clock.counters()["max_clock_gap"] <= 1
+
+
+def test_a_lost_worker_fails_sync_and_is_dropped_elsewhere():
+    clock, _ = _clock("sync")
+    out = []
+    threads = [_push_later(clock, w, 0, out) for w in (0, 1)]
+    time.sleep(0.1)
+    clock.leave(2, died=True)
+    for t in threads:
+        t.join(5)
+    assert not out  # both pushes raised
+    with pytest.raises(Exception, match="worker 2 was lost"):
+        clock.push(0, 0)
+    backup, applied = _clock("backup", backup=3)
+    backup.leave(2, died=True)
+    out = []
+    for t in [_push_later(backup, w, 0, out) for w in (0, 1)]:
+        t.join(5)
+    assert applied == [([0, 1], True)] and backup.counters()["lost"] == [2]
+
+
+def test_clock_arguments_are_checked():
+    with pytest.raises(ValueError, match="mode must be"):
+        _clock("lockstep")
+    with pytest.raises(ValueError, match="backup"):
+        _clock("backup", backup=4)
+    with pytest.raises(ValueError, match="staleness"):
+        _clock("ssp")
+
+
+# --- through the launcher --------------------------------------------------------------------
+
+def _ps(workers, servers, *args, timeout=90, env=None):
+    return harness.launch(workers, "ps_check.py", *args, timeout=timeout, env=env,
+                          launcher_args=("--servers", str(servers)))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("workers, servers, optimizer, transport", [
+    (1, 1, "sgd", "auto"), (2, 1, "adam", "auto"), (3, 2, "sgd", "auto"),
+    (2, 3, "adam", "tcp"), (3, 1, "sgd", "tcp"),
+])
+def test_sync_training_equals_the_local_optimizer(workers, servers, optimizer, transport):
+    r = _ps(workers, servers, "parity", optimizer, env={"GRADSYNC_TRANSPORT": transport})
+    assert r.returncode == 0, r
+    assert r.output.count("steps match") == workers, r
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("workers, servers", [(1, 1), (3, 2)])
+def test_factored_linear_gradients_train_identically_with_less_traffic(workers, servers):
+    r = _ps(workers, servers, "factor")
+    assert r.returncode == 0, r
+    assert r.output.count("steps match") == workers, r
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode, workers, servers", [
+    ("sync", 2, 1), ("backup", 3, 1), ("async", 3, 2), ("ssp", 3, 1), ("ssp", 4, 2),
+])
+def test_each_mode_keeps_its_guarantee(mode, workers, servers):
+    r = _ps(workers, servers, "mode", mode, "12")
+    assert r.returncode == 0, r
+    assert f"{mode}: counters hold" in r.output, r
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["async", "backup"])
+def test_a_killed_worker_is_dropped_and_training_goes_on(mode):
+    r = _ps(3, 1, "kill", mode)
+    assert r.returncode == 137, r  # the launcher reports the dead worker's status at the end
+    assert "worker 0 finished 10 steps" in r.output, r
+    assert "'lost': [2]" in r.output, r
+    assert "lost worker 2" in r.output and f"training goes on without it ({mode} mode)" in \
+        r.output, r
+    assert "PeerLostError" not in r.output, r
+
+
+@pytest.mark.multiprocess
+def test_a_killed_worker_in_sync_mode_fails_the_others_naming_it():
+    r = _ps(3, 1, "kill", "sync")
+    assert r.returncode != 0, r
+    for w in (0, 1):
+        assert f"worker {w}: PeerLostError peer=2: worker 2 was lost" in r.output, r
+
+
+@pytest.mark.multiprocess
+def test_a_killed_server_gives_every_worker_a_clear_error():
+    ranks = harness.spawn(3, "ps_check.py", "killserver", timeout=60,
+                          env={"GRADSYNC_SERVERS": "1"})
+    assert ranks[2].returncode == -9 or ranks[2].returncode == 137, ranks[2]
+    for w in (0, 1):
+        assert ranks[w].returncode == 3, ranks[w].output[-3000:]
+        assert "PeerLostError peer=2" in ranks[w].output, ranks[w].output[-3000:]
+        assert "parameter server 0 (rank 2)" in ranks[w].output, ranks[w].output[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_checkpoint_restores_the_same_parameters_and_continues_identically(tmp_path):
+    r = _ps(2, 2, "save", str(tmp_path))
+    assert r.returncode == 0, r
+    assert sorted(p.name for p in tmp_path.iterdir()) == \
+        ["p3.npy", "p5.npy", "server-0.npz", "server-1.npz"]
+    r = _ps(2, 2, "restore", str(tmp_path))
+    assert r.returncode == 0, r
+    assert "restore: ok" in r.output, r
+
+
+@pytest.mark.multiprocess
+def test_workers_with_different_models_get_an_error_naming_the_difference():
+    r = _ps(2, 1, "mismatch", timeout=60)
+    assert "CollectiveMismatchError" in r.output and "numels" in r.output, r
+    assert "PeerLostError" in r.output, r  # the other worker learns that it left
+
+
+@pytest.mark.multiprocess
+def test_a_parameter_client_without_servers_is_a_config_error():
+    r = harness.launch(1, "ps_check.py", "parity", "sgd", timeout=60)
+    assert r.returncode == 1 and "has no parameter servers" in r.output, r
