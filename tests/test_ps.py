@@ -176,6 +176,12 @@ def test_factored_linear_gradients_train_identically_with_less_traffic(workers, 
 
 
 @pytest.mark.multiprocess
+def test_a_bf16_model_trains_on_float32_master_weights():
+    r = _ps(2, 1, "bf16")
+    assert r.returncode == 0 and r.output.count("bf16 ok") == 2, r
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode, workers, servers", [
     ("sync", 2, 1), ("backup", 3, 1), ("async", 3, 2), ("ssp", 3, 1), ("ssp", 4, 2),
 ])

@@ -12,6 +12,7 @@ reference model trained locally on the same batches is what the servers must hol
     killserver             worker 0 kills server 0; every worker raises PeerLostError
     save DIR / restore DIR a checkpoint at step 3 restores the same parameters and continues
                            to the same step-5 parameters
+    bf16                   a bf16 model trains on float32 master weights
     mismatch               worker 1 builds another model
 """
 
@@ -184,6 +185,25 @@ def checkpoint(action: str, directory: str) -> None:
     ps.close()
 
 
+def bf16() -> None:
+    """A bf16 model: the servers keep float32 master weights; the model holds their bf16
+    rounding after every pull, and training moves it."""
+    m = model().to(torch.bfloat16)
+    ps = gradsync.ps.ParameterClient(m, optimizer="sgd", lr=0.1, mode="sync")
+    before = [p.detach().clone() for p in m.parameters()]
+    for step in range(3):
+        x, y = batch(ps.rank, step)
+        torch.nn.functional.mse_loss(m(x.bfloat16()).float(), y).backward()
+        ps.step()
+        for (p, pv, _, aliased) in ps._views:
+            if aliased or p.dtype != torch.bfloat16 or not torch.equal(p, pv.to(torch.bfloat16)):
+                fail("a bf16 parameter is not the bf16 rounding of the float32 master")
+    if all(torch.equal(a, p) for a, p in zip(before, m.parameters())):
+        fail("bf16 training did not change the parameters")
+    print(f"worker {ps.rank}: bf16 ok")
+    ps.close()
+
+
 def mismatch() -> None:
     m = model(32 if int(os.environ.get("RANK", os.environ.get("GRADSYNC_RANK"))) == 0 else 33)
     try:
@@ -208,6 +228,8 @@ if __name__ == "__main__":
         killserver()
     elif scenario in ("save", "restore"):
         checkpoint(scenario, args[0])
+    elif scenario == "bf16":
+        bf16()
     elif scenario == "mismatch":
         mismatch()
     else:
