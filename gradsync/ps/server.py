@@ -172,16 +172,18 @@ class Server:
             if self.factored:
                 fc.expand(self.factored, self.factor_slots[w], self._factor_rows[w],
                           self.slots[w], self.lo)
-        scale = 1.0 / len(workers) if average and len(workers) > 1 else 1.0
+        scale = 1.0 / len(workers) if average else 1.0
         opt, stripes = self.optimizer, self.endpoint.region("params").stripes
         opt.begin_step()
         for a in range(0, self.hi - self.lo, _STRIPE):
             b = min(a + _STRIPE, self.hi - self.lo)
-            g = self._scratch[:b - a]
-            np.copyto(g, self.slots[workers[0]][a:b])
-            for w in workers[1:]:
-                np.add(g, self.slots[w][a:b], out=g)
-            if scale != 1.0:
+            if len(workers) == 1:
+                g = self.slots[workers[0]][a:b]  # the optimizer only reads its gradient
+            else:
+                g = self._scratch[:b - a]
+                np.add(self.slots[workers[0]][a:b], self.slots[workers[1]][a:b], out=g)
+                for w in workers[2:]:
+                    np.add(g, self.slots[w][a:b], out=g)
                 g *= scale
             stripes.acquire(a * 4)
             try:

@@ -1,0 +1,402 @@
+"""One-sided memory regions (``transport/regions.py``): the request header, bounds and stripes;
+every access path against NumPy; refused, hostile, stalled and lost peers; and accumulates from
+several processes at once, which must lose no update. Values are small integers, so every sum
+is exact; each test has a job id of its own and leaves nothing in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import queue
+import threading
+import time
+import traceback
+import types
+import uuid
+
+import numpy as np
+import pytest
+
+from gradsync.errors import AuthenticationError, GradsyncError, PeerLostError, ProtocolError
+from gradsync.transport import rma_frame as rf
+from gradsync.transport.regions import STRIPE_BYTES, Endpoint, RegionAccessError, Stripes, wait
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs Linux /dev/shm")
+
+SECRET = b"r" * 32
+HOST = "h"  # every endpoint claims the same host, so allocated regions are mapped directly
+READ, WRITE, ACC = rf.Op.READ, rf.Op.WRITE, rf.Op.ACCUMULATE
+
+
+def _leftovers(job: str) -> list[str]:
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(f"gradsync-{job}-"))
+
+
+def _soon(seconds: float = 5.0) -> float:
+    return time.monotonic() + seconds
+
+
+def _until(condition, seconds: float = 5.0) -> bool:
+    deadline = _soon(seconds)
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+# --- pure logic ---------------------------------------------------------------------------
+
+_CALL = rf.pack(rf.Op.CALL, 7, 0, 0, 10)
+
+
+@pytest.mark.parametrize("raw, allowed, match", [
+    (b"XXXX" + _CALL[4:], rf.Op.REQUESTS, "magic"),
+    (_CALL[:4] + b"\x02" + _CALL[5:], rf.Op.REQUESTS, "version"),
+    (rf.pack(rf.Op.REPLY, 1, 0, 0, 0), rf.Op.REQUESTS, "op 5"),
+    (rf.pack(99, 1, 0, 0, 0), rf.Op.REQUESTS, "op 99"),
+    (rf.pack(READ, 1, 0, 0, 0), rf.Op.REPLIES, "op 1"),
+    (rf.pack(rf.Op.CALL, 1, 0, 0, rf.MAX_CALL + 1), rf.Op.REQUESTS, "control message"),
+    (rf.pack(rf.Op.ERROR, 1, 0, 0, 2**64 - 1), rf.Op.REPLIES, "control message"),
+])
+def test_unpack_rejects_untrustworthy_headers(raw, allowed, match):
+    with pytest.raises(ProtocolError, match=match):
+        rf.unpack(raw, allowed)
+
+
+_TABLE = [types.SimpleNamespace(name="a", nbytes=64), types.SimpleNamespace(name="b", nbytes=0)]
+
+
+@pytest.mark.parametrize("op, region, offset, length, why", [
+    (READ, 0, 0, 64, None), (WRITE, 0, 64, 0, None), (WRITE, 0, 3, 5, None),
+    (ACC, 0, 8, 56, None), (READ, 1, 0, 0, None),
+    (READ, 2, 0, 0, "no region #2"), (WRITE, 2**32 - 1, 0, 8, "no region"),
+    (WRITE, 0, 60, 8, "outside"), (READ, 0, 65, 0, "outside"), (WRITE, 1, 0, 1, "outside"),
+    (WRITE, 0, 2**63, 8, "outside"), (WRITE, 0, 8, 2**64 - 1, "outside"),
+    (ACC, 0, 2**64 - 8, 16, "outside"), (ACC, 0, 4, 8, "aligned"), (ACC, 0, 8, 12, "aligned"),
+])
+def test_check_access(op, region, offset, length, why):
+    got = rf.check_access(rf.Request(op, 1, region, offset, length), _TABLE, lambda r: 8)
+    assert got is None if why is None else why in got
+
+
+@pytest.mark.parametrize("lo, hi, start, want", [
+    (0, 0, 0, []), (5, 5, 3, []), (10, 20, 7, [(10, 20)]), (0, 64, 1, [(0, 64)]),
+    (60, 200, 0, [(60, 64), (64, 128), (128, 192), (192, 200)]),
+    (60, 200, 1, [(64, 128), (128, 192), (192, 200), (60, 64)]),
+    (60, 200, 6, [(128, 192), (192, 200), (60, 64), (64, 128)]),  # 6 mod the 4 stripes spanned
+    (128, 256, 1, [(192, 256), (128, 192)]),
+])
+def test_stripes_cut_at_boundaries_and_rotate(lo, hi, start, want):
+    assert Stripes(256, None, stripe=64).pieces(lo, hi, start) == want
+
+
+# --- ranks as threads: owner and clients in this process ----------------------------------
+
+@pytest.fixture
+def job():
+    name = f"t{uuid.uuid4().hex[:10]}"
+    yield name
+    assert _leftovers(name) == [], "segments left in /dev/shm"
+
+
+@pytest.fixture
+def net(job):
+    """Endpoint 0 owns regions; ``client(ident, direct)`` connects another endpoint to it."""
+    owner = Endpoint(0, HOST, SECRET, job, expect=set(range(1, 10)), timeout=10)
+    owner.on_call("echo", lambda peer, args: {"peer": peer, **args})
+    made = []
+
+    def client(ident: int, direct: bool = True):
+        made.append(Endpoint(ident, HOST, SECRET, job, direct=direct, timeout=10))
+        made.append(made[-1].connect(0, "127.0.0.1", owner.port, _soon(), label="owner"))
+        return made[-1]
+
+    yield owner, client
+    for thing in reversed(made):
+        thing.close()
+    owner.close()
+
+
+def _cases(n: int, per_stripe: int) -> list[tuple[int, int]]:
+    """(first element, count): empty, one, uneven, stripe-crossing and whole, start to end."""
+    mid = n // 2 + 1
+    return [(0, 0), (0, 1), (mid, 0), (mid, 1), (mid, 1001), (n - 1, 1), (n, 0),
+            (per_stripe - 5, per_stripe + 10), (0, n)]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64])
+@pytest.mark.parametrize("kind", ["shm-direct", "shm-tcp", "registered"])
+def test_access_matches_numpy(net, kind, dtype):
+    owner, client = net
+    per_stripe = STRIPE_BYTES // np.dtype(dtype).itemsize
+    n = 3 * per_stripe + 3  # 3 MiB and 3 elements: four stripes, the last a stub
+    if kind == "registered":
+        array = owner.register("r", np.zeros(n, dtype)).array
+    else:
+        array = owner.allocate("r", (n,), dtype)
+    region = client(1, direct=kind != "shm-tcp").region("r")
+    assert (region.direct is not None) == (kind == "shm-direct")
+    assert (region.nbytes, region.dtype, region.shape) == (array.nbytes, array.dtype, (n,))
+    ref = np.zeros(n, dtype)
+    for k, (first, count) in enumerate(_cases(n, per_stripe)):
+        at, src = first * ref.itemsize, (np.arange(count) % 101 + k).astype(dtype)
+        region.write(src, at)
+        ref[first:first + count] = src
+        region.accumulate(src % 7, at)
+        ref[first:first + count] += src % 7
+        out = np.full(count, -1, dtype)
+        assert region.read(out, at) is out
+        assert (out == ref[first:first + count]).all(), (first, count)
+        assert (array == ref).all(), f"({first}, {count}) changed elements outside its range"
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_async_requests_run_in_issue_order(net, direct):
+    owner, client = net
+    array = owner.allocate("r", (1000,), np.int64)
+    peer = client(2, direct)
+    region, a, out = peer.region("r"), np.arange(1000, dtype=np.int64), np.zeros(1000, np.int64)
+    got = wait([region.write_async(a), region.accumulate_async(a[:500], 8 * 250),
+                region.read_async(out), peer.call_async("echo", x=3)])
+    ref = a.copy()
+    ref[250:750] += a[:500]
+    assert (out == ref).all() and (array == ref).all()
+    assert got[2] is out and got[3] == {"peer": 2, "x": 3}
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_client_refuses_out_of_range_before_sending(net, direct):
+    owner, client = net
+    array = owner.allocate("r", (10,), np.float64)
+    region = client(1, direct).region("r")
+    for op, buf, offset in [("write", np.ones(11), 0), ("read", np.ones(1), 80),
+                            ("read", np.ones(0), 81), ("accumulate", np.ones(2), 72),
+                            ("write", np.ones(1), -8), ("accumulate", np.ones(1), 4)]:
+        with pytest.raises(ValueError):
+            getattr(region, op)(buf, offset)
+    with pytest.raises(TypeError, match="convert"):
+        region.accumulate(np.ones(1, np.float32))
+    assert (array == 0).all()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_owner_refuses_forged_requests_and_keeps_the_connection(net, direct):
+    owner, client = net
+    shm = [owner.allocate(name, (16,), np.int64) for name in ("left", "right")]
+    joint = np.zeros(32, np.int64)  # two registered regions side by side in one buffer
+    owner.register("lo", joint[:16])
+    owner.register("hi", joint[16:])
+    peer = client(1, direct)
+    index = {name: peer.region(name).index for name in ("left", "lo")}
+    u8 = np.full(16, 0xFF, np.uint8)
+    for op, name, offset, payload, length in [
+            (WRITE, "left", 120, u8, 0), (WRITE, "lo", 120, u8, 0), (ACC, "lo", 4, u8[:8], 0),
+            (ACC, "lo", 8, u8[:12], 0), (WRITE, "lo", 2**63, u8[:8], 0), (WRITE, 99, 0, u8, 0),
+            (READ, "lo", 0, None, 129), (READ, "left", 2**64 - 1, None, 1)]:
+        with pytest.raises(RegionAccessError) as refused:
+            peer.request(op, index.get(name, name), offset, payload, length=length,
+                         into=None if payload is not None else np.zeros(length, np.uint8))
+        assert isinstance(refused.value, ValueError)
+        assert peer.call("echo", after=str(refused.value)[:20])["peer"] == 1  # still in step
+        assert (joint == 0).all() and (shm[0] == 0).all() and (shm[1] == 0).all()
+    peer.region("lo").write(np.arange(16, dtype=np.int64))
+    assert (joint[:16] == np.arange(16)).all() and (joint[16:] == 0).all()
+
+
+def test_wrong_secret_is_refused_and_the_owner_keeps_serving(net, job):
+    owner, client = net
+    array = owner.allocate("r", (4,), np.float32)
+    intruder = Endpoint(5, HOST, b"x" * 32, job)
+    try:
+        with pytest.raises(AuthenticationError):
+            intruder.connect(0, "127.0.0.1", owner.port, _soon(), label="owner")
+    finally:
+        intruder.close()
+    client(5).region("r").write(np.ones(4, np.float32))  # the refusal did not use up id 5
+    assert (array == 1).all()
+
+
+@pytest.mark.parametrize("garbage", [
+    b"\0" * rf.HEADER_SIZE, rf.pack(99, 1, 0, 0, 0), rf.pack(rf.Op.CALL, 1, 0, 0, 2**40),
+    rf.pack(WRITE, 1, 0, 8, 2**62),  # refused, and too long to drain
+], ids=["zeros", "op", "call-size", "undrainable"])
+def test_garbage_drops_only_that_connection(net, garbage):
+    owner, client = net
+    array = owner.allocate("r", (4,), np.int64)
+    lost = []
+    owner.on_disconnect(lambda peer, error: lost.append((peer, error)))
+    peer = client(1, direct=False)
+    region = peer.region("r")
+    peer.sock.sendall(garbage)
+    peer.sock.settimeout(5)
+    assert peer.sock.recv(1) == b"", "the owner kept a connection that sent garbage"
+    assert _until(lambda: lost) and lost[0][0] == 1 and isinstance(lost[0][1], ProtocolError)
+    with pytest.raises(PeerLostError):
+        region.read(np.zeros(4, np.int64))
+    other = client(2, direct=False)
+    other.region("r").accumulate(np.full(4, 3, np.int64))
+    assert (array == 3).all() and other.call("echo")["peer"] == 2
+
+
+def test_a_peer_stalled_mid_request_is_dropped_and_frees_its_stripe(net):
+    owner, client = net
+    owner.timeout = 0.5  # how long the owner waits for the rest of a request it has begun
+    array = owner.allocate("r", (8,), np.int64)
+    lost = []
+    owner.on_disconnect(lambda peer, error: lost.append((peer, error)))
+    stalled, region = client(1, direct=False), client(2, direct=False).region("r")
+    time.sleep(0.8)  # idle between requests for longer than that is fine
+    stalled.sock.sendall(rf.pack(WRITE, 1, 0, 0, 64) + bytes(8))  # takes stripe 0, then stops
+    region.write(np.arange(8, dtype=np.int64))  # waits for stripe 0, then gets it
+    assert (array == np.arange(8)).all()
+    assert _until(lambda: lost) and [(p, type(e)) for p, e in lost] == [(1, TimeoutError)]
+
+
+def test_control_errors_reach_the_caller(net):
+    owner, client = net
+    owner.on_call("buggy", lambda peer, args: 1 / 0)
+    peer = client(1)
+    with pytest.raises(ValueError, match="no control method 'nope'") as e:
+        peer.call("nope")
+    assert type(e.value) is ValueError
+    with pytest.raises(GradsyncError, match="division by zero"):  # a bug in a handler
+        peer.call("buggy")
+    assert peer.call("echo", x=1) == {"peer": 1, "x": 1}
+
+
+def test_closing_the_owner_fails_a_blocked_peer_and_frees_segments(net, job):
+    owner, client = net
+    owner.allocate("r", (1 << 16,), np.float32)
+    entered, release = threading.Event(), threading.Event()
+    owner.on_call("block", lambda peer, args: (entered.set(), release.wait(10), {})[-1])
+    peer = client(1)
+    assert len(_leftovers(job)) == 1
+    handle = peer.call_async("block")
+    assert entered.wait(5)
+    start = time.monotonic()
+    owner.close()
+    with pytest.raises(PeerLostError):
+        handle.wait(5)  # TimeoutError here would mean the peer hangs
+    assert time.monotonic() - start < 5 and _leftovers(job) == []
+    with pytest.raises(PeerLostError):
+        peer.call("echo")
+    release.set()
+
+
+# --- ranks as processes: stripe locks between processes -----------------------------------
+
+def _cross_waiter(path, holding, go, results):
+    """Process B: holds stripe 1, then asks for stripe 0 while A holds it and waits for 1."""
+    faulthandler.dump_traceback_later(20, exit=True)
+    stripes = Stripes(128, os.open(path, os.O_RDWR), stripe=64)
+    stripes.acquire(64)
+    holding.set()
+    go.wait(10)
+    try:
+        stripes.acquire(0)
+        stripes.release(0)
+        results.put("ok")
+    except OSError as exc:
+        results.put(repr(exc))
+    stripes.release(64)
+
+
+def _waits_for_lock(pid: int) -> bool:
+    with open("/proc/locks") as f:
+        return any("->" in line and f" {pid} " in line for line in f)
+
+
+@pytest.mark.multiprocess
+def test_a_wait_that_only_looks_like_a_deadlock_completes(tmp_path):
+    # Thread 1 of A holds stripe 0 and thread 2 of A waits for stripe 1, which B holds; B then
+    # asks for stripe 0. The kernel sees A and B wait for each other (EDEADLK), but thread 1
+    # lets go of stripe 0 without waiting for anything, so B must simply get it next.
+    path = tmp_path / "locks"
+    path.write_bytes(bytes(128))
+    ctx, fd = mp.get_context("fork"), os.open(path, os.O_RDWR)
+    holding, go, results = ctx.Event(), ctx.Event(), ctx.Queue()
+    b = ctx.Process(target=_cross_waiter, args=(str(path), holding, go, results), daemon=True)
+    stripes = Stripes(128, fd, stripe=64)
+    stripes.acquire(0)
+    b.start()
+    try:
+        assert holding.wait(10)
+        waiter = threading.Thread(target=lambda: (stripes.acquire(64), stripes.release(64)),
+                                  daemon=True)
+        waiter.start()
+        assert _until(lambda: _waits_for_lock(os.getpid())), "thread 2 never waited"
+        go.set()
+        time.sleep(0.3)  # B has asked for stripe 0 by now
+        stripes.release(0)
+        assert results.get(timeout=10) == "ok"
+        waiter.join(10)
+        assert not waiter.is_alive()
+    finally:
+        b.join(5)
+        if b.is_alive():
+            b.kill()
+        os.close(fd)
+
+
+# Accumulating processes, and accumulates each. Without the stripe locks an update is lost only
+# where two adds overtake each other inside one stripe: with 50 rounds, 4 to 7 runs in 10 lost
+# one; with 200, each of 36 runs lost some (under a second with the locks, on 2 busy cores).
+P, R = 3, 200
+
+
+def _accumulator(ident, direct, port, ready, go, job, n, results, timeout):
+    faulthandler.dump_traceback_later(timeout, exit=True)  # a hung worker shows where
+    try:
+        assert ready.wait(timeout), "the owner never started"
+        ep = Endpoint(ident, HOST, SECRET, job, direct=direct, timeout=timeout)
+        peer = ep.connect(0, "127.0.0.1", port.value, time.monotonic() + timeout, "owner")
+        region = peer.region("sum")
+        assert (region.direct is not None) == direct, "direct mapping not as requested"
+        mine = np.full(n, ident, np.float64)
+        go.wait(timeout)  # all at once, so the accumulates overlap
+        for _ in range(R):
+            region.accumulate(mine)
+        peer.close()
+        ep.close()
+        results.put((ident, "ok"))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
+        results.put((ident, traceback.format_exc()))
+
+
+@pytest.mark.multiprocess
+def test_accumulates_from_processes_lose_no_update(job):
+    # fcntl locks belong to a process, so each accumulator is a process of its own: two map
+    # the region, one goes over TCP to the owner's serving thread.
+    ctx, timeout = mp.get_context("fork"), 30.0
+    n = (2 * STRIPE_BYTES + 104) // 8  # 2 MiB and 13 elements: three stripes
+    port, ready, go, results = ctx.Value("i", 0), ctx.Event(), ctx.Barrier(P), ctx.Queue()
+    workers = {ident: ctx.Process(target=_accumulator, daemon=True, args=(
+        ident, ident != P, port, ready, go, job, n, results, timeout)) for ident in range(1, P + 1)}
+    for w in workers.values():
+        w.start()
+    # The owner starts after the fork, so no worker inherits its threads, sockets or fds.
+    owner = Endpoint(0, HOST, SECRET, job, expect=set(workers), timeout=timeout)
+    try:
+        total = owner.allocate("sum", (n,), np.float64)
+        port.value = owner.port
+        ready.set()
+        done, deadline = {}, time.monotonic() + timeout + 3
+        while len(done) < P and time.monotonic() < deadline:
+            try:
+                ident, status = results.get(timeout=0.5)
+                done[ident] = status
+            except queue.Empty:
+                continue
+        assert done == {i: "ok" for i in workers}, f"workers did not all finish: {done}"
+        expected = R * sum(workers)
+        wrong = np.flatnonzero(total != expected)
+        assert wrong.size == 0, (f"{wrong.size} of {n} elements lost updates: element "
+                                 f"{wrong[0]} is {total[wrong[0]]}, expected {expected}")
+    finally:
+        for w in workers.values():
+            w.join(timeout=2)
+            if w.is_alive():
+                w.kill()
+                w.join()
+        owner.close()
