@@ -171,10 +171,11 @@ class ParameterClient:
             self._errors[i] = grad.detach().reshape(-1, m).float().numpy()
 
         def hook(module, args, output):
+            if not output.requires_grad:
+                return  # a forward that backward never sees (evaluation under no_grad)
             self._seen[i] = self._seen.get(i, 0) + 1
             self._inputs[i] = args[0].detach().reshape(-1, n).float().numpy()
-            if output.requires_grad:
-                output.register_hook(keep_error)
+            output.register_hook(keep_error)
         return hook
 
     def _buffers(self, numels: list[int]) -> None:
