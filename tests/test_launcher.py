@@ -453,3 +453,15 @@ def test_servers_left_running_after_every_worker_ended_are_stopped(monkeypatch):
     assert took < 15, took
     assert b"still running 0.5s after the last worker ended" in err.getvalue()
     assert b"stopped 1 rank" in err.getvalue()
+
+
+@pytest.mark.parametrize("np_, preset, expected", [(2, None, "1"), (1, None, "unset"),
+                                                   (2, "3", "3")])
+def test_ranks_sharing_a_host_get_one_openmp_thread_unless_told(np_, preset, expected):
+    cmd = rank_code("print('threads', os.environ.get('OMP_NUM_THREADS', 'unset'))")
+    proc = subprocess.run([sys.executable, "-m", "gradsync", "run", "-np", str(np_), *cmd],
+                          cwd=ROOT, env={**_env(), **{"OMP_NUM_THREADS": preset}} if preset
+                          else {k: v for k, v in _env().items() if k != "OMP_NUM_THREADS"},
+                          capture_output=True, text=True, timeout=DEADLINE)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count(f"threads {expected}") == np_, proc.stdout
