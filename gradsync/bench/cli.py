@@ -25,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gradsync bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("benchmark", choices=sorted(BENCHMARKS))
-    parser.add_argument("-np", dest="np", type=int, default=2, help="number of ranks (default 2)")
+    parser.add_argument("-np", dest="np", type=int, default=2,
+                        help="number of ranks (default 2; for ps: of workers)")
     parser.add_argument("-H", "--hosts", help="hosts and slots, as for gradsync run")
     parser.add_argument("--servers", type=int, metavar="S",
                         help="parameter-server ranks after the -np workers (ps only; default 1)")
@@ -48,5 +49,5 @@ def main(argv: list[str] | None = None) -> int:
            *(["--servers", str(args.servers)] if args.servers else []),
            *(["-H", args.hosts] if args.hosts else [])]
     if hasattr(module, "drive"):
-        return module.drive(run, options, rest)
+        return module.drive(run, options, rest, workers=args.np, servers=args.servers)
     return subprocess.call([*run, sys.executable, "-m", module.__name__, *rest])

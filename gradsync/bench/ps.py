@@ -21,7 +21,7 @@ runs in the same job, in the same worker processes, through the same loop. The l
 ``speedup = gRPC time / gradsync time``.
 
 Verification: the gradient is 1 and lr = 2^-10, so after P pushes of all workers every
-parameter must be exactly -P/1024 (exact in float32 for P < 2^23). After timing every worker
+parameter must be exactly -P/1024 (exact in float32 for P < 2^24). After timing every worker
 pulls and counts the elements that differ (``#wrong``, summed over workers), on both servers;
 each gradsync server's counters and the gRPC server's step count must equal P.
 
@@ -31,7 +31,13 @@ digits (its own shard of the training set) through a ``ParameterClient``; worker
 step's forward and backward. One job per mode (sync, backup with k = N-1, async, ssp with
 s = 3); worker 0 scores the test set every ``--eval-every`` steps, and its wall time (from a
 barrier of the workers after set-up) until the accuracy first reaches ``--target`` is the
-result, with the server's counters at that moment. ``--deadline`` bounds every run.
+result, with the server's counters at that moment and each phase's median time per step.
+``--lr`` is the step per gradient: sync and backup apply the *average* of N (k) gradients as
+one update, so they use N (k) times it, and every mode moves each gradient by the same lr
+(the linear scaling rule; ``--lr-scaling none`` turns that off). Momentum defaults to 0:
+with server-side momentum, stale gradients of async training overshoot (asynchrony itself
+acts as momentum, Mitliagkas et al. 2016). ``--train-seconds`` bounds each run's training,
+``--deadline`` each job.
 """
 
 from __future__ import annotations
@@ -40,7 +46,6 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,6 +62,34 @@ MODES = ("sync", "backup", "async", "ssp")
 _STOP = "bench.ps.stop"   # store key: worker 0 reached the target, every worker stops
 
 
+def _at_least(minimum, kind=int):
+    def parse(text: str):
+        value = kind(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _modes(text: str) -> list[str]:
+    modes = [m for m in text.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(f"modes are {', '.join(MODES)}; got {text!r}")
+    return modes
+
+
+def _size_range(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (parse_size(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN:MAX such as 1K:64M, got {text!r}")
+    if not 4 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"need 4 <= MIN <= MAX bytes, got {text!r}")
+    return lo, hi
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gradsync bench ps")
     p.add_argument("--transport", choices=["auto", "tcp"], default="auto",
@@ -66,30 +99,35 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline", type=float, default=600.0,
                    help="seconds one job (one size or one mode) may take before it is killed")
     t = p.add_argument_group("throughput")
-    t.add_argument("--sizes", default="1K:64M", help="MIN:MAX bytes of float32 (default 1K:64M)")
-    t.add_argument("--factor", type=int, default=4, help="size multiplier between rows")
+    t.add_argument("--sizes", type=_size_range, default="1K:64M",
+                   help="MIN:MAX bytes of float32 (default 1K:64M)")
+    t.add_argument("--factor", type=_at_least(2), default=4, help="size multiplier between rows")
     t.add_argument("--seconds", type=float, default=0.5, help="target timed seconds per size")
-    t.add_argument("--max-iters", type=int, default=1000)
-    t.add_argument("--warmup", type=int, default=3)
+    t.add_argument("--max-iters", type=_at_least(5), default=1000)
+    t.add_argument("--warmup", type=_at_least(0), default=3)
     s = p.add_argument_group("straggler")
     s.add_argument("--straggler", action="store_true",
                    help="time to accuracy with one slow worker, in each consistency mode")
-    s.add_argument("--modes", default=",".join(MODES), help="modes to run (default all four)")
+    s.add_argument("--modes", type=_modes, default=list(MODES),
+                   help="modes to run, separated by commas (default: sync,backup,async,ssp)")
     s.add_argument("--target", type=float, default=0.95, help="test accuracy to reach")
-    s.add_argument("--slowdown", type=float, default=3.0,
+    s.add_argument("--slowdown", type=_at_least(1.0, float), default=3.0,
                    help="how many times slower the last worker is (default 3)")
-    s.add_argument("--backup", type=int, help="backup mode's k (default: workers - 1)")
-    s.add_argument("--staleness", type=int, default=3, help="ssp mode's bound s")
-    s.add_argument("--hidden", type=int, default=256, help="MLP hidden width (64-h-h-10)")
-    s.add_argument("--batch-size", type=int, default=32, help="samples per worker per step")
-    s.add_argument("--lr", type=float, default=0.05,
+    s.add_argument("--backup", type=_at_least(1), help="backup mode's k (default: workers - 1)")
+    s.add_argument("--staleness", type=_at_least(0), default=3, help="ssp mode's bound s")
+    s.add_argument("--hidden", type=_at_least(1), default=512,
+                   help="MLP hidden width (64-h-h-10)")
+    s.add_argument("--batch-size", type=_at_least(1), default=64,
+                   help="samples per worker per step")
+    s.add_argument("--lr", type=float, default=0.1,
                    help="server SGD learning rate per gradient (see --lr-scaling)")
     s.add_argument("--lr-scaling", choices=["linear", "none"], default="linear",
                    help="linear: sync and backup, which apply the average of N (k) gradients "
                         "as one update, use lr x N (x k), so that every mode moves lr per "
                         "gradient (Goyal et al.); none: --lr in every mode")
     s.add_argument("--momentum", type=float, default=0.0)
-    s.add_argument("--eval-every", type=int, default=5, help="worker 0's steps between tests")
+    s.add_argument("--eval-every", type=_at_least(1), default=5,
+                   help="worker 0's steps between tests")
     s.add_argument("--train-seconds", type=float, default=60.0,
                    help="training time limit of one mode (a run that has not reached the "
                         "target by then reports its last accuracy)")
@@ -99,14 +137,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--job-mode", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--grpc-port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--data", help=argparse.SUPPRESS)
     return p
 
 
 def _sizes(args) -> list[int]:
-    lo, hi = (parse_size(s) for s in args.sizes.split(":"))
-    if args.factor < 2:
-        raise ValueError(f"--factor must be at least 2, got {args.factor}")
-    out, size = [], max(4, lo)
+    lo, hi = args.sizes
+    out, size = [], lo
     while size <= hi:
         out.append(size // 4 * 4)
         size *= args.factor
@@ -115,17 +152,20 @@ def _sizes(args) -> list[int]:
 
 # --- the driver -------------------------------------------------------------------------
 
-def drive(run: list[str], args, rest: list[str]) -> int:
+def drive(run: list[str], args, rest: list[str], workers: int, servers: int) -> int:
     """Starts one job per size (or per mode) with the ``gradsync run`` prefix ``run``.
 
     Args:
         run: ``[python, -m, gradsync, run, -np, N, --servers, S]``, as ``bench/cli.py`` built it.
         args: this parser's parsed options; ``rest`` the same options unparsed (the ranks get
             them again).
+        workers, servers: N and S.
     Returns:
         The exit status: 0, or the first failed job's.
     """
-    workers, servers = int(run[run.index("-np") + 1]), int(run[run.index("--servers") + 1])
+    if args.straggler and workers < 2:
+        print("gradsync bench ps: --straggler needs at least 2 workers (-np 2)", file=sys.stderr)
+        return 2
     env = {**os.environ, "GRADSYNC_TRANSPORT": args.transport, "OMP_NUM_THREADS": "1",
            "PYTHONUNBUFFERED": "1"}
     rows: list[dict] = []
@@ -207,8 +247,8 @@ def _print_throughput(row: dict, header: bool) -> None:
         print(f"# parameter server, {row['workers']} workers, {row['servers']} server(s), "
               f"data path: {path}; mode async, sgd", flush=True)
         print("# time = push+pull, median over iterations of the slowest worker; algbw = "
-              "2*size/time (GB/s); grpc = gradsync.bench.grpc_ps in the same workers; "
-              "speedup = grpc time / gradsync time", flush=True)
+              "2*size/time (GB/s); grpc = one gradsync.bench.grpc_ps server in its own process, "
+              "the same workers and loop; speedup = grpc time / gradsync time", flush=True)
         print(f"#{'size(B)':>11} {'count':>10} {'time(us)':>10} {'iqr(us)':>9} {'algbw':>6} "
               f"{'#wrong':>6} | {'grpc(us)':>11} {'iqr(us)':>10} {'algbw':>6} {'#wrong':>6} | "
               f"{'speedup':>7}", flush=True)
@@ -219,17 +259,16 @@ def _print_throughput(row: dict, header: bool) -> None:
 
 
 def _drive_straggler(run, args, rest, env, tmp, workers, servers, rows) -> int:
-    if workers < 2:
-        raise ValueError("the straggler experiment needs at least 2 workers (-np 2)")
-    modes = [m for m in args.modes.split(",") if m]
-    for i, mode in enumerate(modes):
-        status, row = _job(run, rest, ["--job-mode", mode], env, args.deadline,
+    data = os.path.join(tmp, "digits.npz")
+    _save_digits(data, args.seed)
+    for i, mode in enumerate(args.modes):
+        status, row = _job(run, rest, ["--job-mode", mode, "--data", data], env, args.deadline,
                            os.path.join(tmp, f"{mode}.json"))
         if row is None:
             print(f"# the {mode} job failed (status {status})", flush=True)
             return status
         row.update(workers=workers, servers=servers)
-        sync = next((r for r in rows if r["mode"] == "sync"), None)
+        sync = next((r for r in [*rows, row] if r["mode"] == "sync"), None)
         row["vs_sync"] = (sync["time_s"] / row["time_s"]
                           if sync and sync["reached"] and row["reached"] else None)
         rows.append(row)
@@ -240,7 +279,9 @@ def _drive_straggler(run, args, rest, env, tmp, workers, servers, rows) -> int:
           flush=True)
     for row in rows:
         for w in (0, row["slow"]):
-            ms = row["phases_ms"][str(w)] if str(w) in row["phases_ms"] else row["phases_ms"][w]
+            ms = row["phases_ms"].get(str(w))  # JSON made the worker a string
+            if ms is None:
+                continue
             print(f"#{row['mode']:>6} {w:>6} " + " ".join(f"{v:>8.2f}" for v in ms), flush=True)
     return 0
 
@@ -254,12 +295,13 @@ def _print_straggler(row: dict, args, header: bool) -> None:
               f"{args.lr} per gradient" + (" (sync: x N, backup: x k, on their averages)"
                                            if args.lr_scaling == "linear" else ""), flush=True)
         print(f"# time = worker 0's wall time until its test accuracy first reached "
-              f"{args.target} (scored every {args.eval_every} of its steps); updates = server "
-              f"versions; pushes = gradients pushed per worker; vs sync = sync time / this time",
+              f"{args.target} (scored every {args.eval_every} of its steps); server 0's counters "
+              f"then: updates = versions, applied/dropped gradients, most versions of staleness, "
+              f"gradients pushed per worker; vs-sync = sync time / this time",
               flush=True)
-        print(f"#{'mode':>6} {'param':>5} {'time(s)':>8} {'acc':>6} {'w0 steps':>8} "
+        print(f"#{'mode':>6} {'param':>5} {'time(s)':>8} {'acc':>6} {'w0-steps':>8} "
               f"{'updates':>7} {'applied':>7} {'dropped':>7} {'stale':>5} {'pushes':>16} "
-              f"{'vs sync':>7}", flush=True)
+              f"{'vs-sync':>7}", flush=True)
     param = {"backup": f"k={row.get('backup')}", "ssp": f"s={row.get('staleness')}"}.get(
         row["mode"], "-")
     time_s = f"{row['time_s']:.2f}" if row["reached"] else f">{row['time_s']:.0f}"
@@ -363,17 +405,18 @@ def throughput_rank(args) -> dict | None:
 
 # --- the straggler experiment, on every rank ------------------------------------------
 
-def _digits(seed: int):
-    import torch
+def _save_digits(path: str, seed: int) -> None:
+    """The train/test split of scikit-learn's digits, made once by the driver (importing
+    scikit-learn costs each rank about a second of CPU that the other ranks would feel)."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
     digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0  # pixels are 0..16
-    y = torch.tensor(digits.target, dtype=torch.long)
-    train, test = train_test_split(np.arange(len(y)), test_size=0.2, random_state=seed,
+    x = (digits.data / 16.0).astype(np.float32)  # pixels are 0..16
+    train, test = train_test_split(np.arange(len(x)), test_size=0.2, random_state=seed,
                                    stratify=digits.target)
-    return x[train], y[train], x[test], y[test]
+    np.savez(path, x_train=x[train], y_train=digits.target[train], x_test=x[test],
+             y_test=digits.target[test])
 
 
 def straggler_rank(args) -> dict | None:
@@ -394,7 +437,10 @@ def straggler_rank(args) -> dict | None:
     model = nn.Sequential(nn.Linear(64, args.hidden), nn.ReLU(),
                           nn.Linear(args.hidden, args.hidden), nn.ReLU(),
                           nn.Linear(args.hidden, 10))
-    x_train, y_train, x_test, y_test = _digits(args.seed)
+    with np.load(args.data) as data:
+        x_train, y_train, x_test, y_test = (torch.from_numpy(data[k]) for k in (
+            "x_train", "y_train", "x_test", "y_test"))
+    y_train, y_test = y_train.long(), y_test.long()
     mine = torch.arange(rank, len(y_train), n)  # this worker's shard
     k = args.backup if args.backup is not None else max(1, n - 1)
     ps = ParameterClient(model, optimizer="sgd", lr=_lr(args, mode, n, k),
@@ -442,8 +488,9 @@ def straggler_rank(args) -> dict | None:
     store.set(f"bench.ps.phases.{rank}", json.dumps([round(float(v), 3) for v in median]))
     if rank != 0:
         return None
-    phases_ms = {w: json.loads(v) for w, v in zip(range(n), store.wait_keys(
-        [f"bench.ps.phases.{w}" for w in range(n)], 60.0).values())}
+    found = store.wait_keys([f"bench.ps.phases.{w}" for w in range(n)], 60.0)
+    phases_ms = {w: json.loads(found[f"bench.ps.phases.{w}"]) for w in range(n)
+                 if f"bench.ps.phases.{w}" in found}
     return {"mode": mode, "slow": slow, "reached": reached, "time_s": elapsed,
             "accuracy": accuracy, "target": args.target, "steps": steps,
             "lr": _lr(args, mode, n, k), "backup": k if mode == "backup" else None,
