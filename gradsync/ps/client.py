@@ -139,6 +139,7 @@ class ParameterClient:
                      regions.wait([p.call_async("ready") for p in self.peers])]
         self.applied = True
         self.bytes_pushed = 0
+        self._version = np.zeros(self.servers, np.int64)
         self.pull()
 
     # ------------------------------------------------------------------ set-up
@@ -210,9 +211,7 @@ class ParameterClient:
             Whether every server applied them (False: ``backup`` dropped a late gradient).
         """
         self._gather()
-        handles = [peer.submit(lambda s=s: self._push_to(s), f"push to server {s}")
-                   for s, peer in enumerate(self.peers)]
-        replies = regions.wait(handles)
+        replies = self._each(self._push_to, "push")
         self.tags = [r["version"] for r in replies]
         self.applied = all(r["applied"] for r in replies)
         self._inputs.clear()
@@ -248,14 +247,32 @@ class ParameterClient:
 
     def pull(self) -> None:
         """Reads the newest parameters of every server into the model."""
-        regions.wait([peer.region("params").read_async(self.flat[lo:hi])
-                      for peer, (lo, hi) in zip(self.peers, self.bounds)])
+        self._each(self._pull_from, "pull")
         import torch
 
         with torch.no_grad():
             for p, pv, _, aliased in self._views:
                 if not aliased:
                     p.copy_(pv)
+
+    def _pull_from(self, s: int) -> None:
+        peer, (lo, hi) = self.peers[s], self.bounds[s]
+        if self.mode != "sync":
+            # Another worker's update may have landed since our push returned: the version
+            # read *before* the parameters is one they are at least as new as, so it is the
+            # honest tag for the gradient computed on them (staleness is then not overcounted,
+            # and backup does not drop a gradient whose round is still open).
+            peer.region("meta").read(self._version[s:s + 1], 0)
+            self.tags[s] = int(self._version[s])
+        peer.region("params").read(self.flat[lo:hi])
+
+    def _each(self, fn, what: str) -> list:
+        """``fn(s)`` for every server: on each server's own request thread, so that they run
+        together; with one server on this thread (the hand-off would only add latency)."""
+        if len(self.peers) == 1:
+            return [fn(0)]
+        return regions.wait([peer.submit(lambda s=s: fn(s), f"{what} server {s}")
+                             for s, peer in enumerate(self.peers)])
 
     def step(self) -> bool:
         """``push``, ``pull``, then zero the gradients (as ``optimizer.step(); zero_grad()``).
