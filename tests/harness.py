@@ -115,3 +115,20 @@ def spawn(np_: int, script: str, *args: str, timeout: float = 60, env: dict | No
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
     return results
+
+
+def bench(benchmark: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Runs ``gradsync bench BENCHMARK ARGS`` to its end (killed at ``timeout``); returns the
+    result with stdout and stderr together."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen([sys.executable, "-m", "gradsync", "bench", benchmark, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"bench {benchmark} passed its {timeout}s deadline:\n"
+                             f"{proc.communicate()[0][-6000:]}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out)

@@ -2,33 +2,21 @@
 shape, the verification, the JSON rows) and the straggler experiment in all four modes."""
 
 import json
-import os
 import re
-import signal
 import subprocess
-import sys
 
+import grpc  # noqa: F401  (the test extra installs it; missing, the run must fail)
 import pytest
 
-pytest.importorskip("grpc")
+import harness
+
 pytestmark = pytest.mark.multiprocess
 
 TIMEOUT = 120
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
-    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
-    proc = subprocess.Popen([sys.executable, "-m", "gradsync", "bench", "ps", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError(f"bench ps passed its {TIMEOUT}s deadline:\n"
-                             f"{proc.communicate()[0][-6000:]}") from None
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out)
+    return harness.bench("ps", *args, timeout=TIMEOUT)
 
 
 def test_throughput_table_beside_grpc_is_verified(tmp_path):

@@ -2,13 +2,12 @@
 DDP comparison, the profile, the JSON rows and the identical-parameters check."""
 
 import json
-import os
 import re
-import signal
 import subprocess
-import sys
 
 import pytest
+
+import harness
 
 pytestmark = pytest.mark.multiprocess
 
@@ -16,18 +15,7 @@ TIMEOUT = 120
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
-    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
-    proc = subprocess.Popen([sys.executable, "-m", "gradsync", "bench", "train", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError(f"bench train passed its {TIMEOUT}s deadline:\n"
-                             f"{proc.communicate()[0][-6000:]}") from None
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out)
+    return harness.bench("train", *args, timeout=TIMEOUT)
 
 
 def test_table_ddp_comparison_profile_and_identical_parameters(tmp_path):
