@@ -21,7 +21,8 @@ import pytest
 
 from gradsync.errors import AuthenticationError, GradsyncError, PeerLostError, ProtocolError
 from gradsync.transport import rma_frame as rf
-from gradsync.transport.regions import STRIPE_BYTES, Endpoint, RegionAccessError, Stripes, wait
+from gradsync.transport.region_peer import wait
+from gradsync.transport.regions import STRIPE_BYTES, Endpoint, RegionAccessError, Stripes
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs Linux /dev/shm")
 

@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from ..errors import ConfigError
-from ..transport import regions
+from ..transport import region_peer, regions
 from . import factors as fc
 from .consistency import MODES
 
@@ -126,17 +126,17 @@ class ParameterClient:
         """hello (the servers set up), map their regions, worker 0's initial parameters,
         ready (everyone has mapped), and the first pull."""
         self._buffers(numels)
-        replies = regions.wait([p.call_async("hello", spec=spec) for p in self.peers])
+        replies = region_peer.wait([p.call_async("hello", spec=spec) for p in self.peers])
         self.bounds = [tuple(r["bounds"]) for r in replies]
         for peer in self.peers:
             peer.refresh()
         self._layouts = [fc.layout(spec["factored"], numels, lo, hi) for lo, hi in self.bounds]
         self._fbuf = [np.zeros(fc.slot_floats(lay), np.float32) for lay in self._layouts]
         if self.rank == 0 and not replies[0]["restored"]:
-            regions.wait([peer.region("params").write_async(self.flat[lo:hi])
+            region_peer.wait([peer.region("params").write_async(self.flat[lo:hi])
                           for peer, (lo, hi) in zip(self.peers, self.bounds)])
         self.tags = [r["version"] for r in
-                     regions.wait([p.call_async("ready") for p in self.peers])]
+                     region_peer.wait([p.call_async("ready") for p in self.peers])]
         self.applied = True
         self.bytes_pushed = 0
         self._version = np.zeros(self.servers, np.int64)
@@ -271,7 +271,7 @@ class ParameterClient:
         together; with one server on this thread (the hand-off would only add latency)."""
         if len(self.peers) == 1:
             return [fn(0)]
-        return regions.wait([peer.submit(lambda s=s: fn(s), f"{what} server {s}")
+        return region_peer.wait([peer.submit(lambda s=s: fn(s), f"{what} server {s}")
                              for s, peer in enumerate(self.peers)])
 
     def step(self) -> bool:
@@ -299,12 +299,12 @@ class ParameterClient:
     def stats(self) -> list[dict]:
         """Each server's counters: version, applied, dropped, max_staleness, max_clock_gap,
         clocks, live and lost workers."""
-        return regions.wait([p.call_async("stats") for p in self.peers])
+        return region_peer.wait([p.call_async("stats") for p in self.peers])
 
     def save(self, directory: str) -> None:
         """Each server writes its shard, optimizer state and clock to ``directory`` (call it
         from one worker; the files are ``server-<s>.npz``)."""
-        regions.wait([p.call_async("save", directory=directory) for p in self.peers])
+        region_peer.wait([p.call_async("save", directory=directory) for p in self.peers])
 
     def leave(self) -> None:
         """Tells the servers this worker pushes no more, so that rounds stop counting on it
@@ -313,7 +313,7 @@ class ParameterClient:
         if self._left:
             return
         self._left = True
-        regions.wait([p.call_async("bye") for p in self.peers])
+        region_peer.wait([p.call_async("bye") for p in self.peers])
 
     def close(self) -> None:
         """``leave``, then disconnect (the servers end when every worker has)."""

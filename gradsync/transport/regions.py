@@ -34,12 +34,14 @@ that itself, as the parameter server does with its rounds).
 
 Control messages (``call``) travel on the same TCP connection as small JSON objects and are
 answered by handlers the owner registers (``on_call``). They carry who did what, never tensors.
+
+This module is the owner's side (regions, their locks, the serving threads); the peer's side
+(``RemotePeer``, ``RemoteRegion``) is ``region_peer.py``.
 """
 
 from __future__ import annotations
 
 import atexit
-import collections
 import errno
 import fcntl
 import itertools
@@ -53,14 +55,12 @@ from typing import Callable
 
 import numpy as np
 
-from ..engine import Handle
 from ..errors import (AuthenticationError, CollectiveMismatchError, ConfigError, GradsyncError,
                       GradsyncTimeoutError, PeerLostError, ProtocolError)
 from . import rma_frame as rf
 from . import shm, tcp
 
-__all__ = ["Endpoint", "Region", "RemotePeer", "RemoteRegion", "Stripes", "STRIPE_BYTES",
-           "RegionAccessError", "wait"]
+__all__ = ["Endpoint", "Region", "Memory", "Stripes", "STRIPE_BYTES", "RegionAccessError"]
 
 log = logging.getLogger("gradsync.regions")
 
@@ -409,8 +409,11 @@ class Endpoint:
 
     # ------------------------------------------------------------------ reaching peers
     def connect(self, peer: int, addr: str, port: int, deadline: float,
-                label: str = "") -> "RemotePeer":
-        """Connects to endpoint ``peer`` (listening at ``addr:port``) and reads its regions."""
+                label: str = ""):
+        """Connects to endpoint ``peer`` (listening at ``addr:port``) and reads its regions;
+        returns a ``region_peer.RemotePeer``."""
+        from .region_peer import RemotePeer
+
         sock = tcp.connect(addr, port, self.ident, peer, self.secret, self.job, deadline)
         return RemotePeer(self, peer, sock, label or f"endpoint {peer}")
 
@@ -472,254 +475,3 @@ def _drain(sock: socket.socket, n: int, scratch: np.ndarray) -> None:
         k = min(n, scratch.nbytes)
         _recv_into(sock, scratch[:k])
         n -= k
-
-
-# --- the peer side --------------------------------------------------------------------------
-
-class RemotePeer:
-    """A connection to another endpoint: its regions and its control methods.
-
-    Requests on one peer run one at a time in the order issued (blocking ones on the caller's
-    thread, ``*_async`` ones on this peer's own thread), so requests to different peers can
-    be in flight together while those to one peer stay ordered.
-    """
-
-    def __init__(self, endpoint: Endpoint, ident: int, sock: socket.socket, label: str):
-        self.endpoint, self.ident, self.label = endpoint, ident, label
-        self.sock = sock
-        sock.settimeout(endpoint.timeout)
-        self._lock = threading.Lock()
-        self._requests = itertools.count(1)
-        self._queue: collections.deque = collections.deque()
-        self._cv = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._closed = False
-        self._regions: dict[str, RemoteRegion] = {}
-        self._maps: list = []
-        self.host = ""
-        self.pid = 0
-        self.refresh()
-
-    def refresh(self) -> None:
-        """Reads the owner's region table again (after it allocated new regions)."""
-        info = self.call("_regions")
-        self.host, self.pid = info["host"], info["pid"]
-        for desc in info["regions"]:
-            if desc["name"] not in self._regions:
-                self._regions[desc["name"]] = RemoteRegion(self, desc, self._map(desc))
-
-    def _map(self, desc: dict) -> Memory | None:
-        if not (self.endpoint.direct and desc["segment"] and self.host == self.endpoint.host):
-            return None
-        try:
-            mapping = shm.attach_segment(desc["segment"])
-            fd = os.open(os.path.join(shm.SHM_DIR, desc["segment"]), os.O_RDWR)
-        except (FileNotFoundError, PermissionError) as exc:
-            # Same host name but another machine (or the owner already unlinked it): go on
-            # over TCP, which reaches every region.
-            log.debug("%s: region %s not mapped (%s); using TCP", self.label, desc["name"], exc)
-            return None
-        self._maps.append((mapping, fd))
-        u8 = np.frombuffer(mapping, dtype=np.uint8, count=desc["nbytes"])
-        return Memory(u8, np.dtype(desc["dtype"]), Stripes(desc["nbytes"], fd))
-
-    def region(self, name: str) -> "RemoteRegion":
-        """The owner's region ``name``; KeyError names the regions it has."""
-        if name not in self._regions:
-            self.refresh()
-        try:
-            return self._regions[name]
-        except KeyError:
-            raise KeyError(f"{self.label} has no region {name!r} (it has "
-                           f"{sorted(self._regions)})") from None
-
-    # ------------------------------------------------------------------ requests
-    def call(self, method: str, **args) -> dict:
-        """Sends a control message and returns the owner's JSON reply."""
-        body = json.dumps({"method": method, **args}).encode()
-        reply = self.request(rf.Op.CALL, 0, 0, body)
-        return json.loads(reply)
-
-    def call_async(self, method: str, **args) -> Handle:
-        return self.submit(lambda: self.call(method, **args), f"{self.label}.{method}")
-
-    def request(self, op: int, region: int, offset: int, payload=None, length: int = 0,
-                into: np.ndarray | None = None) -> bytes | None:
-        """One request and its reply, under this peer's lock. Returns a control reply's bytes."""
-        with self._lock:
-            if self._closed:
-                raise PeerLostError(f"the connection to {self.label} is closed", peer=self.ident)
-            rid = next(self._requests)
-            size = length if payload is None else len(payload) if isinstance(payload, bytes) \
-                else payload.nbytes
-            try:
-                header = rf.pack(op, rid, region, offset, size)
-                if payload is None:
-                    self.sock.sendall(header)
-                elif isinstance(payload, bytes):
-                    self.sock.sendall(header + payload)
-                else:
-                    self.sock.sendall(header)
-                    self.sock.sendall(payload)
-                reply = rf.unpack(_recv_exact(self.sock, rf.HEADER_SIZE), rf.Op.REPLIES)
-                if reply.request != rid:
-                    raise ProtocolError(f"{self.label} answered request {reply.request}, "
-                                        f"expected {rid}")
-                if reply.op == rf.Op.ERROR:
-                    refused = _error_from(json.loads(_recv_exact(self.sock, reply.length)),
-                                          self.ident)
-                elif into is not None:
-                    if reply.length != into.nbytes:
-                        raise ProtocolError(f"{self.label} sent {reply.length} bytes for a "
-                                            f"read of {into.nbytes}")
-                    _recv_into(self.sock, into)
-                    return None
-                else:
-                    if reply.length > rf.MAX_CALL:
-                        raise ProtocolError(f"{self.label} sent a reply of {reply.length} bytes")
-                    return _recv_exact(self.sock, reply.length)
-            except socket.timeout:
-                self._closed = True
-                raise GradsyncTimeoutError(f"{self.label} did not answer within "
-                                           f"{self.endpoint.timeout:.0f}s") from None
-            except (OSError, ProtocolError) as exc:
-                # The stream is no longer in step with the owner: nothing more can go on it.
-                self._closed = True
-                raise PeerLostError(f"lost the connection to {self.label}: {exc} (did it exit "
-                                    f"or crash?)", peer=self.ident) from None
-        # Raised outside the socket handling: a refusal is an answer, not a broken stream
-        # (and a GradsyncTimeoutError it carries is no socket timeout).
-        raise refused
-
-    def submit(self, fn: Callable, name: str) -> Handle:
-        """Runs ``fn`` on this peer's request thread, after every earlier async request."""
-        handle = Handle(name)
-        with self._cv:
-            self._queue.append((handle, fn))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, daemon=True,
-                                                name=f"gradsync-regions-to{self.ident}")
-                self._thread.start()
-            self._cv.notify()
-        return handle
-
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._queue:
-                    self._cv.wait()
-                handle, fn = self._queue.popleft()
-            if fn is None:
-                return
-            try:
-                handle._finish(result=fn())
-            except BaseException as exc:  # delivered to whoever waits on the handle
-                handle._finish(error=exc)
-
-    def close(self) -> None:
-        """Closes the connection (the owner sees a clean close) and unmaps shared regions."""
-        if self._thread is not None:
-            with self._cv:
-                self._queue.append((None, None))
-                self._cv.notify()
-            self._thread.join(self.endpoint.timeout)
-        with self._lock:
-            self._closed = True
-            try:
-                self.sock.close()
-            except OSError:
-                pass
-        for region in self._regions.values():
-            region.direct = None
-        for mapping, fd in self._maps:
-            os.close(fd)
-        self._maps.clear()
-
-
-def _error_from(record: dict, peer: int) -> GradsyncError | ValueError:
-    cls = _ERRORS.get(record.get("kind"))
-    if cls is None:
-        return ValueError(record.get("message", "")) if record.get("kind") == "ValueError" \
-            else GradsyncError(record.get("message", ""))
-    if cls is PeerLostError:
-        return cls(record["message"], peer=record.get("peer"))
-    return cls(record["message"])
-
-
-class RemoteRegion:
-    """A region of another endpoint; offsets and sizes are in bytes.
-
-    Attributes:
-        name, nbytes, dtype, shape: as the owner registered it.
-        direct: this process's mapping of the region when it is shared memory on this host
-            (accesses are then a copy in this process), else None (accesses go over TCP).
-    """
-
-    def __init__(self, peer: RemotePeer, desc: dict, direct: Memory | None):
-        self.peer, self.index, self.name = peer, desc["index"], desc["name"]
-        self.nbytes, self.dtype = desc["nbytes"], np.dtype(desc["dtype"])
-        self.shape = tuple(desc["shape"])
-        self.direct = direct
-
-    def _check(self, what: str, nbytes: int, offset: int) -> None:
-        if offset < 0 or nbytes > self.nbytes - offset:
-            raise ValueError(f"{what} of {nbytes} bytes at offset {offset} is outside region "
-                             f"'{self.name}' of {self.peer.label} ({self.nbytes} bytes)")
-
-    def read(self, out, offset: int = 0):
-        """Copies ``out.nbytes`` bytes of the region from ``offset`` into ``out``; returns it."""
-        u8 = _as_bytes(out, writable=True)
-        self._check("read", u8.nbytes, offset)
-        if self.direct is not None:
-            self.direct.read(u8, offset)
-        else:
-            self.peer.request(rf.Op.READ, self.index, offset, length=u8.nbytes, into=u8)
-        return out
-
-    def write(self, src, offset: int = 0) -> None:
-        """Copies the bytes of ``src`` into the region at ``offset``."""
-        u8 = _as_bytes(src, writable=False)
-        self._check("write", u8.nbytes, offset)
-        if self.direct is not None:
-            self.direct.write(u8, offset)
-        else:
-            self.peer.request(rf.Op.WRITE, self.index, offset, u8)
-
-    def accumulate(self, src, offset: int = 0) -> None:
-        """Adds ``src`` (of the region's dtype) element-wise into the region at ``offset``."""
-        arr = src.detach().numpy() if hasattr(src, "detach") else np.asarray(src)
-        if arr.dtype != self.dtype:
-            raise TypeError(f"accumulate of {arr.dtype} into region '{self.name}' of "
-                            f"{self.dtype}: convert first")
-        u8 = _as_bytes(arr, writable=False)
-        self._check("accumulate", u8.nbytes, offset)
-        if offset % self.dtype.itemsize:
-            raise ValueError(f"accumulate offset {offset} is not a multiple of the element "
-                             f"size {self.dtype.itemsize}")
-        if self.direct is not None:
-            self.direct.accumulate(u8, offset, start=self.peer.endpoint.ident)
-        else:
-            self.peer.request(rf.Op.ACCUMULATE, self.index, offset, u8)
-
-    def read_async(self, out, offset: int = 0) -> Handle:
-        return self.peer.submit(lambda: self.read(out, offset), f"read {self.name}")
-
-    def write_async(self, src, offset: int = 0) -> Handle:
-        return self.peer.submit(lambda: self.write(src, offset), f"write {self.name}")
-
-    def accumulate_async(self, src, offset: int = 0) -> Handle:
-        return self.peer.submit(lambda: self.accumulate(src, offset), f"accumulate {self.name}")
-
-
-def wait(handles) -> list:
-    """Waits for every handle and returns their results; raises the first error."""
-    results, first = [], None
-    for h in handles:
-        try:
-            results.append(h.wait())
-        except BaseException as exc:
-            first = first or exc
-            results.append(None)
-    if first is not None:
-        raise first
-    return results
