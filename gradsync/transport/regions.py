@@ -225,7 +225,7 @@ class Endpoint:
         host: this process's host name (peers on the same host map shared regions).
         secret, job: the job's secret and id; connections prove both (``tcp.py``).
         addr: the address to listen on.
-        expect: the ids of the peers that may connect (each once).
+        expect: the ids of the peers that may connect (each once); none: do not listen.
         timeout: seconds one request may wait for its reply, and a peer's stream may stall.
         direct: map same-host shared regions (False forces every access over TCP).
         label: how peers' error messages name this endpoint.
@@ -250,8 +250,11 @@ class Endpoint:
         # kill -9 before unlink_segments() can leave one behind).
         self._linked: set[str] = set()
         atexit.register(_unlink_all, self._linked)
-        self.listener = tcp.Listener(addr, ident, secret, job, expect, on_accept=self._accepted)
-        self.addr, self.port = addr, self.listener.port
+        # Only peers in ``expect`` may connect; with none (a parameter-server worker, which only
+        # reaches others' regions) there is nothing to listen for.
+        self.listener = tcp.Listener(addr, ident, secret, job, expect,
+                                     on_accept=self._accepted) if expect else None
+        self.addr, self.port = addr, self.listener.port if self.listener else 0
 
     # ------------------------------------------------------------------ owning regions
     def allocate(self, name: str, shape, dtype=np.float32) -> np.ndarray:
@@ -422,7 +425,8 @@ class Endpoint:
         with self._lock:
             self._closed = True
             conns = list(self._conns.values())
-        self.listener.close()
+        if self.listener is not None:
+            self.listener.close()
         for sock in conns:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
