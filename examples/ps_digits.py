@@ -6,7 +6,7 @@
     gradsync run -np 3 --servers 1 python examples/ps_digits.py --mode async
     gradsync run -np 3 --servers 1 python examples/ps_digits.py --mode ssp --staleness 2
     gradsync run -np 3 --servers 1 python examples/ps_digits.py --mode async --optimizer adam
-    OMP_NUM_THREADS=1 gradsync run -np 2 --servers 2 python examples/ps_digits.py --factor-fc
+    gradsync run -np 2 --servers 2 python examples/ps_digits.py --factor-fc
 
 The servers are the job's last ranks: ``gradsync.init()`` on a server rank serves until the
 workers are done and exits, so every rank runs this same script. Each worker trains on its own
