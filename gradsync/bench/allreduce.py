@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-__all__ = ["parser", "run", "parse_size"]
+__all__ = ["parser", "run", "parse_size", "at_least"]
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -36,6 +36,17 @@ def parse_size(text: str) -> int:
     text = text.strip().upper().rstrip("B")
     unit = text[-1] if text and text[-1] in _UNITS else ""
     return int(float(text[:len(text) - len(unit)]) * _UNITS[unit])
+
+
+def at_least(minimum, kind=int):
+    """An argparse ``type`` that parses ``kind`` and refuses values below ``minimum``."""
+    def parse(text: str):
+        value = kind(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
 
 
 def parser() -> argparse.ArgumentParser:

@@ -53,23 +53,13 @@ import time
 
 import numpy as np
 
-from .allreduce import parse_size
+from .allreduce import at_least, parse_size
 
 __all__ = ["parser", "drive", "throughput_rank", "straggler_rank", "LR"]
 
 LR = 2.0 ** -10           # throughput runs: lr x gradient (1) is exact in float32
 MODES = ("sync", "backup", "async", "ssp")
 _STOP = "bench.ps.stop"   # store key: worker 0 reached the target, every worker stops
-
-
-def _at_least(minimum, kind=int):
-    def parse(text: str):
-        value = kind(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-
-    return parse
 
 
 def _modes(text: str) -> list[str]:
@@ -101,23 +91,23 @@ def parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("throughput")
     t.add_argument("--sizes", type=_size_range, default="1K:64M",
                    help="MIN:MAX bytes of float32 (default 1K:64M)")
-    t.add_argument("--factor", type=_at_least(2), default=4, help="size multiplier between rows")
+    t.add_argument("--factor", type=at_least(2), default=4, help="size multiplier between rows")
     t.add_argument("--seconds", type=float, default=0.5, help="target timed seconds per size")
-    t.add_argument("--max-iters", type=_at_least(5), default=1000)
-    t.add_argument("--warmup", type=_at_least(0), default=3)
+    t.add_argument("--max-iters", type=at_least(5), default=1000)
+    t.add_argument("--warmup", type=at_least(0), default=3)
     s = p.add_argument_group("straggler")
     s.add_argument("--straggler", action="store_true",
                    help="time to accuracy with one slow worker, in each consistency mode")
     s.add_argument("--modes", type=_modes, default=list(MODES),
                    help="modes to run, separated by commas (default: sync,backup,async,ssp)")
     s.add_argument("--target", type=float, default=0.95, help="test accuracy to reach")
-    s.add_argument("--slowdown", type=_at_least(1.0, float), default=3.0,
+    s.add_argument("--slowdown", type=at_least(1.0, float), default=3.0,
                    help="how many times slower the last worker is (default 3)")
-    s.add_argument("--backup", type=_at_least(1), help="backup mode's k (default: workers - 1)")
-    s.add_argument("--staleness", type=_at_least(0), default=3, help="ssp mode's bound s")
-    s.add_argument("--hidden", type=_at_least(1), default=512,
+    s.add_argument("--backup", type=at_least(1), help="backup mode's k (default: workers - 1)")
+    s.add_argument("--staleness", type=at_least(0), default=3, help="ssp mode's bound s")
+    s.add_argument("--hidden", type=at_least(1), default=512,
                    help="MLP hidden width (64-h-h-10)")
-    s.add_argument("--batch-size", type=_at_least(1), default=64,
+    s.add_argument("--batch-size", type=at_least(1), default=64,
                    help="samples per worker per step")
     s.add_argument("--lr", type=float, default=0.1,
                    help="server SGD learning rate per gradient (see --lr-scaling)")
@@ -126,7 +116,7 @@ def parser() -> argparse.ArgumentParser:
                         "as one update, use lr x N (x k), so that every mode moves lr per "
                         "gradient (Goyal et al.); none: --lr in every mode")
     s.add_argument("--momentum", type=float, default=0.0)
-    s.add_argument("--eval-every", type=_at_least(1), default=5,
+    s.add_argument("--eval-every", type=at_least(1), default=5,
                    help="worker 0's steps between tests")
     s.add_argument("--train-seconds", type=float, default=60.0,
                    help="training time limit of one mode (a run that has not reached the "

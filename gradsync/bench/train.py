@@ -50,30 +50,22 @@ import zlib
 
 import numpy as np
 
+from .allreduce import at_least
+
 __all__ = ["parser", "run", "build_model"]
 
 MODELS = ("mlp", "cnn")
 
 
-def _count(minimum: int):
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-
-    return parse
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gradsync bench train")
     p.add_argument("--model", choices=[*MODELS, "both"], default="both")
-    p.add_argument("--batch-size", type=_count(1), default=32, help="samples per rank per step")
-    p.add_argument("--steps", type=_count(1), default=20,
+    p.add_argument("--batch-size", type=at_least(1), default=32, help="samples per rank per step")
+    p.add_argument("--steps", type=at_least(1), default=20,
                    help="steps per timed window (default 20)")
-    p.add_argument("--windows", type=_count(1), default=5,
+    p.add_argument("--windows", type=at_least(1), default=5,
                    help="timed windows per mode (default 5)")
-    p.add_argument("--warmup", type=_count(0), default=5,
+    p.add_argument("--warmup", type=at_least(0), default=5,
                    help="untimed steps per mode (default 5)")
     p.add_argument("--compare", choices=["ddp", "none"], default="none",
                    help="also measure DistributedDataParallel (gloo), in the same run")

@@ -156,8 +156,9 @@ class Listener:
         secret: the job's secret.
         job: the job id, bound into every proof so that a peer of another job is refused.
         expect: ranks allowed to connect (each once).
-        on_accept: if given, called with ``(rank, socket)`` for each authenticated connection
-            (on its handshake thread) instead of keeping it for ``wait_for``.
+        on_accept: if given, called with ``(rank, socket)`` for each authenticated connection,
+            on its handshake thread, so that a long-lived owner (``regions.Endpoint``) can serve
+            peers as they come; the connection is still recorded, so a rank connects once.
     """
 
     def __init__(self, addr: str, rank: int, secret: bytes, job: str, expect: set[int],
