@@ -35,9 +35,8 @@ class Store:
 
     def __init__(self, addr: str, port: int, is_server: bool, job: str, timeout: float,
                  world_size: int):
-        from torch.distributed import PrefixStore, TCPStore
+        from torch.distributed import TCPStore
 
-        self.timeout = timeout
         key = (addr, port, is_server)
         base = _BASES.get(key)
         if base is None:
@@ -51,6 +50,26 @@ class Store:
             # shutdown (other ranks may still read the abort record), and a later init() of
             # the same job reuses it (under a new key prefix, see World.connect).
             _BASES[key] = base
+        self._init(base, job, timeout)
+
+    @classmethod
+    def over(cls, base, job: str, timeout: float) -> "Store":
+        """A job-scoped view of an existing torch ``Store`` (the one ``init_process_group``
+        hands a backend, or another World's base for a sub-world).
+
+        Args:
+            base: any ``torch.distributed.Store``; it is not closed or owned.
+            job: the key prefix; each World over one base needs its own.
+            timeout: seconds to wait for keys.
+        """
+        self = cls.__new__(cls)
+        self._init(base, job, timeout)
+        return self
+
+    def _init(self, base, job: str, timeout: float) -> None:
+        from torch.distributed import PrefixStore
+
+        self.timeout = timeout
         self._base = base
         self._store = PrefixStore(f"gradsync/{job}/", base)
         self._lock = threading.Lock()

@@ -100,16 +100,26 @@ class World:
 
     # ------------------------------------------------------------------ set-up
     @classmethod
-    def connect(cls, config: Config, env: LaunchEnv) -> "World":
-        # A process that shuts down and initialises again joins a new incarnation of the job:
-        # its store keys, handshakes and segments must not meet the previous one's. Every rank
-        # counts its own init() calls, and all ranks make the same number of them.
-        generation = next(_generations)
-        if generation:
-            env = dataclasses.replace(env, job_id=f"{env.job_id}.{generation}")
+    def connect(cls, config: Config, env: LaunchEnv, store: Store | None = None) -> "World":
+        """Connects this rank to every other rank of ``env``'s job.
+
+        Args:
+            config: the settings.
+            env: this rank's identity; ``env.job_id`` names the job's store keys and segments.
+            store: the rendezvous, already scoped to this job (``Store.over``); None makes one
+                from ``env`` (the TCPStore the launcher described). A caller that passes one
+                gives every World it connects its own ``env.job_id``.
+        """
+        if store is None:
+            # A process that shuts down and initialises again joins a new incarnation of the
+            # job: its store keys, handshakes and segments must not meet the previous one's.
+            # Every rank counts its own init() calls, and all ranks make the same number.
+            generation = next(_generations)
+            if generation:
+                env = dataclasses.replace(env, job_id=f"{env.job_id}.{generation}")
+            store = Store(env.store_addr, env.store_port, env.store_is_server, env.job_id,
+                          config.connect_timeout, env.size)
         deadline = time.monotonic() + config.connect_timeout
-        store = Store(env.store_addr, env.store_port, env.store_is_server, env.job_id,
-                      config.connect_timeout, env.size)
         try:
             return cls._connect(config, env, store, deadline)
         except GradsyncError as exc:
@@ -169,6 +179,26 @@ class World:
         log.debug("rank %d connected: %d shm peers, %d tcp peers", env.rank, len(use_shm),
                   env.size - 1 - len(use_shm))
         return world
+
+    def subworld(self, ranks, name: str) -> "World":
+        """A World of its own over ``ranks`` (global ranks of this World, this rank among them).
+
+        Collective over ``ranks`` only: each of them calls it with the same ranks and name,
+        the others need not. The sub-world has its own connections (shared memory inside a
+        host, TCP between hosts), sequence numbers, progress and abort record, so its
+        collectives never interleave with this World's or another sub-world's on a
+        connection, and it can run at the same time as they do. Its rank ``i`` is
+        ``ranks[i]``; ``name`` must be unique among the sub-worlds of this World.
+        """
+        ranks = list(ranks)
+        if self.rank not in ranks:
+            raise ValueError(f"rank {self.rank} is not among {ranks}")
+        env = dataclasses.replace(
+            self.env, rank=ranks.index(self.rank), size=len(ranks), local_rank=None,
+            local_size=None, cross_rank=None, cross_size=None, servers=0,
+            secret=self.listener.secret, job_id=f"{self.env.job_id}/{name}")
+        store = Store.over(self.store._base, env.job_id, self.config.connect_timeout)
+        return World.connect(self.config, env, store)
 
     # ------------------------------------------------------------------ failures
     def on_idle(self, waited: float) -> None:

@@ -1,0 +1,43 @@
+"""Sub-worlds: even and odd ranks each form a World of their own and run collectives on it
+from a second thread while the main thread runs collectives on the whole job."""
+
+import common  # noqa: F401  (deadline)
+
+import threading
+
+import numpy as np
+
+import gradsync as gs
+from gradsync import api, operations
+from gradsync.collectives.ops import Sum
+
+gs.init()
+world, r, n = api._w(), gs.rank(), gs.size()
+members = [q for q in range(n) if q % 2 == r % 2]
+sub = world.subworld(members, f"parity{r % 2}")
+assert (sub.rank, sub.size) == (members.index(r), len(members)), (sub.rank, sub.size)
+
+errors = []
+
+
+def on_sub():
+    try:
+        for i in range(50):
+            x = np.full(1000 + i, r + i, dtype=np.float64)
+            operations.allreduce(sub, x, x.dtype, Sum, name=f"sub{i}", shape=x.shape)
+            expected = sum(q + i for q in members)
+            assert (x == expected).all(), (i, x[:3], expected)
+    except BaseException as exc:  # reported by the main thread
+        errors.append(exc)
+
+
+t = threading.Thread(target=on_sub)
+t.start()
+for i in range(50):
+    y = gs.allreduce(np.full(3000, r * i, dtype=np.int64), op=gs.Sum, name=f"global{i}")
+    assert (y == i * n * (n - 1) // 2).all(), (i, y[:3])
+t.join()
+if errors:
+    raise errors[0]
+sub.close()
+print("subworld ok", r, sub.size)
