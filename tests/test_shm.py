@@ -186,6 +186,7 @@ def test_pair_between_processes_exchanges_frames_both_ways():
 def _pair_peer_killed(ctx: Rank):
     peer = 1 - ctx.rank
     pairs = open_pairs(ctx.job, ctx.rank, {peer: ctx.pids[peer]}, ctx.barrier, _TINY_RING)
+    ctx.barrier()  # rank 0 holds its pair before rank 1 dies (open_pairs checks the peer runs)
     if ctx.rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     comm = Comm(0, 2, pairs, timeout=20)
