@@ -34,8 +34,8 @@ from ...errors import GradsyncError
 from ...launch_env import LaunchEnv, host_name
 from ...rendezvous import Store
 from .errors import BackendError, to_backend_error
-from .p2p import PointToPoint
-from .tensors import as_bytes, contiguous, fold, reduction_of
+from .p2p import PointToPoint, _clone
+from .tensors import as_bytes, contiguous, fold, reduction_of, typed
 from .work import Lane, Work
 
 __all__ = ["ProcessGroupGradsync", "create"]
@@ -94,7 +94,10 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         from ...world import World
 
         try:
-            self.world = World.connect(config, env, Store.over(store, job, config.connect_timeout))
+            # A connection of its own to the store: torch's main thread may block on the
+            # given one (a store-based barrier) while this group's lane polls the abort record.
+            self.world = World.connect(config, env, Store.over(_clone(store), job,
+                                                               config.connect_timeout))
         except GradsyncError as exc:
             raise to_backend_error(exc, f"rank {rank} joining the gradsync process group") \
                 from exc
@@ -199,8 +202,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
             if red.op is None:
                 gathered, _ = ops.allgather(world, as_bytes(stacked), np.uint8, name=what,
                                             shape=(stacked.nbytes,))
-                everything = torch.from_numpy(gathered).view(output.dtype).reshape(
-                    n, n, *output.shape)
+                everything = typed(gathered, output.dtype).reshape(n, n, *output.shape)
                 output.copy_(red.fold_fn(everything[:, world.rank]))
                 return
             flat, dtype = red.flat(stacked)
@@ -272,8 +274,8 @@ class ProcessGroupGradsync(dist.ProcessGroup):
             if target.is_contiguous():
                 as_bytes(target)[:] = out[offset:offset + count]
             else:
-                target.copy_(torch.from_numpy(out[offset:offset + count].copy())
-                             .view(target.dtype).reshape(target.shape))
+                target.copy_(typed(out[offset:offset + count].copy(), target.dtype)
+                             .reshape(target.shape))
             offset += count
 
     def allgather(self, output_tensors, input_tensors, opts=None):

@@ -28,6 +28,13 @@ from .work import Lane, Work
 __all__ = ["PointToPoint"]
 
 
+def _clone(store):
+    try:
+        return store.clone()
+    except (RuntimeError, NotImplementedError):  # a store that cannot clone: share it
+        return store
+
+
 class _Direction:
     """The World and lane of messages from ``src`` to ``dst`` (made on the lane, lazily)."""
 
@@ -43,7 +50,9 @@ class _Direction:
 
     def connected(self):
         if self.world is None:
-            self.world = self.parent.subworld([self.src, self.dst], f"p2p.{self.src}.{self.dst}")
+            # Its own store connection: the lanes of other directions connect at the same time.
+            self.world = self.parent.subworld([self.src, self.dst], f"p2p.{self.src}.{self.dst}",
+                                              base=_clone(self.parent.store._base))
         if self.world.failure is not None:
             raise self.world.failure
         return self.world

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ...collectives.ops import ReduceOp
 from ...tensors import wrap
 
-__all__ = ["contiguous", "as_bytes", "Reduction", "reduction_of", "fold"]
+__all__ = ["contiguous", "as_bytes", "typed", "Reduction", "reduction_of", "fold"]
 
 RedOpType = dist.ReduceOp.RedOpType
 
@@ -106,5 +106,11 @@ def _fold_bitwise(fn, stacked: torch.Tensor) -> torch.Tensor:
 
 def fold(reduction: Reduction, gathered: np.ndarray, t: torch.Tensor, size: int) -> torch.Tensor:
     """Reduces every rank's copy of ``t`` (``gathered``: their bytes, rank after rank)."""
-    stacked = torch.from_numpy(gathered).view(t.dtype).reshape(size, *t.shape)
-    return reduction.fold_fn(stacked)
+    return reduction.fold_fn(typed(gathered, t.dtype).reshape(size, *t.shape))
+
+
+def typed(data: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """The bytes ``data`` (1-D uint8) as a 1-D tensor of ``dtype``, sharing memory."""
+    if data.size == 0:  # torch cannot reinterpret an empty array (its stride is 0)
+        return torch.empty(0, dtype=dtype)
+    return torch.from_numpy(data).view(dtype)

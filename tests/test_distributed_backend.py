@@ -1,0 +1,36 @@
+"""The torch.distributed backend "gradsync": collectives against gloo, DDP and FSDP against a
+single-process reference, failures on every rank. Rank scripts: tests/ranks/pg_*.py, started
+as torchrun starts ranks (``harness.spawn``), so every rank's own status and message count.
+"""
+
+import subprocess
+import sys
+
+import pytest
+
+from harness import spawn
+
+pytestmark = pytest.mark.multiprocess
+
+# Small chunks and shared-memory slots: 300-element tensors take the multi-chunk paths.
+SMALL_CHUNKS = {"GRADSYNC_CHUNK_BYTES": "256", "GRADSYNC_SHM_SLOT_BYTES": "256"}
+
+
+def _ok(ranks, marker):
+    for r in ranks:
+        assert r.returncode == 0 and marker in r.output, f"rank {r.rank}: exit {r.returncode}\n" \
+                                                         f"{r.output[-5000:]}"
+
+
+def test_registered_on_import_without_importing_torch():
+    code = ("import sys, gradsync; assert 'torch' not in sys.modules; "
+            "import torch.distributed as dist; assert 'GRADSYNC' in dist.Backend._plugins; "
+            "assert dist.is_backend_available('gradsync')")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize("np_,hosts", [(1, "a"), (2, "aa"), (3, "aab")])
+def test_every_collective_and_dtype_against_gloo(np_, hosts):
+    ranks = spawn(np_, "pg_collectives.py", timeout=120, env=SMALL_CHUNKS,
+                  per_rank_env=lambda r: {"GRADSYNC_HOSTNAME": f"host-{hosts[r]}"})
+    _ok(ranks, "pg collectives ok")
