@@ -72,6 +72,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
     def __init__(self, store, rank: int, size: int, timeout: timedelta = timedelta(minutes=30),
                  group_id: str = "0"):
         super().__init__(rank, size)
+        self._group_name, self._group_desc = str(group_id), ""
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
         config = load_config()
         if seconds > 0:
@@ -110,6 +111,21 @@ class ProcessGroupGradsync(dist.ProcessGroup):
 
     def __repr__(self) -> str:
         return f"ProcessGroupGradsync(rank={self.rank()}, size={self.size()})"
+
+    # torch's ProcessGroup keeps the name and description in its backends, and a Python
+    # group has none: without these, ``group.group_name`` (DeviceMesh, functional
+    # collectives) raises "ProcessGroup name not set".
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
 
     # ------------------------------------------------------------------ plumbing
     def _failed(self, exc: BaseException, what: str) -> BackendError:

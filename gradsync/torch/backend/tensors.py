@@ -16,8 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ...collectives.ops import ReduceOp
-from ...tensors import wrap
+from ...collectives.ops import BFLOAT16, ReduceOp
 
 __all__ = ["contiguous", "as_bytes", "typed", "Reduction", "reduction_of", "fold"]
 
@@ -38,12 +37,41 @@ def contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+class _Memory:
+    """Exposes a contiguous tensor's memory to NumPy and keeps the tensor alive meanwhile.
+
+    ``Tensor.numpy()`` would also share the memory, but it marks the tensor's storage as not
+    resizable for good, and FSDP frees its unsharded parameters by resizing their storage to
+    zero after the all-gather that filled them.
+    """
+
+    __slots__ = ("tensor", "__array_interface__")
+
+    def __init__(self, t: torch.Tensor, typestr: str, count: int):
+        self.tensor = t
+        self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": (count,),
+                                    "typestr": typestr, "version": 3}
+
+
+def _view(t: torch.Tensor, dtype: np.dtype) -> np.ndarray:
+    if not t.is_contiguous():
+        raise ValueError("internal: a NumPy view needs a contiguous tensor")
+    count = t.numel() * t.element_size() // dtype.itemsize
+    if count == 0:
+        return np.empty(0, dtype=dtype)
+    return np.asarray(_Memory(t, dtype.str, count))
+
+
 def as_bytes(t: torch.Tensor) -> np.ndarray:
     """A flat uint8 NumPy view of contiguous ``t`` (any dtype), sharing its memory."""
-    flat = t.detach().reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    return flat.numpy()
+    return _view(t, np.dtype(np.uint8))
+
+
+_NUMPY = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+          torch.bfloat16: np.int16, torch.bool: np.bool_, torch.int8: np.int8,
+          torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64,
+          torch.uint8: np.uint8, torch.uint16: np.uint16, torch.uint32: np.uint32,
+          torch.uint64: np.uint64}
 
 
 class Reduction:
@@ -63,8 +91,8 @@ class Reduction:
         """``(flat, dtype)`` of contiguous ``t`` for gradsync's reducers (complex as reals)."""
         if t.is_complex():
             t = torch.view_as_real(t)
-        buf = wrap(t.detach())
-        return buf.flat, buf.dtype
+        flat = _view(t, np.dtype(_NUMPY[t.dtype]))
+        return flat, (BFLOAT16 if t.dtype == torch.bfloat16 else flat.dtype)
 
 
 def reduction_of(opts_op, dtype: torch.dtype) -> Reduction:
