@@ -34,3 +34,29 @@ def test_every_collective_and_dtype_against_gloo(np_, hosts):
     ranks = spawn(np_, "pg_collectives.py", timeout=120, env=SMALL_CHUNKS,
                   per_rank_env=lambda r: {"GRADSYNC_HOSTNAME": f"host-{hosts[r]}"})
     _ok(ranks, "pg collectives ok")
+
+
+@pytest.mark.parametrize("np_,hosts", [(2, "aa"), (3, "aab")])
+def test_ddp_and_fsdp_train_like_one_process(np_, hosts):
+    ranks = spawn(np_, "pg_training.py", timeout=150,
+                  per_rank_env=lambda r: {"GRADSYNC_HOSTNAME": f"host-{hosts[r]}"})
+    _ok(ranks, "pg training ok: 11 checks")
+
+
+@pytest.mark.parametrize("hosts", ["aaa", "aab"])
+def test_rank_killed_mid_allreduce_under_ddp_fails_every_survivor(hosts):
+    ranks = spawn(3, "pg_faults.py", "kill", timeout=90,
+                  per_rank_env=lambda r: {"GRADSYNC_HOSTNAME": f"host-{hosts[r]}"})
+    assert ranks[2].returncode == -9, ranks[2]  # killed itself
+    for r in ranks[:2]:
+        assert r.returncode == 3, f"rank {r.rank}: exit {r.returncode}\n{r.output[-4000:]}"
+        assert "caught RuntimeError" in r.output and "PeerLostBackendError" in r.output, r.output
+        assert "rank 2" in r.output, r.output  # names the lost rank
+
+
+def test_shape_mismatch_under_ddp_fails_every_rank():
+    ranks = spawn(2, "pg_faults.py", "mismatch", timeout=90)
+    for r in ranks:
+        assert r.returncode == 3, f"rank {r.rank}: exit {r.returncode}\n{r.output[-4000:]}"
+        assert "caught MismatchBackendError" in r.output, r.output
+        assert "ranks issued different collectives" in r.output, r.output

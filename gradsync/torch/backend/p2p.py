@@ -101,7 +101,7 @@ class PointToPoint:
         d = self._direction(src, me)
         what = f"recv from rank {src} tag={tag}"
         work = Work(what, tensors)
-        work._source = src
+        work._source_rank = src
 
         def run():
             world = d.connected()

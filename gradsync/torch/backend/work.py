@@ -35,10 +35,15 @@ class Work(dist._Work):
         super().__init__()
         self.what = what
         self._result = result
-        self._future = torch.futures.Future()
+        # Failures reach the future through a callback that raises (``_deliver``): torch then
+        # stores a C++ copy of the error. ``Future.set_exception`` would store the Python
+        # exception itself, and DDP's reducer, which rethrows it in C++ without the GIL,
+        # crashes the process (torch 2.13: a segfault in backward).
+        self._source = torch.futures.Future()
+        self._future = self._source.then(self._deliver)
         self._done = threading.Event()
         self._error: BaseException | None = None
-        self._source = -1
+        self._source_rank = -1
 
     # ------------------------------------------------------------------ torch's interface
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
@@ -67,7 +72,7 @@ class Work(dist._Work):
         return self._result
 
     def source_rank(self) -> int:
-        return self._source
+        return self._source_rank
 
     def __repr__(self) -> str:
         state = "in flight" if not self._done.is_set() else \
@@ -78,10 +83,12 @@ class Work(dist._Work):
     def _finish(self, error: BaseException | None = None) -> None:
         self._error = error
         self._done.set()  # before the future: a callback that calls wait() must not block
-        if error is None:
-            self._future.set_result(self._result)
-        else:
-            self._future.set_exception(error)
+        self._source.set_result(None)
+
+    def _deliver(self, _source):
+        if self._error is not None:
+            raise self._error
+        return self._result
 
     @classmethod
     def completed(cls, what: str, result) -> "Work":
