@@ -133,7 +133,9 @@ class ProcessGroupGradsync(dist.ProcessGroup):
             exc = self.world.fail(exc)  # posts the abort record: the other ranks raise too
         return to_backend_error(exc, f"rank {self.world.rank}: {what}")
 
-    def _run(self, what: str, result, fn) -> Work:
+    def _run(self, what: str, result, fn, opts=None) -> Work:
+        """Runs ``fn`` on the lane; inline when torch says the caller waits (``asyncOp``
+        False: ``dist.all_reduce(t)`` without ``async_op``) and the lane is idle."""
         world = self.world
 
         def guarded():
@@ -141,7 +143,10 @@ class ProcessGroupGradsync(dist.ProcessGroup):
                 raise world.failure
             fn()
 
-        return self._lane.submit(Work(what, result), guarded)
+        work = Work(what, result)
+        if opts is not None and not getattr(opts, "asyncOp", True):
+            return self._lane.run_now(work, guarded)
+        return self._lane.submit(work, guarded)
 
     def _root(self, root: int, what: str) -> int:
         if not 0 <= root < self.size():
@@ -171,7 +176,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         steps = [self._allreduce_one(t, op, "all_reduce") for t in tensors]
-        return self._run("all_reduce", tensors, lambda: [s() for s in steps])
+        return self._run("all_reduce", tensors, lambda: [s() for s in steps], opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
@@ -192,14 +197,14 @@ class ProcessGroupGradsync(dist.ProcessGroup):
                     t.copy_(packed[offset:offset + t.numel()].view_as(t))
                     offset += t.numel()
             steps.append(run)
-        return self._run("all_reduce_coalesced", tensors, lambda: [s() for s in steps])
+        return self._run("all_reduce_coalesced", tensors, lambda: [s() for s in steps], opts)
 
     def reduce(self, tensors, opts=None):
         root = self._root(opts.rootRank, "reduce")
         mine = self.rank() == root
         steps = [self._allreduce_one(t, opts.reduceOp, f"reduce root={root}", in_place=mine)
                  for t in tensors]
-        return self._run("reduce", tensors, lambda: [s() for s in steps])
+        return self._run("reduce", tensors, lambda: [s() for s in steps], opts)
 
     def _reduce_scatter_one(self, output: torch.Tensor, chunks: list, op, what: str):
         n = self.size()
@@ -237,7 +242,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         steps = [self._reduce_scatter_one(o, list(i), op, "reduce_scatter")
                  for o, i in zip(output_tensors, input_tensors)]
-        return self._run("reduce_scatter", output_tensors, lambda: [s() for s in steps])
+        return self._run("reduce_scatter", output_tensors, lambda: [s() for s in steps], opts)
 
     def reduce_scatter_single(self, output, input, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
@@ -248,7 +253,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         chunks = list(input.reshape(n, *output.shape).unbind(0)) if n > 1 else \
             [input.reshape(output.shape)]
         step = self._reduce_scatter_one(output, chunks, op, "reduce_scatter_tensor")
-        return self._run("reduce_scatter_tensor", [output], step)
+        return self._run("reduce_scatter_tensor", [output], step, opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -270,7 +275,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
                               name=f"broadcast {t.dtype}{list(t.shape)}", shape=(work.nbytes,))
                 if work is not t:
                     t.copy_(work)
-        return self._run("broadcast", tensors, run)
+        return self._run("broadcast", tensors, run, opts)
 
     def _gather_bytes(self, t: torch.Tensor, what: str):
         """All ranks' bytes of ``t`` and the byte count of each (on the lane)."""
@@ -304,7 +309,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
             for outs, t in zip(output_tensors, input_tensors):
                 out, counts = self._gather_bytes(t, f"all_gather {t.dtype}")
                 self._scatter_into(out, counts, list(outs), "all_gather")
-        return self._run("all_gather", output_tensors, run)
+        return self._run("all_gather", output_tensors, run, opts)
 
     def all_gather_single(self, output, input, opts=None):
         n = self.size()
@@ -316,7 +321,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         def run():
             out, counts = self._gather_bytes(input, f"all_gather_into_tensor {input.dtype}")
             self._scatter_into(out, [sum(counts)], [output], "all_gather_into_tensor")
-        return self._run("all_gather_into_tensor", [output], run)
+        return self._run("all_gather_into_tensor", [output], run, opts)
 
     _allgather_base = all_gather_single
 
@@ -346,7 +351,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
             out, got = self._all_to_all(as_bytes(t), counts, f"gather root={root}")
             if mine:
                 self._scatter_into(out, got, list(output_tensors[0]), "gather")
-        return self._run("gather", output_tensors, run)
+        return self._run("gather", output_tensors, run, opts)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         root = self._root(opts.rootRank, "scatter")
@@ -364,7 +369,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
                 send, counts = np.empty(0, np.uint8), [0] * n
             out, got = self._all_to_all(send, counts, f"scatter root={root}")
             self._scatter_into(out, [sum(got)], [output_tensors[0]], "scatter")  # only root sent
-        return self._run("scatter", output_tensors, run)
+        return self._run("scatter", output_tensors, run, opts)
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         n = self.size()
@@ -377,7 +382,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
             send = np.concatenate([as_bytes(p) for p in pieces])
             out, got = self._all_to_all(send, [p.nbytes for p in pieces], "all_to_all")
             self._scatter_into(out, got, list(output_tensors), "all_to_all")
-        return self._run("all_to_all", output_tensors, run)
+        return self._run("all_to_all", output_tensors, run, opts)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         n = self.size()
@@ -395,13 +400,13 @@ class ProcessGroupGradsync(dist.ProcessGroup):
                 raise BackendError(f"all_to_all_single: rank {self.world.rank} expected "
                                    f"{want} bytes from the ranks, got {got}")
             self._scatter_into(out, [sum(got)], [output], "all_to_all_single")
-        return self._run("all_to_all_single", [output], run)
+        return self._run("all_to_all_single", [output], run, opts)
 
     alltoall_base = all_to_all_single
 
     def barrier(self, opts=None):
         world = self.world
-        return self._run("barrier", [], lambda: ops.barrier(world))
+        return self._run("barrier", [], lambda: ops.barrier(world), opts)
 
     # ------------------------------------------------------------------ point to point
     def send(self, tensors, dst: int, tag: int = 0):

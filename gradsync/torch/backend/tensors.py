@@ -95,7 +95,22 @@ class Reduction:
         return flat, (BFLOAT16 if t.dtype == torch.bfloat16 else flat.dtype)
 
 
+_cache: dict = {}
+
+
 def reduction_of(opts_op, dtype: torch.dtype) -> Reduction:
+    """The Reduction for a torch ``ReduceOp`` on ``dtype`` (cached; see ``_reduction_of``)."""
+    kind = opts_op.op if isinstance(opts_op, dist.ReduceOp) else opts_op
+    if kind == RedOpType.PREMUL_SUM:  # carries its factor: not cached
+        return _reduction_of(opts_op, dtype)
+    key = (kind, dtype)
+    red = _cache.get(key)
+    if red is None:
+        red = _cache[key] = _reduction_of(opts_op, dtype)
+    return red
+
+
+def _reduction_of(opts_op, dtype: torch.dtype) -> Reduction:
     """The Reduction for a torch ``ReduceOp`` (or its ``RedOpType``) on ``dtype``.
 
     Raises:

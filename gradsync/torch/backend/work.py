@@ -35,15 +35,14 @@ class Work(dist._Work):
         super().__init__()
         self.what = what
         self._result = result
-        # Failures reach the future through a callback that raises (``_deliver``): torch then
-        # stores a C++ copy of the error. ``Future.set_exception`` would store the Python
-        # exception itself, and DDP's reducer, which rethrows it in C++ without the GIL,
-        # crashes the process (torch 2.13: a segfault in backward).
-        self._source = torch.futures.Future()
-        self._future = self._source.then(self._deliver)
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._source_rank = -1
+        # The future is made on first ``get_future()`` (DDP asks, ``dist.all_reduce`` does
+        # not): two futures per collective cost tens of microseconds.
+        self._lock = threading.Lock()
+        self._source: torch.futures.Future | None = None
+        self._future: torch.futures.Future | None = None
 
     # ------------------------------------------------------------------ torch's interface
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
@@ -56,6 +55,20 @@ class Work(dist._Work):
         return True
 
     def get_future(self) -> torch.futures.Future:
+        with self._lock:
+            if self._future is None:
+                # Failures reach the future through a callback that raises (``_deliver``):
+                # torch then stores a C++ copy of the error. ``Future.set_exception`` would
+                # store the Python exception itself, and DDP's reducer, which rethrows it in
+                # C++ without the GIL, crashes the process (torch 2.13: a segfault in
+                # backward).
+                self._source = torch.futures.Future()
+                self._future = self._source.then(self._deliver)
+                done = self._done.is_set()
+            else:
+                return self._future
+        if done:
+            self._source.set_result(None)
         return self._future
 
     def is_completed(self) -> bool:
@@ -82,8 +95,11 @@ class Work(dist._Work):
     # ------------------------------------------------------------------ the lane's side
     def _finish(self, error: BaseException | None = None) -> None:
         self._error = error
-        self._done.set()  # before the future: a callback that calls wait() must not block
-        self._source.set_result(None)
+        with self._lock:
+            self._done.set()  # before the future: a callback that calls wait() must not block
+            source = self._source
+        if source is not None:
+            source.set_result(None)
 
     def _deliver(self, _source):
         if self._error is not None:
@@ -100,10 +116,15 @@ class Work(dist._Work):
 class Lane:
     """A progress thread that runs operations one after another, in submission order.
 
+    A synchronous call (``run_now``) made while nothing is queued or running runs on the
+    caller's thread instead: that saves the two thread hand-offs (tens of microseconds each
+    under the GIL) that would dominate a small collective, and keeps the order, because
+    "nothing queued or running" means every earlier operation has finished.
+
     Args:
         name: the thread's name.
         on_error: maps an operation's exception to the ``BackendError`` its Work fails with
-            (and may record it, e.g. post the World's abort record); called on the lane.
+            (and may record it, e.g. post the World's abort record).
     """
 
     def __init__(self, name: str, on_error: Callable[[BaseException, str], BackendError]):
@@ -111,6 +132,7 @@ class Lane:
         self.on_error = on_error
         self._queue: collections.deque[tuple[Work, Callable[[], None]]] = collections.deque()
         self._cv = threading.Condition()
+        self._busy = False
         self._thread: threading.Thread | None = None
         self._closed: BaseException | None = None
 
@@ -127,24 +149,49 @@ class Lane:
             self._cv.notify()
         return work
 
+    def run_now(self, work: Work, fn: Callable[[], None]) -> Work:
+        """Runs ``fn`` on this thread if the lane is idle, else queues it; returns ``work``."""
+        with self._cv:
+            inline = not self._queue and not self._busy and self._closed is None
+            if inline:
+                self._busy = True
+        if not inline:
+            return self.submit(work, fn)
+        try:
+            self._execute(work, fn)
+        finally:
+            with self._cv:
+                self._busy = False
+                self._cv.notify()
+        return work
+
+    def _execute(self, work: Work, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - every failure completes the Work
+            try:
+                error = self.on_error(exc, work.what)
+            except BaseException as inner:  # noqa: BLE001
+                error = to_backend_error(inner, work.what)
+            work._finish(error)
+        else:
+            work._finish()
+
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._queue:
-                    if self._closed is not None:
+                while not self._queue or self._busy:
+                    if self._closed is not None and not self._queue:
                         return
                     self._cv.wait()
                 work, fn = self._queue.popleft()
+                self._busy = True
             try:
-                fn()
-            except BaseException as exc:  # noqa: BLE001 - every failure completes the Work
-                try:
-                    error = self.on_error(exc, work.what)
-                except BaseException as inner:  # noqa: BLE001
-                    error = to_backend_error(inner, work.what)
-                work._finish(error)
-            else:
-                work._finish()
+                self._execute(work, fn)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify()
 
     def close(self, reason: BaseException, wait: bool = True) -> None:
         """Stops the thread once the queue is empty (``wait``) or fails what is queued."""
@@ -155,7 +202,7 @@ class Lane:
                 self._queue.clear()
             else:
                 dropped = []
-            self._cv.notify()
+            self._cv.notify_all()
         for work, _ in dropped:
             work._finish(to_backend_error(reason, work.what))
         if wait and self._thread is not None and self._thread is not threading.current_thread():
