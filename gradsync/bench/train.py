@@ -71,6 +71,9 @@ def parser() -> argparse.ArgumentParser:
                    help="untimed steps per mode (default 5)")
     p.add_argument("--compare", choices=["ddp", "none"], default="none",
                    help="also measure DistributedDataParallel (gloo), in the same run")
+    p.add_argument("--bucket-view", action="store_true",
+                   help="both DDP modes with gradient_as_bucket_view=True (gradients live in "
+                        "DDP's buckets: one copy of every gradient less per step)")
     p.add_argument("--compression", choices=["none", "fp16", "bf16"], default="none",
                    help="gradsync's gradient compression")
     p.add_argument("--seed", type=int, default=0)
@@ -105,13 +108,15 @@ def build_model(name: str):
 class _Trainer:
     """One mode's model, optimizer and step; ``timed_step`` adds the phase timers."""
 
-    def __init__(self, mode: str, model, x, y, hvd, compression: str, group=None):
+    def __init__(self, mode: str, model, x, y, hvd, compression: str, group=None,
+                 bucket_view: bool = False):
         import torch
         import torch.nn.functional as F
 
         self.mode, self.model, self.x, self.y, self.F = mode, model, x, y, F
         if mode in ("ddp", "ddp_gs"):  # ddp_gs: over the gradsync backend's group
-            self.model = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+            self.model = torch.nn.parallel.DistributedDataParallel(
+                model, process_group=group, gradient_as_bucket_view=bucket_view)
         self.opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         if mode == "gradsync":
             self.opt = hvd.DistributedOptimizer(self.opt, named_parameters=model.named_parameters(),
@@ -182,9 +187,11 @@ def run(args) -> list[dict]:
                     "gradsync": _Trainer("gradsync", copy.deepcopy(base), x, y, hvd,
                                          args.compression)}
         if compare:
-            trainers["ddp"] = _Trainer("ddp", copy.deepcopy(base), x, y, hvd, args.compression)
+            trainers["ddp"] = _Trainer("ddp", copy.deepcopy(base), x, y, hvd, args.compression,
+                                       bucket_view=args.bucket_view)
             trainers["ddp_gs"] = _Trainer("ddp_gs", copy.deepcopy(base), x, y, hvd,
-                                          args.compression, group=gs_group)
+                                          args.compression, group=gs_group,
+                                          bucket_view=args.bucket_view)
         for mode in modes:
             if mode != "single":  # ``local`` warms up the model ``single`` uses
                 for _ in range(args.warmup):
@@ -243,7 +250,7 @@ def _summarise(model_name, base, args, n, steps, times, world) -> dict:
 
     row = {"model": model_name, "params": sum(p.numel() for p in base.parameters()),
            "batch": args.batch_size, "ranks": n, "steps": steps, "windows": args.windows,
-           "compression": args.compression,
+           "compression": args.compression, "bucket_view": args.bucket_view,
            "fusion_threshold": world.config.fusion_threshold}
     for mode, samples in times.items():
         slowest = gs.allreduce(np.array(samples), op=gs.Max, name=f"bench.train.{mode}")
@@ -292,9 +299,9 @@ def _print_row(row: dict, header: bool, compare: bool) -> None:
                 "local = every rank at once, no communication",
                 "eff = rate / (N x single): scaling efficiency; comm = rate / local: "
                 "what communication costs",
-                *(["ddp = DDP over gloo; ddp-gs = DDP over the torch.distributed backend "
-                   "'gradsync'; dgs/ddp and dgs/gs: ddp-gs's rate over ddp's and gradsync's"]
-                  if compare else [])):
+                *([f"ddp = DDP over gloo; ddp-gs = DDP over the torch.distributed backend "
+                   f"'gradsync' (gradient_as_bucket_view={row['bucket_view']}); dgs/ddp and "
+                   f"dgs/gs: ddp-gs's rate over ddp's and gradsync's"] if compare else [])):
             print(f"# {line}", flush=True)
         cols = f"{'model':>5} {'params':>7} {'batch':>5} | {'single':>8} {'local':>8} | " \
                f"{'gradsync':>9} {'iqr%':>5} {'eff':>5} {'comm':>5}"
