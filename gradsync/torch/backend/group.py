@@ -34,7 +34,7 @@ from ...errors import GradsyncError
 from ...launch_env import LaunchEnv, host_name
 from ...rendezvous import Store
 from .errors import BackendError, to_backend_error
-from .p2p import PointToPoint, _clone
+from .p2p import PointToPoint, clone_store
 from .tensors import as_bytes, contiguous, fold, reduction_of, typed
 from .work import Lane, Work
 
@@ -97,7 +97,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         try:
             # A connection of its own to the store: torch's main thread may block on the
             # given one (a store-based barrier) while this group's lane polls the abort record.
-            self.world = World.connect(config, env, Store.over(_clone(store), job,
+            self.world = World.connect(config, env, Store.over(clone_store(store), job,
                                                                config.connect_timeout))
         except GradsyncError as exc:
             raise to_backend_error(exc, f"rank {rank} joining the gradsync process group") \
@@ -425,7 +425,9 @@ class ProcessGroupGradsync(dist.ProcessGroup):
     def shutdown(self) -> None:
         """Finishes what is queued, then closes the group's connections."""
         self._lane.close(BackendError("the process group has been shut down"))
-        self._p2p.close()
+        # Sends and receives still waiting for a partner are not waited for: an unmatched
+        # irecv would otherwise hold shutdown until the group's timeout.
+        self._p2p.close(wait=False)
         self.world.close()
 
     def abort(self) -> None:

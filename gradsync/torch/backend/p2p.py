@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import threading
 
-import torch
 
 from ...errors import GradsyncError
 from .errors import BackendError, to_backend_error
 from .tensors import as_bytes, contiguous
 from .work import Lane, Work
 
-__all__ = ["PointToPoint"]
+__all__ = ["PointToPoint", "clone_store"]
 
 
-def _clone(store):
+def clone_store(store):
+    """A new connection to ``store`` (torch's ``Store.clone``), or ``store`` if it cannot."""
     try:
         return store.clone()
     except (RuntimeError, NotImplementedError):  # a store that cannot clone: share it
@@ -52,7 +52,7 @@ class _Direction:
         if self.world is None:
             # Its own store connection: the lanes of other directions connect at the same time.
             self.world = self.parent.subworld([self.src, self.dst], f"p2p.{self.src}.{self.dst}",
-                                              base=_clone(self.parent.store._base))
+                                              base=clone_store(self.parent.store._base))
         if self.world.failure is not None:
             raise self.world.failure
         return self.world
