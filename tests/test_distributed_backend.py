@@ -13,7 +13,8 @@ from harness import launch, spawn
 pytestmark = pytest.mark.multiprocess
 
 # Small chunks and shared-memory slots: 300-element tensors take the multi-chunk paths.
-SMALL_CHUNKS = {"GRADSYNC_CHUNK_BYTES": "256", "GRADSYNC_SHM_SLOT_BYTES": "256"}
+SMALL_CHUNKS = {"GRADSYNC_CHUNK_BYTES": "256", "GRADSYNC_SHM_SLOT_BYTES": "256",
+                "PYTHONFAULTHANDLER": "1"}  # a crash at exit shows every thread's stack
 
 
 def _ok(ranks, marker):

@@ -100,7 +100,7 @@ _cache: dict = {}
 
 def reduction_of(opts_op, dtype: torch.dtype) -> Reduction:
     """The Reduction for a torch ``ReduceOp`` on ``dtype`` (cached; see ``_reduction_of``)."""
-    kind = opts_op.op if isinstance(opts_op, dist.ReduceOp) else opts_op
+    kind = opts_op if isinstance(opts_op, RedOpType) else opts_op.op
     if kind == RedOpType.PREMUL_SUM:  # carries its factor: not cached
         return _reduction_of(opts_op, dtype)
     key = (kind, dtype)
@@ -118,7 +118,7 @@ def _reduction_of(opts_op, dtype: torch.dtype) -> Reduction:
             MIN/MAX on complex), or any reduction of a float8 dtype (torch has no CPU
             arithmetic for them).
     """
-    kind = opts_op.op if isinstance(opts_op, dist.ReduceOp) else opts_op
+    kind = opts_op if isinstance(opts_op, RedOpType) else opts_op.op
     name = str(kind).split(".")[-1]
     if dtype in _FLOAT8:
         raise ValueError(f"the gradsync backend cannot reduce {dtype} tensors (no CPU "
