@@ -26,6 +26,8 @@ from .work import Lane, Work
 
 __all__ = ["PointToPoint", "clone_store"]
 
+_CLOSE_GRACE = 2.0  # seconds shutdown gives a lane to finish the message it is in
+
 
 def clone_store(store):
     """A new connection to ``store`` (torch's ``Store.clone``), or ``store`` if it cannot."""
@@ -59,6 +61,11 @@ class _Direction:
 
     def close(self, wait: bool) -> None:
         self.lane.close(BackendError("the process group has been shut down"), wait=wait)
+        if not wait and not self.lane.join(_CLOSE_GRACE):
+            # Still in a send or receive that no partner matched: its connections stay open
+            # (closing them under it could pull shared memory from under its feet); the
+            # daemon thread ends with the process.
+            return
         if self.world is not None:
             self.world.close()
 

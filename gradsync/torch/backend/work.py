@@ -3,10 +3,11 @@
 A collective of the backend returns at once with a ``Work``; a *lane* (one thread, one queue)
 runs the operations of one World in the order they were issued (MPI's rule, which
 torch.distributed shares: every rank issues the same collectives in the same order), then
-completes each Work. Completion sets the Work's event first and then its
-``torch.futures.Future``, with the operation's result (the list of output tensors, which is what
-DDP reads from ``get_future().value()``) or with a ``BackendError``; never with an exception as
-a value, and never not at all: a lane that stops fails what is still queued.
+completes each Work: first its ``torch.futures.Future`` (made only if someone asked for it),
+with the operation's result (the list of output tensors, which is what DDP reads from
+``get_future().value()``) or with the ``BackendError``, then the event ``wait()`` waits on.
+Never an exception as a value, and never not at all: a lane that stops fails what is still
+queued.
 
 Why our own ``Work`` subclass rather than ``_create_work_from_future``: that wrapper's
 ``wait()`` returns normally when its future holds an error (torch 2.13), so a failed
@@ -38,6 +39,7 @@ class Work(dist._Work):
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._source_rank = -1
+        self._finisher: threading.Thread | None = None
         # The future is made on first ``get_future()`` (DDP asks, ``dist.all_reduce`` does
         # not): two futures per collective cost tens of microseconds.
         self._lock = threading.Lock()
@@ -48,7 +50,9 @@ class Work(dist._Work):
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         """Blocks until the operation is done; raises its error. ``timeout`` 0: no limit."""
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout / 1e3
-        if not self._done.wait(seconds if seconds > 0 else None):
+        if self._finisher is threading.current_thread():
+            pass  # called from a callback of this Work's own future: the outcome is known
+        elif not self._done.wait(seconds if seconds > 0 else None):
             raise BackendError(f"{self.what} still in flight after {seconds:.1f}s (wait timeout)")
         if self._error is not None:
             raise self._error
@@ -64,7 +68,7 @@ class Work(dist._Work):
                 # backward).
                 self._source = torch.futures.Future()
                 self._future = self._source.then(self._deliver)
-                done = self._done.is_set()
+                done = self._finisher is not None  # _finish has begun without a future
             else:
                 return self._future
         if done:
@@ -95,11 +99,17 @@ class Work(dist._Work):
     # ------------------------------------------------------------------ the lane's side
     def _finish(self, error: BaseException | None = None) -> None:
         self._error = error
+        # The future first, then the event: a waiter must not return (and its process exit)
+        # while this thread is still inside torch's C++ completing the future, where the
+        # interpreter's shutdown would kill it ("terminate called without an active
+        # exception"). A future callback that waits on this Work is let through.
         with self._lock:
-            self._done.set()  # before the future: a callback that calls wait() must not block
+            self._finisher = threading.current_thread()
             source = self._source
         if source is not None:
             source.set_result(None)
+        with self._lock:
+            self._done.set()
 
     def _deliver(self, _source):
         if self._error is not None:
@@ -192,6 +202,13 @@ class Lane:
                 with self._cv:
                     self._busy = False
                     self._cv.notify()
+
+    def join(self, timeout: float) -> bool:
+        """Waits up to ``timeout`` seconds for a closed lane's thread; True once it is gone."""
+        if self._thread is None or self._thread is threading.current_thread():
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def close(self, reason: BaseException, wait: bool = True) -> None:
         """Stops the thread once the queue is empty (``wait``) or fails what is queued."""
