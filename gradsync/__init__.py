@@ -15,7 +15,11 @@ from .engine import Handle
 from .errors import (AuthenticationError, CollectiveMismatchError, ConfigError, GradsyncError,
                      GradsyncTimeoutError, PeerLostError, ProtocolError)
 
+from ._torch_hook import install as _install_torch_backend
+
 __version__ = "0.1.0"
+
+_install_torch_backend()  # the torch.distributed backend "gradsync" (without importing torch)
 
 __all__ = list(_api_all) + [
     "Sum", "Average", "Min", "Max", "Product", "ReduceOp", "Config", "Handle",

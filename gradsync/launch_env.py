@@ -37,7 +37,7 @@ from typing import Mapping
 
 from .errors import ConfigError
 
-__all__ = ["LaunchEnv", "detect", "slurm_first_host", "slurm_tasks_per_node", "SOURCES"]
+__all__ = ["LaunchEnv", "detect", "host_name", "slurm_first_host", "slurm_tasks_per_node", "SOURCES"]
 
 SOURCES = ("gradsync", "torchrun", "slurm", "mpirun", "single")
 
@@ -177,6 +177,15 @@ class _Reader:
         if not 1 <= value <= 65535:
             raise ConfigError(f"{found[0]}={found[1]!r} is not a TCP port (1-65535)")
         return value
+
+
+def host_name(environ: Mapping[str, str] | None = None) -> str:
+    """The name that identifies this host: ``GRADSYNC_HOSTNAME``, else the system's host name.
+
+    For callers that know rank and size from elsewhere (the ``torch.distributed`` backend).
+    """
+    return _Reader(os.environ if environ is None else environ).get("GRADSYNC_HOSTNAME") \
+        or socket.gethostname()
 
 
 def _check_below(index_name: str, index: int | None, count_name: str,

@@ -180,7 +180,7 @@ class World:
                   env.size - 1 - len(use_shm))
         return world
 
-    def subworld(self, ranks, name: str) -> "World":
+    def subworld(self, ranks, name: str, base=None) -> "World":
         """A World of its own over ``ranks`` (global ranks of this World, this rank among them).
 
         Collective over ``ranks`` only: each of them calls it with the same ranks and name,
@@ -189,6 +189,10 @@ class World:
         collectives never interleave with this World's or another sub-world's on a
         connection, and it can run at the same time as they do. Its rank ``i`` is
         ``ranks[i]``; ``name`` must be unique among the sub-worlds of this World.
+
+        ``base`` is the torch store to meet over (default: this World's). Sub-worlds that
+        connect at the same time from several threads need one each (``store.clone()``): a
+        blocking wait on a shared TCPStore client holds its only connection.
         """
         ranks = list(ranks)
         if self.rank not in ranks:
@@ -197,7 +201,8 @@ class World:
             self.env, rank=ranks.index(self.rank), size=len(ranks), local_rank=None,
             local_size=None, cross_rank=None, cross_size=None, servers=0,
             secret=self.listener.secret, job_id=f"{self.env.job_id}/{name}")
-        store = Store.over(self.store._base, env.job_id, self.config.connect_timeout)
+        store = Store.over(self.store._base if base is None else base, env.job_id,
+                           self.config.connect_timeout)
         return World.connect(self.config, env, store)
 
     # ------------------------------------------------------------------ failures

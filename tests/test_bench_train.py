@@ -29,28 +29,32 @@ def test_table_ddp_comparison_profile_and_identical_parameters(tmp_path):
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["model", "params"])
     names = lines[header].split()
     assert names == ["model", "params", "batch", "|", "single", "local", "|", "gradsync", "iqr%",
-                     "eff", "comm", "|", "ddp", "iqr%", "eff", "comm", "|", "gs/ddp"], out
+                     "eff", "comm", "|", "ddp", "iqr%", "eff", "comm", "|", "ddp-gs", "iqr%",
+                     "eff", "comm", "|", "gs/ddp", "dgs/ddp", "dgs/gs"], out
     table = [line.split() for line in lines[header + 1:header + 3]]
     assert [row[0] for row in table] == ["mlp", "cnn"], out
     for row in table:
         assert len(row) == len(names), out
-        rates = [float(row[i]) for i, name in enumerate(names) if name in ("single", "local",
-                                                                         "gradsync", "ddp")]
+        rates = [float(row[i]) for i, name in enumerate(names)
+                 if name in ("single", "local", "gradsync", "ddp", "ddp-gs")]
         assert all(rate > 0 for rate in rates), out
     for model in ("mlp", "cnn"):
         assert re.search(rf"# {model}: parameters identical on all 2 ranks after training: "
-                         r"gradsync yes \(crc32 [0-9a-f]{8}\), ddp yes \(crc32 [0-9a-f]{8}\)",
+                         r"gradsync yes \(crc32 [0-9a-f]{8}\), ddp yes \(crc32 [0-9a-f]{8}\), "
+                         r"ddp_gs yes \(crc32 [0-9a-f]{8}\)",
                          out), out
-    profile = [line.split() for line in lines if re.match(r"\s*(mlp|cnn)\s+(local|gradsync|ddp)\s",
-                                                          line)]
+    profile = [line.split() for line in lines
+               if re.match(r"\s*(mlp|cnn)\s+(local|gradsync|ddp|ddp_gs)\s", line)]
     assert sorted((p[0], p[1]) for p in profile) == sorted(
-        (m, mode) for m in ("mlp", "cnn") for mode in ("local", "gradsync", "ddp")), out
+        (m, mode) for m in ("mlp", "cnn") for mode in ("local", "gradsync", "ddp", "ddp_gs")), out
     rows = json.loads(rows_file.read_text())
     assert [row["model"] for row in rows] == ["mlp", "cnn"]
     for row in rows:
         assert row["identical"] is True
         assert row["ratio"] == pytest.approx(row["gradsync"]["samples_per_s"]
                                              / row["ddp"]["samples_per_s"])
+        assert row["ratio_ddp_gs"] == pytest.approx(row["ddp_gs"]["samples_per_s"]
+                                                    / row["ddp"]["samples_per_s"])
         assert len(row["checksums"]["gradsync"]) == 2
 
 

@@ -18,6 +18,8 @@ seed and copied, so all modes start from the same weights. The modes:
   backward runs; ``step()`` waits for the rest).
 - ``ddp``: ``torch.nn.parallel.DistributedDataParallel``, gloo, on the job's store
   (``--compare ddp``).
+- ``ddp-gs``: the same DDP over the torch.distributed backend "gradsync" (a
+  ``new_group(backend="gradsync")`` beside gloo's default group; ``--compare ddp``).
 
 Timing: each mode first runs ``--warmup`` steps. Then ``--windows`` rounds; in each round each
 mode in turn runs ``--steps`` steps, started after a barrier and timed on every rank; a
@@ -69,6 +71,9 @@ def parser() -> argparse.ArgumentParser:
                    help="untimed steps per mode (default 5)")
     p.add_argument("--compare", choices=["ddp", "none"], default="none",
                    help="also measure DistributedDataParallel (gloo), in the same run")
+    p.add_argument("--bucket-view", action="store_true",
+                   help="both DDP modes with gradient_as_bucket_view=True (gradients live in "
+                        "DDP's buckets: one copy of every gradient less per step)")
     p.add_argument("--compression", choices=["none", "fp16", "bf16"], default="none",
                    help="gradsync's gradient compression")
     p.add_argument("--seed", type=int, default=0)
@@ -103,13 +108,15 @@ def build_model(name: str):
 class _Trainer:
     """One mode's model, optimizer and step; ``timed_step`` adds the phase timers."""
 
-    def __init__(self, mode: str, model, x, y, hvd, compression: str):
+    def __init__(self, mode: str, model, x, y, hvd, compression: str, group=None,
+                 bucket_view: bool = False):
         import torch
         import torch.nn.functional as F
 
         self.mode, self.model, self.x, self.y, self.F = mode, model, x, y, F
-        if mode == "ddp":
-            self.model = torch.nn.parallel.DistributedDataParallel(model)
+        if mode in ("ddp", "ddp_gs"):  # ddp_gs: over the gradsync backend's group
+            self.model = torch.nn.parallel.DistributedDataParallel(
+                model, process_group=group, gradient_as_bucket_view=bucket_view)
         self.opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         if mode == "gradsync":
             self.opt = hvd.DistributedOptimizer(self.opt, named_parameters=model.named_parameters(),
@@ -163,10 +170,11 @@ def run(args) -> list[dict]:
     if compare:
         store = torch.distributed.PrefixStore("bench-train-ddp", world.store._base)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=n)
+        gs_group = dist.new_group(backend="gradsync")  # the backend "gradsync", for ddp_gs
     # Rank 0's counts, so that every rank issues the same collectives.
     steps, args.windows, args.warmup = hvd.broadcast_object(
         (args.steps, args.windows, args.warmup), 0, name="bench.train.counts")
-    modes = ["single", "local", "gradsync"] + (["ddp"] if compare else [])
+    modes = ["single", "local", "gradsync"] + (["ddp", "ddp_gs"] if compare else [])
     rows = []
     for model_name in MODELS if args.model == "both" else [args.model]:
         torch.manual_seed(args.seed)  # the same initial weights on every rank
@@ -179,7 +187,11 @@ def run(args) -> list[dict]:
                     "gradsync": _Trainer("gradsync", copy.deepcopy(base), x, y, hvd,
                                          args.compression)}
         if compare:
-            trainers["ddp"] = _Trainer("ddp", copy.deepcopy(base), x, y, hvd, args.compression)
+            trainers["ddp"] = _Trainer("ddp", copy.deepcopy(base), x, y, hvd, args.compression,
+                                       bucket_view=args.bucket_view)
+            trainers["ddp_gs"] = _Trainer("ddp_gs", copy.deepcopy(base), x, y, hvd,
+                                          args.compression, group=gs_group,
+                                          bucket_view=args.bucket_view)
         for mode in modes:
             if mode != "single":  # ``local`` warms up the model ``single`` uses
                 for _ in range(args.warmup):
@@ -194,7 +206,7 @@ def run(args) -> list[dict]:
             row["profile_ms"] = {mode: _profile(trainers[mode], steps * args.windows)
                                  for mode in modes if mode != "single"}
         sums = {mode: hvd.allgather_object(trainers[mode].checksum(), name=f"bench.crc.{mode}")
-                for mode in modes if mode in ("gradsync", "ddp")}
+                for mode in modes if mode in ("gradsync", "ddp", "ddp_gs")}
         row["checksums"] = sums
         row["identical"] = all(len(set(v)) == 1 for v in sums.values())
         rows.append(row)
@@ -238,7 +250,7 @@ def _summarise(model_name, base, args, n, steps, times, world) -> dict:
 
     row = {"model": model_name, "params": sum(p.numel() for p in base.parameters()),
            "batch": args.batch_size, "ranks": n, "steps": steps, "windows": args.windows,
-           "compression": args.compression,
+           "compression": args.compression, "bucket_view": args.bucket_view,
            "fusion_threshold": world.config.fusion_threshold}
     for mode, samples in times.items():
         slowest = gs.allreduce(np.array(samples), op=gs.Max, name=f"bench.train.{mode}")
@@ -249,12 +261,15 @@ def _summarise(model_name, base, args, n, steps, times, world) -> dict:
         row[mode] = {"samples_per_s": median, "iqr_pct": 100 * (q75 - q25) / median,
                      "step_ms": statistics.median(slowest.tolist()) / steps * 1e3}
     single = row["single"]["samples_per_s"]
-    for mode in ("local", "gradsync", "ddp"):
+    for mode in ("local", "gradsync", "ddp", "ddp_gs"):
         if mode in row:
             row[mode]["eff"] = row[mode]["samples_per_s"] / (n * single)
             row[mode]["comm"] = row[mode]["samples_per_s"] / row["local"]["samples_per_s"]
     if "ddp" in row:
         row["ratio"] = row["gradsync"]["samples_per_s"] / row["ddp"]["samples_per_s"]
+        row["ratio_ddp_gs"] = row["ddp_gs"]["samples_per_s"] / row["ddp"]["samples_per_s"]
+        row["ratio_ddp_gs_gradsync"] = (row["ddp_gs"]["samples_per_s"]
+                                        / row["gradsync"]["samples_per_s"])
     return row
 
 
@@ -283,21 +298,29 @@ def _print_row(row: dict, header: bool, compare: bool) -> None:
                 "single = rank 0 alone, the others blocked on the store (the 1-rank baseline); "
                 "local = every rank at once, no communication",
                 "eff = rate / (N x single): scaling efficiency; comm = rate / local: "
-                "what communication costs"):
+                "what communication costs",
+                *([f"ddp = DDP over gloo; ddp-gs = DDP over the torch.distributed backend "
+                   f"'gradsync' (gradient_as_bucket_view={row['bucket_view']}); dgs/ddp and "
+                   f"dgs/gs: ddp-gs's rate over ddp's and gradsync's"] if compare else [])):
             print(f"# {line}", flush=True)
         cols = f"{'model':>5} {'params':>7} {'batch':>5} | {'single':>8} {'local':>8} | " \
                f"{'gradsync':>9} {'iqr%':>5} {'eff':>5} {'comm':>5}"
         if compare:
-            cols += f" | {'ddp':>9} {'iqr%':>5} {'eff':>5} {'comm':>5} | {'gs/ddp':>6}"
+            cols += f" | {'ddp':>9} {'iqr%':>5} {'eff':>5} {'comm':>5}" \
+                    f" | {'ddp-gs':>9} {'iqr%':>5} {'eff':>5} {'comm':>5}" \
+                    f" | {'gs/ddp':>6} {'dgs/ddp':>7} {'dgs/gs':>6}"
         print(cols, flush=True)
     g = row["gradsync"]
     line = f"{row['model']:>5} {row['params'] / 1e6:>6.2f}M {row['batch']:>5} | " \
            f"{row['single']['samples_per_s']:>8.1f} {row['local']['samples_per_s']:>8.1f} | " \
            f"{g['samples_per_s']:>9.1f} {g['iqr_pct']:>5.1f} {g['eff']:>5.2f} {g['comm']:>5.2f}"
     if compare:
-        d = row["ddp"]
-        line += f" | {d['samples_per_s']:>9.1f} {d['iqr_pct']:>5.1f} {d['eff']:>5.2f} " \
-                f"{d['comm']:>5.2f} | {row['ratio']:>6.2f}"
+        for mode in ("ddp", "ddp_gs"):
+            d = row[mode]
+            line += f" | {d['samples_per_s']:>9.1f} {d['iqr_pct']:>5.1f} {d['eff']:>5.2f} " \
+                    f"{d['comm']:>5.2f}"
+        line += f" | {row['ratio']:>6.2f} {row['ratio_ddp_gs']:>7.2f} " \
+                f"{row['ratio_ddp_gs_gradsync']:>6.2f}"
     print(line, flush=True)
 
 
@@ -313,6 +336,8 @@ def _print_footer(rows: list[dict], compare: bool, profile: bool) -> None:
         if compare and row["identical"]:
             same = row["checksums"]["gradsync"][0] == row["checksums"]["ddp"][0]
             agree = f"; gradsync and ddp {'agree' if same else 'differ'}"
+            same = row["checksums"]["ddp_gs"][0] == row["checksums"]["ddp"][0]
+            agree += f"; ddp_gs and ddp {'agree' if same else 'differ'}"
         print(f"# {row['model']}: parameters identical on all {n} ranks after training: "
               + ", ".join(parts) + agree, flush=True)
     if profile:

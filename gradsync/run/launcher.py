@@ -415,6 +415,14 @@ class _Job:
         }
         return {ENV_PREFIX + name: str(value) for name, value in variables.items()}
 
+    def _torch_identity(self, slot: Slot, port: int) -> dict[str, str]:
+        """torchrun's variables, so ``init_process_group()`` (env://) works under ``gradsync
+        run`` too: every rank a client of the launcher's store, as under torchrun's agent."""
+        return {"RANK": str(slot.rank), "WORLD_SIZE": str(len(self.slots)),
+                "LOCAL_RANK": str(slot.local_rank), "LOCAL_WORLD_SIZE": str(slot.local_size),
+                "MASTER_ADDR": self.store_addr,
+                "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
     def _settings(self, slot: Slot) -> dict[str, str]:
         """What a rank gets besides its identity, before the -x variables."""
         settings = {"PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1")}
@@ -433,8 +441,9 @@ class _Job:
             if remote:
                 proc = self._start_remote(slot, port)
             else:
-                env = {**os.environ, **self._settings(slot), **self.spec.env,
-                       **self._identity(slot, port), ENV_PREFIX + "SECRET": self.secret.hex()}
+                env = {**os.environ, **self._torch_identity(slot, port), **self._settings(slot),
+                       **self.spec.env, **self._identity(slot, port),
+                       ENV_PREFIX + "SECRET": self.secret.hex()}
                 proc = subprocess.Popen(list(self.spec.command), env=env,
                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, start_new_session=True)
@@ -450,8 +459,8 @@ class _Job:
         forwarded = {name: value for name, value in os.environ.items()
                      if name.startswith(ENV_PREFIX)
                      and name[len(ENV_PREFIX):] not in IDENTITY_VARIABLES}
-        assignments = {**forwarded, **self._settings(slot), **self.spec.env,
-                       **self._identity(slot, port)}
+        assignments = {**forwarded, **self._torch_identity(slot, port), **self._settings(slot),
+                       **self.spec.env, **self._identity(slot, port)}
         proc = subprocess.Popen(self._ssh_argv(slot.host, _remote_script(
             os.getcwd(), assignments, self.spec.command, self.spec.stop_grace)),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

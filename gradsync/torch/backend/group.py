@@ -1,0 +1,451 @@
+"""``ProcessGroupGradsync``: a ``torch.distributed.ProcessGroup`` over a gradsync World.
+
+torch calls the backend's creator once per process group (the default group and every
+``new_group``), with the group's store (already prefixed by torch for this group), this rank's
+index in the group and the group's size. Each group becomes a gradsync World of its own over
+that store: its own connections (shared memory inside a host, TCP between hosts), sequence
+numbers and abort record, so two groups never interleave frames and one group's failure does
+not poison another. Every collective maps onto one of gradsync's operations
+(``gradsync/operations.py``) and runs on the group's progress lane; sends and receives run on a
+lane per peer and direction, over a two-rank World of their own (``p2p.py``), so they never
+wait behind collectives or block them.
+
+Calls from torch arrive here in two ways with the same signatures: from Python
+(``dist.all_reduce`` calls ``group.allreduce``, found on this class) and from C++ (DDP's
+reducer, functional collectives), through the virtual methods of torch's ``PyProcessGroup``
+trampoline. Arguments are checked on the caller's thread (a bad argument raises there,
+``ValueError``); everything that can go wrong between ranks fails the Work.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import threading
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ... import operations as ops
+from ...config import load_config
+from ...errors import GradsyncError
+from ...launch_env import LaunchEnv, host_name
+from ...rendezvous import Store
+from .errors import BackendError, to_backend_error
+from .p2p import PointToPoint, clone_store
+from .tensors import as_bytes, contiguous, fold, reduction_of, typed
+from .work import Lane, Work
+
+__all__ = ["ProcessGroupGradsync", "create"]
+
+_instances: dict[str, itertools.count] = {}
+_instances_lock = threading.Lock()
+
+
+def _tcp_address(store) -> tuple[str, int]:
+    """The host and port of the TCPStore under torch's PrefixStores ('' and 0 if none)."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if isinstance(store, dist.TCPStore):
+        return store.host, store.port
+    return "", 0
+
+
+def create(options, backend_options=None) -> "ProcessGroupGradsync":
+    """The creator registered with ``Backend.register_backend`` (extended API)."""
+    return ProcessGroupGradsync(options.store, options.group_rank, options.group_size,
+                                options.timeout, str(options.group_id))
+
+
+class ProcessGroupGradsync(dist.ProcessGroup):
+    """A process group whose collectives run on gradsync's transports and algorithms.
+
+    Args:
+        store: the group's store (any ``torch.distributed.Store``) for the rendezvous.
+        rank, size: this rank's index in the group and the group's size.
+        timeout: how long a collective may wait on live peers (``init_process_group``'s).
+        group_id: torch's name of the group; with a per-process count it names the World.
+    """
+
+    def __init__(self, store, rank: int, size: int, timeout: timedelta = timedelta(minutes=30),
+                 group_id: str = "0"):
+        super().__init__(rank, size)
+        self._group_name, self._group_desc = str(group_id), ""
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+        config = load_config()
+        if seconds > 0:
+            config = config.replace(timeout=seconds)
+        with _instances_lock:
+            # Ranks create their groups in the same order, so the count agrees between them;
+            # it keeps a group re-created under the same name (destroy, then init again over
+            # the same store) from meeting the keys of its previous incarnation.
+            incarnation = next(_instances.setdefault(group_id, itertools.count()))
+        key = f"gradsync/nonce/{group_id}/{incarnation}"
+        if rank == 0:
+            store.set(key, secrets.token_hex(6))
+        # The nonce keeps two jobs on one host apart in /dev/shm even if their stores look alike.
+        job = f"pg{group_id}.{incarnation}.{store.get(key).decode()}"
+        addr, port = _tcp_address(store)
+        env = LaunchEnv(rank=rank, size=size, local_rank=None, local_size=None,
+                        cross_rank=None, cross_size=None, hostname=host_name(),
+                        store_addr=addr or "127.0.0.1", store_port=port, store_is_server=False,
+                        secret=None, job_id=job, source="torch.distributed")
+        from ...world import World
+
+        try:
+            # A connection of its own to the store: torch's main thread may block on the
+            # given one (a store-based barrier) while this group's lane polls the abort record.
+            self.world = World.connect(config, env, Store.over(clone_store(store), job,
+                                                               config.connect_timeout))
+        except GradsyncError as exc:
+            raise to_backend_error(exc, f"rank {rank} joining the gradsync process group") \
+                from exc
+        self._lane = Lane(f"gradsync-pg{group_id}", self._failed)
+        self._p2p = PointToPoint(self.world)
+
+    # ------------------------------------------------------------------ identity
+    def getBackendName(self) -> str:
+        return "gradsync"
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupGradsync(rank={self.rank()}, size={self.size()})"
+
+    # torch's ProcessGroup keeps the name and description in its backends, and a Python
+    # group has none: without these, ``group.group_name`` (DeviceMesh, functional
+    # collectives) raises "ProcessGroup name not set".
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    # ------------------------------------------------------------------ plumbing
+    def _failed(self, exc: BaseException, what: str) -> BackendError:
+        if isinstance(exc, GradsyncError):
+            exc = self.world.fail(exc)  # posts the abort record: the other ranks raise too
+        return to_backend_error(exc, f"rank {self.world.rank}: {what}")
+
+    def _run(self, what: str, result, fn, opts=None) -> Work:
+        """Runs ``fn`` on the lane; inline when torch says the caller waits (``asyncOp``
+        False: ``dist.all_reduce(t)`` without ``async_op``) and the lane is idle."""
+        world = self.world
+
+        def guarded():
+            if world.failure is not None:
+                raise world.failure
+            fn()
+
+        work = Work(what, result)
+        if opts is not None and not getattr(opts, "asyncOp", True):
+            return self._lane.run_now(work, guarded)
+        return self._lane.submit(work, guarded)
+
+    def _root(self, root: int, what: str) -> int:
+        if not 0 <= root < self.size():
+            raise ValueError(f"{what}: root {root} is outside the group's ranks 0..{self.size() - 1}")
+        return root
+
+    # ------------------------------------------------------------------ reductions
+    def _allreduce_one(self, t: torch.Tensor, opts_op, what: str, in_place: bool = True):
+        """The closure that allreduces ``t`` (in place, or into a scratch copy for ``reduce``)."""
+        red = reduction_of(opts_op, t.dtype)
+        world = self.world
+
+        def run():
+            work = contiguous(t) if in_place else t.detach().clone()
+            if red.op is None:
+                gathered, _ = ops.allgather(world, as_bytes(work), np.uint8, name=what,
+                                            shape=(work.nbytes,))
+                work.copy_(fold(red, gathered, work, world.size))
+            else:
+                flat, dtype = red.flat(work)
+                ops.allreduce(world, flat, dtype, red.op, name=what, shape=tuple(work.shape),
+                              prescale=red.prescale)
+            if in_place and work is not t:
+                t.copy_(work)
+        return run
+
+    def allreduce(self, tensors, opts=None):
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        steps = [self._allreduce_one(t, op, "all_reduce") for t in tensors]
+        return self._run("all_reduce", tensors, lambda: [s() for s in steps], opts)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        groups: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            groups.setdefault(t.dtype, []).append(t)
+        steps = []
+        for dtype, members in groups.items():
+            # One allreduce per dtype over the members packed end to end.
+            packed = torch.empty(sum(t.numel() for t in members), dtype=dtype)
+            step = self._allreduce_one(packed, op, "all_reduce_coalesced")
+
+            def run(members=members, packed=packed, step=step):
+                torch.cat([t.detach().reshape(-1) for t in members], out=packed)
+                step()
+                offset = 0
+                for t in members:
+                    t.copy_(packed[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
+            steps.append(run)
+        return self._run("all_reduce_coalesced", tensors, lambda: [s() for s in steps], opts)
+
+    def reduce(self, tensors, opts=None):
+        root = self._root(opts.rootRank, "reduce")
+        mine = self.rank() == root
+        steps = [self._allreduce_one(t, opts.reduceOp, f"reduce root={root}", in_place=mine)
+                 for t in tensors]
+        return self._run("reduce", tensors, lambda: [s() for s in steps], opts)
+
+    def _reduce_scatter_one(self, output: torch.Tensor, chunks: list, op, what: str):
+        n = self.size()
+        if len(chunks) != n:
+            raise ValueError(f"{what}: {len(chunks)} inputs for a group of {n} ranks")
+        for c in chunks:
+            if c.shape != output.shape or c.dtype != output.dtype:
+                raise ValueError(f"{what}: an input is {c.dtype}{list(c.shape)}, the output "
+                                 f"{output.dtype}{list(output.shape)}; they must match")
+        red = reduction_of(op, output.dtype)
+        world = self.world
+
+        def run():
+            stacked = torch.stack([c.detach() for c in chunks]) if n > 1 else \
+                chunks[0].detach().clone().unsqueeze(0)
+            if red.op is None:
+                gathered, _ = ops.allgather(world, as_bytes(stacked), np.uint8, name=what,
+                                            shape=(stacked.nbytes,))
+                everything = typed(gathered, output.dtype).reshape(n, n, *output.shape)
+                output.copy_(red.fold_fn(everything[:, world.rank]))
+                return
+            flat, dtype = red.flat(stacked)
+            mine = ops.reducescatter(world, flat, dtype, red.op, name=what,
+                                     shape=(n, flat.size // n if n else 0),
+                                     prescale=red.prescale)
+            result = torch.from_numpy(mine)
+            if output.is_complex():
+                result = torch.view_as_complex(result.reshape(-1, 2))
+            else:
+                result = result.view(output.dtype) if result.dtype != output.dtype else result
+            output.copy_(result.reshape(output.shape))
+        return run
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        steps = [self._reduce_scatter_one(o, list(i), op, "reduce_scatter")
+                 for o, i in zip(output_tensors, input_tensors)]
+        return self._run("reduce_scatter", output_tensors, lambda: [s() for s in steps], opts)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        n = self.size()
+        if input.numel() != output.numel() * n:
+            raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, "
+                             f"need {n} x output's {output.numel()}")
+        chunks = list(input.reshape(n, *output.shape).unbind(0)) if n > 1 else \
+            [input.reshape(output.shape)]
+        step = self._reduce_scatter_one(output, chunks, op, "reduce_scatter_tensor")
+        return self._run("reduce_scatter_tensor", [output], step, opts)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return works[-1] if works else Work.completed("reduce_scatter_tensor_coalesced", [])
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # ------------------------------------------------------------------ data movement
+    def broadcast(self, tensors, opts=None):
+        root = self._root(opts.rootRank if opts is not None else 0, "broadcast")
+        world = self.world
+
+        def run():
+            for t in tensors:
+                work = contiguous(t)
+                ops.broadcast(world, as_bytes(work), np.uint8, root,
+                              name=f"broadcast {t.dtype}{list(t.shape)}", shape=(work.nbytes,))
+                if work is not t:
+                    t.copy_(work)
+        return self._run("broadcast", tensors, run, opts)
+
+    def _gather_bytes(self, t: torch.Tensor, what: str):
+        """All ranks' bytes of ``t`` and the byte count of each (on the lane)."""
+        work = contiguous(t)
+        out, counts = ops.allgather(self.world, as_bytes(work), np.uint8, name=what,
+                                    shape=(work.nbytes,))
+        return out, counts
+
+    def _scatter_into(self, out: np.ndarray, counts: list, targets: list, what: str) -> None:
+        """Copies rank r's bytes (of ``out``) into ``targets[r]``; sizes must agree."""
+        offset = 0
+        for r, (count, target) in enumerate(zip(counts, targets)):
+            if count != target.nbytes:
+                raise BackendError(f"{what}: rank {r} sent {count} bytes but this rank "
+                                   f"{self.world.rank} expects {target.nbytes} "
+                                   f"({target.dtype}{list(target.shape)}) from it")
+            if target.is_contiguous():
+                as_bytes(target)[:] = out[offset:offset + count]
+            else:
+                target.copy_(typed(out[offset:offset + count].copy(), target.dtype)
+                             .reshape(target.shape))
+            offset += count
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        for outs in output_tensors:
+            if len(outs) != self.size():
+                raise ValueError(f"all_gather: {len(outs)} outputs for a group of "
+                                 f"{self.size()} ranks")
+
+        def run():
+            for outs, t in zip(output_tensors, input_tensors):
+                out, counts = self._gather_bytes(t, f"all_gather {t.dtype}")
+                self._scatter_into(out, counts, list(outs), "all_gather")
+        return self._run("all_gather", output_tensors, run, opts)
+
+    def all_gather_single(self, output, input, opts=None):
+        n = self.size()
+        if output.numel() != input.numel() * n or output.dtype != input.dtype:
+            raise ValueError(f"all_gather_into_tensor: output is {output.dtype} with "
+                             f"{output.numel()} elements, need {input.dtype} with {n} x "
+                             f"{input.numel()}")
+
+        def run():
+            out, counts = self._gather_bytes(input, f"all_gather_into_tensor {input.dtype}")
+            self._scatter_into(out, [sum(counts)], [output], "all_gather_into_tensor")
+        return self._run("all_gather_into_tensor", [output], run, opts)
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return works[-1] if works else Work.completed("all_gather_into_tensor_coalesced", [])
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        return self.allgather(output_lists, input_list, opts)
+
+    def _all_to_all(self, send: np.ndarray, send_counts: list, what: str):
+        """Sends ``send_counts[j]`` bytes of ``send`` to rank j; returns bytes and counts in."""
+        return ops.alltoall(self.world, send, np.uint8, send_counts, name=what,
+                            shape=(send.size,))
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        root = self._root(opts.rootRank, "gather")
+        n, mine = self.size(), self.rank() == root
+        if mine and (len(output_tensors) != 1 or len(output_tensors[0]) != n):
+            raise ValueError(f"gather: the root needs one list of {n} output tensors")
+
+        def run():
+            t = contiguous(input_tensors[0])
+            counts = [t.nbytes if r == root else 0 for r in range(n)]
+            out, got = self._all_to_all(as_bytes(t), counts, f"gather root={root}")
+            if mine:
+                self._scatter_into(out, got, list(output_tensors[0]), "gather")
+        return self._run("gather", output_tensors, run, opts)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        root = self._root(opts.rootRank, "scatter")
+        n, mine = self.size(), self.rank() == root
+        if mine and (len(input_tensors) != 1 or len(input_tensors[0]) != n):
+            raise ValueError(f"scatter: the root needs one list of {n} input tensors")
+
+        def run():
+            if mine:
+                pieces = [contiguous(t) for t in input_tensors[0]]
+                send = np.concatenate([as_bytes(p) for p in pieces]) if pieces else \
+                    np.empty(0, np.uint8)
+                counts = [p.nbytes for p in pieces]
+            else:
+                send, counts = np.empty(0, np.uint8), [0] * n
+            out, got = self._all_to_all(send, counts, f"scatter root={root}")
+            self._scatter_into(out, [sum(got)], [output_tensors[0]], "scatter")  # only root sent
+        return self._run("scatter", output_tensors, run, opts)
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        n = self.size()
+        if len(output_tensors) != n or len(input_tensors) != n:
+            raise ValueError(f"all_to_all: needs {n} inputs and {n} outputs, got "
+                             f"{len(input_tensors)} and {len(output_tensors)}")
+
+        def run():
+            pieces = [contiguous(t) for t in input_tensors]
+            send = np.concatenate([as_bytes(p) for p in pieces])
+            out, got = self._all_to_all(send, [p.nbytes for p in pieces], "all_to_all")
+            self._scatter_into(out, got, list(output_tensors), "all_to_all")
+        return self._run("all_to_all", output_tensors, run, opts)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        n = self.size()
+        in_rows = _splits(input, input_split_sizes, n, "input")
+        out_rows = _splits(output, output_split_sizes, n, "output")
+        in_row_bytes = input[0].nbytes if input.dim() and input.shape[0] else 0
+        out_row_bytes = output[0].nbytes if output.dim() and output.shape[0] else 0
+
+        def run():
+            src = contiguous(input)
+            out, got = self._all_to_all(as_bytes(src), [r * in_row_bytes for r in in_rows],
+                                        "all_to_all_single")
+            want = [r * out_row_bytes for r in out_rows]
+            if got != want:
+                raise BackendError(f"all_to_all_single: rank {self.world.rank} expected "
+                                   f"{want} bytes from the ranks, got {got}")
+            self._scatter_into(out, [sum(got)], [output], "all_to_all_single")
+        return self._run("all_to_all_single", [output], run, opts)
+
+    alltoall_base = all_to_all_single
+
+    def barrier(self, opts=None):
+        world = self.world
+        return self._run("barrier", [], lambda: ops.barrier(world), opts)
+
+    # ------------------------------------------------------------------ point to point
+    def send(self, tensors, dst: int, tag: int = 0):
+        self._root(dst, "send")
+        return self._p2p.send(tensors, dst, tag)
+
+    def recv(self, tensors, src: int, tag: int = 0):
+        self._root(src, "recv")
+        return self._p2p.recv(tensors, src, tag)
+
+    def recv_anysource(self, tensors, tag: int = 0):
+        raise NotImplementedError("the gradsync backend has no receive from any source: pass "
+                                  "src= to recv/irecv")
+
+    # ------------------------------------------------------------------ life cycle
+    def shutdown(self) -> None:
+        """Finishes what is queued, then closes the group's connections."""
+        self._lane.close(BackendError("the process group has been shut down"))
+        # Sends and receives still waiting for a partner are not waited for: an unmatched
+        # irecv would otherwise hold shutdown until the group's timeout.
+        self._p2p.close(wait=False)
+        self.world.close()
+
+    def abort(self) -> None:
+        """Fails what is queued and closes the connections at once."""
+        self._lane.close(BackendError("the process group was aborted"), wait=False)
+        self._p2p.close(wait=False)
+        self.world.close()
+
+
+def _splits(t: torch.Tensor, sizes, n: int, which: str) -> list[int]:
+    rows = t.shape[0] if t.dim() else 1
+    if not sizes:
+        if rows % n:
+            raise ValueError(f"all_to_all_single: the {which}'s {rows} rows do not divide "
+                             f"among {n} ranks; pass split sizes")
+        return [rows // n] * n
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != n or min(sizes) < 0 or sum(sizes) != rows:
+        raise ValueError(f"all_to_all_single: {which} split sizes {sizes} must have {n} "
+                         f"non-negative entries summing to its {rows} rows")
+    return sizes

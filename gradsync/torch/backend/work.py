@@ -1,0 +1,226 @@
+"""Works and the progress threads that complete them.
+
+A collective of the backend returns at once with a ``Work``; a *lane* (one thread, one queue)
+runs the operations of one World in the order they were issued (MPI's rule, which
+torch.distributed shares: every rank issues the same collectives in the same order), then
+completes each Work: first its ``torch.futures.Future`` (made only if someone asked for it),
+with the operation's result (the list of output tensors, which is what DDP reads from
+``get_future().value()``) or with the ``BackendError``, then the event ``wait()`` waits on.
+Never an exception as a value, and never not at all: a lane that stops fails what is still
+queued.
+
+Why our own ``Work`` subclass rather than ``_create_work_from_future``: that wrapper's
+``wait()`` returns normally when its future holds an error (torch 2.13), so a failed
+synchronous ``dist.all_reduce`` would pass silently.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .errors import BackendError, to_backend_error
+
+__all__ = ["Work", "Lane"]
+
+
+class Work(dist._Work):
+    """One operation of the backend; ``wait()`` raises its ``BackendError`` if it failed."""
+
+    def __init__(self, what: str, result):
+        super().__init__()
+        self.what = what
+        self._result = result
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._source_rank = -1
+        self._finisher: threading.Thread | None = None
+        # The future is made on first ``get_future()`` (DDP asks, ``dist.all_reduce`` does
+        # not): two futures per collective cost tens of microseconds.
+        self._lock = threading.Lock()
+        self._source: torch.futures.Future | None = None
+        self._future: torch.futures.Future | None = None
+
+    # ------------------------------------------------------------------ torch's interface
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        """Blocks until the operation is done; raises its error. ``timeout`` 0: no limit."""
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout / 1e3
+        if self._finisher is threading.current_thread():
+            pass  # called from a callback of this Work's own future: the outcome is known
+        elif not self._done.wait(seconds if seconds > 0 else None):
+            raise BackendError(f"{self.what} still in flight after {seconds:.1f}s (wait timeout)")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        with self._lock:
+            if self._future is None:
+                # Failures reach the future through a callback that raises (``_deliver``):
+                # torch then stores a C++ copy of the error. ``Future.set_exception`` would
+                # store the Python exception itself, and DDP's reducer, which rethrows it in
+                # C++ without the GIL, crashes the process (torch 2.13: a segfault in
+                # backward).
+                self._source = torch.futures.Future()
+                self._future = self._source.then(self._deliver)
+                done = self._finisher is not None  # _finish has begun without a future
+            else:
+                return self._future
+        if done:
+            self._source.set_result(None)
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def result(self):
+        self.wait()
+        return self._result
+
+    def source_rank(self) -> int:
+        return self._source_rank
+
+    def __repr__(self) -> str:
+        state = "in flight" if not self._done.is_set() else \
+            ("failed" if self._error is not None else "done")
+        return f"<gradsync Work {self.what} {state}>"
+
+    # ------------------------------------------------------------------ the lane's side
+    def _finish(self, error: BaseException | None = None) -> None:
+        self._error = error
+        # The future first, then the event: a waiter must not return (and its process exit)
+        # while this thread is still inside torch's C++ completing the future, where the
+        # interpreter's shutdown would kill it ("terminate called without an active
+        # exception"). A future callback that waits on this Work is let through.
+        with self._lock:
+            self._finisher = threading.current_thread()
+            source = self._source
+        if source is not None:
+            source.set_result(None)
+        with self._lock:
+            self._done.set()
+
+    def _deliver(self, _source):
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    @classmethod
+    def completed(cls, what: str, result) -> "Work":
+        work = cls(what, result)
+        work._finish()
+        return work
+
+
+class Lane:
+    """A progress thread that runs operations one after another, in submission order.
+
+    A synchronous call (``run_now``) made while nothing is queued or running runs on the
+    caller's thread instead: that saves the two thread hand-offs (tens of microseconds each
+    under the GIL) that would dominate a small collective, and keeps the order, because
+    "nothing queued or running" means every earlier operation has finished.
+
+    Args:
+        name: the thread's name.
+        on_error: maps an operation's exception to the ``BackendError`` its Work fails with
+            (and may record it, e.g. post the World's abort record).
+    """
+
+    def __init__(self, name: str, on_error: Callable[[BaseException, str], BackendError]):
+        self.name = name
+        self.on_error = on_error
+        self._queue: collections.deque[tuple[Work, Callable[[], None]]] = collections.deque()
+        self._cv = threading.Condition()
+        self._busy = False
+        self._thread: threading.Thread | None = None
+        self._closed: BaseException | None = None
+
+    def submit(self, work: Work, fn: Callable[[], None]) -> Work:
+        """Queues ``fn``; ``work`` completes when it has run (or failed)."""
+        with self._cv:
+            if self._closed is not None:
+                work._finish(to_backend_error(self._closed, work.what))
+                return work
+            self._queue.append((work, fn))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return work
+
+    def run_now(self, work: Work, fn: Callable[[], None]) -> Work:
+        """Runs ``fn`` on this thread if the lane is idle, else queues it; returns ``work``."""
+        with self._cv:
+            inline = not self._queue and not self._busy and self._closed is None
+            if inline:
+                self._busy = True
+        if not inline:
+            return self.submit(work, fn)
+        try:
+            self._execute(work, fn)
+        finally:
+            with self._cv:
+                self._busy = False
+                self._cv.notify()
+        return work
+
+    def _execute(self, work: Work, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - every failure completes the Work
+            try:
+                error = self.on_error(exc, work.what)
+            except BaseException as inner:  # noqa: BLE001
+                error = to_backend_error(inner, work.what)
+            work._finish(error)
+        else:
+            work._finish()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue or self._busy:
+                    if self._closed is not None and not self._queue:
+                        return
+                    self._cv.wait()
+                work, fn = self._queue.popleft()
+                self._busy = True
+            try:
+                self._execute(work, fn)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify()
+
+    def join(self, timeout: float) -> bool:
+        """Waits up to ``timeout`` seconds for a closed lane's thread; True once it is gone."""
+        if self._thread is None or self._thread is threading.current_thread():
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def close(self, reason: BaseException, wait: bool = True) -> None:
+        """Stops the thread once the queue is empty (``wait``) or fails what is queued."""
+        with self._cv:
+            self._closed = reason
+            if not wait:
+                dropped = list(self._queue)
+                self._queue.clear()
+            else:
+                dropped = []
+            self._cv.notify_all()
+        for work, _ in dropped:
+            work._finish(to_backend_error(reason, work.what))
+        if wait and self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()

@@ -1,0 +1,92 @@
+"""Frameworks on the torch.distributed backend "gradsync", for real: PyTorch Lightning and
+Ray Train (test extras: ``pip install 'gradsync[ecosystem]'``). A missing framework fails the
+test with the command that installs it.
+
+Rank scripts: tests/ranks/lightning_job.py (Lightning starts its second process itself) and
+tests/ranks/ray_job.py (a local Ray cluster, slow tier).
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from harness import RANKS
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _need(module: str, install: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        pytest.fail(f"this test needs {module}: {install}")
+
+
+def _run(*args: str, timeout: float) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+    env.update({"GS_TEST_DEADLINE": str(timeout - 10), "OMP_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=RANKS)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    return out
+
+
+def _lightning_reference() -> dict:
+    """lightning_job.py's model trained by one process on both ranks' batches.
+
+    Lightning gives each training rank a DistributedSampler that shuffles (a permutation of
+    the 256 samples seeded with 0 + epoch; rank r takes every second one from r), 16 per
+    step; DDP averages the two ranks' mean gradients, which one process reproduces with the
+    mean of the two losses.
+    """
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                              torch.nn.Linear(16, 1)).double()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 8, generator=g, dtype=torch.float64)
+    y = x.sum(1, keepdim=True).sin()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    mse = torch.nn.functional.mse_loss
+    for epoch in range(2):
+        order = torch.randperm(256, generator=torch.Generator().manual_seed(epoch))
+        for step in range(8):
+            parts = [order[r::2][16 * step:16 * step + 16] for r in (0, 1)]
+            opt.zero_grad()
+            (sum(mse(net(x[p]), y[p]) for p in parts) / 2).backward()
+            opt.step()
+    return {f"net.{k}": v for k, v in net.state_dict().items()}
+
+
+def _lightning(backend: str, tmp_path) -> dict:
+    _need("lightning", "pip install 'gradsync[ecosystem]' (or pip install lightning)")
+    out = tmp_path / f"{backend}.pt"
+    log = _run(str(RANKS / "lightning_job.py"), backend, str(out), timeout=150)
+    for rank in (0, 1):
+        assert f"rank {rank}: lightning done, backend {backend}, 16 steps" in log, log[-4000:]
+    return torch.load(out)
+
+
+def test_lightning_ddp_strategy_trains_like_one_process(tmp_path):
+    got, want = _lightning("gradsync", tmp_path), _lightning_reference()
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.allclose(got[name], want[name], rtol=1e-10, atol=1e-12), name
+
+
+@pytest.mark.slow
+def test_lightning_gradsync_and_gloo_agree(tmp_path):
+    gs, gloo = _lightning("gradsync", tmp_path), _lightning("gloo", tmp_path)
+    for name in gloo:
+        assert torch.allclose(gs[name], gloo[name], rtol=1e-10, atol=1e-12), name
+
+
+@pytest.mark.slow
+def test_ray_train_torch_trainer_on_gradsync():
+    _need("ray", "pip install 'gradsync[ecosystem]' (or pip install 'ray[train]')")
+    out = _run(str(RANKS / "ray_job.py"), timeout=300)
+    assert "gloo: trained" in out and "gradsync: trained" in out and "ray train ok" in out, \
+        out[-4000:]
