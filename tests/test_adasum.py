@@ -101,11 +101,12 @@ def layouts(n: int) -> dict[str, list[int]]:
     return {
         "zero": [0], "one": [1], "fewer": [max(n - 1, 1)], "uneven": [3 * n + 1],
         "multi": [5, 0, 1, 17, 2 * n + 3, 40],
-        "many": [1, 2, 3] * 5,
+        "few": [1, 2, 3] * 5,
+        "many": [1, 2, 0, 3] * 20,  # more tensors than adasum._FEW_SEGMENTS: the vectorised path
     }
 
 
-@pytest.mark.parametrize("layout", ["zero", "one", "fewer", "uneven", "multi", "many"])
+@pytest.mark.parametrize("layout", ["zero", "one", "fewer", "uneven", "multi", "few", "many"])
 @pytest.mark.parametrize("n", SIZES)
 def test_against_reference_float64(n, layout):
     counts = layouts(n)[layout]
@@ -115,8 +116,10 @@ def test_against_reference_float64(n, layout):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
-def test_against_reference_dtypes(n, dtype):
-    counts = layouts(n)["multi"]
+@pytest.mark.parametrize("layout", ["multi", "many"])
+def test_against_reference_dtypes(n, dtype, layout):
+    counts = layouts(n)[layout]
+    assert layout != "many" or len(counts) > adasum._FEW_SEGMENTS
     check_against_reference(random_inputs(n, sum(counts), dtype, seed=10 + n), counts, dtype)
 
 
@@ -174,6 +177,13 @@ def test_parallel_gradients_average_on_powers_of_two(n):
     v = np.random.default_rng(n).standard_normal(5 * n + 1)
     got = run_adasum([(r + 1) * v for r in range(n)], np.float64)[0]
     np.testing.assert_allclose(got, (n + 1) / 2 * v, rtol=1e-12)
+
+
+def test_parallel_gradients_on_three_ranks_weigh_the_folded_ones_less():
+    # Rank 2 folds into rank 0 first: ((g0 + g2) / 2 + g1) / 2, as docs/torch.md says.
+    v = np.random.default_rng(0).standard_normal(11)
+    got = run_adasum([1 * v, 2 * v, 4 * v], np.float64)[0]
+    np.testing.assert_allclose(got, (0.25 * 1 + 0.5 * 2 + 0.25 * 4) * v, rtol=1e-12)
 
 
 def test_zero_gradient_is_neutral():

@@ -52,8 +52,8 @@ back to its extra, as ``doubling.fold_in`` / ``fold_out`` do for sums. The tree 
     Adasum(Adasum(Adasum(g0, g4), Adasum(g1, g5)), Adasum(g2, g3))
 
 It is a different tree from a balanced one, so where Adasum's answer depends on the tree
-(parallel gradients average with weights ``1/4, 1/4, 1/2`` for ``n = 3`` rather than
-``1/3`` each) a non-power-of-two world weights the folded ranks less; orthogonal gradients
+(parallel ``g0, g1, g2`` average with weights ``1/4, 1/2, 1/4`` rather than ``1/3``
+each) a non-power-of-two world weights the folded ranks less; orthogonal gradients
 still sum, equal ones still give themselves, and the answer still scales with its inputs.
 
 Precision. Dot products and norms accumulate in float64; each combination is computed in
@@ -78,6 +78,9 @@ __all__ = ["allreduce", "combine"]
 
 _ZERO_NORM = float(np.sqrt(sys.float_info.min))
 """A squared norm below this counts as zero: its vector's coefficient is 1 (Horovod's rule)."""
+
+_FEW_SEGMENTS = 32
+"""Up to this many tensors in a window, dot products are taken one tensor at a time."""
 
 _FLOATS = {np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)}
 
@@ -188,11 +191,13 @@ def _group_sum(comm: Comm, dots: np.ndarray, distance: int) -> None:
 
 def _dots(left: np.ndarray, right: np.ndarray, segments, tensors: int) -> np.ndarray:
     """Per tensor ``[left.right, |left|^2, |right|^2]`` over the slices given, as float64."""
-    ids, starts, _ = segments
+    ids, starts, lengths = segments
     dots = np.zeros((tensors, 3))
-    if len(ids) == 1:
-        dots[ids[0]] = (np.dot(left, right), np.dot(left, left), np.dot(right, right))
-    elif len(ids):
+    if len(ids) <= _FEW_SEGMENTS:  # BLAS dot products: no temporaries, blocked summation
+        for t, start, length in zip(ids, starts, lengths):
+            x, y = left[start:start + length], right[start:start + length]
+            dots[t] = (np.dot(x, y), np.dot(x, x), np.dot(y, y))
+    else:  # many small tensors: one vectorised pass instead of a Python loop over them
         for column, (x, y) in enumerate(((left, right), (left, left), (right, right))):
             dots[ids, column] = np.add.reduceat(x * y, starts)
     return dots
