@@ -102,7 +102,7 @@ def layouts(n: int) -> dict[str, list[int]]:
         "zero": [0], "one": [1], "fewer": [max(n - 1, 1)], "uneven": [3 * n + 1],
         "multi": [5, 0, 1, 17, 2 * n + 3, 40],
         "few": [1, 2, 3] * 5,
-        "many": [1, 2, 0, 3] * 20,  # more tensors than adasum._FEW_SEGMENTS: the vectorised path
+        "many": [1, 2, 0, 3] * 20,
     }
 
 
@@ -114,12 +114,14 @@ def test_against_reference_float64(n, layout):
                             np.float64)
 
 
+@pytest.mark.parametrize("chunk", [None, 7], ids=["chunk-default", "chunk-7"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
 @pytest.mark.parametrize("layout", ["multi", "many"])
-def test_against_reference_dtypes(n, dtype, layout):
+def test_against_reference_dtypes(n, dtype, layout, chunk, monkeypatch):
+    if chunk:  # the arithmetic's passes then cut tensors anywhere, many passes per window
+        monkeypatch.setattr(adasum, "_CHUNK", chunk)
     counts = layouts(n)[layout]
-    assert layout != "many" or len(counts) > adasum._FEW_SEGMENTS
     check_against_reference(random_inputs(n, sum(counts), dtype, seed=10 + n), counts, dtype)
 
 

@@ -59,8 +59,9 @@ still sum, equal ones still give themselves, and the answer still scales with it
 Precision. Dot products and norms accumulate in float64; each combination is computed in
 float64 and rounded once to the buffer's dtype (float16, bfloat16, float32 or float64), so
 every level of the tree rounds its result once, as a rank holding the whole vector would.
+The arithmetic runs over ``_CHUNK`` elements at a time, widened into two float64 work buffers.
 Scratch slot 0 holds received halves (half of ``flat``; all of it on fold partners), slot 1
-the dot products.
+the dot products, slots 2 and 3 the work buffers.
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ __all__ = ["allreduce", "combine"]
 _ZERO_NORM = float(np.sqrt(sys.float_info.min))
 """A squared norm below this counts as zero: its vector's coefficient is 1 (Horovod's rule)."""
 
-_FEW_SEGMENTS = 32
-"""Up to this many tensors in a window, dot products are taken one tensor at a time."""
+_CHUNK = 1 << 15
+"""Elements per pass of the float64 arithmetic: two float64 copies of this many (512 KiB)
+stay in cache, where whole float64 copies of a large buffer would not."""
 
 _FLOATS = {np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)}
 
@@ -105,13 +107,14 @@ def allreduce(comm: Comm, flat: np.ndarray, dtype, counts: Sequence[int] | None 
         return
     p = core_size(comm.size)
 
-    def fold(mine: np.ndarray, extra: np.ndarray) -> None:
-        left, right = _widen(mine, dtype), _widen(extra, dtype)
-        segments = _segments(offsets, 0, flat.size)
-        _apply(mine, dtype, left, right, segments, _dots(left, right, segments, len(offsets) - 1))
+    work = _work(comm)
+
+    def fold(mine: np.ndarray, extra: np.ndarray) -> None:  # whole vectors: local dot products
+        _combine(mine, extra, True, dtype, offsets, _dots(mine, extra, True, dtype, offsets, work),
+                 work)
 
     if fold_in(comm, flat, fold, p):
-        windows, kept = _halve(comm, flat, dtype, p, offsets)
+        windows, kept = _halve(comm, flat, dtype, p, offsets, work)
         _double(comm, flat, p, windows, kept)
     fold_out(comm, flat, p)
 
@@ -128,15 +131,14 @@ def combine(a: np.ndarray, b: np.ndarray, dtype, counts: Sequence[int] | None = 
     offsets = _offsets(counts, a.size)
     if a.size != b.size:
         raise ValueError(f"Adasum of vectors of {a.size} and {b.size} elements")
-    left, right = _widen(a, dtype), _widen(b, dtype)
-    segments = _segments(offsets, 0, a.size)
-    _apply(a, dtype, left, right, segments, _dots(left, right, segments, len(offsets) - 1))
+    work = (np.empty(_CHUNK), np.empty(_CHUNK))
+    _combine(a, b, True, dtype, offsets, _dots(a, b, True, dtype, offsets, work), work)
 
 
-def _halve(comm: Comm, flat: np.ndarray, dtype, p: int,
-           offsets: np.ndarray) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+def _halve(comm: Comm, flat: np.ndarray, dtype, p: int, offsets: np.ndarray,
+           work) -> tuple[list[tuple[int, int]], tuple[int, int]]:
     """The combining levels; returns the window held before each level and the one kept last."""
-    rank, tensors = comm.rank, len(offsets) - 1
+    rank = comm.rank
     lo, hi = 0, flat.size
     windows = []
     distance = 1
@@ -149,12 +151,10 @@ def _halve(comm: Comm, flat: np.ndarray, dtype, p: int,
         comm.exchange([(peer, flat[give[0]:give[1]])], [(peer, incoming)])
         windows.append((lo, hi))
         lo, hi = keep
-        mine, theirs = _widen(flat[lo:hi], dtype), _widen(incoming, dtype)
-        left, right = (mine, theirs) if is_left else (theirs, mine)
-        segments = _segments(offsets, lo, hi)
-        dots = _dots(left, right, segments, tensors)
+        bounds = np.clip(offsets, lo, hi) - lo  # tensor boundaries within the window
+        dots = _dots(flat[lo:hi], incoming, is_left, dtype, bounds, work)
         _group_sum(comm, dots, distance)
-        _apply(flat[lo:hi], dtype, left, right, segments, dots)
+        _combine(flat[lo:hi], incoming, is_left, dtype, bounds, dots, work)
         distance <<= 1
     return windows, (lo, hi)
 
@@ -189,50 +189,80 @@ def _group_sum(comm: Comm, dots: np.ndarray, distance: int) -> None:
         step <<= 1
 
 
-def _dots(left: np.ndarray, right: np.ndarray, segments, tensors: int) -> np.ndarray:
-    """Per tensor ``[left.right, |left|^2, |right|^2]`` over the slices given, as float64."""
-    ids, starts, lengths = segments
-    dots = np.zeros((tensors, 3))
-    if len(ids) <= _FEW_SEGMENTS:  # BLAS dot products: no temporaries, blocked summation
-        for t, start, length in zip(ids, starts, lengths):
-            x, y = left[start:start + length], right[start:start + length]
-            dots[t] = (np.dot(x, y), np.dot(x, x), np.dot(y, y))
-    else:  # many small tensors: one vectorised pass instead of a Python loop over them
-        for column, (x, y) in enumerate(((left, right), (left, left), (right, right))):
-            dots[ids, column] = np.add.reduceat(x * y, starts)
+def _dots(mine: np.ndarray, theirs: np.ndarray, mine_is_left: bool, dtype, bounds: np.ndarray,
+          work) -> np.ndarray:
+    """Per tensor ``[left.right, |left|^2, |right|^2]`` over these slices, in float64.
+
+    ``bounds`` are the tensors' boundaries within the slices (``len(tensors) + 1`` of them).
+    """
+    dots = np.zeros((len(bounds) - 1, 3))
+    for start, end, a, b in _chunks(mine, theirs, dtype, work):
+        ids, starts, _ = _chunk_segments(bounds, start, end)
+        if len(ids) == 1:
+            dots[ids[0]] += (np.dot(a, b), np.dot(a, a), np.dot(b, b))
+        else:
+            for column, (x, y) in enumerate(((a, b), (a, a), (b, b))):
+                dots[ids, column] += np.add.reduceat(x * y, starts)
+    if not mine_is_left:
+        dots[:, [1, 2]] = dots[:, [2, 1]]
     return dots
 
 
-def _apply(out: np.ndarray, dtype, left: np.ndarray, right: np.ndarray, segments,
-           dots: np.ndarray) -> None:
-    """Writes ``c_left * left + c_right * right`` (per tensor coefficients) into ``out``."""
-    ids, _, lengths = segments
-    if not len(ids):
-        return
-    dot, left_sq, right_sq = dots[ids, 0], dots[ids, 1], dots[ids, 2]
+def _combine(mine: np.ndarray, theirs: np.ndarray, mine_is_left: bool, dtype, bounds: np.ndarray,
+             dots: np.ndarray, work) -> None:
+    """``mine = c_left * left + c_right * right``, per tensor, computed in float64."""
+    dot, left_sq, right_sq = dots[:, 0], dots[:, 1], dots[:, 2]
     with np.errstate(divide="ignore", invalid="ignore"):
         c_left = np.where(left_sq >= _ZERO_NORM, 1.0 - dot / (2.0 * left_sq), 1.0)
         c_right = np.where(right_sq >= _ZERO_NORM, 1.0 - dot / (2.0 * right_sq), 1.0)
-    if len(ids) == 1:
-        result = c_left[0] * left + c_right[0] * right
-    else:
-        result = np.repeat(c_left, lengths) * left + np.repeat(c_right, lengths) * right
-    _narrow(result, out, dtype)
+    c_mine, c_theirs = (c_left, c_right) if mine_is_left else (c_right, c_left)
+    for start, end, a, b in _chunks(mine, theirs, dtype, work):
+        ids, _, lengths = _chunk_segments(bounds, start, end)
+        if len(ids) == 1:
+            a *= c_mine[ids[0]]
+            b *= c_theirs[ids[0]]
+        else:
+            a *= np.repeat(c_mine[ids], lengths)
+            b *= np.repeat(c_theirs[ids], lengths)
+        a += b
+        _narrow(a, mine[start:end], dtype)
 
 
-def _segments(offsets: np.ndarray, lo: int, hi: int):
-    """The tensors that meet ``[lo, hi)``: their ids, start within the window, and lengths."""
-    starts = np.clip(offsets[:-1], lo, hi) - lo
-    ends = np.clip(offsets[1:], lo, hi) - lo
-    ids = np.flatnonzero(ends > starts)
-    return ids, starts[ids], (ends - starts)[ids]
+def _chunks(mine: np.ndarray, theirs: np.ndarray, dtype, work):
+    """Yields ``(start, end, a, b)``: float64 copies of ``mine[start:end]``, ``theirs[start:end]``
+    in the work buffers, ``_CHUNK`` elements at a time, so that the arithmetic runs in cache
+    and allocates nothing per call."""
+    for start in range(0, mine.size, _CHUNK):
+        end = min(start + _CHUNK, mine.size)
+        a, b = work[0][:end - start], work[1][:end - start]
+        _widen_into(mine[start:end], a, dtype)
+        _widen_into(theirs[start:end], b, dtype)
+        yield start, end, a, b
 
 
-def _widen(x: np.ndarray, dtype) -> np.ndarray:
-    """``x`` as float64 (a view when it already is)."""
+def _chunk_segments(bounds: np.ndarray, start: int, end: int):
+    """The tensors that meet ``[start, end)``: ids, starts and lengths relative to ``start``."""
+    first = int(np.searchsorted(bounds, start, "right")) - 1  # the tensor holding ``start``
+    stop = int(np.searchsorted(bounds, end, "left"))  # tensors ``first .. stop-1`` begin before end
+    if stop - first == 1:
+        return (first,), (0,), (end - start,)
+    ids = np.arange(first, stop)
+    starts = np.clip(bounds[first:stop], start, end) - start
+    lengths = np.clip(bounds[first + 1:stop + 1], start, end) - start - starts
+    keep = lengths > 0
+    return ids[keep], starts[keep], lengths[keep]
+
+
+def _work(comm: Comm) -> tuple[np.ndarray, np.ndarray]:
+    return (comm.scratch(8 * _CHUNK, slot=2).view(np.float64),
+            comm.scratch(8 * _CHUNK, slot=3).view(np.float64))
+
+
+def _widen_into(x: np.ndarray, out: np.ndarray, dtype) -> None:
+    """Copies ``x`` into the float64 array ``out`` (exact for every supported dtype)."""
     if dtype == BFLOAT16:
-        return (x.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    return x.astype(np.float64, copy=False)
+        x = (x.astype(np.uint32) << 16).view(np.float32)
+    np.copyto(out, x)
 
 
 def _narrow(values: np.ndarray, out: np.ndarray, dtype) -> None:
