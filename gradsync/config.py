@@ -87,6 +87,15 @@ class Config:
     log_level: str = "WARNING"
     """Level of the ``gradsync`` logger (only set when this is not the default)."""
 
+    timeline: str = ""
+    """Path of a Chrome-trace timeline of the Horovod API's operations, recorded from ``init()``
+    (rank 0 writes this path, rank r writes ``<path>.r``); empty: no timeline. Horovod's
+    ``HOROVOD_TIMELINE``; ``hvd.start_timeline`` starts one later."""
+
+    timeline_mark_cycles: bool = False
+    """Mark each cycle of the background loop in the timeline (Horovod's
+    ``HOROVOD_TIMELINE_MARK_CYCLES``)."""
+
     def __post_init__(self) -> None:
         if self.timeout <= 0 or self.connect_timeout <= 0:
             raise ConfigError(f"timeouts must be positive, got timeout={self.timeout}, "

@@ -53,3 +53,12 @@ def test_byte_sizes_take_binary_units(text, value):
 def test_a_bad_size_names_the_variable():
     with pytest.raises(ConfigError, match="GRADSYNC_CHUNK_BYTES='4X'"):
         load_config(environ={"GRADSYNC_CHUNK_BYTES": "4X"})
+
+
+def test_timeline_settings():
+    assert (Config().timeline, Config().timeline_mark_cycles) == ("", False)
+    cfg = load_config(environ={"GRADSYNC_TIMELINE": "/tmp/t.json",
+                               "GRADSYNC_TIMELINE_MARK_CYCLES": "yes"})
+    assert (cfg.timeline, cfg.timeline_mark_cycles) == ("/tmp/t.json", True)
+    with pytest.raises(ConfigError, match="GRADSYNC_TIMELINE_MARK_CYCLES"):
+        load_config(environ={"GRADSYNC_TIMELINE_MARK_CYCLES": "often"})

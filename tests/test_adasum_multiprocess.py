@@ -1,0 +1,19 @@
+"""Adasum through the real launcher: 2, 3 and 4 ranks over shared memory and over TCP.
+
+The rank side is tests/ranks/adasum_check.py: every dtype and buffer layout against the
+reference of test_adasum.py, and the same bits on every rank.
+"""
+
+import pytest
+
+from harness import launch
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_adasum_over_the_job(n, transport):
+    result = launch(n, "adasum_check.py", timeout=120, env={"GRADSYNC_TRANSPORT": transport})
+    assert result.returncode == 0, result
+    assert result.output.count(f"adasum checks passed over {transport}") == n, result
