@@ -15,7 +15,7 @@ import time
 import pytest
 
 from gradsync.collectives.costs import RankFabric, allreduce_time
-from gradsync.collectives.planner import CANDIDATES, choose_allreduce
+from gradsync.collectives.planner import choose_allreduce
 from gradsync.config import Config
 from gradsync.errors import ConfigError
 from gradsync.run.cli import main as gradsync_main
