@@ -4,9 +4,12 @@ Each point builds an emulated cluster of network namespaces (``gradsync.bench.ne
 joined by veth pairs that ``tc`` shapes), runs ``gradsync bench train`` on it (the bench MLP,
 2.1M parameters, communication-bound, and the bench CNN, 0.62M, compute-bound), and compares
 the measured step time of gradsync's DistributedOptimizer with the simulator's prediction
-for the shipped cluster file of that emulation. The compute time the prediction starts from is
-the bench's ``local`` mode, measured in the same run: every rank trains at once, without
-communication, under the same load. Needs root (``ip netns``); about 30 s per cluster.
+for the shipped cluster file of that emulation. Both come from the bench's ``--profile`` pass
+(rank 0, medians over its steps): the compute the prediction starts from is forward +
+backward + update, the measured step their total with the wait for the allreduces (``sync``),
+so that the prediction is of the communication the step exposes, in the very steps it is
+compared with (this machine is shared, and its load moves between windows). Needs root
+(``ip netns``); about a minute per cluster.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ EMULATED = (
 )
 
 
-def measure(emulation: Emulation, steps: int = 5, windows: int = 3,
+def measure(emulation: Emulation, steps: int = 4, windows: int = 2,
             timeout: float = 240) -> list[dict]:
     """Runs the bench on ``emulation``; one row per model, predicted against measured."""
     from ..bench.netns import Cluster, run
@@ -48,7 +51,7 @@ def measure(emulation: Emulation, steps: int = 5, windows: int = 3,
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         argv = [sys.executable, "-m", "gradsync.bench.train", "--model", "both", "--steps",
-                str(steps), "--windows", str(windows), "--warmup", "2", "--json", out]
+                str(steps), "--windows", str(windows), "--warmup", "2", "--profile", "--json", out]
         with Cluster(list(emulation.hosts), emulation.groups, host_rate=emulation.host_rate,
                      group_rate=emulation.group_rate) as c:
             environ = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
@@ -62,10 +65,12 @@ def measure(emulation: Emulation, steps: int = 5, windows: int = 3,
     cluster = load(emulation.name)
     rows = []
     for row in bench:
-        model = Model(params=row["params"], compute=row["local"]["step_ms"] / 1e3,
+        phases = row["profile_ms"]["gradsync"]
+        compute = phases["forward"] + phases["backward"] + phases["update"]
+        model = Model(params=row["params"], compute=compute / 1e3,
                       bucket_bytes=row["fusion_threshold"])
         got = simulate(cluster, model, row["ranks"], "auto")
-        measured = row["gradsync"]["step_ms"]
+        measured = phases["total"]
         rows.append({"point": f"bench {row['model']} (measured here)", "cluster": emulation.name,
                      "gpus": row["ranks"], "step_ms_predicted": got.step * 1e3,
                      "step_ms_measured": measured, "compute_ms": model.compute * 1e3,
