@@ -5,8 +5,9 @@ joined by veth pairs that ``tc`` shapes), runs ``gradsync bench train`` on it (t
 2.1M parameters, communication-bound, and the bench CNN, 0.62M, compute-bound), and compares
 the measured step time of gradsync's DistributedOptimizer with the simulator's prediction
 for the shipped cluster file of that emulation. Both come from the bench's ``--profile`` pass
-(rank 0, medians over its steps): the compute the prediction starts from is forward +
-backward + update, the measured step their total with the wait for the allreduces (``sync``),
+(medians over its steps): the compute the prediction starts from is, per step, the slowest
+rank's forward + backward + update (the allreduces wait for it; the model's ranks are all
+alike), the measured step rank 0's total with the wait for the allreduces (``sync``),
 so that the prediction is of the communication the step exposes, in the very steps it is
 compared with (this machine is shared, and its load moves between windows). Needs root
 (``ip netns``); about a minute per cluster.
@@ -66,7 +67,7 @@ def measure(emulation: Emulation, steps: int = 4, windows: int = 2,
     rows = []
     for row in bench:
         phases = row["profile_ms"]["gradsync"]
-        compute = phases["forward"] + phases["backward"] + phases["update"]
+        compute = phases["compute_slowest"]
         model = Model(params=row["params"], compute=compute / 1e3,
                       bucket_bytes=row["fusion_threshold"])
         got = simulate(cluster, model, row["ranks"], "auto")
@@ -74,6 +75,7 @@ def measure(emulation: Emulation, steps: int = 4, windows: int = 2,
         rows.append({"point": f"bench {row['model']} (measured here)", "cluster": emulation.name,
                      "gpus": row["ranks"], "step_ms_predicted": got.step * 1e3,
                      "step_ms_measured": measured, "compute_ms": model.compute * 1e3,
+                     "compute_rank0_ms": phases["compute"],
                      "error_pct": 100 * (got.step * 1e3 - measured) / measured,
                      "algorithms": got.algorithms})
     return rows
