@@ -109,10 +109,13 @@ def _plot(path: str, cluster, model, counts: list[int], algorithm: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (eff, step) = plt.subplots(1, 2, figsize=(10, 4))
-    for alg in (algorithm,) if algorithm != "auto" else ("auto",) + CANDIDATES:
+    for alg in (algorithm,) if algorithm != "auto" else CANDIDATES + ("auto",):
         rows = [simulate(cluster, model, n, alg) for n in counts]
-        eff.plot(counts, [100 * r.efficiency for r in rows], marker="o", label=alg)
-        step.plot(counts, [r.step * 1e3 for r in rows], marker="o", label=alg)
+        # auto runs one of the others: dashed and black, so it shows on top of its choice.
+        style = {"linestyle": "--", "color": "black", "marker": "x"} if alg == "auto" else \
+            {"marker": "o"}
+        eff.plot(counts, [100 * r.efficiency for r in rows], label=alg, **style)
+        step.plot(counts, [r.step * 1e3 for r in rows], label=alg, **style)
     for ax, label in ((eff, "scaling efficiency (%)"), (step, "step time (ms)")):
         ax.set_xscale("log")
         ax.set_xlabel("GPUs")
