@@ -230,6 +230,11 @@ def test_command_line_table_json_and_validate(capsys):
     assert gradsync_main(["simulate", "--validate"]) == 0
     out = capsys.readouterr().out
     assert all(p.name in out for p in PUBLISHED)
+    assert "add --measure" in out  # the measured-here points need root: said, not dropped
+    for name in {p.cluster for p in PUBLISHED}:  # each file's sources and assumptions
+        assert f"# cluster file {name} " in out
+        assert all(text[:40] in out.replace("\n#     ", " ")
+                   for text in cluster_file.load(name).assumed), name
     with pytest.raises(SystemExit):
         gradsync_main(["simulate", "--cluster", "summit"])
     assert "needs --model, --gpus" in capsys.readouterr().err

@@ -11,8 +11,8 @@ count it prints the step time, the communication left exposed after overlapping 
 the scaling efficiency against one GPU, the algorithm each bucket ran, and the busiest tier.
 ``--plot`` (needs matplotlib: ``pip install 'gradsync[simulate]'``) draws efficiency and
 step time against GPU count, one line per algorithm. ``--validate`` prints the validation
-points, predicted against observed; ``--measure`` adds the measured-here points (root, about
-a minute).
+points, predicted against observed, then the sources and assumptions of each point and
+cluster file; ``--measure`` adds the measured-here points (root, about a minute).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 
 from ..errors import ConfigError
 from .cluster import load, shipped
@@ -151,9 +152,28 @@ def _validate(args) -> int:
             print(f"{r['point']:<34} {r['cluster']:<20} {r['gpus']:>6} {'efficiency':<11} "
                   f"{r['predicted']:>10.1%} {r['observed']:>9.1%} "
                   f"{r['error_points']:>+6.1f}pt")
-    print("# sources and assumptions: gradsync/simulate/validate.py and the cluster files; "
-          "docs/simulate.md")
+    if not args.measure:
+        print("# measured-here points (training steps on emulated clusters): add --measure "
+              "(root, about a minute)")
+    _print_sources(rows)
     return 0
+
+
+def _print_sources(rows: list[dict]) -> None:
+    """Where each published point's numbers and each cluster file's come from."""
+    wrap = textwrap.TextWrapper(width=100, initial_indent="#   ", subsequent_indent="#     ")
+    print("# sources and assumptions (docs/simulate.md explains the model):")
+    for r in rows:
+        if "source" in r:
+            print(f"# {r['point']}:")
+            print(wrap.fill(f"source: {r['source']}"))
+            print(wrap.fill(f"assumed: {r['assumed']}"))
+    for name in dict.fromkeys(r["cluster"] for r in rows):
+        cluster = load(name)
+        print(f"# cluster file {name} (gradsync/simulate/clusters/{name}.json):")
+        print(wrap.fill(f"source: {cluster.source}"))
+        for text in cluster.assumed:
+            print(wrap.fill(f"assumed: {text}"))
 
 
 if __name__ == "__main__":
