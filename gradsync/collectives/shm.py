@@ -53,8 +53,8 @@ x86-64 (TSO) stores become visible in program order, loads happen in program ord
 store is never moved ahead of an earlier load, which is what the two arguments above need
 (``transport/shm.py`` spells out the assumptions; this module refuses to run elsewhere).
 
-Every wait is adaptive: it spins while the ranks it waits for are known to be close (its
-recent waits ended within twice the spin budget, at most ``MAX_SPIN``), then sleeps on the
+Every wait spins while the ranks it waits for can be close (each has a core of its own:
+up to ``MAX_SPIN``, 100 us, a few microseconds otherwise), then sleeps on the
 counter with a futex (``transport/futex.py``: no lost wake-ups; the rank that publishes a
 counter wakes a rank that announced it sleeps on it), or naps where futexes are missing.
 Between sleeps (at most 50 ms each) it checks the deadline, calls ``on_idle``, and checks
@@ -101,7 +101,9 @@ _ALLREDUCE, _BROADCAST, _BARRIER = 1, 2, 3
 _KIND_NAMES = {_ALLREDUCE: "allreduce", _BROADCAST: "broadcast", _BARRIER: "barrier"}
 _MASK64 = (1 << 64) - 1
 _CHECK_EVERY = 0.05
-MIN_SPIN, MAX_SPIN = 2e-6, 100e-6  # seconds a wait spins before it sleeps (see _wait)
+# Seconds a wait spins before it sleeps: MAX_SPIN when every local rank can have a core,
+# MIN_SPIN when they are more than the cores (see _wait).
+MIN_SPIN, MAX_SPIN = 2e-6, 100e-6
 _PAGE = 4096
 
 
@@ -171,7 +173,6 @@ class ShmGroup:
             raise ValueError("futexes are not available here (Linux x86-64 with ctypes)")
         # Spinning pays only when every local rank can have a core of its own.
         self._may_spin = size <= len(os.sched_getaffinity(0))
-        self._recent = MAX_SPIN  # running mean of how long waits took, seconds
         base = _control_bytes(size)
         self._slots = [[np.frombuffer(segment, np.uint8, slot_bytes,
                                       base + (2 * r + parity) * slot_bytes)
@@ -380,8 +381,11 @@ class ShmGroup:
               phase: str) -> None:
         """Waits until counter ``word`` of every other local rank reaches ``seq``.
 
-        Spins for twice the recent mean wait when that is short (the others are close),
-        else for ``MIN_SPIN``; then sleeps on the counter of a rank still awaited.
+        Spins up to ``MAX_SPIN`` when every local rank can have a core (only ``MIN_SPIN``
+        when they outnumber the cores: spinning would delay the rank it waits for), then
+        sleeps on the counter of a rank still awaited until it moves. Measured on 2 ranks:
+        judging closeness by recent waits instead did worse, because a wait that slept
+        is long because it slept, which kept the next waits from spinning.
         """
         c, lines = self._ctl, self._lines
         waiting = [r for r in self._others if c[lines[r] + word] < seq]
@@ -389,20 +393,16 @@ class ShmGroup:
             return
         clock = time.perf_counter
         started = clock()
-        spin = 2 * self._recent
-        spin = spin if spin <= MAX_SPIN and self._may_spin else MIN_SPIN
-        spin_until = started + spin
+        spin_until = started + (MAX_SPIN if self._may_spin else MIN_SPIN)
         while clock() < spin_until:
             waiting = [r for r in waiting if c[lines[r] + word] < seq]
             if not waiting:
-                self._recent += (clock() - started - self._recent) / 8
                 return
         nap = 1e-6
         next_check = started + _CHECK_EVERY
         while True:
             waiting = [r for r in waiting if c[lines[r] + word] < seq]
             if not waiting:
-                self._recent += (min(clock() - started, 1.0) - self._recent) / 8
                 return
             now = clock()
             if now >= next_check:
