@@ -38,7 +38,7 @@ import numpy as np
 
 __all__ = ["parser", "run", "drive", "mpirun_command", "missing_mpi", "parse_size", "at_least"]
 
-MPI_INSTALL = ("apt-get install -y openmpi-bin libopenmpi-dev && "
+MPI_INSTALL = ("apt-get install -y --no-install-recommends openmpi-bin && "
                "pip install mpi4py  (or: pip install -e '.[bench]')")
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
