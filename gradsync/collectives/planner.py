@@ -16,6 +16,10 @@ come from the topology (``gradsync probe`` measures them; defaults otherwise).
 ``choose_allreduce`` picks the cheapest candidate when ranks span several hosts; on one host it
 picks ``shm`` if the group exists, else by size (the tiers' constants describe shared memory,
 not the loopback TCP that a forced ``transport=tcp`` uses).
+
+The choice depends only on the size, the requested algorithm and the job, none of which
+changes between calls, so ``Plans`` remembers it per (size, request): the planner runs once
+per size, not on every call (a small allreduce would otherwise pay for it each time).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Sequence
 from ..topology import Topology
 from .costs import RankFabric, allreduce_time
 
-__all__ = ["ALGORITHMS", "CANDIDATES", "choose_allreduce", "predict", "plan"]
+__all__ = ["ALGORITHMS", "CANDIDATES", "Plans", "choose_allreduce", "predict", "plan"]
 
 ALGORITHMS = ("ring", "topo_ring", "doubling", "halving_doubling", "hierarchical", "shm")
 CANDIDATES = ("doubling", "halving_doubling", "ring", "topo_ring", "hierarchical")
@@ -57,6 +61,36 @@ def choose_allreduce(nbytes: int, size: int, requested: str, config, has_shm_gro
         raise ValueError("the shm allreduce needs every rank on one host with shared memory "
                          "(transport not forced to tcp)")
     return requested
+
+
+class Plans:
+    """``choose_allreduce`` for one job, remembered per (bytes, requested algorithm).
+
+    Args:
+        size: the number of ranks.
+        config: the job's Config (``algorithm``, ``small_bytes``, ``medium_bytes``).
+        has_shm_group: whether every rank shares this host's shared-memory group.
+        topo: the job's Topology.
+        limit: entries kept; past it the memory is cleared (sizes of a training job are few).
+    """
+
+    def __init__(self, size: int, config, has_shm_group: bool,
+                 topo: "Topology | None" = None, limit: int = 4096):
+        self.size, self.config, self.has_shm_group, self.topo = size, config, has_shm_group, topo
+        self.limit = limit
+        self._chosen: dict[tuple[int, str], str] = {}
+
+    def allreduce(self, nbytes: int, requested: str = "auto") -> str:
+        """The algorithm for an allreduce of ``nbytes``; raises as ``choose_allreduce``."""
+        key = (nbytes, requested)
+        alg = self._chosen.get(key)
+        if alg is None:
+            alg = choose_allreduce(nbytes, self.size, requested, self.config,
+                                   self.has_shm_group, self.topo)
+            if len(self._chosen) >= self.limit:
+                self._chosen.clear()
+            self._chosen[key] = alg
+        return alg
 
 
 def predict(algorithm: str, nbytes: int, topo: Topology) -> float:
