@@ -77,6 +77,14 @@ class Config:
     abort_poll_interval: float = 0.1
     """Seconds between checks of the job's abort flag while a rank waits."""
 
+    heartbeat_interval: float = 1.0
+    """Seconds between a rank's heartbeats (and its looks at the peers it watches)."""
+
+    heartbeat_timeout: float = 15.0
+    """Seconds without a heartbeat after which a peer that is alive but silent (stopped, stuck,
+    cut off) is lost: every rank then raises PeerLostError naming it. 0 turns heartbeats off
+    (a silent peer is then only caught by ``timeout``)."""
+
     topology: str = ""
     """Path of a topology file (tiers' bandwidth and latency, groups of hosts; JSON or YAML),
     as written by ``gradsync probe``; empty: built-in defaults for the tiers, no groups."""
@@ -113,6 +121,12 @@ class Config:
                               f"{self.medium_bytes}")
         if self.fusion_threshold < 0:
             raise ConfigError(f"fusion_threshold must be >= 0, got {self.fusion_threshold}")
+        if self.heartbeat_interval <= 0 or self.heartbeat_timeout < 0 or (
+                self.heartbeat_timeout and self.heartbeat_timeout < 2 * self.heartbeat_interval):
+            raise ConfigError("need heartbeat_interval > 0 and heartbeat_timeout 0 (off) or at "
+                              f"least 2 intervals, got heartbeat_interval="
+                              f"{self.heartbeat_interval}, heartbeat_timeout="
+                              f"{self.heartbeat_timeout}")
         if self.abort_poll_interval <= 0 or self.stall_warning <= 0:
             raise ConfigError("abort_poll_interval and stall_warning must be positive")
 
