@@ -28,6 +28,7 @@ IDENTITY_VARIABLES = frozenset(
     {
         "RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE",
         "STORE_ADDR", "STORE_PORT", "SECRET", "JOB_ID", "LAUNCHER_PID", "HOSTNAME", "SERVERS",
+        "ELASTIC_ID",
     }
 )
 
@@ -85,6 +86,10 @@ class Config:
     cut off) is lost: every rank then raises PeerLostError naming it. 0 turns heartbeats off
     (a silent peer is then only caught by ``timeout``)."""
 
+    elastic_timeout: float = 600.0
+    """Elastic jobs: seconds a worker waits for the next generation of the job to be formed
+    (``gradsync run --elastic-timeout`` sets it for its workers)."""
+
     topology: str = ""
     """Path of a topology file (tiers' bandwidth and latency, groups of hosts; JSON or YAML),
     as written by ``gradsync probe``; empty: built-in defaults for the tiers, no groups."""
@@ -127,6 +132,8 @@ class Config:
                               f"least 2 intervals, got heartbeat_interval="
                               f"{self.heartbeat_interval}, heartbeat_timeout="
                               f"{self.heartbeat_timeout}")
+        if self.elastic_timeout <= 0:
+            raise ConfigError(f"elastic_timeout must be positive, got {self.elastic_timeout}")
         if self.abort_poll_interval <= 0 or self.stall_warning <= 0:
             raise ConfigError("abort_poll_interval and stall_warning must be positive")
 

@@ -259,11 +259,12 @@ class World:
         if cls is CollectiveMismatchError:
             self._post_description()
             error: GradsyncError = cls(self._mismatch_report())
-        elif cls is PeerLostError:
-            error = cls(f"rank {record['rank']} reported: {record['message']}",
-                        peer=record.get("peer"))
         else:
-            error = cls(f"rank {record['rank']} reported: {record['message']}")
+            # rank -1: gradsync run itself (an elastic job's launcher re-formed the job)
+            who = "the launcher" if record["rank"] < 0 else f"rank {record['rank']}"
+            error = cls(f"{who} reported: {record['message']}")
+            if cls is PeerLostError:
+                error.peer = record.get("peer")
         self.failure = error
         return error
 
