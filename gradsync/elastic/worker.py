@@ -21,7 +21,7 @@ import time
 
 from .. import api
 from ..engine import Engine
-from ..errors import GradsyncError
+from ..errors import GradsyncError, GradsyncTimeoutError, PeerLostError
 from ..rendezvous import Store
 from .membership import Control, ElasticJobFailed, generation_job
 
@@ -87,7 +87,7 @@ def join(config, env, after: int = -1):
             job_id=generation_job(env.job_id, gen))
         # New workers may wait here for old ones to reach their next commit().
         wait = max(1.0, min(config.elastic_timeout, deadline - time.monotonic()))
-        store = Store.over(_control.base, genv.job_id, wait)
+        store = _GenerationStore.over(_control.base, genv.job_id, wait)
         try:
             world = World.connect(config.replace(connect_timeout=wait), genv, store)
         except GradsyncError as exc:
@@ -99,6 +99,30 @@ def join(config, env, after: int = -1):
         log.info("worker %s is rank %d of %d in generation %d", env.elastic_id, world.rank,
                  world.size, gen)
         return world
+
+
+class _GenerationStore(Store):
+    """A generation's store whose waits give up when the generation is abandoned.
+
+    ``World.connect`` waits for every member's address; a member that died before posting it
+    would hold the others for the whole connect timeout. Here each wait looks at the
+    generation's abort record (where the launcher posts the loss when it forms the next
+    generation) every ``_POLL`` seconds.
+    """
+
+    _POLL = 0.01
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        end = time.monotonic() + (timeout or self.timeout)
+        while not self.check(key):
+            record = self.read_abort()
+            if record is not None:
+                raise PeerLostError(f"generation {self._job} was abandoned while forming: "
+                                    f"{record['message']}", peer=record.get("peer"))
+            if time.monotonic() > end:
+                raise GradsyncTimeoutError(f"waiting for '{key}' of {self._job} in the store")
+            time.sleep(self._POLL)
+        return super().get(key, timeout)
 
 
 def reset() -> None:

@@ -53,6 +53,7 @@ from .launcher import Host, LaunchSpec, Slot, _Job, _Output, _Rank, _StartError,
 __all__ = ["ElasticSpec", "launch_elastic", "parse_discovered"]
 
 _POLL = 0.05
+_LOST_GRACE = 5.0  # seconds a worker reported lost may take to exit before it is killed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -185,6 +186,7 @@ class _ElasticJob(_Job):
         self._counter = 0
         self._generation_members: dict[int, list[_Worker]] = {}
         self._remote_warned: set[str] = set()
+        self._suspects: dict[str, float] = {}
 
     # ------------------------------------------------------------------ the run
     def run(self) -> int:
@@ -272,10 +274,10 @@ class _ElasticJob(_Job):
                 record = None
             if record is None or record.get("rank") == -1:
                 continue
-            if gen == st.gen:
-                changed = True
             members = self._generation_members.get(gen, [])
             peer = record.get("peer")
+            if gen == st.gen:
+                changed = self._lost_peer_settled(members, peer) or changed
             if record.get("silent") and peer is not None and 0 <= peer < len(members):
                 victim = members[peer]
                 if not victim.failed:
@@ -284,6 +286,25 @@ class _ElasticJob(_Job):
                                        "sent no heartbeats and was killed", 128 + 9)
                     changed = True
         return changed
+
+    def _lost_peer_settled(self, members: list[_Worker], peer: int | None) -> bool:
+        """Whether the newest generation can be replaced after a worker reported ``peer``
+        lost: at once when the peer has exited (or none is named); else only after it exits,
+        or after ``_LOST_GRACE`` seconds, when it is killed (its peers have given up on it,
+        so it could never rejoin them). This keeps a dying worker out of the next
+        generation."""
+        if peer is None or not 0 <= peer < len(members):
+            return True
+        suspect = members[peer]
+        if suspect.failed or suspect.rank.proc.poll() is not None:
+            return True
+        since = self._suspects.setdefault(suspect.id, time.monotonic())
+        if time.monotonic() - since < _LOST_GRACE:
+            return False
+        suspect.rank.signal(signal.SIGKILL)
+        self._fail(suspect, f"worker {suspect.id} was reported lost by its peers and had not "
+                            f"exited {_LOST_GRACE:g}s later; killed", 128 + 9)
+        return True
 
     def _cooled_down(self) -> bool:
         """True once when a blacklisted host's cooldown has passed."""
