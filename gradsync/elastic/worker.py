@@ -29,6 +29,7 @@ __all__ = ["join", "reset", "is_elastic", "generation", "newer_generation"]
 
 log = logging.getLogger("gradsync")
 
+_LAUNCHER_MARGIN = 10.0
 _control: Control | None = None
 _generation = -1
 _env = None
@@ -74,7 +75,9 @@ def join(config, env, after: int = -1):
     _env, _config = env, config
     from ..world import World
 
-    deadline = time.monotonic() + config.elastic_timeout
+    # The launcher ends the job elastic_timeout after it lacks workers and then writes its
+    # reason; waiting a little longer lets the workers report that reason rather than their own.
+    deadline = time.monotonic() + config.elastic_timeout + _LAUNCHER_MARGIN
     while True:
         gen = _control.wait_newer(after, deadline)
         ids = [m["id"] for m in _control.members(gen)]

@@ -3,8 +3,8 @@
     elastic_train.py MODE VICTIM AT [EPOCHS]
 
 MODE: none, kill (SIGKILL in the middle of a step: gradients in flight), raise (an exception
-in the training code), stop (SIGSTOP), kill-sync (SIGKILL inside state.sync() of generation
-1), kill-commit (SIGKILL inside commit()), grow (the worker adds 127.0.0.1:1 to the discovery
+in the training code), stop (SIGSTOP), kill-sync (VICTIM is killed mid-step as in kill, then
+worker VICTIM+1 SIGKILLs itself inside state.sync() of generation 1), kill-commit (SIGKILL inside commit()), grow (the worker adds 127.0.0.1:1 to the discovery
 file $HOSTS_FILE and training goes on until the job has one more worker), die-all (every
 worker but VICTIM exits, to fall below --min-np).
 VICTIM: the worker's first rank (GRADSYNC_RANK at its start); AT: the global step it acts at.
@@ -41,7 +41,8 @@ model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Li
 optimizer = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
                                      named_parameters=model.named_parameters())
 sampler = hvd.elastic.ElasticSampler(dataset, batch_size=BATCH, seed=7)
-state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0, steps=0)
+state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0, steps=0,
+                               grow_to=0)
 recovered = {"pending": False}
 
 
@@ -59,7 +60,7 @@ def die(how):
     os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
 
 
-if mode == "kill-sync" and me:
+if mode == "kill-sync" and first_rank == victim + 1:
     original = state.sync
 
     def sync():
@@ -87,15 +88,14 @@ def digest() -> str:
 
 @hvd.elastic.run
 def train(state):
-    grow_to = None
-    while state.epoch < epochs or (grow_to is not None and hvd.size() < grow_to):
+    while state.epoch < epochs or hvd.size() < state.grow_to:
         loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, sampler=state.sampler)
         for batch, (xb, yb) in enumerate(loader):
             optimizer.zero_grad()
             loss = torch.nn.functional.mse_loss(model(xb), yb)
-            if me and state.steps == at and mode in ("kill", "raise", "stop"):
+            if me and state.steps == at and mode in ("kill", "raise", "stop", "kill-sync"):
                 loss.backward()  # the hooks have launched the allreduces: die with them in flight
-                die(mode)
+                die("kill" if mode == "kill-sync" else mode)
             loss.backward()
             optimizer.step()
             state.steps += 1
@@ -107,8 +107,8 @@ def train(state):
             if mode == "grow" and me and state.steps == at:
                 with open(os.environ["HOSTS_FILE"], "a") as hosts:
                     hosts.write("127.0.0.1:1\n")
-            if mode == "grow" and state.steps >= at and grow_to is None:
-                grow_to = hvd.broadcast_object(hvd.size() + 1, 0, name="grow_to")
+            if mode == "grow" and state.steps == at:
+                state.grow_to = hvd.size() + 1  # train until the new worker has joined
             if mode == "die-all" and state.steps == at and not me:
                 print(f"DYING wall={time.time():.6f}", flush=True)
                 os._exit(3)
