@@ -187,12 +187,16 @@ def _checked_elastic(args: argparse.Namespace) -> ElasticSpec:
     if args.host_discovery_script and (args.hosts or args.hostfile):
         raise ValueError("give --host-discovery-script or -H/--hostfile, not both")
     unlimited = 1 << 20
-    return ElasticSpec(
+    spec = ElasticSpec(
         min_np=args.num_proc if args.min_np is None else args.min_np,
         max_np=args.max_np if args.max_np is not None else (
             unlimited if args.host_discovery_script else max(args.num_proc, args.min_np or 0)),
         discovery_script=args.host_discovery_script, reset_limit=args.reset_limit,
         elastic_timeout=args.elastic_timeout, blacklist_cooldown=args.blacklist_cooldown)
+    if not spec.min_np <= args.num_proc <= spec.max_np:
+        raise ValueError(f"-np {args.num_proc} must lie between --min-np {spec.min_np} and "
+                         f"--max-np {spec.max_np}")
+    return spec
 
 
 def _spec(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LaunchSpec:

@@ -242,7 +242,7 @@ class _ElasticJob(_Job):
                 done = self._form(first=False)
                 if done is not None:
                     return done
-            if all(w.rank.proc.poll() is not None for w in self.workers):
+            if self.workers and all(w.rank.proc.poll() is not None for w in self.workers):
                 if st.members and all(w.rank.proc.returncode == 0 for w in st.members):
                     return 0, None
                 return st.first_failure or 1, "the elastic job ended with failed workers"
