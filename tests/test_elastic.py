@@ -61,7 +61,10 @@ def test_an_exception_in_one_rank_is_a_lost_worker():
     result = job(4, "raise", 1, 5)
     check_consistent(result, ["localhost[0]", "localhost[2]", "localhost[3]"], 3)
     assert "worker 1 fails on purpose" in result.output
-    assert "worker localhost[1] (rank 1 of generation 0) exited with status 1" in result.output
+    # it exits with status 1, unless exiting takes longer than the launcher's grace (a loaded
+    # machine): then the launcher kills it
+    assert re.search(r"worker localhost\[1\] (\(rank 1 of generation 0\) exited with status 1|"
+                     r"was reported lost by its peers)", result.output), result
 
 
 @pytest.mark.slow
