@@ -137,3 +137,19 @@ def test_the_reset_limit_ends_the_job():
     result = job(3, "kill", 1, 4, launcher=("--reset-limit", "0"))
     assert result.returncode == 128 + 9, result
     assert "--reset-limit 0 reached" in result.output, result
+
+
+@pytest.mark.slow
+def test_elastic_digits_example_reaches_97_percent_with_a_worker_killed():
+    from pathlib import Path
+
+    example = str(Path(__file__).resolve().parent.parent / "examples" / "elastic_digits.py")
+    result = launch(3, example, "--kill-rank", "1", "--kill-epoch", "3", timeout=400,
+                    launcher_args=("--min-np", "2"))
+    assert result.returncode == 0, result
+    assert "worker 1 (rank 1) kills itself in epoch 3" in result.output, result
+    epochs = re.findall(r"epoch +(\d+) .* size (\d)", result.output)
+    assert [int(e) for e, _ in epochs] == list(range(1, 21)), result  # no epoch lost or repeated
+    assert {s for e, s in epochs if int(e) >= 3} == {"2"}, result
+    accuracy = float(re.search(r"final test accuracy ([0-9.]+) on 2 workers", result.output)[1])
+    assert accuracy >= 0.97, result
