@@ -153,3 +153,33 @@ def test_elastic_digits_example_reaches_97_percent_with_a_worker_killed():
     assert {s for e, s in epochs if int(e) >= 3} == {"2"}, result
     accuracy = float(re.search(r"final test accuracy ([0-9.]+) on 2 workers", result.output)[1])
     assert accuracy >= 0.97, result
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_lost_worker_restarts_the_group_from_its_checkpoint(tmp_path):
+    # a real torchrun (--nnodes MIN:MAX): no in-place re-formation there; hvd.elastic.run
+    # re-raises the lost peer, the ranks exit and torchrun restarts all of them
+    import os
+    import subprocess
+    from pathlib import Path
+
+    ranks = Path(__file__).resolve().parent / "ranks"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+    env.update({"GS_TEST_DEADLINE": "200", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
+           "--nproc-per-node", "3", "--max-restarts", "1", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-conf", "last_call_timeout=1",
+           "--monitor-interval", "0.2", str(ranks / "elastic_torchrun.py"),
+           str(tmp_path / "checkpoint.pt"), "1", "4"]
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=env, cwd=ranks, timeout=240)
+    out = done.stdout
+    assert done.returncode == 0, out[-6000:]
+    assert re.search(r"failed \(exitcode: -9\) local_rank: 1", out), out[-6000:]
+    resumed = re.findall(r"RESUMED restart=(\d) rank=(\d) epoch=(\d)", out)
+    # the first attempt starts at epoch 0; the restart at the checkpoint of the last finished
+    # epoch (worker 1 died in epoch 2), never earlier
+    assert sorted(resumed) == [("0", r, "0") for r in "012"] + [("1", r, "2") for r in "012"]
+    got = re.findall(r"RESULT restart=(\d) rank=(\d) size=(\d) epoch=(\d) hash=(\w+)", out)
+    assert sorted(g[:4] for g in got) == [("1", r, "3", "4") for r in "012"], out[-6000:]
+    assert len({g[4] for g in got}) == 1, out[-6000:]  # identical parameters
