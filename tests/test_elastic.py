@@ -40,6 +40,29 @@ def check_consistent(result, workers: list[str], size: int) -> dict[str, dict]:
     return got
 
 
+def starts(output: str, gen: str) -> dict[str, dict]:
+    """The START lines of generation ``gen``, by worker."""
+    found = {}
+    for line in re.findall(r"START (.*)", output):
+        fields = dict(item.split("=", 1) for item in line.split())
+        worker = fields.pop("id")
+        if fields["gen"] == gen:
+            found[worker] = {k: int(v) for k, v in fields.items()}
+    return found
+
+
+def check_rolled_back(output: str, new_rank_0: str, at: int, per_epoch: int) -> None:
+    """Generation 1 starts from the new rank 0's last commit, never earlier: a commit every 2
+    steps, so at least the last even step count before the victim's step ``at``. (The
+    survivors may have finished the victim's step if its gradients got out before it died.)"""
+    got = starts(output, "1")
+    assert len({(s["steps"], s["epoch"]) for s in got.values()}) == 1, output
+    restored = got[new_rank_0]
+    assert restored["rank"] == 0 and restored["steps"] == restored["committed"], output
+    assert restored["steps"] >= at - at % 2, output
+    assert restored["epoch"] == restored["steps"] // per_epoch, output
+
+
 def job(np_, *args, launcher=(), env=None, timeout=150):
     return launch(np_, "elastic_train.py", *map(str, args), timeout=timeout, env=env,
                   launcher_args=("--min-np", "2", *launcher))
@@ -54,6 +77,7 @@ def test_sigkill_one_of_four_mid_step_goes_on_at_three_with_identical_parameters
     # the ranks keep their order: 0, 1, 3 become 0, 1, 2
     assert [got[w]["rank"] for w in ("localhost[0]", "localhost[1]", "localhost[3]")] == \
         ["0", "1", "2"]
+    check_rolled_back(result.output, "localhost[0]", 5, 96 // 4 // 4)
 
 
 @pytest.mark.slow
@@ -81,6 +105,8 @@ def test_the_lowest_rank_dies_and_a_survivor_becomes_rank_0():
     result = job(4, "kill", 0, 7)
     got = check_consistent(result, ["localhost[1]", "localhost[2]", "localhost[3]"], 3)
     assert got["localhost[1]"]["rank"] == "0"
+    # the epoch never goes back past the last commit (6 batches an epoch at size 4)
+    check_rolled_back(result.output, "localhost[1]", 7, 96 // 4 // 4)
 
 
 @pytest.mark.slow

@@ -10,6 +10,8 @@ worker but VICTIM exits, to fall below --min-np).
 VICTIM: the worker's first rank (GRADSYNC_RANK at its start); AT: the global step it acts at.
 
 RESULT id=<worker> rank=<r> size=<n> gen=<g> steps=<global steps> hash=<parameters' digest>
+START id=<worker> gen=<g> rank=<r> steps=<s> epoch=<e> committed=<c>: each generation's start,
+after sync(); c is the steps value of this worker's last commit() (-1: none yet).
 FIRSTSTEP wall=<time.time()>: the first completed step after a re-formation.
 DYING wall=<time.time()>: the victim, just before it fails.
 """
@@ -60,6 +62,16 @@ def die(how):
     os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
 
 
+committed = {"steps": -1}
+_commit = state.commit
+
+
+def recording_commit():
+    committed["steps"] = state.steps
+    _commit()
+
+
+state.commit = recording_commit
 if mode == "kill-sync" and first_rank == victim + 1:
     original = state.sync
 
@@ -88,6 +100,9 @@ def digest() -> str:
 
 @hvd.elastic.run
 def train(state):
+    print(f"START id={os.environ['GRADSYNC_ELASTIC_ID']} gen={worker.generation()} "
+          f"rank={hvd.rank()} steps={state.steps} epoch={state.epoch} "
+          f"committed={committed['steps']}", flush=True)
     while state.epoch < epochs or hvd.size() < state.grow_to:
         loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, sampler=state.sampler)
         for batch, (xb, yb) in enumerate(loader):
