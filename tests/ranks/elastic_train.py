@@ -4,9 +4,10 @@
 
 MODE: none, kill (SIGKILL in the middle of a step: gradients in flight), raise (an exception
 in the training code), stop (SIGSTOP), kill-sync (VICTIM is killed mid-step as in kill, then
-worker VICTIM+1 SIGKILLs itself inside state.sync() of generation 1), kill-commit (SIGKILL inside commit()), grow (the worker adds 127.0.0.1:1 to the discovery
-file $HOSTS_FILE and training goes on until the job has one more worker), die-all (every
-worker but VICTIM exits, to fall below --min-np).
+worker VICTIM+1 SIGKILLs itself inside state.sync() of generation 1), kill-commit (SIGKILL
+inside commit()), grow (the worker adds 127.0.0.1:1 to the discovery file $HOSTS_FILE and
+training goes on until the job has one more worker), die-all (every worker but VICTIM exits,
+to fall below --min-np).
 VICTIM: the worker's first rank (GRADSYNC_RANK at its start); AT: the global step it acts at.
 
 RESULT id=<worker> rank=<r> size=<n> gen=<g> steps=<global steps> hash=<parameters' digest>
