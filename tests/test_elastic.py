@@ -63,7 +63,7 @@ def check_rolled_back(output: str, new_rank_0: str, at: int, per_epoch: int) -> 
     assert restored["epoch"] == restored["steps"] // per_epoch, output
 
 
-def job(np_, *args, launcher=(), env=None, timeout=150):
+def job(np_, *args, launcher=(), env=None, timeout=240):
     return launch(np_, "elastic_train.py", *map(str, args), timeout=timeout, env=env,
                   launcher_args=("--min-np", "2", *launcher))
 
@@ -124,7 +124,7 @@ def test_a_failure_during_commit_or_sync(mode, survivors):
 def test_scale_up_through_the_discovery_script(tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:2\n")
-    result = launch(2, "elastic_train.py", "grow", "0", "4", timeout=150,
+    result = launch(2, "elastic_train.py", "grow", "0", "4", timeout=240,
                     env={"HOSTS_FILE": str(hosts)},
                     launcher_args=("--min-np", "1", "--max-np", "3", "--host-discovery-script",
                                    f"cat {hosts}"))
@@ -138,7 +138,7 @@ def test_scale_up_through_the_discovery_script(tmp_path):
 def test_localhost_and_127_0_0_1_are_two_hosts_and_only_the_failed_one_is_blacklisted(tmp_path):
     script = tmp_path / "hosts.sh"
     script.write_text("echo localhost:2\necho 127.0.0.1:3\n")
-    result = launch(4, "elastic_train.py", "kill", "1", "5", timeout=150,
+    result = launch(4, "elastic_train.py", "kill", "1", "5", timeout=240,
                     launcher_args=("--min-np", "2", "--max-np", "4", "--host-discovery-script",
                                    f"sh {script}"))
     # worker 1 (localhost) dies; its replacement starts on 127.0.0.1's free slot
