@@ -64,7 +64,11 @@ def init(**settings) -> None:
             raise SystemExit(serve(config, env))
         if env.servers:
             env = dataclasses.replace(env, size=env.workers, servers=0)  # workers-only collectives
-        world = World.connect(config, env)
+        if env.elastic_id is not None:  # gradsync run --min-np/--max-np: join a generation
+            from .elastic.worker import join
+            world = join(config, env)
+        else:
+            world = World.connect(config, env)
         _world, _engine = world, Engine(world)
         atexit.register(shutdown)
 

@@ -28,6 +28,7 @@ IDENTITY_VARIABLES = frozenset(
     {
         "RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE",
         "STORE_ADDR", "STORE_PORT", "SECRET", "JOB_ID", "LAUNCHER_PID", "HOSTNAME", "SERVERS",
+        "ELASTIC_ID",
     }
 )
 
@@ -77,6 +78,18 @@ class Config:
     abort_poll_interval: float = 0.1
     """Seconds between checks of the job's abort flag while a rank waits."""
 
+    heartbeat_interval: float = 1.0
+    """Seconds between a rank's heartbeats (and its looks at the peers it watches)."""
+
+    heartbeat_timeout: float = 15.0
+    """Seconds without a heartbeat after which a peer that is alive but silent (stopped, stuck,
+    cut off) is lost: every rank then raises PeerLostError naming it. 0 turns heartbeats off
+    (a silent peer is then only caught by ``timeout``)."""
+
+    elastic_timeout: float = 600.0
+    """Elastic jobs: seconds a worker waits for the next generation of the job to be formed
+    (``gradsync run --elastic-timeout`` sets it for its workers)."""
+
     topology: str = ""
     """Path of a topology file (tiers' bandwidth and latency, groups of hosts; JSON or YAML),
     as written by ``gradsync probe``; empty: built-in defaults for the tiers, no groups."""
@@ -113,6 +126,14 @@ class Config:
                               f"{self.medium_bytes}")
         if self.fusion_threshold < 0:
             raise ConfigError(f"fusion_threshold must be >= 0, got {self.fusion_threshold}")
+        if self.heartbeat_interval <= 0 or self.heartbeat_timeout < 0 or (
+                self.heartbeat_timeout and self.heartbeat_timeout < 2 * self.heartbeat_interval):
+            raise ConfigError("need heartbeat_interval > 0 and heartbeat_timeout 0 (off) or at "
+                              f"least 2 intervals, got heartbeat_interval="
+                              f"{self.heartbeat_interval}, heartbeat_timeout="
+                              f"{self.heartbeat_timeout}")
+        if self.elastic_timeout <= 0:
+            raise ConfigError(f"elastic_timeout must be positive, got {self.elastic_timeout}")
         if self.abort_poll_interval <= 0 or self.stall_warning <= 0:
             raise ConfigError("abort_poll_interval and stall_warning must be positive")
 

@@ -83,6 +83,10 @@ class LaunchEnv:
     servers: int = 0
     """Number of parameter-server ranks in the job: the last ``servers`` ranks (0: no parameter
     servers)."""
+    elastic_id: str | None = None
+    """This worker's name in an elastic job (``GRADSYNC_ELASTIC_ID``, set by ``gradsync run
+    --min-np/--max-np``): ``init()`` then takes rank and size from the job's current
+    generation (``gradsync.elastic.membership``) instead of ``rank`` and ``size``."""
 
     @property
     def workers(self) -> int:
@@ -272,7 +276,7 @@ def _from_gradsync(env: _Reader) -> LaunchEnv:
         # ranks given GRADSYNC_* by hand, without the launcher, fall back to rank 0.
         store_is_server=launcher_pid is None and ident["rank"] == 0,
         job_id=env.get("GRADSYNC_JOB_ID") or f"gradsync-{addr}-{port}",
-        source="gradsync", launcher_pid=launcher_pid)
+        source="gradsync", launcher_pid=launcher_pid, elastic_id=env.get("GRADSYNC_ELASTIC_ID"))
 
 
 def _uniform_cross(ident: dict, node: int | None, nodes: int | None,

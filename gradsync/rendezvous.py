@@ -71,8 +71,22 @@ class Store:
 
         self.timeout = timeout
         self._base = base
+        self._job = job
         self._store = PrefixStore(f"gradsync/{job}/", base)
         self._lock = threading.Lock()
+
+    def clone_private(self) -> "Store":
+        """The same job's view over a connection of its own, for a thread that must never
+        wait behind another thread's blocking ``get`` (the heartbeat). A base store that
+        cannot be cloned (not a TCPStore) is shared instead."""
+        clone = getattr(self._base, "clone", None)
+        try:
+            base = clone() if clone is not None else self._base
+        except (RuntimeError, OSError):
+            base = self._base
+        twin = Store.__new__(Store)
+        twin._init(base, self._job, self.timeout)
+        return twin
 
     def set(self, key: str, value: str | bytes) -> None:
         with self._lock:

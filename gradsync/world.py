@@ -97,6 +97,7 @@ class World:
         self.plans = planner.Plans(self.size, config, shm_group is not None, self.topology)
         self.descriptions: dict[tuple, tuple[str, int]] = {}
         self.failure: GradsyncError | None = None
+        self.heartbeat = None  # a heartbeat.Heartbeat once connect() has started it
         self._next_poll = 0.0
         self._stall_warned = -1
         comm.on_idle = self.on_idle
@@ -179,6 +180,11 @@ class World:
         comm = Comm(env.rank, env.size, pairs, config.timeout)
         store.barrier("connected", env.size, max(1.0, deadline - time.monotonic()))
         world = cls(config, env, store, peers, comm, shm_group, listener)
+        if config.heartbeat_timeout and env.size > 1:
+            from .heartbeat import Heartbeat
+            world.heartbeat = Heartbeat(
+                store, env.rank, env.size, config.heartbeat_interval, config.heartbeat_timeout,
+                lambda r: f"rank {r} on host {peers[r].host} (pid {peers[r].pid})").start()
         log.debug("rank %d connected: %d shm peers, %d tcp peers", env.rank, len(use_shm),
                   env.size - 1 - len(use_shm))
         return world
@@ -215,6 +221,8 @@ class World:
         if now < self._next_poll:
             return
         self._next_poll = now + self.config.abort_poll_interval
+        if self.heartbeat is not None and self.failure is None:
+            self.heartbeat.check()
         record = self.store.read_abort()
         if record is not None and record["rank"] != self.rank:
             raise self._from_record(record)
@@ -254,11 +262,12 @@ class World:
         if cls is CollectiveMismatchError:
             self._post_description()
             error: GradsyncError = cls(self._mismatch_report())
-        elif cls is PeerLostError:
-            error = cls(f"rank {record['rank']} reported: {record['message']}",
-                        peer=record.get("peer"))
         else:
-            error = cls(f"rank {record['rank']} reported: {record['message']}")
+            # rank -1: gradsync run itself (an elastic job's launcher re-formed the job)
+            who = "the launcher" if record["rank"] < 0 else f"rank {record['rank']}"
+            error = cls(f"{who} reported: {record['message']}")
+            if cls is PeerLostError:
+                error.peer = record.get("peer")
         self.failure = error
         return error
 
@@ -289,6 +298,8 @@ class World:
                 "collectives in the same order):\n  " + "\n  ".join(lines))
 
     def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         self.comm.close()
         if self.shm_group is not None:
             self.shm_group.close()

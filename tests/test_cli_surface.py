@@ -9,8 +9,10 @@ import pytest
 from gradsync.run import cli
 
 RUN_OPTIONS = [
-    "--help", "--hostfile", "--hosts", "--no-output-prefix", "--num-proc", "--output-prefix",
-    "--servers", "--ssh-command", "--ssh-port", "--start-timeout", "-H", "-h", "-np", "-x",
+    "--blacklist-cooldown", "--elastic-timeout", "--help", "--host-discovery-script",
+    "--hostfile", "--hosts", "--max-np", "--min-np", "--no-output-prefix", "--num-proc",
+    "--output-prefix", "--reset-limit", "--servers", "--ssh-command", "--ssh-port",
+    "--start-timeout", "-H", "-h", "-np", "-x",
 ]
 
 

@@ -17,7 +17,8 @@ import sys
 
 __all__ = ["main"]
 
-BENCHMARKS = {"allreduce": "gradsync.bench.allreduce", "probe": "gradsync.bench.probe",
+BENCHMARKS = {"allreduce": "gradsync.bench.allreduce", "elastic": "gradsync.bench.elastic",
+              "probe": "gradsync.bench.probe",
               "ps": "gradsync.bench.ps", "train": "gradsync.bench.train"}
 
 

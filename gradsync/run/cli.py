@@ -14,6 +14,7 @@ import sys
 from typing import Mapping, Sequence
 
 from ..config import ENV_PREFIX, IDENTITY_VARIABLES
+from .elastic import ElasticSpec, launch_elastic
 from .launcher import DEFAULT_START_TIMEOUT, Host, LaunchSpec, launch, place
 
 __all__ = ["main", "build_parser", "add_run_arguments", "parse_hosts", "read_hostfile",
@@ -65,6 +66,23 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         help="seconds for ssh to connect (default "
                              f"{DEFAULT_START_TIMEOUT:g}); when given, also how long the ranks "
                              "wait for each other in init() (GRADSYNC_CONNECT_TIMEOUT)")
+    elastic = parser.add_argument_group(
+        "elastic", "re-form the job when workers fail or hosts come (docs/elastic.md); any of "
+                   "these makes the job elastic")
+    elastic.add_argument("--min-np", type=int, metavar="N",
+                         help="fewest workers the job runs with (default: NP)")
+    elastic.add_argument("--max-np", type=int, metavar="N",
+                         help="most workers the job runs with (default: NP, or no limit with "
+                              "--host-discovery-script)")
+    elastic.add_argument("--host-discovery-script", metavar="CMD",
+                         help="command printing the usable hosts as 'host:slots' lines, run "
+                              "every second (instead of -H)")
+    elastic.add_argument("--reset-limit", type=int, metavar="N",
+                         help="most re-formations before the job fails (default: no limit)")
+    elastic.add_argument("--elastic-timeout", type=float, default=600.0, metavar="SECONDS",
+                         help="how long to wait for hosts while below --min-np (default 600)")
+    elastic.add_argument("--blacklist-cooldown", type=float, metavar="SECONDS",
+                         help="seconds a failed host stays out (default: for good)")
     env = parser.add_argument_group("environment")
     env.add_argument("-x", action="append", default=[], metavar="VAR[=VALUE]", dest="exports",
                      help="set VAR for every rank, to VALUE or to its value here; repeatable "
@@ -152,6 +170,37 @@ def resolve_exports(items: Sequence[str], environ: Mapping[str, str]) -> dict[st
     return exports
 
 
+def _is_elastic(args: argparse.Namespace) -> bool:
+    return any(v is not None for v in (args.min_np, args.max_np, args.host_discovery_script))
+
+
+def _elastic_spec(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ElasticSpec:
+    """The elastic options as an ElasticSpec; errors exit with usage."""
+    try:
+        return _checked_elastic(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def _checked_elastic(args: argparse.Namespace) -> ElasticSpec:
+    if args.servers:
+        raise ValueError("--servers cannot be combined with an elastic job (--min-np, --max-np, "
+                         "--host-discovery-script)")
+    if args.host_discovery_script and (args.hosts or args.hostfile):
+        raise ValueError("give --host-discovery-script or -H/--hostfile, not both")
+    unlimited = 1 << 20
+    spec = ElasticSpec(
+        min_np=args.num_proc if args.min_np is None else args.min_np,
+        max_np=args.max_np if args.max_np is not None else (
+            unlimited if args.host_discovery_script else max(args.num_proc, args.min_np or 0)),
+        discovery_script=args.host_discovery_script, reset_limit=args.reset_limit,
+        elastic_timeout=args.elastic_timeout, blacklist_cooldown=args.blacklist_cooldown)
+    if not spec.min_np <= args.num_proc <= spec.max_np:
+        raise ValueError(f"-np {args.num_proc} must lie between --min-np {spec.min_np} and "
+                         f"--max-np {spec.max_np}")
+    return spec
+
+
 def _spec(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LaunchSpec:
     """Checks the parsed options and turns them into a LaunchSpec; errors exit with usage."""
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -166,8 +215,9 @@ def _spec(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LaunchSp
                           hosts=hosts, ssh_command=args.ssh_command, ssh_port=args.ssh_port,
                           start_timeout=args.start_timeout, output_prefix=args.output_prefix,
                           env=resolve_exports(args.exports, os.environ))
-        # Placement is checked here, so that too few slots is a usage error.
-        place(hosts or [Host("localhost", spec.size)], spec.size)
+        if not _is_elastic(args):
+            # Placement is checked here, so that too few slots is a usage error.
+            place(hosts or [Host("localhost", spec.size)], spec.size)
         return spec
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
@@ -198,4 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench(["probe", *argv[1:]])
     parser = build_parser()
     args = parser.parse_args(argv)
-    return launch(_spec(args.run_parser, args))
+    spec = _spec(args.run_parser, args)
+    if _is_elastic(args):
+        return launch_elastic(spec, _elastic_spec(args.run_parser, args))
+    return launch(spec)

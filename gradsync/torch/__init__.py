@@ -16,6 +16,7 @@ Modules: ``mpi_ops`` (the collectives, with Horovod's signatures), ``optimizer``
 ``join``. docs/torch.md lists what is accepted and what raises.
 """
 
+from . import elastic
 from .compression import Compression
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters)
@@ -42,5 +43,5 @@ __all__ = [
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
     "Average", "Sum", "Min", "Max", "Product", "Adasum",
     "Compression", "SyncBatchNorm", "DistributedOptimizer",
-    "ProcessSet", "global_process_set", "add_process_set",
+    "ProcessSet", "global_process_set", "add_process_set", "elastic",
 ]

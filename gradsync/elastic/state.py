@@ -1,0 +1,120 @@
+"""Elastic state: what a worker commits in memory and restores after a failure.
+
+Horovod's model (``hvd.elastic``), for any framework: a ``State`` is saved by ``commit()``
+(a copy in host memory), rolled back by ``restore()`` after a failure (every change since the
+last commit is undone), and made equal on every rank by ``sync()`` (a broadcast from rank 0,
+which after a re-formation is the lowest surviving rank). ``commit()`` also runs
+``check_host_updates()``: rank 0 looks whether the launcher has formed a newer generation
+(new hosts, or a lost worker) and broadcasts the answer, so that every rank raises
+``HostsUpdatedInterrupt`` at the same commit, never some ranks only.
+
+Outside an elastic job (no ``gradsync run --min-np/--max-np``) the same code runs: commits are
+local copies, ``check_host_updates`` is free (no broadcast: every rank knows it is not
+elastic), and a lost peer ends the job as usual.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+from . import worker
+
+__all__ = ["State", "ObjectState", "HostsUpdatedInterrupt"]
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Raised by ``commit()``/``check_host_updates()`` on every rank at once when the launcher
+    has formed a new generation; ``hvd.elastic.run`` catches it and re-forms the world without
+    rolling back.
+
+    Attributes:
+        skip_sync: True when the state need not be broadcast after the reset (Horovod's flag;
+            gradsync always syncs, since new workers may have joined).
+    """
+
+    def __init__(self, skip_sync: bool = False):
+        super().__init__("the elastic job has a new generation of workers")
+        self.skip_sync = skip_sync
+
+
+class State:
+    """Base of elastic state objects.
+
+    Args:
+        bcast_object: ``bcast_object(obj, root_rank=0, name=...)`` returns rank 0's ``obj``.
+        get_rank: returns this process's rank.
+    """
+
+    def __init__(self, bcast_object: Callable[..., Any], get_rank: Callable[[], int]):
+        self._bcast_object = bcast_object
+        self._rank = get_rank
+        self._reset_callbacks: list[Callable[[], None]] = []
+
+    def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
+        """Adds functions called after every re-formation, before the state is synced (e.g.
+        to scale the learning rate with the new ``size()``)."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        self.reset()
+        for callback in self._reset_callbacks:
+            callback()
+
+    def commit(self) -> None:
+        """Saves the state in memory, then checks for new hosts (may raise
+        HostsUpdatedInterrupt). Costs a copy of the state: commit every few batches."""
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Raises HostsUpdatedInterrupt on every rank when the launcher has formed a newer
+        generation of the job. One small broadcast in an elastic job; free outside one."""
+        if not worker.is_elastic():
+            return
+        newer = worker.newer_generation() if self._rank() == 0 else None
+        if self._bcast_object(newer, root_rank=0, name="elastic.check_host_updates"):
+            raise HostsUpdatedInterrupt()
+
+    def save(self) -> None:
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Adapts to the new world after a re-formation (before ``sync``)."""
+
+
+class ObjectState(State):
+    """State made of plain Python values, given as keyword arguments and kept as attributes.
+
+    ``state.epoch = 3`` changes the live value; ``commit()`` saves a deep copy of every
+    attribute; ``restore()`` puts the saved copies back; ``sync()`` broadcasts rank 0's saved
+    values.
+    """
+
+    def __init__(self, bcast_object: Callable[..., Any], get_rank: Callable[[], int], **kwargs):
+        self._saved_state = copy.deepcopy(kwargs)
+        self._set_attrs()
+        super().__init__(bcast_object, get_rank)
+
+    def save(self) -> None:
+        self._saved_state = {name: copy.deepcopy(getattr(self, name))
+                             for name in self._saved_state}
+
+    def restore(self) -> None:
+        self._set_attrs()
+
+    def sync(self) -> None:
+        if self._saved_state:
+            self._saved_state = self._bcast_object(self._saved_state, root_rank=0,
+                                                   name="elastic.object_state")
+            self._set_attrs()
+
+    def _set_attrs(self) -> None:
+        for name, value in self._saved_state.items():
+            setattr(self, name, copy.deepcopy(value))

@@ -1,0 +1,140 @@
+"""A worker's side of an elastic job: join a generation, and re-form the world in place.
+
+``join`` is what ``init()`` does in an elastic job (``LaunchEnv.elastic_id`` set): wait for a
+generation that lists this worker, take its rank and size from the list, and connect that
+generation's World over the launcher's store (``World.connect`` with a store scoped to
+``<job>.e<g>``). When the connection fails (another worker died meanwhile), the World's abort
+record tells the launcher, which forms the next generation; ``join`` then tries that one.
+
+``reset`` re-forms the world of a running process: it shuts the current World down
+(``api.shutdown``: its connections, shared-memory segments, heartbeat and progress thread),
+joins the next generation, and installs the new World and a new engine where ``api`` keeps
+them. The process, its model and its Python state stay; only rank, size and connections
+change. ``hvd.elastic.run`` calls it after a lost peer or a HostsUpdatedInterrupt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from .. import api
+from ..engine import Engine
+from ..errors import GradsyncError, GradsyncTimeoutError, PeerLostError
+from ..rendezvous import Store
+from .membership import Control, ElasticJobFailed, generation_job
+
+__all__ = ["join", "reset", "is_elastic", "generation", "newer_generation"]
+
+log = logging.getLogger("gradsync")
+
+_LAUNCHER_MARGIN = 10.0
+_control: Control | None = None
+_generation = -1
+_env = None
+_config = None
+
+
+def is_elastic() -> bool:
+    """Whether this process is a worker of an elastic job that has joined a generation."""
+    return _control is not None
+
+
+def generation() -> int:
+    """The generation this worker's World belongs to (-1 outside elastic jobs)."""
+    return _generation
+
+
+def newer_generation() -> bool:
+    """Whether the launcher has formed a generation newer than this worker's (new hosts, or a
+    lost worker that this one has not run into yet)."""
+    return _control is not None and _control.generation() > _generation
+
+
+def join(config, env, after: int = -1):
+    """Connects this worker to the newest generation after ``after`` that lists it.
+
+    Args:
+        config: the settings (``elastic_timeout`` bounds the whole wait).
+        env: this process's LaunchEnv; ``env.elastic_id`` names it in the generations.
+        after: the generation this worker leaves (-1 at start).
+
+    Returns:
+        The connected World (its ``rank``/``size`` are the generation's).
+
+    Raises:
+        ElasticJobFailed: the launcher gave up, this worker is no longer listed, or no
+            generation could be joined within ``config.elastic_timeout``.
+    """
+    global _control, _generation, _env, _config
+    if _control is None:
+        base = Store(env.store_addr, env.store_port, env.store_is_server, env.job_id,
+                     config.connect_timeout, env.size)._base
+        _control = Control(base, env.job_id, config.connect_timeout)
+    _env, _config = env, config
+    from ..world import World
+
+    # The launcher ends the job elastic_timeout after it lacks workers and then writes its
+    # reason; waiting a little longer lets the workers report that reason rather than their own.
+    deadline = time.monotonic() + config.elastic_timeout + _LAUNCHER_MARGIN
+    while True:
+        gen = _control.wait_newer(after, deadline)
+        ids = [m["id"] for m in _control.members(gen)]
+        if env.elastic_id not in ids:
+            raise ElasticJobFailed(f"worker {env.elastic_id} is not in generation {gen} of the "
+                                   f"elastic job (its workers: {', '.join(ids)})")
+        genv = dataclasses.replace(
+            env, rank=ids.index(env.elastic_id), size=len(ids), local_rank=None,
+            local_size=None, cross_rank=None, cross_size=None,
+            job_id=generation_job(env.job_id, gen))
+        # New workers may wait here for old ones to reach their next commit().
+        wait = max(1.0, min(config.elastic_timeout, deadline - time.monotonic()))
+        store = _GenerationStore.over(_control.base, genv.job_id, wait)
+        try:
+            world = World.connect(config.replace(connect_timeout=wait), genv, store)
+        except GradsyncError as exc:
+            log.warning("worker %s: generation %d failed to form (%s); waiting for the next",
+                        env.elastic_id, gen, exc)
+            after = gen
+            continue
+        _generation = gen
+        log.info("worker %s is rank %d of %d in generation %d", env.elastic_id, world.rank,
+                 world.size, gen)
+        return world
+
+
+class _GenerationStore(Store):
+    """A generation's store whose waits give up when the generation is abandoned.
+
+    ``World.connect`` waits for every member's address; a member that died before posting it
+    would hold the others for the whole connect timeout. Here each wait looks at the
+    generation's abort record (where the launcher posts the loss when it forms the next
+    generation) every ``_POLL`` seconds.
+    """
+
+    _POLL = 0.01
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        end = time.monotonic() + (timeout or self.timeout)
+        while not self.check(key):
+            record = self.read_abort()
+            if record is not None:
+                raise PeerLostError(f"generation {self._job} was abandoned while forming: "
+                                    f"{record['message']}", peer=record.get("peer"))
+            if time.monotonic() > end:
+                raise GradsyncTimeoutError(f"waiting for '{key}' of {self._job} in the store")
+            time.sleep(self._POLL)
+        return super().get(key, timeout)
+
+
+def reset() -> None:
+    """Leaves the current World and joins the next generation, in place (see the module
+    docstring). Every operation still queued on the old World fails or is dropped."""
+    if _control is None:
+        raise RuntimeError("reset() outside an elastic job: start the job with gradsync run "
+                           "--min-np/--max-np (or --host-discovery-script)")
+    api.shutdown()
+    world = join(_config, _env, after=_generation)
+    with api._state_lock:
+        api._world, api._engine = world, Engine(world)

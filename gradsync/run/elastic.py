@@ -1,0 +1,449 @@
+"""``gradsync run --min-np/--max-np``: an elastic job, re-formed instead of stopped.
+
+The launcher hosts the store and owns the job's *generations* (``gradsync.elastic.membership``):
+who the workers are and in which rank order. Its loop, every ``_POLL`` seconds:
+
+1. **Watch.** A worker of the newest generation that exits non-zero, or is reported silent by
+   a heartbeat (the abort record of its World says ``silent``; the launcher SIGKILLs it), is
+   *failed*: its host is blacklisted (``--blacklist-cooldown`` seconds, or for good), and it
+   leaves the job. Any other abort record of the newest generation (a worker that could not
+   connect, a timeout) also calls for a new generation, with the same workers.
+2. **Discover.** ``--host-discovery-script`` is run every ``discovery_interval`` seconds; it
+   prints ``host:slots`` (or ``host``) lines, as Horovod's does. A host is *usable* when it is
+   listed and not blacklisted; its free slots are its slots minus its live workers.
+3. **Re-form.** A new generation keeps the survivors in their old order, then adds new workers
+   on free usable slots, up to ``--max-np`` (in the first generation: ``-np``). It is
+   published (``members/<g>``, then ``gen``), the loss is posted into the abort record of the
+   generations it replaces (survivors stop waiting at once), and then the new workers start.
+   New hosts alone (no failure) form a generation too; its survivors reach it at their next
+   ``commit()`` (``HostsUpdatedInterrupt``).
+4. **Limits.** Fewer than ``--min-np`` workers possible: the launcher waits up to
+   ``--elastic-timeout`` seconds for discovery to offer hosts, then ends the job with an
+   error naming the workers left and the blacklisted hosts. More than ``--reset-limit``
+   re-formations: the job ends with an error. Either way the reason is written to the store
+   (``failed``), which workers waiting for a generation raise as ``ElasticJobFailed``.
+5. **End.** Once a worker has exited 0 the job is finishing: no more re-formations. The job
+   ends when every worker has exited: status 0 when the last generation's workers all exited
+   0, else the first failure's status.
+
+A failed worker's host is blacklisted for new workers only: its other workers go on (a worker
+that failed says nothing about its neighbours' processes). A discovery script may list
+``localhost`` and ``127.0.0.1`` as two hosts, as Horovod's elastic tests do: both start
+workers locally, each is its own host (``GRADSYNC_HOSTNAME``), and a failure on one
+blacklists only that one.
+
+Output lines are prefixed with the worker's first rank (``[3]<stdout>:``), which stays with the
+process while its rank changes.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..config import ENV_PREFIX
+from ..elastic.membership import Control
+from .launcher import Host, LaunchSpec, Slot, _Job, _Output, _Rank, _StartError, _describe, \
+    _handling, _status, is_local
+
+__all__ = ["ElasticSpec", "launch_elastic", "parse_discovered"]
+
+_POLL = 0.05
+_LOST_GRACE = 5.0  # seconds a worker reported lost may take to exit before it is killed
+
+
+@dataclass(frozen=True, kw_only=True)
+class ElasticSpec:
+    """The elastic options of ``gradsync run``."""
+
+    min_np: int
+    """Fewest workers the job may run with."""
+    max_np: int
+    """Most workers the job may run with."""
+    discovery_script: str | None = None
+    """Command printing ``host:slots`` lines; None: the hosts of ``-H`` (or localhost)."""
+    discovery_interval: float = 1.0
+    """Seconds between runs of the discovery script."""
+    reset_limit: int | None = None
+    """Most re-formations (generations after the first); None: no limit."""
+    elastic_timeout: float = 600.0
+    """Seconds to wait for hosts while below ``min_np`` (also the workers' wait)."""
+    blacklist_cooldown: float | None = None
+    """Seconds a failed host stays blacklisted; None: for good."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_np <= self.max_np:
+            raise ValueError(f"need 1 <= --min-np <= --max-np, got {self.min_np} and "
+                             f"{self.max_np}")
+        if self.reset_limit is not None and self.reset_limit < 0:
+            raise ValueError(f"--reset-limit must be >= 0, got {self.reset_limit}")
+        if self.elastic_timeout <= 0 or self.discovery_interval <= 0:
+            raise ValueError("--elastic-timeout and the discovery interval must be positive")
+        if self.blacklist_cooldown is not None and self.blacklist_cooldown < 0:
+            raise ValueError(f"--blacklist-cooldown must be >= 0, got {self.blacklist_cooldown}")
+
+
+def parse_discovered(text: str) -> list[Host]:
+    """Parses a discovery script's output: ``host:slots`` or ``host`` lines, blanks ignored.
+
+    Raises:
+        ValueError: a line that is neither (the message quotes it).
+    """
+    hosts: dict[str, int] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        name, sep, slots = line.rpartition(":")
+        if not sep:
+            name, slots = line, "1"
+        if not name or not slots.isdigit() or int(slots) < 1:
+            raise ValueError(f"discovery script printed {line!r}; expected 'host:slots'")
+        hosts[name] = int(slots)
+    return [Host(n, s) for n, s in hosts.items()]
+
+
+class _Discovery:
+    """Runs the discovery script in a thread; ``hosts`` is its latest good answer."""
+
+    def __init__(self, script: str, interval: float, output: _Output):
+        self.script, self.interval, self.output = script, interval, output
+        self.hosts: list[Host] | None = None
+        self.version = 0  # bumped when the answer changes
+        self._stop = threading.Event()
+        self._warned = ""
+        self._thread = threading.Thread(target=self._loop, daemon=True,
+                                        name="gradsync-discovery")
+
+    def start(self) -> "_Discovery":
+        self._run_once()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._run_once()
+
+    def _run_once(self) -> None:
+        try:
+            done = subprocess.run(self.script, shell=True, capture_output=True, text=True,
+                                  timeout=max(10.0, self.interval * 10))
+            if done.returncode != 0:
+                raise ValueError(f"exited with status {done.returncode}: "
+                                 f"{done.stderr.strip()[-200:]}")
+            hosts = parse_discovered(done.stdout)
+        except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
+            if str(exc) != self._warned:
+                self._warned = str(exc)
+                self.output.message(f"host discovery script {self.script!r} failed: {exc}; "
+                                    "keeping the hosts it listed before")
+            return
+        if hosts != self.hosts:
+            self.hosts = hosts
+            self.version += 1
+
+
+@dataclass
+class _Worker:
+    id: str
+    host: str
+    rank: _Rank
+    first_rank: int
+    failed: bool = False
+
+
+@dataclass
+class _State:
+    gen: int = -1
+    members: list[_Worker] = field(default_factory=list)
+    resets: int = 0
+    finishing: bool = False
+    short_since: float | None = None  # when the job first lacked min_np workers
+    first_failure: int | None = None  # exit status of the first failed worker
+
+
+class _ElasticJob(_Job):
+    """One run of an elastic job; see the module docstring."""
+
+    def __init__(self, spec: LaunchSpec, elastic: ElasticSpec, output: _Output):
+        super().__init__(spec, [], output)
+        self.elastic = elastic
+        self.static_hosts = list(spec.hosts) or [Host("localhost", spec.num_proc)]
+        # Remote hosts are those named on the command line; discovered ones must be local
+        # (ssh-started elastic workers are not supported yet).
+        self.blacklist: dict[str, float] = {}
+        self.workers: list[_Worker] = []
+        self.state = _State()
+        self.control: Control | None = None
+        self.discovery: _Discovery | None = None
+        self._counter = 0
+        self._generation_members: dict[int, list[_Worker]] = {}
+        self._remote_warned: set[str] = set()
+        self._suspects: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> int:
+        with _handling(self._on_signal):
+            status, summary = 1, None
+            try:
+                self._check_hosts()
+                store = self._start_store()
+                self.port = store.port
+                self.control = Control(store, self.job_id, 30.0)
+                if self.elastic.discovery_script:
+                    self.discovery = _Discovery(self.elastic.discovery_script,
+                                                self.elastic.discovery_interval,
+                                                self.output).start()
+                status, summary = self._loop()
+            except _StartError as exc:
+                status, summary = exc.status, str(exc)
+            finally:
+                if self.discovery is not None:
+                    self.discovery.stop()
+                if summary and self.control is not None and status != 0:
+                    try:
+                        self.control.give_up(summary)
+                    except (RuntimeError, OSError):
+                        pass
+                self._stop()
+                self.output.drain(2.0)
+        if summary:
+            self.output.message(summary)
+        return status
+
+    def _loop(self) -> tuple[int, str | None]:
+        st = self.state
+        self._form(first=True)
+        seen_version = self.discovery.version if self.discovery else 0
+        while True:
+            if self.received is not None:
+                return 128 + self.received, f"interrupted by {signal.Signals(self.received).name}"
+            changed = self._watch()
+            if self.discovery is not None and self.discovery.version != seen_version:
+                seen_version = self.discovery.version
+                if not st.finishing and len(self._alive(st.members)) < self.elastic.max_np \
+                        and self._free_slots():
+                    changed = True
+            if self._cooled_down() and len(self._alive(st.members)) < self.elastic.max_np:
+                changed = True
+            if st.short_since is not None:
+                changed = True  # keep trying while short of workers
+            if changed and st.finishing:
+                self.control.give_up("a worker failed after another had finished: the job "
+                                     "is not re-formed any more")
+            elif changed:
+                done = self._form(first=False)
+                if done is not None:
+                    return done
+            if self.workers and all(w.rank.proc.poll() is not None for w in self.workers):
+                if st.members and all(w.rank.proc.returncode == 0 for w in st.members):
+                    return 0, None
+                return st.first_failure or 1, "the elastic job ended with failed workers"
+            time.sleep(_POLL)
+
+    # ------------------------------------------------------------------ watching
+    def _alive(self, workers: list[_Worker]) -> list[_Worker]:
+        return [w for w in workers if not w.failed and w.rank.proc.poll() is None]
+
+    def _watch(self) -> bool:
+        """Marks failed members; True when the newest generation needs replacing."""
+        st, changed = self.state, False
+        for worker in st.members:
+            code = worker.rank.proc.poll()
+            if code is None or worker.failed:
+                continue
+            if code == 0:
+                st.finishing = True
+                continue
+            self._fail(worker, f"worker {worker.id} (rank {st.members.index(worker)} of "
+                               f"generation {st.gen}) {_describe(code)}", _status(code))
+            changed = True
+        for gen in (st.gen - 1, st.gen):
+            if gen < 0:
+                continue
+            try:
+                record = self.control.world_store(gen).read_abort()
+            except Exception:  # noqa: BLE001 (the launcher's own store: cannot be lost)
+                record = None
+            if record is None or record.get("rank") == -1:
+                continue
+            members = self._generation_members.get(gen, [])
+            peer = record.get("peer")
+            if gen == st.gen:
+                changed = self._lost_peer_settled(members, peer) or changed
+            if record.get("silent") and peer is not None and 0 <= peer < len(members):
+                victim = members[peer]
+                if not victim.failed:
+                    victim.rank.signal(signal.SIGKILL)
+                    self._fail(victim, f"worker {victim.id} (rank {peer} of generation {gen}) "
+                                       "sent no heartbeats and was killed", 128 + 9)
+                    changed = True
+        return changed
+
+    def _lost_peer_settled(self, members: list[_Worker], peer: int | None) -> bool:
+        """Whether the newest generation can be replaced after a worker reported ``peer``
+        lost: at once when the peer has exited (or none is named); else only after it exits,
+        or after ``_LOST_GRACE`` seconds, when it is killed (its peers have given up on it,
+        so it could never rejoin them). This keeps a dying worker out of the next
+        generation."""
+        if peer is None or not 0 <= peer < len(members):
+            return True
+        suspect = members[peer]
+        if suspect.failed or suspect.rank.proc.poll() is not None:
+            return True
+        since = self._suspects.setdefault(suspect.id, time.monotonic())
+        if time.monotonic() - since < _LOST_GRACE:
+            return False
+        suspect.rank.signal(signal.SIGKILL)
+        self._fail(suspect, f"worker {suspect.id} was reported lost by its peers and had not "
+                            f"exited {_LOST_GRACE:g}s later; killed", 128 + 9)
+        return True
+
+    def _cooled_down(self) -> bool:
+        """True once when a blacklisted host's cooldown has passed."""
+        now = time.monotonic()
+        expired = [h for h, until in self.blacklist.items() if until <= now]
+        for host in expired:
+            del self.blacklist[host]
+            self.output.message(f"host {host} is no longer blacklisted")
+        return bool(expired)
+
+    def _fail(self, worker: _Worker, what: str, status: int) -> None:
+        worker.failed = True
+        if self.state.first_failure is None:
+            self.state.first_failure = status
+        cooldown = self.elastic.blacklist_cooldown
+        self.blacklist[worker.host] = math.inf if cooldown is None else time.monotonic() + cooldown
+        self.output.message(f"{what}; host {worker.host} is blacklisted"
+                            + ("" if cooldown is None else f" for {cooldown:g}s"))
+
+    # ------------------------------------------------------------------ forming
+    def _hosts(self) -> list[Host]:
+        if self.discovery is not None:
+            return self.discovery.hosts or []
+        return self.static_hosts
+
+    def _free_slots(self) -> list[str]:
+        """One entry per free slot of a usable host, hosts in discovery order."""
+        now = time.monotonic()
+        live = self._alive(self.workers)
+        free = []
+        for host in self._hosts():
+            if self.blacklist.get(host.name, 0) > now:
+                continue
+            if not is_local(host.name):
+                if host.name not in self._remote_warned:
+                    self._remote_warned.add(host.name)
+                    self.output.message(f"host {host.name} is not this host: elastic jobs start "
+                                        "workers on this host only (localhost, 127.x.y.z and "
+                                        "its own names); it is left out")
+                continue
+            used = sum(1 for w in live if w.host == host.name)
+            free += [host.name] * max(0, host.slots - used)
+        return free
+
+    def _form(self, first: bool) -> tuple[int, str] | None:
+        """Forms the next generation if it can; returns (status, reason) to end the job."""
+        st, el = self.state, self.elastic
+        survivors = self._alive(st.members)
+        free = self._free_slots()
+        target = min(self.spec.num_proc if first else el.max_np, len(survivors) + len(free))
+        if target < el.min_np:
+            now = time.monotonic()
+            if st.short_since is None:
+                st.short_since = now
+                self._abort_older(f"the job is below --min-np {el.min_np}")
+                self.output.message(f"{len(survivors)} worker(s) left and {len(free)} free "
+                                    f"slot(s), below --min-np {el.min_np}; waiting up to "
+                                    f"{el.elastic_timeout:g}s for hosts")
+            if now - st.short_since > el.elastic_timeout:
+                banned = [h for h, until in self.blacklist.items() if until > now]
+                return 1, (f"only {len(survivors)} worker(s) left and no host to add within "
+                           f"--elastic-timeout {el.elastic_timeout:g}s: the job needs "
+                           f"--min-np {el.min_np}" + (f"; blacklisted: {', '.join(banned)}"
+                                                      if banned else ""))
+            return None
+        st.short_since = None
+        if not first:
+            if el.reset_limit is not None and st.resets >= el.reset_limit:
+                return st.first_failure or 1, (f"the job needed a re-formation after "
+                                               f"{st.resets} already: --reset-limit "
+                                               f"{el.reset_limit} reached")
+            st.resets += 1
+        new_hosts = free[:max(0, target - len(survivors))]
+        fresh = []
+        for host in new_hosts:
+            fresh.append(_Worker(f"{host}[{self._counter}]", host, None, -1))
+            self._counter += 1
+        members = survivors + fresh
+        gen = st.gen + 1
+        self.control.publish(gen, [{"id": w.id, "host": w.host} for w in members])
+        self._abort_older(f"the job was re-formed as generation {gen} of {len(members)} "
+                          "workers")
+        st.gen, st.members = gen, members
+        self._generation_members[gen] = members
+        placed = _slots(members)
+        for worker in fresh:
+            slot = placed[members.index(worker)]
+            worker.first_rank = slot.rank
+            worker.rank = self._start_worker(slot, worker.id, len(members), gen)
+            self.workers.append(worker)
+        if not first:
+            self.output.message(f"generation {gen}: {len(members)} workers ("
+                                f"{len(survivors)} kept, {len(fresh)} new)")
+        return None
+
+    def _abort_older(self, message: str) -> None:
+        """Tells the workers of the generation being replaced to stop waiting."""
+        if self.state.gen >= 0:
+            self.control.abort(self.state.gen, message, None)
+
+    def _start_worker(self, slot: Slot, wid: str, size: int, gen: int) -> _Rank:
+        self.slots = [slot] * size  # _identity reads the job's size from len(self.slots)
+        self._wid, self._gen = wid, gen
+        return self._start(slot, self.port)
+
+    def _identity(self, slot: Slot, port: int) -> dict[str, str]:
+        variables = super()._identity(slot, port)
+        variables[ENV_PREFIX + "ELASTIC_ID"] = self._wid
+        variables[ENV_PREFIX + "JOB_ID"] = self.job_id
+        return variables
+
+    def _settings(self, slot: Slot) -> dict[str, str]:
+        settings = super()._settings(slot)
+        settings[ENV_PREFIX + "ELASTIC_TIMEOUT"] = f"{self.elastic.elastic_timeout:g}"
+        return settings
+
+    def _stop(self) -> int:
+        self.ranks = [w.rank for w in self.workers if w.rank is not None]
+        return super()._stop()
+
+
+def _slots(members: list[_Worker]) -> list[Slot]:
+    """Slots (rank, local and cross ranks) of a generation's workers, in rank order."""
+    hosts = list(dict.fromkeys(w.host for w in members))
+    counts = {h: sum(1 for w in members if w.host == h) for h in hosts}
+    seen: dict[str, int] = {}
+    slots = []
+    for rank, worker in enumerate(members):
+        local = seen.get(worker.host, 0)
+        seen[worker.host] = local + 1
+        same_local = [h for h in hosts if counts[h] > local]
+        slots.append(Slot(rank, worker.host, local, counts[worker.host],
+                          same_local.index(worker.host), len(same_local)))
+    return slots
+
+
+def launch_elastic(spec: LaunchSpec, elastic: ElasticSpec, stdout=None, stderr=None) -> int:
+    """Runs an elastic job to its end and returns the launcher's exit status."""
+    import sys
+
+    output = _Output(spec.output_prefix, stdout or sys.stdout.buffer, stderr or sys.stderr.buffer)
+    return _ElasticJob(spec, elastic, output).run()

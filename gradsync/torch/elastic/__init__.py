@@ -1,0 +1,25 @@
+"""``hvd.elastic``: Horovod's elastic API on gradsync (docs/elastic.md).
+
+::
+
+    state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0)
+    state.register_reset_callbacks([lambda: scale_lr(optimizer, hvd.size())])
+
+    @hvd.elastic.run
+    def train(state):
+        ...
+        state.commit()
+
+    train(state)
+
+Run it with ``gradsync run -np 4 --min-np 2 --max-np 8 --host-discovery-script hosts.sh``.
+"""
+
+from ...elastic import HostsUpdatedInterrupt, ObjectState, State, run
+from ...elastic.membership import ElasticJobFailed
+from ...errors import PeerLostError
+from .sampler import ElasticSampler
+from .state import TorchState
+
+__all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler",
+           "HostsUpdatedInterrupt", "PeerLostError", "ElasticJobFailed"]

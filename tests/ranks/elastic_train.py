@@ -1,0 +1,141 @@
+"""An elastic training job with a fault injected; each worker prints one RESULT line at the end.
+
+    elastic_train.py MODE VICTIM AT [EPOCHS]
+
+MODE: none, kill (SIGKILL in the middle of a step: gradients in flight), raise (an exception
+in the training code), stop (SIGSTOP), kill-sync (VICTIM is killed mid-step as in kill, then
+worker VICTIM+1 SIGKILLs itself inside state.sync() of generation 1), kill-commit (SIGKILL
+inside commit()), grow (the worker adds 127.0.0.1:1 to the discovery file $HOSTS_FILE and
+training goes on until the job has one more worker), die-all (every worker but VICTIM exits,
+to fall below --min-np).
+VICTIM: the worker's first rank (GRADSYNC_RANK at its start); AT: the global step it acts at.
+
+RESULT id=<worker> rank=<r> size=<n> gen=<g> steps=<global steps> hash=<parameters' digest>
+START id=<worker> gen=<g> rank=<r> steps=<s> epoch=<e> committed=<c>: each generation's start,
+after sync(); c is the steps value of this worker's last commit() (-1: none yet).
+FIRSTSTEP wall=<time.time()>: the first completed step after a re-formation.
+DYING wall=<time.time()>: the victim, just before it fails.
+"""
+
+import hashlib
+import os
+import signal
+import sys
+import time
+
+import common  # noqa: F401  (deadline)
+import torch
+
+import gradsync.torch as hvd
+from gradsync.elastic import worker
+
+mode, victim, at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+epochs = int(sys.argv[4]) if len(sys.argv) > 4 else 3
+first_rank = int(os.environ["GRADSYNC_RANK"])
+me = first_rank == victim
+
+torch.manual_seed(1234 + first_rank)  # every worker starts different: sync must fix that
+hvd.init()
+N, BATCH = 96, 4
+x = torch.linspace(-1, 1, N * 8).reshape(N, 8)
+y = (x @ torch.arange(1.0, 9.0).unsqueeze(1)).sin()
+dataset = torch.utils.data.TensorDataset(x, y)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+optimizer = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                     named_parameters=model.named_parameters())
+sampler = hvd.elastic.ElasticSampler(dataset, batch_size=BATCH, seed=7)
+state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0, steps=0,
+                               grow_to=0)
+recovered = {"pending": False}
+
+
+def on_reset():
+    recovered["pending"] = True
+
+
+state.register_reset_callbacks([on_reset])
+
+
+def die(how):
+    print(f"DYING wall={time.time():.6f}", flush=True)
+    if how == "raise":
+        raise RuntimeError(f"worker {first_rank} fails on purpose")
+    os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
+
+
+committed = {"steps": -1}
+_commit = state.commit
+
+
+def recording_commit():
+    committed["steps"] = state.steps
+    _commit()
+
+
+state.commit = recording_commit
+if mode == "kill-sync" and first_rank == victim + 1:
+    original = state.sync
+
+    def sync():
+        if worker.generation() == 1:
+            die("kill")
+        original()
+
+    state.sync = sync
+if mode == "kill-commit" and me:
+    original_commit = state.commit
+
+    def commit():
+        if state.steps >= at:
+            state.save()
+            die("kill")
+        original_commit()
+
+    state.commit = commit
+
+
+def digest() -> str:
+    flat = torch.cat([p.detach().reshape(-1) for p in model.state_dict().values()])
+    return hashlib.sha1(flat.numpy().tobytes()).hexdigest()[:16]
+
+
+@hvd.elastic.run
+def train(state):
+    print(f"START id={os.environ['GRADSYNC_ELASTIC_ID']} gen={worker.generation()} "
+          f"rank={hvd.rank()} steps={state.steps} epoch={state.epoch} "
+          f"committed={committed['steps']}", flush=True)
+    while state.epoch < epochs or hvd.size() < state.grow_to:
+        loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, sampler=state.sampler)
+        for batch, (xb, yb) in enumerate(loader):
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(xb), yb)
+            if me and state.steps == at and mode in ("kill", "raise", "stop", "kill-sync"):
+                loss.backward()  # the hooks have launched the allreduces: die with them in flight
+                die("kill" if mode == "kill-sync" else mode)
+            loss.backward()
+            optimizer.step()
+            state.steps += 1
+            if recovered["pending"]:
+                recovered["pending"] = False
+                print(f"FIRSTSTEP wall={time.time():.6f} size={hvd.size()}", flush=True)
+            state.sampler.record_batch(batch, BATCH)
+            state.batch = batch
+            if mode == "grow" and me and state.steps == at:
+                with open(os.environ["HOSTS_FILE"], "a") as hosts:
+                    hosts.write("127.0.0.1:1\n")
+            if mode == "grow" and state.steps == at:
+                state.grow_to = hvd.size() + 1  # train until the new worker has joined
+            if mode == "die-all" and state.steps == at and not me:
+                print(f"DYING wall={time.time():.6f}", flush=True)
+                os._exit(3)
+            if state.steps % 2 == 0:
+                state.commit()
+        state.epoch += 1
+        state.sampler.set_epoch(state.epoch)
+        state.batch = 0
+        state.commit()
+
+
+train(state)
+print(f"RESULT id={os.environ['GRADSYNC_ELASTIC_ID']} rank={hvd.rank()} size={hvd.size()} "
+      f"gen={worker.generation()} steps={state.steps} hash={digest()}", flush=True)

@@ -1,0 +1,173 @@
+"""Elastic pieces without processes: the sampler's exactly-once split, state semantics,
+generations in a store, discovery output and the launcher's options."""
+
+import types
+from datetime import timedelta
+
+import pytest
+import torch
+
+from gradsync.elastic import ObjectState
+from gradsync.elastic.membership import Control, ElasticJobFailed, generation_job
+from gradsync.run import cli
+from gradsync.run.elastic import ElasticSpec, Host, _slots, _Worker, parse_discovered
+from gradsync.torch.elastic import sampler as sampler_module
+from gradsync.torch.elastic import ElasticSampler
+
+
+def as_rank(monkeypatch, rank, size):
+    monkeypatch.setattr(sampler_module, "gs", types.SimpleNamespace(
+        rank=lambda: rank, size=lambda: size, is_initialized=lambda: True))
+
+
+def one_pass(monkeypatch, sampler, size, batches=None):
+    """Each rank's batches of one pass (stopping after ``batches`` steps), recorded."""
+    per_rank = []
+    for rank in range(size):
+        as_rank(monkeypatch, rank, size)
+        indices = list(sampler)
+        assert len(indices) == len(sampler)
+        per_rank.append([indices[i:i + sampler.batch_size]
+                         for i in range(0, len(indices), sampler.batch_size)])
+    steps = len(per_rank[0])
+    assert all(len(b) == steps for b in per_rank)  # every rank runs the same number of steps
+    taken = steps if batches is None else min(batches, steps)
+    consumed = [i for k in range(taken) for r in range(size) for i in per_rank[r][k]]
+    if taken:
+        sampler.record_batch(taken - 1, sampler.batch_size)
+    return consumed
+
+
+@pytest.mark.parametrize("n, batch, sizes", [
+    (96, 4, [4, 3]), (100, 3, [3, 1, 4]), (10, 2, [2, 1]), (7, 4, [4, 2]), (0, 2, [3, 2]),
+])
+def test_sampler_sees_every_sample_once_across_resizes(monkeypatch, n, batch, sizes):
+    sampler = ElasticSampler(list(range(n)), batch_size=batch, seed=3)
+    seen = []
+    for i, size in enumerate(sizes):
+        last = i == len(sizes) - 1
+        before = sampler.processed
+        got = one_pass(monkeypatch, sampler, size, None if last else 2)
+        if not last:
+            assert sampler.processed == before + min(n - before, 2 * size * batch)
+        seen += got
+    # pads (at most size - 1, from the front of P) are the only repeats
+    unique = set(seen)
+    assert unique == set(range(n))
+    assert len(seen) - len(unique) <= sizes[-1] - 1
+
+
+def test_sampler_worked_example(monkeypatch):
+    sampler = ElasticSampler(list(range(10)), shuffle=False, batch_size=2)
+    as_rank(monkeypatch, 0, 2)
+    assert list(sampler) == [0, 1, 4, 5, 8]
+    as_rank(monkeypatch, 1, 2)
+    assert list(sampler) == [2, 3, 6, 7, 9]
+    sampler.record_batch(0)
+    assert sampler.processed == 4
+    as_rank(monkeypatch, 0, 1)
+    assert list(sampler) == [4, 5, 6, 7, 8, 9]
+
+
+def test_sampler_state_round_trips_and_epochs_reshuffle(monkeypatch):
+    as_rank(monkeypatch, 0, 1)
+    a = ElasticSampler(list(range(20)), seed=1, batch_size=5)
+    first = list(a)
+    a.set_epoch(1)
+    assert list(a) != first and sorted(a) == list(range(20))
+    a.record_batch(1)
+    b = ElasticSampler(list(range(20)), seed=1, batch_size=5)
+    b.load_state_dict(a.state_dict())
+    assert list(b) == list(a) and len(list(b)) == 10
+
+
+def test_object_state_commit_restore_sync():
+    sent = []
+
+    def bcast(obj, root_rank=0, name=None):
+        sent.append(obj)
+        return {"epoch": 7, "batch": 0}
+
+    state = ObjectState(bcast, lambda: 1, epoch=0, batch=0)
+    state.epoch, state.batch = 2, 5
+    state.commit()  # not in an elastic job: save only, no broadcast
+    state.batch = 9
+    state.restore()
+    assert (state.epoch, state.batch) == (2, 5)
+    state.sync()
+    assert sent == [{"epoch": 2, "batch": 5}] and (state.epoch, state.batch) == (7, 0)
+    calls = []
+    state.register_reset_callbacks([lambda: calls.append(1)])
+    state.on_reset()
+    assert calls == [1]
+
+
+def test_torch_state_restores_model_and_optimizer():
+    from gradsync.torch.elastic import TorchState
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    state = TorchState(model, optimizer, epoch=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model(torch.ones(4, 3)).sum().backward()
+    optimizer.step()
+    state.epoch = 1
+    assert not torch.equal(model.weight, before["weight"])
+    state.restore()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert optimizer.state_dict()["state"] == {} and state.epoch == 0
+
+
+def test_generations_in_the_store():
+    from torch.distributed import HashStore
+
+    control = Control(HashStore(), "job", 5.0)
+    assert control.generation() == -1
+    control.publish(0, [{"id": "a[0]", "host": "a"}, {"id": "b[1]", "host": "b"}])
+    assert control.generation() == 0 and control.wait_newer(-1, 0.0) == 0
+    assert [m["id"] for m in control.members(0)] == ["a[0]", "b[1]"]
+    control.abort(0, "gone", 1)
+    assert control.world_store(0).read_abort()["peer"] == 1
+    assert generation_job("job", 3) == "job.e3"
+    control.give_up("below --min-np")
+    with pytest.raises(ElasticJobFailed, match="below --min-np"):
+        control.wait_newer(0, float("inf"))
+
+
+def test_discovery_output_and_slots():
+    assert parse_discovered("a:2\n\nb\n127.0.0.1:3\n") == [Host("a", 2), Host("b", 1),
+                                                            Host("127.0.0.1", 3)]
+    for bad in ("a:0", "a:x", ":2"):
+        with pytest.raises(ValueError, match="host:slots"):
+            parse_discovered(bad)
+    members = [_Worker(f"{h}[{i}]", h, None, i) for i, h in enumerate("aaba")]
+    slots = _slots(members)
+    assert [(s.rank, s.host, s.local_rank, s.local_size, s.cross_rank, s.cross_size)
+            for s in slots] == [(0, "a", 0, 3, 0, 2), (1, "a", 1, 3, 0, 1),
+                                (2, "b", 0, 1, 1, 2), (3, "a", 2, 3, 0, 1)]
+
+
+def test_elastic_options():
+    parser = cli.build_parser()
+    args = parser.parse_args(["run", "-np", "4", "--min-np", "2", "--host-discovery-script",
+                              "./hosts.sh", "--reset-limit", "3", "python", "t.py"])
+    spec = cli._elastic_spec(args.run_parser, args)
+    assert (spec.min_np, spec.reset_limit, spec.discovery_script, spec.elastic_timeout,
+            spec.blacklist_cooldown) == (2, 3, "./hosts.sh", 600.0, None)
+    assert spec.max_np > 1000  # no limit with a discovery script
+    args = parser.parse_args(["run", "-np", "3", "--min-np", "2", "python", "t.py"])
+    assert cli._elastic_spec(args.run_parser, args).max_np == 3
+    with pytest.raises(ValueError, match="min-np"):
+        ElasticSpec(min_np=3, max_np=2)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "-np", "2", "--min-np", "1", "--servers", "1", "true"], "--servers cannot"),
+    (["run", "-np", "2", "--host-discovery-script", "x", "-H", "a:2", "true"], "not both"),
+    (["run", "-np", "2", "--min-np", "3", "true"], "min-np"),
+])
+def test_elastic_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,59 @@
+"""Heartbeats: a stopped rank is a lost rank within the bound; a busy one is not."""
+
+import re
+
+import pytest
+
+from gradsync.config import Config
+from gradsync.heartbeat import watched_peers
+from harness import launch
+
+pytestmark = pytest.mark.multiprocess
+
+TIMEOUT, INTERVAL = 3.0, 0.5
+ENV = {"GRADSYNC_HEARTBEAT_TIMEOUT": str(TIMEOUT), "GRADSYNC_HEARTBEAT_INTERVAL": str(INTERVAL)}
+
+
+def test_watched_peers_are_ring_neighbours_and_everyone_is_watched():
+    assert watched_peers(0, 1) == []
+    assert watched_peers(1, 2) == [0]
+    assert watched_peers(0, 3) == [2, 1]
+    assert watched_peers(0, 4) == [3, 1, 2]
+    assert watched_peers(5, 100) == [4, 6, 3, 7]
+    for size in range(2, 12):
+        watchers = {r: 0 for r in range(size)}
+        for rank in range(size):
+            for peer in watched_peers(rank, size):
+                watchers[peer] += 1
+        assert min(watchers.values()) >= min(size - 1, 4), (size, watchers)
+
+
+def test_the_default_bound_is_at_most_30_seconds():
+    config = Config()
+    assert 0 < config.heartbeat_timeout + config.heartbeat_interval <= 30
+
+
+@pytest.mark.parametrize("n, victim, transport", [
+    (3, 1, "tcp"),
+    pytest.param(4, 2, "auto", marks=pytest.mark.slow),  # shared memory: pids exist, sockets none
+    pytest.param(2, 0, "auto", marks=pytest.mark.slow),  # rank 0 stopped
+])
+def test_a_stopped_rank_is_lost_on_every_other_rank_within_the_bound(n, victim, transport):
+    result = launch(n, "silent.py", str(victim), transport, "stop", timeout=60, env=ENV)
+    assert result.returncode == 17, result
+    got = dict(re.findall(r"RESULT rank=(\d+) (.*)", result.output))
+    elapsed = [float(e) for e in re.findall(r"ELAPSED rank=\d+ ([\d.]+)", result.output)]
+    assert sorted(int(r) for r in got) == [r for r in range(n) if r != victim], result
+    for line in got.values():
+        assert line.startswith("PeerLostError"), result
+        assert f"rank {victim} on host" in line and "heartbeat" in line, result
+    assert len(elapsed) == n - 1, result
+    # timeout + one interval (the look that notices) + a poll; 2 s of slack for a loaded host
+    assert max(elapsed) < TIMEOUT + INTERVAL + 2.0, elapsed
+    assert min(elapsed) > TIMEOUT - INTERVAL, elapsed  # it was the heartbeat, not a socket
+
+
+def test_a_busy_rank_is_not_lost():
+    result = launch(3, "silent.py", "1", "auto", "busy", timeout=60, env=ENV)
+    assert result.returncode == 0, result
+    assert len(re.findall(r"RESULT rank=\d+ no error", result.output)) == 3, result
