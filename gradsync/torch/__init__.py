@@ -27,7 +27,8 @@ from .mpi_ops import (Adasum, Average, Max, Min, ProcessSet, Product, Sum, add_p
                       global_process_set, grouped_allreduce, grouped_allreduce_,
                       grouped_allreduce_async, grouped_allreduce_async_, init, is_initialized,
                       local_rank, local_size, poll, rank, reducescatter, reducescatter_async,
-                      shutdown, size, synchronize)
+                      remove_process_set, shutdown, size, start_timeline, stop_timeline,
+                      synchronize)
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
 
@@ -42,5 +43,6 @@ __all__ = [
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
     "Average", "Sum", "Min", "Max", "Product", "Adasum",
     "Compression", "SyncBatchNorm", "DistributedOptimizer",
-    "ProcessSet", "global_process_set", "add_process_set",
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+    "start_timeline", "stop_timeline",
 ]

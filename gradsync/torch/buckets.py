@@ -119,11 +119,14 @@ def assign_buckets(params: list[torch.Tensor],
     return buckets
 
 
-def check_layout(buckets: "list[Bucket]") -> None:
+def check_layout(buckets: "list[Bucket]", allgather_object=None) -> None:
     """Raises CollectiveMismatchError on every rank if the ranks planned different buckets
-    (a different model, optimizer or fusion threshold): their allreduces would not match."""
+    (a different model, optimizer or fusion threshold): their allreduces would not match.
+
+    ``allgather_object(obj, name)`` gathers over the optimizer's ranks (default: the job)."""
     mine = [(b.index, *entry) for b in buckets for entry in b.describe()]
-    layouts = gs.allgather_object(mine, name="DistributedOptimizer.layout")
+    gather = allgather_object or (lambda obj, name: gs.allgather_object(obj, name=name))
+    layouts = gather(mine, "DistributedOptimizer.layout")
     reference = layouts[0]
     for r, theirs in enumerate(layouts):
         if theirs == reference:

@@ -23,6 +23,7 @@ import torch
 
 from .. import api as gs
 from .buckets import fusion_threshold, plan_buckets
+from . import requests as _requests
 from .mpi_ops import ProcessSet, _check_process_set, _cpu, global_process_set
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
@@ -90,15 +91,19 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
 def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Returns root_rank's ``obj`` (any picklable object) on every rank."""
-    _check_process_set(process_set)
-    return gs.broadcast_object(obj, root_rank, name=name)
+    if process_set is global_process_set:
+        _check_process_set(process_set)
+        return gs.broadcast_object(obj, root_rank, name=name)
+    return _requests.broadcast_object(obj, root_rank, name, process_set)
 
 
 def allgather_object(obj: Any, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> list:
     """Returns the list of every rank's ``obj`` (any picklable object), in rank order."""
-    _check_process_set(process_set)
-    return gs.allgather_object(obj, name=name)
+    if process_set is global_process_set:
+        _check_process_set(process_set)
+        return gs.allgather_object(obj, name=name)
+    return _requests.allgather_object(obj, name, process_set)
 
 
 def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:

@@ -49,6 +49,7 @@ from .. import api as gs
 from ..collectives.ops import Average, ReduceOp, Sum
 from .buckets import Bucket, assign_buckets, check_layout
 from .compression import Compression, Compressor
+from . import requests as _requests
 from .mpi_ops import _ADASUM, Adasum, ProcessSet, _check_process_set, global_process_set
 
 __all__ = ["DistributedOptimizer"]
@@ -77,7 +78,12 @@ class _DistributedOptimizer:
     # ------------------------------------------------------------------ set-up
     def _gs_setup(self, named_parameters, compression: type[Compressor],
                   backward_passes_per_step: int, op: ReduceOp,
-                  gradient_predivide_factor: float, groups, sparse_as_dense: bool) -> None:
+                  gradient_predivide_factor: float, groups, sparse_as_dense: bool,
+                  process_set: ProcessSet = global_process_set) -> None:
+        # The global set keeps the issue-order engine of the job's World: every rank plans
+        # the same buckets (check_layout verifies it) and launches them in the same order, so
+        # negotiation would only add a cycle. Another set's buckets go through its controller.
+        self._gs_process_set = None if process_set is global_process_set else process_set
         self._gs_names = _parameter_names(self.param_groups, named_parameters)
         self._gs_groups = _check_groups(groups, self.param_groups)
         self._gs_compression = compression
@@ -114,7 +120,7 @@ class _DistributedOptimizer:
         self._gs_slot_bucket: list[Bucket] = []
         self._gs_slot_name: list[str] = []
         # Horovod reduces nothing in a one-rank job; neither do we (step is the plain step).
-        if gs.size() > 1 and params:
+        if self._gs_size() > 1 and params:
             for k, members in enumerate(assign_buckets(params, self._gs_groups)):
                 first = len(self._gs_slot_param)
                 bucket = Bucket(k, list(range(first, first + len(members))),
@@ -125,7 +131,7 @@ class _DistributedOptimizer:
                     self._gs_slot_view.append(view)
                     self._gs_slot_bucket.append(bucket)
                 self._gs_slot_name.extend(bucket.names)
-            check_layout(self._gs_buckets)
+            check_layout(self._gs_buckets, self._gs_allgather_object)
             ref = weakref.ref(self)
             for slot, param in enumerate(self._gs_slot_param):
                 self._gs_hooks.append(param.register_post_accumulate_grad_hook(_hook(ref, slot)))
@@ -205,8 +211,14 @@ class _DistributedOptimizer:
         bucket.pending = 0
         bucket.wire, bucket.ctx = self._gs_compression.compress(bucket.buffer)
         prescale, postscale = self._gs_scale
-        bucket.handle = gs.allreduce_async_(bucket.wire, op=self.op, name=bucket.name,
-                                            prescale_factor=prescale, postscale_factor=postscale)
+        ps = self._gs_process_set
+        if ps is None:
+            bucket.handle = gs.allreduce_async_(bucket.wire, op=self.op, name=bucket.name,
+                                                prescale_factor=prescale,
+                                                postscale_factor=postscale)
+        else:
+            bucket.handle = _requests.allreduce(bucket.wire, bucket.name, self.op, prescale,
+                                                postscale, ps, inplace=True, asynchronous=True)
         # Views share their base's version counter, and the allreduce writes through NumPy
         # without bumping it: any change seen in _gs_finish came from an in-place op on a grad.
         bucket.version = bucket.buffer._version
@@ -231,6 +243,16 @@ class _DistributedOptimizer:
                     what=f"the gradient of '{self._gs_slot_name[slot]}'"))
             # Sparse gradients are handed back in the layout backward produced.
             param.grad = view.to_sparse(sparse[slot]) if slot in sparse else view
+
+    def _gs_size(self) -> int:
+        ps = self._gs_process_set
+        return gs.size() if ps is None else len(ps.ranks)
+
+    def _gs_allgather_object(self, obj, name: str) -> list:
+        ps = self._gs_process_set
+        if ps is None:
+            return gs.allgather_object(obj, name=name)
+        return _requests.allgather_object(obj, name, ps)
 
     def _gs_follow_round(self) -> bool:
         """On a rank that has joined: contributes zeros to one round of the others' buckets.
@@ -400,13 +422,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             consecutive parameters) or a list of lists of parameters (each list one group; any
             parameter not listed is a group of its own).
         sparse_as_dense: reduce sparse gradients as dense tensors (otherwise they raise).
-        process_set: only the global process set is supported.
+        process_set: the ranks that average their gradients (default: all); this rank must
+            be one of them.
 
     Raises:
         ValueError: bad ``named_parameters`` (not pairs, duplicate names, an optimizer
             parameter without a name), bad ``groups``, op other than Average/Sum, a predivide
             factor with Sum.
-        NotImplementedError: ``op=Adasum`` or a non-global ``process_set``.
+        NotImplementedError: ``op=Adasum``.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
@@ -442,7 +465,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     # the instance) would bypass the synchronization: they stay behind with ``optimizer``.
     wrapped.__dict__.update((k, v) for k, v in vars(optimizer).items() if k not in _MIXIN_NAMES)
     wrapped._gs_setup(named_parameters, compression, backward_passes_per_step, op,
-                      gradient_predivide_factor, groups, sparse_as_dense)
+                      gradient_predivide_factor, groups, sparse_as_dense, process_set)
     return wrapped
 
 

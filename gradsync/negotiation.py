@@ -1,0 +1,466 @@
+"""Negotiated execution: operations are matched across ranks by name, not by issue order.
+
+The Horovod API lets ranks issue operations in different orders: rank 0 may start
+``allreduce_async(a)`` then ``(b)`` while rank 1 starts ``b`` then ``a``, and an operation one
+rank issues before a barrier may be matched by another rank's issued after it. A ``Controller``
+makes that work for one World (the global process set's, or one process set's).
+
+Vocabulary. A *request* is one rank's side of an operation: its name (``allreduce.grad.fc1``),
+kind, dtype, shape, reduce op, root and scale factors, which together are its *signature*. The
+controller's background thread runs *cycles*. In a cycle every rank *announces* the requests
+its caller issued since the last cycle, and every rank receives every rank's announcements (one
+allgather over the World's own connections, shared memory on one host). From the same inputs
+every rank derives the same table ``name -> {rank: signature}``; an operation is *ready* when
+every rank of the World has announced it. Ready operations run in *agreed order*: the order in
+which their names first appeared in the cycles' announcements, read rank 0 first, then rank 1,
+and so on. No rank coordinates; each computes the same order from the same data.
+
+Example, two ranks. Rank 0 issues ``a``, ``b``; rank 1 issues ``b``, then (later) ``a``.
+Cycle 1 announces ``[a, b]`` from rank 0 and ``[b]`` from rank 1: ``b`` is ready and runs on
+both ranks. Cycle 2 announces ``[]`` and ``[a]``: ``a`` is ready and runs. Neither rank waits
+for an operation the other has not reached.
+
+Errors. When an operation is ready, every rank compares the signatures it holds (they are the
+same on every rank, so every rank reaches the same verdict). If they disagree (shape, dtype,
+op, root, scale factors; for allgather and alltoall everything but the first dimension), the
+operation does not run: every rank's handle raises ``CollectiveMismatchError`` (a
+RuntimeError) naming what each rank issued, and the World stays usable. A second request with
+the name of one still in flight on this rank raises ValueError at once.
+
+Fusion. Ready allreduces with the same dtype, op and scale factors are packed, in agreed order,
+into one buffer of at most ``fusion_threshold`` bytes and reduced by one collective.
+
+Response cache (after Horovod's ``response_cache.cc``). Steady-state training issues the same
+names with the same signatures every step. Once an operation has run, every rank stores its
+(name, signature) under the same *bit* (bits are assigned in agreed order, so identically
+everywhere; least recently used entries are evicted, also identically). A later request with a
+cached name and signature is announced as its bit in an integer bit mask instead of a full
+description, so a cycle that carries a whole step's gradients costs one small allgather, not a
+round trip per tensor. Unnamed operations (``allreduce.noname.7``) never repeat and are not
+cached.
+
+Idle cost. A World of one rank needs no cycles (everything it issues is ready at once). With
+more ranks the loop runs back to back while requests arrive; after a cycle in which nothing
+was announced and nothing ran it waits for a local request, at most 1 ms, doubling up to
+``_MAX_IDLE`` (20 ms), so an idle job costs a few cycles a second, and a rank's first request
+after a pause waits at most that long for the other ranks' loops.
+
+Shutdown. ``stop()`` asks for it in the next announcement; the loop ends in the first cycle in
+which every rank has asked, so no rank leaves a cycle the others are still in. Operations still
+in flight then fail with RuntimeError.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import pickle
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from . import operations as ops
+from .engine import Handle
+from .errors import CollectiveMismatchError, GradsyncError
+
+__all__ = ["Controller", "Request", "ResponseCache"]
+
+log = logging.getLogger("gradsync")
+
+_MIN_IDLE = 0.001
+_MAX_IDLE = 0.02
+
+# Kinds whose first dimension may differ between ranks.
+_RAGGED = ("allgather", "alltoall")
+
+
+class Request:
+    """This rank's side of one named operation.
+
+    Args:
+        name: the full name, the same on every rank (``allreduce.grad.fc1``).
+        kind: ``allreduce``, ``allgather``, ``broadcast``, ``alltoall``, ``reducescatter`` or
+            ``barrier``.
+        dtype: the dtype's name (``float32``, ``bfloat16``).
+        shape: the tensor's shape.
+        op: the reduce op's name, or None.
+        root: the broadcast root (rank in the World), or None.
+        scale: ``(prescale, postscale)``.
+        flat: for allreduce, the flat array reduced in place (fusable).
+        run: for the other kinds, ``run(world)`` performs the collective and returns the result.
+        finish: turns what ran into the caller's result (allreduce: called with no argument;
+            the others: called with ``run``'s result). Default: identity.
+    """
+
+    __slots__ = ("name", "kind", "sig", "flat", "dtype_tag", "run", "finish", "handle")
+
+    def __init__(self, name: str, kind: str, dtype: str, shape: tuple, *, op: str | None = None,
+                 root: int | None = None, scale: tuple = (1.0, 1.0), flat=None, dtype_tag=None,
+                 run: Callable | None = None, finish: Callable | None = None):
+        self.name, self.kind = name, kind
+        self.sig = (kind, dtype, tuple(int(d) for d in shape), op, root,
+                    float(scale[0]), float(scale[1]))
+        self.flat, self.dtype_tag = flat, dtype_tag
+        self.run, self.finish = run, finish
+        self.handle = Handle(name)
+
+
+def _match_key(sig: tuple) -> tuple:
+    kind, dtype, shape, *rest = sig
+    if kind in _RAGGED:
+        return (kind, dtype, len(shape), shape[1:], *rest)
+    return sig
+
+
+def describe(sig: tuple) -> str:
+    """``float32[17, 17] op=SUM root=0`` for a signature."""
+    kind, dtype, shape, op, root, pre, post = sig
+    text = f"{kind} {dtype}{list(shape)}"
+    if op is not None:
+        text += f" op={op}"
+    if root is not None:
+        text += f" root={root}"
+    if (pre, post) != (1.0, 1.0):
+        text += f" prescale={pre} postscale={post}"
+    return text
+
+
+def _mismatch(name: str, by_rank: dict[int, tuple], ranks: list[int]) -> CollectiveMismatchError:
+    groups: dict[str, list[int]] = {}
+    for r in sorted(by_rank):
+        groups.setdefault(describe(by_rank[r]), []).append(ranks[r])
+    lines = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {rs if len(rs) > 1 else rs[0]}: {what}"
+                      for what, rs in groups.items())
+    return CollectiveMismatchError(
+        f"operation '{name}' was issued differently by the ranks, so it did not run ({lines}); "
+        f"the ranks can go on with other operations")
+
+
+class ResponseCache:
+    """Names and signatures of operations that ran, each under a bit every rank agrees on.
+
+    Args:
+        capacity: entries kept; the least recently used one is evicted beyond it.
+    """
+
+    def __init__(self, capacity: int = 1024):
+        self.capacity = capacity
+        self._bits: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._entries: dict[int, tuple[str, tuple]] = {}
+        self._free: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._bits)
+
+    def bit(self, name: str, sig: tuple) -> int | None:
+        """The bit of ``name`` if it is cached with exactly ``sig``."""
+        bit = self._bits.get(name)
+        if bit is not None and self._entries[bit][1] == sig:
+            return bit
+        return None
+
+    def entry(self, bit: int) -> tuple[str, tuple]:
+        return self._entries[bit]
+
+    def put(self, name: str, sig: tuple) -> None:
+        """Records that ``name`` ran with ``sig`` (every rank calls this in agreed order)."""
+        if ".noname." in name:
+            return
+        bit = self._bits.get(name)
+        if bit is not None:
+            self._bits.move_to_end(name)
+            self._entries[bit] = (name, sig)
+            return
+        if len(self._bits) >= self.capacity:
+            _, old = self._bits.popitem(last=False)
+            del self._entries[old]
+            self._free.append(old)
+        bit = self._free.pop() if self._free else len(self._bits)
+        self._bits[name] = bit
+        self._entries[bit] = (name, sig)
+
+
+def _bits_of(mask: int):
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+class Controller:
+    """Negotiates and runs the named operations of one World on a background thread.
+
+    Args:
+        world: the World the operations run on (owned by the caller; not closed here).
+        label: names the thread and appears in errors (``global``, ``process set 1``).
+        ranks: the global rank of each rank of ``world`` (for messages).
+        fusion_threshold: bytes of allreduces fused into one collective.
+        timeline: a ``gradsync.timeline.Timeline`` or None; may be replaced at any time.
+    """
+
+    def __init__(self, world, label: str, ranks: list[int], fusion_threshold: int,
+                 timeline=None):
+        self.world, self.label, self.ranks = world, label, list(ranks)
+        self.fusion_threshold = fusion_threshold
+        self.timeline = timeline
+        self.cache = ResponseCache()
+        self.stats = collections.Counter()
+        self._cv = threading.Condition()
+        self._new: list[Request] = []
+        self._mine: dict[str, Request] = {}
+        self._table: dict[str, tuple[int, dict[int, tuple]]] = {}
+        self._order = 0
+        self._stop_requested = False
+        self._closed: BaseException | None = None
+        self._fusion: dict[Any, np.ndarray] = {}
+        self._thread = threading.Thread(target=self._loop, daemon=True,
+                                        name=f"gradsync-negotiate-{label}")
+        self._thread.start()
+
+    # ------------------------------------------------------------------ caller's side
+    def submit(self, request: Request) -> Handle:
+        """Announces ``request`` in the next cycle; returns its Handle.
+
+        Raises:
+            ValueError: an operation with this name is in flight on this rank.
+            RuntimeError: the controller has stopped (shutdown, or a failed World).
+        """
+        with self._cv:
+            if self._closed is not None:
+                raise self._closed
+            if request.name in self._mine:
+                raise ValueError(
+                    f"an operation named '{request.name}' is already in flight on rank "
+                    f"{self.ranks[self.world.rank]} ({self.label}); synchronize it before "
+                    "issuing another with the same name, or give this one another name")
+            self._mine[request.name] = request
+            self._new.append(request)
+            tl = self.timeline
+            if tl is not None:
+                tl.begin(request.name, f"NEGOTIATE_{request.kind.upper()}",
+                         {"signature": describe(request.sig)})
+            self._cv.notify()
+        return request.handle
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Ends the loop once every rank of the World has asked to (see the module comment)."""
+        with self._cv:
+            self._stop_requested = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    # ------------------------------------------------------------------ the loop
+    def _loop(self) -> None:
+        idle = 0
+        try:
+            while True:
+                with self._cv:
+                    if not self._new and not self._stop_requested:
+                        if self.world.size == 1:
+                            self._cv.wait()
+                        elif idle:
+                            self._cv.wait(min(_MIN_IDLE * (1 << min(idle - 1, 8)), _MAX_IDLE))
+                    new, self._new = self._new, []
+                    stop = self._stop_requested
+                if self.world.size == 1:
+                    payloads = [(stop, 0, [(q.name, q.sig) for q in new])]
+                else:
+                    payloads = self._exchange(new, stop)
+                if all(p[0] for p in payloads):
+                    break
+                ready, announced = self._absorb(payloads)
+                self.stats["cycles"] += 1
+                if ready or announced:
+                    tl = self.timeline
+                    if tl is not None:
+                        tl.cycle()
+                    idle = 0
+                    self._run_ready(ready)
+                else:
+                    idle += 1
+            self._close(RuntimeError(f"gradsync ({self.label}) has been shut down; the "
+                                     "operation did not run"))
+        except BaseException as exc:  # noqa: BLE001  (delivered to every waiting handle)
+            if isinstance(exc, GradsyncError):
+                try:
+                    exc = self.world.fail(exc)
+                except Exception:  # noqa: BLE001
+                    pass
+            self._close(exc)
+
+    def _exchange(self, new: list[Request], stop: bool) -> list[tuple]:
+        mask, full = 0, []
+        for q in new:
+            bit = self.cache.bit(q.name, q.sig)
+            if bit is None:
+                full.append((q.name, q.sig))
+            else:
+                mask |= 1 << bit
+        self.stats["cached"] += len(new) - len(full)
+        self.stats["full"] += len(full)
+        data = np.frombuffer(pickle.dumps((stop, mask, full), protocol=5), dtype=np.uint8)
+        out, rows = ops.allgather(self.world, data, data.dtype, name="negotiate",
+                                  shape=data.shape)
+        bounds = np.cumsum([0] + rows)
+        return [pickle.loads(out[bounds[r]:bounds[r + 1]].tobytes())
+                for r in range(self.world.size)]
+
+    def _absorb(self, payloads: list[tuple]) -> tuple[list[tuple[str, dict]], bool]:
+        """Adds every rank's announcements to the table; returns the ready ones in order."""
+        size, touched, announced = self.world.size, [], False
+        for r, (_, mask, full) in enumerate(payloads):
+            for name, sig in [self.cache.entry(b) for b in _bits_of(mask)] + full:
+                announced = True
+                entry = self._table.get(name)
+                if entry is None:
+                    entry = self._table[name] = (self._order, {})
+                    self._order += 1
+                entry[1][r] = sig
+                if len(entry[1]) == size:
+                    touched.append(name)
+        ready = sorted(((self._table[n][0], n) for n in touched))
+        return [(n, self._table.pop(n)[1]) for _, n in ready], announced
+
+    def _run_ready(self, ready: list[tuple[str, dict]]) -> None:
+        runnable: list[Request] = []
+        tl = self.timeline
+        for name, by_rank in ready:
+            with self._cv:
+                request = self._mine.get(name)
+            keys = {_match_key(sig) for sig in by_rank.values()}
+            if tl is not None:
+                tl.end(name)
+            if len(keys) > 1:
+                self.stats["mismatches"] += 1
+                self._finish(request, error=_mismatch(name, by_rank, self.ranks))
+                continue
+            self.cache.put(name, request.sig)
+            if tl is not None:
+                tl.begin(name, "QUEUE")
+            runnable.append(request)
+        for batch in self._batches(runnable):
+            self._execute(batch)
+
+    def _batches(self, requests: list[Request]) -> list[list[Request]]:
+        """Groups ready allreduces of one dtype, op and scale up to the fusion threshold."""
+        batches: list[list[Request]] = []
+        open_: dict[tuple, tuple[list[Request], int]] = {}
+        for q in requests:
+            if q.kind != "allreduce":
+                batches.append([q])
+                continue
+            key = (q.sig[1], q.sig[3], q.sig[5], q.sig[6])
+            nbytes = q.flat.nbytes
+            group = open_.get(key)
+            if group is not None and group[1] + nbytes <= self.fusion_threshold:
+                group[0].append(q)
+                open_[key] = (group[0], group[1] + nbytes)
+            else:
+                batch: list[Request] = [q]
+                batches.append(batch)
+                open_[key] = (batch, nbytes)
+        return batches
+
+    # ------------------------------------------------------------------ execution
+    def _execute(self, batch: list[Request]) -> None:
+        tl = self.timeline
+        head = batch[0]
+        if tl is not None:
+            for q in batch:
+                tl.end(q.name, "QUEUE")
+        try:
+            if head.kind == "allreduce":
+                results = self._allreduce(batch, tl)
+            else:
+                phase = head.kind.upper()
+                if tl is not None:
+                    tl.begin(head.name, phase)
+                try:
+                    value = head.run(self.world)
+                finally:
+                    if tl is not None:
+                        tl.end(head.name, phase)
+                results = [head.finish(value) if head.finish else value]
+        except GradsyncError:
+            raise  # the World is broken: the loop fails everything
+        except Exception as exc:  # noqa: BLE001  (a local error in finishing the result)
+            for q in batch:
+                self._finish(q, error=exc)
+            return
+        for q, result in zip(batch, results):
+            self._finish(q, result=result)
+
+    def _allreduce(self, batch: list[Request], tl) -> list:
+        head = batch[0]
+        _, dtype, _, op_name, _, pre, post = head.sig
+        op = _OPS[op_name]
+        if len(batch) == 1:
+            flat = head.flat
+        else:
+            self.stats["fused_batches"] += 1
+            self.stats["fused_tensors"] += len(batch)
+            total = sum(q.flat.size for q in batch)
+            flat = self._fusion_buffer(head.flat.dtype, total)
+            offset = 0
+            for q in batch:
+                if tl is not None:
+                    tl.begin(q.name, "MEMCPY_IN_FUSION_BUFFER")
+                flat[offset:offset + q.flat.size] = q.flat
+                offset += q.flat.size
+                if tl is not None:
+                    tl.end(q.name, "MEMCPY_IN_FUSION_BUFFER")
+        if tl is not None:
+            for q in batch:
+                tl.begin(q.name, "ALLREDUCE", {"fused": len(batch), "bytes": int(flat.nbytes)})
+        try:
+            name = head.name if len(batch) == 1 else f"{head.name}+{len(batch) - 1}"
+            ops.allreduce(self.world, flat, head.dtype_tag, op, name=name, shape=flat.shape,
+                          prescale=pre, postscale=post)
+        finally:
+            if tl is not None:
+                for q in batch:
+                    tl.end(q.name, "ALLREDUCE")
+        if len(batch) > 1:
+            offset = 0
+            for q in batch:
+                if tl is not None:
+                    tl.begin(q.name, "MEMCPY_OUT_FUSION_BUFFER")
+                q.flat[...] = flat[offset:offset + q.flat.size]
+                offset += q.flat.size
+                if tl is not None:
+                    tl.end(q.name, "MEMCPY_OUT_FUSION_BUFFER")
+        return [q.finish() if q.finish else q.flat for q in batch]
+
+    def _fusion_buffer(self, dtype, count: int) -> np.ndarray:
+        buf = self._fusion.get(dtype)
+        if buf is None or buf.size < count:
+            buf = self._fusion[dtype] = np.empty(max(count, 1024), dtype=dtype)
+        return buf[:count]
+
+    def _finish(self, request: Request, result=None, error: BaseException | None = None):
+        with self._cv:
+            self._mine.pop(request.name, None)
+        request.handle._finish(result=result, error=error)
+
+    def _close(self, error: BaseException) -> None:
+        with self._cv:
+            self._closed = error
+            pending = list(self._mine.values())
+            self._mine.clear()
+            self._new.clear()
+        for q in pending:
+            q.handle._finish(error=error)
+
+
+def _op_table() -> dict:
+    from .collectives.ops import ReduceOp
+    return {op.name: op for op in ReduceOp}
+
+
+_OPS = _op_table()
