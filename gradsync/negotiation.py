@@ -27,6 +27,12 @@ operation does not run: every rank's handle raises ``CollectiveMismatchError`` (
 RuntimeError) naming what each rank issued, and the World stays usable. A second request with
 the name of one still in flight on this rank raises ValueError at once.
 
+Join. A rank that runs out of data announces ``join``. From then on an operation is ready once
+every rank that has not joined announced it; the joined rank runs a zero allreduce in its own
+place (built from the others' signature), and any other kind fails with RuntimeError on the
+ranks that issued it, as in Horovod. ``join`` itself is ready when every rank announced it,
+and returns the rank whose announcement came last in agreed order.
+
 Fusion. Ready allreduces with the same dtype, op and scale factors are packed, in agreed order,
 into one buffer of at most ``fusion_threshold`` bytes and reduced by one collective.
 
@@ -62,12 +68,16 @@ from typing import Any, Callable
 import numpy as np
 
 from . import operations as ops
+from .collectives.ops import BFLOAT16
 from .engine import Handle
 from .errors import CollectiveMismatchError, GradsyncError
 
 __all__ = ["Controller", "Request", "ResponseCache"]
 
 log = logging.getLogger("gradsync")
+
+JOIN = "join"
+"""The name of the join operation (``Controller.join``)."""
 
 _MIN_IDLE = 0.001
 _MAX_IDLE = 0.02
@@ -94,7 +104,7 @@ class Request:
             the others: called with ``run``'s result). Default: identity.
     """
 
-    __slots__ = ("name", "kind", "sig", "flat", "dtype_tag", "run", "finish", "handle")
+    __slots__ = ("name", "kind", "sig", "flat", "dtype_tag", "run", "finish", "handle", "joined")
 
     def __init__(self, name: str, kind: str, dtype: str, shape: tuple, *, op: str | None = None,
                  root: int | None = None, scale: tuple = (1.0, 1.0), flat=None, dtype_tag=None,
@@ -105,6 +115,7 @@ class Request:
         self.flat, self.dtype_tag = flat, dtype_tag
         self.run, self.finish = run, finish
         self.handle = Handle(name)
+        self.joined = False  # a stand-in for a rank that has joined (see Controller.join)
 
 
 def _match_key(sig: tuple) -> tuple:
@@ -205,6 +216,9 @@ class Controller:
         self.world, self.label, self.ranks = world, label, list(ranks)
         self.fusion_threshold = fusion_threshold
         self.timeline = timeline
+        self.on_stand_in: Callable[[str], None] | None = None
+        """Called with the name of each operation this rank joins in (or is excused from)
+        without having issued it, while it is joined."""
         self.cache = ResponseCache()
         self.stats = collections.Counter()
         self._cv = threading.Condition()
@@ -212,6 +226,7 @@ class Controller:
         self._mine: dict[str, Request] = {}
         self._table: dict[str, tuple[int, dict[int, tuple]]] = {}
         self._order = 0
+        self._joined: list[int] = []  # ranks that announced join, in agreed order
         self._stop_requested = False
         self._closed: BaseException | None = None
         self._fusion: dict[Any, np.ndarray] = {}
@@ -243,6 +258,12 @@ class Controller:
                          {"signature": describe(request.sig)})
             self._cv.notify()
         return request.handle
+
+    def join(self) -> Handle:
+        """Announces that this rank has joined; the Handle returns the global rank that joined
+        last, once every rank has. Meanwhile this rank contributes zeros to the others'
+        allreduces, and their other operations fail (as in Horovod)."""
+        return self.submit(Request(JOIN, JOIN, "none", ()))
 
     def stop(self, timeout: float | None = None) -> None:
         """Ends the loop once every rank of the World has asked to (see the module comment)."""
@@ -312,19 +333,30 @@ class Controller:
                 for r in range(self.world.size)]
 
     def _absorb(self, payloads: list[tuple]) -> tuple[list[tuple[str, dict]], bool]:
-        """Adds every rank's announcements to the table; returns the ready ones in order."""
+        """Adds every rank's announcements to the table; returns the ready ones in order.
+
+        An operation is ready when every rank that has not joined announced it (``join``
+        itself: when every rank has joined)."""
         size, touched, announced = self.world.size, [], False
+        joined_before = len(self._joined)
         for r, (_, mask, full) in enumerate(payloads):
             for name, sig in [self.cache.entry(b) for b in _bits_of(mask)] + full:
                 announced = True
+                if name == JOIN:
+                    self._joined.append(r)
                 entry = self._table.get(name)
                 if entry is None:
                     entry = self._table[name] = (self._order, {})
                     self._order += 1
                 entry[1][r] = sig
-                if len(entry[1]) == size:
-                    touched.append(name)
-        ready = sorted(((self._table[n][0], n) for n in touched))
+                touched.append(name)
+        if len(self._joined) != joined_before:
+            touched = list(self._table)  # fewer ranks to wait for: anything may be ready now
+        active = size - len(self._joined)
+        ready = sorted({(self._table[n][0], n) for n in touched
+                        if n in self._table and (
+                            len(self._table[n][1]) == size if n == JOIN else
+                            len(set(self._table[n][1]) - set(self._joined)) == active)})
         return [(n, self._table.pop(n)[1]) for _, n in ready], announced
 
     def _run_ready(self, ready: list[tuple[str, dict]]) -> None:
@@ -334,8 +366,16 @@ class Controller:
             with self._cv:
                 request = self._mine.get(name)
             keys = {_match_key(sig) for sig in by_rank.values()}
-            if tl is not None:
+            if tl is not None and request is not None:
                 tl.end(name)
+            if name == JOIN:
+                last, self._joined = self._joined[-1], []
+                self._finish(request, result=self.ranks[last])
+                continue
+            if self._joined and (request is None or len(by_rank) < self.world.size):
+                request = self._for_joined(name, by_rank, request)
+                if request is None:
+                    continue
             if len(keys) > 1:
                 self.stats["mismatches"] += 1
                 self._finish(request, error=_mismatch(name, by_rank, self.ranks))
@@ -346,6 +386,31 @@ class Controller:
             runnable.append(request)
         for batch in self._batches(runnable):
             self._execute(batch)
+
+    def _for_joined(self, name: str, by_rank: dict, request: Request | None) -> Request | None:
+        """An operation that runs while some ranks have joined: the joined ranks contribute
+        zeros to an allreduce (averages still divide by every rank, as in Horovod); any other
+        kind fails on the ranks that issued it."""
+        sig = next(iter(by_rank.values()))
+        joined = sorted(self.ranks[r] for r in set(self._joined))
+        if request is None and self.on_stand_in is not None:
+            self.on_stand_in(name)
+        if sig[0] != "allreduce":
+            if request is not None:
+                self._finish(request, error=RuntimeError(
+                    f"{sig[0]} '{name}' cannot run while ranks {joined} have joined (only "
+                    "allreduce takes zeros from joined ranks, as in Horovod)"))
+            return None
+        if request is not None:
+            return request
+        dtype = sig[1]
+        tag = BFLOAT16 if dtype == BFLOAT16 else np.dtype(dtype)
+        flat = np.zeros(int(np.prod(sig[2], dtype=np.int64)),
+                        dtype=np.int16 if dtype == BFLOAT16 else tag)
+        zeros = Request(name, "allreduce", dtype, sig[2], op=sig[3], scale=sig[5:],
+                        flat=flat, dtype_tag=tag)
+        zeros.joined = True
+        return zeros
 
     def _batches(self, requests: list[Request]) -> list[list[Request]]:
         """Groups ready allreduces of one dtype, op and scale up to the fusion threshold."""
@@ -444,6 +509,8 @@ class Controller:
         return buf[:count]
 
     def _finish(self, request: Request, result=None, error: BaseException | None = None):
+        if request.joined:
+            return
         with self._cv:
             self._mine.pop(request.name, None)
         request.handle._finish(result=result, error=error)

@@ -14,8 +14,9 @@ One round (one optimizer step), on each rank:
 1. backward. ``Tensor.register_post_accumulate_grad_hook`` reports each parameter whose
    gradient has been accumulated. After ``backward_passes_per_step`` reports, the gradient is
    copied into its view of its bucket (``buckets.py``). When a bucket is complete and every
-   earlier bucket has been launched, its allreduce goes to the engine's progress thread
-   (``allreduce_async_``) and runs while backward computes the next gradients.
+   earlier bucket has been launched, its allreduce goes to the process set's controller
+   (``allreduce_async_``; ``gradsync/negotiation.py``), which runs it (fused with other ready
+   buckets) while backward computes the next gradients.
 2. ``step()`` or ``synchronize()``. Buckets not launched yet, because a member got no gradient
    (a parameter unused this step, a branch this rank did not take) or fewer passes than
    expected, are completed with what is there (zeros for a missing gradient, as Horovod does)
@@ -29,7 +30,7 @@ a gradient changed in place then (clipping too early) would be lost or race with
 version counters of the gradients and buckets, recorded when they were staged and launched,
 turn that into an error.
 
-Averaging: with ``op=Average`` the engine divides the sum by the number of ranks. With a
+Averaging: with ``op=Average`` the collective divides the sum by the number of ranks. With a
 ``gradient_predivide_factor`` f, each rank's gradients are multiplied by 1/f before the sum
 and the result by f after the division (1/size overall; the split keeps half-precision sums
 in range). Compression casts each bucket to the wire dtype before its allreduce and back
@@ -45,17 +46,17 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from .. import api as gs
 from ..collectives.ops import Average, ReduceOp, Sum
 from .buckets import Bucket, assign_buckets, check_layout
 from .compression import Compression, Compressor
+from . import process_sets as _psets
 from . import requests as _requests
 from .mpi_ops import _ADASUM, Adasum, ProcessSet, _check_process_set, global_process_set
 
 __all__ = ["DistributedOptimizer"]
 
 _LIVE: "weakref.WeakSet[_DistributedOptimizer]" = weakref.WeakSet()
-"""DistributedOptimizers with hooks registered; ``join()`` follows their buckets."""
+"""DistributedOptimizers with hooks registered (``join()`` checks that none is mid-round)."""
 
 _OWNER = "_gradsync_optimizer"
 """Attribute of a managed parameter: a weak reference to the optimizer whose hook it carries."""
@@ -80,10 +81,9 @@ class _DistributedOptimizer:
                   backward_passes_per_step: int, op: ReduceOp,
                   gradient_predivide_factor: float, groups, sparse_as_dense: bool,
                   process_set: ProcessSet = global_process_set) -> None:
-        # The global set keeps the issue-order engine of the job's World: every rank plans
-        # the same buckets (check_layout verifies it) and launches them in the same order, so
-        # negotiation would only add a cycle. Another set's buckets go through its controller.
-        self._gs_process_set = None if process_set is global_process_set else process_set
+        # Buckets go through the set's controller like any Horovod-API allreduce: a rank
+        # that has joined then contributes zeros to them (join.py).
+        self._gs_process_set = process_set
         self._gs_names = _parameter_names(self.param_groups, named_parameters)
         self._gs_groups = _check_groups(groups, self.param_groups)
         self._gs_compression = compression
@@ -206,19 +206,12 @@ class _DistributedOptimizer:
             self._gs_launch(buckets[self._gs_next])
 
     def _gs_launch(self, bucket: Bucket) -> None:
-        if bucket.flag is not None:
-            bucket.flag.fill_(1)  # "this rank is still training", for ranks that joined
         bucket.pending = 0
         bucket.wire, bucket.ctx = self._gs_compression.compress(bucket.buffer)
         prescale, postscale = self._gs_scale
-        ps = self._gs_process_set
-        if ps is None:
-            bucket.handle = gs.allreduce_async_(bucket.wire, op=self.op, name=bucket.name,
-                                                prescale_factor=prescale,
-                                                postscale_factor=postscale)
-        else:
-            bucket.handle = _requests.allreduce(bucket.wire, bucket.name, self.op, prescale,
-                                                postscale, ps, inplace=True, asynchronous=True)
+        bucket.handle = _requests.allreduce(bucket.wire, bucket.name, self.op, prescale,
+                                            postscale, self._gs_process_set, inplace=True,
+                                            asynchronous=True)
         # Views share their base's version counter, and the allreduce writes through NumPy
         # without bumping it: any change seen in _gs_finish came from an in-place op on a grad.
         bucket.version = bucket.buffer._version
@@ -245,29 +238,10 @@ class _DistributedOptimizer:
             param.grad = view.to_sparse(sparse[slot]) if slot in sparse else view
 
     def _gs_size(self) -> int:
-        ps = self._gs_process_set
-        return gs.size() if ps is None else len(ps.ranks)
+        return len(_psets.controller(self._gs_process_set).ranks)
 
     def _gs_allgather_object(self, obj, name: str) -> list:
-        ps = self._gs_process_set
-        if ps is None:
-            return gs.allgather_object(obj, name=name)
-        return _requests.allgather_object(obj, name, ps)
-
-    def _gs_follow_round(self) -> bool:
-        """On a rank that has joined: contributes zeros to one round of the others' buckets.
-
-        Returns:
-            False, after the first bucket, if its join flag shows that no rank is training.
-        """
-        prescale, postscale = self._gs_scale
-        for bucket in self._gs_buckets:
-            wire, ctx = self._gs_compression.compress(torch.zeros_like(bucket.buffer))
-            gs.allreduce_(wire, op=self.op, name=bucket.name, prescale_factor=prescale,
-                          postscale_factor=postscale)
-            if bucket.flag is not None and not self._gs_compression.decompress(wire, ctx)[-1]:
-                return False
-        return True
+        return _requests.allgather_object(obj, name, self._gs_process_set)
 
     def _gs_check_usable(self) -> None:
         if self._gs_superseded:

@@ -21,6 +21,7 @@ from typing import Sequence
 
 from .. import api as gs
 from ..negotiation import Controller
+from . import requests
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
            "controller", "start", "stop", "set_timeline", "all_controllers"]
@@ -90,7 +91,6 @@ class _Registry:
         self.controllers: dict[int, Controller] = {}
         self.worlds: dict[int, object] = {}
         self.ids = itertools.count(1)
-        self.serial = itertools.count()
         self.timeline = None
 
 
@@ -103,12 +103,13 @@ def _registry() -> _Registry:
     return _reg
 
 
-def _connect(ranks: list[int], label: str) -> Controller:
+def _connect(pid: int, ranks: list[int], label: str) -> Controller:
     world = gs._w()
-    name = f"hvd{next(_reg.serial)}"
+    name = f"hvd{pid}"  # ids are never reused within one init, so names are unique
     sub = world.subworld(ranks, name, base=world.store._base.clone())
     ctl = Controller(sub, label, ranks, world.config.fusion_threshold, _reg.timeline)
     ctl.owned_world = sub
+    ctl.on_stand_in = lambda name: requests.skip_name(name, pid)
     return ctl
 
 
@@ -122,7 +123,7 @@ def start(process_sets: Sequence[ProcessSet] | None = None) -> None:
     global_process_set.ranks = list(range(n))
     global_process_set.process_set_id = 0
     _reg.sets[0] = global_process_set
-    _reg.controllers[0] = _connect(list(range(n)), "global")
+    _reg.controllers[0] = _connect(0, list(range(n)), "global")
     for ps in process_sets or ():
         if not isinstance(ps, ProcessSet):
             ps = ProcessSet(ps)
@@ -171,7 +172,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
                                  f"(as {existing})")
         pid = next(reg.ids)
         if gs.rank() in process_set.ranks:
-            reg.controllers[pid] = _connect(process_set.ranks, f"process set {pid}")
+            reg.controllers[pid] = _connect(pid, process_set.ranks, f"process set {pid}")
         process_set.process_set_id = pid
         reg.sets[pid] = process_set
     return process_set

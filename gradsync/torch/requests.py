@@ -13,7 +13,6 @@ request is announced, so no rank fails locally in the middle of a collective.
 from __future__ import annotations
 
 import collections
-import itertools
 
 import numpy as np
 
@@ -24,9 +23,9 @@ from ..tensors import is_torch, wrap
 from . import process_sets as psets
 
 __all__ = ["allreduce", "allgather", "broadcast", "reducescatter", "alltoall", "barrier",
-           "broadcast_object", "allgather_object", "reset_names"]
+           "broadcast_object", "allgather_object", "reset_names", "skip_name"]
 
-_unnamed: dict[tuple, itertools.count] = collections.defaultdict(itertools.count)
+_unnamed: dict[tuple, int] = collections.defaultdict(int)
 
 
 def reset_names() -> None:
@@ -34,9 +33,21 @@ def reset_names() -> None:
     _unnamed.clear()
 
 
+def skip_name(name: str, process_set_id: int) -> None:
+    """Counts an unnamed operation that this rank did not issue but took part in, or was
+    excused from, while joined (``Controller.on_stand_in``), so that its next unnamed call
+    gets the same name as the other ranks' next one."""
+    kind, sep, n = name.partition(".noname.")
+    if sep and n.isdigit():
+        key = (kind, process_set_id)
+        _unnamed[key] = max(_unnamed[key], int(n) + 1)
+
+
 def _name(kind: str, name: str | None, process_set) -> str:
     if name is None:
-        return f"{kind}.noname.{next(_unnamed[kind, process_set.process_set_id])}"
+        key = (kind, process_set.process_set_id)
+        n, _unnamed[key] = _unnamed[key], _unnamed[key] + 1
+        return f"{kind}.noname.{n}"
     return f"{kind}.{name}"
 
 
