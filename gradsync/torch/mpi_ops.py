@@ -6,8 +6,11 @@ gradsync's engine through ``gradsync.api``; this module only translates argument
 - ``op`` defaults to Average. ``average=True/False``, Horovod's deprecated spelling, maps to
   Average/Sum with a DeprecationWarning; giving both is a ValueError.
 - Arguments gradsync cannot honour raise instead of being ignored: a process set other than
-  the global one and ``Adasum`` raise NotImplementedError, a tensor that is not a dense CPU
-  tensor raises TypeError.
+  the global one raises NotImplementedError, a tensor that is not a dense CPU tensor raises
+  TypeError.
+- ``op=Adasum`` runs ``collectives/adasum.py`` (allreduce and grouped_allreduce forms only;
+  reducescatter raises, as in Horovod); a grouped Adasum passes each fused buffer's tensor
+  sizes along, so every tensor gets its own dot products.
 - ``grouped_allreduce`` fuses its tensors into one flat buffer per dtype, in order of first
   appearance, so the fusion is identical on every rank without any negotiation, and runs one
   allreduce per buffer.
@@ -31,8 +34,9 @@ from typing import Callable, Sequence
 import torch
 
 from .. import api as gs
-from ..collectives.ops import Average, Max, Min, Product, ReduceOp, Sum
+from ..collectives.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from ..engine import Handle
+from ..errors import GradsyncError
 from .compression import Compression, Compressor
 
 __all__ = [
@@ -40,11 +44,14 @@ __all__ = [
     "cross_rank", "cross_size",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
-    "grouped_allreduce_async_", "allgather", "allgather_async", "broadcast", "broadcast_",
+    "grouped_allreduce_async_", "grouped_allgather", "grouped_allgather_async",
+    "grouped_reducescatter", "grouped_reducescatter_async", "sparse_allreduce_async",
+    "allgather", "allgather_async", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async", "reducescatter",
     "reducescatter_async", "barrier", "synchronize", "poll",
     "Average", "Sum", "Min", "Max", "Product", "Adasum", "ReduceOp",
     "ProcessSet", "global_process_set", "add_process_set", "GroupedHandle",
+    "HorovodInternalError",
 ]
 
 is_initialized, shutdown = gs.is_initialized, gs.shutdown
@@ -52,17 +59,9 @@ rank, size, local_rank, local_size = gs.rank, gs.size, gs.local_rank, gs.local_s
 cross_rank, cross_size = gs.cross_rank, gs.cross_size
 
 
-class _AdasumOp:
-    """Horovod's Adasum reduction. gradsync does not implement it: passing it raises."""
-
-    def __repr__(self) -> str:
-        return "gradsync.torch.Adasum"
-
-
-Adasum = _AdasumOp()
-
-_ADASUM = ("op=Adasum is not supported by gradsync: use op=Average (the default) or op=Sum; "
-           "Adasum's scale-invariant combination of gradients has no gradsync implementation")
+HorovodInternalError = GradsyncError
+"""Horovod's error for a failed collective: here the root of gradsync's distributed errors
+(a RuntimeError, as Horovod's is), so ``except hvd.HorovodInternalError`` catches them."""
 
 
 class ProcessSet:
@@ -140,10 +139,8 @@ def _resolve_op(op, average: bool | None) -> ReduceOp:
         return Average if average else Sum
     if op is None:
         return Average
-    if op is Adasum:
-        raise NotImplementedError(_ADASUM)
     if not isinstance(op, ReduceOp):
-        raise TypeError(f"op must be Average, Sum, Min, Max or Product; got {op!r}")
+        raise TypeError(f"op must be Average, Sum, Min, Max, Product or Adasum; got {op!r}")
     return op
 
 
@@ -196,7 +193,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         average: deprecated; True means op=Average, False op=Sum.
         name: identifies the collective in error reports; ranks must agree on it.
         compression: applied before the allreduce and undone after it.
-        op: Average (default), Sum, Min, Max or Product.
+        op: Average (default), Sum, Min, Max, Product or Adasum (floating point only).
         prescale_factor: multiplies the input before the reduction.
         postscale_factor: multiplies the result after it (and after averaging).
         process_set: only the global process set is supported.
@@ -268,11 +265,10 @@ def _grouped(tensors: list[torch.Tensor], op: ReduceOp, name: str | None, presca
         by_dtype.setdefault(t.dtype, []).append(i)
     groups = list(by_dtype.values())  # dicts keep insertion order: first appearance, every rank
     buffers = [torch.cat([tensors[i].detach().reshape(-1) for i in group]) for group in groups]
-    handles = [gs.allreduce_async_(buf, op=op, prescale_factor=prescale,
-                                   postscale_factor=postscale,
-                                   name=None if name is None else
-                                   f"{name}.{str(buf.dtype).removeprefix('torch.')}")
-               for buf in buffers]
+    handles = [_start_fused(buf, [tensors[i].numel() for i in group], op, prescale, postscale,
+                            None if name is None else
+                            f"{name}.{str(buf.dtype).removeprefix('torch.')}")
+               for group, buf in zip(groups, buffers)]
 
     def finish() -> list[torch.Tensor]:
         out: list[torch.Tensor] = list(tensors)
@@ -288,6 +284,16 @@ def _grouped(tensors: list[torch.Tensor], op: ReduceOp, name: str | None, presca
         return list(tensors)
 
     return GroupedHandle(handles, finish)
+
+
+def _start_fused(buf: torch.Tensor, counts: list[int], op: ReduceOp, prescale: float,
+                 postscale: float, name: str | None) -> Handle:
+    """Starts the in-place allreduce of one fused buffer; Adasum learns where tensors end."""
+    if op is Adasum:  # per-tensor dot products, as if each tensor were reduced alone
+        return gs._allreduce(buf, op, name, prescale, postscale, "auto", True, True,
+                             counts=counts)
+    return gs.allreduce_async_(buf, op=op, prescale_factor=prescale, postscale_factor=postscale,
+                               name=name)
 
 
 def _grouped_args(tensors, average, op, process_set, function: str) -> tuple[list, ReduceOp]:
@@ -469,6 +475,21 @@ def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None,
 
 
 # ----------------------------------------------------------------------------- reducescatter
+def _reducescatter_op(op, function: str) -> ReduceOp:
+    op = _resolve_op(op, None)
+    if op is Adasum:
+        raise NotImplementedError(f"{function}: op=Adasum is not supported (as in Horovod); "
+                                  "Adasum combines whole vectors, use allreduce")
+    return op
+
+
+def _scattered_rows(tensor: torch.Tensor, function: str) -> torch.Tensor:
+    if tensor.dim() == 0:
+        raise ValueError(f"{function} scatters the rows of its tensor, so it needs at least one "
+                         "dimension; got a scalar (as in Horovod)")
+    return tensor
+
+
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, prescale, postscale):
@@ -493,9 +514,10 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
 
     Rows are split as evenly as possible; the first ``rows % size`` ranks get one more.
     """
-    op = _resolve_op(op, None)
+    op = _reducescatter_op(op, "reducescatter")
     _check_process_set(process_set)
-    wire, ctx = compression.compress(_cpu(tensor, "reducescatter"))
+    wire, ctx = compression.compress(_scattered_rows(_cpu(tensor, "reducescatter"),
+                                                     "reducescatter"))
     mine = _Reducescatter.apply(wire, name, op, prescale_factor, postscale_factor)
     return compression.decompress(mine, ctx)
 
@@ -504,9 +526,10 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op=Averag
                         process_set: ProcessSet = global_process_set,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Starts a ``reducescatter``; ``synchronize(handle)`` returns this rank's block."""
-    op = _resolve_op(op, None)
+    op = _reducescatter_op(op, "reducescatter_async")
     _check_process_set(process_set)
-    return gs.reducescatter_async(_cpu(tensor, "reducescatter_async"), op=op, name=name,
+    tensor = _scattered_rows(_cpu(tensor, "reducescatter_async"), "reducescatter_async")
+    return gs.reducescatter_async(tensor, op=op, name=name,
                                   prescale_factor=prescale_factor,
                                   postscale_factor=postscale_factor)
 

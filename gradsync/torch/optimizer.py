@@ -47,9 +47,10 @@ import torch
 
 from .. import api as gs
 from ..collectives.ops import Average, ReduceOp, Sum
+from . import adasum_optimizer
 from .buckets import Bucket, assign_buckets, check_layout
 from .compression import Compression, Compressor
-from .mpi_ops import _ADASUM, Adasum, ProcessSet, _check_process_set, global_process_set
+from .mpi_ops import Adasum, ProcessSet, _check_process_set, global_process_set
 
 __all__ = ["DistributedOptimizer"]
 
@@ -392,7 +393,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             ``optimizer`` (usually ``model.named_parameters()``); names appear in errors.
         compression: ``Compression.none``, ``.fp16``, ``.bf16`` or a custom compressor.
         backward_passes_per_step: backward passes accumulated locally per allreduce.
-        op: ``Average`` (default) or ``Sum``.
+        op: ``Average`` (default), ``Sum``, or ``Adasum``: each parameter's local update is
+            Adasum-reduced instead of the gradients (``adasum_optimizer.py``).
         gradient_predivide_factor: with ``Average``, scale by 1/f before the sum and by f/size
             after it.
         num_groups: deprecated spelling of an integer ``groups`` (as in Horovod).
@@ -404,21 +406,19 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
 
     Raises:
         ValueError: bad ``named_parameters`` (not pairs, duplicate names, an optimizer
-            parameter without a name), bad ``groups``, op other than Average/Sum, a predivide
-            factor with Sum.
-        NotImplementedError: ``op=Adasum`` or a non-global ``process_set``.
+            parameter without a name), bad ``groups``, op other than Average/Sum/Adasum, a
+            predivide factor with Sum or Adasum.
+        NotImplementedError: a non-global ``process_set``.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
-    if isinstance(optimizer, _DistributedOptimizer):
+    if isinstance(optimizer, (_DistributedOptimizer, adasum_optimizer.AdasumOptimizer)):
         raise ValueError("this optimizer is already a DistributedOptimizer")
     _check_process_set(process_set)
-    if op is Adasum:
-        raise NotImplementedError(_ADASUM)
-    if op not in (Average, Sum):
-        raise ValueError(f"DistributedOptimizer reduces gradients with op=Average or op=Sum, "
-                         f"got {op!r}")
+    if op not in (Average, Sum, Adasum):
+        raise ValueError(f"DistributedOptimizer reduces gradients with op=Average, op=Sum or "
+                         f"op=Adasum, got {op!r}")
     if gradient_predivide_factor <= 0:
         raise ValueError(f"gradient_predivide_factor must be positive, got "
                          f"{gradient_predivide_factor}")
@@ -432,6 +432,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         warnings.warn("num_groups is deprecated (as in Horovod): use groups", DeprecationWarning,
                       stacklevel=2)
         groups = num_groups if groups is None else groups
+    if op is Adasum:
+        return adasum_optimizer.wrap(optimizer,
+                                     _parameter_names(optimizer.param_groups, named_parameters),
+                                     compression, backward_passes_per_step, groups,
+                                     sparse_as_dense)
     base = type(optimizer)
     cls = _CLASSES.get(base)
     if cls is None:
