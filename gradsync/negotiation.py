@@ -68,7 +68,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import operations as ops
-from .collectives.ops import BFLOAT16
+from .collectives.ops import BFLOAT16, ReduceOp
 from .engine import Handle
 from .errors import CollectiveMismatchError, GradsyncError
 
@@ -102,18 +102,22 @@ class Request:
         run: for the other kinds, ``run(world)`` performs the collective and returns the result.
         finish: turns what ran into the caller's result (allreduce: called with no argument;
             the others: called with ``run``'s result). Default: identity.
+        counts: for an Adasum allreduce of several tensors packed in ``flat``, their sizes.
     """
 
-    __slots__ = ("name", "kind", "sig", "flat", "dtype_tag", "run", "finish", "handle", "joined")
+    __slots__ = ("name", "kind", "sig", "flat", "dtype_tag", "run", "finish", "handle", "joined",
+                 "counts")
 
     def __init__(self, name: str, kind: str, dtype: str, shape: tuple, *, op: str | None = None,
                  root: int | None = None, scale: tuple = (1.0, 1.0), flat=None, dtype_tag=None,
-                 run: Callable | None = None, finish: Callable | None = None):
+                 run: Callable | None = None, finish: Callable | None = None,
+                 counts: list[int] | None = None):
         self.name, self.kind = name, kind
         self.sig = (kind, dtype, tuple(int(d) for d in shape), op, root,
                     float(scale[0]), float(scale[1]))
         self.flat, self.dtype_tag = flat, dtype_tag
         self.run, self.finish = run, finish
+        self.counts = counts
         self.handle = Handle(name)
         self.joined = False  # a stand-in for a rank that has joined (see Controller.join)
 
@@ -485,8 +489,11 @@ class Controller:
                 tl.begin(q.name, "ALLREDUCE", {"fused": len(batch), "bytes": int(flat.nbytes)})
         try:
             name = head.name if len(batch) == 1 else f"{head.name}+{len(batch) - 1}"
+            counts = None
+            if op is ReduceOp.ADASUM:  # each tensor gets its own dot products
+                counts = [c for q in batch for c in (q.counts or [q.flat.size])]
             ops.allreduce(self.world, flat, head.dtype_tag, op, name=name, shape=flat.shape,
-                          prescale=pre, postscale=post)
+                          prescale=pre, postscale=post, counts=counts)
         finally:
             if tl is not None:
                 for q in batch:
@@ -525,9 +532,4 @@ class Controller:
             q.handle._finish(error=error)
 
 
-def _op_table() -> dict:
-    from .collectives.ops import ReduceOp
-    return {op.name: op for op in ReduceOp}
-
-
-_OPS = _op_table()
+_OPS = {op.name: op for op in ReduceOp}

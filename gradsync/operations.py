@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import pickle
 import time
+import zlib
 
 import numpy as np
 
+from .collectives import adasum
 from .collectives import alltoall as _alltoall
 from .collectives import doubling, halving_doubling, hierarchical, ring, tree
 from .collectives.ops import BFLOAT16, ReduceOp, make_reducer
@@ -65,21 +67,37 @@ def _run_allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, algorithm: str)
 
 
 def allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, *, name: str, shape: tuple,
-              prescale: float = 1.0, postscale: float = 1.0, algorithm: str = "auto") -> None:
-    """Reduces ``flat`` in place across all ranks."""
-    alg = choose_allreduce(flat.nbytes, world.size, algorithm, world.config,
-                           world.shm_group is not None, world.topology)
+              prescale: float = 1.0, postscale: float = 1.0, algorithm: str = "auto",
+              counts: list[int] | None = None) -> None:
+    """Reduces ``flat`` in place across all ranks.
+
+    ``counts`` (Adasum only) cuts ``flat`` into the tensors fused in it: each gets its own
+    dot products, as if reduced alone. Adasum ignores ``algorithm``.
+    """
+    if op is ReduceOp.ADASUM:
+        alg = f"adasum tensors={len(counts) if counts else 1} crc={_crc(counts)}"
+    else:
+        alg = choose_allreduce(flat.nbytes, world.size, algorithm, world.config,
+                               world.shm_group is not None, world.topology)
     world.comm.begin(f"allreduce '{name}' {_dt(dtype)}{list(shape)} op={op.name} "
                      f"prescale={prescale} postscale={postscale} algorithm={alg}",
                      world.config.check_collectives)
     if prescale != 1.0:
         scale(flat, dtype, prescale)
     if world.size > 1 and flat.size:
-        _run_allreduce(world, flat, dtype, op, alg)
+        if op is ReduceOp.ADASUM:
+            adasum.allreduce(world.comm, flat, dtype, counts)
+        else:
+            _run_allreduce(world, flat, dtype, op, alg)
     if op is ReduceOp.AVERAGE and world.size > 1:
         scale(flat, dtype, world.size, divide=True)
     if postscale != 1.0:
         scale(flat, dtype, postscale)
+
+
+def _crc(counts: list[int] | None) -> int:
+    """A digest of an Adasum fusion layout, so that ranks fusing differently fail to match."""
+    return 0 if not counts else zlib.crc32(np.asarray(counts, dtype=np.int64).tobytes())
 
 
 def _dt(dtype) -> str:

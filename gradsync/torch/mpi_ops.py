@@ -11,9 +11,13 @@ This module only translates arguments:
 
 - ``op`` defaults to Average. ``average=True/False``, Horovod's deprecated spelling, maps to
   Average/Sum with a DeprecationWarning; giving both is a ValueError.
-- Arguments gradsync cannot honour raise instead of being ignored: ``Adasum`` raises
-  NotImplementedError, a tensor that is not a dense CPU tensor raises TypeError, a process set
-  this rank is not a member of raises ValueError.
+- Arguments gradsync cannot honour raise instead of being ignored: a tensor that is not a
+  dense CPU tensor raises TypeError, a process set this rank is not a member of (or one not
+  registered) raises ValueError.
+- ``op=Adasum`` runs ``collectives/adasum.py`` (allreduce and grouped_allreduce forms only;
+  reducescatter raises, as in Horovod); a grouped Adasum passes each fused buffer's tensor
+  sizes along, so every tensor gets its own dot products (and so does the controller when it
+  fuses Adasum allreduces).
 - ``grouped_allreduce`` fuses its tensors into one flat buffer per dtype, in order of first
   appearance, and issues one allreduce per buffer.
 - The synchronous out-of-place forms are autograd functions with Horovod's gradients:
@@ -38,8 +42,9 @@ from typing import Callable, Sequence
 import torch
 
 from .. import api as gs
-from ..collectives.ops import Average, Max, Min, Product, ReduceOp, Sum
+from ..collectives.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from ..engine import Handle
+from ..errors import GradsyncError
 from . import process_sets as _psets
 from . import requests as _requests
 from .compression import Compression, Compressor
@@ -50,12 +55,14 @@ __all__ = [
     "cross_rank", "cross_size",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
-    "grouped_allreduce_async_", "allgather", "allgather_async", "broadcast", "broadcast_",
+    "grouped_allreduce_async_", "grouped_allgather", "grouped_allgather_async",
+    "grouped_reducescatter", "grouped_reducescatter_async", "sparse_allreduce_async",
+    "allgather", "allgather_async", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async", "reducescatter",
     "reducescatter_async", "barrier", "synchronize", "poll",
     "Average", "Sum", "Min", "Max", "Product", "Adasum", "ReduceOp",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-    "GroupedHandle", "start_timeline", "stop_timeline",
+    "GroupedHandle", "start_timeline", "stop_timeline", "HorovodInternalError",
 ]
 
 is_initialized = gs.is_initialized
@@ -63,17 +70,9 @@ rank, size, local_rank, local_size = gs.rank, gs.size, gs.local_rank, gs.local_s
 cross_rank, cross_size = gs.cross_rank, gs.cross_size
 
 
-class _AdasumOp:
-    """Horovod's Adasum reduction. gradsync does not implement it: passing it raises."""
-
-    def __repr__(self) -> str:
-        return "gradsync.torch.Adasum"
-
-
-Adasum = _AdasumOp()
-
-_ADASUM = ("op=Adasum is not supported by gradsync: use op=Average (the default) or op=Sum; "
-           "Adasum's scale-invariant combination of gradients has no gradsync implementation")
+HorovodInternalError = GradsyncError
+"""Horovod's error for a failed collective: here the root of gradsync's distributed errors
+(a RuntimeError, as Horovod's is), so ``except hvd.HorovodInternalError`` catches them."""
 
 
 def init(comm=None, process_sets=None, **settings) -> None:
@@ -147,10 +146,8 @@ def _resolve_op(op, average: bool | None) -> ReduceOp:
         return Average if average else Sum
     if op is None:
         return Average
-    if op is Adasum:
-        raise NotImplementedError(_ADASUM)
     if not isinstance(op, ReduceOp):
-        raise TypeError(f"op must be Average, Sum, Min, Max or Product; got {op!r}")
+        raise TypeError(f"op must be Average, Sum, Min, Max, Product or Adasum; got {op!r}")
     return op
 
 
@@ -202,7 +199,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         average: deprecated; True means op=Average, False op=Sum.
         name: identifies the collective in error reports; ranks must agree on it.
         compression: applied before the allreduce and undone after it.
-        op: Average (default), Sum, Min, Max or Product.
+        op: Average (default), Sum, Min, Max, Product or Adasum (floating point only).
         prescale_factor: multiplies the input before the reduction.
         postscale_factor: multiplies the result after it (and after averaging).
         process_set: the ranks that reduce (default: all); this rank must be one of them.
@@ -277,8 +274,9 @@ def _grouped(tensors: list[torch.Tensor], op: ReduceOp, name: str | None, presca
     handles = [_requests.allreduce(buf, None if name is None else
                                    f"{name}.{str(buf.dtype).removeprefix('torch.')}",
                                    op, prescale, postscale, process_set, inplace=True,
-                                   asynchronous=True)
-               for buf in buffers]
+                                   asynchronous=True,
+                                   counts=[tensors[i].numel() for i in group])
+               for group, buf in zip(groups, buffers)]
 
     def finish() -> list[torch.Tensor]:
         out: list[torch.Tensor] = list(tensors)
@@ -491,6 +489,21 @@ def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None,
 
 
 # ----------------------------------------------------------------------------- reducescatter
+def _reducescatter_op(op, function: str) -> ReduceOp:
+    op = _resolve_op(op, None)
+    if op is Adasum:
+        raise NotImplementedError(f"{function}: op=Adasum is not supported (as in Horovod); "
+                                  "Adasum combines whole vectors, use allreduce")
+    return op
+
+
+def _scattered_rows(tensor: torch.Tensor, function: str) -> torch.Tensor:
+    if tensor.dim() == 0:
+        raise ValueError(f"{function} scatters the rows of its tensor, so it needs at least one "
+                         "dimension; got a scalar (as in Horovod)")
+    return tensor
+
+
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, prescale, postscale, process_set):
@@ -514,9 +527,10 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
 
     Rows are split as evenly as possible; the first ``rows % size`` ranks get one more.
     """
-    op = _resolve_op(op, None)
+    op = _reducescatter_op(op, "reducescatter")
     _check_process_set(process_set)
-    wire, ctx = compression.compress(_cpu(tensor, "reducescatter"))
+    wire, ctx = compression.compress(_scattered_rows(_cpu(tensor, "reducescatter"),
+                                                     "reducescatter"))
     mine = _Reducescatter.apply(wire, name, op, prescale_factor, postscale_factor, process_set)
     return compression.decompress(mine, ctx)
 
@@ -525,11 +539,11 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op=Averag
                         process_set: ProcessSet = global_process_set,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Starts a ``reducescatter``; ``synchronize(handle)`` returns this rank's block."""
-    op = _resolve_op(op, None)
+    op = _reducescatter_op(op, "reducescatter_async")
     _check_process_set(process_set)
-    return _requests.reducescatter(_cpu(tensor, "reducescatter_async"), name, op,
-                                   prescale_factor, postscale_factor, process_set,
-                                   asynchronous=True)
+    tensor = _scattered_rows(_cpu(tensor, "reducescatter_async"), "reducescatter_async")
+    return _requests.reducescatter(tensor, name, op, prescale_factor, postscale_factor,
+                                   process_set, asynchronous=True)
 
 
 # ----------------------------------------------------------------------------- the rest

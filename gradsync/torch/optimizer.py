@@ -47,11 +47,12 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from ..collectives.ops import Average, ReduceOp, Sum
+from . import adasum_optimizer
 from .buckets import Bucket, assign_buckets, check_layout
 from .compression import Compression, Compressor
 from . import process_sets as _psets
 from . import requests as _requests
-from .mpi_ops import _ADASUM, Adasum, ProcessSet, _check_process_set, global_process_set
+from .mpi_ops import Adasum, ProcessSet, _check_process_set, global_process_set
 
 __all__ = ["DistributedOptimizer"]
 
@@ -388,7 +389,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             ``optimizer`` (usually ``model.named_parameters()``); names appear in errors.
         compression: ``Compression.none``, ``.fp16``, ``.bf16`` or a custom compressor.
         backward_passes_per_step: backward passes accumulated locally per allreduce.
-        op: ``Average`` (default) or ``Sum``.
+        op: ``Average`` (default), ``Sum``, or ``Adasum``: each parameter's local update is
+            Adasum-reduced instead of the gradients (``adasum_optimizer.py``).
         gradient_predivide_factor: with ``Average``, scale by 1/f before the sum and by f/size
             after it.
         num_groups: deprecated spelling of an integer ``groups`` (as in Horovod).
@@ -401,21 +403,18 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
 
     Raises:
         ValueError: bad ``named_parameters`` (not pairs, duplicate names, an optimizer
-            parameter without a name), bad ``groups``, op other than Average/Sum, a predivide
-            factor with Sum.
-        NotImplementedError: ``op=Adasum``.
+            parameter without a name), bad ``groups``, op other than Average/Sum/Adasum, a
+            predivide factor with Sum or Adasum.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
-    if isinstance(optimizer, _DistributedOptimizer):
+    if isinstance(optimizer, (_DistributedOptimizer, adasum_optimizer.AdasumOptimizer)):
         raise ValueError("this optimizer is already a DistributedOptimizer")
     _check_process_set(process_set)
-    if op is Adasum:
-        raise NotImplementedError(_ADASUM)
-    if op not in (Average, Sum):
-        raise ValueError(f"DistributedOptimizer reduces gradients with op=Average or op=Sum, "
-                         f"got {op!r}")
+    if op not in (Average, Sum, Adasum):
+        raise ValueError(f"DistributedOptimizer reduces gradients with op=Average, op=Sum or "
+                         f"op=Adasum, got {op!r}")
     if gradient_predivide_factor <= 0:
         raise ValueError(f"gradient_predivide_factor must be positive, got "
                          f"{gradient_predivide_factor}")
@@ -429,6 +428,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         warnings.warn("num_groups is deprecated (as in Horovod): use groups", DeprecationWarning,
                       stacklevel=2)
         groups = num_groups if groups is None else groups
+    if op is Adasum:
+        if process_set is not global_process_set:
+            raise NotImplementedError("DistributedOptimizer(op=Adasum) runs on the global "
+                                      "process set only")
+        return adasum_optimizer.wrap(optimizer,
+                                     _parameter_names(optimizer.param_groups, named_parameters),
+                                     compression, backward_passes_per_step, groups,
+                                     sparse_as_dense)
     base = type(optimizer)
     cls = _CLASSES.get(base)
     if cls is None:

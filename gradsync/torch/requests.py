@@ -16,6 +16,7 @@ import collections
 
 import numpy as np
 
+from .. import api as gs
 from .. import operations as ops
 from ..collectives.ops import ReduceOp
 from ..negotiation import Request
@@ -64,10 +65,14 @@ def _set_rank(process_set, root: int, ctl) -> int:
 
 
 def allreduce(tensor, name, op: ReduceOp, prescale: float, postscale: float, process_set,
-              *, inplace: bool = False, asynchronous: bool = False):
-    """Allreduce (fusable with the other ready allreduces of its dtype, op and scale)."""
+              *, inplace: bool = False, asynchronous: bool = False, counts=None):
+    """Allreduce (fusable with the other ready allreduces of its dtype, op and scale).
+
+    ``counts`` (Adasum): the sizes of the tensors packed into ``tensor``, each of which gets
+    its own dot products."""
     psets.controller(process_set)
     buf = wrap(tensor, writable=inplace)
+    gs._check_op(op, buf.dtype)
     target = buf.flat if inplace else buf.flat.copy()
 
     def finish():
@@ -78,7 +83,7 @@ def allreduce(tensor, name, op: ReduceOp, prescale: float, postscale: float, pro
 
     request = Request(_name("allreduce", name, process_set), "allreduce", buf.dtype_name,
                       buf.shape, op=op.name, scale=(prescale, postscale), flat=target,
-                      dtype_tag=buf.dtype, finish=finish)
+                      dtype_tag=buf.dtype, finish=finish, counts=counts)
     return _issue(process_set, request, asynchronous)
 
 

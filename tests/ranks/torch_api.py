@@ -245,7 +245,11 @@ raises("unregistered process set", ValueError,
        lambda: hvd.allreduce(x, process_set=hvd.ProcessSet([0])))
 check("the global process set", hvd.allreduce(x, process_set=hvd.global_process_set), x)
 assert hvd.global_process_set.size() == N and hvd.global_process_set.rank() == R
-raises("Adasum", NotImplementedError, lambda: hvd.allreduce(x, op=hvd.Adasum))
+raises("reducescatter Adasum", NotImplementedError,
+       lambda: hvd.reducescatter(torch.ones(N, 2), op=hvd.Adasum))
+raises("Adasum of an integer tensor", TypeError,
+       lambda: hvd.allreduce(torch.ones(2, dtype=torch.int32), op=hvd.Adasum))
+raises("reducescatter of a scalar", ValueError, lambda: hvd.reducescatter(torch.tensor(1.0)))
 raises("init(comm=...)", NotImplementedError, lambda: hvd.init(comm=[0]))
 raises("a meta tensor", TypeError, lambda: hvd.allreduce(torch.ones(2, device="meta")))
 raises("a list", TypeError, lambda: hvd.allreduce([1.0, 2.0]))
