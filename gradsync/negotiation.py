@@ -343,9 +343,12 @@ class Controller:
         itself: when every rank has joined)."""
         size, touched, announced = self.world.size, [], False
         joined_before = len(self._joined)
+        tl, me = self.timeline, self.world.rank
         for r, (_, mask, full) in enumerate(payloads):
             for name, sig in [self.cache.entry(b) for b in _bits_of(mask)] + full:
                 announced = True
+                if tl is not None and r != me and name in self._mine:
+                    tl.instant(name, f"rank {self.ranks[r]} ready")
                 if name == JOIN:
                     self._joined.append(r)
                 entry = self._table.get(name)
@@ -484,9 +487,10 @@ class Controller:
                 offset += q.flat.size
                 if tl is not None:
                     tl.end(q.name, "MEMCPY_IN_FUSION_BUFFER")
+        phase = "ADASUM" if op is ReduceOp.ADASUM else "ALLREDUCE"
         if tl is not None:
             for q in batch:
-                tl.begin(q.name, "ALLREDUCE", {"fused": len(batch), "bytes": int(flat.nbytes)})
+                tl.begin(q.name, phase, {"fused": len(batch), "bytes": int(flat.nbytes)})
         try:
             name = head.name if len(batch) == 1 else f"{head.name}+{len(batch) - 1}"
             counts = None
@@ -497,7 +501,7 @@ class Controller:
         finally:
             if tl is not None:
                 for q in batch:
-                    tl.end(q.name, "ALLREDUCE")
+                    tl.end(q.name, phase)
         if len(batch) > 1:
             offset = 0
             for q in batch:
