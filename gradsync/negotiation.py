@@ -62,7 +62,6 @@ import collections
 import logging
 import pickle
 import threading
-import time
 from typing import Any, Callable
 
 import numpy as np
@@ -497,7 +496,7 @@ class Controller:
             if op is ReduceOp.ADASUM:  # each tensor gets its own dot products
                 counts = [c for q in batch for c in (q.counts or [q.flat.size])]
             ops.allreduce(self.world, flat, head.dtype_tag, op, name=name, shape=flat.shape,
-                          prescale=pre, postscale=post, counts=counts)
+                          prescale=pre, postscale=post, counts=counts, trunc=True)
         finally:
             if tl is not None:
                 for q in batch:

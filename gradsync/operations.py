@@ -26,8 +26,12 @@ __all__ = ["allreduce", "allgather", "broadcast", "reducescatter", "alltoall", "
            "broadcast_object", "allgather_object", "scale"]
 
 
-def scale(flat: np.ndarray, dtype, factor: float, divide: bool = False) -> None:
-    """Multiplies (or divides) ``flat`` by ``factor`` in place, in its own dtype."""
+def scale(flat: np.ndarray, dtype, factor: float, divide: bool = False,
+          trunc: bool = False) -> None:
+    """Multiplies (or divides) ``flat`` by ``factor`` in place, in its own dtype.
+
+    An integer division rounds toward minus infinity (``floor_divide``, as ``torch.distributed``
+    does), or toward zero with ``trunc`` (as Horovod's C++ does: -75 / 2 is -37, not -38)."""
     if dtype == BFLOAT16 or flat.dtype == np.float16:
         import torch
 
@@ -38,7 +42,11 @@ def scale(flat: np.ndarray, dtype, factor: float, divide: bool = False) -> None:
     elif flat.dtype.kind == "f":
         np.divide(flat, factor, out=flat) if divide else np.multiply(flat, factor, out=flat)
     elif divide:
-        np.floor_divide(flat, flat.dtype.type(factor), out=flat)
+        divisor = flat.dtype.type(factor)
+        inexact = np.remainder(flat, divisor) != 0 if trunc else None
+        np.floor_divide(flat, divisor, out=flat)
+        if trunc:  # a negative quotient that was rounded down moves up by one
+            flat += inexact & (flat < 0)
     else:
         np.multiply(flat, factor, out=flat, casting="unsafe")
 
@@ -68,11 +76,12 @@ def _run_allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, algorithm: str)
 
 def allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, *, name: str, shape: tuple,
               prescale: float = 1.0, postscale: float = 1.0, algorithm: str = "auto",
-              counts: list[int] | None = None) -> None:
+              counts: list[int] | None = None, trunc: bool = False) -> None:
     """Reduces ``flat`` in place across all ranks.
 
     ``counts`` (Adasum only) cuts ``flat`` into the tensors fused in it: each gets its own
-    dot products, as if reduced alone. Adasum ignores ``algorithm``.
+    dot products, as if reduced alone. Adasum ignores ``algorithm``. ``trunc``: an integer
+    Average rounds toward zero (the Horovod API) instead of down (see ``scale``).
     """
     if op is ReduceOp.ADASUM:
         alg = f"adasum tensors={len(counts) if counts else 1} crc={_crc(counts)}"
@@ -90,7 +99,7 @@ def allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, *, name: str, shape:
         else:
             _run_allreduce(world, flat, dtype, op, alg)
     if op is ReduceOp.AVERAGE and world.size > 1:
-        scale(flat, dtype, world.size, divide=True)
+        scale(flat, dtype, world.size, divide=True, trunc=trunc)
     if postscale != 1.0:
         scale(flat, dtype, postscale)
 
@@ -159,8 +168,11 @@ def split_rows(rows: int, size: int) -> list[int]:
 
 
 def reducescatter(world, flat: np.ndarray, dtype, op: ReduceOp, *, name: str, shape: tuple,
-                  prescale: float = 1.0, postscale: float = 1.0) -> np.ndarray:
-    """Reduces ``flat`` (a scratch copy; it is overwritten) and returns this rank's block."""
+                  prescale: float = 1.0, postscale: float = 1.0,
+                  trunc: bool = False) -> np.ndarray:
+    """Reduces ``flat`` (a scratch copy; it is overwritten) and returns this rank's block.
+
+    ``trunc``: an integer Average rounds toward zero, as in ``allreduce``."""
     shape = tuple(shape) or (1,)
     row = int(np.prod(shape[1:], dtype=np.int64))
     counts = [r * row for r in split_rows(shape[0], world.size)]
@@ -174,7 +186,7 @@ def reducescatter(world, flat: np.ndarray, dtype, op: ReduceOp, *, name: str, sh
     start = sum(counts[:world.rank])
     mine = flat[start:start + counts[world.rank]].copy()
     if op is ReduceOp.AVERAGE and world.size > 1:
-        scale(mine, dtype, world.size, divide=True)
+        scale(mine, dtype, world.size, divide=True, trunc=trunc)
     if postscale != 1.0:
         scale(mine, dtype, postscale)
     return mine

@@ -33,14 +33,16 @@ def join(device: int = -1) -> int:
     (``broadcast_parameters(model.state_dict(), root_rank=last)``).
 
     Args:
-        device: Horovod's device for the zero tensors; only -1 (CPU) is supported.
+        device: Horovod's device for the zero tensors (-1: CPU). gradsync's tensors are all on
+            the CPU, so any device id is accepted and the zeros are CPU arrays, as in a Horovod
+            build without GPU support (scripts pass ``hvd.local_rank()`` here).
 
     Raises:
+        TypeError: ``device`` is not an integer.
         RuntimeError: called between backward() and step().
     """
-    if device != -1:
-        raise NotImplementedError(f"join(device={device}): gradsync.torch works on CPU tensors; "
-                                  "call join() with the default device=-1")
+    if isinstance(device, bool) or not isinstance(device, int):
+        raise TypeError(f"join(device=...) takes an integer device id, got {device!r}")
     for optimizer in live_optimizers():
         optimizer._gs_require_idle("join")
     return _psets.controller(_psets.global_process_set).join().wait()

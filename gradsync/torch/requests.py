@@ -134,7 +134,7 @@ def reducescatter(tensor, name, op: ReduceOp, prescale: float, postscale: float,
 
     def run(world):
         mine = ops.reducescatter(world, work, buf.dtype, op, name=request.name, shape=buf.shape,
-                                 prescale=prescale, postscale=postscale)
+                                 prescale=prescale, postscale=postscale, trunc=True)
         rows = ops.split_rows(buf.shape[0], world.size)[world.rank]
         return buf.to_user(mine, (rows,) + tuple(buf.shape[1:]))
 
