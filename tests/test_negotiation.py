@@ -9,7 +9,7 @@ from harness import launch
 from gradsync.negotiation import Request, ResponseCache, _match_key, describe
 
 CHECKS = ["out-of-order", "barrier", "duplicate", "unnamed", "fusion", "cache", "beside",
-          "shutdown"]
+          "rounding", "shutdown"]
 
 
 @pytest.mark.multiprocess

@@ -124,5 +124,17 @@ assert (gs.allreduce(torch.ones(3) * (R + 1), op=gs.Sum) == ranks_sum).all()
 assert (hvd.synchronize(h) == 1).all()
 ok("beside")
 
+# 9. An integer Average rounds toward zero, as Horovod's does (-(2N+1)/N is -2, not -3).
+row = [-(2 * N + 1), 2 * N + 1, -N, 2]
+want = [-((2 * N + 1) // N), (2 * N + 1) // N, -1, 2 // N]
+for dtype in (torch.int32, torch.int64):
+    mine = torch.tensor(row if R == 0 else [0] * 4, dtype=dtype)
+    assert hvd.allreduce(mine, op=hvd.Average, name=f"round_{dtype}").tolist() == want
+    block = hvd.reducescatter(mine.repeat(N, 1), op=hvd.Average, name=f"round_rs_{dtype}")
+    assert block.tolist() == [want], (block, want)
+assert gs.allreduce(torch.tensor([-(2 * N + 1)]) * (R == 0), op=gs.Average).item() == \
+    -(2 * N + 1) // N  # the numpy API keeps floor division
+ok("rounding")
+
 hvd.shutdown()
 ok("shutdown")
