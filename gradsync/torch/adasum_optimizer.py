@@ -37,7 +37,6 @@ import weakref
 
 import torch
 
-from .. import api as gs
 from ..collectives.ops import Adasum
 from ..engine import Handle
 from . import requests as _requests
@@ -57,6 +56,8 @@ class AdasumOptimizer:
     def _gs_setup(self, names: dict[int, str], compression: type[Compressor],
                   backward_passes_per_step: int) -> None:
         self._gs_names, self._gs_compression = names, compression
+        self._parameter_names = {p: names[id(p)] for g in self.param_groups  # Horovod's
+                                 for p in g["params"] if id(p) in names}
         self.backward_passes_per_step = backward_passes_per_step
         self._gs_hooks: list = []
         weakref.finalize(self, _remove_hooks, self._gs_hooks)

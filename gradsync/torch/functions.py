@@ -11,7 +11,8 @@ with each tensor replaced by its shape and dtype (one small pickled object), the
 fused as above, into tensors the other ranks allocate from that structure before
 ``load_state_dict``. So it also works when only the root has state (a checkpoint loaded on rank
 0 before the first step) without the zero-gradient step Horovod takes to create state, and for
-any optimizer, LBFGS included.
+any optimizer, LBFGS included. As in Horovod, an optimizer without state leaves with zero
+gradients on its trainable parameters that had none.
 """
 
 from __future__ import annotations
@@ -65,6 +66,13 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
             every rank.
         root_rank: the rank whose state everyone gets.
     """
+    if not optimizer.state:
+        # As in Horovod, a new optimizer's trainable parameters get zero gradients (Horovod
+        # then steps on them to create state; gradsync sends the root's state as it is).
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
     is_root = gs.rank() == root_rank
     tensors: list[torch.Tensor] = []
     structure = _strip(optimizer.state_dict(), tensors) if is_root else None

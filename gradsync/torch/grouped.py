@@ -206,7 +206,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op,
         gathered_indices = indices.wait()
         if op is Average:
             gathered_values = (gathered_values / ranks if gathered_values.is_floating_point()
-                               else gathered_values.div(ranks, rounding_mode="floor"))
+                               else gathered_values.div(ranks, rounding_mode="trunc"))
         return torch.sparse_coo_tensor(gathered_indices.t(), gathered_values, tensor.size())
 
     return handle

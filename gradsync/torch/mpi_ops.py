@@ -453,20 +453,19 @@ class _Alltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, splits, name, process_set):
         ctx.name, ctx.process_set = name, process_set
-        result = _requests.alltoall(tensor, splits, name, process_set)
+        out, received = _requests.alltoall(tensor, splits, name, process_set,
+                                           with_received=True)
+        ctx.received = received  # what each rank sent here: the gradient goes back in these
         if splits is None:
-            ctx.received = None
-            return result
-        out, received = result
-        ctx.received = received
+            return out
         ctx.mark_non_differentiable(received)
         return out, received
 
     @staticmethod
     def backward(ctx, grad, *_):
-        back = _requests.alltoall(grad.contiguous(), ctx.received, _grad_name(ctx.name),
-                                  ctx.process_set)
-        return (back if ctx.received is None else back[0]), None, None, None
+        back, _received = _requests.alltoall(grad.contiguous(), ctx.received,
+                                             _grad_name(ctx.name), ctx.process_set)
+        return back, None, None, None
 
 
 def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None,

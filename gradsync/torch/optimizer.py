@@ -50,9 +50,10 @@ from ..collectives.ops import Average, ReduceOp, Sum
 from . import adasum_optimizer
 from .buckets import Bucket, assign_buckets, check_layout
 from .compression import Compression, Compressor
+from .grouped import sparse_allreduce_async
 from . import process_sets as _psets
 from . import requests as _requests
-from .mpi_ops import Adasum, ProcessSet, _check_process_set, global_process_set
+from .mpi_ops import Adasum, ProcessSet, global_process_set
 
 __all__ = ["DistributedOptimizer"]
 
@@ -86,6 +87,9 @@ class _DistributedOptimizer:
         # that has joined then contributes zeros to them (join.py).
         self._gs_process_set = process_set
         self._gs_names = _parameter_names(self.param_groups, named_parameters)
+        # Horovod's attribute (parameter -> name), which scripts and Horovod's tests read.
+        self._parameter_names = {p: self._gs_names[id(p)] for g in self.param_groups
+                                 for p in g["params"]}
         self._gs_groups = _check_groups(groups, self.param_groups)
         self._gs_compression = compression
         self.backward_passes_per_step = backward_passes_per_step
@@ -152,6 +156,8 @@ class _DistributedOptimizer:
     def _gs_reset_round(self) -> None:
         self._gs_passes_left = [self.backward_passes_per_step] * len(self._gs_slot_param)
         self._gs_sparse: dict[int, int] = {}  # slot -> sparse_dim of its sparse gradient
+        # slot -> the sparse allreduce of its gradient (without sparse_as_dense)
+        self._gs_sparse_reduce: dict[int, Callable[[], torch.Tensor]] = {}
         # The gradient each slot was copied from, and its version then: a later in-place change
         # would never reach the bucket, so _gs_finish refuses it.
         self._gs_staged: list[torch.Tensor | None] = [None] * len(self._gs_slot_param)
@@ -193,10 +199,17 @@ class _DistributedOptimizer:
             return
         self._gs_staged[slot], self._gs_staged_version[slot] = grad, grad._version
         if grad.layout != torch.strided:
-            if not self.sparse_as_dense:
+            if grad.layout != torch.sparse_coo:
                 raise NotImplementedError(
-                    f"'{self._gs_slot_name[slot]}' has a sparse gradient; gradsync reduces "
-                    "dense buffers only: pass sparse_as_dense=True to DistributedOptimizer")
+                    f"'{self._gs_slot_name[slot]}' has a {grad.layout} gradient; "
+                    "DistributedOptimizer reduces dense and sparse COO gradients")
+            if not self.sparse_as_dense:
+                # As Horovod: indices and values are allgathered (grouped.py), beside the
+                # bucket, whose view of this parameter reduces zeros.
+                self._gs_sparse_reduce[slot] = sparse_allreduce_async(
+                    grad, self._gs_slot_name[slot], self.op, self._gs_process_set)
+                view.zero_()
+                return
             self._gs_sparse[slot] = grad.sparse_dim()
             grad = grad.to_dense()
         view.copy_(grad)
@@ -235,10 +248,18 @@ class _DistributedOptimizer:
             if source is not None and (grad is not source or grad._version != versions[slot]):
                 raise RuntimeError(_MODIFIED.format(
                     what=f"the gradient of '{self._gs_slot_name[slot]}'"))
+            reduce = self._gs_sparse_reduce.get(slot)
+            if reduce is not None:
+                param.grad = reduce()
+                continue
             # Sparse gradients are handed back in the layout backward produced.
             param.grad = view.to_sparse(sparse[slot]) if slot in sparse else view
 
     def _gs_size(self) -> int:
+        """Ranks that reduce together; 1 on a rank outside the process set, which, as in
+        Horovod, steps on its own gradients."""
+        if not _psets.is_member(self._gs_process_set):
+            return 1
         return len(_psets.controller(self._gs_process_set).ranks)
 
     def _gs_allgather_object(self, obj, name: str) -> list:
@@ -306,6 +327,12 @@ class _DistributedOptimizer:
         optimizer uses them.
         """
         if self._gs_should_synchronize:
+            if self._gs_synchronized and not self._gs_round_open:
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context "
+                    "after optimizer.synchronize(); the gradients are not reduced again, but "
+                    "use optimizer.skip_synchronize() around step() to say so (Horovod's "
+                    "warning)", stacklevel=2)
             if closure is None:
                 self.synchronize()
             else:
@@ -398,8 +425,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             consecutive parameters) or a list of lists of parameters (each list one group; any
             parameter not listed is a group of its own).
         sparse_as_dense: reduce sparse gradients as dense tensors (otherwise they raise).
-        process_set: the ranks that average their gradients (default: all); this rank must
-            be one of them.
+        process_set: the ranks that average their gradients (default: all), registered. On a
+            rank outside it the optimizer reduces nothing and steps on the local gradients,
+            as in Horovod.
 
     Raises:
         ValueError: bad ``named_parameters`` (not pairs, duplicate names, an optimizer
@@ -411,7 +439,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                         f"{type(optimizer).__name__}")
     if isinstance(optimizer, (_DistributedOptimizer, adasum_optimizer.AdasumOptimizer)):
         raise ValueError("this optimizer is already a DistributedOptimizer")
-    _check_process_set(process_set)
+    _psets.is_member(process_set)  # registered (a rank outside the set reduces nothing)
     if op not in (Average, Sum, Adasum):
         raise ValueError(f"DistributedOptimizer reduces gradients with op=Average, op=Sum or "
                          f"op=Adasum, got {op!r}")

@@ -24,7 +24,7 @@ from ..negotiation import Controller
 from . import requests
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-           "controller", "start", "stop", "set_timeline", "all_controllers"]
+           "controller", "is_member", "start", "stop", "set_timeline", "all_controllers"]
 
 
 class ProcessSet:
@@ -219,6 +219,22 @@ def controller(process_set: ProcessSet) -> Controller:
         raise ValueError(f"rank {gs.rank()} is not a member of {process_set}; only its ranks "
                          f"{process_set.ranks} may issue its operations")
     return ctl
+
+
+def is_member(process_set: ProcessSet) -> bool:
+    """Whether this rank belongs to ``process_set``.
+
+    Raises:
+        ValueError: the set is not registered.
+    """
+    reg = _registry()
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"process_set must be a ProcessSet, got {process_set!r}")
+    pid = process_set.process_set_id
+    if pid is None or pid not in reg.sets:
+        raise ValueError(f"{process_set} is not registered: pass it to hvd.init("
+                         "process_sets=...) or hvd.add_process_set() first")
+    return pid in reg.controllers
 
 
 def all_controllers() -> list[Controller]:

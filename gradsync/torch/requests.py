@@ -144,8 +144,11 @@ def reducescatter(tensor, name, op: ReduceOp, prescale: float, postscale: float,
     return _issue(process_set, request, asynchronous)
 
 
-def alltoall(tensor, splits, name, process_set, *, asynchronous: bool = False):
-    """Sends ``splits[j]`` rows to the set's rank j; returns what ``hvd.alltoall`` returns."""
+def alltoall(tensor, splits, name, process_set, *, asynchronous: bool = False,
+             with_received: bool = False):
+    """Sends ``splits[j]`` rows to the set's rank j; returns what ``hvd.alltoall`` returns
+    (with ``with_received``, the pair ``(rows, received_splits)`` even without ``splits``: the
+    gradient of an equal split sends back unequal counts when ranks' rows differ)."""
     ctl = psets.controller(process_set)
     n = len(ctl.ranks)
     buf = wrap(tensor)
@@ -169,7 +172,7 @@ def alltoall(tensor, splits, name, process_set, *, asynchronous: bool = False):
         out, received = ops.alltoall(world, buf.flat, buf.dtype, send, name=request.name,
                                      shape=buf.shape)
         result = buf.to_user(out, (sum(received),) + tuple(buf.shape[1:]))
-        if splits is None:
+        if splits is None and not with_received:
             return result
         import torch
 
