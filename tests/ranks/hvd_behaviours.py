@@ -5,6 +5,7 @@ per check; exits non-zero at the first wrong value.
 """
 
 import sys
+import threading
 import warnings
 
 import common  # noqa: F401  (deadline)
@@ -123,4 +124,12 @@ expect(f"trained gradient {trained.grad}", torch.equal(trained.grad, torch.zeros
 ok("zero-grads")
 
 hvd.shutdown()
+# 7. init and shutdown again (as horovodrun's suite does around every test) leave no thread
+#    behind: each World's listener is woken from accept() and joined.
+for _ in range(3):
+    hvd.init()
+    hvd.allreduce(torch.ones(2), name="again")
+    hvd.shutdown()
+left = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+expect(f"threads left after shutdown: {left}", not left)
 ok("shutdown")
