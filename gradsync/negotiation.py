@@ -46,10 +46,14 @@ round trip per tensor. Unnamed operations (``allreduce.noname.7``) never repeat 
 cached.
 
 Idle cost. A World of one rank needs no cycles (everything it issues is ready at once). With
-more ranks the loop runs back to back while requests arrive; after a cycle in which nothing
-was announced and nothing ran it waits for a local request, at most 1 ms, doubling up to
-``_MAX_IDLE`` (20 ms), so an idle job costs a few cycles a second, and a rank's first request
-after a pause waits at most that long for the other ranks' loops.
+more ranks the loop runs back to back while requests arrive. A rank with nothing of its own in
+flight has nothing to learn from a cycle (no operation can become ready without its
+announcement), so its loop sleeps until its caller issues something, waking only every
+``_HEARTBEAT`` (0.5 s) for an empty cycle that keeps the other ranks' waiting exchanges within
+their deadline. Between two training steps the loop so costs nothing: the step's first
+request wakes it at once, and the other ranks' loops are woken by their own requests. A rank
+with operations in flight that are not ready yet (it waits for a slower rank, or it has
+joined) cycles after 1 ms, doubling up to ``_MAX_IDLE`` (20 ms).
 
 Shutdown. ``stop()`` asks for it in the next announcement; the loop ends in the first cycle in
 which every rank has asked, so no rank leaves a cycle the others are still in. Operations still
@@ -80,6 +84,7 @@ JOIN = "join"
 
 _MIN_IDLE = 0.001
 _MAX_IDLE = 0.02
+_HEARTBEAT = 0.5
 
 # Kinds whose first dimension may differ between ranks.
 _RAGGED = ("allgather", "alltoall")
@@ -288,6 +293,8 @@ class Controller:
                     if not self._new and not self._stop_requested:
                         if self.world.size == 1:
                             self._cv.wait()
+                        elif not self._mine:  # nothing of ours in flight: a heartbeat only
+                            self._cv.wait(_HEARTBEAT)
                         elif idle:
                             self._cv.wait(min(_MIN_IDLE * (1 << min(idle - 1, 8)), _MAX_IDLE))
                     new, self._new = self._new, []
