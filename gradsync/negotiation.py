@@ -71,6 +71,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import operations as ops
+from .collectives import ring
 from .collectives.ops import BFLOAT16, ReduceOp
 from .engine import Handle
 from .errors import CollectiveMismatchError, GradsyncError
@@ -85,6 +86,7 @@ JOIN = "join"
 _MIN_IDLE = 0.001
 _MAX_IDLE = 0.02
 _HEARTBEAT = 0.5
+_SLOT = 256  # bytes per rank in a cycle's one-round exchange (see Controller._exchange)
 
 # Kinds whose first dimension may differ between ranks.
 _RAGGED = ("allgather", "alltoall")
@@ -335,12 +337,26 @@ class Controller:
                 mask |= 1 << bit
         self.stats["cached"] += len(new) - len(full)
         self.stats["full"] += len(full)
-        data = np.frombuffer(pickle.dumps((stop, mask, full), protocol=5), dtype=np.uint8)
-        out, rows = ops.allgather(self.world, data, data.dtype, name="negotiate",
-                                  shape=data.shape)
+        data = pickle.dumps((stop, mask, full), protocol=5)
+        # One round in the common case: every rank sends a block of _SLOT bytes (its length,
+        # then its announcement if it fits: a step of cached bits does). Only when some
+        # rank's does not fit (every rank sees its length) is there a second, sized round.
+        world, size = self.world, self.world.size
+        blocks = np.zeros((size, _SLOT), dtype=np.uint8)
+        mine = blocks[world.rank]
+        mine[:8] = np.frombuffer(np.int64(len(data)).tobytes(), dtype=np.uint8)
+        if len(data) <= _SLOT - 8:
+            mine[8:8 + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        world.comm.begin("negotiate", world.config.check_collectives)
+        ring.allgather(world.comm, blocks.reshape(-1), [_SLOT] * size,
+                       world.config.chunk_bytes)
+        lengths = blocks[:, :8].copy().view(np.int64).reshape(-1).tolist()
+        if max(lengths) <= _SLOT - 8:
+            return [pickle.loads(blocks[r, 8:8 + lengths[r]].tobytes()) for r in range(size)]
+        flat = np.frombuffer(data, dtype=np.uint8)
+        out, rows = ops.allgather(world, flat, flat.dtype, name="negotiate", shape=flat.shape)
         bounds = np.cumsum([0] + rows)
-        return [pickle.loads(out[bounds[r]:bounds[r + 1]].tobytes())
-                for r in range(self.world.size)]
+        return [pickle.loads(out[bounds[r]:bounds[r + 1]].tobytes()) for r in range(size)]
 
     def _absorb(self, payloads: list[tuple]) -> tuple[list[tuple[str, dict]], bool]:
         """Adds every rank's announcements to the table; returns the ready ones in order.
