@@ -9,7 +9,7 @@ See the README for the launcher (``gradsync run -np N ...``) and the configurati
 
 from .api import *  # noqa: F401,F403
 from .api import __all__ as _api_all
-from .collectives.ops import Average, Max, Min, Product, ReduceOp, Sum
+from .collectives.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .config import Config
 from .engine import Handle
 from .errors import (AuthenticationError, CollectiveMismatchError, ConfigError, GradsyncError,
@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 _install_torch_backend()  # the torch.distributed backend "gradsync" (without importing torch)
 
 __all__ = list(_api_all) + [
-    "Sum", "Average", "Min", "Max", "Product", "ReduceOp", "Config", "Handle",
+    "Sum", "Average", "Min", "Max", "Product", "Adasum", "ReduceOp", "Config", "Handle",
     "GradsyncError", "ConfigError", "PeerLostError", "CollectiveMismatchError",
     "GradsyncTimeoutError", "AuthenticationError", "ProtocolError", "__version__",
 ]

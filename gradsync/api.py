@@ -17,7 +17,7 @@ import threading
 import numpy as np
 
 from . import operations as ops
-from .collectives.ops import Average, ReduceOp
+from .collectives.ops import BFLOAT16, Average, ReduceOp
 from .collectives.planner import ALGORITHMS as _ALGORITHMS
 from .config import load_config
 from .engine import Engine, Handle
@@ -38,6 +38,11 @@ _state_lock = threading.Lock()
 _world = None
 _engine: Engine | None = None
 _unnamed = itertools.count()
+
+
+def adasum_dtype(dtype) -> bool:
+    """True for the dtypes (as ``wrap`` reports them) that Adasum combines: the floats."""
+    return dtype == BFLOAT16 if isinstance(dtype, str) else np.dtype(dtype).kind == "f"
 
 
 def init(**settings) -> None:
@@ -133,9 +138,17 @@ def _name(name: str | None, kind: str) -> str:
     return name if name is not None else f"{kind}.noname.{next(_unnamed)}"
 
 
-def _check_op(op) -> ReduceOp:
+def _check_op(op, dtype=None) -> ReduceOp:
+    """Validates ``op``; ``dtype`` is given for allreduce, the one collective Adasum runs."""
     if not isinstance(op, ReduceOp):
-        raise TypeError(f"op must be one of gradsync.Sum, Average, Min, Max, Product; got {op!r}")
+        raise TypeError(f"op must be one of gradsync.Sum, Average, Min, Max, Product, Adasum; "
+                        f"got {op!r}")
+    if op is ReduceOp.ADASUM:
+        if dtype is None:
+            raise ValueError("op=Adasum is supported by allreduce only (as in Horovod)")
+        if not adasum_dtype(dtype):
+            raise TypeError(f"op=Adasum needs a floating-point tensor (float16, bfloat16, "
+                            f"float32, float64), got {dtype}")
     return op
 
 
@@ -156,7 +169,8 @@ def _alone(world, tensor, op, prescale_factor, postscale_factor, algorithm, inpl
     else (errors included) goes the full way, so both paths raise and return alike.
     """
     if (prescale_factor != 1.0 or postscale_factor != 1.0 or world.failure is not None
-            or type(op) is not ReduceOp or not (algorithm == "auto" or algorithm in _ALGORITHMS)
+            or type(op) is not ReduceOp or op is ReduceOp.ADASUM
+            or not (algorithm == "auto" or algorithm in _ALGORITHMS)
             or _engine is None or _engine.busy()):
         return None
     if type(tensor) is np.ndarray:
@@ -174,20 +188,23 @@ def _alone(world, tensor, op, prescale_factor, postscale_factor, algorithm, inpl
     return None
 
 
-def _allreduce(tensor, op, name, prescale_factor, postscale_factor, algorithm, inplace, asynchronous):
+def _allreduce(tensor, op, name, prescale_factor, postscale_factor, algorithm, inplace, asynchronous,
+               counts=None):
     world = _world
-    if world is not None and world.size == 1 and not asynchronous:
+    if world is not None and world.size == 1 and not asynchronous and counts is None:
         result = _alone(world, tensor, op, prescale_factor, postscale_factor, algorithm, inplace)
         if result is not None:
             return result
-    world, op = _w(), _check_op(op)
+    world = _w()
     buf = wrap(tensor, writable=inplace)
+    op = _check_op(op, buf.dtype)
     name = _name(name, "allreduce")
     target = buf.flat if inplace else buf.flat.copy()
 
     def run():
         ops.allreduce(world, target, buf.dtype, op, name=name, shape=buf.shape,
-                      prescale=prescale_factor, postscale=postscale_factor, algorithm=algorithm)
+                      prescale=prescale_factor, postscale=postscale_factor, algorithm=algorithm,
+                      counts=counts)
         if inplace:
             buf.write_back()
             return tensor
@@ -203,7 +220,8 @@ def allreduce(tensor, op: ReduceOp = Average, name: str | None = None,
 
     Args:
         tensor: NumPy array or torch CPU tensor, the same shape and dtype on every rank.
-        op: Sum, Average (default, as in Horovod), Min, Max or Product.
+        op: Sum, Average (default, as in Horovod), Min, Max, Product, or Adasum (floating
+            point only; ``collectives/adasum.py``, which ignores ``algorithm``).
         name: identifies the collective in error reports; ranks must agree on it.
         prescale_factor: multiplies the input before the reduction.
         postscale_factor: multiplies the result after the reduction (and averaging).

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import pickle
 import time
+import zlib
 
 import numpy as np
 
+from .collectives import adasum
 from .collectives import alltoall as _alltoall
 from .collectives import doubling, halving_doubling, hierarchical, ring, tree
 from .collectives.ops import BFLOAT16, ReduceOp, make_reducer
@@ -27,8 +29,12 @@ __all__ = ["allreduce", "allgather", "broadcast", "reducescatter", "alltoall", "
            "broadcast_object", "allgather_object", "scale"]
 
 
-def scale(flat: np.ndarray, dtype, factor: float, divide: bool = False) -> None:
-    """Multiplies (or divides) ``flat`` by ``factor`` in place, in its own dtype."""
+def scale(flat: np.ndarray, dtype, factor: float, divide: bool = False,
+          trunc: bool = False) -> None:
+    """Multiplies (or divides) ``flat`` by ``factor`` in place, in its own dtype.
+
+    An integer division rounds toward minus infinity (``floor_divide``, as ``torch.distributed``
+    does), or toward zero with ``trunc`` (as Horovod's C++ does: -75 / 2 is -37, not -38)."""
     if dtype == BFLOAT16 or flat.dtype == np.float16:
         import torch
 
@@ -39,7 +45,11 @@ def scale(flat: np.ndarray, dtype, factor: float, divide: bool = False) -> None:
     elif flat.dtype.kind == "f":
         np.divide(flat, factor, out=flat) if divide else np.multiply(flat, factor, out=flat)
     elif divide:
-        np.floor_divide(flat, flat.dtype.type(factor), out=flat)
+        divisor = flat.dtype.type(factor)
+        inexact = np.remainder(flat, divisor) != 0 if trunc else None
+        np.floor_divide(flat, divisor, out=flat)
+        if trunc:  # a negative quotient that was rounded down moves up by one
+            flat += inexact & (flat < 0)
     else:
         np.multiply(flat, factor, out=flat, casting="unsafe")
 
@@ -79,23 +89,33 @@ def _run_allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, algorithm: str)
 
 
 def allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, *, name: str, shape: tuple,
-              prescale: float = 1.0, postscale: float = 1.0, algorithm: str = "auto") -> None:
+              prescale: float = 1.0, postscale: float = 1.0, algorithm: str = "auto",
+              counts: list[int] | None = None, trunc: bool = False) -> None:
     """Reduces ``flat`` in place across all ranks.
 
     The algorithm comes from ``world.plans`` (decided once per size) and the collective's
     description and signature from ``world.descriptions`` (computed once per distinct call),
-    so a repeated small allreduce pays for neither.
+    so a repeated small allreduce pays for neither. ``counts`` (Adasum only) cuts ``flat``
+    into the tensors fused in it: each gets its own dot products, as if reduced alone. Adasum
+    ignores ``algorithm``. ``trunc``: an integer Average rounds toward zero (the Horovod API)
+    instead of down (see ``scale``).
     """
-    alg = world.plans.allreduce(flat.nbytes, algorithm)
+    if op is ReduceOp.ADASUM:
+        alg = f"adasum tensors={len(counts) if counts else 1} crc={_crc(counts)}"
+    else:
+        alg = world.plans.allreduce(flat.nbytes, algorithm)
     _begin(world, ("allreduce", name, dtype, tuple(shape), op, prescale, postscale, alg),
            lambda: f"allreduce '{name}' {_dt(dtype)}{list(shape)} op={op.name} "
                    f"prescale={prescale} postscale={postscale} algorithm={alg}")
     if prescale != 1.0:
         scale(flat, dtype, prescale)
     if world.size > 1 and flat.size:
-        _run_allreduce(world, flat, dtype, op, alg)
+        if op is ReduceOp.ADASUM:
+            adasum.allreduce(world.comm, flat, dtype, counts)
+        else:
+            _run_allreduce(world, flat, dtype, op, alg)
     if op is ReduceOp.AVERAGE and world.size > 1:
-        scale(flat, dtype, world.size, divide=True)
+        scale(flat, dtype, world.size, divide=True, trunc=trunc)
     if postscale != 1.0:
         scale(flat, dtype, postscale)
 
@@ -111,6 +131,11 @@ def _begin(world, key: tuple, describe) -> None:
             world.descriptions.clear()
         world.descriptions[key] = known
     world.comm.begin_signed(*known)
+
+
+def _crc(counts: list[int] | None) -> int:
+    """A digest of an Adasum fusion layout, so that ranks fusing differently fail to match."""
+    return 0 if not counts else zlib.crc32(np.asarray(counts, dtype=np.int64).tobytes())
 
 
 def _dt(dtype) -> str:
@@ -172,8 +197,11 @@ def split_rows(rows: int, size: int) -> list[int]:
 
 
 def reducescatter(world, flat: np.ndarray, dtype, op: ReduceOp, *, name: str, shape: tuple,
-                  prescale: float = 1.0, postscale: float = 1.0) -> np.ndarray:
-    """Reduces ``flat`` (a scratch copy; it is overwritten) and returns this rank's block."""
+                  prescale: float = 1.0, postscale: float = 1.0,
+                  trunc: bool = False) -> np.ndarray:
+    """Reduces ``flat`` (a scratch copy; it is overwritten) and returns this rank's block.
+
+    ``trunc``: an integer Average rounds toward zero, as in ``allreduce``."""
     shape = tuple(shape) or (1,)
     row = int(np.prod(shape[1:], dtype=np.int64))
     counts = [r * row for r in split_rows(shape[0], world.size)]
@@ -187,7 +215,7 @@ def reducescatter(world, flat: np.ndarray, dtype, op: ReduceOp, *, name: str, sh
     start = sum(counts[:world.rank])
     mine = flat[start:start + counts[world.rank]].copy()
     if op is ReduceOp.AVERAGE and world.size > 1:
-        scale(mine, dtype, world.size, divide=True)
+        scale(mine, dtype, world.size, divide=True, trunc=trunc)
     if postscale != 1.0:
         scale(mine, dtype, postscale)
     return mine

@@ -143,7 +143,10 @@ class _Writer:
         # Wall-clock origin, so that different ranks' files line up when merged.
         self.epoch_ns = time.time_ns()
         self.origin_ns = _now()
-        header = [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}},
+        # The wall-clock start in the process row's arguments, under Horovod's key.
+        header = [{"name": "process_name", "ph": "M", "pid": rank,
+                   "args": {"name": f"rank {rank}",
+                            "start_time_since_epoch_in_micros": self.epoch_ns // 1000}},
                   {"name": "process_sort_index", "ph": "M", "pid": rank,
                    "args": {"sort_index": rank}}]
         self._write_raw(b"[\n" + ",\n".join(map(json.dumps, header)).encode() + b"\n]")

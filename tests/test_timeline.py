@@ -83,7 +83,9 @@ def test_one_row_per_name_and_phases_nest(tmp_path):
             if depth:  # inside its ALLREDUCE bar
                 assert any(p == "ALLREDUCE" and s <= start and end <= e for p, s, e, _ in got)
     meta = [e for e in events if e.get("name") == "process_name"]
-    assert meta == [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "rank 0"}}]
+    assert len(meta) == 1 and meta[0]["pid"] == 0 and meta[0]["args"]["name"] == "rank 0"
+    # Horovod's key for the file's wall-clock origin, in microseconds since the epoch.
+    assert abs(meta[0]["args"]["start_time_since_epoch_in_micros"] / 1e6 - time.time()) < 60
 
 
 def test_end_with_a_phase_closes_the_bars_inside_it(tmp_path):

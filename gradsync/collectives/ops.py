@@ -13,21 +13,26 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["ReduceOp", "Sum", "Average", "Min", "Max", "Product", "Reducer", "make_reducer",
-           "BFLOAT16"]
+__all__ = ["ReduceOp", "Sum", "Average", "Min", "Max", "Product", "Adasum", "Reducer",
+           "make_reducer", "BFLOAT16"]
 
 BFLOAT16 = "bfloat16"
 """Dtype tag of bfloat16 data, which NumPy carries as uint16."""
 
 
 class ReduceOp(enum.Enum):
-    """How allreduce combines the ranks' values. ``Average`` is ``Sum`` then divide by size."""
+    """How allreduce combines the ranks' values. ``Average`` is ``Sum`` then divide by size.
+
+    ``ADASUM`` (allreduce of floating-point tensors only) is not element-wise: it has no
+    reducer, and ``operations.allreduce`` hands it to ``adasum.allreduce``.
+    """
 
     SUM = "sum"
     AVERAGE = "average"
     MIN = "min"
     MAX = "max"
     PRODUCT = "product"
+    ADASUM = "adasum"
 
     def __repr__(self) -> str:
         return f"gradsync.{self.name.capitalize()}"
@@ -35,6 +40,7 @@ class ReduceOp(enum.Enum):
 
 Sum, Average, Min, Max, Product = (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN, ReduceOp.MAX,
                                    ReduceOp.PRODUCT)
+Adasum = ReduceOp.ADASUM
 
 Reducer = Callable[[np.ndarray, np.ndarray], None]
 
@@ -74,6 +80,9 @@ def make_reducer(op: ReduceOp, dtype: "np.dtype | str") -> Reducer:
     ``dtype`` is a NumPy dtype or ``BFLOAT16``. Float16 goes through torch, whose CPU kernels
     are vectorised, where NumPy's emulate half precision one element at a time.
     """
+    if op is ReduceOp.ADASUM:
+        raise ValueError("Adasum is not an element-wise reduction: it has no reducer "
+                         "(allreduce runs it through collectives/adasum.py)")
     if dtype == BFLOAT16:
         import torch
         return _torch_kernel(op, torch.bfloat16)

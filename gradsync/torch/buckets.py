@@ -26,9 +26,8 @@ gradient is copied into its view when it is ready, the allreduce runs in place o
 and afterwards each ``param.grad`` *is* its view: with ``zero_grad(set_to_none=False)``
 backward then accumulates straight into the bucket and the copy is skipped.
 
-The first bucket carries one extra element after the gradients, the *join flag*: 1 on every
-rank that is still training. A rank that has called ``join()`` contributes zeros, flag
-included, and reads the reduced flag to learn whether any rank is still training.
+A rank that has called ``join()`` takes part in the buckets' allreduces with zeros: its set's
+controller stands in for it (``gradsync/negotiation.py``), so buckets need nothing for it.
 """
 
 from __future__ import annotations
@@ -119,11 +118,14 @@ def assign_buckets(params: list[torch.Tensor],
     return buckets
 
 
-def check_layout(buckets: "list[Bucket]") -> None:
+def check_layout(buckets: "list[Bucket]", allgather_object=None) -> None:
     """Raises CollectiveMismatchError on every rank if the ranks planned different buckets
-    (a different model, optimizer or fusion threshold): their allreduces would not match."""
+    (a different model, optimizer or fusion threshold): their allreduces would not match.
+
+    ``allgather_object(obj, name)`` gathers over the optimizer's ranks (default: the job)."""
     mine = [(b.index, *entry) for b in buckets for entry in b.describe()]
-    layouts = gs.allgather_object(mine, name="DistributedOptimizer.layout")
+    gather = allgather_object or (lambda obj, name: gs.allgather_object(obj, name=name))
+    layouts = gather(mine, "DistributedOptimizer.layout")
     reference = layouts[0]
     for r, theirs in enumerate(layouts):
         if theirs == reference:
@@ -152,7 +154,7 @@ class Bucket:
         slots: the optimizer's slot number of each member (indexes its per-slot state).
         names: each member's name (from ``named_parameters``).
         pairs: ``(param, view)`` for each member; ``view`` has the parameter's shape.
-        buffer: the gradients, back to back, plus the join flag in bucket 0.
+        buffer: the gradients, back to back.
         name: the collective's name, the same on every rank.
         pending: members whose gradient is not in the buffer yet this round.
         handle, wire, ctx: the allreduce in flight and the compressed tensor it works on.
@@ -164,10 +166,9 @@ class Bucket:
         self.index, self.slots, self.names = index, slots, names
         numels = [p.numel() for p in params]
         total = sum(numels)
-        self.buffer = torch.zeros(total + (index == 0), dtype=params[0].dtype)
-        pieces = self.buffer[:total].split(numels)
+        self.buffer = torch.zeros(total, dtype=params[0].dtype)
+        pieces = self.buffer.split(numels)
         self.pairs = [(p, piece.view(p.shape)) for p, piece in zip(params, pieces)]
-        self.flag = self.buffer[total:] if index == 0 else None
         first = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
         self.name = f"gradients[{index}] {first} ({len(names)} tensors, {self.buffer.dtype})"
         self.pending = len(slots)

@@ -11,7 +11,8 @@ with each tensor replaced by its shape and dtype (one small pickled object), the
 fused as above, into tensors the other ranks allocate from that structure before
 ``load_state_dict``. So it also works when only the root has state (a checkpoint loaded on rank
 0 before the first step) without the zero-gradient step Horovod takes to create state, and for
-any optimizer, LBFGS included.
+any optimizer, LBFGS included. As in Horovod, an optimizer without state leaves with zero
+gradients on its trainable parameters that had none.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from .. import api as gs
 from .buckets import fusion_threshold, plan_buckets
+from . import requests as _requests
 from .mpi_ops import ProcessSet, _check_process_set, _cpu, global_process_set
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
@@ -64,6 +66,13 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
             every rank.
         root_rank: the rank whose state everyone gets.
     """
+    if not optimizer.state:
+        # As in Horovod, a new optimizer's trainable parameters get zero gradients (Horovod
+        # then steps on them to create state; gradsync sends the root's state as it is).
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
     is_root = gs.rank() == root_rank
     tensors: list[torch.Tensor] = []
     structure = _strip(optimizer.state_dict(), tensors) if is_root else None
@@ -90,15 +99,19 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
 def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Returns root_rank's ``obj`` (any picklable object) on every rank."""
-    _check_process_set(process_set)
-    return gs.broadcast_object(obj, root_rank, name=name)
+    if process_set is global_process_set:
+        _check_process_set(process_set)
+        return gs.broadcast_object(obj, root_rank, name=name)
+    return _requests.broadcast_object(obj, root_rank, name, process_set)
 
 
 def allgather_object(obj: Any, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> list:
     """Returns the list of every rank's ``obj`` (any picklable object), in rank order."""
-    _check_process_set(process_set)
-    return gs.allgather_object(obj, name=name)
+    if process_set is global_process_set:
+        _check_process_set(process_set)
+        return gs.allgather_object(obj, name=name)
+    return _requests.allgather_object(obj, name, process_set)
 
 
 def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:

@@ -1,23 +1,33 @@
 """Horovod's collective API on torch tensors (``horovod/torch/mpi_ops.py``), run by gradsync.
 
-Every function keeps the signature of its ``horovod.torch`` namesake and hands the work to
-gradsync's engine through ``gradsync.api``; this module only translates arguments:
+Every function keeps the signature of its ``horovod.torch`` namesake. Operations are matched
+across ranks by name, as in Horovod: each call becomes a request (``requests.py``) that the
+controller of its process set (``process_sets.py``, ``gradsync/negotiation.py``) runs once
+every rank of the set has issued it, in an order all ranks agree on, fused with other ready
+allreduces. So ranks may issue operations in different orders; mismatched shapes, dtypes, ops
+or roots raise ``CollectiveMismatchError`` (a RuntimeError) on every rank and the next
+operation works; a second async operation with the name of one in flight raises ValueError.
+This module only translates arguments:
 
 - ``op`` defaults to Average. ``average=True/False``, Horovod's deprecated spelling, maps to
   Average/Sum with a DeprecationWarning; giving both is a ValueError.
-- Arguments gradsync cannot honour raise instead of being ignored: a process set other than
-  the global one and ``Adasum`` raise NotImplementedError, a tensor that is not a dense CPU
-  tensor raises TypeError.
+- Arguments gradsync cannot honour raise instead of being ignored: a tensor that is not a
+  dense CPU tensor raises TypeError, a process set this rank is not a member of (or one not
+  registered) raises ValueError.
+- ``op=Adasum`` runs ``collectives/adasum.py`` (allreduce and grouped_allreduce forms only;
+  reducescatter raises, as in Horovod); a grouped Adasum passes each fused buffer's tensor
+  sizes along, so every tensor gets its own dot products (and so does the controller when it
+  fuses Adasum allreduces).
 - ``grouped_allreduce`` fuses its tensors into one flat buffer per dtype, in order of first
-  appearance, so the fusion is identical on every rank without any negotiation, and runs one
-  allreduce per buffer.
+  appearance, and issues one allreduce per buffer.
 - The synchronous out-of-place forms are autograd functions with Horovod's gradients:
   allreduce's gradient is the allreduce of the output gradient (same op and scale factors;
   Sum and Average only), allgather's is the *average* over ranks of the output gradient, cut
   to this rank's rows, broadcast's is that average on the root and zero elsewhere, alltoall's
   sends the gradient rows back, and reducescatter's is the allgather of the output gradient,
   multiplied by the number of ranks for Sum. (Horovod's convention: for allgather and
-  broadcast that is 1/size of the derivative of the sum of all ranks' losses.)
+  broadcast that is 1/size of the derivative of the sum of all ranks' losses.) Gradients run
+  in the forward operation's process set.
 
 Results are torch tensors of the input's dtype and shape (or, for allgather, alltoall and
 reducescatter, the input's dtype with the gathered or scattered first dimension).
@@ -25,109 +35,105 @@ reducescatter, the input's dtype with the gathered or scattered first dimension)
 
 from __future__ import annotations
 
+import atexit
 import warnings
 from typing import Callable, Sequence
 
 import torch
 
 from .. import api as gs
-from ..collectives.ops import Average, Max, Min, Product, ReduceOp, Sum
+from ..collectives.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from ..engine import Handle
+from ..errors import GradsyncError
+from . import process_sets as _psets
+from . import requests as _requests
 from .compression import Compression, Compressor
+from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
-    "grouped_allreduce_async_", "allgather", "allgather_async", "broadcast", "broadcast_",
+    "grouped_allreduce_async_", "grouped_allgather", "grouped_allgather_async",
+    "grouped_reducescatter", "grouped_reducescatter_async", "sparse_allreduce_async",
+    "allgather", "allgather_async", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async", "reducescatter",
     "reducescatter_async", "barrier", "synchronize", "poll",
     "Average", "Sum", "Min", "Max", "Product", "Adasum", "ReduceOp",
-    "ProcessSet", "global_process_set", "add_process_set", "GroupedHandle",
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+    "GroupedHandle", "start_timeline", "stop_timeline", "HorovodInternalError",
 ]
 
-is_initialized, shutdown = gs.is_initialized, gs.shutdown
+is_initialized = gs.is_initialized
 rank, size, local_rank, local_size = gs.rank, gs.size, gs.local_rank, gs.local_size
 cross_rank, cross_size = gs.cross_rank, gs.cross_size
 
 
-class _AdasumOp:
-    """Horovod's Adasum reduction. gradsync does not implement it: passing it raises."""
-
-    def __repr__(self) -> str:
-        return "gradsync.torch.Adasum"
-
-
-Adasum = _AdasumOp()
-
-_ADASUM = ("op=Adasum is not supported by gradsync: use op=Average (the default) or op=Sum; "
-           "Adasum's scale-invariant combination of gradients has no gradsync implementation")
-
-
-class ProcessSet:
-    """A set of ranks that runs collectives, as in Horovod.
-
-    gradsync runs every collective on all ranks, so only the global set (``ranks=None``, or
-    every rank listed) can be used; collectives given another set raise NotImplementedError.
-    """
-
-    def __init__(self, ranks: Sequence[int] | None = None):
-        self.ranks = None if ranks is None else sorted({int(r) for r in ranks})
-
-    def is_global(self) -> bool:
-        return self.ranks is None or self.ranks == list(range(gs.size()))
-
-    def size(self) -> int:
-        return gs.size() if self.ranks is None else len(self.ranks)
-
-    def rank(self) -> int:
-        if not self.included():
-            raise ValueError(f"rank {gs.rank()} is not in {self!r}")
-        return gs.rank() if self.ranks is None else self.ranks.index(gs.rank())
-
-    def included(self) -> bool:
-        return self.ranks is None or gs.rank() in self.ranks
-
-    def __repr__(self) -> str:
-        return "ProcessSet(global)" if self.ranks is None else f"ProcessSet({self.ranks})"
-
-
-global_process_set = ProcessSet()
-
-
-def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
-    """Horovod's dynamic process sets; not supported (gradsync collectives span every rank)."""
-    raise NotImplementedError(
-        f"add_process_set({process_set!r}): gradsync runs every collective on all ranks and "
-        "has no process sets other than the global one")
+HorovodInternalError = GradsyncError
+"""Horovod's error for a failed collective: here the root of gradsync's distributed errors
+(a RuntimeError, as Horovod's is), so ``except hvd.HorovodInternalError`` catches them."""
 
 
 def init(comm=None, process_sets=None, **settings) -> None:
-    """Joins the job (``gradsync.init``). Idempotent.
+    """Joins the job (``gradsync.init``) and starts the negotiation of the Horovod API.
+
+    Idempotent. Connects the global process set's World and those of ``process_sets``.
 
     Args:
         comm: Horovod's MPI communicator; not supported (must be None).
-        process_sets: Horovod's process sets; not supported (must be None).
-        **settings: any ``gradsync.Config`` field, e.g. ``fusion_threshold=32 << 20``.
+        process_sets: ProcessSets (or lists of ranks) to register now, as ``add_process_set``
+            would; ``"dynamic"`` (Horovod's spelling for "added later") is accepted.
+        **settings: any ``gradsync.Config`` field, e.g. ``fusion_threshold=32 << 20`` or
+            ``timeline="/tmp/timeline.json"``.
     """
     if comm is not None:
         raise NotImplementedError(
             "init(comm=...): gradsync does not run on an MPI communicator; it takes its ranks "
             "from `gradsync run`, torchrun, srun or mpirun (call init() without comm)")
-    if process_sets is not None:
-        raise NotImplementedError("init(process_sets=...): gradsync has no process sets other "
-                                  "than the global one")
+    if process_sets == "dynamic":
+        process_sets = None
     gs.init(**settings)
+    if _psets.all_controllers():
+        return
+    _requests.reset_names()
+    _psets.start(process_sets)
+    config = gs._w().config
+    if config.timeline:
+        start_timeline(config.timeline, config.timeline_mark_cycles)
+    atexit.register(shutdown)
+
+
+def shutdown() -> None:
+    """Stops the negotiation threads, closes every process set and leaves the job."""
+    _psets.stop()
+    gs.shutdown()
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Starts recording a Chrome-trace timeline of the Horovod API's operations.
+
+    Rank 0 writes ``file_path``, rank r ``<file_path>.r`` (see docs/torch.md, "Timeline").
+    A timeline already recording is closed first.
+
+    Args:
+        file_path: the trace file.
+        mark_cycles: also mark each negotiation cycle that did something (``CYCLE_START``).
+    """
+    from ..timeline import Timeline
+
+    _psets.set_timeline(Timeline(file_path, mark_cycles=mark_cycles, rank=gs.rank()))
+
+
+def stop_timeline() -> None:
+    """Stops recording the timeline and closes its file (complete JSON)."""
+    _psets.set_timeline(None)
 
 
 # ----------------------------------------------------------------------------- validation
 def _check_process_set(process_set: ProcessSet) -> None:
-    if process_set is not global_process_set and not (
-            isinstance(process_set, ProcessSet) and process_set.is_global()):
-        raise NotImplementedError(
-            f"process_set={process_set!r}: gradsync runs every collective on all ranks; only "
-            "the global process set (the default) is supported")
+    """Raises unless this rank may issue ``process_set``'s operations."""
+    _psets.controller(process_set)
 
 
 def _resolve_op(op, average: bool | None) -> ReduceOp:
@@ -140,10 +146,8 @@ def _resolve_op(op, average: bool | None) -> ReduceOp:
         return Average if average else Sum
     if op is None:
         return Average
-    if op is Adasum:
-        raise NotImplementedError(_ADASUM)
     if not isinstance(op, ReduceOp):
-        raise TypeError(f"op must be Average, Sum, Min, Max or Product; got {op!r}")
+        raise TypeError(f"op must be Average, Sum, Min, Max, Product or Adasum; got {op!r}")
     return op
 
 
@@ -171,18 +175,17 @@ def _require_linear(op: ReduceOp, function: str) -> None:
 # ----------------------------------------------------------------------------- allreduce
 class _Allreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name, op, prescale, postscale):
-        ctx.spec = (name, op, prescale, postscale)
-        return gs.allreduce(tensor, op=op, name=name, prescale_factor=prescale,
-                            postscale_factor=postscale)
+    def forward(ctx, tensor, name, op, prescale, postscale, process_set):
+        ctx.spec = (name, op, prescale, postscale, process_set)
+        return _requests.allreduce(tensor, name, op, prescale, postscale, process_set)
 
     @staticmethod
     def backward(ctx, grad):
-        name, op, prescale, postscale = ctx.spec
+        name, op, prescale, postscale, process_set = ctx.spec
         _require_linear(op, "allreduce")
-        return (gs.allreduce(grad.contiguous(), op=op, name=_grad_name(name),
-                             prescale_factor=prescale, postscale_factor=postscale),
-                None, None, None, None)
+        return (_requests.allreduce(grad.contiguous(), _grad_name(name), op, prescale,
+                                    postscale, process_set),
+                None, None, None, None, None)
 
 
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -196,15 +199,15 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         average: deprecated; True means op=Average, False op=Sum.
         name: identifies the collective in error reports; ranks must agree on it.
         compression: applied before the allreduce and undone after it.
-        op: Average (default), Sum, Min, Max or Product.
+        op: Average (default), Sum, Min, Max, Product or Adasum (floating point only).
         prescale_factor: multiplies the input before the reduction.
         postscale_factor: multiplies the result after it (and after averaging).
-        process_set: only the global process set is supported.
+        process_set: the ranks that reduce (default: all); this rank must be one of them.
     """
     op = _resolve_op(op, average)
     _check_process_set(process_set)
     wire, ctx = compression.compress(_cpu(tensor, "allreduce"))
-    reduced = _Allreduce.apply(wire, name, op, prescale_factor, postscale_factor)
+    reduced = _Allreduce.apply(wire, name, op, prescale_factor, postscale_factor, process_set)
     return compression.decompress(reduced, ctx)
 
 
@@ -214,8 +217,8 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
     """Starts an ``allreduce``; ``synchronize(handle)`` returns the new tensor."""
     op = _resolve_op(op, average)
     _check_process_set(process_set)
-    return gs.allreduce_async(_cpu(tensor, "allreduce_async"), op=op, name=name,
-                              prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+    return _requests.allreduce(_cpu(tensor, "allreduce_async"), name, op, prescale_factor,
+                               postscale_factor, process_set, asynchronous=True)
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -224,8 +227,8 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
     """In-place ``allreduce``: the result replaces ``tensor``, which is returned."""
     op = _resolve_op(op, average)
     _check_process_set(process_set)
-    return gs.allreduce_(_cpu(tensor, "allreduce_"), op=op, name=name,
-                         prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+    return _requests.allreduce(_cpu(tensor, "allreduce_"), name, op, prescale_factor,
+                               postscale_factor, process_set, inplace=True)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -234,8 +237,8 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     """Starts an in-place ``allreduce``; don't touch ``tensor`` until it is synchronized."""
     op = _resolve_op(op, average)
     _check_process_set(process_set)
-    return gs.allreduce_async_(_cpu(tensor, "allreduce_async_"), op=op, name=name,
-                               prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+    return _requests.allreduce(_cpu(tensor, "allreduce_async_"), name, op, prescale_factor,
+                               postscale_factor, process_set, inplace=True, asynchronous=True)
 
 
 # ----------------------------------------------------------------------------- grouped
@@ -261,18 +264,19 @@ class GroupedHandle:
 
 
 def _grouped(tensors: list[torch.Tensor], op: ReduceOp, name: str | None, prescale: float,
-             postscale: float, inplace: bool) -> GroupedHandle:
+             postscale: float, process_set: ProcessSet, inplace: bool) -> GroupedHandle:
     """Fuses ``tensors`` into one buffer per dtype and starts one allreduce per buffer."""
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
     groups = list(by_dtype.values())  # dicts keep insertion order: first appearance, every rank
     buffers = [torch.cat([tensors[i].detach().reshape(-1) for i in group]) for group in groups]
-    handles = [gs.allreduce_async_(buf, op=op, prescale_factor=prescale,
-                                   postscale_factor=postscale,
-                                   name=None if name is None else
-                                   f"{name}.{str(buf.dtype).removeprefix('torch.')}")
-               for buf in buffers]
+    handles = [_requests.allreduce(buf, None if name is None else
+                                   f"{name}.{str(buf.dtype).removeprefix('torch.')}",
+                                   op, prescale, postscale, process_set, inplace=True,
+                                   asynchronous=True,
+                                   counts=[tensors[i].numel() for i in group])
+               for group, buf in zip(groups, buffers)]
 
     def finish() -> list[torch.Tensor]:
         out: list[torch.Tensor] = list(tensors)
@@ -306,10 +310,10 @@ class _GroupedAllreduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        op, name, prescale, postscale = ctx.spec
+        op, name, prescale, postscale, process_set = ctx.spec
         _require_linear(op, "grouped_allreduce")
         reduced = _grouped([g.contiguous() for g in grads], op, _grad_name(name), prescale,
-                           postscale, inplace=False).wait()
+                           postscale, process_set, inplace=False).wait()
         return (None, *reduced)
 
 
@@ -323,7 +327,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
     """
     tensors, op = _grouped_args(tensors, average, op, process_set, "grouped_allreduce")
     wires, ctxs = zip(*[compression.compress(t) for t in tensors]) if tensors else ((), ())
-    spec = (op, name, prescale_factor, postscale_factor)
+    spec = (op, name, prescale_factor, postscale_factor, process_set)
     if torch.is_grad_enabled() and any(w.requires_grad for w in wires):
         reduced = _GroupedAllreduce.apply(spec, *wires)
     else:
@@ -337,7 +341,8 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
                             process_set: ProcessSet = global_process_set) -> GroupedHandle:
     """Starts a ``grouped_allreduce``; ``synchronize(handle)`` returns the list of results."""
     tensors, op = _grouped_args(tensors, average, op, process_set, "grouped_allreduce_async")
-    return _grouped(tensors, op, name, prescale_factor, postscale_factor, inplace=False)
+    return _grouped(tensors, op, name, prescale_factor, postscale_factor, process_set,
+                    inplace=False)
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None,
@@ -346,7 +351,8 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
                        process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """In-place ``grouped_allreduce``: the results replace ``tensors``, which are returned."""
     tensors, op = _grouped_args(tensors, average, op, process_set, "grouped_allreduce_")
-    return _grouped(tensors, op, name, prescale_factor, postscale_factor, inplace=True).wait()
+    return _grouped(tensors, op, name, prescale_factor, postscale_factor, process_set,
+                    inplace=True).wait()
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
@@ -355,99 +361,111 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              process_set: ProcessSet = global_process_set) -> GroupedHandle:
     """Starts an in-place ``grouped_allreduce``; don't touch the tensors until synchronized."""
     tensors, op = _grouped_args(tensors, average, op, process_set, "grouped_allreduce_async_")
-    return _grouped(tensors, op, name, prescale_factor, postscale_factor, inplace=True)
+    return _grouped(tensors, op, name, prescale_factor, postscale_factor, process_set,
+                    inplace=True)
 
 
 # ----------------------------------------------------------------------------- allgather
 class _Allgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name):
+    def forward(ctx, tensor, name, process_set):
         ctx.rows, ctx.name = tensor.shape[0] if tensor.dim() else 0, name
-        return gs.allgather(tensor, name=name)
+        ctx.process_set = process_set
+        return _requests.allgather(tensor, name, process_set)
 
     @staticmethod
     def backward(ctx, grad):
-        reduced = gs.allreduce(grad.contiguous(), op=Average, name=_grad_name(ctx.name))
-        rows = gs.allgather(torch.tensor([ctx.rows], dtype=torch.int64))
-        offset = int(rows[:gs.rank()].sum())
-        return reduced.narrow(0, offset, ctx.rows), None
+        ps = ctx.process_set
+        reduced = _requests.allreduce(grad.contiguous(), _grad_name(ctx.name), Average, 1.0,
+                                      1.0, ps)
+        rows = _requests.allgather(torch.tensor([ctx.rows], dtype=torch.int64),
+                                   _grad_name(None if ctx.name is None else ctx.name + ".rows"),
+                                   ps)
+        me = _psets.controller(ps).world.rank
+        offset = int(rows[:me].sum())
+        return reduced.narrow(0, offset, ctx.rows), None, None
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenates every rank's ``tensor`` along dimension 0, whose size may differ."""
     _check_process_set(process_set)
-    return _Allgather.apply(_cpu(tensor, "allgather"), name)
+    return _Allgather.apply(_cpu(tensor, "allgather"), name, process_set)
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Starts an ``allgather``; ``synchronize(handle)`` returns the gathered tensor."""
     _check_process_set(process_set)
-    return gs.allgather_async(_cpu(tensor, "allgather_async"), name=name)
+    return _requests.allgather(_cpu(tensor, "allgather_async"), name, process_set,
+                               asynchronous=True)
 
 
 # ----------------------------------------------------------------------------- broadcast
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, root_rank, name):
-        ctx.root, ctx.name = root_rank, name
-        return gs.broadcast(tensor, root_rank, name=name)
+    def forward(ctx, tensor, root_rank, name, process_set):
+        ctx.root, ctx.name, ctx.process_set = root_rank, name, process_set
+        return _requests.broadcast(tensor, root_rank, name, process_set)
 
     @staticmethod
     def backward(ctx, grad):
-        reduced = gs.allreduce(grad.contiguous(), op=Average, name=_grad_name(ctx.name))
+        reduced = _requests.allreduce(grad.contiguous(), _grad_name(ctx.name), Average, 1.0,
+                                      1.0, ctx.process_set)
         if gs.rank() != ctx.root:
             reduced.zero_()
-        return reduced, None, None
+        return reduced, None, None, None
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Returns root_rank's ``tensor`` on every rank (differentiable); ``tensor`` is untouched."""
     _check_process_set(process_set)
-    return _Broadcast.apply(_cpu(tensor, "broadcast"), root_rank, name)
+    return _Broadcast.apply(_cpu(tensor, "broadcast"), root_rank, name, process_set)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place ``broadcast``: root_rank's values replace ``tensor``, which is returned."""
     _check_process_set(process_set)
-    return gs.broadcast_(_cpu(tensor, "broadcast_"), root_rank, name=name)
+    return _requests.broadcast(_cpu(tensor, "broadcast_"), root_rank, name, process_set,
+                               inplace=True)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Starts a ``broadcast``; ``synchronize(handle)`` returns the new tensor."""
     _check_process_set(process_set)
-    return gs.broadcast_async(_cpu(tensor, "broadcast_async"), root_rank, name=name)
+    return _requests.broadcast(_cpu(tensor, "broadcast_async"), root_rank, name, process_set,
+                               asynchronous=True)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Handle:
     """Starts an in-place ``broadcast``."""
     _check_process_set(process_set)
-    return gs.broadcast_async_(_cpu(tensor, "broadcast_async_"), root_rank, name=name)
+    return _requests.broadcast(_cpu(tensor, "broadcast_async_"), root_rank, name, process_set,
+                               inplace=True, asynchronous=True)
 
 
 # ----------------------------------------------------------------------------- alltoall
 class _Alltoall(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, splits, name):
-        ctx.name = name
-        result = gs.alltoall(tensor, splits=splits, name=name)
+    def forward(ctx, tensor, splits, name, process_set):
+        ctx.name, ctx.process_set = name, process_set
+        out, received = _requests.alltoall(tensor, splits, name, process_set,
+                                           with_received=True)
+        ctx.received = received  # what each rank sent here: the gradient goes back in these
         if splits is None:
-            ctx.received = None
-            return result
-        out, received = result
-        ctx.received = received
+            return out
         ctx.mark_non_differentiable(received)
         return out, received
 
     @staticmethod
     def backward(ctx, grad, *_):
-        back = gs.alltoall(grad.contiguous(), splits=ctx.received, name=_grad_name(ctx.name))
-        return (back if ctx.received is None else back[0]), None, None
+        back, _received = _requests.alltoall(grad.contiguous(), ctx.received,
+                                             _grad_name(ctx.name), ctx.process_set)
+        return back, None, None, None
 
 
 def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None,
@@ -458,31 +476,46 @@ def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None,
         The received rows; with ``splits`` given, the pair ``(received, received_splits)``.
     """
     _check_process_set(process_set)
-    return _Alltoall.apply(_cpu(tensor, "alltoall"), splits, name)
+    return _Alltoall.apply(_cpu(tensor, "alltoall"), splits, name, process_set)
 
 
 def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None,
                    process_set: ProcessSet = global_process_set) -> Handle:
     """Starts an ``alltoall``; ``synchronize(handle)`` returns what ``alltoall`` would."""
     _check_process_set(process_set)
-    return gs.alltoall_async(_cpu(tensor, "alltoall_async"), splits=splits, name=name)
+    return _requests.alltoall(_cpu(tensor, "alltoall_async"), splits, name, process_set,
+                              asynchronous=True)
 
 
 # ----------------------------------------------------------------------------- reducescatter
+def _reducescatter_op(op, function: str) -> ReduceOp:
+    op = _resolve_op(op, None)
+    if op is Adasum:
+        raise NotImplementedError(f"{function}: op=Adasum is not supported (as in Horovod); "
+                                  "Adasum combines whole vectors, use allreduce")
+    return op
+
+
+def _scattered_rows(tensor: torch.Tensor, function: str) -> torch.Tensor:
+    if tensor.dim() == 0:
+        raise ValueError(f"{function} scatters the rows of its tensor, so it needs at least one "
+                         "dimension; got a scalar (as in Horovod)")
+    return tensor
+
+
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name, op, prescale, postscale):
-        ctx.spec = (name, op, prescale * postscale)
-        return gs.reducescatter(tensor, op=op, name=name, prescale_factor=prescale,
-                                postscale_factor=postscale)
+    def forward(ctx, tensor, name, op, prescale, postscale, process_set):
+        ctx.spec = (name, op, prescale * postscale, process_set)
+        return _requests.reducescatter(tensor, name, op, prescale, postscale, process_set)
 
     @staticmethod
     def backward(ctx, grad):
-        name, op, factor = ctx.spec
+        name, op, factor, process_set = ctx.spec
         _require_linear(op, "reducescatter")
-        gathered = gs.allgather(grad.contiguous(), name=_grad_name(name))
-        factor *= gs.size() if op is Sum else 1
-        return (gathered * factor if factor != 1 else gathered), None, None, None, None
+        gathered = _requests.allgather(grad.contiguous(), _grad_name(name), process_set)
+        factor *= len(_psets.controller(process_set).ranks) if op is Sum else 1
+        return (gathered * factor if factor != 1 else gathered), None, None, None, None, None
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None,
@@ -493,10 +526,11 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
 
     Rows are split as evenly as possible; the first ``rows % size`` ranks get one more.
     """
-    op = _resolve_op(op, None)
+    op = _reducescatter_op(op, "reducescatter")
     _check_process_set(process_set)
-    wire, ctx = compression.compress(_cpu(tensor, "reducescatter"))
-    mine = _Reducescatter.apply(wire, name, op, prescale_factor, postscale_factor)
+    wire, ctx = compression.compress(_scattered_rows(_cpu(tensor, "reducescatter"),
+                                                     "reducescatter"))
+    mine = _Reducescatter.apply(wire, name, op, prescale_factor, postscale_factor, process_set)
     return compression.decompress(mine, ctx)
 
 
@@ -504,18 +538,17 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op=Averag
                         process_set: ProcessSet = global_process_set,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Starts a ``reducescatter``; ``synchronize(handle)`` returns this rank's block."""
-    op = _resolve_op(op, None)
+    op = _reducescatter_op(op, "reducescatter_async")
     _check_process_set(process_set)
-    return gs.reducescatter_async(_cpu(tensor, "reducescatter_async"), op=op, name=name,
-                                  prescale_factor=prescale_factor,
-                                  postscale_factor=postscale_factor)
+    tensor = _scattered_rows(_cpu(tensor, "reducescatter_async"), "reducescatter_async")
+    return _requests.reducescatter(tensor, name, op, prescale_factor, postscale_factor,
+                                   process_set, asynchronous=True)
 
 
 # ----------------------------------------------------------------------------- the rest
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Returns once every rank has called ``barrier``."""
-    _check_process_set(process_set)
-    gs.barrier()
+    _requests.barrier(process_set)
 
 
 def synchronize(handle: Handle | GroupedHandle):

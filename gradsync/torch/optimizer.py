@@ -14,8 +14,9 @@ One round (one optimizer step), on each rank:
 1. backward. ``Tensor.register_post_accumulate_grad_hook`` reports each parameter whose
    gradient has been accumulated. After ``backward_passes_per_step`` reports, the gradient is
    copied into its view of its bucket (``buckets.py``). When a bucket is complete and every
-   earlier bucket has been launched, its allreduce goes to the engine's progress thread
-   (``allreduce_async_``) and runs while backward computes the next gradients.
+   earlier bucket has been launched, its allreduce goes to the process set's controller
+   (``allreduce_async_``; ``gradsync/negotiation.py``), which runs it (fused with other ready
+   buckets) while backward computes the next gradients.
 2. ``step()`` or ``synchronize()``. Buckets not launched yet, because a member got no gradient
    (a parameter unused this step, a branch this rank did not take) or fewer passes than
    expected, are completed with what is there (zeros for a missing gradient, as Horovod does)
@@ -29,7 +30,7 @@ a gradient changed in place then (clipping too early) would be lost or race with
 version counters of the gradients and buckets, recorded when they were staged and launched,
 turn that into an error.
 
-Averaging: with ``op=Average`` the engine divides the sum by the number of ranks. With a
+Averaging: with ``op=Average`` the collective divides the sum by the number of ranks. With a
 ``gradient_predivide_factor`` f, each rank's gradients are multiplied by 1/f before the sum
 and the result by f after the division (1/size overall; the split keeps half-precision sums
 in range). Compression casts each bucket to the wire dtype before its allreduce and back
@@ -45,16 +46,19 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from .. import api as gs
 from ..collectives.ops import Average, ReduceOp, Sum
+from . import adasum_optimizer
 from .buckets import Bucket, assign_buckets, check_layout
 from .compression import Compression, Compressor
-from .mpi_ops import _ADASUM, Adasum, ProcessSet, _check_process_set, global_process_set
+from .grouped import sparse_allreduce_async
+from . import process_sets as _psets
+from . import requests as _requests
+from .mpi_ops import Adasum, ProcessSet, global_process_set
 
 __all__ = ["DistributedOptimizer"]
 
 _LIVE: "weakref.WeakSet[_DistributedOptimizer]" = weakref.WeakSet()
-"""DistributedOptimizers with hooks registered; ``join()`` follows their buckets."""
+"""DistributedOptimizers with hooks registered (``join()`` checks that none is mid-round)."""
 
 _OWNER = "_gradsync_optimizer"
 """Attribute of a managed parameter: a weak reference to the optimizer whose hook it carries."""
@@ -77,8 +81,15 @@ class _DistributedOptimizer:
     # ------------------------------------------------------------------ set-up
     def _gs_setup(self, named_parameters, compression: type[Compressor],
                   backward_passes_per_step: int, op: ReduceOp,
-                  gradient_predivide_factor: float, groups, sparse_as_dense: bool) -> None:
+                  gradient_predivide_factor: float, groups, sparse_as_dense: bool,
+                  process_set: ProcessSet = global_process_set) -> None:
+        # Buckets go through the set's controller like any Horovod-API allreduce: a rank
+        # that has joined then contributes zeros to them (join.py).
+        self._gs_process_set = process_set
         self._gs_names = _parameter_names(self.param_groups, named_parameters)
+        # Horovod's attribute (parameter -> name), which scripts and Horovod's tests read.
+        self._parameter_names = {p: self._gs_names[id(p)] for g in self.param_groups
+                                 for p in g["params"]}
         self._gs_groups = _check_groups(groups, self.param_groups)
         self._gs_compression = compression
         self.backward_passes_per_step = backward_passes_per_step
@@ -114,7 +125,7 @@ class _DistributedOptimizer:
         self._gs_slot_bucket: list[Bucket] = []
         self._gs_slot_name: list[str] = []
         # Horovod reduces nothing in a one-rank job; neither do we (step is the plain step).
-        if gs.size() > 1 and params:
+        if self._gs_size() > 1 and params:
             for k, members in enumerate(assign_buckets(params, self._gs_groups)):
                 first = len(self._gs_slot_param)
                 bucket = Bucket(k, list(range(first, first + len(members))),
@@ -125,7 +136,7 @@ class _DistributedOptimizer:
                     self._gs_slot_view.append(view)
                     self._gs_slot_bucket.append(bucket)
                 self._gs_slot_name.extend(bucket.names)
-            check_layout(self._gs_buckets)
+            check_layout(self._gs_buckets, self._gs_allgather_object)
             ref = weakref.ref(self)
             for slot, param in enumerate(self._gs_slot_param):
                 self._gs_hooks.append(param.register_post_accumulate_grad_hook(_hook(ref, slot)))
@@ -145,6 +156,8 @@ class _DistributedOptimizer:
     def _gs_reset_round(self) -> None:
         self._gs_passes_left = [self.backward_passes_per_step] * len(self._gs_slot_param)
         self._gs_sparse: dict[int, int] = {}  # slot -> sparse_dim of its sparse gradient
+        # slot -> the sparse allreduce of its gradient (without sparse_as_dense)
+        self._gs_sparse_reduce: dict[int, Callable[[], torch.Tensor]] = {}
         # The gradient each slot was copied from, and its version then: a later in-place change
         # would never reach the bucket, so _gs_finish refuses it.
         self._gs_staged: list[torch.Tensor | None] = [None] * len(self._gs_slot_param)
@@ -186,10 +199,17 @@ class _DistributedOptimizer:
             return
         self._gs_staged[slot], self._gs_staged_version[slot] = grad, grad._version
         if grad.layout != torch.strided:
-            if not self.sparse_as_dense:
+            if grad.layout != torch.sparse_coo:
                 raise NotImplementedError(
-                    f"'{self._gs_slot_name[slot]}' has a sparse gradient; gradsync reduces "
-                    "dense buffers only: pass sparse_as_dense=True to DistributedOptimizer")
+                    f"'{self._gs_slot_name[slot]}' has a {grad.layout} gradient; "
+                    "DistributedOptimizer reduces dense and sparse COO gradients")
+            if not self.sparse_as_dense:
+                # As Horovod: indices and values are allgathered (grouped.py), beside the
+                # bucket, whose view of this parameter reduces zeros.
+                self._gs_sparse_reduce[slot] = sparse_allreduce_async(
+                    grad, self._gs_slot_name[slot], self.op, self._gs_process_set)
+                view.zero_()
+                return
             self._gs_sparse[slot] = grad.sparse_dim()
             grad = grad.to_dense()
         view.copy_(grad)
@@ -200,13 +220,12 @@ class _DistributedOptimizer:
             self._gs_launch(buckets[self._gs_next])
 
     def _gs_launch(self, bucket: Bucket) -> None:
-        if bucket.flag is not None:
-            bucket.flag.fill_(1)  # "this rank is still training", for ranks that joined
         bucket.pending = 0
         bucket.wire, bucket.ctx = self._gs_compression.compress(bucket.buffer)
         prescale, postscale = self._gs_scale
-        bucket.handle = gs.allreduce_async_(bucket.wire, op=self.op, name=bucket.name,
-                                            prescale_factor=prescale, postscale_factor=postscale)
+        bucket.handle = _requests.allreduce(bucket.wire, bucket.name, self.op, prescale,
+                                            postscale, self._gs_process_set, inplace=True,
+                                            asynchronous=True)
         # Views share their base's version counter, and the allreduce writes through NumPy
         # without bumping it: any change seen in _gs_finish came from an in-place op on a grad.
         bucket.version = bucket.buffer._version
@@ -229,23 +248,22 @@ class _DistributedOptimizer:
             if source is not None and (grad is not source or grad._version != versions[slot]):
                 raise RuntimeError(_MODIFIED.format(
                     what=f"the gradient of '{self._gs_slot_name[slot]}'"))
+            reduce = self._gs_sparse_reduce.get(slot)
+            if reduce is not None:
+                param.grad = reduce()
+                continue
             # Sparse gradients are handed back in the layout backward produced.
             param.grad = view.to_sparse(sparse[slot]) if slot in sparse else view
 
-    def _gs_follow_round(self) -> bool:
-        """On a rank that has joined: contributes zeros to one round of the others' buckets.
+    def _gs_size(self) -> int:
+        """Ranks that reduce together; 1 on a rank outside the process set, which, as in
+        Horovod, steps on its own gradients."""
+        if not _psets.is_member(self._gs_process_set):
+            return 1
+        return len(_psets.controller(self._gs_process_set).ranks)
 
-        Returns:
-            False, after the first bucket, if its join flag shows that no rank is training.
-        """
-        prescale, postscale = self._gs_scale
-        for bucket in self._gs_buckets:
-            wire, ctx = self._gs_compression.compress(torch.zeros_like(bucket.buffer))
-            gs.allreduce_(wire, op=self.op, name=bucket.name, prescale_factor=prescale,
-                          postscale_factor=postscale)
-            if bucket.flag is not None and not self._gs_compression.decompress(wire, ctx)[-1]:
-                return False
-        return True
+    def _gs_allgather_object(self, obj, name: str) -> list:
+        return _requests.allgather_object(obj, name, self._gs_process_set)
 
     def _gs_check_usable(self) -> None:
         if self._gs_superseded:
@@ -309,6 +327,12 @@ class _DistributedOptimizer:
         optimizer uses them.
         """
         if self._gs_should_synchronize:
+            if self._gs_synchronized and not self._gs_round_open:
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context "
+                    "after optimizer.synchronize(); the gradients are not reduced again, but "
+                    "use optimizer.skip_synchronize() around step() to say so (Horovod's "
+                    "warning)", stacklevel=2)
             if closure is None:
                 self.synchronize()
             else:
@@ -392,7 +416,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             ``optimizer`` (usually ``model.named_parameters()``); names appear in errors.
         compression: ``Compression.none``, ``.fp16``, ``.bf16`` or a custom compressor.
         backward_passes_per_step: backward passes accumulated locally per allreduce.
-        op: ``Average`` (default) or ``Sum``.
+        op: ``Average`` (default), ``Sum``, or ``Adasum``: each parameter's local update is
+            Adasum-reduced instead of the gradients (``adasum_optimizer.py``).
         gradient_predivide_factor: with ``Average``, scale by 1/f before the sum and by f/size
             after it.
         num_groups: deprecated spelling of an integer ``groups`` (as in Horovod).
@@ -400,25 +425,24 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             consecutive parameters) or a list of lists of parameters (each list one group; any
             parameter not listed is a group of its own).
         sparse_as_dense: reduce sparse gradients as dense tensors (otherwise they raise).
-        process_set: only the global process set is supported.
+        process_set: the ranks that average their gradients (default: all), registered. On a
+            rank outside it the optimizer reduces nothing and steps on the local gradients,
+            as in Horovod.
 
     Raises:
         ValueError: bad ``named_parameters`` (not pairs, duplicate names, an optimizer
-            parameter without a name), bad ``groups``, op other than Average/Sum, a predivide
-            factor with Sum.
-        NotImplementedError: ``op=Adasum`` or a non-global ``process_set``.
+            parameter without a name), bad ``groups``, op other than Average/Sum/Adasum, a
+            predivide factor with Sum or Adasum.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
-    if isinstance(optimizer, _DistributedOptimizer):
+    if isinstance(optimizer, (_DistributedOptimizer, adasum_optimizer.AdasumOptimizer)):
         raise ValueError("this optimizer is already a DistributedOptimizer")
-    _check_process_set(process_set)
-    if op is Adasum:
-        raise NotImplementedError(_ADASUM)
-    if op not in (Average, Sum):
-        raise ValueError(f"DistributedOptimizer reduces gradients with op=Average or op=Sum, "
-                         f"got {op!r}")
+    _psets.is_member(process_set)  # registered (a rank outside the set reduces nothing)
+    if op not in (Average, Sum, Adasum):
+        raise ValueError(f"DistributedOptimizer reduces gradients with op=Average, op=Sum or "
+                         f"op=Adasum, got {op!r}")
     if gradient_predivide_factor <= 0:
         raise ValueError(f"gradient_predivide_factor must be positive, got "
                          f"{gradient_predivide_factor}")
@@ -432,6 +456,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         warnings.warn("num_groups is deprecated (as in Horovod): use groups", DeprecationWarning,
                       stacklevel=2)
         groups = num_groups if groups is None else groups
+    if op is Adasum:
+        if process_set is not global_process_set:
+            raise NotImplementedError("DistributedOptimizer(op=Adasum) runs on the global "
+                                      "process set only")
+        return adasum_optimizer.wrap(optimizer,
+                                     _parameter_names(optimizer.param_groups, named_parameters),
+                                     compression, backward_passes_per_step, groups,
+                                     sparse_as_dense)
     base = type(optimizer)
     cls = _CLASSES.get(base)
     if cls is None:
@@ -442,7 +474,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     # the instance) would bypass the synchronization: they stay behind with ``optimizer``.
     wrapped.__dict__.update((k, v) for k, v in vars(optimizer).items() if k not in _MIXIN_NAMES)
     wrapped._gs_setup(named_parameters, compression, backward_passes_per_step, op,
-                      gradient_predivide_factor, groups, sparse_as_dense)
+                      gradient_predivide_factor, groups, sparse_as_dense, process_set)
     return wrapped
 
 

@@ -239,10 +239,16 @@ class Listener:
     def close(self) -> None:
         with self._cond:
             self._closed = True
+        try:  # close() alone does not wake a thread blocked in accept() on Linux
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         try:
             self.sock.close()
         except OSError:
             pass
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
 
 
 def connect(addr: str, port: int, rank: int, peer: int, secret: bytes, job: str,

@@ -1,0 +1,561 @@
+"""Negotiated execution: operations are matched across ranks by name, not by issue order.
+
+The Horovod API lets ranks issue operations in different orders: rank 0 may start
+``allreduce_async(a)`` then ``(b)`` while rank 1 starts ``b`` then ``a``, and an operation one
+rank issues before a barrier may be matched by another rank's issued after it. A ``Controller``
+makes that work for one World (the global process set's, or one process set's).
+
+Vocabulary. A *request* is one rank's side of an operation: its name (``allreduce.grad.fc1``),
+kind, dtype, shape, reduce op, root and scale factors, which together are its *signature*. The
+controller's background thread runs *cycles*. In a cycle every rank *announces* the requests
+its caller issued since the last cycle, and every rank receives every rank's announcements (one
+allgather over the World's own connections, shared memory on one host). From the same inputs
+every rank derives the same table ``name -> {rank: signature}``; an operation is *ready* when
+every rank of the World has announced it. Ready operations run in *agreed order*: the order in
+which their names first appeared in the cycles' announcements, read rank 0 first, then rank 1,
+and so on. No rank coordinates; each computes the same order from the same data.
+
+Example, two ranks. Rank 0 issues ``a``, ``b``; rank 1 issues ``b``, then (later) ``a``.
+Cycle 1 announces ``[a, b]`` from rank 0 and ``[b]`` from rank 1: ``b`` is ready and runs on
+both ranks. Cycle 2 announces ``[]`` and ``[a]``: ``a`` is ready and runs. Neither rank waits
+for an operation the other has not reached.
+
+Errors. When an operation is ready, every rank compares the signatures it holds (they are the
+same on every rank, so every rank reaches the same verdict). If they disagree (shape, dtype,
+op, root, scale factors; for allgather and alltoall everything but the first dimension), the
+operation does not run: every rank's handle raises ``CollectiveMismatchError`` (a
+RuntimeError) naming what each rank issued, and the World stays usable. A second request with
+the name of one still in flight on this rank raises ValueError at once.
+
+Join. A rank that runs out of data announces ``join``. From then on an operation is ready once
+every rank that has not joined announced it; the joined rank runs a zero allreduce in its own
+place (built from the others' signature), and any other kind fails with RuntimeError on the
+ranks that issued it, as in Horovod. ``join`` itself is ready when every rank announced it,
+and returns the rank whose announcement came last in agreed order.
+
+Fusion. Ready allreduces with the same dtype, op and scale factors are packed, in agreed order,
+into one buffer of at most ``fusion_threshold`` bytes and reduced by one collective.
+
+Response cache (after Horovod's ``response_cache.cc``). Steady-state training issues the same
+names with the same signatures every step. Once an operation has run, every rank stores its
+(name, signature) under the same *bit* (bits are assigned in agreed order, so identically
+everywhere; least recently used entries are evicted, also identically). A later request with a
+cached name and signature is announced as its bit in an integer bit mask instead of a full
+description, so a cycle that carries a whole step's gradients costs one small allgather, not a
+round trip per tensor. Unnamed operations (``allreduce.noname.7``) never repeat and are not
+cached.
+
+Idle cost. A World of one rank needs no cycles (everything it issues is ready at once). With
+more ranks the loop runs back to back while requests arrive. A rank with nothing of its own in
+flight has nothing to learn from a cycle (no operation can become ready without its
+announcement), so its loop sleeps until its caller issues something, waking only every
+``_HEARTBEAT`` (0.5 s) for an empty cycle that keeps the other ranks' waiting exchanges within
+their deadline. Between two training steps the loop so costs nothing: the step's first
+request wakes it at once, and the other ranks' loops are woken by their own requests. A rank
+with operations in flight that are not ready yet (it waits for a slower rank, or it has
+joined) cycles after 1 ms, doubling up to ``_MAX_IDLE`` (20 ms).
+
+Shutdown. ``stop()`` asks for it in the next announcement; the loop ends in the first cycle in
+which every rank has asked, so no rank leaves a cycle the others are still in. Operations still
+in flight then fail with RuntimeError.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import pickle
+import threading
+from typing import Any, Callable
+
+import numpy as np
+
+from . import operations as ops
+from .collectives import ring
+from .collectives.ops import BFLOAT16, ReduceOp
+from .engine import Handle
+from .errors import CollectiveMismatchError, GradsyncError
+
+__all__ = ["Controller", "Request", "ResponseCache"]
+
+log = logging.getLogger("gradsync")
+
+JOIN = "join"
+"""The name of the join operation (``Controller.join``)."""
+
+_MIN_IDLE = 0.001
+_MAX_IDLE = 0.02
+_HEARTBEAT = 0.5
+_SLOT = 256  # bytes per rank in a cycle's one-round exchange (see Controller._exchange)
+
+# Kinds whose first dimension may differ between ranks.
+_RAGGED = ("allgather", "alltoall")
+
+
+class Request:
+    """This rank's side of one named operation.
+
+    Args:
+        name: the full name, the same on every rank (``allreduce.grad.fc1``).
+        kind: ``allreduce``, ``allgather``, ``broadcast``, ``alltoall``, ``reducescatter`` or
+            ``barrier``.
+        dtype: the dtype's name (``float32``, ``bfloat16``).
+        shape: the tensor's shape.
+        op: the reduce op's name, or None.
+        root: the broadcast root (rank in the World), or None.
+        scale: ``(prescale, postscale)``.
+        flat: for allreduce, the flat array reduced in place (fusable).
+        run: for the other kinds, ``run(world)`` performs the collective and returns the result.
+        finish: turns what ran into the caller's result (allreduce: called with no argument;
+            the others: called with ``run``'s result). Default: identity.
+        counts: for an Adasum allreduce of several tensors packed in ``flat``, their sizes.
+    """
+
+    __slots__ = ("name", "kind", "sig", "flat", "dtype_tag", "run", "finish", "handle", "joined",
+                 "counts")
+
+    def __init__(self, name: str, kind: str, dtype: str, shape: tuple, *, op: str | None = None,
+                 root: int | None = None, scale: tuple = (1.0, 1.0), flat=None, dtype_tag=None,
+                 run: Callable | None = None, finish: Callable | None = None,
+                 counts: list[int] | None = None):
+        self.name, self.kind = name, kind
+        self.sig = (kind, dtype, tuple(int(d) for d in shape), op, root,
+                    float(scale[0]), float(scale[1]))
+        self.flat, self.dtype_tag = flat, dtype_tag
+        self.run, self.finish = run, finish
+        self.counts = counts
+        self.handle = Handle(name)
+        self.joined = False  # a stand-in for a rank that has joined (see Controller.join)
+
+
+def _match_key(sig: tuple) -> tuple:
+    kind, dtype, shape, *rest = sig
+    if kind in _RAGGED:
+        return (kind, dtype, len(shape), shape[1:], *rest)
+    return sig
+
+
+def describe(sig: tuple) -> str:
+    """``float32[17, 17] op=SUM root=0`` for a signature."""
+    kind, dtype, shape, op, root, pre, post = sig
+    text = f"{kind} {dtype}{list(shape)}"
+    if op is not None:
+        text += f" op={op}"
+    if root is not None:
+        text += f" root={root}"
+    if (pre, post) != (1.0, 1.0):
+        text += f" prescale={pre} postscale={post}"
+    return text
+
+
+def _mismatch(name: str, by_rank: dict[int, tuple], ranks: list[int]) -> CollectiveMismatchError:
+    groups: dict[str, list[int]] = {}
+    for r in sorted(by_rank):
+        groups.setdefault(describe(by_rank[r]), []).append(ranks[r])
+    lines = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {rs if len(rs) > 1 else rs[0]}: {what}"
+                      for what, rs in groups.items())
+    return CollectiveMismatchError(
+        f"operation '{name}' was issued differently by the ranks, so it did not run ({lines}); "
+        f"the ranks can go on with other operations")
+
+
+class ResponseCache:
+    """Names and signatures of operations that ran, each under a bit every rank agrees on.
+
+    Args:
+        capacity: entries kept; the least recently used one is evicted beyond it.
+    """
+
+    def __init__(self, capacity: int = 1024):
+        self.capacity = capacity
+        self._bits: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._entries: dict[int, tuple[str, tuple]] = {}
+        self._free: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._bits)
+
+    def bit(self, name: str, sig: tuple) -> int | None:
+        """The bit of ``name`` if it is cached with exactly ``sig``."""
+        bit = self._bits.get(name)
+        if bit is not None and self._entries[bit][1] == sig:
+            return bit
+        return None
+
+    def entry(self, bit: int) -> tuple[str, tuple]:
+        return self._entries[bit]
+
+    def put(self, name: str, sig: tuple) -> None:
+        """Records that ``name`` ran with ``sig`` (every rank calls this in agreed order)."""
+        if ".noname." in name:
+            return
+        bit = self._bits.get(name)
+        if bit is not None:
+            self._bits.move_to_end(name)
+            self._entries[bit] = (name, sig)
+            return
+        if len(self._bits) >= self.capacity:
+            _, old = self._bits.popitem(last=False)
+            del self._entries[old]
+            self._free.append(old)
+        bit = self._free.pop() if self._free else len(self._bits)
+        self._bits[name] = bit
+        self._entries[bit] = (name, sig)
+
+
+def _bits_of(mask: int):
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+class Controller:
+    """Negotiates and runs the named operations of one World on a background thread.
+
+    Args:
+        world: the World the operations run on (owned by the caller; not closed here).
+        label: names the thread and appears in errors (``global``, ``process set 1``).
+        ranks: the global rank of each rank of ``world`` (for messages).
+        fusion_threshold: bytes of allreduces fused into one collective.
+        timeline: a ``gradsync.timeline.Timeline`` or None; may be replaced at any time.
+    """
+
+    def __init__(self, world, label: str, ranks: list[int], fusion_threshold: int,
+                 timeline=None):
+        self.world, self.label, self.ranks = world, label, list(ranks)
+        self.fusion_threshold = fusion_threshold
+        self.timeline = timeline
+        self.on_stand_in: Callable[[str], None] | None = None
+        """Called with the name of each operation this rank joins in (or is excused from)
+        without having issued it, while it is joined."""
+        self.cache = ResponseCache()
+        self.stats = collections.Counter()
+        self._cv = threading.Condition()
+        self._new: list[Request] = []
+        self._mine: dict[str, Request] = {}
+        self._table: dict[str, tuple[int, dict[int, tuple]]] = {}
+        self._order = 0
+        self._joined: list[int] = []  # ranks that announced join, in agreed order
+        self._stop_requested = False
+        self._closed: BaseException | None = None
+        self._fusion: dict[Any, np.ndarray] = {}
+        self._thread = threading.Thread(target=self._loop, daemon=True,
+                                        name=f"gradsync-negotiate-{label}")
+        self._thread.start()
+
+    # ------------------------------------------------------------------ caller's side
+    def submit(self, request: Request) -> Handle:
+        """Announces ``request`` in the next cycle; returns its Handle.
+
+        Raises:
+            ValueError: an operation with this name is in flight on this rank.
+            RuntimeError: the controller has stopped (shutdown, or a failed World).
+        """
+        with self._cv:
+            if self._closed is not None:
+                raise self._closed
+            if request.name in self._mine:
+                raise ValueError(
+                    f"an operation named '{request.name}' is already in flight on rank "
+                    f"{self.ranks[self.world.rank]} ({self.label}); synchronize it before "
+                    "issuing another with the same name, or give this one another name")
+            self._mine[request.name] = request
+            self._new.append(request)
+            tl = self.timeline
+            if tl is not None:
+                tl.begin(request.name, f"NEGOTIATE_{request.kind.upper()}",
+                         {"signature": describe(request.sig)})
+            self._cv.notify()
+        return request.handle
+
+    def join(self) -> Handle:
+        """Announces that this rank has joined; the Handle returns the global rank that joined
+        last, once every rank has. Meanwhile this rank contributes zeros to the others'
+        allreduces, and their other operations fail (as in Horovod)."""
+        return self.submit(Request(JOIN, JOIN, "none", ()))
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Ends the loop once every rank of the World has asked to (see the module comment)."""
+        with self._cv:
+            self._stop_requested = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    # ------------------------------------------------------------------ the loop
+    def _loop(self) -> None:
+        idle = 0
+        try:
+            while True:
+                with self._cv:
+                    if not self._new and not self._stop_requested:
+                        if self.world.size == 1:
+                            self._cv.wait()
+                        elif not self._mine:  # nothing of ours in flight: a heartbeat only
+                            self._cv.wait(_HEARTBEAT)
+                        elif idle:
+                            self._cv.wait(min(_MIN_IDLE * (1 << min(idle - 1, 8)), _MAX_IDLE))
+                    new, self._new = self._new, []
+                    stop = self._stop_requested
+                if self.world.size == 1:
+                    payloads = [(stop, 0, [(q.name, q.sig) for q in new])]
+                else:
+                    payloads = self._exchange(new, stop)
+                if all(p[0] for p in payloads):
+                    break
+                ready, announced = self._absorb(payloads)
+                self.stats["cycles"] += 1
+                if ready or announced:
+                    tl = self.timeline
+                    if tl is not None:
+                        tl.cycle()
+                    idle = 0
+                    self._run_ready(ready)
+                else:
+                    idle += 1
+            self._close(RuntimeError(f"gradsync ({self.label}) has been shut down; the "
+                                     "operation did not run"))
+        except BaseException as exc:  # noqa: BLE001  (delivered to every waiting handle)
+            if isinstance(exc, GradsyncError):
+                try:
+                    exc = self.world.fail(exc)
+                except Exception:  # noqa: BLE001
+                    pass
+            self._close(exc)
+
+    def _exchange(self, new: list[Request], stop: bool) -> list[tuple]:
+        mask, full = 0, []
+        for q in new:
+            bit = self.cache.bit(q.name, q.sig)
+            if bit is None:
+                full.append((q.name, q.sig))
+            else:
+                mask |= 1 << bit
+        self.stats["cached"] += len(new) - len(full)
+        self.stats["full"] += len(full)
+        data = pickle.dumps((stop, mask, full), protocol=5)
+        # One round in the common case: every rank sends a block of _SLOT bytes (its length,
+        # then its announcement if it fits: a step of cached bits does). Only when some
+        # rank's does not fit (every rank sees its length) is there a second, sized round.
+        world, size = self.world, self.world.size
+        blocks = np.zeros((size, _SLOT), dtype=np.uint8)
+        mine = blocks[world.rank]
+        mine[:8] = np.frombuffer(np.int64(len(data)).tobytes(), dtype=np.uint8)
+        if len(data) <= _SLOT - 8:
+            mine[8:8 + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        world.comm.begin("negotiate", world.config.check_collectives)
+        ring.allgather(world.comm, blocks.reshape(-1), [_SLOT] * size,
+                       world.config.chunk_bytes)
+        lengths = blocks[:, :8].copy().view(np.int64).reshape(-1).tolist()
+        if max(lengths) <= _SLOT - 8:
+            return [pickle.loads(blocks[r, 8:8 + lengths[r]].tobytes()) for r in range(size)]
+        flat = np.frombuffer(data, dtype=np.uint8)
+        out, rows = ops.allgather(world, flat, flat.dtype, name="negotiate", shape=flat.shape)
+        bounds = np.cumsum([0] + rows)
+        return [pickle.loads(out[bounds[r]:bounds[r + 1]].tobytes()) for r in range(size)]
+
+    def _absorb(self, payloads: list[tuple]) -> tuple[list[tuple[str, dict]], bool]:
+        """Adds every rank's announcements to the table; returns the ready ones in order.
+
+        An operation is ready when every rank that has not joined announced it (``join``
+        itself: when every rank has joined)."""
+        size, touched, announced = self.world.size, [], False
+        joined_before = len(self._joined)
+        tl, me = self.timeline, self.world.rank
+        for r, (_, mask, full) in enumerate(payloads):
+            for name, sig in [self.cache.entry(b) for b in _bits_of(mask)] + full:
+                announced = True
+                if tl is not None and r != me and name in self._mine:
+                    tl.instant(name, f"rank {self.ranks[r]} ready")
+                if name == JOIN:
+                    self._joined.append(r)
+                entry = self._table.get(name)
+                if entry is None:
+                    entry = self._table[name] = (self._order, {})
+                    self._order += 1
+                entry[1][r] = sig
+                touched.append(name)
+        if len(self._joined) != joined_before:
+            touched = list(self._table)  # fewer ranks to wait for: anything may be ready now
+        active = size - len(self._joined)
+        ready = sorted({(self._table[n][0], n) for n in touched
+                        if n in self._table and (
+                            len(self._table[n][1]) == size if n == JOIN else
+                            len(set(self._table[n][1]) - set(self._joined)) == active)})
+        return [(n, self._table.pop(n)[1]) for _, n in ready], announced
+
+    def _run_ready(self, ready: list[tuple[str, dict]]) -> None:
+        runnable: list[Request] = []
+        tl = self.timeline
+        for name, by_rank in ready:
+            with self._cv:
+                request = self._mine.get(name)
+            keys = {_match_key(sig) for sig in by_rank.values()}
+            if tl is not None and request is not None:
+                tl.end(name)
+            if name == JOIN:
+                last, self._joined = self._joined[-1], []
+                self._finish(request, result=self.ranks[last])
+                continue
+            if self._joined and (request is None or len(by_rank) < self.world.size):
+                request = self._for_joined(name, by_rank, request)
+                if request is None:
+                    continue
+            if len(keys) > 1:
+                self.stats["mismatches"] += 1
+                self._finish(request, error=_mismatch(name, by_rank, self.ranks))
+                continue
+            self.cache.put(name, request.sig)
+            if tl is not None:
+                tl.begin(name, "QUEUE")
+            runnable.append(request)
+        for batch in self._batches(runnable):
+            self._execute(batch)
+
+    def _for_joined(self, name: str, by_rank: dict, request: Request | None) -> Request | None:
+        """An operation that runs while some ranks have joined: the joined ranks contribute
+        zeros to an allreduce (averages still divide by every rank, as in Horovod); any other
+        kind fails on the ranks that issued it."""
+        sig = next(iter(by_rank.values()))
+        joined = sorted(self.ranks[r] for r in set(self._joined))
+        if request is None and self.on_stand_in is not None:
+            self.on_stand_in(name)
+        if sig[0] != "allreduce":
+            if request is not None:
+                self._finish(request, error=RuntimeError(
+                    f"{sig[0]} '{name}' cannot run while ranks {joined} have joined (only "
+                    "allreduce takes zeros from joined ranks, as in Horovod)"))
+            return None
+        if request is not None:
+            return request
+        dtype = sig[1]
+        tag = BFLOAT16 if dtype == BFLOAT16 else np.dtype(dtype)
+        flat = np.zeros(int(np.prod(sig[2], dtype=np.int64)),
+                        dtype=np.int16 if dtype == BFLOAT16 else tag)
+        zeros = Request(name, "allreduce", dtype, sig[2], op=sig[3], scale=sig[5:],
+                        flat=flat, dtype_tag=tag)
+        zeros.joined = True
+        return zeros
+
+    def _batches(self, requests: list[Request]) -> list[list[Request]]:
+        """Groups ready allreduces of one dtype, op and scale up to the fusion threshold."""
+        batches: list[list[Request]] = []
+        open_: dict[tuple, tuple[list[Request], int]] = {}
+        for q in requests:
+            if q.kind != "allreduce":
+                batches.append([q])
+                continue
+            key = (q.sig[1], q.sig[3], q.sig[5], q.sig[6])
+            nbytes = q.flat.nbytes
+            group = open_.get(key)
+            if group is not None and group[1] + nbytes <= self.fusion_threshold:
+                group[0].append(q)
+                open_[key] = (group[0], group[1] + nbytes)
+            else:
+                batch: list[Request] = [q]
+                batches.append(batch)
+                open_[key] = (batch, nbytes)
+        return batches
+
+    # ------------------------------------------------------------------ execution
+    def _execute(self, batch: list[Request]) -> None:
+        tl = self.timeline
+        head = batch[0]
+        if tl is not None:
+            for q in batch:
+                tl.end(q.name, "QUEUE")
+        try:
+            if head.kind == "allreduce":
+                results = self._allreduce(batch, tl)
+            else:
+                phase = head.kind.upper()
+                if tl is not None:
+                    tl.begin(head.name, phase)
+                try:
+                    value = head.run(self.world)
+                finally:
+                    if tl is not None:
+                        tl.end(head.name, phase)
+                results = [head.finish(value) if head.finish else value]
+        except GradsyncError:
+            raise  # the World is broken: the loop fails everything
+        except Exception as exc:  # noqa: BLE001  (a local error in finishing the result)
+            for q in batch:
+                self._finish(q, error=exc)
+            return
+        for q, result in zip(batch, results):
+            self._finish(q, result=result)
+
+    def _allreduce(self, batch: list[Request], tl) -> list:
+        head = batch[0]
+        _, dtype, _, op_name, _, pre, post = head.sig
+        op = _OPS[op_name]
+        if len(batch) == 1:
+            flat = head.flat
+        else:
+            self.stats["fused_batches"] += 1
+            self.stats["fused_tensors"] += len(batch)
+            total = sum(q.flat.size for q in batch)
+            flat = self._fusion_buffer(head.flat.dtype, total)
+            offset = 0
+            for q in batch:
+                if tl is not None:
+                    tl.begin(q.name, "MEMCPY_IN_FUSION_BUFFER")
+                flat[offset:offset + q.flat.size] = q.flat
+                offset += q.flat.size
+                if tl is not None:
+                    tl.end(q.name, "MEMCPY_IN_FUSION_BUFFER")
+        phase = "ADASUM" if op is ReduceOp.ADASUM else "ALLREDUCE"
+        if tl is not None:
+            for q in batch:
+                tl.begin(q.name, phase, {"fused": len(batch), "bytes": int(flat.nbytes)})
+        try:
+            name = head.name if len(batch) == 1 else f"{head.name}+{len(batch) - 1}"
+            counts = None
+            if op is ReduceOp.ADASUM:  # each tensor gets its own dot products
+                counts = [c for q in batch for c in (q.counts or [q.flat.size])]
+            ops.allreduce(self.world, flat, head.dtype_tag, op, name=name, shape=flat.shape,
+                          prescale=pre, postscale=post, counts=counts, trunc=True)
+        finally:
+            if tl is not None:
+                for q in batch:
+                    tl.end(q.name, phase)
+        if len(batch) > 1:
+            offset = 0
+            for q in batch:
+                if tl is not None:
+                    tl.begin(q.name, "MEMCPY_OUT_FUSION_BUFFER")
+                q.flat[...] = flat[offset:offset + q.flat.size]
+                offset += q.flat.size
+                if tl is not None:
+                    tl.end(q.name, "MEMCPY_OUT_FUSION_BUFFER")
+        return [q.finish() if q.finish else q.flat for q in batch]
+
+    def _fusion_buffer(self, dtype, count: int) -> np.ndarray:
+        buf = self._fusion.get(dtype)
+        if buf is None or buf.size < count:
+            buf = self._fusion[dtype] = np.empty(max(count, 1024), dtype=dtype)
+        return buf[:count]
+
+    def _finish(self, request: Request, result=None, error: BaseException | None = None):
+        if request.joined:
+            return
+        with self._cv:
+            self._mine.pop(request.name, None)
+        request.handle._finish(result=result, error=error)
+
+    def _close(self, error: BaseException) -> None:
+        with self._cv:
+            self._closed = error
+            pending = list(self._mine.values())
+            self._mine.clear()
+            self._new.clear()
+        for q in pending:
+            q.handle._finish(error=error)
+
+
+_OPS = {op.name: op for op in ReduceOp}

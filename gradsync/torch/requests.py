@@ -1,0 +1,209 @@
+"""Turns one Horovod-API call into a ``negotiation.Request`` and hands it to its set's controller.
+
+Names. As in Horovod, an operation's name is its kind and the caller's name
+(``allreduce.grad.fc1``); a call without a name gets ``<kind>.noname.<n>``, where ``n`` counts
+this rank's unnamed calls of that kind in that process set. Ranks that issue the same unnamed
+calls (in whatever order relative to other kinds and sets) so agree on their names.
+
+Ranks. Roots (broadcast) are global ranks, as in Horovod, translated here to the set's rank;
+``splits`` (alltoall) have one entry per rank of the set. Arguments are checked before the
+request is announced, so no rank fails locally in the middle of a collective.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+from .. import api as gs
+from .. import operations as ops
+from ..collectives.ops import ReduceOp
+from ..negotiation import Request
+from ..tensors import is_torch, wrap
+from . import process_sets as psets
+
+__all__ = ["allreduce", "allgather", "broadcast", "reducescatter", "alltoall", "barrier",
+           "broadcast_object", "allgather_object", "reset_names", "skip_name"]
+
+_unnamed: dict[tuple, int] = collections.defaultdict(int)
+
+
+def reset_names() -> None:
+    """Restarts the unnamed-call counters (a new ``init``)."""
+    _unnamed.clear()
+
+
+def skip_name(name: str, process_set_id: int) -> None:
+    """Counts an unnamed operation that this rank did not issue but took part in, or was
+    excused from, while joined (``Controller.on_stand_in``), so that its next unnamed call
+    gets the same name as the other ranks' next one."""
+    kind, sep, n = name.partition(".noname.")
+    if sep and n.isdigit():
+        key = (kind, process_set_id)
+        _unnamed[key] = max(_unnamed[key], int(n) + 1)
+
+
+def _name(kind: str, name: str | None, process_set) -> str:
+    if name is None:
+        key = (kind, process_set.process_set_id)
+        n, _unnamed[key] = _unnamed[key], _unnamed[key] + 1
+        return f"{kind}.noname.{n}"
+    return f"{kind}.{name}"
+
+
+def _issue(process_set, request: Request, asynchronous: bool):
+    handle = psets.controller(process_set).submit(request)
+    return handle if asynchronous else handle.wait()
+
+
+def _set_rank(process_set, root: int, ctl) -> int:
+    ranks = ctl.ranks
+    if root not in ranks:
+        raise ValueError(f"root_rank {root} is not a rank of {process_set} (ranks {ranks})")
+    return ranks.index(root)
+
+
+def allreduce(tensor, name, op: ReduceOp, prescale: float, postscale: float, process_set,
+              *, inplace: bool = False, asynchronous: bool = False, counts=None):
+    """Allreduce (fusable with the other ready allreduces of its dtype, op and scale).
+
+    ``counts`` (Adasum): the sizes of the tensors packed into ``tensor``, each of which gets
+    its own dot products."""
+    psets.controller(process_set)
+    buf = wrap(tensor, writable=inplace)
+    gs._check_op(op, buf.dtype)
+    target = buf.flat if inplace else buf.flat.copy()
+
+    def finish():
+        if inplace:
+            buf.write_back()
+            return tensor
+        return buf.to_user(target, buf.shape)
+
+    request = Request(_name("allreduce", name, process_set), "allreduce", buf.dtype_name,
+                      buf.shape, op=op.name, scale=(prescale, postscale), flat=target,
+                      dtype_tag=buf.dtype, finish=finish, counts=counts)
+    return _issue(process_set, request, asynchronous)
+
+
+def allgather(tensor, name, process_set, *, asynchronous: bool = False):
+    """Concatenates the set's tensors along dimension 0 (which may differ between ranks)."""
+    psets.controller(process_set)
+    buf = wrap(tensor)
+    if not buf.shape:
+        raise ValueError("allgather needs a tensor of at least one dimension")
+
+    def run(world):
+        out, rows = ops.allgather(world, buf.flat, buf.dtype, name=request.name, shape=buf.shape)
+        return buf.to_user(out, (sum(rows),) + tuple(buf.shape[1:]))
+
+    request = Request(_name("allgather", name, process_set), "allgather", buf.dtype_name,
+                      buf.shape, run=run)
+    return _issue(process_set, request, asynchronous)
+
+
+def broadcast(tensor, root_rank: int, name, process_set, *, inplace: bool = False,
+              asynchronous: bool = False):
+    """Copies the tensor of global rank ``root_rank`` to every rank of the set."""
+    ctl = psets.controller(process_set)
+    root = _set_rank(process_set, root_rank, ctl)
+    buf = wrap(tensor, writable=inplace)
+    target = buf.flat if inplace else buf.flat.copy()
+
+    def run(world):
+        ops.broadcast(world, target, buf.dtype, root, name=request.name, shape=buf.shape)
+        if inplace:
+            buf.write_back()
+            return tensor
+        return buf.to_user(target, buf.shape)
+
+    request = Request(_name("broadcast", name, process_set), "broadcast", buf.dtype_name,
+                      buf.shape, root=root, run=run)
+    return _issue(process_set, request, asynchronous)
+
+
+def reducescatter(tensor, name, op: ReduceOp, prescale: float, postscale: float, process_set,
+                  *, asynchronous: bool = False):
+    """Reduces over the set and returns this rank's block of rows."""
+    psets.controller(process_set)
+    buf = wrap(tensor)
+    if not buf.shape:
+        raise ValueError("reducescatter needs a tensor of at least one dimension")
+    work = buf.flat.copy()
+
+    def run(world):
+        mine = ops.reducescatter(world, work, buf.dtype, op, name=request.name, shape=buf.shape,
+                                 prescale=prescale, postscale=postscale, trunc=True)
+        rows = ops.split_rows(buf.shape[0], world.size)[world.rank]
+        return buf.to_user(mine, (rows,) + tuple(buf.shape[1:]))
+
+    request = Request(_name("reducescatter", name, process_set), "reducescatter",
+                      buf.dtype_name, buf.shape, op=op.name, scale=(prescale, postscale),
+                      run=run)
+    return _issue(process_set, request, asynchronous)
+
+
+def alltoall(tensor, splits, name, process_set, *, asynchronous: bool = False,
+             with_received: bool = False):
+    """Sends ``splits[j]`` rows to the set's rank j; returns what ``hvd.alltoall`` returns
+    (with ``with_received``, the pair ``(rows, received_splits)`` even without ``splits``: the
+    gradient of an equal split sends back unequal counts when ranks' rows differ)."""
+    ctl = psets.controller(process_set)
+    n = len(ctl.ranks)
+    buf = wrap(tensor)
+    if not buf.shape:
+        raise ValueError("alltoall needs a tensor of at least one dimension")
+    rows = buf.shape[0]
+    if splits is None:
+        if rows % n:
+            raise ValueError(f"alltoall without splits needs dimension 0 ({rows}) divisible by "
+                             f"the number of ranks ({n})")
+        send = [rows // n] * n
+    else:
+        if is_torch(splits) and splits.is_floating_point():
+            raise ValueError(f"splits must hold integers, got {splits.dtype}")
+        send = [int(s) for s in (splits.tolist() if hasattr(splits, "tolist") else splits)]
+        if len(send) != n or min(send) < 0 or sum(send) != rows:
+            raise ValueError(f"splits {send} must have one non-negative entry per rank "
+                             f"({n}) summing to dimension 0 ({rows})")
+
+    def run(world):
+        out, received = ops.alltoall(world, buf.flat, buf.dtype, send, name=request.name,
+                                     shape=buf.shape)
+        result = buf.to_user(out, (sum(received),) + tuple(buf.shape[1:]))
+        if splits is None and not with_received:
+            return result
+        import torch
+
+        return result, torch.from_numpy(np.asarray(received, dtype=np.int32))
+
+    request = Request(_name("alltoall", name, process_set), "alltoall", buf.dtype_name,
+                      buf.shape, run=run)
+    return _issue(process_set, request, asynchronous)
+
+
+def barrier(process_set) -> None:
+    """Returns once every rank of the set has reached its barrier."""
+    request = Request(_name("barrier", None, process_set), "barrier", "none", (),
+                      run=ops.barrier)
+    _issue(process_set, request, False)
+
+
+def broadcast_object(obj, root_rank: int, name, process_set):
+    """Global rank ``root_rank``'s picklable ``obj`` on every rank of the set."""
+    ctl = psets.controller(process_set)
+    root = _set_rank(process_set, root_rank, ctl)
+    full = _name("broadcast_object", name, process_set)
+    request = Request(full, "broadcast_object", "object", (), root=root,
+                      run=lambda world: ops.broadcast_object(world, obj, root, name=full))
+    return _issue(process_set, request, False)
+
+
+def allgather_object(obj, name, process_set) -> list:
+    """The list of every set rank's picklable ``obj``, in set-rank order."""
+    full = _name("allgather_object", name, process_set)
+    request = Request(full, "allgather_object", "object", (),
+                      run=lambda world: ops.allgather_object(world, obj, name=full))
+    return _issue(process_set, request, False)
+

@@ -1,0 +1,21 @@
+"""The Horovod surface added for issue 10, through the real launcher at 1 to 4 ranks.
+
+The rank side is tests/ranks/torch_surface.py: the build queries (gradsync's true answers),
+op=Adasum in every allreduce and grouped_allreduce form against the NumPy reference of
+tests/test_adasum.py and closed forms, grouped_allgather and grouped_reducescatter (sync,
+async, gradients), sparse_allreduce_async, and DistributedOptimizer(op=Adasum) with SGD,
+momentum, Adam, accumulation and a parameter only one rank uses, against closed forms.
+"""
+
+import pytest
+
+from harness import launch
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_torch_surface(n):
+    result = launch(n, "torch_surface.py", timeout=150)
+    assert result.returncode == 0, result
+    assert result.output.count("surface checks passed") == n, result
