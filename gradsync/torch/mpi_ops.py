@@ -104,6 +104,21 @@ def init(comm=None, process_sets=None, **settings) -> None:
     atexit.register(shutdown)
 
 
+def _reform() -> None:
+    """The Horovod API's side of an elastic reset (``hvd.elastic.run``): the process sets of
+    the generation that lost a rank are abandoned, the World re-forms
+    (``gradsync.elastic.reset``), and the global set's negotiation starts again on the new one,
+    the timeline (if recording) going on in the same file."""
+    from ..elastic import worker
+
+    started = bool(_psets.all_controllers())
+    timeline = _psets.stop(abandon=True)
+    worker.reset()
+    if started:
+        _requests.reset_names()
+        _psets.start(timeline=timeline)
+
+
 def shutdown() -> None:
     """Stops the negotiation threads, closes every process set and leaves the job."""
     _psets.stop()

@@ -20,6 +20,7 @@ import threading
 from typing import Sequence
 
 from .. import api as gs
+from ..errors import GradsyncError
 from ..negotiation import Controller
 from . import requests
 
@@ -78,6 +79,8 @@ class ProcessSet:
     __repr__ = __str__
 
 
+_ABANDON_JOIN_S = 5.0  # how long an abandoned controller's thread gets to see its World failed
+
 global_process_set = ProcessSet([])
 global_process_set.process_set_id = 0
 
@@ -113,12 +116,14 @@ def _connect(pid: int, ranks: list[int], label: str) -> Controller:
     return ctl
 
 
-def start(process_sets: Sequence[ProcessSet] | None = None) -> None:
-    """Connects the global set's World and registers ``process_sets`` (from ``init``)."""
+def start(process_sets: Sequence[ProcessSet] | None = None, timeline=None) -> None:
+    """Connects the global set's World and registers ``process_sets`` (from ``init``);
+    ``timeline`` carries a recording timeline over an elastic reset (``stop(abandon=True)``)."""
     global _reg
     if _reg is not None:
         return
     _reg = _Registry()
+    _reg.timeline = timeline
     n = gs.size()
     global_process_set.ranks = list(range(n))
     global_process_set.process_set_id = 0
@@ -133,23 +138,39 @@ def start(process_sets: Sequence[ProcessSet] | None = None) -> None:
         add_process_set(ps)
 
 
-def stop() -> None:
-    """Stops every controller and closes the sets' Worlds (from ``shutdown``)."""
+def stop(abandon: bool = False):
+    """Stops every controller and closes the sets' Worlds (from ``shutdown``).
+
+    ``abandon`` is for an elastic reset: the generation has lost a rank, so the controllers
+    cannot agree to stop (the stop is itself a negotiation); each set's World is failed
+    instead, which ends its controller and every operation still waiting in it, and the sets
+    other than the global one are invalidated (a new generation has new ranks: add them again,
+    as in Horovod). Returns the timeline, left open for the next generation, if abandoning.
+    """
     global _reg
     reg, _reg = _reg, None
     if reg is None:
-        return
+        return None
     for pid in sorted(reg.controllers, reverse=True):
         ctl = reg.controllers[pid]
         try:
-            if ctl.world.failure is None:
+            if abandon:
+                ctl.world.fail(GradsyncError(
+                    f"{ctl.label}: the elastic job re-forms after a lost rank; operations of "
+                    "the previous generation do not run"))
+                ctl.stop(timeout=_ABANDON_JOIN_S)
+            elif ctl.world.failure is None:
                 ctl.stop()
         finally:
             ctl.owned_world.close()
-        if pid and pid in reg.sets:
-            reg.sets[pid]._invalidate()
+    for pid, ps in reg.sets.items():
+        if pid:
+            ps._invalidate()
+    if abandon:
+        return reg.timeline
     if reg.timeline is not None:
         reg.timeline.close()
+    return None
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:

@@ -15,11 +15,20 @@
 Run it with ``gradsync run -np 4 --min-np 2 --max-np 8 --host-discovery-script hosts.sh``.
 """
 
-from ...elastic import HostsUpdatedInterrupt, ObjectState, State, run
+from ...elastic import HostsUpdatedInterrupt, ObjectState, State, run_fn
 from ...elastic.membership import ElasticJobFailed
 from ...errors import PeerLostError
+from ..mpi_ops import _reform
 from .sampler import ElasticSampler
 from .state import TorchState
 
 __all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler",
            "HostsUpdatedInterrupt", "PeerLostError", "ElasticJobFailed"]
+
+
+def run(func):
+    """Horovod's ``hvd.elastic.run``: ``func(state, ...)`` in the elastic loop
+    (``gradsync.elastic.run``), re-forming the Horovod API's process sets with the World: the
+    global set goes on in the next generation; other sets must be added again (their ranks
+    changed), as in Horovod."""
+    return run_fn(func, _reform)
