@@ -18,6 +18,7 @@ import numpy as np
 
 from . import operations as ops
 from .collectives.ops import BFLOAT16, Average, ReduceOp
+from .collectives.planner import ALGORITHMS as _ALGORITHMS
 from .config import load_config
 from .engine import Engine, Handle
 from .tensors import is_torch, wrap
@@ -155,8 +156,40 @@ def _submit(fn, name: str, asynchronous: bool):
 
 
 # ----------------------------------------------------------------------------- allreduce
+def _alone(world, tensor, op, prescale_factor, postscale_factor, algorithm, inplace):
+    """The result of a synchronous allreduce at ``size() == 1``, or None to take the full path.
+
+    With one rank there is nothing to exchange: every reduction of one value is that value.
+    When no scaling is asked for, the engine is idle and the tensor is a plain array the full
+    path would accept, the answer is the tensor itself (in place) or a copy of it; anything
+    else (errors included) goes the full way, so both paths raise and return alike.
+    """
+    if (prescale_factor != 1.0 or postscale_factor != 1.0 or world.failure is not None
+            or type(op) is not ReduceOp or op is ReduceOp.ADASUM
+            or not (algorithm == "auto" or algorithm in _ALGORITHMS) or _engine is None or _engine.busy()):
+        return None
+    if type(tensor) is np.ndarray:
+        if tensor.dtype.kind not in "biuf" or (inplace and not tensor.flags.writeable):
+            return None
+        return tensor if inplace else tensor.copy()
+    if is_torch(tensor):
+        import torch
+
+        if (not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu"
+                or tensor.is_complex()):
+            return None
+        return tensor if inplace else tensor.detach().clone(
+            memory_format=torch.contiguous_format)
+    return None
+
+
 def _allreduce(tensor, op, name, prescale_factor, postscale_factor, algorithm, inplace, asynchronous,
                counts=None):
+    world = _world
+    if world is not None and world.size == 1 and not asynchronous:
+        result = _alone(world, tensor, op, prescale_factor, postscale_factor, algorithm, inplace)
+        if result is not None:
+            return result
     world = _w()
     buf = wrap(tensor, writable=inplace)
     op = _check_op(op, buf.dtype)

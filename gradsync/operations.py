@@ -20,7 +20,10 @@ from .collectives import adasum
 from .collectives import alltoall as _alltoall
 from .collectives import doubling, halving_doubling, hierarchical, ring, tree
 from .collectives.ops import BFLOAT16, ReduceOp, make_reducer
-from .collectives.planner import choose_allreduce
+from .transport import frame
+
+# Distinct collectives whose description is remembered (unnamed calls each have their own).
+_DESCRIPTIONS_KEPT = 4096
 
 __all__ = ["allreduce", "allgather", "broadcast", "reducescatter", "alltoall", "barrier",
            "broadcast_object", "allgather_object", "scale"]
@@ -55,8 +58,19 @@ def _deadline(world) -> float:
     return time.monotonic() + world.config.timeout
 
 
+_reducers: dict = {}
+
+
+def _reducer(op: ReduceOp, dtype):
+    """``make_reducer``, made once per (op, dtype)."""
+    reducer = _reducers.get((op, dtype))
+    if reducer is None:
+        reducer = _reducers[op, dtype] = make_reducer(op, dtype)
+    return reducer
+
+
 def _run_allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, algorithm: str) -> None:
-    reducer = make_reducer(op, dtype)
+    reducer = _reducer(op, dtype)
     cfg = world.config
     if algorithm == "shm":
         world.shm_group.allreduce(flat, reducer, _deadline(world), world.on_idle,
@@ -82,15 +96,18 @@ def allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, *, name: str, shape:
     ``counts`` (Adasum only) cuts ``flat`` into the tensors fused in it: each gets its own
     dot products, as if reduced alone. Adasum ignores ``algorithm``. ``trunc``: an integer
     Average rounds toward zero (the Horovod API) instead of down (see ``scale``).
+
+    The algorithm comes from ``world.plans`` (decided once per size) and the collective's
+    description and signature from ``world.descriptions`` (computed once per distinct call),
+    so a repeated small allreduce pays for neither.
     """
     if op is ReduceOp.ADASUM:
         alg = f"adasum tensors={len(counts) if counts else 1} crc={_crc(counts)}"
     else:
-        alg = choose_allreduce(flat.nbytes, world.size, algorithm, world.config,
-                               world.shm_group is not None, world.topology)
-    world.comm.begin(f"allreduce '{name}' {_dt(dtype)}{list(shape)} op={op.name} "
-                     f"prescale={prescale} postscale={postscale} algorithm={alg}",
-                     world.config.check_collectives)
+        alg = world.plans.allreduce(flat.nbytes, algorithm)
+    _begin(world, ("allreduce", name, dtype, tuple(shape), op, prescale, postscale, alg),
+           lambda: f"allreduce '{name}' {_dt(dtype)}{list(shape)} op={op.name} "
+                   f"prescale={prescale} postscale={postscale} algorithm={alg}")
     if prescale != 1.0:
         scale(flat, dtype, prescale)
     if world.size > 1 and flat.size:
@@ -107,6 +124,19 @@ def allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, *, name: str, shape:
 def _crc(counts: list[int] | None) -> int:
     """A digest of an Adasum fusion layout, so that ranks fusing differently fail to match."""
     return 0 if not counts else zlib.crc32(np.asarray(counts, dtype=np.int64).tobytes())
+
+
+def _begin(world, key: tuple, describe) -> None:
+    """``comm.begin`` through the world's memory of descriptions and their signatures."""
+    known = world.descriptions.get(key)
+    if known is None:
+        description = describe()
+        check = world.config.check_collectives
+        known = (description, frame.signature_of(description) if check else 0)
+        if len(world.descriptions) >= _DESCRIPTIONS_KEPT:
+            world.descriptions.clear()
+        world.descriptions[key] = known
+    world.comm.begin_signed(*known)
 
 
 def _dt(dtype) -> str:

@@ -22,7 +22,7 @@ def is_torch(x) -> bool:
     return type(x).__module__.startswith("torch")
 
 
-@dataclass
+@dataclass(slots=True)
 class Buffer:
     """A flat view of a user tensor.
 
@@ -74,6 +74,13 @@ def wrap(x, *, writable: bool = False) -> Buffer:
         TypeError: for other types, GPU tensors (not supported by the CPU transports yet) or
             complex/object dtypes.
     """
+    if type(x) is np.ndarray and x.flags.c_contiguous:  # the common case, kept short
+        if writable and not x.flags.writeable:
+            raise ValueError("in-place collective on a read-only array")
+        if x.dtype.kind not in "biuf":
+            raise TypeError(f"collectives take boolean, integer or floating-point data, got "
+                            f"{x.dtype}")
+        return Buffer(x if x.ndim == 1 else x.reshape(-1), x.dtype, x.shape, x, False)
     if is_torch(x):
         import torch
 

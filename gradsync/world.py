@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from . import topology
-from .collectives import hierarchical
+from .collectives import hierarchical, planner
 from .config import Config
 from .errors import (AuthenticationError, CollectiveMismatchError, ConfigError, GradsyncError,
                      GradsyncTimeoutError, PeerLostError, ProtocolError)
@@ -93,6 +93,9 @@ class World:
         self.levels = hierarchical.levels_of(self.topology)
         # Hierarchical allgather and broadcast pay off when some host has several ranks.
         self.hierarchical = not self.single_host and len(hosts) < self.size
+        # Decided once per size, not per call (``operations.allreduce``).
+        self.plans = planner.Plans(self.size, config, shm_group is not None, self.topology)
+        self.descriptions: dict[tuple, tuple[str, int]] = {}
         self.failure: GradsyncError | None = None
         self._next_poll = 0.0
         self._stall_warned = -1

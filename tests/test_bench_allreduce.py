@@ -1,4 +1,4 @@
-"""``gradsync bench allreduce`` end to end: the table, the JSON rows, the gloo peer."""
+"""``gradsync bench allreduce`` end to end: the table, the JSON rows, the gloo and Open MPI peers."""
 
 import json
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = pytest.mark.multiprocess  # (the last two tests start nothing)
 
 
 def test_bench_allreduce_checks_results_and_measures_gloo_beside(tmp_path):
@@ -25,3 +25,47 @@ def test_bench_allreduce_checks_results_and_measures_gloo_beside(tmp_path):
         assert r["algorithm"] == ("ring" if r["requested"] == "ring" else "shm")
     table = [line for line in proc.stdout.splitlines() if line.startswith("[0]<stdout>:  ")]
     assert len(table) == 1 + len(rows)  # the column header, then a line per row
+
+
+def test_bench_allreduce_measures_open_mpi_beside(tmp_path):
+    """Open MPI through mpi4py in the same ranks (started by mpirun); the bench extra and the
+    system's Open MPI are needed: this fails with the command that installs them."""
+    from gradsync.bench.allreduce import missing_mpi
+
+    problem = missing_mpi()
+    assert problem is None, problem
+    out = tmp_path / "rows.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradsync", "bench", "allreduce", "-np", "2", "--sizes", "4K:64K",
+         "--factor", "16", "--seconds", "0.05", "--compare", "mpi", "--json", str(out)],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())
+    assert [r["size"] for r in rows] == [4096, 65536]
+    for r in rows:
+        assert r["peer"] == "mpi" and r["algorithm"] == "shm"
+        assert r["gradsync"]["wrong"] == 0 and r["mpi"]["wrong"] == 0
+        assert r["mpi"]["time_us"] > 0 and r["ratio"] > 0
+    assert "mpi(us)" in proc.stdout
+
+
+def test_bench_allreduce_compare_mpi_names_what_is_missing(monkeypatch, capsys):
+    from gradsync.bench import allreduce
+
+    monkeypatch.setattr(allreduce.shutil, "which", lambda name: None)
+    monkeypatch.setattr(allreduce.importlib.util, "find_spec", lambda name: None)
+    problem = allreduce.missing_mpi()
+    assert "Open MPI's mpirun and mpi4py" in problem
+    assert "apt-get install -y --no-install-recommends openmpi-bin" in problem and "pip install" in problem
+    args = allreduce.parser().parse_args(["--compare", "mpi"])
+    assert allreduce.drive(["gradsync-run"], args, ["--compare", "mpi"], 2, None) == 2
+    assert "apt-get install -y --no-install-recommends openmpi-bin" in capsys.readouterr().err
+
+
+def test_mpirun_command_adopts_ranks_as_root_and_oversubscribes():
+    from gradsync.bench.allreduce import mpirun_command
+
+    cmd = mpirun_command(64, ["--compare", "mpi"], 12345)
+    assert cmd[:3] == ["mpirun", "-np", "64"] and "--oversubscribe" in cmd
+    assert "MASTER_ADDR=127.0.0.1" in cmd and "MASTER_PORT=12345" in cmd
+    assert cmd[-4:] == ["-m", "gradsync.bench.allreduce", "--compare", "mpi"]

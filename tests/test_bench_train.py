@@ -56,6 +56,9 @@ def test_table_ddp_comparison_profile_and_identical_parameters(tmp_path):
         assert row["ratio_ddp_gs"] == pytest.approx(row["ddp_gs"]["samples_per_s"]
                                                     / row["ddp"]["samples_per_s"])
         assert len(row["checksums"]["gradsync"]) == 2
+        for mode, phases in row["profile_ms"].items():
+            # Per step the slowest rank's compute is at least rank 0's, so their medians too.
+            assert phases["compute_slowest"] >= phases["compute"] > 0, (mode, phases)
 
 
 def test_bad_option_fails_before_any_rank_starts():

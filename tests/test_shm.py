@@ -231,8 +231,9 @@ def _input(count: int, dtype, rank: int) -> np.ndarray:
     return (((np.arange(count) * 7 + rank * 5) % 11) - 5).astype(dtype)
 
 
-def _group_sweep(ctx: Rank):
-    group = ShmGroup.open(ctx.job, ctx.rank, ctx.size, ctx.barrier, slot_bytes=_SLOT)
+def _group_sweep(ctx: Rank, small_bytes: int = 1 << 15, sleep: str = "auto"):
+    group = ShmGroup.open(ctx.job, ctx.rank, ctx.size, ctx.barrier, slot_bytes=_SLOT,
+                          small_bytes=small_bytes, sleep=sleep)
     ctx.barrier()  # every rank is past open(): the segment must be gone by now
     out = {"leftover": _leftovers(ctx.job)}
     deadline = time.monotonic() + 10
@@ -249,9 +250,14 @@ def _group_sweep(ctx: Rank):
     return out
 
 
-@pytest.mark.parametrize("size", [1, 2, 3, 4])
-def test_group_allreduce_and_broadcast_match_numpy(size):
-    results = _launch(size, _group_sweep)
+# small_bytes 0: every allreduce takes the two-step road; else those of at most one slot
+# (counts 0, 1, size - 1 and 37 of 4-byte elements) take the one-step road. Waits sleep on
+# futexes or nap.
+@pytest.mark.parametrize("size,small_bytes,sleep", [
+    (1, 1 << 15, "auto"), (2, 1 << 15, "futex"), (3, 1 << 15, "nap"), (4, 1 << 15, "futex"),
+    (2, 0, "nap"), (3, 0, "futex")])
+def test_group_allreduce_and_broadcast_match_numpy(size, small_bytes, sleep):
+    results = _launch(size, _group_sweep, small_bytes, sleep)
     for rank in range(size):
         assert results[rank]["leftover"] == []
     for count in _counts(size):
@@ -335,6 +341,63 @@ def test_group_times_out_naming_the_missing_rank():
     (name, message, seconds), idle_calls = results[0]
     assert name == "GradsyncTimeoutError" and "local rank(s) [1]" in message, message
     assert 0.3 <= seconds < 2.0 and idle_calls >= 3
+
+
+def _group_late_peer(ctx: Rank, sleep: str):
+    """Rank 1 joins 0.3 s late, so rank 0's wait outlasts its spin and must sleep."""
+    group = ShmGroup.open(ctx.job, ctx.rank, ctx.size, ctx.barrier, sleep=sleep)
+    sleeps = []
+    sleep_on = group._sleep_on
+    group._sleep_on = lambda *a: (sleeps.append(a), sleep_on(*a))
+    data = np.full(1000, ctx.rank + 1, np.float64)
+    deadline = time.monotonic() + 10
+    for _ in range(3):  # the one-step road, then the two-step road, then a barrier
+        if ctx.rank == 1:
+            time.sleep(0.3)
+        group.allreduce(data[:10], make_reducer(Sum, data.dtype), deadline)
+    group.small_bytes = 0
+    group.allreduce(data, make_reducer(Sum, data.dtype), deadline)
+    group.barrier(deadline)
+    return data.tolist(), len(sleeps)
+
+
+@pytest.mark.parametrize("sleep", ["futex", "nap"])
+def test_group_waits_sleep_and_are_woken(sleep):
+    results = _launch(2, _group_late_peer, sleep)
+    for rank in (0, 1):
+        data, sleeps = results[rank]
+        # 1 + 2, doubled twice more by the small allreduces, doubled by the last; 1 + 2.
+        assert data[:10] == [24.0] * 10 and data[10:] == [3.0] * 990
+    assert (results[0][1] > 0) == (sleep == "futex")  # rank 0 slept on futexes, or napped
+
+
+def test_futex_wait_returns_on_change_wake_or_timeout():
+    import mmap
+    import threading
+
+    from gradsync.transport.futex import Futex
+
+    seg = mmap.mmap(-1, 4096)
+    futex = Futex.open(seg)
+    assert futex is not None
+    words = memoryview(seg).cast("Q")
+    words[1] = 5
+    start = time.monotonic()
+    assert futex.wait(8, 4, 5.0)  # the word is not 4: returns at once
+    assert futex.wait(8, 5, 0.05)  # times out
+    assert time.monotonic() - start < 2.0
+    woke = []
+    sleeper = threading.Thread(target=lambda: woke.append(futex.wait(8, 5, 10.0)))
+    sleeper.start()
+    time.sleep(0.1)
+    words[1] = 6
+    futex.wake(8)
+    sleeper.join(5.0)
+    assert woke == [True] and not sleeper.is_alive()
+    with pytest.raises(ValueError, match="futex offset 4094"):
+        futex.wake(4094)
+    words.release()
+    seg.close()  # Futex.open released its export of the mapping
 
 
 def test_group_split_covers_every_element_once():

@@ -1,6 +1,10 @@
-"""Allreduce benchmark in the style of nccl-tests, with torch.distributed (gloo) beside it.
+"""Allreduce benchmark in the style of nccl-tests, with gloo or Open MPI beside it.
 
-Run as ``gradsync bench allreduce -np N [--compare gloo]``; every rank runs this module.
+Run as ``gradsync bench allreduce -np N [--compare gloo|mpi]``; every rank runs this module.
+With ``--compare gloo`` the ranks start through ``gradsync run`` and also join a
+torch.distributed gloo group; with ``--compare mpi`` they start through Open MPI's ``mpirun``
+(gradsync adopts its ranks, ``launch_env.py``) and also call ``MPI_Allreduce`` through mpi4py,
+so the peer runs in the same processes, on the same buffer, interleaved size by size.
 For each size: warm-up, then ``iters`` timed in-place allreduces, each started after a barrier
 so that ranks start together, each timed on every rank; a sample is the slowest rank's time
 (the collective is not done until the last rank is). The iteration count is chosen on rank 0
@@ -20,14 +24,22 @@ busbw is the per-link traffic of a bandwidth-optimal allreduce, comparable acros
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
+import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import time
 
 import numpy as np
 
-__all__ = ["parser", "run", "parse_size", "at_least"]
+__all__ = ["parser", "run", "drive", "mpirun_command", "missing_mpi", "parse_size", "at_least"]
+
+MPI_INSTALL = ("apt-get install -y --no-install-recommends openmpi-bin && "
+               "pip install mpi4py  (or: pip install -e '.[bench]')")
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -58,8 +70,9 @@ def parser() -> argparse.ArgumentParser:
                    help="gradsync algorithm, or several separated by commas, each measured in "
                         "the same run (e.g. ring,topo_ring,hierarchical,auto); default auto")
     p.add_argument("--topology", help="topology file for the planner (GRADSYNC_TOPOLOGY)")
-    p.add_argument("--compare", choices=["gloo", "none"], default="none",
-                   help="also measure torch.distributed with this backend, in the same run")
+    p.add_argument("--compare", choices=["gloo", "mpi", "none"], default="none",
+                   help="also measure this peer in the same run: torch.distributed's gloo, "
+                        "or Open MPI through mpi4py (the ranks then start under mpirun)")
     p.add_argument("--seconds", type=float, default=0.5, help="target timed seconds per size")
     p.add_argument("--max-iters", type=int, default=1000)
     p.add_argument("--warmup", type=int, default=3)
@@ -68,6 +81,55 @@ def parser() -> argparse.ArgumentParser:
                    help="after the largest size, profile 20 gradsync allreduces of it on "
                         "rank 0 (cProfile) and print where the time goes")
     return p
+
+
+def missing_mpi() -> "str | None":
+    """What ``--compare mpi`` lacks (with the command that installs it), or None."""
+    lacking = [what for what, ok in (("Open MPI's mpirun", shutil.which("mpirun")),
+                                     ("mpi4py", importlib.util.find_spec("mpi4py")))
+               if not ok]
+    if not lacking:
+        return None
+    return (f"gradsync bench allreduce --compare mpi needs {' and '.join(lacking)}; "
+            f"install with: {MPI_INSTALL}")
+
+
+def mpirun_command(np_: int, argv: list[str], port: int) -> list[str]:
+    """The mpirun line that starts ``np_`` benchmark ranks on this host.
+
+    gradsync adopts mpirun's ranks and meets them at MASTER_ADDR/MASTER_PORT. Root may run
+    Open MPI only with ``--allow-run-as-root``; more ranks than cores need ``--oversubscribe``.
+    Everything else is Open MPI's default (shared-memory transport, its own binding).
+    """
+    cmd = ["mpirun", "-np", str(np_)]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    if np_ > len(os.sched_getaffinity(0)):
+        cmd.append("--oversubscribe")
+    cmd += ["-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={port}"]
+    for name in ("PYTHONPATH", "PATH"):
+        if name in os.environ:
+            cmd += ["-x", name]
+    return cmd + [sys.executable, "-m", __name__, *argv]
+
+
+def drive(run: list[str], args, rest: list[str], workers: int, servers: "int | None") -> int:
+    """Starts the ranks: through ``gradsync run`` (``run``), or through mpirun for
+    ``--compare mpi``. Returns the exit status."""
+    if args.compare != "mpi":
+        return subprocess.call([*run, sys.executable, "-m", __name__, *rest])
+    problem = missing_mpi()
+    if problem is None and "-H" in run:
+        problem = "gradsync bench allreduce --compare mpi runs on this host: leave out -H"
+    if problem is None and args.dtype == "float16":
+        problem = "MPI has no float16 sum: use another --dtype with --compare mpi"
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 2
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return subprocess.call(mpirun_command(workers, rest, port))
 
 
 def _timed(fn, barrier, iters: int, reduce_max) -> list[float]:
@@ -92,13 +154,21 @@ def run(args) -> list[dict]:
 
     world = api._world
     rank, n = gs.rank(), gs.size()
-    gloo = None
+    gloo = mpi = None
     if args.compare == "gloo":
         import torch.distributed as dist
 
         store = torch.distributed.PrefixStore("bench-gloo", world.store._base)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=n)
         gloo = dist
+    elif args.compare == "mpi":
+        from mpi4py import MPI
+
+        mpi = MPI
+        if MPI.COMM_WORLD.Get_size() != n or MPI.COMM_WORLD.Get_rank() != rank:
+            raise SystemExit(f"MPI's world ({MPI.COMM_WORLD.Get_rank()} of "
+                             f"{MPI.COMM_WORLD.Get_size()}) is not gradsync's ({rank} of {n})")
+    peer = "gloo" if gloo is not None else "mpi" if mpi is not None else None
     lo, hi = (parse_size(s) for s in args.sizes.split(":"))
     dtype = np.dtype(args.dtype)
     reduce_max = lambda a: gs.allreduce(a, op=gs.Max, name="bench.samples")  # noqa: E731
@@ -117,6 +187,10 @@ def run(args) -> list[dict]:
         if gloo is not None:
             t = torch.from_numpy(x)
             impls.append(("gloo", "gloo", lambda: gloo.all_reduce(t), gloo.barrier))
+        if mpi is not None:
+            cw = mpi.COMM_WORLD
+            impls.append(("mpi", "mpi", lambda: cw.Allreduce(mpi.IN_PLACE, x, op=mpi.SUM),
+                          cw.Barrier))
         measured = {}
         for label, key, fn, barrier in impls:
             measured[key] = _measure(args, fn, barrier, reduce_max, x, label != "memcpy",
@@ -127,15 +201,16 @@ def run(args) -> list[dict]:
                                                  world.shm_group is not None, world.topology),
                    "transport": world.config.transport, "ranks": n,
                    "gradsync": measured[alg], "memcpy": measured["memcpy"]}
-            if gloo is not None:
-                row["gloo"] = measured["gloo"]
-                row["ratio"] = row["gradsync"]["busbw"] / row["gloo"]["busbw"]
+            if peer is not None:
+                row["peer"] = peer
+                row[peer] = measured[peer]
+                row["ratio"] = row["gradsync"]["busbw"] / row[peer]["busbw"]
             if len(algorithms) > 1:
                 row["speedup_vs_first"] = measured[algorithms[0]]["time_us"] / \
                     measured[alg]["time_us"]
             rows.append(row)
             if rank == 0:
-                _print_row(row, header=len(rows) == 1, compare=gloo is not None,
+                _print_row(row, header=len(rows) == 1, compare=peer is not None,
                            several=len(algorithms) > 1)
         size *= args.factor
     if args.profile:
@@ -209,7 +284,7 @@ def _print_row(row: dict, header: bool, compare: bool, several: bool = False) ->
         cols = f"{'size(B)':>12} {'count':>11} {'type':>8} {'algorithm':>22} {'time(us)':>10} " \
                f"{'algbw':>7} {'busbw':>7} {'#wrong':>6} {'memcpy(us)':>10}"
         if compare:
-            cols += f" | {'gloo(us)':>10} {'busbw':>7} {'#wrong':>6} {'ratio':>6}"
+            cols += f" | {row['peer'] + '(us)':>10} {'busbw':>7} {'#wrong':>6} {'ratio':>6}"
         if several:
             cols += f" | {'speedup':>7}"
         print(f"# allreduce, {row['ranks']} ranks, transport={row['transport']}, in place, "
@@ -223,7 +298,7 @@ def _print_row(row: dict, header: bool, compare: bool, several: bool = False) ->
            f"{g['time_us']:>10.1f} {g['algbw']:>7.2f} {g['busbw']:>7.2f} {g['wrong']:>6} " \
            f"{row['memcpy']['time_us']:>10.1f}"
     if compare:
-        o = row["gloo"]
+        o = row[row["peer"]]
         line += f" | {o['time_us']:>10.1f} {o['busbw']:>7.2f} {o['wrong']:>6} {row['ratio']:>6.2f}"
     if several:
         line += f" | {row['speedup_vs_first']:>7.2f}"

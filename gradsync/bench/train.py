@@ -37,7 +37,10 @@ is 1 when they don't.
 zero_grad), backward (for gradsync: its hooks copy gradients into buckets and launch their
 allreduces; for DDP: its allreduces, which backward waits for), sync (gradsync's
 ``synchronize()``: launching what backward did not and waiting for the allreduces in
-flight), update (the wrapped optimizer's step, inside ``skip_synchronize()``).
+flight), update (the wrapped optimizer's step, inside ``skip_synchronize()``); and, in the
+JSON rows only, ``compute`` (rank 0's forward + backward + update, median over the steps)
+and ``compute_slowest`` (the same sum, per step the slowest rank's: the allreduces wait for
+it; ``gradsync simulate`` predicts the step from it).
 """
 
 from __future__ import annotations
@@ -280,8 +283,14 @@ def _profile(trainer: _Trainer, steps: int) -> dict:
     gs.barrier()
     phases = np.array([trainer.timed_step() for _ in range(steps)])
     med = np.median(phases, axis=0) * 1e3
+    # Per step, the slowest rank's compute: the allreduces wait for it (gradsync simulate
+    # predicts the step from it). Exchanged after the timed steps, so it times none of them.
+    compute = phases[:, 0] + phases[:, 1] + phases[:, 3]
+    slowest = gs.allreduce(compute, op=gs.Max, name=f"bench.train.profile.{trainer.mode}")
     return {"forward": med[0], "backward": med[1], "sync": med[2], "update": med[3],
-            "total": float(np.median(phases.sum(axis=1)) * 1e3)}
+            "total": float(np.median(phases.sum(axis=1)) * 1e3),
+            "compute": float(np.median(compute) * 1e3),
+            "compute_slowest": float(np.median(slowest) * 1e3)}
 
 
 def _print_row(row: dict, header: bool, compare: bool) -> None:

@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the planner's predicted time per algorithm and size")
     commands.add_parser("probe", add_help=False,
                         help="measure each network tier, write a topology file")
+    commands.add_parser("simulate", add_help=False,
+                        help="project training steps to any number of GPUs of a cluster")
     return parser
 
 
@@ -189,6 +191,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["plan"]:
         from ..bench import plan
         return plan.main(argv[1:])
+    if argv[:1] == ["simulate"]:
+        from ..simulate.cli import main as simulate_main
+        return simulate_main(argv[1:])
     if argv[:1] == ["probe"]:
         return _bench(["probe", *argv[1:]])
     parser = build_parser()

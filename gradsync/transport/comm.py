@@ -60,6 +60,19 @@ class Comm:
         self._sent.clear()
         self._received.clear()
 
+    def begin_signed(self, description: str, signature: int) -> None:
+        """``begin`` with the signature already computed (``frame.signature_of(description)``,
+        or 0 when checks are off): the per-call path of a collective whose description repeats.
+        """
+        self.seq += 1
+        self.description = description
+        self.signature = signature
+        self._deadline = time.monotonic() + self.timeout
+        if self._sent:
+            self._sent.clear()
+        if self._received:
+            self._received.clear()
+
     def exchange(self, sends: Sequence[tuple[int, object]] = (),
                  recvs: Sequence[tuple[int, object]] = ()) -> None:
         """Sends each ``(peer, buffer)`` and receives into each ``(peer, buffer)``, concurrently.

@@ -94,6 +94,15 @@ def modes(mode: str, steps: int) -> None:
     ps = gradsync.ps.ParameterClient(m, optimizer="sgd", lr=0.05, mode=mode,
                                      backup=2, staleness=1)
     slow = ps.rank == ps.workers - 1
+    if slow and mode in ("async", "ssp") and ps.workers > 1:
+        # The slow worker's first gradient must be computed on parameters that the others
+        # update before it arrives (staleness >= 1). Sleeping alone does not promise that on a
+        # loaded machine, where the fast workers may not have started yet: wait for a push.
+        end = time.monotonic() + 30
+        while min(st["version"] for st in ps.stats()) < 1:
+            if time.monotonic() > end:
+                fail("no other worker pushed within 30 s")
+            time.sleep(0.01)
     for step in range(steps):
         if slow:
             time.sleep(0.08)

@@ -1,0 +1,226 @@
+"""The allreduce cost model: one formula per algorithm, over any *fabric* that times a step.
+
+This is the one cost model of gradsync. The run-time planner (``planner.py``) evaluates it on
+the job's own ranks (``RankFabric``: every message of a step enumerated over a ``Topology``);
+``gradsync simulate`` evaluates the same formulas on clusters of any size
+(``gradsync.simulate.fabric.TierFabric``: closed forms over tiers of identical units). The
+formulas below know nothing of either: they only ask the fabric what one *step* costs.
+
+Vocabulary. A *step* is a set of messages sent at the same time, one per sending rank; it
+lasts as long as its slowest message::
+
+    step time = max over the step's messages of (latency + bytes / bandwidth)
+
+where a message's tier is the slowest tier between its two ranks, and its bandwidth is the
+tier's link bandwidth divided by the number of the step's messages that leave the same unit
+(host, group of hosts) over that tier at the same time: k ranks of one host sending to other
+hosts share its NIC. Folding a received piece into one's own costs ``bytes /
+reduce_bandwidth``. A fabric offers three kinds of step over its ranks ``0..n-1`` (positions
+in the fabric's order, not necessarily global ranks):
+
+    ring_step(b)         every rank i sends b bytes to i+1 (the last to the first)
+    pair_step(d, p, b)   every rank i < p sends b bytes to i XOR d (recursive doubling)
+    fold_step(p, b)      every rank p+i >= p sends b bytes to rank i (non powers of two)
+
+and ``split()``, which cuts it along its fastest tier that has several units of several ranks
+(the hierarchical plan), or says that no tier does.
+
+The algorithms, for n ranks and S bytes (p = the largest power of two <= n):
+
+    ring              2(n-1) ring steps of S/n; the first n-1 also fold S/n
+    doubling          log2 p pair steps of S, each folding S; n > p: 2 fold steps + a fold
+    halving_doubling  log2 p rounds at distances p/2, p/4, ..: S/2, S/4, .. there and back
+                      (2 pair steps) with one fold; n > p: as doubling
+    hierarchical      a ring's traffic inside each unit (reduce-scatter, then allgather), and
+                      the allreduce of the shares across units, hierarchical again one tier up:
+                      a rank of a unit with k ranks handles ceil(m/k) of the m shares one after
+                      another (m = the largest unit), while the unit's k ranks share its uplink
+    shm               the host's shared segment: 3 (k-1)/k S through local memory
+
+Worked example: 2 hosts x 2 ranks, 1 Gbit/s (125 MB/s) between hosts, 64 MiB. The
+hierarchical plan's ring inside each host is fast; across hosts two owners (one per host)
+each run a 2-rank ring on the whole 64 MiB: 2 steps of 32 MiB at 125 MB/s = 0.54 s, the
+minimum any allreduce across two hosts needs. A flat ring dealt across hosts (h0 h1 h0 h1)
+sends 6 steps of 16 MiB with two streams on each NIC: 1.6 s, 2.9x more.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Protocol, Sequence
+
+from ..topology import Topology
+from . import hierarchical as _hier
+from .doubling import core_size
+
+__all__ = ["Fabric", "RankFabric", "FORMULAS", "allreduce_time", "cheapest", "ring",
+           "doubling", "halving_doubling", "hierarchical"]
+
+
+class Fabric(Protocol):
+    """What the formulas need to know about a set of ranks and the network between them."""
+
+    n: int
+    reduce_bandwidth: float
+
+    def ring_step(self, nbytes: float) -> float: ...
+
+    def pair_step(self, distance: int, p: int, nbytes: float) -> float: ...
+
+    def fold_step(self, p: int, nbytes: float) -> float: ...
+
+    def split(self) -> "tuple[list[Fabric], Fabric] | None":
+        """``(parts, owners)``: one fabric per distinct unit (the ranks of one unit, in order),
+        and the fabric of one stand-in rank per unit; None when no tier splits the ranks."""
+        ...
+
+    def ordered(self) -> "Fabric":
+        """The same ranks in topology order (a ring crosses each slow tier least often)."""
+        ...
+
+    def shm_bandwidth(self) -> float: ...
+
+
+# --- the formulas -----------------------------------------------------------------------------
+
+def ring(f: Fabric, nbytes: float) -> float:
+    n = f.n
+    if n < 2:
+        return 0.0
+    piece = nbytes / n
+    step = f.ring_step(piece)
+    return (n - 1) * (step + piece / f.reduce_bandwidth) + (n - 1) * step
+
+
+def _fold(f: Fabric, p: int, nbytes: float) -> float:
+    """Folding the ranks beyond the power of two in before, and the result out after."""
+    if p == f.n:
+        return 0.0
+    return 2 * f.fold_step(p, nbytes) + nbytes / f.reduce_bandwidth
+
+
+def doubling(f: Fabric, nbytes: float) -> float:
+    p = core_size(f.n)
+    total = _fold(f, p, nbytes)
+    for i in range(int(math.log2(p))):
+        total += f.pair_step(1 << i, p, nbytes) + nbytes / f.reduce_bandwidth
+    return total
+
+
+def halving_doubling(f: Fabric, nbytes: float) -> float:
+    p = core_size(f.n)
+    total = _fold(f, p, nbytes)
+    size = nbytes
+    for i in reversed(range(int(math.log2(p)))):  # partners at distance p/2, p/4, ...
+        size /= 2
+        total += 2 * f.pair_step(1 << i, p, size) + size / f.reduce_bandwidth  # there and back
+    return total
+
+
+def hierarchical(f: Fabric, nbytes: float) -> float:
+    cut = f.split()
+    if cut is None:
+        return ring(f.ordered(), nbytes)
+    parts, owners = cut
+    m = max(u.n for u in parts)
+    inside = max(ring(u, nbytes) for u in parts)
+    cross = max(math.ceil(m / k) * hierarchical(owners, nbytes * k / m)
+                for k in {u.n for u in parts})
+    return inside + cross
+
+
+def _shm(f: Fabric, nbytes: float) -> float:
+    k = f.n
+    return 3 * nbytes * (k - 1) / k / f.shm_bandwidth()
+
+
+FORMULAS: dict[str, Callable[[Fabric, float], float]] = {
+    "ring": ring, "topo_ring": lambda f, b: ring(f.ordered(), b), "doubling": doubling,
+    "halving_doubling": halving_doubling, "hierarchical": hierarchical, "shm": _shm}
+
+
+def allreduce_time(algorithm: str, f: Fabric, nbytes: float) -> float:
+    """Predicted seconds of an allreduce of ``nbytes`` over the ranks of ``f``."""
+    try:
+        formula = FORMULAS[algorithm]
+    except KeyError:
+        raise ValueError(f"no cost model for {algorithm!r}; known: {sorted(FORMULAS)}") from None
+    return formula(f, nbytes)
+
+
+def cheapest(f: Fabric, nbytes: float, candidates: Sequence[str]) -> str:
+    """The candidate with the least predicted time (the first of equals, in order)."""
+    return min(candidates, key=lambda alg: allreduce_time(alg, f, nbytes))
+
+
+# --- the job's own ranks ----------------------------------------------------------------------
+
+class RankFabric:
+    """Ranks of a ``Topology`` in a given order: every step's messages enumerated.
+
+    Args:
+        topo: the job's topology.
+        ranks: global ranks, in the order the algorithm walks them.
+        levels: the tiers the hierarchical plan may split (``hierarchical.levels_of``).
+    """
+
+    def __init__(self, topo: Topology, ranks: Sequence[int], levels=None):
+        self.topo, self.ranks = topo, list(ranks)
+        self.levels = _hier.levels_of(topo) if levels is None else levels
+        self.n = len(self.ranks)
+        self.reduce_bandwidth = topo.reduce_bandwidth
+
+    def ring_step(self, nbytes: float) -> float:
+        order = self.ranks
+        return self._step(list(zip(order, order[1:] + order[:1])), nbytes)
+
+    def pair_step(self, distance: int, p: int, nbytes: float) -> float:
+        r = self.ranks
+        return self._step([(r[i], r[i ^ distance]) for i in range(p)], nbytes)
+
+    def fold_step(self, p: int, nbytes: float) -> float:
+        r = self.ranks
+        return self._step([(r[p + i], r[i]) for i in range(self.n - p)], nbytes)
+
+    def split(self) -> "tuple[list[RankFabric], RankFabric] | None":
+        levels = _hier.splitting(self.ranks, self.levels)
+        if not levels:
+            return None
+        parts = _hier.units(self.topo.ring_order(self.ranks), levels[0])
+        return ([RankFabric(self.topo, u, levels[1:]) for u in parts],
+                RankFabric(self.topo, [u[0] for u in parts], levels[1:]))
+
+    def ordered(self) -> "RankFabric":
+        return RankFabric(self.topo, self.topo.ring_order(self.ranks), self.levels)
+
+    def shm_bandwidth(self) -> float:
+        return self.topo.tiers["local"].bandwidth
+
+    def _step(self, messages: Sequence[tuple[int, int]], nbytes: float) -> float:
+        """Time of one step in which each (src, dst) message carries ``nbytes`` at once."""
+        if not messages:
+            return 0.0
+        topo = self.topo
+        leaving: dict[tuple[str, int], int] = {}
+        for a, b in messages:
+            for key in self._uplinks(a, b):
+                leaving[key] = leaving.get(key, 0) + 1
+        worst = 0.0
+        for a, b in messages:
+            tier = topo.tier(a, b)
+            bandwidth = topo.tiers["local"].bandwidth if tier == "local" else min(
+                topo.tiers[t].bandwidth / leaving[(t, unit)] for t, unit in self._uplinks(a, b))
+            worst = max(worst, topo.tiers[tier].latency + nbytes / bandwidth)
+        return worst
+
+    def _uplinks(self, a: int, b: int) -> list[tuple[str, int]]:
+        """The shared links a message from ``a`` to ``b`` goes through: its host's NIC when
+        it leaves the host, and its group's uplink when it leaves the group."""
+        topo = self.topo
+        ha, hb = topo.host_of[a], topo.host_of[b]
+        if ha == hb:
+            return []
+        out = [("host", ha)]
+        if topo.group_of[ha] != topo.group_of[hb]:
+            out.append(("group", topo.group_of[ha]))
+        return out

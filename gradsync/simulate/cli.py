@@ -1,0 +1,180 @@
+"""``gradsync simulate``: project a training step to any number of GPUs of a cluster.
+
+    gradsync simulate --cluster summit --model params=60M,compute_ms=180,buckets=25MB \\
+        --gpus 6,96,1536,27360 [--algorithm auto|ring|hierarchical|halving_doubling|doubling]
+        [--json] [--plot scaling.png]
+    gradsync simulate --validate [--measure] [--json]
+
+``--cluster`` takes a cluster file (JSON, or YAML with PyYAML; schema in
+``gradsync/simulate/cluster.py`` and docs/simulate.md) or the name of a shipped one. Per GPU
+count it prints the step time, the communication left exposed after overlapping backward,
+the scaling efficiency against one GPU, the algorithm each bucket ran, and the busiest tier.
+``--plot`` (needs matplotlib: ``pip install 'gradsync[simulate]'``) draws efficiency and
+step time against GPU count, one line per algorithm. ``--validate`` prints the validation
+points, predicted against observed, then the sources and assumptions of each point and
+cluster file; ``--measure`` adds the measured-here points (root, about a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+
+from ..errors import ConfigError
+from .cluster import load, shipped
+from .step import ALGORITHMS, CANDIDATES, parse_model, simulate
+
+__all__ = ["main", "parser"]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gradsync simulate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    what = p.add_argument_group("what to simulate")
+    what.add_argument("--cluster", help=f"cluster file, or a shipped one: {', '.join(shipped())}")
+    what.add_argument("--model", help="params=60M,compute_ms=180[,buckets=25MB,backward=0.67,"
+                                      "update_ms=0,bytes_per_param=4,compression=none|fp16]")
+    what.add_argument("--gpus", help="GPU counts, comma-separated, e.g. 6,96,1536,27360")
+    what.add_argument("--algorithm", choices=ALGORITHMS, default="auto",
+                      help="allreduce algorithm; auto: the planner's choice per bucket")
+    check = p.add_argument_group("validation")
+    check.add_argument("--validate", action="store_true",
+                       help="print the validation points: predicted, observed, error")
+    check.add_argument("--measure", action="store_true",
+                       help="with --validate: also run the measured-here points (root)")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    out.add_argument("--plot", metavar="PNG", help="draw efficiency and step time (matplotlib)")
+    return p
+
+
+def _gpus(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--gpus {text!r}: expected integers such as 6,96,1536") from None
+    if not counts or min(counts) < 1:
+        raise ValueError(f"--gpus {text!r}: expected positive integers")
+    return counts
+
+
+def main(argv: "list[str] | None" = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    if args.validate:
+        return _validate(args)
+    missing = [o for o in ("cluster", "model", "gpus") if getattr(args, o) is None]
+    if missing:
+        p.error(f"needs --{', --'.join(missing)} (or --validate)")
+    if args.plot:
+        _require_matplotlib()
+    try:
+        cluster = load(args.cluster)
+        model = parse_model(args.model)
+        counts = _gpus(args.gpus)
+        rows = [simulate(cluster, model, n, args.algorithm) for n in counts]
+    except (ConfigError, ValueError) as exc:
+        p.error(str(exc))
+    if args.json:
+        json.dump([r.as_dict() for r in rows], sys.stdout, indent=1)
+        print()
+    else:
+        print(f"# {cluster.name}: {model.params / 1e6:.1f}M parameters "
+              f"({model.gradient_bytes / 1e6:.0f} MB of gradients, "
+              f"{len(model.buckets())} buckets), compute {model.compute * 1e3:.1f} ms, "
+              f"algorithm {args.algorithm}, compression {model.compression}")
+        print(f"{'gpus':>7} {'step_ms':>10} {'exposed_ms':>10} {'eff':>6}  "
+              f"{'busiest tier':<14} algorithms (buckets)")
+        for r in rows:
+            algs = ", ".join(f"{a} x{k}" for a, k in r.algorithms.items()) or "-"
+            print(f"{r.gpus:>7} {r.step * 1e3:>10.2f} {r.exposed * 1e3:>10.2f} "
+                  f"{r.efficiency:>6.1%}  {r.busiest_tier or '-':<14} {algs}")
+    if args.plot:
+        _plot(args.plot, cluster, model, counts, args.algorithm)
+    return 0
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        sys.exit("gradsync simulate --plot needs matplotlib: pip install 'gradsync[simulate]' "
+                 "(or pip install matplotlib)")
+
+
+def _plot(path: str, cluster, model, counts: list[int], algorithm: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (eff, step) = plt.subplots(1, 2, figsize=(10, 4))
+    for alg in (algorithm,) if algorithm != "auto" else CANDIDATES + ("auto",):
+        rows = [simulate(cluster, model, n, alg) for n in counts]
+        # auto runs one of the others: dashed and black, so it shows on top of its choice.
+        style = {"linestyle": "--", "color": "black", "marker": "x"} if alg == "auto" else \
+            {"marker": "o"}
+        eff.plot(counts, [100 * r.efficiency for r in rows], label=alg, **style)
+        step.plot(counts, [r.step * 1e3 for r in rows], label=alg, **style)
+    for ax, label in ((eff, "scaling efficiency (%)"), (step, "step time (ms)")):
+        ax.set_xscale("log")
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    eff.legend()
+    fig.suptitle(f"{cluster.name}: {model.params / 1e6:.0f}M params, "
+                 f"compute {model.compute * 1e3:.0f} ms")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"# wrote {path}")
+
+
+def _validate(args) -> int:
+    from .validate import published_rows
+
+    rows = published_rows()
+    if args.measure:
+        from .measure import measured_rows
+        rows += measured_rows()
+    if args.json:
+        json.dump(rows, sys.stdout, indent=1)
+        print()
+        return 0
+    print(f"{'point':<34} {'cluster':<20} {'gpus':>6} {'quantity':<11} {'predicted':>10} "
+          f"{'observed':>9} {'error':>8}")
+    for r in rows:
+        if "step_ms_predicted" in r:
+            print(f"{r['point']:<34} {r['cluster']:<20} {r['gpus']:>6} {'step ms':<11} "
+                  f"{r['step_ms_predicted']:>10.1f} {r['step_ms_measured']:>9.1f} "
+                  f"{r['error_pct']:>+7.1f}%")
+        else:
+            print(f"{r['point']:<34} {r['cluster']:<20} {r['gpus']:>6} {'efficiency':<11} "
+                  f"{r['predicted']:>10.1%} {r['observed']:>9.1%} "
+                  f"{r['error_points']:>+6.1f}pt")
+    if not args.measure:
+        print("# measured-here points (training steps on emulated clusters): add --measure "
+              "(root, about a minute)")
+    _print_sources(rows)
+    return 0
+
+
+def _print_sources(rows: list[dict]) -> None:
+    """Where each published point's numbers and each cluster file's come from."""
+    wrap = textwrap.TextWrapper(width=100, initial_indent="#   ", subsequent_indent="#     ")
+    print("# sources and assumptions (docs/simulate.md explains the model):")
+    for r in rows:
+        if "source" in r:
+            print(f"# {r['point']}:")
+            print(wrap.fill(f"source: {r['source']}"))
+            print(wrap.fill(f"assumed: {r['assumed']}"))
+    for name in dict.fromkeys(r["cluster"] for r in rows):
+        cluster = load(name)
+        print(f"# cluster file {name} (gradsync/simulate/clusters/{name}.json):")
+        print(wrap.fill(f"source: {cluster.source}"))
+        for text in cluster.assumed:
+            print(wrap.fill(f"assumed: {text}"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""The cost model's fabric for a cluster of any size: closed forms over tiers of identical units.
+
+``costs.py`` holds the allreduce formulas; they ask a fabric what one step costs (see there).
+The planner's ``RankFabric`` enumerates every message of a step over the job's ranks; that is
+exact but costs O(n) Python work per step and O(n^2) for a ring. ``TierFabric`` answers the
+same questions for a ``Cluster`` whose units at every tier are identical (ranks placed node by
+node, the last unit of a tier possibly partial), with the same step rule:
+
+    step time = max over messages of (latency of its tier + bytes / its bandwidth)
+    bandwidth = the first tier's, inside a node; else min over the units it leaves (node,
+                rack, ...) of that unit's uplink / messages leaving that unit in the step
+
+Vocabulary: level 0 is a rank, level 1 a node, level u+1 a unit of tier u; a message *crosses
+tier t* when its ranks share a level t+1 unit but not a level t unit. A fabric's *active*
+ranks are every ``stride``-th rank of the first ``ranks`` (stride 1: all; stride = a node's
+ranks: one stand-in per node, as the hierarchical plan uses one tier up).
+
+- Ring step, closed form. In block order every unit that holds active ranks sends exactly one
+  message out of itself (its last rank's), so every uplink is shared by one message, and tier
+  t is crossed iff some level t+1 unit holds two level t units. Time: max over the crossed
+  tiers of latency_t + b / min(uplinks of levels 1..t), independent of n.
+- Pair and fold steps (recursive doubling's partners ``i XOR d``), counted: the messages that
+  leave each unit are counted with NumPy over the active ranks, O(n) per step, a few
+  milliseconds at 27,360 ranks. (Closed forms exist when every fanout is a power of two; with
+  six GPUs per node they do not.)
+- ``split``: the lowest level with several units of several active ranks; its parts are one
+  full unit and the partial last one, its owners the same ranks at the unit's stride.
+
+On a cluster that a ``Topology`` can also describe (node, group), this fabric and the planner's
+give the same numbers (``tests/test_simulate.py`` checks it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .cluster import Cluster
+
+__all__ = ["TierFabric"]
+
+
+class TierFabric:
+    """The ranks ``0, stride, 2 stride, ..`` below ``ranks`` of ``cluster``, in block order."""
+
+    def __init__(self, cluster: Cluster, ranks: int, stride: int = 1):
+        if ranks > cluster.capacity:
+            raise ValueError(f"cluster {cluster.name!r} holds at most {cluster.capacity:.0f} "
+                             f"ranks, asked for {ranks}")
+        self.cluster, self.ranks, self.stride = cluster, ranks, stride
+        self.n = -(-ranks // stride)
+        self.reduce_bandwidth = cluster.reduce_bandwidth
+        self._sizes = cluster.unit_ranks()
+        self._uplinks = cluster.uplinks()
+        self._latency = [t.latency for t in cluster.tiers]
+
+    def _units(self, level: int) -> int:
+        """How many level ``level`` units hold active ranks."""
+        size = self._sizes[level]
+        return self.n if size <= self.stride else -(-self.ranks // size)
+
+    def _bandwidth(self, tier: int) -> float:
+        """A lone message's bandwidth across ``tier``."""
+        return self._uplinks[0] if tier == 0 else min(self._uplinks[1:tier + 1])
+
+    # --- the steps ---------------------------------------------------------------------------
+    def ring_step(self, nbytes: float) -> float:
+        if self.n < 2:
+            return 0.0
+        crossed = [t for t in range(len(self._latency)) if self._units(t) > self._units(t + 1)]
+        return max(self._latency[t] + nbytes / self._bandwidth(t) for t in crossed)
+
+    def pair_step(self, distance: int, p: int, nbytes: float) -> float:
+        src = np.arange(p, dtype=np.int64)
+        return self._step(src, src ^ distance, nbytes)
+
+    def fold_step(self, p: int, nbytes: float) -> float:
+        dst = np.arange(self.n - p, dtype=np.int64)
+        return self._step(dst + p, dst, nbytes)
+
+    def _step(self, src: np.ndarray, dst: np.ndarray, nbytes: float) -> float:
+        if src.size == 0:
+            return 0.0
+        a, b = src * self.stride, dst * self.stride
+        levels = len(self._latency)
+        # tier[i]: the lowest t with both ends in one level t+1 unit.
+        tier = np.zeros(a.size, dtype=np.int64)
+        for t in range(1, levels):
+            tier[(a // self._sizes[t]) != (b // self._sizes[t])] = t
+        bandwidth = np.full(a.size, np.inf)
+        bandwidth[tier == 0] = self._uplinks[0]
+        for u in range(1, levels):
+            out = tier >= u  # leaves its level u unit
+            if not out.any():
+                break
+            unit = a[out] // self._sizes[u]
+            _, inverse, counts = np.unique(unit, return_inverse=True, return_counts=True)
+            bandwidth[out] = np.minimum(bandwidth[out], self._uplinks[u] / counts[inverse])
+        latency = np.asarray(self._latency)[tier]
+        return float(np.max(latency + nbytes / bandwidth))
+
+    # --- structure --------------------------------------------------------------------------
+    def split(self) -> "tuple[list[TierFabric], TierFabric] | None":
+        for level in range(1, len(self._latency)):
+            if self._sizes[level] <= self.stride:
+                continue
+            units = self._units(level)
+            if 1 < units < self.n:
+                size = int(self._sizes[level])
+                last = self.ranks - (units - 1) * size
+                parts = [TierFabric(self.cluster, size, self.stride)]
+                if last != size:
+                    parts.append(TierFabric(self.cluster, last, self.stride))
+                return parts, TierFabric(self.cluster, self.ranks, size)
+        return None
+
+    def ordered(self) -> "TierFabric":
+        return self
+
+    def shm_bandwidth(self) -> float:
+        return self._uplinks[0]
+
+    def __repr__(self) -> str:
+        return f"TierFabric({self.cluster.name!r}, ranks={self.ranks}, stride={self.stride})"
+
+

@@ -1,0 +1,194 @@
+"""One training step at scale: compute, gradient buckets, and their allreduces overlapping it.
+
+The step of data-parallel training with bucketed gradients (Horovod's tensor fusion, DDP's
+buckets), per rank and identical on every rank:
+
+    forward  [0, F)                       F = compute x (1 - backward_fraction)
+    backward [F, F + B)                   B = compute x backward_fraction
+    bucket i (in the order backward fills them) is ready at
+        ready_i = F + B x (gradient bytes up to the end of bucket i) / (all gradient bytes)
+    its allreduce starts when it is ready and the previous one is done, one at a time:
+        start_i = max(ready_i, done_{i-1}),   done_i = start_i + allreduce(bucket_i)
+    step = max(F + B, done_last) + update
+
+Backward produces gradient bytes at an even rate (the assumption ``ready=uniform``; real
+networks are uneven: VGG's fully connected layers, most of its bytes, come out first). The
+allreduce time is the cost model's (``gradsync.collectives.costs``) on the cluster's
+``TierFabric``, for the algorithm asked for or, with ``auto``, the cheapest per bucket as the
+planner picks it at run time. Compression divides the bytes on the wire.
+
+Worked example: compute 100 ms (backward 2/3: F = 33.3, B = 66.7 ms), two 10 MB buckets, an
+allreduce of 10 MB taking 40 ms: ready 66.7 and 100 ms; bucket 0 runs 66.7-106.7, bucket 1
+106.7-146.7; the step is 146.7 ms, 46.7 ms of communication exposed, efficiency 100/146.7 =
+68%.
+
+Efficiency is weak scaling: the same batch per rank, ``step(1 rank) / step(N ranks)``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+from ..collectives import costs
+from ..topology import parse_latency
+from .cluster import Cluster
+from .fabric import TierFabric
+
+__all__ = ["Model", "StepResult", "parse_model", "simulate", "ALGORITHMS", "CANDIDATES",
+           "COMPRESSION"]
+
+CANDIDATES = ("doubling", "halving_doubling", "ring", "hierarchical")
+"""The planner's candidates; its ``topo_ring`` is ``ring`` here (ranks are in block order)."""
+ALGORITHMS = ("auto",) + CANDIDATES
+COMPRESSION = {"none": 1.0, "fp16": 0.5, "bf16": 0.5}
+_SIZE = re.compile(r"\s*([0-9.eE+-]+)\s*([kKmMgG]?)(i?)([bB]?)\s*")
+
+
+@dataclass(frozen=True)
+class Model:
+    """What the simulator needs to know of a model and its training step."""
+
+    params: float
+    """Parameters (gradient elements)."""
+    compute: float
+    """Seconds of forward + backward on one rank."""
+    bucket_bytes: float = 25e6
+    """Gradient bytes per bucket (the last may be smaller)."""
+    bytes_per_param: float = 4.0
+    backward_fraction: float = 2 / 3
+    """Share of ``compute`` spent in backward (backward is about twice forward)."""
+    update: float = 0.0
+    """Seconds of the optimizer step after the last allreduce."""
+    compression: str = "none"
+
+    @property
+    def gradient_bytes(self) -> float:
+        return self.params * self.bytes_per_param
+
+    def buckets(self) -> list[float]:
+        """Gradient bytes of each bucket, in the order backward fills them."""
+        total, size = self.gradient_bytes, self.bucket_bytes
+        full = int(total // size)
+        rest = total - full * size
+        return [size] * full + ([rest] if rest > 0 else [])
+
+
+def _size(text: str, key: str) -> float:
+    m = _SIZE.fullmatch(text)
+    if not m:
+        raise ValueError(f"--model {key}={text!r}: not a number such as 60M or 25MB")
+    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m[2].lower()]
+    if m[3]:
+        scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m[2].lower()]
+    return float(m[1]) * scale
+
+
+def parse_model(text: str) -> Model:
+    """``params=60M,compute_ms=180,buckets=25MB[,backward=0.67,update_ms=5,bytes_per_param=2,
+    compression=fp16]`` -> Model."""
+    fields = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"--model: {item!r} is not KEY=VALUE")
+        fields[key.strip()] = value.strip()
+    known = {"params", "compute_ms", "buckets", "backward", "update_ms", "bytes_per_param",
+             "compression"}
+    if set(fields) - known:
+        raise ValueError(f"--model: unknown key(s) {sorted(set(fields) - known)}; known: "
+                         f"{', '.join(sorted(known))}")
+    for key in ("params", "compute_ms"):
+        if key not in fields:
+            raise ValueError(f"--model: {key}= is required (e.g. params=60M,compute_ms=180)")
+    model = Model(params=_size(fields["params"], "params"),
+                  compute=parse_latency(fields["compute_ms"] + "ms", "--model compute_ms"))
+    if "buckets" in fields:
+        model = replace(model, bucket_bytes=_size(fields["buckets"], "buckets"))
+    if "backward" in fields:
+        model = replace(model, backward_fraction=float(fields["backward"]))
+    if "update_ms" in fields:
+        model = replace(model, update=float(fields["update_ms"]) / 1e3)
+    if "bytes_per_param" in fields:
+        model = replace(model, bytes_per_param=float(fields["bytes_per_param"]))
+    if "compression" in fields:
+        model = replace(model, compression=fields["compression"])
+    check(model)
+    return model
+
+
+def check(model: Model) -> None:
+    if not model.params > 0 or not model.compute > 0 or not model.bucket_bytes > 0:
+        raise ValueError(f"--model: params, compute_ms and buckets must be positive ({model})")
+    if not 0 < model.backward_fraction <= 1:
+        raise ValueError(f"--model: backward must be in (0, 1], got {model.backward_fraction}")
+    if model.compression not in COMPRESSION:
+        raise ValueError(f"--model: compression {model.compression!r}; choose from "
+                         f"{', '.join(COMPRESSION)}")
+
+
+@dataclass
+class StepResult:
+    gpus: int
+    step: float
+    compute: float
+    exposed: float
+    efficiency: float
+    algorithms: dict = field(default_factory=dict)
+    """How many buckets each algorithm ran."""
+    tier_seconds: dict = field(default_factory=dict)
+    """Per tier: how much the step's allreduces would shorten if that tier were free."""
+    busiest_tier: str = ""
+
+    def as_dict(self) -> dict:
+        return {"gpus": self.gpus, "step_ms": self.step * 1e3, "compute_ms": self.compute * 1e3,
+                "exposed_ms": self.exposed * 1e3, "efficiency": self.efficiency,
+                "algorithms": self.algorithms, "busiest_tier": self.busiest_tier,
+                "tier_ms": {k: v * 1e3 for k, v in self.tier_seconds.items()}}
+
+
+def _timeline(model: Model, times: list[float]) -> float:
+    """The step's length, given each bucket's allreduce seconds."""
+    fwd = model.compute * (1 - model.backward_fraction)
+    bwd = model.compute * model.backward_fraction
+    done, filled, total = 0.0, 0.0, model.gradient_bytes
+    for nbytes, took in zip(model.buckets(), times):
+        filled += nbytes
+        ready = fwd + bwd * filled / total
+        done = max(ready, done) + took
+    return max(model.compute, done) + model.update
+
+
+def _allreduces(cluster: Cluster, gpus: int, model: Model, algorithm: str
+                ) -> tuple[list[float], list[str]]:
+    fabric = TierFabric(cluster, gpus)
+    wire = COMPRESSION[model.compression]
+    seen: dict[float, tuple[float, str]] = {}
+    for nbytes in set(model.buckets()):
+        algs = CANDIDATES if algorithm == "auto" else (algorithm,)
+        timed = {a: costs.allreduce_time(a, fabric, nbytes * wire) for a in algs}
+        best = min(algs, key=timed.get)  # the planner's rule: the first of equals
+        seen[nbytes] = (timed[best], best)
+    buckets = model.buckets()
+    return [seen[b][0] for b in buckets], [seen[b][1] for b in buckets]
+
+
+def simulate(cluster: Cluster, model: Model, gpus: int, algorithm: str = "auto") -> StepResult:
+    """The step of ``model`` on ``gpus`` ranks of ``cluster``."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)}")
+    if gpus < 1:
+        raise ValueError(f"gpus must be at least 1, got {gpus}")
+    times, chosen = _allreduces(cluster, gpus, model, algorithm)
+    step = _timeline(model, times)
+    base = model.compute + model.update
+    comm = sum(times)
+    per_tier = {}
+    for i, tier in enumerate(cluster.tiers):
+        freed, _ = _allreduces(cluster.with_free_tier(i), gpus, model, algorithm)
+        per_tier[tier.name] = comm - sum(freed)
+    busiest = max(per_tier, key=per_tier.get) if comm > 0 else ""
+    algorithms = dict(Counter(chosen)) if gpus > 1 else {}
+    return StepResult(gpus, step, base, step - base, base / step, algorithms,
+                      per_tier, busiest)
