@@ -142,7 +142,24 @@ class _DistributedOptimizer:
                 self._gs_hooks.append(param.register_post_accumulate_grad_hook(_hook(ref, slot)))
                 _take_ownership(param, ref)
             _LIVE.add(self)
+        self._gs_rebind()
         self._gs_reset_round()
+
+    def _gs_rebind(self, sparse_slot: int | None = None) -> None:
+        """Which gradients ``zero_grad()`` makes views of their buckets (``_gs_bound``) and
+        which it sets to None (``_gs_unbound``): a slot that produced a sparse gradient
+        (``sparse_slot``) leaves the buckets' views, to keep its layout."""
+        if sparse_slot is not None:
+            self._gs_sparse_slots.add(sparse_slot)
+        else:
+            self._gs_sparse_slots = set()
+        bound = [(p, v) for slot, (p, v) in enumerate(zip(self._gs_slot_param,
+                                                          self._gs_slot_view))
+                 if slot not in self._gs_sparse_slots]
+        ids = {id(p) for p, _ in bound}
+        self._gs_bound = bound
+        self._gs_unbound = [p for g in self.param_groups for p in g["params"]
+                            if id(p) not in ids]
 
     def _gs_supersede(self) -> None:
         """Called when a newer DistributedOptimizer hooks one of our parameters."""
@@ -203,6 +220,8 @@ class _DistributedOptimizer:
                 raise NotImplementedError(
                     f"'{self._gs_slot_name[slot]}' has a {grad.layout} gradient; "
                     "DistributedOptimizer reduces dense and sparse COO gradients")
+            if slot not in self._gs_sparse_slots:
+                self._gs_rebind(sparse_slot=slot)
             if not self.sparse_as_dense:
                 # As Horovod: indices and values are allgathered (grouped.py), beside the
                 # bucket, whose view of this parameter reduces zeros.
@@ -350,13 +369,34 @@ class _DistributedOptimizer:
 
         return synchronized_closure
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Clears the gradients for the next round.
+
+        Args:
+            set_to_none: None (default): every gradient that a bucket reduces becomes its
+                view of the bucket, zeroed in place (one ``zero_`` per bucket), so that
+                backward accumulates straight into the fusion buffers and nothing is staged
+                (DDP's ``gradient_as_bucket_view``); ``p.grad`` is then a zero tensor, not
+                None. Gradients outside the buckets (a one-rank job, sparse gradients,
+                parameters not trained) are set to None as by ``torch.optim``. True: every
+                gradient becomes None (``torch.optim``'s default; backward then allocates new
+                gradients and the hooks copy them into the buckets). False: zeroed in place.
+        """
         if self._gs_round_open:
             raise RuntimeError(
                 "optimizer.zero_grad() was called after backward() but before step() or "
                 "synchronize(): this round's gradients are being reduced across ranks. Call "
                 "step() (or synchronize()) first")
-        super().zero_grad(set_to_none)
+        if set_to_none is not None or not self._gs_buckets:
+            super().zero_grad(True if set_to_none is None else set_to_none)
+            return
+        for bucket in self._gs_buckets:
+            bucket.buffer.zero_()
+        for param, view in self._gs_bound:
+            if param.grad is not view:
+                param.grad = view
+        for param in self._gs_unbound:
+            param.grad = None
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads the wrapped optimizer's state; a round in progress is finished and dropped."""
