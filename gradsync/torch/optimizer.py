@@ -11,9 +11,14 @@ the mixin, which is ordinary code.
 
 One round (one optimizer step), on each rank:
 
+0. ``zero_grad()``. Each bucket is zeroed in place and every gradient it reduces becomes its
+   view of the bucket (``buckets.py``), so that backward accumulates into the fusion buffers
+   directly, as DDP's ``gradient_as_bucket_view``: no copy, no allocation. ``p.grad`` is then
+   a zero tensor rather than None; ``zero_grad(set_to_none=True)`` gives torch's None (and a
+   copy into the bucket at the next backward). In a one-rank job (no buckets) it is torch's.
 1. backward. ``Tensor.register_post_accumulate_grad_hook`` reports each parameter whose
-   gradient has been accumulated. After ``backward_passes_per_step`` reports, the gradient is
-   copied into its view of its bucket (``buckets.py``). When a bucket is complete and every
+   gradient has been accumulated. After ``backward_passes_per_step`` reports, a gradient that
+   is not already its view is copied into its view of its bucket (``buckets.py``). When a bucket is complete and every
    earlier bucket has been launched, its allreduce goes to the process set's controller
    (``allreduce_async_``; ``gradsync/negotiation.py``), which runs it (fused with other ready
    buckets) while backward computes the next gradients.
@@ -30,7 +35,9 @@ a gradient changed in place then (clipping too early) would be lost or race with
 version counters of the gradients and buckets, recorded when they were staged and launched,
 turn that into an error.
 
-Averaging: with ``op=Average`` the collective divides the sum by the number of ranks. With a
+Averaging: with ``op=Average`` the collective divides the sum by the number of ranks (on
+one host, inside the shared-memory reduction: each element is divided once, by the rank that
+summed it, while it is in cache; ``collectives/shm.py``). With a
 ``gradient_predivide_factor`` f, each rank's gradients are multiplied by 1/f before the sum
 and the result by f after the division (1/size overall; the split keeps half-precision sums
 in range). Compression casts each bucket to the wire dtype before its allreduce and back
