@@ -149,24 +149,23 @@ class _DistributedOptimizer:
                 self._gs_hooks.append(param.register_post_accumulate_grad_hook(_hook(ref, slot)))
                 _take_ownership(param, ref)
             _LIVE.add(self)
+        self._gs_dense: set[int] = set()  # slots whose gradient backward made dense
+        self._gs_sparse_ever: set[int] = set()  # slots that had a sparse gradient
         self._gs_rebind()
         self._gs_reset_round()
 
-    def _gs_rebind(self, sparse_slot: int | None = None) -> None:
+    def _gs_rebind(self) -> None:
         """Which gradients ``zero_grad()`` makes views of their buckets (``_gs_bound``) and
-        which it sets to None (``_gs_unbound``): a slot that produced a sparse gradient
-        (``sparse_slot``) leaves the buckets' views, to keep its layout."""
-        if sparse_slot is not None:
-            self._gs_sparse_slots.add(sparse_slot)
-        else:
-            self._gs_sparse_slots = set()
-        bound = [(p, v) for slot, (p, v) in enumerate(zip(self._gs_slot_param,
-                                                          self._gs_slot_view))
-                 if slot not in self._gs_sparse_slots]
+        which it sets to None (``_gs_unbound``). A slot is bound once backward has given it a
+        dense gradient (``_gs_dense``), and never after a sparse one: bound to a dense view, a
+        sparse gradient would be accumulated into it and lose its layout."""
+        dense = self._gs_dense
+        bound = [(self._gs_slot_param[slot], self._gs_slot_view[slot]) for slot in sorted(dense)]
         ids = {id(p) for p, _ in bound}
         self._gs_bound = bound
         self._gs_unbound = [p for g in self.param_groups for p in g["params"]
                             if id(p) not in ids]
+        self._gs_bind_stale = False
 
     def _gs_supersede(self) -> None:
         """Called when a newer DistributedOptimizer hooks one of our parameters."""
@@ -217,6 +216,9 @@ class _DistributedOptimizer:
         """Puts a gradient into its view of its bucket (zeros for a missing one)."""
         view = self._gs_slot_view[slot]
         if grad is view:  # backward accumulated straight into the bucket
+            if slot not in self._gs_dense and slot not in self._gs_sparse_ever:
+                self._gs_dense.add(slot)
+                self._gs_bind_stale = True
             return
         if grad is None:
             view.zero_()
@@ -227,8 +229,10 @@ class _DistributedOptimizer:
                 raise NotImplementedError(
                     f"'{self._gs_slot_name[slot]}' has a {grad.layout} gradient; "
                     "DistributedOptimizer reduces dense and sparse COO gradients")
-            if slot not in self._gs_sparse_slots:
-                self._gs_rebind(sparse_slot=slot)
+            self._gs_sparse_ever.add(slot)
+            if slot in self._gs_dense:
+                self._gs_dense.discard(slot)
+                self._gs_bind_stale = True
             if not self.sparse_as_dense:
                 # As Horovod: indices and values are allgathered (grouped.py), beside the
                 # bucket, whose view of this parameter reduces zeros.
@@ -238,6 +242,9 @@ class _DistributedOptimizer:
                 return
             self._gs_sparse[slot] = grad.sparse_dim()
             grad = grad.to_dense()
+        elif slot not in self._gs_dense and slot not in self._gs_sparse_ever:
+            self._gs_dense.add(slot)  # from the next zero_grad() on, backward writes the view
+            self._gs_bind_stale = True
         view.copy_(grad)
 
     def _gs_launch_ready(self) -> None:
@@ -384,8 +391,9 @@ class _DistributedOptimizer:
                 view of the bucket, zeroed in place (one ``zero_`` per bucket), so that
                 backward accumulates straight into the fusion buffers and nothing is staged
                 (DDP's ``gradient_as_bucket_view``); ``p.grad`` is then a zero tensor, not
-                None. Gradients outside the buckets (a one-rank job, sparse gradients,
-                parameters not trained) are set to None as by ``torch.optim``. True: every
+                None. That holds from the first round in which backward gave the parameter a
+                dense gradient on; the others (not yet computed, sparse, frozen, every
+                parameter in a one-rank job) are set to None as by ``torch.optim``. True: every
                 gradient becomes None (``torch.optim``'s default; backward then allocates new
                 gradients and the hooks copy them into the buckets). False: zeroed in place.
         """
@@ -397,6 +405,8 @@ class _DistributedOptimizer:
         if set_to_none is not None or not self._gs_buckets:
             super().zero_grad(True if set_to_none is None else set_to_none)
             return
+        if self._gs_bind_stale:
+            self._gs_rebind()
         for bucket in self._gs_buckets:
             bucket.buffer.zero_()
         for param, view in self._gs_bound:

@@ -7,14 +7,17 @@ threshold) with the loss ``(r + 1) * (w.sum() + b.sum())`` on rank r: each gradi
 Checked, for both thresholds (at N = 1 there are no buckets: ``zero_grad()`` is torch's,
 gradients None):
 
-- after ``zero_grad()`` every ``p.grad`` is zero and lies inside its bucket's buffer
-  (``data_ptr`` within the buffer's bytes), and stays there through backward and ``step()``;
-- backward writes into the bucket directly: no gradient is staged (copied) this round;
+- the first round (gradients None, allocated by backward) copies them into the buckets;
+- from the second on, after ``zero_grad()`` every ``p.grad`` is zero and lies inside its
+  bucket's buffer (``data_ptr`` within the buffer's bytes), and stays there through backward
+  and ``step()``; backward writes into the bucket directly: no gradient is staged (copied);
 - the reduced gradient is the closed-form average, with one and with two backward passes
   per step (accumulated in the bucket: ``2 * (N + 1) / 2``);
 - ``zero_grad(set_to_none=True)`` sets every gradient to None (``p.grad is None``), the next
   round stages copies and reduces the same values, and the one after ``zero_grad()`` is back
-  on the views; ``zero_grad(set_to_none=False)`` keeps the views.
+  on the views; ``zero_grad(set_to_none=False)`` keeps the views;
+- a frozen parameter's gradient is set to None, and a sparse gradient stays sparse round after
+  round (it is never bound to a dense view).
 """
 
 import sys
@@ -72,19 +75,24 @@ for threshold in (default, 4):
         tag = f"threshold {threshold}, {passes} pass(es)"
         for step in range(3):
             opt.zero_grad()
-            if N > 1:
+            if N > 1 and step > 0:
                 expect_views(opt, params, f"{tag}, step {step}, after zero_grad()")
                 expect_values(params, 0.0, f"{tag}, step {step}, after zero_grad()")
-            elif any(p.grad is not None for p in params):  # one rank: no buckets, torch's way
-                fail(f"{tag}: zero_grad() at one rank should set the gradients to None")
+            elif any(p.grad is not None for p in params):
+                # One rank: no buckets, torch's way. Before the first backward, no parameter
+                # is known to get a dense gradient (a sparse one must not meet a dense view).
+                fail(f"{tag}, step {step}: zero_grad() should set the gradients to None")
             for _ in range(passes):
                 backward(w, b)
-            if N > 1 and any(s is not None for s in opt._gs_staged):
+            staged = [s is not None for s in opt._gs_staged]
+            if N > 1 and step > 0 and any(staged):
                 fail(f"{tag}, step {step}: a gradient was staged (copied) into its bucket")
+            if N > 1 and step == 0 and not all(staged):
+                fail(f"{tag}: the first round's gradients (allocated by backward) were not staged")
             pointers = [p.grad.data_ptr() for p in params]
             opt.step()
             expect_values(params, passes * (N + 1) / 2, f"{tag}, step {step}")
-            if N > 1 and [p.grad.data_ptr() for p in params] != pointers:
+            if N > 1 and step > 0 and [p.grad.data_ptr() for p in params] != pointers:
                 fail(f"{tag}, step {step}: step() moved the gradients out of the buckets")
         # set_to_none=True: p.grad is None, the next round copies into the buckets
         opt.zero_grad(set_to_none=True)
@@ -117,5 +125,20 @@ frozen.grad = torch.ones(2)
 opt.zero_grad()
 if frozen.grad is not None:
     fail("zero_grad() left the gradient of a parameter outside the buckets")
+# A sparse gradient (Embedding(sparse=True)) never meets a dense view: it stays sparse, round
+# after round, and is reduced as Horovod does (allgather): row r gets 1 from rank r only.
+emb = torch.nn.Embedding(6, 2, sparse=True)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.0),
+                               named_parameters=emb.named_parameters())
+expected = torch.zeros(6, 2)
+expected[:N] = 1.0 / N
+for step in range(3):
+    opt.zero_grad()
+    emb(torch.tensor([R])).sum().backward()
+    opt.step()
+    if not emb.weight.grad.is_sparse:
+        fail(f"sparse gradient, step {step}: handed back {emb.weight.grad.layout}")
+    if not torch.allclose(emb.weight.grad.to_dense(), expected):
+        fail(f"sparse gradient, step {step}: {emb.weight.grad.to_dense().tolist()}")
 print(f"rank {R}: bucket views ok", flush=True)
 hvd.shutdown()
