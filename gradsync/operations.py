@@ -69,12 +69,15 @@ def _reducer(op: ReduceOp, dtype):
     return reducer
 
 
-def _run_allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, algorithm: str) -> None:
+def _run_allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, algorithm: str,
+                   finish=None) -> bool:
+    """Runs the allreduce; True when ``finish`` was applied to the result (shm only)."""
     reducer = _reducer(op, dtype)
     cfg = world.config
     if algorithm == "shm":
         world.shm_group.allreduce(flat, reducer, _deadline(world), world.on_idle,
-                                  world.comm.signature)
+                                  world.comm.signature, finish)
+        return finish is not None
     elif algorithm == "ring":
         ring.allreduce(world.comm, flat, reducer, cfg.chunk_bytes)
     elif algorithm == "topo_ring":
@@ -86,6 +89,7 @@ def _run_allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, algorithm: str)
         doubling.allreduce(world.comm, flat, reducer)
     else:
         halving_doubling.allreduce(world.comm, flat, reducer)
+    return False
 
 
 def allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, *, name: str, shape: tuple,
@@ -109,12 +113,25 @@ def allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, *, name: str, shape:
                    f"prescale={prescale} postscale={postscale} algorithm={alg}")
     if prescale != 1.0:
         scale(flat, dtype, prescale)
+    average = op is ReduceOp.AVERAGE and world.size > 1
+    finished = False
     if world.size > 1 and flat.size:
         if op is ReduceOp.ADASUM:
             adasum.allreduce(world.comm, flat, dtype, counts)
         else:
-            _run_allreduce(world, flat, dtype, op, alg)
-    if op is ReduceOp.AVERAGE and world.size > 1:
+            # The division of an Average and the postscale are folded into the reduction
+            # where the algorithm allows (shm: each element scaled once, while in cache).
+            finish = None
+            if average or postscale != 1.0:
+                def finish(part: np.ndarray) -> None:
+                    if average:
+                        scale(part, dtype, world.size, divide=True, trunc=trunc)
+                    if postscale != 1.0:
+                        scale(part, dtype, postscale)
+            finished = _run_allreduce(world, flat, dtype, op, alg, finish)
+    if finished:
+        return
+    if average:
         scale(flat, dtype, world.size, divide=True, trunc=trunc)
     if postscale != 1.0:
         scale(flat, dtype, postscale)

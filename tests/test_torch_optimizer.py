@@ -89,3 +89,13 @@ def test_training_parity(n):
     result = launch(n, "torch_parity.py", timeout=150)
     assert result.returncode == 0, result
     assert result.output.count("all passed") == n, result
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_gradients_are_bucket_views(n):
+    # The default zero_grad(): grads inside the fusion buffers, nothing staged, closed-form
+    # averages with 1 and 2 backward passes; set_to_none=True/False as torch.optim's.
+    result = launch(n, "torch_bucket_views.py", timeout=90)
+    assert result.returncode == 0, result
+    assert result.output.count("bucket views ok") == n, result

@@ -230,7 +230,8 @@ class ShmGroup:
 
     def allreduce(self, data: np.ndarray, reducer: Reducer, deadline: float,
                   on_idle: Callable[[float], None] = lambda waited: None,
-                  signature: int = 0) -> None:
+                  signature: int = 0,
+                  finish: Callable[[np.ndarray], None] | None = None) -> None:
         """Reduces ``data`` in place across the local ranks; all end with identical bytes.
 
         Args:
@@ -240,6 +241,9 @@ class ShmGroup:
             on_idle: called with the seconds waited, about every 50 ms of waiting.
             signature: 64-bit hash of the collective; ranks that pass different ones raise
                 CollectiveMismatchError.
+            finish: applied in place to every reduced element exactly once, by the rank that
+                computed it, before the others copy it (an Average's division): the same
+                result as applying it to ``data`` afterwards, without another pass over it.
         """
         flat = self._flat(data, writable=True)
         if self.size == 1:
@@ -247,6 +251,8 @@ class ShmGroup:
         if flat.nbytes <= self.small_bytes:
             try:  # what _guard does, without a context manager's cost on the small road
                 self._allreduce_small(flat, reducer, deadline, on_idle, signature)
+                if finish is not None and flat.size:
+                    finish(flat)
             except BaseException as exc:
                 self._fail(exc)
                 raise
@@ -264,7 +270,7 @@ class ShmGroup:
                 lo, hi = bounds[self.rank], bounds[self.rank + 1]
                 self._copy_in(piece, slots[self.rank], lo, hi)
                 self._arrive(seq, _ALLREDUCE, flat.nbytes, signature, deadline, on_idle)
-                self._reduce(piece, slots, lo, hi, reducer)
+                self._reduce(piece, slots, lo, hi, reducer, finish)
                 self._publish(_REDUCED, seq)
                 self._wait(_REDUCED, seq, deadline, on_idle, "finish reducing")
                 self._copy_out(piece, slots, bounds)
@@ -337,11 +343,13 @@ class ShmGroup:
         slot[hi:piece.size] = piece[hi:]
 
     def _reduce(self, piece: np.ndarray, slots: list[np.ndarray], lo: int, hi: int,
-                reducer: Reducer) -> None:
+                reducer: Reducer, finish: Callable[[np.ndarray], None] | None) -> None:
         own = piece[lo:hi]
         if own.size:
             for r in self._others:  # a fixed order: the bits never depend on timing
                 reducer(own, slots[r][lo:hi])
+            if finish is not None:
+                finish(own)
         slots[self.rank][lo:hi] = own
 
     def _copy_out(self, piece: np.ndarray, slots: list[np.ndarray], bounds: list[int]) -> None:

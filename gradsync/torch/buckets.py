@@ -21,10 +21,12 @@ Worked example, threshold 1 KiB, float32, registration order w1 (2 KiB), b1 (64 
 w2 (768 B), b2 (16 B): reversed, b2 opens bucket 0 (16 B), w2 joins it (784 B), b1 takes it to
 848 B; w1 would pass 1 KiB, so it opens bucket 1 alone.
 
-The buffer. A bucket owns one flat tensor, allocated once, and a view of it per parameter. A
-gradient is copied into its view when it is ready, the allreduce runs in place on the buffer,
-and afterwards each ``param.grad`` *is* its view: with ``zero_grad(set_to_none=False)``
-backward then accumulates straight into the bucket and the copy is skipped.
+The buffer. A bucket owns one flat tensor, allocated once, and a view of it per parameter.
+The allreduce runs in place on the buffer, and afterwards each ``param.grad`` *is* its view.
+``DistributedOptimizer.zero_grad()`` keeps it so (zeroing the buffer in place), so backward
+accumulates straight into the bucket and nothing is copied (DDP's ``gradient_as_bucket_view``).
+Only a gradient that is not its view (after ``zero_grad(set_to_none=True)``, or one that a
+script assigned) is copied into its view when it is ready.
 
 A rank that has called ``join()`` takes part in the buckets' allreduces with zeros: its set's
 controller stands in for it (``gradsync/negotiation.py``), so buckets need nothing for it.

@@ -11,9 +11,14 @@ the mixin, which is ordinary code.
 
 One round (one optimizer step), on each rank:
 
+0. ``zero_grad()``. Each bucket is zeroed in place and every gradient it reduces becomes its
+   view of the bucket (``buckets.py``), so that backward accumulates into the fusion buffers
+   directly, as DDP's ``gradient_as_bucket_view``: no copy, no allocation. ``p.grad`` is then
+   a zero tensor rather than None; ``zero_grad(set_to_none=True)`` gives torch's None (and a
+   copy into the bucket at the next backward). In a one-rank job (no buckets) it is torch's.
 1. backward. ``Tensor.register_post_accumulate_grad_hook`` reports each parameter whose
-   gradient has been accumulated. After ``backward_passes_per_step`` reports, the gradient is
-   copied into its view of its bucket (``buckets.py``). When a bucket is complete and every
+   gradient has been accumulated. After ``backward_passes_per_step`` reports, a gradient that
+   is not already its view is copied into its view of its bucket (``buckets.py``). When a bucket is complete and every
    earlier bucket has been launched, its allreduce goes to the process set's controller
    (``allreduce_async_``; ``gradsync/negotiation.py``), which runs it (fused with other ready
    buckets) while backward computes the next gradients.
@@ -30,7 +35,9 @@ a gradient changed in place then (clipping too early) would be lost or race with
 version counters of the gradients and buckets, recorded when they were staged and launched,
 turn that into an error.
 
-Averaging: with ``op=Average`` the collective divides the sum by the number of ranks. With a
+Averaging: with ``op=Average`` the collective divides the sum by the number of ranks (on
+one host, inside the shared-memory reduction: each element is divided once, by the rank that
+summed it, while it is in cache; ``collectives/shm.py``). With a
 ``gradient_predivide_factor`` f, each rank's gradients are multiplied by 1/f before the sum
 and the result by f after the division (1/size overall; the split keeps half-precision sums
 in range). Compression casts each bucket to the wire dtype before its allreduce and back
@@ -142,7 +149,23 @@ class _DistributedOptimizer:
                 self._gs_hooks.append(param.register_post_accumulate_grad_hook(_hook(ref, slot)))
                 _take_ownership(param, ref)
             _LIVE.add(self)
+        self._gs_dense: set[int] = set()  # slots whose gradient backward made dense
+        self._gs_sparse_ever: set[int] = set()  # slots that had a sparse gradient
+        self._gs_rebind()
         self._gs_reset_round()
+
+    def _gs_rebind(self) -> None:
+        """Which gradients ``zero_grad()`` makes views of their buckets (``_gs_bound``) and
+        which it sets to None (``_gs_unbound``). A slot is bound once backward has given it a
+        dense gradient (``_gs_dense``), and never after a sparse one: bound to a dense view, a
+        sparse gradient would be accumulated into it and lose its layout."""
+        dense = self._gs_dense
+        bound = [(self._gs_slot_param[slot], self._gs_slot_view[slot]) for slot in sorted(dense)]
+        ids = {id(p) for p, _ in bound}
+        self._gs_bound = bound
+        self._gs_unbound = [p for g in self.param_groups for p in g["params"]
+                            if id(p) not in ids]
+        self._gs_bind_stale = False
 
     def _gs_supersede(self) -> None:
         """Called when a newer DistributedOptimizer hooks one of our parameters."""
@@ -193,6 +216,9 @@ class _DistributedOptimizer:
         """Puts a gradient into its view of its bucket (zeros for a missing one)."""
         view = self._gs_slot_view[slot]
         if grad is view:  # backward accumulated straight into the bucket
+            if slot not in self._gs_dense and slot not in self._gs_sparse_ever:
+                self._gs_dense.add(slot)
+                self._gs_bind_stale = True
             return
         if grad is None:
             view.zero_()
@@ -203,6 +229,10 @@ class _DistributedOptimizer:
                 raise NotImplementedError(
                     f"'{self._gs_slot_name[slot]}' has a {grad.layout} gradient; "
                     "DistributedOptimizer reduces dense and sparse COO gradients")
+            self._gs_sparse_ever.add(slot)
+            if slot in self._gs_dense:
+                self._gs_dense.discard(slot)
+                self._gs_bind_stale = True
             if not self.sparse_as_dense:
                 # As Horovod: indices and values are allgathered (grouped.py), beside the
                 # bucket, whose view of this parameter reduces zeros.
@@ -212,6 +242,9 @@ class _DistributedOptimizer:
                 return
             self._gs_sparse[slot] = grad.sparse_dim()
             grad = grad.to_dense()
+        elif slot not in self._gs_dense and slot not in self._gs_sparse_ever:
+            self._gs_dense.add(slot)  # from the next zero_grad() on, backward writes the view
+            self._gs_bind_stale = True
         view.copy_(grad)
 
     def _gs_launch_ready(self) -> None:
@@ -350,13 +383,37 @@ class _DistributedOptimizer:
 
         return synchronized_closure
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Clears the gradients for the next round.
+
+        Args:
+            set_to_none: None (default): every gradient that a bucket reduces becomes its
+                view of the bucket, zeroed in place (one ``zero_`` per bucket), so that
+                backward accumulates straight into the fusion buffers and nothing is staged
+                (DDP's ``gradient_as_bucket_view``); ``p.grad`` is then a zero tensor, not
+                None. That holds from the first round in which backward gave the parameter a
+                dense gradient on; the others (not yet computed, sparse, frozen, every
+                parameter in a one-rank job) are set to None as by ``torch.optim``. True: every
+                gradient becomes None (``torch.optim``'s default; backward then allocates new
+                gradients and the hooks copy them into the buckets). False: zeroed in place.
+        """
         if self._gs_round_open:
             raise RuntimeError(
                 "optimizer.zero_grad() was called after backward() but before step() or "
                 "synchronize(): this round's gradients are being reduced across ranks. Call "
                 "step() (or synchronize()) first")
-        super().zero_grad(set_to_none)
+        if set_to_none is not None or not self._gs_buckets:
+            super().zero_grad(True if set_to_none is None else set_to_none)
+            return
+        if self._gs_bind_stale:
+            self._gs_rebind()
+        for bucket in self._gs_buckets:
+            bucket.buffer.zero_()
+        for param, view in self._gs_bound:
+            if param.grad is not view:
+                param.grad = view
+        for param in self._gs_unbound:
+            param.grad = None
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads the wrapped optimizer's state; a round in progress is finished and dropped."""

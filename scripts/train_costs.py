@@ -1,0 +1,103 @@
+"""What a training step pays for synchronising, separated (issue 12, docs/benchmarks.md).
+
+Run as ``gradsync run -np 2 python3 scripts/train_costs.py``. The MLP of ``gradsync bench
+train`` (batch 32, SGD with momentum, one thread per rank), five modes taking turns over 5
+windows of 10 steps, each window timed on the slowest rank:
+
+- ``local``: no communication;
+- ``barrier``: a barrier after each step (the cost of synchronising alone);
+- ``tiny``: a 4-byte allreduce after each step;
+- ``inline``: the gradients are views of one flat buffer, allreduced (Average) on the caller
+  thread right after backward (``gs.allreduce_``: no negotiation thread);
+- ``controller``: ``gradsync.torch.DistributedOptimizer`` (its negotiation thread).
+
+Prints each mode's step time and its rate over ``local``.
+"""
+
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import gradsync as gs
+import gradsync.torch as hvd
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                         nn.Linear(1024, 10))
+
+
+def main() -> None:
+    hvd.init()
+    torch.set_num_threads(1)
+    rank = hvd.rank()
+    gen = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(32, 1024, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+    m1 = model()
+    o1 = torch.optim.SGD(m1.parameters(), lr=0.01, momentum=0.9)
+    m2 = model()
+    o2 = torch.optim.SGD(m2.parameters(), lr=0.01, momentum=0.9)
+    flat = torch.zeros(sum(p.numel() for p in m2.parameters()))
+    offset = 0
+    for p in m2.parameters():
+        p.grad = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    m3 = model()
+    o3 = hvd.DistributedOptimizer(torch.optim.SGD(m3.parameters(), lr=0.01, momentum=0.9),
+                                  named_parameters=m3.named_parameters())
+    small = torch.zeros(1)
+
+    def local():
+        o1.zero_grad()
+        F.cross_entropy(m1(x), y).backward()
+        o1.step()
+
+    def barrier():
+        local()
+        gs.barrier()
+
+    def tiny():
+        local()
+        gs.allreduce_(small, name="tiny")
+
+    def inline():
+        flat.zero_()
+        F.cross_entropy(m2(x), y).backward()
+        gs.allreduce_(flat, op=gs.Average, name="flat")
+        o2.step()
+
+    def controller():
+        o3.zero_grad()
+        F.cross_entropy(m3(x), y).backward()
+        o3.step()
+
+    modes = {"local": local, "barrier": barrier, "tiny": tiny, "inline": inline,
+             "controller": controller}
+    for step in modes.values():
+        for _ in range(3):
+            step()
+    times: dict[str, list[float]] = {k: [] for k in modes}
+    for _ in range(5):
+        for name, step in modes.items():
+            gs.barrier()
+            start = time.perf_counter()
+            for _ in range(10):
+                step()
+            times[name].append(time.perf_counter() - start)
+    slowest = {k: gs.allreduce(np.array(v), op=gs.Max, name=f"costs.{k}") for k, v in times.items()}
+    if rank == 0:
+        base = statistics.median(slowest["local"].tolist())
+        for name, windows in slowest.items():
+            med = statistics.median(windows.tolist())
+            print(f"{name:11s} step {med / 10 * 1e3:7.2f} ms (slowest rank)  "
+                  f"rate/local {base / med:5.2f}")
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
