@@ -19,6 +19,7 @@ def bench(*args: str) -> subprocess.CompletedProcess:
     return harness.bench("ps", *args, timeout=TIMEOUT)
 
 
+@pytest.mark.slow  # over 15 s on 2 cores: the slow tier (docs/testing.md)
 def test_throughput_table_beside_grpc_is_verified(tmp_path):
     rows_file = tmp_path / "rows.json"
     result = bench("-np", "2", "--servers", "1", "--sizes", "1K:64K", "--factor", "64",
@@ -48,6 +49,7 @@ def test_throughput_table_beside_grpc_is_verified(tmp_path):
         assert r["speedup"] == pytest.approx(r["grpc"]["time_us"] / r["gradsync"]["time_us"])
 
 
+@pytest.mark.slow  # over 15 s on 2 cores: the slow tier (docs/testing.md)
 def test_straggler_reports_every_mode(tmp_path):
     rows_file = tmp_path / "rows.json"
     result = bench("--straggler", "-np", "2", "--servers", "1", "--hidden", "32",

@@ -31,6 +31,7 @@ def test_two_ranks_reach_97_percent():
     assert float(epochs[-1][1]) < float(epochs[0][1]), result  # the loss went down
 
 
+@pytest.mark.slow  # over 15 s on 2 cores: the slow tier (docs/testing.md)
 def test_three_ranks_with_fp16_compression_and_bf16_autocast():
     result = launch(3, EXAMPLE, "--compression", "fp16", "--amp", timeout=180)
     assert result.returncode == 0, result

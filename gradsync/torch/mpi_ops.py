@@ -36,6 +36,7 @@ reducescatter, the input's dtype with the gathered or scattered first dimension)
 from __future__ import annotations
 
 import atexit
+import sys
 import warnings
 from typing import Callable, Sequence
 
@@ -44,7 +45,7 @@ import torch
 from .. import api as gs
 from ..collectives.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from ..engine import Handle
-from ..errors import GradsyncError
+from ..errors import GradsyncError, PeerLostError
 from . import process_sets as _psets
 from . import requests as _requests
 from .compression import Compression, Compressor
@@ -101,7 +102,21 @@ def init(comm=None, process_sets=None, **settings) -> None:
     config = gs._w().config
     if config.timeline:
         start_timeline(config.timeline, config.timeline_mark_cycles)
-    atexit.register(shutdown)
+    atexit.register(_shutdown_at_exit)
+
+
+def _shutdown_at_exit() -> None:
+    """``shutdown`` when the interpreter exits. A script ended by an unhandled exception
+    (Python keeps it in ``sys.last_value``) leaves while the other ranks go on: they would
+    never ask to stop, so its process sets are abandoned, and the other members get a
+    ``PeerLostError`` naming this rank (in elastic mode, a lost worker)."""
+    error = getattr(sys, "last_value", None)
+    if error is not None and not isinstance(error, (SystemExit, KeyboardInterrupt)) \
+            and gs.is_initialized():
+        me = gs.rank()
+        _psets.stop(abandon=PeerLostError(
+            f"rank {me} left the job on an unhandled {type(error).__name__}", peer=me))
+    shutdown()
 
 
 def _reform() -> None:
@@ -112,7 +127,9 @@ def _reform() -> None:
     from ..elastic import worker
 
     started = bool(_psets.all_controllers())
-    timeline = _psets.stop(abandon=True)
+    timeline = _psets.stop(abandon=GradsyncError(
+        "the elastic job re-forms after a lost rank; operations of the previous generation "
+        "do not run"))
     worker.reset()
     if started:
         _requests.reset_names()

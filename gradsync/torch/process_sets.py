@@ -138,14 +138,16 @@ def start(process_sets: Sequence[ProcessSet] | None = None, timeline=None) -> No
         add_process_set(ps)
 
 
-def stop(abandon: bool = False):
+def stop(abandon: "GradsyncError | None" = None):
     """Stops every controller and closes the sets' Worlds (from ``shutdown``).
 
-    ``abandon`` is for an elastic reset: the generation has lost a rank, so the controllers
-    cannot agree to stop (the stop is itself a negotiation); each set's World is failed
-    instead, which ends its controller and every operation still waiting in it, and the sets
-    other than the global one are invalidated (a new generation has new ranks: add them again,
-    as in Horovod). Returns the timeline, left open for the next generation, if abandoning.
+    The stop is itself negotiated: it ends once every member has asked. ``abandon`` is for
+    when that cannot happen: an elastic reset (the generation lost a rank) or a script leaving
+    on an unhandled exception while the others go on. Each set's World is then failed with
+    ``abandon`` (what the other members raise), which ends its controller and every operation
+    still waiting in it. Sets other than the global one are invalidated (a new generation has
+    new ranks: add them again, as in Horovod). Returns the timeline, left open for the next
+    generation, if abandoning.
     """
     global _reg
     reg, _reg = _reg, None
@@ -154,10 +156,8 @@ def stop(abandon: bool = False):
     for pid in sorted(reg.controllers, reverse=True):
         ctl = reg.controllers[pid]
         try:
-            if abandon:
-                ctl.world.fail(GradsyncError(
-                    f"{ctl.label}: the elastic job re-forms after a lost rank; operations of "
-                    "the previous generation do not run"))
+            if abandon is not None:
+                ctl.world.fail(abandon)
                 ctl.stop(timeout=_ABANDON_JOIN_S)
             elif ctl.world.failure is None:
                 ctl.stop()
@@ -166,7 +166,7 @@ def stop(abandon: bool = False):
     for pid, ps in reg.sets.items():
         if pid:
             ps._invalidate()
-    if abandon:
+    if abandon is not None:
         return reg.timeline
     if reg.timeline is not None:
         reg.timeline.close()
