@@ -81,15 +81,7 @@ class Engine:
         if not inline:
             return self.submit(fn, name).wait()
         try:
-            if self.world.failure is not None:  # _execute, inlined on this hot path
-                raise self.world.failure
-            try:
-                return fn()
-            except GradsyncError as exc:
-                error = self.world.fail(exc)
-                if error is exc:
-                    raise
-                raise error from exc
+            return self._execute(fn)
         finally:
             with self._cv:
                 self._busy = False
