@@ -16,8 +16,11 @@ synchronous ``dist.all_reduce`` would pass silently.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import threading
+import time
+import weakref
 from datetime import timedelta
 from typing import Callable
 
@@ -156,6 +159,7 @@ class Lane:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
                 self._thread.start()
+                _running.add(self)
             self._cv.notify()
         return work
 
@@ -224,3 +228,23 @@ class Lane:
             work._finish(to_backend_error(reason, work.what))
         if wait and self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
+
+
+# Lanes whose thread has started. At the interpreter's exit a daemon thread still inside torch's
+# C++ (completing a future whose waiter has already returned, as DDP's backward does when its
+# allreduce fails) is killed mid-frame and the process aborts ("terminate called without an
+# active exception", exit -6, instead of the script's own status). So the lanes are closed and
+# their threads given a moment to leave first.
+_running: "weakref.WeakSet[Lane]" = weakref.WeakSet()
+_EXIT_GRACE_S = 2.0
+
+
+@atexit.register
+def _close_lanes_at_exit() -> None:
+    lanes = list(_running)
+    reason = BackendError("the process is exiting")
+    for lane in lanes:
+        lane.close(reason, wait=False)
+    deadline = time.monotonic() + _EXIT_GRACE_S
+    for lane in lanes:
+        lane.join(max(0.0, deadline - time.monotonic()))
