@@ -42,7 +42,8 @@ class Config:
 
     timeout: float = 300.0
     """Seconds a collective may wait on live peers before raising GradsyncTimeoutError.
-    A peer that dies is detected much sooner (closed socket, vanished process)."""
+    A peer that dies is detected much sooner (closed socket, vanished process). A Horovod-API
+    operation that some ranks never issue fails after as long, with CollectiveMismatchError."""
 
     connect_timeout: float = 60.0
     """Seconds ``init()`` waits for every rank to join and connect."""
@@ -73,7 +74,8 @@ class Config:
     """Bytes of small tensors packed into one fusion buffer (Horovod's HOROVOD_FUSION_THRESHOLD)."""
 
     stall_warning: float = 60.0
-    """Seconds a collective may wait before a warning names it (are all ranks issuing it?)."""
+    """Seconds a collective (or a Horovod-API operation that not every rank has issued yet)
+    may wait before a warning names it (are all ranks issuing it?)."""
 
     abort_poll_interval: float = 0.1
     """Seconds between checks of the job's abort flag while a rank waits."""

@@ -29,13 +29,16 @@ __all__ = ["Engine", "Handle"]
 class Handle:
     """An operation in flight; ``synchronize(handle)`` returns its result."""
 
-    __slots__ = ("name", "_done", "_result", "_error")
+    __slots__ = ("name", "_done", "_result", "_error", "on_synchronized")
 
     def __init__(self, name: str):
         self.name = name
         self._done = threading.Event()
         self._result = None
         self._error: BaseException | None = None
+        self.on_synchronized: Callable[[], None] | None = None
+        """Called once, by the first ``wait`` that returns or raises the outcome (the
+        negotiation frees the operation's name then)."""
 
     def poll(self) -> bool:
         return self._done.is_set()
@@ -43,6 +46,9 @@ class Handle:
     def wait(self, timeout: float | None = None):
         if not self._done.wait(timeout):
             raise TimeoutError(f"operation '{self.name}' still in flight")
+        release, self.on_synchronized = self.on_synchronized, None
+        if release is not None:
+            release()
         if self._error is not None:
             raise self._error
         return self._result

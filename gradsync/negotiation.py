@@ -24,8 +24,14 @@ Errors. When an operation is ready, every rank compares the signatures it holds 
 same on every rank, so every rank reaches the same verdict). If they disagree (shape, dtype,
 op, root, scale factors; for allgather and alltoall everything but the first dimension), the
 operation does not run: every rank's handle raises ``CollectiveMismatchError`` (a
-RuntimeError) naming what each rank issued, and the World stays usable. A second request with
-the name of one still in flight on this rank raises ValueError at once.
+RuntimeError) naming what each rank issued, and the World stays usable. A name is in use on a
+rank from the request until its handle is synchronized (its first ``wait``); a second request
+with a name in use raises ValueError at once. Horovod frees the name when the operation
+completes instead, which makes the outcome of reusing it a race: a rank whose peers had
+announced the operation long before may see it complete before its own next call, and then
+issues an operation the others never will (Horovod's own duplicate-name tests depend on
+that race, and on this machine lost it, then hung in the next barrier). A handle dropped
+without being synchronized keeps its name until shutdown, as Horovod keeps its output.
 
 Join. A rank that runs out of data announces ``join``. From then on an operation is ready once
 every rank that has not joined announced it; the joined rank runs a zero allreduce in its own
@@ -55,6 +61,14 @@ request wakes it at once, and the other ranks' loops are woken by their own requ
 with operations in flight that are not ready yet (it waits for a slower rank, or it has
 joined) cycles after 1 ms, doubling up to ``_MAX_IDLE`` (20 ms).
 
+Stalls. An operation that some ranks issued and others never do would wait for ever: the
+cycles go on, so no transport deadline fires. Rank 0 of the World keeps the time each name
+first appeared (``join`` excepted: a joined rank may wait hours for the others); after ``stall_warning`` seconds it logs the operation and the ranks it waits
+for (Horovod's stall inspector), and after ``timeout`` seconds (``GRADSYNC_TIMEOUT``, the
+collective deadline) it announces the name as expired. Every rank drops it in that same cycle,
+and the ranks that issued it get ``CollectiveMismatchError`` naming the ranks that did not, so
+a rank whose script diverged ends in an error, not a hang, and the others can go on.
+
 Shutdown. ``stop()`` asks for it in the next announcement; the loop ends in the first cycle in
 which every rank has asked, so no rank leaves a cycle the others are still in. Operations still
 in flight then fail with RuntimeError.
@@ -66,6 +80,7 @@ import collections
 import logging
 import pickle
 import threading
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -233,8 +248,11 @@ class Controller:
         self.stats = collections.Counter()
         self._cv = threading.Condition()
         self._new: list[Request] = []
-        self._mine: dict[str, Request] = {}
+        self._mine: dict[str, Request] = {}  # in flight
+        self._unsynchronized: set[str] = set()  # done, handle not synchronized yet
         self._table: dict[str, tuple[int, dict[int, tuple]]] = {}
+        self._since: dict[str, float] = {}  # rank 0: when each name in the table first appeared
+        self._warned: set[str] = set()
         self._order = 0
         self._joined: list[int] = []  # ranks that announced join, in agreed order
         self._stop_requested = False
@@ -255,12 +273,14 @@ class Controller:
         with self._cv:
             if self._closed is not None:
                 raise self._closed
-            if request.name in self._mine:
+            if request.name in self._mine or request.name in self._unsynchronized:
+                state = "in flight" if request.name in self._mine else "done but not synchronized"
                 raise ValueError(
-                    f"an operation named '{request.name}' is already in flight on rank "
+                    f"an operation named '{request.name}' is {state} on rank "
                     f"{self.ranks[self.world.rank]} ({self.label}); synchronize it before "
                     "issuing another with the same name, or give this one another name")
             self._mine[request.name] = request
+            request.handle.on_synchronized = lambda: self._synchronized(request.name)
             self._new.append(request)
             tl = self.timeline
             if tl is not None:
@@ -302,12 +322,14 @@ class Controller:
                     new, self._new = self._new, []
                     stop = self._stop_requested
                 if self.world.size == 1:
-                    payloads = [(stop, 0, [(q.name, q.sig) for q in new])]
+                    payloads = [(stop, 0, [(q.name, q.sig) for q in new], ())]
                 else:
-                    payloads = self._exchange(new, stop)
+                    payloads = self._exchange(new, stop, self._stalled())
                 if all(p[0] for p in payloads):
                     break
                 ready, announced = self._absorb(payloads)
+                for name, by_rank in self._expire(payloads[0][3]):
+                    self._finish_expired(name, by_rank)
                 self.stats["cycles"] += 1
                 if ready or announced:
                     tl = self.timeline
@@ -327,7 +349,7 @@ class Controller:
                     pass
             self._close(exc)
 
-    def _exchange(self, new: list[Request], stop: bool) -> list[tuple]:
+    def _exchange(self, new: list[Request], stop: bool, expire: tuple) -> list[tuple]:
         mask, full = 0, []
         for q in new:
             bit = self.cache.bit(q.name, q.sig)
@@ -337,7 +359,7 @@ class Controller:
                 mask |= 1 << bit
         self.stats["cached"] += len(new) - len(full)
         self.stats["full"] += len(full)
-        data = pickle.dumps((stop, mask, full), protocol=5)
+        data = pickle.dumps((stop, mask, full, expire), protocol=5)
         # One round in the common case: every rank sends a block of _SLOT bytes (its length,
         # then its announcement if it fits: a step of cached bits does). Only when some
         # rank's does not fit (every rank sees its length) is there a second, sized round.
@@ -366,7 +388,7 @@ class Controller:
         size, touched, announced = self.world.size, [], False
         joined_before = len(self._joined)
         tl, me = self.timeline, self.world.rank
-        for r, (_, mask, full) in enumerate(payloads):
+        for r, (_, mask, full, _) in enumerate(payloads):
             for name, sig in [self.cache.entry(b) for b in _bits_of(mask)] + full:
                 announced = True
                 if tl is not None and r != me and name in self._mine:
@@ -377,6 +399,8 @@ class Controller:
                 if entry is None:
                     entry = self._table[name] = (self._order, {})
                     self._order += 1
+                    if me == 0 and name != JOIN:  # a joined rank may wait for hours
+                        self._since[name] = time.monotonic()
                 entry[1][r] = sig
                 touched.append(name)
         if len(self._joined) != joined_before:
@@ -386,7 +410,62 @@ class Controller:
                         if n in self._table and (
                             len(self._table[n][1]) == size if n == JOIN else
                             len(set(self._table[n][1]) - set(self._joined)) == active)})
+        for _, n in ready:
+            self._since.pop(n, None)
         return [(n, self._table.pop(n)[1]) for _, n in ready], announced
+
+    # ------------------------------------------------------------------ stalls
+    def _stalled(self) -> tuple:
+        """Rank 0: warns about names waiting past ``stall_warning``; returns those past
+        ``timeout``, to be announced as expired."""
+        if self.world.rank != 0 or not self._since:
+            return ()
+        now, config = time.monotonic(), self.world.config
+        expired = []
+        for name, since in self._since.items():
+            waited = now - since
+            if waited > config.timeout:
+                expired.append(name)
+            elif waited > config.stall_warning and name not in self._warned:
+                self._warned.add(name)
+                issued, missing = self._who(name)
+                log.warning("gradsync (%s): operation '%s' has waited %.0fs: issued by ranks "
+                            "%s, not yet by ranks %s; it fails after %.0fs (GRADSYNC_TIMEOUT)",
+                            self.label, name, waited, issued, missing, config.timeout)
+        return tuple(expired)
+
+    def _who(self, name: str) -> tuple[list[int], list[int]]:
+        """The global ranks that announced ``name`` and those it still waits for."""
+        by_rank = self._table[name][1]
+        issued = sorted(self.ranks[r] for r in by_rank)
+        missing = sorted(self.ranks[r] for r in range(self.world.size)
+                         if r not in by_rank and r not in self._joined)
+        return issued, missing
+
+    def _expire(self, names) -> list[tuple[str, dict]]:
+        """Drops the names rank 0 announced as expired (the same cycle on every rank)."""
+        dropped = []
+        for name in names:
+            if name in self._table:
+                dropped.append((name, self._who(name)))
+                self._table.pop(name)
+            self._since.pop(name, None)
+            self._warned.discard(name)
+        return dropped
+
+    def _finish_expired(self, name: str, who: tuple[list[int], list[int]]) -> None:
+        with self._cv:
+            request = self._mine.get(name)
+        if request is None:
+            return
+        if self.timeline is not None:
+            self.timeline.end(name)
+        issued, missing = who
+        self.stats["expired"] += 1
+        self._finish(request, error=CollectiveMismatchError(
+            f"operation '{name}' was issued by ranks {issued} ({self.label}) but not by ranks "
+            f"{missing} within {self.world.config.timeout:.0f}s (GRADSYNC_TIMEOUT), so it did "
+            "not run; the ranks can go on with other operations"))
 
     def _run_ready(self, ready: list[tuple[str, dict]]) -> None:
         runnable: list[Request] = []
@@ -545,14 +624,21 @@ class Controller:
         if request.joined:
             return
         with self._cv:
-            self._mine.pop(request.name, None)
+            if self._mine.pop(request.name, None) is not None and \
+                    request.handle.on_synchronized is not None:
+                self._unsynchronized.add(request.name)
         request.handle._finish(result=result, error=error)
+
+    def _synchronized(self, name: str) -> None:
+        with self._cv:
+            self._unsynchronized.discard(name)
 
     def _close(self, error: BaseException) -> None:
         with self._cv:
             self._closed = error
             pending = list(self._mine.values())
             self._mine.clear()
+            self._unsynchronized.clear()
             self._new.clear()
         for q in pending:
             q.handle._finish(error=error)

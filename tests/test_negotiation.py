@@ -22,6 +22,16 @@ def test_negotiated_execution(np_):
 
 
 @pytest.mark.multiprocess
+def test_an_operation_some_ranks_never_issue_fails_after_the_timeout_not_hangs(tmp_path):
+    result = launch(3, "negotiation_stall.py", str(tmp_path), timeout=90,
+                    env={"GRADSYNC_TIMEOUT": "4", "GRADSYNC_STALL_WARNING": "1"})
+    assert result.returncode == 0, result
+    assert result.output.count("ok stall ") == 3, result.output[-3000:]
+    assert "operation 'allreduce.orphan' has waited" in result.output, result.output[-3000:]
+    assert "not yet by ranks [2]" in result.output, result.output[-3000:]
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("np_,transport", [(3, "tcp"), (4, "auto")])
 def test_process_sets(np_, transport):
     result = launch(np_, "process_sets.py", timeout=120, env={"GRADSYNC_TRANSPORT": transport})

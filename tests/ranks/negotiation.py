@@ -76,6 +76,25 @@ with ctl._cv:  # holds the cycle off, so the first one is certainly still in fli
 assert (hvd.synchronize(first) == 1).all()
 assert hvd.synchronize(other_kind).shape == (N, 2)
 hvd.synchronize(hvd.allreduce_async(torch.ones(3), name="dup"))  # free again once done
+# The name stays in use until the handle is synchronized, not merely until the operation is
+# done. Horovod's duplicate-name tests: rank 0 issues the op before a barrier, the others after
+# it, so theirs is ready as soon as announced and may finish before their second call; had the
+# second call been accepted, they would have issued an operation rank 0 never does.
+if R == 0:
+    late = hvd.allreduce_async(torch.ones(3), name="late", op=hvd.Sum)
+hvd.barrier()
+if R != 0:
+    late = hvd.allreduce_async(torch.ones(3), name="late", op=hvd.Sum)
+while not hvd.poll(late):
+    pass
+try:
+    hvd.allreduce_async(torch.ones(3), name="late", op=hvd.Sum)
+except ValueError as exc:
+    assert "done but not synchronized" in str(exc), exc
+else:
+    raise AssertionError("the name of a done, unsynchronized operation was reused")
+assert (hvd.synchronize(late) == N).all()
+assert (hvd.allreduce(torch.ones(3), name="late", op=hvd.Sum) == N).all()  # free again
 ok("duplicate")
 
 # 5. Unnamed operations match per kind, whatever the order of kinds on each rank.

@@ -19,9 +19,11 @@ trampoline. Arguments are checked on the caller's thread (a bad argument raises 
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import secrets
 import threading
+import weakref
 from datetime import timedelta
 
 import numpy as np
@@ -36,7 +38,7 @@ from ...rendezvous import Store
 from .errors import BackendError, to_backend_error
 from .p2p import PointToPoint, clone_store
 from .tensors import as_bytes, contiguous, fold, reduction_of, typed
-from .work import Lane, Work
+from .work import Lane, Work, close_lanes
 
 __all__ = ["ProcessGroupGradsync", "create"]
 
@@ -104,6 +106,8 @@ class ProcessGroupGradsync(dist.ProcessGroup):
                 from exc
         self._lane = Lane(f"gradsync-pg{group_id}", self._failed)
         self._p2p = PointToPoint(self.world)
+        self._closed = False
+        _live.add(self)
 
     # ------------------------------------------------------------------ identity
     def getBackendName(self) -> str:
@@ -424,6 +428,9 @@ class ProcessGroupGradsync(dist.ProcessGroup):
     # ------------------------------------------------------------------ life cycle
     def shutdown(self) -> None:
         """Finishes what is queued, then closes the group's connections."""
+        if self._closed:
+            return  # aborted (or shut down) already
+        self._closed = True
         self._lane.close(BackendError("the process group has been shut down"))
         # Sends and receives still waiting for a partner are not waited for: an unmatched
         # irecv would otherwise hold shutdown until the group's timeout.
@@ -432,9 +439,41 @@ class ProcessGroupGradsync(dist.ProcessGroup):
 
     def abort(self) -> None:
         """Fails what is queued and closes the connections at once."""
+        if self._closed:
+            return
+        self._closed = True
         self._lane.close(BackendError("the process group was aborted"), wait=False)
         self._p2p.close(wait=False)
         self.world.close()
+
+
+_live: "weakref.WeakSet[ProcessGroupGradsync]" = weakref.WeakSet()
+_EXIT_GRACE_S = 2.0
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """Lets go of the backend while the interpreter still runs.
+
+    A script that ends without ``destroy_process_group()`` (most do, and every one that ends on
+    an exception) leaves its groups registered in torch's C++ (the group registry of the
+    functional collectives is a static map). Those are destroyed after the interpreter is gone,
+    and releasing a Python backend then needs a GIL that no longer exists: the process aborts
+    ("terminate called without an active exception", status -6) instead of exiting with the
+    script's status (pytorch/pytorch#190489). So at exit, after the user's own exit handlers:
+    close the lanes, abort this backend's groups (what is still queued fails; nothing waits),
+    then destroy the process groups."""
+    close_lanes(_EXIT_GRACE_S)
+    groups = list(_live)
+    if not groups:
+        return
+    try:
+        for group in groups:  # at once: a lane stuck in a collective must not hold the exit
+            group.abort()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - exiting; nothing left to report to
+        pass
 
 
 def _splits(t: torch.Tensor, sizes, n: int, which: str) -> list[int]:

@@ -16,7 +16,6 @@ synchronous ``dist.all_reduce`` would pass silently.
 
 from __future__ import annotations
 
-import atexit
 import collections
 import threading
 import time
@@ -230,21 +229,21 @@ class Lane:
             self._thread.join()
 
 
-# Lanes whose thread has started. At the interpreter's exit a daemon thread still inside torch's
-# C++ (completing a future whose waiter has already returned, as DDP's backward does when its
-# allreduce fails) is killed mid-frame and the process aborts ("terminate called without an
-# active exception", exit -6, instead of the script's own status). So the lanes are closed and
-# their threads given a moment to leave first.
+
+# Lanes whose thread has started (see ``close_lanes``).
 _running: "weakref.WeakSet[Lane]" = weakref.WeakSet()
-_EXIT_GRACE_S = 2.0
 
 
-@atexit.register
-def _close_lanes_at_exit() -> None:
+def close_lanes(grace: float) -> None:
+    """Closes every lane (what is queued fails) and gives their threads ``grace`` seconds in
+    all to leave. At the interpreter's exit a daemon thread still inside torch's C++
+    (completing a future whose waiter has already returned, as DDP's backward does when its
+    allreduce fails) is killed mid-frame and the process aborts. Called at exit
+    (``group._release_at_exit``)."""
     lanes = list(_running)
     reason = BackendError("the process is exiting")
     for lane in lanes:
         lane.close(reason, wait=False)
-    deadline = time.monotonic() + _EXIT_GRACE_S
+    deadline = time.monotonic() + grace
     for lane in lanes:
         lane.join(max(0.0, deadline - time.monotonic()))
