@@ -11,6 +11,12 @@ alike), the measured step rank 0's total with the wait for the allreduces (``syn
 so that the prediction is of the communication the step exposes, in the very steps it is
 compared with (this machine is shared, and its load moves between windows). Needs root
 (``ip netns``); about a minute per cluster.
+
+``compute_jitter`` measures the other input the step model takes from a machine: the
+coefficient of variation of one rank's compute time per step (``jitter_cv``, see
+``straggle.py``). It times forward + backward + update of the bench models in this process,
+one thread, as the bench's ranks run, and reports mean, standard deviation, their ratio and
+the tail. ``python3 -m gradsync.simulate.measure --jitter`` prints it (no root).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from dataclasses import dataclass
 from .cluster import load
 from .step import Model, simulate
 
-__all__ = ["EMULATED", "Emulation", "measure", "measured_rows"]
+__all__ = ["EMULATED", "Emulation", "measure", "measured_rows", "compute_jitter"]
 
 
 @dataclass(frozen=True)
@@ -85,3 +91,61 @@ def measured_rows() -> list[dict]:
     return [row for e in EMULATED for row in measure(e)]
 
 
+def compute_jitter(model: str = "cnn", steps: int = 300, warmup: int = 20,
+                   batch_size: int = 32) -> dict:
+    """Per-step compute time of one bench rank (forward + backward + SGD update, one thread)
+    over ``steps`` steps after ``warmup``: mean, standard deviation, coefficient of variation
+    (``cv``), median, 99th percentile and max, in ms, twice: ``wall`` (elapsed time, which on a
+    shared machine includes the time the scheduler gives other processes) and ``cpu`` (this
+    process's CPU time: the variation of the work itself on a core it has to itself)."""
+    import time
+
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from ..bench.train import build_model
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    net, shape = build_model(model)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(batch_size, *shape)
+    y = torch.randint(0, 10, (batch_size,))
+    wall, cpu = [], []
+    for i in range(warmup + steps):
+        t0, c0 = time.perf_counter(), time.process_time()
+        opt.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+        if i >= warmup:
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+    row = {"model": model, "steps": steps, "batch_size": batch_size,
+           "load_average": os.getloadavg()[0]}
+    for name, samples in (("wall", wall), ("cpu", cpu)):
+        t = np.array(samples) * 1e3
+        row[name] = {"mean_ms": float(t.mean()), "std_ms": float(t.std(ddof=1)),
+                     "cv": float(t.std(ddof=1) / t.mean()), "median_ms": float(np.median(t)),
+                     "p99_ms": float(np.percentile(t, 99)), "max_ms": float(t.max())}
+    return row
+
+
+def main(argv: "list[str] | None" = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python3 -m gradsync.simulate.measure",
+                                description="This machine's per-step compute jitter (--jitter) "
+                                            "or the measured-here validation points (root).")
+    p.add_argument("--jitter", action="store_true", help="time the bench models' compute steps")
+    p.add_argument("--steps", type=int, default=300)
+    args = p.parse_args(argv)
+    rows = [compute_jitter(m, args.steps) for m in ("cnn", "mlp")] if args.jitter else \
+        measured_rows()
+    for row in rows:
+        print(json.dumps(row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
