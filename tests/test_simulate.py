@@ -246,6 +246,7 @@ def test_command_line_table_json_and_validate(capsys):
     assert gradsync_main(argv + ["--json", "--algorithm", "ring"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert [r["algorithms"] for r in got] == [{"ring": 10}, {"ring": 10}]
+    assert got[1]["straggle_ms"] == pytest.approx(180 * 0.003 * expected_max(27360))
     assert gradsync_main(["simulate", "--validate"]) == 0
     out = capsys.readouterr().out
     assert all(p.name in out for p in PUBLISHED)
@@ -294,6 +295,8 @@ def test_expected_max_of_normals_in_closed_form():
     assert expected_max(1) == 0.0
     assert expected_max(2) == pytest.approx(1 / math.sqrt(math.pi), abs=1e-9)
     assert expected_max(3) == pytest.approx(3 / (2 * math.sqrt(math.pi)), abs=1e-9)
+    # Tabulated expected normal order statistics (Harter 1961): 5, 10 and 100 ranks.
+    assert [round(expected_max(n), 5) for n in (5, 10, 100)] == [1.16296, 1.53875, 2.50759]
     with pytest.raises(ValueError, match="at least 1 rank"):
         expected_max(0)
 
