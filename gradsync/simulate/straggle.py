@@ -35,6 +35,11 @@ node first, then across nodes), the last bucket cannot be reduced before the slo
 anywhere has produced it, so every rank waits for the maximum over all N; grouping ranks
 changes who waits where, not how long the step is.
 
+``c`` is the part of a rank's variation that is its own. Variation common to all ranks
+(the machine's load, a file system that stalls everyone) moves every rank together and makes
+nobody wait; counted into ``c``, it overestimates the wait (``measure.straggler_check``
+shows by how much on this machine).
+
 What the model leaves out: it stretches a rank's whole forward and backward by the same
 draw (gradient readiness follows the slowest rank), draws are independent across ranks and
 steps (a persistently slow GPU is a fixed straggler, whose cost is its slowdown, not c e_N),
