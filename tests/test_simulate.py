@@ -12,6 +12,7 @@ import math
 import string
 import time
 
+import numpy as np
 import pytest
 
 from gradsync.collectives.costs import RankFabric, allreduce_time
@@ -21,7 +22,8 @@ from gradsync.errors import ConfigError
 from gradsync.run.cli import main as gradsync_main
 from gradsync.simulate import cluster as cluster_file
 from gradsync.simulate.fabric import TierFabric
-from gradsync.simulate.step import Model, _timeline, parse_model, simulate
+from gradsync.simulate.step import Model, _allreduces, _timeline, parse_model, simulate
+from gradsync.simulate.straggle import blom, expected_max, straggler_factor
 from gradsync.simulate.validate import PUBLISHED, predict
 from gradsync.topology import Topology
 
@@ -145,10 +147,11 @@ def test_one_gpu_is_pure_compute_and_more_gpus_cost_more():
 
 
 @pytest.mark.parametrize("algorithm,expected", [
-    # docs/simulate.md, "The Summit scaling plot": efficiency and step ms at 6, 96, 1,536 GPUs.
-    ("auto", [(0.997, 180.6), (0.991, 181.7), (0.980, 183.7)]),
-    ("ring", [(0.997, 180.6), (0.991, 181.7), (0.925, 194.5)]),
-    ("halving_doubling", [(0.994, 181.1), (0.566, 318.1), (0.555, 324.4)]),
+    # docs/simulate.md, "The Summit scaling plot": efficiency and step ms at 6, 96, 1,536 GPUs
+    # (summit.json's jitter_cv 0.003 included).
+    ("auto", [(0.993, 181.2), (0.983, 183.1), (0.970, 185.5)]),
+    ("ring", [(0.993, 181.2), (0.983, 183.1), (0.917, 196.2)]),
+    ("halving_doubling", [(0.990, 181.8), (0.565, 318.6), (0.554, 325.1)]),
 ])
 def test_the_summit_table_in_the_docs(algorithm, expected):
     c = cluster_file.load("summit")
@@ -167,13 +170,21 @@ def test_27360_ranks_without_simulating_each_rank():
     print(f"27,360 ranks, 5 algorithms: {time.perf_counter() - start:.2f} s")
 
 
+# Each published point without stragglers (jitter_cv 0), as before the term existed: the
+# straggler term must leave them bit for bit (docs/simulate.md, "Validation", before/after).
+NO_JITTER = {"Horovod Inception V3": 0.9511, "Horovod VGG-16": 0.7234, "DDL ResNet-50": 0.9514,
+             "Goyal et al. ResNet-50": 0.9270, "Kurth et al. DeepLabv3+ (FP32)": 0.9941}
+
+
 @pytest.mark.parametrize("point", PUBLISHED, ids=[p.name for p in PUBLISHED])
 def test_published_points(point):
     got = predict(point)
-    if point.name in ("Horovod Inception V3", "Kurth et al. DeepLabv3+ (FP32)"):
-        # Known gaps (docs/simulate.md, "Assumptions, and where the model is known to be
-        # wrong"; no constant tuned to close them): the model has no term for
-        # framework overheads, stragglers or I/O, so it is optimistic: 5.1 and 8.7 points.
+    assert round(predict(point, jitter=False), 4) == NO_JITTER[point.name]
+    assert got < predict(point, jitter=False)  # stragglers only ever cost
+    if point.name == "Kurth et al. DeepLabv3+ (FP32)":
+        # The known gap (docs/simulate.md, "Assumptions, and where the model is known to be
+        # wrong"; no constant tuned to close it): with the cited per-step jitter (0.3%) the
+        # model is still 7.5 points optimistic at 27,360 GPUs.
         assert point.observed < got < point.observed + 0.10, got
     else:
         assert abs(got - point.observed) <= 0.05, got
@@ -200,6 +211,10 @@ def test_shipped_cluster_files_load_and_cite_their_numbers():
     ({"ranks_per_node": 2, "tiers": [LOCAL, {**HOST, "bandwidth": "fast"}]},
      r"tiers\[1\].bandwidth: 'fast' is not a bandwidth"),
     ({"ranks_per_node": 2, "tiers": [LOCAL], "racks": 3}, r"unknown field\(s\) \['racks'\]"),
+    ({"ranks_per_node": 2, "tiers": [LOCAL], "jitter_cv": -0.1}, r"jitter_cv must be a number in"),
+    ({"ranks_per_node": 2, "tiers": [LOCAL], "jitter_cv": 1}, r"jitter_cv must be a number in"),
+    ({"ranks_per_node": 2, "tiers": [LOCAL], "jitter_cv": True}, r"jitter_cv must be a number in"),
+    ({"ranks_per_node": 2, "tiers": [LOCAL], "jitter_source": 3}, "jitter_source must be text"),
 ])
 def test_bad_cluster_files_are_named(spec, message):
     with pytest.raises(ConfigError, match=message):
@@ -210,7 +225,9 @@ def test_bad_models_are_named():
     for text, message in [("compute_ms=5", "params= is required"),
                           ("params=1M,compute_ms=5,speed=3", r"unknown key\(s\) \['speed'\]"),
                           ("params=lots,compute_ms=5", "not a number"),
-                          ("params=1M,compute_ms=5,compression=zip", "compression 'zip'")]:
+                          ("params=1M,compute_ms=5,compression=zip", "compression 'zip'"),
+                          ("params=1M,compute_ms=5,jitter_cv=lots", "jitter_cv='lots'"),
+                          ("params=1M,compute_ms=5,jitter_cv=1.5", r"jitter_cv must be in \[0, 1\)")]:
         with pytest.raises(ValueError, match=message):
             parse_model(text)
     assert parse_model("params=60M,compute_ms=180,buckets=25MiB").bucket_bytes == 25 << 20
@@ -222,17 +239,21 @@ def test_command_line_table_json_and_validate(capsys):
     assert gradsync_main(argv) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()
             if line and line[0] != "#"]
-    assert rows[0][:4] == ["gpus", "step_ms", "exposed_ms", "eff"]
-    assert [r[0] for r in rows[1:]] == ["6", "27360"] and rows[2][4] == "spine"
+    assert rows[0][:5] == ["gpus", "step_ms", "exposed_ms", "straggle_ms", "eff"]
+    assert [r[0] for r in rows[1:]] == ["6", "27360"] and rows[2][5] == "spine"
+    # summit.json's jitter_cv 0.003: 180 ms x 0.003 x e_27360 (4.0923) = 2.21 ms of waiting.
+    assert float(rows[2][3]) == pytest.approx(180 * 0.003 * 4.0923, abs=0.01)
     assert gradsync_main(argv + ["--json", "--algorithm", "ring"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert [r["algorithms"] for r in got] == [{"ring": 10}, {"ring": 10}]
+    assert got[1]["straggle_ms"] == pytest.approx(180 * 0.003 * expected_max(27360))
     assert gradsync_main(["simulate", "--validate"]) == 0
     out = capsys.readouterr().out
     assert all(p.name in out for p in PUBLISHED)
     assert "add --measure" in out  # the measured-here points need root: said, not dropped
     for name in {p.cluster for p in PUBLISHED}:  # each file's sources and assumptions
         assert f"# cluster file {name} " in out
+        assert f"jitter_cv {cluster_file.load(name).jitter_cv:g}: tf_cnn_benchmarks" in out
         assert all(text[:40] in out.replace("\n#     ", " ")
                    for text in cluster_file.load(name).assumed), name
     with pytest.raises(SystemExit):
@@ -264,3 +285,77 @@ def test_plot_draws_a_png(tmp_path):
                           "params=60M,compute_ms=180", "--gpus", "6,96", "--plot",
                           str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- stragglers (gradsync/simulate/straggle.py) ---------------------------------------------
+
+
+def test_expected_max_of_normals_in_closed_form():
+    # E[max of N standard normals]: 0 for one, 1/sqrt(pi) for two, 3/(2 sqrt(pi)) for three.
+    assert expected_max(1) == 0.0
+    assert expected_max(2) == pytest.approx(1 / math.sqrt(math.pi), abs=1e-9)
+    assert expected_max(3) == pytest.approx(3 / (2 * math.sqrt(math.pi)), abs=1e-9)
+    # Tabulated expected normal order statistics (Harter 1961): 5, 10 and 100 ranks.
+    assert [round(expected_max(n), 5) for n in (5, 10, 100)] == [1.16296, 1.53875, 2.50759]
+    with pytest.raises(ValueError, match="at least 1 rank"):
+        expected_max(0)
+
+
+def test_expected_max_grows_with_n_below_the_extreme_value_bound():
+    ns = [1, 2, 3, 4, 6, 8, 64, 96, 512, 1536, 6144, 27360, 10**6]
+    got = [expected_max(n) for n in ns]
+    assert all(a < b for a, b in zip(got, got[1:]))
+    for n, e in zip(ns[1:], got[1:]):
+        assert e < math.sqrt(2 * math.log(n))           # the leading term overestimates
+        if n >= 8:
+            assert blom(n) == pytest.approx(e, rel=0.01)  # Blom's approximation, within 1%
+    assert expected_max(27360) == pytest.approx(4.0923, abs=1e-4)
+
+
+@pytest.mark.parametrize("n", [4, 64, 1000])
+def test_expected_max_matches_monte_carlo(n):
+    rng = np.random.default_rng(n)
+    maxima = rng.standard_normal((4000, n)).max(axis=1)
+    stderr = maxima.std() / math.sqrt(len(maxima))
+    assert abs(maxima.mean() - expected_max(n)) < 4 * stderr
+
+
+def test_27360_ranks_of_stragglers_in_milliseconds():
+    expected_max.cache_clear()
+    start = time.perf_counter()
+    expected_max(27360)
+    assert time.perf_counter() - start < 0.5  # a fixed grid: the same cost for any N
+
+
+def test_one_rank_waits_for_nobody_and_more_ranks_wait_longer():
+    assert straggler_factor(1, 0.05) == 1.0 and straggler_factor(27360, 0) == 1.0
+    with pytest.raises(ValueError, match="jitter_cv must be >= 0"):
+        straggler_factor(4, -0.1)
+    c = cluster_file.load("summit")
+    model = parse_model("params=60M,compute_ms=180,jitter_cv=0.02")
+    one = simulate(c, model, 1)
+    assert (one.step, one.straggle, one.efficiency) == (0.18, 0.0, 1.0)
+    rows = [simulate(c, model, n) for n in (2, 6, 96, 1536, 27360)]
+    waits = [r.straggle for r in rows]
+    assert all(a < b for a, b in zip(waits, waits[1:]))
+    for r in rows:  # the stretch is 180 ms x c x e_N; the step splits into its parts
+        assert r.straggle == pytest.approx(0.18 * 0.02 * expected_max(r.gpus))
+        assert r.compute + r.straggle + r.exposed == pytest.approx(r.step)
+    # --model jitter_cv overrides the cluster file's (summit.json: 0.003); 0 turns it off.
+    quiet = simulate(c, parse_model("params=60M,compute_ms=180,jitter_cv=0"), 96)
+    filed = simulate(c, parse_model("params=60M,compute_ms=180"), 96)
+    assert quiet.straggle == 0 < filed.straggle < rows[2].straggle
+
+
+def test_the_step_with_stragglers_matches_monte_carlo():
+    # 512 ranks, compute 100 ms with a 5% coefficient of variation, a small gradient whose
+    # allreduce hides behind backward: each simulated step runs on its slowest rank's compute.
+    c = cluster_file.load("horovod-512")
+    model = Model(params=1e6, compute=0.1, bucket_bytes=1e6, jitter_cv=0.05)
+    got = simulate(c, model, 512)
+    rng = np.random.default_rng(0)
+    slowest = 0.1 * (1 + 0.05 * rng.standard_normal((2000, 512)).max(axis=1))
+    times, _ = _allreduces(c, 512, model, "auto")
+    steps = np.array([_timeline(Model(params=1e6, compute=t, bucket_bytes=1e6), times)
+                      for t in slowest])
+    assert got.step == pytest.approx(steps.mean(), rel=2e-3)

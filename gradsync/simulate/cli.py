@@ -8,7 +8,9 @@
 ``--cluster`` takes a cluster file (JSON, or YAML with PyYAML; schema in
 ``gradsync/simulate/cluster.py`` and docs/simulate.md) or the name of a shipped one. Per GPU
 count it prints the step time, the communication left exposed after overlapping backward,
-the scaling efficiency against one GPU, the algorithm each bucket ran, and the busiest tier.
+the time waited for the slowest rank (the cluster's ``jitter_cv``, 0 unless the file or
+``--model jitter_cv=`` sets it), the scaling efficiency against one GPU, the algorithm each
+bucket ran, and the busiest tier.
 ``--plot`` (needs matplotlib: ``pip install 'gradsync[simulate]'``) draws efficiency and
 step time against GPU count, one line per algorithm. ``--validate`` prints the validation
 points, predicted against observed, then the sources and assumptions of each point and
@@ -35,7 +37,8 @@ def parser() -> argparse.ArgumentParser:
     what = p.add_argument_group("what to simulate")
     what.add_argument("--cluster", help=f"cluster file, or a shipped one: {', '.join(shipped())}")
     what.add_argument("--model", help="params=60M,compute_ms=180[,buckets=25MB,backward=0.67,"
-                                      "update_ms=0,bytes_per_param=4,compression=none|fp16]")
+                                      "update_ms=0,bytes_per_param=4,compression=none|fp16,"
+                                      "jitter_cv=0.02]")
     what.add_argument("--gpus", help="GPU counts, comma-separated, e.g. 6,96,1536,27360")
     what.add_argument("--algorithm", choices=ALGORITHMS, default="auto",
                       help="allreduce algorithm; auto: the planner's choice per bucket")
@@ -84,13 +87,15 @@ def main(argv: "list[str] | None" = None) -> int:
         print(f"# {cluster.name}: {model.params / 1e6:.1f}M parameters "
               f"({model.gradient_bytes / 1e6:.0f} MB of gradients, "
               f"{len(model.buckets())} buckets), compute {model.compute * 1e3:.1f} ms, "
-              f"algorithm {args.algorithm}, compression {model.compression}")
-        print(f"{'gpus':>7} {'step_ms':>10} {'exposed_ms':>10} {'eff':>6}  "
+              f"algorithm {args.algorithm}, compression {model.compression}, jitter_cv "
+              f"{cluster.jitter_cv if model.jitter_cv is None else model.jitter_cv:g}")
+        print(f"{'gpus':>7} {'step_ms':>10} {'exposed_ms':>10} {'straggle_ms':>11} {'eff':>6}  "
               f"{'busiest tier':<14} algorithms (buckets)")
         for r in rows:
             algs = ", ".join(f"{a} x{k}" for a, k in r.algorithms.items()) or "-"
             print(f"{r.gpus:>7} {r.step * 1e3:>10.2f} {r.exposed * 1e3:>10.2f} "
-                  f"{r.efficiency:>6.1%}  {r.busiest_tier or '-':<14} {algs}")
+                  f"{r.straggle * 1e3:>11.2f} {r.efficiency:>6.1%}  {r.busiest_tier or '-':<14} "
+                  f"{algs}")
     if args.plot:
         _plot(args.plot, cluster, model, counts, args.algorithm)
     return 0
@@ -142,7 +147,7 @@ def _validate(args) -> int:
         print()
         return 0
     print(f"{'point':<34} {'cluster':<20} {'gpus':>6} {'quantity':<11} {'predicted':>10} "
-          f"{'observed':>9} {'error':>8}")
+          f"{'observed':>9} {'error':>8} {'no jitter':>10}")
     for r in rows:
         if "step_ms_predicted" in r:
             print(f"{r['point']:<34} {r['cluster']:<20} {r['gpus']:>6} {'step ms':<11} "
@@ -151,7 +156,7 @@ def _validate(args) -> int:
         else:
             print(f"{r['point']:<34} {r['cluster']:<20} {r['gpus']:>6} {'efficiency':<11} "
                   f"{r['predicted']:>10.1%} {r['observed']:>9.1%} "
-                  f"{r['error_points']:>+6.1f}pt")
+                  f"{r['error_points']:>+6.1f}pt {r['predicted_no_jitter']:>10.1%}")
     if not args.measure:
         print("# measured-here points (training steps on emulated clusters): add --measure "
               "(root, about a minute)")
@@ -172,6 +177,7 @@ def _print_sources(rows: list[dict]) -> None:
         cluster = load(name)
         print(f"# cluster file {name} (gradsync/simulate/clusters/{name}.json):")
         print(wrap.fill(f"source: {cluster.source}"))
+        print(wrap.fill(f"jitter_cv {cluster.jitter_cv:g}: {cluster.jitter_source or 'not set'}"))
         for text in cluster.assumed:
             print(wrap.fill(f"assumed: {text}"))
 

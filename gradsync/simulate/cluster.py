@@ -15,6 +15,8 @@ and its ``fanout``, when given, bounds how many units it holds::
         {"name": "spine", "fanout": 32, "bandwidth": "100Gbit/s", "latency": "5us",
          "oversubscription": 2}
       ],
+      "jitter_cv": 0.02,
+      "jitter_source": "where the 2% comes from",
       "source": "where the numbers come from",
       "assumed": ["which numbers were assumed, and why"]
     }
@@ -27,6 +29,10 @@ node gets the first tier's bandwidth to itself. ``latency`` is seconds per messa
 two units of the tier. Units: those of ``gradsync/topology.py`` (``25Gbit/s``, ``12.5GB/s``,
 ``2us``). Each tier and the file may say ``source`` (text) and ``assumed`` (list of text):
 they are printed by ``gradsync simulate --validate`` and never read as numbers.
+
+``jitter_cv`` (default 0: every rank computes in exactly the model's time) is the coefficient
+of variation of one rank's compute time per step on this cluster; a synchronous step waits for
+the slowest rank (``straggle.py``). ``jitter_source`` says where the number comes from.
 
 Files ship in ``gradsync/simulate/clusters/``; ``load("summit")`` finds them by name.
 """
@@ -44,7 +50,8 @@ from ..topology import load as _load_file, parse_bandwidth, parse_latency
 __all__ = ["ClusterTier", "Cluster", "parse", "load", "shipped", "CLUSTERS_DIR"]
 
 CLUSTERS_DIR = Path(__file__).parent / "clusters"
-_TOP = {"name", "ranks_per_node", "tiers", "reduce_bandwidth", "source", "assumed"}
+_TOP = {"name", "ranks_per_node", "tiers", "reduce_bandwidth", "jitter_cv", "jitter_source",
+        "source", "assumed"}
 _TIER = {"name", "fanout", "bandwidth", "latency", "oversubscription", "source", "assumed"}
 
 
@@ -72,6 +79,9 @@ class Cluster:
     reduce_bandwidth: float
     source: str = ""
     assumed: tuple[str, ...] = ()
+    jitter_cv: float = 0.0
+    """Coefficient of variation of one rank's compute time per step (0: no stragglers)."""
+    jitter_source: str = ""
 
     def unit_ranks(self) -> list[float]:
         """Ranks in one unit of each level: ``[1 (a rank), a node, a rack, ..., inf]``."""
@@ -147,10 +157,16 @@ def parse(spec: Mapping, source: str = "cluster") -> Cluster:
                                  parse_latency(entry["latency"], where + ".latency"),
                                  fanout, float(over)))
     _text(spec, source)
+    jitter = spec.get("jitter_cv", 0)
+    if not isinstance(jitter, (int, float)) or isinstance(jitter, bool) or not 0 <= jitter < 1:
+        raise ConfigError(f"{source}: jitter_cv must be a number in [0, 1), got {jitter!r}")
+    if not isinstance(spec.get("jitter_source", ""), str):
+        raise ConfigError(f"{source}: jitter_source must be text")
     reduce_bw = parse_bandwidth(spec.get("reduce_bandwidth", "6GB/s"),
                                 f"{source}: reduce_bandwidth")
     return Cluster(str(spec.get("name", source)), rpn, tuple(tiers), reduce_bw,
-                   spec.get("source", ""), tuple(spec.get("assumed", ())))
+                   spec.get("source", ""), tuple(spec.get("assumed", ())), float(jitter),
+                   spec.get("jitter_source", ""))
 
 
 def _text(entry: Mapping, where: str) -> None:

@@ -17,6 +17,13 @@ allreduce time is the cost model's (``gradsync.collectives.costs``) on the clust
 ``TierFabric``, for the algorithm asked for or, with ``auto``, the cheapest per bucket as the
 planner picks it at run time. Compression divides the bytes on the wire.
 
+Stragglers (``straggle.py``): with a per-step coefficient of variation c of a rank's compute
+(``jitter_cv``, the cluster file's, or the model's when it sets one), the step runs on the
+slowest of the N ranks, whose compute is in expectation ``compute x (1 + c e_N)``, e_N the
+expected maximum of N standard normals (e_1 = 0: one rank waits for nobody). F and B above
+are that stretched compute's; ``straggle`` reports the stretch, ``exposed`` the communication
+left after it.
+
 Worked example: compute 100 ms (backward 2/3: F = 33.3, B = 66.7 ms), two 10 MB buckets, an
 allreduce of 10 MB taking 40 ms: ready 66.7 and 100 ms; bucket 0 runs 66.7-106.7, bucket 1
 106.7-146.7; the step is 146.7 ms, 46.7 ms of communication exposed, efficiency 100/146.7 =
@@ -35,6 +42,7 @@ from ..collectives import costs
 from ..topology import parse_latency
 from .cluster import Cluster
 from .fabric import TierFabric
+from .straggle import straggler_factor
 
 __all__ = ["Model", "StepResult", "parse_model", "simulate", "ALGORITHMS", "CANDIDATES",
            "COMPRESSION"]
@@ -62,6 +70,8 @@ class Model:
     update: float = 0.0
     """Seconds of the optimizer step after the last allreduce."""
     compression: str = "none"
+    jitter_cv: "float | None" = None
+    """Per-step coefficient of variation of a rank's compute; None: the cluster file's."""
 
     @property
     def gradient_bytes(self) -> float:
@@ -87,7 +97,7 @@ def _size(text: str, key: str) -> float:
 
 def parse_model(text: str) -> Model:
     """``params=60M,compute_ms=180,buckets=25MB[,backward=0.67,update_ms=5,bytes_per_param=2,
-    compression=fp16]`` -> Model."""
+    compression=fp16,jitter_cv=0.02]`` -> Model."""
     fields = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, eq, value = item.partition("=")
@@ -95,7 +105,7 @@ def parse_model(text: str) -> Model:
             raise ValueError(f"--model: {item!r} is not KEY=VALUE")
         fields[key.strip()] = value.strip()
     known = {"params", "compute_ms", "buckets", "backward", "update_ms", "bytes_per_param",
-             "compression"}
+             "compression", "jitter_cv"}
     if set(fields) - known:
         raise ValueError(f"--model: unknown key(s) {sorted(set(fields) - known)}; known: "
                          f"{', '.join(sorted(known))}")
@@ -114,6 +124,11 @@ def parse_model(text: str) -> Model:
         model = replace(model, bytes_per_param=float(fields["bytes_per_param"]))
     if "compression" in fields:
         model = replace(model, compression=fields["compression"])
+    if "jitter_cv" in fields:
+        try:
+            model = replace(model, jitter_cv=float(fields["jitter_cv"]))
+        except ValueError:
+            raise ValueError(f"--model jitter_cv={fields['jitter_cv']!r}: not a number") from None
     check(model)
     return model
 
@@ -123,6 +138,8 @@ def check(model: Model) -> None:
         raise ValueError(f"--model: params, compute_ms and buckets must be positive ({model})")
     if not 0 < model.backward_fraction <= 1:
         raise ValueError(f"--model: backward must be in (0, 1], got {model.backward_fraction}")
+    if model.jitter_cv is not None and not 0 <= model.jitter_cv < 1:
+        raise ValueError(f"--model: jitter_cv must be in [0, 1), got {model.jitter_cv}")
     if model.compression not in COMPRESSION:
         raise ValueError(f"--model: compression {model.compression!r}; choose from "
                          f"{', '.join(COMPRESSION)}")
@@ -140,10 +157,13 @@ class StepResult:
     tier_seconds: dict = field(default_factory=dict)
     """Per tier: how much the step's allreduces would shorten if that tier were free."""
     busiest_tier: str = ""
+    straggle: float = 0.0
+    """Seconds the step waits for the slowest rank's compute beyond the mean rank's."""
 
     def as_dict(self) -> dict:
         return {"gpus": self.gpus, "step_ms": self.step * 1e3, "compute_ms": self.compute * 1e3,
-                "exposed_ms": self.exposed * 1e3, "efficiency": self.efficiency,
+                "exposed_ms": self.exposed * 1e3, "straggle_ms": self.straggle * 1e3,
+                "efficiency": self.efficiency,
                 "algorithms": self.algorithms, "busiest_tier": self.busiest_tier,
                 "tier_ms": {k: v * 1e3 for k, v in self.tier_seconds.items()}}
 
@@ -181,7 +201,9 @@ def simulate(cluster: Cluster, model: Model, gpus: int, algorithm: str = "auto")
     if gpus < 1:
         raise ValueError(f"gpus must be at least 1, got {gpus}")
     times, chosen = _allreduces(cluster, gpus, model, algorithm)
-    step = _timeline(model, times)
+    cv = cluster.jitter_cv if model.jitter_cv is None else model.jitter_cv
+    slowest = model.compute * straggler_factor(gpus, cv)
+    step = _timeline(replace(model, compute=slowest), times)
     base = model.compute + model.update
     comm = sum(times)
     per_tier = {}
@@ -190,5 +212,5 @@ def simulate(cluster: Cluster, model: Model, gpus: int, algorithm: str = "auto")
         per_tier[tier.name] = comm - sum(freed)
     busiest = max(per_tier, key=per_tier.get) if comm > 0 else ""
     algorithms = dict(Counter(chosen)) if gpus > 1 else {}
-    return StepResult(gpus, step, base, step - base, base / step, algorithms,
-                      per_tier, busiest)
+    return StepResult(gpus, step, base, step - slowest - model.update, base / step, algorithms,
+                      per_tier, busiest, slowest - model.compute)

@@ -8,12 +8,13 @@ need root and take about a minute, so ``gradsync simulate --validate --measure``
 and the slow test tier checks them).
 
 Efficiency of a published point is ``step(baseline GPUs) / step(N GPUs)``, weak scaling, as
-the papers report it.
+the papers report it. Each row also gives the prediction without stragglers
+(``jitter_cv=0``), so that what the straggler term adds shows next to what the network costs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .cluster import load
 from .step import Model, simulate
@@ -74,11 +75,13 @@ PUBLISHED = (
 )
 
 
-def predict(point: Point) -> float:
-    """The simulator's efficiency for a published point."""
+def predict(point: Point, jitter: bool = True) -> float:
+    """The simulator's efficiency for a published point (``jitter=False``: as if every rank
+    computed in exactly the model's time)."""
     cluster = load(point.cluster)
-    base = simulate(cluster, point.model, point.baseline, point.algorithm).step
-    return base / simulate(cluster, point.model, point.gpus, point.algorithm).step
+    model = point.model if jitter else replace(point.model, jitter_cv=0.0)
+    base = simulate(cluster, model, point.baseline, point.algorithm).step
+    return base / simulate(cluster, model, point.gpus, point.algorithm).step
 
 
 def published_rows() -> list[dict]:
@@ -86,7 +89,9 @@ def published_rows() -> list[dict]:
     for p in PUBLISHED:
         got = predict(p)
         rows.append({"point": p.name, "cluster": p.cluster, "gpus": p.gpus,
-                     "algorithm": p.algorithm, "predicted": got, "observed": p.observed,
+                     "algorithm": p.algorithm, "predicted": got,
+                     "predicted_no_jitter": predict(p, jitter=False),
+                     "jitter_cv": load(p.cluster).jitter_cv, "observed": p.observed,
                      "error_points": 100 * (got - p.observed), "source": p.source,
                      "assumed": p.assumed})
     return rows
