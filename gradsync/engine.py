@@ -46,12 +46,17 @@ class Handle:
     def wait(self, timeout: float | None = None):
         if not self._done.wait(timeout):
             raise TimeoutError(f"operation '{self.name}' still in flight")
-        release, self.on_synchronized = self.on_synchronized, None
-        if release is not None:
-            release()
+        self.release()
         if self._error is not None:
             raise self._error
         return self._result
+
+    def release(self) -> None:
+        """Gives up the right to synchronize later: the operation's name is free once it is
+        done (for an owner that drops a handle it will never wait for)."""
+        release, self.on_synchronized = self.on_synchronized, None
+        if release is not None:
+            release()
 
     def _finish(self, result=None, error: BaseException | None = None) -> None:
         self._result, self._error = result, error

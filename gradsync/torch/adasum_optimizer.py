@@ -117,6 +117,7 @@ class AdasumOptimizer:
             wire, ctx = self._gs_compression.compress(self._gs_delta[k])
             handle = _requests.allreduce(wire, self._gs_name(k), Adasum, 1.0, 1.0,
                                          global_process_set, inplace=True, asynchronous=True)
+            handle.release()  # the name is free once done (see optimizer._gs_launch)
             self._gs_inflight[k] = (handle, ctx)
             self._gs_next += 1
 

@@ -259,6 +259,10 @@ class _DistributedOptimizer:
         bucket.handle = _requests.allreduce(bucket.wire, bucket.name, self.op, prescale,
                                             postscale, self._gs_process_set, inplace=True,
                                             asynchronous=True)
+        # The name is free once the allreduce is done, as in Horovod: a round abandoned (a
+        # backward never stepped, then another optimizer over a model with the same parameter
+        # names) must not hold it until this optimizer synchronizes, which it may never do.
+        bucket.handle.release()
         # Views share their base's version counter, and the allreduce writes through NumPy
         # without bumping it: any change seen in _gs_finish came from an in-place op on a grad.
         bucket.version = bucket.buffer._version
