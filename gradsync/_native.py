@@ -80,14 +80,17 @@ def _build_and_import(name: str, compiler: "str | None"):
     for directory in (cache_dir(), os.path.join(tempfile.gettempdir(), f"gradsync-{os.getuid()}")):
         try:
             os.makedirs(directory, mode=0o700, exist_ok=True)
+            status = os.stat(directory)
+            if status.st_uid != os.getuid() or status.st_mode & 0o022:
+                continue  # a module others can write into is not one to load
             path = os.path.join(directory, f"{name}-{digest}{suffix}")
             lock = open(path + ".lock", "a")
             break
         except OSError:
             continue
     if lock is None:
-        raise OSError(f"no writable cache directory for the compiled {name} "
-                      f"(tried {cache_dir()})")
+        raise OSError(f"no private writable cache directory for the compiled {name} "
+                      f"(tried {cache_dir()} and one in {tempfile.gettempdir()})")
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the ranks of one job start together: one compiles
         if not os.path.exists(path):

@@ -261,3 +261,13 @@ def test_the_module_is_built_once_into_the_cache(monkeypatch, tmp_path):
 def test_config_switches_the_compiled_road_off():
     assert load_config(environ={}).shm_fast is True
     assert load_config(environ={"GRADSYNC_SHM_FAST": "0"}).shm_fast is False
+
+
+def test_close_unmaps_the_segment_once_the_compiled_road_lets_go():
+    # The compiled group holds a buffer export of the segment (no call can outlive the
+    # mapping); close() drops it first, so the mapping really goes.
+    group = ShmGroup.open(f"t{os.getpid()}x", 0, 1, lambda: None, slot_bytes=_SLOT)
+    segment = group._segment
+    assert group.fast and not segment.closed
+    group.close()
+    assert segment.closed

@@ -52,6 +52,7 @@ enum { T_F32 = 0, T_F64 = 1, T_I32 = 2, T_I64 = 3 };
 static const Py_ssize_t ITEMSIZE[] = {4, 8, 4, 8};
 
 typedef struct {
+    Py_buffer segment;      /* held while the group lives: the mapping cannot go under a call */
     uint64_t *ctl;          /* the control lines: line 0 the layout, then 2 per local rank */
     char *slots;            /* slot (r, parity) starts at slots + (2 r + parity) slot_bytes */
     Py_ssize_t slot_bytes;
@@ -217,11 +218,16 @@ static void reduce(const group *g, char *data, Py_ssize_t nbytes, uint64_t parit
 
 /* --- Python bindings ------------------------------------------------------------------ */
 
-static void free_group(PyObject *capsule) { PyMem_Free(PyCapsule_GetPointer(capsule, CAPSULE)); }
+static void free_group(PyObject *capsule) {
+    group *g = PyCapsule_GetPointer(capsule, CAPSULE);
+    PyBuffer_Release(&g->segment);
+    PyMem_Free(g);
+}
 
 /* open(segment, rank, size, slot_bytes, control_bytes, futex, spin_ns, yield_ns, budget_ns)
- * -> capsule. Keeps the segment's address, not a reference: ShmGroup drops the capsule
- * before it unmaps the segment. */
+ * -> capsule. The capsule holds a buffer export of the segment until it is freed, so the
+ * mmap refuses to close while a call (which holds the capsule) may still read it; ShmGroup
+ * drops its capsule before it closes the segment. */
 static PyObject *py_open(PyObject *self, PyObject *args) {
     PyObject *segment;
     int rank, size, use_futex;
@@ -233,19 +239,24 @@ static PyObject *py_open(PyObject *self, PyObject *args) {
     Py_buffer view;
     if (PyObject_GetBuffer(segment, &view, PyBUF_WRITABLE) < 0) return NULL;
     char *base = view.buf;
-    Py_ssize_t len = view.len;
-    PyBuffer_Release(&view);
     if (size < 1 || rank < 0 || rank >= size || slot_bytes < 64 ||
-        len != control_bytes + 2 * size * slot_bytes) {
+        view.len != control_bytes + 2 * size * slot_bytes) {
+        PyBuffer_Release(&view);
         PyErr_SetString(PyExc_ValueError, "segment does not match the group's layout");
         return NULL;
     }
     group *g = PyMem_Calloc(1, sizeof(group));
-    if (!g) return PyErr_NoMemory();
-    *g = (group){(uint64_t *)base, base + control_bytes, slot_bytes, rank, size, use_futex,
-                 spin_ns, yield_ns, budget_ns};
+    if (!g) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory();
+    }
+    *g = (group){view, (uint64_t *)base, base + control_bytes, slot_bytes, rank, size,
+                 use_futex, spin_ns, yield_ns, budget_ns};
     PyObject *capsule = PyCapsule_New(g, CAPSULE, free_group);
-    if (!capsule) PyMem_Free(g);
+    if (!capsule) {
+        PyBuffer_Release(&g->segment);
+        PyMem_Free(g);
+    }
     return capsule;
 }
 
