@@ -48,5 +48,6 @@ def connect(config, env, store, peers, pairs, use_shm, deadline):
     group = None
     if len(local) == env.size:
         group = ShmGroup.open(job, local.index(env.rank), len(local), barrier,
-                              slot_bytes=config.shm_slot_bytes, ranks=local)
+                              slot_bytes=config.shm_slot_bytes, ranks=local,
+                              fast=config.shm_fast)
     return pairs, group

@@ -61,6 +61,10 @@ class Config:
     shm_slot_bytes: int = 1 << 20
     """Bytes each local rank owns in the host's shared-memory allreduce segment (per buffer)."""
 
+    shm_fast: bool = True
+    """Small shared-memory allreduces take the compiled road (``collectives/_shmfast.c``,
+    built on first use with the system C compiler); false keeps them in Python."""
+
     small_bytes: int = 64 << 10
     """Below this size ``auto`` allreduce uses recursive doubling (latency-optimal)."""
 

@@ -70,13 +70,20 @@ def _reducer(op: ReduceOp, dtype):
 
 
 def _run_allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, algorithm: str,
-                   finish=None) -> bool:
-    """Runs the allreduce; True when ``finish`` was applied to the result (shm only)."""
+                   finish=None, divisor: int = 0, trunc: bool = False,
+                   postscale: float = 1.0) -> bool:
+    """Runs the allreduce; True when ``finish`` was applied to the result (shm only).
+
+    ``finish`` divides by ``divisor`` (when nonzero, rounding as ``trunc`` says), then
+    multiplies by ``postscale``; the shared-memory group's compiled road does the division
+    itself, so it gets the op whenever there is no postscale.
+    """
     reducer = _reducer(op, dtype)
     cfg = world.config
     if algorithm == "shm":
         world.shm_group.allreduce(flat, reducer, _deadline(world), world.on_idle,
-                                  world.comm.signature, finish)
+                                  world.comm.signature, finish,
+                                  op if postscale == 1.0 else None, divisor, trunc)
         return finish is not None
     elif algorithm == "ring":
         ring.allreduce(world.comm, flat, reducer, cfg.chunk_bytes)
@@ -128,7 +135,8 @@ def allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, *, name: str, shape:
                         scale(part, dtype, world.size, divide=True, trunc=trunc)
                     if postscale != 1.0:
                         scale(part, dtype, postscale)
-            finished = _run_allreduce(world, flat, dtype, op, alg, finish)
+            finished = _run_allreduce(world, flat, dtype, op, alg, finish,
+                                      world.size if average else 0, trunc, postscale)
     if finished:
         return
     if average:

@@ -14,5 +14,16 @@ if ! command -v mpirun >/dev/null && command -v apt-get >/dev/null && [ "$(id -u
     $mpi >/dev/null || { apt-get update -q >/dev/null && $mpi >/dev/null; } ||
         echo "setup: Open MPI not installed; the --compare mpi test will fail with: $mpi" >&2
 fi
+# A C compiler and Python's headers build the compiled small shared-memory allreduce on first
+# use (gradsync/_native.py; tests/test_shm_fast.py fails without them). gradsync itself runs
+# without them: it takes its Python path and says so once.
+headers=$(python3 -c 'import os, sysconfig; print(os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))')
+if { ! command -v cc >/dev/null || [ "$headers" != True ]; } && command -v apt-get >/dev/null &&
+        [ "$(id -u)" = 0 ]; then
+    cc_pkgs="apt-get install -y -q --no-install-recommends gcc libc6-dev"
+    [ "$headers" = True ] || cc_pkgs="$cc_pkgs python3-dev"
+    $cc_pkgs >/dev/null || { apt-get update -q >/dev/null && $cc_pkgs >/dev/null; } ||
+        echo "setup: no C compiler or Python headers; small shm allreduces stay in Python: $cc_pkgs" >&2
+fi
 python3 -m pip install -q "torch==2.13.0"
 python3 -m pip install -q -e ".[test]"

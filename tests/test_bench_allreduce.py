@@ -62,10 +62,12 @@ def test_bench_allreduce_compare_mpi_names_what_is_missing(monkeypatch, capsys):
     assert "apt-get install -y --no-install-recommends openmpi-bin" in capsys.readouterr().err
 
 
-def test_mpirun_command_adopts_ranks_as_root_and_oversubscribes():
+def test_mpirun_command_adopts_ranks_as_root_and_oversubscribes(monkeypatch):
     from gradsync.bench.allreduce import mpirun_command
 
+    monkeypatch.setenv("GRADSYNC_SHM_FAST", "0")
     cmd = mpirun_command(64, ["--compare", "mpi"], 12345)
     assert cmd[:3] == ["mpirun", "-np", "64"] and "--oversubscribe" in cmd
+    assert cmd[cmd.index("GRADSYNC_SHM_FAST") - 1] == "-x"  # gradsync's settings reach the ranks
     assert "MASTER_ADDR=127.0.0.1" in cmd and "MASTER_PORT=12345" in cmd
     assert cmd[-4:] == ["-m", "gradsync.bench.allreduce", "--compare", "mpi"]

@@ -17,6 +17,14 @@ def test_sweep_default_transport(n):
     result = launch(n, "sweep.py", timeout=240)
     assert result.returncode == 0, result
     assert result.output.count("checks passed") == n, result
+    # The small shm allreduces took the compiled road (tests/test_shm_fast.py tests both).
+    assert result.output.count("shm road compiled") == (n if n > 1 else 0), result
+
+
+def test_sweep_on_the_python_shm_road():
+    result = launch(3, "sweep.py", timeout=240, env={"GRADSYNC_SHM_FAST": "0"})
+    assert result.returncode == 0, result
+    assert result.output.count("shm road python") == 3, result
 
 
 @pytest.mark.parametrize("n", [3])

@@ -107,8 +107,8 @@ def mpirun_command(np_: int, argv: list[str], port: int) -> list[str]:
     if np_ > len(os.sched_getaffinity(0)):
         cmd.append("--oversubscribe")
     cmd += ["-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={port}"]
-    for name in ("PYTHONPATH", "PATH"):
-        if name in os.environ:
+    for name in ("PYTHONPATH", "PATH", *sorted(n for n in os.environ if n.startswith("GRADSYNC_"))):
+        if name in os.environ:  # gradsync's settings too (GRADSYNC_SHM_FAST=0 ...)
             cmd += ["-x", name]
     return cmd + [sys.executable, "-m", __name__, *argv]
 
@@ -200,6 +200,7 @@ def run(args) -> list[dict]:
                    "algorithm": choose_allreduce(nbytes, n, alg, world.config,
                                                  world.shm_group is not None, world.topology),
                    "transport": world.config.transport, "ranks": n,
+                   "shm_road": _shm_road(world),
                    "gradsync": measured[alg], "memcpy": measured["memcpy"]}
             if peer is not None:
                 row["peer"] = peer
@@ -279,6 +280,12 @@ def _alg_label(row: dict) -> str:
     return f"{row['requested']}:{row['algorithm']}"
 
 
+def _shm_road(world) -> str:
+    """Which road a small shared-memory allreduce takes: compiled, python, or none (no group)."""
+    group = world.shm_group
+    return "none" if group is None else "compiled" if group.fast else "python"
+
+
 def _print_row(row: dict, header: bool, compare: bool, several: bool = False) -> None:
     if header:
         cols = f"{'size(B)':>12} {'count':>11} {'type':>8} {'algorithm':>22} {'time(us)':>10} " \
@@ -287,7 +294,8 @@ def _print_row(row: dict, header: bool, compare: bool, several: bool = False) ->
             cols += f" | {row['peer'] + '(us)':>10} {'busbw':>7} {'#wrong':>6} {'ratio':>6}"
         if several:
             cols += f" | {'speedup':>7}"
-        print(f"# allreduce, {row['ranks']} ranks, transport={row['transport']}, in place, "
+        print(f"# allreduce, {row['ranks']} ranks, transport={row['transport']}, small shm "
+              f"allreduce road={row.get('shm_road', 'none')}, in place, "
               f"op=sum; busbw = algbw*2(n-1)/n "
               f"(GB/s); time = median over iterations of the slowest rank"
               + ("; speedup = time of the first algorithm listed / this one's" if several

@@ -26,6 +26,15 @@ operands in the same order, so all end bitwise identical. The two-slot argument 
 unchanged (every read of a slot of piece k still happens before the reader arrives at k+1).
 The choice depends on the size only, so every rank takes the same road.
 
+The one-step road is also compiled (``_shmfast.c``, built on first use by ``_native.py``):
+one C call copies in, publishes, waits, checks the issued words, folds and divides an
+Average, for sums, products, minima, maxima and averages of float32, float64, int32 and
+int64. It is the same protocol on the same layout, so a rank on the compiled road and a rank
+on the Python road meet in the same collective; its wait spins, yields and sleeps like
+``_wait`` for up to ``_CHECK_EVERY`` and then hands the wait back to ``_wait``, which owns
+the deadline, the liveness checks and ``on_idle``. Other dtypes and ops, a postscale, no C
+compiler, or ``GRADSYNC_SHM_FAST=0`` (``fast=False``) take the Python road.
+
 Worked example: 3 local ranks, a piece of 6 float32 (cache-line rounding aside), so the
 sub-slices are [0,2) [2,4) [4,6). Rank 1 copies data[0:2] and data[4:6] into its slot and
 arrives; then it computes data[2:4] = data[2:4] + slot0[2:4] + slot2[2:4] (ranks 0 and 2
@@ -75,11 +84,12 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .. import _native
 from ..errors import CollectiveMismatchError, GradsyncError, GradsyncTimeoutError, PeerLostError
 from ..transport.futex import Futex, fence
 from ..transport.shm import (CACHE_LINE, attach_segment, check_job_id, create_segment,
                              process_start_time, require_tso, unlink_segment)
-from .ops import Reducer
+from .ops import Reducer, ReduceOp
 
 __all__ = ["ShmGroup", "DEFAULT_SLOT_BYTES", "DEFAULT_SMALL_BYTES", "group_segment_name",
            "create_group_segment"]
@@ -112,6 +122,14 @@ MIN_SPIN, MAX_SPIN = 2e-6, 100e-6
 # Open MPI had medians of 0.2-2.5 ms in 2 of 2 runs; with 20 ms, in 1 of 2 (others ~25 us).
 YIELD_FOR = 20e-3
 _PAGE = 4096
+# Kernel codes of _shmfast.c: op << 4 | dtype. An Average folds as a sum, then divides.
+_FAST_OPS = {ReduceOp.SUM: 0, ReduceOp.AVERAGE: 0, ReduceOp.MIN: 1, ReduceOp.MAX: 2,
+             ReduceOp.PRODUCT: 3}
+_FAST_DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.int32): 2,
+                np.dtype(np.int64): 3}
+_FAST_CODES = {(op, dtype): code << 4 | t for op, code in _FAST_OPS.items()
+               for dtype, t in _FAST_DTYPES.items()}
+_FAST_DONE, _FAST_WAITING, _FAST_MISMATCH = 0, 1, 2
 
 
 def _control_bytes(local_size: int) -> int:
@@ -151,10 +169,15 @@ class ShmGroup:
         segment: the mapped segment (``create_group_segment`` or ``attach_segment``).
         local_rank: this process's index among the host's ranks.
         ranks: the global rank of each local rank, for error messages (default: local ranks).
+        small_bytes, sleep, fast: as for ``open``.
+
+    Attributes:
+        fast: whether small allreduces can take the compiled road (``_shmfast.c``).
     """
 
     def __init__(self, segment: mmap.mmap, local_rank: int, ranks: "Sequence[int] | None" = None,
-                 small_bytes: int = DEFAULT_SMALL_BYTES, sleep: str = "auto"):
+                 small_bytes: int = DEFAULT_SMALL_BYTES, sleep: str = "auto",
+                 fast: bool = True):
         require_tso()
         if sleep not in ("auto", "futex", "nap"):
             raise ValueError(f"sleep must be 'auto', 'futex' or 'nap', got {sleep!r}")
@@ -189,12 +212,21 @@ class ShmGroup:
         self._failed: "BaseException | None" = None
         self._ctl[self._mine + _STARTED] = max(process_start_time(os.getpid()) or 0, 0)
         self._ctl[self._mine + _PID] = os.getpid()
+        module = _native.load("_shmfast") if fast else None
+        self._fast_call = self._fast_fold = self._fast_group = None
+        if module is not None:
+            spin = MAX_SPIN if self._may_spin else MIN_SPIN
+            self._fast_group = module.open(segment, local_rank, size, slot_bytes, base,
+                                           self._futex is not None, int(spin * 1e9),
+                                           int(YIELD_FOR * 1e9), int(_CHECK_EVERY * 1e9))
+            self._fast_call, self._fast_fold = module.call, module.fold
+        self.fast = self._fast_group is not None
 
     @classmethod
     def open(cls, job: str, local_rank: int, local_size: int, barrier: Callable[[], None],
              slot_bytes: int = DEFAULT_SLOT_BYTES, ranks: "Sequence[int] | None" = None,
              tag: str = "host", small_bytes: int = DEFAULT_SMALL_BYTES,
-             sleep: str = "auto") -> "ShmGroup":
+             sleep: str = "auto", fast: bool = True) -> "ShmGroup":
         """Sets up the host's group; every local rank calls it at the same time.
 
         Local rank 0 creates the segment; ``barrier()``; the others attach; ``barrier()``;
@@ -211,13 +243,15 @@ class ShmGroup:
             small_bytes: an allreduce of at most this many bytes takes the one-step road.
             sleep: how waits sleep after spinning: ``futex``, ``nap`` (``time.sleep``), or
                 ``auto`` (futex where available).
+            fast: let small allreduces take the compiled road where it can be built
+                (``Config.shm_fast``); False keeps every collective on the Python road.
         """
         name = group_segment_name(job, tag)
         seg = create_group_segment(name, local_size, slot_bytes) if local_rank == 0 else None
         try:
             barrier()  # the segment exists before anyone attaches
             group = cls(seg if seg is not None else attach_segment(name), local_rank, ranks,
-                        small_bytes, sleep)
+                        small_bytes, sleep, fast)
             if group.size != local_size:
                 raise ValueError(f"segment {name} is for {group.size} ranks, not {local_size}")
             barrier()  # everyone has mapped it (and registered its pid) before it is unlinked
@@ -231,7 +265,8 @@ class ShmGroup:
     def allreduce(self, data: np.ndarray, reducer: Reducer, deadline: float,
                   on_idle: Callable[[float], None] = lambda waited: None,
                   signature: int = 0,
-                  finish: Callable[[np.ndarray], None] | None = None) -> None:
+                  finish: Callable[[np.ndarray], None] | None = None,
+                  op: "ReduceOp | None" = None, divisor: int = 0, trunc: bool = False) -> None:
         """Reduces ``data`` in place across the local ranks; all end with identical bytes.
 
         Args:
@@ -244,12 +279,22 @@ class ShmGroup:
             finish: applied in place to every reduced element exactly once, by the rank that
                 computed it, before the others copy it (an Average's division): the same
                 result as applying it to ``data`` afterwards, without another pass over it.
+            op, divisor, trunc: what ``reducer`` and ``finish`` compute, for the compiled
+                road: ``op``, then (``divisor`` > 0) a division by ``divisor`` in the element
+                type, integers rounded down (toward zero with ``trunc``), as
+                ``operations.scale`` does. Leave ``op`` None when ``finish`` does anything
+                else: the Python road then runs.
         """
         flat = self._flat(data, writable=True)
         if self.size == 1:
             return
         if flat.nbytes <= self.small_bytes:
             try:  # what _guard does, without a context manager's cost on the small road
+                code = _FAST_CODES.get((op, flat.dtype)) if self._fast_call else None
+                if code is not None:
+                    self._allreduce_fast(flat, code, divisor, trunc, deadline, on_idle,
+                                         signature)
+                    return
                 self._allreduce_small(flat, reducer, deadline, on_idle, signature)
                 if finish is not None and flat.size:
                     finish(flat)
@@ -288,6 +333,23 @@ class ShmGroup:
                 flat[...] = views[0][parity][:n]
             for r in range(1, self.size):  # a fixed order: the bits never depend on timing
                 reducer(flat, views[r][parity][:n])
+
+    def _allreduce_fast(self, flat: np.ndarray, code: int, divisor: int, trunc: bool,
+                        deadline: float, on_idle: Callable[[float], None],
+                        signature: int) -> None:
+        """The one-step road in one C call (``_shmfast.c``); waits past its budget and
+        mismatches come back here to be handled as on the Python road."""
+        seq = self._seq = self._seq + 1
+        signature &= _MASK64
+        status = self._fast_call(self._fast_group, flat, seq, signature, code, divisor, trunc)
+        if status == _FAST_WAITING:
+            # The C wait spun, yielded and slept for _CHECK_EVERY: check now, then go on.
+            self._wait(_ARRIVED, seq, deadline, on_idle, "arrive",
+                       started=time.perf_counter() - _CHECK_EVERY)
+            status = self._fast_fold(self._fast_group, flat, seq, signature, code, divisor,
+                                     trunc)
+        if status == _FAST_MISMATCH:
+            self._check_issued(seq, _ALLREDUCE, flat.nbytes, signature)
 
     def broadcast(self, data: np.ndarray, root: int, deadline: float,
                   on_idle: Callable[[float], None] = lambda waited: None,
@@ -329,6 +391,7 @@ class ShmGroup:
             return
         self._ctl[self._mine + _CLOSED] = 1
         self._slots, self._views = [], {}
+        self._fast_call = self._fast_fold = self._fast_group = None  # it holds the address
         self._ctl.release()
         try:
             self._segment.close()
@@ -365,6 +428,11 @@ class ShmGroup:
         c[mine + at], c[mine + at + 1], c[mine + at + 2] = kind, nbytes, signature & _MASK64
         self._publish(_ARRIVED, seq)  # last: publishes the slot's bytes and the words above
         self._wait(_ARRIVED, seq, deadline, on_idle, "arrive")
+        self._check_issued(seq, kind, nbytes, signature)
+
+    def _check_issued(self, seq: int, kind: int, nbytes: int, signature: int) -> None:
+        """Raises CollectiveMismatchError unless every rank issued the same at piece ``seq``."""
+        c, at = self._ctl, _ISSUED + 3 * (seq & 1)
         lines, signature = self._lines, signature & _MASK64
         for r in self._others:
             i = lines[r] + at
@@ -393,21 +461,23 @@ class ShmGroup:
                 return
 
     def _wait(self, word: int, seq: int, deadline: float, on_idle: Callable[[float], None],
-              phase: str) -> None:
+              phase: str, started: "float | None" = None) -> None:
         """Waits until counter ``word`` of every other local rank reaches ``seq``.
 
         Spins up to ``MAX_SPIN`` when every local rank can have a core (only ``MIN_SPIN``
         when they outnumber the cores: spinning would delay the rank it waits for), then
         sleeps on the counter of a rank still awaited until it moves. Measured on 2 ranks:
         judging closeness by recent waits instead did worse, because a wait that slept
-        is long because it slept, which kept the next waits from spinning.
+        is long because it slept, which kept the next waits from spinning. ``started``
+        (``time.perf_counter()``): when the wait began, if earlier than now (the compiled
+        road's wait continues here).
         """
         c, lines = self._ctl, self._lines
         waiting = [r for r in self._others if c[lines[r] + word] < seq]
         if not waiting:
             return
         clock = time.perf_counter
-        started = clock()
+        started = clock() if started is None else started
         spin_until = started + (MAX_SPIN if self._may_spin else MIN_SPIN)
         while clock() < spin_until:
             waiting = [r for r in waiting if c[lines[r] + word] < seq]

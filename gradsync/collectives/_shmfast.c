@@ -1,0 +1,356 @@
+/* The one-step shared-memory allreduce of collectives/shm.py, compiled.
+ *
+ * A small allreduce among the ranks of one host is one synchronisation: every rank copies
+ * its data into its slot, publishes its arrival counter, waits until every other rank has
+ * arrived, then folds all the slots itself in local-rank order (rank 0's first), so every
+ * rank ends with bitwise identical bytes. Done in Python that is ~20 interpreter-level steps
+ * (views, copies, a counter loop, a ufunc per rank, the division of an Average); here it is
+ * one call, so a 4 KiB allreduce costs a few hundred nanoseconds of work plus the wait.
+ *
+ * This file is a second implementation of ShmGroup._allreduce_small, not a new protocol: it
+ * reads and writes the same segment in the same layout (collectives/shm.py describes it;
+ * the constants below must match it), publishes the same counters and issued words, sleeps
+ * on the same futex words announcing itself in the same _SLEEPING word. A rank on this path
+ * and a rank on the Python path therefore meet in the same collective (tests/test_shm.py
+ * mixes them).
+ *
+ * The wait, as in ShmGroup._wait: spin (spin_ns), then yield the core between looks (until
+ * yield_ns after the wait began), then sleep on a futex, until budget_ns after the wait
+ * began. Past the budget the call returns WAITING and Python takes over the wait: it owns
+ * the deadline, the liveness checks and on_idle, which all run on the same 50 ms schedule
+ * as before, so a lost peer ends in the same PeerLostError or timeout, never in a hang here.
+ *
+ * Memory order (x86-64 only, like the Python path: ShmGroup refuses other machines): the
+ * slot bytes and the issued words are written before the counter with a release store; a
+ * reader loads the counter with an acquire load before it reads the slots. The full fence
+ * between publishing a counter and reading the peers' _SLEEPING words is the one
+ * transport/futex.py explains (no lost wake-up).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <limits.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+/* The segment's layout (collectives/shm.py). */
+#define WORDS 8 /* 64-bit words per cache line */
+enum { ARRIVED = 0, SLEEPING = 5, ISSUED = WORDS };
+#define KIND_ALLREDUCE 1
+
+/* What call() and fold() return to Python. */
+enum { DONE = 0, WAITING = 1, MISMATCH = 2 };
+
+/* Kernel codes: op << 4 | dtype (collectives/shm.py builds them). */
+enum { OP_SUM = 0, OP_MIN = 1, OP_MAX = 2, OP_PROD = 3 };
+enum { T_F32 = 0, T_F64 = 1, T_I32 = 2, T_I64 = 3 };
+static const Py_ssize_t ITEMSIZE[] = {4, 8, 4, 8};
+
+typedef struct {
+    Py_buffer segment;      /* held while the group lives: the mapping cannot go under a call */
+    uint64_t *ctl;          /* the control lines: line 0 the layout, then 2 per local rank */
+    char *slots;            /* slot (r, parity) starts at slots + (2 r + parity) slot_bytes */
+    Py_ssize_t slot_bytes;
+    int rank, size, futex;
+    int64_t spin_ns, yield_ns, budget_ns;
+} group;
+
+static const char CAPSULE[] = "gradsync._shmfast.group";
+
+static inline uint64_t *line(const group *g, int r) { return g->ctl + (1 + 2 * r) * WORDS; }
+static inline char *slot(const group *g, int r, uint64_t parity) {
+    return g->slots + (2 * (Py_ssize_t)r + (Py_ssize_t)parity) * g->slot_bytes;
+}
+static inline uint64_t load(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+static inline void store(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* Shared (not private) futexes: the Python path's transport/futex.py uses the same ops. */
+static long futex(uint64_t *word, int op, uint32_t value, const struct timespec *timeout) {
+    return syscall(SYS_futex, (uint32_t *)word, op, value, timeout, NULL, 0);
+}
+
+/* The first local rank whose counter `word` is below seq, or -1 when all have reached it. */
+static int behind(const group *g, int word, uint64_t seq) {
+    for (int r = 0; r < g->size; r++)
+        if (r != g->rank && load(line(g, r) + word) < seq) return r;
+    return -1;
+}
+
+/* Raises my counter `word` to seq and wakes a rank that announced it sleeps on it. */
+static void publish(const group *g, int word, uint64_t seq) {
+    uint64_t *mine = line(g, g->rank) + word;
+    store(mine, seq);
+    if (!g->futex) return;
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    uint64_t asleep_on_me = 1 + ((uint64_t)g->rank << 4 | (uint64_t)word);
+    for (int r = 0; r < g->size; r++)
+        if (r != g->rank && load(line(g, r) + SLEEPING) == asleep_on_me) {
+            futex(mine, FUTEX_WAKE, INT_MAX, NULL);
+            return;
+        }
+}
+
+/* Waits (GIL released by the caller) until every other rank's counter `word` reaches seq,
+ * at most budget_ns; returns DONE or WAITING. */
+static int wait_for(const group *g, int word, uint64_t seq) {
+    int64_t started = now_ns(), now = started;
+    int r;
+    while ((r = behind(g, word, seq)) >= 0) {
+        now = now_ns();
+        if (now - started < g->spin_ns) {
+            __builtin_ia32_pause();
+        } else if (now - started < g->yield_ns) {
+            sched_yield();
+        } else if (now - started < g->budget_ns) {
+            if (!g->futex) {
+                struct timespec nap = {0, 500000};
+                nanosleep(&nap, NULL);
+                continue;
+            }
+            uint64_t *sleeping = line(g, g->rank) + SLEEPING, *at = line(g, r) + word;
+            store(sleeping, 1 + ((uint64_t)r << 4 | (uint64_t)word));
+            uint64_t seen = load(at);
+            if (seen < seq) {
+                int64_t left = g->budget_ns - (now - started);
+                struct timespec ts = {left / 1000000000, left % 1000000000};
+                /* The kernel sleeps only while the word still holds `seen`'s low half. */
+                futex(at, FUTEX_WAIT, (uint32_t)seen, &ts);
+            }
+            store(sleeping, 0);
+        } else {
+            return WAITING;
+        }
+    }
+    return DONE;
+}
+
+/* Whether every rank issued what I issued at seq (else Python reports who issued what). */
+static int agree(const group *g, uint64_t seq, uint64_t nbytes, uint64_t signature) {
+    int at = ISSUED + 3 * (int)(seq & 1);
+    for (int r = 0; r < g->size; r++) {
+        const uint64_t *w = line(g, r) + at;
+        if (w[0] != KIND_ALLREDUCE || w[1] != nbytes || w[2] != signature) return 0;
+    }
+    return 1;
+}
+
+/* Element-wise kernels. Integer sums and products wrap (computed unsigned), as NumPy's do.
+ * Min and max return a NaN operand, the first one, as np.minimum / np.maximum do. */
+#define FOLD(T, U)                                                                          \
+    static void fold_##T(T *d, const T *s, Py_ssize_t n, int op) {                         \
+        switch (op) {                                                                       \
+        case OP_SUM:                                                                        \
+            for (Py_ssize_t i = 0; i < n; i++) d[i] = (T)((U)d[i] + (U)s[i]);               \
+            break;                                                                          \
+        case OP_PROD:                                                                       \
+            for (Py_ssize_t i = 0; i < n; i++) d[i] = (T)((U)d[i] * (U)s[i]);               \
+            break;                                                                          \
+        case OP_MIN:                                                                        \
+            for (Py_ssize_t i = 0; i < n; i++) d[i] = (d[i] <= s[i] || d[i] != d[i]) ? d[i] : s[i]; \
+            break;                                                                          \
+        default:                                                                            \
+            for (Py_ssize_t i = 0; i < n; i++) d[i] = (d[i] >= s[i] || d[i] != d[i]) ? d[i] : s[i]; \
+        }                                                                                   \
+    }
+FOLD(float, float)
+FOLD(double, double)
+FOLD(int32_t, uint32_t)
+FOLD(int64_t, uint64_t)
+
+/* An Average's division, as operations.scale does it: in the element type; integers
+ * rounded down (floor_divide), or toward zero with trunc (Horovod's). */
+#define DIVIDE_FLOAT(T)                                                                     \
+    static void divide_##T(T *d, Py_ssize_t n, int64_t by, int trunc) {                    \
+        (void)trunc;                                                                        \
+        T q = (T)by;                                                                        \
+        for (Py_ssize_t i = 0; i < n; i++) d[i] = d[i] / q;                                 \
+    }
+#define DIVIDE_INT(T)                                                                       \
+    static void divide_##T(T *d, Py_ssize_t n, int64_t by, int trunc) {                    \
+        T q = (T)by;                                                                        \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                \
+            T x = d[i] / q;                                                                 \
+            d[i] = (!trunc && d[i] % q != 0 && (d[i] < 0) != (q < 0)) ? x - 1 : x;          \
+        }                                                                                   \
+    }
+DIVIDE_FLOAT(float)
+DIVIDE_FLOAT(double)
+DIVIDE_INT(int32_t)
+DIVIDE_INT(int64_t)
+
+/* The result into data: rank 0's slot (my own data if I am rank 0), then every other slot
+ * folded in local-rank order, then the division. */
+static void reduce(const group *g, char *data, Py_ssize_t nbytes, uint64_t parity, int code,
+                   int64_t divisor, int trunc) {
+    int op = code >> 4, type = code & 15;
+    Py_ssize_t n = nbytes / ITEMSIZE[type];
+    if (n == 0) return;
+    if (g->rank) memcpy(data, slot(g, 0, parity), (size_t)nbytes);
+    for (int r = 1; r < g->size; r++) {
+        const char *s = slot(g, r, parity);
+        switch (type) {
+        case T_F32: fold_float((float *)data, (const float *)s, n, op); break;
+        case T_F64: fold_double((double *)data, (const double *)s, n, op); break;
+        case T_I32: fold_int32_t((int32_t *)data, (const int32_t *)s, n, op); break;
+        default: fold_int64_t((int64_t *)data, (const int64_t *)s, n, op);
+        }
+    }
+    if (divisor) {
+        switch (type) {
+        case T_F32: divide_float((float *)data, n, divisor, trunc); break;
+        case T_F64: divide_double((double *)data, n, divisor, trunc); break;
+        case T_I32: divide_int32_t((int32_t *)data, n, divisor, trunc); break;
+        default: divide_int64_t((int64_t *)data, n, divisor, trunc);
+        }
+    }
+}
+
+/* --- Python bindings ------------------------------------------------------------------ */
+
+static void free_group(PyObject *capsule) {
+    group *g = PyCapsule_GetPointer(capsule, CAPSULE);
+    PyBuffer_Release(&g->segment);
+    PyMem_Free(g);
+}
+
+/* open(segment, rank, size, slot_bytes, control_bytes, futex, spin_ns, yield_ns, budget_ns)
+ * -> capsule. The capsule holds a buffer export of the segment until it is freed, so the
+ * mmap refuses to close while a call (which holds the capsule) may still read it; ShmGroup
+ * drops its capsule before it closes the segment. */
+static PyObject *py_open(PyObject *self, PyObject *args) {
+    PyObject *segment;
+    int rank, size, use_futex;
+    Py_ssize_t slot_bytes, control_bytes;
+    long long spin_ns, yield_ns, budget_ns;
+    if (!PyArg_ParseTuple(args, "OiinnpLLL", &segment, &rank, &size, &slot_bytes,
+                          &control_bytes, &use_futex, &spin_ns, &yield_ns, &budget_ns))
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(segment, &view, PyBUF_WRITABLE) < 0) return NULL;
+    char *base = view.buf;
+    if (size < 1 || rank < 0 || rank >= size || slot_bytes < 64 ||
+        view.len != control_bytes + 2 * size * slot_bytes) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "segment does not match the group's layout");
+        return NULL;
+    }
+    group *g = PyMem_Calloc(1, sizeof(group));
+    if (!g) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory();
+    }
+    *g = (group){view, (uint64_t *)base, base + control_bytes, slot_bytes, rank, size,
+                 use_futex, spin_ns, yield_ns, budget_ns};
+    PyObject *capsule = PyCapsule_New(g, CAPSULE, free_group);
+    if (!capsule) {
+        PyBuffer_Release(&g->segment);
+        PyMem_Free(g);
+    }
+    return capsule;
+}
+
+/* Parses (capsule, data, seq, signature, code, divisor, trunc) shared by call and fold. */
+typedef struct {
+    group *g;
+    Py_buffer data;
+    uint64_t seq, signature;
+    int code, trunc;
+    int64_t divisor;
+} request;
+
+static int parse(PyObject *const *args, Py_ssize_t nargs, request *q) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "expected 7 arguments");
+        return -1;
+    }
+    q->g = PyCapsule_GetPointer(args[0], CAPSULE);
+    if (!q->g) return -1;
+    q->seq = PyLong_AsUnsignedLongLong(args[2]);
+    q->signature = PyLong_AsUnsignedLongLongMask(args[3]);
+    q->code = (int)PyLong_AsLong(args[4]);
+    q->divisor = PyLong_AsLongLong(args[5]);
+    q->trunc = PyObject_IsTrue(args[6]);
+    if (PyErr_Occurred()) return -1;
+    int op = q->code >> 4, type = q->code & 15;
+    if (op < OP_SUM || op > OP_PROD || type < T_F32 || type > T_I64 || q->divisor < 0) {
+        PyErr_Format(PyExc_ValueError, "bad kernel code %d or divisor", q->code);
+        return -1;
+    }
+    if (PyObject_GetBuffer(args[1], &q->data, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    if (q->data.len > q->g->slot_bytes || q->data.len % ITEMSIZE[type]) {
+        PyBuffer_Release(&q->data);
+        PyErr_Format(PyExc_ValueError, "%zd bytes do not fit a %zd-byte slot in whole elements",
+                     q->data.len, q->g->slot_bytes);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *finish(request *q, uint64_t parity) {
+    int status = MISMATCH;
+    if (agree(q->g, q->seq, (uint64_t)q->data.len, q->signature)) {
+        reduce(q->g, q->data.buf, q->data.len, parity, q->code, q->divisor, q->trunc);
+        status = DONE;
+    }
+    PyBuffer_Release(&q->data);
+    return PyLong_FromLong(status);
+}
+
+/* call(group, data, seq, signature, code, divisor, trunc) -> DONE, WAITING or MISMATCH.
+ * The whole one-step allreduce of piece seq; on WAITING, Python waits for the arrivals and
+ * then calls fold with the same arguments. */
+static PyObject *py_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    request q;
+    if (parse(args, nargs, &q) < 0) return NULL;
+    group *g = q.g;
+    uint64_t parity = q.seq & 1, *issued = line(g, g->rank) + ISSUED + 3 * parity;
+    memcpy(slot(g, g->rank, parity), q.data.buf, (size_t)q.data.len);
+    issued[0] = KIND_ALLREDUCE;
+    issued[1] = (uint64_t)q.data.len;
+    issued[2] = q.signature;
+    publish(g, ARRIVED, q.seq); /* last: a release store, after the slot and the words */
+    if (behind(g, ARRIVED, q.seq) >= 0) {
+        int status;
+        Py_BEGIN_ALLOW_THREADS
+        status = wait_for(g, ARRIVED, q.seq);
+        Py_END_ALLOW_THREADS
+        if (status == WAITING) {
+            PyBuffer_Release(&q.data);
+            return PyLong_FromLong(WAITING);
+        }
+    }
+    return finish(&q, parity);
+}
+
+/* fold(group, data, seq, signature, code, divisor, trunc) -> DONE or MISMATCH: the rest of
+ * call() once every rank has arrived at seq. */
+static PyObject *py_fold(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    request q;
+    if (parse(args, nargs, &q) < 0) return NULL;
+    return finish(&q, q.seq & 1);
+}
+
+static PyMethodDef methods[] = {
+    {"open", py_open, METH_VARARGS, "Binds a group's segment; returns a capsule."},
+    {"call", (PyCFunction)(void (*)(void))py_call, METH_FASTCALL,
+     "The one-step allreduce: DONE (0), WAITING (1) or MISMATCH (2)."},
+    {"fold", (PyCFunction)(void (*)(void))py_fold, METH_FASTCALL,
+     "The fold of call() once every rank has arrived: DONE (0) or MISMATCH (2)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_shmfast", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__shmfast(void) { return PyModule_Create(&module); }

@@ -1,0 +1,273 @@
+"""The compiled one-step shared-memory allreduce (``collectives/_shmfast.c``) and its fallback.
+
+Every multi-process test runs the group three ways: every rank on the compiled road
+(``fast``), every rank on the Python road (``python``, what ``GRADSYNC_SHM_FAST=0`` or a
+machine without a C compiler gets), and local rank 0 on the Python road beside compiled
+ones (``mixed``: the two roads speak the same protocol on the same segment). Results must
+be bitwise equal to a NumPy reduction in local-rank order; failures must end in the same
+errors as on the Python road. Ranks are forked by ``test_shm._launch`` (a deadline, stacks
+dumped on a hang, nothing left in /dev/shm).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import signal
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+from gradsync import _native
+from gradsync.collectives.ops import Average, Max, Min, Product, Sum, make_reducer
+from gradsync.collectives.shm import ShmGroup
+from gradsync.config import load_config
+from gradsync.operations import scale
+from test_shm import Rank, _launch, _raises
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs Linux /dev/shm")
+
+_SLOT = 8192  # bytes; every count below but the last fits one slot: the one-step road
+_DTYPES = ("float32", "float64", "int32", "int64", "float16")  # float16: Python road always
+_OPS = {"sum": (Sum, False), "average": (Average, False), "average_trunc": (Average, True),
+        "min": (Min, False), "max": (Max, False), "product": (Product, False)}
+_MODES = ("fast", "python", "mixed")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled():
+    """The compiled road must be buildable here, or the tests of it would test nothing."""
+    if _native.load("_shmfast") is None:
+        pytest.fail("the compiled shared-memory road cannot be built: install a C compiler "
+                    "and Python's headers (apt-get install -y gcc python3-dev)")
+
+
+def _counts(size: int) -> list[int]:
+    # empty, one, fewer than the ranks, uneven, most of a slot, and two pieces (two-step road)
+    return sorted({0, 1, max(size - 1, 0), 37, 1001, 3000})
+
+
+def _input(count: int, dtype: str, rank: int, size: int) -> np.ndarray:
+    # Small integers: sums and products are exact in every dtype, whatever the order.
+    data = (((np.arange(count) * 7 + rank * 5) % 11) - 5).astype(dtype)
+    if dtype in ("float32", "float64") and count > 2 and rank == size - 1:
+        data[2] = np.nan  # every op propagates it, as NumPy's ufuncs do
+    return data
+
+
+def _reference(count: int, dtype: str, opname: str, size: int) -> bytes:
+    op, trunc = _OPS[opname]
+    ufunc = {Sum: np.add, Average: np.add, Min: np.minimum, Max: np.maximum,
+             Product: np.multiply}[op]
+    result = functools.reduce(ufunc, [_input(count, dtype, r, size) for r in range(size)])
+    if op is Average and size > 1:
+        if np.dtype(dtype).kind == "f":
+            result = np.divide(result, size)
+        else:  # exact: the values are small integers
+            quotient = result.astype(np.float64) / size
+            result = (np.trunc(quotient) if trunc else np.floor(quotient)).astype(dtype)
+    return result.astype(dtype).tobytes()
+
+
+def _uses_fast(mode: str, rank: int) -> bool:
+    return mode == "fast" or (mode == "mixed" and rank > 0)
+
+
+def _open(ctx: Rank, mode: str) -> ShmGroup:
+    return ShmGroup.open(ctx.job, ctx.rank, ctx.size, ctx.barrier, slot_bytes=_SLOT,
+                         small_bytes=_SLOT, fast=_uses_fast(mode, ctx.rank))
+
+
+def _allreduce(group: ShmGroup, data: np.ndarray, opname: str, deadline: float,
+               signature: int = 0, on_idle=lambda waited: None) -> None:
+    """As ``operations.allreduce`` calls the group: the op for the compiled road, and the
+    reducer and the Average's division for the Python road."""
+    op, trunc = _OPS[opname]
+    average = op is Average and group.size > 1
+    finish = None
+    if average:
+        def finish(part):
+            scale(part, part.dtype, group.size, divide=True, trunc=trunc)
+    group.allreduce(data, make_reducer(op, data.dtype), deadline, on_idle, signature, finish,
+                    op, group.size if average else 0, trunc)
+
+
+def _sweep(ctx: Rank, mode: str):
+    group = _open(ctx, mode)
+    out = {"fast": group.fast}
+    deadline = time.monotonic() + 20
+    for count in _counts(ctx.size):
+        for dtype in _DTYPES:
+            for opname, (op, _) in _OPS.items():
+                if dtype == "float16" and op is Average:
+                    continue  # torch's and NumPy's half division may round differently
+                data = _input(count, dtype, ctx.rank, ctx.size)
+                key = (count, dtype, opname)
+                _allreduce(group, data, opname, deadline, zlib.crc32(repr(key).encode()))
+                out[key] = data.tobytes()
+    group.barrier(deadline)
+    return out
+
+
+@pytest.mark.parametrize("size,mode", [(1, "fast"), (2, "fast"), (3, "fast"), (4, "fast"),
+                                       (2, "python"), (3, "python"), (4, "python"),
+                                       (2, "mixed"), (3, "mixed")])
+def test_allreduce_matches_numpy_on_both_roads(size, mode):
+    results = _launch(size, _sweep, mode, timeout=60)
+    for rank in range(size):
+        assert results[rank]["fast"] == _uses_fast(mode, rank), (rank, mode)
+    for count in _counts(size):
+        for dtype in _DTYPES:
+            for opname, (op, _) in _OPS.items():
+                if dtype == "float16" and op is Average:
+                    continue
+                want = _reference(count, dtype, opname, size)
+                for rank in range(size):  # bitwise equal to NumPy, hence across ranks
+                    got = results[rank][count, dtype, opname]
+                    assert got == want, (count, dtype, opname, rank,
+                                         np.frombuffer(got, dtype)[:8],
+                                         np.frombuffer(want, dtype)[:8])
+
+
+def _killed(ctx: Rank, mode: str):
+    group = _open(ctx, mode)
+    data = np.ones(100, np.float32)
+    deadline = time.monotonic() + 20
+    for _ in range(2):
+        _allreduce(group, data, "sum", deadline)
+    if ctx.rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)  # dies between two small allreduces
+    return _raises(_allreduce, group, data, "sum", deadline)
+
+
+@pytest.mark.parametrize("mode", _MODES)
+def test_killed_rank_raises_peer_lost_on_the_others(mode):
+    results = _launch(3, _killed, mode, expect=2)
+    for rank in (0, 1):
+        name, message, seconds = results[rank]
+        assert name == "PeerLostError" and "local rank 2 (rank 2)" in message, message
+        assert seconds < 3.0
+
+
+def _silent(ctx: Rank, mode: str):
+    group = _open(ctx, mode)
+    if ctx.rank == 1:
+        ctx.barrier()  # stays alive but never joins the collective
+        return None
+    idle: list[float] = []
+    result = _raises(_allreduce, group, np.ones(10, np.int64), "sum",
+                     time.monotonic() + 0.3, 0, idle.append)
+    ctx.barrier()
+    return result, len(idle)
+
+
+@pytest.mark.parametrize("mode", ["fast", "python"])
+def test_silent_peer_times_out_naming_it(mode):
+    results = _launch(2, _silent, mode)
+    (name, message, seconds), idle_calls = results[0]
+    assert name == "GradsyncTimeoutError" and "local rank(s) [1]" in message, message
+    assert 0.3 <= seconds < 2.0 and idle_calls >= 3
+
+
+def _mismatch(ctx: Rank, mode: str, how: str):
+    group = _open(ctx, mode)
+    odd = ctx.rank == 1
+    data = np.ones(100 if how == "size" and odd else 50, np.float32)
+    deadline = time.monotonic() + 10
+    if how == "kind" and odd:
+        return _raises(group.barrier, deadline, lambda waited: None, 0x1234)
+    return _raises(_allreduce, group, data, "sum", deadline,
+                   0xBAD if how == "signature" and odd else 0x1234)
+
+
+@pytest.mark.parametrize("mode", ["fast", "mixed"])
+@pytest.mark.parametrize("how", ["signature", "size", "kind"])
+def test_mismatched_collectives_raise_on_every_rank(mode, how):
+    results = _launch(3, _mismatch, mode, how)
+    for rank in range(3):
+        name, message, _ = results[rank]
+        assert name == "CollectiveMismatchError", message
+        assert "local rank 1 (rank 1)" in message and "0x1234" in message, message
+
+
+def _late(ctx: Rank, mode: str, delays: list[float]):
+    """Rank 1 arrives late by each delay: inside the compiled wait's futex phase (30 ms)
+    and past its budget (300 ms, where Python takes the wait over)."""
+    group = _open(ctx, mode)
+    data = np.full(10, float(ctx.rank + 1))
+    deadline = time.monotonic() + 10
+    waited = []
+    for delay in delays:
+        if ctx.rank == 1:
+            time.sleep(delay)
+        start = time.monotonic()
+        _allreduce(group, data, "sum", deadline)
+        waited.append(time.monotonic() - start)
+    return data.tolist(), waited
+
+
+@pytest.mark.parametrize("mode", ["fast", "mixed"])
+def test_late_peer_is_waited_for_and_woken(mode):
+    delays = [0.03, 0.3, 0.0]
+    results = _launch(2, _late, mode, delays)
+    for rank in (0, 1):
+        data, _ = results[rank]
+        assert data == [3.0 * 2 ** (len(delays) - 1)] * 10  # 1 + 2, doubled twice more
+    assert max(results[0][1]) < 2.0, results[0][1]  # no wake-up was lost for long
+
+
+# --- the fallback ------------------------------------------------------------------------------
+
+def test_no_compiler_gives_none_and_one_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="gradsync"):
+        assert _native.load("_shmfast", compiler="/nonexistent/cc") is None
+        assert _native.load("_shmfast", compiler="/nonexistent/cc") is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "no C compiler" in lines[0] and "Python path" in lines[0], lines
+
+
+def _fallback(ctx: Rank):
+    group = _open(ctx, "fast")  # asks for the compiled road, which cannot be built
+    data = np.arange(20, dtype=np.float32) * (ctx.rank + 1)
+    _allreduce(group, data, "average", time.monotonic() + 10)
+    return group.fast, data.tolist()
+
+
+def test_without_a_compiler_groups_take_the_python_road(monkeypatch, tmp_path):
+    # The ranks fork from here: they inherit a bad $CC, an empty cache and no loaded module.
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(_native, "_loaded", {})
+    results = _launch(3, _fallback)
+    for rank in range(3):
+        fast, data = results[rank]
+        assert fast is False and data == [2.0 * i for i in range(20)]  # (1 + 2 + 3) / 3
+
+
+def test_the_module_is_built_once_into_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(_native, "_loaded", {})
+    module = _native.load("_shmfast")
+    assert module is not None and module.__file__.startswith(str(tmp_path / "gradsync"))
+    built = [f for f in os.listdir(tmp_path / "gradsync") if f.endswith(".so")]
+    assert len(built) == 1
+    monkeypatch.setattr(_native, "_loaded", {})
+    assert _native.load("_shmfast").__file__ == module.__file__  # loaded, not rebuilt
+
+
+def test_config_switches_the_compiled_road_off():
+    assert load_config(environ={}).shm_fast is True
+    assert load_config(environ={"GRADSYNC_SHM_FAST": "0"}).shm_fast is False
+
+
+def test_close_unmaps_the_segment_once_the_compiled_road_lets_go():
+    # The compiled group holds a buffer export of the segment (no call can outlive the
+    # mapping); close() drops it first, so the mapping really goes.
+    group = ShmGroup.open(f"t{os.getpid()}x", 0, 1, lambda: None, slot_bytes=_SLOT)
+    segment = group._segment
+    assert group.fast and not segment.closed
+    group.close()
+    assert segment.closed
