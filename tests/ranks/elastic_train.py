@@ -5,14 +5,17 @@
 MODE: none, kill (SIGKILL in the middle of a step: gradients in flight), raise (an exception
 in the training code), stop (SIGSTOP), kill-sync (VICTIM is killed mid-step as in kill, then
 worker VICTIM+1 SIGKILLs itself inside state.sync() of generation 1), kill-commit (SIGKILL
-inside commit()), grow (the worker adds 127.0.0.1:1 to the discovery file $HOSTS_FILE and
-training goes on until the job has one more worker), die-all (every worker but VICTIM exits,
+inside commit()), grow (the worker adds $GROW_HOST (default 127.0.0.1:1) to the discovery file
+$HOSTS_FILE and training goes on until the job has one more worker), kill-grow (kill, then
+worker 0 adds $GROW_HOST at step AT + 4 as in grow), die-all (every worker but VICTIM exits,
 to fall below --min-np).
 VICTIM: the worker's first rank (GRADSYNC_RANK at its start); AT: the global step it acts at.
 
 RESULT id=<worker> rank=<r> size=<n> gen=<g> steps=<global steps> hash=<parameters' digest>
-START id=<worker> gen=<g> rank=<r> steps=<s> epoch=<e> committed=<c>: each generation's start,
-after sync(); c is the steps value of this worker's last commit() (-1: none yet).
+START id=<worker> gen=<g> rank=<r> steps=<s> epoch=<e> committed=<c> pid=<p>: each
+generation's start, after sync(); c is the steps value of this worker's last commit() (-1:
+none yet); p the worker's process id.
+LOST wall=<time.time()>: a survivor caught a lost peer and rolls back (state.restore()).
 FIRSTSTEP wall=<time.time()>: the first completed step after a re-formation.
 DYING wall=<time.time()>: the victim, just before it fails.
 """
@@ -73,6 +76,15 @@ def recording_commit():
 
 
 state.commit = recording_commit
+_restore = state.restore
+
+
+def announcing_restore():
+    print(f"LOST wall={time.time():.6f}", flush=True)
+    _restore()
+
+
+state.restore = announcing_restore
 if mode == "kill-sync" and first_rank == victim + 1:
     original = state.sync
 
@@ -103,15 +115,16 @@ def digest() -> str:
 def train(state):
     print(f"START id={os.environ['GRADSYNC_ELASTIC_ID']} gen={worker.generation()} "
           f"rank={hvd.rank()} steps={state.steps} epoch={state.epoch} "
-          f"committed={committed['steps']}", flush=True)
+          f"committed={committed['steps']} pid={os.getpid()}", flush=True)
     while state.epoch < epochs or hvd.size() < state.grow_to:
         loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, sampler=state.sampler)
         for batch, (xb, yb) in enumerate(loader):
             optimizer.zero_grad()
             loss = torch.nn.functional.mse_loss(model(xb), yb)
-            if me and state.steps == at and mode in ("kill", "raise", "stop", "kill-sync"):
+            if me and state.steps == at and mode in ("kill", "raise", "stop", "kill-sync",
+                                                     "kill-grow"):
                 loss.backward()  # the hooks have launched the allreduces: die with them in flight
-                die("kill" if mode == "kill-sync" else mode)
+                die(mode if mode in ("raise", "stop") else "kill")
             loss.backward()
             optimizer.step()
             state.steps += 1
@@ -120,10 +133,12 @@ def train(state):
                 print(f"FIRSTSTEP wall={time.time():.6f} size={hvd.size()}", flush=True)
             state.sampler.record_batch(batch, BATCH)
             state.batch = batch
-            if mode == "grow" and me and state.steps == at:
+            grow_at = at + 4 if mode == "kill-grow" else at
+            grower = me if mode == "grow" else first_rank == 0
+            if mode in ("grow", "kill-grow") and grower and state.steps == grow_at:
                 with open(os.environ["HOSTS_FILE"], "a") as hosts:
-                    hosts.write("127.0.0.1:1\n")
-            if mode == "grow" and state.steps == at:
+                    hosts.write(os.environ.get("GROW_HOST", "127.0.0.1:1") + "\n")
+            if mode in ("grow", "kill-grow") and state.steps == grow_at:
                 state.grow_to = hvd.size() + 1  # train until the new worker has joined
             if mode == "die-all" and state.steps == at and not me:
                 print(f"DYING wall={time.time():.6f}", flush=True)
