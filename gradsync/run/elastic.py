@@ -56,6 +56,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 from ..config import ENV_PREFIX
 from ..elastic.membership import Control
@@ -200,6 +201,7 @@ class _ElasticJob(_Job):
         self._counter = 0
         self._generation_members: dict[int, list[_Worker]] = {}
         self._suspects: dict[str, float] = {}
+        self._store_warned = ""
         self._probes: dict[str, tuple[subprocess.Popen, float]] = {}  # ssh checks running
         self._reachable: set[str] = set()  # remote hosts whose ssh check passed
         self._stopping: list[tuple[_Worker, float]] = []  # retired workers, SIGKILL time
@@ -219,9 +221,9 @@ class _ElasticJob(_Job):
                 self.remote_hosts = [h.name for h in self._hosts() if not is_local(h.name)]
                 self.store_addr = _store_addr(self.remote_hosts,
                                               reachable=self.discovery is not None)
-                store = self._start_store()
-                self.port = store.port
-                self.control = Control(store, self.job_id, 30.0)
+                self._server = self._start_store()
+                self.port = self._server.port
+                self.control = Control(self._server, self.job_id, 30.0)
                 self._check_first_hosts()
                 status, summary = self._loop()
             except _StartError as exc:
@@ -298,10 +300,7 @@ class _ElasticJob(_Job):
         for gen in (st.gen - 1, st.gen):
             if gen < 0:
                 continue
-            try:
-                record = self.control.world_store(gen).read_abort()
-            except Exception:  # noqa: BLE001 (the launcher's own store: cannot be lost)
-                record = None
+            record = self._read_abort(gen)
             if record is None or record.get("rank") == -1:
                 continue
             members = self._generation_members.get(gen, [])
@@ -316,6 +315,27 @@ class _ElasticJob(_Job):
                                        "sent no heartbeats and was killed", 128 + 9)
                     changed = True
         return changed
+
+    def _read_abort(self, gen: int) -> dict | None:
+        """Generation ``gen``'s abort record (None: none). A read that fails is reported and
+        the launcher's client of its own store replaced: a client whose call failed midway
+        may stay out of step with the server, and an abort record the launcher cannot read
+        would leave a silent worker in the job for good."""
+        try:
+            return self.control.world_store(gen).read_abort()
+        except Exception as exc:  # noqa: BLE001 (reported; the next poll tries again)
+            if str(exc) != self._store_warned:
+                self._store_warned = str(exc)
+                self.output.message(f"cannot read the abort record of generation {gen} from "
+                                    f"the launcher's store ({exc}); reconnecting to it")
+            try:
+                from torch.distributed import TCPStore
+
+                client = TCPStore("127.0.0.1", self.port, None, False, timedelta(seconds=30))
+                self.control = Control(client, self.job_id, 30.0)
+            except (RuntimeError, OSError) as again:
+                self.output.message(f"cannot reconnect to the launcher's store: {again}")
+            return None
 
     def _lost_peer_settled(self, members: list[_Worker], peer: int | None) -> bool:
         """Whether the newest generation can be replaced after a worker reported ``peer``
