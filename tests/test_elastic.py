@@ -272,3 +272,25 @@ def test_remote_workers_start_over_ssh_leave_with_their_host_and_join_when_disco
     calls = re.findall(r"-o ConnectTimeout=\d+ (\S+) (\S+)", log.read_text())
     assert sorted(h for h, _ in calls) == ["hostA", "hostA", "hostA", "hostB", "hostB"]
     assert sorted(c for _, c in calls).count("true") == 2
+
+
+@pytest.mark.slow
+def test_a_remote_host_that_leaves_discovery_loses_its_workers_through_the_lifeline(tmp_path):
+    ssh, log = remote_ssh(tmp_path)
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\nhostC:2\n")
+    result = launch(4, "elastic_train.py", "shrink", "0", "5", timeout=300,
+                    env={"HOSTS_FILE": str(hosts), "SHRINK_HOSTS": "localhost:2",
+                         "FAKE_SSH_LOG": str(log)},
+                    launcher_args=("--min-np", "2", "--host-discovery-script", f"cat {hosts}",
+                                   "--ssh-command", str(ssh), "-x", "GS_TEST_DEADLINE"))
+    # worker 0 drops hostC from the discovery file at step 5: its two workers are stopped
+    # (through ssh: the lifeline) and localhost's go on with identical parameters
+    check_consistent(result, ["localhost[0]", "localhost[1]"], 2)
+    out = result.output
+    for worker in ("hostC[2]", "hostC[3]"):
+        assert f"stopping worker {worker}: host hostC is no longer listed" in out, result
+    assert "generation 1: 2 workers (2 kept, 0 new)" in out, result
+    assert "blacklisted" not in out, result  # leaving discovery is not a failure
+    first = starts(out, "0")
+    assert gone(first["hostC[2]"]["pid"]) and gone(first["hostC[3]"]["pid"]), result

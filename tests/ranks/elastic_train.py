@@ -7,7 +7,9 @@ in the training code), stop (SIGSTOP), kill-sync (VICTIM is killed mid-step as i
 worker VICTIM+1 SIGKILLs itself inside state.sync() of generation 1), kill-commit (SIGKILL
 inside commit()), grow (the worker adds $GROW_HOST (default 127.0.0.1:1) to the discovery file
 $HOSTS_FILE and training goes on until the job has one more worker), kill-grow (kill, then
-worker 0 adds $GROW_HOST at step AT + 4 as in grow), die-all (every worker but VICTIM exits,
+worker 0 adds $GROW_HOST at step AT + 4 as in grow), shrink (worker 0 rewrites
+$HOSTS_FILE as the lines of $SHRINK_HOSTS, separated by commas, at step AT and training goes
+on until the job is smaller), die-all (every worker but VICTIM exits,
 to fall below --min-np).
 VICTIM: the worker's first rank (GRADSYNC_RANK at its start); AT: the global step it acts at.
 
@@ -48,7 +50,7 @@ optimizer = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.0
                                      named_parameters=model.named_parameters())
 sampler = hvd.elastic.ElasticSampler(dataset, batch_size=BATCH, seed=7)
 state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0, steps=0,
-                               grow_to=0)
+                               grow_to=0, shrink_below=0)
 recovered = {"pending": False}
 
 
@@ -116,7 +118,8 @@ def train(state):
     print(f"START id={os.environ['GRADSYNC_ELASTIC_ID']} gen={worker.generation()} "
           f"rank={hvd.rank()} steps={state.steps} epoch={state.epoch} "
           f"committed={committed['steps']} pid={os.getpid()}", flush=True)
-    while state.epoch < epochs or hvd.size() < state.grow_to:
+    while state.epoch < epochs or hvd.size() < state.grow_to or \
+            hvd.size() >= state.shrink_below > 0:
         loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, sampler=state.sampler)
         for batch, (xb, yb) in enumerate(loader):
             optimizer.zero_grad()
@@ -140,6 +143,13 @@ def train(state):
                     hosts.write(os.environ.get("GROW_HOST", "127.0.0.1:1") + "\n")
             if mode in ("grow", "kill-grow") and state.steps == grow_at:
                 state.grow_to = hvd.size() + 1  # train until the new worker has joined
+            if mode == "shrink" and state.steps == at and state.shrink_below == 0:
+                if first_rank == 0:
+                    fresh = os.environ["HOSTS_FILE"] + ".new"
+                    with open(fresh, "w") as hosts:
+                        hosts.write(os.environ["SHRINK_HOSTS"].replace(",", "\n") + "\n")
+                    os.replace(fresh, os.environ["HOSTS_FILE"])
+                state.shrink_below = hvd.size()  # train until the job is smaller
             if mode == "die-all" and state.steps == at and not me:
                 print(f"DYING wall={time.time():.6f}", flush=True)
                 os._exit(3)
