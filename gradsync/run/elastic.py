@@ -346,7 +346,15 @@ class _ElasticJob(_Job):
         if peer is None or not 0 <= peer < len(members):
             return True
         suspect = members[peer]
-        if suspect.failed or suspect.retired or suspect.rank.proc.poll() is not None:
+        if suspect.failed or suspect.retired:
+            return True
+        code = suspect.rank.proc.poll()
+        if code is not None:
+            # It exited after this poll's look at the members: fail it now, or the generation
+            # formed next would see its host unblacklisted and a free slot in its place.
+            if code != 0:
+                self._fail(suspect, f"worker {suspect.id} (rank {peer} of generation "
+                                    f"{self.state.gen}) {_describe(code)}", _status(code))
             return True
         since = self._suspects.setdefault(suspect.id, time.monotonic())
         if time.monotonic() - since < _LOST_GRACE:
