@@ -25,9 +25,10 @@ The scheme, per World (so each generation of an elastic job has its own):
 
 Worked example, interval 1 s, timeout 10 s: rank 2 of 4 is stopped at t = 0.3 s; its last
 beat was at t = 0. Ranks 0, 1 and 3 watch it (1 and 3 as neighbours, 0 as rank 2's
-"two after"). Each reads the same counter value from t = 1 on; the first check after
-t = 10 (at the latest t = 11, one interval later) declares it lost: detection within
-``timeout + interval`` of the last beat.
+"two after"). A watcher's clock for it starts when it first reads that last value: at the
+latest t = 1 (its reads are an interval apart). The first check more than 10 s later (at the
+latest t = 12, one interval after t = 11) declares it lost: detection within
+``timeout + 2 * interval`` of the last beat, and no earlier than ``timeout`` after it.
 
 A watcher that was itself stalled (it was the stopped one, or the machine was starved) must
 not blame its peers for its own gap: when its own loop ran late by more than half the

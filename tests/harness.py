@@ -132,3 +132,40 @@ def bench(benchmark: str, *args: str, timeout: float = 120) -> subprocess.Comple
         raise AssertionError(f"bench {benchmark} passed its {timeout}s deadline:\n"
                              f"{proc.communicate()[0][-6000:]}") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out)
+
+
+REMOTE_SSH = """\
+#!/bin/sh
+# Stands in for ssh to another host: logs its arguments, skips the options, and runs the
+# command here in a session of its own with an almost empty environment, like a fresh login
+# elsewhere. The launcher cannot signal that session: only closing ssh's stdin (the lifeline)
+# or the command's own end stops it, as on a real remote host.
+printf '%s\\n' "$*" >> "$FAKE_SSH_LOG"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -o|-p) shift 2 ;;
+    -*) shift ;;
+    *) break ;;
+  esac
+done
+shift
+exec env -i PATH="$PATH" PYTHONPATH="$PYTHONPATH" setsid -w sh -c "$*"
+"""
+
+
+def remote_ssh(directory: Path) -> tuple[Path, Path]:
+    """Writes REMOTE_SSH into ``directory``; returns the script and the log it appends to
+    (set FAKE_SSH_LOG to it in the launcher's environment)."""
+    script = directory / "remote_ssh"
+    script.write_text(REMOTE_SSH)
+    script.chmod(0o755)
+    return script, directory / "ssh.log"
+
+
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from harness import launch
+from harness import gone, launch, remote_ssh
 
 pytestmark = pytest.mark.multiprocess
 
@@ -95,6 +95,15 @@ def test_an_exception_in_one_rank_is_a_lost_worker():
                      r"was reported lost by its peers)", result.output), result
 
 
+def walls(output: str, tag: str) -> list[float]:
+    """The ``wall=`` times of the ``tag`` lines, in output order."""
+    return [float(t) for t in re.findall(tag + r" wall=([0-9.]+)", output)]
+
+
+# Scheduling slack on a loaded 2-core machine, on top of the heartbeat's own bound.
+DETECTION_MARGIN = 2.0
+
+
 @pytest.mark.slow
 def test_a_stopped_rank_is_found_by_heartbeats_killed_and_left_out():
     result = job(4, "stop", 3, 5, env=FAST_HEARTBEAT)
@@ -102,6 +111,19 @@ def test_a_stopped_rank_is_found_by_heartbeats_killed_and_left_out():
     assert "sent no heartbeat for" in result.output
     assert "worker localhost[3] (rank 3 of generation 0) sent no heartbeats and was killed" \
         in result.output, result
+    # Detected within the heartbeat bound (docs/elastic.md, gradsync/heartbeat.py): a watcher
+    # declares the peer lost within timeout + 2 intervals of its last beat, which came before
+    # the DYING line, and the others see the record within the 0.1 s abort poll. No earlier
+    # than timeout - interval after the stop (its last beat was at most an interval before
+    # it), less a second for a heartbeat thread the load delayed.
+    timeout = float(FAST_HEARTBEAT["GRADSYNC_HEARTBEAT_TIMEOUT"])
+    interval = float(FAST_HEARTBEAT["GRADSYNC_HEARTBEAT_INTERVAL"])
+    [stopped] = walls(result.output, "DYING")
+    lost = walls(result.output, "LOST")
+    assert len(lost) == 3, result  # one roll-back per survivor
+    delays = [t - stopped for t in lost]
+    assert min(delays) >= timeout - interval - 1.0, (delays, result)
+    assert max(delays) <= timeout + 2 * interval + 0.1 + DETECTION_MARGIN, (delays, result)
 
 
 @pytest.mark.slow
@@ -145,12 +167,15 @@ def test_localhost_and_127_0_0_1_are_two_hosts_and_only_the_failed_one_is_blackl
     result = launch(4, "elastic_train.py", "kill", "1", "5", timeout=240,
                     launcher_args=("--min-np", "2", "--max-np", "4", "--host-discovery-script",
                                    f"sh {script}"))
-    # worker 1 (localhost) dies; its replacement starts on 127.0.0.1's free slot
-    got = check_consistent(result, ["localhost[0]", "127.0.0.1[2]", "127.0.0.1[3]",
-                                    "127.0.0.1[4]"], 4)
+    # worker 1 (localhost) dies: localhost is blacklisted and, as in Horovod, its other worker
+    # leaves too; 127.0.0.1 keeps its two workers and takes a new one on its free slot
+    got = check_consistent(result, ["127.0.0.1[2]", "127.0.0.1[3]", "127.0.0.1[4]"], 3)
     assert "host localhost is blacklisted" in result.output
+    assert "stopping worker localhost[0]: host localhost is blacklisted" in result.output
     assert "host 127.0.0.1 is blacklisted" not in result.output
-    assert got["127.0.0.1[4]"]["rank"] == "3"
+    assert "generation 1: 3 workers (2 kept, 1 new)" in result.output, result
+    assert [got[w]["rank"] for w in ("127.0.0.1[2]", "127.0.0.1[3]", "127.0.0.1[4]")] == \
+        ["0", "1", "2"]
 
 
 @pytest.mark.slow
@@ -210,6 +235,62 @@ def test_under_torchrun_a_lost_worker_restarts_the_group_from_its_checkpoint(tmp
     # the first attempt starts at epoch 0; the restart at the checkpoint of the last finished
     # epoch (worker 1 died in epoch 2), never earlier
     assert sorted(resumed) == [("0", r, "0") for r in "012"] + [("1", r, "2") for r in "012"]
-    got = re.findall(r"RESULT restart=(\d) rank=(\d) size=(\d) epoch=(\d) hash=(\w+)", out)
+    got = re.findall(r"RESULT restart=(\d) rank=(\d) size=(\d) epoch=(\d) hash=([0-9a-f]+)", out)
     assert sorted(g[:4] for g in got) == [("1", r, "3", "4") for r in "012"], out[-6000:]
     assert len({g[4] for g in got}) == 1, out[-6000:]  # identical parameters
+
+
+@pytest.mark.slow
+def test_remote_workers_start_over_ssh_leave_with_their_host_and_join_when_discovered(
+        tmp_path):
+    # hostA and hostB are other hosts to the launcher: their workers start through an ssh
+    # stand-in that runs them in sessions of their own (tests/harness.py REMOTE_SSH), so only
+    # ssh (its exit, its stdin: the lifeline) connects them to the launcher
+    ssh, log = remote_ssh(tmp_path)
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\nhostA:2\n")
+    result = launch(4, "elastic_train.py", "kill-grow", "3", "5", timeout=300,
+                    env={"HOSTS_FILE": str(hosts), "GROW_HOST": "hostB:1",
+                         "FAKE_SSH_LOG": str(log)},
+                    launcher_args=("--min-np", "2", "--max-np", "5", "--host-discovery-script",
+                                   f"cat {hosts}", "--ssh-command", str(ssh), "-x",
+                                   "GS_TEST_DEADLINE", "-x", "HOSTS_FILE", "-x", "GROW_HOST"))
+    # hostA[3] dies mid-step: hostA is blacklisted and hostA[2] stopped; localhost goes on at
+    # 2, then worker 0 lists hostB, whose worker joins with the job's parameters
+    got = check_consistent(result, ["localhost[0]", "localhost[1]", "hostB[4]"], 3)
+    out = result.output
+    assert "worker hostA[3] (rank 3 of generation 0) exited with status 137" in out, result
+    assert "stopping worker hostA[2]: host hostA is blacklisted" in out, result
+    assert "generation 1: 2 workers (2 kept, 0 new)" in out, result
+    assert "generation 2: 3 workers (2 kept, 1 new)" in out, result
+    assert got["hostB[4]"]["rank"] == "2"
+    first = starts(out, "0")
+    assert sorted(first) == ["hostA[2]", "hostA[3]", "localhost[0]", "localhost[1]"], result
+    # the stopped remote worker is gone: its lifeline ended it when ssh's stdin closed
+    assert gone(first["hostA[2]"]["pid"]) and gone(first["hostA[3]"]["pid"])
+    # per remote host one reachability check, then one ssh per worker; no local worker
+    calls = re.findall(r"-o ConnectTimeout=\d+ (\S+) (\S+)", log.read_text())
+    assert sorted(h for h, _ in calls) == ["hostA", "hostA", "hostA", "hostB", "hostB"]
+    assert sorted(c for _, c in calls).count("true") == 2
+
+
+@pytest.mark.slow
+def test_a_remote_host_that_leaves_discovery_loses_its_workers_through_the_lifeline(tmp_path):
+    ssh, log = remote_ssh(tmp_path)
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\nhostC:2\n")
+    result = launch(4, "elastic_train.py", "shrink", "0", "5", timeout=300,
+                    env={"HOSTS_FILE": str(hosts), "SHRINK_HOSTS": "localhost:2",
+                         "FAKE_SSH_LOG": str(log)},
+                    launcher_args=("--min-np", "2", "--host-discovery-script", f"cat {hosts}",
+                                   "--ssh-command", str(ssh), "-x", "GS_TEST_DEADLINE"))
+    # worker 0 drops hostC from the discovery file at step 5: its two workers are stopped
+    # (through ssh: the lifeline) and localhost's go on with identical parameters
+    check_consistent(result, ["localhost[0]", "localhost[1]"], 2)
+    out = result.output
+    for worker in ("hostC[2]", "hostC[3]"):
+        assert f"stopping worker {worker}: host hostC is no longer listed" in out, result
+    assert "generation 1: 2 workers (2 kept, 0 new)" in out, result
+    assert "blacklisted" not in out, result  # leaving discovery is not a failure
+    first = starts(out, "0")
+    assert gone(first["hostC[2]"]["pid"]) and gone(first["hostC[3]"]["pid"]), result

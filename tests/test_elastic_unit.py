@@ -10,7 +10,9 @@ import torch
 from gradsync.elastic import ObjectState
 from gradsync.elastic.membership import Control, ElasticJobFailed, generation_job
 from gradsync.run import cli
-from gradsync.run.elastic import ElasticSpec, Host, _slots, _Worker, parse_discovered
+from gradsync.run.elastic import ElasticSpec, Host, _ElasticJob, _slots, _Worker, \
+    parse_discovered
+from gradsync.run.launcher import LaunchSpec, _Output
 from gradsync.torch.elastic import sampler as sampler_module
 from gradsync.torch.elastic import ElasticSampler
 
@@ -171,3 +173,40 @@ def test_elastic_usage_errors(argv, message, capsys):
         cli.main(argv)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+class _FakeRank:
+    """A running worker process that records the signals the launcher sends it."""
+
+    def __init__(self):
+        self.signals = []
+        self.proc = types.SimpleNamespace(poll=lambda: None)
+
+    def signal(self, signum):
+        self.signals.append(signum)
+
+
+@pytest.mark.parametrize("hosts", [True, False])
+def test_a_failed_host_loses_every_worker_and_an_unlisted_host_its_workers(hosts, capfd):
+    import io
+    import signal
+
+    spec = LaunchSpec(command=["true"], num_proc=6,
+                      hosts=[Host("a", 3), Host("b", 2), Host("c", 1)] if hosts else ())
+    job = _ElasticJob(spec, ElasticSpec(min_np=1, max_np=6), _Output(True, io.BytesIO(),
+                                                                       io.BytesIO()))
+    members = [_Worker(f"{h}[{i}]", h, _FakeRank(), i) for i, h in enumerate("aaabbc")]
+    job.workers, job.state.members = list(members), list(members)
+    job._fail(members[1], "worker a[1] exited with status 1", 1)
+    assert job.blacklist == {"a": float("inf")}
+    if hosts:
+        # as in Horovod: every worker of the failed host leaves, SIGTERM first
+        assert [w.id for w in job._alive(members)] == ["b[3]", "b[4]", "c[5]"]
+        assert members[0].rank.signals == members[2].rank.signals == [signal.SIGTERM]
+    else:
+        # a job given no hosts is this machine alone: the failed worker leaves alone
+        assert [w.id for w in job._alive(members)] == ["a[0]", "a[2]", "b[3]", "b[4]", "c[5]"]
+        assert members[0].rank.signals == []
+    # discovery now lists b with one slot and no c: b's last worker and c's leave
+    job.discovery = types.SimpleNamespace(hosts=[Host("a", 3), Host("b", 1)])
+    assert [w.id for w in job._unlisted()] == ["b[4]", "c[5]"]

@@ -5,18 +5,26 @@ who the workers are and in which rank order. Its loop, every ``_POLL`` seconds:
 
 1. **Watch.** A worker of the newest generation that exits non-zero, or is reported silent by
    a heartbeat (the abort record of its World says ``silent``; the launcher SIGKILLs it), is
-   *failed*: its host is blacklisted (``--blacklist-cooldown`` seconds, or for good), and it
-   leaves the job. Any other abort record of the newest generation (a worker that could not
-   connect, a timeout) also calls for a new generation, with the same workers.
+   *failed*: its host is blacklisted (``--blacklist-cooldown`` seconds, or for good) and, as
+   in Horovod, every worker on that host leaves the job (the others are stopped: SIGTERM,
+   SIGKILL after the stop grace). Any other abort record of the newest generation (a worker
+   that could not connect, a timeout) also calls for a new generation, with the same workers.
 2. **Discover.** ``--host-discovery-script`` is run every ``discovery_interval`` seconds; it
    prints ``host:slots`` (or ``host``) lines, as Horovod's does. A host is *usable* when it is
-   listed and not blacklisted; its free slots are its slots minus its live workers.
+   listed, not blacklisted and, if it is not this machine, has passed its ssh check
+   (``ssh host true``, run once when the host first appears; a host that fails it is
+   blacklisted). Its free slots are its slots minus its live workers. Workers of a host that
+   is no longer listed, or beyond the slots now listed for it, are stopped.
 3. **Re-form.** A new generation keeps the survivors in their old order, then adds new workers
    on free usable slots, up to ``--max-np`` (in the first generation: ``-np``). It is
    published (``members/<g>``, then ``gen``), the loss is posted into the abort record of the
-   generations it replaces (survivors stop waiting at once), and then the new workers start.
-   New hosts alone (no failure) form a generation too; its survivors reach it at their next
-   ``commit()`` (``HostsUpdatedInterrupt``).
+   generations it replaces (survivors stop waiting at once), and then the new workers start:
+   here as children, on other hosts over ssh exactly as ``gradsync run`` starts remote ranks
+   (``launcher._Job._start``: the secret on ssh's stdin, the lifeline that ends the remote
+   worker when the launcher stops it or goes away). With no survivor left there is no state
+   to hand on, and the job ends (as Horovod's does). New hosts alone (no failure) form a
+   generation too; its survivors reach it at their next ``commit()``
+   (``HostsUpdatedInterrupt``).
 4. **Limits.** Fewer than ``--min-np`` workers possible: the launcher waits up to
    ``--elastic-timeout`` seconds for discovery to offer hosts, then ends the job with an
    error naming the workers left and the blacklisted hosts. More than ``--reset-limit``
@@ -26,11 +34,15 @@ who the workers are and in which rank order. Its loop, every ``_POLL`` seconds:
    ends when every worker has exited: status 0 when the last generation's workers all exited
    0, else the first failure's status.
 
-A failed worker's host is blacklisted for new workers only: its other workers go on (a worker
-that failed says nothing about its neighbours' processes). A discovery script may list
-``localhost`` and ``127.0.0.1`` as two hosts, as Horovod's elastic tests do: both start
-workers locally, each is its own host (``GRADSYNC_HOSTNAME``), and a failure on one
-blacklists only that one.
+Hosts are the unit of failure, as in Horovod, except in a job given neither ``-H`` nor a
+discovery script: that job runs on this machine alone, so there a failed worker leaves alone
+(and the host takes no new workers). A discovery script may list ``localhost`` and
+``127.0.0.1`` as two hosts, as Horovod's elastic tests do: both start workers locally, each is
+its own host (``GRADSYNC_HOSTNAME``), and a failure on one blacklists only that one.
+
+Every worker gets the same store address, fixed at the start: one the remote hosts known then
+can reach, or, with a discovery script, the address of the default route (remote hosts may
+come later).
 
 Output lines are prefixed with the worker's first rank (``[3]<stdout>:``), which stays with the
 process while its rank changes.
@@ -44,11 +56,12 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 from ..config import ENV_PREFIX
 from ..elastic.membership import Control
-from .launcher import Host, LaunchSpec, Slot, _Job, _Output, _Rank, _StartError, _describe, \
-    _handling, _status, is_local
+from .launcher import Host, LaunchSpec, Slot, _end_probe, _Job, _Output, _Rank, _StartError, \
+    _describe, _handling, _status, _store_addr, is_local
 
 __all__ = ["ElasticSpec", "launch_elastic", "parse_discovered"]
 
@@ -157,6 +170,7 @@ class _Worker:
     rank: _Rank
     first_rank: int
     failed: bool = False
+    retired: bool = False  # stopped by the launcher: its host was blacklisted or removed
 
 
 @dataclass
@@ -176,8 +190,9 @@ class _ElasticJob(_Job):
         super().__init__(spec, [], output)
         self.elastic = elastic
         self.static_hosts = list(spec.hosts) or [Host("localhost", spec.num_proc)]
-        # Remote hosts are those named on the command line; discovered ones must be local
-        # (ssh-started elastic workers are not supported yet).
+        # A job given no hosts runs on this machine alone: there a failed worker leaves alone,
+        # since removing every worker of the host would end the job.
+        self.per_worker = not spec.hosts and not elastic.discovery_script
         self.blacklist: dict[str, float] = {}
         self.workers: list[_Worker] = []
         self.state = _State()
@@ -185,28 +200,39 @@ class _ElasticJob(_Job):
         self.discovery: _Discovery | None = None
         self._counter = 0
         self._generation_members: dict[int, list[_Worker]] = {}
-        self._remote_warned: set[str] = set()
         self._suspects: dict[str, float] = {}
+        self._store_warned = ""
+        self._probes: dict[str, tuple[subprocess.Popen, float]] = {}  # ssh checks running
+        self._reachable: set[str] = set()  # remote hosts whose ssh check passed
+        self._stopping: list[tuple[_Worker, float]] = []  # retired workers, SIGKILL time
 
     # ------------------------------------------------------------------ the run
     def run(self) -> int:
         with _handling(self._on_signal):
             status, summary = 1, None
             try:
-                self._check_hosts()
-                store = self._start_store()
-                self.port = store.port
-                self.control = Control(store, self.job_id, 30.0)
                 if self.elastic.discovery_script:
                     self.discovery = _Discovery(self.elastic.discovery_script,
                                                 self.elastic.discovery_interval,
                                                 self.output).start()
+                # Every worker of every generation gets the same store address: one that the
+                # remote hosts known now reach, or with a discovery script (remote hosts may
+                # come later) one that other hosts can reach.
+                self.remote_hosts = [h.name for h in self._hosts() if not is_local(h.name)]
+                self.store_addr = _store_addr(self.remote_hosts,
+                                              reachable=self.discovery is not None)
+                self._server = self._start_store()
+                self.port = self._server.port
+                self.control = Control(self._server, self.job_id, 30.0)
+                self._check_first_hosts()
                 status, summary = self._loop()
             except _StartError as exc:
                 status, summary = exc.status, str(exc)
             finally:
                 if self.discovery is not None:
                     self.discovery.stop()
+                for proc, _ in self._probes.values():
+                    _end_probe(proc)
                 if summary and self.control is not None and status != 0:
                     try:
                         self.control.give_up(summary)
@@ -226,11 +252,16 @@ class _ElasticJob(_Job):
             if self.received is not None:
                 return 128 + self.received, f"interrupted by {signal.Signals(self.received).name}"
             changed = self._watch()
+            self._reap()
+            reachable = self._probe_hosts()
             if self.discovery is not None and self.discovery.version != seen_version:
                 seen_version = self.discovery.version
-                if not st.finishing and len(self._alive(st.members)) < self.elastic.max_np \
-                        and self._free_slots():
+                if not st.finishing and self._unlisted():
                     changed = True
+                reachable = True
+            if reachable and not st.finishing and \
+                    len(self._alive(st.members)) < self.elastic.max_np and self._free_slots():
+                changed = True
             if self._cooled_down() and len(self._alive(st.members)) < self.elastic.max_np:
                 changed = True
             if st.short_since is not None:
@@ -250,14 +281,15 @@ class _ElasticJob(_Job):
 
     # ------------------------------------------------------------------ watching
     def _alive(self, workers: list[_Worker]) -> list[_Worker]:
-        return [w for w in workers if not w.failed and w.rank.proc.poll() is None]
+        return [w for w in workers
+                if not w.failed and not w.retired and w.rank.proc.poll() is None]
 
     def _watch(self) -> bool:
         """Marks failed members; True when the newest generation needs replacing."""
         st, changed = self.state, False
         for worker in st.members:
             code = worker.rank.proc.poll()
-            if code is None or worker.failed:
+            if code is None or worker.failed or worker.retired:
                 continue
             if code == 0:
                 st.finishing = True
@@ -268,10 +300,7 @@ class _ElasticJob(_Job):
         for gen in (st.gen - 1, st.gen):
             if gen < 0:
                 continue
-            try:
-                record = self.control.world_store(gen).read_abort()
-            except Exception:  # noqa: BLE001 (the launcher's own store: cannot be lost)
-                record = None
+            record = self._read_abort(gen)
             if record is None or record.get("rank") == -1:
                 continue
             members = self._generation_members.get(gen, [])
@@ -280,12 +309,33 @@ class _ElasticJob(_Job):
                 changed = self._lost_peer_settled(members, peer) or changed
             if record.get("silent") and peer is not None and 0 <= peer < len(members):
                 victim = members[peer]
-                if not victim.failed:
+                if not victim.failed and not victim.retired:
                     victim.rank.signal(signal.SIGKILL)
                     self._fail(victim, f"worker {victim.id} (rank {peer} of generation {gen}) "
                                        "sent no heartbeats and was killed", 128 + 9)
                     changed = True
         return changed
+
+    def _read_abort(self, gen: int) -> dict | None:
+        """Generation ``gen``'s abort record (None: none). A read that fails is reported and
+        the launcher's client of its own store replaced: a client whose call failed midway
+        may stay out of step with the server, and an abort record the launcher cannot read
+        would leave a silent worker in the job for good."""
+        try:
+            return self.control.world_store(gen).read_abort()
+        except Exception as exc:  # noqa: BLE001 (reported; the next poll tries again)
+            if str(exc) != self._store_warned:
+                self._store_warned = str(exc)
+                self.output.message(f"cannot read the abort record of generation {gen} from "
+                                    f"the launcher's store ({exc}); reconnecting to it")
+            try:
+                from torch.distributed import TCPStore
+
+                client = TCPStore("127.0.0.1", self.port, None, False, timedelta(seconds=30))
+                self.control = Control(client, self.job_id, 30.0)
+            except (RuntimeError, OSError) as again:
+                self.output.message(f"cannot reconnect to the launcher's store: {again}")
+            return None
 
     def _lost_peer_settled(self, members: list[_Worker], peer: int | None) -> bool:
         """Whether the newest generation can be replaced after a worker reported ``peer``
@@ -296,7 +346,15 @@ class _ElasticJob(_Job):
         if peer is None or not 0 <= peer < len(members):
             return True
         suspect = members[peer]
-        if suspect.failed or suspect.rank.proc.poll() is not None:
+        if suspect.failed or suspect.retired:
+            return True
+        code = suspect.rank.proc.poll()
+        if code is not None:
+            # It exited after this poll's look at the members: fail it now, or the generation
+            # formed next would see its host unblacklisted and a free slot in its place.
+            if code != 0:
+                self._fail(suspect, f"worker {suspect.id} (rank {peer} of generation "
+                                    f"{self.state.gen}) {_describe(code)}", _status(code))
             return True
         since = self._suspects.setdefault(suspect.id, time.monotonic())
         if time.monotonic() - since < _LOST_GRACE:
@@ -316,13 +374,92 @@ class _ElasticJob(_Job):
         return bool(expired)
 
     def _fail(self, worker: _Worker, what: str, status: int) -> None:
+        """Marks ``worker`` failed and blacklists its host; as in Horovod, the host's other
+        workers leave the job too (unless the job is this machine alone: ``per_worker``)."""
         worker.failed = True
         if self.state.first_failure is None:
             self.state.first_failure = status
+        self._ban(worker.host, what)
+        if not self.per_worker:
+            for other in self._alive(self.workers):
+                if other.host == worker.host:
+                    self._retire(other, f"host {worker.host} is blacklisted")
+
+    def _ban(self, host: str, what: str) -> None:
         cooldown = self.elastic.blacklist_cooldown
-        self.blacklist[worker.host] = math.inf if cooldown is None else time.monotonic() + cooldown
-        self.output.message(f"{what}; host {worker.host} is blacklisted"
+        self.blacklist[host] = math.inf if cooldown is None else time.monotonic() + cooldown
+        self.output.message(f"{what}; host {host} is blacklisted"
                             + ("" if cooldown is None else f" for {cooldown:g}s"))
+
+    def _retire(self, worker: _Worker, why: str) -> None:
+        """Stops a worker that is no longer wanted: SIGTERM now (over ssh: its lifeline),
+        SIGKILL after the stop grace (``_reap``). Its exit is not a failure."""
+        worker.retired = True
+        worker.rank.signal(signal.SIGTERM)
+        self._stopping.append((worker, time.monotonic() + self.spec.stop_grace))
+        self.output.message(f"stopping worker {worker.id}: {why}")
+
+    def _reap(self) -> None:
+        """SIGKILLs retired workers still running after the stop grace."""
+        now = time.monotonic()
+        for entry in list(self._stopping):
+            worker, kill_at = entry
+            if worker.rank.proc.poll() is None and now < kill_at:
+                continue
+            if worker.rank.proc.poll() is None:
+                worker.rank.signal(signal.SIGKILL)
+            self._stopping.remove(entry)
+
+    def _unlisted(self) -> list[_Worker]:
+        """Live workers of the newest generation whose host discovery no longer lists, or
+        that are beyond the slots it now lists for their host (the last ones on the host)."""
+        if self.discovery is None or self.discovery.hosts is None:
+            return []
+        slots = {h.name: h.slots for h in self.discovery.hosts}
+        seen: dict[str, int] = {}
+        unlisted = []
+        for worker in self._alive(self.state.members):
+            seen[worker.host] = seen.get(worker.host, 0) + 1
+            if seen[worker.host] > slots.get(worker.host, 0):
+                unlisted.append(worker)
+        return unlisted
+
+    # ------------------------------------------------------------------ remote hosts
+    def _check_first_hosts(self) -> None:
+        """Checks the remote hosts known at the start before the first generation, so that
+        it can place workers on them; an unreachable one is blacklisted."""
+        self._probe_hosts()
+        while self._probes and self.received is None:
+            time.sleep(_POLL)
+            self._probe_hosts()
+
+    def _probe_hosts(self) -> bool:
+        """Starts the ssh check (``_Job._probe``) of each listed remote host not yet checked,
+        and collects the finished ones: a reachable host may take workers; an unreachable one
+        is blacklisted (for ``--blacklist-cooldown``). True when a host became reachable."""
+        now = time.monotonic()
+        for host in self._hosts():
+            name = host.name
+            if is_local(name) or name in self._reachable or name in self._probes or \
+                    self.blacklist.get(name, 0) > now:
+                continue
+            self._probes[name] = (self._probe(name), now + self._probe_limit())
+        added = False
+        for name, (proc, end) in list(self._probes.items()):
+            if proc.poll() is None and time.monotonic() < end:
+                continue
+            if proc.poll() is None:
+                error = f"ssh to {name} did not finish within {self._ssh_timeout():.0f}s"
+            else:
+                error = self._probe_error(name, proc)
+            _end_probe(proc)
+            del self._probes[name]
+            if error is None:
+                self._reachable.add(name)
+                added = True
+            else:
+                self._ban(name, error)
+        return added
 
     # ------------------------------------------------------------------ forming
     def _hosts(self) -> list[Host]:
@@ -338,13 +475,8 @@ class _ElasticJob(_Job):
         for host in self._hosts():
             if self.blacklist.get(host.name, 0) > now:
                 continue
-            if not is_local(host.name):
-                if host.name not in self._remote_warned:
-                    self._remote_warned.add(host.name)
-                    self.output.message(f"host {host.name} is not this host: elastic jobs start "
-                                        "workers on this host only (localhost, 127.x.y.z and "
-                                        "its own names); it is left out")
-                continue
+            if not is_local(host.name) and host.name not in self._reachable:
+                continue  # its ssh check has not passed (yet)
             used = sum(1 for w in live if w.host == host.name)
             free += [host.name] * max(0, host.slots - used)
         return free
@@ -352,7 +484,14 @@ class _ElasticJob(_Job):
     def _form(self, first: bool) -> tuple[int, str] | None:
         """Forms the next generation if it can; returns (status, reason) to end the job."""
         st, el = self.state, self.elastic
+        for worker in self._unlisted():
+            self._retire(worker, f"host {worker.host} is no longer listed by the discovery "
+                                 "script (or with fewer slots)")
         survivors = self._alive(st.members)
+        if not first and not survivors:
+            # As in Horovod: new workers alone cannot go on, the job's state is lost.
+            return st.first_failure or 1, (f"no worker of generation {st.gen} is left to hand "
+                                           "the job's state to new workers: the job ends")
         free = self._free_slots()
         target = min(self.spec.num_proc if first else el.max_np, len(survivors) + len(free))
         if target < el.min_np:

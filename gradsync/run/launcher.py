@@ -43,7 +43,8 @@ for the life of the rank; when it closes (the launcher stops the job, dies, or l
 connection) the reader sends SIGTERM and then SIGKILL to the remote process group, so a remote
 rank never outlives its job. Remote ranks see only their identity, the ``-x`` variables and the
 launcher's ``GRADSYNC_*`` settings, as under ``mpirun -x``; local ranks inherit the launcher's
-whole environment.
+whole environment. The elastic launcher (``elastic.py``) starts its remote workers and checks
+its discovered hosts with the same methods (``_start``, ``_probe``).
 """
 
 from __future__ import annotations
@@ -207,18 +208,26 @@ def is_local(name: str) -> bool:
     return name in _LOCAL_NAMES or name.startswith("127.") or name in (here, here.split(".")[0])
 
 
-def _store_addr(remote_hosts: Sequence[str]) -> str:
+def _store_addr(remote_hosts: Sequence[str], reachable: bool = False) -> str:
     """The store address every rank gets: loopback for a one-host job, else one remote hosts
     can reach. All ranks must get the same one, because a rank listens for its peers on the
     interface that routes to the store: a loopback store would hide local ranks from the
-    remote ones."""
-    if not remote_hosts:
+    remote ones.
+
+    Args:
+        remote_hosts: the job's remote hosts known now.
+        reachable: the job may add remote hosts later (an elastic job's discovery script):
+            an address other hosts can reach even when ``remote_hosts`` is empty.
+    """
+    if not remote_hosts and not reachable:
         return "127.0.0.1"
     # The source address of a route to a remote host is an address of this host on a network
-    # that host shares. A UDP "connect" sends nothing; it only asks for the route.
+    # that host shares. A UDP "connect" sends nothing; it only asks for the route. With no
+    # remote host yet, the route asked for is the default one (198.51.100.1 is a
+    # documentation address: no packet goes there).
+    target = remote_hosts[0] if remote_hosts else "198.51.100.1"
     try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(remote_hosts[0], 22,
-                                                       type=socket.SOCK_DGRAM)[0]
+        family, _, _, _, sockaddr = socket.getaddrinfo(target, 22, type=socket.SOCK_DGRAM)[0]
         with socket.socket(family, socket.SOCK_DGRAM) as probe:
             probe.connect(sockaddr)
             return probe.getsockname()[0]
@@ -360,17 +369,10 @@ class _Job:
         """Runs ``true`` on each remote host first, so that an unreachable host is reported
         by name before any rank starts, instead of as one rank's ssh failure."""
         checks: dict[str, subprocess.Popen] = {}
-        # ssh's own ConnectTimeout bounds the connection; the margin covers the login itself.
-        end = time.monotonic() + self._ssh_timeout() + 5.0
+        end = time.monotonic() + self._probe_limit()
         try:
             for host in self.remote_hosts:
-                try:
-                    checks[host] = subprocess.Popen(
-                        self._ssh_argv(host, "true"), stdin=subprocess.DEVNULL,
-                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-                except OSError as exc:
-                    raise _StartError(f"cannot run '{self.spec.ssh_command}': {exc}", 127) \
-                        from None
+                checks[host] = self._probe(host)
             # Polled rather than waited on, so that a Ctrl-C is honoured at once.
             while self.received is None and any(p.poll() is None for p in checks.values()):
                 if time.monotonic() > end:
@@ -379,18 +381,35 @@ class _Job:
                                       f"{self._ssh_timeout():.0f}s", 255)
                 time.sleep(_POLL)
             for host, proc in checks.items():
-                if proc.returncode not in (0, None):
-                    detail = proc.stderr.read().decode(errors="replace").strip().splitlines()
-                    raise _StartError(f"cannot run commands on {host} with "
-                                      f"'{self.spec.ssh_command}' (status {proc.returncode}"
-                                      + (f": {detail[-1]}" if detail else "") + ")",
-                                      proc.returncode)
+                error = self._probe_error(host, proc)
+                if error is not None:
+                    raise _StartError(error, proc.returncode)
         finally:
             for proc in checks.values():
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-                proc.stderr.close()
+                _end_probe(proc)
+
+    def _probe(self, host: str) -> subprocess.Popen:
+        """Starts ``ssh host true``: the reachability check of a remote host (see
+        ``_check_hosts``; the elastic launcher runs it on each host discovery adds)."""
+        try:
+            return subprocess.Popen(self._ssh_argv(host, "true"), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    start_new_session=True)
+        except OSError as exc:
+            raise _StartError(f"cannot run '{self.spec.ssh_command}': {exc}", 127) from None
+
+    def _probe_limit(self) -> float:
+        """Seconds a reachability check may take: ssh's own ConnectTimeout bounds the
+        connection; the margin covers the login itself."""
+        return self._ssh_timeout() + 5.0
+
+    def _probe_error(self, host: str, proc: subprocess.Popen) -> str | None:
+        """What a finished reachability check says is wrong with ``host`` (None: nothing)."""
+        if proc.returncode in (0, None):
+            return None
+        detail = proc.stderr.read().decode(errors="replace").strip().splitlines()
+        return (f"cannot run commands on {host} with '{self.spec.ssh_command}' (status "
+                f"{proc.returncode}" + (f": {detail[-1]}" if detail else "") + ")")
 
     def _start_store(self):
         # Imported here: torch takes a second to import and only this step needs it.
@@ -436,7 +455,8 @@ class _Job:
         return settings
 
     def _start(self, slot: Slot, port: int) -> _Rank:
-        remote = slot.host in self.remote_hosts
+        """Starts one rank: a child here, or over ssh (``_start_remote``) on another host."""
+        remote = not is_local(slot.host)
         try:
             if remote:
                 proc = self._start_remote(slot, port)
@@ -563,6 +583,14 @@ class _Job:
                 self.output.message(f"rank {rank.slot.rank} (pid {rank.proc.pid}) did not "
                                     "exit after SIGKILL")
         return len(running)
+
+
+def _end_probe(proc: subprocess.Popen) -> None:
+    """Kills a reachability check that is still running and closes its pipe."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    proc.stderr.close()
 
 
 def _remote_script(cwd: str, assignments: Mapping[str, str], command: Sequence[str],

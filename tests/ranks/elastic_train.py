@@ -5,14 +5,19 @@
 MODE: none, kill (SIGKILL in the middle of a step: gradients in flight), raise (an exception
 in the training code), stop (SIGSTOP), kill-sync (VICTIM is killed mid-step as in kill, then
 worker VICTIM+1 SIGKILLs itself inside state.sync() of generation 1), kill-commit (SIGKILL
-inside commit()), grow (the worker adds 127.0.0.1:1 to the discovery file $HOSTS_FILE and
-training goes on until the job has one more worker), die-all (every worker but VICTIM exits,
+inside commit()), grow (the worker adds $GROW_HOST (default 127.0.0.1:1) to the discovery file
+$HOSTS_FILE and training goes on until the job has one more worker), kill-grow (kill, then
+worker 0 adds $GROW_HOST at step AT + 4 as in grow), shrink (worker 0 rewrites
+$HOSTS_FILE as the lines of $SHRINK_HOSTS, separated by commas, at step AT and training goes
+on until the job is smaller), die-all (every worker but VICTIM exits,
 to fall below --min-np).
 VICTIM: the worker's first rank (GRADSYNC_RANK at its start); AT: the global step it acts at.
 
 RESULT id=<worker> rank=<r> size=<n> gen=<g> steps=<global steps> hash=<parameters' digest>
-START id=<worker> gen=<g> rank=<r> steps=<s> epoch=<e> committed=<c>: each generation's start,
-after sync(); c is the steps value of this worker's last commit() (-1: none yet).
+START id=<worker> gen=<g> rank=<r> steps=<s> epoch=<e> committed=<c> pid=<p>: each
+generation's start, after sync(); c is the steps value of this worker's last commit() (-1:
+none yet); p the worker's process id.
+LOST wall=<time.time()>: a survivor caught a lost peer and rolls back (state.restore()).
 FIRSTSTEP wall=<time.time()>: the first completed step after a re-formation.
 DYING wall=<time.time()>: the victim, just before it fails.
 """
@@ -45,7 +50,7 @@ optimizer = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.0
                                      named_parameters=model.named_parameters())
 sampler = hvd.elastic.ElasticSampler(dataset, batch_size=BATCH, seed=7)
 state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0, steps=0,
-                               grow_to=0)
+                               grow_to=0, shrink_below=0)
 recovered = {"pending": False}
 
 
@@ -73,6 +78,15 @@ def recording_commit():
 
 
 state.commit = recording_commit
+_restore = state.restore
+
+
+def announcing_restore():
+    print(f"LOST wall={time.time():.6f}", flush=True)
+    _restore()
+
+
+state.restore = announcing_restore
 if mode == "kill-sync" and first_rank == victim + 1:
     original = state.sync
 
@@ -103,15 +117,17 @@ def digest() -> str:
 def train(state):
     print(f"START id={os.environ['GRADSYNC_ELASTIC_ID']} gen={worker.generation()} "
           f"rank={hvd.rank()} steps={state.steps} epoch={state.epoch} "
-          f"committed={committed['steps']}", flush=True)
-    while state.epoch < epochs or hvd.size() < state.grow_to:
+          f"committed={committed['steps']} pid={os.getpid()}", flush=True)
+    while state.epoch < epochs or hvd.size() < state.grow_to or \
+            hvd.size() >= state.shrink_below > 0:
         loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, sampler=state.sampler)
         for batch, (xb, yb) in enumerate(loader):
             optimizer.zero_grad()
             loss = torch.nn.functional.mse_loss(model(xb), yb)
-            if me and state.steps == at and mode in ("kill", "raise", "stop", "kill-sync"):
+            if me and state.steps == at and mode in ("kill", "raise", "stop", "kill-sync",
+                                                     "kill-grow"):
                 loss.backward()  # the hooks have launched the allreduces: die with them in flight
-                die("kill" if mode == "kill-sync" else mode)
+                die(mode if mode in ("raise", "stop") else "kill")
             loss.backward()
             optimizer.step()
             state.steps += 1
@@ -120,11 +136,20 @@ def train(state):
                 print(f"FIRSTSTEP wall={time.time():.6f} size={hvd.size()}", flush=True)
             state.sampler.record_batch(batch, BATCH)
             state.batch = batch
-            if mode == "grow" and me and state.steps == at:
+            grow_at = at + 4 if mode == "kill-grow" else at
+            grower = me if mode == "grow" else first_rank == 0
+            if mode in ("grow", "kill-grow") and grower and state.steps == grow_at:
                 with open(os.environ["HOSTS_FILE"], "a") as hosts:
-                    hosts.write("127.0.0.1:1\n")
-            if mode == "grow" and state.steps == at:
+                    hosts.write(os.environ.get("GROW_HOST", "127.0.0.1:1") + "\n")
+            if mode in ("grow", "kill-grow") and state.steps == grow_at:
                 state.grow_to = hvd.size() + 1  # train until the new worker has joined
+            if mode == "shrink" and state.steps == at and state.shrink_below == 0:
+                if first_rank == 0:
+                    fresh = os.environ["HOSTS_FILE"] + ".new"
+                    with open(fresh, "w") as hosts:
+                        hosts.write(os.environ["SHRINK_HOSTS"].replace(",", "\n") + "\n")
+                    os.replace(fresh, os.environ["HOSTS_FILE"])
+                state.shrink_below = hvd.size()  # train until the job is smaller
             if mode == "die-all" and state.steps == at and not me:
                 print(f"DYING wall={time.time():.6f}", flush=True)
                 os._exit(3)
