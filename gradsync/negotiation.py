@@ -330,8 +330,8 @@ class Controller:
                 if all(p[0] for p in payloads):
                     break
                 ready, announced = self._absorb(payloads)
-                for name, by_rank in self._expire(payloads[0][3]):
-                    self._finish_expired(name, by_rank)
+                for name, who in self._expire(payloads[0][3]):
+                    self._finish_expired(name, who)
                 self.stats["cycles"] += 1
                 if ready or announced:
                     tl = self.timeline
@@ -414,6 +414,7 @@ class Controller:
                             len(set(self._table[n][1]) - set(self._joined)) == active)})
         for _, n in ready:
             self._since.pop(n, None)
+            self._warned.discard(n)
         return [(n, self._table.pop(n)[1]) for _, n in ready], announced
 
     # ------------------------------------------------------------------ stalls
@@ -444,7 +445,7 @@ class Controller:
                          if r not in by_rank and r not in self._joined)
         return issued, missing
 
-    def _expire(self, names) -> list[tuple[str, dict]]:
+    def _expire(self, names) -> list[tuple[str, tuple[list[int], list[int]]]]:
         """Drops the names rank 0 announced as expired (the same cycle on every rank)."""
         dropped = []
         for name in names:
