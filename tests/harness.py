@@ -134,12 +134,10 @@ def bench(benchmark: str, *args: str, timeout: float = 120) -> subprocess.Comple
     return subprocess.CompletedProcess(proc.args, proc.returncode, out)
 
 
-REMOTE_SSH = """\
+SSH_STAND_IN = """\
 #!/bin/sh
-# Stands in for ssh to another host: logs its arguments, skips the options, and runs the
-# command here in a session of its own with an almost empty environment, like a fresh login
-# elsewhere. The launcher cannot signal that session: only closing ssh's stdin (the lifeline)
-# or the command's own end stops it, as on a real remote host.
+# Stands in for ssh: logs its arguments, skips the options, fails for host 'unreachable', and
+# runs the command here with an almost empty environment, like a fresh login on another host.
 printf '%s\\n' "$*" >> "$FAKE_SSH_LOG"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -148,24 +146,44 @@ while [ $# -gt 0 ]; do
     *) break ;;
   esac
 done
+if [ "$1" = unreachable ]; then
+  echo "ssh: connect to host unreachable port 22: Connection refused" >&2
+  exit 255
+fi
 shift
-exec env -i PATH="$PATH" PYTHONPATH="$PYTHONPATH" setsid -w sh -c "$*"
+exec env -i PATH="$PATH" PYTHONPATH="$PYTHONPATH" {session}sh -c "$*"
 """
 
 
-def remote_ssh(directory: Path) -> tuple[Path, Path]:
-    """Writes REMOTE_SSH into ``directory``; returns the script and the log it appends to
-    (set FAKE_SSH_LOG to it in the launcher's environment)."""
-    script = directory / "remote_ssh"
-    script.write_text(REMOTE_SSH)
+def ssh_stand_in(directory: Path, own_session: bool = False) -> tuple[Path, Path]:
+    """Writes an ssh stand-in into ``directory``; returns the script and the log it appends
+    its arguments to (set FAKE_SSH_LOG to it in the launcher's environment).
+
+    ``own_session``: run the command in a session of its own (``setsid -w``), as on a real
+    remote host: the launcher cannot signal it, so only closing ssh's stdin (the lifeline) or
+    the command's own end stops it."""
+    script = directory / ("remote_ssh" if own_session else "fake_ssh")
+    script.write_text(SSH_STAND_IN.replace("{session}", "setsid -w " if own_session else ""))
     script.chmod(0o755)
     return script, directory / "ssh.log"
 
 
+def remote_ssh(directory: Path) -> tuple[Path, Path]:
+    """``ssh_stand_in`` for another host: the command runs in a session of its own."""
+    return ssh_stand_in(directory, own_session=True)
+
+
 def gone(pid: int) -> bool:
-    """Whether process ``pid`` has exited (a zombie counts as exited)."""
+    """Whether process ``pid`` has exited (a zombie whose parent has not reaped it counts as
+    gone)."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
             return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
     except FileNotFoundError:
         return True
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False

@@ -244,7 +244,7 @@ def test_under_torchrun_a_lost_worker_restarts_the_group_from_its_checkpoint(tmp
 def test_remote_workers_start_over_ssh_leave_with_their_host_and_join_when_discovered(
         tmp_path):
     # hostA and hostB are other hosts to the launcher: their workers start through an ssh
-    # stand-in that runs them in sessions of their own (tests/harness.py REMOTE_SSH), so only
+    # stand-in that runs them in sessions of their own (tests/harness.py remote_ssh), so only
     # ssh (its exit, its stdin: the lifeline) connects them to the launcher
     ssh, log = remote_ssh(tmp_path)
     hosts = tmp_path / "hosts"

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from harness import gone, ssh_stand_in
+
 from gradsync.run import cli
 from gradsync.run.cli import parse_hosts, read_hostfile, resolve_exports
 from gradsync.run.launcher import Host, Slot, _remote_script, place
@@ -30,26 +32,6 @@ ROOT = Path(__file__).resolve().parent.parent
 DEADLINE = 30.0
 NAP = 30  # how long a rank that should be stopped sleeps: far beyond any expected exit
 STOP_WITHIN = 5.0  # seconds from a rank's failure to the launcher's exit (grace is 3 s)
-
-FAKE_SSH = """\
-#!/bin/sh
-# Stands in for ssh: logs its arguments, skips the options, fails for host 'unreachable', and
-# runs the command here with an almost empty environment, like a fresh login on another host.
-printf '%s\\n' "$*" >> "$FAKE_SSH_LOG"
-while [ $# -gt 0 ]; do
-  case "$1" in
-    -o|-p) shift 2 ;;
-    -*) shift ;;
-    *) break ;;
-  esac
-done
-if [ "$1" = unreachable ]; then
-  echo "ssh: connect to host unreachable port 22: Connection refused" >&2
-  exit 255
-fi
-shift
-exec env -i PATH="$PATH" PYTHONPATH="$PYTHONPATH" sh -c "$*"
-"""
 
 
 # ---------------------------------------------------------------- placement (no processes)
@@ -135,21 +117,6 @@ def rank_code(body: str) -> list[str]:
     return [sys.executable, "-c", prelude + textwrap.dedent(body)]
 
 
-def gone(pid: int) -> bool:
-    """Whether ``pid`` has exited (a zombie whose parent has not reaped it counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        return False
-
-
 def wait_gone(pids: list[int], timeout: float = 5.0) -> list[int]:
     """The pids still alive after ``timeout`` seconds."""
     end = time.monotonic() + timeout
@@ -160,10 +127,7 @@ def wait_gone(pids: list[int], timeout: float = 5.0) -> list[int]:
 
 @pytest.fixture
 def fake_ssh(tmp_path):
-    script = tmp_path / "fake_ssh"
-    script.write_text(FAKE_SSH)
-    script.chmod(0o755)
-    return script, tmp_path / "ssh.log"
+    return ssh_stand_in(tmp_path)
 
 
 # ---------------------------------------------------------------- real launches

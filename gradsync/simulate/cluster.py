@@ -116,12 +116,7 @@ def parse(spec: Mapping, source: str = "cluster") -> Cluster:
     """A Cluster from a parsed file; errors name the field."""
     if not isinstance(spec, Mapping):
         raise ConfigError(f"{source}: the top level must be a mapping")
-    unknown = set(spec) - _TOP
-    if unknown:
-        raise ConfigError(f"{source}: unknown field(s) {sorted(unknown)}; known: {sorted(_TOP)}")
-    for key in ("ranks_per_node", "tiers"):
-        if key not in spec:
-            raise ConfigError(f"{source}: {key} is required")
+    _fields(spec, source, _TOP, ("ranks_per_node", "tiers"))
     rpn = spec["ranks_per_node"]
     if not isinstance(rpn, int) or isinstance(rpn, bool) or rpn < 1:
         raise ConfigError(f"{source}: ranks_per_node must be a positive integer, got {rpn!r}")
@@ -133,12 +128,7 @@ def parse(spec: Mapping, source: str = "cluster") -> Cluster:
         where = f"{source}: tiers[{i}]"
         if not isinstance(entry, Mapping):
             raise ConfigError(f"{where}: must be a mapping")
-        bad = set(entry) - _TIER
-        if bad:
-            raise ConfigError(f"{where}: unknown field(s) {sorted(bad)}; known: {sorted(_TIER)}")
-        for key in ("bandwidth", "latency"):
-            if key not in entry:
-                raise ConfigError(f"{where}: {key} is required")
+        _fields(entry, where, _TIER, ("bandwidth", "latency"))
         fanout = entry.get("fanout", rpn if i == 0 else 0)
         last = i == len(raw) - 1
         if i == 0 and fanout != rpn:
@@ -167,6 +157,16 @@ def parse(spec: Mapping, source: str = "cluster") -> Cluster:
     return Cluster(str(spec.get("name", source)), rpn, tuple(tiers), reduce_bw,
                    spec.get("source", ""), tuple(spec.get("assumed", ())), float(jitter),
                    spec.get("jitter_source", ""))
+
+
+def _fields(entry: Mapping, where: str, known, required) -> None:
+    """Refuses fields outside ``known`` and a missing ``required`` one, naming them."""
+    unknown = set(entry) - known
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
+    for key in required:
+        if key not in entry:
+            raise ConfigError(f"{where}: {key} is required")
 
 
 def _text(entry: Mapping, where: str) -> None:
