@@ -71,8 +71,9 @@ PUBLISHED = (
           "325.8 PF/s sustained; Horovod with hierarchical allreduce. The authors' code "
           "(github.com/azrael417/ClimDeepLearn, deeplab-tf-train.py): 'sustained' is an "
           "epoch's training FLOPs over its wall time, 'peak' the fastest single step; their "
-          "Summit job scripts exclude about 100 named nodes (run_scripts/bigruns_update: "
-          "crappy_nodes.txt, run_summit_dl_1_fp32_0.sh) found by timing every GPU alone "
+          "Summit job scripts of 1 to 1,024 nodes exclude 70 to 99 named nodes "
+          "(run_scripts/summit, run_scripts/bigruns_update, crappy_nodes.txt) found by "
+          "timing every GPU alone "
           "(*_perftest.sh, --disable_horovod): persistently slow GPUs, modelled by "
           "summit.json's persistent_cv",
           "43.7M parameters, 14.41 TF per sample, batch 2 per GPU: assumed from the paper's "
