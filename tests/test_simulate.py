@@ -234,7 +234,8 @@ def test_bad_models_are_named():
                           ("params=lots,compute_ms=5", "not a number"),
                           ("params=1M,compute_ms=5,compression=zip", "compression 'zip'"),
                           ("params=1M,compute_ms=5,jitter_cv=lots", "jitter_cv='lots'"),
-                          ("params=1M,compute_ms=5,jitter_cv=1.5", r"jitter_cv must be in \[0, 1\)"),
+                          ("params=1M,compute_ms=5,jitter_cv=1.5",
+                           r"jitter_cv must be in \[0, 1\)"),
                           ("params=1M,compute_ms=5,persistent_cv=x", "persistent_cv='x'"),
                           ("params=1M,compute_ms=5,persistent_cv=-1",
                            r"persistent_cv must be in \[0, 1\)")]:

@@ -9,8 +9,8 @@
 ``gradsync/simulate/cluster.py`` and docs/simulate.md) or the name of a shipped one. Per GPU
 count it prints the step time, the communication left exposed after overlapping backward,
 the time waited for the slowest rank (the cluster's ``jitter_cv`` and ``persistent_cv``, 0
-unless the file or ``--model jitter_cv=,persistent_cv=`` sets them), the scaling efficiency against one GPU, the algorithm each
-bucket ran, and the busiest tier.
+unless the file or ``--model jitter_cv=,persistent_cv=`` sets them), the scaling efficiency
+against one GPU, the algorithm each bucket ran, and the busiest tier.
 ``--plot`` (needs matplotlib: ``pip install 'gradsync[simulate]'``) draws efficiency and
 step time against GPU count, one line per algorithm. ``--validate`` prints the validation
 points, predicted against observed, then the sources and assumptions of each point and

@@ -21,9 +21,9 @@ Stragglers (``straggle.py``): with a per-step coefficient of variation c of a ra
 (``jitter_cv``, the cluster file's, or the model's when it sets one), the step runs on the
 slowest of the N ranks, whose compute is in expectation ``compute x (1 + c e_N)``, e_N the
 expected maximum of N standard normals (e_1 = 0: one rank waits for nobody); with GPUs that
-differ in speed for the whole job (``persistent_cv`` p), c becomes ``sqrt(c^2 + p^2)``. F and B above
-are that stretched compute's; ``straggle`` reports the stretch, ``exposed`` the communication
-left after it.
+differ in speed for the whole job (``persistent_cv`` p), c becomes ``sqrt(c^2 + p^2)``. F and
+B above are that stretched compute's; ``straggle`` reports the stretch, ``exposed`` the
+communication left after it.
 
 Worked example: compute 100 ms (backward 2/3: F = 33.3, B = 66.7 ms), two 10 MB buckets, an
 allreduce of 10 MB taking 40 ms: ready 66.7 and 100 ms; bucket 0 runs 66.7-106.7, bucket 1
