@@ -8,9 +8,9 @@
 ``--cluster`` takes a cluster file (JSON, or YAML with PyYAML; schema in
 ``gradsync/simulate/cluster.py`` and docs/simulate.md) or the name of a shipped one. Per GPU
 count it prints the step time, the communication left exposed after overlapping backward,
-the time waited for the slowest rank (the cluster's ``jitter_cv``, 0 unless the file or
-``--model jitter_cv=`` sets it), the scaling efficiency against one GPU, the algorithm each
-bucket ran, and the busiest tier.
+the time waited for the slowest rank (the cluster's ``jitter_cv`` and ``persistent_cv``, 0
+unless the file or ``--model jitter_cv=,persistent_cv=`` sets them), the scaling efficiency
+against one GPU, the algorithm each bucket ran, and the busiest tier.
 ``--plot`` (needs matplotlib: ``pip install 'gradsync[simulate]'``) draws efficiency and
 step time against GPU count, one line per algorithm. ``--validate`` prints the validation
 points, predicted against observed, then the sources and assumptions of each point and
@@ -38,7 +38,7 @@ def parser() -> argparse.ArgumentParser:
     what.add_argument("--cluster", help=f"cluster file, or a shipped one: {', '.join(shipped())}")
     what.add_argument("--model", help="params=60M,compute_ms=180[,buckets=25MB,backward=0.67,"
                                       "update_ms=0,bytes_per_param=4,compression=none|fp16,"
-                                      "jitter_cv=0.02]")
+                                      "jitter_cv=0.02,persistent_cv=0.01]")
     what.add_argument("--gpus", help="GPU counts, comma-separated, e.g. 6,96,1536,27360")
     what.add_argument("--algorithm", choices=ALGORITHMS, default="auto",
                       help="allreduce algorithm; auto: the planner's choice per bucket")
@@ -88,7 +88,9 @@ def main(argv: "list[str] | None" = None) -> int:
               f"({model.gradient_bytes / 1e6:.0f} MB of gradients, "
               f"{len(model.buckets())} buckets), compute {model.compute * 1e3:.1f} ms, "
               f"algorithm {args.algorithm}, compression {model.compression}, jitter_cv "
-              f"{cluster.jitter_cv if model.jitter_cv is None else model.jitter_cv:g}")
+              f"{cluster.jitter_cv if model.jitter_cv is None else model.jitter_cv:g}, "
+              f"persistent_cv "
+              f"{cluster.persistent_cv if model.persistent_cv is None else model.persistent_cv:g}")
         print(f"{'gpus':>7} {'step_ms':>10} {'exposed_ms':>10} {'straggle_ms':>11} {'eff':>6}  "
               f"{'busiest tier':<14} algorithms (buckets)")
         for r in rows:
@@ -147,7 +149,7 @@ def _validate(args) -> int:
         print()
         return 0
     print(f"{'point':<34} {'cluster':<20} {'gpus':>6} {'quantity':<11} {'predicted':>10} "
-          f"{'observed':>9} {'error':>8} {'no jitter':>10}")
+          f"{'observed':>9} {'error':>8} {'no jitter':>10} {'no persistent':>13}")
     for r in rows:
         if "step_ms_predicted" in r:
             print(f"{r['point']:<34} {r['cluster']:<20} {r['gpus']:>6} {'step ms':<11} "
@@ -156,7 +158,8 @@ def _validate(args) -> int:
         else:
             print(f"{r['point']:<34} {r['cluster']:<20} {r['gpus']:>6} {'efficiency':<11} "
                   f"{r['predicted']:>10.1%} {r['observed']:>9.1%} "
-                  f"{r['error_points']:>+6.1f}pt {r['predicted_no_jitter']:>10.1%}")
+                  f"{r['error_points']:>+6.1f}pt {r['predicted_no_jitter']:>10.1%} "
+                  f"{r['predicted_no_persistent']:>13.1%}")
     if not args.measure:
         print("# measured-here points (training steps on emulated clusters): add --measure "
               "(root, about a minute)")
@@ -178,6 +181,9 @@ def _print_sources(rows: list[dict]) -> None:
         print(f"# cluster file {name} (gradsync/simulate/clusters/{name}.json):")
         print(wrap.fill(f"source: {cluster.source}"))
         print(wrap.fill(f"jitter_cv {cluster.jitter_cv:g}: {cluster.jitter_source or 'not set'}"))
+        if cluster.persistent_cv or cluster.persistent_source:
+            print(wrap.fill(f"persistent_cv {cluster.persistent_cv:g}: "
+                            f"{cluster.persistent_source or 'not set'}"))
         for text in cluster.assumed:
             print(wrap.fill(f"assumed: {text}"))
 

@@ -17,6 +17,8 @@ and its ``fanout``, when given, bounds how many units it holds::
       ],
       "jitter_cv": 0.02,
       "jitter_source": "where the 2% comes from",
+      "persistent_cv": 0.01,
+      "persistent_source": "where the 1% comes from",
       "source": "where the numbers come from",
       "assumed": ["which numbers were assumed, and why"]
     }
@@ -33,6 +35,9 @@ they are printed by ``gradsync simulate --validate`` and never read as numbers.
 ``jitter_cv`` (default 0: every rank computes in exactly the model's time) is the coefficient
 of variation of one rank's compute time per step on this cluster; a synchronous step waits for
 the slowest rank (``straggle.py``). ``jitter_source`` says where the number comes from.
+``persistent_cv`` (default 0) is the coefficient of variation of the GPUs' own speeds: one GPU
+slower than another on every step (manufacturing and power management), the same for the whole
+job; ``persistent_source`` says where it comes from. Both are shares of the mean compute time.
 
 Files ship in ``gradsync/simulate/clusters/``; ``load("summit")`` finds them by name.
 """
@@ -51,7 +56,7 @@ __all__ = ["ClusterTier", "Cluster", "parse", "load", "shipped", "CLUSTERS_DIR"]
 
 CLUSTERS_DIR = Path(__file__).parent / "clusters"
 _TOP = {"name", "ranks_per_node", "tiers", "reduce_bandwidth", "jitter_cv", "jitter_source",
-        "source", "assumed"}
+        "persistent_cv", "persistent_source", "source", "assumed"}
 _TIER = {"name", "fanout", "bandwidth", "latency", "oversubscription", "source", "assumed"}
 
 
@@ -82,6 +87,9 @@ class Cluster:
     jitter_cv: float = 0.0
     """Coefficient of variation of one rank's compute time per step (0: no stragglers)."""
     jitter_source: str = ""
+    persistent_cv: float = 0.0
+    """Coefficient of variation of the GPUs' own speeds, fixed for a job (0: all alike)."""
+    persistent_source: str = ""
 
     def unit_ranks(self) -> list[float]:
         """Ranks in one unit of each level: ``[1 (a rank), a node, a rack, ..., inf]``."""
@@ -147,16 +155,20 @@ def parse(spec: Mapping, source: str = "cluster") -> Cluster:
                                  parse_latency(entry["latency"], where + ".latency"),
                                  fanout, float(over)))
     _text(spec, source)
-    jitter = spec.get("jitter_cv", 0)
-    if not isinstance(jitter, (int, float)) or isinstance(jitter, bool) or not 0 <= jitter < 1:
-        raise ConfigError(f"{source}: jitter_cv must be a number in [0, 1), got {jitter!r}")
-    if not isinstance(spec.get("jitter_source", ""), str):
-        raise ConfigError(f"{source}: jitter_source must be text")
+    spread = {}
+    for key in ("jitter", "persistent"):
+        value = spec.get(f"{key}_cv", 0)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
+            raise ConfigError(f"{source}: {key}_cv must be a number in [0, 1), got {value!r}")
+        if not isinstance(spec.get(f"{key}_source", ""), str):
+            raise ConfigError(f"{source}: {key}_source must be text")
+        spread[key] = float(value)
     reduce_bw = parse_bandwidth(spec.get("reduce_bandwidth", "6GB/s"),
                                 f"{source}: reduce_bandwidth")
     return Cluster(str(spec.get("name", source)), rpn, tuple(tiers), reduce_bw,
-                   spec.get("source", ""), tuple(spec.get("assumed", ())), float(jitter),
-                   spec.get("jitter_source", ""))
+                   spec.get("source", ""), tuple(spec.get("assumed", ())), spread["jitter"],
+                   spec.get("jitter_source", ""), spread["persistent"],
+                   spec.get("persistent_source", ""))
 
 
 def _fields(entry: Mapping, where: str, known, required) -> None:

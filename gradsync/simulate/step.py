@@ -20,9 +20,10 @@ planner picks it at run time. Compression divides the bytes on the wire.
 Stragglers (``straggle.py``): with a per-step coefficient of variation c of a rank's compute
 (``jitter_cv``, the cluster file's, or the model's when it sets one), the step runs on the
 slowest of the N ranks, whose compute is in expectation ``compute x (1 + c e_N)``, e_N the
-expected maximum of N standard normals (e_1 = 0: one rank waits for nobody). F and B above
-are that stretched compute's; ``straggle`` reports the stretch, ``exposed`` the communication
-left after it.
+expected maximum of N standard normals (e_1 = 0: one rank waits for nobody); with GPUs that
+differ in speed for the whole job (``persistent_cv`` p), c becomes ``sqrt(c^2 + p^2)``. F and
+B above are that stretched compute's; ``straggle`` reports the stretch, ``exposed`` the
+communication left after it.
 
 Worked example: compute 100 ms (backward 2/3: F = 33.3, B = 66.7 ms), two 10 MB buckets, an
 allreduce of 10 MB taking 40 ms: ready 66.7 and 100 ms; bucket 0 runs 66.7-106.7, bucket 1
@@ -72,6 +73,8 @@ class Model:
     compression: str = "none"
     jitter_cv: "float | None" = None
     """Per-step coefficient of variation of a rank's compute; None: the cluster file's."""
+    persistent_cv: "float | None" = None
+    """Coefficient of variation of the GPUs' own speeds (fixed per job); None: the file's."""
 
     @property
     def gradient_bytes(self) -> float:
@@ -97,7 +100,7 @@ def _size(text: str, key: str) -> float:
 
 def parse_model(text: str) -> Model:
     """``params=60M,compute_ms=180,buckets=25MB[,backward=0.67,update_ms=5,bytes_per_param=2,
-    compression=fp16,jitter_cv=0.02]`` -> Model."""
+    compression=fp16,jitter_cv=0.02,persistent_cv=0.01]`` -> Model."""
     fields = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, eq, value = item.partition("=")
@@ -105,7 +108,7 @@ def parse_model(text: str) -> Model:
             raise ValueError(f"--model: {item!r} is not KEY=VALUE")
         fields[key.strip()] = value.strip()
     known = {"params", "compute_ms", "buckets", "backward", "update_ms", "bytes_per_param",
-             "compression", "jitter_cv"}
+             "compression", "jitter_cv", "persistent_cv"}
     if set(fields) - known:
         raise ValueError(f"--model: unknown key(s) {sorted(set(fields) - known)}; known: "
                          f"{', '.join(sorted(known))}")
@@ -124,11 +127,12 @@ def parse_model(text: str) -> Model:
         model = replace(model, bytes_per_param=float(fields["bytes_per_param"]))
     if "compression" in fields:
         model = replace(model, compression=fields["compression"])
-    if "jitter_cv" in fields:
-        try:
-            model = replace(model, jitter_cv=float(fields["jitter_cv"]))
-        except ValueError:
-            raise ValueError(f"--model jitter_cv={fields['jitter_cv']!r}: not a number") from None
+    for key in ("jitter_cv", "persistent_cv"):
+        if key in fields:
+            try:
+                model = replace(model, **{key: float(fields[key])})
+            except ValueError:
+                raise ValueError(f"--model {key}={fields[key]!r}: not a number") from None
     check(model)
     return model
 
@@ -138,8 +142,10 @@ def check(model: Model) -> None:
         raise ValueError(f"--model: params, compute_ms and buckets must be positive ({model})")
     if not 0 < model.backward_fraction <= 1:
         raise ValueError(f"--model: backward must be in (0, 1], got {model.backward_fraction}")
-    if model.jitter_cv is not None and not 0 <= model.jitter_cv < 1:
-        raise ValueError(f"--model: jitter_cv must be in [0, 1), got {model.jitter_cv}")
+    for key in ("jitter_cv", "persistent_cv"):
+        value = getattr(model, key)
+        if value is not None and not 0 <= value < 1:
+            raise ValueError(f"--model: {key} must be in [0, 1), got {value}")
     if model.compression not in COMPRESSION:
         raise ValueError(f"--model: compression {model.compression!r}; choose from "
                          f"{', '.join(COMPRESSION)}")
@@ -158,7 +164,8 @@ class StepResult:
     """Per tier: how much the step's allreduces would shorten if that tier were free."""
     busiest_tier: str = ""
     straggle: float = 0.0
-    """Seconds the step waits for the slowest rank's compute beyond the mean rank's."""
+    """Seconds the step waits for the slowest rank's compute beyond the mean rank's (per-step
+    jitter and persistently slow GPUs together)."""
 
     def as_dict(self) -> dict:
         return {"gpus": self.gpus, "step_ms": self.step * 1e3, "compute_ms": self.compute * 1e3,
@@ -202,7 +209,8 @@ def simulate(cluster: Cluster, model: Model, gpus: int, algorithm: str = "auto")
         raise ValueError(f"gpus must be at least 1, got {gpus}")
     times, chosen = _allreduces(cluster, gpus, model, algorithm)
     cv = cluster.jitter_cv if model.jitter_cv is None else model.jitter_cv
-    slowest = model.compute * straggler_factor(gpus, cv)
+    fixed = cluster.persistent_cv if model.persistent_cv is None else model.persistent_cv
+    slowest = model.compute * straggler_factor(gpus, cv, fixed)
     step = _timeline(replace(model, compute=slowest), times)
     base = model.compute + model.update
     comm = sum(times)

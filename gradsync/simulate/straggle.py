@@ -40,11 +40,28 @@ changes who waits where, not how long the step is.
 nobody wait; counted into ``c``, it overestimates the wait (``measure.straggler_check``
 shows by how much on this machine).
 
+Persistently slow GPUs. GPUs of one model and SKU differ in speed, and a slow one is slow on
+every step (manufacturing variation under power management; Sinha et al., SC22, measured it
+on Summit's V100s). Give GPU r a fixed speed draw P_r ~ N(0, 1) of coefficient p
+(``persistent_cv``), the same for the whole job, on top of the per-step draw:
+
+    T_r = mu (1 + p P_r + c Z_r)
+
+For one step, p P_r + c Z_r is a sum of independent normals, itself normal with standard
+deviation sqrt(p^2 + c^2), so averaged over which GPUs a job is given,
+
+    E[max_r T_r] = mu (1 + sqrt(p^2 + c^2) e_N)
+
+exactly: the two kinds combine in quadrature, and a job on N GPUs runs at the pace of its
+slowest every step. For one given allocation the persistent part does not average out over
+steps (its slowest GPU is the same every step); the formula is its expectation over
+allocations. One GPU (e_1 = 0) is the mean GPU.
+
 What the model leaves out: it stretches a rank's whole forward and backward by the same
-draw (gradient readiness follows the slowest rank), draws are independent across ranks and
-steps (a persistently slow GPU is a fixed straggler, whose cost is its slowdown, not c e_N),
-and the tail is normal; heavier tails (an exponential tail gives e_N ~ ln N) make the
-maximum grow faster.
+draw (gradient readiness follows the slowest rank), draws are independent across ranks, and
+both tails are normal; heavier tails (an exponential tail gives e_N ~ ln N) make the maximum
+grow faster, and outliers (a GPU 1.5x slower than the median) are a fixed straggler of their
+own that no normal coefficient describes: jobs that can exclude them do.
 """
 
 from __future__ import annotations
@@ -92,8 +109,12 @@ def blom(n: int) -> float:
     return NormalDist().inv_cdf((n - 0.375) / (n + 0.25)) if n > 1 else 0.0
 
 
-def straggler_factor(n: int, cv: float) -> float:
-    """E[slowest rank's compute] / mean compute, for ``n`` ranks of coefficient ``cv``."""
+def straggler_factor(n: int, cv: float, persistent: float = 0.0) -> float:
+    """E[slowest rank's compute] / mean compute, for ``n`` ranks whose compute varies per step
+    with coefficient ``cv`` and per GPU (fixed for the job) with coefficient ``persistent``."""
     if cv < 0:
         raise ValueError(f"jitter_cv must be >= 0, got {cv}")
-    return 1.0 + cv * expected_max(n) if cv else 1.0
+    if persistent < 0:
+        raise ValueError(f"persistent_cv must be >= 0, got {persistent}")
+    spread = math.hypot(cv, persistent)
+    return 1.0 + spread * expected_max(n) if spread else 1.0
