@@ -17,6 +17,12 @@ from gradsync.transport.tcp import TcpPair
 
 pytestmark = pytest.mark.skipif(not splice.available(), reason="lending needs Linux vmsplice")
 
+
+@pytest.fixture(autouse=True)
+def _lend_small_vectors(monkeypatch):
+    # The ring lends only above LEND_ABOVE_BYTES (32 MiB); these tests lend megabytes.
+    monkeypatch.setattr(ring, "LEND_ABOVE_BYTES", 0)
+
 CHUNK = LEND_MIN_BYTES  # every ring segment is large enough to be lent
 SUM = make_reducer(ReduceOp.SUM, np.float64)
 
@@ -159,6 +165,15 @@ def test_without_settle_the_late_reader_sees_the_reused_buffer(monkeypatch):
     monkeypatch.setattr(Comm, "settle", lambda self: None)
     out = _race()
     assert (out == -1.0).any(), "the lent segment was copied after all"
+
+
+def test_vectors_up_to_the_threshold_are_copied(monkeypatch):
+    # The race without the guard again, but at the shipped threshold: nothing is lent, so the
+    # late reader gets the sum although rank 0 rewrote its buffer first.
+    monkeypatch.undo()
+    assert ring.LEND_ABOVE_BYTES >= 4 * CHUNK
+    monkeypatch.setattr(Comm, "settle", lambda self: None)
+    assert (_race() == 3.0).all()
 
 
 def test_a_copying_rank_and_a_lending_rank_meet():

@@ -42,10 +42,12 @@ Rank 2 forwards B0a while B0b comes in. In the reduce-scatter a segment lands in
 segment (slot 0) and the reducer folds it into the block; in the allgather it is final, so it
 lands directly in ``data``. Traffic per rank: ``(n-1)/n`` of the data each way per phase.
 
-Lending. Every segment goes out lent (``Comm.exchange(lend=True)``): over TCP its pages go to
-the socket by reference, so a segment must stay unwritten until the right neighbour has read
-it. Within a phase no rank writes a block after sending it (the reduce-scatter folds into a
-block the exchange before it forwards it; the allgather writes each block once, on arrival).
+Lending. Above ``LEND_ABOVE_BYTES`` every segment goes out lent (``Comm.exchange(lend=True)``):
+over TCP its pages go to the socket by reference, so a segment must stay unwritten until the
+right neighbour has read it. (Smaller vectors stay in the last-level cache, where the copy
+costs less than lending pages and acknowledging them: measured in docs/benchmarks.md.) Within a
+phase no rank writes a block after sending it (the reduce-scatter folds into a block the
+exchange before it forwards it; the allgather writes each block once, on arrival).
 Across the phases of ``allreduce``, the allgather writes, on arrival, exactly the blocks the
 reduce-scatter sent; but what arrives for a block is that block fully reduced, which the right
 neighbour's fold of the lent segment went into, so the right neighbour read it before the
@@ -62,7 +64,12 @@ import numpy as np
 from ..transport.comm import Comm
 from .ops import Reducer
 
-__all__ = ["reduce_scatter", "allgather", "allreduce", "even_counts", "block_offsets"]
+__all__ = ["reduce_scatter", "allgather", "allreduce", "even_counts", "block_offsets",
+           "LEND_ABOVE_BYTES"]
+
+#: Vectors larger than this lend their segments to the transport (see "Lending" above); about
+#: the last-level cache of the machine it was measured on (32 MiB).
+LEND_ABOVE_BYTES = 32 << 20
 
 
 def even_counts(length: int, size: int) -> list[int]:
@@ -183,6 +190,7 @@ def _circulate(comm: Comm, data: np.ndarray, offsets: list[int], first_send_bloc
     if reducer is not None:
         scratch = comm.scratch(seg_elems * data.itemsize).view(data.dtype)
     send, recv = next(sends, None), next(recvs, None)
+    lend = data.nbytes > LEND_ABOVE_BYTES
     while send is not None or recv is not None:
         # The streams differ in length by the segment counts of two blocks, so near the end a
         # rank may only send or only receive.
@@ -192,7 +200,7 @@ def _circulate(comm: Comm, data: np.ndarray, offsets: list[int], first_send_bloc
             start, stop = recv
             landing = data[start:stop] if scratch is None else scratch[:stop - start]
             incoming.append((left, landing))
-        comm.exchange(outgoing, incoming, lend=True)
+        comm.exchange(outgoing, incoming, lend)
         if scratch is not None and recv is not None and stop > start:
             reducer(data[start:stop], landing)
         send, recv = next(sends, None), next(recvs, None)

@@ -25,7 +25,7 @@ from .base import Expect, Pair, Recv, Send, Settle, wait_all
 
 __all__ = ["Comm", "CommView", "LEND_MIN_BYTES"]
 
-#: Smaller sends are copied even when lent: the acknowledgement would cost more than the copy.
+#: Smaller sends are copied even when lent: each lent frame costs an acknowledgement.
 LEND_MIN_BYTES = 256 << 10
 
 
