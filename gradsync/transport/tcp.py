@@ -163,22 +163,29 @@ class TcpPair(Pair):
         while op.offset < hlen:
             op.offset += self.sock.send(memoryview(op.header)[op.offset:], socket.MSG_MORE)
         if self._splicer is None:
-            self._splicer = _splice.Splicer(self.fileno)
+            try:
+                self._splicer = _splice.Splicer(self.fileno)
+            except OSError as exc:  # out of file descriptors for the pipe
+                return self._copy_from_now_on(op, exc)
         splicer = self._splicer
         while op.offset < op.total:
             if not splicer.piped:  # all sent so far is in the socket: lend the next piece
                 try:
-                    if not splicer.push(op.address + op.offset - hlen, op.total - op.offset):
-                        raise BlockingIOError
-                except BlockingIOError:
-                    raise
-                except OSError as exc:  # no vmsplice after all (seccomp, old kernel): copy
-                    log.warning("rank %d: lending pages to the socket failed (%s); sending "
-                                "copies from now on", self.peer, exc)
-                    self.lends = False
-                    self._send_copied(op)
-                    return
+                    pushed = splicer.push(op.address + op.offset - hlen, op.total - op.offset)
+                except OSError as exc:  # no vmsplice after all (seccomp, old kernel)
+                    return self._copy_from_now_on(op, exc)
+                if not pushed:
+                    raise BlockingIOError  # an empty pipe took nothing: try again later
             op.offset += splicer.drain(more=op.offset + splicer.piped < op.total)
+
+    def _copy_from_now_on(self, op: Send, exc: OSError) -> None:
+        """Stops lending on this pair; sends the rest of ``op`` (and all later frames) copied.
+
+        The peer still acknowledges ``op``, whose header says it was lent."""
+        log.warning("lending pages to the socket to rank %d failed (%s); sending copies from "
+                    "now on", self.peer, exc)
+        self.lends = False
+        self._send_copied(op)
 
     def _flush_ctl(self) -> bool:
         """Writes owed ACKs; True once all are out. Call only between frames."""
