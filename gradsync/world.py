@@ -168,10 +168,10 @@ class World:
             if peer.rank in tcp_peers:
                 sock = tcp.connect(peer.addr, peer.port, env.rank, peer.rank, secret,
                                    env.job_id, deadline, alive)
-                pairs[peer.rank] = tcp.TcpPair(peer.rank, sock)
+                pairs[peer.rank] = tcp.TcpPair(peer.rank, sock, config.tcp_splice)
         for r, sock in listener.wait_for({r for r in tcp_peers if r > env.rank}, deadline,
                                           alive).items():
-            pairs[r] = tcp.TcpPair(r, sock)
+            pairs[r] = tcp.TcpPair(r, sock, config.tcp_splice)
         shm_group = None
         if use_shm:
             from . import _shm_setup

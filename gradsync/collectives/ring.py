@@ -41,6 +41,18 @@ segment), so B0 is ``B0a = [0:2]`` and ``B0b = [2:3]``; reduce-scatter exchanges
 Rank 2 forwards B0a while B0b comes in. In the reduce-scatter a segment lands in a scratch
 segment (slot 0) and the reducer folds it into the block; in the allgather it is final, so it
 lands directly in ``data``. Traffic per rank: ``(n-1)/n`` of the data each way per phase.
+
+Lending. Above ``LEND_ABOVE_BYTES`` every segment goes out lent (``Comm.exchange(lend=True)``):
+over TCP its pages go to the socket by reference, so a segment must stay unwritten until the
+right neighbour has read it. (Smaller vectors stay in the last-level cache, where the copy
+costs less than lending pages and acknowledging them: measured in docs/benchmarks.md.) Within a
+phase no rank writes a block after sending it (the reduce-scatter folds into a block the
+exchange before it forwards it; the allgather writes each block once, on arrival).
+Across the phases of ``allreduce``, the allgather writes, on arrival, exactly the blocks the
+reduce-scatter sent; but what arrives for a block is that block fully reduced, which the right
+neighbour's fold of the lent segment went into, so the right neighbour read it before the
+allgather's copy could exist. Only the end of a phase that returns to the caller needs
+``comm.settle()``: nothing later in the ring proves the right neighbour read the last segments.
 """
 
 from __future__ import annotations
@@ -52,7 +64,12 @@ import numpy as np
 from ..transport.comm import Comm
 from .ops import Reducer
 
-__all__ = ["reduce_scatter", "allgather", "allreduce", "even_counts", "block_offsets"]
+__all__ = ["reduce_scatter", "allgather", "allreduce", "even_counts", "block_offsets",
+           "LEND_ABOVE_BYTES"]
+
+#: Vectors larger than this lend their segments to the transport (see "Lending" above); about
+#: the last-level cache of the machine it was measured on (32 MiB).
+LEND_ABOVE_BYTES = 32 << 20
 
 
 def even_counts(length: int, size: int) -> list[int]:
@@ -74,6 +91,13 @@ def reduce_scatter(comm: Comm, data: np.ndarray, counts: Sequence[int], reducer:
         reducer: the kernel that folds a received segment into ``data``.
         chunk_bytes: the largest segment on the wire; scratch slot 0 holds one segment.
     """
+    _reduce_scatter(comm, data, counts, reducer, chunk_bytes)
+    comm.settle()
+
+
+def _reduce_scatter(comm: Comm, data: np.ndarray, counts: Sequence[int], reducer: Reducer,
+                    chunk_bytes: int) -> None:
+    """``reduce_scatter`` that may return before the right neighbour read the lent segments."""
     offsets = _offsets(comm, data, counts, chunk_bytes)
     _circulate(comm, data, offsets, comm.rank - 1, _segment_elems(data, counts, chunk_bytes),
                reducer)
@@ -90,6 +114,7 @@ def allgather(comm: Comm, data: np.ndarray, counts: Sequence[int], chunk_bytes: 
     """
     offsets = _offsets(comm, data, counts, chunk_bytes)
     _circulate(comm, data, offsets, comm.rank, _segment_elems(data, counts, chunk_bytes), None)
+    comm.settle()
 
 
 def allreduce(comm: Comm, data: np.ndarray, reducer: Reducer, chunk_bytes: int) -> None:
@@ -102,7 +127,7 @@ def allreduce(comm: Comm, data: np.ndarray, reducer: Reducer, chunk_bytes: int) 
         chunk_bytes: the largest segment on the wire; scratch slot 0 holds one segment.
     """
     counts = even_counts(len(data), comm.size)
-    reduce_scatter(comm, data, counts, reducer, chunk_bytes)
+    _reduce_scatter(comm, data, counts, reducer, chunk_bytes)  # no settle: see "Lending"
     allgather(comm, data, counts, chunk_bytes)
 
 
@@ -165,6 +190,7 @@ def _circulate(comm: Comm, data: np.ndarray, offsets: list[int], first_send_bloc
     if reducer is not None:
         scratch = comm.scratch(seg_elems * data.itemsize).view(data.dtype)
     send, recv = next(sends, None), next(recvs, None)
+    lend = data.nbytes > LEND_ABOVE_BYTES
     while send is not None or recv is not None:
         # The streams differ in length by the segment counts of two blocks, so near the end a
         # rank may only send or only receive.
@@ -174,7 +200,7 @@ def _circulate(comm: Comm, data: np.ndarray, offsets: list[int], first_send_bloc
             start, stop = recv
             landing = data[start:stop] if scratch is None else scratch[:stop - start]
             incoming.append((left, landing))
-        comm.exchange(outgoing, incoming)
+        comm.exchange(outgoing, incoming, lend)
         if scratch is not None and recv is not None and stop > start:
             reducer(data[start:stop], landing)
         send, recv = next(sends, None), next(recvs, None)

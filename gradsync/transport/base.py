@@ -7,6 +7,10 @@ at a time, so one thread can drive many of them at once (a ring step sends right
 receives from the left) without a thread per connection. ``wait_all`` is that driver: it
 advances every operation, sleeps in ``select`` (sockets) or a spin-then-sleep back-off (shared
 memory) when nothing moves, and checks the deadline and the job's abort flag while it waits.
+
+A pair that can *lend* (``Pair.lends``, TCP on Linux: ``splice.py``) sends a ``Send`` marked
+``lent`` by reference to the caller's memory instead of copying it; ``Settle`` waits until the
+peer has acknowledged every frame lent to it, after which that memory may be written again.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Callable, Sequence
 from ..errors import CollectiveMismatchError, GradsyncTimeoutError, ProtocolError
 from . import frame
 
-__all__ = ["Pair", "Send", "Recv", "Expect", "wait_all"]
+__all__ = ["Pair", "Send", "Recv", "Settle", "Expect", "wait_all"]
 
 
 class Expect:
@@ -32,13 +36,18 @@ class Expect:
 
 
 class Send:
-    """One frame on its way out: ``header`` then ``payload``; ``offset`` counts bytes sent."""
+    """One frame on its way out: ``header`` then ``payload``; ``offset`` counts bytes sent.
 
-    __slots__ = ("pair", "header", "payload", "offset", "total")
+    ``address`` is the payload's address when the frame is lent (its header has the LENT flag
+    and the pair sends the pages by reference), else 0.
+    """
 
-    def __init__(self, pair: "Pair", header: bytes, payload: memoryview):
+    __slots__ = ("pair", "header", "payload", "offset", "total", "address")
+
+    def __init__(self, pair: "Pair", header: bytes, payload: memoryview, address: int = 0):
         self.pair, self.header, self.payload = pair, header, payload
         self.offset, self.total = 0, len(header) + payload.nbytes
+        self.address = address
 
     def advance(self) -> bool:
         return self.pair.advance_send(self)
@@ -47,13 +56,14 @@ class Send:
 class Recv:
     """One frame on its way in, straight into ``payload`` (a writable byte view)."""
 
-    __slots__ = ("pair", "expect", "payload", "header_buf", "header_got", "offset")
+    __slots__ = ("pair", "expect", "payload", "header_buf", "header_got", "offset", "lent")
 
     def __init__(self, pair: "Pair", expect: Expect, payload: memoryview):
         self.pair, self.expect, self.payload = pair, expect, payload
         self.header_buf = bytearray(frame.HEADER_SIZE)
         self.header_got = 0
         self.offset = 0
+        self.lent = False  # the sender lent the payload: acknowledge it once it is all here
 
     def advance(self) -> bool:
         return self.pair.advance_recv(self)
@@ -74,6 +84,20 @@ class Recv:
             raise ProtocolError(f"rank {self.pair.peer} sent message {h.step} of {h.length} bytes "
                                 f"in collective #{h.seq}; expected message {e.step} of "
                                 f"{self.payload.nbytes} bytes")
+        self.lent = bool(h.flags & frame.LENT)
+
+
+class Settle:
+    """Waits until ``pair``'s peer has acknowledged every frame lent to it (see ``Pair``)."""
+
+    __slots__ = ("pair", "offset")
+
+    def __init__(self, pair: "Pair"):
+        self.pair = pair
+        self.offset = 0  # acknowledgements (and bytes of them) taken in: progress for wait_all
+
+    def advance(self) -> bool:
+        return self.pair.advance_settle(self)
 
 
 class Pair:
@@ -82,6 +106,8 @@ class Pair:
     peer: int
     #: A selectable file descriptor, or -1 when the pair must be polled (shared memory).
     fileno: int = -1
+    #: Whether ``Send`` ops with an ``address`` go out by reference (then acknowledged).
+    lends: bool = False
 
     def advance_send(self, op: Send) -> bool:
         """Moves as much of ``op`` as possible without blocking; True once all is sent."""
@@ -90,6 +116,18 @@ class Pair:
     def advance_recv(self, op: Recv) -> bool:
         """Moves as much of ``op`` as possible without blocking; True once all has arrived."""
         raise NotImplementedError
+
+    def advance_settle(self, op: Settle) -> bool:
+        """True once the peer has acknowledged every lent frame (at once if none was lent)."""
+        return True
+
+    def unsettled(self) -> bool:
+        """True while lent frames await acknowledgement or acknowledgements await sending."""
+        return False
+
+    def owes_bytes(self) -> bool:
+        """True while acknowledgements for the peer wait for room in the send buffer."""
+        return False
 
     def check_alive(self) -> None:
         """Raises PeerLostError if the peer is known to be gone (called while waiting)."""
@@ -107,7 +145,7 @@ _YIELDS = 2000
 _MAX_NAP = 0.0005
 
 
-def wait_all(ops: Sequence["Send | Recv"], deadline: float,
+def wait_all(ops: Sequence["Send | Recv | Settle"], deadline: float,
              on_idle: Callable[[float], None], what: Callable[[], str]) -> None:
     """Advances ``ops`` until all are complete.
 
@@ -147,8 +185,9 @@ def wait_all(ops: Sequence["Send | Recv"], deadline: float,
             next_idle = now + 0.05
         if all(op.pair.fileno >= 0 for op in pending):
             # Only sockets: sleep in the kernel until one is ready (or it is time to look up).
-            rd = [op.pair.fileno for op in pending if isinstance(op, Recv)]
-            wr = [op.pair.fileno for op in pending if isinstance(op, Send)]
+            rd = [op.pair.fileno for op in pending if not isinstance(op, Send)]
+            wr = [op.pair.fileno for op in pending
+                  if isinstance(op, Send) or op.pair.owes_bytes()]
             select.select(rd, wr, [], max(0.0, min(next_idle, deadline) - now))
         elif idle_rounds < _SPINS:
             pass

@@ -4,6 +4,13 @@ An algorithm knows its rank, the world size and one verb, ``exchange``: post the
 these receives together and return when all are done. The communicator stamps every frame with
 the collective's sequence number, the message's index on its pair, and the collective's
 signature, so that a rank that issued a different collective is caught at its first frame.
+
+Lending. ``exchange(..., lend=True)`` lets a pair that can (TCP on Linux) send the buffers by
+reference instead of copying them (``splice.py``): then the sender must not write into them
+until the peers have them, and ``settle`` waits for exactly that. An algorithm that lends
+calls ``settle`` before it writes into memory it lent, unless its structure already implies
+the peer read it, and at the latest before it returns (the caller may write into the buffer
+next).
 """
 
 from __future__ import annotations
@@ -14,9 +21,12 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from . import frame
-from .base import Expect, Pair, Recv, Send, wait_all
+from .base import Expect, Pair, Recv, Send, Settle, wait_all
 
-__all__ = ["Comm", "CommView"]
+__all__ = ["Comm", "CommView", "LEND_MIN_BYTES"]
+
+#: Smaller sends are copied even when lent: each lent frame costs an acknowledgement.
+LEND_MIN_BYTES = 256 << 10
 
 
 def _bytes_view(buf) -> memoryview:
@@ -74,20 +84,32 @@ class Comm:
             self._received.clear()
 
     def exchange(self, sends: Sequence[tuple[int, object]] = (),
-                 recvs: Sequence[tuple[int, object]] = ()) -> None:
+                 recvs: Sequence[tuple[int, object]] = (), lend: bool = False) -> None:
         """Sends each ``(peer, buffer)`` and receives into each ``(peer, buffer)``, concurrently.
 
         Buffers are contiguous arrays or memoryviews; only their bytes travel, so a receive
         buffer must have exactly the size of the matching send. Messages between two ranks
         arrive in the order they were posted.
+
+        Args:
+            lend: the send buffers may go out by reference; the caller then leaves them
+                unwritten until ``settle`` returns (or the peer's later messages prove it has
+                read them). Without it, send buffers may be reused as soon as this returns.
         """
         ops: list[Send | Recv] = []
         for peer, buf in sends:
             step = self._sent.get(peer, 0)
             self._sent[peer] = step + 1
             payload = _bytes_view(buf)
+            pair = self.pairs[peer]
+            if lend and pair.lends and payload.nbytes >= LEND_MIN_BYTES:
+                address = np.frombuffer(payload, np.uint8).ctypes.data
+                header = frame.pack(frame.Kind.DATA, self.seq, step, self.signature,
+                                    payload.nbytes, frame.LENT)
+                ops.append(Send(pair, header, payload, address))
+                continue
             header = frame.pack(frame.Kind.DATA, self.seq, step, self.signature, payload.nbytes)
-            ops.append(Send(self.pairs[peer], header, payload))
+            ops.append(Send(pair, header, payload))
         for peer, buf in recvs:
             step = self._received.get(peer, 0)
             self._received[peer] = step + 1
@@ -95,6 +117,16 @@ class Comm:
             ops.append(Recv(self.pairs[peer], expect, _bytes_view(buf)))
         wait_all(ops, self._deadline, self.on_idle,
                  lambda: self._waiting_for(sends, recvs))
+
+    def settle(self) -> None:
+        """Returns once every peer of this collective has acknowledged what was lent to it,
+        and this rank's own acknowledgements are out; at once when nothing was lent."""
+        ops = [Settle(self.pairs[p]) for p in self._sent.keys() | self._received.keys()
+               if self.pairs[p].unsettled()]
+        if ops:
+            wait_all(ops, self._deadline, self.on_idle, lambda: (
+                f"collective #{self.seq} {self.description} on rank {self.rank}: waiting for "
+                f"rank(s) {sorted(op.pair.peer for op in ops)} to acknowledge lent buffers"))
 
     def scratch(self, nbytes: int, slot: int = 0) -> np.ndarray:
         """A reusable uint8 work buffer of at least ``nbytes`` (one per ``slot``).
@@ -155,10 +187,14 @@ class CommView:
         return self.root.signature
 
     def exchange(self, sends: Sequence[tuple[int, object]] = (),
-                 recvs: Sequence[tuple[int, object]] = ()) -> None:
+                 recvs: Sequence[tuple[int, object]] = (), lend: bool = False) -> None:
         """``Comm.exchange`` with peers given as ranks of this view."""
         self.root.exchange([(self.ranks[p], b) for p, b in sends],
-                           [(self.ranks[p], b) for p, b in recvs])
+                           [(self.ranks[p], b) for p, b in recvs], lend)
+
+    def settle(self) -> None:
+        """``Comm.settle`` (for all of the parent's peers of this collective)."""
+        self.root.settle()
 
     def scratch(self, nbytes: int, slot: int = 0) -> np.ndarray:
         return self.root.scratch(nbytes, slot)

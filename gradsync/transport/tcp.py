@@ -15,7 +15,9 @@ dropped and logged by the listener while the job goes on.
 After the handshake the socket is switched to non-blocking mode and driven by ``wait_all``:
 ``advance_send`` writes header and payload with one ``sendmsg``; ``advance_recv`` reads the
 40-byte header, validates it, then ``recv_into``s the payload directly into the destination
-array, so a tensor is never pickled or copied through a temporary buffer.
+array, so a tensor is never pickled or copied through a temporary buffer. A frame the caller
+lent (``Comm.exchange(lend=True)``) skips the sender's copy too: its pages go into the socket by
+reference (``splice.py``) and come back acknowledged (``TcpPair``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from typing import Callable
 
 from ..errors import AuthenticationError, GradsyncTimeoutError, PeerLostError, ProtocolError
 from . import frame
-from .base import Pair, Recv, Send
+from . import splice as _splice
+from .base import Pair, Recv, Send, Settle
 
 __all__ = ["TcpPair", "Listener", "connect", "HANDSHAKE_TIMEOUT"]
 
@@ -42,6 +45,7 @@ HANDSHAKE_TIMEOUT = 10.0
 _NONCE = 32
 _PROOF = struct.Struct(f"<q{_NONCE}s32s")
 _SOCKET_BUFFER = 4 << 20
+_ACK = frame.pack(frame.Kind.ACK, 0, 0, 0, 0)
 
 
 def _mac(secret: bytes, *parts: bytes) -> bytes:
@@ -86,13 +90,35 @@ def _recv_frame(sock: socket.socket, *kinds: int) -> bytes:
 
 
 class TcpPair(Pair):
-    """An authenticated, non-blocking connection to rank ``peer``."""
+    """An authenticated, non-blocking connection to rank ``peer``.
 
-    def __init__(self, peer: int, sock: socket.socket):
+    Args:
+        peer: the rank at the other end.
+        sock: the connected socket, after the handshake.
+        splice: send lent frames by reference (``splice.py``) where the platform allows;
+            false copies every frame (``GRADSYNC_TCP_SPLICE=0``).
+
+    Lent frames. A ``Send`` with an ``address`` goes out as the header (copied) and then the
+    payload's pages, by reference. The peer answers each such frame with an ACK frame once it
+    holds all of it; ``unacked`` counts the lent frames not yet answered, and ``advance_settle``
+    reads ACKs until it is 0. ACKs travel on the same stream as data: this side reads them
+    wherever a frame header is due (skipping them in ``advance_recv``), and writes its own
+    between frames, never inside one (``_ctl_out`` waits while a frame is half written).
+    """
+
+    def __init__(self, peer: int, sock: socket.socket, splice: bool = True):
         self.peer = peer
         self.sock = sock
         sock.setblocking(False)
         self.fileno = sock.fileno()
+        self.lends = bool(splice) and _splice.available()
+        self._splicer: _splice.Splicer | None = None
+        self.unacked = 0
+        self._ctl_out = bytearray()  # ACK frames owed to the peer, not yet taken by the socket
+        self._sending: Send | None = None  # the frame being written: nothing else may go in
+        self._hdr = bytearray(frame.HEADER_SIZE)  # the next header from the peer, as it comes
+        self._hdr_view = memoryview(self._hdr)
+        self._hdr_got = 0
 
     def _lost(self, exc: BaseException | None) -> PeerLostError:
         why = f": {exc}" if exc else ""
@@ -100,29 +126,107 @@ class TcpPair(Pair):
                              f"crash?)", peer=self.peer)
 
     def advance_send(self, op: Send) -> bool:
-        hlen = len(op.header)
         try:
-            while op.offset < op.total:
-                if op.offset < hlen:
-                    n = self.sock.sendmsg([memoryview(op.header)[op.offset:], op.payload])
-                else:
-                    n = self.sock.send(op.payload[op.offset - hlen:])
-                op.offset += n
+            if self._sending is not op:
+                if self._sending is not None:
+                    return False  # another frame to this peer is half written
+                if self._ctl_out and not self._flush_ctl():
+                    return False  # ACKs first: they must not land inside this frame
+                if op.address:
+                    self.unacked += 1  # the header carries LENT: the peer will answer it
+                self._sending = op
+            if op.address and self.lends:
+                self._send_lent(op)
+            else:
+                self._send_copied(op)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as exc:
+            raise self._lost(exc) from None
+        self._sending = None
+        if self._ctl_out:
+            self._flush_ctl()
+        return True
+
+    def _send_copied(self, op: Send) -> None:
+        hlen = len(op.header)
+        while op.offset < op.total:
+            if op.offset < hlen:
+                n = self.sock.sendmsg([memoryview(op.header)[op.offset:], op.payload])
+            else:
+                n = self.sock.send(op.payload[op.offset - hlen:])
+            op.offset += n
+
+    def _send_lent(self, op: Send) -> None:
+        """The header by copy, then the payload's pages through the pipe into the socket."""
+        hlen = len(op.header)
+        while op.offset < hlen:
+            op.offset += self.sock.send(memoryview(op.header)[op.offset:], socket.MSG_MORE)
+        if self._splicer is None:
+            try:
+                self._splicer = _splice.Splicer(self.fileno)
+            except OSError as exc:  # out of file descriptors for the pipe
+                return self._copy_from_now_on(op, exc)
+        splicer = self._splicer
+        while op.offset < op.total:
+            if not splicer.piped:  # all sent so far is in the socket: lend the next piece
+                try:
+                    pushed = splicer.push(op.address + op.offset - hlen, op.total - op.offset)
+                except OSError as exc:  # no vmsplice after all (seccomp, old kernel)
+                    return self._copy_from_now_on(op, exc)
+                if not pushed:
+                    raise BlockingIOError  # an empty pipe took nothing: try again later
+            op.offset += splicer.drain(more=op.offset + splicer.piped < op.total)
+
+    def _copy_from_now_on(self, op: Send, exc: OSError) -> None:
+        """Stops lending on this pair; sends the rest of ``op`` (and all later frames) copied.
+
+        The peer still acknowledges ``op``, whose header says it was lent."""
+        log.warning("lending pages to the socket to rank %d failed (%s); sending copies from "
+                    "now on", self.peer, exc)
+        self.lends = False
+        self._send_copied(op)
+
+    def _flush_ctl(self) -> bool:
+        """Writes owed ACKs; True once all are out. Call only between frames."""
+        try:
+            while self._ctl_out:
+                del self._ctl_out[:self.sock.send(self._ctl_out)]
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as exc:
             raise self._lost(exc) from None
         return True
 
+    def _next_header(self) -> None:
+        """Reads until ``_hdr`` holds a whole header; raises BlockingIOError before that."""
+        while self._hdr_got < frame.HEADER_SIZE:
+            n = self.sock.recv_into(self._hdr_view[self._hdr_got:])
+            if n == 0:
+                raise self._lost(None)
+            self._hdr_got += n
+
+    def _take_ack(self) -> bool:
+        """If ``_hdr`` is a whole ACK frame, counts it and clears ``_hdr``; True if it was."""
+        if self._hdr[5] != frame.Kind.ACK:
+            return False
+        frame.unpack(self._hdr)  # magic and version
+        if self.unacked <= 0:
+            raise ProtocolError(f"rank {self.peer} acknowledged a frame that was not lent to it")
+        self.unacked -= 1
+        self._hdr_got = 0
+        return True
+
     def advance_recv(self, op: Recv) -> bool:
         try:
+            if self._ctl_out and self._sending is None:
+                self._flush_ctl()
             if op.header_got < frame.HEADER_SIZE:
-                view = memoryview(op.header_buf)
-                while op.header_got < frame.HEADER_SIZE:
-                    n = self.sock.recv_into(view[op.header_got:])
-                    if n == 0:
-                        raise self._lost(None)
-                    op.header_got += n
+                self._next_header()
+                while self._take_ack():
+                    self._next_header()
+                op.header_buf[:] = self._hdr
+                op.header_got, self._hdr_got = frame.HEADER_SIZE, 0
                 op.check_header()
             total = op.payload.nbytes
             while op.offset < total:
@@ -131,12 +235,44 @@ class TcpPair(Pair):
                     raise self._lost(None)
                 op.offset += n
         except (BlockingIOError, InterruptedError):
+            if op.header_got < frame.HEADER_SIZE:
+                op.header_got = self._hdr_got  # progress, for wait_all
             return False
         except (ConnectionError, TimeoutError) as exc:
             raise self._lost(exc) from None
+        if op.lent:
+            op.lent = False
+            self._ctl_out += _ACK
+            if self._sending is None:
+                self._flush_ctl()
         return True
 
+    def advance_settle(self, op: Settle) -> bool:
+        try:
+            if self._ctl_out and self._sending is None:
+                self._flush_ctl()
+            while self.unacked:
+                self._next_header()
+                if not self._take_ack():
+                    raise ProtocolError(
+                        f"rank {self.peer} sent a frame of kind {self._hdr[5]} while this rank "
+                        f"waited for it to acknowledge {self.unacked} lent frame(s)")
+                op.offset += 1
+        except (BlockingIOError, InterruptedError):
+            return False
+        except (ConnectionError, TimeoutError) as exc:
+            raise self._lost(exc) from None
+        return not self._ctl_out
+
+    def unsettled(self) -> bool:
+        return bool(self.unacked or self._ctl_out)
+
+    def owes_bytes(self) -> bool:
+        return bool(self._ctl_out)
+
     def close(self) -> None:
+        if self._splicer is not None:
+            self._splicer.close()
         try:
             self.sock.close()
         except OSError:

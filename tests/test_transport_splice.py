@@ -1,0 +1,211 @@
+"""Lent sends over TCP (vmsplice + splice): the pages go by reference, so a sender that writes
+into them before the receiver has read them corrupts what arrives. These tests run the ring on
+real loopback TCP connections, one thread per rank, and check that ``settle`` closes the window.
+"""
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from gradsync.collectives import ring
+from gradsync.collectives.ops import ReduceOp, make_reducer
+from gradsync.transport import splice
+from gradsync.transport.comm import LEND_MIN_BYTES, Comm
+from gradsync.transport.tcp import TcpPair
+
+pytestmark = pytest.mark.skipif(not splice.available(), reason="lending needs Linux vmsplice")
+
+
+@pytest.fixture(autouse=True)
+def _lend_small_vectors(monkeypatch):
+    # The ring lends only above LEND_ABOVE_BYTES (32 MiB); these tests lend megabytes.
+    monkeypatch.setattr(ring, "LEND_ABOVE_BYTES", 0)
+
+CHUNK = LEND_MIN_BYTES  # every ring segment is large enough to be lent
+SUM = make_reducer(ReduceOp.SUM, np.float64)
+
+
+def _mesh(n, splice_on=lambda r: True, comm_class=lambda r: Comm):
+    """``n`` Comms joined by loopback TCP, as in a job over TCP (without the handshake)."""
+    socks = {}
+    for a in range(n):
+        for b in range(a + 1, n):
+            server = socket.create_server(("127.0.0.1", 0))
+            client = socket.create_connection(server.getsockname())
+            socks[a, b], _ = server.accept()
+            socks[b, a] = client
+            server.close()
+    comms = [comm_class(r)(r, n, {p: TcpPair(p, socks[r, p], splice_on(r))
+                                  for p in range(n) if p != r}, 10.0) for r in range(n)]
+    return comms
+
+
+def _run(comms, fn):
+    """Runs ``fn(comm)`` on one thread per rank; returns their results, raises their errors."""
+    results, errors = [None] * len(comms), []
+
+    def run(c):
+        try:
+            results[c.rank] = fn(c)
+        except BaseException as exc:  # re-raised below, on the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in comms]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive(), "a rank hung"
+    for c in comms:
+        c.close()
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_lent_ring_allreduce_back_to_back_with_writes_in_between(n):
+    # Uneven blocks of several segments each; every rank writes next round's input into the
+    # buffer the moment allreduce returns, so a lent page still unread would carry it.
+    length = 3 * n * CHUNK // 8 + 5
+
+    def fn(comm):
+        data = np.empty(length, np.float64)
+        got = []
+        for it in range(4):
+            data[:] = np.arange(length) * (comm.rank + 1) + it
+            comm.begin(f"allreduce {it}")
+            ring.allreduce(comm, data, SUM, CHUNK)
+            got.append(data.copy())
+        return got, [p.lends for p in comm.pairs.values()]
+
+    results = _run(_mesh(n), fn)
+    ranks_sum = n * (n + 1) // 2
+    for got, lends in results:
+        assert all(lends)
+        for it, out in enumerate(got):
+            np.testing.assert_array_equal(out, np.arange(length) * ranks_sum + n * it)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_lent_reduce_scatter_and_allgather(n):
+    counts = [CHUNK // 8 * 2 + r for r in range(n)]  # two segments a block, uneven
+    offsets = np.cumsum([0] + counts)
+
+    def fn(comm):
+        data = np.full(sum(counts), comm.rank + 1.0)
+        comm.begin("reduce_scatter")
+        ring.reduce_scatter(comm, data, counts, SUM, CHUNK)
+        mine = data[offsets[comm.rank]:offsets[comm.rank + 1]].copy()
+        data[:] = -1  # right after return: must not reach anyone
+        data[offsets[comm.rank]:offsets[comm.rank + 1]] = comm.rank
+        comm.begin("allgather")
+        ring.allgather(comm, data, counts, CHUNK)
+        gathered = data.copy()
+        data[:] = -2
+        return mine, gathered
+
+    for mine, gathered in _run(_mesh(n), fn):
+        assert (mine == n * (n + 1) / 2).all()
+        np.testing.assert_array_equal(gathered, np.repeat(np.arange(n, dtype=float), counts))
+
+
+class _LateReader(Comm):
+    """Rank 1 of the race below: sends its last segment, then holds back its last receive
+    until rank 0 has returned from allreduce and overwritten its buffer (``rank0_done``), or
+    until ``grace`` seconds passed. With ``settle`` working, rank 0 cannot return before rank 1
+    has read its last segment, so the event never comes and the grace period runs out; without
+    it, rank 0 returns at once and rank 1 reads the overwritten pages."""
+
+    last = 0
+    rank0_done = None
+    grace = 0.3
+    calls = 0
+
+    def exchange(self, sends=(), recvs=(), lend=False):
+        type(self).calls += 1
+        if type(self).calls != self.last:
+            return super().exchange(sends, recvs, lend)
+        super().exchange(sends, (), lend)
+        self.rank0_done.wait(self.grace)
+        super().exchange((), recvs, lend)
+
+
+def _race(monkeypatch=None):
+    """Rank 0 overwrites its buffer right after allreduce; rank 1 reads late. Returns rank 1's
+    result and the value it should be."""
+    length = 4 * CHUNK // 8  # two blocks of two segments: 2 + 2 exchanges on each rank
+    _LateReader.last, _LateReader.calls = 4, 0
+    _LateReader.rank0_done = threading.Event()
+
+    def fn(comm):
+        data = np.full(length, comm.rank + 1.0)
+        comm.begin("allreduce")
+        ring.allreduce(comm, data, SUM, CHUNK)
+        if comm.rank == 0:
+            data[:] = -1.0
+            _LateReader.rank0_done.set()
+        return data.copy()
+
+    comms = _mesh(2, comm_class=lambda r: _LateReader if r == 1 else Comm)
+    results = _run(comms, fn)
+    assert _LateReader.calls == 4
+    return results[1]
+
+
+def test_settle_keeps_a_late_reader_from_seeing_a_reused_buffer():
+    assert (_race() == 3.0).all()
+
+
+def test_without_settle_the_late_reader_sees_the_reused_buffer(monkeypatch):
+    # The guard off: proves the pages really travel by reference, and that the race above
+    # catches a sender that writes too early.
+    monkeypatch.setattr(Comm, "settle", lambda self: None)
+    out = _race()
+    assert (out == -1.0).any(), "the lent segment was copied after all"
+
+
+def test_vectors_up_to_the_threshold_are_copied(monkeypatch):
+    # The race without the guard again, but at the shipped threshold: nothing is lent, so the
+    # late reader gets the sum although rank 0 rewrote its buffer first.
+    monkeypatch.undo()
+    assert ring.LEND_ABOVE_BYTES >= 4 * CHUNK
+    monkeypatch.setattr(Comm, "settle", lambda self: None)
+    assert (_race() == 3.0).all()
+
+
+def test_a_copying_rank_and_a_lending_rank_meet():
+    # Rank 1 copies (GRADSYNC_TCP_SPLICE=0 on its side) but still acknowledges rank 0's
+    # lent frames; rank 0 lends.
+    comms = _mesh(2, splice_on=lambda r: r == 0)
+    length = 2 * CHUNK // 8
+
+    def fn(comm):
+        data = np.full(length, comm.rank + 1.0)
+        comm.begin("allreduce")
+        ring.allreduce(comm, data, SUM, CHUNK)
+        return data.copy(), comm.pairs[1 - comm.rank].lends
+
+    (d0, l0), (d1, l1) = _run(comms, fn)
+    assert (l0, l1) == (True, False)
+    assert (d0 == 3.0).all() and (d1 == 3.0).all()
+
+
+def test_a_failing_vmsplice_falls_back_to_copies(monkeypatch, caplog):
+    def refuse(self, address, nbytes):
+        raise OSError(1, "vmsplice: Operation not permitted")
+
+    monkeypatch.setattr(splice.Splicer, "push", refuse)
+    length = 2 * CHUNK // 8
+
+    def fn(comm):
+        data = np.full(length, comm.rank + 1.0)
+        comm.begin("allreduce")
+        ring.allreduce(comm, data, SUM, CHUNK)
+        return data.copy(), comm.pairs[1 - comm.rank].lends
+
+    for data, lends in _run(_mesh(2), fn):
+        assert (data == 3.0).all() and not lends
+    assert "sending copies from now on" in caplog.text
