@@ -151,10 +151,11 @@ def _torch_flat(x) -> "np.ndarray | None":
         return None
     if _torch_dtypes is None:
         _torch_dtypes = frozenset((torch.float32, torch.float64, torch.int32, torch.int64))
-    if (x.dtype not in _torch_dtypes or x.device.type != "cpu" or x.layout is not torch.strided
+    # is_cpu, not device.type: the device object costs ~0.4 µs to make, on every call.
+    if (x.dtype not in _torch_dtypes or not x.is_cpu or x.layout is not torch.strided
             or not x.is_contiguous()):
         return None
-    return x.detach().numpy()
+    return (x.detach() if x.requires_grad else x).numpy()
 
 
 _torch_dtypes: "frozenset | None" = None  # the dtypes of _shmfast.c, as torch names them
