@@ -25,8 +25,8 @@ from .transport import frame
 # Distinct collectives whose description is remembered (unnamed calls each have their own).
 _DESCRIPTIONS_KEPT = 4096
 
-__all__ = ["allreduce", "allreduce_signed", "allgather", "broadcast", "reducescatter", "alltoall", "barrier",
-           "broadcast_object", "allgather_object", "scale"]
+__all__ = ["allreduce", "allreduce_signed", "allgather", "broadcast", "reducescatter", "alltoall",
+           "barrier", "broadcast_object", "allgather_object", "scale"]
 
 
 def scale(flat: np.ndarray, dtype, factor: float, divide: bool = False,

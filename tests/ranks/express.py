@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 import gradsync as gs
-from gradsync import api, express
+from gradsync import express
 from gradsync.collectives.shm import ShmGroup
 from gradsync.operations import scale
 
