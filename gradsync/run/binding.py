@@ -37,7 +37,7 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-__all__ = ["MODES", "cores", "plan", "online_cpus"]
+__all__ = ["MODES", "bind", "cores", "online_cpus", "plan"]
 
 MODES = ("auto", "core", "none")
 _SYS = "/sys/devices/system/cpu"

@@ -92,8 +92,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     placement = parser.add_argument_group("placement")
     placement.add_argument("--bind-to", choices=binding.MODES, metavar="{core,none,auto}",
                            default=os.environ.get("GRADSYNC_BIND", "auto"),
-                           help="bind each rank started on this host to a core of its own, "
-                                "as mpirun does (core), or not (none); auto (default, or "
+                           help="bind each rank started on this host to cores of its own "
+                                "(an equal share, one core when the ranks fill the host), as "
+                                "mpirun does (core), or not (none); auto (default, or "
                                 "GRADSYNC_BIND): core when the ranks fit the usable cores and "
                                 "the affinity was not restricted already (taskset, cpusets)")
     output = parser.add_argument_group("output")

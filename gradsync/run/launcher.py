@@ -162,7 +162,7 @@ class LaunchSpec:
     stop_grace: float = STOP_GRACE
     """Seconds between SIGTERM and SIGKILL when the job is stopped."""
     bind_to: str = "auto"
-    """``core``, ``none`` or ``auto``: bind each rank started on this host to a core of its
+    """``core``, ``none`` or ``auto``: bind each rank started on this host to cores of its
     own (``binding.py``; auto: only when they fit and the affinity is not restricted)."""
 
     def __post_init__(self) -> None:
