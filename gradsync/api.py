@@ -16,6 +16,7 @@ import threading
 
 import numpy as np
 
+from . import express
 from . import operations as ops
 from .collectives.ops import BFLOAT16, Average, ReduceOp
 from .collectives.planner import ALGORITHMS as _ALGORITHMS
@@ -191,10 +192,18 @@ def _alone(world, tensor, op, prescale_factor, postscale_factor, algorithm, inpl
 def _allreduce(tensor, op, name, prescale_factor, postscale_factor, algorithm, inplace, asynchronous,
                counts=None):
     world = _world
-    if world is not None and world.size == 1 and not asynchronous and counts is None:
-        result = _alone(world, tensor, op, prescale_factor, postscale_factor, algorithm, inplace)
-        if result is not None:
-            return result
+    if world is not None and not asynchronous and counts is None:
+        if world.size == 1:
+            result = _alone(world, tensor, op, prescale_factor, postscale_factor, algorithm,
+                            inplace)
+            if result is not None:
+                return result
+        elif (name is not None and prescale_factor == 1.0 and postscale_factor == 1.0
+              and world.shm_group is not None):
+            # The express lane (express.py): a small allreduce straight to the compiled call.
+            result = express.allreduce(world, _engine, tensor, op, name, algorithm, inplace)
+            if result is not None:
+                return result
     world = _w()
     buf = wrap(tensor, writable=inplace)
     op = _check_op(op, buf.dtype)

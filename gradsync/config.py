@@ -29,6 +29,7 @@ IDENTITY_VARIABLES = frozenset(
         "RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE",
         "STORE_ADDR", "STORE_PORT", "SECRET", "JOB_ID", "LAUNCHER_PID", "HOSTNAME", "SERVERS",
         "ELASTIC_ID",
+        "BIND",  # not an identity: gradsync run's --bind-to default, read by the launcher
     }
 )
 

@@ -72,7 +72,9 @@ class Engine:
     def __init__(self, world):
         self.world = world
         self._queue: collections.deque[tuple[Handle, Callable]] = collections.deque()
-        self._cv = threading.Condition(threading.Lock())
+        # The lock is kept apart too: ``with self._lock`` runs in C, ``with self._cv`` does not.
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self._sleepers = 0  # threads in self._cv.wait(): the only ones a notify can concern
         self._busy = False
         self._stopping = False
@@ -85,19 +87,30 @@ class Engine:
 
     def run(self, fn: Callable, name: str):
         """Runs ``fn`` after every earlier operation and returns its result."""
-        with self._cv:
-            inline = not self._queue and not self._busy
-            if inline:
-                self._busy = True
-        if not inline:
+        if not self.claim_inline():
             return self.submit(fn, name).wait()
         try:
             return self._execute(fn)
         finally:
-            with self._cv:
-                self._busy = False
-                if self._sleepers:
-                    self._cv.notify_all()
+            self.end_inline()
+
+    def claim_inline(self) -> bool:
+        """Marks the engine busy for an operation the caller runs inline; False (nothing
+        changed) when something is queued or running, so the caller must queue instead.
+        Every True must be followed by one ``end_inline()`` (the express lane, ``express.py``,
+        uses the pair around its own call)."""
+        with self._lock:
+            if self._queue or self._busy:
+                return False
+            self._busy = True
+            return True
+
+    def end_inline(self) -> None:
+        """Ends what ``claim_inline`` began; wakes the threads waiting for the engine to be idle."""
+        with self._lock:
+            self._busy = False
+            if self._sleepers:
+                self._cv.notify_all()
 
     def _sleep(self) -> None:
         """``self._cv.wait()``, counted in ``_sleepers``; call with the lock held."""

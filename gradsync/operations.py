@@ -25,8 +25,8 @@ from .transport import frame
 # Distinct collectives whose description is remembered (unnamed calls each have their own).
 _DESCRIPTIONS_KEPT = 4096
 
-__all__ = ["allreduce", "allgather", "broadcast", "reducescatter", "alltoall", "barrier",
-           "broadcast_object", "allgather_object", "scale"]
+__all__ = ["allreduce", "allreduce_signed", "allgather", "broadcast", "reducescatter", "alltoall",
+           "barrier", "broadcast_object", "allgather_object", "scale"]
 
 
 def scale(flat: np.ndarray, dtype, factor: float, divide: bool = False,
@@ -115,9 +115,8 @@ def allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, *, name: str, shape:
         alg = f"adasum tensors={len(counts) if counts else 1} crc={_crc(counts)}"
     else:
         alg = world.plans.allreduce(flat.nbytes, algorithm)
-    _begin(world, ("allreduce", name, dtype, tuple(shape), op, prescale, postscale, alg),
-           lambda: f"allreduce '{name}' {_dt(dtype)}{list(shape)} op={op.name} "
-                   f"prescale={prescale} postscale={postscale} algorithm={alg}")
+    world.comm.begin_signed(*allreduce_signed(world, name, dtype, shape, op, prescale,
+                                              postscale, alg))
     if prescale != 1.0:
         scale(flat, dtype, prescale)
     average = op is ReduceOp.AVERAGE and world.size > 1
@@ -145,8 +144,17 @@ def allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, *, name: str, shape:
         scale(flat, dtype, postscale)
 
 
-def _begin(world, key: tuple, describe) -> None:
-    """``comm.begin`` through the world's memory of descriptions and their signatures."""
+def allreduce_signed(world, name: str, dtype, shape: tuple, op: ReduceOp, prescale: float,
+                     postscale: float, alg: str) -> tuple[str, int]:
+    """The description of an allreduce and its signature (what ``comm.begin_signed`` takes),
+    remembered per distinct call; the express lane (``express.py``) begins with the same."""
+    return _signed(world, ("allreduce", name, dtype, tuple(shape), op, prescale, postscale, alg),
+                   lambda: f"allreduce '{name}' {_dt(dtype)}{list(shape)} op={op.name} "
+                           f"prescale={prescale} postscale={postscale} algorithm={alg}")
+
+
+def _signed(world, key: tuple, describe) -> tuple[str, int]:
+    """What ``comm.begin_signed`` takes, through the world's memory of descriptions."""
     known = world.descriptions.get(key)
     if known is None:
         description = describe()
@@ -155,7 +163,7 @@ def _begin(world, key: tuple, describe) -> None:
         if len(world.descriptions) >= _DESCRIPTIONS_KEPT:
             world.descriptions.clear()
         world.descriptions[key] = known
-    world.comm.begin_signed(*known)
+    return known
 
 
 def _crc(counts: list[int] | None) -> int:

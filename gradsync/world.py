@@ -96,6 +96,7 @@ class World:
         # Decided once per size, not per call (``operations.allreduce``).
         self.plans = planner.Plans(self.size, config, shm_group is not None, self.topology)
         self.descriptions: dict[tuple, tuple[str, int]] = {}
+        self.express: dict = {}  # express.py's entries, per distinct small allreduce call
         self.failure: GradsyncError | None = None
         self.heartbeat = None  # a heartbeat.Heartbeat once connect() has started it
         self._next_poll = 0.0

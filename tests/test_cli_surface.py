@@ -9,7 +9,7 @@ import pytest
 from gradsync.run import cli
 
 RUN_OPTIONS = [
-    "--blacklist-cooldown", "--elastic-timeout", "--help", "--host-discovery-script",
+    "--bind-to", "--blacklist-cooldown", "--elastic-timeout", "--help", "--host-discovery-script",
     "--hostfile", "--hosts", "--max-np", "--min-np", "--no-output-prefix", "--num-proc",
     "--output-prefix", "--reset-limit", "--servers", "--ssh-command", "--ssh-port",
     "--start-timeout", "-H", "-h", "-np", "-x",

@@ -320,6 +320,31 @@ class ShmGroup:
                 self._wait(_REDUCED, seq, deadline, on_idle, "finish reducing")
                 self._copy_out(piece, slots, bounds)
 
+    def fast_code(self, op: ReduceOp, dtype: np.dtype) -> "int | None":
+        """The compiled road's kernel code for ``op`` on ``dtype``, or None when an allreduce
+        of them takes the Python road (or the compiled one is not built)."""
+        return _FAST_CODES.get((op, dtype)) if self._fast_call else None
+
+    def allreduce_express(self, flat: np.ndarray, code: int, divisor: int, deadline: float,
+                          on_idle: Callable[[float], None], signature: int) -> None:
+        """``allreduce`` on the compiled road, for a caller that has checked what it checks
+        (``express.py``): ``flat`` a writable C-contiguous 1-d array of 1 to ``small_bytes``
+        bytes, ``code`` from ``fast_code``, ``divisor`` as for ``allreduce`` (no ``trunc``)."""
+        if self._failed is not None or self._segment is None:
+            self._flat(flat, writable=True)  # raises what allreduce raises
+        seq = self._seq = self._seq + 1
+        try:
+            # The common case is this one C call and no other Python frame: every rank
+            # arrived within the C wait's budget and issued the same.
+            status = self._fast_call(self._fast_group, flat, seq, signature, code, divisor,
+                                     False)
+            if status != _FAST_DONE:
+                self._fast_rest(status, flat, seq, signature & _MASK64, code, divisor, False,
+                                deadline, on_idle)
+        except BaseException as exc:  # what _guard does
+            self._fail(exc)
+            raise
+
     def _allreduce_small(self, flat: np.ndarray, reducer: Reducer, deadline: float,
                          on_idle: Callable[[float], None], signature: int) -> None:
         """The one-step road (see the module's docstring): one piece, one synchronisation."""
@@ -342,6 +367,14 @@ class ShmGroup:
         seq = self._seq = self._seq + 1
         signature &= _MASK64
         status = self._fast_call(self._fast_group, flat, seq, signature, code, divisor, trunc)
+        if status != _FAST_DONE:
+            self._fast_rest(status, flat, seq, signature, code, divisor, trunc, deadline,
+                            on_idle)
+
+    def _fast_rest(self, status: int, flat: np.ndarray, seq: int, signature: int, code: int,
+                   divisor: int, trunc: bool, deadline: float,
+                   on_idle: Callable[[float], None]) -> None:
+        """What follows a C call that did not finish: the wait, then the fold; or the report."""
         if status == _FAST_WAITING:
             # The C wait spun, yielded and slept for _CHECK_EVERY: check now, then go on.
             self._wait(_ARRIVED, seq, deadline, on_idle, "arrive",

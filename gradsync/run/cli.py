@@ -14,6 +14,7 @@ import sys
 from typing import Mapping, Sequence
 
 from ..config import ENV_PREFIX, IDENTITY_VARIABLES
+from . import binding
 from .elastic import ElasticSpec, launch_elastic
 from .launcher import DEFAULT_START_TIMEOUT, Host, LaunchSpec, launch, place
 
@@ -88,6 +89,14 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                      help="set VAR for every rank, to VALUE or to its value here; repeatable "
                           "(local ranks inherit the whole environment, remote ranks get only "
                           "these and GRADSYNC_* settings)")
+    placement = parser.add_argument_group("placement")
+    placement.add_argument("--bind-to", choices=binding.MODES, metavar="{core,none,auto}",
+                           default=os.environ.get("GRADSYNC_BIND", "auto"),
+                           help="bind each rank started on this host to cores of its own "
+                                "(an equal share, one core when the ranks fill the host), as "
+                                "mpirun does (core), or not (none); auto (default, or "
+                                "GRADSYNC_BIND): core when the ranks fit the usable cores and "
+                                "the affinity was not restricted already (taskset, cpusets)")
     output = parser.add_argument_group("output")
     output.add_argument("--output-prefix", action=argparse.BooleanOptionalAction, default=True,
                         help="prefix each line of a rank's output with [RANK]<stdout>: or "
@@ -214,7 +223,8 @@ def _spec(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LaunchSp
         spec = LaunchSpec(command=command, num_proc=args.num_proc, servers=args.servers,
                           hosts=hosts, ssh_command=args.ssh_command, ssh_port=args.ssh_port,
                           start_timeout=args.start_timeout, output_prefix=args.output_prefix,
-                          env=resolve_exports(args.exports, os.environ))
+                          env=resolve_exports(args.exports, os.environ),
+                          bind_to=args.bind_to)
         if not _is_elastic(args):
             # Placement is checked here, so that too few slots is a usage error.
             place(hosts or [Host("localhost", spec.size)], spec.size)

@@ -65,6 +65,7 @@ from datetime import timedelta
 from typing import BinaryIO, Callable, Mapping, Sequence
 
 from ..config import ENV_PREFIX, IDENTITY_VARIABLES
+from . import binding
 
 __all__ = ["Host", "Slot", "LaunchSpec", "place", "launch", "is_local", "STOP_GRACE",
            "SERVER_LINGER",
@@ -160,6 +161,9 @@ class LaunchSpec:
     """Variables set for every rank (``-x``), local and remote."""
     stop_grace: float = STOP_GRACE
     """Seconds between SIGTERM and SIGKILL when the job is stopped."""
+    bind_to: str = "auto"
+    """``core``, ``none`` or ``auto``: bind each rank started on this host to cores of its
+    own (``binding.py``; auto: only when they fit and the affinity is not restricted)."""
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -174,6 +178,9 @@ class LaunchSpec:
             raise ValueError(f"ssh_port must be a TCP port (1-65535), got {self.ssh_port}")
         if self.stop_grace < 0:
             raise ValueError(f"stop_grace must be >= 0, got {self.stop_grace}")
+        if self.bind_to not in binding.MODES:
+            raise ValueError(f"bind_to must be one of {', '.join(binding.MODES)}, "
+                             f"got {self.bind_to!r}")
 
     @property
     def size(self) -> int:
@@ -335,11 +342,13 @@ class _Job:
         self.ranks: list[_Rank] = []
         self.received: int | None = None  # the first stopping signal the launcher got
         self.hurry = False  # a second signal: skip the grace period
+        self.cores: "list[list[int]] | None" = None  # CPUs of each local rank, when bound
 
     def run(self) -> int:
         with _handling(self._on_signal):
             try:
                 self._check_hosts()
+                self._plan_binding()
                 store = self._start_store()
                 for slot in self.slots:
                     if self.received is not None:
@@ -359,6 +368,16 @@ class _Job:
         return status
 
     # ------------------------------------------------------------------ start
+    def _plan_binding(self) -> None:
+        """Which cores the ranks started here get (``binding.py``); an elastic job, whose
+        local ranks come and go, does not bind."""
+        here = [slot for slot in self.slots if is_local(slot.host)]
+        if here:
+            try:
+                self.cores = binding.plan(self.spec.bind_to, here[0].local_size)
+            except ValueError as exc:
+                raise _StartError(str(exc), 2) from None
+
     def _on_signal(self, signum: int) -> None:
         if self.received is None:
             self.received = signum
@@ -467,6 +486,13 @@ class _Job:
                 proc = subprocess.Popen(list(self.spec.command), env=env,
                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, start_new_session=True)
+                if self.cores is not None:
+                    # The child has just exec'd: no thread of its own yet, and every thread
+                    # it starts inherits the binding.
+                    try:
+                        binding.bind(proc.pid, self.cores[slot.local_rank])
+                    except OSError:
+                        pass  # it exited already: _watch reports that
         except OSError as exc:
             # 127 and 126 are what a shell returns for a missing or unrunnable command.
             status = 127 if isinstance(exc, FileNotFoundError) else 126

@@ -1,0 +1,161 @@
+"""The express lane: a small synchronous allreduce from ``api`` straight to the compiled call.
+
+The full road of ``gradsync.allreduce_`` is api (validate, ``wrap``) → engine (``run``, inline
+when idle) → operations (plan, describe, begin, choose the finish) → ``ShmGroup.allreduce``
+(check again, pick the road) → ``_shmfast.call``. For a 4 KiB allreduce of 2 ranks on one
+host the compiled call itself takes about 1.5 µs; the Python around it took about 8 µs per
+call on the 2-core VM (docs/benchmarks.md), and both ranks pay it, so it is most of the time a
+rank waits for its peer.
+
+Every step of that road depends only on the call's arguments and on the job, never on the
+data, so its outcome can be worked out once per distinct call and remembered: the *entry* of
+``(name, dtype, shape, op, algorithm)`` holds the description and signature that
+``operations`` would begin with, the kernel code and the divisor of an Average, or None when
+that call cannot take the lane. A later identical call then does only what must happen every
+time, in the same order as the full road:
+
+    1. claim the engine (``Engine.claim_inline``): only when nothing is queued or running,
+       so the lane never overtakes an earlier operation, exactly as the inline engine path;
+    2. raise the job's failure if there is one (what ``Engine._execute`` does first);
+    3. ``comm.begin_signed``: the same sequence number and signature as the full road, so the
+       mismatch check and the stall and failure reports see the same collective;
+    4. ``ShmGroup.allreduce_express``: the compiled one-step allreduce (same protocol, same
+       issued words, so a rank on the lane and a rank on the full road meet in one
+       collective); a GradsyncError goes through ``World.fail`` as in the engine;
+    5. release the engine.
+
+What the lane skips is what it checked once: the plan (``world.plans`` decides per size once
+anyway), the description, the op and dtype's kernel code, the size against the one-step road.
+What it may not skip is per call: the engine's order, the failure check, ``begin`` and the
+group's own failure state. The lane takes NumPy arrays and torch CPU tensors that are
+C-contiguous, writable, of float32/float64/int32/int64, 1 byte to the group's one-step size,
+with no pre/postscale, a name (an unnamed call's name differs every time, so there is nothing
+to remember) and ``op`` Sum, Average, Min, Max or Product; everything else, and every call
+when the compiled road is off (``GRADSYNC_SHM_FAST=0``) or the plan is not ``shm``, returns
+``False`` here untouched and takes the full road.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+from . import operations as ops
+from .collectives.ops import ReduceOp
+from .errors import GradsyncError
+
+__all__ = ["allreduce", "Entry"]
+
+_KEPT = 4096  # distinct calls remembered per world (as operations' descriptions)
+
+
+class Entry:
+    """What a distinct allreduce call needs on the lane, worked out once."""
+
+    __slots__ = ("description", "signature", "code", "divisor")
+
+    def __init__(self, description: str, signature: int, code: int, divisor: int):
+        self.description, self.signature, self.code, self.divisor = (
+            description, signature, code, divisor)
+
+
+def allreduce(world, engine, tensor, op, name: str, algorithm: str, inplace: bool):
+    """Runs an allreduce of ``tensor`` on the lane and returns the result (``tensor`` itself
+    when ``inplace``, else a new array or tensor); None when it cannot, and then nothing
+    happened and the caller takes the full road.
+
+    Args:
+        world: the World (``world.size`` > 1).
+        engine: its Engine.
+        tensor: the caller's NumPy array or torch tensor.
+        op, name, algorithm: as given to ``gradsync.allreduce_`` (name not None).
+        inplace: reduce ``tensor`` itself (``allreduce_``) or a copy (``allreduce``).
+    """
+    if type(tensor) is np.ndarray:
+        flags = tensor.flags
+        if not flags.c_contiguous or (inplace and not flags.writeable):
+            return None
+        flat, shape = tensor, tensor.shape
+    else:
+        flat = _torch_flat(tensor)
+        if flat is None:
+            return None
+        shape = tuple(tensor.shape)
+    if type(op) is not ReduceOp:
+        return None
+    # op._value_, not op: an Enum's hash is a Python-level call, on every lookup.
+    key = (name, flat.dtype, shape, op._value_, algorithm)
+    cache = world.express
+    entry = cache.get(key, False)
+    if entry is False:
+        entry = _entry(world, flat, op, name, shape, algorithm)
+        if len(cache) >= _KEPT:
+            cache.clear()
+        cache[key] = entry
+    if entry is None:
+        return None
+    if inplace:
+        result = tensor
+    else:
+        result = flat = flat.copy()
+        if type(tensor) is not np.ndarray:
+            result = sys.modules["torch"].from_numpy(flat)
+    if not engine.claim_inline():
+        return None
+    try:
+        if world.failure is not None:
+            raise world.failure
+        world.comm.begin_signed(entry.description, entry.signature)
+        try:
+            world.shm_group.allreduce_express(
+                flat if flat.ndim == 1 else flat.reshape(-1), entry.code, entry.divisor,
+                time.monotonic() + world.config.timeout, world.on_idle, entry.signature)
+        except GradsyncError as exc:
+            error = world.fail(exc)
+            if error is exc:
+                raise
+            raise error from exc
+    finally:
+        engine.end_inline()
+    return result
+
+
+def _entry(world, flat: np.ndarray, op: ReduceOp, name: str, shape: tuple,
+           algorithm: str) -> "Entry | None":
+    """The lane's entry for a call, or None when the call must take the full road."""
+    group = world.shm_group
+    if group is None or world.size == 1 or not 0 < flat.nbytes <= group.small_bytes:
+        return None
+    code = group.fast_code(op, flat.dtype)
+    if code is None:
+        return None
+    try:
+        alg = world.plans.allreduce(flat.nbytes, algorithm)
+    except (ValueError, TypeError):
+        return None  # the full road raises it, with its message
+    if alg != "shm":
+        return None
+    description, signature = ops.allreduce_signed(world, name, flat.dtype, shape, op, 1.0, 1.0,
+                                                  alg)
+    divisor = world.size if op is ReduceOp.AVERAGE else 0
+    return Entry(description, signature, code, divisor)
+
+
+def _torch_flat(x) -> "np.ndarray | None":
+    """The NumPy view of a torch CPU tensor the lane can take, or None."""
+    global _torch_dtypes
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(x, torch.Tensor):
+        return None
+    if _torch_dtypes is None:
+        _torch_dtypes = frozenset((torch.float32, torch.float64, torch.int32, torch.int64))
+    # is_cpu, not device.type: the device object costs ~0.4 µs to make, on every call.
+    if (x.dtype not in _torch_dtypes or not x.is_cpu or x.layout is not torch.strided
+            or not x.is_contiguous()):
+        return None
+    return (x.detach() if x.requires_grad else x).numpy()
+
+
+_torch_dtypes: "frozenset | None" = None  # the dtypes of _shmfast.c, as torch names them

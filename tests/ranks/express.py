@@ -1,0 +1,116 @@
+"""The express lane of small allreduces (gradsync/express.py) against closed-form results.
+
+Run by tests/test_express.py through ``gradsync run -np N``; argv[1] is the mode:
+
+- ``lane``: every rank may take the lane;
+- ``mixed``: rank 0 never does (its calls take the full road), the others may: both roads
+  must meet in the same collectives;
+- ``off``: GRADSYNC_SHM_FAST=0 is set by the test; no call may take the lane.
+
+Every dtype of the compiled road (and one it lacks), every op, counts 0, 1, fewer than the
+ranks, uneven and most of the one-step size; NumPy in place and not, torch in place and not;
+a call issued behind a queued asynchronous one; last, ranks that issue different names must
+all raise CollectiveMismatchError. Prints "express ok <calls on the lane>".
+"""
+
+import sys
+
+import common  # noqa: F401  (deadline)
+import numpy as np
+import torch
+
+import gradsync as gs
+from gradsync import express
+from gradsync.collectives.shm import ShmGroup
+from gradsync.operations import scale
+
+mode = sys.argv[1]
+gs.init()
+R, N = gs.rank(), gs.size()
+taken = 0
+lane_here = mode == "lane" or (mode == "mixed" and R != 0)
+
+express_call = ShmGroup.allreduce_express
+
+
+def counted(self, *args):
+    global taken
+    taken += 1
+    return express_call(self, *args)
+
+
+ShmGroup.allreduce_express = counted
+if not lane_here:
+    express.allreduce = lambda *args: None  # this rank's calls take the full road
+
+
+def fail(what):
+    sys.exit(f"rank {R}: {what}")
+
+
+def data(count, dtype, rank):
+    return (((np.arange(count) * 7 + rank * 5) % 11) - 5).astype(dtype)
+
+
+OPS = {"sum": (gs.Sum, np.add), "average": (gs.Average, np.add), "min": (gs.Min, np.minimum),
+       "max": (gs.Max, np.maximum), "product": (gs.Product, np.multiply)}
+expected_lane = 0
+for dtype in ("float32", "float64", "int32", "int64", "int16"):
+    for kind, (op, ufunc) in OPS.items():
+        for count in sorted({0, 1, max(N - 1, 1), 37, 1001}):
+            want = data(count, dtype, 0)
+            for r in range(1, N):  # in rank order, as every road folds
+                want = ufunc(want, data(count, dtype, r)).astype(dtype)
+            if kind == "average":
+                scale(want, want.dtype, N, divide=True)
+            eligible = count > 0 and dtype != "int16"
+            name = f"x.{dtype}.{kind}.{count}"
+            x = data(count, dtype, R)
+            if gs.allreduce_(x, op=op, name=name) is not x or x.tobytes() != want.tobytes():
+                fail(f"allreduce_ {name} gave {x[:4]}, want {want[:4]}")
+            y = data(count, dtype, R).reshape(1, -1)
+            z = gs.allreduce(y, op=op, name=name + ".copy")
+            if z is y or z.shape != y.shape or z.tobytes() != want.tobytes() \
+                    or y.tobytes() != data(count, dtype, R).tobytes():
+                fail(f"allreduce {name} gave {z}, input now {y}")
+            expected_lane += 2 * eligible
+# torch: in place (a tensor that requires grad, as a parameter's .grad does not but a
+# metric may), out of place, a non-contiguous view (full road), bfloat16 (full road).
+t = torch.full((4, 8), float(R + 1), requires_grad=True)
+with torch.no_grad():
+    if gs.allreduce_(t, op=gs.Sum, name="t") is not t or not bool((t == N * (N + 1) / 2).all()):
+        fail(f"torch allreduce_ gave {t}")
+u = torch.arange(6, dtype=torch.int64) * (R + 1)
+v = gs.allreduce(u, op=gs.Max, name="u")
+if v.data_ptr() == u.data_ptr() or v.tolist() != [i * N for i in range(6)] \
+        or u.tolist() != [i * (R + 1) for i in range(6)]:
+    fail(f"torch allreduce gave {v}, input now {u}")
+w = torch.full((6, 6), 2.0).t()
+if not bool((gs.allreduce(w, name="w") == 2.0).all()):
+    fail("torch non-contiguous")
+bf = torch.full((5,), float(R + 1), dtype=torch.bfloat16)
+if not bool((gs.allreduce(bf, op=gs.Sum, name="bf") == N * (N + 1) / 2).all()):
+    fail("bfloat16")
+expected_lane += 2
+if not lane_here:
+    expected_lane = 0
+if taken != expected_lane:
+    fail(f"{taken} calls took the lane, expected {expected_lane}")
+# Behind a queued asynchronous allreduce the lane must wait its turn (the engine's order):
+# refused while the engine is busy, the call queues behind the other; either way the results
+# are the closed form (whether the lane was free by then depends on timing).
+big = np.full(1 << 18, R + 1, np.float32)
+h = gs.allreduce_async_(big, op=gs.Sum, name="big")
+small = np.full(3, R + 1, np.float32)
+gs.allreduce_(small, op=gs.Sum, name="small")
+if not (small == N * (N + 1) / 2).all() or not (gs.synchronize(h) == N * (N + 1) / 2).all():
+    fail(f"behind an async call: {small}")
+# Different names at the same step: a mismatch on every rank, whichever road each took.
+try:
+    gs.allreduce_(np.ones(4, np.float32), op=gs.Sum, name=f"mismatch.{R % 2}")
+except gs.CollectiveMismatchError as exc:
+    if "mismatch.0" not in str(exc) or "mismatch.1" not in str(exc):
+        fail(f"the mismatch report does not name both calls: {exc}")
+else:
+    fail("different names did not raise CollectiveMismatchError")
+print(f"express ok {taken}", flush=True)
