@@ -14,7 +14,7 @@ from harness import launch
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("n,mode", [(2, "lane"), (3, "mixed"), (4, "lane"), (2, "off")])
+@pytest.mark.parametrize("n,mode", [pytest.param(2, "lane", marks=pytest.mark.slow), (3, "mixed"), (4, "lane"), (2, "off")])
 def test_lane_matches_the_closed_form(n, mode):
     env = {"GRADSYNC_SHM_FAST": "0"} if mode == "off" else None
     result = launch(n, "express.py", mode, timeout=120, env=env)

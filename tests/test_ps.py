@@ -158,8 +158,8 @@ def _ps(workers, servers, *args, timeout=90, env=None):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("workers, servers, optimizer, transport", [
-    (1, 1, "sgd", "auto"), (2, 1, "adam", "auto"), (3, 2, "sgd", "auto"),
-    (2, 3, "adam", "tcp"), (3, 1, "sgd", "tcp"),
+    (1, 1, "sgd", "auto"), pytest.param(2, 1, "adam", "auto", marks=pytest.mark.slow), (3, 2, "sgd", "auto"),
+    (2, 3, "adam", "tcp"), pytest.param(3, 1, "sgd", "tcp", marks=pytest.mark.slow),
 ])
 def test_sync_training_equals_the_local_optimizer(workers, servers, optimizer, transport):
     r = _ps(workers, servers, "parity", optimizer, env={"GRADSYNC_TRANSPORT": transport})
@@ -183,7 +183,8 @@ def test_a_bf16_model_trains_on_float32_master_weights():
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mode, workers, servers", [
-    ("sync", 2, 1), ("backup", 3, 1), ("async", 3, 2), ("ssp", 3, 1), ("ssp", 4, 2),
+    ("sync", 2, 1), ("backup", 3, 1), ("async", 3, 2), pytest.param("ssp", 3, 1, marks=pytest.mark.slow),
+    ("ssp", 4, 2),
 ])
 def test_each_mode_keeps_its_guarantee(mode, workers, servers):
     r = _ps(workers, servers, "mode", mode, "12")

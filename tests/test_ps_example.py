@@ -104,6 +104,7 @@ def test_two_servers_with_factored_fc_layer():
     assert int(sent[2].replace(",", "")) == 4 * 151306, result
 
 
+@pytest.mark.slow  # the exit status path; the default tier trains to the target already
 def test_exits_nonzero_below_target():
     result = launch(2, EXAMPLE, "--epochs", "1", "--target", "1.01", timeout=120,
                     launcher_args=("--servers", "1"))
