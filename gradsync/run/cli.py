@@ -91,12 +91,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                           "these and GRADSYNC_* settings)")
     placement = parser.add_argument_group("placement")
     placement.add_argument("--bind-to", choices=binding.MODES, metavar="{core,none,auto}",
-                           default=os.environ.get("GRADSYNC_BIND", "auto"),
+                           default=os.environ.get("GRADSYNC_BIND", "none"),
                            help="bind each rank started on this host to cores of its own "
                                 "(an equal share, one core when the ranks fill the host), as "
-                                "mpirun does (core), or not (none); auto (default, or "
-                                "GRADSYNC_BIND): core when the ranks fit the usable cores and "
-                                "the affinity was not restricted already (taskset, cpusets)")
+                                "mpirun does (core), or not (none: the default, or "
+                                "GRADSYNC_BIND); auto: core when the ranks fit the usable "
+                                "cores and the affinity was not restricted already (taskset, "
+                                "cpusets)")
     output = parser.add_argument_group("output")
     output.add_argument("--output-prefix", action=argparse.BooleanOptionalAction, default=True,
                         help="prefix each line of a rank's output with [RANK]<stdout>: or "

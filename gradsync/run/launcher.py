@@ -161,7 +161,7 @@ class LaunchSpec:
     """Variables set for every rank (``-x``), local and remote."""
     stop_grace: float = STOP_GRACE
     """Seconds between SIGTERM and SIGKILL when the job is stopped."""
-    bind_to: str = "auto"
+    bind_to: str = "none"
     """``core``, ``none`` or ``auto``: bind each rank started on this host to cores of its
     own (``binding.py``; auto: only when they fit and the affinity is not restricted)."""
 
