@@ -176,10 +176,9 @@ def test_vectors_up_to_the_threshold_are_copied(monkeypatch):
     assert (_race() == 3.0).all()
 
 
-def test_a_copying_rank_and_a_lending_rank_meet():
-    # Rank 1 copies (GRADSYNC_TCP_SPLICE=0 on its side) but still acknowledges rank 0's
-    # lent frames; rank 0 lends.
-    comms = _mesh(2, splice_on=lambda r: r == 0)
+def _two_rank_sums(comms):
+    """Each of 2 ranks allreduces (rank + 1) over two segments; returns per rank its result
+    and whether its pair lends."""
     length = 2 * CHUNK // 8
 
     def fn(comm):
@@ -188,7 +187,13 @@ def test_a_copying_rank_and_a_lending_rank_meet():
         ring.allreduce(comm, data, SUM, CHUNK)
         return data.copy(), comm.pairs[1 - comm.rank].lends
 
-    (d0, l0), (d1, l1) = _run(comms, fn)
+    return _run(comms, fn)
+
+
+def test_a_copying_rank_and_a_lending_rank_meet():
+    # Rank 1 copies (GRADSYNC_TCP_SPLICE=0 on its side) but still acknowledges rank 0's
+    # lent frames; rank 0 lends.
+    (d0, l0), (d1, l1) = _two_rank_sums(_mesh(2, splice_on=lambda r: r == 0))
     assert (l0, l1) == (True, False)
     assert (d0 == 3.0).all() and (d1 == 3.0).all()
 
@@ -198,14 +203,6 @@ def test_a_failing_vmsplice_falls_back_to_copies(monkeypatch, caplog):
         raise OSError(1, "vmsplice: Operation not permitted")
 
     monkeypatch.setattr(splice.Splicer, "push", refuse)
-    length = 2 * CHUNK // 8
-
-    def fn(comm):
-        data = np.full(length, comm.rank + 1.0)
-        comm.begin("allreduce")
-        ring.allreduce(comm, data, SUM, CHUNK)
-        return data.copy(), comm.pairs[1 - comm.rank].lends
-
-    for data, lends in _run(_mesh(2), fn):
+    for data, lends in _two_rank_sums(_mesh(2)):
         assert (data == 3.0).all() and not lends
     assert "sending copies from now on" in caplog.text
