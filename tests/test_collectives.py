@@ -34,7 +34,7 @@ def test_sweep_over_tcp(n):
     assert result.output.count("checks passed") == n, result
 
 
-@pytest.mark.parametrize("layout", ["aabb", "abab", "abcab"])
+@pytest.mark.parametrize("layout", ["aabb", pytest.param("abab", marks=pytest.mark.slow), "abcab"])
 def test_sweep_on_emulated_hosts(layout):
     # Rank r plays host layout[r]: shared memory inside a host, TCP between hosts; "abab"
     # numbers ranks across hosts alternately, "abcab" has uneven hosts. The hierarchical and

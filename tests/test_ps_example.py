@@ -44,11 +44,11 @@ def workers_dropped(output: str) -> list[int]:
 
 
 def assert_trained(result) -> None:
-    assert result.returncode == 0, result
+    assert result.returncode == 0, str(result)
     epochs = re.findall(r"epoch +(\d+) +loss ([0-9.]+) +test accuracy", result.output)
-    assert [int(e) for e, _ in epochs] == list(range(1, EPOCHS + 1)), result
-    assert float(epochs[-1][1]) < float(epochs[0][1]), result  # the loss went down
-    assert final_accuracy(result.output) >= 0.9, result
+    assert [int(e) for e, _ in epochs] == list(range(1, EPOCHS + 1)), str(result)
+    assert float(epochs[-1][1]) < float(epochs[0][1]), str(result)  # the loss went down
+    assert final_accuracy(result.output) >= 0.9, str(result)
 
 
 def test_sync_applies_every_gradient_in_rounds_of_two():
@@ -56,8 +56,8 @@ def test_sync_applies_every_gradient_in_rounds_of_two():
     assert_trained(result)
     [s] = servers(result.output)
     assert s == {"version": STEPS, "applied": 2 * STEPS, "dropped": 0, "max_staleness": 0,
-                 "max_clock_gap": 0}, result
-    assert workers_dropped(result.output) == [0, 0], result
+                 "max_clock_gap": 0}, str(result)
+    assert workers_dropped(result.output) == [0, 0], str(result)
 
 
 def test_backup_drops_the_late_gradient_and_still_trains():
@@ -66,31 +66,31 @@ def test_backup_drops_the_late_gradient_and_still_trains():
     assert_trained(result)
     [s] = servers(result.output)
     dropped = workers_dropped(result.output)
-    assert s["applied"] + s["dropped"] == 2 * STEPS, result
-    assert s["dropped"] == sum(dropped) and dropped[1] > 0, result
-    assert s["max_staleness"] == 0, result  # an applied backup gradient is always fresh
-    assert s["version"] == s["applied"], result  # rounds of one gradient
+    assert s["applied"] + s["dropped"] == 2 * STEPS, str(result)
+    assert s["dropped"] == sum(dropped) and dropped[1] > 0, str(result)
+    assert s["max_staleness"] == 0, str(result)  # an applied backup gradient is always fresh
+    assert s["version"] == s["applied"], str(result)  # rounds of one gradient
 
 
 def test_async_applies_each_gradient_on_arrival():
     result = run("async")
     assert_trained(result)
     [s] = servers(result.output)
-    assert s["version"] == s["applied"] == 2 * STEPS and s["dropped"] == 0, result
+    assert s["version"] == s["applied"] == 2 * STEPS and s["dropped"] == 0, str(result)
 
 
 def test_ssp_keeps_the_clocks_within_the_bound():
     result = run("ssp", "--staleness", "1")
     assert_trained(result)
     [s] = servers(result.output)
-    assert s["version"] == s["applied"] == 2 * STEPS, result
-    assert s["max_clock_gap"] <= 1, result
+    assert s["version"] == s["applied"] == 2 * STEPS, str(result)
+    assert s["max_clock_gap"] <= 1, str(result)
 
 
 def test_two_servers_with_factored_fc_layer():
     result = run("sync", "--factor-fc", servers=2)
     assert_trained(result)
-    assert [s["version"] for s in servers(result.output)] == [STEPS, STEPS], result
+    assert [s["version"] for s in servers(result.output)] == [STEPS, STEPS], str(result)
     # fc1 (1024 -> 128) goes as x (rows x 1024) and delta (rows x 128) instead of its 131,072
     # gradients. The servers' cut (flat element 75,648) falls inside fc1's row 55, so both
     # servers get x, and delta's column for row 55 too. The other 20,234 floats go dense. An
@@ -99,16 +99,16 @@ def test_two_servers_with_factored_fc_layer():
     per_step = [4 * (20234 + rows * (2 * 1024 + 129)) for rows in [32] * 22 + [15]]
     sent = re.search(r"worker 0 pushed ([\d,]+) bytes per step \(dense gradients: ([\d,]+)\)",
                      result.output)
-    assert sent, result
-    assert int(sent[1].replace(",", "")) == round(sum(per_step) / len(per_step)), result
-    assert int(sent[2].replace(",", "")) == 4 * 151306, result
+    assert sent, str(result)
+    assert int(sent[1].replace(",", "")) == round(sum(per_step) / len(per_step)), str(result)
+    assert int(sent[2].replace(",", "")) == 4 * 151306, str(result)
 
 
 @pytest.mark.slow  # the exit status path; the default tier trains to the target already
 def test_exits_nonzero_below_target():
     result = launch(2, EXAMPLE, "--epochs", "1", "--target", "1.01", timeout=120,
                     launcher_args=("--servers", "1"))
-    assert result.returncode == 1, result
-    assert final_accuracy(result.output) < 1.01, result
-    assert "BELOW TARGET" in result.output, result
-    assert "worker rank 0 on host" in result.output, result  # the launcher names who failed
+    assert result.returncode == 1, str(result)
+    assert final_accuracy(result.output) < 1.01, str(result)
+    assert "BELOW TARGET" in result.output, str(result)
+    assert "worker rank 0 on host" in result.output, str(result)  # the launcher names who failed
