@@ -102,14 +102,12 @@ class Comm:
             self._sent[peer] = step + 1
             payload = _bytes_view(buf)
             pair = self.pairs[peer]
+            flags = address = 0
             if lend and pair.lends and payload.nbytes >= LEND_MIN_BYTES:
-                address = np.frombuffer(payload, np.uint8).ctypes.data
-                header = frame.pack(frame.Kind.DATA, self.seq, step, self.signature,
-                                    payload.nbytes, frame.LENT)
-                ops.append(Send(pair, header, payload, address))
-                continue
-            header = frame.pack(frame.Kind.DATA, self.seq, step, self.signature, payload.nbytes)
-            ops.append(Send(pair, header, payload))
+                flags, address = frame.LENT, np.frombuffer(payload, np.uint8).ctypes.data
+            header = frame.pack(frame.Kind.DATA, self.seq, step, self.signature, payload.nbytes,
+                                flags)
+            ops.append(Send(pair, header, payload, address))
         for peer, buf in recvs:
             step = self._received.get(peer, 0)
             self._received[peer] = step + 1
