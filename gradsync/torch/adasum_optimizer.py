@@ -42,10 +42,9 @@ from ..engine import Handle
 from . import requests as _requests
 from .compression import Compressor
 from .process_sets import global_process_set
+from .wrapping import grad_hook, rebase, remove_hooks
 
 __all__ = ["AdasumOptimizer", "wrap"]
-
-_CLASSES: dict[type, type] = {}
 
 
 class AdasumOptimizer:
@@ -60,20 +59,19 @@ class AdasumOptimizer:
                                  for p in g["params"] if id(p) in names}
         self.backward_passes_per_step = backward_passes_per_step
         self._gs_hooks: list = []
-        weakref.finalize(self, _remove_hooks, self._gs_hooks)
+        weakref.finalize(self, remove_hooks, self._gs_hooks)
         self._gs_build()
 
     def _gs_build(self) -> None:
-        _remove_hooks(self._gs_hooks)
+        remove_hooks(self._gs_hooks)
         params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         self._gs_params = params[::-1]  # the launch order: reverse registration order
         self._gs_slot = {id(p): k for k, p in enumerate(self._gs_params)}
         self._gs_start = [torch.empty_like(p, requires_grad=False) for p in self._gs_params]
         self._gs_delta = [torch.empty_like(p, requires_grad=False) for p in self._gs_params]
         self._gs_reset_round()
-        ref = weakref.ref(self)
         for k, p in enumerate(self._gs_params):
-            self._gs_hooks.append(p.register_post_accumulate_grad_hook(_hook(ref, k)))
+            self._gs_hooks.append(p.register_post_accumulate_grad_hook(grad_hook(self, k)))
 
     def _gs_reset_round(self) -> None:
         n = len(self._gs_params)
@@ -83,7 +81,7 @@ class AdasumOptimizer:
         self._gs_next = 0  # the first slot not launched yet
 
     # ------------------------------------------------------------------ one round
-    def _gs_grad_ready(self, k: int) -> None:
+    def _gs_grad_ready(self, k: int, param: torch.Tensor) -> None:
         if self._gs_ready[k]:
             raise RuntimeError(
                 f"the gradient of '{self._gs_name(k)}' was computed more than "
@@ -167,9 +165,6 @@ class AdasumOptimizer:
             self._gs_build()
 
 
-_MIXIN_NAMES = frozenset(vars(AdasumOptimizer))
-
-
 def wrap(optimizer: torch.optim.Optimizer, names: dict[int, str],
          compression: type[Compressor], backward_passes_per_step: int, groups,
          sparse_as_dense: bool) -> torch.optim.Optimizer:
@@ -177,27 +172,6 @@ def wrap(optimizer: torch.optim.Optimizer, names: dict[int, str],
     if groups is not None or sparse_as_dense:
         warnings.warn("DistributedOptimizer(op=Adasum) reduces each parameter's update on its "
                       "own: groups and sparse_as_dense are ignored", stacklevel=3)
-    base = type(optimizer)
-    cls = _CLASSES.get(base)
-    if cls is None:
-        cls = _CLASSES[base] = type(base.__name__, (AdasumOptimizer, base),
-                                    {"__module__": __name__})
-    wrapped = cls.__new__(cls)
-    wrapped.__dict__.update((k, v) for k, v in vars(optimizer).items() if k not in _MIXIN_NAMES)
+    wrapped = rebase(optimizer, AdasumOptimizer)
     wrapped._gs_setup(names, compression, backward_passes_per_step)
     return wrapped
-
-
-def _hook(ref: "weakref.ref[AdasumOptimizer]", k: int):
-    def hook(param: torch.Tensor) -> None:
-        optimizer = ref()
-        if optimizer is not None:
-            optimizer._gs_grad_ready(k)
-
-    return hook
-
-
-def _remove_hooks(handles: list) -> None:
-    for handle in handles:
-        handle.remove()
-    handles.clear()

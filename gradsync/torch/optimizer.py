@@ -1,8 +1,8 @@
 """DistributedOptimizer: Horovod's gradient-averaging optimizer wrapper, on fixed buckets.
 
 The returned object *is* an instance of the wrapped optimizer's class. DistributedOptimizer
-builds, once per optimizer class, a subclass whose methods come first from the
-``_DistributedOptimizer`` mixin below, and gives the new object the wrapped optimizer's
+builds (``wrapping.rebase``, shared with the Adasum optimizer), once per optimizer class, a
+subclass whose methods come first from the ``_DistributedOptimizer`` mixin below, and gives the new object the wrapped optimizer's
 attributes (the very same ``param_groups``, ``state`` and ``defaults``). So ``isinstance(opt,
 torch.optim.SGD)``, ``state_dict``/``load_state_dict``, LR schedulers and
 ``torch.amp.GradScaler`` work as on the original. The class has to be made at run time
@@ -61,6 +61,7 @@ from .grouped import sparse_allreduce_async
 from . import process_sets as _psets
 from . import requests as _requests
 from .mpi_ops import Adasum, ProcessSet, global_process_set
+from .wrapping import grad_hook, rebase, remove_hooks
 
 __all__ = ["DistributedOptimizer"]
 
@@ -108,13 +109,13 @@ class _DistributedOptimizer:
         self._gs_synchronized = False
         self._gs_superseded = False
         self._gs_hooks: list[torch.utils.hooks.RemovableHandle] = []
-        weakref.finalize(self, _remove_hooks, self._gs_hooks)
+        weakref.finalize(self, remove_hooks, self._gs_hooks)
         self._gs_build()
 
     def _gs_build(self) -> None:
         """Plans the buckets and hooks every trainable parameter (a collective: the layout
         check). Runs at construction and after ``add_param_group``."""
-        _remove_hooks(self._gs_hooks)
+        remove_hooks(self._gs_hooks)
         _LIVE.discard(self)
         params, names = [], []
         self._gs_frozen: list[tuple[str, torch.Tensor]] = []
@@ -146,7 +147,8 @@ class _DistributedOptimizer:
             check_layout(self._gs_buckets, self._gs_allgather_object)
             ref = weakref.ref(self)
             for slot, param in enumerate(self._gs_slot_param):
-                self._gs_hooks.append(param.register_post_accumulate_grad_hook(_hook(ref, slot)))
+                self._gs_hooks.append(param.register_post_accumulate_grad_hook(
+                    grad_hook(self, slot)))
                 _take_ownership(param, ref)
             _LIVE.add(self)
         self._gs_dense: set[int] = set()  # slots whose gradient backward made dense
@@ -169,7 +171,7 @@ class _DistributedOptimizer:
 
     def _gs_supersede(self) -> None:
         """Called when a newer DistributedOptimizer hooks one of our parameters."""
-        _remove_hooks(self._gs_hooks)
+        remove_hooks(self._gs_hooks)
         _LIVE.discard(self)
         self._gs_buckets = []
         self._gs_round_open = False
@@ -452,10 +454,6 @@ class _DistributedOptimizer:
                                "step() or synchronize() first")
 
 
-_MIXIN_NAMES = frozenset(n for n in vars(_DistributedOptimizer) if not n.startswith("__"))
-_CLASSES: dict[type, type] = {}
-
-
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                          compression: type[Compressor] = Compression.none,
@@ -525,15 +523,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                                      _parameter_names(optimizer.param_groups, named_parameters),
                                      compression, backward_passes_per_step, groups,
                                      sparse_as_dense)
-    base = type(optimizer)
-    cls = _CLASSES.get(base)
-    if cls is None:
-        cls = _CLASSES[base] = type(base.__name__, (_DistributedOptimizer, base),
-                                    {"__module__": __name__})
-    wrapped = cls.__new__(cls)
-    # Instance attributes that shadow our methods (an LR scheduler wraps ``optimizer.step`` on
-    # the instance) would bypass the synchronization: they stay behind with ``optimizer``.
-    wrapped.__dict__.update((k, v) for k, v in vars(optimizer).items() if k not in _MIXIN_NAMES)
+    wrapped = rebase(optimizer, _DistributedOptimizer)
     wrapped._gs_setup(named_parameters, compression, backward_passes_per_step, op,
                       gradient_predivide_factor, groups, sparse_as_dense, process_set)
     return wrapped
@@ -545,23 +535,6 @@ def live_optimizers() -> list[_DistributedOptimizer]:
 
 
 # ----------------------------------------------------------------------------- helpers
-def _hook(ref: "weakref.ref[_DistributedOptimizer]", slot: int) -> Callable[[torch.Tensor], None]:
-    # A weak reference: the parameters must not keep a discarded optimizer (and its buckets)
-    # alive; when it is collected, the finalizer removes the hooks.
-    def hook(param: torch.Tensor) -> None:
-        optimizer = ref()
-        if optimizer is not None:
-            optimizer._gs_grad_ready(slot, param)
-
-    return hook
-
-
-def _remove_hooks(handles: list) -> None:
-    for handle in handles:
-        handle.remove()
-    handles.clear()
-
-
 def _take_ownership(param: torch.Tensor, ref: "weakref.ref[_DistributedOptimizer]") -> None:
     # Two live optimizers hooked on one parameter would both launch allreduces for it, and the
     # older one's never-synchronized rounds would fail the next backward. Re-wrapping a model
