@@ -42,6 +42,7 @@ import threading
 import time
 
 from .errors import PeerLostError
+from .rendezvous import Store
 
 __all__ = ["Heartbeat", "watched_peers"]
 
@@ -72,15 +73,26 @@ class Heartbeat:
         interval: seconds between beats (and between looks at the watched peers).
         timeout: seconds without a beat after which a watched peer is lost.
         describe: ``describe(rank)`` names a peer in messages (host, pid).
+        root: for a sub-world, the job id of the World at the root of its tree and the root
+            rank of each rank here (``World.root``). A silent peer is then also reported in
+            the root World's abort record, in root ranks. The launcher watches only that
+            record: an elastic job whose silent worker is noticed first by a sub-world's
+            heartbeat (the Horovod API's global process set runs on one) must still
+            kill that worker and form the next generation, not wait for it for ever.
     """
 
     def __init__(self, store, rank: int, size: int, interval: float, timeout: float,
-                 describe=lambda rank: f"rank {rank}"):
+                 describe=lambda rank: f"rank {rank}",
+                 root: "tuple[str, list[int]] | None" = None):
         self.rank, self.size = rank, size
         self.interval, self.timeout = interval, timeout
         self.describe = describe
         self.lost: PeerLostError | None = None
         self._store = store.clone_private()
+        self._root = None
+        if root is not None and root[0] != store.job:
+            self._root = (Store.over(self._store.base, root[0], self._store.timeout),
+                          root[1])
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name=f"gradsync-heartbeat-{rank}")
@@ -145,6 +157,10 @@ class Heartbeat:
                   "peer": peer, "silent": True}
         try:
             self._store.post_abort(record)
+            if self._root is not None:
+                store, ranks = self._root
+                store.post_abort(dict(record, rank=ranks[self.rank], peer=ranks[peer],
+                                      message=f"in sub-world {self._store.job}: {message}"))
         except (RuntimeError, OSError):
             pass
         log.warning("rank %d: %s", self.rank, message)

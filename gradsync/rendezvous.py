@@ -75,6 +75,16 @@ class Store:
         self._store = PrefixStore(f"gradsync/{job}/", base)
         self._lock = threading.Lock()
 
+    @property
+    def job(self) -> str:
+        """The job id that scopes this view's keys."""
+        return self._job
+
+    @property
+    def base(self):
+        """The torch store under this view (not owned)."""
+        return self._base
+
     def clone_private(self) -> "Store":
         """The same job's view over a connection of its own, for a thread that must never
         wait behind another thread's blocking ``get`` (the heartbeat). A base store that

@@ -99,13 +99,17 @@ class World:
         self.express: dict = {}  # express.py's entries, per distinct small allreduce call
         self.failure: GradsyncError | None = None
         self.heartbeat = None  # a heartbeat.Heartbeat once connect() has started it
+        self.root: tuple[str, list[int]] = (env.job_id, list(range(self.size)))
+        """The job id of the World at the root of this one's tree of sub-worlds, and the
+        rank there of each rank here (this World's own, for a World that is no sub-world)."""
         self._next_poll = 0.0
         self._stall_warned = -1
         comm.on_idle = self.on_idle
 
     # ------------------------------------------------------------------ set-up
     @classmethod
-    def connect(cls, config: Config, env: LaunchEnv, store: Store | None = None) -> "World":
+    def connect(cls, config: Config, env: LaunchEnv, store: Store | None = None,
+                root: "tuple[str, list[int]] | None" = None) -> "World":
         """Connects this rank to every other rank of ``env``'s job.
 
         Args:
@@ -114,6 +118,9 @@ class World:
             store: the rendezvous, already scoped to this job (``Store.over``); None makes one
                 from ``env`` (the TCPStore the launcher described). A caller that passes one
                 gives every World it connects its own ``env.job_id``.
+            root: for a sub-world (``subworld``), the job id of the World at the root of its
+                tree and the root rank of each of its ranks. The root World's abort record
+                is the one the launcher watches.
         """
         if store is None:
             # A process that shuts down and initialises again joins a new incarnation of the
@@ -126,7 +133,7 @@ class World:
                           config.connect_timeout, env.size)
         deadline = time.monotonic() + config.connect_timeout
         try:
-            return cls._connect(config, env, store, deadline)
+            return cls._connect(config, env, store, deadline, root)
         except GradsyncError as exc:
             # Tell the others, who would otherwise wait for this rank until their deadline.
             try:
@@ -141,7 +148,8 @@ class World:
             raise
 
     @classmethod
-    def _connect(cls, config: Config, env: LaunchEnv, store: Store, deadline: float) -> "World":
+    def _connect(cls, config: Config, env: LaunchEnv, store: Store, deadline: float,
+                 root: "tuple[str, list[int]] | None") -> "World":
         def alive() -> None:
             record = store.read_abort()
             if record is not None and record["rank"] != env.rank:
@@ -181,11 +189,14 @@ class World:
         comm = Comm(env.rank, env.size, pairs, config.timeout)
         store.barrier("connected", env.size, max(1.0, deadline - time.monotonic()))
         world = cls(config, env, store, peers, comm, shm_group, listener)
+        if root is not None:
+            world.root = root
         if config.heartbeat_timeout and env.size > 1:
             from .heartbeat import Heartbeat
             world.heartbeat = Heartbeat(
                 store, env.rank, env.size, config.heartbeat_interval, config.heartbeat_timeout,
-                lambda r: f"rank {r} on host {peers[r].host} (pid {peers[r].pid})").start()
+                lambda r: f"rank {r} on host {peers[r].host} (pid {peers[r].pid})",
+                root).start()
         log.debug("rank %d connected: %d shm peers, %d tcp peers", env.rank, len(use_shm),
                   env.size - 1 - len(use_shm))
         return world
@@ -211,9 +222,11 @@ class World:
             self.env, rank=ranks.index(self.rank), size=len(ranks), local_rank=None,
             local_size=None, cross_rank=None, cross_size=None, servers=0,
             secret=self.listener.secret, job_id=f"{self.env.job_id}/{name}")
-        store = Store.over(self.store._base if base is None else base, env.job_id,
+        store = Store.over(self.store.base if base is None else base, env.job_id,
                            self.config.connect_timeout)
-        return World.connect(self.config, env, store)
+        root_job, root_ranks = self.root
+        return World.connect(self.config, env, store,
+                             root=(root_job, [root_ranks[r] for r in ranks]))
 
     # ------------------------------------------------------------------ failures
     def on_idle(self, waited: float) -> None:

@@ -21,3 +21,41 @@ def inputs(kind: str, rank: int, count: int):
     if kind in ("min", "max"):
         return (rank * 7 + i) % 11
     return 1 + ((rank + i) % 2)  # product: at most 2 ** size
+
+
+def elastic_job(hvd, features: int, samples: int, target, optimizer, batch_size: int,
+                seed: int, **fields):
+    """The toy regression that the elastic rank scripts train.
+
+    ``samples`` points of ``features`` inputs spread evenly over [-1, 1], labelled by
+    ``target`` (``torch.sin``, ``torch.cos``) of their sum weighted 1, 2, ... ``features``.
+    The model is a tanh network with ``2 * features`` hidden units, trained by ``optimizer``
+    (a function of the parameters, e.g. ``lambda p: torch.optim.SGD(p, lr=0.05)``) wrapped by
+    ``hvd.DistributedOptimizer``, through an ``ElasticSampler`` of ``batch_size`` samples per
+    batch, shuffled with ``seed``.
+
+    Returns (dataset, model, optimizer, state): ``state`` is a ``TorchState`` of the model,
+    the optimizer, the sampler and ``fields``.
+    """
+    import torch
+
+    x = torch.linspace(-1, 1, samples * features).reshape(samples, features)
+    y = target(x @ torch.arange(1.0, features + 1.0).unsqueeze(1))
+    dataset = torch.utils.data.TensorDataset(x, y)
+    model = torch.nn.Sequential(torch.nn.Linear(features, 2 * features), torch.nn.Tanh(),
+                                torch.nn.Linear(2 * features, 1))
+    wrapped = hvd.DistributedOptimizer(optimizer(model.parameters()),
+                                       named_parameters=model.named_parameters())
+    sampler = hvd.elastic.ElasticSampler(dataset, batch_size=batch_size, seed=seed)
+    state = hvd.elastic.TorchState(model, wrapped, sampler=sampler, **fields)
+    return dataset, model, wrapped, state
+
+
+def digest(model) -> str:
+    """A short hash of the model's parameters and buffers: equal on ranks that agree."""
+    import hashlib
+
+    import torch
+
+    flat = torch.cat([p.detach().reshape(-1) for p in model.state_dict().values()])
+    return hashlib.sha1(flat.numpy().tobytes()).hexdigest()[:16]

@@ -12,12 +12,11 @@ RESUMED restart=<n> rank=<r> epoch=<e>: where an attempt starts.
 RESULT restart=<n> rank=<r> size=<s> epoch=<e> hash=<parameters' digest>: at the end.
 """
 
-import hashlib
 import os
 import signal
 import sys
 
-import common  # noqa: F401  (deadline)
+import common  # deadline, and the job
 import torch
 
 import gradsync.torch as hvd
@@ -26,15 +25,11 @@ checkpoint, victim, epochs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 hvd.init()
 torch.manual_seed(99 + hvd.rank() + 10 * restart)  # different on every rank: sync must fix it
-N, BATCH = 48, 4
-x = torch.linspace(-1, 1, N * 4).reshape(N, 4)
-y = (x @ torch.arange(1.0, 5.0).unsqueeze(1)).cos()
-dataset = torch.utils.data.TensorDataset(x, y)
-model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                     named_parameters=model.named_parameters())
-sampler = hvd.elastic.ElasticSampler(dataset, batch_size=BATCH, seed=3)
-state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0)
+BATCH = 4
+dataset, model, optimizer, state = common.elastic_job(
+    hvd, features=4, samples=48, target=torch.cos,
+    optimizer=lambda params: torch.optim.SGD(params, lr=0.05), batch_size=BATCH, seed=3,
+    epoch=0)
 if os.path.exists(checkpoint):
     saved = torch.load(checkpoint, weights_only=False)
     model.load_state_dict(saved["model"])
@@ -65,6 +60,5 @@ def train(state):
 
 
 train(state)
-flat = torch.cat([p.detach().reshape(-1) for p in model.state_dict().values()])
 print(f"RESULT restart={restart} rank={hvd.rank()} size={hvd.size()} epoch={state.epoch} "
-      f"hash={hashlib.sha1(flat.numpy().tobytes()).hexdigest()[:16]}", flush=True)
+      f"hash={common.digest(model)}", flush=True)

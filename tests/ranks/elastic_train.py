@@ -22,13 +22,12 @@ FIRSTSTEP wall=<time.time()>: the first completed step after a re-formation.
 DYING wall=<time.time()>: the victim, just before it fails.
 """
 
-import hashlib
 import os
 import signal
 import sys
 import time
 
-import common  # noqa: F401  (deadline)
+import common  # deadline, and the job
 import torch
 
 import gradsync.torch as hvd
@@ -41,16 +40,11 @@ me = first_rank == victim
 
 torch.manual_seed(1234 + first_rank)  # every worker starts different: sync must fix that
 hvd.init()
-N, BATCH = 96, 4
-x = torch.linspace(-1, 1, N * 8).reshape(N, 8)
-y = (x @ torch.arange(1.0, 9.0).unsqueeze(1)).sin()
-dataset = torch.utils.data.TensorDataset(x, y)
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-optimizer = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
-                                     named_parameters=model.named_parameters())
-sampler = hvd.elastic.ElasticSampler(dataset, batch_size=BATCH, seed=7)
-state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0, steps=0,
-                               grow_to=0, shrink_below=0)
+BATCH = 4
+dataset, model, optimizer, state = common.elastic_job(
+    hvd, features=8, samples=96, target=torch.sin,
+    optimizer=lambda params: torch.optim.Adam(params, lr=0.01), batch_size=BATCH, seed=7,
+    epoch=0, batch=0, steps=0, grow_to=0, shrink_below=0)
 recovered = {"pending": False}
 
 
@@ -108,11 +102,6 @@ if mode == "kill-commit" and me:
     state.commit = commit
 
 
-def digest() -> str:
-    flat = torch.cat([p.detach().reshape(-1) for p in model.state_dict().values()])
-    return hashlib.sha1(flat.numpy().tobytes()).hexdigest()[:16]
-
-
 @hvd.elastic.run
 def train(state):
     print(f"START id={os.environ['GRADSYNC_ELASTIC_ID']} gen={worker.generation()} "
@@ -163,4 +152,4 @@ def train(state):
 
 train(state)
 print(f"RESULT id={os.environ['GRADSYNC_ELASTIC_ID']} rank={hvd.rank()} size={hvd.size()} "
-      f"gen={worker.generation()} steps={state.steps} hash={digest()}", flush=True)
+      f"gen={worker.generation()} steps={state.steps} hash={common.digest(model)}", flush=True)
