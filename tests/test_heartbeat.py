@@ -59,30 +59,44 @@ def test_a_busy_rank_is_not_lost():
     assert len(re.findall(r"RESULT rank=\d+ no error", result.output)) == 3, result
 
 
-def test_a_sub_worlds_silent_peer_is_also_reported_in_the_root_worlds_record():
-    # The launcher watches only the root World's abort record; an elastic job whose silent
-    # worker was found first by the heartbeat of a sub-world (the Horovod API's process-set
-    # Worlds) waited for ever. Here rank 0 of a two-rank sub-world, root ranks [5, 3], watches
-    # a peer that never beats.
-    import time
-    from datetime import timedelta
 
-    from torch.distributed import TCPStore
+def _watch_a_peer_that_never_beats(store, rank: int, root):
+    """Rank ``rank`` of a two-rank World over ``store`` watches a peer that never beats,
+    until it declares it lost (timeout 0.3 s); returns the PeerLostError."""
+    import time
 
     from gradsync.heartbeat import Heartbeat
-    from gradsync.rendezvous import Store
 
-    server = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10))
-    root = Store.over(server, "job", 10.0)
-    sub = Store.over(server, "job/sub", 10.0)
-    beat = Heartbeat(sub, 0, 2, interval=0.05, timeout=0.3, root=("job", [5, 3])).start()
+    beat = Heartbeat(store, rank, 2, interval=0.05, timeout=0.3, root=root).start()
     try:
         deadline = time.monotonic() + 10
         while beat.lost is None and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:
         beat.stop(goodbye=False)
-    assert beat.lost is not None and beat.lost.peer == 1
+    assert beat.lost is not None, "the silent peer was not found within 10 s"
+    return beat.lost
+
+
+def _store_server():
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10))
+
+
+def test_a_sub_worlds_silent_peer_is_also_reported_in_the_root_worlds_record():
+    # The launcher watches only the root World's abort record; an elastic job whose silent
+    # worker was found first by the heartbeat of a sub-world (the Horovod API's process-set
+    # Worlds) waited for ever. Here rank 0 of a two-rank sub-world, root ranks [5, 3], watches
+    # a peer that never beats.
+    from gradsync.rendezvous import Store
+
+    server = _store_server()
+    root = Store.over(server, "job", 10.0)
+    sub = Store.over(server, "job/sub", 10.0)
+    assert _watch_a_peer_that_never_beats(sub, 0, ("job", [5, 3])).peer == 1
     own, top = sub.read_abort(), root.read_abort()
     assert (own["rank"], own["peer"], own["silent"]) == (0, 1, True), own
     assert (top["rank"], top["peer"], top["silent"]) == (5, 3, True), top
@@ -90,23 +104,10 @@ def test_a_sub_worlds_silent_peer_is_also_reported_in_the_root_worlds_record():
 
 
 def test_a_root_worlds_heartbeat_does_not_report_twice():
-    import time
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
-    from gradsync.heartbeat import Heartbeat
     from gradsync.rendezvous import Store
 
-    server = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10))
-    root = Store.over(server, "job", 10.0)
-    beat = Heartbeat(root, 1, 2, interval=0.05, timeout=0.3, root=("job", [0, 1])).start()
-    try:
-        deadline = time.monotonic() + 10
-        while beat.lost is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-    finally:
-        beat.stop(goodbye=False)
+    root = Store.over(_store_server(), "job", 10.0)
+    assert _watch_a_peer_that_never_beats(root, 1, ("job", [0, 1])).peer == 0
     record = root.read_abort()
     assert (record["rank"], record["peer"]) == (1, 0), record
     assert "sub-world" not in record["message"], record
