@@ -2,10 +2,11 @@
 
 The returned object *is* an instance of the wrapped optimizer's class. DistributedOptimizer
 builds (``wrapping.rebase``, shared with the Adasum optimizer), once per optimizer class, a
-subclass whose methods come first from the ``_DistributedOptimizer`` mixin below, and gives the new object the wrapped optimizer's
-attributes (the very same ``param_groups``, ``state`` and ``defaults``). So ``isinstance(opt,
-torch.optim.SGD)``, ``state_dict``/``load_state_dict``, LR schedulers and
-``torch.amp.GradScaler`` work as on the original. The class has to be made at run time
+subclass whose methods come first from the ``_DistributedOptimizer`` mixin below, and gives
+the new object the wrapped optimizer's attributes (the very same ``param_groups``, ``state``
+and ``defaults``). So ``isinstance(opt, torch.optim.SGD)``,
+``state_dict``/``load_state_dict``, LR schedulers and ``torch.amp.GradScaler`` work as on the
+original. The class has to be made at run time
 because the wrapped class is only known then (Horovod does the same); all the behaviour is in
 the mixin, which is ordinary code.
 
@@ -18,10 +19,10 @@ One round (one optimizer step), on each rank:
    copy into the bucket at the next backward). In a one-rank job (no buckets) it is torch's.
 1. backward. ``Tensor.register_post_accumulate_grad_hook`` reports each parameter whose
    gradient has been accumulated. After ``backward_passes_per_step`` reports, a gradient that
-   is not already its view is copied into its view of its bucket (``buckets.py``). When a bucket is complete and every
-   earlier bucket has been launched, its allreduce goes to the process set's controller
-   (``allreduce_async_``; ``gradsync/negotiation.py``), which runs it (fused with other ready
-   buckets) while backward computes the next gradients.
+   is not already its view is copied into its view of its bucket (``buckets.py``). When a
+   bucket is complete and every earlier bucket has been launched, its allreduce goes to the
+   process set's controller (``allreduce_async_``; ``gradsync/negotiation.py``), which runs
+   it (fused with other ready buckets) while backward computes the next gradients.
 2. ``step()`` or ``synchronize()``. Buckets not launched yet, because a member got no gradient
    (a parameter unused this step, a branch this rank did not take) or fewer passes than
    expected, are completed with what is there (zeros for a missing gradient, as Horovod does)
