@@ -65,9 +65,8 @@ store is never moved ahead of an earlier load, which is what the two arguments a
 Every wait spins while the ranks it waits for can be close (each has a core of its own:
 up to ``MAX_SPIN``, 100 us, in the compiled wait, which releases the GIL, and ``PY_SPIN``,
 10 us, in the Python one, which holds it; a few microseconds otherwise), then yields the core
-between looks
-(up to ``YIELD_FOR``, 20 ms, from the wait's start), then sleeps on the
-counter with a futex (``transport/futex.py``: no lost wake-ups; the rank that publishes a
+between looks (up to ``YIELD_FOR``, 20 ms, from the wait's start), then sleeps on the counter
+with a futex (``transport/futex.py``: no lost wake-ups; the rank that publishes a
 counter wakes a rank that announced it sleeps on it), or naps where futexes are missing.
 Between sleeps (at most 50 ms each) it checks the deadline, calls ``on_idle``, and checks
 that the ranks it waits for are alive (pid and start time registered in their counter line)
