@@ -170,7 +170,9 @@ def two_hosts():
         yield c
 
 
-@pytest.mark.parametrize("placement", ["host", "alternate"])
+@pytest.mark.parametrize("placement", [
+    "host", pytest.param("alternate", marks=pytest.mark.slow),  # test_collectives' abcab stays
+])
 def test_sweep_on_two_hosts(two_hosts, placement):
     # Shared memory inside a namespace, TCP between them; "alternate" numbers ranks across
     # hosts (h0 h1 h0 h1), so every flat algorithm's neighbours are on the other host.

@@ -72,6 +72,7 @@ def test_backup_drops_the_late_gradient_and_still_trains():
     assert s["version"] == s["applied"], str(result)  # rounds of one gradient
 
 
+@pytest.mark.slow  # test_ps.py checks async's guarantee in the default tier
 def test_async_applies_each_gradient_on_arrival():
     result = run("async")
     assert_trained(result)
@@ -79,6 +80,7 @@ def test_async_applies_each_gradient_on_arrival():
     assert s["version"] == s["applied"] == 2 * STEPS and s["dropped"] == 0, str(result)
 
 
+@pytest.mark.slow  # test_ps.py checks SSP's bound in the default tier
 def test_ssp_keeps_the_clocks_within_the_bound():
     result = run("ssp", "--staleness", "1")
     assert_trained(result)

@@ -92,7 +92,7 @@ def test_training_parity(n):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("n", [pytest.param(1, marks=pytest.mark.slow), 2, 3])
 def test_gradients_are_bucket_views(n):
     # The default zero_grad(): grads inside the fusion buffers, nothing staged, closed-form
     # averages with 1 and 2 backward passes; set_to_none=True/False as torch.optim's.

@@ -14,7 +14,7 @@ from harness import launch
 pytestmark = pytest.mark.multiprocess
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_torch_surface(n):
     result = launch(n, "torch_surface.py", timeout=150)
     assert result.returncode == 0, result
