@@ -65,7 +65,8 @@ store is never moved ahead of an earlier load, which is what the two arguments a
 Every wait spins while the ranks it waits for can be close (each has a core of its own:
 up to ``MAX_SPIN``, 100 us, in the compiled wait, which releases the GIL, and ``PY_SPIN``,
 10 us, in the Python one, which holds it; a few microseconds otherwise), then yields the core
-between looks (up to ``YIELD_FOR``, 20 ms, from the wait's start), then sleeps on the counter
+between looks (up to ``YIELD_FOR``, 20 ms, from the wait's start in the compiled wait, and
+``PY_YIELD_FOR``, 3 ms, in the Python one), then sleeps on the counter
 with a futex (``transport/futex.py``: no lost wake-ups; the rank that publishes a
 counter wakes a rank that announced it sleeps on it), or naps where futexes are missing.
 Between sleeps (at most 50 ms each) it checks the deadline, calls ``on_idle``, and checks
@@ -128,6 +129,13 @@ PY_SPIN = 10e-6
 # a core, so sleeping early costs milliseconds: with 2 ms here, 4-64 KiB allreduces beside
 # Open MPI had medians of 0.2-2.5 ms in 2 of 2 runs; with 20 ms, in 1 of 2 (others ~25 us).
 YIELD_FOR = 20e-3
+# The Python wait yields for at most PY_YIELD_FOR before it sleeps. Every look between yields
+# takes the GIL back, and a rank that waits milliseconds in a large allreduce during training
+# waits for a peer still in its backward pass, not for one that was descheduled: 15 alternating
+# triples of scripts/train_costs.py gave DistributedOptimizer 0.58 of the local rate with 3 ms
+# against 0.52 with 20 ms and 0.55 for the code before issue 10 (docs/benchmarks.md). The
+# compiled wait, on the small road, keeps YIELD_FOR.
+PY_YIELD_FOR = 3e-3
 _PAGE = 4096
 # Kernel codes of _shmfast.c: op << 4 | dtype. An Average folds as a sum, then divides.
 _FAST_OPS = {ReduceOp.SUM: 0, ReduceOp.AVERAGE: 0, ReduceOp.MIN: 1, ReduceOp.MAX: 2,
@@ -523,7 +531,7 @@ class ShmGroup:
             waiting = [r for r in waiting if c[lines[r] + word] < seq]
             if not waiting:
                 return
-        yield_until = started + YIELD_FOR
+        yield_until = started + PY_YIELD_FOR
         while clock() < yield_until:
             os.sched_yield()
             waiting = [r for r in waiting if c[lines[r] + word] < seq]
