@@ -1,11 +1,15 @@
 """Heartbeats: a stopped rank is a lost rank within the bound; a busy one is not."""
 
 import re
+import time
+from datetime import timedelta
 
 import pytest
+from torch.distributed import TCPStore
 
 from gradsync.config import Config
-from gradsync.heartbeat import watched_peers
+from gradsync.heartbeat import Heartbeat, watched_peers
+from gradsync.rendezvous import Store
 from harness import launch
 
 pytestmark = pytest.mark.multiprocess
@@ -59,14 +63,9 @@ def test_a_busy_rank_is_not_lost():
     assert len(re.findall(r"RESULT rank=\d+ no error", result.output)) == 3, result
 
 
-
 def _watch_a_peer_that_never_beats(store, rank: int, root):
     """Rank ``rank`` of a two-rank World over ``store`` watches a peer that never beats,
     until it declares it lost (timeout 0.3 s); returns the PeerLostError."""
-    import time
-
-    from gradsync.heartbeat import Heartbeat
-
     beat = Heartbeat(store, rank, 2, interval=0.05, timeout=0.3, root=root).start()
     try:
         deadline = time.monotonic() + 10
@@ -79,35 +78,45 @@ def _watch_a_peer_that_never_beats(store, rank: int, root):
 
 
 def _store_server():
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
     return TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10))
 
 
-def test_a_sub_worlds_silent_peer_is_also_reported_in_the_root_worlds_record():
+def _posted(monkeypatch) -> list:
+    """Every abort record posted from now on, in order, with the job it was posted in (the
+    first post wins the record, so reading the record alone cannot show a second one)."""
+    posted = []
+    post = Store.post_abort
+
+    def spy(self, record):
+        posted.append((self.job, record))
+        return post(self, record)
+
+    monkeypatch.setattr(Store, "post_abort", spy)
+    return posted
+
+
+def test_a_sub_worlds_silent_peer_is_also_reported_in_the_root_worlds_record(monkeypatch):
     # The launcher watches only the root World's abort record; an elastic job whose silent
     # worker was found first by the heartbeat of a sub-world (the Horovod API's process-set
     # Worlds) waited for ever. Here rank 0 of a two-rank sub-world, root ranks [5, 3], watches
     # a peer that never beats.
-    from gradsync.rendezvous import Store
-
     server = _store_server()
     root = Store.over(server, "job", 10.0)
     sub = Store.over(server, "job/sub", 10.0)
+    posted = _posted(monkeypatch)
     assert _watch_a_peer_that_never_beats(sub, 0, ("job", [5, 3])).peer == 1
     own, top = sub.read_abort(), root.read_abort()
     assert (own["rank"], own["peer"], own["silent"]) == (0, 1, True), own
     assert (top["rank"], top["peer"], top["silent"]) == (5, 3, True), top
     assert top["kind"] == "PeerLostError" and "in sub-world job/sub" in top["message"], top
+    assert [job for job, _ in posted] == ["job/sub", "job"], posted
 
 
-def test_a_root_worlds_heartbeat_does_not_report_twice():
-    from gradsync.rendezvous import Store
-
+def test_a_root_worlds_heartbeat_does_not_report_twice(monkeypatch):
     root = Store.over(_store_server(), "job", 10.0)
+    posted = _posted(monkeypatch)
     assert _watch_a_peer_that_never_beats(root, 1, ("job", [0, 1])).peer == 0
     record = root.read_abort()
     assert (record["rank"], record["peer"]) == (1, 0), record
     assert "sub-world" not in record["message"], record
+    assert [job for job, _ in posted] == ["job"], posted
