@@ -6,9 +6,8 @@ subclass whose methods come first from the ``_DistributedOptimizer`` mixin below
 the new object the wrapped optimizer's attributes (the very same ``param_groups``, ``state``
 and ``defaults``). So ``isinstance(opt, torch.optim.SGD)``,
 ``state_dict``/``load_state_dict``, LR schedulers and ``torch.amp.GradScaler`` work as on the
-original. The class has to be made at run time
-because the wrapped class is only known then (Horovod does the same); all the behaviour is in
-the mixin, which is ordinary code.
+original. The class has to be made at run time because the wrapped class is only known then
+(Horovod does the same); all the behaviour is in the mixin, which is ordinary code.
 
 One round (one optimizer step), on each rank:
 
