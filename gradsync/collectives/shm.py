@@ -513,8 +513,9 @@ class ShmGroup:
         """Waits until counter ``word`` of every other local rank reaches ``seq``.
 
         Spins up to ``PY_SPIN`` when every local rank can have a core (only ``MIN_SPIN``
-        when they outnumber the cores: spinning would delay the rank it waits for), then
-        sleeps on the counter of a rank still awaited until it moves. Measured on 2 ranks:
+        when they outnumber the cores: spinning would delay the rank it waits for), yields
+        the core between looks until ``PY_YIELD_FOR`` after the start, then sleeps on the
+        counter of a rank still awaited until it moves. Measured on 2 ranks:
         judging closeness by recent waits instead did worse, because a wait that slept
         is long because it slept, which kept the next waits from spinning. ``started``
         (``time.perf_counter()``): when the wait began, if earlier than now (the compiled
