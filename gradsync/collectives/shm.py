@@ -47,6 +47,20 @@ publishes 1/n and copies (n-1)/n out: about 3 passes over memory, against 8(n-1)
 ring allreduce over the byte rings of ``transport/shm.py`` (each of its 2(n-1)/n sends is
 copied into a ring and out again, and half of them are folded).
 
+Shared buffers. A caller that allocates its data with ``shared_buffer`` (a ``memfd`` of its
+own; the other local ranks map it through ``/proc/<pid>/fd`` at the first allreduce that
+needs it, so no name is ever left in /dev/shm) lets the allreduce skip the slots. Every rank
+passes a shared buffer (a distinct issued kind: a rank that passes another array raises
+CollectiveMismatchError) and publishes which one beside its counters. After one arrival, local
+rank i folds sub-slice i of every rank's buffer into its own, in the fold order above, and
+writes the result into the others' buffers; once every rank has published ``reduced``, every
+buffer holds the result and the allreduce returns. Between the two synchronisations
+sub-slice i of every buffer is read and written by rank i only, and no rank touches its
+buffer before the first or after the second, so nothing races. Per rank and per byte that is
+one read and one write, against about 4.5 passes through the slots for n = 2 (the copy-in and
+the copy-out are gone). DistributedOptimizer's buckets are shared buffers
+(``gradsync/torch/buckets.py``).
+
 Why two slots suffice. Every read of a parity-p buffer for piece k (another rank reading my
 slot in step 2 or 3 of piece k) happens before that reader publishes arrived = k+1, because
 it publishes arrived k+1 only after finishing piece k. I write my parity-p slot again only
@@ -78,7 +92,9 @@ so the others raise at once instead of waiting for their deadline.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
 import mmap
 import os
 import time
@@ -107,11 +123,14 @@ _WORDS = CACHE_LINE // 8
 # synchronises once per piece: a rank past its arrival wait at piece k may already write
 # piece k+1's words while a slower rank still compares piece k's. It cannot reach k+2, whose
 # arrival needs the slower rank's arrival at k+1.
-_ARRIVED, _REDUCED, _PID, _STARTED, _CLOSED, _SLEEPING = range(6)
+_ARRIVED, _REDUCED, _PID, _STARTED, _CLOSED, _SLEEPING, _SHARED_FD, _SHARED_SERIAL = range(8)
 # _SLEEPING holds 0, or 1 + (local rank << 4 | counter word) of the counter its owner sleeps on.
+# _SHARED_FD and _SHARED_SERIAL: the descriptor and serial number of the shared buffer that the
+# line's owner passed at its latest allreduce on shared buffers.
 _ISSUED = _WORDS  # + 3 * parity: kind (| root << 8), total bytes, signature
-_ALLREDUCE, _BROADCAST, _BARRIER = 1, 2, 3
-_KIND_NAMES = {_ALLREDUCE: "allreduce", _BROADCAST: "broadcast", _BARRIER: "barrier"}
+_ALLREDUCE, _BROADCAST, _BARRIER, _ALLREDUCE_SHARED = 1, 2, 3, 4
+_KIND_NAMES = {_ALLREDUCE: "allreduce", _BROADCAST: "broadcast", _BARRIER: "barrier",
+               _ALLREDUCE_SHARED: "allreduce"}
 _MASK64 = (1 << 64) - 1
 _CHECK_EVERY = 0.05
 # Seconds a wait spins before it sleeps: MAX_SPIN when every local rank can have a core,
@@ -145,6 +164,10 @@ _FAST_DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.in
 _FAST_CODES = {(op, dtype): code << 4 | t for op, code in _FAST_OPS.items()
                for dtype, t in _FAST_DTYPES.items()}
 _FAST_DONE, _FAST_WAITING, _FAST_MISMATCH = 0, 1, 2
+# Shared buffers: serial numbers, unique in this process, and how many of each other rank's
+# buffers stay mapped (an optimizer has a few; a dropped mapping is made again when needed).
+_serials = itertools.count(1)
+_MAPPED_KEPT = 16
 
 
 def _control_bytes(local_size: int) -> int:
@@ -236,6 +259,11 @@ class ShmGroup:
                                            int(YIELD_FOR * 1e9), int(_CHECK_EVERY * 1e9))
             self._fast_call, self._fast_fold = module.call, module.fold
         self.fast = self._fast_group is not None
+        # This rank's shared buffers (``shared_buffer``) by the address of their first byte,
+        # and the other ranks' buffers mapped here, by (local rank, pid, serial), oldest first.
+        self._shared: dict[int, tuple[int, int, int]] = {}
+        self._mapped: "collections.OrderedDict[tuple[int, int, int], np.ndarray]" = \
+            collections.OrderedDict()
 
     @classmethod
     def open(cls, job: str, local_rank: int, local_size: int, barrier: Callable[[], None],
@@ -303,6 +331,12 @@ class ShmGroup:
         flat = self._flat(data, writable=True)
         if self.size == 1:
             return
+        shared = self._shared.get(flat.ctypes.data) if self._shared and flat.size else None
+        if shared is not None and flat.nbytes <= shared[2]:
+            with self._guard():
+                self._allreduce_shared(flat, shared, reducer, finish, deadline, on_idle,
+                                       signature)
+            return
         if flat.nbytes <= self.small_bytes:
             try:  # what _guard does, without a context manager's cost on the small road
                 code = _FAST_CODES.get((op, flat.dtype)) if self._fast_call else None
@@ -334,6 +368,51 @@ class ShmGroup:
                 self._publish(_REDUCED, seq)
                 self._wait(_REDUCED, seq, deadline, on_idle, "finish reducing")
                 self._copy_out(piece, slots, bounds)
+
+    def shared_buffer(self, nbytes: int) -> "np.ndarray | None":
+        """Allocates ``nbytes`` of zeros that the other local ranks can map, for allreduces
+        without the slots' copies (see the module's docstring).
+
+        Not a collective. An allreduce takes the shared road when the array passed starts at
+        the first byte of a shared buffer and fits it; then every local rank must pass such
+        an array (CollectiveMismatchError otherwise). Any other collective treats it as any
+        array. Call ``release`` with its address when it is no longer used.
+
+        Returns:
+            A writable uint8 array, or None when the group has one rank or this system has
+            no ``memfd_create`` or no ``/proc`` to map it through.
+        """
+        if nbytes < 1:
+            raise ValueError(f"nbytes must be positive, got {nbytes}")
+        if self.size == 1 or not hasattr(os, "memfd_create") or self._segment is None:
+            return None
+        serial = next(_serials)
+        fd = os.memfd_create(f"gradsync-shared{serial}", os.MFD_CLOEXEC)
+        try:
+            if not os.path.exists(f"/proc/{os.getpid()}/fd/{fd}"):  # no /proc: none can map it
+                os.close(fd)
+                return None
+            os.ftruncate(fd, nbytes)
+            mapping = mmap.mmap(fd, nbytes)
+        except BaseException:
+            os.close(fd)
+            raise
+        mine = np.frombuffer(mapping, np.uint8, nbytes)
+        self._shared[mine.ctypes.data] = (fd, serial, nbytes)
+        return mine
+
+    def is_shared(self, data: np.ndarray) -> bool:
+        """Whether an allreduce of ``data`` takes the shared road (see ``shared_buffer``)."""
+        shared = self._shared.get(data.ctypes.data) if data.size else None
+        return shared is not None and data.nbytes <= shared[2]
+
+    def release(self, address: int) -> None:
+        """Forgets the shared buffer whose first byte is at ``address`` (no-op for any other
+        address): its memory goes once no array of it is left here, and the other ranks
+        have dropped their mappings (they keep the latest few)."""
+        shared = self._shared.pop(address, None)
+        if shared is not None:
+            os.close(shared[0])
 
     def fast_code(self, op: ReduceOp, dtype: np.dtype) -> "int | None":
         """The compiled road's kernel code for ``op`` on ``dtype``, or None when an allreduce
@@ -399,6 +478,55 @@ class ShmGroup:
         if status == _FAST_MISMATCH:
             self._check_issued(seq, _ALLREDUCE, flat.nbytes, signature)
 
+    def _allreduce_shared(self, flat: np.ndarray, shared: tuple[int, int, int],
+                          reducer: Reducer, finish: Callable[[np.ndarray], None] | None,
+                          deadline: float, on_idle: Callable[[float], None],
+                          signature: int) -> None:
+        """The allreduce on shared buffers (see the module's docstring): two synchronisations,
+        whatever the size; no slot is used."""
+        seq = self._next_seq()
+        c = self._ctl
+        c[self._mine + _SHARED_FD], c[self._mine + _SHARED_SERIAL] = shared[0], shared[1]
+        self._arrive(seq, _ALLREDUCE_SHARED, flat.nbytes, signature, deadline, on_idle)
+        views = [flat if r == self.rank else self._peer_buffer(r, flat.nbytes)
+                 for r in range(self.size)]
+        if flat.dtype != np.uint8:
+            views = [v if r == self.rank else v.view(flat.dtype) for r, v in enumerate(views)]
+        bounds = self._split(flat.size, max(1, CACHE_LINE // flat.itemsize))
+        lo, hi = bounds[self.rank], bounds[self.rank + 1]
+        step = self.slot_bytes // flat.itemsize  # a piece stays in cache while it is copied
+        for start in range(lo, hi, step):
+            stop = min(start + step, hi)
+            own = flat[start:stop]
+            for r in self._others:  # a fixed order: the bits never depend on timing
+                reducer(own, views[r][start:stop])
+            if finish is not None:
+                finish(own)
+            for r in self._others:
+                views[r][start:stop] = own
+        self._publish(_REDUCED, seq)
+        self._wait(_REDUCED, seq, deadline, on_idle, "finish reducing")
+
+    def _peer_buffer(self, r: int, nbytes: int) -> np.ndarray:
+        """The first ``nbytes`` of the shared buffer that local rank ``r`` passed to the
+        allreduce now running (it published which after arriving), mapped once."""
+        c, line = self._ctl, self._lines[r]
+        pid, fd, serial = c[line + _PID], c[line + _SHARED_FD], c[line + _SHARED_SERIAL]
+        key = (r, pid, serial)
+        view = self._mapped.get(key)
+        if view is None:
+            view = _map_peer_buffer(pid, fd, serial, self.ranks[r])
+            self._mapped[key] = view
+            if len(self._mapped) > _MAPPED_KEPT * (self.size - 1):
+                self._mapped.popitem(last=False)
+        else:
+            self._mapped.move_to_end(key)
+        if view.nbytes < nbytes:
+            raise CollectiveMismatchError(
+                f"rank {self.ranks[r]}'s shared buffer has {view.nbytes} bytes, fewer than the "
+                f"{nbytes} of the allreduce")
+        return view[:nbytes]
+
     def broadcast(self, data: np.ndarray, root: int, deadline: float,
                   on_idle: Callable[[float], None] = lambda waited: None,
                   signature: int = 0) -> None:
@@ -439,6 +567,9 @@ class ShmGroup:
             return
         self._ctl[self._mine + _CLOSED] = 1
         self._slots, self._views = [], {}
+        for fd, _, _ in self._shared.values():
+            os.close(fd)
+        self._shared, self._mapped = {}, collections.OrderedDict()
         self._fast_call = self._fast_fold = self._fast_group = None  # it holds the address
         self._ctl.release()
         try:
@@ -644,8 +775,30 @@ class ShmGroup:
         self._ctl[self._mine + _CLOSED] = 1
 
 
+def _map_peer_buffer(pid: int, fd: int, serial: int, rank: int) -> np.ndarray:
+    """Maps all of another process's shared buffer, descriptor ``fd`` of ``pid``."""
+    path = f"/proc/{pid}/fd/{fd}"
+    try:
+        target = os.readlink(path)
+        peer = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        raise GradsyncError(f"cannot map rank {rank}'s shared buffer {path}: {exc} (shared "
+                            "buffers need /proc, and the local ranks run as one user)") from exc
+    try:
+        # The name tells a reused descriptor from the buffer it was: serials are never reused.
+        if target.split(" ")[0] != f"/memfd:gradsync-shared{serial}":
+            raise GradsyncError(f"rank {rank}'s descriptor {fd} is {target!r}, not its shared "
+                                f"buffer #{serial}")
+        mapping = mmap.mmap(peer, os.fstat(peer).st_size)
+    finally:
+        os.close(peer)
+    return np.frombuffer(mapping, np.uint8)
+
+
 def _describe(kind: int, nbytes: int, signature: int) -> str:
     what = _KIND_NAMES.get(kind & 0xFF, f"kind {kind & 0xFF}")
     if kind & 0xFF == _BROADCAST:
         what += f" from local rank {kind >> 8}"
+    elif kind & 0xFF == _ALLREDUCE_SHARED:
+        what += " on shared buffers"
     return f"{what} of {nbytes} bytes (signature {signature:#x})"

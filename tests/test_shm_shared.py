@@ -1,0 +1,199 @@
+"""Allreduces on shared buffers (``ShmGroup.shared_buffer``): the road without slots.
+
+Each rank allocates its buffers itself (a memfd); the others map them at the first allreduce
+that needs them. Results must be bitwise equal to a NumPy reduction in the order the owner of
+each sub-slice folds (its own value first, then the others by local rank) on every rank, for
+world sizes 1-4, several dtypes, uneven and multi-piece counts, interleaved with the slots'
+collectives; failures must end in the group's usual errors. Ranks are forked by
+``test_shm._launch`` (a deadline, stacks dumped on a hang, nothing left in /dev/shm).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from gradsync.collectives import shm
+from gradsync.collectives.ops import Max, Sum, make_reducer
+from gradsync.collectives.shm import ShmGroup
+from gradsync.errors import GradsyncError
+from test_shm import Rank, _launch, _raises
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd_create")
+
+_SLOT = 256  # bytes: the shared road folds in pieces of one slot, so 1001 elements take many
+_DTYPES = ("float32", "int64", "float16")
+_OPS = {"sum": (Sum, np.add), "max": (Max, np.maximum)}
+
+
+def _counts(size: int) -> list[int]:
+    # one, fewer than the ranks, uneven, many pieces (and not a whole number of them)
+    return sorted({1, max(size - 1, 1), 37, 1001})
+
+
+def _input(count: int, dtype: str, rank: int, salt: int) -> np.ndarray:
+    # Small integers: every sum is exact in float16, whatever the order of the reduction.
+    return (((np.arange(count) * 7 + rank * 5 + salt) % 11) - 5).astype(dtype)
+
+
+def _expected(count: int, dtype: str, ufunc, size: int, salt: int) -> bytes:
+    inputs = [_input(count, dtype, r, salt) for r in range(size)]
+    out = inputs[0].copy()
+    for x in inputs[1:]:
+        out = ufunc(out, x)
+    return out.tobytes()
+
+
+def _sweep(ctx: Rank):
+    group = ShmGroup.open(ctx.job, ctx.rank, ctx.size, ctx.barrier, slot_bytes=_SLOT)
+    taken = []
+    shared_road = group._allreduce_shared
+    group._allreduce_shared = lambda *a: (taken.append(1), shared_road(*a))
+    deadline = time.monotonic() + 20
+    # Two buffers, used in turn, each for allreduces of several sizes and dtypes.
+    buffers = [group.shared_buffer(1001 * 8) for _ in range(2)]
+    if ctx.size == 1:
+        return {"buffers": buffers}
+    out = {"zeros": [bytes(b) == bytes(len(b)) for b in buffers]}
+    salt = 0
+    for count in _counts(ctx.size):
+        for dtype in _DTYPES:
+            for name, (op, _) in _OPS.items():
+                salt += 1
+                raw = buffers[salt % 2]
+                data = raw[:count * np.dtype(dtype).itemsize].view(dtype)
+                data[...] = _input(count, dtype, ctx.rank, salt)
+                assert group.is_shared(data)
+                group.allreduce(data, make_reducer(op, np.dtype(dtype)), deadline,
+                                signature=salt)
+                out[count, dtype, name] = (salt, data.tobytes())
+        plain = _input(count, "float32", ctx.rank, 0)  # the slots' roads, between shared ones
+        group.allreduce(plain, make_reducer(Sum, plain.dtype), deadline)
+        out[count, "plain"] = plain.tobytes()
+        group.broadcast(plain, 0, deadline)
+    average = buffers[0][:37 * 4].view(np.float32)
+    average[...] = np.arange(37) * (ctx.rank + 1)
+    group.allreduce(average, make_reducer(Sum, average.dtype), deadline,
+                    finish=lambda x: np.divide(x, ctx.size, out=x))
+    out["average"] = average.tobytes()
+    out["taken"] = len(taken)
+    group.barrier(deadline)
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_shared_allreduce_matches_numpy(size):
+    results = _launch(size, _sweep, timeout=40)
+    if size == 1:  # nothing to share with: the caller keeps ordinary memory
+        assert results[0]["buffers"] == [None, None]
+        return
+    for rank in range(size):
+        got = results[rank]
+        assert got["zeros"] == [True, True]
+        for count in _counts(size):
+            for dtype in _DTYPES:
+                for name, (_, ufunc) in _OPS.items():
+                    salt, data = got[count, dtype, name]
+                    assert data == _expected(count, dtype, ufunc, size, salt), \
+                        (rank, count, dtype, name)
+            plain = _expected(count, "float32", np.add, size, 0)
+            assert got[count, "plain"] == plain
+        want = (np.arange(37) * sum(range(1, size + 1)) / np.float32(size)).astype(np.float32)
+        assert np.frombuffer(got["average"], np.float32).tolist() == want.tolist()
+        assert got["taken"] == len(_counts(size)) * len(_DTYPES) * len(_OPS) + 1
+
+
+def _mixed(ctx: Rank):
+    group = ShmGroup.open(ctx.job, ctx.rank, ctx.size, ctx.barrier, slot_bytes=_SLOT)
+    raw = group.shared_buffer(400)
+    data = np.ones(100, np.float32) if ctx.rank == 1 else raw.view(np.float32)
+    return _raises(group.allreduce, data, make_reducer(Sum, data.dtype),
+                   time.monotonic() + 10, lambda waited: None, 0x1234)
+
+
+@pytest.mark.multiprocess
+def test_a_rank_without_a_shared_buffer_is_a_mismatch_on_every_rank():
+    results = _launch(3, _mixed)
+    for rank in range(3):
+        name, message, _ = results[rank]
+        assert name == "CollectiveMismatchError", message
+        assert "on shared buffers" in message and "local rank 1 (rank 1) allreduce of" in message
+
+
+def _killed(ctx: Rank):
+    group = ShmGroup.open(ctx.job, ctx.rank, ctx.size, ctx.barrier, slot_bytes=_SLOT)
+    data = group.shared_buffer(4000).view(np.float32)
+    data[...] = 1
+    deadline = time.monotonic() + 20
+    group.allreduce(data, make_reducer(Sum, data.dtype), deadline)  # maps the others' buffers
+    if ctx.rank == 2:  # dies after arriving at the second, before folding its part
+        group._peer_buffer = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
+    return _raises(group.allreduce, data, make_reducer(Sum, data.dtype), deadline)
+
+
+@pytest.mark.multiprocess
+def test_a_rank_killed_in_a_shared_allreduce_is_lost_on_the_others():
+    results = _launch(3, _killed, expect=2)
+    for rank in (0, 1):
+        name, message, seconds = results[rank]
+        assert name == "PeerLostError" and "local rank 2 (rank 2)" in message, message
+        assert seconds < 3.0
+
+
+def _released(ctx: Rank):
+    group = ShmGroup.open(ctx.job, ctx.rank, ctx.size, ctx.barrier, slot_bytes=_SLOT)
+    deadline = time.monotonic() + 20
+    kept = []
+    for i in range(shm._MAPPED_KEPT + 4):  # more than the mappings kept of each peer
+        data = group.shared_buffer(4096).view(np.int64)
+        data[...] = ctx.rank + i
+        group.allreduce(data, make_reducer(Sum, data.dtype), deadline)
+        kept.append(data)
+    sums = [int(d[0]) for d in kept]
+    mapped = len(group._mapped)
+    fds = {group._shared[d.ctypes.data][0]: os.readlink(
+        f"/proc/self/fd/{group._shared[d.ctypes.data][0]}") for d in kept}
+    first = kept[0]
+    group.release(first.ctypes.data)
+    after = group.is_shared(first)
+    group.allreduce(first, make_reducer(Sum, first.dtype), deadline)  # now on the slots
+    for d in kept[1:]:
+        group.release(d.ctypes.data)
+    still_open = [fd for fd, target in fds.items() if _target(fd) == target]
+    group.barrier(deadline)
+    return sums, mapped, after, int(first[0]), len(fds), still_open
+
+
+def _target(fd: int) -> "str | None":
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+
+
+@pytest.mark.multiprocess
+def test_released_buffers_close_and_peers_keep_a_bounded_number_mapped():
+    results = _launch(2, _released)
+    for rank in (0, 1):
+        sums, mapped, shared_after, first, fds, still_open = results[rank]
+        assert sums == [1 + 2 * i for i in range(shm._MAPPED_KEPT + 4)]
+        assert mapped == shm._MAPPED_KEPT  # one peer
+        assert shared_after is False and first == 2 * 1
+        assert fds == shm._MAPPED_KEPT + 4 and still_open == []  # released: closed
+
+
+def test_a_peer_buffer_that_is_not_the_one_published_is_refused():
+    fd = os.memfd_create("something-else")
+    try:
+        os.ftruncate(fd, 64)
+        with pytest.raises(GradsyncError, match="not its shared buffer #7"):
+            shm._map_peer_buffer(os.getpid(), fd, 7, 3)
+    finally:
+        os.close(fd)
+    with pytest.raises(GradsyncError, match="cannot map rank 3's shared buffer"):
+        shm._map_peer_buffer(os.getpid(), 10**6, 7, 3)
