@@ -134,10 +134,10 @@ class Request:
     def __init__(self, name: str, kind: str, dtype: str, shape: tuple, *, op: str | None = None,
                  root: int | None = None, scale: tuple = (1.0, 1.0), flat=None, dtype_tag=None,
                  run: Callable | None = None, finish: Callable | None = None,
-                 counts: list[int] | None = None):
+                 counts: list[int] | None = None, shared: bool = False):
         self.name, self.kind = name, kind
         self.sig = (kind, dtype, tuple(int(d) for d in shape), op, root,
-                    float(scale[0]), float(scale[1]))
+                    float(scale[0]), float(scale[1]), bool(shared))
         self.flat, self.dtype_tag = flat, dtype_tag
         self.run, self.finish = run, finish
         self.counts = counts
@@ -154,7 +154,7 @@ def _match_key(sig: tuple) -> tuple:
 
 def describe(sig: tuple) -> str:
     """``float32[17, 17] op=SUM root=0`` for a signature."""
-    kind, dtype, shape, op, root, pre, post = sig
+    kind, dtype, shape, op, root, pre, post, shared = sig
     text = f"{kind} {dtype}{list(shape)}"
     if op is not None:
         text += f" op={op}"
@@ -162,6 +162,8 @@ def describe(sig: tuple) -> str:
         text += f" root={root}"
     if (pre, post) != (1.0, 1.0):
         text += f" prescale={pre} postscale={post}"
+    if shared:
+        text += " (in a shared buffer)"
     return text
 
 
@@ -260,6 +262,7 @@ class Controller:
         self._stop_requested = False
         self._closed: BaseException | None = None
         self._fusion: dict[Any, np.ndarray] = {}
+        self._shared_zeros: "np.ndarray | None" = None  # see _zeros
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name=f"gradsync-negotiate-{label}")
         self._thread.start()
@@ -525,10 +528,10 @@ class Controller:
             return request
         dtype = sig[1]
         tag = BFLOAT16 if dtype == BFLOAT16 else np.dtype(dtype)
-        flat = np.zeros(int(np.prod(sig[2], dtype=np.int64)),
-                        dtype=np.int16 if dtype == BFLOAT16 else tag)
-        zeros = Request(name, "allreduce", dtype, sig[2], op=sig[3], scale=sig[5:],
-                        flat=flat, dtype_tag=tag)
+        count = int(np.prod(sig[2], dtype=np.int64))
+        flat = self._zeros(np.dtype(np.int16) if dtype == BFLOAT16 else tag, count, sig[7])
+        zeros = Request(name, "allreduce", dtype, sig[2], op=sig[3], scale=sig[5:7],
+                        flat=flat, dtype_tag=tag, shared=sig[7])
         zeros.joined = True
         return zeros
 
@@ -537,7 +540,7 @@ class Controller:
         batches: list[list[Request]] = []
         open_: dict[tuple, tuple[list[Request], int]] = {}
         for q in requests:
-            if q.kind != "allreduce":
+            if q.kind != "allreduce" or q.sig[7]:  # a shared buffer is reduced where it is
                 batches.append([q])
                 continue
             key = (q.sig[1], q.sig[3], q.sig[5], q.sig[6])
@@ -583,7 +586,7 @@ class Controller:
 
     def _allreduce(self, batch: list[Request], tl) -> list:
         head = batch[0]
-        _, dtype, _, op_name, _, pre, post = head.sig
+        _, dtype, _, op_name, _, pre, post, _ = head.sig
         op = _OPS[op_name]
         if len(batch) == 1:
             flat = head.flat
@@ -625,6 +628,23 @@ class Controller:
                 if tl is not None:
                     tl.end(q.name, "MEMCPY_OUT_FUSION_BUFFER")
         return [q.finish() if q.finish else q.flat for q in batch]
+
+    def _zeros(self, dtype: np.dtype, count: int, shared: bool) -> np.ndarray:
+        """Zeros that a joined rank contributes; in a shared buffer where the others pass
+        theirs (``ShmGroup.shared_buffer``), which is kept for the next such allreduce."""
+        group = self.world.shm_group
+        if not shared or group is None:
+            return np.zeros(count, dtype=dtype)
+        nbytes = count * dtype.itemsize
+        if self._shared_zeros is None or self._shared_zeros.nbytes < nbytes:
+            if self._shared_zeros is not None:
+                group.release(self._shared_zeros.ctypes.data)
+            self._shared_zeros = group.shared_buffer(nbytes)
+            if self._shared_zeros is None:  # cannot be: the others made shared buffers
+                return np.zeros(count, dtype=dtype)
+        flat = self._shared_zeros[:nbytes].view(dtype)
+        flat[...] = 0
+        return flat
 
     def _fusion_buffer(self, dtype, count: int) -> np.ndarray:
         buf = self._fusion.get(dtype)

@@ -22,6 +22,9 @@ w2 (768 B), b2 (16 B): reversed, b2 opens bucket 0 (16 B), w2 joins it (784 B), 
 848 B; w1 would pass 1 KiB, so it opens bucket 1 alone.
 
 The buffer. A bucket owns one flat tensor, allocated once, and a view of it per parameter.
+On one host, a buffer larger than the shared-memory group's one-step road is a *shared
+buffer* (``ShmGroup.shared_buffer``) that the other local ranks map, and the allreduce folds
+and writes the ranks' buffers where they are, without staging copies.
 The allreduce runs in place on the buffer, and afterwards each ``param.grad`` *is* its view.
 ``DistributedOptimizer.zero_grad()`` keeps it so (zeroing the buffer in place), so backward
 accumulates straight into the bucket and nothing is copied (DDP's ``gradient_as_bucket_view``).
@@ -34,15 +37,24 @@ controller stands in for it (``gradsync/negotiation.py``), so buckets need nothi
 
 from __future__ import annotations
 
-from typing import Sequence
+import weakref
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from .. import api as gs
 from ..errors import CollectiveMismatchError
 
+if TYPE_CHECKING:
+    from ..collectives.shm import ShmGroup
+
 __all__ = ["Bucket", "assign_buckets", "check_layout", "plan_buckets", "split_evenly",
            "fusion_threshold"]
+
+
+# Buckets of more bytes than this are shared buffers (on one host); None: more than the shm
+# group's one-step road takes (smaller ones are faster on that road). Tests set 0.
+SHARED_ABOVE: "int | None" = None
 
 
 def fusion_threshold() -> int:
@@ -164,11 +176,23 @@ class Bucket:
     """
 
     def __init__(self, index: int, slots: list[int], params: list[torch.Tensor],
-                 names: list[str]):
+                 names: list[str], group: "ShmGroup | None" = None):
         self.index, self.slots, self.names = index, slots, names
         numels = [p.numel() for p in params]
         total = sum(numels)
-        self.buffer = torch.zeros(total, dtype=params[0].dtype)
+        dtype = params[0].dtype
+        nbytes = total * params[0].element_size()
+        # Larger than the one-step road's limit, the buffer is shared with the host's other
+        # ranks (``ShmGroup.shared_buffer``): the allreduce then reads and writes it in place.
+        raw = None
+        if group is not None and nbytes > (group.small_bytes if SHARED_ABOVE is None
+                                           else SHARED_ABOVE):
+            raw = group.shared_buffer(nbytes)
+        if raw is None:
+            self.buffer = torch.zeros(total, dtype=dtype)
+        else:
+            self.buffer = torch.frombuffer(raw, dtype=dtype)  # zeros, as memfd pages start
+            weakref.finalize(self.buffer, group.release, raw.ctypes.data)
         pieces = self.buffer.split(numels)
         self.pairs = [(p, piece.view(p.shape)) for p, piece in zip(params, pieces)]
         first = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"

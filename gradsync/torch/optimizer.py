@@ -134,10 +134,16 @@ class _DistributedOptimizer:
         self._gs_slot_name: list[str] = []
         # Horovod reduces nothing in a one-rank job; neither do we (step is the plain step).
         if self._gs_size() > 1 and params:
+            # Reduced as they are (no compression cast), buckets live in buffers that the
+            # host's other ranks map: their allreduce skips the staging copies (collectives/shm).
+            group = None
+            if self._gs_compression is Compression.none and self.op is not Adasum:
+                group = _psets.controller(self._gs_process_set).world.shm_group
             for k, members in enumerate(assign_buckets(params, self._gs_groups)):
                 first = len(self._gs_slot_param)
                 bucket = Bucket(k, list(range(first, first + len(members))),
-                                [params[i] for i in members], [names[i] for i in members])
+                                [params[i] for i in members], [names[i] for i in members],
+                                group)
                 self._gs_buckets.append(bucket)
                 for param, view in bucket.pairs:
                     self._gs_slot_param.append(param)

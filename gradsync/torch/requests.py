@@ -70,10 +70,12 @@ def allreduce(tensor, name, op: ReduceOp, prescale: float, postscale: float, pro
 
     ``counts`` (Adasum): the sizes of the tensors packed into ``tensor``, each of which gets
     its own dot products."""
-    psets.controller(process_set)
+    group = psets.controller(process_set).world.shm_group
     buf = wrap(tensor, writable=inplace)
     gs._check_op(op, buf.dtype)
     target = buf.flat if inplace else buf.flat.copy()
+    # In place in a shared buffer (a DistributedOptimizer bucket), it is reduced where it is.
+    shared = inplace and group is not None and group.is_shared(target)
 
     def finish():
         if inplace:
@@ -83,7 +85,7 @@ def allreduce(tensor, name, op: ReduceOp, prescale: float, postscale: float, pro
 
     request = Request(_name("allreduce", name, process_set), "allreduce", buf.dtype_name,
                       buf.shape, op=op.name, scale=(prescale, postscale), flat=target,
-                      dtype_tag=buf.dtype, finish=finish, counts=counts)
+                      dtype_tag=buf.dtype, finish=finish, counts=counts, shared=shared)
     return _issue(process_set, request, asynchronous)
 
 

@@ -4,8 +4,9 @@ Run by tests/test_torch_optimizer.py through ``gradsync run -np N`` (N = 2, 3). 
 trains the single-process reference itself (same seed, same data, the full batch) and compares
 parameters after every step; every step also checks, through an allgather of a digest, that all
 ranks hold bitwise identical parameters. Each recipe runs with a tiny fusion threshold (one
-bucket per parameter: ordering and overlap) and with the default one (one bucket). The script
-exits non-zero at the first difference.
+bucket per parameter: ordering and overlap), with the default one (one bucket), and with the
+tiny one again where every bucket is a shared buffer (``ShmGroup.shared_buffer``, which only
+buckets larger than 32 KiB are by default). The script exits non-zero at the first difference.
 """
 
 import gc
@@ -18,6 +19,8 @@ import torch.nn.functional as F
 
 import gradsync.api
 import gradsync.torch as hvd
+from gradsync.torch import buckets
+from gradsync.torch import process_sets as psets
 
 hvd.init()
 R, N = hvd.rank(), hvd.size()
@@ -178,10 +181,17 @@ def bn_net(norm):
                                        torch.nn.Linear(8, OUT))
 
 
-for threshold in (0, DEFAULT_THRESHOLD):
+def shared_buckets(opt) -> bool:
+    group = psets.controller(hvd.global_process_set).world.shm_group
+    return all(group.is_shared(b.buffer.numpy()) for b in opt._gs_buckets)
+
+
+for threshold, shared in ((0, False), (DEFAULT_THRESHOLD, False), (0, True)):
     set_fusion_threshold(threshold)
-    tag = f"threshold={threshold}"
-    train(f"SGD {tag}", sgd)
+    buckets.SHARED_ABOVE = 0 if shared else None
+    tag = f"threshold={threshold}{' shared' if shared else ''}"
+    if shared_buckets(train(f"SGD {tag}", sgd)[1]) != shared:
+        fail(f"{tag}: the buckets should {'' if shared else 'not '}be shared buffers")
     train(f"Adam {tag}", adam)
     train(f"SGD float32 {tag}", sgd, dtype=torch.float32, tol=dict(rtol=1e-5, atol=1e-6))
     train(f"backward_passes_per_step=2 {tag}", adam, passes=2)
@@ -201,6 +211,7 @@ for threshold in (0, DEFAULT_THRESHOLD):
           make_ref=bn_net(torch.nn.BatchNorm1d))
     print(f"rank {R}: {tag}: parity ok", flush=True)
 
+buckets.SHARED_ABOVE = None
 set_fusion_threshold(DEFAULT_THRESHOLD)
 train("groups=2", adam, groups=2)
 train("groups=[[...]]", adam, groups=lambda m: [[m[0].weight, m[4].weight], [m[2].bias]])
@@ -419,11 +430,15 @@ close(emb, ref_emb, "sparse gradient without sparse_as_dense")
 del opt
 print(f"rank {R}: argument checks and optimizer behaviour ok", flush=True)
 
-# --- join: rank r runs out of data after 2 + r steps; the others go on
+# --- join: rank r runs out of data after 2 + r steps; the others go on. The buckets are
+#     shared buffers, so a joined rank's zeros must be too.
 del newer, scheduler
 gc.collect()
+buckets.SHARED_ABOVE = 0
 model, ref = twins(mlp)
 opt = D(sgd(model), named_parameters=model.named_parameters())
+if not shared_buckets(opt):
+    fail("join: the buckets should be shared buffers")
 other = D(sgd(mlp().double()))  # an idle second optimizer does not disturb join
 ref_opt = sgd(ref)
 for step in range(2 + N - 1):
