@@ -14,11 +14,14 @@ def test_bench_allreduce_checks_results_and_measures_gloo_beside(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "gradsync", "bench", "allreduce", "-np", "2", "--sizes", "4K:64K",
          "--factor", "16", "--seconds", "0.05", "--algorithm", "ring,auto", "--compare", "gloo",
-         "--json", str(out)], capture_output=True, text=True, timeout=120)
+         "--buffer", "plain,shared", "--json", str(out)], capture_output=True, text=True,
+        timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())
-    assert [(r["size"], r["requested"]) for r in rows] == [
-        (4096, "ring"), (4096, "auto"), (65536, "ring"), (65536, "auto")]
+    assert [(r["size"], r["requested"], r["buffer"]) for r in rows] == [
+        (size, alg, buf) for size in (4096, 65536) for buf in ("plain", "shared")
+        for alg in ("ring", "auto")]
+    assert "auto:shm+shared" in proc.stdout
     for r in rows:
         assert r["gradsync"]["wrong"] == 0 and r["gloo"]["wrong"] == 0
         assert r["gradsync"]["time_us"] > 0 and r["ratio"] > 0

@@ -69,6 +69,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--algorithm", default="auto",
                    help="gradsync algorithm, or several separated by commas, each measured in "
                         "the same run (e.g. ring,topo_ring,hierarchical,auto); default auto")
+    p.add_argument("--buffer", default="plain",
+                   help="where gradsync's vector lives: plain (NumPy memory), shared (a shared "
+                        "buffer of the host's shared-memory group, as DistributedOptimizer's "
+                        "buckets; one host only), or both separated by a comma, each measured "
+                        "in the same run; default plain")
     p.add_argument("--topology", help="topology file for the planner (GRADSYNC_TOPOLOGY)")
     p.add_argument("--compare", choices=["gloo", "mpi", "none"], default="none",
                    help="also measure this peer in the same run: torch.distributed's gloo, "
@@ -175,44 +180,56 @@ def run(args) -> list[dict]:
     rows = []
     size = lo
     algorithms = args.algorithm.split(",")
+    buffers = args.buffer.split(",")
+    if set(buffers) - {"plain", "shared"}:
+        raise SystemExit(f"--buffer takes plain, shared or both, not {args.buffer!r}")
+    runs = [(alg, buf) for buf in buffers for alg in algorithms]
     while size <= hi:
         count = max(1, size // dtype.itemsize)
         nbytes = count * dtype.itemsize
         x = np.zeros(count, dtype=dtype)
+        xs = {"plain": x}
+        if "shared" in buffers:
+            raw = world.shm_group.shared_buffer(nbytes) if world.shm_group else None
+            if raw is None:
+                raise SystemExit("--buffer shared needs 2 or more ranks, all on one host")
+            xs["shared"] = raw.view(dtype)
         copy_src = np.zeros_like(x)
-        impls = [("memcpy", "memcpy", lambda: np.copyto(x, copy_src), gs.barrier)]
-        for alg in algorithms:
-            impls.append(("gradsync", alg, lambda alg=alg: gs.allreduce_(
-                x, op=gs.Sum, name="bench", algorithm=alg), gs.barrier))
+        impls = [("memcpy", "memcpy", lambda: np.copyto(x, copy_src), gs.barrier, x)]
+        for alg, buf in runs:
+            impls.append(("gradsync", (alg, buf), lambda alg=alg, xb=xs[buf]: gs.allreduce_(
+                xb, op=gs.Sum, name="bench", algorithm=alg), gs.barrier, xs[buf]))
         if gloo is not None:
             t = torch.from_numpy(x)
-            impls.append(("gloo", "gloo", lambda: gloo.all_reduce(t), gloo.barrier))
+            impls.append(("gloo", "gloo", lambda: gloo.all_reduce(t), gloo.barrier, x))
         if mpi is not None:
             cw = mpi.COMM_WORLD
             impls.append(("mpi", "mpi", lambda: cw.Allreduce(mpi.IN_PLACE, x, op=mpi.SUM),
-                          cw.Barrier))
+                          cw.Barrier, x))
         measured = {}
-        for label, key, fn, barrier in impls:
-            measured[key] = _measure(args, fn, barrier, reduce_max, x, label != "memcpy",
+        for label, key, fn, barrier, data in impls:
+            measured[key] = _measure(args, fn, barrier, reduce_max, data, label != "memcpy",
                                      rank, n, nbytes, gs)
-        for alg in algorithms:
+        if "shared" in xs:
+            world.shm_group.release(xs["shared"].ctypes.data)
+        for alg, buf in runs:
             row = {"size": nbytes, "count": count, "dtype": dtype.name, "requested": alg,
                    "algorithm": choose_allreduce(nbytes, n, alg, world.config,
                                                  world.shm_group is not None, world.topology),
-                   "transport": world.config.transport, "ranks": n,
+                   "buffer": buf, "transport": world.config.transport, "ranks": n,
                    "shm_road": _shm_road(world),
-                   "gradsync": measured[alg], "memcpy": measured["memcpy"]}
+                   "gradsync": measured[alg, buf], "memcpy": measured["memcpy"]}
             if peer is not None:
                 row["peer"] = peer
                 row[peer] = measured[peer]
                 row["ratio"] = row["gradsync"]["busbw"] / row[peer]["busbw"]
-            if len(algorithms) > 1:
-                row["speedup_vs_first"] = measured[algorithms[0]]["time_us"] / \
-                    measured[alg]["time_us"]
+            if len(runs) > 1:
+                row["speedup_vs_first"] = measured[runs[0]]["time_us"] / \
+                    measured[alg, buf]["time_us"]
             rows.append(row)
             if rank == 0:
                 _print_row(row, header=len(rows) == 1, compare=peer is not None,
-                           several=len(algorithms) > 1)
+                           several=len(runs) > 1, shared="shared" in buffers)
         size *= args.factor
     if args.profile:
         _profile(lambda: gs.allreduce_(x, op=gs.Sum, name="bench", algorithm=algorithms[0]),
@@ -274,10 +291,12 @@ def _profile(fn, barrier, rank: int, iters: int = 20) -> None:
 
 
 def _alg_label(row: dict) -> str:
-    """``auto:ring`` for the planner's choice, else the algorithm's name."""
-    if row.get("requested", row["algorithm"]) == row["algorithm"]:
-        return row["algorithm"]
-    return f"{row['requested']}:{row['algorithm']}"
+    """``auto:ring`` for the planner's choice, else the algorithm's name; ``+shared`` on a
+    shared buffer."""
+    label = row["algorithm"]
+    if row.get("requested", label) != label:
+        label = f"{row['requested']}:{label}"
+    return label + ("+shared" if row.get("buffer") == "shared" else "")
 
 
 def _shm_road(world) -> str:
@@ -286,7 +305,8 @@ def _shm_road(world) -> str:
     return "none" if group is None else "compiled" if group.fast else "python"
 
 
-def _print_row(row: dict, header: bool, compare: bool, several: bool = False) -> None:
+def _print_row(row: dict, header: bool, compare: bool, several: bool = False,
+               shared: bool = False) -> None:
     if header:
         cols = f"{'size(B)':>12} {'count':>11} {'type':>8} {'algorithm':>22} {'time(us)':>10} " \
                f"{'algbw':>7} {'busbw':>7} {'#wrong':>6} {'memcpy(us)':>10}"
@@ -299,7 +319,8 @@ def _print_row(row: dict, header: bool, compare: bool, several: bool = False) ->
               f"op=sum; busbw = algbw*2(n-1)/n "
               f"(GB/s); time = median over iterations of the slowest rank"
               + ("; speedup = time of the first algorithm listed / this one's" if several
-                 else ""), flush=True)
+                 else "") + ("; +shared = on shared buffers (--buffer)" if shared else ""),
+              flush=True)
         print(cols, flush=True)
     g = row["gradsync"]
     line = f"{row['size']:>12} {row['count']:>11} {row['dtype']:>8} {_alg_label(row):>22} " \
