@@ -56,10 +56,10 @@ rank i folds sub-slice i of every rank's buffer into its own, in the fold order 
 writes the result into the others' buffers; once every rank has published ``reduced``, every
 buffer holds the result and the allreduce returns. Between the two synchronisations
 sub-slice i of every buffer is read and written by rank i only, and no rank touches its
-buffer before the first or after the second, so nothing races. Per rank and per byte that is
-one read and one write, against about 4.5 passes through the slots for n = 2 (the copy-in and
-the copy-out are gone). DistributedOptimizer's buckets are shared buffers
-(``gradsync/torch/buckets.py``).
+buffer before the first or after the second, so nothing races. For n = 2, counting reads and
+writes, each byte of data costs a rank 2.5 bytes of memory traffic this way and 4.5 through
+the slots: the copy-in, the publish copy and the copy-out are gone. DistributedOptimizer's
+buckets are shared buffers (``gradsync/torch/buckets.py``).
 
 Why two slots suffice. Every read of a parity-p buffer for piece k (another rank reading my
 slot in step 2 or 3 of piece k) happens before that reader publishes arrived = k+1, because

@@ -168,7 +168,7 @@ class Bucket:
         slots: the optimizer's slot number of each member (indexes its per-slot state).
         names: each member's name (from ``named_parameters``).
         pairs: ``(param, view)`` for each member; ``view`` has the parameter's shape.
-        buffer: the gradients, back to back.
+        buffer: the gradients, back to back (a shared buffer on one host; see above).
         name: the collective's name, the same on every rank.
         pending: members whose gradient is not in the buffer yet this round.
         handle, wire, ctx: the allreduce in flight and the compressed tensor it works on.
