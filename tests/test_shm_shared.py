@@ -165,8 +165,13 @@ def _released(ctx: Rank):
     for d in kept[1:]:
         group.release(d.ctypes.data)
     still_open = [fd for fd, target in fds.items() if _target(fd) == target]
+    group.barrier(deadline)  # every rank has released all of its buffers
+    fresh = group.shared_buffer(4096).view(np.int64)
+    fresh[...] = 1
+    group.allreduce(fresh, make_reducer(Sum, fresh.dtype), deadline)
+    left = len(group._mapped)  # the released buffers' mappings are gone; the new one stays
     group.barrier(deadline)
-    return sums, mapped, after, int(first[0]), len(fds), still_open
+    return sums, mapped, after, int(first[0]), len(fds), still_open, left, int(fresh[0])
 
 
 def _target(fd: int) -> "str | None":
@@ -177,14 +182,15 @@ def _target(fd: int) -> "str | None":
 
 
 @pytest.mark.multiprocess
-def test_released_buffers_close_and_peers_keep_a_bounded_number_mapped():
+def test_released_buffers_close_and_peers_drop_them_and_keep_a_bounded_number():
     results = _launch(2, _released)
     for rank in (0, 1):
-        sums, mapped, shared_after, first, fds, still_open = results[rank]
+        sums, mapped, shared_after, first, fds, still_open, left, fresh = results[rank]
         assert sums == [1 + 2 * i for i in range(shm._MAPPED_KEPT + 4)]
         assert mapped == shm._MAPPED_KEPT  # one peer
         assert shared_after is False and first == 2 * 1
         assert fds == shm._MAPPED_KEPT + 4 and still_open == []  # released: closed
+        assert left == 1 and fresh == 2
 
 
 def test_a_peer_buffer_that_is_not_the_one_published_is_refused():

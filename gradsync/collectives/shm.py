@@ -259,11 +259,12 @@ class ShmGroup:
                                            int(YIELD_FOR * 1e9), int(_CHECK_EVERY * 1e9))
             self._fast_call, self._fast_fold = module.call, module.fold
         self.fast = self._fast_group is not None
-        # This rank's shared buffers (``shared_buffer``) by the address of their first byte,
-        # and the other ranks' buffers mapped here, by (local rank, pid, serial), oldest first.
+        # This rank's shared buffers (``shared_buffer``) by the address of their first byte:
+        # (descriptor, serial, bytes); and the other ranks' buffers mapped here, by (local
+        # rank, pid, serial), least recently used first: (their descriptor, the mapping).
         self._shared: dict[int, tuple[int, int, int]] = {}
-        self._mapped: "collections.OrderedDict[tuple[int, int, int], np.ndarray]" = \
-            collections.OrderedDict()
+        self._mapped: "collections.OrderedDict[tuple[int, int, int], tuple[int, np.ndarray]]" \
+            = collections.OrderedDict()
 
     @classmethod
     def open(cls, job: str, local_rank: int, local_size: int, barrier: Callable[[], None],
@@ -408,8 +409,8 @@ class ShmGroup:
 
     def release(self, address: int) -> None:
         """Forgets the shared buffer whose first byte is at ``address`` (no-op for any other
-        address): its memory goes once no array of it is left here, and the other ranks
-        have dropped their mappings (they keep the latest few)."""
+        address): its memory goes once no array of it is left here and the other ranks have
+        dropped their mappings, which they do when they next map a buffer of this rank's."""
         shared = self._shared.pop(address, None)
         if shared is not None:
             os.close(shared[0])
@@ -513,14 +514,20 @@ class ShmGroup:
         c, line = self._ctl, self._lines[r]
         pid, fd, serial = c[line + _PID], c[line + _SHARED_FD], c[line + _SHARED_SERIAL]
         key = (r, pid, serial)
-        view = self._mapped.get(key)
-        if view is None:
-            view = _map_peer_buffer(pid, fd, serial, self.ranks[r])
-            self._mapped[key] = view
+        entry = self._mapped.get(key)
+        if entry is None:
+            # A new buffer of r's: first drop the mappings of those r has released (their
+            # memory lives as long as a mapping does), then keep at most _MAPPED_KEPT a rank.
+            for old in [k for k in self._mapped if k[0] == r]:
+                if not _published(old[1], self._mapped[old][0], old[2]):
+                    del self._mapped[old]
+            entry = (fd, _map_peer_buffer(pid, fd, serial, self.ranks[r]))
+            self._mapped[key] = entry
             if len(self._mapped) > _MAPPED_KEPT * (self.size - 1):
                 self._mapped.popitem(last=False)
         else:
             self._mapped.move_to_end(key)
+        view = entry[1]
         if view.nbytes < nbytes:
             raise CollectiveMismatchError(
                 f"rank {self.ranks[r]}'s shared buffer has {view.nbytes} bytes, fewer than the "
@@ -773,6 +780,15 @@ class ShmGroup:
     def _fail(self, exc: BaseException) -> None:
         self._failed = exc
         self._ctl[self._mine + _CLOSED] = 1
+
+
+def _published(pid: int, fd: int, serial: int) -> bool:
+    """Whether process ``pid`` still holds shared buffer #``serial`` as descriptor ``fd``."""
+    try:
+        return os.readlink(f"/proc/{pid}/fd/{fd}").split(" ")[0] == \
+            f"/memfd:gradsync-shared{serial}"
+    except OSError:
+        return False
 
 
 def _map_peer_buffer(pid: int, fd: int, serial: int, rank: int) -> np.ndarray:
