@@ -220,6 +220,22 @@ for comp in (hvd.Compression.fp16, hvd.Compression.bf16):
           tol=dict(rtol=1e-2, atol=1e-3))
 print(f"rank {R}: groups and compression ok", flush=True)
 
+# --- by default a bucket is a shared buffer when it is larger than 32 KiB and reduced as it is
+torch.manual_seed(0)
+wide = torch.nn.Sequential(torch.nn.Linear(IN, 1024), torch.nn.Linear(1024, 1)).double()
+for kwargs, want in (({}, True), (dict(compression=hvd.Compression.fp16), False)):
+    opt = hvd.DistributedOptimizer(sgd(wide), named_parameters=wide.named_parameters(), **kwargs)
+    if shared_buckets(opt) != want or not opt._gs_buckets[0].buffer.numel() * 8 > 32 << 10:
+        fail(f"a {sum(p.numel() for p in wide.parameters()) * 8}-byte bucket with {kwargs} "
+             f"should {'' if want else 'not '}be a shared buffer")
+    wide.zero_grad()
+    x, y = batch(0)
+    F.mse_loss(wide(mine(x)), mine(y)[:, :1]).backward()
+    opt.step()
+    same_everywhere(wide, f"wide model, {kwargs}")
+del opt
+print(f"rank {R}: default shared buckets ok", flush=True)
+
 
 # --- mixed precision, Horovod's pattern: bf16 autocast, GradScaler, clipping between
 #     synchronize() and a step inside skip_synchronize(); step 1 has an inf on rank 0 only
