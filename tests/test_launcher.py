@@ -419,6 +419,21 @@ def test_servers_left_running_after_every_worker_ended_are_stopped(monkeypatch):
     assert b"stopped 1 rank" in err.getvalue()
 
 
+@pytest.mark.parametrize("preset, expected", [
+    ({}, ("33554432", "1073741824")),
+    ({"MALLOC_TRIM_THRESHOLD_": "131072"}, ("unset", "131072")),
+    ({"GLIBC_TUNABLES": "glibc.malloc.check=0"}, ("unset", "unset"))])
+def test_ranks_keep_freed_memory_unless_malloc_is_configured(preset, expected):
+    cmd = rank_code("print('malloc', os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset'), "
+                    "os.environ.get('MALLOC_TRIM_THRESHOLD_', 'unset'))")
+    env = {k: v for k, v in _env().items() if not k.startswith("MALLOC_")
+           and k != "GLIBC_TUNABLES"}
+    proc = subprocess.run([sys.executable, "-m", "gradsync", "run", "-np", "2", *cmd], cwd=ROOT,
+                          env={**env, **preset}, capture_output=True, text=True, timeout=DEADLINE)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("malloc {} {}".format(*expected)) == 2, proc.stdout
+
+
 @pytest.mark.parametrize("np_, preset, expected", [(2, None, "1"), (1, None, "unset"),
                                                    (2, "3", "3")])
 def test_ranks_sharing_a_host_get_one_openmp_thread_unless_told(np_, preset, expected):

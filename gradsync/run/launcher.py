@@ -137,6 +137,19 @@ def place(hosts: Sequence[Host], num_proc: int) -> list[Slot]:
     return slots
 
 
+# What every rank gets unless the environment sets glibc's malloc itself. By default glibc
+# gives the top of the heap back to the kernel once more than a moving threshold is free, and
+# serves blocks above another moving threshold with mmap; a training step that frees and
+# allocates megabytes of gradients can then take every page back in again at each step. For
+# the MLP of ``gradsync bench train``, in some runs and not others: about 2000 minor page
+# faults and 4-5 ms a step (docs/benchmarks.md, "Freed memory kept for reuse"). So freed memory
+# stays in the process for reuse, as the jemalloc and tcmalloc settings recommended for
+# PyTorch on CPU keep it.
+KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+                     "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+_MALLOC_SETTINGS = ("MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_", "GLIBC_TUNABLES")
+
+
 @dataclass(frozen=True, kw_only=True)
 class LaunchSpec:
     """What to launch and how; ``gradsync run``'s options fill these fields."""
@@ -469,6 +482,8 @@ class _Job:
             # thread per core and fight over the cores (a server's small matrix product
             # running 3x slower beside its workers on 2 cores was measured).
             settings["OMP_NUM_THREADS"] = "1"
+        if not any(name in os.environ for name in (*KEEP_FREED_MEMORY, *_MALLOC_SETTINGS)):
+            settings.update(KEEP_FREED_MEMORY)
         if self.spec.start_timeout is not None:
             settings[ENV_PREFIX + "CONNECT_TIMEOUT"] = str(self.spec.start_timeout)
         return settings
