@@ -1,12 +1,15 @@
 """What a training step pays for synchronising, separated (issue 12, docs/benchmarks.md).
 
 Run as ``gradsync run -np 2 python3 scripts/train_costs.py``. The MLP of ``gradsync bench
-train`` (batch 32, SGD with momentum, one thread per rank), five modes taking turns over 5
+train`` (batch 32, SGD with momentum, one thread per rank), six modes taking turns over 5
 windows of 10 steps, each window timed on the slowest rank:
 
 - ``local``: no communication;
 - ``barrier``: a barrier after each step (the cost of synchronising alone);
 - ``tiny``: a 4-byte allreduce after each step;
+- ``views``: the gradients are views of one flat buffer, zeroed in place before each step
+  (DistributedOptimizer's default ``zero_grad()``), and nothing is communicated: what the
+  bucket views alone cost;
 - ``inline``: the gradients are views of one flat buffer, allreduced (Average) on the caller
   thread right after backward (``gs.allreduce_``: no negotiation thread);
 - ``controller``: ``gradsync.torch.DistributedOptimizer`` (its negotiation thread).
@@ -65,6 +68,11 @@ def main() -> None:
         local()
         gs.allreduce_(small, name="tiny")
 
+    def views():
+        flat.zero_()
+        F.cross_entropy(m2(x), y).backward()
+        o2.step()
+
     def inline():
         flat.zero_()
         F.cross_entropy(m2(x), y).backward()
@@ -76,8 +84,8 @@ def main() -> None:
         F.cross_entropy(m3(x), y).backward()
         o3.step()
 
-    modes = {"local": local, "barrier": barrier, "tiny": tiny, "inline": inline,
-             "controller": controller}
+    modes = {"local": local, "barrier": barrier, "tiny": tiny, "views": views,
+             "inline": inline, "controller": controller}
     for step in modes.values():
         for _ in range(3):
             step()
