@@ -316,12 +316,16 @@ def _group_rank_killed(ctx: Rank):
                    time.monotonic() + 20)
 
 
-def test_group_killed_rank_raises_peer_lost_on_the_others():
-    results = _launch(3, _group_rank_killed, expect=2)
+def assert_rank_2_lost(results: dict) -> None:
+    """Ranks 0 and 1 raised PeerLostError naming local rank 2 within 3 s (``_raises``)."""
     for rank in (0, 1):
         name, message, seconds = results[rank]
         assert name == "PeerLostError" and "local rank 2 (rank 2)" in message, message
         assert seconds < 3.0
+
+
+def test_group_killed_rank_raises_peer_lost_on_the_others():
+    assert_rank_2_lost(_launch(3, _group_rank_killed, expect=2))
 
 
 def _group_silent_peer(ctx: Rank):
