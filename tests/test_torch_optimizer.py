@@ -33,6 +33,14 @@ def test_plan_buckets_per_dtype_and_caps():
     assert plan_buckets([], [], 10) == []
 
 
+def test_choose_shared_takes_the_largest_buckets_above_the_limit():
+    from gradsync.torch.buckets import choose_shared
+
+    assert choose_shared([10, 50, 40, 50, 5], above=8, most=2) == {1, 3}  # ties: lower index
+    assert choose_shared([10, 50, 40, 50, 5], above=8, most=9) == {0, 1, 2, 3}
+    assert choose_shared([10, 50], above=50) == set() and choose_shared([], above=0) == set()
+
+
 def test_split_evenly():
     assert split_evenly(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
     assert split_evenly([1, 2], 4) == [[1], [2]]

@@ -165,9 +165,10 @@ _FAST_CODES = {(op, dtype): code << 4 | t for op, code in _FAST_OPS.items()
                for dtype, t in _FAST_DTYPES.items()}
 _FAST_DONE, _FAST_WAITING, _FAST_MISMATCH = 0, 1, 2
 # Shared buffers: serial numbers, unique in this process, and how many of each other rank's
-# buffers stay mapped (an optimizer has a few; a dropped mapping is made again when needed).
+# buffers stay mapped (a DistributedOptimizer shares at most 16: torch/buckets.py,
+# SHARED_MAX; a dropped mapping is made again when needed).
 _serials = itertools.count(1)
-_MAPPED_KEPT = 16
+_MAPPED_KEPT = 32
 
 
 def _control_bytes(local_size: int) -> int:

@@ -24,7 +24,8 @@ w2 (768 B), b2 (16 B): reversed, b2 opens bucket 0 (16 B), w2 joins it (784 B), 
 The buffer. A bucket owns one flat tensor, allocated once, and a view of it per parameter.
 On one host, a buffer larger than the shared-memory group's one-step road is a *shared
 buffer* (``ShmGroup.shared_buffer``) that the other local ranks map, and the allreduce folds
-and writes the ranks' buffers where they are, without staging copies.
+and writes the ranks' buffers where they are, without staging copies (at most ``SHARED_MAX``
+buffers of an optimizer, its largest: ``choose_shared``).
 The allreduce runs in place on the buffer, and afterwards each ``param.grad`` *is* its view.
 ``DistributedOptimizer.zero_grad()`` keeps it so (zeroing the buffer in place), so backward
 accumulates straight into the bucket and nothing is copied (DDP's ``gradient_as_bucket_view``).
@@ -48,13 +49,25 @@ from ..errors import CollectiveMismatchError
 if TYPE_CHECKING:
     from ..collectives.shm import ShmGroup
 
-__all__ = ["Bucket", "assign_buckets", "check_layout", "plan_buckets", "split_evenly",
-           "fusion_threshold"]
+__all__ = ["Bucket", "assign_buckets", "check_layout", "choose_shared", "plan_buckets",
+           "split_evenly", "fusion_threshold"]
 
 
 # Buckets of more bytes than this are shared buffers (on one host); None: more than the shm
 # group's one-step road takes (smaller ones are faster on that road). Tests set 0.
 SHARED_ABOVE: "int | None" = None
+# At most this many of an optimizer's buckets are shared buffers, its largest: each holds
+# descriptors here and a mapping in every other local rank, which keeps a bounded number of
+# them (``collectives/shm.py``, ``_MAPPED_KEPT``); a model cut into hundreds of buckets (a
+# fusion threshold near 0) would otherwise have them mapped again at every step.
+SHARED_MAX = 16
+
+
+def choose_shared(nbytes: Sequence[int], above: int, most: int = SHARED_MAX) -> set[int]:
+    """Which buckets are shared buffers: the ``most`` largest of those of more than ``above``
+    bytes (the lower index first among equals), the same on every rank."""
+    eligible = sorted((i for i, n in enumerate(nbytes) if n > above), key=lambda i: (-nbytes[i], i))
+    return set(eligible[:most])
 
 
 def fusion_threshold() -> int:
@@ -182,12 +195,9 @@ class Bucket:
         total = sum(numels)
         dtype = params[0].dtype
         nbytes = total * params[0].element_size()
-        # Larger than the one-step road's limit, the buffer is shared with the host's other
-        # ranks (``ShmGroup.shared_buffer``): the allreduce then reads and writes it in place.
-        raw = None
-        if group is not None and nbytes > (group.small_bytes if SHARED_ABOVE is None
-                                           else SHARED_ABOVE):
-            raw = group.shared_buffer(nbytes)
+        # With a group (``choose_shared``), the buffer is shared with the host's other ranks
+        # (``ShmGroup.shared_buffer``): the allreduce then reads and writes it in place.
+        raw = group.shared_buffer(nbytes) if group is not None and nbytes else None
         if raw is None:
             self.buffer = torch.zeros(total, dtype=dtype)
         else:

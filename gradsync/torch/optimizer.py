@@ -55,7 +55,8 @@ import torch
 
 from ..collectives.ops import Average, ReduceOp, Sum
 from . import adasum_optimizer
-from .buckets import Bucket, assign_buckets, check_layout
+from . import buckets as _buckets
+from .buckets import Bucket, assign_buckets, check_layout, choose_shared
 from .compression import Compression, Compressor
 from .grouped import sparse_allreduce_async
 from . import process_sets as _psets
@@ -139,11 +140,18 @@ class _DistributedOptimizer:
             group = None
             if self._gs_compression is Compression.none and self.op is not Adasum:
                 group = _psets.controller(self._gs_process_set).world.shm_group
-            for k, members in enumerate(assign_buckets(params, self._gs_groups)):
+            plan = assign_buckets(params, self._gs_groups)
+            shared: set[int] = set()
+            if group is not None:
+                shared = choose_shared(
+                    [sum(params[i].numel() * params[i].element_size() for i in members)
+                     for members in plan],
+                    group.small_bytes if _buckets.SHARED_ABOVE is None else _buckets.SHARED_ABOVE)
+            for k, members in enumerate(plan):
                 first = len(self._gs_slot_param)
                 bucket = Bucket(k, list(range(first, first + len(members))),
                                 [params[i] for i in members], [names[i] for i in members],
-                                group)
+                                group if k in shared else None)
                 self._gs_buckets.append(bucket)
                 for param, view in bucket.pairs:
                     self._gs_slot_param.append(param)
