@@ -333,8 +333,8 @@ class ShmGroup:
         flat = self._flat(data, writable=True)
         if self.size == 1:
             return
-        shared = self._shared.get(flat.ctypes.data) if self._shared and flat.size else None
-        if shared is not None and flat.nbytes <= shared[2]:
+        shared = self._shared_of(flat)
+        if shared is not None:
             with self._guard():
                 self._allreduce_shared(flat, shared, reducer, finish, deadline, on_idle,
                                        signature)
@@ -389,7 +389,7 @@ class ShmGroup:
         if self.size == 1 or not hasattr(os, "memfd_create") or self._segment is None:
             return None
         serial = next(_serials)
-        fd = os.memfd_create(f"gradsync-shared{serial}", os.MFD_CLOEXEC)
+        fd = os.memfd_create(_memfd_name(serial), os.MFD_CLOEXEC)
         try:
             if not os.path.exists(f"/proc/{os.getpid()}/fd/{fd}"):  # no /proc: none can map it
                 os.close(fd)
@@ -405,8 +405,15 @@ class ShmGroup:
 
     def is_shared(self, data: np.ndarray) -> bool:
         """Whether an allreduce of ``data`` takes the shared road (see ``shared_buffer``)."""
-        shared = self._shared.get(data.ctypes.data) if data.size else None
-        return shared is not None and data.nbytes <= shared[2]
+        return self._shared_of(data) is not None
+
+    def _shared_of(self, data: np.ndarray) -> "tuple[int, int, int] | None":
+        """The shared buffer ``data`` starts and fits in, or None (without looking up the
+        address, which costs a microsecond, while this rank has none)."""
+        if not self._shared or not data.size:
+            return None
+        shared = self._shared.get(data.ctypes.data)
+        return shared if shared is not None and data.nbytes <= shared[2] else None
 
     def release(self, address: int) -> None:
         """Forgets the shared buffer whose first byte is at ``address`` (no-op for any other
@@ -490,10 +497,8 @@ class ShmGroup:
         c = self._ctl
         c[self._mine + _SHARED_FD], c[self._mine + _SHARED_SERIAL] = shared[0], shared[1]
         self._arrive(seq, _ALLREDUCE_SHARED, flat.nbytes, signature, deadline, on_idle)
-        views = [flat if r == self.rank else self._peer_buffer(r, flat.nbytes)
+        views = [flat if r == self.rank else self._peer_buffer(r, flat.nbytes).view(flat.dtype)
                  for r in range(self.size)]
-        if flat.dtype != np.uint8:
-            views = [v if r == self.rank else v.view(flat.dtype) for r, v in enumerate(views)]
         bounds = self._split(flat.size, max(1, CACHE_LINE // flat.itemsize))
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         step = self.slot_bytes // flat.itemsize  # a piece stays in cache while it is copied
@@ -783,11 +788,21 @@ class ShmGroup:
         self._ctl[self._mine + _CLOSED] = 1
 
 
+def _memfd_name(serial: int) -> str:
+    """The name of shared buffer #``serial``: serials are never reused, so the name tells a
+    buffer from another that got its descriptor number after it was closed."""
+    return f"gradsync-shared{serial}"
+
+
+def _names(target: str, serial: int) -> bool:
+    """Whether ``target``, a descriptor's link in /proc, is shared buffer #``serial``."""
+    return target.split(" ")[0] == "/memfd:" + _memfd_name(serial)
+
+
 def _published(pid: int, fd: int, serial: int) -> bool:
     """Whether process ``pid`` still holds shared buffer #``serial`` as descriptor ``fd``."""
     try:
-        return os.readlink(f"/proc/{pid}/fd/{fd}").split(" ")[0] == \
-            f"/memfd:gradsync-shared{serial}"
+        return _names(os.readlink(f"/proc/{pid}/fd/{fd}"), serial)
     except OSError:
         return False
 
@@ -802,8 +817,7 @@ def _map_peer_buffer(pid: int, fd: int, serial: int, rank: int) -> np.ndarray:
         raise GradsyncError(f"cannot map rank {rank}'s shared buffer {path}: {exc} (shared "
                             "buffers need /proc, and the local ranks run as one user)") from exc
     try:
-        # The name tells a reused descriptor from the buffer it was: serials are never reused.
-        if target.split(" ")[0] != f"/memfd:gradsync-shared{serial}":
+        if not _names(target, serial):
             raise GradsyncError(f"rank {rank}'s descriptor {fd} is {target!r}, not its shared "
                                 f"buffer #{serial}")
         mapping = mmap.mmap(peer, os.fstat(peer).st_size)
