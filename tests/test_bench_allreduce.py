@@ -1,6 +1,7 @@
 """``gradsync bench allreduce`` end to end: the table, the JSON rows, the gloo and Open MPI peers."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -28,6 +29,25 @@ def test_bench_allreduce_checks_results_and_measures_gloo_beside(tmp_path):
         assert r["algorithm"] == ("ring" if r["requested"] == "ring" else "shm")
     table = [line for line in proc.stdout.splitlines() if line.startswith("[0]<stdout>:  ")]
     assert len(table) == 1 + len(rows)  # the column header, then a line per row
+
+
+def test_bench_allreduce_times_the_ring_exchange_over_tcp(tmp_path):
+    # --exchange: each of 3 ranks sends 2 (n - 1) / n of the vector to the next over plain
+    # sockets, in segments; every byte must arrive from the previous rank (#wrong counts those
+    # that did not).
+    out = tmp_path / "rows.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradsync", "bench", "allreduce", "-np", "3", "--sizes",
+         "3K:3M", "--factor", "1024", "--seconds", "0.05", "--exchange", "--json", str(out)],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "GRADSYNC_TRANSPORT": "tcp", "GRADSYNC_CHUNK_BYTES": "256K"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())
+    assert [r["size"] for r in rows] == [3072, 3 << 20]
+    for r in rows:
+        assert r["transport"] == "tcp" and r["gradsync"]["wrong"] == 0
+        assert r["exchange"]["wrong"] == 0 and r["exchange"]["time_us"] > 0
+    assert "exchange(us)" in proc.stdout
 
 
 def test_bench_allreduce_measures_open_mpi_beside(tmp_path):

@@ -14,7 +14,12 @@ and broadcast so that all ranks agree. After timing, one allreduce of known inpu
 The timed buffer holds zeros, so that repeated in-place sums stay finite (ones would double
 every iteration and overflow to inf after about 128 of them). The ``memcpy`` column is the
 floor: one process copying the same number of bytes (``np.copyto``), measured on every rank
-at the same moment, so under the same load.
+at the same moment, so under the same load. With ``--exchange``, the ``exchange`` column is
+the ring's transfers alone: every rank sends the bytes a bandwidth-optimal allreduce sends,
+2 (n - 1) / n of the vector, to the next rank over a plain TCP socket while it receives as many
+from the previous one, one segment of ``chunk_bytes`` each way at a time as the ring does, with
+no reduction (``RingExchange``): what is left of an allreduce's time beyond it is its folds
+and its own overhead.
 
     algbw = size / time            busbw = algbw * 2 (n - 1) / n
 
@@ -30,6 +35,7 @@ import os
 import shutil
 import socket
 import statistics
+import select
 import subprocess
 import sys
 import time
@@ -78,6 +84,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", choices=["gloo", "mpi", "none"], default="none",
                    help="also measure this peer in the same run: torch.distributed's gloo, "
                         "or Open MPI through mpi4py (the ranks then start under mpirun)")
+    p.add_argument("--exchange", action="store_true",
+                   help="also time the ring's transfers alone: the bytes a bandwidth-optimal "
+                        "allreduce sends, over plain TCP sockets between the ranks, in "
+                        "segments of chunk_bytes, with no reduction")
     p.add_argument("--seconds", type=float, default=0.5, help="target timed seconds per size")
     p.add_argument("--max-iters", type=int, default=1000)
     p.add_argument("--warmup", type=int, default=3)
@@ -137,6 +147,75 @@ def drive(run: list[str], args, rest: list[str], workers: int, servers: "int | N
     return subprocess.call(mpirun_command(workers, rest, port))
 
 
+class RingExchange:
+    """Every rank streams ``2 (n - 1) / n`` of a vector's bytes to the next rank while it
+    receives as many from the previous one, over one plain TCP socket each way (4 MiB socket
+    buffers and ``TCP_NODELAY``, as gradsync's own), one segment of ``segment`` bytes each way at
+    a time, one thread moving both: the ring allreduce's transfers without its reductions
+    (``--exchange``). Setting it up is a collective: every rank must construct it together."""
+
+    def __init__(self, world, gs, segment: int):
+        n, me = world.size, world.rank
+        self.segment = segment
+        server = socket.create_server((world.peers[me].addr, 0))
+        ports = gs.allgather_object(server.getsockname()[1], name="bench.exchange")
+        after = world.peers[(me + 1) % n]
+        self._out = socket.create_connection((after.addr, ports[after.rank]))
+        self._in, _ = server.accept()
+        server.close()
+        for sock in (self._out, self._in):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            sock.setblocking(False)
+
+    @staticmethod
+    def buffers(nbytes: int, rank: int, n: int) -> "tuple[np.ndarray, np.ndarray]":
+        """What each rank sends (bytes of ``rank % 251 + 1``) and receives for an allreduce
+        of ``nbytes``."""
+        volume = 2 * (n - 1) * nbytes // n
+        return np.full(volume, rank % 251 + 1, np.uint8), np.zeros(volume, np.uint8)
+
+    def wrong(self, send: np.ndarray, receive: np.ndarray, rank: int, n: int) -> int:
+        """One more exchange, into zeros: the bytes not received as the previous rank sent
+        them."""
+        receive[:] = 0
+        self(send, receive)
+        return int(np.count_nonzero(receive != (rank - 1) % n % 251 + 1))
+
+    def __call__(self, send: np.ndarray, receive: np.ndarray) -> None:
+        out, into = memoryview(send), memoryview(receive)
+        for start in range(0, len(out), self.segment):
+            self._segment(out[start:start + self.segment], into[start:start + self.segment])
+
+    def _segment(self, out: memoryview, into: memoryview) -> None:
+        sent = got = 0
+        while sent < len(out) or got < len(into):
+            moved = False
+            if sent < len(out):
+                try:
+                    sent += self._out.send(out[sent:])
+                    moved = True
+                except BlockingIOError:
+                    pass
+            if got < len(into):
+                try:
+                    k = self._in.recv_into(into[got:])
+                except BlockingIOError:
+                    k = -1
+                if k == 0:
+                    raise ConnectionError("the previous rank closed its exchange socket")
+                if k > 0:
+                    got, moved = got + k, True
+            if not moved:
+                select.select([self._in] if got < len(into) else [],
+                              [self._out] if sent < len(out) else [], [], 1.0)
+
+    def close(self) -> None:
+        self._out.close()
+        self._in.close()
+
+
 def _timed(fn, barrier, iters: int, reduce_max) -> list[float]:
     samples = np.empty(iters)
     for i in range(iters):
@@ -177,6 +256,8 @@ def run(args) -> list[dict]:
     lo, hi = (parse_size(s) for s in args.sizes.split(":"))
     dtype = np.dtype(args.dtype)
     reduce_max = lambda a: gs.allreduce(a, op=gs.Max, name="bench.samples")  # noqa: E731
+    exchange = (RingExchange(world, gs, world.config.chunk_bytes) if args.exchange and n > 1
+                else None)
     rows = []
     size = lo
     algorithms = args.algorithm.split(",")
@@ -196,6 +277,10 @@ def run(args) -> list[dict]:
             xs["shared"] = raw.view(dtype)
         copy_src = np.zeros_like(x)
         impls = [("memcpy", "memcpy", lambda: np.copyto(x, copy_src), gs.barrier, x)]
+        if exchange is not None:
+            sent, received = exchange.buffers(nbytes, rank, n)
+            impls.append(("exchange", "exchange", lambda: exchange(sent, received), gs.barrier,
+                          x))
         for alg, buf in runs:
             impls.append(("gradsync", (alg, buf), lambda alg=alg, xb=xs[buf]: gs.allreduce_(
                 xb, op=gs.Sum, name="bench", algorithm=alg), gs.barrier, xs[buf]))
@@ -208,8 +293,12 @@ def run(args) -> list[dict]:
                           cw.Barrier, x))
         measured = {}
         for label, key, fn, barrier, data in impls:
-            measured[key] = _measure(args, fn, barrier, reduce_max, data, label != "memcpy",
-                                     rank, n, nbytes, gs)
+            measured[key] = _measure(args, fn, barrier, reduce_max, data,
+                                     label not in ("memcpy", "exchange"), rank, n, nbytes, gs)
+        if exchange is not None:
+            measured["exchange"]["wrong"] = int(gs.allreduce(
+                np.array([exchange.wrong(sent, received, rank, n)]), op=gs.Sum,
+                name="bench.exchange.wrong")[0])
         if "shared" in xs:
             world.shm_group.release(xs["shared"].ctypes.data)
         for alg, buf in runs:
@@ -219,6 +308,8 @@ def run(args) -> list[dict]:
                    "buffer": buf, "transport": world.config.transport, "ranks": n,
                    "shm_road": _shm_road(world),
                    "gradsync": measured[alg, buf], "memcpy": measured["memcpy"]}
+            if exchange is not None:
+                row["exchange"] = measured["exchange"]
             if peer is not None:
                 row["peer"] = peer
                 row[peer] = measured[peer]
@@ -237,6 +328,8 @@ def run(args) -> list[dict]:
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if exchange is not None:
+        exchange.close()
     if gloo is not None:
         gloo.destroy_process_group()
     gs.shutdown()
@@ -310,6 +403,8 @@ def _print_row(row: dict, header: bool, compare: bool, several: bool = False,
     if header:
         cols = f"{'size(B)':>12} {'count':>11} {'type':>8} {'algorithm':>22} {'time(us)':>10} " \
                f"{'algbw':>7} {'busbw':>7} {'#wrong':>6} {'memcpy(us)':>10}"
+        if "exchange" in row:
+            cols += f" {'exchange(us)':>12}"
         if compare:
             cols += f" | {row['peer'] + '(us)':>10} {'busbw':>7} {'#wrong':>6} {'ratio':>6}"
         if several:
@@ -319,13 +414,17 @@ def _print_row(row: dict, header: bool, compare: bool, several: bool = False,
               f"op=sum; busbw = algbw*2(n-1)/n "
               f"(GB/s); time = median over iterations of the slowest rank"
               + ("; speedup = time of the first algorithm listed / this one's" if several
-                 else "") + ("; +shared = on shared buffers (--buffer)" if shared else ""),
+                 else "") + ("; +shared = on shared buffers (--buffer)" if shared else "")
+              + ("; exchange = the ring's transfers alone, over plain TCP sockets, no "
+                 "reduction (--exchange)" if "exchange" in row else ""),
               flush=True)
         print(cols, flush=True)
     g = row["gradsync"]
     line = f"{row['size']:>12} {row['count']:>11} {row['dtype']:>8} {_alg_label(row):>22} " \
            f"{g['time_us']:>10.1f} {g['algbw']:>7.2f} {g['busbw']:>7.2f} {g['wrong']:>6} " \
            f"{row['memcpy']['time_us']:>10.1f}"
+    if "exchange" in row:
+        line += f" {row['exchange']['time_us']:>12.1f}"
     if compare:
         o = row[row["peer"]]
         line += f" | {o['time_us']:>10.1f} {o['busbw']:>7.2f} {o['wrong']:>6} {row['ratio']:>6.2f}"
