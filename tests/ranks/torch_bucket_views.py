@@ -16,6 +16,10 @@ gradients None):
 - ``zero_grad(set_to_none=True)`` sets every gradient to None (``p.grad is None``), the next
   round stages copies and reduces the same values, and the one after ``zero_grad()`` is back
   on the views; ``zero_grad(set_to_none=False)`` keeps the views;
+- a backward with ``create_graph=True`` (autograd then replaces the gradient with a new
+  tensor instead of adding into the view) is staged and reduced the same;
+- a parameter that is not contiguous (a transposed matrix) is bound to its view like the
+  others, and reduced the same;
 - a frozen parameter's gradient is set to None, and a sparse gradient stays sparse round after
   round (it is never bound to a dense view).
 """
@@ -114,7 +118,32 @@ for threshold in (default, 4):
             backward(w, b)
         opt.step()
         expect_values(params, passes * (N + 1) / 2, f"{tag}, after set_to_none=False")
+        # create_graph=True: autograd makes a new gradient instead of adding into the view
+        opt.zero_grad()
+        for _ in range(passes):
+            ((R + 1) * (w.sum() + b.sum())).backward(create_graph=True)
+        if N > 1 and not all(s is not None for s in opt._gs_staged):
+            fail(f"{tag}: with create_graph=True the gradients should have been staged")
+        opt.step()
+        expect_values(params, passes * (N + 1) / 2, f"{tag}, create_graph=True")
         del opt
+
+# A parameter that is not contiguous (a transposed matrix) is bound to its view like the
+# contiguous one beside it: backward adds into the view whatever the parameter's strides.
+t = torch.nn.Parameter(torch.zeros(2, 3).t())
+c = torch.nn.Parameter(torch.zeros(4))
+opt = hvd.DistributedOptimizer(torch.optim.SGD([t, c], lr=0.0),
+                               named_parameters=[("t", t), ("c", c)])
+for step in range(3):
+    opt.zero_grad()
+    if N > 1 and step > 0:
+        expect_views(opt, [t, c], f"not contiguous, step {step}, after zero_grad()")
+    ((R + 1) * (t.sum() + c.sum())).backward()
+    if N > 1 and step > 0 and any(s is not None for s in opt._gs_staged):
+        fail(f"not contiguous, step {step}: a gradient was staged")
+    opt.step()
+    expect_values([t, c], (N + 1) / 2, f"not contiguous, step {step}")
+del opt
 
 # Parameters a bucket does not reduce (frozen) keep torch's default: None after zero_grad().
 w = torch.nn.Parameter(torch.zeros(4))
