@@ -1,7 +1,7 @@
 """What a training step pays for synchronising, separated (issue 12, docs/benchmarks.md).
 
 Run as ``gradsync run -np 2 python3 scripts/train_costs.py``. The MLP of ``gradsync bench
-train`` (batch 32, SGD with momentum, one thread per rank), six modes taking turns over 5
+train`` (batch 32, SGD with momentum, one thread per rank), eight modes taking turns over 5
 windows of 10 steps, each window timed on the slowest rank:
 
 - ``local``: no communication;
@@ -12,7 +12,11 @@ windows of 10 steps, each window timed on the slowest rank:
   bucket views alone cost;
 - ``inline``: the gradients are views of one flat buffer, allreduced (Average) on the caller
   thread right after backward (``gs.allreduce_``: no negotiation thread);
-- ``controller``: ``gradsync.torch.DistributedOptimizer`` (its negotiation thread).
+- ``controller``: ``gradsync.torch.DistributedOptimizer`` (its negotiation thread);
+- ``ddp``: ``DistributedDataParallel`` (its defaults) over the torch.distributed backend
+  "gradsync";
+- ``ddp_none``: the same DDP with a comm hook that communicates nothing (every rank keeps its
+  own gradients): what DDP itself costs (its gradient copies and hooks).
 
 Prints each mode's step time and its rate over ``local``.
 """
@@ -22,6 +26,7 @@ import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -54,6 +59,15 @@ def main() -> None:
     o3 = hvd.DistributedOptimizer(torch.optim.SGD(m3.parameters(), lr=0.01, momentum=0.9),
                                   named_parameters=m3.named_parameters())
     small = torch.zeros(1)
+    world = gs.api._w()
+    dist.init_process_group("gradsync", store=dist.PrefixStore("costs", world.store._base),
+                            rank=rank, world_size=hvd.size())
+    m4, m5 = model(), model()
+    d4 = nn.parallel.DistributedDataParallel(m4)
+    o4 = torch.optim.SGD(m4.parameters(), lr=0.01, momentum=0.9)
+    d5 = nn.parallel.DistributedDataParallel(m5)
+    d5.register_comm_hook(None, keep_own)
+    o5 = torch.optim.SGD(m5.parameters(), lr=0.01, momentum=0.9)
 
     def local():
         o1.zero_grad()
@@ -84,8 +98,18 @@ def main() -> None:
         F.cross_entropy(m3(x), y).backward()
         o3.step()
 
+    def ddp():
+        o4.zero_grad()
+        F.cross_entropy(d4(x), y).backward()
+        o4.step()
+
+    def ddp_none():
+        o5.zero_grad()
+        F.cross_entropy(d5(x), y).backward()
+        o5.step()
+
     modes = {"local": local, "barrier": barrier, "tiny": tiny, "views": views,
-             "inline": inline, "controller": controller}
+             "inline": inline, "controller": controller, "ddp": ddp, "ddp_none": ddp_none}
     for step in modes.values():
         for _ in range(3):
             step()
@@ -104,7 +128,15 @@ def main() -> None:
             med = statistics.median(windows.tolist())
             print(f"{name:11s} step {med / 10 * 1e3:7.2f} ms (slowest rank)  "
                   f"rate/local {base / med:5.2f}")
+    dist.destroy_process_group()
     hvd.shutdown()
+
+
+def keep_own(state, bucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP comm hook that communicates nothing: each rank keeps its own gradients."""
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
 
 
 if __name__ == "__main__":
