@@ -60,8 +60,10 @@ class Config:
     """Pipelining unit (segment size) of the ring and tree algorithms between pairs of ranks."""
 
     tcp_splice: bool = True
-    """The ring's segments of vectors above 32 MiB go to a TCP socket by reference (vmsplice +
-    splice, Linux), saving the sender's copy; false copies them as any other send."""
+    """The ring's segments of vectors above 32 MiB may go to a TCP socket by reference
+    (vmsplice + splice, Linux), saving the sender's copy: the first such allreduces copy and lend
+    in turn and the faster way is kept (``transport/comm.py``, ``Lending``); false always copies
+    them, as any other send."""
 
     shm_slot_bytes: int = 1 << 20
     """Bytes each local rank owns in the host's shared-memory allreduce segment (per buffer)."""

@@ -5,14 +5,16 @@ real loopback TCP connections, one thread per rank, and check that ``settle`` cl
 
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from gradsync.collectives import ring
 from gradsync.collectives.ops import ReduceOp, make_reducer
+from gradsync.transport import comm as comm_module
 from gradsync.transport import splice
-from gradsync.transport.comm import LEND_MIN_BYTES, Comm
+from gradsync.transport.comm import LEND_MIN_BYTES, Comm, Lending
 from gradsync.transport.tcp import TcpPair
 
 pytestmark = pytest.mark.skipif(not splice.available(), reason="lending needs Linux vmsplice")
@@ -20,8 +22,10 @@ pytestmark = pytest.mark.skipif(not splice.available(), reason="lending needs Li
 
 @pytest.fixture(autouse=True)
 def _lend_small_vectors(monkeypatch):
-    # The ring lends only above LEND_ABOVE_BYTES (32 MiB); these tests lend megabytes.
+    # The ring lends only above LEND_ABOVE_BYTES (32 MiB); these tests lend megabytes, from
+    # the first allreduce on (no trials of copying against lending, but in the last tests).
     monkeypatch.setattr(ring, "LEND_ABOVE_BYTES", 0)
+    monkeypatch.setattr(comm_module, "LEND_TRIALS", 0)
 
 CHUNK = LEND_MIN_BYTES  # every ring segment is large enough to be lent
 SUM = make_reducer(ReduceOp.SUM, np.float64)
@@ -206,3 +210,57 @@ def test_a_failing_vmsplice_falls_back_to_copies(monkeypatch, caplog):
     for data, lends in _two_rank_sums(_mesh(2)):
         assert (data == 3.0).all() and not lends
     assert "sending copies from now on" in caplog.text
+
+
+def test_lending_alternates_its_trials_then_keeps_the_faster_way():
+    for lend_faster in (True, False):
+        choice = Lending(3)
+        tried = []
+        while choice.chosen is None:
+            lent = choice.next()
+            tried.append(lent)
+            choice.record(lent, 1.0 if lent == lend_faster else 2.0, 1 << 20)
+        assert tried == [False, True] * 3  # copying first, in turn, three of each
+        assert choice.chosen is lend_faster and choice.next() is lend_faster
+    assert Lending(0).chosen is True  # no trials: lends from the start
+
+
+class _Counting(Comm):
+    """Counts the exchanges posted with ``lend`` on, per allreduce (``begin``)."""
+
+    def begin(self, description, check=True):
+        self.lent_calls = getattr(self, "lent_calls", []) + [0]
+        super().begin(description, check)
+
+    def exchange(self, sends=(), recvs=(), lend=False):
+        self.lent_calls[-1] += bool(lend and sends)
+        return super().exchange(sends, recvs, lend)
+
+
+@pytest.mark.parametrize("lend_faster", [True, False])
+def test_the_ring_measures_lending_and_copying_and_keeps_the_faster(monkeypatch, lend_faster):
+    # Two trials of each way, the slower way made 50 ms slower, then the chosen way for the
+    # rest; every allreduce reduces right, lent or copied.
+    monkeypatch.setattr(comm_module, "LEND_TRIALS", 2)
+    allgather = ring._allgather
+
+    def slowed(comm, data, counts, chunk_bytes, lend):
+        allgather(comm, data, counts, chunk_bytes, lend)
+        if lend != lend_faster:
+            time.sleep(0.05)
+
+    monkeypatch.setattr(ring, "_allgather", slowed)
+    length = 4 * CHUNK // 8
+
+    def fn(comm):
+        data = np.empty(length, np.float64)
+        for it in range(7):
+            data[:] = comm.rank + 1.0 + it
+            comm.begin(f"allreduce {it}")
+            ring.allreduce(comm, data, SUM, CHUNK)
+            assert (data == 3.0 + 2 * it).all()
+        return comm.lent_calls, comm.lending.chosen
+
+    for lent_calls, chosen in _run(_mesh(2, comm_class=lambda r: _Counting), fn):
+        assert chosen is lend_faster
+        assert [bool(k) for k in lent_calls] == [False, True, False, True] + [lend_faster] * 3

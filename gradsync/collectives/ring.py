@@ -42,10 +42,12 @@ Rank 2 forwards B0a while B0b comes in. In the reduce-scatter a segment lands in
 segment (slot 0) and the reducer folds it into the block; in the allgather it is final, so it
 lands directly in ``data``. Traffic per rank: ``(n-1)/n`` of the data each way per phase.
 
-Lending. Above ``LEND_ABOVE_BYTES`` every segment goes out lent (``Comm.exchange(lend=True)``):
-over TCP its pages go to the socket by reference, so a segment must stay unwritten until the
+Lending. Above ``LEND_ABOVE_BYTES`` segments may go out lent (``Comm.exchange(lend=True)``):
+over TCP their pages go to the socket by reference, so a segment must stay unwritten until the
 right neighbour has read it. (Smaller vectors stay in the last-level cache, where the copy
-costs less than lending pages and acknowledging them: measured in docs/benchmarks.md.) Within a
+costs less than lending pages and acknowledging them: measured in docs/benchmarks.md.) Whether
+larger ones do is measured per Comm (``Comm.lending``): its first allreduces above the threshold
+copy and lend in turn, timed, and the faster way is kept. Within a
 phase no rank writes a block after sending it (the reduce-scatter folds into a block the
 exchange before it forwards it; the allgather writes each block once, on arrival).
 Across the phases of ``allreduce``, the allgather writes, on arrival, exactly the blocks the
@@ -57,6 +59,7 @@ allgather's copy could exist. Only the end of a phase that returns to the caller
 
 from __future__ import annotations
 
+import time
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -91,16 +94,16 @@ def reduce_scatter(comm: Comm, data: np.ndarray, counts: Sequence[int], reducer:
         reducer: the kernel that folds a received segment into ``data``.
         chunk_bytes: the largest segment on the wire; scratch slot 0 holds one segment.
     """
-    _reduce_scatter(comm, data, counts, reducer, chunk_bytes)
+    _reduce_scatter(comm, data, counts, reducer, chunk_bytes, _lends(comm, data))
     comm.settle()
 
 
 def _reduce_scatter(comm: Comm, data: np.ndarray, counts: Sequence[int], reducer: Reducer,
-                    chunk_bytes: int) -> None:
+                    chunk_bytes: int, lend: bool) -> None:
     """``reduce_scatter`` that may return before the right neighbour read the lent segments."""
     offsets = _offsets(comm, data, counts, chunk_bytes)
     _circulate(comm, data, offsets, comm.rank - 1, _segment_elems(data, counts, chunk_bytes),
-               reducer)
+               reducer, lend)
 
 
 def allgather(comm: Comm, data: np.ndarray, counts: Sequence[int], chunk_bytes: int) -> None:
@@ -112,8 +115,14 @@ def allgather(comm: Comm, data: np.ndarray, counts: Sequence[int], chunk_bytes: 
         counts: elements per block, one per rank, summing to ``len(data)``; zeros allowed.
         chunk_bytes: the largest segment on the wire.
     """
+    _allgather(comm, data, counts, chunk_bytes, _lends(comm, data))
+
+
+def _allgather(comm: Comm, data: np.ndarray, counts: Sequence[int], chunk_bytes: int,
+               lend: bool) -> None:
     offsets = _offsets(comm, data, counts, chunk_bytes)
-    _circulate(comm, data, offsets, comm.rank, _segment_elems(data, counts, chunk_bytes), None)
+    _circulate(comm, data, offsets, comm.rank, _segment_elems(data, counts, chunk_bytes), None,
+               lend)
     comm.settle()
 
 
@@ -127,8 +136,21 @@ def allreduce(comm: Comm, data: np.ndarray, reducer: Reducer, chunk_bytes: int) 
         chunk_bytes: the largest segment on the wire; scratch slot 0 holds one segment.
     """
     counts = even_counts(len(data), comm.size)
-    _reduce_scatter(comm, data, counts, reducer, chunk_bytes)  # no settle: see "Lending"
-    allgather(comm, data, counts, chunk_bytes)
+    # Above the threshold, this allreduce is one of the Comm's measurements of lending until
+    # the faster way is chosen (``Comm.lending``).
+    measured = data.nbytes > LEND_ABOVE_BYTES and comm.lends
+    lend = measured and comm.lending.next()
+    start = time.perf_counter()
+    _reduce_scatter(comm, data, counts, reducer, chunk_bytes, lend)  # no settle: see "Lending"
+    _allgather(comm, data, counts, chunk_bytes, lend)
+    if measured:
+        comm.lending.record(lend, time.perf_counter() - start, data.nbytes)
+
+
+def _lends(comm: Comm, data: np.ndarray) -> bool:
+    """Whether a reduce-scatter or allgather of ``data`` alone lends: above the threshold,
+    unless the Comm's allreduces found copying faster."""
+    return data.nbytes > LEND_ABOVE_BYTES and comm.lending.chosen is not False
 
 
 def block_offsets(counts: Sequence[int], size: int, length: int) -> list[int]:
@@ -178,7 +200,7 @@ def _segments(offsets: list[int], first_block: int, seg_elems: int) -> Iterator[
 
 
 def _circulate(comm: Comm, data: np.ndarray, offsets: list[int], first_send_block: int,
-               seg_elems: int, reducer: "Reducer | None") -> None:
+               seg_elems: int, reducer: "Reducer | None", lend: bool) -> None:
     """Runs one ring phase: reduce-scatter when ``reducer`` is given, allgather when None."""
     n = comm.size
     if n == 1:
@@ -190,7 +212,6 @@ def _circulate(comm: Comm, data: np.ndarray, offsets: list[int], first_send_bloc
     if reducer is not None:
         scratch = comm.scratch(seg_elems * data.itemsize).view(data.dtype)
     send, recv = next(sends, None), next(recvs, None)
-    lend = data.nbytes > LEND_ABOVE_BYTES
     while send is not None or recv is not None:
         # The streams differ in length by the segment counts of two blocks, so near the end a
         # rank may only send or only receive.

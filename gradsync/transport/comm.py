@@ -10,11 +10,12 @@ reference instead of copying them (``splice.py``): then the sender must not writ
 until the peers have them, and ``settle`` waits for exactly that. An algorithm that lends
 calls ``settle`` before it writes into memory it lent, unless its structure already implies
 the peer read it, and at the latest before it returns (the caller may write into the buffer
-next).
+next). Whether lending pays is measured, not assumed (``Lending``).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Callable, Mapping, Sequence
 
@@ -23,10 +24,49 @@ import numpy as np
 from . import frame
 from .base import Expect, Pair, Recv, Send, Settle, wait_all
 
-__all__ = ["Comm", "CommView", "LEND_MIN_BYTES"]
+__all__ = ["Comm", "CommView", "Lending", "LEND_MIN_BYTES", "LEND_TRIALS"]
 
 #: Smaller sends are copied even when lent: each lent frame costs an acknowledgement.
 LEND_MIN_BYTES = 256 << 10
+
+#: The first collectives that may lend copy and lend in turn, this many times each, and the
+#: faster way is kept (``Lending``); 0 lends from the start, unmeasured.
+LEND_TRIALS = 3
+
+
+class Lending:
+    """Whether a Comm's large collectives lend their send buffers, decided by timing them.
+
+    Lending saves the sender's copy but costs the kernel's page references and an
+    acknowledgement per frame, and which is cheaper depends on the machine: on one 2-core VM
+    lending made a 64 MiB allreduce over loopback TCP about a fifth faster, on another (same
+    kernel) a third slower (docs/benchmarks.md). So the first ``2 * trials`` collectives that
+    may lend alternate, copying first, each timed per byte, and from then on the way with the
+    lower median is used. Every rank runs the same collectives, so all try the same way at the
+    same time; each then decides for its own sends (a lent frame says so, and any receiver
+    acknowledges it), so the ranks need not agree.
+    """
+
+    def __init__(self, trials: int):
+        self.trials = trials
+        self.seconds_per_byte: dict[bool, list[float]] = {False: [], True: []}
+        self.chosen: "bool | None" = True if trials == 0 else None
+
+    def next(self) -> bool:
+        """Whether the next collective that may lend does."""
+        if self.chosen is not None:
+            return self.chosen
+        tried = self.seconds_per_byte
+        return len(tried[True]) < len(tried[False])
+
+    def record(self, lent: bool, seconds: float, nbytes: int) -> None:
+        """What a collective that may lend took; chooses once both ways have their trials."""
+        if self.chosen is not None or nbytes <= 0:
+            return
+        tried = self.seconds_per_byte
+        tried[lent].append(seconds / nbytes)
+        if min(len(tried[False]), len(tried[True])) >= self.trials:
+            self.chosen = statistics.median(tried[True]) < statistics.median(tried[False])
 
 
 def _bytes_view(buf) -> memoryview:
@@ -60,6 +100,12 @@ class Comm:
         self._sent: dict[int, int] = {}
         self._received: dict[int, int] = {}
         self._scratch: dict[int, np.ndarray] = {}
+        self.lending = Lending(LEND_TRIALS)
+
+    @property
+    def lends(self) -> bool:
+        """Whether a send to some peer can go out lent (``exchange(lend=True)``)."""
+        return any(pair.lends for pair in self.pairs.values())
 
     def begin(self, description: str, check: bool = True) -> None:
         """Starts the next collective. Every rank must call it with the same description."""
@@ -183,6 +229,16 @@ class CommView:
     @property
     def signature(self) -> int:
         return self.root.signature
+
+    @property
+    def lending(self) -> Lending:
+        return self.root.lending
+
+    @property
+    def lends(self) -> bool:
+        """Whether a send to some peer of the view can go out lent."""
+        pairs = self.root.pairs
+        return any(pairs[r].lends for r in self.ranks if r in pairs)
 
     def exchange(self, sends: Sequence[tuple[int, object]] = (),
                  recvs: Sequence[tuple[int, object]] = (), lend: bool = False) -> None:
