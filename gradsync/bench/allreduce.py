@@ -32,10 +32,10 @@ import argparse
 import importlib.util
 import json
 import os
+import select
 import shutil
 import socket
 import statistics
-import select
 import subprocess
 import sys
 import time

@@ -40,7 +40,7 @@ class Lending:
     Lending saves the sender's copy but costs the kernel's page references and an
     acknowledgement per frame, and which is cheaper depends on the machine: on one 2-core VM
     lending made a 64 MiB allreduce over loopback TCP about a fifth faster, on another (same
-    kernel) a third slower (docs/benchmarks.md). So the first ``2 * trials`` collectives that
+    kernel) it took about 1.4 times as long (docs/benchmarks.md). So the first ``2 * trials`` collectives that
     may lend alternate, copying first, each timed per byte, and from then on the way with the
     lower median is used. Every rank runs the same collectives, so all try the same way at the
     same time; each then decides for its own sends (a lent frame says so, and any receiver
