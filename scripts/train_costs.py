@@ -21,6 +21,7 @@ windows of 10 steps, each window timed on the slowest rank:
 Prints each mode's step time and its rate over ``local``.
 """
 
+import functools
 import statistics
 import time
 
@@ -69,10 +70,15 @@ def main() -> None:
     d5.register_comm_hook(None, keep_own)
     o5 = torch.optim.SGD(m5.parameters(), lr=0.01, momentum=0.9)
 
-    def local():
-        o1.zero_grad()
-        F.cross_entropy(m1(x), y).backward()
-        o1.step()
+    def train_step(model, opt):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    local = functools.partial(train_step, m1, o1)
+    controller = functools.partial(train_step, m3, o3)
+    ddp = functools.partial(train_step, d4, o4)
+    ddp_none = functools.partial(train_step, d5, o5)
 
     def barrier():
         local()
@@ -92,21 +98,6 @@ def main() -> None:
         F.cross_entropy(m2(x), y).backward()
         gs.allreduce_(flat, op=gs.Average, name="flat")
         o2.step()
-
-    def controller():
-        o3.zero_grad()
-        F.cross_entropy(m3(x), y).backward()
-        o3.step()
-
-    def ddp():
-        o4.zero_grad()
-        F.cross_entropy(d4(x), y).backward()
-        o4.step()
-
-    def ddp_none():
-        o5.zero_grad()
-        F.cross_entropy(d5(x), y).backward()
-        o5.step()
 
     modes = {"local": local, "barrier": barrier, "tiny": tiny, "views": views,
              "inline": inline, "controller": controller, "ddp": ddp, "ddp_none": ddp_none}
