@@ -57,13 +57,19 @@ class Config:
     ``doubling``, ``halving_doubling``, ``hierarchical``, ``shm``."""
 
     chunk_bytes: int = 1 << 20
-    """Pipelining unit (segment size) of the ring and tree algorithms between pairs of ranks."""
+    """Pipelining unit (largest segment) of the ring and tree algorithms between pairs of ranks."""
+
+    tune_segments: bool = True
+    """Ring allreduces of 4 MiB or more with a TCP connection in the ring measure their segment
+    size: the first ones cut segments of ``chunk_bytes`` and of a quarter of it in turn, and the
+    ranks keep the faster together (``transport/comm.py``, ``Comm.segments``); false always
+    cuts ``chunk_bytes``."""
 
     tcp_splice: bool = True
     """The ring's segments of vectors above 32 MiB may go to a TCP socket by reference
-    (vmsplice + splice, Linux), saving the sender's copy: the first such allreduces copy and lend
-    in turn and the faster way is kept (``transport/comm.py``, ``Lending``); false always copies
-    them, as any other send."""
+    (vmsplice + splice, Linux), saving the sender's copy: once the segment size is chosen
+    (``tune_segments``), the next such allreduces copy and lend in turn and the faster way is
+    kept (``transport/comm.py``, ``Lending``); false always copies them, as any other send."""
 
     shm_slot_bytes: int = 1 << 20
     """Bytes each local rank owns in the host's shared-memory allreduce segment (per buffer)."""

@@ -186,7 +186,8 @@ class World:
             from . import _shm_setup
             pairs, shm_group = _shm_setup.connect(config, env, store, peers, pairs, use_shm,
                                                   deadline)
-        comm = Comm(env.rank, env.size, pairs, config.timeout)
+        comm = Comm(env.rank, env.size, pairs, config.timeout,
+                     segment_trials=None if config.tune_segments else 0)
         store.barrier("connected", env.size, max(1.0, deadline - time.monotonic()))
         world = cls(config, env, store, peers, comm, shm_group, listener)
         if root is not None:

@@ -10,10 +10,16 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+
+from gradsync.transport.comm import Comm
+from gradsync.transport import tcp
+from gradsync.transport.tcp import TcpPair
 
 RANKS = Path(__file__).parent / "ranks"
 
@@ -187,3 +193,45 @@ def gone(pid: int) -> bool:
         except ProcessLookupError:
             return True
         return False
+
+
+def tcp_mesh(n, splice_on=lambda r: True, comm_class=lambda r: Comm, **comm_args):
+    """``n`` Comms joined by loopback TCP, as in a job over TCP (without the handshake; the
+    sockets tuned as a job's are)."""
+    socks = {}
+    for a in range(n):
+        for b in range(a + 1, n):
+            server = socket.create_server(("127.0.0.1", 0))
+            client = socket.create_connection(server.getsockname())
+            socks[a, b], _ = server.accept()
+            socks[b, a] = client
+            server.close()
+            for sock in (socks[a, b], client):
+                tcp._tune(sock)
+    comms = [comm_class(r)(r, n, {p: TcpPair(p, socks[r, p], splice_on(r))
+                                  for p in range(n) if p != r}, 10.0, **comm_args)
+             for r in range(n)]
+    return comms
+
+
+def run_ranks(comms, fn):
+    """Runs ``fn(comm)`` on one thread per rank; returns their results, raises their errors."""
+    results, errors = [None] * len(comms), []
+
+    def run(c):
+        try:
+            results[c.rank] = fn(c)
+        except BaseException as exc:  # re-raised below, on the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in comms]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive(), "a rank hung"
+    for c in comms:
+        c.close()
+    if errors:
+        raise errors[0]
+    return results

@@ -34,20 +34,24 @@ def test_bench_allreduce_checks_results_and_measures_gloo_beside(tmp_path):
 def test_bench_allreduce_times_the_ring_exchange_over_tcp(tmp_path):
     # --exchange: each of 3 ranks sends 2 (n - 1) / n of the vector to the next over plain
     # sockets, in segments; every byte must arrive from the previous rank (#wrong counts those
-    # that did not).
+    # that did not). At 6 MiB the ring measures its segment size first (during the warm-up),
+    # and the exchange cuts the chosen one.
     out = tmp_path / "rows.json"
     proc = subprocess.run(
         [sys.executable, "-m", "gradsync", "bench", "allreduce", "-np", "3", "--sizes",
-         "3K:3M", "--factor", "1024", "--seconds", "0.05", "--exchange", "--json", str(out)],
+         "3K:6M", "--factor", "2048", "--seconds", "0.05", "--exchange", "--json", str(out)],
         capture_output=True, text=True, timeout=120,
         env={**os.environ, "GRADSYNC_TRANSPORT": "tcp", "GRADSYNC_CHUNK_BYTES": "256K"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())
-    assert [r["size"] for r in rows] == [3072, 3 << 20]
+    assert [r["size"] for r in rows] == [3072, 6 << 20]
     for r in rows:
         assert r["transport"] == "tcp" and r["gradsync"]["wrong"] == 0
         assert r["exchange"]["wrong"] == 0 and r["exchange"]["time_us"] > 0
     assert "exchange(us)" in proc.stdout
+    assert rows[0]["segment"] == 256 << 10  # below ring.TUNE_FROM_BYTES: chunk_bytes
+    assert rows[1]["segment"] in (64 << 10, 256 << 10)
+    assert f"# ring over TCP: segments of {rows[1]['segment']} B chosen" in proc.stdout
 
 
 def test_bench_allreduce_measures_open_mpi_beside(tmp_path):

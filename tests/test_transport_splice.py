@@ -3,7 +3,6 @@ into them before the receiver has read them corrupts what arrives. These tests r
 real loopback TCP connections, one thread per rank, and check that ``settle`` closes the window.
 """
 
-import socket
 import threading
 import time
 
@@ -15,7 +14,7 @@ from gradsync.collectives.ops import ReduceOp, make_reducer
 from gradsync.transport import comm as comm_module
 from gradsync.transport import splice
 from gradsync.transport.comm import LEND_MIN_BYTES, Comm, Lending
-from gradsync.transport.tcp import TcpPair
+from harness import run_ranks, tcp_mesh
 
 pytestmark = pytest.mark.skipif(not splice.available(), reason="lending needs Linux vmsplice")
 
@@ -29,44 +28,6 @@ def _lend_small_vectors(monkeypatch):
 
 CHUNK = LEND_MIN_BYTES  # every ring segment is large enough to be lent
 SUM = make_reducer(ReduceOp.SUM, np.float64)
-
-
-def _mesh(n, splice_on=lambda r: True, comm_class=lambda r: Comm):
-    """``n`` Comms joined by loopback TCP, as in a job over TCP (without the handshake)."""
-    socks = {}
-    for a in range(n):
-        for b in range(a + 1, n):
-            server = socket.create_server(("127.0.0.1", 0))
-            client = socket.create_connection(server.getsockname())
-            socks[a, b], _ = server.accept()
-            socks[b, a] = client
-            server.close()
-    comms = [comm_class(r)(r, n, {p: TcpPair(p, socks[r, p], splice_on(r))
-                                  for p in range(n) if p != r}, 10.0) for r in range(n)]
-    return comms
-
-
-def _run(comms, fn):
-    """Runs ``fn(comm)`` on one thread per rank; returns their results, raises their errors."""
-    results, errors = [None] * len(comms), []
-
-    def run(c):
-        try:
-            results[c.rank] = fn(c)
-        except BaseException as exc:  # re-raised below, on the test's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(c,)) for c in comms]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-        assert not t.is_alive(), "a rank hung"
-    for c in comms:
-        c.close()
-    if errors:
-        raise errors[0]
-    return results
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -85,7 +46,7 @@ def test_lent_ring_allreduce_back_to_back_with_writes_in_between(n):
             got.append(data.copy())
         return got, [p.lends for p in comm.pairs.values()]
 
-    results = _run(_mesh(n), fn)
+    results = run_ranks(tcp_mesh(n), fn)
     ranks_sum = n * (n + 1) // 2
     for got, lends in results:
         assert all(lends)
@@ -111,7 +72,7 @@ def test_lent_reduce_scatter_and_allgather(n):
         data[:] = -2
         return mine, gathered
 
-    for mine, gathered in _run(_mesh(n), fn):
+    for mine, gathered in run_ranks(tcp_mesh(n), fn):
         assert (mine == n * (n + 1) / 2).all()
         np.testing.assert_array_equal(gathered, np.repeat(np.arange(n, dtype=float), counts))
 
@@ -153,8 +114,8 @@ def _race(monkeypatch=None):
             _LateReader.rank0_done.set()
         return data.copy()
 
-    comms = _mesh(2, comm_class=lambda r: _LateReader if r == 1 else Comm)
-    results = _run(comms, fn)
+    comms = tcp_mesh(2, comm_class=lambda r: _LateReader if r == 1 else Comm)
+    results = run_ranks(comms, fn)
     assert _LateReader.calls == 4
     return results[1]
 
@@ -191,13 +152,13 @@ def _two_rank_sums(comms):
         ring.allreduce(comm, data, SUM, CHUNK)
         return data.copy(), comm.pairs[1 - comm.rank].lends
 
-    return _run(comms, fn)
+    return run_ranks(comms, fn)
 
 
 def test_a_copying_rank_and_a_lending_rank_meet():
     # Rank 1 copies (GRADSYNC_TCP_SPLICE=0 on its side) but still acknowledges rank 0's
     # lent frames; rank 0 lends.
-    (d0, l0), (d1, l1) = _two_rank_sums(_mesh(2, splice_on=lambda r: r == 0))
+    (d0, l0), (d1, l1) = _two_rank_sums(tcp_mesh(2, splice_on=lambda r: r == 0))
     assert (l0, l1) == (True, False)
     assert (d0 == 3.0).all() and (d1 == 3.0).all()
 
@@ -207,7 +168,7 @@ def test_a_failing_vmsplice_falls_back_to_copies(monkeypatch, caplog):
         raise OSError(1, "vmsplice: Operation not permitted")
 
     monkeypatch.setattr(splice.Splicer, "push", refuse)
-    for data, lends in _two_rank_sums(_mesh(2)):
+    for data, lends in _two_rank_sums(tcp_mesh(2)):
         assert (data == 3.0).all() and not lends
     assert "sending copies from now on" in caplog.text
 
@@ -261,6 +222,6 @@ def test_the_ring_measures_lending_and_copying_and_keeps_the_faster(monkeypatch,
             assert (data == 3.0 + 2 * it).all()
         return comm.lent_calls, comm.lending.chosen
 
-    for lent_calls, chosen in _run(_mesh(2, comm_class=lambda r: _Counting), fn):
+    for lent_calls, chosen in run_ranks(tcp_mesh(2, comm_class=lambda r: _Counting), fn):
         assert chosen is lend_faster
         assert [bool(k) for k in lent_calls] == [False, True, False, True] + [lend_faster] * 3

@@ -17,9 +17,14 @@ floor: one process copying the same number of bytes (``np.copyto``), measured on
 at the same moment, so under the same load. With ``--exchange``, the ``exchange`` column is
 the ring's transfers alone: every rank sends the bytes a bandwidth-optimal allreduce sends,
 2 (n - 1) / n of the vector, to the next rank over a plain TCP socket while it receives as many
-from the previous one, one segment of ``chunk_bytes`` each way at a time as the ring does, with
+from the previous one, one segment each way at a time, of the size the ring cuts for that
+vector (``ring.segment_bytes``; it runs after gradsync's allreduce, whose trials chose it), with
 no reduction (``RingExchange``): what is left of an allreduce's time beyond it is its folds
 and its own overhead.
+
+Over TCP the ring's first large allreduces are trials (of segment sizes, then of lending;
+``collectives/ring.py``): gradsync's warm-up goes on until they are over, so that the timed
+allreduces run as a long job's do.
 
     algbw = size / time            busbw = algbw * 2 (n - 1) / n
 
@@ -216,6 +221,11 @@ class RingExchange:
         self._in.close()
 
 
+#: At most this many more warm-up calls while an allreduce is among its trials: the segment
+#: sizes' (2 turns of 4 each) and lending's (3 each; ``transport/comm.py``).
+_TRIAL_WARMUPS = 24
+
+
 def _timed(fn, barrier, iters: int, reduce_max) -> list[float]:
     samples = np.empty(iters)
     for i in range(iters):
@@ -234,6 +244,7 @@ def run(args) -> list[dict]:
     torch.set_num_threads(1)
     gs.init(**({"topology": args.topology} if args.topology else {}))
     from gradsync import api
+    from gradsync.collectives import ring
     from gradsync.collectives.planner import choose_allreduce
 
     world = api._world
@@ -277,13 +288,17 @@ def run(args) -> list[dict]:
             xs["shared"] = raw.view(dtype)
         copy_src = np.zeros_like(x)
         impls = [("memcpy", "memcpy", lambda: np.copyto(x, copy_src), gs.barrier, x)]
-        if exchange is not None:
-            sent, received = exchange.buffers(nbytes, rank, n)
-            impls.append(("exchange", "exchange", lambda: exchange(sent, received), gs.barrier,
-                          x))
         for alg, buf in runs:
             impls.append(("gradsync", (alg, buf), lambda alg=alg, xb=xs[buf]: gs.allreduce_(
                 xb, op=gs.Sum, name="bench", algorithm=alg), gs.barrier, xs[buf]))
+        if exchange is not None:
+            sent, received = exchange.buffers(nbytes, rank, n)
+
+            def exchanged(nbytes=nbytes, sent=sent, received=received):
+                exchange.segment = ring.segment_bytes(world.comm, nbytes,
+                                                      world.config.chunk_bytes)
+                exchange(sent, received)
+            impls.append(("exchange", "exchange", exchanged, gs.barrier, x))
         if gloo is not None:
             t = torch.from_numpy(x)
             impls.append(("gloo", "gloo", lambda: gloo.all_reduce(t), gloo.barrier, x))
@@ -292,9 +307,11 @@ def run(args) -> list[dict]:
             impls.append(("mpi", "mpi", lambda: cw.Allreduce(mpi.IN_PLACE, x, op=mpi.SUM),
                           cw.Barrier, x))
         measured = {}
+        trying = lambda: ring.measuring(world.comm, nbytes, world.config.chunk_bytes)  # noqa: E731
         for label, key, fn, barrier, data in impls:
             measured[key] = _measure(args, fn, barrier, reduce_max, data,
-                                     label not in ("memcpy", "exchange"), rank, n, nbytes, gs)
+                                     label not in ("memcpy", "exchange"), rank, n, nbytes, gs,
+                                     trying if label == "gradsync" else None)
         if exchange is not None:
             measured["exchange"]["wrong"] = int(gs.allreduce(
                 np.array([exchange.wrong(sent, received, rank, n)]), op=gs.Sum,
@@ -307,6 +324,7 @@ def run(args) -> list[dict]:
                                                  world.shm_group is not None, world.topology),
                    "buffer": buf, "transport": world.config.transport, "ranks": n,
                    "shm_road": _shm_road(world),
+                   "segment": ring.segment_bytes(world.comm, nbytes, world.config.chunk_bytes),
                    "gradsync": measured[alg, buf], "memcpy": measured["memcpy"]}
             if exchange is not None:
                 row["exchange"] = measured["exchange"]
@@ -322,6 +340,8 @@ def run(args) -> list[dict]:
                 _print_row(row, header=len(rows) == 1, compare=peer is not None,
                            several=len(runs) > 1, shared="shared" in buffers)
         size *= args.factor
+    if rank == 0:
+        _print_trials(world.comm, world.config.chunk_bytes)
     if args.profile:
         _profile(lambda: gs.allreduce_(x, op=gs.Sum, name="bench", algorithm=algorithms[0]),
                  gs.barrier, rank)
@@ -337,9 +357,16 @@ def run(args) -> list[dict]:
 
 
 def _measure(args, fn, barrier, reduce_max, x, check: bool, rank: int, n: int, nbytes: int,
-             gs) -> dict:
-    """Median time of ``fn`` (the slowest rank's per iteration), and a correctness check."""
+             gs, trying=None) -> dict:
+    """Median time of ``fn`` (the slowest rank's per iteration), and a correctness check.
+
+    ``trying``: whether ``fn`` is still among its trials; the warm-up goes on while it is, on
+    any rank (up to ``_TRIAL_WARMUPS`` more calls)."""
     for _ in range(args.warmup):
+        fn()
+    for _ in range(_TRIAL_WARMUPS if trying is not None else 0):
+        if not gs.allreduce(np.array([int(trying())]), op=gs.Max, name="bench.trying")[0]:
+            break
         fn()
     probe = _timed(fn, barrier, 2, reduce_max)
     iters = int(min(args.max_iters, max(5, args.seconds / max(min(probe), 1e-6))))
@@ -359,6 +386,21 @@ def _measure(args, fn, barrier, reduce_max, x, check: bool, rank: int, n: int, n
     return {"time_us": med * 1e6, "iqr_us": float(np.subtract(
         *np.percentile(samples, [75, 25])) * 1e6), "iters": iters, "algbw": algbw,
         "busbw": algbw * (2 * (n - 1) / n if n > 1 else 1), "wrong": wrong}
+
+
+def _print_trials(comm, chunk_bytes: int) -> None:
+    """What the ring's trials (segment sizes, lending) chose on ``comm``, if it had any."""
+    from gradsync.collectives import ring
+
+    sizing = comm.segments(chunk_bytes)
+    if sizing is not None and sizing.chosen is not None:
+        tried = ", ".join(f"{way} B: {cost * 1e12:.0f} ps/B" for way, cost in
+                          zip(sizing.ways, sizing.medians()))
+        print(f"# ring over TCP: segments of {sizing.chosen} B chosen for allreduces of "
+              f"{ring.TUNE_FROM_BYTES} B or more (rank 0's medians: {tried})", flush=True)
+    if comm.lends and comm.lending.chosen is not None and comm.lending.seconds_per_byte[True]:
+        print(f"# ring over TCP: lending {'chosen' if comm.lending.chosen else 'not chosen'} "
+              f"for allreduces above {ring.LEND_ABOVE_BYTES} B", flush=True)
 
 
 def _profile(fn, barrier, rank: int, iters: int = 20) -> None:

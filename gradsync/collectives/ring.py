@@ -55,6 +55,15 @@ reduce-scatter sent; but what arrives for a block is that block fully reduced, w
 neighbour's fold of the lent segment went into, so the right neighbour read it before the
 allgather's copy could exist. Only the end of a phase that returns to the caller needs
 ``comm.settle()``: nothing later in the ring proves the right neighbour read the last segments.
+
+Segment sizes. Over sockets the segment size that keeps the kernel's copies fastest depends on
+the machine (docs/benchmarks.md), so allreduces of ``TUNE_FROM_BYTES`` or more on a ring with a
+socket among its pairs measure it (``Comm.segments``): the first ones cut segments of
+``chunk_bytes`` and of a quarter of it in turn, each timed per byte, and then every rank keeps
+the size whose medians, summed over the ranks, are lowest. The ranks must agree, as both ends
+of a segment must cut it alike, so the sum is allreduced (``_agree``) within the allreduce that
+ends the trials, which is the same one on every rank. Lending is measured after that, in
+segments of the chosen size.
 """
 
 from __future__ import annotations
@@ -64,15 +73,21 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from ..transport.comm import Comm
-from .ops import Reducer
+from ..transport.comm import Comm, Trials
+from .ops import ReduceOp, Reducer, make_reducer
 
 __all__ = ["reduce_scatter", "allgather", "allreduce", "even_counts", "block_offsets",
-           "LEND_ABOVE_BYTES"]
+           "segment_bytes", "measuring", "LEND_ABOVE_BYTES", "TUNE_FROM_BYTES"]
 
 #: Vectors larger than this lend their segments to the transport (see "Lending" above); about
 #: the last-level cache of the machine it was measured on (32 MiB).
 LEND_ABOVE_BYTES = 32 << 20
+
+#: Allreduces of at least this many bytes over a ring with a socket may cut segments smaller
+#: than ``chunk_bytes`` (see "Segment sizes" above); below, a vector is a few segments either way.
+TUNE_FROM_BYTES = 4 << 20
+
+_SUM = make_reducer(ReduceOp.SUM, np.float64)
 
 
 def even_counts(length: int, size: int) -> list[int]:
@@ -133,18 +148,52 @@ def allreduce(comm: Comm, data: np.ndarray, reducer: Reducer, chunk_bytes: int) 
         comm: the communicator; the caller has called ``comm.begin`` for this collective.
         data: a contiguous 1-D array; on return it holds the same reduction on every rank.
         reducer: the kernel that folds a received segment into ``data``.
-        chunk_bytes: the largest segment on the wire; scratch slot 0 holds one segment.
+        chunk_bytes: the largest segment on the wire; scratch slot 0 holds one segment. From
+            ``TUNE_FROM_BYTES`` on, a ring with a socket among its pairs may cut smaller ones
+            (see "Segment sizes" above).
     """
     counts = even_counts(len(data), comm.size)
-    # Above the threshold, this allreduce is one of the Comm's measurements of lending until
-    # the faster way is chosen (``Comm.lending``).
-    measured = data.nbytes > LEND_ABOVE_BYTES and comm.lends
-    lend = measured and comm.lending.next()
+    sizing = comm.segments(chunk_bytes) if data.nbytes >= TUNE_FROM_BYTES else None
+    segment = chunk_bytes if sizing is None else sizing.next()
+    sizes_measured = sizing is not None and sizing.chosen is None
+    # Above the threshold, once the segment is settled, this allreduce is one of the Comm's
+    # measurements of lending until the faster way is chosen (``Comm.lending``).
+    lends_measured = not sizes_measured and data.nbytes > LEND_ABOVE_BYTES and comm.lends
+    lend = lends_measured and comm.lending.next()
     start = time.perf_counter()
-    _reduce_scatter(comm, data, counts, reducer, chunk_bytes, lend)  # no settle: see "Lending"
-    _allgather(comm, data, counts, chunk_bytes, lend)
-    if measured:
-        comm.lending.record(lend, time.perf_counter() - start, data.nbytes)
+    _reduce_scatter(comm, data, counts, reducer, segment, lend)  # no settle: see "Lending"
+    _allgather(comm, data, counts, segment, lend)
+    seconds = time.perf_counter() - start
+    if lends_measured:
+        comm.lending.record(lend, seconds, data.nbytes)
+    if sizes_measured and sizing.record(segment, seconds, data.nbytes):
+        _agree(comm, sizing, chunk_bytes)
+
+
+def _agree(comm: Comm, sizing: Trials, chunk_bytes: int) -> None:
+    """Chooses the segment size of ``sizing`` on every rank alike: the one whose medians
+    summed over the ranks are lowest. Every rank completes the trials in the same allreduce,
+    so all of them run this within it; the sum is a ring allreduce of its own, too small to
+    be tuned, and leaves the same bits on every rank."""
+    costs = np.array(sizing.medians(), dtype=np.float64)
+    allreduce(comm, costs, _SUM, chunk_bytes)
+    sizing.choose(costs.tolist())
+
+
+def segment_bytes(comm: Comm, nbytes: int, chunk_bytes: int) -> int:
+    """The largest segment an allreduce of ``nbytes`` on ``comm`` cuts now (once the trials of
+    segment sizes are over, from then on)."""
+    sizing = comm.segments(chunk_bytes) if nbytes >= TUNE_FROM_BYTES else None
+    return chunk_bytes if sizing is None else sizing.next()
+
+
+def measuring(comm: Comm, nbytes: int, chunk_bytes: int) -> bool:
+    """Whether a ring allreduce of ``nbytes`` on ``comm`` would be one of its trials, of
+    segment sizes or of lending."""
+    sizing = comm.segments(chunk_bytes) if nbytes >= TUNE_FROM_BYTES else None
+    if sizing is not None and sizing.chosen is None:
+        return True
+    return nbytes > LEND_ABOVE_BYTES and comm.lends and comm.lending.chosen is None
 
 
 def _lends(comm: Comm, data: np.ndarray) -> bool:

@@ -10,7 +10,8 @@ reference instead of copying them (``splice.py``): then the sender must not writ
 until the peers have them, and ``settle`` waits for exactly that. An algorithm that lends
 calls ``settle`` before it writes into memory it lent, unless its structure already implies
 the peer read it, and at the latest before it returns (the caller may write into the buffer
-next). Whether lending pays is measured, not assumed (``Lending``).
+next). Whether lending pays is measured, not assumed (``Lending``), and so is the segment size
+of large ring allreduces over sockets (``Comm.segments``): both with ``Trials``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import numpy as np
 from . import frame
 from .base import Expect, Pair, Recv, Send, Settle, wait_all
 
-__all__ = ["Comm", "CommView", "Lending", "LEND_MIN_BYTES", "LEND_TRIALS"]
+__all__ = ["Comm", "CommView", "Trials", "Lending", "LEND_MIN_BYTES", "LEND_TRIALS",
+           "SEGMENT_TRIALS", "SEGMENT_BLOCK"]
 
 #: Smaller sends are copied even when lent: each lent frame costs an acknowledgement.
 LEND_MIN_BYTES = 256 << 10
@@ -33,40 +35,81 @@ LEND_MIN_BYTES = 256 << 10
 #: faster way is kept (``Lending``); 0 lends from the start, unmeasured.
 LEND_TRIALS = 3
 
+#: The first large ring allreduces over sockets try each segment size in this many turns of
+#: ``SEGMENT_BLOCK`` allreduces (``Comm.segments``); 0 keeps the configured ``chunk_bytes``.
+SEGMENT_TRIALS = 2
+SEGMENT_BLOCK = 4
 
-class Lending:
+
+class Trials:
+    """Chooses one of ``ways`` of running a collective by timing the first ones.
+
+    Until a way is chosen, the ways take turns in their order, ``block`` collectives each, for
+    ``rounds`` turns each, and ``record`` collects each one's seconds per byte, all but the first
+    ``block // 2`` of each turn (on some machines a way runs slower for a few collectives after
+    another ran). After the last turn ``record`` says so, and the owner calls ``choose`` with
+    one cost per way: this rank's medians (``medians``), or what the ranks make of them
+    together when they must agree. Every rank runs the same collectives, so all try the same
+    way at the same time.
+
+    Args:
+        ways: the candidates, in the order they take turns.
+        rounds: turns of each way before choosing; 0 chooses ``untried`` at once.
+        untried: the way used when there are no trials.
+        block: collectives per turn.
+    """
+
+    def __init__(self, ways: Sequence, rounds: int, untried, block: int = 1):
+        self.ways = tuple(ways)
+        self.rounds, self.block = rounds, block
+        self.seconds_per_byte: dict = {way: [] for way in self.ways}
+        self.chosen = untried if rounds == 0 else None
+        self._runs = 0
+
+    def next(self):
+        """The way the next collective takes."""
+        if self.chosen is not None:
+            return self.chosen
+        return self.ways[self._runs // self.block % len(self.ways)]
+
+    def record(self, way, seconds: float, nbytes: int) -> bool:
+        """What a collective run ``way`` (``next()``'s) took; True when that ends the trials."""
+        if self.chosen is not None or nbytes <= 0:
+            return False
+        if self._runs % self.block >= self.block // 2:
+            self.seconds_per_byte[way].append(seconds / nbytes)
+        self._runs += 1
+        return self._runs >= self.rounds * self.block * len(self.ways)
+
+    def medians(self) -> list[float]:
+        """This rank's median seconds per byte of each way, in the order of ``ways``."""
+        return [statistics.median(self.seconds_per_byte[way]) for way in self.ways]
+
+    def choose(self, costs: Sequence[float]) -> None:
+        """Keeps the way of the lowest cost (the first of them on a tie)."""
+        self.chosen = self.ways[min(range(len(self.ways)), key=lambda i: costs[i])]
+
+
+class Lending(Trials):
     """Whether a Comm's large collectives lend their send buffers, decided by timing them.
 
     Lending saves the sender's copy but costs the kernel's page references and an
     acknowledgement per frame, and which is cheaper depends on the machine: on one 2-core VM
     lending made a 64 MiB allreduce over loopback TCP about a fifth faster, on another (same
-    kernel) it took about 1.4 times as long (docs/benchmarks.md). So the first ``2 * trials`` collectives that
-    may lend alternate, copying first, each timed per byte, and from then on the way with the
-    lower median is used. Every rank runs the same collectives, so all try the same way at the
-    same time; each then decides for its own sends (a lent frame says so, and any receiver
-    acknowledges it), so the ranks need not agree.
+    kernel) it took about 1.4 times as long (docs/benchmarks.md). So the first ``2 * trials``
+    collectives that may lend alternate, copying first, each timed per byte, and from then on
+    the way with the lower median is used. Each rank decides for its own sends (a lent frame
+    says so, and any receiver acknowledges it), so the ranks need not agree.
     """
 
     def __init__(self, trials: int):
-        self.trials = trials
-        self.seconds_per_byte: dict[bool, list[float]] = {False: [], True: []}
-        self.chosen: "bool | None" = True if trials == 0 else None
+        super().__init__((False, True), trials, untried=True)
 
-    def next(self) -> bool:
-        """Whether the next collective that may lend does."""
-        if self.chosen is not None:
-            return self.chosen
-        tried = self.seconds_per_byte
-        return len(tried[True]) < len(tried[False])
-
-    def record(self, lent: bool, seconds: float, nbytes: int) -> None:
-        """What a collective that may lend took; chooses once both ways have their trials."""
-        if self.chosen is not None or nbytes <= 0:
-            return
-        tried = self.seconds_per_byte
-        tried[lent].append(seconds / nbytes)
-        if min(len(tried[False]), len(tried[True])) >= self.trials:
-            self.chosen = statistics.median(tried[True]) < statistics.median(tried[False])
+    def record(self, lent: bool, seconds: float, nbytes: int) -> bool:
+        done = super().record(lent, seconds, nbytes)
+        if done:
+            self.choose(self.medians())
+        return done
 
 
 def _bytes_view(buf) -> memoryview:
@@ -85,10 +128,12 @@ class Comm:
         pairs: a connected Pair for every other rank.
         timeout: seconds one collective may wait on live peers.
         on_idle: called while waiting (see ``wait_all``); raises to abort the wait.
+        segment_trials: rounds of ``segments``' trials; 0 keeps ``chunk_bytes`` always.
     """
 
     def __init__(self, rank: int, size: int, pairs: Mapping[int, Pair], timeout: float,
-                 on_idle: Callable[[float], None] = lambda waited: None):
+                 on_idle: Callable[[float], None] = lambda waited: None,
+                 segment_trials: "int | None" = None):
         self.rank, self.size = rank, size
         self.pairs = dict(pairs)
         self.timeout = timeout
@@ -101,11 +146,35 @@ class Comm:
         self._received: dict[int, int] = {}
         self._scratch: dict[int, np.ndarray] = {}
         self.lending = Lending(LEND_TRIALS)
+        self.segment_trials = SEGMENT_TRIALS if segment_trials is None else segment_trials
+        self._segments: dict[tuple, "Trials | None"] = {}
 
     @property
     def lends(self) -> bool:
         """Whether a send to some peer can go out lent (``exchange(lend=True)``)."""
         return any(pair.lends for pair in self.pairs.values())
+
+    def segments(self, chunk_bytes: int, ranks: "Sequence[int] | None" = None) -> "Trials | None":
+        """The trials of segment sizes for the large ring allreduces of ``ranks`` (global ranks
+        in ring order; default all), or None when their segments are ``chunk_bytes`` always.
+
+        Over sockets the fastest segment depends on the machine: on one VM 64 MiB over
+        loopback TCP took 0.6 as long in segments of a quarter of the default 1 MiB, on another
+        about as long (docs/benchmarks.md). So rings with a socket among their pairs try
+        ``chunk_bytes`` and a quarter of it in turn. Unlike lending, every rank of a ring must
+        cut the same segments, so the ranks choose together (``ring.allreduce``). Each set of
+        ranks has trials of its own: only its members run its collectives, all of them.
+        """
+        key = (tuple(range(self.size)) if ranks is None else tuple(ranks), chunk_bytes)
+        if key in self._segments:
+            return self._segments[key]
+        trials = None
+        peers = [self.pairs[r] for r in key[0] if r != self.rank]
+        if self.segment_trials and chunk_bytes >= 4 and any(p.fileno >= 0 for p in peers):
+            trials = Trials((chunk_bytes // 4, chunk_bytes), self.segment_trials,
+                            untried=chunk_bytes, block=SEGMENT_BLOCK)
+        self._segments[key] = trials
+        return trials
 
     def begin(self, description: str, check: bool = True) -> None:
         """Starts the next collective. Every rank must call it with the same description."""
@@ -233,6 +302,10 @@ class CommView:
     @property
     def lending(self) -> Lending:
         return self.root.lending
+
+    def segments(self, chunk_bytes: int) -> "Trials | None":
+        """``Comm.segments`` of the view's ranks."""
+        return self.root.segments(chunk_bytes, self.ranks)
 
     @property
     def lends(self) -> bool:

@@ -1,0 +1,122 @@
+"""The ring's segment size over TCP, measured (``Comm.segments``): the first large allreduces
+try segments of ``chunk_bytes`` and of a quarter of it, in turns, and then every rank keeps the
+same one, chosen from the medians of all ranks. These tests run the ring on real loopback TCP
+connections, one thread per rank, with one way made slower on purpose.
+"""
+
+import time
+
+import numpy as np
+import pytest
+
+from gradsync.collectives import ring
+from gradsync.collectives.ops import ReduceOp, make_reducer
+from gradsync.config import Config
+from gradsync.transport import local
+from gradsync.transport.comm import SEGMENT_BLOCK, Comm, Trials
+from harness import run_ranks, tcp_mesh
+
+CHUNK = 64 << 10
+SUM = make_reducer(ReduceOp.SUM, np.float64)
+
+
+def test_trials_take_turns_in_blocks_and_keep_the_end_of_each_turn():
+    trials = Trials(("small", "large"), rounds=2, untried="large", block=4)
+    order, ends = [], []
+    while True:
+        way = trials.next()
+        order.append(way)
+        # a turn's first two runs are slow (as after a switch on some machines): not counted
+        slow = len(order) % 4 in (1, 2)
+        ends.append(trials.record(way, 100.0 if slow else (1.0 if way == "small" else 2.0),
+                                  1 << 20))
+        if ends[-1]:
+            break
+    assert order == ["small"] * 4 + ["large"] * 4 + ["small"] * 4 + ["large"] * 4
+    assert ends == [False] * 15 + [True]
+    assert trials.chosen is None  # the owner chooses, from these medians or the ranks' sum
+    assert trials.medians() == [1.0 / (1 << 20), 2.0 / (1 << 20)]
+    trials.choose([3.0, 2.0])
+    assert trials.chosen == "large" and trials.next() == "large"
+    assert not trials.record("large", 1.0, 1 << 20)  # chosen: nothing more is recorded
+    assert Trials(("a", "b"), rounds=0, untried="b").chosen == "b"
+
+
+def _slowed(monkeypatch, delays):
+    """Makes ring phases with segments of ``size`` bytes ``delays[rank][size]`` seconds slower
+    on ``rank``; returns the list of (rank, segment bytes) of each phase run."""
+    circulate, phases = ring._circulate, []
+
+    def slowed(comm, data, offsets, first_send_block, seg_elems, reducer, lend):
+        circulate(comm, data, offsets, first_send_block, seg_elems, reducer, lend)
+        segment = seg_elems * data.itemsize
+        phases.append((comm.rank, segment))
+        time.sleep(delays.get(comm.rank, {}).get(segment, 0.0))
+
+    monkeypatch.setattr(ring, "_circulate", slowed)
+    return phases
+
+
+class _PrefersWhole(Comm):
+    """A rank whose own medians favour whole segments, whatever it measured (the ranks of a
+    synchronous ring mostly measure each other's delays, so real ones rarely disagree)."""
+
+    def segments(self, chunk_bytes, ranks=None):
+        trials = super().segments(chunk_bytes, ranks)
+        if trials is not None:
+            trials.medians = lambda: [5e-8, 1e-8]
+        return trials
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_ranks_keep_the_segment_that_is_faster_over_all_of_them(monkeypatch, n):
+    # Whole segments are made 100 ms slower a phase on rank 0; rank 1's medians say whole
+    # segments are faster. Alone they would choose differently; together they must keep the
+    # same one, the quarter (the lower sum), or their segments would no longer match.
+    monkeypatch.setattr(ring, "TUNE_FROM_BYTES", 1 << 20)
+    phases = _slowed(monkeypatch, {0: {CHUNK: 0.1}})
+    length = (1 << 20) // 8 + 3 * n  # uneven blocks, several segments each
+    allreduces = 2 * 2 * SEGMENT_BLOCK + 3
+
+    def fn(comm):
+        data = np.empty(length, np.float64)
+        sizing = comm.segments(CHUNK)
+        for it in range(allreduces):
+            data[:] = np.arange(length) % 7 + comm.rank + it
+            comm.begin(f"allreduce {it}")
+            ring.allreduce(comm, data, SUM, CHUNK)
+            want = n * (np.arange(length) % 7) + n * (n - 1) / 2 + n * it
+            assert (data == want).all()
+        return sizing.chosen, sizing.medians()
+
+    comms = tcp_mesh(n, comm_class=lambda r: _PrefersWhole if r == 1 else Comm)
+    results = run_ranks(comms, fn)
+    assert [chosen for chosen, _ in results] == [CHUNK // 4] * n
+    small, large = results[0][1]
+    assert small * 2 < large  # rank 0 measured its delay
+    # Each allreduce is two phases; the trials take turns of SEGMENT_BLOCK allreduces, quarter
+    # segments first; the agreement's own tiny allreduce (two more phases, one segment of the
+    # whole 16 bytes) ends the trials; then the chosen size.
+    ranks0 = [segment for rank, segment in phases if rank == 0]
+    turns = [CHUNK // 4] * SEGMENT_BLOCK + [CHUNK] * SEGMENT_BLOCK
+    want = [s for s in turns * 2 for _ in range(2)] + [8, 8] + [CHUNK // 4] * 6
+    assert ranks0 == want
+
+
+def test_no_trials_below_the_threshold_without_sockets_or_when_off(monkeypatch):
+    phases = _slowed(monkeypatch, {})
+    small = np.ones((ring.TUNE_FROM_BYTES - 8) // 8)
+
+    def fn(comm):
+        comm.begin("small")
+        ring.allreduce(comm, small.copy(), SUM, CHUNK)
+        return comm.segments(CHUNK) is not None
+
+    # over TCP there are trials, but a vector below TUNE_FROM_BYTES always cuts chunk_bytes
+    assert run_ranks(tcp_mesh(2), fn) == [True, True]
+    assert {segment for _, segment in phases} == {CHUNK}
+    # no socket among the pairs (in-process pairs here; shared memory alike): no trials
+    assert [comm.segments(CHUNK) for comm in local.local_comms(3, 10.0)] == [None] * 3
+    # GRADSYNC_TUNE_SEGMENTS=0 gives the Comm no trials
+    assert run_ranks(tcp_mesh(2, segment_trials=0), fn) == [False, False]
+    assert Config(tune_segments=False).tune_segments is False
