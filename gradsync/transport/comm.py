@@ -158,9 +158,9 @@ class Comm:
         """The trials of segment sizes for the large ring allreduces of ``ranks`` (global ranks
         in ring order; default all), or None when their segments are ``chunk_bytes`` always.
 
-        Over sockets the fastest segment depends on the machine: on one VM 64 MiB over
-        loopback TCP took 0.6 as long in segments of a quarter of the default 1 MiB, on another
-        about as long (docs/benchmarks.md). So rings with a socket among their pairs try
+        Over sockets the fastest segment depends on the machine: on one VM a 64 MiB allreduce
+        over loopback TCP took about three quarters as long in segments of a quarter of the
+        default 1 MiB, on another about as long (docs/benchmarks.md). So rings with a socket among their pairs try
         ``chunk_bytes`` and a quarter of it in turn. Unlike lending, every rank of a ring must
         cut the same segments, so the ranks choose together (``ring.allreduce``). Each set of
         ranks has trials of its own: only its members run its collectives, all of them.
