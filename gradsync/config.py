@@ -61,9 +61,9 @@ class Config:
 
     tune_segments: bool = True
     """Ring allreduces of 4 MiB or more with a TCP connection in the ring measure their segment
-    size: the first ones cut segments of ``chunk_bytes`` and of a quarter of it in turn, and the
-    ranks keep the faster together (``transport/comm.py``, ``Comm.segments``); false always
-    cuts ``chunk_bytes``."""
+    size, each power of 4 of sizes on its own: the first ones cut segments of ``chunk_bytes``
+    and of a quarter of it in turns, and the ranks keep the faster together
+    (``transport/comm.py``, ``Comm.segments``); false always cuts ``chunk_bytes``."""
 
     tcp_splice: bool = True
     """The ring's segments of vectors above 32 MiB may go to a TCP socket by reference

@@ -51,7 +51,8 @@ def test_bench_allreduce_times_the_ring_exchange_over_tcp(tmp_path):
     assert "exchange(us)" in proc.stdout
     assert rows[0]["segment"] == 256 << 10  # below ring.TUNE_FROM_BYTES: chunk_bytes
     assert rows[1]["segment"] in (64 << 10, 256 << 10)
-    assert f"# ring over TCP: segments of {rows[1]['segment']} B chosen" in proc.stdout
+    assert (f"# ring over TCP: segments of {rows[1]['segment']} B chosen for allreduces of "
+            f"{6 << 20} B") in proc.stdout
 
 
 def test_bench_allreduce_measures_open_mpi_beside(tmp_path):

@@ -44,14 +44,17 @@ def test_trials_take_turns_in_blocks_and_keep_the_end_of_each_turn():
 
 def _slowed(monkeypatch, delays):
     """Makes ring phases with segments of ``size`` bytes ``delays[rank][size]`` seconds slower
-    on ``rank``; returns the list of (rank, segment bytes) of each phase run."""
+    on ``rank`` (or ``delays(rank, size, vector bytes)``); returns the list of (rank, segment
+    bytes) of each phase run."""
     circulate, phases = ring._circulate, []
+    delay = delays if callable(delays) else (
+        lambda rank, segment, nbytes: delays.get(rank, {}).get(segment, 0.0))
 
     def slowed(comm, data, offsets, first_send_block, seg_elems, reducer, lend):
         circulate(comm, data, offsets, first_send_block, seg_elems, reducer, lend)
         segment = seg_elems * data.itemsize
         phases.append((comm.rank, segment))
-        time.sleep(delays.get(comm.rank, {}).get(segment, 0.0))
+        time.sleep(delay(comm.rank, segment, data.nbytes))
 
     monkeypatch.setattr(ring, "_circulate", slowed)
     return phases
@@ -61,8 +64,8 @@ class _PrefersWhole(Comm):
     """A rank whose own medians favour whole segments, whatever it measured (the ranks of a
     synchronous ring mostly measure each other's delays, so real ones rarely disagree)."""
 
-    def segments(self, chunk_bytes, ranks=None):
-        trials = super().segments(chunk_bytes, ranks)
+    def segments(self, chunk_bytes, nbytes, ranks=None):
+        trials = super().segments(chunk_bytes, nbytes, ranks)
         if trials is not None:
             trials.medians = lambda: [5e-8, 1e-8]
         return trials
@@ -80,7 +83,7 @@ def test_the_ranks_keep_the_segment_that_is_faster_over_all_of_them(monkeypatch,
 
     def fn(comm):
         data = np.empty(length, np.float64)
-        sizing = comm.segments(CHUNK)
+        sizing = comm.segments(CHUNK, data.nbytes)
         for it in range(allreduces):
             data[:] = np.arange(length) % 7 + comm.rank + it
             comm.begin(f"allreduce {it}")
@@ -103,6 +106,28 @@ def test_the_ranks_keep_the_segment_that_is_faster_over_all_of_them(monkeypatch,
     assert ranks0 == want
 
 
+def test_each_power_of_4_of_sizes_chooses_on_its_own(monkeypatch):
+    # Interleaved allreduces of two sizes: at the smaller, whole segments are made slower; at
+    # the larger (four times as large), quarter ones. Each size keeps its own faster segment.
+    monkeypatch.setattr(ring, "TUNE_FROM_BYTES", 1 << 20)
+    small, large = (1 << 20) // 8, (4 << 20) // 8
+    slow = {small * 8: CHUNK, large * 8: CHUNK // 4}
+    _slowed(monkeypatch, lambda rank, segment, nbytes: 0.05 * (slow.get(nbytes) == segment))
+
+    def fn(comm):
+        assert comm.segments(CHUNK, small * 8) is comm.segments(CHUNK, small * 8 + 4096)
+        assert comm.segments(CHUNK, small * 8) is not comm.segments(CHUNK, large * 8)
+        for it in range(2 * 2 * SEGMENT_BLOCK + 1):
+            for length in (small, large):
+                data = np.full(length, comm.rank + 1.0)
+                comm.begin(f"allreduce {it} of {length}")
+                ring.allreduce(comm, data, SUM, CHUNK)
+                assert (data == 3.0).all()
+        return [comm.segments(CHUNK, n * 8).chosen for n in (small, large)]
+
+    assert run_ranks(tcp_mesh(2), fn) == [[CHUNK // 4, CHUNK]] * 2
+
+
 def test_no_trials_below_the_threshold_without_sockets_or_when_off(monkeypatch):
     phases = _slowed(monkeypatch, {})
     small = np.ones((ring.TUNE_FROM_BYTES - 8) // 8)
@@ -110,13 +135,13 @@ def test_no_trials_below_the_threshold_without_sockets_or_when_off(monkeypatch):
     def fn(comm):
         comm.begin("small")
         ring.allreduce(comm, small.copy(), SUM, CHUNK)
-        return comm.segments(CHUNK) is not None
+        return comm.segments(CHUNK, small.nbytes) is not None
 
     # over TCP there are trials, but a vector below TUNE_FROM_BYTES always cuts chunk_bytes
     assert run_ranks(tcp_mesh(2), fn) == [True, True]
     assert {segment for _, segment in phases} == {CHUNK}
     # no socket among the pairs (in-process pairs here; shared memory alike): no trials
-    assert [comm.segments(CHUNK) for comm in local.local_comms(3, 10.0)] == [None] * 3
+    assert [comm.segments(CHUNK, 64 << 20) for comm in local.local_comms(3, 10.0)] == [None] * 3
     # GRADSYNC_TUNE_SEGMENTS=0 gives the Comm no trials
     assert run_ranks(tcp_mesh(2, segment_trials=0), fn) == [False, False]
     assert Config(tune_segments=False).tune_segments is False

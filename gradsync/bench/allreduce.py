@@ -341,7 +341,7 @@ def run(args) -> list[dict]:
                            several=len(runs) > 1, shared="shared" in buffers)
         size *= args.factor
     if rank == 0:
-        _print_trials(world.comm, world.config.chunk_bytes)
+        _print_trials(world.comm, world.config.chunk_bytes, [row["size"] for row in rows])
     if args.profile:
         _profile(lambda: gs.allreduce_(x, op=gs.Sum, name="bench", algorithm=algorithms[0]),
                  gs.barrier, rank)
@@ -388,16 +388,20 @@ def _measure(args, fn, barrier, reduce_max, x, check: bool, rank: int, n: int, n
         "busbw": algbw * (2 * (n - 1) / n if n > 1 else 1), "wrong": wrong}
 
 
-def _print_trials(comm, chunk_bytes: int) -> None:
-    """What the ring's trials (segment sizes, lending) chose on ``comm``, if it had any."""
+def _print_trials(comm, chunk_bytes: int, sizes: "list[int]") -> None:
+    """What the ring's trials (segment sizes, lending) chose on ``comm`` for ``sizes``."""
     from gradsync.collectives import ring
 
-    sizing = comm.segments(chunk_bytes)
-    if sizing is not None and sizing.chosen is not None:
+    seen = set()
+    for nbytes in sizes:
+        sizing = comm.segments(chunk_bytes, nbytes) if nbytes >= ring.TUNE_FROM_BYTES else None
+        if sizing is None or sizing.chosen is None or id(sizing) in seen:
+            continue
+        seen.add(id(sizing))
         tried = ", ".join(f"{way} B: {cost * 1e12:.0f} ps/B" for way, cost in
                           zip(sizing.ways, sizing.medians()))
         print(f"# ring over TCP: segments of {sizing.chosen} B chosen for allreduces of "
-              f"{ring.TUNE_FROM_BYTES} B or more (rank 0's medians: {tried})", flush=True)
+              f"{nbytes} B (rank 0's medians: {tried})", flush=True)
     if comm.lends and comm.lending.chosen is not None and comm.lending.seconds_per_byte[True]:
         print(f"# ring over TCP: lending {'chosen' if comm.lending.chosen else 'not chosen'} "
               f"for allreduces above {ring.LEND_ABOVE_BYTES} B", flush=True)

@@ -58,12 +58,12 @@ allgather's copy could exist. Only the end of a phase that returns to the caller
 
 Segment sizes. Over sockets the segment size that keeps the kernel's copies fastest depends on
 the machine (docs/benchmarks.md), so allreduces of ``TUNE_FROM_BYTES`` or more on a ring with a
-socket among its pairs measure it (``Comm.segments``): the first ones cut segments of
-``chunk_bytes`` and of a quarter of it in turn, each timed per byte, and then every rank keeps
-the size whose medians, summed over the ranks, are lowest. The ranks must agree, as both ends
-of a segment must cut it alike, so the sum is allreduced (``_agree``) within the allreduce that
-ends the trials, which is the same one on every rank. Lending is measured after that, in
-segments of the chosen size.
+socket among its pairs measure it (``Comm.segments``), each power of 4 of sizes on its own: the
+first ones cut segments of ``chunk_bytes`` and of a quarter of it in turns, each timed per
+byte, and then every rank keeps the size whose medians, summed over the ranks, are lowest. The
+ranks must agree, as both ends of a segment must cut it alike, so the sum is allreduced
+(``_agree``) within the allreduce that ends the trials, which is the same one on every rank.
+Lending is measured after that, in segments of the chosen size.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def allreduce(comm: Comm, data: np.ndarray, reducer: Reducer, chunk_bytes: int) 
             (see "Segment sizes" above).
     """
     counts = even_counts(len(data), comm.size)
-    sizing = comm.segments(chunk_bytes) if data.nbytes >= TUNE_FROM_BYTES else None
+    sizing = _sizing(comm, data.nbytes, chunk_bytes)
     segment = chunk_bytes if sizing is None else sizing.next()
     sizes_measured = sizing is not None and sizing.chosen is None
     # Above the threshold, once the segment is settled, this allreduce is one of the Comm's
@@ -180,17 +180,21 @@ def _agree(comm: Comm, sizing: Trials, chunk_bytes: int) -> None:
     sizing.choose(costs.tolist())
 
 
+def _sizing(comm: Comm, nbytes: int, chunk_bytes: int) -> "Trials | None":
+    return comm.segments(chunk_bytes, nbytes) if nbytes >= TUNE_FROM_BYTES else None
+
+
 def segment_bytes(comm: Comm, nbytes: int, chunk_bytes: int) -> int:
     """The largest segment an allreduce of ``nbytes`` on ``comm`` cuts now (once the trials of
     segment sizes are over, from then on)."""
-    sizing = comm.segments(chunk_bytes) if nbytes >= TUNE_FROM_BYTES else None
+    sizing = _sizing(comm, nbytes, chunk_bytes)
     return chunk_bytes if sizing is None else sizing.next()
 
 
 def measuring(comm: Comm, nbytes: int, chunk_bytes: int) -> bool:
     """Whether a ring allreduce of ``nbytes`` on ``comm`` would be one of its trials, of
     segment sizes or of lending."""
-    sizing = comm.segments(chunk_bytes) if nbytes >= TUNE_FROM_BYTES else None
+    sizing = _sizing(comm, nbytes, chunk_bytes)
     if sizing is not None and sizing.chosen is None:
         return True
     return nbytes > LEND_ABOVE_BYTES and comm.lends and comm.lending.chosen is None

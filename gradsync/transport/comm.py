@@ -154,18 +154,23 @@ class Comm:
         """Whether a send to some peer can go out lent (``exchange(lend=True)``)."""
         return any(pair.lends for pair in self.pairs.values())
 
-    def segments(self, chunk_bytes: int, ranks: "Sequence[int] | None" = None) -> "Trials | None":
-        """The trials of segment sizes for the large ring allreduces of ``ranks`` (global ranks
-        in ring order; default all), or None when their segments are ``chunk_bytes`` always.
+    def segments(self, chunk_bytes: int, nbytes: int,
+                 ranks: "Sequence[int] | None" = None) -> "Trials | None":
+        """The trials of segment sizes for ring allreduces of about ``nbytes`` (the same power of
+        4) among ``ranks`` (global ranks in ring order; default all), or None when their
+        segments are ``chunk_bytes`` always.
 
         Over sockets the fastest segment depends on the machine: on one VM a 64 MiB allreduce
         over loopback TCP took about three quarters as long in segments of a quarter of the
-        default 1 MiB, on another about as long (docs/benchmarks.md). So rings with a socket among their pairs try
-        ``chunk_bytes`` and a quarter of it in turn. Unlike lending, every rank of a ring must
-        cut the same segments, so the ranks choose together (``ring.allreduce``). Each set of
-        ranks has trials of its own: only its members run its collectives, all of them.
+        default 1 MiB, on another about as long (docs/benchmarks.md). So rings with a socket
+        among their pairs try ``chunk_bytes`` and a quarter of it, and each size class chooses
+        on its own (at 3 ranks on 2 cores a choice made at 4 MiB was the wrong one at 64 MiB).
+        Unlike lending, every rank of a ring must cut the same segments, so the ranks choose
+        together (``ring.allreduce``). Each set of ranks has trials of its own: only its
+        members run its collectives, all of them.
         """
-        key = (tuple(range(self.size)) if ranks is None else tuple(ranks), chunk_bytes)
+        key = (tuple(range(self.size)) if ranks is None else tuple(ranks), chunk_bytes,
+               (max(nbytes, 1).bit_length() - 1) // 2)
         if key in self._segments:
             return self._segments[key]
         trials = None
@@ -303,9 +308,9 @@ class CommView:
     def lending(self) -> Lending:
         return self.root.lending
 
-    def segments(self, chunk_bytes: int) -> "Trials | None":
+    def segments(self, chunk_bytes: int, nbytes: int) -> "Trials | None":
         """``Comm.segments`` of the view's ranks."""
-        return self.root.segments(chunk_bytes, self.ranks)
+        return self.root.segments(chunk_bytes, nbytes, self.ranks)
 
     @property
     def lends(self) -> bool:
