@@ -17,8 +17,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from gradsync.transport.comm import Comm
 from gradsync.transport import tcp
+from gradsync.transport.comm import Comm
 from gradsync.transport.tcp import TcpPair
 
 RANKS = Path(__file__).parent / "ranks"

@@ -98,8 +98,8 @@ def test_the_ranks_keep_the_segment_that_is_faster_over_all_of_them(monkeypatch,
     small, large = results[0][1]
     assert small * 2 < large  # rank 0 measured its delay
     # Each allreduce is two phases; the trials take turns of SEGMENT_BLOCK allreduces, quarter
-    # segments first; the agreement's own tiny allreduce (two more phases, one segment of the
-    # whole 16 bytes) ends the trials; then the chosen size.
+    # segments first; the agreement's own tiny allreduce of two float64 (two more phases in
+    # segments of one element, 8 bytes) ends the trials; then the chosen size.
     ranks0 = [segment for rank, segment in phases if rank == 0]
     turns = [CHUNK // 4] * SEGMENT_BLOCK + [CHUNK] * SEGMENT_BLOCK
     want = [s for s in turns * 2 for _ in range(2)] + [8, 8] + [CHUNK // 4] * 6

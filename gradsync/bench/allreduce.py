@@ -23,8 +23,9 @@ no reduction (``RingExchange``): what is left of an allreduce's time beyond it i
 and its own overhead.
 
 Over TCP the ring's first large allreduces are trials (of segment sizes, then of lending;
-``collectives/ring.py``): gradsync's warm-up goes on until they are over, so that the timed
-allreduces run as a long job's do.
+``collectives/ring.py``): when the plain ring runs on the job's Comm, gradsync's warm-up goes
+on until they are over, so that the timed allreduces run as a long job's do (``hierarchical``
+and ``topo_ring`` run theirs on views of the Comm, which the warm-up does not wait for).
 
     algbw = size / time            busbw = algbw * 2 (n - 1) / n
 
