@@ -55,6 +55,22 @@ def test_bench_allreduce_times_the_ring_exchange_over_tcp(tmp_path):
             f"{6 << 20} B") in proc.stdout
 
 
+def test_bench_allreduce_keeps_chunk_bytes_with_tune_segments_off(tmp_path):
+    # GRADSYNC_TUNE_SEGMENTS=0 reaches the job's Comm: over TCP, at a size that would run the
+    # trials, the ring cuts chunk_bytes and reports no choice.
+    out = tmp_path / "rows.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradsync", "bench", "allreduce", "-np", "2", "--sizes",
+         "4M:4M", "--seconds", "0.05", "--json", str(out)],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "GRADSYNC_TRANSPORT": "tcp", "GRADSYNC_CHUNK_BYTES": "256K",
+             "GRADSYNC_TUNE_SEGMENTS": "0"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())
+    assert rows[0]["segment"] == 256 << 10 and rows[0]["gradsync"]["wrong"] == 0
+    assert "# ring over TCP: segments of" not in proc.stdout
+
+
 def test_bench_allreduce_measures_open_mpi_beside(tmp_path):
     """Open MPI through mpi4py in the same ranks (started by mpirun); the bench extra and the
     system's Open MPI are needed: this fails with the command that installs them."""
