@@ -184,17 +184,27 @@ def _allgather_counts(world, count: int, what: str) -> list[int]:
     return counts.tolist()
 
 
-def allgather(world, flat: np.ndarray, dtype, *, name: str, shape: tuple) -> tuple[np.ndarray, list[int]]:
+def allgather(world, flat: np.ndarray, dtype, *, name: str, shape: tuple,
+              into: "np.ndarray | None" = None) -> tuple[np.ndarray, list[int]]:
     """Concatenates every rank's ``flat`` along the first dimension.
 
+    Args:
+        into: where to gather, when it has exactly the gathered size and ``flat``'s dtype (a
+            fresh array otherwise, so that the collective completes on every rank and the
+            caller can report the mismatch). Gathering into the caller's memory spares a copy
+            and the page faults of a fresh array, which cost more than the transfer.
+
     Returns:
-        The gathered flat array and the number of rows each rank contributed.
+        The gathered flat array (``into`` when it was used) and the number of rows each rank
+        contributed.
     """
     shape = tuple(shape) or (1,)
     row = int(np.prod(shape[1:], dtype=np.int64))
     what = f"'{name}' {_dt(dtype)}[*, {', '.join(map(str, shape[1:]))}]"
     rows = _allgather_counts(world, shape[0], what)
-    out = np.empty(sum(rows) * row, dtype=flat.dtype)
+    total = sum(rows) * row
+    fits = into is not None and into.size == total and into.dtype == flat.dtype
+    out = into if fits else np.empty(total, dtype=flat.dtype)
     offset = sum(rows[:world.rank]) * row
     out[offset:offset + flat.size] = flat
     world.comm.begin(f"allgather {what} rows={rows}", world.config.check_collectives)
@@ -231,10 +241,12 @@ def split_rows(rows: int, size: int) -> list[int]:
 
 def reducescatter(world, flat: np.ndarray, dtype, op: ReduceOp, *, name: str, shape: tuple,
                   prescale: float = 1.0, postscale: float = 1.0,
-                  trunc: bool = False) -> np.ndarray:
+                  trunc: bool = False, out: "np.ndarray | None" = None) -> np.ndarray:
     """Reduces ``flat`` (a scratch copy; it is overwritten) and returns this rank's block.
 
-    ``trunc``: an integer Average rounds toward zero, as in ``allreduce``."""
+    ``trunc``: an integer Average rounds toward zero, as in ``allreduce``.
+    ``out``: the block goes there (and is returned) instead of into a fresh array; it must
+    have the block's size and ``flat``'s dtype."""
     shape = tuple(shape) or (1,)
     row = int(np.prod(shape[1:], dtype=np.int64))
     counts = [r * row for r in split_rows(shape[0], world.size)]
@@ -246,7 +258,15 @@ def reducescatter(world, flat: np.ndarray, dtype, op: ReduceOp, *, name: str, sh
         ring.reduce_scatter(world.comm, flat, counts, make_reducer(op, dtype),
                             world.config.chunk_bytes)
     start = sum(counts[:world.rank])
-    mine = flat[start:start + counts[world.rank]].copy()
+    block = flat[start:start + counts[world.rank]]
+    if out is None:
+        mine = block.copy()
+    elif out.size != block.size or out.dtype != block.dtype:
+        raise ValueError(f"reducescatter '{name}': out is {out.dtype}[{out.size}], this "
+                         f"rank's block {block.dtype}[{block.size}]")
+    else:
+        mine = out
+        np.copyto(mine, block)
     if op is ReduceOp.AVERAGE and world.size > 1:
         scale(mine, dtype, world.size, divide=True, trunc=trunc)
     if postscale != 1.0:

@@ -1,6 +1,7 @@
 """``gradsync bench``: starts the benchmark's ranks through ``gradsync run``.
 
     gradsync bench allreduce -np 2 [--compare gloo] [--sizes 4K:64M] ...
+    gradsync bench backend -np 2 [--sizes 1M:64M] [--collectives all_reduce,...]
     gradsync bench train -np 2 [--compare ddp] [--model mlp|cnn|both] [--profile] ...
     gradsync bench ps -np 2 --servers 1 [--sizes 1K:64M] [--transport auto|tcp] [--straggler]
 
@@ -17,7 +18,8 @@ import sys
 
 __all__ = ["main"]
 
-BENCHMARKS = {"allreduce": "gradsync.bench.allreduce", "elastic": "gradsync.bench.elastic",
+BENCHMARKS = {"allreduce": "gradsync.bench.allreduce", "backend": "gradsync.bench.backend",
+              "elastic": "gradsync.bench.elastic",
               "probe": "gradsync.bench.probe",
               "ps": "gradsync.bench.ps", "train": "gradsync.bench.train"}
 

@@ -159,6 +159,17 @@ def check_reductions(dtype, count):
                                                      for b in range(N)]), op=op, group=group)
             return o
         with_gloo(f"reduce_scatter_tensor {op} {dtype} x{count}", peer, out2)
+        # in place, as FSDP may call it: the output is this rank's block of the input
+        flat = torch.cat(ins)
+        dist.reduce_scatter_tensor(flat[R * count:(R + 1) * count], flat, op=op)
+        same(f"reduce_scatter_tensor in place {op} {dtype} x{count}",
+             flat[R * count:(R + 1) * count], want)
+        # into a strided output (every other element of a wider tensor)
+        wider = torch.zeros(2 * count, dtype=dtype)
+        dist.reduce_scatter_tensor(wider[::2], torch.cat(ins), op=op)
+        same(f"reduce_scatter_tensor strided {op} {dtype} x{count}", wider[::2], want)
+        same(f"reduce_scatter_tensor strided {op} {dtype} x{count} leaves the gaps",
+             wider[1::2], torch.zeros(count, dtype=dtype))
 
 
 def check_movement(dtype, count):
@@ -181,6 +192,14 @@ def check_movement(dtype, count):
         dist.all_gather_into_tensor(o, x, group=group)
         return o
     with_gloo(f"all_gather_into_tensor {dtype} x{count}", peer, flat)
+    # in place (the input is this rank's block of the output) and into a strided output
+    inplace = torch.zeros(N * count, dtype=dtype)
+    inplace[R * count:(R + 1) * count] = x
+    dist.all_gather_into_tensor(inplace, inplace[R * count:(R + 1) * count])
+    same(f"all_gather_into_tensor in place {dtype} x{count}", inplace, flat)
+    wider = torch.zeros(2 * N * count, dtype=dtype)
+    dist.all_gather_into_tensor(wider[::2], x)
+    same(f"all_gather_into_tensor strided {dtype} x{count}", wider[::2], flat)
     # gather to rank 0, scatter from the last rank
     got = [torch.empty(count, dtype=dtype) for _ in range(N)] if R == 0 else None
     dist.gather(x, got, dst=0)
@@ -293,6 +312,40 @@ def check_subgroups():
     dist.barrier()
 
 
+def check_no_fresh_buffers():
+    """reduce_scatter_tensor copies its input into one buffer kept by the group, not a fresh
+    one per call (whose page faults cost more than the transfer); it only grows.
+    all_gather_into_tensor gathers into a contiguous output itself."""
+    group = dist.distributed_c10d._get_default_group()  # the ProcessGroupGradsync itself
+    big, small = torch.ones(N * 1000), torch.ones(N * 10, dtype=torch.float64)
+    dist.reduce_scatter_tensor(torch.empty(1000), big)
+    kept = group._scratch.data_ptr()
+    for _ in range(3):
+        out = torch.empty(10, dtype=torch.float64)
+        dist.reduce_scatter_tensor(out, small)
+        same("reduce_scatter_tensor after a larger one", out, torch.full((10,), float(N),
+                                                                         dtype=torch.float64))
+        dist.reduce_scatter_tensor(torch.empty(1000), big)
+    if group._scratch.data_ptr() != kept:
+        fail("reduce_scatter_tensor allocated a new work buffer for a size it had already")
+    # all_gather_into_tensor gathers straight into a contiguous output of the right size
+    import gradsync.operations as operations
+    gather, used = operations.allgather, []
+
+    def spy(*args, into=None, **kwargs):
+        out, rows = gather(*args, into=into, **kwargs)
+        used.append(into is not None and out is into)
+        return out, rows
+    operations.allgather = spy
+    try:
+        dist.all_gather_into_tensor(torch.empty(N * 100), torch.ones(100))
+        dist.all_gather_into_tensor(torch.empty(2 * N * 100)[::2], torch.ones(100))
+    finally:
+        operations.allgather = gather
+    if used != [True, False]:
+        fail(f"all_gather_into_tensor gathered into the output: {used}, want [True, False]")
+
+
 def check_float8():
     f8 = torch.float8_e4m3fn
     x = value(R, torch.float32, 6).to(f8)
@@ -316,6 +369,7 @@ check_async_and_futures()
 check_objects_and_p2p()
 check_subgroups()
 check_float8()
+check_no_fresh_buffers()
 dist.barrier()
 print(f"rank {R}: pg collectives ok: {stats}", flush=True)
 dist.destroy_process_group()

@@ -105,6 +105,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
             raise to_backend_error(exc, f"rank {rank} joining the gradsync process group") \
                 from exc
         self._lane = Lane(f"gradsync-pg{group_id}", self._failed)
+        self._scratch = torch.empty(0, dtype=torch.uint8)  # see _work
         self._p2p = PointToPoint(self.world)
         self._closed = False
         _live.add(self)
@@ -222,8 +223,11 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         world = self.world
 
         def run():
-            stacked = torch.stack([c.detach() for c in chunks]) if n > 1 else \
-                chunks[0].detach().clone().unsqueeze(0)
+            # The ring folds in place, so the inputs are copied: into the group's work buffer,
+            # which spares the page faults of a fresh one per call (they cost more than the
+            # transfer: docs/benchmarks.md, "The backend's reduce-scatter and allgather").
+            stacked = self._work(output.nbytes * n, output.dtype, (n, *output.shape))
+            torch.stack([c.detach() for c in chunks], out=stacked)
             if red.op is None:
                 gathered, _ = ops.allgather(world, as_bytes(stacked), np.uint8, name=what,
                                             shape=(stacked.nbytes,))
@@ -231,8 +235,12 @@ class ProcessGroupGradsync(dist.ProcessGroup):
                 output.copy_(red.fold_fn(everything[:, world.rank]))
                 return
             flat, dtype = red.flat(stacked)
-            mine = ops.reducescatter(world, flat, dtype, red.op, name=what,
-                                     shape=(n, flat.size // n if n else 0),
+            shape = (n, flat.size // n if n else 0)
+            if output.is_contiguous():  # the block lands in the output itself
+                ops.reducescatter(world, flat, dtype, red.op, name=what, shape=shape,
+                                  prescale=red.prescale, out=red.flat(output)[0])
+                return
+            mine = ops.reducescatter(world, flat, dtype, red.op, name=what, shape=shape,
                                      prescale=red.prescale)
             result = torch.from_numpy(mine)
             if output.is_complex():
@@ -241,6 +249,16 @@ class ProcessGroupGradsync(dist.ProcessGroup):
                 result = result.view(output.dtype) if result.dtype != output.dtype else result
             output.copy_(result.reshape(output.shape))
         return run
+
+    def _work(self, nbytes: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+        """The group's work buffer, as a ``dtype`` tensor of ``shape`` (``nbytes`` bytes).
+
+        It grows to the largest request and is kept: collectives run one at a time on the
+        lane, so one buffer serves them all."""
+        if self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(0, dtype=torch.uint8)  # the old one goes first
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return self._scratch[:nbytes].view(dtype).view(shape)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
@@ -281,11 +299,12 @@ class ProcessGroupGradsync(dist.ProcessGroup):
                     t.copy_(work)
         return self._run("broadcast", tensors, run, opts)
 
-    def _gather_bytes(self, t: torch.Tensor, what: str):
-        """All ranks' bytes of ``t`` and the byte count of each (on the lane)."""
+    def _gather_bytes(self, t: torch.Tensor, what: str, into: "np.ndarray | None" = None):
+        """All ranks' bytes of ``t`` and the byte count of each (on the lane); in ``into``
+        when it has the gathered size (``ops.allgather``)."""
         work = contiguous(t)
         out, counts = ops.allgather(self.world, as_bytes(work), np.uint8, name=what,
-                                    shape=(work.nbytes,))
+                                    shape=(work.nbytes,), into=into)
         return out, counts
 
     def _scatter_into(self, out: np.ndarray, counts: list, targets: list, what: str) -> None:
@@ -323,8 +342,12 @@ class ProcessGroupGradsync(dist.ProcessGroup):
                              f"{input.numel()}")
 
         def run():
-            out, counts = self._gather_bytes(input, f"all_gather_into_tensor {input.dtype}")
-            self._scatter_into(out, [sum(counts)], [output], "all_gather_into_tensor")
+            # Straight into the output when it is contiguous and of the gathered size.
+            into = as_bytes(output) if output.is_contiguous() else None
+            out, counts = self._gather_bytes(input, f"all_gather_into_tensor {input.dtype}",
+                                             into)
+            if out is not into:
+                self._scatter_into(out, [sum(counts)], [output], "all_gather_into_tensor")
         return self._run("all_gather_into_tensor", [output], run, opts)
 
     _allgather_base = all_gather_single
