@@ -241,22 +241,36 @@ def split_rows(rows: int, size: int) -> list[int]:
 
 def reducescatter(world, flat: np.ndarray, dtype, op: ReduceOp, *, name: str, shape: tuple,
                   prescale: float = 1.0, postscale: float = 1.0,
-                  trunc: bool = False, out: "np.ndarray | None" = None) -> np.ndarray:
+                  trunc: bool = False, out: "np.ndarray | None" = None,
+                  work: "np.ndarray | None" = None) -> np.ndarray:
     """Reduces ``flat`` (a scratch copy; it is overwritten) and returns this rank's block.
 
     ``trunc``: an integer Average rounds toward zero, as in ``allreduce``.
     ``out``: the block goes there (and is returned) instead of into a fresh array; it must
-    have the block's size and ``flat``'s dtype."""
+    have the block's size and ``flat``'s dtype.
+    ``work``: when given (``flat``'s size and dtype), ``flat`` is only read and the ring
+    reduces into ``work`` instead (``ring.reduce_scatter``'s ``source``), which spares
+    copying all of ``flat`` first."""
     shape = tuple(shape) or (1,)
     row = int(np.prod(shape[1:], dtype=np.int64))
     counts = [r * row for r in split_rows(shape[0], world.size)]
     world.comm.begin(f"reducescatter '{name}' {_dt(dtype)}{list(shape)} op={op.name} "
                      f"prescale={prescale} postscale={postscale}", world.config.check_collectives)
+    source = None
+    if work is not None:
+        if work.size != flat.size or work.dtype != flat.dtype:
+            raise ValueError(f"reducescatter '{name}': work is {work.dtype}[{work.size}], "
+                             f"flat {flat.dtype}[{flat.size}]")
+        if prescale != 1.0 or world.size == 1:  # scaled (or nothing to reduce): a copy first
+            np.copyto(work, flat)
+        else:
+            source = flat
+        flat = work
     if prescale != 1.0:
         scale(flat, dtype, prescale)
     if world.size > 1 and flat.size:
         ring.reduce_scatter(world.comm, flat, counts, make_reducer(op, dtype),
-                            world.config.chunk_bytes)
+                            world.config.chunk_bytes, source)
     start = sum(counts[:world.rank])
     block = flat[start:start + counts[world.rank]]
     if out is None:

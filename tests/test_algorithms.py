@@ -197,23 +197,36 @@ def test_same_bits_on_every_rank(algorithm, n, dtype):
     np.testing.assert_allclose(as_float(results[0]), exact, rtol=0.05, atol=0.1 * n)
 
 
+@pytest.mark.parametrize("from_source", [False, True], ids=["in_place", "from_source"])
 @pytest.mark.parametrize("count", COUNTS)
 @pytest.mark.parametrize("n", SIZES)
-def test_reduce_scatter(n, count):
+def test_reduce_scatter(n, count, from_source):
     counts = uneven_counts(element_count(count, n), n)
     offsets = ring.block_offsets(counts, n, sum(counts))
     inputs = [contribution(r, sum(counts), np.float32, Sum) for r in range(n)]
     expected = reference(inputs, np.float32, Sum)
     reducer = make_reducer(Sum, np.float32)
+    sentinel = np.float32(-7.5)  # no sum of the contributions
 
     def rank_fn(comm):
-        data = inputs[comm.rank].copy()
-        ring.reduce_scatter(comm, data, counts, reducer, CHUNK)
-        return data
+        if not from_source:
+            data = inputs[comm.rank].copy()
+            ring.reduce_scatter(comm, data, counts, reducer, CHUNK)
+            return data, None
+        # The contribution is read from ``source`` and only written into ``data``.
+        source = inputs[comm.rank].copy()
+        data = np.full_like(source, sentinel)
+        ring.reduce_scatter(comm, data, counts, reducer, CHUNK, source=source)
+        return data, source
 
-    for rank, got in enumerate(run_ok(n, rank_fn)):
+    for rank, (got, source) in enumerate(run_ok(n, rank_fn)):
         block = slice(offsets[rank], offsets[rank + 1])
         np.testing.assert_array_equal(got[block], expected[block])
+        if from_source:
+            np.testing.assert_array_equal(source, inputs[rank])  # left unwritten
+            if n > 1:  # the block sent first goes out of source, unfolded, and is not copied
+                first = (rank - 1) % n
+                assert (got[offsets[first]:offsets[first + 1]] == sentinel).all()
 
 
 @pytest.mark.parametrize("dtype", [np.int64, np.float16, BFLOAT16],
@@ -345,6 +358,9 @@ def test_bad_arguments_raise_value_error():
     data = np.zeros(4, dtype=np.float32)
     with pytest.raises(ValueError, match="sum to"):
         ring.reduce_scatter(comm, data, [3], make_reducer(Sum, np.float32), CHUNK)
+    with pytest.raises(ValueError, match="must match"):
+        ring.reduce_scatter(comm, data, [4], make_reducer(Sum, np.float32), CHUNK,
+                            source=np.zeros(4, dtype=np.float64))
     with pytest.raises(ValueError, match="counts for"):
         ring.allgather(comm, data, [2, 2], CHUNK)
     with pytest.raises(ValueError, match="chunk_bytes"):

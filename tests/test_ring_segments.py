@@ -50,8 +50,8 @@ def _slowed(monkeypatch, delays):
     delay = delays if callable(delays) else (
         lambda rank, segment, nbytes: delays.get(rank, {}).get(segment, 0.0))
 
-    def slowed(comm, data, offsets, first_send_block, seg_elems, reducer, lend):
-        circulate(comm, data, offsets, first_send_block, seg_elems, reducer, lend)
+    def slowed(comm, data, offsets, first_send_block, seg_elems, reducer, lend, *source):
+        circulate(comm, data, offsets, first_send_block, seg_elems, reducer, lend, *source)
         segment = seg_elems * data.itemsize
         phases.append((comm.rank, segment))
         time.sleep(delay(comm.rank, segment, data.nbytes))

@@ -77,6 +77,28 @@ def test_lent_reduce_scatter_and_allgather(n):
         np.testing.assert_array_equal(gathered, np.repeat(np.arange(n, dtype=float), counts))
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_lent_reduce_scatter_from_a_source(n):
+    # The block sent first goes out of ``source``, lent: writing it right after the return
+    # must not reach anyone, and the source itself is never written.
+    counts = [CHUNK // 8 * 2 + r for r in range(n)]
+    offsets = np.cumsum([0] + counts)
+
+    def fn(comm):
+        source = np.full(sum(counts), comm.rank + 1.0)
+        data = np.full(sum(counts), np.nan)
+        comm.begin("reduce_scatter")
+        ring.reduce_scatter(comm, data, counts, SUM, CHUNK, source=source)
+        untouched = bool((source == comm.rank + 1.0).all())
+        source[:] = -1
+        return data[offsets[comm.rank]:offsets[comm.rank + 1]].copy(), untouched, \
+            [p.lends for p in comm.pairs.values()]
+
+    for mine, untouched, lends in run_ranks(tcp_mesh(n), fn):
+        assert all(lends) and untouched
+        assert (mine == n * (n + 1) / 2).all()
+
+
 class _LateReader(Comm):
     """Rank 1 of the race below: sends its last segment, then holds back its last receive
     until rank 0 has returned from allreduce and overwritten its buffer (``rank0_done``), or

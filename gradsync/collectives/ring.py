@@ -97,7 +97,7 @@ def even_counts(length: int, size: int) -> list[int]:
 
 
 def reduce_scatter(comm: Comm, data: np.ndarray, counts: Sequence[int], reducer: Reducer,
-                   chunk_bytes: int) -> None:
+                   chunk_bytes: int, source: "np.ndarray | None" = None) -> None:
     """Reduces ``data`` over all ranks, leaving each rank's own block fully reduced.
 
     Args:
@@ -108,17 +108,29 @@ def reduce_scatter(comm: Comm, data: np.ndarray, counts: Sequence[int], reducer:
         counts: elements per block, one per rank, summing to ``len(data)``; zeros allowed.
         reducer: the kernel that folds a received segment into ``data``.
         chunk_bytes: the largest segment on the wire; scratch slot 0 holds one segment.
+        source: when given, this rank's contribution instead (same length and dtype), left
+            unwritten; ``data`` is then only written, a segment at a time just before its fold
+            (a copy that stays in cache, where copying all of ``source`` first would not).
+            The block sent first, ``rank - 1``'s, goes out of ``source`` and stays unwritten
+            in ``data``.
     """
-    _reduce_scatter(comm, data, counts, reducer, chunk_bytes, _lends(comm, data))
+    if source is not None and (source.shape != data.shape or source.dtype != data.dtype):
+        raise ValueError(f"source is {source.dtype}{list(source.shape)}, data "
+                         f"{data.dtype}{list(data.shape)}; they must match")
+    if source is not None and comm.size == 1:  # nothing to fold: the block is the source
+        _offsets(comm, data, counts, chunk_bytes)
+        np.copyto(data, source)
+        return
+    _reduce_scatter(comm, data, counts, reducer, chunk_bytes, _lends(comm, data), source)
     comm.settle()
 
 
 def _reduce_scatter(comm: Comm, data: np.ndarray, counts: Sequence[int], reducer: Reducer,
-                    chunk_bytes: int, lend: bool) -> None:
+                    chunk_bytes: int, lend: bool, source: "np.ndarray | None" = None) -> None:
     """``reduce_scatter`` that may return before the right neighbour read the lent segments."""
     offsets = _offsets(comm, data, counts, chunk_bytes)
     _circulate(comm, data, offsets, comm.rank - 1, _segment_elems(data, counts, chunk_bytes),
-               reducer, lend)
+               reducer, lend, source)
 
 
 def allgather(comm: Comm, data: np.ndarray, counts: Sequence[int], chunk_bytes: int) -> None:
@@ -253,8 +265,12 @@ def _segments(offsets: list[int], first_block: int, seg_elems: int) -> Iterator[
 
 
 def _circulate(comm: Comm, data: np.ndarray, offsets: list[int], first_send_block: int,
-               seg_elems: int, reducer: "Reducer | None", lend: bool) -> None:
-    """Runs one ring phase: reduce-scatter when ``reducer`` is given, allgather when None."""
+               seg_elems: int, reducer: "Reducer | None", lend: bool,
+               source: "np.ndarray | None" = None) -> None:
+    """Runs one ring phase: reduce-scatter when ``reducer`` is given, allgather when None.
+
+    ``source`` (reduce-scatter only): the contribution, read where ``data`` would be before a
+    segment is folded there (``reduce_scatter``)."""
     n = comm.size
     if n == 1:
         return
@@ -264,11 +280,19 @@ def _circulate(comm: Comm, data: np.ndarray, offsets: list[int], first_send_bloc
     scratch = None
     if reducer is not None:
         scratch = comm.scratch(seg_elems * data.itemsize).view(data.dtype)
+    # The first block sent is the only one sent unfolded: out of ``source`` when given. It is
+    # cut into this many segments (``_segments``: an empty block is one empty segment).
+    b = first_send_block % n
+    unfolded = -(-(offsets[b + 1] - offsets[b]) // seg_elems) or 1
     send, recv = next(sends, None), next(recvs, None)
     while send is not None or recv is not None:
         # The streams differ in length by the segment counts of two blocks, so near the end a
         # rank may only send or only receive.
-        outgoing = [] if send is None else [(right, data[send[0]:send[1]])]
+        outgoing = []
+        if send is not None:
+            outgoing.append((right, (data if source is None or unfolded <= 0 else source)
+                             [send[0]:send[1]]))
+            unfolded -= 1
         incoming = []
         if recv is not None:
             start, stop = recv
@@ -276,5 +300,7 @@ def _circulate(comm: Comm, data: np.ndarray, offsets: list[int], first_send_bloc
             incoming.append((left, landing))
         comm.exchange(outgoing, incoming, lend)
         if scratch is not None and recv is not None and stop > start:
+            if source is not None:
+                np.copyto(data[start:stop], source[start:stop])
             reducer(data[start:stop], landing)
         send, recv = next(sends, None), next(recvs, None)

@@ -211,7 +211,10 @@ class ProcessGroupGradsync(dist.ProcessGroup):
                  for t in tensors]
         return self._run("reduce", tensors, lambda: [s() for s in steps], opts)
 
-    def _reduce_scatter_one(self, output: torch.Tensor, chunks: list, op, what: str):
+    def _reduce_scatter_one(self, output: torch.Tensor, chunks: list, op, what: str,
+                            whole: "torch.Tensor | None" = None):
+        """The closure that reduce-scatters ``chunks`` (one per rank) into ``output``;
+        ``whole``: the chunks end to end in one contiguous tensor, when the caller has it."""
         n = self.size()
         if len(chunks) != n:
             raise ValueError(f"{what}: {len(chunks)} inputs for a group of {n} ranks")
@@ -223,11 +226,16 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         world = self.world
 
         def run():
-            # The ring folds in place, so the inputs are copied: into the group's work buffer,
-            # which spares the page faults of a fresh one per call (they cost more than the
-            # transfer: docs/benchmarks.md, "The backend's reduce-scatter and allgather").
+            # The ring reduces into the group's work buffer, which spares the page faults of a
+            # fresh one per call (they cost more than the transfer: docs/benchmarks.md, "The
+            # backend's reduce-scatter and allgather"). It reads a contiguous ``whole`` where
+            # it lies; separate chunks are copied into the buffer first.
             stacked = self._work(output.nbytes * n, output.dtype, (n, *output.shape))
-            torch.stack([c.detach() for c in chunks], out=stacked)
+            source = None
+            if whole is None or red.op is None or red.prescale != 1.0:
+                torch.stack([c.detach() for c in chunks], out=stacked)
+            else:
+                source = red.flat(whole.detach().reshape(stacked.shape))[0]
             if red.op is None:
                 gathered, _ = ops.allgather(world, as_bytes(stacked), np.uint8, name=what,
                                             shape=(stacked.nbytes,))
@@ -235,13 +243,13 @@ class ProcessGroupGradsync(dist.ProcessGroup):
                 output.copy_(red.fold_fn(everything[:, world.rank]))
                 return
             flat, dtype = red.flat(stacked)
-            shape = (n, flat.size // n if n else 0)
-            if output.is_contiguous():  # the block lands in the output itself
-                ops.reducescatter(world, flat, dtype, red.op, name=what, shape=shape,
-                                  prescale=red.prescale, out=red.flat(output)[0])
+            contribution, work = (flat, None) if source is None else (source, flat)
+            into = red.flat(output)[0] if output.is_contiguous() else None  # the block's place
+            mine = ops.reducescatter(world, contribution, dtype, red.op, name=what,
+                                     shape=(n, flat.size // n if n else 0),
+                                     prescale=red.prescale, out=into, work=work)
+            if into is not None:
                 return
-            mine = ops.reducescatter(world, flat, dtype, red.op, name=what, shape=shape,
-                                     prescale=red.prescale)
             result = torch.from_numpy(mine)
             if output.is_complex():
                 result = torch.view_as_complex(result.reshape(-1, 2))
@@ -274,7 +282,8 @@ class ProcessGroupGradsync(dist.ProcessGroup):
                              f"need {n} x output's {output.numel()}")
         chunks = list(input.reshape(n, *output.shape).unbind(0)) if n > 1 else \
             [input.reshape(output.shape)]
-        step = self._reduce_scatter_one(output, chunks, op, "reduce_scatter_tensor")
+        step = self._reduce_scatter_one(output, chunks, op, "reduce_scatter_tensor",
+                                        input if input.is_contiguous() else None)
         return self._run("reduce_scatter_tensor", [output], step, opts)
 
     _reduce_scatter_base = reduce_scatter_single
