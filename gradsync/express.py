@@ -111,7 +111,7 @@ def allreduce(world, engine, tensor, op, name: str, algorithm: str, inplace: boo
         try:
             world.shm_group.allreduce_express(
                 flat if flat.ndim == 1 else flat.reshape(-1), entry.code, entry.divisor,
-                time.monotonic() + world.config.timeout, world.on_idle, entry.signature)
+                time.monotonic() + world.config.timeout, world.on_group_idle, entry.signature)
         except GradsyncError as exc:
             error = world.fail(exc)
             if error is exc:

@@ -81,7 +81,7 @@ def _run_allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, algorithm: str,
     reducer = _reducer(op, dtype)
     cfg = world.config
     if algorithm == "shm":
-        world.shm_group.allreduce(flat, reducer, _deadline(world), world.on_idle,
+        world.shm_group.allreduce(flat, reducer, _deadline(world), world.on_group_idle,
                                   world.comm.signature, finish,
                                   op if postscale == 1.0 else None, divisor, trunc)
         return finish is not None
@@ -225,7 +225,7 @@ def broadcast(world, flat: np.ndarray, dtype, root: int, *, name: str, shape: tu
     if world.size > 1 and flat.size:
         if world.shm_group is not None:
             world.shm_group.broadcast(flat.view(np.uint8), root, _deadline(world),
-                                      world.on_idle, world.comm.signature)
+                                      world.on_group_idle, world.comm.signature)
         elif world.hierarchical:
             hierarchical.broadcast(world.comm, flat.view(np.uint8), root, world.ring_order,
                                    world.levels, world.config.chunk_bytes)
@@ -313,7 +313,7 @@ def barrier(world) -> None:
     """Returns once every rank has entered the barrier."""
     world.comm.begin("barrier", world.config.check_collectives)
     if world.shm_group is not None:
-        world.shm_group.barrier(_deadline(world), world.on_idle, world.comm.signature)
+        world.shm_group.barrier(_deadline(world), world.on_group_idle, world.comm.signature)
     elif world.size > 1:
         token = np.zeros(1, dtype=np.uint8)
         doubling.allreduce(world.comm, token, make_reducer(ReduceOp.MAX, np.uint8))

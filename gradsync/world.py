@@ -28,8 +28,8 @@ from .errors import (AuthenticationError, CollectiveMismatchError, ConfigError, 
                      GradsyncTimeoutError, PeerLostError, ProtocolError)
 from .launch_env import LaunchEnv
 from .rendezvous import Store
-from .transport import tcp
-from .transport.base import Pair
+from .transport import frame, tcp
+from .transport.base import Pair, different_collective
 from .transport.comm import Comm
 
 __all__ = ["World", "PeerInfo"]
@@ -245,6 +245,24 @@ class World:
             self._stall_warned = self.comm.seq
             log.warning("rank %d has waited %.0fs in collective #%d %s; are all ranks issuing "
                         "it?", self.rank, waited, self.comm.seq, self.comm.description)
+
+    def on_group_idle(self, waited: float) -> None:
+        """``on_idle`` for waits in the host's shared-memory group, which read no frames: also
+        looks at the frames waiting on this rank's pairs. A peer whose next frame belongs to
+        this collective but carries another signature issued a collective that goes over
+        pairs (a ring's reduce-scatter, say) where this rank issued one of the group's (a
+        barrier): each would otherwise wait for the other until the timeout."""
+        polled = self._next_poll
+        self.on_idle(waited)
+        comm = self.comm
+        if self._next_poll == polled or not comm.signature:
+            return  # only as often as the abort record; not with the check off
+        for pair in comm.pairs.values():
+            h = pair.peek_header()
+            if (h is not None and h.kind == frame.Kind.DATA and h.seq == comm.seq
+                    and h.signature != comm.signature):
+                raise different_collective(pair.peer, h, comm.seq, comm.description,
+                                           comm.signature)
 
     def fail(self, exc: GradsyncError) -> GradsyncError:
         """Records ``exc`` as the job's failure (unless another rank's came first).

@@ -3,6 +3,7 @@ single-process reference, failures on every rank. Rank scripts: tests/ranks/pg_*
 as torchrun starts ranks (``harness.spawn``), so every rank's own status and message count.
 """
 
+import re
 import subprocess
 import sys
 
@@ -60,6 +61,21 @@ def test_rank_killed_mid_allreduce_under_ddp_fails_every_survivor(hosts):
         assert r.returncode == 3, f"rank {r.rank}: exit {r.returncode}\n{r.output[-4000:]}"
         assert "caught RuntimeError" in r.output and "PeerLostBackendError" in r.output, r.output
         assert "rank 2" in r.output, r.output  # names the lost rank
+
+
+@pytest.mark.parametrize("np_,first,second", [
+    (2, "reduce_scatter_tensor", "barrier"), (3, "all_gather_into_tensor", "all_reduce")])
+def test_mismatch_between_a_ring_and_the_shared_memory_group_fails_every_rank(np_, first,
+                                                                              second):
+    # The ring's ranks send frames that the group's rank never reads, and the group's rank
+    # waits where the ring's never arrive: the group's wait looks at the frames waiting.
+    ranks = spawn(np_, "pg_faults.py", "roads", first, second, timeout=60)
+    for r in ranks:
+        assert r.returncode == 3, f"rank {r.rank}: exit {r.returncode}\n{r.output[-4000:]}"
+        assert "caught MismatchBackendError" in r.output, r.output
+        assert first in r.output and second in r.output, r.output  # what each rank issued
+        seconds = float(re.search(r"raised after ([0-9.]+)s", r.output).group(1))
+        assert seconds < 10, r.output
 
 
 def test_shape_mismatch_under_ddp_fails_every_rank():

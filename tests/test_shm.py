@@ -27,6 +27,7 @@ from gradsync.collectives.ops import Max, Sum, make_reducer
 from gradsync.collectives.shm import ShmGroup
 from gradsync.errors import CollectiveMismatchError, PeerLostError
 from gradsync.transport import frame
+from gradsync.transport import shm as shm_transport
 from gradsync.transport.base import Expect, Recv, Send, wait_all
 from gradsync.transport.comm import Comm
 from gradsync.transport.shm import (ShmPair, attach_ring, create_ring, open_pairs,
@@ -152,6 +153,25 @@ def test_pair_checks_header_before_any_payload_lands():
     with pytest.raises(CollectiveMismatchError, match="signature 0x6"):
         _frame(a, b, _pattern(100, 1), out, signature=6)
     assert not out.any()
+
+
+def test_pair_peeks_at_a_whole_header_without_taking_it():
+    a, b = _loopback()
+    assert b.peek_header() is None  # nothing sent
+    header = frame.pack(frame.Kind.DATA, 4, 0, 9, 3)
+    # Write the header in two pieces: half of it is not yet a header to look at.
+    a._out.put(memoryview(header)[:10])
+    a._out.ctl[shm_transport._WRITE] = a._out.pos  # published
+    assert b.peek_header() is None
+    a._out.put(memoryview(bytes(header[10:]) + b"xyz"))
+    a._out.ctl[shm_transport._WRITE] = a._out.pos
+    for _ in range(2):  # looking twice sees the same, and takes nothing
+        h = b.peek_header()
+        assert (h.kind, h.seq, h.signature, h.length) == (frame.Kind.DATA, 4, 9, 3)
+    out = np.zeros(3, np.uint8)
+    wait_all([Recv(b, Expect(4, 0, 9, lambda: "test"), memoryview(out))],
+             time.monotonic() + 5, lambda waited: None, lambda: "test frame")
+    assert out.tobytes() == b"xyz" and b.peek_header() is None
 
 
 def test_pair_close_is_seen_by_the_peer():

@@ -83,6 +83,26 @@ def test_different_collectives_are_caught_at_the_first_frame(pair_of_comms):
     assert all(isinstance(e, CollectiveMismatchError) for e in errors), errors
 
 
+def test_a_pair_peeks_at_a_whole_header_without_taking_it(pair_of_comms):
+    _, comms = pair_of_comms
+    a, b = comms[0].pairs[1], comms[1].pairs[0]
+    assert b.peek_header() is None  # nothing sent
+    header = frame.pack(frame.Kind.DATA, 4, 0, 9, 3)
+    a.sock.sendall(header[:10])
+    time.sleep(0.05)
+    assert b.peek_header() is None  # half a header
+    a.sock.sendall(header[10:] + b"xyz")
+    time.sleep(0.05)
+    for _ in range(2):  # looking twice sees the same, and takes nothing
+        h = b.peek_header()
+        assert (h.kind, h.seq, h.signature, h.length) == (frame.Kind.DATA, 4, 9, 3)
+    comms[1].seq = 3
+    comms[1].begin_signed("the peeked collective", 9)  # collective #4
+    out = np.zeros(3, np.uint8)
+    comms[1].exchange(recvs=[(0, out)])
+    assert out.tobytes() == b"xyz" and b.peek_header() is None
+
+
 def test_closed_peer_is_a_lost_peer(pair_of_comms):
     _, comms = pair_of_comms
     comms[1].close()

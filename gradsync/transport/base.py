@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 from ..errors import CollectiveMismatchError, GradsyncTimeoutError, ProtocolError
 from . import frame
 
-__all__ = ["Pair", "Send", "Recv", "Settle", "Expect", "wait_all"]
+__all__ = ["Pair", "Send", "Recv", "Settle", "Expect", "wait_all", "different_collective"]
 
 
 class Expect:
@@ -76,15 +76,22 @@ class Recv:
             raise ProtocolError(f"rank {self.pair.peer} sent a control frame (kind {h.kind}) "
                                 f"where data was expected")
         if h.seq != e.seq or (e.signature and h.signature != e.signature):
-            raise CollectiveMismatchError(
-                f"rank {self.pair.peer} sent data for a different collective "
-                f"(its collective #{h.seq}, signature {h.signature:#x}) than this rank's "
-                f"#{e.seq} {e.describe()} (signature {e.signature:#x})")
+            raise different_collective(self.pair.peer, h, e.seq, e.describe(), e.signature)
         if h.step != e.step or h.length != self.payload.nbytes:
             raise ProtocolError(f"rank {self.pair.peer} sent message {h.step} of {h.length} bytes "
                                 f"in collective #{h.seq}; expected message {e.step} of "
                                 f"{self.payload.nbytes} bytes")
         self.lent = bool(h.flags & frame.LENT)
+
+
+def different_collective(peer: int, h: "frame.Header", seq: int, description: str,
+                         signature: int) -> CollectiveMismatchError:
+    """The error for a frame of rank ``peer`` (header ``h``) that belongs to another collective
+    than this rank's #``seq``."""
+    return CollectiveMismatchError(
+        f"rank {peer} sent data for a different collective (its collective #{h.seq}, "
+        f"signature {h.signature:#x}) than this rank's #{seq} {description} "
+        f"(signature {signature:#x})")
 
 
 class Settle:
@@ -128,6 +135,12 @@ class Pair:
     def owes_bytes(self) -> bool:
         """True while acknowledgements for the peer wait for room in the send buffer."""
         return False
+
+    def peek_header(self) -> "frame.Header | None":
+        """The header of the peer's next frame when all of it has arrived, without taking it;
+        None when it has not (or the pair cannot look). Only between frames: while no
+        receive on this pair is under way."""
+        return None
 
     def check_alive(self) -> None:
         """Raises PeerLostError if the peer is known to be gone (called while waiting)."""

@@ -52,7 +52,7 @@ import re
 import time
 from typing import Callable, Mapping
 
-from ..errors import PeerLostError
+from ..errors import PeerLostError, ProtocolError
 from . import frame
 from .base import Pair, Recv, Send
 
@@ -370,6 +370,18 @@ class ShmPair(Pair):
             op.offset += n
             inb.ctl[_READ] = inb.pos  # the producer may now reuse these bytes
         return True
+
+    def peek_header(self) -> "frame.Header | None":
+        inb = self._in
+        if inb.ctl[_WRITE] - inb.pos < frame.HEADER_SIZE:
+            return None
+        raw = bytearray(frame.HEADER_SIZE)
+        inb.get(memoryview(raw))
+        inb.pos -= frame.HEADER_SIZE  # not taken: the read position is published unchanged
+        try:
+            return frame.unpack(raw)
+        except ProtocolError:
+            return None  # the receive that takes it reports it
 
     def check_alive(self) -> None:
         if self._in.ctl[_WRITER_CLOSED] and self._in.ctl[_WRITE] == self._in.pos:

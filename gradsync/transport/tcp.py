@@ -247,6 +247,21 @@ class TcpPair(Pair):
                 self._flush_ctl()
         return True
 
+    def peek_header(self) -> "frame.Header | None":
+        if self._hdr_got:  # a header this side began to take in (while looking for ACKs)
+            raw = self._hdr if self._hdr_got == frame.HEADER_SIZE else None
+        else:
+            try:
+                raw = self.sock.recv(frame.HEADER_SIZE, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except OSError:
+                return None  # nothing there yet, or a lost peer, which check_alive reports
+            if len(raw) < frame.HEADER_SIZE:
+                return None
+        try:
+            return None if raw is None else frame.unpack(raw)
+        except ProtocolError:
+            return None  # the receive that takes it reports it
+
     def advance_settle(self, op: Settle) -> bool:
         try:
             if self._ctl_out and self._sending is None:

@@ -10,12 +10,19 @@ count). Modes:
   different shapes. Every rank must raise; the second must be a MismatchBackendError that
   lists what each rank issued.
 
+- ``roads FIRST SECOND``: the last rank issues collective SECOND where the others issue
+  FIRST, one of them going over the pairs (a ring: reduce_scatter_tensor,
+  all_gather_into_tensor) and the other through the host's shared-memory group (all_reduce,
+  barrier), so no rank reads a frame of the other's. Every rank must raise a
+  MismatchBackendError that lists both, within seconds, not at the timeout.
+
 Each rank prints ``caught <class>: <message>`` and exits 3 when it saw the expected error.
 """
 
 import os
 import signal
 import sys
+import time
 
 import common  # noqa: F401  (deadline)
 import torch
@@ -69,3 +76,25 @@ if mode == "mismatch":
         assert isinstance(exc, dist.DistBackendError) and isinstance(exc, BackendError)
         sys.exit(3)
     sys.exit(f"rank {R}: all_reduce of different shapes did not raise")
+
+if mode == "roads":
+    def issue(what: str) -> None:
+        n = 1 << 12
+        if what == "reduce_scatter_tensor":
+            dist.reduce_scatter_tensor(torch.empty(n), torch.ones(N * n))
+        elif what == "all_gather_into_tensor":
+            dist.all_gather_into_tensor(torch.empty(N * n), torch.ones(n))
+        elif what == "all_reduce":
+            dist.all_reduce(torch.ones(n))
+        else:
+            dist.barrier()
+
+    first, second = sys.argv[2], sys.argv[3]
+    started = time.monotonic()
+    try:
+        issue(second if R == N - 1 else first)
+    except MismatchBackendError as exc:
+        caught(exc)
+        print(f"rank {R}: raised after {time.monotonic() - started:.1f}s", flush=True)
+        sys.exit(3)
+    sys.exit(f"rank {R}: {first} against {second} did not raise")
