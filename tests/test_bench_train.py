@@ -61,6 +61,30 @@ def test_table_ddp_comparison_profile_and_identical_parameters(tmp_path):
             assert phases["compute_slowest"] >= phases["compute"] > 0, (mode, phases)
 
 
+def test_fsdp_comparison_over_gloo_and_the_backend(tmp_path):
+    rows_file = tmp_path / "rows.json"
+    result = bench("-np", "2", "--compare", "fsdp", "--model", "mlp", "--steps", "2",
+                   "--windows", "2", "--warmup", "1", "--json", str(rows_file))
+    out = result.stdout
+    assert result.returncode == 0, out
+    lines = [line.split(":", 1)[1] for line in out.splitlines() if line.startswith("[0]<stdout>:")]
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["model", "params"])
+    assert lines[header].split()[11:] == [
+        "|", "fsdp", "iqr%", "eff", "comm", "|", "fsdp-gs", "iqr%", "eff", "comm", "|",
+        "gs/fsdp", "fgs/fsdp", "fgs/gs"], out
+    # FSDP's shards are gathered for the checksum: the whole parameters, the same on every
+    # rank and the same as DistributedOptimizer's after the same steps.
+    assert re.search(r"# mlp: parameters identical on all 2 ranks after training: gradsync yes "
+                     r"\(crc32 ([0-9a-f]{8})\), fsdp yes \(crc32 \1\), fsdp_gs yes \(crc32 \1\); "
+                     r"gradsync and fsdp agree; fsdp_gs and fsdp agree", out), out
+    [row] = json.loads(rows_file.read_text())
+    assert row["identical"] is True and "ddp" not in row
+    assert row["ratio_fsdp_gs"] == pytest.approx(row["fsdp_gs"]["samples_per_s"]
+                                                 / row["fsdp"]["samples_per_s"])
+    assert row["ratio"] == pytest.approx(row["gradsync"]["samples_per_s"]
+                                         / row["fsdp"]["samples_per_s"])
+
+
 def test_bad_option_fails_before_any_rank_starts():
     result = bench("-np", "2", "--model", "resnet")
     assert result.returncode == 2

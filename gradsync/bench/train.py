@@ -1,6 +1,6 @@
 """Training throughput: gradsync.torch's DistributedOptimizer beside DDP (gloo), in one run.
 
-Run as ``gradsync bench train -np N [--model mlp|cnn|both] [--compare ddp]``; every rank runs
+Run as ``gradsync bench train -np N [--model mlp|cnn|both] [--compare ddp|fsdp]``; every rank runs
 this module. Each rank trains on its own synthetic batch (random tensors made once, seeded by
 rank) with SGD (momentum 0.9), one thread per rank. Every model is built once from a fixed
 seed and copied, so all modes start from the same weights. The modes:
@@ -20,6 +20,10 @@ seed and copied, so all modes start from the same weights. The modes:
   (``--compare ddp``).
 - ``ddp-gs``: the same DDP over the torch.distributed backend "gradsync" (a
   ``new_group(backend="gradsync")`` beside gloo's default group; ``--compare ddp``).
+- ``fsdp`` and ``fsdp-gs`` (``--compare fsdp``, instead of the two DDP modes):
+  ``FullyShardedDataParallel`` (the whole model one unit, fully sharded: an allgather of the
+  parameters in forward and in backward, a reduce-scatter of the gradients) over gloo and over
+  the backend "gradsync". Their parameters are checksummed whole (``summon_full_params``).
 
 Timing: each mode first runs ``--warmup`` steps. Then ``--windows`` rounds; in each round each
 mode in turn runs ``--steps`` steps, started after a barrier and timed on every rank; a
@@ -72,8 +76,9 @@ def parser() -> argparse.ArgumentParser:
                    help="timed windows per mode (default 5)")
     p.add_argument("--warmup", type=at_least(0), default=5,
                    help="untimed steps per mode (default 5)")
-    p.add_argument("--compare", choices=["ddp", "none"], default="none",
-                   help="also measure DistributedDataParallel (gloo), in the same run")
+    p.add_argument("--compare", choices=["ddp", "fsdp", "none"], default="none",
+                   help="also measure DistributedDataParallel (ddp) or FullyShardedDataParallel "
+                        "(fsdp), over gloo and over the backend 'gradsync', in the same run")
     p.add_argument("--bucket-view", action="store_true",
                    help="both DDP modes with gradient_as_bucket_view=True (gradients live in "
                         "DDP's buckets: one copy of every gradient less per step)")
@@ -120,7 +125,14 @@ class _Trainer:
         if mode in ("ddp", "ddp_gs"):  # ddp_gs: over the gradsync backend's group
             self.model = torch.nn.parallel.DistributedDataParallel(
                 model, process_group=group, gradient_as_bucket_view=bucket_view)
-        self.opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        if mode in ("fsdp", "fsdp_gs"):
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            self.model = FullyShardedDataParallel(model, process_group=group,
+                                                  device_id=torch.device("cpu"),
+                                                  use_orig_params=True)
+        # (FSDP's parameters are its shards: the optimizer must take the wrapper's.)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
         if mode == "gradsync":
             self.opt = hvd.DistributedOptimizer(self.opt, named_parameters=model.named_parameters(),
                                                 compression=getattr(hvd.Compression, compression))
@@ -152,9 +164,20 @@ class _Trainer:
         return [t1 - t0, t2 - t1, t3 - t2, t4 - t3]
 
     def checksum(self) -> int:
+        """CRC32 of the whole parameters (gathered, for FSDP: a collective)."""
+        if self.mode in ("fsdp", "fsdp_gs"):
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            with FullyShardedDataParallel.summon_full_params(self.model):
+                return self._crc()
+        return self._crc()
+
+    def _crc(self) -> int:
         crc = 0
         for p in self.model.parameters():
-            crc = zlib.crc32(p.detach().numpy().tobytes(), crc)
+            # A copy: a tensor seen through NumPy can no longer be resized, and FSDP frees
+            # the storage of its gathered parameters by resizing it.
+            crc = zlib.crc32(p.detach().clone().numpy().tobytes(), crc)
         return crc
 
 
@@ -169,15 +192,16 @@ def run(args) -> list[dict]:
     torch.set_num_threads(1)
     world = api._world
     rank, n = hvd.rank(), hvd.size()
-    compare = args.compare == "ddp"
+    peer = None if args.compare == "none" else args.compare  # ddp or fsdp
+    compare = peer is not None
     if compare:
         store = torch.distributed.PrefixStore("bench-train-ddp", world.store._base)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=n)
-        gs_group = dist.new_group(backend="gradsync")  # the backend "gradsync", for ddp_gs
+        gs_group = dist.new_group(backend="gradsync")  # the backend "gradsync", for the _gs mode
     # Rank 0's counts, so that every rank issues the same collectives.
     steps, args.windows, args.warmup = hvd.broadcast_object(
         (args.steps, args.windows, args.warmup), 0, name="bench.train.counts")
-    modes = ["single", "local", "gradsync"] + (["ddp", "ddp_gs"] if compare else [])
+    modes = ["single", "local", "gradsync"] + ([peer, f"{peer}_gs"] if compare else [])
     rows = []
     for model_name in MODELS if args.model == "both" else [args.model]:
         torch.manual_seed(args.seed)  # the same initial weights on every rank
@@ -190,11 +214,11 @@ def run(args) -> list[dict]:
                     "gradsync": _Trainer("gradsync", copy.deepcopy(base), x, y, hvd,
                                          args.compression)}
         if compare:
-            trainers["ddp"] = _Trainer("ddp", copy.deepcopy(base), x, y, hvd, args.compression,
-                                       bucket_view=args.bucket_view)
-            trainers["ddp_gs"] = _Trainer("ddp_gs", copy.deepcopy(base), x, y, hvd,
-                                          args.compression, group=gs_group,
-                                          bucket_view=args.bucket_view)
+            trainers[peer] = _Trainer(peer, copy.deepcopy(base), x, y, hvd, args.compression,
+                                      bucket_view=args.bucket_view)
+            trainers[f"{peer}_gs"] = _Trainer(f"{peer}_gs", copy.deepcopy(base), x, y, hvd,
+                                              args.compression, group=gs_group,
+                                              bucket_view=args.bucket_view)
         for mode in modes:
             if mode != "single":  # ``local`` warms up the model ``single`` uses
                 for _ in range(args.warmup):
@@ -209,14 +233,14 @@ def run(args) -> list[dict]:
             row["profile_ms"] = {mode: _profile(trainers[mode], steps * args.windows)
                                  for mode in modes if mode != "single"}
         sums = {mode: hvd.allgather_object(trainers[mode].checksum(), name=f"bench.crc.{mode}")
-                for mode in modes if mode in ("gradsync", "ddp", "ddp_gs")}
+                for mode in modes if mode not in ("single", "local")}
         row["checksums"] = sums
         row["identical"] = all(len(set(v)) == 1 for v in sums.values())
         rows.append(row)
         if rank == 0:
-            _print_row(row, header=len(rows) == 1, compare=compare)
+            _print_row(row, header=len(rows) == 1, peer=peer)
     if rank == 0:
-        _print_footer(rows, compare, args.profile)
+        _print_footer(rows, peer, args.profile)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
@@ -264,15 +288,16 @@ def _summarise(model_name, base, args, n, steps, times, world) -> dict:
         row[mode] = {"samples_per_s": median, "iqr_pct": 100 * (q75 - q25) / median,
                      "step_ms": statistics.median(slowest.tolist()) / steps * 1e3}
     single = row["single"]["samples_per_s"]
-    for mode in ("local", "gradsync", "ddp", "ddp_gs"):
-        if mode in row:
+    for mode in times:
+        if mode != "single":
             row[mode]["eff"] = row[mode]["samples_per_s"] / (n * single)
             row[mode]["comm"] = row[mode]["samples_per_s"] / row["local"]["samples_per_s"]
-    if "ddp" in row:
-        row["ratio"] = row["gradsync"]["samples_per_s"] / row["ddp"]["samples_per_s"]
-        row["ratio_ddp_gs"] = row["ddp_gs"]["samples_per_s"] / row["ddp"]["samples_per_s"]
-        row["ratio_ddp_gs_gradsync"] = (row["ddp_gs"]["samples_per_s"]
-                                        / row["gradsync"]["samples_per_s"])
+    for peer in ("ddp", "fsdp"):
+        if peer in row:
+            rate, gs_rate = row[peer]["samples_per_s"], row[f"{peer}_gs"]["samples_per_s"]
+            row["ratio"] = row["gradsync"]["samples_per_s"] / rate
+            row[f"ratio_{peer}_gs"] = gs_rate / rate
+            row[f"ratio_{peer}_gs_gradsync"] = gs_rate / row["gradsync"]["samples_per_s"]
     return row
 
 
@@ -293,10 +318,17 @@ def _profile(trainer: _Trainer, steps: int) -> dict:
             "compute_slowest": float(np.median(slowest) * 1e3)}
 
 
-def _print_row(row: dict, header: bool, compare: bool) -> None:
+#: The ratio columns' short names: the peer's mode over the backend "gradsync".
+_SHORT = {"ddp": "dgs", "fsdp": "fgs"}
+_WHAT = {"ddp": "DDP", "fsdp": "FSDP (the whole model one fully sharded unit)"}
+
+
+def _print_row(row: dict, header: bool, peer: "str | None") -> None:
     if header:
         fusion = row["fusion_threshold"]
         fusion = f"{fusion >> 20}M" if fusion % (1 << 20) == 0 else f"{fusion}B"
+        short = _SHORT.get(peer)
+        view = f" (gradient_as_bucket_view={row['bucket_view']})" if peer == "ddp" else ""
         for line in (
                 f"training throughput, {row['ranks']} ranks x 1 thread, synthetic data, SGD, "
                 f"batch {row['batch']} per rank, {row['windows']} windows x {row['steps']} "
@@ -308,32 +340,33 @@ def _print_row(row: dict, header: bool, compare: bool) -> None:
                 "local = every rank at once, no communication",
                 "eff = rate / (N x single): scaling efficiency; comm = rate / local: "
                 "what communication costs",
-                *([f"ddp = DDP over gloo; ddp-gs = DDP over the torch.distributed backend "
-                   f"'gradsync' (gradient_as_bucket_view={row['bucket_view']}); dgs/ddp and "
-                   f"dgs/gs: ddp-gs's rate over ddp's and gradsync's"] if compare else [])):
+                *([f"{peer} = {_WHAT[peer]} over gloo; {peer}-gs = the same over the "
+                   f"torch.distributed backend 'gradsync'{view}; {short}/{peer} and "
+                   f"{short}/gs: {peer}-gs's rate over {peer}'s and gradsync's"]
+                  if peer else [])):
             print(f"# {line}", flush=True)
         cols = f"{'model':>5} {'params':>7} {'batch':>5} | {'single':>8} {'local':>8} | " \
                f"{'gradsync':>9} {'iqr%':>5} {'eff':>5} {'comm':>5}"
-        if compare:
-            cols += f" | {'ddp':>9} {'iqr%':>5} {'eff':>5} {'comm':>5}" \
-                    f" | {'ddp-gs':>9} {'iqr%':>5} {'eff':>5} {'comm':>5}" \
-                    f" | {'gs/ddp':>6} {'dgs/ddp':>7} {'dgs/gs':>6}"
+        if peer:
+            cols += f" | {peer:>9} {'iqr%':>5} {'eff':>5} {'comm':>5}" \
+                    f" | {peer + '-gs':>9} {'iqr%':>5} {'eff':>5} {'comm':>5}" \
+                    f" | {'gs/' + peer:>6} {short + '/' + peer:>7} {short + '/gs':>6}"
         print(cols, flush=True)
     g = row["gradsync"]
     line = f"{row['model']:>5} {row['params'] / 1e6:>6.2f}M {row['batch']:>5} | " \
            f"{row['single']['samples_per_s']:>8.1f} {row['local']['samples_per_s']:>8.1f} | " \
            f"{g['samples_per_s']:>9.1f} {g['iqr_pct']:>5.1f} {g['eff']:>5.2f} {g['comm']:>5.2f}"
-    if compare:
-        for mode in ("ddp", "ddp_gs"):
+    if peer:
+        for mode in (peer, f"{peer}_gs"):
             d = row[mode]
             line += f" | {d['samples_per_s']:>9.1f} {d['iqr_pct']:>5.1f} {d['eff']:>5.2f} " \
                     f"{d['comm']:>5.2f}"
-        line += f" | {row['ratio']:>6.2f} {row['ratio_ddp_gs']:>7.2f} " \
-                f"{row['ratio_ddp_gs_gradsync']:>6.2f}"
+        line += f" | {row['ratio']:>6.2f} {row[f'ratio_{peer}_gs']:>7.2f} " \
+                f"{row[f'ratio_{peer}_gs_gradsync']:>6.2f}"
     print(line, flush=True)
 
 
-def _print_footer(rows: list[dict], compare: bool, profile: bool) -> None:
+def _print_footer(rows: list[dict], peer: "str | None", profile: bool) -> None:
     for row in rows:
         n = row["ranks"]
         parts = []
@@ -342,11 +375,11 @@ def _print_footer(rows: list[dict], compare: bool, profile: bool) -> None:
             crcs = f"{sums[0]:08x}" if same else ", ".join(f"{s:08x}" for s in sums)
             parts.append(f"{mode} {'yes' if same else 'NO'} (crc32 {crcs})")
         agree = ""
-        if compare and row["identical"]:
-            same = row["checksums"]["gradsync"][0] == row["checksums"]["ddp"][0]
-            agree = f"; gradsync and ddp {'agree' if same else 'differ'}"
-            same = row["checksums"]["ddp_gs"][0] == row["checksums"]["ddp"][0]
-            agree += f"; ddp_gs and ddp {'agree' if same else 'differ'}"
+        if peer and row["identical"]:
+            same = row["checksums"]["gradsync"][0] == row["checksums"][peer][0]
+            agree = f"; gradsync and {peer} {'agree' if same else 'differ'}"
+            same = row["checksums"][f"{peer}_gs"][0] == row["checksums"][peer][0]
+            agree += f"; {peer}_gs and {peer} {'agree' if same else 'differ'}"
         print(f"# {row['model']}: parameters identical on all {n} ranks after training: "
               + ", ".join(parts) + agree, flush=True)
     if profile:
