@@ -18,15 +18,25 @@ def bench(*args: str) -> subprocess.CompletedProcess:
     return harness.bench("train", *args, timeout=TIMEOUT)
 
 
+def _rank0_lines(out: str) -> list[str]:
+    """What rank 0 printed, without the launcher's prefix."""
+    return [line.split(":", 1)[1] for line in out.splitlines() if line.startswith("[0]<stdout>:")]
+
+
+def _header(lines: list[str]) -> int:
+    """The index of the table's column header."""
+    return next(i for i, line in enumerate(lines) if line.split()[:2] == ["model", "params"])
+
+
 def test_table_ddp_comparison_profile_and_identical_parameters(tmp_path):
     rows_file = tmp_path / "rows.json"
     result = bench("-np", "2", "--compare", "ddp", "--steps", "2", "--windows", "2",
                    "--warmup", "1", "--profile", "--json", str(rows_file))
     out = result.stdout
     assert result.returncode == 0, out
-    lines = [line.split(":", 1)[1] for line in out.splitlines() if line.startswith("[0]<stdout>:")]
+    lines = _rank0_lines(out)
     assert "[1]<stdout>:" not in out, out  # only rank 0 prints
-    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["model", "params"])
+    header = _header(lines)
     names = lines[header].split()
     assert names == ["model", "params", "batch", "|", "single", "local", "|", "gradsync", "iqr%",
                      "eff", "comm", "|", "ddp", "iqr%", "eff", "comm", "|", "ddp-gs", "iqr%",
@@ -67,8 +77,8 @@ def test_fsdp_comparison_over_gloo_and_the_backend(tmp_path):
                    "--windows", "2", "--warmup", "1", "--json", str(rows_file))
     out = result.stdout
     assert result.returncode == 0, out
-    lines = [line.split(":", 1)[1] for line in out.splitlines() if line.startswith("[0]<stdout>:")]
-    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["model", "params"])
+    lines = _rank0_lines(out)
+    header = _header(lines)
     assert lines[header].split()[11:] == [
         "|", "fsdp", "iqr%", "eff", "comm", "|", "fsdp-gs", "iqr%", "eff", "comm", "|",
         "gs/fsdp", "fgs/fsdp", "fgs/gs"], out
