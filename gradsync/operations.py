@@ -261,26 +261,29 @@ def reducescatter(world, flat: np.ndarray, dtype, op: ReduceOp, *, name: str, sh
         if work.size != flat.size or work.dtype != flat.dtype:
             raise ValueError(f"reducescatter '{name}': work is {work.dtype}[{work.size}], "
                              f"flat {flat.dtype}[{flat.size}]")
-        if prescale != 1.0 or world.size == 1:  # scaled (or nothing to reduce): a copy first
+        if prescale != 1.0:  # scaled: a copy first
             np.copyto(work, flat)
         else:
             source = flat
         flat = work
     if prescale != 1.0:
         scale(flat, dtype, prescale)
-    if world.size > 1 and flat.size:
-        ring.reduce_scatter(world.comm, flat, counts, make_reducer(op, dtype),
-                            world.config.chunk_bytes, source)
     start = sum(counts[:world.rank])
     block = flat[start:start + counts[world.rank]]
-    if out is None:
-        mine = block.copy()
-    elif out.size != block.size or out.dtype != block.dtype:
+    if out is not None and (out.size != block.size or out.dtype != block.dtype):
         raise ValueError(f"reducescatter '{name}': out is {out.dtype}[{out.size}], this "
                          f"rank's block {block.dtype}[{block.size}]")
+    if world.size > 1 and flat.size:
+        # With ``out``, the ring folds this rank's block straight into it.
+        ring.reduce_scatter(world.comm, flat, counts, make_reducer(op, dtype),
+                            world.config.chunk_bytes, source,
+                            None if out is None else out.reshape(-1))
+        mine = block.copy() if out is None else out
+    elif out is None:
+        mine = (block if source is None else source[start:start + block.size]).copy()
     else:
         mine = out
-        np.copyto(mine, block)
+        np.copyto(mine, block if source is None else source[start:start + block.size])
     if op is ReduceOp.AVERAGE and world.size > 1:
         scale(mine, dtype, world.size, divide=True, trunc=trunc)
     if postscale != 1.0:

@@ -197,10 +197,11 @@ def test_same_bits_on_every_rank(algorithm, n, dtype):
     np.testing.assert_allclose(as_float(results[0]), exact, rtol=0.05, atol=0.1 * n)
 
 
+@pytest.mark.parametrize("into_own", [False, True], ids=["", "into_own"])
 @pytest.mark.parametrize("from_source", [False, True], ids=["in_place", "from_source"])
 @pytest.mark.parametrize("count", COUNTS)
 @pytest.mark.parametrize("n", SIZES)
-def test_reduce_scatter(n, count, from_source):
+def test_reduce_scatter(n, count, from_source, into_own):
     counts = uneven_counts(element_count(count, n), n)
     offsets = ring.block_offsets(counts, n, sum(counts))
     inputs = [contribution(r, sum(counts), np.float32, Sum) for r in range(n)]
@@ -209,19 +210,26 @@ def test_reduce_scatter(n, count, from_source):
     sentinel = np.float32(-7.5)  # no sum of the contributions
 
     def rank_fn(comm):
+        # ``own``: this rank's block of the result goes there, not into ``data``.
+        own = np.full(counts[comm.rank], sentinel, np.float32) if into_own else None
         if not from_source:
             data = inputs[comm.rank].copy()
-            ring.reduce_scatter(comm, data, counts, reducer, CHUNK)
-            return data, None
+            ring.reduce_scatter(comm, data, counts, reducer, CHUNK, own=own)
+            return data, None, own
         # The contribution is read from ``source`` and only written into ``data``.
         source = inputs[comm.rank].copy()
         data = np.full_like(source, sentinel)
-        ring.reduce_scatter(comm, data, counts, reducer, CHUNK, source=source)
-        return data, source
+        ring.reduce_scatter(comm, data, counts, reducer, CHUNK, source=source, own=own)
+        return data, source, own
 
-    for rank, (got, source) in enumerate(run_ok(n, rank_fn)):
+    for rank, (got, source, own) in enumerate(run_ok(n, rank_fn)):
         block = slice(offsets[rank], offsets[rank + 1])
-        np.testing.assert_array_equal(got[block], expected[block])
+        if into_own:
+            np.testing.assert_array_equal(own, expected[block])
+            if n > 1 and from_source:  # folded into ``own`` only
+                assert (got[block] == sentinel).all()
+        else:
+            np.testing.assert_array_equal(got[block], expected[block])
         if from_source:
             np.testing.assert_array_equal(source, inputs[rank])  # left unwritten
             if n > 1:  # the block sent first goes out of source, unfolded, and is not copied
@@ -361,6 +369,9 @@ def test_bad_arguments_raise_value_error():
     with pytest.raises(ValueError, match="must match"):
         ring.reduce_scatter(comm, data, [4], make_reducer(Sum, np.float32), CHUNK,
                             source=np.zeros(4, dtype=np.float64))
+    with pytest.raises(ValueError, match="this rank's block"):
+        ring.reduce_scatter(comm, data, [4], make_reducer(Sum, np.float32), CHUNK,
+                            own=np.zeros(3, dtype=np.float32))
     with pytest.raises(ValueError, match="counts for"):
         ring.allgather(comm, data, [2, 2], CHUNK)
     with pytest.raises(ValueError, match="chunk_bytes"):

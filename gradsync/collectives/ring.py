@@ -97,7 +97,8 @@ def even_counts(length: int, size: int) -> list[int]:
 
 
 def reduce_scatter(comm: Comm, data: np.ndarray, counts: Sequence[int], reducer: Reducer,
-                   chunk_bytes: int, source: "np.ndarray | None" = None) -> None:
+                   chunk_bytes: int, source: "np.ndarray | None" = None,
+                   own: "np.ndarray | None" = None) -> None:
     """Reduces ``data`` over all ranks, leaving each rank's own block fully reduced.
 
     Args:
@@ -113,24 +114,31 @@ def reduce_scatter(comm: Comm, data: np.ndarray, counts: Sequence[int], reducer:
             (a copy that stays in cache, where copying all of ``source`` first would not).
             The block sent first, ``rank - 1``'s, goes out of ``source`` and stays unwritten
             in ``data``.
+        own: when given, where this rank's block of the result goes (``counts[rank]``
+            elements of ``data``'s dtype), folded straight there instead of into ``data``.
     """
     if source is not None and (source.shape != data.shape or source.dtype != data.dtype):
         raise ValueError(f"source is {source.dtype}{list(source.shape)}, data "
                          f"{data.dtype}{list(data.shape)}; they must match")
-    if source is not None and comm.size == 1:  # nothing to fold: the block is the source
-        _offsets(comm, data, counts, chunk_bytes)
-        np.copyto(data, source)
+    offsets = _offsets(comm, data, counts, chunk_bytes)
+    if own is not None and (own.shape != (counts[comm.rank],) or own.dtype != data.dtype):
+        raise ValueError(f"own is {own.dtype}{list(own.shape)}; this rank's block is "
+                         f"{data.dtype}[{counts[comm.rank]}]")
+    if comm.size == 1:  # nothing to fold: the block is the contribution
+        if own is not None or source is not None:
+            np.copyto(data if own is None else own, data if source is None else source)
         return
-    _reduce_scatter(comm, data, counts, reducer, chunk_bytes, _lends(comm, data), source)
+    _reduce_scatter(comm, data, counts, reducer, chunk_bytes, _lends(comm, data), source, own)
     comm.settle()
 
 
 def _reduce_scatter(comm: Comm, data: np.ndarray, counts: Sequence[int], reducer: Reducer,
-                    chunk_bytes: int, lend: bool, source: "np.ndarray | None" = None) -> None:
+                    chunk_bytes: int, lend: bool, source: "np.ndarray | None" = None,
+                    own: "np.ndarray | None" = None) -> None:
     """``reduce_scatter`` that may return before the right neighbour read the lent segments."""
     offsets = _offsets(comm, data, counts, chunk_bytes)
     _circulate(comm, data, offsets, comm.rank - 1, _segment_elems(data, counts, chunk_bytes),
-               reducer, lend, source)
+               reducer, lend, source, own)
 
 
 def allgather(comm: Comm, data: np.ndarray, counts: Sequence[int], chunk_bytes: int) -> None:
@@ -266,11 +274,11 @@ def _segments(offsets: list[int], first_block: int, seg_elems: int) -> Iterator[
 
 def _circulate(comm: Comm, data: np.ndarray, offsets: list[int], first_send_block: int,
                seg_elems: int, reducer: "Reducer | None", lend: bool,
-               source: "np.ndarray | None" = None) -> None:
+               source: "np.ndarray | None" = None, own: "np.ndarray | None" = None) -> None:
     """Runs one ring phase: reduce-scatter when ``reducer`` is given, allgather when None.
 
-    ``source`` (reduce-scatter only): the contribution, read where ``data`` would be before a
-    segment is folded there (``reduce_scatter``)."""
+    Reduce-scatter only (``reduce_scatter``): ``source``, the contribution, read where ``data``
+    would be before a segment is folded there; ``own``, where this rank's block is folded."""
     n = comm.size
     if n == 1:
         return
@@ -284,6 +292,7 @@ def _circulate(comm: Comm, data: np.ndarray, offsets: list[int], first_send_bloc
     # cut into this many segments (``_segments``: an empty block is one empty segment).
     b = first_send_block % n
     unfolded = -(-(offsets[b + 1] - offsets[b]) // seg_elems) or 1
+    own_lo, own_hi = offsets[comm.rank], offsets[comm.rank + 1]
     send, recv = next(sends, None), next(recvs, None)
     while send is not None or recv is not None:
         # The streams differ in length by the segment counts of two blocks, so near the end a
@@ -300,7 +309,13 @@ def _circulate(comm: Comm, data: np.ndarray, offsets: list[int], first_send_bloc
             incoming.append((left, landing))
         comm.exchange(outgoing, incoming, lend)
         if scratch is not None and recv is not None and stop > start:
-            if source is not None:
-                np.copyto(data[start:stop], source[start:stop])
-            reducer(data[start:stop], landing)
+            base = data if source is None else source
+            if own is not None and own_lo <= start < own_hi:
+                into = own[start - own_lo:stop - own_lo]
+                np.copyto(into, base[start:stop])
+            else:
+                into = data[start:stop]
+                if source is not None:
+                    np.copyto(into, source[start:stop])
+            reducer(into, landing)
         send, recv = next(sends, None), next(recvs, None)
