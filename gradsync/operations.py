@@ -243,7 +243,8 @@ def reducescatter(world, flat: np.ndarray, dtype, op: ReduceOp, *, name: str, sh
                   prescale: float = 1.0, postscale: float = 1.0,
                   trunc: bool = False, out: "np.ndarray | None" = None,
                   work: "np.ndarray | None" = None) -> np.ndarray:
-    """Reduces ``flat`` (a scratch copy; it is overwritten) and returns this rank's block.
+    """Reduces ``flat`` (a scratch copy, overwritten; only read when ``work`` is given) and
+    returns this rank's block.
 
     ``trunc``: an integer Average rounds toward zero, as in ``allreduce``.
     ``out``: the block goes there (and is returned) instead of into a fresh array; it must

@@ -1,5 +1,6 @@
 """Frames and the TCP transport, in one process: handshake, authentication, hostile input."""
 
+import select
 import socket
 import threading
 import time
@@ -88,11 +89,23 @@ def test_a_pair_peeks_at_a_whole_header_without_taking_it(pair_of_comms):
     a, b = comms[0].pairs[1], comms[1].pairs[0]
     assert b.peek_header() is None  # nothing sent
     header = frame.pack(frame.Kind.DATA, 4, 0, 9, 3)
+
+    def arrived(nbytes):  # until the socket holds ``nbytes`` (loopback: at once, in practice)
+        deadline = time.monotonic() + 5
+        while True:
+            select.select([b.sock], [], [], 0.1)
+            try:
+                if len(b.sock.recv(64, socket.MSG_PEEK | socket.MSG_DONTWAIT)) >= nbytes:
+                    return
+            except BlockingIOError:
+                pass
+            assert time.monotonic() < deadline, f"{nbytes} bytes never arrived"
+
     a.sock.sendall(header[:10])
-    time.sleep(0.05)
+    arrived(10)
     assert b.peek_header() is None  # half a header
     a.sock.sendall(header[10:] + b"xyz")
-    time.sleep(0.05)
+    arrived(len(header) + 3)
     for _ in range(2):  # looking twice sees the same, and takes nothing
         h = b.peek_header()
         assert (h.kind, h.seq, h.signature, h.length) == (frame.Kind.DATA, 4, 9, 3)

@@ -48,7 +48,8 @@ import time
 
 import numpy as np
 
-__all__ = ["parser", "run", "drive", "mpirun_command", "missing_mpi", "parse_size", "at_least"]
+__all__ = ["parser", "run", "drive", "mpirun_command", "missing_mpi", "parse_size", "size_range",
+           "at_least"]
 
 MPI_INSTALL = ("apt-get install -y --no-install-recommends openmpi-bin && "
                "pip install mpi4py  (or: pip install -e '.[bench]')")
@@ -60,6 +61,16 @@ def parse_size(text: str) -> int:
     text = text.strip().upper().rstrip("B")
     unit = text[-1] if text and text[-1] in _UNITS else ""
     return int(float(text[:len(text) - len(unit)]) * _UNITS[unit])
+
+
+def size_range(text: str, factor: int) -> list[int]:
+    """The sizes of ``MIN:MAX`` (as ``parse_size`` reads them), from MIN up to MAX by ``factor``."""
+    size, high = (parse_size(part) for part in text.split(":"))
+    sizes = []
+    while size <= high:
+        sizes.append(size)
+        size *= factor
+    return sizes
 
 
 def at_least(minimum, kind=int):

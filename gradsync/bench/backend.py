@@ -24,15 +24,11 @@ import statistics
 import sys
 import time
 
-from .allreduce import at_least, parse_size
+from .allreduce import _TRIAL_WARMUPS, at_least, size_range
 
 __all__ = ["parser", "run", "COLLECTIVES"]
 
 COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor")
-
-#: At most this many more warm-up calls while an all_reduce is among the ring's trials
-#: (as ``bench allreduce``'s ``_TRIAL_WARMUPS``).
-_TRIAL_WARMUPS = 24
 
 
 def _collectives(text: str) -> list[str]:
@@ -119,12 +115,7 @@ def run(args) -> list[dict]:
 
     torch.set_num_threads(1)
     names = args.collectives
-    low, high = (parse_size(s) for s in args.sizes.split(":"))
-    sizes = []
-    size = low
-    while size <= high:
-        sizes.append(size)
-        size *= args.factor
+    sizes = size_range(args.sizes, args.factor)
     dist.init_process_group("gradsync")
     rank, n = dist.get_rank(), dist.get_world_size()
     gloo = dist.new_group(backend="gloo")
@@ -163,8 +154,7 @@ def run(args) -> list[dict]:
         box = [iters]
         dist.broadcast_object_list(box, src=0, group=gloo)
         samples = timed(fn, box[0])
-        wrong = case.wrong(dist, group)
-        wrong = int(slowest([float(wrong)])[0]) if n > 1 else wrong
+        wrong = int(slowest([float(case.wrong(dist, group))])[0])  # the most on any rank
         med = statistics.median(samples)
         return {"time_us": med * 1e6, "iqr_us": float(np.subtract(
             *np.percentile(samples, [75, 25])) * 1e6), "iters": box[0], "wrong": wrong}

@@ -15,7 +15,7 @@ import sys
 
 from ..collectives.planner import CANDIDATES, plan
 from ..topology import Topology, load
-from .allreduce import parse_size
+from .allreduce import size_range
 
 __all__ = ["main", "parser", "placement"]
 
@@ -53,12 +53,7 @@ def main(argv: "list[str] | None" = None) -> int:
     args = parser().parse_args(argv)
     spec = load(args.topology) if args.topology else None
     topo = Topology.from_hosts(placement(args.hosts, args.alternate), spec)
-    lo, hi = (parse_size(s) for s in args.sizes.split(":"))
-    sizes = []
-    while lo <= hi:
-        sizes.append(lo)
-        lo *= 4
-    rows = plan(topo, sizes)
+    rows = plan(topo, size_range(args.sizes, 4))
     if args.json:
         json.dump(rows, sys.stdout, indent=1)
         print()
