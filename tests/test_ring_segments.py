@@ -43,21 +43,21 @@ def test_trials_take_turns_in_blocks_and_keep_the_end_of_each_turn():
 
 
 def _slowed(monkeypatch, delays):
-    """Makes ring phases with segments of ``size`` bytes ``delays[rank][size]`` seconds slower
-    on ``rank`` (or ``delays(rank, size, vector bytes)``); returns the list of (rank, segment
-    bytes) of each phase run."""
-    circulate, phases = ring._circulate, []
+    """Makes ring allreduces with segments of ``size`` bytes ``delays[rank][size]`` seconds
+    slower on ``rank`` (or ``delays(rank, size, vector bytes)``); returns the list of (rank,
+    segment bytes) of each allreduce run."""
+    allreduce, runs = ring._allreduce, []
     delay = delays if callable(delays) else (
         lambda rank, segment, nbytes: delays.get(rank, {}).get(segment, 0.0))
 
-    def slowed(comm, data, offsets, first_send_block, seg_elems, reducer, lend, *source):
-        circulate(comm, data, offsets, first_send_block, seg_elems, reducer, lend, *source)
-        segment = seg_elems * data.itemsize
-        phases.append((comm.rank, segment))
+    def slowed(comm, data, counts, reducer, chunk_bytes, lend):
+        allreduce(comm, data, counts, reducer, chunk_bytes, lend)
+        segment = ring._segment_elems(data, counts, chunk_bytes) * data.itemsize
+        runs.append((comm.rank, segment))
         time.sleep(delay(comm.rank, segment, data.nbytes))
 
-    monkeypatch.setattr(ring, "_circulate", slowed)
-    return phases
+    monkeypatch.setattr(ring, "_allreduce", slowed)
+    return runs
 
 
 class _PrefersWhole(Comm):
@@ -73,11 +73,11 @@ class _PrefersWhole(Comm):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_the_ranks_keep_the_segment_that_is_faster_over_all_of_them(monkeypatch, n):
-    # Whole segments are made 100 ms slower a phase on rank 0; rank 1's medians say whole
+    # Whole segments are made 100 ms slower an allreduce on rank 0; rank 1's medians say whole
     # segments are faster. Alone they would choose differently; together they must keep the
     # same one, the quarter (the lower sum), or their segments would no longer match.
     monkeypatch.setattr(ring, "TUNE_FROM_BYTES", 1 << 20)
-    phases = _slowed(monkeypatch, {0: {CHUNK: 0.1}})
+    runs = _slowed(monkeypatch, {0: {CHUNK: 0.1}})
     length = (1 << 20) // 8 + 3 * n  # uneven blocks, several segments each
     allreduces = 2 * 2 * SEGMENT_BLOCK + 3
 
@@ -97,13 +97,12 @@ def test_the_ranks_keep_the_segment_that_is_faster_over_all_of_them(monkeypatch,
     assert [chosen for chosen, _ in results] == [CHUNK // 4] * n
     small, large = results[0][1]
     assert small * 2 < large  # rank 0 measured its delay
-    # Each allreduce is two phases; the trials take turns of SEGMENT_BLOCK allreduces, quarter
-    # segments first; the agreement's own tiny allreduce of two float64 (two more phases in
-    # segments of one element, 8 bytes) ends the trials; then the chosen size.
-    ranks0 = [segment for rank, segment in phases if rank == 0]
+    # The trials take turns of SEGMENT_BLOCK allreduces, quarter segments first; the
+    # agreement's own tiny allreduce of two float64 (in segments of one element, 8 bytes) ends
+    # the trials; then the chosen size.
+    ranks0 = [segment for rank, segment in runs if rank == 0]
     turns = [CHUNK // 4] * SEGMENT_BLOCK + [CHUNK] * SEGMENT_BLOCK
-    want = [s for s in turns * 2 for _ in range(2)] + [8, 8] + [CHUNK // 4] * 6
-    assert ranks0 == want
+    assert ranks0 == turns * 2 + [8] + [CHUNK // 4] * 3
 
 
 def test_each_power_of_4_of_sizes_chooses_on_its_own(monkeypatch):
@@ -129,7 +128,7 @@ def test_each_power_of_4_of_sizes_chooses_on_its_own(monkeypatch):
 
 
 def test_no_trials_below_the_threshold_without_sockets_or_when_off(monkeypatch):
-    phases = _slowed(monkeypatch, {})
+    runs = _slowed(monkeypatch, {})
     small = np.ones((ring.TUNE_FROM_BYTES - 8) // 8)
 
     def fn(comm):
@@ -139,7 +138,7 @@ def test_no_trials_below_the_threshold_without_sockets_or_when_off(monkeypatch):
 
     # over TCP there are trials, but a vector below TUNE_FROM_BYTES always cuts chunk_bytes
     assert run_ranks(tcp_mesh(2), fn) == [True, True]
-    assert {segment for _, segment in phases} == {CHUNK}
+    assert {segment for _, segment in runs} == {CHUNK}
     # no socket among the pairs (in-process pairs here; shared memory alike): no trials
     assert [comm.segments(CHUNK, 64 << 20) for comm in local.local_comms(3, 10.0)] == [None] * 3
     # GRADSYNC_TUNE_SEGMENTS=0 gives the Comm no trials

@@ -195,6 +195,15 @@ def _pair_exchange(ctx: Rank, sizes: list[int]):
         # receives are advanced together.
         comm.exchange(sends=[(peer, _pattern(size, ctx.rank))], recvs=[(peer, inbox)])
         np.testing.assert_array_equal(inbox, _pattern(size, peer))
+    # Several frames to one peer in one exchange (the ring's allreduce posts two each way),
+    # the first larger than the ring: each lands whole in its own buffer, in posting order.
+    comm.begin("several")
+    frames = sizes[::-1]  # the largest first
+    inboxes = [np.empty(size, np.uint8) for size in frames]
+    comm.exchange(sends=[(peer, _pattern(size, ctx.rank + 2 * i)) for i, size in enumerate(frames)],
+                  recvs=[(peer, inbox) for inbox in inboxes])
+    for i, (size, inbox) in enumerate(zip(frames, inboxes)):
+        np.testing.assert_array_equal(inbox, _pattern(size, peer + 2 * i), err_msg=f"frame {i}")
     return leftover
 
 

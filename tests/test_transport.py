@@ -73,6 +73,29 @@ def test_exchange_streams_into_the_destination(pair_of_comms, count):
     assert (got[0] == 2).all() and (got[1] == 1).all()
 
 
+def test_several_frames_to_one_peer_in_one_exchange_keep_their_order(pair_of_comms):
+    # The ring's allreduce posts a reduce-scatter and an allgather segment each way in one
+    # exchange. Each frame must land in its own buffer, in posting order, even when the first
+    # is larger than the socket buffers (so the second is posted while the first is under way).
+    _, comms = pair_of_comms
+    sizes = [(12 << 20) + 5, 0, 300, 1]
+    got = [[np.empty(k, np.uint8) for k in sizes] for _ in range(2)]
+
+    def sent(rank, i):
+        return ((np.arange(sizes[i]) * 7 + 31 * i + rank) % 251).astype(np.uint8)
+
+    def fn(c):
+        c.begin("several")
+        peer = 1 - c.rank
+        c.exchange([(peer, sent(c.rank, i)) for i in range(len(sizes))],
+                   [(peer, buf) for buf in got[c.rank]])
+
+    assert _both(comms, fn) == [None, None]
+    for rank in range(2):
+        for i, buf in enumerate(got[rank]):
+            np.testing.assert_array_equal(buf, sent(1 - rank, i), err_msg=f"frame {i}")
+
+
 def test_different_collectives_are_caught_at_the_first_frame(pair_of_comms):
     _, comms = pair_of_comms
 

@@ -123,8 +123,10 @@ class _LateReader(Comm):
 def _race(monkeypatch=None):
     """Rank 0 overwrites its buffer right after allreduce; rank 1 reads late. Returns rank 1's
     result and the value it should be."""
-    length = 4 * CHUNK // 8  # two blocks of two segments: 2 + 2 exchanges on each rank
-    _LateReader.last, _LateReader.calls = 4, 0
+    # Two blocks of two segments: 3 exchanges on each rank (the allgather's stream one behind
+    # the reduce-scatter's), the last one the allgather's alone.
+    length = 4 * CHUNK // 8
+    _LateReader.last, _LateReader.calls = 3, 0
     _LateReader.rank0_done = threading.Event()
 
     def fn(comm):
@@ -138,7 +140,7 @@ def _race(monkeypatch=None):
 
     comms = tcp_mesh(2, comm_class=lambda r: _LateReader if r == 1 else Comm)
     results = run_ranks(comms, fn)
-    assert _LateReader.calls == 4
+    assert _LateReader.calls == 3
     return results[1]
 
 
@@ -225,14 +227,14 @@ def test_the_ring_measures_lending_and_copying_and_keeps_the_faster(monkeypatch,
     # Two trials of each way, the slower way made 50 ms slower, then the chosen way for the
     # rest; every allreduce reduces right, lent or copied.
     monkeypatch.setattr(comm_module, "LEND_TRIALS", 2)
-    allgather = ring._allgather
+    allreduce = ring._allreduce
 
-    def slowed(comm, data, counts, chunk_bytes, lend):
-        allgather(comm, data, counts, chunk_bytes, lend)
+    def slowed(comm, data, counts, reducer, chunk_bytes, lend):
+        allreduce(comm, data, counts, reducer, chunk_bytes, lend)
         if lend != lend_faster:
             time.sleep(0.05)
 
-    monkeypatch.setattr(ring, "_allgather", slowed)
+    monkeypatch.setattr(ring, "_allreduce", slowed)
     length = 4 * CHUNK // 8
 
     def fn(comm):

@@ -42,6 +42,28 @@ Rank 2 forwards B0a while B0b comes in. In the reduce-scatter a segment lands in
 segment (slot 0) and the reducer folds it into the block; in the allgather it is final, so it
 lands directly in ``data``. Traffic per rank: ``(n-1)/n`` of the data each way per phase.
 
+Both phases at once (``allreduce``). The allgather's streams need not wait for the end of the
+reduce-scatter's: a segment of a rank's own block can leave as soon as its last fold is done,
+while it is still in the core's cache, and the allgather then writes each segment into the
+part of ``data`` that the reduce-scatter has just sent out of it. So ``allreduce`` runs the two
+phases' streams side by side, the allgather's ``lag`` exchanges behind (``_lag``): exchange
+``k`` posts reduce-scatter segment ``k`` and allgather segment ``k - lag``, each way, in that
+order on the wire (``Comm.exchange`` keeps the order of frames to one peer). ``lag`` is the
+same on every rank, so both ends of a segment post it in the same exchange, and it is the
+smallest for which every rank's last fold of a segment of its own block comes in an earlier
+exchange than that segment's allgather send: the length of its reduce-scatter stream up to its
+own block, plus one. With 2 ranks that is 1, and the two phases overlap entirely::
+
+                exchange 0              exchange 1                       exchange 2
+    rank 0   send B1a,  recv B0a     send B1b, B0a;  recv B0b, B1a    send B0b;  recv B1b
+    rank 1   send B0a,  recv B1a     send B0b, B1a;  recv B1b, B0a    send B1b;  recv B0b
+
+(each rank folds what it receives of its own block, B0 on rank 0, and sends it on the next
+exchange). With more ranks only the last block of the reduce-scatter overlaps the first of the
+allgather. Every op still depends only on ops of earlier exchanges, so nothing waits on itself,
+and a segment arrives by the allgather only once the reduce-scatter's send of the same place
+has been read: its final value includes that send.
+
 Lending. Above ``LEND_ABOVE_BYTES`` segments may go out lent (``Comm.exchange(lend=True)``):
 over TCP their pages go to the socket by reference, so a segment must stay unwritten until the
 right neighbour has read it. (Smaller vectors stay in the last-level cache, where the copy
@@ -53,7 +75,7 @@ exchange before it forwards it; the allgather writes each block once, on arrival
 Across the phases of ``allreduce``, the allgather writes, on arrival, exactly the blocks the
 reduce-scatter sent; but what arrives for a block is that block fully reduced, which the right
 neighbour's fold of the lent segment went into, so the right neighbour read it before the
-allgather's copy could exist. Only the end of a phase that returns to the caller needs
+allgather's copy could exist (however far the two phases overlap). Only the end of a phase that returns to the caller needs
 ``comm.settle()``: nothing later in the ring proves the right neighbour read the last segments.
 
 Segment sizes. Over sockets the segment size that keeps the kernel's copies fastest depends on
@@ -162,7 +184,8 @@ def _allgather(comm: Comm, data: np.ndarray, counts: Sequence[int], chunk_bytes:
 
 
 def allreduce(comm: Comm, data: np.ndarray, reducer: Reducer, chunk_bytes: int) -> None:
-    """Reduces ``data`` in place over all ranks: a reduce-scatter, then an allgather.
+    """Reduces ``data`` in place over all ranks: a reduce-scatter and an allgather, their
+    streams side by side (see "Both phases at once" above).
 
     Args:
         comm: the communicator; the caller has called ``comm.begin`` for this collective.
@@ -181,13 +204,62 @@ def allreduce(comm: Comm, data: np.ndarray, reducer: Reducer, chunk_bytes: int) 
     lends_measured = not sizes_measured and data.nbytes > LEND_ABOVE_BYTES and comm.lends
     lend = lends_measured and comm.lending.next()
     start = time.perf_counter()
-    _reduce_scatter(comm, data, counts, reducer, segment, lend)  # no settle: see "Lending"
-    _allgather(comm, data, counts, segment, lend)
+    _allreduce(comm, data, counts, reducer, segment, lend)
     seconds = time.perf_counter() - start
     if lends_measured:
         comm.lending.record(lend, seconds, data.nbytes)
     if sizes_measured and sizing.record(segment, seconds, data.nbytes):
         _agree(comm, sizing, chunk_bytes)
+
+
+def _allreduce(comm: Comm, data: np.ndarray, counts: Sequence[int], reducer: Reducer,
+               chunk_bytes: int, lend: bool) -> None:
+    """Both phases of ``allreduce`` as one stream of exchanges: see "Both phases at once"."""
+    n = comm.size
+    offsets = _offsets(comm, data, counts, chunk_bytes)
+    if n == 1:
+        return
+    seg_elems = _segment_elems(data, counts, chunk_bytes)
+    rank = comm.rank
+    right, left = (rank + 1) % n, (rank - 1) % n
+    rs_sends = list(_segments(offsets, rank - 1, seg_elems))
+    rs_recvs = list(_segments(offsets, rank - 2, seg_elems))
+    ag_sends = list(_segments(offsets, rank, seg_elems))
+    ag_recvs = list(_segments(offsets, rank - 1, seg_elems))
+    lag = _lag(offsets, seg_elems)
+    scratch = comm.scratch(seg_elems * data.itemsize).view(data.dtype)
+    for k in range(lag + max(len(ag_sends), len(ag_recvs))):
+        outgoing, incoming = [], []
+        if k < len(rs_sends):
+            lo, hi = rs_sends[k]
+            outgoing.append((right, data[lo:hi]))
+        fold = rs_recvs[k] if k < len(rs_recvs) else None
+        if fold is not None:
+            incoming.append((left, scratch[:fold[1] - fold[0]]))
+        j = k - lag
+        if 0 <= j < len(ag_sends):
+            lo, hi = ag_sends[j]
+            outgoing.append((right, data[lo:hi]))
+        if 0 <= j < len(ag_recvs):
+            lo, hi = ag_recvs[j]
+            incoming.append((left, data[lo:hi]))
+        comm.exchange(outgoing, incoming, lend)
+        if fold is not None and fold[1] > fold[0]:
+            lo, hi = fold
+            reducer(data[lo:hi], scratch[:hi - lo])
+    comm.settle()
+
+
+def _lag(offsets: list[int], seg_elems: int) -> int:
+    """How many exchanges the allgather's stream of ``_allreduce`` runs behind the
+    reduce-scatter's: the same on every rank (both ends of each segment post it in the same
+    exchange), and enough on every rank for its own block's segments to be folded before they
+    leave."""
+    n = len(offsets) - 1
+    segs = [-(-(offsets[b + 1] - offsets[b]) // seg_elems) or 1 for b in range(n)]
+    total = sum(segs)
+    # Rank q folds its own block last in its reduce-scatter stream, which skips block q - 1.
+    return 1 + max(total - segs[q - 1] - segs[q] for q in range(n))
 
 
 def _agree(comm: Comm, sizing: Trials, chunk_bytes: int) -> None:

@@ -39,34 +39,54 @@ class Send:
     """One frame on its way out: ``header`` then ``payload``; ``offset`` counts bytes sent.
 
     ``address`` is the payload's address when the frame is lent (its header has the LENT flag
-    and the pair sends the pages by reference), else 0.
+    and the pair sends the pages by reference), else 0. ``after``: the frame to the same peer
+    posted just before this one in the same wait, which must be all out before this one
+    starts (frames on a pair never interleave).
     """
 
-    __slots__ = ("pair", "header", "payload", "offset", "total", "address")
+    __slots__ = ("pair", "header", "payload", "offset", "total", "address", "after", "done")
 
-    def __init__(self, pair: "Pair", header: bytes, payload: memoryview, address: int = 0):
+    def __init__(self, pair: "Pair", header: bytes, payload: memoryview, address: int = 0,
+                 after: "Send | None" = None):
         self.pair, self.header, self.payload = pair, header, payload
         self.offset, self.total = 0, len(header) + payload.nbytes
         self.address = address
+        self.after, self.done = after, False
 
     def advance(self) -> bool:
-        return self.pair.advance_send(self)
+        if self.after is not None:  # an earlier frame to the same peer goes out first
+            if not self.after.done:
+                return False
+            self.after = None
+        self.done = self.pair.advance_send(self)
+        return self.done
 
 
 class Recv:
-    """One frame on its way in, straight into ``payload`` (a writable byte view)."""
+    """One frame on its way in, straight into ``payload`` (a writable byte view).
 
-    __slots__ = ("pair", "expect", "payload", "header_buf", "header_got", "offset", "lent")
+    ``after``: the receive from the same peer posted just before this one in the same wait;
+    this one takes the peer's next frame only once that one has all of its own."""
 
-    def __init__(self, pair: "Pair", expect: Expect, payload: memoryview):
+    __slots__ = ("pair", "expect", "payload", "header_buf", "header_got", "offset", "lent",
+                 "after", "done")
+
+    def __init__(self, pair: "Pair", expect: Expect, payload: memoryview,
+                 after: "Recv | None" = None):
         self.pair, self.expect, self.payload = pair, expect, payload
         self.header_buf = bytearray(frame.HEADER_SIZE)
         self.header_got = 0
         self.offset = 0
         self.lent = False  # the sender lent the payload: acknowledge it once it is all here
+        self.after, self.done = after, False
 
     def advance(self) -> bool:
-        return self.pair.advance_recv(self)
+        if self.after is not None:  # an earlier frame from the same peer comes in first
+            if not self.after.done:
+                return False
+            self.after = None
+        self.done = self.pair.advance_recv(self)
+        return self.done
 
     def check_header(self) -> None:
         """Validates the received header against ``expect``; raises before any payload lands."""

@@ -209,7 +209,7 @@ class Comm:
 
         Buffers are contiguous arrays or memoryviews; only their bytes travel, so a receive
         buffer must have exactly the size of the matching send. Messages between two ranks
-        arrive in the order they were posted.
+        arrive in the order they were posted, several to one peer in one call included.
 
         Args:
             lend: the send buffers may go out by reference; the caller then leaves them
@@ -217,6 +217,7 @@ class Comm:
                 read them). Without it, send buffers may be reused as soon as this returns.
         """
         ops: list[Send | Recv] = []
+        last: dict = {}  # the previous op on each (direction, peer): frames go in posting order
         for peer, buf in sends:
             step = self._sent.get(peer, 0)
             self._sent[peer] = step + 1
@@ -227,12 +228,16 @@ class Comm:
                 flags, address = frame.LENT, np.frombuffer(payload, np.uint8).ctypes.data
             header = frame.pack(frame.Kind.DATA, self.seq, step, self.signature, payload.nbytes,
                                 flags)
-            ops.append(Send(pair, header, payload, address))
+            op = Send(pair, header, payload, address, last.get((0, peer)))
+            last[0, peer] = op
+            ops.append(op)
         for peer, buf in recvs:
             step = self._received.get(peer, 0)
             self._received[peer] = step + 1
             expect = Expect(self.seq, step, self.signature, self._describe)
-            ops.append(Recv(self.pairs[peer], expect, _bytes_view(buf)))
+            op = Recv(self.pairs[peer], expect, _bytes_view(buf), last.get((1, peer)))
+            last[1, peer] = op
+            ops.append(op)
         wait_all(ops, self._deadline, self.on_idle,
                  lambda: self._waiting_for(sends, recvs))
 
