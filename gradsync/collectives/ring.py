@@ -228,21 +228,24 @@ def _allreduce(comm: Comm, data: np.ndarray, counts: Sequence[int], reducer: Red
     ag_recvs = list(_segments(offsets, rank - 1, seg_elems))
     lag = _lag(offsets, seg_elems)
     scratch = comm.scratch(seg_elems * data.itemsize).view(data.dtype)
+    # The wire takes bytes: slices of byte views cost less than arrays' (per exchange, in Python).
+    size = data.itemsize
+    raw, landing = memoryview(data.view(np.uint8)), memoryview(scratch.view(np.uint8))
     for k in range(lag + max(len(ag_sends), len(ag_recvs))):
         outgoing, incoming = [], []
         if k < len(rs_sends):
             lo, hi = rs_sends[k]
-            outgoing.append((right, data[lo:hi]))
+            outgoing.append((right, raw[lo * size:hi * size]))
         fold = rs_recvs[k] if k < len(rs_recvs) else None
         if fold is not None:
-            incoming.append((left, scratch[:fold[1] - fold[0]]))
+            incoming.append((left, landing[:(fold[1] - fold[0]) * size]))
         j = k - lag
         if 0 <= j < len(ag_sends):
             lo, hi = ag_sends[j]
-            outgoing.append((right, data[lo:hi]))
+            outgoing.append((right, raw[lo * size:hi * size]))
         if 0 <= j < len(ag_recvs):
             lo, hi = ag_recvs[j]
-            incoming.append((left, data[lo:hi]))
+            incoming.append((left, raw[lo * size:hi * size]))
         comm.exchange(outgoing, incoming, lend)
         if fold is not None and fold[1] > fold[0]:
             lo, hi = fold

@@ -29,10 +29,14 @@ __all__ = ["Pair", "Send", "Recv", "Settle", "Expect", "wait_all", "different_co
 class Expect:
     """What the receiver expects of the next frame: checked before the payload is trusted."""
 
-    __slots__ = ("seq", "step", "signature", "describe")
+    __slots__ = ("seq", "step", "signature", "describe", "header")
 
-    def __init__(self, seq: int, step: int, signature: int, describe: Callable[[], str]):
+    def __init__(self, seq: int, step: int, signature: int, describe: Callable[[], str],
+                 length: int = -1):
         self.seq, self.step, self.signature, self.describe = seq, step, signature, describe
+        # The header a frame of ``length`` bytes that passes has (not lent), to compare at once.
+        self.header = (frame.pack(frame.Kind.DATA, seq, step, signature, length)
+                       if length >= 0 and signature else None)
 
 
 class Send:
@@ -90,6 +94,8 @@ class Recv:
 
     def check_header(self) -> None:
         """Validates the received header against ``expect``; raises before any payload lands."""
+        if self.header_buf == self.expect.header:  # the frame expected, not lent
+            return
         h = frame.unpack(self.header_buf)
         e = self.expect
         if h.kind != frame.Kind.DATA:
@@ -179,7 +185,7 @@ _MAX_NAP = 0.0005
 
 
 def wait_all(ops: Sequence["Send | Recv | Settle"], deadline: float,
-             on_idle: Callable[[float], None], what: Callable[[], str]) -> None:
+             on_idle: Callable[[float], None], what: Callable[..., str], *what_args) -> None:
     """Advances ``ops`` until all are complete.
 
     Args:
@@ -187,7 +193,8 @@ def wait_all(ops: Sequence["Send | Recv | Settle"], deadline: float,
         deadline: ``time.monotonic()`` value after which GradsyncTimeoutError is raised.
         on_idle: called with the seconds waited so far, about every abort_poll_interval while
             nothing moves; it raises when the job was aborted or a peer is known dead.
-        what: describes the wait for error messages (called only on the error path).
+        what: describes the wait for error messages (called with ``what_args`` only on the
+            error path).
     """
     pending = [op for op in ops if not op.advance()]
     if not pending:
@@ -211,7 +218,7 @@ def wait_all(ops: Sequence["Send | Recv | Settle"], deadline: float,
         if now >= next_idle:
             if now >= deadline:
                 raise GradsyncTimeoutError(f"timed out after {now - started:.1f}s waiting for "
-                                           f"{what()}")
+                                           f"{what(*what_args)}")
             for op in pending:
                 op.pair.check_alive()
             on_idle(now - started)

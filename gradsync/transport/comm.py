@@ -113,6 +113,8 @@ class Lending(Trials):
 
 
 def _bytes_view(buf) -> memoryview:
+    if type(buf) is memoryview and buf.format == "B" and buf.ndim == 1 and buf.c_contiguous:
+        return buf
     view = memoryview(buf)
     if not view.c_contiguous:
         raise ValueError("transport buffers must be contiguous")
@@ -217,29 +219,30 @@ class Comm:
                 read them). Without it, send buffers may be reused as soon as this returns.
         """
         ops: list[Send | Recv] = []
-        last: dict = {}  # the previous op on each (direction, peer): frames go in posting order
+        seq, signature, pairs = self.seq, self.signature, self.pairs
+        sent, last = self._sent, {}  # last: the previous send to each peer in this call
         for peer, buf in sends:
-            step = self._sent.get(peer, 0)
-            self._sent[peer] = step + 1
+            step = sent.get(peer, 0)
+            sent[peer] = step + 1
             payload = _bytes_view(buf)
-            pair = self.pairs[peer]
+            pair = pairs[peer]
             flags = address = 0
             if lend and pair.lends and payload.nbytes >= LEND_MIN_BYTES:
                 flags, address = frame.LENT, np.frombuffer(payload, np.uint8).ctypes.data
-            header = frame.pack(frame.Kind.DATA, self.seq, step, self.signature, payload.nbytes,
-                                flags)
-            op = Send(pair, header, payload, address, last.get((0, peer)))
-            last[0, peer] = op
+            op = Send(pair, frame.pack(frame.Kind.DATA, seq, step, signature, payload.nbytes,
+                                       flags), payload, address, last.get(peer))
+            last[peer] = op
             ops.append(op)
+        received, last = self._received, {}
         for peer, buf in recvs:
-            step = self._received.get(peer, 0)
-            self._received[peer] = step + 1
-            expect = Expect(self.seq, step, self.signature, self._describe)
-            op = Recv(self.pairs[peer], expect, _bytes_view(buf), last.get((1, peer)))
-            last[1, peer] = op
+            step = received.get(peer, 0)
+            received[peer] = step + 1
+            payload = _bytes_view(buf)
+            op = Recv(pairs[peer], Expect(seq, step, signature, self._describe, payload.nbytes),
+                      payload, last.get(peer))
+            last[peer] = op
             ops.append(op)
-        wait_all(ops, self._deadline, self.on_idle,
-                 lambda: self._waiting_for(sends, recvs))
+        wait_all(ops, self._deadline, self.on_idle, self._waiting_for, sends, recvs)
 
     def settle(self) -> None:
         """Returns once every peer of this collective has acknowledged what was lent to it,

@@ -151,7 +151,9 @@ class TcpPair(Pair):
     def _send_copied(self, op: Send) -> None:
         hlen = len(op.header)
         while op.offset < op.total:
-            if op.offset < hlen:
+            if op.offset == 0:
+                n = self.sock.sendmsg([op.header, op.payload])
+            elif op.offset < hlen:
                 n = self.sock.sendmsg([memoryview(op.header)[op.offset:], op.payload])
             else:
                 n = self.sock.send(op.payload[op.offset - hlen:])
