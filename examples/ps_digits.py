@@ -76,7 +76,7 @@ def accuracy(model, x, y) -> float:
     # end of each epoch, and in backup mode deadlock (the others may wait in a round that
     # needs the push of a worker already waiting in the allreduce).
     with torch.no_grad():
-        return (model(x).argmax(1) == y).float().mean().item()
+        return (model(x).argmax(1) == y).sum().item() / len(y)  # exact: 324/360 is 0.9
 
 
 def main(args) -> int:

@@ -114,3 +114,20 @@ def test_exits_nonzero_below_target():
     assert final_accuracy(result.output) < 1.01, str(result)
     assert "BELOW TARGET" in result.output, str(result)
     assert "worker rank 0 on host" in result.output, str(result)  # the launcher names who failed
+
+
+def test_accuracy_at_exactly_the_target_meets_it():
+    # 324 of 360 right is 0.9 exactly; a float32 mean makes it 0.89999998, "BELOW TARGET".
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("ps_digits", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.torch = torch  # the script imports it when run as a program
+    labels = torch.zeros(360, dtype=torch.long)
+    logits = torch.zeros(360, 2)
+    logits[:324, 0] = 1.0  # right
+    logits[324:, 1] = 1.0  # wrong
+    assert example.accuracy(lambda x: logits, None, labels) >= 0.9
