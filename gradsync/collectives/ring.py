@@ -75,8 +75,9 @@ exchange before it forwards it; the allgather writes each block once, on arrival
 Across the phases of ``allreduce``, the allgather writes, on arrival, exactly the blocks the
 reduce-scatter sent; but what arrives for a block is that block fully reduced, which the right
 neighbour's fold of the lent segment went into, so the right neighbour read it before the
-allgather's copy could exist (however far the two phases overlap). Only the end of a phase that returns to the caller needs
-``comm.settle()``: nothing later in the ring proves the right neighbour read the last segments.
+allgather's copy could exist (however far the two phases overlap). Only the end of a phase
+that returns to the caller needs ``comm.settle()``: nothing later in the ring proves the right
+neighbour read the last segments.
 
 Segment sizes. Over sockets the segment size that keeps the kernel's copies fastest depends on
 the machine (docs/benchmarks.md), so allreduces of ``TUNE_FROM_BYTES`` or more on a ring with a
