@@ -200,8 +200,8 @@ def _pair_exchange(ctx: Rank, sizes: list[int]):
     comm.begin("several")
     frames = sizes[::-1]  # the largest first
     inboxes = [np.empty(size, np.uint8) for size in frames]
-    comm.exchange(sends=[(peer, _pattern(size, ctx.rank + 2 * i)) for i, size in enumerate(frames)],
-                  recvs=[(peer, inbox) for inbox in inboxes])
+    outgoing = [(peer, _pattern(size, ctx.rank + 2 * i)) for i, size in enumerate(frames)]
+    comm.exchange(sends=outgoing, recvs=[(peer, inbox) for inbox in inboxes])
     for i, (size, inbox) in enumerate(zip(frames, inboxes)):
         np.testing.assert_array_equal(inbox, _pattern(size, peer + 2 * i), err_msg=f"frame {i}")
     return leftover
