@@ -151,17 +151,9 @@ def reduce_scatter(comm: Comm, data: np.ndarray, counts: Sequence[int], reducer:
         if own is not None or source is not None:
             np.copyto(data if own is None else own, data if source is None else source)
         return
-    _reduce_scatter(comm, data, counts, reducer, chunk_bytes, _lends(comm, data), source, own)
-    comm.settle()
-
-
-def _reduce_scatter(comm: Comm, data: np.ndarray, counts: Sequence[int], reducer: Reducer,
-                    chunk_bytes: int, lend: bool, source: "np.ndarray | None" = None,
-                    own: "np.ndarray | None" = None) -> None:
-    """``reduce_scatter`` that may return before the right neighbour read the lent segments."""
-    offsets = _offsets(comm, data, counts, chunk_bytes)
     _circulate(comm, data, offsets, comm.rank - 1, _segment_elems(data, counts, chunk_bytes),
-               reducer, lend, source, own)
+               reducer, _lends(comm, data), source, own)
+    comm.settle()
 
 
 def allgather(comm: Comm, data: np.ndarray, counts: Sequence[int], chunk_bytes: int) -> None:
@@ -173,14 +165,9 @@ def allgather(comm: Comm, data: np.ndarray, counts: Sequence[int], chunk_bytes: 
         counts: elements per block, one per rank, summing to ``len(data)``; zeros allowed.
         chunk_bytes: the largest segment on the wire.
     """
-    _allgather(comm, data, counts, chunk_bytes, _lends(comm, data))
-
-
-def _allgather(comm: Comm, data: np.ndarray, counts: Sequence[int], chunk_bytes: int,
-               lend: bool) -> None:
     offsets = _offsets(comm, data, counts, chunk_bytes)
     _circulate(comm, data, offsets, comm.rank, _segment_elems(data, counts, chunk_bytes), None,
-               lend)
+               _lends(comm, data))
     comm.settle()
 
 
