@@ -23,9 +23,9 @@ the World stays usable. A name is in use on a rank from the request until its ha
 synchronized (its first ``wait``); a second request with a name in use raises ValueError at
 once. Horovod frees the name when the operation completes instead, which makes the outcome of
 reusing it a race: a rank whose peers had announced the operation long before may see it
-complete before its own next call, and then issues an operation the others never will. A
-handle dropped without being synchronized keeps its name until shutdown, as Horovod keeps its
-output; an owner that will never wait (``DistributedOptimizer``'s buckets) calls
+complete before its own next call, and then issues an operation the others never will
+(Horovod's own duplicate-name tests depend on that race). A handle dropped without being
+synchronized keeps its name until shutdown, as Horovod keeps its output; an owner that will never wait (``DistributedOptimizer``'s buckets) calls
 ``Handle.release`` and the name is free once the operation is done.
 
 Join. A rank that runs out of data announces ``join``. From then on an operation is ready once
