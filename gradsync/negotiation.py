@@ -25,8 +25,9 @@ once. Horovod frees the name when the operation completes instead, which makes t
 reusing it a race: a rank whose peers had announced the operation long before may see it
 complete before its own next call, and then issues an operation the others never will
 (Horovod's own duplicate-name tests depend on that race). A handle dropped without being
-synchronized keeps its name until shutdown, as Horovod keeps its output; an owner that will never wait (``DistributedOptimizer``'s buckets) calls
-``Handle.release`` and the name is free once the operation is done.
+synchronized keeps its name until shutdown, as Horovod keeps its output; an owner that will
+never wait (``DistributedOptimizer``'s buckets) calls ``Handle.release`` and the name is free
+once the operation is done.
 
 Join. A rank that runs out of data announces ``join``. From then on an operation is ready once
 every rank that has not joined announced it; the joined rank runs a zero allreduce in its own
