@@ -168,6 +168,7 @@ class Controller:
         self.on_stand_in: Callable[[str], None] | None = None
         """Called with the name of each operation this rank joins in (or is excused from)
         without having issued it, while it is joined."""
+        # The table is read and written by the loop's thread only, so it needs no lock.
         self.agreement = Agreement(world.rank, self.ranks)
         self.cache = self.agreement.cache
         self.stats = collections.Counter()
