@@ -5,35 +5,29 @@ The Horovod API lets ranks issue operations in different orders: rank 0 may star
 rank issues before a barrier may be matched by another rank's issued after it. A ``Controller``
 makes that work for one World (the global process set's, or one process set's).
 
-Vocabulary. A *request* is one rank's side of an operation: its name (``allreduce.grad.fc1``),
-kind, dtype, shape, reduce op, root and scale factors, which together are its *signature*. The
-controller's background thread runs *cycles*. In a cycle every rank *announces* the requests
-its caller issued since the last cycle, and every rank receives every rank's announcements (one
-allgather over the World's own connections, shared memory on one host). From the same inputs
-every rank derives the same table ``name -> {rank: signature}``; an operation is *ready* when
-every rank of the World has announced it. Ready operations run in *agreed order*: the order in
-which their names first appeared in the cycles' announcements, read rank 0 first, then rank 1,
-and so on. No rank coordinates; each computes the same order from the same data.
+Vocabulary. A *request* is one rank's side of an operation: its name (``allreduce.grad.fc1``)
+and its *signature* (``agreement.Signature``: kind, dtype, shape, reduce op, root, scale
+factors, shared buffer), with the buffers and callables that run it. The controller's
+background thread runs *cycles*. In a cycle every rank *announces* the requests its caller
+issued since the last cycle, and every rank receives every rank's announcements (one exchange
+over the World's own connections, see Wire below). Each rank feeds them to its
+``agreement.Agreement``, the pure table that decides what is ready (announced by every rank),
+in which *agreed order*, whether the ranks agree on it and what has waited too long; from the
+same inputs every rank reaches the same decisions, so no rank coordinates. This module moves
+the announcements and runs what is ready: fused, on the controller's thread.
 
-Example, two ranks. Rank 0 issues ``a``, ``b``; rank 1 issues ``b``, then (later) ``a``.
-Cycle 1 announces ``[a, b]`` from rank 0 and ``[b]`` from rank 1: ``b`` is ready and runs on
-both ranks. Cycle 2 announces ``[]`` and ``[a]``: ``a`` is ready and runs. Neither rank waits
-for an operation the other has not reached.
-
-Errors. When an operation is ready, every rank compares the signatures it holds (they are the
-same on every rank, so every rank reaches the same verdict). If they disagree (shape, dtype,
-op, root, scale factors; for allgather and alltoall everything but the first dimension), the
-operation does not run: every rank's handle raises ``CollectiveMismatchError`` (a
-RuntimeError) naming what each rank issued, and the World stays usable. A name is in use on a
-rank from the request until its handle is synchronized (its first ``wait``); a second request
-with a name in use raises ValueError at once. Horovod frees the name when the operation
-completes instead, which makes the outcome of reusing it a race: a rank whose peers had
-announced the operation long before may see it complete before its own next call, and then
-issues an operation the others never will (Horovod's own duplicate-name tests depend on
-that race, and on this machine lost it, then hung in the next barrier). A handle dropped
-without being synchronized keeps its name until shutdown, as Horovod keeps its output;
-an owner that will never wait (``DistributedOptimizer``'s buckets) calls ``Handle.release``
-and the name is free once the operation is done.
+Errors. A ready operation whose signatures disagree (shape, dtype, op, root, scale factors;
+for allgather and alltoall everything but the first dimension) does not run: every rank's
+handle raises ``CollectiveMismatchError`` (a RuntimeError) naming what each rank issued, and
+the World stays usable. A name is in use on a rank from the request until its handle is
+synchronized (its first ``wait``); a second request with a name in use raises ValueError at
+once. Horovod frees the name when the operation completes instead, which makes the outcome of
+reusing it a race: a rank whose peers had announced the operation long before may see it
+complete before its own next call, and then issues an operation the others never will
+(Horovod's own duplicate-name tests depend on that race). A handle dropped without being
+synchronized keeps its name until shutdown, as Horovod keeps its output; an owner that will
+never wait (``DistributedOptimizer``'s buckets) calls ``Handle.release`` and the name is free
+once the operation is done.
 
 Join. A rank that runs out of data announces ``join``. From then on an operation is ready once
 every rank that has not joined announced it; the joined rank runs a zero allreduce in its own
@@ -44,14 +38,13 @@ and returns the rank whose announcement came last in agreed order.
 Fusion. Ready allreduces with the same dtype, op and scale factors are packed, in agreed order,
 into one buffer of at most ``fusion_threshold`` bytes and reduced by one collective.
 
-Response cache (after Horovod's ``response_cache.cc``). Steady-state training issues the same
-names with the same signatures every step. Once an operation has run, every rank stores its
-(name, signature) under the same *bit* (bits are assigned in agreed order, so identically
-everywhere; least recently used entries are evicted, also identically). A later request with a
-cached name and signature is announced as its bit in an integer bit mask instead of a full
-description, so a cycle that carries a whole step's gradients costs one small allgather, not a
-round trip per tensor. Unnamed operations (``allreduce.noname.7``) never repeat and are not
-cached.
+Wire. A cycle's announcement is one pickled tuple ``(stop, mask, full, expire)``: whether this
+rank asks to stop, the response cache's bits of its cached requests, the ``(name,
+signature)`` pairs of the others, and (rank 0 only) the names it declares expired. Each rank
+sends a fixed block of ``_SLOT`` bytes: the length, then the pickle when it fits (a step of
+cached bits does), so a cycle is one round; only when some rank's does not fit is there a
+second, sized round. Signatures travel as plain tuples (``_to_wire``): a named tuple pickles
+as a reference to its class, which would change the bytes and make them longer.
 
 Idle cost. A World of one rank needs no cycles (everything it issues is ready at once). With
 more ranks the loop runs back to back while requests arrive. A rank with nothing of its own in
@@ -64,12 +57,12 @@ with operations in flight that are not ready yet (it waits for a slower rank, or
 joined) cycles after 1 ms, doubling up to ``_MAX_IDLE`` (20 ms).
 
 Stalls. An operation that some ranks issued and others never do would wait for ever: the
-cycles go on, so no transport deadline fires. Rank 0 of the World keeps the time each name
-first appeared (``join`` excepted: a joined rank may wait hours for the others); after ``stall_warning`` seconds it logs the operation and the ranks it waits
-for (Horovod's stall inspector), and after ``timeout`` seconds (``GRADSYNC_TIMEOUT``, the
-collective deadline) it announces the name as expired. Every rank drops it in that same cycle,
-and the ranks that issued it get ``CollectiveMismatchError`` naming the ranks that did not, so
-a rank whose script diverged ends in an error, not a hang, and the others can go on.
+cycles go on, so no transport deadline fires. Rank 0's table times each name; after
+``stall_warning`` seconds rank 0 logs the operation and the ranks it waits for (Horovod's
+stall inspector), and after ``timeout`` seconds (``GRADSYNC_TIMEOUT``, the collective
+deadline) it announces the name as expired. Every rank drops it in that same cycle, and the
+ranks that issued it get ``CollectiveMismatchError`` naming the ranks that did not, so a rank
+whose script diverged ends in an error, not a hang, and the others can go on.
 
 Shutdown. ``stop()`` asks for it in the next announcement; the loop ends in the first cycle in
 which every rank has asked, so no rank leaves a cycle the others are still in. Operations still
@@ -82,12 +75,12 @@ import collections
 import logging
 import pickle
 import threading
-import time
 from typing import Any, Callable
 
 import numpy as np
 
 from . import operations as ops
+from .agreement import JOIN, Agreement, ResponseCache, Signature, agreed, describe, mismatch_error
 from .collectives import ring
 from .collectives.ops import BFLOAT16, ReduceOp
 from .engine import Handle
@@ -97,16 +90,10 @@ __all__ = ["Controller", "Request", "ResponseCache"]
 
 log = logging.getLogger("gradsync")
 
-JOIN = "join"
-"""The name of the join operation (``Controller.join``)."""
-
 _MIN_IDLE = 0.001
 _MAX_IDLE = 0.02
 _HEARTBEAT = 0.5
 _SLOT = 256  # bytes per rank in a cycle's one-round exchange (see Controller._exchange)
-
-# Kinds whose first dimension may differ between ranks.
-_RAGGED = ("allgather", "alltoall")
 
 
 class Request:
@@ -126,6 +113,7 @@ class Request:
         finish: turns what ran into the caller's result (allreduce: called with no argument;
             the others: called with ``run``'s result). Default: identity.
         counts: for an Adasum allreduce of several tensors packed in ``flat``, their sizes.
+        shared: ``flat`` is the host's shared buffer (``ShmGroup.shared_buffer``).
     """
 
     __slots__ = ("name", "kind", "sig", "flat", "dtype_tag", "run", "finish", "handle", "joined",
@@ -136,8 +124,8 @@ class Request:
                  run: Callable | None = None, finish: Callable | None = None,
                  counts: list[int] | None = None, shared: bool = False):
         self.name, self.kind = name, kind
-        self.sig = (kind, dtype, tuple(int(d) for d in shape), op, root,
-                    float(scale[0]), float(scale[1]), bool(shared))
+        self.sig = Signature(kind, dtype, tuple(int(d) for d in shape), op, root,
+                             float(scale[0]), float(scale[1]), bool(shared))
         self.flat, self.dtype_tag = flat, dtype_tag
         self.run, self.finish = run, finish
         self.counts = counts
@@ -145,88 +133,20 @@ class Request:
         self.joined = False  # a stand-in for a rank that has joined (see Controller.join)
 
 
-def _match_key(sig: tuple) -> tuple:
-    kind, dtype, shape, *rest = sig
-    if kind in _RAGGED:
-        return (kind, dtype, len(shape), shape[1:], *rest)
-    return sig
+def _to_wire(stop: bool, mask: int, full: list, expire: tuple) -> bytes:
+    """One rank's announcement of a cycle, pickled (see Wire in the module docstring).
+
+    The signatures go as plain tuples, the bytes the wire carried before they were named: a
+    ``Signature`` would pickle as a reference to ``gradsync.agreement.Signature`` (other bytes,
+    and longer ones, so fewer announcements would fit a ``_SLOT``)."""
+    return pickle.dumps((stop, mask, [(name, tuple(sig)) for name, sig in full], expire),
+                        protocol=5)
 
 
-def describe(sig: tuple) -> str:
-    """``float32[17, 17] op=SUM root=0`` for a signature."""
-    kind, dtype, shape, op, root, pre, post, shared = sig
-    text = f"{kind} {dtype}{list(shape)}"
-    if op is not None:
-        text += f" op={op}"
-    if root is not None:
-        text += f" root={root}"
-    if (pre, post) != (1.0, 1.0):
-        text += f" prescale={pre} postscale={post}"
-    if shared:
-        text += " (in a shared buffer)"
-    return text
-
-
-def _mismatch(name: str, by_rank: dict[int, tuple], ranks: list[int]) -> CollectiveMismatchError:
-    groups: dict[str, list[int]] = {}
-    for r in sorted(by_rank):
-        groups.setdefault(describe(by_rank[r]), []).append(ranks[r])
-    lines = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {rs if len(rs) > 1 else rs[0]}: {what}"
-                      for what, rs in groups.items())
-    return CollectiveMismatchError(
-        f"operation '{name}' was issued differently by the ranks, so it did not run ({lines}); "
-        f"the ranks can go on with other operations")
-
-
-class ResponseCache:
-    """Names and signatures of operations that ran, each under a bit every rank agrees on.
-
-    Args:
-        capacity: entries kept; the least recently used one is evicted beyond it.
-    """
-
-    def __init__(self, capacity: int = 1024):
-        self.capacity = capacity
-        self._bits: collections.OrderedDict[str, int] = collections.OrderedDict()
-        self._entries: dict[int, tuple[str, tuple]] = {}
-        self._free: list[int] = []
-
-    def __len__(self) -> int:
-        return len(self._bits)
-
-    def bit(self, name: str, sig: tuple) -> int | None:
-        """The bit of ``name`` if it is cached with exactly ``sig``."""
-        bit = self._bits.get(name)
-        if bit is not None and self._entries[bit][1] == sig:
-            return bit
-        return None
-
-    def entry(self, bit: int) -> tuple[str, tuple]:
-        return self._entries[bit]
-
-    def put(self, name: str, sig: tuple) -> None:
-        """Records that ``name`` ran with ``sig`` (every rank calls this in agreed order)."""
-        if ".noname." in name:
-            return
-        bit = self._bits.get(name)
-        if bit is not None:
-            self._bits.move_to_end(name)
-            self._entries[bit] = (name, sig)
-            return
-        if len(self._bits) >= self.capacity:
-            _, old = self._bits.popitem(last=False)
-            del self._entries[old]
-            self._free.append(old)
-        bit = self._free.pop() if self._free else len(self._bits)
-        self._bits[name] = bit
-        self._entries[bit] = (name, sig)
-
-
-def _bits_of(mask: int):
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low
+def _from_wire(data: bytes) -> tuple:
+    """The inverse of ``_to_wire``: the signatures named again."""
+    stop, mask, full, expire = pickle.loads(data)
+    return stop, mask, [(name, Signature._make(sig)) for name, sig in full], expire
 
 
 class Controller:
@@ -248,17 +168,14 @@ class Controller:
         self.on_stand_in: Callable[[str], None] | None = None
         """Called with the name of each operation this rank joins in (or is excused from)
         without having issued it, while it is joined."""
-        self.cache = ResponseCache()
+        # The table is read and written by the loop's thread only, so it needs no lock.
+        self.agreement = Agreement(world.rank, self.ranks)
+        self.cache = self.agreement.cache
         self.stats = collections.Counter()
         self._cv = threading.Condition()
         self._new: list[Request] = []
         self._mine: dict[str, Request] = {}  # in flight
         self._unsynchronized: set[str] = set()  # done, handle not synchronized yet
-        self._table: dict[str, tuple[int, dict[int, tuple]]] = {}
-        self._since: dict[str, float] = {}  # rank 0: when each name in the table first appeared
-        self._warned: set[str] = set()
-        self._order = 0
-        self._joined: list[int] = []  # ranks that announced join, in agreed order
         self._stop_requested = False
         self._closed: BaseException | None = None
         self._fusion: dict[Any, np.ndarray] = {}
@@ -333,7 +250,7 @@ class Controller:
                 if all(p[0] for p in payloads):
                     break
                 ready, announced = self._absorb(payloads)
-                for name, who in self._expire(payloads[0][3]):
+                for name, who in self.agreement.expire(payloads[0][3]):
                     self._finish_expired(name, who)
                 self.stats["cycles"] += 1
                 if ready or announced:
@@ -355,16 +272,11 @@ class Controller:
             self._close(exc)
 
     def _exchange(self, new: list[Request], stop: bool, expire: tuple) -> list[tuple]:
-        mask, full = 0, []
-        for q in new:
-            bit = self.cache.bit(q.name, q.sig)
-            if bit is None:
-                full.append((q.name, q.sig))
-            else:
-                mask |= 1 << bit
+        """Sends this rank's announcement and returns every rank's, in rank order."""
+        mask, full = self.agreement.encode((q.name, q.sig) for q in new)
         self.stats["cached"] += len(new) - len(full)
         self.stats["full"] += len(full)
-        data = pickle.dumps((stop, mask, full, expire), protocol=5)
+        data = _to_wire(stop, mask, full, expire)
         # One round in the common case: every rank sends a block of _SLOT bytes (its length,
         # then its announcement if it fits: a step of cached bits does). Only when some
         # rank's does not fit (every rank sees its length) is there a second, sized round.
@@ -388,85 +300,38 @@ class Controller:
                            world.config.chunk_bytes)
         lengths = blocks[:, :8].copy().view(np.int64).reshape(-1).tolist()
         if max(lengths) <= _SLOT - 8:
-            return [pickle.loads(blocks[r, 8:8 + lengths[r]].tobytes()) for r in range(size)]
+            return [_from_wire(blocks[r, 8:8 + lengths[r]].tobytes()) for r in range(size)]
         flat = np.frombuffer(data, dtype=np.uint8)
         out, rows = ops.allgather(world, flat, flat.dtype, name="negotiate", shape=flat.shape)
         bounds = np.cumsum([0] + rows)
-        return [pickle.loads(out[bounds[r]:bounds[r + 1]].tobytes()) for r in range(size)]
+        return [_from_wire(out[bounds[r]:bounds[r + 1]].tobytes()) for r in range(size)]
 
     def _absorb(self, payloads: list[tuple]) -> tuple[list[tuple[str, dict]], bool]:
-        """Adds every rank's announcements to the table; returns the ready ones in order.
-
-        An operation is ready when every rank that has not joined announced it (``join``
-        itself: when every rank has joined)."""
-        size, touched, announced = self.world.size, [], False
-        joined_before = len(self._joined)
+        """Adds every rank's announcements to the table; returns the ready ones in agreed
+        order, and whether any rank announced anything (``Agreement.absorb``)."""
+        decode = self.agreement.decode
+        announced = [decode(mask, full) for _, mask, full, _ in payloads]
         tl, me = self.timeline, self.world.rank
-        for r, (_, mask, full, _) in enumerate(payloads):
-            for name, sig in [self.cache.entry(b) for b in _bits_of(mask)] + full:
-                announced = True
-                if tl is not None and r != me and name in self._mine:
-                    tl.instant(name, f"rank {self.ranks[r]} ready")
-                if name == JOIN:
-                    self._joined.append(r)
-                entry = self._table.get(name)
-                if entry is None:
-                    entry = self._table[name] = (self._order, {})
-                    self._order += 1
-                    if me == 0 and name != JOIN:  # a joined rank may wait for hours
-                        self._since[name] = time.monotonic()
-                entry[1][r] = sig
-                touched.append(name)
-        if len(self._joined) != joined_before:
-            touched = list(self._table)  # fewer ranks to wait for: anything may be ready now
-        active = size - len(self._joined)
-        ready = sorted({(self._table[n][0], n) for n in touched
-                        if n in self._table and (
-                            len(self._table[n][1]) == size if n == JOIN else
-                            len(set(self._table[n][1]) - set(self._joined)) == active)})
-        for _, n in ready:
-            self._since.pop(n, None)
-            self._warned.discard(n)
-        return [(n, self._table.pop(n)[1]) for _, n in ready], announced
+        if tl is not None:
+            for r, pairs in enumerate(announced):
+                if r != me:
+                    for name, _ in pairs:
+                        if name in self._mine:
+                            tl.instant(name, f"rank {self.ranks[r]} ready")
+        return self.agreement.absorb(announced)
 
     # ------------------------------------------------------------------ stalls
     def _stalled(self) -> tuple:
         """Rank 0: warns about names waiting past ``stall_warning``; returns those past
         ``timeout``, to be announced as expired."""
-        if self.world.rank != 0 or not self._since:
-            return ()
-        now, config = time.monotonic(), self.world.config
-        expired = []
-        for name, since in self._since.items():
-            waited = now - since
-            if waited > config.timeout:
-                expired.append(name)
-            elif waited > config.stall_warning and name not in self._warned:
-                self._warned.add(name)
-                issued, missing = self._who(name)
-                log.warning("gradsync (%s): operation '%s' has waited %.0fs: issued by ranks "
-                            "%s, not yet by ranks %s; it fails after %.0fs (GRADSYNC_TIMEOUT)",
-                            self.label, name, waited, issued, missing, config.timeout)
-        return tuple(expired)
-
-    def _who(self, name: str) -> tuple[list[int], list[int]]:
-        """The global ranks that announced ``name`` and those it still waits for."""
-        by_rank = self._table[name][1]
-        issued = sorted(self.ranks[r] for r in by_rank)
-        missing = sorted(self.ranks[r] for r in range(self.world.size)
-                         if r not in by_rank and r not in self._joined)
-        return issued, missing
-
-    def _expire(self, names) -> list[tuple[str, tuple[list[int], list[int]]]]:
-        """Drops the names rank 0 announced as expired (the same cycle on every rank)."""
-        dropped = []
-        for name in names:
-            if name in self._table:
-                dropped.append((name, self._who(name)))
-                self._table.pop(name)
-            self._since.pop(name, None)
-            self._warned.discard(name)
-        return dropped
+        config = self.world.config
+        stalls, expired = self.agreement.stalled(config.stall_warning, config.timeout)
+        for stall in stalls:
+            log.warning("gradsync (%s): operation '%s' has waited %.0fs: issued by ranks "
+                        "%s, not yet by ranks %s; it fails after %.0fs (GRADSYNC_TIMEOUT)",
+                        self.label, stall.name, stall.waited, stall.issued, stall.missing,
+                        config.timeout)
+        return expired
 
     def _finish_expired(self, name: str, who: tuple[list[int], list[int]]) -> None:
         with self._cv:
@@ -488,22 +353,21 @@ class Controller:
         for name, by_rank in ready:
             with self._cv:
                 request = self._mine.get(name)
-            keys = {_match_key(sig) for sig in by_rank.values()}
             if tl is not None and request is not None:
                 tl.end(name)
             if name == JOIN:
-                last, self._joined = self._joined[-1], []
+                last = self.agreement.end_join()
                 self._finish(request, result=self.ranks[last])
                 continue
-            if self._joined and (request is None or len(by_rank) < self.world.size):
+            if self.agreement.joined and (request is None or len(by_rank) < self.world.size):
                 request = self._for_joined(name, by_rank, request)
                 if request is None:
                     continue
-            if len(keys) > 1:
+            if not agreed(by_rank):
                 self.stats["mismatches"] += 1
-                self._finish(request, error=_mismatch(name, by_rank, self.ranks))
+                self._finish(request, error=mismatch_error(name, by_rank, self.ranks))
                 continue
-            self.cache.put(name, request.sig)
+            self.agreement.ran(name, request.sig)
             if tl is not None:
                 tl.begin(name, "QUEUE")
             runnable.append(request)
@@ -514,24 +378,25 @@ class Controller:
         """An operation that runs while some ranks have joined: the joined ranks contribute
         zeros to an allreduce (averages still divide by every rank, as in Horovod); any other
         kind fails on the ranks that issued it."""
-        sig = next(iter(by_rank.values()))
-        joined = sorted(self.ranks[r] for r in set(self._joined))
+        sig: Signature = next(iter(by_rank.values()))
+        joined = sorted(self.ranks[r] for r in set(self.agreement.joined))
         if request is None and self.on_stand_in is not None:
             self.on_stand_in(name)
-        if sig[0] != "allreduce":
+        if sig.kind != "allreduce":
             if request is not None:
                 self._finish(request, error=RuntimeError(
-                    f"{sig[0]} '{name}' cannot run while ranks {joined} have joined (only "
+                    f"{sig.kind} '{name}' cannot run while ranks {joined} have joined (only "
                     "allreduce takes zeros from joined ranks, as in Horovod)"))
             return None
         if request is not None:
             return request
-        dtype = sig[1]
+        dtype = sig.dtype
         tag = BFLOAT16 if dtype == BFLOAT16 else np.dtype(dtype)
-        count = int(np.prod(sig[2], dtype=np.int64))
-        flat = self._zeros(np.dtype(np.int16) if dtype == BFLOAT16 else tag, count, sig[7])
-        zeros = Request(name, "allreduce", dtype, sig[2], op=sig[3], scale=sig[5:7],
-                        flat=flat, dtype_tag=tag, shared=sig[7])
+        count = int(np.prod(sig.shape, dtype=np.int64))
+        flat = self._zeros(np.dtype(np.int16) if dtype == BFLOAT16 else tag, count, sig.shared)
+        zeros = Request(name, "allreduce", dtype, sig.shape, op=sig.op,
+                        scale=(sig.prescale, sig.postscale), flat=flat, dtype_tag=tag,
+                        shared=sig.shared)
         zeros.joined = True
         return zeros
 
@@ -540,10 +405,11 @@ class Controller:
         batches: list[list[Request]] = []
         open_: dict[tuple, tuple[list[Request], int]] = {}
         for q in requests:
-            if q.kind != "allreduce" or q.sig[7]:  # a shared buffer is reduced where it is
+            sig = q.sig
+            if q.kind != "allreduce" or sig.shared:  # a shared buffer is reduced where it is
                 batches.append([q])
                 continue
-            key = (q.sig[1], q.sig[3], q.sig[5], q.sig[6])
+            key = (sig.dtype, sig.op, sig.prescale, sig.postscale)
             nbytes = q.flat.nbytes
             group = open_.get(key)
             if group is not None and group[1] + nbytes <= self.fusion_threshold:
@@ -586,8 +452,8 @@ class Controller:
 
     def _allreduce(self, batch: list[Request], tl) -> list:
         head = batch[0]
-        _, dtype, _, op_name, _, pre, post, _ = head.sig
-        op = _OPS[op_name]
+        sig = head.sig
+        op, pre, post = _OPS[sig.op], sig.prescale, sig.postscale
         if len(batch) == 1:
             flat = head.flat
         else:

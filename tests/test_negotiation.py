@@ -6,7 +6,8 @@ import pytest
 
 from harness import launch
 
-from gradsync.negotiation import Request, ResponseCache, _match_key, describe
+from gradsync.agreement import Signature
+from gradsync.negotiation import Request, ResponseCache, describe
 
 CHECKS = ["out-of-order", "barrier", "duplicate", "unnamed", "fusion", "cache", "beside",
           "rounding", "shutdown"]
@@ -52,13 +53,28 @@ def test_timeline_of_the_horovod_api(tmp_path):
     assert (tmp_path / "tl.json").exists() and (tmp_path / "tl.json.1").exists()
 
 
+def test_a_request_carries_the_signature_every_field_named():
+    # Every field by name: a field added to or dropped from Signature, or a Request that
+    # builds it differently, fails here.
+    q = Request("allreduce.a", "allreduce", "float32", [3, 2], op="SUM", scale=(0.5, 2))
+    assert type(q.sig) is Signature
+    assert q.sig == Signature(kind="allreduce", dtype="float32", shape=(3, 2), op="SUM",
+                              root=None, prescale=0.5, postscale=2.0, shared=False)
+    # and in this order, which is what the wire carries (see negotiation._to_wire)
+    assert tuple(q.sig) == ("allreduce", "float32", (3, 2), "SUM", None, 0.5, 2.0, False)
+    bc = Request("broadcast.b", "broadcast", "int64", (4,), root=1, shared=True)
+    assert bc.sig == Signature(kind="broadcast", dtype="int64", shape=(4,), op=None, root=1,
+                               prescale=1.0, postscale=1.0, shared=True)
+
+
 def test_cache_bits_are_assigned_in_order_and_reused_after_eviction():
     cache = ResponseCache(capacity=2)
-    sig = ("allreduce", "float32", (3,), "SUM", None, 1.0, 1.0)
+    sig = Request("allreduce.a", "allreduce", "float32", (3,), op="SUM").sig
     cache.put("allreduce.a", sig)
     cache.put("allreduce.b", sig)
     assert cache.bit("allreduce.a", sig) == 0 and cache.bit("allreduce.b", sig) == 1
-    assert cache.bit("allreduce.a", sig[:2] + ((4,),) + sig[3:]) is None  # another shape
+    assert cache.bit("allreduce.a", sig._replace(shape=(4,))) is None  # another shape
+    assert cache.bit("allreduce.a", sig._replace(shared=True)) is None  # the last field
     cache.put("allreduce.a", sig)  # a hit: b is now the least recently used
     cache.put("allreduce.c", sig)
     assert cache.bit("allreduce.b", sig) is None and cache.bit("allreduce.c", sig) == 1
@@ -71,11 +87,11 @@ def test_signatures_match_on_what_must_agree():
     gather = Request("allgather.x", "allgather", "float32", (3, 4))
     other_rows = Request("allgather.x", "allgather", "float32", (5, 4))
     other_cols = Request("allgather.x", "allgather", "float32", (3, 5))
-    assert _match_key(gather.sig) == _match_key(other_rows.sig)
-    assert _match_key(gather.sig) != _match_key(other_cols.sig)
+    assert gather.sig.match_key() == other_rows.sig.match_key()
+    assert gather.sig.match_key() != other_cols.sig.match_key()
     a = Request("allreduce.x", "allreduce", "float32", (3, 4), op="SUM", flat=np.zeros(12))
     b = Request("allreduce.x", "allreduce", "float32", (4, 3), op="SUM", flat=np.zeros(12))
-    assert _match_key(a.sig) != _match_key(b.sig)
+    assert a.sig.match_key() != b.sig.match_key()
     assert describe(a.sig) == "allreduce float32[3, 4] op=SUM"
     bc = Request("broadcast.x", "broadcast", "int64", (2,), root=1, scale=(1.0, 1.0))
     assert describe(bc.sig) == "broadcast int64[2] root=1"

@@ -137,23 +137,21 @@ _CHECK_EVERY = 0.05
 # MIN_SPIN when they are more than the cores (see _wait).
 MIN_SPIN, MAX_SPIN = 2e-6, 100e-6
 # The Python wait (_wait) spins at most PY_SPIN: its loop holds the GIL, which a training
-# step's main thread needs while a background thread waits here. With 100 us, 9 alternating
-# pairs of scripts/train_costs.py gave DistributedOptimizer 0.55 of the local rate against
-# 0.59 with 10 us (better in 7 of 9), the inline allreduce 0.58 either way. The compiled
-# wait releases the GIL and keeps MAX_SPIN.
+# step's main thread needs while a background thread waits here, so a long spin slows the
+# step it waits for (docs/benchmarks.md has the measurement). The compiled wait releases the
+# GIL and keeps MAX_SPIN.
 PY_SPIN = 10e-6
 # Then, up to YIELD_FOR seconds after the wait began, it yields the core between looks (it
 # stays runnable, so a peer that was only descheduled is seen as soon as this rank runs again);
-# only past that does it sleep on a futex. On a loaded host a woken process waited ~8 ms for
-# a core, so sleeping early costs milliseconds: with 2 ms here, 4-64 KiB allreduces beside
-# Open MPI had medians of 0.2-2.5 ms in 2 of 2 runs; with 20 ms, in 1 of 2 (others ~25 us).
+# only past that does it sleep on a futex. On a loaded host a woken process can wait
+# milliseconds for a core, so sleeping early turns a microsecond wait into one of
+# milliseconds (docs/benchmarks.md).
 YIELD_FOR = 20e-3
 # The Python wait yields for at most PY_YIELD_FOR before it sleeps. Every look between yields
 # takes the GIL back, and a rank that waits milliseconds in a large allreduce during training
-# waits for a peer still in its backward pass, not for one that was descheduled: 15 alternating
-# triples of scripts/train_costs.py gave DistributedOptimizer 0.58 of the local rate with 3 ms
-# against 0.52 with 20 ms and 0.55 for the code before issue 10 (docs/benchmarks.md). The
-# compiled wait, on the small road, keeps YIELD_FOR.
+# waits for a peer still in its backward pass, not for one that was descheduled, so yielding
+# longer only takes the GIL from that backward pass (docs/benchmarks.md). The compiled wait,
+# on the small road, keeps YIELD_FOR.
 PY_YIELD_FOR = 3e-3
 _PAGE = 4096
 # Kernel codes of _shmfast.c: op << 4 | dtype. An Average folds as a sum, then divides.
@@ -281,8 +279,8 @@ class ShmGroup:
             job: the job id (letters, digits, ``_.-``), the same on every local rank.
             local_rank: this process's index among the host's ``local_size`` ranks.
             barrier: returns only once every local rank has called it (a store barrier).
-            slot_bytes: the piece size; local rank 0's value wins. 512 KiB-1 MiB was fastest
-                for 64 MiB on a 2-core host (L2 of 1 MiB per core); 4 MiB was 50% slower.
+            slot_bytes: the piece size; local rank 0's value wins. A piece about the size
+                of a core's L2 cache is fastest (docs/benchmarks.md).
             ranks: the global rank of each local rank, for error messages.
             tag: tells apart several groups of one job on one host.
             small_bytes: an allreduce of at most this many bytes takes the one-step road.
@@ -659,9 +657,9 @@ class ShmGroup:
         Spins up to ``PY_SPIN`` when every local rank can have a core (only ``MIN_SPIN``
         when they outnumber the cores: spinning would delay the rank it waits for), yields
         the core between looks until ``PY_YIELD_FOR`` after the start, then sleeps on the
-        counter of a rank still awaited until it moves. Measured on 2 ranks:
-        judging closeness by recent waits instead did worse, because a wait that slept
-        is long because it slept, which kept the next waits from spinning. ``started``
+        counter of a rank still awaited until it moves. Closeness is judged by the cores,
+        not by recent waits: a wait that slept is long because it slept, which would keep
+        the next waits from spinning. ``started``
         (``time.perf_counter()``): when the wait began, if earlier than now (the compiled
         road's wait continues here).
         """
