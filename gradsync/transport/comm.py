@@ -12,8 +12,8 @@ calls ``settle`` before it writes into memory it lent, unless its structure alre
 the peer read it, and at the latest before it returns (the caller may write into the buffer
 next). Whether lending pays is measured, not assumed, and so is the segment size of large
 ring allreduces over sockets: ``trials.py`` measures, once per Comm (``Comm.tuning``), and the
-ring keeps what was chosen in a plan per size (``collectives/ring_plan.py``), set up once and
-read on every call; an exchange itself never measures.
+ring keeps what was chosen in a plan per size (``trials.Plan``, in ``Comm.plans``), set up once
+and read on every call; an exchange itself never measures.
 """
 
 from __future__ import annotations

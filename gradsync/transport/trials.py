@@ -6,12 +6,15 @@ So the first collectives that face such a choice try each candidate in turns, ti
 (``Trials``), and then keep the cheapest. A choice that only this rank's sends depend on is made
 from this rank's medians alone (``Lending``); one that every rank of a ring must make alike (the
 segment size: both ends of a segment cut it the same) is made from the medians of all of them,
-summed by the ring itself (``collectives/ring_plan.py``).
+summed by the ring itself (the ``agree`` that ``Plan.measure`` is given).
 
-``Tuning`` is what one Comm has measured, kept for the Comm's life: the lending trials, the
-segment-size trials of each set of ranks and size class, and the per-size plans that the
-algorithms build from them once (``plans_of``). The Comm holds it; the algorithms read it when
-they set a plan up, never on the way of an exchange.
+``Tuning`` is what one Comm has measured, kept for the Comm's life: the lending trials, and the
+segment-size trials of each set of ranks and size class. A ``Plan`` is what one size class of
+one ring runs with: its segment size and whether it lends. Set up once, run many (as Gloo's
+``AllreduceRing``): the ring looks its plan up in ``comm.plans`` and, once the plan is settled,
+reads two fields and runs its schedule; only while the plan is not settled does
+``Plan.measure`` time the run, around the schedule and never inside it, so an exchange never
+measures.
 """
 
 from __future__ import annotations
