@@ -11,8 +11,7 @@ import pytest
 
 from gradsync.collectives import ring
 from gradsync.collectives.ops import ReduceOp, make_reducer
-from gradsync.transport import comm as comm_module
-from gradsync.transport import splice
+from gradsync.transport import splice, trials
 from gradsync.transport.comm import LEND_MIN_BYTES, Comm, Lending
 from harness import run_ranks, tcp_mesh
 
@@ -24,7 +23,7 @@ def _lend_small_vectors(monkeypatch):
     # The ring lends only above LEND_ABOVE_BYTES (32 MiB); these tests lend megabytes, from
     # the first allreduce on (no trials of copying against lending, but in the last tests).
     monkeypatch.setattr(ring, "LEND_ABOVE_BYTES", 0)
-    monkeypatch.setattr(comm_module, "LEND_TRIALS", 0)
+    monkeypatch.setattr(trials, "LEND_TRIALS", 0)
 
 CHUNK = LEND_MIN_BYTES  # every ring segment is large enough to be lent
 SUM = make_reducer(ReduceOp.SUM, np.float64)
@@ -226,7 +225,7 @@ class _Counting(Comm):
 def test_the_ring_measures_lending_and_copying_and_keeps_the_faster(monkeypatch, lend_faster):
     # Two trials of each way, the slower way made 50 ms slower, then the chosen way for the
     # rest; every allreduce reduces right, lent or copied.
-    monkeypatch.setattr(comm_module, "LEND_TRIALS", 2)
+    monkeypatch.setattr(trials, "LEND_TRIALS", 2)
     allreduce = ring._allreduce
 
     def slowed(comm, data, counts, reducer, chunk_bytes, lend):

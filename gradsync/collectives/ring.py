@@ -87,16 +87,23 @@ byte, and then every rank keeps the size whose medians, summed over the ranks, a
 ranks must agree, as both ends of a segment must cut it alike, so the sum is allreduced
 (``_agree``) within the allreduce that ends the trials, which is the same one on every rank.
 Lending is measured after that, in segments of the chosen size.
+
+Set up once, run many. Both choices are the machine's, not the algorithm's, so they live apart
+from the schedule: each size class of each ring has a ``trials.Plan`` (kept in ``comm.plans``)
+that holds its segment size and whether it lends. Once the plan is settled, ``allreduce``
+reads those two fields and runs the schedule; while it is not, ``Plan.measure`` times the run
+around the schedule, never inside it.
 """
 
 from __future__ import annotations
 
-import time
+from functools import partial
 from typing import Iterator, Sequence
 
 import numpy as np
 
-from ..transport.comm import Comm, Trials
+from ..transport.comm import Comm
+from ..transport.trials import Plan, plan_of
 from .ops import ReduceOp, Reducer, make_reducer
 
 __all__ = ["reduce_scatter", "allgather", "allreduce", "even_counts", "block_offsets",
@@ -181,23 +188,18 @@ def allreduce(comm: Comm, data: np.ndarray, reducer: Reducer, chunk_bytes: int) 
         reducer: the kernel that folds a received segment into ``data``.
         chunk_bytes: the largest segment on the wire; scratch slot 0 holds one segment. From
             ``TUNE_FROM_BYTES`` on, a ring with a socket among its pairs may cut smaller ones
-            (see "Segment sizes" above).
+            (see "Segment sizes" and "Set up once, run many" above).
     """
     counts = even_counts(len(data), comm.size)
-    sizing = _sizing(comm, data.nbytes, chunk_bytes)
-    segment = chunk_bytes if sizing is None else sizing.next()
-    sizes_measured = sizing is not None and sizing.chosen is None
-    # Above the threshold, once the segment is settled, this allreduce is one of the Comm's
-    # measurements of lending until the faster way is chosen (``Comm.lending``).
-    lends_measured = not sizes_measured and data.nbytes > LEND_ABOVE_BYTES and comm.lends
-    lend = lends_measured and comm.lending.next()
-    start = time.perf_counter()
-    _allreduce(comm, data, counts, reducer, segment, lend)
-    seconds = time.perf_counter() - start
-    if lends_measured:
-        comm.lending.record(lend, seconds, data.nbytes)
-    if sizes_measured and sizing.record(segment, seconds, data.nbytes):
-        _agree(comm, sizing, chunk_bytes)
+    key = _size_class(data.nbytes, chunk_bytes)
+    plan = comm.plans.get(key)
+    if plan is not None and plan.settled:
+        _allreduce(comm, data, counts, reducer, plan.segment, plan.lend)
+    else:
+        plan = plan_of(comm, key, chunk_bytes, data.nbytes, data.nbytes >= TUNE_FROM_BYTES,
+                       data.nbytes > LEND_ABOVE_BYTES)
+        plan.measure(comm, data.nbytes, partial(_allreduce, comm, data, counts, reducer),
+                     partial(_agree, comm, chunk_bytes))
 
 
 def _allreduce(comm: Comm, data: np.ndarray, counts: Sequence[int], reducer: Reducer,
@@ -253,34 +255,37 @@ def _lag(offsets: list[int], seg_elems: int) -> int:
     return 1 + max(total - segs[q - 1] - segs[q] for q in range(n))
 
 
-def _agree(comm: Comm, sizing: Trials, chunk_bytes: int) -> None:
-    """Chooses the segment size of ``sizing`` on every rank alike: the one whose medians
-    summed over the ranks are lowest. Every rank completes the trials in the same allreduce,
-    so all of them run this within it; the sum is a ring allreduce of its own, too small to
-    be tuned, and leaves the same bits on every rank."""
-    costs = np.array(sizing.medians(), dtype=np.float64)
+def _agree(comm: Comm, chunk_bytes: int, costs: np.ndarray) -> None:
+    """Sums the trials' ``costs`` over the ring (``Plan.measure``): a ring allreduce of its own,
+    too small to be tuned, that leaves the same bits on every rank."""
     allreduce(comm, costs, _SUM, chunk_bytes)
-    sizing.choose(costs.tolist())
 
 
-def _sizing(comm: Comm, nbytes: int, chunk_bytes: int) -> "Trials | None":
-    return comm.segments(chunk_bytes, nbytes) if nbytes >= TUNE_FROM_BYTES else None
+def _size_class(nbytes: int, chunk_bytes: int) -> tuple:
+    """The key of the plan of allreduces of ``nbytes``: its power of 4, and which side of
+    each threshold it is on (``LEND_ABOVE_BYTES`` falls inside one)."""
+    return (chunk_bytes, (max(nbytes, 1).bit_length() - 1) // 2, nbytes >= TUNE_FROM_BYTES,
+            nbytes > LEND_ABOVE_BYTES)
+
+
+def _plan(comm: Comm, nbytes: int, chunk_bytes: int) -> Plan:
+    return plan_of(comm, _size_class(nbytes, chunk_bytes), chunk_bytes, nbytes,
+                   nbytes >= TUNE_FROM_BYTES, nbytes > LEND_ABOVE_BYTES)
 
 
 def segment_bytes(comm: Comm, nbytes: int, chunk_bytes: int) -> int:
     """The largest segment an allreduce of ``nbytes`` on ``comm`` cuts now (once the trials of
     segment sizes are over, from then on)."""
-    sizing = _sizing(comm, nbytes, chunk_bytes)
-    return chunk_bytes if sizing is None else sizing.next()
+    return _plan(comm, nbytes, chunk_bytes).next_segment()
 
 
 def measuring(comm: Comm, nbytes: int, chunk_bytes: int) -> bool:
     """Whether a ring allreduce of ``nbytes`` on ``comm`` would be one of its trials, of
     segment sizes or of lending."""
-    sizing = _sizing(comm, nbytes, chunk_bytes)
-    if sizing is not None and sizing.chosen is None:
-        return True
-    return nbytes > LEND_ABOVE_BYTES and comm.lends and comm.lending.chosen is None
+    plan = _plan(comm, nbytes, chunk_bytes)
+    if plan.lending is not None and not comm.lends:
+        return plan.sizing is not None and plan.sizing.chosen is None
+    return plan.measuring()
 
 
 def _lends(comm: Comm, data: np.ndarray) -> bool:

@@ -10,13 +10,14 @@ reference instead of copying them (``splice.py``): then the sender must not writ
 until the peers have them, and ``settle`` waits for exactly that. An algorithm that lends
 calls ``settle`` before it writes into memory it lent, unless its structure already implies
 the peer read it, and at the latest before it returns (the caller may write into the buffer
-next). Whether lending pays is measured, not assumed (``Lending``), and so is the segment size
-of large ring allreduces over sockets (``Comm.segments``): both with ``Trials``.
+next). Whether lending pays is measured, not assumed, and so is the segment size of large
+ring allreduces over sockets: ``trials.py`` measures, once per Comm (``Comm.tuning``), and the
+ring keeps what was chosen in a plan per size (``trials.Plan``, in ``Comm.plans``), set up once
+and read on every call; an exchange itself never measures.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Callable, Mapping, Sequence
 
@@ -24,92 +25,14 @@ import numpy as np
 
 from . import frame
 from .base import Expect, Pair, Recv, Send, Settle, wait_all
+# The measuring lives in trials.py; its names stay importable from here.
+from .trials import LEND_TRIALS, SEGMENT_BLOCK, SEGMENT_TRIALS, Lending, Trials, Tuning
 
 __all__ = ["Comm", "CommView", "Trials", "Lending", "LEND_MIN_BYTES", "LEND_TRIALS",
            "SEGMENT_TRIALS", "SEGMENT_BLOCK"]
 
 #: Smaller sends are copied even when lent: each lent frame costs an acknowledgement.
 LEND_MIN_BYTES = 256 << 10
-
-#: The first collectives that may lend copy and lend in turn, this many times each, and the
-#: faster way is kept (``Lending``); 0 lends from the start, unmeasured.
-LEND_TRIALS = 3
-
-#: The first large ring allreduces over sockets try each segment size in this many turns of
-#: ``SEGMENT_BLOCK`` allreduces (``Comm.segments``); 0 keeps the configured ``chunk_bytes``.
-SEGMENT_TRIALS = 2
-SEGMENT_BLOCK = 4
-
-
-class Trials:
-    """Chooses one of ``ways`` of running a collective by timing the first ones.
-
-    Until a way is chosen, the ways take turns in their order, ``block`` collectives each, for
-    ``rounds`` turns each, and ``record`` collects each one's seconds per byte, all but the first
-    ``block // 2`` of each turn (on some machines a way runs slower for a few collectives after
-    another ran). After the last turn ``record`` says so, and the owner calls ``choose`` with
-    one cost per way: this rank's medians (``medians``), or what the ranks make of them
-    together when they must agree. Every rank runs the same collectives, so all try the same
-    way at the same time.
-
-    Args:
-        ways: the candidates, in the order they take turns.
-        rounds: turns of each way before choosing; 0 chooses ``untried`` at once.
-        untried: the way used when there are no trials.
-        block: collectives per turn.
-    """
-
-    def __init__(self, ways: Sequence, rounds: int, untried, block: int = 1):
-        self.ways = tuple(ways)
-        self.rounds, self.block = rounds, block
-        self.seconds_per_byte: dict = {way: [] for way in self.ways}
-        self.chosen = untried if rounds == 0 else None
-        self._runs = 0
-
-    def next(self):
-        """The way the next collective takes."""
-        if self.chosen is not None:
-            return self.chosen
-        return self.ways[self._runs // self.block % len(self.ways)]
-
-    def record(self, way, seconds: float, nbytes: int) -> bool:
-        """What a collective run ``way`` (``next()``'s) took; True when that ends the trials."""
-        if self.chosen is not None or nbytes <= 0:
-            return False
-        if self._runs % self.block >= self.block // 2:
-            self.seconds_per_byte[way].append(seconds / nbytes)
-        self._runs += 1
-        return self._runs >= self.rounds * self.block * len(self.ways)
-
-    def medians(self) -> list[float]:
-        """This rank's median seconds per byte of each way, in the order of ``ways``."""
-        return [statistics.median(self.seconds_per_byte[way]) for way in self.ways]
-
-    def choose(self, costs: Sequence[float]) -> None:
-        """Keeps the way of the lowest cost (the first of them on a tie)."""
-        self.chosen = self.ways[min(range(len(self.ways)), key=lambda i: costs[i])]
-
-
-class Lending(Trials):
-    """Whether a Comm's large collectives lend their send buffers, decided by timing them.
-
-    Lending saves the sender's copy but costs the kernel's page references and an
-    acknowledgement per frame, and which is cheaper depends on the machine: on one 2-core VM
-    lending made a 64 MiB allreduce over loopback TCP about a fifth faster, on another (same
-    kernel) it took about 1.4 times as long (docs/benchmarks.md). So the first ``2 * trials``
-    collectives that may lend alternate, copying first, each timed per byte, and from then on
-    the way with the lower median is used. Each rank decides for its own sends (a lent frame
-    says so, and any receiver acknowledges it), so the ranks need not agree.
-    """
-
-    def __init__(self, trials: int):
-        super().__init__((False, True), trials, untried=True)
-
-    def record(self, lent: bool, seconds: float, nbytes: int) -> bool:
-        done = super().record(lent, seconds, nbytes)
-        if done:
-            self.choose(self.medians())
-        return done
 
 
 def _bytes_view(buf) -> memoryview:
@@ -131,6 +54,12 @@ class Comm:
         timeout: seconds one collective may wait on live peers.
         on_idle: called while waiting (see ``wait_all``); raises to abort the wait.
         segment_trials: rounds of ``segments``' trials; 0 keeps ``chunk_bytes`` always.
+
+    Attributes:
+        tuning: what this Comm's collectives have measured (``trials.Tuning``), read when an
+            algorithm sets up a plan.
+        plans: the per-size plans algorithms keep for all the ranks in order (views have
+            their own: ``CommView.plans``).
     """
 
     def __init__(self, rank: int, size: int, pairs: Mapping[int, Pair], timeout: float,
@@ -147,9 +76,18 @@ class Comm:
         self._sent: dict[int, int] = {}
         self._received: dict[int, int] = {}
         self._scratch: dict[int, np.ndarray] = {}
-        self.lending = Lending(LEND_TRIALS)
-        self.segment_trials = SEGMENT_TRIALS if segment_trials is None else segment_trials
-        self._segments: dict[tuple, "Trials | None"] = {}
+        self.tuning = Tuning(segment_trials)
+        self.plans = self.tuning.plans_of(tuple(range(size)))
+
+    @property
+    def lending(self) -> Lending:
+        """Whether large collectives lend (``Tuning.lending``)."""
+        return self.tuning.lending
+
+    @property
+    def segment_trials(self) -> int:
+        """Rounds of ``segments``' trials (``Tuning.segment_trials``)."""
+        return self.tuning.segment_trials
 
     @property
     def lends(self) -> bool:
@@ -158,30 +96,13 @@ class Comm:
 
     def segments(self, chunk_bytes: int, nbytes: int,
                  ranks: "Sequence[int] | None" = None) -> "Trials | None":
-        """The trials of segment sizes for ring allreduces of about ``nbytes`` (the same power of
-        4) among ``ranks`` (global ranks in ring order; default all), or None when their
-        segments are ``chunk_bytes`` always.
-
-        Over sockets the fastest segment depends on the machine: on one VM a 64 MiB allreduce
-        over loopback TCP took about three quarters as long in segments of a quarter of the
-        default 1 MiB, on another about as long (docs/benchmarks.md). So rings with a socket
-        among their pairs try ``chunk_bytes`` and a quarter of it, and each size class chooses
-        on its own (at 3 ranks on 2 cores a choice made at 4 MiB was the wrong one at 64 MiB).
-        Unlike lending, every rank of a ring must cut the same segments, so the ranks choose
-        together (``ring.allreduce``). Each set of ranks has trials of its own: only its
-        members run its collectives, all of them.
-        """
-        key = (tuple(range(self.size)) if ranks is None else tuple(ranks), chunk_bytes,
-               (max(nbytes, 1).bit_length() - 1) // 2)
-        if key in self._segments:
-            return self._segments[key]
-        trials = None
-        peers = [self.pairs[r] for r in key[0] if r != self.rank]
-        if self.segment_trials and chunk_bytes >= 4 and any(p.fileno >= 0 for p in peers):
-            trials = Trials((chunk_bytes // 4, chunk_bytes), self.segment_trials,
-                            untried=chunk_bytes, block=SEGMENT_BLOCK)
-        self._segments[key] = trials
-        return trials
+        """The trials of segment sizes for ring allreduces of about ``nbytes`` among ``ranks``
+        (global ranks in ring order; default all), or None: ``Tuning.segments``, where the
+        ring's trials count a socket among its pairs."""
+        ranks = tuple(range(self.size)) if ranks is None else tuple(ranks)
+        pairs = self.pairs
+        return self.tuning.segments(ranks, chunk_bytes, nbytes, lambda: any(
+            pairs[r].fileno >= 0 for r in ranks if r != self.rank))
 
     def begin(self, description: str, check: bool = True) -> None:
         """Starts the next collective. Every rank must call it with the same description."""
@@ -307,10 +228,15 @@ class CommView:
             raise ValueError(f"a view lists a rank twice: {ranks}")
         self.root, self.ranks = root, ranks
         self.rank, self.size = ranks.index(root.rank), len(ranks)
+        self.plans = root.tuning.plans_of(tuple(ranks))
 
     @property
     def signature(self) -> int:
         return self.root.signature
+
+    @property
+    def tuning(self) -> Tuning:
+        return self.root.tuning
 
     @property
     def lending(self) -> Lending:

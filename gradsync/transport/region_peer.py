@@ -17,7 +17,7 @@ import logging
 import os
 import socket
 import threading
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 
@@ -25,10 +25,8 @@ from ..engine import Handle
 from ..errors import GradsyncError, GradsyncTimeoutError, PeerLostError, ProtocolError
 from . import rma_frame as rf
 from . import shm
-from .regions import _ERRORS, Memory, Stripes, _as_bytes, _recv_exact, _recv_into
-
-if TYPE_CHECKING:
-    from .regions import Endpoint
+from .region_memory import Memory, Stripes, as_bytes
+from .rma_frame import error_from, recv_exact, recv_into
 
 __all__ = ["RemotePeer", "RemoteRegion", "wait"]
 
@@ -41,9 +39,16 @@ class RemotePeer:
     Requests on one peer run one at a time in the order issued (blocking ones on the caller's
     thread, ``*_async`` ones on this peer's own thread), so requests to different peers can
     be in flight together while those to one peer stay ordered.
+
+    Args:
+        endpoint: this process's ``regions.Endpoint`` (its id, host, timeout and whether it
+            maps same-host regions); not imported here, so that this module stays below it.
+        ident: the owner's endpoint id.
+        sock: the authenticated connection to the owner.
+        label: how error messages name the owner.
     """
 
-    def __init__(self, endpoint: "Endpoint", ident: int, sock: socket.socket, label: str):
+    def __init__(self, endpoint, ident: int, sock: socket.socket, label: str):
         self.endpoint, self.ident, self.label = endpoint, ident, label
         self.sock = sock
         sock.settimeout(endpoint.timeout)
@@ -120,23 +125,23 @@ class RemotePeer:
                 else:
                     self.sock.sendall(header)
                     self.sock.sendall(payload)
-                reply = rf.unpack(_recv_exact(self.sock, rf.HEADER_SIZE), rf.Op.REPLIES)
+                reply = rf.unpack(recv_exact(self.sock, rf.HEADER_SIZE), rf.Op.REPLIES)
                 if reply.request != rid:
                     raise ProtocolError(f"{self.label} answered request {reply.request}, "
                                         f"expected {rid}")
                 if reply.op == rf.Op.ERROR:
-                    refused = _error_from(json.loads(_recv_exact(self.sock, reply.length)),
+                    refused = error_from(json.loads(recv_exact(self.sock, reply.length)),
                                           self.ident)
                 elif into is not None:
                     if reply.length != into.nbytes:
                         raise ProtocolError(f"{self.label} sent {reply.length} bytes for a "
                                             f"read of {into.nbytes}")
-                    _recv_into(self.sock, into)
+                    recv_into(self.sock, into)
                     return None
                 else:
                     if reply.length > rf.MAX_CALL:
                         raise ProtocolError(f"{self.label} sent a reply of {reply.length} bytes")
-                    return _recv_exact(self.sock, reply.length)
+                    return recv_exact(self.sock, reply.length)
             except socket.timeout:
                 self._closed = True
                 raise GradsyncTimeoutError(f"{self.label} did not answer within "
@@ -195,16 +200,6 @@ class RemotePeer:
         self._maps.clear()
 
 
-def _error_from(record: dict, peer: int) -> GradsyncError | ValueError:
-    cls = _ERRORS.get(record.get("kind"))
-    if cls is None:
-        return ValueError(record.get("message", "")) if record.get("kind") == "ValueError" \
-            else GradsyncError(record.get("message", ""))
-    if cls is PeerLostError:
-        return cls(record["message"], peer=record.get("peer"))
-    return cls(record["message"])
-
-
 class RemoteRegion:
     """A region of another endpoint; offsets and sizes are in bytes.
 
@@ -227,7 +222,7 @@ class RemoteRegion:
 
     def read(self, out, offset: int = 0):
         """Copies ``out.nbytes`` bytes of the region from ``offset`` into ``out``; returns it."""
-        u8 = _as_bytes(out, writable=True)
+        u8 = as_bytes(out, writable=True)
         self._check("read", u8.nbytes, offset)
         if self.direct is not None:
             self.direct.read(u8, offset)
@@ -237,7 +232,7 @@ class RemoteRegion:
 
     def write(self, src, offset: int = 0) -> None:
         """Copies the bytes of ``src`` into the region at ``offset``."""
-        u8 = _as_bytes(src, writable=False)
+        u8 = as_bytes(src, writable=False)
         self._check("write", u8.nbytes, offset)
         if self.direct is not None:
             self.direct.write(u8, offset)
@@ -250,7 +245,7 @@ class RemoteRegion:
         if arr.dtype != self.dtype:
             raise TypeError(f"accumulate of {arr.dtype} into region '{self.name}' of "
                             f"{self.dtype}: convert first")
-        u8 = _as_bytes(arr, writable=False)
+        u8 = as_bytes(arr, writable=False)
         self._check("accumulate", u8.nbytes, offset)
         if offset % self.dtype.itemsize:
             raise ValueError(f"accumulate offset {offset} is not a multiple of the element "

@@ -35,162 +35,37 @@ that itself, as the parameter server does with its rounds).
 Control messages (``call``) travel on the same TCP connection as small JSON objects and are
 answered by handlers the owner registers (``on_call``). They carry who did what, never tensors.
 
-This module is the owner's side (regions, their locks, the serving threads); the peer's side
-(``RemotePeer``, ``RemoteRegion``) is ``region_peer.py``.
+This module is the owner's side (its regions and the serving threads); the peer's side
+(``RemotePeer``, ``RemoteRegion``) is ``region_peer.py``; below both, ``region_memory.py`` holds
+the memory and stripe locks that both touch, and ``rma_frame.py`` the wire: the header, the
+errors an ERROR reply carries, and reading the stream.
 """
 
 from __future__ import annotations
 
 import atexit
-import errno
-import fcntl
 import itertools
 import json
 import logging
 import os
 import socket
 import threading
-import time
 from typing import Callable
 
 import numpy as np
 
-from ..errors import (AuthenticationError, CollectiveMismatchError, ConfigError, GradsyncError,
-                      GradsyncTimeoutError, PeerLostError, ProtocolError)
+from ..errors import GradsyncError, ProtocolError
 from . import rma_frame as rf
 from . import shm, tcp
+from .region_memory import STRIPE_BYTES, Memory, Stripes
+from .region_peer import RemotePeer
+from .rma_frame import RegionAccessError, error_payload, recv_exact, recv_into
 
 __all__ = ["Endpoint", "Region", "Memory", "Stripes", "STRIPE_BYTES", "RegionAccessError"]
 
 log = logging.getLogger("gradsync.regions")
 
-STRIPE_BYTES = 1 << 20
 _DRAIN_LIMIT = 1 << 30  # payload bytes of a refused request that are read and dropped
-
-
-class RegionAccessError(GradsyncError, ValueError):
-    """The owner refused an access: no such region, or a range outside it."""
-
-
-_ERRORS = {cls.__name__: cls for cls in
-           (PeerLostError, CollectiveMismatchError, GradsyncTimeoutError, AuthenticationError,
-            ProtocolError, ConfigError, RegionAccessError, GradsyncError)}
-
-
-def _as_bytes(buf, writable: bool) -> np.ndarray:
-    """A flat uint8 NumPy view of a contiguous array or CPU tensor (no copy)."""
-    if hasattr(buf, "detach") and hasattr(buf, "numpy"):
-        buf = buf.detach().numpy()
-    arr = np.asarray(buf)
-    if not arr.flags.c_contiguous:
-        raise ValueError("region buffers must be contiguous")
-    if writable and not arr.flags.writeable:
-        raise ValueError("the destination of a read must be writable")
-    return arr.reshape(-1).view(np.uint8)
-
-
-# --- stripes and local memory ---------------------------------------------------------------
-
-class Stripes:
-    """Per-stripe locks of one region, across the threads of a process and (with ``fd``,
-    the region's shared segment) across processes.
-
-    POSIX record locks belong to a process, so two threads of one process would both get
-    them; the thread lock in front of each makes them exclusive between threads too.
-    """
-
-    def __init__(self, nbytes: int, fd: int | None, stripe: int = STRIPE_BYTES):
-        self.nbytes, self.fd, self.stripe = nbytes, fd, stripe
-        self.count = max(1, -(-nbytes // stripe))
-        self._locks = [threading.Lock() for _ in range(self.count)]
-
-    def pieces(self, lo: int, hi: int, start: int = 0):
-        """``[lo, hi)`` cut at stripe boundaries, beginning with the piece in stripe ``start``
-        (mod the stripes it spans) and wrapping around."""
-        if hi <= lo:
-            return []
-        first, last = lo // self.stripe, (hi - 1) // self.stripe
-        span = last - first + 1
-        out = []
-        for k in range(span):
-            s = first + (start + k) % span
-            out.append((max(lo, s * self.stripe), min(hi, (s + 1) * self.stripe)))
-        return out
-
-    def acquire(self, at: int, shared: bool = False) -> None:
-        """Locks the stripe holding byte ``at``."""
-        s = at // self.stripe
-        self._locks[s].acquire()
-        if self.fd is not None:
-            try:
-                _lock_range(self.fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX,
-                            self.stripe, s * self.stripe)
-            except BaseException:
-                self._locks[s].release()
-                raise
-
-    def release(self, at: int) -> None:
-        s = at // self.stripe
-        if self.fd is not None:
-            fcntl.lockf(self.fd, fcntl.LOCK_UN, self.stripe, s * self.stripe)
-        self._locks[s].release()
-
-
-def _lock_range(fd: int, how: int, length: int, start: int) -> None:
-    """``fcntl.lockf`` that waits through the kernel's false deadlock reports.
-
-    The kernel looks for deadlocks between processes, not threads: while a thread of process A
-    holds a stripe and another thread of A waits for a stripe that B holds, B asking for A's
-    stripe looks like a cycle and fails with EDEADLK. Every holder of a stripe here releases it
-    without waiting for another, so the cycle is never real: wait a moment and ask again.
-    """
-    while True:
-        try:
-            return fcntl.lockf(fd, how, length, start)
-        except OSError as exc:
-            if exc.errno != errno.EDEADLK:
-                raise
-        time.sleep(0.001)
-
-
-class Memory:
-    """Bytes of a region that this process can touch, with the region's dtype and locks.
-
-    The owner's ``Region`` is one; so is a peer's mapping of a shared region.
-    """
-
-    def __init__(self, u8: np.ndarray, dtype: np.dtype, stripes: Stripes):
-        self.u8, self.dtype, self.stripes = u8, np.dtype(dtype), stripes
-        self.nbytes = u8.nbytes
-
-    def read(self, out: np.ndarray, offset: int) -> None:
-        for a, b in self.stripes.pieces(offset, offset + out.nbytes):
-            self.stripes.acquire(a, shared=True)
-            try:
-                np.copyto(out[a - offset:b - offset], self.u8[a:b])
-            finally:
-                self.stripes.release(a)
-
-    def write(self, src: np.ndarray, offset: int) -> None:
-        for a, b in self.stripes.pieces(offset, offset + src.nbytes):
-            self.stripes.acquire(a)
-            try:
-                np.copyto(self.u8[a:b], src[a - offset:b - offset])
-            finally:
-                self.stripes.release(a)
-
-    def accumulate(self, src: np.ndarray, offset: int, start: int = 0) -> None:
-        for a, b in self.stripes.pieces(offset, offset + src.nbytes, start):
-            self.add_piece(src[a - offset:b - offset], a)
-
-    def add_piece(self, src: np.ndarray, at: int) -> None:
-        """Adds the bytes ``src`` (this region's elements) at ``at``, within one stripe."""
-        dst = self.u8[at:at + src.nbytes].view(self.dtype)
-        self.stripes.acquire(at)
-        try:
-            np.add(dst, src.view(self.dtype), out=dst)
-        finally:
-            self.stripes.release(at)
 
 
 class Region(Memory):
@@ -333,7 +208,7 @@ class Endpoint:
                 # begun its bytes must keep coming: a WRITE that stalls half-way holds its
                 # stripe's lock, and every other peer of that stripe would wait with it.
                 sock.settimeout(None)
-                raw = _recv_exact(sock, rf.HEADER_SIZE, eof_ok=True)
+                raw = recv_exact(sock, rf.HEADER_SIZE, eof_ok=True)
                 if raw is None:
                     break
                 sock.settimeout(self.timeout)
@@ -358,7 +233,7 @@ class Endpoint:
                     callback(peer, error)
 
     def _serve_call(self, peer: int, sock: socket.socket, req: rf.Request) -> None:
-        payload = _recv_exact(sock, req.length)
+        payload = recv_exact(sock, req.length)
         try:
             message = json.loads(payload)
             method = message.pop("method")
@@ -368,10 +243,10 @@ class Endpoint:
             reply = json.dumps(handler(peer, message)).encode()
             op = rf.Op.REPLY
         except (GradsyncError, ValueError, TypeError, KeyError) as exc:
-            reply, op = _error_payload(exc), rf.Op.ERROR
+            reply, op = error_payload(exc), rf.Op.ERROR
         except Exception as exc:  # a bug in a handler must not take the owner down
             log.exception("%s: control method failed for peer %d", self.label, peer)
-            reply, op = _error_payload(exc), rf.Op.ERROR
+            reply, op = error_payload(exc), rf.Op.ERROR
         sock.sendall(rf.pack(op, req.request, 0, 0, len(reply)) + reply)
 
     def _serve_access(self, sock: socket.socket, req: rf.Request, scratch: np.ndarray) -> None:
@@ -381,7 +256,7 @@ class Endpoint:
                 if req.length > _DRAIN_LIMIT:
                     raise ProtocolError(f"refused request of {req.length} bytes: {why}")
                 _drain(sock, req.length, scratch)
-            body = _error_payload(RegionAccessError(f"{self.label}: {why}"))
+            body = error_payload(RegionAccessError(f"{self.label}: {why}"))
             sock.sendall(rf.pack(rf.Op.ERROR, req.request, 0, 0, len(body)) + body)
             return
         region = self.regions[req.region]
@@ -399,24 +274,21 @@ class Endpoint:
             for a, b in region.stripes.pieces(lo, hi):
                 region.stripes.acquire(a)
                 try:
-                    _recv_into(sock, region.u8[a:b])
+                    recv_into(sock, region.u8[a:b])
                 finally:
                     region.stripes.release(a)
             sock.sendall(rf.pack(rf.Op.REPLY, req.request, req.region, lo, 0))
         else:
             for a, b in region.stripes.pieces(lo, hi):
                 piece = scratch[:b - a]
-                _recv_into(sock, piece)
+                recv_into(sock, piece)
                 region.add_piece(piece, a)
             sock.sendall(rf.pack(rf.Op.REPLY, req.request, req.region, lo, 0))
 
     # ------------------------------------------------------------------ reaching peers
     def connect(self, peer: int, addr: str, port: int, deadline: float,
-                label: str = ""):
-        """Connects to endpoint ``peer`` (listening at ``addr:port``) and reads its regions;
-        returns a ``region_peer.RemotePeer``."""
-        from .region_peer import RemotePeer
-
+                label: str = "") -> RemotePeer:
+        """Connects to endpoint ``peer`` (listening at ``addr:port``) and reads its regions."""
         sock = tcp.connect(addr, port, self.ident, peer, self.secret, self.job, deadline)
         return RemotePeer(self, peer, sock, label or f"endpoint {peer}")
 
@@ -445,37 +317,8 @@ def _unlink_all(names: set[str]) -> None:
         names.discard(name)
 
 
-def _error_payload(exc: BaseException) -> bytes:
-    kind = type(exc).__name__ if type(exc).__name__ in _ERRORS else (
-        "ValueError" if isinstance(exc, (ValueError, TypeError, KeyError)) else "GradsyncError")
-    return json.dumps({"kind": kind, "message": str(exc),
-                       "peer": getattr(exc, "peer", None)}).encode()
-
-
-def _recv_exact(sock: socket.socket, n: int, eof_ok: bool = False) -> bytes | None:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            if eof_ok and got == 0:
-                return None
-            raise ConnectionResetError(f"connection closed after {got} of {n} bytes")
-        got += k
-    return bytes(buf)
-
-
-def _recv_into(sock: socket.socket, dst: np.ndarray) -> None:
-    view, got, n = memoryview(dst), 0, dst.nbytes
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionResetError(f"connection closed after {got} of {n} bytes")
-        got += k
-
-
 def _drain(sock: socket.socket, n: int, scratch: np.ndarray) -> None:
     while n > 0:
         k = min(n, scratch.nbytes)
-        _recv_into(sock, scratch[:k])
+        recv_into(sock, scratch[:k])
         n -= k

@@ -16,7 +16,8 @@ Every request from a peer, and every reply from a region's owner, starts with th
 A READ is answered by a REPLY whose payload is the bytes; a WRITE or an ACCUMULATE carries its
 bytes and is answered by an empty REPLY; a CALL carries a small JSON object (a control message
 such as "my gradient is in place") and is answered by a REPLY with a JSON object. Any request
-can be answered by ERROR, whose JSON payload names the error's class and message.
+can be answered by ERROR, whose JSON payload names the error's class and message
+(``error_payload`` writes it, ``error_from`` reads it back as the same class, from ``ERRORS``).
 
 The owner validates a header before it touches a byte of the region (``check_access``): a
 region that does not exist, a range outside it, or an accumulate that is not aligned to the
@@ -26,12 +27,18 @@ longer than ``MAX_CALL``, means the stream cannot be trusted and the connection 
 
 from __future__ import annotations
 
+import json
+import socket
 import struct
 
-from ..errors import ProtocolError
+import numpy as np
+
+from ..errors import (AuthenticationError, CollectiveMismatchError, ConfigError, GradsyncError,
+                      GradsyncTimeoutError, PeerLostError, ProtocolError)
 
 __all__ = ["HEADER", "HEADER_SIZE", "MAGIC", "VERSION", "Op", "Request", "pack", "unpack",
-           "MAX_CALL", "check_access"]
+           "MAX_CALL", "check_access", "RegionAccessError", "ERRORS", "error_payload",
+           "error_from", "recv_exact", "recv_into"]
 
 MAGIC = b"GSRM"
 VERSION = 1
@@ -104,3 +111,61 @@ def check_access(req: Request, regions: list, itemsize_of) -> str | None:
             return (f"accumulate at offset {req.offset} of {req.length} bytes is not aligned "
                     f"to the {size}-byte elements of region '{region.name}'")
     return None
+
+
+# --- errors across the wire -----------------------------------------------------------------
+
+class RegionAccessError(GradsyncError, ValueError):
+    """The owner refused an access: no such region, or a range outside it."""
+
+
+#: The classes an ERROR reply may name, by name; any other error travels as GradsyncError (or
+#: ValueError for a caller's mistake).
+ERRORS = {cls.__name__: cls for cls in
+          (PeerLostError, CollectiveMismatchError, GradsyncTimeoutError, AuthenticationError,
+           ProtocolError, ConfigError, RegionAccessError, GradsyncError)}
+
+
+def error_payload(exc: BaseException) -> bytes:
+    """The JSON payload of an ERROR reply that reports ``exc``."""
+    kind = type(exc).__name__ if type(exc).__name__ in ERRORS else (
+        "ValueError" if isinstance(exc, (ValueError, TypeError, KeyError)) else "GradsyncError")
+    return json.dumps({"kind": kind, "message": str(exc),
+                       "peer": getattr(exc, "peer", None)}).encode()
+
+
+def error_from(record: dict, peer: int) -> GradsyncError | ValueError:
+    """The exception an ERROR reply's decoded payload ``record`` reports (from ``peer``)."""
+    cls = ERRORS.get(record.get("kind"))
+    if cls is None:
+        return ValueError(record.get("message", "")) if record.get("kind") == "ValueError" \
+            else GradsyncError(record.get("message", ""))
+    if cls is PeerLostError:
+        return cls(record["message"], peer=record.get("peer"))
+    return cls(record["message"])
+
+
+# --- reading the stream ---------------------------------------------------------------------
+
+def recv_exact(sock: socket.socket, n: int, eof_ok: bool = False) -> bytes | None:
+    """The next ``n`` bytes of ``sock``; None at a clean end of stream before any (``eof_ok``)."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            if eof_ok and got == 0:
+                return None
+            raise ConnectionResetError(f"connection closed after {got} of {n} bytes")
+        got += k
+    return bytes(buf)
+
+
+def recv_into(sock: socket.socket, dst: np.ndarray) -> None:
+    """Fills ``dst`` (a contiguous array) from ``sock``, straight into its memory."""
+    view, got, n = memoryview(dst), 0, dst.nbytes
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionResetError(f"connection closed after {got} of {n} bytes")
+        got += k
