@@ -235,3 +235,91 @@ def run_ranks(comms, fn):
     if errors:
         raise errors[0]
     return results
+
+
+# --- a launcher's whole job, found and stopped by a mark in its environment -----------------
+#
+# A launcher starts each rank in a session of its own (so that it can signal each rank's
+# process group), and torchrun's agent starts its workers likewise: killing the launcher's
+# process group misses the ranks, and a rank whose launcher died is reparented, so ancestry
+# finds it no more. What every process of one job keeps is its environment: ``job`` gives the
+# launcher a variable that no other job carries, which its ranks inherit, and ``marked`` finds
+# exactly those processes; other jobs on the machine (other tests, other users) are invisible.
+
+MARK = "GS_TEST_JOB"
+"""The environment variable whose value marks the processes of one test's job."""
+
+
+def new_mark() -> str:
+    """A value of ``MARK`` that no other job on this machine carries."""
+    import uuid
+
+    return uuid.uuid4().hex
+
+
+def marked(mark: str) -> list[int]:
+    """The live processes (zombies excluded) whose environment holds ``MARK=mark``."""
+    needle = f"{MARK}={mark}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+        except OSError:  # gone, or another user's: not ours
+            continue
+        if not gone(int(entry)):
+            found.append(int(entry))
+    return found
+
+
+def kill_marked(mark: str) -> None:
+    """SIGKILL to every process of the job marked ``mark``, wherever it was reparented."""
+    for pid in marked(mark):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def run_job(cmd: list, *, timeout: float, env: dict | None = None, cwd=None,
+        mark: str | None = None, grace: float = 8.0) -> subprocess.CompletedProcess:
+    """Runs a launcher command (``gradsync run``/``bench``, torchrun) to its end, stdout and
+    stderr together, with a deadline for the whole job, not only the launcher.
+
+    At ``timeout`` the launcher's process group gets SIGTERM (a launcher then stops its
+    ranks), and after ``grace`` seconds every process that carries the job's mark gets
+    SIGKILL; then AssertionError with the output's tail. Every process of the job is also
+    killed if the caller is interrupted, so none outlives the test.
+
+    Args:
+        cmd: the command line.
+        env: the launcher's environment (default this process's); ``MARK`` is added to it.
+        cwd: the launcher's working directory.
+        mark: the value of ``MARK`` for this job (default a new one), for a test that looks
+            for its own processes with ``marked``.
+    """
+    mark = mark or new_mark()
+    full_env = dict(os.environ if env is None else env)
+    full_env[MARK] = mark
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, cwd=cwd, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=grace)
+        except subprocess.TimeoutExpired:
+            kill_marked(mark)
+            out, _ = proc.communicate()
+        kill_marked(mark)  # ranks the launcher did not stop in its grace
+        raise AssertionError(f"{' '.join(map(str, cmd[:6]))} ... passed its {timeout}s "
+                             f"deadline:\n{out[-6000:]}") from None
+    except BaseException:
+        kill_marked(mark)
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out)

@@ -2,22 +2,24 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+from harness import run_job
+
 pytestmark = pytest.mark.multiprocess  # (the last two tests start nothing)
+
+BENCH = [sys.executable, "-m", "gradsync", "bench", "allreduce"]
 
 
 def test_bench_allreduce_checks_results_and_measures_gloo_beside(tmp_path):
     out = tmp_path / "rows.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "gradsync", "bench", "allreduce", "-np", "2", "--sizes", "4K:64K",
-         "--factor", "16", "--seconds", "0.05", "--algorithm", "ring,auto", "--compare", "gloo",
-         "--buffer", "plain,shared", "--json", str(out)], capture_output=True, text=True,
-        timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_job(
+        BENCH + ["-np", "2", "--sizes", "4K:64K", "--factor", "16", "--seconds", "0.05",
+                 "--algorithm", "ring,auto", "--compare", "gloo", "--buffer", "plain,shared",
+                 "--json", str(out)], timeout=120)
+    assert proc.returncode == 0, proc.stdout
     rows = json.loads(out.read_text())
     assert [(r["size"], r["requested"], r["buffer"]) for r in rows] == [
         (size, alg, buf) for size in (4096, 65536) for buf in ("plain", "shared")
@@ -37,12 +39,11 @@ def test_bench_allreduce_times_the_ring_exchange_over_tcp(tmp_path):
     # that did not). At 6 MiB the ring measures its segment size first (during the warm-up),
     # and the exchange cuts the chosen one.
     out = tmp_path / "rows.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "gradsync", "bench", "allreduce", "-np", "3", "--sizes",
-         "3K:6M", "--factor", "2048", "--seconds", "0.05", "--exchange", "--json", str(out)],
-        capture_output=True, text=True, timeout=120,
+    proc = run_job(
+        BENCH + ["-np", "3", "--sizes", "3K:6M", "--factor", "2048", "--seconds", "0.05",
+                 "--exchange", "--json", str(out)], timeout=120,
         env={**os.environ, "GRADSYNC_TRANSPORT": "tcp", "GRADSYNC_CHUNK_BYTES": "256K"})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stdout
     rows = json.loads(out.read_text())
     assert [r["size"] for r in rows] == [3072, 6 << 20]
     for r in rows:
@@ -59,13 +60,12 @@ def test_bench_allreduce_keeps_chunk_bytes_with_tune_segments_off(tmp_path):
     # GRADSYNC_TUNE_SEGMENTS=0 reaches the job's Comm: over TCP, at a size that would run the
     # trials, the ring cuts chunk_bytes and reports no choice.
     out = tmp_path / "rows.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "gradsync", "bench", "allreduce", "-np", "2", "--sizes",
-         "4M:4M", "--seconds", "0.05", "--json", str(out)],
-        capture_output=True, text=True, timeout=120,
+    proc = run_job(
+        BENCH + ["-np", "2", "--sizes", "4M:4M", "--seconds", "0.05", "--json", str(out)],
+        timeout=120,
         env={**os.environ, "GRADSYNC_TRANSPORT": "tcp", "GRADSYNC_CHUNK_BYTES": "256K",
              "GRADSYNC_TUNE_SEGMENTS": "0"})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stdout
     rows = json.loads(out.read_text())
     assert rows[0]["segment"] == 256 << 10 and rows[0]["gradsync"]["wrong"] == 0
     assert "# ring over TCP: segments of" not in proc.stdout
@@ -79,11 +79,10 @@ def test_bench_allreduce_measures_open_mpi_beside(tmp_path):
     problem = missing_mpi()
     assert problem is None, problem
     out = tmp_path / "rows.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "gradsync", "bench", "allreduce", "-np", "2", "--sizes", "4K:64K",
-         "--factor", "16", "--seconds", "0.05", "--compare", "mpi", "--json", str(out)],
-        capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_job(
+        BENCH + ["-np", "2", "--sizes", "4K:64K", "--factor", "16", "--seconds", "0.05",
+                 "--compare", "mpi", "--json", str(out)], timeout=120)
+    assert proc.returncode == 0, proc.stdout
     rows = json.loads(out.read_text())
     assert [r["size"] for r in rows] == [4096, 65536]
     for r in rows:

@@ -8,13 +8,12 @@ tests/ranks/ray_job.py (a local Ray cluster, slow tier).
 
 import importlib.util
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from harness import RANKS
+from harness import RANKS, run_job
 
 pytestmark = pytest.mark.multiprocess
 
@@ -28,9 +27,10 @@ def _run(*args: str, timeout: float) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
     env.update({"GS_TEST_DEADLINE": str(timeout - 10), "OMP_NUM_THREADS": "1",
                 "PYTHONUNBUFFERED": "1"})
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=RANKS)
-    out = proc.stdout + proc.stderr
+    # the deadline covers what the script starts too (Lightning's second process, Ray's
+    # cluster), not only the script
+    proc = run_job([sys.executable, *args], timeout=timeout, env=env, cwd=RANKS)
+    out = proc.stdout  # stderr included
     assert proc.returncode == 0, out[-6000:]
     return out
 

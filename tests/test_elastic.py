@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from harness import gone, launch, remote_ssh
+from harness import gone, launch, remote_ssh, run_job
 
 pytestmark = pytest.mark.multiprocess
 
@@ -215,7 +215,6 @@ def test_under_torchrun_a_lost_worker_restarts_the_group_from_its_checkpoint(tmp
     # a real torchrun (--nnodes MIN:MAX): no in-place re-formation there; hvd.elastic.run
     # re-raises the lost peer, the ranks exit and torchrun restarts all of them
     import os
-    import subprocess
     from pathlib import Path
 
     ranks = Path(__file__).resolve().parent / "ranks"
@@ -226,8 +225,8 @@ def test_under_torchrun_a_lost_worker_restarts_the_group_from_its_checkpoint(tmp
            "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-conf", "last_call_timeout=1",
            "--monitor-interval", "0.2", str(ranks / "elastic_torchrun.py"),
            str(tmp_path / "checkpoint.pt"), "1", "4"]
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=env, cwd=ranks, timeout=240)
+    # the deadline covers the workers too: torchrun starts them in sessions of their own
+    done = run_job(cmd, env=env, cwd=ranks, timeout=240)
     out = done.stdout
     assert done.returncode == 0, out[-6000:]
     assert re.search(r"failed \(exitcode: -9\) local_rank: 1", out), out[-6000:]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import RANKS
+from harness import MARK, RANKS, kill_marked, marked, new_mark
 
 pytestmark = pytest.mark.multiprocess
 
@@ -22,8 +22,9 @@ def segments() -> set[str]:
 @pytest.mark.parametrize("n", [2, 3])
 def test_ctrl_c_mid_allreduce_stops_every_rank_and_leaks_no_segment(n):
     before = segments()
+    mark = new_mark()  # finds this job's processes, and no other job's on the machine
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
-    env.update(GS_TEST_DEADLINE="40", PYTHONUNBUFFERED="1")
+    env.update({"GS_TEST_DEADLINE": "40", "PYTHONUNBUFFERED": "1", MARK: mark})
     proc = subprocess.Popen([sys.executable, "-m", "gradsync", "run", "-np", str(n),
                              sys.executable, str(RANKS / "busy.py")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -35,14 +36,17 @@ def test_ctrl_c_mid_allreduce_stops_every_rank_and_leaks_no_segment(n):
             line = proc.stdout.readline()
             ready += line.rstrip().endswith("ready")
         assert ready == n, "ranks did not start"
-        time.sleep(0.3)
+        # every rank prints 'ready' just before its loop of allreduces: they are in it now
+        ranks = set(marked(mark)) - {proc.pid}
+        assert len(ranks) >= n, f"the mark finds {sorted(ranks)}, not the {n} ranks"
         proc.send_signal(signal.SIGINT)
         proc.wait(20)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        left = marked(mark)
+        kill_marked(mark)  # never leave them running, even when the test fails
     assert proc.returncode == 130
-    left = subprocess.run(["pgrep", "-f", str(RANKS / "busy.py")], capture_output=True, text=True)
-    assert left.stdout == "", f"ranks still running: {left.stdout}"
+    assert left == [], f"ranks still running: {left}"
     assert segments() - before == set()

@@ -78,11 +78,21 @@ def _push_later(clock, worker, tag, out):
     return t
 
 
+def _waiting(clock, clocks, threads, seconds: float = 10.0) -> bool:
+    """Whether the pushes in ``threads`` reach their wait: the clock counts them (``clocks``)
+    and has let go of its lock (``counters`` takes it), while each thread is still running:
+    so each push is inside the clock's wait, not merely slow to start or already done."""
+    deadline = time.monotonic() + seconds
+    while clock.counters()["clocks"] != clocks and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return clock.counters()["clocks"] == clocks and all(t.is_alive() for t in threads)
+
+
 def test_sync_round_waits_for_every_worker_and_averages():
     clock, applied = _clock("sync")
     out = []
     threads = [_push_later(clock, w, 0, out) for w in (2, 0)]
-    time.sleep(0.2)
+    assert _waiting(clock, [1, 0, 1], threads), (clock.counters(), out)
     assert applied == [] and not out
     threads.append(_push_later(clock, 1, 0, out))
     for t in threads:
@@ -114,7 +124,7 @@ def test_ssp_never_lets_a_worker_run_more_than_s_ahead():
     assert clock.push(0, 0)["applied"]            # clock 1 vs 0: within the bound
     out = []
     t = _push_later(clock, 0, 1, out)             # clock 2 vs 0: must wait
-    time.sleep(0.2)
+    assert _waiting(clock, [2, 0], [t]), (clock.counters(), out)
     assert not out
     clock.push(1, 0)                              # the slow worker catches up one clock
     t.join(5)
@@ -125,8 +135,8 @@ def test_a_lost_worker_fails_sync_and_is_dropped_elsewhere():
     clock, _ = _clock("sync")
     out = []
     threads = [_push_later(clock, w, 0, out) for w in (0, 1)]
-    time.sleep(0.1)
-    clock.leave(2, died=True)
+    assert _waiting(clock, [1, 1, 0], threads), (clock.counters(), out)
+    clock.leave(2, died=True)  # wakes both waiting pushes
     for t in threads:
         t.join(5)
     assert not out  # both pushes raised

@@ -6,7 +6,9 @@ is exact; each test has a job id of its own and leaves nothing in /dev/shm.
 
 from __future__ import annotations
 
+import errno
 import faulthandler
+import fcntl
 import multiprocessing as mp
 import os
 import queue
@@ -20,6 +22,7 @@ import numpy as np
 import pytest
 
 from gradsync.errors import AuthenticationError, GradsyncError, PeerLostError, ProtocolError
+from gradsync.transport import regions
 from gradsync.transport import rma_frame as rf
 from gradsync.transport.region_peer import wait
 from gradsync.transport.regions import STRIPE_BYTES, Endpoint, RegionAccessError, Stripes
@@ -287,9 +290,29 @@ def test_closing_the_owner_fails_a_blocked_peer_and_frees_segments(net, job):
 
 # --- ranks as processes: stripe locks between processes -----------------------------------
 
-def _cross_waiter(path, holding, go, results):
+class _Refusals:
+    """``fcntl`` as the stripes see it, but an event is set whenever the kernel refuses a lock
+    with EDEADLK: so the test knows that B has asked for the stripe, and been refused."""
+
+    def __init__(self, refused):
+        self.refused = refused
+
+    def __getattr__(self, name):
+        return getattr(fcntl, name)
+
+    def lockf(self, *args):
+        try:
+            return fcntl.lockf(*args)
+        except OSError as exc:
+            if exc.errno == errno.EDEADLK:
+                self.refused.set()
+            raise
+
+
+def _cross_waiter(path, holding, go, refused, results):
     """Process B: holds stripe 1, then asks for stripe 0 while A holds it and waits for 1."""
     faulthandler.dump_traceback_later(20, exit=True)
+    regions.fcntl = _Refusals(refused)  # B is a forked process: A's module is untouched
     stripes = Stripes(128, os.open(path, os.O_RDWR), stripe=64)
     stripes.acquire(64)
     holding.set()
@@ -316,8 +339,9 @@ def test_a_wait_that_only_looks_like_a_deadlock_completes(tmp_path):
     path = tmp_path / "locks"
     path.write_bytes(bytes(128))
     ctx, fd = mp.get_context("fork"), os.open(path, os.O_RDWR)
-    holding, go, results = ctx.Event(), ctx.Event(), ctx.Queue()
-    b = ctx.Process(target=_cross_waiter, args=(str(path), holding, go, results), daemon=True)
+    holding, go, refused, results = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
+    b = ctx.Process(target=_cross_waiter, args=(str(path), holding, go, refused, results),
+                    daemon=True)
     stripes = Stripes(128, fd, stripe=64)
     stripes.acquire(0)
     b.start()
@@ -328,7 +352,11 @@ def test_a_wait_that_only_looks_like_a_deadlock_completes(tmp_path):
         waiter.start()
         assert _until(lambda: _waits_for_lock(os.getpid())), "thread 2 never waited"
         go.set()
-        time.sleep(0.3)  # B has asked for stripe 0 by now
+        # B has asked for stripe 0: refused as a deadlock (the case under test), or queued
+        # behind A where a kernel does not look for deadlocks
+        assert _until(lambda: refused.is_set() or _waits_for_lock(b.pid), 10), \
+            "B never asked for stripe 0"
+        assert results.empty(), "B's request for stripe 0 ended while A still held it"
         stripes.release(0)
         assert results.get(timeout=10) == "ok"
         waiter.join(10)

@@ -404,6 +404,26 @@ def test_group_waits_sleep_and_are_woken(sleep):
     assert (results[0][1] > 0) == (sleep == "futex")  # rank 0 slept on futexes, or napped
 
 
+def _until(condition, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return condition()
+
+
+def _in_futex_wait(tid: int, address: int) -> bool:
+    """Whether thread ``tid`` of this process is asleep in the futex system call on
+    ``address`` (/proc's ``syscall`` file: the call's number, then its arguments)."""
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        with open(f"/proc/self/task/{tid}/syscall") as f:
+            call = f.read().split()
+    except OSError:
+        return False
+    return state == "S" and len(call) > 1 and call[0] == "202" and int(call[1], 16) == address
+
+
 def test_futex_wait_returns_on_change_wake_or_timeout():
     import mmap
     import threading
@@ -417,15 +437,20 @@ def test_futex_wait_returns_on_change_wake_or_timeout():
     words[1] = 5
     start = time.monotonic()
     assert futex.wait(8, 4, 5.0)  # the word is not 4: returns at once
+    slept = time.monotonic()
     assert futex.wait(8, 5, 0.05)  # times out
-    assert time.monotonic() - start < 2.0
+    assert 0.04 < time.monotonic() - slept and time.monotonic() - start < 2.0
     woke = []
     sleeper = threading.Thread(target=lambda: woke.append(futex.wait(8, 5, 10.0)))
     sleeper.start()
-    time.sleep(0.1)
+    # Only a sleeper known to be in the kernel's queue tests the wake (a word changed before
+    # it slept returns at once): wait until its thread is blocked in futex() on this word.
+    assert _until(lambda: _in_futex_wait(sleeper.native_id, futex._address + 8)), \
+        f"the sleeper never slept on the word (returned {woke})"
+    assert not woke
     words[1] = 6
     futex.wake(8)
-    sleeper.join(5.0)
+    sleeper.join(5.0)  # without the wake it would sleep out its 10 s
     assert woke == [True] and not sleeper.is_alive()
     with pytest.raises(ValueError, match="futex offset 4094"):
         futex.wake(4094)

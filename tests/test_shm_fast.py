@@ -250,12 +250,21 @@ def test_without_a_compiler_groups_take_the_python_road(monkeypatch, tmp_path):
 def test_the_module_is_built_once_into_the_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(_native, "_loaded", {})
+    compiles = []
+    run = _native.subprocess.run
+    monkeypatch.setattr(_native.subprocess, "run",
+                        lambda *a, **kw: (compiles.append(a), run(*a, **kw))[1])
     module = _native.load("_shmfast")
     assert module is not None and module.__file__.startswith(str(tmp_path / "gradsync"))
     built = [f for f in os.listdir(tmp_path / "gradsync") if f.endswith(".so")]
-    assert len(built) == 1
-    monkeypatch.setattr(_native, "_loaded", {})
-    assert _native.load("_shmfast").__file__ == module.__file__  # loaded, not rebuilt
+    assert len(built) == 1 and len(compiles) == 1
+    first = os.stat(module.__file__)
+    monkeypatch.setattr(_native, "_loaded", {})  # a new process, as far as load can tell
+    assert _native.load("_shmfast").__file__ == module.__file__
+    # loaded, not rebuilt: no compile, and the same file (a rebuild moves a new one into place)
+    again = os.stat(module.__file__)
+    assert len(compiles) == 1, compiles
+    assert (again.st_ino, again.st_mtime_ns) == (first.st_ino, first.st_mtime_ns)
 
 
 def test_config_switches_the_compiled_road_off():

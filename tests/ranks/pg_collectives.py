@@ -9,10 +9,10 @@ dtype or op (it has no uint16/32/64, no AVG, no PREMUL_SUM ...) only the referen
 checked, and the script counts those cases. It exits non-zero at the first difference.
 """
 
-import sys
 import warnings
 
 import common  # noqa: F401  (deadline)
+from checks import Checks
 import torch
 import torch.distributed as dist
 
@@ -33,8 +33,7 @@ COUNTS = [0, 1, 7, 300]  # 300 elements pass several 256-byte chunks (GRADSYNC_C
 stats = {"checked": 0, "gloo_compared": 0, "gloo_refused": 0}
 
 
-def fail(message: str) -> None:
-    sys.exit(f"rank {R}: {message}")
+fail = Checks(R).fail
 
 
 def wide(dtype):

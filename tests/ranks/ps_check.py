@@ -17,6 +17,7 @@ reference model trained locally on the same batches is what the servers must hol
 """
 
 import common  # noqa: F401  (deadline)
+from checks import Checks
 
 import os
 import signal
@@ -57,9 +58,7 @@ def max_diff(a, b) -> float:
     return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
 
-def fail(message: str) -> None:
-    print(f"FAIL worker {os.environ.get('GRADSYNC_RANK')}: {message}", flush=True)
-    sys.exit(1)
+fail = Checks(os.environ.get("GRADSYNC_RANK"), label="FAIL worker").fail
 
 
 def parity(optimizer: str, steps: int, factor: bool = False) -> None:

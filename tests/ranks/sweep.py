@@ -7,6 +7,7 @@ per collective family and exits non-zero at the first wrong element.
 import sys
 
 import common  # noqa: F401  (deadline)
+from checks import Checks
 import numpy as np
 import torch
 
@@ -21,6 +22,7 @@ ALGORITHMS = ["auto", "ring", "topo_ring", "doubling", "halving_doubling", "hier
 if gs.local_size() == N and len(sys.argv) < 2:
     ALGORITHMS.append("shm")
 checked = 0
+fail = Checks(R).fail
 
 
 def make(values, dtype):
@@ -55,12 +57,12 @@ def check(what, got, want, dtype, exact=True):
     got = as_np(got, dtype).astype(np.float64)
     want = (as_np(want, dtype) if isinstance(want, torch.Tensor) else np.asarray(want)).astype(np.float64)
     if got.shape != want.shape:
-        sys.exit(f"rank {R}: {what}: shape {got.shape} != {want.shape}")
+        fail(f"{what}: shape {got.shape} != {want.shape}")
     ok = np.array_equal(got, want) if exact else np.allclose(got, want, rtol=2e-2)
     if not ok:
         bad = np.flatnonzero(~np.isclose(got, want, rtol=2e-2))[:5]
-        sys.exit(f"rank {R}: {what}: wrong at {bad.tolist()}: got {got.ravel()[bad]} want "
-                 f"{want.ravel()[bad]}")
+        fail(f"{what}: wrong at {bad.tolist()}: got {got.ravel()[bad]} want "
+             f"{want.ravel()[bad]}")
 
 
 # --- allreduce: every op x dtype x count x algorithm, out-of-place and in-place

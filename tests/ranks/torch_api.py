@@ -9,6 +9,7 @@ import sys
 import warnings
 
 import common  # noqa: F401  (deadline)
+from checks import Checks
 import torch
 
 import gradsync.api
@@ -19,37 +20,8 @@ R, N = hvd.rank(), hvd.size()
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32,
           torch.int64, torch.uint8]
 SHAPE = (3, 4)
-checked = 0
-
-
-def check(what, got, want, exact=True):
-    global checked
-    checked += 1
-    if not isinstance(got, torch.Tensor):
-        sys.exit(f"rank {R}: {what}: got a {type(got).__name__}, not a tensor")
-    want = torch.as_tensor(want)
-    if got.shape != want.shape:
-        sys.exit(f"rank {R}: {what}: shape {tuple(got.shape)} != {tuple(want.shape)}")
-    ok = (torch.equal(got.double(), want.double()) if exact else
-          torch.allclose(got.double(), want.double(), rtol=1e-2, atol=1e-2))
-    if not ok:
-        sys.exit(f"rank {R}: {what}: got {got.flatten()[:6].tolist()} want "
-                 f"{want.flatten()[:6].tolist()}")
-
-
-def check_dtype(what, got, dtype):
-    if got.dtype != dtype:
-        sys.exit(f"rank {R}: {what}: dtype {got.dtype} != {dtype}")
-
-
-def raises(what, exc, fn):
-    global checked
-    checked += 1
-    try:
-        fn()
-    except exc as e:
-        return str(e)
-    sys.exit(f"rank {R}: {what}: did not raise {exc.__name__}")
+C = Checks(R)
+check, check_dtype, raises = C.equal, C.dtype, C.raises
 
 
 def values(kind, rank):
@@ -371,5 +343,5 @@ print(f"rank {R}: SyncBatchNorm ok", flush=True)
 
 # --- join without a DistributedOptimizer: everyone joins at once; the highest rank is last
 assert hvd.join(device=hvd.local_rank()) == N - 1  # a device id is accepted (CPU zeros)
-print(f"rank {R}: join ok; {checked} checks passed", flush=True)
+print(f"rank {R}: join ok; {C.count} checks passed", flush=True)
 hvd.shutdown()

@@ -24,9 +24,8 @@ gradients None):
   round (it is never bound to a dense view).
 """
 
-import sys
-
 import common  # noqa: F401  (deadline)
+from checks import Checks
 import torch
 
 import gradsync.api
@@ -36,8 +35,7 @@ hvd.init()
 R, N = hvd.rank(), hvd.size()
 
 
-def fail(message: str) -> None:
-    sys.exit(f"rank {R}: {message}")
+fail = Checks(R).fail
 
 
 def inside(grad: torch.Tensor, buffer: torch.Tensor) -> bool:

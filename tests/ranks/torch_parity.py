@@ -11,9 +11,9 @@ buckets larger than 32 KiB are by default). The script exits non-zero at the fir
 
 import gc
 import hashlib
-import sys
 
 import common  # noqa: F401  (deadline)
+from checks import Checks
 import torch
 import torch.nn.functional as F
 
@@ -35,8 +35,8 @@ def set_fusion_threshold(nbytes: int) -> None:
     world.config = world.config.replace(fusion_threshold=nbytes)
 
 
-def fail(message: str) -> None:
-    sys.exit(f"rank {R}: {message}")
+C = Checks(R)
+fail, raises = C.fail, C.raises
 
 
 def batch(step: int, dtype=torch.float64):
@@ -313,14 +313,6 @@ print(f"rank {R}: bucket launches ok", flush=True)
 
 
 # --- what DistributedOptimizer rejects, and how it behaves like the optimizer it wraps
-def raises(what, exc, fn):
-    try:
-        fn()
-    except exc as e:
-        return str(e)
-    fail(f"{what}: did not raise {exc.__name__}")
-
-
 net = mlp().double()
 named = list(net.named_parameters())
 D = hvd.DistributedOptimizer

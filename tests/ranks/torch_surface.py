@@ -11,6 +11,7 @@ import os
 import sys
 
 import common  # noqa: F401  (deadline)
+from checks import Checks
 import numpy as np
 import torch
 
@@ -21,35 +22,8 @@ from test_adasum import reference  # noqa: E402
 
 hvd.init()
 R, N = hvd.rank(), hvd.size()
-checked = 0
-
-
-def fail(message):
-    sys.exit(f"rank {R}: {message}")
-
-
-def check(what, got, want, tol=0.0):
-    global checked
-    checked += 1
-    want = torch.as_tensor(want)
-    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
-        fail(f"{what}: got {got!r}, want shape {tuple(want.shape)}")
-    diff = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
-    if diff > tol * max(1.0, want.double().abs().max().item() if want.numel() else 0.0):
-        fail(f"{what}: off by {diff}: got {got.flatten()[:6].tolist()} want "
-             f"{want.flatten()[:6].tolist()}")
-
-
-def raises(what, exc, fn):
-    global checked
-    checked += 1
-    try:
-        fn()
-    except exc as e:
-        return str(e)
-    except Exception as e:  # noqa: BLE001
-        fail(f"{what}: raised {type(e).__name__}({e}), not {exc.__name__}")
-    fail(f"{what}: did not raise {exc.__name__}")
+C = Checks(R)
+fail, check, raises = C.fail, C.near, C.raises
 
 
 def ref(per_rank, counts=None):
@@ -259,5 +233,5 @@ for r in range(N):  # Adam's first step is lr * sign(g) (up to eps) on every ran
 check("Adasum optimizer, Adam", p, p0 + ref(deltas), 1e-12)
 if len(opt.state) != 2:
     fail(f"Adam state for {len(opt.state)} parameters, want 2")
-print(f"rank {R}: {checked} surface checks passed", flush=True)
+print(f"rank {R}: {C.count} surface checks passed", flush=True)
 hvd.shutdown()
