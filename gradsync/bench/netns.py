@@ -53,6 +53,8 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from ..config import ENV_PREFIX, IDENTITY_VARIABLES
+from ..run.hosts import parse_hosts as host_list
+from ..run.hosts import rank_hosts
 
 __all__ = ["Cluster", "Host", "Slot", "RankResult", "NetnsError", "parse_hosts",
            "parse_groups", "parse_rate", "parse_delay", "place", "unavailable_reason",
@@ -124,18 +126,13 @@ class RankResult:
 
 # ---------------------------------------------------------------------- specs
 def parse_hosts(text: str) -> list[tuple[str, int]]:
-    """``"h0:2,h1:1"`` -> ``[("h0", 2), ("h1", 1)]``; a host without ``:n`` has one slot."""
-    hosts = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, _, slots = part.partition(":")
-        try:
-            count = int(slots or "1")
-        except ValueError:
-            raise ValueError(f"host {part!r}: slots {slots!r} is not an integer") from None
-        hosts.append((name.strip(), count))
-    if not hosts:
-        raise ValueError(f"no hosts in {text!r}; write them as h0:2,h1:2")
-    return hosts
+    """``"h0:2,h1:1"`` -> ``[("h0", 2), ("h1", 1)]``; a host without ``:n`` has one slot (the
+    rules of every host list: ``gradsync/run/hosts.py``).
+
+    Raises:
+        ValueError: a bad entry (the message quotes it), a host named twice, or no host.
+    """
+    return [(h.name, h.slots) for h in host_list(text, source="--hosts")]
 
 
 def parse_groups(text: str) -> dict[str, list[str]]:
@@ -187,16 +184,8 @@ def place(hosts: Sequence[Host], placement: str | Sequence[str] = "host") -> lis
         ValueError: an unknown placement, or host names that do not fill the slots exactly.
     """
     by_name = {h.name: h for h in hosts}
-    if placement == "host":
-        order = [h.name for h in hosts for _ in range(h.slots)]
-    elif placement == "alternate":
-        left = {h.name: h.slots for h in hosts}
-        order = []
-        while any(left.values()):
-            for h in hosts:
-                if left[h.name]:
-                    order.append(h.name)
-                    left[h.name] -= 1
+    if placement in ("host", "alternate"):
+        order = rank_hosts(hosts, alternate=placement == "alternate")
     elif isinstance(placement, str):
         raise ValueError(f"placement {placement!r} is not 'host', 'alternate' or a list of "
                          "host names")

@@ -60,7 +60,8 @@ from datetime import timedelta
 
 from ..config import ENV_PREFIX
 from ..elastic.membership import Control
-from .launcher import Host, LaunchSpec, Slot, _end_probe, _Job, _Output, _Rank, _StartError, \
+from .hosts import Host, parse_hosts
+from .launcher import LaunchSpec, Slot, _end_probe, _Job, _Output, _Rank, _StartError, \
     _describe, _handling, _status, _store_addr, is_local
 
 __all__ = ["ElasticSpec", "launch_elastic", "parse_discovered"]
@@ -101,23 +102,13 @@ class ElasticSpec:
 
 
 def parse_discovered(text: str) -> list[Host]:
-    """Parses a discovery script's output: ``host:slots`` or ``host`` lines, blanks ignored.
+    """Parses a discovery script's output: one ``host:slots`` or ``host`` a line, blank lines
+    ignored, no line at all meaning no host now (the rules: ``hosts.py``).
 
     Raises:
-        ValueError: a line that is neither (the message quotes it).
+        ValueError: a bad line (the message quotes it) or a host listed twice.
     """
-    hosts: dict[str, int] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        name, sep, slots = line.rpartition(":")
-        if not sep:
-            name, slots = line, "1"
-        if not name or not slots.isdigit() or int(slots) < 1:
-            raise ValueError(f"discovery script printed {line!r}; expected 'host:slots'")
-        hosts[name] = int(slots)
-    return [Host(n, s) for n, s in hosts.items()]
+    return parse_hosts(text, source="host discovery script", separator="\n", allow_empty=True)
 
 
 class _Discovery:

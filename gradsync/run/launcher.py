@@ -66,6 +66,7 @@ from typing import BinaryIO, Callable, Mapping, Sequence
 
 from ..config import ENV_PREFIX, IDENTITY_VARIABLES
 from . import binding
+from .hosts import Host
 
 __all__ = ["Host", "Slot", "LaunchSpec", "place", "launch", "is_local", "STOP_GRACE",
            "SERVER_LINGER",
@@ -84,14 +85,6 @@ _POLL = 0.05  # how often the watcher looks at the ranks: the delay before a fai
 _DRAIN = 2.0  # seconds to wait for the last output after the ranks are gone
 _LOCAL_NAMES = {"localhost", "127.0.0.1", "::1"}
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-@dataclass(frozen=True)
-class Host:
-    """A host and how many ranks it may run."""
-
-    name: str
-    slots: int
 
 
 @dataclass(frozen=True)
