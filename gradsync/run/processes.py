@@ -2,8 +2,8 @@
 output, and stop it with everything it started.
 
 The launchers (``launcher.py``, ``elastic.py``), the emulated cluster (``bench/netns.py``) and
-the tests' harness compose these pieces; none of them starts, signals or reads a child
-another way.
+the tests' harness (``tests/harness.py``) compose these pieces to start, watch and stop their
+ranks.
 
 **A child is a process group.** ``start`` makes every child the leader of a new session, so
 ``os.killpg`` on its pid reaches everything it started (a rank's own helper processes, the
