@@ -4,6 +4,9 @@ Each rank arms ``faulthandler.dump_traceback_later`` (via GS_TEST_DEADLINE, read
 ``tests/ranks/common.py``), so a stuck rank prints every thread's stack and exits a few seconds
 before the harness gives up; the launcher then stops the others. If even that fails, the
 harness kills the launcher's whole process group.
+
+Every process here starts through ``gradsync.run.processes.start`` (a session of its own, so a
+signal to its group reaches everything it started) and is signalled through its ``Process``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from gradsync.run.processes import start
 from gradsync.transport import tcp
 from gradsync.transport.comm import Comm
 from gradsync.transport.tcp import TcpPair
@@ -42,18 +46,19 @@ def launch(np_: int, script: str, *args: str, timeout: float = 60, env: dict | N
     full_env.update(env or {})
     cmd = [sys.executable, "-m", "gradsync", "run", "-np", str(np_), *launcher_args,
            sys.executable, str(RANKS / script), *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=full_env, start_new_session=True)
+    launcher = start(cmd, full_env, merge_stderr=True, text=True)
+    proc = launcher.proc
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         # SIGTERM first: the launcher then stops its ranks (each in its own session); SIGKILL
-        # if it has not finished within a few seconds.
-        os.killpg(proc.pid, signal.SIGTERM)
+        # if it has not finished within a few seconds. Its output is read meanwhile, so that
+        # it never blocks on a full pipe while it stops them.
+        launcher.signal(signal.SIGTERM)
         try:
             out, _ = proc.communicate(timeout=8)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            launcher.signal(signal.SIGKILL)
             out, _ = proc.communicate()
         raise AssertionError(f"{script} with {np_} ranks passed its {timeout}s deadline:\n"
                              f"{out[-6000:]}") from None
@@ -101,25 +106,25 @@ def spawn(np_: int, script: str, *args: str, timeout: float = 60, env: dict | No
                   "TORCHELASTIC_USE_AGENT_STORE": str(agent_store)})
         e.update(env or {})
         e.update((per_rank_env or (lambda r: {}))(r))
-        procs.append(subprocess.Popen([sys.executable, str(RANKS / script), *args],
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, env=e, start_new_session=True))
+        procs.append(start([sys.executable, str(RANKS / script), *args], e,
+                           merge_stderr=True, text=True))
     results = []
     try:
         for r, p in enumerate(procs):
-            out, _ = p.communicate(timeout=timeout)
-            results.append(Rank(r, p.returncode, out))
+            out, _ = p.proc.communicate(timeout=timeout)
+            results.append(Rank(r, p.proc.returncode, out))
     except subprocess.TimeoutExpired:
         dump = []
         for r, p in enumerate(procs):
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            dump.append(f"--- rank {r} ---\n{p.communicate()[0][-3000:]}")
-        raise AssertionError(f"{script} passed its {timeout}s deadline:\n" + "\n".join(dump)) from None
+                p.signal(signal.SIGKILL)
+            dump.append(f"--- rank {r} ---\n{p.proc.communicate()[0][-3000:]}")
+        raise AssertionError(f"{script} passed its {timeout}s deadline:\n"
+                             + "\n".join(dump)) from None
     finally:
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                p.signal(signal.SIGKILL)
     return results
 
 
@@ -128,13 +133,13 @@ def bench(benchmark: str, *args: str, timeout: float = 120) -> subprocess.Comple
     result with stdout and stderr together."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
     env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
-    proc = subprocess.Popen([sys.executable, "-m", "gradsync", "bench", benchmark, *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    process = start([sys.executable, "-m", "gradsync", "bench", benchmark, *args], env,
+                    merge_stderr=True, text=True)
+    proc = process.proc
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        process.signal(signal.SIGKILL)
         raise AssertionError(f"bench {benchmark} passed its {timeout}s deadline:\n"
                              f"{proc.communicate()[0][-6000:]}") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out)

@@ -26,7 +26,8 @@ from harness import gone, ssh_stand_in
 
 from gradsync.run import cli
 from gradsync.run.cli import parse_hosts, read_hostfile, resolve_exports
-from gradsync.run.launcher import Host, Slot, _remote_script, place
+from gradsync.run.launcher import Host, Slot, place
+from gradsync.run.processes import remote_script, start
 
 ROOT = Path(__file__).resolve().parent.parent
 DEADLINE = 30.0
@@ -380,9 +381,9 @@ def test_lost_connection_kills_the_remote_rank():
     rank = [sys.executable, "-c", "import os, signal, time; "
             "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
             f"print(os.getpid(), flush=True); time.sleep({NAP})"]
-    proc = subprocess.Popen(["sh", "-c", _remote_script(str(ROOT), {}, rank, 0.5)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            start_new_session=True)
+    remote = start(["sh", "-c", remote_script(str(ROOT), {}, rank, 0.5)],
+                   stdin=subprocess.PIPE)
+    proc = remote.proc
     try:
         proc.stdin.write(b"00ff\n")
         proc.stdin.flush()
@@ -390,10 +391,7 @@ def test_lost_connection_kills_the_remote_rank():
         proc.stdin.close()  # what a lost connection looks like from the remote side
         assert wait_gone([pid], timeout=5.0) == []
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        remote.signal(signal.SIGKILL)
         proc.wait(5)
 
 

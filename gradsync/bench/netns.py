@@ -53,6 +53,9 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from ..config import ENV_PREFIX, IDENTITY_VARIABLES
+from ..run.hosts import parse_hosts as host_list
+from ..run.hosts import rank_hosts
+from ..run.processes import STOP_GRACE, Process, exit_status, pump, start, stop
 
 __all__ = ["Cluster", "Host", "Slot", "RankResult", "NetnsError", "parse_hosts",
            "parse_groups", "parse_rate", "parse_delay", "place", "unavailable_reason",
@@ -65,7 +68,6 @@ _TICK_HZ = 100  # the slowest kernel timer: a burst of rate/100 is enough at any
 _MIN_BURST = 64 << 10  # bytes: at least one 64 KB GSO packet, which tbf would otherwise split
 _QUEUE = "25ms"  # tbf's queue, as the time it takes to drain at the rate
 _NETEM_LIMIT = 100_000  # packets netem may hold: rate x delay never gets near it
-_STOP_GRACE = 3.0  # seconds between SIGTERM and SIGKILL when ranks are stopped
 _RUNS = itertools.count()
 _ETC = "/etc/netns"  # ip netns exec bind-mounts /etc/netns/<ns>/<file> over /etc/<file>
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,30}")
@@ -124,18 +126,13 @@ class RankResult:
 
 # ---------------------------------------------------------------------- specs
 def parse_hosts(text: str) -> list[tuple[str, int]]:
-    """``"h0:2,h1:1"`` -> ``[("h0", 2), ("h1", 1)]``; a host without ``:n`` has one slot."""
-    hosts = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, _, slots = part.partition(":")
-        try:
-            count = int(slots or "1")
-        except ValueError:
-            raise ValueError(f"host {part!r}: slots {slots!r} is not an integer") from None
-        hosts.append((name.strip(), count))
-    if not hosts:
-        raise ValueError(f"no hosts in {text!r}; write them as h0:2,h1:2")
-    return hosts
+    """``"h0:2,h1:1"`` -> ``[("h0", 2), ("h1", 1)]``; a host without ``:n`` has one slot (the
+    rules of every host list: ``gradsync/run/hosts.py``).
+
+    Raises:
+        ValueError: a bad entry (the message quotes it), a host named twice, or no host.
+    """
+    return [(h.name, h.slots) for h in host_list(text, source="--hosts")]
 
 
 def parse_groups(text: str) -> dict[str, list[str]]:
@@ -187,16 +184,8 @@ def place(hosts: Sequence[Host], placement: str | Sequence[str] = "host") -> lis
         ValueError: an unknown placement, or host names that do not fill the slots exactly.
     """
     by_name = {h.name: h for h in hosts}
-    if placement == "host":
-        order = [h.name for h in hosts for _ in range(h.slots)]
-    elif placement == "alternate":
-        left = {h.name: h.slots for h in hosts}
-        order = []
-        while any(left.values()):
-            for h in hosts:
-                if left[h.name]:
-                    order.append(h.name)
-                    left[h.name] -= 1
+    if placement in ("host", "alternate"):
+        order = rank_hosts(hosts, alternate=placement == "alternate")
     elif isinstance(placement, str):
         raise ValueError(f"placement {placement!r} is not 'host', 'alternate' or a list of "
                          "host names")
@@ -469,7 +458,8 @@ def run(cluster: Cluster, argv: Sequence[str], *, timeout: float | None = None,
 
     Args:
         timeout: seconds until every rank still running is stopped (SIGTERM, then SIGKILL
-            after 3 s) and marked ``timed_out``; None: no limit.
+            after ``STOP_GRACE`` seconds: ``gradsync/run/processes.py``) and marked
+            ``timed_out``; None: no limit.
         placement: rank numbering, see ``place``.
         env: added to every rank's environment (after the launcher variables: it may
             override them).
@@ -489,7 +479,7 @@ def run(cluster: Cluster, argv: Sequence[str], *, timeout: float | None = None,
     base = _base_env(os.environ if environ is None else environ)
     base.setdefault("PYTHONUNBUFFERED", "1")
     base.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: many ranks share the cores
-    procs: list[subprocess.Popen] = []
+    ranks: list[Process] = []
     outputs: list[list[str]] = [[] for _ in slots]
     ended: dict[int, float] = {}  # rank -> when its exit was seen, first failure first
     readers = []
@@ -497,62 +487,41 @@ def run(cluster: Cluster, argv: Sequence[str], *, timeout: float | None = None,
     try:
         for slot in slots:
             e = {**base, **rank_env(cluster, slot, slots, port, job_id), **(env or {})}
-            procs.append(subprocess.Popen(
-                cluster.exec_argv(slot.host.name, argv), env=e, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True))
-            reader = threading.Thread(target=_follow, daemon=True,
-                                      args=(procs[-1], slot, outputs[slot.rank], on_line))
-            reader.start()
-            readers.append(reader)
+            # Each rank leads a session of its own, so the stop reaches what it started.
+            ranks.append(start(cluster.exec_argv(slot.host.name, argv), e, merge_stderr=True,
+                               text=True))
+            readers.append(pump(ranks[-1].proc.stdout, _collector(slot, outputs[slot.rank],
+                                                                  on_line),
+                                f"netns-output-{slot.rank}"))
         end = None if timeout is None else time.monotonic() + timeout
-        while len(ended) < len(procs):
+        while len(ended) < len(ranks):
             now = time.monotonic()
-            for rank, p in enumerate(procs):
+            for rank, p in enumerate(ranks):
                 if rank not in ended and p.poll() is not None:
                     ended[rank] = now
-            if stop_on_failure and any(procs[r].returncode for r in ended):
+            if stop_on_failure and any(ranks[r].poll() for r in ended):
                 break
             if end is not None and now >= end:
-                timed_out = len(ended) < len(procs)
+                timed_out = len(ended) < len(ranks)
                 break
             time.sleep(0.05)
     finally:
-        _stop(procs)
+        stop(ranks, STOP_GRACE)
         for reader in readers:
             reader.join(2.0)
-    return [RankResult(s.rank, s.host.name, p.returncode, "".join(out),
+    return [RankResult(s.rank, s.host.name, p.proc.returncode, "".join(out),
                        timed_out=timed_out and s.rank not in ended,
                        stopped=s.rank not in ended, ended=ended.get(s.rank, float("inf")))
-            for s, p, out in zip(slots, procs, outputs)]
+            for s, p, out in zip(slots, ranks, outputs)]
 
 
-def _follow(proc: subprocess.Popen, slot: Slot, lines: list[str], on_line) -> None:
-    for line in proc.stdout:
+def _collector(slot: Slot, lines: list[str], on_line) -> Callable[[str], None]:
+    """Keeps each line of ``slot``'s rank in ``lines`` and hands it to ``on_line``."""
+    def collect(line: str) -> None:
         lines.append(line)
         if on_line is not None:
             on_line(slot, line)
-    proc.stdout.close()
-
-
-def _signal_all(procs: Sequence[subprocess.Popen], signum: int) -> None:
-    for p in procs:
-        try:
-            os.killpg(p.pid, signum)  # each rank leads its own session: this reaches its children
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def _stop(procs: Sequence[subprocess.Popen]) -> None:
-    """SIGTERM to every rank's group, SIGKILL to any left after the grace period."""
-    if any(p.poll() is None for p in procs):
-        _signal_all(procs, signal.SIGTERM)
-        end = time.monotonic() + _STOP_GRACE
-        while time.monotonic() < end and any(p.poll() is None for p in procs):
-            time.sleep(0.05)
-    # Groups of ranks that already exited too: a child they left would outlive the run.
-    _signal_all(procs, signal.SIGKILL)
-    for p in procs:
-        p.wait()
+    return collect
 
 
 _RECEIVER = r"""
@@ -692,7 +661,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not failed:
         return 124 if timed_out else 0  # as timeout(1) does
     first = failed[0]
-    status = first.returncode if first.returncode > 0 else 128 - first.returncode
+    status = exit_status(first.returncode)
     print(f"netns: rank {first.rank} on {first.host} "
           + (f"exited with status {status}" if first.returncode > 0 else
              f"was killed by signal {-first.returncode}"), file=sys.stderr)

@@ -14,6 +14,7 @@ import json
 import sys
 
 from ..collectives.planner import CANDIDATES, plan
+from ..run.hosts import parse_hosts, rank_hosts
 from ..topology import Topology, load
 from .allreduce import size_range
 
@@ -33,26 +34,22 @@ def parser() -> argparse.ArgumentParser:
 
 
 def placement(hosts: str, alternate: bool) -> list[str]:
-    """The host of each rank for ``h0:2,h1:2``-style text."""
-    slots = []
-    for item in hosts.split(","):
-        name, _, count = item.partition(":")
-        slots.append((name, int(count or 1)))
-    if not alternate:
-        return [name for name, count in slots for _ in range(count)]
-    left, out = dict(slots), []
-    while any(left.values()):
-        for name, _ in slots:
-            if left[name]:
-                out.append(name)
-                left[name] -= 1
-    return out
+    """The host of each rank for ``h0:2,h1:2``-style text (the rules: ``run/hosts.py``).
+
+    Raises:
+        ValueError: a bad entry (the message quotes it), a host named twice, or no host.
+    """
+    return rank_hosts(parse_hosts(hosts, source="--hosts"), alternate)
 
 
 def main(argv: "list[str] | None" = None) -> int:
     args = parser().parse_args(argv)
     spec = load(args.topology) if args.topology else None
-    topo = Topology.from_hosts(placement(args.hosts, args.alternate), spec)
+    try:
+        ranks = placement(args.hosts, args.alternate)
+    except ValueError as exc:
+        parser().error(str(exc))
+    topo = Topology.from_hosts(ranks, spec)
     rows = plan(topo, size_range(args.sizes, 4))
     if args.json:
         json.dump(rows, sys.stdout, indent=1)
@@ -60,7 +57,7 @@ def main(argv: "list[str] | None" = None) -> int:
         return 0
     print("# " + topo.describe().replace("\n", "\n# "))
     print(f"# predicted allreduce time (us) per algorithm; ranks: "
-          f"{' '.join(placement(args.hosts, args.alternate))}")
+          f"{' '.join(ranks)}")
     print(f"{'size(B)':>12} " + " ".join(f"{a:>16}" for a in CANDIDATES) + f" {'choice':>16}")
     for row in rows:
         print(f"{row['size']:>12} " +

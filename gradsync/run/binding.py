@@ -21,10 +21,10 @@ than cores. ``none`` never binds. The default, ``auto``, binds only when both ho
 local ranks are no more than the cores, and the user did not restrict the launcher's affinity
 already (usable CPUs fewer than the machine's online CPUs: ``taskset``, a cpuset, a batch
 system's binding), so a choice someone made is never overridden. Only ranks started on this
-host by ``gradsync run`` are bound (``_start``, after the child exists and before it has
-started any thread); ranks on other hosts, and ranks started by torchrun, srun or mpirun
-(adopted through ``launch_env``) keep what their launcher gave them: mpirun and srun bind
-themselves, and fighting a launcher's placement helps nobody.
+host by ``gradsync run`` are bound (``launcher.Starter.start``, after the child exists and
+before it has started any thread); ranks on other hosts, and ranks started by torchrun, srun
+or mpirun (adopted through ``launch_env``) keep what their launcher gave them: mpirun and srun
+bind themselves, and fighting a launcher's placement helps nobody.
 
 Worked example: 2 cores with 2 hardware threads each, CPUs 0,2 on core 0 and 1,3 on core 1,
 3 local ranks: ``auto`` does not bind (3 ranks > 2 cores); 2 local ranks: rank 0 gets {0, 2},

@@ -16,7 +16,8 @@ from typing import Mapping, Sequence
 from ..config import ENV_PREFIX, IDENTITY_VARIABLES
 from . import binding
 from .elastic import ElasticSpec, launch_elastic
-from .launcher import DEFAULT_START_TIMEOUT, Host, LaunchSpec, launch, place
+from .hosts import Host, parse_hosts, read_hostfile
+from .launcher import DEFAULT_START_TIMEOUT, LaunchSpec, launch, place
 
 __all__ = ["main", "build_parser", "add_run_arguments", "parse_hosts", "read_hostfile",
            "resolve_exports"]
@@ -105,58 +106,6 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND ...",
                         help="the program every rank runs, with its arguments")
     return parser
-
-
-def parse_hosts(text: str) -> list[Host]:
-    """Parses ``-H host1:2,host2:4`` (a host without ``:slots`` has one slot).
-
-    Raises:
-        ValueError: an empty name or a slot count that is not a positive integer.
-    """
-    hosts = []
-    for item in text.split(","):
-        name, _, slots = item.strip().rpartition(":") if ":" in item else (item.strip(), "", "1")
-        hosts.append(_host(name, slots, f"-H entry {item.strip()!r}"))
-    return hosts
-
-
-def read_hostfile(path: str) -> list[Host]:
-    """Reads a host file: one ``host slots=N``, ``host:N`` or ``host`` per line; ``#`` comments.
-
-    Raises:
-        ValueError: a line in another form (the message names the file and line number).
-    """
-    hosts = []
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            words = line.split("#", 1)[0].split()
-            if not words:
-                continue
-            where = f"{path}:{number}"
-            if len(words) == 1 and ":" in words[0]:
-                name, _, slots = words[0].rpartition(":")
-            elif len(words) == 1:
-                name, slots = words[0], "1"
-            elif len(words) == 2 and words[1].startswith("slots="):
-                name, slots = words[0], words[1][len("slots="):]
-            else:
-                raise ValueError(f"{where}: expected 'host slots=N', got {line.strip()!r}")
-            hosts.append(_host(name, slots, where))
-    if not hosts:
-        raise ValueError(f"host file {path} names no host")
-    return hosts
-
-
-def _host(name: str, slots: str, where: str) -> Host:
-    if not name:
-        raise ValueError(f"{where}: empty host name")
-    try:
-        count = int(slots)
-    except ValueError:
-        raise ValueError(f"{where}: slots must be an integer, got {slots!r}") from None
-    if count < 1:
-        raise ValueError(f"{where}: slots must be at least 1, got {count}")
-    return Host(name, count)
 
 
 def resolve_exports(items: Sequence[str], environ: Mapping[str, str]) -> dict[str, str]:

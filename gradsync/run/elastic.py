@@ -20,7 +20,7 @@ who the workers are and in which rank order. Its loop, every ``_POLL`` seconds:
    published (``members/<g>``, then ``gen``), the loss is posted into the abort record of the
    generations it replaces (survivors stop waiting at once), and then the new workers start:
    here as children, on other hosts over ssh exactly as ``gradsync run`` starts remote ranks
-   (``launcher._Job._start``: the secret on ssh's stdin, the lifeline that ends the remote
+   (``launcher.Starter``: the secret on ssh's stdin, the lifeline that ends the remote
    worker when the launcher stops it or goes away). With no survivor left there is no state
    to hand on, and the job ends (as Horovod's does). New hosts alone (no failure) form a
    generation too; its survivors reach it at their next ``commit()``
@@ -53,6 +53,7 @@ from __future__ import annotations
 import math
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -60,8 +61,9 @@ from datetime import timedelta
 
 from ..config import ENV_PREFIX
 from ..elastic.membership import Control
-from .launcher import Host, LaunchSpec, Slot, _end_probe, _Job, _Output, _Rank, _StartError, \
-    _describe, _handling, _status, _store_addr, is_local
+from .hosts import Host, parse_hosts
+from .launcher import LaunchSpec, Rank, Slot, Starter, is_local, start_store, store_address
+from .processes import Interrupts, Output, StartError, describe, exit_status, stop
 
 __all__ = ["ElasticSpec", "launch_elastic", "parse_discovered"]
 
@@ -101,29 +103,19 @@ class ElasticSpec:
 
 
 def parse_discovered(text: str) -> list[Host]:
-    """Parses a discovery script's output: ``host:slots`` or ``host`` lines, blanks ignored.
+    """Parses a discovery script's output: one ``host:slots`` or ``host`` a line, blank lines
+    ignored, no line at all meaning no host now (the rules: ``hosts.py``).
 
     Raises:
-        ValueError: a line that is neither (the message quotes it).
+        ValueError: a bad line (the message quotes it) or a host listed twice.
     """
-    hosts: dict[str, int] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        name, sep, slots = line.rpartition(":")
-        if not sep:
-            name, slots = line, "1"
-        if not name or not slots.isdigit() or int(slots) < 1:
-            raise ValueError(f"discovery script printed {line!r}; expected 'host:slots'")
-        hosts[name] = int(slots)
-    return [Host(n, s) for n, s in hosts.items()]
+    return parse_hosts(text, source="host discovery script", separator="\n", allow_empty=True)
 
 
 class _Discovery:
     """Runs the discovery script in a thread; ``hosts`` is its latest good answer."""
 
-    def __init__(self, script: str, interval: float, output: _Output):
+    def __init__(self, script: str, interval: float, output: Output):
         self.script, self.interval, self.output = script, interval, output
         self.hosts: list[Host] | None = None
         self.version = 0  # bumped when the answer changes
@@ -167,7 +159,7 @@ class _Discovery:
 class _Worker:
     id: str
     host: str
-    rank: _Rank
+    rank: Rank
     first_rank: int
     failed: bool = False
     retired: bool = False  # stopped by the launcher: its host was blacklisted or removed
@@ -183,16 +175,18 @@ class _State:
     first_failure: int | None = None  # exit status of the first failed worker
 
 
-class _ElasticJob(_Job):
+class _ElasticJob:
     """One run of an elastic job; see the module docstring."""
 
-    def __init__(self, spec: LaunchSpec, elastic: ElasticSpec, output: _Output):
-        super().__init__(spec, [], output)
-        self.elastic = elastic
+    def __init__(self, spec: LaunchSpec, elastic: ElasticSpec, output: Output):
+        self.spec, self.elastic, self.output = spec, elastic, output
         self.static_hosts = list(spec.hosts) or [Host("localhost", spec.num_proc)]
         # A job given no hosts runs on this machine alone: there a failed worker leaves alone,
         # since removing every worker of the host would end the job.
         self.per_worker = not spec.hosts and not elastic.discovery_script
+        self.interrupts = Interrupts()
+        self.starter: Starter | None = None  # made once the store's address is known
+        self.port = 0
         self.blacklist: dict[str, float] = {}
         self.workers: list[_Worker] = []
         self.state = _State()
@@ -208,7 +202,7 @@ class _ElasticJob(_Job):
 
     # ------------------------------------------------------------------ the run
     def run(self) -> int:
-        with _handling(self._on_signal):
+        with self.interrupts.catching():
             status, summary = 1, None
             try:
                 if self.elastic.discovery_script:
@@ -218,27 +212,35 @@ class _ElasticJob(_Job):
                 # Every worker of every generation gets the same store address: one that the
                 # remote hosts known now reach, or with a discovery script (remote hosts may
                 # come later) one that other hosts can reach.
-                self.remote_hosts = [h.name for h in self._hosts() if not is_local(h.name)]
-                self.store_addr = _store_addr(self.remote_hosts,
-                                              reachable=self.discovery is not None)
-                self._server = self._start_store()
+                remote_hosts = [h.name for h in self._hosts() if not is_local(h.name)]
+                self.starter = Starter(
+                    self.spec, self.output,
+                    store_address(remote_hosts, reachable=self.discovery is not None),
+                    settings={ENV_PREFIX + "ELASTIC_TIMEOUT":
+                              f"{self.elastic.elastic_timeout:g}"})
+                self._server = start_store()
                 self.port = self._server.port
-                self.control = Control(self._server, self.job_id, 30.0)
+                self.control = Control(self._server, self.starter.job_id, 30.0)
                 self._check_first_hosts()
                 status, summary = self._loop()
-            except _StartError as exc:
+            except StartError as exc:
                 status, summary = exc.status, str(exc)
             finally:
                 if self.discovery is not None:
                     self.discovery.stop()
                 for proc, _ in self._probes.values():
-                    _end_probe(proc)
+                    self.starter.ssh.end_probe(proc)
                 if summary and self.control is not None and status != 0:
                     try:
                         self.control.give_up(summary)
                     except (RuntimeError, OSError):
                         pass
-                self._stop()
+                ranks = [w.rank for w in self.workers if w.rank is not None]
+                stop([r.process for r in ranks], self.spec.stop_grace,
+                     hurry=lambda: self.interrupts.hurry,
+                     on_stuck=lambda i: self.output.message(
+                         f"rank {ranks[i].slot.rank} (pid {ranks[i].proc.pid}) did not exit "
+                         "after SIGKILL"))
                 self.output.drain(2.0)
         if summary:
             self.output.message(summary)
@@ -249,8 +251,9 @@ class _ElasticJob(_Job):
         self._form(first=True)
         seen_version = self.discovery.version if self.discovery else 0
         while True:
-            if self.received is not None:
-                return 128 + self.received, f"interrupted by {signal.Signals(self.received).name}"
+            received = self.interrupts.received
+            if received is not None:
+                return 128 + received, f"interrupted by {signal.Signals(received).name}"
             changed = self._watch()
             self._reap()
             reachable = self._probe_hosts()
@@ -295,7 +298,7 @@ class _ElasticJob(_Job):
                 st.finishing = True
                 continue
             self._fail(worker, f"worker {worker.id} (rank {st.members.index(worker)} of "
-                               f"generation {st.gen}) {_describe(code)}", _status(code))
+                               f"generation {st.gen}) {describe(code)}", exit_status(code))
             changed = True
         for gen in (st.gen - 1, st.gen):
             if gen < 0:
@@ -332,7 +335,7 @@ class _ElasticJob(_Job):
                 from torch.distributed import TCPStore
 
                 client = TCPStore("127.0.0.1", self.port, None, False, timedelta(seconds=30))
-                self.control = Control(client, self.job_id, 30.0)
+                self.control = Control(client, self.starter.job_id, 30.0)
             except (RuntimeError, OSError) as again:
                 self.output.message(f"cannot reconnect to the launcher's store: {again}")
             return None
@@ -354,7 +357,7 @@ class _ElasticJob(_Job):
             # formed next would see its host unblacklisted and a free slot in its place.
             if code != 0:
                 self._fail(suspect, f"worker {suspect.id} (rank {peer} of generation "
-                                    f"{self.state.gen}) {_describe(code)}", _status(code))
+                                    f"{self.state.gen}) {describe(code)}", exit_status(code))
             return True
         since = self._suspects.setdefault(suspect.id, time.monotonic())
         if time.monotonic() - since < _LOST_GRACE:
@@ -429,30 +432,31 @@ class _ElasticJob(_Job):
         """Checks the remote hosts known at the start before the first generation, so that
         it can place workers on them; an unreachable one is blacklisted."""
         self._probe_hosts()
-        while self._probes and self.received is None:
+        while self._probes and self.interrupts.received is None:
             time.sleep(_POLL)
             self._probe_hosts()
 
     def _probe_hosts(self) -> bool:
-        """Starts the ssh check (``_Job._probe``) of each listed remote host not yet checked,
+        """Starts the ssh check (``Ssh.probe``) of each listed remote host not yet checked,
         and collects the finished ones: a reachable host may take workers; an unreachable one
         is blacklisted (for ``--blacklist-cooldown``). True when a host became reachable."""
+        ssh = self.starter.ssh
         now = time.monotonic()
         for host in self._hosts():
             name = host.name
             if is_local(name) or name in self._reachable or name in self._probes or \
                     self.blacklist.get(name, 0) > now:
                 continue
-            self._probes[name] = (self._probe(name), now + self._probe_limit())
+            self._probes[name] = (ssh.probe(name), now + ssh.probe_limit)
         added = False
         for name, (proc, end) in list(self._probes.items()):
             if proc.poll() is None and time.monotonic() < end:
                 continue
             if proc.poll() is None:
-                error = f"ssh to {name} did not finish within {self._ssh_timeout():.0f}s"
+                error = f"ssh to {name} did not finish within {ssh.timeout:.0f}s"
             else:
-                error = self._probe_error(name, proc)
-            _end_probe(proc)
+                error = ssh.probe_error(name, proc)
+            ssh.end_probe(proc)
             del self._probes[name]
             if error is None:
                 self._reachable.add(name)
@@ -532,7 +536,7 @@ class _ElasticJob(_Job):
         for worker in fresh:
             slot = placed[members.index(worker)]
             worker.first_rank = slot.rank
-            worker.rank = self._start_worker(slot, worker.id, len(members), gen)
+            worker.rank = self._start_worker(slot, worker.id, len(members))
             self.workers.append(worker)
         if not first:
             self.output.message(f"generation {gen}: {len(members)} workers ("
@@ -544,25 +548,9 @@ class _ElasticJob(_Job):
         if self.state.gen >= 0:
             self.control.abort(self.state.gen, message, None)
 
-    def _start_worker(self, slot: Slot, wid: str, size: int, gen: int) -> _Rank:
-        self.slots = [slot] * size  # _identity reads the job's size from len(self.slots)
-        self._wid, self._gen = wid, gen
-        return self._start(slot, self.port)
-
-    def _identity(self, slot: Slot, port: int) -> dict[str, str]:
-        variables = super()._identity(slot, port)
-        variables[ENV_PREFIX + "ELASTIC_ID"] = self._wid
-        variables[ENV_PREFIX + "JOB_ID"] = self.job_id
-        return variables
-
-    def _settings(self, slot: Slot) -> dict[str, str]:
-        settings = super()._settings(slot)
-        settings[ENV_PREFIX + "ELASTIC_TIMEOUT"] = f"{self.elastic.elastic_timeout:g}"
-        return settings
-
-    def _stop(self) -> int:
-        self.ranks = [w.rank for w in self.workers if w.rank is not None]
-        return super()._stop()
+    def _start_worker(self, slot: Slot, wid: str, size: int) -> Rank:
+        return self.starter.start(slot, self.port, size,
+                                  identity={ENV_PREFIX + "ELASTIC_ID": wid})
 
 
 def _slots(members: list[_Worker]) -> list[Slot]:
@@ -582,7 +570,5 @@ def _slots(members: list[_Worker]) -> list[Slot]:
 
 def launch_elastic(spec: LaunchSpec, elastic: ElasticSpec, stdout=None, stderr=None) -> int:
     """Runs an elastic job to its end and returns the launcher's exit status."""
-    import sys
-
-    output = _Output(spec.output_prefix, stdout or sys.stdout.buffer, stderr or sys.stderr.buffer)
+    output = Output(spec.output_prefix, stdout or sys.stdout.buffer, stderr or sys.stderr.buffer)
     return _ElasticJob(spec, elastic, output).run()

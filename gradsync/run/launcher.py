@@ -35,47 +35,41 @@ ranks never interleave; a final line without a newline gets one. Python ranks ru
 ``PYTHONUNBUFFERED=1`` (unless set otherwise) so their lines arrive as they are printed and are
 not lost in a buffer when the job is stopped.
 
-Remote ranks: ``ssh -o BatchMode=yes [-p port] host "sh -c '<script>'"``. The script reads the
-job secret from its stdin (so the secret never appears on a command line, where ``ps`` on the
-remote host would show it), starts the rank with the variables assigned by ``env``, and keeps a
-*lifeline*: a background reader on the rest of ssh's stdin. The launcher keeps that stdin open
-for the life of the rank; when it closes (the launcher stops the job, dies, or loses the
-connection) the reader sends SIGTERM and then SIGKILL to the remote process group, so a remote
-rank never outlives its job. Remote ranks see only their identity, the ``-x`` variables and the
+Remote ranks run under ``ssh`` with a *lifeline* (``processes.py``): the job secret travels on
+ssh's stdin, never on a command line, and when that stdin closes (the launcher stops the job,
+dies, or loses the connection) the remote rank's process group is stopped, so a remote rank
+never outlives its job. Remote ranks see only their identity, the ``-x`` variables and the
 launcher's ``GRADSYNC_*`` settings, as under ``mpirun -x``; local ranks inherit the launcher's
-whole environment. The elastic launcher (``elastic.py``) starts its remote workers and checks
-its discovered hosts with the same methods (``_start``, ``_probe``).
+whole environment.
+
+The pieces an elastic job (``elastic.py``) shares with this one are public: ``Starter``
+starts a rank with its identity, here or over ssh (its ``ssh`` also checks hosts);
+``store_address`` and ``start_store`` give the store; ``Rank`` is a started rank. The process
+mechanics under them (new sessions, stopping, output, signals, ssh) are ``processes.py``.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import secrets
-import shlex
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import BinaryIO, Callable, Mapping, Sequence
+from typing import BinaryIO, Mapping, Sequence
 
 from ..config import ENV_PREFIX, IDENTITY_VARIABLES
 from . import binding
+from .hosts import Host
+from .processes import (DEFAULT_START_TIMEOUT, STOP_GRACE, Interrupts, Output, Process,
+                        StartError, Ssh, describe, exit_status, start, stop)
 
 __all__ = ["Host", "Slot", "LaunchSpec", "place", "launch", "is_local", "STOP_GRACE",
-           "SERVER_LINGER",
-           "DEFAULT_START_TIMEOUT"]
-
-STOP_GRACE = 3.0
-"""Seconds between SIGTERM and SIGKILL when the job is stopped."""
-
-DEFAULT_START_TIMEOUT = 30.0
-"""Seconds an ssh connection (and the reachability check before the launch) may take."""
+           "SERVER_LINGER", "DEFAULT_START_TIMEOUT", "Rank", "Starter", "store_address",
+           "start_store"]
 
 SERVER_LINGER = 10.0
 """Seconds servers may run on after every worker of a parameter-server job has ended."""
@@ -83,15 +77,6 @@ SERVER_LINGER = 10.0
 _POLL = 0.05  # how often the watcher looks at the ranks: the delay before a failure is seen
 _DRAIN = 2.0  # seconds to wait for the last output after the ranks are gone
 _LOCAL_NAMES = {"localhost", "127.0.0.1", "::1"}
-_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-@dataclass(frozen=True)
-class Host:
-    """A host and how many ranks it may run."""
-
-    name: str
-    slots: int
 
 
 @dataclass(frozen=True)
@@ -217,9 +202,13 @@ def launch(spec: LaunchSpec, stdout: BinaryIO | None = None,
         ValueError: the hosts cannot hold ``spec.size`` ranks.
     """
     slots = place(spec.hosts or [Host("localhost", spec.size)], spec.size)
-    output = _Output(spec.output_prefix, stdout or sys.stdout.buffer,
-                     stderr or sys.stderr.buffer)
+    output = Output(spec.output_prefix, stdout or sys.stdout.buffer,
+                    stderr or sys.stderr.buffer)
     return _Job(spec, slots, output).run()
+
+
+# Kept for tests/test_elastic_unit.py, which builds an elastic job's Output by this name.
+_Output = Output
 
 
 def is_local(name: str) -> bool:
@@ -228,7 +217,7 @@ def is_local(name: str) -> bool:
     return name in _LOCAL_NAMES or name.startswith("127.") or name in (here, here.split(".")[0])
 
 
-def _store_addr(remote_hosts: Sequence[str], reachable: bool = False) -> str:
+def store_address(remote_hosts: Sequence[str], reachable: bool = False) -> str:
     """The store address every rank gets: loopback for a one-host job, else one remote hosts
     can reach. All ranks must get the same one, because a rank listens for its peers on the
     interface that routes to the store: a loopback store would hide local ranks from the
@@ -255,226 +244,131 @@ def _store_addr(remote_hosts: Sequence[str], reachable: bool = False) -> str:
         return socket.gethostname()
 
 
-def _status(code: int) -> int:
-    """The launcher's exit status for a rank's return code: 128 + signal, as a shell does."""
-    return code if code > 0 else 128 - code
+def start_store():
+    """Starts the job's TCPStore server on a free port (``.port``), on every interface.
 
+    Raises:
+        StartError: it cannot be started (status 1).
+    """
+    # Imported here: torch takes a second to import and only this step needs it.
+    from torch.distributed import TCPStore
 
-def _describe(code: int) -> str:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = "unknown signal"
-        return f"was killed by signal {-code} ({name})"
-    return f"exited with status {code}"
-
-
-class _Output:
-    """Copies the ranks' output line by line; one lock keeps every line whole."""
-
-    def __init__(self, prefix: bool, stdout: BinaryIO, stderr: BinaryIO):
-        self.prefix, self.stdout, self.stderr = prefix, stdout, stderr
-        self.lock = threading.Lock()
-        self.threads: list[threading.Thread] = []
-
-    def follow(self, rank: int, proc: subprocess.Popen) -> None:
-        for name, pipe, dest in (("stdout", proc.stdout, self.stdout),
-                                 ("stderr", proc.stderr, self.stderr)):
-            tag = f"[{rank}]<{name}>:".encode() if self.prefix else b""
-            thread = threading.Thread(target=self._pump, args=(tag, pipe, dest), daemon=True,
-                                      name=f"gradsync-output-{rank}-{name}")
-            thread.start()
-            self.threads.append(thread)
-
-    def _pump(self, tag: bytes, pipe: BinaryIO, dest: BinaryIO) -> None:
-        with pipe:
-            for line in iter(pipe.readline, b""):
-                self.write(dest, tag + (line if line.endswith(b"\n") else line + b"\n"))
-
-    def write(self, dest: BinaryIO, data: bytes) -> None:
-        with self.lock:
-            try:
-                dest.write(data)
-                dest.flush()
-            except (OSError, ValueError):
-                # The reader went away (`gradsync run ... | head`): keep draining the ranks'
-                # pipes so that they never block on a full pipe, and drop the text.
-                pass
-
-    def message(self, text: str) -> None:
-        self.write(self.stderr, f"gradsync run: {text}\n".encode())
-
-    def drain(self, timeout: float) -> None:
-        """Waits for the pipes to close; a process that escaped its group may keep one open."""
-        end = time.monotonic() + timeout
-        for thread in self.threads:
-            thread.join(max(0.0, end - time.monotonic()))
+    # The server listens on every interface whatever host name it is given; the name is
+    # only where the launcher's own client connects. Port 0 lets the kernel choose a free
+    # port without a race.
+    try:
+        return TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30),
+                        wait_for_workers=False)
+    except (RuntimeError, OSError) as exc:
+        raise StartError(f"cannot start the rendezvous store: {exc}", 1) from None
 
 
 @dataclass
-class _Rank:
+class Rank:
+    """A started rank: its slot and its process (a child here, or ssh for a remote one)."""
+
     slot: Slot
-    proc: subprocess.Popen
-    remote: bool
+    process: Process
+
+    @property
+    def proc(self) -> subprocess.Popen:
+        return self.process.proc
+
+    @property
+    def remote(self) -> bool:
+        return self.process.lifeline
 
     def signal(self, signum: int) -> None:
-        """Signals the rank's whole process group (and drops a remote rank's lifeline).
-
-        Groups of ranks that have already exited are signalled too: a child they left behind
-        would otherwise survive the job. (An empty group's id could in principle be taken by
-        a new session leader meanwhile; within the seconds a job takes to end, pids do not
-        wrap around.)
-        """
-        if self.remote and self.proc.stdin is not None and not self.proc.stdin.closed:
-            try:
-                self.proc.stdin.close()
-            except OSError:
-                pass
-        try:
-            os.killpg(self.proc.pid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass
+        """Signals the rank's whole process group (and drops a remote rank's lifeline)."""
+        self.process.signal(signum)
 
 
-class _StartError(Exception):
-    def __init__(self, message: str, status: int):
-        super().__init__(message)
-        self.status = status
+class Starter:
+    """Starts the ranks of one job, each with its identity (``GRADSYNC_*`` and torchrun's
+    variables) and settings: a child here, or over ``ssh`` (the lifeline: ``processes.py``).
 
+    Args:
+        spec: the job.
+        output: where the ranks' output goes.
+        store_addr: the store's address, the same for every rank (``store_address``).
+        identity, settings: more variables for every rank: ``identity`` after ``spec.env``
+            (a ``-x`` cannot change them), ``settings`` before it.
+    """
 
-class _Job:
-    """One run of the launcher; see the module docstring for its steps."""
-
-    def __init__(self, spec: LaunchSpec, slots: list[Slot], output: _Output):
-        self.spec, self.slots, self.output = spec, slots, output
-        self.remote_hosts = list(dict.fromkeys(s.host for s in slots if not is_local(s.host)))
-        self.store_addr = _store_addr(self.remote_hosts)
+    def __init__(self, spec: LaunchSpec, output: Output, store_addr: str, *,
+                 identity: Mapping[str, str] | None = None,
+                 settings: Mapping[str, str] | None = None):
+        self.spec, self.output, self.store_addr = spec, output, store_addr
+        self.extra_identity, self.extra_settings = dict(identity or {}), dict(settings or {})
         self.secret = secrets.token_bytes(32)
         self.job_id = secrets.token_hex(8)
-        self.ranks: list[_Rank] = []
-        self.received: int | None = None  # the first stopping signal the launcher got
-        self.hurry = False  # a second signal: skip the grace period
-        self.cores: "list[list[int]] | None" = None  # CPUs of each local rank, when bound
+        self.ssh = Ssh(spec.ssh_command, spec.ssh_port,
+                       spec.start_timeout or DEFAULT_START_TIMEOUT)
 
-    def run(self) -> int:
-        with _handling(self._on_signal):
-            try:
-                self._check_hosts()
-                self._plan_binding()
-                store = self._start_store()
-                for slot in self.slots:
-                    if self.received is not None:
-                        break
-                    self.ranks.append(self._start(slot, store.port))
-                status, summary, others = self._watch()
-            except _StartError as exc:
-                status, summary, others = exc.status, str(exc), "other "
-            finally:
-                # Reached on every path (an exception included), so no rank outlives the job.
-                stopped = self._stop()
-                self.output.drain(_DRAIN)
-        if summary and self.ranks and others is not None:
-            summary += f"; stopped {stopped} {others}rank{'' if stopped == 1 else 's'}"
-        if summary:
-            self.output.message(summary)
-        return status
+    def start(self, slot: Slot, port: int, size: int, cores: Sequence[int] | None = None,
+              identity: Mapping[str, str] | None = None) -> Rank:
+        """Starts one rank of a job of ``size`` ranks whose store listens on ``port``.
 
-    # ------------------------------------------------------------------ start
-    def _plan_binding(self) -> None:
-        """Which cores the ranks started here get (``binding.py``); an elastic job, whose
-        local ranks come and go, does not bind."""
-        here = [slot for slot in self.slots if is_local(slot.host)]
-        if here:
-            try:
-                self.cores = binding.plan(self.spec.bind_to, here[0].local_size)
-            except ValueError as exc:
-                raise _StartError(str(exc), 2) from None
+        Args:
+            cores: CPUs to bind a rank started here to (None: not bound).
+            identity: more identity variables for this rank alone.
 
-    def _on_signal(self, signum: int) -> None:
-        if self.received is None:
-            self.received = signum
-        else:
-            self.hurry = True
-
-    def _check_hosts(self) -> None:
-        """Runs ``true`` on each remote host first, so that an unreachable host is reported
-        by name before any rank starts, instead of as one rank's ssh failure."""
-        checks: dict[str, subprocess.Popen] = {}
-        end = time.monotonic() + self._probe_limit()
+        Raises:
+            StartError: it cannot be started (status 127 or 126, as a shell's).
+        """
+        variables = {**self.identity(slot, port, size), **(identity or {})}
+        remote = not is_local(slot.host)
         try:
-            for host in self.remote_hosts:
-                checks[host] = self._probe(host)
-            # Polled rather than waited on, so that a Ctrl-C is honoured at once.
-            while self.received is None and any(p.poll() is None for p in checks.values()):
-                if time.monotonic() > end:
-                    late = [h for h, p in checks.items() if p.poll() is None]
-                    raise _StartError(f"ssh to {', '.join(late)} did not finish within "
-                                      f"{self._ssh_timeout():.0f}s", 255)
-                time.sleep(_POLL)
-            for host, proc in checks.items():
-                error = self._probe_error(host, proc)
-                if error is not None:
-                    raise _StartError(error, proc.returncode)
-        finally:
-            for proc in checks.values():
-                _end_probe(proc)
-
-    def _probe(self, host: str) -> subprocess.Popen:
-        """Starts ``ssh host true``: the reachability check of a remote host (see
-        ``_check_hosts``; the elastic launcher runs it on each host discovery adds)."""
-        try:
-            return subprocess.Popen(self._ssh_argv(host, "true"), stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                    start_new_session=True)
+            if remote:
+                forwarded = {name: value for name, value in os.environ.items()
+                             if name.startswith(ENV_PREFIX)
+                             and name[len(ENV_PREFIX):] not in IDENTITY_VARIABLES}
+                process = self.ssh.start(
+                    slot.host, self.spec.command,
+                    {**forwarded, **self.torch_identity(slot, port, size),
+                     **self.settings(slot), **self.spec.env, **variables},
+                    self.secret, self.spec.stop_grace)
+            else:
+                process = start(self.spec.command, {
+                    **os.environ, **self.torch_identity(slot, port, size),
+                    **self.settings(slot), **self.spec.env, **variables,
+                    ENV_PREFIX + "SECRET": self.secret.hex()})
+                if cores is not None:
+                    # The child has just exec'd: no thread of its own yet, and every thread
+                    # it starts inherits the binding.
+                    try:
+                        binding.bind(process.proc.pid, cores)
+                    except OSError:
+                        pass  # it exited already: the watcher reports that
         except OSError as exc:
-            raise _StartError(f"cannot run '{self.spec.ssh_command}': {exc}", 127) from None
+            # 127 and 126 are what a shell returns for a missing or unrunnable command.
+            status = 127 if isinstance(exc, FileNotFoundError) else 126
+            raise StartError(f"cannot start rank {slot.rank} on host {slot.host}: {exc}",
+                             status) from None
+        self.output.follow(slot.rank, process.proc)
+        return Rank(slot, process)
 
-    def _probe_limit(self) -> float:
-        """Seconds a reachability check may take: ssh's own ConnectTimeout bounds the
-        connection; the margin covers the login itself."""
-        return self._ssh_timeout() + 5.0
-
-    def _probe_error(self, host: str, proc: subprocess.Popen) -> str | None:
-        """What a finished reachability check says is wrong with ``host`` (None: nothing)."""
-        if proc.returncode in (0, None):
-            return None
-        detail = proc.stderr.read().decode(errors="replace").strip().splitlines()
-        return (f"cannot run commands on {host} with '{self.spec.ssh_command}' (status "
-                f"{proc.returncode}" + (f": {detail[-1]}" if detail else "") + ")")
-
-    def _start_store(self):
-        # Imported here: torch takes a second to import and only this step needs it.
-        from torch.distributed import TCPStore
-
-        # The server listens on every interface whatever host name it is given; the name is
-        # only where the launcher's own client connects. Port 0 lets the kernel choose a free
-        # port without a race.
-        try:
-            return TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30),
-                            wait_for_workers=False)
-        except (RuntimeError, OSError) as exc:
-            raise _StartError(f"cannot start the rendezvous store: {exc}", 1) from None
-
-    def _identity(self, slot: Slot, port: int) -> dict[str, str]:
+    def identity(self, slot: Slot, port: int, size: int) -> dict[str, str]:
+        """A rank's ``GRADSYNC_*`` identity."""
         variables = {
-            "RANK": slot.rank, "SIZE": len(self.slots), "LOCAL_RANK": slot.local_rank,
+            "RANK": slot.rank, "SIZE": size, "LOCAL_RANK": slot.local_rank,
             "LOCAL_SIZE": slot.local_size, "CROSS_RANK": slot.cross_rank,
             "CROSS_SIZE": slot.cross_size, "HOSTNAME": slot.host,
             "STORE_ADDR": self.store_addr, "STORE_PORT": port, "JOB_ID": self.job_id,
             "LAUNCHER_PID": os.getpid(), "SERVERS": self.spec.servers,
         }
-        return {ENV_PREFIX + name: str(value) for name, value in variables.items()}
+        return {**{ENV_PREFIX + name: str(value) for name, value in variables.items()},
+                **self.extra_identity}
 
-    def _torch_identity(self, slot: Slot, port: int) -> dict[str, str]:
+    def torch_identity(self, slot: Slot, port: int, size: int) -> dict[str, str]:
         """torchrun's variables, so ``init_process_group()`` (env://) works under ``gradsync
         run`` too: every rank a client of the launcher's store, as under torchrun's agent."""
-        return {"RANK": str(slot.rank), "WORLD_SIZE": str(len(self.slots)),
+        return {"RANK": str(slot.rank), "WORLD_SIZE": str(size),
                 "LOCAL_RANK": str(slot.local_rank), "LOCAL_WORLD_SIZE": str(slot.local_size),
                 "MASTER_ADDR": self.store_addr,
                 "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
-    def _settings(self, slot: Slot) -> dict[str, str]:
+    def settings(self, slot: Slot) -> dict[str, str]:
         """What a rank gets besides its identity, before the -x variables."""
         settings = {"PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1")}
         if slot.local_size > 1 and "OMP_NUM_THREADS" not in os.environ:
@@ -486,62 +380,80 @@ class _Job:
             settings.update(KEEP_FREED_MEMORY)
         if self.spec.start_timeout is not None:
             settings[ENV_PREFIX + "CONNECT_TIMEOUT"] = str(self.spec.start_timeout)
-        return settings
+        return {**settings, **self.extra_settings}
 
-    def _start(self, slot: Slot, port: int) -> _Rank:
-        """Starts one rank: a child here, or over ssh (``_start_remote``) on another host."""
-        remote = not is_local(slot.host)
+
+class _Job:
+    """One run of the launcher; see the module docstring for its steps."""
+
+    def __init__(self, spec: LaunchSpec, slots: list[Slot], output: Output):
+        self.spec, self.slots, self.output = spec, slots, output
+        self.remote_hosts = list(dict.fromkeys(s.host for s in slots if not is_local(s.host)))
+        self.starter = Starter(spec, output, store_address(self.remote_hosts))
+        self.ranks: list[Rank] = []
+        self.interrupts = Interrupts()
+        self.cores: "list[list[int]] | None" = None  # CPUs of each local rank, when bound
+
+    def run(self) -> int:
+        with self.interrupts.catching():
+            try:
+                self._check_hosts()
+                self._plan_binding()
+                store = start_store()
+                for slot in self.slots:
+                    if self.interrupts.received is not None:
+                        break
+                    cores = None if self.cores is None else self.cores[slot.local_rank]
+                    self.ranks.append(self.starter.start(slot, store.port, len(self.slots),
+                                                         cores))
+                status, summary, others = self._watch()
+            except StartError as exc:
+                status, summary, others = exc.status, str(exc), "other "
+            finally:
+                # Reached on every path (an exception included), so no rank outlives the job.
+                stopped = stop([r.process for r in self.ranks], self.spec.stop_grace,
+                               hurry=lambda: self.interrupts.hurry, on_stuck=self._stuck)
+                self.output.drain(_DRAIN)
+        if summary and self.ranks and others is not None:
+            summary += f"; stopped {stopped} {others}rank{'' if stopped == 1 else 's'}"
+        if summary:
+            self.output.message(summary)
+        return status
+
+    # ------------------------------------------------------------------ start
+    def _plan_binding(self) -> None:
+        """Which cores the ranks started here get (``binding.py``)."""
+        here = [slot for slot in self.slots if is_local(slot.host)]
+        if here:
+            try:
+                self.cores = binding.plan(self.spec.bind_to, here[0].local_size)
+            except ValueError as exc:
+                raise StartError(str(exc), 2) from None
+
+    def _check_hosts(self) -> None:
+        """Runs ``true`` on each remote host first, so that an unreachable host is reported
+        by name before any rank starts, instead of as one rank's ssh failure."""
+        ssh = self.starter.ssh
+        checks: dict[str, subprocess.Popen] = {}
+        end = time.monotonic() + ssh.probe_limit
         try:
-            if remote:
-                proc = self._start_remote(slot, port)
-            else:
-                env = {**os.environ, **self._torch_identity(slot, port), **self._settings(slot),
-                       **self.spec.env, **self._identity(slot, port),
-                       ENV_PREFIX + "SECRET": self.secret.hex()}
-                proc = subprocess.Popen(list(self.spec.command), env=env,
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, start_new_session=True)
-                if self.cores is not None:
-                    # The child has just exec'd: no thread of its own yet, and every thread
-                    # it starts inherits the binding.
-                    try:
-                        binding.bind(proc.pid, self.cores[slot.local_rank])
-                    except OSError:
-                        pass  # it exited already: _watch reports that
-        except OSError as exc:
-            # 127 and 126 are what a shell returns for a missing or unrunnable command.
-            status = 127 if isinstance(exc, FileNotFoundError) else 126
-            raise _StartError(f"cannot start rank {slot.rank} on host {slot.host}: {exc}",
-                              status) from None
-        self.output.follow(slot.rank, proc)
-        return _Rank(slot, proc, remote)
-
-    def _start_remote(self, slot: Slot, port: int) -> subprocess.Popen:
-        forwarded = {name: value for name, value in os.environ.items()
-                     if name.startswith(ENV_PREFIX)
-                     and name[len(ENV_PREFIX):] not in IDENTITY_VARIABLES}
-        assignments = {**forwarded, **self._torch_identity(slot, port), **self._settings(slot),
-                       **self.spec.env, **self._identity(slot, port)}
-        proc = subprocess.Popen(self._ssh_argv(slot.host, _remote_script(
-            os.getcwd(), assignments, self.spec.command, self.spec.stop_grace)),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True)
-        try:
-            proc.stdin.write(self.secret.hex().encode() + b"\n")
-            proc.stdin.flush()
-        except OSError:
-            pass  # ssh already failed; the watcher reports its exit status
-        return proc
-
-    def _ssh_timeout(self) -> float:
-        return self.spec.start_timeout or DEFAULT_START_TIMEOUT
-
-    def _ssh_argv(self, host: str, command: str) -> list[str]:
-        argv = shlex.split(self.spec.ssh_command)
-        argv += ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={math.ceil(self._ssh_timeout())}"]
-        if self.spec.ssh_port is not None:
-            argv += ["-p", str(self.spec.ssh_port)]
-        return argv + [host, command]
+            for host in self.remote_hosts:
+                checks[host] = ssh.probe(host)
+            # Polled rather than waited on, so that a Ctrl-C is honoured at once.
+            while self.interrupts.received is None and \
+                    any(p.poll() is None for p in checks.values()):
+                if time.monotonic() > end:
+                    late = [h for h, p in checks.items() if p.poll() is None]
+                    raise StartError(f"ssh to {', '.join(late)} did not finish within "
+                                     f"{ssh.timeout:.0f}s", 255)
+                time.sleep(_POLL)
+            for host, proc in checks.items():
+                error = ssh.probe_error(host, proc)
+                if error is not None:
+                    raise StartError(error, proc.returncode)
+        finally:
+            for proc in checks.values():
+                ssh.end_probe(proc)
 
     # ------------------------------------------------------------------ watch and stop
     def _watch(self) -> tuple[int, str | None, str | None]:
@@ -550,16 +462,16 @@ class _Job:
 
         Returns:
             The exit status, the summary line (None for success) and what the ranks that
-            ``_stop`` finds running are called in it: "other " when the summary is about one
+            the stop finds running are called in it: "other " when the summary is about one
             rank, "" after a signal, None when every rank ended by itself (nothing to count).
         """
         failed: list[tuple[int, str, str]] = []  # a parameter-server job's failed workers
         seen: set[int] = set()
         workers_ended: float | None = None
         while True:
-            if self.received is not None:
-                name = signal.Signals(self.received).name
-                return 128 + self.received, f"interrupted by {name}", ""
+            if self.interrupts.received is not None:
+                name = signal.Signals(self.interrupts.received).name
+                return 128 + self.interrupts.received, f"interrupted by {name}", ""
             running = False
             for rank in self.ranks:
                 code = rank.proc.poll()
@@ -568,9 +480,9 @@ class _Job:
                 elif code != 0 and rank.slot.rank not in seen:
                     who, what = self._failure(rank, code)
                     if not self.spec.servers or rank.slot.rank >= self.spec.num_proc:
-                        return _status(code), f"{who} {what}", "other "
+                        return exit_status(code), f"{who} {what}", "other "
                     seen.add(rank.slot.rank)
-                    failed.append((_status(code), who, what))
+                    failed.append((exit_status(code), who, what))
                     self.output.message(f"{who} {what}; the other ranks go on "
                                         "(parameter-server job)")
             if self.spec.servers and workers_ended is None and all(
@@ -590,7 +502,7 @@ class _Job:
                 return status, summary, ("" if linger else None)
             time.sleep(_POLL)
 
-    def _failure(self, rank: _Rank, code: int) -> tuple[str, str]:
+    def _failure(self, rank: Rank, code: int) -> tuple[str, str]:
         """Who failed and how, e.g. ("rank 5 (server 1) on host a", "exited with status 1")."""
         index, workers = rank.slot.rank, self.spec.num_proc
         if not self.spec.servers:
@@ -599,83 +511,12 @@ class _Job:
             name = f"worker rank {index}"
         else:
             name = f"rank {index} (server {index - workers})"
-        what = _describe(code)
+        what = describe(code)
         if rank.remote and code == 255:
             what += " (ssh returns 255 when the connection fails)"
         return f"{name} on host {rank.slot.host}", what
 
-    def _stop(self) -> int:
-        """Stops every rank: SIGTERM, then SIGKILL after the grace. Returns how many ranks
-        were still running."""
-        running = [r for r in self.ranks if r.proc.poll() is None]
-        for rank in self.ranks:
-            rank.signal(signal.SIGTERM)
-        end = time.monotonic() + self.spec.stop_grace
-        while not self.hurry and time.monotonic() < end and \
-                any(r.proc.poll() is None for r in running):
-            time.sleep(_POLL)
-        for rank in self.ranks:
-            rank.signal(signal.SIGKILL)
-        for rank in self.ranks:
-            try:
-                rank.proc.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
-                # Only a process stuck in the kernel (uninterruptible I/O) ignores SIGKILL.
-                self.output.message(f"rank {rank.slot.rank} (pid {rank.proc.pid}) did not "
-                                    "exit after SIGKILL")
-        return len(running)
-
-
-def _end_probe(proc: subprocess.Popen) -> None:
-    """Kills a reachability check that is still running and closes its pipe."""
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-    proc.stderr.close()
-
-
-def _remote_script(cwd: str, assignments: Mapping[str, str], command: Sequence[str],
-                   grace: float) -> str:
-    """The shell command ssh runs: ``sh -c '<script>'``, for any login shell.
-
-    The rank's stdin is /dev/null; ssh's stdin carries the secret, then serves as the lifeline
-    (see the module docstring). The lifeline reader ignores SIGTERM so that it survives its own
-    ``kill -TERM 0`` to send the SIGKILL. It reads with the shell's builtin ``read``, so killing
-    it once the rank has exited leaves no process behind.
-    """
-    env = " ".join(shlex.quote(f"{name}={value}") for name, value in assignments.items())
-    steps = [
-        "IFS= read -r GRADSYNC_SECRET || exit 255",
-        "export GRADSYNC_SECRET",
-        f"cd {shlex.quote(cwd)} || exit 255",
-        # Background commands of a non-interactive shell read /dev/null unless told otherwise:
-        # fd 3 hands ssh's stdin to the lifeline reader.
-        "exec 3<&0",
-        f"env {env} {shlex.join(command)} </dev/null & rank=$!",
-        "( trap '' TERM; while read -r _ <&3; do :; done; kill -TERM 0; "
-        f"sleep {grace:g}; kill -KILL 0 ) >/dev/null 2>&1 & lifeline=$!",
-        "exec 3<&-",
-        "wait $rank; status=$?",
-        "kill -KILL $lifeline 2>/dev/null",
-        "exit $status",
-    ]
-    return "sh -c " + shlex.quote("; ".join(steps))
-
-
-@contextmanager
-def _handling(callback: Callable[[int], None]):
-    """Routes SIGINT, SIGTERM and SIGHUP to ``callback`` while the job runs.
-
-    The ranks live in their own sessions, so a Ctrl-C in the terminal reaches only the
-    launcher, which then stops them in order; the default handlers would leave them running.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, lambda signum, _frame: callback(signum))
-                for sig in _SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    def _stuck(self, index: int) -> None:
+        rank = self.ranks[index]
+        self.output.message(f"rank {rank.slot.rank} (pid {rank.proc.pid}) did not exit after "
+                            "SIGKILL")

@@ -1,0 +1,361 @@
+"""Process mechanics: start a child as a group of its own, here or over ssh, forward its
+output, and stop it with everything it started.
+
+The launchers (``launcher.py``, ``elastic.py``), the emulated cluster (``bench/netns.py``) and
+the tests' harness (``tests/harness.py``) compose these pieces to start, watch and stop their
+ranks.
+
+**A child is a process group.** ``start`` makes every child the leader of a new session, so
+``os.killpg`` on its pid reaches everything it started (a rank's own helper processes, the
+command an ``ip netns exec`` or ``sh -c`` runs), and a Ctrl-C in the launcher's terminal
+reaches only the launcher, which then stops its children in order.
+
+**Stopping** (``stop``): SIGTERM to every child's group, up to ``grace`` seconds for them to
+exit, then SIGKILL to every group. Groups of children that have exited already are signalled
+too: a child they left behind would otherwise outlive them. (An empty group's id could in
+principle be taken by a new session leader meanwhile; within the seconds a stop takes, pids
+do not wrap around.)
+
+**Remote children and the lifeline** (``Ssh``): ``ssh -o BatchMode=yes [-p port] host
+"sh -c '<script>'"``. The script reads the job secret from its stdin (so the secret never
+appears on a command line, where ``ps`` on the remote host would show it), starts the command
+with the variables assigned by ``env``, and keeps a *lifeline*: a background reader on the
+rest of ssh's stdin. The launcher keeps that stdin open for the life of the child; when it
+closes (the launcher stops the child, dies, or loses the connection) the reader sends SIGTERM
+and then SIGKILL to the remote process group, so a remote child never outlives its launcher.
+Signalling a remote ``Process`` therefore closes its lifeline first.
+
+**Output** (``Output``, ``pump``): a thread per pipe copies whole lines, one lock keeps every
+line whole among children, and a final line without a newline gets one.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shlex
+import signal
+import subprocess
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import BinaryIO, Callable, Iterator, Mapping, Sequence
+
+__all__ = ["STOP_GRACE", "DEFAULT_START_TIMEOUT", "Process", "StartError", "start", "stop",
+           "pump", "Output", "Interrupts", "Ssh", "remote_script", "exit_status", "describe"]
+
+STOP_GRACE = 3.0
+"""Seconds between SIGTERM and SIGKILL when a child is stopped."""
+
+DEFAULT_START_TIMEOUT = 30.0
+"""Seconds an ssh connection (and the reachability check before a launch) may take."""
+
+_POLL = 0.05  # how often a stop looks whether the children have exited
+_REAP = 5.0  # seconds to wait for a child to exit after SIGKILL
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class StartError(Exception):
+    """A child or a host could not be started or reached; ``status`` is the exit status a
+    launcher reports for it (127 and 126 as a shell's, 255 as ssh's)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Process:
+    """A child that leads its own process group; ``lifeline``: its stdin is a remote
+    command's lifeline (see the module docstring)."""
+
+    proc: subprocess.Popen
+    lifeline: bool = False
+
+    def poll(self) -> int | None:
+        """The child's return code (negative: killed by that signal), None while it runs."""
+        return self.proc.poll()
+
+    def signal(self, signum: int) -> None:
+        """Signals the child's whole process group (after dropping its lifeline)."""
+        if self.lifeline and self.proc.stdin is not None and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        try:
+            os.killpg(self.proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def start(argv: Sequence[str], env: Mapping[str, str] | None = None, *,
+          merge_stderr: bool = False, text: bool = False,
+          stdin: int | None = subprocess.DEVNULL) -> Process:
+    """Starts ``argv`` as the leader of a new session, its stdout and stderr on pipes.
+
+    Args:
+        env: the child's whole environment; None: this process's.
+        merge_stderr: stderr into the stdout pipe.
+        text: the pipes in text mode (undecodable bytes replaced) rather than bytes.
+        stdin: the child's stdin (``/dev/null`` by default: a child never reads ours).
+
+    Raises:
+        OSError: ``argv`` cannot be run.
+    """
+    return Process(subprocess.Popen(
+        list(argv), env=None if env is None else dict(env), stdin=stdin,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+        text=text, errors="replace" if text else None, start_new_session=True))
+
+
+def stop(children: Sequence[Process], grace: float = STOP_GRACE, *,
+         hurry: Callable[[], bool] = lambda: False,
+         on_stuck: Callable[[int], None] | None = None) -> int:
+    """Stops ``children``: SIGTERM, then SIGKILL after ``grace`` seconds, then waits for them.
+
+    Args:
+        grace: seconds the children get to exit after SIGTERM.
+        hurry: polled during the grace; True skips the rest of it (a second Ctrl-C).
+        on_stuck: called with the index of a child still there ``_REAP`` seconds after
+            SIGKILL (only a process stuck in the kernel ignores SIGKILL).
+
+    Returns:
+        How many children were still running when it was called.
+    """
+    running = [c for c in children if c.poll() is None]
+    for child in children:
+        child.signal(signal.SIGTERM)
+    end = time.monotonic() + grace
+    while not hurry() and time.monotonic() < end and any(c.poll() is None for c in running):
+        time.sleep(_POLL)
+    for child in children:
+        child.signal(signal.SIGKILL)
+    for index, child in enumerate(children):
+        try:
+            child.proc.wait(timeout=_REAP)
+        except subprocess.TimeoutExpired:
+            if on_stuck is not None:
+                on_stuck(index)
+    return len(running)
+
+
+def pump(pipe, on_line: Callable, name: str) -> threading.Thread:
+    """Calls ``on_line`` with each line read from ``pipe`` (bytes or text) until it closes,
+    on a daemon thread (returned, started) named ``name``; closes the pipe at the end."""
+    def copy() -> None:
+        with pipe:
+            for line in iter(pipe.readline, pipe.read(0)):
+                on_line(line)
+
+    thread = threading.Thread(target=copy, daemon=True, name=name)
+    thread.start()
+    return thread
+
+
+class Output:
+    """Copies the children's output line by line to two binary streams; one lock keeps every
+    line whole.
+
+    Args:
+        prefix: tag each line ``[<rank>]<stdout>:`` or ``[<rank>]<stderr>:`` (horovodrun's
+            format).
+        stdout, stderr: where the lines go; ``stderr`` also takes ``message``'s lines.
+        name: what ``message`` calls the program.
+    """
+
+    def __init__(self, prefix: bool, stdout: BinaryIO, stderr: BinaryIO,
+                 name: str = "gradsync run"):
+        self.prefix, self.stdout, self.stderr, self.name = prefix, stdout, stderr, name
+        self.lock = threading.Lock()
+        self.threads: list[threading.Thread] = []
+
+    def follow(self, rank: int, proc: subprocess.Popen) -> None:
+        """Copies ``proc``'s stdout and stderr (binary pipes), tagged with ``rank``."""
+        for name, pipe, dest in (("stdout", proc.stdout, self.stdout),
+                                 ("stderr", proc.stderr, self.stderr)):
+            tag = f"[{rank}]<{name}>:".encode() if self.prefix else b""
+
+            def line(data: bytes, tag: bytes = tag, dest: BinaryIO = dest) -> None:
+                self.write(dest, tag + (data if data.endswith(b"\n") else data + b"\n"))
+
+            self.threads.append(pump(pipe, line, f"gradsync-output-{rank}-{name}"))
+
+    def write(self, dest: BinaryIO, data: bytes) -> None:
+        """Writes ``data`` whole to ``dest``."""
+        with self.lock:
+            try:
+                dest.write(data)
+                dest.flush()
+            except (OSError, ValueError):
+                # The reader went away (`gradsync run ... | head`): keep draining the
+                # children's pipes so that they never block on a full pipe, and drop the text.
+                pass
+
+    def message(self, text: str) -> None:
+        """Writes one line of the program's own to ``stderr``."""
+        self.write(self.stderr, f"{self.name}: {text}\n".encode())
+
+    def drain(self, timeout: float) -> None:
+        """Waits for the pipes to close; a process that escaped its group may keep one open."""
+        end = time.monotonic() + timeout
+        for thread in self.threads:
+            thread.join(max(0.0, end - time.monotonic()))
+
+
+class Interrupts:
+    """The stopping signals (SIGINT, SIGTERM, SIGHUP) a launcher got: ``received`` is the
+    first (None: none), ``hurry`` is set by a second one (skip the stop's grace)."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.hurry = False
+
+    def __call__(self, signum: int) -> None:
+        if self.received is None:
+            self.received = signum
+        else:
+            self.hurry = True
+
+    @contextmanager
+    def catching(self) -> Iterator["Interrupts"]:
+        """Routes the stopping signals here while the ``with`` runs (only on the main thread:
+        elsewhere Python cannot install handlers, and the caller's own stay).
+
+        The children live in their own sessions, so a Ctrl-C in the terminal reaches only the
+        launcher, which then stops them in order; the default handlers would leave them
+        running."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {sig: signal.signal(sig, lambda signum, _frame: self(signum))
+                    for sig in _SIGNALS}
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+@dataclass(frozen=True)
+class Ssh:
+    """How to run commands on other hosts.
+
+    Args:
+        command: the command (split like a shell would) that runs a command on a host.
+        port: passed to ssh as ``-p``.
+        timeout: seconds for ssh to connect.
+    """
+
+    command: str = "ssh"
+    port: int | None = None
+    timeout: float = DEFAULT_START_TIMEOUT
+
+    def argv(self, host: str, command: str) -> list[str]:
+        """The command line that runs the shell command ``command`` on ``host``."""
+        argv = shlex.split(self.command)
+        argv += ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={math.ceil(self.timeout)}"]
+        if self.port is not None:
+            argv += ["-p", str(self.port)]
+        return argv + [host, command]
+
+    def start(self, host: str, command: Sequence[str], assignments: Mapping[str, str],
+              secret: bytes, grace: float, cwd: str | None = None) -> Process:
+        """Starts ``command`` on ``host`` with the variables ``assignments`` and
+        GRADSYNC_SECRET (``secret``, sent on ssh's stdin), under a lifeline that stops it
+        (SIGTERM, SIGKILL ``grace`` seconds later) when its ``Process`` is signalled or this
+        process goes away.
+
+        Raises:
+            OSError: ssh cannot be run.
+        """
+        script = remote_script(os.getcwd() if cwd is None else cwd, assignments, command,
+                               grace)
+        process = start(self.argv(host, script), stdin=subprocess.PIPE)
+        process.lifeline = True
+        try:
+            process.proc.stdin.write(secret.hex().encode() + b"\n")
+            process.proc.stdin.flush()
+        except OSError:
+            pass  # ssh already failed; whoever watches the process reports its exit status
+        return process
+
+    def probe(self, host: str) -> subprocess.Popen:
+        """Starts ``ssh host true``: the reachability check of a host.
+
+        Raises:
+            StartError: ssh cannot be run (status 127).
+        """
+        try:
+            return subprocess.Popen(self.argv(host, "true"), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    start_new_session=True)
+        except OSError as exc:
+            raise StartError(f"cannot run '{self.command}': {exc}", 127) from None
+
+    @property
+    def probe_limit(self) -> float:
+        """Seconds a reachability check may take: ssh's own ConnectTimeout bounds the
+        connection; the margin covers the login itself."""
+        return self.timeout + 5.0
+
+    def probe_error(self, host: str, proc: subprocess.Popen) -> str | None:
+        """What a finished reachability check says is wrong with ``host`` (None: nothing)."""
+        if proc.returncode in (0, None):
+            return None
+        detail = proc.stderr.read().decode(errors="replace").strip().splitlines()
+        return (f"cannot run commands on {host} with '{self.command}' (status "
+                f"{proc.returncode}" + (f": {detail[-1]}" if detail else "") + ")")
+
+    @staticmethod
+    def end_probe(proc: subprocess.Popen) -> None:
+        """Kills a reachability check that is still running and closes its pipe."""
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+
+
+def remote_script(cwd: str, assignments: Mapping[str, str], command: Sequence[str],
+                  grace: float) -> str:
+    """The shell command ssh runs: ``sh -c '<script>'``, for any login shell.
+
+    The command's stdin is /dev/null; ssh's stdin carries the secret, then serves as the
+    lifeline (see the module docstring). The lifeline reader ignores SIGTERM so that it
+    survives its own ``kill -TERM 0`` to send the SIGKILL. It reads with the shell's builtin
+    ``read``, so killing it once the command has exited leaves no process behind.
+    """
+    env = " ".join(shlex.quote(f"{name}={value}") for name, value in assignments.items())
+    steps = [
+        "IFS= read -r GRADSYNC_SECRET || exit 255",
+        "export GRADSYNC_SECRET",
+        f"cd {shlex.quote(cwd)} || exit 255",
+        # Background commands of a non-interactive shell read /dev/null unless told otherwise:
+        # fd 3 hands ssh's stdin to the lifeline reader.
+        "exec 3<&0",
+        f"env {env} {shlex.join(command)} </dev/null & rank=$!",
+        "( trap '' TERM; while read -r _ <&3; do :; done; kill -TERM 0; "
+        f"sleep {grace:g}; kill -KILL 0 ) >/dev/null 2>&1 & lifeline=$!",
+        "exec 3<&-",
+        "wait $rank; status=$?",
+        "kill -KILL $lifeline 2>/dev/null",
+        "exit $status",
+    ]
+    return "sh -c " + shlex.quote("; ".join(steps))
+
+
+def exit_status(code: int) -> int:
+    """A launcher's exit status for a child's return code: 128 + signal, as a shell does."""
+    return code if code > 0 else 128 - code
+
+
+def describe(code: int) -> str:
+    """How a child ended, for a message: ``exited with status 3``, ``was killed by ...``."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "unknown signal"
+        return f"was killed by signal {-code} ({name})"
+    return f"exited with status {code}"
