@@ -3,7 +3,7 @@
 Each rank arms ``faulthandler.dump_traceback_later`` (via GS_TEST_DEADLINE, read by
 ``tests/ranks/common.py``), so a stuck rank prints every thread's stack and exits a few seconds
 before the harness gives up; the launcher then stops the others. If even that fails, the
-harness kills the launcher's whole process group.
+harness kills every process of the job, found by a mark in its environment (``run_job``).
 
 Every process here starts through ``gradsync.run.processes.start`` (a session of its own, so a
 signal to its group reaches everything it started) and is signalled through its ``Process``.
@@ -39,30 +39,17 @@ class Result:
 
 def launch(np_: int, script: str, *args: str, timeout: float = 60, env: dict | None = None,
            launcher_args: tuple = ()) -> Result:
-    """Runs ``gradsync run -np N python tests/ranks/<script> args`` and returns its result."""
+    """Runs ``gradsync run -np N python tests/ranks/<script> args`` and returns its result; the
+    whole job (launcher and ranks) is stopped at ``timeout`` (``run_job``)."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
     full_env.update({"GS_TEST_DEADLINE": str(max(5.0, timeout - 8)),
                      "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
     full_env.update(env or {})
     cmd = [sys.executable, "-m", "gradsync", "run", "-np", str(np_), *launcher_args,
            sys.executable, str(RANKS / script), *args]
-    launcher = start(cmd, full_env, merge_stderr=True, text=True)
-    proc = launcher.proc
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        # SIGTERM first: the launcher then stops its ranks (each in its own session); SIGKILL
-        # if it has not finished within a few seconds. Its output is read meanwhile, so that
-        # it never blocks on a full pipe while it stops them.
-        launcher.signal(signal.SIGTERM)
-        try:
-            out, _ = proc.communicate(timeout=8)
-        except subprocess.TimeoutExpired:
-            launcher.signal(signal.SIGKILL)
-            out, _ = proc.communicate()
-        raise AssertionError(f"{script} with {np_} ranks passed its {timeout}s deadline:\n"
-                             f"{out[-6000:]}") from None
-    return Result(proc.returncode, out)
+    proc = run_job(cmd, timeout=timeout, env=full_env, mark=full_env.get(MARK),
+                   what=f"{script} with {np_} ranks")
+    return Result(proc.returncode, proc.stdout)
 
 
 @dataclass
@@ -129,20 +116,12 @@ def spawn(np_: int, script: str, *args: str, timeout: float = 60, env: dict | No
 
 
 def bench(benchmark: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Runs ``gradsync bench BENCHMARK ARGS`` to its end (killed at ``timeout``); returns the
-    result with stdout and stderr together."""
+    """Runs ``gradsync bench BENCHMARK ARGS`` to its end (the whole job stopped at
+    ``timeout``: ``run_job``); returns the result with stdout and stderr together."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
     env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
-    process = start([sys.executable, "-m", "gradsync", "bench", benchmark, *args], env,
-                    merge_stderr=True, text=True)
-    proc = process.proc
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.signal(signal.SIGKILL)
-        raise AssertionError(f"bench {benchmark} passed its {timeout}s deadline:\n"
-                             f"{proc.communicate()[0][-6000:]}") from None
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out)
+    return run_job([sys.executable, "-m", "gradsync", "bench", benchmark, *args],
+                   timeout=timeout, env=env, what=f"bench {benchmark}")
 
 
 SSH_STAND_IN = """\
@@ -290,7 +269,8 @@ def kill_marked(mark: str) -> None:
 
 
 def run_job(cmd: list, *, timeout: float, env: dict | None = None, cwd=None,
-        mark: str | None = None, grace: float = 8.0) -> subprocess.CompletedProcess:
+            mark: str | None = None, grace: float = 8.0,
+            what: str | None = None) -> subprocess.CompletedProcess:
     """Runs a launcher command (``gradsync run``/``bench``, torchrun) to its end, stdout and
     stderr together, with a deadline for the whole job, not only the launcher.
 
@@ -305,24 +285,26 @@ def run_job(cmd: list, *, timeout: float, env: dict | None = None, cwd=None,
         cwd: the launcher's working directory.
         mark: the value of ``MARK`` for this job (default a new one), for a test that looks
             for its own processes with ``marked``.
+        what: how the deadline's error names the job (default the command's start).
     """
     mark = mark or new_mark()
     full_env = dict(os.environ if env is None else env)
     full_env[MARK] = mark
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=full_env, cwd=cwd, start_new_session=True)
+    # Read while it stops its ranks, so that it never blocks on a full pipe meanwhile.
+    launcher = start(cmd, full_env, merge_stderr=True, text=True, cwd=cwd)
+    proc = launcher.proc
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
+        launcher.signal(signal.SIGTERM)
         try:
             out, _ = proc.communicate(timeout=grace)
         except subprocess.TimeoutExpired:
             kill_marked(mark)
             out, _ = proc.communicate()
         kill_marked(mark)  # ranks the launcher did not stop in its grace
-        raise AssertionError(f"{' '.join(map(str, cmd[:6]))} ... passed its {timeout}s "
-                             f"deadline:\n{out[-6000:]}") from None
+        what = what or f"{' '.join(map(str, cmd[:6]))} ..."
+        raise AssertionError(f"{what} passed its {timeout}s deadline:\n{out[-6000:]}") from None
     except BaseException:
         kill_marked(mark)
         proc.wait()

@@ -12,7 +12,8 @@ from gradsync.elastic.membership import Control, ElasticJobFailed, generation_jo
 from gradsync.run import cli
 from gradsync.run.elastic import ElasticSpec, Host, _ElasticJob, _slots, _Worker, \
     parse_discovered
-from gradsync.run.launcher import LaunchSpec, _Output
+from gradsync.run.launcher import LaunchSpec
+from gradsync.run.processes import Output
 from gradsync.torch.elastic import sampler as sampler_module
 from gradsync.torch.elastic import ElasticSampler
 
@@ -193,7 +194,7 @@ def test_a_failed_host_loses_every_worker_and_an_unlisted_host_its_workers(hosts
 
     spec = LaunchSpec(command=["true"], num_proc=6,
                       hosts=[Host("a", 3), Host("b", 2), Host("c", 1)] if hosts else ())
-    job = _ElasticJob(spec, ElasticSpec(min_np=1, max_np=6), _Output(True, io.BytesIO(),
+    job = _ElasticJob(spec, ElasticSpec(min_np=1, max_np=6), Output(True, io.BytesIO(),
                                                                        io.BytesIO()))
     members = [_Worker(f"{h}[{i}]", h, _FakeRank(), i) for i, h in enumerate("aaabbc")]
     job.workers, job.state.members = list(members), list(members)

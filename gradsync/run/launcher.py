@@ -207,10 +207,6 @@ def launch(spec: LaunchSpec, stdout: BinaryIO | None = None,
     return _Job(spec, slots, output).run()
 
 
-# Kept for tests/test_elastic_unit.py, which builds an elastic job's Output by this name.
-_Output = Output
-
-
 def is_local(name: str) -> bool:
     """Whether ``name`` is this host, so its ranks start as children rather than over ssh."""
     here = socket.gethostname()

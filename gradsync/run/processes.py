@@ -92,7 +92,7 @@ class Process:
 
 def start(argv: Sequence[str], env: Mapping[str, str] | None = None, *,
           merge_stderr: bool = False, text: bool = False,
-          stdin: int | None = subprocess.DEVNULL) -> Process:
+          stdin: int | None = subprocess.DEVNULL, cwd: str | None = None) -> Process:
     """Starts ``argv`` as the leader of a new session, its stdout and stderr on pipes.
 
     Args:
@@ -100,6 +100,7 @@ def start(argv: Sequence[str], env: Mapping[str, str] | None = None, *,
         merge_stderr: stderr into the stdout pipe.
         text: the pipes in text mode (undecodable bytes replaced) rather than bytes.
         stdin: the child's stdin (``/dev/null`` by default: a child never reads ours).
+        cwd: the child's working directory; None: this process's.
 
     Raises:
         OSError: ``argv`` cannot be run.
@@ -107,7 +108,7 @@ def start(argv: Sequence[str], env: Mapping[str, str] | None = None, *,
     return Process(subprocess.Popen(
         list(argv), env=None if env is None else dict(env), stdin=stdin,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
-        text=text, errors="replace" if text else None, start_new_session=True))
+        text=text, errors="replace" if text else None, start_new_session=True, cwd=cwd))
 
 
 def stop(children: Sequence[Process], grace: float = STOP_GRACE, *,
