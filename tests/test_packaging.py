@@ -7,8 +7,10 @@ use it need gradsync installed (``pip install -e .``, which scripts/setup.sh run
 metadata lacks it they fail and say so, rather than skip.
 """
 
+import dataclasses
 import importlib.metadata
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -151,3 +153,20 @@ def test_init_process_group_gradsync_without_import_gradsync():
             pytest.fail("init_process_group('gradsync') did not finish within 120 s")
     for rank, (proc, out) in enumerate(zip(procs, outs)):
         assert proc.returncode == 0 and f"rank {rank} ok" in out, out[-3000:]
+
+
+def test_configuration_page_lists_every_setting():
+    """docs/configuration.md is the table of every setting (the README shows the usual few)."""
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    documented = set(re.findall(r"^\| `([a-z_]+)` \|", page, re.M))
+    fields = {f.name for f in dataclasses.fields(gradsync.Config)}
+    assert documented == fields, (sorted(fields - documented), sorted(documented - fields))
+
+
+def test_readme_links_stay_inside_the_repository():
+    """The README's relative links name files that exist; nothing points outside but installs."""
+    readme = (ROOT / "README.md").read_text()
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme):
+        assert not target.startswith(("http", "/", "..")), target
+        assert (ROOT / target).exists(), target
+    assert "../" not in readme
