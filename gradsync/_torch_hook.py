@@ -5,6 +5,12 @@ takes seconds), yet ``import gradsync`` alone must make ``init_process_group("gr
 whichever of the two a script imports first. So: if ``torch.distributed`` is already imported,
 register now; otherwise put a finder on ``sys.meta_path`` that waits for ``torch.distributed``
 to be imported, lets it load normally, then registers and removes itself.
+
+Where gradsync is installed as a package, torch itself usually got there first: its
+``torch.backends`` entry point (``_gradsync_torch_backend.autoload``, a top-level module so
+that it costs torch's import nothing) registers the same backend, with the same devices and
+options, at the end of ``import torch``; ``register`` then finds it registered and returns.
+This hook remains for source trees and for ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``.
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of the ``gradsync`` command and its subcommands."""
     parser = argparse.ArgumentParser(
         prog="gradsync", description="Distributed training: launch jobs and measure them.")
+    from .. import __version__  # the package's one version (pyproject reads it too)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
     run = add_run_arguments(commands.add_parser(
         "run", help="start a job's ranks on this host or over ssh",

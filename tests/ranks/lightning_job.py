@@ -4,15 +4,14 @@
 with ``Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(process_group_backend=
 BACKEND))`` (Lightning re-runs this script for the second process) and saves the final
 parameters to OUT from rank 0. tests/test_ecosystem.py runs it with gloo and with gradsync
-and compares the two files.
+and compares the two files. It never imports gradsync, as a user's Lightning script would not:
+the backend comes from gradsync's ``torch.backends`` entry point.
 """
 
 import sys
 
 import common  # noqa: F401  (deadline)
-import torch
-
-import gradsync  # noqa: F401  (registers the backend "gradsync")
+import torch  # no `import gradsync`: torch's import registers "gradsync" (its entry point)
 
 try:
     import lightning as L

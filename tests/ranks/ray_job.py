@@ -3,8 +3,9 @@
 ``python ray_job.py``: starts a local Ray cluster, runs the same DDP job with
 ``TorchConfig(backend="gloo")`` and with ``TorchConfig(backend="gradsync")`` and compares the
 final parameters the workers report. Ray's workers are fresh processes that set up the
-process group before the training function runs, so the backend is registered in them by
-Ray's ``worker_process_setup_hook`` (``gradsync.torch.backend.register``), as a user would.
+process group before the training function runs, and nothing here imports gradsync in them
+(no ``worker_process_setup_hook``): the backend is there because torch's import loads
+gradsync's ``torch.backends`` entry point, as in a user's job with gradsync installed.
 Prints ``ray train ok`` when both jobs ran on their backend and agree.
 """
 
@@ -21,7 +22,8 @@ try:
     from ray.train import ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 except ImportError:
-    sys.exit("this test needs Ray Train: pip install 'gradsync[ray]' (or pip install 'ray[train]')")
+    sys.exit("this test needs Ray Train: pip install 'gradsync[ecosystem]' "
+             "(or pip install 'ray[train]')")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -53,8 +55,7 @@ def train_loop(config):
 env = {"PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
        "OMP_NUM_THREADS": "1"}
 ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-         runtime_env={"env_vars": env,
-                      "worker_process_setup_hook": "gradsync.torch.backend.register"})
+         runtime_env={"env_vars": env})  # no worker_process_setup_hook
 results = {}
 for backend in ("gloo", "gradsync"):
     out = f"/tmp/gradsync-ray/{backend}-{os.getpid()}.pt"
