@@ -227,7 +227,7 @@ def _allgather(tensor, name, asynchronous):
 
     def run():
         out, rows = ops.allgather(world, buf.flat, buf.dtype, name=name, shape=buf.shape)
-        return buf.to_user(out, (sum(rows),) + tuple(buf.shape[1:]))
+        return arguments.row_result(buf, out, sum(rows))
 
     return _submit(run, name, asynchronous)
 
@@ -282,13 +282,13 @@ def _reducescatter(tensor, op, name, prescale_factor, postscale_factor, asynchro
     world, op, buf = job.world(), arguments.reduce_op(op), wrap(tensor)
     name = _name(name, "reducescatter")
     arguments.rows(buf, "reducescatter")
-    work = buf.flat.copy()
+    work = arguments.target(buf, False)
 
     def run():
         mine = ops.reducescatter(world, work, buf.dtype, op, name=name, shape=buf.shape,
                                  prescale=prescale_factor, postscale=postscale_factor)
         rows = ops.split_rows(buf.shape[0], world.size)[world.rank]
-        return buf.to_user(mine, (rows,) + tuple(buf.shape[1:]))
+        return arguments.row_result(buf, mine, rows)
 
     return _submit(run, name, asynchronous)
 
@@ -316,7 +316,7 @@ def _alltoall(tensor, splits, name, asynchronous):
 
     def run():
         out, received = ops.alltoall(world, buf.flat, buf.dtype, send, name=name, shape=buf.shape)
-        result = buf.to_user(out, (sum(received),) + tuple(buf.shape[1:]))
+        result = arguments.row_result(buf, out, sum(received))
         if splits is None:
             return result
         return result, arguments.received_splits(received, tensor)

@@ -24,7 +24,7 @@ from .collectives.ops import BFLOAT16, ReduceOp
 from .tensors import Buffer, is_torch
 
 __all__ = ["adasum_dtype", "reduce_op", "rows", "send_counts", "root_index", "target",
-           "result", "received_splits"]
+           "result", "row_result", "received_splits"]
 
 
 def adasum_dtype(dtype) -> bool:
@@ -128,6 +128,12 @@ def result(buf: Buffer, target: np.ndarray, tensor, inplace: bool):
         buf.write_back()
         return tensor
     return buf.to_user(target, buf.shape)
+
+
+def row_result(buf: Buffer, flat: np.ndarray, rows: int):
+    """What an allgather, reducescatter or alltoall returns: a new tensor of the caller's
+    kind holding ``flat`` as ``rows`` rows shaped like the input's."""
+    return buf.to_user(flat, (rows,) + tuple(buf.shape[1:]))
 
 
 def received_splits(received: list[int], like):

@@ -76,6 +76,13 @@ def test_result_in_place_or_new(inplace):
     assert torch.equal(tensor, expected if inplace else expected / 2)
 
 
+def test_row_result_keeps_the_row_shape():
+    buf = wrap(torch.zeros(4, 2, 3, dtype=torch.float64))
+    out = arguments.row_result(buf, np.arange(6.0), 1)
+    assert isinstance(out, torch.Tensor) and out.shape == (1, 2, 3)
+    assert out.dtype == torch.float64 and out.flatten().tolist() == list(range(6))
+
+
 def test_received_splits_follow_the_tensor_kind():
     assert isinstance(arguments.received_splits([1, 2], np.zeros(1)), np.ndarray)
     counts = arguments.received_splits([1, 2], torch.zeros(1))

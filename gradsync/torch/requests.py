@@ -70,7 +70,7 @@ def allgather(tensor, name, process_set, *, asynchronous: bool = False):
 
     def run(world):
         out, rows = ops.allgather(world, buf.flat, buf.dtype, name=request.name, shape=buf.shape)
-        return buf.to_user(out, (sum(rows),) + tuple(buf.shape[1:]))
+        return arguments.row_result(buf, out, sum(rows))
 
     request = Request(_name("allgather", name, process_set), "allgather", buf.dtype_name,
                       buf.shape, run=run)
@@ -100,13 +100,13 @@ def reducescatter(tensor, name, op: ReduceOp, prescale: float, postscale: float,
     psets.controller(process_set)
     buf = wrap(tensor)
     arguments.rows(buf, "reducescatter")
-    work = buf.flat.copy()
+    work = arguments.target(buf, False)
 
     def run(world):
         mine = ops.reducescatter(world, work, buf.dtype, op, name=request.name, shape=buf.shape,
                                  prescale=prescale, postscale=postscale, trunc=True)
         rows = ops.split_rows(buf.shape[0], world.size)[world.rank]
-        return buf.to_user(mine, (rows,) + tuple(buf.shape[1:]))
+        return arguments.row_result(buf, mine, rows)
 
     request = Request(_name("reducescatter", name, process_set), "reducescatter",
                       buf.dtype_name, buf.shape, op=op.name, scale=(prescale, postscale),
@@ -126,7 +126,7 @@ def alltoall(tensor, splits, name, process_set, *, asynchronous: bool = False,
     def run(world):
         out, received = ops.alltoall(world, buf.flat, buf.dtype, send, name=request.name,
                                      shape=buf.shape)
-        result = buf.to_user(out, (sum(received),) + tuple(buf.shape[1:]))
+        result = arguments.row_result(buf, out, sum(received))
         if splits is None and not with_received:
             return result
         return result, arguments.received_splits(received, tensor)
