@@ -9,8 +9,8 @@ record tells the launcher, which forms the next generation; ``join`` then tries 
 ``reset`` re-forms the world of a running process: it closes the current job (``job.close``:
 its connections, shared-memory segments, heartbeat and progress thread), joins the next
 generation, and installs the new World with a new engine as the process's job
-(``job.install``). The process, its model and its Python state stay; only rank, size and connections
-change. ``hvd.elastic.run`` calls it after a lost peer or a HostsUpdatedInterrupt.
+(``job.install``). The process, its model and its Python state stay; only rank, size and
+connections change. ``hvd.elastic.run`` calls it after a lost peer or a HostsUpdatedInterrupt.
 """
 
 from __future__ import annotations
