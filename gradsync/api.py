@@ -2,8 +2,10 @@
 
 Naming follows Horovod: ``allreduce`` returns a new tensor, ``allreduce_`` works in place,
 ``allreduce_async`` / ``allreduce_async_`` return a Handle that ``synchronize`` finishes and
-``poll`` checks. Each public function validates its arguments, wraps the tensor, and hands
-one closure to the engine; the work is in ``operations.py``.
+``poll`` checks. Each public function validates its arguments (``arguments.py``, shared with
+the Horovod API), wraps the tensor, and hands one closure to the job's engine (``job.py``,
+which owns the World and engine between ``init`` and ``shutdown``); the work is in
+``operations.py``.
 """
 
 from __future__ import annotations
@@ -12,16 +14,16 @@ import atexit
 import dataclasses
 import itertools
 import logging
-import threading
 
 import numpy as np
 
-from . import express
+from . import arguments, express, job
 from . import operations as ops
-from .collectives.ops import BFLOAT16, Average, ReduceOp
+from .arguments import adasum_dtype  # noqa: F401  (importable from here, as it was)
+from .collectives.ops import Average, ReduceOp
 from .collectives.planner import ALGORITHMS as _ALGORITHMS
 from .config import load_config
-from .engine import Engine, Handle
+from .engine import Handle
 from .tensors import is_torch, wrap
 
 __all__ = [
@@ -35,15 +37,7 @@ __all__ = [
 
 log = logging.getLogger("gradsync")
 
-_state_lock = threading.Lock()
-_world = None
-_engine: Engine | None = None
 _unnamed = itertools.count()
-
-
-def adasum_dtype(dtype) -> bool:
-    """True for the dtypes (as ``wrap`` reports them) that Adasum combines: the floats."""
-    return dtype == BFLOAT16 if isinstance(dtype, str) else np.dtype(dtype).kind == "f"
 
 
 def init(**settings) -> None:
@@ -52,116 +46,82 @@ def init(**settings) -> None:
     Args:
         **settings: any ``gradsync.Config`` field; overrides ``GRADSYNC_*`` variables.
     """
-    global _world, _engine
-    with _state_lock:
-        if _world is not None:
-            return
-        from .launch_env import detect
-        from .world import World
-
-        config = load_config(settings)
-        if config.log_level != "WARNING":
-            log.setLevel(config.log_level)
-        env = detect()
-        if env.is_server:
-            # A parameter-server rank (GRADSYNC_SERVERS): serve until the workers are done,
-            # then end the process, as MXNet's servers do. Its script goes no further.
-            from .ps.server import serve
-            raise SystemExit(serve(config, env))
-        if env.servers:
-            env = dataclasses.replace(env, size=env.workers, servers=0)  # workers-only collectives
-        if env.elastic_id is not None:  # gradsync run --min-np/--max-np: join a generation
-            from .elastic.worker import join
-            world = join(config, env)
-        else:
-            world = World.connect(config, env)
-        _world, _engine = world, Engine(world)
+    if job.start(lambda: _connect(settings)):
         atexit.register(shutdown)
+
+
+def _connect(settings: dict):
+    """Connects this process to its job (``job.start`` calls it once); returns the World."""
+    from .launch_env import detect
+    from .world import World
+
+    config = load_config(settings)
+    if config.log_level != "WARNING":
+        log.setLevel(config.log_level)
+    env = detect()
+    if env.is_server:
+        # A parameter-server rank (GRADSYNC_SERVERS): serve until the workers are done,
+        # then end the process, as MXNet's servers do. Its script goes no further.
+        from .ps.server import serve
+        raise SystemExit(serve(config, env))
+    if env.servers:
+        env = dataclasses.replace(env, size=env.workers, servers=0)  # workers-only collectives
+    if env.elastic_id is not None:  # gradsync run --min-np/--max-np: join a generation
+        from .elastic.worker import join
+        return join(config, env)
+    return World.connect(config, env)
 
 
 def shutdown() -> None:
     """Finishes queued operations and closes every connection. ``init()`` may follow."""
-    global _world, _engine
-    with _state_lock:
-        if _world is None:
-            return
-        world, engine = _world, _engine
-        _world = _engine = None
-    try:
-        if world.failure is None:
-            engine.drain()
-    finally:
-        engine.stop()
-        world.close()
+    job.close()
 
 
 def is_initialized() -> bool:
-    return _world is not None
-
-
-def _w():
-    if _world is None:
-        raise ValueError("gradsync has not been initialised: call gradsync.init() first")
-    return _world
+    return job.current() is not None
 
 
 def rank() -> int:
     """This process's rank, 0 .. size()-1."""
-    return _w().rank
+    return job.world().rank
 
 
 def size() -> int:
     """The number of ranks in the job."""
-    return _w().size
+    return job.world().size
 
 
 def local_rank() -> int:
     """This process's rank among the ranks on its host."""
-    return _w().local_rank
+    return job.world().local_rank
 
 
 def local_size() -> int:
     """The number of ranks on this process's host."""
-    return _w().local_size
+    return job.world().local_size
 
 
 def cross_rank() -> int:
     """The index of this host among the hosts that have a rank with this local rank."""
-    return _w().cross_rank
+    return job.world().cross_rank
 
 
 def cross_size() -> int:
     """The number of hosts that have a rank with this local rank."""
-    return _w().cross_size
+    return job.world().cross_size
 
 
 def _name(name: str | None, kind: str) -> str:
     return name if name is not None else f"{kind}.noname.{next(_unnamed)}"
 
 
-def _check_op(op, dtype=None) -> ReduceOp:
-    """Validates ``op``; ``dtype`` is given for allreduce, the one collective Adasum runs."""
-    if not isinstance(op, ReduceOp):
-        raise TypeError(f"op must be one of gradsync.Sum, Average, Min, Max, Product, Adasum; "
-                        f"got {op!r}")
-    if op is ReduceOp.ADASUM:
-        if dtype is None:
-            raise ValueError("op=Adasum is supported by allreduce only (as in Horovod)")
-        if not adasum_dtype(dtype):
-            raise TypeError(f"op=Adasum needs a floating-point tensor (float16, bfloat16, "
-                            f"float32, float64), got {dtype}")
-    return op
-
-
 def _submit(fn, name: str, asynchronous: bool):
-    engine = _engine
-    if engine is None:
-        _w()
+    engine = job.engine()
     return engine.submit(fn, name) if asynchronous else engine.run(fn, name)
 
 
 # ----------------------------------------------------------------------------- allreduce
-def _alone(world, tensor, op, prescale_factor, postscale_factor, algorithm, inplace):
+def _alone(current, tensor, op, prescale_factor, postscale_factor, algorithm, inplace):
     """The result of a synchronous allreduce at ``size() == 1``, or None to take the full path.
 
     With one rank there is nothing to exchange: every reduction of one value is that value.
@@ -169,10 +129,10 @@ def _alone(world, tensor, op, prescale_factor, postscale_factor, algorithm, inpl
     path would accept, the answer is the tensor itself (in place) or a copy of it; anything
     else (errors included) goes the full way, so both paths raise and return alike.
     """
-    if (prescale_factor != 1.0 or postscale_factor != 1.0 or world.failure is not None
+    if (prescale_factor != 1.0 or postscale_factor != 1.0 or current.world.failure is not None
             or type(op) is not ReduceOp or op is ReduceOp.ADASUM
             or not (algorithm == "auto" or algorithm in _ALGORITHMS)
-            or _engine is None or _engine.busy()):
+            or current.engine.busy()):
         return None
     if type(tensor) is np.ndarray:
         if tensor.dtype.kind not in "biuf" or (inplace and not tensor.flags.writeable):
@@ -189,35 +149,33 @@ def _alone(world, tensor, op, prescale_factor, postscale_factor, algorithm, inpl
     return None
 
 
-def _allreduce(tensor, op, name, prescale_factor, postscale_factor, algorithm, inplace, asynchronous,
-               counts=None):
-    world = _world
-    if world is not None and not asynchronous and counts is None:
-        if world.size == 1:
-            result = _alone(world, tensor, op, prescale_factor, postscale_factor, algorithm,
+def _allreduce(tensor, op, name, prescale_factor, postscale_factor, algorithm, inplace,
+               asynchronous, counts=None):
+    current = job.current()  # one read: a World and the engine of that same World
+    if current is not None and not asynchronous and counts is None:
+        if current.world.size == 1:
+            result = _alone(current, tensor, op, prescale_factor, postscale_factor, algorithm,
                             inplace)
             if result is not None:
                 return result
         elif (name is not None and prescale_factor == 1.0 and postscale_factor == 1.0
-              and world.shm_group is not None):
+              and current.world.shm_group is not None):
             # The express lane (express.py): a small allreduce straight to the compiled call.
-            result = express.allreduce(world, _engine, tensor, op, name, algorithm, inplace)
+            result = express.allreduce(current.world, current.engine, tensor, op, name,
+                                       algorithm, inplace)
             if result is not None:
                 return result
-    world = _w()
+    world = job.world()
     buf = wrap(tensor, writable=inplace)
-    op = _check_op(op, buf.dtype)
+    op = arguments.reduce_op(op, buf.dtype)
     name = _name(name, "allreduce")
-    target = buf.flat if inplace else buf.flat.copy()
+    target = arguments.target(buf, inplace)
 
     def run():
         ops.allreduce(world, target, buf.dtype, op, name=name, shape=buf.shape,
                       prescale=prescale_factor, postscale=postscale_factor, algorithm=algorithm,
                       counts=counts)
-        if inplace:
-            buf.write_back()
-            return tensor
-        return buf.to_user(target, buf.shape)
+        return arguments.result(buf, target, tensor, inplace)
 
     return _submit(run, name, asynchronous)
 
@@ -263,14 +221,13 @@ def allreduce_async_(tensor, op: ReduceOp = Average, name: str | None = None,
 
 # ----------------------------------------------------------------------------- allgather
 def _allgather(tensor, name, asynchronous):
-    world, buf = _w(), wrap(tensor)
+    world, buf = job.world(), wrap(tensor)
     name = _name(name, "allgather")
-    if not buf.shape:
-        raise ValueError("allgather needs a tensor of at least one dimension")
+    arguments.rows(buf, "allgather")
 
     def run():
         out, rows = ops.allgather(world, buf.flat, buf.dtype, name=name, shape=buf.shape)
-        return buf.to_user(out, (sum(rows),) + tuple(buf.shape[1:]))
+        return arguments.row_result(buf, out, sum(rows))
 
     return _submit(run, name, asynchronous)
 
@@ -287,19 +244,15 @@ def allgather_async(tensor, name: str | None = None) -> Handle:
 
 # ----------------------------------------------------------------------------- broadcast
 def _broadcast(tensor, root_rank, name, inplace, asynchronous):
-    world = _w()
-    if not 0 <= root_rank < world.size:
-        raise ValueError(f"root_rank {root_rank} is outside 0..{world.size - 1}")
+    world = job.world()
+    root = arguments.root_index(root_rank, range(world.size))
     buf = wrap(tensor, writable=inplace)
     name = _name(name, "broadcast")
-    target = buf.flat if inplace else buf.flat.copy()
+    target = arguments.target(buf, inplace)
 
     def run():
-        ops.broadcast(world, target, buf.dtype, root_rank, name=name, shape=buf.shape)
-        if inplace:
-            buf.write_back()
-            return tensor
-        return buf.to_user(target, buf.shape)
+        ops.broadcast(world, target, buf.dtype, root, name=name, shape=buf.shape)
+        return arguments.result(buf, target, tensor, inplace)
 
     return _submit(run, name, asynchronous)
 
@@ -326,17 +279,16 @@ def broadcast_async_(tensor, root_rank: int, name: str | None = None) -> Handle:
 
 # ----------------------------------------------------------------------------- reducescatter
 def _reducescatter(tensor, op, name, prescale_factor, postscale_factor, asynchronous):
-    world, op, buf = _w(), _check_op(op), wrap(tensor)
+    world, op, buf = job.world(), arguments.reduce_op(op), wrap(tensor)
     name = _name(name, "reducescatter")
-    if not buf.shape:
-        raise ValueError("reducescatter needs a tensor of at least one dimension")
-    work = buf.flat.copy()
+    arguments.rows(buf, "reducescatter")
+    work = arguments.target(buf, False)
 
     def run():
         mine = ops.reducescatter(world, work, buf.dtype, op, name=name, shape=buf.shape,
                                  prescale=prescale_factor, postscale=postscale_factor)
         rows = ops.split_rows(buf.shape[0], world.size)[world.rank]
-        return buf.to_user(mine, (rows,) + tuple(buf.shape[1:]))
+        return arguments.row_result(buf, mine, rows)
 
     return _submit(run, name, asynchronous)
 
@@ -358,33 +310,16 @@ def reducescatter_async(tensor, op: ReduceOp = Average, name: str | None = None,
 
 # ----------------------------------------------------------------------------- alltoall
 def _alltoall(tensor, splits, name, asynchronous):
-    world, buf = _w(), wrap(tensor)
+    world, buf = job.world(), wrap(tensor)
     name = _name(name, "alltoall")
-    if not buf.shape:
-        raise ValueError("alltoall needs a tensor of at least one dimension")
-    rows = buf.shape[0]
-    if splits is None:
-        if rows % world.size:
-            raise ValueError(f"alltoall without splits needs dimension 0 ({rows}) divisible by "
-                             f"the number of ranks ({world.size})")
-        send = [rows // world.size] * world.size
-    else:
-        send = [int(s) for s in (splits.tolist() if hasattr(splits, "tolist") else splits)]
-        if len(send) != world.size or min(send) < 0 or sum(send) != rows:
-            raise ValueError(f"splits {send} must have one non-negative entry per rank "
-                             f"({world.size}) summing to dimension 0 ({rows})")
+    send = arguments.send_counts(splits, arguments.rows(buf, "alltoall"), world.size)
 
     def run():
         out, received = ops.alltoall(world, buf.flat, buf.dtype, send, name=name, shape=buf.shape)
-        result = buf.to_user(out, (sum(received),) + tuple(buf.shape[1:]))
+        result = arguments.row_result(buf, out, sum(received))
         if splits is None:
             return result
-        counts = np.asarray(received, dtype=np.int32)
-        if is_torch(tensor):
-            import torch
-
-            return result, torch.from_numpy(counts)
-        return result, counts
+        return result, arguments.received_splits(received, tensor)
 
     return _submit(run, name, asynchronous)
 
@@ -406,22 +341,21 @@ def alltoall_async(tensor, splits=None, name: str | None = None) -> Handle:
 # ----------------------------------------------------------------------------- the rest
 def barrier() -> None:
     """Returns once every rank has called ``barrier``."""
-    world = _w()
+    world = job.world()
     _submit(lambda: ops.barrier(world), "barrier", False)
 
 
 def broadcast_object(obj=None, root_rank: int = 0, name: str | None = None):
     """Returns root_rank's ``obj`` (any picklable object) on every rank."""
-    world = _w()
-    if not 0 <= root_rank < world.size:
-        raise ValueError(f"root_rank {root_rank} is outside 0..{world.size - 1}")
+    world = job.world()
+    root = arguments.root_index(root_rank, range(world.size))
     name = _name(name, "broadcast_object")
-    return _submit(lambda: ops.broadcast_object(world, obj, root_rank, name=name), name, False)
+    return _submit(lambda: ops.broadcast_object(world, obj, root, name=name), name, False)
 
 
 def allgather_object(obj, name: str | None = None) -> list:
     """Returns the list of every rank's ``obj`` (any picklable object), in rank order."""
-    world = _w()
+    world = job.world()
     name = _name(name, "allgather_object")
     return _submit(lambda: ops.allgather_object(world, obj, name=name), name, False)
 

@@ -32,7 +32,7 @@ from .transport import frame, tcp
 from .transport.base import Pair, different_collective
 from .transport.comm import Comm
 
-__all__ = ["World", "PeerInfo"]
+__all__ = ["World", "PeerInfo", "listen_addr"]
 
 log = logging.getLogger("gradsync")
 
@@ -52,7 +52,8 @@ class PeerInfo:
     pid: int
 
 
-def _listen_addr(config: Config, env: LaunchEnv) -> str:
+def listen_addr(config: Config, env: LaunchEnv) -> str:
+    """The address this rank listens on: ``config.addr``, else one the other hosts reach."""
     if config.addr:
         return config.addr
     if env.store_addr in ("127.0.0.1", "localhost", "::1"):
@@ -157,7 +158,7 @@ class World:
                 raise cls_(f"rank {record['rank']} reported: {record['message']}")
 
         secret = env.secret or store.shared_secret(env.rank)
-        addr = _listen_addr(config, env)
+        addr = listen_addr(config, env)
         listener = tcp.Listener(addr, env.rank, secret, env.job_id,
                                 expect=set(range(env.rank + 1, env.size)))
         me = PeerInfo(env.rank, env.hostname, addr, listener.port, os.getpid())

@@ -60,7 +60,7 @@ def main() -> None:
     o3 = hvd.DistributedOptimizer(torch.optim.SGD(m3.parameters(), lr=0.01, momentum=0.9),
                                   named_parameters=m3.named_parameters())
     small = torch.zeros(1)
-    world = gs.api._w()
+    world = gs.job.world()
     dist.init_process_group("gradsync", store=dist.PrefixStore("costs", world.store._base),
                             rank=rank, world_size=hvd.size())
     m4, m5 = model(), model()

@@ -255,11 +255,11 @@ def run(args) -> list[dict]:
 
     torch.set_num_threads(1)
     gs.init(**({"topology": args.topology} if args.topology else {}))
-    from gradsync import api
+    from gradsync import job
     from gradsync.collectives import ring
     from gradsync.collectives.planner import choose_allreduce
 
-    world = api._world
+    world = job.world()
     rank, n = gs.rank(), gs.size()
     gloo = mpi = None
     if args.compare == "gloo":

@@ -86,11 +86,11 @@ def _reduce_bandwidth() -> float:
 
 def run(args) -> dict:
     import gradsync as gs
-    from gradsync import api
+    from gradsync import job
     from gradsync.topology import TIERS, Tier, Topology, to_dict
 
     gs.init()
-    world = api._world
+    world = job.world()
     topo: Topology = world.topology
     tiers = dict(topo.tiers)
     measured = {}

@@ -416,7 +416,7 @@ def straggler_rank(args) -> dict | None:
     import torch.nn.functional as F
 
     import gradsync as gs
-    from gradsync import api
+    from gradsync import job
     from gradsync.ps import ParameterClient
 
     gs.init()  # a server rank serves here and exits
@@ -435,7 +435,7 @@ def straggler_rank(args) -> dict | None:
     k = args.backup if args.backup is not None else max(1, n - 1)
     ps = ParameterClient(model, optimizer="sgd", lr=_lr(args, mode, n, k),
                          momentum=args.momentum, mode=mode, backup=k, staleness=args.staleness)
-    store = api._w().store
+    store = job.world().store
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
     order, at = mine[torch.randperm(len(mine), generator=gen)], 0
     steps, accuracy, reached = 0, 0.0, False

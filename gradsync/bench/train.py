@@ -186,11 +186,11 @@ def run(args) -> list[dict]:
     import torch.distributed as dist
 
     import gradsync.torch as hvd
-    from gradsync import api
+    from gradsync import job
 
     hvd.init()
     torch.set_num_threads(1)
-    world = api._world
+    world = job.world()
     rank, n = hvd.rank(), hvd.size()
     peer = None if args.compare == "none" else args.compare  # ddp or fsdp
     compare = peer is not None

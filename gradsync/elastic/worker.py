@@ -6,11 +6,11 @@ generation's World over the launcher's store (``World.connect`` with a store sco
 ``<job>.e<g>``). When the connection fails (another worker died meanwhile), the World's abort
 record tells the launcher, which forms the next generation; ``join`` then tries that one.
 
-``reset`` re-forms the world of a running process: it shuts the current World down
-(``api.shutdown``: its connections, shared-memory segments, heartbeat and progress thread),
-joins the next generation, and installs the new World and a new engine where ``api`` keeps
-them. The process, its model and its Python state stay; only rank, size and connections
-change. ``hvd.elastic.run`` calls it after a lost peer or a HostsUpdatedInterrupt.
+``reset`` re-forms the world of a running process: it closes the current job (``job.close``:
+its connections, shared-memory segments, heartbeat and progress thread), joins the next
+generation, and installs the new World with a new engine as the process's job
+(``job.install``). The process, its model and its Python state stay; only rank, size and
+connections change. ``hvd.elastic.run`` calls it after a lost peer or a HostsUpdatedInterrupt.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import dataclasses
 import logging
 import time
 
-from .. import api
-from ..engine import Engine
+from .. import job
 from ..errors import GradsyncError, GradsyncTimeoutError, PeerLostError
 from ..rendezvous import Store
 from .membership import Control, ElasticJobFailed, generation_job
@@ -134,7 +133,5 @@ def reset() -> None:
     if _control is None:
         raise RuntimeError("reset() outside an elastic job: start the job with gradsync run "
                            "--min-np/--max-np (or --host-discovery-script)")
-    api.shutdown()
-    world = join(_config, _env, after=_generation)
-    with api._state_lock:
-        api._world, api._engine = world, Engine(world)
+    job.close()
+    job.install(join(_config, _env, after=_generation))

@@ -67,15 +67,15 @@ class ParameterClient:
     def __init__(self, model, optimizer: str = "sgd", mode: str = "sync",
                  backup: float | None = None, staleness: int | None = None,
                  factor_fc: int | None = None, restore: str | None = None, **hyper):
-        from .. import api
+        from .. import api, job
         from ..launch_env import detect
         from ..rendezvous import Store
-        from ..world import _listen_addr
+        from ..world import listen_addr
 
         api.init()  # on a server rank this serves and exits; on a worker it returns
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        env, config = detect(), api._w().config
+        env, config = detect(), job.world().config
         if env.servers == 0:
             raise ConfigError("this job has no parameter servers: start it with "
                               "'gradsync run -np N --servers S ...' or set GRADSYNC_SERVERS=S "
@@ -98,7 +98,7 @@ class ParameterClient:
                       config.connect_timeout, env.size)
         secret = env.secret or store.read_secret()  # worker 0 made it in init()
         self.endpoint = regions.Endpoint(env.rank, env.hostname, secret, f"{env.job_id}.ps",
-                                         addr=_listen_addr(config, env), timeout=config.timeout,
+                                         addr=listen_addr(config, env), timeout=config.timeout,
                                          direct=config.transport != "tcp",
                                          label=f"worker {env.rank}")
         deadline = time.monotonic() + config.connect_timeout

@@ -274,14 +274,14 @@ def _short(value, limit: int = 80) -> str:
 def serve(config, env) -> int:
     """Runs this rank's parameter server until every worker is done; returns an exit status."""
     from ..rendezvous import Store
-    from ..world import _listen_addr
+    from ..world import listen_addr
 
     store = Store(env.store_addr, env.store_port, env.store_is_server, env.job_id,
                   config.connect_timeout, env.size)
     secret = env.secret or store.read_secret()  # worker 0 (rank 0) makes it
     index = env.server_rank
     endpoint = Endpoint(env.rank, env.hostname, secret, f"{env.job_id}.ps",
-                        addr=_listen_addr(config, env), expect=set(range(env.workers)),
+                        addr=listen_addr(config, env), expect=set(range(env.workers)),
                         timeout=config.timeout, direct=config.transport != "tcp",
                         label=f"parameter server {index} (rank {env.rank})")
     server = Server(index, env.servers, env.workers, endpoint, config.timeout,

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from .. import api as gs
+from .. import job
 from ..errors import CollectiveMismatchError
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ def choose_shared(nbytes: Sequence[int], above: int, most: int = SHARED_MAX) -> 
 
 def fusion_threshold() -> int:
     """The job's ``fusion_threshold`` setting (``GRADSYNC_FUSION_THRESHOLD``), in bytes."""
-    return gs._w().config.fusion_threshold
+    return job.world().config.fusion_threshold
 
 
 def plan_buckets(nbytes: Sequence[int], dtypes: Sequence[object], cap: int) -> list[list[int]]:

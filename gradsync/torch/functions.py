@@ -23,6 +23,7 @@ from typing import Any, Iterable
 import torch
 
 from .. import api as gs
+from .. import arguments
 from .buckets import fusion_threshold, plan_buckets
 from . import requests as _requests
 from .mpi_ops import ProcessSet, _check_process_set, _cpu, global_process_set
@@ -140,8 +141,7 @@ def _rebuild(obj: Any, tensors: list[torch.Tensor]) -> Any:
 
 def _broadcast_fused(tensors: list[torch.Tensor], root_rank: int, name: str) -> None:
     """Broadcasts ``tensors`` in place, packed per dtype into buffers of fusion_threshold."""
-    if not 0 <= root_rank < gs.size():
-        raise ValueError(f"root_rank {root_rank} is outside 0..{gs.size() - 1}")
+    arguments.root_index(root_rank, range(gs.size()))
     is_root = gs.rank() == root_rank
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:

@@ -43,9 +43,11 @@ from typing import Callable, Sequence
 import torch
 
 from .. import api as gs
+from .. import job
 from ..collectives.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from ..engine import Handle
 from ..errors import GradsyncError, PeerLostError
+from . import naming as _naming
 from . import process_sets as _psets
 from . import requests as _requests
 from .compression import Compression, Compressor
@@ -97,9 +99,9 @@ def init(comm=None, process_sets=None, **settings) -> None:
     gs.init(**settings)
     if _psets.all_controllers():
         return
-    _requests.reset_names()
+    _naming.reset()
     _psets.start(process_sets)
-    config = gs._w().config
+    config = job.world().config
     if config.timeline:
         start_timeline(config.timeline, config.timeline_mark_cycles)
     atexit.register(_shutdown_at_exit)
@@ -117,23 +119,6 @@ def _shutdown_at_exit() -> None:
         _psets.stop(abandon=PeerLostError(
             f"rank {me} left the job on an unhandled {type(error).__name__}", peer=me))
     shutdown()
-
-
-def _reform() -> None:
-    """The Horovod API's side of an elastic reset (``hvd.elastic.run``): the process sets of
-    the generation that lost a rank are abandoned, the World re-forms
-    (``gradsync.elastic.reset``), and the global set's negotiation starts again on the new one,
-    the timeline (if recording) going on in the same file."""
-    from ..elastic import worker
-
-    started = bool(_psets.all_controllers())
-    timeline = _psets.stop(abandon=GradsyncError(
-        "the elastic job re-forms after a lost rank; operations of the previous generation "
-        "do not run"))
-    worker.reset()
-    if started:
-        _requests.reset_names()
-        _psets.start(timeline=timeline)
 
 
 def shutdown() -> None:

@@ -20,9 +20,10 @@ import threading
 from typing import Sequence
 
 from .. import api as gs
+from .. import job
 from ..errors import GradsyncError
 from ..negotiation import Controller
-from . import requests
+from . import naming
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
            "controller", "is_member", "start", "stop", "set_timeline", "all_controllers"]
@@ -107,12 +108,12 @@ def _registry() -> _Registry:
 
 
 def _connect(pid: int, ranks: list[int], label: str) -> Controller:
-    world = gs._w()
+    world = job.world()
     name = f"hvd{pid}"  # ids are never reused within one init, so names are unique
     sub = world.subworld(ranks, name, base=world.store._base.clone())
     ctl = Controller(sub, label, ranks, world.config.fusion_threshold, _reg.timeline)
     ctl.owned_world = sub
-    ctl.on_stand_in = lambda name: requests.skip_name(name, pid)
+    ctl.on_stand_in = lambda name: naming.skip(name, pid)
     return ctl
 
 

@@ -1,55 +1,34 @@
 """Turns one Horovod-API call into a ``negotiation.Request`` and hands it to its set's controller.
 
 Names. As in Horovod, an operation's name is its kind and the caller's name
-(``allreduce.grad.fc1``); a call without a name gets ``<kind>.noname.<n>``, where ``n`` counts
-this rank's unnamed calls of that kind in that process set. Ranks that issue the same unnamed
-calls (in whatever order relative to other kinds and sets) so agree on their names.
+(``allreduce.grad.fc1``); a call without a name gets ``<kind>.noname.<n>``, counted per kind
+and process set (``naming.py``).
 
 Ranks. Roots (broadcast) are global ranks, as in Horovod, translated here to the set's rank;
 ``splits`` (alltoall) have one entry per rank of the set. Arguments are checked before the
-request is announced, so no rank fails locally in the middle of a collective.
+request is announced, so no rank fails locally in the middle of a collective; the checks and
+the in-place result step are ``gradsync/arguments.py``'s, the same as the NumPy API's.
 """
 
 from __future__ import annotations
 
-import collections
-
-import numpy as np
-
-from .. import api as gs
+from .. import arguments
 from .. import operations as ops
 from ..collectives.ops import ReduceOp
 from ..negotiation import Request
-from ..tensors import is_torch, wrap
+from ..tensors import wrap
+from . import naming
 from . import process_sets as psets
 
 __all__ = ["allreduce", "allgather", "broadcast", "reducescatter", "alltoall", "barrier",
            "broadcast_object", "allgather_object", "reset_names", "skip_name"]
 
-_unnamed: dict[tuple, int] = collections.defaultdict(int)
-
-
-def reset_names() -> None:
-    """Restarts the unnamed-call counters (a new ``init``)."""
-    _unnamed.clear()
-
-
-def skip_name(name: str, process_set_id: int) -> None:
-    """Counts an unnamed operation that this rank did not issue but took part in, or was
-    excused from, while joined (``Controller.on_stand_in``), so that its next unnamed call
-    gets the same name as the other ranks' next one."""
-    kind, sep, n = name.partition(".noname.")
-    if sep and n.isdigit():
-        key = (kind, process_set_id)
-        _unnamed[key] = max(_unnamed[key], int(n) + 1)
+reset_names = naming.reset  # kept importable from here, where they were
+skip_name = naming.skip
 
 
 def _name(kind: str, name: str | None, process_set) -> str:
-    if name is None:
-        key = (kind, process_set.process_set_id)
-        n, _unnamed[key] = _unnamed[key], _unnamed[key] + 1
-        return f"{kind}.noname.{n}"
-    return f"{kind}.{name}"
+    return naming.name(kind, name, process_set.process_set_id)
 
 
 def _issue(process_set, request: Request, asynchronous: bool):
@@ -58,10 +37,7 @@ def _issue(process_set, request: Request, asynchronous: bool):
 
 
 def _set_rank(process_set, root: int, ctl) -> int:
-    ranks = ctl.ranks
-    if root not in ranks:
-        raise ValueError(f"root_rank {root} is not a rank of {process_set} (ranks {ranks})")
-    return ranks.index(root)
+    return arguments.root_index(root, ctl.ranks, str(process_set))
 
 
 def allreduce(tensor, name, op: ReduceOp, prescale: float, postscale: float, process_set,
@@ -72,16 +48,13 @@ def allreduce(tensor, name, op: ReduceOp, prescale: float, postscale: float, pro
     its own dot products."""
     group = psets.controller(process_set).world.shm_group
     buf = wrap(tensor, writable=inplace)
-    gs._check_op(op, buf.dtype)
-    target = buf.flat if inplace else buf.flat.copy()
+    arguments.reduce_op(op, buf.dtype)
+    target = arguments.target(buf, inplace)
     # In place in a shared buffer (a DistributedOptimizer bucket), it is reduced where it is.
     shared = inplace and group is not None and group.is_shared(target)
 
     def finish():
-        if inplace:
-            buf.write_back()
-            return tensor
-        return buf.to_user(target, buf.shape)
+        return arguments.result(buf, target, tensor, inplace)
 
     request = Request(_name("allreduce", name, process_set), "allreduce", buf.dtype_name,
                       buf.shape, op=op.name, scale=(prescale, postscale), flat=target,
@@ -93,12 +66,11 @@ def allgather(tensor, name, process_set, *, asynchronous: bool = False):
     """Concatenates the set's tensors along dimension 0 (which may differ between ranks)."""
     psets.controller(process_set)
     buf = wrap(tensor)
-    if not buf.shape:
-        raise ValueError("allgather needs a tensor of at least one dimension")
+    arguments.rows(buf, "allgather")
 
     def run(world):
         out, rows = ops.allgather(world, buf.flat, buf.dtype, name=request.name, shape=buf.shape)
-        return buf.to_user(out, (sum(rows),) + tuple(buf.shape[1:]))
+        return arguments.row_result(buf, out, sum(rows))
 
     request = Request(_name("allgather", name, process_set), "allgather", buf.dtype_name,
                       buf.shape, run=run)
@@ -111,14 +83,11 @@ def broadcast(tensor, root_rank: int, name, process_set, *, inplace: bool = Fals
     ctl = psets.controller(process_set)
     root = _set_rank(process_set, root_rank, ctl)
     buf = wrap(tensor, writable=inplace)
-    target = buf.flat if inplace else buf.flat.copy()
+    target = arguments.target(buf, inplace)
 
     def run(world):
         ops.broadcast(world, target, buf.dtype, root, name=request.name, shape=buf.shape)
-        if inplace:
-            buf.write_back()
-            return tensor
-        return buf.to_user(target, buf.shape)
+        return arguments.result(buf, target, tensor, inplace)
 
     request = Request(_name("broadcast", name, process_set), "broadcast", buf.dtype_name,
                       buf.shape, root=root, run=run)
@@ -130,15 +99,14 @@ def reducescatter(tensor, name, op: ReduceOp, prescale: float, postscale: float,
     """Reduces over the set and returns this rank's block of rows."""
     psets.controller(process_set)
     buf = wrap(tensor)
-    if not buf.shape:
-        raise ValueError("reducescatter needs a tensor of at least one dimension")
-    work = buf.flat.copy()
+    arguments.rows(buf, "reducescatter")
+    work = arguments.target(buf, False)
 
     def run(world):
         mine = ops.reducescatter(world, work, buf.dtype, op, name=request.name, shape=buf.shape,
                                  prescale=prescale, postscale=postscale, trunc=True)
         rows = ops.split_rows(buf.shape[0], world.size)[world.rank]
-        return buf.to_user(mine, (rows,) + tuple(buf.shape[1:]))
+        return arguments.row_result(buf, mine, rows)
 
     request = Request(_name("reducescatter", name, process_set), "reducescatter",
                       buf.dtype_name, buf.shape, op=op.name, scale=(prescale, postscale),
@@ -152,33 +120,16 @@ def alltoall(tensor, splits, name, process_set, *, asynchronous: bool = False,
     (with ``with_received``, the pair ``(rows, received_splits)`` even without ``splits``: the
     gradient of an equal split sends back unequal counts when ranks' rows differ)."""
     ctl = psets.controller(process_set)
-    n = len(ctl.ranks)
     buf = wrap(tensor)
-    if not buf.shape:
-        raise ValueError("alltoall needs a tensor of at least one dimension")
-    rows = buf.shape[0]
-    if splits is None:
-        if rows % n:
-            raise ValueError(f"alltoall without splits needs dimension 0 ({rows}) divisible by "
-                             f"the number of ranks ({n})")
-        send = [rows // n] * n
-    else:
-        if is_torch(splits) and splits.is_floating_point():
-            raise ValueError(f"splits must hold integers, got {splits.dtype}")
-        send = [int(s) for s in (splits.tolist() if hasattr(splits, "tolist") else splits)]
-        if len(send) != n or min(send) < 0 or sum(send) != rows:
-            raise ValueError(f"splits {send} must have one non-negative entry per rank "
-                             f"({n}) summing to dimension 0 ({rows})")
+    send = arguments.send_counts(splits, arguments.rows(buf, "alltoall"), len(ctl.ranks))
 
     def run(world):
         out, received = ops.alltoall(world, buf.flat, buf.dtype, send, name=request.name,
                                      shape=buf.shape)
-        result = buf.to_user(out, (sum(received),) + tuple(buf.shape[1:]))
+        result = arguments.row_result(buf, out, sum(received))
         if splits is None and not with_received:
             return result
-        import torch
-
-        return result, torch.from_numpy(np.asarray(received, dtype=np.int32))
+        return result, arguments.received_splits(received, tensor)
 
     request = Request(_name("alltoall", name, process_set), "alltoall", buf.dtype_name,
                       buf.shape, run=run)

@@ -11,12 +11,12 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gradsync as gs  # noqa: E402
-from gradsync import api  # noqa: E402
+from gradsync import job  # noqa: E402
 from gradsync.collectives import adasum  # noqa: E402
 from test_adasum import DTYPE_IDS, DTYPES, EPS, random_inputs, reference, widen  # noqa: E402
 
 gs.init()
-world, R, N = api._w(), gs.rank(), gs.size()
+world, R, N = job.world(), gs.rank(), gs.size()
 LAYOUTS = [[0], [1], [3 * N + 1], [5, 0, 1, 17, 2 * N + 3, 40], [20000, 3, 70001]]
 checked = 0
 for dtype, dtype_id in zip(DTYPES, DTYPE_IDS):

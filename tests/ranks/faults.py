@@ -60,10 +60,10 @@ try:
             gs.allreduce(x, op=op, name=name, algorithm=os.environ.get("FAULT_ALGORITHM", "auto"))
         print(f"RESULT rank={R} no error", flush=True)
     elif mode == "intruders":
-        from gradsync import api
+        from gradsync import job
         from gradsync.transport import frame
 
-        world = api._world
+        world = job.world()
         if R == 0:
             for peer in world.peers[1:]:
                 for payload in (b"GET / HTTP/1.1\r\n\r\n",                       # garbage

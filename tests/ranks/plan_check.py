@@ -13,14 +13,14 @@ import common  # noqa: F401  (deadline)
 import numpy as np
 
 import gradsync as gs
-from gradsync import api
+from gradsync import job
 from gradsync.bench import probe
 from gradsync.collectives.planner import CANDIDATES, predict
 
 path, nbytes = sys.argv[1], int(sys.argv[2])
 probe.main(["--out", path, "--pings", "20", "--streams", "2"])
 gs.init(topology=path)
-world = api._world
+world = job.world()
 x = np.zeros(nbytes // 4, dtype=np.float32)
 measured = {}
 for alg in CANDIDATES:

@@ -8,11 +8,11 @@ import threading
 import numpy as np
 
 import gradsync as gs
-from gradsync import api, operations
+from gradsync import job, operations
 from gradsync.collectives.ops import Sum
 
 gs.init()
-world, r, n = api._w(), gs.rank(), gs.size()
+world, r, n = job.world(), gs.rank(), gs.size()
 members = [q for q in range(n) if q % 2 == r % 2]
 sub = world.subworld(members, f"parity{r % 2}")
 assert (sub.rank, sub.size) == (members.index(r), len(members)), (sub.rank, sub.size)

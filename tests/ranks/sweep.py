@@ -156,7 +156,7 @@ obj = gs.broadcast_object({"rank": R, "list": list(range(R + 3))} if R == N - 1 
 assert obj == {"rank": N - 1, "list": list(range(N + 2))}, obj
 assert gs.allgather_object(("r", R) * (R + 1)) == [("r", r) * (r + 1) for r in range(N)]
 gs.barrier()
-group = gs.api._world.shm_group
+group = gs.job.world().shm_group
 road = "none" if group is None else "compiled" if group.fast else "python"
 print(f"rank {R}: objects ok; {checked} checks passed; shm road {road}", flush=True)
 gs.shutdown()

@@ -28,7 +28,7 @@ import common  # noqa: F401  (deadline)
 from checks import Checks
 import torch
 
-import gradsync.api
+import gradsync.job
 import gradsync.torch as hvd
 
 hvd.init()
@@ -61,7 +61,7 @@ def expect_values(params, value: float, what: str) -> None:
             fail(f"{what}: gradient {p.grad.tolist()}, expected {value} everywhere")
 
 
-world = gradsync.api._w()
+world = gradsync.job.world()
 default = world.config.fusion_threshold
 for threshold in (default, 4):
     world.config = world.config.replace(fusion_threshold=threshold)

@@ -17,7 +17,7 @@ from checks import Checks
 import torch
 import torch.nn.functional as F
 
-import gradsync.api
+import gradsync.job
 import gradsync.torch as hvd
 from gradsync.torch import buckets
 from gradsync.torch import process_sets as psets
@@ -26,12 +26,12 @@ hvd.init()
 R, N = hvd.rank(), hvd.size()
 B, IN, OUT = 4, 5, 3
 TIGHT = dict(rtol=1e-9, atol=1e-11)  # float64: only summation order differs
-DEFAULT_THRESHOLD = gradsync.api._w().config.fusion_threshold
+DEFAULT_THRESHOLD = gradsync.job.world().config.fusion_threshold
 
 
 def set_fusion_threshold(nbytes: int) -> None:
     """Test-only knob: the threshold new DistributedOptimizers plan their buckets with."""
-    world = gradsync.api._w()
+    world = gradsync.job.world()
     world.config = world.config.replace(fusion_threshold=nbytes)
 
 

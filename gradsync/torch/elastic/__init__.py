@@ -18,7 +18,7 @@ Run it with ``gradsync run -np 4 --min-np 2 --max-np 8 --host-discovery-script h
 from ...elastic import HostsUpdatedInterrupt, ObjectState, State, run_fn
 from ...elastic.membership import ElasticJobFailed
 from ...errors import PeerLostError
-from ..mpi_ops import _reform
+from .reform import reform
 from .sampler import ElasticSampler
 from .state import TorchState
 
@@ -31,4 +31,4 @@ def run(func):
     (``gradsync.elastic.run``), re-forming the Horovod API's process sets with the World: the
     global set goes on in the next generation; other sets must be added again (their ranks
     changed), as in Horovod."""
-    return run_fn(func, _reform)
+    return run_fn(func, reform)
