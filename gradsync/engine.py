@@ -58,7 +58,9 @@ class Handle:
         if release is not None:
             release()
 
-    def _finish(self, result=None, error: BaseException | None = None) -> None:
+    def finish(self, result=None, error: BaseException | None = None) -> None:
+        """Ends the operation with its result or error: called once, by whoever runs it (the
+        engine, the negotiation, a region's peer), never by the caller that waits."""
         self._result, self._error = result, error
         self._done.set()
 
@@ -155,9 +157,9 @@ class Engine:
                 handle, fn = self._queue.popleft()
                 self._busy = True
             try:
-                handle._finish(result=self._execute(fn))
+                handle.finish(result=self._execute(fn))
             except BaseException as exc:  # delivered to whoever synchronizes the handle
-                handle._finish(error=exc)
+                handle.finish(error=exc)
             finally:
                 with self._cv:
                     self._busy = False

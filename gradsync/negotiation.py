@@ -525,7 +525,7 @@ class Controller:
             if self._mine.pop(request.name, None) is not None and \
                     request.handle.on_synchronized is not None:
                 self._unsynchronized.add(request.name)
-        request.handle._finish(result=result, error=error)
+        request.handle.finish(result=result, error=error)
 
     def _synchronized(self, name: str) -> None:
         with self._cv:
@@ -539,7 +539,7 @@ class Controller:
             self._unsynchronized.clear()
             self._new.clear()
         for q in pending:
-            q.handle._finish(error=error)
+            q.handle.finish(error=error)
 
 
 _OPS = {op.name: op for op in ReduceOp}

@@ -61,7 +61,7 @@ def main() -> None:
                                   named_parameters=m3.named_parameters())
     small = torch.zeros(1)
     world = gs.job.world()
-    dist.init_process_group("gradsync", store=dist.PrefixStore("costs", world.store._base),
+    dist.init_process_group("gradsync", store=dist.PrefixStore("costs", world.store.base),
                             rank=rank, world_size=hvd.size())
     m4, m5 = model(), model()
     d4 = nn.parallel.DistributedDataParallel(m4)

@@ -265,7 +265,7 @@ def run(args) -> list[dict]:
     if args.compare == "gloo":
         import torch.distributed as dist
 
-        store = torch.distributed.PrefixStore("bench-gloo", world.store._base)
+        store = torch.distributed.PrefixStore("bench-gloo", world.store.base)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=n)
         gloo = dist
     elif args.compare == "mpi":

@@ -195,7 +195,7 @@ def run(args) -> list[dict]:
     peer = None if args.compare == "none" else args.compare  # ddp or fsdp
     compare = peer is not None
     if compare:
-        store = torch.distributed.PrefixStore("bench-train-ddp", world.store._base)
+        store = torch.distributed.PrefixStore("bench-train-ddp", world.store.base)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=n)
         gs_group = dist.new_group(backend="gradsync")  # the backend "gradsync", for the _gs mode
     # Rank 0's counts, so that every rank issues the same collectives.

@@ -69,7 +69,7 @@ def join(config, env, after: int = -1):
     global _control, _generation, _env, _config
     if _control is None:
         base = Store(env.store_addr, env.store_port, env.store_is_server, env.job_id,
-                     config.connect_timeout, env.size)._base
+                     config.connect_timeout, env.size).base
         _control = Control(base, env.job_id, config.connect_timeout)
     _env, _config = env, config
     from ..world import World

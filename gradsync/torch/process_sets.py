@@ -110,7 +110,7 @@ def _registry() -> _Registry:
 def _connect(pid: int, ranks: list[int], label: str) -> Controller:
     world = job.world()
     name = f"hvd{pid}"  # ids are never reused within one init, so names are unique
-    sub = world.subworld(ranks, name, base=world.store._base.clone())
+    sub = world.subworld(ranks, name, base=world.store.base.clone())
     ctl = Controller(sub, label, ranks, world.config.fusion_threshold, _reg.timeline)
     ctl.owned_world = sub
     ctl.on_stand_in = lambda name: naming.skip(name, pid)

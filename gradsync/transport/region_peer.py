@@ -176,9 +176,9 @@ class RemotePeer:
             if fn is None:
                 return
             try:
-                handle._finish(result=fn())
+                handle.finish(result=fn())
             except BaseException as exc:  # delivered to whoever waits on the handle
-                handle._finish(error=exc)
+                handle.finish(error=exc)
 
     def close(self) -> None:
         """Closes the connection (the owner sees a clean close) and unmaps shared regions."""

@@ -54,7 +54,7 @@ class _Direction:
         if self.world is None:
             # Its own store connection: the lanes of other directions connect at the same time.
             self.world = self.parent.subworld([self.src, self.dst], f"p2p.{self.src}.{self.dst}",
-                                              base=clone_store(self.parent.store._base))
+                                              base=clone_store(self.parent.store.base))
         if self.world.failure is not None:
             raise self.world.failure
         return self.world

@@ -1,0 +1,133 @@
+"""The package's structure, pinned: no import circles, and no module reads another package's
+private (underscore-prefixed) names.
+
+Pure logic over the source (``ast``); nothing is imported or run. Issue 26 paid these debts
+(the job's owner in ``gradsync/job.py``, the shared region pieces below ``regions`` and
+``region_peer``, ...); this test keeps them paid. A private name may be read inside its own
+package (the same folder): that is what the underscore says.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "gradsync"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _package_of(module: str, modules: dict[str, Path]) -> str:
+    """The folder a module lives in, as a dotted name (a package's ``__init__`` is its own)."""
+    if modules[module].name == "__init__.py":
+        return module
+    return module.rpartition(".")[0]
+
+
+def _resolve(module: str, level: int, target: str | None, modules: dict[str, Path]) -> str:
+    if level == 0:
+        return target or ""
+    base = _package_of(module, modules).split(".")
+    base = base[:len(base) - (level - 1)]
+    return ".".join(base + ([target] if target else []))
+
+
+def _walk(modules: dict[str, Path]):
+    """Yields (module, imported module, private names read from it) for every import."""
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        aliases: dict[str, str] = {}  # local name -> module it stands for
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in modules:
+                        yield module, a.name, ()
+                        if a.asname:
+                            aliases[a.asname] = a.name
+            elif isinstance(node, ast.ImportFrom):
+                source = _resolve(module, node.level, node.module, modules)
+                if source not in modules:
+                    continue
+                private = []
+                for a in node.names:
+                    sub = f"{source}.{a.name}"
+                    if sub in modules:  # a submodule, imported by name
+                        yield module, sub, ()
+                        aliases[a.asname or a.name] = sub
+                    elif a.name.startswith("_") and not a.name.startswith("__"):
+                        private.append(a.name)
+                yield module, source, tuple(private)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):
+                yield module, aliases[node.value.id], (node.attr,)
+
+
+def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _parents(module: str) -> set[str]:
+    parts = module.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts))}
+
+
+def test_the_package_has_no_import_circle():
+    modules = _modules()
+    edges: dict[str, set[str]] = {}
+    for module, imported, _ in _walk(modules):
+        # Importing a submodule runs its parents' __init__ first; a package's face that hands
+        # its children's names on is not a circle with them.
+        if imported != module and imported not in _parents(module):
+            edges.setdefault(module, set()).add(imported)
+    assert _circles(edges) == []
+
+
+def test_no_module_reads_another_packages_private_names():
+    modules = _modules()
+    reads = sorted({f"{module} reads {imported}.{name}"
+                    for module, imported, names in _walk(modules) for name in names
+                    if _package_of(module, modules) != _package_of(imported, modules)})
+    assert reads == []
