@@ -4,8 +4,8 @@ The full road of ``gradsync.allreduce_`` is api (validate, ``wrap``) → engine 
 when idle) → operations (plan, describe, begin, choose the finish) → ``ShmGroup.allreduce``
 (check again, pick the road) → ``_shmfast.call``. For a small allreduce on one host the
 Python around the compiled call takes several times as long as the call itself
-(docs/benchmarks.md), and both ranks pay it, so it is most of the time a rank waits for its
-peer.
+(docs/benchmarks-history.md, "The express lane and core binding"), and both ranks pay it, so
+it is most of the time a rank waits for its peer.
 
 Every step of that road depends only on the call's arguments and on the job, never on the
 data, so its outcome can be worked out once per distinct call and remembered: the *entry* of

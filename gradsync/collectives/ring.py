@@ -67,10 +67,10 @@ has been read: its final value includes that send.
 Lending. Above ``LEND_ABOVE_BYTES`` segments may go out lent (``Comm.exchange(lend=True)``):
 over TCP their pages go to the socket by reference, so a segment must stay unwritten until the
 right neighbour has read it. (Smaller vectors stay in the last-level cache, where the copy
-costs less than lending pages and acknowledging them: measured in docs/benchmarks.md.) Whether
-larger ones do is measured per Comm (``Comm.lending``): its first allreduces above the threshold
-copy and lend in turn, timed, and the faster way is kept. Within a
-phase no rank writes a block after sending it (the reduce-scatter folds into a block the
+costs less than lending pages and acknowledging them: docs/benchmarks-history.md, "TCP
+transport".) Whether larger ones do is measured per Comm (``Comm.lending``): its first
+allreduces above the threshold copy and lend in turn, timed, and the faster way is kept.
+Within a phase no rank writes a block after sending it (the reduce-scatter folds into a block the
 exchange before it forwards it; the allgather writes each block once, on arrival).
 Across the phases of ``allreduce``, the allgather writes, on arrival, exactly the blocks the
 reduce-scatter sent; but what arrives for a block is that block fully reduced, which the right
@@ -80,12 +80,13 @@ that returns to the caller needs ``comm.settle()``: nothing later in the ring pr
 neighbour read the last segments.
 
 Segment sizes. Over sockets the segment size that keeps the kernel's copies fastest depends on
-the machine (docs/benchmarks.md), so allreduces of ``TUNE_FROM_BYTES`` or more on a ring with a
-socket among its pairs measure it (``Comm.segments``), each power of 4 of sizes on its own: the
-first ones cut segments of ``chunk_bytes`` and of a quarter of it in turns, each timed per
-byte, and then every rank keeps the size whose medians, summed over the ranks, are lowest. The
-ranks must agree, as both ends of a segment must cut it alike, so the sum is allreduced
-(``_agree``) within the allreduce that ends the trials, which is the same one on every rank.
+the machine (docs/benchmarks-history.md, "The segment size measured"), so allreduces of
+``TUNE_FROM_BYTES`` or more on a ring with a socket among its pairs measure it
+(``Comm.segments``), each power of 4 of sizes on its own: the first ones cut segments of
+``chunk_bytes`` and of a quarter of it in turns, each timed per byte, and then every rank keeps
+the size whose medians, summed over the ranks, are lowest. The ranks must agree, as both ends of
+a segment must cut it alike, so the sum is allreduced (``_agree``) within the allreduce that
+ends the trials, which is the same one on every rank.
 Lending is measured after that, in segments of the chosen size.
 
 Set up once, run many. Both choices are the machine's, not the algorithm's, so they live apart

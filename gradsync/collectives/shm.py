@@ -138,20 +138,20 @@ _CHECK_EVERY = 0.05
 MIN_SPIN, MAX_SPIN = 2e-6, 100e-6
 # The Python wait (_wait) spins at most PY_SPIN: its loop holds the GIL, which a training
 # step's main thread needs while a background thread waits here, so a long spin slows the
-# step it waits for (docs/benchmarks.md has the measurement). The compiled wait releases the
-# GIL and keeps MAX_SPIN.
+# step it waits for (measured: docs/benchmarks-history.md, "Measurement notes moved out of the
+# code"). The compiled wait releases the GIL and keeps MAX_SPIN.
 PY_SPIN = 10e-6
 # Then, up to YIELD_FOR seconds after the wait began, it yields the core between looks (it
 # stays runnable, so a peer that was only descheduled is seen as soon as this rank runs again);
 # only past that does it sleep on a futex. On a loaded host a woken process can wait
 # milliseconds for a core, so sleeping early turns a microsecond wait into one of
-# milliseconds (docs/benchmarks.md).
+# milliseconds (docs/benchmarks-history.md, "Measurement notes moved out of the code").
 YIELD_FOR = 20e-3
 # The Python wait yields for at most PY_YIELD_FOR before it sleeps. Every look between yields
 # takes the GIL back, and a rank that waits milliseconds in a large allreduce during training
 # waits for a peer still in its backward pass, not for one that was descheduled, so yielding
-# longer only takes the GIL from that backward pass (docs/benchmarks.md). The compiled wait,
-# on the small road, keeps YIELD_FOR.
+# longer only takes the GIL from that backward pass (docs/benchmarks-history.md, "A fifth
+# session"). The compiled wait, on the small road, keeps YIELD_FOR.
 PY_YIELD_FOR = 3e-3
 _PAGE = 4096
 # Kernel codes of _shmfast.c: op << 4 | dtype. An Average folds as a sum, then divides.
@@ -280,7 +280,8 @@ class ShmGroup:
             local_rank: this process's index among the host's ``local_size`` ranks.
             barrier: returns only once every local rank has called it (a store barrier).
             slot_bytes: the piece size; local rank 0's value wins. A piece about the size
-                of a core's L2 cache is fastest (docs/benchmarks.md).
+                of a core's L2 cache is fastest (docs/benchmarks-history.md, "Measurement
+                notes moved out of the code").
             ranks: the global rank of each local rank, for error messages.
             tag: tells apart several groups of one job on one host.
             small_bytes: an allreduce of at most this many bytes takes the one-step road.

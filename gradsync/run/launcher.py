@@ -127,9 +127,9 @@ def place(hosts: Sequence[Host], num_proc: int) -> list[Slot]:
 # serves blocks above another moving threshold with mmap; a training step that frees and
 # allocates megabytes of gradients can then take every page back in again at each step. For
 # the MLP of ``gradsync bench train``, in some runs and not others: up to about 2000 minor page
-# faults and 3-4 ms a step (docs/benchmarks.md, "Freed memory kept for reuse"). So freed memory
-# stays in the process for reuse, as the jemalloc and tcmalloc settings recommended for
-# PyTorch on CPU keep it.
+# faults and 3-4 ms a step (docs/benchmarks-history.md, "Freed memory kept for reuse"). So
+# freed memory stays in the process for reuse, as the jemalloc and tcmalloc settings
+# recommended for PyTorch on CPU keep it.
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20),
                      "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 _MALLOC_SETTINGS = ("MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_", "GLIBC_TUNABLES")

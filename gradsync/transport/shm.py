@@ -75,8 +75,8 @@ _DATA = 4 * CACHE_LINE  # the data area follows
 # Largest copy between two publications of a counter: a quarter of the ring, at most 1 MiB.
 # Publishing often lets the consumer copy out while the producer still copies in, instead of
 # the two taking turns over whole rings (whole-ring chunks were never faster:
-# docs/benchmarks.md). Publishing costs one store, so smaller chunks would only add Python
-# overhead per call.
+# docs/benchmarks-history.md, "Measurement notes moved out of the code"). Publishing costs
+# one store, so smaller chunks would only add Python overhead per call.
 _CHUNK = 1 << 20
 
 _JOB_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
@@ -201,7 +201,8 @@ class Backoff:
     Spinning keeps latency low when each rank has a core; yielding and napping keep a host
     with more ranks than cores from starving the very rank we wait for. The spin is short
     (20 rounds, about 10 us of Python) because a spinning rank that shares its core with the
-    rank it waits for only delays it (docs/benchmarks.md has the measurement).
+    rank it waits for only delays it (measured: docs/benchmarks-history.md, "Measurement
+    notes moved out of the code").
     ``base.wait_all`` still spins 200 rounds.
     """
 

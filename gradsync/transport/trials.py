@@ -92,10 +92,11 @@ class Lending(Trials):
 
     Lending saves the sender's copy but costs the kernel's page references and an
     acknowledgement per frame, and which is cheaper depends on the machine (measurements in
-    docs/benchmarks.md). So the first ``2 * trials`` collectives that may lend alternate,
-    copying first, each timed per byte, and from then on the way with the lower median is used.
-    Each rank decides for its own sends (a lent frame says so, and any receiver acknowledges
-    it), so the ranks need not agree.
+    docs/benchmarks-history.md, "Lending measured on each machine"). So the first
+    ``2 * trials`` collectives that may lend alternate, copying first, each timed per byte,
+    and from then on the way with the lower median is used. Each rank decides for its own
+    sends (a lent frame says so, and any receiver acknowledges it), so the ranks need not
+    agree.
     """
 
     def __init__(self, trials: int):

@@ -227,9 +227,9 @@ class ProcessGroupGradsync(dist.ProcessGroup):
 
         def run():
             # The ring reduces into the group's work buffer, which spares the page faults of a
-            # fresh one per call (they cost more than the transfer: docs/benchmarks.md, "The
-            # backend's reduce-scatter and allgather"). It reads a contiguous ``whole`` where
-            # it lies; separate chunks are copied into the buffer first.
+            # fresh one per call (they cost more than the transfer: docs/benchmarks-history.md,
+            # "The backend's reduce-scatter and allgather"). It reads a contiguous ``whole``
+            # where it lies; separate chunks are copied into the buffer first.
             stacked = self._work(output.nbytes * n, output.dtype, (n, *output.shape))
             source = None
             if whole is None or red.op is None or red.prescale != 1.0:
