@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from gradsync.errors import AuthenticationError, GradsyncError, PeerLostError, ProtocolError
-from gradsync.transport import regions
+from gradsync.transport import region_memory, regions
 from gradsync.transport import rma_frame as rf
 from gradsync.transport.region_peer import wait
 from gradsync.transport.regions import STRIPE_BYTES, Endpoint, RegionAccessError, Stripes
@@ -312,7 +312,7 @@ class _Refusals:
 def _cross_waiter(path, holding, go, refused, results):
     """Process B: holds stripe 1, then asks for stripe 0 while A holds it and waits for 1."""
     faulthandler.dump_traceback_later(20, exit=True)
-    regions.fcntl = _Refusals(refused)  # B is a forked process: A's module is untouched
+    region_memory.fcntl = _Refusals(refused)  # B is a forked process: A's module is untouched
     stripes = Stripes(128, os.open(path, os.O_RDWR), stripe=64)
     stripes.acquire(64)
     holding.set()
