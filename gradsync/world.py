@@ -52,8 +52,35 @@ class PeerInfo:
     pid: int
 
 
+def interface_address(name: str) -> str:
+    """The IPv4 address of this host's network interface ``name`` (e.g. ``eth1``).
+
+    Raises:
+        ConfigError: no such interface, or it has no IPv4 address.
+    """
+    import fcntl  # Linux only, as gradsync; imported here to keep the module importable
+    import struct
+
+    names = [n for _, n in socket.if_nameindex()]
+    if name not in names:
+        raise ConfigError(f"network interface {name!r} does not exist on this host "
+                          f"(it has {', '.join(names)})")
+    siocgifaddr = 0x8915  # <linux/sockios.h>: an interface's address
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            request = struct.pack("256s", name.encode()[:15])
+            reply = fcntl.ioctl(probe.fileno(), siocgifaddr, request)
+        except OSError:
+            raise ConfigError(f"network interface {name!r} has no IPv4 address") from None
+    return socket.inet_ntoa(reply[20:24])  # struct ifreq: the name (16), then a sockaddr_in
+
+
 def _listen_addr(config: Config, env: LaunchEnv) -> str:
     if config.addr:
+        # An interface name (gradsync run --network-interface, HOROVOD_GLOO_IFACE) stands for
+        # its address on each host: one setting serves every host of the job.
+        if any(config.addr == n for _, n in socket.if_nameindex()):
+            return interface_address(config.addr)
         return config.addr
     if env.store_addr in ("127.0.0.1", "localhost", "::1"):
         return "127.0.0.1"

@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Mapping, Sequence
 
-from ..config import ENV_PREFIX, IDENTITY_VARIABLES
+from ..config import ENV_PREFIX, HOROVOD_IDENTITY, IDENTITY_VARIABLES
 from . import binding
 from .elastic import ElasticSpec, launch_elastic
 from .hosts import Host, parse_hosts, read_hostfile
@@ -121,7 +121,8 @@ def resolve_exports(items: Sequence[str], environ: Mapping[str, str]) -> dict[st
         name, has_value, value = item.partition("=")
         if not name.isidentifier():
             raise ValueError(f"-x {item!r}: {name!r} is not a variable name")
-        if name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX):] in IDENTITY_VARIABLES:
+        if (name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX):] in IDENTITY_VARIABLES) or \
+                name in HOROVOD_IDENTITY:
             raise ValueError(f"-x {item!r}: gradsync run sets {name} for each rank itself")
         if not has_value:
             if name not in environ:
