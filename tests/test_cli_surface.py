@@ -9,10 +9,12 @@ import pytest
 from gradsync.run import cli
 
 RUN_OPTIONS = [
-    "--bind-to", "--blacklist-cooldown", "--elastic-timeout", "--help", "--host-discovery-script",
-    "--hostfile", "--hosts", "--max-np", "--min-np", "--no-output-prefix", "--num-proc",
-    "--output-prefix", "--reset-limit", "--servers", "--ssh-command", "--ssh-port",
-    "--start-timeout", "-H", "-h", "-np", "-x",
+    "--bind-to", "--blacklist-cooldown", "--blacklist-cooldown-range", "--elastic-timeout",
+    "--fusion-threshold-mb", "--help", "--host-discovery-script", "--hostfile", "--hosts",
+    "--log-level", "--max-np", "--min-np", "--network-interface", "--no-output-prefix",
+    "--num-proc", "--output-filename", "--output-prefix", "--reset-limit", "--servers",
+    "--ssh-command", "--ssh-identity-file", "--ssh-port", "--start-timeout",
+    "--timeline-filename", "-H", "-h", "-i", "-np", "-p", "-x",
 ]
 
 

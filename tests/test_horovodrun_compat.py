@@ -134,3 +134,71 @@ def test_an_interface_name_stands_for_its_address():
     assert interface_address("lo") == "127.0.0.1"
     with pytest.raises(ConfigError, match="'nosuch0' does not exist"):
         interface_address("nosuch0")
+
+
+# ---------------------------------------------------------------- horovodrun's flags
+def spec_of(*argv: str):
+    args = cli.build_parser().parse_args(["run", *argv])
+    return cli._spec(args.run_parser, args), args
+
+
+def test_settings_flags_become_the_ranks_gradsync_variables(tmp_path):
+    spec, _ = spec_of("-np", "2", "--network-interface", "eth1", "--log-level", "trace",
+                      "--timeline-filename", "t.json", "--fusion-threshold-mb", "32",
+                      "-x", "GRADSYNC_ADDR=eth2", "python", "x.py")
+    assert dict(spec.env) == {"GRADSYNC_ADDR": "eth2",  # -x wins
+                              "GRADSYNC_LOG_LEVEL": "DEBUG",
+                              "GRADSYNC_TIMELINE": os.path.abspath("t.json"),
+                              "GRADSYNC_FUSION_THRESHOLD": str(32 << 20)}  # MiB to bytes
+
+
+def test_ssh_flags_reach_the_ssh_command_line():
+    spec, _ = spec_of("-np", "1", "-p", "2222", "-i", "/keys/id", "true")
+    ssh = Starter(spec, None, "127.0.0.1").ssh
+    argv = ssh.argv("a", "true")
+    assert argv[argv.index("-p") + 1] == "2222" and argv[argv.index("-i") + 1] == "/keys/id"
+    assert "BatchMode=yes" in argv  # never a password prompt
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--network-interface", "eth0,eth1"], "listen on one interface"),
+    (["--log-level", "loud"], "invalid choice"),
+    (["--fusion-threshold-mb", "-1"], "must be >= 0"),
+    (["--blacklist-cooldown-range", "5", "50"], "elastic jobs only"),
+    (["--min-np", "1", "--blacklist-cooldown-range", "9", "3"], "0 < MIN <= MAX"),
+    (["--blacklist-cooldown", "3", "--blacklist-cooldown-range", "1", "3"], "not allowed with"),
+])
+def test_flag_errors_are_usage_errors_with_a_reason(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["run", "-np", "2", *argv, "true"])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cooldown_range_backs_off_within_its_bounds():
+    from gradsync.run.elastic import ElasticSpec
+    spec = ElasticSpec(min_np=1, max_np=2, blacklist_cooldown_range=(10.0, 100.0))
+    for failures, (low, high) in {1: (20, 30), 2: (40, 50), 3: (80, 90), 4: (100, 100),
+                                  40: (100, 100)}.items():
+        assert all(low <= spec.cooldown(failures) <= high for _ in range(20)), failures
+    assert ElasticSpec(min_np=1, max_np=2, blacklist_cooldown=5.0).cooldown(3) == 5.0
+    assert ElasticSpec(min_np=1, max_np=2).cooldown(1) is None  # for good
+
+
+@pytest.mark.multiprocess
+def test_output_filename_keeps_each_ranks_lines(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    code = ("import os, sys; r = os.environ['HOROVOD_RANK']; print('out', r); "
+            "print('err', r, file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-m", "gradsync", "run", "-np", "11",
+                           "--output-filename", str(tmp_path / "logs"), sys.executable, "-c",
+                           code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == \
+        [f"rank.{r:02d}" for r in range(11)]  # padded: they sort in rank order
+    for r in range(11):
+        folder = tmp_path / "logs" / f"rank.{r:02d}"
+        assert (folder / "stdout").read_text() == f"out {r}\n"
+        assert (folder / "stderr").read_text() == f"err {r}\n"
+    assert f"[10]<stdout>:out 10" in proc.stdout  # the console still gets every line

@@ -165,6 +165,10 @@ class LaunchSpec:
     bind_to: str = "none"
     """``core``, ``none`` or ``auto``: bind each rank started on this host to cores of its
     own (``binding.py``; auto: only when they fit and the affinity is not restricted)."""
+    ssh_identity_file: str | None = None
+    """Private key passed to ssh as ``-i``."""
+    output_filename: str | None = None
+    """Folder that also gets each rank's output, ``rank.<rank>/stdout`` and ``.../stderr``."""
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -206,7 +210,8 @@ def launch(spec: LaunchSpec, stdout: BinaryIO | None = None,
     """
     slots = place(spec.hosts or [Host("localhost", spec.size)], spec.size)
     output = Output(spec.output_prefix, stdout or sys.stdout.buffer,
-                    stderr or sys.stderr.buffer)
+                    stderr or sys.stderr.buffer, directory=spec.output_filename,
+                    width=len(str(spec.size - 1)))
     return _Job(spec, slots, output).run()
 
 
@@ -302,7 +307,7 @@ class Starter:
         self.secret = secrets.token_bytes(32)
         self.job_id = secrets.token_hex(8)
         self.ssh = Ssh(spec.ssh_command, spec.ssh_port,
-                       spec.start_timeout or DEFAULT_START_TIMEOUT)
+                       spec.start_timeout or DEFAULT_START_TIMEOUT, spec.ssh_identity_file)
 
     def start(self, slot: Slot, port: int, size: int, cores: Sequence[int] | None = None,
               identity: Mapping[str, str] | None = None) -> Rank:
