@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Mapping
 
+from . import logs
 from .errors import ConfigError
 
 __all__ = ["Config", "load_config", "ENV_PREFIX", "IDENTITY_VARIABLES", "HOROVOD_SETTINGS",
@@ -324,5 +325,6 @@ def load_config(overrides: Mapping[str, object] | None = None,
         values[field.name] = _parse(field, variable, text)
     values.update(overrides)
     config = Config(**values)
+    logs.configure(config.log_level)  # GRADSYNC_LOG_LEVEL shows what it names, from here on
     _report_ignored(ignored, environ)
     return config
