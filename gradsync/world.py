@@ -52,6 +52,20 @@ class PeerInfo:
     pid: int
 
 
+def firewall_hint(host: str) -> str:
+    """What to open when a rank cannot reach a peer on ``host``: its listening port is one
+    the kernel picks from the ephemeral range, so the whole range must be open."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            low, high = ports.read().split()
+    except (OSError, ValueError):
+        low, high = "32768", "60999"  # Linux's default range
+    return (f"is a firewall between this host and {host}? ranks listen on TCP ports "
+            f"{low}-{high} (the kernel's ephemeral range): open them between the job's hosts, "
+            f"or choose the interface the ranks use (GRADSYNC_ADDR, gradsync run "
+            f"--network-interface)")
+
+
 def interface_address(name: str) -> str:
     """The IPv4 address of this host's network interface ``name`` (e.g. ``eth1``).
 
@@ -202,8 +216,11 @@ class World:
         pairs: dict[int, Pair] = {}
         for peer in peers[:env.rank]:
             if peer.rank in tcp_peers:
-                sock = tcp.connect(peer.addr, peer.port, env.rank, peer.rank, secret,
-                                   env.job_id, deadline, alive)
+                try:
+                    sock = tcp.connect(peer.addr, peer.port, env.rank, peer.rank, secret,
+                                       env.job_id, deadline, alive)
+                except GradsyncTimeoutError as exc:
+                    raise GradsyncTimeoutError(f"{exc}; {firewall_hint(peer.host)}") from None
                 pairs[peer.rank] = tcp.TcpPair(peer.rank, sock, config.tcp_splice)
         for r, sock in listener.wait_for({r for r in tcp_peers if r > env.rank}, deadline,
                                           alive).items():

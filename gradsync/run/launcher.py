@@ -12,8 +12,9 @@ A job goes through five steps:
 3. **Start.** Each rank gets its identity as ``GRADSYNC_*`` variables (``launch_env`` reads
    them), and as horovodrun's ``HOROVOD_RANK``, ``_SIZE``, ``_LOCAL_RANK``, ``_LOCAL_SIZE``,
    ``_CROSS_RANK``, ``_CROSS_SIZE`` and ``HOROVOD_HOSTNAME`` (the host's name as listed), so
-   a script written for horovodrun runs unchanged. A local rank is a child in a new session, so ``killpg`` reaches everything it started.
-   A remote rank runs under ``ssh`` (see *Remote ranks*).
+   a script written for horovodrun runs unchanged. A local rank is a child in a new session,
+   so ``killpg`` reaches everything it started. A remote rank runs under ``ssh`` (see
+   *Remote ranks*).
 4. **Watch.** The first rank to exit non-zero or die by a signal ends the job: every rank's
    process group gets SIGTERM, then SIGKILL after ``stop_grace`` seconds. So does SIGINT,
    SIGTERM or SIGHUP sent to the launcher (a second one skips the grace).

@@ -343,7 +343,8 @@ class Ssh:
             return None
         detail = proc.stderr.read().decode(errors="replace").strip().splitlines()
         return (f"cannot run commands on {host} with '{self.command}' (status "
-                f"{proc.returncode}" + (f": {detail[-1]}" if detail else "") + ")")
+                f"{proc.returncode}" + (f": {detail[-1]}" if detail else "") + ")"
+                + _ssh_fix(host, "\n".join(detail)))
 
     @staticmethod
     def end_probe(proc: subprocess.Popen) -> None:
@@ -352,6 +353,22 @@ class Ssh:
             proc.kill()
             proc.wait()
         proc.stderr.close()
+
+
+def _ssh_fix(host: str, detail: str) -> str:
+    """The fix for the usual ssh failures, as the end of the error line ("" if unknown).
+
+    ssh runs with BatchMode=yes, so a host that wants a password or an unknown host key fails
+    at once instead of prompting (a prompt would hang the job)."""
+    if "Permission denied" in detail:
+        return (f"; ssh must log in to {host} without a password: install a key there "
+                f"(ssh-copy-id {host}) or name one (gradsync run --ssh-identity-file)")
+    if "Host key verification failed" in detail:
+        return (f"; ssh does not know {host}'s host key: connect once by hand (ssh {host}) "
+                f"or add it (ssh-keyscan {host} >> ~/.ssh/known_hosts)")
+    if "Connection timed out" in detail or "No route to host" in detail:
+        return f"; is {host} up, and is its ssh port open to this host (a firewall)?"
+    return ""
 
 
 def remote_script(cwd: str, assignments: Mapping[str, str], command: Sequence[str],
