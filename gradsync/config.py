@@ -251,7 +251,9 @@ HOROVOD_IGNORED = frozenset({
     "HOROVOD_MPI_THREADS_DISABLE", "HOROVOD_NUM_NCCL_STREAMS", "HOROVOD_THREAD_AFFINITY",
     "HOROVOD_LOG_HIDE_TIME", "HOROVOD_DISABLE_GROUP_FUSION", "HOROVOD_ENABLE_ASYNC_COMPLETION",
     "HOROVOD_BATCH_D2D_MEMCOPIES", "HOROVOD_ADASUM_MPI_CHUNK_SIZE", "HOROVOD_CCL_CACHE",
-    "HOROVOD_DYNAMIC_PROCESS_SETS", "HOROVOD_ENABLE_XLA_OPS", "HOROVOD_DISABLE_NVTX_RANGES",
+    "HOROVOD_ENABLE_XLA_OPS", "HOROVOD_DISABLE_NVTX_RANGES",
+    # Not listed: HOROVOD_DYNAMIC_PROCESS_SETS, which asks for what gradsync always does
+    # (hvd.add_process_set works at any time), so it is not ignored.
 })
 """Horovod's runtime settings with no gradsync equivalent: reported once when set."""
 
