@@ -93,8 +93,15 @@ def _listen_addr(config: Config, env: LaunchEnv) -> str:
     if config.addr:
         # An interface name (gradsync run --network-interface, HOROVOD_GLOO_IFACE) stands for
         # its address on each host: one setting serves every host of the job.
-        if any(config.addr == n for _, n in socket.if_nameindex()):
+        names = [n for _, n in socket.if_nameindex()]
+        if config.addr in names:
             return interface_address(config.addr)
+        try:
+            socket.getaddrinfo(config.addr, None)
+        except OSError:
+            raise ConfigError(f"GRADSYNC_ADDR={config.addr!r} is neither an address of this "
+                              f"host nor one of its network interfaces ({', '.join(names)})"
+                              ) from None
         return config.addr
     if env.store_addr in ("127.0.0.1", "localhost", "::1"):
         return "127.0.0.1"

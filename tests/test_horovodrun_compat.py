@@ -144,7 +144,7 @@ def spec_of(*argv: str):
 
 
 def test_settings_flags_become_the_ranks_gradsync_variables(tmp_path):
-    spec, _ = spec_of("-np", "2", "--network-interface", "eth1", "--log-level", "trace",
+    spec, _ = spec_of("-np", "2", "--network-interface", "lo", "--log-level", "trace",
                       "--timeline-filename", "t.json", "--fusion-threshold-mb", "32",
                       "-x", "GRADSYNC_ADDR=eth2", "python", "x.py")
     assert dict(spec.env) == {"GRADSYNC_ADDR": "eth2",  # -x wins
@@ -203,3 +203,21 @@ def test_output_filename_keeps_each_ranks_lines(tmp_path):
         assert (folder / "stdout").read_text() == f"out {r}\n"
         assert (folder / "stderr").read_text() == f"err {r}\n"
     assert f"[10]<stdout>:out 10" in proc.stdout  # the console still gets every line
+
+
+def test_an_interface_this_host_lacks_is_a_usage_error_for_a_local_job(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["run", "-np", "1", "--network-interface", "nosuch0", "true"])
+    assert info.value.code == 2
+    assert "no such interface" in capsys.readouterr().err
+    spec_of("-np", "1", "-H", "far-away-host:1", "--network-interface", "nosuch0", "true")
+
+
+def test_an_addr_that_is_neither_address_nor_interface_names_both():
+    from types import SimpleNamespace
+    from gradsync.config import Config
+    from gradsync.world import _listen_addr
+    env = SimpleNamespace(store_addr="127.0.0.1", store_port=1)
+    assert _listen_addr(Config(addr="lo"), env) == "127.0.0.1"
+    with pytest.raises(ConfigError, match="neither an address of this host nor one of its"):
+        _listen_addr(Config(addr="nosuch0.invalid"), env)

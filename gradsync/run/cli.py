@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from typing import Mapping, Sequence
 
@@ -17,7 +18,7 @@ from ..config import ENV_PREFIX, HOROVOD_IDENTITY, IDENTITY_VARIABLES
 from . import binding
 from .elastic import ElasticSpec, launch_elastic
 from .hosts import Host, parse_hosts, read_hostfile
-from .launcher import DEFAULT_START_TIMEOUT, LaunchSpec, launch, place
+from .launcher import DEFAULT_START_TIMEOUT, LaunchSpec, is_local, launch, place
 
 __all__ = ["main", "build_parser", "add_run_arguments", "parse_hosts", "read_hostfile",
            "resolve_exports", "flag_settings"]
@@ -227,6 +228,17 @@ def _check_elastic_only(args: argparse.Namespace) -> None:
                          "--max-np, --host-discovery-script)")
 
 
+def _check_interface(name: str | None, hosts: Sequence[Host]) -> None:
+    """A --network-interface that this host lacks is a usage error when every rank runs here
+    (another host's interfaces are checked by its ranks, at init)."""
+    if name is None or not all(is_local(h.name) for h in hosts):
+        return
+    names = [n for _, n in socket.if_nameindex()]
+    if name not in names:
+        raise ValueError(f"--network-interface {name}: this host has no such interface "
+                         f"(it has {', '.join(names)})")
+
+
 def _spec(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LaunchSpec:
     """Checks the parsed options and turns them into a LaunchSpec; errors exit with usage."""
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -248,6 +260,7 @@ def _spec(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LaunchSp
         if not _is_elastic(args):
             # Placement is checked here, so that too few slots is a usage error.
             place(hosts or [Host("localhost", spec.size)], spec.size)
+        _check_interface(args.network_interface, hosts)
         return spec
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
