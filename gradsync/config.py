@@ -6,19 +6,29 @@ variable. The README's configuration table lists the same fields.
 
 Launcher-provided identity (rank, world size, store address, secret) is read by
 ``gradsync.launch_env``; this module owns the tunables.
+
+Horovod's settings: a ``HOROVOD_*`` variable that has a gradsync equivalent (``HOROVOD_SETTINGS``)
+fills that field when neither a keyword nor its ``GRADSYNC_*`` variable does, converted to
+gradsync's units, so a Horovod job keeps its tuning unchanged. The fallback lives here, where
+the environment is read, rather than in ``gradsync run``: it then works whatever started the
+ranks (``mpirun -x HOROVOD_FUSION_THRESHOLD``, srun, torchrun, a shell). Horovod's runtime
+settings that have no equivalent (``HOROVOD_IGNORED``) are reported once, by rank 0, in one line.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 from dataclasses import dataclass, fields
 from typing import Mapping
 
+from . import logs
 from .errors import ConfigError
 
-__all__ = ["Config", "load_config", "ENV_PREFIX", "IDENTITY_VARIABLES"]
+__all__ = ["Config", "load_config", "ENV_PREFIX", "IDENTITY_VARIABLES", "HOROVOD_SETTINGS",
+           "HOROVOD_IGNORED", "HOROVOD_IDENTITY", "horovod_settings"]
 
 ENV_PREFIX = "GRADSYNC_"
 
@@ -32,6 +42,12 @@ IDENTITY_VARIABLES = frozenset(
         "BIND",  # not an identity: gradsync run's --bind-to default, read by the launcher
     }
 )
+
+# horovodrun's identity variables, set by gradsync run beside GRADSYNC_*: the same values.
+HOROVOD_IDENTITY = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
+                    "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME")
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 TRANSPORTS = ("auto", "tcp", "shm")
 ALGORITHMS = ("auto", "ring", "topo_ring", "doubling", "halving_doubling", "hierarchical", "shm")
@@ -114,10 +130,13 @@ class Config:
     as written by ``gradsync probe``; empty: built-in defaults for the tiers, no groups."""
 
     addr: str = ""
-    """Address this rank listens on; empty means the one that routes to the store."""
+    """Address this rank listens on, or the name of a network interface (``eth1``: its IPv4
+    address on each host); empty means the one that routes to the store."""
 
     log_level: str = "WARNING"
-    """Level of the ``gradsync`` logger (only set when this is not the default)."""
+    """Level of the ``gradsync`` logger: ``DEBUG``, ``INFO``, ``WARNING``, ``ERROR`` or
+    ``CRITICAL`` (any case); other than ``WARNING``, its records go to stderr with the rank
+    (``gradsync.logs``) unless the program configured logging itself."""
 
     timeline: str = ""
     """Path of a Chrome-trace timeline of the Horovod API's operations, recorded from ``init()``
@@ -155,6 +174,11 @@ class Config:
             raise ConfigError(f"elastic_timeout must be positive, got {self.elastic_timeout}")
         if self.abort_poll_interval <= 0 or self.stall_warning <= 0:
             raise ConfigError("abort_poll_interval and stall_warning must be positive")
+        level = self.log_level.strip().upper()
+        if level not in _LOG_LEVELS:
+            raise ConfigError(f"log_level must be one of {', '.join(_LOG_LEVELS)}, "
+                              f"got {self.log_level!r}")
+        object.__setattr__(self, "log_level", level)  # frozen: the one normalisation
 
     def replace(self, **changes) -> "Config":
         return dataclasses.replace(self, **changes)
@@ -186,9 +210,97 @@ def _parse(field: dataclasses.Field, variable: str, text: str):
         raise ConfigError(f"{variable}={text!r} is not a valid {kind}") from None
 
 
+def _horovod_log_level(text: str) -> str | None:
+    # Horovod's levels (lower case, as horovodrun --log-level writes them) in logging's names.
+    levels = {"trace": "DEBUG", "debug": "DEBUG", "info": "INFO", "warning": "WARNING",
+              "error": "ERROR", "fatal": "CRITICAL"}
+    return levels.get(text.strip().lower(), text)
+
+
+def _horovod_on(text: str) -> bool:
+    return text.strip().lower() not in ("", "0", "false", "no", "off")
+
+
+# HOROVOD_<NAME> -> (gradsync field, the GRADSYNC_* text for Horovod's text, or None to leave
+# the field alone). Units: HOROVOD_FUSION_THRESHOLD is bytes, as fusion_threshold; the *_SECONDS
+# and GLOO timeouts are seconds, as gradsync's timeouts.
+HOROVOD_SETTINGS = {
+    "HOROVOD_FUSION_THRESHOLD": ("fusion_threshold", lambda t: t),
+    "HOROVOD_TIMELINE": ("timeline",
+                         # DYNAMIC: no file at init, hvd.start_timeline later (as gradsync)
+                         lambda t: None if t.strip().upper() == "DYNAMIC" else t),
+    "HOROVOD_TIMELINE_MARK_CYCLES": ("timeline_mark_cycles", lambda t: t),
+    "HOROVOD_LOG_LEVEL": ("log_level", _horovod_log_level),
+    "HOROVOD_STALL_CHECK_TIME_SECONDS": ("stall_warning", lambda t: t),
+    # Horovod's 0 means "never shut down"; gradsync's timeout has no "never": keep its own.
+    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": ("timeout",
+                                            lambda t: None if float(t or 0) <= 0 else t),
+    "HOROVOD_GLOO_TIMEOUT_SECONDS": ("connect_timeout", lambda t: t),
+    "HOROVOD_GLOO_IFACE": ("addr", lambda t: t),  # an interface name: see world.py
+    "HOROVOD_HIERARCHICAL_ALLREDUCE": ("algorithm",
+                                       lambda t: "hierarchical" if _horovod_on(t) else None),
+}
+"""Horovod's settings that gradsync honours, each with its field and conversion."""
+
+HOROVOD_IGNORED = frozenset({
+    "HOROVOD_CYCLE_TIME",  # no fixed cycle: gradsync's background loop runs as work comes
+    "HOROVOD_CACHE_CAPACITY", "HOROVOD_HIERARCHICAL_ALLGATHER", "HOROVOD_TORUS_ALLREDUCE",
+    "HOROVOD_AUTOTUNE", "HOROVOD_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES",
+    "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
+    "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", "HOROVOD_STALL_CHECK_DISABLE",
+    "HOROVOD_MPI_THREADS_DISABLE", "HOROVOD_NUM_NCCL_STREAMS", "HOROVOD_THREAD_AFFINITY",
+    "HOROVOD_LOG_HIDE_TIME", "HOROVOD_DISABLE_GROUP_FUSION", "HOROVOD_ENABLE_ASYNC_COMPLETION",
+    "HOROVOD_BATCH_D2D_MEMCOPIES", "HOROVOD_ADASUM_MPI_CHUNK_SIZE", "HOROVOD_CCL_CACHE",
+    "HOROVOD_ENABLE_XLA_OPS", "HOROVOD_DISABLE_NVTX_RANGES",
+    # Not listed: HOROVOD_DYNAMIC_PROCESS_SETS, which asks for what gradsync always does
+    # (hvd.add_process_set works at any time), so it is not ignored.
+})
+"""Horovod's runtime settings with no gradsync equivalent: reported once when set."""
+
+_warned_ignored = False  # the report of ignored HOROVOD_* settings is made once per process
+_RANK_VARIABLES = ("GRADSYNC_RANK", "HOROVOD_RANK", "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK",
+                   "PMI_RANK")
+
+
+def horovod_settings(environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """Horovod's settings in ``environ`` as gradsync field values, and those gradsync ignores.
+
+    Returns:
+        ``({field: text}, [ignored variable names])``; a field appears only when its
+        ``GRADSYNC_*`` variable is not set (that one wins), its text in GRADSYNC_* syntax.
+    """
+    values: dict[str, str] = {}
+    for variable, (name, convert) in HOROVOD_SETTINGS.items():
+        text = environ.get(variable)
+        if text is None or ENV_PREFIX + name.upper() in environ:
+            continue
+        try:
+            converted = convert(text)
+        except ValueError:
+            raise ConfigError(f"{variable}={text!r} is not a valid number") from None
+        if converted is not None:
+            values[name] = converted
+    ignored = sorted(v for v in HOROVOD_IGNORED if v in environ)
+    return values, ignored
+
+
+def _report_ignored(ignored: list[str], environ: Mapping[str, str]) -> None:
+    global _warned_ignored
+    rank = next((environ[v] for v in _RANK_VARIABLES if v in environ), "0")
+    if not ignored or _warned_ignored or rank.strip() != "0":
+        return
+    _warned_ignored = True
+    logging.getLogger("gradsync").warning(
+        "gradsync ignores %s (Horovod setting%s with no gradsync equivalent; "
+        "docs/configuration.md lists those it maps)", ", ".join(ignored),
+        "" if len(ignored) == 1 else "s")
+
+
 def load_config(overrides: Mapping[str, object] | None = None,
                 environ: Mapping[str, str] | None = None) -> Config:
-    """Builds the Config from keyword overrides, then ``GRADSYNC_*`` variables, then defaults."""
+    """Builds the Config from keyword overrides, then ``GRADSYNC_*`` variables, then Horovod's
+    (``HOROVOD_SETTINGS``), then defaults; reports the ignored ``HOROVOD_*`` ones (rank 0, once).
+    """
     environ = os.environ if environ is None else environ
     overrides = dict(overrides or {})
     by_name = {f.name: f for f in fields(Config)}
@@ -197,6 +309,11 @@ def load_config(overrides: Mapping[str, object] | None = None,
         raise ConfigError(f"unknown gradsync setting(s): {sorted(unknown_kwargs)}; "
                           f"known: {sorted(by_name)}")
     values: dict[str, object] = {}
+    horovod, ignored = horovod_settings(environ)
+    for name, text in horovod.items():
+        variable = next(v for v, (n, _) in HOROVOD_SETTINGS.items()
+                        if n == name and v in environ)
+        values[name] = _parse(by_name[name], variable, text)
     for variable, text in environ.items():
         if not variable.startswith(ENV_PREFIX):
             continue
@@ -209,4 +326,7 @@ def load_config(overrides: Mapping[str, object] | None = None,
                               + ", ".join(ENV_PREFIX + n.upper() for n in sorted(by_name)))
         values[field.name] = _parse(field, variable, text)
     values.update(overrides)
-    return Config(**values)
+    config = Config(**values)
+    logs.configure(config.log_level)  # GRADSYNC_LOG_LEVEL shows what it names, from here on
+    _report_ignored(ignored, environ)
+    return config

@@ -44,8 +44,14 @@ class Store:
                 base = TCPStore(addr, port, world_size if is_server else None, is_server,
                                 timedelta(seconds=timeout), wait_for_workers=False)
             except (RuntimeError, OSError) as exc:
+                # A client that cannot reach the store is most often behind a firewall.
+                hint = "" if is_server else (
+                    f"; is TCP port {port} of {addr} open to this host (a firewall between "
+                    f"the hosts)? open it, or give an address this host can reach "
+                    f"(MASTER_ADDR, GRADSYNC_STORE_ADDR)")
                 raise GradsyncTimeoutError(f"could not reach the rendezvous store at "
-                                           f"{addr}:{port} within {timeout:.0f}s: {exc}") from None
+                                           f"{addr}:{port} within {timeout:.0f}s: {exc}"
+                                           f"{hint}") from None
             # Kept for the life of the process: a store hosted here must outlive this rank's
             # shutdown (other ranks may still read the abort record), and a later init() of
             # the same job reuses it (under a new key prefix, see World.connect).

@@ -52,9 +52,57 @@ class PeerInfo:
     pid: int
 
 
+def firewall_hint(host: str) -> str:
+    """What to open when a rank cannot reach a peer on ``host``: its listening port is one
+    the kernel picks from the ephemeral range, so the whole range must be open."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            low, high = ports.read().split()
+    except (OSError, ValueError):
+        low, high = "32768", "60999"  # Linux's default range
+    return (f"is a firewall between this host and {host}? ranks listen on TCP ports "
+            f"{low}-{high} (the kernel's ephemeral range): open them between the job's hosts, "
+            f"or choose the interface the ranks use (GRADSYNC_ADDR, gradsync run "
+            f"--network-interface)")
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of this host's network interface ``name`` (e.g. ``eth1``).
+
+    Raises:
+        ConfigError: no such interface, or it has no IPv4 address.
+    """
+    import fcntl  # Linux only, as gradsync; imported here to keep the module importable
+    import struct
+
+    names = [n for _, n in socket.if_nameindex()]
+    if name not in names:
+        raise ConfigError(f"network interface {name!r} does not exist on this host "
+                          f"(it has {', '.join(names)})")
+    siocgifaddr = 0x8915  # <linux/sockios.h>: an interface's address
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            request = struct.pack("256s", name.encode()[:15])
+            reply = fcntl.ioctl(probe.fileno(), siocgifaddr, request)
+        except OSError:
+            raise ConfigError(f"network interface {name!r} has no IPv4 address") from None
+    return socket.inet_ntoa(reply[20:24])  # struct ifreq: the name (16), then a sockaddr_in
+
+
 def listen_addr(config: Config, env: LaunchEnv) -> str:
     """The address this rank listens on: ``config.addr``, else one the other hosts reach."""
     if config.addr:
+        # An interface name (gradsync run --network-interface, HOROVOD_GLOO_IFACE) stands for
+        # its address on each host: one setting serves every host of the job.
+        names = [n for _, n in socket.if_nameindex()]
+        if config.addr in names:
+            return interface_address(config.addr)
+        try:
+            socket.getaddrinfo(config.addr, None)
+        except OSError:
+            raise ConfigError(f"GRADSYNC_ADDR={config.addr!r} is neither an address of this "
+                              f"host nor one of its network interfaces ({', '.join(names)})"
+                              ) from None
         return config.addr
     if env.store_addr in ("127.0.0.1", "localhost", "::1"):
         return "127.0.0.1"
@@ -176,8 +224,11 @@ class World:
         pairs: dict[int, Pair] = {}
         for peer in peers[:env.rank]:
             if peer.rank in tcp_peers:
-                sock = tcp.connect(peer.addr, peer.port, env.rank, peer.rank, secret,
-                                   env.job_id, deadline, alive)
+                try:
+                    sock = tcp.connect(peer.addr, peer.port, env.rank, peer.rank, secret,
+                                       env.job_id, deadline, alive)
+                except GradsyncTimeoutError as exc:
+                    raise GradsyncTimeoutError(f"{exc}; {firewall_hint(peer.host)}") from None
                 pairs[peer.rank] = tcp.TcpPair(peer.rank, sock, config.tcp_splice)
         for r, sock in listener.wait_for({r for r in tcp_peers if r > env.rank}, deadline,
                                           alive).items():

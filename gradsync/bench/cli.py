@@ -4,36 +4,124 @@
     gradsync bench backend -np 2 [--sizes 1M:64M] [--collectives all_reduce,...]
     gradsync bench train -np 2 [--compare ddp] [--model mlp|cnn|both] [--profile] ...
     gradsync bench ps -np 2 --servers 1 [--sizes 1K:64M] [--transport auto|tcp] [--straggler]
+    gradsync bench BENCHMARK --help      (that benchmark's options)
 
 A benchmark module that defines ``drive`` starts its jobs itself (``ps`` starts one job per
 model size, because a parameter server keeps the model of its first hello): it gets the
 ``gradsync run`` command line built here, ``--servers`` included.
+
+``--json`` means one thing in every command of ``gradsync`` (``bench``, ``plan``,
+``simulate``): ``--json FILE`` writes the rows to FILE as JSON; ``--json`` alone (or
+``--json -``) prints them to stdout (``plan`` and ``simulate``: instead of their table). A
+benchmark's modules take a file only, so for stdout this command gives them a temporary file
+and prints it once the job has ended, after the job's own output.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import subprocess
 import sys
+import tempfile
+from typing import Any
 
-__all__ = ["main"]
+__all__ = ["main", "add_json_option", "write_json", "BENCHMARKS"]
 
 BENCHMARKS = {"allreduce": "gradsync.bench.allreduce", "backend": "gradsync.bench.backend",
               "elastic": "gradsync.bench.elastic",
               "probe": "gradsync.bench.probe",
               "ps": "gradsync.bench.ps", "train": "gradsync.bench.train"}
 
+_JSON_HELP = "the rows as JSON: written to FILE, or to stdout (instead of the table) without FILE"
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gradsync bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("benchmark", choices=sorted(BENCHMARKS))
+
+def add_json_option(parser) -> None:
+    """Adds ``--json [FILE]`` (this package's one meaning of ``--json``) to a parser or group;
+    the parsed value is None (no JSON), ``"-"`` (stdout) or the file's path."""
+    parser.add_argument("--json", nargs="?", const="-", metavar="FILE", help=_JSON_HELP)
+
+
+def write_json(data: Any, target: str) -> None:
+    """Writes ``data`` as JSON to ``target``: a path, or ``"-"`` for stdout."""
+    if target == "-":
+        json.dump(data, sys.stdout, indent=1)
+        print()
+        return
+    with open(target, "w") as out:
+        json.dump(data, out, indent=1)
+        out.write("\n")
+
+
+def _common(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The options of every benchmark, read here rather than by the benchmark's module."""
     parser.add_argument("-np", dest="np", type=int, default=2,
                         help="number of ranks (default 2; for ps: of workers)")
     parser.add_argument("-H", "--hosts", help="hosts and slots, as for gradsync run")
     parser.add_argument("--servers", type=int, metavar="S",
                         help="parameter-server ranks after the -np workers (ps only; default 1)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    # Help is handled by main(): with a benchmark named, it is that benchmark's help.
+    parser = argparse.ArgumentParser(prog="gradsync bench", description=__doc__, add_help=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-h", "--help", action="store_true",
+                        help="show this help (or, after BENCHMARK, that benchmark's) and exit")
+    parser.add_argument("benchmark", nargs="?", choices=sorted(BENCHMARKS), metavar="BENCHMARK",
+                        help=", ".join(sorted(BENCHMARKS)))
+    _common(parser)
+    return parser
+
+
+def _module(name: str):
+    return __import__(BENCHMARKS[name], fromlist=["parser"])
+
+
+def benchmark_parser(name: str) -> argparse.ArgumentParser:
+    """The whole command line of ``gradsync bench NAME``, for its ``--help``: the module's
+    options and the launch options this command reads."""
+    parser = _module(name).parser()
+    for action in parser._actions:
+        if action.dest == "json":  # the modules take a file; main() also offers stdout
+            action.nargs, action.const, action.metavar, action.help = "?", "-", "FILE", _JSON_HELP
+    if name != "probe":  # probe is also "gradsync probe": its usage names no launch options
+        _common(parser.add_argument_group("ranks (gradsync bench)"))
+    return parser
+
+
+def _json_to_stdout(rest: list[str]) -> tuple[list[str], bool]:
+    """Replaces ``--json`` without a file (or ``--json -``) by a temporary file's path.
+
+    Returns:
+        The arguments for the benchmark's module, and whether a temporary file is used.
+    """
+    out = []
+    stdout = False
+    items = iter(range(len(rest)))
+    for i in items:
+        arg = rest[i]
+        following = rest[i + 1] if i + 1 < len(rest) else None
+        if arg == "--json=-" or (arg == "--json" and (following is None or following == "-"
+                                                       or following.startswith("-"))):
+            stdout = True
+            if following == "-":
+                next(items, None)  # the "-" is consumed with the option
+            continue
+        out.append(arg)
+    return out, stdout
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
     args, rest = parser.parse_known_args(argv)
+    if args.help:
+        (benchmark_parser(args.benchmark) if args.benchmark else parser).print_help()
+        return 0
+    if args.benchmark is None:
+        parser.error("name a benchmark: " + ", ".join(sorted(BENCHMARKS)))
     if args.np < 1:
         parser.error("-np must be at least 1")
     if args.benchmark != "ps" and args.servers is not None:
@@ -45,7 +133,20 @@ def main(argv: list[str] | None = None) -> int:
         args.servers = 1 if args.servers is None else args.servers
         if args.servers < 1:
             parser.error("--servers must be at least 1")
-    module = __import__(BENCHMARKS[args.benchmark], fromlist=["parser"])
+    rest, to_stdout = _json_to_stdout(rest)
+    if not to_stdout:
+        return _run(args, rest)
+    with tempfile.TemporaryDirectory(prefix="gradsync-bench-") as folder:
+        path = os.path.join(folder, "rows.json")
+        status = _run(args, [*rest, "--json", path])
+        if os.path.exists(path):
+            with open(path) as rows:
+                sys.stdout.write(rows.read())
+        return status
+
+
+def _run(args: argparse.Namespace, rest: list[str]) -> int:
+    module = _module(args.benchmark)
     # Validate the benchmark's own options here, before any rank starts.
     options = module.parser().parse_args(rest)
     run = [sys.executable, "-m", "gradsync", "run", "-np", str(args.np),

@@ -1,6 +1,7 @@
 """``gradsync plan``: what the planner predicts for each allreduce algorithm, and its choice.
 
     gradsync plan --hosts h0:2,h1:2 [--alternate] [--topology topo.json] [--sizes 4K:256M]
+        [--json [FILE]]
 
 Pure computation, no job: the placement comes from ``--hosts`` (ranks filled host by host,
 or dealt across hosts with ``--alternate``), the tiers from ``--topology`` (a file written by
@@ -10,13 +11,13 @@ or dealt across hosts with ``--alternate``), the tiers from ``--topology`` (a fi
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from ..collectives.planner import CANDIDATES, plan
 from ..run.hosts import parse_hosts, rank_hosts
 from ..topology import Topology, load
 from .allreduce import size_range
+from .cli import add_json_option, write_json
 
 __all__ = ["main", "parser", "placement"]
 
@@ -29,7 +30,7 @@ def parser() -> argparse.ArgumentParser:
                    help="number ranks across hosts alternately (rank r on host r %% H)")
     p.add_argument("--topology", help="topology file (JSON/YAML) with tiers and groups")
     p.add_argument("--sizes", default="4K:256M", help="MIN:MAX bytes, x4 per row")
-    p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    add_json_option(p)
     return p
 
 
@@ -52,9 +53,9 @@ def main(argv: "list[str] | None" = None) -> int:
     topo = Topology.from_hosts(ranks, spec)
     rows = plan(topo, size_range(args.sizes, 4))
     if args.json:
-        json.dump(rows, sys.stdout, indent=1)
-        print()
-        return 0
+        write_json(rows, args.json)
+        if args.json == "-":
+            return 0
     print("# " + topo.describe().replace("\n", "\n# "))
     print(f"# predicted allreduce time (us) per algorithm; ranks: "
           f"{' '.join(ranks)}")

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from typing import Mapping, Sequence
 
-from ..config import ENV_PREFIX, IDENTITY_VARIABLES
+from ..config import ENV_PREFIX, HOROVOD_IDENTITY, IDENTITY_VARIABLES
 from . import binding
 from .elastic import ElasticSpec, launch_elastic
 from .hosts import Host, parse_hosts, read_hostfile
-from .launcher import DEFAULT_START_TIMEOUT, LaunchSpec, launch, place
+from .launcher import DEFAULT_START_TIMEOUT, LaunchSpec, is_local, launch, place
 
 __all__ = ["main", "build_parser", "add_run_arguments", "parse_hosts", "read_hostfile",
-           "resolve_exports"]
+           "resolve_exports", "flag_settings"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +66,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     remote = parser.add_argument_group("remote hosts")
     remote.add_argument("--ssh-command", default="ssh", metavar="CMD",
                         help="command that runs a command on a remote host (default: ssh)")
-    remote.add_argument("--ssh-port", type=int, metavar="PORT", help="ssh port of the hosts")
+    remote.add_argument("-p", "--ssh-port", type=int, metavar="PORT",
+                        help="ssh port of the hosts")
+    remote.add_argument("-i", "--ssh-identity-file", metavar="FILE",
+                        help="private key ssh logs in with (ssh -i)")
     remote.add_argument("--start-timeout", type=float, metavar="SECONDS",
                         help="seconds for ssh to connect (default "
                              f"{DEFAULT_START_TIMEOUT:g}); when given, also how long the ranks "
@@ -85,13 +89,34 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                          help="most re-formations before the job fails (default: no limit)")
     elastic.add_argument("--elastic-timeout", type=float, default=600.0, metavar="SECONDS",
                          help="how long to wait for hosts while below --min-np (default 600)")
-    elastic.add_argument("--blacklist-cooldown", type=float, metavar="SECONDS",
-                         help="seconds a failed host stays out (default: for good)")
+    cooldown = elastic.add_mutually_exclusive_group()
+    cooldown.add_argument("--blacklist-cooldown", type=float, metavar="SECONDS",
+                          help="seconds a failed host stays out (default: for good)")
+    cooldown.add_argument("--blacklist-cooldown-range", type=float, nargs=2,
+                          metavar=("MIN", "MAX"),
+                          help="a failed host stays out MIN*2^n seconds plus up to MIN more at "
+                               "its n-th failure, within [MIN, MAX] (horovodrun's rule)")
     env = parser.add_argument_group("environment")
     env.add_argument("-x", action="append", default=[], metavar="VAR[=VALUE]", dest="exports",
                      help="set VAR for every rank, to VALUE or to its value here; repeatable "
                           "(local ranks inherit the whole environment, remote ranks get only "
-                          "these and GRADSYNC_* settings)")
+                          "these and the GRADSYNC_* and HOROVOD_* settings)")
+    tuning = parser.add_argument_group(
+        "settings", "set the ranks' GRADSYNC_* variable named (docs/configuration.md); a -x of "
+                    "that variable wins")
+    tuning.add_argument("--network-interface", metavar="NAME",
+                        help="network interface the ranks listen on and advertise, e.g. eth1 "
+                             "(its address on each host; GRADSYNC_ADDR)")
+    tuning.add_argument("--log-level", type=str.upper, metavar="LEVEL",
+                        choices=sorted(_LOG_LEVELS, key=list(_LOG_LEVELS).index),
+                        help="level of the ranks' gradsync logger: TRACE (as DEBUG), DEBUG, "
+                             "INFO, WARNING, ERROR, FATAL (as CRITICAL) (GRADSYNC_LOG_LEVEL)")
+    tuning.add_argument("--timeline-filename", metavar="FILE",
+                        help="record a timeline of the Horovod API's operations: rank 0 writes "
+                             "FILE, rank r FILE.r (GRADSYNC_TIMELINE)")
+    tuning.add_argument("--fusion-threshold-mb", type=int, metavar="MB",
+                        help="MiB of small tensors fused into one allreduce "
+                             "(GRADSYNC_FUSION_THRESHOLD; default 64)")
     placement = parser.add_argument_group("placement")
     placement.add_argument("--bind-to", choices=binding.MODES, metavar="{core,none,auto}",
                            default=os.environ.get("GRADSYNC_BIND", "none"),
@@ -102,6 +127,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                                 "cores and the affinity was not restricted already (taskset, "
                                 "cpusets)")
     output = parser.add_argument_group("output")
+    output.add_argument("--output-filename", metavar="DIR",
+                        help="also write each rank's output to DIR/rank.<rank>/stdout and "
+                             ".../stderr (the rank padded with zeros)")
     output.add_argument("--output-prefix", action=argparse.BooleanOptionalAction, default=True,
                         help="prefix each line of a rank's output with [RANK]<stdout>: or "
                              "[RANK]<stderr>: (default: on)")
@@ -121,7 +149,8 @@ def resolve_exports(items: Sequence[str], environ: Mapping[str, str]) -> dict[st
         name, has_value, value = item.partition("=")
         if not name.isidentifier():
             raise ValueError(f"-x {item!r}: {name!r} is not a variable name")
-        if name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX):] in IDENTITY_VARIABLES:
+        if (name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX):] in IDENTITY_VARIABLES) or \
+                name in HOROVOD_IDENTITY:
             raise ValueError(f"-x {item!r}: gradsync run sets {name} for each rank itself")
         if not has_value:
             if name not in environ:
@@ -129,6 +158,35 @@ def resolve_exports(items: Sequence[str], environ: Mapping[str, str]) -> dict[st
             value = environ[name]
         exports[name] = value
     return exports
+
+
+# horovodrun's --log-level names, and the logging level each stands for.
+_LOG_LEVELS = {"TRACE": "DEBUG", "DEBUG": "DEBUG", "INFO": "INFO", "WARNING": "WARNING",
+               "ERROR": "ERROR", "FATAL": "CRITICAL", "CRITICAL": "CRITICAL"}
+
+
+def flag_settings(args: argparse.Namespace) -> dict[str, str]:
+    """The GRADSYNC_* variables the settings flags (``--log-level``, ...) give every rank.
+
+    Raises:
+        ValueError: a flag's value gradsync cannot honour.
+    """
+    settings = {}
+    if args.network_interface is not None:
+        names = [n for n in args.network_interface.split(",") if n]
+        if len(names) != 1:
+            raise ValueError(f"--network-interface {args.network_interface}: gradsync's ranks "
+                             "listen on one interface; name one")
+        settings["ADDR"] = names[0]
+    if args.log_level is not None:
+        settings["LOG_LEVEL"] = _LOG_LEVELS[args.log_level]
+    if args.timeline_filename is not None:
+        settings["TIMELINE"] = os.path.abspath(args.timeline_filename)
+    if args.fusion_threshold_mb is not None:
+        if args.fusion_threshold_mb < 0:
+            raise ValueError(f"--fusion-threshold-mb must be >= 0, got {args.fusion_threshold_mb}")
+        settings["FUSION_THRESHOLD"] = str(args.fusion_threshold_mb << 20)  # MiB, as horovodrun
+    return {ENV_PREFIX + name: value for name, value in settings.items()}
 
 
 def _is_elastic(args: argparse.Namespace) -> bool:
@@ -155,11 +213,30 @@ def _checked_elastic(args: argparse.Namespace) -> ElasticSpec:
         max_np=args.max_np if args.max_np is not None else (
             unlimited if args.host_discovery_script else max(args.num_proc, args.min_np or 0)),
         discovery_script=args.host_discovery_script, reset_limit=args.reset_limit,
-        elastic_timeout=args.elastic_timeout, blacklist_cooldown=args.blacklist_cooldown)
+        elastic_timeout=args.elastic_timeout, blacklist_cooldown=args.blacklist_cooldown,
+        blacklist_cooldown_range=(tuple(args.blacklist_cooldown_range)
+                                  if args.blacklist_cooldown_range else None))
     if not spec.min_np <= args.num_proc <= spec.max_np:
         raise ValueError(f"-np {args.num_proc} must lie between --min-np {spec.min_np} and "
                          f"--max-np {spec.max_np}")
     return spec
+
+
+def _check_elastic_only(args: argparse.Namespace) -> None:
+    if args.blacklist_cooldown_range and not _is_elastic(args):
+        raise ValueError("--blacklist-cooldown-range applies to elastic jobs only (--min-np, "
+                         "--max-np, --host-discovery-script)")
+
+
+def _check_interface(name: str | None, hosts: Sequence[Host]) -> None:
+    """A --network-interface that this host lacks is a usage error when every rank runs here
+    (another host's interfaces are checked by its ranks, at init)."""
+    if name is None or not all(is_local(h.name) for h in hosts):
+        return
+    names = [n for _, n in socket.if_nameindex()]
+    if name not in names:
+        raise ValueError(f"--network-interface {name}: this host has no such interface "
+                         f"(it has {', '.join(names)})")
 
 
 def _spec(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LaunchSpec:
@@ -168,6 +245,7 @@ def _spec(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LaunchSp
     if not command:
         parser.error("no command given (e.g. gradsync run -np 2 python train.py)")
     try:
+        _check_elastic_only(args)
         if args.hostfile:
             hosts = read_hostfile(args.hostfile)
         else:
@@ -175,11 +253,14 @@ def _spec(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LaunchSp
         spec = LaunchSpec(command=command, num_proc=args.num_proc, servers=args.servers,
                           hosts=hosts, ssh_command=args.ssh_command, ssh_port=args.ssh_port,
                           start_timeout=args.start_timeout, output_prefix=args.output_prefix,
-                          env=resolve_exports(args.exports, os.environ),
-                          bind_to=args.bind_to)
+                          env={**flag_settings(args),
+                               **resolve_exports(args.exports, os.environ)},
+                          bind_to=args.bind_to, ssh_identity_file=args.ssh_identity_file,
+                          output_filename=args.output_filename)
         if not _is_elastic(args):
             # Placement is checked here, so that too few slots is a usage error.
             place(hosts or [Host("localhost", spec.size)], spec.size)
+        _check_interface(args.network_interface, hosts)
         return spec
     except (OSError, ValueError) as exc:
         parser.error(str(exc))

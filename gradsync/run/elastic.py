@@ -51,6 +51,7 @@ process while its rank changes.
 from __future__ import annotations
 
 import math
+import random
 import signal
 import subprocess
 import sys
@@ -89,6 +90,10 @@ class ElasticSpec:
     """Seconds to wait for hosts while below ``min_np`` (also the workers' wait)."""
     blacklist_cooldown: float | None = None
     """Seconds a failed host stays blacklisted; None: for good."""
+    blacklist_cooldown_range: tuple[float, float] | None = None
+    """(low, high): a failed host stays out ``low * 2**n`` seconds plus up to ``low`` more
+    at its n-th failure, kept within [low, high] (horovodrun's ``--blacklist-cooldown-range``,
+    the same rule); None: ``blacklist_cooldown``."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_np <= self.max_np:
@@ -100,6 +105,24 @@ class ElasticSpec:
             raise ValueError("--elastic-timeout and the discovery interval must be positive")
         if self.blacklist_cooldown is not None and self.blacklist_cooldown < 0:
             raise ValueError(f"--blacklist-cooldown must be >= 0, got {self.blacklist_cooldown}")
+        if self.blacklist_cooldown_range is not None:
+            low, high = self.blacklist_cooldown_range
+            if self.blacklist_cooldown is not None:
+                raise ValueError("give --blacklist-cooldown or --blacklist-cooldown-range, "
+                                 "not both")
+            if not 0 < low <= high:
+                raise ValueError(f"--blacklist-cooldown-range needs 0 < MIN <= MAX, got {low:g} "
+                                 f"{high:g}")
+
+    def cooldown(self, failures: int) -> float | None:
+        """Seconds a host stays blacklisted at its ``failures``-th failure; None: for good."""
+        if self.blacklist_cooldown_range is None:
+            return self.blacklist_cooldown
+        low, high = self.blacklist_cooldown_range
+        # Backing off exponentially, with jitter so that hosts that failed together do not
+        # all come back in the same second.
+        delay = low * (1 << min(failures, 32)) + random.uniform(0, low)
+        return max(low, min(high, delay))
 
 
 def parse_discovered(text: str) -> list[Host]:
@@ -188,6 +211,7 @@ class _ElasticJob:
         self.starter: Starter | None = None  # made once the store's address is known
         self.port = 0
         self.blacklist: dict[str, float] = {}
+        self._failures: dict[str, int] = {}  # per host: how often it was blacklisted
         self.workers: list[_Worker] = []
         self.state = _State()
         self.control: Control | None = None
@@ -389,7 +413,8 @@ class _ElasticJob:
                     self._retire(other, f"host {worker.host} is blacklisted")
 
     def _ban(self, host: str, what: str) -> None:
-        cooldown = self.elastic.blacklist_cooldown
+        self._failures[host] = self._failures.get(host, 0) + 1
+        cooldown = self.elastic.cooldown(self._failures[host])
         self.blacklist[host] = math.inf if cooldown is None else time.monotonic() + cooldown
         self.output.message(f"{what}; host {host} is blacklisted"
                             + ("" if cooldown is None else f" for {cooldown:g}s"))
@@ -570,5 +595,6 @@ def _slots(members: list[_Worker]) -> list[Slot]:
 
 def launch_elastic(spec: LaunchSpec, elastic: ElasticSpec, stdout=None, stderr=None) -> int:
     """Runs an elastic job to its end and returns the launcher's exit status."""
-    output = Output(spec.output_prefix, stdout or sys.stdout.buffer, stderr or sys.stderr.buffer)
+    output = Output(spec.output_prefix, stdout or sys.stdout.buffer, stderr or sys.stderr.buffer,
+                    directory=spec.output_filename, width=len(str(spec.num_proc - 1)))
     return _ElasticJob(spec, elastic, output).run()

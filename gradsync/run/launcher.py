@@ -10,8 +10,11 @@ A job goes through five steps:
 2. **Store.** The launcher hosts torch's TCPStore for the rendezvous. It outlives every rank,
    so the death of rank 0 does not take the store (and the job's abort record) with it.
 3. **Start.** Each rank gets its identity as ``GRADSYNC_*`` variables (``launch_env`` reads
-   them). A local rank is a child in a new session, so ``killpg`` reaches everything it started.
-   A remote rank runs under ``ssh`` (see *Remote ranks*).
+   them), and as horovodrun's ``HOROVOD_RANK``, ``_SIZE``, ``_LOCAL_RANK``, ``_LOCAL_SIZE``,
+   ``_CROSS_RANK``, ``_CROSS_SIZE`` and ``HOROVOD_HOSTNAME`` (the host's name as listed), so
+   a script written for horovodrun runs unchanged. A local rank is a child in a new session,
+   so ``killpg`` reaches everything it started. A remote rank runs under ``ssh`` (see
+   *Remote ranks*).
 4. **Watch.** The first rank to exit non-zero or die by a signal ends the job: every rank's
    process group gets SIGTERM, then SIGKILL after ``stop_grace`` seconds. So does SIGINT,
    SIGTERM or SIGHUP sent to the launcher (a second one skips the grace).
@@ -39,7 +42,8 @@ Remote ranks run under ``ssh`` with a *lifeline* (``processes.py``): the job sec
 ssh's stdin, never on a command line, and when that stdin closes (the launcher stops the job,
 dies, or loses the connection) the remote rank's process group is stopped, so a remote rank
 never outlives its job. Remote ranks see only their identity, the ``-x`` variables and the
-launcher's ``GRADSYNC_*`` settings, as under ``mpirun -x``; local ranks inherit the launcher's
+launcher's ``GRADSYNC_*`` and ``HOROVOD_*`` settings (``config.py`` maps the latter), as
+under ``mpirun -x``; local ranks inherit the launcher's
 whole environment.
 
 The pieces an elastic job (``elastic.py``) shares with this one are public: ``Starter``
@@ -61,7 +65,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import BinaryIO, Mapping, Sequence
 
-from ..config import ENV_PREFIX, IDENTITY_VARIABLES
+from ..config import ENV_PREFIX, HOROVOD_IDENTITY, IDENTITY_VARIABLES
 from . import binding
 from .hosts import Host
 from .processes import (DEFAULT_START_TIMEOUT, STOP_GRACE, Interrupts, Output, Process,
@@ -69,7 +73,7 @@ from .processes import (DEFAULT_START_TIMEOUT, STOP_GRACE, Interrupts, Output, P
 
 __all__ = ["Host", "Slot", "LaunchSpec", "place", "launch", "is_local", "STOP_GRACE",
            "SERVER_LINGER", "DEFAULT_START_TIMEOUT", "Rank", "Starter", "store_address",
-           "start_store"]
+           "start_store", "forwarded_settings"]
 
 SERVER_LINGER = 10.0
 """Seconds servers may run on after every worker of a parameter-server job has ended."""
@@ -162,6 +166,10 @@ class LaunchSpec:
     bind_to: str = "none"
     """``core``, ``none`` or ``auto``: bind each rank started on this host to cores of its
     own (``binding.py``; auto: only when they fit and the affinity is not restricted)."""
+    ssh_identity_file: str | None = None
+    """Private key passed to ssh as ``-i``."""
+    output_filename: str | None = None
+    """Folder that also gets each rank's output, ``rank.<rank>/stdout`` and ``.../stderr``."""
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -203,7 +211,8 @@ def launch(spec: LaunchSpec, stdout: BinaryIO | None = None,
     """
     slots = place(spec.hosts or [Host("localhost", spec.size)], spec.size)
     output = Output(spec.output_prefix, stdout or sys.stdout.buffer,
-                    stderr or sys.stderr.buffer)
+                    stderr or sys.stderr.buffer, directory=spec.output_filename,
+                    width=len(str(spec.size - 1)))
     return _Job(spec, slots, output).run()
 
 
@@ -299,7 +308,7 @@ class Starter:
         self.secret = secrets.token_bytes(32)
         self.job_id = secrets.token_hex(8)
         self.ssh = Ssh(spec.ssh_command, spec.ssh_port,
-                       spec.start_timeout or DEFAULT_START_TIMEOUT)
+                       spec.start_timeout or DEFAULT_START_TIMEOUT, spec.ssh_identity_file)
 
     def start(self, slot: Slot, port: int, size: int, cores: Sequence[int] | None = None,
               identity: Mapping[str, str] | None = None) -> Rank:
@@ -316,9 +325,7 @@ class Starter:
         remote = not is_local(slot.host)
         try:
             if remote:
-                forwarded = {name: value for name, value in os.environ.items()
-                             if name.startswith(ENV_PREFIX)
-                             and name[len(ENV_PREFIX):] not in IDENTITY_VARIABLES}
+                forwarded = forwarded_settings(os.environ)
                 process = self.ssh.start(
                     slot.host, self.spec.command,
                     {**forwarded, **self.torch_identity(slot, port, size),
@@ -353,8 +360,11 @@ class Starter:
             "STORE_ADDR": self.store_addr, "STORE_PORT": port, "JOB_ID": self.job_id,
             "LAUNCHER_PID": os.getpid(), "SERVERS": self.spec.servers,
         }
+        horovod = {"HOROVOD_" + name: str(variables[name]) for name in
+                   ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE",
+                    "HOSTNAME")}
         return {**{ENV_PREFIX + name: str(value) for name, value in variables.items()},
-                **self.extra_identity}
+                **horovod, **self.extra_identity}
 
     def torch_identity(self, slot: Slot, port: int, size: int) -> dict[str, str]:
         """torchrun's variables, so ``init_process_group()`` (env://) works under ``gradsync
@@ -377,6 +387,14 @@ class Starter:
         if self.spec.start_timeout is not None:
             settings[ENV_PREFIX + "CONNECT_TIMEOUT"] = str(self.spec.start_timeout)
         return {**settings, **self.extra_settings}
+
+
+def forwarded_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """The launcher's settings a remote rank gets: ``GRADSYNC_*`` and ``HOROVOD_*`` variables,
+    less the identity (each rank gets its own)."""
+    return {name: value for name, value in environ.items()
+            if (name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX):] not in IDENTITY_VARIABLES)
+            or (name.startswith("HOROVOD_") and name not in HOROVOD_IDENTITY)}
 
 
 class _Job:

@@ -164,24 +164,53 @@ class Output:
             format).
         stdout, stderr: where the lines go; ``stderr`` also takes ``message``'s lines.
         name: what ``message`` calls the program.
+        directory: also write each rank's lines, untagged, to
+            ``<directory>/rank.<rank>/stdout`` and ``.../stderr`` (horovodrun's
+            ``--output-filename``); the rank is padded with zeros to ``width`` digits, so
+            that the folders sort in rank order.
+        width: digits of the highest rank.
     """
 
     def __init__(self, prefix: bool, stdout: BinaryIO, stderr: BinaryIO,
-                 name: str = "gradsync run"):
+                 name: str = "gradsync run", directory: str | None = None, width: int = 1):
         self.prefix, self.stdout, self.stderr, self.name = prefix, stdout, stderr, name
+        self.directory, self.width = directory, width
         self.lock = threading.Lock()
         self.threads: list[threading.Thread] = []
+        self.files: list[BinaryIO] = []
 
     def follow(self, rank: int, proc: subprocess.Popen) -> None:
-        """Copies ``proc``'s stdout and stderr (binary pipes), tagged with ``rank``."""
+        """Copies ``proc``'s stdout and stderr (binary pipes), tagged with ``rank``.
+
+        Raises:
+            OSError: the copy under ``directory`` cannot be created.
+        """
         for name, pipe, dest in (("stdout", proc.stdout, self.stdout),
                                  ("stderr", proc.stderr, self.stderr)):
             tag = f"[{rank}]<{name}>:".encode() if self.prefix else b""
+            copy = self._file(rank, name)
 
-            def line(data: bytes, tag: bytes = tag, dest: BinaryIO = dest) -> None:
-                self.write(dest, tag + (data if data.endswith(b"\n") else data + b"\n"))
+            def line(data: bytes, tag: bytes = tag, dest: BinaryIO = dest,
+                     copy: BinaryIO | None = copy) -> None:
+                data = data if data.endswith(b"\n") else data + b"\n"
+                self.write(dest, tag + data)
+                if copy is not None:  # only this thread writes it: no lock needed
+                    try:
+                        copy.write(data)
+                        copy.flush()
+                    except (OSError, ValueError):
+                        pass  # a full disk must not stop the job's console output
 
             self.threads.append(pump(pipe, line, f"gradsync-output-{rank}-{name}"))
+
+    def _file(self, rank: int, stream: str) -> BinaryIO | None:
+        if self.directory is None:
+            return None
+        folder = os.path.join(self.directory, f"rank.{str(rank).zfill(self.width)}")
+        os.makedirs(folder, exist_ok=True)
+        handle = open(os.path.join(folder, stream), "wb")
+        self.files.append(handle)
+        return handle
 
     def write(self, dest: BinaryIO, data: bytes) -> None:
         """Writes ``data`` whole to ``dest``."""
@@ -203,6 +232,9 @@ class Output:
         end = time.monotonic() + timeout
         for thread in self.threads:
             thread.join(max(0.0, end - time.monotonic()))
+        for handle in self.files:
+            if not any(t.is_alive() for t in self.threads):
+                handle.close()  # else a thread still writes it: the process's end closes it
 
 
 class Interrupts:
@@ -247,11 +279,13 @@ class Ssh:
         command: the command (split like a shell would) that runs a command on a host.
         port: passed to ssh as ``-p``.
         timeout: seconds for ssh to connect.
+        identity_file: the private key, passed to ssh as ``-i``.
     """
 
     command: str = "ssh"
     port: int | None = None
     timeout: float = DEFAULT_START_TIMEOUT
+    identity_file: str | None = None
 
     def argv(self, host: str, command: str) -> list[str]:
         """The command line that runs the shell command ``command`` on ``host``."""
@@ -259,6 +293,8 @@ class Ssh:
         argv += ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={math.ceil(self.timeout)}"]
         if self.port is not None:
             argv += ["-p", str(self.port)]
+        if self.identity_file is not None:
+            argv += ["-i", self.identity_file]
         return argv + [host, command]
 
     def start(self, host: str, command: Sequence[str], assignments: Mapping[str, str],
@@ -307,7 +343,8 @@ class Ssh:
             return None
         detail = proc.stderr.read().decode(errors="replace").strip().splitlines()
         return (f"cannot run commands on {host} with '{self.command}' (status "
-                f"{proc.returncode}" + (f": {detail[-1]}" if detail else "") + ")")
+                f"{proc.returncode}" + (f": {detail[-1]}" if detail else "") + ")"
+                + _ssh_fix(host, "\n".join(detail)))
 
     @staticmethod
     def end_probe(proc: subprocess.Popen) -> None:
@@ -316,6 +353,22 @@ class Ssh:
             proc.kill()
             proc.wait()
         proc.stderr.close()
+
+
+def _ssh_fix(host: str, detail: str) -> str:
+    """The fix for the usual ssh failures, as the end of the error line ("" if unknown).
+
+    ssh runs with BatchMode=yes, so a host that wants a password or an unknown host key fails
+    at once instead of prompting (a prompt would hang the job)."""
+    if "Permission denied" in detail:
+        return (f"; ssh must log in to {host} without a password: install a key there "
+                f"(ssh-copy-id {host}) or name one (gradsync run --ssh-identity-file)")
+    if "Host key verification failed" in detail:
+        return (f"; ssh does not know {host}'s host key: connect once by hand (ssh {host}) "
+                f"or add it (ssh-keyscan {host} >> ~/.ssh/known_hosts)")
+    if "Connection timed out" in detail or "No route to host" in detail:
+        return f"; is {host} up, and is its ssh port open to this host (a firewall)?"
+    return ""
 
 
 def remote_script(cwd: str, assignments: Mapping[str, str], command: Sequence[str],

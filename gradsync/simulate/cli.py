@@ -2,8 +2,8 @@
 
     gradsync simulate --cluster summit --model params=60M,compute_ms=180,buckets=25MB \\
         --gpus 6,96,1536,27360 [--algorithm auto|ring|hierarchical|halving_doubling|doubling]
-        [--json] [--plot scaling.png]
-    gradsync simulate --validate [--measure] [--json]
+        [--json [FILE]] [--plot scaling.png]
+    gradsync simulate --validate [--measure] [--json [FILE]]
 
 ``--cluster`` takes a cluster file (JSON, or YAML with PyYAML; schema in
 ``gradsync/simulate/cluster.py`` and docs/simulate.md) or the name of a shipped one. Per GPU
@@ -20,10 +20,10 @@ cluster file; ``--measure`` adds the measured-here points (root, about a minute)
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import textwrap
 
+from ..bench.cli import add_json_option, write_json
 from ..errors import ConfigError
 from .cluster import load, shipped
 from .step import ALGORITHMS, CANDIDATES, parse_model, simulate
@@ -48,7 +48,7 @@ def parser() -> argparse.ArgumentParser:
     check.add_argument("--measure", action="store_true",
                        help="with --validate: also run the measured-here points (root)")
     out = p.add_argument_group("output")
-    out.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_json_option(out)
     out.add_argument("--plot", metavar="PNG", help="draw efficiency and step time (matplotlib)")
     return p
 
@@ -81,9 +81,8 @@ def main(argv: "list[str] | None" = None) -> int:
     except (ConfigError, ValueError) as exc:
         p.error(str(exc))
     if args.json:
-        json.dump([r.as_dict() for r in rows], sys.stdout, indent=1)
-        print()
-    else:
+        write_json([r.as_dict() for r in rows], args.json)
+    if args.json != "-":
         print(f"# {cluster.name}: {model.params / 1e6:.1f}M parameters "
               f"({model.gradient_bytes / 1e6:.0f} MB of gradients, "
               f"{len(model.buckets())} buckets), compute {model.compute * 1e3:.1f} ms, "
@@ -145,9 +144,9 @@ def _validate(args) -> int:
         from .measure import measured_rows
         rows += measured_rows()
     if args.json:
-        json.dump(rows, sys.stdout, indent=1)
-        print()
-        return 0
+        write_json(rows, args.json)
+        if args.json == "-":
+            return 0
     print(f"{'point':<34} {'cluster':<20} {'gpus':>6} {'quantity':<11} {'predicted':>10} "
           f"{'observed':>9} {'error':>8} {'no jitter':>10} {'no persistent':>13}")
     for r in rows:
