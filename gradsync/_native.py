@@ -120,18 +120,25 @@ def _checked(name: str, module, path: str):
     return None
 
 
-def _exec(name: str, spec):
+def _exec(spec):
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # not put in sys.modules: a refused module stays unseen
+    spec.loader.exec_module(module)
+    # A single-phase extension's import also registers it in sys.modules; take it out, so a
+    # refused module stays unseen and the next search looks at the files, not at this one.
+    if sys.modules.get(spec.name) is module:
+        del sys.modules[spec.name]
     return module
 
 
 def _installed(name: str):
     """The module the package was installed with (setup.py built it), if current; else None."""
-    spec = importlib.util.find_spec(f"{_PACKAGE}.{name}")
+    # Beside its source, where setup.py puts it (an editable install too): a search of the
+    # files only, so a module loaded from the cache under the same name is not taken for it.
+    spec = importlib.machinery.PathFinder.find_spec(f"{_PACKAGE}.{name}",
+                                                    [os.path.dirname(_SOURCES[name])])
     if spec is None or not isinstance(spec.loader, importlib.machinery.ExtensionFileLoader):
         return None
-    return _checked(name, _exec(name, spec), spec.origin)
+    return _checked(name, _exec(spec), spec.origin)
 
 
 def _from_cache(name: str, compiler: "str | None", build: bool):
@@ -173,7 +180,7 @@ def _from_cache(name: str, compiler: "str | None", build: bool):
             if not os.path.exists(path):
                 _compile(command, flags + [f"-I{include}", source], path)
     loader = importlib.machinery.ExtensionFileLoader(f"{_PACKAGE}.{name}", path)
-    return _checked(name, _exec(name, importlib.util.spec_from_file_location(
+    return _checked(name, _exec(importlib.util.spec_from_file_location(
         f"{_PACKAGE}.{name}", path, loader=loader)), path)
 
 
