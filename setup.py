@@ -12,7 +12,8 @@ The module carries the hash of the source it was built from (``source_hash``), a
 loads an installed module only when that hash matches the ``_shmfast.c`` beside it: an
 in-place build of an editable install that the source has since moved past is refused and
 rebuilt, never loaded stale. ``_native.source_hash`` computes the same hash; the two must agree
-(tests/test_native_build.py checks it on a built wheel).
+(tests/test_native_build.py checks it on a built wheel). That hash is why this is a setup.py
+and not pyproject.toml's ``[tool.setuptools] ext-modules`` table, which cannot compute it.
 """
 
 import hashlib

@@ -10,7 +10,7 @@ import common  # noqa: F401  (deadline)
 import numpy as np
 
 import gradsync as gs
-from gradsync import _native
+from gradsync import _native, job
 from gradsync.world import World
 
 compiles, inside, connecting = [], [], []
@@ -38,6 +38,5 @@ gs.init()
 data = np.full(8, gs.rank() + 1.0, dtype=np.float32)
 gs.allreduce_(data, name="x", op=gs.Sum)
 assert data.tolist() == [3.0] * 8, data
-from gradsync import job  # noqa: E402  (the World, once init() made it)
 print(f"native {len(compiles)} {sum(inside)} {job.world().shm_group.fast}", flush=True)
 gs.shutdown()
