@@ -21,7 +21,7 @@ import socket
 import time
 from dataclasses import dataclass
 
-from . import topology
+from . import _native, topology
 from .collectives import hierarchical, planner
 from .config import Config
 from .errors import (AuthenticationError, CollectiveMismatchError, ConfigError, GradsyncError,
@@ -171,6 +171,12 @@ class World:
                 tree and the root rank of each of its ranks. The root World's abort record
                 is the one the launcher watches.
         """
+        if (config.shm_fast and config.transport != "tcp" and env.size > 1
+                and env.local_size in (None, env.size)):
+            # The host's ShmGroup will want the compiled kernel: a first use on this machine
+            # compiles it here, before the connect deadline starts (the job's other ranks, all
+            # on this host, wait on the build's lock, not on a deadline), never inside it.
+            _native.load("_shmfast")
         if store is None:
             # A process that shuts down and initialises again joins a new incarnation of the
             # job: its store keys, handshakes and segments must not meet the previous one's.

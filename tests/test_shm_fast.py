@@ -221,7 +221,16 @@ def test_late_peer_is_waited_for_and_woken(mode):
 
 # --- the fallback ------------------------------------------------------------------------------
 
-def test_no_compiler_gives_none_and_one_warning(caplog):
+@pytest.fixture
+def no_installed(monkeypatch):
+    """Hides a module built at install time (an editable install builds one beside the
+    source), so that the cache's first-use build and its failures are what these tests see;
+    forked ranks inherit it. tests/test_native_build.py tests the installed module."""
+    monkeypatch.setattr(_native, "_installed", lambda name: None)
+    monkeypatch.setattr(_native, "_warned", set())  # each test counts its own warnings
+
+
+def test_no_compiler_gives_none_and_one_warning(caplog, no_installed):
     with caplog.at_level(logging.WARNING, logger="gradsync"):
         assert _native.load("_shmfast", compiler="/nonexistent/cc") is None
         assert _native.load("_shmfast", compiler="/nonexistent/cc") is None
@@ -230,13 +239,13 @@ def test_no_compiler_gives_none_and_one_warning(caplog):
 
 
 def _fallback(ctx: Rank):
-    group = _open(ctx, "fast")  # asks for the compiled road, which cannot be built
+    group = _open(ctx, "fast")  # asks for the compiled road: not built, and a group never builds
     data = np.arange(20, dtype=np.float32) * (ctx.rank + 1)
     _allreduce(group, data, "average", time.monotonic() + 10)
     return group.fast, data.tolist()
 
 
-def test_without_a_compiler_groups_take_the_python_road(monkeypatch, tmp_path):
+def test_without_a_compiler_groups_take_the_python_road(monkeypatch, tmp_path, no_installed):
     # The ranks fork from here: they inherit a bad $CC, an empty cache and no loaded module.
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -247,7 +256,7 @@ def test_without_a_compiler_groups_take_the_python_road(monkeypatch, tmp_path):
         assert fast is False and data == [2.0 * i for i in range(20)]  # (1 + 2 + 3) / 3
 
 
-def test_the_module_is_built_once_into_the_cache(monkeypatch, tmp_path):
+def test_the_module_is_built_once_into_the_cache(monkeypatch, tmp_path, no_installed):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(_native, "_loaded", {})
     compiles = []

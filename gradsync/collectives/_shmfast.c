@@ -353,4 +353,17 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_shmfast", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__shmfast(void) { return PyModule_Create(&module); }
+/* The hash of this file that the build passed (setup.py, _native.py): gradsync loads a module
+ * only when it matches the source beside it, so a stale build is never used. */
+#ifndef GRADSYNC_SOURCE_HASH
+#define GRADSYNC_SOURCE_HASH ""
+#endif
+
+PyMODINIT_FUNC PyInit__shmfast(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddStringConstant(m, "source_hash", GRADSYNC_SOURCE_HASH) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

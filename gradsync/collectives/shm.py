@@ -26,7 +26,7 @@ operands in the same order, so all end bitwise identical. The two-slot argument 
 unchanged (every read of a slot of piece k still happens before the reader arrives at k+1).
 The choice depends on the size only, so every rank takes the same road.
 
-The one-step road is also compiled (``_shmfast.c``, built on first use by ``_native.py``):
+The one-step road is also compiled (``_shmfast.c``, installed or built by ``_native.py``):
 one C call copies in, publishes, waits, checks the issued words, folds and divides an
 Average, for sums, products, minima, maxima and averages of float32, float64, int32 and
 int64. It is the same protocol on the same layout, so a rank on the compiled road and a rank
@@ -249,7 +249,9 @@ class ShmGroup:
         self._failed: "BaseException | None" = None
         self._ctl[self._mine + _STARTED] = max(process_start_time(os.getpid()) or 0, 0)
         self._ctl[self._mine + _PID] = os.getpid()
-        module = _native.load("_shmfast") if fast else None
+        # Load only: this runs inside init()'s connect window, so a first-use compile happens
+        # earlier (World.connect builds before its deadline starts; _native.py says why).
+        module = _native.load("_shmfast", build=False) if fast else None
         self._fast_call = self._fast_fold = self._fast_group = None
         if module is not None:
             spin = MAX_SPIN if self._may_spin else MIN_SPIN

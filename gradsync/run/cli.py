@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="measure each network tier, write a topology file")
     commands.add_parser("simulate", add_help=False,
                         help="project training steps to any number of GPUs of a cluster")
+    commands.add_parser("build-native", add_help=False,
+                        help="build the compiled kernel ahead of first use, say where it is")
     return parser
 
 
@@ -289,6 +291,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return simulate_main(argv[1:])
     if argv[:1] == ["probe"]:
         return _bench(["probe", *argv[1:]])
+    if argv[:1] == ["build-native"]:
+        from .. import _native
+        return _native.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     spec = _spec(args.run_parser, args)
