@@ -115,6 +115,12 @@ def _name(name: str | None, kind: str) -> str:
     return name if name is not None else f"{kind}.noname.{next(_unnamed)}"
 
 
+def _unnamed_allreduce() -> str:
+    """The next unnamed allreduce's name, as the full road gives it (``express.py`` draws it
+    when an unnamed call takes the lane, so both roads count alike)."""
+    return _name(None, "allreduce")
+
+
 def _submit(fn, name: str, asynchronous: bool):
     engine = job.engine()
     return engine.submit(fn, name) if asynchronous else engine.run(fn, name)
@@ -158,11 +164,12 @@ def _allreduce(tensor, op, name, prescale_factor, postscale_factor, algorithm, i
                             inplace)
             if result is not None:
                 return result
-        elif (name is not None and prescale_factor == 1.0 and postscale_factor == 1.0
+        elif (prescale_factor == 1.0 and postscale_factor == 1.0
               and current.world.shm_group is not None):
-            # The express lane (express.py): a small allreduce straight to the compiled call.
+            # The express lane (express.py): a small allreduce straight to the compiled call,
+            # named or not (an unnamed one draws its name there, only if it goes ahead).
             result = express.allreduce(current.world, current.engine, tensor, op, name,
-                                       algorithm, inplace)
+                                       algorithm, inplace, _unnamed_allreduce)
             if result is not None:
                 return result
     world = job.world()

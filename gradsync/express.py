@@ -29,39 +29,59 @@ anyway), the description, the op and dtype's kernel code, the size against the o
 What it may not skip is per call: the engine's order, the failure check, ``begin`` and the
 group's own failure state. The lane takes NumPy arrays and torch CPU tensors that are
 C-contiguous, writable, of float32/float64/int32/int64, 1 byte to the group's one-step size,
-with no pre/postscale, a name (an unnamed call's name differs every time, so there is nothing
-to remember) and ``op`` Sum, Average, Min, Max or Product; everything else, and every call
-when the compiled road is off (``GRADSYNC_SHM_FAST=0``) or the plan is not ``shm``, returns
-``False`` here untouched and takes the full road.
+with no pre/postscale and ``op`` Sum, Average, Min, Max or Product; everything else, and every
+call when the compiled road is off (``GRADSYNC_SHM_FAST=0``) or the plan is not ``shm``,
+returns None here untouched and takes the full road.
+
+An unnamed call is as welcome as a named one. The full road names it ``allreduce.noname.<n>``
+(``api._name``: one count per process, drawn once per call) and that name is part of the
+description, so of the signature the other ranks compare. Its entry is therefore remembered
+under the name None and holds the description cut around the name (``prefix``, ``suffix``);
+per call, once the engine is claimed, the lane draws the next name from the same count as the
+full road (the ``unnamed`` it is given), and joins and signs that description: the same
+words, on every rank and either road, as the full road would have issued. That costs one
+hash of a short string per call, under a microsecond.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from typing import Callable
 
 import numpy as np
 
 from . import operations as ops
 from .collectives.ops import ReduceOp
 from .errors import GradsyncError
+from .transport.frame import signature_of
 
 __all__ = ["allreduce", "Entry"]
 
 _KEPT = 4096  # distinct calls remembered per world (as operations' descriptions)
+_CUT = "\0"  # stands for an unnamed call's name while its description is made; never in one
 
 
 class Entry:
-    """What a distinct allreduce call needs on the lane, worked out once."""
+    """What a distinct allreduce call needs on the lane, worked out once.
 
-    __slots__ = ("description", "signature", "code", "divisor")
+    For a named call, ``description`` and ``signature`` are what ``comm.begin_signed`` takes.
+    For an unnamed one (``prefix`` not None) the description is ``prefix + name + suffix``
+    with a name drawn per call, and ``signature`` only says whether to sign it (nonzero when
+    the world checks collectives).
+    """
 
-    def __init__(self, description: str, signature: int, code: int, divisor: int):
+    __slots__ = ("description", "signature", "code", "divisor", "prefix", "suffix")
+
+    def __init__(self, description: str, signature: int, code: int, divisor: int,
+                 prefix: "str | None" = None, suffix: str = ""):
         self.description, self.signature, self.code, self.divisor = (
             description, signature, code, divisor)
+        self.prefix, self.suffix = prefix, suffix
 
 
-def allreduce(world, engine, tensor, op, name: str, algorithm: str, inplace: bool):
+def allreduce(world, engine, tensor, op, name: "str | None", algorithm: str, inplace: bool,
+              unnamed: Callable[[], str]):
     """Runs an allreduce of ``tensor`` on the lane and returns the result (``tensor`` itself
     when ``inplace``, else a new array or tensor); None when it cannot, and then nothing
     happened and the caller takes the full road.
@@ -70,8 +90,11 @@ def allreduce(world, engine, tensor, op, name: str, algorithm: str, inplace: boo
         world: the World (``world.size`` > 1).
         engine: its Engine.
         tensor: the caller's NumPy array or torch tensor.
-        op, name, algorithm: as given to ``gradsync.allreduce_`` (name not None).
+        op, name, algorithm: as given to ``gradsync.allreduce_`` (name None for an unnamed
+            call).
         inplace: reduce ``tensor`` itself (``allreduce_``) or a copy (``allreduce``).
+        unnamed: returns the next name of an unnamed allreduce, from the count the full road
+            draws from; called once, only when the call goes ahead on the lane.
     """
     if type(tensor) is np.ndarray:
         flags = tensor.flags
@@ -105,13 +128,20 @@ def allreduce(world, engine, tensor, op, name: str, algorithm: str, inplace: boo
     if not engine.claim_inline():
         return None
     try:
+        if entry.prefix is None:
+            description, signature = entry.description, entry.signature
+        else:
+            # Drawn here, once the call is sure to go ahead: the full road draws when the
+            # call is made, and a refused claim leaves the name to it (api._allreduce).
+            description = entry.prefix + unnamed() + entry.suffix
+            signature = signature_of(description) if entry.signature else 0
         if world.failure is not None:
             raise world.failure
-        world.comm.begin_signed(entry.description, entry.signature)
+        world.comm.begin_signed(description, signature)
         try:
             world.shm_group.allreduce_express(
                 flat if flat.ndim == 1 else flat.reshape(-1), entry.code, entry.divisor,
-                time.monotonic() + world.config.timeout, world.on_group_idle, entry.signature)
+                time.monotonic() + world.config.timeout, world.on_group_idle, signature)
         except GradsyncError as exc:
             error = world.fail(exc)
             if error is exc:
@@ -122,7 +152,7 @@ def allreduce(world, engine, tensor, op, name: str, algorithm: str, inplace: boo
     return result
 
 
-def _entry(world, flat: np.ndarray, op: ReduceOp, name: str, shape: tuple,
+def _entry(world, flat: np.ndarray, op: ReduceOp, name: "str | None", shape: tuple,
            algorithm: str) -> "Entry | None":
     """The lane's entry for a call, or None when the call must take the full road."""
     group = world.shm_group
@@ -137,10 +167,16 @@ def _entry(world, flat: np.ndarray, op: ReduceOp, name: str, shape: tuple,
         return None  # the full road raises it, with its message
     if alg != "shm":
         return None
-    description, signature = ops.allreduce_signed(world, name, flat.dtype, shape, op, 1.0, 1.0,
-                                                  alg)
     divisor = world.size if op is ReduceOp.AVERAGE else 0
-    return Entry(description, signature, code, divisor)
+    description, signature = ops.allreduce_signed(
+        world, _CUT if name is None else name, flat.dtype, shape, op, 1.0, 1.0, alg)
+    if name is not None:
+        return Entry(description, signature, code, divisor)
+    # operations words the description; cut it where the name goes, to join per call.
+    prefix, cut, suffix = description.partition(_CUT)
+    if not cut:
+        return None  # a description without the name: the lane could not word it alike
+    return Entry("", signature, code, divisor, prefix, suffix)
 
 
 def _torch_flat(x) -> "np.ndarray | None":

@@ -1,8 +1,9 @@
 """The express lane of small synchronous allreduces (gradsync/express.py).
 
 Through ``gradsync run`` at 2, 3 and 4 ranks (tests/ranks/express.py): closed-form results
-for every dtype, op and small count on the lane, beside ranks on the full road, and with the
-compiled road off; a mismatch raised on every rank. Then the engine's side of the lane alone.
+for every dtype, op and small count on the lane, named and unnamed, beside ranks on the full
+road, and with the compiled road off; a mismatch raised on every rank, of names and of an
+unnamed call's dtype, op or count. Then the engine's side of the lane alone.
 """
 
 import threading
@@ -26,6 +27,15 @@ def test_lane_matches_the_closed_form(n, mode):
         assert taken == [0] * n, result.output
     else:
         assert max(taken) > 0, result.output
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("n,mode,what", [(2, "lane", "dtype"), (3, "mixed", "op"),
+                                         (4, "lane", "count")])
+def test_unnamed_mismatch_raises_on_every_rank(n, mode, what):
+    result = launch(n, "express.py", mode, what, timeout=90)
+    assert result.returncode == 0, result.output
+    assert result.output.count("express ok") == n, result.output
 
 
 class _World:

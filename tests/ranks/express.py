@@ -8,9 +8,16 @@ Run by tests/test_express.py through ``gradsync run -np N``; argv[1] is the mode
 - ``off``: GRADSYNC_SHM_FAST=0 is set by the test; no call may take the lane.
 
 Every dtype of the compiled road (and one it lacks), every op, counts 0, 1, fewer than the
-ranks, uneven and most of the one-step size; NumPy in place and not, torch in place and not;
-a call issued behind a queued asynchronous one; last, ranks that issue different names must
-all raise CollectiveMismatchError. Prints "express ok <calls on the lane>".
+ranks, uneven and most of the one-step size; named and unnamed; NumPy in place and not, torch
+in place and not; unnamed calls between unnamed broadcasts (which draw from the same count of
+names, so a lane that drew a name too many or too few would no longer meet rank 0's full road
+in ``mixed``); a call issued behind a queued asynchronous one; last, ranks that issue
+different names must all raise CollectiveMismatchError. Prints "express ok <calls on the
+lane>".
+
+With argv[2] (``dtype``, ``op`` or ``count``) the script instead warms the lane with a few
+unnamed calls, then issues an unnamed allreduce that differs between ranks in that respect
+only, and checks that every rank raises CollectiveMismatchError naming what each issued.
 """
 
 import sys
@@ -21,7 +28,7 @@ import numpy as np
 import torch
 
 import gradsync as gs
-from gradsync import express
+from gradsync import express, job
 from gradsync.collectives.shm import ShmGroup
 from gradsync.operations import scale
 
@@ -46,6 +53,38 @@ if not lane_here:
 
 
 fail = Checks(R).fail
+
+
+def unnamed_mismatch(what: str) -> None:
+    """Even ranks and odd ranks issue an unnamed allreduce differing only in ``what``."""
+    for _ in range(3):  # the lane's entry made, then taken as a steady-state call is
+        x = np.full(4, R + 1, np.float32)
+        gs.allreduce_(x, op=gs.Sum)
+        if not (x == N * (N + 1) / 2).all():
+            fail(f"warm-up gave {x}")
+    odd = R % 2
+    dtype = ("float32", "int32")[odd] if what == "dtype" else "float32"  # the same bytes
+    op = (gs.Sum, gs.Max)[odd] if what == "op" else gs.Sum
+    count = (4, 5)[odd] if what == "count" else 4
+    seen = taken
+    try:
+        gs.allreduce_(np.ones(count, dtype), op=op)
+    except gs.CollectiveMismatchError as exc:
+        text = str(exc)
+        words = {"dtype": ("float32[4]", "int32[4]"), "op": ("op=SUM", "op=MAX"),
+                 "count": ("float32[4]", "float32[5]")}[what]
+        if "allreduce.noname." not in text or not all(w in text for w in words):
+            fail(f"the mismatch report does not name both unnamed calls: {text}")
+    else:
+        fail(f"unnamed calls differing in {what} did not raise CollectiveMismatchError")
+    if lane_here and taken != seen + 1:
+        fail("the mismatched unnamed call did not take the lane")
+    print(f"express ok {taken}", flush=True)
+    sys.exit(0)
+
+
+if len(sys.argv) > 2:
+    unnamed_mismatch(sys.argv[2])
 
 
 def data(count, dtype, rank):
@@ -74,6 +113,27 @@ for dtype in ("float32", "float64", "int32", "int64", "int16"):
                     or y.tobytes() != data(count, dtype, R).tobytes():
                 fail(f"allreduce {name} gave {z}, input now {y}")
             expected_lane += 2 * eligible
+            # Unnamed, in place and not: the lane as for a name.
+            x = data(count, dtype, R)
+            if gs.allreduce_(x, op=op) is not x or x.tobytes() != want.tobytes():
+                fail(f"unnamed allreduce_ {name} gave {x[:4]}, want {want[:4]}")
+            z = gs.allreduce(y, op=op)
+            if z is y or z.shape != y.shape or z.tobytes() != want.tobytes():
+                fail(f"unnamed allreduce {name} gave {z}")
+            expected_lane += 2 * eligible
+        # An unnamed broadcast draws the next name too: both roads must stay in step.
+        b = np.full(2, R, np.int64)
+        if gs.broadcast_(b, 0).tolist() != [0, 0]:
+            fail(f"unnamed broadcast gave {b}")
+# The description each rank began its last collective with: the same on the lane and on
+# the full road, the drawn name included (what a mismatch or stall report shows).
+last = np.full(3, R + 1, np.float32)
+gs.allreduce_(last, op=gs.Sum)
+expected_lane += 1
+mine = job.world().comm.description
+described = gs.allgather_object(mine, name="described")
+if len(set(described)) != 1 or not mine.startswith("allreduce 'allreduce.noname."):
+    fail(f"ranks began an unnamed allreduce with {described}")
 # torch: in place (a tensor that requires grad, as a parameter's .grad does not but a
 # metric may), out of place, a non-contiguous view (full road), bfloat16 (full road).
 t = torch.full((4, 8), float(R + 1), requires_grad=True)
@@ -105,6 +165,11 @@ small = np.full(3, R + 1, np.float32)
 gs.allreduce_(small, op=gs.Sum, name="small")
 if not (small == N * (N + 1) / 2).all() or not (gs.synchronize(h) == N * (N + 1) / 2).all():
     fail(f"behind an async call: {small}")
+big, small = np.full(1 << 18, R + 1, np.float32), np.full(3, R + 1, np.float32)
+h = gs.allreduce_async_(big, op=gs.Sum)  # unnamed both: each draws its name in issue order
+gs.allreduce_(small, op=gs.Sum)
+if not (small == N * (N + 1) / 2).all() or not (gs.synchronize(h) == N * (N + 1) / 2).all():
+    fail(f"unnamed behind an unnamed async call: {small}")
 # Different names at the same step: a mismatch on every rank, whichever road each took.
 try:
     gs.allreduce_(np.ones(4, np.float32), op=gs.Sum, name=f"mismatch.{R % 2}")
