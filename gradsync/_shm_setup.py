@@ -51,7 +51,7 @@ def platform_problem() -> str | None:
     machine = platform.machine().lower()
     if not sys.platform.startswith("linux"):
         return f"it needs Linux (futex, /dev/shm) and this is {sys.platform}"
-    if machine not in shm._TSO_MACHINES:
+    if not shm.keeps_store_order(machine):
         return f"it relies on x86-64's store ordering and this CPU is {machine}"
     return None
 
@@ -86,10 +86,8 @@ def host_bytes(local_size: int, slot_bytes: int, group: bool) -> tuple[int, int]
     Returns:
         ``(host, rank0)``: every rank makes ``local_size - 1`` rings; rank 0 also the segment.
     """
-    ring = shm._DATA + shm.DEFAULT_CAPACITY
-    rings = (local_size - 1) * ring
-    slot = -(-slot_bytes // shm_group.CACHE_LINE) * shm_group.CACHE_LINE
-    segment = (shm_group._control_bytes(local_size) + 2 * local_size * slot) if group else 0
+    rings = (local_size - 1) * shm.ring_bytes()
+    segment = shm_group.segment_bytes(local_size, slot_bytes) if group else 0
     return local_size * rings + segment, rings + segment
 
 
@@ -133,8 +131,7 @@ def connect(config, env, store, peers, pairs, use_shm, deadline):
     job = segment_job(env)
     group_here = len(local) == env.size
     host, rank0 = host_bytes(len(local), config.shm_slot_bytes, group_here)
-    own = rank0 if local.index(env.rank) == 0 else (len(local) - 1) * (
-        shm._DATA + shm.DEFAULT_CAPACITY)
+    own = rank0 if local.index(env.rank) == 0 else (len(local) - 1) * shm.ring_bytes()
     check_room(len(local), own, host)
     pids = {p.rank: p.pid for p in peers if p.rank in use_shm}
     shm_pairs = shm.open_pairs(job, env.rank, pids, barrier)

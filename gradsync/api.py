@@ -55,9 +55,7 @@ def _connect(settings: dict):
     from .launch_env import detect
     from .world import World
 
-    config = load_config(settings)
-    if config.log_level != "WARNING":
-        log.setLevel(config.log_level)
+    config = load_config(settings)  # also sets up logging (logs.configure)
     env = detect()
     if env.is_server:
         # A parameter-server rank (GRADSYNC_SERVERS): serve until the workers are done,

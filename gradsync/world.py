@@ -223,7 +223,11 @@ class World:
             raise ConfigError("GRADSYNC_TRANSPORT=shm needs every rank on this host, but ranks "
                               f"{sorted(p.rank for p in peers if p.host != env.hostname)} are "
                               "on other hosts")
-        use_shm = set() if config.transport == "tcp" else local
+        from . import _shm_setup
+
+        # The platform is the host's, so every rank of a host takes the same answer.
+        use_shm = (set() if config.transport == "tcp" or (local and not _shm_setup.usable(config))
+                   else local)
         # Only ranks on different hosts (all of them, with transport=tcp) get a TCP
         # connection: the higher rank of each pair connects to the lower one.
         tcp_peers = set(range(env.size)) - use_shm - {env.rank}
@@ -241,7 +245,6 @@ class World:
             pairs[r] = tcp.TcpPair(r, sock, config.tcp_splice)
         shm_group = None
         if use_shm:
-            from . import _shm_setup
             pairs, shm_group = _shm_setup.connect(config, env, store, peers, pairs, use_shm,
                                                   deadline)
         comm = Comm(env.rank, env.size, pairs, config.timeout,

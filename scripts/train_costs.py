@@ -1,4 +1,4 @@
-"""What a training step pays for synchronising, separated (issue 12, docs/benchmarks.md).
+"""What a training step pays for synchronising, separated (issue 12, docs/benchmarks-history.md).
 
 Run as ``gradsync run -np 2 python3 scripts/train_costs.py``. The MLP of ``gradsync bench
 train`` (batch 32, SGD with momentum, one thread per rank), eight modes taking turns over 5

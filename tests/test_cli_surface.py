@@ -29,7 +29,7 @@ def test_run_options_are_pinned():
 def test_subcommands_are_pinned():
     commands = next(a for a in cli.build_parser()._actions
                     if isinstance(a, argparse._SubParsersAction))
-    assert sorted(commands.choices) == ["bench", "plan", "probe", "run", "simulate"]
+    assert sorted(commands.choices) == ["bench", "build-native", "plan", "probe", "run", "simulate"]
 
 
 def test_run_defaults_and_command_after_double_dash():

@@ -1,6 +1,7 @@
 """Elastic pieces without processes: the sampler's exactly-once split, state semantics,
 generations in a store, discovery output and the launcher's options."""
 
+import os
 import types
 from datetime import timedelta
 
@@ -211,3 +212,22 @@ def test_a_failed_host_loses_every_worker_and_an_unlisted_host_its_workers(hosts
     # discovery now lists b with one slot and no c: b's last worker and c's leave
     job.discovery = types.SimpleNamespace(hosts=[Host("a", 3), Host("b", 1)])
     assert [w.id for w in job._unlisted()] == ["b[4]", "c[5]"]
+
+
+def test_a_new_generation_updates_horovodruns_identity_variables(monkeypatch):
+    from types import SimpleNamespace
+
+    from gradsync.elastic import worker
+
+    world = SimpleNamespace(rank=1, size=3, local_rank=1, local_size=3, cross_rank=0,
+                            cross_size=1)
+    monkeypatch.delenv("HOROVOD_RANK", raising=False)
+    worker._export_horovod_identity(world)  # not started by a launcher that sets them
+    assert "HOROVOD_RANK" not in os.environ
+    for name in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE"):
+        monkeypatch.setenv(f"HOROVOD_{name}", "7")
+    worker._export_horovod_identity(world)
+    assert {name: os.environ[f"HOROVOD_{name}"] for name in ("RANK", "SIZE", "LOCAL_RANK",
+            "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")} == {
+        "RANK": "1", "SIZE": "3", "LOCAL_RANK": "1", "LOCAL_SIZE": "3", "CROSS_RANK": "0",
+        "CROSS_SIZE": "1"}

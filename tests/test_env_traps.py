@@ -27,7 +27,7 @@ def fake_statvfs(size: int, free: int):
 
 # ---------------------------------------------------------------- /dev/shm
 def test_host_bytes_counts_every_ring_and_the_allreduce_segment():
-    ring = shm._DATA + shm.DEFAULT_CAPACITY
+    ring = shm.ring_bytes()
     host, rank0 = _shm_setup.host_bytes(4, 1 << 20, group=True)
     segment = host - 12 * ring
     assert segment >= 8 * MiB  # 2 slots of 1 MiB per rank, and the control lines
@@ -124,3 +124,13 @@ def test_the_peer_hint_names_the_ports_and_the_interface_option():
     assert "node2" in hint and "--network-interface" in hint
     low, high = hint.split("TCP ports ")[1].split(" ")[0].split("-")
     assert 0 < int(low) < int(high) < 65536
+
+
+@pytest.mark.multiprocess
+def test_a_job_on_an_unsupported_platform_runs_over_tcp():
+    from harness import launch
+
+    result = launch(3, "platform_fallback.py", timeout=60)
+    assert result.returncode == 0, result
+    assert result.output.count("ok") == 3, result
+    assert result.output.count("shared-memory transport is not available") == 3, result

@@ -202,7 +202,7 @@ def test_output_filename_keeps_each_ranks_lines(tmp_path):
         folder = tmp_path / "logs" / f"rank.{r:02d}"
         assert (folder / "stdout").read_text() == f"out {r}\n"
         assert (folder / "stderr").read_text() == f"err {r}\n"
-    assert f"[10]<stdout>:out 10" in proc.stdout  # the console still gets every line
+    assert "[10]<stdout>:out 10" in proc.stdout  # the console still gets every line
 
 
 def test_an_interface_this_host_lacks_is_a_usage_error_for_a_local_job(capsys):
@@ -216,8 +216,8 @@ def test_an_interface_this_host_lacks_is_a_usage_error_for_a_local_job(capsys):
 def test_an_addr_that_is_neither_address_nor_interface_names_both():
     from types import SimpleNamespace
     from gradsync.config import Config
-    from gradsync.world import _listen_addr
+    from gradsync.world import listen_addr
     env = SimpleNamespace(store_addr="127.0.0.1", store_port=1)
-    assert _listen_addr(Config(addr="lo"), env) == "127.0.0.1"
+    assert listen_addr(Config(addr="lo"), env) == "127.0.0.1"
     with pytest.raises(ConfigError, match="neither an address of this host nor one of its"):
-        _listen_addr(Config(addr="nosuch0.invalid"), env)
+        listen_addr(Config(addr="nosuch0.invalid"), env)

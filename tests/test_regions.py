@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from gradsync.errors import AuthenticationError, GradsyncError, PeerLostError, ProtocolError
-from gradsync.transport import region_memory, regions
+from gradsync.transport import region_memory
 from gradsync.transport import rma_frame as rf
 from gradsync.transport.region_peer import wait
 from gradsync.transport.regions import STRIPE_BYTES, Endpoint, RegionAccessError, Stripes

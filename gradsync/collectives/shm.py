@@ -109,7 +109,7 @@ from ..transport.shm import (CACHE_LINE, attach_segment, check_job_id, create_se
                              process_start_time, require_tso, unlink_segment)
 from .ops import Reducer, ReduceOp
 
-__all__ = ["ShmGroup", "DEFAULT_SLOT_BYTES", "DEFAULT_SMALL_BYTES", "group_segment_name",
+__all__ = ["ShmGroup", "segment_bytes", "DEFAULT_SLOT_BYTES", "DEFAULT_SMALL_BYTES", "group_segment_name",
            "create_group_segment"]
 
 DEFAULT_SLOT_BYTES = 1 << 20
@@ -167,6 +167,14 @@ _FAST_DONE, _FAST_WAITING, _FAST_MISMATCH = 0, 1, 2
 # SHARED_MAX; a dropped mapping is made again when needed).
 _serials = itertools.count(1)
 _MAPPED_KEPT = 32
+
+
+def segment_bytes(local_size: int, slot_bytes: int) -> int:
+    """Bytes of /dev/shm the host's allreduce segment takes for ``local_size`` ranks with
+    slots of ``slot_bytes`` (rounded up to whole cache lines, as ``create_group_segment``
+    does)."""
+    slot_bytes = -(-slot_bytes // CACHE_LINE) * CACHE_LINE
+    return _control_bytes(local_size) + 2 * local_size * slot_bytes
 
 
 def _control_bytes(local_size: int) -> int:

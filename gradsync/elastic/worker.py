@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 
 from .. import job
@@ -98,9 +99,22 @@ def join(config, env, after: int = -1):
             after = gen
             continue
         _generation = gen
+        _export_horovod_identity(world)
         log.info("worker %s is rank %d of %d in generation %d", env.elastic_id, world.rank,
                  world.size, gen)
         return world
+
+
+def _export_horovod_identity(world) -> None:
+    """Keeps horovodrun's identity variables true after a re-formation, as Horovod's own
+    elastic reset does: a script that reads ``HOROVOD_RANK`` reads this generation's rank.
+    Only where the launcher set them (``gradsync run`` does), so no variable is invented."""
+    if "HOROVOD_RANK" not in os.environ:
+        return
+    os.environ.update({
+        "HOROVOD_RANK": str(world.rank), "HOROVOD_SIZE": str(world.size),
+        "HOROVOD_LOCAL_RANK": str(world.local_rank), "HOROVOD_LOCAL_SIZE": str(world.local_size),
+        "HOROVOD_CROSS_RANK": str(world.cross_rank), "HOROVOD_CROSS_SIZE": str(world.cross_size)})
 
 
 class _GenerationStore(Store):

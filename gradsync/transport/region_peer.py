@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from ..engine import Handle
-from ..errors import GradsyncError, GradsyncTimeoutError, PeerLostError, ProtocolError
+from ..errors import GradsyncTimeoutError, PeerLostError, ProtocolError
 from . import rma_frame as rf
 from . import shm
 from .region_memory import Memory, Stripes, as_bytes

@@ -56,7 +56,7 @@ from ..errors import PeerLostError, ProtocolError
 from . import frame
 from .base import Pair, Recv, Send
 
-__all__ = ["ShmPair", "DEFAULT_CAPACITY", "SHM_DIR", "open_pairs", "ring_name", "create_ring",
+__all__ = ["ShmPair", "DEFAULT_CAPACITY", "ring_bytes", "keeps_store_order", "SHM_DIR", "open_pairs", "ring_name", "create_ring",
            "attach_ring", "unlink_ring", "create_segment", "attach_segment", "unlink_segment",
            "check_job_id", "process_start_time", "require_tso", "Backoff"]
 
@@ -83,10 +83,21 @@ _JOB_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 _TSO_MACHINES = frozenset({"x86_64", "amd64", "i386", "i686", "x86"})
 
 
+def ring_bytes(capacity: int = DEFAULT_CAPACITY) -> int:
+    """Bytes of /dev/shm one byte ring of ``capacity`` takes (its control lines included)."""
+    return _DATA + capacity
+
+
+def keeps_store_order(machine: str) -> bool:
+    """Whether CPUs of ``machine`` (``platform.machine()``) keep stores in order, as the
+    rings' lock-free protocol needs (x86)."""
+    return machine.lower() in _TSO_MACHINES
+
+
 def require_tso() -> None:
     """Raises NotImplementedError unless this CPU keeps stores in order (x86)."""
     machine = platform.machine().lower()
-    if machine not in _TSO_MACHINES:
+    if not keeps_store_order(machine):
         raise NotImplementedError(
             f"gradsync's shared-memory transport relies on x86 store ordering and this is "
             f"{machine!r}; use the tcp transport (GRADSYNC_TRANSPORT=tcp)")
