@@ -53,10 +53,7 @@ def world():
     Raises:
         ValueError: gradsync has not been initialised.
     """
-    job = _job
-    if job is None:
-        raise ValueError(_NOT_INITIALISED)
-    return job.world
+    return _installed().world
 
 
 def engine() -> Engine:
@@ -65,10 +62,14 @@ def engine() -> Engine:
     Raises:
         ValueError: gradsync has not been initialised.
     """
-    job = _job
+    return _installed().engine
+
+
+def _installed() -> Job:
+    job = _job  # one read: a concurrent close() cannot split the World from its Engine
     if job is None:
         raise ValueError(_NOT_INITIALISED)
-    return job.engine
+    return job
 
 
 def start(connect: Callable[[], object]) -> bool:
