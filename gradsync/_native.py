@@ -95,7 +95,10 @@ def load(name: str, compiler: "str | None" = None, build: bool = True):
     except (OSError, subprocess.SubprocessError, ImportError, ValueError) as exc:
         reason = str(exc).strip().splitlines()
         _warn(name, f"compiled {name} unavailable "
-                    f"({reason[0] if reason else type(exc).__name__}); using the Python path")
+                    f"({reason[0] if reason else type(exc).__name__}); using the Python path, "
+                    f"slower for small allreduces: install a C compiler and Python's headers "
+                    f"(Debian/Ubuntu: apt-get install gcc python3-dev), then run "
+                    f"`gradsync build-native` (docs/troubleshooting.md)")
         if not build:
             return None
         module = None
@@ -190,8 +193,11 @@ def _compile(command: list, arguments: list, path: str) -> None:
         done = subprocess.run(command + arguments + ["-o", partial],
                               capture_output=True, text=True, timeout=_COMPILE_TIMEOUT)
         if done.returncode:
-            raise OSError(f"{' '.join(command)} failed: "
-                          f"{(done.stderr or done.stdout).strip()[:500]}")
+            said = (done.stderr or done.stdout).strip()
+            if "Python.h" in said:
+                raise OSError(f"Python's headers are missing (no Python.h in "
+                              f"{sysconfig.get_paths()['include']})")
+            raise OSError(f"{' '.join(command)} failed: {said[:500]}")
         os.replace(partial, path)
     except FileNotFoundError as exc:
         raise OSError(f"no C compiler ({command[0]}: {exc.strerror})") from None

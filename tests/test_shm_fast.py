@@ -236,6 +236,21 @@ def test_no_compiler_gives_none_and_one_warning(caplog, no_installed):
         assert _native.load("_shmfast", compiler="/nonexistent/cc") is None
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "no C compiler" in lines[0] and "Python path" in lines[0], lines
+    assert "apt-get install gcc python3-dev" in lines[0], lines  # the fix, named
+
+
+def test_missing_python_headers_are_named(caplog, no_installed, tmp_path, monkeypatch):
+    # A compiler that fails as gcc does without python3-dev.
+    cc = tmp_path / "cc"
+    cc.write_text("#!/bin/sh\necho \"_shmfast.c:1:10: fatal error: Python.h: No such file or "
+                  "directory\" >&2\nexit 1\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with caplog.at_level(logging.WARNING, logger="gradsync"):
+        assert _native.load("_shmfast", compiler=str(cc)) is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "Python's headers are missing" in lines[0], lines
+    assert "python3-dev" in lines[0] and "gradsync build-native" in lines[0], lines
 
 
 def _fallback(ctx: Rank):
