@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs gradsync and its test dependencies into the current Python environment (use a
-# virtual environment where the system Python refuses pip, PEP 668). GRADSYNC_EXTRAS names the
-# extras (default `test`; CI adds `ecosystem`: Ray Train for the slow tier).
+# virtual environment where the system Python refuses pip, PEP 668). SETUP_EXTRAS names the
+# extras (default `test`; CI adds `ecosystem`: Ray Train for the slow tier). Not a GRADSYNC_*
+# name: those are gradsync's settings, and init() refuses one it does not know.
 #
 # The CPU build of torch goes in first, and stays: a bare "torch" requirement would pull the
 # multi-gigabyte CUDA build, so every later install runs under a constraint that keeps
@@ -11,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH=${GRADSYNC_TORCH:-torch==2.13.0}
-extras=${GRADSYNC_EXTRAS:-test}
+extras=${SETUP_EXTRAS:-test}
 # Open MPI, the peer of `gradsync bench allreduce --compare mpi` (and of its test), comes from
 # the system's packages; mpi4py (a binary wheel that loads the runtime libmpi.so.40) calls it.
 # Only the runtime: no libopenmpi-dev, which would pull a Fortran compiler and autotools.

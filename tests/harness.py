@@ -281,14 +281,16 @@ def run_job(cmd: list, *, timeout: float, env: dict | None = None, cwd=None,
 
     Args:
         cmd: the command line.
-        env: the launcher's environment (default this process's); ``MARK`` is added to it.
+        env: the launcher's environment (default this process's without its ``GRADSYNC_*``
+            settings, as ``launch`` and ``bench`` give); ``MARK`` is added to it.
         cwd: the launcher's working directory.
         mark: the value of ``MARK`` for this job (default a new one), for a test that looks
             for its own processes with ``marked``.
         what: how the deadline's error names the job (default the command's start).
     """
     mark = mark or new_mark()
-    full_env = dict(os.environ if env is None else env)
+    full_env = dict(env if env is not None else
+                    {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")})
     full_env[MARK] = mark
     # Read while it stops its ranks, so that it never blocks on a full pipe meanwhile.
     launcher = start(cmd, full_env, merge_stderr=True, text=True, cwd=cwd)

@@ -11,6 +11,8 @@ from harness import run_job
 pytestmark = pytest.mark.multiprocess  # (the last two tests start nothing)
 
 BENCH = [sys.executable, "-m", "gradsync", "bench", "allreduce"]
+# This process's environment without its gradsync settings, as the harness gives a job.
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
 
 
 def test_bench_allreduce_checks_results_and_measures_gloo_beside(tmp_path):
@@ -42,7 +44,7 @@ def test_bench_allreduce_times_the_ring_exchange_over_tcp(tmp_path):
     proc = run_job(
         BENCH + ["-np", "3", "--sizes", "3K:6M", "--factor", "2048", "--seconds", "0.05",
                  "--exchange", "--json", str(out)], timeout=120,
-        env={**os.environ, "GRADSYNC_TRANSPORT": "tcp", "GRADSYNC_CHUNK_BYTES": "256K"})
+        env={**ENV, "GRADSYNC_TRANSPORT": "tcp", "GRADSYNC_CHUNK_BYTES": "256K"})
     assert proc.returncode == 0, proc.stdout
     rows = json.loads(out.read_text())
     assert [r["size"] for r in rows] == [3072, 6 << 20]
@@ -63,7 +65,7 @@ def test_bench_allreduce_keeps_chunk_bytes_with_tune_segments_off(tmp_path):
     proc = run_job(
         BENCH + ["-np", "2", "--sizes", "4M:4M", "--seconds", "0.05", "--json", str(out)],
         timeout=120,
-        env={**os.environ, "GRADSYNC_TRANSPORT": "tcp", "GRADSYNC_CHUNK_BYTES": "256K",
+        env={**ENV, "GRADSYNC_TRANSPORT": "tcp", "GRADSYNC_CHUNK_BYTES": "256K",
              "GRADSYNC_TUNE_SEGMENTS": "0"})
     assert proc.returncode == 0, proc.stdout
     rows = json.loads(out.read_text())
