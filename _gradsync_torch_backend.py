@@ -30,7 +30,7 @@ NAME = "gradsync"
 
 def _create(options, backend_options=None):
     # The first init_process_group("gradsync") pays for gradsync's import, here and only here.
-    from gradsync._torch_hook import _create as create
+    from gradsync.torch.backend.group import create
 
     return create(options, backend_options)
 
