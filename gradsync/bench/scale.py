@@ -52,7 +52,7 @@ import sys
 import time
 from typing import Sequence
 
-from ..run.processes import start, stop
+from ..run.processes import pump, start, stop
 from . import netns
 from .scale_rank import PREFIX
 
@@ -140,13 +140,17 @@ def _start_store(cluster: netns.Cluster, timeout: float):
     """Starts the store's process on the first host; returns it and its port."""
     argv = cluster.exec_argv(cluster.hosts[0].name,
                              [sys.executable, "-c", _STORE_SCRIPT, str(timeout)])
-    process = start(argv, stdin=subprocess.PIPE, text=True)
-    line = process.proc.stdout.readline().strip()
-    if not line.isdigit():
-        stop([process])
-        error = process.proc.stderr.read()
-        raise RuntimeError(f"the store's process did not start: {error.strip()[-2000:]}")
-    return process, int(line)
+    process = start(argv, stdin=subprocess.PIPE, merge_stderr=True, text=True)
+    seen = []
+    for line in iter(process.proc.stdout.readline, ""):
+        if line.strip().isdigit():
+            # Drained for the rest of its life: torch warns on stderr about each client
+            # whose host name it cannot look up, and a full pipe would stop the store.
+            pump(process.proc.stdout, lambda _line: None, "gradsync-scale-store")
+            return process, int(line)
+        seen.append(line)
+    stop([process])
+    raise RuntimeError("the store's process did not start: " + "".join(seen)[-2000:].strip())
 
 
 def _job(cluster: netns.Cluster, mode: str, ranks: int, port: int, options) -> tuple[float,
