@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def _report(rank, boot, imported, called, done, phases, requests=None, sockets=(0, 5, 7),
             rss=(200.0, 210.0, 212.0), first=(10.0, 30.0), steady=(1.0, 3.0)):
     return {"rank": rank, "host": f"h{rank}", "sockets_before": sockets[0],
-            "rss_before_mib": rss[0], "phases_instrumented": ["store", "tcp connect", "barrier"],
+            "rss_before_mib": rss[0], "anon_before_mib": rss[0] / 2,
+            "anon_init_mib": rss[1] / 2, "anon_end_mib": rss[2] / 2, "phases_instrumented": ["store", "tcp connect", "barrier"],
             "requests_before": None if requests is None else {"get": 1},
             "marks": {"boot": boot, "imported": imported, "init_called": called,
                       "init_done": done},
@@ -36,6 +37,7 @@ def _report(rank, boot, imported, called, done, phases, requests=None, sockets=(
 
 def _limit_report(rank, boot, imported, met, rss=190.0):
     return {"rank": rank, "host": f"h{rank}", "sockets_before": 0, "rss_before_mib": rss,
+            "anon_before_mib": rss / 2,
             "sockets_met": 1, "marks": {"boot": boot, "imported": imported, "met": met}}
 
 
@@ -86,6 +88,7 @@ def test_aggregation_over_ranks():
     m = data["rss_mib"]
     assert (m["before"], m["init"], m["end"], m["limit"]) == (202, 210, 212, 190)
     assert m["growth_init"] == pytest.approx(10) and m["growth_end"] == pytest.approx(12)
+    assert m["anon_end"] == 106 and m["anon_growth_end"] == pytest.approx(6)
     a = data["allreduce"]
     assert a["small"] == {"bytes": 16, "first_ms": 12, "steady_ms": 2}
     assert a["1MiB"] == {"bytes": 1 << 20, "first_ms": 40, "steady_ms": 4}
@@ -295,3 +298,11 @@ def test_the_rank_module_is_importable_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=ROOT, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_request_counts_are_read_where_gradsync_has_them(monkeypatch):
+    import gradsync.rendezvous
+    monkeypatch.delattr(gradsync.rendezvous, "request_counts", raising=False)
+    assert scale_rank.request_counts() is None
+    monkeypatch.setattr(gradsync.rendezvous, "request_counts", lambda: {"get": 3}, raising=False)
+    assert scale_rank.request_counts() == {"get": 3}

@@ -9,9 +9,10 @@
 
 A benchmark module that defines ``drive`` starts its jobs itself (``ps`` starts one job per
 model size, because a parameter server keeps the model of its first hello): it gets the
-``gradsync run`` command line built here, ``--servers`` included. ``scale`` starts its ranks itself too (it emulates hosts, which
-``gradsync run`` cannot), and is the one benchmark whose ``-np`` may be a list (a sweep, one
-run per number) and whose ``--hosts`` is a number of emulated hosts.
+``gradsync run`` command line built here, ``--servers`` included. ``scale`` starts its ranks
+itself too (it emulates hosts, which ``gradsync run`` cannot), and is the one benchmark whose
+``-np`` may be a list (a sweep, one run per number) and whose ``--hosts`` is a number of
+emulated hosts.
 
 ``--json`` means one thing in every command of ``gradsync`` (``bench``, ``plan``,
 ``simulate``): ``--json FILE`` writes the rows to FILE as JSON; ``--json`` alone (or

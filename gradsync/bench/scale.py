@@ -198,12 +198,25 @@ def measure(ranks: int, hosts: int, emulate: str, options) -> dict:
         store, port = _start_store(cluster, deadline(ranks))
         try:
             limit = _job(cluster, "limit", ranks, port, options)
+            _check_memory(ranks, limit[1])
             runtime = _job(cluster, "gradsync", ranks, port, options)
         finally:
             stop([store])
     data = aggregate(runtime, limit)
     data.update(hosts=hosts, emulation=emulate, cores=os.cpu_count(), iters=options.iters)
     return data
+
+
+def _check_memory(ranks: int, limit_reports: list[dict]) -> None:
+    """Warns when the ranks' private memory, as the limit's ranks measured it, nears what
+    the machine has available: the kernel would kill ranks, not the benchmark."""
+    need = statistics.median(r["anon_before_mib"] for r in limit_reports) * ranks
+    with open("/proc/meminfo") as meminfo:
+        available = next(int(line.split()[1]) / 1024 for line in meminfo
+                         if line.startswith("MemAvailable:"))
+    if need > 0.8 * available:
+        print(f"# warning: {ranks} ranks hold about {need / 1024:.1f} GiB of private memory "
+              f"after their imports; {available / 1024:.1f} GiB is available", flush=True)
 
 
 def _stats(values: list[float]) -> dict | None:
@@ -276,7 +289,10 @@ def aggregate(runtime: tuple[float, list[dict]], limit: tuple[float, list[dict]]
                         r["rss_init_mib"] - r["rss_before_mib"] for r in reports),
                     "growth_end": statistics.median(
                         r["rss_end_mib"] - r["rss_before_mib"] for r in reports),
-                    "limit": statistics.median(r["rss_before_mib"] for r in limit_reports)},
+                    "limit": statistics.median(r["rss_before_mib"] for r in limit_reports),
+                    "anon_end": statistics.median(r["anon_end_mib"] for r in reports),
+                    "anon_growth_end": statistics.median(
+                        r["anon_end_mib"] - r["anon_before_mib"] for r in reports)},
         "allreduce": {size: {"bytes": reports[0]["allreduce"][size]["bytes"],
                              "first_ms": max(r["allreduce"][size]["first_ms"] for r in reports),
                              "steady_ms": statistics.median(
@@ -326,7 +342,8 @@ def _print_point(data: dict) -> None:
     m = data["rss_mib"]
     print(f"RSS per rank (median): before init {m['before']:.1f} MiB, after init "
           f"{m['init']:.1f} (+{m['growth_init']:.1f}), after the allreduces {m['end']:.1f} "
-          f"(+{m['growth_end']:.1f}); the limit's ranks {m['limit']:.1f} MiB")
+          f"(+{m['growth_end']:.1f}), of which private (RssAnon) {m['anon_end']:.1f} "
+          f"(+{m['anon_growth_end']:.1f}); the limit's ranks {m['limit']:.1f} MiB")
     for size, a in data["allreduce"].items():
         steady = "n/a" if a["steady_ms"] is None else f"{a['steady_ms']:.2f}"
         print(f"allreduce {a['bytes']} B: first {a['first_ms']:.2f} ms (max over ranks), "

@@ -26,8 +26,8 @@ its phase reads "n/a": the benchmark keeps working while ``world.py`` changes un
 
 **What is counted.** Sockets: the entries of ``/proc/self/fd`` that are sockets (the store's
 client connections, the listener, each TCP pair; shared-memory pairs hold none). Memory:
-``VmRSS`` from ``/proc/self/status``, before ``init()`` (after the imports: the baseline),
-after it and after the allreduces. Store requests: ``gradsync.rendezvous.request_counts()``,
+``VmRSS`` from ``/proc/self/status`` (and its private part, ``RssAnon``), before ``init()``
+(after the imports: the baseline), after it and after the allreduces. Store requests: ``gradsync.rendezvous.request_counts()``,
 this process's requests by operation since it started, where the running gradsync has it
 (None otherwise). Every figure is one line ``GSSCALE <json>`` on stdout; the driver
 (``scale.py``) reads it.
@@ -142,13 +142,14 @@ def sockets() -> int:
     return count
 
 
-def rss_mib() -> float:
-    """This process's resident memory, MiB."""
+def rss_mib(field: str = "VmRSS") -> float:
+    """This process's resident memory, MiB: all of it (``VmRSS``), or its private anonymous
+    part (``RssAnon``: what each more rank costs, the libraries' pages being shared)."""
     with open("/proc/self/status") as status:
         for line in status:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
-    raise OSError("no VmRSS line in /proc/self/status")
+    raise OSError(f"no {field} line in /proc/self/status")
 
 
 def request_counts() -> dict[str, int] | None:
@@ -214,6 +215,7 @@ def _gradsync(options, marks: dict, report: dict) -> None:
     report["phases"] = clock.totals
     report["sockets_init"] = sockets()
     report["rss_init_mib"] = rss_mib()
+    report["anon_init_mib"] = rss_mib("RssAnon")
     report["requests_init"] = request_counts()
     rank, size = gradsync.rank(), gradsync.size()
     report["allreduce"] = {
@@ -221,6 +223,7 @@ def _gradsync(options, marks: dict, report: dict) -> None:
         "1MiB": _allreduce(gradsync, np, _LARGE, rank, size, options.iters)}
     report["sockets_end"] = sockets()
     report["rss_end_mib"] = rss_mib()
+    report["anon_end_mib"] = rss_mib("RssAnon")
     report["requests_end"] = request_counts()
 
 
@@ -238,7 +241,8 @@ def main(boot: float, argv: list[str] | None = None) -> None:
     import gradsync  # noqa: F401
     marks["imported"] = time.time()
     report: dict = {"rank": int(os.environ["RANK"]), "host": os.environ["GRADSYNC_HOSTNAME"],
-                    "sockets_before": sockets(), "rss_before_mib": rss_mib()}
+                    "sockets_before": sockets(), "rss_before_mib": rss_mib(),
+                    "anon_before_mib": rss_mib("RssAnon")}
     if options.mode == "limit":
         report.update(_limit(options, marks))
     else:
