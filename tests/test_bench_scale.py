@@ -252,6 +252,7 @@ def _check_point(point, ranks, hosts):
     assert set(point["store_requests"]) == {"init", "end"}
 
 
+@pytest.mark.slow  # three processes import torch one after another: over 20 s on 2 cores
 @pytest.mark.multiprocess
 def test_two_ranks_over_two_host_names(tmp_path):
     rows = tmp_path / "scale.json"

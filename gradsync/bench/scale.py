@@ -46,13 +46,15 @@ import json
 import os
 import resource
 import secrets
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from typing import Sequence
 
-from ..run.processes import pump, start, stop
+from ..run.processes import Process, pump, start, stop
 from . import netns
 from .scale_rank import PREFIX
 
@@ -153,8 +155,8 @@ def _start_store(cluster: netns.Cluster, timeout: float):
     raise RuntimeError("the store's process did not start: " + "".join(seen)[-2000:].strip())
 
 
-def _job(cluster: netns.Cluster, mode: str, ranks: int, port: int, options) -> tuple[float,
-                                                                                    list[dict]]:
+def _job(cluster: netns.Cluster, mode: str, ranks: int, port: int,
+         options) -> tuple[float, list[dict]]:
     """Runs one job (``mode``: limit or gradsync); returns its launch time and the reports."""
     limit = deadline(ranks)
     addr = "127.0.0.1" if isinstance(cluster, HostNames) else cluster.hosts[0].ip
@@ -197,8 +199,8 @@ def measure(ranks: int, hosts: int, emulate: str, options) -> dict:
     with cluster:
         store, port = _start_store(cluster, deadline(ranks))
         try:
+            _check_memory(ranks, store)
             limit = _job(cluster, "limit", ranks, port, options)
-            _check_memory(ranks, limit[1])
             runtime = _job(cluster, "gradsync", ranks, port, options)
         finally:
             stop([store])
@@ -207,16 +209,37 @@ def measure(ranks: int, hosts: int, emulate: str, options) -> dict:
     return data
 
 
-def _check_memory(ranks: int, limit_reports: list[dict]) -> None:
-    """Warns when the ranks' private memory, as the limit's ranks measured it, nears what
-    the machine has available: the kernel would kill ranks, not the benchmark."""
-    need = statistics.median(r["anon_before_mib"] for r in limit_reports) * ranks
-    with open("/proc/meminfo") as meminfo:
-        available = next(int(line.split()[1]) / 1024 for line in meminfo
-                         if line.startswith("MemAvailable:"))
-    if need > 0.8 * available:
-        print(f"# warning: {ranks} ranks hold about {need / 1024:.1f} GiB of private memory "
-              f"after their imports; {available / 1024:.1f} GiB is available", flush=True)
+def _status_mib(pid: int, field: str) -> float:
+    """A ``/proc/<pid>/status`` memory field (``RssAnon``, ``MemAvailable``...) in MiB."""
+    path = "/proc/meminfo" if pid == 0 else f"/proc/{pid}/status"
+    with open(path) as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise OSError(f"no {field} line in {path}")
+
+
+def _check_memory(ranks: int, store: Process) -> None:
+    """Refuses a job whose ranks would not fit in the memory available.
+
+    Each rank's private memory after its imports is about that of the store's process, which
+    has imported torch too: N of them beyond what the machine has would not slow the
+    benchmark down but bring the kernel's OOM killer onto whatever runs here.
+
+    Raises:
+        RuntimeError: the estimate passes 90% of the memory available.
+    """
+    try:
+        per_rank = _status_mib(store.proc.pid, "RssAnon")
+        available = _status_mib(0, "MemAvailable")
+    except OSError:
+        return  # not Linux's /proc: nothing to estimate from
+    need = per_rank * ranks
+    if need > 0.9 * available:
+        raise RuntimeError(f"{ranks} ranks would hold about {need / 1024:.1f} GiB of private "
+                           f"memory ({per_rank:.0f} MiB each after importing torch, as the "
+                           f"store's process does), but {available / 1024:.1f} GiB is "
+                           f"available: run fewer ranks, or on a machine with more memory")
 
 
 def _stats(values: list[float]) -> dict | None:
@@ -421,10 +444,22 @@ def drive(counts: Sequence[int], hosts: int | None, options) -> int:
     if hosts is not None and hosts < 1:
         print("--hosts must be at least 1", file=sys.stderr)
         return 2
+    main_thread = threading.current_thread() is threading.main_thread()  # handlers: only there
+    previous = {sig: signal.signal(sig, _stopped) for sig in (signal.SIGTERM, signal.SIGHUP)
+                if main_thread}
     try:
         sweep(counts, hosts, options)
     except (RuntimeError, netns.NetnsError) as exc:
         print(f"gradsync bench scale: {exc}", file=sys.stderr)
         return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
+
+
+def _stopped(signum: int, _frame) -> None:
+    """SIGTERM or SIGHUP: leave through the ``finally`` clauses that stop every rank and the
+    store's process (their groups would outlive a default death)."""
+    raise SystemExit(128 + signum)
 
