@@ -225,6 +225,22 @@ def test_a_failed_rank_is_reported_with_its_output(monkeypatch):
         scale._job(cluster, "gradsync", 2, 1234, options)
 
 
+def test_help_is_the_benchmarks_own(capsys):
+    assert cli.main(["scale", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: gradsync bench scale")
+    assert "--emulate" in out and "--json [FILE]" in out and "-np NP" in out
+
+
+def test_ranks_that_would_not_fit_in_memory_are_refused(monkeypatch):
+    store = types.SimpleNamespace(proc=types.SimpleNamespace(pid=1234))
+    sizes = {(1234, "RssAnon"): 150.0, (0, "MemAvailable"): 10_000.0}
+    monkeypatch.setattr(scale, "_status_mib", lambda pid, field: sizes[pid, field])
+    scale._check_memory(60, store)  # 9,000 MiB of 10,000: fits
+    with pytest.raises(RuntimeError, match=r"64 ranks would hold about 9.4 GiB"):
+        scale._check_memory(64, store)
+
+
 def test_deadline_grows_with_the_ranks():
     assert scale.deadline(256) > scale.deadline(16) >= 120
 
