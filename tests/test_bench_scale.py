@@ -241,6 +241,32 @@ def test_ranks_that_would_not_fit_in_memory_are_refused(monkeypatch):
         scale._check_memory(64, store)
 
 
+def test_repeats_run_in_turn_and_report_the_pair_of_median_ratio(monkeypatch, capsys):
+    runtime, limit = _jobs()
+    # The last rank's init() returns 12, 10 and 9 s after the launch: against the limit's
+    # 8 s, ratios 1.5, 1.25 and 1.125.
+    ends = iter([112.0, 110.0, 109.0])
+    order = []
+
+    def job(cluster, mode, ranks, port, options):
+        order.append(mode)
+        if mode == "limit":
+            return limit
+        reports = [dict(r, marks=dict(r["marks"])) for r in runtime[1]]
+        reports[0]["marks"]["init_done"] = next(ends)
+        return runtime[0], reports
+
+    monkeypatch.setattr(scale, "_job", job)
+    monkeypatch.setattr(scale, "_start_store", lambda cluster, timeout: (None, 1))
+    monkeypatch.setattr(scale, "_check_memory", lambda ranks, store: None)
+    monkeypatch.setattr(scale, "stop", lambda processes: None)
+    options = types.SimpleNamespace(iters=1, repeats=3)
+    data = scale.measure(3, 3, "names", options)
+    assert order == ["limit", "gradsync"] * 3
+    assert [r["ratio"] for r in data["repeats"]] == pytest.approx([1.5, 1.25, 1.125])
+    assert data["ratio"] == pytest.approx(1.25) and data["init_s"] == pytest.approx(10.0)
+
+
 def test_deadline_grows_with_the_ranks():
     assert scale.deadline(256) > scale.deadline(16) >= 120
 

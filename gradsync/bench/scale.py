@@ -8,7 +8,8 @@ ranks talks TCP, the case that costs most): network namespaces (``netns.py``'s `
 where this process is root, else host names alone (``GRADSYNC_HOSTNAME``: ranks of different
 names talk TCP over loopback, ranks of one name share memory). ``--emulate`` chooses.
 
-**Two jobs per N, in this order, on the same emulated hosts and the same store:**
+**Two jobs per N, in this order (``--repeats R``: R times in turn, the pair of median ratio
+reported), on the same emulated hosts and the same store:**
 
 1. *The limit*: the same N processes start, import what a rank imports (torch,
    torch.distributed, gradsync) and meet once at the store, with no gradsync World: what
@@ -99,6 +100,9 @@ def parser() -> argparse.ArgumentParser:
                         "or namespaces where root (default auto)")
     p.add_argument("--iters", type=int, default=10,
                    help="steady allreduces of each size after the first (default 10)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the limit and gradsync this many times in turn; report the pair "
+                        "of median ratio (default 1)")
     p.add_argument("--json", metavar="FILE", help="write one object per N to FILE")
     p.add_argument("--markdown", action="store_true",
                    help="end with the summary as a markdown table (docs/benchmarks.md's)")
@@ -195,21 +199,27 @@ def _job(cluster: netns.Cluster, mode: str, ranks: int, port: int,
 
 
 def measure(ranks: int, hosts: int, emulate: str, options) -> dict:
-    """Runs the limit and gradsync at ``ranks`` ranks over ``hosts`` hosts; returns the
-    aggregate (``aggregate``)."""
+    """Runs the limit and gradsync at ``ranks`` ranks over ``hosts`` hosts, ``options.repeats``
+    times in turn; returns the aggregate (``aggregate``) of the pair whose ratio is the
+    median, with every pair's ``init_s``, ``limit_s`` and ``ratio`` under ``repeats``."""
     layout = _hosts(ranks, hosts)
     cluster = (netns.Cluster(layout, prefix="gsscale") if emulate == "netns"
                else HostNames(layout, prefix="gsscale"))
+    pairs = []
     with cluster:
         store, port = _start_store(cluster, deadline(ranks))
         try:
             _check_memory(ranks, store)
-            limit = _job(cluster, "limit", ranks, port, options)
-            runtime = _job(cluster, "gradsync", ranks, port, options)
+            for _ in range(options.repeats):
+                # In turn, so that a load that comes and goes on a shared machine falls on
+                # both jobs alike rather than on one.
+                limit = _job(cluster, "limit", ranks, port, options)
+                pairs.append(aggregate(_job(cluster, "gradsync", ranks, port, options), limit))
         finally:
             stop([store])
-    data = aggregate(runtime, limit)
-    data.update(hosts=hosts, emulation=emulate, cores=os.cpu_count(), iters=options.iters)
+    data = sorted(pairs, key=lambda d: d["ratio"])[(len(pairs) - 1) // 2]
+    data.update(hosts=hosts, emulation=emulate, cores=os.cpu_count(), iters=options.iters,
+                repeats=[{k: d[k] for k in ("init_s", "limit_s", "ratio")} for d in pairs])
     return data
 
 
@@ -353,6 +363,11 @@ def _print_point(data: dict) -> None:
     print(f"job: init {data['init_s']:.2f} s (launch to the last rank's init() returned), "
           f"limit {data['limit_s']:.2f} s (launch to the last rank met at the store): "
           f"init / limit = {data['ratio']:.2f}")
+    repeats = data.get("repeats", [])
+    if len(repeats) > 1:
+        print("  each pair, in turn: " + ", ".join(
+            f"{r['init_s']:.1f}/{r['limit_s']:.1f} s = {r['ratio']:.2f}" for r in repeats)
+            + " (the table: the pair of median ratio)")
     s = data["sockets"]
     print(f"sockets per rank: before init max {s['before']['max']:.0f}; after init median "
           f"{s['init']['median']:.0f}, max {s['init']['max']:.0f}; after the allreduces median "
@@ -442,8 +457,8 @@ def sweep(counts: Sequence[int], hosts: int | None, options) -> list[dict]:
 
 def drive(counts: Sequence[int], hosts: int | None, options) -> int:
     """``gradsync bench scale``'s entry (``cli.py``); returns the exit status."""
-    if options.iters < 0:
-        print("--iters must be at least 0", file=sys.stderr)
+    if options.iters < 0 or options.repeats < 1:
+        print("--iters must be at least 0 and --repeats at least 1", file=sys.stderr)
         return 2
     if hosts is not None and hosts < 1:
         print("--hosts must be at least 1", file=sys.stderr)
