@@ -9,13 +9,23 @@ It writes small PNGs into docs/img/:
 - ``backend.png``: the torch backend's speed-up over gloo by size, one line per collective
   (``plot:backend``);
 - ``ps.png``: the parameter server's speed-up over gRPC by size, shared memory and TCP
-  (``plot:ps``).
+  (``plot:ps``);
+- ``scale_init.png``, ``scale_sockets.png``, ``scale_store.png``, ``scale_rss.png``: the
+  runtime against the number of ranks N (``plot:scale``, the summary that ``gradsync bench
+  scale --markdown`` prints): init() beside the limit measured in the same run, sockets per
+  rank, the whole job's store requests during init(), and the memory per rank; one line per
+  machine. A table not measured yet (no numeric N) is skipped with a note.
 
 Run from the repository root: ``python3 scripts/plot_benchmarks.py`` (needs matplotlib).
+``--scale-json FILE ...`` draws the scale plots from ``gradsync bench scale --json`` files
+instead of the page, to look at a sweep before its table goes in; the table the bench prints
+with ``--markdown`` is the same rows, so the page then gives the same plots.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import pathlib
 import re
 import sys
@@ -120,8 +130,82 @@ def _save(fig, filename: str) -> None:
     print(f"wrote {path.relative_to(ROOT)} ({path.stat().st_size} bytes)")
 
 
-def main() -> int:
+def _scale_rows(paths: list[str] | None, text: str) -> list[dict[str, str]]:
+    """The scale summary's rows: from the bench's JSON files, else from the page."""
+    if not paths:
+        return read_table(text, "scale")
+    sys.path.insert(0, str(ROOT))  # this checkout's gradsync, for its one row format
+    from gradsync.bench.scale import summary_rows
+
+    points = []
+    for path in paths:
+        points += json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
+    return summary_rows(points)
+
+
+def _number(cell: str) -> float | None:
+    """A table cell as a number; None for "n/a" or anything else that is not one."""
+    try:
+        return float(cell.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def _scale(plt, rows: list[dict[str, str]]) -> None:
+    """Four small plots against N (log 2 axis), one line per machine."""
+    rows = [r for r in rows if r["N"].isdigit()]
+    if not rows:
+        print("skipped the scale plots: the plot:scale table has no measured rows yet")
+        return
+    machines = list(dict.fromkeys(r["machine"] for r in rows))
+    counts = sorted({int(r["N"]) for r in rows})
+    figures = (
+        ("scale_init.png", "seconds from launch", "init() beside the limit (start, import, "
+         "meet at the store), same run", (("init s", "init()", "-"),
+                                          ("limit s", "limit", "--"))),
+        ("scale_sockets.png", "sockets per rank (max)", "Sockets per rank after the "
+         "allreduces", (("sockets per rank", "", "-"),)),
+        ("scale_store.png", "store requests, whole job", "Store requests of init(), summed "
+         "over ranks", (("store requests", "", "-"),)),
+        ("scale_rss.png", "MiB per rank (median)", "Memory per rank: RSS and its growth over "
+         "the pre-init baseline", (("RSS MiB", "RSS", "-"),
+                                   ("RSS growth MiB", "growth", "--"))),
+    )
+    for filename, ylabel, title, series in figures:
+        fig, ax = plt.subplots(figsize=(6.0, 3.2), dpi=100)
+        drawn = False
+        for index, machine in enumerate(machines):
+            mine = sorted((int(r["N"]), r) for r in rows if r["machine"] == machine)
+            for column, label, style in series:
+                points = [(n, _number(r[column])) for n, r in mine]
+                points = [(n, v) for n, v in points if v is not None]
+                if not points:
+                    continue
+                ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o",
+                        color=f"C{index}", label=" ".join(x for x in (machine, label) if x))
+                drawn = True
+        if not drawn:
+            plt.close(fig)
+            print(f"skipped {filename}: no numbers in its column")
+            continue
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(counts, [str(n) for n in counts], fontsize=8)
+        ax.set_xlabel("ranks N", fontsize=8)
+        ax.set_ylim(bottom=0)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=8)
+        _save(fig, filename)
+
+
+def main(argv: list[str] | None = None) -> int:
     """Draw every plot; return the exit status."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scale-json", nargs="+", metavar="FILE",
+                        help="draw the scale plots from these gradsync bench scale --json "
+                             "files instead of the page's plot:scale table")
+    args = parser.parse_args(argv)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -135,6 +219,7 @@ def main() -> int:
     _by_size(plt, read_table(text, "ps"), "data path", "speed-up",
              "Parameter server (AMD), 2 workers, 1 server: speed-up over gRPC", "ps.png",
              ylabel="speed-up over gRPC")
+    _scale(plt, _scale_rows(args.scale_json, text))
     plt.close("all")
     return 0
 

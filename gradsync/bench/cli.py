@@ -4,11 +4,15 @@
     gradsync bench backend -np 2 [--sizes 1M:64M] [--collectives all_reduce,...]
     gradsync bench train -np 2 [--compare ddp] [--model mlp|cnn|both] [--profile] ...
     gradsync bench ps -np 2 --servers 1 [--sizes 1K:64M] [--transport auto|tcp] [--straggler]
+    gradsync bench scale -np 16[,64,128,...] [--hosts H] [--emulate auto|netns|names]
     gradsync bench BENCHMARK --help      (that benchmark's options)
 
 A benchmark module that defines ``drive`` starts its jobs itself (``ps`` starts one job per
 model size, because a parameter server keeps the model of its first hello): it gets the
-``gradsync run`` command line built here, ``--servers`` included.
+``gradsync run`` command line built here, ``--servers`` included. ``scale`` starts its ranks
+itself too (it emulates hosts, which ``gradsync run`` cannot), and is the one benchmark whose
+``-np`` may be a list (a sweep, one run per number) and whose ``--hosts`` is a number of
+emulated hosts.
 
 ``--json`` means one thing in every command of ``gradsync`` (``bench``, ``plan``,
 ``simulate``): ``--json FILE`` writes the rows to FILE as JSON; ``--json`` alone (or
@@ -25,14 +29,15 @@ import os
 import subprocess
 import sys
 import tempfile
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["main", "add_json_option", "write_json", "BENCHMARKS"]
+__all__ = ["main", "add_json_option", "write_json", "parse_counts", "BENCHMARKS"]
 
 BENCHMARKS = {"allreduce": "gradsync.bench.allreduce", "backend": "gradsync.bench.backend",
               "elastic": "gradsync.bench.elastic",
               "probe": "gradsync.bench.probe",
-              "ps": "gradsync.bench.ps", "train": "gradsync.bench.train"}
+              "ps": "gradsync.bench.ps", "scale": "gradsync.bench.scale",
+              "train": "gradsync.bench.train"}
 
 _JSON_HELP = "the rows as JSON: written to FILE, or to stdout (instead of the table) without FILE"
 
@@ -54,11 +59,30 @@ def write_json(data: Any, target: str) -> None:
         out.write("\n")
 
 
+def parse_counts(text: str) -> list[int]:
+    """``-np``: ``"16"`` -> [16], ``"16,64"`` -> [16, 64] (a sweep, scale only).
+
+    Raises:
+        ValueError: not a comma-separated list of integers of at least 1.
+    """
+    try:
+        counts = [int(part, 10) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number of ranks or a list of them (16,64)") \
+            from None
+    if min(counts) < 1:
+        raise ValueError(f"{text!r}: the number of ranks must be at least 1")
+    return counts
+
+
 def _common(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """The options of every benchmark, read here rather than by the benchmark's module."""
-    parser.add_argument("-np", dest="np", type=int, default=2,
-                        help="number of ranks (default 2; for ps: of workers)")
-    parser.add_argument("-H", "--hosts", help="hosts and slots, as for gradsync run")
+    parser.add_argument("-np", dest="np", default="2",
+                        help="number of ranks (default 2; for ps: of workers; for scale: a "
+                             "list too, 16,64,128: one run per number)")
+    parser.add_argument("-H", "--hosts", help="hosts and slots, as for gradsync run (for "
+                                              "scale: how many emulated hosts, default one "
+                                              "per rank)")
     parser.add_argument("--servers", type=int, metavar="S",
                         help="parameter-server ranks after the -np workers (ps only; default 1)")
 
@@ -122,8 +146,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.benchmark is None:
         parser.error("name a benchmark: " + ", ".join(sorted(BENCHMARKS)))
-    if args.np < 1:
-        parser.error("-np must be at least 1")
+    try:
+        counts = parse_counts(args.np)
+    except ValueError as exc:
+        parser.error(f"-np: {exc}")
+    if args.benchmark == "scale":
+        return _scale(parser, args, counts, rest)
+    if len(counts) > 1:
+        parser.error("-np takes a list of numbers for the scale benchmark only")
+    args.np = counts[0]
     if args.benchmark != "ps" and args.servers is not None:
         parser.error("--servers applies to the ps benchmark only")
     if args.benchmark == "ps":
@@ -136,13 +167,43 @@ def main(argv: list[str] | None = None) -> int:
     rest, to_stdout = _json_to_stdout(rest)
     if not to_stdout:
         return _run(args, rest)
+    return _rows_to_stdout(lambda path: _run(args, [*rest, "--json", path]))
+
+
+def _rows_to_stdout(run: Callable[[str], int]) -> int:
+    """Calls ``run`` with a temporary file for the rows, then prints the file; returns the
+    status ``run`` returned."""
     with tempfile.TemporaryDirectory(prefix="gradsync-bench-") as folder:
         path = os.path.join(folder, "rows.json")
-        status = _run(args, [*rest, "--json", path])
+        status = run(path)
         if os.path.exists(path):
             with open(path) as rows:
                 sys.stdout.write(rows.read())
         return status
+
+
+def _scale(parser: argparse.ArgumentParser, args: argparse.Namespace, counts: list[int],
+           rest: list[str]) -> int:
+    """``gradsync bench scale``: its ``-np`` may be a list, its ``--hosts`` is a number."""
+    if args.servers is not None:
+        parser.error("--servers applies to the ps benchmark only")
+    hosts = None
+    if args.hosts is not None:
+        if not args.hosts.isdigit() or int(args.hosts) < 1:
+            parser.error(f"--hosts {args.hosts!r}: the scale benchmark takes a number of "
+                         "emulated hosts (at least 1)")
+        hosts = int(args.hosts)
+    scale = _module("scale")
+    rest, to_stdout = _json_to_stdout(rest)
+    options = scale.parser().parse_args(rest)
+    if not to_stdout:
+        return scale.drive(counts, hosts, options)
+
+    def run(path: str) -> int:
+        options.json = path
+        return scale.drive(counts, hosts, options)
+
+    return _rows_to_stdout(run)
 
 
 def _run(args: argparse.Namespace, rest: list[str]) -> int:
