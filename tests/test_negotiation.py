@@ -10,7 +10,7 @@ from gradsync.agreement import Signature
 from gradsync.negotiation import Request, ResponseCache, describe
 
 CHECKS = ["out-of-order", "barrier", "duplicate", "unnamed", "fusion", "cache", "beside",
-          "rounding", "shutdown"]
+          "rounding", "steady", "shutdown"]
 
 
 @pytest.mark.multiprocess
@@ -81,6 +81,10 @@ def test_cache_bits_are_assigned_in_order_and_reused_after_eviction():
     assert cache.entry(1) == ("allreduce.c", sig) and len(cache) == 2
     cache.put("allreduce.noname.4", sig)  # unnamed names never repeat: not cached
     assert cache.bit("allreduce.noname.4", sig) is None and len(cache) == 2
+    # a bucket of unnamed parameters repeats every step: cached
+    bucket = "allreduce.gradients[0] allreduce.noname.0.0 .. allreduce.noname.0.3 (4 tensors)"
+    cache.put(bucket, sig)
+    assert cache.bit(bucket, sig) == 0 and len(cache) == 2
 
 
 def test_signatures_match_on_what_must_agree():
