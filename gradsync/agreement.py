@@ -47,13 +47,13 @@ name that merely contains an unnamed parameter's (a ``DistributedOptimizer`` buc
 every step and is.
 
 Stalls. A name that some ranks announced and others never do would wait for ever. Rank 0 of
-the World keeps the time each name entered the table, less the seconds a rank says it waited
-as a ballot bit before it went in full (``absorb``'s ``waited``) (``JOIN`` excepted: a joined rank may
-wait hours for the others); ``stalled`` reports the names past the warning time once (with
-the ranks that issued them and those still missing) and returns those past the timeout, which
-rank 0 announces as expired. Every rank passes that list to ``expire`` in the same cycle, so
-every rank drops the same names. The clock is a parameter, so the expiry can be tested with a
-fake one.
+the World keeps the time each name entered the table (``JOIN`` excepted: a joined rank may
+wait hours for the others), less the seconds a rank says it waited as a ballot bit before it
+went in full (``absorb``'s ``waited``); ``stalled`` reports the names past the warning time
+once (with the ranks that issued them and those still missing) and returns those past the
+timeout, which rank 0 announces as expired. Every rank passes that list to ``expire`` in the
+same cycle, so every rank drops the same names. The clock is a parameter, so the expiry can
+be tested with a fake one.
 """
 
 from __future__ import annotations

@@ -73,8 +73,8 @@ ranks that issued it get ``CollectiveMismatchError`` naming the ranks that did n
 whose script diverged ends in an error, not a hang, and the others can go on.
 
 Shutdown. ``stop()`` asks for it in the next ballot (the ``STOP`` flag); the loop ends in the
-first cycle in which every rank has asked, so no rank leaves a cycle the others are still in. Operations still
-in flight then fail with RuntimeError.
+first cycle in which every rank has asked, so no rank leaves a cycle the others are still in.
+Operations still in flight then fail with RuntimeError.
 """
 
 from __future__ import annotations

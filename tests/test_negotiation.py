@@ -24,12 +24,15 @@ def test_negotiated_execution(np_):
 
 @pytest.mark.multiprocess
 def test_an_operation_some_ranks_never_issue_fails_after_the_timeout_not_hangs(tmp_path):
-    result = launch(3, "negotiation_stall.py", str(tmp_path), timeout=90,
+    result = launch(3, "negotiation_stall.py", str(tmp_path), timeout=120,
                     env={"GRADSYNC_TIMEOUT": "4", "GRADSYNC_STALL_WARNING": "1"})
     assert result.returncode == 0, result
     assert result.output.count("ok stall ") == 3, result.output[-3000:]
     assert "operation 'allreduce.orphan' has waited" in result.output, result.output[-3000:]
     assert "not yet by ranks [2]" in result.output, result.output[-3000:]
+    # a cached name, voted for as a bit, is warned about and expires all the same
+    assert result.output.count("ok cached-stall ") == 3, result.output[-3000:]
+    assert "operation 'allreduce.cached' has waited" in result.output, result.output[-3000:]
 
 
 @pytest.mark.multiprocess

@@ -103,3 +103,11 @@ def test_the_cost_grows_with_log_n_not_n():
         records, _ = steady_cycles(n, steps=2)
         per_cycle[n] = max(b for mine in records for d, _, b in mine if "negotiat" in d)
     assert per_cycle[64] <= 6 * per_cycle[2], per_cycle
+
+
+if __name__ == "__main__":  # the table of docs/scale.md: PYTHONPATH=. python3 tests/<this file>
+    print("N  messages  bytes  (the busiest rank, per steady cycle, frame headers included)")
+    for n in (2, 3, 4, 8, 16, 32, 64):
+        records, _ = steady_cycles(n, steps=3)
+        cycles = [(m, b) for mine in records for d, m, b in mine if "negotiat" in d]
+        print(n, max(m for m, _ in cycles), max(b for _, b in cycles))
