@@ -16,9 +16,10 @@ by a bitwise AND, so
 - ``STOP`` survives when every rank asks to stop;
 - ``QUIET`` survives when no rank has anything to describe in full (a name not cached, or
   rank 0's expired names): only when it does not survive does the cycle gather full
-  announcements (``negotiation_wire.gather``).
+  announcements (``negotiation_wire.gather``);
+- ``IDLE`` survives when no rank announced anything new.
 
-A flag that means "some rank" is sent inverted (``QUIET`` = "not me"), so one AND serves both.
+A flag that means "some rank" is sent inverted (``QUIET`` = "not me"), so one AND serves all.
 
 Waiting bits. A rank votes for a cached request in every cycle until the others do too; the
 ``Ballot`` keeps those requests, with the time each was issued. One that waits too long
@@ -41,12 +42,15 @@ import numpy as np
 
 from .agreement import Signature
 
-__all__ = ["QUIET", "STOP", "Ballot", "bits_of", "words_for"]
+__all__ = ["IDLE", "QUIET", "STOP", "Ballot", "bits_of", "words_for"]
 
 STOP = 1
 """Flag: this rank asks to stop (the AND: every rank has)."""
 QUIET = 2
 """Flag: this rank has nothing to announce in full (the AND: no rank has)."""
+IDLE = 4
+"""Flag: this rank announces nothing new this cycle (the AND: no rank does; when one does,
+the others stop backing off between cycles, as when they saw its announcement in full)."""
 
 
 def words_for(span: int) -> int:

@@ -88,7 +88,7 @@ import numpy as np
 
 from . import operations as ops
 from .agreement import JOIN, Agreement, ResponseCache, Signature, agreed, describe, mismatch_error
-from .ballot import QUIET, STOP, Ballot, bits_of
+from .ballot import IDLE, QUIET, STOP, Ballot, bits_of
 from .collectives.ops import BFLOAT16, ReduceOp
 from .negotiation_wire import from_wire, gather, to_wire, vote
 from .engine import Handle
@@ -297,7 +297,8 @@ class Controller:
                 waited[name] = seconds
                 self.stats["demoted"] += 1
         expire = self._stalled()
-        words[0] = (STOP if stop else 0) | (0 if full or expire else QUIET)
+        words[0] = ((STOP if stop else 0) | (0 if full or expire else QUIET)
+                    | (0 if new or full else IDLE))
         result = vote(self.world, words)
         flags = int(result[0])
         if flags & STOP:
@@ -306,14 +307,13 @@ class Controller:
         ready = agreement.voted(bits_of(result[1:]))
         for name, _ in ready:
             ballot.pop(name)
-        announced = bool(new)
+        announced = not flags & IDLE
         if not flags & QUIET:
             self.stats["gathers"] += 1
             payloads = [from_wire(data) for data in
                         gather(self.world, to_wire(full, expire, waited))]
-            in_table, anything = self._absorb(payloads)
+            in_table, _ = self._absorb(payloads)
             ready += in_table
-            announced = announced or anything
             for name, who in agreement.expire(payloads[0][1]):
                 self._finish_expired(name, who)
         return ready, announced

@@ -4,7 +4,7 @@ simulated by one ``Agreement`` and one ``Ballot`` each, their ballots ANDed as t
 import numpy as np
 
 from gradsync.agreement import Agreement, Signature
-from gradsync.ballot import QUIET, STOP, Ballot, bits_of, words_for
+from gradsync.ballot import IDLE, QUIET, STOP, Ballot, bits_of, words_for
 
 
 def sig(shape=(4,)) -> Signature:
@@ -34,7 +34,7 @@ def test_words_hold_the_flags_then_one_bit_per_cache_entry():
     words[0], words[1] = 1 << 63, (1 << 0) | (1 << 63)
     assert list(bits_of(words)) == [63, 64, 127]
     assert list(bits_of(np.zeros(2, dtype=np.uint64))) == []
-    assert STOP & QUIET == 0
+    assert STOP & QUIET == STOP & IDLE == QUIET & IDLE == 0
 
 
 def test_only_bits_every_rank_voted_for_survive_the_and():
