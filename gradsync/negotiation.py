@@ -44,8 +44,8 @@ Wire (``negotiation_wire.py``). A cycle is one *vote*: each rank's *ballot*
 bitwise AND in one recursive-doubling allreduce (on one host, a sum of rows through the
 shared-memory group). A bit that survives is a cached operation every rank issued: ready.
 A rank votes for its cached requests in every cycle until they are ready, so a steady-state
-training step costs each rank O(log N) messages of O(cached operations) bits per cycle, not
-N announcements. Only when some rank has something to say in full (a name not cached, a
+training step costs each rank at most ⌊log2 N⌋ + 1 messages of one ballot per cycle, not N
+announcements (docs/scale.md counts it). Only when some rank has something to say in full (a name not cached, a
 changed signature, rank 0's expired names: the vote's ``QUIET`` flag is lost) does the cycle
 also *gather* every rank's full announcements, as ``(full, expire, waited)``. A cached request
 goes in full instead of voting when the table already holds its name (another rank described
@@ -70,7 +70,9 @@ cycles go on, so no transport deadline fires. Rank 0's table times each name; af
 stall inspector), and after ``timeout`` seconds (``GRADSYNC_TIMEOUT``, the collective
 deadline) it announces the name as expired. Every rank drops it in that same cycle, and the
 ranks that issued it get ``CollectiveMismatchError`` naming the ranks that did not, so a rank
-whose script diverged ends in an error, not a hang, and the others can go on.
+whose script diverged ends in an error, not a hang, and the others can go on. A cached name
+reaches the table only once it goes in full (see Wire), with the seconds it waited as a bit,
+so its warning and expiry keep these times too.
 
 Shutdown. ``stop()`` asks for it in the next ballot (the ``STOP`` flag); the loop ends in the
 first cycle in which every rank has asked, so no rank leaves a cycle the others are still in.
