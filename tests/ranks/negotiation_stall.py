@@ -56,7 +56,7 @@ hvd.barrier()
 print(f"ok stall {R}", flush=True)
 
 # 'cached' runs once everywhere, so it is in the response cache; then the last rank skips it
-assert (hvd.allreduce(torch.ones(2), name="cached", op=hvd.Sum) == N).all()
+assert (hvd.allreduce(torch.ones(4), name="cached") == 1).all()  # as orphan() issues it
 ctl = process_sets.controller(hvd.global_process_set)
 orphan("cached", "cached")
 assert R == last or ctl.stats["demoted"] >= 1, ctl.stats  # it was voted for as a bit first
