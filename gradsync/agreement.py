@@ -34,18 +34,26 @@ set for the next round.
 
 Response cache (after Horovod's ``response_cache.cc``). Once an operation has run, every rank
 stores its (name, signature) under the same *bit* (``ran`` is called in agreed order, so bits
-are assigned and evicted identically everywhere). ``encode`` then announces a cached name
-with an unchanged signature as its bit in an integer mask, and ``decode`` turns the mask back
-into the pairs, so a steady-state step costs one small exchange, not a description per
-tensor. Unnamed operations (``allreduce.noname.7``) never repeat and are not cached.
+are assigned and evicted identically everywhere). A rank that issues a cached name with an
+unchanged signature does not describe it: it votes for its bit (``bit``) in the cycle's
+*ballot*, a bit vector that the ranks combine with a bitwise AND (``gradsync/ballot.py``), and
+a bit that every rank voted for is ready (``voted``), with the cached signature on every rank.
+A name goes in full (into the table) instead when it is not cached, when its signature
+changed, when the table already holds it (some rank described it: the others must meet it
+there) or while some rank has joined (the table knows who must be waited for; the ballot
+does not). Unnamed operations (``allreduce.noname.7``) never repeat and are not cached; a
+name that merely contains an unnamed parameter's (a ``DistributedOptimizer`` bucket's,
+``gradients[0] allreduce.noname.0.0 .. allreduce.noname.0.3 (4 tensors, float32)``) repeats
+every step and is.
 
 Stalls. A name that some ranks announced and others never do would wait for ever. Rank 0 of
 the World keeps the time each name entered the table (``JOIN`` excepted: a joined rank may
-wait hours for the others); ``stalled`` reports the names past the warning time once (with
-the ranks that issued them and those still missing) and returns those past the timeout, which
-rank 0 announces as expired. Every rank passes that list to ``expire`` in the same cycle, so
-every rank drops the same names. The clock is a parameter, so the expiry can be tested with a
-fake one.
+wait hours for the others), less the seconds a rank says it waited as a ballot bit before it
+went in full (``absorb``'s ``waited``); ``stalled`` reports the names past the warning time
+once (with the ranks that issued them and those still missing) and returns those past the
+timeout, which rank 0 announces as expired. Every rank passes that list to ``expire`` in the
+same cycle, so every rank drops the same names. The clock is a parameter, so the expiry can
+be tested with a fake one.
 """
 
 from __future__ import annotations
@@ -150,6 +158,9 @@ class ResponseCache:
         self._bits: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._entries: dict[int, tuple[str, tuple]] = {}
         self._free: list[int] = []
+        self.span = 0
+        """Bit positions ever assigned (the highest plus one): the ballot's width, the same
+        on every rank."""
 
     def __len__(self) -> int:
         return len(self._bits)
@@ -167,7 +178,8 @@ class ResponseCache:
 
     def put(self, name: str, sig: tuple) -> None:
         """Records that ``name`` ran with ``sig`` (every rank calls this in agreed order)."""
-        if ".noname." in name:
+        _, unnamed, count = name.partition(".noname.")
+        if unnamed and count.isdigit():  # <kind>.noname.<n>: the next call gets n + 1
             return
         bit = self._bits.get(name)
         if bit is not None:
@@ -179,15 +191,9 @@ class ResponseCache:
             del self._entries[old]
             self._free.append(old)
         bit = self._free.pop() if self._free else len(self._bits)
+        self.span = max(self.span, bit + 1)
         self._bits[name] = bit
         self._entries[bit] = (name, sig)
-
-
-def _bits_of(mask: int):
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low
 
 
 class Stall(NamedTuple):
@@ -235,35 +241,39 @@ class Agreement:
         return name in self._table
 
     # ------------------------------------------------------------------ the cache's bits
-    def encode(self, announcements: Iterable[Announcement]) -> tuple[int, list[Announcement]]:
-        """This rank's announcements as ``(mask, full)``: the bits of those cached with the
-        same signature, and the others as they are."""
-        mask, full = 0, []
-        cache = self.cache
-        for name, sig in announcements:
-            bit = cache.bit(name, sig)
-            if bit is None:
-                full.append((name, sig))
-            else:
-                mask |= 1 << bit
-        return mask, full
+    def bit(self, name: str, sig: Signature) -> int | None:
+        """The ballot bit this rank votes for to announce ``name`` with ``sig``, or None when
+        it must go in full: not cached with ``sig``, already in the table, or some rank has
+        joined (see the module docstring)."""
+        if self.joined or name in self._table:
+            return None
+        return self.cache.bit(name, sig)
 
-    def decode(self, mask: int, full: list[Announcement]) -> list[Announcement]:
-        """One rank's announcements from its ``(mask, full)``: the cached bits, lowest first,
-        then the full ones."""
-        entry = self.cache.entry
-        return [entry(b) for b in _bits_of(mask)] + full
+    def voted(self, bits: Iterable[int]) -> list[tuple[str, dict[int, Signature]]]:
+        """The names every rank voted for (the AND of the ballots' bits), lowest bit first,
+        each with its cached signature for every rank, as ``absorb`` returns ready names.
+        Call it before anything of the cycle runs: running changes the cache."""
+        entry, ranks = self.cache.entry, range(self.size)
+        ready = []
+        for b in bits:
+            name, sig = entry(b)
+            ready.append((name, dict.fromkeys(ranks, sig)))
+        return ready
 
     def ran(self, name: str, sig: Signature) -> None:
         """Records that ``name`` ran (in agreed order, on every rank), for the cache."""
         self.cache.put(name, sig)
 
     # ------------------------------------------------------------------ the table
-    def absorb(self, announced: list[list[Announcement]]) -> tuple[list[tuple[str, dict]], bool]:
+    def absorb(self, announced: list[list[Announcement]],
+               waited: list[dict[str, float]] | None = None) -> tuple[list[tuple[str, dict]], bool]:
         """Adds one cycle's announcements and returns what became ready.
 
         Args:
-            announced: per rank of the World, its announcements of the cycle (``decode``).
+            announced: per rank of the World, its announcements of the cycle in full.
+            waited: per rank, the seconds it waited as a ballot bit for each name it now
+                announces in full (absent: none); rank 0's stall clock starts that much
+                earlier, so a cached name stalls and expires on the documented times.
 
         Returns:
             ``(ready, any)``: the ready names with their ``{rank: signature}``, in agreed
@@ -281,8 +291,9 @@ class Agreement:
                 if entry is None:
                     entry = table[name] = (self._order, {})
                     self._order += 1
-                    if timed and name != JOIN:  # a joined rank may wait for hours
-                        self._since[name] = self.clock()
+                if timed and name != JOIN:  # a joined rank may wait for hours
+                    since = self.clock() - (waited[r].get(name, 0.0) if waited else 0.0)
+                    self._since[name] = min(self._since.get(name, since), since)
                 entry[1][r] = sig
                 touched.append(name)
         if len(self.joined) != joined_before:

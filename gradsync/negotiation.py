@@ -8,13 +8,14 @@ makes that work for one World (the global process set's, or one process set's).
 Vocabulary. A *request* is one rank's side of an operation: its name (``allreduce.grad.fc1``)
 and its *signature* (``agreement.Signature``: kind, dtype, shape, reduce op, root, scale
 factors, shared buffer), with the buffers and callables that run it. The controller's
-background thread runs *cycles*. In a cycle every rank *announces* the requests its caller
-issued since the last cycle, and every rank receives every rank's announcements (one exchange
-over the World's own connections, see Wire below). Each rank feeds them to its
-``agreement.Agreement``, the pure table that decides what is ready (announced by every rank),
-in which *agreed order*, whether the ranks agree on it and what has waited too long; from the
-same inputs every rank reaches the same decisions, so no rank coordinates. This module moves
-the announcements and runs what is ready: fused, on the controller's thread.
+background thread runs *cycles*, a collective step of every rank of the World. In a cycle
+every rank *announces* the requests its caller issued: a request whose name and signature are
+in the response cache (it ran before) as a *vote* for its cache bit, every other one *in
+full*. Each rank feeds what it learns to its ``agreement.Agreement``, the pure table that
+decides what is ready (announced by every rank), in which *agreed order*, whether the ranks
+agree on it and what has waited too long; from the same inputs every rank reaches the same
+decisions, so no rank coordinates. This module moves the announcements (see Wire below) and
+runs what is ready: fused, on the controller's thread.
 
 Errors. A ready operation whose signatures disagree (shape, dtype, op, root, scale factors;
 for allgather and alltoall everything but the first dimension) does not run: every rank's
@@ -38,13 +39,20 @@ and returns the rank whose announcement came last in agreed order.
 Fusion. Ready allreduces with the same dtype, op and scale factors are packed, in agreed order,
 into one buffer of at most ``fusion_threshold`` bytes and reduced by one collective.
 
-Wire. A cycle's announcement is one pickled tuple ``(stop, mask, full, expire)``: whether this
-rank asks to stop, the response cache's bits of its cached requests, the ``(name,
-signature)`` pairs of the others, and (rank 0 only) the names it declares expired. Each rank
-sends a fixed block of ``_SLOT`` bytes: the length, then the pickle when it fits (a step of
-cached bits does), so a cycle is one round; only when some rank's does not fit is there a
-second, sized round. Signatures travel as plain tuples (``_to_wire``): a named tuple pickles
-as a reference to its class, which would change the bytes and make them longer.
+Wire (``negotiation_wire.py``). A cycle is one *vote*: each rank's *ballot*
+(``ballot.py``: a flags word and one bit per cache entry, at most 136 bytes) combined by a
+bitwise AND in one recursive-doubling allreduce (on one host, a sum of rows through the
+shared-memory group). A bit that survives is a cached operation every rank issued: ready.
+A rank votes for its cached requests in every cycle until they are ready, so a steady-state
+training step costs each rank at most ⌊log2 N⌋ + 1 messages of one ballot per cycle, not N
+announcements (docs/scale.md counts it). Only when some rank has something to say in full (a name not cached, a
+changed signature, rank 0's expired names: the vote's ``QUIET`` flag is lost) does the cycle
+also *gather* every rank's full announcements, as ``(full, expire, waited)``. A cached request
+goes in full instead of voting when the table already holds its name (another rank described
+it, say with another signature: they must meet there), while some rank has joined, or when
+it has waited as a bit for half of ``min(stall_warning, timeout)`` (the table then times it,
+from when it was issued). Ready names run in one order on every rank: the voted ones by bit,
+then the table's in agreed order. ``Controller.stats`` counts ``cycles`` and ``gathers``.
 
 Idle cost. A World of one rank needs no cycles (everything it issues is ready at once). With
 more ranks the loop runs back to back while requests arrive. A rank with nothing of its own in
@@ -62,18 +70,19 @@ cycles go on, so no transport deadline fires. Rank 0's table times each name; af
 stall inspector), and after ``timeout`` seconds (``GRADSYNC_TIMEOUT``, the collective
 deadline) it announces the name as expired. Every rank drops it in that same cycle, and the
 ranks that issued it get ``CollectiveMismatchError`` naming the ranks that did not, so a rank
-whose script diverged ends in an error, not a hang, and the others can go on.
+whose script diverged ends in an error, not a hang, and the others can go on. A cached name
+reaches the table only once it goes in full (see Wire), with the seconds it waited as a bit,
+so its warning and expiry keep these times too.
 
-Shutdown. ``stop()`` asks for it in the next announcement; the loop ends in the first cycle in
-which every rank has asked, so no rank leaves a cycle the others are still in. Operations still
-in flight then fail with RuntimeError.
+Shutdown. ``stop()`` asks for it in the next ballot (the ``STOP`` flag); the loop ends in the
+first cycle in which every rank has asked, so no rank leaves a cycle the others are still in.
+Operations still in flight then fail with RuntimeError.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import pickle
 import threading
 from typing import Any, Callable
 
@@ -81,8 +90,9 @@ import numpy as np
 
 from . import operations as ops
 from .agreement import JOIN, Agreement, ResponseCache, Signature, agreed, describe, mismatch_error
-from .collectives import ring
+from .ballot import IDLE, QUIET, STOP, Ballot, bits_of
 from .collectives.ops import BFLOAT16, ReduceOp
+from .negotiation_wire import from_wire, gather, to_wire, vote
 from .engine import Handle
 from .errors import CollectiveMismatchError, GradsyncError
 
@@ -93,7 +103,6 @@ log = logging.getLogger("gradsync")
 _MIN_IDLE = 0.001
 _MAX_IDLE = 0.02
 _HEARTBEAT = 0.5
-_SLOT = 256  # bytes per rank in a cycle's one-round exchange (see Controller._exchange)
 
 
 class Request:
@@ -133,22 +142,6 @@ class Request:
         self.joined = False  # a stand-in for a rank that has joined (see Controller.join)
 
 
-def _to_wire(stop: bool, mask: int, full: list, expire: tuple) -> bytes:
-    """One rank's announcement of a cycle, pickled (see Wire in the module docstring).
-
-    The signatures go as plain tuples, the bytes the wire carried before they were named: a
-    ``Signature`` would pickle as a reference to ``gradsync.agreement.Signature`` (other bytes,
-    and longer ones, so fewer announcements would fit a ``_SLOT``)."""
-    return pickle.dumps((stop, mask, [(name, tuple(sig)) for name, sig in full], expire),
-                        protocol=5)
-
-
-def _from_wire(data: bytes) -> tuple:
-    """The inverse of ``_to_wire``: the signatures named again."""
-    stop, mask, full, expire = pickle.loads(data)
-    return stop, mask, [(name, Signature._make(sig)) for name, sig in full], expire
-
-
 class Controller:
     """Negotiates and runs the named operations of one World on a background thread.
 
@@ -171,7 +164,11 @@ class Controller:
         # The table is read and written by the loop's thread only, so it needs no lock.
         self.agreement = Agreement(world.rank, self.ranks)
         self.cache = self.agreement.cache
+        self._ballot = Ballot()  # this rank's cached requests, voted for until ready
         self.stats = collections.Counter()
+        """``cycles``, ``gathers`` (cycles with full announcements), ``cached`` and ``full``
+        (requests announced each way), ``demoted`` (voted, then announced in full),
+        ``mismatches``, ``expired``, ``fused_batches``, ``fused_tensors``."""
         self._cv = threading.Condition()
         self._new: list[Request] = []
         self._mine: dict[str, Request] = {}  # in flight
@@ -228,6 +225,16 @@ class Controller:
     def running(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def cycles(self) -> int:
+        """Cycles run so far (each one vote of every rank's ballot)."""
+        return self.stats["cycles"]
+
+    @property
+    def gathers(self) -> int:
+        """Cycles that also gathered full announcements (none in a steady state)."""
+        return self.stats["gathers"]
+
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
         idle = 0
@@ -243,17 +250,16 @@ class Controller:
                             self._cv.wait(min(_MIN_IDLE * (1 << min(idle - 1, 8)), _MAX_IDLE))
                     new, self._new = self._new, []
                     stop = self._stop_requested
-                if self.world.size == 1:
-                    payloads = [(stop, 0, [(q.name, q.sig) for q in new], ())]
+                if self.world.size == 1:  # everything it issues is ready at once
+                    outcome = None if stop else self.agreement.absorb(
+                        [[(q.name, q.sig) for q in new]])
                 else:
-                    payloads = self._exchange(new, stop, self._stalled())
-                if all(p[0] for p in payloads):
+                    outcome = self._cycle(new, stop)
+                if outcome is None:  # every rank asked to stop
                     break
-                ready, announced = self._absorb(payloads)
-                for name, who in self.agreement.expire(payloads[0][3]):
-                    self._finish_expired(name, who)
+                ready, busy = outcome
                 self.stats["cycles"] += 1
-                if ready or announced:
+                if ready or busy:
                     tl = self.timeline
                     if tl is not None:
                         tl.cycle()
@@ -271,46 +277,53 @@ class Controller:
                     pass
             self._close(exc)
 
-    def _exchange(self, new: list[Request], stop: bool, expire: tuple) -> list[tuple]:
-        """Sends this rank's announcement and returns every rank's, in rank order."""
-        mask, full = self.agreement.encode((q.name, q.sig) for q in new)
-        self.stats["cached"] += len(new) - len(full)
-        self.stats["full"] += len(full)
-        data = _to_wire(stop, mask, full, expire)
-        # One round in the common case: every rank sends a block of _SLOT bytes (its length,
-        # then its announcement if it fits: a step of cached bits does). Only when some
-        # rank's does not fit (every rank sees its length) is there a second, sized round.
-        world, size = self.world, self.world.size
-        blocks = np.zeros((size, _SLOT), dtype=np.uint8)
-        mine = blocks[world.rank]
-        mine[:8] = np.frombuffer(np.int64(len(data)).tobytes(), dtype=np.uint8)
-        if len(data) <= _SLOT - 8:
-            mine[8:8 + len(data)] = np.frombuffer(data, dtype=np.uint8)
-        if world.shm_group is not None:
-            # One host: a sum of the blocks (each rank's is zero but for its own slot) through
-            # the host's shared-memory group, whose waits sleep on a futex and wake at once.
-            # The byte rings' back-off naps up to 0.5 ms: an early rank, waiting here for a
-            # slower rank's backward, woke that late once per training step.
-            words = blocks.reshape(-1).view(np.int64)
-            ops.allreduce(world, words, words.dtype, ReduceOp.SUM, name="negotiate",
-                          shape=words.shape)
-        else:
-            world.comm.begin("negotiate", world.config.check_collectives)
-            ring.allgather(world.comm, blocks.reshape(-1), [_SLOT] * size,
-                           world.config.chunk_bytes)
-        lengths = blocks[:, :8].copy().view(np.int64).reshape(-1).tolist()
-        if max(lengths) <= _SLOT - 8:
-            return [_from_wire(blocks[r, 8:8 + lengths[r]].tobytes()) for r in range(size)]
-        flat = np.frombuffer(data, dtype=np.uint8)
-        out, rows = ops.allgather(world, flat, flat.dtype, name="negotiate", shape=flat.shape)
-        bounds = np.cumsum([0] + rows)
-        return [_from_wire(out[bounds[r]:bounds[r + 1]].tobytes()) for r in range(size)]
+    def _cycle(self, new: list[Request], stop: bool) -> tuple[list, bool] | None:
+        """One cycle on the wire: the vote, then the gather if some rank needs it.
+
+        Returns None when every rank asked to stop (nothing else happened); otherwise the
+        ready names in the order they run (the voted ones, then the table's) and whether
+        anything was announced (so the loop does not back off).
+        """
+        agreement, ballot, config = self.agreement, self._ballot, self.world.config
+        for q in new:
+            ballot.add(q.name, q.sig, q)
+        words, demoted = ballot.cast(agreement.bit, agreement.cache.span,
+                                     min(config.stall_warning, config.timeout) / 2)
+        fresh = {q.name for q in new}
+        self.stats["cached"] += sum(q.name in ballot for q in new)
+        self.stats["full"] += len(demoted)
+        full, waited = [], {}
+        for name, sig, _, seconds in demoted:
+            full.append((name, sig))
+            if name not in fresh:  # it voted in earlier cycles: a stall, a join, a change
+                waited[name] = seconds
+                self.stats["demoted"] += 1
+        expire = self._stalled()
+        words[0] = ((STOP if stop else 0) | (0 if full or expire else QUIET)
+                    | (0 if new or full else IDLE))
+        result = vote(self.world, words)
+        flags = int(result[0])
+        if flags & STOP:
+            return None
+        # Decoded before anything runs: running a ready name changes the cache.
+        ready = agreement.voted(bits_of(result[1:]))
+        for name, _ in ready:
+            ballot.pop(name)
+        announced = not flags & IDLE
+        if not flags & QUIET:
+            self.stats["gathers"] += 1
+            payloads = [from_wire(data) for data in
+                        gather(self.world, to_wire(full, expire, waited))]
+            in_table, _ = self._absorb(payloads)
+            ready += in_table
+            for name, who in agreement.expire(payloads[0][1]):
+                self._finish_expired(name, who)
+        return ready, announced
 
     def _absorb(self, payloads: list[tuple]) -> tuple[list[tuple[str, dict]], bool]:
-        """Adds every rank's announcements to the table; returns the ready ones in agreed
+        """Adds every rank's full announcements to the table; returns the ready ones in agreed
         order, and whether any rank announced anything (``Agreement.absorb``)."""
-        decode = self.agreement.decode
-        announced = [decode(mask, full) for _, mask, full, _ in payloads]
+        announced = [full for full, _, _ in payloads]
         tl, me = self.timeline, self.world.rank
         if tl is not None:
             for r, pairs in enumerate(announced):
@@ -318,7 +331,7 @@ class Controller:
                     for name, _ in pairs:
                         if name in self._mine:
                             tl.instant(name, f"rank {self.ranks[r]} ready")
-        return self.agreement.absorb(announced)
+        return self.agreement.absorb(announced, [waited for _, _, waited in payloads])
 
     # ------------------------------------------------------------------ stalls
     def _stalled(self) -> tuple:

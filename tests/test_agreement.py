@@ -8,7 +8,8 @@ import pytest
 from gradsync.agreement import (JOIN, Agreement, Signature, Stall, agreed, describe,
                                 mismatch_error)
 from gradsync.errors import CollectiveMismatchError
-from gradsync.negotiation import Request, _from_wire, _to_wire
+from gradsync.negotiation import Request
+from gradsync.negotiation_wire import from_wire, to_wire
 
 
 def sig(kind="allreduce", dtype="float32", shape=(4,), op="SUM", root=None, prescale=1.0,
@@ -34,10 +35,9 @@ def world(n: int, ranks=None, clock=None) -> list[Agreement]:
 
 
 def cycle(agreements: list[Agreement], issued: list[list]) -> list:
-    """One cycle: each rank encodes what it issued, every rank decodes every rank's and
-    absorbs them; returns the ready names (with signatures), the same on every rank."""
-    sent = [a.encode(pairs) for a, pairs in zip(agreements, issued)]
-    results = [a.absorb([a.decode(mask, full) for mask, full in sent]) for a in agreements]
+    """One gathered cycle: every rank absorbs every rank's full announcements; returns the
+    ready names (with signatures), the same on every rank."""
+    results = [a.absorb([list(pairs) for pairs in issued]) for a in agreements]
     assert all(r == results[0] for r in results), results  # every rank decides the same
     return results[0][0]
 
@@ -163,36 +163,66 @@ def test_a_join_makes_waiting_names_ready():
     assert names(ready) == ["a"] and ready[0][1] == {0: s}
 
 
-def test_repeated_announcements_become_cache_bits():
+def test_names_that_ran_are_announced_by_their_bits_and_voted_ready():
     ranks = world(2)
     step = [(f"grad{i}", sig(shape=(i + 1,))) for i in range(5)]
-    first = [a.encode(step) for a in ranks]
-    assert first == [(0, step), (0, step)]  # nothing cached yet: full descriptions
+    assert [a.bit(*step[0]) for a in ranks] == [None, None]  # nothing cached: in full
     ready = cycle(ranks, [step, list(reversed(step))])
     for a in ranks:  # the Controller records what ran, in agreed order, on every rank
         for name, by_rank in ready:
             a.ran(name, by_rank[a.rank])
-    again = [a.encode(reversed(step)) for a in ranks]
-    assert again == [(0b11111, []), (0b11111, [])]  # the same bits everywhere
-    assert ranks[1].decode(0b101, []) == [step[0], step[2]]
-    assert names(cycle(ranks, [step, step])) == names(ready)
+    assert [[a.bit(*p) for p in step] for a in ranks] == [[0, 1, 2, 3, 4]] * 2
+    assert all(a.cache.span == 5 for a in ranks)
+    voted = ranks[1].voted([0, 2])
+    assert voted == [("grad0", {0: step[0][1], 1: step[0][1]}),
+                     ("grad2", {0: step[2][1], 1: step[2][1]})]
     # a changed signature, or an unnamed operation, goes in full
-    changed = ("grad0", sig(shape=(9,)))
+    assert ranks[0].bit("grad0", sig(shape=(9,))) is None
     unnamed = ("allreduce.noname.3", sig())
-    assert ranks[0].encode([changed, step[1]]) == (0b10, [changed])
     ranks[0].ran(*unnamed)
-    assert ranks[0].encode([unnamed]) == (0, [unnamed])
+    assert ranks[0].bit(*unnamed) is None and ranks[0].cache.span == 5
+
+
+def test_a_cached_name_goes_in_full_once_the_table_holds_it_or_a_rank_joined():
+    ranks = world(2)
+    s = sig()
+    for a in ranks:
+        a.ran("a", s)
+    assert ranks[0].bit("a", s) == 0
+    # rank 1 described 'a' in full (say with another shape): rank 0 must meet it in the table
+    cycle(ranks, [[], [("a", sig(shape=(9,)))]])
+    assert ranks[0].bit("a", s) is None
+    ready = cycle(ranks, [[("a", s)], []])
+    assert names(ready) == ["a"] and not agreed(ready[0][1])
+    assert ranks[0].bit("a", s) == 0  # out of the table: a bit again
+    cycle(ranks, [[], [(JOIN, sig(JOIN, "none", (), op=None))]])
+    assert ranks[0].bit("a", s) is None  # the table knows whom to wait for, the bits do not
+
+
+def test_a_name_that_waited_as_a_bit_stalls_from_when_it_was_issued():
+    clock = Clock()
+    ranks = world(3, clock=clock)
+    # rank 1 voted for 'a' for 30 s before it went in full; rank 0 never issued it
+    ranks[0].absorb([[], [("a", sig())], []], [{}, {"a": 30.0}, {}])
+    clock.now += 31.0
+    stalls, expired = ranks[0].stalled(60.0, 300.0)
+    assert [st.name for st in stalls] == ["a"] and stalls[0].waited == 61.0
+    assert stalls[0].issued == [1] and stalls[0].missing == [0, 2] and expired == ()
+    ranks[0].absorb([[], [], [("a", sig())]], [{}, {}, {"a": 290.0}])  # an earlier start wins
+    assert ranks[0].stalled(60.0, 300.0) == ([], ())
+    clock.now += 11.0
+    assert ranks[0].stalled(60.0, 300.0)[1] == ("a",)
 
 
 def test_signatures_cross_the_wire_as_the_plain_tuples_they_were():
-    # The wire carried plain 8-tuples before the signature was named; its bytes are unchanged.
+    # A named tuple would pickle as a reference to its class: longer bytes.
     q = Request("allreduce.g", "allreduce", "float32", (3,), op="SUM", scale=(0.5, 1.0))
     plain = ("allreduce", "float32", (3,), "SUM", None, 0.5, 1.0, False)
-    data = _to_wire(False, 0b100, [(q.name, q.sig)], ("x",))
-    assert data == pickle.dumps((False, 0b100, [("allreduce.g", plain)], ("x",)), protocol=5)
+    data = to_wire([(q.name, q.sig)], ("x",), {"y": 2.5})
+    assert data == pickle.dumps(([("allreduce.g", plain)], ("x",), {"y": 2.5}), protocol=5)
     assert b"Signature" not in data and b"agreement" not in data
-    stop, mask, full, expire = _from_wire(data)
-    assert (stop, mask, expire) == (False, 0b100, ("x",))
+    full, expire, waited = from_wire(data)
+    assert (expire, waited) == (("x",), {"y": 2.5})
     assert full == [("allreduce.g", q.sig)] and type(full[0][1]) is Signature
 
 

@@ -10,7 +10,7 @@ from gradsync.agreement import Signature
 from gradsync.negotiation import Request, ResponseCache, describe
 
 CHECKS = ["out-of-order", "barrier", "duplicate", "unnamed", "fusion", "cache", "beside",
-          "rounding", "shutdown"]
+          "rounding", "steady", "shutdown"]
 
 
 @pytest.mark.multiprocess
@@ -24,12 +24,15 @@ def test_negotiated_execution(np_):
 
 @pytest.mark.multiprocess
 def test_an_operation_some_ranks_never_issue_fails_after_the_timeout_not_hangs(tmp_path):
-    result = launch(3, "negotiation_stall.py", str(tmp_path), timeout=90,
+    result = launch(3, "negotiation_stall.py", str(tmp_path), timeout=120,
                     env={"GRADSYNC_TIMEOUT": "4", "GRADSYNC_STALL_WARNING": "1"})
     assert result.returncode == 0, result
     assert result.output.count("ok stall ") == 3, result.output[-3000:]
     assert "operation 'allreduce.orphan' has waited" in result.output, result.output[-3000:]
     assert "not yet by ranks [2]" in result.output, result.output[-3000:]
+    # a cached name, voted for as a bit, is warned about and expires all the same
+    assert result.output.count("ok cached-stall ") == 3, result.output[-3000:]
+    assert "operation 'allreduce.cached' has waited" in result.output, result.output[-3000:]
 
 
 @pytest.mark.multiprocess
@@ -81,6 +84,10 @@ def test_cache_bits_are_assigned_in_order_and_reused_after_eviction():
     assert cache.entry(1) == ("allreduce.c", sig) and len(cache) == 2
     cache.put("allreduce.noname.4", sig)  # unnamed names never repeat: not cached
     assert cache.bit("allreduce.noname.4", sig) is None and len(cache) == 2
+    # a bucket of unnamed parameters repeats every step: cached
+    bucket = "allreduce.gradients[0] allreduce.noname.0.0 .. allreduce.noname.0.3 (4 tensors)"
+    cache.put(bucket, sig)
+    assert cache.bit(bucket, sig) == 0 and len(cache) == 2
 
 
 def test_signatures_match_on_what_must_agree():

@@ -155,5 +155,32 @@ assert gs.allreduce(torch.tensor([-(2 * N + 1)]) * (R == 0), op=gs.Average).item
     -(2 * N + 1) // N  # the numpy API keeps floor division
 ok("rounding")
 
+# 10. Steady-state training: once every name has run, a cycle is one vote of cache bits and
+# never gathers full announcements. The optimizer gets no parameter names (its buckets are
+# named after unnamed parameters, and must be cached all the same); the loss is a named metric.
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+
+
+def train(step: int) -> None:
+    loss = model(torch.full((4, 8), float(R + step) / 8)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    hvd.allreduce(loss.detach(), name="loss")
+
+
+for step in range(3):  # warm-up: the buckets and the metric are described once, in full
+    train(step)
+cycles, gathers = ctl.cycles, ctl.gathers
+for step in range(3, 15):
+    train(step)
+if N > 1:
+    assert gathers > 0 and ctl.cycles > cycles, (cycles, gathers, ctl.stats)
+    assert ctl.gathers == gathers, (f"{ctl.gathers - gathers} of {ctl.cycles - cycles} steady "
+                                    "cycles gathered", ctl.stats)
+ok("steady")
+
 hvd.shutdown()
 ok("shutdown")
