@@ -31,6 +31,12 @@ goodbye or died; servers still running ``SERVER_LINGER`` seconds after the last 
 (workers that died before reaching their servers, or a script that never used them) are
 stopped, so that such a job cannot hang.
 
+Data-server jobs (``data_servers`` > 0, ``gradsync.data``): the data servers are the last
+``data_servers`` ranks, after the workers and any parameter servers, and learn their role from
+``GRADSYNC_DATA_SERVERS``. Any failing rank ends the job as in step 4 (a data server's share of
+the data has no other home yet). Data servers end once every worker has disconnected; those
+still running ``SERVER_LINGER`` seconds after the last worker ended are stopped, as servers are.
+
 Output: every line a rank writes goes to the launcher's stdout or stderr as
 ``[<rank>]<stdout>:<line>`` or ``[<rank>]<stderr>:<line>`` (horovodrun's format), or as it
 is with ``output_prefix=False``. Whole lines are written under one lock, so lines of different
@@ -149,6 +155,9 @@ class LaunchSpec:
     """Number of worker ranks: all the ranks when ``servers`` is 0."""
     servers: int = 0
     """Parameter-server ranks started after the workers: the last ``servers`` ranks."""
+    data_servers: int = 0
+    """Data-server ranks (``gradsync.data``) started after the workers and the parameter
+    servers: the job's last ``data_servers`` ranks."""
     hosts: Sequence[Host] = ()
     """Hosts in placement order; empty means ``localhost`` with ``size`` slots."""
     ssh_command: str = "ssh"
@@ -178,6 +187,9 @@ class LaunchSpec:
             raise ValueError(f"the number of ranks must be at least 1, got {self.num_proc}")
         if self.servers < 0:
             raise ValueError(f"the number of servers must be >= 0, got {self.servers}")
+        if self.data_servers < 0:
+            raise ValueError(f"the number of data servers must be >= 0, got "
+                             f"{self.data_servers}")
         if self.start_timeout is not None and self.start_timeout <= 0:
             raise ValueError(f"start_timeout must be positive, got {self.start_timeout}")
         if self.ssh_port is not None and not 1 <= self.ssh_port <= 65535:
@@ -190,8 +202,8 @@ class LaunchSpec:
 
     @property
     def size(self) -> int:
-        """Number of ranks in the job: workers and servers."""
-        return self.num_proc + self.servers
+        """Number of ranks in the job: workers, servers and data servers."""
+        return self.num_proc + self.servers + self.data_servers
 
 
 def launch(spec: LaunchSpec, stdout: BinaryIO | None = None,
@@ -360,6 +372,8 @@ class Starter:
             "STORE_ADDR": self.store_addr, "STORE_PORT": port, "JOB_ID": self.job_id,
             "LAUNCHER_PID": os.getpid(), "SERVERS": self.spec.servers,
         }
+        if self.spec.data_servers:
+            variables["DATA_SERVERS"] = self.spec.data_servers
         horovod = {"HOROVOD_" + name: str(variables[name]) for name in
                    ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE",
                     "HOSTNAME")}
@@ -499,7 +513,7 @@ class _Job:
                     failed.append((exit_status(code), who, what))
                     self.output.message(f"{who} {what}; the other ranks go on "
                                         "(parameter-server job)")
-            if self.spec.servers and workers_ended is None and all(
+            if (self.spec.servers or self.spec.data_servers) and workers_ended is None and all(
                     r.proc.poll() is not None for r in self.ranks[:self.spec.num_proc]):
                 workers_ended = time.monotonic()
             lingered = workers_ended is not None and \
@@ -519,7 +533,10 @@ class _Job:
     def _failure(self, rank: Rank, code: int) -> tuple[str, str]:
         """Who failed and how, e.g. ("rank 5 (server 1) on host a", "exited with status 1")."""
         index, workers = rank.slot.rank, self.spec.num_proc
-        if not self.spec.servers:
+        first_data = self.spec.size - self.spec.data_servers
+        if index >= first_data:
+            name = f"rank {index} (data server {index - first_data})"
+        elif not self.spec.servers:
             name = f"rank {index}"
         elif index < workers:
             name = f"worker rank {index}"
