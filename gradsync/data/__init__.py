@@ -22,9 +22,6 @@ regions set up once (``transport/regions.py``), with ``prefetch`` batches of cre
 (``loader.py``). See docs/data.md, which also lists what is not done yet.
 """
 
-from .cache import Cache
-from .layout import Layout
 from .loader import Loader
-from .plan import Batch, order, plan
 
-__all__ = ["Loader", "Cache", "Layout", "Batch", "order", "plan"]
+__all__ = ["Loader"]

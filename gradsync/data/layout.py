@@ -13,7 +13,7 @@ worker reads those ``count * sample_bytes`` bytes into one fresh buffer and each
 batch is a tensor viewing it, so the read is the only copy on the worker.
 
 Python numbers become 0-d leaves (``int`` as int64, ``float`` as float64, ``bool`` as bool),
-as ``default_collate`` makes them.
+as ``default_collate`` makes them; a NumPy scalar keeps its dtype.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ def _leaf(value) -> np.ndarray | None:
     """``value`` as a NumPy array when it is a leaf, else None."""
     if hasattr(value, "detach") and hasattr(value, "numpy"):
         return value.detach().cpu().numpy()
-    if isinstance(value, np.ndarray):
-        return value
-    if isinstance(value, (bool, np.bool_)):
+    if isinstance(value, (np.ndarray, np.generic)):
+        return np.asarray(value)  # a NumPy scalar keeps its dtype
+    if isinstance(value, bool):
         return np.asarray(value, dtype=np.bool_)
-    if isinstance(value, (int, np.integer)):
+    if isinstance(value, int):
         return np.asarray(value, dtype=np.int64)
-    if isinstance(value, (float, np.floating)):
+    if isinstance(value, float):
         return np.asarray(value, dtype=np.float64)
     return None
 
