@@ -35,7 +35,9 @@ def _planned(epoch, servers, workers, worker, done=None):
     return [i for b in batches for i in b.ids.tolist()]
 
 
-@pytest.mark.parametrize("workers, servers", [(1, 1), (2, 3), (3, 2), (4, 1)])
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("workers, servers", [(1, 1), (2, 3), pytest.param(3, 2, marks=[
+    pytest.mark.slow]), (4, 1)])
 def test_every_sample_reaches_exactly_one_worker_in_the_seeded_order(tmp_path, workers,
                                                                      servers):
     _run(workers, servers, "count", tmp_path, 2)
@@ -54,6 +56,7 @@ def test_every_sample_reaches_exactly_one_worker_in_the_seeded_order(tmp_path, w
                                              for d in range(servers)]
 
 
+@pytest.mark.multiprocess
 def test_a_resumed_job_continues_the_epoch_without_repeats_on_other_counts(tmp_path):
     _run(3, 1, "stop", tmp_path, 3)
     state = json.loads((tmp_path / "state.json").read_text())
