@@ -331,3 +331,16 @@ def test_the_server_is_done_once_every_worker_has_gone(server):
     assert not srv.done.is_set()  # worker 1 has not even come yet
     peers[1].close()
     assert srv.done.wait(5)
+
+
+def test_batches_handed_over_from_a_lost_server_join_the_end_of_the_stream(server):
+    srv, peers = server(Numbers(30), workers=1, servers=2, index=1)
+    layout = Layout(_hello(peers[0], 30)["layout"])
+    own = peers[0].call("start", epoch=0, done=None)["batches"]
+    # Server 0's batches (even sample ids) handed to this server by the worker.
+    assert peers[0].call("start", epoch=0, items=[[100, [0, 2, 4]], [101, [6]]])["batches"] == 2
+    with pytest.raises(ValueError, match="outside"):
+        peers[0].call("start", epoch=0, items=[[102, [30]]])
+    got = [_take(peers[0], 0, seq, srv.slot_bytes, layout)[0] for seq in range(own + 2)]
+    assert [g["index"] for g in got[own:]] == [100, 101]
+    assert got[own]["ids"] == [0, 2, 4] and got[-1]["ids"] == [6]

@@ -73,3 +73,18 @@ def test_a_resumed_job_continues_the_epoch_without_repeats_on_other_counts(tmp_p
     for w in range(2):
         assert resumed[w]["0"] == _planned(0, 3, 2, w, done)
         assert resumed[w]["1"] == _planned(1, 3, 2, w)
+
+
+@pytest.mark.multiprocess
+def test_a_killed_data_servers_share_is_served_by_the_others_exactly_once(tmp_path):
+    r = harness.launch(3, "data_check.py", "killserver", str(tmp_path), "2", timeout=120,
+                       launcher_args=("--data-servers", "3"))
+    # The job runs to its end; its status is the killed server's (128 + SIGKILL).
+    assert r.returncode == 137, str(r)
+    assert "rank 5 (data server 0)" in r.output and "serve its share" in r.output, str(r)
+    got = _received(tmp_path, "killserver", 3)
+    for epoch in (0, 1):
+        ids = [i for w in got for i in w[str(epoch)]]
+        assert sorted(ids) == list(range(SAMPLES)), f"epoch {epoch}"
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert [s["server"] for s in stats] == [1, 2]  # the live ones

@@ -20,14 +20,16 @@ number of workers and data servers.
 from __future__ import annotations
 
 import atexit
+import collections
 import json
+import logging
 import queue
 import threading
 import time
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, PeerLostError
 from ..transport import region_peer, regions
 from .layout import Layout
 from .plan import Batch, pack_mask, plan, unpack_mask, worker_batches
@@ -36,6 +38,9 @@ __all__ = ["Loader", "STATE_VERSION"]
 
 STATE_VERSION = 1
 _END = object()  # the fetch thread's last item of an epoch
+_ADOPT_PIECE = 256  # batches handed to a data server per control message
+
+log = logging.getLogger("gradsync.data")
 
 
 class Loader:
@@ -89,6 +94,7 @@ class Loader:
         self._active: _Epoch | None = None
         self._finished: tuple[int, list[np.ndarray]] | None = None  # last epoch: (e, ids)
         self._seq = [0] * self.servers  # next sequence number of this worker's stream
+        self.lost: set[int] = set()  # data servers this worker has lost
         self._closed = False
         self._connect(env, config)
         atexit.register(self.close)
@@ -153,12 +159,63 @@ class Loader:
                                "it before starting another (a worker's batches of an epoch "
                                "are queued on the data servers once)")
         epoch = self.epoch
-        done = self._resume.pop(epoch, None)
+        done = self._resume.get(epoch)
         batches = self._my_batches(epoch, done)
         text = pack_mask(done) if done is not None else None
-        region_peer.wait([p.call_async("start", epoch=epoch, done=text) for p in self.peers])
-        self._active = _Epoch(self, epoch, batches)
+        live = [d for d in range(self.servers) if d not in self.lost]
+        started = {d: self.peers[d].call_async("start", epoch=epoch, done=text) for d in live}
+        for d, handle in started.items():
+            try:
+                handle.wait()
+            except PeerLostError as exc:  # its batches are handed to the others
+                self._lose(d, exc)
+        self._resume.pop(epoch, None)
+        work = [(b, b.server) for b in batches if b.server not in self.lost]
+        orphans = [b for b in batches if b.server in self.lost]
+        self._active = _Epoch(self, epoch, work, orphans)
         return self._active
+
+    def _lose(self, server: int, error: BaseException) -> None:
+        """(The fetch thread.) Data server ``server`` is gone: its batches go elsewhere."""
+        if server not in self.lost:
+            self.lost.add(server)
+            log.warning("worker %d lost data server %d (%s); the servers left (%s) serve its "
+                        "batches", self.rank, server, error,
+                        [d for d in range(self.servers) if d not in self.lost])
+
+    def _adopt(self, epoch: int, orphans: list[Batch]) -> list[tuple[Batch, int]]:
+        """(The fetch thread.) Hands ``orphans``, batches of lost data servers, to the live
+        ones, dealt by batch index; returns them as (batch, server) in the order to take:
+        the order in which they joined each server's stream."""
+        handed: list[tuple[Batch, int]] = []
+        remaining = sorted(orphans, key=lambda b: b.index)
+        while remaining:
+            live = [d for d in range(self.servers) if d not in self.lost]
+            if not live:
+                raise PeerLostError(f"worker {self.rank} lost every data server "
+                                    f"({self.servers}); no one is left to serve the data",
+                                    peer=None)
+            first = len(handed)
+            chosen: dict[int, list[Batch]] = {}
+            for b in remaining:
+                chosen.setdefault(live[b.index % len(live)], []).append(b)
+            remaining = []
+            for d, mine in chosen.items():
+                items = [[b.index, b.ids.tolist()] for b in mine]
+                try:
+                    # In pieces, so that a control message stays far below its 1 MiB limit.
+                    for a in range(0, len(items), _ADOPT_PIECE):
+                        self.peers[d].call("start", epoch=epoch, items=items[a:a + _ADOPT_PIECE])
+                except PeerLostError as exc:
+                    self._lose(d, exc)
+                    remaining.extend(mine)  # the next round deals them to the servers left
+                    continue
+                handed.extend((b, d) for b in mine)
+            handed[first:] = sorted(handed[first:], key=lambda bd: bd[0].index)
+            remaining.sort(key=lambda b: b.index)
+        # Round by round, each in index order: a server that got batches in two rounds holds
+        # the first round's first, and the worker takes them in that order.
+        return handed
 
     def _ended(self, run: "_Epoch") -> None:
         """(The epoch's iterator.) Every batch of ``run`` has been delivered."""
@@ -220,8 +277,10 @@ class Loader:
 
     # ------------------------------------------------------------------ the servers
     def stats(self) -> list[dict]:
-        """Each data server's counters: batches prepared, cache hits, misses, samples, bytes."""
-        return region_peer.wait([p.call_async("stats") for p in self.peers])
+        """Each live data server's counters: ``server`` (its index), batches prepared, cache
+        hits, misses, samples, bytes."""
+        return region_peer.wait([p.call_async("stats") for d, p in enumerate(self.peers)
+                                 if d not in self.lost])
 
     def close(self) -> None:
         """Disconnects from the data servers (they end when every worker has)."""
@@ -243,8 +302,10 @@ def _ids(arrays: list[np.ndarray]) -> list[int]:
 class _Epoch:
     """One epoch's iterator on a worker: the fetch thread and the delivered batches."""
 
-    def __init__(self, loader: Loader, epoch: int, batches: list[Batch]):
-        self.loader, self.epoch, self.batches = loader, epoch, batches
+    def __init__(self, loader: Loader, epoch: int, work: list[tuple[Batch, int]],
+                 orphans: list[Batch]):
+        self.loader, self.epoch = loader, epoch
+        self.work, self.orphans = collections.deque(work), orphans
         self.delivered: list[np.ndarray] = []
         self.in_hand: np.ndarray | None = None
         self.ids: np.ndarray | None = None  # the sample ids of the batch last yielded
@@ -255,24 +316,45 @@ class _Epoch:
         self._thread.start()
 
     def _fetch(self) -> None:
-        """Takes this worker's batches in plan order, each into a fresh buffer."""
+        """Takes this worker's batches in plan order, each into a fresh buffer.
+
+        The batches of a data server lost on the way (or before the epoch) are set aside and,
+        once the live servers' batches are all taken, handed to the live servers and taken
+        from them: so each server's stream is always taken in the order it was queued."""
         loader = self.loader
         try:
-            for batch in self.batches:
-                s = batch.server
-                info = loader.peers[s].call("take", seq=loader._seq[s])
-                loader._seq[s] += 1
-                if info["index"] != batch.index or info["epoch"] != self.epoch:
-                    raise RuntimeError(f"data server {s} sent batch {info['index']} of epoch "
-                                       f"{info['epoch']} where the plan has batch {batch.index} "
-                                       f"of epoch {self.epoch}")
-                buf = np.empty(info["nbytes"], dtype=np.uint8)
-                loader.slots[s].read(buf, info["slot"] * loader.slot_bytes)
+            while self.work or self.orphans:
+                if not self.work:
+                    self.work.extend(loader._adopt(self.epoch, self.orphans))
+                    self.orphans = []
+                batch, s = self.work.popleft()
+                if s in loader.lost:
+                    self.orphans.append(batch)
+                    continue
+                try:
+                    buf = self._take(batch, s)
+                except PeerLostError as exc:
+                    loader._lose(s, exc)
+                    self.orphans.append(batch)
+                    continue
                 if not self._put((batch, buf)):
                     return
             self._put(_END)
         except BaseException as exc:  # handed to the training loop, which raises it
             self._put(exc)
+
+    def _take(self, batch: Batch, s: int) -> np.ndarray:
+        """Batch ``batch`` from data server ``s``, read into a fresh buffer."""
+        loader = self.loader
+        info = loader.peers[s].call("take", seq=loader._seq[s])
+        loader._seq[s] += 1
+        if info["index"] != batch.index or info["epoch"] != self.epoch:
+            raise RuntimeError(f"data server {s} sent batch {info['index']} of epoch "
+                               f"{info['epoch']} where the plan has batch {batch.index} of "
+                               f"epoch {self.epoch}")
+        buf = np.empty(info["nbytes"], dtype=np.uint8)
+        loader.slots[s].read(buf, info["slot"] * loader.slot_bytes)
+        return buf
 
     def _put(self, item) -> bool:
         while not self._stopping:

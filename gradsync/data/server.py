@@ -33,7 +33,10 @@ across epochs but the same for a seed whatever the number of servers, workers or
 Failures: a sample that the dataset or transform cannot prepare fails every later ``take``
 with an error naming it (the workers raise it). A worker whose connection ends is done with
 this server; the server ends when every worker has connected and gone. What a lost worker's
-unread batches become is not handled yet (docs/data.md, "Not done yet").
+unread batches become is not handled yet (docs/data.md, "Not done yet"). When another data
+server is lost, each worker hands the batches it has not received from it to the servers
+left (``start`` with ``items``): they join the end of that worker's stream here like any
+other, decoded from the dataset (this server's cache keeps them only while its budget lasts).
 """
 
 from __future__ import annotations
@@ -136,6 +139,7 @@ class DataServer:
         self.batches_served = 0
         self._plans: dict[int, tuple[str, list[Batch]]] = {}  # epoch -> (done digest, plan)
         self._seen: set[int] = set()
+        self._started: set[int] = set()
         self._cv = threading.Condition()
         self._stop = False
         self.done = threading.Event()
@@ -170,8 +174,23 @@ class DataServer:
                 "server": self.index}
 
     def _start(self, worker: int, args: dict) -> dict:
-        """Appends ``worker``'s batches of ``args["epoch"]`` on this server to its stream."""
+        """Appends ``worker``'s batches of ``args["epoch"]`` on this server to its stream: its
+        share of the plan, or ``args["items"]`` (``[[index, [ids]], ...]``), batches of a lost
+        data server that the worker hands to this one."""
         epoch, done = int(args["epoch"]), args.get("done")
+        if args.get("items") is not None:
+            adopted = [Batch(int(g), self.index, worker, np.asarray(ids, dtype=np.int64))
+                       for g, ids in args["items"]]
+            if any(len(b.ids) == 0 or b.ids.min() < 0 or b.ids.max() >= self.samples
+                   for b in adopted):
+                raise ValueError(f"worker {worker} handed data server {self.index} a batch "
+                                 f"with sample ids outside 0 .. {self.samples - 1}")
+            with self._cv:
+                stream = self._stream(worker)
+                stream.items.extend((epoch, b) for b in adopted)
+                stream.nbytes.extend([0] * len(adopted))
+                self._cv.notify_all()
+            return {"batches": len(adopted)}
         digest = hashlib.sha256((done or "").encode()).hexdigest()[:16]
         with self._cv:
             stream = self._stream(worker)
@@ -189,6 +208,11 @@ class DataServer:
             mine = worker_batches(known[1], worker, self.index)
             stream.items.extend((epoch, b) for b in mine)
             stream.nbytes.extend([0] * len(mine))
+            self._started.add(worker)
+            if len(self._started) == self.workers:
+                # Every worker mapped its slots (right after its hello, before any start):
+                # the names can go, so a crash from here on leaves nothing in /dev/shm.
+                self.endpoint.unlink_segments()
             self._cv.notify_all()
             return {"batches": len(mine)}
 

@@ -33,9 +33,12 @@ stopped, so that such a job cannot hang.
 
 Data-server jobs (``data_servers`` > 0, ``gradsync.data``): the data servers are the last
 ``data_servers`` ranks, after the workers and any parameter servers, and learn their role from
-``GRADSYNC_DATA_SERVERS``. Any failing rank ends the job as in step 4 (a data server's share of
-the data has no other home yet). Data servers end once every worker has disconnected; those
-still running ``SERVER_LINGER`` seconds after the last worker ended are stopped, as servers are.
+``GRADSYNC_DATA_SERVERS``. A failing data server does not end the job (the workers hand its
+share to the others): it is reported at once, and the job's status at the end is that of the
+first rank that failed, as for a parameter-server job's workers. A failing worker ends the job
+as in step 4, unless the job has parameter servers. Data servers end once every worker has
+disconnected; those still running ``SERVER_LINGER`` seconds after the last worker ended are
+stopped, as servers are.
 
 Output: every line a rank writes goes to the launcher's stdout or stderr as
 ``[<rank>]<stdout>:<line>`` or ``[<rank>]<stderr>:<line>`` (horovodrun's format), or as it
@@ -486,7 +489,8 @@ class _Job:
     # ------------------------------------------------------------------ watch and stop
     def _watch(self) -> tuple[int, str | None, str | None]:
         """Waits for the end: every rank ended, one stopping the job failed, or the launcher
-        got a signal. A failed worker of a parameter-server job is reported, not stopping.
+        got a signal. A failed worker of a parameter-server job, or a failed data server, is
+        reported, not stopping.
 
         Returns:
             The exit status, the summary line (None for success) and what the ranks that
@@ -507,12 +511,15 @@ class _Job:
                     running = True
                 elif code != 0 and rank.slot.rank not in seen:
                     who, what = self._failure(rank, code)
-                    if not self.spec.servers or rank.slot.rank >= self.spec.num_proc:
+                    index = rank.slot.rank
+                    data_server = index >= self.spec.size - self.spec.data_servers
+                    if not data_server and (not self.spec.servers or index >= self.spec.num_proc):
                         return exit_status(code), f"{who} {what}", "other "
-                    seen.add(rank.slot.rank)
+                    seen.add(index)
                     failed.append((exit_status(code), who, what))
-                    self.output.message(f"{who} {what}; the other ranks go on "
-                                        "(parameter-server job)")
+                    self.output.message(f"{who} {what}; the other ranks go on " + (
+                        "(the other data servers serve its share)" if data_server else
+                        "(parameter-server job)"))
             if (self.spec.servers or self.spec.data_servers) and workers_ended is None and all(
                     r.proc.poll() is not None for r in self.ranks[:self.spec.num_proc]):
                 workers_ended = time.monotonic()

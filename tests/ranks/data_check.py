@@ -10,12 +10,14 @@ checks them (tests/test_data_multiprocess.py).
     count DIR EPOCHS         EPOCHS whole epochs; worker 0 also writes the servers' counters
     stop DIR STEPS           STEPS batches of epoch 0, then state_dict(), saved by worker 0
     resume DIR EPOCHS        loads DIR/state.json and runs to the end of epoch EPOCHS - 1
+    killserver DIR EPOCHS    as count, but worker 0 SIGKILLs data server 0 after 5 batches
 """
 
 import common  # noqa: F401  (deadline)
 
 import json
 import os
+import signal
 import sys
 
 import numpy as np
@@ -64,11 +66,15 @@ def main():
     arg = int(sys.argv[3])
     loader = gradsync.data.Loader(Numbers(), batch_size=BATCH, transform=augment, seed=SEED)
     seen: dict = {}
-    if scenario == "count":
+    if scenario in ("count", "killserver"):
+        received = 0
         for _ in range(arg):
             for batch in loader:
                 receive(loader, batch, seen)
-        write(directory, "count", seen)
+                received += 1
+                if scenario == "killserver" and gs.rank() == 0 and received == 5:
+                    os.kill(loader.peers[0].pid, signal.SIGKILL)
+        write(directory, scenario, seen)
         gs.barrier()  # every batch of every worker has been taken, so prepared
         if gs.rank() == 0:
             with open(os.path.join(directory, "stats.json"), "w") as f:
