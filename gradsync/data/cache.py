@@ -4,7 +4,8 @@ Decoding (reading a file, parsing an image) is the part of a sample's preparatio
 same every epoch; the random augmentation is not. So a data server keeps a copy of what
 ``dataset[i]`` returned and applies the transform afresh to the cached sample each time it
 serves it: epochs still differ, and a later epoch skips the decode. (The transform must
-therefore not change its input in place, which torchvision's transforms do not.) Project Adam's data servers did the same with most of their memory.
+therefore not change its input in place, which torchvision's transforms do not.) Project
+Adam's data servers did the same with most of their memory.
 
 The policy is *keep until full*: a sample enters while its bytes fit in what is left of the
 budget and stays for the job's life; nothing is evicted. Every epoch visits every sample once

@@ -5,7 +5,8 @@ rank the constructor serves (``server.py``) and ends the process; on a worker it
 every data server and returns. Each ``iter(loader)`` is one epoch: the worker computes the
 epoch's plan (``plan.py``), tells each server to queue its share, and a fetch thread takes the
 batches in plan order, reading each into a fresh buffer that the yielded tensors view, up to
-``prefetch`` batches ahead of the training loop.
+``prefetch`` batches ahead of the training loop. An ``iter()`` while an epoch is unfinished (a
+loop left with ``break``) goes on with that epoch where it stopped.
 
 Exactly once. Within an epoch every sample is in exactly one batch and every batch goes to
 exactly one worker (``plan.py``). A batch counts as *delivered* (acknowledged) once the
@@ -155,9 +156,9 @@ class Loader:
         if self._closed:
             raise RuntimeError("the Loader is closed")
         if self._active is not None:
-            raise RuntimeError(f"epoch {self._active.epoch} is still being iterated: finish "
-                               "it before starting another (a worker's batches of an epoch "
-                               "are queued on the data servers once)")
+            # A loop left early (break) goes on where it stopped: the epoch's batches are
+            # queued on the data servers once, and starting another would skip the rest.
+            return self._active
         epoch = self.epoch
         done = self._resume.get(epoch)
         batches = self._my_batches(epoch, done)

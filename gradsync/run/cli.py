@@ -260,7 +260,8 @@ def _spec(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LaunchSp
         else:
             hosts = parse_hosts(args.hosts) if args.hosts else []
         spec = LaunchSpec(command=command, num_proc=args.num_proc, servers=args.servers,
-                          data_servers=args.data_servers, hosts=hosts, ssh_command=args.ssh_command, ssh_port=args.ssh_port,
+                          data_servers=args.data_servers, hosts=hosts,
+                          ssh_command=args.ssh_command, ssh_port=args.ssh_port,
                           start_timeout=args.start_timeout, output_prefix=args.output_prefix,
                           env={**flag_settings(args),
                                **resolve_exports(args.exports, os.environ)},

@@ -7,7 +7,8 @@ from its generator, so a worker can check every value it receives against the cl
 writes what it received, in order, to ``DIR/<tag>-<rank>.json`` as ``{epoch: [ids]}``; the test
 checks them (tests/test_data_multiprocess.py).
 
-    count DIR EPOCHS         EPOCHS whole epochs; worker 0 also writes the servers' counters
+    count DIR EPOCHS         EPOCHS whole epochs, the first loop left with break after 2
+                             batches and entered again; worker 0 writes the servers' counters
     stop DIR STEPS           STEPS batches of epoch 0, then state_dict(), saved by worker 0
     resume DIR EPOCHS        loads DIR/state.json and runs to the end of epoch EPOCHS - 1
     killserver DIR EPOCHS    as count, but worker 0 SIGKILLs data server 0 after 5 batches
@@ -68,12 +69,14 @@ def main():
     seen: dict = {}
     if scenario in ("count", "killserver"):
         received = 0
-        for _ in range(arg):
-            for batch in loader:
+        while loader.epoch < arg:
+            for batch in loader:  # after the break below: the same epoch, where it stopped
                 receive(loader, batch, seen)
                 received += 1
                 if scenario == "killserver" and gs.rank() == 0 and received == 5:
                     os.kill(loader.peers[0].pid, signal.SIGKILL)
+                if received == 2:
+                    break
         write(directory, scenario, seen)
         gs.barrier()  # every batch of every worker has been taken, so prepared
         if gs.rank() == 0:
