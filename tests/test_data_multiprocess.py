@@ -57,6 +57,18 @@ def test_every_sample_reaches_exactly_one_worker_in_the_seeded_order(tmp_path, w
 
 
 @pytest.mark.multiprocess
+def test_batches_read_over_tcp_arrive_exactly_once_as_over_shared_memory(tmp_path):
+    # GRADSYNC_TRANSPORT=tcp: the workers read the slots through the servers' region
+    # connections (the road between hosts) instead of mapping them.
+    _run(2, 2, "count", tmp_path, 2, env={"GRADSYNC_TRANSPORT": "tcp"})
+    got = _received(tmp_path, "count", 2)
+    for epoch in (0, 1):
+        assert sorted(i for w in got for i in w[str(epoch)]) == list(range(SAMPLES))
+        for w in range(2):
+            assert got[w][str(epoch)] == _planned(epoch, 2, 2, w)
+
+
+@pytest.mark.multiprocess
 def test_a_resumed_job_continues_the_epoch_without_repeats_on_other_counts(tmp_path):
     _run(3, 1, "stop", tmp_path, 3)
     state = json.loads((tmp_path / "state.json").read_text())
