@@ -177,7 +177,8 @@ class Loader:
         return self._active
 
     def _lose(self, server: int, error: BaseException) -> None:
-        """(The fetch thread.) Data server ``server`` is gone: its batches go elsewhere."""
+        """(The fetch thread, or ``__iter__``.) Data server ``server`` is gone: its batches
+        go elsewhere."""
         if server not in self.lost:
             self.lost.add(server)
             log.warning("worker %d lost data server %d (%s); the servers left (%s) serve its "
