@@ -38,7 +38,7 @@ IDENTITY_VARIABLES = frozenset(
     {
         "RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE",
         "STORE_ADDR", "STORE_PORT", "SECRET", "JOB_ID", "LAUNCHER_PID", "HOSTNAME", "SERVERS",
-        "ELASTIC_ID",
+        "DATA_SERVERS", "ELASTIC_ID",
         "BIND",  # not an identity: gradsync run's --bind-to default, read by the launcher
     }
 )
@@ -147,6 +147,15 @@ class Config:
     """Mark each cycle of the background loop in the timeline (Horovod's
     ``HOROVOD_TIMELINE_MARK_CYCLES``)."""
 
+    data_prefetch: int = 4
+    """Data servers (``gradsync.data``): batches a worker's ``Loader`` keeps in flight, per
+    data server and in its own queue (the credits that bound how far servers run ahead);
+    the ``Loader``'s ``prefetch`` argument overrides it."""
+
+    data_cache_bytes: int = 1 << 30
+    """Data servers: bytes of decoded samples (before the transform) each data server keeps in
+    memory for later epochs; 0 caches nothing. Accepts 512M, 4G."""
+
     def __post_init__(self) -> None:
         if self.timeout <= 0 or self.connect_timeout <= 0:
             raise ConfigError(f"timeouts must be positive, got timeout={self.timeout}, "
@@ -170,6 +179,9 @@ class Config:
                               f"least 2 intervals, got heartbeat_interval="
                               f"{self.heartbeat_interval}, heartbeat_timeout="
                               f"{self.heartbeat_timeout}")
+        if self.data_prefetch < 1 or self.data_cache_bytes < 0:
+            raise ConfigError(f"need data_prefetch >= 1 and data_cache_bytes >= 0, got "
+                              f"{self.data_prefetch}, {self.data_cache_bytes}")
         if self.elastic_timeout <= 0:
             raise ConfigError(f"elastic_timeout must be positive, got {self.elastic_timeout}")
         if self.abort_poll_interval <= 0 or self.stall_warning <= 0:

@@ -24,10 +24,21 @@ Roles: a job may have parameter servers. ``GRADSYNC_SERVERS=S`` (set by ``gradsy
 --servers S``; export it on every rank under the other launchers) makes the last S ranks the
 servers and the first ``size - S`` the workers, under every source; at least one rank must be a
 worker. ``LaunchEnv.workers``, ``is_server`` and ``server_rank`` follow from it.
+
+A job may also have data servers (``gradsync.data``). ``GRADSYNC_DATA_SERVERS=D`` (set by
+``gradsync run --data-servers D``; export it on every rank under the other launchers) makes the
+last D launched ranks data servers, after the workers and the parameter servers. They are not
+members of the training job: on every other rank ``detect()`` reports ``size`` without them (so
+``gradsync.size()`` on a worker counts workers only, as with parameter servers) and their number
+in ``data_servers``. On a data-server rank ``detect()`` raises a ConfigError that says to build
+the ``gradsync.data.Loader`` first (that call serves and ends the process); the Loader itself
+reads the rank's identity with ``detect(data_server=True)``, which returns it with
+``is_data_server`` true and ``data_server_rank`` its index.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import socket
@@ -83,6 +94,9 @@ class LaunchEnv:
     servers: int = 0
     """Number of parameter-server ranks in the job: the last ``servers`` ranks (0: no parameter
     servers)."""
+    data_servers: int = 0
+    """Number of data-server ranks (``gradsync.data``): launched after every rank counted in
+    ``size``, so that data server ``d`` has launch rank ``size + d``."""
     elastic_id: str | None = None
     """This worker's name in an elastic job (``GRADSYNC_ELASTIC_ID``, set by ``gradsync run
     --min-np/--max-np``): ``init()`` then takes rank and size from the job's current
@@ -96,19 +110,32 @@ class LaunchEnv:
     @property
     def is_server(self) -> bool:
         """Whether this rank is a parameter server (one of the last ``servers`` ranks)."""
-        return self.rank >= self.workers
+        return self.workers <= self.rank < self.size
 
     @property
     def server_rank(self) -> int | None:
         """Index of this rank among the servers (``rank - workers``); None on a worker."""
         return self.rank - self.workers if self.is_server else None
 
+    @property
+    def is_data_server(self) -> bool:
+        """Whether this rank is a data server: its launch rank is ``size`` or above (only
+        ``detect(data_server=True)`` returns such a LaunchEnv)."""
+        return self.rank >= self.size
 
-def detect(environ: Mapping[str, str] | None = None) -> LaunchEnv:
+    @property
+    def data_server_rank(self) -> int | None:
+        """Index of this rank among the data servers (``rank - size``); None elsewhere."""
+        return self.rank - self.size if self.is_data_server else None
+
+
+def detect(environ: Mapping[str, str] | None = None, data_server: bool = False) -> LaunchEnv:
     """Reads the launcher's variables and returns this process's LaunchEnv.
 
     Args:
         environ: the environment to read; ``os.environ`` when None.
+        data_server: whether the caller serves data (``gradsync.data``) on a data-server rank;
+            False makes such a rank an error.
 
     Returns:
         The LaunchEnv of the first source (see the module docstring) whose variables are set.
@@ -116,9 +143,15 @@ def detect(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     Raises:
         ConfigError: a variable is not an integer, is negative, or contradicts another (a rank
             not below the size, ``GRADSYNC_SERVERS`` leaving no worker), or the store address
-            cannot be determined. The message names the variable, its value and what to export.
+            cannot be determined, or this rank is a data server and ``data_server`` is False.
+            The message names the variable, its value and what to export.
     """
     env = _Reader(os.environ if environ is None else environ)
+    return _data_role(_launched(env), env, data_server)
+
+
+def _launched(env: "_Reader") -> LaunchEnv:
+    """The LaunchEnv of every launched rank, data servers included."""
     if env.has("GRADSYNC_RANK") or env.has("GRADSYNC_SIZE"):
         return _from_gradsync(env)
     if env.has("RANK") and env.has("WORLD_SIZE"):
@@ -246,6 +279,37 @@ def _servers(env: _Reader, size: int) -> int:
         raise ConfigError(f"GRADSYNC_SERVERS={servers} leaves no worker in {ranks}; servers are "
                           "the last GRADSYNC_SERVERS ranks and at least one rank must be a worker")
     return servers
+
+
+def _data_role(launched: LaunchEnv, env: _Reader, data_server: bool) -> LaunchEnv:
+    """Takes the last ``GRADSYNC_DATA_SERVERS`` ranks out of ``size`` (see the module docstring).
+
+    Raises:
+        ConfigError: the number is not an integer from 0 to what leaves one worker, or this is
+            a data-server rank and the caller does not serve data.
+    """
+    text = env.get("GRADSYNC_DATA_SERVERS")
+    if text is None:
+        return launched
+    size, servers = launched.size, launched.servers
+    ranks = f"a job of {size} rank{'' if size == 1 else 's'}"
+    try:
+        count = int(text, 10)
+    except ValueError:
+        count = -1
+    if not 0 <= count < size - servers:
+        raise ConfigError(f"GRADSYNC_DATA_SERVERS={text!r} must be an integer from 0 to "
+                          f"{size - servers - 1} in {ranks} with {servers} parameter "
+                          "server(s): data servers are the last ranks, and at least one rank "
+                          "must be a worker")
+    trained = dataclasses.replace(launched, size=size - count, data_servers=count)
+    if trained.is_data_server and not data_server:
+        raise ConfigError(f"rank {launched.rank} is data server {trained.data_server_rank} "
+                          f"(GRADSYNC_DATA_SERVERS={count}): it serves from the "
+                          "gradsync.data.Loader call and is no member of the training job; "
+                          "build the Loader before gradsync.init() or anything else that "
+                          "needs the job (the call serves and ends the process)")
+    return trained
 
 
 def _store(env: _Reader) -> tuple[str | None, int | None]:

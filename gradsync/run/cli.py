@@ -2,7 +2,8 @@
 
 ``gradsync run -np 4 -H a:2,b:2 python train.py`` is horovodrun's command line; see
 ``launcher.py`` for what the launcher does with it. ``--servers S`` adds S parameter-server
-ranks after the NP workers (the job's last S ranks). ``tests/test_cli_surface.py`` pins the
+ranks after the NP workers (the job's last S ranks); ``--data-servers D`` adds D data-server
+ranks after those (``gradsync.data``). ``tests/test_cli_surface.py`` pins the
 options of ``run``: adding one is a deliberate change of that list.
 """
 
@@ -60,9 +61,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     job.add_argument("--servers", type=int, default=0, metavar="S",
                      help="also start S parameter-server ranks after the NP workers (the last S "
                           "ranks; see gradsync.ps)")
+    job.add_argument("--data-servers", type=int, default=0, metavar="D",
+                     help="also start D data-server ranks, the job's last D ranks, that load, "
+                          "cache and transform the data for the workers (see gradsync.data)")
     where = job.add_mutually_exclusive_group()
     where.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...",
-                       help="hosts and their slots, filled in order (default localhost:NP+S)")
+                       help="hosts and their slots, filled in order (default localhost:NP+S+D)")
     where.add_argument("--hostfile", metavar="FILE",
                        help="file with one 'host slots=N' per line, instead of -H")
     remote = parser.add_argument_group("remote hosts")
@@ -207,6 +211,9 @@ def _checked_elastic(args: argparse.Namespace) -> ElasticSpec:
     if args.servers:
         raise ValueError("--servers cannot be combined with an elastic job (--min-np, --max-np, "
                          "--host-discovery-script)")
+    if args.data_servers:
+        raise ValueError("--data-servers cannot be combined with an elastic job yet (--min-np, "
+                         "--max-np, --host-discovery-script)")
     if args.host_discovery_script and (args.hosts or args.hostfile):
         raise ValueError("give --host-discovery-script or -H/--hostfile, not both")
     unlimited = 1 << 20
@@ -253,7 +260,8 @@ def _spec(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LaunchSp
         else:
             hosts = parse_hosts(args.hosts) if args.hosts else []
         spec = LaunchSpec(command=command, num_proc=args.num_proc, servers=args.servers,
-                          hosts=hosts, ssh_command=args.ssh_command, ssh_port=args.ssh_port,
+                          data_servers=args.data_servers, hosts=hosts,
+                          ssh_command=args.ssh_command, ssh_port=args.ssh_port,
                           start_timeout=args.start_timeout, output_prefix=args.output_prefix,
                           env={**flag_settings(args),
                                **resolve_exports(args.exports, os.environ)},

@@ -31,6 +31,15 @@ goodbye or died; servers still running ``SERVER_LINGER`` seconds after the last 
 (workers that died before reaching their servers, or a script that never used them) are
 stopped, so that such a job cannot hang.
 
+Data-server jobs (``data_servers`` > 0, ``gradsync.data``): the data servers are the last
+``data_servers`` ranks, after the workers and any parameter servers, and learn their role from
+``GRADSYNC_DATA_SERVERS``. A failing data server does not end the job (the workers hand its
+share to the others): it is reported at once, and the job's status at the end is that of the
+first rank that failed, as for a parameter-server job's workers. A failing worker ends the job
+as in step 4, unless the job has parameter servers. Data servers end once every worker has
+disconnected; those still running ``SERVER_LINGER`` seconds after the last worker ended are
+stopped, as servers are.
+
 Output: every line a rank writes goes to the launcher's stdout or stderr as
 ``[<rank>]<stdout>:<line>`` or ``[<rank>]<stderr>:<line>`` (horovodrun's format), or as it
 is with ``output_prefix=False``. Whole lines are written under one lock, so lines of different
@@ -149,6 +158,9 @@ class LaunchSpec:
     """Number of worker ranks: all the ranks when ``servers`` is 0."""
     servers: int = 0
     """Parameter-server ranks started after the workers: the last ``servers`` ranks."""
+    data_servers: int = 0
+    """Data-server ranks (``gradsync.data``) started after the workers and the parameter
+    servers: the job's last ``data_servers`` ranks."""
     hosts: Sequence[Host] = ()
     """Hosts in placement order; empty means ``localhost`` with ``size`` slots."""
     ssh_command: str = "ssh"
@@ -178,6 +190,9 @@ class LaunchSpec:
             raise ValueError(f"the number of ranks must be at least 1, got {self.num_proc}")
         if self.servers < 0:
             raise ValueError(f"the number of servers must be >= 0, got {self.servers}")
+        if self.data_servers < 0:
+            raise ValueError(f"the number of data servers must be >= 0, got "
+                             f"{self.data_servers}")
         if self.start_timeout is not None and self.start_timeout <= 0:
             raise ValueError(f"start_timeout must be positive, got {self.start_timeout}")
         if self.ssh_port is not None and not 1 <= self.ssh_port <= 65535:
@@ -190,8 +205,8 @@ class LaunchSpec:
 
     @property
     def size(self) -> int:
-        """Number of ranks in the job: workers and servers."""
-        return self.num_proc + self.servers
+        """Number of ranks in the job: workers, servers and data servers."""
+        return self.num_proc + self.servers + self.data_servers
 
 
 def launch(spec: LaunchSpec, stdout: BinaryIO | None = None,
@@ -360,6 +375,8 @@ class Starter:
             "STORE_ADDR": self.store_addr, "STORE_PORT": port, "JOB_ID": self.job_id,
             "LAUNCHER_PID": os.getpid(), "SERVERS": self.spec.servers,
         }
+        if self.spec.data_servers:
+            variables["DATA_SERVERS"] = self.spec.data_servers
         horovod = {"HOROVOD_" + name: str(variables[name]) for name in
                    ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE",
                     "HOSTNAME")}
@@ -472,7 +489,8 @@ class _Job:
     # ------------------------------------------------------------------ watch and stop
     def _watch(self) -> tuple[int, str | None, str | None]:
         """Waits for the end: every rank ended, one stopping the job failed, or the launcher
-        got a signal. A failed worker of a parameter-server job is reported, not stopping.
+        got a signal. A failed worker of a parameter-server job, or a failed data server, is
+        reported, not stopping.
 
         Returns:
             The exit status, the summary line (None for success) and what the ranks that
@@ -493,13 +511,16 @@ class _Job:
                     running = True
                 elif code != 0 and rank.slot.rank not in seen:
                     who, what = self._failure(rank, code)
-                    if not self.spec.servers or rank.slot.rank >= self.spec.num_proc:
+                    index = rank.slot.rank
+                    data_server = index >= self.spec.size - self.spec.data_servers
+                    if not data_server and (not self.spec.servers or index >= self.spec.num_proc):
                         return exit_status(code), f"{who} {what}", "other "
-                    seen.add(rank.slot.rank)
+                    seen.add(index)
                     failed.append((exit_status(code), who, what))
-                    self.output.message(f"{who} {what}; the other ranks go on "
-                                        "(parameter-server job)")
-            if self.spec.servers and workers_ended is None and all(
+                    self.output.message(f"{who} {what}; the other ranks go on " + (
+                        "(the other data servers serve its share)" if data_server else
+                        "(parameter-server job)"))
+            if (self.spec.servers or self.spec.data_servers) and workers_ended is None and all(
                     r.proc.poll() is not None for r in self.ranks[:self.spec.num_proc]):
                 workers_ended = time.monotonic()
             lingered = workers_ended is not None and \
@@ -519,7 +540,10 @@ class _Job:
     def _failure(self, rank: Rank, code: int) -> tuple[str, str]:
         """Who failed and how, e.g. ("rank 5 (server 1) on host a", "exited with status 1")."""
         index, workers = rank.slot.rank, self.spec.num_proc
-        if not self.spec.servers:
+        first_data = self.spec.size - self.spec.data_servers
+        if index >= first_data:
+            name = f"rank {index} (data server {index - first_data})"
+        elif not self.spec.servers:
             name = f"rank {index}"
         elif index < workers:
             name = f"worker rank {index}"

@@ -1,0 +1,393 @@
+"""The worker's side of the data servers: an iterable used as a ``DataLoader`` is.
+
+Every rank of the job runs the same script and builds the same ``Loader``. On a data-server
+rank the constructor serves (``server.py``) and ends the process; on a worker it connects to
+every data server and returns. Each ``iter(loader)`` is one epoch: the worker computes the
+epoch's plan (``plan.py``), tells each server to queue its share, and a fetch thread takes the
+batches in plan order, reading each into a fresh buffer that the yielded tensors view, up to
+``prefetch`` batches ahead of the training loop. An ``iter()`` while an epoch is unfinished (a
+loop left with ``break``) goes on with that epoch where it stopped.
+
+Exactly once. Within an epoch every sample is in exactly one batch and every batch goes to
+exactly one worker (``plan.py``). A batch counts as *delivered* (acknowledged) once the
+training loop has finished with it: when it asks for the next batch, when the epoch's loop
+ends, or when ``state_dict()`` is called while it holds the batch (a checkpoint taken after
+a step covers that step's batch). ``state_dict()`` gathers every worker's delivered samples
+(it is a collective: every worker calls it at the same step) and ``load_state_dict()`` on a
+new job makes that epoch serve only the samples not yet delivered, in the same order, at any
+number of workers and data servers.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import json
+import logging
+import queue
+import threading
+import time
+
+import numpy as np
+
+from ..errors import ConfigError, PeerLostError
+from ..transport import region_peer, regions
+from .layout import Layout
+from .plan import Batch, pack_mask, plan, unpack_mask, worker_batches
+
+__all__ = ["Loader", "STATE_VERSION"]
+
+STATE_VERSION = 1
+_END = object()  # the fetch thread's last item of an epoch
+_ADOPT_PIECE = 256  # batches handed to a data server per control message
+
+log = logging.getLogger("gradsync.data")
+
+
+class Loader:
+    """Batches of ``dataset`` served by the job's data servers (see ``gradsync.data``).
+
+    Args:
+        dataset: a map-style dataset (``len()`` and ``dataset[i]``); only the data servers
+            index it, the workers only take its length.
+        batch_size: samples per batch; each data server's last batch of an epoch may be short.
+        transform: ``transform(sample, rng) -> sample``, run on the data servers after the
+            cache, with a ``numpy.random.Generator`` seeded by (seed, epoch, sample id).
+        seed: fixes each epoch's order and the transform's randomness.
+        prefetch: batches in flight per data server and in this worker's queue (default: the
+            ``data_prefetch`` setting).
+
+    Raises:
+        ConfigError: the job has no data servers (``gradsync run --data-servers D``).
+    """
+
+    def __init__(self, dataset, batch_size: int, transform=None, seed: int = 0,
+                 prefetch: int | None = None):
+        from .. import api, job
+        from ..config import load_config
+        from ..launch_env import detect
+
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        env = detect(data_server=True)
+        if env.is_data_server:
+            from .cache import Cache
+            from .server import Source, serve
+
+            config = load_config()
+            source = Source(dataset, transform, seed, Cache(config.data_cache_bytes))
+            raise SystemExit(serve(config, env, source, batch_size, seed))
+        if env.data_servers == 0:
+            raise ConfigError("this job has no data servers: start it with 'gradsync run -np W "
+                              "--data-servers D ...' or export GRADSYNC_DATA_SERVERS=D on every "
+                              "rank (the last D ranks serve data)")
+        if env.elastic_id is not None:
+            raise ConfigError("data servers do not support elastic jobs yet (docs/data.md)")
+        api.init()
+        config = job.world().config
+        self.samples, self.batch_size, self.seed = len(dataset), batch_size, seed
+        self.prefetch = config.data_prefetch if prefetch is None else int(prefetch)
+        if self.prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
+        self.rank, self.workers, self.servers = env.rank, env.workers, env.data_servers
+        self.epoch = 0
+        self._resume: dict[int, np.ndarray] = {}
+        self._active: _Epoch | None = None
+        self._finished: tuple[int, list[np.ndarray]] | None = None  # last epoch: (e, ids)
+        self._seq = [0] * self.servers  # next sequence number of this worker's stream
+        self.lost: set[int] = set()  # data servers this worker has lost
+        self._closed = False
+        self._connect(env, config)
+        atexit.register(self.close)
+
+    def _connect(self, env, config) -> None:
+        from ..rendezvous import Store
+        from ..world import listen_addr
+
+        store = Store(env.store_addr, env.store_port, env.store_is_server, env.job_id,
+                      config.connect_timeout, env.size)
+        secret = env.secret or store.read_secret()
+        self.endpoint = regions.Endpoint(env.rank, env.hostname, secret, f"{env.job_id}.data",
+                                         addr=listen_addr(config, env), timeout=config.timeout,
+                                         direct=config.transport != "tcp",
+                                         label=f"worker {env.rank}")
+        deadline = time.monotonic() + config.connect_timeout
+        self.peers = []
+        try:
+            for d in range(self.servers):
+                info = json.loads(store.get(f"data/server/{d}", config.connect_timeout))
+                rank = env.size + d
+                self.peers.append(self.endpoint.connect(rank, info["addr"], info["port"],
+                                                        deadline, f"data server {d} (rank {rank})"))
+            hello = {"batch_size": self.batch_size, "seed": self.seed, "samples": self.samples,
+                     "prefetch": self.prefetch}
+            replies = region_peer.wait([p.call_async("hello", **hello) for p in self.peers])
+        except BaseException:
+            self.close()
+            raise
+        self.layout = Layout(replies[0]["layout"])
+        self.slot_bytes = replies[0]["slot_bytes"]
+        self.slots = [p.region(f"slots.{self.rank}") for p in self.peers]
+
+    @property
+    def ids(self) -> np.ndarray | None:
+        """The sample ids of the batch the current epoch's loop last received (None outside
+        an epoch), in the batch's order."""
+        return self._active.ids if self._active is not None else None
+
+    # ------------------------------------------------------------------ epochs
+    def set_epoch(self, epoch: int) -> None:
+        """Makes the next ``iter()`` serve ``epoch`` (else epochs follow one another from 0)."""
+        if self._active is not None:
+            raise RuntimeError(f"set_epoch({epoch}) while epoch {self._active.epoch} is being "
+                               "iterated; finish it first")
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        """Batches this worker gets in the next (or current) epoch."""
+        epoch = self._active.epoch if self._active else self.epoch
+        return len(self._my_batches(epoch, self._resume.get(epoch)))
+
+    def _my_batches(self, epoch: int, done: np.ndarray | None) -> list[Batch]:
+        return worker_batches(plan(self.samples, self.batch_size, self.seed, epoch,
+                                   self.servers, self.workers, done), self.rank)
+
+    def __iter__(self):
+        if self._closed:
+            raise RuntimeError("the Loader is closed")
+        if self._active is not None:
+            # A loop left early (break) goes on where it stopped: the epoch's batches are
+            # queued on the data servers once, and starting another would skip the rest.
+            return self._active
+        epoch = self.epoch
+        done = self._resume.get(epoch)
+        batches = self._my_batches(epoch, done)
+        text = pack_mask(done) if done is not None else None
+        live = [d for d in range(self.servers) if d not in self.lost]
+        started = {d: self.peers[d].call_async("start", epoch=epoch, done=text) for d in live}
+        for d, handle in started.items():
+            try:
+                handle.wait()
+            except PeerLostError as exc:  # its batches are handed to the others
+                self._lose(d, exc)
+        self._resume.pop(epoch, None)
+        work = [(b, b.server) for b in batches if b.server not in self.lost]
+        orphans = [b for b in batches if b.server in self.lost]
+        self._active = _Epoch(self, epoch, work, orphans)
+        return self._active
+
+    def _lose(self, server: int, error: BaseException) -> None:
+        """(The fetch thread, or ``__iter__``.) Data server ``server`` is gone: its batches
+        go elsewhere."""
+        if server not in self.lost:
+            self.lost.add(server)
+            log.warning("worker %d lost data server %d (%s); the servers left (%s) serve its "
+                        "batches", self.rank, server, error,
+                        [d for d in range(self.servers) if d not in self.lost])
+
+    def _adopt(self, epoch: int, orphans: list[Batch]) -> list[tuple[Batch, int]]:
+        """(The fetch thread.) Hands ``orphans``, batches of lost data servers, to the live
+        ones, dealt by batch index; returns them as (batch, server) in the order to take:
+        the order in which they joined each server's stream."""
+        handed: list[tuple[Batch, int]] = []
+        remaining = sorted(orphans, key=lambda b: b.index)
+        while remaining:
+            live = [d for d in range(self.servers) if d not in self.lost]
+            if not live:
+                raise PeerLostError(f"worker {self.rank} lost every data server "
+                                    f"({self.servers}); no one is left to serve the data",
+                                    peer=None)
+            first = len(handed)
+            chosen: dict[int, list[Batch]] = {}
+            for b in remaining:
+                chosen.setdefault(live[b.index % len(live)], []).append(b)
+            remaining = []
+            for d, mine in chosen.items():
+                items = [[b.index, b.ids.tolist()] for b in mine]
+                try:
+                    # In pieces, so that a control message stays far below its 1 MiB limit.
+                    for a in range(0, len(items), _ADOPT_PIECE):
+                        self.peers[d].call("start", epoch=epoch, items=items[a:a + _ADOPT_PIECE])
+                except PeerLostError as exc:
+                    self._lose(d, exc)
+                    remaining.extend(mine)  # the next round deals them to the servers left
+                    continue
+                handed.extend((b, d) for b in mine)
+            handed[first:] = sorted(handed[first:], key=lambda bd: bd[0].index)
+            remaining.sort(key=lambda b: b.index)
+        # Round by round, each in index order: a server that got batches in two rounds holds
+        # the first round's first, and the worker takes them in that order.
+        return handed
+
+    def _ended(self, run: "_Epoch") -> None:
+        """(The epoch's iterator.) Every batch of ``run`` has been delivered."""
+        self._finished = (run.epoch, run.delivered)
+        self._active = None
+        self.epoch = run.epoch + 1
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """Where the job's data stands: the epoch and the samples delivered in it, gathered
+        from every worker. A collective: every worker calls it at the same step; the batch
+        each holds counts as delivered. The result is the same dict on every worker and
+        holds only plain types (``json.dumps`` and ``torch.save`` take it)."""
+        from .. import api
+
+        mine = {"epoch": self.epoch if self._active is None else self._active.epoch,
+                "ids": [], "previous": None}
+        if self._active is not None:
+            self._active.acknowledge()
+            mine["ids"] = _ids(self._active.delivered)
+        elif self.epoch in self._resume:  # loaded but not started: carry the loaded state
+            mine["ids"] = np.flatnonzero(self._resume[self.epoch]).tolist()
+        if self._finished is not None:
+            mine["previous"] = [self._finished[0], _ids(self._finished[1])]
+        views = api.allgather_object(mine, name="gradsync.data.state_dict")
+        epoch = min(v["epoch"] for v in views)
+        done = np.zeros(self.samples, dtype=bool)
+        for v in views:
+            if v["epoch"] == epoch:
+                done[v["ids"]] = True
+            elif v["previous"] is not None and v["previous"][0] == epoch:
+                done[v["previous"][1]] = True  # this worker already finished the epoch
+            else:
+                raise ValueError(f"state_dict: worker {views.index(v)} is in epoch "
+                                 f"{v['epoch']} while another is in epoch {epoch}; call it at "
+                                 "the same step on every worker")
+        if done.all():
+            epoch, done[:] = epoch + 1, False
+        return {"version": STATE_VERSION, "samples": self.samples,
+                "batch_size": self.batch_size, "seed": self.seed, "epoch": epoch,
+                "done": pack_mask(done) if done.any() else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continues from ``state`` (from ``state_dict``): the next ``iter()`` serves the rest
+        of its epoch. Call it on every worker, before iterating."""
+        if self._active is not None:
+            raise RuntimeError("load_state_dict while an epoch is being iterated")
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"a data state of version {state.get('version')}; this gradsync "
+                             f"reads version {STATE_VERSION}")
+        mine = {"samples": self.samples, "batch_size": self.batch_size, "seed": self.seed}
+        diff = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
+        if diff:
+            raise ValueError(f"the state was saved by another Loader: (saved, this) {diff}")
+        self.epoch = int(state["epoch"])
+        self._resume = {}
+        if state["done"]:
+            self._resume[self.epoch] = unpack_mask(state["done"], self.samples)
+
+    # ------------------------------------------------------------------ the servers
+    def stats(self) -> list[dict]:
+        """Each live data server's counters: ``server`` (its index), batches prepared, cache
+        hits, misses, samples, bytes."""
+        return region_peer.wait([p.call_async("stats") for d, p in enumerate(self.peers)
+                                 if d not in self.lost])
+
+    def close(self) -> None:
+        """Disconnects from the data servers (they end when every worker has)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._active is not None:
+            self._active.stop()
+        for peer in getattr(self, "peers", []):
+            peer.close()
+        if hasattr(self, "endpoint"):
+            self.endpoint.close()
+
+
+def _ids(arrays: list[np.ndarray]) -> list[int]:
+    return np.concatenate(arrays).tolist() if arrays else []
+
+
+class _Epoch:
+    """One epoch's iterator on a worker: the fetch thread and the delivered batches."""
+
+    def __init__(self, loader: Loader, epoch: int, work: list[tuple[Batch, int]],
+                 orphans: list[Batch]):
+        self.loader, self.epoch = loader, epoch
+        self.work, self.orphans = collections.deque(work), orphans
+        self.delivered: list[np.ndarray] = []
+        self.in_hand: np.ndarray | None = None
+        self.ids: np.ndarray | None = None  # the sample ids of the batch last yielded
+        self._queue: queue.Queue = queue.Queue(maxsize=loader.prefetch)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._fetch, daemon=True,
+                                        name="gradsync-data-fetch")
+        self._thread.start()
+
+    def _fetch(self) -> None:
+        """Takes this worker's batches in plan order, each into a fresh buffer.
+
+        The batches of a data server lost on the way (or before the epoch) are set aside and,
+        once the live servers' batches are all taken, handed to the live servers and taken
+        from them: so each server's stream is always taken in the order it was queued."""
+        loader = self.loader
+        try:
+            while self.work or self.orphans:
+                if not self.work:
+                    self.work.extend(loader._adopt(self.epoch, self.orphans))
+                    self.orphans = []
+                batch, s = self.work.popleft()
+                if s in loader.lost:
+                    self.orphans.append(batch)
+                    continue
+                try:
+                    buf = self._take(batch, s)
+                except PeerLostError as exc:
+                    loader._lose(s, exc)
+                    self.orphans.append(batch)
+                    continue
+                if not self._put((batch, buf)):
+                    return
+            self._put(_END)
+        except BaseException as exc:  # handed to the training loop, which raises it
+            self._put(exc)
+
+    def _take(self, batch: Batch, s: int) -> np.ndarray:
+        """Batch ``batch`` from data server ``s``, read into a fresh buffer."""
+        loader = self.loader
+        info = loader.peers[s].call("take", seq=loader._seq[s])
+        loader._seq[s] += 1
+        if info["index"] != batch.index or info["epoch"] != self.epoch:
+            raise RuntimeError(f"data server {s} sent batch {info['index']} of epoch "
+                               f"{info['epoch']} where the plan has batch {batch.index} of "
+                               f"epoch {self.epoch}")
+        buf = np.empty(info["nbytes"], dtype=np.uint8)
+        loader.slots[s].read(buf, info["slot"] * loader.slot_bytes)
+        return buf
+
+    def _put(self, item) -> bool:
+        while not self._stopping:
+            try:
+                self._queue.put(item, timeout=0.5)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self):
+        return self
+
+    def acknowledge(self) -> None:
+        """The batch in hand is delivered (the loop finished with it)."""
+        if self.in_hand is not None:
+            self.delivered.append(self.in_hand)
+            self.in_hand = None
+
+    def __next__(self):
+        self.acknowledge()
+        item = self._queue.get()
+        if item is _END:
+            self.loader._ended(self)
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self.stop()
+            raise item
+        batch, buf = item
+        self.in_hand = self.ids = batch.ids
+        return self.loader.layout.unpack(buf, len(batch.ids))
+
+    def stop(self) -> None:
+        self._stopping = True

@@ -1,0 +1,355 @@
+"""A data server: prepares its share of each epoch's batches into slots the workers read.
+
+A job started with ``GRADSYNC_DATA_SERVERS=D`` (``gradsync run -np W --data-servers D``) has its
+last D ranks serve data: the ``gradsync.data.Loader(...)`` call on such a rank builds a
+``DataServer`` around the user's dataset and transform and serves until every worker has
+disconnected, then ends the process.
+
+Vocabulary. A *stream* is what this server sends one worker: the worker's batches that this
+server prepares (``plan.py``), epoch after epoch, numbered by a *sequence number* that only
+grows. Each stream has ``prefetch`` *slots*, one region in shared memory set up once at the
+worker's ``hello`` (``slots.<worker>``, ``prefetch * slot_bytes`` bytes; ``transport/regions.py``
+lets a same-host worker copy from it directly and a remote one read it over TCP). Item ``k``
+of a stream lies in slot ``k % prefetch``.
+
+A step, seen from worker w:
+
+1. ``start(epoch, done)``: w's batches of the epoch on this server join the end of w's stream.
+2. The producer thread prepares items ahead of w, as long as w has *credit*: item ``k`` may be
+   written only when w has released item ``k - prefetch`` (the slot's previous item). So a
+   server runs at most ``prefetch`` batches ahead of each worker, and a slow worker holds back
+   only its own stream.
+3. ``take(seq)``: waits until item ``seq`` is ready and answers where it is (slot, bytes) and
+   what it holds (its index in the epoch, its sample ids). Asking for ``seq`` also releases
+   every item before it: the worker reads item ``seq - 1`` before asking for ``seq``, so its
+   slot is free again. That release is the credit.
+4. The worker reads the slot's bytes straight into the buffer its tensors will view.
+
+Preparing a sample: the decoded sample comes from the cache (``cache.py``) or from
+``dataset[i]`` (and then goes into the cache while the budget lasts); the transform is then
+applied with a generator seeded by (seed, epoch, sample id), so that augmentation is random
+across epochs but the same for a seed whatever the number of servers, workers or cache hits.
+
+Failures: a sample that the dataset or transform cannot prepare fails every later ``take``
+with an error naming it (the workers raise it). A worker whose connection ends is done with
+this server; the server ends when every worker has connected and gone. What a lost worker's
+unread batches become is not handled yet (docs/data.md, "Not done yet"). When another data
+server is lost, each worker hands the batches it has not received from it to the servers
+left (``start`` with ``items``): they join the end of that worker's stream here like any
+other, decoded from the dataset (this server's cache keeps them only while its budget lasts).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+
+import numpy as np
+
+from ..errors import CollectiveMismatchError, GradsyncError, GradsyncTimeoutError
+from ..transport.regions import Endpoint
+from .cache import Cache
+from .layout import Layout, leaves_of
+from .plan import Batch, plan, unpack_mask, worker_batches
+
+__all__ = ["Source", "DataServer", "serve"]
+
+log = logging.getLogger("gradsync.data")
+
+
+class Source:
+    """The user's dataset and transform, behind the cache: what prepares one sample.
+
+    Args:
+        dataset: supports ``len()`` and ``dataset[i]`` (a map-style torch ``Dataset``).
+        transform: ``transform(sample, rng)`` returns the sample to serve; ``rng`` is a
+            ``numpy.random.Generator`` seeded by (seed, epoch, sample id). None: as decoded.
+        seed: the job's data seed.
+        cache: where decoded samples are kept between epochs.
+    """
+
+    def __init__(self, dataset, transform, seed: int, cache: Cache):
+        self.dataset, self.transform, self.seed, self.cache = dataset, transform, seed, cache
+
+    def decoded(self, sample_id: int):
+        """``dataset[sample_id]``, from the cache when it is there."""
+        sample = self.cache.get(sample_id)
+        if sample is None:
+            sample = self.dataset[sample_id]
+            self.cache.put(sample_id, sample, sum(leaf.nbytes for leaf in leaves_of(sample)))
+        return sample
+
+    def prepared(self, sample, sample_id: int, epoch: int) -> list[np.ndarray]:
+        """The leaves of the transformed sample."""
+        if self.transform is not None:
+            rng = np.random.default_rng([self.seed, epoch, sample_id])
+            sample = self.transform(sample, rng)
+        return leaves_of(sample)
+
+    def layout(self) -> Layout:
+        """The layout of sample 0 as served in epoch 0 (every sample must match it)."""
+        return Layout.of(self.transform(self.dataset[0], np.random.default_rng([self.seed, 0, 0]))
+                         if self.transform is not None else self.dataset[0])
+
+
+class _Stream:
+    """One worker's batches from this server, and its slots."""
+
+    def __init__(self, slots: np.ndarray, prefetch: int):
+        self.slots, self.prefetch = slots, prefetch
+        self.items: list[tuple[int, Batch]] = []   # (epoch, batch) by sequence number
+        self.nbytes: list[int] = []                # bytes written, by sequence number
+        self.produced = 0    # items written into slots
+        self.released = 0    # items the worker has finished reading
+        self.busy = False    # the producer is writing item ``produced``
+        self.gone = False
+
+    def can_produce(self) -> bool:
+        return (not self.busy and not self.gone and self.produced < len(self.items)
+                and self.produced - self.released < self.prefetch)
+
+
+class DataServer:
+    """One data server of a job.
+
+    Args:
+        index: this server's index, 0 .. servers-1.
+        servers, workers: how many of each the job has.
+        endpoint: this server's region endpoint (workers connect to it).
+        source: the dataset, transform and cache.
+        batch_size, seed: as the ``Loader`` was built (workers must agree).
+        timeout: seconds a ``take`` may wait for its batch.
+    """
+
+    def __init__(self, index: int, servers: int, workers: int, endpoint: Endpoint,
+                 source: Source, batch_size: int, seed: int, timeout: float = 300.0):
+        self.index, self.servers, self.workers = index, servers, workers
+        self.endpoint, self.source, self.timeout = endpoint, source, timeout
+        self.batch_size, self.seed = batch_size, seed
+        self.samples = len(source.dataset)
+        if self.samples < 1:
+            raise ValueError("the dataset is empty")
+        self.layout = source.layout()
+        self.slot_bytes = max(1, batch_size * self.layout.sample_bytes)
+        self.streams: dict[int, _Stream] = {}
+        self.failure: str | None = None
+        self.batches_served = 0
+        self._plans: dict[int, tuple[str, list[Batch]]] = {}  # epoch -> (done digest, plan)
+        self._seen: set[int] = set()
+        self._started: set[int] = set()
+        self._cv = threading.Condition()
+        self._stop = False
+        self.done = threading.Event()
+        for method in ("hello", "start", "take", "stats"):
+            endpoint.on_call(method, getattr(self, "_" + method))
+        endpoint.on_disconnect(self._disconnected)
+        self._producer = threading.Thread(target=self._produce, daemon=True,
+                                          name=f"gradsync-data-server{index}")
+        self._producer.start()
+
+    # ------------------------------------------------------------------ control methods
+    def _hello(self, worker: int, args: dict) -> dict:
+        mine = {"batch_size": self.batch_size, "seed": self.seed, "samples": self.samples}
+        theirs = {k: args.get(k) for k in mine}
+        if theirs != mine:
+            diff = sorted(k for k in mine if mine[k] != theirs[k])
+            raise CollectiveMismatchError(
+                f"worker {worker}'s Loader differs from data server {self.index}'s in "
+                f"{', '.join(diff)} (worker: { {k: theirs[k] for k in diff} }, server: "
+                f"{ {k: mine[k] for k in diff} }): every rank must build the same Loader")
+        prefetch = int(args["prefetch"])
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        with self._cv:
+            if worker in self.streams:
+                raise ValueError(f"worker {worker} said hello twice to data server {self.index}")
+            slots = self.endpoint.allocate(f"slots.{worker}", (prefetch, self.slot_bytes),
+                                           np.uint8)
+            self.streams[worker] = _Stream(slots, prefetch)
+            self._seen.add(worker)
+        return {"layout": self.layout.describe(), "slot_bytes": self.slot_bytes,
+                "server": self.index}
+
+    def _start(self, worker: int, args: dict) -> dict:
+        """Appends ``worker``'s batches of ``args["epoch"]`` on this server to its stream: its
+        share of the plan, or ``args["items"]`` (``[[index, [ids]], ...]``), batches of a lost
+        data server that the worker hands to this one."""
+        epoch, done = int(args["epoch"]), args.get("done")
+        if args.get("items") is not None:
+            adopted = [Batch(int(g), self.index, worker, np.asarray(ids, dtype=np.int64))
+                       for g, ids in args["items"]]
+            if any(len(b.ids) == 0 or b.ids.min() < 0 or b.ids.max() >= self.samples
+                   for b in adopted):
+                raise ValueError(f"worker {worker} handed data server {self.index} a batch "
+                                 f"with sample ids outside 0 .. {self.samples - 1}")
+            with self._cv:
+                stream = self._stream(worker)
+                stream.items.extend((epoch, b) for b in adopted)
+                stream.nbytes.extend([0] * len(adopted))
+                self._cv.notify_all()
+            return {"batches": len(adopted)}
+        digest = hashlib.sha256((done or "").encode()).hexdigest()[:16]
+        with self._cv:
+            stream = self._stream(worker)
+            known = self._plans.get(epoch)
+            if known is not None and known[0] != digest:
+                raise CollectiveMismatchError(
+                    f"worker {worker} started epoch {epoch} from another state than an earlier "
+                    "worker did: every worker must load the same state_dict")
+            if known is None:
+                mask = unpack_mask(done, self.samples) if done else None
+                known = (digest, plan(self.samples, self.batch_size, self.seed, epoch,
+                                      self.servers, self.workers, mask))
+                self._plans = {e: p for e, p in self._plans.items() if e >= epoch - 1}
+                self._plans[epoch] = known
+            mine = worker_batches(known[1], worker, self.index)
+            stream.items.extend((epoch, b) for b in mine)
+            stream.nbytes.extend([0] * len(mine))
+            self._started.add(worker)
+            if len(self._started) == self.workers:
+                # Every worker mapped its slots (right after its hello, before any start):
+                # the names can go, so a crash from here on leaves nothing in /dev/shm.
+                self.endpoint.unlink_segments()
+            self._cv.notify_all()
+            return {"batches": len(mine)}
+
+    def _take(self, worker: int, args: dict) -> dict:
+        seq = int(args["seq"])
+        end = time.monotonic() + self.timeout * 0.9  # answer before the worker's socket gives up
+        with self._cv:
+            stream = self._stream(worker)
+            if not stream.released <= seq < len(stream.items):
+                raise ValueError(f"worker {worker} asked data server {self.index} for item "
+                                 f"{seq}; its stream holds items {stream.released} .. "
+                                 f"{len(stream.items) - 1}")
+            stream.released = seq  # every earlier item has been read: its slot is free
+            self._cv.notify_all()
+            while stream.produced <= seq:
+                if self.failure is not None:
+                    raise GradsyncError(self.failure)
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise GradsyncTimeoutError(f"data server {self.index} did not prepare "
+                                               f"worker {worker}'s item {seq} within "
+                                               f"{self.timeout * 0.9:.0f}s")
+                self._cv.wait(min(left, 1.0))
+            epoch, batch = stream.items[seq]
+            return {"slot": seq % stream.prefetch, "nbytes": stream.nbytes[seq],
+                    "epoch": epoch, "index": batch.index, "ids": batch.ids.tolist()}
+
+    def _stats(self, worker: int, args: dict) -> dict:
+        with self._cv:
+            served = self.batches_served
+        return {"server": self.index, "batches": served, **self.source.cache.counters()}
+
+    def _stream(self, worker: int) -> _Stream:
+        stream = self.streams.get(worker)
+        if stream is None:
+            raise ValueError(f"worker {worker} did not say hello to data server {self.index}")
+        return stream
+
+    # ------------------------------------------------------------------ the producer
+    def _produce(self) -> None:
+        """Writes items into free slots, taking the workers in turn."""
+        turn = 0
+        while True:
+            with self._cv:
+                while True:
+                    if self._stop:
+                        return
+                    ready = sorted(w for w, s in self.streams.items() if s.can_produce())
+                    if ready:
+                        break
+                    self._cv.wait(1.0)
+                # The next worker in turn after the last one served: no stream starves.
+                worker = next((w for w in ready if w >= turn), ready[0])
+                turn = worker + 1
+                stream = self.streams[worker]
+                stream.busy = True
+                seq = stream.produced
+                epoch, batch = stream.items[seq]
+            try:
+                nbytes = self._prepare(batch, epoch, stream.slots[seq % stream.prefetch])
+            except Exception as exc:  # the user's dataset or transform: tell every worker
+                log.exception("data server %d: batch %d of epoch %d failed", self.index,
+                              batch.index, epoch)
+                with self._cv:
+                    self.failure = (f"data server {self.index} could not prepare batch "
+                                    f"{batch.index} of epoch {epoch}: {type(exc).__name__}: "
+                                    f"{exc}")
+                    stream.busy = False
+                    self._stop = True
+                    self._cv.notify_all()
+                return
+            with self._cv:
+                stream.nbytes[seq] = nbytes
+                stream.produced += 1
+                stream.busy = False
+                self.batches_served += 1
+                self._cv.notify_all()
+
+    def _prepare(self, batch: Batch, epoch: int, slot: np.ndarray) -> int:
+        """Prepares ``batch``'s samples into ``slot``; returns the bytes written."""
+        samples = []
+        for sample_id in batch.ids.tolist():
+            leaves = self.source.prepared(self.source.decoded(sample_id), sample_id, epoch)
+            self.layout.check(leaves, sample_id)
+            samples.append(leaves)
+        return self.layout.pack(samples, slot)
+
+    # ------------------------------------------------------------------ ending
+    def _disconnected(self, worker: int, error) -> None:
+        with self._cv:
+            stream = self.streams.get(worker)
+            if stream is not None:
+                stream.gone = True
+            self._seen.add(worker)
+            if error is not None:
+                log.warning("data server %d lost worker %d: %s", self.index, worker, error)
+            if len(self._seen) >= self.workers and all(
+                    s.gone for s in self.streams.values()):
+                self._stop = True
+                self._cv.notify_all()
+                self.done.set()
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._producer.join(self.timeout)
+
+
+def serve(config, env, source: Source, batch_size: int, seed: int) -> int:
+    """Runs this rank's data server until every worker is done; returns an exit status."""
+    from ..rendezvous import Store
+    from ..world import listen_addr
+
+    index = env.data_server_rank
+    store = Store(env.store_addr, env.store_port, env.store_is_server, env.job_id,
+                  config.connect_timeout, env.size)
+    secret = env.secret or store.read_secret()  # worker 0 (rank 0) makes it in init()
+    endpoint = Endpoint(env.rank, env.hostname, secret, f"{env.job_id}.data",
+                        addr=listen_addr(config, env), expect=set(range(env.workers)),
+                        timeout=config.timeout, direct=config.transport != "tcp",
+                        label=f"data server {index} (rank {env.rank})")
+    server = None
+    try:
+        server = DataServer(index, env.data_servers, env.workers, endpoint, source,
+                            batch_size, seed, config.timeout)
+        store.set(f"data/server/{index}", json.dumps({"addr": endpoint.addr,
+                                                      "port": endpoint.port}))
+        while not server.done.wait(1.0):
+            record = store.read_abort()
+            if record is not None:
+                raise GradsyncError(f"rank {record['rank']} failed: {record['message']}")
+        return 1 if server.failure else 0
+    except (GradsyncError, ValueError, TypeError) as exc:
+        log.error("data server %d: %s", index, exc)
+        return 1
+    finally:
+        if server is not None:
+            server.close()
+        endpoint.close()

@@ -1,0 +1,107 @@
+"""Data-server checks, one scenario per run: ``data_check.py SCENARIO DIR [ARGS]``.
+
+Every rank runs this script; data-server ranks serve inside ``gradsync.data.Loader`` and exit.
+The dataset's sample i is ``{"x": [i, i, i], "id": i}`` and the transform adds a number drawn
+from its generator, so a worker can check every value it receives against the closed form
+(``expected``): the sample's id, and an augmentation that differs between epochs. Each worker
+writes what it received, in order, to ``DIR/<tag>-<rank>.json`` as ``{epoch: [ids]}``; the test
+checks them (tests/test_data_multiprocess.py).
+
+    count DIR EPOCHS         EPOCHS whole epochs, the first loop left with break after 2
+                             batches and entered again; worker 0 writes the servers' counters
+    stop DIR STEPS           STEPS batches of epoch 0, then state_dict(), saved by worker 0
+    resume DIR EPOCHS        loads DIR/state.json and runs to the end of epoch EPOCHS - 1
+    killserver DIR EPOCHS    as count, but worker 0 SIGKILLs data server 0 after 5 batches
+"""
+
+import common  # noqa: F401  (deadline)
+
+import json
+import os
+import signal
+import sys
+
+import numpy as np
+import torch
+
+import gradsync as gs
+import gradsync.data
+
+SAMPLES = int(os.environ.get("GS_DATA_SAMPLES", "103"))
+BATCH = int(os.environ.get("GS_DATA_BATCH", "4"))
+SEED = int(os.environ.get("GS_DATA_SEED", "7"))
+
+
+class Numbers:
+    def __len__(self):
+        return SAMPLES
+
+    def __getitem__(self, i):
+        return {"x": np.full(3, i, np.float32), "id": i}
+
+
+def augment(sample, rng):
+    return {"x": sample["x"] + np.float32(rng.integers(0, 1000)), "id": sample["id"]}
+
+
+def expected(ids, epoch):
+    bump = [np.random.default_rng([SEED, epoch, i]).integers(0, 1000) for i in ids]
+    return np.repeat((np.asarray(ids) + np.asarray(bump, dtype=np.float32))[:, None], 3, 1)
+
+
+def receive(loader, batch, seen):
+    ids = batch["id"].tolist()
+    assert ids == loader.ids.tolist(), (ids, loader.ids)
+    assert batch["x"].dtype == torch.float32 and batch["x"].shape == (len(ids), 3)
+    np.testing.assert_array_equal(batch["x"].numpy(), expected(ids, loader._active.epoch))
+    seen.setdefault(str(loader._active.epoch), []).extend(ids)
+
+
+def write(directory, tag, seen):
+    with open(os.path.join(directory, f"{tag}-{gs.rank()}.json"), "w") as f:
+        json.dump(seen, f)
+
+
+def main():
+    scenario, directory = sys.argv[1], sys.argv[2]
+    arg = int(sys.argv[3])
+    loader = gradsync.data.Loader(Numbers(), batch_size=BATCH, transform=augment, seed=SEED)
+    seen: dict = {}
+    if scenario in ("count", "killserver"):
+        received = 0
+        while loader.epoch < arg:
+            for batch in loader:  # after the break below: the same epoch, where it stopped
+                receive(loader, batch, seen)
+                received += 1
+                if scenario == "killserver" and gs.rank() == 0 and received == 5:
+                    os.kill(loader.peers[0].pid, signal.SIGKILL)
+                if received == 2:
+                    break
+        write(directory, scenario, seen)
+        gs.barrier()  # every batch of every worker has been taken, so prepared
+        if gs.rank() == 0:
+            with open(os.path.join(directory, "stats.json"), "w") as f:
+                json.dump(loader.stats(), f)
+    elif scenario == "stop":
+        it = iter(loader)
+        for _ in range(arg):
+            receive(loader, next(it), seen)
+        state = loader.state_dict()
+        write(directory, "stop", seen)
+        if gs.rank() == 0:
+            with open(os.path.join(directory, "state.json"), "w") as f:
+                json.dump(state, f)
+    elif scenario == "resume":
+        with open(os.path.join(directory, "state.json")) as f:
+            loader.load_state_dict(json.load(f))
+        while loader.epoch < arg:
+            for batch in loader:
+                receive(loader, batch, seen)
+        write(directory, "resume", seen)
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+    loader.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""examples/data_servers.py through the real launcher: trains to its target, served from the
+data servers' cache after the first epoch.
+
+Two workers and one data server (three processes on two cores), four epochs, target 0.9: runs
+by hand end at 0.936-0.956, so the margin is for loaded machines.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from harness import launch
+
+pytestmark = pytest.mark.multiprocess
+
+EXAMPLE = str(Path(__file__).resolve().parent.parent / "examples" / "data_servers.py")
+TRAIN_IMAGES = 1437  # 80% of scikit-learn's 1,797 digits
+
+
+def test_the_example_trains_on_batches_from_the_data_servers_cache():
+    r = launch(2, EXAMPLE, "--epochs", "4", "--target", "0.9", timeout=180,
+               launcher_args=("--data-servers", "1"))
+    assert r.returncode == 0, str(r)
+    accuracy = [float(a) for a in re.findall(r"final test accuracy ([0-9.]+)", r.output)]
+    assert len(accuracy) == 1 and accuracy[0] >= 0.9, r.output
+    server = re.search(r"data server 0: batches (\d+) cache hits (\d+) misses (\d+)", r.output)
+    assert server, r.output
+    batches, hits, misses = map(int, server.groups())
+    assert misses == TRAIN_IMAGES and hits == 3 * TRAIN_IMAGES
+    assert batches == 4 * -(-TRAIN_IMAGES // 32)

@@ -1,0 +1,102 @@
+"""Data servers through the real launcher: exactly once, the seeded order, cache hits, resume.
+
+The rank side is tests/ranks/data_check.py: every worker checks each value it receives
+against the closed form (the sample's id plus its augmentation for the epoch) and writes the
+sample ids it received, in order, to a file; these tests then check the files against the plan
+(``gradsync.data.plan``), which is the reference for the order.
+"""
+
+import json
+
+import pytest
+
+from gradsync.data import plan as P
+
+import harness
+
+SAMPLES, BATCH, SEED = 103, 4, 7
+
+
+def _run(workers, servers, scenario, directory, arg, timeout=120, env=None):
+    r = harness.launch(workers, "data_check.py", scenario, str(directory), str(arg),
+                       timeout=timeout, env=env,
+                       launcher_args=("--data-servers", str(servers)))
+    assert r.returncode == 0, str(r)
+    return r
+
+
+def _received(directory, tag, workers):
+    return [json.loads((directory / f"{tag}-{w}.json").read_text()) for w in range(workers)]
+
+
+def _planned(epoch, servers, workers, worker, done=None):
+    batches = P.worker_batches(P.plan(SAMPLES, BATCH, SEED, epoch, servers, workers, done),
+                               worker)
+    return [i for b in batches for i in b.ids.tolist()]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("workers, servers", [(1, 1), (2, 3), pytest.param(3, 2, marks=[
+    pytest.mark.slow]), (4, 1)])
+def test_every_sample_reaches_exactly_one_worker_in_the_seeded_order(tmp_path, workers,
+                                                                     servers):
+    _run(workers, servers, "count", tmp_path, 2)
+    got = _received(tmp_path, "count", workers)
+    for epoch in (0, 1):
+        ids = [i for w in got for i in w[str(epoch)]]
+        assert sorted(ids) == list(range(SAMPLES)), f"epoch {epoch}"
+        for w in range(workers):
+            assert got[w][str(epoch)] == _planned(epoch, servers, workers, w)
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert [s["server"] for s in stats] == list(range(servers))
+    # Epoch 0 decoded each sample once, on its own server; epoch 1 was served from the cache.
+    assert sum(s["misses"] for s in stats) == SAMPLES
+    assert sum(s["hits"] for s in stats) == SAMPLES
+    assert [s["samples"] for s in stats] == [len(range(d, SAMPLES, servers))
+                                             for d in range(servers)]
+
+
+@pytest.mark.multiprocess
+def test_batches_read_over_tcp_arrive_exactly_once_as_over_shared_memory(tmp_path):
+    # GRADSYNC_TRANSPORT=tcp: the workers read the slots through the servers' region
+    # connections (the road between hosts) instead of mapping them.
+    _run(2, 2, "count", tmp_path, 2, env={"GRADSYNC_TRANSPORT": "tcp"})
+    got = _received(tmp_path, "count", 2)
+    for epoch in (0, 1):
+        assert sorted(i for w in got for i in w[str(epoch)]) == list(range(SAMPLES))
+        for w in range(2):
+            assert got[w][str(epoch)] == _planned(epoch, 2, 2, w)
+
+
+@pytest.mark.multiprocess
+def test_a_resumed_job_continues_the_epoch_without_repeats_on_other_counts(tmp_path):
+    _run(3, 1, "stop", tmp_path, 3)
+    state = json.loads((tmp_path / "state.json").read_text())
+    assert state["epoch"] == 0 and state["done"]
+    stopped = _received(tmp_path, "stop", 3)
+    first = [i for w in stopped for i in w["0"]]
+    assert len(first) == 3 * 3 * BATCH and len(set(first)) == len(first)
+    # Another job, with 2 workers and 3 data servers, finishes epoch 0 and runs epoch 1.
+    _run(2, 3, "resume", tmp_path, 2)
+    resumed = _received(tmp_path, "resume", 2)
+    rest = [i for w in resumed for i in w["0"]]
+    assert sorted(first + rest) == list(range(SAMPLES))
+    done = P.unpack_mask(state["done"], SAMPLES)
+    for w in range(2):
+        assert resumed[w]["0"] == _planned(0, 3, 2, w, done)
+        assert resumed[w]["1"] == _planned(1, 3, 2, w)
+
+
+@pytest.mark.multiprocess
+def test_a_killed_data_servers_share_is_served_by_the_others_exactly_once(tmp_path):
+    r = harness.launch(3, "data_check.py", "killserver", str(tmp_path), "2", timeout=120,
+                       launcher_args=("--data-servers", "3"))
+    # The job runs to its end; its status is the killed server's (128 + SIGKILL).
+    assert r.returncode == 137, str(r)
+    assert "rank 3 (data server 0)" in r.output and "the job ran to its end" in r.output, str(r)
+    got = _received(tmp_path, "killserver", 3)
+    for epoch in (0, 1):
+        ids = [i for w in got for i in w[str(epoch)]]
+        assert sorted(ids) == list(range(SAMPLES)), f"epoch {epoch}"
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert [s["server"] for s in stats] == [1, 2]  # the live ones
