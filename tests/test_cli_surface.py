@@ -9,7 +9,8 @@ import pytest
 from gradsync.run import cli
 
 RUN_OPTIONS = [
-    "--bind-to", "--blacklist-cooldown", "--blacklist-cooldown-range", "--elastic-timeout",
+    "--bind-to", "--blacklist-cooldown", "--blacklist-cooldown-range", "--data-servers",
+    "--elastic-timeout",
     "--fusion-threshold-mb", "--help", "--host-discovery-script", "--hostfile", "--hosts",
     "--log-level", "--max-np", "--min-np", "--network-interface", "--no-output-prefix",
     "--num-proc", "--output-filename", "--output-prefix", "--reset-limit", "--servers",
