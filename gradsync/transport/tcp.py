@@ -495,6 +495,7 @@ class Listener:
 
     Attributes:
         rejected: connections dropped (garbage, wrong secret, unexpected rank).
+        busy: connections answered busy (both ends of a pair dialed at once).
         first: the route made from ``job``, or None.
     """
 
@@ -505,7 +506,7 @@ class Listener:
         self._cond = threading.Condition()
         self._routes: dict[bytes, Route] = {}
         self._closed = False
-        self.rejected = 0
+        self.rejected = self.busy = 0
         self.sock = socket.create_server((addr, 0), backlog=128)
         self.port = self.sock.getsockname()[1]
         self.first = None if job is None else self.route(job, rank, expect, on_accept)
@@ -562,6 +563,7 @@ class Listener:
                     if self._closed:
                         raise AuthenticationError(f"connection from rank {peer} after close")
                     # Busy: this rank is dialing the peer, and its connection is the one kept.
+                    self.busy += 1
                     _send_frame(sock, frame.Kind.REJECT,
                                 _mac(self.secret, b"busy", route.job, nonce_c, me))
                     sock.close()
