@@ -252,7 +252,8 @@ class World:
             # Listening before the entry is posted: a peer that reads it may dial at once.
             listener = tcp.Listener(addr, env.rank, secret, None)
             try:
-                entry = json.dumps([env.hostname, addr, listener.port, os.getpid()])
+                entry = json.dumps([env.hostname, addr, listener.port, os.getpid()],
+                                   separators=(",", ":"))
                 table = store.gather_table("peers", env.rank, env.size, entry,
                                            max(1.0, deadline - time.monotonic()))
                 peers = [PeerInfo(r, *json.loads(e)) for r, e in enumerate(table)]
