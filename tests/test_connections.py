@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from gradsync.errors import AuthenticationError, PeerLostError
+from gradsync.errors import AuthenticationError, GradsyncError, PeerLostError
 from gradsync.transport import frame, tcp
 from gradsync.transport.comm import Comm
 from harness import run_ranks, spawn
@@ -203,6 +203,33 @@ def test_a_peer_that_is_gone_is_a_lost_peer_not_a_timeout(job):
         high.open(low)
     assert err.value.peer == 0
     assert time.monotonic() - start < tcp.REFUSED_GRACE + 2
+
+
+def test_a_peer_lost_after_answering_busy_is_a_lost_peer(job):
+    # The higher rank answers the lower one busy (it is dialing), then dies before its own
+    # connection arrives: the lower rank, waiting, dials again after a while and finds it gone.
+    low, high = job(2)
+    high.hold[0] = threading.Event()
+
+    def dead_dial():
+        try:
+            high.open(low)
+        except GradsyncError:
+            pass  # a dead rank's dial: whatever it meets does not matter
+
+    t = threading.Thread(target=dead_dial, daemon=True)
+    t.start()
+    time.sleep(0.1)
+    assert low.open(high) is None  # busy
+    high.listener.close()
+    start = time.monotonic()
+    with pytest.raises(PeerLostError) as err:
+        while low.open(high) is None:
+            time.sleep(0.01)
+    assert err.value.peer == 1
+    assert time.monotonic() - start < tcp.BUSY_RECHECK + tcp.REFUSED_GRACE + 2
+    high.hold[0].set()
+    t.join(15)
 
 
 def test_a_peer_lost_during_the_handshake_is_a_lost_peer():

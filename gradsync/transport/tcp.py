@@ -61,6 +61,9 @@ log = logging.getLogger("gradsync.transport.tcp")
 HANDSHAKE_TIMEOUT = 10.0
 #: Seconds a peer known to listen may refuse connections before it counts as gone.
 REFUSED_GRACE = 1.0
+#: Seconds a rank told busy waits for the peer's connection before it dials again to see
+#: whether the peer is still there (a peer lost between its busy answer and its connection).
+BUSY_RECHECK = 1.0
 _NONCE = 32
 _PROOF = struct.Struct(f"<q{_NONCE}s32s")
 _SOCKET_BUFFER = 4 << 20
@@ -383,6 +386,7 @@ class Route:
         self.expect = set(expect)
         self.on_accept = on_accept
         self.slots: dict[int, "socket.socket | str"] = {}
+        self._busy_since: dict[int, float] = {}
         self.closed = False
 
     def _admit(self, peer: int) -> bool:
@@ -415,7 +419,9 @@ class Route:
                 self.slots[peer] = _TAKEN
                 return state
             if state == _WAITING:
-                return None
+                if time.monotonic() - self._busy_since[peer] < BUSY_RECHECK:
+                    return None
+                state = None  # dial again: busy once more if the peer is alive and dialing
             if state is not None or self.closed:
                 raise PeerLostError(f"rank {self.rank}: the connection to rank {peer} is "
                                     f"closed", peer=peer)
@@ -434,6 +440,7 @@ class Route:
                     self.slots[peer] = _TAKEN
                     return state
                 self.slots[peer] = _WAITING
+                self._busy_since[peer] = time.monotonic()
                 return None
             self.slots[peer] = _DIALED
             return sock
