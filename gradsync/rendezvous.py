@@ -4,10 +4,18 @@ The store carries only small control data: each rank's address, port, host and p
 secret when no launcher provided one; barrier counters; and the job's *abort record*, the first
 failure any rank reported, which every waiting rank polls so that one rank's error ends the
 collective everywhere instead of leaving the others to hang.
+
+What a job costs the store grows with its size, so every request this process makes through a
+``Store`` view is counted by operation (``request_counts``): the scale bench and the tests read
+the counts to check that the whole rendezvous is O(N) requests for the job, not O(N^2). The
+address table is the one place that would be quadratic if done naively (every rank reading
+every rank's key); ``gather_table`` makes it one gather by rank 0 (``multi_get``) and one read
+of the published table per rank.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import secrets
 import threading
@@ -16,10 +24,33 @@ from datetime import timedelta
 
 from .errors import GradsyncTimeoutError, PeerLostError
 
-__all__ = ["Store"]
+__all__ = ["Store", "request_counts"]
 
 _ABORT = "abort"
 _BASES: dict = {}
+_COUNTS: collections.Counter = collections.Counter()
+_COUNTS_LOCK = threading.Lock()
+
+
+def request_counts() -> dict[str, int]:
+    """The store requests this process has made since it started, by operation name.
+
+    Summed over every ``Store`` view and clone of this process (the World's, its sub-worlds',
+    the heartbeat's). Names are the torch ``Store`` methods called: ``set``, ``get``, ``add``,
+    ``check``, ``compare_set``, ``multi_get``. Each counts one call; on the wire torch's
+    TCPStore turns a ``get`` into a wait then a get (two round trips) and a ``multi_get`` into
+    a wait on all its keys then one get of all of them.
+
+    Returns:
+        A new dict ``{operation: count}`` (operations never called are absent).
+    """
+    with _COUNTS_LOCK:
+        return dict(_COUNTS)
+
+
+def _count(operation: str) -> None:
+    with _COUNTS_LOCK:
+        _COUNTS[operation] += 1
 
 
 class Store:
@@ -105,10 +136,12 @@ class Store:
         return twin
 
     def set(self, key: str, value: str | bytes) -> None:
+        _count("set")
         with self._lock:
             self._store.set(key, value)
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
+        _count("get")
         with self._lock:
             self._store.set_timeout(timedelta(seconds=timeout or self.timeout))
             try:
@@ -119,11 +152,58 @@ class Store:
             finally:
                 self._store.set_timeout(timedelta(seconds=self.timeout))
 
+    def get_many(self, keys: list[str], timeout: float | None = None) -> list[bytes]:
+        """The values of ``keys``, in order, in one request (``multi_get``); waits until all
+        are set, for at most ``timeout`` (default: the store's)."""
+        multi_get = getattr(self._store, "multi_get", None)
+        if multi_get is None:  # a torch without it: one request per key
+            return [self.get(key, timeout) for key in keys]
+        _count("multi_get")
+        with self._lock:
+            self._store.set_timeout(timedelta(seconds=timeout or self.timeout))
+            try:
+                return multi_get(keys)
+            except RuntimeError as exc:
+                raise GradsyncTimeoutError(f"waiting for {len(keys)} keys ({keys[0]} ..) in "
+                                           f"the rendezvous store: {exc}") from None
+            finally:
+                self._store.set_timeout(timedelta(seconds=self.timeout))
+
+    def gather_table(self, name: str, rank: int, size: int, entry: str,
+                     timeout: float | None = None) -> list[str]:
+        """Every rank's ``entry``, in rank order, in O(1) requests per rank.
+
+        Each other rank sets its entry and counts itself in; the last to arrive says so, and
+        rank 0 then reads all the entries in one ``multi_get`` and publishes them as one key,
+        which each other rank reads: 3 requests per rank (rank 0: 3 in all), where each
+        rank reading every entry would be ``size``. Rank 0 waits through ``get`` (which a
+        subclass may make abortable), never inside the ``multi_get``.
+        Collective: every rank of the job calls it with the same ``name`` (used once).
+        The table travels as the entries joined by newlines (about 40 bytes a rank for the
+        World's entries), so an entry must hold none.
+        """
+        if "\n" in entry:
+            raise ValueError("a table entry must not contain a newline")
+        if rank != 0:
+            self.set(f"{name}/{rank}", entry)
+            if self.add(f"{name}/arrived", 1) == size - 1:
+                self.set(f"{name}/all", "1")
+            return self.get(name, timeout).decode().split("\n")
+        table = [entry]
+        if size > 1:
+            self.get(f"{name}/all", timeout)
+            table += [v.decode() for v in self.get_many([f"{name}/{r}" for r in range(1, size)],
+                                                        timeout)]
+        self.set(name, "\n".join(table))
+        return table
+
     def add(self, key: str, amount: int) -> int:
+        _count("add")
         with self._lock:
             return self._store.add(key, amount)
 
     def check(self, key: str) -> bool:
+        _count("check")
         with self._lock:
             return self._store.check([key])
 
@@ -147,6 +227,7 @@ class Store:
     def post_abort(self, record: dict) -> dict:
         """Records this failure unless another rank's came first; returns the winning one."""
         text = json.dumps(record)
+        _count("compare_set")
         with self._lock:
             current = self._store.compare_set(_ABORT, "", text)
         return json.loads(current)

@@ -1,9 +1,26 @@
 """The world: this process's view of the job once ``init()`` has connected it.
 
-``World.connect`` runs the rendezvous (addresses through the store), derives the local and
-cross ranks from the host names, connects a pair to every other rank (shared memory to ranks on
-the same host, TCP to the others, unless ``transport`` forces one) and, when every rank is on
-one host, sets up the host's shared-memory allreduce group.
+``World.connect`` runs the rendezvous, derives the local and cross ranks from the host names,
+gives every other rank a pair (shared memory to ranks on the same host, TCP to the others,
+unless ``transport`` forces one) and, when every rank is on one host, sets up the host's
+shared-memory allreduce group.
+
+What it costs grows with the job, so it is kept to what the algorithms use:
+
+- **The address table in O(N) store requests.** Every rank needs every rank's host (topology,
+  local and cross ranks) and pid (error messages), but only the addresses of the peers it
+  talks to. Each rank posts one entry; rank 0 gathers them in one request and publishes the
+  table as one key that every rank reads (``Store.gather_table``): about 3 requests per rank.
+- **TCP connections on demand.** A TCP pair holds no socket until an exchange first uses it;
+  then one end dials the other's listener (``transport/tcp.py`` says how both ends agree on
+  one connection). After an allreduce a rank holds the connections its algorithm used: 2 for
+  a ring, log2 N for recursive doubling, not N - 1.
+- **One listener per process.** A sub-world (``subworld``: the Horovod API's process sets,
+  the torch backend's point-to-point lanes) takes its members' addresses from the World it
+  is carved from and accepts on that World's listener, as a route of its own job id
+  (``tcp.Route``): it adds no listener and no store requests beyond its barrier. The
+  listener closes with the root World that made it; an elastic generation is a new root
+  World with a new listener and job id, so generations never see each other's connections.
 
 It also owns failure handling: the first rank to see a distributed error posts it as the job's
 abort record; every rank that waits polls the record (``on_idle``) and raises the same error,
@@ -13,6 +30,7 @@ so one failure ends the collective on every rank within about ``abort_poll_inter
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -117,17 +135,35 @@ def listen_addr(config: Config, env: LaunchEnv) -> str:
         probe.close()
 
 
+def _dial(peer: PeerInfo, env: LaunchEnv, secret: bytes, timeout: float, alive) -> \
+        "socket.socket | None":
+    """Connects to ``peer``'s listener for a pair made on demand (``tcp.Route.open``): the
+    socket, or None when the peer answered that it is dialing this rank itself."""
+    try:
+        return tcp.connect(peer.addr, peer.port, env.rank, peer.rank, secret, env.job_id,
+                           time.monotonic() + timeout, alive, crossing=True)
+    except GradsyncTimeoutError as exc:
+        raise GradsyncTimeoutError(f"{exc}; {firewall_hint(peer.host)}") from None
+    except PeerLostError as exc:
+        raise PeerLostError(f"{exc} [rank {peer.rank} on host {peer.host}, pid {peer.pid}]",
+                            peer=peer.rank) from None
+
+
 class World:
     """Identity, connections and failure handling of one initialised process."""
 
     def __init__(self, config: Config, env: LaunchEnv, store: Store, peers: list[PeerInfo],
-                 comm: Comm, shm_group, listener: tcp.Listener):
+                 comm: Comm, shm_group, listener: tcp.Listener,
+                 route: "tcp.Route | None" = None, owns_listener: bool = True):
         self.config, self.env, self.store = config, env, store
         self.rank, self.size = env.rank, env.size
         self.peers = peers
         self.comm = comm
         self.shm_group = shm_group
         self.listener = listener
+        """The process's listener: this World's own, or for a sub-world its root World's."""
+        self.route = route
+        self._owns_listener = owns_listener
         hosts = list(dict.fromkeys(p.host for p in peers))  # in order of first rank
         mine = [p.rank for p in peers if p.host == env.hostname]
         self.local_rank, self.local_size = mine.index(self.rank), len(mine)
@@ -158,8 +194,9 @@ class World:
     # ------------------------------------------------------------------ set-up
     @classmethod
     def connect(cls, config: Config, env: LaunchEnv, store: Store | None = None,
-                root: "tuple[str, list[int]] | None" = None) -> "World":
-        """Connects this rank to every other rank of ``env``'s job.
+                root: "tuple[str, list[int]] | None" = None,
+                members: "tuple[World, list[int]] | None" = None) -> "World":
+        """Joins this rank to ``env``'s job: a pair to every other rank, TCP ones on demand.
 
         Args:
             config: the settings.
@@ -170,6 +207,9 @@ class World:
             root: for a sub-world (``subworld``), the job id of the World at the root of its
                 tree and the root rank of each of its ranks. The root World's abort record
                 is the one the launcher watches.
+            members: for a sub-world, the World it is carved from and the ranks there of
+                its ranks: their addresses, hosts and pids and this process's listener are
+                that World's, so the sub-world exchanges no addresses and opens no listener.
         """
         if (config.shm_fast and config.transport != "tcp" and env.size > 1
                 and env.local_size in (None, env.size)):
@@ -188,7 +228,7 @@ class World:
                           config.connect_timeout, env.size)
         deadline = time.monotonic() + config.connect_timeout
         try:
-            return cls._connect(config, env, store, deadline, root)
+            return cls._connect(config, env, store, deadline, root, members)
         except GradsyncError as exc:
             # Tell the others, who would otherwise wait for this rank until their deadline.
             try:
@@ -204,20 +244,32 @@ class World:
 
     @classmethod
     def _connect(cls, config: Config, env: LaunchEnv, store: Store, deadline: float,
-                 root: "tuple[str, list[int]] | None") -> "World":
-        def alive() -> None:
-            record = store.read_abort()
-            if record is not None and record["rank"] != env.rank:
-                cls_ = _ERRORS.get(record["kind"], GradsyncError)
-                raise cls_(f"rank {record['rank']} reported: {record['message']}")
+                 root: "tuple[str, list[int]] | None",
+                 members: "tuple[World, list[int]] | None") -> "World":
+        if members is None:
+            secret = env.secret or store.shared_secret(env.rank)
+            addr = listen_addr(config, env)
+            # Listening before the entry is posted: a peer that reads it may dial at once.
+            listener = tcp.Listener(addr, env.rank, secret, None)
+            try:
+                entry = json.dumps([env.hostname, addr, listener.port, os.getpid()],
+                                   separators=(",", ":"))
+                table = store.gather_table("peers", env.rank, env.size, entry,
+                                           max(1.0, deadline - time.monotonic()))
+                peers = [PeerInfo(r, *json.loads(e)) for r, e in enumerate(table)]
+                return cls._join(config, env, store, deadline, root, peers, listener, True)
+            except BaseException:
+                listener.close()
+                raise
+        parent, ranks = members
+        peers = [dataclasses.replace(parent.peers[g], rank=i) for i, g in enumerate(ranks)]
+        return cls._join(config, env, store, deadline, root, peers, parent.listener, False)
 
-        secret = env.secret or store.shared_secret(env.rank)
-        addr = listen_addr(config, env)
-        listener = tcp.Listener(addr, env.rank, secret, env.job_id,
-                                expect=set(range(env.rank + 1, env.size)))
-        me = PeerInfo(env.rank, env.hostname, addr, listener.port, os.getpid())
-        store.set(f"peer/{env.rank}", json.dumps(me.__dict__))
-        peers = [PeerInfo(**json.loads(store.get(f"peer/{r}"))) for r in range(env.size)]
+    @classmethod
+    def _join(cls, config: Config, env: LaunchEnv, store: Store, deadline: float,
+              root: "tuple[str, list[int]] | None", peers: list[PeerInfo],
+              listener: tcp.Listener, owns_listener: bool) -> "World":
+        """The rest of ``_connect`` once the peers are known: pairs, shared memory, barrier."""
         local = {p.rank for p in peers if p.host == env.hostname} - {env.rank}
         if config.transport == "shm" and len(local) != env.size - 1:
             raise ConfigError("GRADSYNC_TRANSPORT=shm needs every rank on this host, but ranks "
@@ -228,29 +280,33 @@ class World:
         # The platform is the host's, so every rank of a host takes the same answer.
         use_shm = (set() if config.transport == "tcp" or (local and not _shm_setup.usable(config))
                    else local)
-        # Only ranks on different hosts (all of them, with transport=tcp) get a TCP
-        # connection: the higher rank of each pair connects to the lower one.
+        # Only ranks on different hosts (all of them, with transport=tcp) get a TCP pair,
+        # connected when an exchange first uses it. The route goes up before the barrier:
+        # no peer dials before every member has passed it.
         tcp_peers = set(range(env.size)) - use_shm - {env.rank}
-        pairs: dict[int, Pair] = {}
-        for peer in peers[:env.rank]:
-            if peer.rank in tcp_peers:
-                try:
-                    sock = tcp.connect(peer.addr, peer.port, env.rank, peer.rank, secret,
-                                       env.job_id, deadline, alive)
-                except GradsyncTimeoutError as exc:
-                    raise GradsyncTimeoutError(f"{exc}; {firewall_hint(peer.host)}") from None
-                pairs[peer.rank] = tcp.TcpPair(peer.rank, sock, config.tcp_splice)
-        for r, sock in listener.wait_for({r for r in tcp_peers if r > env.rank}, deadline,
-                                          alive).items():
-            pairs[r] = tcp.TcpPair(r, sock, config.tcp_splice)
-        shm_group = None
-        if use_shm:
-            pairs, shm_group = _shm_setup.connect(config, env, store, peers, pairs, use_shm,
-                                                  deadline)
-        comm = Comm(env.rank, env.size, pairs, config.timeout,
-                     segment_trials=None if config.tune_segments else 0)
-        store.barrier("connected", env.size, max(1.0, deadline - time.monotonic()))
-        world = cls(config, env, store, peers, comm, shm_group, listener)
+        route = listener.route(env.job_id, env.rank, tcp_peers)
+        try:
+            comm = None
+
+            def alive() -> None:  # while dialing: the abort record, as any wait polls it
+                comm.on_idle(0.0)
+
+            pairs: dict[int, Pair] = {
+                r: tcp.TcpPair(r, None, config.tcp_splice, functools.partial(
+                    route.open, r, functools.partial(_dial, peers[r], env, listener.secret,
+                                                     config.connect_timeout, alive)))
+                for r in sorted(tcp_peers)}
+            shm_group = None
+            if use_shm:
+                pairs, shm_group = _shm_setup.connect(config, env, store, peers, pairs, use_shm,
+                                                      deadline)
+            comm = Comm(env.rank, env.size, pairs, config.timeout,
+                        segment_trials=None if config.tune_segments else 0)
+            store.barrier("connected", env.size, max(1.0, deadline - time.monotonic()))
+        except BaseException:
+            route.close()
+            raise
+        world = cls(config, env, store, peers, comm, shm_group, listener, route, owns_listener)
         if root is not None:
             world.root = root
         if config.heartbeat_timeout and env.size > 1:
@@ -259,8 +315,8 @@ class World:
                 store, env.rank, env.size, config.heartbeat_interval, config.heartbeat_timeout,
                 lambda r: f"rank {r} on host {peers[r].host} (pid {peers[r].pid})",
                 root).start()
-        log.debug("rank %d connected: %d shm peers, %d tcp peers", env.rank, len(use_shm),
-                  env.size - 1 - len(use_shm))
+        log.debug("rank %d joined: %d shm peers, %d tcp peers on demand", env.rank,
+                  len(use_shm), len(tcp_peers))
         return world
 
     def subworld(self, ranks, name: str, base=None) -> "World":
@@ -271,7 +327,10 @@ class World:
         host, TCP between hosts), sequence numbers, progress and abort record, so its
         collectives never interleave with this World's or another sub-world's on a
         connection, and it can run at the same time as they do. Its rank ``i`` is
-        ``ranks[i]``; ``name`` must be unique among the sub-worlds of this World.
+        ``ranks[i]``; ``name`` must be unique among the sub-worlds of this World. It takes
+        its members' addresses from this World and accepts on this process's listener
+        (a route of its own job id), so it costs no listener and, beyond its barrier, no
+        store requests; its TCP connections, like this World's, are made on first use.
 
         ``base`` is the torch store to meet over (default: this World's). Sub-worlds that
         connect at the same time from several threads need one each (``store.clone()``): a
@@ -288,7 +347,8 @@ class World:
                            self.config.connect_timeout)
         root_job, root_ranks = self.root
         return World.connect(self.config, env, store,
-                             root=(root_job, [root_ranks[r] for r in ranks]))
+                             root=(root_job, [root_ranks[r] for r in ranks]),
+                             members=(self, ranks))
 
     # ------------------------------------------------------------------ failures
     def on_idle(self, waited: float) -> None:
@@ -397,4 +457,7 @@ class World:
         self.comm.close()
         if self.shm_group is not None:
             self.shm_group.close()
-        self.listener.close()
+        if self.route is not None:
+            self.route.close()
+        if self._owns_listener:  # a root World: its sub-worlds' routes close with it
+            self.listener.close()

@@ -137,8 +137,12 @@ class Pair:
     """This rank's connection to one peer. Subclasses: ``TcpPair``, ``ShmPair``."""
 
     peer: int
-    #: A selectable file descriptor, or -1 when the pair must be polled (shared memory).
+    #: A selectable file descriptor, or -1 when the pair must be polled (shared memory, or a
+    #: TCP pair not connected yet).
     fileno: int = -1
+    #: Whether the pair is a network socket (TCP), connected yet or not: what decides the
+    #: socket-only choices (segment trials, lending), where ``fileno`` says how to wait now.
+    is_socket: bool = False
     #: Whether ``Send`` ops with an ``address`` go out by reference (then acknowledged).
     lends: bool = False
 

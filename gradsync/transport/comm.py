@@ -102,7 +102,7 @@ class Comm:
         ranks = tuple(range(self.size)) if ranks is None else tuple(ranks)
         pairs = self.pairs
         return self.tuning.segments(ranks, chunk_bytes, nbytes, lambda: any(
-            pairs[r].fileno >= 0 for r in ranks if r != self.rank))
+            pairs[r].is_socket for r in ranks if r != self.rank))
 
     def begin(self, description: str, check: bool = True) -> None:
         """Starts the next collective. Every rank must call it with the same description."""

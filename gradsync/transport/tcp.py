@@ -18,6 +18,23 @@ After the handshake the socket is switched to non-blocking mode and driven by ``
 array, so a tensor is never pickled or copied through a temporary buffer. A frame the caller
 lent (``Comm.exchange(lend=True)``) skips the sender's copy too: its pages go into the socket by
 reference (``splice.py``) and come back acknowledged (``TcpPair``).
+
+Connections on demand. A job of N ranks needs only the connections its algorithms use (a ring
+2 per rank, recursive doubling log2 N), so a ``TcpPair`` may start with no socket and an
+*opener* that makes one on its first use by any exchange. Either end may need the pair first,
+and both may at once, so either end *dials* (blocking connect and handshake, which needs only
+the peer's listener thread, never its main thread) and the ends agree on one connection:
+
+- this end takes a connection the peer already made to its listener, if there is one;
+- otherwise it dials; the peer's listener welcomes it unless the peer is dialing this end at
+  the same moment and is the higher rank: then it answers *busy* (a REJECT frame carrying
+  HMAC(secret, "busy" | job | nonce_c | acceptor rank), so that only a holder of the secret
+  can send it) and this end waits, without blocking, for the higher rank's connection, which
+  its own listener always welcomes.
+
+A process has one ``Listener``; each World on it (the job's, and every sub-world's) is a
+``Route`` on it, found by the job id that every PROOF's HMAC binds: a connection proven for no
+route's job is dropped as a wrong secret.
 """
 
 from __future__ import annotations
@@ -37,11 +54,16 @@ from . import frame
 from . import splice as _splice
 from .base import Pair, Recv, Send, Settle
 
-__all__ = ["TcpPair", "Listener", "connect", "HANDSHAKE_TIMEOUT"]
+__all__ = ["TcpPair", "Listener", "Route", "connect", "HANDSHAKE_TIMEOUT", "REFUSED_GRACE"]
 
 log = logging.getLogger("gradsync.transport.tcp")
 
 HANDSHAKE_TIMEOUT = 10.0
+#: Seconds a peer known to listen may refuse connections before it counts as gone.
+REFUSED_GRACE = 1.0
+#: Seconds a rank told busy waits for the peer's connection before it dials again to see
+#: whether the peer is still there (a peer lost between its busy answer and its connection).
+BUSY_RECHECK = 1.0
 _NONCE = 32
 _PROOF = struct.Struct(f"<q{_NONCE}s32s")
 _SOCKET_BUFFER = 4 << 20
@@ -80,13 +102,17 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def _recv_frame(sock: socket.socket, *kinds: int) -> bytes:
+    return _recv_frame_kind(sock, *kinds)[1]
+
+
+def _recv_frame_kind(sock: socket.socket, *kinds: int) -> tuple[int, bytes]:
     header = frame.unpack(_recv_exact(sock, frame.HEADER_SIZE))
     if header.kind not in kinds:
         raise ProtocolError(f"handshake frame of kind {header.kind}, expected one of {kinds}")
     if header.length > frame.MAX_CONTROL_PAYLOAD:
         raise ProtocolError(f"handshake frame claims {header.length} bytes (limit "
                             f"{frame.MAX_CONTROL_PAYLOAD})")
-    return _recv_exact(sock, header.length)
+    return header.kind, _recv_exact(sock, header.length)
 
 
 class TcpPair(Pair):
@@ -94,9 +120,15 @@ class TcpPair(Pair):
 
     Args:
         peer: the rank at the other end.
-        sock: the connected socket, after the handshake.
+        sock: the connected socket, after the handshake; None for a pair connected on demand.
         splice: send lent frames by reference (``splice.py``) where the platform allows;
             false copies every frame (``GRADSYNC_TCP_SPLICE=0``).
+        opener: for a pair without ``sock``: called on each advance until it returns the
+            connected socket (None: not yet, try again); raises when the peer cannot be
+            reached. ``Route.open`` with a dialer is the one a World gives.
+
+    Until it has a socket the pair's ``fileno`` is -1 (``wait_all`` polls it instead of
+    sleeping in ``select``); ``is_socket`` is true from the start.
 
     Lent frames. A ``Send`` with an ``address`` goes out as the header (copied) and then the
     payload's pages, by reference. The peer answers each such frame with an ACK frame once it
@@ -106,11 +138,16 @@ class TcpPair(Pair):
     between frames, never inside one (``_ctl_out`` waits while a frame is half written).
     """
 
-    def __init__(self, peer: int, sock: socket.socket, splice: bool = True):
+    is_socket = True
+
+    def __init__(self, peer: int, sock: socket.socket | None = None, splice: bool = True,
+                 opener: Callable[[], "socket.socket | None"] | None = None):
         self.peer = peer
-        self.sock = sock
-        sock.setblocking(False)
-        self.fileno = sock.fileno()
+        self.sock: socket.socket | None = None
+        self.fileno = -1
+        self._opener = opener
+        if sock is not None:
+            self._adopt(sock)
         self.lends = bool(splice) and _splice.available()
         self._splicer: _splice.Splicer | None = None
         self.unacked = 0
@@ -120,12 +157,35 @@ class TcpPair(Pair):
         self._hdr_view = memoryview(self._hdr)
         self._hdr_got = 0
 
+    def _adopt(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.fileno = sock.fileno()
+        self._opener = None
+
+    @property
+    def connected(self) -> bool:
+        """Whether the pair holds its socket (a pair made on demand: once first used)."""
+        return self.sock is not None
+
+    def _open(self) -> bool:
+        """Makes the connection if the pair has none yet; True once it has one."""
+        if self._opener is None:
+            raise self._lost(None)  # closed before it ever connected
+        sock = self._opener()
+        if sock is None:
+            return False
+        self._adopt(sock)
+        return True
+
     def _lost(self, exc: BaseException | None) -> PeerLostError:
         why = f": {exc}" if exc else ""
         return PeerLostError(f"lost the connection to rank {self.peer}{why} (did it exit or "
                              f"crash?)", peer=self.peer)
 
     def advance_send(self, op: Send) -> bool:
+        if self.sock is None and not self._open():
+            return False
         try:
             if self._sending is not op:
                 if self._sending is not None:
@@ -220,6 +280,8 @@ class TcpPair(Pair):
         return True
 
     def advance_recv(self, op: Recv) -> bool:
+        if self.sock is None and not self._open():
+            return False
         try:
             if self._ctl_out and self._sending is None:
                 self._flush_ctl()
@@ -250,6 +312,8 @@ class TcpPair(Pair):
         return True
 
     def peek_header(self) -> "frame.Header | None":
+        if self.sock is None:
+            return None
         if self._hdr_got:  # a header this side began to take in (while looking for ACKs)
             raw = self._hdr if self._hdr_got == frame.HEADER_SIZE else None
         else:
@@ -265,6 +329,8 @@ class TcpPair(Pair):
             return None  # the receive that takes it reports it
 
     def advance_settle(self, op: Settle) -> bool:
+        if self.sock is None:
+            return True  # never connected: nothing was lent or is owed
         try:
             if self._ctl_out and self._sending is None:
                 self._flush_ctl()
@@ -288,12 +354,130 @@ class TcpPair(Pair):
         return bool(self._ctl_out)
 
     def close(self) -> None:
+        self._opener = None
         if self._splicer is not None:
             self._splicer.close()
+        if self.sock is None:
+            return
         try:
             self.sock.close()
         except OSError:
             pass
+
+
+# A Route's record of one peer, besides an accepted socket not yet taken:
+_DIALING = "dialing"  # this end is connecting to the peer (Route.open)
+_WAITING = "waiting"  # the peer answered busy: its own connection is on the way
+_DIALED = "dialed"  # the connection this end dialed belongs to a pair
+_TAKEN = "taken"  # the connection the peer dialed belongs to a pair
+
+
+class Route:
+    """One World's connections on a shared ``Listener``: those proven for ``job`` to ``rank``.
+
+    Made by ``Listener.route``; ``close`` removes it. Its state per peer (at most one
+    connection per peer) is what lets both ends of a pair connect on demand without making
+    two connections (the module docstring).
+    """
+
+    def __init__(self, listener: "Listener", job: str, rank: int, expect,
+                 on_accept: Callable[[int, socket.socket], None] | None = None):
+        self.listener, self.job, self.rank = listener, job.encode(), rank
+        self.expect = set(expect)
+        self.on_accept = on_accept
+        self.slots: dict[int, "socket.socket | str"] = {}
+        self._busy_since: dict[int, float] = {}
+        self.closed = False
+
+    def _admit(self, peer: int) -> bool:
+        """For the listener, under its lock: True to welcome ``peer``'s connection, False
+        to answer busy; raises AuthenticationError to drop it."""
+        state = self.slots.get(peer)
+        if not self.closed and peer in self.expect:
+            if state is None:
+                return True
+            # Both ends dialing at once: the higher rank's connection is the one kept, even
+            # when it is through before the lower rank's reaches the higher's listener.
+            if peer > self.rank and state in (_DIALING, _WAITING):
+                return True
+            if peer < self.rank and state in (_DIALING, _DIALED):
+                return False
+        raise AuthenticationError(f"unexpected connection claiming rank {peer}")
+
+    def open(self, peer: int, dial: Callable[[], "socket.socket | None"]
+             ) -> "socket.socket | None":
+        """The connection to ``peer``, made now if needed; None while it is on its way.
+
+        Args:
+            dial: connects to the peer's listener and returns the socket, or None when the
+                peer answered busy (``connect(crossing=True)``).
+        """
+        cond = self.listener._cond
+        with cond:
+            state = self.slots.get(peer)
+            if isinstance(state, socket.socket):
+                self.slots[peer] = _TAKEN
+                return state
+            if state == _WAITING:
+                if time.monotonic() - self._busy_since[peer] < BUSY_RECHECK:
+                    return None
+                state = None  # dial again: busy once more if the peer is alive and dialing
+            if state is not None or self.closed:
+                raise PeerLostError(f"rank {self.rank}: the connection to rank {peer} is "
+                                    f"closed", peer=peer)
+            self.slots[peer] = _DIALING
+        try:
+            sock = dial()
+        except BaseException:
+            with cond:
+                if self.slots.get(peer) == _DIALING:
+                    del self.slots[peer]
+            raise
+        with cond:
+            state = self.slots.get(peer)
+            if sock is None:  # busy: the peer's own connection is (or will be) here
+                if isinstance(state, socket.socket):
+                    self.slots[peer] = _TAKEN
+                    return state
+                self.slots[peer] = _WAITING
+                self._busy_since[peer] = time.monotonic()
+                return None
+            self.slots[peer] = _DIALED
+            return sock
+
+    def wait_for(self, ranks: set[int], deadline: float,
+                 alive: Callable[[], None] = lambda: None) -> dict[int, socket.socket]:
+        """Returns the sockets of ``ranks`` once all of them have connected (and takes them).
+
+        Args:
+            alive: called about every 0.1 s while waiting; raises if the job was aborted.
+        """
+        cond = self.listener._cond
+        with cond:
+            while not all(isinstance(self.slots.get(r), socket.socket) for r in ranks):
+                alive()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(r for r in ranks
+                                     if not isinstance(self.slots.get(r), socket.socket))
+                    raise GradsyncTimeoutError(
+                        f"rank {self.rank}: rank(s) {missing} did not connect in time; are they "
+                        f"running, and can they reach this host's port {self.listener.port}?")
+                cond.wait(min(left, 0.1))
+            found = {r: self.slots[r] for r in ranks}
+            self.slots.update(dict.fromkeys(ranks, _TAKEN))
+            return found
+
+    def close(self) -> None:
+        """Stops accepting for this route; closes connections that no pair took."""
+        with self.listener._cond:
+            self.closed = True
+            self.listener._routes.pop(self.job, None)
+            left = [s for s in self.slots.values() if isinstance(s, socket.socket)]
+            self.slots.clear()
+        if self.on_accept is None:  # an on_accept owner owns the sockets it was given
+            for sock in left:
+                sock.close()
 
 
 class Listener:
@@ -301,32 +485,53 @@ class Listener:
 
     Handshakes run on short-lived threads with a deadline each, so one silent or hostile
     connection cannot hold up the others. Connections that fail are logged and closed;
-    the job is not disturbed.
+    the job is not disturbed. One listener serves every World of a process: each is a
+    ``Route`` (``route``), told apart by the job id in the connector's proof.
 
     Args:
         addr: the address to listen on.
-        rank: this rank (sent in WELCOME).
-        secret: the job's secret.
-        job: the job id, bound into every proof so that a peer of another job is refused.
-        expect: ranks allowed to connect (each once).
-        on_accept: if given, called with ``(rank, socket)`` for each authenticated connection,
-            on its handshake thread, so that a long-lived owner (``regions.Endpoint``) can serve
-            peers as they come; the connection is still recorded, so a rank connects once.
+        rank: this rank (sent in WELCOME) on the first route.
+        secret: the job's secret, the same for every route.
+        job: the first route's job id, bound into every proof so that a peer of another job
+            is refused; None for a listener with no route yet.
+        expect: ranks allowed to connect on the first route (each once).
+        on_accept: if given, called with ``(rank, socket)`` for each authenticated connection
+            of the first route, on its handshake thread, so that a long-lived owner
+            (``regions.Endpoint``) can serve peers as they come; the connection is still
+            recorded, so a rank connects once.
+
+    Attributes:
+        rejected: connections dropped (garbage, wrong secret, unexpected rank).
+        busy: connections answered busy (both ends of a pair dialed at once).
+        first: the route made from ``job``, or None.
     """
 
-    def __init__(self, addr: str, rank: int, secret: bytes, job: str, expect: set[int],
+    def __init__(self, addr: str, rank: int, secret: bytes, job: str | None,
+                 expect: set[int] = frozenset(),
                  on_accept: Callable[[int, socket.socket], None] | None = None):
-        self.rank, self.secret, self.job = rank, secret, job.encode()
-        self._expect = set(expect)
-        self._accepted: dict[int, socket.socket] = {}
+        self.rank, self.secret = rank, secret
         self._cond = threading.Condition()
+        self._routes: dict[bytes, Route] = {}
         self._closed = False
-        self.rejected = 0
-        self._on_accept = on_accept
+        self.rejected = self.busy = 0
         self.sock = socket.create_server((addr, 0), backlog=128)
         self.port = self.sock.getsockname()[1]
+        self.first = None if job is None else self.route(job, rank, expect, on_accept)
         self._thread = threading.Thread(target=self._serve, name="gradsync-listener", daemon=True)
         self._thread.start()
+
+    def route(self, job: str, rank: int, expect,
+              on_accept: Callable[[int, socket.socket], None] | None = None) -> Route:
+        """Accepts connections proven for ``job`` from ``expect`` to ``rank`` from now on,
+        until the route is closed. Raises ValueError if ``job`` has a route already."""
+        route = Route(self, job, rank, expect, on_accept)
+        with self._cond:
+            if self._closed:
+                raise ValueError("the listener is closed")
+            if route.job in self._routes:
+                raise ValueError(f"the listener has a route for job {job!r} already")
+            self._routes[route.job] = route
+        return route
 
     def _serve(self) -> None:
         while True:
@@ -337,6 +542,16 @@ class Listener:
             threading.Thread(target=self._handshake, args=(sock, address), daemon=True,
                              name="gradsync-handshake").start()
 
+    def _find(self, peer: int, nonce_a: bytes, nonce_c: bytes, mac: bytes) -> Route | None:
+        with self._cond:
+            routes = list(self._routes.values())
+        rank = str(peer).encode()
+        for route in routes:
+            if hmac.compare_digest(mac, _mac(self.secret, b"connect", route.job, nonce_a, rank,
+                                             nonce_c)):
+                return route
+        return None
+
     def _handshake(self, sock: socket.socket, address) -> None:
         try:
             sock.settimeout(HANDSHAKE_TIMEOUT)
@@ -346,20 +561,28 @@ class Listener:
             if len(payload) != _PROOF.size:
                 raise ProtocolError(f"PROOF of {len(payload)} bytes, expected {_PROOF.size}")
             peer, nonce_c, mac = _PROOF.unpack(payload)
-            want = _mac(self.secret, b"connect", self.job, nonce_a, str(peer).encode(), nonce_c)
-            if not hmac.compare_digest(mac, want):
+            route = self._find(peer, nonce_a, nonce_c, mac)
+            if route is None:
                 raise AuthenticationError("wrong secret (or another job's peer)")
+            me = str(route.rank).encode()
             with self._cond:
-                if peer not in self._expect or peer in self._accepted or self._closed:
-                    raise AuthenticationError(f"unexpected connection claiming rank {peer}")
+                if self._closed or not route._admit(peer):
+                    if self._closed:
+                        raise AuthenticationError(f"connection from rank {peer} after close")
+                    # Busy: this rank is dialing the peer, and its connection is the one kept.
+                    self.busy += 1
+                    _send_frame(sock, frame.Kind.REJECT,
+                                _mac(self.secret, b"busy", route.job, nonce_c, me))
+                    sock.close()
+                    return
                 _send_frame(sock, frame.Kind.WELCOME,
-                            _mac(self.secret, b"accept", self.job, nonce_c, str(self.rank).encode()))
+                            _mac(self.secret, b"accept", route.job, nonce_c, me))
                 sock.settimeout(None)
                 _tune(sock)
-                self._accepted[peer] = sock
+                route.slots[peer] = sock
                 self._cond.notify_all()
-            if self._on_accept is not None:
-                self._on_accept(peer, sock)
+            if route.on_accept is not None:
+                route.on_accept(peer, sock)
         except (AuthenticationError, ProtocolError, OSError, struct.error) as exc:
             self.rejected += 1
             log.warning("rank %d dropped a connection from %s: %s", self.rank, address, exc)
@@ -372,26 +595,16 @@ class Listener:
 
     def wait_for(self, ranks: set[int], deadline: float,
                  alive: Callable[[], None] = lambda: None) -> dict[int, socket.socket]:
-        """Returns the sockets of ``ranks`` once all of them have connected.
-
-        Args:
-            alive: called about every 0.1 s while waiting; raises if the job was aborted.
-        """
-        with self._cond:
-            while not ranks <= self._accepted.keys():
-                alive()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    missing = sorted(ranks - self._accepted.keys())
-                    raise GradsyncTimeoutError(
-                        f"rank {self.rank}: rank(s) {missing} did not connect in time; are they "
-                        f"running, and can they reach this host's port {self.port}?")
-                self._cond.wait(min(left, 0.1))
-            return {r: self._accepted[r] for r in ranks}
+        """``Route.wait_for`` of the first route."""
+        return self.first.wait_for(ranks, deadline, alive)
 
     def close(self) -> None:
+        """Stops listening; closes every route (connections already taken stay open)."""
         with self._cond:
             self._closed = True
+            routes = list(self._routes.values())
+        for route in routes:
+            route.close()
         try:  # close() alone does not wake a thread blocked in accept() on Linux
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -405,19 +618,32 @@ class Listener:
 
 
 def connect(addr: str, port: int, rank: int, peer: int, secret: bytes, job: str,
-            deadline: float, alive: Callable[[], None] = lambda: None) -> socket.socket:
+            deadline: float, alive: Callable[[], None] = lambda: None,
+            crossing: bool = False) -> "socket.socket | None":
     """Connects to rank ``peer`` and proves this rank's identity; retries until ``deadline``.
 
     Args:
         alive: called between retries; raises if the job was aborted meanwhile.
+        crossing: the peer is known to listen already and may be dialing this rank at the
+            same time (a pair connected on demand): return None when it answers busy, and
+            count a peer that refuses connections for ``REFUSED_GRACE`` seconds as gone
+            (PeerLostError) instead of retrying until ``deadline``.
     """
     delay = 0.01
+    refused_since = None
     while True:
         try:
             sock = socket.create_connection((addr, port), timeout=HANDSHAKE_TIMEOUT)
             break
         except OSError as exc:
-            if time.monotonic() + delay > deadline:
+            now = time.monotonic()
+            if crossing and isinstance(exc, ConnectionRefusedError):
+                refused_since = now if refused_since is None else refused_since
+                if now - refused_since >= REFUSED_GRACE:
+                    raise PeerLostError(f"rank {rank}: rank {peer} at {addr}:{port} no longer "
+                                        f"accepts connections (did it exit or crash?)",
+                                        peer=peer) from None
+            if now + delay > deadline:
                 raise GradsyncTimeoutError(f"rank {rank} could not connect to rank {peer} at "
                                            f"{addr}:{port}: {exc}") from None
             alive()
@@ -429,9 +655,13 @@ def connect(addr: str, port: int, rank: int, peer: int, secret: bytes, job: str,
         nonce_c = os.urandom(_NONCE)
         mac = _mac(secret, b"connect", jobb, nonce_a, str(rank).encode(), nonce_c)
         _send_frame(sock, frame.Kind.PROOF, _PROOF.pack(rank, nonce_c, mac))
-        reply = _recv_frame(sock, frame.Kind.WELCOME, frame.Kind.REJECT)
+        kind, reply = _recv_frame_kind(sock, frame.Kind.WELCOME, frame.Kind.REJECT)
+        if kind == frame.Kind.REJECT and crossing and reply and hmac.compare_digest(
+                reply, _mac(secret, b"busy", jobb, nonce_c, str(peer).encode())):
+            sock.close()
+            return None
         want = _mac(secret, b"accept", jobb, nonce_c, str(peer).encode())
-        if not reply or not hmac.compare_digest(reply, want):
+        if kind != frame.Kind.WELCOME or not hmac.compare_digest(reply, want):
             raise AuthenticationError(f"rank {rank}: rank {peer} at {addr}:{port} refused this "
                                       f"rank's proof or failed to prove its own: do both have "
                                       f"the same GRADSYNC_SECRET and job id?")
