@@ -66,8 +66,8 @@ from .scale_rank import PREFIX
 __all__ = ["parser", "drive", "sweep", "measure", "aggregate", "summary_rows", "markdown",
            "deadline", "HostNames", "PHASES", "SUMMARY_COLUMNS"]
 
-PHASES = ("start", "import", "init", "config", "compile", "store", "store requests", "listen",
-          "tcp connect", "shm", "barrier", "world", "heartbeat", "engine", "other", "meet")
+PHASES = ("start", "import", "init", "config", "compile", "store", "address table",
+          "store requests", "listen", "tcp connect", "shm", "barrier", "world", "heartbeat", "engine", "other", "meet")
 """The phases of the per-N table, in order: ``init`` and those after it up to ``other`` are
 gradsync's (``other``: what none of them covers), ``meet`` is the limit's."""
 

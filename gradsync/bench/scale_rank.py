@@ -56,6 +56,7 @@ SPECS: tuple[tuple[str, str, str], ...] = (
     ("config", "gradsync.launch_env", "detect"),
     ("compile", "gradsync._native", "load"),
     ("store", "gradsync.rendezvous", "Store.__init__"),
+    ("address table", "gradsync.rendezvous", "Store.gather_table"),
     ("store requests", "gradsync.rendezvous", "Store.*"),
     ("listen", "gradsync.transport.tcp", "Listener.__init__"),
     ("tcp connect", "gradsync.transport.tcp", "connect"),
