@@ -67,7 +67,8 @@ __all__ = ["parser", "drive", "sweep", "measure", "aggregate", "summary_rows", "
            "deadline", "HostNames", "PHASES", "SUMMARY_COLUMNS"]
 
 PHASES = ("start", "import", "init", "config", "compile", "store", "address table",
-          "store requests", "listen", "tcp connect", "shm", "barrier", "world", "heartbeat", "engine", "other", "meet")
+          "store requests", "listen", "tcp connect", "shm", "barrier", "world", "heartbeat",
+          "engine", "other", "meet")
 """The phases of the per-N table, in order: ``init`` and those after it up to ``other`` are
 gradsync's (``other``: what none of them covers), ``meet`` is the limit's."""
 
