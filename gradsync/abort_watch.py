@@ -31,21 +31,32 @@ Costs and limits, as torch 2.13 behaves:
   generation usually ends with a record (the failure that ended it), so in practice only a
   World closed in a process that goes on without a record (``shutdown()`` then ``init()``)
   keeps a thread and a connection for up to ``rearm`` seconds.
+- A Python thread that comes back from a C++ call while the interpreter finalizes is ended
+  by CPython 3.11 in a way that aborts the process (``terminate called without an active
+  exception``), and a blocked request comes back when the store's host exits. So at exit
+  (``atexit``, after ``gradsync.shutdown``) every watch still blocked is woken by shutting
+  its connection down, with the process's stderr muted for those milliseconds: torch logs
+  the closed connection with a C++ stack. The connection's descriptor is found when it is
+  made (``private_connection``); a watch whose descriptor is not known never blocks.
 - Until the wait is in place (``armed``), and for a store that cannot be cloned (not a
   TCPStore), callers read the record themselves (``read_abort`` does), as before.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
+import os
+import socket
 import threading
 import time
+import weakref
 
 from .errors import GradsyncTimeoutError, PeerLostError
 from .rendezvous import Store
 
-__all__ = ["AbortWatch", "REARM"]
+__all__ = ["AbortWatch", "REARM", "private_connection"]
 
 log = logging.getLogger("gradsync")
 
@@ -56,30 +67,76 @@ REARM = 300.0
 # it; the watch blocks on it. (rendezvous.Store has no public blocking read of the record.)
 _ABORT_KEY = "abort"
 
+_blocked: "weakref.WeakSet[AbortWatch]" = weakref.WeakSet()  # watches whose thread may block
+_clone_lock = threading.Lock()
+
+
+def private_connection(store: Store) -> "tuple[Store, int | None]":
+    """A view of ``store``'s job over a new connection (``Store.clone_private``), and that
+    connection's file descriptor, or None where it cannot be told apart (a store that cannot
+    be cloned, or another thread connecting to the same store at the same moment)."""
+    with _clone_lock:
+        before = _store_sockets()
+        private = store.clone_private()
+        after = _store_sockets()
+    base = private.base
+    while not hasattr(base, "port") and hasattr(base, "underlying_store"):
+        base = base.underlying_store  # a PrefixStore, as torch hands a backend
+    # New sockets to the store's port (a store served by this process adds its own end too).
+    new = [fd for fd, (_, peer) in after.items()
+           if fd not in before and peer[1] == getattr(base, "port", None)]
+    if private.base is store.base or len(new) != 1:
+        return private, None
+    return private, new[0]
+
+
+def _store_sockets() -> "dict[int, tuple]":
+    """This process's TCP sockets: descriptor -> (local address, peer address)."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue  # closed meanwhile
+        try:
+            if sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET,
+                                                                   socket.AF_INET6):
+                found[int(name)] = (sock.getsockname(), sock.getpeername())
+        except OSError:
+            pass  # a listener, or not connected
+        finally:
+            sock.close()
+    return found
+
 
 class AbortWatch:
     """A thread that blocks in the store until the World's abort record exists.
 
     Args:
-        store: a job-scoped store over a connection that nobody else uses
-            (``Store.clone_private``); the watch takes it over once started.
+        connection: ``private_connection``'s answer: a job-scoped store over a connection
+            that nobody else uses, which the watch takes over once started, and its file
+            descriptor (None: the watch never blocks, and readers look themselves).
         fallback: the World's own store, read directly while the watch is not armed.
         rearm: seconds each blocked request waits before it is made again.
     """
 
-    def __init__(self, store: Store, fallback: Store, rearm: float = REARM):
-        self._store, self._fallback, self.rearm = store, fallback, rearm
+    def __init__(self, connection: "tuple[Store, int | None]", fallback: Store,
+                 rearm: float = REARM):
+        self._store, self._fd = connection
+        self._fallback, self.rearm = fallback, rearm
         self._record: dict | None = None
         self._error: PeerLostError | None = None
         self._armed = False
         self._stop = threading.Event()
-        # A private connection is one the store could clone; a shared one must not block.
-        self._blocking = store.base is not fallback.base
         self._thread = threading.Thread(target=self._loop, daemon=True,
-                                        name=f"gradsync-abort-watch-{store.job}")
+                                        name=f"gradsync-abort-watch-{self._store.job}")
 
     def start(self) -> "AbortWatch":
-        if self._blocking:
+        if self._fd is not None and not self._thread.is_alive() and not _exiting.is_set():
+            self._address = _store_sockets().get(self._fd)
+            _blocked.add(self)
             self._thread.start()
         return self
 
@@ -112,7 +169,7 @@ class AbortWatch:
             # Armed only after a first look: a record posted before the wait began is seen.
             record = self._store.read_abort()
             self._armed = True
-            while record is None and not self._stop.is_set():
+            while record is None and not self._stop.is_set() and not _exiting.is_set():
                 started = time.monotonic()
                 try:
                     record = json.loads(self._store.get(_ABORT_KEY, self.rearm))
@@ -123,12 +180,45 @@ class AbortWatch:
                     if record is None and time.monotonic() - started < self.rearm / 2:
                         time.sleep(min(1.0, self.rearm))  # never spin on a failing store
             self._record = record
-        except PeerLostError as exc:
-            self._error = exc
-        except (RuntimeError, OSError, ValueError) as exc:
-            self._error = PeerLostError(f"lost the rendezvous store: {exc} (its host, usually "
-                                        f"rank 0 or the launcher, has probably died)")
+        except (PeerLostError, RuntimeError, OSError, ValueError) as exc:
+            if not (self._stop.is_set() or _exiting.is_set()):  # else: woken on purpose
+                self._error = exc if isinstance(exc, PeerLostError) else PeerLostError(
+                    f"lost the rendezvous store: {exc} (its host, usually rank 0 or the "
+                    f"launcher, has probably died)")
         finally:
             if self._record is None and self._error is None:
                 self._armed = False  # stopped: readers fall back to the store
             log.debug("abort watch of %s ends", self._store.job)
+
+
+_exiting = threading.Event()
+
+
+@atexit.register
+def _wake_all() -> None:
+    """Ends every blocked request before the interpreter finalizes (module docstring)."""
+    _exiting.set()
+    watches = [w for w in list(_blocked) if w._thread.is_alive()]
+    if not watches:
+        return
+    saved = os.dup(2)
+    try:
+        quiet = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(quiet, 2)
+        os.close(quiet)
+        for watch in watches:
+            # The thread is alive, so it holds its connection: the descriptor is still its
+            # own, unless the addresses say otherwise.
+            if _store_sockets().get(watch._fd) == watch._address:
+                sock = socket.socket(fileno=os.dup(watch._fd))
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
+        end = time.monotonic() + 2.0
+        for watch in watches:
+            watch._thread.join(max(0.0, end - time.monotonic()))
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

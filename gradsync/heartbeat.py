@@ -176,8 +176,9 @@ class Heartbeat:
         self._root = root if root is not None and root[0] != store.job else None
         self._leader = (_ROOTS.get((root[0], root[1][rank])) if self._root is not None
                         else None)
-        self._private = store.clone_private()
-        self.abort = abort_watch.AbortWatch(self._private, store)
+        connection = abort_watch.private_connection(store)
+        self._private = connection[0]
+        self.abort = abort_watch.AbortWatch(connection, store)
         self._links: dict[int, _Link] = {}
         self._listener: tcp.Listener | None = None
         self._lock = threading.Lock()  # the links and listener, between stop() and the thread
@@ -374,8 +375,8 @@ class Heartbeat:
                     if not link.left and now - link.heard > self.timeout:
                         raise self._silent(link.peer, now - link.heard)
                 except _Lost as lost:
-                    self._drop(link)
                     self._lost(lost)
+                    self._drop(link)
                 if link.left:
                     self._drop(link)  # it said goodbye: nothing more to hear on this link
 
@@ -397,11 +398,18 @@ class Heartbeat:
         peer, message = lost.peer, lost.message
         record = {"kind": "PeerLostError", "rank": self.rank, "message": message,
                   "peer": peer, "silent": lost.silent}
+        found = PeerLostError(f"rank {self.rank}: {message}", peer=peer)
+        if lost.silent and peer in self._links:
+            # A linked peer that falls silent did not leave (it would have sent BYE): raise it
+            # at once, not after the post on a new store connection. A closed link waits for
+            # the post: it is often the echo of a failure already in the record (a rank that
+            # raised it exits).
+            self.lost = found
         try:
             # A connection of its own: the private one is blocked in the abort watch.
             store = self._main.clone_private()
-            if store.check(f"hb/{peer}/bye"):
-                return  # it left on purpose before its link said so
+            if self.lost is None and store.check(f"hb/{peer}/bye"):
+                return  # it left on purpose before its link was up
             winner = store.post_abort(record)
             if self._root is not None:
                 job, ranks = self._root
@@ -411,7 +419,7 @@ class Heartbeat:
         except (RuntimeError, OSError, GradsyncError):
             winner = record  # no store: this rank raises what it found itself
         if winner == record:
-            self.lost = PeerLostError(f"rank {self.rank}: {message}", peer=peer)
+            self.lost = found
         log.warning("rank %d: %s", self.rank, message)
 
 

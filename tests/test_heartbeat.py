@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 from torch.distributed import TCPStore
 
-from gradsync.abort_watch import AbortWatch
+from gradsync.abort_watch import AbortWatch, private_connection
 from gradsync.config import Config
 from gradsync.heartbeat import Heartbeat, watched_peers
 from gradsync.rendezvous import Store
@@ -218,7 +218,7 @@ def test_the_abort_watch_sees_a_posted_record_at_once_and_survives_its_rearms():
     # rearm 0.2 s: four timed-out waits first, each of which must leave the connection usable
     server = _store_server()
     store = Store.over(server, "watch", 10.0)
-    watch = AbortWatch(store.clone_private(), store, rearm=0.2).start()
+    watch = AbortWatch(private_connection(store), store, rearm=0.2).start()
     assert _wait_for(lambda: watch.armed, 5) < 5
     time.sleep(0.9)
     assert watch.read_abort() is None
