@@ -180,6 +180,7 @@ class Heartbeat:
         self._private = connection[0]
         self.abort = abort_watch.AbortWatch(connection, store)
         self._links: dict[int, _Link] = {}
+        self._next_beat = 0.0
         self._listener: tcp.Listener | None = None
         self._lock = threading.Lock()  # the links and listener, between stop() and the thread
         self._stop = threading.Event()
@@ -254,17 +255,15 @@ class Heartbeat:
     def _run(self) -> None:
         try:
             try:
-                self._link_up()
+                lost = self._link_up()
             finally:
                 if not self._stop.is_set():
                     self.abort.start()  # the private connection is free from now on
-            self._watch()
+            for each in lost:
+                self._lost(each)
+            self._watch()  # even after a loss: this rank is alive, its other link says so
         except _Stopped:
             pass
-        except _Lost as lost:
-            self._lost(lost)
-            if not self._stop.is_set():
-                self._watch()  # keep beating to the other neighbour: this rank is alive
         except (GradsyncError, RuntimeError, OSError) as exc:
             # The store is gone: the waits report that themselves (World.on_idle).
             log.debug("rank %d: heartbeat thread ends: %s", self.rank, exc)
@@ -275,48 +274,76 @@ class Heartbeat:
                 link.sock.close()
 
     def _alive(self) -> None:
+        """Called about every 0.1 s while the links are set up: ends the set-up when the
+        World closed, and beats on the links already up (their other ends may be watching)."""
         if self._stop.is_set():
             raise _Stopped
+        self._beat(time.monotonic())
 
-    def _link_up(self) -> None:
-        """Connects to rank + 1 and accepts rank - 1, each within ``timeout``."""
+    def _beat(self, now: float) -> None:
+        if now >= self._next_beat:
+            for link in list(self._links.values()):
+                link.send(BEAT)
+            self._next_beat = now + self.interval
+
+    def _link_up(self) -> "list[_Lost]":
+        """Connects to rank + 1 and accepts rank - 1, each within ``timeout``; returns the
+        neighbours lost on the way. One lost neighbour does not stop the other's link: a
+        rank that never linked a live neighbour would be reported silent by it."""
         rank, size = self.rank, self.size
         succ, pred = (rank + 1) % size, (rank - 1) % size
         # In a World of two, both neighbours are the same rank: one link, rank 0 connects.
         connect_to = succ if size > 2 or rank < succ else None
         accept_from = pred if size > 2 or pred < rank else None
         deadline = time.monotonic() + self.timeout
-        secret = self._secret or self._own_secret(deadline)
+        try:
+            secret = self._secret or self._own_secret(deadline)
+        except _Lost as exc:
+            return [exc]  # rank 0 never made the links' secret
         job = f"{self._main.job}/heartbeat"
+        lost: list[_Lost] = []
         if accept_from is not None:
             addr = self._addr or _route_address(self._main)
-            listener = tcp.Listener(addr, rank, secret, job, expect={accept_from})
+            # Each accepted link joins at once (on the handshake's thread), so that it beats
+            # while this thread still waits for rank + 1: its other end is watching already.
+            listener = tcp.Listener(addr, rank, secret, job, expect={accept_from},
+                                    on_accept=self._accepted)
             with self._lock:
                 self._listener = listener
             self._alive()
             self._private.set(f"hb/{rank}/at", f"{addr} {listener.port}")
         if connect_to is not None:
-            at = self._await(f"hb/{connect_to}/at", connect_to, deadline).decode()
-            host, port = at.rsplit(" ", 1)
             try:
-                sock = tcp.connect(host, int(port), rank, connect_to, secret, job, deadline,
-                                   self._alive)
-            except GradsyncTimeoutError:
-                raise self._silent(connect_to, self.timeout) from None
-            except (PeerLostError, AuthenticationError) as exc:
-                raise _Lost(connect_to, f"{self.describe(connect_to)} broke its heartbeat "
-                                        f"link: {exc}", silent=False) from None
-            self._add(connect_to, sock)
+                self._add(connect_to, self._connect(connect_to, secret, job, deadline))
+            except _Lost as exc:
+                lost.append(exc)
         if accept_from is not None:
             try:
-                sock = listener.wait_for({accept_from}, deadline, self._alive)[accept_from]
+                listener.wait_for({accept_from}, deadline, self._alive)
             except GradsyncTimeoutError:
-                raise self._silent(accept_from, self.timeout) from None
+                lost.append(self._silent(accept_from, self.timeout))
             finally:
                 with self._lock:
                     self._listener = None
                 listener.close()
-            self._add(accept_from, sock)
+        return lost
+
+    def _connect(self, peer: int, secret: bytes, job: str, deadline: float) -> socket.socket:
+        host, port = self._await(f"hb/{peer}/at", peer, deadline).decode().rsplit(" ", 1)
+        try:
+            return tcp.connect(host, int(port), self.rank, peer, secret, job, deadline,
+                               self._alive)
+        except GradsyncTimeoutError:
+            raise self._silent(peer, self.timeout) from None
+        except (PeerLostError, AuthenticationError) as exc:
+            raise _Lost(peer, f"{self.describe(peer)} broke its heartbeat link: {exc}",
+                        silent=False) from None
+
+    def _accepted(self, peer: int, sock: socket.socket) -> None:
+        try:
+            self._add(peer, sock)
+        except _Stopped:
+            pass  # _add closed it
 
     def _add(self, peer: int, sock: socket.socket) -> None:
         with self._lock:
@@ -324,6 +351,7 @@ class Heartbeat:
                 sock.close()
                 raise _Stopped
             self._links[peer] = _Link(peer, sock)
+        self._next_beat = 0.0  # a first beat at once: the other end's clock has started
 
     def _await(self, key: str, peer: int, deadline: float) -> bytes:
         """The value of ``key`` once ``peer`` wrote it; _Lost as silent at ``deadline``.
@@ -346,7 +374,7 @@ class Heartbeat:
 
     def _watch(self) -> None:
         """Beats on every link each interval; reads beats as they come; judges silence."""
-        next_beat = previous = time.monotonic()
+        previous = time.monotonic()
         while not self._stop.is_set():
             links = [link for link in self._links.values() if not link.left]
             if not links:
@@ -358,12 +386,9 @@ class Heartbeat:
                 for link in links:
                     link.heard = now
             previous = now
-            if now >= next_beat:
-                for link in links:
-                    link.send(BEAT)
-                next_beat = now + self.interval
+            self._beat(now)
             ready, _, _ = select.select([link.sock for link in links], [], [],
-                                        max(0.0, next_beat - now))
+                                        max(0.0, self._next_beat - now))
             if self._stop.is_set():
                 return  # stop() shut the links down: that is no lost peer
             now = time.monotonic()

@@ -1,8 +1,8 @@
-"""Heartbeats: a stopped rank is a lost rank within the bound; a busy one is not."""
+"""Heartbeats and the abort watch: a stopped rank is lost within the bound, a killed one at once,
+a busy one never; waiting ranks learn of a failure within the poll interval without asking the
+store."""
 
-import json
 import re
-import threading
 import time
 from datetime import timedelta
 
@@ -250,3 +250,20 @@ def test_a_sub_world_follows_its_root_worlds_heartbeat():
     finally:
         sub.stop()
         beat.stop(goodbye=False)
+
+
+def test_a_neighbour_that_never_links_does_not_cost_the_other_link(monkeypatch):
+    # Rank 1 of 3 never starts: ranks 0 and 2 report it, and still link to each other (rank
+    # 0 accepts 2 after its own connect to 1 failed), so neither reports the other.
+    server = _store_server()
+    store = Store.over(server, "half", 10.0)
+    posted = _posted(monkeypatch)
+    beats = [Heartbeat(store, r, 3, 0.05, 0.5, secret=b"s" * 32).start() for r in (0, 2)]
+    try:
+        assert _wait_for(lambda: len(posted) >= 2, 10) < 10  # the first post wins
+        time.sleep(1.5)  # three timeouts more
+        assert {record["peer"] for _, record in posted} == {1}, posted
+        assert [list(b._links) for b in beats] == [[2], [0]]
+    finally:
+        for beat in beats:
+            beat.stop(goodbye=False)
