@@ -14,7 +14,8 @@ between the ranks, never through the store, so the store's load does not grow wi
   once in the store (``hb/<rank>/at``); once rank - 1 has connected the listener closes.
   The handshake is ``transport/tcp.py``'s HMAC challenge with the job's secret, bound to a job
   id of its own (``<job>/heartbeat``), so a link is never taken for a collective's pair.
-  Store requests: two per rank for the whole job, three with the goodbye.
+  Store requests: three per rank for the whole job (a set, a check and a get; more checks
+  if rank + 1 is late), four with the goodbye.
 - **Beat.** A daemon thread of every rank sends one byte (``BEAT``) on each link every
   ``heartbeat_interval`` seconds and reads its neighbours' beats. The thread runs while the
   process runs Python or waits in C code that releases the GIL, so a busy rank keeps beating;
