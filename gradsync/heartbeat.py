@@ -5,162 +5,463 @@ at once. A peer that is *stopped* (SIGSTOP, a debugger, a kernel stuck in uninte
 I/O) or cut off by a partitioned network shows none of that: its sockets stay open and its
 pid exists, and without heartbeats the others would wait for the collective timeout (300 s).
 
-The scheme, per World (so each generation of an elastic job has its own):
+The scheme, per World (so each generation of an elastic job has its own). Beats travel
+between the ranks, never through the store, so the store's load does not grow with the job:
 
-- **Beat.** A daemon thread of every rank adds 1 to its counter ``hb/<rank>`` in the
-  rendezvous store every ``heartbeat_interval`` seconds, on a store connection of its own (a
-  wait on the main connection must never delay a beat). The thread runs while the process
-  runs Python or waits in C code that releases the GIL, so a busy rank keeps beating; a
-  stopped process stops every thread, the beater included.
-- **Watch.** The same thread reads the counters of a few *watched* peers: the ranks 1 and 2
-  places before and after it on the ring of ranks (at most four, whatever the job's size, so
-  the store serves O(size) reads per interval, not O(size²)). Every rank is watched by up to
-  four others. A peer whose counter has not moved for ``heartbeat_timeout`` seconds of this
-  watcher's own time is lost, unless it said goodbye (``hb/<rank>/bye``, written by a clean
-  ``World.close``).
-- **Report.** The watcher posts the job's abort record (a ``PeerLostError`` naming the silent
-  rank, ``silent: true``) and keeps the error for its own World; every rank that waits polls
-  the record (``World.on_idle``) and raises it. ``gradsync run`` in elastic mode reads
-  ``silent`` and kills that rank, which cannot clean up after itself.
+- **Links.** Each rank keeps one small authenticated TCP *link* to each of its two ring
+  neighbours, rank - 1 and rank + 1 (one link in a World of two). Each rank connects to
+  rank + 1 and accepts rank - 1 on a listening socket of its own, whose address it writes
+  once in the store (``hb/<rank>/at``); once rank - 1 has connected the listener closes.
+  The handshake is ``transport/tcp.py``'s HMAC challenge with the job's secret, bound to a job
+  id of its own (``<job>/heartbeat``), so a link is never taken for a collective's pair.
+  Store requests: three per rank for the whole job (a set, a check and a get; more checks
+  if rank + 1 is late), four with the goodbye.
+- **Beat.** A daemon thread of every rank sends one byte (``BEAT``) on each link every
+  ``heartbeat_interval`` seconds and reads its neighbours' beats. The thread runs while the
+  process runs Python or waits in C code that releases the GIL, so a busy rank keeps beating;
+  a stopped process stops every thread, the beater included.
+- **Watch.** A link that closes without a ``BYE`` byte is a lost peer at once (the process
+  died: its kernel closed the socket). A link that stays open but silent for
+  ``heartbeat_timeout`` seconds of this watcher's own time is a silent peer. A rank that closes
+  its World on purpose sends ``BYE`` (and writes ``hb/<rank>/bye`` for a neighbour whose link
+  was not up yet); its neighbours then stop watching it.
+- **Report.** The watcher posts the job's abort record (a ``PeerLostError`` naming the rank,
+  its host and pid; ``silent: true`` for a silent one) and keeps the error for its own World
+  if its record won. Every waiting rank sees the record through its World's abort watch
+  (``abort_watch.py``: one blocked store request per rank, not a poll) and raises it.
+  ``gradsync run`` in elastic mode reads ``silent`` and kills that rank, which cannot clean up
+  after itself.
+
+Every rank is watched by both its neighbours. Whatever set of ranks stops (short of all), one
+of them has a running neighbour, which reports it: the job never waits for its timeout.
 
 Worked example, interval 1 s, timeout 10 s: rank 2 of 4 is stopped at t = 0.3 s; its last
-beat was at t = 0. Ranks 0, 1 and 3 watch it (1 and 3 as neighbours, 0 as rank 2's
-"two after"). A watcher's clock for it starts when it first reads that last value: at the
-latest t = 1 (its reads are an interval apart). The first check more than 10 s later (at the
-latest t = 12, one interval after t = 11) declares it lost: detection within
-``timeout + 2 * interval`` of the last beat, and no earlier than ``timeout`` after it.
+beat left at t = 0. Ranks 1 and 3 hear nothing more. Each looks at its links at least once an
+interval, so the first look more than 10 s after t = 0 comes at the latest at t = 11: detection
+within ``timeout + interval`` of the last beat, ``timeout + 2 * interval`` of the stop, and no
+earlier than ``timeout`` after the last beat. Had rank 2 been killed, its links would have
+closed at t = 0.3 and ranks 1 and 3 would have reported it within milliseconds.
 
 A watcher that was itself stalled (it was the stopped one, or the machine was starved) must
 not blame its peers for its own gap: when its own loop ran late by more than half the
 timeout, it restarts every peer's clock instead of judging.
+
+**Sub-worlds** (the Horovod API's process sets, the torch backend's lanes) have the same
+ranks as their root World, whose heartbeat in this process already watches every one of
+them. A sub-world's Heartbeat therefore *follows* the root's (found in this process by the
+root's job id and rank): it opens no links, watches only its own abort record, and raises a
+lost peer that the root's heartbeat or record names, if that peer is one of its members.
+Without a root heartbeat in this process it runs links of its own, and reports a silent peer
+in the root World's abort record too, in root ranks: the launcher watches only that record.
+
+Sockets per rank: two links, the abort watch's store connection, and the listener until
+rank - 1 has connected; a following sub-world adds one store connection (its abort watch).
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
+import select
+import socket
 import threading
 import time
+import weakref
 
-from .errors import PeerLostError
+from . import abort_watch
+from .errors import AuthenticationError, GradsyncError, GradsyncTimeoutError, PeerLostError
 from .rendezvous import Store
+from .transport import tcp
 
-__all__ = ["Heartbeat", "watched_peers"]
+__all__ = ["Heartbeat", "watched_peers", "BEAT", "BYE"]
 
 log = logging.getLogger("gradsync")
 
+BEAT = b"\x01"
+"""The byte a rank sends on each link every interval."""
+BYE = b"\x02"
+"""The byte a rank sends on each link when it closes its World on purpose."""
+
+# The root World's heartbeat of each (job, rank) in this process, for its sub-worlds to follow.
+_ROOTS: "weakref.WeakValueDictionary[tuple[str, int], Heartbeat]" = (
+    weakref.WeakValueDictionary())
+
 
 def watched_peers(rank: int, size: int) -> list[int]:
-    """The ranks ``rank`` watches: 1 and 2 places before and after it on the ring of ranks.
+    """The ranks ``rank`` keeps links to and watches: its neighbours on the ring of ranks.
 
     >>> watched_peers(0, 4), watched_peers(1, 2), watched_peers(0, 1)
-    ([3, 1, 2], [0], [])
+    ([3, 1], [0], [])
     """
-    peers: list[int] = []
-    for offset in (-1, 1, -2, 2):
-        peer = (rank + offset) % size
-        if peer != rank and peer not in peers:
-            peers.append(peer)
-    return peers
+    return list(dict.fromkeys(p for p in ((rank - 1) % size, (rank + 1) % size) if p != rank))
+
+
+class _Stopped(Exception):
+    """The World closed while its heartbeat was still setting up its links."""
+
+
+class _Lost(Exception):
+    """A neighbour is lost (``silent``: alive but quiet; otherwise its link broke)."""
+
+    def __init__(self, peer: int, message: str, silent: bool):
+        super().__init__(message)
+        self.peer, self.message, self.silent = peer, message, silent
+
+
+class _Link:
+    """The link to one neighbour: its socket and when this rank last heard from it."""
+
+    def __init__(self, peer: int, sock: socket.socket):
+        self.peer, self.sock = peer, sock
+        sock.setblocking(False)
+        self.heard = time.monotonic()
+        self.left = False  # it sent BYE
+
+    def send(self, byte: bytes) -> None:
+        try:
+            self.sock.send(byte)
+        except (BlockingIOError, InterruptedError):
+            pass  # 4 MiB of unread beats: the reader is stopped, and the timeout will say so
+        except OSError:
+            pass  # broken: the next read sees it and reports
+
+    def read(self, now: float) -> bool:
+        """Reads what arrived; False when the link closed."""
+        try:
+            data = self.sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError:
+            return False
+        if not data:
+            return False
+        if data.strip(BEAT + BYE):
+            raise _Lost(self.peer, f"sent {len(data)} bytes that are no heartbeat on its link",
+                        silent=False)
+        self.heard = now
+        self.left = self.left or BYE in data
+        return True
 
 
 class Heartbeat:
-    """The beating and watching thread of one World.
+    """The links, beats and watch of one World, and the watch on its abort record.
 
     Args:
-        store: the World's job-scoped ``rendezvous.Store``; the thread uses its own clone of
-            the underlying connection.
+        store: the World's job-scoped ``rendezvous.Store``. The heartbeat makes one private
+            connection from it (its links' set-up, then the abort watch) and writes its
+            goodbye through it.
         rank, size: this rank and the World's size.
-        interval: seconds between beats (and between looks at the watched peers).
-        timeout: seconds without a beat after which a watched peer is lost.
+        interval: seconds between beats (and between looks at the links).
+        timeout: seconds without a beat after which a neighbour is lost.
         describe: ``describe(rank)`` names a peer in messages (host, pid).
         root: for a sub-world, the job id of the World at the root of its tree and the root
-            rank of each rank here (``World.root``). A silent peer is then also reported in
-            the root World's abort record, in root ranks. The launcher watches only that
-            record: an elastic job whose silent worker is noticed first by a sub-world's
-            heartbeat (the Horovod API's global process set runs on one) must still
-            kill that worker and form the next generation, not wait for it for ever.
+            rank of each rank here (``World.root``): the sub-world follows the root's
+            heartbeat, or reports a silent peer in the root's record too (module docstring).
+        secret: the job's secret, which authenticates the links. None: a secret of the
+            heartbeat's own, made by rank 0 in the store (as the job's is when no launcher
+            gives one); the World passes its own.
+        addr: the address this rank's listener binds and publishes. None: this host's
+            address on the route to the store.
     """
 
-    def __init__(self, store, rank: int, size: int, interval: float, timeout: float,
+    def __init__(self, store: Store, rank: int, size: int, interval: float, timeout: float,
                  describe=lambda rank: f"rank {rank}",
-                 root: "tuple[str, list[int]] | None" = None):
+                 root: "tuple[str, list[int]] | None" = None, *,
+                 secret: bytes | None = None, addr: str | None = None):
         self.rank, self.size = rank, size
         self.interval, self.timeout = interval, timeout
         self.describe = describe
         self.lost: PeerLostError | None = None
-        self._store = store.clone_private()
-        self._root = None
-        if root is not None and root[0] != store.job:
-            self._root = (Store.over(self._store.base, root[0], self._store.timeout),
-                          root[1])
+        self._main = store
+        self._secret, self._addr = secret, addr
+        self._root = root if root is not None and root[0] != store.job else None
+        self._leader = (_ROOTS.get((root[0], root[1][rank])) if self._root is not None
+                        else None)
+        connection = abort_watch.private_connection(store)
+        self._private = connection[0]
+        self.abort = abort_watch.AbortWatch(connection, store)
+        self._links: dict[int, _Link] = {}
+        self._next_beat = 0.0
+        self._listener: tcp.Listener | None = None
+        self._lock = threading.Lock()  # the links and listener, between stop() and the thread
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True,
+        self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"gradsync-heartbeat-{rank}")
 
+    @property
+    def follows(self) -> bool:
+        """True for a sub-world's heartbeat that follows its root World's (no links)."""
+        return self._leader is not None
+
     def start(self) -> "Heartbeat":
-        self._beat()
+        if self._leader is not None:
+            self.abort.start()
+            return self
+        if self._root is None:
+            _ROOTS[(self._main.job, self.rank)] = self
         self._thread.start()
         return self
 
+    def read_abort(self) -> dict | None:
+        """The World's abort record, or None (``Store.read_abort``, without a store request
+        once the abort watch is armed)."""
+        return self.abort.read_abort()
+
     def check(self) -> None:
-        """Raises the PeerLostError of a silent peer once one was found (called by waits)."""
+        """Raises the PeerLostError of a lost peer once one was found (called by waits)."""
         if self.lost is not None:
             raise self.lost
+        leader = self._leader
+        if leader is None:
+            return
+        members = self._root[1]
+        found = leader.lost
+        if found is not None and found.peer in members:
+            raise PeerLostError(str(found), peer=members.index(found.peer))
+        record = leader.read_abort()
+        if (record is not None and record["kind"] == "PeerLostError"
+                and record.get("peer") in members):
+            who = "the launcher" if record["rank"] < 0 else f"rank {record['rank']}"
+            raise PeerLostError(f"{who} reported: {record['message']}",
+                                peer=members.index(record["peer"]))
 
     def stop(self, goodbye: bool = True) -> None:
-        """Stops the thread; ``goodbye`` tells the watchers that this rank left on purpose."""
+        """Stops beating; ``goodbye`` tells the neighbours that this rank left on purpose."""
         self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(self.interval + 1.0)
+        self.abort.stop()
+        if _ROOTS.get((self._main.job, self.rank)) is self:
+            del _ROOTS[(self._main.job, self.rank)]
+        if self._leader is not None:
+            return
         if goodbye:
-            try:
-                self._store.set(f"hb/{self.rank}/bye", "1")
-            except (RuntimeError, OSError):
+            try:  # first, for a neighbour whose link is not up yet
+                self._main.set(f"hb/{self.rank}/bye", "1")
+            except (RuntimeError, OSError, GradsyncError):
                 pass  # the store is gone: nobody is left to watch us
+        with self._lock:
+            links, listener, self._listener = list(self._links.values()), self._listener, None
+        for link in links:
+            if goodbye:
+                link.send(BYE)
+            try:  # wakes the thread's select at once
+                link.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if listener is not None:
+            listener.close()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(1.0)
 
     # ------------------------------------------------------------------ the thread
-    def _beat(self) -> int:
-        return self._store.add(f"hb/{self.rank}", 1)
-
-    def _loop(self) -> None:
-        watched = watched_peers(self.rank, self.size)
-        last_seen = {peer: -1 for peer in watched}
-        since = {peer: time.monotonic() for peer in watched}
-        previous = time.monotonic()
+    def _run(self) -> None:
         try:
-            while not self._stop.wait(self.interval):
-                now = time.monotonic()
-                if now - previous > self.timeout / 2:
-                    # This process was stalled itself: its peers' silence is not evidence.
-                    since = {peer: now for peer in watched}
-                previous = now
-                self._beat()
-                for peer in list(watched):
-                    count = self._store.add(f"hb/{peer}", 0)
-                    if count != last_seen[peer]:
-                        last_seen[peer], since[peer] = count, now
-                    elif now - since[peer] > self.timeout:
-                        if self._store.check(f"hb/{peer}/bye"):
-                            watched.remove(peer)  # it left on purpose
-                            continue
-                        self._report(peer, now - since[peer])
-                        return
-        except (RuntimeError, OSError) as exc:
+            try:
+                lost = self._link_up()
+            finally:
+                if not self._stop.is_set():
+                    self.abort.start()  # the private connection is free from now on
+            for each in lost:
+                self._lost(each)
+            self._watch()  # even after a loss: this rank is alive, its other link says so
+        except _Stopped:
+            pass
+        except (GradsyncError, RuntimeError, OSError) as exc:
             # The store is gone: the waits report that themselves (World.on_idle).
             log.debug("rank %d: heartbeat thread ends: %s", self.rank, exc)
+        finally:
+            with self._lock:
+                links, self._links = list(self._links.values()), {}
+            for link in links:
+                link.sock.close()
 
-    def _report(self, peer: int, silent_for: float) -> None:
-        message = (f"{self.describe(peer)} sent no heartbeat for {silent_for:.1f}s (stopped, "
-                   f"stuck or cut off?); heartbeat_timeout is {self.timeout:g}s")
-        self.lost = PeerLostError(f"rank {self.rank}: {message}", peer=peer)
-        record = {"kind": "PeerLostError", "rank": self.rank, "message": message,
-                  "peer": peer, "silent": True}
+    def _alive(self) -> None:
+        """Called about every 0.1 s while the links are set up: ends the set-up when the
+        World closed, and beats on the links already up (their other ends may be watching)."""
+        if self._stop.is_set():
+            raise _Stopped
+        self._beat(time.monotonic())
+
+    def _beat(self, now: float) -> None:
+        if now >= self._next_beat:
+            for link in list(self._links.values()):
+                link.send(BEAT)
+            self._next_beat = now + self.interval
+
+    def _link_up(self) -> "list[_Lost]":
+        """Connects to rank + 1 and accepts rank - 1, each within ``timeout``; returns the
+        neighbours lost on the way. One lost neighbour does not stop the other's link: a
+        rank that never linked a live neighbour would be reported silent by it."""
+        rank, size = self.rank, self.size
+        succ, pred = (rank + 1) % size, (rank - 1) % size
+        # In a World of two, both neighbours are the same rank: one link, rank 0 connects.
+        connect_to = succ if size > 2 or rank < succ else None
+        accept_from = pred if size > 2 or pred < rank else None
+        deadline = time.monotonic() + self.timeout
         try:
-            self._store.post_abort(record)
+            secret = self._secret or self._own_secret(deadline)
+        except _Lost as exc:
+            return [exc]  # rank 0 never made the links' secret
+        job = f"{self._main.job}/heartbeat"
+        lost: list[_Lost] = []
+        if accept_from is not None:
+            addr = self._addr or _route_address(self._main)
+            # Each accepted link joins at once (on the handshake's thread), so that it beats
+            # while this thread still waits for rank + 1: its other end is watching already.
+            listener = tcp.Listener(addr, rank, secret, job, expect={accept_from},
+                                    on_accept=self._accepted)
+            with self._lock:
+                self._listener = listener
+            self._alive()
+            self._private.set(f"hb/{rank}/at", f"{addr} {listener.port}")
+        if connect_to is not None:
+            try:
+                self._add(connect_to, self._connect(connect_to, secret, job, deadline))
+            except _Lost as exc:
+                lost.append(exc)
+        if accept_from is not None:
+            try:
+                listener.wait_for({accept_from}, deadline, self._alive)
+            except GradsyncTimeoutError:
+                lost.append(self._silent(accept_from, self.timeout))
+            finally:
+                with self._lock:
+                    self._listener = None
+                listener.close()
+        return lost
+
+    def _connect(self, peer: int, secret: bytes, job: str, deadline: float) -> socket.socket:
+        host, port = self._await(f"hb/{peer}/at", peer, deadline).decode().rsplit(" ", 1)
+        try:
+            return tcp.connect(host, int(port), self.rank, peer, secret, job, deadline,
+                               self._alive)
+        except GradsyncTimeoutError:
+            raise self._silent(peer, self.timeout) from None
+        except (PeerLostError, AuthenticationError) as exc:
+            raise _Lost(peer, f"{self.describe(peer)} broke its heartbeat link: {exc}",
+                        silent=False) from None
+
+    def _accepted(self, peer: int, sock: socket.socket) -> None:
+        try:
+            self._add(peer, sock)
+        except _Stopped:
+            pass  # _add closed it
+
+    def _add(self, peer: int, sock: socket.socket) -> None:
+        with self._lock:
+            if self._stop.is_set():
+                sock.close()
+                raise _Stopped
+            self._links[peer] = _Link(peer, sock)
+        self._next_beat = 0.0  # a first beat at once: the other end's clock has started
+
+    def _await(self, key: str, peer: int, deadline: float) -> bytes:
+        """The value of ``key`` once ``peer`` wrote it; _Lost as silent at ``deadline``.
+
+        Looks, not a blocking get: the thread must notice ``stop`` (and a get that times
+        out makes torch log warnings)."""
+        delay = 0.005
+        while not self._private.check(key):
+            self._alive()
+            if time.monotonic() > deadline:
+                raise self._silent(peer, self.timeout)
+            time.sleep(delay)
+            delay = min(2 * delay, 0.1)
+        return self._private.get(key)
+
+    def _own_secret(self, deadline: float) -> bytes:
+        if self.rank == 0:
+            self._private.set("hb/secret", secrets.token_hex(32))
+        return bytes.fromhex(self._await("hb/secret", 0, deadline).decode())
+
+    def _watch(self) -> None:
+        """Beats on every link each interval; reads beats as they come; judges silence."""
+        previous = time.monotonic()
+        while not self._stop.is_set():
+            links = [link for link in self._links.values() if not link.left]
+            if not links:
+                self._stop.wait()  # every neighbour left on purpose: nothing to watch
+                return
+            now = time.monotonic()
+            if now - previous > self.timeout / 2:
+                # This process was stalled itself: its peers' silence is not evidence.
+                for link in links:
+                    link.heard = now
+            previous = now
+            self._beat(now)
+            ready, _, _ = select.select([link.sock for link in links], [], [],
+                                        max(0.0, self._next_beat - now))
+            if self._stop.is_set():
+                return  # stop() shut the links down: that is no lost peer
+            now = time.monotonic()
+            for link in links:
+                try:
+                    if link.sock in ready and not link.read(now) and not link.left:
+                        raise _Lost(link.peer, f"{self.describe(link.peer)} closed its "
+                                    f"heartbeat link (did it exit or crash?)", silent=False)
+                    if not link.left and now - link.heard > self.timeout:
+                        raise self._silent(link.peer, now - link.heard)
+                except _Lost as lost:
+                    self._lost(lost)
+                    self._drop(link)
+                if link.left:
+                    self._drop(link)  # it said goodbye: nothing more to hear on this link
+
+    def _drop(self, link: _Link) -> None:
+        with self._lock:
+            self._links.pop(link.peer, None)
+        link.sock.close()
+
+    def _silent(self, peer: int, silent_for: float) -> _Lost:
+        return _Lost(peer, f"{self.describe(peer)} sent no heartbeat for {silent_for:.1f}s "
+                           f"(stopped, stuck or cut off?); heartbeat_timeout is "
+                           f"{self.timeout:g}s", silent=True)
+
+    def _lost(self, lost: _Lost) -> None:
+        """Posts ``lost`` as the World's abort record (and the root World's, for a
+        sub-world), unless the peer said goodbye; keeps the error if this post won."""
+        if self._stop.is_set():
+            return
+        peer, message = lost.peer, lost.message
+        record = {"kind": "PeerLostError", "rank": self.rank, "message": message,
+                  "peer": peer, "silent": lost.silent}
+        found = PeerLostError(f"rank {self.rank}: {message}", peer=peer)
+        if lost.silent and peer in self._links:
+            # A linked peer that falls silent did not leave (it would have sent BYE): raise it
+            # at once, not after the post on a new store connection. A closed link waits for
+            # the post: it is often the echo of a failure already in the record (a rank that
+            # raised it exits).
+            self.lost = found
+        try:
+            # A connection of its own: the private one is blocked in the abort watch.
+            store = self._main.clone_private()
+            if self.lost is None and store.check(f"hb/{peer}/bye"):
+                return  # it left on purpose before its link was up
+            winner = store.post_abort(record)
             if self._root is not None:
-                store, ranks = self._root
-                store.post_abort(dict(record, rank=ranks[self.rank], peer=ranks[peer],
-                                      message=f"in sub-world {self._store.job}: {message}"))
-        except (RuntimeError, OSError):
-            pass
+                job, ranks = self._root
+                Store.over(store.base, job, store.timeout).post_abort(
+                    dict(record, rank=ranks[self.rank], peer=ranks[peer],
+                         message=f"in sub-world {self._main.job}: {message}"))
+        except (RuntimeError, OSError, GradsyncError):
+            winner = record  # no store: this rank raises what it found itself
+        if winner == record:
+            self.lost = found
         log.warning("rank %d: %s", self.rank, message)
+
+
+def _route_address(store: Store) -> str:
+    """This host's address on the route to the store's host (loopback for a local store)."""
+    base = store.base
+    while not hasattr(base, "host") and hasattr(base, "underlying_store"):
+        base = base.underlying_store  # a PrefixStore, as torch hands a backend
+    host = getattr(base, "host", None)
+    if host is None or host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((host, getattr(base, "port", 1) or 1))
+        return probe.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+    finally:
+        probe.close()

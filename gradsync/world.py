@@ -352,16 +352,21 @@ class World:
 
     # ------------------------------------------------------------------ failures
     def on_idle(self, waited: float) -> None:
-        """Called by every wait while nothing moves: polls the abort record, warns on stalls."""
+        """Called by every wait while nothing moves: looks at the abort record (through the
+        heartbeat's abort watch, which holds it in memory: no store request), raises a lost
+        peer that the heartbeat found, warns on stalls."""
         now = time.monotonic()
         if now < self._next_poll:
             return
         self._next_poll = now + self.config.abort_poll_interval
-        if self.heartbeat is not None and self.failure is None:
-            self.heartbeat.check()
-        record = self.store.read_abort()
+        beat = self.heartbeat
+        # The record first: it is the job's first failure, which every rank must raise (a
+        # neighbour that exits after a mismatch closes its heartbeat link too).
+        record = (beat if beat is not None else self.store).read_abort()
         if record is not None and record["rank"] != self.rank:
             raise self._from_record(record)
+        if beat is not None and self.failure is None:
+            beat.check()
         if waited > self.config.stall_warning and self._stall_warned != self.comm.seq:
             self._stall_warned = self.comm.seq
             log.warning("rank %d has waited %.0fs in collective #%d %s; are all ranks issuing "

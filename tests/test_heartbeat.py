@@ -1,4 +1,6 @@
-"""Heartbeats: a stopped rank is a lost rank within the bound; a busy one is not."""
+"""Heartbeats and the abort watch: a stopped rank is lost within the bound, a killed one at once,
+a busy one never; waiting ranks learn of a failure within the poll interval without asking the
+store."""
 
 import re
 import time
@@ -7,10 +9,11 @@ from datetime import timedelta
 import pytest
 from torch.distributed import TCPStore
 
+from gradsync.abort_watch import AbortWatch, private_connection
 from gradsync.config import Config
 from gradsync.heartbeat import Heartbeat, watched_peers
 from gradsync.rendezvous import Store
-from harness import launch
+from harness import launch, spawn
 
 pytestmark = pytest.mark.multiprocess
 
@@ -22,14 +25,14 @@ def test_watched_peers_are_ring_neighbours_and_everyone_is_watched():
     assert watched_peers(0, 1) == []
     assert watched_peers(1, 2) == [0]
     assert watched_peers(0, 3) == [2, 1]
-    assert watched_peers(0, 4) == [3, 1, 2]
-    assert watched_peers(5, 100) == [4, 6, 3, 7]
+    assert watched_peers(0, 4) == [3, 1]
+    assert watched_peers(5, 100) == [4, 6]
     for size in range(2, 12):
         watchers = {r: 0 for r in range(size)}
         for rank in range(size):
             for peer in watched_peers(rank, size):
                 watchers[peer] += 1
-        assert min(watchers.values()) >= min(size - 1, 4), (size, watchers)
+        assert min(watchers.values()) >= min(size - 1, 2), (size, watchers)
 
 
 def test_the_default_bound_is_at_most_30_seconds():
@@ -55,6 +58,41 @@ def test_a_stopped_rank_is_lost_on_every_other_rank_within_the_bound(n, victim, 
     # timeout + one interval (the look that notices) + a poll; 2 s of slack for a loaded host
     assert max(elapsed) < TIMEOUT + INTERVAL + 2.0, elapsed
     assert min(elapsed) > TIMEOUT - INTERVAL, elapsed  # it was the heartbeat, not a socket
+
+
+def test_a_killed_rank_is_reported_by_its_heartbeat_links_at_once():
+    # Nobody is in a collective: only the links to the dead rank can have noticed, and a
+    # second is a third of the timeout, so it was the closed link, not the silence.
+    ranks = spawn(3, "silent.py", "1", "tcp", "kill", timeout=120, env=ENV)
+    for r in (0, 2):
+        record = re.search(r"RECORD rank=\d+ (.*)", ranks[r].output)
+        assert record, ranks[r].output[-3000:]
+        assert "'kind': 'PeerLostError'" in record.group(1), record.group(1)
+        assert "'peer': 1" in record.group(1) and "'silent': False" in record.group(1)
+        assert "rank 1 on host" in record.group(1) and "heartbeat link" in record.group(1)
+
+
+def test_waiting_ranks_make_almost_no_store_requests():
+    # 3 s in which rank 1 sleeps and ranks 0 and 2 wait for it in an allreduce (on_idle runs
+    # every 0.1 s): polling the abort record and beating through the store cost each waiting
+    # rank about 14 requests a second here; links and the abort watch cost none.
+    result = launch(3, "silent.py", "1", "tcp", "idle", timeout=120, env=ENV)
+    assert result.returncode == 0, result
+    rates = {int(r): float(v) for r, v in re.findall(r"STORE rank=(\d+) ([\d.]+)",
+                                                     result.output)}
+    assert sorted(rates) == [0, 1, 2], result
+    # the allreduce after the wait, its plan and the shutdown's goodbye: a few requests
+    assert max(rates.values()) < 1.0, rates
+
+
+def test_a_posted_failure_reaches_waiting_ranks_within_the_poll_interval():
+    result = launch(3, "silent.py", "1", "tcp", "post", timeout=120, env=ENV)
+    got = dict(re.findall(r"RESULT rank=(\d+) (.*)", result.output))
+    elapsed = [float(e) for e in re.findall(r"ELAPSED rank=\d+ ([\d.]+)", result.output)]
+    assert sorted(got) == ["0", "2"], result
+    assert all("posted on purpose" in line for line in got.values()), got
+    # abort_poll_interval (0.1 s) + wait_all's 50 ms between looks + a loaded machine
+    assert len(elapsed) == 2 and max(elapsed) < 0.1 + 0.05 + 0.35, elapsed
 
 
 def test_a_busy_rank_is_not_lost():
@@ -120,3 +158,112 @@ def test_a_root_worlds_heartbeat_does_not_report_twice(monkeypatch):
     assert (record["rank"], record["peer"]) == (1, 0), record
     assert "sub-world" not in record["message"], record
     assert [job for job, _ in posted] == ["job"], posted
+
+
+def _pair(server, job="job", interval=0.05, timeout=0.5, size=2):
+    """``size`` heartbeats of one World over ``server``, as threads of this process."""
+    store = Store.over(server, job, 10.0)
+    return [Heartbeat(store, r, size, interval, timeout, secret=b"s" * 32).start()
+            for r in range(size)]
+
+
+def _wait_for(condition, seconds: float) -> float:
+    start = time.monotonic()
+    while not condition() and time.monotonic() - start < seconds:
+        time.sleep(0.005)
+    return time.monotonic() - start
+
+
+def test_a_closed_link_is_a_lost_peer_at_once_and_a_goodbye_is_not():
+    server = _store_server()
+    first, second = _pair(server, "crash", timeout=5.0)
+    assert _wait_for(lambda: len(first._links) == 1 and second.abort.armed, 5) < 5
+    second.stop(goodbye=False)  # as a crash: the link closes without BYE
+    took = _wait_for(lambda: first.lost is not None, 5)
+    assert first.lost is not None and took < 1.0, took  # the timeout is 5 s
+    assert "closed its heartbeat link" in str(first.lost) and first.lost.peer == 1
+    first.stop()
+    first, second = _pair(server, "clean", timeout=0.3)
+    assert _wait_for(lambda: len(first._links) == 1, 5) < 5
+    second.stop()
+    time.sleep(1.0)  # three timeouts
+    assert first.lost is None and Store.over(server, "clean", 10.0).read_abort() is None
+    first.stop()
+
+
+@pytest.mark.parametrize("size", [2, 5])
+def test_steady_state_store_requests_do_not_grow_with_the_world(size, monkeypatch):
+    server = _store_server()
+    beats = _pair(server, f"load{size}", size=size)
+    assert _wait_for(lambda: all(b.abort.armed for b in beats), 10) < 10
+    assert _wait_for(lambda: all(len(b._links) == min(2, size - 1) for b in beats), 10) < 10
+    count = [0]
+    for name in ("set", "get", "add", "check", "post_abort", "wait_keys"):
+        def counted(self, *args, _call=getattr(Store, name), **kwargs):
+            count[0] += 1
+            return _call(self, *args, **kwargs)
+        monkeypatch.setattr(Store, name, counted)
+    end = time.monotonic() + 1.0  # 20 intervals; each rank waits and looks every 0.1 s
+    while time.monotonic() < end:
+        for beat in beats:
+            assert beat.read_abort() is None
+            beat.check()
+        time.sleep(0.1)
+    assert count[0] == 0, count  # beats on the links, the record from the abort watch
+    for beat in beats:
+        beat.stop()
+
+
+def test_the_abort_watch_sees_a_posted_record_at_once_and_survives_its_rearms():
+    # rearm 0.2 s: four timed-out waits first, each of which must leave the connection usable
+    server = _store_server()
+    store = Store.over(server, "watch", 10.0)
+    watch = AbortWatch(private_connection(store), store, rearm=0.2).start()
+    assert _wait_for(lambda: watch.armed, 5) < 5
+    time.sleep(0.9)
+    assert watch.read_abort() is None
+    posted = time.monotonic()
+    Store.over(server, "watch", 10.0).post_abort({"kind": "GradsyncError", "rank": 3,
+                                                  "message": "m", "peer": None})
+    took = _wait_for(lambda: watch.read_abort() is not None, 5)
+    assert watch.read_abort()["rank"] == 3 and took < 0.1, took
+    assert time.monotonic() - posted < 0.1 + 0.05
+
+
+def test_a_sub_world_follows_its_root_worlds_heartbeat():
+    # The root World's links watch every rank; the sub-world opens none and raises a lost
+    # peer that the root's record names, in its own ranks.
+    server = _store_server()
+    root = Store.over(server, "r", 10.0)
+    beat = Heartbeat(root, 2, 4, 0.05, 5.0, secret=b"s" * 32).start()
+    sub = Heartbeat(Store.over(server, "r/sub", 10.0), 1, 2, 0.05, 5.0,
+                    root=("r", [0, 2]), secret=b"s" * 32).start()
+    try:
+        assert sub.follows and not beat.follows
+        assert _wait_for(lambda: sub.abort.armed, 5) < 5 and not sub._links
+        sub.check()
+        root.post_abort({"kind": "PeerLostError", "rank": 1, "message": "rank 0 went",
+                         "peer": 0, "silent": True})
+        with pytest.raises(Exception) as raised:
+            _wait_for(lambda: sub.check() and False, 2)
+        assert raised.value.peer == 0 and "rank 0 went" in str(raised.value)
+    finally:
+        sub.stop()
+        beat.stop(goodbye=False)
+
+
+def test_a_neighbour_that_never_links_does_not_cost_the_other_link(monkeypatch):
+    # Rank 1 of 3 never starts: ranks 0 and 2 report it, and still link to each other (rank
+    # 0 accepts 2 after its own connect to 1 failed), so neither reports the other.
+    server = _store_server()
+    store = Store.over(server, "half", 10.0)
+    posted = _posted(monkeypatch)
+    beats = [Heartbeat(store, r, 3, 0.05, 0.5, secret=b"s" * 32).start() for r in (0, 2)]
+    try:
+        assert _wait_for(lambda: len(posted) >= 2, 10) < 10  # the first post wins
+        time.sleep(1.5)  # three timeouts more
+        assert {record["peer"] for _, record in posted} == {1}, posted
+        assert [list(b._links) for b in beats] == [[2], [0]]
+    finally:
+        for beat in beats:
+            beat.stop(goodbye=False)

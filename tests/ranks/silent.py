@@ -1,9 +1,19 @@
-"""A rank that stops (SIGSTOP) before a collective: the others must raise PeerLostError.
+"""A rank that stops, dies, computes or fails on its own: what the others see, and when.
 
-    silent.py VICTIM TRANSPORT stop   VICTIM stops itself; every other rank prints one RESULT
-                                      line and ELAPSED (seconds from the stop to its error)
+    silent.py VICTIM TRANSPORT stop   VICTIM stops itself (SIGSTOP); every other rank prints
+                                      one RESULT line and ELAPSED (seconds from the stop to
+                                      its error)
     silent.py VICTIM TRANSPORT busy   VICTIM computes in Python for 2.5 heartbeat timeouts
                                       before joining the collectives: slow is not silent
+    silent.py VICTIM TRANSPORT kill   VICTIM kills itself (SIGKILL) while the others sleep,
+                                      in no collective: after 1 s each prints the abort
+                                      record (RECORD), which only its heartbeat links can
+                                      have posted that soon
+    silent.py VICTIM TRANSPORT idle   VICTIM sleeps 3 s while the others wait for it in an
+                                      allreduce; every rank prints STORE (its store requests
+                                      per second over those 3 s)
+    silent.py VICTIM TRANSPORT post   VICTIM posts an abort record while the others wait for
+                                      it in an allreduce; they print ELAPSED as for ``stop``
 """
 
 import os
@@ -15,22 +25,52 @@ import common  # noqa: F401  (deadline)
 import numpy as np
 
 import gradsync as gs
+from gradsync import job
+from gradsync.rendezvous import Store
 
 victim, transport, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+
+requests = [0]
+for name in ("set", "get", "add", "check", "post_abort"):
+    def counted(self, *args, _call=getattr(Store, name), **kwargs):
+        requests[0] += 1  # one request to the store (read_abort and barrier are made of these)
+        return _call(self, *args, **kwargs)
+    setattr(Store, name, counted)
+
 gs.init(transport=transport, timeout=120)
 R, N = gs.rank(), gs.size()
 gs.allreduce(np.ones(10), name="warm-up")
-stopped_at = gs.broadcast_object(time.time() + 0.5, 0)  # when the victim stops, by the clock
+stopped_at = gs.broadcast_object(time.time() + 0.5, 0)  # when the victim acts, by the clock
+if mode in ("kill", "idle"):
+    time.sleep(max(0.0, stopped_at - time.time()))
+    if mode == "kill" and R == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "kill":
+        time.sleep(1.0)
+        record = job.world().store.read_abort()
+        print(f"RECORD rank={R} {record}", flush=True)
+        os._exit(0)
+    before = requests[0]
+    if R == victim:
+        time.sleep(3.0)
+    gs.allreduce(np.ones(10), name="after the wait")
+    print(f"STORE rank={R} {(requests[0] - before) / (time.time() - stopped_at):.2f}", flush=True)
+    gs.shutdown()
+    sys.exit(0)
 if R == victim:
     time.sleep(max(0.0, stopped_at - time.time()))
     if mode == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif mode == "post":
+        job.world().store.post_abort({"kind": "GradsyncError", "rank": R, "peer": None,
+                                      "message": "posted on purpose"})
+        time.sleep(30)
     else:
         end = time.monotonic() + 2.5 * float(os.environ["GRADSYNC_HEARTBEAT_TIMEOUT"])
         while time.monotonic() < end:
             sum(i * i for i in range(1000))
 try:
-    for step in range(1000 if mode == "stop" else 20):
+    for step in range(1000 if mode in ("stop", "post") else 20):
         gs.allreduce(np.ones(1000), name=f"step{step}")
     print(f"RESULT rank={R} no error", flush=True)
 except gs.GradsyncError as exc:
