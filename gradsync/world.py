@@ -314,7 +314,7 @@ class World:
             world.heartbeat = Heartbeat(
                 store, env.rank, env.size, config.heartbeat_interval, config.heartbeat_timeout,
                 lambda r: f"rank {r} on host {peers[r].host} (pid {peers[r].pid})",
-                root).start()
+                root, secret=listener.secret, addr=peers[env.rank].addr).start()
         log.debug("rank %d joined: %d shm peers, %d tcp peers on demand", env.rank,
                   len(use_shm), len(tcp_peers))
         return world
