@@ -393,12 +393,15 @@ def _check_sockets(n: int, got: dict) -> None:
         assert partners <= set(g["doubling"]["tcp"]), (r, g)
         assert set(g["doubling"]["tcp"]) <= partners | set(g["ring"]["tcp"]), (r, g)
         assert g["doubling"]["sockets"] <= bound, (r, g)
-        # Exactly: store client + heartbeat's store client + listener + the TCP pairs.
-        assert g["doubling"]["sockets"] == 3 + len(g["doubling"]["tcp"]), (r, g)
+        # Exactly: store client + the abort watch's store client + listener + the TCP pairs
+        # + the heartbeat's links to its ring neighbours (heartbeat.py).
+        links = len({(r - 1) % n, (r + 1) % n} - {r})
+        assert g["doubling"]["sockets"] == 3 + len(g["doubling"]["tcp"]) + links, (r, g)
         # A sub-world adds its own TCP pairs (and its heartbeat's store client), no listener.
         sub = g["subworld"]
         assert sub["shares_listener"], (r, g)
         assert len(sub["tcp"]) == 2, (r, g)
+        # ... and its abort watch's store client (abort_watch.py): no listener, no links.
         assert sub["sockets"] == g["doubling"]["sockets"] + 2 + sub["heartbeat"], (r, g)
 
 
