@@ -22,6 +22,7 @@ from gradsync.errors import ConfigError
 from gradsync.run.cli import main as gradsync_main
 from gradsync.simulate import cluster as cluster_file
 from gradsync.simulate.fabric import TierFabric
+from gradsync.simulate.measure_allreduce import EMULATED_ALLREDUCE, AllreducePoint, bound
 from gradsync.simulate.step import Model, _allreduces, _timeline, parse_model, simulate
 from gradsync.simulate.straggle import blom, expected_max, straggler_factor
 from gradsync.simulate.validate import PUBLISHED, predict
@@ -147,6 +148,23 @@ def test_a_racks_shares_cross_racks_through_every_nic_of_the_rack():
     # across racks runs 2 rounds, each rank's 1/16 GB through its own NIC per round.
     partial = 2 * 15 / 16 * 0.1 + 2 * (2 * 3 / 4 * 0.1 / 16)
     assert allreduce_time("hierarchical", TierFabric(c, 56), 1e9) == near(partial)
+
+
+def test_emulated_allreduce_points_are_predicted_near_their_link_bound():
+    # The points of 16 to 64 ranks that --measure runs: the model adds latencies and the
+    # reductions inside each host to the busiest NIC's traffic, a few percent on links this
+    # slow; the bound is 2 (H-1)/H of the data (hierarchical), 2 (n-1)/n (ring) per NIC.
+    p = AllreducePoint(8, 4, "100mbit", 64 << 20)
+    assert p.payload_rate() == pytest.approx(100e6 / 8 * 1448 / 1514)
+    assert bound(p, "hierarchical") == pytest.approx(2 * 7 / 8 * (64 << 20) / p.payload_rate())
+    assert bound(p, "ring") == pytest.approx(2 * 31 / 32 * (64 << 20) / p.payload_rate())
+    c = p.cluster()
+    assert (c.ranks_per_node, c.tiers[1].fanout, c.capacity) == (4, 8, 32)
+    for q in EMULATED_ALLREDUCE:
+        for alg in q.algorithms:
+            model = allreduce_time(alg, TierFabric(q.cluster(), q.size), q.nbytes)
+            assert 1 < model / bound(q, alg) < 1.03, (q, alg)
+    assert {q.size for q in EMULATED_ALLREDUCE} == {16, 32, 64}
 
 
 def test_oversubscription_divides_the_uplink_among_the_units_nodes():
