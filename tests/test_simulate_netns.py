@@ -6,7 +6,7 @@ the shipped cluster file and the compute time measured in the same run. About a 
 cluster.
 
 Allreduces at scale: 16 ranks over 4 emulated hosts (gradsync.simulate.measure_allreduce), at
-50 and 25 Mbit/s, each algorithm's time against the cost model. Needs root.
+25 and 12.5 Mbit/s, each algorithm's time against the cost model. Needs root.
 """
 
 import pytest

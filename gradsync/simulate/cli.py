@@ -14,7 +14,7 @@ against one GPU, the algorithm each bucket ran, and the busiest tier.
 ``--plot`` (needs matplotlib: ``pip install 'gradsync[simulate]'``) draws efficiency and
 step time against GPU count, one line per algorithm. ``--validate`` prints the validation
 points, predicted against observed, then the sources and assumptions of each point and
-cluster file; ``--measure`` adds the measured-here points (root, about ten minutes): training
+cluster file; ``--measure`` adds the measured-here points (root, about twenty minutes): training
 steps on 3 and 4 ranks, allreduces on 16 to 64 ranks over 4 to 16 emulated hosts.
 """
 
@@ -166,7 +166,7 @@ def _validate(args) -> int:
                   f"{r['predicted_no_persistent']:>13.1%}")
     if not args.measure:
         print("# measured-here points (training steps and allreduces of 16 to 64 ranks on "
-              "emulated clusters): add --measure (root, about ten minutes)")
+              "emulated clusters): add --measure (root, about twenty minutes)")
     _print_sources(rows)
     return 0
 

@@ -11,7 +11,7 @@ Why allreduces and not training steps: 16 to 64 ranks share this machine's 2 cor
 training step would measure the cores. An allreduce on links slow enough moves so few bytes
 per second that the cores keep up: the link rate is the limit, as on a real cluster. Which
 rate is slow enough is measured, not assumed: the same point at half the rate must take
-twice as long (``EMULATED_ALLREDUCE`` holds the 16-rank point at 50 and 25 Mbit/s); what does
+twice as long (``EMULATED_ALLREDUCE`` holds the 16-rank point at 25 and 12.5 Mbit/s); what does
 not halve is the machine's share (the reduce-scatter and allgather inside each host, over
 shared memory, and the start of each step).
 
@@ -85,15 +85,16 @@ class AllreducePoint:
 
 
 EMULATED_ALLREDUCE = (
-    AllreducePoint(4, 4, "50mbit", 16 * MiB),
     AllreducePoint(4, 4, "25mbit", 16 * MiB),
+    AllreducePoint(4, 4, "12.5mbit", 16 * MiB),
     AllreducePoint(8, 4, "25mbit", 16 * MiB),
     AllreducePoint(16, 4, "25mbit", 8 * MiB, ("hierarchical",)),
 )
 """The points ``gradsync simulate --validate --measure`` runs: 16 ranks at two rates (halving
-the rate must double the time), then 32 and 64 ranks. 25 Mbit/s: on this 2-core machine at
-load average 100 (other jobs), 100 Mbit/s was not slow enough: the ring's 30 steps over 16
-ranks took 16% longer than the model, about 17 ms a step of waiting for a core."""
+the rate must double the time), then 32 and 64 ranks. Why so slow: on this 2-core machine at
+load average 77-122 (other jobs), 16 ranks over 4 hosts took, against the model, at 100
+Mbit/s hierarchical -9.8% and ring -16.0%; at 50 Mbit/s hierarchical -22.0% and ring -7.9%;
+at 25 Mbit/s -9.7% and -5.6% (docs/simulate.md)."""
 
 
 def bound(point: AllreducePoint, algorithm: str) -> float:
