@@ -59,6 +59,40 @@ def test_three_tiers_keep_the_slowest_tier_for_the_least_traffic():
     assert choice("aabbccdd", 64 * MiB, spec) == "hierarchical"
 
 
+def _grouped(uplink: str) -> Topology:
+    """2 groups x 2 hosts x 2 ranks; each group's uplink (the whole of it) at ``uplink``."""
+    spec = {"tiers": {**GBIT["tiers"], "group": {"bandwidth": uplink, "latency": "200us"}},
+            "groups": {"g0": ["a", "b"], "g1": ["c", "d"]}}
+    return topo("aabbccdd", spec)
+
+
+@pytest.mark.parametrize("uplink,across", [("1gbit", 125e6), ("2gbit", 250e6), ("4gbit", 250e6)])
+def test_the_step_across_groups_leaves_through_every_nic_of_the_group(uplink, across):
+    # hierarchical.py: a 2-rank ring in each host, a 2-host ring of each host's stand-in in
+    # each group (S through its NIC), then each host's rank rings its half of the group's
+    # share across the groups through its own NIC: the group's S leaves through 2 NICs
+    # (250 MB/s) or its uplink, whichever is slower. Issue 27: the model once sent it through
+    # one NIC (125 MB/s), so only the uplink at 1 Gbit/s, the NIC's rate, kept its figure.
+    s, fold = 64 * MiB, 64 * MiB / 2 / 6e9
+    inside = 2 * (5e-6 + s / 2 / 5e9) + fold
+    hosts = 2 * (100e-6 + s / 2 / 125e6) + fold
+    groups = 2 * (200e-6 + s / 2 / across) + fold
+    assert predict("hierarchical", s, _grouped(uplink)) == pytest.approx(inside + hosts + groups)
+
+
+def test_non_blocking_groups_go_hierarchical_and_oversubscribed_ones_as_before():
+    # With group uplinks as fast as their hosts' NICs together the hierarchical plan moves
+    # the least through every NIC and wins large messages (issue 27: the model had it lose
+    # to the ring in topology order from 1 MiB up); oversubscribed uplinks bound it as before.
+    for nbytes in (1 * MiB, 64 * MiB, 256 * MiB):
+        t = _grouped("2gbit")
+        assert choose_allreduce(nbytes, 8, "auto", Config(), False, t) == "hierarchical"
+        assert predict("hierarchical", nbytes, t) < predict("topo_ring", nbytes, t)
+    assert [choose_allreduce(1 << e, 8, "auto", Config(), False, _grouped("200mbit"))
+            for e in (10, 16, 20, 26)] == ["doubling", "hierarchical", "hierarchical",
+                                           "hierarchical"]
+
+
 def test_one_host_uses_the_shared_memory_group_or_sizes():
     assert choose_allreduce(64 * MiB, 4, "auto", Config(), True, topo("aaaa")) == "shm"
     assert choose_allreduce(4096, 4, "auto", Config(), False, topo("aaaa")) == "doubling"

@@ -107,6 +107,10 @@ def parser() -> argparse.ArgumentParser:
                         "segments of chunk_bytes, with no reduction")
     p.add_argument("--seconds", type=float, default=0.5, help="target timed seconds per size")
     p.add_argument("--max-iters", type=int, default=1000)
+    p.add_argument("--iters", type=at_least(1),
+                   help="timed iterations per size, instead of as many as --seconds allows "
+                        "(skips the two probing calls: for links so slow that one call takes "
+                        "seconds)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", help="write the rows to this file (rank 0)")
     p.add_argument("--profile", action="store_true",
@@ -383,9 +387,12 @@ def _measure(args, fn, barrier, reduce_max, x, check: bool, rank: int, n: int, n
         if not gs.allreduce(np.array([int(trying())]), op=gs.Max, name="bench.trying")[0]:
             break
         fn()
-    probe = _timed(fn, barrier, 2, reduce_max)
-    iters = int(min(args.max_iters, max(5, args.seconds / max(min(probe), 1e-6))))
-    iters = int(gs.broadcast_object(iters, 0, name="bench.iters"))
+    if args.iters is None:
+        probe = _timed(fn, barrier, 2, reduce_max)
+        iters = int(min(args.max_iters, max(5, args.seconds / max(min(probe), 1e-6))))
+        iters = int(gs.broadcast_object(iters, 0, name="bench.iters"))
+    else:
+        iters = args.iters  # the same argument on every rank: nothing to agree on
     samples = _timed(fn, barrier, iters, reduce_max)
     wrong = 0
     if check:
@@ -399,7 +406,8 @@ def _measure(args, fn, barrier, reduce_max, x, check: bool, rank: int, n: int, n
     med = statistics.median(samples)
     algbw = nbytes / med / 1e9
     return {"time_us": med * 1e6, "iqr_us": float(np.subtract(
-        *np.percentile(samples, [75, 25])) * 1e6), "iters": iters, "algbw": algbw,
+        *np.percentile(samples, [75, 25])) * 1e6), "samples_us": [s * 1e6 for s in samples],
+        "iters": iters, "algbw": algbw,
         "busbw": algbw * (2 * (n - 1) / n if n > 1 else 1), "wrong": wrong}
 
 

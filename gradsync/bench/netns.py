@@ -442,11 +442,14 @@ def _base_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 def rank_env(cluster: Cluster, slot: Slot, slots: Sequence[Slot], port: int,
              job_id: str) -> dict[str, str]:
-    """The torchrun-style variables of one rank."""
+    """The torchrun-style variables of one rank, and ``GLOO_SOCKET_IFNAME=eth0``: gloo finds
+    its interface by the machine's host name, which no emulated host resolves, and would
+    fall back to loopback, where no peer is (torch.distributed's gloo beside gradsync)."""
     return {"RANK": str(slot.rank), "WORLD_SIZE": str(len(slots)),
             "LOCAL_RANK": str(slot.local_rank), "LOCAL_WORLD_SIZE": str(slot.local_size),
             "MASTER_ADDR": slots[0].host.ip, "MASTER_PORT": str(port),
-            "GRADSYNC_HOSTNAME": slot.host.name, "GRADSYNC_JOB_ID": job_id}
+            "GRADSYNC_HOSTNAME": slot.host.name, "GRADSYNC_JOB_ID": job_id,
+            "GLOO_SOCKET_IFNAME": "eth0"}
 
 
 def run(cluster: Cluster, argv: Sequence[str], *, timeout: float | None = None,

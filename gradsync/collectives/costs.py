@@ -34,8 +34,18 @@ The algorithms, for n ranks and S bytes (p = the largest power of two <= n):
     hierarchical      a ring's traffic inside each unit (reduce-scatter, then allgather), and
                       the allreduce of the shares across units, hierarchical again one tier up:
                       a rank of a unit with k ranks handles ceil(m/k) of the m shares one after
-                      another (m = the largest unit), while the unit's k ranks share its uplink
+                      another (m = the largest unit), the unit's k ranks at the same time
     shm               the host's shared segment: 3 (k-1)/k S through local memory
+
+The allreduce across units runs on ``split()``'s *owners*: one stand-in per unit, carrying the
+k shares that the unit's k ranks send at once. Through the unit's uplink they all pass, so the
+stand-in gets the uplink as one message would; below it each share leaves from its own rank,
+so the stand-in's bytes spread over the unit's own links: a rack of 16 single-GPU nodes sends
+its 16 shares through 16 NICs, not one. Its bandwidth there is the sum of those links
+(``RankFabric.hosts``, ``TierFabric``'s stride). Example: 4 racks x 16 nodes of one GPU, 10
+GB/s NICs, non-blocking racks, 1 GB: the ring inside a rack takes 2 x 15/16 x 1 GB / 10 GB/s
+= 187.5 ms; across racks each rank's 4-rank ring on 1/16 GB takes 2 x 3/4 x 62.5 MB / 10 GB/s
+= 9.4 ms: 197 ms, as a flat ring (the stand-in sent through one NIC would take 150 ms there).
 
 Worked example: 2 hosts x 2 ranks, 1 Gbit/s (125 MB/s) between hosts, 64 MiB. The
 hierarchical plan's ring inside each host is fast; across hosts two owners (one per host)
@@ -47,7 +57,7 @@ sends 6 steps of 16 MiB with two streams on each NIC: 1.6 s, 2.9x more.
 from __future__ import annotations
 
 import math
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 from ..topology import Topology
 from . import hierarchical as _hier
@@ -71,7 +81,9 @@ class Fabric(Protocol):
 
     def split(self) -> "tuple[list[Fabric], Fabric] | None":
         """``(parts, owners)``: one fabric per distinct unit (the ranks of one unit, in order),
-        and the fabric of one stand-in rank per unit; None when no tier splits the ranks."""
+        and the fabric of one stand-in rank per unit, whose messages carry the unit's shares
+        through its uplink and, below it, through all of the unit's links at once; None when
+        no tier splits the ranks."""
         ...
 
     def ordered(self) -> "Fabric":
@@ -162,11 +174,15 @@ class RankFabric:
         topo: the job's topology.
         ranks: global ranks, in the order the algorithm walks them.
         levels: the tiers the hierarchical plan may split (``hierarchical.levels_of``).
+        hosts: for a stand-in rank (``split``'s owners), the hosts its unit's ranks are on:
+            its messages leave through all of their NICs at once. Other ranks: their own.
     """
 
-    def __init__(self, topo: Topology, ranks: Sequence[int], levels=None):
+    def __init__(self, topo: Topology, ranks: Sequence[int], levels=None,
+                 hosts: "Mapping[int, frozenset[int]] | None" = None):
         self.topo, self.ranks = topo, list(ranks)
         self.levels = _hier.levels_of(topo) if levels is None else levels
+        self.hosts = dict(hosts or {})
         self.n = len(self.ranks)
         self.reduce_bandwidth = topo.reduce_bandwidth
 
@@ -187,11 +203,15 @@ class RankFabric:
         if not levels:
             return None
         parts = _hier.units(self.topo.ring_order(self.ranks), levels[0])
-        return ([RankFabric(self.topo, u, levels[1:]) for u in parts],
-                RankFabric(self.topo, [u[0] for u in parts], levels[1:]))
+        cover = {u[0]: frozenset().union(*(self._hosts_of(r) for r in u)) for u in parts}
+        return ([RankFabric(self.topo, u, levels[1:], self.hosts) for u in parts],
+                RankFabric(self.topo, [u[0] for u in parts], levels[1:], cover))
 
     def ordered(self) -> "RankFabric":
-        return RankFabric(self.topo, self.topo.ring_order(self.ranks), self.levels)
+        return RankFabric(self.topo, self.topo.ring_order(self.ranks), self.levels, self.hosts)
+
+    def _hosts_of(self, r: int) -> frozenset[int]:
+        return self.hosts.get(r) or frozenset((self.topo.host_of[r],))
 
     def shm_bandwidth(self) -> float:
         return self.topo.tiers["local"].bandwidth
@@ -208,8 +228,11 @@ class RankFabric:
         worst = 0.0
         for a, b in messages:
             tier = topo.tier(a, b)
+            # A stand-in's shares leave through every NIC of its unit (``hosts``) at once.
+            nics = len(self._hosts_of(a))
             bandwidth = topo.tiers["local"].bandwidth if tier == "local" else min(
-                topo.tiers[t].bandwidth / leaving[(t, unit)] for t, unit in self._uplinks(a, b))
+                topo.tiers[t].bandwidth * (nics if t == "host" else 1) / leaving[(t, unit)]
+                for t, unit in self._uplinks(a, b))
             worst = max(worst, topo.tiers[tier].latency + nbytes / bandwidth)
         return worst
 

@@ -14,7 +14,8 @@ against one GPU, the algorithm each bucket ran, and the busiest tier.
 ``--plot`` (needs matplotlib: ``pip install 'gradsync[simulate]'``) draws efficiency and
 step time against GPU count, one line per algorithm. ``--validate`` prints the validation
 points, predicted against observed, then the sources and assumptions of each point and
-cluster file; ``--measure`` adds the measured-here points (root, about a minute).
+cluster file; ``--measure`` adds the measured-here points (root, about twenty minutes): training
+steps on 3 and 4 ranks, allreduces on 16 to 64 ranks over 4 to 16 emulated hosts.
 """
 
 from __future__ import annotations
@@ -147,21 +148,25 @@ def _validate(args) -> int:
         write_json(rows, args.json)
         if args.json == "-":
             return 0
-    print(f"{'point':<34} {'cluster':<20} {'gpus':>6} {'quantity':<11} {'predicted':>10} "
+    print(f"{'point':<34} {'cluster':<20} {'gpus':>6} {'quantity':<12} {'predicted':>10} "
           f"{'observed':>9} {'error':>8} {'no jitter':>10} {'no persistent':>13}")
     for r in rows:
-        if "step_ms_predicted" in r:
-            print(f"{r['point']:<34} {r['cluster']:<20} {r['gpus']:>6} {'step ms':<11} "
+        if "allreduce_ms_predicted" in r:
+            print(f"{r['point']:<34} {r['cluster']:<20} {r['gpus']:>6} {'allreduce ms':<12} "
+                  f"{r['allreduce_ms_predicted']:>10.1f} {r['allreduce_ms_measured']:>9.1f} "
+                  f"{r['error_pct']:>+7.1f}%  {r['of_bound']:.1%} of the link-limited bound")
+        elif "step_ms_predicted" in r:
+            print(f"{r['point']:<34} {r['cluster']:<20} {r['gpus']:>6} {'step ms':<12} "
                   f"{r['step_ms_predicted']:>10.1f} {r['step_ms_measured']:>9.1f} "
                   f"{r['error_pct']:>+7.1f}%")
         else:
-            print(f"{r['point']:<34} {r['cluster']:<20} {r['gpus']:>6} {'efficiency':<11} "
+            print(f"{r['point']:<34} {r['cluster']:<20} {r['gpus']:>6} {'efficiency':<12} "
                   f"{r['predicted']:>10.1%} {r['observed']:>9.1%} "
                   f"{r['error_points']:>+6.1f}pt {r['predicted_no_jitter']:>10.1%} "
                   f"{r['predicted_no_persistent']:>13.1%}")
     if not args.measure:
-        print("# measured-here points (training steps on emulated clusters): add --measure "
-              "(root, about a minute)")
+        print("# measured-here points (training steps and allreduces of 16 to 64 ranks on "
+              "emulated clusters): add --measure (root, about twenty minutes)")
     _print_sources(rows)
     return 0
 
@@ -175,7 +180,16 @@ def _print_sources(rows: list[dict]) -> None:
             print(f"# {r['point']}:")
             print(wrap.fill(f"source: {r['source']}"))
             print(wrap.fill(f"assumed: {r['assumed']}"))
-    for name in dict.fromkeys(r["cluster"] for r in rows):
+    described = set()
+    for r in rows:
+        if "allreduce_ms_predicted" in r and r["cluster"] not in described:
+            described.add(r["cluster"])
+            print(wrap.fill(f"{r['cluster']}: {r['hosts']} network namespaces of "
+                            f"{r['gpus'] // r['hosts']} ranks, links at {r['rate']} each way "
+                            "(gradsync/bench/netns.py); the cluster is emulated-2x2's with "
+                            "the host tier at the rate's TCP payload, x 1448/1514 "
+                            "(gradsync/simulate/measure_allreduce.py)"))
+    for name in dict.fromkeys(r["cluster"] for r in rows if r["cluster"] in shipped()):
         cluster = load(name)
         print(f"# cluster file {name} (gradsync/simulate/clusters/{name}.json):")
         print(wrap.fill(f"source: {cluster.source}"))

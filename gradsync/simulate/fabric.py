@@ -25,6 +25,12 @@ ranks: one stand-in per node, as the hierarchical plan uses one tier up).
   six GPUs per node they do not.)
 - ``split``: the lowest level with several units of several active ranks; its parts are one
   full unit and the partial last one, its owners the same ranks at the unit's stride.
+- A stand-in's links. An active rank at stride s stands for the s ranks of its unit (fewer
+  in the partial last one), whose shares leave at once: through an uplink of a level whose
+  units hold s ranks or more they pass together (one message), but below it they spread over
+  the unit's own links, so a level u unit of ``size_u`` < s ranks lends the stand-in
+  ``ceil(ranks of the unit / size_u)`` of its uplinks: a rack's stand-in sends through all
+  of the rack's NICs. (``costs.py`` explains why; ``RankFabric`` does the same with hosts.)
 
 On a cluster that a ``Topology`` can also describe (node, group), this fabric and the planner's
 give the same numbers (``tests/test_simulate.py`` checks it).
@@ -52,22 +58,34 @@ class TierFabric:
         self._sizes = cluster.unit_ranks()
         self._uplinks = cluster.uplinks()
         self._latency = [t.latency for t in cluster.tiers]
+        last = ranks - (self.n - 1) * stride  # the ranks the last stand-in stands for
+        # _links[0]: how many level u uplinks a full unit's stand-in sends through at once
+        # (1 at and above its own level), _links[1]: the partial last unit's.
+        self._links = [np.array([_spread(size, stride, r) for size in self._sizes], dtype=float)
+                       for r in (stride, last)]
 
     def _units(self, level: int) -> int:
         """How many level ``level`` units hold active ranks."""
         size = self._sizes[level]
         return self.n if size <= self.stride else -(-self.ranks // size)
 
-    def _bandwidth(self, tier: int) -> float:
-        """A lone message's bandwidth across ``tier``."""
-        return self._uplinks[0] if tier == 0 else min(self._uplinks[1:tier + 1])
+    def _bandwidth(self, tier: int, links: np.ndarray) -> float:
+        """A lone message's bandwidth across ``tier`` from a stand-in with ``links``."""
+        if tier == 0:
+            return self._uplinks[0]
+        return min(up * k for up, k in zip(self._uplinks[1:tier + 1], links[1:tier + 1]))
 
     # --- the steps ---------------------------------------------------------------------------
     def ring_step(self, nbytes: float) -> float:
         if self.n < 2:
             return 0.0
         crossed = [t for t in range(len(self._latency)) if self._units(t) > self._units(t + 1)]
-        return max(self._latency[t] + nbytes / self._bandwidth(t) for t in crossed)
+        worst = max(self._latency[t] + nbytes / self._bandwidth(t, self._links[0])
+                    for t in crossed)
+        # The last stand-in (its unit possibly partial, fewer links) closes the ring: its
+        # message crosses the highest tier crossed.
+        top = crossed[-1]
+        return max(worst, self._latency[top] + nbytes / self._bandwidth(top, self._links[1]))
 
     def pair_step(self, distance: int, p: int, nbytes: float) -> float:
         src = np.arange(p, dtype=np.int64)
@@ -88,13 +106,16 @@ class TierFabric:
             tier[(a // self._sizes[t]) != (b // self._sizes[t])] = t
         bandwidth = np.full(a.size, np.inf)
         bandwidth[tier == 0] = self._uplinks[0]
+        last = a == (self.n - 1) * self.stride
         for u in range(1, levels):
             out = tier >= u  # leaves its level u unit
             if not out.any():
                 break
             unit = a[out] // self._sizes[u]
             _, inverse, counts = np.unique(unit, return_inverse=True, return_counts=True)
-            bandwidth[out] = np.minimum(bandwidth[out], self._uplinks[u] / counts[inverse])
+            links = np.where(last[out], self._links[1][u], self._links[0][u])
+            bandwidth[out] = np.minimum(bandwidth[out],
+                                        self._uplinks[u] * links / counts[inverse])
         latency = np.asarray(self._latency)[tier]
         return float(np.max(latency + nbytes / bandwidth))
 
@@ -121,5 +142,11 @@ class TierFabric:
 
     def __repr__(self) -> str:
         return f"TierFabric({self.cluster.name!r}, ranks={self.ranks}, stride={self.stride})"
+
+
+def _spread(size: float, stride: int, ranks: int) -> int:
+    """How many level units of ``size`` ranks a stand-in of ``ranks`` ranks (at ``stride``)
+    sends through at once: 1 at levels whose units hold a whole stand-in's unit."""
+    return 1 if size >= stride else -(-ranks // int(size))
 
 

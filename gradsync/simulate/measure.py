@@ -19,6 +19,9 @@ one thread, as the bench's ranks run, and reports mean, standard deviation, thei
 the tail. ``python3 -m gradsync.simulate.measure --jitter`` prints it (no root).
 ``straggler_check`` (``--stragglers N``) runs N such ranks in lockstep and compares the
 slowest rank per step with the straggler term's expectation.
+
+The points of 16 to 64 ranks are allreduces, not training steps (``measure_allreduce.py``
+says why); ``measured_rows`` returns both kinds.
 """
 
 from __future__ import annotations
@@ -92,7 +95,11 @@ def measure(emulation: Emulation, steps: int = 4, windows: int = 2,
 
 
 def measured_rows() -> list[dict]:
-    return [row for e in EMULATED for row in measure(e)]
+    """The training steps of ``EMULATED``, then the allreduces of 16 to 64 ranks
+    (``measure_allreduce.EMULATED_ALLREDUCE``)."""
+    from .measure_allreduce import allreduce_rows
+
+    return [row for e in EMULATED for row in measure(e)] + allreduce_rows()
 
 
 def compute_jitter(model: str = "cnn", steps: int = 300, warmup: int = 20,
