@@ -27,6 +27,9 @@ import gc
 import os
 import runpy
 import sys
+import time
+
+started = time.monotonic()
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # checks.py, common.py
 
@@ -58,8 +61,10 @@ def rank_main(rank: int) -> None:
     os.close(log)
     sys.stdout = os.fdopen(1, "w", buffering=1)
     sys.stderr = os.fdopen(2, "w", buffering=1)
-    if deadline > 0:
-        faulthandler.dump_traceback_later(deadline, exit=True)
+    if deadline > 0:  # counted from this process's start, as the caller counts its own
+        left = max(1.0, deadline - (time.monotonic() - started))
+        os.environ["GS_TEST_DEADLINE"] = str(left)  # for the script's own common.py
+        faulthandler.dump_traceback_later(left, exit=True)
     sys.argv = [script, *args]
     status = 0
     try:
