@@ -12,8 +12,9 @@ rank computes for itself (rank r contributes a formula of r):
 2. The Horovod API (``gradsync.torch``): named asynchronous allreduces issued in a different
    order on every rank (the negotiation matches them by name), then ``DistributedOptimizer``
    over a tiny float64 model against one process training on every rank's batch at once.
-3. The torch.distributed backend "gradsync" in the same process (a World of its own): every
-   collective, a ring of sends and receives, and DDP against the same one-process reference.
+3. The torch.distributed backend "gradsync" in the same process, after ``hvd.shutdown()`` (a
+   World of its own): every collective, a ring of sends and receives, and DDP against the
+   same one-process reference.
 
 Tensors stay small (the largest is 256 KiB) so that 128 ranks fit in memory beside torch.
 Each rank exits non-zero at its first wrong value, naming it, and ends with
@@ -212,7 +213,10 @@ train(net, optimizer, *batch(R))
 compare("DistributedOptimizer", net, reference_net)
 done("DistributedOptimizer")
 
-# --- 3. the torch.distributed backend, beside the Horovod API in the same process
+# --- 3. the torch.distributed backend, in the same process once the Horovod API has left:
+# each is a World of its own, and today's Worlds connect every pair at once (a connect storm
+# that two of them at a time, 128 ranks on 2 cores, can stretch past the handshake timeout)
+hvd.shutdown()
 import torch.distributed as dist  # noqa: E402
 
 warnings.simplefilter("ignore")
@@ -266,8 +270,6 @@ train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.5, momentum=0.9), *batch(R))
 compare("DDP", ddp_net, reference_net)
 dist.destroy_process_group()
 done("torch backend")
-
-hvd.shutdown()
 maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10
 with open("/proc/self/smaps_rollup") as rollup:  # what this rank alone holds, not shared
     private = sum(int(v) for v in re.findall(r"Private_\w+:\s+(\d+)", rollup.read())) >> 10
