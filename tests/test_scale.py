@@ -116,24 +116,36 @@ def forked(n: int, per_host: int, script: str, *args: str, tmp_path: Path,
     env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
                 "GS_TEST_DEADLINE": str(timeout - 10), "PYTHONUNBUFFERED": "1",
                 "OMP_NUM_THREADS": "1",
-                # 128 ranks that all start at once on 2 busy cores may take longer than the
-                # default minute to meet: what is checked here is what they do once met.
-                "GRADSYNC_CONNECT_TIMEOUT": str(timeout), **(settings or {})})
+                # 64 or 128 ranks that all start at once on 2 busy cores may take longer than
+                # the default minute to meet, and a rank may wait its turn on a core past the
+                # heartbeat's 15 s (measured: false losses at load 100): what is checked here is
+                # what the ranks do once met, and a dead rank is found by its closed
+                # connections, not by its silence.
+                "GRADSYNC_CONNECT_TIMEOUT": str(timeout), "GRADSYNC_HEARTBEAT_TIMEOUT": "120",
+                **(settings or {})})
     mark = new_mark()
     memory, start = _Memory(mark), time.monotonic()
     try:
         done = run_job([sys.executable, str(RANKS / "forked.py"), str(n), str(per_host),
                         str(logs), str(RANKS / script), *args], timeout=timeout, env=env,
                        mark=mark, what=f"{script} {' '.join(args)} with {n} ranks")
+    except AssertionError as exc:  # the deadline: show where the ranks were (their dumps)
+        stacks = "\n".join(f"--- rank {r} ---\n{_log(logs, r)[-2500:]}"
+                           for r in sorted({0, n // 2, n - 1}))
+        raise AssertionError(f"{exc}\n{stacks}") from None
     finally:
         wall, peak = time.monotonic() - start, memory.stop()
         del store
-    texts = {r: (logs / f"{r}.log").read_text() if (logs / f"{r}.log").exists() else ""
-             for r in range(n)}
+    texts = {r: _log(logs, r) for r in range(n)}
     job = Job(done.returncode, done.stdout, texts, wall, peak)
     print(f"\n{script} {' '.join(args)}: {n} ranks, {n // per_host} hosts: wall {wall:.1f} s, "
           f"{peak}")
     return job
+
+
+def _log(logs: Path, rank: int) -> str:
+    path = logs / f"{rank}.log"
+    return path.read_text(errors="replace") if path.exists() else ""
 
 
 def results(job: Job) -> dict:
@@ -169,10 +181,7 @@ def check_every_survivor_names(job: Job, victim: int, within: float) -> list[flo
 
 
 def test_every_collective_the_optimizer_and_the_backend_at_128_ranks_on_16_hosts(tmp_path):
-    # 128 ranks on 2 cores: a rank may wait long for its turn, which is no lost peer here
-    # (the kill test below checks how fast a lost one is found).
-    job = forked(128, 8, "scale.py", tmp_path=tmp_path, timeout=540,
-                 env={"GRADSYNC_HEARTBEAT_TIMEOUT": "120"})
+    job = forked(128, 8, "scale.py", tmp_path=tmp_path, timeout=540)
     assert job.returncode == 0, job
     done = {r: re.search(r"SCALE OK rank=\d+ checks=(\d+) .*private_mib=(\d+)", text)
             for r, text in job.logs.items()}

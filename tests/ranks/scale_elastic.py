@@ -2,15 +2,15 @@
 
     scale_elastic.py VICTIM AT
 
-Run by tests/test_scale.py under ``gradsync run -np N --min-np 2 -H 127.0.0.1:4,...`` (hosts
-by name: a failed worker's host leaves the job with it). Each step is one allreduce of 1,000 floats (every worker contributes its
-first rank + 1); the state (``ObjectState``: the step and a running total of the allreduces)
-is committed every 5 steps. Worker VICTIM (its first rank) prints ``DYING wall=<time.time()>``
-and SIGKILLs itself at step AT, after starting that step's allreduce; every survivor rolls back
-to the last commit, the job re-forms without it, and each survivor prints
-``FIRSTSTEP wall=<time.time()>`` when its first step of the new generation completes, as
-``gradsync bench elastic`` measures recovery (from the victim's death to the last survivor's
-first step). Each worker ends with ``RESULT id=<first rank> rank=<r> size=<n> gen=<g>
+Run by tests/test_scale.py under ``gradsync run -np N --min-np 2 -H 127.0.0.1:4,...`` (hosts by
+name: a failed worker's host leaves the job with it). Each step is one allreduce of 1,000 floats
+(every worker contributes its first rank + 1); the state (``ObjectState``: the step and a
+running total of the allreduces) is committed every 5 steps. Worker VICTIM (its first rank)
+prints ``DYING wall=<time.time()>`` and SIGKILLs itself at step AT, after starting that step's
+allreduce; every survivor rolls back to the last commit, the job re-forms without it, and each
+survivor prints ``FIRSTSTEP wall=<time.time()>`` when its first step of the new generation
+completes, as ``gradsync bench elastic`` measures recovery (from the victim's death to the last
+survivor's first step). Each worker ends with ``RESULT id=<first rank> rank=<r> size=<n> gen=<g>
 step=<s> total=<t>``; the totals follow from the steps in closed form, so all must agree.
 """
 
