@@ -1,0 +1,116 @@
+"""Failures and first contacts among many ranks; each rank prints one RESULT line.
+
+    scale_faults.py kill VICTIM      VICTIM SIGKILLs itself while every other rank waits in
+                                     an allreduce for it
+    scale_faults.py lost VICTIM      VICTIM SIGKILLs itself right after init(), before any
+                                     collective: the others' first collective (an alltoall,
+                                     which needs every peer) meets a peer that is gone
+    scale_faults.py first-use        an alltoall first of all (every pair's first message, every
+                                     rank sending and receiving at once), then objects and
+                                     allreduces: all correct
+    scale_faults.py secret BAD       rank BAD has another secret than the rest
+    scale_faults.py sockets          a few allreduces of three sizes, then each rank counts the
+                                     TCP sockets it holds
+
+Run by tests/test_scale.py (through tests/ranks/forked.py). Lines:
+
+    DYING wall=<time.time()>                    the victim, just before it dies
+    RESULT rank=<r> wall=<time.time()> <ErrorType>: <message>   a rank that caught an error
+    RESULT rank=<r> ok ...                      a rank that saw everything right
+    SOCKETS rank=<r> count=<n>                  sockets in /proc/self/fd (store, listener and
+                                                peers alike), after the allreduces
+
+A wrong result ends the rank with exit status 1 and names it; a caught GradsyncError exits 17.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import common  # noqa: F401  (deadline)
+import numpy as np
+
+mode = sys.argv[1]
+if mode == "secret":  # set before init reads it; the secret guards every TCP connection
+    os.environ["GRADSYNC_SECRET"] = ("ab" if os.environ["RANK"] == sys.argv[2] else "cd") * 32
+
+import gradsync as gs  # noqa: E402
+
+R = int(os.environ["RANK"])
+
+
+def report(exc: BaseException) -> None:
+    one_line = str(exc).replace("\n", " | ")
+    print(f"RESULT rank={R} wall={time.time():.6f} {type(exc).__name__}: {one_line}",
+          flush=True)
+    os._exit(17)
+
+
+def die() -> None:
+    print(f"DYING wall={time.time():.6f}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def equal(what, got, want) -> None:
+    if not np.array_equal(np.asarray(got), np.asarray(want)):
+        sys.exit(f"rank {R}: {what}: got {np.asarray(got).ravel()[:6]} want "
+                 f"{np.asarray(want).ravel()[:6]}")
+
+
+def sockets() -> int:
+    """TCP and Unix sockets this process holds now."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:  # the directory's own descriptor, closed meanwhile
+            pass
+    return count
+
+
+try:
+    # A timeout far beyond the bounds checked: an error that comes from it comes too late.
+    gs.init(timeout=60)
+    N = gs.size()
+    if mode == "kill":
+        victim = int(sys.argv[2])
+        gs.allreduce(np.ones(10), name="warm-up")
+        gs.barrier()
+        if R == victim:
+            time.sleep(3)  # every other rank is inside the allreduce by now
+            die()
+        gs.allreduce(np.ones(1000, dtype=np.float32), name="waits for the victim")
+        print(f"RESULT rank={R} ok: no error", flush=True)
+    elif mode == "lost":
+        victim = int(sys.argv[2])
+        if R == victim:
+            die()
+        time.sleep(1)
+        gs.alltoall(np.full((N, 1), R, dtype=np.int32), name="meets the lost peer")
+        print(f"RESULT rank={R} ok: no error", flush=True)
+    elif mode == "first-use":
+        out = gs.alltoall(np.arange(N, dtype=np.int64)[:, None] + 1000 * R, name="first")
+        equal("alltoall first", out, (1000 * np.arange(N) + R)[:, None])
+        equal("allgather_object", gs.allgather_object(R), list(range(N)))
+        for count in [1, 1000, 100_000]:
+            equal(f"allreduce[{count}]", gs.allreduce(np.full(count, R, dtype=np.float32),
+                                                      op=gs.Sum), np.full(count, N * (N - 1) / 2))
+        gs.barrier()
+        print(f"RESULT rank={R} ok: first use", flush=True)
+    elif mode == "secret":
+        gs.alltoall(np.full((N, 1), R, dtype=np.int32), name="every pair")
+        gs.barrier()
+        print(f"RESULT rank={R} ok: no error", flush=True)
+    elif mode == "sockets":
+        for count in [1, 1000, 262_144] * 2:  # small, medium and 1 MiB: every size's algorithm
+            got = gs.allreduce(np.full(count, R, dtype=np.float32), op=gs.Sum)
+            equal(f"allreduce[{count}]", got, np.full(count, N * (N - 1) / 2))
+        print(f"SOCKETS rank={R} count={sockets()}", flush=True)
+        gs.barrier()  # nobody leaves while another still counts
+        print(f"RESULT rank={R} ok: sockets counted", flush=True)
+    else:
+        sys.exit(f"unknown mode {mode}")
+    gs.shutdown()
+except gs.GradsyncError as exc:
+    report(exc)
