@@ -79,9 +79,12 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
     # A host that vanishes without closing its sockets (power loss, partition) is noticed by
-    # keepalive probes after about 10 + 3 * 3 = 19 s instead of the kernel's two hours.
+    # keepalive probes after about 10 + 8 * 5 = 50 s instead of the kernel's two hours, when
+    # the heartbeats (heartbeat.py, which notice it first) are off. Not fewer probes: on a
+    # loaded host the kernel drops packets (the loopback backlog of 1,000 overflowed on 2 cores
+    # with 128 ranks), and three probes lost in a row ended live connections with ETIMEDOUT.
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 3), ("TCP_KEEPCNT", 3)):
+    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 8)):
         if hasattr(socket, name):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
