@@ -6,7 +6,7 @@ the shipped cluster file and the compute time measured in the same run. About a 
 cluster.
 
 Allreduces at scale: 16 ranks over 4 emulated hosts (gradsync.simulate.measure_allreduce), at
-25 and 12.5 Mbit/s, each algorithm's time against the cost model. Needs root.
+25 Mbit/s, each algorithm's time against the cost model and the link-limited bound. Needs root.
 """
 
 import pytest
@@ -30,18 +30,19 @@ def test_predicted_step_time_within_15_percent_of_measured(emulation):
 
 
 def test_allreduces_of_16_ranks_over_4_hosts_within_15_percent_and_bound_by_the_links():
+    """The 25 Mbit/s point of EMULATED_ALLREDUCE, one timed allreduce per algorithm (CI's
+    share): within 15% of the model, and within 15% of the link-limited bound, so the links,
+    not the 2 cores, set the time. Both points with three iterations each and the half-rate
+    check take about 14 minutes: `gradsync simulate --validate --measure` (docs/simulate.md);
+    on 2026-11-26 they gave -6.2/-3.4% (hierarchical/ring) at 25 Mbit/s and -3.4/-3.0% at
+    12.5 Mbit/s, 93-97% of the bound."""
     require_netns()
-    points = sorted((p for p in EMULATED_ALLREDUCE if (p.hosts, p.ranks) == (4, 4)),
-                    key=lambda p: p.payload_rate(), reverse=True)
-    assert len(points) == 2 and points[0].payload_rate() == 2 * points[1].payload_rate()
-    fast, slow = (measure_allreduce(p, timeout=600) for p in points)
-    for row in fast + slow:
+    point = next(p for p in EMULATED_ALLREDUCE if (p.hosts, p.ranks, p.rate) == (4, 4, "25mbit"))
+    rows = measure_allreduce(point, iters=1, timeout=600)
+    for row in rows:
         print(row)
-    for row in fast + slow:
+    assert {row["algorithm"] for row in rows} == {"hierarchical", "ring"}
+    for row in rows:
         assert row["wrong"] == 0, row
         assert abs(row["error_pct"]) <= 15, row
-    # Half the rate, twice the time, within 10%: the links are the limit, not the cores
-    # (a share c of the time that does not scale with the rate gives (2 + c) / (1 + c)).
-    for f, s in zip(fast, slow):
-        assert f["algorithm"] == s["algorithm"]
-        assert 1.8 <= s["allreduce_ms_measured"] / f["allreduce_ms_measured"] <= 2.2, (f, s)
+        assert row["of_bound"] >= 0.85, row
