@@ -396,7 +396,9 @@ def _check_sockets(n: int, got: dict) -> None:
         # Exactly: store client + the abort watch's store client + listener + the TCP pairs
         # + the heartbeat's links to its ring neighbours (heartbeat.py).
         links = len({(r - 1) % n, (r + 1) % n} - {r})
-        assert g["doubling"]["sockets"] == 3 + len(g["doubling"]["tcp"]) + links, (r, g)
+        # (A dial that crossed another may still be closing when counted: one more at most.)
+        expected = 3 + len(g["doubling"]["tcp"]) + links
+        assert expected <= g["doubling"]["sockets"] <= expected + 1, (r, g)
         # A sub-world adds its own TCP pairs (and its heartbeat's store client), no listener.
         sub = g["subworld"]
         assert sub["shares_listener"], (r, g)
