@@ -410,6 +410,26 @@ class Cluster:
             _delete_ns(ns)
         self._created.clear()
 
+    def cut(self, host: str, connected: bool = False) -> None:
+        """Partitions ``host`` from every other (``connected``: joins it again).
+
+        Its switch port goes down, as when a cable is pulled: the host's ``eth0`` loses its
+        carrier, its address and sockets stay, and every packet either way is dropped until
+        the port is up again (TCP retransmits; connections survive a short cut).
+        """
+        port = f"h{self.hosts.index(self.host(host))}"
+        _sh("ip", "-n", self.switch, "link", "set", port, "up" if connected else "down")
+
+    def reshape(self, host: str, rate: str | None, delay: str | None) -> None:
+        """Replaces the shaping of ``host``'s link, both ends (None, None: unshaped), as
+        ``up()`` set it: a straggler's link is ``reshape(host, slower, longer)``, and
+        ``reshape(host, <the cluster's rate and delay>)`` restores it."""
+        port = f"h{self.hosts.index(self.host(host))}"
+        for ns, dev, host_side in ((self.host(host).ns, "eth0", True), (self.switch, port, False)):
+            _sh("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
+            _shape(ns, dev, parse_rate(rate) if rate else None,
+                   parse_delay(delay) if delay and host_side else None)
+
     def exec_argv(self, host: str, argv: Sequence[str]) -> list[str]:
         """The command line that runs ``argv`` inside ``host``'s namespace."""
         return ["ip", "netns", "exec", self.host(host).ns, *argv]
