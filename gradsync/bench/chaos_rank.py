@@ -104,8 +104,8 @@ def main(argv=None) -> None:
             optimizer.step()
             state.sampler.record_batch(batch)
             state.step += 1
-            print(f"CHAOS step p={pid} g={generation()} r={hvd.rank()} n={hvd.size()} s={state.step} "
-                  f"e={state.epoch} wall={time.time():.6f} h={_digest(model)} "
+            print(f"CHAOS step p={pid} g={generation()} r={hvd.rank()} n={hvd.size()} "
+                  f"s={state.step} e={state.epoch} wall={time.time():.6f} h={_digest(model)} "
                   f"i={','.join(map(str, rows))}", flush=True)
             if state.step % options.commit_every == 0:
                 state.done = stop_agreed()
@@ -129,8 +129,8 @@ def main(argv=None) -> None:
                 raise
 
     train(state)
-    print(f"CHAOS done p={pid} g={generation()} r={hvd.rank()} s={state.step} wall={time.time():.6f}",
-          flush=True)
+    print(f"CHAOS done p={pid} g={generation()} r={hvd.rank()} s={state.step} "
+          f"wall={time.time():.6f}", flush=True)
 
 
 if __name__ == "__main__":

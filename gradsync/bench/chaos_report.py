@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 __all__ = ["Step", "Raised", "Fault", "Log", "parse", "outcome", "mismatches", "lineage",
-           "samples", "complete_steps", "rejoins", "goodput", "report", "format_text", "format_markdown", "SAMPLE_RULE"]
+           "samples", "complete_steps", "rejoins", "goodput", "report", "format_text",
+           "format_markdown", "SAMPLE_RULE"]
 
 SAMPLE_RULE = ("in the lineage (the steps the final parameters come from) every epoch uses "
                "each sample once; the last step of an epoch may pad with up to size-1 samples "
