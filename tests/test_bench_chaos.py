@@ -122,11 +122,13 @@ def test_lost_repeated_and_half_logged_samples_break_the_rule():
     more, _ = _epoch(8, 2, s, 10.0, e=1)
     more[0] = more[0].replace("i=0,1", "i=2,3")  # epoch 1 uses rows 2, 3 twice, 0, 1 never
     last, _ = _epoch(8, 2, s + 2, 20.0, e=2)
+    last[1] = last[1].replace("i=2,3", "i=0,1")  # the last epoch (unfinished) repeats 0, 1
     got = cr.samples(cr.parse(lines + more + last), dataset=8)
     whys = [v["why"] for v in got["violations"]]
     assert "1 of 2 ranks logged it" in whys[0]
     assert any("2 samples missing, 0 repeated" in w for w in whys)  # epoch 0: rows 4, 5
     assert any("2 samples missing, 2 repeated (rule: at most 1)" in w for w in whys)
+    assert any("0 samples missing, 2 repeated (rule: at most 1)" in w for w in whys)
 
 
 def test_goodput_counts_the_lineages_samples_in_the_window():
