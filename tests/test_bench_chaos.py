@@ -11,7 +11,7 @@ import pytest
 
 from gradsync.bench import chaos, cli
 from gradsync.bench import chaos_report as cr
-from netns import require_netns
+from netns import cluster, measure_goodput, require_netns
 
 
 def _step(p, g, r, n, s, wall, h="aa", e=0, rows=None, prefix=None):
@@ -203,3 +203,34 @@ def test_a_short_soak_on_two_hosts_has_no_hang_no_mismatch_and_keeps_the_sample_
     assert kill["detected"] and kill["detection_s"] < 5 and kill["params_identical"], kill
     assert kill["recovery_s"] < 10 and kill["steps_lost"] >= 0, kill
     assert 0 < data["goodput"] and 0 < data["goodput_ratio"] <= 1.2, data
+
+
+_PROBE = r"""
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], 9), timeout=1.0)
+except ConnectionRefusedError:
+    print("reached")  # the host answered: nothing listens on port 9
+except OSError as exc:
+    print(f"unreached {exc}")
+"""
+
+
+def test_a_cut_host_reaches_no_one_until_reconnected_and_a_reshaped_link_is_slower():
+    def probe(c, src, dst):
+        return subprocess.run(c.exec_argv(src, [sys.executable, "-c", _PROBE, c.host(dst).ip]),
+                              capture_output=True, text=True, timeout=30).stdout.split()[0]
+
+    with cluster([("h0", 1), ("h1", 1), ("h2", 1)], host_rate="200mbit") as c:
+        assert probe(c, "h0", "h1") == "reached"
+        c.cut("h1")
+        assert probe(c, "h0", "h1") == "unreached" and probe(c, "h1", "h2") == "unreached"
+        assert probe(c, "h0", "h2") == "reached"  # only h1 is cut off
+        c.cut("h1", connected=True)
+        assert probe(c, "h0", "h1") == "reached"
+        fast = measure_goodput(c, "h0", "h1", 0.5)
+        c.reshape("h1", "20mbit", None)
+        slow = measure_goodput(c, "h0", "h1", 0.5)
+        c.reshape("h1", "200mbit", None)
+        again = measure_goodput(c, "h0", "h1", 0.5)
+    assert slow < fast / 4 and again > 4 * slow, (fast, slow, again)

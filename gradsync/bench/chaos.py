@@ -274,7 +274,7 @@ class _Soak:
             self.cluster.cut(host, connected=True)
             target = f"host {host}"
         else:
-            slow = f"{_rate_bits(self.options.rate) / self.options.slowdown:.0f}bit"
+            slow = _rate_text(_rate_bits(self.options.rate) / self.options.slowdown)
             delay = self.options.delay and \
                 f"{_delay_us(self.options.delay) * self.options.slowdown:.0f}us"
             self.cluster.reshape(host, slow, delay)
@@ -295,6 +295,14 @@ def _rate_bits(rate: str) -> int:
     from .netns import parse_rate
 
     return parse_rate(rate)
+
+
+def _rate_text(bits: float) -> str:
+    """A rate for ``tc`` and for people: 100000000 -> ``100mbit``."""
+    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if bits >= scale:
+            return f"{bits / scale:g}{unit}"
+    return f"{bits:.0f}bit"
 
 
 def _delay_us(delay: str) -> float:
@@ -357,7 +365,6 @@ def drive(hosts: int, options) -> int:
                                                  time.time())
     data = cr.report(soak.faults, soak.job.log, dataset=2048, window=window,
                      baseline=baseline, hangs=base.hangs + soak.hangs, skipped=skipped)
-    data["command"] = "gradsync bench chaos " + " ".join(sys.argv[3:])
     if base.hangs or soak.hangs:
         data["output_tail"] = list(soak.job.tail or base.job.tail)[-40:]
         sys.stdout.write("".join(data["output_tail"]))
