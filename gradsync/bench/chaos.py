@@ -95,6 +95,7 @@ class _Job:
         hosts = [h for h in cluster.hosts if h.name != _HEAD]
         self.size = sum(h.slots for h in hosts)
         self.log = cr.Log()
+        self.counts: dict[int, dict[str, int]] = {}  # generation -> worker -> steps in it
         self.lock = threading.Lock()
         self.tail: collections.deque[str] = collections.deque(maxlen=200)
         self.copy = open(options.log, "a") if options.log else None
@@ -113,7 +114,12 @@ class _Job:
 
     def _line(self, line: str) -> None:
         with self.lock:
+            seen = len(self.log.steps)
             self.log.add(line)
+            if len(self.log.steps) > seen:  # kept up to date here: the waits poll it often
+                st = self.log.steps[-1]
+                counts = self.counts.setdefault(st.g, {})
+                counts[st.worker] = counts.get(st.worker, 0) + 1
             self.tail.append(line)
             if self.copy is not None:
                 self.copy.write(line)
@@ -121,15 +127,10 @@ class _Job:
     def current(self) -> tuple[int, dict[str, int]]:
         """The newest generation with steps, and its workers with their step counts in it."""
         with self.lock:
-            steps = list(self.log.steps)
-        if not steps:
-            return -1, {}
-        g = max(st.g for st in steps)
-        counts: dict[str, int] = {}
-        for st in steps:
-            if st.g == g:
-                counts[st.worker] = counts.get(st.worker, 0) + 1
-        return g, counts
+            if not self.counts:
+                return -1, {}
+            g = max(self.counts)
+            return g, dict(self.counts[g])
 
     def steady(self) -> bool:
         """At full size, every worker past its first steps in the newest generation."""
@@ -261,10 +262,10 @@ class _Soak:
         pid = int(worker)
         start_wall = time.time()
         if kind == "kill":
-            os.kill(pid, signal.SIGKILL)
+            _signal(pid, signal.SIGKILL)
             target = f"worker {worker} on {host}"
         elif kind == "stop":
-            os.kill(pid, signal.SIGSTOP)
+            _signal(pid, signal.SIGSTOP)
             time.sleep(self.options.stop_seconds)
             _signal(pid, signal.SIGCONT)
             target = f"worker {worker} on {host}"
@@ -288,7 +289,7 @@ def _signal(pid: int, signum: int) -> None:
     try:
         os.kill(pid, signum)
     except ProcessLookupError:
-        pass  # the launcher already ended it
+        pass  # it ended on its own, or the launcher ended it
 
 
 def _rate_bits(rate: str) -> int:
