@@ -19,8 +19,8 @@ re-formed. Its *survivors* are the workers in both. Per detected fault:
 - **params**: every step of ``g1`` has one parameter digest across its ranks.
 
 A fault that no worker raised for was *absorbed* (a straggler, a partition shorter than the
-heartbeat timeout): its cost is the longest gap between two completed steps while it lasted
-(plus a few seconds), beside the median gap before it.
+heartbeat timeout): its cost is the longest gap between two of rank 0's steps while it
+lasted (and 5 s after), beside the median gap in the 30 s before it.
 
 **Lineage and samples.** A roll-back rewinds the step count, so a step number may be run more
 than once; the run that counts is the one of the newest generation (each later generation

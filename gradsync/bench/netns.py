@@ -28,6 +28,11 @@ Namespaces are named ``<prefix>-<pid>-<n>-<host>`` and ``<prefix>-<pid>-<n>.swit
 concurrent runs never collide; a run first deletes the namespaces of runs whose process is
 gone (a crash or SIGKILL skips their own clean-up), and always deletes its own on the way out.
 
+Faults, for ``gradsync bench chaos``: ``Cluster.cut(host)`` takes a host's switch port down
+(a pulled cable: its packets are dropped, its sockets stay) until ``cut(host,
+connected=True)``; ``Cluster.reshape(host, rate, delay)`` replaces the shaping of its link
+(a straggler), and the cluster's own rate and delay restore it.
+
 Ranks start as an external launcher (torchrun) would start them: ``ip netns exec <host ns>``
 with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR (rank 0's host address),
 MASTER_PORT (random; every namespace has its own ports) and GRADSYNC_HOSTNAME (the emulated
