@@ -152,6 +152,24 @@ def test_the_report_lists_every_fault_and_prints_as_text_and_markdown():
     json.dumps(data)  # --json writes it
 
 
+def test_the_worst_of_each_fault_kind_is_its_largest_figure():
+    rows = [{"fault": "kill", "detected": True, "detection_s": 0.2, "recovery_s": 0.5,
+             "steps_lost": 3, "stall_s": None},
+            {"fault": "kill", "detected": True, "detection_s": 0.4, "recovery_s": 0.1,
+             "steps_lost": 0, "stall_s": None},
+            {"fault": "partition", "detected": False, "detection_s": None,
+             "recovery_s": None, "steps_lost": None, "stall_s": 6.5}]
+    assert cr.worst(rows) == {
+        "kill": {"faults": 2, "detected": 2, "detection_s": 0.4, "recovery_s": 0.5,
+                 "steps_lost": 3},
+        "partition": {"faults": 1, "detected": 0, "stall_s": 6.5}}
+    text = cr.format_text({**cr.report([], cr.Log(), dataset=8, window=(0.0, 1.0),
+                                       baseline=None, hangs=[], skipped=[]),
+                           "worst": cr.worst(rows)})
+    assert "worst kill (2 of 2 detected): detection 0.4, recovery 0.5, steps_lost 3" in text
+    assert "worst partition (0 of 1 detected): stall 6.50" in text
+
+
 def test_fault_kinds_are_checked_and_the_server_fault_is_skipped_with_why():
     assert chaos._kinds("kill,server") == (["kill"], [chaos._SERVER_NOTE])
     with pytest.raises(ValueError, match="unknown kinds"):

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 __all__ = ["Step", "Raised", "Fault", "Log", "parse", "outcome", "mismatches", "lineage",
-           "samples", "complete_steps", "rejoins", "goodput", "report", "format_text",
+           "samples", "complete_steps", "rejoins", "worst", "goodput", "report", "format_text",
            "format_markdown", "SAMPLE_RULE"]
 
 SAMPLE_RULE = ("in the lineage (the steps the final parameters come from) every epoch uses "
@@ -267,6 +267,21 @@ def goodput(log: Log, start: float, end: float) -> float | None:
     return used / (end - start) if end > start else None
 
 
+def worst(rows: Sequence[dict]) -> dict[str, dict]:
+    """Per fault kind, the worst (largest) detection, recovery, steps lost and stall of
+    ``rows`` (``outcome``'s), and how many faults of that kind were detected; the issue's
+    bounds are about the worst of a soak."""
+    kinds: dict[str, dict] = {}
+    for row in rows:
+        entry = kinds.setdefault(row["fault"], {"faults": 0, "detected": 0})
+        entry["faults"] += 1
+        entry["detected"] += bool(row["detected"])
+        for key in ("detection_s", "recovery_s", "steps_lost", "stall_s"):
+            if row[key] is not None:
+                entry[key] = max(row[key], entry.get(key, row[key]))
+    return kinds
+
+
 def report(faults: Sequence[Fault], log: Log, *, dataset: int, window: tuple[float, float],
            baseline: float | None, hangs: Sequence[dict], skipped: Sequence[str]) -> dict:
     """The whole report as plain data (what ``--json`` writes).
@@ -281,7 +296,8 @@ def report(faults: Sequence[Fault], log: Log, *, dataset: int, window: tuple[flo
     rows = [{"at_s": round(f.wall - window[0], 1), **outcome(f, log, end)}
             for f, end in zip(faults, ends)]
     rate = goodput(log, *window)
-    return {"faults": rows, "hangs": list(hangs), "skipped": list(skipped),
+    return {"faults": rows, "worst": worst(rows), "hangs": list(hangs),
+            "skipped": list(skipped),
             "mismatches": [{"generation": g, "step": s} for g, s in mismatches(log)],
             "samples": samples(log, dataset), "sample_rule": SAMPLE_RULE,
             "rejoins": rejoins(log),
@@ -318,6 +334,12 @@ def _summary(data: dict) -> list[str]:
              f"samples: {len(epochs)} epochs, {sum(e['used'] for e in epochs)} used, "
              f"{len(data['samples']['violations'])} violations of the rule",
              f"sample rule: {data['sample_rule']}"]
+    for kind, entry in data["worst"].items():
+        lines.append(f"worst {kind} ({entry['detected']} of {entry['faults']} detected): "
+                     + ", ".join(f"{key[:-2] if key.endswith('_s') else key} "
+                                 f"{_cell(entry[key])}"
+                                 for key in ("detection_s", "recovery_s", "steps_lost", "stall_s")
+                                 if key in entry))
     pauses = [r["pause_s"] for r in data["rejoins"]]
     if pauses:
         lines.append(f"rejoins (a host back from its cooldown; not faults): {len(pauses)}, "
