@@ -51,6 +51,7 @@ __all__ = ["parser", "drive", "FAULTS"]
 
 FAULTS = ("kill", "stop", "partition", "straggler", "server")
 _HEAD = "head"
+_SAMPLES = 2048  # rows of the job's data set: the sample accounting counts against it
 _SERVER_NOTE = ("server: skipped: parameter-server jobs (--servers) cannot be elastic "
                 "(docs/elastic.md), so the chaos job has no server to kill")
 
@@ -107,6 +108,7 @@ class _Job:
                 "--ssh-command", _ssh_stand_in(cluster, folder),
                 sys.executable, "-m", "gradsync.bench.chaos_rank",
                 "--stop-file", self.stop_file, "--params", str(options.params),
+                "--samples", str(_SAMPLES),
                 "--compute", f"{options.compute:g}"]
         self.process: Process = start(cluster.exec_argv(_HEAD, argv), merge_stderr=True,
                                       text=True)
@@ -364,7 +366,7 @@ def drive(hosts: int, options) -> int:
         return 2
     window = soak.window if soak.window[1] else (soak.faults[0].wall if soak.faults else 0.0,
                                                  time.time())
-    data = cr.report(soak.faults, soak.job.log, dataset=2048, window=window,
+    data = cr.report(soak.faults, soak.job.log, dataset=_SAMPLES, window=window,
                      baseline=baseline, hangs=base.hangs + soak.hangs, skipped=skipped)
     if base.hangs or soak.hangs:
         data["output_tail"] = list(soak.job.tail or base.job.tail)[-40:]
