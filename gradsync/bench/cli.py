@@ -5,6 +5,7 @@
     gradsync bench train -np 2 [--compare ddp] [--model mlp|cnn|both] [--profile] ...
     gradsync bench ps -np 2 --servers 1 [--sizes 1K:64M] [--transport auto|tcp] [--straggler]
     gradsync bench scale -np 16[,64,128,...] [--hosts H] [--emulate auto|netns|names]
+    gradsync bench chaos [--hosts H] [--ranks-per-host K] [--minutes T] [--every F] ...
     gradsync bench BENCHMARK --help      (that benchmark's options)
 
 A benchmark module that defines ``drive`` starts its jobs itself (``ps`` starts one job per
@@ -34,6 +35,7 @@ from typing import Any, Callable
 __all__ = ["main", "add_json_option", "write_json", "parse_counts", "BENCHMARKS"]
 
 BENCHMARKS = {"allreduce": "gradsync.bench.allreduce", "backend": "gradsync.bench.backend",
+              "chaos": "gradsync.bench.chaos",
               "elastic": "gradsync.bench.elastic",
               "probe": "gradsync.bench.probe",
               "ps": "gradsync.bench.ps", "scale": "gradsync.bench.scale",
@@ -152,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"-np: {exc}")
     if args.benchmark == "scale":
         return _scale(parser, args, counts, rest)
+    if args.benchmark == "chaos":
+        return _chaos(parser, args, rest)
     if len(counts) > 1:
         parser.error("-np takes a list of numbers for the scale benchmark only")
     args.np = counts[0]
@@ -202,6 +206,29 @@ def _scale(parser: argparse.ArgumentParser, args: argparse.Namespace, counts: li
     def run(path: str) -> int:
         options.json = path
         return scale.drive(counts, hosts, options)
+
+    return _rows_to_stdout(run)
+
+
+def _chaos(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[str]) -> int:
+    """``gradsync bench chaos``: its ``--hosts`` is a number of emulated hosts (default 4);
+    its size is hosts x ``--ranks-per-host``, so it takes no ``-np``."""
+    if args.servers is not None or args.np != "2":
+        parser.error("gradsync bench chaos takes no -np or --servers: its job is --hosts x "
+                     "--ranks-per-host workers (parameter-server jobs cannot be elastic)")
+    hosts = args.hosts or "4"
+    if not hosts.isdigit() or int(hosts) < 2:
+        parser.error(f"--hosts {hosts!r}: the chaos benchmark takes a number of emulated hosts "
+                     "(at least 2)")
+    chaos = _module("chaos")
+    rest, to_stdout = _json_to_stdout(rest)
+    options = chaos.parser().parse_args(rest)
+    if not to_stdout:
+        return chaos.drive(int(hosts), options)
+
+    def run(path: str) -> int:
+        options.json = path
+        return chaos.drive(int(hosts), options)
 
     return _rows_to_stdout(run)
 

@@ -28,6 +28,11 @@ Namespaces are named ``<prefix>-<pid>-<n>-<host>`` and ``<prefix>-<pid>-<n>.swit
 concurrent runs never collide; a run first deletes the namespaces of runs whose process is
 gone (a crash or SIGKILL skips their own clean-up), and always deletes its own on the way out.
 
+Faults, for ``gradsync bench chaos``: ``Cluster.cut(host)`` takes a host's switch port down
+(a pulled cable: its packets are dropped, its sockets stay) until ``cut(host,
+connected=True)``; ``Cluster.reshape(host, rate, delay)`` replaces the shaping of its link
+(a straggler), and the cluster's own rate and delay restore it.
+
 Ranks start as an external launcher (torchrun) would start them: ``ip netns exec <host ns>``
 with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR (rank 0's host address),
 MASTER_PORT (random; every namespace has its own ports) and GRADSYNC_HOSTNAME (the emulated
@@ -409,6 +414,26 @@ class Cluster:
         for ns in reversed(self._created):
             _delete_ns(ns)
         self._created.clear()
+
+    def cut(self, host: str, connected: bool = False) -> None:
+        """Partitions ``host`` from every other (``connected``: joins it again).
+
+        Its switch port goes down, as when a cable is pulled: the host's ``eth0`` loses its
+        carrier, its address and sockets stay, and every packet either way is dropped until
+        the port is up again (TCP retransmits; connections survive a short cut).
+        """
+        port = f"h{self.hosts.index(self.host(host))}"
+        _sh("ip", "-n", self.switch, "link", "set", port, "up" if connected else "down")
+
+    def reshape(self, host: str, rate: str | None, delay: str | None) -> None:
+        """Replaces the shaping of ``host``'s link, both ends (None, None: unshaped), as
+        ``up()`` set it: a straggler's link is ``reshape(host, slower, longer)``, and
+        ``reshape(host, <the cluster's rate and delay>)`` restores it."""
+        port = f"h{self.hosts.index(self.host(host))}"
+        for ns, dev, host_side in ((self.host(host).ns, "eth0", True), (self.switch, port, False)):
+            _sh("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
+            _shape(ns, dev, parse_rate(rate) if rate else None,
+                   parse_delay(delay) if delay and host_side else None)
 
     def exec_argv(self, host: str, argv: Sequence[str]) -> list[str]:
         """The command line that runs ``argv`` inside ``host``'s namespace."""

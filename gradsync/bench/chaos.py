@@ -1,0 +1,381 @@
+"""``gradsync bench chaos``: an elastic job on emulated hosts, broken on a schedule.
+
+    gradsync bench chaos [--hosts 4] [--ranks-per-host 1] [--minutes 10] [--every 30]
+                         [--faults kill,stop,partition,straggler,server] [--json] [--markdown]
+
+The cluster is ``netns.Cluster``: one network namespace per emulated host (``h0`` ...), and
+one more, ``head``, where ``gradsync run`` and its store live, out of reach of every fault.
+The launcher reaches the hosts through an ssh stand-in that runs the worker's command in the
+host's namespace (``ip netns exec``, in a session of its own), so the job is started, watched
+and re-formed exactly as on real hosts: ``gradsync run -np H*K --min-np K -H h0:K,...
+--blacklist-cooldown C`` with ``chaos_rank.py`` as the training script.
+
+First a fault-free run of the same job (``--baseline-minutes``) gives the goodput to compare
+with; then the soak: once the job is at full size, a fault every ``--every`` seconds, the
+kinds in turn (a kind's target is drawn with ``--seed``):
+
+- ``kill``: SIGKILL of one worker (its host is blacklisted for the cooldown, then rejoins);
+- ``stop``: SIGSTOP of one worker for ``--stop-seconds``, then SIGCONT (if it still exists);
+- ``partition``: one host's switch port down for ``--partition-seconds``, then up
+  (``Cluster.cut``: every packet to and from the host is dropped, sockets stay);
+- ``straggler``: one host's link ``--slowdown`` times slower (rate and delay) for
+  ``--straggle-seconds`` (``Cluster.reshape``);
+- ``server``: not run: parameter-server jobs cannot be elastic (docs/elastic.md), so the
+  report lists it as skipped.
+
+A fault waits until the job is at full size again (every host back from its cooldown). Every
+phase has a deadline (``--phase-deadline``): start-up to full size, each fault until the job
+completes a step after it ended, and the end; a phase that passes it is a *hang*: the job is
+stopped and the report says which phase. What is measured, and how, is ``chaos_report.py``'s
+docstring; every time in it comes from the workers' own lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import random
+import shlex
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+from ..run.processes import Process, pump, start, stop
+from . import chaos_report as cr
+from .netns import Cluster, NetnsError, unavailable_reason
+
+__all__ = ["parser", "drive", "FAULTS"]
+
+FAULTS = ("kill", "stop", "partition", "straggler", "server")
+_HEAD = "head"
+_SAMPLES = 2048  # rows of the job's data set: the sample accounting counts against it
+_SERVER_NOTE = ("server: skipped: parameter-server jobs (--servers) cannot be elastic "
+                "(docs/elastic.md), so the chaos job has no server to kill")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gradsync bench chaos", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks-per-host", type=int, default=1, metavar="K",
+                   help="workers per emulated host (default 1)")
+    p.add_argument("--minutes", type=float, default=10.0, help="length of the soak")
+    p.add_argument("--every", type=float, default=30.0, metavar="F",
+                   help="seconds between faults (default 30)")
+    p.add_argument("--faults", default="kill,stop,partition,straggler,server",
+                   help="fault kinds in turn, of " + ",".join(FAULTS))
+    p.add_argument("--baseline-minutes", type=float,
+                   help="length of the fault-free run (default: the soak's, at most 2)")
+    p.add_argument("--stop-seconds", type=float, default=20.0, help="SIGSTOP to SIGCONT")
+    p.add_argument("--partition-seconds", type=float, default=10.0, help="link down to up")
+    p.add_argument("--straggle-seconds", type=float, default=10.0, help="slow link's time")
+    p.add_argument("--slowdown", type=float, default=10.0, help="straggler's link factor")
+    p.add_argument("--rate", default="1gbit", help="each host link's rate (tc)")
+    p.add_argument("--delay", help="each host link's one-way delay (needs the kernel's netem; "
+                                   "default none)")
+    p.add_argument("--cooldown", type=float, default=10.0,
+                   help="--blacklist-cooldown of the job: seconds a failed host stays out")
+    p.add_argument("--phase-deadline", type=float, default=120.0,
+                   help="seconds each phase may take before it counts as a hang")
+    p.add_argument("--seed", type=int, default=0, help="draws the faults' targets")
+    p.add_argument("--params", type=int, default=100_000, help="the job's model size")
+    p.add_argument("--compute", type=float, default=0.02,
+                   help="seconds of emulated compute per step (a sleep; default 0.02)")
+    p.add_argument("--log", metavar="FILE", help="write the soak's whole output to FILE")
+    p.add_argument("--markdown", action="store_true", help="print the report as Markdown")
+    p.add_argument("--json", metavar="FILE", help="write the report as JSON to FILE")
+    return p
+
+
+class _Job:
+    """One run of the training job: the launcher in ``head``, its output parsed as it comes."""
+
+    def __init__(self, cluster: Cluster, options, folder: str, name: str):
+        hosts = [h for h in cluster.hosts if h.name != _HEAD]
+        self.size = sum(h.slots for h in hosts)
+        self.log = cr.Log()
+        self.counts: dict[int, dict[str, int]] = {}  # generation -> worker -> steps in it
+        self.lock = threading.Lock()
+        self.tail: collections.deque[str] = collections.deque(maxlen=200)
+        self.copy = open(options.log, "a") if options.log else None
+        self.stop_file = os.path.join(folder, f"{name}.stop")
+        argv = [sys.executable, "-m", "gradsync", "run", "-np", str(self.size),
+                "--min-np", str(options.ranks_per_host), "--max-np", str(self.size),
+                "-H", ",".join(f"{h.name}:{h.slots}" for h in hosts),
+                "--blacklist-cooldown", f"{options.cooldown:g}",
+                "--ssh-command", _ssh_stand_in(cluster, folder),
+                sys.executable, "-m", "gradsync.bench.chaos_rank",
+                "--stop-file", self.stop_file, "--params", str(options.params),
+                "--samples", str(_SAMPLES),
+                "--compute", f"{options.compute:g}"]
+        self.process: Process = start(cluster.exec_argv(_HEAD, argv), merge_stderr=True,
+                                      text=True)
+        self.reader = pump(self.process.proc.stdout, self._line, f"chaos-{name}")
+
+    def _line(self, line: str) -> None:
+        with self.lock:
+            seen = len(self.log.steps)
+            self.log.add(line)
+            if len(self.log.steps) > seen:  # kept up to date here: the waits poll it often
+                st = self.log.steps[-1]
+                counts = self.counts.setdefault(st.g, {})
+                counts[st.worker] = counts.get(st.worker, 0) + 1
+            self.tail.append(line)
+            if self.copy is not None:
+                self.copy.write(line)
+
+    def current(self) -> tuple[int, dict[str, int]]:
+        """The newest generation with steps, and its workers with their step counts in it."""
+        with self.lock:
+            if not self.counts:
+                return -1, {}
+            g = max(self.counts)
+            return g, dict(self.counts[g])
+
+    def steady(self) -> bool:
+        """At full size, every worker past its first steps in the newest generation."""
+        _, counts = self.current()
+        return len(counts) == self.size and min(counts.values()) >= 3
+
+    def last_step(self) -> float:
+        with self.lock:
+            return max((st.wall for st in self.log.steps), default=0.0)
+
+    def host(self, worker: str) -> str:
+        with self.lock:
+            return self.log.hellos[worker]
+
+    def ended(self) -> bool:
+        return self.process.poll() is not None
+
+    def finish(self, grace: float) -> bool:
+        """Asks the job to stop at its next commit; True when it ended within ``grace``."""
+        open(self.stop_file, "w").close()
+        end = time.monotonic() + grace
+        while not self.ended() and time.monotonic() < end:
+            time.sleep(0.2)
+        return self.ended()
+
+    def close(self) -> None:
+        """Stops whatever is left: the launcher's group, then workers it did not reap."""
+        stop([self.process], 3.0)
+        self.reader.join(5.0)
+        if self.copy is not None:
+            self.copy.close()
+        with self.lock:
+            pids = [int(worker) for worker in self.log.hellos]
+        for pid in pids:
+            _kill_if_worker(pid)
+
+
+def _kill_if_worker(pid: int) -> None:
+    # A pid is reused only after its process is gone: check it is still one of ours.
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"gradsync.bench.chaos_rank" not in f.read():
+                return
+        os.kill(pid, signal.SIGCONT)
+        os.kill(pid, signal.SIGKILL)
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+
+
+def _ssh_stand_in(cluster: Cluster, folder: str) -> str:
+    """Writes the "ssh" the launcher uses: ``... HOST COMMAND`` runs ``sh -c COMMAND`` in
+    HOST's namespace, in a session of its own (as an sshd would), its stdin (the secret and
+    the lifeline) passed through. Returns its path."""
+    cases = "".join(f"  {h.name}) ns={shlex.quote(h.ns)} ;;\n" for h in cluster.hosts)
+    path = os.path.join(folder, "ssh")
+    with open(path, "w") as f:
+        f.write("#!/bin/sh\n# gradsync bench chaos: ssh to an emulated host\n"
+                'while [ $# -gt 2 ]; do shift; done\ncase "$1" in\n' + cases +
+                '  *) echo "no emulated host $1" >&2; exit 255 ;;\nesac\n'
+                'exec ip netns exec "$ns" setsid -w sh -c "$2"\n')
+    os.chmod(path, 0o755)
+    return path
+
+
+class _Soak:
+    """Runs one job, injecting faults when ``faults`` is non-empty, within phase deadlines."""
+
+    def __init__(self, cluster: Cluster, options, folder: str, name: str, faults: list[str],
+                 seconds: float):
+        self.cluster, self.options, self.kinds = cluster, options, faults
+        self.job = _Job(cluster, options, folder, name)
+        self.seconds = seconds
+        self.faults: list[cr.Fault] = []
+        self.hangs: list[dict] = []
+        self.window = (0.0, 0.0)
+        self.random = random.Random(options.seed)
+
+    def _wait(self, phase: str, done, deadline: float | None = None) -> bool:
+        deadline = self.options.phase_deadline if deadline is None else deadline
+        end = time.monotonic() + deadline
+        while not done():
+            if self.job.ended() or time.monotonic() > end:
+                why = "the job ended" if self.job.ended() else "deadline"
+                self.hangs.append({"phase": phase, "deadline_s": deadline, "why": why})
+                return False
+            time.sleep(0.1)
+        return True
+
+    def run(self) -> "_Soak":
+        try:
+            if not self._wait("start-up to full size", self.job.steady,
+                              max(self.options.phase_deadline, 300.0)):
+                return self
+            begin = time.time()
+            end = begin + self.seconds
+            for k in range(10 ** 6):
+                due = begin + self.options.every * (k + 1)
+                kind = self.kinds[k % len(self.kinds)] if self.kinds else None
+                if kind is None or due + self._length(kind) + 5 > end:
+                    break
+                time.sleep(max(0.0, due - time.time()))
+                if not self._wait(f"fault {k + 1}: job back at full size", self.job.steady):
+                    return self
+                if time.time() + self._length(kind) + 5 > end:
+                    break  # the wait for full size took the time left
+                self._inject(kind)
+                after = self.faults[-1].until
+                if not self._wait(f"fault {k + 1} ({kind}): a step after it",
+                                  lambda: self.job.last_step() > after):
+                    return self
+            time.sleep(max(0.0, end - time.time()))
+            self.window = (begin, time.time())
+            if not self.job.finish(self.options.phase_deadline):
+                self.hangs.append({"phase": "the end", "deadline_s": self.options.phase_deadline,
+                                   "why": "the job did not exit"})
+        finally:
+            self.job.close()
+        return self
+
+    def _length(self, kind: str) -> float:
+        return {"kill": 0.0, "stop": self.options.stop_seconds,
+                "partition": self.options.partition_seconds,
+                "straggler": self.options.straggle_seconds}[kind]
+
+    def _inject(self, kind: str) -> None:
+        _, counts = self.job.current()
+        worker = self.random.choice(sorted(counts))
+        host = self.job.host(worker)
+        pid = int(worker)
+        start_wall = time.time()
+        if kind == "kill":
+            _signal(pid, signal.SIGKILL)
+            target = f"worker {worker} on {host}"
+        elif kind == "stop":
+            _signal(pid, signal.SIGSTOP)
+            time.sleep(self.options.stop_seconds)
+            _signal(pid, signal.SIGCONT)
+            target = f"worker {worker} on {host}"
+        elif kind == "partition":
+            self.cluster.cut(host)
+            time.sleep(self.options.partition_seconds)
+            self.cluster.cut(host, connected=True)
+            target = f"host {host}"
+        else:
+            slow = _rate_text(_rate_bits(self.options.rate) / self.options.slowdown)
+            delay = self.options.delay and \
+                f"{_delay_us(self.options.delay) * self.options.slowdown:.0f}us"
+            self.cluster.reshape(host, slow, delay)
+            time.sleep(self.options.straggle_seconds)
+            self.cluster.reshape(host, self.options.rate, self.options.delay)
+            target = f"host {host} ({slow}" + (f", {delay})" if delay else ")")
+        self.faults.append(cr.Fault(kind, target, start_wall, time.time()))
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass  # it ended on its own, or the launcher ended it
+
+
+def _rate_bits(rate: str) -> int:
+    from .netns import parse_rate
+
+    return parse_rate(rate)
+
+
+def _rate_text(bits: float) -> str:
+    """A rate for ``tc`` and for people: 100000000 -> ``100mbit``."""
+    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if bits >= scale:
+            return f"{bits / scale:g}{unit}"
+    return f"{bits:.0f}bit"
+
+
+def _delay_us(delay: str) -> float:
+    from .netns import parse_delay
+
+    return parse_delay(delay) * 1e6
+
+
+def _kinds(text: str) -> tuple[list[str], list[str]]:
+    """``--faults`` -> (the kinds to run, the skipped ones with why).
+
+    Raises:
+        ValueError: an unknown kind, or none to run.
+    """
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in FAULTS]
+    if unknown:
+        raise ValueError(f"--faults: unknown kinds {unknown}; the kinds are {','.join(FAULTS)}")
+    run = [k for k in kinds if k != "server"]
+    if not run:
+        raise ValueError("--faults: no fault that this job can take (server is skipped: "
+                         "parameter-server jobs cannot be elastic)")
+    return run, [_SERVER_NOTE] if "server" in kinds else []
+
+
+def drive(hosts: int, options) -> int:
+    """Runs the baseline and the soak on ``hosts`` emulated hosts; prints the report.
+
+    Returns:
+        0 when the soak had no hang, no parameter mismatch and no broken sample rule; 1
+        otherwise; 2 when it could not run (no namespaces, bad options).
+    """
+    try:
+        kinds, skipped = _kinds(options.faults)
+    except ValueError as exc:
+        print(f"gradsync bench chaos: {exc}", file=sys.stderr)
+        return 2
+    reason = unavailable_reason()
+    if reason is not None:
+        print(f"gradsync bench chaos emulates hosts with network namespaces, which need root: "
+              f"{reason}", file=sys.stderr)
+        return 2
+    baseline_s = 60 * (options.baseline_minutes if options.baseline_minutes is not None
+                       else min(options.minutes, 2.0))
+    cluster = Cluster([(_HEAD, 0)] + [(f"h{i}", options.ranks_per_host) for i in range(hosts)],
+                      host_rate=options.rate, host_delay=options.delay)
+    try:
+        with cluster, tempfile.TemporaryDirectory(prefix="gradsync-chaos-") as folder:
+            print(f"chaos: {hosts} hosts x {options.ranks_per_host} workers; fault-free run "
+                  f"of {baseline_s:g} s", flush=True)
+            base = _Soak(cluster, options, folder, "baseline", [], baseline_s).run()
+            baseline = cr.goodput(base.job.log, *base.window) if not base.hangs else None
+            print(f"chaos: soak of {options.minutes * 60:g} s, a fault every "
+                  f"{options.every:g} s: {','.join(kinds)}", flush=True)
+            soak = _Soak(cluster, options, folder, "soak", kinds, options.minutes * 60).run()
+    except NetnsError as exc:
+        print(f"gradsync bench chaos: {exc}", file=sys.stderr)
+        return 2
+    window = soak.window if soak.window[1] else (soak.faults[0].wall if soak.faults else 0.0,
+                                                 time.time())
+    data = cr.report(soak.faults, soak.job.log, dataset=_SAMPLES, window=window,
+                     baseline=baseline, hangs=base.hangs + soak.hangs, skipped=skipped)
+    if base.hangs or soak.hangs:
+        data["output_tail"] = list(soak.job.tail or base.job.tail)[-40:]
+        sys.stdout.write("".join(data["output_tail"]))
+    sys.stdout.write(cr.format_markdown(data) if options.markdown else cr.format_text(data))
+    if options.json:
+        from .cli import write_json
+
+        write_json(data, options.json)
+    bad = data["hangs"] or data["mismatches"] or data["samples"]["violations"]
+    return 1 if bad else 0
+

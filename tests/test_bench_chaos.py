@@ -1,0 +1,254 @@
+"""``gradsync bench chaos``: the report's rules on hand-written logs, the command line, and a
+short soak on two emulated hosts (slow tier, root only)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from gradsync.bench import chaos, cli
+from gradsync.bench import chaos_report as cr
+from netns import cluster, measure_goodput, require_netns
+
+
+def _step(p, g, r, n, s, wall, h="aa", e=0, rows=None, prefix=None):
+    rows = rows if rows is not None else [100 * s + r]
+    return (f"[{r if prefix is None else prefix}]<stdout>:CHAOS step p={p} g={g} r={r} n={n} "
+            f"s={s} e={e} wall={wall:.6f} h={h} i={','.join(map(str, rows))}\n")
+
+
+def _raised(p, g, wall, what="PeerLostError", prefix=0):
+    return f"[{prefix}]<stdout>:CHAOS raised p={p} g={g} wall={wall:.6f} what={what}\n"
+
+
+def _two_then_one(lost_at=12.0, resume_from=11):
+    """Workers 100 and 200 run steps 1..12 of generation 0 (one a second); 200 dies at
+    ``lost_at`` + 0.1; 100 raises 0.5 s later and runs generation 1 from ``resume_from``."""
+    lines = []
+    for s in range(1, 13):
+        lines += [_step(100, 0, 0, 2, s, float(s), h=f"h{s}"),
+                  _step(200, 0, 1, 2, s, s + 0.01, h=f"h{s}")]
+    lines.append(_raised(100, 0, lost_at + 0.6))
+    lines += [_step(100, 1, 0, 1, s, lost_at + 1 + (s - resume_from), h=f"k{s}")
+              for s in range(resume_from, resume_from + 5)]
+    return lines
+
+
+def test_a_detected_fault_reports_detection_recovery_steps_lost_and_equal_parameters():
+    log = cr.parse(_two_then_one())
+    row = cr.outcome(cr.Fault("kill", "worker 200", 12.1, 12.1), log, window_end=100.0)
+    assert row["detected"] is True
+    assert row["detection_s"] == pytest.approx(0.5)  # 12.1 -> the survivor's raise at 12.6
+    assert row["recovery_s"] == pytest.approx(0.4)  # -> its first step of generation 1, 13.0
+    assert row["steps_lost"] == 2  # steps 11 and 12 were done by both, then redone
+    assert row["params_identical"] is True
+    assert row["stall_s"] is None and row["steady_gap_s"] == pytest.approx(1.0)
+
+
+def test_steps_lost_count_only_steps_every_rank_completed():
+    # worker 100 also finished step 13 before the loss; 200 did not: the job never did
+    lines = _two_then_one()
+    lines.insert(24, _step(100, 0, 0, 2, 13, 12.05))
+    log = cr.parse(lines)
+    assert cr.complete_steps(log, 0) == set(range(1, 13))
+    assert cr.outcome(cr.Fault("kill", "w", 12.1, 12.1), log, 100.0)["steps_lost"] == 2
+
+
+def test_ranks_with_different_parameters_are_a_mismatch():
+    lines = _two_then_one()
+    lines[5] = lines[5].replace("h=h3", "h=zz")  # worker 200's digest of step 3
+    log = cr.parse(lines)
+    assert cr.mismatches(log) == [(0, 3)]
+    # the re-formed generation has one rank, so the fault itself left equal parameters
+    assert cr.outcome(cr.Fault("kill", "w", 12.1, 12.1), log, 100.0)["params_identical"]
+
+
+def test_a_fault_nobody_raised_for_is_absorbed_and_costs_its_longest_stall():
+    walls = [1, 2, 3, 4, 9, 10, 11]  # rank 0's steps: 5 s without one during the fault
+    log = cr.parse([_step(100, 0, 0, 1, s, w) for s, w in enumerate(walls, 1)])
+    row = cr.outcome(cr.Fault("partition", "host h1", 4.5, 8.5), log, window_end=100.0)
+    assert row["detected"] is False and row["detection_s"] is None
+    assert row["stall_s"] == pytest.approx(5.0) and row["steady_gap_s"] == pytest.approx(1.0)
+
+
+def test_new_hosts_are_not_a_fault_but_a_rejoin_with_its_pause():
+    lines = [_step(100, 0, 0, 1, s, float(s)) for s in range(1, 6)]
+    lines.append(_raised(100, 0, 5.5, what="HostsUpdatedInterrupt"))
+    lines += [_step(100, 1, 0, 2, 6, 9.0), _step(300, 1, 1, 2, 6, 9.5, prefix=1)]
+    log = cr.parse(lines)
+    row = cr.outcome(cr.Fault("stop", "w", 5.0, 5.2), log, window_end=100.0)
+    assert row["detected"] is False
+    assert cr.rejoins(log) == [{"generation": 1, "pause_s": pytest.approx(4.0)}]
+
+
+def test_workers_are_told_apart_by_pid_not_by_the_launchers_prefix():
+    # a joiner takes the first rank (prefix) of a worker still alive at another rank
+    log = cr.parse([_step(100, 0, 1, 2, 1, 1.0, prefix=1),
+                    _step(300, 1, 1, 2, 2, 2.0, prefix=1),
+                    "gradsync run: generation 1: 2 workers (1 kept, 1 new)\n",
+                    "[1]<stdout>:CHAOS hello p=300 host=h2 wall=1.5\n",
+                    "[1]<stderr>:not a CHAOS line\n"])
+    assert [st.worker for st in log.steps] == ["100", "300"]
+    assert log.hellos == {"300": "h2"}
+
+
+def _epoch(samples, size, start_step, wall, g=0, e=0, batch=2):
+    """One epoch of ``samples`` rows in order, ``size`` ranks of ``batch`` rows a step."""
+    lines, s = [], start_step
+    for first in range(0, samples, size * batch):
+        for r in range(size):
+            rows = list(range(first + r * batch, min(first + (r + 1) * batch, samples)))
+            lines.append(_step(10 + r, g, r, size, s, wall + s, e=e, rows=rows or [0]))
+        s += 1
+    return lines, s
+
+
+def test_the_lineage_keeps_the_newest_run_of_each_step_and_the_sample_rule_holds():
+    first, _ = _epoch(8, 2, 1, 0.0)  # steps 1, 2: rows 0-3, 4-7
+    redo = [_step(10, 1, 0, 1, 2, 20.0, rows=[4, 5]), _step(10, 1, 0, 1, 3, 21.0, rows=[6, 7])]
+    log = cr.parse(first + redo)  # step 2 rolled back and run again on one rank
+    assert [lines[0].g for lines in cr.lineage(log).values()] == [0, 1, 1]
+    epochs = cr.samples(log, dataset=8)
+    assert epochs["violations"] == []
+    assert epochs["epochs"][0]["used"] == 8 and epochs["epochs"][0]["repeats"] == 0
+
+
+def test_lost_repeated_and_half_logged_samples_break_the_rule():
+    lines, s = _epoch(8, 2, 1, 0.0, e=0)
+    lines = [line for line in lines if "i=4,5" not in line]  # step 2 of rank 0 never logged
+    more, _ = _epoch(8, 2, s, 10.0, e=1)
+    more[0] = more[0].replace("i=0,1", "i=2,3")  # epoch 1 uses rows 2, 3 twice, 0, 1 never
+    last, _ = _epoch(8, 2, s + 2, 20.0, e=2)
+    last[1] = last[1].replace("i=2,3", "i=0,1")  # the last epoch (unfinished) repeats 0, 1
+    got = cr.samples(cr.parse(lines + more + last), dataset=8)
+    whys = [v["why"] for v in got["violations"]]
+    assert "1 of 2 ranks logged it" in whys[0]
+    assert any("2 samples missing, 0 repeated" in w for w in whys)  # epoch 0: rows 4, 5
+    assert any("2 samples missing, 2 repeated (rule: at most 1)" in w for w in whys)
+    assert any("0 samples missing, 2 repeated (rule: at most 1)" in w for w in whys)
+
+
+def test_goodput_counts_the_lineages_samples_in_the_window():
+    lines, _ = _epoch(8, 2, 1, 0.0)  # 8 rows at walls 1.0 and 2.0
+    log = cr.parse(lines)
+    assert cr.goodput(log, 0.5, 4.5) == pytest.approx(2.0)
+    assert cr.goodput(log, 1.5, 5.5) == pytest.approx(1.0)
+
+
+def test_the_report_lists_every_fault_and_prints_as_text_and_markdown():
+    log = cr.parse(_two_then_one())
+    faults = [cr.Fault("kill", "worker 200", 12.1, 12.1)]
+    data = cr.report(faults, log, dataset=2048, window=(0.0, 20.0), baseline=2.0, hangs=[],
+                     skipped=["server: skipped"])
+    assert data["faults"][0]["at_s"] == 12.1 and data["faults"][0]["steps_lost"] == 2
+    text = cr.format_text(data)
+    assert "detection s" in text and "hangs: 0" in text and "skipped: server" in text
+    assert cr.SAMPLE_RULE in text
+    markdown = cr.format_markdown(data)
+    assert markdown.startswith("| at s | fault |") and "| 12.10 | kill |" in markdown
+    json.dumps(data)  # --json writes it
+
+
+def test_the_worst_of_each_fault_kind_is_its_largest_figure():
+    rows = [{"fault": "kill", "detected": True, "detection_s": 0.2, "recovery_s": 0.5,
+             "steps_lost": 3, "stall_s": None},
+            {"fault": "kill", "detected": True, "detection_s": 0.4, "recovery_s": 0.1,
+             "steps_lost": 0, "stall_s": None},
+            {"fault": "partition", "detected": False, "detection_s": None,
+             "recovery_s": None, "steps_lost": None, "stall_s": 6.5}]
+    assert cr.worst(rows) == {
+        "kill": {"faults": 2, "detected": 2, "detection_s": 0.4, "recovery_s": 0.5,
+                 "steps_lost": 3},
+        "partition": {"faults": 1, "detected": 0, "stall_s": 6.5}}
+    text = cr.format_text({**cr.report([], cr.Log(), dataset=8, window=(0.0, 1.0),
+                                       baseline=None, hangs=[], skipped=[]),
+                           "worst": cr.worst(rows)})
+    assert "worst kill (2 of 2 detected): detection 0.4, recovery 0.5, steps_lost 3" in text
+    assert "worst partition (0 of 1 detected): stall 6.50" in text
+
+
+def test_fault_kinds_are_checked_and_the_server_fault_is_skipped_with_why():
+    assert chaos._kinds("kill,server") == (["kill"], [chaos._SERVER_NOTE])
+    with pytest.raises(ValueError, match="unknown kinds"):
+        chaos._kinds("kill,flood")
+    with pytest.raises(ValueError, match="cannot be elastic"):
+        chaos._kinds("server")
+
+
+def test_without_namespaces_the_bench_says_why(monkeypatch, capsys):
+    monkeypatch.setattr(chaos, "unavailable_reason", lambda: "running as uid 1000, not root")
+    assert chaos.drive(2, chaos.parser().parse_args([])) == 2
+    err = capsys.readouterr().err
+    assert "network namespaces, which need root: running as uid 1000" in err
+
+
+def test_the_command_line_takes_a_number_of_hosts_and_no_np(monkeypatch, capsys):
+    got = {}
+    monkeypatch.setattr(chaos, "drive", lambda hosts, options: got.update(
+        hosts=hosts, every=options.every, faults=options.faults) or 0)
+    assert cli.main(["chaos", "--hosts", "3", "--every", "5", "--faults", "kill"]) == 0
+    assert got == {"hosts": 3, "every": 5.0, "faults": "kill"}
+    assert cli.main(["chaos"]) == 0 and got["hosts"] == 4
+    for bad, message in ((["-np", "4"], "takes no -np"), (["--hosts", "h0:2"], "number of "
+                                                                            "emulated hosts")):
+        with pytest.raises(SystemExit):
+            cli.main(["chaos", *bad])
+        assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_short_soak_on_two_hosts_has_no_hang_no_mismatch_and_keeps_the_sample_rule(
+        tmp_path):
+    require_netns()
+    out = tmp_path / "report.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "gradsync", "bench", "chaos", "--hosts", "2", "--minutes", "0.75",
+         "--every", "12", "--faults", "partition,kill", "--partition-seconds", "4",
+         "--cooldown", "3", "--baseline-minutes", "0.2", "--phase-deadline", "60",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    data = json.loads(out.read_text())
+    assert data["hangs"] == [] and data["mismatches"] == []
+    assert data["samples"]["violations"] == [] and data["samples"]["epochs"]
+    kinds = [row["fault"] for row in data["faults"]]
+    assert kinds[:2] == ["partition", "kill"], data["faults"]
+    kill = data["faults"][1]
+    # a SIGKILL closes sockets: found at once, not after a heartbeat timeout
+    assert kill["detected"] and kill["detection_s"] < 5 and kill["params_identical"], kill
+    assert kill["recovery_s"] < 10 and kill["steps_lost"] >= 0, kill
+    assert 0 < data["goodput"] and 0 < data["goodput_ratio"] <= 1.2, data
+
+
+_PROBE = r"""
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], 9), timeout=1.0)
+except ConnectionRefusedError:
+    print("reached")  # the host answered: nothing listens on port 9
+except OSError as exc:
+    print(f"unreached {exc}")
+"""
+
+
+def test_a_cut_host_reaches_no_one_until_reconnected_and_a_reshaped_link_is_slower():
+    def probe(c, src, dst):
+        return subprocess.run(c.exec_argv(src, [sys.executable, "-c", _PROBE, c.host(dst).ip]),
+                              capture_output=True, text=True, timeout=30).stdout.split()[0]
+
+    with cluster([("h0", 1), ("h1", 1), ("h2", 1)], host_rate="200mbit") as c:
+        assert probe(c, "h0", "h1") == "reached"
+        c.cut("h1")
+        assert probe(c, "h0", "h1") == "unreached" and probe(c, "h1", "h2") == "unreached"
+        assert probe(c, "h0", "h2") == "reached"  # only h1 is cut off
+        c.cut("h1", connected=True)
+        assert probe(c, "h0", "h1") == "reached"
+        fast = measure_goodput(c, "h0", "h1", 0.5)
+        c.reshape("h1", "20mbit", None)
+        slow = measure_goodput(c, "h0", "h1", 0.5)
+        c.reshape("h1", "200mbit", None)
+        again = measure_goodput(c, "h0", "h1", 0.5)
+    assert slow < fast / 4 and again > 4 * slow, (fast, slow, again)
