@@ -5,6 +5,7 @@
     gradsync bench train -np 2 [--compare ddp] [--model mlp|cnn|both] [--profile] ...
     gradsync bench ps -np 2 --servers 1 [--sizes 1K:64M] [--transport auto|tcp] [--straggler]
     gradsync bench scale -np 16[,64,128,...] [--hosts H] [--emulate auto|netns|names]
+    gradsync bench data -np W [--data-servers D] [--cost-ms 2] [--emulate none|netns]
     gradsync bench BENCHMARK --help      (that benchmark's options)
 
 A benchmark module that defines ``drive`` starts its jobs itself (``ps`` starts one job per
@@ -34,6 +35,7 @@ from typing import Any, Callable
 __all__ = ["main", "add_json_option", "write_json", "parse_counts", "BENCHMARKS"]
 
 BENCHMARKS = {"allreduce": "gradsync.bench.allreduce", "backend": "gradsync.bench.backend",
+              "data": "gradsync.bench.data",
               "elastic": "gradsync.bench.elastic",
               "probe": "gradsync.bench.probe",
               "ps": "gradsync.bench.ps", "scale": "gradsync.bench.scale",

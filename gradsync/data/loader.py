@@ -40,6 +40,7 @@ __all__ = ["Loader", "STATE_VERSION"]
 STATE_VERSION = 1
 _END = object()  # the fetch thread's last item of an epoch
 _ADOPT_PIECE = 256  # batches handed to a data server per control message
+_TRANSFERS_KEPT = 4096  # batches whose fetch times ``transfers()`` keeps
 
 log = logging.getLogger("gradsync.data")
 
@@ -96,6 +97,8 @@ class Loader:
         self._finished: tuple[int, list[np.ndarray]] | None = None  # last epoch: (e, ids)
         self._seq = [0] * self.servers  # next sequence number of this worker's stream
         self.lost: set[int] = set()  # data servers this worker has lost
+        # (take seconds, of which waited, read seconds, bytes) of the latest batches
+        self._transfers: collections.deque = collections.deque(maxlen=_TRANSFERS_KEPT)
         self._closed = False
         self._connect(env, config)
         atexit.register(self.close)
@@ -277,6 +280,13 @@ class Loader:
         if state["done"]:
             self._resume[self.epoch] = unpack_mask(state["done"], self.samples)
 
+    def transfers(self) -> list[tuple[float, float, float, int]]:
+        """How the latest batches (up to 4,096) came, oldest first: per batch the seconds its
+        ``take`` call took, the part of them the data server spent waiting for the batch to
+        be prepared (the rest is the control message's round trip), the seconds its bytes
+        took to read into the worker's buffer, and their number."""
+        return list(self._transfers)
+
     # ------------------------------------------------------------------ the servers
     def stats(self) -> list[dict]:
         """Each live data server's counters: ``server`` (its index), batches prepared, cache
@@ -348,7 +358,9 @@ class _Epoch:
     def _take(self, batch: Batch, s: int) -> np.ndarray:
         """Batch ``batch`` from data server ``s``, read into a fresh buffer."""
         loader = self.loader
+        start = time.perf_counter()
         info = loader.peers[s].call("take", seq=loader._seq[s])
+        taken = time.perf_counter()
         loader._seq[s] += 1
         if info["index"] != batch.index or info["epoch"] != self.epoch:
             raise RuntimeError(f"data server {s} sent batch {info['index']} of epoch "
@@ -356,6 +368,8 @@ class _Epoch:
                                f"epoch {self.epoch}")
         buf = np.empty(info["nbytes"], dtype=np.uint8)
         loader.slots[s].read(buf, info["slot"] * loader.slot_bytes)
+        loader._transfers.append((taken - start, float(info.get("waited", 0.0)),
+                                  time.perf_counter() - taken, buf.nbytes))
         return buf
 
     def _put(self, item) -> bool:

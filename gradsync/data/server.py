@@ -19,8 +19,8 @@ A step, seen from worker w:
    written only when w has released item ``k - prefetch`` (the slot's previous item). So a
    server runs at most ``prefetch`` batches ahead of each worker, and a slow worker holds back
    only its own stream.
-3. ``take(seq)``: waits until item ``seq`` is ready and answers where it is (slot, bytes) and
-   what it holds (its index in the epoch, its sample ids). Asking for ``seq`` also releases
+3. ``take(seq)``: waits until item ``seq`` is ready and answers where it is (slot, bytes),
+   what it holds (its index in the epoch, its sample ids) and how long it waited. Asking for ``seq`` also releases
    every item before it: the worker reads item ``seq - 1`` before asking for ``seq``, so its
    slot is free again. That release is the credit.
 4. The worker reads the slot's bytes straight into the buffer its tensors will view.
@@ -44,6 +44,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import sys
 import threading
 import time
 
@@ -58,6 +59,7 @@ from .plan import Batch, plan, unpack_mask, worker_batches
 __all__ = ["Source", "DataServer", "serve"]
 
 log = logging.getLogger("gradsync.data")
+_SWITCH_INTERVAL = 0.0002  # seconds: see serve()
 
 
 class Source:
@@ -227,6 +229,7 @@ class DataServer:
                                  f"{len(stream.items) - 1}")
             stream.released = seq  # every earlier item has been read: its slot is free
             self._cv.notify_all()
+            arrived = time.monotonic()
             while stream.produced <= seq:
                 if self.failure is not None:
                     raise GradsyncError(self.failure)
@@ -237,8 +240,11 @@ class DataServer:
                                                f"{self.timeout * 0.9:.0f}s")
                 self._cv.wait(min(left, 1.0))
             epoch, batch = stream.items[seq]
+            # ``waited``: how long the batch was still being prepared (the rest of the call's
+            # time is the transport's: Loader.transfers()).
             return {"slot": seq % stream.prefetch, "nbytes": stream.nbytes[seq],
-                    "epoch": epoch, "index": batch.index, "ids": batch.ids.tolist()}
+                    "epoch": epoch, "index": batch.index, "ids": batch.ids.tolist(),
+                    "waited": time.monotonic() - arrived}
 
     def _stats(self, worker: int, args: dict) -> dict:
         with self._cv:
@@ -328,6 +334,11 @@ def serve(config, env, source: Source, batch_size: int, seed: int) -> int:
     from ..world import listen_addr
 
     index = env.data_server_rank
+    # The producer runs the user's transform, often Python code that holds the GIL; the
+    # thread that answers a worker's take would wait up to the default 5 ms switch interval
+    # for it, on every batch. A waiting thread asks for the GIL after this interval, and a
+    # lone producer pays nothing for it.
+    sys.setswitchinterval(_SWITCH_INTERVAL)
     store = Store(env.store_addr, env.store_port, env.store_is_server, env.job_id,
                   config.connect_timeout, env.size)
     secret = env.secret or store.read_secret()  # worker 0 (rank 0) makes it in init()
