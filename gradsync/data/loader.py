@@ -148,8 +148,18 @@ class Loader:
 
     def __len__(self) -> int:
         """Batches this worker gets in the next (or current) epoch."""
-        epoch = self._active.epoch if self._active else self.epoch
-        return len(self._my_batches(epoch, self._resume.get(epoch)))
+        return self.lengths()[self.rank]
+
+    def lengths(self) -> list[int]:
+        """Batches each worker gets in the next (or current) epoch, by worker (computed from
+        the plan: no message)."""
+        if self._active is not None:
+            epoch, done = self._active.epoch, self._active.done
+        else:
+            epoch, done = self.epoch, self._resume.get(self.epoch)
+        batches = plan(self.samples, self.batch_size, self.seed, epoch, self.servers,
+                       self.workers, done)
+        return [len(batches[w::self.workers]) for w in range(self.workers)]
 
     def _my_batches(self, epoch: int, done: np.ndarray | None) -> list[Batch]:
         return worker_batches(plan(self.samples, self.batch_size, self.seed, epoch,
@@ -176,7 +186,7 @@ class Loader:
         self._resume.pop(epoch, None)
         work = [(b, b.server) for b in batches if b.server not in self.lost]
         orphans = [b for b in batches if b.server in self.lost]
-        self._active = _Epoch(self, epoch, work, orphans)
+        self._active = _Epoch(self, epoch, work, orphans, done)
         return self._active
 
     def _lose(self, server: int, error: BaseException) -> None:
@@ -315,8 +325,9 @@ class _Epoch:
     """One epoch's iterator on a worker: the fetch thread and the delivered batches."""
 
     def __init__(self, loader: Loader, epoch: int, work: list[tuple[Batch, int]],
-                 orphans: list[Batch]):
+                 orphans: list[Batch], done: np.ndarray | None):
         self.loader, self.epoch = loader, epoch
+        self.done = done  # the samples delivered before the epoch started (a resumed one)
         self.work, self.orphans = collections.deque(work), orphans
         self.delivered: list[np.ndarray] = []
         self.in_hand: np.ndarray | None = None
