@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import json
 import logging
 import queue
 import threading
@@ -31,7 +30,7 @@ import time
 import numpy as np
 
 from ..errors import ConfigError, PeerLostError
-from ..transport import region_peer, regions
+from ..transport import region_peer
 from .layout import Layout
 from .plan import Batch, pack_mask, plan, unpack_mask, worker_batches
 
@@ -97,33 +96,22 @@ class Loader:
         self._finished: tuple[int, list[np.ndarray]] | None = None  # last epoch: (e, ids)
         self._seq = [0] * self.servers  # next sequence number of this worker's stream
         self.lost: set[int] = set()  # data servers this worker has lost
+        self.generation = 0  # of the job's membership: ``reset``
         # (take seconds, of which waited, read seconds, bytes) of the latest batches
         self._transfers: collections.deque = collections.deque(maxlen=_TRANSFERS_KEPT)
         self._closed = False
+        self._timeout = config.timeout
         self._connect(env, config)
         atexit.register(self.close)
 
     def _connect(self, env, config) -> None:
-        from ..rendezvous import Store
-        from ..world import listen_addr
+        from ..server_links import connect_servers, open_store
 
-        store = Store(env.store_addr, env.store_port, env.store_is_server, env.job_id,
-                      config.connect_timeout, env.size)
-        secret = env.secret or store.read_secret()
-        self.endpoint = regions.Endpoint(env.rank, env.hostname, secret, f"{env.job_id}.data",
-                                         addr=listen_addr(config, env), timeout=config.timeout,
-                                         direct=config.transport != "tcp",
-                                         label=f"worker {env.rank}")
-        deadline = time.monotonic() + config.connect_timeout
-        self.peers = []
+        self.endpoint, self.peers = connect_servers(config, env, open_store(config, env), "data",
+                                                    env.size, self.servers, "data server")
+        hello = {"batch_size": self.batch_size, "seed": self.seed, "samples": self.samples,
+                 "prefetch": self.prefetch}
         try:
-            for d in range(self.servers):
-                info = json.loads(store.get(f"data/server/{d}", config.connect_timeout))
-                rank = env.size + d
-                self.peers.append(self.endpoint.connect(rank, info["addr"], info["port"],
-                                                        deadline, f"data server {d} (rank {rank})"))
-            hello = {"batch_size": self.batch_size, "seed": self.seed, "samples": self.samples,
-                     "prefetch": self.prefetch}
             replies = region_peer.wait([p.call_async("hello", **hello) for p in self.peers])
         except BaseException:
             self.close()
@@ -177,7 +165,12 @@ class Loader:
         batches = self._my_batches(epoch, done)
         text = pack_mask(done) if done is not None else None
         live = [d for d in range(self.servers) if d not in self.lost]
-        started = {d: self.peers[d].call_async("start", epoch=epoch, done=text) for d in live}
+        # ``seq``: where this worker's stream goes on, for a server that learns of a new
+        # generation from this start (``reset``).
+        started = {d: self.peers[d].call_async("start", epoch=epoch, done=text,
+                                               generation=self.generation,
+                                               workers=self.workers, index=self.rank,
+                                               seq=self._seq[d]) for d in live}
         for d, handle in started.items():
             try:
                 handle.wait()
@@ -296,6 +289,28 @@ class Loader:
         be prepared (the rest is the control message's round trip), the seconds its bytes
         took to read into the worker's buffer, and their number."""
         return list(self._transfers)
+
+    def reset(self, rank: int, workers: int, state: dict) -> None:
+        """The job's membership changed (an elastic job re-formed): this worker is now
+        ``rank`` of ``workers``, and the data roll back to ``state``, the ``state_dict()``
+        of the last commit.
+
+        What this worker had taken since is dropped (its model rolls back too), and the
+        next ``iter()`` re-plans the rest of ``state``'s epoch for the new number of
+        workers: every sample not delivered at the commit, a lost worker's share included,
+        goes to exactly one worker of the new generation. Every worker of the new generation
+        calls it, with the same ``state``, before iterating.
+        """
+        if self._active is not None:
+            # Stop the fetch thread before reading where the streams stand: a take in
+            # flight moves them on.
+            self._active.stop()
+            self._active.join(self._timeout)
+            self._active = None
+        self.rank, self.workers = int(rank), int(workers)
+        self.generation += 1
+        self._finished = None
+        self.load_state_dict(state)
 
     # ------------------------------------------------------------------ the servers
     def stats(self) -> list[dict]:
@@ -416,3 +431,9 @@ class _Epoch:
 
     def stop(self) -> None:
         self._stopping = True
+
+    def join(self, timeout: float) -> None:
+        """Waits for the fetch thread to end (after ``stop``)."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise RuntimeError(f"the data fetch thread did not stop within {timeout:.0f}s")

@@ -42,7 +42,6 @@ other, decoded from the dataset (this server's cache keeps them only while its b
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import sys
 import threading
@@ -108,6 +107,7 @@ class _Stream:
         self.released = 0    # items the worker has finished reading
         self.busy = False    # the producer is writing item ``produced``
         self.gone = False
+        self.generation = 0  # of the job's membership, as the worker's last start said
 
     def can_produce(self) -> bool:
         return (not self.busy and not self.gone and self.produced < len(self.items)
@@ -139,7 +139,8 @@ class DataServer:
         self.streams: dict[int, _Stream] = {}
         self.failure: str | None = None
         self.batches_served = 0
-        self._plans: dict[int, tuple[str, list[Batch]]] = {}  # epoch -> (done digest, plan)
+        # (generation, epoch) -> ((done digest, workers), plan)
+        self._plans: dict[tuple[int, int], tuple[tuple[str, int], list[Batch]]] = {}
         self._seen: set[int] = set()
         self._started: set[int] = set()
         self._cv = threading.Condition()
@@ -180,6 +181,10 @@ class DataServer:
         share of the plan, or ``args["items"]`` (``[[index, [ids]], ...]``), batches of a lost
         data server that the worker hands to this one."""
         epoch, done = int(args["epoch"]), args.get("done")
+        generation = int(args.get("generation", 0))
+        with self._cv:
+            if generation > self._stream(worker).generation:
+                self._regenerate(worker, generation, int(args["seq"]))
         if args.get("items") is not None:
             adopted = [Batch(int(g), self.index, worker, np.asarray(ids, dtype=np.int64))
                        for g, ids in args["items"]]
@@ -194,20 +199,27 @@ class DataServer:
                 self._cv.notify_all()
             return {"batches": len(adopted)}
         digest = hashlib.sha256((done or "").encode()).hexdigest()[:16]
+        # A generation's plan: its number of workers, and this worker's place among them
+        # (both as at the job's start unless the job re-formed).
+        workers = int(args.get("workers", self.workers))
+        place = int(args.get("index", worker))
         with self._cv:
             stream = self._stream(worker)
-            known = self._plans.get(epoch)
-            if known is not None and known[0] != digest:
+            key = (generation, epoch)
+            known = self._plans.get(key)
+            if known is not None and known[0] != (digest, workers):
                 raise CollectiveMismatchError(
-                    f"worker {worker} started epoch {epoch} from another state than an earlier "
-                    "worker did: every worker must load the same state_dict")
+                    f"worker {worker} started epoch {epoch} from another state (or number of "
+                    "workers) than an earlier worker of its generation did: every worker must "
+                    "load the same state_dict")
             if known is None:
                 mask = unpack_mask(done, self.samples) if done else None
-                known = (digest, plan(self.samples, self.batch_size, self.seed, epoch,
-                                      self.servers, self.workers, mask))
-                self._plans = {e: p for e, p in self._plans.items() if e >= epoch - 1}
-                self._plans[epoch] = known
-            mine = worker_batches(known[1], worker, self.index)
+                known = ((digest, workers), plan(self.samples, self.batch_size, self.seed,
+                                                 epoch, self.servers, workers, mask))
+                self._plans = {k: p for k, p in self._plans.items()
+                               if k >= (generation, epoch - 1)}
+                self._plans[key] = known
+            mine = worker_batches(known[1], place, self.index)
             stream.items.extend((epoch, b) for b in mine)
             stream.nbytes.extend([0] * len(mine))
             self._started.add(worker)
@@ -217,6 +229,23 @@ class DataServer:
                 self.endpoint.unlink_segments()
             self._cv.notify_all()
             return {"batches": len(mine)}
+
+    def _regenerate(self, worker: int, generation: int, seq: int) -> None:
+        """(Under ``_cv``.) ``worker`` is a member of a new generation of the job (an elastic
+        job re-formed): the items of its stream from ``seq`` on, the ones it has not taken,
+        belong to the old plan and go; the new generation's batches follow from ``seq``.
+        Every item before ``seq`` has been read (the worker's fetching has stopped), so
+        every slot is free."""
+        stream = self._stream(worker)
+        if not stream.released <= seq <= len(stream.items):
+            raise ValueError(f"worker {worker} restarted its stream of data server "
+                             f"{self.index} at item {seq}; it holds items {stream.released} "
+                             f".. {len(stream.items) - 1}")
+        while stream.busy:  # the producer is writing into one of its slots: let it finish
+            self._cv.wait(1.0)
+        del stream.items[seq:], stream.nbytes[seq:]
+        stream.produced = stream.released = seq
+        stream.generation = generation
 
     def _take(self, worker: int, args: dict) -> dict:
         seq = int(args["seq"])
@@ -330,7 +359,7 @@ class DataServer:
 
 def serve(config, env, source: Source, batch_size: int, seed: int) -> int:
     """Runs this rank's data server until every worker is done; returns an exit status."""
-    from ..rendezvous import Store
+    from ..server_links import open_store, publish
     from ..world import listen_addr
 
     index = env.data_server_rank
@@ -339,8 +368,7 @@ def serve(config, env, source: Source, batch_size: int, seed: int) -> int:
     # for it, on every batch. A waiting thread asks for the GIL after this interval, and a
     # lone producer pays nothing for it.
     sys.setswitchinterval(_SWITCH_INTERVAL)
-    store = Store(env.store_addr, env.store_port, env.store_is_server, env.job_id,
-                  config.connect_timeout, env.size)
+    store = open_store(config, env)
     secret = env.secret or store.read_secret()  # worker 0 (rank 0) makes it in init()
     endpoint = Endpoint(env.rank, env.hostname, secret, f"{env.job_id}.data",
                         addr=listen_addr(config, env), expect=set(range(env.workers)),
@@ -350,8 +378,7 @@ def serve(config, env, source: Source, batch_size: int, seed: int) -> int:
     try:
         server = DataServer(index, env.data_servers, env.workers, endpoint, source,
                             batch_size, seed, config.timeout)
-        store.set(f"data/server/{index}", json.dumps({"addr": endpoint.addr,
-                                                      "port": endpoint.port}))
+        publish(store, "data", index, endpoint)
         while not server.done.wait(1.0):
             record = store.read_abort()
             if record is not None:
