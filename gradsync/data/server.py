@@ -20,9 +20,9 @@ A step, seen from worker w:
    server runs at most ``prefetch`` batches ahead of each worker, and a slow worker holds back
    only its own stream.
 3. ``take(seq)``: waits until item ``seq`` is ready and answers where it is (slot, bytes),
-   what it holds (its index in the epoch, its sample ids) and how long it waited. Asking for ``seq`` also releases
-   every item before it: the worker reads item ``seq - 1`` before asking for ``seq``, so its
-   slot is free again. That release is the credit.
+   what it holds (its index in the epoch, its sample ids) and how long it waited. Asking for
+   ``seq`` also releases every item before it: the worker reads item ``seq - 1`` before
+   asking for ``seq``, so its slot is free again. That release is the credit.
 4. The worker reads the slot's bytes straight into the buffer its tensors will view.
 
 Preparing a sample: the decoded sample comes from the cache (``cache.py``) or from
@@ -32,8 +32,11 @@ across epochs but the same for a seed whatever the number of servers, workers or
 
 Failures: a sample that the dataset or transform cannot prepare fails every later ``take``
 with an error naming it (the workers raise it). A worker whose connection ends is done with
-this server; the server ends when every worker has connected and gone. What a lost worker's
-unread batches become is not handled yet (docs/data.md, "Not done yet"). When another data
+this server; the server ends when every worker has connected and gone. When the job's
+workers re-form (``Loader.reset``, elastic mode), each worker's next ``start`` carries the new
+*generation*, its number of workers and the worker's place among them: the server drops the
+items of that worker's stream that it has not taken and plans the rest of the epoch for the
+new count, so a lost worker's unacknowledged share goes to the others. When another data
 server is lost, each worker hands the batches it has not received from it to the servers
 left (``start`` with ``items``): they join the end of that worker's stream here like any
 other, decoded from the dataset (this server's cache keeps them only while its budget lasts).
