@@ -29,11 +29,14 @@ cost that a loaded machine stretches in wall time but does not shrink). Three me
    transform, with a ``DistributedSampler`` (its share, shuffled) and ``num_workers`` =
    ``max(1, round(D / W))``, so that the loading processes number the data servers (the same
    total cores when W divides D; the header says when not); persistent workers, one warm-up
-   epoch, then R timed epochs as in 1.
+   epoch, then R timed epochs as in 1. Its epochs alternate with the data servers' (one of
+   each, in turn), so that both feeds see the same load on a shared machine; the ratio is
+   printed of the medians and epoch by epoch.
 
-Medians over the R epochs (and over the transport epoch's batches) are printed by rank 0, with
-the spread (lowest and highest); ``--json FILE`` writes the row. Data servers are idle during
-3 (their producer waits for credit), and the DataLoader's processes exist only during 3.
+Medians over the R epochs (and over the transport epoch's batches) are printed, with the
+spread (lowest and highest); ``--json FILE`` writes the row. The data servers are idle while
+the DataLoader runs (no epoch of theirs is started), and the DataLoader's processes while the
+data servers run (their sampler has handed out nothing).
 """
 
 from __future__ import annotations
@@ -221,24 +224,30 @@ def run(args) -> dict | None:
     loader = gradsync.data.Loader(dataset, args.batch_size, transform=transform,
                                   seed=args.seed, prefetch=args.prefetch)
     rank, workers, servers = gradsync.rank(), gradsync.size(), loader.servers
+    threads = max(1, round(servers / workers))
+    own = _Own(dataset, transform, args, rank, workers, threads)
     epochs, wrong = [], 0
-    for epoch in range(args.repeats + 1):  # epoch 0: the warm-up, which fills the cache
+    # The two feeds' epochs alternate, so that both see the same load on a shared machine;
+    # epoch 0 of each is its warm-up (the cache fills, the loading processes start).
+    for epoch in range(args.repeats + 1):
         seconds, ids, bad = _epoch(iter(loader), loader)
         wrong += _exactly_once(ids, bad, args.samples)
+        own.epoch(epoch)
         if epoch > 0:
             epochs.append(args.samples / seconds)
     copy_s, taken, transport_wrong = _transport(loader, args, workers, servers)
     wrong += transport_wrong
     transfers = loader.transfers()[-taken:]
     loader.close()
-    threads = max(1, round(servers / workers))
-    own = _dataloader(dataset, transform, args, rank, workers, threads)
+    own.close()
     row = {"workers": workers, "data_servers": servers, "loader_workers": threads,
            "cost_ms": args.cost_ms, "decode_ms": args.decode_ms, "samples": args.samples,
            "batch_size": args.batch_size, "shape": list(args.shape),
            "transport": _transport_name(), "repeats": args.repeats, "wrong": wrong,
-           "servers_samples_s": _summary(epochs), "dataloader_samples_s": _summary(own["rates"]),
-           "dataloader_wrong": own["wrong"]}
+           "servers_samples_s": _summary(epochs), "dataloader_samples_s": _summary(own.rates),
+           "dataloader_wrong": own.wrong,
+           # each timed epoch of the data servers over the DataLoader's epoch after it
+           "pair_ratios": [a / b for a, b in zip(epochs, own.rates)]}
     row["throughput_ratio"] = (row["servers_samples_s"]["median"]
                                / row["dataloader_samples_s"]["median"])
     # A take's round trip is its time less the server's wait for the batch to be prepared.
@@ -334,31 +343,39 @@ def _transport(loader, args, workers: int, servers: int) -> tuple[list[float], i
     return copies, len(loader.transfers()) - before, _exactly_once(ids, bad, args.samples)
 
 
-def _dataloader(dataset: Synthetic, transform: Costly, args, rank: int, workers: int,
-                threads: int) -> dict:
-    """Each worker's own DataLoader over the same data: the timed epochs' samples/s."""
-    from torch.utils.data import DataLoader, DistributedSampler
+class _Own:
+    """Each worker's own DataLoader over the same data, one epoch at a time."""
 
-    import gradsync
+    def __init__(self, dataset: Synthetic, transform: Costly, args, rank: int, workers: int,
+                 threads: int):
+        from torch.utils.data import DataLoader, DistributedSampler
 
-    data = _Transformed(dataset, transform, args.seed)
-    sampler = DistributedSampler(data, num_replicas=workers, rank=rank, shuffle=True,
-                                 seed=args.seed, drop_last=False)
-    own = DataLoader(data, batch_size=args.batch_size, sampler=sampler, num_workers=threads,
-                     persistent_workers=True)
-    rates, wrong = [], 0
-    for epoch in range(args.repeats + 1):
-        sampler.set_epoch(epoch)
-        seconds, ids, bad = _epoch(own)
+        self.samples = args.samples
+        data = _Transformed(dataset, transform, args.seed)
+        self.sampler = DistributedSampler(data, num_replicas=workers, rank=rank, shuffle=True,
+                                          seed=args.seed, drop_last=False)
+        self.loader = DataLoader(data, batch_size=args.batch_size, sampler=self.sampler,
+                                 num_workers=threads, persistent_workers=True)
+        self.rates: list[float] = []  # samples/s of the timed epochs
+        self.wrong = 0
+
+    def epoch(self, epoch: int) -> None:
+        """Runs epoch ``epoch``; times it unless it is epoch 0 (the warm-up)."""
+        import gradsync
+
+        self.sampler.set_epoch(epoch)
+        seconds, ids, bad = _epoch(self.loader)
         # The sampler pads the last share with repeated samples (drop_last=False): count
         # the samples served, and check only that none is missing or wrong.
         views = gradsync.allgather_object((ids.tolist(), bad), name="bench.data.own")
         served = np.concatenate([np.asarray(v, np.int64) for v, _ in views])
-        wrong += int(args.samples - len(np.unique(served)) + sum(b for _, b in views))
+        self.wrong += int(self.samples - len(np.unique(served)) + sum(b for _, b in views))
         if epoch > 0:
-            rates.append(len(served) / seconds)
-    del own  # stops its loading processes before the job ends
-    return {"rates": rates, "wrong": wrong}
+            self.rates.append(len(served) / seconds)
+
+    def close(self) -> None:
+        """Stops the loading processes before the job ends."""
+        del self.loader
 
 
 def _summary(values: list[float], scale: float = 1.0) -> dict:
@@ -383,7 +400,10 @@ def _print(rows: list[dict]) -> None:
           f"{row['wrong']:>6}")
     print(f"{'DataLoader':>14} {o['median']:>10.0f} {o['low']:>9.0f} {o['high']:>9.0f} "
           f"{row['dataloader_wrong']:>6}")
-    print(f"# throughput ratio (data servers / DataLoader): {row['throughput_ratio']:.2f}")
+    pairs = row["pair_ratios"]
+    print(f"# throughput ratio (data servers / DataLoader): {row['throughput_ratio']:.2f} "
+          f"of the medians; epoch by epoch (each feed's epochs alternate): median "
+          f"{statistics.median(pairs):.2f}, {min(pairs):.2f}-{max(pairs):.2f}")
     print("# transport per batch against a memory copy of it into a fresh buffer, per worker, "
           "us (median over the transport epoch's batches): take = the control round trip, "
           "read = the bytes; ratios to the copy")
