@@ -240,12 +240,14 @@ class DataServer:
         Every item before ``seq`` has been read (the worker's fetching has stopped), so
         every slot is free."""
         stream = self._stream(worker)
-        if not stream.released <= seq <= len(stream.items):
-            raise ValueError(f"worker {worker} restarted its stream of data server "
-                             f"{self.index} at item {seq}; it holds items {stream.released} "
-                             f".. {len(stream.items) - 1}")
         while stream.busy:  # the producer is writing into one of its slots: let it finish
             self._cv.wait(1.0)
+        # The worker can only have taken items that were prepared.
+        if not stream.released <= seq <= stream.produced:
+            raise ValueError(f"worker {worker} restarted its stream of data server "
+                             f"{self.index} at item {seq}; it can have taken items up to "
+                             f"{stream.produced - 1}, and has released those before "
+                             f"{stream.released}")
         del stream.items[seq:], stream.nbytes[seq:]
         stream.produced = stream.released = seq
         stream.generation = generation
