@@ -238,6 +238,9 @@ def run(args) -> dict | None:
     copy_s, taken, transport_wrong = _transport(loader, args, workers, servers)
     wrong += transport_wrong
     transfers = loader.transfers()[-taken:]
+    # Each server's slots: mapped here (the same host) or read over its TCP connection.
+    road = "/".join(sorted({"shm" if slots.direct is not None else "tcp"
+                            for slots in loader.slots}))
     loader.close()
     own.close()
     row = {"workers": workers, "data_servers": servers, "loader_workers": threads,
@@ -254,7 +257,8 @@ def run(args) -> dict | None:
     take = [t - w for t, w, _, _ in transfers]
     read = [r for _, _, r, _ in transfers]
     total = [t + r for t, r in zip(take, read)]
-    row["transfer"] = {"bytes": int(statistics.median(n for _, _, _, n in transfers)),
+    row["transfer"] = {"road": road,
+                       "bytes": int(statistics.median(n for _, _, _, n in transfers)),
                        "batches": len(transfers),
                        "take_us": _summary(take, 1e6), "read_us": _summary(read, 1e6),
                        "total_us": _summary(total, 1e6), "copy_us": _summary(copy_s, 1e6),
@@ -393,7 +397,7 @@ def _print(rows: list[dict]) -> None:
           f"{row['cost_ms']:g} ms CPU/sample, decode {row['decode_ms']:g} ms; "
           f"{row['samples']} samples of float32 {tuple(row['shape'])}, batch "
           f"{row['batch_size']}; median (lowest-highest) of {row['repeats']} epochs; "
-          f"transport={row['transport']}", flush=True)
+          f"GRADSYNC_TRANSPORT={row['transport']}", flush=True)
     s, o = row["servers_samples_s"], row["dataloader_samples_s"]
     print(f"{'feed':>14} {'samples/s':>10} {'lowest':>9} {'highest':>9} {'#wrong':>6}")
     print(f"{'data servers':>14} {s['median']:>10.0f} {s['low']:>9.0f} {s['high']:>9.0f} "
@@ -407,10 +411,11 @@ def _print(rows: list[dict]) -> None:
     print("# transport per batch against a memory copy of it into a fresh buffer, per worker, "
           "us (median over the transport epoch's batches): take = the control round trip, "
           "read = the bytes; ratios to the copy")
-    print(f"{'worker':>6} {'bytes':>9} {'batches':>7} {'take':>8} {'read':>8} {'total':>8} "
-          f"{'copy':>8} {'read/copy':>9} {'total/copy':>10}")
+    print(f"{'worker':>6} {'road':>7} {'bytes':>9} {'batches':>7} {'take':>8} {'read':>8} "
+          f"{'total':>8} {'copy':>8} {'read/copy':>9} {'total/copy':>10}")
     for r, t in enumerate(x["transfer"] for x in rows):
-        print(f"{r:>6} {t['bytes']:>9} {t['batches']:>7} {t['take_us']['median']:>8.0f} "
+        print(f"{r:>6} {t['road']:>7} {t['bytes']:>9} {t['batches']:>7} "
+              f"{t['take_us']['median']:>8.0f} "
               f"{t['read_us']['median']:>8.0f} {t['total_us']['median']:>8.0f} "
               f"{t['copy_us']['median']:>8.0f} {t['read_ratio']:>9.2f} {t['ratio']:>10.2f}",
               flush=True)
