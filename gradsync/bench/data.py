@@ -21,7 +21,8 @@ cost that a loaded machine stretches in wall time but does not shrink). Three me
    as the data servers take to prepare one for every worker (``W * batch * cost / D``, and
    half as much again), then times a *memory copy* of a batch's bytes into a fresh buffer
    (``numpy.empty`` + ``copyto``: what a worker that loaded its own batch would still pay to
-   put it in a buffer of its own). A batch's *transport* cost is its ``take`` (the control
+   put it in a buffer of its own), from a source not in this core's caches (one of a pool of
+   at least 8 MiB, in turn), as a slot was last written by the data server's core. A batch's *transport* cost is its ``take`` (the control
    round trip, less the time the server waited for the batch to be prepared: the server says
    how long) plus the read of its bytes into the worker's fresh buffer
    (``Loader.transfers()``); ratio = transport / copy, medians over the epoch's batches.
@@ -55,6 +56,7 @@ import numpy as np
 
 __all__ = ["parser", "drive", "run", "Synthetic", "Costly", "spin"]
 
+_POOL = 8 << 20  # bytes of the memory copy's sources (see _transport)
 _FILL = 251  # sample i holds i % 251: exact in float32, and varied enough to catch a mix-up
 
 
@@ -334,9 +336,17 @@ def _transport(loader, args, workers: int, servers: int) -> tuple[list[float], i
     pause = 1.5 * workers * args.batch_size * (args.cost_ms + args.decode_ms) / 1e3 / servers
     pause += 0.005
 
+    sources: list[np.ndarray] = []
+
     def copy() -> None:
         nbytes = loader.transfers()[-1][3]  # the latest batch's (a short one is copied short)
-        source = np.ones(nbytes, dtype=np.uint8)
+        if not sources or sources[0].nbytes != nbytes:
+            # A slot was last written by the server's core: copy from a source this core has
+            # not touched lately either, one of a pool of at least 8 MiB (4 times a core's L2
+            # here), in turn.
+            sources[:] = [np.ones(nbytes, np.uint8) for _ in range(max(2, -(-_POOL // nbytes)))]
+        sources.append(sources.pop(0))
+        source = sources[0]
         start = time.perf_counter()
         target = np.empty(nbytes, dtype=np.uint8)  # fresh, as each batch's buffer is
         np.copyto(target, source)
