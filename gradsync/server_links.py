@@ -37,9 +37,10 @@ def open_store(config, env) -> Store:
 
 def publish(store: Store, service: str, index: int, endpoint: regions.Endpoint) -> None:
     """Makes server ``index`` of ``service`` reachable at ``endpoint`` (its workers wait for
-    this key)."""
+    this key): its address, port and host name."""
     store.set(f"{service}/server/{index}", json.dumps({"addr": endpoint.addr,
-                                                       "port": endpoint.port}))
+                                                       "port": endpoint.port,
+                                                       "host": endpoint.host}))
 
 
 def connect_servers(config, env, store: Store, service: str, first_rank: int, count: int,
