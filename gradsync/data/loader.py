@@ -15,7 +15,9 @@ ends, or when ``state_dict()`` is called while it holds the batch (a checkpoint 
 a step covers that step's batch). ``state_dict()`` gathers every worker's delivered samples
 (it is a collective: every worker calls it at the same step) and ``load_state_dict()`` on a
 new job makes that epoch serve only the samples not yet delivered, in the same order, at any
-number of workers and data servers.
+number of workers and data servers. ``reset()`` does the same within a job whose workers
+re-formed (elastic mode): each data server cuts the worker's stream where it stands and plans
+the rest of the epoch for the new generation (``server.py``).
 """
 
 from __future__ import annotations
