@@ -387,7 +387,7 @@ class Starter:
         """torchrun's variables, so ``init_process_group()`` (env://) works under ``gradsync
         run`` too: every rank a client of the launcher's store, as under torchrun's agent.
         Data servers (the last ranks) are not members of the training job: WORLD_SIZE counts
-        the ranks before them, as ``gradsync.size()`` does on a worker."""
+        only the ranks before them (the workers and any parameter servers)."""
         return {"RANK": str(slot.rank), "WORLD_SIZE": str(size - self.spec.data_servers),
                 "LOCAL_RANK": str(slot.local_rank), "LOCAL_WORLD_SIZE": str(slot.local_size),
                 "MASTER_ADDR": self.store_addr,
