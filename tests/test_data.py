@@ -344,3 +344,29 @@ def test_batches_handed_over_from_a_lost_server_join_the_end_of_the_stream(serve
     got = [_take(peers[0], 0, seq, srv.slot_bytes, layout)[0] for seq in range(own + 2)]
     assert [g["index"] for g in got[own:]] == [100, 101]
     assert got[own]["ids"] == [0, 2, 4] and got[-1]["ids"] == [6]
+
+
+def test_a_new_generation_drops_the_untaken_items_and_replans_for_its_workers(server):
+    # 2 workers; worker 0 takes 2 of its batches of epoch 0 (the server has prepared more),
+    # then the job re-forms with worker 0 alone: its stream goes on at item 2 with the plan of
+    # one worker over the samples not in those 2 batches (worker 1's share included).
+    srv, peers = server(Numbers(40), workers=2)
+    layout = Layout(_hello(peers[0], 40, prefetch=3)["layout"])
+    _hello(peers[1], 40, prefetch=3)
+    for p in peers.values():
+        p.call("start", epoch=0, done=None)
+    old = P.worker_batches(P.plan(40, 4, 1, 0, 1, 2), 0)
+    taken = [_take(peers[0], 0, seq, srv.slot_bytes, layout)[0]["ids"] for seq in (0, 1)]
+    assert taken == [old[0].ids.tolist(), old[1].ids.tolist()]
+    assert _wait_for(lambda: srv.streams[0].produced == 4)  # items 2 and 3 of the old plan
+    done = np.zeros(40, bool)
+    done[taken[0] + taken[1]] = True
+    mask = P.pack_mask(done)
+    with pytest.raises(ValueError, match="at item 5"):  # past the items it holds
+        peers[0].call("start", epoch=0, done=mask, generation=1, workers=1, index=0, seq=5)
+    reply = peers[0].call("start", epoch=0, done=mask, generation=1, workers=1, index=0, seq=2)
+    new = P.worker_batches(P.plan(40, 4, 1, 0, 1, 1, done), 0)
+    assert reply["batches"] == len(new) == 8
+    got = [_take(peers[0], 0, 2 + k, srv.slot_bytes, layout)[0]["ids"] for k in range(8)]
+    assert got == [b.ids.tolist() for b in new]
+    assert sorted(sum(taken + got, [])) == list(range(40))

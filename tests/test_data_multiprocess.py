@@ -100,3 +100,22 @@ def test_a_killed_data_servers_share_is_served_by_the_others_exactly_once(tmp_pa
         assert sorted(ids) == list(range(SAMPLES)), f"epoch {epoch}"
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert [s["server"] for s in stats] == [1, 2]  # the live ones
+
+
+@pytest.mark.multiprocess
+def test_a_lost_workers_uncommitted_share_goes_to_the_new_generation_exactly_once(tmp_path):
+    # 2 workers and 2 data servers: both commit after 3 batches and take 2 more; worker 1 is
+    # then lost, and worker 0 resets to the commit as a generation of one worker.
+    _run(2, 2, "shrink", tmp_path, 3)
+    record = json.loads((tmp_path / "shrink.json").read_text())
+    state = record["state"]
+    assert state["epoch"] == 0
+    done = P.unpack_mask(state["done"], SAMPLES)
+    assert done.sum() == 2 * 3 * BATCH  # the commit covers the batches before it, only
+    after = record["after"]
+    # The rest of epoch 0, the lost worker's share and both workers' uncommitted batches
+    # included, planned for one worker; then epoch 1 whole.
+    assert after["0"] == _planned(0, 2, 1, 0, done)
+    assert sorted(after["0"] + P.order(SAMPLES, SEED, 0)[done[P.order(SAMPLES, SEED, 0)]]
+                  .tolist()) == list(range(SAMPLES))
+    assert after["1"] == _planned(1, 2, 1, 0)

@@ -6,6 +6,7 @@
     gradsync bench ps -np 2 --servers 1 [--sizes 1K:64M] [--transport auto|tcp] [--straggler]
     gradsync bench scale -np 16[,64,128,...] [--hosts H] [--emulate auto|netns|names]
     gradsync bench chaos [--hosts H] [--ranks-per-host K] [--minutes T] [--every F] ...
+    gradsync bench data -np W [--data-servers D] [--cost-ms 2] [--emulate none|netns]
     gradsync bench BENCHMARK --help      (that benchmark's options)
 
 A benchmark module that defines ``drive`` starts its jobs itself (``ps`` starts one job per
@@ -36,6 +37,7 @@ __all__ = ["main", "add_json_option", "write_json", "parse_counts", "BENCHMARKS"
 
 BENCHMARKS = {"allreduce": "gradsync.bench.allreduce", "backend": "gradsync.bench.backend",
               "chaos": "gradsync.bench.chaos",
+              "data": "gradsync.bench.data",
               "elastic": "gradsync.bench.elastic",
               "probe": "gradsync.bench.probe",
               "ps": "gradsync.bench.ps", "scale": "gradsync.bench.scale",

@@ -19,9 +19,20 @@ Within an epoch every sample goes to exactly one worker, in an order fixed by th
 (``plan.py``); samples are decoded once and kept in the servers' memory (``cache.py``), the
 transform runs afresh each epoch (``server.py``); batches move through one-sided memory
 regions set up once (``transport/regions.py``), with ``prefetch`` batches of credit per worker
-(``loader.py``). See docs/data.md, which also lists what is not done yet.
+(``loader.py``). ``as_dataloader(loader)`` is a torch ``DataLoader`` over it, for DDP and
+Lightning (``compat.py``). See docs/data.md, which also lists what is not done yet.
 """
 
 from .loader import Loader
 
-__all__ = ["Loader"]
+__all__ = ["Loader", "LoaderDataset", "as_dataloader"]
+
+
+def __getattr__(name: str):
+    # compat.py imports torch.utils.data: only code that asks for a DataLoader pays for it
+    # (a data-server rank never does).
+    if name in ("LoaderDataset", "as_dataloader"):
+        from . import compat
+
+        return getattr(compat, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

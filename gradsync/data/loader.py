@@ -15,14 +15,15 @@ ends, or when ``state_dict()`` is called while it holds the batch (a checkpoint 
 a step covers that step's batch). ``state_dict()`` gathers every worker's delivered samples
 (it is a collective: every worker calls it at the same step) and ``load_state_dict()`` on a
 new job makes that epoch serve only the samples not yet delivered, in the same order, at any
-number of workers and data servers.
+number of workers and data servers. ``reset()`` does the same within a job whose workers
+re-formed (elastic mode): each data server cuts the worker's stream where it stands and plans
+the rest of the epoch for the new generation (``server.py``).
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
-import json
 import logging
 import queue
 import threading
@@ -31,7 +32,7 @@ import time
 import numpy as np
 
 from ..errors import ConfigError, PeerLostError
-from ..transport import region_peer, regions
+from ..transport import region_peer
 from .layout import Layout
 from .plan import Batch, pack_mask, plan, unpack_mask, worker_batches
 
@@ -40,6 +41,7 @@ __all__ = ["Loader", "STATE_VERSION"]
 STATE_VERSION = 1
 _END = object()  # the fetch thread's last item of an epoch
 _ADOPT_PIECE = 256  # batches handed to a data server per control message
+_TRANSFERS_KEPT = 4096  # batches whose fetch times ``transfers()`` keeps
 
 log = logging.getLogger("gradsync.data")
 
@@ -96,31 +98,22 @@ class Loader:
         self._finished: tuple[int, list[np.ndarray]] | None = None  # last epoch: (e, ids)
         self._seq = [0] * self.servers  # next sequence number of this worker's stream
         self.lost: set[int] = set()  # data servers this worker has lost
+        self.generation = 0  # of the job's membership: ``reset``
+        # (take seconds, of which waited, read seconds, bytes) of the latest batches
+        self._transfers: collections.deque = collections.deque(maxlen=_TRANSFERS_KEPT)
         self._closed = False
+        self._timeout = config.timeout
         self._connect(env, config)
         atexit.register(self.close)
 
     def _connect(self, env, config) -> None:
-        from ..rendezvous import Store
-        from ..world import listen_addr
+        from ..server_links import connect_servers, open_store
 
-        store = Store(env.store_addr, env.store_port, env.store_is_server, env.job_id,
-                      config.connect_timeout, env.size)
-        secret = env.secret or store.read_secret()
-        self.endpoint = regions.Endpoint(env.rank, env.hostname, secret, f"{env.job_id}.data",
-                                         addr=listen_addr(config, env), timeout=config.timeout,
-                                         direct=config.transport != "tcp",
-                                         label=f"worker {env.rank}")
-        deadline = time.monotonic() + config.connect_timeout
-        self.peers = []
+        self.endpoint, self.peers = connect_servers(config, env, open_store(config, env), "data",
+                                                    env.size, self.servers, "data server")
+        hello = {"batch_size": self.batch_size, "seed": self.seed, "samples": self.samples,
+                 "prefetch": self.prefetch}
         try:
-            for d in range(self.servers):
-                info = json.loads(store.get(f"data/server/{d}", config.connect_timeout))
-                rank = env.size + d
-                self.peers.append(self.endpoint.connect(rank, info["addr"], info["port"],
-                                                        deadline, f"data server {d} (rank {rank})"))
-            hello = {"batch_size": self.batch_size, "seed": self.seed, "samples": self.samples,
-                     "prefetch": self.prefetch}
             replies = region_peer.wait([p.call_async("hello", **hello) for p in self.peers])
         except BaseException:
             self.close()
@@ -145,8 +138,18 @@ class Loader:
 
     def __len__(self) -> int:
         """Batches this worker gets in the next (or current) epoch."""
-        epoch = self._active.epoch if self._active else self.epoch
-        return len(self._my_batches(epoch, self._resume.get(epoch)))
+        return self.lengths()[self.rank]
+
+    def lengths(self) -> list[int]:
+        """Batches each worker gets in the next (or current) epoch, by worker (computed from
+        the plan: no message)."""
+        if self._active is not None:
+            epoch, done = self._active.epoch, self._active.done
+        else:
+            epoch, done = self.epoch, self._resume.get(self.epoch)
+        batches = plan(self.samples, self.batch_size, self.seed, epoch, self.servers,
+                       self.workers, done)
+        return [len(batches[w::self.workers]) for w in range(self.workers)]
 
     def _my_batches(self, epoch: int, done: np.ndarray | None) -> list[Batch]:
         return worker_batches(plan(self.samples, self.batch_size, self.seed, epoch,
@@ -164,7 +167,12 @@ class Loader:
         batches = self._my_batches(epoch, done)
         text = pack_mask(done) if done is not None else None
         live = [d for d in range(self.servers) if d not in self.lost]
-        started = {d: self.peers[d].call_async("start", epoch=epoch, done=text) for d in live}
+        # ``seq``: where this worker's stream goes on, for a server that learns of a new
+        # generation from this start (``reset``).
+        started = {d: self.peers[d].call_async("start", epoch=epoch, done=text,
+                                               generation=self.generation,
+                                               workers=self.workers, index=self.rank,
+                                               seq=self._seq[d]) for d in live}
         for d, handle in started.items():
             try:
                 handle.wait()
@@ -173,7 +181,7 @@ class Loader:
         self._resume.pop(epoch, None)
         work = [(b, b.server) for b in batches if b.server not in self.lost]
         orphans = [b for b in batches if b.server in self.lost]
-        self._active = _Epoch(self, epoch, work, orphans)
+        self._active = _Epoch(self, epoch, work, orphans, done)
         return self._active
 
     def _lose(self, server: int, error: BaseException) -> None:
@@ -277,6 +285,35 @@ class Loader:
         if state["done"]:
             self._resume[self.epoch] = unpack_mask(state["done"], self.samples)
 
+    def transfers(self) -> list[tuple[float, float, float, int]]:
+        """How the latest batches (up to 4,096) came, oldest first: per batch the seconds its
+        ``take`` call took, the part of them the data server spent waiting for the batch to
+        be prepared (the rest is the control message's round trip), the seconds its bytes
+        took to read into the worker's buffer, and their number."""
+        return list(self._transfers)
+
+    def reset(self, rank: int, workers: int, state: dict) -> None:
+        """The job's membership changed (an elastic job re-formed): this worker is now
+        ``rank`` of ``workers``, and the data roll back to ``state``, the ``state_dict()``
+        of the last commit.
+
+        What this worker had taken since is dropped (its model rolls back too), and the
+        next ``iter()`` re-plans the rest of ``state``'s epoch for the new number of
+        workers: every sample not delivered at the commit, a lost worker's share included,
+        goes to exactly one worker of the new generation. Every worker of the new generation
+        calls it, with the same ``state``, before iterating.
+        """
+        if self._active is not None:
+            # Stop the fetch thread before reading where the streams stand: a take in
+            # flight moves them on.
+            self._active.stop()
+            self._active.join(self._timeout)
+            self._active = None
+        self.rank, self.workers = int(rank), int(workers)
+        self.generation += 1
+        self._finished = None
+        self.load_state_dict(state)
+
     # ------------------------------------------------------------------ the servers
     def stats(self) -> list[dict]:
         """Each live data server's counters: ``server`` (its index), batches prepared, cache
@@ -305,8 +342,9 @@ class _Epoch:
     """One epoch's iterator on a worker: the fetch thread and the delivered batches."""
 
     def __init__(self, loader: Loader, epoch: int, work: list[tuple[Batch, int]],
-                 orphans: list[Batch]):
+                 orphans: list[Batch], done: np.ndarray | None):
         self.loader, self.epoch = loader, epoch
+        self.done = done  # the samples delivered before the epoch started (a resumed one)
         self.work, self.orphans = collections.deque(work), orphans
         self.delivered: list[np.ndarray] = []
         self.in_hand: np.ndarray | None = None
@@ -348,7 +386,9 @@ class _Epoch:
     def _take(self, batch: Batch, s: int) -> np.ndarray:
         """Batch ``batch`` from data server ``s``, read into a fresh buffer."""
         loader = self.loader
+        start = time.perf_counter()
         info = loader.peers[s].call("take", seq=loader._seq[s])
+        taken = time.perf_counter()
         loader._seq[s] += 1
         if info["index"] != batch.index or info["epoch"] != self.epoch:
             raise RuntimeError(f"data server {s} sent batch {info['index']} of epoch "
@@ -356,6 +396,8 @@ class _Epoch:
                                f"epoch {self.epoch}")
         buf = np.empty(info["nbytes"], dtype=np.uint8)
         loader.slots[s].read(buf, info["slot"] * loader.slot_bytes)
+        loader._transfers.append((taken - start, float(info.get("waited", 0.0)),
+                                  time.perf_counter() - taken, buf.nbytes))
         return buf
 
     def _put(self, item) -> bool:
@@ -391,3 +433,9 @@ class _Epoch:
 
     def stop(self) -> None:
         self._stopping = True
+
+    def join(self, timeout: float) -> None:
+        """Waits for the fetch thread to end (after ``stop``)."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise RuntimeError(f"the data fetch thread did not stop within {timeout:.0f}s")

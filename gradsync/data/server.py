@@ -19,10 +19,10 @@ A step, seen from worker w:
    written only when w has released item ``k - prefetch`` (the slot's previous item). So a
    server runs at most ``prefetch`` batches ahead of each worker, and a slow worker holds back
    only its own stream.
-3. ``take(seq)``: waits until item ``seq`` is ready and answers where it is (slot, bytes) and
-   what it holds (its index in the epoch, its sample ids). Asking for ``seq`` also releases
-   every item before it: the worker reads item ``seq - 1`` before asking for ``seq``, so its
-   slot is free again. That release is the credit.
+3. ``take(seq)``: waits until item ``seq`` is ready and answers where it is (slot, bytes),
+   what it holds (its index in the epoch, its sample ids) and how long it waited. Asking for
+   ``seq`` also releases every item before it: the worker reads item ``seq - 1`` before
+   asking for ``seq``, so its slot is free again. That release is the credit.
 4. The worker reads the slot's bytes straight into the buffer its tensors will view.
 
 Preparing a sample: the decoded sample comes from the cache (``cache.py``) or from
@@ -32,8 +32,11 @@ across epochs but the same for a seed whatever the number of servers, workers or
 
 Failures: a sample that the dataset or transform cannot prepare fails every later ``take``
 with an error naming it (the workers raise it). A worker whose connection ends is done with
-this server; the server ends when every worker has connected and gone. What a lost worker's
-unread batches become is not handled yet (docs/data.md, "Not done yet"). When another data
+this server; the server ends when every worker has connected and gone. When the job's
+workers re-form (``Loader.reset``, elastic mode), each worker's next ``start`` carries the new
+*generation*, its number of workers and the worker's place among them: the server drops the
+items of that worker's stream that it has not taken and plans the rest of the epoch for the
+new count, so a lost worker's unacknowledged share goes to the others. When another data
 server is lost, each worker hands the batches it has not received from it to the servers
 left (``start`` with ``items``): they join the end of that worker's stream here like any
 other, decoded from the dataset (this server's cache keeps them only while its budget lasts).
@@ -42,8 +45,8 @@ other, decoded from the dataset (this server's cache keeps them only while its b
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
+import sys
 import threading
 import time
 
@@ -58,6 +61,7 @@ from .plan import Batch, plan, unpack_mask, worker_batches
 __all__ = ["Source", "DataServer", "serve"]
 
 log = logging.getLogger("gradsync.data")
+_SWITCH_INTERVAL = 0.0002  # seconds: see serve()
 
 
 class Source:
@@ -106,6 +110,7 @@ class _Stream:
         self.released = 0    # items the worker has finished reading
         self.busy = False    # the producer is writing item ``produced``
         self.gone = False
+        self.generation = 0  # of the job's membership, as the worker's last start said
 
     def can_produce(self) -> bool:
         return (not self.busy and not self.gone and self.produced < len(self.items)
@@ -137,7 +142,8 @@ class DataServer:
         self.streams: dict[int, _Stream] = {}
         self.failure: str | None = None
         self.batches_served = 0
-        self._plans: dict[int, tuple[str, list[Batch]]] = {}  # epoch -> (done digest, plan)
+        # (generation, epoch) -> ((done digest, workers), plan)
+        self._plans: dict[tuple[int, int], tuple[tuple[str, int], list[Batch]]] = {}
         self._seen: set[int] = set()
         self._started: set[int] = set()
         self._cv = threading.Condition()
@@ -178,6 +184,10 @@ class DataServer:
         share of the plan, or ``args["items"]`` (``[[index, [ids]], ...]``), batches of a lost
         data server that the worker hands to this one."""
         epoch, done = int(args["epoch"]), args.get("done")
+        generation = int(args.get("generation", 0))
+        with self._cv:
+            if generation > self._stream(worker).generation:
+                self._regenerate(worker, generation, int(args["seq"]))
         if args.get("items") is not None:
             adopted = [Batch(int(g), self.index, worker, np.asarray(ids, dtype=np.int64))
                        for g, ids in args["items"]]
@@ -192,20 +202,27 @@ class DataServer:
                 self._cv.notify_all()
             return {"batches": len(adopted)}
         digest = hashlib.sha256((done or "").encode()).hexdigest()[:16]
+        # A generation's plan: its number of workers, and this worker's place among them
+        # (both as at the job's start unless the job re-formed).
+        workers = int(args.get("workers", self.workers))
+        place = int(args.get("index", worker))
         with self._cv:
             stream = self._stream(worker)
-            known = self._plans.get(epoch)
-            if known is not None and known[0] != digest:
+            key = (generation, epoch)
+            known = self._plans.get(key)
+            if known is not None and known[0] != (digest, workers):
                 raise CollectiveMismatchError(
-                    f"worker {worker} started epoch {epoch} from another state than an earlier "
-                    "worker did: every worker must load the same state_dict")
+                    f"worker {worker} started epoch {epoch} from another state (or number of "
+                    "workers) than an earlier worker of its generation did: every worker must "
+                    "load the same state_dict")
             if known is None:
                 mask = unpack_mask(done, self.samples) if done else None
-                known = (digest, plan(self.samples, self.batch_size, self.seed, epoch,
-                                      self.servers, self.workers, mask))
-                self._plans = {e: p for e, p in self._plans.items() if e >= epoch - 1}
-                self._plans[epoch] = known
-            mine = worker_batches(known[1], worker, self.index)
+                known = ((digest, workers), plan(self.samples, self.batch_size, self.seed,
+                                                 epoch, self.servers, workers, mask))
+                self._plans = {k: p for k, p in self._plans.items()
+                               if k >= (generation, epoch - 1)}
+                self._plans[key] = known
+            mine = worker_batches(known[1], place, self.index)
             stream.items.extend((epoch, b) for b in mine)
             stream.nbytes.extend([0] * len(mine))
             self._started.add(worker)
@@ -215,6 +232,25 @@ class DataServer:
                 self.endpoint.unlink_segments()
             self._cv.notify_all()
             return {"batches": len(mine)}
+
+    def _regenerate(self, worker: int, generation: int, seq: int) -> None:
+        """(Under ``_cv``.) ``worker`` is a member of a new generation of the job (an elastic
+        job re-formed): the items of its stream from ``seq`` on, the ones it has not taken,
+        belong to the old plan and go; the new generation's batches follow from ``seq``.
+        Every item before ``seq`` has been read (the worker's fetching has stopped), so
+        every slot is free."""
+        stream = self._stream(worker)
+        while stream.busy:  # the producer is writing into one of its slots: let it finish
+            self._cv.wait(1.0)
+        # The worker can only have taken items that were prepared.
+        if not stream.released <= seq <= stream.produced:
+            raise ValueError(f"worker {worker} restarted its stream of data server "
+                             f"{self.index} at item {seq}; it can have taken items up to "
+                             f"{stream.produced - 1}, and has released those before "
+                             f"{stream.released}")
+        del stream.items[seq:], stream.nbytes[seq:]
+        stream.produced = stream.released = seq
+        stream.generation = generation
 
     def _take(self, worker: int, args: dict) -> dict:
         seq = int(args["seq"])
@@ -227,6 +263,7 @@ class DataServer:
                                  f"{len(stream.items) - 1}")
             stream.released = seq  # every earlier item has been read: its slot is free
             self._cv.notify_all()
+            arrived = time.monotonic()
             while stream.produced <= seq:
                 if self.failure is not None:
                     raise GradsyncError(self.failure)
@@ -237,8 +274,11 @@ class DataServer:
                                                f"{self.timeout * 0.9:.0f}s")
                 self._cv.wait(min(left, 1.0))
             epoch, batch = stream.items[seq]
+            # ``waited``: how long the batch was still being prepared (the rest of the call's
+            # time is the transport's: Loader.transfers()).
             return {"slot": seq % stream.prefetch, "nbytes": stream.nbytes[seq],
-                    "epoch": epoch, "index": batch.index, "ids": batch.ids.tolist()}
+                    "epoch": epoch, "index": batch.index, "ids": batch.ids.tolist(),
+                    "waited": time.monotonic() - arrived}
 
     def _stats(self, worker: int, args: dict) -> dict:
         with self._cv:
@@ -324,12 +364,16 @@ class DataServer:
 
 def serve(config, env, source: Source, batch_size: int, seed: int) -> int:
     """Runs this rank's data server until every worker is done; returns an exit status."""
-    from ..rendezvous import Store
+    from ..server_links import open_store, publish
     from ..world import listen_addr
 
     index = env.data_server_rank
-    store = Store(env.store_addr, env.store_port, env.store_is_server, env.job_id,
-                  config.connect_timeout, env.size)
+    # The producer runs the user's transform, often Python code that holds the GIL; the
+    # thread that answers a worker's take would wait up to the default 5 ms switch interval
+    # for it, on every batch. A waiting thread asks for the GIL after this interval, and a
+    # lone producer pays nothing for it.
+    sys.setswitchinterval(_SWITCH_INTERVAL)
+    store = open_store(config, env)
     secret = env.secret or store.read_secret()  # worker 0 (rank 0) makes it in init()
     endpoint = Endpoint(env.rank, env.hostname, secret, f"{env.job_id}.data",
                         addr=listen_addr(config, env), expect=set(range(env.workers)),
@@ -339,8 +383,7 @@ def serve(config, env, source: Source, batch_size: int, seed: int) -> int:
     try:
         server = DataServer(index, env.data_servers, env.workers, endpoint, source,
                             batch_size, seed, config.timeout)
-        store.set(f"data/server/{index}", json.dumps({"addr": endpoint.addr,
-                                                      "port": endpoint.port}))
+        publish(store, "data", index, endpoint)
         while not server.done.wait(1.0):
             record = store.read_abort()
             if record is not None:

@@ -385,8 +385,10 @@ class Starter:
 
     def torch_identity(self, slot: Slot, port: int, size: int) -> dict[str, str]:
         """torchrun's variables, so ``init_process_group()`` (env://) works under ``gradsync
-        run`` too: every rank a client of the launcher's store, as under torchrun's agent."""
-        return {"RANK": str(slot.rank), "WORLD_SIZE": str(size),
+        run`` too: every rank a client of the launcher's store, as under torchrun's agent.
+        Data servers (the last ranks) are not members of the training job: WORLD_SIZE counts
+        only the ranks before them (the workers and any parameter servers)."""
+        return {"RANK": str(slot.rank), "WORLD_SIZE": str(size - self.spec.data_servers),
                 "LOCAL_RANK": str(slot.local_rank), "LOCAL_WORLD_SIZE": str(slot.local_size),
                 "MASTER_ADDR": self.store_addr,
                 "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}

@@ -12,6 +12,8 @@ checks them (tests/test_data_multiprocess.py).
     stop DIR STEPS           STEPS batches of epoch 0, then state_dict(), saved by worker 0
     resume DIR EPOCHS        loads DIR/state.json and runs to the end of epoch EPOCHS - 1
     killserver DIR EPOCHS    as count, but worker 0 SIGKILLs data server 0 after 5 batches
+    shrink DIR STEPS         2 workers commit after STEPS batches, take 2 more, then worker 1
+                             is lost and worker 0 resets to the commit alone (``shrink``)
 """
 
 import common  # noqa: F401  (deadline)
@@ -20,6 +22,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import numpy as np
 import torch
@@ -62,6 +65,32 @@ def write(directory, tag, seen):
         json.dump(seen, f)
 
 
+def shrink(loader, directory, steps, seen):
+    """Two workers take ``steps`` batches, commit (``state_dict``), take 2 more; then worker
+    1 is lost (it takes nothing more) and worker 0 goes on alone as a new generation of one
+    worker from the commit, to the end of epoch 1."""
+    it = iter(loader)
+    for _ in range(steps):
+        receive(loader, next(it), seen)
+    state = loader.state_dict()
+    for _ in range(2):  # taken after the commit: rolled back
+        receive(loader, next(it), seen)
+    gs.barrier()
+    shrunk = os.path.join(directory, "shrunk")
+    if gs.rank() == 1:
+        while not os.path.exists(shrunk):  # lost: still connected, taking nothing
+            time.sleep(0.05)
+        return
+    loader.reset(0, 1, state)
+    after: dict = {}
+    while loader.epoch < 2:
+        for batch in loader:
+            receive(loader, batch, after)
+    with open(os.path.join(directory, "shrink.json"), "w") as f:
+        json.dump({"state": state, "before": seen, "after": after}, f)
+    open(shrunk, "w").close()
+
+
 def main():
     scenario, directory = sys.argv[1], sys.argv[2]
     arg = int(sys.argv[3])
@@ -98,6 +127,8 @@ def main():
             for batch in loader:
                 receive(loader, batch, seen)
         write(directory, "resume", seen)
+    elif scenario == "shrink":
+        shrink(loader, directory, arg, seen)
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     loader.close()

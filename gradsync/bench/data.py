@@ -1,0 +1,435 @@
+"""Data servers against each worker's own torch ``DataLoader``, in the same job.
+
+    gradsync bench data -np W [--data-servers D] [--cost-ms 2] [--samples 512]
+        [--batch-size 32] [--shape 3,32,32] [--repeats 5] [--emulate none|netns]
+
+Every rank runs this module (``drive`` starts the job with ``--data-servers D``, or, with
+``--emulate netns``, on emulated hosts: the W workers on host ``w``, each data server on a
+host of its own, ``netns.py``). The data are synthetic: sample ``i`` is an array of ``--shape``
+float32 values all equal to ``i % 251`` and the label ``i``; ``dataset[i]`` costs
+``--decode-ms`` of CPU (the decode, which the data servers cache), and the transform costs
+``--cost-ms`` of CPU per sample every epoch (CPU time of the calling thread, spun: a stated
+cost that a loaded machine stretches in wall time but does not shrink). Three measurements:
+
+1. **Data servers.** Epoch 0 is the warm-up (it fills the cache); epochs 1..R are timed, each
+   started after a barrier: an epoch's time is the slowest worker's, its throughput the
+   epoch's samples over that time. Every epoch is verified: each worker checks each batch's
+   labels against the ids the ``Loader`` says it holds and its values against the labels, and
+   the workers' ids together must be every sample exactly once (``#wrong`` counts the
+   samples missing, repeated or wrong).
+2. **Transport.** One more epoch, in which the training loop sleeps per batch about as long
+   as the data servers take to prepare one for every worker (``W * batch * cost / D``, and
+   half as much again), then times a *memory copy* of a batch's bytes into a fresh buffer
+   (``numpy.empty`` + ``copyto``: what a worker that loaded its own batch would still pay to
+   put it in a buffer of its own), from a source not in this core's caches (one of a pool of
+   at least 8 MiB, in turn), as a slot was last written by the data server's core. A batch's *transport* cost is its ``take`` (the control
+   round trip, less the time the server waited for the batch to be prepared: the server says
+   how long) plus the read of its bytes into the worker's fresh buffer
+   (``Loader.transfers()``); ratio = transport / copy, medians over the epoch's batches.
+3. **DataLoader.** Each worker's own ``torch.utils.data.DataLoader`` over the same dataset and
+   transform, with a ``DistributedSampler`` (its share, shuffled) and ``num_workers`` =
+   ``max(1, round(D / W))``, so that the loading processes number the data servers (the same
+   total cores when W divides D; the header says when not); persistent workers, one warm-up
+   epoch, then R timed epochs as in 1. Its epochs alternate with the data servers' (one of
+   each, in turn), so that both feeds see the same load on a shared machine; the ratio is
+   printed of the medians and epoch by epoch.
+
+Medians over the R epochs (and over the transport epoch's batches) are printed, with the
+spread (lowest and highest); ``--json FILE`` writes the row. The data servers are idle while
+the DataLoader runs (no epoch of theirs is started), and the DataLoader's processes while the
+data servers run (their sampler has handed out nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+__all__ = ["parser", "drive", "run", "Synthetic", "Costly", "spin"]
+
+_POOL = 8 << 20  # bytes of the memory copy's sources (see _transport)
+_FILL = 251  # sample i holds i % 251: exact in float32, and varied enough to catch a mix-up
+
+
+def spin(seconds: float) -> None:
+    """Uses ``seconds`` of this thread's CPU time (a stated cost, whatever the load)."""
+    if seconds <= 0:
+        return
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+class Synthetic:
+    """Sample ``i``: (``shape`` float32 values equal to ``i % 251``, label ``i``); each
+    ``dataset[i]`` costs ``decode_s`` of CPU (the decode, which a data server caches)."""
+
+    def __init__(self, samples: int, shape: tuple[int, ...], decode_s: float = 0.0):
+        self.samples, self.shape, self.decode_s = samples, tuple(shape), decode_s
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def __getitem__(self, i: int):
+        spin(self.decode_s)
+        return np.full(self.shape, i % _FILL, dtype=np.float32), i
+
+
+class Costly:
+    """A transform of ``cost_s`` CPU seconds per sample that returns the sample as it was
+    (its values are checked on the workers)."""
+
+    def __init__(self, cost_s: float):
+        self.cost_s = cost_s
+
+    def __call__(self, sample, rng):
+        spin(self.cost_s)
+        return sample
+
+
+class _Transformed:
+    """The dataset as a worker's own ``DataLoader`` sees it: decoded and transformed in its
+    loading processes, every epoch (a torch map-style dataset needs only these two)."""
+
+    def __init__(self, dataset: Synthetic, transform: Costly, seed: int):
+        self.dataset, self.transform, self.seed = dataset, transform, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        return self.transform(self.dataset[i], np.random.default_rng([self.seed, i]))
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(d) for d in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shape {text!r}: dimensions separated by commas, "
+                                         "as 3,32,32") from None
+    if not dims or min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"--shape {text!r}: every dimension must be >= 1")
+    return dims
+
+
+def _at_least(low, kind=int):
+    def parse(text: str):
+        value = kind(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        return value
+    return parse
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gradsync bench data")
+    p.add_argument("--data-servers", type=_at_least(1), default=1, metavar="D",
+                   help="data-server ranks beside the -np workers (default 1)")
+    p.add_argument("--cost-ms", type=_at_least(0.0, float), default=2.0,
+                   help="CPU milliseconds the transform spends per sample (default 2)")
+    p.add_argument("--decode-ms", type=_at_least(0.0, float), default=0.0,
+                   help="CPU milliseconds of dataset[i], cached by the data servers (default 0)")
+    p.add_argument("--samples", type=_at_least(1), default=512, help="dataset size (512)")
+    p.add_argument("--batch-size", type=_at_least(1), default=32, help="samples per batch (32)")
+    p.add_argument("--shape", type=_shape, default=(3, 32, 32),
+                   help="each sample's float32 shape (3,32,32)")
+    p.add_argument("--repeats", type=_at_least(1), default=5,
+                   help="timed epochs of each feed (5)")
+    p.add_argument("--prefetch", type=_at_least(1), default=None,
+                   help="the Loader's prefetch (default the data_prefetch setting)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--emulate", choices=("none", "netns"), default="none",
+                   help="netns: workers on one emulated host, each data server on its own "
+                        "(needs root)")
+    p.add_argument("--timeout", type=_at_least(1.0, float), default=600.0,
+                   help="seconds before an emulated run's ranks are stopped (600)")
+    p.add_argument("--json", help="write the row to this file")
+    p.add_argument("--result", help=argparse.SUPPRESS)  # where rank 0 leaves the rows for drive
+    return p
+
+
+# ---------------------------------------------------------------------- starting the job
+def drive(run_cmd: list[str], options, rest: list[str], workers: int, servers=None) -> int:
+    """Starts the job through ``gradsync run`` (``run_cmd``, as ``bench/cli.py`` built it) or
+    on emulated hosts, then prints the table that rank 0 left; returns the job's status."""
+    with tempfile.TemporaryDirectory(prefix="gradsync-bench-data-") as tmp:
+        result = os.path.join(tmp, "rows.json")
+        module = [sys.executable, "-m", __name__, *rest, "--result", result]
+        if options.emulate == "none":
+            status = subprocess.call([*run_cmd, "--data-servers", str(options.data_servers),
+                                      *module])
+        else:
+            status = _emulated(options, module, workers)
+        if status != 0 or not os.path.exists(result):
+            return status or 1
+        with open(result) as f:
+            rows = json.load(f)
+    _print(rows)
+    if options.json:
+        with open(options.json, "w") as f:
+            json.dump(rows[0] | {"per_worker_transfer": [r["transfer"] for r in rows]}, f,
+                      indent=1)
+    return 0
+
+
+def _emulated(options, module: list[str], workers: int) -> int:
+    from . import netns
+
+    why = netns.unavailable_reason()
+    if why is not None:
+        print(f"gradsync bench data: --emulate netns needs network namespaces: {why}",
+              file=sys.stderr)
+        return 2
+    hosts = [("w", workers)] + [(f"d{d}", 1) for d in range(options.data_servers)]
+    lock = threading.Lock()
+
+    def echo(slot, line: str) -> None:
+        with lock:
+            sys.stdout.write(f"[{slot.rank}]<{slot.host.name}>: {line}")
+            sys.stdout.flush()
+
+    try:
+        with netns.Cluster(hosts) as cluster:
+            results = netns.run(cluster, module, timeout=options.timeout, on_line=echo,
+                                env={"GRADSYNC_DATA_SERVERS": str(options.data_servers)},
+                                stop_on_failure=True)
+    except netns.NetnsError as exc:
+        print(f"gradsync bench data: {exc}", file=sys.stderr)
+        return 1
+    failed = [r for r in results if r.returncode != 0]
+    for r in failed:
+        print(f"gradsync bench data: {r}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+# ---------------------------------------------------------------------- the ranks
+def run(args) -> dict | None:
+    """One rank's part (a data server never returns from the ``Loader``); returns the row on
+    rank 0."""
+    import torch
+
+    import gradsync
+    import gradsync.data
+
+    torch.set_num_threads(1)
+    dataset = Synthetic(args.samples, args.shape, args.decode_ms / 1e3)
+    transform = Costly(args.cost_ms / 1e3)
+    loader = gradsync.data.Loader(dataset, args.batch_size, transform=transform,
+                                  seed=args.seed, prefetch=args.prefetch)
+    rank, workers, servers = gradsync.rank(), gradsync.size(), loader.servers
+    threads = max(1, round(servers / workers))
+    own = _Own(dataset, transform, args, rank, workers, threads)
+    epochs, wrong = [], 0
+    # The two feeds' epochs alternate, so that both see the same load on a shared machine;
+    # epoch 0 of each is its warm-up (the cache fills, the loading processes start).
+    for epoch in range(args.repeats + 1):
+        seconds, ids, bad = _epoch(iter(loader), loader)
+        wrong += _exactly_once(ids, bad, args.samples)
+        own.epoch(epoch)
+        if epoch > 0:
+            epochs.append(args.samples / seconds)
+    copy_s, taken, transport_wrong = _transport(loader, args, workers, servers)
+    wrong += transport_wrong
+    transfers = loader.transfers()[-taken:]
+    # Each server's slots: mapped here (the same host) or read over its TCP connection.
+    road = "/".join(sorted({"shm" if slots.direct is not None else "tcp"
+                            for slots in loader.slots}))
+    loader.close()
+    own.close()
+    row = {"workers": workers, "data_servers": servers, "loader_workers": threads,
+           "cost_ms": args.cost_ms, "decode_ms": args.decode_ms, "samples": args.samples,
+           "batch_size": args.batch_size, "shape": list(args.shape),
+           "transport": _transport_name(), "repeats": args.repeats, "wrong": wrong,
+           "servers_samples_s": _summary(epochs), "dataloader_samples_s": _summary(own.rates),
+           "dataloader_wrong": own.wrong,
+           # each timed epoch of the data servers over the DataLoader's epoch after it
+           "pair_ratios": [a / b for a, b in zip(epochs, own.rates)]}
+    row["throughput_ratio"] = (row["servers_samples_s"]["median"]
+                               / row["dataloader_samples_s"]["median"])
+    # A take's round trip is its time less the server's wait for the batch to be prepared.
+    take = [t - w for t, w, _, _ in transfers]
+    read = [r for _, _, r, _ in transfers]
+    total = [t + r for t, r in zip(take, read)]
+    row["transfer"] = {"road": road,
+                       "bytes": int(statistics.median(n for _, _, _, n in transfers)),
+                       "batches": len(transfers),
+                       "take_us": _summary(take, 1e6), "read_us": _summary(read, 1e6),
+                       "total_us": _summary(total, 1e6), "copy_us": _summary(copy_s, 1e6),
+                       "waited_us": _summary([w for _, w, _, _ in transfers], 1e6)}
+    copy_us = row["transfer"]["copy_us"]["median"]
+    row["transfer"]["ratio"] = row["transfer"]["total_us"]["median"] / copy_us
+    row["transfer"]["read_ratio"] = row["transfer"]["read_us"]["median"] / copy_us
+    rows = gradsync.allgather_object(row, name="bench.data.rows")
+    if rank != 0:
+        return None
+    if args.result:
+        with open(args.result, "w") as f:
+            json.dump(rows, f)
+    else:  # started without drive
+        _print(rows)
+    return rows[0]
+
+
+def _transport_name() -> str:
+    from gradsync import job
+
+    return job.world().config.transport
+
+
+def _epoch(batches, loader=None, pause: float = 0.0, on_pause=None):
+    """Iterates one epoch of ``batches`` after a barrier; returns the slowest worker's
+    seconds, this worker's ids and its wrong samples."""
+    import gradsync
+
+    gradsync.barrier()
+    start = time.perf_counter()
+    ids, bad = [], 0
+    for x, y in batches:
+        labels = y.numpy()
+        if loader is not None and not np.array_equal(labels, loader.ids):
+            bad += len(labels)  # the Loader says it delivered other samples than it did
+        values = x.reshape(len(labels), -1)
+        bad += int((values != _column(labels)).any(1).sum())
+        ids.append(labels.copy())
+        if pause:
+            time.sleep(pause)
+            if on_pause is not None:
+                on_pause()
+    mine = time.perf_counter() - start
+    slowest = max(gradsync.allgather_object(mine, name="bench.data.epoch"))
+    return slowest, (np.concatenate(ids) if ids else np.zeros(0, np.int64)), bad
+
+
+def _column(labels: np.ndarray):
+    """The value every element of sample ``i`` holds, as a column to compare rows with."""
+    import torch
+
+    return torch.from_numpy((labels % _FILL).astype(np.float32)).reshape(-1, 1)
+
+
+def _exactly_once(ids: np.ndarray, bad: int, samples: int) -> int:
+    """The samples missing, repeated or wrong in an epoch, summed over the workers."""
+    import gradsync
+
+    views = gradsync.allgather_object((ids.tolist(), bad), name="bench.data.ids")
+    counts = np.bincount(np.concatenate([np.asarray(v, np.int64) for v, _ in views]),
+                         minlength=samples)
+    return int(np.abs(counts[:samples] - 1).sum() + counts[samples:].sum()
+               + sum(b for _, b in views))
+
+
+def _transport(loader, args, workers: int, servers: int) -> tuple[list[float], int, int]:
+    """The transport epoch: returns the memory copies' seconds, how many batches came and
+    the samples missing, repeated or wrong."""
+    copies: list[float] = []
+    # The servers' pace is servers / (batch * cost) batches a second for all the workers: a
+    # loop half as fast again keeps every stream's slots full, so no take waits.
+    pause = 1.5 * workers * args.batch_size * (args.cost_ms + args.decode_ms) / 1e3 / servers
+    pause += 0.005
+
+    sources: list[np.ndarray] = []
+
+    def copy() -> None:
+        nbytes = loader.transfers()[-1][3]  # the latest batch's (a short one is copied short)
+        if not sources or sources[0].nbytes != nbytes:
+            # A slot was last written by the server's core: copy from a source this core has
+            # not touched lately either, one of a pool of at least 8 MiB (4 times a core's L2
+            # here), in turn.
+            sources[:] = [np.ones(nbytes, np.uint8) for _ in range(max(2, -(-_POOL // nbytes)))]
+        sources.append(sources.pop(0))
+        source = sources[0]
+        start = time.perf_counter()
+        target = np.empty(nbytes, dtype=np.uint8)  # fresh, as each batch's buffer is
+        np.copyto(target, source)
+        copies.append(time.perf_counter() - start)
+
+    before = len(loader.transfers())
+    _, ids, bad = _epoch(iter(loader), loader, pause, copy)
+    return copies, len(loader.transfers()) - before, _exactly_once(ids, bad, args.samples)
+
+
+class _Own:
+    """Each worker's own DataLoader over the same data, one epoch at a time."""
+
+    def __init__(self, dataset: Synthetic, transform: Costly, args, rank: int, workers: int,
+                 threads: int):
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        self.samples = args.samples
+        data = _Transformed(dataset, transform, args.seed)
+        self.sampler = DistributedSampler(data, num_replicas=workers, rank=rank, shuffle=True,
+                                          seed=args.seed, drop_last=False)
+        self.loader = DataLoader(data, batch_size=args.batch_size, sampler=self.sampler,
+                                 num_workers=threads, persistent_workers=True)
+        self.rates: list[float] = []  # samples/s of the timed epochs
+        self.wrong = 0
+
+    def epoch(self, epoch: int) -> None:
+        """Runs epoch ``epoch``; times it unless it is epoch 0 (the warm-up)."""
+        import gradsync
+
+        self.sampler.set_epoch(epoch)
+        seconds, ids, bad = _epoch(self.loader)
+        # The sampler pads the last share with repeated samples (drop_last=False): count
+        # the samples served, and check only that none is missing or wrong.
+        views = gradsync.allgather_object((ids.tolist(), bad), name="bench.data.own")
+        served = np.concatenate([np.asarray(v, np.int64) for v, _ in views])
+        self.wrong += int(self.samples - len(np.unique(served)) + sum(b for _, b in views))
+        if epoch > 0:
+            self.rates.append(len(served) / seconds)
+
+    def close(self) -> None:
+        """Stops the loading processes before the job ends."""
+        del self.loader
+
+
+def _summary(values: list[float], scale: float = 1.0) -> dict:
+    return {"median": statistics.median(values) * scale, "low": min(values) * scale,
+            "high": max(values) * scale}
+
+
+def _print(rows: list[dict]) -> None:
+    row = rows[0]
+    w, d, k = row["workers"], row["data_servers"], row["loader_workers"]
+    same = "same cores" if w * k == d else f"NOT the same cores: {d} data servers, {w * k} " \
+                                           "loading processes"
+    print(f"# data servers against each worker's own DataLoader, in the same job: {w} "
+          f"worker(s), {d} data server(s), DataLoader num_workers={k} ({same}); transform "
+          f"{row['cost_ms']:g} ms CPU/sample, decode {row['decode_ms']:g} ms; "
+          f"{row['samples']} samples of float32 {tuple(row['shape'])}, batch "
+          f"{row['batch_size']}; median (lowest-highest) of {row['repeats']} epochs; "
+          f"GRADSYNC_TRANSPORT={row['transport']}", flush=True)
+    s, o = row["servers_samples_s"], row["dataloader_samples_s"]
+    print(f"{'feed':>14} {'samples/s':>10} {'lowest':>9} {'highest':>9} {'#wrong':>6}")
+    print(f"{'data servers':>14} {s['median']:>10.0f} {s['low']:>9.0f} {s['high']:>9.0f} "
+          f"{row['wrong']:>6}")
+    print(f"{'DataLoader':>14} {o['median']:>10.0f} {o['low']:>9.0f} {o['high']:>9.0f} "
+          f"{row['dataloader_wrong']:>6}")
+    pairs = row["pair_ratios"]
+    print(f"# throughput ratio (data servers / DataLoader): {row['throughput_ratio']:.2f} "
+          f"of the medians; epoch by epoch (each feed's epochs alternate): median "
+          f"{statistics.median(pairs):.2f}, {min(pairs):.2f}-{max(pairs):.2f}")
+    print("# transport per batch against a memory copy of it into a fresh buffer, per worker, "
+          "us (median over the transport epoch's batches): take = the control round trip, "
+          "read = the bytes; ratios to the copy")
+    print(f"{'worker':>6} {'road':>7} {'bytes':>9} {'batches':>7} {'take':>8} {'read':>8} "
+          f"{'total':>8} {'copy':>8} {'read/copy':>9} {'total/copy':>10}")
+    for r, t in enumerate(x["transfer"] for x in rows):
+        print(f"{r:>6} {t['road']:>7} {t['bytes']:>9} {t['batches']:>7} "
+              f"{t['take_us']['median']:>8.0f} "
+              f"{t['read_us']['median']:>8.0f} {t['total_us']['median']:>8.0f} "
+              f"{t['copy_us']['median']:>8.0f} {t['read_ratio']:>9.2f} {t['ratio']:>10.2f}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    run(parser().parse_args(sys.argv[1:]))

@@ -1,0 +1,46 @@
+"""``gradsync bench data`` end to end with tiny settings: the table's shape, the exactly-once
+verification of both feeds, and the JSON row (the figures themselves are docs/benchmarks.md's)."""
+
+import json
+
+import pytest
+
+import harness
+
+pytestmark = pytest.mark.multiprocess
+
+
+def test_bench_data_compares_both_feeds_and_the_transport(tmp_path):
+    rows_file = tmp_path / "row.json"
+    result = harness.bench("data", "-np", "2", "--data-servers", "1", "--samples", "96",
+                           "--batch-size", "8", "--shape", "2,3", "--cost-ms", "0.2",
+                           "--repeats", "2", "--json", str(rows_file), timeout=120)
+    out = result.stdout
+    assert result.returncode == 0, out
+    lines = out.splitlines()
+    assert any(line.startswith("# data servers against each worker's own DataLoader, in the "
+                               "same job: 2 worker(s), 1 data server(s), DataLoader "
+                               "num_workers=1 (NOT the same cores") for line in lines), out
+    feeds = {line.split()[0]: line.split() for line in lines
+             if line.strip().startswith(("data servers", "DataLoader"))}
+    assert feeds["data"][-1] == "0" and feeds["DataLoader"][-1] == "0", out  # #wrong
+    row = json.loads(rows_file.read_text())
+    assert (row["workers"], row["data_servers"], row["loader_workers"]) == (2, 1, 1)
+    assert row["wrong"] == 0 and row["dataloader_wrong"] == 0
+    for feed in ("servers_samples_s", "dataloader_samples_s"):
+        assert 0 < row[feed]["low"] <= row[feed]["median"] <= row[feed]["high"]
+    assert row["throughput_ratio"] == pytest.approx(
+        row["servers_samples_s"]["median"] / row["dataloader_samples_s"]["median"])
+    per_worker = row["per_worker_transfer"]
+    # 96 samples in batches of 8, one server: 12 batches dealt to 2 workers.
+    assert [t["batches"] for t in per_worker] == [6, 6]
+    for t in per_worker:
+        assert t["road"] == "shm"  # one host: the slots are mapped
+        assert t["bytes"] == 8 * (6 * 4 + 8)  # the float32 samples and the int64 labels
+        assert t["take_us"]["median"] > 0 and t["copy_us"]["median"] > 0
+        assert t["ratio"] == pytest.approx(t["total_us"]["median"] / t["copy_us"]["median"])
+
+
+def test_bench_data_rejects_a_bad_shape():
+    result = harness.bench("data", "--shape", "3,x", timeout=60)
+    assert result.returncode != 0 and "--shape '3,x'" in result.stdout, result.stdout
