@@ -158,6 +158,9 @@ class LaunchSpec:
     """Number of worker ranks: all the ranks when ``servers`` is 0."""
     servers: int = 0
     """Parameter-server ranks started after the workers: the last ``servers`` ranks."""
+    ps_replicas: int = 1
+    """Servers holding each parameter-server shard (``GRADSYNC_PS_REPLICAS``); above 1 a failed
+    server is reported and the job goes on on the other copies."""
     data_servers: int = 0
     """Data-server ranks (``gradsync.data``) started after the workers and the parameter
     servers: the job's last ``data_servers`` ranks."""
@@ -190,6 +193,9 @@ class LaunchSpec:
             raise ValueError(f"the number of ranks must be at least 1, got {self.num_proc}")
         if self.servers < 0:
             raise ValueError(f"the number of servers must be >= 0, got {self.servers}")
+        if self.ps_replicas < 1 or (self.servers and self.servers % self.ps_replicas):
+            raise ValueError(f"--ps-replicas must be >= 1 and divide --servers, got "
+                             f"{self.ps_replicas} replicas of {self.servers} servers")
         if self.data_servers < 0:
             raise ValueError(f"the number of data servers must be >= 0, got "
                              f"{self.data_servers}")
@@ -377,6 +383,8 @@ class Starter:
         }
         if self.spec.data_servers:
             variables["DATA_SERVERS"] = self.spec.data_servers
+        if self.spec.ps_replicas > 1:
+            variables["PS_REPLICAS"] = self.spec.ps_replicas
         horovod = {"HOROVOD_" + name: str(variables[name]) for name in
                    ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE",
                     "HOSTNAME")}
@@ -513,12 +521,16 @@ class _Job:
                     who, what = self._failure(rank, code)
                     index = rank.slot.rank
                     data_server = index >= self.spec.size - self.spec.data_servers
-                    if not data_server and (not self.spec.servers or index >= self.spec.num_proc):
+                    # With replicas, a lost parameter server's shards live on elsewhere.
+                    copied = self.spec.ps_replicas > 1 and index >= self.spec.num_proc
+                    if not data_server and not copied and (
+                            not self.spec.servers or index >= self.spec.num_proc):
                         return exit_status(code), f"{who} {what}", "other "
                     seen.add(index)
                     failed.append((exit_status(code), who, what))
                     self.output.message(f"{who} {what}; the other ranks go on " + (
                         "(the other data servers serve its share)" if data_server else
+                        "(its shards live on the other replicas)" if copied else
                         "(parameter-server job)"))
             if (self.spec.servers or self.spec.data_servers) and workers_ended is None and all(
                     r.proc.poll() is not None for r in self.ranks[:self.spec.num_proc]):
