@@ -209,3 +209,15 @@ def test_a_stopped_primary_is_found_silent_replaced_and_fenced_when_it_wakes():
                      r"been silent for 2s", r.output), r
     assert "parameter server 0 (rank 3) ends: it was excluded from shard 0" in r.output, r
     assert r.returncode == 1, r  # the fenced server's status, reported at the end
+
+
+@pytest.mark.multiprocess
+def test_a_replacement_joins_with_a_copy_while_training_goes_on():
+    r = _run("async", "join", steps=24)
+    assert "rank 3 started again (1 of 3): it joins its shard with a copy" in r.output, r
+    assert re.search(r"shard 0: view 2 holds servers \[1, 0\] \(server 0 joined with a copy "
+                     r"of version \d+\)", r.output), r
+    # The check in the rank script compared the joined copy's version, clocks and bits.
+    assert re.search(r"shard 0: primary 1 view \[2, \[1, 0\]\]; copies \[\(0, (\d+), '(\w+)'\), "
+                     r"\(1, \1, '\2'\)\]", r.output), r
+    assert r.returncode == 137, r  # the killed incarnation's status, reported at the end

@@ -129,6 +129,7 @@ class ParameterClient:
             self._beats = Beats(store.clone_private(), config.heartbeat_timeout) \
                 if self.replicas > 1 else None
             self._seq = 0
+            self._store, self._deadline = store, config.connect_timeout
             self._start(spec, numels)
         except BaseException:
             # Not a member of training: drop the connections without a goodbye, so that the
@@ -335,6 +336,18 @@ class ParameterClient:
                                     f"giving up (views up to {self.view[s].epoch})")
         return out
 
+    def _copy(self, server: int):
+        """The connection to ``server``, made now for a replacement that joined (join.py)."""
+        if server not in self.copies:
+            rank = self.workers + server
+            info = json.loads(self._store.get(f"ps/server/{server}", self._deadline))
+            self.copies[server] = self.endpoint.connect(
+                rank, info["addr"], info["port"], time.monotonic() + self._deadline,
+                f"parameter server {server} (rank {rank})")
+            if self._left:  # it must not wait for (or count as lost) a worker that left
+                self.copies[server].call("bye")
+        return self.copies[server]
+
     def _failover(self, s: int, lost: int | None, why: str) -> None:
         """Moves shard ``s`` to its newest view, first proposing one without ``lost``."""
         view = self.view[s]
@@ -345,7 +358,7 @@ class ParameterClient:
             peer = self.copies.pop(server, None)
             if peer is not None:
                 abandon(peer)
-        self.view[s], self.peers[s] = newest, self.copies[newest.primary]
+        self.view[s], self.peers[s] = newest, self._copy(newest.primary)
         log.warning("worker %d: shard %d now at view %d, primary server %d (%s)", self.rank,
                     s, newest.epoch, newest.primary, why)
 
@@ -377,9 +390,14 @@ class ParameterClient:
         return region_peer.wait([p.call_async("stats") for p in self.peers])
 
     def replica_stats(self) -> dict[int, dict]:
-        """Every live copy's counters, by server (the copies of a shard agree on
-        ``version`` and ``clocks`` once no update is in flight)."""
-        servers = sorted(self.copies)
+        """Every copy's counters, by server, for the members of each shard's newest view
+        (they agree on ``version``, ``clocks`` and a digest of the parameters once no update
+        is in flight)."""
+        for s in range(self.shards):
+            self.view[s] = self.views[s].newest(self.view[s])
+        servers = sorted({m for v in self.view for m in v.members})
+        for server in servers:
+            self._copy(server)
         return dict(zip(servers, region_peer.wait(
             [self.copies[s].call_async("stats") for s in servers])))
 
@@ -416,6 +434,11 @@ class ParameterClient:
         for peer in self.copies.values():
             peer.close()
         self.endpoint.close()
+        if self.replicas > 1:
+            try:  # a joined copy no worker connected to ends on this count
+                self._store.add("ps/closed", 1)
+            except Exception:  # the store is gone: the job is ending anyway
+                pass
 
 
 class _Stale(Exception):

@@ -164,6 +164,23 @@ class Clock:
             self.max_clock_gap = int(state["max_clock_gap"])
             self._cv.notify_all()
 
+    _COPIED = ("version", "clocks", "done", "applied", "dropped", "max_staleness",
+               "max_clock_gap", "lost")
+
+    def snapshot(self) -> dict:
+        """Everything a replacement copy needs to continue as this one (under the lock)."""
+        with self._cv:
+            out = {k: getattr(self, k) for k in self._COPIED}
+            return {**out, "live": sorted(self.live)}
+
+    def install(self, snap: dict) -> None:
+        """Continues from another copy's ``snapshot``."""
+        with self._cv:
+            for k in self._COPIED:
+                setattr(self, k, snap[k])
+            self.live = set(snap["live"])
+            self._cv.notify_all()
+
     def replica_state(self) -> dict:
         """What ``follow`` needs from the primary (called under the lock, in an update)."""
         return {"clocks": list(self.clocks), "done": list(self.done), "dropped": self.dropped,

@@ -118,19 +118,23 @@ class Views:
         """Proposes ``current`` without server ``lost``; returns the view that won (maybe
         another proposer's, maybe already newer). Raises PeerLostError when no member is left.
         """
-        newest = self.newest(current)
-        if newest.epoch > current.epoch:
-            return newest  # someone already moved on; the caller looks again
-        members = [m for m in current.members if m != lost]
+        members = tuple(m for m in current.members if m != lost)
         if not members:
             raise PeerLostError(f"shard {self.shard} has no live copy left: server {lost} was "
                                 f"its last ({why})", peer=lost)
+        return self.change(current, members, f"server {lost}: {why}")
+
+    def change(self, current: View, members: tuple[int, ...], why: str) -> View:
+        """Proposes view ``current.epoch + 1`` with ``members``; returns the view that won."""
+        newest = self.newest(current)
+        if newest.epoch > current.epoch:
+            return newest  # someone already moved on; the caller looks again
         # Exactly one proposer gets 1 from the counter; only it writes view e + 1.
         if self.store.add(f"ps/claim/{self.shard}/{current.epoch}", 1) == 1:
             self.store.set(self._key(current.epoch + 1),
-                           json.dumps({"members": members, "why": f"server {lost}: {why}"}))
-            log.warning("shard %d: view %d drops server %d (%s); primary now server %d",
-                        self.shard, current.epoch + 1, lost, why, members[0])
+                           json.dumps({"members": list(members), "why": why}))
+            log.warning("shard %d: view %d holds servers %s (%s); primary server %d",
+                        self.shard, current.epoch + 1, list(members), why, members[0])
         return self._read(current.epoch + 1)
 
 

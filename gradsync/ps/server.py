@@ -44,6 +44,7 @@ import numpy as np
 from ..errors import CollectiveMismatchError, GradsyncError, GradsyncTimeoutError, PeerLostError
 from ..transport.regions import STRIPE_BYTES, Endpoint
 from . import factors as fc
+from . import join
 from . import optim
 from .consistency import Clock
 from .replication import Beats, Fenced, View, Views, abandon, shard_of, wait_watched
@@ -85,6 +86,8 @@ class Server:
         self.views, self.beats, self._locate = views, beats, locate
         self.view: View | None = views.first if views else None
         self.fenced: str | None = None
+        self.joining = self.installed = False  # a replacement, before / after its copy
+        self.joined = threading.Event()
         self._copies: dict = {}  # backup server -> RemotePeer (the primary's forwards)
         self.spec: dict | None = None
         self.clock: Clock | None = None
@@ -98,6 +101,7 @@ class Server:
         self.done = threading.Event()
         for method in ("hello", "ready", "push", "save", "stats", "bye", "follow"):
             endpoint.on_call(method, getattr(self, "_" + method))
+        endpoint.on_call("install", lambda peer, args: join.install(self, peer, args))
         endpoint.on_disconnect(self._disconnected)
 
     # ------------------------------------------------------------------ set-up
@@ -307,7 +311,7 @@ class Server:
                 self._adopt(self.views.newest(self.view))
             # Fencing: an update of an older view comes from a primary the others have
             # replaced (it was stopped or cut off): it must not touch this copy.
-            if self.fenced or epoch < self.view.epoch:
+            if self.fenced or self.joining or epoch < self.view.epoch:
                 return {"stale": self.view.epoch}
             self.clock.follow(int(args["version"]), [int(w) for w in args["workers"]],
                               args["state"], lambda: self._step(self.update))
@@ -320,7 +324,8 @@ class Server:
         with self.clock.lock:
             if epoch > self.view.epoch:
                 self._adopt(self.views.newest(self.view))
-            if self.fenced or epoch < self.view.epoch or self.view.primary != self.index:
+            if self.fenced or self.joining or epoch < self.view.epoch or \
+                    self.view.primary != self.index:
                 return {"stale": self.view.epoch}
         return None
 
@@ -332,7 +337,7 @@ class Server:
         self.view = view
         for b in [b for b in self._copies if b not in view.backups]:
             abandon(self._copies.pop(b))
-        if self.index not in view.members:
+        if self.index not in view.members and not self.joining:
             self._fence(f"view {view.epoch} of shard {self.shard} holds servers "
                         f"{list(view.members)} ({view.why})")
 
@@ -351,14 +356,27 @@ class Server:
         """(The beat thread.) Adopts a newer view from the store: a server that the others
         replaced while it was stopped learns here that it is fenced out, even if nobody
         talks to it. Never waits for the lock: an update in progress finds out itself."""
-        if self.clock is None or self.fenced:
+        if self.fenced or self.view is None:
             return
         newest = views.newest(self.view)
+        if self.joining:  # the view change of a join whose last step never reached us
+            if self.installed and self.index in newest.members:
+                self.accept(newest)
+            return
+        if self.clock is None:
+            return
         if newest.epoch > self.view.epoch and self.clock.lock.acquire(blocking=False):
             try:
                 self._adopt(newest)
             finally:
                 self.clock.lock.release()
+
+    def accept(self, view: View) -> None:
+        """(A joiner.) Its copy is installed and ``view`` holds it: it serves from now on."""
+        with self.clock.lock:
+            if self.joining and self.index in view.members:
+                self.view, self.joining = view, False
+                self.joined.set()
 
     def _stats(self, worker: int, args: dict) -> dict:
         if self.clock is None:
@@ -481,14 +499,26 @@ def serve(config, env) -> int:
 
     server = Server(index, env.servers, env.workers, endpoint, config.timeout,
                     config.connect_timeout, replicas, views, beats, locate)
+    # A replicated server whose address is already published replaces a lost copy (the
+    # launcher restarted its rank): it joins with a copy of its shard (join.py).
+    replacing = replicas > 1 and store.check(f"ps/server/{index}")
+    if replacing:
+        server.joining, server.view = True, views.newest()
     if replicas > 1:
         threading.Thread(target=_beat, args=(server, beats, Views(
-            private, shard, env.servers, replicas, config.connect_timeout),
+            private, shard, env.servers, replicas, config.connect_timeout), private,
             config.heartbeat_interval, stop), daemon=True, name="gradsync-ps-beat").start()
     store.set(f"ps/server/{index}", json.dumps({"addr": endpoint.addr, "port": endpoint.port,
                                                 "host": env.hostname}))
     try:
+        if replacing and not join.wait_joined(server, store, env.workers,
+                                              config.connect_timeout):
+            return 0  # the workers finished before it could join: nothing to serve
         while not server.done.wait(1.0):
+            # A replicated server may have no worker connected (a joiner that never became
+            # primary): the workers' count of closed clients ends it.
+            if replicas > 1 and int(store.add("ps/closed", 0)) >= env.workers:
+                break
             record = store.read_abort()
             if record is not None and not server._greeted:
                 raise GradsyncError(f"rank {record['rank']} reported before training started: "
@@ -510,13 +540,16 @@ def serve(config, env) -> int:
         endpoint.close()
 
 
-def _beat(server: Server, beats: Beats, views: Views, interval: float,
+def _beat(server: Server, beats: Beats, views: Views, store, interval: float,
           stop: threading.Event) -> None:
-    """A replicated server's liveness counter, and its look for newer views."""
+    """A replicated server's liveness counter, its look for newer views, and (a primary's)
+    for replacements asking to join."""
+    handled: dict[int, str] = {}
     while not stop.wait(interval):
         try:
             beats.beat(server.index)
             server.look(views)
+            join.serve_requests(server, store, handled)
         except Exception as exc:  # the store is gone: the job is ending
             log.debug("parameter server %d: beat failed: %s", server.index, exc)
             return

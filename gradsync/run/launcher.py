@@ -87,6 +87,10 @@ __all__ = ["Host", "Slot", "LaunchSpec", "place", "launch", "is_local", "STOP_GR
 SERVER_LINGER = 10.0
 """Seconds servers may run on after every worker of a parameter-server job has ended."""
 
+SERVER_RESTARTS = 3
+"""Times a failed server rank of a replicated parameter-server job (``ps_replicas`` > 1) is
+started again while workers run; the new process joins its shard with a copy (``ps/join.py``)."""
+
 _POLL = 0.05  # how often the watcher looks at the ranks: the delay before a failure is seen
 _DRAIN = 2.0  # seconds to wait for the last output after the ranks are gone
 _LOCAL_NAMES = {"localhost", "127.0.0.1", "::1"}
@@ -432,6 +436,8 @@ class _Job:
         self.ranks: list[Rank] = []
         self.interrupts = Interrupts()
         self.cores: "list[list[int]] | None" = None  # CPUs of each local rank, when bound
+        self.store_port = 0
+        self.restarts: dict[int, int] = {}  # replicated servers started again, by rank
 
     def run(self) -> int:
         with self.interrupts.catching():
@@ -439,6 +445,7 @@ class _Job:
                 self._check_hosts()
                 self._plan_binding()
                 store = start_store()
+                self.store_port = store.port
                 for slot in self.slots:
                     if self.interrupts.received is not None:
                         break
@@ -532,6 +539,8 @@ class _Job:
                         "(the other data servers serve its share)" if data_server else
                         "(its shards live on the other replicas)" if copied else
                         "(parameter-server job)"))
+                    if copied and workers_ended is None:
+                        self._restart_server(rank, seen)
             if (self.spec.servers or self.spec.data_servers) and workers_ended is None and all(
                     r.proc.poll() is not None for r in self.ranks[:self.spec.num_proc]):
                 workers_ended = time.monotonic()
@@ -548,6 +557,27 @@ class _Job:
                 summary = f"{who} failed earlier ({what}){first}; the job ran to its end{linger}"
                 return status, summary, ("" if linger else None)
             time.sleep(_POLL)
+
+    def _restart_server(self, rank: Rank, seen: set[int]) -> None:
+        """Starts a failed replicated server's rank again (``SERVER_RESTARTS`` times at
+        most): the new process copies its shard from the shard's primary (``ps/join.py``)."""
+        index = rank.slot.rank
+        count = self.restarts.get(index, 0)
+        if count >= SERVER_RESTARTS:
+            return
+        self.restarts[index] = count + 1
+        cores = None if self.cores is None or not is_local(rank.slot.host) else \
+            self.cores[rank.slot.local_rank]
+        try:
+            position = self.ranks.index(rank)
+            self.ranks[position] = self.starter.start(rank.slot, self.store_port,
+                                                      len(self.slots), cores)
+        except StartError as exc:
+            self.output.message(f"could not start a replacement for rank {index}: {exc}")
+            return
+        seen.discard(index)  # the replacement's own failure is reported again
+        self.output.message(f"rank {index} started again ({count + 1} of {SERVER_RESTARTS}): "
+                            f"it joins its shard with a copy")
 
     def _failure(self, rank: Rank, code: int) -> tuple[str, str]:
         """Who failed and how, e.g. ("rank 5 (server 1) on host a", "exited with status 1")."""

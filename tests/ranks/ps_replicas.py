@@ -7,6 +7,8 @@ closed-form batches. At step ``STEPS // 3`` worker 0 hits the primary of shard 0
     kill   SIGKILL
     stop   SIGSTOP; found silent after GRADSYNC_HEARTBEAT_TIMEOUT; SIGCONT once training is
            over, when the server must find itself fenced out and end
+    join   SIGKILL; the launcher starts the rank again and it joins with a copy while the
+           others train; worker 0 waits for it (at most 60 s), then all train on
 
 At the end worker 0 checks what the mode guarantees from the surviving copies' counters and
 prints ``digest <hex>`` of shard 0's parameters (one line per shard) for the test to compare:
@@ -43,8 +45,10 @@ def run(mode: str, fault: str, steps: int) -> None:
     acked = 0
     for step in range(steps):
         if ps.rank == 0 and step == steps // 3 and fault != "none":
-            os.kill(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+            os.kill(victim, signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
             print(f"worker 0: {fault} server pid {victim} at step {step}", flush=True)
+        if ps.rank == 0 and step == steps // 3 + 1 and fault == "join":
+            acked += wait_for_join(m, ps)
         if ps.rank == ps.workers - 1 and mode != "sync":
             time.sleep(0.02)  # a slower worker: backup drops some, ssp waits for it
         acked += int(train_step(m, ps, ps.rank, step))
@@ -58,6 +62,21 @@ def run(mode: str, fault: str, steps: int) -> None:
             time.sleep(3)  # the woken server finds itself fenced out and ends
     gs.barrier()
     ps.close()
+
+
+def wait_for_join(m, ps) -> int:
+    """Trains on (this worker too) until shard 0's view holds all its copies again; returns
+    the pushes acknowledged meanwhile."""
+    end, acked, step = time.monotonic() + 60, 0, 1000
+    while len(ps.views[0].newest(ps.view[0]).members) < ps.replicas:
+        if time.monotonic() > end:
+            fail("no replacement joined shard 0 within 60 s")
+        acked += int(train_step(m, ps, ps.rank, step))  # training goes on meanwhile
+        step += 1
+        time.sleep(0.05)
+    print(f"worker 0: shard 0 has {ps.replicas} copies again after {step - 1000} more steps: "
+          f"{ps.views[0].newest(ps.view[0])}", flush=True)
+    return acked
 
 
 def check(ps, mode: str, steps: int, total: int) -> None:
