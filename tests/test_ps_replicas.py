@@ -205,8 +205,8 @@ def test_a_killed_primary_loses_no_acknowledged_update(mode):
 @pytest.mark.multiprocess
 def test_a_stopped_primary_is_found_silent_replaced_and_fenced_when_it_wakes():
     r = _run("async", "stop")
-    assert re.search(r"view 1 drops server 0 \(worker \d: parameter server 0 \(rank 3\) has "
-                     r"been silent for 2s", r.output), r
+    assert re.search(r"view 1 holds servers \[1\] \(server 0: worker \d: parameter server 0 "
+                     r"\(rank 3\) has been silent for 2s", r.output), r
     assert "parameter server 0 (rank 3) ends: it was excluded from shard 0" in r.output, r
     assert r.returncode == 1, r  # the fenced server's status, reported at the end
 

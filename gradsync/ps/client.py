@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from ..errors import ConfigError, GradsyncTimeoutError, PeerLostError
+from ..errors import ConfigError, PeerLostError
 from ..transport import region_peer, regions
 from . import factors as fc
 from .consistency import MODES
@@ -326,8 +326,8 @@ class ParameterClient:
                     break
                 except _Stale as exc:
                     self._failover(s, None, str(exc))
-                except (PeerLostError, GradsyncTimeoutError) as exc:
-                    if getattr(exc, "peer", None) not in (None, self.workers + view.primary):
+                except PeerLostError as exc:
+                    if exc.peer != self.workers + view.primary:
                         raise  # another worker was lost (sync): not the server's failure
                     self._failover(s, view.primary, str(exc))
                 handles[s] = self.peers[s].submit(lambda s=s: fn(s), f"{what} shard {s}")
@@ -414,13 +414,16 @@ class ParameterClient:
             return
         self._left = True
         # Every copy: a backup that becomes primary must not wait for this worker either.
-        handles = [p.call_async("bye") for p in self.copies.values()]
-        for h in handles:
-            try:
-                h.wait()
-            except (PeerLostError, GradsyncTimeoutError):
-                if self.replicas == 1:
-                    raise
+        handles = {s: p.call_async("bye") for s, p in self.copies.items()}
+        if self.replicas == 1:
+            region_peer.wait(list(handles.values()))
+            return
+        for s, h in handles.items():
+            try:  # a copy that is gone or silent does not need the goodbye
+                wait_watched(h, self._beats, s, self.workers + s,
+                             lambda peer=self.copies[s]: abandon(peer))
+            except PeerLostError:
+                pass
 
     def close(self) -> None:
         """``leave``, then disconnect (the servers end when every worker has)."""
