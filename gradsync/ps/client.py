@@ -128,7 +128,6 @@ class ParameterClient:
             self.peers = [self.copies[v.primary] for v in self.view]
             self._beats = Beats(store.clone_private(), config.heartbeat_timeout) \
                 if self.replicas > 1 else None
-            self._seq = 0
             self._store, self._deadline = store, config.connect_timeout
             self._start(spec, numels)
         except BaseException:
@@ -156,8 +155,9 @@ class ParameterClient:
             lo_hi = [self.bounds[r["shard"]] for r in replies]
             region_peer.wait([peer.region("params").write_async(self.flat[lo:hi])
                               for peer, (lo, hi) in zip(everyone, lo_hi)])
-        self.tags = [r["version"] for r in
-                     region_peer.wait([p.call_async("ready") for p in everyone])][:self.shards]
+        ready = region_peer.wait([p.call_async("ready") for p in everyone])
+        self.tags = [r["version"] for r in ready][:self.shards]
+        self._seq = max(r["seq"] for r in ready)  # a restored clock goes on, not from 0
         self.applied = True
         self.bytes_pushed = 0
         self._version = np.zeros(self.servers, np.int64)

@@ -160,7 +160,8 @@ class Server:
             # Every worker on this host has mapped the segments: their names can go, so a
             # crash from here on leaves nothing behind in /dev/shm.
             self.endpoint.unlink_segments()
-            return {"version": self.clock.version}
+            # The worker numbers its pushes on from its clock (a restored checkpoint's).
+            return {"version": self.clock.version, "seq": self.clock.clocks[worker]}
 
     def _barrier(self, arrived, what: str) -> None:
         """Waits (holding ``_cv``) until every worker is in ``arrived``."""
