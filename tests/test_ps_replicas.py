@@ -98,6 +98,18 @@ def test_a_backup_follows_its_primary_and_refuses_a_gap():
     assert ran == [1]
 
 
+def test_the_setting_and_the_launch_option_are_checked():
+    from gradsync.config import Config
+    from gradsync.errors import ConfigError
+    from gradsync.run.launcher import LaunchSpec
+
+    with pytest.raises(ConfigError, match="ps_replicas"):
+        Config(ps_replicas=0)
+    with pytest.raises(ValueError, match="divide --servers"):
+        LaunchSpec(command=["x"], num_proc=2, servers=3, ps_replicas=2)
+    assert LaunchSpec(command=["x"], num_proc=2, servers=4, ps_replicas=2).size == 6
+
+
 # --- two servers of one shard in this process --------------------------------------------------
 
 SPEC = {"names": ["w"], "numels": [100], "optimizer": "sgd", "hyper": {"lr": 0.5},
@@ -195,7 +207,8 @@ def test_sync_with_a_killed_primary_is_bit_identical_to_a_run_without_faults():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("mode", ["async", "ssp", "backup"])
+@pytest.mark.parametrize("mode", ["async", pytest.param("ssp", marks=pytest.mark.slow),
+                                  pytest.param("backup", marks=pytest.mark.slow)])
 def test_a_killed_primary_loses_no_acknowledged_update(mode):
     r = _run(mode, "kill", servers=3, replicas=3)
     assert r.returncode == 137, r

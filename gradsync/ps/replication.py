@@ -44,6 +44,7 @@ import logging
 import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 from ..errors import GradsyncError, PeerLostError
@@ -52,6 +53,8 @@ __all__ = ["View", "Views", "Beats", "Fenced", "shard_of", "members_of", "wait_w
            "abandon"]
 
 log = logging.getLogger("gradsync.ps")
+
+_LOCK = threading.Lock()
 
 
 class Fenced(GradsyncError):
@@ -196,9 +199,16 @@ def wait_watched(handle, beats: Beats, server: int, rank: int, abandon,
                                 f"{beats.timeout:g}s (stopped, hung or cut off)", peer=rank)
 
 
+_ABANDONED: "weakref.WeakSet" = weakref.WeakSet()
+
+
 def abandon(peer) -> None:
     """Drops a connection to a server that may be stopped: the shutdown ends a request blocked
-    on it at once (``close`` alone would wait for that request)."""
+    on it at once (``close`` alone would wait for that request). Once per connection."""
+    with _LOCK:
+        if peer in _ABANDONED:
+            return
+        _ABANDONED.add(peer)
     try:
         peer.sock.shutdown(socket.SHUT_RDWR)
     except OSError:
