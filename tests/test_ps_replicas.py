@@ -234,3 +234,12 @@ def test_a_replacement_joins_with_a_copy_while_training_goes_on():
     assert re.search(r"shard 0: primary 1 view \[2, \[1, 0\]\]; copies \[\(0, (\d+), '(\w+)'\), "
                      r"\(1, \1, '\2'\)\]", r.output), r
     assert r.returncode == 137, r  # the killed incarnation's status, reported at the end
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_killed_backup_is_replaced_too():
+    r = _run("async", "joinbackup", steps=24)
+    assert "rank 4 started again (1 of 3)" in r.output, r
+    assert re.search(r"shard 0: primary 0 view \[2, \[0, 1\]\]; copies \[\(0, (\d+), '(\w+)'\), "
+                     r"\(1, \1, '\2'\)\]", r.output), r

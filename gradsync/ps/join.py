@@ -3,8 +3,10 @@
 ``gradsync run --servers S --ps-replicas R`` restarts a server rank that fails (at most
 ``SERVER_RESTARTS`` times per rank, ``run/launcher.py``). The new process finds its rank's
 address already in the store, so it knows it replaces a lost copy: it publishes its new
-address and asks to join by setting ``ps/join/<server>`` to a fresh token. The shard's primary sees the request on its
-next beat (replication.py) and, on a thread of its own, *brings the joiner in*:
+address and asks to join by setting ``ps/join/<server>`` to a fresh token. The shard's
+primary sees the request on its next beat (replication.py) and, on a thread of its own,
+*brings the joiner in* (a joiner still in the view, whose earlier process died unnoticed, is
+dropped from it first):
 
 1. under the primary's update lock (pushes wait; none is lost), it connects to the joiner
    and calls ``install(phase="setup")`` with the spec: the joiner allocates its regions;
@@ -54,9 +56,13 @@ def bring_in(server, joiner: int) -> bool:
     """(The primary.) Copies the shard to ``joiner`` and adds it to the view; True if it
     joined. Runs on a thread of its own: the beat thread must keep beating meanwhile."""
     with server.clock.lock:
-        if server.fenced or server.view.primary != server.index or \
-                joiner in server.view.members:
+        if server.fenced or server.view.primary != server.index:
             return False
+        if joiner in server.view.members:
+            # Its earlier process died before any update found out: that copy is gone.
+            server._adopt(server.views.propose(server.view, joiner, "it restarted"))
+            if server.fenced or server.view.primary != server.index:
+                return False
         old = server._copies.pop(joiner, None)
         if old is not None:
             abandon(old)

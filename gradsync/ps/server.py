@@ -276,7 +276,13 @@ class Server:
                 self._adopt(self.views.propose(self.view, b, f"its primary lost it: {exc}"))
                 reply = {}
             if "stale" in reply:
+                epoch = self.view.epoch
                 self._adopt(self.views.newest(self.view))
+                if self.view.epoch == epoch and b in self.view.backups:
+                    # No newer view, yet it refuses: a restarted process not yet a copy.
+                    self._copies.pop(b, None)
+                    self._adopt(self.views.propose(self.view, b, "it restarted"))
+                    reply = {}
             if self.fenced:
                 raise Fenced(self.fenced)
             if "stale" in reply and b in self.view.backups:
@@ -431,7 +437,10 @@ class Server:
         with self._cv:
             self._left.add(worker)
         if self.clock is not None:
-            self.clock.leave(worker, died=False)
+            try:
+                self.clock.leave(worker, died=False)
+            except Fenced:  # the round it closed was refused: this copy has stopped
+                pass
         return {}
 
     def _disconnected(self, worker: int, error) -> None:
@@ -450,7 +459,10 @@ class Server:
                     "the job cannot go on (sync mode)" if mode == "sync" else
                     f"training goes on without it ({mode} mode)")
         if self.clock is not None:
-            self.clock.leave(worker, died=True)
+            try:
+                self.clock.leave(worker, died=True)
+            except Fenced:  # the round it closed was refused: this copy has stopped
+                pass
         with self._cv:
             self._maybe_done()
 

@@ -9,6 +9,7 @@ closed-form batches. At step ``STEPS // 3`` worker 0 hits the primary of shard 0
            over, when the server must find itself fenced out and end
     join   SIGKILL; the launcher starts the rank again and it joins with a copy while the
            others train; worker 0 waits for it (at most 60 s), then all train on
+    joinbackup   the same with shard 0's first backup as the victim
 
 At the end worker 0 checks what the mode guarantees from the surviving copies' counters and
 prints ``digest <hex>`` of shard 0's parameters (one line per shard) for the test to compare:
@@ -41,13 +42,13 @@ def run(mode: str, fault: str, steps: int) -> None:
     m = model()
     ps = gradsync.ps.ParameterClient(m, optimizer="adam", lr=0.01, mode=mode, backup=2,
                                      staleness=1)
-    victim = ps.peers[0].pid
+    victim = ps.copies[ps.view[0].backups[0]].pid if fault == "joinbackup" else ps.peers[0].pid
     acked = 0
     for step in range(steps):
         if ps.rank == 0 and step == steps // 3 and fault != "none":
             os.kill(victim, signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
             print(f"worker 0: {fault} server pid {victim} at step {step}", flush=True)
-        if ps.rank == 0 and step == steps // 3 + 1 and fault == "join":
+        if ps.rank == 0 and step == steps // 3 + 1 and fault.startswith("join"):
             acked += wait_for_join(m, ps)
         if ps.rank == ps.workers - 1 and mode != "sync":
             time.sleep(0.02)  # a slower worker: backup drops some, ssp waits for it
