@@ -529,7 +529,8 @@ class _Job:
                     index = rank.slot.rank
                     data_server = index >= self.spec.size - self.spec.data_servers
                     # With replicas, a lost parameter server's shards live on elsewhere.
-                    copied = self.spec.ps_replicas > 1 and index >= self.spec.num_proc
+                    copied = self.spec.ps_replicas > 1 and not data_server and \
+                        index >= self.spec.num_proc
                     if not data_server and not copied and (
                             not self.spec.servers or index >= self.spec.num_proc):
                         return exit_status(code), f"{who} {what}", "other "
