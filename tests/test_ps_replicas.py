@@ -243,3 +243,13 @@ def test_a_killed_backup_is_replaced_too():
     assert "rank 4 started again (1 of 3)" in r.output, r
     assert re.search(r"shard 0: primary 0 view \[2, \[0, 1\]\]; copies \[\(0, (\d+), '(\w+)'\), "
                      r"\(1, \1, '\2'\)\]", r.output), r
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_sync_with_a_stopped_primary_is_bit_identical_to_a_run_without_faults():
+    clean = _run("sync", "none", servers=4)
+    stopped = _run("sync", "stop", servers=4)
+    assert "ends: it was excluded from shard 0" in stopped.output, stopped
+    assert len(_digests(clean.output)) == 2 and _digests(stopped.output) == \
+        _digests(clean.output), (clean.output[-2000:], stopped.output[-2000:])
