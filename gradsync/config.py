@@ -147,6 +147,11 @@ class Config:
     """Mark each cycle of the background loop in the timeline (Horovod's
     ``HOROVOD_TIMELINE_MARK_CYCLES``)."""
 
+    ps_replicas: int = 1
+    """Parameter servers: servers holding each shard (``gradsync run --ps-replicas R``). The
+    job's ``servers`` must be a multiple of R; the model is cut into ``servers / R`` shards and
+    shard k lives on servers k, k + servers/R, ... (docs/ps.md, "Failures"). 1: no copies."""
+
     data_prefetch: int = 4
     """Data servers (``gradsync.data``): batches a worker's ``Loader`` keeps in flight, per
     data server and in its own queue (the credits that bound how far servers run ahead);
@@ -179,6 +184,8 @@ class Config:
                               f"least 2 intervals, got heartbeat_interval="
                               f"{self.heartbeat_interval}, heartbeat_timeout="
                               f"{self.heartbeat_timeout}")
+        if self.ps_replicas < 1:
+            raise ConfigError(f"ps_replicas must be >= 1, got {self.ps_replicas}")
         if self.data_prefetch < 1 or self.data_cache_bytes < 0:
             raise ConfigError(f"need data_prefetch >= 1 and data_cache_bytes >= 0, got "
                               f"{self.data_prefetch}, {self.data_cache_bytes}")

@@ -12,7 +12,9 @@ exits when the workers are done); the others train through a ``ParameterClient``
     ps.step()
 
 Modes (``consistency.py``): ``sync``, ``backup`` (first k of N gradients per round),
-``async`` and ``ssp`` (bounded staleness). See docs/ps.md.
+``async`` and ``ssp`` (bounded staleness). With ``--ps-replicas R`` each shard lives on R
+servers, a primary and its backups (``replication.py``); a lost server costs no acknowledged
+update and a replacement joins with a copy (``join.py``). See docs/ps.md.
 """
 
 from .client import ParameterClient

@@ -22,15 +22,19 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import math
 import time
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, PeerLostError
 from ..transport import region_peer, regions
 from . import factors as fc
 from .consistency import MODES
+from .replication import Beats, Views, abandon, wait_watched
+
+log = logging.getLogger("gradsync.ps")
 
 __all__ = ["ParameterClient"]
 
@@ -81,6 +85,12 @@ class ParameterClient:
                               "'gradsync run -np N --servers S ...' or set GRADSYNC_SERVERS=S "
                               "on every rank (the last S ranks serve)")
         self.rank, self.workers, self.servers = env.rank, env.workers, env.servers
+        self.replicas = config.ps_replicas
+        if self.servers % self.replicas:
+            raise ConfigError(f"{self.servers} parameter servers cannot hold "
+                              f"{self.replicas} copies of each shard: GRADSYNC_PS_REPLICAS "
+                              f"must divide GRADSYNC_SERVERS")
+        self.shards = self.servers // self.replicas
         self.mode = mode
         self.params = _parameters(model)
         numels = [p.numel() for _, p in self.params]
@@ -102,20 +112,28 @@ class ParameterClient:
                                          direct=config.transport != "tcp",
                                          label=f"worker {env.rank}")
         deadline = time.monotonic() + config.connect_timeout
-        self.peers = []
+        self.copies: dict[int, object] = {}  # server -> its connection, copies included
         self._closed = self._left = False
         try:
             for s in range(self.servers):
                 info = json.loads(store.get(f"ps/server/{s}", config.connect_timeout))
                 rank = self.workers + s
-                self.peers.append(self.endpoint.connect(
+                self.copies[s] = self.endpoint.connect(
                     rank, info["addr"], info["port"], deadline,
-                    f"parameter server {s} (rank {rank})"))
+                    f"parameter server {s} (rank {rank})")
+            # Each shard's view (replication.py): its primary takes the pushes and pulls.
+            self.views = [Views(store, k, self.servers, self.replicas, config.connect_timeout)
+                          for k in range(self.shards)]
+            self.view = [v.first for v in self.views]
+            self.peers = [self.copies[v.primary] for v in self.view]
+            self._beats = Beats(store.clone_private(), config.heartbeat_timeout) \
+                if self.replicas > 1 else None
+            self._store, self._deadline = store, config.connect_timeout
             self._start(spec, numels)
         except BaseException:
             # Not a member of training: drop the connections without a goodbye, so that the
             # servers (and through them the other workers) see this worker as lost.
-            for peer in self.peers:
+            for peer in self.copies.values():
                 peer.close()
             self.endpoint.close()
             self._closed = True
@@ -126,17 +144,20 @@ class ParameterClient:
         """hello (the servers set up), map their regions, worker 0's initial parameters,
         ready (everyone has mapped), and the first pull."""
         self._buffers(numels)
-        replies = region_peer.wait([p.call_async("hello", spec=spec) for p in self.peers])
-        self.bounds = [tuple(r["bounds"]) for r in replies]
-        for peer in self.peers:
+        everyone = list(self.copies.values())  # every copy of every shard, by server
+        replies = region_peer.wait([p.call_async("hello", spec=spec) for p in everyone])
+        self.bounds = [tuple(replies[s]["bounds"]) for s in range(self.shards)]
+        for peer in everyone:
             peer.refresh()
         self._layouts = [fc.layout(spec["factored"], numels, lo, hi) for lo, hi in self.bounds]
         self._fbuf = [np.zeros(fc.slot_floats(lay), np.float32) for lay in self._layouts]
         if self.rank == 0 and not replies[0]["restored"]:
+            lo_hi = [self.bounds[r["shard"]] for r in replies]
             region_peer.wait([peer.region("params").write_async(self.flat[lo:hi])
-                          for peer, (lo, hi) in zip(self.peers, self.bounds)])
-        self.tags = [r["version"] for r in
-                     region_peer.wait([p.call_async("ready") for p in self.peers])]
+                              for peer, (lo, hi) in zip(everyone, lo_hi)])
+        ready = region_peer.wait([p.call_async("ready") for p in everyone])
+        self.tags = [r["version"] for r in ready][:self.shards]
+        self._seq = max(r["seq"] for r in ready)  # a restored clock goes on, not from 0
         self.applied = True
         self.bytes_pushed = 0
         self._version = np.zeros(self.servers, np.int64)
@@ -211,6 +232,7 @@ class ParameterClient:
             Whether every server applied them (False: ``backup`` dropped a late gradient).
         """
         self._gather()
+        self._seq += 1  # numbers this push on every shard (a retry after a failover repeats it)
         replies = self._each(self._push_to, "push")
         self.tags = [r["version"] for r in replies]
         self.applied = all(r["applied"] for r in replies)
@@ -225,7 +247,8 @@ class ParameterClient:
         if not layers:
             slot.write(self.gflat[lo:hi])
             self.bytes_pushed += (hi - lo) * 4
-            return peer.call("push", tag=self.tags[s])
+            return self._answer(s, peer.call("push", tag=self.tags[s], seq=self._seq,
+                                             epoch=self.view[s].epoch))
         inputs = {i: x for i, x in self._inputs.items() if self._seen.get(i) == 1}
         rows = fc.pack(layers, self._fbuf[s], inputs, self._errors)
         region = peer.region(f"factors.{self.rank}")
@@ -243,7 +266,14 @@ class ParameterClient:
         if hi > at:
             slot.write(self.gflat[at:hi], (at - lo) * 4)
             self.bytes_pushed += (hi - at) * 4
-        return peer.call("push", tag=self.tags[s], rows=rows)
+        return self._answer(s, peer.call("push", tag=self.tags[s], rows=rows, seq=self._seq,
+                                         epoch=self.view[s].epoch))
+
+    def _answer(self, s: int, reply: dict) -> dict:
+        if "stale" in reply:  # that server is no longer shard s's primary
+            raise _Stale(f"parameter server {self.view[s].primary} refused a push of view "
+                         f"{self.view[s].epoch} of shard {s} (it knows view {reply['stale']})")
+        return reply
 
     def pull(self) -> None:
         """Reads the newest parameters of every server into the model."""
@@ -269,10 +299,68 @@ class ParameterClient:
     def _each(self, fn, what: str) -> list:
         """``fn(s)`` for every server: on each server's own request thread, so that they run
         together; with one server on this thread (the hand-off would only add latency)."""
+        if self.replicas > 1:
+            return self._each_replicated(fn, what)
         if len(self.peers) == 1:
             return [fn(0)]
         return region_peer.wait([peer.submit(lambda s=s: fn(s), f"{what} server {s}")
                              for s, peer in enumerate(self.peers)])
+
+    # ------------------------------------------------------------------ failover
+    def _each_replicated(self, fn, what: str) -> list:
+        """``_each`` with copies: each shard's request goes to its primary on that peer's
+        thread while this thread watches the primaries' beats; a primary lost (closed
+        connection, silence, a refusal naming a newer view) is replaced by the shard's next
+        view, and the request (the whole push, gradient included) goes again to the new
+        primary, which answers a push it already applied without applying it again."""
+        handles = {s: self.peers[s].submit(lambda s=s: fn(s), f"{what} shard {s}")
+                   for s in range(self.shards)}
+        out = [None] * self.shards
+        for s in range(self.shards):
+            for attempt in range(self.replicas * 4):
+                view, peer = self.view[s], self.peers[s]
+                try:
+                    out[s] = wait_watched(handles[s], self._beats, view.primary,
+                                          self.workers + view.primary,
+                                          lambda peer=peer: abandon(peer))
+                    break
+                except _Stale as exc:
+                    self._failover(s, None, str(exc))
+                except PeerLostError as exc:
+                    if exc.peer != self.workers + view.primary:
+                        raise  # another worker was lost (sync): not the server's failure
+                    self._failover(s, view.primary, str(exc))
+                handles[s] = self.peers[s].submit(lambda s=s: fn(s), f"{what} shard {s}")
+            else:
+                raise PeerLostError(f"shard {s}: {self.replicas * 4} failovers in one {what}; "
+                                    f"giving up (views up to {self.view[s].epoch})")
+        return out
+
+    def _copy(self, server: int):
+        """The connection to ``server``, made now for a replacement that joined (join.py)."""
+        if server not in self.copies:
+            rank = self.workers + server
+            info = json.loads(self._store.get(f"ps/server/{server}", self._deadline))
+            self.copies[server] = self.endpoint.connect(
+                rank, info["addr"], info["port"], time.monotonic() + self._deadline,
+                f"parameter server {server} (rank {rank})")
+            if self._left:  # it must not wait for (or count as lost) a worker that left
+                self.copies[server].call("bye")
+        return self.copies[server]
+
+    def _failover(self, s: int, lost: int | None, why: str) -> None:
+        """Moves shard ``s`` to its newest view, first proposing one without ``lost``."""
+        view = self.view[s]
+        newest = self.views[s].newest(view)
+        if lost is not None and newest.epoch == view.epoch:
+            newest = self.views[s].propose(view, lost, f"worker {self.rank}: {why}")
+        for server in set(view.members) - set(newest.members):
+            peer = self.copies.pop(server, None)
+            if peer is not None:
+                abandon(peer)
+        self.view[s], self.peers[s] = newest, self._copy(newest.primary)
+        log.warning("worker %d: shard %d now at view %d, primary server %d (%s)", self.rank,
+                    s, newest.epoch, newest.primary, why)
 
     def step(self) -> bool:
         """``push``, ``pull``, then zero the gradients (as ``optimizer.step(); zero_grad()``).
@@ -297,9 +385,21 @@ class ParameterClient:
 
     # ------------------------------------------------------------------ the servers
     def stats(self) -> list[dict]:
-        """Each server's counters: version, applied, dropped, max_staleness, max_clock_gap,
-        clocks, live and lost workers."""
+        """Each shard's primary's counters: version, applied, dropped, max_staleness,
+        max_clock_gap, clocks, live and lost workers."""
         return region_peer.wait([p.call_async("stats") for p in self.peers])
+
+    def replica_stats(self) -> dict[int, dict]:
+        """Every copy's counters, by server, for the members of each shard's newest view
+        (they agree on ``version``, ``clocks`` and a digest of the parameters once no update
+        is in flight)."""
+        for s in range(self.shards):
+            self.view[s] = self.views[s].newest(self.view[s])
+        servers = sorted({m for v in self.view for m in v.members})
+        for server in servers:
+            self._copy(server)
+        return dict(zip(servers, region_peer.wait(
+            [self.copies[s].call_async("stats") for s in servers])))
 
     def save(self, directory: str) -> None:
         """Each server writes its shard, optimizer state and clock to ``directory`` (call it
@@ -313,7 +413,17 @@ class ParameterClient:
         if self._left:
             return
         self._left = True
-        region_peer.wait([p.call_async("bye") for p in self.peers])
+        # Every copy: a backup that becomes primary must not wait for this worker either.
+        handles = {s: p.call_async("bye") for s, p in self.copies.items()}
+        if self.replicas == 1:
+            region_peer.wait(list(handles.values()))
+            return
+        for s, h in handles.items():
+            try:  # a copy that is gone or silent does not need the goodbye
+                wait_watched(h, self._beats, s, self.workers + s,
+                             lambda peer=self.copies[s]: abandon(peer))
+            except PeerLostError:
+                pass
 
     def close(self) -> None:
         """``leave``, then disconnect (the servers end when every worker has)."""
@@ -324,9 +434,18 @@ class ParameterClient:
             self.leave()
         except Exception:  # a server that is already gone does not need the goodbye
             pass
-        for peer in self.peers:
+        for peer in self.copies.values():
             peer.close()
         self.endpoint.close()
+        if self.replicas > 1:
+            try:  # a joined copy no worker connected to ends on this count
+                self._store.add("ps/closed", 1)
+            except Exception:  # the store is gone: the job is ending anyway
+                pass
+
+
+class _Stale(Exception):
+    """A server refused a push: the shard has a newer view."""
 
 
 def _jsonable(hyper: dict) -> dict:

@@ -81,20 +81,35 @@ class Clock:
         self.max_staleness = 0    # most versions between a gradient's tag and its application
         self.max_clock_gap = 0    # ssp: most clocks a released worker was ahead of the slowest
         self.lost: list[int] = []  # workers that died
+        self.done = [0] * workers  # per worker: the seq of its last applied push
 
     # ------------------------------------------------------------------ pushes
-    def push(self, worker: int, tag: int) -> dict:
+    @property
+    def lock(self) -> threading.Condition:
+        """The state lock: held while an update is applied (a checkpoint or a copy taken
+        under it sees no update half-done)."""
+        return self._cv
+
+    def push(self, worker: int, tag: int, seq: int | None = None) -> dict:
         """Worker ``worker``'s gradient, computed on version ``tag``, is in its slot.
+
+        ``seq`` numbers the worker's pushes from 1: a push sent again to a new primary after
+        a failover (replication.py) that this copy has already applied is answered, not
+        applied twice.
 
         Returns ``{"version": v, "applied": bool}`` once the worker may pull version ``v``.
         Raises PeerLostError when the job cannot go on (``sync`` lost a worker).
         """
         with self._cv:
             self._check(worker)
+            if seq is not None and seq <= self.done[worker]:
+                if self.mode == "ssp":
+                    self._wait(lambda: self._gap(worker) <= self.s)
+                return {"version": self.version, "applied": True}
             if tag > self.version or tag < 0:
                 raise ValueError(f"worker {worker} pushed a gradient of version {tag}, but this "
                                  f"server is at version {self.version}")
-            self.clocks[worker] += 1
+            self.clocks[worker] = seq if seq is not None else self.clocks[worker] + 1
             if self.mode in ("async", "ssp"):
                 self._update([worker], tag, average=False)
                 if self.mode == "ssp":
@@ -124,7 +139,52 @@ class Clock:
         self._apply(workers, average)
         self.applied += len(workers)
         self.version += 1
+        for w in workers:
+            self.done[w] = self.clocks[w]
         self._cv.notify_all()
+
+    def follow(self, version: int, workers: list[int], state: dict, apply) -> None:
+        """A backup's copy of its primary's update: ``apply()`` runs it, and this clock takes
+        the primary's state after it (``state``: ``clocks``, ``done``, counters).
+
+        Raises:
+            ValueError: ``version`` is not this copy's (an update missed or repeated).
+        """
+        with self._cv:
+            if version != self.version:
+                raise ValueError(f"an update of version {version} reached a copy at version "
+                                 f"{self.version}")
+            apply()
+            self.version += 1
+            self.applied += len(workers)
+            self.clocks = [int(c) for c in state["clocks"]]
+            self.done = [int(d) for d in state["done"]]
+            self.dropped = int(state["dropped"])
+            self.max_staleness = int(state["max_staleness"])
+            self.max_clock_gap = int(state["max_clock_gap"])
+            self._cv.notify_all()
+
+    _COPIED = ("version", "clocks", "done", "applied", "dropped", "max_staleness",
+               "max_clock_gap", "lost")
+
+    def snapshot(self) -> dict:
+        """Everything a replacement copy needs to continue as this one (under the lock)."""
+        with self._cv:
+            out = {k: getattr(self, k) for k in self._COPIED}
+            return {**out, "live": sorted(self.live)}
+
+    def install(self, snap: dict) -> None:
+        """Continues from another copy's ``snapshot``."""
+        with self._cv:
+            for k in self._COPIED:
+                setattr(self, k, snap[k])
+            self.live = set(snap["live"])
+            self._cv.notify_all()
+
+    def replica_state(self) -> dict:
+        """What ``follow`` needs from the primary (called under the lock, in an update)."""
+        return {"clocks": list(self.clocks), "done": list(self.done), "dropped": self.dropped,
+                "max_staleness": self.max_staleness, "max_clock_gap": self.max_clock_gap}
 
     def _gap(self, worker: int) -> int:
         return self.clocks[worker] - min(self.clocks[w] for w in self.live | {worker})
@@ -182,3 +242,4 @@ class Clock:
                 raise ValueError(f"the checkpoint has clocks of {len(state['clocks'])} workers, "
                                  f"this job has {self.workers}")
             self.version, self.clocks = int(state["version"]), [int(c) for c in state["clocks"]]
+            self.done = list(self.clocks)  # every push before a checkpoint was decided

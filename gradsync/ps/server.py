@@ -24,10 +24,15 @@ Failures: a worker whose connection drops without a ``bye`` is dropped from trai
 naming it. A worker that says ``bye`` has left training but may still pull, read counters and
 save; the server ends when every worker has disconnected. ``save`` writes the shard, the
 optimizer's state and the clock to an ``.npz``; a hello with ``restore`` loads one back.
+
+Replicas (``ps_replicas`` R > 1, replication.py): each shard lives on R servers; the primary
+forwards every update it applies to the backups of its view (``apply``) before it answers the
+pushes, and a server fenced out of its shard's newest view stops serving and ends with status 1.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -39,8 +44,10 @@ import numpy as np
 from ..errors import CollectiveMismatchError, GradsyncError, GradsyncTimeoutError, PeerLostError
 from ..transport.regions import STRIPE_BYTES, Endpoint
 from . import factors as fc
+from . import join
 from . import optim
 from .consistency import Clock
+from .replication import Beats, Fenced, View, Views, abandon, shard_of, wait_watched
 from .sharding import bounds
 
 __all__ = ["Server", "serve", "checkpoint_path"]
@@ -50,8 +57,9 @@ log = logging.getLogger("gradsync.ps")
 _STRIPE = STRIPE_BYTES // 4  # float32 elements per stripe
 
 
-def checkpoint_path(directory: str, server: int) -> str:
-    return os.path.join(directory, f"server-{server}.npz")
+def checkpoint_path(directory: str, shard: int) -> str:
+    """Where ``save`` puts shard ``shard`` (the server's index when there are no replicas)."""
+    return os.path.join(directory, f"server-{shard}.npz")
 
 
 class Server:
@@ -63,12 +71,24 @@ class Server:
         endpoint: this server's region endpoint (workers connect to it).
         timeout: seconds a push may wait for other workers.
         connect_timeout: seconds every worker has to say hello once the first has.
+        replicas: servers per shard (replication.py); the others need ``views`` and ``beats``.
+        views: this shard's ``replication.Views`` in the job's store.
+        beats: the servers' liveness counters (``replication.Beats``).
+        locate: ``locate(server) -> (addr, port)`` of another server's endpoint.
     """
 
     def __init__(self, index: int, servers: int, workers: int, endpoint: Endpoint,
-                 timeout: float = 300.0, connect_timeout: float = 60.0):
+                 timeout: float = 300.0, connect_timeout: float = 60.0, replicas: int = 1,
+                 views: Views | None = None, beats: Beats | None = None, locate=None):
         self.index, self.servers, self.workers = index, servers, workers
         self.endpoint, self.timeout, self.connect_timeout = endpoint, timeout, connect_timeout
+        self.replicas, self.shard = replicas, shard_of(index, servers, replicas)
+        self.views, self.beats, self._locate = views, beats, locate
+        self.view: View | None = views.first if views else None
+        self.fenced: str | None = None
+        self.joining = self.installed = False  # a replacement, before / after its copy
+        self.joined = threading.Event()
+        self._copies: dict = {}  # backup server -> RemotePeer (the primary's forwards)
         self.spec: dict | None = None
         self.clock: Clock | None = None
         self._cv = threading.Condition()
@@ -79,8 +99,9 @@ class Server:
         self._gone: set[int] = set()   # disconnected, either way
         self._factor_rows: dict[int, list[int]] = {}
         self.done = threading.Event()
-        for method in ("hello", "ready", "push", "save", "stats", "bye"):
+        for method in ("hello", "ready", "push", "save", "stats", "bye", "follow"):
             endpoint.on_call(method, getattr(self, "_" + method))
+        endpoint.on_call("install", lambda peer, args: join.install(self, peer, args))
         endpoint.on_disconnect(self._disconnected)
 
     # ------------------------------------------------------------------ set-up
@@ -103,12 +124,12 @@ class Server:
             self._cv.notify_all()
             self._barrier(self._greeted, "say hello")
             return {"version": self.clock.version, "restored": bool(spec.get("restore")),
-                    "bounds": [self.lo, self.hi], "workers": self.workers}
+                    "bounds": [self.lo, self.hi], "workers": self.workers, "shard": self.shard}
 
     def _setup(self, spec: dict) -> None:
         total = sum(spec["numels"])
-        cuts = bounds(total, self.servers)
-        self.lo, self.hi = cuts[self.index], cuts[self.index + 1]
+        cuts = bounds(total, self.servers // self.replicas)
+        self.lo, self.hi = cuts[self.shard], cuts[self.shard + 1]
         n = self.hi - self.lo
         ep = self.endpoint
         self.params = ep.allocate("params", (n,), np.float32)
@@ -118,13 +139,18 @@ class Server:
         self.factor_slots = [ep.allocate(f"factors.{w}", (words,), np.float32)
                              for w in range(self.workers)] if words else []
         self.meta = ep.allocate("meta", (2,), np.int64)
+        if self.replicas > 1:
+            # A backup receives its primary's combined gradient here; a primary sums into
+            # its own array of the same size (forwarded while it applies it).
+            self.update = ep.allocate("update", (n,), np.float32)
+            self._combined = np.empty(n, np.float32)
         self.optimizer = optim.make(spec["optimizer"], n, **spec["hyper"])
         self.clock = Clock(spec["mode"], self.workers, self._apply, backup=spec.get("backup"),
                            staleness=spec.get("staleness"), timeout=self.timeout)
         self._scratch = np.empty(min(n, _STRIPE) or 1, dtype=np.float32)
         self.spec = spec
         if spec.get("restore"):
-            self._load(checkpoint_path(spec["restore"], self.index))
+            self._load(checkpoint_path(spec["restore"], self.shard))
 
     def _ready(self, worker: int, args: dict) -> dict:
         with self._cv:
@@ -134,7 +160,8 @@ class Server:
             # Every worker on this host has mapped the segments: their names can go, so a
             # crash from here on leaves nothing behind in /dev/shm.
             self.endpoint.unlink_segments()
-            return {"version": self.clock.version}
+            # The worker numbers its pushes on from its clock (a restored checkpoint's).
+            return {"version": self.clock.version, "seq": self.clock.clocks[worker]}
 
     def _barrier(self, arrived, what: str) -> None:
         """Waits (holding ``_cv``) until every worker is in ``arrived``."""
@@ -155,13 +182,21 @@ class Server:
     def _push(self, worker: int, args: dict) -> dict:
         if self.clock is None:
             raise ValueError(f"worker {worker} pushed before saying hello")
+        if self.replicas > 1:
+            refusal = self._refuse(int(args.get("epoch", 0)))
+            if refusal is not None:
+                return refusal
         if self.factored:
             rows = [int(k) for k in args.get("rows", [])]
             if len(rows) != len(self.factored):
                 raise ValueError(f"worker {worker} sent rows for {len(rows)} factored layers, "
                                  f"this server has {len(self.factored)}")
             self._factor_rows[worker] = rows
-        return self.clock.push(worker, int(args["tag"]))
+        seq = args.get("seq")
+        try:
+            return self.clock.push(worker, int(args["tag"]), None if seq is None else int(seq))
+        except Fenced:
+            return {"stale": self.view.epoch}
 
     def _apply(self, workers, average: bool) -> None:
         """Applies the gradients in ``workers``' slots (called by the Clock, under its lock)."""
@@ -173,6 +208,9 @@ class Server:
                 fc.expand(self.factored, self.factor_slots[w], self._factor_rows[w],
                           self.slots[w], self.lo)
         scale = 1.0 / len(workers) if average else 1.0
+        if self.replicas > 1 and self.view.backups:
+            self._apply_replicated(workers, scale)
+            return
         opt, stripes = self.optimizer, self.endpoint.region("params").stripes
         opt.begin_step()
         for a in range(0, self.hi - self.lo, _STRIPE):
@@ -192,14 +230,174 @@ class Server:
                 stripes.release(a * 4)
         self.meta[0] = self.clock.version + 1
 
+    def _step(self, g: np.ndarray) -> None:
+        """One optimizer update of the whole shard with the combined gradient ``g``."""
+        opt, stripes = self.optimizer, self.endpoint.region("params").stripes
+        opt.begin_step()
+        for a in range(0, self.hi - self.lo, _STRIPE):
+            b = min(a + _STRIPE, self.hi - self.lo)
+            stripes.acquire(a * 4)
+            try:
+                opt.update(self.params[a:b], g[a:b], a, b)
+            finally:
+                stripes.release(a * 4)
+
+    # ------------------------------------------------------------------ replicas
+    def _apply_replicated(self, workers: list[int], scale: float) -> None:
+        """The primary's update: combine, forward to every backup while applying here, and
+        return only when every backup of the view has it (or was dropped from the view)."""
+        g = self._combined
+        # The same operations, in the same order, as the stripe loop of ``_apply``: a copy
+        # that takes over continues with the bits a run without faults would have.
+        if len(workers) == 1:
+            np.copyto(g, self.slots[workers[0]])
+        else:
+            np.add(self.slots[workers[0]], self.slots[workers[1]], out=g)
+            for w in workers[2:]:
+                np.add(g, self.slots[w], out=g)
+            g *= scale
+        version = self.clock.version
+        state = self.clock.replica_state()
+        for w in workers:
+            state["done"][w] = state["clocks"][w]
+        info = {"version": version, "workers": workers, "state": state}
+        pending = {b: self._send(b, g, info) for b in self.view.backups}
+        self._step(g)
+        self.meta[0] = version + 1
+        while pending:
+            b, (peer, handle) = pending.popitem()
+            try:
+                if peer is None:
+                    raise handle
+                reply = wait_watched(handle, self.beats, b, self.workers + b,
+                                     lambda: abandon(peer))
+            except (PeerLostError, GradsyncTimeoutError, OSError) as exc:
+                self._copies.pop(b, None)
+                self._adopt(self.views.propose(self.view, b, f"its primary lost it: {exc}"))
+                reply = {}
+            if "stale" in reply:
+                epoch = self.view.epoch
+                self._adopt(self.views.newest(self.view))
+                if self.view.epoch == epoch and b in self.view.backups:
+                    # No newer view, yet it refuses: a restarted process not yet a copy.
+                    self._copies.pop(b, None)
+                    self._adopt(self.views.propose(self.view, b, "it restarted"))
+                    reply = {}
+            if self.fenced:
+                raise Fenced(self.fenced)
+            if "stale" in reply and b in self.view.backups:
+                pending[b] = self._send(b, g, info)  # under the newer view, which kept it
+
+    def _send(self, b: int, g: np.ndarray, info: dict):
+        """Starts forwarding ``g`` to backup ``b``: (peer, handle), or (None, error)."""
+        try:
+            peer = self._copies.get(b)
+            if peer is None:
+                addr, port = self._locate(b)
+                peer = self.endpoint.connect(self.workers + b, addr, port,
+                                             time.monotonic() + self.connect_timeout,
+                                             f"parameter server {b} (rank {self.workers + b})")
+                self._copies[b] = peer
+        except (GradsyncError, OSError) as exc:
+            return None, PeerLostError(f"cannot reach parameter server {b}: {exc}",
+                                       peer=self.workers + b)
+        epoch = self.view.epoch
+
+        def forward():
+            peer.region("update").write(g)
+            return peer.call("follow", epoch=epoch, **info)
+        return peer, peer.submit(forward, f"forward to server {b}")
+
+    def _follow(self, peer: int, args: dict) -> dict:
+        """A backup applies its primary's update (the gradient is in ``update``)."""
+        if self.clock is None or self.replicas == 1:
+            raise ValueError(f"parameter server {self.index} is no backup to rank {peer}")
+        epoch = int(args["epoch"])
+        with self.clock.lock:
+            if epoch > self.view.epoch:
+                self._adopt(self.views.newest(self.view))
+            # Fencing: an update of an older view comes from a primary the others have
+            # replaced (it was stopped or cut off): it must not touch this copy.
+            if self.fenced or self.joining or epoch < self.view.epoch:
+                return {"stale": self.view.epoch}
+            self.clock.follow(int(args["version"]), [int(w) for w in args["workers"]],
+                              args["state"], lambda: self._step(self.update))
+            self.meta[0] = self.clock.version
+            return {"version": self.clock.version}
+
+    def _refuse(self, epoch: int) -> dict | None:
+        """None if this server is the primary of view ``epoch``, else the refusal that the
+        worker gets (``{"stale": e}``: read view e or newer, and push to its primary)."""
+        with self.clock.lock:
+            if epoch > self.view.epoch:
+                self._adopt(self.views.newest(self.view))
+            if self.fenced or self.joining or epoch < self.view.epoch or \
+                    self.view.primary != self.index:
+                return {"stale": self.view.epoch}
+        return None
+
+    def _adopt(self, view: View) -> None:
+        """(Holding the clock's lock.) Makes ``view`` this server's; fences the server when
+        it is no member."""
+        if view.epoch <= self.view.epoch:
+            return
+        self.view = view
+        for b in [b for b in self._copies if b not in view.backups]:
+            abandon(self._copies.pop(b))
+        if self.index not in view.members and not self.joining:
+            self._fence(f"view {view.epoch} of shard {self.shard} holds servers "
+                        f"{list(view.members)} ({view.why})")
+
+    def _fence(self, why: str) -> None:
+        if self.fenced:
+            return
+        self.fenced = why
+        log.error("parameter server %d was excluded from its shard: %s; it stops serving (the "
+                  "shard lives on its other copies)", self.index, why)
+        with self.clock.lock:
+            self.clock.failure = Fenced(f"parameter server {self.index} was excluded: {why}")
+            self.clock.lock.notify_all()
+        self.done.set()
+
+    def look(self, views: Views) -> None:
+        """(The beat thread.) Adopts a newer view from the store: a server that the others
+        replaced while it was stopped learns here that it is fenced out, even if nobody
+        talks to it. Never waits for the lock: an update in progress finds out itself."""
+        if self.fenced or self.view is None:
+            return
+        newest = views.newest(self.view)
+        if self.joining:  # the view change of a join whose last step never reached us
+            if self.installed and self.index in newest.members:
+                self.accept(newest)
+            return
+        if self.clock is None:
+            return
+        if newest.epoch > self.view.epoch and self.clock.lock.acquire(blocking=False):
+            try:
+                self._adopt(newest)
+            finally:
+                self.clock.lock.release()
+
+    def accept(self, view: View) -> None:
+        """(A joiner.) Its copy is installed and ``view`` holds it: it serves from now on."""
+        with self.clock.lock:
+            if self.joining and self.index in view.members:
+                self.view, self.joining = view, False
+                self.joined.set()
+
     def _stats(self, worker: int, args: dict) -> dict:
         if self.clock is None:
             return {"server": self.index, "version": 0}
-        return {"server": self.index, "lo": self.lo, "hi": self.hi, **self.clock.counters()}
+        out = {"server": self.index, "lo": self.lo, "hi": self.hi, **self.clock.counters()}
+        if self.replicas > 1:
+            with self.clock.lock:  # a whole update or none of it
+                out["digest"] = hashlib.sha256(self.params.tobytes()).hexdigest()[:16]
+                out["view"] = [self.view.epoch, list(self.view.members)]
+        return out
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self, worker: int, args: dict) -> dict:
-        path = checkpoint_path(args["directory"], self.index)
+        path = checkpoint_path(args["directory"], self.shard)
         os.makedirs(args["directory"], exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp.npz"
         # Under the clock's lock: no update can land between the parameters, the optimizer
@@ -239,10 +437,15 @@ class Server:
         with self._cv:
             self._left.add(worker)
         if self.clock is not None:
-            self.clock.leave(worker, died=False)
+            try:
+                self.clock.leave(worker, died=False)
+            except Fenced:  # the round it closed was refused: this copy has stopped
+                pass
         return {}
 
     def _disconnected(self, worker: int, error) -> None:
+        if worker >= self.workers:
+            return  # another server (a primary forwarding to this copy) went away
         with self._cv:
             self._gone.add(worker)
             if worker in self._left:
@@ -256,7 +459,10 @@ class Server:
                     "the job cannot go on (sync mode)" if mode == "sync" else
                     f"training goes on without it ({mode} mode)")
         if self.clock is not None:
-            self.clock.leave(worker, died=True)
+            try:
+                self.clock.leave(worker, died=True)
+            except Fenced:  # the round it closed was refused: this copy has stopped
+                pass
         with self._cv:
             self._maybe_done()
 
@@ -279,21 +485,61 @@ def serve(config, env) -> int:
     store = Store(env.store_addr, env.store_port, env.store_is_server, env.job_id,
                   config.connect_timeout, env.size)
     secret = env.secret or store.read_secret()  # worker 0 (rank 0) makes it
-    index = env.server_rank
+    index, replicas = env.server_rank, config.ps_replicas
+    if env.servers % replicas:
+        log.error("parameter server %d: %d servers cannot hold %d copies of each shard "
+                  "(GRADSYNC_PS_REPLICAS must divide GRADSYNC_SERVERS)", index, env.servers,
+                  replicas)
+        return 1
+    expect = set(range(env.workers))
+    if replicas > 1:  # primaries reach their backups' regions
+        expect |= {env.workers + s for s in range(env.servers) if s != index}
     endpoint = Endpoint(env.rank, env.hostname, secret, f"{env.job_id}.ps",
-                        addr=listen_addr(config, env), expect=set(range(env.workers)),
+                        addr=listen_addr(config, env), expect=expect,
                         timeout=config.timeout, direct=config.transport != "tcp",
                         label=f"parameter server {index} (rank {env.rank})")
+    stop = threading.Event()
+    views = beats = None
+    if replicas > 1:
+        shard = shard_of(index, env.servers, replicas)
+        views = Views(store, shard, env.servers, replicas, config.connect_timeout)
+        private = store.clone_private()
+        beats = Beats(private, config.heartbeat_timeout)
+
+    def locate(server: int) -> tuple[str, int]:
+        info = json.loads(store.get(f"ps/server/{server}", config.connect_timeout))
+        return info["addr"], info["port"]
+
     server = Server(index, env.servers, env.workers, endpoint, config.timeout,
-                    config.connect_timeout)
+                    config.connect_timeout, replicas, views, beats, locate)
+    # A replicated server whose address is already published replaces a lost copy (the
+    # launcher restarted its rank): it joins with a copy of its shard (join.py).
+    replacing = replicas > 1 and store.check(f"ps/server/{index}")
+    if replacing:
+        server.joining, server.view = True, views.newest()
+    if replicas > 1:
+        threading.Thread(target=_beat, args=(server, beats, Views(
+            private, shard, env.servers, replicas, config.connect_timeout), private,
+            config.heartbeat_interval, stop), daemon=True, name="gradsync-ps-beat").start()
     store.set(f"ps/server/{index}", json.dumps({"addr": endpoint.addr, "port": endpoint.port,
                                                 "host": env.hostname}))
     try:
+        if replacing and not join.wait_joined(server, store, env.workers,
+                                              config.connect_timeout):
+            return 0  # the workers finished before it could join: nothing to serve
         while not server.done.wait(1.0):
+            # A replicated server may have no worker connected (a joiner that never became
+            # primary): the workers' count of closed clients ends it.
+            if replicas > 1 and int(store.add("ps/closed", 0)) >= env.workers:
+                break
             record = store.read_abort()
             if record is not None and not server._greeted:
                 raise GradsyncError(f"rank {record['rank']} reported before training started: "
                                     f"{record['message']}")
+        if server.fenced:
+            log.error("parameter server %d (rank %d) ends: it was excluded from shard %d "
+                      "while the job went on: %s", index, env.rank, server.shard, server.fenced)
+            return 1
         failure = server.clock.failure if server.clock else None
         if failure is not None:
             log.error("parameter server %d: %s", index, failure)
@@ -303,4 +549,20 @@ def serve(config, env) -> int:
         log.error("parameter server %d: %s", index, exc)
         return 1
     finally:
+        stop.set()
         endpoint.close()
+
+
+def _beat(server: Server, beats: Beats, views: Views, store, interval: float,
+          stop: threading.Event) -> None:
+    """A replicated server's liveness counter, its look for newer views, and (a primary's)
+    for replacements asking to join."""
+    handled: dict[int, str] = {}
+    while not stop.wait(interval):
+        try:
+            beats.beat(server.index)
+            server.look(views)
+            join.serve_requests(server, store, handled)
+        except Exception as exc:  # the store is gone: the job is ending
+            log.debug("parameter server %d: beat failed: %s", server.index, exc)
+            return

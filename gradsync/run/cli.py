@@ -61,6 +61,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     job.add_argument("--servers", type=int, default=0, metavar="S",
                      help="also start S parameter-server ranks after the NP workers (the last S "
                           "ranks; see gradsync.ps)")
+    job.add_argument("--ps-replicas", type=int, metavar="R",
+                     default=int(os.environ.get("GRADSYNC_PS_REPLICAS", "1") or 1),
+                     help="keep each parameter-server shard on R of the S servers (S a multiple "
+                          "of R): a lost server costs no acknowledged update and the job goes "
+                          "on (GRADSYNC_PS_REPLICAS)")
     job.add_argument("--data-servers", type=int, default=0, metavar="D",
                      help="also start D data-server ranks, the job's last D ranks, that load, "
                           "cache and transform the data for the workers (see gradsync.data)")
@@ -260,6 +265,7 @@ def _spec(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LaunchSp
         else:
             hosts = parse_hosts(args.hosts) if args.hosts else []
         spec = LaunchSpec(command=command, num_proc=args.num_proc, servers=args.servers,
+                          ps_replicas=args.ps_replicas,
                           data_servers=args.data_servers, hosts=hosts,
                           ssh_command=args.ssh_command, ssh_port=args.ssh_port,
                           start_timeout=args.start_timeout, output_prefix=args.output_prefix,

@@ -87,6 +87,10 @@ __all__ = ["Host", "Slot", "LaunchSpec", "place", "launch", "is_local", "STOP_GR
 SERVER_LINGER = 10.0
 """Seconds servers may run on after every worker of a parameter-server job has ended."""
 
+SERVER_RESTARTS = 3
+"""Times a failed server rank of a replicated parameter-server job (``ps_replicas`` > 1) is
+started again while workers run; the new process joins its shard with a copy (``ps/join.py``)."""
+
 _POLL = 0.05  # how often the watcher looks at the ranks: the delay before a failure is seen
 _DRAIN = 2.0  # seconds to wait for the last output after the ranks are gone
 _LOCAL_NAMES = {"localhost", "127.0.0.1", "::1"}
@@ -158,6 +162,9 @@ class LaunchSpec:
     """Number of worker ranks: all the ranks when ``servers`` is 0."""
     servers: int = 0
     """Parameter-server ranks started after the workers: the last ``servers`` ranks."""
+    ps_replicas: int = 1
+    """Servers holding each parameter-server shard (``GRADSYNC_PS_REPLICAS``); above 1 a failed
+    server is reported and the job goes on on the other copies."""
     data_servers: int = 0
     """Data-server ranks (``gradsync.data``) started after the workers and the parameter
     servers: the job's last ``data_servers`` ranks."""
@@ -190,6 +197,9 @@ class LaunchSpec:
             raise ValueError(f"the number of ranks must be at least 1, got {self.num_proc}")
         if self.servers < 0:
             raise ValueError(f"the number of servers must be >= 0, got {self.servers}")
+        if self.ps_replicas < 1 or (self.servers and self.servers % self.ps_replicas):
+            raise ValueError(f"--ps-replicas must be >= 1 and divide --servers, got "
+                             f"{self.ps_replicas} replicas of {self.servers} servers")
         if self.data_servers < 0:
             raise ValueError(f"the number of data servers must be >= 0, got "
                              f"{self.data_servers}")
@@ -377,6 +387,8 @@ class Starter:
         }
         if self.spec.data_servers:
             variables["DATA_SERVERS"] = self.spec.data_servers
+        if self.spec.ps_replicas > 1:
+            variables["PS_REPLICAS"] = self.spec.ps_replicas
         horovod = {"HOROVOD_" + name: str(variables[name]) for name in
                    ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE",
                     "HOSTNAME")}
@@ -426,6 +438,8 @@ class _Job:
         self.ranks: list[Rank] = []
         self.interrupts = Interrupts()
         self.cores: "list[list[int]] | None" = None  # CPUs of each local rank, when bound
+        self.store_port = 0
+        self.restarts: dict[int, int] = {}  # replicated servers started again, by rank
 
     def run(self) -> int:
         with self.interrupts.catching():
@@ -433,6 +447,7 @@ class _Job:
                 self._check_hosts()
                 self._plan_binding()
                 store = start_store()
+                self.store_port = store.port
                 for slot in self.slots:
                     if self.interrupts.received is not None:
                         break
@@ -515,13 +530,20 @@ class _Job:
                     who, what = self._failure(rank, code)
                     index = rank.slot.rank
                     data_server = index >= self.spec.size - self.spec.data_servers
-                    if not data_server and (not self.spec.servers or index >= self.spec.num_proc):
+                    # With replicas, a lost parameter server's shards live on elsewhere.
+                    copied = self.spec.ps_replicas > 1 and not data_server and \
+                        index >= self.spec.num_proc
+                    if not data_server and not copied and (
+                            not self.spec.servers or index >= self.spec.num_proc):
                         return exit_status(code), f"{who} {what}", "other "
                     seen.add(index)
                     failed.append((exit_status(code), who, what))
                     self.output.message(f"{who} {what}; the other ranks go on " + (
                         "(the other data servers serve its share)" if data_server else
+                        "(its shards live on the other replicas)" if copied else
                         "(parameter-server job)"))
+                    if copied and workers_ended is None:
+                        self._restart_server(rank, seen)
             if (self.spec.servers or self.spec.data_servers) and workers_ended is None and all(
                     r.proc.poll() is not None for r in self.ranks[:self.spec.num_proc]):
                 workers_ended = time.monotonic()
@@ -538,6 +560,27 @@ class _Job:
                 summary = f"{who} failed earlier ({what}){first}; the job ran to its end{linger}"
                 return status, summary, ("" if linger else None)
             time.sleep(_POLL)
+
+    def _restart_server(self, rank: Rank, seen: set[int]) -> None:
+        """Starts a failed replicated server's rank again (``SERVER_RESTARTS`` times at
+        most): the new process copies its shard from the shard's primary (``ps/join.py``)."""
+        index = rank.slot.rank
+        count = self.restarts.get(index, 0)
+        if count >= SERVER_RESTARTS:
+            return
+        self.restarts[index] = count + 1
+        cores = None if self.cores is None or not is_local(rank.slot.host) else \
+            self.cores[rank.slot.local_rank]
+        try:
+            position = self.ranks.index(rank)
+            self.ranks[position] = self.starter.start(rank.slot, self.store_port,
+                                                      len(self.slots), cores)
+        except StartError as exc:
+            self.output.message(f"could not start a replacement for rank {index}: {exc}")
+            return
+        seen.discard(index)  # the replacement's own failure is reported again
+        self.output.message(f"rank {index} started again ({count + 1} of {SERVER_RESTARTS}): "
+                            f"it joins its shard with a copy")
 
     def _failure(self, rank: Rank, code: int) -> tuple[str, str]:
         """Who failed and how, e.g. ("rank 5 (server 1) on host a", "exited with status 1")."""

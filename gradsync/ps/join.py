@@ -1,0 +1,166 @@
+"""A replacement server joins a replicated shard and copies it while training goes on.
+
+``gradsync run --servers S --ps-replicas R`` restarts a server rank that fails (at most
+``SERVER_RESTARTS`` times per rank, ``run/launcher.py``). The new process finds its rank's
+address already in the store, so it knows it replaces a lost copy: it publishes its new
+address and asks to join by setting ``ps/join/<server>`` to a fresh token. The shard's
+primary sees the request on its next beat (replication.py) and, on a thread of its own,
+*brings the joiner in* (a joiner still in the view, whose earlier process died unnoticed, is
+dropped from it first):
+
+1. under the primary's update lock (pushes wait; none is lost), it connects to the joiner
+   and calls ``install(phase="setup")`` with the spec: the joiner allocates its regions;
+2. it writes its parameters and each optimizer state array into the joiner's regions
+   (``params``, ``copy.<name>``), then ``install(phase="state")`` with the optimizer's
+   scalars and the clock's snapshot: the joiner now holds exactly the primary's version;
+3. it proposes the shard's next view with the joiner appended (the store's claim makes it
+   the only change of that view number) and calls ``install(phase="view")``; from the next
+   update on, the joiner is a backup like any other.
+
+The joiner serves nothing before step 3: until then its own view does not hold it, and a
+push or a forwarded update gets ``{"stale": ...}``. If the primary fails between steps 2 and
+3, the joiner learns the view on its own beat; if it fails before the view change, the joiner
+asks again with a new token. Training pauses for the copy only (step 1 to 3 hold the lock):
+a memory copy on one host, the shard's bytes over TCP between hosts.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+
+import numpy as np
+
+from ..errors import GradsyncError
+from .replication import View, abandon
+
+__all__ = ["request", "requested", "bring_in", "install", "wait_joined",
+           "serve_requests"]
+
+log = logging.getLogger("gradsync.ps")
+
+def request(store, server: int) -> None:
+    """The joiner's request (a new token each time: an old request is never served twice)."""
+    store.set(f"ps/join/{server}", secrets.token_hex(8))
+
+
+def requested(store, server: int) -> str | None:
+    """The token of server ``server``'s pending request, if any."""
+    key = f"ps/join/{server}"
+    return store.get(key).decode() if store.check(key) else None
+
+
+def bring_in(server, joiner: int) -> bool:
+    """(The primary.) Copies the shard to ``joiner`` and adds it to the view; True if it
+    joined. Runs on a thread of its own: the beat thread must keep beating meanwhile."""
+    with server.clock.lock:
+        if server.fenced or server.view.primary != server.index:
+            return False
+        if joiner in server.view.members:
+            # Its earlier process died before any update found out: that copy is gone.
+            server._adopt(server.views.propose(server.view, joiner, "it restarted"))
+            if server.fenced or server.view.primary != server.index:
+                return False
+        old = server._copies.pop(joiner, None)
+        if old is not None:
+            abandon(old)
+        addr, port = server._locate(joiner)
+        peer = server.endpoint.connect(server.workers + joiner, addr, port,
+                                       time.monotonic() + server.connect_timeout,
+                                       f"parameter server {joiner} (rank "
+                                       f"{server.workers + joiner})")
+        try:
+            peer.call("install", phase="setup", spec=server.spec)
+            peer.refresh()
+            peer.region("params").write(server.params)
+            state = server.optimizer.state_dict()
+            scalars = {}
+            for name, value in state.items():
+                if isinstance(value, np.ndarray):
+                    peer.region(f"copy.{name}").write(value)
+                else:
+                    scalars[name] = value
+            version = server.clock.version
+            peer.call("install", phase="state", scalars=scalars,
+                      clock=server.clock.snapshot())
+            view = server.views.change(server.view, server.view.members + (joiner,),
+                                       f"server {joiner} joined with a copy of version "
+                                       f"{version}")
+            if joiner not in view.members:
+                server._adopt(view)  # someone else changed the view first; it asks again
+                abandon(peer)
+                return False
+            peer.call("install", phase="view", view=[view.epoch, list(view.members), view.why])
+        except (GradsyncError, OSError) as exc:
+            log.warning("parameter server %d: server %d could not join: %s", server.index,
+                        joiner, exc)
+            abandon(peer)
+            return False
+        server._copies[joiner] = peer
+        server._adopt(view)
+        log.warning("shard %d: server %d joined with a copy of version %d (view %d: %s)",
+                    server.shard, joiner, version, view.epoch, list(view.members))
+        return True
+
+
+def install(server, peer: int, args: dict) -> dict:
+    """(The joiner.) One step of ``bring_in`` from the primary (rank ``peer``)."""
+    if not server.joining:
+        raise ValueError(f"parameter server {server.index} is not joining (rank {peer} "
+                         f"tried to install a copy)")
+    phase = args["phase"]
+    if phase == "setup":
+        if server.spec is None:
+            server._setup(args["spec"])
+            for name, value in server.optimizer.state_dict().items():
+                if isinstance(value, np.ndarray):
+                    server.endpoint.allocate(f"copy.{name}", value.shape, value.dtype)
+        return {}
+    if phase == "state":
+        state = dict(args["scalars"])
+        for name, value in server.optimizer.state_dict().items():
+            if isinstance(value, np.ndarray):
+                state[name] = server.endpoint.region(f"copy.{name}").array.copy()
+        with server.clock.lock:
+            server.optimizer.load_state_dict(state)
+            server.clock.install(args["clock"])
+            server.meta[0] = server.clock.version
+            server.installed = True
+        return {}
+    if phase == "view":
+        epoch, members, why = args["view"]
+        server.accept(View(server.shard, int(epoch), tuple(members), why))
+        return {}
+    raise ValueError(f"unknown install phase {phase!r}")
+
+
+def wait_joined(server, store, workers: int, timeout: float) -> bool:
+    """(The joiner.) Asks to join and waits until a view holds it; False if the workers
+    finished first (nothing left to serve). Asks again every few seconds."""
+    end = time.monotonic() + timeout
+    while not server.joined.wait(0):
+        if int(store.add("ps/closed", 0)) >= workers:
+            return False
+        request(store, server.index)
+        server.joined.wait(min(3.0, max(0.0, end - time.monotonic())))
+        if time.monotonic() > end and not server.joined.is_set():
+            raise GradsyncError(f"parameter server {server.index}: no primary of shard "
+                                f"{server.shard} brought it in within {timeout:.0f}s")
+    return True
+
+
+def serve_requests(server, store, handled: dict) -> None:
+    """(The primary's beat.) Starts ``bring_in`` for each new join request of its shard."""
+    if server.clock is None or server.fenced or server.view.primary != server.index:
+        return
+    for b in server.views.first.members:
+        if b in server.view.members:
+            continue
+        token = requested(store, b)
+        if token is not None and handled.get(b) != token:
+            handled[b] = token
+            threading.Thread(target=bring_in, args=(server, b), daemon=True,
+                             name=f"gradsync-ps-join{b}").start()
+

@@ -1,0 +1,110 @@
+"""Replicated parameter servers under faults: ``ps_replicas.py MODE FAULT STEPS``.
+
+Run with ``--servers S --ps-replicas R``. Workers train the MLP of ps_check.py on its
+closed-form batches. At step ``STEPS // 3`` worker 0 hits the primary of shard 0 with FAULT:
+
+    none   nothing (the fault-free run that a sync run with a fault must equal bit for bit)
+    kill   SIGKILL
+    stop   SIGSTOP; found silent after GRADSYNC_HEARTBEAT_TIMEOUT; SIGCONT once training is
+           over, when the server must find itself fenced out and end
+    join   SIGKILL; the launcher starts the rank again and it joins with a copy while the
+           others train; worker 0 waits for it (at most 60 s), then all train on
+    joinbackup   the same with shard 0's first backup as the victim
+
+At the end worker 0 checks what the mode guarantees from the surviving copies' counters and
+prints ``digest <hex>`` of shard 0's parameters (one line per shard) for the test to compare:
+
+- every acknowledged push is applied exactly once: the pushes that returned ``applied``,
+  summed over the workers, equal the ``applied`` counter of every shard's primary
+  (``sync``, ``async``, ``ssp``: every push; ``backup``: the rounds' gradients);
+- every live copy of a shard holds the same version, clocks and parameter bits;
+- ``ssp``'s clock gap stays within its bound; ``sync`` makes one version per step.
+"""
+
+import common  # noqa: F401  (deadline)
+from checks import Checks
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import gradsync as gs
+import gradsync.ps
+from ps_check import model, train_step
+
+fail = Checks(os.environ.get("GRADSYNC_RANK"), label="FAIL worker").fail
+
+
+def run(mode: str, fault: str, steps: int) -> None:
+    m = model()
+    ps = gradsync.ps.ParameterClient(m, optimizer="adam", lr=0.01, mode=mode, backup=2,
+                                     staleness=1)
+    victim = ps.copies[ps.view[0].backups[0]].pid if fault == "joinbackup" else ps.peers[0].pid
+    acked = 0
+    for step in range(steps):
+        if ps.rank == 0 and step == steps // 3 and fault != "none":
+            os.kill(victim, signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
+            print(f"worker 0: {fault} server pid {victim} at step {step}", flush=True)
+        if ps.rank == 0 and step == steps // 3 + 1 and fault.startswith("join"):
+            acked += wait_for_join(m, ps)
+        if ps.rank == ps.workers - 1 and mode != "sync":
+            time.sleep(0.02)  # a slower worker: backup drops some, ssp waits for it
+        acked += int(train_step(m, ps, ps.rank, step))
+    ps.leave()
+    total = int(gs.allreduce(np.array([acked], np.int64), op=gs.Sum)[0])
+    gs.barrier()  # every worker has left: the counters are final
+    if ps.rank == 0:
+        check(ps, mode, steps, total)
+        if fault == "stop":
+            os.kill(victim, signal.SIGCONT)
+            time.sleep(3)  # the woken server finds itself fenced out and ends
+    gs.barrier()
+    ps.close()
+
+
+def wait_for_join(m, ps) -> int:
+    """Trains on (this worker too) until shard 0's view holds all its copies again; returns
+    the pushes acknowledged meanwhile."""
+    end, acked, step = time.monotonic() + 60, 0, 1000
+    while len(ps.views[0].newest(ps.view[0]).members) < ps.replicas:
+        if time.monotonic() > end:
+            fail("no replacement joined shard 0 within 60 s")
+        acked += int(train_step(m, ps, ps.rank, step))  # training goes on meanwhile
+        step += 1
+        time.sleep(0.05)
+    print(f"worker 0: shard 0 has {ps.replicas} copies again after {step - 1000} more steps: "
+          f"{ps.views[0].newest(ps.view[0])}", flush=True)
+    return acked
+
+
+def check(ps, mode: str, steps: int, total: int) -> None:
+    copies = ps.replica_stats()
+    for s, primary in enumerate(ps.stats()):
+        shard = [st for st in copies.values() if st["lo"] == primary["lo"]]
+        print(f"shard {s}: primary {primary['server']} view {primary['view']}; copies "
+              f"{[(st['server'], st['version'], st['digest']) for st in shard]}")
+        if len(shard) != len(primary["view"][1]):
+            fail(f"shard {s}: {len(shard)} live copies, the view has {primary['view'][1]}")
+        for st in shard:
+            for key in ("version", "clocks", "applied", "digest"):
+                if st[key] != primary[key]:
+                    fail(f"shard {s}: copy on server {st['server']} has {key} {st[key]}, the "
+                         f"primary {primary[key]}")
+        if primary["applied"] != total:
+            fail(f"shard {s}: {primary['applied']} gradients applied, the workers had "
+                 f"{total} pushes acknowledged")
+        if mode == "sync" and primary["version"] != steps:
+            fail(f"shard {s}: sync made {primary['version']} versions in {steps} steps")
+        if mode == "ssp" and primary["max_clock_gap"] > 1:
+            fail(f"shard {s}: ssp let a worker run {primary['max_clock_gap']} clocks ahead")
+        if mode == "backup" and primary["max_staleness"] != 0:
+            fail(f"shard {s}: backup applied a stale gradient: {primary}")
+        print(f"digest {s} {primary['digest']}")
+    print(f"{mode}: {total} acknowledged pushes, all applied once, copies agree")
+
+
+if __name__ == "__main__":
+    run(sys.argv[1], sys.argv[2], int(sys.argv[3]))

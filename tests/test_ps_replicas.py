@@ -1,0 +1,255 @@
+"""Replicated parameter servers (``--ps-replicas``): views, fencing, failover in every mode.
+
+Pure logic runs on a dict standing in for the rendezvous store; the fencing tests run two real
+servers of one shard in this process (their endpoints talk over loopback TCP); the launcher
+tests (tests/ranks/ps_replicas.py) kill or stop a primary mid-training.
+"""
+
+import re
+import threading
+
+import numpy as np
+import pytest
+
+from gradsync.errors import PeerLostError
+from gradsync.ps.consistency import Clock
+from gradsync.ps.replication import Beats, Views, members_of, shard_of
+from gradsync.ps.server import Server
+from gradsync.transport.regions import Endpoint
+
+import harness
+
+
+class DictStore:
+    """The few store calls replication.py makes, on a dict."""
+
+    def __init__(self):
+        self.data, self.lock = {}, threading.Lock()
+
+    def set(self, key, value):
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key, timeout=None):
+        return self.data[key]
+
+    def check(self, key):
+        return key in self.data
+
+    def add(self, key, amount):
+        with self.lock:
+            self.data[key] = str(int(self.data.get(key, b"0")) + amount).encode()
+            return int(self.data[key])
+
+
+# --- pure logic ------------------------------------------------------------------------------
+
+def test_copies_of_a_shard_are_spread_and_every_server_holds_one_shard():
+    assert [members_of(k, 6, 2) for k in range(3)] == [[0, 3], [1, 4], [2, 5]]
+    assert sorted(shard_of(s, 6, 2) for s in range(6)) == [0, 0, 1, 1, 2, 2]
+    assert all(shard_of(m, 6, 3) == k for k in range(2) for m in members_of(k, 6, 3))
+
+
+def test_one_proposal_wins_and_a_view_never_regains_a_member():
+    store = DictStore()
+    views = Views(store, 1, 6, 3, timeout=1)
+    first = views.first
+    assert (first.epoch, first.members, first.primary) == (0, (1, 3, 5), 1)
+    won = views.propose(first, 1, "killed")
+    assert (won.epoch, won.members, won.primary) == (1, (3, 5), 3)
+    # A second proposer that still holds view 0 gets the winner, not its own proposal.
+    assert views.propose(first, 5, "slow") == won
+    assert views.newest(first) == won
+    assert views.propose(won, 3, "killed").members == (5,)
+    with pytest.raises(PeerLostError, match="no live copy"):
+        views.propose(views.newest(), 5, "killed")
+
+
+def test_silence_is_a_beat_counter_standing_still():
+    store = DictStore()
+    beats = Beats(store, timeout=0.05)
+    assert not beats.silent(0)            # the first look starts the clock
+    beats.beat(0)
+    assert not beats.silent(0)            # it moved
+    import time
+    time.sleep(0.06)
+    assert beats.silent(0)
+    assert not Beats(store, timeout=0).silent(0)  # 0: never
+
+
+def test_a_push_sent_again_after_a_failover_is_answered_not_applied_twice():
+    applied = []
+    clock = Clock("async", 2, lambda ws, avg: applied.append(list(ws)), timeout=5)
+    assert clock.push(0, 0, seq=1) == {"version": 1, "applied": True}
+    assert clock.push(0, 0, seq=1) == {"version": 1, "applied": True}  # the retry
+    assert applied == [[0]] and clock.counters()["applied"] == 1
+    assert clock.push(0, 1, seq=2)["version"] == 2 and applied == [[0], [0]]
+
+
+def test_a_backup_follows_its_primary_and_refuses_a_gap():
+    primary = Clock("async", 2, lambda ws, avg: None, timeout=5)
+    backup = Clock("async", 2, lambda ws, avg: None, timeout=5)
+    primary.push(1, 0, seq=1)
+    state = primary.replica_state()
+    ran = []
+    backup.follow(0, [1], state, lambda: ran.append(1))
+    assert (backup.version, backup.clocks, backup.done, ran) == (1, [0, 1], [0, 1], [1])
+    with pytest.raises(ValueError, match="version 0 reached a copy at version 1"):
+        backup.follow(0, [1], state, lambda: ran.append(2))
+    assert ran == [1]
+
+
+def test_the_setting_and_the_launch_option_are_checked():
+    from gradsync.config import Config
+    from gradsync.errors import ConfigError
+    from gradsync.run.launcher import LaunchSpec
+
+    with pytest.raises(ConfigError, match="ps_replicas"):
+        Config(ps_replicas=0)
+    with pytest.raises(ValueError, match="divide --servers"):
+        LaunchSpec(command=["x"], num_proc=2, servers=3, ps_replicas=2)
+    assert LaunchSpec(command=["x"], num_proc=2, servers=4, ps_replicas=2).size == 6
+
+
+# --- two servers of one shard in this process --------------------------------------------------
+
+SPEC = {"names": ["w"], "numels": [100], "optimizer": "sgd", "hyper": {"lr": 0.5},
+        "mode": "async", "restore": None, "factored": []}
+
+
+@pytest.fixture
+def pair():
+    """Servers 0 (primary) and 1 (backup) of one shard, one worker (rank 0); ranks 1, 2."""
+    store, endpoints, servers = DictStore(), {}, []
+    for index in (0, 1):
+        endpoints[index] = Endpoint(1 + index, "localhost", b"k" * 32, "psrep",
+                                    expect={0, 1, 2}, timeout=10, label=f"server {index}")
+    for index in (0, 1):
+        server = Server(index, 2, 1, endpoints[index], timeout=10, connect_timeout=10,
+                        replicas=2, views=Views(store, 0, 2, 2, timeout=1),
+                        beats=Beats(store, timeout=0),
+                        locate=lambda b: (endpoints[b].addr, endpoints[b].port))
+        server._hello(0, {"spec": SPEC})
+        server._ready(0, {})
+        servers.append(server)
+    yield store, servers
+    for ep in endpoints.values():
+        ep.close()
+
+
+def _push(server, g, seq, epoch):
+    server.slots[0][:] = g
+    return server._push(0, {"tag": server.clock.version, "seq": seq, "epoch": epoch})
+
+
+def test_the_primary_answers_only_once_its_backup_holds_the_same_bits(pair):
+    _, (primary, backup) = pair
+    reply = _push(primary, np.linspace(-1, 1, 100, dtype=np.float32), 1, 0)
+    assert reply == {"version": 1, "applied": True}
+    assert backup.clock.version == 1 and backup.clock.done == [1]
+    assert np.array_equal(primary.params, backup.params) and primary.params.any()
+    # The backup refuses pushes: workers must go to the primary of their view.
+    assert "stale" in _push(backup, np.ones(100, np.float32), 2, 0)
+
+
+def test_a_primary_replaced_while_stopped_cannot_apply_an_update_to_the_new_view(pair):
+    store, (old, backup) = pair
+    _push(old, np.ones(100, np.float32), 1, 0)
+    # The workers found the primary silent and moved the shard to view 1, which the backup
+    # (now primary) has seen: the old primary wakes up knowing only view 0.
+    Views(store, 0, 2, 2, timeout=1).propose(old.view, 0, "silent")
+    assert backup._refuse(1) is None and backup.view.primary == 1
+    before = backup.params.copy()
+    reply = _push(old, np.full(100, 7, np.float32), 2, 0)  # a worker of the old view
+    assert "stale" in reply
+    assert backup.clock.version == 1 and np.array_equal(backup.params, before)
+    assert old.fenced and "view 1 of shard 0 holds servers [1]" in old.fenced
+    assert old.done.is_set()  # it ends, saying why
+    # The new primary serves the worker of the new view.
+    assert _push(backup, np.ones(100, np.float32), 2, 1)["version"] == 2
+
+
+def test_a_server_that_finds_a_newer_view_without_it_fences_itself(pair):
+    store, (primary, backup) = pair
+    Views(store, 0, 2, 2, timeout=1).propose(backup.view, 1, "silent")
+    backup.look(Views(store, 0, 2, 2, timeout=1))
+    assert backup.fenced and backup.done.is_set()
+    primary.look(Views(store, 0, 2, 2, timeout=1))
+    assert not primary.fenced and primary.view.members == (0,)
+    # Alone now, the primary applies without forwarding.
+    assert _push(primary, np.ones(100, np.float32), 1, 1)["version"] == 1
+
+
+# --- through the launcher ---------------------------------------------------------------------
+
+def _run(mode, fault, workers=3, servers=2, replicas=2, steps=12, timeout=120):
+    env = {"GRADSYNC_HEARTBEAT_INTERVAL": "0.5", "GRADSYNC_HEARTBEAT_TIMEOUT": "2"}
+    r = harness.launch(workers, "ps_replicas.py", mode, fault, str(steps), timeout=timeout,
+                       env=env, launcher_args=("--servers", str(servers),
+                                               "--ps-replicas", str(replicas)))
+    assert f"{mode}: " in r.output and "all applied once, copies agree" in r.output, r
+    return r
+
+
+def _digests(output):
+    return sorted(re.findall(r"digest (\d+) (\w+)", output))
+
+
+@pytest.mark.multiprocess
+def test_sync_with_a_killed_primary_is_bit_identical_to_a_run_without_faults():
+    clean = _run("sync", "none", servers=4)
+    assert clean.returncode == 0, clean
+    killed = _run("sync", "kill", servers=4)
+    assert killed.returncode == 137, killed  # the launcher reports the lost server at the end
+    assert "(its shards live on the other replicas)" in killed.output, killed
+    assert re.search(r"shard 0: primary 2 view \[1, \[2\]\]", killed.output), killed
+    assert len(_digests(clean.output)) == 2 and _digests(killed.output) == \
+        _digests(clean.output), (clean.output[-2000:], killed.output[-2000:])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["async", pytest.param("ssp", marks=pytest.mark.slow),
+                                  pytest.param("backup", marks=pytest.mark.slow)])
+def test_a_killed_primary_loses_no_acknowledged_update(mode):
+    r = _run(mode, "kill", servers=3, replicas=3)
+    assert r.returncode == 137, r
+    assert re.search(r"shard 0: primary 1 view \[1, \[1, 2\]\]", r.output), r
+
+
+@pytest.mark.multiprocess
+def test_a_stopped_primary_is_found_silent_replaced_and_fenced_when_it_wakes():
+    r = _run("async", "stop")
+    assert re.search(r"view 1 holds servers \[1\] \(server 0: worker \d: parameter server 0 "
+                     r"\(rank 3\) has been silent for 2s", r.output), r
+    assert "parameter server 0 (rank 3) ends: it was excluded from shard 0" in r.output, r
+    assert r.returncode == 1, r  # the fenced server's status, reported at the end
+
+
+@pytest.mark.multiprocess
+def test_a_replacement_joins_with_a_copy_while_training_goes_on():
+    r = _run("async", "join", steps=24)
+    assert "rank 3 started again (1 of 3): it joins its shard with a copy" in r.output, r
+    assert re.search(r"shard 0: view 2 holds servers \[1, 0\] \(server 0 joined with a copy "
+                     r"of version \d+\)", r.output), r
+    # The check in the rank script compared the joined copy's version, clocks and bits.
+    assert re.search(r"shard 0: primary 1 view \[2, \[1, 0\]\]; copies \[\(0, (\d+), '(\w+)'\), "
+                     r"\(1, \1, '\2'\)\]", r.output), r
+    assert r.returncode == 137, r  # the killed incarnation's status, reported at the end
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_killed_backup_is_replaced_too():
+    r = _run("async", "joinbackup", steps=24)
+    assert "rank 4 started again (1 of 3)" in r.output, r
+    assert re.search(r"shard 0: primary 0 view \[2, \[0, 1\]\]; copies \[\(0, (\d+), '(\w+)'\), "
+                     r"\(1, \1, '\2'\)\]", r.output), r
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_sync_with_a_stopped_primary_is_bit_identical_to_a_run_without_faults():
+    clean = _run("sync", "none", servers=4)
+    stopped = _run("sync", "stop", servers=4)
+    assert "ends: it was excluded from shard 0" in stopped.output, stopped
+    assert len(_digests(clean.output)) == 2 and _digests(stopped.output) == \
+        _digests(clean.output), (clean.output[-2000:], stopped.output[-2000:])
