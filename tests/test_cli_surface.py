@@ -13,7 +13,8 @@ RUN_OPTIONS = [
     "--elastic-timeout",
     "--fusion-threshold-mb", "--help", "--host-discovery-script", "--hostfile", "--hosts",
     "--log-level", "--max-np", "--min-np", "--network-interface", "--no-output-prefix",
-    "--num-proc", "--output-filename", "--output-prefix", "--reset-limit", "--servers",
+    "--num-proc", "--output-filename", "--output-prefix", "--ps-replicas",
+    "--reset-limit", "--servers",
     "--ssh-command", "--ssh-identity-file", "--ssh-port", "--start-timeout",
     "--timeline-filename", "-H", "-h", "-i", "-np", "-p", "-x",
 ]

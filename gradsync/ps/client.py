@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from ..errors import ConfigError, PeerLostError
-from ..transport import region_peer, regions
+from ..transport import region_peer
 from . import factors as fc
 from .consistency import MODES
 from .replication import Beats, Views, abandon, wait_watched
@@ -73,8 +73,7 @@ class ParameterClient:
                  factor_fc: int | None = None, restore: str | None = None, **hyper):
         from .. import api, job
         from ..launch_env import detect
-        from ..rendezvous import Store
-        from ..world import listen_addr
+        from ..server_links import connect_servers, open_store
 
         api.init()  # on a server rank this serves and exits; on a worker it returns
         if mode not in MODES:
@@ -104,23 +103,14 @@ class ParameterClient:
             spec["staleness"] = 3 if staleness is None else int(staleness)
         self.spec = spec
 
-        store = Store(env.store_addr, env.store_port, env.store_is_server, env.job_id,
-                      config.connect_timeout, env.size)
-        secret = env.secret or store.read_secret()  # worker 0 made it in init()
-        self.endpoint = regions.Endpoint(env.rank, env.hostname, secret, f"{env.job_id}.ps",
-                                         addr=listen_addr(config, env), timeout=config.timeout,
-                                         direct=config.transport != "tcp",
-                                         label=f"worker {env.rank}")
-        deadline = time.monotonic() + config.connect_timeout
-        self.copies: dict[int, object] = {}  # server -> its connection, copies included
+        # One connection to every server, copies included (server_links.py: the set-up that
+        # data-server workers share).
+        store = open_store(config, env)
+        self.endpoint, peers = connect_servers(config, env, store, "ps", self.workers,
+                                               self.servers, "parameter server")
+        self.copies: dict[int, object] = dict(enumerate(peers))  # server -> its connection
         self._closed = self._left = False
         try:
-            for s in range(self.servers):
-                info = json.loads(store.get(f"ps/server/{s}", config.connect_timeout))
-                rank = self.workers + s
-                self.copies[s] = self.endpoint.connect(
-                    rank, info["addr"], info["port"], deadline,
-                    f"parameter server {s} (rank {rank})")
             # Each shard's view (replication.py): its primary takes the pushes and pulls.
             self.views = [Views(store, k, self.servers, self.replicas, config.connect_timeout)
                           for k in range(self.shards)]
