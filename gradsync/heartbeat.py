@@ -192,6 +192,7 @@ class Heartbeat:
         self.link_up = max(timeout, LINK_UP_S) if link_up is None else link_up
         self.describe = describe
         self.lost: PeerLostError | None = None
+        self._ended: GradsyncError | None = None  # end_waits
         self._main = store
         self._secret, self._addr = secret, addr
         self._root = root if root is not None and root[0] != store.job else None
@@ -228,7 +229,10 @@ class Heartbeat:
         return self.abort.read_abort()
 
     def check(self) -> None:
-        """Raises the PeerLostError of a lost peer once one was found (called by waits)."""
+        """Raises the PeerLostError of a lost peer once one was found (called by waits), or
+        the error given to ``end_waits``."""
+        if self._ended is not None:
+            raise self._ended
         if self.lost is not None:
             raise self.lost
         leader = self._leader
@@ -244,6 +248,14 @@ class Heartbeat:
             who = "the launcher" if record["rank"] < 0 else f"rank {record['rank']}"
             raise PeerLostError(f"{who} reported: {record['message']}",
                                 peer=members.index(record["peer"]))
+
+    def end_waits(self, error: GradsyncError) -> None:
+        """Makes every wait of this World raise ``error`` at its next look (``check``).
+
+        For a rank that ends its own World's collectives (the torch backend's ``abort``):
+        it posts the abort record for its peers, but a wait does not raise a record that
+        its own rank posted, since that rank raised the error where it found it."""
+        self._ended = error
 
     def stop(self, goodbye: bool = True) -> None:
         """Stops beating; ``goodbye`` tells the neighbours that this rank left on purpose."""
