@@ -4,9 +4,11 @@ collectives within seconds, never at the group's timeout (30 minutes by default)
 Run by tests/test_backend_faults.py (harness.spawn: each rank's own exit and output count).
 Every rank agrees on a moment ``T`` (rank 0's clock plus 1.5 s, broadcast), then:
 
-- ``abort``: ranks 0 .. N-2 start an ``all_reduce`` that rank N-1 never joins, so it stays in
-  flight; at ``T`` rank 0 calls ``abort()`` on the default group. Rank N-1 issues its own
-  ``all_reduce`` 0.5 s after ``T``. Every rank's collective must fail, naming rank 0.
+- ``abort [RANK]``: ranks 0 .. N-2 start an ``all_reduce`` that rank N-1 does not join, so it
+  stays in flight; at ``T`` rank RANK (default 0) calls ``abort()`` on the default group:
+  one with the all_reduce in flight, or N-1, with nothing in flight. Rank N-1 issues its own
+  ``all_reduce`` 0.5 s after ``T`` (after its abort). Every rank's collective must fail,
+  naming the rank that aborted.
 - ``shutdown``: the same, but rank 0 calls ``destroy_process_group()`` (the group's
   ``shutdown``) with its ``all_reduce`` still in flight, and rank N-1 issues its own after
   shutdown's grace (``SHUTDOWN_GRACE_S``), which would have let the all_reduce finish.
@@ -53,18 +55,22 @@ def caught(exc: BaseException) -> None:
 
 
 if mode in ("abort", "shutdown"):
+    ender = int(sys.argv[2]) if len(sys.argv) > 2 else 0  # the rank that aborts
     t = torch.ones(1000)
     try:
         if R == N - 1:  # after shutdown's grace, which would let the all_reduce finish
-            until(T + 0.5 + (SHUTDOWN_GRACE_S if mode == "shutdown" else 0.0))
+            until(T + (SHUTDOWN_GRACE_S if mode == "shutdown" else 0.0))
+            if R == ender:
+                dist.distributed_c10d._get_default_group().abort()
+            else:
+                until(T + 0.5 + (SHUTDOWN_GRACE_S if mode == "shutdown" else 0.0))
             dist.all_reduce(t)
         else:
             work = dist.all_reduce(t, async_op=True)
-            if R == 0:
+            if R == ender:
                 until(T)
-                group = dist.distributed_c10d._get_default_group()
                 if mode == "abort":
-                    group.abort()
+                    dist.distributed_c10d._get_default_group().abort()
                 else:
                     dist.destroy_process_group()
             work.wait()
