@@ -3,6 +3,8 @@ a busy one never; waiting ranks learn of a failure within the poll interval with
 store."""
 
 import re
+import subprocess
+import sys
 import time
 from datetime import timedelta
 
@@ -61,6 +63,31 @@ def test_a_stopped_rank_is_lost_on_every_other_rank_within_the_bound(n, victim, 
     # timeout + one interval (the look that notices) + a poll; 2 s of slack for a loaded host
     assert max(elapsed) < TIMEOUT + INTERVAL + 2.0, elapsed
     assert min(elapsed) > TIMEOUT - INTERVAL, elapsed  # it was the heartbeat, not a socket
+
+
+def test_a_stopped_rank_is_lost_on_every_rank_within_3_seconds_with_the_defaults():
+    result = launch(4, "silent.py", "2", "auto", "stop", timeout=60)
+    assert result.returncode == 17, result
+    elapsed = [float(e) for e in re.findall(r"ELAPSED rank=\d+ ([\d.]+)", result.output)]
+    assert len(elapsed) == 3 and "sent no heartbeat" in result.output, result
+    # 2.6 s at worst (heartbeat.py), measured 1.8-1.9 s; 0.4 s of slack for a loaded host
+    assert max(elapsed) < 3.0, elapsed
+    assert min(elapsed) > 2.0 - 0.25, elapsed  # the heartbeat found it, not a socket
+
+
+@pytest.mark.slow
+def test_live_ranks_on_an_oversubscribed_machine_are_not_lost():
+    # 8 ranks and 2 CPU burners on this 2-core machine, default settings, for 20 s; one rank
+    # computes in Python for 8 s at a time, another holds the GIL in 0.25 s calls for 8 s.
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        result = launch(8, "oversubscribed.py", "20", timeout=180)
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+    assert result.returncode == 0, result
+    assert len(re.findall(r"RESULT rank=\d+ steps=\d+ no error", result.output)) == 8, result
 
 
 def test_a_killed_rank_is_reported_by_its_heartbeat_links_at_once():

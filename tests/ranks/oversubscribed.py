@@ -1,15 +1,15 @@
 """Live ranks on a starved machine are never taken for silent ones (heartbeat false positives).
 
-    oversubscribed.py SECONDS
+    oversubscribed.py SECONDS [HOLD]
 
 Every rank runs allreduces for SECONDS with the default heartbeat settings (unless the
 environment sets them), on a machine that the test crowds with more ranks than cores and
 with CPU burners. Besides, between its collectives:
 
 - rank 1 computes in Python for 4 heartbeat timeouts at a time (a long forward pass);
-- rank 2 holds the GIL in one C call after another, each about an eighth of a heartbeat
-  timeout when measured (``sum`` over a range never lets the GIL go; on the crowded machine
-  each takes longer), for 4 timeouts at a time;
+- rank 2 holds the GIL in one C call after another, each about HOLD seconds when measured
+  (default: an eighth of a heartbeat timeout; ``sum`` over a range never lets the GIL go, and
+  on a crowded machine each call takes longer), for 4 timeouts at a time;
 - the others compute a little (a matrix product) per step.
 
 Each rank prints ``RESULT rank=R steps=K no error`` at the end, or the error it caught (and
@@ -42,7 +42,8 @@ def sum_for(wanted: float) -> int:
     return int(n * wanted / took)
 
 
-held = sum_for(timeout / 8) if R == 2 else 0
+hold = float(sys.argv[2]) if len(sys.argv) > 2 else timeout / 8
+held = sum_for(hold) if R == 2 else 0
 x = np.random.default_rng(R).random((200, 200))
 end = time.monotonic() + seconds
 steps, longest = 0, 0.0  # the longest hold of the GIL (rank 2)
