@@ -57,9 +57,10 @@ What keeps a live rank from looking silent, and what does not:
   ``timeout - interval`` (1.75 s by default; e.g. ``sum(range(10**9))``, pickling gigabytes
   of small objects) silences it: such a job raises ``heartbeat_timeout``.
 - Until a link is up the neighbour cannot beat on it: the links get ``max(timeout,
-  LINK_UP_S)`` to form, so that ranks of a large job that leave the connect barrier seconds
-  apart are not taken for silent ones. A rank stopped before its links are up is found
-  within that window.
+  LINK_UP_S)`` (30 s) to form, so that the ranks of a large job on a crowded machine, which
+  leave the connect barrier seconds apart, are not taken for silent ones (with 10 s, one
+  rank of 64 on 2 cores was, while other jobs loaded the machine). A rank stopped before its
+  links are up is found within that window.
 
 **Sub-worlds** (the Horovod API's process sets, the torch backend's lanes) have the same
 ranks as their root World, whose heartbeat in this process already watches every one of
@@ -96,7 +97,7 @@ BEAT = b"\x01"
 """The byte a rank sends on each link every interval."""
 BYE = b"\x02"
 """The byte a rank sends on each link when it closes its World on purpose."""
-LINK_UP_S = 10.0
+LINK_UP_S = 30.0
 """Seconds the links get to form when the timeout is shorter (module docstring)."""
 
 # The root World's heartbeat of each (job, rank) in this process, for its sub-worlds to follow.
@@ -354,7 +355,7 @@ class Heartbeat:
             try:
                 listener.wait_for({accept_from}, deadline, self._alive)
             except GradsyncTimeoutError:
-                lost.append(self._silent(accept_from, self.link_up))
+                lost.append(self._unlinked(accept_from))
             finally:
                 with self._lock:
                     self._listener = None
@@ -367,7 +368,7 @@ class Heartbeat:
             return tcp.connect(host, int(port), self.rank, peer, secret, job, deadline,
                                self._alive)
         except GradsyncTimeoutError:
-            raise self._silent(peer, self.link_up) from None
+            raise self._unlinked(peer) from None
         except (PeerLostError, AuthenticationError) as exc:
             raise _Lost(peer, f"{self.describe(peer)} broke its heartbeat link: {exc}",
                         silent=False) from None
@@ -395,7 +396,7 @@ class Heartbeat:
         while not self._private.check(key):
             self._alive()
             if time.monotonic() > deadline:
-                raise self._silent(peer, self.link_up)
+                raise self._unlinked(peer)
             time.sleep(delay)
             delay = min(2 * delay, 0.1)
         return self._private.get(key)
@@ -442,6 +443,10 @@ class Heartbeat:
         with self._lock:
             self._links.pop(link.peer, None)
         link.sock.close()
+
+    def _unlinked(self, peer: int) -> _Lost:
+        return _Lost(peer, f"{self.describe(peer)} did not open its heartbeat link within "
+                           f"{self.link_up:g}s (stopped, stuck or cut off?)", silent=True)
 
     def _silent(self, peer: int, silent_for: float) -> _Lost:
         return _Lost(peer, f"{self.describe(peer)} sent no heartbeat for {silent_for:.1f}s "
