@@ -147,9 +147,11 @@ class ProcessGroupGradsync(dist.ProcessGroup):
             if world.failure is not None:
                 raise world.failure
             # A record posted while this rank was between collectives (a peer's abort): the
-            # collective must not begin, even where the peers' parts let it finish. Costs no
-            # store request (the abort watch holds the record), at most one look per 0.1 s.
-            world.on_idle(0.0)
+            # collective must not begin, even where the peers' parts let it finish. At most
+            # one look per abort_poll_interval, and no store request: the heartbeat's abort
+            # watch holds the record (without heartbeats the waits poll the store anyway).
+            if world.heartbeat is not None:
+                world.on_idle(0.0)
             fn()
 
         work = Work(what, result)
