@@ -113,13 +113,15 @@ class Config:
     abort_poll_interval: float = 0.1
     """Seconds between checks of the job's abort flag while a rank waits."""
 
-    heartbeat_interval: float = 1.0
+    heartbeat_interval: float = 0.25
     """Seconds between a rank's heartbeats (and its looks at the peers it watches)."""
 
-    heartbeat_timeout: float = 15.0
+    heartbeat_timeout: float = 2.0
     """Seconds without a heartbeat after which a peer that is alive but silent (stopped, stuck,
-    cut off) is lost: every rank then raises PeerLostError naming it. 0 turns heartbeats off
-    (a silent peer is then only caught by ``timeout``)."""
+    cut off) is lost: every rank then raises PeerLostError naming it, at most
+    ``heartbeat_timeout + 2 * heartbeat_interval + abort_poll_interval`` (2.6 s) after it fell
+    silent (docs/elastic.md, "Silent peers"). 0 turns heartbeats off (a silent peer is then
+    only caught by ``timeout``)."""
 
     elastic_timeout: float = 600.0
     """Elastic jobs: seconds a worker waits for the next generation of the job to be formed

@@ -35,16 +35,32 @@ between the ranks, never through the store, so the store's load does not grow wi
 Every rank is watched by both its neighbours. Whatever set of ranks stops (short of all), one
 of them has a running neighbour, which reports it: the job never waits for its timeout.
 
-Worked example, interval 1 s, timeout 10 s: rank 2 of 4 is stopped at t = 0.3 s; its last
-beat left at t = 0. Ranks 1 and 3 hear nothing more. Each looks at its links at least once an
-interval, so the first look more than 10 s after t = 0 comes at the latest at t = 11: detection
-within ``timeout + interval`` of the last beat, ``timeout + 2 * interval`` of the stop, and no
-earlier than ``timeout`` after the last beat. Had rank 2 been killed, its links would have
-closed at t = 0.3 and ranks 1 and 3 would have reported it within milliseconds.
+Worked example, with the defaults (interval 0.25 s, timeout 2 s): rank 2 of 4 is stopped at
+t = 0.3 s; its last beat left at t = 0.25. Ranks 1 and 3 hear nothing more. Each looks at its
+links at least once an interval, so the first look more than 2 s after t = 0.25 comes at the
+latest at t = 2.5: detection within ``timeout + interval`` of the last beat,
+``timeout + 2 * interval`` of the stop, and no earlier than ``timeout`` after the last beat.
+Every waiting rank raises it at its next look at the abort record (``abort_poll_interval``,
+0.1 s): 2.6 s after the stop at worst. Had rank 2 been killed, its links would have closed at
+t = 0.3 and ranks 1 and 3 would have reported it within milliseconds.
 
-A watcher that was itself stalled (it was the stopped one, or the machine was starved) must
-not blame its peers for its own gap: when its own loop ran late by more than half the
-timeout, it restarts every peer's clock instead of judging.
+What keeps a live rank from looking silent, and what does not:
+
+- A watcher that was itself stalled (it was the stopped one, or the machine was starved)
+  must not blame its peers for its own gap: when its own loop ran late by more than half the
+  timeout, it restarts every peer's clock instead of judging. Beats that arrived meanwhile
+  wait in its socket buffer and count when it reads them, so a late watcher alone is no
+  evidence either way.
+- The beater is a Python thread, so it beats while the main thread runs Python (the GIL
+  changes hands every 5 ms) or waits in C code that releases the GIL (torch and NumPy
+  kernels, sockets, sleeps). One C call that holds the GIL longer than
+  ``timeout - interval`` (1.75 s by default; e.g. ``sum(range(10**9))``, pickling gigabytes
+  of small objects) silences it: such a job raises ``heartbeat_timeout``.
+- Until a link is up the neighbour cannot beat on it: the links get ``max(timeout,
+  LINK_UP_S)`` (30 s) to form, so that the ranks of a large job on a crowded machine, which
+  leave the connect barrier seconds apart, are not taken for silent ones (with 10 s, one
+  rank of 64 on 2 cores was, while other jobs loaded the machine). A rank stopped before its
+  links are up is found within that window.
 
 **Sub-worlds** (the Horovod API's process sets, the torch backend's lanes) have the same
 ranks as their root World, whose heartbeat in this process already watches every one of
@@ -73,7 +89,7 @@ from .errors import AuthenticationError, GradsyncError, GradsyncTimeoutError, Pe
 from .rendezvous import Store
 from .transport import tcp
 
-__all__ = ["Heartbeat", "watched_peers", "BEAT", "BYE"]
+__all__ = ["Heartbeat", "watched_peers", "BEAT", "BYE", "LINK_UP_S"]
 
 log = logging.getLogger("gradsync")
 
@@ -81,6 +97,8 @@ BEAT = b"\x01"
 """The byte a rank sends on each link every interval."""
 BYE = b"\x02"
 """The byte a rank sends on each link when it closes its World on purpose."""
+LINK_UP_S = 30.0
+"""Seconds the links get to form when the timeout is shorter (module docstring)."""
 
 # The root World's heartbeat of each (job, rank) in this process, for its sub-worlds to follow.
 _ROOTS: "weakref.WeakValueDictionary[tuple[str, int], Heartbeat]" = (
@@ -162,16 +180,20 @@ class Heartbeat:
             gives one); the World passes its own.
         addr: the address this rank's listener binds and publishes. None: this host's
             address on the route to the store.
+        link_up: seconds the links get to form; None: ``max(timeout, LINK_UP_S)``.
     """
 
     def __init__(self, store: Store, rank: int, size: int, interval: float, timeout: float,
                  describe=lambda rank: f"rank {rank}",
                  root: "tuple[str, list[int]] | None" = None, *,
-                 secret: bytes | None = None, addr: str | None = None):
+                 secret: bytes | None = None, addr: str | None = None,
+                 link_up: float | None = None):
         self.rank, self.size = rank, size
         self.interval, self.timeout = interval, timeout
+        self.link_up = max(timeout, LINK_UP_S) if link_up is None else link_up
         self.describe = describe
         self.lost: PeerLostError | None = None
+        self._ended: GradsyncError | None = None  # end_waits
         self._main = store
         self._secret, self._addr = secret, addr
         self._root = root if root is not None and root[0] != store.job else None
@@ -208,7 +230,10 @@ class Heartbeat:
         return self.abort.read_abort()
 
     def check(self) -> None:
-        """Raises the PeerLostError of a lost peer once one was found (called by waits)."""
+        """Raises the PeerLostError of a lost peer once one was found (called by waits), or
+        the error given to ``end_waits``."""
+        if self._ended is not None:
+            raise self._ended
         if self.lost is not None:
             raise self.lost
         leader = self._leader
@@ -224,6 +249,14 @@ class Heartbeat:
             who = "the launcher" if record["rank"] < 0 else f"rank {record['rank']}"
             raise PeerLostError(f"{who} reported: {record['message']}",
                                 peer=members.index(record["peer"]))
+
+    def end_waits(self, error: GradsyncError) -> None:
+        """Makes every wait of this World raise ``error`` at its next look (``check``).
+
+        For a rank that ends its own World's collectives (the torch backend's ``abort``):
+        it posts the abort record for its peers, but a wait does not raise a record that
+        its own rank posted, since that rank raised the error where it found it."""
+        self._ended = error
 
     def stop(self, goodbye: bool = True) -> None:
         """Stops beating; ``goodbye`` tells the neighbours that this rank left on purpose."""
@@ -296,7 +329,7 @@ class Heartbeat:
         # In a World of two, both neighbours are the same rank: one link, rank 0 connects.
         connect_to = succ if size > 2 or rank < succ else None
         accept_from = pred if size > 2 or pred < rank else None
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + self.link_up
         try:
             secret = self._secret or self._own_secret(deadline)
         except _Lost as exc:
@@ -322,7 +355,7 @@ class Heartbeat:
             try:
                 listener.wait_for({accept_from}, deadline, self._alive)
             except GradsyncTimeoutError:
-                lost.append(self._silent(accept_from, self.timeout))
+                lost.append(self._unlinked(accept_from))
             finally:
                 with self._lock:
                     self._listener = None
@@ -335,7 +368,7 @@ class Heartbeat:
             return tcp.connect(host, int(port), self.rank, peer, secret, job, deadline,
                                self._alive)
         except GradsyncTimeoutError:
-            raise self._silent(peer, self.timeout) from None
+            raise self._unlinked(peer) from None
         except (PeerLostError, AuthenticationError) as exc:
             raise _Lost(peer, f"{self.describe(peer)} broke its heartbeat link: {exc}",
                         silent=False) from None
@@ -363,7 +396,7 @@ class Heartbeat:
         while not self._private.check(key):
             self._alive()
             if time.monotonic() > deadline:
-                raise self._silent(peer, self.timeout)
+                raise self._unlinked(peer)
             time.sleep(delay)
             delay = min(2 * delay, 0.1)
         return self._private.get(key)
@@ -410,6 +443,10 @@ class Heartbeat:
         with self._lock:
             self._links.pop(link.peer, None)
         link.sock.close()
+
+    def _unlinked(self, peer: int) -> _Lost:
+        return _Lost(peer, f"{self.describe(peer)} did not open its heartbeat link within "
+                           f"{self.link_up:g}s (stopped, stuck or cut off?)", silent=True)
 
     def _silent(self, peer: int, silent_for: float) -> _Lost:
         return _Lost(peer, f"{self.describe(peer)} sent no heartbeat for {silent_for:.1f}s "

@@ -1,8 +1,8 @@
 """A rank that stops, dies, computes or fails on its own: what the others see, and when.
 
-    silent.py VICTIM TRANSPORT stop   VICTIM stops itself (SIGSTOP); every other rank prints
-                                      one RESULT line and ELAPSED (seconds from the stop to
-                                      its error)
+    silent.py VICTIM TRANSPORT stop   VICTIM stops itself (SIGSTOP; a lifeline kills it 10 s
+                                      later); every other rank prints one RESULT line and
+                                      ELAPSED (seconds from the stop to its error)
     silent.py VICTIM TRANSPORT busy   VICTIM computes in Python for 2.5 heartbeat timeouts
                                       before joining the collectives: slow is not silent
     silent.py VICTIM TRANSPORT kill   VICTIM kills itself (SIGKILL) while the others sleep,
@@ -18,6 +18,7 @@
 
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -60,13 +61,16 @@ if mode in ("kill", "idle"):
 if R == victim:
     time.sleep(max(0.0, stopped_at - time.time()))
     if mode == "stop":
+        # Without a launcher (harness.spawn) nobody ends a stopped rank: its lifeline does.
+        subprocess.Popen(["sh", "-c", f"sleep 10; kill -9 {os.getpid()}"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         os.kill(os.getpid(), signal.SIGSTOP)
     elif mode == "post":
         job.world().store.post_abort({"kind": "GradsyncError", "rank": R, "peer": None,
                                       "message": "posted on purpose"})
         time.sleep(30)
     else:
-        end = time.monotonic() + 2.5 * float(os.environ["GRADSYNC_HEARTBEAT_TIMEOUT"])
+        end = time.monotonic() + 2.5 * job.world().config.heartbeat_timeout
         while time.monotonic() < end:
             sum(i * i for i in range(1000))
 try:

@@ -40,7 +40,7 @@ from .p2p import PointToPoint, clone_store
 from .tensors import as_bytes, contiguous, fold, reduction_of, typed
 from .work import Lane, Work, close_lanes
 
-__all__ = ["ProcessGroupGradsync", "create"]
+__all__ = ["ProcessGroupGradsync", "create", "SHUTDOWN_GRACE_S", "ABORT_GRACE_S"]
 
 _instances: dict[str, itertools.count] = {}
 _instances_lock = threading.Lock()
@@ -146,6 +146,12 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         def guarded():
             if world.failure is not None:
                 raise world.failure
+            # A record posted while this rank was between collectives (a peer's abort): the
+            # collective must not begin, even where the peers' parts let it finish. At most
+            # one look per abort_poll_interval, and no store request: the heartbeat's abort
+            # watch holds the record (without heartbeats the waits poll the store anyway).
+            if world.heartbeat is not None:
+                world.on_idle(0.0)
             fn()
 
         work = Work(what, result)
@@ -459,9 +465,18 @@ class ProcessGroupGradsync(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ life cycle
     def shutdown(self) -> None:
-        """Finishes what is queued, then closes the group's connections."""
+        """Finishes what is queued, then closes the group's connections.
+
+        What has not finished within ``SHUTDOWN_GRACE_S`` ends as by ``abort``, on every
+        rank: a collective still in flight here cannot finish on the peers either (each
+        needs this rank's part), and without the abort record they would wait for the
+        group's timeout."""
         if self._closed:
             return  # aborted (or shut down) already
+        if not self._lane.drain(SHUTDOWN_GRACE_S):
+            self._end(f"rank {self.world.rank} shut the process group down with "
+                      f"{self._lane.in_flight()} in flight", post=True)
+            return
         self._closed = True
         self._lane.close(BackendError("the process group has been shut down"))
         # Sends and receives still waiting for a partner are not waited for: an unmatched
@@ -470,17 +485,44 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         self.world.close()
 
     def abort(self) -> None:
-        """Fails what is queued and closes the connections at once."""
-        if self._closed:
-            return
-        self._closed = True
-        self._lane.close(BackendError("the process group was aborted"), wait=False)
-        self._p2p.close(wait=False)
-        self.world.close()
+        """Ends the group's collectives at once, on every rank, and closes the connections.
 
+        What is queued or in flight here fails; the abort record ("the process group was
+        aborted by rank r") ends the peers' collectives of this group too, within their
+        next look at it (``abort_poll_interval``), as a lost peer's record does."""
+        if not self._closed:
+            self._end(f"the process group was aborted by rank {self.world.rank}", post=True)
+
+    def _end(self, message: str, post: bool) -> None:
+        """Fails what is queued or in flight with ``message`` and closes the connections;
+        ``post``: also posts the abort record, which ends the peers' collectives."""
+        self._closed = True
+        world = self.world
+        if world.failure is None:  # else a failure is posted already: the peers know
+            if post:
+                try:
+                    world.store.post_abort({"kind": "GradsyncError", "rank": world.rank,
+                                            "message": message, "peer": None})
+                except (GradsyncError, RuntimeError, OSError):
+                    pass  # the store is gone: the peers lose this rank's links instead
+            # A wait never raises a record that its own rank posted: tell this rank's.
+            if world.heartbeat is not None:
+                world.heartbeat.end_waits(GradsyncError(message))
+        reason = BackendError(message)
+        self._lane.close(reason, wait=False)
+        # The collective in flight raises at its wait's next look (abort_poll_interval);
+        # the connections close only after it has, so it never reads a closed segment.
+        if not self._lane.drain(ABORT_GRACE_S):
+            self._lane.fail_current(reason)  # a wait that does not look: its caller goes on
+        self._p2p.close(wait=False)
+        world.close()
 
 _live: "weakref.WeakSet[ProcessGroupGradsync]" = weakref.WeakSet()
 _EXIT_GRACE_S = 2.0
+SHUTDOWN_GRACE_S = 2.0
+"""Seconds ``shutdown`` lets queued collectives finish before it aborts them."""
+ABORT_GRACE_S = 2.0
+"""Seconds ``abort`` waits for the collective in flight to end before closing under it."""
 
 
 @atexit.register
@@ -501,7 +543,10 @@ def _release_at_exit() -> None:
         return
     try:
         for group in groups:  # at once: a lane stuck in a collective must not hold the exit
-            group.abort()
+            # The record only for a collective still in flight here: a process that exits
+            # after its last collective must not fail a peer still finishing the same one.
+            if not group._closed:
+                group._end("the process is exiting", post=group._lane.in_flight() != "nothing")
         if dist.is_initialized():
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - exiting; nothing left to report to

@@ -100,12 +100,14 @@ class Work(dist._Work):
 
     # ------------------------------------------------------------------ the lane's side
     def _finish(self, error: BaseException | None = None) -> None:
-        self._error = error
         # The future first, then the event: a waiter must not return (and its process exit)
         # while this thread is still inside torch's C++ completing the future, where the
         # interpreter's shutdown would kill it ("terminate called without an active
         # exception"). A future callback that waits on this Work is let through.
         with self._lock:
+            if self._finisher is not None:
+                return  # finished already (``Lane.fail_current``): the first outcome stands
+            self._error = error
             self._finisher = threading.current_thread()
             source = self._source
         if source is not None:
@@ -145,6 +147,7 @@ class Lane:
         self._queue: collections.deque[tuple[Work, Callable[[], None]]] = collections.deque()
         self._cv = threading.Condition()
         self._busy = False
+        self._current: Work | None = None  # the Work running, on the lane or inline
         self._thread: threading.Thread | None = None
         self._closed: BaseException | None = None
 
@@ -179,6 +182,7 @@ class Lane:
         return work
 
     def _execute(self, work: Work, fn: Callable[[], None]) -> None:
+        self._current = work
         try:
             fn()
         except BaseException as exc:  # noqa: BLE001 - every failure completes the Work
@@ -205,6 +209,27 @@ class Lane:
                 with self._cv:
                     self._busy = False
                     self._cv.notify()
+
+    def drain(self, timeout: float) -> bool:
+        """Waits up to ``timeout`` seconds until nothing is queued or running; True then."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
+
+    def in_flight(self) -> str:
+        """What is queued or running, in words ("nothing", "all_reduce and 2 more")."""
+        with self._cv:
+            works = ([self._current] if self._busy and self._current is not None else []) + [
+                work for work, _ in self._queue]
+        if not works:
+            return "nothing"
+        return works[0].what + (f" and {len(works) - 1} more" if len(works) > 1 else "")
+
+    def fail_current(self, reason: BaseException) -> None:
+        """Fails the Work running now, without waiting for its function (which may go on)."""
+        with self._cv:
+            work = self._current if self._busy else None
+        if work is not None:
+            work._finish(to_backend_error(reason, work.what))
 
     def join(self, timeout: float) -> bool:
         """Waits up to ``timeout`` seconds for a closed lane's thread; True once it is gone."""
