@@ -387,16 +387,19 @@ def _check_sockets(n: int, got: dict) -> None:
     for r, g in got.items():
         # The ring: its two neighbours, nothing else.
         assert len(g["ring"]["tcp"]) == 2, (r, g)
-        assert g["ring"]["sockets"] <= bound, (r, g)
+        assert g["ring"]["sockets"] <= bound + 1, (r, g)  # (+1: as below)
         # Recursive doubling adds its log2 N partners (some may be ring neighbours already).
         partners = {r ^ (1 << k) for k in range(int(math.log2(n)))}
         assert partners <= set(g["doubling"]["tcp"]), (r, g)
         assert set(g["doubling"]["tcp"]) <= partners | set(g["ring"]["tcp"]), (r, g)
-        assert g["doubling"]["sockets"] <= bound, (r, g)
+        # (+1: the heartbeat's listener, open until rank - 1 has linked, or a crossed dial
+        # still closing: both transient, counted below.)
+        assert g["doubling"]["sockets"] <= bound + 1, (r, g)
         # Exactly: store client + the abort watch's store client + listener + the TCP pairs
         # + the heartbeat's links to its ring neighbours (heartbeat.py).
         links = len({(r - 1) % n, (r + 1) % n} - {r})
-        # (A dial that crossed another may still be closing when counted: one more at most.)
+        # (A dial that crossed another may still be closing when counted, or the heartbeat's
+        # listener still open: one more at most.)
         expected = 3 + len(g["doubling"]["tcp"]) + links
         assert expected <= g["doubling"]["sockets"] <= expected + 1, (r, g)
         # A sub-world adds its own TCP pairs (and its heartbeat's store client), no listener.
