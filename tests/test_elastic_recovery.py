@@ -65,3 +65,22 @@ def test_a_failure_between_an_update_and_its_bookkeeping_rolls_back():
 def test_rollback_always_goes_back_to_the_last_commit():
     result, plan = run("redo", 3, 0, env={"ELASTIC_ROLLBACK": "always"})
     assert plan == "action=rollback updates=0 lost=3", result
+
+
+@pytest.mark.slow
+def test_a_stopped_worker_the_launcher_cannot_kill_comes_back_and_is_fenced(tmp_path):
+    # Worker 2 is SIGSTOPped mid-step; its heartbeat goes silent, the launcher's SIGKILL
+    # reaches only its parent process, the others go on at size 3 and run collectives until
+    # worker 2, SIGCONTed, has tried to go on: it must end with ExcludedError naming the
+    # generation and the reason, and the survivors must end exactly as if it never came back.
+    mark = tmp_path / "stale"
+    result, plan = run("stale", 3, 3, env={
+        "GRADSYNC_HEARTBEAT_TIMEOUT": "3", "GRADSYNC_HEARTBEAT_INTERVAL": "0.5",
+        "STALE_MARK": str(mark), "STALE_DELAY": "8"})
+    assert plan == "action=go_on updates=3 lost=0", result
+    assert mark.exists(), result
+    excluded = mark.read_text()
+    assert excluded.startswith("EXCLUDED excluded from the job at generation 0: worker "
+                               "localhost[2] (rank 2 of generation 0) sent no heartbeats and "
+                               "was killed"), excluded
+    assert "the job went on without it (generation 1's workers:" in excluded, excluded

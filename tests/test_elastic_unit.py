@@ -231,3 +231,24 @@ def test_a_new_generation_updates_horovodruns_identity_variables(monkeypatch):
             "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")} == {
         "RANK": "1", "SIZE": "3", "LOCAL_RANK": "1", "LOCAL_SIZE": "3", "CROSS_RANK": "0",
         "CROSS_SIZE": "1"}
+
+
+def test_the_recovery_plan_goes_on_from_the_most_advanced_survivor_at_a_resume_point():
+    from gradsync.elastic.recovery import Plan, Report, decide
+
+    def r(live, resumable=True, saved=10, survivor=True, always=False):
+        return Report(survivor=survivor, live=live, resumable=resumable, saved=saved,
+                      always=always)
+
+    joiner = r(0, resumable=False, saved=0, survivor=False)
+    # nobody survived anything: the job's start, rank 0's commit
+    assert decide([joiner, joiner]) == Plan("start", 0, None, None)
+    # all at a resume point: the most advanced, lowest rank among equals; joiners follow
+    assert decide([r(14), r(14), joiner]) == Plan("go_on", 0, 14, 0)
+    assert decide([r(14), r(15), r(15)]) == Plan("go_on", 1, 15, 0)
+    # one survivor outside a gradient round: everyone back to rank 0's last save
+    assert decide([r(14), r(15, resumable=False), joiner]) == Plan("rollback", 0, 10, 5)
+    # asked for, or a state that counts nothing
+    assert decide([r(14), r(14, always=True)]) == Plan("rollback", 0, 10, 4)
+    assert decide([r(None, saved=None), r(None, saved=None)]) == \
+        Plan("rollback", 0, None, None)

@@ -8,7 +8,13 @@ after AT updates is synchronized on every worker, then VICTIM dies; worker 1 app
 others fail inside ``optimizer.step()`` before applying it, in a collective of a step
 pre-hook: the survivors differ by one update), metric (VICTIM dies after update AT + 1; the
 others fail in an allreduce of their own between that update and ``record_batch``: no resume
-point). VICTIM: the worker's first rank. No commit is
+point), stale (fencing: VICTIM SIGSTOPs itself after the forward of the step after AT updates
+and is SIGCONTed $STALE_DELAY s later (default 8), after the others went on without it. The
+launcher's process for VICTIM is only a parent that waits for the worker, which runs in a
+session of its own, so the launcher's SIGKILL for a silent worker reaches the parent only: as
+a kill that cannot arrive (a partitioned host). The woken worker prints and writes to
+$STALE_MARK ``EXCLUDED <its error>``; the survivors run collectives (no state) until that
+file exists, then train on). VICTIM: the worker's first rank. No commit is
 ever made: the only save is the TorchState's at its construction.
 
 FIRST: the run the job must equal is FIRST updates at size 4, then the rest of the epoch at
@@ -22,7 +28,9 @@ $ELASTIC_ROLLBACK (default auto): the state's ``rollback``.
 
 import os
 import signal
+import subprocess
 import sys
+import time
 import types
 
 import common  # deadline, and the job
@@ -36,6 +44,10 @@ mode, victim, at, first = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(s
 first_rank = int(os.environ["GRADSYNC_RANK"])
 me = first_rank == victim
 BATCH, LR = 4, 0.05
+if mode == "stale" and me and "STALE_CHILD" not in os.environ:
+    worker_process = subprocess.Popen([sys.executable, *sys.argv], start_new_session=True,
+                                      env={**os.environ, "STALE_CHILD": "1"})
+    sys.exit(worker_process.wait())
 
 torch.manual_seed(1234 + first_rank)  # every worker starts different: the first sync fixes it
 hvd.init()
@@ -62,10 +74,23 @@ def train(state):
     if rec is not None and rec.generation == worker.generation():
         print(f"PLAN action={rec.plan.action} updates={rec.plan.updates} "
               f"lost={rec.plan.lost}", flush=True)
+    if mode == "stale" and worker.generation() > 0:
+        # collectives in flight while the stale worker wakes up; rank 0 decides when to stop
+        deadline = time.monotonic() + 60
+        while not hvd.broadcast_object(os.path.exists(os.environ["STALE_MARK"]) or
+                                       time.monotonic() > deadline, 0, name="stale.done"):
+            hvd.allreduce(torch.ones(1000), name="stale.tick")
+            time.sleep(0.1)
+        print(f"FENCED wall={time.time():.6f}", flush=True)
     loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, sampler=state.sampler)
     for batch, (xb, yb) in enumerate(loader):
         optimizer.zero_grad()
         loss = torch.nn.functional.mse_loss(model(xb), yb)
+        if me and mode == "stale" and state.applied_updates() == at:
+            subprocess.Popen(["sh", "-c", f"sleep {os.environ.get('STALE_DELAY', '8')}; "
+                              f"kill -CONT {os.getpid()}"], start_new_session=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            print(f"WOKE wall={time.time():.6f}", flush=True)
         if me and mode == "redo" and state.applied_updates() == at:
             os.kill(os.getpid(), signal.SIGKILL)
         loss.backward()
@@ -114,7 +139,13 @@ def replay(first: int) -> torch.nn.Module:
     return ref
 
 
-train(state)
+try:
+    train(state)
+except hvd.elastic.ExcludedError as exc:
+    with open(os.environ["STALE_MARK"], "w") as mark:
+        mark.write(f"EXCLUDED {exc}\n")
+    print(f"EXCLUDED wall={time.time():.6f} {exc}", flush=True)
+    sys.exit(3)
 ref = replay(first)
 diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
 print(f"RESULT id={os.environ['GRADSYNC_ELASTIC_ID']} size={hvd.size()} "
