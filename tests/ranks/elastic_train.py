@@ -106,7 +106,7 @@ if mode == "kill-commit" and me:
 def train(state):
     print(f"START id={os.environ['GRADSYNC_ELASTIC_ID']} gen={worker.generation()} "
           f"rank={hvd.rank()} steps={state.steps} epoch={state.epoch} "
-          f"committed={committed['steps']} pid={os.getpid()} updates={state.applied_updates()}", flush=True)
+          f"committed={committed['steps']} pid={os.getpid()}", flush=True)
     if state.last_recovery is not None and state.last_recovery.generation == worker.generation():
         plan = state.last_recovery.plan
         print(f"LOST wall={state.last_recovery.failed:.6f}", flush=True)
@@ -156,5 +156,5 @@ def train(state):
 
 train(state)
 print(f"RESULT id={os.environ['GRADSYNC_ELASTIC_ID']} rank={hvd.rank()} size={hvd.size()} "
-      f"gen={worker.generation()} steps={state.steps} hash={common.digest(model)} "
-      f"updates={state.applied_updates()}", flush=True)
+      f"gen={worker.generation()} steps={state.steps} hash={common.digest(model)}",
+      flush=True)
