@@ -14,7 +14,10 @@ launcher's process for VICTIM is only a parent that waits for the worker, which 
 session of its own, so the launcher's SIGKILL for a silent worker reaches the parent only: as
 a kill that cannot arrive (a partitioned host). The woken worker prints and writes to
 $STALE_MARK ``EXCLUDED <its error>``; the survivors run collectives (no state) until that
-file exists, then train on). VICTIM: the worker's first rank. No commit is
+file exists, then train on), partition (as stale, but VICTIM runs on a host of its own, a
+network namespace, and cuts its link instead of stopping: ``ip link set $PART_DEV down`` at
+the same point, up again $STALE_DELAY s later with its default route via $PART_GW; it goes
+on running meanwhile). VICTIM: the worker's first rank. No commit is
 ever made: the only save is the TorchState's at its construction.
 
 FIRST: the run the job must equal is FIRST updates at size 4, then the rest of the epoch at
@@ -74,7 +77,7 @@ def train(state):
     if rec is not None and rec.generation == worker.generation():
         print(f"PLAN action={rec.plan.action} updates={rec.plan.updates} "
               f"lost={rec.plan.lost}", flush=True)
-    if mode == "stale" and worker.generation() > 0:
+    if mode in ("stale", "partition") and worker.generation() > 0:
         # collectives in flight while the stale worker wakes up; rank 0 decides when to stop
         deadline = time.monotonic() + 60
         while not hvd.broadcast_object(os.path.exists(os.environ["STALE_MARK"]) or
@@ -91,6 +94,13 @@ def train(state):
                               f"kill -CONT {os.getpid()}"], start_new_session=True)
             os.kill(os.getpid(), signal.SIGSTOP)
             print(f"WOKE wall={time.time():.6f}", flush=True)
+        if me and mode == "partition" and state.applied_updates() == at:
+            dev, gateway = os.environ["PART_DEV"], os.environ["PART_GW"]
+            subprocess.run(["ip", "link", "set", dev, "down"], check=True)
+            subprocess.Popen(["sh", "-c", f"sleep {os.environ.get('STALE_DELAY', '8')}; "
+                              f"ip link set {dev} up; ip route replace default via {gateway}"],
+                             start_new_session=True)
+            print(f"CUT wall={time.time():.6f}", flush=True)
         if me and mode == "redo" and state.applied_updates() == at:
             os.kill(os.getpid(), signal.SIGKILL)
         loss.backward()
