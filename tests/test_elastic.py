@@ -68,15 +68,21 @@ def check_rolled_back(output: str, new_rank_0: str, at: int, per_epoch: int) -> 
 
 
 def check_went_on(output: str, at: int) -> None:
-    """Generation 1 goes on from the survivors' live state (recovery.py): the victim died in
-    the step after ``at`` updates, so every worker starts generation 1 at ``at`` steps (or
-    ``at + 1``: the survivors may have finished the victim's step if its gradients got out
-    before it died), whatever its last commit, and no update is lost."""
+    """Generation 1 starts where the survivors were (recovery.py), whatever their last
+    commit: the victim died in the step after ``at`` updates, so every worker starts
+    generation 1 at ``at`` steps, going on from its live state; or, when the victim's
+    gradients got out before it died and the survivors finished its step, at ``at + 1``, by
+    going on, or by a roll-back that loses nothing when they met the loss in the commit()
+    that follows every second step."""
     got = starts(output, "1")
     assert len({(s["steps"], s["epoch"]) for s in got.values()}) == 1, output
-    assert {s["steps"] for s in got.values()} <= {at, at + 1}, output
-    assert set(re.findall(r"PLAN (.*)", output)) == {
-        f"action=go_on updates={s['steps']} lost=0" for s in got.values()}, output
+    [steps] = {s["steps"] for s in got.values()}
+    allowed = {f"action=go_on updates={steps} lost=0"}
+    if steps == at + 1 and steps % 2 == 0:
+        allowed.add(f"action=rollback updates={steps} lost=0")
+    assert steps in (at, at + 1), output
+    assert len(set(re.findall(r"PLAN (.*)", output))) == 1, output
+    assert set(re.findall(r"PLAN (.*)", output)) <= allowed, output
 
 
 def job(np_, *args, launcher=(), env=None, timeout=240):

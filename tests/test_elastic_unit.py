@@ -199,16 +199,25 @@ def test_a_failed_host_loses_every_worker_and_an_unlisted_host_its_workers(hosts
                                                                        io.BytesIO()))
     members = [_Worker(f"{h}[{i}]", h, _FakeRank(), i) for i, h in enumerate("aaabbc")]
     job.workers, job.state.members = list(members), list(members)
+    excluded = {}  # fencing: why each worker left, for it to read if it comes back
+    job.control = types.SimpleNamespace(exclude=excluded.__setitem__)
+    job.state.gen = 0
     job._fail(members[1], "worker a[1] exited with status 1", 1)
     assert job.blacklist == {"a": float("inf")}
+    assert excluded["a[1]"] == ("excluded from the job at generation 0: worker a[1] exited "
+                                "with status 1")
     if hosts:
         # as in Horovod: every worker of the failed host leaves, SIGTERM first
         assert [w.id for w in job._alive(members)] == ["b[3]", "b[4]", "c[5]"]
         assert members[0].rank.signals == members[2].rank.signals == [signal.SIGTERM]
+        assert excluded["a[0]"] == excluded["a[2]"] == (
+            "excluded from the job at generation 0: stopped by gradsync run: host a is "
+            "blacklisted")
     else:
         # a job given no hosts is this machine alone: the failed worker leaves alone
         assert [w.id for w in job._alive(members)] == ["a[0]", "a[2]", "b[3]", "b[4]", "c[5]"]
         assert members[0].rank.signals == []
+        assert sorted(excluded) == ["a[1]"]
     # discovery now lists b with one slot and no c: b's last worker and c's leave
     job.discovery = types.SimpleNamespace(hosts=[Host("a", 3), Host("b", 1)])
     assert [w.id for w in job._unlisted()] == ["b[4]", "c[5]"]

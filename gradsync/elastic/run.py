@@ -45,6 +45,7 @@ import functools
 import logging
 import time
 
+from .. import job
 from ..errors import GradsyncTimeoutError, PeerLostError
 from . import recovery, worker
 from .state import HostsUpdatedInterrupt
@@ -54,7 +55,8 @@ __all__ = ["run_fn", "RECOVERABLE"]
 log = logging.getLogger("gradsync")
 
 RECOVERABLE = (PeerLostError, GradsyncTimeoutError)
-"""Errors after which an elastic job rolls back and re-forms instead of failing."""
+"""Errors after which an elastic job re-forms and recovers (goes on or rolls back) instead of
+failing."""
 
 
 @dataclasses.dataclass
@@ -133,15 +135,9 @@ def _agree_and_sync(state, failure: _Failure | None, progress: dict) -> None:
     progress["joined"] = True
     if failure is not None:
         state.last_recovery = recovery.Recovery(
-            generation=worker.generation(), size=_size(), failed=failure.failed,
+            generation=worker.generation(), size=job.world().size, failed=failure.failed,
             formed=failure.formed, resumed=time.time(), plan=plan, reason=failure.reason)
         _log(state.last_recovery)
-
-
-def _size() -> int:
-    from .. import job
-
-    return job.world().size
 
 
 def _log(rec: recovery.Recovery) -> None:
