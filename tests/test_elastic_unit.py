@@ -199,16 +199,25 @@ def test_a_failed_host_loses_every_worker_and_an_unlisted_host_its_workers(hosts
                                                                        io.BytesIO()))
     members = [_Worker(f"{h}[{i}]", h, _FakeRank(), i) for i, h in enumerate("aaabbc")]
     job.workers, job.state.members = list(members), list(members)
+    excluded = {}  # fencing: why each worker left, for it to read if it comes back
+    job.control = types.SimpleNamespace(exclude=excluded.__setitem__)
+    job.state.gen = 0
     job._fail(members[1], "worker a[1] exited with status 1", 1)
     assert job.blacklist == {"a": float("inf")}
+    assert excluded["a[1]"] == ("excluded from the job at generation 0: worker a[1] exited "
+                                "with status 1")
     if hosts:
         # as in Horovod: every worker of the failed host leaves, SIGTERM first
         assert [w.id for w in job._alive(members)] == ["b[3]", "b[4]", "c[5]"]
         assert members[0].rank.signals == members[2].rank.signals == [signal.SIGTERM]
+        assert excluded["a[0]"] == excluded["a[2]"] == (
+            "excluded from the job at generation 0: stopped by gradsync run: host a is "
+            "blacklisted")
     else:
         # a job given no hosts is this machine alone: the failed worker leaves alone
         assert [w.id for w in job._alive(members)] == ["a[0]", "a[2]", "b[3]", "b[4]", "c[5]"]
         assert members[0].rank.signals == []
+        assert sorted(excluded) == ["a[1]"]
     # discovery now lists b with one slot and no c: b's last worker and c's leave
     job.discovery = types.SimpleNamespace(hosts=[Host("a", 3), Host("b", 1)])
     assert [w.id for w in job._unlisted()] == ["b[4]", "c[5]"]
@@ -231,3 +240,24 @@ def test_a_new_generation_updates_horovodruns_identity_variables(monkeypatch):
             "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")} == {
         "RANK": "1", "SIZE": "3", "LOCAL_RANK": "1", "LOCAL_SIZE": "3", "CROSS_RANK": "0",
         "CROSS_SIZE": "1"}
+
+
+def test_the_recovery_plan_goes_on_from_the_most_advanced_survivor_at_a_resume_point():
+    from gradsync.elastic.recovery import Plan, Report, decide
+
+    def r(live, resumable=True, saved=10, survivor=True, always=False):
+        return Report(survivor=survivor, live=live, resumable=resumable, saved=saved,
+                      always=always)
+
+    joiner = r(0, resumable=False, saved=0, survivor=False)
+    # nobody survived anything: the job's start, rank 0's commit
+    assert decide([joiner, joiner]) == Plan("start", 0, None, None)
+    # all at a resume point: the most advanced, lowest rank among equals; joiners follow
+    assert decide([r(14), r(14), joiner]) == Plan("go_on", 0, 14, 0)
+    assert decide([r(14), r(15), r(15)]) == Plan("go_on", 1, 15, 0)
+    # one survivor outside a gradient round: everyone back to rank 0's last save
+    assert decide([r(14), r(15, resumable=False), joiner]) == Plan("rollback", 0, 10, 5)
+    # asked for, or a state that counts nothing
+    assert decide([r(14), r(14, always=True)]) == Plan("rollback", 0, 10, 4)
+    assert decide([r(None, saved=None), r(None, saved=None)]) == \
+        Plan("rollback", 0, None, None)

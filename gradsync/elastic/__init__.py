@@ -6,13 +6,13 @@ Framework-neutral parts: the generations protocol between launcher and workers
 ``TorchState`` and ``ElasticSampler``; docs/elastic.md explains the whole mode.
 """
 
-from .membership import ElasticJobFailed
+from .membership import ElasticJobFailed, ExcludedError
 from .run import run_fn
 from .state import HostsUpdatedInterrupt, ObjectState, State
 from .worker import reset
 
 __all__ = ["run", "State", "ObjectState", "HostsUpdatedInterrupt", "ElasticJobFailed",
-           "run_fn", "reset"]
+           "ExcludedError", "run_fn", "reset"]
 
 
 def run(func):

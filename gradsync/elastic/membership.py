@@ -14,6 +14,8 @@ The keys live under ``gradsync/<job>/elastic/``:
 ``failed``         the launcher's reason for ending the job, once it has given up (below
                    ``--min-np`` past the elastic timeout, the reset limit); waiting workers
                    raise it
+``excluded/<id>``  why worker ``<id>`` is out of the job ("excluded from the job at generation
+                   g: ..."), written when the launcher fails or stops it
 =================  ============================================================================
 
 The launcher starts a new generation when a member of the newest one exits or is reported lost
@@ -23,9 +25,20 @@ of the generations it replaces, so that survivors stop waiting at once; workers 
 training reach the new generation at their next collective (a failure) or ``commit()`` (new
 hosts: ``check_host_updates`` sees a newer ``gen``).
 
+**Fencing.** A worker that comes back after the job moved on without it (SIGCONT after a
+SIGSTOP, a partitioned host whose link returns, a kill that did not arrive) can write nothing
+into a newer generation: every connection proves the generation's job id in its handshake
+(``transport/tcp.py``; regions too), so the newer World's listeners drop it; shared-memory
+rings and segments are named by the job id and unlinked once attached; the survivors closed
+every connection of the old World, so its late frames meet closed sockets; and an abort
+record it posts into the old generation loses to the one already there (``post_abort`` is a
+compare-and-set). Its own collectives fail, ``hvd.elastic.run`` tries to join the next
+generation, finds itself unlisted and raises ``ExcludedError`` with the launcher's reason.
+
 Example: workers a, b, c, d form generation 0 (ranks 0-3); b is killed. The launcher writes
 ``members/1 = [a, c, d]`` and ``gen = 1`` and posts the loss into ``<job>.e0``'s abort record;
-a, c and d raise PeerLostError, roll back, and connect as ranks 0, 1, 2 of ``<job>.e1``.
+a, c and d raise PeerLostError, connect as ranks 0, 1, 2 of ``<job>.e1`` and agree where to go
+on from (``recovery.py``).
 """
 
 from __future__ import annotations
@@ -33,16 +46,21 @@ from __future__ import annotations
 import json
 import time
 
-from ..errors import GradsyncError, PeerLostError
+from ..errors import GradsyncError
 from ..rendezvous import Store
 
-__all__ = ["Control", "generation_job", "ElasticJobFailed"]
+__all__ = ["Control", "generation_job", "ElasticJobFailed", "ExcludedError"]
 
 _POLL = 0.02
 
 
 class ElasticJobFailed(GradsyncError):
     """The launcher gave up on an elastic job (its reason is the message)."""
+
+
+class ExcludedError(ElasticJobFailed):
+    """This worker is out of the elastic job, which went on without it: it failed, was
+    reported lost or silent, or its host left (the launcher's reason is the message)."""
 
 
 def generation_job(job: str, gen: int) -> str:
@@ -69,6 +87,11 @@ class Control:
         self.store.set(f"members/{gen}", json.dumps(members))
         self.store.set("gen", str(gen))
 
+    def exclude(self, worker: str, reason: str) -> None:
+        """Records why ``worker`` is out of the job (the launcher only), for it to read if it
+        comes back."""
+        self.store.set(f"excluded/{worker}", reason)
+
     def give_up(self, reason: str) -> None:
         """Tells waiting workers why the job ends (the launcher only)."""
         self.store.set("failed", reason)
@@ -90,8 +113,16 @@ class Control:
                 return -1
             return int(self.store.get("gen"))
         except (RuntimeError, OSError) as exc:
-            raise PeerLostError(f"lost the launcher's store: {exc} (has gradsync run "
-                                "died?)") from None
+            # Not a lost peer: with the launcher gone there is no next generation to recover
+            # into (a worker that comes back after the job ended would retry for ever).
+            raise ElasticJobFailed(f"lost the launcher's store: {exc} (the job has ended, or "
+                                   "gradsync run died)") from None
+
+    def exclusion(self, worker: str) -> str | None:
+        """Why ``worker`` was excluded (None: it was not)."""
+        if not self.store.check(f"excluded/{worker}"):
+            return None
+        return self.store.get(f"excluded/{worker}").decode()
 
     def members(self, gen: int) -> list[dict]:
         return json.loads(self.store.get(f"members/{gen}"))

@@ -44,12 +44,22 @@ class State:
     Args:
         bcast_object: ``bcast_object(obj, root_rank=0, name=...)`` returns rank 0's ``obj``.
         get_rank: returns this process's rank.
+
+    Attributes:
+        rollback: ``"auto"`` (default): after a failure inside a step's gradient exchange the
+            survivors go on from their live state and redo that step; other failures roll
+            back to the last commit. ``"always"``: every failure rolls back to the last
+            commit, as in Horovod. (``gradsync/elastic/recovery.py`` has the rule.)
+        last_recovery: the latest ``recovery.Recovery`` of this process (None before one).
     """
+
+    rollback = "auto"
 
     def __init__(self, bcast_object: Callable[..., Any], get_rank: Callable[[], int]):
         self._bcast_object = bcast_object
         self._rank = get_rank
         self._reset_callbacks: list[Callable[[], None]] = []
+        self.last_recovery = None
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
         """Adds functions called after every re-formation, before the state is synced (e.g.
@@ -88,6 +98,29 @@ class State:
     def reset(self) -> None:
         """Adapts to the new world after a re-formation (before ``sync``)."""
 
+    # The recovery protocol (recovery.py). A state that does not count its updates (this
+    # base, ObjectState) always rolls back after a failure.
+    def applied_updates(self) -> int | None:
+        """Optimizer updates applied to the live state; None: not counted."""
+        return None
+
+    def saved_updates(self) -> int | None:
+        """Updates of the last ``save()``; None: not counted."""
+        return None
+
+    def resumable(self) -> bool:
+        """Whether the failure just caught left the live state at a resume point (asked by
+        ``hvd.elastic.run`` before anything else runs)."""
+        return False
+
+    def sync_from(self, root_rank: int) -> None:
+        """Makes every rank's live state ``root_rank``'s live state, leaving the saved state
+        alone."""
+        raise NotImplementedError
+
+    def adopt_updates(self, updates: int | None) -> None:
+        """Takes the update count of the state just synced to (None: keeps its own)."""
+
 
 class ObjectState(State):
     """State made of plain Python values, given as keyword arguments and kept as attributes.
@@ -114,6 +147,15 @@ class ObjectState(State):
             self._saved_state = self._bcast_object(self._saved_state, root_rank=0,
                                                    name="elastic.object_state")
             self._set_attrs()
+
+    def sync_from(self, root_rank: int) -> None:
+        # The live values, not the saved ones: a failure in the middle of this broadcast must
+        # leave every rank's saved state as it was, the point a roll-back returns to.
+        if self._saved_state:
+            live = {name: getattr(self, name) for name in self._saved_state}
+            live = self._bcast_object(live, root_rank=root_rank, name="elastic.object_live")
+            for name, value in live.items():
+                setattr(self, name, value)
 
     def _set_attrs(self) -> None:
         for name, value in self._saved_state.items():

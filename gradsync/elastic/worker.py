@@ -23,7 +23,7 @@ import time
 from .. import job
 from ..errors import GradsyncError, GradsyncTimeoutError, PeerLostError
 from ..rendezvous import Store
-from .membership import Control, ElasticJobFailed, generation_job
+from .membership import Control, ExcludedError, generation_job
 
 __all__ = ["join", "reset", "is_elastic", "generation", "newer_generation"]
 
@@ -64,7 +64,8 @@ def join(config, env, after: int = -1):
         The connected World (its ``rank``/``size`` are the generation's).
 
     Raises:
-        ElasticJobFailed: the launcher gave up, this worker is no longer listed, or no
+        ElasticJobFailed: the launcher gave up, this worker is no longer listed
+            (``ExcludedError``, with the launcher's reason), or no
             generation could be joined within ``config.elastic_timeout``.
     """
     global _control, _generation, _env, _config
@@ -82,8 +83,10 @@ def join(config, env, after: int = -1):
         gen = _control.wait_newer(after, deadline)
         ids = [m["id"] for m in _control.members(gen)]
         if env.elastic_id not in ids:
-            raise ElasticJobFailed(f"worker {env.elastic_id} is not in generation {gen} of the "
-                                   f"elastic job (its workers: {', '.join(ids)})")
+            reason = _control.exclusion(env.elastic_id) or \
+                f"worker {env.elastic_id} is not in generation {gen} of the elastic job"
+            raise ExcludedError(f"{reason}; the job went on without it (generation {gen}'s "
+                                f"workers: {', '.join(ids)})")
         genv = dataclasses.replace(
             env, rank=ids.index(env.elastic_id), size=len(ids), local_rank=None,
             local_size=None, cross_rank=None, cross_size=None,

@@ -339,7 +339,8 @@ class _ElasticJob:
                 if not victim.failed and not victim.retired:
                     victim.rank.signal(signal.SIGKILL)
                     self._fail(victim, f"worker {victim.id} (rank {peer} of generation {gen}) "
-                                       "sent no heartbeats and was killed", 128 + 9)
+                                       "sent no heartbeats and was killed", 128 + 9,
+                               detail=record.get("message"))
                     changed = True
         return changed
 
@@ -400,17 +401,29 @@ class _ElasticJob:
             self.output.message(f"host {host} is no longer blacklisted")
         return bool(expired)
 
-    def _fail(self, worker: _Worker, what: str, status: int) -> None:
+    def _fail(self, worker: _Worker, what: str, status: int, detail: str | None = None) -> None:
         """Marks ``worker`` failed and blacklists its host; as in Horovod, the host's other
-        workers leave the job too (unless the job is this machine alone: ``per_worker``)."""
+        workers leave the job too (unless the job is this machine alone: ``per_worker``).
+        ``detail``: what its peers reported, for the worker to read if it comes back."""
         worker.failed = True
         if self.state.first_failure is None:
             self.state.first_failure = status
+        self._exclude(worker, what + (f" ({detail})" if detail else ""))
         self._ban(worker.host, what)
         if not self.per_worker:
             for other in self._alive(self.workers):
                 if other.host == worker.host:
                     self._retire(other, f"host {worker.host} is blacklisted")
+
+    def _exclude(self, worker: _Worker, why: str) -> None:
+        """Fencing: a worker the launcher could not stop in time (a partitioned host, a kill
+        that did not arrive) may come back; it finds itself out of the next generation and
+        raises ``ExcludedError`` with this reason (``elastic/membership.py``)."""
+        try:
+            self.control.exclude(worker.id, f"excluded from the job at generation "
+                                            f"{self.state.gen}: {why}")
+        except (RuntimeError, OSError) as exc:  # the store is ours: unlikely, and not fatal
+            self.output.message(f"cannot record why worker {worker.id} left: {exc}")
 
     def _ban(self, host: str, what: str) -> None:
         self._failures[host] = self._failures.get(host, 0) + 1
@@ -423,6 +436,7 @@ class _ElasticJob:
         """Stops a worker that is no longer wanted: SIGTERM now (over ssh: its lifeline),
         SIGKILL after the stop grace (``_reap``). Its exit is not a failure."""
         worker.retired = True
+        self._exclude(worker, f"stopped by gradsync run: {why}")
         worker.rank.signal(signal.SIGTERM)
         self._stopping.append((worker, time.monotonic() + self.spec.stop_grace))
         self.output.message(f"stopping worker {worker.id}: {why}")

@@ -17,7 +17,10 @@ RESULT id=<worker> rank=<r> size=<n> gen=<g> steps=<global steps> hash=<paramete
 START id=<worker> gen=<g> rank=<r> steps=<s> epoch=<e> committed=<c> pid=<p>: each
 generation's start, after sync(); c is the steps value of this worker's last commit() (-1:
 none yet); p the worker's process id.
-LOST wall=<time.time()>: a survivor caught a lost peer and rolls back (state.restore()).
+LOST wall=<time.time()>: when a survivor caught the lost peer it recovered from (printed at
+the next START; ``state.last_recovery.failed``).
+PLAN action=<go_on|rollback> updates=<u> lost=<l>: the recovery's plan (printed at START).
+$ELASTIC_ROLLBACK (default auto): the state's ``rollback``.
 FIRSTSTEP wall=<time.time()>: the first completed step after a re-formation.
 DYING wall=<time.time()>: the victim, just before it fails.
 """
@@ -72,24 +75,21 @@ def recording_commit():
 
 
 state.commit = recording_commit
-_restore = state.restore
-
-
-def announcing_restore():
-    print(f"LOST wall={time.time():.6f}", flush=True)
-    _restore()
-
-
-state.restore = announcing_restore
+state.rollback = os.environ.get("ELASTIC_ROLLBACK", "auto")
 if mode == "kill-sync" and first_rank == victim + 1:
-    original = state.sync
+    original, original_from = state.sync, state.sync_from
 
     def sync():
         if worker.generation() == 1:
             die("kill")
         original()
 
-    state.sync = sync
+    def sync_from(root):
+        if worker.generation() == 1:
+            die("kill")
+        original_from(root)
+
+    state.sync, state.sync_from = sync, sync_from
 if mode == "kill-commit" and me:
     original_commit = state.commit
 
@@ -107,6 +107,10 @@ def train(state):
     print(f"START id={os.environ['GRADSYNC_ELASTIC_ID']} gen={worker.generation()} "
           f"rank={hvd.rank()} steps={state.steps} epoch={state.epoch} "
           f"committed={committed['steps']} pid={os.getpid()}", flush=True)
+    if state.last_recovery is not None and state.last_recovery.generation == worker.generation():
+        plan = state.last_recovery.plan
+        print(f"LOST wall={state.last_recovery.failed:.6f}", flush=True)
+        print(f"PLAN action={plan.action} updates={plan.updates} lost={plan.lost}", flush=True)
     while state.epoch < epochs or hvd.size() < state.grow_to or \
             hvd.size() >= state.shrink_below > 0:
         loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, sampler=state.sampler)
@@ -152,4 +156,5 @@ def train(state):
 
 train(state)
 print(f"RESULT id={os.environ['GRADSYNC_ELASTIC_ID']} rank={hvd.rank()} size={hvd.size()} "
-      f"gen={worker.generation()} steps={state.steps} hash={common.digest(model)}", flush=True)
+      f"gen={worker.generation()} steps={state.steps} hash={common.digest(model)}",
+      flush=True)

@@ -16,14 +16,14 @@ Run it with ``gradsync run -np 4 --min-np 2 --max-np 8 --host-discovery-script h
 """
 
 from ...elastic import HostsUpdatedInterrupt, ObjectState, State, run_fn
-from ...elastic.membership import ElasticJobFailed
+from ...elastic.membership import ElasticJobFailed, ExcludedError
 from ...errors import PeerLostError
 from .reform import reform
 from .sampler import ElasticSampler
 from .state import TorchState
 
 __all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler",
-           "HostsUpdatedInterrupt", "PeerLostError", "ElasticJobFailed"]
+           "HostsUpdatedInterrupt", "PeerLostError", "ElasticJobFailed", "ExcludedError"]
 
 
 def run(func):
