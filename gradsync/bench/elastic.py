@@ -13,7 +13,9 @@ Two measurements, each beside its peer measured in the same run:
    itself after its backward pass (gradients in flight). *Recovery* is the time from its death
    (its own clock, just before the kill) to the last survivor's first completed step in the
    new generation: detection by the survivors or the launcher, the new generation, the new
-   World (shared memory included), the rollback, the state sync and one step. The peers: the
+   World (shared memory included), the recovery plan (since issue 28 a death inside the
+   gradient exchange goes on from the survivors' live state: ``elastic/recovery.py``; before,
+   a rollback to the last commit), the state sync and one step. The peers: the
    median steady step before the kill, and the median ``commit()`` inside the job (which adds
    the ``check_host_updates`` broadcast).
 """
