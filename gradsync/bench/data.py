@@ -54,6 +54,8 @@ import time
 
 import numpy as np
 
+from .allreduce import at_least
+
 __all__ = ["parser", "drive", "run", "Synthetic", "Costly", "spin"]
 
 _POOL = 8 << 20  # bytes of the memory copy's sources (see _transport)
@@ -121,36 +123,27 @@ def _shape(text: str) -> tuple[int, ...]:
     return dims
 
 
-def _at_least(low, kind=int):
-    def parse(text: str):
-        value = kind(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
-        return value
-    return parse
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gradsync bench data")
-    p.add_argument("--data-servers", type=_at_least(1), default=1, metavar="D",
+    p.add_argument("--data-servers", type=at_least(1), default=1, metavar="D",
                    help="data-server ranks beside the -np workers (default 1)")
-    p.add_argument("--cost-ms", type=_at_least(0.0, float), default=2.0,
+    p.add_argument("--cost-ms", type=at_least(0.0, float), default=2.0,
                    help="CPU milliseconds the transform spends per sample (default 2)")
-    p.add_argument("--decode-ms", type=_at_least(0.0, float), default=0.0,
+    p.add_argument("--decode-ms", type=at_least(0.0, float), default=0.0,
                    help="CPU milliseconds of dataset[i], cached by the data servers (default 0)")
-    p.add_argument("--samples", type=_at_least(1), default=512, help="dataset size (512)")
-    p.add_argument("--batch-size", type=_at_least(1), default=32, help="samples per batch (32)")
+    p.add_argument("--samples", type=at_least(1), default=512, help="dataset size (512)")
+    p.add_argument("--batch-size", type=at_least(1), default=32, help="samples per batch (32)")
     p.add_argument("--shape", type=_shape, default=(3, 32, 32),
                    help="each sample's float32 shape (3,32,32)")
-    p.add_argument("--repeats", type=_at_least(1), default=5,
+    p.add_argument("--repeats", type=at_least(1), default=5,
                    help="timed epochs of each feed (5)")
-    p.add_argument("--prefetch", type=_at_least(1), default=None,
+    p.add_argument("--prefetch", type=at_least(1), default=None,
                    help="the Loader's prefetch (default the data_prefetch setting)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--emulate", choices=("none", "netns"), default="none",
                    help="netns: workers on one emulated host, each data server on its own "
                         "(needs root)")
-    p.add_argument("--timeout", type=_at_least(1.0, float), default=600.0,
+    p.add_argument("--timeout", type=at_least(1.0, float), default=600.0,
                    help="seconds before an emulated run's ranks are stopped (600)")
     p.add_argument("--json", help="write the row to this file")
     p.add_argument("--result", help=argparse.SUPPRESS)  # where rank 0 leaves the rows for drive
