@@ -184,7 +184,9 @@ def test_scale_up_through_the_discovery_script(tmp_path):
 def test_localhost_and_127_0_0_1_are_two_hosts_and_only_the_failed_one_is_blacklisted(tmp_path):
     script = tmp_path / "hosts.sh"
     script.write_text("echo localhost:2\necho 127.0.0.1:3\n")
-    result = launch(4, "elastic_train.py", "kill", "1", "5", timeout=240,
+    # 100 epochs: the survivors train on while the new worker starts, long enough for it to
+    # join (a job that ends before then ends without it)
+    result = launch(4, "elastic_train.py", "kill", "1", "5", "100", timeout=240,
                     launcher_args=("--min-np", "2", "--max-np", "4", "--host-discovery-script",
                                    f"sh {script}"))
     # worker 1 (localhost) dies: localhost is blacklisted and, as in Horovod, its other worker

@@ -241,8 +241,9 @@ class _ElasticJob:
         self._stopping: list[tuple[_Worker, float]] = []  # retired workers, SIGKILL time
         self.pending: list[_Worker] = []  # new workers started, in no generation yet
         self._unsettled = False  # a lost worker is reported and may not be listed again yet
-        self._open: list[int] = []  # generations published and not aborted (survivors may
-        # still train in one that only new workers replaced)
+        # Generations published and not aborted: survivors may still train in one that only
+        # new workers replaced, until their next commit().
+        self._open: list[int] = []
         self.ready_timeout = spec.start_timeout or _READY_TIMEOUT
 
     # ------------------------------------------------------------------ the run
