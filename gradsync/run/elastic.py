@@ -61,14 +61,14 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 from ..config import ENV_PREFIX
 from ..elastic.membership import Control
-from .hosts import Host, parse_hosts
+from .discovery import Discovery, parse_discovered
+from .hosts import Host
 from .launcher import LaunchSpec, Rank, Slot, Starter, is_local, start_store, store_address
 from .processes import Interrupts, Output, StartError, describe, exit_status, stop
 
@@ -139,59 +139,6 @@ class ElasticSpec:
         return max(low, min(high, delay))
 
 
-def parse_discovered(text: str) -> list[Host]:
-    """Parses a discovery script's output: one ``host:slots`` or ``host`` a line, blank lines
-    ignored, no line at all meaning no host now (the rules: ``hosts.py``).
-
-    Raises:
-        ValueError: a bad line (the message quotes it) or a host listed twice.
-    """
-    return parse_hosts(text, source="host discovery script", separator="\n", allow_empty=True)
-
-
-class _Discovery:
-    """Runs the discovery script in a thread; ``hosts`` is its latest good answer."""
-
-    def __init__(self, script: str, interval: float, output: Output):
-        self.script, self.interval, self.output = script, interval, output
-        self.hosts: list[Host] | None = None
-        self.version = 0  # bumped when the answer changes
-        self._stop = threading.Event()
-        self._warned = ""
-        self._thread = threading.Thread(target=self._loop, daemon=True,
-                                        name="gradsync-discovery")
-
-    def start(self) -> "_Discovery":
-        self._run_once()
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            self._run_once()
-
-    def _run_once(self) -> None:
-        try:
-            done = subprocess.run(self.script, shell=True, capture_output=True, text=True,
-                                  timeout=max(10.0, self.interval * 10))
-            if done.returncode != 0:
-                raise ValueError(f"exited with status {done.returncode}: "
-                                 f"{done.stderr.strip()[-200:]}")
-            hosts = parse_discovered(done.stdout)
-        except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
-            if str(exc) != self._warned:
-                self._warned = str(exc)
-                self.output.message(f"host discovery script {self.script!r} failed: {exc}; "
-                                    "keeping the hosts it listed before")
-            return
-        if hosts != self.hosts:
-            self.hosts = hosts
-            self.version += 1
-
-
 @dataclass
 class _Worker:
     id: str
@@ -231,7 +178,7 @@ class _ElasticJob:
         self.workers: list[_Worker] = []
         self.state = _State()
         self.control: Control | None = None
-        self.discovery: _Discovery | None = None
+        self.discovery: Discovery | None = None
         self._counter = 0
         self._generation_members: dict[int, list[_Worker]] = {}
         self._suspects: dict[str, float] = {}
@@ -252,7 +199,7 @@ class _ElasticJob:
             status, summary = 1, None
             try:
                 if self.elastic.discovery_script:
-                    self.discovery = _Discovery(self.elastic.discovery_script,
+                    self.discovery = Discovery(self.elastic.discovery_script,
                                                 self.elastic.discovery_interval,
                                                 self.output).start()
                 # Every worker of every generation gets the same store address: one that the
