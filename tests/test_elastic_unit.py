@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gradsync.elastic import ObjectState
-from gradsync.elastic.membership import Control, ElasticJobFailed, generation_job
+from gradsync.elastic.membership import Control, ElasticJobFailed, ExcludedError, generation_job
 from gradsync.run import cli
 from gradsync.run.elastic import ElasticSpec, Host, _ElasticJob, _slots, _Worker, \
     parse_discovered
@@ -261,3 +261,83 @@ def test_the_recovery_plan_goes_on_from_the_most_advanced_survivor_at_a_resume_p
     assert decide([r(14), r(14, always=True)]) == Plan("rollback", 0, 10, 4)
     assert decide([r(None, saved=None), r(None, saved=None)]) == \
         Plan("rollback", 0, None, None)
+
+
+def _growing_job(monkeypatch):
+    """A launcher whose generation 0 is a[0], b[1] on hosts a, b, c of one slot each (c
+    free), over an in-memory store; started workers are _FakeRanks."""
+    import io
+
+    from torch.distributed import HashStore
+
+    spec = LaunchSpec(command=["true"], num_proc=3,
+                      hosts=[Host("a", 1), Host("b", 1), Host("c", 1)])
+    job = _ElasticJob(spec, ElasticSpec(min_np=1, max_np=3), Output(True, io.BytesIO(),
+                                                                       io.BytesIO()))
+    job._reachable = {"a", "b", "c"}
+    job.control = Control(HashStore(), "job", 5.0)
+    monkeypatch.setattr(job, "_start_worker", lambda slot, wid, size: _FakeRank())
+    members = [_Worker(f"{h}[{i}]", h, _FakeRank(), i) for i, h in enumerate("ab")]
+    job.workers, job._counter = list(members), 2
+    job._publish(members, 0, 2, now=False)
+    return job, members
+
+
+def ids(control, gen):
+    return [m["id"] for m in control.members(gen)]
+
+
+def test_a_new_worker_is_listed_only_once_ready_and_the_old_generation_trains_on(
+        monkeypatch):
+    job, members = _growing_job(monkeypatch)
+    control = job.control
+    assert job._form(first=False) is None
+    # c[2] was started, but no generation lists it before it is ready
+    assert [w.id for w in job.pending] == ["c[2]"] and control.generation() == 0
+    job._watch_new()
+    assert job._form(first=False) is None and control.generation() == 0
+    control.announce_ready("c[2]")
+    job._watch_new()
+    assert job._form(first=False) is None
+    assert control.generation() == 1 and ids(control, 1) == ["a[0]", "b[1]", "c[2]"]
+    assert job.pending == []
+    # only a joiner: generation 0 is not aborted, its workers reach 1 at their next commit()
+    assert control.world_store(0).read_abort() is None
+
+
+def test_a_loss_re_forms_at_once_without_the_joiner_still_starting(monkeypatch):
+    job, members = _growing_job(monkeypatch)
+    control = job.control
+    job._form(first=False)  # c[2] starts
+    job._fail(members[1], "worker b[1] exited with status 1", 1)
+    job._form(first=False, now=True)
+    # the survivor re-forms at once, its old generation aborted; c[2] joins a later one
+    assert control.generation() == 1 and ids(control, 1) == ["a[0]"]
+    assert control.world_store(0).read_abort()["rank"] == -1
+    control.announce_ready("c[2]")
+    job._watch_new()
+    job._form(first=False)
+    assert control.generation() == 2 and ids(control, 2) == ["a[0]", "c[2]"]
+    assert control.world_store(1).read_abort() is None
+
+
+@pytest.mark.parametrize("how", ["exits", "never ready"])
+def test_a_new_worker_that_never_joins_is_failed_and_no_generation_lists_it(monkeypatch, how):
+    import signal
+
+    job, members = _growing_job(monkeypatch)
+    control = job.control
+    job._form(first=False)
+    [joiner] = job.pending
+    if how == "exits":
+        joiner.rank.proc = types.SimpleNamespace(poll=lambda: 1)
+    else:
+        job.ready_timeout = 0.0
+    job._watch_new()
+    assert joiner.failed and job.pending == [] and "c" in job.blacklist
+    assert joiner.rank.signals == ([] if how == "exits" else [signal.SIGKILL])
+    assert "excluded from the job at generation 0" in control.exclusion("c[2]")
+    assert job._form(first=False) is None and control.generation() == 0
+    # a joiner waiting to be listed stops at its exclusion instead of waiting for ever
+    with pytest.raises(ExcludedError, match="excluded from the job"):
+        control.wait_newer(0, float("inf"), "c[2]")

@@ -16,14 +16,20 @@ The keys live under ``gradsync/<job>/elastic/``:
                    raise it
 ``excluded/<id>``  why worker ``<id>`` is out of the job ("excluded from the job at generation
                    g: ..."), written when the launcher fails or stops it
+``ready/<id>``     written by a new worker once it has started (imported its framework) and
+                   waits to be listed: the launcher lists a new worker only once it is ready
 =================  ============================================================================
 
 The launcher starts a new generation when a member of the newest one exits or is reported lost
 (the abort record of its World, which the heartbeat marks ``silent`` for a stopped peer), and
-when discovery finds room for more workers. It posts a ``PeerLostError`` into the abort record
+when new workers it started for free slots are ready (``ready/<id>``): a worker that starts,
+imports torch and connects costs seconds, and the job trains on meanwhile instead of waiting
+for it in the new generation. After a loss it posts a ``PeerLostError`` into the abort record
 of the generations it replaces, so that survivors stop waiting at once; workers that were
-training reach the new generation at their next collective (a failure) or ``commit()`` (new
-hosts: ``check_host_updates`` sees a newer ``gen``).
+training reach the new generation at their next collective (a failure) or ``commit()`` (only
+new workers: ``check_host_updates`` sees a newer ``gen``; the older generation is not aborted,
+so nothing is rolled back). A new worker that is not yet listed waits for a generation that
+lists it; one that is excluded before that (it died, or never became ready) stops waiting.
 
 **Fencing.** A worker that comes back after the job moved on without it (SIGCONT after a
 SIGSTOP, a partitioned host whose link returns, a kill that did not arrive) can write nothing
@@ -92,6 +98,10 @@ class Control:
         comes back."""
         self.store.set(f"excluded/{worker}", reason)
 
+    def is_ready(self, worker: str) -> bool:
+        """Whether new worker ``worker`` has announced that it is ready to join."""
+        return self.store.check(f"ready/{worker}")
+
     def give_up(self, reason: str) -> None:
         """Tells waiting workers why the job ends (the launcher only)."""
         self.store.set("failed", reason)
@@ -118,6 +128,10 @@ class Control:
             raise ElasticJobFailed(f"lost the launcher's store: {exc} (the job has ended, or "
                                    "gradsync run died)") from None
 
+    def announce_ready(self, worker: str) -> None:
+        """Tells the launcher that ``worker`` has started and waits to be listed."""
+        self.store.set(f"ready/{worker}", "1")
+
     def exclusion(self, worker: str) -> str | None:
         """Why ``worker`` was excluded (None: it was not)."""
         if not self.store.check(f"excluded/{worker}"):
@@ -127,10 +141,15 @@ class Control:
     def members(self, gen: int) -> list[dict]:
         return json.loads(self.store.get(f"members/{gen}"))
 
-    def wait_newer(self, after: int, deadline: float) -> int:
+    def wait_newer(self, after: int, deadline: float, worker: str | None = None) -> int:
         """Waits for a generation newer than ``after``; returns the newest.
 
+        Args:
+            worker: also stop waiting when this worker is excluded (a new worker waiting to
+                be listed, which the launcher may give up on before any generation comes).
+
         Raises:
+            ExcludedError: ``worker`` was excluded (the launcher's reason).
             ElasticJobFailed: the launcher gave up, or none came before ``deadline``.
         """
         while True:
@@ -139,6 +158,9 @@ class Control:
                 return gen
             if self.store.check("failed"):
                 raise ElasticJobFailed(self.store.get("failed").decode())
+            reason = None if worker is None else self.exclusion(worker)
+            if reason is not None:
+                raise ExcludedError(f"{reason}; the job went on without it")
             if time.monotonic() > deadline:
                 raise ElasticJobFailed(
                     f"no new generation of the elastic job after generation {after} within "

@@ -1,7 +1,10 @@
 """A worker's side of an elastic job: join a generation, and re-form the world in place.
 
-``join`` is what ``init()`` does in an elastic job (``LaunchEnv.elastic_id`` set): wait for a
-generation that lists this worker, take its rank and size from the list, and connect that
+``join`` is what ``init()`` does in an elastic job (``LaunchEnv.elastic_id`` set): announce
+that this worker is ready (``ready/<id>``: it has started and imported its framework), wait for
+a generation that lists this worker (a new worker of a running job is listed only once it is
+ready, so that the job trains on while it starts; until then the generations it sees are not
+its own), take its rank and size from the list, and connect that
 generation's World over the launcher's store (``World.connect`` with a store scoped to
 ``<job>.e<g>``). When the connection fails (another worker died meanwhile), the World's abort
 record tells the launcher, which forms the next generation; ``join`` then tries that one.
@@ -16,8 +19,10 @@ connections change. ``hvd.elastic.run`` calls it after a lost peer or a HostsUpd
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import os
+import sys
 import time
 
 from .. import job
@@ -32,6 +37,7 @@ log = logging.getLogger("gradsync")
 _LAUNCHER_MARGIN = 10.0
 _control: Control | None = None
 _generation = -1
+_listed = False  # whether a generation has listed this worker: after that, unlisted = excluded
 _env = None
 _config = None
 
@@ -68,11 +74,18 @@ def join(config, env, after: int = -1):
             (``ExcludedError``, with the launcher's reason), or no
             generation could be joined within ``config.elastic_timeout``.
     """
-    global _control, _generation, _env, _config
+    global _control, _generation, _env, _config, _listed
     if _control is None:
         base = Store(env.store_addr, env.store_port, env.store_is_server, env.job_id,
                      config.connect_timeout, env.size).base
         _control = Control(base, env.job_id, config.connect_timeout)
+        # Everything slow about starting (the interpreter, torch's import, the script's set-up)
+        # is behind us: the launcher may now list this worker, and the job pays only for the
+        # connection, not for this process's start.
+        newest = _control.generation()
+        if newest >= 0 and env.elastic_id not in [m["id"] for m in _control.members(newest)]:
+            _prepare()  # a new worker of a running job, which trains on meanwhile
+        _control.announce_ready(env.elastic_id)
     _env, _config = env, config
     from ..world import World
 
@@ -80,8 +93,11 @@ def join(config, env, after: int = -1):
     # reason; waiting a little longer lets the workers report that reason rather than their own.
     deadline = time.monotonic() + config.elastic_timeout + _LAUNCHER_MARGIN
     while True:
-        gen = _control.wait_newer(after, deadline)
+        gen = _control.wait_newer(after, deadline, env.elastic_id)
         ids = [m["id"] for m in _control.members(gen)]
+        if env.elastic_id not in ids and not _listed:
+            after = gen  # a new worker: the generation that lists it comes once it is ready
+            continue
         if env.elastic_id not in ids:
             reason = _control.exclusion(env.elastic_id) or \
                 f"worker {env.elastic_id} is not in generation {gen} of the elastic job"
@@ -91,6 +107,7 @@ def join(config, env, after: int = -1):
             env, rank=ids.index(env.elastic_id), size=len(ids), local_rank=None,
             local_size=None, cross_rank=None, cross_size=None,
             job_id=generation_job(env.job_id, gen))
+        _listed = True
         # New workers may wait here for old ones to reach their next commit().
         wait = max(1.0, min(config.elastic_timeout, deadline - time.monotonic()))
         store = _GenerationStore.over(_control.base, genv.job_id, wait)
@@ -106,6 +123,15 @@ def join(config, env, after: int = -1):
         log.info("worker %s is rank %d of %d in generation %d", env.elastic_id, world.rank,
                  world.size, gen)
         return world
+
+
+def _prepare() -> None:
+    """Does, before a new worker says it is ready, the slow first-time work that a training
+    script does after ``init()``, when the survivors of a running job would wait for it: the
+    first optimizer a torch process builds imports ``torch._dynamo`` (1.0 s measured here,
+    ``torch.optim.SGD`` in a fresh process). Only where the script imported torch."""
+    if "torch" in sys.modules:
+        importlib.import_module("torch._dynamo")
 
 
 def _export_horovod_identity(world) -> None:

@@ -15,16 +15,22 @@ who the workers are and in which rank order. Its loop, every ``_POLL`` seconds:
    (``ssh host true``, run once when the host first appears; a host that fails it is
    blacklisted). Its free slots are its slots minus its live workers. Workers of a host that
    is no longer listed, or beyond the slots now listed for it, are stopped.
-3. **Re-form.** A new generation keeps the survivors in their old order, then adds new workers
-   on free usable slots, up to ``--max-np`` (in the first generation: ``-np``). It is
-   published (``members/<g>``, then ``gen``), the loss is posted into the abort record of the
-   generations it replaces (survivors stop waiting at once), and then the new workers start:
-   here as children, on other hosts over ssh exactly as ``gradsync run`` starts remote ranks
-   (``launcher.Starter``: the secret on ssh's stdin, the lifeline that ends the remote
-   worker when the launcher stops it or goes away). With no survivor left there is no state
-   to hand on, and the job ends (as Horovod's does). New hosts alone (no failure) form a
-   generation too; its survivors reach it at their next ``commit()``
-   (``HostsUpdatedInterrupt``).
+3. **Re-form.** New workers are started *first*, on free usable slots up to ``--max-np``
+   (in the first generation: ``-np``): here as children, on other hosts over ssh exactly as
+   ``gradsync run`` starts remote ranks (``launcher.Starter``: the secret on ssh's stdin, the
+   lifeline that ends the remote worker when the launcher stops it or goes away). A new
+   worker is listed only once it is *ready* (``elastic/ready/<id>``, written by ``init()``
+   after the interpreter and torch have started): starting costs seconds, and the job trains
+   on meanwhile. A new generation keeps the survivors in their old order, then the ready new
+   workers. It is formed at once after a loss (without the new workers still starting: they
+   join a later one), its loss posted into the abort record of the generations it replaces
+   (survivors stop waiting at once); or, with no loss, once the new workers are ready (all
+   of them, or those ready ``_READY_GRACE`` seconds before the others): then nothing is
+   aborted, and the survivors reach it at their next ``commit()``
+   (``HostsUpdatedInterrupt``), so a joiner costs the job only the re-formation. A new
+   worker that exits, or is not ready within ``--start-timeout`` (default 120 s: it holds
+   nobody up), is failed as any worker is. The first generation is published at once. With
+   no survivor left there is no state to hand on, and the job ends (as Horovod's does).
 4. **Limits.** Fewer than ``--min-np`` workers possible: the launcher waits up to
    ``--elastic-timeout`` seconds for discovery to offer hosts, then ends the job with an
    error naming the workers left and the blacklisted hosts. More than ``--reset-limit``
@@ -55,14 +61,14 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 from ..config import ENV_PREFIX
 from ..elastic.membership import Control
-from .hosts import Host, parse_hosts
+from .discovery import Discovery, parse_discovered
+from .hosts import Host
 from .launcher import LaunchSpec, Rank, Slot, Starter, is_local, start_store, store_address
 from .processes import Interrupts, Output, StartError, describe, exit_status, stop
 
@@ -70,6 +76,14 @@ __all__ = ["ElasticSpec", "launch_elastic", "parse_discovered"]
 
 _POLL = 0.05
 _LOST_GRACE = 5.0  # seconds a worker reported lost may take to exit before it is killed
+# A new worker that is not ready holds nobody up (the job trains on without it), so this limit
+# only frees its slot: generous, for a loaded machine where importing torch takes tens of
+# seconds. --start-timeout, when given, replaces it.
+_READY_TIMEOUT = 120.0
+# New workers started together are ready within a second or two of each other (their imports
+# compete for the same cores); waiting that long for the slower ones costs the job one
+# re-formation instead of several, and a much slower one does not hold the others back.
+_READY_GRACE = 2.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,59 +139,6 @@ class ElasticSpec:
         return max(low, min(high, delay))
 
 
-def parse_discovered(text: str) -> list[Host]:
-    """Parses a discovery script's output: one ``host:slots`` or ``host`` a line, blank lines
-    ignored, no line at all meaning no host now (the rules: ``hosts.py``).
-
-    Raises:
-        ValueError: a bad line (the message quotes it) or a host listed twice.
-    """
-    return parse_hosts(text, source="host discovery script", separator="\n", allow_empty=True)
-
-
-class _Discovery:
-    """Runs the discovery script in a thread; ``hosts`` is its latest good answer."""
-
-    def __init__(self, script: str, interval: float, output: Output):
-        self.script, self.interval, self.output = script, interval, output
-        self.hosts: list[Host] | None = None
-        self.version = 0  # bumped when the answer changes
-        self._stop = threading.Event()
-        self._warned = ""
-        self._thread = threading.Thread(target=self._loop, daemon=True,
-                                        name="gradsync-discovery")
-
-    def start(self) -> "_Discovery":
-        self._run_once()
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            self._run_once()
-
-    def _run_once(self) -> None:
-        try:
-            done = subprocess.run(self.script, shell=True, capture_output=True, text=True,
-                                  timeout=max(10.0, self.interval * 10))
-            if done.returncode != 0:
-                raise ValueError(f"exited with status {done.returncode}: "
-                                 f"{done.stderr.strip()[-200:]}")
-            hosts = parse_discovered(done.stdout)
-        except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
-            if str(exc) != self._warned:
-                self._warned = str(exc)
-                self.output.message(f"host discovery script {self.script!r} failed: {exc}; "
-                                    "keeping the hosts it listed before")
-            return
-        if hosts != self.hosts:
-            self.hosts = hosts
-            self.version += 1
-
-
 @dataclass
 class _Worker:
     id: str
@@ -186,6 +147,8 @@ class _Worker:
     first_rank: int
     failed: bool = False
     retired: bool = False  # stopped by the launcher: its host was blacklisted or removed
+    started: float = 0.0  # time.monotonic() at its start
+    ready_at: float | None = None  # when it announced readiness (new workers only)
 
 
 @dataclass
@@ -215,7 +178,7 @@ class _ElasticJob:
         self.workers: list[_Worker] = []
         self.state = _State()
         self.control: Control | None = None
-        self.discovery: _Discovery | None = None
+        self.discovery: Discovery | None = None
         self._counter = 0
         self._generation_members: dict[int, list[_Worker]] = {}
         self._suspects: dict[str, float] = {}
@@ -223,6 +186,12 @@ class _ElasticJob:
         self._probes: dict[str, tuple[subprocess.Popen, float]] = {}  # ssh checks running
         self._reachable: set[str] = set()  # remote hosts whose ssh check passed
         self._stopping: list[tuple[_Worker, float]] = []  # retired workers, SIGKILL time
+        self.pending: list[_Worker] = []  # new workers started, in no generation yet
+        self._unsettled = False  # a lost worker is reported and may not be listed again yet
+        # Generations published and not aborted: survivors may still train in one that only
+        # new workers replaced, until their next commit().
+        self._open: list[int] = []
+        self.ready_timeout = spec.start_timeout or _READY_TIMEOUT
 
     # ------------------------------------------------------------------ the run
     def run(self) -> int:
@@ -230,7 +199,7 @@ class _ElasticJob:
             status, summary = 1, None
             try:
                 if self.elastic.discovery_script:
-                    self.discovery = _Discovery(self.elastic.discovery_script,
+                    self.discovery = Discovery(self.elastic.discovery_script,
                                                 self.elastic.discovery_interval,
                                                 self.output).start()
                 # Every worker of every generation gets the same store address: one that the
@@ -278,8 +247,10 @@ class _ElasticJob:
             received = self.interrupts.received
             if received is not None:
                 return 128 + received, f"interrupted by {signal.Signals(received).name}"
-            changed = self._watch()
+            changed = self._watch()  # the newest generation must be replaced now
             self._reap()
+            self._watch_new()
+            grow = False  # room for new workers: start them; they join once ready
             reachable = self._probe_hosts()
             if self.discovery is not None and self.discovery.version != seen_version:
                 seen_version = self.discovery.version
@@ -287,17 +258,21 @@ class _ElasticJob:
                     changed = True
                 reachable = True
             if reachable and not st.finishing and \
-                    len(self._alive(st.members)) < self.elastic.max_np and self._free_slots():
-                changed = True
-            if self._cooled_down() and len(self._alive(st.members)) < self.elastic.max_np:
-                changed = True
+                    len(self._placed()) < self.elastic.max_np and self._free_slots():
+                grow = True
+            if self._cooled_down() and len(self._placed()) < self.elastic.max_np:
+                grow = True
             if st.short_since is not None:
                 changed = True  # keep trying while short of workers
             if changed and st.finishing:
                 self.control.give_up("a worker failed after another had finished: the job "
                                      "is not re-formed any more")
-            elif changed:
-                done = self._form(first=False)
+            elif st.finishing:
+                for worker in self._alive(self.pending):
+                    self._retire(worker, "the job is finishing")
+            elif changed or grow or self.pending or \
+                    len(self._alive(st.members)) < len(st.members):
+                done = self._form(first=False, now=changed)
                 if done is not None:
                     return done
             if self.workers and all(w.rank.proc.poll() is not None for w in self.workers):
@@ -311,9 +286,41 @@ class _ElasticJob:
         return [w for w in workers
                 if not w.failed and not w.retired and w.rank.proc.poll() is None]
 
+    def _placed(self) -> list[_Worker]:
+        """The live workers of the newest generation, then the new ones not yet in one."""
+        return self._alive(self.state.members) + self._alive(self.pending)
+
+    def _watch_new(self) -> None:
+        """Follows the new workers not yet in a generation: notes when each is ready; one
+        that exits, or is not ready within the ready timeout (it is killed), is failed like
+        any worker (its host blacklisted). Neither holds up the job, which trains on."""
+        now = time.monotonic()
+        for worker in list(self.pending):
+            code = worker.rank.proc.poll()
+            if worker.failed or worker.retired or code is not None:
+                self.pending.remove(worker)
+                if code not in (None, 0) and not worker.failed and not worker.retired:
+                    self._fail(worker, f"new worker {worker.id} {describe(code)} before it "
+                                       "joined the job", exit_status(code))
+                continue
+            if worker.ready_at is not None:
+                continue
+            try:
+                ready = self.control.is_ready(worker.id)
+            except (RuntimeError, OSError):
+                ready = False  # the store is ours: the next poll asks again
+            if ready:
+                worker.ready_at = now
+            elif now - worker.started > self.ready_timeout:
+                worker.rank.signal(signal.SIGKILL)
+                self.pending.remove(worker)
+                self._fail(worker, f"new worker {worker.id} was not ready to join within "
+                                   f"{self.ready_timeout:g}s; killed", 128 + 9)
+
     def _watch(self) -> bool:
         """Marks failed members; True when the newest generation needs replacing."""
         st, changed = self.state, False
+        self._unsettled = False
         for worker in st.members:
             code = worker.rank.proc.poll()
             if code is None or worker.failed or worker.retired:
@@ -324,7 +331,9 @@ class _ElasticJob:
             self._fail(worker, f"worker {worker.id} (rank {st.members.index(worker)} of "
                                f"generation {st.gen}) {describe(code)}", exit_status(code))
             changed = True
-        for gen in (st.gen - 1, st.gen):
+        # A generation that only new workers replaced is still trained in until its workers
+        # reach the next commit(): its heartbeats may report a silent worker too.
+        for gen in sorted({st.gen - 1, st.gen, *self._open}):
             if gen < 0:
                 continue
             record = self._read_abort(gen)
@@ -333,7 +342,9 @@ class _ElasticJob:
             members = self._generation_members.get(gen, [])
             peer = record.get("peer")
             if gen == st.gen:
-                changed = self._lost_peer_settled(members, peer) or changed
+                settled = self._lost_peer_settled(members, peer)
+                self._unsettled = not settled
+                changed = settled or changed
             if record.get("silent") and peer is not None and 0 <= peer < len(members):
                 victim = members[peer]
                 if not victim.failed and not victim.retired:
@@ -453,14 +464,15 @@ class _ElasticJob:
             self._stopping.remove(entry)
 
     def _unlisted(self) -> list[_Worker]:
-        """Live workers of the newest generation whose host discovery no longer lists, or
-        that are beyond the slots it now lists for their host (the last ones on the host)."""
+        """Live workers (of the newest generation, or new ones) whose host discovery no longer
+        lists, or that are beyond the slots it now lists for their host (the last ones on the
+        host: new workers first)."""
         if self.discovery is None or self.discovery.hosts is None:
             return []
         slots = {h.name: h.slots for h in self.discovery.hosts}
         seen: dict[str, int] = {}
         unlisted = []
-        for worker in self._alive(self.state.members):
+        for worker in self._placed():
             seen[worker.host] = seen.get(worker.host, 0) + 1
             if seen[worker.host] > slots.get(worker.host, 0):
                 unlisted.append(worker)
@@ -524,68 +536,128 @@ class _ElasticJob:
             free += [host.name] * max(0, host.slots - used)
         return free
 
-    def _form(self, first: bool) -> tuple[int, str] | None:
-        """Forms the next generation if it can; returns (status, reason) to end the job."""
+    def _form(self, first: bool, now: bool = False) -> tuple[int, str] | None:
+        """Starts new workers on free slots and forms the next generation when it should:
+        the first one at once; later ones at once when ``now`` (the newest generation must be
+        replaced) or a member was lost, else once new workers are ready (``_ready``). Only
+        ready new workers are listed: one still starting joins a later generation, so that
+        neither the survivors of a loss nor a running job wait for a process to start.
+        Returns (status, reason) to end the job."""
         st, el = self.state, self.elastic
         for worker in self._unlisted():
             self._retire(worker, f"host {worker.host} is no longer listed by the discovery "
                                  "script (or with fewer slots)")
         survivors = self._alive(st.members)
+        pending = self._alive(self.pending)
+        now = now or len(survivors) < len(st.members)
         if not first and not survivors:
             # As in Horovod: new workers alone cannot go on, the job's state is lost.
             return st.first_failure or 1, (f"no worker of generation {st.gen} is left to hand "
                                            "the job's state to new workers: the job ends")
         free = self._free_slots()
-        target = min(self.spec.num_proc if first else el.max_np, len(survivors) + len(free))
+        placed = len(survivors) + len(pending)
+        target = min(self.spec.num_proc if first else el.max_np, placed + len(free))
         if target < el.min_np:
-            now = time.monotonic()
-            if st.short_since is None:
-                st.short_since = now
-                self._abort_older(f"the job is below --min-np {el.min_np}")
-                self.output.message(f"{len(survivors)} worker(s) left and {len(free)} free "
-                                    f"slot(s), below --min-np {el.min_np}; waiting up to "
-                                    f"{el.elastic_timeout:g}s for hosts")
-            if now - st.short_since > el.elastic_timeout:
-                banned = [h for h, until in self.blacklist.items() if until > now]
-                return 1, (f"only {len(survivors)} worker(s) left and no host to add within "
-                           f"--elastic-timeout {el.elastic_timeout:g}s: the job needs "
-                           f"--min-np {el.min_np}" + (f"; blacklisted: {', '.join(banned)}"
-                                                      if banned else ""))
-            return None
+            return self._short(len(survivors), len(free))
         st.short_since = None
-        if not first:
-            if el.reset_limit is not None and st.resets >= el.reset_limit:
-                return st.first_failure or 1, (f"the job needed a re-formation after "
-                                               f"{st.resets} already: --reset-limit "
-                                               f"{el.reset_limit} reached")
-            st.resets += 1
-        new_hosts = free[:max(0, target - len(survivors))]
-        fresh = []
-        for host in new_hosts:
-            fresh.append(_Worker(f"{host}[{self._counter}]", host, None, -1))
-            self._counter += 1
-        members = survivors + fresh
-        gen = st.gen + 1
-        self.control.publish(gen, [{"id": w.id, "host": w.host} for w in members])
-        self._abort_older(f"the job was re-formed as generation {gen} of {len(members)} "
-                          "workers")
-        st.gen, st.members = gen, members
-        self._generation_members[gen] = members
-        placed = _slots(members)
-        for worker in fresh:
-            slot = placed[members.index(worker)]
-            worker.first_rank = slot.rank
-            worker.rank = self._start_worker(slot, worker.id, len(members))
-            self.workers.append(worker)
-        if not first:
-            self.output.message(f"generation {gen}: {len(members)} workers ("
-                                f"{len(survivors)} kept, {len(fresh)} new)")
+        fresh = self._new_workers(free[:max(0, target - placed)])
+        if first:  # nobody trains yet: published at once, its workers wait for each other
+            self._publish(fresh, 0, len(fresh), now=False)
+            self._start(fresh, fresh)
+            return None
+        self._start(survivors + pending + fresh, fresh)
+        self.pending += fresh
+        ready = self._ready(pending, everyone=now)
+        if not now and (not ready or self._unsettled):
+            return None  # (unsettled: a loss is being reported; the next poll forms)
+        if len(survivors) + len(ready) < el.min_np:
+            # Enough workers are starting, not yet enough are ready: the survivors (a worker
+            # was lost) stop and wait for them; the elastic timeout is not counting.
+            self._abort_older(f"the job is below --min-np {el.min_np} until new workers are "
+                              "ready")
+            return None
+        if el.reset_limit is not None and st.resets >= el.reset_limit:
+            return st.first_failure or 1, (f"the job needed a re-formation after "
+                                           f"{st.resets} already: --reset-limit "
+                                           f"{el.reset_limit} reached")
+        st.resets += 1
+        self.pending = [w for w in self.pending if w not in ready]
+        self._publish(survivors + ready, len(survivors), len(ready), now)
         return None
 
+    def _short(self, survivors: int, free: int) -> tuple[int, str] | None:
+        """Fewer than ``--min-np`` workers possible: waits for hosts, up to the elastic
+        timeout; returns (status, reason) once it has passed."""
+        st, el = self.state, self.elastic
+        now = time.monotonic()
+        if st.short_since is None:
+            st.short_since = now
+            self._abort_older(f"the job is below --min-np {el.min_np}")
+            self.output.message(f"{survivors} worker(s) left and {free} free "
+                                f"slot(s), below --min-np {el.min_np}; waiting up to "
+                                f"{el.elastic_timeout:g}s for hosts")
+        if now - st.short_since > el.elastic_timeout:
+            banned = [h for h, until in self.blacklist.items() if until > now]
+            return 1, (f"only {survivors} worker(s) left and no host to add within "
+                       f"--elastic-timeout {el.elastic_timeout:g}s: the job needs "
+                       f"--min-np {el.min_np}" + (f"; blacklisted: {', '.join(banned)}"
+                                                  if banned else ""))
+        return None
+
+    def _new_workers(self, hosts: list[str]) -> list[_Worker]:
+        """One new worker (not started) for each of ``hosts``, with a name of its own."""
+        fresh = []
+        for host in hosts:
+            fresh.append(_Worker(f"{host}[{self._counter}]", host, None, -1))
+            self._counter += 1
+        return fresh
+
+    def _start(self, planned: list[_Worker], fresh: list[_Worker]) -> None:
+        """Starts ``fresh``, ranked as in ``planned`` (the rank a new worker is started with
+        names its output; the generation that lists it gives it its rank)."""
+        slots = _slots(planned)
+        for worker in fresh:
+            slot = slots[planned.index(worker)]
+            worker.first_rank = slot.rank
+            worker.started = time.monotonic()
+            worker.rank = self._start_worker(slot, worker.id, len(planned))
+            self.workers.append(worker)
+
+    def _ready(self, pending: list[_Worker], everyone: bool) -> list[_Worker]:
+        """The new workers to list now: every ready one, once all are ready, or the first
+        ready one has waited ``_READY_GRACE`` seconds for the others, or ``everyone`` (a
+        generation is formed anyway); else none."""
+        ready = [w for w in pending if w.ready_at is not None]
+        if not ready:
+            return []
+        if everyone or len(ready) == len(pending) or \
+                time.monotonic() - min(w.ready_at for w in ready) >= _READY_GRACE:
+            return ready
+        return []
+
+    def _publish(self, members: list[_Worker], kept: int, new: int, now: bool) -> None:
+        """Makes ``members`` the next generation. After a loss (``now``) the generations it
+        replaces are aborted, so that survivors stop waiting at once; when it only adds new
+        workers, the survivors train on and reach it at their next ``commit()``
+        (``HostsUpdatedInterrupt``): nothing of theirs is rolled back."""
+        st = self.state
+        gen = st.gen + 1
+        self.control.publish(gen, [{"id": w.id, "host": w.host} for w in members])
+        if now:
+            self._abort_older(f"the job was re-formed as generation {gen} of {len(members)} "
+                              "workers")
+        st.gen, st.members = gen, members
+        self._open.append(gen)
+        self._generation_members[gen] = members
+        if gen > 0:
+            self.output.message(f"generation {gen}: {len(members)} workers ({kept} kept, "
+                                f"{new} new)")
+
     def _abort_older(self, message: str) -> None:
-        """Tells the workers of the generation being replaced to stop waiting."""
-        if self.state.gen >= 0:
-            self.control.abort(self.state.gen, message, None)
+        """Tells the workers of the generations being replaced to stop waiting."""
+        for gen in self._open:
+            self.control.abort(gen, message, None)
+        self._open.clear()
 
     def _start_worker(self, slot: Slot, wid: str, size: int) -> Rank:
         return self.starter.start(slot, self.port, size,
