@@ -84,7 +84,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     remote.add_argument("--start-timeout", type=float, metavar="SECONDS",
                         help="seconds for ssh to connect (default "
                              f"{DEFAULT_START_TIMEOUT:g}); when given, also how long the ranks "
-                             "wait for each other in init() (GRADSYNC_CONNECT_TIMEOUT)")
+                             "wait for each other in init() (GRADSYNC_CONNECT_TIMEOUT) and, in "
+                             "an elastic job, how long a new worker may take to become ready "
+                             "(default 120)")
     elastic = parser.add_argument_group(
         "elastic", "re-form the job when workers fail or hosts come (docs/elastic.md); any of "
                    "these makes the job elastic")
