@@ -57,6 +57,29 @@ def test_steps_lost_count_only_steps_every_rank_completed():
     assert cr.outcome(cr.Fault("kill", "w", 12.1, 12.1), log, 100.0)["steps_lost"] == 2
 
 
+def _take(p, g, r, n, s, rows, e=0):
+    return (f"[{r}]<stdout>:CHAOS take p={p} g={g} r={r} n={n} s={s} e={e} "
+            f"i={','.join(map(str, rows))}\n")
+
+
+def test_a_step_a_lost_rank_only_began_is_complete_with_the_samples_it_took():
+    # worker 200 took its rows for step 13 and was lost after the exchange, before its line:
+    # worker 100 completed step 13 (its update needed 200's gradient), so the job did.
+    lines = _two_then_one(resume_from=14)
+    lines.insert(24, _step(100, 0, 0, 2, 13, 12.05, rows=[1300]))
+    lines.insert(24, _take(200, 0, 1, 2, 13, [1301]))
+    log = cr.parse(lines)
+    assert cr.complete_steps(log, 0) == set(range(1, 14))
+    assert cr.outcome(cr.Fault("kill", "w", 12.1, 12.1), log, 100.0)["steps_lost"] == 0
+    step13 = cr.lineage(log)[13]
+    assert sorted(i for st in step13 for i in st.rows) == [1300, 1301]
+    assert not [v for v in cr.samples(log, dataset=10**6)["violations"] if "step" in v]
+    # Without the take, the step is half logged, as before.
+    log = cr.parse([line for line in lines if "CHAOS take" not in line])
+    assert cr.complete_steps(log, 0) == set(range(1, 13))
+    assert any(v.get("step") == 13 for v in cr.samples(log, dataset=10**6)["violations"])
+
+
 def test_ranks_with_different_parameters_are_a_mismatch():
     lines = _two_then_one()
     lines[5] = lines[5].replace("h=h3", "h=zz")  # worker 200's digest of step 3

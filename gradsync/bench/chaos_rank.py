@@ -97,6 +97,10 @@ def main(argv=None) -> None:
         mine = list(state.sampler)
         for batch, start in enumerate(range(0, len(mine), options.batch)):
             rows = mine[start:start + options.batch]
+            # What this rank is about to use, before the exchange: a rank lost after the
+            # exchange but before its step line still shows which samples went into the step.
+            print(f"CHAOS take p={pid} g={generation()} r={hvd.rank()} n={hvd.size()} "
+                  f"s={state.step + 1} e={state.epoch} i={','.join(map(str, rows))}", flush=True)
             optimizer.zero_grad()
             loss = (model(features[rows]) - targets[rows]).square().mean()
             loss.backward()

@@ -27,6 +27,14 @@ than once; the run that counts is the one of the newest generation (each later g
 resumes from an earlier generation's commit and runs every step after it). These steps are
 the *lineage*: the training that the final parameters come from. ``SAMPLE_RULE`` is the rule
 their samples must follow; ``samples`` checks it per epoch.
+
+**A step some ranks logged and the others only began.** Each rank logs what it takes before
+the exchange (a ``CHAOS take`` line) and the step after its update. A rank completes a step
+only after the step's exchange, which needs every rank's gradient, so when some ranks of a
+generation logged step ``s`` and each of the others logged only its take of ``s`` (it was
+lost between the exchange and its line), the job completed ``s``, with the others' samples:
+``complete_steps`` and ``lineage`` count it whole. A rank with neither line for ``s`` leaves
+the step incomplete, as before.
 """
 
 from __future__ import annotations
@@ -95,6 +103,9 @@ class Log:
     raised: list[Raised] = field(default_factory=list)
     hellos: dict[str, str] = field(default_factory=dict)
     """worker (its pid) -> its emulated host."""
+    takes: dict[tuple[int, int, int], Step] = field(default_factory=dict)
+    """(generation, step, rank) -> what that rank took for the step, before its exchange (a
+    ``Step`` whose ``wall`` and ``h`` are unknown: nan and "")."""
 
     def add(self, line: str) -> None:
         """Takes one line of the launcher's output; lines that are not a worker's ``CHAOS``
@@ -111,6 +122,11 @@ class Log:
                                    int(values["s"]), int(values["e"]), float(values["wall"]),
                                    values["h"], tuple(int(i) for i in values["i"].split(",")
                                                       if i)))
+        elif kind == "take":
+            take = Step(worker, int(values["g"]), int(values["r"]), int(values["n"]),
+                        int(values["s"]), int(values["e"]), float("nan"), "",
+                        tuple(int(i) for i in values["i"].split(",") if i))
+            self.takes[take.g, take.s, take.r] = take
         elif kind == "raised":
             self.raised.append(Raised(worker, int(values["g"]), float(values["wall"]),
                                       values["what"]))
@@ -198,14 +214,25 @@ def rejoins(log: Log) -> list[dict]:
     return rows
 
 
+def _completed(log: Log, lines: Sequence[Step]) -> list[Step]:
+    """``lines`` (one step of one generation, as logged) with the take of each rank that
+    only began it added, if every missing rank has one (module docstring); else as given."""
+    n, g, s = lines[0].n, lines[0].g, lines[0].s
+    logged = {st.r for st in lines}
+    takes = [log.takes.get((g, s, r)) for r in range(n) if r not in logged]
+    return list(lines) + takes if all(takes) else list(lines)
+
+
 def complete_steps(log: Log, g: int) -> set[int]:
     """The steps of generation ``g`` that every one of its ranks completed (a step some rank
-    did not finish was not completed by the job)."""
-    ranks = defaultdict(set)
+    did not finish was not completed by the job; one it only began, after the exchange, was:
+    module docstring)."""
+    runs = defaultdict(list)
     for st in log.steps:
         if st.g == g:
-            ranks[st.s].add((st.r, st.n))
-    return {s for s, found in ranks.items() if len(found) == next(iter(found))[1]}
+            runs[st.s].append(st)
+    return {s for s, lines in runs.items()
+            if len({st.r for st in _completed(log, lines)}) == lines[0].n}
 
 
 def mismatches(log: Log) -> list[tuple[int, int]]:
@@ -224,7 +251,7 @@ def lineage(log: Log) -> dict[int, list[Step]]:
     newest: dict[int, int] = {}
     for s, g in runs:
         newest[s] = max(g, newest.get(s, g))
-    return {s: runs[s, g] for s, g in sorted(newest.items())}
+    return {s: _completed(log, runs[s, g]) for s, g in sorted(newest.items())}
 
 
 def samples(log: Log, dataset: int) -> dict:
