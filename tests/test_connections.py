@@ -399,9 +399,10 @@ def _check_sockets(n: int, got: dict) -> None:
         # + the heartbeat's links to its ring neighbours (heartbeat.py).
         links = len({(r - 1) % n, (r + 1) % n} - {r})
         # (A dial that crossed another may still be closing when counted, or the heartbeat's
-        # listener still open: one more at most.)
+        # listener still open: one more at most. One fewer: the abort watch's store client or
+        # a heartbeat link, each made by a thread of its own, not up yet on a loaded machine.)
         expected = 3 + len(g["doubling"]["tcp"]) + links
-        assert expected <= g["doubling"]["sockets"] <= expected + 1, (r, g)
+        assert expected - 1 <= g["doubling"]["sockets"] <= expected + 1, (r, g)
         # A sub-world adds its own TCP pairs (and its heartbeat's store client), no listener.
         sub = g["subworld"]
         assert sub["shares_listener"], (r, g)
