@@ -12,6 +12,7 @@ signal to its group reaches everything it started) and is signalled through its 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -57,6 +58,16 @@ class Rank:
     rank: int
     returncode: int
     output: str
+
+
+def worker_results(output: str) -> dict[str, dict]:
+    """Each ``RESULT id=<worker> key=value ...`` line of a job's output, by worker id (the
+    elastic rank scripts end with one)."""
+    found = {}
+    for line in re.findall(r"RESULT (.*)", output):
+        fields = dict(item.split("=", 1) for item in line.split())
+        found[fields.pop("id")] = fields
+    return found
 
 
 def spawn(np_: int, script: str, *args: str, timeout: float = 60, env: dict | None = None,

@@ -13,24 +13,16 @@ import sys
 
 import pytest
 
-from harness import gone, launch, remote_ssh, run_job
+from harness import gone, launch, remote_ssh, run_job, worker_results
 
 pytestmark = pytest.mark.multiprocess
 
 FAST_HEARTBEAT = {"GRADSYNC_HEARTBEAT_TIMEOUT": "3", "GRADSYNC_HEARTBEAT_INTERVAL": "0.5"}
 
 
-def results(output: str) -> dict[str, dict]:
-    found = {}
-    for line in re.findall(r"RESULT (.*)", output):
-        fields = dict(item.split("=", 1) for item in line.split())
-        found[fields.pop("id")] = fields
-    return found
-
-
 def check_consistent(result, workers: list[str], size: int) -> dict[str, dict]:
     assert result.returncode == 0, result
-    got = results(result.output)
+    got = worker_results(result.output)
     assert sorted(got) == sorted(workers), result
     assert sorted(int(r["rank"]) for r in got.values()) == list(range(size)), result
     assert {r["size"] for r in got.values()} == {str(size)}, result

@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from harness import launch
+from harness import launch, worker_results
 
 pytestmark = pytest.mark.multiprocess
 
@@ -45,14 +45,6 @@ def steps(output: str) -> dict[str, list[dict]]:
     return found
 
 
-def results(output: str) -> dict[str, dict]:
-    found = {}
-    for line in re.findall(r"RESULT (.*)", output):
-        fields = dict(item.split("=", 1) for item in line.split())
-        found[fields.pop("id")] = fields
-    return found
-
-
 def longest_gap(lines: list[dict]) -> float:
     """The longest time between two consecutive steps of one worker."""
     return max(b["wall"] - a["wall"] for a, b in zip(lines, lines[1:]))
@@ -61,7 +53,7 @@ def longest_gap(lines: list[dict]) -> float:
 def test_a_slow_new_worker_does_not_stop_the_job(tmp_path):
     result = run("slow", tmp_path, env={"JOIN_SLEEP": "5"})
     out = result.output
-    got = results(out)
+    got = worker_results(out)
     assert sorted(got) == sorted(WORKERS + [JOINER]), result
     assert {r["size"] for r in got.values()} == {"3"}, result
     assert len({r["hash"] for r in got.values()}) == 1, result  # identical parameters
@@ -102,7 +94,7 @@ def test_a_new_worker_that_never_joins_costs_the_job_nothing(tmp_path, mode, lau
     assert "host 127.0.0.1 is blacklisted" in out, result
     assert "JOINER start" in out, result
     assert "JOINER ready" not in out, result
-    got = results(out)
+    got = worker_results(out)
     assert sorted(got) == WORKERS, result
     assert {(r["size"], r["gen"], r["steps"]) for r in got.values()} == {("2", "0", str(count))}
     assert len({r["hash"] for r in got.values()}) == 1, result

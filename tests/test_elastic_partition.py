@@ -22,7 +22,7 @@ import sys
 
 import pytest
 
-from harness import MARK, launch
+from harness import MARK, launch, worker_results
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -129,10 +129,7 @@ def test_a_partitioned_host_that_reconnects_is_fenced_and_told_it_was_excluded(
     assert excluded.startswith(f"EXCLUDED excluded from the job at generation 0: worker "
                                f"{address}[3] (rank 3 of generation 0) sent no heartbeats and "
                                "was killed"), (excluded, result)
-    found = {}
-    for line in re.findall(r"RESULT (.*)", result.output):
-        fields = dict(item.split("=", 1) for item in line.split())
-        found[fields.pop("id")] = fields
+    found = worker_results(result.output)
     assert sorted(found) == ["localhost[0]", "localhost[1]", "localhost[2]"], result
     assert len({r["hash"] for r in found.values()}) == 1, result
     assert all(float(r["refdiff"]) < 1e-5 for r in found.values()), result

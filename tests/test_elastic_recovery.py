@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from harness import launch
+from harness import launch, worker_results
 
 pytestmark = pytest.mark.multiprocess
 
@@ -24,10 +24,7 @@ def run(mode: str, at: int, first: int, env=None):
     result = launch(4, "elastic_redo.py", mode, "2", str(at), str(first), timeout=240,
                     env=env, launcher_args=("--min-np", "2"))
     assert result.returncode == 0, result
-    found = {}
-    for line in re.findall(r"RESULT (.*)", result.output):
-        fields = dict(item.split("=", 1) for item in line.split())
-        found[fields.pop("id")] = fields
+    found = worker_results(result.output)
     assert sorted(found) == SURVIVORS, result
     assert {r["size"] for r in found.values()} == {"3"}, result
     assert len({r["hash"] for r in found.values()}) == 1, result  # identical parameters
