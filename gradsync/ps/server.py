@@ -263,7 +263,11 @@ class Server:
         info = {"version": version, "workers": workers, "state": state}
         pending = {b: self._send(b, g, info) for b in self.view.backups}
         self._step(g)
-        self.meta[0] = version + 1
+        # ``meta`` says version + 1 only once every backup has the update: a worker reads
+        # ``meta`` before ``params`` and tags its next gradient with it, so a tag never names
+        # a version that a backup taking over from a primary lost now could lack. (Its reads
+        # of ``params`` may meanwhile see this update: a gradient tagged older than its
+        # parameters, as any read racing an update in the asynchronous modes.)
         while pending:
             b, (peer, handle) = pending.popitem()
             try:
@@ -287,6 +291,7 @@ class Server:
                 raise Fenced(self.fenced)
             if "stale" in reply and b in self.view.backups:
                 pending[b] = self._send(b, g, info)  # under the newer view, which kept it
+        self.meta[0] = version + 1
 
     def _send(self, b: int, g: np.ndarray, info: dict):
         """Starts forwarding ``g`` to backup ``b``: (peer, handle), or (None, error)."""
