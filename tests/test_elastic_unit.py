@@ -341,3 +341,36 @@ def test_a_new_worker_that_never_joins_is_failed_and_no_generation_lists_it(monk
     # a joiner waiting to be listed stops at its exclusion instead of waiting for ever
     with pytest.raises(ExcludedError, match="excluded from the job"):
         control.wait_newer(0, float("inf"), "c[2]")
+
+
+@pytest.mark.parametrize("formed", [False, True])
+def test_a_generation_that_a_finished_worker_never_joined_is_stopped_not_waited_for(
+        monkeypatch, formed):
+    import signal
+
+    job, members = _growing_job(monkeypatch)
+    control = job.control
+    job._form(first=False)
+    control.announce_ready("c[2]")
+    job._watch_new()
+    job._form(first=False)  # generation 1: a[0], b[1], c[2]
+    assert control.generation() == 1
+    joiner = job.state.members[2]
+    if formed:  # the generation's address table is out: b[1] trained in it
+        control.world_store(1).set("peers", "table")
+    # b[1] finished the job in generation 0, before it saw generation 1
+    members[1].rank.proc = types.SimpleNamespace(poll=lambda: 0, returncode=0)
+    assert job._watch() is False and job.state.finishing
+    job._end_unformed()
+    if formed:  # the others finish with it: nobody is stopped
+        assert not joiner.retired and joiner.rank.signals == []
+        return
+    # c[2] would wait for b[1] until the elastic timeout: stopped, not failed; a[0] passed
+    # the same commits as b[1] and finishes in generation 0 too
+    assert joiner.retired and joiner.rank.signals == [signal.SIGTERM]
+    assert not joiner.failed and job.blacklist == {}
+    assert not members[0].retired and members[0].rank.signals == []
+    members[0].rank.proc = types.SimpleNamespace(poll=lambda: 0, returncode=0)
+    joiner.rank.proc = types.SimpleNamespace(poll=lambda: -15, returncode=-15)
+    job._watch()
+    assert job._loop_end() == (0, None)  # the stopped joiner is no failure

@@ -36,9 +36,10 @@ who the workers are and in which rank order. Its loop, every ``_POLL`` seconds:
    error naming the workers left and the blacklisted hosts. More than ``--reset-limit``
    re-formations: the job ends with an error. Either way the reason is written to the store
    (``failed``), which workers waiting for a generation raise as ``ElasticJobFailed``.
-5. **End.** Once a worker has exited 0 the job is finishing: no more re-formations. The job
-   ends when every worker has exited: status 0 when the last generation's workers all exited
-   0, else the first failure's status.
+5. **End.** Once a worker has exited 0 the job is finishing: no more re-formations, and the
+   new workers of a generation that the finished worker never joined are stopped (they would
+   wait for it). The job ends when every worker has exited: status 0 when the last
+   generation's workers all exited 0 (those stopped aside), else the first failure's status.
 
 Hosts are the unit of failure, as in Horovod, except in a job given neither ``-H`` nor a
 discovery script: that job runs on this machine alone, so there a failed worker leaves alone
@@ -270,16 +271,51 @@ class _ElasticJob:
             elif st.finishing:
                 for worker in self._alive(self.pending):
                     self._retire(worker, "the job is finishing")
+                self._end_unformed()
             elif changed or grow or self.pending or \
                     len(self._alive(st.members)) < len(st.members):
                 done = self._form(first=False, now=changed)
                 if done is not None:
                     return done
-            if self.workers and all(w.rank.proc.poll() is not None for w in self.workers):
-                if st.members and all(w.rank.proc.returncode == 0 for w in st.members):
-                    return 0, None
-                return st.first_failure or 1, "the elastic job ended with failed workers"
+            end = self._loop_end()
+            if end is not None:
+                return end
             time.sleep(_POLL)
+
+    def _loop_end(self) -> tuple[int, str | None] | None:
+        """The job's status once every worker has exited (None before): 0 when the last
+        generation's workers all exited 0 (those the launcher stopped aside)."""
+        st = self.state
+        if not self.workers or any(w.rank.proc.poll() is None for w in self.workers):
+            return None
+        ended = [w for w in st.members if not w.retired]
+        if ended and all(w.rank.proc.returncode == 0 for w in ended):
+            return 0, None
+        return st.first_failure or 1, "the elastic job ended with failed workers"
+
+    def _end_unformed(self) -> None:
+        """Stops the new workers of a newest generation that can never form: one of its
+        members exited 0 (it finished training in an older generation, before it saw this
+        one), and the new workers would wait for it until the elastic timeout. They have
+        trained nothing, so nothing is lost. Only when the generation's address table is
+        unpublished (a member that trained in it has read it). Its other old members finish
+        in the older generation as the one that exited did: they passed the same commits,
+        whose host check is one broadcast, so they saw no newer generation either."""
+        st = self.state
+        done = [w for w in st.members if not w.retired and w.rank.proc.poll() == 0]
+        older = set(map(id, self._generation_members.get(st.gen - 1, ())))
+        new = [w for w in self._alive(st.members) if id(w) not in older]
+        if not done or not new:
+            return
+        try:
+            formed = self.control.world_store(st.gen).check("peers")
+        except (RuntimeError, OSError):
+            return  # the store is ours: the next poll asks again
+        if formed:
+            return
+        for worker in new:
+            self._retire(worker, f"the job is finishing: worker {done[0].id} ended before "
+                                 f"generation {st.gen} formed, which cannot form without it")
 
     # ------------------------------------------------------------------ watching
     def _alive(self, workers: list[_Worker]) -> list[_Worker]:

@@ -20,7 +20,7 @@ none yet); p the worker's process id.
 LOST wall=<time.time()>: when a survivor caught the lost peer it recovered from (printed at
 the next START; ``state.last_recovery.failed``).
 PLAN action=<go_on|rollback> updates=<u> lost=<l>: the recovery's plan (printed at START).
-$ELASTIC_ROLLBACK (default auto): the state's ``rollback``.
+$ELASTIC_ROLLBACK (default auto): the state's ``rollback``. $TRAIN_UNTIL_SIZE: see below.
 FIRSTSTEP wall=<time.time()>: the first completed step after a re-formation.
 DYING wall=<time.time()>: the victim, just before it fails.
 """
@@ -47,7 +47,10 @@ BATCH = 4
 dataset, model, optimizer, state = common.elastic_job(
     hvd, features=8, samples=96, target=torch.sin,
     optimizer=lambda params: torch.optim.Adam(params, lr=0.01), batch_size=BATCH, seed=7,
-    epoch=0, batch=0, steps=0, grow_to=0, shrink_below=0)
+    epoch=0, batch=0, steps=0, shrink_below=0,
+    # $TRAIN_UNTIL_SIZE: training goes on past the epochs until the job has that many workers
+    # (a replacement started after a loss has joined)
+    grow_to=int(os.environ.get("TRAIN_UNTIL_SIZE", "0")))
 recovered = {"pending": False}
 
 
