@@ -75,8 +75,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", default="1gbit", help="each host link's rate (tc)")
     p.add_argument("--delay", help="each host link's one-way delay (needs the kernel's netem; "
                                    "default none)")
-    p.add_argument("--cooldown", type=float, default=10.0,
-                   help="--blacklist-cooldown of the job: seconds a failed host stays out")
+    p.add_argument("--cooldown", type=float, default=2.0,
+                   help="--blacklist-cooldown of the job: seconds a failed host stays out "
+                        "(default 2: the soak's faults are one at a time, not a flapping host)")
     p.add_argument("--phase-deadline", type=float, default=120.0,
                    help="seconds each phase may take before it counts as a hang")
     p.add_argument("--seed", type=int, default=0, help="draws the faults' targets")

@@ -112,8 +112,10 @@ def main(argv=None) -> None:
                   f"s={state.step} e={state.epoch} wall={time.time():.6f} h={_digest(model)} "
                   f"i={','.join(map(str, rows))}", flush=True)
             if state.step % options.commit_every == 0:
-                state.done = stop_agreed()
+                # The commit first: a failure in the stop broadcast then rolls back to a commit
+                # of this very step (nothing lost); before it, to the previous commit.
                 state.commit()
+                state.done = stop_agreed()
                 if state.done:
                     return
         state.epoch += 1
