@@ -43,6 +43,7 @@ import hashlib
 import hmac
 import logging
 import os
+import select
 import socket
 import struct
 import threading
@@ -620,6 +621,21 @@ class Listener:
             self._thread.join(timeout=5)
 
 
+def _await(sock: socket.socket, alive: Callable[[], None]) -> None:
+    """Waits until ``sock`` has bytes to read (or ``HANDSHAKE_TIMEOUT`` passed: the read
+    that follows then times out), calling ``alive`` every 0.1 s: a handshake with a live but
+    busy peer must not hide an abort posted meanwhile (a peer lost elsewhere in the job)
+    for the handshake's whole timeout."""
+    end = time.monotonic() + HANDSHAKE_TIMEOUT
+    poller = select.poll()  # not select(): it fails on descriptors past 1023
+    poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+    while True:
+        left = end - time.monotonic()
+        if left <= 0 or poller.poll(min(left, 0.1) * 1000):
+            return
+        alive()
+
+
 def connect(addr: str, port: int, rank: int, peer: int, secret: bytes, job: str,
             deadline: float, alive: Callable[[], None] = lambda: None,
             crossing: bool = False) -> "socket.socket | None":
@@ -654,10 +670,12 @@ def connect(addr: str, port: int, rank: int, peer: int, secret: bytes, job: str,
             delay = min(delay * 2, 0.5)
     try:
         jobb = job.encode()
+        _await(sock, alive)
         nonce_a = _recv_frame(sock, frame.Kind.HELLO)
         nonce_c = os.urandom(_NONCE)
         mac = _mac(secret, b"connect", jobb, nonce_a, str(rank).encode(), nonce_c)
         _send_frame(sock, frame.Kind.PROOF, _PROOF.pack(rank, nonce_c, mac))
+        _await(sock, alive)
         kind, reply = _recv_frame_kind(sock, frame.Kind.WELCOME, frame.Kind.REJECT)
         if kind == frame.Kind.REJECT and crossing and reply and hmac.compare_digest(
                 reply, _mac(secret, b"busy", jobb, nonce_c, str(peer).encode())):
