@@ -203,12 +203,15 @@ def test_a_peer_lost_before_its_first_contact_among_64_is_named_by_every_rank(tm
     """The victim dies right after init(); the others' first collective needs every peer, so
     it meets the dead one (with connections made on first use: while connecting to it).
 
-    Checked within 30 s, not the issue's 5 s (issue 27, open): on 2 cores the last survivor
-    named the victim 10-11 s after the kill in one run and within 5 s in the next; the slow
-    case's first detection takes about tcp.HANDSHAKE_TIMEOUT, not yet explained.
+    Within the issue's 5 s of the kill (1 s of it the script's sleep before the collective;
+    the victim dies once every rank's init() returned, counted in the store). The last
+    survivor took 5-11 s while a wait's first round dialed all its peers before any liveness
+    check (tcp handshakes of 60 peers on 2 cores) and a handshake with a busy peer hid the
+    abort (and while the victim died before the slowest ranks' init() had returned); 1.0-1.4 s
+    since the checks run between dials and during handshakes.
     """
     job = forked(64, 4, "scale_faults.py", "lost", "21", tmp_path=tmp_path, timeout=240)
-    check_every_survivor_names(job, 21, within=30.0)
+    check_every_survivor_names(job, 21, within=5.0)
 
 
 def test_every_pair_first_talks_at_once_among_64_and_all_is_correct(tmp_path):

@@ -200,16 +200,23 @@ def wait_all(ops: Sequence["Send | Recv | Settle"], deadline: float,
         what: describes the wait for error messages (called with ``what_args`` only on the
             error path).
     """
-    pending = [op for op in ops if not op.advance()]
-    if not pending:
-        return
+    pending = list(ops)  # the loop's first round is every op's first advance
     started = time.monotonic()
     next_idle = started + 0.05
     idle_rounds = 0
     nap = 1e-6
     while pending:
         before = _moved(pending)
-        still = [op for op in pending if not op.advance()]
+        still = []
+        for i, op in enumerate(pending):
+            if not op.advance():
+                still.append(op)
+            if i + 1 < len(pending) and time.monotonic() >= next_idle:
+                # A long round (the first advance of a pair made on demand dials and
+                # authenticates its peer): the liveness checks run between its ops too, so a
+                # peer known dead or an abort is seen now, not after the round's last dial.
+                _look(still + pending[i + 1:], on_idle, started)
+                next_idle = time.monotonic() + 0.05
         progressed = len(still) != len(pending) or _moved(still) != before
         pending = still
         if not pending:
@@ -223,9 +230,7 @@ def wait_all(ops: Sequence["Send | Recv | Settle"], deadline: float,
             if now >= deadline:
                 raise GradsyncTimeoutError(f"timed out after {now - started:.1f}s waiting for "
                                            f"{what(*what_args)}")
-            for op in pending:
-                op.pair.check_alive()
-            on_idle(now - started)
+            _look(pending, on_idle, started)
             next_idle = now + 0.05
         if all(op.pair.fileno >= 0 for op in pending):
             # Only sockets: sleep in the kernel until one is ready (or it is time to look up).
@@ -240,6 +245,14 @@ def wait_all(ops: Sequence["Send | Recv | Settle"], deadline: float,
         else:
             time.sleep(nap)
             nap = min(nap * 2, _MAX_NAP)
+
+
+def _look(ops, on_idle: Callable[[float], None], started: float) -> None:
+    """The waits' liveness checks: each pair's own (a same-host peer's process), then the
+    job's (``on_idle``: the abort record, a peer the heartbeats found lost)."""
+    for op in ops:
+        op.pair.check_alive()
+    on_idle(time.monotonic() - started)
 
 
 def _moved(ops) -> int:

@@ -2,7 +2,7 @@
 
     scale_faults.py kill VICTIM      VICTIM SIGKILLs itself while every other rank waits in
                                      an allreduce for it
-    scale_faults.py lost VICTIM      VICTIM SIGKILLs itself right after init(), before any
+    scale_faults.py lost VICTIM      VICTIM SIGKILLs itself once every init() returned, before any
                                      collective: the others' first collective (an alltoall,
                                      which needs every peer) meets a peer that is gone
     scale_faults.py first-use        an alltoall first of all (every pair's first message, every
@@ -36,6 +36,7 @@ if mode == "secret":  # set before init reads it; the secret guards every TCP co
     os.environ["GRADSYNC_SECRET"] = ("ab" if os.environ["RANK"] == sys.argv[2] else "cd") * 32
 
 import gradsync as gs  # noqa: E402
+from gradsync import job  # noqa: E402
 
 R = int(os.environ["RANK"])
 
@@ -84,7 +85,14 @@ try:
         print(f"RESULT rank={R} ok: no error", flush=True)
     elif mode == "lost":
         victim = int(sys.argv[2])
+        # The victim dies once every rank's init() has returned (counted in the store, which
+        # is no peer contact): on 2 cores the last init ends seconds after the first, and a
+        # rank still in init() cannot be inside the collective whose detection is measured.
+        store = job.world().store
+        store.add("lost/inited", 1)
         if R == victim:
+            while int(store.add("lost/inited", 0)) < N:
+                time.sleep(0.01)
             die()
         time.sleep(1)
         gs.alltoall(np.full((N, 1), R, dtype=np.int32), name="meets the lost peer")
