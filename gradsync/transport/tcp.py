@@ -39,6 +39,7 @@ route's job is dropped as a wrong secret.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import logging
@@ -50,7 +51,8 @@ import threading
 import time
 from typing import Callable
 
-from ..errors import AuthenticationError, GradsyncTimeoutError, PeerLostError, ProtocolError
+from ..errors import AuthenticationError, GradsyncError, GradsyncTimeoutError, PeerLostError, \
+    ProtocolError
 from . import frame
 from . import splice as _splice
 from .base import Pair, Recv, Send, Settle
@@ -621,6 +623,43 @@ class Listener:
             self._thread.join(timeout=5)
 
 
+def _open(addr: str, port: int, alive: Callable[[], None]) -> socket.socket:
+    """``socket.create_connection`` with ``HANDSHAKE_TIMEOUT``, except that the wait for the
+    peer's kernel to answer calls ``alive`` every 0.1 s: a peer whose accept queue is full
+    drops the SYN, and the kernel's retries (1 s, then 3 s) must not hide an abort."""
+    error: OSError = OSError(f"no address for {addr}")
+    for family, kind, proto, _, address in socket.getaddrinfo(addr, port, 0,
+                                                              socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            code = sock.connect_ex(address)
+            if code not in (0, errno.EINPROGRESS):
+                raise OSError(code, os.strerror(code))
+            poller = select.poll()
+            poller.register(sock, select.POLLOUT | select.POLLERR | select.POLLHUP)
+            end = time.monotonic() + HANDSHAKE_TIMEOUT
+            while not poller.poll(100):
+                if time.monotonic() > end:
+                    raise socket.timeout("timed out")
+                alive()
+            code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if code:
+                raise OSError(code, os.strerror(code))
+            sock.settimeout(HANDSHAKE_TIMEOUT)
+            return sock
+        except GradsyncError:  # from alive (GradsyncTimeoutError is an OSError too)
+            sock.close()
+            raise
+        except OSError as exc:
+            sock.close()
+            error = exc
+        except BaseException:
+            sock.close()
+            raise
+    raise error
+
+
 def _await(sock: socket.socket, alive: Callable[[], None]) -> None:
     """Waits until ``sock`` has bytes to read (or ``HANDSHAKE_TIMEOUT`` passed: the read
     that follows then times out), calling ``alive`` every 0.1 s: a handshake with a live but
@@ -652,8 +691,10 @@ def connect(addr: str, port: int, rank: int, peer: int, secret: bytes, job: str,
     refused_since = None
     while True:
         try:
-            sock = socket.create_connection((addr, port), timeout=HANDSHAKE_TIMEOUT)
+            sock = _open(addr, port, alive)
             break
+        except GradsyncError:
+            raise  # the job's abort, seen by alive
         except OSError as exc:
             now = time.monotonic()
             if crossing and isinstance(exc, ConnectionRefusedError):
@@ -688,6 +729,7 @@ def connect(addr: str, port: int, rank: int, peer: int, secret: bytes, job: str,
                                       f"the same GRADSYNC_SECRET and job id?")
     except (ProtocolError, OSError) as exc:
         sock.close()
+        alive()  # the peer may have closed because the job was aborted: that error first
         raise PeerLostError(f"rank {rank}: handshake with rank {peer} at {addr}:{port} failed: "
                             f"{exc}", peer=peer) from None
     except BaseException:
