@@ -192,6 +192,7 @@ class AbortWatch:
 
 
 _exiting = threading.Event()
+_EXIT_JOIN_S = 30.0  # the longest the exit waits for the woken threads (usually milliseconds)
 
 
 @atexit.register
@@ -216,7 +217,11 @@ def _wake_all() -> None:
                 except OSError:
                     pass
                 sock.close()
-        end = time.monotonic() + 2.0
+        # Until each thread is back in Python and done: one that comes back after the
+        # interpreter began to finalize aborts the process (SIGABRT at the end of a job that
+        # succeeded). Woken threads need only a few milliseconds of CPU, but on a loaded host
+        # (64 ranks on 2 cores at the end of an elastic job) 2 s were not always enough.
+        end = time.monotonic() + _EXIT_JOIN_S
         for watch in watches:
             watch._thread.join(max(0.0, end - time.monotonic()))
     finally:
