@@ -42,6 +42,8 @@ def check_counts(result, survivors: list[str], size: int) -> None:
     assert sorted(got) == sorted(survivors), result
     for r in got.values():
         assert (r["size"], r["low"], r["high"]) == (str(size), str(EPOCHS), str(EPOCHS)), result
+    # The data servers ended when told, after the last worker: neither stopped nor failed.
+    assert "still running" not in result.output and "(data server" not in result.output, result
 
 
 def check_trained_once(result) -> None:
