@@ -22,10 +22,10 @@ pytestmark = pytest.mark.multiprocess
 SAMPLES, EPOCHS = 103, 2
 
 
-def run(workers: int, mode: str, *args: str, launcher=(), env=None):
+def run(workers: int, mode: str, *args: str, launcher=(), env=None, status=0):
     result = launch(workers, "data_elastic.py", mode, str(EPOCHS), *args, timeout=240,
                     env=env, launcher_args=("--data-servers", "2", *launcher))
-    assert result.returncode == 0, result
+    assert result.returncode == status, result
     return result
 
 
@@ -37,13 +37,14 @@ def trained(output: str) -> dict[int, Counter]:
     return found
 
 
-def check_counts(result, survivors: list[str], size: int) -> None:
+def check_counts(result, survivors: list[str], size: int, servers_failed: bool = False) -> None:
     got = worker_results(result.output)
     assert sorted(got) == sorted(survivors), result
     for r in got.values():
         assert (r["size"], r["low"], r["high"]) == (str(size), str(EPOCHS), str(EPOCHS)), result
     # The data servers ended when told, after the last worker: neither stopped nor failed.
-    assert "still running" not in result.output and "(data server" not in result.output, result
+    assert "still running" not in result.output, result
+    assert ("(data server" in result.output) == servers_failed, result
 
 
 def check_trained_once(result) -> None:
@@ -79,6 +80,16 @@ def test_a_worker_killed_mid_epoch_with_rollback_always_goes_back_to_the_commit(
                  env={"ELASTIC_ROLLBACK": "always"})
     assert "PLAN action=rollback updates=4" in result.output, result
     check_counts(result, ["localhost[0]", "localhost[1]"], 2)
+
+
+def test_a_lost_data_servers_share_is_served_by_the_other_and_the_job_goes_on():
+    # Worker 0 SIGKILLs data server 0 in step 4; the job keeps its 2 workers, which take the
+    # lost server's batches from data server 1. The job's status is the data server's.
+    result = run(2, "killserver", "0", "3", launcher=("--min-np", "2"), status=137)
+    assert "rank 2 (data server 0)" in result.output, result
+    assert "data server 0 failed earlier" in result.output, result
+    check_counts(result, ["localhost[0]", "localhost[1]"], 2, servers_failed=True)
+    check_trained_once(result)
 
 
 def test_a_new_worker_takes_a_share_of_the_rest_of_the_epoch(tmp_path):

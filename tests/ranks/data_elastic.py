@@ -15,7 +15,8 @@ in lockstep without ``hvd.join()``.
 
 MODE: fixed (no failure); kill (the worker whose first rank is VICTIM SIGKILLs itself after
 the forward of step AT + 1 of generation 0: the others wait in that step's gradient
-allreduce); join (worker 0 appends $GROW_HOST, default ``127.0.0.1:1``, to $HOSTS_FILE after
+allreduce); killserver (the worker whose first rank is VICTIM SIGKILLs data server 0 in step
+AT + 1); join (worker 0 appends $GROW_HOST, default ``127.0.0.1:1``, to $HOSTS_FILE after
 step AT of generation 0: the launcher starts a new worker there; worker 0 holds the next
 commit until the launcher has listed it, so it joins there).
 $ELASTIC_ROLLBACK (default auto): the state's ``rollback``.
@@ -105,6 +106,8 @@ def train(state):
                 loss = model.counts.sum() * 0.0
             if me and mode == "kill" and worker.generation() == 0 and state.steps == at:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if me and mode == "killserver" and state.steps == at and 0 not in loader.lost:
+                os.kill(loader.peers[0].pid, signal.SIGKILL)
             loss.backward()
             optimizer.step()
             state.steps += 1
