@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .plan import pack_mask, plan, unpack_mask, worker_batches
+from .plan import STATE_VERSION, pack_mask, plan, unpack_mask, worker_batches
 
 __all__ = ["LoaderState", "live_state"]
 
@@ -125,8 +125,6 @@ def live_state(samples: int, batch_size: int, seed: int, servers: int,
     Returns:
         A state dict as ``Loader.state_dict()`` makes it.
     """
-    from .loader import STATE_VERSION
-
     survivors = [v for v in views if v is not None]
     if not survivors:
         raise ValueError("live_state: no member reported a position (no survivor)")

@@ -36,11 +36,10 @@ import numpy as np
 from ..errors import ConfigError, GradsyncError, PeerLostError
 from ..transport import region_peer
 from .layout import Layout
-from .plan import Batch, pack_mask, plan, unpack_mask, worker_batches
+from .plan import STATE_VERSION, Batch, pack_mask, plan, unpack_mask, worker_batches
 
 __all__ = ["Loader", "STATE_VERSION"]
 
-STATE_VERSION = 1
 _END = object()  # the fetch thread's last item of an epoch
 _ADOPT_PIECE = 256  # batches handed to a data server per control message
 _TRANSFERS_KEPT = 4096  # batches whose fetch times ``transfers()`` keeps
