@@ -19,7 +19,8 @@ from there: the rest of an interrupted epoch is served without repeating a sampl
 
 Worker 0 prints each epoch's mean loss and test accuracy, then the data servers' counters
 (batches prepared, cache hits and misses), and exits 1 if the final accuracy is below
-``--target``.
+``--target``. ``examples/data_servers_elastic.py`` trains the same in an elastic job that
+loses a worker.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from .rendezvous import Store
 from .transport import regions
 from .world import listen_addr
 
-__all__ = ["open_store", "publish", "connect_servers"]
+__all__ = ["open_store", "publish", "connect_servers", "unique_id"]
 
 
 def open_store(config, env) -> Store:
@@ -40,11 +40,17 @@ def publish(store: Store, service: str, index: int, endpoint: regions.Endpoint) 
     this key): its address, port and host name."""
     store.set(f"{service}/server/{index}", json.dumps({"addr": endpoint.addr,
                                                        "port": endpoint.port,
-                                                       "host": endpoint.host}))
+                                                       "host": endpoint.host,
+                                                       "ident": endpoint.ident}))
+
+
+def unique_id(store: Store, service: str) -> int:
+    """An endpoint id for ``service`` that no other worker of the job has had (0, 1, ...)."""
+    return store.add(f"{service}/worker-ids", 1) - 1
 
 
 def connect_servers(config, env, store: Store, service: str, first_rank: int, count: int,
-                    noun: str) -> tuple[regions.Endpoint, list]:
+                    noun: str, ident: int | None = None) -> tuple[regions.Endpoint, list]:
     """This worker's endpoint for ``service`` and a connection to each of its servers.
 
     Args:
@@ -54,6 +60,8 @@ def connect_servers(config, env, store: Store, service: str, first_rank: int, co
             store keys' prefix.
         first_rank, count: the servers are ranks ``first_rank .. first_rank + count - 1``.
         noun: how messages name a server, as ``"data server"``.
+        ident: this worker's endpoint id (default: its rank; ``unique_id`` in an elastic
+            job).
 
     Returns:
         The endpoint and the connections (``region_peer.RemotePeer``), in server order. On
@@ -61,15 +69,18 @@ def connect_servers(config, env, store: Store, service: str, first_rank: int, co
         as gone.
     """
     secret = env.secret or store.read_secret()
-    endpoint = regions.Endpoint(env.rank, env.hostname, secret, f"{env.job_id}.{service}",
+    ident = env.rank if ident is None else ident
+    endpoint = regions.Endpoint(ident, env.hostname, secret, f"{env.job_id}.{service}",
                                 addr=listen_addr(config, env), timeout=config.timeout,
-                                direct=config.transport != "tcp", label=f"worker {env.rank}")
+                                direct=config.transport != "tcp", label=f"worker {ident}")
     deadline = time.monotonic() + config.connect_timeout
     peers = []
     try:
         for index in range(count):
             info = json.loads(store.get(f"{service}/server/{index}", config.connect_timeout))
-            rank = first_rank + index
+            # The server's own endpoint id (its launch rank), which a worker started with
+            # another job size (an elastic job's new worker) could not compute.
+            rank = info.get("ident", first_rank + index)
             peers.append(endpoint.connect(rank, info["addr"], info["port"], deadline,
                                           f"{noun} {index} (rank {rank})"))
     except BaseException:

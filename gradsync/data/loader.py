@@ -17,7 +17,9 @@ a step covers that step's batch). ``state_dict()`` gathers every worker's delive
 new job makes that epoch serve only the samples not yet delivered, in the same order, at any
 number of workers and data servers. ``reset()`` does the same within a job whose workers
 re-formed (elastic mode): each data server cuts the worker's stream where it stands and plans
-the rest of the epoch for the new generation (``server.py``).
+the rest of the epoch for the new generation (``server.py``). In ``hvd.elastic``'s loop the
+Loader is part of the elastic state (``TorchState(model, optimizer, loader=loader)``), which
+calls ``state_dict()`` at each commit and ``reset()`` at each re-formation (``elastic.py``).
 """
 
 from __future__ import annotations
@@ -31,14 +33,13 @@ import time
 
 import numpy as np
 
-from ..errors import ConfigError, PeerLostError
+from ..errors import ConfigError, GradsyncError, PeerLostError
 from ..transport import region_peer
 from .layout import Layout
-from .plan import Batch, pack_mask, plan, unpack_mask, worker_batches
+from .plan import STATE_VERSION, Batch, pack_mask, plan, unpack_mask, worker_batches
 
 __all__ = ["Loader", "STATE_VERSION"]
 
-STATE_VERSION = 1
 _END = object()  # the fetch thread's last item of an epoch
 _ADOPT_PIECE = 256  # batches handed to a data server per control message
 _TRANSFERS_KEPT = 4096  # batches whose fetch times ``transfers()`` keeps
@@ -83,22 +84,30 @@ class Loader:
             raise ConfigError("this job has no data servers: start it with 'gradsync run -np W "
                               "--data-servers D ...' or export GRADSYNC_DATA_SERVERS=D on every "
                               "rank (the last D ranks serve data)")
-        if env.elastic_id is not None:
-            raise ConfigError("data servers do not support elastic jobs yet (docs/data.md)")
         api.init()
-        config = job.world().config
+        world = job.world()
+        config = world.config
         self.samples, self.batch_size, self.seed = len(dataset), batch_size, seed
         self.prefetch = config.data_prefetch if prefetch is None else int(prefetch)
         if self.prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
         self.rank, self.workers, self.servers = env.rank, env.workers, env.data_servers
+        self.elastic = env.elastic_id is not None
+        self.generation = 0  # of the job's membership: ``reset``
+        if self.elastic:
+            # An elastic worker's place is its generation's (``init()`` joined one); the
+            # launch variables only say how the process was started. Its generation is the
+            # job's, so that a new worker and the survivors name the same one.
+            from ..elastic import worker
+
+            self.rank, self.workers = world.rank, world.size
+            self.generation = worker.generation()
         self.epoch = 0
         self._resume: dict[int, np.ndarray] = {}
         self._active: _Epoch | None = None
         self._finished: tuple[int, list[np.ndarray]] | None = None  # last epoch: (e, ids)
         self._seq = [0] * self.servers  # next sequence number of this worker's stream
         self.lost: set[int] = set()  # data servers this worker has lost
-        self.generation = 0  # of the job's membership: ``reset``
         # (take seconds, of which waited, read seconds, bytes) of the latest batches
         self._transfers: collections.deque = collections.deque(maxlen=_TRANSFERS_KEPT)
         self._closed = False
@@ -107,10 +116,14 @@ class Loader:
         atexit.register(self.close)
 
     def _connect(self, env, config) -> None:
-        from ..server_links import connect_servers, open_store
+        from ..server_links import connect_servers, open_store, unique_id
 
-        self.endpoint, self.peers = connect_servers(config, env, open_store(config, env), "data",
-                                                    env.size, self.servers, "data server")
+        store = open_store(config, env)
+        # The id the data servers know this worker by: its rank, or in an elastic job (where
+        # ranks change and new workers come) a number no other worker of the job has had.
+        self.ident = unique_id(store, "data") if self.elastic else env.rank
+        self.endpoint, self.peers = connect_servers(config, env, store, "data", env.size,
+                                                    self.servers, "data server", self.ident)
         hello = {"batch_size": self.batch_size, "seed": self.seed, "samples": self.samples,
                  "prefetch": self.prefetch}
         try:
@@ -120,7 +133,7 @@ class Loader:
             raise
         self.layout = Layout(replies[0]["layout"])
         self.slot_bytes = replies[0]["slot_bytes"]
-        self.slots = [p.region(f"slots.{self.rank}") for p in self.peers]
+        self.slots = [p.region(f"slots.{self.ident}") for p in self.peers]
 
     @property
     def ids(self) -> np.ndarray | None:
@@ -202,9 +215,12 @@ class Loader:
         while remaining:
             live = [d for d in range(self.servers) if d not in self.lost]
             if not live:
-                raise PeerLostError(f"worker {self.rank} lost every data server "
-                                    f"({self.servers}); no one is left to serve the data",
-                                    peer=None)
+                message = (f"worker {self.rank} lost every data server ({self.servers}); no "
+                           "one is left to serve the data")
+                if self.elastic:
+                    # Not a lost worker: re-forming the job would not bring data back.
+                    raise GradsyncError(message)
+                raise PeerLostError(message, peer=None)
             first = len(handed)
             chosen: dict[int, list[Batch]] = {}
             for b in remaining:
@@ -292,16 +308,22 @@ class Loader:
         took to read into the worker's buffer, and their number."""
         return list(self._transfers)
 
-    def reset(self, rank: int, workers: int, state: dict) -> None:
+    def reset(self, rank: int, workers: int, state: dict, generation: int | None = None
+              ) -> None:
         """The job's membership changed (an elastic job re-formed): this worker is now
-        ``rank`` of ``workers``, and the data roll back to ``state``, the ``state_dict()``
-        of the last commit.
+        ``rank`` of ``workers``, and the data go on from ``state``: the ``state_dict()`` of
+        the last commit, or the live state a recovery without roll-back agreed on
+        (``elastic.py``).
 
-        What this worker had taken since is dropped (its model rolls back too), and the
-        next ``iter()`` re-plans the rest of ``state``'s epoch for the new number of
-        workers: every sample not delivered at the commit, a lost worker's share included,
-        goes to exactly one worker of the new generation. Every worker of the new generation
-        calls it, with the same ``state``, before iterating.
+        What this worker had taken and not delivered in ``state`` is dropped, and the next
+        ``iter()`` re-plans the rest of ``state``'s epoch for the new number of workers:
+        every sample not delivered in ``state``, a lost worker's share included, goes to
+        exactly one worker of the new generation. Every worker of the new generation calls
+        it, with the same ``state`` and ``generation``, before iterating.
+
+        Args:
+            generation: the new generation's number, above every earlier one (default: this
+                worker's last plus one; ``hvd.elastic`` passes the job's).
         """
         if self._active is not None:
             # Stop the fetch thread before reading where the streams stand: a take in
@@ -310,9 +332,49 @@ class Loader:
             self._active.join(self._timeout)
             self._active = None
         self.rank, self.workers = int(rank), int(workers)
-        self.generation += 1
+        self.generation = self.generation + 1 if generation is None else int(generation)
         self._finished = None
         self.load_state_dict(state)
+
+    def position(self) -> dict:
+        """Where this worker stands (no message): the epoch, the batches of it delivered
+        (``acked``, their samples as a mask in ``delivered``), the samples of the batch in
+        hand (``hand``, or None), and the plan they come from (the samples done when the
+        epoch started, ``start``; the number of ``workers`` and this worker's ``place``).
+        A recovery without roll-back gathers every survivor's (``elastic.live_state``)."""
+        run = self._active
+        delivered = np.zeros(self.samples, dtype=bool)
+        if run is None:
+            start = self._resume.get(self.epoch)
+            return {"epoch": self.epoch, "acked": 0, "delivered": pack_mask(delivered),
+                    "hand": None, "start": pack_mask(start) if start is not None else None,
+                    "workers": self.workers, "place": self.rank}
+        delivered[_ids(run.delivered)] = True
+        return {"epoch": run.epoch, "acked": len(run.delivered),
+                "delivered": pack_mask(delivered),
+                "hand": run.in_hand.tolist() if run.in_hand is not None else None,
+                "start": pack_mask(run.done) if run.done is not None else None,
+                "workers": self.workers, "place": self.rank}
+
+    def local_state(self) -> dict:
+        """``state_dict()`` of a worker that has not started iterating, without a message:
+        the epoch it will serve and what a ``load_state_dict`` marked done in it. (An elastic
+        state's first save, which a new worker makes while the others train.)"""
+        if self._active is not None:
+            raise RuntimeError("local_state() while an epoch is being iterated: use "
+                               "state_dict(), a collective")
+        done = self._resume.get(self.epoch)
+        return {"version": STATE_VERSION, "samples": self.samples,
+                "batch_size": self.batch_size, "seed": self.seed, "epoch": self.epoch,
+                "done": pack_mask(done) if done is not None and done.any() else None}
+
+    def elastic_handler(self):
+        """The object that keeps this Loader's position in an elastic state: give the Loader
+        to ``hvd.elastic.TorchState(model, optimizer, loader=loader)`` (or an ``ObjectState``)
+        and its position commits, rolls back and goes on with the model (``elastic.py``)."""
+        from .elastic import LoaderState
+
+        return LoaderState(self)
 
     # ------------------------------------------------------------------ the servers
     def stats(self) -> list[dict]:
@@ -322,7 +384,8 @@ class Loader:
                                  if d not in self.lost])
 
     def close(self) -> None:
-        """Disconnects from the data servers (they end when every worker has)."""
+        """Disconnects from the data servers (they end when every worker has; in an elastic
+        job, when the launcher says the job is over)."""
         if self._closed:
             return
         self._closed = True

@@ -32,7 +32,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Batch", "order", "plan", "worker_batches", "pack_mask", "unpack_mask"]
+__all__ = ["Batch", "order", "plan", "worker_batches", "pack_mask", "unpack_mask",
+           "STATE_VERSION"]
+
+STATE_VERSION = 1
+"""The version of the state dicts a Loader makes (``state_dict``) and reads: the epoch and a
+``pack_mask`` of its delivered samples, with the Loader's samples, batch size and seed."""
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,11 @@ across epochs but the same for a seed whatever the number of servers, workers or
 
 Failures: a sample that the dataset or transform cannot prepare fails every later ``take``
 with an error naming it (the workers raise it). A worker whose connection ends is done with
-this server; the server ends when every worker has connected and gone. When the job's
+this server; the server ends when every worker has connected and gone. In an elastic job
+(``gradsync run --min-np/--max-np --data-servers D``) workers come and go while the job
+runs: the server admits any worker id, each once (a worker's id is not its rank there:
+``server_links.unique_id``), goes on when workers leave, and ends when the launcher writes
+``data/end`` in the job's store, after every worker has ended. When the job's
 workers re-form (``Loader.reset``, elastic mode), each worker's next ``start`` carries the new
 *generation*, its number of workers and the worker's place among them: the server drops the
 items of that worker's stream that it has not taken and plans the rest of the epoch for the
@@ -58,7 +62,7 @@ from .cache import Cache
 from .layout import Layout, leaves_of
 from .plan import Batch, plan, unpack_mask, worker_batches
 
-__all__ = ["Source", "DataServer", "serve"]
+__all__ = ["Source", "DataServer", "serve", "ELASTIC_KEY", "END_KEY"]
 
 log = logging.getLogger("gradsync.data")
 _SWITCH_INTERVAL = 0.0002  # seconds: see serve()
@@ -127,11 +131,15 @@ class DataServer:
         source: the dataset, transform and cache.
         batch_size, seed: as the ``Loader`` was built (workers must agree).
         timeout: seconds a ``take`` may wait for its batch.
+        elastic: the workers come and go (an elastic job): the server does not end when
+            they have all gone.
     """
 
     def __init__(self, index: int, servers: int, workers: int, endpoint: Endpoint,
-                 source: Source, batch_size: int, seed: int, timeout: float = 300.0):
+                 source: Source, batch_size: int, seed: int, timeout: float = 300.0,
+                 elastic: bool = False):
         self.index, self.servers, self.workers = index, servers, workers
+        self.elastic = elastic
         self.endpoint, self.source, self.timeout = endpoint, source, timeout
         self.batch_size, self.seed = batch_size, seed
         self.samples = len(source.dataset)
@@ -225,11 +233,11 @@ class DataServer:
             mine = worker_batches(known[1], place, self.index)
             stream.items.extend((epoch, b) for b in mine)
             stream.nbytes.extend([0] * len(mine))
-            self._started.add(worker)
-            if len(self._started) == self.workers:
-                # Every worker mapped its slots (right after its hello, before any start):
-                # the names can go, so a crash from here on leaves nothing in /dev/shm.
-                self.endpoint.unlink_segments()
+            if worker not in self._started:
+                # The worker mapped its slots right after its hello, before any start: the
+                # name can go, so a crash from here on leaves nothing in /dev/shm.
+                self._started.add(worker)
+                self.endpoint.unlink(f"slots.{worker}")
             self._cv.notify_all()
             return {"batches": len(mine)}
 
@@ -349,7 +357,7 @@ class DataServer:
             self._seen.add(worker)
             if error is not None:
                 log.warning("data server %d lost worker %d: %s", self.index, worker, error)
-            if len(self._seen) >= self.workers and all(
+            if not self.elastic and len(self._seen) >= self.workers and all(
                     s.gone for s in self.streams.values()):
                 self._stop = True
                 self._cv.notify_all()
@@ -362,9 +370,18 @@ class DataServer:
         self._producer.join(self.timeout)
 
 
+ELASTIC_KEY = "data/elastic"
+"""Store key the elastic launcher sets before it starts the data servers: the job's workers
+come and go (``DataServer``'s ``elastic``)."""
+END_KEY = "data/end"
+"""Store key the elastic launcher sets once every worker has ended: the data servers end."""
+
+
 def serve(config, env, source: Source, batch_size: int, seed: int) -> int:
-    """Runs this rank's data server until every worker is done; returns an exit status."""
+    """Runs this rank's data server until every worker is done (in an elastic job: until the
+    launcher says the job is over); returns an exit status."""
     from ..server_links import open_store, publish
+    from ..transport.regions import ANY_PEER
     from ..world import listen_addr
 
     index = env.data_server_rank
@@ -375,16 +392,24 @@ def serve(config, env, source: Source, batch_size: int, seed: int) -> int:
     sys.setswitchinterval(_SWITCH_INTERVAL)
     store = open_store(config, env)
     secret = env.secret or store.read_secret()  # worker 0 (rank 0) makes it in init()
+    elastic = store.check(ELASTIC_KEY)
     endpoint = Endpoint(env.rank, env.hostname, secret, f"{env.job_id}.data",
-                        addr=listen_addr(config, env), expect=set(range(env.workers)),
+                        addr=listen_addr(config, env),
+                        expect=ANY_PEER if elastic else set(range(env.workers)),
                         timeout=config.timeout, direct=config.transport != "tcp",
                         label=f"data server {index} (rank {env.rank})")
     server = None
     try:
         server = DataServer(index, env.data_servers, env.workers, endpoint, source,
-                            batch_size, seed, config.timeout)
+                            batch_size, seed, config.timeout, elastic=elastic)
         publish(store, "data", index, endpoint)
         while not server.done.wait(1.0):
+            if elastic:
+                # Each generation of an elastic job has a World (and an abort record) of its
+                # own; a lost worker is the launcher's business, and the end is its word.
+                if store.check(END_KEY):
+                    break
+                continue
             record = store.read_abort()
             if record is not None:
                 raise GradsyncError(f"rank {record['rank']} failed: {record['message']}")

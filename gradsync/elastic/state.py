@@ -11,6 +11,15 @@ which after a re-formation is the lowest surviving rank). ``commit()`` also runs
 Outside an elastic job (no ``gradsync run --min-np/--max-np``) the same code runs: commits are
 local copies, ``check_host_updates`` is free (no broadcast: every rank knows it is not
 elastic), and a lost peer ends the job as usual.
+
+A value that a deep copy cannot commit (it holds connections, its position is the job's and
+not the process's) may bring its own *handler*: an object with a method ``elastic_handler()``
+given to an ``ObjectState`` (or a ``TorchState``) is kept as it is, and the handler it returns
+takes part in every step: ``save()`` at a commit (on every rank: it may be a collective),
+``restore()`` on survivors before a roll-back, ``sync()`` to take rank 0's saved state,
+``sync_from(root)`` to take the live state of a recovery's root (both on every member of the
+new generation, in the same order). ``gradsync.data.Loader`` is such a value
+(``gradsync/data/elastic.py``): its position in the epoch commits and rolls back with the model.
 """
 
 from __future__ import annotations
@@ -127,26 +136,39 @@ class ObjectState(State):
 
     ``state.epoch = 3`` changes the live value; ``commit()`` saves a deep copy of every
     attribute; ``restore()`` puts the saved copies back; ``sync()`` broadcasts rank 0's saved
-    values.
+    values. A value with an ``elastic_handler()`` (a ``gradsync.data.Loader``) is not copied:
+    its handler does each of these (module docstring), after the plain values.
     """
 
     def __init__(self, bcast_object: Callable[..., Any], get_rank: Callable[[], int], **kwargs):
-        self._saved_state = copy.deepcopy(kwargs)
+        handled = {name: value for name, value in kwargs.items()
+                   if callable(getattr(value, "elastic_handler", None))}
+        self._value_handlers = {name: value.elastic_handler() for name, value in handled.items()}
+        self._saved_state = copy.deepcopy({name: value for name, value in kwargs.items()
+                                           if name not in handled})
         self._set_attrs()
+        for name, value in handled.items():
+            setattr(self, name, value)
         super().__init__(bcast_object, get_rank)
 
     def save(self) -> None:
         self._saved_state = {name: copy.deepcopy(getattr(self, name))
                              for name in self._saved_state}
+        for handler in self._value_handlers.values():
+            handler.save()
 
     def restore(self) -> None:
         self._set_attrs()
+        for handler in self._value_handlers.values():
+            handler.restore()
 
     def sync(self) -> None:
         if self._saved_state:
             self._saved_state = self._bcast_object(self._saved_state, root_rank=0,
                                                    name="elastic.object_state")
             self._set_attrs()
+        for handler in self._value_handlers.values():
+            handler.sync()
 
     def sync_from(self, root_rank: int) -> None:
         # The live values, not the saved ones: a failure in the middle of this broadcast must
@@ -156,6 +178,8 @@ class ObjectState(State):
             live = self._bcast_object(live, root_rank=root_rank, name="elastic.object_live")
             for name, value in live.items():
                 setattr(self, name, value)
+        for handler in self._value_handlers.values():
+            handler.sync_from(root_rank)
 
     def _set_attrs(self) -> None:
         for name, value in self._saved_state.items():

@@ -68,7 +68,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                           "on (GRADSYNC_PS_REPLICAS)")
     job.add_argument("--data-servers", type=int, default=0, metavar="D",
                      help="also start D data-server ranks, the job's last D ranks, that load, "
-                          "cache and transform the data for the workers (see gradsync.data)")
+                          "cache and transform the data for the workers (see gradsync.data); "
+                          "in an elastic job they run on this machine, outside the workers' "
+                          "generations")
     where = job.add_mutually_exclusive_group()
     where.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...",
                        help="hosts and their slots, filled in order (default localhost:NP+S+D)")
@@ -218,9 +220,6 @@ def _checked_elastic(args: argparse.Namespace) -> ElasticSpec:
     if args.servers:
         raise ValueError("--servers cannot be combined with an elastic job (--min-np, --max-np, "
                          "--host-discovery-script)")
-    if args.data_servers:
-        raise ValueError("--data-servers cannot be combined with an elastic job yet (--min-np, "
-                         "--max-np, --host-discovery-script)")
     if args.host_discovery_script and (args.hosts or args.hostfile):
         raise ValueError("give --host-discovery-script or -H/--hostfile, not both")
     unlimited = 1 << 20

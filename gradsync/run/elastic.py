@@ -41,6 +41,12 @@ who the workers are and in which rank order. Its loop, every ``_POLL`` seconds:
    wait for it). The job ends when every worker has exited: status 0 when the last
    generation's workers all exited 0 (those stopped aside), else the first failure's status.
 
+**Data servers** (``--data-servers D``, ``gradsync.data``) are not workers: they are started
+once, before the first generation, on this machine, and serve every generation; they are in
+no generation, count in no ``--min-np``/``--max-np`` and no ``WORLD_SIZE``, and are never
+blacklisted. A failed one is reported and the job goes on; once every worker has ended they
+are told to end (``data_servers.py``).
+
 Hosts are the unit of failure, as in Horovod, except in a job given neither ``-H`` nor a
 discovery script: that job runs on this machine alone, so there a failed worker leaves alone
 (and the host takes no new workers). A discovery script may list ``localhost`` and
@@ -70,6 +76,7 @@ from ..config import ENV_PREFIX
 from ..elastic.membership import Control
 from .discovery import Discovery, parse_discovered
 from .hosts import Host
+from .data_servers import DataServers
 from .launcher import LaunchSpec, Rank, Slot, Starter, is_local, start_store, store_address
 from .processes import Interrupts, Output, StartError, describe, exit_status, stop
 
@@ -193,6 +200,7 @@ class _ElasticJob:
         # new workers replaced, until their next commit().
         self._open: list[int] = []
         self.ready_timeout = spec.start_timeout or _READY_TIMEOUT
+        self.data_servers: DataServers | None = None  # made once the store is up
 
     # ------------------------------------------------------------------ the run
     def run(self) -> int:
@@ -216,6 +224,12 @@ class _ElasticJob:
                 self.port = self._server.port
                 self.control = Control(self._server, self.starter.job_id, 30.0)
                 self._check_first_hosts()
+                self.data_servers = DataServers(self.spec, self.starter, self.output,
+                                                self._server, self.port)
+                # On this machine, under its name in the hosts given, so that its workers map
+                # the data servers' slots (one memcpy per batch).
+                self.data_servers.start(next((h.name for h in self._hosts()
+                                              if is_local(h.name)), "localhost"))
                 status, summary = self._loop()
             except StartError as exc:
                 status, summary = exc.status, str(exc)
@@ -229,7 +243,8 @@ class _ElasticJob:
                         self.control.give_up(summary)
                     except (RuntimeError, OSError):
                         pass
-                ranks = [w.rank for w in self.workers if w.rank is not None]
+                ranks = [w.rank for w in self.workers if w.rank is not None] + \
+                    (self.data_servers.ranks if self.data_servers else [])
                 stop([r.process for r in ranks], self.spec.stop_grace,
                      hurry=lambda: self.interrupts.hurry,
                      on_stuck=lambda i: self.output.message(
@@ -249,6 +264,7 @@ class _ElasticJob:
             if received is not None:
                 return 128 + received, f"interrupted by {signal.Signals(received).name}"
             changed = self._watch()  # the newest generation must be replaced now
+            self.data_servers.watch()
             self._reap()
             self._watch_new()
             grow = False  # room for new workers: start them; they join once ready
@@ -279,7 +295,7 @@ class _ElasticJob:
                     return done
             end = self._loop_end()
             if end is not None:
-                return end
+                return self.data_servers.end(*end, interrupted=lambda: self.interrupts.received)
             time.sleep(_POLL)
 
     def _loop_end(self) -> tuple[int, str | None] | None:
@@ -696,7 +712,9 @@ class _ElasticJob:
         self._open.clear()
 
     def _start_worker(self, slot: Slot, wid: str, size: int) -> Rank:
-        return self.starter.start(slot, self.port, size,
+        # The launch size counts the data servers, the last ranks (launch_env takes them out
+        # again): so does a static job's.
+        return self.starter.start(slot, self.port, size + self.spec.data_servers,
                                   identity={ENV_PREFIX + "ELASTIC_ID": wid})
 
 

@@ -61,11 +61,28 @@ from .region_memory import STRIPE_BYTES, Memory, Stripes
 from .region_peer import RemotePeer
 from .rma_frame import RegionAccessError, error_payload, recv_exact, recv_into
 
-__all__ = ["Endpoint", "Region", "Memory", "Stripes", "STRIPE_BYTES", "RegionAccessError"]
+__all__ = ["Endpoint", "Region", "Memory", "Stripes", "STRIPE_BYTES", "RegionAccessError",
+           "ANY_PEER"]
 
 log = logging.getLogger("gradsync.regions")
 
 _DRAIN_LIMIT = 1 << 30  # payload bytes of a refused request that are read and dropped
+
+
+class _AnyPeer:
+    """Every endpoint id (a non-negative integer), each once: the ``expect`` of an owner whose
+    peers come and go while it runs, so that it cannot list them in advance (a data server of
+    an elastic job: ``gradsync/data/server.py``). A peer must still prove the job's secret and
+    id, and an id connects only once."""
+
+    def __contains__(self, ident) -> bool:
+        return isinstance(ident, int) and ident >= 0
+
+    def __repr__(self) -> str:
+        return "ANY_PEER"
+
+
+ANY_PEER = _AnyPeer()
 
 
 class Region(Memory):
@@ -100,7 +117,8 @@ class Endpoint:
         host: this process's host name (peers on the same host map shared regions).
         secret, job: the job's secret and id; connections prove both (``tcp.py``).
         addr: the address to listen on.
-        expect: the ids of the peers that may connect (each once); none: do not listen.
+        expect: the ids of the peers that may connect (each once), or ``ANY_PEER``; none:
+            do not listen.
         timeout: seconds one request may wait for its reply, and a peer's stream may stall.
         direct: map same-host shared regions (False forces every access over TCP).
         label: how peers' error messages name this endpoint.
@@ -127,8 +145,14 @@ class Endpoint:
         atexit.register(_unlink_all, self._linked)
         # Only peers in ``expect`` may connect; with none (a parameter-server worker, which only
         # reaches others' regions) there is nothing to listen for.
-        self.listener = tcp.Listener(addr, ident, secret, job, expect,
-                                     on_accept=self._accepted) if expect else None
+        self.listener = None
+        if expect is ANY_PEER:
+            self.listener = tcp.Listener(addr, ident, secret, job, {0}, on_accept=self._accepted)
+            # The route checks admission with ``in``: any id, still once each (tcp.Route).
+            self.listener.first.expect = ANY_PEER
+        elif expect:
+            self.listener = tcp.Listener(addr, ident, secret, job, expect,
+                                         on_accept=self._accepted)
         self.addr, self.port = addr, self.listener.port if self.listener else 0
 
     # ------------------------------------------------------------------ owning regions
@@ -171,6 +195,14 @@ class Endpoint:
         """Removes the shared segments' names: peers that mapped them keep their mappings, new
         ones can no longer map them. Call once every same-host peer has mapped them."""
         _unlink_all(self._linked)
+
+    def unlink(self, name: str) -> None:
+        """Removes region ``name``'s shared segment name (``unlink_segments`` for one region):
+        for an owner whose peers map their regions at different times."""
+        segment = self._by_name[name].segment
+        if segment in self._linked:
+            _unlink_all({segment})
+            self._linked.discard(segment)
 
     def on_call(self, method: str, handler: Callable[[int, dict], dict]) -> None:
         """Answers ``call(method, ...)`` from peers with ``handler(peer, args) -> dict``.

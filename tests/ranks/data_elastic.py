@@ -1,0 +1,134 @@
+"""Data servers in an elastic job: ``data_elastic.py MODE EPOCHS [VICTIM AT]``.
+
+Every rank runs this script under ``gradsync run -np W --min-np m --data-servers D``; the
+data servers serve inside ``gradsync.data.Loader``. The workers train a *counter*: one float64
+parameter per sample, and each step's gradient is -1 at the ids of the worker's batch,
+summed over the workers (``op=hvd.Sum``) and applied by SGD with learning rate 1. So the
+parameters count how often each sample has been trained on: the job's surviving history,
+with every roll-back (the model rolls back too) and every step redone. A run where every
+sample is trained exactly once per epoch ends with every count equal to EPOCHS.
+
+The Loader is part of the elastic state (``TorchState(model, optimizer, loader=loader)``);
+a commit every 4 steps. Every worker takes as many steps as the worker with the most batches
+of the (rest of the) epoch: one with fewer steps with a zero gradient, so that the steps stay
+in lockstep without ``hvd.join()``.
+
+MODE: fixed (no failure); kill (the worker whose first rank is VICTIM SIGKILLs itself after
+the forward of step AT + 1 of generation 0: the others wait in that step's gradient
+allreduce); killserver (the worker whose first rank is VICTIM SIGKILLs data server 0 in step
+AT + 1); join (worker 0 appends $GROW_HOST, default ``127.0.0.1:1``, to $HOSTS_FILE after
+step AT of generation 0: the launcher starts a new worker there; worker 0 holds the next
+commit until the launcher has listed it, so it joins there).
+$ELASTIC_ROLLBACK (default auto): the state's ``rollback``.
+
+Lines: ``TRAINED id=<worker> gen=<g> epoch=<e> ids=<i,j,...>`` after each applied update
+that used a batch; ``PLAN action=<go_on|rollback|start> updates=<u>`` after a recovery;
+``RESULT id=<worker> size=<n> gen=<g> low=<min count> high=<max count> total=<sum>`` at the
+end.
+"""
+
+import common  # noqa: F401  (deadline)
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import torch
+
+import gradsync.data
+import gradsync.torch as hvd
+from gradsync.elastic import worker
+
+SAMPLES, BATCH, SEED, EVERY = 103, 4, 7, 4
+mode, epochs = sys.argv[1], int(sys.argv[2])
+victim = int(sys.argv[3]) if len(sys.argv) > 3 else -1
+at = int(sys.argv[4]) if len(sys.argv) > 4 else -1
+
+
+class Numbers:
+    def __len__(self):
+        return SAMPLES
+
+    def __getitem__(self, i):
+        return {"x": np.full(3, i, np.float32), "id": i}
+
+
+def augment(sample, rng):
+    return {"x": sample["x"] + np.float32(rng.integers(0, 1000)), "id": sample["id"]}
+
+
+class Counter(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.counts = torch.nn.Parameter(torch.zeros(SAMPLES, dtype=torch.float64))
+
+
+loader = gradsync.data.Loader(Numbers(), batch_size=BATCH, transform=augment, seed=SEED)
+hvd.init()
+name = os.environ["GRADSYNC_ELASTIC_ID"]
+me = int(os.environ["GRADSYNC_RANK"]) == victim
+model = Counter()
+optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                     named_parameters=model.named_parameters(), op=hvd.Sum)
+state = hvd.elastic.TorchState(model, optimizer, loader=loader, steps=0)
+state.rollback = os.environ.get("ELASTIC_ROLLBACK", "auto")
+
+
+def wait_for_the_new_worker() -> None:
+    """Holds the commit that follows the new host until the launcher has listed the new
+    worker (it starts in seconds, the job's steps take milliseconds): so it joins at that
+    commit and takes a share of epoch 0. Rank 0 alone decides (``check_host_updates``)."""
+    deadline = time.monotonic() + 120
+    while hvd.rank() == 0 and not worker.newer_generation() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+@hvd.elastic.run
+def train(state):
+    rec = state.last_recovery
+    if rec is not None and rec.generation == worker.generation():
+        print(f"PLAN action={rec.plan.action} updates={rec.plan.updates}", flush=True)
+    while loader.epoch < epochs:
+        epoch = loader.epoch
+        steps = max(loader.lengths())  # of the epoch's rest, for this generation
+        mine = len(loader)
+        batches = iter(loader)
+        for k in range(steps):
+            batch = next(batches) if k < mine else None
+            optimizer.zero_grad()
+            if batch is not None:
+                ids = batch["id"]
+                assert ids.tolist() == loader.ids.tolist()
+                loss = -model.counts[ids].sum()
+            else:
+                loss = model.counts.sum() * 0.0
+            if me and mode == "kill" and worker.generation() == 0 and state.steps == at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if me and mode == "killserver" and state.steps == at and 0 not in loader.lost:
+                os.kill(loader.peers[0].pid, signal.SIGKILL)
+            loss.backward()
+            optimizer.step()
+            state.steps += 1
+            if batch is not None:
+                print(f"TRAINED id={name} gen={worker.generation()} epoch={epoch} "
+                      f"ids={','.join(map(str, ids.tolist()))}", flush=True)
+            if mode == "join" and state.steps == at and hvd.rank() == 0 and \
+                    worker.generation() == 0:
+                with open(os.environ["HOSTS_FILE"], "a") as hosts:
+                    hosts.write(os.environ.get("GROW_HOST", "127.0.0.1:1") + "\n")
+            if state.steps % EVERY == 0:
+                if mode == "join" and state.steps > at and worker.generation() == 0:
+                    wait_for_the_new_worker()
+                state.commit()
+        for extra in batches:  # ends the epoch: its last batch is delivered
+            raise AssertionError(f"a batch beyond this worker's {mine} of the epoch")
+
+
+train(state)
+counts = model.counts.detach()
+print(f"RESULT id={name} size={hvd.size()} gen={worker.generation()} "
+      f"low={counts.min().item():g} high={counts.max().item():g} "
+      f"total={counts.sum().item():g}", flush=True)
+loader.close()

@@ -1,0 +1,109 @@
+"""Data servers in elastic jobs, end to end: exactly once through a lost worker and a joiner.
+
+Each job runs tests/ranks/data_elastic.py under ``gradsync run --min-np ... --data-servers
+2``. The workers train a counter of how often each sample was trained on (its gradient is -1
+at the batch's ids, summed over the workers, applied with learning rate 1), so the final
+parameters hold the job's surviving history: a roll-back undoes counts, a redone step counts
+once. **The rule checked**: every sample is trained on exactly once per epoch (every count
+equals the number of epochs), and, where nothing was rolled back, the batches printed as
+trained (``TRAINED``: after an update that used them was applied on that worker), the lost
+worker's before its death included, hold every sample id exactly once per epoch.
+"""
+
+import re
+from collections import Counter
+
+import pytest
+
+from harness import launch, worker_results
+
+pytestmark = pytest.mark.multiprocess
+
+SAMPLES, EPOCHS = 103, 2
+
+
+def run(workers: int, mode: str, *args: str, launcher=(), env=None, status=0):
+    # The losses here are SIGKILLs, seen at once. A 2 s heartbeat may also call a worker
+    # silent on a machine loaded far beyond its cores, which these tests do not test (two of
+    # these jobs failed once in a run beside other jobs at load 20 on 2 cores, their output
+    # not kept: a worker called silent is the likely cause, not a proven one).
+    env = {"GRADSYNC_HEARTBEAT_TIMEOUT": "20", **(env or {})}
+    result = launch(workers, "data_elastic.py", mode, str(EPOCHS), *args, timeout=240,
+                    env=env, launcher_args=("--data-servers", "2", *launcher))
+    assert result.returncode == status, result
+    return result
+
+
+def trained(output: str) -> dict[int, Counter]:
+    """Per epoch, how often each sample id was printed as trained, over every worker."""
+    found: dict[int, Counter] = {}
+    for epoch, ids in re.findall(r"TRAINED id=\S+ gen=\d+ epoch=(\d+) ids=([\d,]+)", output):
+        found.setdefault(int(epoch), Counter()).update(int(i) for i in ids.split(","))
+    return found
+
+
+def check_counts(result, survivors: list[str], size: int, servers_failed: bool = False) -> None:
+    got = worker_results(result.output)
+    assert sorted(got) == sorted(survivors), result
+    for r in got.values():
+        assert (r["size"], r["low"], r["high"]) == (str(size), str(EPOCHS), str(EPOCHS)), result
+    # The data servers ended when told, after the last worker: neither stopped nor failed.
+    assert "still running" not in result.output, result
+    assert ("(data server" in result.output) == servers_failed, result
+
+
+def check_trained_once(result) -> None:
+    per_epoch = trained(result.output)
+    assert sorted(per_epoch) == list(range(EPOCHS)), result
+    for epoch, counts in per_epoch.items():
+        assert sorted(counts) == list(range(SAMPLES)), (epoch, result)
+        assert set(counts.values()) == {1}, (epoch, {i: c for i, c in counts.items() if c > 1})
+
+
+def test_a_fixed_size_elastic_job_with_data_servers_trains_every_sample_once():
+    result = run(2, "fixed", launcher=("--min-np", "2"))
+    check_counts(result, ["localhost[0]", "localhost[1]"], 2)
+    check_trained_once(result)
+
+
+def test_a_worker_killed_mid_epoch_loses_no_sample_and_repeats_none():
+    # Worker 2 of 3 dies in the 7th step of epoch 0 (commits after steps 4 and 8): the others
+    # are in that step's gradient allreduce, so they go on from the live state (6 updates),
+    # and the lost worker's first 6 batches count as trained; its later ones, and the
+    # survivors' batches of the step in flight, are served again at size 2.
+    result = run(3, "kill", "2", "6", launcher=("--min-np", "2"))
+    assert "PLAN action=go_on updates=6" in result.output, result
+    check_counts(result, ["localhost[0]", "localhost[1]"], 2)
+    check_trained_once(result)
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_epoch_with_rollback_always_goes_back_to_the_commit():
+    # The same loss, rolled back to the commit after step 4: what the survivors trained
+    # after it is undone with the model and served again.
+    result = run(3, "kill", "2", "6", launcher=("--min-np", "2"),
+                 env={"ELASTIC_ROLLBACK": "always"})
+    assert "PLAN action=rollback updates=4" in result.output, result
+    check_counts(result, ["localhost[0]", "localhost[1]"], 2)
+
+
+def test_a_lost_data_servers_share_is_served_by_the_other_and_the_job_goes_on():
+    # Worker 0 SIGKILLs data server 0 in step 4; the job keeps its 2 workers, which take the
+    # lost server's batches from data server 1. The job's status is the data server's.
+    result = run(2, "killserver", "0", "3", launcher=("--min-np", "2"), status=137)
+    assert "rank 2 (data server 0)" in result.output, result
+    assert "data server 0 failed earlier" in result.output, result
+    check_counts(result, ["localhost[0]", "localhost[1]"], 2, servers_failed=True)
+    check_trained_once(result)
+
+
+def test_a_new_worker_takes_a_share_of_the_rest_of_the_epoch(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    result = run(2, "join", "-1", "3", env={"HOSTS_FILE": str(hosts)},
+                 launcher=("--min-np", "2", "--max-np", "3", "--host-discovery-script",
+                           f"cat {hosts}", "-x", "HOSTS_FILE"))
+    joiner = "127.0.0.1[2]"
+    check_counts(result, ["localhost[0]", "localhost[1]", joiner], 3)
+    check_trained_once(result)
+    assert f"TRAINED id={joiner} gen=1 epoch=0" in result.output, result  # a share of epoch 0
