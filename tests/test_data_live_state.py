@@ -120,6 +120,25 @@ class _Value:
         return Handler()
 
 
+def test_a_loader_that_lost_a_data_server_makes_the_torch_state_no_resume_point(monkeypatch):
+    import types
+
+    import torch
+
+    from gradsync.data.elastic import LoaderState
+    from gradsync.torch.elastic import TorchState
+
+    loader = types.SimpleNamespace(lost=set(), local_state=lambda: {})
+    loader.elastic_handler = lambda: LoaderState(loader)
+    model = torch.nn.Linear(2, 1)
+    state = TorchState(model, torch.optim.SGD(model.parameters(), lr=0.1), loader=loader)
+    # a failure inside a gradient round: a resume point, as far as the optimizer goes
+    monkeypatch.setattr(type(state._optimizers()[0]), "in_round", lambda self: True)
+    assert state.resumable()
+    loader.lost.add(1)  # its batches now come at the end of each epoch, out of plan order
+    assert not state.resumable()
+
+
 def test_an_object_state_hands_a_value_with_a_handler_to_it_at_every_step():
     value = _Value()
     state = ObjectState(lambda obj, root_rank, name: obj, lambda: 0, loader=value, epoch=3)

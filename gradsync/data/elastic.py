@@ -46,9 +46,11 @@ worker of the new generation. Every member computes this from the same gathered 
 the result is the same without a broadcast.
 
 The rule counts a lost worker's batches in plan order. A worker that lost a data server takes
-that server's batches at the end of the epoch (``Loader._adopt``), out of plan order: with a
-data server *and* a worker lost in the same epoch, a recovery without roll-back may credit the
-lost worker with the wrong batches; ``rollback = "always"`` on the state avoids it.
+that server's batches at the end of each epoch (``Loader._adopt``), out of plan order, so a
+survivor that lost one says its state is no resume point (``LoaderState.resumable``) and the
+job rolls back to the last commit instead. Left open: a lost worker that had lost a data
+server which no survivor had noticed yet would still be credited in plan order;
+``rollback = "always"`` on the state rules that out too.
 """
 
 from __future__ import annotations
@@ -83,6 +85,12 @@ class LoaderState:
 
     def restore(self) -> None:
         """Nothing: the roll-back's ``sync()`` resets the Loader to rank 0's kept state."""
+
+    def resumable(self) -> bool:
+        """Whether ``live_state`` may credit the workers (asked at a failure, with the
+        state's own answer): not once this worker lost a data server, whose batches it then
+        takes out of plan order (the module docstring), so the job rolls back instead."""
+        return not self.loader.lost
 
     def sync(self) -> None:
         """Takes rank 0's kept state (the job's start, a roll-back)."""

@@ -181,6 +181,12 @@ class ObjectState(State):
         for handler in self._value_handlers.values():
             handler.sync_from(root_rank)
 
+    def _values_resumable(self) -> bool:
+        """Whether every value handler that can tell (``resumable()``) says its live state
+        is a resume point (a Loader that lost a data server does not)."""
+        return all(h.resumable() for h in self._value_handlers.values()
+                   if callable(getattr(h, "resumable", None)))
+
     def _set_attrs(self) -> None:
         for name, value in self._saved_state.items():
             setattr(self, name, copy.deepcopy(value))

@@ -222,7 +222,7 @@ class TorchState(ObjectState):
         """True when one of the optimizers has a gradient round in flight: the failure came
         inside that round's exchange, before its update and after the script's bookkeeping
         of the previous step (``recovery.py``)."""
-        return any(h.in_round() for h in self._optimizers())
+        return any(h.in_round() for h in self._optimizers()) and self._values_resumable()
 
     def sync_from(self, root_rank: int) -> None:
         for handler in self._handlers.values():
