@@ -221,7 +221,8 @@ class TorchState(ObjectState):
     def resumable(self) -> bool:
         """True when one of the optimizers has a gradient round in flight: the failure came
         inside that round's exchange, before its update and after the script's bookkeeping
-        of the previous step (``recovery.py``)."""
+        of the previous step (``recovery.py``); and no value handler says otherwise (a data
+        ``Loader`` that lost a data server)."""
         return any(h.in_round() for h in self._optimizers()) and self._values_resumable()
 
     def sync_from(self, root_rank: int) -> None:
