@@ -408,6 +408,13 @@ class World:
             winner = record
         if winner["rank"] != self.rank:
             self.failure = self._from_record(winner)
+        elif winner.get("message") != record["message"]:
+            # This rank's heartbeat thread posted the job's first failure before this error
+            # (often a peer that exited because of it): that failure is the one to raise.
+            cls = _ERRORS.get(winner["kind"], GradsyncError)
+            self.failure = cls(winner["message"])
+            if cls is PeerLostError:
+                self.failure.peer = winner.get("peer")
         elif isinstance(exc, CollectiveMismatchError):
             self.failure = CollectiveMismatchError(self._mismatch_report())
         else:

@@ -248,11 +248,12 @@ def wait_all(ops: Sequence["Send | Recv | Settle"], deadline: float,
 
 
 def _look(ops, on_idle: Callable[[float], None], started: float) -> None:
-    """The waits' liveness checks: each pair's own (a same-host peer's process), then the
-    job's (``on_idle``: the abort record, a peer the heartbeats found lost)."""
+    """The waits' liveness checks: the job's first (``on_idle``: the abort record, a peer the
+    heartbeats found lost), then each pair's own (a same-host peer's process). In that order
+    because a peer that raised the job's first failure exits: its own loss is no news."""
+    on_idle(time.monotonic() - started)
     for op in ops:
         op.pair.check_alive()
-    on_idle(time.monotonic() - started)
 
 
 def _moved(ops) -> int:
