@@ -411,10 +411,7 @@ class World:
         elif winner.get("message") != record["message"]:
             # This rank's heartbeat thread posted the job's first failure before this error
             # (often a peer that exited because of it): that failure is the one to raise.
-            cls = _ERRORS.get(winner["kind"], GradsyncError)
-            self.failure = cls(winner["message"])
-            if cls is PeerLostError:
-                self.failure.peer = winner.get("peer")
+            self.failure = self._from_record(winner)
         elif isinstance(exc, CollectiveMismatchError):
             self.failure = CollectiveMismatchError(self._mismatch_report())
         else:
@@ -431,7 +428,9 @@ class World:
         else:
             # rank -1: gradsync run itself (an elastic job's launcher re-formed the job)
             who = "the launcher" if record["rank"] < 0 else f"rank {record['rank']}"
-            error = cls(f"{who} reported: {record['message']}")
+            # This rank's own record (its heartbeat thread's) needs no "reported by".
+            error = cls(record["message"] if record["rank"] == self.rank else
+                        f"{who} reported: {record['message']}")
             if cls is PeerLostError:
                 error.peer = record.get("peer")
         self.failure = error

@@ -200,23 +200,17 @@ def wait_all(ops: Sequence["Send | Recv | Settle"], deadline: float,
         what: describes the wait for error messages (called with ``what_args`` only on the
             error path).
     """
-    pending = list(ops)  # the loop's first round is every op's first advance
     started = time.monotonic()
-    next_idle = started + 0.05
+    # The first round advances every op: for a pair made on demand, that dials and
+    # authenticates its peer, so it too looks at liveness between its ops (``_round``).
+    pending, next_idle = _round(list(ops), started + 0.05, on_idle, started)
+    if not pending:
+        return
     idle_rounds = 0
     nap = 1e-6
     while pending:
         before = _moved(pending)
-        still = []
-        for i, op in enumerate(pending):
-            if not op.advance():
-                still.append(op)
-            if i + 1 < len(pending) and time.monotonic() >= next_idle:
-                # A long round (the first advance of a pair made on demand dials and
-                # authenticates its peer): the liveness checks run between its ops too, so a
-                # peer known dead or an abort is seen now, not after the round's last dial.
-                _look(still + pending[i + 1:], on_idle, started)
-                next_idle = time.monotonic() + 0.05
+        still, next_idle = _round(pending, next_idle, on_idle, started)
         progressed = len(still) != len(pending) or _moved(still) != before
         pending = still
         if not pending:
@@ -245,6 +239,22 @@ def wait_all(ops: Sequence["Send | Recv | Settle"], deadline: float,
         else:
             time.sleep(nap)
             nap = min(nap * 2, _MAX_NAP)
+
+
+def _round(pending: list, next_idle: float, on_idle: Callable[[float], None],
+           started: float) -> "tuple[list, float]":
+    """Advances each of ``pending`` once; returns the ops not complete and the next time to
+    look at liveness. A long round (first advances that dial peers made on demand) looks
+    between its ops too, so a peer known dead or an abort is seen then, not after the round's
+    last dial."""
+    still = []
+    for i, op in enumerate(pending):
+        if not op.advance():
+            still.append(op)
+        if i + 1 < len(pending) and time.monotonic() >= next_idle:
+            _look(still + pending[i + 1:], on_idle, started)
+            next_idle = time.monotonic() + 0.05
+    return still, next_idle
 
 
 def _look(ops, on_idle: Callable[[float], None], started: float) -> None:
