@@ -116,21 +116,38 @@ SPEC = {"names": ["w"], "numels": [100], "optimizer": "sgd", "hyper": {"lr": 0.5
         "mode": "async", "restore": None, "factored": []}
 
 
-@pytest.fixture
-def pair():
-    """Servers 0 (primary) and 1 (backup) of one shard, one worker (rank 0); ranks 1, 2."""
+def _shard(copies):
+    """Servers 0 (primary) .. copies - 1 of one shard, one worker (rank 0): (store, servers,
+    endpoints); the servers are ranks 1 ..."""
     store, endpoints, servers = DictStore(), {}, []
-    for index in (0, 1):
+    for index in range(copies):
         endpoints[index] = Endpoint(1 + index, "localhost", b"k" * 32, "psrep",
-                                    expect={0, 1, 2}, timeout=10, label=f"server {index}")
-    for index in (0, 1):
-        server = Server(index, 2, 1, endpoints[index], timeout=10, connect_timeout=10,
-                        replicas=2, views=Views(store, 0, 2, 2, timeout=1),
+                                    expect=set(range(copies + 1)), timeout=10,
+                                    label=f"server {index}")
+    for index in range(copies):
+        server = Server(index, copies, 1, endpoints[index], timeout=10, connect_timeout=10,
+                        replicas=copies, views=Views(store, 0, copies, copies, timeout=1),
                         beats=Beats(store, timeout=0),
                         locate=lambda b: (endpoints[b].addr, endpoints[b].port))
         server._hello(0, {"spec": SPEC})
         server._ready(0, {})
         servers.append(server)
+    return store, servers, endpoints
+
+
+@pytest.fixture
+def pair():
+    """Servers 0 (primary) and 1 (backup) of one shard, one worker (rank 0); ranks 1, 2."""
+    store, servers, endpoints = _shard(2)
+    yield store, servers
+    for ep in endpoints.values():
+        ep.close()
+
+
+@pytest.fixture
+def trio():
+    """Servers 0 (primary), 1 and 2 (backups) of one shard, one worker; ranks 1, 2, 3."""
+    store, servers, endpoints = _shard(3)
     yield store, servers
     for ep in endpoints.values():
         ep.close()
@@ -177,6 +194,70 @@ def test_a_server_that_finds_a_newer_view_without_it_fences_itself(pair):
     assert not primary.fenced and primary.view.members == (0,)
     # Alone now, the primary applies without forwarding.
     assert _push(primary, np.ones(100, np.float32), 1, 1)["version"] == 1
+
+
+def _half_forwarded(primary, reached, g, seq):
+    """What a primary that dies while forwarding leaves: the update of worker 0's push
+    ``seq`` (gradient ``g``) applied on the backups in ``reached`` only, never acknowledged."""
+    version = primary.clock.version
+    state = primary.clock.replica_state()
+    state["clocks"][0] = state["done"][0] = seq
+    for b in reached:
+        b.updates[version % 2][:] = g
+        assert b._follow(1, {"epoch": 0, "version": version, "workers": [0],
+                             "state": state})["version"] == version + 1
+
+
+def _agree(servers):
+    versions = {s.clock.version for s in servers}
+    digests = {s._stats(0, {})["digest"] for s in servers}
+    applied = {s.clock.counters()["applied"] for s in servers}
+    return len(versions) == len(digests) == len(applied) == 1
+
+
+@pytest.mark.parametrize("new_primary_has_it", [False, True])
+def test_a_new_primary_brings_copies_a_dead_primary_left_apart_to_one_version(
+        trio, new_primary_has_it):
+    """The primary dies while forwarding update 2: one backup applied it, the other did not.
+    Whichever of them becomes primary, the worker's push sent again is applied once, on every
+    copy, and the next update finds every copy at the same version (CI: "an update of version 9
+    reached a copy at version 10" failed every worker)."""
+    store, (old, one, two) = trio
+    g1, g2, g3 = (np.full(100, v, np.float32) for v in (1.0, 2.0, 4.0))
+    assert _push(old, g1, 1, 0)["version"] == 1 and _agree([old, one, two])
+    _half_forwarded(old, [one] if new_primary_has_it else [two], g2, 2)
+    assert {one.clock.version, two.clock.version} == {1, 2}
+    view = Views(store, 0, 3, 3, timeout=1).propose(old.view, 0, "killed")
+    assert view.members == (1, 2)
+    # The worker sends push 2 again, to the new primary.
+    assert _push(one, g2, 2, 1) == {"version": 2, "applied": True}
+    assert one._settled == 1 and _agree([one, two]) and one.clock.done == [2]
+    assert one.clock.counters()["applied"] == 2  # push 2 once, not twice
+    assert _push(one, g3, 3, 1)["version"] == 3 and _agree([one, two])
+    # The same bits as a primary that never failed.
+    assert np.array_equal(one.params, _clean_run([g1, g2, g3]))
+
+
+def _clean_run(grads):
+    store, servers, endpoints = _shard(2)
+    try:
+        for seq, g in enumerate(grads, 1):
+            _push(servers[0], g, seq, 0)
+        assert _agree(servers)
+        return servers[0].params.copy()
+    finally:
+        for ep in endpoints.values():
+            ep.close()
+
+
+def test_a_copy_more_than_one_update_apart_leaves_the_view(trio):
+    store, (old, one, two) = trio
+    _push(old, np.ones(100, np.float32), 1, 0)
+    two.clock.version += 5  # cannot happen in the protocol: the primary must not trust it
+    Views(store, 0, 3, 3, timeout=1).propose(old.view, 0, "killed")
+    assert _push(one, np.ones(100, np.float32), 2, 1)["version"] == 2
+    assert one.view.members == (1,) and "version 6" in one.view.why
+    assert two.fenced is None or "view 2" in two.fenced
 
 
 # --- through the launcher ---------------------------------------------------------------------

@@ -89,6 +89,8 @@ class Server:
         self.joining = self.installed = False  # a replacement, before / after its copy
         self.joined = threading.Event()
         self._copies: dict = {}  # backup server -> RemotePeer (the primary's forwards)
+        self._last: dict | None = None  # the newest update's info (replicas: see _reconcile)
+        self._settled = 0  # the view whose copies this primary has brought to one version
         self.spec: dict | None = None
         self.clock: Clock | None = None
         self._cv = threading.Condition()
@@ -99,7 +101,7 @@ class Server:
         self._gone: set[int] = set()   # disconnected, either way
         self._factor_rows: dict[int, list[int]] = {}
         self.done = threading.Event()
-        for method in ("hello", "ready", "push", "save", "stats", "bye", "follow"):
+        for method in ("hello", "ready", "push", "save", "stats", "bye", "follow", "newest"):
             endpoint.on_call(method, getattr(self, "_" + method))
         endpoint.on_call("install", lambda peer, args: join.install(self, peer, args))
         endpoint.on_disconnect(self._disconnected)
@@ -140,10 +142,10 @@ class Server:
                              for w in range(self.workers)] if words else []
         self.meta = ep.allocate("meta", (2,), np.int64)
         if self.replicas > 1:
-            # A backup receives its primary's combined gradient here; a primary sums into
-            # its own array of the same size (forwarded while it applies it).
-            self.update = ep.allocate("update", (n,), np.float32)
-            self._combined = np.empty(n, np.float32)
+            # The update that makes version v + 1 is combined (a primary) or received (a
+            # backup) in ``update.<v % 2>``: the previous one stays whole while the next
+            # arrives, for a new primary to bring its view's copies to one version with.
+            self.updates = [ep.allocate(f"update.{k}", (n,), np.float32) for k in (0, 1)]
         self.optimizer = optim.make(spec["optimizer"], n, **spec["hyper"])
         self.clock = Clock(spec["mode"], self.workers, self._apply, backup=spec.get("backup"),
                            staleness=spec.get("staleness"), timeout=self.timeout)
@@ -186,6 +188,11 @@ class Server:
             refusal = self._refuse(int(args.get("epoch", 0)))
             if refusal is not None:
                 return refusal
+            try:
+                if not self._reconcile():
+                    return {"stale": self.view.epoch}
+            except Fenced:
+                return {"stale": self.view.epoch}
         if self.factored:
             rows = [int(k) for k in args.get("rows", [])]
             if len(rows) != len(self.factored):
@@ -246,7 +253,8 @@ class Server:
     def _apply_replicated(self, workers: list[int], scale: float) -> None:
         """The primary's update: combine, forward to every backup while applying here, and
         return only when every backup of the view has it (or was dropped from the view)."""
-        g = self._combined
+        version = self.clock.version
+        g = self.updates[version % 2]
         # The same operations, in the same order, as the stripe loop of ``_apply``: a copy
         # that takes over continues with the bits a run without faults would have.
         if len(workers) == 1:
@@ -256,13 +264,13 @@ class Server:
             for w in workers[2:]:
                 np.add(g, self.slots[w], out=g)
             g *= scale
-        version = self.clock.version
         state = self.clock.replica_state()
         for w in workers:
             state["done"][w] = state["clocks"][w]
         info = {"version": version, "workers": workers, "state": state}
         pending = {b: self._send(b, g, info) for b in self.view.backups}
         self._step(g)
+        self._last = info
         # ``meta`` says version + 1 only once every backup has the update: a worker reads
         # ``meta`` before ``params`` and tags its next gradient with it, so a tag never names
         # a version that a backup taking over from a primary lost now could lack. (Its reads
@@ -295,6 +303,16 @@ class Server:
 
     def _send(self, b: int, g: np.ndarray, info: dict):
         """Starts forwarding ``g`` to backup ``b``: (peer, handle), or (None, error)."""
+        epoch = self.view.epoch
+
+        def forward(peer):
+            peer.region(f"update.{info['version'] % 2}").write(g)
+            return peer.call("follow", epoch=epoch, **info)
+        return self._submit(b, forward, f"forward to server {b}")
+
+    def _submit(self, b: int, fn, what: str):
+        """Starts ``fn(peer)`` on backup ``b``'s connection: (peer, handle), or (None, error).
+        """
         try:
             peer = self._copies.get(b)
             if peer is None:
@@ -306,15 +324,10 @@ class Server:
         except (GradsyncError, OSError) as exc:
             return None, PeerLostError(f"cannot reach parameter server {b}: {exc}",
                                        peer=self.workers + b)
-        epoch = self.view.epoch
-
-        def forward():
-            peer.region("update").write(g)
-            return peer.call("follow", epoch=epoch, **info)
-        return peer, peer.submit(forward, f"forward to server {b}")
+        return peer, peer.submit(lambda: fn(peer), what)
 
     def _follow(self, peer: int, args: dict) -> dict:
-        """A backup applies its primary's update (the gradient is in ``update``)."""
+        """A backup applies its primary's update (the gradient is in ``update.<v % 2>``)."""
         if self.clock is None or self.replicas == 1:
             raise ValueError(f"parameter server {self.index} is no backup to rank {peer}")
         epoch = int(args["epoch"])
@@ -325,10 +338,110 @@ class Server:
             # replaced (it was stopped or cut off): it must not touch this copy.
             if self.fenced or self.joining or epoch < self.view.epoch:
                 return {"stale": self.view.epoch}
-            self.clock.follow(int(args["version"]), [int(w) for w in args["workers"]],
-                              args["state"], lambda: self._step(self.update))
+            version = int(args["version"])
+            self.clock.follow(version, [int(w) for w in args["workers"]], args["state"],
+                              lambda: self._step(self.updates[version % 2]))
+            self._last = {k: args[k] for k in ("version", "workers", "state")}
             self.meta[0] = self.clock.version
             return {"version": self.clock.version}
+
+    def _newest(self, peer: int, args: dict) -> dict:
+        """This copy's version and the info of the update that made it (``_reconcile``)."""
+        with self.clock.lock:
+            return {"version": self.clock.version, "last": self._last}
+
+    def _reconcile(self) -> bool:
+        """(A primary, before it decides anything in a view it has not settled.) Brings the
+        view's copies to one version.
+
+        The primary that a view replaced may have died while forwarding an update: then some
+        copies applied it and some did not (it was never acknowledged: a primary answers only
+        once every backup has). Copies differ by at most that one update, and each keeps the
+        newest one (``update.<v % 2>`` and ``_last``). The new primary asks each backup its
+        version; if one is ahead it reads that update from it and applies it as a backup
+        would (its ``done`` counters then answer the workers' repeated pushes without
+        applying them twice), and it sends its newest update again to each backup one
+        behind. A backup that cannot be brought level leaves the view, as a lost one does.
+
+        Returns False if this server is no longer the primary (the worker must look again).
+        """
+        with self.clock.lock:
+            while self._settled != self.view.epoch and not self.fenced:
+                epoch = self.view.epoch
+                if self.view.primary != self.index:
+                    return False
+                known = {}
+                for b in self.view.backups:
+                    try:
+                        known[b] = self._ask(b, "newest")
+                    except (PeerLostError, GradsyncTimeoutError, OSError) as exc:
+                        self._drop(b, f"its new primary lost it: {exc}")
+                if self.view.epoch != epoch:
+                    continue  # settle the view that dropped it
+                ahead = [b for b in known if known[b]["version"] > self.clock.version]
+                if ahead:
+                    b = max(ahead, key=lambda b: known[b]["version"])
+                    self._catch_up(b, known[b])
+                for b, got in known.items():
+                    if got["version"] == self.clock.version - 1 and self._last is not None:
+                        try:
+                            peer, handle = self._send(b, self.updates[got["version"] % 2],
+                                                      self._last)
+                            if peer is None:
+                                raise handle
+                            got = {"version": wait_watched(
+                                handle, self.beats, b, self.workers + b,
+                                lambda: abandon(peer)).get("version")}
+                        except (PeerLostError, GradsyncTimeoutError, OSError, ValueError) as exc:
+                            got = {"version": None, "why": str(exc)}
+                    if got["version"] != self.clock.version and b in self.view.backups:
+                        self._drop(b, f"its copy is at version {got['version']}, the new "
+                                      f"primary's at {self.clock.version} "
+                                      f"{got.get('why', '')}".strip())
+                if self.view.epoch == epoch:
+                    self._settled = epoch
+                    self.meta[0] = self.clock.version
+                    log.warning("shard %d: primary server %d settled view %d at version %d",
+                                self.shard, self.index, epoch, self.clock.version)
+            if self.fenced:
+                raise Fenced(self.fenced)
+            return self.view.primary == self.index
+
+    def _catch_up(self, b: int, got: dict) -> None:
+        """(Under the lock.) Applies backup ``b``'s newest update, one this copy lacks."""
+        last = got.get("last")
+        if got["version"] != self.clock.version + 1 or not last or \
+                int(last["version"]) != self.clock.version:
+            self._drop(b, f"its copy is at version {got['version']}, ahead of the new "
+                          f"primary's {self.clock.version} by more than one update")
+            return
+        version = self.clock.version
+        g = self.updates[version % 2]
+        try:
+            self._copies[b].region(f"update.{version % 2}").read(g)
+        except (GradsyncError, OSError) as exc:
+            self._drop(b, f"its new primary could not read its newest update: {exc}")
+            return
+        self.clock.follow(version, [int(w) for w in last["workers"]], last["state"],
+                          lambda: self._step(g))
+        self._last = last
+        log.warning("shard %d: primary server %d took version %d from server %d, which had "
+                    "applied the update its old primary was forwarding when it failed",
+                    self.shard, self.index, self.clock.version, b)
+
+    def _ask(self, b: int, method: str) -> dict:
+        """A call to backup ``b`` (connecting first if need be), watched for silence."""
+        peer, handle = self._submit(b, lambda peer: peer.call(method), method)
+        if peer is None:
+            raise handle
+        return wait_watched(handle, self.beats, b, self.workers + b, lambda: abandon(peer))
+
+    def _drop(self, b: int, why: str) -> None:
+        """(Under the lock.) Proposes this view without backup ``b``."""
+        old = self._copies.pop(b, None)
+        if old is not None:
+            abandon(old)
+        self._adopt(self.views.propose(self.view, b, why))
 
     def _refuse(self, epoch: int) -> dict | None:
         """None if this server is the primary of view ``epoch``, else the refusal that the
