@@ -159,6 +159,10 @@ class AbortWatch:
             return None
         return self._fallback.read_abort()
 
+    def held(self) -> dict | None:
+        """The record if the thread already holds it; never a store request."""
+        return self._record
+
     def stop(self) -> None:
         """Marks the watch stopped (the thread cannot be woken: see the module docstring)."""
         self._stop.set()

@@ -193,6 +193,8 @@ class Heartbeat:
         self.link_up = max(timeout, LINK_UP_S) if link_up is None else link_up
         self.describe = describe
         self.lost: PeerLostError | None = None
+        self.won = False  # this rank's post of ``lost`` is the job's abort record
+        self._posted: dict | None = None
         self._ended: GradsyncError | None = None  # end_waits
         self._main = store
         self._secret, self._addr = secret, addr
@@ -205,6 +207,7 @@ class Heartbeat:
         self._links: dict[int, _Link] = {}
         self._next_beat = 0.0
         self._listener: tcp.Listener | None = None
+        self._armed = False  # the abort watch started (_arm)
         self._lock = threading.Lock()  # the links and listener, between stop() and the thread
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True,
@@ -228,6 +231,11 @@ class Heartbeat:
         """The World's abort record, or None (``Store.read_abort``, without a store request
         once the abort watch is armed)."""
         return self.abort.read_abort()
+
+    def known_record(self) -> dict | None:
+        """The job's abort record if this process knows it without asking the store (its
+        own post won, or the abort watch holds the record), else None."""
+        return self._posted if self.won else self.abort.held()
 
     def check(self) -> None:
         """Raises the PeerLostError of a lost peer once one was found (called by waits), or
@@ -301,8 +309,7 @@ class Heartbeat:
             finally:
                 linking.set()
                 pulse.join()
-                if not self._stop.is_set():
-                    self.abort.start()  # the private connection is free from now on
+                self._arm()
             for each in lost:
                 self._lost(each)
             self._watch()  # even after a loss: this rank is alive, its other link says so
@@ -316,6 +323,13 @@ class Heartbeat:
                 links, self._links = list(self._links.values()), {}
             for link in links:
                 link.sock.close()
+
+    def _arm(self) -> None:
+        """Starts the abort watch once the link set-up is done with the store (the watch
+        blocks on the same private connection); until then the waits poll the record."""
+        if not self._stop.is_set() and not self._armed:
+            self._armed = True
+            self.abort.start()
 
     def _pulse(self, linked: threading.Event) -> None:
         """Beats on the links already up until ``linked`` is set (or the World closed)."""
@@ -366,6 +380,12 @@ class Heartbeat:
                 self._add(connect_to, self._connect(connect_to, secret, job, deadline))
             except _Lost as exc:
                 lost.append(exc)
+        # The store is not needed to accept rank - 1: the watch starts now, not once rank - 1
+        # is in. A rank whose rank - 1 died before linking waits here (up to ``link_up``);
+        # polling the record meanwhile, it raised a job's failure 4-5 s late when the store
+        # stalled (torch's store server resolves the address of each connection that closes,
+        # with one DNS request, which a slow resolver makes a 5 s wait: docs/troubleshooting.md).
+        self._arm()
         if accept_from is not None:
             try:
                 listener.wait_for({accept_from}, deadline, self._alive)
@@ -498,6 +518,7 @@ class Heartbeat:
             winner = record  # no store: this rank raises what it found itself
         if winner == record:
             self.lost = found
+            self.won, self._posted = True, record
         log.warning("rank %d: %s", self.rank, message)
 
 

@@ -360,6 +360,8 @@ class World:
             return
         self._next_poll = now + self.config.abort_poll_interval
         beat = self.heartbeat
+        if beat is not None and beat.won and self.failure is None:
+            beat.check()  # the job's record is this rank's own post: no store request
         # The record first: it is the job's first failure, which every rank must raise (a
         # neighbour that exits after a mismatch closes its heartbeat link too).
         record = (beat if beat is not None else self.store).read_abort()
@@ -403,7 +405,10 @@ class World:
         try:
             if isinstance(exc, CollectiveMismatchError):
                 self._post_description()
-            winner = self.store.post_abort(record)
+            # A record this process already holds is the winner: no store request (a store
+            # stalled for seconds would hold up this rank's error; see heartbeat._arm).
+            known = self.heartbeat.known_record() if self.heartbeat is not None else None
+            winner = known if known is not None else self.store.post_abort(record)
         except (GradsyncError, RuntimeError, OSError):
             winner = record
         if winner["rank"] != self.rank:

@@ -178,6 +178,8 @@ def check_every_survivor_names(job: Job, victim: int, within: float) -> list[flo
     print(f"kill -> error on the {len(delays)} survivors: median "
           f"{sorted(delays)[len(delays) // 2]:.2f} s, max {max(delays):.2f} s")
     seen.sort()
+    for d, r, m in seen[-3:]:  # the slowest, whole (an assertion's message is cut short)
+        print(f"  {d:.2f} s rank {r}:{m}\n{job.logs[r][-1500:]}")
     assert max(delays) < within, [f"{d:.2f} s rank {r}:{m}" for d, r, m in seen[:2] + seen[-3:]]
     return delays
 

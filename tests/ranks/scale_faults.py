@@ -95,6 +95,9 @@ try:
                 time.sleep(0.01)
             die()
         time.sleep(1)
+        # A rank that takes more than 3 s to raise shows where it was (its log's tail).
+        import faulthandler
+        faulthandler.dump_traceback_later(3.0)
         gs.alltoall(np.full((N, 1), R, dtype=np.int32), name="meets the lost peer")
         print(f"RESULT rank={R} ok: no error", flush=True)
     elif mode == "first-use":
