@@ -1,0 +1,239 @@
+"""A stream's slot table: how a same-host worker learns of a ready batch without a message.
+
+A data server keeps, per worker, ``prefetch`` slots of batch bytes (``server.py``). Beside
+them lies this *table*, a small region of shared memory (``table.<worker>``) that the server
+writes and the worker polls, so that on one host a batch costs no control round trip: the
+worker reads a header, then the slot's bytes, then writes one counter.
+
+The table, in 8-byte words (each group on a 64-byte cache line of its own, so that the
+worker's polling never steals the line the server writes, and vice versa)::
+
+    control  word 0: 1 once a sample failed to prepare on this server (written by the server)
+    ack      word 8: items of the stream the worker has finished reading (by the worker)
+    headers  one line per slot: published (seq + 1, 0 = none), generation, epoch, batch
+             index, bytes, sample count
+    ids      ``batch_size`` words per slot: the batch's sample ids
+
+Publishing item ``seq`` into slot ``s = seq % prefetch``: the server writes the bytes, the ids
+and the header's metadata, then the header's ``published`` word, last. The worker that polls
+for ``seq`` reads ``published``; when it says ``seq``, it reads the metadata and ids, then
+``published`` again, and takes them only if it still says ``seq`` (a seqlock). It then copies
+the slot's bytes into its own buffer and writes ``ack = seq + 1``; the server rewrites slot
+``s`` (item ``seq + prefetch``) only once it sees that ack. So backpressure (the server's
+``prefetch`` credits) and the "taken" accounting need no message either.
+
+Why it is safe without locks: every word has one writer, and x86 (TSO) keeps stores in
+program order and loads in program order and never moves a store ahead of an earlier load.
+The worker that sees ``published = seq + 1`` sees the bytes and metadata written before it;
+the server that sees ``ack = seq + 1`` knows the worker has finished loading item ``seq``'s
+bytes before it overwrites them. The same assumptions as the shared-memory rings
+(``transport/shm.py``): an aligned 8-byte store is not torn, and glibc's ``memcpy`` fences
+its non-temporal stores. Elsewhere (``shm.keeps_store_order`` false) workers ``take``.
+
+Waiting (``Poller``): a worker whose next item is not yet published looks again a few times,
+then sleeps in naps that double from 50 us to 1 ms. It never spins for long: on a host with
+few cores the server's producer (and the worker's own training loop, which needs the GIL)
+must run meanwhile, and a batch that takes milliseconds to prepare makes a nap's lateness
+small. Between naps it checks the server is still alive, by its process id and start time as
+the shared-memory rings do (a dead server's connection is not read while polling), and a
+deadline (the job's ``timeout``), as a ``take`` would have waited.
+
+Worked example, ``prefetch`` 2: the server publishes items 0 and 1 (slots 0, 1); it may not
+write item 2 until ``ack >= 1``. The worker polls slot 0 for item 0 (published 1), reads it,
+writes ack 1; the server sees it and writes item 2 into slot 0 (published 3); the worker,
+polling slot 1 for item 1 meanwhile, finds published 2 and goes on.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+
+import numpy as np
+
+from ..errors import GradsyncTimeoutError, PeerLostError
+from ..transport import shm
+
+__all__ = ["SlotTable", "Header", "Poller", "poller", "table_words", "ACK_WORD",
+           "FAILED_WORD"]
+
+_LINE = 8  # words per cache line
+FAILED_WORD = 0
+ACK_WORD = _LINE
+_HEADERS = 2 * _LINE
+# header fields, in words from the start of a slot's header line
+_PUBLISHED, _GENERATION, _EPOCH, _INDEX, _NBYTES, _COUNT = range(6)
+
+
+def table_words(prefetch: int, batch_size: int) -> int:
+    """The table's size in 8-byte words for ``prefetch`` slots of ``batch_size`` samples."""
+    return _HEADERS + prefetch * _LINE + prefetch * batch_size
+
+
+class Header:
+    """What the table says of one published item: as ``take`` answers it."""
+
+    __slots__ = ("seq", "generation", "epoch", "index", "nbytes", "ids")
+
+    def __init__(self, seq: int, generation: int, epoch: int, index: int, nbytes: int,
+                 ids: np.ndarray):
+        self.seq, self.generation, self.epoch = seq, generation, epoch
+        self.index, self.nbytes, self.ids = index, nbytes, ids
+
+
+class SlotTable:
+    """One stream's table, seen through an int64 array of ``table_words`` words: the server's
+    own region, or the worker's mapping of it.
+
+    Args:
+        words: the table's memory (int64, zeroed when the server allocated it).
+        prefetch, batch_size: the stream's slots and samples per batch.
+    """
+
+    def __init__(self, words: np.ndarray, prefetch: int, batch_size: int):
+        if words.dtype != np.int64 or words.size != table_words(prefetch, batch_size):
+            raise ValueError(f"a slot table of {prefetch} slots of {batch_size} samples is "
+                             f"{table_words(prefetch, batch_size)} int64 words; got "
+                             f"{words.size} of {words.dtype}")
+        self.words, self.prefetch, self.batch_size = words, prefetch, batch_size
+        self._headers = words[_HEADERS:_HEADERS + prefetch * _LINE].reshape(prefetch, _LINE)
+        self._ids = words[_HEADERS + prefetch * _LINE:].reshape(prefetch, batch_size)
+
+    # ------------------------------------------------------------------ the server's side
+    def publish(self, seq: int, generation: int, epoch: int, index: int, nbytes: int,
+                ids: np.ndarray) -> None:
+        """Announces item ``seq``, whose bytes are already in slot ``seq % prefetch``."""
+        slot = seq % self.prefetch
+        header = self._headers[slot]
+        self._ids[slot, :len(ids)] = ids
+        header[_GENERATION:_COUNT + 1] = (generation, epoch, index, nbytes, len(ids))
+        header[_PUBLISHED] = seq + 1  # last: the worker trusts nothing before it sees this
+
+    def acked(self) -> int:
+        """Items the worker has finished reading (its one-sided counter)."""
+        return int(self.words[ACK_WORD])
+
+    def clear(self) -> None:
+        """Forgets every published item (the stream goes on re-planned; its worker has read
+        every item before the cut and stopped polling): a worker polling for an item from
+        the cut on waits for the new one."""
+        self._headers[:, _PUBLISHED] = 0
+
+    def fail(self) -> None:
+        """Tells the worker that this server can prepare nothing more (a sample failed)."""
+        self.words[FAILED_WORD] = 1
+
+    # ------------------------------------------------------------------ the worker's side
+    def poll(self, seq: int) -> Header | None:
+        """Item ``seq``'s header when it is published, else None."""
+        header = self._headers[seq % self.prefetch]
+        if header[_PUBLISHED] != seq + 1:
+            return None
+        meta = header.copy()
+        ids = self._ids[seq % self.prefetch, :int(meta[_COUNT])].copy()
+        # Read again after the metadata (seqlock): a header rewritten meanwhile (it cannot
+        # be, while the worker has not acked ``seq``, unless the stream was re-planned) is
+        # not taken.
+        if meta[_PUBLISHED] != seq + 1 or header[_PUBLISHED] != seq + 1:
+            return None
+        return Header(seq, int(meta[_GENERATION]), int(meta[_EPOCH]), int(meta[_INDEX]),
+                      int(meta[_NBYTES]), ids)
+
+    def ack(self, seq: int) -> None:
+        """Item ``seq``'s bytes are in the worker's buffer: its slot is free again."""
+        self.words[ACK_WORD] = seq + 1
+
+    def failed(self) -> bool:
+        """Whether the server said a sample failed (a ``take`` then fetches the message)."""
+        return bool(self.words[FAILED_WORD])
+
+
+# The poll's back-off: quick looks, then naps from the first to the last, doubling; how often
+# the server's liveness is checked while waiting.
+_LOOKS, _NAPS, _LIVENESS_EVERY = 8, (0.00005, 0.001), 0.05
+
+
+class Poller:
+    """A worker's road to one same-host data server's stream: its table, its slots' bytes
+    (this process's mapping) and the server process, watched while waiting.
+
+    Args:
+        table: the stream's table, mapped.
+        slots: the stream's slots, mapped (uint8, ``prefetch * slot_bytes``).
+        slot_bytes: bytes per slot.
+        pid, started: the server's process id and start time (``shm.process_start_time``).
+        label: how errors name the server; ``peer``: its rank, for ``PeerLostError``.
+    """
+
+    def __init__(self, table: SlotTable, slots: np.ndarray, slot_bytes: int, pid: int,
+                 started: int, label: str, peer: int | None):
+        self.table, self.slots, self.slot_bytes = table, slots, slot_bytes
+        self.pid, self.started, self.label, self.peer = pid, started, label, peer
+
+    def wait(self, seq: int, timeout: float, stopping) -> tuple[Header | None, float]:
+        """Waits until item ``seq`` is published; returns its header (None if the server
+        said a sample failed, or ``stopping()`` became true) and the seconds spent before
+        the last look that did not find it (the time it was still being prepared).
+
+        Raises:
+            PeerLostError: the server's process is gone.
+            GradsyncTimeoutError: nothing within ``timeout`` seconds.
+        """
+        header = self.table.poll(seq)
+        if header is not None:  # the steady state, when the server is ahead
+            return header, 0.0
+        start = time.perf_counter()
+        looks, nap, waited = 0, _NAPS[0], 0.0
+        checked = start
+        while True:
+            if self.table.failed() or stopping():
+                return None, waited
+            now = time.perf_counter()
+            waited = now - start
+            if now - checked >= _LIVENESS_EVERY:
+                checked = now
+                self.check_alive()
+                if now - start > timeout:
+                    raise GradsyncTimeoutError(
+                        f"{self.label} did not prepare this worker's item {seq} within "
+                        f"{timeout:.0f}s")
+            looks += 1
+            if looks > _LOOKS:
+                time.sleep(nap)
+                nap = min(2 * nap, _NAPS[1])
+            header = self.table.poll(seq)
+            if header is not None:
+                return header, waited
+
+    def check_alive(self) -> None:
+        """Raises PeerLostError if the server's process has exited (or its pid was reused)."""
+        if shm.process_start_time(self.pid) != self.started:
+            raise PeerLostError(f"{self.label} (pid {self.pid}, same host) exited or was "
+                                "killed while this worker waited for a batch", peer=self.peer)
+
+    def read(self, header: Header, out: np.ndarray) -> None:
+        """Copies the item's bytes into ``out``, then acks it (its slot is free again).
+
+        No stripe lock, unlike a region read: the server writes this slot again only after
+        the ack, so nobody writes the bytes while they are copied."""
+        at = (header.seq % self.table.prefetch) * self.slot_bytes
+        np.copyto(out, self.slots[at:at + header.nbytes])
+        self.table.ack(header.seq)
+
+
+def poller(peer, ident: int, prefetch: int, batch_size: int, slot_bytes: int) -> Poller | None:
+    """The poll road to data server ``peer`` (a ``RemotePeer``) for worker ``ident``'s stream,
+    or None where the worker must ``take``: the server's regions are not mapped here (another
+    host, ``GRADSYNC_TRANSPORT=tcp``), the CPU may reorder stores, or the server's process
+    cannot be watched (another pid namespace, or /proc hides it)."""
+    slots, table = peer.region(f"slots.{ident}"), peer.region(f"table.{ident}")
+    if slots.direct is None or table.direct is None:
+        return None
+    if not shm.keeps_store_order(platform.machine()):
+        return None
+    started = shm.process_start_time(peer.pid)
+    if started is None or started == -1:
+        return None
+    words = table.direct.u8.view(np.int64)
+    return Poller(SlotTable(words, prefetch, batch_size), slots.direct.u8, slot_bytes,
+                  peer.pid, started, peer.label, peer.ident)
