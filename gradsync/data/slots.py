@@ -8,8 +8,10 @@ worker reads a header, then the slot's bytes, then writes one counter.
 The table, in 8-byte words (each group on a 64-byte cache line of its own, so that the
 worker's polling never steals the line the server writes, and vice versa)::
 
-    control  word 0: 1 once a sample failed to prepare on this server (written by the server)
-    ack      word 8: items of the stream the worker has finished reading (by the worker)
+    control  word 0: 1 once a sample failed to prepare on this server; word 1, the *bell*:
+             items published so far (both written by the server)
+    ack      word 8: items of the stream the worker has finished reading; word 9: 1 while
+             the worker sleeps on the bell (both written by the worker)
     headers  one line per slot: published (seq + 1, 0 = none), generation, epoch, batch
              index, bytes, sample count
     ids      ``batch_size`` words per slot: the batch's sample ids
@@ -31,10 +33,14 @@ bytes before it overwrites them. The same assumptions as the shared-memory rings
 its non-temporal stores. Elsewhere (``shm.keeps_store_order`` false) workers ``take``.
 
 Waiting (``Poller``): a worker whose next item is not yet published looks again a few times,
-then sleeps in naps that double from 50 us to 1 ms. It never spins for long: on a host with
-few cores the server's producer (and the worker's own training loop, which needs the GIL)
-must run meanwhile, and a batch that takes milliseconds to prepare makes a nap's lateness
-small. Between naps it checks the server is still alive, by its process id and start time as
+then sleeps on the bell with a futex (``transport/futex.py``, the shared-memory collectives'
+protocol): it reads the bell, looks once more, says it sleeps (word 9), and asks the kernel
+to sleep while the bell still holds what it read; the server, after each publish, rings the
+bell (adds one), fences, and wakes the worker if it said it sleeps. So a published batch
+wakes the worker at once, and a waiting worker uses no core: on a host with few cores the
+server's producer (and the worker's own training loop, which needs the GIL) must run
+meanwhile. Where futexes are missing it naps instead, doubling from 50 us to 1 ms. Every 50
+ms of waiting it checks that the server is still alive, by its process id and start time as
 the shared-memory rings do (a dead server's connection is not read while polling), and a
 deadline (the job's ``timeout``), as a ``take`` would have waited.
 
@@ -53,13 +59,14 @@ import numpy as np
 
 from ..errors import GradsyncTimeoutError, PeerLostError
 from ..transport import shm
+from ..transport.futex import Futex, fence
 
 __all__ = ["SlotTable", "Header", "Poller", "poller", "table_words", "ACK_WORD",
            "FAILED_WORD"]
 
 _LINE = 8  # words per cache line
-FAILED_WORD = 0
-ACK_WORD = _LINE
+FAILED_WORD, _BELL = 0, 1
+ACK_WORD, _SLEEPING = _LINE, _LINE + 1
 _HEADERS = 2 * _LINE
 # header fields, in words from the start of a slot's header line
 _PUBLISHED, _GENERATION, _EPOCH, _INDEX, _NBYTES, _COUNT = range(6)
@@ -96,6 +103,8 @@ class SlotTable:
                              f"{table_words(prefetch, batch_size)} int64 words; got "
                              f"{words.size} of {words.dtype}")
         self.words, self.prefetch, self.batch_size = words, prefetch, batch_size
+        # None where futexes are missing: the worker naps (and the bell wakes nobody).
+        self.futex = Futex.open(words)
         self._headers = words[_HEADERS:_HEADERS + prefetch * _LINE].reshape(prefetch, _LINE)
         self._ids = words[_HEADERS + prefetch * _LINE:].reshape(prefetch, batch_size)
 
@@ -108,6 +117,17 @@ class SlotTable:
         self._ids[slot, :len(ids)] = ids
         header[_GENERATION:_COUNT + 1] = (generation, epoch, index, nbytes, len(ids))
         header[_PUBLISHED] = seq + 1  # last: the worker trusts nothing before it sees this
+        self._ring()
+
+    def _ring(self) -> None:
+        self.words[_BELL] += 1  # one writer: no lost update
+        if self.futex is not None:
+            # The bell's store before the load of the worker's flag (x86 may let a load pass
+            # an earlier store): a worker that said it sleeps is woken, one that did not yet
+            # sees the new bell and does not sleep (futex.py's protocol).
+            fence()
+            if self.words[_SLEEPING]:
+                self.futex.wake(_BELL * 8)
 
     def acked(self) -> int:
         """Items the worker has finished reading (its one-sided counter)."""
@@ -122,6 +142,7 @@ class SlotTable:
     def fail(self) -> None:
         """Tells the worker that this server can prepare nothing more (a sample failed)."""
         self.words[FAILED_WORD] = 1
+        self._ring()
 
     # ------------------------------------------------------------------ the worker's side
     def poll(self, seq: int) -> Header | None:
@@ -147,9 +168,27 @@ class SlotTable:
         """Whether the server said a sample failed (a ``take`` then fetches the message)."""
         return bool(self.words[FAILED_WORD])
 
+    def bell(self) -> int:
+        """The bell: changes whenever the server publishes (read it before the last look)."""
+        return int(self.words[_BELL])
 
-# The poll's back-off: quick looks, then naps from the first to the last, doubling; how often
-# the server's liveness is checked while waiting.
+    def sleep(self, bell: int, seconds: float) -> bool:
+        """Sleeps at most ``seconds`` while the bell still says ``bell``; False where there
+        is no futex to sleep on (the caller naps)."""
+        if self.futex is None:
+            return False
+        self.words[_SLEEPING] = 1
+        try:
+            # The kernel compares the bell with ``bell`` behind a full barrier, after this
+            # thread joined the wait queue: a ring after the flag's store wakes it, one
+            # before it changed the bell, and the kernel does not let it sleep.
+            return self.futex.wait(_BELL * 8, bell, seconds)
+        finally:
+            self.words[_SLEEPING] = 0
+
+
+# The poll's back-off: quick looks, then sleeps on the bell (or, without futexes, naps from
+# the first to the last, doubling); how often the server's liveness is checked while waiting.
 _LOOKS, _NAPS, _LIVENESS_EVERY = 8, (0.00005, 0.001), 0.05
 
 
@@ -189,7 +228,6 @@ class Poller:
             if self.table.failed() or stopping():
                 return None, waited
             now = time.perf_counter()
-            waited = now - start
             if now - checked >= _LIVENESS_EVERY:
                 checked = now
                 self.check_alive()
@@ -197,13 +235,17 @@ class Poller:
                     raise GradsyncTimeoutError(
                         f"{self.label} did not prepare this worker's item {seq} within "
                         f"{timeout:.0f}s")
-            looks += 1
-            if looks > _LOOKS:
-                time.sleep(nap)
-                nap = min(2 * nap, _NAPS[1])
+            bell = self.table.bell()  # before the look: a publish after it changes the bell
             header = self.table.poll(seq)
             if header is not None:
                 return header, waited
+            waited = time.perf_counter() - start  # the item was still being prepared
+            looks += 1
+            if looks <= _LOOKS:
+                continue
+            if not self.table.sleep(bell, _LIVENESS_EVERY):
+                time.sleep(nap)
+                nap = min(2 * nap, _NAPS[1])
 
     def check_alive(self) -> None:
         """Raises PeerLostError if the server's process has exited (or its pid was reused)."""
