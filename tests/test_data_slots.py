@@ -124,6 +124,20 @@ def _road(srv, peer, worker):
     return road
 
 
+def test_a_sleeping_poll_is_woken_by_the_publish_and_says_how_long_the_batch_was_prepared():
+    road = Poller(_table(), np.zeros(64, np.uint8), 32, 1, 0, "data server 0", 0)
+    road.check_alive = lambda: None
+    start = time.perf_counter()
+    timer = threading.Timer(0.3, road.table.publish, (0, 0, 0, 1, 8, np.array([4])))
+    timer.start()
+    header, waited = road.wait(0, timeout=30, stopping=lambda: False)
+    elapsed = time.perf_counter() - start
+    timer.join()
+    assert header.ids.tolist() == [4]
+    # ``waited``: from the poll's start to the publish (the preparation), not to the wake-up.
+    assert 0.25 < waited <= elapsed
+
+
 def _poll_all(road, layout, items, first=0):
     """Polls ``items`` items of a stream from ``first`` (no take); returns their headers and
     tensors."""

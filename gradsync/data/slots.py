@@ -13,7 +13,9 @@ worker's polling never steals the line the server writes, and vice versa)::
     ack      word 8: items of the stream the worker has finished reading; word 9: 1 while
              the worker sleeps on the bell (both written by the worker)
     headers  one line per slot: published (seq + 1, 0 = none), generation, epoch, batch
-             index, bytes, sample count
+             index, bytes, sample count, when it was published (``time.monotonic_ns()``,
+             one clock for every process of the host: how long the worker waited for the
+             batch to be prepared, as ``take`` says it)
     ids      ``batch_size`` words per slot: the batch's sample ids
 
 Publishing item ``seq`` into slot ``s = seq % prefetch``: the server writes the bytes, the ids
@@ -69,7 +71,7 @@ FAILED_WORD, _BELL = 0, 1
 ACK_WORD, _SLEEPING = _LINE, _LINE + 1
 _HEADERS = 2 * _LINE
 # header fields, in words from the start of a slot's header line
-_PUBLISHED, _GENERATION, _EPOCH, _INDEX, _NBYTES, _COUNT = range(6)
+_PUBLISHED, _GENERATION, _EPOCH, _INDEX, _NBYTES, _COUNT, _STAMP = range(7)
 
 
 def table_words(prefetch: int, batch_size: int) -> int:
@@ -80,12 +82,13 @@ def table_words(prefetch: int, batch_size: int) -> int:
 class Header:
     """What the table says of one published item: as ``take`` answers it."""
 
-    __slots__ = ("seq", "generation", "epoch", "index", "nbytes", "ids")
+    __slots__ = ("seq", "generation", "epoch", "index", "nbytes", "ids", "stamp")
 
     def __init__(self, seq: int, generation: int, epoch: int, index: int, nbytes: int,
-                 ids: np.ndarray):
+                 ids: np.ndarray, stamp: int = 0):
         self.seq, self.generation, self.epoch = seq, generation, epoch
         self.index, self.nbytes, self.ids = index, nbytes, ids
+        self.stamp = stamp  # time.monotonic_ns() when it was published
 
 
 class SlotTable:
@@ -115,7 +118,8 @@ class SlotTable:
         slot = seq % self.prefetch
         header = self._headers[slot]
         self._ids[slot, :len(ids)] = ids
-        header[_GENERATION:_COUNT + 1] = (generation, epoch, index, nbytes, len(ids))
+        header[_GENERATION:_STAMP + 1] = (generation, epoch, index, nbytes, len(ids),
+                                          time.monotonic_ns())
         header[_PUBLISHED] = seq + 1  # last: the worker trusts nothing before it sees this
         self._ring()
 
@@ -158,7 +162,7 @@ class SlotTable:
         if meta[_PUBLISHED] != seq + 1 or header[_PUBLISHED] != seq + 1:
             return None
         return Header(seq, int(meta[_GENERATION]), int(meta[_EPOCH]), int(meta[_INDEX]),
-                      int(meta[_NBYTES]), ids)
+                      int(meta[_NBYTES]), ids, int(meta[_STAMP]))
 
     def ack(self, seq: int) -> None:
         """Item ``seq``'s bytes are in the worker's buffer: its slot is free again."""
@@ -211,8 +215,8 @@ class Poller:
 
     def wait(self, seq: int, timeout: float, stopping) -> tuple[Header | None, float]:
         """Waits until item ``seq`` is published; returns its header (None if the server
-        said a sample failed, or ``stopping()`` became true) and the seconds spent before
-        the last look that did not find it (the time it was still being prepared).
+        said a sample failed, or ``stopping()`` became true) and the seconds of the wait
+        during which it was still being prepared (until the server published it).
 
         Raises:
             PeerLostError: the server's process is gone.
@@ -221,12 +225,13 @@ class Poller:
         header = self.table.poll(seq)
         if header is not None:  # the steady state, when the server is ahead
             return header, 0.0
+        start_ns = time.monotonic_ns()
         start = time.perf_counter()
-        looks, nap, waited = 0, _NAPS[0], 0.0
+        looks, nap = 0, _NAPS[0]
         checked = start
         while True:
             if self.table.failed() or stopping():
-                return None, waited
+                return None, time.perf_counter() - start
             now = time.perf_counter()
             if now - checked >= _LIVENESS_EVERY:
                 checked = now
@@ -238,8 +243,8 @@ class Poller:
             bell = self.table.bell()  # before the look: a publish after it changes the bell
             header = self.table.poll(seq)
             if header is not None:
-                return header, waited
-            waited = time.perf_counter() - start  # the item was still being prepared
+                # The rest of the wait, from the publish to here, is the wake-up's.
+                return header, max(0, header.stamp - start_ns) / 1e9
             looks += 1
             if looks <= _LOOKS:
                 continue
