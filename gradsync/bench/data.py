@@ -17,9 +17,12 @@ cost that a loaded machine stretches in wall time but does not shrink). Three me
    labels against the ids the ``Loader`` says it holds and its values against the labels, and
    the workers' ids together must be every sample exactly once (``#wrong`` counts the
    samples missing, repeated or wrong).
-2. **Transport.** One more epoch, in which the training loop sleeps per batch about as long
-   as the data servers take to prepare one for every worker (``W * batch * cost / D``, and
-   half as much again), then times a *memory copy* of a batch's bytes into a fresh buffer
+2. **Transport.** One more epoch, in which the training loop first waits while the data
+   servers fill the pipeline (the Loader's queue and every slot: ``2 * prefetch + 1`` batches'
+   preparation), then sleeps per batch about as long as the data servers take to prepare one
+   for every worker (``W * batch * cost / D``, and half as much again), so that each batch is
+   ready when it is asked for; in each sleep it times a *memory copy* of a batch's bytes
+   into a fresh buffer
    (``numpy.empty`` + ``copyto``: what a worker that loaded its own batch would still pay to
    put it in a buffer of its own), from a source not in this core's caches (one of a pool of
    at least 8 MiB, in turn), as a slot was last written by the data server's core. A batch's
@@ -259,6 +262,8 @@ def run(args) -> dict | None:
     read = [r for _, _, r, _ in transfers]
     total = [t + r for t, r in zip(asked, read)]
     row["transfer"] = {"road": road, "ask": ask,
+                       # batches that were still being prepared when asked for
+                       "late": sum(1 for _, w, _, _ in transfers if w > 0),
                        "bytes": int(statistics.median(n for _, _, _, n in transfers)),
                        "batches": len(transfers),
                        "ask_us": _summary(asked, 1e6), "read_us": _summary(read, 1e6),
@@ -284,12 +289,13 @@ def _transport_name() -> str:
     return job.world().config.transport
 
 
-def _epoch(batches, loader=None, pause: float = 0.0, on_pause=None):
-    """Iterates one epoch of ``batches`` after a barrier; returns the slowest worker's
-    seconds, this worker's ids and its wrong samples."""
+def _epoch(batches, loader=None, pause: float = 0.0, on_pause=None, lead: float = 0.0):
+    """Iterates one epoch of ``batches`` after a barrier (and ``lead`` seconds more); returns
+    the slowest worker's seconds, this worker's ids and its wrong samples."""
     import gradsync
 
     gradsync.barrier()
+    time.sleep(lead)
     start = time.perf_counter()
     ids, bad = [], 0
     for x, y in batches:
@@ -332,8 +338,11 @@ def _transport(loader, args, workers: int, servers: int) -> tuple[list[float], i
     copies: list[float] = []
     # The servers' pace is servers / (batch * cost) batches a second for all the workers: a
     # loop half as fast again keeps every stream's slots full, so no take waits.
-    pause = 1.5 * workers * args.batch_size * (args.cost_ms + args.decode_ms) / 1e3 / servers
-    pause += 0.005
+    per_batch = workers * args.batch_size * (args.cost_ms + args.decode_ms) / 1e3 / servers
+    pause = 1.5 * per_batch + 0.005
+    # The queue (prefetch), the batch the fetch thread holds and every slot (prefetch) full
+    # before the first batch: from then on the servers stay ahead of the loop.
+    lead = (2 * loader.prefetch + 1) * per_batch + 0.05
 
     sources: list[np.ndarray] = []
 
@@ -352,7 +361,7 @@ def _transport(loader, args, workers: int, servers: int) -> tuple[list[float], i
         copies.append(time.perf_counter() - start)
 
     before = len(loader.transfers())
-    _, ids, bad = _epoch(iter(loader), loader, pause, copy)
+    _, ids, bad = _epoch(iter(loader), loader, pause, copy, lead)
     return copies, len(loader.transfers()) - before, _exactly_once(ids, bad, args.samples)
 
 
@@ -420,11 +429,14 @@ def _print(rows: list[dict]) -> None:
     print("# transport per batch against a memory copy of it into a fresh buffer, per worker, "
           "us (median over the transport epoch's batches): ask = the poll of the slot table "
           "(poll) or the take's control round trip (take), read = the bytes; ratios to the "
-          "copy")
-    print(f"{'worker':>6} {'road':>7} {'ask':>5} {'bytes':>9} {'batches':>7} {'ask':>8} "
+          "copy; late = batches still being prepared when asked for (their wait for the "
+          "preparation is not counted)")
+    print(f"{'worker':>6} {'road':>7} {'ask':>5} {'bytes':>9} {'batches':>7} {'late':>4} "
+          f"{'ask':>8} "
           f"{'read':>8} {'total':>8} {'copy':>8} {'read/copy':>9} {'total/copy':>10}")
     for r, t in enumerate(x["transfer"] for x in rows):
         print(f"{r:>6} {t['road']:>7} {t['ask']:>5} {t['bytes']:>9} {t['batches']:>7} "
+              f"{t['late']:>4} "
               f"{t['ask_us']['median']:>8.1f} "
               f"{t['read_us']['median']:>8.1f} {t['total_us']['median']:>8.1f} "
               f"{t['copy_us']['median']:>8.1f} {t['read_ratio']:>9.2f} {t['ratio']:>10.2f}",
