@@ -487,7 +487,10 @@ class _Epoch:
         return buf
 
     def _check(self, s: int, epoch: int, index: int, ids, batch: Batch) -> None:
-        if index != batch.index or epoch != self.epoch or not np.array_equal(ids, batch.ids):
+        # Both int64 arrays on the poll road: their bytes compare without NumPy's dispatch.
+        same = ids.tobytes() == batch.ids.tobytes() if isinstance(ids, np.ndarray) \
+            and ids.dtype == batch.ids.dtype else np.array_equal(ids, batch.ids)
+        if index != batch.index or epoch != self.epoch or not same:
             raise RuntimeError(f"data server {s} sent batch {index} of epoch {epoch} (samples "
                                f"{list(ids)[:8]}...) where the plan has batch {batch.index} "
                                f"of epoch {self.epoch} (samples {batch.ids.tolist()[:8]}...)")

@@ -110,6 +110,10 @@ class SlotTable:
         self.futex = Futex.open(words)
         self._headers = words[_HEADERS:_HEADERS + prefetch * _LINE].reshape(prefetch, _LINE)
         self._ids = words[_HEADERS + prefetch * _LINE:].reshape(prefetch, batch_size)
+        # The worker's reads go through a memoryview of the words: an item of it is a Python
+        # int in a fraction of a NumPy scalar's time, and the poll runs once per batch on a
+        # thread whose caches have gone cold while it slept.
+        self._view = memoryview(words).cast("B").cast("q")
 
     # ------------------------------------------------------------------ the server's side
     def publish(self, seq: int, generation: int, epoch: int, index: int, nbytes: int,
@@ -151,30 +155,32 @@ class SlotTable:
     # ------------------------------------------------------------------ the worker's side
     def poll(self, seq: int) -> Header | None:
         """Item ``seq``'s header when it is published, else None."""
-        header = self._headers[seq % self.prefetch]
-        if header[_PUBLISHED] != seq + 1:
+        view, slot = self._view, seq % self.prefetch
+        at = _HEADERS + slot * _LINE
+        if view[at + _PUBLISHED] != seq + 1:
             return None
-        meta = header.copy()
-        ids = self._ids[seq % self.prefetch, :int(meta[_COUNT])].copy()
+        meta = view[at:at + _LINE].tolist()
+        first = _HEADERS + self.prefetch * _LINE + slot * self.batch_size
+        ids = np.array(view[first:first + meta[_COUNT]], dtype=np.int64)
         # Read again after the metadata (seqlock): a header rewritten meanwhile (it cannot
         # be, while the worker has not acked ``seq``, unless the stream was re-planned) is
         # not taken.
-        if meta[_PUBLISHED] != seq + 1 or header[_PUBLISHED] != seq + 1:
+        if meta[_PUBLISHED] != seq + 1 or view[at + _PUBLISHED] != seq + 1:
             return None
-        return Header(seq, int(meta[_GENERATION]), int(meta[_EPOCH]), int(meta[_INDEX]),
-                      int(meta[_NBYTES]), ids, int(meta[_STAMP]))
+        return Header(seq, meta[_GENERATION], meta[_EPOCH], meta[_INDEX], meta[_NBYTES], ids,
+                      meta[_STAMP])
 
     def ack(self, seq: int) -> None:
         """Item ``seq``'s bytes are in the worker's buffer: its slot is free again."""
-        self.words[ACK_WORD] = seq + 1
+        self._view[ACK_WORD] = seq + 1
 
     def failed(self) -> bool:
         """Whether the server said a sample failed (a ``take`` then fetches the message)."""
-        return bool(self.words[FAILED_WORD])
+        return bool(self._view[FAILED_WORD])
 
     def bell(self) -> int:
         """The bell: changes whenever the server publishes (read it before the last look)."""
-        return int(self.words[_BELL])
+        return self._view[_BELL]
 
     def sleep(self, bell: int, seconds: float) -> bool:
         """Sleeps at most ``seconds`` while the bell still says ``bell``; False where there
