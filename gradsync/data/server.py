@@ -306,7 +306,7 @@ class DataServer:
                                  f"{len(stream.items) - 1}")
             stream.released = seq  # every earlier item has been read: its slot is free
             self._cv.notify_all()
-            arrived = time.monotonic()
+            arrived, ready = time.monotonic(), stream.produced > seq
             while stream.produced <= seq:
                 if self.failure is not None:
                     raise GradsyncError(self.failure)
@@ -321,7 +321,7 @@ class DataServer:
             # time is the transport's: Loader.transfers()).
             return {"slot": seq % stream.prefetch, "nbytes": stream.nbytes[seq],
                     "epoch": epoch, "index": batch.index, "ids": batch.ids.tolist(),
-                    "waited": time.monotonic() - arrived}
+                    "waited": 0.0 if ready else time.monotonic() - arrived}
 
     def _stats(self, worker: int, args: dict) -> dict:
         with self._cv:
