@@ -6,9 +6,9 @@ every data server and returns. Each ``iter(loader)`` is one epoch: the worker co
 epoch's plan (``plan.py``), tells each server to queue its share, and a fetch thread takes the
 batches in plan order, reading each into a fresh buffer that the yielded tensors view, up to
 ``prefetch`` batches ahead of the training loop. From a server on this host it takes a batch
-without a message: it polls the stream's slot table in shared memory and acks with a
-one-sided write (``slots.py``); from a server on another host it calls ``take``. An ``iter()`` while an epoch is unfinished (a
-loop left with ``break``) goes on with that epoch where it stopped.
+without a message: it polls the stream's slot table in shared memory and acks with a one-sided
+write (``slots.py``); from a server on another host it calls ``take``. An ``iter()`` while an
+epoch is unfinished (a loop left with ``break``) goes on with that epoch where it stopped.
 
 Exactly once. Within an epoch every sample is in exactly one batch and every batch goes to
 exactly one worker (``plan.py``). A batch counts as *delivered* (acknowledged) once the

@@ -35,21 +35,22 @@ Preparing a sample: the decoded sample comes from the cache (``cache.py``) or fr
 applied with a generator seeded by (seed, epoch, sample id), so that augmentation is random
 across epochs but the same for a seed whatever the number of servers, workers or cache hits.
 
-Failures: a sample that the dataset or transform cannot prepare fails every later ``take``
-with an error naming it (the workers raise it); the tables say so too (``SlotTable.fail``), and
-a polling worker that finds its next item missing then makes that ``take`` for the message. A worker whose connection ends is done with
-this server; the server ends when every worker has connected and gone. In an elastic job
-(``gradsync run --min-np/--max-np --data-servers D``) workers come and go while the job
-runs: the server admits any worker id, each once (a worker's id is not its rank there:
-``server_links.unique_id``), goes on when workers leave, and ends when the launcher writes
-``data/end`` in the job's store, after every worker has ended. When the job's
-workers re-form (``Loader.reset``, elastic mode), each worker's next ``start`` carries the new
-*generation*, its number of workers and the worker's place among them: the server drops the
-items of that worker's stream that it has not taken and plans the rest of the epoch for the
-new count, so a lost worker's unacknowledged share goes to the others. When another data
-server is lost, each worker hands the batches it has not received from it to the servers
-left (``start`` with ``items``): they join the end of that worker's stream here like any
-other, decoded from the dataset (this server's cache keeps them only while its budget lasts).
+Failures: a sample that the dataset or transform cannot prepare fails every later ``take`` with
+an error naming it (the workers raise it); the tables say so too (``SlotTable.fail``), and a
+polling worker that finds its next item missing then makes that ``take`` for the message. A
+worker whose connection ends is done with this server; the server ends when every worker has
+connected and gone. In an elastic job (``gradsync run --min-np/--max-np --data-servers D``)
+workers come and go while the job runs: the server admits any worker id, each once (a worker's
+id is not its rank there: ``server_links.unique_id``), goes on when workers leave, and ends
+when the launcher writes ``data/end`` in the job's store, after every worker has ended. When
+the job's workers re-form (``Loader.reset``, elastic mode), each worker's next ``start``
+carries the new *generation*, its number of workers and the worker's place among them: the
+server drops the items of that worker's stream that it has not taken and plans the rest of the
+epoch for the new count, so a lost worker's unacknowledged share goes to the others. When
+another data server is lost, each worker hands the batches it has not received from it to the
+servers left (``start`` with ``items``): they join the end of that worker's stream here like
+any other, decoded from the dataset (this server's cache keeps them only while its budget
+lasts).
 """
 
 from __future__ import annotations
