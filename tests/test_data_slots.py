@@ -184,6 +184,19 @@ def test_a_polling_worker_gets_every_batch_with_no_take_and_its_acks_are_the_cre
     assert stats["takes"] == 0 and stats["batches"] == 5 + 2
 
 
+def test_a_server_that_closes_the_connection_while_the_worker_polls_is_named(server):
+    # The server's process lives (it is this one) but its end of the connection is gone,
+    # as a take's reply would have said.
+    srv, peers = server(Numbers(40), workers=1)
+    _hello(peers[0], 40, prefetch=2)
+    road = _road(srv, peers[0], 0)
+    srv.endpoint.close()
+    start = time.monotonic()
+    with pytest.raises(PeerLostError, match="closed its connection"):
+        road.wait(0, timeout=30, stopping=lambda: False)
+    assert time.monotonic() - start < 1.0
+
+
 def test_a_failing_sample_is_flagged_in_the_table_and_its_take_names_it(server):
     class Broken(Numbers):
         def __getitem__(self, i):

@@ -43,8 +43,9 @@ wakes the worker at once, and a waiting worker uses no core: on a host with few 
 server's producer (and the worker's own training loop, which needs the GIL) must run
 meanwhile. Where futexes are missing it naps instead, doubling from 50 us to 1 ms. Every 50
 ms of waiting it checks that the server is still alive, by its process id and start time as
-the shared-memory rings do (a dead server's connection is not read while polling), and a
-deadline (the job's ``timeout``), as a ``take`` would have waited.
+the shared-memory rings do, and that its region connection has not ended (a ``take`` would
+have seen either in its reply), and a deadline (the job's ``timeout``), as a ``take`` would
+have waited.
 
 Worked example, ``prefetch`` 2: the server publishes items 0 and 1 (slots 0, 1); it may not
 write item 2 until ``ack >= 1``. The worker polls slot 0 for item 0 (published 1), reads it,
@@ -55,6 +56,7 @@ polling slot 1 for item 1 meanwhile, finds published 2 and goes on.
 from __future__ import annotations
 
 import platform
+import socket
 import time
 
 import numpy as np
@@ -212,12 +214,15 @@ class Poller:
         slot_bytes: bytes per slot.
         pid, started: the server's process id and start time (``shm.process_start_time``).
         label: how errors name the server; ``peer``: its rank, for ``PeerLostError``.
+        sock: the worker's region connection to the server, watched for its end (None: not
+            watched).
     """
 
     def __init__(self, table: SlotTable, slots: np.ndarray, slot_bytes: int, pid: int,
-                 started: int, label: str, peer: int | None):
+                 started: int, label: str, peer: int | None, sock: socket.socket | None = None):
         self.table, self.slots, self.slot_bytes = table, slots, slot_bytes
         self.pid, self.started, self.label, self.peer = pid, started, label, peer
+        self.sock = sock
 
     def wait(self, seq: int, timeout: float, stopping) -> tuple[Header | None, float]:
         """Waits until item ``seq`` is published; returns its header (None if the server
@@ -259,10 +264,29 @@ class Poller:
                 nap = min(2 * nap, _NAPS[1])
 
     def check_alive(self) -> None:
-        """Raises PeerLostError if the server's process has exited (or its pid was reused)."""
+        """Raises PeerLostError if the server's process has exited (or its pid was reused),
+        or its end of the region connection is closed."""
         if shm.process_start_time(self.pid) != self.started:
             raise PeerLostError(f"{self.label} (pid {self.pid}, same host) exited or was "
                                 "killed while this worker waited for a batch", peer=self.peer)
+        if self.sock is None:
+            return
+        try:
+            # A peek through a non-blocking duplicate: the connection's own socket has a
+            # timeout, with which ``recv`` would wait for a byte. Nothing is due while no call
+            # is in flight, so a peek finds the end (0 bytes), no byte (alive), or a byte of a
+            # reply another thread is reading (alive; the peek leaves it there).
+            with socket.fromfd(self.sock.fileno(), self.sock.family, self.sock.type) as probe:
+                probe.setblocking(False)
+                ended = probe.recv(1, socket.MSG_PEEK) == b""
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            raise PeerLostError(f"lost the connection to {self.label} while this worker "
+                                f"waited for a batch: {exc}", peer=self.peer) from None
+        if ended:
+            raise PeerLostError(f"{self.label} closed its connection while this worker "
+                                "waited for a batch", peer=self.peer)
 
     def read(self, header: Header, out: np.ndarray) -> None:
         """Copies the item's bytes into ``out``, then acks it (its slot is free again).
@@ -289,4 +313,4 @@ def poller(peer, ident: int, prefetch: int, batch_size: int, slot_bytes: int) ->
         return None
     words = table.direct.u8.view(np.int64)
     return Poller(SlotTable(words, prefetch, batch_size), slots.direct.u8, slot_bytes,
-                  peer.pid, started, peer.label, peer.ident)
+                  peer.pid, started, peer.label, peer.ident, peer.sock)
