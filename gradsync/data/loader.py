@@ -311,7 +311,8 @@ class Loader:
         """How the latest batches (up to 4,096) came, oldest first: per batch the seconds
         spent asking for it (polling the slot table from a same-host server, else the
         ``take`` call), the part of them the batch was still being prepared (the rest is the
-        transport's: the poll's last look and nap, or the control message's round trip), the
+        transport's: the poll's look, or its wake-up after the publish, or the control
+        message's round trip), the
         seconds its bytes took to read into the worker's buffer, and their number."""
         return list(self._transfers)
 
