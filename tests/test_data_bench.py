@@ -36,8 +36,9 @@ def test_bench_data_compares_both_feeds_and_the_transport(tmp_path):
     assert [t["batches"] for t in per_worker] == [6, 6]
     for t in per_worker:
         assert t["road"] == "shm"  # one host: the slots are mapped
+        assert t["ask"] == "poll"  # and the slot table polled, with no take
         assert t["bytes"] == 8 * (6 * 4 + 8)  # the float32 samples and the int64 labels
-        assert t["take_us"]["median"] > 0 and t["copy_us"]["median"] > 0
+        assert t["ask_us"]["median"] > 0 and t["copy_us"]["median"] > 0
         assert t["ratio"] == pytest.approx(t["total_us"]["median"] / t["copy_us"]["median"])
 
 

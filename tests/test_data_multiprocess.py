@@ -54,6 +54,8 @@ def test_every_sample_reaches_exactly_one_worker_in_the_seeded_order(tmp_path, w
     assert sum(s["hits"] for s in stats) == SAMPLES
     assert [s["samples"] for s in stats] == [len(range(d, SAMPLES, servers))
                                              for d in range(servers)]
+    # On one host every batch came by polling the stream's slot table: no take call at all.
+    assert [s["takes"] for s in stats] == [0] * servers
 
 
 @pytest.mark.multiprocess
@@ -66,6 +68,26 @@ def test_batches_read_over_tcp_arrive_exactly_once_as_over_shared_memory(tmp_pat
         assert sorted(i for w in got for i in w[str(epoch)]) == list(range(SAMPLES))
         for w in range(2):
             assert got[w][str(epoch)] == _planned(epoch, 2, 2, w)
+    # The road between hosts cannot map the slot table: every batch was a take.
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert [s["takes"] for s in stats] == [s["batches"] for s in stats]
+    assert sum(s["batches"] for s in stats) > 0
+
+
+@pytest.mark.multiprocess
+def test_a_sample_that_fails_to_prepare_is_raised_on_every_worker(tmp_path):
+    # Sample 50 is in batch 7, worker 1's fourth. The server's producer stops at it and
+    # flags every stream's slot table; a worker that finds its next item missing fetches
+    # the message with a take. Worker 0 raises it too, unless the server had prepared all
+    # of its batches before (it may run ahead of worker 1, which started later).
+    assert [b.index for b in P.plan(SAMPLES, BATCH, SEED, 0, 1, 2) if 50 in b.ids] == [7]
+    r = harness.launch(2, "data_check.py", "broken", str(tmp_path), "50", timeout=120,
+                       launcher_args=("--data-servers", "1"))
+    assert r.returncode == 1, str(r)  # the data server's status
+    expected = ("GradsyncError: data server 0 could not prepare batch 7 of epoch 0: OSError: "
+                "sample 50 is unreadable")
+    assert (tmp_path / "broken-1.txt").read_text() == expected
+    assert (tmp_path / "broken-0.txt").read_text() in (expected, "no error")
 
 
 @pytest.mark.multiprocess

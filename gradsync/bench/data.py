@@ -17,15 +17,22 @@ cost that a loaded machine stretches in wall time but does not shrink). Three me
    labels against the ids the ``Loader`` says it holds and its values against the labels, and
    the workers' ids together must be every sample exactly once (``#wrong`` counts the
    samples missing, repeated or wrong).
-2. **Transport.** One more epoch, in which the training loop sleeps per batch about as long
-   as the data servers take to prepare one for every worker (``W * batch * cost / D``, and
-   half as much again), then times a *memory copy* of a batch's bytes into a fresh buffer
+2. **Transport.** One more epoch, in which the training loop first waits while the data
+   servers fill the pipeline (the Loader's queue and every slot: ``2 * prefetch + 1`` batches'
+   preparation), then sleeps per batch about as long as the data servers take to prepare one
+   for every worker (``W * batch * cost / D``, and half as much again), so that each batch is
+   ready when it is asked for; in each sleep it times a *memory copy* of a batch's bytes
+   into a fresh buffer
    (``numpy.empty`` + ``copyto``: what a worker that loaded its own batch would still pay to
    put it in a buffer of its own), from a source not in this core's caches (one of a pool of
-   at least 8 MiB, in turn), as a slot was last written by the data server's core. A batch's *transport* cost is its ``take`` (the control
-   round trip, less the time the server waited for the batch to be prepared: the server says
-   how long) plus the read of its bytes into the worker's fresh buffer
-   (``Loader.transfers()``); ratio = transport / copy, medians over the epoch's batches.
+   at least 8 MiB, in turn), as a slot was last written by the data server's core. A batch's
+   *transport* cost is how it was asked for plus the read of its bytes into the worker's
+   fresh buffer (``Loader.transfers()``). Asking is, from a server on the same host, the poll
+   of the stream's slot table (from the first look until the header is seen, less the time
+   the batch was still being prepared: the naps of the back-off after it was published are
+   counted), else the ``take`` call (the control round trip, less the time the server waited
+   for the batch to be prepared: the server says how long). Ratio = transport / copy,
+   medians over the epoch's batches.
 3. **DataLoader.** Each worker's own ``torch.utils.data.DataLoader`` over the same dataset and
    transform, with a ``DistributedSampler`` (its share, shuffled) and ``num_workers`` =
    ``max(1, round(D / W))``, so that the loading processes number the data servers (the same
@@ -233,9 +240,11 @@ def run(args) -> dict | None:
     copy_s, taken, transport_wrong = _transport(loader, args, workers, servers)
     wrong += transport_wrong
     transfers = loader.transfers()[-taken:]
-    # Each server's slots: mapped here (the same host) or read over its TCP connection.
+    # Each server's slots: mapped here (the same host) or read over its TCP connection; a
+    # batch asked for by polling the slot table or by a take call.
     road = "/".join(sorted({"shm" if slots.direct is not None else "tcp"
                             for slots in loader.slots}))
+    ask = "/".join(sorted({"poll" if p is not None else "take" for p in loader.pollers}))
     loader.close()
     own.close()
     row = {"workers": workers, "data_servers": servers, "loader_workers": threads,
@@ -248,14 +257,16 @@ def run(args) -> dict | None:
            "pair_ratios": [a / b for a, b in zip(epochs, own.rates)]}
     row["throughput_ratio"] = (row["servers_samples_s"]["median"]
                                / row["dataloader_samples_s"]["median"])
-    # A take's round trip is its time less the server's wait for the batch to be prepared.
-    take = [t - w for t, w, _, _ in transfers]
+    # Asking (a poll, or a take's round trip) is its time less the batch's preparation.
+    asked = [t - w for t, w, _, _ in transfers]
     read = [r for _, _, r, _ in transfers]
-    total = [t + r for t, r in zip(take, read)]
-    row["transfer"] = {"road": road,
+    total = [t + r for t, r in zip(asked, read)]
+    row["transfer"] = {"road": road, "ask": ask,
+                       # batches that were still being prepared when asked for
+                       "late": sum(1 for _, w, _, _ in transfers if w > 0),
                        "bytes": int(statistics.median(n for _, _, _, n in transfers)),
                        "batches": len(transfers),
-                       "take_us": _summary(take, 1e6), "read_us": _summary(read, 1e6),
+                       "ask_us": _summary(asked, 1e6), "read_us": _summary(read, 1e6),
                        "total_us": _summary(total, 1e6), "copy_us": _summary(copy_s, 1e6),
                        "waited_us": _summary([w for _, w, _, _ in transfers], 1e6)}
     copy_us = row["transfer"]["copy_us"]["median"]
@@ -278,12 +289,13 @@ def _transport_name() -> str:
     return job.world().config.transport
 
 
-def _epoch(batches, loader=None, pause: float = 0.0, on_pause=None):
-    """Iterates one epoch of ``batches`` after a barrier; returns the slowest worker's
-    seconds, this worker's ids and its wrong samples."""
+def _epoch(batches, loader=None, pause: float = 0.0, on_pause=None, lead: float = 0.0):
+    """Iterates one epoch of ``batches`` after a barrier (and ``lead`` seconds more); returns
+    the slowest worker's seconds, this worker's ids and its wrong samples."""
     import gradsync
 
     gradsync.barrier()
+    time.sleep(lead)
     start = time.perf_counter()
     ids, bad = [], 0
     for x, y in batches:
@@ -326,8 +338,11 @@ def _transport(loader, args, workers: int, servers: int) -> tuple[list[float], i
     copies: list[float] = []
     # The servers' pace is servers / (batch * cost) batches a second for all the workers: a
     # loop half as fast again keeps every stream's slots full, so no take waits.
-    pause = 1.5 * workers * args.batch_size * (args.cost_ms + args.decode_ms) / 1e3 / servers
-    pause += 0.005
+    per_batch = workers * args.batch_size * (args.cost_ms + args.decode_ms) / 1e3 / servers
+    pause = 1.5 * per_batch + 0.005
+    # The queue (prefetch), the batch the fetch thread holds and every slot (prefetch) full
+    # before the first batch: from then on the servers stay ahead of the loop.
+    lead = (2 * loader.prefetch + 1) * per_batch + 0.05
 
     sources: list[np.ndarray] = []
 
@@ -346,7 +361,7 @@ def _transport(loader, args, workers: int, servers: int) -> tuple[list[float], i
         copies.append(time.perf_counter() - start)
 
     before = len(loader.transfers())
-    _, ids, bad = _epoch(iter(loader), loader, pause, copy)
+    _, ids, bad = _epoch(iter(loader), loader, pause, copy, lead)
     return copies, len(loader.transfers()) - before, _exactly_once(ids, bad, args.samples)
 
 
@@ -412,15 +427,19 @@ def _print(rows: list[dict]) -> None:
           f"of the medians; epoch by epoch (each feed's epochs alternate): median "
           f"{statistics.median(pairs):.2f}, {min(pairs):.2f}-{max(pairs):.2f}")
     print("# transport per batch against a memory copy of it into a fresh buffer, per worker, "
-          "us (median over the transport epoch's batches): take = the control round trip, "
-          "read = the bytes; ratios to the copy")
-    print(f"{'worker':>6} {'road':>7} {'bytes':>9} {'batches':>7} {'take':>8} {'read':>8} "
-          f"{'total':>8} {'copy':>8} {'read/copy':>9} {'total/copy':>10}")
+          "us (median over the transport epoch's batches): ask = the poll of the slot table "
+          "(poll) or the take's control round trip (take), read = the bytes; ratios to the "
+          "copy; late = batches still being prepared when asked for (their wait for the "
+          "preparation is not counted)")
+    print(f"{'worker':>6} {'road':>7} {'ask':>5} {'bytes':>9} {'batches':>7} {'late':>4} "
+          f"{'ask':>8} "
+          f"{'read':>8} {'total':>8} {'copy':>8} {'read/copy':>9} {'total/copy':>10}")
     for r, t in enumerate(x["transfer"] for x in rows):
-        print(f"{r:>6} {t['road']:>7} {t['bytes']:>9} {t['batches']:>7} "
-              f"{t['take_us']['median']:>8.0f} "
-              f"{t['read_us']['median']:>8.0f} {t['total_us']['median']:>8.0f} "
-              f"{t['copy_us']['median']:>8.0f} {t['read_ratio']:>9.2f} {t['ratio']:>10.2f}",
+        print(f"{r:>6} {t['road']:>7} {t['ask']:>5} {t['bytes']:>9} {t['batches']:>7} "
+              f"{t['late']:>4} "
+              f"{t['ask_us']['median']:>8.1f} "
+              f"{t['read_us']['median']:>8.1f} {t['total_us']['median']:>8.1f} "
+              f"{t['copy_us']['median']:>8.1f} {t['read_ratio']:>9.2f} {t['ratio']:>10.2f}",
               flush=True)
 
 

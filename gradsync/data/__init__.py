@@ -17,13 +17,15 @@ roles part::
 
 Within an epoch every sample goes to exactly one worker, in an order fixed by the seed
 (``plan.py``); samples are decoded once and kept in the servers' memory (``cache.py``), the
-transform runs afresh each epoch (``server.py``); batches move through one-sided memory
-regions set up once (``transport/regions.py``), with ``prefetch`` batches of credit per worker
-(``loader.py``). ``as_dataloader(loader)`` is a torch ``DataLoader`` over it, for DDP and
-Lightning (``compat.py``). In an elastic job (``gradsync run --min-np ... --data-servers D``)
-the Loader goes into the elastic state, ``hvd.elastic.TorchState(model, optimizer,
-loader=loader)``, and its position commits, rolls back and goes on with the model
-(``elastic.py``). See docs/data.md, which also lists what is not done yet.
+transform runs afresh each epoch (``server.py``); batches move through one-sided memory regions
+set up once (``transport/regions.py``), with ``prefetch`` batches of credit per worker
+(``loader.py``); on one host a worker polls each stream's slot table instead of asking for a
+batch, and acknowledges it with a store into shared memory (``slots.py``).
+``as_dataloader(loader)`` is a torch ``DataLoader`` over it, for DDP and Lightning
+(``compat.py``). In an elastic job (``gradsync run --min-np ... --data-servers D``) the Loader
+goes into the elastic state, ``hvd.elastic.TorchState(model, optimizer, loader=loader)``, and
+its position commits, rolls back and goes on with the model (``elastic.py``). See docs/data.md,
+which also lists what is not done yet.
 """
 
 from .loader import Loader

@@ -5,8 +5,10 @@ rank the constructor serves (``server.py``) and ends the process; on a worker it
 every data server and returns. Each ``iter(loader)`` is one epoch: the worker computes the
 epoch's plan (``plan.py``), tells each server to queue its share, and a fetch thread takes the
 batches in plan order, reading each into a fresh buffer that the yielded tensors view, up to
-``prefetch`` batches ahead of the training loop. An ``iter()`` while an epoch is unfinished (a
-loop left with ``break``) goes on with that epoch where it stopped.
+``prefetch`` batches ahead of the training loop. From a server on this host it takes a batch
+without a message: it polls the stream's slot table in shared memory and acks with a one-sided
+write (``slots.py``); from a server on another host it calls ``take``. An ``iter()`` while an
+epoch is unfinished (a loop left with ``break``) goes on with that epoch where it stopped.
 
 Exactly once. Within an epoch every sample is in exactly one batch and every batch goes to
 exactly one worker (``plan.py``). A batch counts as *delivered* (acknowledged) once the
@@ -37,6 +39,7 @@ from ..errors import ConfigError, GradsyncError, PeerLostError
 from ..transport import region_peer
 from .layout import Layout
 from .plan import STATE_VERSION, Batch, pack_mask, plan, unpack_mask, worker_batches
+from .slots import poller
 
 __all__ = ["Loader", "STATE_VERSION"]
 
@@ -108,7 +111,7 @@ class Loader:
         self._finished: tuple[int, list[np.ndarray]] | None = None  # last epoch: (e, ids)
         self._seq = [0] * self.servers  # next sequence number of this worker's stream
         self.lost: set[int] = set()  # data servers this worker has lost
-        # (take seconds, of which waited, read seconds, bytes) of the latest batches
+        # (poll or take seconds, of which waited, read seconds, bytes) of the latest batches
         self._transfers: collections.deque = collections.deque(maxlen=_TRANSFERS_KEPT)
         self._closed = False
         self._timeout = config.timeout
@@ -134,6 +137,9 @@ class Loader:
         self.layout = Layout(replies[0]["layout"])
         self.slot_bytes = replies[0]["slot_bytes"]
         self.slots = [p.region(f"slots.{self.ident}") for p in self.peers]
+        # Per server: the poll road (same host) or None (take over the region connection).
+        self.pollers = [poller(p, self.ident, self.prefetch, self.batch_size, self.slot_bytes)
+                        for p in self.peers]
 
     @property
     def ids(self) -> np.ndarray | None:
@@ -302,10 +308,12 @@ class Loader:
             self._resume[self.epoch] = unpack_mask(state["done"], self.samples)
 
     def transfers(self) -> list[tuple[float, float, float, int]]:
-        """How the latest batches (up to 4,096) came, oldest first: per batch the seconds its
-        ``take`` call took, the part of them the data server spent waiting for the batch to
-        be prepared (the rest is the control message's round trip), the seconds its bytes
-        took to read into the worker's buffer, and their number."""
+        """How the latest batches (up to 4,096) came, oldest first: per batch the seconds
+        spent asking for it (polling the slot table from a same-host server, else the
+        ``take`` call), the part of them the batch was still being prepared (the rest is the
+        transport's: the poll's look, or its wake-up after the publish, or the control
+        message's round trip), the
+        seconds its bytes took to read into the worker's buffer, and their number."""
         return list(self._transfers)
 
     def reset(self, rank: int, workers: int, state: dict, generation: int | None = None
@@ -440,23 +448,63 @@ class _Epoch:
                     loader._lose(s, exc)
                     self.orphans.append(batch)
                     continue
+                if buf is None:  # stopped while polling: the batch was not taken
+                    return
                 if not self._put((batch, buf)):
                     return
             self._put(_END)
         except BaseException as exc:  # handed to the training loop, which raises it
             self._put(exc)
 
-    def _take(self, batch: Batch, s: int) -> np.ndarray:
-        """Batch ``batch`` from data server ``s``, read into a fresh buffer."""
+    def _take(self, batch: Batch, s: int) -> np.ndarray | None:
+        """Batch ``batch`` from data server ``s``, read into a fresh buffer (None: the epoch
+        was stopped before it came)."""
+        loader = self.loader
+        road = loader.pollers[s]
+        if road is None:
+            return self._call(batch, s)
+        seq = loader._seq[s]
+        start = time.perf_counter()
+        header, waited = road.wait(seq, loader._timeout, lambda: self._stopping)
+        if header is None:
+            if self._stopping:
+                return None
+            # The server said a sample failed: its take raises the message (or answers, if
+            # this item was published after all).
+            return self._call(batch, s)
+        polled = time.perf_counter()
+        self._check(s, header.epoch, header.index, header.ids, batch)
+        if header.generation != loader.generation:
+            raise RuntimeError(f"data server {s} published item {seq} for generation "
+                               f"{header.generation}; this worker is in generation "
+                               f"{loader.generation}")
+        # A fresh buffer each batch: the tensors handed to the loop view it for as long as
+        # the loop keeps them, and the slot is rewritten as soon as it is acked.
+        buf = np.empty(header.nbytes, dtype=np.uint8)
+        road.read(header, buf)
+        loader._seq[s] += 1
+        loader._transfers.append((polled - start, waited, time.perf_counter() - polled,
+                                  buf.nbytes))
+        return buf
+
+    def _check(self, s: int, epoch: int, index: int, ids, batch: Batch) -> None:
+        # Both int64 arrays on the poll road: their bytes compare without NumPy's dispatch.
+        same = ids.tobytes() == batch.ids.tobytes() if isinstance(ids, np.ndarray) \
+            and ids.dtype == batch.ids.dtype else np.array_equal(ids, batch.ids)
+        if index != batch.index or epoch != self.epoch or not same:
+            raise RuntimeError(f"data server {s} sent batch {index} of epoch {epoch} (samples "
+                               f"{list(ids)[:8]}...) where the plan has batch {batch.index} "
+                               f"of epoch {self.epoch} (samples {batch.ids.tolist()[:8]}...)")
+
+    def _call(self, batch: Batch, s: int) -> np.ndarray:
+        """Batch ``batch`` by a ``take`` call, read over the region connection (or the
+        mapping, when it is a same-host server whose table is not polled)."""
         loader = self.loader
         start = time.perf_counter()
         info = loader.peers[s].call("take", seq=loader._seq[s])
         taken = time.perf_counter()
         loader._seq[s] += 1
-        if info["index"] != batch.index or info["epoch"] != self.epoch:
-            raise RuntimeError(f"data server {s} sent batch {info['index']} of epoch "
-                               f"{info['epoch']} where the plan has batch {batch.index} of "
-                               f"epoch {self.epoch}")
+        self._check(s, info["epoch"], info["index"], info["ids"], batch)
         buf = np.empty(info["nbytes"], dtype=np.uint8)
         loader.slots[s].read(buf, info["slot"] * loader.slot_bytes)
         loader._transfers.append((taken - start, float(info.get("waited", 0.0)),

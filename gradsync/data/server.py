@@ -19,31 +19,38 @@ A step, seen from worker w:
    written only when w has released item ``k - prefetch`` (the slot's previous item). So a
    server runs at most ``prefetch`` batches ahead of each worker, and a slow worker holds back
    only its own stream.
-3. ``take(seq)``: waits until item ``seq`` is ready and answers where it is (slot, bytes),
-   what it holds (its index in the epoch, its sample ids) and how long it waited. Asking for
-   ``seq`` also releases every item before it: the worker reads item ``seq - 1`` before
-   asking for ``seq``, so its slot is free again. That release is the credit.
-4. The worker reads the slot's bytes straight into the buffer its tensors will view.
+3. The producer publishes each item it wrote in the stream's *slot table* (``slots.py``, a
+   second small region, ``table.<worker>``): its sequence number, written last, after the
+   bytes and what the worker needs (index in the epoch, sample ids, bytes).
+4. A worker on this host polls the table for its next item, reads the slot's bytes straight
+   into the buffer its tensors will view, and writes the count of items it has read into
+   the table: that one-sided write frees the slot. That release is the credit. No message.
+5. A worker on another host (or one told ``GRADSYNC_TRANSPORT=tcp``) cannot map the table:
+   it calls ``take(seq)``, which waits until item ``seq`` is ready and answers where it is
+   (slot, bytes), what it holds and how long it waited, then reads the slot over the region
+   connection. Asking for ``seq`` also releases every item before it.
 
 Preparing a sample: the decoded sample comes from the cache (``cache.py``) or from
 ``dataset[i]`` (and then goes into the cache while the budget lasts); the transform is then
 applied with a generator seeded by (seed, epoch, sample id), so that augmentation is random
 across epochs but the same for a seed whatever the number of servers, workers or cache hits.
 
-Failures: a sample that the dataset or transform cannot prepare fails every later ``take``
-with an error naming it (the workers raise it). A worker whose connection ends is done with
-this server; the server ends when every worker has connected and gone. In an elastic job
-(``gradsync run --min-np/--max-np --data-servers D``) workers come and go while the job
-runs: the server admits any worker id, each once (a worker's id is not its rank there:
-``server_links.unique_id``), goes on when workers leave, and ends when the launcher writes
-``data/end`` in the job's store, after every worker has ended. When the job's
-workers re-form (``Loader.reset``, elastic mode), each worker's next ``start`` carries the new
-*generation*, its number of workers and the worker's place among them: the server drops the
-items of that worker's stream that it has not taken and plans the rest of the epoch for the
-new count, so a lost worker's unacknowledged share goes to the others. When another data
-server is lost, each worker hands the batches it has not received from it to the servers
-left (``start`` with ``items``): they join the end of that worker's stream here like any
-other, decoded from the dataset (this server's cache keeps them only while its budget lasts).
+Failures: a sample that the dataset or transform cannot prepare fails every later ``take`` with
+an error naming it (the workers raise it); the tables say so too (``SlotTable.fail``), and a
+polling worker that finds its next item missing then makes that ``take`` for the message. A
+worker whose connection ends is done with this server; the server ends when every worker has
+connected and gone. In an elastic job (``gradsync run --min-np/--max-np --data-servers D``)
+workers come and go while the job runs: the server admits any worker id, each once (a worker's
+id is not its rank there: ``server_links.unique_id``), goes on when workers leave, and ends
+when the launcher writes ``data/end`` in the job's store, after every worker has ended. When
+the job's workers re-form (``Loader.reset``, elastic mode), each worker's next ``start``
+carries the new *generation*, its number of workers and the worker's place among them: the
+server drops the items of that worker's stream that it has not taken and plans the rest of the
+epoch for the new count, so a lost worker's unacknowledged share goes to the others. When
+another data server is lost, each worker hands the batches it has not received from it to the
+servers left (``start`` with ``items``): they join the end of that worker's stream here like
+any other, decoded from the dataset (this server's cache keeps them only while its budget
+lasts).
 """
 
 from __future__ import annotations
@@ -61,11 +68,16 @@ from ..transport.regions import Endpoint
 from .cache import Cache
 from .layout import Layout, leaves_of
 from .plan import Batch, plan, unpack_mask, worker_batches
+from .slots import SlotTable, table_words
 
 __all__ = ["Source", "DataServer", "serve", "ELASTIC_KEY", "END_KEY"]
 
 log = logging.getLogger("gradsync.data")
 _SWITCH_INTERVAL = 0.0002  # seconds: see serve()
+# How often the producer looks at a polling worker's ack while every stream is out of
+# credit: a first nap, doubled on each idle look up to the last (a worker's ack is a store to
+# shared memory, which wakes nobody; a nap never spins the core the worker may need).
+_ACK_NAPS = (0.0001, 0.002)
 
 
 class Source:
@@ -106,8 +118,8 @@ class Source:
 class _Stream:
     """One worker's batches from this server, and its slots."""
 
-    def __init__(self, slots: np.ndarray, prefetch: int):
-        self.slots, self.prefetch = slots, prefetch
+    def __init__(self, slots: np.ndarray, prefetch: int, table: SlotTable):
+        self.slots, self.prefetch, self.table = slots, prefetch, table
         self.items: list[tuple[int, Batch]] = []   # (epoch, batch) by sequence number
         self.nbytes: list[int] = []                # bytes written, by sequence number
         self.produced = 0    # items written into slots
@@ -116,7 +128,18 @@ class _Stream:
         self.gone = False
         self.generation = 0  # of the job's membership, as the worker's last start said
 
+    def refresh(self) -> None:
+        """Takes in the polling worker's ack: the items it has read free their slots. (An
+        ack beyond what was published would be a broken worker's; it frees nothing more.)"""
+        self.released = max(self.released, min(self.table.acked(), self.produced))
+
+    def waits_for_credit(self) -> bool:
+        """Items are queued but every slot holds one the worker has not read."""
+        return (not self.busy and not self.gone and self.produced < len(self.items)
+                and self.produced - self.released >= self.prefetch)
+
     def can_produce(self) -> bool:
+        self.refresh()
         return (not self.busy and not self.gone and self.produced < len(self.items)
                 and self.produced - self.released < self.prefetch)
 
@@ -150,6 +173,7 @@ class DataServer:
         self.streams: dict[int, _Stream] = {}
         self.failure: str | None = None
         self.batches_served = 0
+        self.takes = 0  # take calls answered (the workers that poll make none)
         # (generation, epoch) -> ((done digest, workers), plan)
         self._plans: dict[tuple[int, int], tuple[tuple[str, int], list[Batch]]] = {}
         self._seen: set[int] = set()
@@ -182,7 +206,12 @@ class DataServer:
                 raise ValueError(f"worker {worker} said hello twice to data server {self.index}")
             slots = self.endpoint.allocate(f"slots.{worker}", (prefetch, self.slot_bytes),
                                            np.uint8)
-            self.streams[worker] = _Stream(slots, prefetch)
+            words = self.endpoint.allocate(f"table.{worker}",
+                                           (table_words(prefetch, self.batch_size),), np.int64)
+            table = SlotTable(words, prefetch, self.batch_size)
+            if self.failure is not None:
+                table.fail()
+            self.streams[worker] = _Stream(slots, prefetch, table)
             self._seen.add(worker)
         return {"layout": self.layout.describe(), "slot_bytes": self.slot_bytes,
                 "server": self.index}
@@ -238,6 +267,7 @@ class DataServer:
                 # name can go, so a crash from here on leaves nothing in /dev/shm.
                 self._started.add(worker)
                 self.endpoint.unlink(f"slots.{worker}")
+                self.endpoint.unlink(f"table.{worker}")
             self._cv.notify_all()
             return {"batches": len(mine)}
 
@@ -250,6 +280,7 @@ class DataServer:
         stream = self._stream(worker)
         while stream.busy:  # the producer is writing into one of its slots: let it finish
             self._cv.wait(1.0)
+        stream.refresh()
         # The worker can only have taken items that were prepared.
         if not stream.released <= seq <= stream.produced:
             raise ValueError(f"worker {worker} restarted its stream of data server "
@@ -259,19 +290,24 @@ class DataServer:
         del stream.items[seq:], stream.nbytes[seq:]
         stream.produced = stream.released = seq
         stream.generation = generation
+        # The items published from ``seq`` on were the old plan's: a polling worker must not
+        # find them. (It polls again only after this start's reply.)
+        stream.table.clear()
 
     def _take(self, worker: int, args: dict) -> dict:
         seq = int(args["seq"])
         end = time.monotonic() + self.timeout * 0.9  # answer before the worker's socket gives up
         with self._cv:
+            self.takes += 1
             stream = self._stream(worker)
+            stream.refresh()
             if not stream.released <= seq < len(stream.items):
                 raise ValueError(f"worker {worker} asked data server {self.index} for item "
                                  f"{seq}; its stream holds items {stream.released} .. "
                                  f"{len(stream.items) - 1}")
             stream.released = seq  # every earlier item has been read: its slot is free
             self._cv.notify_all()
-            arrived = time.monotonic()
+            arrived, ready = time.monotonic(), stream.produced > seq
             while stream.produced <= seq:
                 if self.failure is not None:
                     raise GradsyncError(self.failure)
@@ -286,12 +322,13 @@ class DataServer:
             # time is the transport's: Loader.transfers()).
             return {"slot": seq % stream.prefetch, "nbytes": stream.nbytes[seq],
                     "epoch": epoch, "index": batch.index, "ids": batch.ids.tolist(),
-                    "waited": time.monotonic() - arrived}
+                    "waited": 0.0 if ready else time.monotonic() - arrived}
 
     def _stats(self, worker: int, args: dict) -> dict:
         with self._cv:
-            served = self.batches_served
-        return {"server": self.index, "batches": served, **self.source.cache.counters()}
+            served, takes = self.batches_served, self.takes
+        return {"server": self.index, "batches": served, "takes": takes,
+                **self.source.cache.counters()}
 
     def _stream(self, worker: int) -> _Stream:
         stream = self.streams.get(worker)
@@ -302,7 +339,7 @@ class DataServer:
     # ------------------------------------------------------------------ the producer
     def _produce(self) -> None:
         """Writes items into free slots, taking the workers in turn."""
-        turn = 0
+        turn, nap = 0, _ACK_NAPS[0]
         while True:
             with self._cv:
                 while True:
@@ -311,7 +348,14 @@ class DataServer:
                     ready = sorted(w for w, s in self.streams.items() if s.can_produce())
                     if ready:
                         break
-                    self._cv.wait(1.0)
+                    # A polling worker's ack wakes nobody: look again soon while a stream
+                    # waits only for it; a call (start, take) notifies at once.
+                    if any(s.waits_for_credit() for s in self.streams.values()):
+                        self._cv.wait(nap)
+                        nap = min(2 * nap, _ACK_NAPS[1])
+                    else:
+                        self._cv.wait(1.0)
+                nap = _ACK_NAPS[0]
                 # The next worker in turn after the last one served: no stream starves.
                 worker = next((w for w in ready if w >= turn), ready[0])
                 turn = worker + 1
@@ -319,8 +363,11 @@ class DataServer:
                 stream.busy = True
                 seq = stream.produced
                 epoch, batch = stream.items[seq]
+                generation = stream.generation  # ``_regenerate`` waits while busy
             try:
                 nbytes = self._prepare(batch, epoch, stream.slots[seq % stream.prefetch])
+                # Published while still busy, so a re-plan cannot clear the table between.
+                stream.table.publish(seq, generation, epoch, batch.index, nbytes, batch.ids)
             except Exception as exc:  # the user's dataset or transform: tell every worker
                 log.exception("data server %d: batch %d of epoch %d failed", self.index,
                               batch.index, epoch)
@@ -330,6 +377,8 @@ class DataServer:
                                     f"{exc}")
                     stream.busy = False
                     self._stop = True
+                    for other in self.streams.values():
+                        other.table.fail()
                     self._cv.notify_all()
                 return
             with self._cv:

@@ -14,6 +14,8 @@ checks them (tests/test_data_multiprocess.py).
     killserver DIR EPOCHS    as count, but worker 0 SIGKILLs data server 0 after 5 batches
     shrink DIR STEPS         2 workers commit after STEPS batches, take 2 more, then worker 1
                              is lost and worker 0 resets to the commit alone (``shrink``)
+    broken DIR SAMPLE        the dataset cannot read sample SAMPLE: each worker iterates epoch
+                             0 and writes the error it raised to DIR/broken-<rank>.txt
 """
 
 import common  # noqa: F401  (deadline)
@@ -36,10 +38,15 @@ SEED = int(os.environ.get("GS_DATA_SEED", "7"))
 
 
 class Numbers:
+    def __init__(self, broken=-1):
+        self.broken = broken
+
     def __len__(self):
         return SAMPLES
 
     def __getitem__(self, i):
+        if i == self.broken:
+            raise OSError(f"sample {i} is unreadable")
         return {"x": np.full(3, i, np.float32), "id": i}
 
 
@@ -94,7 +101,8 @@ def shrink(loader, directory, steps, seen):
 def main():
     scenario, directory = sys.argv[1], sys.argv[2]
     arg = int(sys.argv[3])
-    loader = gradsync.data.Loader(Numbers(), batch_size=BATCH, transform=augment, seed=SEED)
+    dataset = Numbers(arg if scenario == "broken" else -1)
+    loader = gradsync.data.Loader(dataset, batch_size=BATCH, transform=augment, seed=SEED)
     seen: dict = {}
     if scenario in ("count", "killserver"):
         received = 0
@@ -129,6 +137,15 @@ def main():
         write(directory, "resume", seen)
     elif scenario == "shrink":
         shrink(loader, directory, arg, seen)
+    elif scenario == "broken":
+        try:
+            for batch in loader:
+                receive(loader, batch, seen)
+            message = "no error"
+        except gs.GradsyncError as exc:
+            message = f"{type(exc).__name__}: {exc}"
+        with open(os.path.join(directory, f"broken-{gs.rank()}.txt"), "w") as f:
+            f.write(message)
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     loader.close()
