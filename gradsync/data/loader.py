@@ -312,8 +312,8 @@ class Loader:
         spent asking for it (polling the slot table from a same-host server, else the
         ``take`` call), the part of them the batch was still being prepared (the rest is the
         transport's: the poll's look, or its wake-up after the publish, or the control
-        message's round trip), the
-        seconds its bytes took to read into the worker's buffer, and their number."""
+        message's round trip), the seconds its bytes took to read into the worker's buffer,
+        and their number."""
         return list(self._transfers)
 
     def reset(self, rank: int, workers: int, state: dict, generation: int | None = None
