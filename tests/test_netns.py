@@ -257,7 +257,10 @@ def test_planner_predictions_agree_with_measurements(tmp_path):
     # room for a loaded machine.
     for alg in measured:
         assert 1 / 1.25 < measured[alg] / predicted[alg] < 1.25, (alg, got)
-    assert measured[got["choice"]] <= 1.15 * min(measured.values()), got
+    # The choice is the fastest predicted; measured, it may trail the fastest by the model's
+    # error allowed above. (CI: halving_doubling and hierarchical predicted 0.1761 s both, the
+    # first chosen, measured 1.21x and 1.03x their predictions: 1.17x the fastest.)
+    assert measured[got["choice"]] <= 1.25 * min(measured.values()), got
 
 
 def test_sweep_on_three_hosts_in_two_groups(tmp_path):
