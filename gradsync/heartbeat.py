@@ -193,8 +193,7 @@ class Heartbeat:
         self.link_up = max(timeout, LINK_UP_S) if link_up is None else link_up
         self.describe = describe
         self.lost: PeerLostError | None = None
-        self.won = False  # this rank's post of ``lost`` is the job's abort record
-        self._posted: dict | None = None
+        self._posted: dict | None = None  # this rank's post, if it is the job's record
         self._ended: GradsyncError | None = None  # end_waits
         self._main = store
         self._secret, self._addr = secret, addr
@@ -232,10 +231,15 @@ class Heartbeat:
         once the abort watch is armed)."""
         return self.abort.read_abort()
 
+    @property
+    def won(self) -> bool:
+        """Whether this rank's post of a lost peer is the job's abort record."""
+        return self._posted is not None
+
     def known_record(self) -> dict | None:
         """The job's abort record if this process knows it without asking the store (its
         own post won, or the abort watch holds the record), else None."""
-        return self._posted if self.won else self.abort.held()
+        return self._posted if self._posted is not None else self.abort.held()
 
     def check(self) -> None:
         """Raises the PeerLostError of a lost peer once one was found (called by waits), or
@@ -518,7 +522,7 @@ class Heartbeat:
             winner = record  # no store: this rank raises what it found itself
         if winner == record:
             self.lost = found
-            self.won, self._posted = True, record
+            self._posted = record
         log.warning("rank %d: %s", self.rank, message)
 
 

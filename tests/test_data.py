@@ -189,6 +189,15 @@ class Numbers:
         return (np.full(2, i, np.float32), i)
 
 
+class Unreadable(Numbers):
+    """``Numbers`` whose sample 5 cannot be read."""
+
+    def __getitem__(self, i):
+        if i == 5:
+            raise OSError("unreadable file")
+        return super().__getitem__(i)
+
+
 def _shift(sample, rng):
     return (sample[0] + np.float32(rng.integers(1, 1000)), sample[1])
 
@@ -310,13 +319,7 @@ def test_workers_that_disagree_are_refused(server):
 
 
 def test_a_failing_sample_fails_the_take_and_names_the_batch(server):
-    class Broken(Numbers):
-        def __getitem__(self, i):
-            if i == 5:
-                raise OSError("unreadable file")
-            return super().__getitem__(i)
-
-    srv, peers = server(Broken(12), workers=1, batch_size=12)
+    srv, peers = server(Unreadable(12), workers=1, batch_size=12)
     _hello(peers[0], 12, batch_size=12)
     peers[0].call("start", epoch=0, done=None)
     with pytest.raises(GradsyncError, match="unreadable file"):

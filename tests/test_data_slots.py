@@ -19,7 +19,7 @@ from gradsync.data.slots import ACK_WORD, Poller, SlotTable, poller, table_words
 from gradsync.errors import GradsyncError, GradsyncTimeoutError, PeerLostError
 from gradsync.transport import shm
 
-from test_data import Numbers, _hello, _wait_for, server  # noqa: F401  (the fixture)
+from test_data import Numbers, Unreadable, _hello, _wait_for, server  # noqa: F401  (fixture)
 
 
 def _table(prefetch=2, batch_size=3):
@@ -198,13 +198,7 @@ def test_a_server_that_closes_the_connection_while_the_worker_polls_is_named(ser
 
 
 def test_a_failing_sample_is_flagged_in_the_table_and_its_take_names_it(server):
-    class Broken(Numbers):
-        def __getitem__(self, i):
-            if i == 5:
-                raise OSError("unreadable file")
-            return super().__getitem__(i)
-
-    srv, peers = server(Broken(12), workers=1, batch_size=12)
+    srv, peers = server(Unreadable(12), workers=1, batch_size=12)
     _hello(peers[0], 12, batch_size=12)
     road = _road(srv, peers[0], 0)
     peers[0].call("start", epoch=0, done=None)

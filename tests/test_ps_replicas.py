@@ -135,22 +135,23 @@ def _shard(copies):
     return store, servers, endpoints
 
 
-@pytest.fixture
-def pair():
-    """Servers 0 (primary) and 1 (backup) of one shard, one worker (rank 0); ranks 1, 2."""
-    store, servers, endpoints = _shard(2)
+def _serving(copies):
+    store, servers, endpoints = _shard(copies)
     yield store, servers
     for ep in endpoints.values():
         ep.close()
+
+
+@pytest.fixture
+def pair():
+    """Servers 0 (primary) and 1 (backup) of one shard, one worker (rank 0); ranks 1, 2."""
+    yield from _serving(2)
 
 
 @pytest.fixture
 def trio():
     """Servers 0 (primary), 1 and 2 (backups) of one shard, one worker; ranks 1, 2, 3."""
-    store, servers, endpoints = _shard(3)
-    yield store, servers
-    for ep in endpoints.values():
-        ep.close()
+    yield from _serving(3)
 
 
 def _push(server, g, seq, epoch):

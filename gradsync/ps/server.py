@@ -189,9 +189,10 @@ class Server:
             if refusal is not None:
                 return refusal
             try:
-                if not self._reconcile():
-                    return {"stale": self.view.epoch}
+                settled = self._reconcile()
             except Fenced:
+                settled = False
+            if not settled:
                 return {"stale": self.view.epoch}
         if self.factored:
             rows = [int(k) for k in args.get("rows", [])]
