@@ -211,7 +211,7 @@ def test_each_mode_keeps_its_guarantee(mode, workers, servers):
 def test_a_killed_worker_is_dropped_and_training_goes_on(mode):
     r = _ps(3, 1, "kill", mode)
     assert r.returncode == 137, r  # the launcher reports the dead worker's status at the end
-    assert "worker 0 finished 10 steps" in r.output, r
+    assert "worker 0 trained its 10 steps" in r.output, r
     assert "'lost': [2]" in r.output, r
     assert "lost worker 2" in r.output and f"training goes on without it ({mode} mode)" in \
         r.output, r
