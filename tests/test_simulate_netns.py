@@ -25,6 +25,8 @@ def test_predicted_step_time_within_15_percent_of_measured(emulation):
     for row in rows:
         print(row)
     assert {r["point"].split()[1] for r in rows} == {"mlp", "cnn"}
+    if emulation.algorithm != "auto":  # the algorithm the ranks ran is the one predicted
+        assert all(r["algorithms"] == {emulation.algorithm: 1} for r in rows), rows
     for row in rows:
         assert abs(row["error_pct"]) <= 15, row
 

@@ -48,12 +48,18 @@ class Emulation:
     groups: "dict | None"
     host_rate: str
     group_rate: "str | None" = None
+    algorithm: str = "auto"
+    """The allreduce the ranks run (``GRADSYNC_ALGORITHM``) and the simulator predicts."""
 
 
 EMULATED = (
     Emulation("emulated-2x2", (("h0", 2), ("h1", 2)), None, "200mbit"),
+    # The ranks know their hosts (GRADSYNC_HOSTNAME) but not the groups, which only the
+    # cluster file holds: with one rank per host their planner runs a ring, while the
+    # simulator, which knows the groups, would predict the hierarchical plan. The point is
+    # pinned to the ring on both sides, so that it compares one algorithm with itself.
     Emulation("emulated-3x1-groups", (("h0", 1), ("h1", 1), ("h2", 1)),
-              {"g0": ["h0", "h1"], "g1": ["h2"]}, "1gbit", "200mbit"),
+              {"g0": ["h0", "h1"], "g1": ["h2"]}, "1gbit", "200mbit", algorithm="ring"),
 )
 
 
@@ -69,7 +75,8 @@ def measure(emulation: Emulation, steps: int = 4, windows: int = 2,
         with Cluster(list(emulation.hosts), emulation.groups, host_rate=emulation.host_rate,
                      group_rate=emulation.group_rate) as c:
             environ = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
-            results = run(c, argv, timeout=timeout, environ=environ, stop_on_failure=True)
+            results = run(c, argv, timeout=timeout, environ=environ, stop_on_failure=True,
+                          env={"GRADSYNC_ALGORITHM": emulation.algorithm})
         failed = [r for r in results if r.returncode != 0]
         if failed:
             raise RuntimeError(f"bench train on {emulation.name} failed:\n"
@@ -83,7 +90,7 @@ def measure(emulation: Emulation, steps: int = 4, windows: int = 2,
         compute = phases["compute_slowest"]
         model = Model(params=row["params"], compute=compute / 1e3,
                       bucket_bytes=row["fusion_threshold"])
-        got = simulate(cluster, model, row["ranks"], "auto")
+        got = simulate(cluster, model, row["ranks"], emulation.algorithm)
         measured = phases["total"]
         rows.append({"point": f"bench {row['model']} (measured here)", "cluster": emulation.name,
                      "gpus": row["ranks"], "step_ms_predicted": got.step * 1e3,
