@@ -184,6 +184,23 @@ def test_a_polling_worker_gets_every_batch_with_no_take_and_its_acks_are_the_cre
     assert stats["takes"] == 0 and stats["batches"] == 5 + 2
 
 
+def test_a_batch_is_counted_before_a_worker_can_see_it(server, monkeypatch):
+    # A worker that has read its last batch and asks for the stats must find it counted (CI:
+    # 179 of 180, the server's thread descheduled between the publish and the count).
+    srv, peers = server(Numbers(40), workers=1)
+    _hello(peers[0], 40, prefetch=2)
+    seen, publish = [], SlotTable.publish
+
+    def counting(table, seq, *args):
+        seen.append((seq, srv.batches_served))
+        publish(table, seq, *args)
+
+    monkeypatch.setattr(SlotTable, "publish", counting)
+    peers[0].call("start", epoch=0, done=None)
+    assert _wait_for(lambda: len(seen) == 2)
+    assert seen == [(0, 1), (1, 2)]
+
+
 def test_a_server_that_closes_the_connection_while_the_worker_polls_is_named(server):
     # The server's process lives (it is this one) but its end of the connection is gone,
     # as a take's reply would have said.

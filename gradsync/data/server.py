@@ -366,6 +366,8 @@ class DataServer:
                 generation = stream.generation  # ``_regenerate`` waits while busy
             try:
                 nbytes = self._prepare(batch, epoch, stream.slots[seq % stream.prefetch])
+                with self._cv:  # counted before a worker can see it (and then ask the stats)
+                    self.batches_served += 1
                 # Published while still busy, so a re-plan cannot clear the table between.
                 stream.table.publish(seq, generation, epoch, batch.index, nbytes, batch.ids)
             except Exception as exc:  # the user's dataset or transform: tell every worker
@@ -385,7 +387,6 @@ class DataServer:
                 stream.nbytes[seq] = nbytes
                 stream.produced += 1
                 stream.busy = False
-                self.batches_served += 1
                 self._cv.notify_all()
 
     def _prepare(self, batch: Batch, epoch: int, slot: np.ndarray) -> int:
