@@ -242,7 +242,8 @@ def test_sockets_per_rank_after_allreduces_at_64_ranks_are_at_most_2_log2_n_plus
     """
     n = 64
     job = forked(n, 1, "scale_faults.py", "sockets", tmp_path=tmp_path, timeout=240)
-    assert job.returncode == 0, job
+    assert job.returncode == 0, f"{job}\nranks that failed: " + str(
+        {r: line for r, line in results(job).items() if not line.startswith("ok")})
     counts = {r: int(re.search(r"SOCKETS rank=\d+ count=(\d+)", text).group(1))
               for r, text in job.logs.items()}
     limit = 2 * int(math.log2(n)) + 4
