@@ -44,7 +44,10 @@ def test_a_detected_fault_reports_detection_recovery_steps_lost_and_equal_parame
     assert row["detection_s"] == pytest.approx(0.5)  # 12.1 -> the survivor's raise at 12.6
     assert row["recovery_s"] == pytest.approx(0.4)  # -> its first step of generation 1, 13.0
     assert row["steps_lost"] == 2  # steps 11 and 12 were done by both, then redone
-    assert row["params_identical"] is True
+    assert row["params_identical"] is None  # one survivor: nobody to compare it with
+    row = cr.outcome(cr.Fault("kill", "worker 300", 12.1, 12.1), cr.parse(_three_then_two()),
+                     window_end=100.0)
+    assert row["params_identical"] is True and row["detection_s"] == pytest.approx(0.5)
     assert row["stall_s"] is None and row["steady_gap_s"] == pytest.approx(1.0)
 
 
@@ -85,8 +88,78 @@ def test_ranks_with_different_parameters_are_a_mismatch():
     lines[5] = lines[5].replace("h=h3", "h=zz")  # worker 200's digest of step 3
     log = cr.parse(lines)
     assert cr.mismatches(log) == [(0, 3)]
-    # the re-formed generation has one rank, so the fault itself left equal parameters
-    assert cr.outcome(cr.Fault("kill", "w", 12.1, 12.1), log, 100.0)["params_identical"]
+    # the re-formed generation has one rank: nobody to differ from, so no comparison is made
+    assert cr.outcome(cr.Fault("kill", "w", 12.1, 12.1), log, 100.0)["params_identical"] is None
+
+
+def _three_then_two(lost_at=12.0, h1="k", h2="k"):
+    """Workers 100, 200, 300 run steps 1..12 of generation 0; 300 dies at ``lost_at`` + 0.1;
+    100 and 200 raise 0.5 s later and run generation 1 from step 11 (their digests ``h1`` and
+    ``h2`` plus the step)."""
+    lines = []
+    for s in range(1, 13):
+        lines += [_step(100 * (r + 1), 0, r, 3, s, s + 0.01 * r, h=f"h{s}") for r in range(3)]
+    lines += [_raised(100, 0, lost_at + 0.6), _raised(200, 0, lost_at + 0.6, prefix=1)]
+    for s in range(11, 16):
+        wall = lost_at + 1 + (s - 11)
+        lines += [_step(100, 1, 0, 2, s, wall, h=f"{h1}{s}"),
+                  _step(200, 1, 1, 2, s, wall + 0.01, h=f"{h2}{s}", prefix=1)]
+    return lines
+
+
+def _verdict(faults, lines, baseline=2.0, window=(0.0, 20.0), skipped=(), **bounds):
+    data = cr.report(faults, cr.parse(lines), dataset=10**6, window=window, baseline=baseline,
+                     hangs=[], skipped=list(skipped), bounds=cr.Bounds(**bounds))
+    return data["failures"]
+
+
+_KILL = cr.Fault("kill", "worker 300", 12.1, 12.1)
+
+
+def test_a_soak_within_its_bounds_passes_and_each_bound_fails_it():
+    lines = _three_then_two()  # detection 0.5 s, recovery 0.41 s; 2 rows/s in (0, 20)
+    assert _verdict([_KILL], lines, baseline=2.0, goodput=0.5) == []
+    assert _verdict([_KILL], lines, baseline=2.0, goodput=0.5, detection_s=0.4) == [
+        "kill at 12.1 s (worker 300): detection 0.50 s (bound 0.4 s)"]
+    assert _verdict([_KILL], lines, baseline=2.0, goodput=0.5, recovery_s=0.3) == [
+        "kill at 12.1 s (worker 300): recovery 0.41 s (bound 0.3 s)"]
+    low = _verdict([_KILL], lines, baseline=2.5)  # 80%, under the default bound of 90%
+    assert len(low) == 1 and low[0].startswith("goodput ") and "(bound 90%)" in low[0]
+    assert _verdict([_KILL], lines, baseline=None, goodput=0.5) == [
+        "goodput not compared: no fault-free goodput or no step in the soak"]
+
+
+def test_a_fault_not_injected_or_a_check_not_made_fails_the_soak():
+    lines = _three_then_two()
+    gone = cr.Fault("stop", "worker 300", 12.1, 12.1, note="not injected: target gone",
+                    injected=False)
+    assert _verdict([gone], lines, baseline=2.0, goodput=0.5) == [
+        "stop at 12.1 s (worker 300): not injected, its target was gone"]
+    assert _verdict([_KILL], lines, baseline=2.0, goodput=0.5, skipped=["server: why"]) == [
+        "not run: server: why"]
+    # one survivor: its parameters equal nobody's, so the comparison was not made
+    one = _verdict([_KILL], _two_then_one(), baseline=1.0, goodput=0.1)
+    assert one == ["kill at 12.1 s (worker 300): parameters not compared (the re-formed job "
+                   "has one rank)"]
+
+
+def test_survivors_that_differ_fail_the_soak():
+    failures = _verdict([_KILL], _three_then_two(h2="z"), baseline=2.0, goodput=0.5)
+    assert "kill at 12.1 s (worker 300): parameters differ across the re-formed job" in failures
+    assert any(f.startswith("parameter mismatch: generation 1") for f in failures)
+
+
+def test_an_unnoticed_kill_and_a_long_absorbed_stall_fail_the_soak():
+    walls = [1, 2, 3, 4, 9, 10, 11]  # rank 0 alone; 5 s without a step during the fault
+    lines = [_step(100, 0, 0, 1, s, w) for s, w in enumerate(walls, 1)]
+    partition = cr.Fault("partition", "host h1", 4.5, 8.5)
+    assert _verdict([partition], lines, baseline=0.5, goodput=0.1) == [
+        "partition at 4.5 s (host h1): absorbed, but stalled the job 5.00 s (bound 4 s: "
+        "detection and recovery)"]
+    assert _verdict([partition], lines, baseline=0.5, goodput=0.1, detection_s=5) == []
+    kill = cr.Fault("kill", "worker 200", 4.5, 4.5)
+    assert _verdict([kill], lines, baseline=0.5, goodput=0.1, detection_s=5) == [
+        "kill at 4.5 s (worker 200): a killed worker was never noticed"]
 
 
 def test_a_fault_nobody_raised_for_is_absorbed_and_costs_its_longest_stall():
@@ -170,6 +243,9 @@ def test_the_report_lists_every_fault_and_prints_as_text_and_markdown():
     text = cr.format_text(data)
     assert "detection s" in text and "hangs: 0" in text and "skipped: server" in text
     assert cr.SAMPLE_RULE in text
+    assert "bounds: detection 3 s, recovery 1 s, goodput 90%" in text
+    # the skipped kind, one survivor not compared, goodput 62%
+    assert "verdict: FAILED (3)" in text and "failed: not run: server: skipped" in text
     markdown = cr.format_markdown(data)
     assert markdown.startswith("| at s | fault |") and "| 12.10 | kill |" in markdown
     json.dumps(data)  # --json writes it
@@ -223,27 +299,35 @@ def test_the_command_line_takes_a_number_of_hosts_and_no_np(monkeypatch, capsys)
 
 
 @pytest.mark.slow
-def test_a_short_soak_on_two_hosts_has_no_hang_no_mismatch_and_keeps_the_sample_rule(
-        tmp_path):
+def test_a_short_soak_on_three_hosts_passes_its_verdict_with_every_worker_fault(tmp_path):
+    """Every worker fault kind once, on three hosts so that two survivors can disagree; the
+    soak's verdict (its exit status) with the default detection and recovery bounds. Goodput's
+    bound is lower than the default 90%: in a 1-minute soak each fault's host is out for the
+    cooldown and its replacement's start, a third of the job for a few seconds of every 12."""
     require_netns()
     out = tmp_path / "report.json"
     done = subprocess.run(
-        [sys.executable, "-m", "gradsync", "bench", "chaos", "--hosts", "2", "--minutes", "0.75",
-         "--every", "12", "--faults", "partition,kill", "--partition-seconds", "4",
-         "--cooldown", "3", "--baseline-minutes", "0.2", "--phase-deadline", "60",
+        [sys.executable, "-m", "gradsync", "bench", "chaos", "--hosts", "3", "--minutes", "1",
+         "--every", "12", "--faults", "kill,stop,partition,straggler", "--stop-seconds", "4",
+         "--partition-seconds", "4", "--straggle-seconds", "4", "--cooldown", "3",
+         "--baseline-minutes", "0.2", "--phase-deadline", "60", "--min-goodput", "0.5",
          "--json", str(out)],
-        capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+        capture_output=True, text=True, timeout=360)
     data = json.loads(out.read_text())
-    assert data["hangs"] == [] and data["mismatches"] == []
+    assert done.returncode == 0, (data["failures"], done.stdout[-4000:] + done.stderr[-4000:])
+    assert data["failures"] == [] and data["hangs"] == [] and data["mismatches"] == []
     assert data["samples"]["violations"] == [] and data["samples"]["epochs"]
-    kinds = [row["fault"] for row in data["faults"]]
-    assert kinds[:2] == ["partition", "kill"], data["faults"]
-    kill = data["faults"][1]
+    rows = {row["fault"]: row for row in data["faults"]}
+    assert sorted(rows) == ["kill", "partition", "stop", "straggler"], data["faults"]
+    assert all(row["injected"] for row in data["faults"]), data["faults"]
+    for kind in ("kill", "stop", "partition"):  # each found, and two survivors compared
+        row = rows[kind]
+        assert row["detected"] and row["params_identical"] is True, row
+        assert row["detection_s"] <= 3.0 and row["recovery_s"] <= 1.0, row
     # a SIGKILL closes sockets: found at once, not after a heartbeat timeout
-    assert kill["detected"] and kill["detection_s"] < 5 and kill["params_identical"], kill
-    assert kill["recovery_s"] < 10 and kill["steps_lost"] >= 0, kill
-    assert 0 < data["goodput"] and 0 < data["goodput_ratio"] <= 1.2, data
+    assert rows["kill"]["detection_s"] < 1.0, rows["kill"]
+    assert not rows["straggler"]["detected"] and rows["straggler"]["stall_s"] < 4.0, rows
+    assert 0.5 <= data["goodput_ratio"] <= 1.2, data
 
 
 _PROBE = r"""

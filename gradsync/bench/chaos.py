@@ -1,7 +1,8 @@
 """``gradsync bench chaos``: an elastic job on emulated hosts, broken on a schedule.
 
     gradsync bench chaos [--hosts 4] [--ranks-per-host 1] [--minutes 10] [--every 30]
-                         [--faults kill,stop,partition,straggler,server] [--json] [--markdown]
+                         [--faults kill,stop,partition,straggler] [--json] [--markdown]
+                         [--max-detection 3] [--max-recovery 1] [--min-goodput 0.9]
 
 The cluster is ``netns.Cluster``: one network namespace per emulated host (``h0`` ...), and
 one more, ``head``, where ``gradsync run`` and its store live, out of reach of every fault.
@@ -21,13 +22,22 @@ kinds in turn (a kind's target is drawn with ``--seed``):
 - ``straggler``: one host's link ``--slowdown`` times slower (rate and delay) for
   ``--straggle-seconds`` (``Cluster.reshape``);
 - ``server``: not run: parameter-server jobs cannot be elastic (docs/elastic.md), so the
-  report lists it as skipped.
+  report lists it as skipped, and a skipped kind fails the verdict; it is not in the default
+  list.
+
+A fault whose target is gone when it is injected (a pid that exited on its own) is recorded
+as not injected, and fails the verdict: it tested nothing.
 
 A fault waits until the job is at full size again (every host back from its cooldown). Every
 phase has a deadline (``--phase-deadline``): start-up to full size, each fault until the job
 completes a step after it ended, and the end; a phase that passes it is a *hang*: the job is
 stopped and the report says which phase. What is measured, and how, is ``chaos_report.py``'s
 docstring; every time in it comes from the workers' own lines.
+
+**The verdict is the exit status** (``chaos_report.verdict``): 0 only when nothing hung,
+parameters and samples kept their rules, every fault was injected and stayed within its bounds
+(``--max-detection``, ``--max-recovery``; an absorbed fault's stall within both together),
+goodput reached ``--min-goodput`` of the fault-free run's, and no check was skipped.
 """
 
 from __future__ import annotations
@@ -64,8 +74,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--minutes", type=float, default=10.0, help="length of the soak")
     p.add_argument("--every", type=float, default=30.0, metavar="F",
                    help="seconds between faults (default 30)")
-    p.add_argument("--faults", default="kill,stop,partition,straggler,server",
+    p.add_argument("--faults", default="kill,stop,partition,straggler",
                    help="fault kinds in turn, of " + ",".join(FAULTS))
+    p.add_argument("--max-detection", type=float, default=cr.Bounds.detection_s, metavar="S",
+                   help="seconds from a fault to the last survivor's exception (default 3)")
+    p.add_argument("--max-recovery", type=float, default=cr.Bounds.recovery_s, metavar="S",
+                   help="seconds from that exception to the re-formed job's first step "
+                        "(default 1)")
+    p.add_argument("--min-goodput", type=float, default=cr.Bounds.goodput, metavar="R",
+                   help="goodput as a share of the fault-free run's (default 0.9)")
     p.add_argument("--baseline-minutes", type=float,
                    help="length of the fault-free run (default: the soak's, at most 2)")
     p.add_argument("--stop-seconds", type=float, default=20.0, help="SIGSTOP to SIGCONT")
@@ -264,13 +281,15 @@ class _Soak:
         host = self.job.host(worker)
         pid = int(worker)
         start_wall = time.time()
+        injected = True
         if kind == "kill":
-            _signal(pid, signal.SIGKILL)
+            injected = _signal(pid, signal.SIGKILL)
             target = f"worker {worker} on {host}"
         elif kind == "stop":
-            _signal(pid, signal.SIGSTOP)
-            time.sleep(self.options.stop_seconds)
-            _signal(pid, signal.SIGCONT)
+            injected = _signal(pid, signal.SIGSTOP)
+            if injected:
+                time.sleep(self.options.stop_seconds)
+                _signal(pid, signal.SIGCONT)
             target = f"worker {worker} on {host}"
         elif kind == "partition":
             self.cluster.cut(host)
@@ -285,14 +304,19 @@ class _Soak:
             time.sleep(self.options.straggle_seconds)
             self.cluster.reshape(host, self.options.rate, self.options.delay)
             target = f"host {host} ({slow}" + (f", {delay})" if delay else ")")
-        self.faults.append(cr.Fault(kind, target, start_wall, time.time()))
+        self.faults.append(cr.Fault(kind, target, start_wall, time.time(),
+                                    note="" if injected else "not injected: target gone",
+                                    injected=injected))
 
 
-def _signal(pid: int, signum: int) -> None:
+def _signal(pid: int, signum: int) -> bool:
+    """Sends ``signum`` to ``pid``; False when it is gone (it ended on its own, or the
+    launcher ended it): the fault then reached nothing."""
     try:
         os.kill(pid, signum)
     except ProcessLookupError:
-        pass  # it ended on its own, or the launcher ended it
+        return False
+    return True
 
 
 def _rate_bits(rate: str) -> int:
@@ -336,11 +360,15 @@ def drive(hosts: int, options) -> int:
     """Runs the baseline and the soak on ``hosts`` emulated hosts; prints the report.
 
     Returns:
-        0 when the soak had no hang, no parameter mismatch and no broken sample rule; 1
-        otherwise; 2 when it could not run (no namespaces, bad options).
+        0 when the soak passed (``chaos_report.verdict`` found nothing: no hang, mismatch or
+        broken sample rule, every fault injected and within its bounds, goodput within its
+        bound, no check skipped); 1 otherwise; 2 when it could not run (no namespaces, bad
+        options).
     """
     try:
         kinds, skipped = _kinds(options.faults)
+        bounds = cr.Bounds(detection_s=options.max_detection, recovery_s=options.max_recovery,
+                           goodput=options.min_goodput)
     except ValueError as exc:
         print(f"gradsync bench chaos: {exc}", file=sys.stderr)
         return 2
@@ -368,7 +396,8 @@ def drive(hosts: int, options) -> int:
     window = soak.window if soak.window[1] else (soak.faults[0].wall if soak.faults else 0.0,
                                                  time.time())
     data = cr.report(soak.faults, soak.job.log, dataset=_SAMPLES, window=window,
-                     baseline=baseline, hangs=base.hangs + soak.hangs, skipped=skipped)
+                     baseline=baseline, hangs=base.hangs + soak.hangs, skipped=skipped,
+                     bounds=bounds)
     if base.hangs or soak.hangs:
         data["output_tail"] = list(soak.job.tail or base.job.tail)[-40:]
         sys.stdout.write("".join(data["output_tail"]))
@@ -377,6 +406,5 @@ def drive(hosts: int, options) -> int:
         from .cli import write_json
 
         write_json(data, options.json)
-    bad = data["hangs"] or data["mismatches"] or data["samples"]["violations"]
-    return 1 if bad else 0
+    return 1 if data["failures"] else 0
 

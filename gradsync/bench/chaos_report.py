@@ -28,6 +28,17 @@ resumes from an earlier generation's commit and runs every step after it). These
 the *lineage*: the training that the final parameters come from. ``SAMPLE_RULE`` is the rule
 their samples must follow; ``samples`` checks it per epoch.
 
+**The verdict.** ``verdict`` turns the report into the soak's exit status: a list of what
+failed, empty when the soak passed. It fails on a hang, a parameter mismatch, a broken sample
+rule; on a fault that could not be injected (its target was gone: that fault proved nothing);
+on a detected fault slower than its bounds (``Bounds``: detection 3 s, recovery 1 s by
+default); on a kill that nobody noticed; on an absorbed fault that stalled the job longer than
+detection and recovery together would have taken; on goodput below its bound of the
+fault-free run's; and on every check that could not be made (a fault kind skipped, a fault
+whose survivors logged no raise, a re-formed job of one rank whose parameters cannot differ
+from anyone's, a missing fault-free goodput). A check that was not made is a failure, not a
+pass.
+
 **A step some ranks logged and the others only began.** Each rank logs what it takes before
 the exchange (a ``CHAOS take`` line) and the step after its update. A rank completes a step
 only after the step's exchange, which needs every rank's gradient, so when some ranks of a
@@ -45,9 +56,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-__all__ = ["Step", "Raised", "Fault", "Log", "parse", "outcome", "mismatches", "lineage",
-           "samples", "complete_steps", "rejoins", "worst", "goodput", "report", "format_text",
-           "format_markdown", "SAMPLE_RULE"]
+__all__ = ["Step", "Raised", "Fault", "Log", "Bounds", "parse", "outcome", "mismatches",
+           "lineage", "samples", "complete_steps", "rejoins", "worst", "goodput", "report",
+           "verdict", "format_text", "format_markdown", "SAMPLE_RULE"]
 
 SAMPLE_RULE = ("in the lineage (the steps the final parameters come from) every epoch uses "
                "each sample once; the last step of an epoch may pad with up to size-1 samples "
@@ -93,6 +104,26 @@ class Fault:
     wall: float
     until: float
     note: str = ""
+    injected: bool = True
+    """False when its target was gone before the fault reached it (a signal to a pid that had
+    already exited): such a fault tested nothing, and the verdict says so."""
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What a soak must stay within (``gradsync bench chaos``'s ``--max-*``/``--min-*``)."""
+
+    detection_s: float = 3.0
+    """From a fault to the last survivor's exception."""
+    recovery_s: float = 1.0
+    """From that exception to the re-formed job's first step on every member."""
+    goodput: float = 0.9
+    """The soak's goodput as a share of the fault-free run's."""
+
+    def __post_init__(self):
+        if self.detection_s <= 0 or self.recovery_s <= 0 or not 0 <= self.goodput <= 1:
+            raise ValueError(f"bounds need detection and recovery > 0 and goodput in [0, 1]: "
+                             f"{self}")
 
 
 @dataclass
@@ -152,7 +183,8 @@ def outcome(fault: Fault, log: Log, window_end: float) -> dict:
     began (or the run ended)."""
     row = {"fault": fault.kind, "target": fault.target, "note": fault.note,
            "detected": False, "detection_s": None, "recovery_s": None, "steps_lost": None,
-           "params_identical": None, "stall_s": None, "steady_gap_s": None}
+           "params_identical": None, "stall_s": None, "steady_gap_s": None,
+           "injected": fault.injected}
     before = [st for st in log.steps if st.wall < fault.wall]
     if not before:
         return row
@@ -189,7 +221,9 @@ def outcome(fault: Fault, log: Log, window_end: float) -> dict:
             f"survivors {sorted(survivors - set(first_raise))} logged no raise"
     row["steps_lost"] = max(complete_steps(log, g0), default=0) - \
         (min(st.s for st in new_steps) - 1)
-    row["params_identical"] = not any(g == g1 for g, _ in mismatches(log))
+    # One rank has nobody to differ from: that check cannot fail, so it is not made (None).
+    if len({st.r for st in new_steps}) > 1:
+        row["params_identical"] = not any(g == g1 for g, _ in mismatches(log))
     return row
 
 
@@ -310,27 +344,79 @@ def worst(rows: Sequence[dict]) -> dict[str, dict]:
 
 
 def report(faults: Sequence[Fault], log: Log, *, dataset: int, window: tuple[float, float],
-           baseline: float | None, hangs: Sequence[dict], skipped: Sequence[str]) -> dict:
-    """The whole report as plain data (what ``--json`` writes).
+           baseline: float | None, hangs: Sequence[dict], skipped: Sequence[str],
+           bounds: Bounds = Bounds()) -> dict:
+    """The whole report as plain data (what ``--json`` writes), its ``verdict`` included.
 
     Args:
         window: the soak's ``(start, end)`` (``time.time()``): goodput is measured in it.
         baseline: the fault-free run's goodput (samples/s), or None.
         hangs: one row per phase that passed its deadline.
         skipped: fault kinds left out, each with why.
+        bounds: what the faults and the goodput must stay within.
     """
     ends = [f.wall for f in faults[1:]] + [window[1]]
     rows = [{"at_s": round(f.wall - window[0], 1), **outcome(f, log, end)}
             for f, end in zip(faults, ends)]
     rate = goodput(log, *window)
-    return {"faults": rows, "worst": worst(rows), "hangs": list(hangs),
+    data = {"faults": rows, "worst": worst(rows), "hangs": list(hangs),
             "skipped": list(skipped),
             "mismatches": [{"generation": g, "step": s} for g, s in mismatches(log)],
             "samples": samples(log, dataset), "sample_rule": SAMPLE_RULE,
             "rejoins": rejoins(log),
             "goodput": rate, "baseline_goodput": baseline,
             "goodput_ratio": rate / baseline if rate and baseline else None,
-            "seconds": window[1] - window[0]}
+            "seconds": window[1] - window[0],
+            "bounds": {"detection_s": bounds.detection_s, "recovery_s": bounds.recovery_s,
+                       "goodput": bounds.goodput}}
+    data["failures"] = verdict(data)
+    return data
+
+
+def verdict(data: dict) -> list[str]:
+    """What failed in ``report``'s ``data`` against its ``bounds``, one line each; empty when
+    the soak passed (the module docstring lists the rules)."""
+    bounds = data["bounds"]
+    failed = [f"hang: {h['phase']} passed its {h['deadline_s']:g} s deadline ({h['why']})"
+              for h in data["hangs"]]
+    failed += [f"parameter mismatch: generation {m['generation']} step {m['step']}"
+               for m in data["mismatches"]]
+    failed += [f"sample rule broken: {v}" for v in data["samples"]["violations"]]
+    failed += [f"not run: {s}" for s in data["skipped"]]
+    stall_bound = bounds["detection_s"] + bounds["recovery_s"]
+    for row in data["faults"]:
+        what = f"{row['fault']} at {row['at_s']:g} s ({row['target']})"
+        if not row.get("injected", True):
+            failed.append(f"{what}: not injected, its target was gone")
+            continue
+        if not row["detected"]:
+            if row["fault"] == "kill":
+                failed.append(f"{what}: a killed worker was never noticed")
+            elif row["stall_s"] is None:
+                failed.append(f"{what}: no step around it to measure its stall")
+            elif row["stall_s"] > stall_bound:
+                failed.append(f"{what}: absorbed, but stalled the job {row['stall_s']:.2f} s "
+                              f"(bound {stall_bound:g} s: detection and recovery)")
+            continue
+        if row["detection_s"] is None or row["recovery_s"] is None:
+            failed.append(f"{what}: detection and recovery not measured ({row['note']})")
+        else:
+            if row["detection_s"] > bounds["detection_s"]:
+                failed.append(f"{what}: detection {row['detection_s']:.2f} s "
+                              f"(bound {bounds['detection_s']:g} s)")
+            if row["recovery_s"] > bounds["recovery_s"]:
+                failed.append(f"{what}: recovery {row['recovery_s']:.2f} s "
+                              f"(bound {bounds['recovery_s']:g} s)")
+        if row["params_identical"] is None:
+            failed.append(f"{what}: parameters not compared (the re-formed job has one rank)")
+        elif not row["params_identical"]:
+            failed.append(f"{what}: parameters differ across the re-formed job")
+    ratio = data["goodput_ratio"]
+    if ratio is None:
+        failed.append("goodput not compared: no fault-free goodput or no step in the soak")
+    elif ratio < bounds["goodput"]:
+        failed.append(f"goodput {ratio:.0%} of the fault-free run (bound {bounds['goodput']:.0%})")
+    return failed
 
 
 _COLUMNS = [("at_s", "at s"), ("fault", "fault"), ("target", "target"),
@@ -373,6 +459,12 @@ def _summary(data: dict) -> list[str]:
                      f"pause median {statistics.median(pauses):.2f} s, max {max(pauses):.2f} s")
     lines += [f"rule broken: {v}" for v in data["samples"]["violations"]]
     lines += [f"skipped: {s}" for s in data["skipped"]]
+    b = data["bounds"]
+    lines.append(f"bounds: detection {b['detection_s']:g} s, recovery {b['recovery_s']:g} s, "
+                 f"goodput {b['goodput']:.0%}")
+    failures = data.get("failures", [])
+    lines.append("verdict: " + ("passed" if not failures else f"FAILED ({len(failures)})"))
+    lines += [f"failed: {f}" for f in failures]
     return lines
 
 
