@@ -253,15 +253,13 @@ def test_sockets_per_rank_after_allreduces_at_64_ranks_are_at_most_2_log2_n_plus
     assert not over, f"{len(over)} of {n} ranks hold more than {limit} sockets: {over}"
 
 
-@pytest.mark.xfail((os.cpu_count() or 1) < 8, strict=True, reason=(
-    "CPU-bound below 8 cores: 11.7 s on this 2-core machine (64 processes re-forming and "
-    "syncing on 2 cores), 0.23 s on 16 cores (issue 27's bound: 1 s)"))
 def test_elastic_recovery_among_64_workers_within_1_s():
-    """Within 1 s where the 64 workers have cores enough: 0.23 s (first survivor 0.22 s) on
-    the 16-core device machine, 2026-11-26. On 2 cores it fails (hence the strict xfail
-    there, which fails CI the day it passes): 11.7 s, half of it forming the new
-    generation's World (rendezvous, shared-memory groups, heartbeat links of 60 processes on
-    2 cores), half the first collectives (the rollback's sync, connections on first use)."""
+    """Correct everywhere, and within 1 s where the 64 workers have cores enough: 0.23 s
+    (first survivor 0.22 s) on the 16-core device machine, 2026-11-26. Below 8 cores only the
+    time is expected to miss (11.7 s on 2 cores: half of it forming the new generation's World
+    (rendezvous, shared-memory groups, heartbeat links of 60 processes on 2 cores), half the
+    first collectives (the rollback's sync, connections on first use)); every correctness
+    check above the timing runs and must pass on every machine."""
     # As `gradsync bench elastic` measures it: from the victim's death to the last survivor's
     # first completed step in the new generation (detection, re-formation, rollback, sync).
     # 16 hosts of 4 by name: the victim's host is blacklisted and its 3 other workers leave
@@ -282,7 +280,10 @@ def test_elastic_recovery_among_64_workers_within_1_s():
     survivors = [w for w in range(n) if w not in gone]
     dying = [float(v) for v in re.findall(r"DYING wall=([\d.]+)", result.output)]
     first = [float(v) for v in re.findall(r"FIRSTSTEP wall=([\d.]+)", result.output)]
-    assert len(dying) == 1 and len(first) == len(survivors), result
+    launcher = [line for line in result.output.splitlines() if line.startswith("gradsync run")]
+    stepped = sorted(int(w) for w in re.findall(r"^\[(\d+)\]<stdout>:FIRSTSTEP", result.output,
+                                                re.M))
+    assert len(dying) == 1 and stepped == survivors, (launcher, stepped)
     ends = re.findall(r"RESULT id=(\d+) rank=(\d+) size=(\d+) gen=(\d+) step=(\d+) "
                       r"total=([\d.]+)", result.output)
     assert sorted(int(e[0]) for e in ends) == survivors, result
@@ -297,4 +298,7 @@ def test_elastic_recovery_among_64_workers_within_1_s():
     recovery = max(first) - dying[0]
     print(f"elastic recovery among {n}: {recovery:.2f} s (first survivor "
           f"{min(first) - dying[0]:.2f} s)")
+    if recovery >= 1.0 and (os.cpu_count() or 1) < 8:
+        pytest.xfail(f"correct, but {recovery:.1f} s to recover: CPU-bound below 8 cores "
+                     f"({os.cpu_count()} here; 0.23 s on 16)")
     assert recovery < 1.0, recovery
