@@ -374,3 +374,29 @@ def test_a_generation_that_a_finished_worker_never_joined_is_stopped_not_waited_
     joiner.rank.proc = types.SimpleNamespace(poll=lambda: -15, returncode=-15)
     job._watch()
     assert job._loop_end() == (0, None)  # the stopped joiner is no failure
+
+
+def test_a_member_that_exits_just_before_a_re_formation_is_failed_with_its_host(monkeypatch):
+    """A SIGKILLed worker's peers post their abort record before the launcher sees it exit:
+    ``_watch`` finds it running, then ``_form`` finds it gone. It must be failed there (its
+    host blacklisted, the host's other worker stopped), not merely left out: found in the
+    64-worker elastic test, whose generation 1 kept the victim's three host-mates."""
+    import io
+
+    from torch.distributed import HashStore
+
+    spec = LaunchSpec(command=["true"], num_proc=3, hosts=[Host("a", 2), Host("b", 1)])
+    job = _ElasticJob(spec, ElasticSpec(min_np=1, max_np=3), Output(True, io.BytesIO(),
+                                                                       io.BytesIO()))
+    job._reachable = {"a", "b"}
+    job.control = Control(HashStore(), "job", 5.0)
+    monkeypatch.setattr(job, "_start_worker", lambda slot, wid, size: _FakeRank())
+    members = [_Worker(f"{h}[{i}]", h, _FakeRank(), i) for i, h in enumerate("aab")]
+    job.workers, job._counter = list(members), 3
+    job._publish(members, 0, 3, now=False)
+    assert job._watch() is False  # every member still runs
+    members[1].rank.proc.poll = lambda: -9  # a[1] dies now, after the watch looked
+    job._form(first=False)
+    assert members[1].failed and job.blacklist == {"a": float("inf")}
+    assert members[0].retired and members[0].rank.signals == [15]  # SIGTERM
+    assert job.control.generation() == 1 and ids(job.control, 1) == ["b[2]"]

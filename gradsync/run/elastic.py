@@ -369,10 +369,16 @@ class _ElasticJob:
                 self._fail(worker, f"new worker {worker.id} was not ready to join within "
                                    f"{self.ready_timeout:g}s; killed", 128 + 9)
 
-    def _watch(self) -> bool:
-        """Marks failed members; True when the newest generation needs replacing."""
-        st, changed = self.state, False
-        self._unsettled = False
+    def _note_exits(self) -> bool:
+        """Fails every member of the newest generation that has exited non-zero (its host
+        blacklisted), and notes one that exited 0 (the job is finishing); True when one failed.
+
+        Called by ``_watch`` and again by ``_form`` just before it counts survivors: a member
+        can exit between the two (a SIGKILLed worker whose peers' abort record came first),
+        and a survivor count that merely skipped it would re-form the job without failing it,
+        so its host's other workers would stay in the job and its host never be
+        blacklisted."""
+        st, failed = self.state, False
         for worker in st.members:
             code = worker.rank.proc.poll()
             if code is None or worker.failed or worker.retired:
@@ -382,7 +388,14 @@ class _ElasticJob:
                 continue
             self._fail(worker, f"worker {worker.id} (rank {st.members.index(worker)} of "
                                f"generation {st.gen}) {describe(code)}", exit_status(code))
-            changed = True
+            failed = True
+        return failed
+
+    def _watch(self) -> bool:
+        """Marks failed members; True when the newest generation needs replacing."""
+        st = self.state
+        self._unsettled = False
+        changed = self._note_exits()
         # A generation that only new workers replaced is still trained in until its workers
         # reach the next commit(): its heartbeats may report a silent worker too.
         for gen in sorted({st.gen - 1, st.gen, *self._open}):
@@ -599,6 +612,8 @@ class _ElasticJob:
         for worker in self._unlisted():
             self._retire(worker, f"host {worker.host} is no longer listed by the discovery "
                                  "script (or with fewer slots)")
+        if not first:
+            self._note_exits()
         survivors = self._alive(st.members)
         pending = self._alive(self.pending)
         now = now or len(survivors) < len(st.members)
