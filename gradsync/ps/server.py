@@ -298,6 +298,9 @@ class Server:
                 reply = wait_watched(handle, self.beats, b, self.workers + b,
                                      lambda: abandon(peer))
             except StaleWriteError as exc:  # b is in a newer view: its fence refused the write
+                log.warning("shard %d: server %d refused primary %d's forward of version %d "
+                            "at the write: it is in view %s, this primary in view %d",
+                            self.shard, b, self.index, version + 1, exc.level, self.view.epoch)
                 reply = {"stale": exc.level}
             except (PeerLostError, GradsyncTimeoutError, OSError) as exc:
                 self._copies.pop(b, None)
