@@ -1,8 +1,9 @@
 """Replicated parameter servers (``--ps-replicas``): views, fencing, failover in every mode.
 
-Pure logic runs on a dict standing in for the rendezvous store; the fencing tests run two real
-servers of one shard in this process (their endpoints talk over loopback TCP); the launcher
-tests (tests/ranks/ps_replicas.py) kill or stop a primary mid-training.
+Pure logic runs on a dict standing in for the rendezvous store; the fencing tests run two or
+three real servers of one shard in this process (their endpoints talk over loopback TCP and
+map each other's segments); the launcher tests (tests/ranks/ps_replicas.py) kill or stop a
+primary mid-training.
 """
 
 import re
@@ -15,7 +16,7 @@ from gradsync.errors import PeerLostError
 from gradsync.ps.consistency import Clock
 from gradsync.ps.replication import Beats, Views, members_of, shard_of
 from gradsync.ps.server import Server
-from gradsync.transport.regions import Endpoint
+from gradsync.transport.regions import Endpoint, StaleWriteError
 
 import harness
 
@@ -176,10 +177,13 @@ def test_a_primary_replaced_while_stopped_cannot_apply_an_update_to_the_new_view
     # (now primary) has seen: the old primary wakes up knowing only view 0.
     Views(store, 0, 2, 2, timeout=1).propose(old.view, 0, "silent")
     assert backup._refuse(1) is None and backup.view.primary == 1
-    before = backup.params.copy()
+    before, updates = backup.params.copy(), [u.copy() for u in backup.updates]
     reply = _push(old, np.full(100, 7, np.float32), 2, 0)  # a worker of the old view
     assert "stale" in reply
     assert backup.clock.version == 1 and np.array_equal(backup.params, before)
+    # Refused at the write, not only at the apply: the backup's memory is as it was (before
+    # the fence, update.1 held the stale primary's 7s).
+    assert all(np.array_equal(u, was) for u, was in zip(backup.updates, updates))
     assert old.fenced and "view 1 of shard 0 holds servers [1]" in old.fenced
     assert old.done.is_set()  # it ends, saying why
     # The new primary serves the worker of the new view.
@@ -195,6 +199,82 @@ def test_a_server_that_finds_a_newer_view_without_it_fences_itself(pair):
     assert not primary.fenced and primary.view.members == (0,)
     # Alone now, the primary applies without forwarding.
     assert _push(primary, np.ones(100, np.float32), 1, 1)["version"] == 1
+
+
+def test_a_stale_primary_woken_mid_forward_is_refused_at_the_write(trio):
+    """Primary 0 is stopped in the middle of forwarding update 2 (combined and applied on its
+    own copy, not yet written into the backups). The shard moves to view 1 and its new primary,
+    server 1, applies another update 2 and writes it into server 2's ``update.1``. The old
+    primary wakes just before server 2 applies that: its writes into both backups are refused
+    at the write (no byte lands), server 2 applies what its primary sent, and the copies stay
+    bit-identical. Before the fence the stale bytes overwrote ``update.1`` and server 2 applied
+    them: parameters that silently differed from server 1's."""
+    store, (old, one, two) = trio
+    g1, stale, g2, g3 = (np.full(100, v, np.float32) for v in (1.0, 7.0, 2.0, 4.0))
+    assert _push(old, g1, 1, 0)["version"] == 1 and _agree([old, one, two])
+
+    # The old primary's forwards stop before their writes, and wait to be woken.
+    arrived, wake, refusals = threading.Barrier(3, timeout=10), threading.Event(), []
+    forward = old._forward
+
+    def stopped(peer, g, info, epoch):
+        arrived.wait()
+        wake.wait(10)
+        try:
+            return forward(peer, g, info, epoch)
+        except StaleWriteError as exc:
+            refusals.append(exc)
+            raise
+    old._forward = stopped
+
+    # Server 2 holds its new primary's follow (the update is in its memory) until told to
+    # apply it.
+    applying, resume = threading.Event(), threading.Event()
+
+    def follow(peer, args):
+        if args["epoch"] == 1:
+            applying.set()
+            resume.wait(10)
+        return two._follow(peer, args)
+    two.endpoint.on_call("follow", follow)
+
+    replies = {}
+
+    def push(name, server, g, epoch):
+        replies[name] = _push(server, g, 2, epoch)
+    threads = [threading.Thread(target=push, args=("old", old, stale, 0))]
+    try:
+        threads[0].start()
+        arrived.wait()  # both forwards of the old primary are under way
+        Views(store, 0, 3, 3, timeout=1).propose(old.view, 0, "silent")
+        # In async mode the new primary's update 2 need not be the old one's (another
+        # worker's gradient may come first): here it is another gradient.
+        threads.append(threading.Thread(target=push, args=("new", one, g2, 1)))
+        threads[1].start()
+        assert applying.wait(10), "server 1 never forwarded its update"
+        memory = {s.index: [s.params.copy()] + [u.copy() for u in s.updates]
+                  for s in (one, two)}
+        assert np.array_equal(two.updates[1], g2)  # what server 2 is about to apply
+
+        wake.set()  # the old primary writes now, just before server 2 applies
+        threads[0].join(10)
+        assert "stale" in replies["old"] and old.fenced
+        assert sorted((e.fence, e.level) for e in refusals) == [(0, 1), (0, 1)], refusals
+        assert all("epoch 0" in str(e) and "fenced at epoch 1" in str(e) for e in refusals)
+        # No byte of the stale update landed in either backup's memory.
+        assert np.array_equal(two.params, memory[2][0])
+        for s in (one, two):
+            assert all(np.array_equal(u, was) for u, was in zip(s.updates, memory[s.index][1:]))
+    finally:
+        wake.set()
+        resume.set()
+        for t in threads:
+            t.join(10)
+    assert replies["new"] == {"version": 2, "applied": True}
+    assert _agree([one, two]) and not np.array_equal(one.params, old.params)
+    # Training goes on, and ends with the bits of a run in which nothing went stale.
+    assert _push(one, g3, 3, 1)["version"] == 3 and _agree([one, two])
+    assert np.array_equal(one.params, _clean_run([g1, g2, g3]))
 
 
 def _half_forwarded(primary, reached, g, seq):

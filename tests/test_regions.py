@@ -56,7 +56,7 @@ _CALL = rf.pack(rf.Op.CALL, 7, 0, 0, 10)
 
 @pytest.mark.parametrize("raw, allowed, match", [
     (b"XXXX" + _CALL[4:], rf.Op.REQUESTS, "magic"),
-    (_CALL[:4] + b"\x02" + _CALL[5:], rf.Op.REQUESTS, "version"),
+    (_CALL[:4] + b"\x01" + _CALL[5:], rf.Op.REQUESTS, "version"),
     (rf.pack(rf.Op.REPLY, 1, 0, 0, 0), rf.Op.REQUESTS, "op 5"),
     (rf.pack(99, 1, 0, 0, 0), rf.Op.REQUESTS, "op 99"),
     (rf.pack(READ, 1, 0, 0, 0), rf.Op.REPLIES, "op 1"),

@@ -142,9 +142,11 @@ class ParameterClient:
         self._layouts = [fc.layout(spec["factored"], numels, lo, hi) for lo, hi in self.bounds]
         self._fbuf = [np.zeros(fc.slot_floats(lay), np.float32) for lay in self._layouts]
         if self.rank == 0 and not replies[0]["restored"]:
+            # ``params`` is fenced (server.py): the write carries the view it is meant for.
             lo_hi = [self.bounds[r["shard"]] for r in replies]
-            region_peer.wait([peer.region("params").write_async(self.flat[lo:hi])
-                              for peer, (lo, hi) in zip(everyone, lo_hi)])
+            region_peer.wait([peer.region("params").write_async(
+                self.flat[lo:hi], fence=self.view[r["shard"]].epoch)
+                for peer, (lo, hi), r in zip(everyone, lo_hi, replies)])
         ready = region_peer.wait([p.call_async("ready") for p in everyone])
         self.tags = [r["version"] for r in ready][:self.shards]
         self._seq = max(r["seq"] for r in ready)  # a restored clock goes on, not from 0

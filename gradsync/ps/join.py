@@ -20,8 +20,11 @@ dropped from it first):
 The joiner serves nothing before step 3: until then its own view does not hold it, and a
 push or a forwarded update gets ``{"stale": ...}``. If the primary fails between steps 2 and
 3, the joiner learns the view on its own beat; if it fails before the view change, the joiner
-asks again with a new token. Training pauses for the copy only (step 1 to 3 hold the lock):
-a memory copy on one host, the shard's bytes over TCP between hosts.
+asks again with a new token. The joiner's regions are fenced from the start at the newest
+view it found (``serve``) and the writes of step 2 carry the primary's view, so a primary that
+the others have replaced cannot fill a joiner with its stale copy. Training pauses for the
+copy only (step 1 to 3 hold the lock): a memory copy on one host, the shard's bytes over TCP
+between hosts (over TCP on one host too: the joiner's regions are written through it).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import time
 import numpy as np
 
 from ..errors import GradsyncError
+from ..transport.regions import StaleWriteError
 from .replication import View, abandon
 
 __all__ = ["request", "requested", "bring_in", "install", "wait_joined",
@@ -71,15 +75,16 @@ def bring_in(server, joiner: int) -> bool:
                                        time.monotonic() + server.connect_timeout,
                                        f"parameter server {joiner} (rank "
                                        f"{server.workers + joiner})")
+        epoch = server.view.epoch
         try:
             peer.call("install", phase="setup", spec=server.spec)
             peer.refresh()
-            peer.region("params").write(server.params)
+            peer.region("params").write(server.params, fence=epoch)
             state = server.optimizer.state_dict()
             scalars = {}
             for name, value in state.items():
                 if isinstance(value, np.ndarray):
-                    peer.region(f"copy.{name}").write(value)
+                    peer.region(f"copy.{name}").write(value, fence=epoch)
                 else:
                     scalars[name] = value
             version = server.clock.version
@@ -97,6 +102,8 @@ def bring_in(server, joiner: int) -> bool:
             log.warning("parameter server %d: server %d could not join: %s", server.index,
                         joiner, exc)
             abandon(peer)
+            if isinstance(exc, StaleWriteError):  # the joiner knows a newer view: look
+                server._adopt(server.views.newest(server.view))
             return False
         server._copies[joiner] = peer
         server._adopt(view)
@@ -116,7 +123,8 @@ def install(server, peer: int, args: dict) -> dict:
             server._setup(args["spec"])
             for name, value in server.optimizer.state_dict().items():
                 if isinstance(value, np.ndarray):
-                    server.endpoint.allocate(f"copy.{name}", value.shape, value.dtype)
+                    server.endpoint.allocate(f"copy.{name}", value.shape, value.dtype,
+                                             fenced=True)
         return {}
     if phase == "state":
         state = dict(args["scalars"])

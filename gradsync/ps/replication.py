@@ -24,11 +24,15 @@ the winner's. A view never grows back: a server dropped from a view has missed u
 
 **Fencing.** Every push carries the worker's view number and every forwarded update the
 primary's. A server answers a push of an older view with ``{"stale": e}`` (the worker reads the
-newer view and pushes to its primary) and adopts a newer one; a backup refuses an update of an
-older view, which fences a primary that was stopped or cut off while the others moved on: it
-can apply nothing to the shard the others hold, it stops serving, and it ends with an error
-saying it was excluded. A server that learns (through any message, or its own look at the
-store) that it is no longer a member does the same.
+newer view and pushes to its primary) and adopts a newer one. A primary that was stopped or
+cut off while the others moved on is fenced at the write: a server raises its regions' fence
+to each view it enters (``Endpoint.raise_fence``), the primary's write of an update into a
+backup's ``update`` region carries its view, and a backup in a newer view refuses it
+(``StaleWriteError``) before a byte lands, as it refuses the ``apply`` that follows. A new
+primary's settling of its view (``_reconcile``) takes every backup into that view first, so
+no copy of a settled view takes anything from an older one. The stale primary stops serving
+and ends with an error saying it was excluded. A server that learns (through any message, or
+its own look at the store) that it is no longer a member does the same.
 
 **Silence.** A killed server's connections close and its peers notice at once. A stopped or
 cut-off one says nothing, so each server adds 1 to ``ps/beat/<server>`` every

@@ -6,10 +6,10 @@ done. The server knows nothing of the model until the workers say ``hello``: the
 carries the *spec* (tensor sizes, optimizer, mode), and the server then allocates its regions
 in shared memory (``transport/regions.py``)::
 
-    params      float32[n]    this server's slice of the flat parameter vector
+    params      float32[n]    this server's slice of the flat parameter vector      (fenced)
     grad.<w>    float32[n]    worker w's gradient slot (written by worker w only)
     factors.<w> float32[...]  worker w's activations and errors of factored layers (factors.py)
-    meta        int64[2]      [version, 0]: the version the parameters hold
+    meta        int64[2]      [version, 0]: the version the parameters hold          (fenced)
 
 A step, seen from worker w: it *writes* its gradient into ``grad.<w>`` (one-sided: a memcpy
 into the server's memory on the same host, a stream into it over TCP otherwise), then
@@ -28,6 +28,17 @@ optimizer's state and the clock to an ``.npz``; a hello with ``restore`` loads o
 Replicas (``ps_replicas`` R > 1, replication.py): each shard lives on R servers; the primary
 forwards every update it applies to the backups of its view (``apply``) before it answers the
 pushes, and a server fenced out of its shard's newest view stops serving and ends with status 1.
+
+Fenced regions (``regions.py``): every region that another *server* writes (a primary's
+forwards into ``update.<k>``, its copy into a joiner's ``params`` and ``copy.<name>``) or that
+no peer should write (``meta``) takes only writes that carry a view number at or above this
+server's, which it raises (``Endpoint.raise_fence``) whenever it enters a newer view: a
+primary that others replaced is refused at the write, before a byte of its update lands in a
+newer view's copy. Worker 0's one write of the initial ``params`` carries view 0. The workers'
+``grad.<w>`` and ``factors.<w>`` stay unfenced, written straight into shared memory on one
+host: each has one writer, and its bytes count only through a push that the primary of the
+worker's view accepts (a worker's view names only a server that is still that shard's
+primary or is fenced out, never a backup: a new view's primary is the first surviving member).
 """
 
 from __future__ import annotations
@@ -42,7 +53,7 @@ import time
 import numpy as np
 
 from ..errors import CollectiveMismatchError, GradsyncError, GradsyncTimeoutError, PeerLostError
-from ..transport.regions import STRIPE_BYTES, Endpoint
+from ..transport.regions import STRIPE_BYTES, Endpoint, StaleWriteError
 from . import factors as fc
 from . import join
 from . import optim
@@ -84,7 +95,7 @@ class Server:
         self.endpoint, self.timeout, self.connect_timeout = endpoint, timeout, connect_timeout
         self.replicas, self.shard = replicas, shard_of(index, servers, replicas)
         self.views, self.beats, self._locate = views, beats, locate
-        self.view: View | None = views.first if views else None
+        self.view: View | None = views.first if views else None  # the fence starts at 0
         self.fenced: str | None = None
         self.joining = self.installed = False  # a replacement, before / after its copy
         self.joined = threading.Event()
@@ -134,18 +145,20 @@ class Server:
         self.lo, self.hi = cuts[self.shard], cuts[self.shard + 1]
         n = self.hi - self.lo
         ep = self.endpoint
-        self.params = ep.allocate("params", (n,), np.float32)
+        self.params = ep.allocate("params", (n,), np.float32, fenced=True)
         self.slots = [ep.allocate(f"grad.{w}", (n,), np.float32) for w in range(self.workers)]
         self.factored = fc.layout(spec.get("factored", []), spec["numels"], self.lo, self.hi)
         words = fc.slot_floats(self.factored)
         self.factor_slots = [ep.allocate(f"factors.{w}", (words,), np.float32)
                              for w in range(self.workers)] if words else []
-        self.meta = ep.allocate("meta", (2,), np.int64)
+        self.meta = ep.allocate("meta", (2,), np.int64, fenced=True)
         if self.replicas > 1:
             # The update that makes version v + 1 is combined (a primary) or received (a
             # backup) in ``update.<v % 2>``: the previous one stays whole while the next
             # arrives, for a new primary to bring its view's copies to one version with.
-            self.updates = [ep.allocate(f"update.{k}", (n,), np.float32) for k in (0, 1)]
+            # Fenced: a replaced primary's forward must not overwrite either.
+            self.updates = [ep.allocate(f"update.{k}", (n,), np.float32, fenced=True)
+                            for k in (0, 1)]
         self.optimizer = optim.make(spec["optimizer"], n, **spec["hyper"])
         self.clock = Clock(spec["mode"], self.workers, self._apply, backup=spec.get("backup"),
                            staleness=spec.get("staleness"), timeout=self.timeout)
@@ -284,6 +297,11 @@ class Server:
                     raise handle
                 reply = wait_watched(handle, self.beats, b, self.workers + b,
                                      lambda: abandon(peer))
+            except StaleWriteError as exc:  # b is in a newer view: its fence refused the write
+                log.warning("shard %d: server %d refused primary %d's forward of version %d "
+                            "at the write: it is in view %s, this primary in view %d",
+                            self.shard, b, self.index, version + 1, exc.level, self.view.epoch)
+                reply = {"stale": exc.level}
             except (PeerLostError, GradsyncTimeoutError, OSError) as exc:
                 self._copies.pop(b, None)
                 self._adopt(self.views.propose(self.view, b, f"its primary lost it: {exc}"))
@@ -305,11 +323,16 @@ class Server:
     def _send(self, b: int, g: np.ndarray, info: dict):
         """Starts forwarding ``g`` to backup ``b``: (peer, handle), or (None, error)."""
         epoch = self.view.epoch
+        return self._submit(b, lambda peer: self._forward(peer, g, info, epoch),
+                            f"forward to server {b}")
 
-        def forward(peer):
-            peer.region(f"update.{info['version'] % 2}").write(g)
-            return peer.call("follow", epoch=epoch, **info)
-        return self._submit(b, forward, f"forward to server {b}")
+    def _forward(self, peer, g: np.ndarray, info: dict, epoch: int) -> dict:
+        """(Backup ``peer``'s request thread.) Writes update ``g`` of view ``epoch`` into the
+        backup's memory, then has it apply it. The write carries the view: a backup that has
+        entered a newer view refuses it (StaleWriteError) before a byte lands, so a primary
+        replaced while it was stopped cannot overwrite the update a newer primary put there."""
+        peer.region(f"update.{info['version'] % 2}").write(g, fence=epoch)
+        return peer.call("follow", epoch=epoch, **info)
 
     def _submit(self, b: int, fn, what: str):
         """Starts ``fn(peer)`` on backup ``b``'s connection: (peer, handle), or (None, error).
@@ -347,8 +370,14 @@ class Server:
             return {"version": self.clock.version}
 
     def _newest(self, peer: int, args: dict) -> dict:
-        """This copy's version and the info of the update that made it (``_reconcile``)."""
+        """This copy's version and the info of the update that made it (``_reconcile``).
+
+        The asking primary's view comes first: a backup enters it (and raises its fence)
+        before it answers, so once a new primary has settled its view, no write of an older
+        view reaches any of its copies."""
         with self.clock.lock:
+            if int(args.get("epoch", 0)) > self.view.epoch:
+                self._adopt(self.views.newest(self.view))
             return {"version": self.clock.version, "last": self._last}
 
     def _reconcile(self) -> bool:
@@ -374,7 +403,7 @@ class Server:
                 known = {}
                 for b in self.view.backups:
                     try:
-                        known[b] = self._ask(b, "newest")
+                        known[b] = self._ask(b, "newest", epoch=epoch)
                     except (PeerLostError, GradsyncTimeoutError, OSError) as exc:
                         self._drop(b, f"its new primary lost it: {exc}")
                 if self.view.epoch != epoch:
@@ -393,6 +422,9 @@ class Server:
                             got = {"version": wait_watched(
                                 handle, self.beats, b, self.workers + b,
                                 lambda: abandon(peer)).get("version")}
+                        except StaleWriteError:  # b is in a newer view than this primary
+                            self._adopt(self.views.newest(self.view))
+                            break
                         except (PeerLostError, GradsyncTimeoutError, OSError, ValueError) as exc:
                             got = {"version": None, "why": str(exc)}
                     if got["version"] != self.clock.version and b in self.view.backups:
@@ -430,9 +462,9 @@ class Server:
                     "applied the update its old primary was forwarding when it failed",
                     self.shard, self.index, self.clock.version, b)
 
-    def _ask(self, b: int, method: str) -> dict:
+    def _ask(self, b: int, method: str, **args) -> dict:
         """A call to backup ``b`` (connecting first if need be), watched for silence."""
-        peer, handle = self._submit(b, lambda peer: peer.call(method), method)
+        peer, handle = self._submit(b, lambda peer: peer.call(method, **args), method)
         if peer is None:
             raise handle
         return wait_watched(handle, self.beats, b, self.workers + b, lambda: abandon(peer))
@@ -461,6 +493,9 @@ class Server:
         if view.epoch <= self.view.epoch:
             return
         self.view = view
+        # From here no write of an older view lands in this copy's memory (forwards from a
+        # primary the others replaced); waits only for a stripe's copy already admitted.
+        self.endpoint.raise_fence(view.epoch)
         for b in [b for b in self._copies if b not in view.backups]:
             abandon(self._copies.pop(b))
         if self.index not in view.members and not self.joining:
@@ -502,6 +537,7 @@ class Server:
         with self.clock.lock:
             if self.joining and self.index in view.members:
                 self.view, self.joining = view, False
+                self.endpoint.raise_fence(view.epoch)
                 self.joined.set()
 
     def _stats(self, worker: int, args: dict) -> dict:
@@ -636,6 +672,8 @@ def serve(config, env) -> int:
     replacing = replicas > 1 and store.check(f"ps/server/{index}")
     if replacing:
         server.joining, server.view = True, views.newest()
+        # Only a primary of that view or a newer one may copy the shard into it.
+        endpoint.raise_fence(server.view.epoch)
     if replicas > 1:
         threading.Thread(target=_beat, args=(server, beats, Views(
             private, shard, env.servers, replicas, config.connect_timeout), private,

@@ -6,7 +6,7 @@ into *stripes* (``STRIPE_BYTES``); a write or an accumulate holds one stripe's l
 a read takes each stripe's lock shared. The lock of a stripe is a ``threading.Lock`` inside a
 process and, for a shared segment, an ``fcntl`` record lock on the stripe's bytes across
 processes (the design, and why a read may see stripes of different moments, is in
-``regions.py``).
+``regions.py``). The owner's ``Fence`` says which writers its fenced regions still take.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-__all__ = ["Memory", "Stripes", "STRIPE_BYTES", "as_bytes"]
+__all__ = ["Memory", "Stripes", "Fence", "STRIPE_BYTES", "as_bytes"]
 
 STRIPE_BYTES = 1 << 20
 
@@ -80,6 +80,52 @@ class Stripes:
         self._locks[s].release()
 
 
+class Fence:
+    """An owner's fence: the oldest epoch whose writes its fenced regions still store.
+
+    A writer acting for epoch ``t`` (a parameter server's view number) may store into a fenced
+    region only while ``t >= level``. The owner raises the level when it enters a newer epoch,
+    and ``raise_to`` returns once every store admitted under the old level has finished: from
+    then on no byte of an older epoch lands, not even the rest of a write that was under way.
+
+    Stores are admitted a stripe at a time, and only by the owner's own threads, once the
+    stripe's bytes are already in hand (received into scratch memory): so an admitted store is
+    a memcpy or an add, never a wait on a peer, and raising the fence never waits for a slow or
+    stopped writer. (A peer's own copy into a mapped segment could not be waited for that way:
+    which is why fenced regions are written through their owner, ``regions.py``.)
+    """
+
+    def __init__(self, level: int = 0):
+        self.level = level
+        self._storing = 0
+        self._cv = threading.Condition()
+
+    def enter(self, epoch: int) -> bool:
+        """Admits one store of epoch ``epoch`` (True; call ``leave`` after), or refuses it."""
+        with self._cv:
+            if epoch < self.level:
+                return False
+            self._storing += 1
+            return True
+
+    def leave(self) -> None:
+        with self._cv:
+            self._storing -= 1
+            if not self._storing:
+                self._cv.notify_all()
+
+    def raise_to(self, level: int) -> None:
+        """Refuses every store of an epoch below ``level`` from now on, and returns once the
+        stores admitted before have finished. A level at or below the current one is a no-op:
+        a fence never goes down."""
+        with self._cv:
+            if level <= self.level:
+                return
+            self.level = level  # first: no new store of an older epoch gets in
+            while self._storing:
+                self._cv.wait()
+
+
 def _lock_range(fd: int, how: int, length: int, start: int) -> None:
     """``fcntl.lockf`` that waits through the kernel's false deadlock reports.
 
@@ -117,11 +163,15 @@ class Memory:
 
     def write(self, src: np.ndarray, offset: int) -> None:
         for a, b in self.stripes.pieces(offset, offset + src.nbytes):
-            self.stripes.acquire(a)
-            try:
-                np.copyto(self.u8[a:b], src[a - offset:b - offset])
-            finally:
-                self.stripes.release(a)
+            self.write_piece(src[a - offset:b - offset], a)
+
+    def write_piece(self, src: np.ndarray, at: int) -> None:
+        """Copies the bytes ``src`` to ``at``, within one stripe."""
+        self.stripes.acquire(at)
+        try:
+            np.copyto(self.u8[at:at + src.nbytes], src)
+        finally:
+            self.stripes.release(at)
 
     def accumulate(self, src: np.ndarray, offset: int, start: int = 0) -> None:
         for a, b in self.stripes.pieces(offset, offset + src.nbytes, start):

@@ -4,7 +4,9 @@
 connection to an owner, its table of regions, and its control methods. A ``RemoteRegion``
 does each access the cheapest way it can: a copy through this process's own mapping when the
 region is shared memory on this host, else a request that the owner's serving thread answers
-straight from or into the region (the protocol is in ``rma_frame.py``). Requests to one peer
+straight from or into the region (the protocol is in ``rma_frame.py``). A write into a
+*fenced* region carries the writer's epoch and always goes through the owner, which decides
+whether to store it (``regions.py``); reads of it still use the mapping. Requests to one peer
 are ordered; requests to different peers run together on each peer's request thread.
 """
 
@@ -108,8 +110,9 @@ class RemotePeer:
         return self.submit(lambda: self.call(method, **args), f"{self.label}.{method}")
 
     def request(self, op: int, region: int, offset: int, payload=None, length: int = 0,
-                into: np.ndarray | None = None) -> bytes | None:
-        """One request and its reply, under this peer's lock. Returns a control reply's bytes."""
+                into: np.ndarray | None = None, fence: int | None = None) -> bytes | None:
+        """One request and its reply, under this peer's lock. Returns a control reply's bytes.
+        ``fence``: the writer's epoch, for a write or an accumulate into a fenced region."""
         with self._lock:
             if self._closed:
                 raise PeerLostError(f"the connection to {self.label} is closed", peer=self.ident)
@@ -117,7 +120,7 @@ class RemotePeer:
             size = length if payload is None else len(payload) if isinstance(payload, bytes) \
                 else payload.nbytes
             try:
-                header = rf.pack(op, rid, region, offset, size)
+                header = rf.pack(op, rid, region, offset, size, fence)
                 if payload is None:
                     self.sock.sendall(header)
                 elif isinstance(payload, bytes):
@@ -205,20 +208,33 @@ class RemoteRegion:
 
     Attributes:
         name, nbytes, dtype, shape: as the owner registered it.
+        fenced: writes must carry the writer's epoch (``fence=``) and go through the owner.
         direct: this process's mapping of the region when it is shared memory on this host
-            (accesses are then a copy in this process), else None (accesses go over TCP).
+            (accesses are then a copy in this process; for a fenced region, reads only),
+            else None (accesses go over TCP).
     """
 
     def __init__(self, peer: RemotePeer, desc: dict, direct: Memory | None):
         self.peer, self.index, self.name = peer, desc["index"], desc["name"]
         self.nbytes, self.dtype = desc["nbytes"], np.dtype(desc["dtype"])
         self.shape = tuple(desc["shape"])
+        self.fenced = bool(desc["fenced"])
         self.direct = direct
 
-    def _check(self, what: str, nbytes: int, offset: int) -> None:
+    def _check(self, what: str, nbytes: int, offset: int, fence=None) -> None:
         if offset < 0 or nbytes > self.nbytes - offset:
             raise ValueError(f"{what} of {nbytes} bytes at offset {offset} is outside region "
                              f"'{self.name}' of {self.peer.label} ({self.nbytes} bytes)")
+        if what == "read":
+            return
+        if self.fenced and fence is None:
+            raise ValueError(f"region '{self.name}' of {self.peer.label} is fenced: a {what} "
+                             f"must carry the writer's epoch (fence=...)")
+        if fence is not None:
+            if not self.fenced:
+                raise ValueError(f"region '{self.name}' of {self.peer.label} is not fenced: "
+                                 f"{what} it without a fence")
+            rf.check_epoch(fence)
 
     def read(self, out, offset: int = 0):
         """Copies ``out.nbytes`` bytes of the region from ``offset`` into ``out``; returns it."""
@@ -230,39 +246,47 @@ class RemoteRegion:
             self.peer.request(rf.Op.READ, self.index, offset, length=u8.nbytes, into=u8)
         return out
 
-    def write(self, src, offset: int = 0) -> None:
-        """Copies the bytes of ``src`` into the region at ``offset``."""
+    def write(self, src, offset: int = 0, fence: int | None = None) -> None:
+        """Copies the bytes of ``src`` into the region at ``offset``.
+
+        Args:
+            fence: the writer's epoch; required by a fenced region (and refused by any
+                other). The owner refuses a write of an epoch below its fence with
+                ``StaleWriteError``, having stored none of it.
+        """
         u8 = as_bytes(src, writable=False)
-        self._check("write", u8.nbytes, offset)
-        if self.direct is not None:
+        self._check("write", u8.nbytes, offset, fence)
+        if self.direct is not None and not self.fenced:
             self.direct.write(u8, offset)
         else:
-            self.peer.request(rf.Op.WRITE, self.index, offset, u8)
+            self.peer.request(rf.Op.WRITE, self.index, offset, u8, fence=fence)
 
-    def accumulate(self, src, offset: int = 0) -> None:
-        """Adds ``src`` (of the region's dtype) element-wise into the region at ``offset``."""
+    def accumulate(self, src, offset: int = 0, fence: int | None = None) -> None:
+        """Adds ``src`` (of the region's dtype) element-wise into the region at ``offset``
+        (``fence``: as for ``write``)."""
         arr = src.detach().numpy() if hasattr(src, "detach") else np.asarray(src)
         if arr.dtype != self.dtype:
             raise TypeError(f"accumulate of {arr.dtype} into region '{self.name}' of "
                             f"{self.dtype}: convert first")
         u8 = as_bytes(arr, writable=False)
-        self._check("accumulate", u8.nbytes, offset)
+        self._check("accumulate", u8.nbytes, offset, fence)
         if offset % self.dtype.itemsize:
             raise ValueError(f"accumulate offset {offset} is not a multiple of the element "
                              f"size {self.dtype.itemsize}")
-        if self.direct is not None:
+        if self.direct is not None and not self.fenced:
             self.direct.accumulate(u8, offset, start=self.peer.endpoint.ident)
         else:
-            self.peer.request(rf.Op.ACCUMULATE, self.index, offset, u8)
+            self.peer.request(rf.Op.ACCUMULATE, self.index, offset, u8, fence=fence)
 
     def read_async(self, out, offset: int = 0) -> Handle:
         return self.peer.submit(lambda: self.read(out, offset), f"read {self.name}")
 
-    def write_async(self, src, offset: int = 0) -> Handle:
-        return self.peer.submit(lambda: self.write(src, offset), f"write {self.name}")
+    def write_async(self, src, offset: int = 0, fence: int | None = None) -> Handle:
+        return self.peer.submit(lambda: self.write(src, offset, fence), f"write {self.name}")
 
-    def accumulate_async(self, src, offset: int = 0) -> Handle:
-        return self.peer.submit(lambda: self.accumulate(src, offset), f"accumulate {self.name}")
+    def accumulate_async(self, src, offset: int = 0, fence: int | None = None) -> Handle:
+        return self.peer.submit(lambda: self.accumulate(src, offset, fence),
+                                f"accumulate {self.name}")
 
 
 def wait(handles) -> list:

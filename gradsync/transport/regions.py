@@ -32,6 +32,18 @@ sees every stripe at one moment, but different stripes may be from before and af
 concurrent update (as with RDMA; a caller that needs one version of a whole region arranges
 that itself, as the parameter server does with its rounds).
 
+Fencing. A region may be allocated *fenced*: it is written only by peers that act for an
+*epoch* (a parameter server's view number), each write carrying its epoch, and the owner
+refuses (``StaleWriteError``) a write whose epoch is below its fence, which it raises
+(``raise_fence``) when it enters a newer epoch. The owner must decide that before a byte is
+stored, so a fenced region is written only through its owner, even by a peer on its host
+(which still maps the region, for reads): the serving thread receives each stripe into its
+scratch buffer, then admits the store under the fence (``region_memory.Fence``) and copies.
+A peer's direct copy could not be refused once begun, nor waited for if that peer is stopped
+half-way (the case fencing exists for); the cost is one copy more per stripe, and TCP
+instead of a ``memcpy`` between same-host copies of a fenced region. Regions that every peer
+writes as often as possible (the gradients of parameter-server workers) stay unfenced.
+
 Control messages (``call``) travel on the same TCP connection as small JSON objects and are
 answered by handlers the owner registers (``on_call``). They carry who did what, never tensors.
 
@@ -57,12 +69,13 @@ import numpy as np
 from ..errors import GradsyncError, ProtocolError
 from . import rma_frame as rf
 from . import shm, tcp
-from .region_memory import STRIPE_BYTES, Memory, Stripes
+from .region_memory import STRIPE_BYTES, Fence, Memory, Stripes
 from .region_peer import RemotePeer
-from .rma_frame import RegionAccessError, error_payload, recv_exact, recv_into
+from .rma_frame import (RegionAccessError, StaleWriteError, error_payload, recv_exact,
+                        recv_into)
 
-__all__ = ["Endpoint", "Region", "Memory", "Stripes", "STRIPE_BYTES", "RegionAccessError",
-           "ANY_PEER"]
+__all__ = ["Endpoint", "Region", "Memory", "Stripes", "Fence", "STRIPE_BYTES",
+           "RegionAccessError", "StaleWriteError", "ANY_PEER"]
 
 log = logging.getLogger("gradsync.regions")
 
@@ -92,19 +105,21 @@ class Region(Memory):
         array: the owner's own view of the memory (use it like any array; take
             ``stripes`` or use ``read``/``write``/``accumulate`` when peers may write it).
         segment: the shared-memory segment's name, empty for ordinary memory.
+        fenced: peers' writes must carry an epoch at or above the owner's fence.
     """
 
     def __init__(self, index: int, name: str, array: np.ndarray, segment: str = "",
-                 fd: int | None = None, mapping=None):
+                 fd: int | None = None, mapping=None, fenced: bool = False):
         super().__init__(array.reshape(-1).view(np.uint8), array.dtype,
                          Stripes(array.nbytes, fd))
         self.index, self.name, self.array = index, name, array
         self.segment, self.fd, self.mapping = segment, fd, mapping
+        self.fenced = fenced
 
     def describe(self) -> dict:
         return {"index": self.index, "name": self.name, "nbytes": self.nbytes,
                 "dtype": self.dtype.str, "shape": list(self.array.shape),
-                "segment": self.segment}
+                "segment": self.segment, "fenced": self.fenced}
 
 
 # --- the endpoint ---------------------------------------------------------------------------
@@ -132,6 +147,7 @@ class Endpoint:
         self.label = label or f"endpoint {ident}"
         self.regions: list[Region] = []
         self._by_name: dict[str, Region] = {}
+        self.fence = Fence()  # the oldest epoch whose writes the fenced regions take
         self._handlers: dict[str, Callable[[int, dict], dict]] = {
             "_regions": lambda peer, args: self._directory()}
         self._on_disconnect: list[Callable[[int, BaseException | None], None]] = []
@@ -156,34 +172,36 @@ class Endpoint:
         self.addr, self.port = addr, self.listener.port if self.listener else 0
 
     # ------------------------------------------------------------------ owning regions
-    def allocate(self, name: str, shape, dtype=np.float32) -> np.ndarray:
-        """A new zeroed region in shared memory, which same-host peers access directly."""
+    def allocate(self, name: str, shape, dtype=np.float32, fenced: bool = False) -> np.ndarray:
+        """A new zeroed region in shared memory, which same-host peers access directly
+        (``fenced``: peers write it through this endpoint only, each write carrying an epoch
+        that ``raise_fence`` has not passed)."""
         dtype = np.dtype(dtype)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if nbytes == 0:
-            return self.register(name, np.zeros(shape, dtype))
+            return self.register(name, np.zeros(shape, dtype), fenced).array
         segment = f"gradsync-{self.job}-r{self.ident}-{next(self._segments)}"
         mapping = shm.create_segment(segment, nbytes)
         self._linked.add(segment)
         # The record locks need a descriptor of the segment for the life of the region.
         fd = os.open(os.path.join(shm.SHM_DIR, segment), os.O_RDWR)
         array = np.frombuffer(mapping, dtype=dtype, count=nbytes // dtype.itemsize).reshape(shape)
-        return self._add(name, array, segment, fd, mapping).array
+        return self._add(name, array, segment, fd, mapping, fenced).array
 
-    def register(self, name: str, array) -> Region:
+    def register(self, name: str, array, fenced: bool = False) -> Region:
         """Makes an existing contiguous array (or CPU tensor) a region; peers reach it over
-        TCP only, through this endpoint's serving threads."""
+        TCP only, through this endpoint's serving threads (``fenced``: as for ``allocate``)."""
         if hasattr(array, "detach") and hasattr(array, "numpy"):
             array = array.detach().numpy()
         if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
             raise ValueError("a region must be a contiguous NumPy array or CPU tensor")
-        return self._add(name, array, "", None, None)
+        return self._add(name, array, "", None, None, fenced)
 
-    def _add(self, name, array, segment, fd, mapping) -> Region:
+    def _add(self, name, array, segment, fd, mapping, fenced) -> Region:
         with self._lock:
             if name in self._by_name:
                 raise ValueError(f"{self.label} already has a region named {name!r}")
-            region = Region(len(self.regions), name, array, segment, fd, mapping)
+            region = Region(len(self.regions), name, array, segment, fd, mapping, fenced)
             self.regions.append(region)
             self._by_name[name] = region
         return region
@@ -203,6 +221,13 @@ class Endpoint:
         if segment in self._linked:
             _unlink_all({segment})
             self._linked.discard(segment)
+
+    def raise_fence(self, epoch: int) -> None:
+        """Refuses, from now on, every write into a fenced region that carries an epoch below
+        ``epoch``; returns once no write of an older epoch is still being stored (a stripe's
+        copy already admitted, one per connection at most: never a wait for a writer's
+        bytes). Never lowers the fence."""
+        self.fence.raise_to(rf.check_epoch(epoch))
 
     def on_call(self, method: str, handler: Callable[[int, dict], dict]) -> None:
         """Answers ``call(method, ...)`` from peers with ``handler(peer, args) -> dict``.
@@ -284,14 +309,18 @@ class Endpoint:
     def _serve_access(self, sock: socket.socket, req: rf.Request, scratch: np.ndarray) -> None:
         why = rf.check_access(req, self.regions, lambda r: r.dtype.itemsize)
         if why is not None:
-            if req.op != rf.Op.READ:
-                if req.length > _DRAIN_LIMIT:
-                    raise ProtocolError(f"refused request of {req.length} bytes: {why}")
-                _drain(sock, req.length, scratch)
-            body = error_payload(RegionAccessError(f"{self.label}: {why}"))
-            sock.sendall(rf.pack(rf.Op.ERROR, req.request, 0, 0, len(body)) + body)
+            self._refuse(sock, req, scratch, 0 if req.op == rf.Op.READ else req.length,
+                         RegionAccessError(f"{self.label}: {why}"))
             return
         region = self.regions[req.region]
+        if req.op != rf.Op.READ:
+            refused = rf.check_fence(req, region, self.fence.level, self.label)
+            if refused is not None:
+                self._refuse(sock, req, scratch, req.length, refused)
+                return
+            if region.fenced:
+                self._store_fenced(sock, req, region, scratch)
+                return
         lo, hi = req.offset, req.offset + req.length
         if req.op == rf.Op.READ:
             sock.sendall(rf.pack(rf.Op.REPLY, req.request, req.region, lo, req.length))
@@ -316,6 +345,41 @@ class Endpoint:
                 recv_into(sock, piece)
                 region.add_piece(piece, a)
             sock.sendall(rf.pack(rf.Op.REPLY, req.request, req.region, lo, 0))
+
+    def _store_fenced(self, sock: socket.socket, req: rf.Request, region: Region,
+                      scratch: np.ndarray) -> None:
+        """A WRITE or ACCUMULATE into a fenced region, a stripe at a time: each stripe is
+        received into ``scratch`` first and stored only if the fence still admits the
+        request's epoch (the owner may raise it while the bytes arrive). Once one is refused
+        the rest is drained unstored: stripes stored before the fence rose stay, which the
+        owner, then still in the writer's epoch, took as it takes any write."""
+        lo, hi = req.offset, req.offset + req.length
+        for a, b in region.stripes.pieces(lo, hi):
+            piece = scratch[:b - a]
+            recv_into(sock, piece)
+            if not self.fence.enter(req.fence):
+                self._refuse(sock, req, scratch, hi - b, StaleWriteError.refusing(
+                    self.label, f"{rf.Op.NAMES[req.op]} into region '{region.name}'",
+                    req.fence, self.fence.level))
+                return
+            try:
+                if req.op == rf.Op.WRITE:
+                    region.write_piece(piece, a)
+                else:
+                    region.add_piece(piece, a)
+            finally:
+                self.fence.leave()
+        sock.sendall(rf.pack(rf.Op.REPLY, req.request, req.region, lo, 0))
+
+    def _refuse(self, sock: socket.socket, req: rf.Request, scratch: np.ndarray, left: int,
+                error: BaseException) -> None:
+        """Answers ``req`` with ERROR ``error`` after reading and dropping the ``left``
+        payload bytes still on the stream (too many: the stream is dropped instead)."""
+        if left > _DRAIN_LIMIT:
+            raise ProtocolError(f"refused request of {req.length} bytes: {error}")
+        _drain(sock, left, scratch)
+        body = error_payload(error)
+        sock.sendall(rf.pack(rf.Op.ERROR, req.request, 0, 0, len(body)) + body)
 
     # ------------------------------------------------------------------ reaching peers
     def connect(self, peer: int, addr: str, port: int, deadline: float,

@@ -4,12 +4,12 @@ Every request from a peer, and every reply from a region's owner, starts with th
 
     offset  size  field
     0       4     magic      b"GSRM"
-    4       1     version    1
+    4       1     version    2
     5       1     op         READ, WRITE, ACCUMULATE, CALL (requests); REPLY, ERROR (replies)
-    6       2     flags      0
+    6       2     flags      FENCED (1) on a WRITE or ACCUMULATE that carries a fence; else 0
     8       8     request    the requester's number for it; a reply carries the same number
     16      4     region     index of the region in the owner's table (0 for CALL)
-    20      4     reserved   0
+    20      4     fence      with FENCED: the writer's epoch (below); else 0
     24      8     offset     first byte of the region to access
     32      8     length     READ: bytes wanted (no payload); otherwise payload bytes that follow
 
@@ -21,8 +21,19 @@ can be answered by ERROR, whose JSON payload names the error's class and message
 
 The owner validates a header before it touches a byte of the region (``check_access``): a
 region that does not exist, a range outside it, or an accumulate that is not aligned to the
-region's elements is answered with ERROR; a bad magic, version or op, or a control message
-longer than ``MAX_CALL``, means the stream cannot be trusted and the connection is dropped.
+region's elements is answered with ERROR; a bad magic, version, op or flags, a fence where
+none belongs, or a control message longer than ``MAX_CALL``, means the stream cannot be
+trusted and the connection is dropped.
+
+**Fences** (version 2; version 1 had neither the flag nor the field, so a version-1 owner,
+which would store a fenced write unchecked, refuses to talk instead). An owner may mark a
+region *fenced*: it is written only by peers that act for an *epoch* (a parameter server's
+view number), and the owner keeps a fence level, raised when it enters a newer epoch. A
+WRITE or ACCUMULATE into a fenced region must carry the writer's epoch, and one below the
+owner's level is refused with ``StaleWriteError`` before a byte of it is stored
+(``check_fence`` at the header; ``region_memory.Fence`` again for every stripe, as the level
+may rise while the bytes arrive). Unfenced regions take no fence, and a fenced write into
+one is refused as a caller's mistake.
 """
 
 from __future__ import annotations
@@ -36,15 +47,18 @@ import numpy as np
 from ..errors import (AuthenticationError, CollectiveMismatchError, ConfigError, GradsyncError,
                       GradsyncTimeoutError, PeerLostError, ProtocolError)
 
-__all__ = ["HEADER", "HEADER_SIZE", "MAGIC", "VERSION", "Op", "Request", "pack", "unpack",
-           "MAX_CALL", "check_access", "RegionAccessError", "ERRORS", "error_payload",
+__all__ = ["HEADER", "HEADER_SIZE", "MAGIC", "VERSION", "FENCED", "MAX_FENCE", "Op",
+           "Request", "pack", "unpack", "MAX_CALL", "check_access", "check_fence",
+           "check_epoch", "RegionAccessError", "StaleWriteError", "ERRORS", "error_payload",
            "error_from", "recv_exact", "recv_into"]
 
 MAGIC = b"GSRM"
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("<4sBBHQIIQQ")
 HEADER_SIZE = HEADER.size  # 40
 MAX_CALL = 1 << 20  # control messages are small; more is a broken or hostile peer
+FENCED = 1  # flags: the request carries the writer's epoch in the fence field
+MAX_FENCE = (1 << 32) - 1  # the field's width; views are numbered from 0, one per change
 
 
 class Op:
@@ -61,24 +75,42 @@ class Op:
 
 
 class Request:
-    __slots__ = ("op", "request", "region", "offset", "length")
+    """A parsed header; ``fence`` is the writer's epoch, or None when it carries none."""
 
-    def __init__(self, op: int, request: int, region: int, offset: int, length: int):
+    __slots__ = ("op", "request", "region", "offset", "length", "fence")
+
+    def __init__(self, op: int, request: int, region: int, offset: int, length: int,
+                 fence: int | None = None):
         self.op, self.request, self.region = op, request, region
-        self.offset, self.length = offset, length
+        self.offset, self.length, self.fence = offset, length, fence
 
     def __repr__(self) -> str:
+        fence = "" if self.fence is None else f", fence={self.fence}"
         return (f"{Op.NAMES.get(self.op, self.op)}(request={self.request}, region={self.region}, "
-                f"offset={self.offset}, length={self.length})")
+                f"offset={self.offset}, length={self.length}{fence})")
 
 
-def pack(op: int, request: int, region: int, offset: int, length: int) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, op, 0, request, region, 0, offset, length)
+def pack(op: int, request: int, region: int, offset: int, length: int,
+         fence: int | None = None) -> bytes:
+    if fence is None:
+        return HEADER.pack(MAGIC, VERSION, op, 0, request, region, 0, offset, length)
+    if op not in (Op.WRITE, Op.ACCUMULATE):
+        raise ValueError(f"only a write or an accumulate carries a fence, not a {Op.NAMES[op]}")
+    return HEADER.pack(MAGIC, VERSION, op, FENCED, request, region, check_epoch(fence), offset,
+                       length)
+
+
+def check_epoch(fence) -> int:
+    """``fence`` as the header's field holds it; ValueError outside 0 .. MAX_FENCE."""
+    if isinstance(fence, bool) or not isinstance(fence, (int, np.integer)) or \
+            not 0 <= fence <= MAX_FENCE:
+        raise ValueError(f"a fence is an epoch from 0 to {MAX_FENCE}, got {fence!r}")
+    return int(fence)
 
 
 def unpack(raw, allowed: frozenset) -> Request:
     """Parses a header and checks its fixed fields; raises ProtocolError (drop the stream)."""
-    magic, version, op, _flags, request, region, _reserved, offset, length = HEADER.unpack(raw)
+    magic, version, op, flags, request, region, fence, offset, length = HEADER.unpack(raw)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r}): not a gradsync "
                             f"region request")
@@ -88,7 +120,13 @@ def unpack(raw, allowed: frozenset) -> Request:
         raise ProtocolError(f"unexpected region op {op}")
     if op in (Op.CALL, Op.ERROR) and length > MAX_CALL:
         raise ProtocolError(f"control message of {length} bytes (limit {MAX_CALL})")
-    return Request(op, request, region, offset, length)
+    if flags & ~FENCED:
+        raise ProtocolError(f"unknown region request flags {flags:#x}")
+    if flags & FENCED and op not in (Op.WRITE, Op.ACCUMULATE):
+        raise ProtocolError(f"a {Op.NAMES[op]} carries a fence: only writes do")
+    if not flags & FENCED and fence:
+        raise ProtocolError(f"fence field {fence} without the FENCED flag")
+    return Request(op, request, region, offset, length, fence if flags & FENCED else None)
 
 
 def check_access(req: Request, regions: list, itemsize_of) -> str | None:
@@ -113,25 +151,70 @@ def check_access(req: Request, regions: list, itemsize_of) -> str | None:
     return None
 
 
+def check_fence(req: Request, region, level: int, owner: str = "the owner"
+                ) -> "GradsyncError | None":
+    """The error that refuses ``req`` (a WRITE or ACCUMULATE that ``check_access`` passed)
+    under the owner's fence ``level``, or None if it may be stored.
+
+    Args:
+        region: the request's region; ``fenced`` says whether writes must carry an epoch.
+        level: the owner's fence: the oldest epoch whose writes it still takes.
+        owner: how the error names the owner.
+    """
+    what = f"{Op.NAMES[req.op]} into region '{region.name}'"
+    if not region.fenced:
+        if req.fence is not None:
+            return RegionAccessError(f"{owner}: {what} carries fence {req.fence}, but the "
+                                     f"region is not fenced (write it without one)")
+        return None
+    if req.fence is None:
+        return RegionAccessError(f"{owner}: {what} carries no fence, but the region is "
+                                 f"fenced: only a writer acting for an epoch may write it")
+    if req.fence < level:
+        return StaleWriteError.refusing(owner, what, req.fence, level)
+    return None
+
+
 # --- errors across the wire -----------------------------------------------------------------
 
 class RegionAccessError(GradsyncError, ValueError):
     """The owner refused an access: no such region, or a range outside it."""
 
 
+class StaleWriteError(GradsyncError):
+    """The owner refused a write into a fenced region: the writer acts for an older epoch.
+
+    Attributes:
+        fence: the writer's epoch, which the write carried.
+        level: the owner's fence, the oldest epoch it still takes writes from.
+    """
+
+    def __init__(self, message: str, fence: int | None = None, level: int | None = None):
+        super().__init__(message)
+        self.fence, self.level = fence, level
+
+    @classmethod
+    def refusing(cls, owner: str, what: str, fence: int, level: int) -> "StaleWriteError":
+        return cls(f"{owner} refused a {what} of epoch {fence}: it is fenced at epoch "
+                   f"{level} (the writer acts for an older epoch; nothing was stored)",
+                   fence, level)
+
+
 #: The classes an ERROR reply may name, by name; any other error travels as GradsyncError (or
 #: ValueError for a caller's mistake).
 ERRORS = {cls.__name__: cls for cls in
           (PeerLostError, CollectiveMismatchError, GradsyncTimeoutError, AuthenticationError,
-           ProtocolError, ConfigError, RegionAccessError, GradsyncError)}
+           ProtocolError, ConfigError, RegionAccessError, StaleWriteError, GradsyncError)}
 
 
 def error_payload(exc: BaseException) -> bytes:
     """The JSON payload of an ERROR reply that reports ``exc``."""
     kind = type(exc).__name__ if type(exc).__name__ in ERRORS else (
         "ValueError" if isinstance(exc, (ValueError, TypeError, KeyError)) else "GradsyncError")
-    return json.dumps({"kind": kind, "message": str(exc),
-                       "peer": getattr(exc, "peer", None)}).encode()
+    record = {"kind": kind, "message": str(exc), "peer": getattr(exc, "peer", None)}
+    if isinstance(exc, StaleWriteError):
+        record.update(fence=exc.fence, level=exc.level)
+    return json.dumps(record).encode()
 
 
 def error_from(record: dict, peer: int) -> GradsyncError | ValueError:
@@ -142,7 +225,15 @@ def error_from(record: dict, peer: int) -> GradsyncError | ValueError:
             else GradsyncError(record.get("message", ""))
     if cls is PeerLostError:
         return cls(record["message"], peer=record.get("peer"))
+    if cls is StaleWriteError:  # numbers from the wire: kept only if they are numbers
+        return cls(record["message"], _epoch_or_none(record.get("fence")),
+                   _epoch_or_none(record.get("level")))
     return cls(record["message"])
+
+
+def _epoch_or_none(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and \
+        0 <= value <= MAX_FENCE else None
 
 
 # --- reading the stream ---------------------------------------------------------------------
