@@ -159,6 +159,21 @@ def test_ranks_exit_zero_with_whole_prefixed_lines(np_, prefix):
 
 
 @pytest.mark.multiprocess
+def test_the_script_gets_its_arguments_even_prefixes_of_the_launchers_options(tmp_path):
+    # The issue's command line, then every prefix of every launcher option (from its parser):
+    # argparse's prefix matching read "--n" as an ambiguous launcher option and the job died.
+    options = cli.option_values(cli.build_parser().get_default("run_parser"))
+    prefixes = sorted({o[:end] for o in options for end in range(2, len(o) + 1)})
+    script = tmp_path / "script.py"
+    script.write_text("import json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    argv = ["--n", "3", "--out", "x", "--b", "1", *prefixes]
+    status, out, err, _ = run("-np", "1", "--no-output-prefix", sys.executable, str(script),
+                              *argv)
+    assert status == 0, err
+    assert json.loads(out[-1]) == argv
+
+
+@pytest.mark.multiprocess
 def test_identity_variables_and_store():
     code = rank_code("""
         import json, socket
