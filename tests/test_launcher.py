@@ -26,7 +26,7 @@ from harness import gone, ssh_stand_in
 
 from gradsync.run import cli
 from gradsync.run.cli import parse_hosts, read_hostfile, resolve_exports
-from gradsync.run.launcher import Host, Slot, place
+from gradsync.run.launcher import Host, LaunchSpec, Slot, informs, place
 from gradsync.run.processes import remote_script, start
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,6 +72,24 @@ def test_exports():
         resolve_exports(["MISSING"], {})
     with pytest.raises(ValueError, match="sets GRADSYNC_SECRET"):
         resolve_exports(["GRADSYNC_SECRET=00"], {})
+
+
+@pytest.mark.parametrize("environ, flags, expected", [
+    ({}, {}, False),
+    ({"GRADSYNC_LOG_LEVEL": "info"}, {}, True),
+    ({}, {"GRADSYNC_LOG_LEVEL": "DEBUG"}, True),  # --log-level or -x: the ranks' level
+    ({"GRADSYNC_LOG_LEVEL": "INFO"}, {"GRADSYNC_LOG_LEVEL": "WARNING"}, False),
+    ({"HOROVOD_LOG_LEVEL": "trace"}, {}, True),
+    ({"HOROVOD_LOG_LEVEL": "info", "GRADSYNC_LOG_LEVEL": "ERROR"}, {}, False),
+    ({"HOROVOD_LOG_LEVEL": "info", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "soon"}, {}, False),
+])
+def test_the_launcher_names_the_ranks_processes_when_they_log_at_info(monkeypatch, environ,
+                                                                      flags, expected):
+    for name in ("GRADSYNC_LOG_LEVEL", "HOROVOD_LOG_LEVEL"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert informs(LaunchSpec(command=["true"], num_proc=1, env=flags)) is expected
 
 
 # ---------------------------------------------------------------- helpers for real launches

@@ -138,7 +138,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     tuning.add_argument("--log-level", type=str.upper, metavar="LEVEL",
                         choices=sorted(_LOG_LEVELS, key=list(_LOG_LEVELS).index),
                         help="level of the ranks' gradsync logger: TRACE (as DEBUG), DEBUG, "
-                             "INFO, WARNING, ERROR, FATAL (as CRITICAL) (GRADSYNC_LOG_LEVEL)")
+                             "INFO, WARNING, ERROR, FATAL (as CRITICAL) (GRADSYNC_LOG_LEVEL); "
+                             "at INFO or DEBUG the launcher also names each rank's host and "
+                             "pid")
     tuning.add_argument("--timeline-filename", metavar="FILE",
                         help="record a timeline of the Horovod API's operations: rank 0 writes "
                              "FILE, rank r FILE.r (GRADSYNC_TIMELINE)")
