@@ -14,6 +14,7 @@ import atexit
 import dataclasses
 import itertools
 import logging
+import os
 
 import numpy as np
 
@@ -61,6 +62,10 @@ def _connect(settings: dict):
         # A parameter-server rank (GRADSYNC_SERVERS): serve until the workers are done,
         # then end the process, as MXNet's servers do. Its script goes no further.
         from .ps.server import serve
+        log.info("rank %d of %d on host %s (pid %d, local rank %s): parameter server %d of %d "
+                 "(each shard on %d of them), serving %d workers", env.rank, env.size,
+                 env.hostname, os.getpid(), env.local_rank, env.server_rank, env.servers,
+                 config.ps_replicas, env.workers)
         raise SystemExit(serve(config, env))
     if env.servers:
         env = dataclasses.replace(env, size=env.workers, servers=0)  # workers-only collectives

@@ -157,6 +157,9 @@ class Controller:
                  timeline=None):
         self.world, self.label, self.ranks = world, label, list(ranks)
         self.fusion_threshold = fusion_threshold
+        if world.rank == 0:  # once per process set (and elastic generation), never per cycle
+            log.info("Horovod API (%s, %d ranks): fusion threshold %d bytes (%.4g MiB)",
+                     label, len(self.ranks), fusion_threshold, fusion_threshold / (1 << 20))
         self.timeline = timeline
         self.on_stand_in: Callable[[str], None] | None = None
         """Called with the name of each operation this rank joins in (or is excused from)

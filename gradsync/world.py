@@ -179,7 +179,8 @@ class World:
         # Hierarchical allgather and broadcast pay off when some host has several ranks.
         self.hierarchical = not self.single_host and len(hosts) < self.size
         # Decided once per size, not per call (``operations.allreduce``).
-        self.plans = planner.Plans(self.size, config, shm_group is not None, self.topology)
+        self.plans = planner.Plans(self.size, config, shm_group is not None, self.topology,
+                                   announce=self.rank == 0)
         self.descriptions: dict[tuple, tuple[str, int]] = {}
         self.express: dict = {}  # express.py's entries, per distinct small allreduce call
         self.failure: GradsyncError | None = None
@@ -315,8 +316,15 @@ class World:
                 store, env.rank, env.size, config.heartbeat_interval, config.heartbeat_timeout,
                 lambda r: f"rank {r} on host {peers[r].host} (pid {peers[r].pid})",
                 root, secret=listener.secret, addr=peers[env.rank].addr).start()
-        log.debug("rank %d joined: %d shm peers, %d tcp peers on demand", env.rank,
-                  len(use_shm), len(tcp_peers))
+        # Once per job (and per elastic generation) at INFO: who this process is, so that a
+        # user can attach a profiler to a rank, and how it reaches its peers. A sub-world (a
+        # process set, a torch group's lane) says it at DEBUG: its ranks already said it.
+        log.log(logging.INFO if owns_listener else logging.DEBUG,
+                "rank %d of %d on host %s (pid %d, local rank %d of %d): worker; peers: %d "
+                "over shared memory%s, %d over tcp (connected on first use)", env.rank,
+                env.size, env.hostname, os.getpid(), world.local_rank, world.local_size,
+                len(use_shm), " (and the host's shared-memory allreduce group)"
+                if shm_group is not None else "", len(tcp_peers))
         return world
 
     def subworld(self, ranks, name: str, base=None) -> "World":

@@ -57,6 +57,72 @@ def test_usage_errors_exit_2_with_a_reason(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+# ---------------------------------------------------------------- the command's arguments
+def _launched(monkeypatch, argv: list[str]):
+    """The LaunchSpec ``gradsync run ARGV`` would start (nothing is started)."""
+    specs = []
+    monkeypatch.setattr(cli, "launch", lambda spec: specs.append(spec) or 0)
+    assert cli.main(["run", *argv]) == 0
+    return specs[0]
+
+
+def _prefixes() -> list[str]:
+    """Every prefix of every option of gradsync run, taken from its parser: what argparse's
+    prefix matching would have read as a launcher option."""
+    options = cli.option_values(cli.build_parser().get_default("run_parser"))
+    return sorted({option[:end] for option in options for end in range(2, len(option) + 1)})
+
+
+@pytest.mark.parametrize("word", _prefixes())
+def test_each_launcher_option_prefix_after_the_command_is_the_commands(word, monkeypatch):
+    # With and without a value after it, and joined to one by "=" (argparse splits "--n=3").
+    argv = ["python", "train.py", word, "3", f"{word}=x", word]
+    spec = _launched(monkeypatch, ["-np", "2", *argv])
+    assert list(spec.command) == argv
+    assert (spec.num_proc, spec.servers, list(spec.hosts), dict(spec.env)) == (2, 0, [], {})
+
+
+def test_the_issues_command_line_reaches_the_script(monkeypatch):
+    argv = ["python", "script.py", "--n", "3", "--out", "x", "--b", "1", "--", "-h"]
+    assert list(_launched(monkeypatch, ["-np", "1", *argv]).command) == argv
+
+
+def test_launcher_options_before_the_command_are_read_and_after_it_are_not(monkeypatch):
+    spec = _launched(monkeypatch, ["-np=2", "--servers", "1", "-xA=1", "-x", "B=2",
+                                   "--blacklist-cooldown", "4", "--no-output-prefix", "--",
+                                   "python", "t.py", "-np", "5", "--servers", "3", "-x", "C=3"])
+    assert (spec.num_proc, spec.servers, spec.output_prefix, dict(spec.env)) == \
+        (2, 1, False, {"A": "1", "B": "2"})
+    assert list(spec.command) == ["python", "t.py", "-np", "5", "--servers", "3", "-x", "C=3"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num", "2", "true"], "--num is not an option of gradsync run; did you mean --num-proc?"),
+    (["-np", "1", "--out", "d", "true"],
+     "did you mean --output-filename or --output-prefix?"),
+    (["-n", "2", "true"], "-n is not an option of gradsync run; did you mean -np?"),
+    (["-np", "1", "--lr", "0.1", "python", "t.py"], "--lr is not an option of gradsync run ("),
+])
+def test_an_abbreviated_or_unknown_option_before_the_command_is_a_usage_error(argv, message,
+                                                                            capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["run", *argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: gradsync run") and message in err
+
+
+def test_split_command_cuts_at_the_first_word_that_is_no_option_or_value():
+    values = {"-a": 1, "--flag": 0, "--pair": 2}
+    assert cli.split_command(["-a", "-1", "--flag", "--pair", "x", "y", "cmd", "-a", "--"],
+                             values) == (["-a", "-1", "--flag", "--pair", "x", "y"],
+                                         ["cmd", "-a", "--"])
+    assert cli.split_command(["-a=v", "-av", "--", "--flag"], values) == \
+        (["-a=v", "-av"], ["--flag"])
+    assert cli.split_command(["--flag", "-", "x"], values) == (["--flag"], ["-", "x"])
+    assert cli.split_command(["--flag"], values) == (["--flag"], [])
+
+
 def test_bench_gets_the_remaining_arguments(monkeypatch):
     seen = []
     stub = types.ModuleType("gradsync.bench.cli")

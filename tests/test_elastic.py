@@ -83,10 +83,17 @@ def job(np_, *args, launcher=(), env=None, timeout=240):
 
 
 def test_sigkill_one_of_four_mid_step_goes_on_at_three_with_identical_parameters():
-    result = job(4, "kill", 2, 5)
+    result = job(4, "kill", 2, 5, env={"GRADSYNC_LOG_LEVEL": "INFO"})
     got = check_consistent(result, ["localhost[0]", "localhost[1]", "localhost[3]"], 3)
     assert "worker localhost[2] (rank 2 of generation 0) was killed by signal 9" in \
         result.output, result
+    # At INFO the launcher and the new rank 0 say who left (and the launcher which process
+    # each worker of the new generation is).
+    assert "gradsync run: generation 1: joined none; left localhost[2]" in result.output, result
+    assert "INFO gradsync: generation 1 after 0: joined none; left localhost[2]" in \
+        result.output, result
+    assert re.search(r"^gradsync run: generation 1: rank 2 \(worker localhost\[3\]\) on host "
+                     r"localhost: pid \d+$", result.output, re.M), result
     assert {r["gen"] for r in got.values()} == {"1"}
     # the ranks keep their order: 0, 1, 3 become 0, 1, 2
     assert [got[w]["rank"] for w in ("localhost[0]", "localhost[1]", "localhost[3]")] == \

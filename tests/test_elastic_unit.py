@@ -1,7 +1,9 @@
 """Elastic pieces without processes: the sampler's exactly-once split, state semantics,
 generations in a store, discovery output and the launcher's options."""
 
+import itertools
 import os
+import re
 import types
 from datetime import timedelta
 
@@ -177,12 +179,16 @@ def test_elastic_usage_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+_pids = itertools.count(1000)
+
+
 class _FakeRank:
     """A running worker process that records the signals the launcher sends it."""
 
-    def __init__(self):
+    def __init__(self, host: str = "localhost"):
         self.signals = []
-        self.proc = types.SimpleNamespace(poll=lambda: None)
+        self.proc = types.SimpleNamespace(poll=lambda: None, pid=next(_pids))
+        self.slot, self.remote = types.SimpleNamespace(host=host), False
 
     def signal(self, signum):
         self.signals.append(signum)
@@ -276,8 +282,8 @@ def _growing_job(monkeypatch):
                                                                        io.BytesIO()))
     job._reachable = {"a", "b", "c"}
     job.control = Control(HashStore(), "job", 5.0)
-    monkeypatch.setattr(job, "_start_worker", lambda slot, wid, size: _FakeRank())
-    members = [_Worker(f"{h}[{i}]", h, _FakeRank(), i) for i, h in enumerate("ab")]
+    monkeypatch.setattr(job, "_start_worker", lambda slot, wid, size: _FakeRank(slot.host))
+    members = [_Worker(f"{h}[{i}]", h, _FakeRank(h), i) for i, h in enumerate("ab")]
     job.workers, job._counter = list(members), 2
     job._publish(members, 0, 2, now=False)
     return job, members
@@ -319,6 +325,31 @@ def test_a_loss_re_forms_at_once_without_the_joiner_still_starting(monkeypatch):
     job._form(first=False)
     assert control.generation() == 2 and ids(control, 2) == ["a[0]", "c[2]"]
     assert control.world_store(1).read_abort() is None
+
+
+@pytest.mark.parametrize("level", ["INFO", "WARNING"])
+def test_at_info_each_generation_names_its_workers_processes_and_who_came_and_went(
+        monkeypatch, level):
+    monkeypatch.setenv("GRADSYNC_LOG_LEVEL", level)
+    job, members = _growing_job(monkeypatch)
+    job._tell(0)  # as _form does once generation 0's workers have started
+    job._form(first=False)  # c[2] starts
+    job._fail(members[1], "worker b[1] exited with status 1", 1)
+    job._form(first=False, now=True)  # generation 1: a[0] alone
+    job.control.announce_ready("c[2]")
+    job._watch_new()
+    job._form(first=False)  # generation 2: a[0], c[2]
+    a, b, c = (w.rank.proc.pid for w in job.workers)
+    told = [line for line in job.output.stderr.getvalue().decode().splitlines()
+            if re.match(r"gradsync run: generation \d: (rank|joined)", line)]
+    assert told == ([] if level == "WARNING" else [
+        f"gradsync run: generation 0: rank 0 (worker a[0]) on host a: pid {a}",
+        f"gradsync run: generation 0: rank 1 (worker b[1]) on host b: pid {b}",
+        f"gradsync run: generation 1: rank 0 (worker a[0]) on host a: pid {a}",
+        "gradsync run: generation 1: joined none; left b[1]",
+        f"gradsync run: generation 2: rank 0 (worker a[0]) on host a: pid {a}",
+        f"gradsync run: generation 2: rank 1 (worker c[2]) on host c: pid {c}",
+        "gradsync run: generation 2: joined c[2]; left none"])
 
 
 @pytest.mark.parametrize("how", ["exits", "never ready"])

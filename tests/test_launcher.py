@@ -26,7 +26,7 @@ from harness import gone, ssh_stand_in
 
 from gradsync.run import cli
 from gradsync.run.cli import parse_hosts, read_hostfile, resolve_exports
-from gradsync.run.launcher import Host, Slot, place
+from gradsync.run.launcher import Host, LaunchSpec, Slot, informs, place
 from gradsync.run.processes import remote_script, start
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,6 +72,24 @@ def test_exports():
         resolve_exports(["MISSING"], {})
     with pytest.raises(ValueError, match="sets GRADSYNC_SECRET"):
         resolve_exports(["GRADSYNC_SECRET=00"], {})
+
+
+@pytest.mark.parametrize("environ, flags, expected", [
+    ({}, {}, False),
+    ({"GRADSYNC_LOG_LEVEL": "info"}, {}, True),
+    ({}, {"GRADSYNC_LOG_LEVEL": "DEBUG"}, True),  # --log-level or -x: the ranks' level
+    ({"GRADSYNC_LOG_LEVEL": "INFO"}, {"GRADSYNC_LOG_LEVEL": "WARNING"}, False),
+    ({"HOROVOD_LOG_LEVEL": "trace"}, {}, True),
+    ({"HOROVOD_LOG_LEVEL": "info", "GRADSYNC_LOG_LEVEL": "ERROR"}, {}, False),
+    ({"HOROVOD_LOG_LEVEL": "info", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "soon"}, {}, False),
+])
+def test_the_launcher_names_the_ranks_processes_when_they_log_at_info(monkeypatch, environ,
+                                                                      flags, expected):
+    for name in ("GRADSYNC_LOG_LEVEL", "HOROVOD_LOG_LEVEL"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert informs(LaunchSpec(command=["true"], num_proc=1, env=flags)) is expected
 
 
 # ---------------------------------------------------------------- helpers for real launches
@@ -156,6 +174,21 @@ def test_ranks_exit_zero_with_whole_prefixed_lines(np_, prefix):
         [tag.format(r, "stdout") + "no newline at the end" for r in range(np_)])
     assert sorted(err) == sorted(tag.format(r, "stderr") + f"err from {r} of {np_}, first half "
                                  "second half" for r in range(np_))
+
+
+@pytest.mark.multiprocess
+def test_the_script_gets_its_arguments_even_prefixes_of_the_launchers_options(tmp_path):
+    # The issue's command line, then every prefix of every launcher option (from its parser):
+    # argparse's prefix matching read "--n" as an ambiguous launcher option and the job died.
+    options = cli.option_values(cli.build_parser().get_default("run_parser"))
+    prefixes = sorted({o[:end] for o in options for end in range(2, len(o) + 1)})
+    script = tmp_path / "script.py"
+    script.write_text("import json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    argv = ["--n", "3", "--out", "x", "--b", "1", *prefixes]
+    status, out, err, _ = run("-np", "1", "--no-output-prefix", sys.executable, str(script),
+                              *argv)
+    assert status == 0, err
+    assert json.loads(out[-1]) == argv
 
 
 @pytest.mark.multiprocess

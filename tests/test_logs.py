@@ -1,12 +1,15 @@
-"""GRADSYNC_LOG_LEVEL shows what it names: gradsync.logs.configure."""
+"""GRADSYNC_LOG_LEVEL shows what it names: gradsync.logs.configure; and what a job says at
+INFO (tests/ranks/info_job.py): once per job, never per step."""
 
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import harness
 from gradsync import logs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,3 +65,51 @@ def test_the_level_follows_the_variable_at_init():
                "lg.info('hello')", GRADSYNC_LOG_LEVEL="info")
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == "gradsync[?] INFO gradsync: hello\n"
+
+
+# ---------------------------------------------------------------- what a job says at INFO
+def _info(lines: list[str], rank: int) -> list[str]:
+    """Rank ``rank``'s gradsync INFO records, without the launcher's prefix and the logger's."""
+    tag = f"[{rank}]<stderr>:gradsync[{rank}] INFO "
+    return [line[len(tag):].split(": ", 1)[1] for line in lines if line.startswith(tag)]
+
+
+@pytest.mark.multiprocess
+def test_an_info_job_says_once_who_is_who_and_what_was_chosen_and_nothing_per_step():
+    # Two workers over TCP (so that three sizes take three algorithms), a parameter server
+    # and a data server; 20 steps of every kind after the first (tests/ranks/info_job.py).
+    r = harness.launch(2, "info_job.py", "20", "--ps", "--data", timeout=180,
+                       env={"GRADSYNC_LOG_LEVEL": "INFO", "GRADSYNC_TRANSPORT": "tcp"},
+                       launcher_args=("--servers", "1", "--data-servers", "1"))
+    assert r.returncode == 0, r
+    lines = r.output.splitlines()
+    # The launcher: which process each rank is.
+    started = {int(m[0]): (m[1], int(m[2])) for m in re.findall(
+        r"^gradsync run: rank (\d) \(([a-z ]+ ?\d?)\) on host localhost: pid (\d+)$",
+        r.output, re.M)}
+    assert {k: v[0] for k, v in started.items()} == {
+        0: "worker", 1: "worker", 2: "parameter server 0", 3: "data server 0"}, r
+    # Each rank: who it is (the pid the launcher named), its role, its peers.
+    for rank in (0, 1):
+        pid = started[rank][1]
+        assert f"rank {rank} of 2 on host localhost (pid {pid}, local rank {rank} of 2): " \
+               "worker; peers: 0 over shared memory, 1 over tcp (connected on first use)" \
+               in _info(lines, rank), r
+    assert _info(lines, 2) == [f"rank 2 of 3 on host localhost (pid {started[2][1]}, local "
+                               "rank 2): parameter server 0 of 1 (each shard on 1 of them), "
+                               "serving 2 workers"], r
+    assert _info(lines, 3) == [f"rank 3 on host localhost (pid {started[3][1]}): data server "
+                               "0 of 1, serving 2 workers"], r
+    # Rank 0: the fusion threshold, and each algorithm once, at the first size that chose it.
+    chosen = [line for line in _info(lines, 0) if line.startswith("allreduce over 2 ranks")]
+    assert sorted(line.split(",")[0].split(": ")[1] for line in chosen) == \
+        ["doubling", "halving_doubling", "ring"], r
+    assert "Horovod API (global, 2 ranks): fusion threshold 67108864 bytes (64 MiB)" in \
+        _info(lines, 0), r
+    assert _info(lines, 1)[1:] == [], r  # job-wide facts: rank 0 says them
+    # Nothing per step: no record between the marks, whatever the number of steps.
+    for rank in (0, 1):
+        mine = [line for line in lines if line.startswith(f"[{rank}]<stderr>:")]
+        begin, end = mine.index(f"[{rank}]<stderr>:STEPS-BEGIN"), \
+            mine.index(f"[{rank}]<stderr>:STEPS-END")
+        assert _info(mine[begin:end], rank) == [], r

@@ -19,17 +19,27 @@ not the loopback TCP that a forced ``transport=tcp`` uses).
 
 The choice depends only on the size, the requested algorithm and the job, none of which
 changes between calls, so ``Plans`` remembers it per (size, request): the planner runs once
-per size, not on every call (a small allreduce would otherwise pay for it each time).
+per size, not on every call (a small allreduce would otherwise pay for it each time). Rank 0
+logs each algorithm at INFO the first time it is chosen, with the size that chose it: one line
+per size class, never one per call.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 from ..topology import Topology
 from .costs import RankFabric, allreduce_time
 
 __all__ = ["ALGORITHMS", "CANDIDATES", "Plans", "choose_allreduce", "predict", "plan"]
+
+log = logging.getLogger("gradsync")
+
+# (ranks, request, algorithm) already logged by this process: one set for all its Worlds, since
+# a process set or torch group of the same ranks (a sub-world with Plans of its own) decides
+# alike, and kept apart from a Plans' memory, whose clearing would log them again.
+_announced: set[tuple[int, str, str]] = set()
 
 ALGORITHMS = ("ring", "topo_ring", "doubling", "halving_doubling", "hierarchical", "shm")
 CANDIDATES = ("doubling", "halving_doubling", "ring", "topo_ring", "hierarchical")
@@ -72,13 +82,15 @@ class Plans:
         has_shm_group: whether every rank shares this host's shared-memory group.
         topo: the job's Topology.
         limit: entries kept; past it the memory is cleared (sizes of a training job are few).
+        announce: log each algorithm at INFO when it is first chosen (rank 0 of a World).
     """
 
     def __init__(self, size: int, config, has_shm_group: bool,
-                 topo: "Topology | None" = None, limit: int = 4096):
+                 topo: "Topology | None" = None, limit: int = 4096, announce: bool = False):
         self.size, self.config, self.has_shm_group, self.topo = size, config, has_shm_group, topo
         self.limit = limit
         self._chosen: dict[tuple[int, str], str] = {}
+        self.announce = announce
 
     def allreduce(self, nbytes: int, requested: str = "auto") -> str:
         """The algorithm for an allreduce of ``nbytes``; raises as ``choose_allreduce``."""
@@ -90,6 +102,10 @@ class Plans:
             if len(self._chosen) >= self.limit:
                 self._chosen.clear()
             self._chosen[key] = alg
+            if self.announce and (self.size, requested, alg) not in _announced:
+                _announced.add((self.size, requested, alg))
+                log.info("allreduce over %d ranks: %s, first chosen for %d bytes (requested "
+                         "%s)", self.size, alg, nbytes, requested)
         return alg
 
 

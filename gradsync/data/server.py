@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import sys
 import threading
 import time
@@ -453,6 +454,9 @@ def serve(config, env, source: Source, batch_size: int, seed: int) -> int:
         server = DataServer(index, env.data_servers, env.workers, endpoint, source,
                             batch_size, seed, config.timeout, elastic=elastic)
         publish(store, "data", index, endpoint)
+        log.info("rank %d on host %s (pid %d): data server %d of %d, serving %s", env.rank,
+                 env.hostname, os.getpid(), index, env.data_servers,
+                 "an elastic job's workers" if elastic else f"{env.workers} workers")
         while not server.done.wait(1.0):
             if elastic:
                 # Each generation of an elastic job has a World (and an abort record) of its

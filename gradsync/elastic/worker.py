@@ -122,6 +122,11 @@ def join(config, env, after: int = -1):
         _export_horovod_identity(world)
         log.info("worker %s is rank %d of %d in generation %d", env.elastic_id, world.rank,
                  world.size, gen)
+        if world.rank == 0 and after >= 0:  # a survivor: what changed, once per generation
+            before = [m["id"] for m in _control.members(after)]
+            log.info("generation %d after %d: joined %s; left %s", gen, after,
+                     ", ".join(i for i in ids if i not in before) or "none",
+                     ", ".join(i for i in before if i not in ids) or "none")
         return world
 
 

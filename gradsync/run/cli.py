@@ -5,6 +5,14 @@
 ranks after the NP workers (the job's last S ranks); ``--data-servers D`` adds D data-server
 ranks after those (``gradsync.data``). ``tests/test_cli_surface.py`` pins the
 options of ``run``: adding one is a deliberate change of that list.
+
+Everything from the command on belongs to the command. argparse, left to itself, reads the
+whole line and matches prefixes of its options, so ``gradsync run -np 1 python train.py --n 3``
+died with "ambiguous option: --n could match --num-proc, --network-interface, ...". So
+``split_command`` cuts the line first, by one rule, and argparse sees only the launcher's part:
+the launcher's options come first, each written in full (no abbreviations: an option added
+later can never change what an existing command line means); the command starts at the first
+word that is neither such an option nor one of its values, or after ``--``.
 """
 
 from __future__ import annotations
@@ -21,23 +29,28 @@ from .elastic import ElasticSpec, launch_elastic
 from .hosts import Host, parse_hosts, read_hostfile
 from .launcher import DEFAULT_START_TIMEOUT, LaunchSpec, is_local, launch, place
 
-__all__ = ["main", "build_parser", "add_run_arguments", "parse_hosts", "read_hostfile",
-           "resolve_exports", "flag_settings"]
+__all__ = ["main", "build_parser", "add_run_arguments", "split_command", "option_values",
+           "parse_hosts", "read_hostfile", "resolve_exports", "flag_settings"]
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of the ``gradsync`` command and its subcommands."""
     parser = argparse.ArgumentParser(
-        prog="gradsync", description="Distributed training: launch jobs and measure them.")
+        prog="gradsync", description="Distributed training: launch jobs and measure them.",
+        allow_abbrev=False)
     from .. import __version__  # the package's one version (pyproject reads it too)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
     run = add_run_arguments(commands.add_parser(
-        "run", help="start a job's ranks on this host or over ssh",
+        "run", help="start a job's ranks on this host or over ssh", allow_abbrev=False,
         description="Start COMMAND as NP ranks, forward their output, and stop every rank "
                     "when one fails (exiting with that rank's status). With --servers, a "
-                    "failing worker is reported and the other ranks go on."))
-    run.set_defaults(run_parser=run)  # so that usage errors found later print run's usage
+                    "failing worker is reported and the other ranks go on. The options come "
+                    "first, written in full; everything from COMMAND on (or after --) is "
+                    "the command's."))
+    # On the top parser, so that main() finds run's parser before parsing, and usage errors
+    # found later print run's usage.
+    parser.set_defaults(run_parser=run)
     # ``bench`` owns its arguments: main() hands them over before this parser sees them, and
     # the entry here only lists it in ``gradsync --help``.
     commands.add_parser("bench", add_help=False,
@@ -125,7 +138,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     tuning.add_argument("--log-level", type=str.upper, metavar="LEVEL",
                         choices=sorted(_LOG_LEVELS, key=list(_LOG_LEVELS).index),
                         help="level of the ranks' gradsync logger: TRACE (as DEBUG), DEBUG, "
-                             "INFO, WARNING, ERROR, FATAL (as CRITICAL) (GRADSYNC_LOG_LEVEL)")
+                             "INFO, WARNING, ERROR, FATAL (as CRITICAL) (GRADSYNC_LOG_LEVEL); "
+                             "at INFO or DEBUG the launcher also names each rank's host and "
+                             "pid")
     tuning.add_argument("--timeline-filename", metavar="FILE",
                         help="record a timeline of the Horovod API's operations: rank 0 writes "
                              "FILE, rank r FILE.r (GRADSYNC_TIMELINE)")
@@ -151,6 +166,59 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND ...",
                         help="the program every rank runs, with its arguments")
     return parser
+
+
+def option_values(parser: argparse.ArgumentParser) -> dict[str, int]:
+    """Each option string of ``parser`` and the number of values it takes (0, 1 or more)."""
+    values = {}
+    for action in parser._actions:  # argparse has no public list of its actions
+        if not action.option_strings:
+            continue
+        count = 1 if action.nargs is None else action.nargs
+        # Only a fixed count can be skipped without guessing where the command starts.
+        assert isinstance(count, int), f"{action.option_strings}: nargs {action.nargs!r}"
+        values.update(dict.fromkeys(action.option_strings, count))
+    return values
+
+
+def split_command(argv: Sequence[str], values: Mapping[str, int]) -> tuple[list[str], list[str]]:
+    """Cuts ``gradsync run``'s arguments into the launcher's and the command's.
+
+    The launcher's options come first, each spelled in full: ``--name``, ``--name VALUE``,
+    ``--name=VALUE``, and a one-letter option's value may follow it directly (``-p22``). The
+    command is the rest from the first word that is neither an option nor an option's value,
+    or the rest after ``--``; the launcher never reads it.
+
+    Args:
+        argv: the arguments after ``run``.
+        values: each launcher option and how many values it takes (``option_values``).
+
+    Returns:
+        The launcher's arguments (for argparse) and the command with its arguments.
+
+    Raises:
+        ValueError: a word before the command that is not a launcher option, such as an
+            abbreviation (its message names the options it abbreviates).
+    """
+    index = 0
+    while index < len(argv):
+        word = argv[index]
+        if word == "--":
+            return list(argv[:index]), list(argv[index + 1:])
+        if not word.startswith("-") or word == "-":
+            break  # the command
+        name, equals, _ = word.partition("=")
+        if name in values:
+            index += 1 + (0 if equals else values[name])
+        elif not word.startswith("--") and values.get(word[:2]) == 1:
+            index += 1  # -p22: the value joined to a one-letter option
+        else:
+            meant = sorted(o for o in values if o.startswith(name))
+            hint = f"; did you mean {' or '.join(meant)}?" if meant else ""
+            raise ValueError(f"{word} is not an option of gradsync run{hint} (its options are "
+                             "spelled in full and come before the command; the command's own "
+                             "options go after it)")
+    return list(argv[:index]), list(argv[index:])
 
 
 def resolve_exports(items: Sequence[str], environ: Mapping[str, str]) -> dict[str, str]:
@@ -310,7 +378,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .. import _native
         return _native.main(argv[1:])
     parser = build_parser()
-    args = parser.parse_args(argv)
+    if argv[:1] == ["run"]:
+        run_parser = parser.get_default("run_parser")
+        try:
+            options, command = split_command(argv[1:], option_values(run_parser))
+        except ValueError as exc:
+            run_parser.error(str(exc))
+        args = parser.parse_args(["run", *options])
+        args.command = command
+    else:
+        args = parser.parse_args(argv)  # --help, --version, or a usage error
     spec = _spec(args.run_parser, args)
     if _is_elastic(args):
         return launch_elastic(spec, _elastic_spec(args.run_parser, args))

@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from .launcher import SERVER_LINGER, LaunchSpec, Rank, Slot, Starter
+from .launcher import SERVER_LINGER, LaunchSpec, Rank, Slot, Starter, informs, rank_line
 from .processes import Output, describe, exit_status
 
 __all__ = ["DataServers"]
@@ -68,6 +68,8 @@ class DataServers:
         for d in range(count):
             slot = Slot(first + d, host, d, count, 0, 1)
             self.ranks.append(self.starter.start(slot, self.port, first + count))
+            if informs(self.spec):
+                self.output.message(rank_line(self.ranks[-1], f"data server {d}"))
 
     def watch(self) -> None:
         """Reports each data server that failed since the last look."""

@@ -77,7 +77,8 @@ from ..elastic.membership import Control
 from .discovery import Discovery, parse_discovered
 from .hosts import Host
 from .data_servers import DataServers
-from .launcher import LaunchSpec, Rank, Slot, Starter, is_local, start_store, store_address
+from .launcher import (LaunchSpec, Rank, Slot, Starter, informs, is_local, rank_line,
+                       start_store, store_address)
 from .processes import Interrupts, Output, StartError, describe, exit_status, stop
 
 __all__ = ["ElasticSpec", "launch_elastic", "parse_discovered"]
@@ -200,6 +201,7 @@ class _ElasticJob:
         # new workers replaced, until their next commit().
         self._open: list[int] = []
         self.ready_timeout = spec.start_timeout or _READY_TIMEOUT
+        self.informs = informs(spec)  # the ranks log at INFO: say which process is which
         self.data_servers: DataServers | None = None  # made once the store is up
 
     # ------------------------------------------------------------------ the run
@@ -631,6 +633,7 @@ class _ElasticJob:
         if first:  # nobody trains yet: published at once, its workers wait for each other
             self._publish(fresh, 0, len(fresh), now=False)
             self._start(fresh, fresh)
+            self._tell(0)
             return None
         self._start(survivors + pending + fresh, fresh)
         self.pending += fresh
@@ -716,9 +719,26 @@ class _ElasticJob:
         st.gen, st.members = gen, members
         self._open.append(gen)
         self._generation_members[gen] = members
-        if gen > 0:
+        if gen > 0:  # (the first generation's workers start after it is published)
             self.output.message(f"generation {gen}: {len(members)} workers ({kept} kept, "
                                 f"{new} new)")
+            self._tell(gen)
+
+    def _tell(self, gen: int) -> None:
+        """When the ranks log at INFO: which process each worker of generation ``gen`` is,
+        and who joined and left since the one before."""
+        if not self.informs:
+            return
+        members = self._generation_members[gen]
+        for index, worker in enumerate(members):
+            self.output.message(f"generation {gen}: " + rank_line(
+                worker.rank, f"worker {worker.id}", index))
+        if gen > 0:
+            before = self._generation_members.get(gen - 1, [])
+            self.output.message(
+                f"generation {gen}: joined " + (", ".join(
+                    w.id for w in members if w not in before) or "none") + "; left " +
+                (", ".join(w.id for w in before if w not in members) or "none"))
 
     def _abort_older(self, message: str) -> None:
         """Tells the workers of the generations being replaced to stop waiting."""

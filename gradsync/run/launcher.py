@@ -47,6 +47,13 @@ ranks never interleave; a final line without a newline gets one. Python ranks ru
 ``PYTHONUNBUFFERED=1`` (unless set otherwise) so their lines arrive as they are printed and are
 not lost in a buffer when the job is stopped.
 
+When the ranks log at INFO or DEBUG (``--log-level``, or ``GRADSYNC_LOG_LEVEL`` /
+``HOROVOD_LOG_LEVEL`` for them or here), the launcher also says, once the ranks have started,
+which process each rank is: ``gradsync run: rank 1 (worker) on host a: pid 4242``, so that a
+profiler (``py-spy dump --pid``) or a signal can reach the rank that is slow. The pid is that
+of the process started (the command's); a remote rank's is ssh's here, and the rank's own
+INFO line (``world.py``) names its pid on its host.
+
 Remote ranks run under ``ssh`` with a *lifeline* (``processes.py``): the job secret travels on
 ssh's stdin, never on a command line, and when that stdin closes (the launcher stops the job,
 dies, or loses the connection) the remote rank's process group is stopped, so a remote rank
@@ -74,7 +81,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import BinaryIO, Mapping, Sequence
 
-from ..config import ENV_PREFIX, HOROVOD_IDENTITY, IDENTITY_VARIABLES
+from ..config import ENV_PREFIX, HOROVOD_IDENTITY, IDENTITY_VARIABLES, horovod_settings
+from ..errors import ConfigError
 from . import binding
 from .hosts import Host
 from .processes import (DEFAULT_START_TIMEOUT, STOP_GRACE, Interrupts, Output, Process,
@@ -82,7 +90,7 @@ from .processes import (DEFAULT_START_TIMEOUT, STOP_GRACE, Interrupts, Output, P
 
 __all__ = ["Host", "Slot", "LaunchSpec", "place", "launch", "is_local", "STOP_GRACE",
            "SERVER_LINGER", "DEFAULT_START_TIMEOUT", "Rank", "Starter", "store_address",
-           "start_store", "forwarded_settings"]
+           "start_store", "forwarded_settings", "informs", "rank_line"]
 
 SERVER_LINGER = 10.0
 """Seconds servers may run on after every worker of a parameter-server job has ended."""
@@ -428,6 +436,31 @@ def forwarded_settings(environ: Mapping[str, str]) -> dict[str, str]:
             or (name.startswith("HOROVOD_") and name not in HOROVOD_IDENTITY)}
 
 
+def informs(spec: LaunchSpec) -> bool:
+    """Whether the ranks log at INFO or below, so that the launcher says who each rank is:
+    their ``GRADSYNC_LOG_LEVEL`` (a ``-x`` or ``--log-level``, else the launcher's own), else
+    ``HOROVOD_LOG_LEVEL`` (as ``config.load_config`` reads them)."""
+    environ = {**os.environ, **spec.env}
+    level = environ.get(ENV_PREFIX + "LOG_LEVEL")
+    if level is None:
+        try:
+            level = horovod_settings(environ)[0].get("log_level", "WARNING")
+        except ConfigError:
+            return False  # a bad HOROVOD_* value: the ranks say which, at init()
+    return level.strip().upper() in ("DEBUG", "INFO")
+
+
+def rank_line(rank: Rank, role: str, index: int | None = None) -> str:
+    """Which process ``rank`` is, for a user who wants to attach a profiler to it; ``index``:
+    its rank now, when that is not the one it started with (an elastic job's workers)."""
+    index = rank.slot.rank if index is None else index
+    where = f"rank {index} ({role}) on host {rank.slot.host}"
+    if rank.remote:
+        return f"{where}: started over ssh (pid {rank.proc.pid} here); its pid there is " \
+               "in its own INFO line"
+    return f"{where}: pid {rank.proc.pid}"
+
+
 class _Job:
     """One run of the launcher; see the module docstring for its steps."""
 
@@ -454,6 +487,9 @@ class _Job:
                     cores = None if self.cores is None else self.cores[slot.local_rank]
                     self.ranks.append(self.starter.start(slot, store.port, len(self.slots),
                                                          cores))
+                if informs(self.spec):
+                    for rank in self.ranks:
+                        self.output.message(rank_line(rank, self._role(rank.slot.rank)))
                 status, summary, others = self._watch()
             except StartError as exc:
                 status, summary, others = exc.status, str(exc), "other "
@@ -581,6 +617,17 @@ class _Job:
         seen.discard(index)  # the replacement's own failure is reported again
         self.output.message(f"rank {index} started again ({count + 1} of {SERVER_RESTARTS}): "
                             f"it joins its shard with a copy")
+        if informs(self.spec):
+            self.output.message(rank_line(self.ranks[position], self._role(index)))
+
+    def _role(self, index: int) -> str:
+        """``worker``, ``parameter server 1`` or ``data server 0``: what rank ``index`` is."""
+        first_data = self.spec.size - self.spec.data_servers
+        if index >= first_data:
+            return f"data server {index - first_data}"
+        if index >= self.spec.num_proc:
+            return f"parameter server {index - self.spec.num_proc}"
+        return "worker"
 
     def _failure(self, rank: Rank, code: int) -> tuple[str, str]:
         """Who failed and how, e.g. ("rank 5 (server 1) on host a", "exited with status 1")."""
