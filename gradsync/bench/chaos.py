@@ -496,10 +496,18 @@ def _reference(cluster: Cluster, options, folder: str, servers: cs.ServerJob,
     job = _Job(cluster, options, folder, "reference", servers,
                servers.script_args(options, stop_file) + ["--steps", str(steps),
                                                           "--compute", "0"])
-    end = time.monotonic() + max(options.phase_deadline, options.minutes * 60)
+    # Its start-up is a phase like the soak's (300 s at least); its steps need no more time
+    # than the soak's, which took the same steps and every fault besides.
+    deadline = max(options.phase_deadline, 300.0) + options.minutes * 60
+    end = time.monotonic() + deadline
     try:
         while not job.ended() and time.monotonic() < end:
             time.sleep(0.2)
     finally:
         job.close()
-    return job.log if job.log.finals else None
+    if not job.log.finals:
+        soak.hangs.append({"phase": "the fault-free reference run", "deadline_s": deadline,
+                           "why": "the job ended without its final counters" if job.ended()
+                           else "deadline"})
+        return None
+    return job.log
