@@ -42,6 +42,7 @@ from . import chaos_server_report as csr
 __all__ = ["ServerJob", "kinds", "plan"]
 
 _SERVER_FAULTS = ("kill", "stop", "partition")
+_DATA_SAMPLES = 1024  # rows of the data job's data set
 
 
 def kinds(text: str | None, allowed: tuple[str, ...]) -> list[str]:
@@ -151,10 +152,8 @@ class ServerJob:
         return str(max((st.e for st in log.base.steps), default=0) + 1)
 
 
-_DATA_SAMPLES = 1024  # rows of the data job's data set
-
-
 def data_samples() -> int:
+    """Rows of the data-server job's data set (its samples-exactly-once check counts them)."""
     return _DATA_SAMPLES
 
 
