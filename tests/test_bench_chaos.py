@@ -494,6 +494,10 @@ def test_a_server_job_is_laid_out_one_server_a_host_and_hits_the_least_hit_serve
     assert job.server_pids(log) == {0: "300", 1: "400"}
     rng = random.Random(0)
     assert job.target(log, {0: 1}, rng) == 1 and job.target(log, {1: 2, 0: 1}, rng) == 0
+    # server 1 was started again 3 times (4 hellos): the launcher would not start it a 4th
+    spent = _ps_log() + [_hello(401 + k, 3, "h3") for k in range(3)]
+    assert job.target(csr.parse(spent), {0: 5}, rng) == 0
+    assert job.target(csr.parse(spent[:-1]), {0: 5}, rng) == 1
     # a data job may not lose its last data server
     data = cs.plan(options(data_servers=2), 4)
     assert data.target(csr.parse(_data_log(lost=())), {1: 1}, rng) == 0

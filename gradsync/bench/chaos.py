@@ -293,7 +293,8 @@ class _Soak:
                 if time.time() + self._length(kind) + 5 > end:
                     break  # the wait for full size took the time left
                 if not self._inject(kind):
-                    print("chaos: no more faults: one data server is left", flush=True)
+                    print("chaos: no more faults: no server may be hit (one data server "
+                          "left, or every parameter server started again 3 times)", flush=True)
                     break
                 after = self.faults[-1].until
                 if not self._wait(f"fault {k + 1} ({kind}): a step after it",

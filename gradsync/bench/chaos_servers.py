@@ -24,7 +24,9 @@ hit least so far (the launcher starts a lost parameter server again at most 3 ti
 A parameter server that is lost comes back: the launcher starts it again and it joins its
 shard with a copy (docs/ps.md); the next fault waits until every shard has its R copies. A
 lost data server does not (docs/data.md: the others serve its share), so a data-server soak
-stops injecting once one data server is left: at most D - 1 faults that lose one.
+stops injecting once one data server is left: at most D - 1 faults that lose one; and a
+parameter-server soak stops once every server rank was started again ``SERVER_RESTARTS`` (3)
+times (a 10-minute soak with a fault every 30 s needs more servers, or that limit raised).
 
 A ``sync`` soak is followed by a **reference run**: the same job, fault-free, to the soak's
 last step, with no emulated compute (a sleep, which changes no number), whose parameters the
@@ -35,8 +37,10 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import Counter
 from dataclasses import dataclass
 
+from ..run.launcher import SERVER_RESTARTS
 from . import chaos_server_report as csr
 
 __all__ = ["ServerJob", "kinds", "plan"]
@@ -133,12 +137,16 @@ class ServerJob:
 
     def target(self, log: csr.ServerLog, hits: dict[int, int], rng) -> int | None:
         """The server the next fault hits: one hit least so far; None when none may be hit
-        (a data-server job with one data server left)."""
+        (a data-server job with one data server left; parameter servers all started again
+        ``SERVER_RESTARTS`` times already)."""
         candidates = sorted(self.server_pids(log))
         if self.kind == "data":
             candidates = [s for s in candidates if s not in self.lost_data_servers(log)]
             if len(candidates) < 2:
                 return None
+        else:  # one the launcher would not start again would leave its shard short for good
+            starts = Counter(rank - self.workers for rank in log.ranks.values())
+            candidates = [s for s in candidates if starts[s] <= SERVER_RESTARTS]
         if not candidates:
             return None
         fewest = min(hits.get(s, 0) for s in candidates)
