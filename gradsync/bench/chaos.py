@@ -195,8 +195,9 @@ class _Job:
     def finish(self, grace: float, text: str = "") -> bool:
         """Asks the job to stop at its next commit (a data job: after epoch ``text``); True
         when it ended within ``grace``."""
-        with open(self.stop_file, "w") as f:
+        with open(self.stop_file + ".new", "w") as f:  # whole or not at all: a worker reads it
             f.write(text)
+        os.replace(self.stop_file + ".new", self.stop_file)
         end = time.monotonic() + grace
         while not self.ended() and time.monotonic() < end:
             time.sleep(0.2)

@@ -250,8 +250,8 @@ def _data(options, pid: int) -> None:
 def _stop_epoch(path: str) -> float:
     try:
         with open(path) as f:
-            return int(f.read().strip() or 0)
-    except (FileNotFoundError, ValueError):
+            return int(f.read().strip())
+    except (FileNotFoundError, ValueError):  # not yet written
         return float("inf")
 
 
