@@ -11,6 +11,8 @@ import pytest
 
 from gradsync.bench import chaos, cli
 from gradsync.bench import chaos_report as cr
+from gradsync.bench import chaos_server_report as csr
+from gradsync.bench import chaos_servers as cs
 from netns import cluster, measure_goodput, require_netns
 
 
@@ -271,10 +273,236 @@ def test_the_worst_of_each_fault_kind_is_its_largest_figure():
 
 def test_fault_kinds_are_checked_and_the_server_fault_is_skipped_with_why():
     assert chaos._kinds("kill,server") == (["kill"], [chaos._SERVER_NOTE])
+    assert chaos._kinds(None) == (["kill", "stop", "partition", "straggler"], [])
     with pytest.raises(ValueError, match="unknown kinds"):
         chaos._kinds("kill,flood")
-    with pytest.raises(ValueError, match="cannot be elastic"):
+    with pytest.raises(ValueError, match="the worker job has no server"):
         chaos._kinds("server")
+    # In a server job every kind hits a server; "server" is the three that lose one.
+    assert cs.kinds(None, chaos.FAULTS) == ["kill", "stop", "partition"]
+    assert cs.kinds("straggler,server", chaos.FAULTS) == ["straggler", "kill", "stop",
+                                                          "partition"]
+    with pytest.raises(ValueError, match="unknown kinds"):
+        cs.kinds("flood", chaos.FAULTS)
+
+
+# --- server jobs (chaos_server_report.py) -------------------------------------------------
+
+def _hello(p, rank, host, prefix=None):
+    return f"[{rank if prefix is None else prefix}]<stdout>:CHAOS hello p={p} host={host} " \
+           f"rank={rank} wall=0.5\n"
+
+
+def _ps_step(p, r, s, wall, v, h):
+    return (f"[{r}]<stdout>:CHAOS step p={p} g=0 r={r} n=2 s={s} e=0 wall={wall:.6f} "
+            f"t0={wall - 0.3:.6f} v={v} h={h} i={16 * s + 8 * r}\n")
+
+
+def _ps_log(steps=20, version=lambda s: s, digest=lambda s: f"d{s}", views=((12.2, 1, "0"),
+            (15.0, 2, "0,1")), acked=40, applied=40, agree=1, copies=2, final_digest="f"):
+    """A ``sync`` job of workers 100, 200 (one step a second, versions ``version(s)``, digests
+    ``digest(s)``) and servers 300, 400 of one shard; worker 0's ``views`` (wall, epoch,
+    members) and its ``psfinal`` line."""
+    lines = [_hello(100, 0, "h0"), _hello(200, 1, "h1"), _hello(300, 2, "h2"),
+             _hello(400, 3, "h3")]
+    for s in range(1, steps + 1):
+        lines += [_ps_step(100 * (r + 1), r, s, s + 0.01 * r, version(s), digest(s))
+                  for r in range(2)]
+    for wall, epoch, members in views:
+        lines.append(f"[0]<stdout>:CHAOS view p=100 shard=0 epoch={epoch} members={members} "
+                     f"wall={wall:.6f}\n")
+    lines.append(f"[0]<stdout>:CHAOS psfinal p=100 shard=0 version={steps} applied={applied} "
+                 f"acked={acked} copies={copies} view=2 agree={agree} digest={final_digest} "
+                 f"wall=30.0\n")
+    return sorted(lines, key=lambda line: float(line.split("wall=")[1].split()[0]))
+
+
+_SERVER_KILL = csr.ServerFault("kill", "server 1 (pid 400) on h3", 12.1, 12.1, server=1)
+
+
+def _server_report(lines, faults=(_SERVER_KILL,), job="ps-sync", reference="same", **kw):
+    ref = csr.parse(_ps_log() if reference == "same" else reference) if reference else None
+    return csr.report(list(faults), csr.parse(lines), job=job, window=(0.0, 20.5),
+                      baseline=kw.pop("baseline", 2.0), hangs=[], skipped=[],
+                      bounds=cr.Bounds(goodput=0.5), reference=ref, replicas=2, **kw)
+
+
+def test_a_killed_parameter_server_is_found_by_its_view_and_costs_no_step():
+    data = _server_report(_ps_log())
+    row = data["faults"][0]
+    assert row["detected"] and row["detection_s"] == pytest.approx(0.1)  # the view at 12.2
+    assert row["recovery_s"] == pytest.approx(0.81)  # -> both workers' step 13 (13.0, 13.01)
+    assert row["steps_lost"] == 0 and row["params_identical"] is True
+    assert "copy back in 2.8 s" in row["note"]  # the view with both copies again, at 15.0
+    assert [c["ok"] for c in data["checks"]] == [True, True, True], data["checks"]
+    assert data["failures"] == []
+    text = cr.format_text(data)
+    assert "check: shard 0: acknowledged updates lost: yes (0 (40 acknowledged, 40 applied))" \
+        in text and "verdict: passed" in text
+
+
+def test_versions_that_go_back_after_a_server_fault_are_steps_lost():
+    # after the fault the new primary acknowledges version 12 again: an update it lacks
+    lines = _ps_log(version=lambda s: s if s <= 12 else s - 1)
+    row = _server_report(lines)["faults"][0]
+    assert row["steps_lost"] == 1
+    assert "kill at 12.1 s (server 1 (pid 400) on h3): 1 steps lost" in \
+        _server_report(lines)["failures"]
+
+
+def test_lost_or_twice_applied_updates_and_copies_that_differ_fail_the_server_soak():
+    failures = _server_report(_ps_log(applied=39))["failures"]
+    assert failures == ["shard 0: acknowledged updates lost: 1 (40 acknowledged, 39 applied)"]
+    failures = _server_report(_ps_log(applied=41))["failures"]
+    assert failures == ["shard 0: acknowledged updates lost: -1 (40 acknowledged, 41 applied)"]
+    failures = _server_report(_ps_log(agree=0))["failures"]
+    assert failures == ["shard 0: copies agree: 2 copies of the 2 in the view answered, "
+                        "DIFFERENT"]
+    # async: no reference; the copies agreeing at the end is each fault's parameter check
+    async_ok = _server_report(_ps_log(digest=lambda s: "-"), job="ps-async", reference=None)
+    assert async_ok["failures"] == [] and async_ok["faults"][0]["params_identical"] is True
+    async_bad = _server_report(_ps_log(digest=lambda s: "-", copies=1), job="ps-async",
+                               reference=None)
+    assert "kill at 12.1 s (server 1 (pid 400) on h3): parameters differ from the fault-free " \
+           "run's, or copies differ" in async_bad["failures"]
+
+
+def test_sync_parameters_must_equal_the_fault_free_runs_and_a_missing_run_fails():
+    # step 14 on (after the fault) differs from the reference: the row and the check fail
+    lines = _ps_log(digest=lambda s: f"d{s}" if s < 14 else f"x{s}")
+    data = _server_report(lines)
+    assert data["faults"][0]["params_identical"] is False
+    assert any(f.startswith("parameters bitwise equal to the fault-free run: steps differing: "
+                            "[14, 15, 16, 17, 18]...") for f in data["failures"]), data
+    # the same steps, but the servers' final parameters differ
+    failures = _server_report(_ps_log(final_digest="g"))["failures"]
+    assert failures == ["parameters bitwise equal to the fault-free run: steps differing: []; "
+                        "servers' final digests {0: 'g'} against {0: 'f'}"]
+    # no reference run: neither the fault's comparison nor the end's was made
+    failures = _server_report(_ps_log(), reference=None)["failures"]
+    assert failures == [
+        "kill at 12.1 s (server 1 (pid 400) on h3): parameters not compared (no fault-free "
+        "reference run)",
+        "parameters bitwise equal to the fault-free run: not made: no fault-free reference run"]
+    # a reference of other length compares nothing
+    failures = _server_report(_ps_log(), reference=_ps_log(steps=25))["failures"]
+    assert "parameters bitwise equal to the fault-free run: not made: the reference ran 25 " \
+           "steps, the soak 20" in failures
+
+
+def test_a_server_fault_nobody_noticed_and_a_slow_detection_fail_the_server_soak():
+    other = csr.ServerFault("kill", "server 0", 12.1, 12.1, server=0)  # view 1 holds it
+    assert not csr.outcome(other, csr.parse(_ps_log()), 100.0, job="ps-sync")["detected"]
+    unnoticed = _server_report(_ps_log(views=()))
+    assert "kill at 12.1 s (server 1 (pid 400) on h3): a killed server was never noticed" in \
+        unnoticed["failures"]
+    late = _server_report(_ps_log(views=((16.0, 1, "0"),)))
+    assert late["faults"][0]["detection_s"] == pytest.approx(3.9)
+    assert "kill at 12.1 s (server 1 (pid 400) on h3): detection 3.90 s (bound 3 s)" in \
+        late["failures"]
+    # no final counters: the updates' check was not made
+    lines = [line for line in _ps_log() if "psfinal" not in line]
+    failures = _server_report(lines, job="ps-async", reference=None)["failures"]
+    assert "acknowledged updates lost: not made: no final counters (worker 0 did not reach " \
+           "its check)" in failures
+
+
+def _data_log(samples=12, lost=((12.3, 100), (12.5, 200)), duplicate=None, unfinished=None):
+    """Workers 100, 200 take 3-sample batches of ``samples`` ids an epoch, a batch a second
+    each (epoch 0: ids 0-11; epoch 1: the same); data server 1 is given up at ``lost``."""
+    lines = [_hello(100, 0, "h0"), _hello(200, 1, "h1"), _hello(300, 2, "h2"),
+             _hello(400, 3, "h3")]
+    wall, s = 10.0, {0: 0, 1: 0}
+    for epoch in (0, 1):
+        for first in range(0, samples, 6):
+            for r in range(2):
+                s[r] += 1
+                ids = list(range(first + 3 * r, first + 3 * r + 3))
+                if duplicate == (epoch, first, r):
+                    ids[0] = 0
+                lines.append(f"[{r}]<stdout>:CHAOS step p={100 * (r + 1)} g=0 r={r} n=2 "
+                             f"s={s[r]} e={epoch} wall={wall + 0.01 * r:.6f} h=- "
+                             f"i={','.join(map(str, ids))}\n")
+            wall += 1.0
+        for r in range(2):
+            if unfinished != (epoch, r):
+                lines.append(f"[{r}]<stdout>:CHAOS epoch p={100 * (r + 1)} r={r} e={epoch} "
+                             f"wall={wall:.6f}\n")
+    for at, p in lost:
+        lines.append(f"[0]<stdout>:CHAOS dlost p={p} r={p // 100 - 1} d=1 wall={at:.6f}\n")
+    return sorted(lines, key=lambda line: float(line.split("wall=")[1].split()[0]))
+
+
+_DATA_KILL = csr.ServerFault("kill", "data server 1 (pid 400) on h3", 12.1, 12.1, server=1)
+
+
+def test_a_killed_data_server_is_found_by_every_worker_and_each_sample_comes_once():
+    data = csr.report([_DATA_KILL], csr.parse(_data_log()), job="data", window=(9.5, 14.5),
+                      baseline=5.0, hangs=[], skipped=[], bounds=cr.Bounds(goodput=0.5),
+                      dataset=12)
+    row = data["faults"][0]
+    assert row["detected"] and row["detection_s"] == pytest.approx(0.4)  # the last at 12.5
+    assert row["recovery_s"] == pytest.approx(0.51)  # -> their batches at 13.0 and 13.01
+    assert row["steps_lost"] == 0 and row["params_identical"] is None
+    assert [e["distinct"] for e in data["samples"]["epochs"]] == [12, 12]
+    assert data["checks"] == [{"check": "samples exactly once", "ok": True,
+                               "detail": "2 whole epochs, 0 broken"}]
+    assert data["failures"] == []
+    # the workers gave up data server 1, not 0: a fault on 0 was not detected by it
+    other = csr.ServerFault("kill", "data server 0", 12.1, 12.1, server=0)
+    assert not csr.outcome(other, csr.parse(_data_log()), 100.0, job="data")["detected"]
+
+
+def test_a_sample_twice_or_missing_or_no_whole_epoch_fails_the_data_soak():
+    def failures(**kw):
+        return csr.report([_DATA_KILL], csr.parse(_data_log(**kw)), job="data",
+                          window=(9.5, 14.5), baseline=5.0, hangs=[], skipped=[],
+                          bounds=cr.Bounds(goodput=0.5), dataset=12)["failures"]
+
+    # epoch 1, the batch at 6 of worker 1 (13.01 s, after the fault) holds sample 0 again
+    got = failures(duplicate=(1, 6, 1))
+    assert "sample rule broken: {'epoch': 1, 'why': '1 samples missing, 1 received more " \
+           "than once'}" in got
+    assert "kill at 2.6 s (data server 1 (pid 400) on h3): 1 steps lost" in got
+    assert "samples exactly once: 2 whole epochs, 1 broken" in got
+    got = failures(unfinished=(0, 1))  # worker 1 never ended epoch 0: only epoch 1 is whole
+    assert got == []
+    got = failures(unfinished=(0, 1), lost=())
+    assert "kill at 2.6 s (data server 1 (pid 400) on h3): a killed data server was never " \
+           "noticed" in got
+
+
+def test_a_server_job_is_laid_out_one_server_a_host_and_hits_the_least_hit_server():
+    import argparse
+    import random
+
+    def options(**kw):
+        return argparse.Namespace(**{"servers": 0, "data_servers": 0, "ps_replicas": 2,
+                                     "ps_mode": "sync", "ranks_per_host": 1, **kw})
+
+    assert cs.plan(options(), 4) is None  # the elastic worker job
+    job = cs.plan(options(servers=2), 4)
+    assert (job.job, job.workers, job.worker_hosts, job.server_hosts) == \
+        ("ps-sync", 2, ["h0", "h1"], ["h2", "h3"])
+    assert job.launcher_args() == ["--servers", "2", "--ps-replicas", "2"]
+    for bad, why in (({"servers": 3}, "must divide"), ({"servers": 4}, "no host for the "
+                     "workers"), ({"servers": 2, "data_servers": 2}, "one kind"),
+                     ({"data_servers": 1}, "2 or more")):
+        with pytest.raises(ValueError, match=why):
+            cs.plan(options(**bad), 4)
+    log = csr.parse(_ps_log())
+    assert job.server_pids(log) == {0: "300", 1: "400"}
+    rng = random.Random(0)
+    assert job.target(log, {0: 1}, rng) == 1 and job.target(log, {1: 2, 0: 1}, rng) == 0
+    # server 1 was started again 3 times (4 hellos): the launcher would not start it a 4th
+    spent = _ps_log() + [_hello(401 + k, 3, "h3") for k in range(3)]
+    assert job.target(csr.parse(spent), {0: 5}, rng) == 0
+    assert job.target(csr.parse(spent[:-1]), {0: 5}, rng) == 1
+    # a data job may not lose its last data server
+    data = cs.plan(options(data_servers=2), 4)
+    assert data.target(csr.parse(_data_log(lost=())), {1: 1}, rng) == 0
+    assert data.target(csr.parse(_data_log()), {}, rng) is None  # server 1 was given up
+    assert data.stop_text(csr.parse(_data_log())) == "2"  # after the next whole epoch
 
 
 def test_without_namespaces_the_bench_says_why(monkeypatch, capsys):
@@ -291,6 +519,11 @@ def test_the_command_line_takes_a_number_of_hosts_and_no_np(monkeypatch, capsys)
     assert cli.main(["chaos", "--hosts", "3", "--every", "5", "--faults", "kill"]) == 0
     assert got == {"hosts": 3, "every": 5.0, "faults": "kill"}
     assert cli.main(["chaos"]) == 0 and got["hosts"] == 4
+    # --servers is the launch option of every other benchmark; here it makes a server job
+    monkeypatch.setattr(chaos, "drive", lambda hosts, options: got.update(
+        servers=options.servers, mode=options.ps_mode, replicas=options.ps_replicas) or 0)
+    assert cli.main(["chaos", "--servers", "2", "--ps-mode", "async"]) == 0
+    assert (got["servers"], got["mode"], got["replicas"]) == (2, "async", 2)
     for bad, message in ((["-np", "4"], "takes no -np"), (["--hosts", "h0:2"], "number of "
                                                                             "emulated hosts")):
         with pytest.raises(SystemExit):
@@ -328,6 +561,68 @@ def test_a_short_soak_on_three_hosts_passes_its_verdict_with_every_worker_fault(
     assert rows["kill"]["detection_s"] < 1.0, rows["kill"]
     assert not rows["straggler"]["detected"] and rows["straggler"]["stall_s"] < 4.0, rows
     assert 0.5 <= data["goodput_ratio"] <= 1.2, data
+
+
+def _soak(tmp_path, *args, timeout=200):
+    """Runs ``gradsync bench chaos ARGS --json``; its report and the finished process."""
+    out = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, "-m", "gradsync", "bench", "chaos", *args,
+                           "--phase-deadline", "60", "--json", str(out)],
+                          capture_output=True, text=True, timeout=timeout)
+    assert out.exists(), done.stdout[-4000:] + done.stderr[-4000:]
+    return json.loads(out.read_text()), done
+
+
+@pytest.mark.slow
+def test_a_short_soak_of_replicated_sync_parameter_servers_loses_no_acknowledged_update(
+        tmp_path):
+    """A sync job of 2 workers and 2 copies of one shard, each server on its own host: its
+    server killed, then stopped (each time the launcher starts it again and it joins with a
+    copy); then the same job fault-free to the same step. Goodput's bound is 50%, not 90%: in a
+    40 s soak each lost server is out for the ~10 s its replacement takes to start on 2 cores,
+    and a stop is 2 s of detection."""
+    require_netns()
+    data, done = _soak(tmp_path, "--hosts", "4", "--servers", "2", "--ps-replicas", "2",
+                       "--ps-mode", "sync", "--minutes", "0.6", "--every", "12",
+                       "--faults", "kill,stop", "--stop-seconds", "4",
+                       "--baseline-minutes", "0.15", "--min-goodput", "0.5")
+    assert done.returncode == 0, (data["failures"], done.stdout[-4000:] + done.stderr[-4000:])
+    assert data["failures"] == [] and data["hangs"] == [] and data["mismatches"] == []
+    rows = {row["fault"]: row for row in data["faults"]}
+    assert sorted(rows) == ["kill", "stop"] and all(r["injected"] for r in rows.values())
+    for row in rows.values():
+        assert row["target"].startswith("server "), row
+        assert row["detected"] and row["detection_s"] <= 3.0 and row["recovery_s"] <= 1.0, row
+        assert row["steps_lost"] == 0 and row["params_identical"] is True, row
+    assert rows["kill"]["detection_s"] < 1.0, rows  # closed sockets: no heartbeat to wait for
+    checks = {c["check"]: c for c in data["checks"]}
+    lost = checks["shard 0: acknowledged updates lost"]
+    assert lost["ok"] is True and lost["detail"].startswith("0 ("), lost
+    assert checks["shard 0: copies agree"]["ok"] is True, checks
+    equal = checks["parameters bitwise equal to the fault-free run"]
+    assert equal["ok"] is True and "every step's digest and every shard's equal" in \
+        equal["detail"], equal
+
+
+@pytest.mark.slow
+def test_a_short_soak_of_a_data_server_job_with_a_killed_data_server_delivers_each_sample_once(
+        tmp_path):
+    """2 workers and 2 data servers, each on its own host: one data server killed; every
+    epoch that every worker finished holds each of the 1,024 samples exactly once."""
+    require_netns()
+    data, done = _soak(tmp_path, "--hosts", "4", "--data-servers", "2", "--minutes", "0.5",
+                       "--every", "10", "--faults", "kill", "--baseline-minutes", "0.15",
+                       "--min-goodput", "0.5")
+    assert done.returncode == 0, (data["failures"], done.stdout[-4000:] + done.stderr[-4000:])
+    assert data["failures"] == [] and data["hangs"] == []
+    [row] = data["faults"]
+    assert row["fault"] == "kill" and row["target"].startswith("data server "), row
+    assert row["detected"] and row["detection_s"] <= 3.0 and row["recovery_s"] <= 1.0, row
+    assert row["steps_lost"] == 0, row
+    epochs = data["samples"]["epochs"]
+    assert epochs and all(e["distinct"] == 1024 and e["used"] == 1024 for e in epochs), epochs
+    assert data["checks"] == [{"check": "samples exactly once", "ok": True,
+                               "detail": f"{len(epochs)} whole epochs, 0 broken"}]
 
 
 _PROBE = r"""

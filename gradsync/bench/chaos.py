@@ -3,6 +3,7 @@
     gradsync bench chaos [--hosts 4] [--ranks-per-host 1] [--minutes 10] [--every 30]
                          [--faults kill,stop,partition,straggler] [--json] [--markdown]
                          [--max-detection 3] [--max-recovery 1] [--min-goodput 0.9]
+                         [--servers S [--ps-replicas 2] [--ps-mode sync] | --data-servers D]
 
 The cluster is ``netns.Cluster``: one network namespace per emulated host (``h0`` ...), and
 one more, ``head``, where ``gradsync run`` and its store live, out of reach of every fault.
@@ -21,9 +22,12 @@ kinds in turn (a kind's target is drawn with ``--seed``):
   (``Cluster.cut``: every packet to and from the host is dropped, sockets stay);
 - ``straggler``: one host's link ``--slowdown`` times slower (rate and delay) for
   ``--straggle-seconds`` (``Cluster.reshape``);
-- ``server``: not run: parameter-server jobs cannot be elastic (docs/elastic.md), so the
-  report lists it as skipped, and a skipped kind fails the verdict; it is not in the default
-  list.
+- ``server``: not run in this job, which has no server: the report lists it as skipped, and
+  a skipped kind fails the verdict; it is not in the default list.
+
+With ``--servers S`` or ``--data-servers D`` the job is a parameter-server or a data-server
+job instead, and every fault hits a server (``chaos_servers.py``: the layout, the targets, the
+reference run of a ``sync`` job; ``chaos_server_report.py``: what is measured and checked).
 
 A fault whose target is gone when it is injected (a pid that exited on its own) is recorded
 as not injected, and fails the verdict: it tested nothing.
@@ -55,6 +59,8 @@ import time
 
 from ..run.processes import Process, pump, start, stop
 from . import chaos_report as cr
+from . import chaos_server_report as csr
+from . import chaos_servers as cs
 from .netns import Cluster, NetnsError, unavailable_reason
 
 __all__ = ["parser", "drive", "FAULTS"]
@@ -62,8 +68,8 @@ __all__ = ["parser", "drive", "FAULTS"]
 FAULTS = ("kill", "stop", "partition", "straggler", "server")
 _HEAD = "head"
 _SAMPLES = 2048  # rows of the job's data set: the sample accounting counts against it
-_SERVER_NOTE = ("server: skipped: parameter-server jobs (--servers) cannot be elastic "
-                "(docs/elastic.md), so the chaos job has no server to kill")
+_SERVER_NOTE = ("server: skipped: the elastic worker job has no server (a server job is "
+                "--servers S or --data-servers D: chaos_servers.py)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -74,8 +80,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--minutes", type=float, default=10.0, help="length of the soak")
     p.add_argument("--every", type=float, default=30.0, metavar="F",
                    help="seconds between faults (default 30)")
-    p.add_argument("--faults", default="kill,stop,partition,straggler",
-                   help="fault kinds in turn, of " + ",".join(FAULTS))
+    p.add_argument("--faults", help="fault kinds in turn, of " + ",".join(FAULTS) +
+                   " (default kill,stop,partition,straggler; in a server job server, which is "
+                   "kill,stop,partition of a server)")
+    servers = p.add_argument_group("server jobs (chaos_servers.py): one kind at a time")
+    servers.add_argument("--servers", type=int, default=0, metavar="S",
+                         help="a parameter-server job with S servers, one host each")
+    servers.add_argument("--ps-replicas", type=int, default=2, metavar="R",
+                         help="copies of each shard (default 2)")
+    servers.add_argument("--ps-mode", choices=("sync", "async"), default="sync",
+                         help="the parameter servers' mode (default sync)")
+    servers.add_argument("--data-servers", type=int, default=0, metavar="D",
+                         help="a data-server job with D data servers, one host each")
     p.add_argument("--max-detection", type=float, default=cr.Bounds.detection_s, metavar="S",
                    help="seconds from a fault to the last survivor's exception (default 3)")
     p.add_argument("--max-recovery", type=float, default=cr.Bounds.recovery_s, metavar="S",
@@ -110,24 +126,29 @@ def parser() -> argparse.ArgumentParser:
 class _Job:
     """One run of the training job: the launcher in ``head``, its output parsed as it comes."""
 
-    def __init__(self, cluster: Cluster, options, folder: str, name: str):
+    def __init__(self, cluster: Cluster, options, folder: str, name: str,
+                 servers: cs.ServerJob | None = None, script: list[str] | None = None):
         hosts = [h for h in cluster.hosts if h.name != _HEAD]
-        self.size = sum(h.slots for h in hosts)
-        self.log = cr.Log()
+        self.size = sum(h.slots for h in hosts) - (servers.servers if servers else 0)
+        self.log = csr.ServerLog() if servers else cr.Log()
         self.counts: dict[int, dict[str, int]] = {}  # generation -> worker -> steps in it
         self.lock = threading.Lock()
         self.tail: collections.deque[str] = collections.deque(maxlen=200)
         self.copy = open(options.log, "a") if options.log else None
         self.stop_file = os.path.join(folder, f"{name}.stop")
-        argv = [sys.executable, "-m", "gradsync", "run", "-np", str(self.size),
+        launch = [sys.executable, "-m", "gradsync", "run", "-np", str(self.size),
+                  "-H", ",".join(f"{h.name}:{h.slots}" for h in hosts),
+                  "--ssh-command", _ssh_stand_in(cluster, folder)]
+        if servers:  # not elastic: the workers are fixed, the servers come back (docs/ps.md)
+            argv = launch + servers.launcher_args() + (
+                script or servers.script_args(options, self.stop_file))
+        else:
+            argv = launch + [
                 "--min-np", str(options.ranks_per_host), "--max-np", str(self.size),
-                "-H", ",".join(f"{h.name}:{h.slots}" for h in hosts),
                 "--blacklist-cooldown", f"{options.cooldown:g}",
-                "--ssh-command", _ssh_stand_in(cluster, folder),
                 sys.executable, "-m", "gradsync.bench.chaos_rank",
                 "--stop-file", self.stop_file, "--params", str(options.params),
-                "--samples", str(_SAMPLES),
-                "--compute", f"{options.compute:g}"]
+                "--samples", str(_SAMPLES), "--compute", f"{options.compute:g}"]
         self.process: Process = start(cluster.exec_argv(_HEAD, argv), merge_stderr=True,
                                       text=True)
         self.reader = pump(self.process.proc.stdout, self._line, f"chaos-{name}")
@@ -135,7 +156,10 @@ class _Job:
     def _line(self, line: str) -> None:
         with self.lock:
             seen = len(self.log.steps)
-            self.log.add(line)
+            try:
+                self.log.add(line)
+            except (ValueError, KeyError, IndexError):
+                pass  # a line cut or spliced by a dying process: it is in the tail
             if len(self.log.steps) > seen:  # kept up to date here: the waits poll it often
                 st = self.log.steps[-1]
                 counts = self.counts.setdefault(st.g, {})
@@ -168,9 +192,12 @@ class _Job:
     def ended(self) -> bool:
         return self.process.poll() is not None
 
-    def finish(self, grace: float) -> bool:
-        """Asks the job to stop at its next commit; True when it ended within ``grace``."""
-        open(self.stop_file, "w").close()
+    def finish(self, grace: float, text: str = "") -> bool:
+        """Asks the job to stop at its next commit (a data job: after epoch ``text``); True
+        when it ended within ``grace``."""
+        with open(self.stop_file + ".new", "w") as f:  # whole or not at all: a worker reads it
+            f.write(text)
+        os.replace(self.stop_file + ".new", self.stop_file)
         end = time.monotonic() + grace
         while not self.ended() and time.monotonic() < end:
             time.sleep(0.2)
@@ -192,7 +219,7 @@ def _kill_if_worker(pid: int) -> None:
     # A pid is reused only after its process is gone: check it is still one of ours.
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"gradsync.bench.chaos_rank" not in f.read():
+            if b"gradsync.bench.chaos_" not in f.read():  # chaos_rank, chaos_server_rank
                 return
         os.kill(pid, signal.SIGCONT)
         os.kill(pid, signal.SIGKILL)
@@ -216,17 +243,20 @@ def _ssh_stand_in(cluster: Cluster, folder: str) -> str:
 
 
 class _Soak:
-    """Runs one job, injecting faults when ``faults`` is non-empty, within phase deadlines."""
+    """Runs one job, injecting faults when ``faults`` is non-empty, within phase deadlines;
+    with ``servers``, a server job whose faults hit servers (``chaos_servers.py``)."""
 
     def __init__(self, cluster: Cluster, options, folder: str, name: str, faults: list[str],
-                 seconds: float):
+                 seconds: float, servers: cs.ServerJob | None = None):
         self.cluster, self.options, self.kinds = cluster, options, faults
-        self.job = _Job(cluster, options, folder, name)
+        self.servers = servers
+        self.job = _Job(cluster, options, folder, name, servers)
         self.seconds = seconds
         self.faults: list[cr.Fault] = []
         self.hangs: list[dict] = []
         self.window = (0.0, 0.0)
         self.random = random.Random(options.seed)
+        self.hits: dict[int, int] = {}  # server -> faults that hit it
 
     def _wait(self, phase: str, done, deadline: float | None = None) -> bool:
         deadline = self.options.phase_deadline if deadline is None else deadline
@@ -239,9 +269,16 @@ class _Soak:
             time.sleep(0.1)
         return True
 
+    def _steady(self) -> bool:
+        if self.servers is None:
+            return self.job.steady()
+        since = self.faults[-1].until if self.faults else 0.0
+        with self.job.lock:
+            return self.servers.steady(self.job.log, since)
+
     def run(self) -> "_Soak":
         try:
-            if not self._wait("start-up to full size", self.job.steady,
+            if not self._wait("start-up to full size", self._steady,
                               max(self.options.phase_deadline, 300.0)):
                 return self
             begin = time.time()
@@ -252,18 +289,23 @@ class _Soak:
                 if kind is None or due + self._length(kind) + 5 > end:
                     break
                 time.sleep(max(0.0, due - time.time()))
-                if not self._wait(f"fault {k + 1}: job back at full size", self.job.steady):
+                if not self._wait(f"fault {k + 1}: job back at full size", self._steady):
                     return self
                 if time.time() + self._length(kind) + 5 > end:
                     break  # the wait for full size took the time left
-                self._inject(kind)
+                if not self._inject(kind):
+                    print("chaos: no more faults: no server may be hit (one data server "
+                          "left, or every parameter server started again 3 times)", flush=True)
+                    break
                 after = self.faults[-1].until
                 if not self._wait(f"fault {k + 1} ({kind}): a step after it",
                                   lambda: self.job.last_step() > after):
                     return self
             time.sleep(max(0.0, end - time.time()))
             self.window = (begin, time.time())
-            if not self.job.finish(self.options.phase_deadline):
+            with self.job.lock:
+                text = self.servers.stop_text(self.job.log) if self.servers else ""
+            if not self.job.finish(self.options.phase_deadline, text):
                 self.hangs.append({"phase": "the end", "deadline_s": self.options.phase_deadline,
                                    "why": "the job did not exit"})
         finally:
@@ -275,27 +317,40 @@ class _Soak:
                 "partition": self.options.partition_seconds,
                 "straggler": self.options.straggle_seconds}[kind]
 
-    def _inject(self, kind: str) -> None:
-        _, counts = self.job.current()
-        worker = self.random.choice(sorted(counts))
-        host = self.job.host(worker)
-        pid = int(worker)
+    def _inject(self, kind: str) -> bool:
+        """Injects one fault of ``kind``; False when a server job has no server it may hit."""
+        server = None
+        if self.servers is None:
+            _, counts = self.job.current()
+            worker = self.random.choice(sorted(counts))
+            pid, host = int(worker), self.job.host(worker)
+            who = f"worker {worker} on {host}"
+        else:
+            with self.job.lock:
+                server = self.servers.target(self.job.log, self.hits, self.random)
+                if server is None:
+                    return False
+                pid = int(self.servers.server_pids(self.job.log)[server])
+                host = self.job.log.hellos[str(pid)]
+            self.hits[server] = self.hits.get(server, 0) + 1
+            role = "data server" if self.servers.kind == "data" else "server"
+            who = f"{role} {server} (pid {pid}) on {host}"
         start_wall = time.time()
         injected = True
         if kind == "kill":
             injected = _signal(pid, signal.SIGKILL)
-            target = f"worker {worker} on {host}"
+            target = who
         elif kind == "stop":
             injected = _signal(pid, signal.SIGSTOP)
             if injected:
                 time.sleep(self.options.stop_seconds)
                 _signal(pid, signal.SIGCONT)
-            target = f"worker {worker} on {host}"
+            target = who
         elif kind == "partition":
             self.cluster.cut(host)
             time.sleep(self.options.partition_seconds)
             self.cluster.cut(host, connected=True)
-            target = f"host {host}"
+            target = f"host {host}" if server is None else f"{who}: its host"
         else:
             slow = _rate_text(_rate_bits(self.options.rate) / self.options.slowdown)
             delay = self.options.delay and \
@@ -303,10 +358,16 @@ class _Soak:
             self.cluster.reshape(host, slow, delay)
             time.sleep(self.options.straggle_seconds)
             self.cluster.reshape(host, self.options.rate, self.options.delay)
-            target = f"host {host} ({slow}" + (f", {delay})" if delay else ")")
-        self.faults.append(cr.Fault(kind, target, start_wall, time.time(),
-                                    note="" if injected else "not injected: target gone",
-                                    injected=injected))
+            link = f"{slow}" + (f", {delay}" if delay else "")
+            target = f"host {host} ({link})" if server is None else f"{who} ({link})"
+        note = "" if injected else "not injected: target gone"
+        if server is None:
+            self.faults.append(cr.Fault(kind, target, start_wall, time.time(), note=note,
+                                        injected=injected))
+        else:
+            self.faults.append(csr.ServerFault(kind, target, start_wall, time.time(), note=note,
+                                               injected=injected, server=server))
+        return True
 
 
 def _signal(pid: int, signum: int) -> bool:
@@ -345,14 +406,15 @@ def _kinds(text: str) -> tuple[list[str], list[str]]:
     Raises:
         ValueError: an unknown kind, or none to run.
     """
-    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    kinds = [k.strip() for k in (text or "kill,stop,partition,straggler").split(",")
+             if k.strip()]
     unknown = [k for k in kinds if k not in FAULTS]
     if unknown:
         raise ValueError(f"--faults: unknown kinds {unknown}; the kinds are {','.join(FAULTS)}")
     run = [k for k in kinds if k != "server"]
     if not run:
         raise ValueError("--faults: no fault that this job can take (server is skipped: "
-                         "parameter-server jobs cannot be elastic)")
+                         "the worker job has no server; see --servers, --data-servers)")
     return run, [_SERVER_NOTE] if "server" in kinds else []
 
 
@@ -366,7 +428,9 @@ def drive(hosts: int, options) -> int:
         options).
     """
     try:
-        kinds, skipped = _kinds(options.faults)
+        servers = cs.plan(options, hosts)
+        kinds, skipped = _kinds(options.faults) if servers is None else \
+            (cs.kinds(options.faults, FAULTS), [])
         bounds = cr.Bounds(detection_s=options.max_detection, recovery_s=options.max_recovery,
                            goodput=options.min_goodput)
     except ValueError as exc:
@@ -379,26 +443,41 @@ def drive(hosts: int, options) -> int:
         return 2
     baseline_s = 60 * (options.baseline_minutes if options.baseline_minutes is not None
                        else min(options.minutes, 2.0))
-    cluster = Cluster([(_HEAD, 0)] + [(f"h{i}", options.ranks_per_host) for i in range(hosts)],
-                      host_rate=options.rate, host_delay=options.delay)
+    layout = [(f"h{i}", options.ranks_per_host) for i in range(hosts)] if servers is None else \
+        [(h, options.ranks_per_host) for h in servers.worker_hosts] + \
+        [(h, 1) for h in servers.server_hosts]
+    cluster = Cluster([(_HEAD, 0)] + layout, host_rate=options.rate, host_delay=options.delay)
+    reference = None
     try:
         with cluster, tempfile.TemporaryDirectory(prefix="gradsync-chaos-") as folder:
-            print(f"chaos: {hosts} hosts x {options.ranks_per_host} workers; fault-free run "
-                  f"of {baseline_s:g} s", flush=True)
-            base = _Soak(cluster, options, folder, "baseline", [], baseline_s).run()
+            what = "workers" if servers is None else \
+                f"workers, then {servers.servers} hosts of one {servers.job} server"
+            print(f"chaos: {hosts - (servers.servers if servers else 0)} hosts x "
+                  f"{options.ranks_per_host} {what}; fault-free run of {baseline_s:g} s",
+                  flush=True)
+            base = _Soak(cluster, options, folder, "baseline", [], baseline_s, servers).run()
             baseline = cr.goodput(base.job.log, *base.window) if not base.hangs else None
             print(f"chaos: soak of {options.minutes * 60:g} s, a fault every "
                   f"{options.every:g} s: {','.join(kinds)}", flush=True)
-            soak = _Soak(cluster, options, folder, "soak", kinds, options.minutes * 60).run()
+            soak = _Soak(cluster, options, folder, "soak", kinds, options.minutes * 60,
+                         servers).run()
+            if servers is not None and servers.job == "ps-sync" and soak.job.log.steps:
+                reference = _reference(cluster, options, folder, servers, soak)
     except NetnsError as exc:
         print(f"gradsync bench chaos: {exc}", file=sys.stderr)
         return 2
     window = soak.window if soak.window[1] else (soak.faults[0].wall if soak.faults else 0.0,
                                                  time.time())
-    data = cr.report(soak.faults, soak.job.log, dataset=_SAMPLES, window=window,
-                     baseline=baseline, hangs=base.hangs + soak.hangs, skipped=skipped,
-                     bounds=bounds)
-    if base.hangs or soak.hangs:
+    hangs = base.hangs + soak.hangs
+    if servers is None:
+        data = cr.report(soak.faults, soak.job.log, dataset=_SAMPLES, window=window,
+                         baseline=baseline, hangs=hangs, skipped=skipped, bounds=bounds)
+    else:
+        data = csr.report(soak.faults, soak.job.log, job=servers.job, window=window,
+                          baseline=baseline, hangs=hangs, skipped=skipped, bounds=bounds,
+                          reference=reference, dataset=cs.data_samples(),
+                          replicas=servers.replicas)
+    if hangs:
         data["output_tail"] = list(soak.job.tail or base.job.tail)[-40:]
         sys.stdout.write("".join(data["output_tail"]))
     sys.stdout.write(cr.format_markdown(data) if options.markdown else cr.format_text(data))
@@ -408,3 +487,29 @@ def drive(hosts: int, options) -> int:
         write_json(data, options.json)
     return 1 if data["failures"] else 0
 
+
+def _reference(cluster: Cluster, options, folder: str, servers: cs.ServerJob,
+               soak: _Soak) -> csr.ServerLog | None:
+    """The fault-free run of a ``sync`` soak's job to the soak's last step, without the
+    emulated compute (a sleep: it changes no number); None when it did not end in time."""
+    steps = max(st.s for st in soak.job.log.steps)
+    print(f"chaos: fault-free reference run of {steps} steps", flush=True)
+    stop_file = os.path.join(folder, "reference.stop")
+    job = _Job(cluster, options, folder, "reference", servers,
+               servers.script_args(options, stop_file) + ["--steps", str(steps),
+                                                          "--compute", "0"])
+    # Its start-up is a phase like the soak's (300 s at least); its steps need no more time
+    # than the soak's, which took the same steps and every fault besides.
+    deadline = max(options.phase_deadline, 300.0) + options.minutes * 60
+    end = time.monotonic() + deadline
+    try:
+        while not job.ended() and time.monotonic() < end:
+            time.sleep(0.2)
+    finally:
+        job.close()
+    if not job.log.finals:
+        soak.hangs.append({"phase": "the fault-free reference run", "deadline_s": deadline,
+                           "why": "the job ended without its final counters" if job.ended()
+                           else "deadline"})
+        return None
+    return job.log

@@ -37,7 +37,10 @@ detection and recovery together would have taken; on goodput below its bound of 
 fault-free run's; and on every check that could not be made (a fault kind skipped, a fault
 whose survivors logged no raise, a re-formed job of one rank whose parameters cannot differ
 from anyone's, a missing fault-free goodput). A check that was not made is a failure, not a
-pass.
+pass. A server job's report (``chaos_server_report.py``) has the same shape, with rows for
+server faults and ``checks`` made at the end (acknowledged updates lost, copies agree,
+parameters against the fault-free run, samples exactly once), each of which fails the
+verdict when it failed or was not made.
 
 **A step some ranks logged and the others only began.** Each rank logs what it takes before
 the exchange (a ``CHAOS take`` line) and the step after its update. A rank completes a step
@@ -389,9 +392,14 @@ def verdict(data: dict) -> list[str]:
         if not row.get("injected", True):
             failed.append(f"{what}: not injected, its target was gone")
             continue
+        if row.get("role", "worker") != "worker":  # a server's fault must lose no step
+            if row["steps_lost"] is None:
+                failed.append(f"{what}: steps lost not measured (no step around it)")
+            elif row["steps_lost"] > 0:
+                failed.append(f"{what}: {row['steps_lost']} steps lost")
         if not row["detected"]:
             if row["fault"] == "kill":
-                failed.append(f"{what}: a killed worker was never noticed")
+                failed.append(f"{what}: a killed {row.get('role', 'worker')} was never noticed")
             elif row["stall_s"] is None:
                 failed.append(f"{what}: no step around it to measure its stall")
             elif row["stall_s"] > stall_bound:
@@ -407,10 +415,20 @@ def verdict(data: dict) -> list[str]:
             if row["recovery_s"] > bounds["recovery_s"]:
                 failed.append(f"{what}: recovery {row['recovery_s']:.2f} s "
                               f"(bound {bounds['recovery_s']:g} s)")
+        if row.get("params_rule") == "none":
+            continue  # a data server's fault: no parameters (its check is the samples')
         if row["params_identical"] is None:
-            failed.append(f"{what}: parameters not compared (the re-formed job has one rank)")
+            failed.append(f"{what}: " + row.get(
+                "params_note", "parameters not compared (the re-formed job has one rank)"))
         elif not row["params_identical"]:
-            failed.append(f"{what}: parameters differ across the re-formed job")
+            failed.append(f"{what}: " + ("parameters differ across the re-formed job"
+                                         if row.get("role", "worker") == "worker" else
+                                         "parameters differ from the fault-free run's, or "
+                                         "copies differ"))
+    for check in data.get("checks", []):  # a server job's checks at the end of the run
+        if check["ok"] is not True:
+            failed.append(f"{check['check']}: " + ("not made: " if check["ok"] is None
+                                                   else "") + check["detail"])
     ratio = data["goodput_ratio"]
     if ratio is None:
         failed.append("goodput not compared: no fault-free goodput or no step in the soak")
@@ -459,6 +477,8 @@ def _summary(data: dict) -> list[str]:
                      f"pause median {statistics.median(pauses):.2f} s, max {max(pauses):.2f} s")
     lines += [f"rule broken: {v}" for v in data["samples"]["violations"]]
     lines += [f"skipped: {s}" for s in data["skipped"]]
+    lines += [f"check: {c['check']}: {'-' if c['ok'] is None else 'yes' if c['ok'] else 'NO'} "
+              f"({c['detail']})" for c in data.get("checks", [])]
     b = data["bounds"]
     lines.append(f"bounds: detection {b['detection_s']:g} s, recovery {b['recovery_s']:g} s, "
                  f"goodput {b['goodput']:.0%}")

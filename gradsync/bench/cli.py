@@ -214,10 +214,13 @@ def _scale(parser: argparse.ArgumentParser, args: argparse.Namespace, counts: li
 
 def _chaos(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[str]) -> int:
     """``gradsync bench chaos``: its ``--hosts`` is a number of emulated hosts (default 4);
-    its size is hosts x ``--ranks-per-host``, so it takes no ``-np``."""
-    if args.servers is not None or args.np != "2":
-        parser.error("gradsync bench chaos takes no -np or --servers: its job is --hosts x "
-                     "--ranks-per-host workers (parameter-server jobs cannot be elastic)")
+    its size is hosts x ``--ranks-per-host`` (less one host per server in a server job, whose
+    ``--servers`` is the chaos module's), so it takes no ``-np``."""
+    if args.np != "2":
+        parser.error("gradsync bench chaos takes no -np: its job is --hosts x "
+                     "--ranks-per-host workers (a server job: one host per server)")
+    if args.servers is not None:  # a parameter-server job (chaos_servers.py)
+        rest = ["--servers", str(args.servers), *rest]
     hosts = args.hosts or "4"
     if not hosts.isdigit() or int(hosts) < 2:
         parser.error(f"--hosts {hosts!r}: the chaos benchmark takes a number of emulated hosts "
