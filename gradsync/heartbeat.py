@@ -79,7 +79,8 @@ arrive and the store answers. ``stop(goodbye=True)``, in this order:
 4. reads its neighbours' beats until each has closed its end (it does on reading ``BYE``), for
    up to ``BYE_WAIT_S``, and only then closes: a socket closed with bytes unread sends a reset
    (RST) instead of a FIN, and a reset discards whatever the sender had not yet had
-   acknowledged, a ``BYE`` included.
+   acknowledged, a ``BYE`` included. A neighbour not heard for half the timeout (stopped, cut
+   off) is not waited for.
 
 A watcher whose link ended without ``BYE`` asks the store for the key before it reports the
 peer. A rank that left on purpose wrote the key before its link could end, so a store that
@@ -338,7 +339,9 @@ class Heartbeat:
         if listener is not None:
             listener.close()
         if goodbye:
-            _leave(links, BYE_WAIT_S)
+            # A stopped neighbour is not waited for: a survivor of a stopped rank that raised
+            # the job's record before its own watch judged that rank closes its World at once.
+            _leave(links, BYE_WAIT_S, quiet=self.timeout / 2)
         else:
             for link in links:
                 link.sock.close()
@@ -617,9 +620,10 @@ class Heartbeat:
             delay = min(2 * delay, 1.0)
 
 
-def _leave(links: "list[_Link]", wait: float) -> None:
+def _leave(links: "list[_Link]", wait: float, quiet: float) -> None:
     """Says BYE on ``links`` and closes each once its neighbour closed its end (it does when
-    it reads the BYE), or after ``wait`` seconds.
+    it reads the BYE), or after ``wait`` seconds; a neighbour not heard for ``quiet`` seconds
+    (stopped, cut off) would not answer, and is not waited for.
 
     Until then the neighbours' beats are read: a socket closed with bytes unread sends a reset
     instead of a FIN, and a reset drops whatever of this end's bytes the neighbour's kernel
@@ -630,21 +634,29 @@ def _leave(links: "list[_Link]", wait: float) -> None:
             link.sock.shutdown(socket.SHUT_WR)  # the BYE, then a FIN
         except OSError:
             pass  # it broke already: the neighbour reads the store's key
-    waiting = {link.sock for link in links}
-    deadline = time.monotonic() + wait
+    now = time.monotonic()
+    waiting = {link.sock for link in links if now - link.heard <= quiet}
+    deadline = now + wait
     while waiting and (left := deadline - time.monotonic()) > 0:
         ready, _, _ = select.select(list(waiting), [], [], left)
         for sock in ready:
-            try:
-                if sock.recv(4096):
-                    continue  # beats sent before it read the BYE
-            except (BlockingIOError, InterruptedError):
-                continue
-            except OSError:
-                pass  # reset: nothing more will arrive
-            waiting.discard(sock)
+            if not _drained(sock):
+                waiting.discard(sock)  # its end closed: nothing more will arrive
     for link in links:
+        _drained(link.sock)  # what a neighbour not waited for sent meanwhile
         link.sock.close()
+
+
+def _drained(sock: socket.socket) -> bool:
+    """Reads what ``sock`` holds, without blocking; False once its other end has closed."""
+    while True:
+        try:
+            if not sock.recv(4096):
+                return False
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError:
+            return False  # reset
 
 
 def _route_address(store: Store) -> str:

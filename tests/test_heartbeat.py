@@ -357,7 +357,7 @@ def test_a_leaving_rank_reads_its_neighbours_beats_before_it_closes_so_no_reset(
     listener.close()
     neighbour.sendall(BEAT * 10)
     assert _wait_for(lambda: select.select([leaving], [], [], 0)[0], 5) < 5  # unread there
-    goodbye = threading.Thread(target=_leave, args=([_Link(1, leaving)], 0.5))
+    goodbye = threading.Thread(target=_leave, args=([_Link(1, leaving)], 0.5, 5.0))
     goodbye.start()
     neighbour.settimeout(5)
     got = b""
@@ -368,6 +368,25 @@ def test_a_leaving_rank_reads_its_neighbours_beats_before_it_closes_so_no_reset(
     assert not goodbye.is_alive()
     assert neighbour.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
     neighbour.close()
+
+
+def test_a_leaving_rank_does_not_wait_for_a_neighbour_it_has_not_heard_from():
+    """A neighbour quiet for longer than ``quiet`` (stopped: a survivor that raised the job's
+    record before its own watch judged the stopped rank closes its World at once) would never
+    close its end: the leaving rank closes without waiting its ``wait`` for it."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    leaving = socket.create_connection(listener.getsockname())
+    stopped, _ = listener.accept()  # never reads, never closes, until the end
+    listener.close()
+    link = _Link(1, leaving)
+    link.heard -= 2.0  # its last beat came 2 s ago
+    started = time.monotonic()
+    try:
+        _leave([link], 30.0, quiet=1.0)
+        assert time.monotonic() - started < 5.0  # not the 30 s wait
+        assert leaving.fileno() == -1  # closed
+    finally:
+        stopped.close()
 
 
 def test_a_lost_goodbye_is_found_in_the_store_even_when_the_store_fails_at_first(monkeypatch):
