@@ -20,11 +20,11 @@ between the ranks, never through the store, so the store's load does not grow wi
   ``heartbeat_interval`` seconds and reads its neighbours' beats. The thread runs while the
   process runs Python or waits in C code that releases the GIL, so a busy rank keeps beating;
   a stopped process stops every thread, the beater included.
-- **Watch.** A link that closes without a ``BYE`` byte is a lost peer at once (the process
-  died: its kernel closed the socket). A link that stays open but silent for
-  ``heartbeat_timeout`` seconds of this watcher's own time is a silent peer. A rank that closes
-  its World on purpose sends ``BYE`` (and writes ``hb/<rank>/bye`` for a neighbour whose link
-  was not up yet); its neighbours then stop watching it.
+- **Watch.** A link that ends (closed or reset) without a ``BYE`` byte is a lost peer at once
+  (the process died: its kernel closed the socket), unless the store holds the peer's goodbye
+  (below). A link that stays open but silent for ``heartbeat_timeout`` seconds of this
+  watcher's own time is a silent peer. A rank that closes its World on purpose says goodbye
+  (below); its neighbours then stop watching it.
 - **Report.** The watcher posts the job's abort record (a ``PeerLostError`` naming the rank,
   its host and pid; ``silent: true`` for a silent one) and keeps the error for its own World
   if its record won. Every waiting rank sees the record through its World's abort watch
@@ -62,6 +62,33 @@ What keeps a live rank from looking silent, and what does not:
   rank of 64 on 2 cores was, while other jobs loaded the machine). A rank stopped before its
   links are up is found within that window.
 
+**Leaving: the end of a job is a protocol, not a race.** The ranks of a job leave its last
+barrier seconds apart on a crowded machine, so a rank that leaves is often the neighbour of one
+still waiting. A neighbour must know it left, whatever the order in which sockets close, resets
+arrive and the store answers. ``stop(goodbye=True)``, in this order:
+
+1. writes ``hb/<rank>/bye`` in the store, while this rank's thread still beats: the store may
+   take seconds to answer (it stalls when many ranks exit at once: docs/troubleshooting.md),
+   and a rank that fell quiet meanwhile would be reported silent. Once written, the key is the
+   goodbye's evidence for a neighbour whose link was not up yet, or whose ``BYE`` was lost;
+2. ends its thread, which hands the links to ``stop`` instead of closing them (before, the
+   thread closed them while ``stop`` still waited for the store, so a neighbour saw the link
+   end without ``BYE`` and found no key yet: a false "closed its heartbeat link" at the end
+   of a 64-rank job in CI);
+3. sends ``BYE`` on each link and half-closes it (``SHUT_WR``: the ``BYE``, then a FIN);
+4. reads its neighbours' beats until each has closed its end (it does on reading ``BYE``), for
+   up to ``BYE_WAIT_S``, and only then closes: a socket closed with bytes unread sends a reset
+   (RST) instead of a FIN, and a reset discards whatever the sender had not yet had
+   acknowledged, a ``BYE`` included. A neighbour not heard for half the timeout (stopped, cut
+   off) is not waited for.
+
+A watcher whose link ended without ``BYE`` asks the store for the key before it reports the
+peer. A rank that left on purpose wrote the key before its link could end, so a store that
+says "no key" means a crash; a store request that fails is no answer, and is asked again (at
+growing intervals, with this rank's beats going on meanwhile) until it answers, or until
+``link_up`` seconds have passed: then this rank raises the loss itself, as before. A crash is
+still found at once: one store request.
+
 **Sub-worlds** (the Horovod API's process sets, the torch backend's lanes) have the same
 ranks as their root World, whose heartbeat in this process already watches every one of
 them. A sub-world's Heartbeat therefore *follows* the root's (found in this process by the
@@ -72,11 +99,14 @@ in the root World's abort record too, in root ranks: the launcher watches only t
 
 Sockets per rank: two links, the abort watch's store connection, and the listener until
 rank - 1 has connected; a following sub-world adds one store connection (its abort watch).
+And a pipe, with which ``stop`` wakes the thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import secrets
 import select
 import socket
@@ -89,7 +119,7 @@ from .errors import AuthenticationError, GradsyncError, GradsyncTimeoutError, Pe
 from .rendezvous import Store
 from .transport import tcp
 
-__all__ = ["Heartbeat", "watched_peers", "BEAT", "BYE", "LINK_UP_S"]
+__all__ = ["Heartbeat", "watched_peers", "BEAT", "BYE", "BYE_WAIT_S", "LINK_UP_S"]
 
 log = logging.getLogger("gradsync")
 
@@ -99,6 +129,8 @@ BYE = b"\x02"
 """The byte a rank sends on each link when it closes its World on purpose."""
 LINK_UP_S = 30.0
 """Seconds the links get to form when the timeout is shorter (module docstring)."""
+BYE_WAIT_S = 1.0
+"""Seconds a leaving rank waits for its neighbours to close their ends after its ``BYE``."""
 
 # The root World's heartbeat of each (job, rank) in this process, for its sub-worlds to follow.
 _ROOTS: "weakref.WeakValueDictionary[tuple[str, int], Heartbeat]" = (
@@ -209,6 +241,8 @@ class Heartbeat:
         self._armed = False  # the abort watch started (_arm)
         self._lock = threading.Lock()  # the links and listener, between stop() and the thread
         self._stop = threading.Event()
+        self._stopping = False  # stop() was called (it runs once)
+        self._wake: "tuple[int, int] | None" = None  # a pipe: stop() -> _watch's select
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"gradsync-heartbeat-{rank}")
 
@@ -223,6 +257,7 @@ class Heartbeat:
             return self
         if self._root is None:
             _ROOTS[(self._main.job, self.rank)] = self
+        self._wake = os.pipe()
         self._thread.start()
         return self
 
@@ -271,48 +306,60 @@ class Heartbeat:
         self._ended = error
 
     def stop(self, goodbye: bool = True) -> None:
-        """Stops beating; ``goodbye`` tells the neighbours that this rank left on purpose."""
-        self._stop.set()
+        """Stops beating; ``goodbye`` tells the neighbours that this rank left on purpose
+        (module docstring, "Leaving"); without it the links just close, as in a crash."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
         self.abort.stop()
         if _ROOTS.get((self._main.job, self.rank)) is self:
             del _ROOTS[(self._main.job, self.rank)]
         if self._leader is not None:
+            self._stop.set()
             return
         if goodbye:
-            try:  # first, for a neighbour whose link is not up yet
+            # Before any link can end, and while the thread still beats (the store may take
+            # seconds): a neighbour that later finds no key can take a broken link for a crash.
+            try:
                 self._main.set(f"hb/{self.rank}/bye", "1")
             except (RuntimeError, OSError, GradsyncError):
-                pass  # the store is gone: nobody is left to watch us
+                pass  # the store is gone: the BYE on the links still tells the neighbours
+        with self._lock:  # the thread's exit reads _stop under the lock: it leaves us the links
+            self._stop.set()
+        if self._wake is not None:
+            os.write(self._wake[1], b"\0")  # out of _watch's select at once
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            # Within milliseconds, unless the thread waits on the store for a lost peer: then
+            # the links are taken from under it, which _drop and the stop checks allow for.
+            self._thread.join(max(1.0, 2 * self.interval))
         with self._lock:
-            links, listener, self._listener = list(self._links.values()), self._listener, None
-        for link in links:
-            if goodbye:
-                link.send(BYE)
-            try:  # wakes the thread's select at once
-                link.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            links, self._links = list(self._links.values()), {}
+            listener, self._listener = self._listener, None
         if listener is not None:
             listener.close()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(1.0)
+        if goodbye:
+            # A stopped neighbour is not waited for: a survivor of a stopped rank that raised
+            # the job's record before its own watch judged that rank closes its World at once.
+            _leave(links, BYE_WAIT_S, quiet=self.timeout / 2)
+        else:
+            for link in links:
+                link.sock.close()
+        if self._wake is not None and not self._thread.is_alive():
+            for end in self._wake:
+                os.close(end)
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
         try:
             # While this thread sets the links up it may block for seconds (a handshake with a
-            # neighbour that is slow to answer, a busy store): a pulse thread keeps beating on
-            # the links already up meanwhile, so their other ends, already watching, do not
-            # take this rank for silent (a false loss at 16 ranks on 2 cores without it).
-            linking = threading.Event()
-            pulse = threading.Thread(target=self._pulse, args=(linking,), daemon=True,
-                                     name=f"gradsync-heartbeat-pulse-{self.rank}")
-            pulse.start()
+            # neighbour that is slow to answer, a busy store): the links already up keep
+            # beating meanwhile, so their other ends, already watching, do not take this rank
+            # for silent (a false loss at 16 ranks on 2 cores without it).
             try:
-                lost = self._link_up()
+                with self._pulsing():
+                    lost = self._link_up()
             finally:
-                linking.set()
-                pulse.join()
                 self._arm()
             for each in lost:
                 self._lost(each)
@@ -323,10 +370,28 @@ class Heartbeat:
             # The store is gone: the waits report that themselves (World.on_idle).
             log.debug("rank %d: heartbeat thread ends: %s", self.rank, exc)
         finally:
+            # A World that closes takes the links itself, to say goodbye on them: closed here,
+            # they would end without BYE while stop() still writes the goodbye in the store.
             with self._lock:
-                links, self._links = list(self._links.values()), {}
+                links = [] if self._stop.is_set() else list(self._links.values())
+                if links:
+                    self._links = {}
             for link in links:
                 link.sock.close()
+
+    @contextlib.contextmanager
+    def _pulsing(self):
+        """Beats on the links already up from a thread of its own, while this thread is busy
+        elsewhere (setting links up, asking the store about a lost peer)."""
+        done = threading.Event()
+        pulse = threading.Thread(target=self._pulse, args=(done,), daemon=True,
+                                 name=f"gradsync-heartbeat-pulse-{self.rank}")
+        pulse.start()
+        try:
+            yield
+        finally:
+            done.set()
+            pulse.join()
 
     def _arm(self) -> None:
         """Starts the abort watch once the link set-up is done with the store (the watch
@@ -460,10 +525,10 @@ class Heartbeat:
                     link.heard = now
             previous = now
             self._beat(now)
-            ready, _, _ = select.select([link.sock for link in links], [], [],
-                                        max(0.0, self._next_beat - now))
+            ready, _, _ = select.select([link.sock for link in links] + [self._wake[0]], [],
+                                        [], max(0.0, self._next_beat - now))
             if self._stop.is_set():
-                return  # stop() shut the links down: that is no lost peer
+                return  # the World closes: stop() says goodbye on the links
             now = time.monotonic()
             for link in links:
                 try:
@@ -480,8 +545,11 @@ class Heartbeat:
 
     def _drop(self, link: _Link) -> None:
         with self._lock:
-            self._links.pop(link.peer, None)
-        link.sock.close()
+            mine = self._links.get(link.peer) is link
+            if mine:
+                del self._links[link.peer]
+        if mine:  # else stop() took it, and closes it
+            link.sock.close()
 
     def _unlinked(self, peer: int) -> _Lost:
         return _Lost(peer, f"{self.describe(peer)} did not open its heartbeat link within "
@@ -507,23 +575,88 @@ class Heartbeat:
             # the post: it is often the echo of a failure already in the record (a rank that
             # raised it exits).
             self.lost = found
-        try:
-            # A connection of its own: the private one is blocked in the abort watch.
-            store = self._main.clone_private()
-            if self.lost is None and store.check(f"hb/{peer}/bye"):
-                return  # it left on purpose before its link was up
-            winner = store.post_abort(record)
-            if self._root is not None:
-                job, ranks = self._root
-                Store.over(store.base, job, store.timeout).post_abort(
-                    dict(record, rank=ranks[self.rank], peer=ranks[peer],
-                         message=f"in sub-world {self._main.job}: {message}"))
-        except (RuntimeError, OSError, GradsyncError):
-            winner = record  # no store: this rank raises what it found itself
+        # The store may take seconds, or fail and be asked again: the other link beats on.
+        with self._pulsing():
+            winner = self._post(peer, record)
+        if winner is None:
+            return  # it left on purpose, or this World closed meanwhile
         if winner == record:
             self.lost = found
             self._posted = record
         log.warning("rank %d: %s", self.rank, message)
+
+    def _post(self, peer: int, record: dict) -> "dict | None":
+        """Posts ``record`` unless ``peer`` wrote its goodbye; returns the job's record, or
+        None when the peer left on purpose (or this World closed meanwhile).
+
+        A store request that fails says nothing about the peer: asked again, at growing
+        intervals, until the store answers or ``link_up`` seconds have passed; then the
+        record is returned as if it had won (no store: this rank raises what it found)."""
+        deadline = time.monotonic() + self.link_up
+        delay, tries = 0.05, 0
+        while True:
+            tries += 1
+            try:
+                # A connection of its own: the private one is blocked in the abort watch.
+                store = self._main.clone_private()
+                if self.lost is None and store.check(f"hb/{peer}/bye"):
+                    return None
+                winner = store.post_abort(record)
+                if self._root is not None:
+                    job, ranks = self._root
+                    Store.over(store.base, job, store.timeout).post_abort(
+                        dict(record, rank=ranks[self.rank], peer=ranks[peer],
+                             message=f"in sub-world {self._main.job}: {record['message']}"))
+                return winner
+            except (RuntimeError, OSError, GradsyncError) as exc:
+                if time.monotonic() + delay > deadline:
+                    log.warning("rank %d: the store did not answer about rank %d in %d tries "
+                                "(%s); reporting it lost", self.rank, peer, tries, exc)
+                    return record
+                log.debug("rank %d: the store did not answer about rank %d (%s); asking "
+                          "again in %.2fs", self.rank, peer, exc, delay)
+            if self._stop.wait(delay):
+                return None
+            delay = min(2 * delay, 1.0)
+
+
+def _leave(links: "list[_Link]", wait: float, quiet: float) -> None:
+    """Says BYE on ``links`` and closes each once its neighbour closed its end (it does when
+    it reads the BYE), or after ``wait`` seconds; a neighbour not heard for ``quiet`` seconds
+    (stopped, cut off) would not answer, and is not waited for.
+
+    Until then the neighbours' beats are read: a socket closed with bytes unread sends a reset
+    instead of a FIN, and a reset drops whatever of this end's bytes the neighbour's kernel
+    had not acknowledged yet, which may be the BYE (the store's key is then the evidence)."""
+    for link in links:
+        link.send(BYE)
+        try:
+            link.sock.shutdown(socket.SHUT_WR)  # the BYE, then a FIN
+        except OSError:
+            pass  # it broke already: the neighbour reads the store's key
+    now = time.monotonic()
+    waiting = {link.sock for link in links if now - link.heard <= quiet}
+    deadline = now + wait
+    while waiting and (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select(list(waiting), [], [], left)
+        for sock in ready:
+            if not _drained(sock):
+                waiting.discard(sock)  # its end closed: nothing more will arrive
+    for link in links:
+        _drained(link.sock)  # what a neighbour not waited for sent meanwhile
+        link.sock.close()
+
+
+def _drained(sock: socket.socket) -> bool:
+    """Reads what ``sock`` holds, without blocking; False once its other end has closed."""
+    while True:
+        try:
+            if not sock.recv(4096):
+                return False
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError:
+            return False  # reset
 
 
 def _route_address(store: Store) -> str:

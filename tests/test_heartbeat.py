@@ -1,10 +1,13 @@
 """Heartbeats and the abort watch: a stopped rank is lost within the bound, a killed one at once,
-a busy one never; waiting ranks learn of a failure within the poll interval without asking the
-store."""
+a busy one never, one that leaves on purpose never, whatever the store does meanwhile; waiting
+ranks learn of a failure within the poll interval without asking the store."""
 
 import re
+import select
+import socket
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -13,7 +16,7 @@ from torch.distributed import TCPStore
 
 from gradsync.abort_watch import AbortWatch, private_connection
 from gradsync.config import Config
-from gradsync.heartbeat import Heartbeat, watched_peers
+from gradsync.heartbeat import BEAT, BYE, Heartbeat, _leave, _Link, watched_peers
 from gradsync.rendezvous import Store
 from harness import launch, spawn
 
@@ -301,3 +304,147 @@ def test_a_neighbour_that_never_links_does_not_cost_the_other_link(monkeypatch):
     finally:
         for beat in beats:
             beat.stop(goodbye=False)
+
+
+def _linked(beats) -> bool:
+    return all(len(b._links) == min(2, b.size - 1) and b.abort.armed for b in beats)
+
+
+def test_a_rank_whose_goodbye_waits_on_the_store_is_neither_lost_nor_silent(monkeypatch):
+    """Rank 1 closes its World while the store holds its goodbye for two heartbeat timeouts
+    (the store stalls so when many ranks exit at once: docs/troubleshooting.md), and rank 0
+    still watches it, as a rank still in a job's last barrier watches a neighbour that passed
+    it. Rank 1's links must neither end before its goodbye is known nor fall silent.
+
+    Before the fix rank 1's heartbeat thread closed its links as soon as the World closed,
+    without BYE, while the goodbye still waited for the store; rank 0 found no goodbye in the
+    store and reported rank 1 lost (CI: "rank 55 ... closed its heartbeat link" at the end of a
+    64-rank job). The store is released at once when rank 0 reports, so that fails quickly."""
+    server = _store_server()
+    first, second = _pair(server, "leave", timeout=1.0)
+    assert _wait_for(lambda: _linked([first, second]), 10) < 10
+    write = Store.set
+
+    def stalled(self, key, value):
+        if key == "hb/1/bye":
+            _wait_for(lambda: first.lost is not None, 2 * 1.0)  # the stall: two timeouts
+        return write(self, key, value)
+
+    monkeypatch.setattr(Store, "set", stalled)
+    try:
+        leaving = threading.Thread(target=second.stop)
+        leaving.start()
+        leaving.join(10)
+        assert not leaving.is_alive(), "stop() did not return within 10 s"
+        # rank 0 read the BYE and let the link go, or reported rank 1
+        assert _wait_for(lambda: 1 not in first._links or first.lost is not None, 5) < 5
+        assert first.lost is None, first.lost
+        assert Store.over(server, "leave", 10.0).read_abort() is None
+    finally:
+        first.stop()
+
+
+def test_a_leaving_rank_reads_its_neighbours_beats_before_it_closes_so_no_reset():
+    """A socket closed with bytes unread resets its connection instead of closing it, and a
+    reset discards what the other end's kernel had not yet acknowledged (a BYE still on the
+    way). The leaving end holds beats it has not read; it must read them, and close only
+    once the neighbour has read the BYE and closed its end, or its wait is over: either way
+    with nothing unread, so the neighbour's end sees no reset (SO_ERROR stays 0; a reset in
+    the neighbour's state sets EPIPE)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    leaving = socket.create_connection(listener.getsockname())
+    neighbour, _ = listener.accept()
+    listener.close()
+    neighbour.sendall(BEAT * 10)
+    assert _wait_for(lambda: select.select([leaving], [], [], 0)[0], 5) < 5  # unread there
+    goodbye = threading.Thread(target=_leave, args=([_Link(1, leaving)], 0.5, 5.0))
+    goodbye.start()
+    neighbour.settimeout(5)
+    got = b""
+    while chunk := neighbour.recv(16):
+        got += chunk
+    assert got == BYE, got
+    goodbye.join(5)  # its wait ends (this end is still open), then it closes
+    assert not goodbye.is_alive()
+    assert neighbour.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
+    neighbour.close()
+
+
+def test_a_leaving_rank_does_not_wait_for_a_neighbour_it_has_not_heard_from():
+    """A neighbour quiet for longer than ``quiet`` (stopped: a survivor that raised the job's
+    record before its own watch judged the stopped rank closes its World at once) would never
+    close its end: the leaving rank closes without waiting its ``wait`` for it."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    leaving = socket.create_connection(listener.getsockname())
+    stopped, _ = listener.accept()  # never reads, never closes, until the end
+    listener.close()
+    link = _Link(1, leaving)
+    link.heard -= 2.0  # its last beat came 2 s ago
+    started = time.monotonic()
+    try:
+        _leave([link], 30.0, quiet=1.0)
+        assert time.monotonic() - started < 5.0  # not the 30 s wait
+        assert leaving.fileno() == -1  # closed
+    finally:
+        stopped.close()
+
+
+def test_a_lost_goodbye_is_found_in_the_store_even_when_the_store_fails_at_first(monkeypatch):
+    """Rank 1's BYE never reaches rank 0 (as when a reset drops it: a socket closed with bytes
+    unread resets its connection, and the reset discards what the other end had not yet
+    acknowledged), and rank 0's first two questions to the store fail: a failed question is
+    no evidence, so rank 0 asks again and finds the goodbye. Before the fix the first failure
+    made rank 0 report rank 1 lost."""
+    server = _store_server()
+    first, second = _pair(server, "reset", timeout=5.0)
+    assert _wait_for(lambda: _linked([first, second]), 10) < 10
+    leaving = second._links[0]
+    send = _Link.send
+    monkeypatch.setattr(_Link, "send", lambda self, byte: None if self is leaving and byte == BYE
+                        else send(self, byte))
+    asked = []
+    check = Store.check
+
+    def failing(self, key):
+        if key == "hb/1/bye":
+            asked.append(time.monotonic())
+            if len(asked) <= 2:
+                raise RuntimeError("injected: the store did not answer in time")
+        return check(self, key)
+
+    monkeypatch.setattr(Store, "check", failing)
+    try:
+        second.stop()
+        assert _wait_for(lambda: 1 not in first._links or first.lost is not None, 10) < 10
+        assert first.lost is None, first.lost
+        assert len(asked) == 3, asked
+        assert Store.over(server, "reset", 10.0).read_abort() is None
+    finally:
+        first.stop()
+
+
+def test_a_crash_is_still_reported_when_the_store_never_answers(monkeypatch):
+    """Rank 1 crashes (its link ends without BYE, and it wrote no goodbye) while every question
+    to the store fails: rank 0 asks again until ``link_up`` has passed, then reports the loss
+    itself; before the fix it did at the first failure, without asking again."""
+    server = _store_server()
+    store = Store.over(server, "gone", 10.0)
+    first, second = [Heartbeat(store, r, 2, 0.05, 5.0, secret=b"s" * 32, link_up=3.0).start()
+                     for r in range(2)]
+    assert _wait_for(lambda: _linked([first, second]), 10) < 10
+    asked = []
+
+    def failing(self, key):
+        asked.append(key)
+        raise RuntimeError("injected: the store is gone")
+
+    monkeypatch.setattr(Store, "check", failing)
+    try:
+        second.stop(goodbye=False)  # as a crash
+        took = _wait_for(lambda: first.lost is not None, 10)
+        assert first.lost is not None and first.lost.peer == 1, took
+        assert "closed its heartbeat link" in str(first.lost)
+        assert len(asked) >= 3 and set(asked) == {"hb/1/bye"}, asked
+        assert took < 3.0 + 2.0, took  # link_up, and slack for a loaded machine
+    finally:
+        first.stop(goodbye=False)
