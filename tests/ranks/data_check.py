@@ -25,13 +25,12 @@ checks them (tests/test_data_multiprocess.py).
                              0 and writes the error it raised to DIR/broken-<rank>.txt
 """
 
-import common  # noqa: F401  (deadline)
+import common  # (deadline)
 
 import json
 import os
 import signal
 import sys
-import time
 
 import numpy as np
 import torch
@@ -92,8 +91,8 @@ def shrink(loader, directory, steps, seen):
     gs.barrier()
     shrunk = os.path.join(directory, "shrunk")
     if gs.rank() == 1:
-        while not os.path.exists(shrunk):  # lost: still connected, taking nothing
-            time.sleep(0.05)
+        # Lost: still connected, taking nothing, until worker 0 is done.
+        common.until(lambda: os.path.exists(shrunk), "worker 0's end", every=0.05)
         return
     loader.reset(0, 1, state)
     after: dict = {}
@@ -112,39 +111,20 @@ def shrink(loader, directory, steps, seen):
 # there, SIGKILLs the data server, waits until its process has exited (so that its sockets are
 # closed and its port refuses), and writes the release. No sleep stands for any of these steps.
 
-_MEETING = 60.0  # seconds: far beyond any step of the meeting on a loaded machine
-
-
-def _until(condition, what):
-    deadline = time.monotonic() + _MEETING
-    while not condition():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"rank {gs.rank()}: {what} not within {_MEETING:.0f}s")
-        time.sleep(0.01)
-
-
-def _gone(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-
-
 def held(directory, stage):
     """(A held worker.) Says it is at ``stage``'s moment and waits for the release."""
     open(os.path.join(directory, f"held-{stage}-{gs.rank()}"), "w").close()
     release = os.path.join(directory, f"release-{stage}")
-    _until(lambda: os.path.exists(release), f"the release of {stage}")
+    common.until(lambda: os.path.exists(release), f"the release of {stage}")
 
 
 def kill(directory, stage, pid, holding):
     """(Worker 0.) Once the workers ``holding`` are held at ``stage``, SIGKILLs process ``pid``
     (a data server) and releases them when it has exited."""
     names = [os.path.join(directory, f"held-{stage}-{w}") for w in holding]
-    _until(lambda: all(os.path.exists(n) for n in names), f"every worker at {stage}")
+    common.until(lambda: all(os.path.exists(n) for n in names), f"every worker at {stage}")
     os.kill(pid, signal.SIGKILL)
-    _until(lambda: _gone(pid), f"the end of data server process {pid}")
+    common.until(lambda: common.gone(pid), f"the end of data server process {pid}")
     open(os.path.join(directory, f"release-{stage}"), "w").close()
 
 
