@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Callable
 
+from .errors import PeerLostError
 from .rendezvous import Store
 from .transport import regions
 from .world import listen_addr
@@ -50,7 +52,9 @@ def unique_id(store: Store, service: str) -> int:
 
 
 def connect_servers(config, env, store: Store, service: str, first_rank: int, count: int,
-                    noun: str, ident: int | None = None) -> tuple[regions.Endpoint, list]:
+                    noun: str, ident: int | None = None,
+                    lost: Callable[[int, BaseException], None] | None = None
+                    ) -> tuple[regions.Endpoint, list]:
     """This worker's endpoint for ``service`` and a connection to each of its servers.
 
     Args:
@@ -62,6 +66,11 @@ def connect_servers(config, env, store: Store, service: str, first_rank: int, co
         noun: how messages name a server, as ``"data server"``.
         ident: this worker's endpoint id (default: its rank; ``unique_id`` in an elastic
             job).
+        lost: for a service that goes on without a lost server (the data servers): called
+            with the server's index and the PeerLostError when a server that published its
+            address is gone (its connection fails, or it refuses connections for
+            ``tcp.REFUSED_GRACE`` seconds); its place in the list is then None. Without it,
+            that error is raised.
 
     Returns:
         The endpoint and the connections (``region_peer.RemotePeer``), in server order. On
@@ -81,11 +90,20 @@ def connect_servers(config, env, store: Store, service: str, first_rank: int, co
             # The server's own endpoint id (its launch rank), which a worker started with
             # another job size (an elastic job's new worker) could not compute.
             rank = info.get("ident", first_rank + index)
-            peers.append(endpoint.connect(rank, info["addr"], info["port"], deadline,
-                                          f"{noun} {index} (rank {rank})"))
+            try:
+                # A published server listens: one that refuses connections has ended.
+                peers.append(endpoint.connect(rank, info["addr"], info["port"], deadline,
+                                              f"{noun} {index} (rank {rank})",
+                                              listening=lost is not None))
+            except PeerLostError as exc:
+                if lost is None:
+                    raise
+                lost(index, exc)
+                peers.append(None)
     except BaseException:
         for peer in peers:
-            peer.close()
+            if peer is not None:
+                peer.close()
         endpoint.close()
         raise
     return endpoint, peers

@@ -18,7 +18,6 @@ import socket
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 from gradsync.run.processes import start
@@ -29,13 +28,73 @@ from gradsync.transport.tcp import TcpPair
 RANKS = Path(__file__).parent / "ranks"
 
 
-@dataclass
-class Result:
-    returncode: int
-    output: str
+# --- what a failed job shows -------------------------------------------------------------
+#
+# A test asserts on a job's result with the result as the message (``assert r.returncode ==
+# 0, r``). pytest prints a str message whole but cuts any other object's repr to 240
+# characters in its middle ("..."): a job's output lost the reason a rank failed that way
+# (CI: test_ps.py's async-3-2, "worker 0 exited 1" and nothing of its traceback). So a result
+# *is* a str, its report (``report``), and keeps its exit status and whole output as
+# attributes.
 
-    def __str__(self) -> str:
-        return f"exit {self.returncode}\n{self.output[-6000:]}"
+REPORT_CHARS = 20_000
+"""The most characters of a job's output that its report shows."""
+
+
+# How a rank's first error starts in its output: a Python traceback, or the stack dump of a
+# rank at its deadline (``faulthandler``, tests/ranks/common.py) or of a crash.
+_FIRST_ERROR = ("Traceback (most recent call last)", "Timeout (", "Fatal Python error")
+
+
+def report(head: str, output: str, limit: int = REPORT_CHARS) -> str:
+    """``head``, then ``output`` whole if it fits in ``limit`` characters; else its first
+    error (a traceback or a stack dump: the failing rank's reason, which the output of the
+    ranks stopped after it can push far from the end) and as much of its end as fits, cut
+    at line starts."""
+    if len(output) <= limit:
+        return f"{head}\n{output}"
+    lines = output.splitlines(keepends=True)
+    tail, size = [], 0
+    for line in reversed(lines):
+        if size + len(line) > limit * 2 // 3:
+            if not tail:
+                tail.append(line[-(limit * 2 // 3):])  # one huge line: its end
+            break
+        tail.append(line)
+        size += len(line)
+    tail.reverse()
+    start = len(lines) - len(tail)
+    shown = [f"{head}\n"]
+    first = next((i for i in range(start) if any(m in lines[i] for m in _FIRST_ERROR)), None)
+    if first is not None:
+        block, size = [], 0
+        for line in lines[first:start]:
+            if size + len(line) > limit // 3:
+                break
+            block.append(line)
+            size += len(line)
+        shown += [f"[... {first} lines ...]\n", *block]
+        first += len(block)
+    else:
+        first = 0
+    if start > first:
+        shown.append(f"[... {start - first} lines ...]\n")
+    return "".join(shown + tail)
+
+
+class Result(str):
+    """A job's end: ``returncode`` and ``output`` (also ``stdout``, as subprocess names it;
+    ``args``, the command). As a str it is its report: the exit status and the output, whole
+    or its first traceback and its tail (``report``)."""
+
+    def __new__(cls, returncode: int, output: str, args=None):
+        self = super().__new__(cls, report(f"exit {returncode}", output))
+        self.returncode, self.output, self.args = returncode, output, args
+        return self
+
+    @property
+    def stdout(self) -> str:
+        return self.output
 
 
 def launch(np_: int, script: str, *args: str, timeout: float = 60, env: dict | None = None,
@@ -53,11 +112,14 @@ def launch(np_: int, script: str, *args: str, timeout: float = 60, env: dict | N
     return Result(proc.returncode, proc.stdout)
 
 
-@dataclass
-class Rank:
-    rank: int
-    returncode: int
-    output: str
+class Rank(str):
+    """One rank's end (``spawn``): ``rank``, ``returncode``, ``output``; as a str, its report
+    (as ``Result``)."""
+
+    def __new__(cls, rank: int, returncode: int, output: str):
+        self = super().__new__(cls, report(f"rank {rank} exit {returncode}", output))
+        self.rank, self.returncode, self.output = rank, returncode, output
+        return self
 
 
 def worker_results(output: str) -> dict[str, dict]:
@@ -116,7 +178,8 @@ def spawn(np_: int, script: str, *args: str, timeout: float = 60, env: dict | No
         for r, p in enumerate(procs):
             if p.poll() is None:
                 p.signal(signal.SIGKILL)
-            dump.append(f"--- rank {r} ---\n{p.proc.communicate()[0][-3000:]}")
+            dump.append(report(f"--- rank {r} ---", p.proc.communicate()[0],
+                               REPORT_CHARS // np_))
         raise AssertionError(f"{script} passed its {timeout}s deadline:\n"
                              + "\n".join(dump)) from None
     finally:
@@ -126,7 +189,7 @@ def spawn(np_: int, script: str, *args: str, timeout: float = 60, env: dict | No
     return results
 
 
-def bench(benchmark: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def bench(benchmark: str, *args: str, timeout: float = 120) -> Result:
     """Runs ``gradsync bench BENCHMARK ARGS`` to its end (the whole job stopped at
     ``timeout``: ``run_job``); returns the result with stdout and stderr together."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
@@ -281,7 +344,7 @@ def kill_marked(mark: str) -> None:
 
 def run_job(cmd: list, *, timeout: float, env: dict | None = None, cwd=None,
             mark: str | None = None, grace: float = 8.0,
-            what: str | None = None) -> subprocess.CompletedProcess:
+            what: str | None = None) -> Result:
     """Runs a launcher command (``gradsync run``/``bench``, torchrun) to its end, stdout and
     stderr together, with a deadline for the whole job, not only the launcher.
 
@@ -317,9 +380,9 @@ def run_job(cmd: list, *, timeout: float, env: dict | None = None, cwd=None,
             out, _ = proc.communicate()
         kill_marked(mark)  # ranks the launcher did not stop in its grace
         what = what or f"{' '.join(map(str, cmd[:6]))} ..."
-        raise AssertionError(f"{what} passed its {timeout}s deadline:\n{out[-6000:]}") from None
+        raise AssertionError(report(f"{what} passed its {timeout}s deadline:", out)) from None
     except BaseException:
         kill_marked(mark)
         proc.wait()
         raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out)
+    return Result(proc.returncode, out, proc.args)

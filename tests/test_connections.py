@@ -8,6 +8,7 @@ count from inside the ranks what they hold (/proc/self/fd) and what they asked o
 (``rendezvous.request_counts``). tests/ranks/connections.py is the rank side.
 """
 
+import collections
 import json
 import math
 import re
@@ -35,10 +36,15 @@ class Rank:
         self.listener = tcp.Listener("127.0.0.1", rank, secret, None)
         self.route = self.listener.route(job, rank, set(range(size)) - {rank})
         self.hold = {}  # peer -> threading.Event the dial waits on first (to force orders)
+        # peer -> threading.Event set once a held dial is waiting: the route has marked the
+        # pair as dialing (``Route.open`` does before it dials), so a test knows the order
+        # it forces is in place without sleeping for it.
+        self.held = collections.defaultdict(threading.Event)
 
     def dial(self, peer: "Rank") -> "socket.socket | None":
         event = self.hold.get(peer.rank)
         if event is not None:
+            self.held[peer.rank].set()
             assert event.wait(10)
         return tcp.connect("127.0.0.1", peer.listener.port, self.rank, peer.rank, self.secret,
                            self.job, time.monotonic() + 10, crossing=True)
@@ -53,6 +59,14 @@ class Rank:
 
     def close(self) -> None:
         self.listener.close()
+
+
+def _until(condition, what: str, timeout: float = 10.0) -> None:
+    """Waits until ``condition()`` holds; AssertionError naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f}s"
+        time.sleep(0.005)
 
 
 @pytest.fixture
@@ -100,7 +114,10 @@ def test_first_use_by_one_end_only(job, first):
 
         def use(c):
             if c.rank != early:
-                time.sleep(0.2)  # the early end is already in its exchange
+                # Only once the early end's connection has reached this end's listener:
+                # this end then takes it, and never dials.
+                _until(lambda: isinstance(ranks[c.rank].route.slots.get(early),
+                                          socket.socket), "the early end's connection")
             c.begin("one way")
             sends = (c.rank == early) == (first == "send")
             if sends:
@@ -168,7 +185,7 @@ def test_crossing_dials_keep_the_higher_ranks_connection(job):
     taken = {}
     t = threading.Thread(target=lambda: taken.setdefault("low", low.open(high)))
     t.start()
-    time.sleep(0.1)
+    assert low.held[1].wait(10)  # the lower rank is dialing
     taken["high"] = high.open(low)
     low.hold[1].set()
     t.join(10)
@@ -182,7 +199,7 @@ def test_crossing_dials_keep_the_higher_ranks_connection(job):
     high.hold[0] = threading.Event()
     t = threading.Thread(target=lambda: taken.__setitem__("high", high.open(low)))
     t.start()
-    time.sleep(0.1)
+    assert high.held[0].wait(10)  # the higher rank is dialing
     assert low.open(high) is None  # busy: the higher rank's connection is on its way
     assert low.open(high) is None  # still waiting: does not dial again
     high.hold[0].set()
@@ -219,12 +236,13 @@ def test_a_peer_lost_after_answering_busy_is_a_lost_peer(job):
 
     t = threading.Thread(target=dead_dial, daemon=True)
     t.start()
-    time.sleep(0.1)
+    assert high.held[0].wait(10)  # the higher rank is dialing
     assert low.open(high) is None  # busy
     high.listener.close()
     start = time.monotonic()
     with pytest.raises(PeerLostError) as err:
         while low.open(high) is None:
+            assert time.monotonic() - start < 30, "still waiting for a rank that is gone"
             time.sleep(0.01)
     assert err.value.peer == 1
     assert time.monotonic() - start < tcp.BUSY_RECHECK + tcp.REFUSED_GRACE + 2

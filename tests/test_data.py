@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from gradsync.data import plan as P
+from gradsync.data import server as server_module
 from gradsync.data.cache import Cache
 from gradsync.data.layout import Layout, leaves_of
 from gradsync.data.server import DataServer, Source
@@ -246,17 +247,46 @@ def _wait_for(cond, seconds=5.0):
     return cond()
 
 
-def test_a_server_runs_at_most_prefetch_batches_ahead_of_each_worker(server):
+class _Looks:
+    """Every look of a data server's producer at a stream (``_Stream.can_produce``), with
+    whether it found the stream waiting for credit. A test that asserts the producer did
+    *not* go on waits until the producer has looked, after a point, and found no credit,
+    instead of sleeping and hoping it had looked."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        original = server_module._Stream.can_produce
+
+        def look(stream):
+            ready = original(stream)
+            self.calls.append((stream, not ready and stream.waits_for_credit()))
+            return ready
+
+        monkeypatch.setattr(server_module._Stream, "can_produce", look)
+
+    def mark(self) -> int:
+        return len(self.calls)
+
+    def out_of_credit(self, streams, since: int) -> bool:
+        """Waits until, after look number ``since``, the producer has found each of
+        ``streams`` out of credit; whether it did within 5 s."""
+        return _wait_for(lambda: all(any(s is stream and short
+                                          for s, short in self.calls[since:])
+                                     for stream in streams))
+
+
+def test_a_server_runs_at_most_prefetch_batches_ahead_of_each_worker(server, monkeypatch):
+    looks = _Looks(monkeypatch)
     srv, peers = server(Numbers(40), workers=2)
     replies = {w: _hello(p, 40, prefetch=2) for w, p in peers.items()}
     layout = Layout(replies[0]["layout"])
     for w, p in peers.items():
         assert p.call("start", epoch=0, done=None)["batches"] == 5
     assert _wait_for(lambda: all(s.produced == 2 for s in srv.streams.values()))
-    time.sleep(0.2)
+    assert looks.out_of_credit(srv.streams.values(), looks.mark())
     assert [s.produced for s in srv.streams.values()] == [2, 2]  # no credit: it waits
     _take(peers[0], 0, 0, srv.slot_bytes, layout)
-    time.sleep(0.1)
+    assert looks.out_of_credit([srv.streams[0]], looks.mark())
     assert srv.streams[0].produced == 2  # item 0 is still being read
     _take(peers[0], 0, 1, srv.slot_bytes, layout)  # releases item 0: one more credit
     assert _wait_for(lambda: srv.streams[0].produced == 3)
@@ -330,8 +360,11 @@ def test_the_server_is_done_once_every_worker_has_gone(server):
     srv, peers = server(Numbers(10), workers=2)
     _hello(peers[0], 10)
     peers[0].close()
-    time.sleep(0.2)
-    assert not srv.done.is_set()  # worker 1 has not even come yet
+    # The server has taken worker 0's end: its handler, which sets ``done`` when the
+    # server is done, has run to its end once its lock is free.
+    assert _wait_for(lambda: srv.streams[0].gone)
+    with srv._cv:
+        assert not srv.done.is_set()  # worker 1 has not even come yet
     peers[1].close()
     assert srv.done.wait(5)
 

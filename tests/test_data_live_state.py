@@ -182,8 +182,14 @@ def test_an_elastic_data_server_admits_new_ids_and_outlives_its_workers():
             peer.call("start", epoch=0, done=None, generation=0, workers=2, index=place, seq=0)
         for peer in first:
             peer.close()
-        time.sleep(0.3)
-        assert not srv.done.is_set()  # every worker it knew has gone: it still serves
+        # The server has taken both ends: its handler, which a fixed job's server ends in
+        # (``done``), has run to its end once its lock is free.
+        deadline = time.monotonic() + 10
+        while not all(s.gone for s in srv.streams.values()):
+            assert time.monotonic() < deadline, "the server never saw its workers go"
+            time.sleep(0.01)
+        with srv._cv:
+            assert not srv.done.is_set()  # every worker it knew has gone: it still serves
         # A worker of a later generation, with an id beyond the first workers'.
         late = join(12345)
         reply = late.call("start", epoch=0, done=None, generation=3, workers=1, index=0, seq=0)

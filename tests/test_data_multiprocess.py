@@ -125,6 +125,38 @@ def test_a_killed_data_servers_share_is_served_by_the_others_exactly_once(tmp_pa
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("point", ["dial", "regions", pytest.param("hello", marks=[
+    pytest.mark.slow])])
+def test_a_data_server_lost_at_any_moment_is_served_by_the_others_exactly_once(tmp_path,
+                                                                               point):
+    # 3 workers, 4 data servers; worker 0 SIGKILLs three of them, each while the other
+    # workers are held at a moment (tests/ranks/data_check.py, ``lose``): server 0 while
+    # workers 1 and 2 are inside Loader(...), before POINT of their connection to it (a dial
+    # it refuses, a hello on a connection it reset, the read of its region table: the CI
+    # failure); server 1 while every worker is inside state_dict(); server 2 between the
+    # epochs. Server 3 serves the rest, and every sample still reaches exactly one worker.
+    r = harness.launch(3, "data_check.py", f"lose-{point}", str(tmp_path), "2", timeout=120,
+                       launcher_args=("--data-servers", "4"))
+    assert r.returncode == 137, str(r)
+    for d in range(3):
+        assert f"rank {3 + d} (data server {d})" in r.output, str(r)
+    assert "the job ran to its end" in r.output, str(r)
+    got = _received(tmp_path, "lose", 3)
+    for epoch in (0, 1):
+        ids = [i for w in got for i in w[str(epoch)]]
+        assert sorted(ids) == list(range(SAMPLES)), f"epoch {epoch}"
+    # The state taken while server 1 was killed holds exactly what the workers had received
+    # (each worker's batch in hand counts as delivered).
+    state = json.loads((tmp_path / "state.json").read_text())
+    before = [json.loads((tmp_path / f"before-{w}.json").read_text()) for w in range(3)]
+    assert state["epoch"] == 0
+    assert sorted(P.unpack_mask(state["done"], SAMPLES).nonzero()[0].tolist()) == \
+        sorted(i for b in before for i in b)
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert [s["server"] for s in stats] == [3]  # the live one
+
+
+@pytest.mark.multiprocess
 def test_a_lost_workers_uncommitted_share_goes_to_the_new_generation_exactly_once(tmp_path):
     # 2 workers and 2 data servers: both commit after 3 batches and take 2 more; worker 1 is
     # then lost, and worker 0 resets to the commit as a generation of one worker.

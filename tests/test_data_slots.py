@@ -19,7 +19,8 @@ from gradsync.data.slots import ACK_WORD, Poller, SlotTable, poller, table_words
 from gradsync.errors import GradsyncError, GradsyncTimeoutError, PeerLostError
 from gradsync.transport import shm
 
-from test_data import Numbers, Unreadable, _hello, _wait_for, server  # noqa: F401  (fixture)
+from test_data import (Numbers, Unreadable, _hello, _Looks, _wait_for,  # noqa: F401
+                       server)  # (fixture)
 
 
 def _table(prefetch=2, batch_size=3):
@@ -94,9 +95,14 @@ def test_a_server_killed_while_the_worker_polls_is_named_within_the_deadline():
             except BaseException as exc:
                 caught.append((exc, time.monotonic()))
 
+        # The poll has begun to wait (past its first looks, checking the server's life)
+        # before the server is killed.
+        checking = threading.Event()
+        check_alive = road.check_alive
+        road.check_alive = lambda: (checking.set(), check_alive())
         thread = threading.Thread(target=poll)
         thread.start()
-        time.sleep(0.2)
+        assert checking.wait(10)
         assert thread.is_alive()  # nothing published: it waits
         proc.kill()
         killed = time.monotonic()
@@ -158,7 +164,9 @@ def _poll_all(road, layout, items, first=0):
     return got
 
 
-def test_a_polling_worker_gets_every_batch_with_no_take_and_its_acks_are_the_credit(server):
+def test_a_polling_worker_gets_every_batch_with_no_take_and_its_acks_are_the_credit(
+        server, monkeypatch):
+    looks = _Looks(monkeypatch)
     srv, peers = server(Numbers(40), workers=2)
     layout = Layout(_hello(peers[0], 40, prefetch=2)["layout"])
     _hello(peers[1], 40, prefetch=2)
@@ -166,12 +174,12 @@ def test_a_polling_worker_gets_every_batch_with_no_take_and_its_acks_are_the_cre
     for p in peers.values():
         assert p.call("start", epoch=0, done=None)["batches"] == 5
     assert _wait_for(lambda: all(s.produced == 2 for s in srv.streams.values()))
-    time.sleep(0.2)
+    assert looks.out_of_credit(srv.streams.values(), looks.mark())
     assert [s.produced for s in srv.streams.values()] == [2, 2]  # out of credit
     got = _poll_all(road, layout, 1)
     # The ack of item 0, a store to shared memory, is worker 0's credit: no message.
     assert _wait_for(lambda: srv.streams[0].produced == 3)
-    time.sleep(0.1)
+    assert looks.out_of_credit(srv.streams.values(), looks.mark())
     assert srv.streams[0].produced == 3 and srv.streams[1].produced == 2
     got += _poll_all(road, layout, 4, first=1)
     mine = P.worker_batches(P.plan(40, 4, seed=1, epoch=0, servers=1, workers=2), 0)

@@ -306,17 +306,22 @@ def test_servers_are_the_last_ranks_of_the_job():
     ("sys.exit(3)", 3, "exited with status 3"),
     ("os.kill(os.getpid(), 9)", 137, "was killed by signal 9 (SIGKILL)"),
 ], ids=["exit", "signal"])
-def test_failing_worker_lets_the_others_finish(failure, status, how):
+def test_failing_worker_lets_the_others_finish(tmp_path, failure, status, how):
+    # The others finish only once this test has read the launcher's report of rank 1 (a
+    # flag file): a report held back to the job's end would hold them until their NAP.
+    told = tmp_path / "reported"
     code = rank_code(f"""
         if rank == 1:
-            time.sleep(0.2)
             {failure}
-        time.sleep(1.0)
+        end = time.monotonic() + {NAP}
+        while not os.path.exists({str(told)!r}) and time.monotonic() < end:
+            time.sleep(0.01)
         print("finished", rank, time.time())
     """)
     with launcher("-np", "2", "--servers", "1", "--no-output-prefix", *code) as proc:
         first = proc.stderr.readline()
         reported = time.time()
+        told.touch()
         out, err = proc.communicate(timeout=DEADLINE)
     assert proc.returncode == status
     assert first == f"gradsync run: worker rank 1 on host localhost {how}; the other ranks go " \

@@ -207,8 +207,8 @@ def test_a_peer_lost_before_its_first_contact_among_64_is_named_by_every_rank(tm
     """The victim dies right after init(); the others' first collective needs every peer, so
     it meets the dead one (with connections made on first use: while connecting to it).
 
-    Within the issue's 5 s of the kill (1 s of it the script's sleep before the collective;
-    the victim dies once every rank's init() returned, counted in the store). The last
+    Within the issue's 5 s of the kill (the victim dies once every rank's init() returned,
+    counted in the store; the others begin the collective once its process has exited). The last
     survivor took 5-11 s while a wait's first round dialed all its peers before any liveness
     check (tcp handshakes of 60 peers on 2 cores) and a handshake with a busy peer hid the
     abort (and while the victim died before the slowest ranks' init() had returned); 1.0-1.4 s

@@ -36,7 +36,6 @@ import time
 import numpy as np
 
 from ..errors import ConfigError, GradsyncError, PeerLostError
-from ..transport import region_peer
 from .layout import Layout
 from .plan import STATE_VERSION, Batch, pack_mask, plan, unpack_mask, worker_batches
 from .slots import poller
@@ -125,21 +124,58 @@ class Loader:
         # The id the data servers know this worker by: its rank, or in an elastic job (where
         # ranks change and new workers come) a number no other worker of the job has had.
         self.ident = unique_id(store, "data") if self.elastic else env.rank
+        # A data server lost while this worker connects is lost as one lost in the training
+        # loop (``_lose``): the others serve its batches from the first epoch on. One that
+        # cannot be reached at all has no connection here (None in ``peers``).
         self.endpoint, self.peers = connect_servers(config, env, store, "data", env.size,
-                                                    self.servers, "data server", self.ident)
-        hello = {"batch_size": self.batch_size, "seed": self.seed, "samples": self.samples,
-                 "prefetch": self.prefetch}
+                                                    self.servers, "data server", self.ident,
+                                                    lost=self._lose)
         try:
-            replies = region_peer.wait([p.call_async("hello", **hello) for p in self.peers])
+            self._greet()
         except BaseException:
             self.close()
             raise
-        self.layout = Layout(replies[0]["layout"])
-        self.slot_bytes = replies[0]["slot_bytes"]
-        self.slots = [p.region(f"slots.{self.ident}") for p in self.peers]
-        # Per server: the poll road (same host) or None (take over the region connection).
-        self.pollers = [poller(p, self.ident, self.prefetch, self.batch_size, self.slot_bytes)
-                        for p in self.peers]
+
+    def _greet(self) -> None:
+        """Says hello to every data server reached and maps each one's slots; a server lost
+        meanwhile is set aside, as in the training loop."""
+        hello = {"batch_size": self.batch_size, "seed": self.seed, "samples": self.samples,
+                 "prefetch": self.prefetch}
+        calls = {d: p.call_async("hello", **hello) for d, p in enumerate(self.peers)
+                 if d not in self.lost}
+        replies = {}
+        for d, handle in calls.items():
+            try:
+                replies[d] = handle.wait()
+            except PeerLostError as exc:
+                self._lose(d, exc)
+        # Per server: its slots, and the poll road (same host) or None (take over the region
+        # connection). A lost server keeps None in both: no batch is asked of it again.
+        self.slots: list = [None] * self.servers
+        self.pollers: list = [None] * self.servers
+        for d in replies:
+            peer = self.peers[d]
+            try:
+                # Reads the server's region table again (the hello allocated the slots).
+                self.slots[d] = peer.region(f"slots.{self.ident}")
+                self.pollers[d] = poller(peer, self.ident, self.prefetch, self.batch_size,
+                                         replies[d]["slot_bytes"])
+            except PeerLostError as exc:
+                self._lose(d, exc)
+        if not replies or len(self.lost) == self.servers:
+            raise self._none_left()
+        first = replies[min(replies)]  # every server describes the same dataset
+        self.layout = Layout(first["layout"])
+        self.slot_bytes = first["slot_bytes"]
+
+    def _none_left(self) -> GradsyncError:
+        """The error of a worker that has lost every data server."""
+        message = (f"worker {self.rank} lost every data server ({self.servers}); no one is "
+                   "left to serve the data")
+        if self.elastic:
+            # Not a lost worker: re-forming the job would not bring data back.
+            return GradsyncError(message)
+        return PeerLostError(message, peer=None)
 
     @property
     def ids(self) -> np.ndarray | None:
@@ -204,8 +240,8 @@ class Loader:
         return self._active
 
     def _lose(self, server: int, error: BaseException) -> None:
-        """(The fetch thread, or ``__iter__``.) Data server ``server`` is gone: its batches
-        go elsewhere."""
+        """(The fetch thread, ``__iter__``, the connection or ``stats``.) Data server
+        ``server`` is gone: its batches go elsewhere."""
         if server not in self.lost:
             self.lost.add(server)
             log.warning("worker %d lost data server %d (%s); the servers left (%s) serve its "
@@ -221,12 +257,7 @@ class Loader:
         while remaining:
             live = [d for d in range(self.servers) if d not in self.lost]
             if not live:
-                message = (f"worker {self.rank} lost every data server ({self.servers}); no "
-                           "one is left to serve the data")
-                if self.elastic:
-                    # Not a lost worker: re-forming the job would not bring data back.
-                    raise GradsyncError(message)
-                raise PeerLostError(message, peer=None)
+                raise self._none_left()
             first = len(handed)
             chosen: dict[int, list[Batch]] = {}
             for b in remaining:
@@ -387,9 +418,17 @@ class Loader:
     # ------------------------------------------------------------------ the servers
     def stats(self) -> list[dict]:
         """Each live data server's counters: ``server`` (its index), batches prepared, cache
-        hits, misses, samples, bytes."""
-        return region_peer.wait([p.call_async("stats") for d, p in enumerate(self.peers)
-                                 if d not in self.lost])
+        hits, misses, samples, bytes. A server found lost by this call is left out (and its
+        batches go to the others from then on)."""
+        calls = {d: p.call_async("stats") for d, p in enumerate(self.peers)
+                 if d not in self.lost}
+        counters = []
+        for d, handle in calls.items():
+            try:
+                counters.append(handle.wait())
+            except PeerLostError as exc:
+                self._lose(d, exc)
+        return counters
 
     def close(self) -> None:
         """Disconnects from the data servers (they end when every worker has; in an elastic
@@ -400,7 +439,8 @@ class Loader:
         if self._active is not None:
             self._active.stop()
         for peer in getattr(self, "peers", []):
-            peer.close()
+            if peer is not None:  # None: a data server lost before it was reached
+                peer.close()
         if hasattr(self, "endpoint"):
             self.endpoint.close()
 

@@ -383,9 +383,16 @@ class Endpoint:
 
     # ------------------------------------------------------------------ reaching peers
     def connect(self, peer: int, addr: str, port: int, deadline: float,
-                label: str = "") -> RemotePeer:
-        """Connects to endpoint ``peer`` (listening at ``addr:port``) and reads its regions."""
-        sock = tcp.connect(addr, port, self.ident, peer, self.secret, self.job, deadline)
+                label: str = "", listening: bool = False) -> RemotePeer:
+        """Connects to endpoint ``peer`` (listening at ``addr:port``) and reads its regions.
+
+        ``listening``: the peer is known to listen already (it published its address once
+        its listener was open), so a connection it refuses for ``tcp.REFUSED_GRACE`` seconds
+        means it is gone: PeerLostError then, instead of retrying until ``deadline``."""
+        # ``crossing`` also lets a peer that dials this rank at the same moment answer busy;
+        # an endpoint dials no one, so its listener never does, and a socket always comes back.
+        sock = tcp.connect(addr, port, self.ident, peer, self.secret, self.job, deadline,
+                           crossing=listening)
         return RemotePeer(self, peer, sock, label or f"endpoint {peer}")
 
     def close(self) -> None:

@@ -59,3 +59,27 @@ def digest(model) -> str:
 
     flat = torch.cat([p.detach().reshape(-1) for p in model.state_dict().values()])
     return hashlib.sha1(flat.numpy().tobytes()).hexdigest()[:16]
+
+
+# --- waiting for another process, instead of sleeping for it ------------------------------
+
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie its parent has not reaped counts: its
+    sockets are closed and its port refuses)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def until(condition, what: str, timeout: float = 60.0, every: float = 0.01) -> None:
+    """Polls ``condition()`` every ``every`` seconds until it holds; exits the rank naming
+    ``what`` after ``timeout`` seconds (far beyond any step of a test on a loaded machine)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            sys.exit(f"pid {os.getpid()}: {what}: not within {timeout:.0f}s")
+        time.sleep(every)

@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 
-import common  # noqa: F401  (deadline)
+import common  # (deadline)
 import numpy as np
 
 import gradsync as gs
@@ -101,8 +101,11 @@ elif mode == "patterns":
 elif mode == "killed":
     victim = int(sys.argv[2])
     if R == victim:
+        world.store.set("killed/pid", str(os.getpid()))  # a store request: no peer contact
         os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(0.5)  # the victim is gone before anyone dials it
+    # The victim is gone before anyone dials it.
+    pid = int(world.store.get("killed/pid", 30))
+    common.until(lambda: common.gone(pid), f"the end of rank {victim}")
     start = time.monotonic()
     try:
         gs.allreduce(np.ones(100), name="after", algorithm="ring")

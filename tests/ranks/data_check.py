@@ -12,19 +12,25 @@ checks them (tests/test_data_multiprocess.py).
     stop DIR STEPS           STEPS batches of epoch 0, then state_dict(), saved by worker 0
     resume DIR EPOCHS        loads DIR/state.json and runs to the end of epoch EPOCHS - 1
     killserver DIR EPOCHS    as count, but worker 0 SIGKILLs data server 0 after 5 batches
+    lose-POINT DIR EPOCHS    worker 0 SIGKILLs three data servers, each while every other
+                             worker is held at a moment (``lose``): server 0 while they
+                             connect (held before POINT: dial, hello or regions), server 1
+                             while every worker is inside state_dict(), server 2 between
+                             epochs 0 and 1; each worker writes its ids as count does, and
+                             those it had received when it called state_dict() to
+                             DIR/before-<rank>.json; worker 0 the state to DIR/state.json
     shrink DIR STEPS         2 workers commit after STEPS batches, take 2 more, then worker 1
                              is lost and worker 0 resets to the commit alone (``shrink``)
     broken DIR SAMPLE        the dataset cannot read sample SAMPLE: each worker iterates epoch
                              0 and writes the error it raised to DIR/broken-<rank>.txt
 """
 
-import common  # noqa: F401  (deadline)
+import common  # (deadline)
 
 import json
 import os
 import signal
 import sys
-import time
 
 import numpy as np
 import torch
@@ -85,8 +91,8 @@ def shrink(loader, directory, steps, seen):
     gs.barrier()
     shrunk = os.path.join(directory, "shrunk")
     if gs.rank() == 1:
-        while not os.path.exists(shrunk):  # lost: still connected, taking nothing
-            time.sleep(0.05)
+        # Lost: still connected, taking nothing, until worker 0 is done.
+        common.until(lambda: os.path.exists(shrunk), "worker 0's end", every=0.05)
         return
     loader.reset(0, 1, state)
     after: dict = {}
@@ -98,13 +104,115 @@ def shrink(loader, directory, steps, seen):
     open(shrunk, "w").close()
 
 
+# --- holding workers at a moment of the data code while a data server is killed ----------
+#
+# Each kill is a meeting in DIR: every worker held for it writes DIR/held-<stage>-<rank> where
+# it is held and waits for DIR/release-<stage>; worker 0 waits until every held worker is
+# there, SIGKILLs the data server, waits until its process has exited (so that its sockets are
+# closed and its port refuses), and writes the release. No sleep stands for any of these steps.
+
+def held(directory, stage):
+    """(A held worker.) Says it is at ``stage``'s moment and waits for the release."""
+    open(os.path.join(directory, f"held-{stage}-{gs.rank()}"), "w").close()
+    release = os.path.join(directory, f"release-{stage}")
+    common.until(lambda: os.path.exists(release), f"the release of {stage}")
+
+
+def kill(directory, stage, pid, holding):
+    """(Worker 0.) Once the workers ``holding`` are held at ``stage``, SIGKILLs process ``pid``
+    (a data server) and releases them when it has exited."""
+    names = [os.path.join(directory, f"held-{stage}-{w}") for w in holding]
+    common.until(lambda: all(os.path.exists(n) for n in names), f"every worker at {stage}")
+    os.kill(pid, signal.SIGKILL)
+    common.until(lambda: common.gone(pid), f"the end of data server process {pid}")
+    open(os.path.join(directory, f"release-{stage}"), "w").close()
+
+
+def hold_connecting(directory, point):
+    """Holds workers other than 0, inside ``Loader(...)``, just before their first
+    connection to a data server (``dial``), their first hello (``hello``) or their first
+    read of a server's region table (``regions``): server 0 in each case."""
+    from gradsync.transport import region_peer, regions
+
+    cls, name = {"dial": (regions.Endpoint, "connect"),
+                 "hello": (region_peer.RemotePeer, "call_async"),
+                 "regions": (region_peer.RemotePeer, "region")}[point]
+    original = getattr(cls, name)
+    first = []
+
+    def holding(self, *args, **kwargs):
+        if not first and (point != "hello" or args[0] == "hello"):
+            first.append(True)
+            held(directory, "connect")
+        return original(self, *args, **kwargs)
+
+    setattr(cls, name, holding)
+
+
+def hold_in_state_dict(directory, workers, pid_of):
+    """Holds every worker inside ``state_dict()``, before its gather; worker 0 kills data
+    server 1 meanwhile (``pid_of(1)``)."""
+    from gradsync import api
+
+    original = api.allgather_object
+
+    def gather(obj, name=None):
+        if name == "gradsync.data.state_dict":
+            if gs.rank() == 0:
+                kill(directory, "state", pid_of(1), range(1, workers))
+            else:
+                held(directory, "state")
+        return original(obj, name=name)
+
+    api.allgather_object = gather
+
+
+def lose(loader, directory, epochs, seen, steps=3):
+    """Epochs 0 .. ``epochs`` - 1, losing a data server at two more moments (the module
+    docstring): during the state_dict() after ``steps`` batches of epoch 0, and between
+    epochs 0 and 1."""
+    hold_in_state_dict(directory, gs.size(), lambda d: loader.peers[d].pid)
+    before, taken = None, 0
+    while loader.epoch < epochs:
+        if loader.epoch == 1:
+            gs.barrier()  # every worker is between the epochs
+            if gs.rank() == 0:
+                kill(directory, "epoch", loader.peers[2].pid, [])
+            gs.barrier()
+        for batch in loader:
+            receive(loader, batch, seen)
+            taken += 1
+            if taken == steps:
+                before = list(seen["0"])
+                state = loader.state_dict()
+                if gs.rank() == 0:
+                    with open(os.path.join(directory, "state.json"), "w") as f:
+                        json.dump(state, f)
+    with open(os.path.join(directory, f"before-{gs.rank()}.json"), "w") as f:
+        json.dump(before, f)
+
+
 def main():
     scenario, directory = sys.argv[1], sys.argv[2]
     arg = int(sys.argv[3])
     dataset = Numbers(arg if scenario == "broken" else -1)
+    workers = int(os.environ["GRADSYNC_SIZE"]) - int(os.environ["GRADSYNC_DATA_SERVERS"])
+    if scenario.startswith("lose-") and 0 < int(os.environ["GRADSYNC_RANK"]) < workers:
+        hold_connecting(directory, scenario[len("lose-"):])
     loader = gradsync.data.Loader(dataset, batch_size=BATCH, transform=augment, seed=SEED)
     seen: dict = {}
-    if scenario in ("count", "killserver"):
+    if scenario.startswith("lose-"):
+        if gs.rank() == 0:
+            kill(directory, "connect", loader.peers[0].pid, range(1, gs.size()))
+        lose(loader, directory, arg, seen)
+        scenario = "lose"
+    if scenario == "lose":
+        write(directory, scenario, seen)
+        gs.barrier()  # every batch of every worker has been taken, so prepared
+        if gs.rank() == 0:
+            with open(os.path.join(directory, "stats.json"), "w") as f:
+                json.dump(loader.stats(), f)
+    elif scenario in ("count", "killserver"):
         received = 0
         while loader.epoch < arg:
             for batch in loader:  # after the break below: the same epoch, where it stopped

@@ -14,10 +14,11 @@ import sys
 import threading
 import time
 
-import common  # noqa: F401  (deadline)
+import common  # (deadline)
 import numpy as np
 
 import gradsync as gs
+from gradsync import job
 
 mode = sys.argv[1]
 gs.init(timeout=float(os.environ.get("FAULT_TIMEOUT", "20")))
@@ -84,10 +85,14 @@ try:
         gs.barrier()
         print(f"RESULT rank={R} ok rejected={world.listener.rejected}", flush=True)
     elif mode == "exit-early":
+        store = job.world().store
         if R == 1:
+            store.set("early/pid", str(os.getpid()))  # a store request: no peer contact
             print(f"RESULT rank={R} left", flush=True)
             os._exit(0)
-        time.sleep(0.5)
+        # Rank 1 has returned before the others' last allreduce begins.
+        pid = int(store.get("early/pid", 30))
+        common.until(lambda: common.gone(pid), "the end of rank 1")
         gs.allreduce(np.ones(10), name="after")
         print(f"RESULT rank={R} no error", flush=True)
 except gs.GradsyncError as exc:

@@ -28,7 +28,7 @@ import signal
 import sys
 import time
 
-import common  # noqa: F401  (deadline)
+import common  # (deadline)
 import numpy as np
 
 mode = sys.argv[1]
@@ -78,9 +78,16 @@ try:
         victim = int(sys.argv[2])
         gs.allreduce(np.ones(10), name="warm-up")
         gs.barrier()
+        store = job.world().store
         if R == victim:
-            time.sleep(3)  # every other rank is inside the allreduce by now
+            # Every other rank has counted itself on its way into the allreduce (a store
+            # request, no peer contact): a sleep of 3 s did not promise it with 128 ranks on
+            # 2 cores.
+            common.until(lambda: int(store.add("kill/entering", 0)) >= N - 1,
+                         "every other rank on its way into the allreduce", timeout=200,
+                         every=0.05)
             die()
+        store.add("kill/entering", 1)
         gs.allreduce(np.ones(1000, dtype=np.float32), name="waits for the victim")
         print(f"RESULT rank={R} ok: no error", flush=True)
     elif mode == "lost":
@@ -91,10 +98,15 @@ try:
         store = job.world().store
         store.add("lost/inited", 1)
         if R == victim:
-            while int(store.add("lost/inited", 0)) < N:
-                time.sleep(0.01)
+            store.set("lost/pid", str(os.getpid()))
+            common.until(lambda: int(store.add("lost/inited", 0)) >= N, "every init()",
+                         timeout=200)
             die()
-        time.sleep(1)
+        # The victim is dead before this rank's collective begins (its process has exited:
+        # its port refuses, its sockets are closed).
+        pid = int(store.get("lost/pid", 200))
+        common.until(lambda: common.gone(pid), f"the end of rank {victim}", timeout=200,
+                     every=0.02)
         # A rank that takes more than 3 s to raise shows where it was (its log's tail).
         import faulthandler
         faulthandler.dump_traceback_later(3.0)
