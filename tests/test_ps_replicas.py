@@ -201,6 +201,25 @@ def test_a_server_that_finds_a_newer_view_without_it_fences_itself(pair):
     assert _push(primary, np.ones(100, np.float32), 1, 1)["version"] == 1
 
 
+def test_a_primary_whose_workers_all_left_for_a_newer_view_ends_excluded_not_done(pair):
+    """Async mode, a primary stopped and woken: the workers moved the shard to view 1 and
+    dropped their connections to it. Every worker gone set ``done``, and a lost worker fails
+    nothing in async mode, so before the fix the server ended with status 0 unless its beat's
+    look at the views came first (2 runs of 4 in the chaos soak): the launcher restarts only
+    a failed server, and the shard stayed one copy short."""
+    store, (old, backup) = pair
+    assert _push(old, np.ones(100, np.float32), 1, 0)["version"] == 1
+    Views(store, 0, 2, 2, timeout=1).propose(old.view, 0, "silent")  # the worker's failover
+    old._disconnected(0, None)  # then it drops the old primary, without a bye
+    assert old.done.is_set() and not old.fenced and old.clock.failure is None
+    status, why = old.outcome()
+    assert status == 1 and "excluded from shard 0" in why and "holds servers [1]" in why
+    # The primary of the newest view whose worker left ends as it always did.
+    backup.look(Views(store, 0, 2, 2, timeout=1))
+    backup._disconnected(0, None)
+    assert backup.outcome() == (0, None)
+
+
 def test_a_stale_primary_woken_mid_forward_is_refused_at_the_write(trio):
     """Primary 0 is stopped in the middle of forwarding update 2 (combined and applied on its
     own copy, not yet written into the backups). The shard moves to view 1 and its new primary,

@@ -28,6 +28,8 @@ optimizer's state and the clock to an ``.npz``; a hello with ``restore`` loads o
 Replicas (``ps_replicas`` R > 1, replication.py): each shard lives on R servers; the primary
 forwards every update it applies to the backups of its view (``apply``) before it answers the
 pushes, and a server fenced out of its shard's newest view stops serving and ends with status 1.
+Every worker disconnecting ends a replicated server only once it has read the newest view
+(``outcome``): the workers also drop a server that a newer view left out.
 
 Fenced regions (``regions.py``): every region that another *server* writes (a primary's
 forwards into ``update.<k>``, its copy into a joiner's ``params`` and ``copy.<name>``) or that
@@ -626,6 +628,38 @@ class Server:
         if len(self._gone) >= self.workers:
             self.done.set()
 
+    def outcome(self) -> tuple[int, str | None]:
+        """(``serve``, once ``done``.) The exit status and, for 1, why.
+
+        A replicated server's workers all disconnecting is not the end of the job by
+        itself: the workers also drop a server that the shard's newest view no longer holds
+        (they moved the shard to a newer view when it fell silent, and a worker writes that
+        view before it drops its connection: ``client._failover``). In ``async`` mode a lost
+        worker fails nothing, so such a server, stopped and woken, found every worker gone
+        and ended with status 0 unless its own look at the views came first; the launcher
+        restarts only a server that failed, and the shard stayed one copy short. So the
+        server reads the newest view before it decides: excluded, it ends with status 1 and
+        is started again to rejoin."""
+        if self.replicas > 1 and not self.fenced and self.clock is not None \
+                and self.view is not None and not self.joining:
+            # Bounded: an update in progress that holds the lock finds the view itself.
+            if self.clock.lock.acquire(timeout=self.connect_timeout):
+                try:
+                    self._adopt(self.views.newest(self.view))
+                except (GradsyncError, RuntimeError, OSError) as exc:
+                    # The store is gone: the job is ending, and nobody is left to replace it.
+                    log.debug("parameter server %d: no look at the views at its end: %s",
+                              self.index, exc)
+                finally:
+                    self.clock.lock.release()
+        if self.fenced:
+            return 1, (f"it was excluded from shard {self.shard} while the job went on: "
+                       f"{self.fenced}")
+        failure = self.clock.failure if self.clock else None
+        if failure is not None:
+            return 1, str(failure)
+        return 0, None
+
 
 def _short(value, limit: int = 80) -> str:
     text = repr(value)
@@ -693,15 +727,10 @@ def serve(config, env) -> int:
             if record is not None and not server._greeted:
                 raise GradsyncError(f"rank {record['rank']} reported before training started: "
                                     f"{record['message']}")
-        if server.fenced:
-            log.error("parameter server %d (rank %d) ends: it was excluded from shard %d "
-                      "while the job went on: %s", index, env.rank, server.shard, server.fenced)
-            return 1
-        failure = server.clock.failure if server.clock else None
-        if failure is not None:
-            log.error("parameter server %d: %s", index, failure)
-            return 1
-        return 0
+        status, why = server.outcome()
+        if status:
+            log.error("parameter server %d (rank %d) ends: %s", index, env.rank, why)
+        return status
     except GradsyncError as exc:
         log.error("parameter server %d: %s", index, exc)
         return 1
