@@ -8,6 +8,7 @@ primary mid-training.
 
 import re
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -218,6 +219,55 @@ def test_a_primary_whose_workers_all_left_for_a_newer_view_ends_excluded_not_don
     backup.look(Views(store, 0, 2, 2, timeout=1))
     backup._disconnected(0, None)
     assert backup.outcome() == (0, None)
+
+
+def test_a_new_primary_does_not_serve_a_join_request_already_served(pair, monkeypatch):
+    """The chaos soak's race: server 1 restarted and asked to join in view 1, primary 0 brought
+    it in (view 2), then it was cut off (view 3). A new primary (an empty record of requests
+    served) read that old request, still in the store, and brought in the cut-off process:
+    the request must be seen as stale, since a view after the one it names held server 1."""
+    from gradsync.ps import join
+
+    store, (primary, old) = pair
+    views = Views(store, 0, 2, 2, timeout=1)
+    one = views.propose(primary.view, 1, "killed")
+    join.request(store, 1, one.epoch)                        # the restarted server 1 asks
+    two = views.change(one, (0, 1), "server 1 joined with a copy")
+    views.propose(two, 1, "cut off")
+    primary.look(views)
+    assert primary.view.epoch == 3 and primary.view.members == (0,)
+    started = []
+    monkeypatch.setattr(join, "bring_in", lambda *args: started.append(args[1:]))
+    join.serve_requests(primary, store, {})
+    assert started == []
+    # A request of the newest view (a process that has not joined since) is served.
+    join.request(store, 1, primary.view.epoch)
+    join.serve_requests(primary, store, {})
+    assert started == [(1, 3)]
+
+
+def test_a_join_that_fails_at_the_connection_is_logged_not_an_uncaught_error(pair):
+    """The join thread of the chaos soak died of an AuthenticationError raised by ``connect``
+    (outside the handled part of ``bring_in``). A process that refuses the primary's proof
+    (here: another secret) must cost the join, not the thread."""
+    from gradsync.errors import AuthenticationError
+    from gradsync.ps import join
+
+    store, (primary, _) = pair
+    primary.look(Views(store, 0, 2, 2, timeout=1))
+    view = Views(store, 0, 2, 2, timeout=1).propose(primary.view, 1, "killed")
+    primary.look(Views(store, 0, 2, 2, timeout=1))
+    stranger = Endpoint(2, "localhost", b"x" * 32, "psrep", expect={1}, timeout=5,
+                        label="a process of another secret")
+    try:
+        primary._locate = lambda b: (stranger.addr, stranger.port)
+        with pytest.raises(AuthenticationError):  # what the thread died of
+            primary.endpoint.connect(2, stranger.addr, stranger.port,
+                                     time.monotonic() + 5, "probe").close()
+        assert join.bring_in(primary, 1, view.epoch) is False
+    finally:
+        stranger.close()
+    assert primary.view == view and not primary.fenced
 
 
 def test_a_stale_primary_woken_mid_forward_is_refused_at_the_write(trio):
