@@ -410,6 +410,86 @@ def test_a_copy_more_than_one_update_apart_leaves_the_view(trio):
     assert two.fenced is None or "view 2" in two.fenced
 
 
+# --- a server's exit ----------------------------------------------------------------------------
+
+_EXIT_SCRIPT = """
+import sys, threading
+from datetime import timedelta
+from torch.distributed import TCPStore
+from gradsync.ps.server import StoreGate
+from gradsync.rendezvous import Store
+
+host = TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=10), wait_for_workers=False)
+gate = StoreGate()
+store = gate.wrap(Store.over(TCPStore("127.0.0.1", host.port, 2, False,
+                                      timedelta(seconds=10)), "exit", 10))
+beating = threading.Event()
+
+def beat():  # a server thread in store requests, as the beat thread and beats.silent are
+    while True:
+        store.add("ps/beat/0", 1)
+        beating.set()
+
+threading.Thread(target=beat, daemon=True).start()
+beating.wait()
+if sys.argv[1] == "gate":
+    assert gate.close(10)  # what serve does at its end
+sys.exit(7)
+"""
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_a_server_ends_with_its_own_status_while_a_thread_is_in_a_store_request(gated):
+    """The server's exit while another of its threads is in a torch store request: one that
+    comes back while the interpreter finalizes aborts the process ("terminate called without
+    an active exception", status 134, seen twice in the chaos soak). Through the gate that
+    ``serve`` puts on its stores, the process ends with its own status. The ungated run is
+    the control: it shows the abort this test would otherwise miss."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, "gate" if gated else "none"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    if gated:
+        assert r.returncode == 7, r.stderr[-2000:]
+    else:
+        assert r.returncode == -6, r  # SIGABRT: the defect, reproduced
+
+
+def test_the_store_gate_waits_for_a_request_in_progress_and_holds_later_ones():
+    from gradsync.ps.server import StoreGate
+
+    inside, release, calls = threading.Event(), threading.Event(), []
+
+    class Slow:
+        def get(self, key):
+            calls.append(key)
+            inside.set()
+            release.wait(10)
+            return b"v"
+
+    gate = StoreGate()
+    store = gate.wrap(Slow())
+    first = threading.Thread(target=store.get, args=("first",), daemon=True)
+    first.start()
+    assert inside.wait(10)
+    closed = []
+    closer = threading.Thread(target=lambda: closed.append(gate.close(10)), daemon=True)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive() and not closed  # waits for the request in progress
+    release.set()
+    closer.join(10)
+    assert closed == [True]
+    threading.Thread(target=store.get, args=("late",), daemon=True).start()
+    end = time.monotonic() + 10
+    while gate.held < 1 and time.monotonic() < end:
+        time.sleep(0.01)
+    assert gate.held == 1 and calls == ["first"]  # the late call never reached the store
+
+
 # --- through the launcher ---------------------------------------------------------------------
 
 def _run(mode, fault, workers=3, servers=2, replicas=2, steps=12, timeout=120):

@@ -63,11 +63,12 @@ from .consistency import Clock
 from .replication import Beats, Fenced, View, Views, abandon, shard_of, wait_watched
 from .sharding import bounds
 
-__all__ = ["Server", "serve", "checkpoint_path"]
+__all__ = ["Server", "StoreGate", "serve", "checkpoint_path"]
 
 log = logging.getLogger("gradsync.ps")
 
 _STRIPE = STRIPE_BYTES // 4  # float32 elements per stripe
+_EXIT_WAIT_S = 10.0  # how long a server's exit waits for its threads' store requests
 
 
 def checkpoint_path(directory: str, shard: int) -> str:
@@ -666,13 +667,86 @@ def _short(value, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+class StoreGate:
+    """The store connections of a server's threads, shut at its exit (``close``).
+
+    A torch TCPStore request runs in C++ with the GIL released, and a Python thread that
+    comes back from one while the interpreter finalizes is ended in a way that aborts the
+    process: ``terminate called without an active exception``, status 134 instead of the
+    server's own (abort_watch.py explains it for the World's watch). A server ends while
+    other threads may be in such a request: its beat thread (a beat, a look at the views, a
+    look for join requests), a join thread, a push's thread watching a backup's beats. The
+    chaos soak saw it twice, at the end of a job and for a fenced server.
+
+    Every store the server's threads use is wrapped (``wrap``); each call is counted in and
+    out. ``close`` waits until no call is in progress and holds every later call at the gate
+    for good: no thread enters torch's C++ once the server has ended, and the process ends
+    with the threads waiting there. A call that waits on a key nobody sets (a view whose
+    proposer stopped between its claim and its write) keeps ``close`` waiting up to
+    ``timeout`` only.
+    """
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._inside = 0
+        self.closed = False
+        self.held = 0  # threads that called after the gate shut (tests watch it)
+
+    def wrap(self, store) -> "_Gated":
+        return _Gated(store, self)
+
+    def enter(self) -> None:
+        with self._cv:
+            if self.closed:
+                self.held += 1
+                self._cv.notify_all()
+                while True:  # until the process ends: this thread must not reach torch
+                    self._cv.wait()
+            self._inside += 1
+
+    def leave(self) -> None:
+        with self._cv:
+            self._inside -= 1
+            self._cv.notify_all()
+
+    def close(self, timeout: float) -> bool:
+        """Shuts the gate; True once no call is in progress (False: one still was after
+        ``timeout`` seconds)."""
+        with self._cv:
+            self.closed = True
+            return self._cv.wait_for(lambda: self._inside == 0, timeout)
+
+
+class _Gated:
+    """A store whose calls pass through a ``StoreGate``."""
+
+    def __init__(self, store, gate: StoreGate):
+        self._gated, self._gate = store, gate
+
+    def __getattr__(self, name):
+        attr = getattr(self._gated, name)
+        if not callable(attr):
+            return attr
+        gate = self._gate
+
+        def call(*args, **kwargs):
+            gate.enter()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                gate.leave()
+        return call
+
+
 def serve(config, env) -> int:
     """Runs this rank's parameter server until every worker is done; returns an exit status."""
     from ..rendezvous import Store
     from ..world import listen_addr
 
-    store = Store(env.store_addr, env.store_port, env.store_is_server, env.job_id,
-                  config.connect_timeout, env.size)
+    # Every store request of the server's threads passes a gate that its exit shuts (above).
+    gate = StoreGate()
+    store = gate.wrap(Store(env.store_addr, env.store_port, env.store_is_server, env.job_id,
+                            config.connect_timeout, env.size))
     secret = env.secret or store.read_secret()  # worker 0 (rank 0) makes it
     index, replicas = env.server_rank, config.ps_replicas
     if env.servers % replicas:
@@ -692,7 +766,7 @@ def serve(config, env) -> int:
     if replicas > 1:
         shard = shard_of(index, env.servers, replicas)
         views = Views(store, shard, env.servers, replicas, config.connect_timeout)
-        private = store.clone_private()
+        private = gate.wrap(store.clone_private())
         beats = Beats(private, config.heartbeat_timeout)
 
     def locate(server: int) -> tuple[str, int]:
@@ -737,6 +811,9 @@ def serve(config, env) -> int:
     finally:
         stop.set()
         endpoint.close()
+        if not gate.close(_EXIT_WAIT_S):
+            log.warning("parameter server %d: a store request was still in progress %gs "
+                        "after the server ended", index, _EXIT_WAIT_S)
 
 
 def _beat(server: Server, beats: Beats, views: Views, store, interval: float,
