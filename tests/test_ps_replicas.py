@@ -9,6 +9,7 @@ primary mid-training.
 import re
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -244,6 +245,31 @@ def test_a_new_primary_does_not_serve_a_join_request_already_served(pair, monkey
     join.request(store, 1, primary.view.epoch)
     join.serve_requests(primary, store, {})
     assert started == [(1, 3)]
+
+
+def test_a_joiner_names_the_newest_view_each_time_it_asks(monkeypatch):
+    """Its earlier process, dead unnoticed, was still in view 1 and stayed in view 2 (another
+    server was dropped), then left in view 3. A request naming view 0, the one found at the
+    start, would look stale for good (view 1 held server 1 since); each ask names the newest."""
+    from gradsync.ps import join
+
+    store = DictStore()
+    views = Views(store, 0, 3, 3, timeout=1)
+    one = views.change(views.first, (0, 1), "server 2: killed")
+    two = views.propose(views.change(one, (0, 1), "again"), 1, "it restarted")
+    assert (two.epoch, two.members) == (3, (0,))
+
+    joiner = types.SimpleNamespace(index=1, shard=0, view=views.first, views=views,
+                                   joined=threading.Event())
+    asked = []
+
+    def request(store, server, epoch):
+        asked.append(epoch)
+        joiner.joined.set()
+
+    monkeypatch.setattr(join, "request", request)
+    assert join.wait_joined(joiner, store, workers=1, timeout=10)
+    assert asked == [3]
 
 
 def test_a_join_that_fails_at_the_connection_is_logged_not_an_uncaught_error(pair):

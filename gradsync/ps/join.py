@@ -189,7 +189,10 @@ def wait_joined(server, store, workers: int, timeout: float) -> bool:
     while not server.joined.wait(0):
         if int(store.add("ps/closed", 0)) >= workers:
             return False
-        request(store, server.index, server.view.epoch)
+        # The newest view now, not the one found at the start: an earlier process of this
+        # server that died unnoticed may stay in a view or two after it (another member was
+        # dropped first), and a request naming a view older than those would look stale.
+        request(store, server.index, server.views.newest(server.view).epoch)
         server.joined.wait(min(3.0, max(0.0, end - time.monotonic())))
         if time.monotonic() > end and not server.joined.is_set():
             raise GradsyncError(f"parameter server {server.index}: no primary of shard "
