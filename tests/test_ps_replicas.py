@@ -8,6 +8,8 @@ primary mid-training.
 
 import re
 import threading
+import time
+import types
 
 import numpy as np
 import pytest
@@ -201,6 +203,99 @@ def test_a_server_that_finds_a_newer_view_without_it_fences_itself(pair):
     assert _push(primary, np.ones(100, np.float32), 1, 1)["version"] == 1
 
 
+def test_a_primary_whose_workers_all_left_for_a_newer_view_ends_excluded_not_done(pair):
+    """Async mode, a primary stopped and woken: the workers moved the shard to view 1 and
+    dropped their connections to it. Every worker gone set ``done``, and a lost worker fails
+    nothing in async mode, so before the fix the server ended with status 0 unless its beat's
+    look at the views came first (2 runs of 4 in the chaos soak): the launcher restarts only
+    a failed server, and the shard stayed one copy short."""
+    store, (old, backup) = pair
+    assert _push(old, np.ones(100, np.float32), 1, 0)["version"] == 1
+    Views(store, 0, 2, 2, timeout=1).propose(old.view, 0, "silent")  # the worker's failover
+    old._disconnected(0, None)  # then it drops the old primary, without a bye
+    assert old.done.is_set() and not old.fenced and old.clock.failure is None
+    status, why = old.outcome()
+    assert status == 1 and "excluded from shard 0" in why and "holds servers [1]" in why
+    # The primary of the newest view whose worker left ends as it always did.
+    backup.look(Views(store, 0, 2, 2, timeout=1))
+    backup._disconnected(0, None)
+    assert backup.outcome() == (0, None)
+
+
+def test_a_new_primary_does_not_serve_a_join_request_already_served(pair, monkeypatch):
+    """The chaos soak's race: server 1 restarted and asked to join in view 1, primary 0 brought
+    it in (view 2), then it was cut off (view 3). A new primary (an empty record of requests
+    served) read that old request, still in the store, and brought in the cut-off process:
+    the request must be seen as stale, since a view after the one it names held server 1."""
+    from gradsync.ps import join
+
+    store, (primary, old) = pair
+    views = Views(store, 0, 2, 2, timeout=1)
+    one = views.propose(primary.view, 1, "killed")
+    join.request(store, 1, one.epoch)                        # the restarted server 1 asks
+    two = views.change(one, (0, 1), "server 1 joined with a copy")
+    views.propose(two, 1, "cut off")
+    primary.look(views)
+    assert primary.view.epoch == 3 and primary.view.members == (0,)
+    started = []
+    monkeypatch.setattr(join, "bring_in", lambda *args: started.append(args[1:]))
+    join.serve_requests(primary, store, {})
+    assert started == []
+    # A request of the newest view (a process that has not joined since) is served.
+    join.request(store, 1, primary.view.epoch)
+    join.serve_requests(primary, store, {})
+    assert started == [(1, 3)]
+
+
+def test_a_joiner_names_the_newest_view_each_time_it_asks(monkeypatch):
+    """Its earlier process, dead unnoticed, was still in view 1 and stayed in view 2 (another
+    server was dropped), then left in view 3. A request naming view 0, the one found at the
+    start, would look stale for good (view 1 held server 1 since); each ask names the newest."""
+    from gradsync.ps import join
+
+    store = DictStore()
+    views = Views(store, 0, 3, 3, timeout=1)
+    one = views.change(views.first, (0, 1), "server 2: killed")
+    two = views.propose(views.change(one, (0, 1), "again"), 1, "it restarted")
+    assert (two.epoch, two.members) == (3, (0,))
+
+    joiner = types.SimpleNamespace(index=1, shard=0, view=views.first, views=views,
+                                   joined=threading.Event())
+    asked = []
+
+    def request(store, server, epoch):
+        asked.append(epoch)
+        joiner.joined.set()
+
+    monkeypatch.setattr(join, "request", request)
+    assert join.wait_joined(joiner, store, workers=1, timeout=10)
+    assert asked == [3]
+
+
+def test_a_join_that_fails_at_the_connection_is_logged_not_an_uncaught_error(pair):
+    """The join thread of the chaos soak died of an AuthenticationError raised by ``connect``
+    (outside the handled part of ``bring_in``). A process that refuses the primary's proof
+    (here: another secret) must cost the join, not the thread."""
+    from gradsync.errors import AuthenticationError
+    from gradsync.ps import join
+
+    store, (primary, _) = pair
+    primary.look(Views(store, 0, 2, 2, timeout=1))
+    view = Views(store, 0, 2, 2, timeout=1).propose(primary.view, 1, "killed")
+    primary.look(Views(store, 0, 2, 2, timeout=1))
+    stranger = Endpoint(2, "localhost", b"x" * 32, "psrep", expect={1}, timeout=5,
+                        label="a process of another secret")
+    try:
+        primary._locate = lambda b: (stranger.addr, stranger.port)
+        with pytest.raises(AuthenticationError):  # what the thread died of
+            primary.endpoint.connect(2, stranger.addr, stranger.port,
+                                     time.monotonic() + 5, "probe").close()
+        assert join.bring_in(primary, 1, view.epoch) is False
+    finally:
+        stranger.close()
+    assert primary.view == view and not primary.fenced
+
+
 def test_a_stale_primary_woken_mid_forward_is_refused_at_the_write(trio):
     """Primary 0 is stopped in the middle of forwarding update 2 (combined and applied on its
     own copy, not yet written into the backups). The shard moves to view 1 and its new primary,
@@ -339,6 +434,86 @@ def test_a_copy_more_than_one_update_apart_leaves_the_view(trio):
     assert _push(one, np.ones(100, np.float32), 2, 1)["version"] == 2
     assert one.view.members == (1,) and "version 6" in one.view.why
     assert two.fenced is None or "view 2" in two.fenced
+
+
+# --- a server's exit ----------------------------------------------------------------------------
+
+_EXIT_SCRIPT = """
+import sys, threading
+from datetime import timedelta
+from torch.distributed import TCPStore
+from gradsync.ps.server import StoreGate
+from gradsync.rendezvous import Store
+
+host = TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=10), wait_for_workers=False)
+gate = StoreGate()
+store = gate.wrap(Store.over(TCPStore("127.0.0.1", host.port, 2, False,
+                                      timedelta(seconds=10)), "exit", 10))
+beating = threading.Event()
+
+def beat():  # a server thread in store requests, as the beat thread and beats.silent are
+    while True:
+        store.add("ps/beat/0", 1)
+        beating.set()
+
+threading.Thread(target=beat, daemon=True).start()
+beating.wait()
+if sys.argv[1] == "gate":
+    assert gate.close(10)  # what serve does at its end
+sys.exit(7)
+"""
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_a_server_ends_with_its_own_status_while_a_thread_is_in_a_store_request(gated):
+    """The server's exit while another of its threads is in a torch store request: one that
+    comes back while the interpreter finalizes aborts the process ("terminate called without
+    an active exception", status 134, seen twice in the chaos soak). Through the gate that
+    ``serve`` puts on its stores, the process ends with its own status. The ungated run is
+    the control: it shows the abort this test would otherwise miss."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, "gate" if gated else "none"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    if gated:
+        assert r.returncode == 7, r.stderr[-2000:]
+    else:
+        assert r.returncode == -6, r  # SIGABRT: the defect, reproduced
+
+
+def test_the_store_gate_waits_for_a_request_in_progress_and_holds_later_ones():
+    from gradsync.ps.server import StoreGate
+
+    inside, release, calls = threading.Event(), threading.Event(), []
+
+    class Slow:
+        def get(self, key):
+            calls.append(key)
+            inside.set()
+            release.wait(10)
+            return b"v"
+
+    gate = StoreGate()
+    store = gate.wrap(Slow())
+    first = threading.Thread(target=store.get, args=("first",), daemon=True)
+    first.start()
+    assert inside.wait(10)
+    closed = []
+    closer = threading.Thread(target=lambda: closed.append(gate.close(10)), daemon=True)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive() and not closed  # waits for the request in progress
+    release.set()
+    closer.join(10)
+    assert closed == [True]
+    threading.Thread(target=store.get, args=("late",), daemon=True).start()
+    end = time.monotonic() + 10
+    while gate.held < 1 and time.monotonic() < end:
+        time.sleep(0.01)
+    assert gate.held == 1 and calls == ["first"]  # the late call never reached the store
 
 
 # --- through the launcher ---------------------------------------------------------------------

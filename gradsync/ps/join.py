@@ -3,10 +3,10 @@
 ``gradsync run --servers S --ps-replicas R`` restarts a server rank that fails (at most
 ``SERVER_RESTARTS`` times per rank, ``run/launcher.py``). The new process finds its rank's
 address already in the store, so it knows it replaces a lost copy: it publishes its new
-address and asks to join by setting ``ps/join/<server>`` to a fresh token. The shard's
-primary sees the request on its next beat (replication.py) and, on a thread of its own,
-*brings the joiner in* (a joiner still in the view, whose earlier process died unnoticed, is
-dropped from it first):
+address and asks to join by setting ``ps/join/<server>`` to a fresh token and the newest view
+it found. The shard's primary sees the request on its next beat (replication.py) and, on a
+thread of its own, *brings the joiner in* (a joiner still in the view, whose earlier process
+died unnoticed, is dropped from it first):
 
 1. under the primary's update lock (pushes wait; none is lost), it connects to the joiner
    and calls ``install(phase="setup")`` with the spec: the joiner allocates its regions;
@@ -20,7 +20,18 @@ dropped from it first):
 The joiner serves nothing before step 3: until then its own view does not hold it, and a
 push or a forwarded update gets ``{"stale": ...}``. If the primary fails between steps 2 and
 3, the joiner learns the view on its own beat; if it fails before the view change, the joiner
-asks again with a new token. The joiner's regions are fenced from the start at the newest
+asks again with a new token.
+
+A request stays in the store after it was served, and a primary's memory of the requests it
+served dies with it: a new primary would read the request of a joiner that has since joined
+and been cut off, and bring in that old process (which no longer joins; the chaos soak saw
+the join thread die of its refusal). So a request is *stale* once a view newer than the one
+it names holds its server: that process joined (or a later one did), and whatever left that
+view since has ended or will ask again. The primary skips a stale request, and checks again
+under its update lock before it copies; a join that fails for any reason is logged, never an
+uncaught error that ends the thread.
+
+The joiner's regions are fenced from the start at the newest
 view it found (``serve``) and the writes of step 2 carry the primary's view, so a primary that
 the others have replaced cannot fill a joiner with its stale copy. Training pauses for the
 copy only (step 1 to 3 hold the lock): a memory copy on one host, the shard's bytes over TCP
@@ -29,6 +40,7 @@ between hosts (over TCP on one host too: the joiner's regions are written throug
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import threading
@@ -45,22 +57,46 @@ __all__ = ["request", "requested", "bring_in", "install", "wait_joined",
 
 log = logging.getLogger("gradsync.ps")
 
-def request(store, server: int) -> None:
-    """The joiner's request (a new token each time: an old request is never served twice)."""
-    store.set(f"ps/join/{server}", secrets.token_hex(8))
+def request(store, server: int, epoch: int) -> None:
+    """The joiner's request: a new token each time (a primary serves one token once) and
+    ``epoch``, the newest view the joiner found (what makes an old request stale)."""
+    store.set(f"ps/join/{server}", json.dumps({"token": secrets.token_hex(8),
+                                               "epoch": int(epoch)}))
 
 
-def requested(store, server: int) -> str | None:
-    """The token of server ``server``'s pending request, if any."""
+def requested(store, server: int) -> dict | None:
+    """Server ``server``'s request (``{"token", "epoch"}``), if any."""
     key = f"ps/join/{server}"
-    return store.get(key).decode() if store.check(key) else None
+    return json.loads(store.get(key)) if store.check(key) else None
 
 
-def bring_in(server, joiner: int) -> bool:
-    """(The primary.) Copies the shard to ``joiner`` and adds it to the view; True if it
-    joined. Runs on a thread of its own: the beat thread must keep beating meanwhile."""
+def stale(server, joiner: int, since: int) -> int | None:
+    """(The primary.) The view after ``since`` that already held ``joiner``, which makes its
+    request of view ``since`` stale; None if the request is current."""
+    return server.views.held(joiner, since, server.view.epoch)
+
+
+def bring_in(server, joiner: int, since: int) -> bool:
+    """(The primary.) Copies the shard to ``joiner``, whose request named view ``since``, and
+    adds it to the view; True if it joined. Runs on a thread of its own: the beat thread must
+    keep beating meanwhile. Never raises: a join that fails is logged (the joiner asks again).
+    """
+    try:
+        return _bring_in(server, joiner, since)
+    except Exception as exc:  # the thread's last frame: nothing may end it uncaught
+        log.warning("parameter server %d: server %d could not join: %s: %s", server.index,
+                    joiner, type(exc).__name__, exc)
+        return False
+
+
+def _bring_in(server, joiner: int, since: int) -> bool:
     with server.clock.lock:
         if server.fenced or server.view.primary != server.index:
+            return False
+        held = stale(server, joiner, since)
+        if held is not None:
+            log.info("parameter server %d: server %d's join request of view %d is stale (view "
+                     "%d held it since)", server.index, joiner, since, held)
             return False
         if joiner in server.view.members:
             # Its earlier process died before any update found out: that copy is gone.
@@ -70,13 +106,14 @@ def bring_in(server, joiner: int) -> bool:
         old = server._copies.pop(joiner, None)
         if old is not None:
             abandon(old)
-        addr, port = server._locate(joiner)
-        peer = server.endpoint.connect(server.workers + joiner, addr, port,
-                                       time.monotonic() + server.connect_timeout,
-                                       f"parameter server {joiner} (rank "
-                                       f"{server.workers + joiner})")
+        peer = None
         epoch = server.view.epoch
         try:
+            addr, port = server._locate(joiner)
+            peer = server.endpoint.connect(server.workers + joiner, addr, port,
+                                           time.monotonic() + server.connect_timeout,
+                                           f"parameter server {joiner} (rank "
+                                           f"{server.workers + joiner})")
             peer.call("install", phase="setup", spec=server.spec)
             peer.refresh()
             peer.region("params").write(server.params, fence=epoch)
@@ -101,7 +138,8 @@ def bring_in(server, joiner: int) -> bool:
         except (GradsyncError, OSError) as exc:
             log.warning("parameter server %d: server %d could not join: %s", server.index,
                         joiner, exc)
-            abandon(peer)
+            if peer is not None:
+                abandon(peer)
             if isinstance(exc, StaleWriteError):  # the joiner knows a newer view: look
                 server._adopt(server.views.newest(server.view))
             return False
@@ -151,7 +189,10 @@ def wait_joined(server, store, workers: int, timeout: float) -> bool:
     while not server.joined.wait(0):
         if int(store.add("ps/closed", 0)) >= workers:
             return False
-        request(store, server.index)
+        # The newest view now, not the one found at the start: an earlier process of this
+        # server that died unnoticed may stay in a view or two after it (another member was
+        # dropped first), and a request naming a view older than those would look stale.
+        request(store, server.index, server.views.newest(server.view).epoch)
         server.joined.wait(min(3.0, max(0.0, end - time.monotonic())))
         if time.monotonic() > end and not server.joined.is_set():
             raise GradsyncError(f"parameter server {server.index}: no primary of shard "
@@ -166,9 +207,12 @@ def serve_requests(server, store, handled: dict) -> None:
     for b in server.views.first.members:
         if b in server.view.members:
             continue
-        token = requested(store, b)
-        if token is not None and handled.get(b) != token:
-            handled[b] = token
-            threading.Thread(target=bring_in, args=(server, b), daemon=True,
-                             name=f"gradsync-ps-join{b}").start()
+        asked = requested(store, b)
+        if asked is None or handled.get(b) == asked["token"]:
+            continue
+        handled[b] = asked["token"]
+        if stale(server, b, asked["epoch"]) is not None:
+            continue  # served before (maybe by an earlier primary): that process joined
+        threading.Thread(target=bring_in, args=(server, b, asked["epoch"]), daemon=True,
+                         name=f"gradsync-ps-join{b}").start()
 

@@ -121,6 +121,14 @@ class Views:
             view = self._read(view.epoch + 1)
         return view
 
+    def held(self, server: int, after: int, upto: int) -> int | None:
+        """The first view numbered ``after + 1 .. upto`` that holds ``server``, or None (one
+        store read per view: a join request's check, join.py)."""
+        for epoch in range(after + 1, upto + 1):
+            if server in self._read(epoch).members:
+                return epoch
+        return None
+
     def propose(self, current: View, lost: int, why: str) -> View:
         """Proposes ``current`` without server ``lost``; returns the view that won (maybe
         another proposer's, maybe already newer). Raises PeerLostError when no member is left.

@@ -28,6 +28,8 @@ optimizer's state and the clock to an ``.npz``; a hello with ``restore`` loads o
 Replicas (``ps_replicas`` R > 1, replication.py): each shard lives on R servers; the primary
 forwards every update it applies to the backups of its view (``apply``) before it answers the
 pushes, and a server fenced out of its shard's newest view stops serving and ends with status 1.
+Every worker disconnecting ends a replicated server only once it has read the newest view
+(``outcome``): the workers also drop a server that a newer view left out.
 
 Fenced regions (``regions.py``): every region that another *server* writes (a primary's
 forwards into ``update.<k>``, its copy into a joiner's ``params`` and ``copy.<name>``) or that
@@ -61,11 +63,12 @@ from .consistency import Clock
 from .replication import Beats, Fenced, View, Views, abandon, shard_of, wait_watched
 from .sharding import bounds
 
-__all__ = ["Server", "serve", "checkpoint_path"]
+__all__ = ["Server", "StoreGate", "serve", "checkpoint_path"]
 
 log = logging.getLogger("gradsync.ps")
 
 _STRIPE = STRIPE_BYTES // 4  # float32 elements per stripe
+_EXIT_WAIT_S = 10.0  # how long a server's exit waits for its threads' store requests
 
 
 def checkpoint_path(directory: str, shard: int) -> str:
@@ -626,10 +629,113 @@ class Server:
         if len(self._gone) >= self.workers:
             self.done.set()
 
+    def outcome(self) -> tuple[int, str | None]:
+        """(``serve``, once ``done``.) The exit status and, for 1, why.
+
+        A replicated server's workers all disconnecting is not the end of the job by
+        itself: the workers also drop a server that the shard's newest view no longer holds
+        (they moved the shard to a newer view when it fell silent, and a worker writes that
+        view before it drops its connection: ``client._failover``). In ``async`` mode a lost
+        worker fails nothing, so such a server, stopped and woken, found every worker gone
+        and ended with status 0 unless its own look at the views came first; the launcher
+        restarts only a server that failed, and the shard stayed one copy short. So the
+        server reads the newest view before it decides: excluded, it ends with status 1 and
+        is started again to rejoin."""
+        if self.replicas > 1 and not self.fenced and self.clock is not None \
+                and self.view is not None and not self.joining:
+            # Bounded: an update in progress that holds the lock finds the view itself.
+            if self.clock.lock.acquire(timeout=self.connect_timeout):
+                try:
+                    self._adopt(self.views.newest(self.view))
+                except (GradsyncError, RuntimeError, OSError) as exc:
+                    # The store is gone: the job is ending, and nobody is left to replace it.
+                    log.debug("parameter server %d: no look at the views at its end: %s",
+                              self.index, exc)
+                finally:
+                    self.clock.lock.release()
+        if self.fenced:
+            return 1, (f"it was excluded from shard {self.shard} while the job went on: "
+                       f"{self.fenced}")
+        failure = self.clock.failure if self.clock else None
+        if failure is not None:
+            return 1, str(failure)
+        return 0, None
+
 
 def _short(value, limit: int = 80) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+class StoreGate:
+    """The store connections of a server's threads, shut at its exit (``close``).
+
+    A torch TCPStore request runs in C++ with the GIL released, and a Python thread that
+    comes back from one while the interpreter finalizes is ended in a way that aborts the
+    process: ``terminate called without an active exception``, status 134 instead of the
+    server's own (abort_watch.py explains it for the World's watch). A server ends while
+    other threads may be in such a request: its beat thread (a beat, a look at the views, a
+    look for join requests), a join thread, a push's thread watching a backup's beats. The
+    chaos soak saw it twice, at the end of a job and for a fenced server.
+
+    Every store the server's threads use is wrapped (``wrap``); each call is counted in and
+    out. ``close`` waits until no call is in progress and holds every later call at the gate
+    for good: no thread enters torch's C++ once the server has ended, and the process ends
+    with the threads waiting there. A call that waits on a key nobody sets (a view whose
+    proposer stopped between its claim and its write) keeps ``close`` waiting up to
+    ``timeout`` only.
+    """
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._inside = 0
+        self.closed = False
+        self.held = 0  # threads that called after the gate shut (tests watch it)
+
+    def wrap(self, store) -> "_Gated":
+        return _Gated(store, self)
+
+    def enter(self) -> None:
+        with self._cv:
+            if self.closed:
+                self.held += 1
+                self._cv.notify_all()
+                while True:  # until the process ends: this thread must not reach torch
+                    self._cv.wait()
+            self._inside += 1
+
+    def leave(self) -> None:
+        with self._cv:
+            self._inside -= 1
+            self._cv.notify_all()
+
+    def close(self, timeout: float) -> bool:
+        """Shuts the gate; True once no call is in progress (False: one still was after
+        ``timeout`` seconds)."""
+        with self._cv:
+            self.closed = True
+            return self._cv.wait_for(lambda: self._inside == 0, timeout)
+
+
+class _Gated:
+    """A store whose calls pass through a ``StoreGate``."""
+
+    def __init__(self, store, gate: StoreGate):
+        self._gated, self._gate = store, gate
+
+    def __getattr__(self, name):
+        attr = getattr(self._gated, name)
+        if not callable(attr):
+            return attr
+        gate = self._gate
+
+        def call(*args, **kwargs):
+            gate.enter()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                gate.leave()
+        return call
 
 
 def serve(config, env) -> int:
@@ -637,8 +743,10 @@ def serve(config, env) -> int:
     from ..rendezvous import Store
     from ..world import listen_addr
 
-    store = Store(env.store_addr, env.store_port, env.store_is_server, env.job_id,
-                  config.connect_timeout, env.size)
+    # Every store request of the server's threads passes a gate that its exit shuts (above).
+    gate = StoreGate()
+    store = gate.wrap(Store(env.store_addr, env.store_port, env.store_is_server, env.job_id,
+                            config.connect_timeout, env.size))
     secret = env.secret or store.read_secret()  # worker 0 (rank 0) makes it
     index, replicas = env.server_rank, config.ps_replicas
     if env.servers % replicas:
@@ -658,7 +766,7 @@ def serve(config, env) -> int:
     if replicas > 1:
         shard = shard_of(index, env.servers, replicas)
         views = Views(store, shard, env.servers, replicas, config.connect_timeout)
-        private = store.clone_private()
+        private = gate.wrap(store.clone_private())
         beats = Beats(private, config.heartbeat_timeout)
 
     def locate(server: int) -> tuple[str, int]:
@@ -693,21 +801,19 @@ def serve(config, env) -> int:
             if record is not None and not server._greeted:
                 raise GradsyncError(f"rank {record['rank']} reported before training started: "
                                     f"{record['message']}")
-        if server.fenced:
-            log.error("parameter server %d (rank %d) ends: it was excluded from shard %d "
-                      "while the job went on: %s", index, env.rank, server.shard, server.fenced)
-            return 1
-        failure = server.clock.failure if server.clock else None
-        if failure is not None:
-            log.error("parameter server %d: %s", index, failure)
-            return 1
-        return 0
+        status, why = server.outcome()
+        if status:
+            log.error("parameter server %d (rank %d) ends: %s", index, env.rank, why)
+        return status
     except GradsyncError as exc:
         log.error("parameter server %d: %s", index, exc)
         return 1
     finally:
         stop.set()
         endpoint.close()
+        if not gate.close(_EXIT_WAIT_S):
+            log.warning("parameter server %d: a store request was still in progress %gs "
+                        "after the server ended", index, _EXIT_WAIT_S)
 
 
 def _beat(server: Server, beats: Beats, views: Views, store, interval: float,
