@@ -308,18 +308,24 @@ def test_a_stale_primary_woken_mid_forward_is_refused_at_the_write(trio):
     g1, stale, g2, g3 = (np.full(100, v, np.float32) for v in (1.0, 7.0, 2.0, 4.0))
     assert _push(old, g1, 1, 0)["version"] == 1 and _agree([old, one, two])
 
-    # The old primary's forwards stop before their writes, and wait to be woken.
-    arrived, wake, refusals = threading.Barrier(3, timeout=10), threading.Event(), []
+    # The old primary's forwards stop before their writes, and wait to be woken. (The waits'
+    # limits only keep a broken run from hanging: the finally below sets every event.)
+    arrived, wake, refusals = threading.Barrier(3, timeout=60), threading.Event(), []
+    landed, ended = [], []  # the old primary's forwards that were not refused; that ended
     forward = old._forward
 
     def stopped(peer, g, info, epoch):
         arrived.wait()
-        wake.wait(10)
+        wake.wait(60)
         try:
-            return forward(peer, g, info, epoch)
+            reply = forward(peer, g, info, epoch)
         except StaleWriteError as exc:
             refusals.append(exc)
             raise
+        finally:
+            ended.append(peer)
+        landed.append(reply)
+        return reply
     old._forward = stopped
 
     # Server 2 holds its new primary's follow (the update is in its memory) until told to
@@ -329,7 +335,7 @@ def test_a_stale_primary_woken_mid_forward_is_refused_at_the_write(trio):
     def follow(peer, args):
         if args["epoch"] == 1:
             applying.set()
-            resume.wait(10)
+            resume.wait(60)
         return two._follow(peer, args)
     two.endpoint.on_call("follow", follow)
 
@@ -354,7 +360,14 @@ def test_a_stale_primary_woken_mid_forward_is_refused_at_the_write(trio):
         wake.set()  # the old primary writes now, just before server 2 applies
         threads[0].join(10)
         assert "stale" in replies["old"] and old.fenced
-        assert sorted((e.fence, e.level) for e in refusals) == [(0, 1), (0, 1)], refusals
+        # Its push ends at the first refusal (which fences it), maybe before its other forward
+        # has ended (CI, under load): wait for both, then no write of it landed and the fence
+        # refused them.
+        deadline = time.monotonic() + 60
+        while len(ended) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(ended) == 2 and landed == [] and refusals, (ended, landed, refusals)
+        assert {(e.fence, e.level) for e in refusals} == {(0, 1)}, refusals
         assert all("epoch 0" in str(e) and "fenced at epoch 1" in str(e) for e in refusals)
         # No byte of the stale update landed in either backup's memory.
         assert np.array_equal(two.params, memory[2][0])
