@@ -12,13 +12,15 @@ does the same, outside the package, as upstream runs gloo on CPU (world size 3):
 The suite gates many tests on the literal name "gloo" (at import, in decorators such as
 ``skip_but_pass_in_sandcastle_if(BACKEND != "gloo", ...)``), so a backend of another name is
 offered a different, smaller set. To offer gradsync exactly gloo's tests, the suite is always
-imported with BACKEND=gloo; with ``--backend gradsync`` every process group that torch is asked
-for on gloo (``init_process_group``, ``new_group``, ``"cpu:gloo"`` forms) is then created on
-gradsync instead, in torch's ``_new_process_group_helper``, the one place every group is made.
-Nothing else changes: the tests, their checks and their timeouts are torch's.
+imported with BACKEND=gloo; with ``--backend gradsync`` the suite's ``BACKEND`` then reads
+"gradsync" while the tests run (each rank's ``init_process_group(BACKEND)``, the checks of the
+group's name), and every group still asked for on gloo (``new_group(backend="gloo")``,
+``"cpu:gloo"`` forms) is created on gradsync instead, in torch's ``_new_process_group_helper``,
+the one place every group is made. Nothing else changes: the tests, their checks and their
+timeouts are torch's.
 
 The spawned ranks import this file again (as ``__mp_main__``), so what selects the backend
-travels in the environment (``GRADSYNC_SUITE_BACKEND``), set before any rank starts.
+travels in the environment (``TORCH_SUITE_BACKEND``), set before any rank starts.
 At the end it prints one line of counts: ``gradsync: 87 run, 87 passed, 0 failed, ...``.
 """
 
@@ -31,7 +33,7 @@ import tempfile
 import time
 import unittest
 
-_BACKEND = os.environ.get("GRADSYNC_SUITE_BACKEND", "gradsync")
+_BACKEND = os.environ.get("TORCH_SUITE_BACKEND", "gradsync")
 # Before the suite's import, which reads them: gloo's name for the gating (see above).
 os.environ["BACKEND"] = "gloo"
 os.environ.setdefault("WORLD_SIZE", "3")
@@ -57,10 +59,17 @@ if _BACKEND == "gradsync":
 
     c10d._new_process_group_helper = _on_gradsync
 elif _BACKEND != "gloo":
-    raise SystemExit(f"GRADSYNC_SUITE_BACKEND={_BACKEND!r}: gloo or gradsync")
+    raise SystemExit(f"TORCH_SUITE_BACKEND={_BACKEND!r}: gloo or gradsync")
 
+import torch.testing._internal.distributed.distributed_test as suite  # noqa: E402
 from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
     DistributedTest, TestDistBackend)
+
+if _BACKEND == "gradsync":
+    # The gating above is done; what the tests read while they run is the backend under
+    # test: init_process_group(BACKEND) in each rank, and test_get_backend /
+    # test_Backend_enum_class, which check that the group reports its own name.
+    suite.BACKEND = "gradsync"
 
 
 class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
@@ -82,7 +91,7 @@ def main() -> int:
     if args.backend != _BACKEND or str(args.world_size) != os.environ["WORLD_SIZE"]:
         # The choice must be in the environment before this module is imported (by the ranks
         # too): run again with it set.
-        env = dict(os.environ, GRADSYNC_SUITE_BACKEND=args.backend,
+        env = dict(os.environ, TORCH_SUITE_BACKEND=args.backend,
                    WORLD_SIZE=str(args.world_size))
         os.execvpe(sys.executable, [sys.executable, *sys.argv], env)
 

@@ -569,8 +569,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         return self._p2p.recv(tensors, src, tag)
 
     def recv_anysource(self, tensors, tag: int = 0):
-        raise NotImplementedError("the gradsync backend has no receive from any source: pass "
-                                  "src= to recv/irecv")
+        return self._p2p.recv_anysource(tensors, tag)
 
     # ------------------------------------------------------------------ life cycle
     def shutdown(self) -> None:
