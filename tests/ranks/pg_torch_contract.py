@@ -27,7 +27,7 @@ import gradsync  # noqa: F401  (registers the backend)
 warnings.simplefilter("ignore")  # _get_pg_default_device's deprecation, DCP's notes
 dist.init_process_group("gradsync")
 R, N = dist.get_rank(), dist.get_world_size()
-GLOO = dist.new_group(backend="gloo")
+GLOO = dist.new_group(backend="gloo", timeout=timedelta(seconds=60))  # a failed check ends, not hangs
 CPU = torch.device("cpu")
 failures = 0
 
@@ -142,22 +142,29 @@ def recv_from_any_source():
 
 
 def sparse_all_reduce():
-    # Each rank holds other entries (some shared): the sum is coalesced, as gloo's.
-    indices = torch.tensor([[R, 3, 0], [0, R, 1]])
-    values = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]) * (R + 1)
-    results = {}
-    for name, group in (("gradsync", None), ("gloo", GLOO)):
-        t = torch.sparse_coo_tensor(indices, values, (4, 4, 2))
-        dist.all_reduce(t, group=group)
-        results[name] = t
+    # Rank r holds entries 0..r of the first sparse dimension (so ranks overlap), with 1 to 3
+    # sparse and 0 to 2 dense dimensions, as torch's suite builds them: rank 0's one entry
+    # makes index and value tensors of size-1 dimensions. The sum is coalesced, as gloo's.
+    for sparse_dims, dense_dims in ((1, 0), (2, 0), (3, 0), (1, 1), (1, 2), (2, 1)):
+        indices = torch.zeros((sparse_dims, R + 1), dtype=torch.long)
+        indices[0] = torch.arange(R + 1)
+        shape = [N] * sparse_dims + [2] * dense_dims
+        values = torch.ones([R + 1] + [2] * dense_dims) * (R + 1)
+        results = {}
+        for name, group in (("gradsync", None), ("gloo", GLOO)):
+            t = torch.sparse_coo_tensor(indices, values, shape)
+            dist.all_reduce(t, group=group)
+            results[name] = t
+        assert results["gradsync"].is_coalesced(), (sparse_dims, dense_dims)
+        assert torch.equal(results["gradsync"].to_dense(), results["gloo"].to_dense()), \
+            (sparse_dims, dense_dims, results)
+    # A rank with no entries at all.
     empty = torch.sparse_coo_tensor(torch.empty(2, 0, dtype=torch.long), torch.empty(0), (3, 3))
     lone = empty if R != 1 else torch.sparse_coo_tensor([[1], [2]], [5.0], (3, 3))
     dist.all_reduce(lone)
     want = torch.zeros(3, 3)
     want[1, 2] = 5.0
     assert torch.equal(lone.to_dense(), want), lone
-    assert results["gradsync"].is_coalesced()
-    assert torch.equal(results["gradsync"].to_dense(), results["gloo"].to_dense()), results
 
 
 def timeout_error_as_torch_words_it():

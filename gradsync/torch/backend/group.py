@@ -247,22 +247,20 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         def run():
             mine = t.coalesce()
             # One row per entry: its indices, then its values, so one allgather carries both.
+            # ``view(uint8)`` needs unit strides in the last dimension, which ``contiguous()``
+            # does not promise where a dimension has size 1: fresh copies (``_packed``).
             rows = torch.empty((mine._nnz(), entry), dtype=torch.uint8)
-            rows[:, :index_bytes] = mine._indices().t().contiguous().view(torch.uint8) \
+            rows[:, :index_bytes] = _packed(mine._indices().t()).view(torch.uint8) \
                 .reshape(-1, index_bytes)
-            rows[:, index_bytes:] = mine._values().contiguous().view(torch.uint8) \
+            rows[:, index_bytes:] = _packed(mine._values()).view(torch.uint8) \
                 .reshape(-1, value_bytes)
             out, _ = ops.allgather(world, as_bytes(rows), np.uint8, name="all_reduce sparse",
                                    shape=(rows.numel() // entry if entry else 0, entry))
             every = torch.from_numpy(out).reshape(-1, entry)
             # Fresh copies of the two columns, so that their bytes can be reinterpreted
             # (``view(dtype)`` needs aligned rows; a one-row slice keeps the rows' stride).
-            index_col = torch.empty((every.shape[0], index_bytes), dtype=torch.uint8)
-            value_col = torch.empty((every.shape[0], value_bytes), dtype=torch.uint8)
-            index_col.copy_(every[:, :index_bytes])
-            value_col.copy_(every[:, index_bytes:])
-            indices = index_col.view(torch.int64).t()
-            values = value_col.view(t.dtype).reshape(-1, *value_shape)
+            indices = _packed(every[:, :index_bytes]).view(torch.int64).t()
+            values = _packed(every[:, index_bytes:]).view(t.dtype).reshape(-1, *value_shape)
             t.copy_(torch.sparse_coo_tensor(indices, values, t.shape).coalesce())
         return run
 
@@ -661,6 +659,13 @@ def _release_at_exit() -> None:
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - exiting; nothing left to report to
         pass
+
+
+def _packed(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with row-major strides in every dimension, size-1 ones included."""
+    out = torch.empty(t.shape, dtype=t.dtype)
+    out.copy_(t)
+    return out
 
 
 def _splits(t: torch.Tensor, sizes, n: int, which: str) -> list[int]:
