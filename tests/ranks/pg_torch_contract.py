@@ -131,7 +131,9 @@ def recv_from_any_source():
             dist.send(torch.full((4,), float(R)), dst)
             dist.send(torch.full((4,), float(R)), dst)
     assert sorted(senders) == sorted([r for r in range(N) if r != R] * 2), senders
-    # A receive from a named rank still follows on the directions just used.
+    # A receive from a named rank still follows on the directions just used. After a
+    # barrier: a rank still receiving from any source would take the ring's message too.
+    dist.barrier()
     nxt, prev = (R + 1) % N, (R - 1) % N
     out = torch.empty(2)
     work = dist.isend(torch.full((2,), R * 3.0), nxt)
