@@ -12,12 +12,13 @@ does the same, outside the package, as upstream runs gloo on CPU (world size 3):
 The suite gates many tests on the literal name "gloo" (at import, in decorators such as
 ``skip_but_pass_in_sandcastle_if(BACKEND != "gloo", ...)``), so a backend of another name is
 offered a different, smaller set. To offer gradsync exactly gloo's tests, the suite is always
-imported with BACKEND=gloo; with ``--backend gradsync`` the suite's ``BACKEND`` then reads
-"gradsync" while the tests run (each rank's ``init_process_group(BACKEND)``, the checks of the
-group's name), and every group still asked for on gloo (``new_group(backend="gloo")``,
-``"cpu:gloo"`` forms) is created on gradsync instead, in torch's ``_new_process_group_helper``,
-the one place every group is made. Nothing else changes: the tests, their checks and their
-timeouts are torch's.
+imported with BACKEND=gloo, and the tests read "gloo" while they run too (their bodies branch
+on it: ``if BACKEND == "gloo": ...``). With ``--backend gradsync`` every process group that
+torch is asked for on gloo (``init_process_group``, ``new_group``, ``"cpu:gloo"`` forms) is
+created on gradsync instead, in torch's ``_new_process_group_helper``, the one place every
+group is made; the group reports its own name ("gradsync"), so the two tests that check that
+name against BACKEND (``_NAME_TESTS``) read "gradsync". Nothing else changes: the tests, their
+checks and their timeouts are torch's.
 
 The spawned ranks import this file again (as ``__mp_main__``), so what selects the backend
 travels in the environment (``TORCH_SUITE_BACKEND``), set before any rank starts.
@@ -65,11 +66,10 @@ import torch.testing._internal.distributed.distributed_test as suite  # noqa: E4
 from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
     DistributedTest, TestDistBackend)
 
-if _BACKEND == "gradsync":
-    # The gating above is done; what the tests read while they run is the backend under
-    # test: init_process_group(BACKEND) in each rank, and test_get_backend /
-    # test_Backend_enum_class, which check that the group reports its own name.
-    suite.BACKEND = "gradsync"
+# The tests that check the name the group reports (dist.get_backend() == BACKEND): on
+# gradsync they see the name of the backend under test. Every other test reads "gloo" while it
+# runs, as the gating did: test bodies branch on it (``if BACKEND == "gloo": ...``).
+_NAME_TESTS = {"test_get_backend", "test_Backend_enum_class"}
 
 
 class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
@@ -78,6 +78,13 @@ class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
     def setUp(self):
         super().setUp()
         self._spawn_processes()
+
+    @classmethod
+    def _run(cls, rank, test_name, file_name, pipe, **kwargs):
+        # In each rank's process, before its init_process_group(BACKEND).
+        if _BACKEND == "gradsync" and test_name in _NAME_TESTS:
+            suite.BACKEND = "gradsync"
+        super()._run(rank, test_name, file_name, pipe, **kwargs)
 
 
 def main() -> int:
