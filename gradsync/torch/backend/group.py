@@ -165,7 +165,9 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         return options
 
     # Capabilities torch reads off a backend (FSDP's allocator, coalescing managers,
-    # ``split_group``, the time estimator): none of these c10d extras, as on gloo.
+    # ``split_group``, the time estimator): none of these c10d extras. gloo answers the same
+    # but for splitting (it can split a group's communicator; each gradsync group is a World
+    # made anew, so ``split_group`` is refused and ``new_group`` is the way).
     supports_splitting = False
     supports_coalescing = False
     supports_time_estimate = False
