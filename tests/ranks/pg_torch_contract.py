@@ -140,6 +140,14 @@ def recv_from_any_source():
     dist.recv(out, src=prev)
     work.wait()
     assert out.tolist() == [prev * 3.0] * 2, out
+    # A receive from any source that no rank answers ends when its group is destroyed.
+    group = dist.new_group()
+    pending = dist.irecv(torch.empty(1), group=group)
+    dist.destroy_process_group(group)
+    deadline = time.monotonic() + 20
+    while not pending.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pending.is_completed() and not pending.is_success(), pending
     dist.barrier()
 
 

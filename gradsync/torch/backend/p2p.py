@@ -196,6 +196,8 @@ class PointToPoint:
                         work._src = src
                         return
                 now = time.monotonic()
+                if lane.closed is not None:  # shut down or aborted: no message will come
+                    raise lane.closed
                 if world.failure is not None:
                     raise world.failure
                 world.on_idle(now - start)  # raises on an abort record or a lost peer

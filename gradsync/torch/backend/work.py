@@ -185,6 +185,11 @@ class Lane:
                 self._cv.notify()
         return work
 
+    @property
+    def closed(self) -> "BaseException | None":
+        """Why the lane was closed (``close``); None while it is open."""
+        return self._closed
+
     def try_run(self, fn: Callable[[], object]) -> "tuple[bool, object]":
         """Runs ``fn`` on this thread if nothing is queued or running, holding the lane
         meanwhile: ``(True, fn())``; ``(False, None)`` without running it when the lane is
