@@ -46,7 +46,10 @@ def to_backend_error(exc: BaseException, where: str) -> BackendError:
     elif isinstance(exc, CollectiveMismatchError):
         error = MismatchBackendError(message)
     elif isinstance(exc, GradsyncTimeoutError):
-        error = TimeoutBackendError(message)
+        # Worded as torch's backends word theirs ("Timed out waiting ..."): torch's suite
+        # and users' handlers match on it (test_barrier_timeout_*: " (Timed out|closed|timeout) ").
+        error = TimeoutBackendError(f"{where}: Timed out waiting on live peers: "
+                                    f"{type(exc).__name__}: {exc}")
     else:
         error = BackendError(message)
     error.__cause__ = exc

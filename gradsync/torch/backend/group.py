@@ -58,7 +58,8 @@ def _tcp_address(store) -> tuple[str, int]:
 def create(options, backend_options=None) -> "ProcessGroupGradsync":
     """The creator registered with ``Backend.register_backend`` (extended API)."""
     return ProcessGroupGradsync(options.store, options.group_rank, options.group_size,
-                                options.timeout, str(options.group_id))
+                                options.timeout, str(options.group_id),
+                                list(options.global_ranks_in_group or []))
 
 
 class ProcessGroupGradsync(dist.ProcessGroup):
@@ -69,11 +70,13 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         rank, size: this rank's index in the group and the group's size.
         timeout: how long a collective may wait on live peers (``init_process_group``'s).
         group_id: torch's name of the group; with a per-process count it names the World.
+        global_ranks: the group's ranks in the default group (``options.global_ranks_in_group``).
     """
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta = timedelta(minutes=30),
-                 group_id: str = "0"):
+                 group_id: str = "0", global_ranks: "list[int] | None" = None):
         super().__init__(rank, size)
+        self._global_ranks = list(global_ranks) if global_ranks else list(range(size))
         self._group_name, self._group_desc = str(group_id), ""
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
         config = load_config()
@@ -132,6 +135,50 @@ class ProcessGroupGradsync(dist.ProcessGroup):
     def getGroupDesc(self) -> str:
         return self._group_desc
 
+    # ------------------------------------------------------------------ device and backend
+    # torch asks a group which devices it serves and for the backend of each
+    # (``_get_pg_default_device``, the state-dict helpers' broadcast from rank 0, DCP's
+    # ``async_save``, the object collectives' device choice). torch keeps those answers in the
+    # C++ ProcessGroup's table of backends, which only a C++ ``c10d::Backend`` can enter:
+    # torch 2.13 binds that class without a constructor for Python subclasses ("No
+    # constructor defined!") and without the trampoline that would route its virtual
+    # methods to Python, so a Python backend cannot be registered there. This group is its
+    # own backend for the one device it serves, and answers those questions itself, as a
+    # gloo group does: ``_device_types`` is [cpu], ``_get_backend(cpu)`` is the backend
+    # (this object), any other device raises as torch does.
+    @property
+    def _device_types(self) -> list:
+        return [_CPU]
+
+    def _get_backend(self, device) -> "ProcessGroupGradsync":
+        device = torch.device(device)
+        if device.type != "cpu":
+            raise RuntimeError(f"No backend type associated with device type {device.type}")
+        return self
+
+    @property
+    def options(self):
+        """The backend's options, as a c10d backend has them (name and timeout)."""
+        options = _BackendOptions("gradsync", timedelta(seconds=self.world.config.timeout))
+        options.group_name = self._group_name
+        options.global_ranks_in_group = list(self._global_ranks)
+        return options
+
+    # Capabilities torch reads off a backend (FSDP's allocator, coalescing managers,
+    # ``split_group``, the time estimator): none of these c10d extras. gloo answers the same
+    # but for splitting (it can split a group's communicator; each gradsync group is a World
+    # made anew, so ``split_group`` is refused and ``new_group`` is the way).
+    supports_splitting = False
+    supports_coalescing = False
+    supports_time_estimate = False
+    supports_shrinking = False
+
+    def supports_tensor_alloc(self, device) -> bool:
+        return False
+
+    def name(self) -> str:
+        return "gradsync"
+
     # ------------------------------------------------------------------ plumbing
     def _failed(self, exc: BaseException, what: str) -> BackendError:
         if isinstance(exc, GradsyncError):
@@ -184,9 +231,45 @@ class ProcessGroupGradsync(dist.ProcessGroup):
                 t.copy_(work)
         return run
 
+    def _sparse_allreduce_one(self, t: torch.Tensor, opts_op):
+        """The closure that sums a sparse COO tensor ``t`` in place, as gloo does: every
+        rank's coalesced indices and values are gathered (ranks hold different numbers of
+        entries), and each rank adds them up into one coalesced tensor."""
+        kind = opts_op if isinstance(opts_op, dist.ReduceOp.RedOpType) else opts_op.op
+        if kind != dist.ReduceOp.RedOpType.SUM:
+            raise ValueError("all_reduce of a sparse tensor supports ReduceOp.SUM only")
+        if t.device.type != "cpu":
+            raise ValueError(f"the gradsync backend takes CPU tensors; got one on {t.device}")
+        world, sparse_dims = self.world, t.sparse_dim()
+        index_bytes = sparse_dims * 8  # int64 per sparse dimension, per entry
+        value_shape = tuple(t.shape[sparse_dims:])
+        value_bytes = int(np.prod(value_shape, dtype=np.int64)) * t.element_size()
+        entry = index_bytes + value_bytes
+
+        def run():
+            mine = t.coalesce()
+            # One row per entry: its indices, then its values, so one allgather carries both.
+            # ``view(uint8)`` needs unit strides in the last dimension, which ``contiguous()``
+            # does not promise where a dimension has size 1: fresh copies (``_packed``).
+            rows = torch.empty((mine._nnz(), entry), dtype=torch.uint8)
+            rows[:, :index_bytes] = _packed(mine._indices().t()).view(torch.uint8) \
+                .reshape(-1, index_bytes)
+            rows[:, index_bytes:] = _packed(mine._values()).view(torch.uint8) \
+                .reshape(-1, value_bytes)
+            out, _ = ops.allgather(world, as_bytes(rows), np.uint8, name="all_reduce sparse",
+                                   shape=(rows.numel() // entry if entry else 0, entry))
+            every = torch.from_numpy(out).reshape(-1, entry)
+            # Fresh copies of the two columns, so that their bytes can be reinterpreted
+            # (``view(dtype)`` needs aligned rows; a one-row slice keeps the rows' stride).
+            indices = _packed(every[:, :index_bytes]).view(torch.int64).t()
+            values = _packed(every[:, index_bytes:]).view(t.dtype).reshape(-1, *value_shape)
+            t.copy_(torch.sparse_coo_tensor(indices, values, t.shape).coalesce())
+        return run
+
     def allreduce(self, tensors, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        steps = [self._allreduce_one(t, op, "all_reduce") for t in tensors]
+        steps = [self._sparse_allreduce_one(t, op) if t.is_sparse else
+                 self._allreduce_one(t, op, "all_reduce") for t in tensors]
         return self._run("all_reduce", tensors, lambda: [s() for s in steps], opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -374,7 +457,33 @@ class ProcessGroupGradsync(dist.ProcessGroup):
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        return self.allgather(output_lists, input_list, opts)
+        """``dist.all_gather_coalesced``: ``output_lists[r][i]`` receives rank r's
+        ``input_list[i]`` (one list per *rank*, where ``allgather`` has one per input). The
+        inputs travel end to end in one allgather; each rank's block is cut by the sizes of
+        its outputs, which must match what it sent."""
+        n = self.size()
+        if len(output_lists) != n or any(len(outs) != len(input_list) for outs in output_lists):
+            raise ValueError(f"all_gather_coalesced: needs {n} output lists (one per rank) of "
+                             f"{len(input_list)} tensors each (one per input)")
+
+        def run():
+            pieces = [contiguous(t) for t in input_list]
+            send = np.concatenate([as_bytes(p) for p in pieces]) if pieces else \
+                np.empty(0, np.uint8)
+            out, counts = ops.allgather(self.world, send, np.uint8, name="all_gather_coalesced",
+                                        shape=(send.size,))
+            offset = 0
+            for r, (count, outs) in enumerate(zip(counts, output_lists)):
+                want = sum(t.nbytes for t in outs)
+                if count != want:
+                    raise BackendError(f"all_gather_coalesced: rank {r} sent {count} bytes but "
+                                       f"rank {self.world.rank} expects {want} from it "
+                                       f"({[list(t.shape) for t in outs]})")
+                self._scatter_into(out[offset:offset + count],
+                                   [t.nbytes for t in outs], list(outs),
+                                   f"all_gather_coalesced from rank {r}")
+                offset += count
+        return self._run("all_gather_coalesced", output_lists, run, opts)
 
     def _all_to_all(self, send: np.ndarray, send_counts: list, what: str):
         """Sends ``send_counts[j]`` bytes of ``send`` to rank j; returns bytes and counts in."""
@@ -460,8 +569,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         return self._p2p.recv(tensors, src, tag)
 
     def recv_anysource(self, tensors, tag: int = 0):
-        raise NotImplementedError("the gradsync backend has no receive from any source: pass "
-                                  "src= to recv/irecv")
+        return self._p2p.recv_anysource(tensors, tag)
 
     # ------------------------------------------------------------------ life cycle
     def shutdown(self) -> None:
@@ -517,6 +625,8 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         self._p2p.close(wait=False)
         world.close()
 
+_CPU = torch.device("cpu")
+_BackendOptions = torch._C._distributed_c10d.Backend.Options
 _live: "weakref.WeakSet[ProcessGroupGradsync]" = weakref.WeakSet()
 _EXIT_GRACE_S = 2.0
 SHUTDOWN_GRACE_S = 2.0
@@ -551,6 +661,13 @@ def _release_at_exit() -> None:
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - exiting; nothing left to report to
         pass
+
+
+def _packed(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with row-major strides in every dimension, size-1 ones included."""
+    out = torch.empty(t.shape, dtype=t.dtype)
+    out.copy_(t)
+    return out
 
 
 def _splits(t: torch.Tensor, sizes, n: int, which: str) -> list[int]:

@@ -40,7 +40,7 @@ class Work(dist._Work):
         self._result = result
         self._done = threading.Event()
         self._error: BaseException | None = None
-        self._source_rank = -1
+        self._src = -1  # the rank a receive took its message from (``_source_rank()``)
         self._finisher: threading.Thread | None = None
         # The future is made on first ``get_future()`` (DDP asks, ``dist.all_reduce`` does
         # not): two futures per collective cost tens of microseconds.
@@ -91,7 +91,11 @@ class Work(dist._Work):
         return self._result
 
     def source_rank(self) -> int:
-        return self._source_rank
+        return self._src
+
+    # torch's name (``dist.recv`` without ``src``, ``work._source_rank()``); the C++ method it
+    # binds would not reach this Python class.
+    _source_rank = source_rank
 
     def __repr__(self) -> str:
         state = "in flight" if not self._done.is_set() else \
@@ -180,6 +184,26 @@ class Lane:
                 self._busy = False
                 self._cv.notify()
         return work
+
+    @property
+    def closed(self) -> "BaseException | None":
+        """Why the lane was closed (``close``); None while it is open."""
+        return self._closed
+
+    def try_run(self, fn: Callable[[], object]) -> "tuple[bool, object]":
+        """Runs ``fn`` on this thread if nothing is queued or running, holding the lane
+        meanwhile: ``(True, fn())``; ``(False, None)`` without running it when the lane is
+        busy or closed. Exceptions of ``fn`` go to the caller (no Work is involved)."""
+        with self._cv:
+            if self._queue or self._busy or self._closed is not None:
+                return False, None
+            self._busy = True
+        try:
+            return True, fn()
+        finally:
+            with self._cv:
+                self._busy = False
+                self._cv.notify()
 
     def _execute(self, work: Work, fn: Callable[[], None]) -> None:
         self._current = work
