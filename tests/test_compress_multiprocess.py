@@ -8,6 +8,7 @@ import pytest
 from harness import launch
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_compressors_train_on_both_front_doors(n):
     result = launch(n, "compress_train.py", timeout=150)
