@@ -22,6 +22,11 @@ One step, for a bucket, on every rank w:
 A matrix of rank at most r is reproduced exactly (up to rounding): P spans its columns, so
 the projection loses nothing and the residual is zero.
 
+Every rank orthonormalises the same summed P itself, and the results agree bit for bit only
+if its QR does the same arithmetic everywhere (the same torch and LAPACK; for these thin
+matrices LAPACK takes its unblocked, single-threaded path). torch's PowerSGD hook relies on
+the same; ranks on different builds would drift apart by rounding.
+
 Bytes per step: r (rows + cols) floats per compressed matrix, plus the plain tensors, over
 two allreduces (2 (n-1)/n each on a ring), against rows * cols for the uncompressed matrix.
 The state per bucket: the residual (every compressed element) and each matrix's Q.

@@ -18,10 +18,11 @@ ever taken here. The flat tensor is cut into one *chunk* per rank; rank r *owns*
 
 Overflow is impossible by construction: the only arithmetic on quantized values is
 ``q * scale`` in float32 with ``|q| <= QMAX`` and ``scale = max|x| / QMAX``, which is at most
-``max|x|``; sums are float64. Error feedback happens twice: each rank keeps what its own
-quantization lost (``residual``, the whole flat size), and each owner what its second
-quantization lost (``owner``, its chunk), as DoubleSqueeze and 1-bit Adam do, so both
-roundings are paid back at the next step.
+``max|x|``; sums are float64. (An op=Sum whose result passes float32's range comes back NaN
+where a float32 allreduce gives inf; GradScaler skips a step on either.) Error feedback
+happens twice: each rank keeps what its own quantization lost (``residual``, the whole flat
+size), and each owner what its second quantization lost (``owner``, its chunk), as
+DoubleSqueeze and 1-bit Adam do, so both roundings are paid back at the next step.
 
 Worked example, 2 ranks, 6 elements, block 3: chunks [0:3] (owner 0) and [3:6] (owner 1).
 Rank 0 has x = [1.27, -0.5, 0, 2.54, 0, 0]: chunk 0's scale is 0.01 and its bytes [127, -50,

@@ -23,8 +23,9 @@ from ..tensors import wrap
 from . import naming
 from . import process_sets as psets
 
-__all__ = ["allreduce", "compressed_allreduce", "allgather", "broadcast", "reducescatter", "alltoall", "barrier",
-           "broadcast_object", "allgather_object", "reset_names", "skip_name"]
+__all__ = ["allreduce", "compressed_allreduce", "allgather", "broadcast", "reducescatter",
+           "alltoall", "barrier", "broadcast_object", "allgather_object", "reset_names",
+           "skip_name"]
 
 reset_names = naming.reset  # kept importable from here, where they were
 skip_name = naming.skip
