@@ -1,10 +1,21 @@
-"""Gradient compression: a tiny strategy applied around an allreduce.
+"""Gradient compression: a tiny strategy applied around an allreduce, or one that replaces it.
 
-``compress(tensor)`` returns the tensor to put on the wire and a context; after the allreduce,
-``decompress(wire_tensor, context)`` turns the result back into the caller's dtype. The
-built-in compressors are casts (fp16, bf16), so they are element-wise: compressing a fused
-gradient bucket is the same as compressing each gradient in it. A user-defined compressor
-only has to keep the same two static (or class) methods, as in Horovod.
+Two kinds, one argument (``compression=`` of ``DistributedOptimizer``, ``allreduce`` and
+``grouped_allreduce``):
+
+- *around* the allreduce (Horovod's interface): ``compress(tensor)`` returns the tensor to
+  put on the wire and a context; after the allreduce, ``decompress(wire_tensor, context)``
+  turns the result back into the caller's dtype. The built-in ones are casts (fp16, bf16),
+  so they are element-wise: compressing a fused gradient bucket is the same as compressing
+  each gradient in it. A user-defined compressor only has to keep the same two static (or
+  class) methods, as in Horovod.
+- *instead of* the allreduce (``gradsync/compress/``: ``int8``, ``fp8``, ``powersgd``,
+  ``randomk``): an int8 sum would overflow, PowerSGD orthogonalises between two reductions,
+  random-k must pick the same positions on every rank; so these own their reduction
+  (``reduce``, marked ``owns_reduction``) and keep error-feedback state between steps. Pass
+  the class for the defaults (``Compression.int8``) or an instance for settings, and keep
+  the instance to save its state: ``c = Compression.powersgd(rank=4)``, then
+  ``c.state_dict()``. docs/slow-links.md says what each sends.
 
 What a cast costs and buys: half the bytes on every link, one extra pass over the data on each
 side, and the reduction itself in 16 bits (each rank's contribution is rounded before the
@@ -16,7 +27,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression"]
+from ..compress import FP8, Int8, PowerSGD, RandomK, ReducingCompressor
+
+__all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression",
+           "reducing"]
 
 
 class Compressor:
@@ -72,8 +86,23 @@ class BF16Compressor(_CastCompressor):
 
 
 class Compression:
-    """The built-in compressors, by Horovod's names: ``none``, ``fp16``; plus ``bf16``."""
+    """The built-in compressors, by Horovod's names: ``none``, ``fp16``; plus ``bf16``, and
+    those that replace the allreduce: ``int8``, ``fp8``, ``powersgd``, ``randomk``."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+    int8 = Int8
+    fp8 = FP8
+    powersgd = PowerSGD
+    randomk = RandomK
+
+
+def reducing(compression) -> ReducingCompressor | None:
+    """The compressor instance if ``compression`` owns its reduction (a class is
+    instantiated with its defaults), else None (a Horovod-style compress/decompress pair)."""
+    if isinstance(compression, type) and issubclass(compression, ReducingCompressor):
+        return compression()
+    if getattr(compression, "owns_reduction", False):
+        return compression
+    return None

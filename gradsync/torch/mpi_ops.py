@@ -50,7 +50,7 @@ from ..errors import GradsyncError, PeerLostError
 from . import naming as _naming
 from . import process_sets as _psets
 from . import requests as _requests
-from .compression import Compression, Compressor
+from .compression import Compression, Compressor, reducing
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 
 __all__ = [
@@ -215,7 +215,10 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         tensor: a CPU tensor of the same shape and dtype on every rank.
         average: deprecated; True means op=Average, False op=Sum.
         name: identifies the collective in error reports; ranks must agree on it.
-        compression: applied before the allreduce and undone after it.
+        compression: applied before the allreduce and undone after it; or one that replaces
+            it (``Compression.int8``, ``.fp8``, ``.powersgd``, ``.randomk``: Sum or Average
+            only, the result not differentiable; an instance keeps error feedback per
+            ``name``, none without a name).
         op: Average (default), Sum, Min, Max, Product or Adasum (floating point only).
         prescale_factor: multiplies the input before the reduction.
         postscale_factor: multiplies the result after it (and after averaging).
@@ -223,6 +226,12 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     """
     op = _resolve_op(op, average)
     _check_process_set(process_set)
+    reducer = reducing(compression)
+    if reducer is not None:
+        tensor = _cpu(tensor, "allreduce")
+        return _requests.compressed_allreduce(tensor, [tuple(tensor.shape)], name, op,
+                                              prescale_factor, postscale_factor, process_set,
+                                              reducer, name)
     wire, ctx = compression.compress(_cpu(tensor, "allreduce"))
     reduced = _Allreduce.apply(wire, name, op, prescale_factor, postscale_factor, process_set)
     return compression.decompress(reduced, ctx)
@@ -343,6 +352,10 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
     Arguments as for ``allreduce``; ``name`` is the base name of the fused collectives.
     """
     tensors, op = _grouped_args(tensors, average, op, process_set, "grouped_allreduce")
+    reducer = reducing(compression)
+    if reducer is not None:
+        return _grouped_compressed(tensors, op, name, prescale_factor, postscale_factor,
+                                   process_set, reducer)
     wires, ctxs = zip(*[compression.compress(t) for t in tensors]) if tensors else ((), ())
     spec = (op, name, prescale_factor, postscale_factor, process_set)
     if torch.is_grad_enabled() and any(w.requires_grad for w in wires):
@@ -350,6 +363,30 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
     else:
         reduced = _grouped(list(wires), *spec, inplace=False).wait()
     return [compression.decompress(r, c) for r, c in zip(reduced, ctxs)]
+
+
+def _grouped_compressed(tensors: list[torch.Tensor], op: ReduceOp, name: str | None,
+                        prescale: float, postscale: float, process_set: ProcessSet,
+                        reducer) -> list[torch.Tensor]:
+    """A grouped allreduce through a compressor that owns its reduction: one fused buffer
+    per dtype (as ``_grouped``), each reduced as a whole, its tensors' shapes known to the
+    compressor (PowerSGD compresses each matrix of the buffer)."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    handles = []
+    for group in by_dtype.values():
+        buf = torch.cat([tensors[i].detach().reshape(-1) for i in group])
+        full = None if name is None else f"{name}.{str(buf.dtype).removeprefix('torch.')}"
+        handles.append((group, _requests.compressed_allreduce(
+            buf, [tuple(tensors[i].shape) for i in group], full, op, prescale, postscale,
+            process_set, reducer, full, asynchronous=True)))
+    out: list[torch.Tensor] = list(tensors)
+    for group, handle in handles:
+        pieces = handle.wait().split([tensors[i].numel() for i in group])
+        for i, piece in zip(group, pieces):
+            out[i] = piece.view(tensors[i].shape)
+    return out
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
@@ -545,6 +582,10 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
     """
     op = _reducescatter_op(op, "reducescatter")
     _check_process_set(process_set)
+    if reducing(compression) is not None:
+        raise NotImplementedError(f"reducescatter(compression={compression!r}): the "
+                                  "compressors that replace the allreduce reduce whole "
+                                  "tensors; use allreduce, or fp16/bf16 here")
     wire, ctx = compression.compress(_scattered_rows(_cpu(tensor, "reducescatter"),
                                                      "reducescatter"))
     mine = _Reducescatter.apply(wire, name, op, prescale_factor, postscale_factor, process_set)

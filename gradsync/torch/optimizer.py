@@ -41,7 +41,10 @@ summed it, while it is in cache; ``collectives/shm.py``). With a
 ``gradient_predivide_factor`` f, each rank's gradients are multiplied by 1/f before the sum
 and the result by f after the division (1/size overall; the split keeps half-precision sums
 in range). Compression casts each bucket to the wire dtype before its allreduce and back
-after it.
+after it; a compressor that owns its reduction (``Compression.int8``, ``.fp8``,
+``.powersgd``, ``.randomk``; ``gradsync/compress/``) replaces the bucket's allreduce with its
+own, on the bucket as a whole (PowerSGD sees each member's shape), keyed by the bucket's name
+for its error feedback (``requests.compressed_allreduce``).
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from ..collectives.ops import Average, ReduceOp, Sum
 from . import adasum_optimizer
 from . import buckets as _buckets
 from .buckets import Bucket, assign_buckets, check_layout, choose_shared
-from .compression import Compression, Compressor
+from .compression import Compression, Compressor, reducing
 from .grouped import sparse_allreduce_async
 from . import process_sets as _psets
 from . import requests as _requests
@@ -101,6 +104,8 @@ class _DistributedOptimizer:
                                  for p in g["params"]}
         self._gs_groups = _check_groups(groups, self.param_groups)
         self._gs_compression = compression
+        # A compressor that replaces the allreduce (an instance: its state lives there).
+        self._gs_reducer = reducing(compression)
         self.backward_passes_per_step = backward_passes_per_step
         self.op, self.sparse_as_dense = op, sparse_as_dense
         self.gradient_predivide_factor = gradient_predivide_factor
@@ -138,7 +143,8 @@ class _DistributedOptimizer:
             # Reduced as they are (no compression cast), buckets live in buffers that the
             # host's other ranks map: their allreduce skips the staging copies (collectives/shm).
             group = None
-            if self._gs_compression is Compression.none and self.op is not Adasum:
+            if (self._gs_compression is Compression.none and self._gs_reducer is None
+                    and self.op is not Adasum):
                 group = _psets.controller(self._gs_process_set).world.shm_group
             plan = assign_buckets(params, self._gs_groups)
             shared: set[int] = set()
@@ -270,11 +276,18 @@ class _DistributedOptimizer:
 
     def _gs_launch(self, bucket: Bucket) -> None:
         bucket.pending = 0
-        bucket.wire, bucket.ctx = self._gs_compression.compress(bucket.buffer)
         prescale, postscale = self._gs_scale
-        bucket.handle = _requests.allreduce(bucket.wire, bucket.name, self.op, prescale,
-                                            postscale, self._gs_process_set, inplace=True,
-                                            asynchronous=True)
+        if self._gs_reducer is not None:
+            bucket.wire, bucket.ctx = bucket.buffer, None
+            bucket.handle = _requests.compressed_allreduce(
+                bucket.buffer, [tuple(p.shape) for p, _ in bucket.pairs], bucket.name,
+                self.op, prescale, postscale, self._gs_process_set, self._gs_reducer,
+                bucket.name, inplace=True, asynchronous=True)
+        else:
+            bucket.wire, bucket.ctx = self._gs_compression.compress(bucket.buffer)
+            bucket.handle = _requests.allreduce(bucket.wire, bucket.name, self.op, prescale,
+                                                postscale, self._gs_process_set, inplace=True,
+                                                asynchronous=True)
         # The name is free once the allreduce is done, as in Horovod: a round abandoned (a
         # backward never stepped, then another optimizer over a model with the same parameter
         # names) must not hold it until this optimizer synchronizes, which it may never do.
@@ -288,7 +301,8 @@ class _DistributedOptimizer:
         bucket.handle.wait()
         if bucket.buffer._version != bucket.version:
             raise RuntimeError(_MODIFIED.format(what=f"a gradient in {bucket.name}"))
-        result = self._gs_compression.decompress(bucket.wire, bucket.ctx)
+        result = (bucket.buffer if self._gs_reducer is not None else
+                  self._gs_compression.decompress(bucket.wire, bucket.ctx))
         if result is not bucket.buffer:
             bucket.buffer.copy_(result)
         bucket.handle = bucket.wire = bucket.ctx = None
@@ -487,7 +501,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         optimizer: any ``torch.optim.Optimizer``.
         named_parameters: ``(name, parameter)`` pairs naming every parameter of
             ``optimizer`` (usually ``model.named_parameters()``); names appear in errors.
-        compression: ``Compression.none``, ``.fp16``, ``.bf16`` or a custom compressor.
+        compression: ``Compression.none``, ``.fp16``, ``.bf16`` or a custom compressor; or
+            one that replaces each bucket's allreduce, with error feedback:
+            ``Compression.int8``, ``.fp8``, ``.powersgd``, ``.randomk`` (the class for its
+            defaults, or an instance, e.g. ``Compression.powersgd(rank=4)``, whose
+            ``state_dict()`` holds the residuals). Not with ``op=Adasum`` or ``join()``.
         backward_passes_per_step: backward passes accumulated locally per allreduce.
         op: ``Average`` (default), ``Sum``, or ``Adasum``: each parameter's local update is
             Adasum-reduced instead of the gradients (``adasum_optimizer.py``).
@@ -521,9 +539,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          f"{gradient_predivide_factor}")
     if gradient_predivide_factor != 1.0 and op is not Average:
         raise ValueError("gradient_predivide_factor is only supported with op=Average")
-    if not (callable(getattr(compression, "compress", None))
-            and callable(getattr(compression, "decompress", None))):
-        raise TypeError(f"compression must have compress() and decompress(), got {compression!r}")
+    if reducing(compression) is not None:
+        if op is Adasum:
+            raise ValueError(f"op=Adasum cannot use compression={compression!r}: Adasum "
+                             "combines whole vectors, the compressor sums")
+    elif not (callable(getattr(compression, "compress", None))
+              and callable(getattr(compression, "decompress", None))):
+        raise TypeError(f"compression must have compress() and decompress() (or own its "
+                        f"reduction, as Compression.int8 does), got {compression!r}")
     _check_passes(backward_passes_per_step)
     if num_groups:
         warnings.warn("num_groups is deprecated (as in Horovod): use groups", DeprecationWarning,

@@ -12,16 +12,20 @@ the in-place result step are ``gradsync/arguments.py``'s, the same as the NumPy 
 
 from __future__ import annotations
 
+import torch
+
 from .. import arguments
 from .. import operations as ops
 from ..collectives.ops import ReduceOp
+from ..compress import WorldComm
 from ..negotiation import Request
 from ..tensors import wrap
 from . import naming
 from . import process_sets as psets
 
-__all__ = ["allreduce", "allgather", "broadcast", "reducescatter", "alltoall", "barrier",
-           "broadcast_object", "allgather_object", "reset_names", "skip_name"]
+__all__ = ["allreduce", "compressed_allreduce", "allgather", "broadcast", "reducescatter",
+           "alltoall", "barrier", "broadcast_object", "allgather_object", "reset_names",
+           "skip_name"]
 
 reset_names = naming.reset  # kept importable from here, where they were
 skip_name = naming.skip
@@ -60,6 +64,58 @@ def allreduce(tensor, name, op: ReduceOp, prescale: float, postscale: float, pro
                       buf.shape, op=op.name, scale=(prescale, postscale), flat=target,
                       dtype_tag=buf.dtype, finish=finish, counts=counts, shared=shared)
     return _issue(process_set, request, asynchronous)
+
+
+def compressed_allreduce(tensor, shapes: list, name, op: ReduceOp, prescale: float,
+                         postscale: float, process_set, compressor, key: str | None, *,
+                         inplace: bool = False, asynchronous: bool = False):
+    """An allreduce that ``compressor`` (``gradsync/compress/``) runs: one operation of the
+    set, matched by name like the others but never fused (the compressor issues its own
+    collectives on the set's World, on the controller's thread, in an order fixed by
+    ``shapes``). ``tensor`` holds the tensors of ``shapes`` back to back; ``key`` names its
+    error-feedback state (None: none kept). The compressor's name and settings are part of
+    the signature, so ranks that compress differently fail with a mismatch, not garbage."""
+    if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        raise ValueError(f"{compressor.describe()} reduces with op=Sum or op=Average, got "
+                         f"{op.name}")
+    if not tensor.dtype.is_floating_point:
+        raise TypeError(f"{compressor.describe()} compresses floating-point tensors; "
+                        f"'{name}' is {tensor.dtype}")
+    full = _name("allreduce", name, process_set)
+    source = tensor.detach().reshape(-1)
+
+    def run(world):
+        x = source if prescale == 1.0 else source * prescale
+        out = compressor.reduce(x, shapes, WorldComm(world, full), key,
+                                average=op is ReduceOp.AVERAGE)
+        if postscale != 1.0:
+            out *= postscale
+        return out
+
+    def finish(out):
+        if not inplace:
+            return out.to(tensor.dtype).view(tensor.shape)
+        _write(tensor, out)
+        return tensor
+
+    request = Request(full, "compressed_allreduce", str(tensor.dtype).removeprefix("torch."),
+                      tuple(tensor.shape), op=f"{op.name} {compressor.describe()}",
+                      scale=(prescale, postscale), run=run, finish=finish)
+    return _issue(process_set, request, asynchronous)
+
+
+def _write(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Writes ``value`` into ``target`` through NumPy, as the allreduce does: the version
+    counter does not move, so ``DistributedOptimizer`` still sees any in-place change made to
+    a gradient while its bucket was in flight."""
+    value = value.to(target.dtype).reshape(-1)
+    if not target.is_contiguous():
+        with torch.no_grad():
+            target.copy_(value.view(target.shape))
+        return
+    if target.dtype == torch.bfloat16:  # NumPy has no bfloat16: move its bits
+        target, value = target.view(torch.int16), value.view(torch.int16)
+    target.detach().numpy().reshape(-1)[:] = value.numpy()
 
 
 def allgather(tensor, name, process_set, *, asynchronous: bool = False):

@@ -1,0 +1,168 @@
+"""Each compressor of gradsync/compress/ through both front doors, training a tiny model.
+
+Run by tests/test_compress_multiprocess.py (N = 2, 3). Front door 1: the Horovod API
+(``hvd.DistributedOptimizer(compression=...)`` on several fused buckets, ``hvd.allreduce``
+and ``hvd.grouped_allreduce`` with ``compression=``). Front door 2: the DDP communication
+hook, over the "gradsync" backend and over gloo, with buckets so small that every layer is a
+bucket of its own (DDP calls the hook several times per step: the ranks must issue the
+hook's collectives in the same order, or gloo fails). Each run overfits one fixed batch per
+rank for a few SGD steps: the loss over all ranks' batches must fall (by at least 0.3 of
+what uncompressed steps achieve), and the parameters must be equal, bit for bit,
+on every rank. The script exits non-zero at the first failure and prints ``count`` at its end.
+"""
+
+import hashlib
+import warnings
+
+import common  # noqa: F401  (deadline)
+from checks import Checks
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradsync
+import gradsync.torch as hvd
+from gradsync.compress import FP8, HookState, Int8, PowerSGD, RandomK, compressed_hook
+
+warnings.simplefilter("ignore")
+hvd.init()
+R, N = hvd.rank(), hvd.size()
+C = Checks(R)
+fail = C.fail
+STEPS = 8
+
+
+def compressors():
+    return {"int8": Int8(block=64), "fp8": FP8(block=64),
+            "powersgd": PowerSGD(rank=2, min_compression_rate=1.0),
+            "randomk": RandomK(0.5, seed=5)}
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+def batch(rank: int = R):
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+
+
+def whole_loss(model) -> float:
+    """The loss over every rank's batch: what the averaged gradients descend."""
+    with torch.no_grad():
+        return sum(float(F.cross_entropy(model(x), y)) for x, y in map(batch, range(N))) / N
+
+
+def digest(model) -> str:
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
+
+
+def reference_fall() -> float:
+    """How far the whole loss falls in STEPS uncompressed steps (one process, every batch)."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    first = whole_loss(model)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        (sum(F.cross_entropy(model(x), y) for x, y in map(batch, range(N))) / N).backward()
+        opt.step()
+    return first - whole_loss(model)
+
+
+FALL = reference_fall()
+
+
+def train(model, optimizer, what: str, gather) -> None:
+    x, y = batch()
+    losses = [whole_loss(model)]
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        losses.append(whole_loss(model))
+    C.count += 1
+    # Compressed steps make less progress than exact ones (random-k sends half, PowerSGD a
+    # rank-2 part), but error feedback keeps them going the same way.
+    if not losses[0] - losses[-1] > 0.3 * FALL:
+        fail(f"{what}: the loss fell by less than 0.3 x {FALL:.4f} (uncompressed): {losses}")
+    digests = gather(digest(model))
+    C.count += 1
+    if len(set(digests)) != 1:
+        fail(f"{what}: parameters differ between ranks: {digests}")
+
+
+def several_buckets(compressor, what: str) -> None:
+    C.count += 1
+    if len(compressor.state.tensors) < 2:
+        fail(f"{what}: expected several buckets, the state has {list(compressor.state.tensors)}")
+
+
+# ----------------------------------------------------------------------------- Horovod API
+world = gradsync.job.world()
+world.config = world.config.replace(fusion_threshold=1024)  # several buckets
+for name, compressor in compressors().items():
+    torch.manual_seed(0)
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                   named_parameters=model.named_parameters(),
+                                   compression=compressor)
+    train(model, opt, f"DistributedOptimizer {name}", lambda d: hvd.allgather_object(d))
+    several_buckets(compressor, f"DistributedOptimizer {name}")
+# The class (its defaults) works as Horovod's compressors do.
+torch.manual_seed(0)
+model = Net()
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                               named_parameters=model.named_parameters(),
+                               compression=hvd.Compression.int8)
+train(model, opt, "DistributedOptimizer Compression.int8", lambda d: hvd.allgather_object(d))
+
+# Collectives: int8 of values it represents exactly sums exactly: integers in [-127, 127],
+# every other one 127, so that every block's scale is 1 (and the sum's is N).
+x = torch.stack([torch.full((255,), 127.0), torch.arange(-127.0, 128.0)], dim=1).reshape(-1)
+got = hvd.allreduce(x, name="int8.exact", op=hvd.Sum, compression=hvd.Compression.int8)
+C.count += 1
+if not torch.equal(got, N * x):
+    fail(f"allreduce int8: got {got[:5]}.. want {(N * x)[:5]}..")
+# PowerSGD of a rank-1 matrix (the same on every rank) reconstructs it.
+m = torch.outer(torch.arange(1.0, 9.0), torch.arange(1.0, 7.0))
+v = torch.arange(float(R), R + 3.0)
+got_m, got_v = hvd.grouped_allreduce([m, v], name="psgd", op=hvd.Average,
+                                     compression=hvd.Compression.powersgd(rank=1))
+C.count += 1
+if not (torch.allclose(got_m, m, atol=1e-4)
+        and torch.allclose(got_v, torch.arange(3.0) + (N - 1) / 2)):
+    fail(f"grouped_allreduce powersgd: got {got_m} {got_v}")
+
+# ----------------------------------------------------------------------------- DDP hook
+dist.init_process_group("gradsync")
+GLOO = dist.new_group(backend="gloo")
+
+
+def all_digests(d, group):
+    out = [None] * N
+    dist.all_gather_object(out, d, group=group)
+    return out
+
+
+for label, group in (("gradsync", None), ("gloo", GLOO)):
+    for name, compressor in compressors().items():
+        torch.manual_seed(0)
+        model = DDP(Net(), process_group=group, bucket_cap_mb=0.0005)
+        model.register_comm_hook(HookState(compressor, group), compressed_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        train(model, opt, f"DDP hook over {label}, {name}",
+              lambda d, group=group: all_digests(d, group))
+        several_buckets(compressor, f"DDP hook over {label}, {name}")
+
+dist.destroy_process_group()
+hvd.shutdown()
+print(f"rank {R}: count {C.count}")

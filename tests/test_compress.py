@@ -1,0 +1,337 @@
+"""Compressors with error feedback (gradsync/compress/), on an in-memory group of threads.
+
+The ranks are threads that meet at a barrier (``ThreadComm``): the compressors see only the
+three collectives of ``gradsync/compress/comm.py``, so processes add nothing here. Each
+collective is a barrier with a deadline, so a rank that issues a different collective (or
+none) breaks the barrier instead of hanging. The front doors (DistributedOptimizer, the DDP
+hook over gloo and gradsync) are tests/ranks/compress_train.py, run by
+test_compress_multiprocess.py.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from gradsync.compress import FP8, Int8, PowerSGD, RandomK
+
+
+class ThreadGroup:
+    """``size`` ranks as threads; every collective is an exchange through shared slots."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=30)
+        self.slots: list = [None] * size
+        self.wire_bytes = [0] * size  # what each rank put on the wire (all collectives)
+        self.wire_dtypes: set = set()
+
+
+class ThreadComm:
+    def __init__(self, group: ThreadGroup, rank: int):
+        self.group, self.rank, self.size = group, rank, group.size
+
+    def _exchange(self, t: torch.Tensor) -> list[torch.Tensor]:
+        g = self.group
+        g.slots[self.rank] = t.clone()
+        g.wire_dtypes.add(t.dtype)
+        g.barrier.wait()
+        got = list(g.slots)
+        g.barrier.wait()
+        return got
+
+    def allreduce_sum_(self, t):
+        got = self._exchange(t)
+        self.group.wire_bytes[self.rank] += 2 * t.numel() * t.element_size()
+        total = got[0].clone()
+        for other in got[1:]:  # rank order: the same sum on every rank
+            total += other
+        t.copy_(total)
+
+    def alltoall(self, send):
+        got = self._exchange(send)
+        self.group.wire_bytes[self.rank] += send.numel()
+        block = send.numel() // self.size
+        return torch.cat([got[s][self.rank * block:(self.rank + 1) * block]
+                          for s in range(self.size)])
+
+    def allgather(self, mine):
+        got = self._exchange(mine)
+        self.group.wire_bytes[self.rank] += mine.numel()
+        return torch.cat(got)
+
+
+def run_ranks(size: int, fn):
+    """Runs ``fn(comm)`` on ``size`` threads; returns their results in rank order."""
+    group = ThreadGroup(size)
+    results, errors = [None] * size, []
+
+    def body(r):
+        try:
+            results[r] = fn(ThreadComm(group, r))
+        except BaseException as exc:  # noqa: BLE001  (re-raised below)
+            errors.append(exc)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), "a rank is stuck"
+    return results, group
+
+
+def grads(rank: int, step: int, numel: int) -> torch.Tensor:
+    """A gradient as training gives them: a steady direction (per rank) plus noise, so the
+    sum over steps grows like the number of steps."""
+    steady = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    noise = torch.randn(numel, generator=torch.Generator().manual_seed(1000 * step + rank + 1))
+    return steady + 0.5 * noise
+
+
+COMPRESSORS = {
+    "int8": lambda: Int8(block=16),
+    "fp8": lambda: FP8(block=16),
+    "powersgd": lambda: PowerSGD(rank=2, min_compression_rate=1.0),
+    "randomk": lambda: RandomK(0.1, seed=3),
+}
+SHAPES = [(12, 10), (10,), (7, 3, 2), (5,)]  # 120 + 10 + 42 + 5 = 177 elements
+NUMEL = 177
+
+
+# ----------------------------------------------------------------------------- error feedback
+@pytest.mark.parametrize("kind", sorted(COMPRESSORS))
+def test_error_feedback_sum_of_sent_follows_sum_of_gradients(kind):
+    """sum_t sent_t = sum_t g_t - residual_T exactly (telescoping), and the residual stays
+    bounded, so the relative gap shrinks like 1/T (here from step 10 to step 60)."""
+    size, steps = 3, 60
+
+    def job(comm):
+        c = COMPRESSORS[kind]()
+        sent = torch.zeros(NUMEL, dtype=torch.float64)
+        given = torch.zeros(NUMEL, dtype=torch.float64)
+        gaps = []
+        for step in range(steps):
+            g = grads(comm.rank, step, NUMEL)
+            given += g.double()
+            sent += c.reduce(g, SHAPES, comm, "bucket0", average=False).double()
+            if step + 1 in (10, steps):
+                gaps.append(float((sent - given_all(step)).norm() / given_all(step).norm()))
+        return sent, c, gaps
+
+    def given_all(step):
+        return sum(grads(r, s, NUMEL).double() for r in range(size) for s in range(step + 1))
+
+    results, _ = run_ranks(size, job)
+    total = given_all(steps - 1)
+    sent = results[0][0]
+    for other, _, _ in results[1:]:
+        assert torch.equal(other, sent)  # the same result on every rank
+    # What was not sent is exactly what the residuals hold.
+    held = torch.zeros(NUMEL, dtype=torch.float64)
+    for _, c, _ in results:
+        for name, t in c.state.tensors["bucket0"].items():
+            if name == "residual":
+                if kind == "powersgd":  # residuals cover the compressed matrices only
+                    held += _scatter_powersgd(c, t)
+                else:
+                    held += t.double()
+            elif name.startswith("owner"):  # int8's owners' second rounding
+                held += _scatter_owner(t, name, NUMEL)
+    assert torch.allclose(sent + held, total, rtol=1e-4, atol=1e-3)
+    early, late = results[0][2]
+    assert late < early / 2 and late < 0.25, (early, late)
+
+
+def _scatter_powersgd(c, residual):
+    out = torch.zeros(NUMEL, dtype=torch.float64)
+    offset = start = 0
+    for shape, p in zip(SHAPES, c.plan(SHAPES)):
+        n = torch.Size(shape).numel()
+        if p is not None:
+            out[start:start + n] = residual[offset:offset + n].double()
+            offset += n
+        start += n
+    return out
+
+
+def _scatter_owner(t, name, numel):
+    rank, size = (int(v) for v in name.removeprefix("owner").split("of"))
+    chunk = t.numel()
+    out = torch.zeros(numel, dtype=torch.float64)
+    piece = t.reshape(-1)[:max(0, min(chunk, numel - rank * chunk))]
+    out[rank * chunk:rank * chunk + piece.numel()] = piece.double()
+    return out
+
+
+# ----------------------------------------------------------------------------- int8
+ADVERSARIAL = {
+    "all_at_max": lambda r, n: torch.full((n,), 3.0e38),
+    "mixed_signs": lambda r, n: torch.where(torch.arange(n) % 2 == r % 2, 1e30, -1e30)
+    * torch.ones(n),
+    "huge_range": lambda r, n: torch.logspace(-30, 30, n) * (-1) ** r if n else torch.zeros(0),
+    "zeros": lambda r, n: torch.zeros(n),
+    "int8_extremes": lambda r, n: torch.full((n,), 127.0),
+}
+
+
+@pytest.mark.parametrize("codec", [Int8, FP8])
+@pytest.mark.parametrize("values", sorted(ADVERSARIAL))
+@pytest.mark.parametrize("size, numel", [(2, 0), (3, 1), (3, 2), (2, 7), (3, 100), (3, 1000)])
+def test_quantized_sums_cannot_overflow(codec, values, size, numel):
+    """Every result is finite and within the quantization's error of the true average,
+    whatever the values: no integer sum is ever taken."""
+    make = ADVERSARIAL[values]
+
+    def job(comm):
+        return codec(block=32).reduce(make(comm.rank, numel), [(numel,)], comm, None,
+                                      average=True)
+
+    results, group = run_ranks(size, job)
+    exact = sum(make(r, numel).double() for r in range(size)) / size
+    for out in results:
+        assert out.shape == (numel,) and torch.equal(out, results[0])
+        assert torch.isfinite(out).all()
+        # Two roundings, each at most half a step of the block's scale (int8: 1/254 of the
+        # block's largest magnitude; fp8 e4m3: 1/16 relative to the value, or of the scale).
+        peak = max(float(make(r, numel).abs().max()) if numel else 0.0 for r in range(size))
+        bound = (2.0 / 127 if codec is Int8 else 0.14) * peak
+        err = float((out.double() - exact).abs().max()) if numel else 0.0
+        assert err <= bound, (err, bound)
+    if numel:
+        assert group.wire_dtypes == {torch.uint8}  # nothing but bytes crossed
+
+
+def test_int8_wire_is_one_byte_per_element():
+    size, numel, block = 3, 3 * 4096, 1024
+
+    def job(comm):
+        return Int8(block=block).reduce(torch.randn(numel), [(numel,)], comm, "k", False)
+
+    _, group = run_ranks(size, job)
+    # Each rank puts its whole alltoall send block (one chunk per rank) and its chunk for the
+    # all-gather on the wire: 1 byte per element plus 4 bytes per block of scales.
+    per_rank = numel + 4 * numel // block + (numel // size + 4 * numel // size // block)
+    assert group.wire_bytes == [per_rank] * size
+    assert per_rank < 1.4 * numel  # against 8 bytes per element for float32 (both phases)
+
+
+def test_int8_exact_on_representable_values():
+    """Integers in [-127, 127] in blocks whose maximum is 127 are quantized without loss, and
+    so is their sum (scale: the number of ranks)."""
+    x = torch.stack([torch.full((255,), 127.0), torch.arange(-127.0, 128.0)], 1).reshape(-1)
+
+    def job(comm):
+        return Int8(block=16).reduce(x, [(510,)], comm, None, average=False)
+
+    for size in (2, 3):
+        results, _ = run_ranks(size, job)
+        assert torch.equal(results[0], size * x)
+
+
+# ----------------------------------------------------------------------------- PowerSGD
+@pytest.mark.parametrize("true_rank, rank", [(1, 1), (2, 2), (2, 4)])
+def test_powersgd_reconstructs_low_rank_matrices(true_rank, rank):
+    rows, cols = 40, 30
+
+    def matrix(r):
+        g = torch.Generator().manual_seed(7 + r)
+        return torch.randn(rows, true_rank, generator=g) @ torch.randn(true_rank, cols,
+                                                                        generator=g)
+
+    def job(comm):
+        c = PowerSGD(rank=rank, min_compression_rate=1.0)
+        m = matrix(0)  # the same matrix on every rank: the sum has the same rank
+        out = c.reduce(m.reshape(-1), [(rows, cols)], comm, "b", average=True)
+        return out.view(rows, cols), c.state.tensors["b"]["residual"]
+
+    results, _ = run_ranks(2, job)
+    for out, residual in results:
+        assert torch.allclose(out, matrix(0), atol=1e-4)
+        assert float(residual.abs().max()) < 1e-4
+
+
+def test_powersgd_residual_is_what_was_left():
+    rows, cols = 16, 12
+
+    def job(comm):
+        c = PowerSGD(rank=1, min_compression_rate=1.0)
+        g = grads(comm.rank, 0, rows * cols + 5)
+        out = c.reduce(g, [(rows, cols), (5,)], comm, "b", average=False)
+        return g, out, c.state.tensors["b"]["residual"]
+
+    results, _ = run_ranks(2, job)
+    sent_plus_left = results[0][1].clone()
+    for g, _, residual in results:
+        sent_plus_left[:rows * cols] += residual
+    total = results[0][0] + results[1][0]
+    assert torch.allclose(sent_plus_left, total, atol=1e-5)
+    # The plain vector travelled whole; the matrix was cut to rank 1 (it had more).
+    assert torch.allclose(results[0][1][rows * cols:], total[rows * cols:])
+    approx = results[0][1][:rows * cols].view(rows, cols)
+    assert torch.linalg.matrix_rank(approx) == 1
+
+
+def test_powersgd_keeps_small_and_flat_tensors_plain():
+    c = PowerSGD(rank=4)  # default rate 2: a 4x4 matrix would not shrink
+    assert c.plan([(10,), (4, 4), (64, 32), (8, 2, 2, 2)]) == [None, None, (64, 32, 4), None]
+
+
+# ----------------------------------------------------------------------------- random-k
+def test_randomk_sends_the_same_k_positions_everywhere():
+    numel = 1000
+
+    def job(comm):
+        c = RandomK(0.05, seed=11)
+        g = torch.full((numel,), float(comm.rank + 1))
+        return c.reduce(g, [(numel,)], comm, "b", average=False), c.state.tensors["b"]
+
+    results, group = run_ranks(3, job)
+    out = results[0][0]
+    assert int((out != 0).sum()) == 50 and torch.equal(out[out != 0], torch.full((50,), 6.0))
+    for other, state in results:
+        assert torch.equal(other, out)
+        # What was sent left the residual; the rest stayed.
+        assert torch.equal(state["residual"] == 0, out != 0)
+    assert group.wire_bytes == [2 * 50 * 4] * 3  # k float32 values, no indices
+
+
+# ----------------------------------------------------------------------------- state
+@pytest.mark.parametrize("kind", sorted(COMPRESSORS))
+def test_state_dict_round_trip_continues_bit_for_bit(kind):
+    """Steps 0..9 straight, against steps 0..4, a state_dict, a fresh compressor loading it,
+    then steps 5..9: every result equal, bit for bit."""
+    size = 2
+
+    def straight(comm):
+        c = COMPRESSORS[kind]()
+        return [c.reduce(grads(comm.rank, s, NUMEL), SHAPES, comm, "b", False)
+                for s in range(10)]
+
+    def resumed(comm):
+        c = COMPRESSORS[kind]()
+        out = [c.reduce(grads(comm.rank, s, NUMEL), SHAPES, comm, "b", False)
+               for s in range(5)]
+        saved = c.state_dict()
+        fresh = COMPRESSORS[kind]()
+        fresh.load_state_dict(saved)
+        return out + [fresh.reduce(grads(comm.rank, s, NUMEL), SHAPES, comm, "b", False)
+                      for s in range(5, 10)]
+
+    a, _ = run_ranks(size, straight)
+    b, _ = run_ranks(size, resumed)
+    for ra, rb in zip(a, b):
+        for x, y in zip(ra, rb):
+            assert torch.equal(x, y)
+
+
+def test_load_state_dict_refuses_another_compressor():
+    with pytest.raises(ValueError, match="cannot be loaded"):
+        PowerSGD(rank=2).load_state_dict(PowerSGD(rank=4).state_dict())
+    with pytest.raises(TypeError, match="floating-point"):
+        Int8().reduce(torch.zeros(3, dtype=torch.int32), [(3,)], None, None, False)

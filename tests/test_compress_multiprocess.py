@@ -1,0 +1,16 @@
+"""The compressors through both front doors at 2 and 3 ranks: tests/ranks/compress_train.py
+(the Horovod API's DistributedOptimizer and collectives; the DDP hook over the "gradsync"
+backend and over gloo, several buckets each). One job per world size runs them all; the
+3-rank job is in the slow tier (each job takes 20-30 s on a loaded machine)."""
+
+import pytest
+
+from harness import launch
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_compressors_train_on_both_front_doors(n):
+    result = launch(n, "compress_train.py", timeout=150)
+    assert result.returncode == 0, result
+    assert result.output.count("count 40") == n, result
