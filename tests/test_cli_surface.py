@@ -14,7 +14,7 @@ RUN_OPTIONS = [
     "--fusion-threshold-mb", "--help", "--host-discovery-script", "--hostfile", "--hosts",
     "--log-level", "--max-np", "--min-np", "--network-interface", "--no-output-prefix",
     "--num-proc", "--output-filename", "--output-prefix", "--ps-replicas",
-    "--reset-limit", "--servers",
+    "--reset-limit", "--server-restarts", "--servers",
     "--ssh-command", "--ssh-identity-file", "--ssh-port", "--start-timeout",
     "--timeline-filename", "-H", "-h", "-i", "-np", "-p", "-x",
 ]
