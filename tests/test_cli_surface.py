@@ -151,6 +151,17 @@ def test_a_benchmarks_help_is_its_own(name, option, capsys):
     assert ("--json [FILE]" in out) == (name != "elastic")  # elastic writes no rows
 
 
+def test_the_chaos_benchmarks_help_names_its_server_jobs(capsys):
+    # Its --servers is its own (a parameter-server job): the launch options' --servers is
+    # left out of its help instead of colliding with it.
+    from gradsync.bench.cli import main as bench_main
+    assert bench_main(["chaos", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: gradsync bench chaos")
+    for option in ("--servers S", "--data-servers D", "--ps-replicas R", "--hosts HOSTS"):
+        assert option in out, option
+
+
 def test_bench_help_without_a_benchmark_lists_them(capsys):
     from gradsync.bench.cli import main as bench_main
     assert bench_main(["--help"]) == 0
