@@ -24,6 +24,10 @@ each of them anyway, so the same idea costs less here. With the job's heartbeat 
   is busy is watched by its own request already), so that a worker that has no batch to ask of
   that server yet still finds it silent.
 
+While a worker's connections form (inside ``Loader(...)``: the dial, the hello, the read of
+the slots) a server gets ``heartbeat.LINK_UP_S`` (30 s) to answer instead, as a heartbeat link
+gets to form: the ranks of a job start seconds apart on a crowded machine.
+
 A server found silent is *lost*, exactly as one found dead: the worker sets its batches aside
 and hands them to the live servers at the end of the epoch (``loader.py``), so each sample is
 still delivered exactly once; its connection is shut, so that a server that wakes finds the

@@ -39,6 +39,7 @@ import time
 import numpy as np
 
 from ..errors import ConfigError, GradsyncError, GradsyncTimeoutError, PeerLostError
+from ..heartbeat import LINK_UP_S
 from .layout import Layout
 from .plan import STATE_VERSION, Batch, pack_mask, plan, unpack_mask, worker_batches
 from .slots import poller
@@ -140,14 +141,21 @@ class Loader:
         # A data server lost while this worker connects is lost as one lost in the training
         # loop (``_lose``): the others serve its batches from the first epoch on. One that
         # cannot be reached at all has no connection here (None in ``peers``).
+        # While the connections form, a server gets ``LINK_UP_S`` (30 s) to answer, as a
+        # heartbeat link gets to form: the ranks of a job start seconds apart on a crowded
+        # machine, and a server still starting is not a silent one. Then the timeout.
+        forming = None if self._silence is None else max(self._silence, LINK_UP_S)
         self.endpoint, self.peers = connect_servers(config, env, store, "data", env.size,
                                                     self.servers, "data server", self.ident,
-                                                    lost=self._lose, silence=self._silence)
+                                                    lost=self._lose, silence=forming)
         try:
             self._greet()
         except BaseException:
             self.close()
             raise
+        for peer in self.peers:
+            if peer is not None:
+                peer.set_silence(self._silence)
 
     def _greet(self) -> None:
         """Says hello to every data server reached and maps each one's slots; a server lost

@@ -124,6 +124,11 @@ class RemotePeer:
     def call_async(self, method: str, **args) -> Handle:
         return self.submit(lambda: self.call(method, **args), f"{self.label}.{method}")
 
+    def set_silence(self, silence: float | None) -> None:
+        """Changes ``silence`` (None: the endpoint's timeout) for the requests from now on."""
+        self.silence = silence
+        self.sock.settimeout(self.endpoint.timeout if silence is None else silence)
+
     def call_if_idle(self, method: str, **args) -> dict | None:
         """``call``, unless a request is in flight on this connection (None then, at once):
         a watcher's look (``silence``), which that request's own wait already makes."""
