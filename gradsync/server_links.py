@@ -53,8 +53,8 @@ def unique_id(store: Store, service: str) -> int:
 
 def connect_servers(config, env, store: Store, service: str, first_rank: int, count: int,
                     noun: str, ident: int | None = None,
-                    lost: Callable[[int, BaseException], None] | None = None
-                    ) -> tuple[regions.Endpoint, list]:
+                    lost: Callable[[int, BaseException], None] | None = None,
+                    silence: float | None = None) -> tuple[regions.Endpoint, list]:
     """This worker's endpoint for ``service`` and a connection to each of its servers.
 
     Args:
@@ -71,6 +71,8 @@ def connect_servers(config, env, store: Store, service: str, first_rank: int, co
             address is gone (its connection fails, or it refuses connections for
             ``tcp.REFUSED_GRACE`` seconds); its place in the list is then None. Without it,
             that error is raised.
+        silence: seconds a server may leave a reply without a byte before it counts as lost
+            (stopped or cut off: ``region_peer.RemotePeer``); None: the config's timeout.
 
     Returns:
         The endpoint and the connections (``region_peer.RemotePeer``), in server order. On
@@ -94,7 +96,8 @@ def connect_servers(config, env, store: Store, service: str, first_rank: int, co
                 # A published server listens: one that refuses connections has ended.
                 peers.append(endpoint.connect(rank, info["addr"], info["port"], deadline,
                                               f"{noun} {index} (rank {rank})",
-                                              listening=lost is not None))
+                                              listening=lost is not None,
+                                              silence=silence))
             except PeerLostError as exc:
                 if lost is None:
                     raise

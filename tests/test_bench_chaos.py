@@ -478,13 +478,16 @@ def test_a_server_job_is_laid_out_one_server_a_host_and_hits_the_least_hit_serve
 
     def options(**kw):
         return argparse.Namespace(**{"servers": 0, "data_servers": 0, "ps_replicas": 2,
-                                     "ps_mode": "sync", "ranks_per_host": 1, **kw})
+                                     "ps_mode": "sync", "ranks_per_host": 1, "minutes": 1.0,
+                                     "every": 30.0, **kw})
 
     assert cs.plan(options(), 4) is None  # the elastic worker job
     job = cs.plan(options(servers=2), 4)
     assert (job.job, job.workers, job.worker_hosts, job.server_hosts) == \
         ("ps-sync", 2, ["h0", "h1"], ["h2", "h3"])
-    assert job.launcher_args() == ["--servers", "2", "--ps-replicas", "2"]
+    # 1 minute, a fault every 30 s: 3 faults at most, 2 on a server; the launcher's 3 suffice
+    assert job.launcher_args() == ["--servers", "2", "--ps-replicas", "2",
+                                   "--server-restarts", "3"]
     for bad, why in (({"servers": 3}, "must divide"), ({"servers": 4}, "no host for the "
                      "workers"), ({"servers": 2, "data_servers": 2}, "one kind"),
                      ({"data_servers": 1}, "2 or more")):
@@ -498,6 +501,12 @@ def test_a_server_job_is_laid_out_one_server_a_host_and_hits_the_least_hit_serve
     spent = _ps_log() + [_hello(401 + k, 3, "h3") for k in range(3)]
     assert job.target(csr.parse(spent), {0: 5}, rng) == 0
     assert job.target(csr.parse(spent[:-1]), {0: 5}, rng) == 1
+    # A 10-minute soak with a fault every 30 s (21 at most) on 2 servers: 11 hits on one, so
+    # the launcher is asked for 12 starts, and the bench keeps hitting a server started 4 times.
+    soak = cs.plan(options(servers=2, minutes=10.0), 4)
+    assert soak.restarts == cs.restarts_for(600, 30, 2) == 12
+    assert soak.launcher_args()[-2:] == ["--server-restarts", "12"]
+    assert soak.target(csr.parse(spent), {0: 5}, rng) == 1
     # a data job may not lose its last data server
     data = cs.plan(options(data_servers=2), 4)
     assert data.target(csr.parse(_data_log(lost=())), {1: 1}, rng) == 0

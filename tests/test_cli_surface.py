@@ -14,7 +14,7 @@ RUN_OPTIONS = [
     "--fusion-threshold-mb", "--help", "--host-discovery-script", "--hostfile", "--hosts",
     "--log-level", "--max-np", "--min-np", "--network-interface", "--no-output-prefix",
     "--num-proc", "--output-filename", "--output-prefix", "--ps-replicas",
-    "--reset-limit", "--servers",
+    "--reset-limit", "--server-restarts", "--servers",
     "--ssh-command", "--ssh-identity-file", "--ssh-port", "--start-timeout",
     "--timeline-filename", "-H", "-h", "-i", "-np", "-p", "-x",
 ]
@@ -149,6 +149,17 @@ def test_a_benchmarks_help_is_its_own(name, option, capsys):
     assert out.startswith(f"usage: gradsync bench {name}")
     assert option in out and "-np NP" in out
     assert ("--json [FILE]" in out) == (name != "elastic")  # elastic writes no rows
+
+
+def test_the_chaos_benchmarks_help_names_its_server_jobs(capsys):
+    # Its --servers is its own (a parameter-server job): the launch options' --servers is
+    # left out of its help instead of colliding with it.
+    from gradsync.bench.cli import main as bench_main
+    assert bench_main(["chaos", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: gradsync bench chaos")
+    for option in ("--servers S", "--data-servers D", "--ps-replicas R", "--hosts HOSTS"):
+        assert option in out, option
 
 
 def test_bench_help_without_a_benchmark_lists_them(capsys):

@@ -480,3 +480,45 @@ def test_ranks_sharing_a_host_get_one_openmp_thread_unless_told(np_, preset, exp
                           capture_output=True, text=True, timeout=DEADLINE)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count(f"threads {expected}") == np_, proc.stdout
+
+
+@pytest.mark.parametrize("argv, most", [([], 3), (["--server-restarts", "5"], 5),
+                                        (["--server-restarts", "0"], 0)])
+def test_a_failed_replicated_server_is_started_again_server_restarts_times(argv, most):
+    """``--server-restarts N`` reaches the launcher, which starts a failed replicated server
+    rank again N times and then leaves it down, saying so once (a fake starter: no process)."""
+    import io
+
+    from gradsync.run import launcher as launcher_module
+    from gradsync.run.processes import Output
+
+    args = cli.build_parser().parse_args(["run", "-np", "1", "--servers", "2", "--ps-replicas",
+                                          "2", *argv, "true"])
+    spec = cli._spec(args.run_parser, args)
+    assert spec.server_restarts == most
+    err = io.BytesIO()
+    job = launcher_module._Job(spec, place([Host("localhost", 3)], 3),
+                               Output(True, io.BytesIO(), err))
+
+    class Started:  # what Starter.start returns, as far as _restart_server looks
+        def __init__(self, slot):
+            self.slot = slot
+
+    starts = []
+    job.starter.start = lambda slot, *rest: starts.append(slot.rank) or Started(slot)
+    job.ranks = [Started(slot) for slot in job.slots]
+    for failure in range(most + 3):  # rank 1 fails again after every start
+        job._restart_server(job.ranks[1], set())
+    assert starts == [1] * most
+    text = err.getvalue().decode()
+    assert [int(n) for n in re.findall(r"rank 1 started again \((\d+) of \d+\)", text)] == \
+        list(range(1, most + 1))
+    assert text.count("rank 1 is not started again") == (1 if most else 0)
+
+
+def test_server_restarts_below_zero_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["run", "-np", "1", "--servers", "2", "--ps-replicas", "2",
+                  "--server-restarts", "-1", "true"])
+    assert info.value.code == 2
+    assert "--server-restarts must be >= 0" in capsys.readouterr().err

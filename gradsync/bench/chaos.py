@@ -295,7 +295,8 @@ class _Soak:
                     break  # the wait for full size took the time left
                 if not self._inject(kind):
                     print("chaos: no more faults: no server may be hit (one data server "
-                          "left, or every parameter server started again 3 times)", flush=True)
+                          "left, or every parameter server started again --server-restarts "
+                          "times)", flush=True)
                     break
                 after = self.faults[-1].until
                 if not self._wait(f"fault {k + 1} ({kind}): a step after it",

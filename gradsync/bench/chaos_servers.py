@@ -14,7 +14,8 @@ copies of a shard are on different hosts.
 
 The workers of a server job are not elastic (docs/ps.md, docs/data.md: a lost ``sync``
 worker ends the job), so every fault hits a **server**, drawn with ``--seed`` among those
-hit least so far (the launcher starts a lost parameter server again at most 3 times):
+hit least so far (the launcher starts a lost parameter server again, ``--server-restarts``
+times at most: below):
 
 - ``kill``: SIGKILL; ``stop``: SIGSTOP for ``--stop-seconds``, then SIGCONT; ``partition``:
   the server's host cut off for ``--partition-seconds``; ``straggler``: its link slower;
@@ -24,9 +25,11 @@ hit least so far (the launcher starts a lost parameter server again at most 3 ti
 A parameter server that is lost comes back: the launcher starts it again and it joins its
 shard with a copy (docs/ps.md); the next fault waits until every shard has its R copies. A
 lost data server does not (docs/data.md: the others serve its share), so a data-server soak
-stops injecting once one data server is left: at most D - 1 faults that lose one; and a
-parameter-server soak stops once every server rank was started again ``SERVER_RESTARTS`` (3)
-times (a 10-minute soak with a fault every 30 s needs more servers, or that limit raised).
+stops injecting once one data server is left: at most D - 1 faults that lose one. A
+parameter-server soak passes the launcher ``--server-restarts`` large enough for every fault
+it can inject (``restarts_for``: a 10-minute soak with a fault every 30 s on 2 servers hits
+each about 10 times, past the launcher's default of 3), and would stop injecting only once
+every server rank was started again that many times.
 
 A ``sync`` soak is followed by a **reference run**: the same job, fault-free, to the soak's
 last step, with no emulated compute (a sleep, which changes no number), whose parameters the
@@ -43,7 +46,7 @@ from ..run.launcher import SERVER_RESTARTS
 from . import chaos_server_report as csr
 from .netns import _alive  # a pid that still runs (this package's one check)
 
-__all__ = ["ServerJob", "kinds", "plan"]
+__all__ = ["ServerJob", "kinds", "plan", "restarts_for"]
 
 _SERVER_FAULTS = ("kill", "stop", "partition")
 _DATA_SAMPLES = 1024  # rows of the data job's data set
@@ -77,6 +80,8 @@ class ServerJob:
     replicas: int
     worker_hosts: list[str]
     server_hosts: list[str]
+    restarts: int = SERVER_RESTARTS
+    """``--server-restarts`` of a parameter-server job (``restarts_for``)."""
 
     @property
     def kind(self) -> str:
@@ -85,7 +90,8 @@ class ServerJob:
     def launcher_args(self) -> list[str]:
         if self.kind == "data":
             return ["--data-servers", str(self.servers)]
-        return ["--servers", str(self.servers), "--ps-replicas", str(self.replicas)]
+        return ["--servers", str(self.servers), "--ps-replicas", str(self.replicas),
+                "--server-restarts", str(self.restarts)]
 
     def script_args(self, options, stop_file: str) -> list[str]:
         args = [sys.executable, "-m", "gradsync.bench.chaos_server_rank", "--job", self.kind,
@@ -138,7 +144,7 @@ class ServerJob:
     def target(self, log: csr.ServerLog, hits: dict[int, int], rng) -> int | None:
         """The server the next fault hits: one hit least so far; None when none may be hit
         (a data-server job with one data server left; parameter servers all started again
-        ``SERVER_RESTARTS`` times already)."""
+        ``restarts`` times already)."""
         candidates = sorted(self.server_pids(log))
         if self.kind == "data":
             candidates = [s for s in candidates if s not in self.lost_data_servers(log)]
@@ -146,7 +152,7 @@ class ServerJob:
                 return None
         else:  # one the launcher would not start again would leave its shard short for good
             starts = Counter(rank - self.workers for rank in log.ranks.values())
-            candidates = [s for s in candidates if starts[s] <= SERVER_RESTARTS]
+            candidates = [s for s in candidates if starts[s] <= self.restarts]
         if not candidates:
             return None
         fewest = min(hits.get(s, 0) for s in candidates)
@@ -158,6 +164,16 @@ class ServerJob:
         if self.kind != "data":
             return ""
         return str(max((st.e for st in log.base.steps), default=0) + 1)
+
+
+def restarts_for(seconds: float, every: float, servers: int) -> int:
+    """``--server-restarts`` for a soak of ``seconds`` with a fault every ``every`` seconds on
+    ``servers`` parameter servers: each fault may cost its server one start (a killed one, and
+    a stopped or cut-off one that wakes excluded and exits), the faults go to the server hit
+    least, so each is hit at most ``ceil(faults / servers)`` times; one more for slack, and
+    never below the launcher's default."""
+    faults = int(seconds // every) + 1 if every > 0 else 1
+    return max(SERVER_RESTARTS, -(-faults // max(1, servers)) + 1)
 
 
 def data_samples() -> int:
@@ -191,5 +207,6 @@ def plan(options, hosts: int) -> ServerJob | None:
     names = [f"h{i}" for i in range(hosts)]
     return ServerJob("data" if data else f"ps-{options.ps_mode}",
                      (hosts - count) * options.ranks_per_host, count, replicas,
-                     names[:hosts - count], names[hosts - count:])
+                     names[:hosts - count], names[hosts - count:],
+                     restarts_for(60 * options.minutes, options.every, count))
 

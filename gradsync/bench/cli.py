@@ -79,16 +79,24 @@ def parse_counts(text: str) -> list[int]:
     return counts
 
 
-def _common(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """The options of every benchmark, read here rather than by the benchmark's module."""
-    parser.add_argument("-np", dest="np", default="2",
-                        help="number of ranks (default 2; for ps: of workers; for scale: a "
-                             "list too, 16,64,128: one run per number)")
-    parser.add_argument("-H", "--hosts", help="hosts and slots, as for gradsync run (for "
-                                              "scale: how many emulated hosts, default one "
-                                              "per rank)")
-    parser.add_argument("--servers", type=int, metavar="S",
-                        help="parameter-server ranks after the -np workers (ps only; default 1)")
+def _common(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+            taken: set[str] = frozenset()) -> None:
+    """The options of every benchmark, read here rather than by the benchmark's module;
+    those whose names are in ``taken`` (the module's own: chaos's ``--servers``) are left
+    out."""
+    options = [
+        (("-np",), {"dest": "np", "default": "2",
+                    "help": "number of ranks (default 2; for ps: of workers; for scale: a "
+                            "list too, 16,64,128: one run per number)"}),
+        (("-H", "--hosts"), {"help": "hosts and slots, as for gradsync run (for scale and "
+                                     "chaos: how many emulated hosts, default one per rank "
+                                     "and 4)"}),
+        (("--servers",), {"type": int, "metavar": "S",
+                          "help": "parameter-server ranks after the -np workers (ps only; "
+                                  "default 1)"})]
+    for names, settings in options:
+        if not taken & set(names):
+            parser.add_argument(*names, **settings)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -115,7 +123,8 @@ def benchmark_parser(name: str) -> argparse.ArgumentParser:
         if action.dest == "json":  # the modules take a file; main() also offers stdout
             action.nargs, action.const, action.metavar, action.help = "?", "-", "FILE", _JSON_HELP
     if name != "probe":  # probe is also "gradsync probe": its usage names no launch options
-        _common(parser.add_argument_group("ranks (gradsync bench)"))
+        _common(parser.add_argument_group("ranks (gradsync bench)"),
+                taken=set(parser._option_string_actions))
     return parser
 
 

@@ -22,6 +22,9 @@ re-formed (elastic mode): each data server cuts the worker's stream where it sta
 the rest of the epoch for the new generation (``server.py``). In ``hvd.elastic``'s loop the
 Loader is part of the elastic state (``TorchState(model, optimizer, loader=loader)``), which
 calls ``state_dict()`` at each commit and ``reset()`` at each re-formation (``elastic.py``).
+
+A data server that dies, stops or is cut off is *lost* (``liveness.py`` watches the live
+ones): its batches go to the others, each sample still exactly once (``_lose``, ``_adopt``).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ import time
 
 import numpy as np
 
-from ..errors import ConfigError, GradsyncError, PeerLostError
+from ..errors import ConfigError, GradsyncError, GradsyncTimeoutError, PeerLostError
+from ..heartbeat import LINK_UP_S
 from .layout import Layout
 from .plan import STATE_VERSION, Batch, pack_mask, plan, unpack_mask, worker_batches
 from .slots import poller
@@ -114,7 +118,17 @@ class Loader:
         self._transfers: collections.deque = collections.deque(maxlen=_TRANSFERS_KEPT)
         self._closed = False
         self._timeout = config.timeout
+        self._lost_lock = threading.Lock()
+        # A reply silent this long is a stopped or cut-off server (``liveness.py``); a take
+        # waits at most a quarter of it on the server, then answers "pending".
+        self._silence = config.heartbeat_timeout if config.heartbeat_timeout > 0 else None
+        self._take_wait = None if self._silence is None else self._silence / 4
+        self._watch = None
         self._connect(env, config)
+        if self._silence is not None:
+            from .liveness import Watch
+
+            self._watch = Watch(self, config.heartbeat_interval, self._silence).start()
         atexit.register(self.close)
 
     def _connect(self, env, config) -> None:
@@ -127,14 +141,21 @@ class Loader:
         # A data server lost while this worker connects is lost as one lost in the training
         # loop (``_lose``): the others serve its batches from the first epoch on. One that
         # cannot be reached at all has no connection here (None in ``peers``).
+        # While the connections form, a server gets ``LINK_UP_S`` (30 s) to answer, as a
+        # heartbeat link gets to form: the ranks of a job start seconds apart on a crowded
+        # machine, and a server still starting is not a silent one. Then the timeout.
+        forming = None if self._silence is None else max(self._silence, LINK_UP_S)
         self.endpoint, self.peers = connect_servers(config, env, store, "data", env.size,
                                                     self.servers, "data server", self.ident,
-                                                    lost=self._lose)
+                                                    lost=self._lose, silence=forming)
         try:
             self._greet()
         except BaseException:
             self.close()
             raise
+        for peer in self.peers:
+            if peer is not None:
+                peer.set_silence(self._silence)
 
     def _greet(self) -> None:
         """Says hello to every data server reached and maps each one's slots; a server lost
@@ -224,13 +245,20 @@ class Loader:
         live = [d for d in range(self.servers) if d not in self.lost]
         # ``seq``: where this worker's stream goes on, for a server that learns of a new
         # generation from this start (``reset``).
-        started = {d: self.peers[d].call_async("start", epoch=epoch, done=text,
-                                               generation=self.generation,
-                                               workers=self.workers, index=self.rank,
-                                               seq=self._seq[d]) for d in live}
+        start = {"epoch": epoch, "done": text, "generation": self.generation,
+                 "workers": self.workers, "index": self.rank, "wait": self._take_wait}
+        started = {d: self.peers[d].call_async("start", seq=self._seq[d], **start)
+                   for d in live}
+        deadline = time.monotonic() + self._timeout
         for d, handle in started.items():
             try:
-                handle.wait()
+                # "pending": a server still writing a batch of the old generation's plan
+                # into this stream changed nothing and is asked again (``take``'s rule).
+                while handle.wait().get("pending"):
+                    if time.monotonic() > deadline:
+                        raise GradsyncTimeoutError(f"data server {d} did not start epoch "
+                                                   f"{epoch} within {self._timeout:.0f}s")
+                    handle = self.peers[d].call_async("start", seq=self._seq[d], **start)
             except PeerLostError as exc:  # its batches are handed to the others
                 self._lose(d, exc)
         self._resume.pop(epoch, None)
@@ -240,13 +268,20 @@ class Loader:
         return self._active
 
     def _lose(self, server: int, error: BaseException) -> None:
-        """(The fetch thread, ``__iter__``, the connection or ``stats``.) Data server
-        ``server`` is gone: its batches go elsewhere."""
-        if server not in self.lost:
+        """(The fetch thread, ``__iter__``, the connection, ``stats`` or the liveness watch.)
+        Data server ``server`` is gone, or silent: its batches go elsewhere."""
+        with self._lost_lock:
+            if server in self.lost:
+                return
             self.lost.add(server)
-            log.warning("worker %d lost data server %d (%s); the servers left (%s) serve its "
-                        "batches", self.rank, server, error,
-                        [d for d in range(self.servers) if d not in self.lost])
+        log.warning("worker %d lost data server %d (%s); the servers left (%s) serve its "
+                    "batches", self.rank, server, error,
+                    [d for d in range(self.servers) if d not in self.lost])
+        peers = getattr(self, "peers", None)  # None while the connections are made
+        if peers is not None and peers[server] is not None:
+            # Shut, so that a request waiting on it ends now and a server that wakes (a
+            # stopped one continued) finds this worker gone; ``close`` frees the rest.
+            peers[server].abandon()
 
     def _adopt(self, epoch: int, orphans: list[Batch]) -> list[tuple[Batch, int]]:
         """(The fetch thread.) Hands ``orphans``, batches of lost data servers, to the live
@@ -436,6 +471,8 @@ class Loader:
         if self._closed:
             return
         self._closed = True
+        if self._watch is not None:
+            self._watch.stop()  # before the connections close: a closed one is no loss
         if self._active is not None:
             self._active.stop()
         for peer in getattr(self, "peers", []):
@@ -536,19 +573,35 @@ class _Epoch:
                                f"{list(ids)[:8]}...) where the plan has batch {batch.index} "
                                f"of epoch {self.epoch} (samples {batch.ids.tolist()[:8]}...)")
 
-    def _call(self, batch: Batch, s: int) -> np.ndarray:
+    def _call(self, batch: Batch, s: int) -> np.ndarray | None:
         """Batch ``batch`` by a ``take`` call, read over the region connection (or the
-        mapping, when it is a same-host server whose table is not polled)."""
+        mapping, when it is a same-host server whose table is not polled); None: the epoch
+        was stopped before it came."""
         loader = self.loader
         start = time.perf_counter()
-        info = loader.peers[s].call("take", seq=loader._seq[s])
+        waited = 0.0
+        while True:
+            # Answered within ``_take_wait`` while the server runs: "pending" when the batch
+            # is not ready yet, so that a slow batch is never a silent server.
+            info = loader.peers[s].call("take", seq=loader._seq[s], wait=loader._take_wait)
+            waited += float(info.get("waited", 0.0))
+            if not info.get("pending"):
+                break
+            if self._stopping:
+                return None
+            if s in loader.lost:  # the liveness watch gave it up meanwhile
+                raise PeerLostError(f"data server {s} was given up", peer=s)
+            if time.perf_counter() - start > loader._timeout:
+                raise GradsyncTimeoutError(f"data server {s} did not prepare this worker's "
+                                           f"item {loader._seq[s]} within "
+                                           f"{loader._timeout:.0f}s")
         taken = time.perf_counter()
         loader._seq[s] += 1
         self._check(s, info["epoch"], info["index"], info["ids"], batch)
         buf = np.empty(info["nbytes"], dtype=np.uint8)
         loader.slots[s].read(buf, info["slot"] * loader.slot_bytes)
-        loader._transfers.append((taken - start, float(info.get("waited", 0.0)),
-                                  time.perf_counter() - taken, buf.nbytes))
+        loader._transfers.append((taken - start, waited, time.perf_counter() - taken,
+                                  buf.nbytes))
         return buf
 
     def _put(self, item) -> bool:

@@ -26,9 +26,18 @@ A step, seen from worker w:
    into the buffer its tensors will view, and writes the count of items it has read into
    the table: that one-sided write frees the slot. That release is the credit. No message.
 5. A worker on another host (or one told ``GRADSYNC_TRANSPORT=tcp``) cannot map the table:
-   it calls ``take(seq)``, which waits until item ``seq`` is ready and answers where it is
-   (slot, bytes), what it holds and how long it waited, then reads the slot over the region
-   connection. Asking for ``seq`` also releases every item before it.
+   it calls ``take(seq, wait)``, which waits until item ``seq`` is ready and answers where it
+   is (slot, bytes), what it holds and how long it waited, then reads the slot over the region
+   connection. Asking for ``seq`` also releases every item before it. A take waits at most
+   ``wait`` seconds and then answers ``pending`` (the worker asks again): so every call is
+   answered within a fraction of the heartbeat timeout while this server runs, and a worker
+   that hears nothing for that long knows the server is stopped or cut off, not slow
+   (``liveness.py``).
+
+Liveness. A beater thread counts up the *beat* word of every stream's slot table each
+``heartbeat_interval``; a same-host worker that sees it stand still for ``heartbeat_timeout``
+gives this server up (a stopped process beats no more). A worker on another host watches the
+replies instead: ``ping`` when it has nothing in flight, and every call answered promptly.
 
 Preparing a sample: the decoded sample comes from the cache (``cache.py``) or from
 ``dataset[i]`` (and then goes into the cache while the budget lasts); the transform is then
@@ -157,11 +166,13 @@ class DataServer:
         timeout: seconds a ``take`` may wait for its batch.
         elastic: the workers come and go (an elastic job): the server does not end when
             they have all gone.
+        beat: seconds between beats in the slot tables (the ``heartbeat_interval``; 0: no
+            beats, for a job whose heartbeats are off).
     """
 
     def __init__(self, index: int, servers: int, workers: int, endpoint: Endpoint,
                  source: Source, batch_size: int, seed: int, timeout: float = 300.0,
-                 elastic: bool = False):
+                 elastic: bool = False, beat: float = 0.0):
         self.index, self.servers, self.workers = index, servers, workers
         self.elastic = elastic
         self.endpoint, self.source, self.timeout = endpoint, source, timeout
@@ -182,12 +193,18 @@ class DataServer:
         self._cv = threading.Condition()
         self._stop = False
         self.done = threading.Event()
-        for method in ("hello", "start", "take", "stats"):
+        self._closing = threading.Event()
+        for method in ("hello", "start", "take", "stats", "ping"):
             endpoint.on_call(method, getattr(self, "_" + method))
         endpoint.on_disconnect(self._disconnected)
         self._producer = threading.Thread(target=self._produce, daemon=True,
                                           name=f"gradsync-data-server{index}")
         self._producer.start()
+        self._beater = None
+        if beat > 0:
+            self._beater = threading.Thread(target=self._beat, args=(beat,), daemon=True,
+                                            name=f"gradsync-data-beat{index}")
+            self._beater.start()
 
     # ------------------------------------------------------------------ control methods
     def _hello(self, worker: int, args: dict) -> dict:
@@ -223,9 +240,14 @@ class DataServer:
         data server that the worker hands to this one."""
         epoch, done = int(args["epoch"]), args.get("done")
         generation = int(args.get("generation", 0))
+        wait = args.get("wait")
         with self._cv:
-            if generation > self._stream(worker).generation:
-                self._regenerate(worker, generation, int(args["seq"]))
+            if generation > self._stream(worker).generation and not self._regenerate(
+                    worker, generation, int(args["seq"]),
+                    None if wait is None else time.monotonic() + float(wait)):
+                # The producer is still writing into this stream (a slow batch): nothing
+                # changed, the worker asks again (and this server never goes quiet for it).
+                return {"pending": True}
         if args.get("items") is not None:
             adopted = [Batch(int(g), self.index, worker, np.asarray(ids, dtype=np.int64))
                        for g, ids in args["items"]]
@@ -272,15 +294,20 @@ class DataServer:
             self._cv.notify_all()
             return {"batches": len(mine)}
 
-    def _regenerate(self, worker: int, generation: int, seq: int) -> None:
+    def _regenerate(self, worker: int, generation: int, seq: int,
+                    patience: float | None = None) -> bool:
         """(Under ``_cv``.) ``worker`` is a member of a new generation of the job (an elastic
         job re-formed): the items of its stream from ``seq`` on, the ones it has not taken,
         belong to the old plan and go; the new generation's batches follow from ``seq``.
         Every item before ``seq`` has been read (the worker's fetching has stopped), so
-        every slot is free."""
+        every slot is free. False, with nothing changed, when the producer is still writing
+        into the stream at ``patience`` (a ``time.monotonic()``; None: wait for it)."""
         stream = self._stream(worker)
         while stream.busy:  # the producer is writing into one of its slots: let it finish
-            self._cv.wait(1.0)
+            left = 1.0 if patience is None else patience - time.monotonic()
+            if left <= 0:
+                return False
+            self._cv.wait(min(left, 1.0))
         stream.refresh()
         # The worker can only have taken items that were prepared.
         if not stream.released <= seq <= stream.produced:
@@ -294,12 +321,16 @@ class DataServer:
         # The items published from ``seq`` on were the old plan's: a polling worker must not
         # find them. (It polls again only after this start's reply.)
         stream.table.clear()
+        return True
 
     def _take(self, worker: int, args: dict) -> dict:
         seq = int(args["seq"])
         end = time.monotonic() + self.timeout * 0.9  # answer before the worker's socket gives up
+        # ``wait``: the worker's bound (a fraction of its heartbeat timeout), after which the
+        # answer is ``pending``: a slow batch is never taken for a silent server.
+        wait = args.get("wait")
+        patience = end if wait is None else min(end, time.monotonic() + float(wait))
         with self._cv:
-            self.takes += 1
             stream = self._stream(worker)
             stream.refresh()
             if not stream.released <= seq < len(stream.items):
@@ -313,17 +344,24 @@ class DataServer:
                 if self.failure is not None:
                     raise GradsyncError(self.failure)
                 left = end - time.monotonic()
+                if patience < end and time.monotonic() >= patience:
+                    return {"pending": True, "waited": time.monotonic() - arrived}
                 if left <= 0:
                     raise GradsyncTimeoutError(f"data server {self.index} did not prepare "
                                                f"worker {worker}'s item {seq} within "
                                                f"{self.timeout * 0.9:.0f}s")
-                self._cv.wait(min(left, 1.0))
+                self._cv.wait(max(0.0, min(left, patience - time.monotonic(), 1.0)))
+            self.takes += 1  # answered with its item (a pending answer is no take)
             epoch, batch = stream.items[seq]
             # ``waited``: how long the batch was still being prepared (the rest of the call's
             # time is the transport's: Loader.transfers()).
             return {"slot": seq % stream.prefetch, "nbytes": stream.nbytes[seq],
                     "epoch": epoch, "index": batch.index, "ids": batch.ids.tolist(),
                     "waited": 0.0 if ready else time.monotonic() - arrived}
+
+    def _ping(self, worker: int, args: dict) -> dict:
+        """A worker's look at this server's liveness (``liveness.py``): an answer is all."""
+        return {}
 
     def _stats(self, worker: int, args: dict) -> dict:
         with self._cv:
@@ -399,6 +437,18 @@ class DataServer:
             samples.append(leaves)
         return self.layout.pack(samples, slot)
 
+    # ------------------------------------------------------------------ liveness
+    def _beat(self, interval: float) -> None:
+        """Counts up every stream's beat word each ``interval`` while this process runs: a
+        same-host worker that sees it stand still gives this server up (``liveness.py``).
+        A thread of its own, so that a transform slow in Python still beats (the GIL changes
+        hands every ``_SWITCH_INTERVAL``); a stopped process stops it with everything else."""
+        while not self._closing.wait(interval):
+            with self._cv:
+                tables = [s.table for s in self.streams.values()]
+            for table in tables:
+                table.beat()
+
     # ------------------------------------------------------------------ ending
     def _disconnected(self, worker: int, error) -> None:
         with self._cv:
@@ -415,10 +465,13 @@ class DataServer:
                 self.done.set()
 
     def close(self) -> None:
+        self._closing.set()
         with self._cv:
             self._stop = True
             self._cv.notify_all()
         self._producer.join(self.timeout)
+        if self._beater is not None:
+            self._beater.join(self.timeout)
 
 
 ELASTIC_KEY = "data/elastic"
@@ -452,7 +505,9 @@ def serve(config, env, source: Source, batch_size: int, seed: int) -> int:
     server = None
     try:
         server = DataServer(index, env.data_servers, env.workers, endpoint, source,
-                            batch_size, seed, config.timeout, elastic=elastic)
+                            batch_size, seed, config.timeout, elastic=elastic,
+                            beat=config.heartbeat_interval if config.heartbeat_timeout > 0
+                            else 0.0)
         publish(store, "data", index, endpoint)
         log.info("rank %d on host %s (pid %d): data server %d of %d, serving %s", env.rank,
                  env.hostname, os.getpid(), index, env.data_servers,

@@ -9,7 +9,8 @@ The table, in 8-byte words (each group on a 64-byte cache line of its own, so th
 worker's polling never steals the line the server writes, and vice versa)::
 
     control  word 0: 1 once a sample failed to prepare on this server; word 1, the *bell*:
-             items published so far (both written by the server)
+             items published so far; word 2, the *beat*: counts up every heartbeat interval
+             while the server runs (all three written by the server)
     ack      word 8: items of the stream the worker has finished reading; word 9: 1 while
              the worker sleeps on the bell (both written by the worker)
     headers  one line per slot: published (seq + 1, 0 = none), generation, epoch, batch
@@ -44,8 +45,9 @@ server's producer (and the worker's own training loop, which needs the GIL) must
 meanwhile. Where futexes are missing it naps instead, doubling from 50 us to 1 ms. Every 50
 ms of waiting it checks that the server is still alive, by its process id and start time as
 the shared-memory rings do, and that its region connection has not ended (a ``take`` would
-have seen either in its reply), and a deadline (the job's ``timeout``), as a ``take`` would
-have waited.
+have seen either in its reply), that the worker's liveness watch has not found the server
+silent (its beat still: a stopped server, ``liveness.py``), and a deadline (the job's
+``timeout``), as a ``take`` would have waited.
 
 Worked example, ``prefetch`` 2: the server publishes items 0 and 1 (slots 0, 1); it may not
 write item 2 until ``ack >= 1``. The worker polls slot 0 for item 0 (published 1), reads it,
@@ -69,7 +71,7 @@ __all__ = ["SlotTable", "Header", "Poller", "poller", "table_words", "ACK_WORD",
            "FAILED_WORD"]
 
 _LINE = 8  # words per cache line
-FAILED_WORD, _BELL = 0, 1
+FAILED_WORD, _BELL, _BEAT = 0, 1, 2
 ACK_WORD, _SLEEPING = _LINE, _LINE + 1
 _HEADERS = 2 * _LINE
 # header fields, in words from the start of a slot's header line
@@ -139,6 +141,10 @@ class SlotTable:
             if self.words[_SLEEPING]:
                 self.futex.wake(_BELL * 8)
 
+    def beat(self) -> None:
+        """(The server's beater thread.) One beat: the server runs."""
+        self.words[_BEAT] += 1  # one writer: no lost update
+
     def acked(self) -> int:
         """Items the worker has finished reading (its one-sided counter)."""
         return int(self.words[ACK_WORD])
@@ -179,6 +185,10 @@ class SlotTable:
     def failed(self) -> bool:
         """Whether the server said a sample failed (a ``take`` then fetches the message)."""
         return bool(self._view[FAILED_WORD])
+
+    def beats(self) -> int:
+        """The server's beat count (it moves every heartbeat interval while the server runs)."""
+        return self._view[_BEAT]
 
     def bell(self) -> int:
         """The bell: changes whenever the server publishes (read it before the last look)."""
@@ -223,6 +233,9 @@ class Poller:
         self.table, self.slots, self.slot_bytes = table, slots, slot_bytes
         self.pid, self.started, self.label, self.peer = pid, started, label, peer
         self.sock = sock
+        # Set by the worker's liveness watch when the server's beat stood still too long
+        # (stopped): the wait raises it at its next check.
+        self.silent: PeerLostError | None = None
 
     def wait(self, seq: int, timeout: float, stopping) -> tuple[Header | None, float]:
         """Waits until item ``seq`` is published; returns its header (None if the server
@@ -265,7 +278,9 @@ class Poller:
 
     def check_alive(self) -> None:
         """Raises PeerLostError if the server's process has exited (or its pid was reused),
-        or its end of the region connection is closed."""
+        its end of the region connection is closed, or it was found silent."""
+        if self.silent is not None:
+            raise self.silent
         if shm.process_start_time(self.pid) != self.started:
             raise PeerLostError(f"{self.label} (pid {self.pid}, same host) exited or was "
                                 "killed while this worker waited for a batch", peer=self.peer)

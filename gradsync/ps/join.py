@@ -1,7 +1,7 @@
 """A replacement server joins a replicated shard and copies it while training goes on.
 
 ``gradsync run --servers S --ps-replicas R`` restarts a server rank that fails (at most
-``SERVER_RESTARTS`` times per rank, ``run/launcher.py``). The new process finds its rank's
+``--server-restarts`` times per rank, ``run/launcher.py``). The new process finds its rank's
 address already in the store, so it knows it replaces a lost copy: it publishes its new
 address and asks to join by setting ``ps/join/<server>`` to a fresh token and the newest view
 it found. The shard's primary sees the request on its next beat (replication.py) and, on a

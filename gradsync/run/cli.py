@@ -27,7 +27,8 @@ from ..config import ENV_PREFIX, HOROVOD_IDENTITY, IDENTITY_VARIABLES
 from . import binding
 from .elastic import ElasticSpec, launch_elastic
 from .hosts import Host, parse_hosts, read_hostfile
-from .launcher import DEFAULT_START_TIMEOUT, LaunchSpec, is_local, launch, place
+from .launcher import (DEFAULT_START_TIMEOUT, SERVER_RESTARTS, LaunchSpec, is_local, launch,
+                       place)
 
 __all__ = ["main", "build_parser", "add_run_arguments", "split_command", "option_values",
            "parse_hosts", "read_hostfile", "resolve_exports", "flag_settings"]
@@ -79,6 +80,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                      help="keep each parameter-server shard on R of the S servers (S a multiple "
                           "of R): a lost server costs no acknowledged update and the job goes "
                           "on (GRADSYNC_PS_REPLICAS)")
+    job.add_argument("--server-restarts", type=int, default=SERVER_RESTARTS, metavar="N",
+                     help="with --ps-replicas above 1, start each failed server rank again at "
+                          f"most N times while workers run (default {SERVER_RESTARTS}): a long "
+                          "soak that kills servers often needs more")
     job.add_argument("--data-servers", type=int, default=0, metavar="D",
                      help="also start D data-server ranks, the job's last D ranks, that load, "
                           "cache and transform the data for the workers (see gradsync.data); "
@@ -335,6 +340,7 @@ def _spec(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LaunchSp
             hosts = parse_hosts(args.hosts) if args.hosts else []
         spec = LaunchSpec(command=command, num_proc=args.num_proc, servers=args.servers,
                           ps_replicas=args.ps_replicas,
+                          server_restarts=args.server_restarts,
                           data_servers=args.data_servers, hosts=hosts,
                           ssh_command=args.ssh_command, ssh_port=args.ssh_port,
                           start_timeout=args.start_timeout, output_prefix=args.output_prefix,

@@ -96,8 +96,7 @@ SERVER_LINGER = 10.0
 """Seconds servers may run on after every worker of a parameter-server job has ended."""
 
 SERVER_RESTARTS = 3
-"""Times a failed server rank of a replicated parameter-server job (``ps_replicas`` > 1) is
-started again while workers run; the new process joins its shard with a copy (``ps/join.py``)."""
+"""The default of ``LaunchSpec.server_restarts`` (``--server-restarts``)."""
 
 _POLL = 0.05  # how often the watcher looks at the ranks: the delay before a failure is seen
 _DRAIN = 2.0  # seconds to wait for the last output after the ranks are gone
@@ -173,6 +172,11 @@ class LaunchSpec:
     ps_replicas: int = 1
     """Servers holding each parameter-server shard (``GRADSYNC_PS_REPLICAS``); above 1 a failed
     server is reported and the job goes on on the other copies."""
+    server_restarts: int = SERVER_RESTARTS
+    """Times each failed server rank of a replicated parameter-server job (``ps_replicas`` > 1)
+    is started again while workers run (``--server-restarts``); the new process joins its
+    shard with a copy (``ps/join.py``). A long soak that kills servers often needs more than
+    the default 3; 0 never starts one again."""
     data_servers: int = 0
     """Data-server ranks (``gradsync.data``) started after the workers and the parameter
     servers: the job's last ``data_servers`` ranks."""
@@ -208,6 +212,8 @@ class LaunchSpec:
         if self.ps_replicas < 1 or (self.servers and self.servers % self.ps_replicas):
             raise ValueError(f"--ps-replicas must be >= 1 and divide --servers, got "
                              f"{self.ps_replicas} replicas of {self.servers} servers")
+        if self.server_restarts < 0:
+            raise ValueError(f"--server-restarts must be >= 0, got {self.server_restarts}")
         if self.data_servers < 0:
             raise ValueError(f"the number of data servers must be >= 0, got "
                              f"{self.data_servers}")
@@ -598,11 +604,15 @@ class _Job:
             time.sleep(_POLL)
 
     def _restart_server(self, rank: Rank, seen: set[int]) -> None:
-        """Starts a failed replicated server's rank again (``SERVER_RESTARTS`` times at
+        """Starts a failed replicated server's rank again (``spec.server_restarts`` times at
         most): the new process copies its shard from the shard's primary (``ps/join.py``)."""
         index = rank.slot.rank
-        count = self.restarts.get(index, 0)
-        if count >= SERVER_RESTARTS:
+        count, most = self.restarts.get(index, 0), self.spec.server_restarts
+        if count >= most:
+            if count == most and most:  # said once, at the first failure past the limit
+                self.restarts[index] = count + 1
+                self.output.message(f"rank {index} is not started again: it was started again "
+                                    f"{most} times already (--server-restarts)")
             return
         self.restarts[index] = count + 1
         cores = None if self.cores is None or not is_local(rank.slot.host) else \
@@ -615,7 +625,7 @@ class _Job:
             self.output.message(f"could not start a replacement for rank {index}: {exc}")
             return
         seen.discard(index)  # the replacement's own failure is reported again
-        self.output.message(f"rank {index} started again ({count + 1} of {SERVER_RESTARTS}): "
+        self.output.message(f"rank {index} started again ({count + 1} of {most}): "
                             f"it joins its shard with a copy")
         if informs(self.spec):
             self.output.message(rank_line(self.ranks[position], self._role(index)))

@@ -8,6 +8,14 @@ straight from or into the region (the protocol is in ``rma_frame.py``). A write 
 *fenced* region carries the writer's epoch and always goes through the owner, which decides
 whether to store it (``regions.py``); reads of it still use the mapping. Requests to one peer
 are ordered; requests to different peers run together on each peer's request thread.
+
+*Silence.* A peer connected with ``silence=S`` (a data server's: ``gradsync/data/liveness.py``)
+is an owner that always answers within S seconds while it runs: a reply of which no byte
+arrives for S seconds means the owner is stopped, or its host cut off, and the request raises
+``PeerLostError`` (``silent``) instead of waiting for the endpoint's timeout. The owner's
+handlers must then never hold a reply longer than S (a data server's ``take`` answers
+"pending" instead); ``call_if_idle`` lets a watcher ask only when no request is in flight,
+which watches that peer already.
 """
 
 from __future__ import annotations
@@ -48,18 +56,25 @@ class RemotePeer:
         ident: the owner's endpoint id.
         sock: the authenticated connection to the owner.
         label: how error messages name the owner.
+        silence: seconds without a byte of a reply after which the owner is lost (module
+            docstring); None: the endpoint's timeout, then ``GradsyncTimeoutError``.
     """
 
-    def __init__(self, endpoint, ident: int, sock: socket.socket, label: str):
+    def __init__(self, endpoint, ident: int, sock: socket.socket, label: str,
+                 silence: float | None = None):
         self.endpoint, self.ident, self.label = endpoint, ident, label
         self.sock = sock
-        sock.settimeout(endpoint.timeout)
+        self.silence = silence
+        # A timeout per recv: bytes that keep coming (a large read on a slow link) are no
+        # silence, whatever the whole reply takes.
+        sock.settimeout(endpoint.timeout if silence is None else silence)
         self._lock = threading.Lock()
         self._requests = itertools.count(1)
         self._queue: collections.deque = collections.deque()
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._why = ""  # what closed it, for the requests that come after
         self._regions: dict[str, RemoteRegion] = {}
         self._maps: list = []
         self.host = ""
@@ -109,51 +124,87 @@ class RemotePeer:
     def call_async(self, method: str, **args) -> Handle:
         return self.submit(lambda: self.call(method, **args), f"{self.label}.{method}")
 
+    def set_silence(self, silence: float | None) -> None:
+        """Changes ``silence`` (None: the endpoint's timeout) for the requests from now on."""
+        self.silence = silence
+        self.sock.settimeout(self.endpoint.timeout if silence is None else silence)
+
+    def call_if_idle(self, method: str, **args) -> dict | None:
+        """``call``, unless a request is in flight on this connection (None then, at once):
+        a watcher's look (``silence``), which that request's own wait already makes."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            body = json.dumps({"method": method, **args}).encode()
+            return json.loads(self._request(rf.Op.CALL, 0, 0, body))
+        finally:
+            self._lock.release()
+
+    def abandon(self) -> None:
+        """Gives the owner up (found lost) without waiting for a request in flight: shuts the
+        socket, so that such a request fails at once and the owner, if it wakes, sees this
+        peer gone; ``close`` still frees the rest."""
+        self._closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
     def request(self, op: int, region: int, offset: int, payload=None, length: int = 0,
                 into: np.ndarray | None = None, fence: int | None = None) -> bytes | None:
         """One request and its reply, under this peer's lock. Returns a control reply's bytes.
         ``fence``: the writer's epoch, for a write or an accumulate into a fenced region."""
         with self._lock:
-            if self._closed:
-                raise PeerLostError(f"the connection to {self.label} is closed", peer=self.ident)
-            rid = next(self._requests)
-            size = length if payload is None else len(payload) if isinstance(payload, bytes) \
-                else payload.nbytes
-            try:
-                header = rf.pack(op, rid, region, offset, size, fence)
-                if payload is None:
-                    self.sock.sendall(header)
-                elif isinstance(payload, bytes):
-                    self.sock.sendall(header + payload)
-                else:
-                    self.sock.sendall(header)
-                    self.sock.sendall(payload)
-                reply = rf.unpack(recv_exact(self.sock, rf.HEADER_SIZE), rf.Op.REPLIES)
-                if reply.request != rid:
-                    raise ProtocolError(f"{self.label} answered request {reply.request}, "
-                                        f"expected {rid}")
-                if reply.op == rf.Op.ERROR:
-                    refused = error_from(json.loads(recv_exact(self.sock, reply.length)),
-                                          self.ident)
-                elif into is not None:
-                    if reply.length != into.nbytes:
-                        raise ProtocolError(f"{self.label} sent {reply.length} bytes for a "
-                                            f"read of {into.nbytes}")
-                    recv_into(self.sock, into)
-                    return None
-                else:
-                    if reply.length > rf.MAX_CALL:
-                        raise ProtocolError(f"{self.label} sent a reply of {reply.length} bytes")
-                    return recv_exact(self.sock, reply.length)
-            except socket.timeout:
-                self._closed = True
-                raise GradsyncTimeoutError(f"{self.label} did not answer within "
-                                           f"{self.endpoint.timeout:.0f}s") from None
-            except (OSError, ProtocolError) as exc:
-                # The stream is no longer in step with the owner: nothing more can go on it.
-                self._closed = True
-                raise PeerLostError(f"lost the connection to {self.label}: {exc} (did it exit "
-                                    f"or crash?)", peer=self.ident) from None
+            return self._request(op, region, offset, payload, length, into, fence)
+
+    def _request(self, op: int, region: int, offset: int, payload=None, length: int = 0,
+                 into: np.ndarray | None = None, fence: int | None = None) -> bytes | None:
+        """(Under ``_lock``.) ``request``."""
+        if self._closed:
+            raise PeerLostError(f"the connection to {self.label} is closed"
+                                + (f": {self._why}" if self._why else ""), peer=self.ident)
+        rid = next(self._requests)
+        size = length if payload is None else len(payload) if isinstance(payload, bytes) \
+            else payload.nbytes
+        try:
+            header = rf.pack(op, rid, region, offset, size, fence)
+            if payload is None:
+                self.sock.sendall(header)
+            elif isinstance(payload, bytes):
+                self.sock.sendall(header + payload)
+            else:
+                self.sock.sendall(header)
+                self.sock.sendall(payload)
+            reply = rf.unpack(recv_exact(self.sock, rf.HEADER_SIZE), rf.Op.REPLIES)
+            if reply.request != rid:
+                raise ProtocolError(f"{self.label} answered request {reply.request}, "
+                                    f"expected {rid}")
+            if reply.op == rf.Op.ERROR:
+                refused = error_from(json.loads(recv_exact(self.sock, reply.length)),
+                                      self.ident)
+            elif into is not None:
+                if reply.length != into.nbytes:
+                    raise ProtocolError(f"{self.label} sent {reply.length} bytes for a "
+                                        f"read of {into.nbytes}")
+                recv_into(self.sock, into)
+                return None
+            else:
+                if reply.length > rf.MAX_CALL:
+                    raise ProtocolError(f"{self.label} sent a reply of {reply.length} bytes")
+                return recv_exact(self.sock, reply.length)
+        except socket.timeout:
+            self._closed = True
+            if self.silence is not None:
+                self._why = (f"{self.label} has been silent for {self.silence:g}s (stopped, "
+                             "or its host cut off?)")
+                raise PeerLostError(self._why, peer=self.ident) from None
+            raise GradsyncTimeoutError(f"{self.label} did not answer within "
+                                       f"{self.endpoint.timeout:.0f}s") from None
+        except (OSError, ProtocolError) as exc:
+            # The stream is no longer in step with the owner: nothing more can go on it.
+            self._closed = True
+            raise PeerLostError(f"lost the connection to {self.label}: {exc} (did it exit "
+                                f"or crash?)", peer=self.ident) from None
         # Raised outside the socket handling: a refusal is an answer, not a broken stream
         # (and a GradsyncTimeoutError it carries is no socket timeout).
         raise refused

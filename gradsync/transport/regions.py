@@ -383,17 +383,19 @@ class Endpoint:
 
     # ------------------------------------------------------------------ reaching peers
     def connect(self, peer: int, addr: str, port: int, deadline: float,
-                label: str = "", listening: bool = False) -> RemotePeer:
+                label: str = "", listening: bool = False,
+                silence: float | None = None) -> RemotePeer:
         """Connects to endpoint ``peer`` (listening at ``addr:port``) and reads its regions.
 
         ``listening``: the peer is known to listen already (it published its address once
         its listener was open), so a connection it refuses for ``tcp.REFUSED_GRACE`` seconds
-        means it is gone: PeerLostError then, instead of retrying until ``deadline``."""
+        means it is gone: PeerLostError then, instead of retrying until ``deadline``.
+        ``silence``: a reply silent this long means the peer is lost (``RemotePeer``)."""
         # ``crossing`` also lets a peer that dials this rank at the same moment answer busy;
         # an endpoint dials no one, so its listener never does, and a socket always comes back.
         sock = tcp.connect(addr, port, self.ident, peer, self.secret, self.job, deadline,
                            crossing=listening)
-        return RemotePeer(self, peer, sock, label or f"endpoint {peer}")
+        return RemotePeer(self, peer, sock, label or f"endpoint {peer}", silence=silence)
 
     def close(self) -> None:
         """Stops serving, closes every connection and frees this endpoint's regions."""

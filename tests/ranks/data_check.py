@@ -23,6 +23,14 @@ checks them (tests/test_data_multiprocess.py).
                              is lost and worker 0 resets to the commit alone (``shrink``)
     broken DIR SAMPLE        the dataset cannot read sample SAMPLE: each worker iterates epoch
                              0 and writes the error it raised to DIR/broken-<rank>.txt
+    stopserver DIR EPOCHS    as count (no break), but worker 0 SIGSTOPs data server 0 after 3
+                             batches and writes when to DIR/stopped.json; each worker writes the
+                             servers it gave up, when and why, to DIR/lost-<rank>.json; at the
+                             end worker 0 SIGCONTs the server, which finds its workers gone
+                             and ends (``stopped``)
+
+GS_DATA_SLOW=ID:SECONDS makes the dataset take SECONDS to read sample ID (a slow server, not a
+lost one: its decode is cached, so only the first epoch pays).
 """
 
 import common  # (deadline)
@@ -31,6 +39,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import numpy as np
 import torch
@@ -41,6 +50,8 @@ import gradsync.data
 SAMPLES = int(os.environ.get("GS_DATA_SAMPLES", "103"))
 BATCH = int(os.environ.get("GS_DATA_BATCH", "4"))
 SEED = int(os.environ.get("GS_DATA_SEED", "7"))
+SLOW = [float(x) for x in os.environ["GS_DATA_SLOW"].split(":")] \
+    if os.environ.get("GS_DATA_SLOW") else None
 
 
 class Numbers:
@@ -53,6 +64,8 @@ class Numbers:
     def __getitem__(self, i):
         if i == self.broken:
             raise OSError(f"sample {i} is unreadable")
+        if SLOW is not None and i == SLOW[0]:
+            time.sleep(SLOW[1])  # emulated slow storage: the server is slow, not lost
         return {"x": np.full(3, i, np.float32), "id": i}
 
 
@@ -192,6 +205,37 @@ def lose(loader, directory, epochs, seen, steps=3):
         json.dump(before, f)
 
 
+def stopped(loader, directory, epochs, seen):
+    """Epochs 0 .. ``epochs`` - 1 while data server 0 is stopped (SIGSTOP, by worker 0 after
+    its third batch): its pid lives and its sockets stay open, so only the liveness watch can
+    give it up. Each worker records every server it gave up, with the wall time and the
+    error, as its Loader does it."""
+    losses = {}
+    lose = loader._lose
+
+    def timed(d, error):
+        losses.setdefault(str(d), [time.time(), f"{type(error).__name__}: {error}"])
+        lose(d, error)
+
+    loader._lose = timed  # the fetch thread and the watch call it through the instance
+    pid = loader.peers[0].pid
+    received = 0
+    while loader.epoch < epochs:
+        for batch in loader:
+            receive(loader, batch, seen)
+            received += 1
+            if gs.rank() == 0 and received == 3:
+                os.kill(pid, signal.SIGSTOP)
+                with open(os.path.join(directory, "stopped.json"), "w") as f:
+                    json.dump({"wall": time.time()}, f)
+    write(directory, "stopped", seen)
+    with open(os.path.join(directory, f"lost-{gs.rank()}.json"), "w") as f:
+        json.dump(losses, f)
+    gs.barrier()  # every worker is done with the data
+    if gs.rank() == 0:
+        os.kill(pid, signal.SIGCONT)  # it finds its workers gone and ends
+
+
 def main():
     scenario, directory = sys.argv[1], sys.argv[2]
     arg = int(sys.argv[3])
@@ -245,6 +289,8 @@ def main():
         write(directory, "resume", seen)
     elif scenario == "shrink":
         shrink(loader, directory, arg, seen)
+    elif scenario == "stopserver":
+        stopped(loader, directory, arg, seen)
     elif scenario == "broken":
         try:
             for batch in loader:
