@@ -614,20 +614,26 @@ def test_a_short_soak_of_replicated_sync_parameter_servers_loses_no_acknowledged
 
 
 @pytest.mark.slow
-def test_a_short_soak_of_a_data_server_job_with_a_killed_data_server_delivers_each_sample_once(
+def test_a_short_soak_of_a_data_server_job_finds_each_lost_data_server_and_serves_each_sample_once(
         tmp_path):
-    """2 workers and 2 data servers, each on its own host: one data server killed; every
-    epoch that every worker finished holds each of the 1,024 samples exactly once."""
+    """2 workers and 4 data servers, each on its own host: one data server stopped, one whose
+    host is partitioned, one killed (each fault takes a server for good, so 4 leave one to
+    serve the end); every worker finds each of them within the bound, and every epoch that
+    every worker finished holds each of the 1,024 samples exactly once."""
     require_netns()
-    data, done = _soak(tmp_path, "--hosts", "4", "--data-servers", "2", "--minutes", "0.5",
-                       "--every", "10", "--faults", "kill", "--baseline-minutes", "0.15",
-                       "--min-goodput", "0.5")
+    data, done = _soak(tmp_path, "--hosts", "6", "--data-servers", "4", "--minutes", "0.6",
+                       "--every", "10", "--faults", "stop,partition,kill", "--stop-seconds", "4",
+                       "--partition-seconds", "4", "--baseline-minutes", "0.15",
+                       "--min-goodput", "0.5", timeout=300)
     assert done.returncode == 0, (data["failures"], done.stdout[-4000:] + done.stderr[-4000:])
     assert data["failures"] == [] and data["hangs"] == []
-    [row] = data["faults"]
-    assert row["fault"] == "kill" and row["target"].startswith("data server "), row
-    assert row["detected"] and row["detection_s"] <= 3.0 and row["recovery_s"] <= 1.0, row
-    assert row["steps_lost"] == 0, row
+    rows = {row["fault"]: row for row in data["faults"]}
+    assert sorted(rows) == ["kill", "partition", "stop"], data["faults"]
+    for row in rows.values():
+        assert row["injected"] and row["target"].startswith("data server "), row
+        assert row["detected"] and row["detection_s"] <= 3.0 and row["recovery_s"] <= 1.0, row
+        assert row["steps_lost"] == 0, row
+    assert rows["kill"]["detection_s"] < 1.0, rows  # closed sockets: no beat to wait for
     epochs = data["samples"]["epochs"]
     assert epochs and all(e["distinct"] == 1024 and e["used"] == 1024 for e in epochs), epochs
     assert data["checks"] == [{"check": "samples exactly once", "ok": True,
