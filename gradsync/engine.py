@@ -13,6 +13,10 @@ synchronous collective pays about a microsecond here.
 Fusion is not guessed here from timing (what happens to be queued differs between ranks, so
 fusing it would need a negotiation round per cycle); callers that know a group of tensors
 (``grouped_allreduce``, gradient buckets) fuse it themselves, identically on every rank.
+
+Every operation is recorded in the flight recorder (``flight_recorder.py``) on the engine's
+*track* (the NumPy API on this World): the caller issues the record, the engine marks it
+started, completed or failed around ``fn``.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import threading
 from typing import Callable
 
 from .errors import GradsyncError
+from .flight_recorder import Record, recorder
 
 __all__ = ["Engine", "Handle"]
 
@@ -73,7 +78,13 @@ class Engine:
 
     def __init__(self, world):
         self.world = world
-        self._queue: collections.deque[tuple[Handle, Callable]] = collections.deque()
+        root_job, root_ranks = world.root
+        recorder.configure(world.config, root_ranks[world.rank], root_job)
+        self.track = recorder.track(f"numpy:{world.env.job_id}", "numpy API", root_ranks,
+                                    "numpy", world.config.timeout, world)
+        """The NumPy API's track in the flight recorder (``api`` issues its records)."""
+        self._queue: collections.deque[tuple[Handle, Callable, Record | None]] = \
+            collections.deque()
         # The lock is kept apart too: ``with self._lock`` runs in C, ``with self._cv`` does not.
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
@@ -87,12 +98,13 @@ class Engine:
         snapshot, exact when the caller is the only thread that issues operations)."""
         return self._busy or bool(self._queue)
 
-    def run(self, fn: Callable, name: str):
-        """Runs ``fn`` after every earlier operation and returns its result."""
+    def run(self, fn: Callable, name: str, record: "Record | None" = None):
+        """Runs ``fn`` after every earlier operation and returns its result; ``record`` is
+        its flight recorder's record (``track.issue``), if any."""
         if not self.claim_inline():
-            return self.submit(fn, name).wait()
+            return self.submit(fn, name, record).wait()
         try:
-            return self._execute(fn)
+            return self._execute(fn, record)
         finally:
             self.end_inline()
 
@@ -122,13 +134,13 @@ class Engine:
         finally:
             self._sleepers -= 1
 
-    def submit(self, fn: Callable, name: str) -> Handle:
+    def submit(self, fn: Callable, name: str, record: "Record | None" = None) -> Handle:
         """Queues ``fn`` for the progress thread; returns its Handle."""
         handle = Handle(name)
         with self._cv:
             if self._stopping:
                 raise RuntimeError("gradsync is shutting down")
-            self._queue.append((handle, fn))
+            self._queue.append((handle, fn, record))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="gradsync-progress",
                                                  daemon=True)
@@ -136,16 +148,27 @@ class Engine:
             self._cv.notify_all()
         return handle
 
-    def _execute(self, fn: Callable):
-        if self.world.failure is not None:
-            raise self.world.failure
+    def _execute(self, fn: Callable, record: "Record | None" = None):
+        if record is not None:
+            record.start()
         try:
-            return fn()
+            if self.world.failure is not None:
+                raise self.world.failure
+            result = fn()
         except GradsyncError as exc:
+            if record is not None:
+                record.fail(exc)  # before World.fail, whose flight recorder dump shows it
             error = self.world.fail(exc)
             if error is exc:
                 raise
             raise error from exc
+        except BaseException as exc:
+            if record is not None:
+                record.fail(exc)
+            raise
+        if record is not None:
+            record.done()
+        return result
 
     def _loop(self) -> None:
         while True:
@@ -154,10 +177,10 @@ class Engine:
                     if self._stopping and not self._queue:
                         return
                     self._sleep()
-                handle, fn = self._queue.popleft()
+                handle, fn, record = self._queue.popleft()
                 self._busy = True
             try:
-                handle.finish(result=self._execute(fn))
+                handle.finish(result=self._execute(fn, record))
             except BaseException as exc:  # delivered to whoever synchronizes the handle
                 handle.finish(error=exc)
             finally:

@@ -74,6 +74,10 @@ whose script diverged ends in an error, not a hang, and the others can go on. A 
 reaches the table only once it goes in full (see Wire), with the seconds it waited as a bit,
 so its warning and expiry keep these times too.
 
+Flight recorder. Each request is recorded when issued (``flight_recorder.py``, on the
+controller's track) and numbered when it runs, in agreed order: the Horovod API lets ranks
+issue in different orders, so only the agreed order numbers a collective alike on every rank.
+
 Shutdown. ``stop()`` asks for it in the next ballot (the ``STOP`` flag); the loop ends in the
 first cycle in which every rank has asked, so no rank leaves a cycle the others are still in.
 Operations still in flight then fail with RuntimeError.
@@ -95,6 +99,7 @@ from .collectives.ops import BFLOAT16, ReduceOp
 from .negotiation_wire import from_wire, gather, to_wire, vote
 from .engine import Handle
 from .errors import CollectiveMismatchError, GradsyncError
+from .flight_recorder import recorder
 
 __all__ = ["Controller", "Request", "ResponseCache"]
 
@@ -103,6 +108,11 @@ log = logging.getLogger("gradsync")
 _MIN_IDLE = 0.001
 _MAX_IDLE = 0.02
 _HEARTBEAT = 0.5
+
+# torch's names of the collectives (the flight recorder's; a join is a barrier of sorts).
+_TORCH_KINDS = {"allreduce": "all_reduce", "allgather": "all_gather", "broadcast": "broadcast",
+                "alltoall": "all_to_all", "reducescatter": "reduce_scatter",
+                "barrier": "barrier", JOIN: "barrier"}
 
 
 class Request:
@@ -126,7 +136,7 @@ class Request:
     """
 
     __slots__ = ("name", "kind", "sig", "flat", "dtype_tag", "run", "finish", "handle", "joined",
-                 "counts")
+                 "counts", "record")
 
     def __init__(self, name: str, kind: str, dtype: str, shape: tuple, *, op: str | None = None,
                  root: int | None = None, scale: tuple = (1.0, 1.0), flat=None, dtype_tag=None,
@@ -140,6 +150,7 @@ class Request:
         self.counts = counts
         self.handle = Handle(name)
         self.joined = False  # a stand-in for a rank that has joined (see Controller.join)
+        self.record = None  # its flight recorder's record, once submitted
 
 
 class Controller:
@@ -161,6 +172,8 @@ class Controller:
             log.info("Horovod API (%s, %d ranks): fusion threshold %d bytes (%.4g MiB)",
                      label, len(self.ranks), fusion_threshold, fusion_threshold / (1 << 20))
         self.timeline = timeline
+        self.track = recorder.track(f"horovod:{world.env.job_id}", f"Horovod API ({label})",
+                                    self.ranks, "horovod", world.config.timeout, world)
         self.on_stand_in: Callable[[str], None] | None = None
         """Called with the name of each operation this rank joins in (or is excused from)
         without having issued it, while it is joined."""
@@ -202,6 +215,10 @@ class Controller:
                     f"{self.ranks[self.world.rank]} ({self.label}); synchronize it before "
                     "issuing another with the same name, or give this one another name")
             self._mine[request.name] = request
+            sig = request.sig
+            request.record = self.track.issue(
+                _TORCH_KINDS.get(request.kind, request.kind), request.name,
+                sig.shape if sig.dtype != "none" else None, sig.dtype, numbered=False)
             request.handle.on_synchronized = lambda: self._synchronized(request.name)
             self._new.append(request)
             tl = self.timeline
@@ -379,6 +396,8 @@ class Controller:
                 request = self._for_joined(name, by_rank, request)
                 if request is None:
                     continue
+            if request is not None and request.record is not None:
+                self.track.number(request.record)  # agreed order: alike on every rank
             if not agreed(by_rank):
                 self.stats["mismatches"] += 1
                 self._finish(request, error=mismatch_error(name, by_rank, self.ranks))
@@ -444,6 +463,9 @@ class Controller:
         if tl is not None:
             for q in batch:
                 tl.end(q.name, "QUEUE")
+        for q in batch:
+            if q.record is not None:
+                q.record.start()
         try:
             if head.kind == "allreduce":
                 results = self._allreduce(batch, tl)
@@ -537,6 +559,12 @@ class Controller:
     def _finish(self, request: Request, result=None, error: BaseException | None = None):
         if request.joined:
             return
+        record = request.record
+        if record is not None:
+            if error is None:
+                record.done()
+            else:
+                record.fail(error)
         with self._cv:
             if self._mine.pop(request.name, None) is not None and \
                     request.handle.on_synchronized is not None:
@@ -555,6 +583,8 @@ class Controller:
             self._unsynchronized.clear()
             self._new.clear()
         for q in pending:
+            if q.record is not None and q.record.state != "completed":
+                q.record.fail(error)
             q.handle.finish(error=error)
 
 

@@ -1,0 +1,239 @@
+"""Stall reports: a collective that waits too long names the ranks it waits for, and shows them.
+
+A rank stuck in user code (a deadlock, an endless loop, a blocked read) while its peers wait
+in a collective is otherwise reported only when the collective's ``timeout`` (300 s) fires,
+as a timeout, without the stuck rank's stack. Here, once a collective has waited
+``stall_report`` seconds (30 by default), every waiting rank reports once, long before the
+timeout, with a WARNING of the ``gradsync`` logger that says:
+
+- which ranks have not arrived in the collective;
+- what each of them is doing: its Python stacks, taken by that process itself
+  (``sys._current_frames``, as faulthandler or py-spy would show them);
+- the last operation each one completed, from its flight recorder (``flight_recorder.py``).
+
+Who has arrived. Every rank of a World numbers its collectives alike (``Comm.seq``, one per
+``begin``, whatever the front door), so a rank has arrived in collective #s when its number
+is s or more. The waiting rank asks each rank of the World for its number; that is the one
+source that is exact for every algorithm (in a ring a rank waits only for its neighbour, which
+may itself wait for the stuck one) and costs nothing until a stall.
+
+How a rank is asked. Each process already listens for its peers' connections (one listener per
+process, ``transport/tcp.py``); every root World adds a *route* for its job id plus
+``/stall`` to it (``serve``), so a waiting rank dials a peer, proves the job's secret as any
+pair does, sends the question (which World, which collective) and reads the answer. The
+answer is made on the listener's handshake thread of the asked process: a Python thread,
+which runs while the process's main thread sleeps (``time.sleep`` releases the GIL), loops
+in Python (the GIL changes hands every 5 ms) or waits in C code that releases it. A process
+whose C code holds the GIL, or that is stopped, does not answer within ``ASK_S`` seconds and
+is reported so. No store request, no thread and no cost at all until a stall; during one,
+each waiting rank makes one connection per peer.
+
+Once per stall: a World reports each collective number at most once (``watch``), on a thread
+of its own, so the wait itself goes on (and raises at its deadline as before).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+import traceback
+import weakref
+
+from .errors import GradsyncError
+from .flight_recorder import COMPLETED, FAILED, SCHEDULED, STARTED, recorder
+from .transport import tcp
+
+__all__ = ["serve", "watch", "answer", "ROUTE", "ASK_S"]
+
+log = logging.getLogger("gradsync")
+
+ROUTE = "/stall"
+"""Suffix of a root World's job id that names its stall route on the process's listener."""
+
+ASK_S = 5.0
+"""Seconds a waiting rank gives a peer to connect and answer."""
+
+_MAX_ANSWER = 1 << 20  # bytes: a question or an answer longer than this is refused
+_DEPTH = 16  # innermost frames shown per thread
+_ASKING = 32  # peers asked at once
+
+_worlds: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
+_reported: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
+_LEN = struct.Struct(">I")
+# gradsync's own service threads, idle in their loops whatever the rank does: not shown (the
+# threads that run the user's operations, the progress thread and the lanes, are).
+_QUIET = ("gradsync-abort-watch", "gradsync-heartbeat", "gradsync-listener",
+          "gradsync-handshake", "gradsync-stall", "gradsync-pulse")
+
+
+def serve(world, root: bool) -> None:
+    """Lets the ranks of ``world`` ask this process about it; for a root World (``root``:
+    the World owns its listener), opens the stall route on the process's listener."""
+    _worlds[world.env.job_id] = world
+    if not root or world.size == 1:
+        return
+    holder: list = []
+
+    def on_accept(peer: int, sock: socket.socket) -> None:
+        try:
+            _answer_on(sock)
+        finally:
+            # The route admits one connection per peer until its slot is free again: a peer
+            # asks again at its next stall.
+            holder[0].slots.pop(peer, None)
+
+    holder.append(world.listener.route(world.env.job_id + ROUTE, world.rank,
+                                       set(range(world.size)) - {world.rank}, on_accept))
+
+
+def watch(world, waited: float) -> None:
+    """Called by a World's waits (``World.on_idle``): past ``stall_report`` seconds, starts
+    this collective's report, once."""
+    threshold = world.config.stall_report
+    if not threshold or waited < threshold or world.size == 1:
+        return
+    seq = world.comm.seq
+    if _reported.get(world) == seq:
+        return
+    _reported[world] = seq
+    threading.Thread(target=_report, args=(world, seq, world.comm.description, waited),
+                     name="gradsync-stall-report", daemon=True).start()
+
+
+def answer(job: str, seq: int) -> dict:
+    """What this process says when asked about collective ``seq`` of the World ``job``."""
+    world = _worlds.get(job)
+    held = recorder.records()
+    last = next((rec for rec in reversed(held) if rec.state == COMPLETED), None)
+    running = [rec.words() for rec in held if rec.state in (SCHEDULED, STARTED)][-4:]
+    failed = [rec.words() for rec in held if rec.state == FAILED][-1:]
+    return {
+        "rank": recorder.rank, "host": socket.gethostname(), "pid": os.getpid(),
+        "seq": None if world is None else world.comm.seq,
+        "in": None if world is None else world.comm.description,
+        "last": None if last is None else last.words(), "running": running, "failed": failed,
+        "stacks": _stacks(),
+    }
+
+
+def _stacks() -> str:
+    """Every thread's Python stack but the caller's, the main thread first."""
+    me = threading.get_ident()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    main = threading.main_thread().ident
+    shown = []
+    for ident, frame in sorted(sys._current_frames().items(), key=lambda kv: kv[0] != main):
+        name = names.get(ident, str(ident))
+        if ident == me or name.startswith(_QUIET):
+            continue
+        lines = traceback.format_stack(frame)[-_DEPTH:]
+        shown.append(f"thread {name}:\n" + "".join(lines))
+    return "".join(shown)
+
+
+# ------------------------------------------------------------------ the wire
+def _send(sock: socket.socket, payload: dict) -> None:
+    data = json.dumps(payload).encode()
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def _receive(sock: socket.socket) -> dict:
+    head = _exact(sock, _LEN.size)
+    (length,) = _LEN.unpack(head)
+    if length > _MAX_ANSWER:
+        raise ValueError(f"a stall message of {length} bytes (at most {_MAX_ANSWER})")
+    found = json.loads(_exact(sock, length))
+    if not isinstance(found, dict):
+        raise ValueError("a stall message that is not an object")
+    return found
+
+
+def _exact(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed")
+        data += chunk
+    return bytes(data)
+
+
+def _answer_on(sock: socket.socket) -> None:
+    """The asked side, on the listener's handshake thread: one question, one answer."""
+    try:
+        sock.settimeout(ASK_S)
+        question = _receive(sock)
+        _send(sock, answer(str(question.get("job")), int(question.get("seq", 0))))
+    except (OSError, ValueError, TypeError) as exc:
+        log.debug("stall question not answered: %s", exc)
+    finally:
+        sock.close()
+
+
+def _ask(world, member: int, seq: int) -> dict:
+    """Asks rank ``member`` of ``world`` about collective ``seq``; its answer, or what went
+    wrong in ``error``."""
+    root_job, root_ranks = world.root
+    peer = world.peers[member]
+    try:
+        sock = tcp.connect(peer.addr, peer.port, root_ranks[world.rank], root_ranks[member],
+                           world.listener.secret, root_job + ROUTE,
+                           time.monotonic() + ASK_S)
+        if sock is None:
+            raise ConnectionError("busy")
+        try:
+            sock.settimeout(ASK_S)
+            _send(sock, {"job": world.env.job_id, "seq": seq})
+            return _receive(sock)
+        finally:
+            sock.close()
+    except (GradsyncError, OSError, ValueError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "host": peer.host, "pid": peer.pid}
+
+
+def _report(world, seq: int, description: str, waited: float) -> None:
+    members = [r for r in range(world.size) if r != world.rank]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(min(_ASKING, len(members)),
+                                                   thread_name_prefix="gradsync-stall") as pool:
+            answers = dict(zip(members, pool.map(lambda r: _ask(world, r, seq), members)))
+        log.warning("%s", words(world, seq, description, waited, answers))
+    except Exception as exc:  # noqa: BLE001  (a report must never end the rank)
+        log.warning("rank %d: the stall report of collective #%d failed: %s", world.rank, seq,
+                    exc)
+
+
+def words(world, seq: int, description: str, waited: float, answers: dict) -> str:
+    """The report: the ranks not arrived first, with their stacks; then the others."""
+    root = world.root[1]
+    late = [r for r, a in answers.items() if "error" in a or (a.get("seq") or 0) < seq]
+    lines = [f"gradsync stall report: rank {root[world.rank]} has waited {waited:.1f}s in "
+             f"collective #{seq} {description}; not arrived: "
+             f"{'ranks ' + str([root[r] for r in late]) if late else 'none (all are in it)'}"
+             f"; it fails after {world.config.timeout:.0f}s (GRADSYNC_TIMEOUT)"]
+    for r in late + [r for r in answers if r not in late]:
+        a = answers[r]
+        head = f"rank {root[r]} on host {a.get('host')} (pid {a.get('pid')})"
+        if "error" in a:
+            lines.append(f"  {head}: did not answer ({a['error']}): stopped, gone, or its "
+                         "C code holds the GIL")
+            continue
+        where = ("has no such World" if a.get("seq") is None else
+                 f"at collective #{a['seq']} {a.get('in')}")
+        lines.append(f"  {head}: {'NOT ARRIVED, ' if r in late else ''}{where}")
+        lines.append(f"    last completed: {a.get('last') or 'nothing yet'}")
+        for rec in a.get("running") or []:
+            lines.append(f"    in flight: {rec}")
+        for rec in a.get("failed") or []:
+            lines.append(f"    last failed: {rec}")
+        if r in late:
+            lines.append("    its stacks:")
+            lines.extend("      " + line for line in str(a.get("stacks", "")).splitlines())
+    return "\n".join(lines)
