@@ -104,7 +104,8 @@ class Record:
         peer = "" if self.peer is None else f" peer {self.peer}"
         when = self.ended_ns or self.started_ns or self.created_ns
         age = (time.time_ns() - when) / 1e9
-        return (f"#{self.seq} {what}{shape}{peer} ({self.track.desc}), {self.state} "
+        number = "not numbered yet:" if self.seq is None else f"#{self.seq}"
+        return (f"{number} {what}{shape}{peer} ({self.track.desc}), {self.state} "
                 f"{age:.1f}s ago")
 
 

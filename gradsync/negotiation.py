@@ -77,6 +77,8 @@ so its warning and expiry keep these times too.
 Flight recorder. Each request is recorded when issued (``flight_recorder.py``, on the
 controller's track) and numbered when it runs, in agreed order: the Horovod API lets ranks
 issue in different orders, so only the agreed order numbers a collective alike on every rank.
+A request of this rank that has waited ``stall_report`` seconds gets a stall report
+(``stall.py``): every rank that issued it and waits asks the others whether they have.
 
 Shutdown. ``stop()`` asks for it in the next ballot (the ``STOP`` flag); the loop ends in the
 first cycle in which every rank has asked, so no rank leaves a cycle the others are still in.
@@ -88,11 +90,13 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from typing import Any, Callable
 
 import numpy as np
 
 from . import operations as ops
+from . import stall
 from .agreement import JOIN, Agreement, ResponseCache, Signature, agreed, describe, mismatch_error
 from .ballot import IDLE, QUIET, STOP, Ballot, bits_of
 from .collectives.ops import BFLOAT16, ReduceOp
@@ -193,6 +197,8 @@ class Controller:
         self._closed: BaseException | None = None
         self._fusion: dict[Any, np.ndarray] = {}
         self._shared_zeros: "np.ndarray | None" = None  # see _zeros
+        self._stall_look = 0.0  # when the loop next looks for stalled requests (stall.py)
+        stall.serve_named(world, self)
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name=f"gradsync-negotiate-{label}")
         self._thread.start()
@@ -241,6 +247,19 @@ class Controller:
             self._cv.notify()
         self._thread.join(timeout)
 
+    def issued(self, name: str) -> bool:
+        """Whether this rank has issued ``name`` and not synchronized it yet (a stall report
+        asks)."""
+        with self._cv:
+            return name in self._mine or name in self._unsynchronized
+
+    def waiting(self) -> list[tuple[str, int]]:
+        """This rank's requests not done yet: their names and when they were issued (the
+        flight recorder's ``created_ns``)."""
+        with self._cv:
+            return [(q.name, q.record.created_ns) for q in self._mine.values()
+                    if q.record is not None]
+
     @property
     def running(self) -> bool:
         return self._thread.is_alive()
@@ -279,6 +298,8 @@ class Controller:
                     break
                 ready, busy = outcome
                 self.stats["cycles"] += 1
+                if self._mine and self.world.size > 1:
+                    self._look_for_stalls()
                 if ready or busy:
                     tl = self.timeline
                     if tl is not None:
@@ -354,6 +375,15 @@ class Controller:
         return self.agreement.absorb(announced, [waited for _, _, waited in payloads])
 
     # ------------------------------------------------------------------ stalls
+    def _look_for_stalls(self) -> None:
+        """At most every ``abort_poll_interval``: a request of this rank past
+        ``stall_report`` seconds gets its report (``stall.watch_named``), once."""
+        now = time.monotonic()
+        if now < self._stall_look:
+            return
+        self._stall_look = now + self.world.config.abort_poll_interval
+        stall.watch_named(self)
+
     def _stalled(self) -> tuple:
         """Rank 0: warns about names waiting past ``stall_warning``; returns those past
         ``timeout``, to be announced as expired."""

@@ -30,6 +30,12 @@ each waiting rank makes one connection per peer.
 
 Once per stall: a World reports each collective number at most once (``watch``), on a thread
 of its own, so the wait itself goes on (and raises at its deadline as before).
+
+The Horovod API. Its operations are matched by name, and its background loop keeps the
+World's collectives going while a rank sleeps, so no wait of the World stalls. There, each
+rank's loop looks at its own requests (``watch_named``): one issued more than ``stall_report``
+seconds ago gets a report, once per name, and a rank has arrived when it has issued that
+name too (``Controller.issued``). Rank 0's Horovod-style warning (``stall_warning``) stays.
 """
 
 from __future__ import annotations
@@ -66,6 +72,8 @@ _ASKING = 32  # peers asked at once
 
 _worlds: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
 _reported: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
+_controllers: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
+_named: "weakref.WeakKeyDictionary[object, set]" = weakref.WeakKeyDictionary()
 _LEN = struct.Struct(">I")
 # gradsync's own service threads, idle in their loops whatever the rank does: not shown (the
 # threads that run the user's operations, the progress thread and the lanes, are).
@@ -93,6 +101,29 @@ def serve(world, root: bool) -> None:
                                        set(range(world.size)) - {world.rank}, on_accept))
 
 
+def serve_named(world, controller) -> None:
+    """Lets the ranks ask this process about the Horovod API's operations on ``world``."""
+    _controllers[world.env.job_id] = controller
+
+
+def watch_named(controller) -> None:
+    """Called by a Horovod API loop (``Controller``): reports each of its requests that has
+    waited ``stall_report`` seconds, once per name."""
+    world = controller.world
+    threshold = world.config.stall_report
+    if not threshold:
+        return
+    now = time.time_ns()  # the records' clock
+    reported = _named.setdefault(controller, set())
+    for name, issued in controller.waiting():
+        waited = (now - issued) / 1e9
+        if waited >= threshold and name not in reported:
+            reported.add(name)
+            threading.Thread(target=_report, args=(world, 0, f"Horovod API operation '{name}' "
+                             f"({controller.label})", waited, name),
+                             name="gradsync-stall-report", daemon=True).start()
+
+
 def watch(world, waited: float) -> None:
     """Called by a World's waits (``World.on_idle``): past ``stall_report`` seconds, starts
     this collective's report, once."""
@@ -107,9 +138,11 @@ def watch(world, waited: float) -> None:
                      name="gradsync-stall-report", daemon=True).start()
 
 
-def answer(job: str, seq: int) -> dict:
-    """What this process says when asked about collective ``seq`` of the World ``job``."""
+def answer(job: str, seq: int, name: "str | None" = None) -> dict:
+    """What this process says when asked about collective ``seq`` of the World ``job``, or,
+    given ``name``, about that Horovod API operation there."""
     world = _worlds.get(job)
+    controller = _controllers.get(job) if name is not None else None
     held = recorder.records()
     last = next((rec for rec in reversed(held) if rec.state == COMPLETED), None)
     running = [rec.words() for rec in held if rec.state in (SCHEDULED, STARTED)][-4:]
@@ -120,6 +153,7 @@ def answer(job: str, seq: int) -> dict:
         "in": None if world is None else world.comm.description,
         "last": None if last is None else last.words(), "running": running, "failed": failed,
         "stacks": _stacks(),
+        "issued": None if controller is None else controller.issued(name),
     }
 
 
@@ -170,14 +204,16 @@ def _answer_on(sock: socket.socket) -> None:
     try:
         sock.settimeout(ASK_S)
         question = _receive(sock)
-        _send(sock, answer(str(question.get("job")), int(question.get("seq", 0))))
+        name = question.get("name")
+        _send(sock, answer(str(question.get("job")), int(question.get("seq", 0)),
+                           None if name is None else str(name)))
     except (OSError, ValueError, TypeError) as exc:
         log.debug("stall question not answered: %s", exc)
     finally:
         sock.close()
 
 
-def _ask(world, member: int, seq: int) -> dict:
+def _ask(world, member: int, seq: int, name: "str | None") -> dict:
     """Asks rank ``member`` of ``world`` about collective ``seq``; its answer, or what went
     wrong in ``error``."""
     root_job, root_ranks = world.root
@@ -190,7 +226,7 @@ def _ask(world, member: int, seq: int) -> dict:
             raise ConnectionError("busy")
         try:
             sock.settimeout(ASK_S)
-            _send(sock, {"job": world.env.job_id, "seq": seq})
+            _send(sock, {"job": world.env.job_id, "seq": seq, "name": name})
             return _receive(sock)
         finally:
             sock.close()
@@ -198,24 +234,32 @@ def _ask(world, member: int, seq: int) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}", "host": peer.host, "pid": peer.pid}
 
 
-def _report(world, seq: int, description: str, waited: float) -> None:
+def _report(world, seq: int, description: str, waited: float,
+            name: "str | None" = None) -> None:
     members = [r for r in range(world.size) if r != world.rank]
     try:
         with concurrent.futures.ThreadPoolExecutor(min(_ASKING, len(members)),
                                                    thread_name_prefix="gradsync-stall") as pool:
-            answers = dict(zip(members, pool.map(lambda r: _ask(world, r, seq), members)))
-        log.warning("%s", words(world, seq, description, waited, answers))
+            answers = dict(zip(members, pool.map(lambda r: _ask(world, r, seq, name),
+                                                 members)))
+        log.warning("%s", words(world, seq, description, waited, answers, name))
     except Exception as exc:  # noqa: BLE001  (a report must never end the rank)
         log.warning("rank %d: the stall report of collective #%d failed: %s", world.rank, seq,
                     exc)
 
 
-def words(world, seq: int, description: str, waited: float, answers: dict) -> str:
+def words(world, seq: int, description: str, waited: float, answers: dict,
+          name: "str | None" = None) -> str:
     """The report: the ranks not arrived first, with their stacks; then the others."""
     root = world.root[1]
-    late = [r for r, a in answers.items() if "error" in a or (a.get("seq") or 0) < seq]
+    if name is None:
+        late = [r for r, a in answers.items() if "error" in a or (a.get("seq") or 0) < seq]
+        what = f"collective #{seq} {description}"
+    else:
+        late = [r for r, a in answers.items() if "error" in a or not a.get("issued")]
+        what = description
     lines = [f"gradsync stall report: rank {root[world.rank]} has waited {waited:.1f}s in "
-             f"collective #{seq} {description}; not arrived: "
+             f"{what}; not arrived: "
              f"{'ranks ' + str([root[r] for r in late]) if late else 'none (all are in it)'}"
              f"; it fails after {world.config.timeout:.0f}s (GRADSYNC_TIMEOUT)"]
     for r in late + [r for r in answers if r not in late]:
@@ -225,8 +269,11 @@ def words(world, seq: int, description: str, waited: float, answers: dict) -> st
             lines.append(f"  {head}: did not answer ({a['error']}): stopped, gone, or its "
                          "C code holds the GIL")
             continue
-        where = ("has no such World" if a.get("seq") is None else
-                 f"at collective #{a['seq']} {a.get('in')}")
+        if name is not None:
+            where = "has issued it" if a.get("issued") else "has not issued it"
+        else:
+            where = ("has no such World" if a.get("seq") is None else
+                     f"at collective #{a['seq']} {a.get('in')}")
         lines.append(f"  {head}: {'NOT ARRIVED, ' if r in late else ''}{where}")
         lines.append(f"    last completed: {a.get('last') or 'nothing yet'}")
         for rec in a.get("running") or []:

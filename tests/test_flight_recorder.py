@@ -162,28 +162,34 @@ def test_configure_resizes_and_picks_the_directory():
 
 
 # ----------------------------------------------------------------------------- jobs
-pytestmark_jobs = pytest.mark.multiprocess
-
-
 @pytest.mark.multiprocess
-def test_a_rank_asleep_in_user_code_is_named_with_its_stack_by_every_waiting_rank(tmp_path):
+@pytest.mark.parametrize("api", ["numpy", "horovod"])
+def test_a_rank_asleep_in_user_code_is_named_with_its_stack_by_every_waiting_rank(api, tmp_path):
     threshold = 1.5
-    r = launch(3, "flight.py", "stall", str(tmp_path), timeout=90,
-               env={"GRADSYNC_STALL_REPORT": str(threshold)})
+    r = launch(3, "flight.py", "stall" if api == "numpy" else "hvd-stall", str(tmp_path),
+               timeout=90, env={"GRADSYNC_STALL_REPORT": str(threshold)})
     assert r.returncode == 0, r
     for rank in (0, 2):
         seconds = float(re.search(rf"SECONDS rank={rank} ([\d.]+)", r.output).group(1))
         assert threshold <= seconds <= threshold + 5, r
         report = "\n".join(re.findall(rf"REPORT rank={rank} (.*)", r.output))
         assert "not arrived: ranks [1]" in report, report
-        assert re.search(r"rank 1 on host \S+ \(pid \d+\): NOT ARRIVED, at collective #1 ",
-                         report), report
-        assert "last completed: #1 all_reduce 'warm-up'" in report, report
+        other = 2 if rank == 0 else 0
+        if api == "numpy":
+            assert re.search(r"rank 1 on host \S+ \(pid \d+\): NOT ARRIVED, at collective #1 ",
+                             report), report
+            assert "last completed: #1 all_reduce 'warm-up'" in report, report
+            # the rank that waits too is shown as arrived, without its stacks
+            assert re.search(rf"rank {other} on host \S+ \(pid \d+\): at collective #2 ",
+                             report), report
+        else:
+            assert "in Horovod API operation 'allreduce.step' (global)" in report, report
+            assert re.search(r"rank 1 on host \S+ \(pid \d+\): NOT ARRIVED, has not issued it",
+                             report), report
+            assert "last completed: #1 all_reduce 'allreduce.warm-up'" in report, report
+            assert re.search(rf"rank {other} on host \S+ \(pid \d+\): has issued it", report)
         # its stack, taken by rank 1 itself: the user's function asleep
         assert re.search(r"in sleepy_user_function\n\s+time\.sleep\(0\.05\)", report), report
-        # the rank that waits too is shown as arrived, without its stacks
-        other = 2 if rank == 0 else 0
-        assert re.search(rf"rank {other} on host \S+ \(pid \d+\): at collective #2 ", report)
         assert report.count("its stacks:") == 1, report
 
 

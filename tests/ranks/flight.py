@@ -4,6 +4,7 @@
                              allreduce; each waiting rank prints its stall report (REPORT
                              lines) and the seconds from the allreduce's start to the report,
                              then writes DIR/reported.<rank>, which ends rank 1's sleep
+    flight.py hvd-stall DIR  the same through the Horovod API (``hvd.allreduce``)
     flight.py mismatch       two agreed allreduces, then rank 1 issues an allreduce of another
                              size; every rank prints RESULT with the error it got (the dumps
                              go to GRADSYNC_FLIGHT_RECORDER_DIR)
@@ -21,9 +22,23 @@ import numpy as np
 import gradsync as gs
 
 mode = sys.argv[1]
-gs.init()
+if mode == "hvd-stall":
+    import torch
+
+    import gradsync.torch as hvd
+
+    hvd.init()
+    hvd.allreduce(torch.ones(4), name="warm-up")
+
+    def step():
+        hvd.allreduce(torch.ones(4), name="step")
+else:
+    gs.init()
+    gs.allreduce(np.ones(4), name="warm-up")
+
+    def step():
+        gs.allreduce(np.ones(4), name="step")
 R, N = gs.rank(), gs.size()
-gs.allreduce(np.ones(4), name="warm-up")
 
 
 def sleepy_user_function(directory: str) -> None:
@@ -53,11 +68,11 @@ class Catch(logging.Handler):
             self.seen.set()
 
 
-if mode == "stall":
+if mode in ("stall", "hvd-stall"):
     directory = sys.argv[2]
     if R == 1:
         sleepy_user_function(directory)
-        gs.allreduce(np.ones(4), name="step")
+        step()
     else:
         catch = Catch()
         logging.getLogger("gradsync").addHandler(catch)
@@ -72,7 +87,7 @@ if mode == "stall":
 
         waiter = threading.Thread(target=when_reported)
         waiter.start()
-        gs.allreduce(np.ones(4), name="step")
+        step()
         waiter.join()
     print(f"RESULT rank={R} ok", flush=True)
 elif mode == "mismatch":
