@@ -14,9 +14,9 @@ Fusion is not guessed here from timing (what happens to be queued differs betwee
 fusing it would need a negotiation round per cycle); callers that know a group of tensors
 (``grouped_allreduce``, gradient buckets) fuse it themselves, identically on every rank.
 
-Every operation is recorded in the flight recorder (``flight_recorder.py``) on the engine's
-*track* (the NumPy API on this World): the caller issues the record, the engine marks it
-started, completed or failed around ``fn``.
+Every operation of a job's engine is recorded in the flight recorder (``flight_recorder.py``)
+on the engine's *track* (the NumPy API on this World, given by ``job.Job``): the caller issues
+the record, the engine marks it started, completed or failed around ``fn``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import threading
 from typing import Callable
 
 from .errors import GradsyncError
-from .flight_recorder import Record, recorder
+from .flight_recorder import Record, Track
 
 __all__ = ["Engine", "Handle"]
 
@@ -76,13 +76,11 @@ class Handle:
 class Engine:
     """Executes operations of one World, in issue order."""
 
-    def __init__(self, world):
+    def __init__(self, world, track: "Track | None" = None):
         self.world = world
-        root_job, root_ranks = world.root
-        recorder.configure(world.config, root_ranks[world.rank], root_job)
-        self.track = recorder.track(f"numpy:{world.env.job_id}", "numpy API", root_ranks,
-                                    "numpy", world.config.timeout, world)
-        """The NumPy API's track in the flight recorder (``api`` issues its records)."""
+        self.track = track
+        """The NumPy API's track in the flight recorder (``api`` and the express lane issue
+        its records), or None."""
         self._queue: collections.deque[tuple[Handle, Callable, Record | None]] = \
             collections.deque()
         # The lock is kept apart too: ``with self._lock`` runs in C, ``with self._cv`` does not.

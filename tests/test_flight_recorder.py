@@ -16,7 +16,7 @@ import tracemalloc
 
 import pytest
 
-from harness import launch
+from harness import launch, spawn
 
 from gradsync.config import Config
 from gradsync.flight_recorder import (COMPLETED, FAILED, FILE_PREFIX, SCHEDULED, STARTED,
@@ -194,22 +194,31 @@ def test_a_rank_asleep_in_user_code_is_named_with_its_stack_by_every_waiting_ran
 
 
 @pytest.mark.multiprocess
-def test_torchs_analyzer_names_a_mismatched_collective_and_its_rank(tmp_path):
+@pytest.mark.parametrize("api", ["numpy", "torch"])
+def test_torchs_analyzer_names_a_mismatched_collective_and_its_rank(api, tmp_path):
     dumps = tmp_path / "dumps"
-    r = launch(3, "flight.py", "mismatch", timeout=90,
-               env={"GRADSYNC_FLIGHT_RECORDER_DIR": str(dumps)})
-    assert r.returncode == 0, r
-    assert sorted(re.findall(r"RESULT rank=(\d) CollectiveMismatchError", r.output)) == \
-        ["0", "1", "2"], r
+    env = {"GRADSYNC_FLIGHT_RECORDER_DIR": str(dumps)}
+    if api == "numpy":
+        r = launch(3, "flight.py", "mismatch", timeout=90, env=env)
+        assert r.returncode == 0, r
+        assert sorted(re.findall(r"RESULT rank=(\d) CollectiveMismatchError", r.output)) == \
+            ["0", "1", "2"], r
+        sequence = 4  # after the warm-up
+    else:
+        ranks = spawn(3, "flight.py", "torch-mismatch", timeout=90, env=env)
+        for rank in ranks:
+            assert rank.returncode == 0 and f"RESULT rank={rank.rank} " in rank.output, rank
+            assert "no error" not in rank.output, rank
+        sequence = 3
     assert sorted(os.listdir(dumps)) == [f"{FILE_PREFIX}{rank}" for rank in range(3)]
     analyzed = subprocess.run(
         [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(dumps)],
         capture_output=True, text=True, timeout=120)
     said = analyzed.stdout + analyzed.stderr
     assert analyzed.returncode == 0, said
-    # the first two allreduces match; the third (sequence number 4 after the warm-up) is the
-    # mismatch, rank 1 its culprit, with both sizes
-    assert "Collective sequence number: 4 has errors" in said, said
+    # the first two allreduces match; the third is the mismatch, rank 1 its culprit, with both
+    # sizes
+    assert f"Collective sequence number: {sequence} has errors" in said, said
     assert "collective: gloo:all_reduce" in said, said
     assert re.search(r"Culprit rank 1; Error type: SIZE_OR_SYNTAX_MISMATCH, Expected input "
                      r"sizes: '\[\[8\]\]' does not match found input sizes: '\[\[12\]\]'",

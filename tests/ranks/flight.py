@@ -8,6 +8,8 @@
     flight.py mismatch       two agreed allreduces, then rank 1 issues an allreduce of another
                              size; every rank prints RESULT with the error it got (the dumps
                              go to GRADSYNC_FLIGHT_RECORDER_DIR)
+    flight.py torch-mismatch the same through the torch backend (started as torchrun starts
+                             ranks: harness.spawn)
 """
 
 import logging
@@ -22,7 +24,21 @@ import numpy as np
 import gradsync as gs
 
 mode = sys.argv[1]
-if mode == "hvd-stall":
+if mode == "torch-mismatch":
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gradsync")
+    R = dist.get_rank()
+    dist.all_reduce(torch.ones(8))
+    dist.all_reduce(torch.ones(8))
+    try:
+        dist.all_reduce(torch.ones(12 if R == 1 else 8))
+        print(f"RESULT rank={R} no error", flush=True)
+    except RuntimeError as exc:
+        print(f"RESULT rank={R} {type(exc).__name__}", flush=True)
+    sys.exit(0)
+elif mode == "hvd-stall":
     import torch
 
     import gradsync.torch as hvd
