@@ -220,6 +220,7 @@ def test_torchs_analyzer_names_a_mismatched_collective_and_its_rank(api, tmp_pat
     # sizes
     assert f"Collective sequence number: {sequence} has errors" in said, said
     assert "collective: gloo:all_reduce" in said, said
+    assert "collective state: started" in said, said  # it began (and failed): the lane's marks
     assert re.search(r"Culprit rank 1; Error type: SIZE_OR_SYNTAX_MISMATCH, Expected input "
                      r"sizes: '\[\[8\]\]' does not match found input sizes: '\[\[12\]\]'",
                      said), said
