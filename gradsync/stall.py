@@ -31,6 +31,15 @@ each waiting rank makes one connection per peer.
 Once per stall: a World reports each collective number at most once (``watch``), on a thread
 of its own, so the wait itself goes on (and raises at its deadline as before).
 
+One survey per stall, not one per waiting rank. Every waiting rank asking every other rank
+would cost N² connections when one rank of N is stuck. So the waiting ranks draw lots in the
+World's store (one ``add`` each, on a key of the collective): the first surveys the ranks and
+posts its report in the store; the others read it there (a few ``check``s each, spaced out
+to 2 s, then one ``get``) and log it, saying whose survey it is. A rank that finds no report
+within ``2 * ASK_S`` seconds, or no store, surveys itself. The reads look (``check``) rather
+than block: a thread blocked in the store's C++ client when the process exits aborts it
+(``abort_watch.py`` says why), and a stall often ends, and the job with it, seconds later.
+
 The Horovod API. Its operations are matched by name, and its background loop keeps the
 World's collectives going while a rank sleeps, so no wait of the World stalls. There, each
 rank's loop looks at its own requests (``watch_named``): one issued more than ``stall_report``
@@ -73,7 +82,7 @@ _ASKING = 32  # peers asked at once
 _worlds: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
 _reported: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
 _controllers: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
-_named: "weakref.WeakKeyDictionary[object, set]" = weakref.WeakKeyDictionary()
+_named: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
 _LEN = struct.Struct(">I")
 # gradsync's own service threads, idle in their loops whatever the rank does: not shown (the
 # threads that run the user's operations, the progress thread and the lanes, are).
@@ -114,13 +123,16 @@ def watch_named(controller) -> None:
     if not threshold:
         return
     now = time.time_ns()  # the records' clock
-    reported = _named.setdefault(controller, set())
+    # name -> (when the request reported was issued, how many of that name were reported): a
+    # name is reported once per request, and its count tells its stalls apart in the store.
+    reported = _named.setdefault(controller, {})
     for name, issued in controller.waiting():
         waited = (now - issued) / 1e9
-        if waited >= threshold and name not in reported:
-            reported.add(name)
+        last, count = reported.get(name, (None, 0))
+        if waited >= threshold and last != issued:
+            reported[name] = (issued, count + 1)
             threading.Thread(target=_report, args=(world, 0, f"Horovod API operation '{name}' "
-                             f"({controller.label})", waited, name),
+                             f"({controller.label})", waited, name, f"op/{name}/{count + 1}"),
                              name="gradsync-stall-report", daemon=True).start()
 
 
@@ -134,7 +146,8 @@ def watch(world, waited: float) -> None:
     if _reported.get(world) == seq:
         return
     _reported[world] = seq
-    threading.Thread(target=_report, args=(world, seq, world.comm.description, waited),
+    threading.Thread(target=_report, args=(world, seq, world.comm.description, waited, None,
+                                           f"seq/{seq}"),
                      name="gradsync-stall-report", daemon=True).start()
 
 
@@ -234,18 +247,55 @@ def _ask(world, member: int, seq: int, name: "str | None") -> dict:
         return {"error": f"{type(exc).__name__}: {exc}", "host": peer.host, "pid": peer.pid}
 
 
-def _report(world, seq: int, description: str, waited: float,
-            name: "str | None" = None) -> None:
-    members = [r for r in range(world.size) if r != world.rank]
+def _report(world, seq: int, description: str, waited: float, name: "str | None",
+            key: str) -> None:
+    """One waiting rank's report: the survey's, its own or another waiting rank's."""
     try:
-        with concurrent.futures.ThreadPoolExecutor(min(_ASKING, len(members)),
-                                                   thread_name_prefix="gradsync-stall") as pool:
-            answers = dict(zip(members, pool.map(lambda r: _ask(world, r, seq, name),
-                                                 members)))
-        log.warning("%s", words(world, seq, description, waited, answers, name))
+        key = f"stall/{key}"
+        try:
+            first = world.store.add(key, 1) == 1
+        except (GradsyncError, RuntimeError, OSError):
+            first = True  # no store to share the survey through: survey alone
+        text = None if first else _posted(world.store, key + "/report")
+        if text is None:
+            text = words(world, seq, description, waited, _survey(world, seq, name), name)
+            if first:
+                try:
+                    world.store.set(key + "/report", text)
+                except (GradsyncError, RuntimeError, OSError):
+                    pass
+        else:
+            me = world.root[1][world.rank]
+            text = f"{text}\n  (rank {me} waits in it too; the survey above is another rank's)"
+        log.warning("%s", text)
     except Exception as exc:  # noqa: BLE001  (a report must never end the rank)
         log.warning("rank %d: the stall report of collective #%d failed: %s", world.rank, seq,
                     exc)
+
+
+def _survey(world, seq: int, name: "str | None") -> dict:
+    """Every other rank's answer (``answer``), asked at once."""
+    members = [r for r in range(world.size) if r != world.rank]
+    with concurrent.futures.ThreadPoolExecutor(min(_ASKING, len(members)),
+                                               thread_name_prefix="gradsync-stall") as pool:
+        return dict(zip(members, pool.map(lambda r: _ask(world, r, seq, name), members)))
+
+
+def _posted(store, key: str) -> "str | None":
+    """The report another rank posted at ``key``, looked for until ``2 * ASK_S`` seconds have
+    passed (looks spaced from 0.1 s to 2 s); None if it did not come."""
+    deadline = time.monotonic() + 2 * ASK_S
+    pause = 0.1
+    try:
+        while True:
+            if store.check(key):
+                return store.get(key).decode()
+            if time.monotonic() + pause > deadline:
+                return None
+            time.sleep(pause)
+            pause = min(2 * pause, 2.0)
+    except (GradsyncError, RuntimeError, OSError, UnicodeDecodeError):
+        return None
 
 
 def words(world, seq: int, description: str, waited: float, answers: dict,

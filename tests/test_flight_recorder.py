@@ -169,12 +169,18 @@ def test_a_rank_asleep_in_user_code_is_named_with_its_stack_by_every_waiting_ran
     r = launch(3, "flight.py", "stall" if api == "numpy" else "hvd-stall", str(tmp_path),
                timeout=90, env={"GRADSYNC_STALL_REPORT": str(threshold)})
     assert r.returncode == 0, r
+    surveyors = set()
     for rank in (0, 2):
         seconds = float(re.search(rf"SECONDS rank={rank} ([\d.]+)", r.output).group(1))
         assert threshold <= seconds <= threshold + 5, r
         report = "\n".join(re.findall(rf"REPORT rank={rank} (.*)", r.output))
         assert "not arrived: ranks [1]" in report, report
-        other = 2 if rank == 0 else 0
+        # one waiting rank surveys, the other logs its survey (saying so)
+        surveyor = int(re.search(r"stall report: rank (\d) has waited", report).group(1))
+        surveyors.add(surveyor)
+        if surveyor != rank:
+            assert f"(rank {rank} waits in it too; the survey above is another rank's)" in report
+        other = 2 if surveyor == 0 else 0  # the waiting rank the survey asked
         if api == "numpy":
             assert re.search(r"rank 1 on host \S+ \(pid \d+\): NOT ARRIVED, at collective #1 ",
                              report), report
@@ -191,6 +197,7 @@ def test_a_rank_asleep_in_user_code_is_named_with_its_stack_by_every_waiting_ran
         # its stack, taken by rank 1 itself: the user's function asleep
         assert re.search(r"in sleepy_user_function\n\s+time\.sleep\(0\.05\)", report), report
         assert report.count("its stacks:") == 1, report
+    assert len(surveyors) == 1, surveyors  # one survey for the stall, not one per waiting rank
 
 
 @pytest.mark.multiprocess
