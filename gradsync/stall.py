@@ -78,6 +78,7 @@ ASK_S = 5.0
 _MAX_ANSWER = 1 << 20  # bytes: a question or an answer longer than this is refused
 _DEPTH = 16  # innermost frames shown per thread
 _ASKING = 32  # peers asked at once
+_SHOWN = 8  # ranks shown in full, of those not arrived and of the others; the rest listed
 
 _worlds: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
 _reported: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
@@ -312,7 +313,8 @@ def words(world, seq: int, description: str, waited: float, answers: dict,
              f"{what}; not arrived: "
              f"{'ranks ' + str([root[r] for r in late]) if late else 'none (all are in it)'}"
              f"; it fails after {world.config.timeout:.0f}s (GRADSYNC_TIMEOUT)"]
-    for r in late + [r for r in answers if r not in late]:
+    arrived = [r for r in answers if r not in late]
+    for r in late[:_SHOWN] + arrived[:_SHOWN]:
         a = answers[r]
         head = f"rank {root[r]} on host {a.get('host')} (pid {a.get('pid')})"
         if "error" in a:
@@ -333,4 +335,7 @@ def words(world, seq: int, description: str, waited: float, answers: dict,
         if r in late:
             lines.append("    its stacks:")
             lines.extend("      " + line for line in str(a.get("stacks", "")).splitlines())
+    for rest, how in ((late[_SHOWN:], "not arrived"), (arrived[_SHOWN:], "arrived")):
+        if rest:
+            lines.append(f"  and {len(rest)} more {how}: ranks {[root[r] for r in rest]}")
     return "\n".join(lines)

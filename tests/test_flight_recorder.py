@@ -161,6 +161,50 @@ def test_configure_resizes_and_picks_the_directory():
     assert recorder.directory.endswith(os.path.join("gradsync-flight", "j_1"))
 
 
+# ----------------------------------------------------------------------------- stall reports
+def test_an_answer_shows_a_sleeping_threads_frame_and_not_the_answering_one():
+    from gradsync import stall
+
+    asleep, wake = threading.Event(), threading.Event()
+
+    def napping_in_user_code():
+        asleep.set()
+        wake.wait(30)
+
+    napper = threading.Thread(target=napping_in_user_code, name="user-napper")
+    napper.start()
+    try:
+        assert asleep.wait(30)
+        said = stall.answer("no such job", 7)
+    finally:
+        wake.set()
+        napper.join()
+    assert said["seq"] is None and said["issued"] is None  # no World of that job here
+    assert "thread user-napper:" in said["stacks"], said["stacks"]
+    assert re.search(r"in napping_in_user_code\n\s+wake\.wait\(30\)", said["stacks"])
+    assert "in answer\n" not in said["stacks"]  # the answering thread leaves itself out
+
+
+def test_a_report_of_many_ranks_shows_eight_of_each_and_lists_the_rest():
+    import types
+
+    from gradsync import stall
+
+    world = types.SimpleNamespace(root=("job", list(range(20))), rank=0,
+                                  config=types.SimpleNamespace(timeout=300.0))
+    answers = {r: {"host": "h", "pid": r, "seq": 4 if r % 2 else 5, "in": "allreduce",
+                   "last": None, "running": [], "failed": [], "stacks": "thread MainThread:\n"}
+               for r in range(1, 20)}
+    answers[3] = {"error": "TimeoutError: timed out", "host": "h", "pid": 3}
+    text = stall.words(world, 5, "allreduce 'x'", 31.0, answers)
+    odd = [r for r in range(1, 20, 2)]
+    assert f"not arrived: ranks {odd}" in text, text  # behind, or did not answer (rank 3)
+    assert "rank 3 on host h (pid 3): did not answer (TimeoutError: timed out)" in text
+    assert text.count("NOT ARRIVED") == 7 and text.count("its stacks:") == 7, text
+    assert "and 2 more not arrived: ranks [17, 19]" in text, text
+    assert "and 1 more arrived: ranks [18]" in text, text
+
+
 # ----------------------------------------------------------------------------- jobs
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("api", ["numpy", "horovod"])
