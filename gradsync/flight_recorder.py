@@ -92,9 +92,10 @@ class Record:
         self.state = COMPLETED
 
     def fail(self, error: BaseException) -> None:
-        """The operation failed with ``error`` (kept as the exception; worded at a dump)."""
+        """The operation failed with ``error``, kept in words: the exception itself would
+        keep its traceback's frames, and the tensors they hold, alive in the ring."""
         self.ended_ns = time.time_ns()
-        self.error = error
+        self.error = str(error)
         self.state = FAILED
 
     def words(self) -> str:
@@ -369,7 +370,7 @@ def _entry(rec: Record, seq: int) -> dict:
         "state": state, "retired": rec.state in (COMPLETED, FAILED),
         "timeout_ms": track.timeout_ms, "frames": [], "thread_id": "", "thread_name": "",
         "gradsync_door": track.door, "gradsync_name": rec.name, "gradsync_state": rec.state,
-        "gradsync_error": None if rec.error is None else str(rec.error),
+        "gradsync_error": rec.error,
     }
 
 

@@ -51,6 +51,7 @@ def test_a_record_goes_through_its_states_and_torch_reads_them():
     failed.start()
     failed.fail(RuntimeError("peer lost"))
     assert (done.state, failed.state) == (COMPLETED, FAILED)
+    assert failed.error == "peer lost"  # words: the exception would keep its frames alive
     by_name = {e["gradsync_name"]: e for e in recorder.entries()}
     e = by_name["done"]
     assert e["state"] == "completed" and e["profiling_name"] == "gloo:all_reduce"
