@@ -207,8 +207,10 @@ def test_a_report_of_many_ranks_shows_eight_of_each_and_lists_the_rest():
 
 
 # ----------------------------------------------------------------------------- jobs
+# The NumPy API's job in the default tier; the Horovod API's (its own road: names, not
+# collective numbers) in the slow one, as is the torch backend's mismatch below.
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("api", ["numpy", "horovod"])
+@pytest.mark.parametrize("api", ["numpy", pytest.param("horovod", marks=pytest.mark.slow)])
 def test_a_rank_asleep_in_user_code_is_named_with_its_stack_by_every_waiting_rank(api, tmp_path):
     threshold = 1.5
     r = launch(3, "flight.py", "stall" if api == "numpy" else "hvd-stall", str(tmp_path),
@@ -246,7 +248,7 @@ def test_a_rank_asleep_in_user_code_is_named_with_its_stack_by_every_waiting_ran
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("api", ["numpy", "torch"])
+@pytest.mark.parametrize("api", ["numpy", pytest.param("torch", marks=pytest.mark.slow)])
 def test_torchs_analyzer_names_a_mismatched_collective_and_its_rank(api, tmp_path):
     dumps = tmp_path / "dumps"
     env = {"GRADSYNC_FLIGHT_RECORDER_DIR": str(dumps)}
