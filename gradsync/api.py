@@ -124,9 +124,14 @@ def _unnamed_allreduce() -> str:
     return _name(None, "allreduce")
 
 
-def _submit(fn, name: str, asynchronous: bool):
+def _submit(fn, name: str, asynchronous: bool, kind: str, buf=None, out_shape=None):
+    """Runs ``fn`` on the engine, recorded in the flight recorder as ``kind`` (torch's name of
+    the collective) of ``buf``'s shape and dtype (none for a barrier or an object)."""
     engine = job.engine()
-    return engine.submit(fn, name) if asynchronous else engine.run(fn, name)
+    record = engine.track.issue(kind, name, None if buf is None else buf.shape,
+                                None if buf is None else buf.dtype, out_shape)
+    return (engine.submit(fn, name, record) if asynchronous else
+            engine.run(fn, name, record))
 
 
 # ----------------------------------------------------------------------------- allreduce
@@ -187,7 +192,7 @@ def _allreduce(tensor, op, name, prescale_factor, postscale_factor, algorithm, i
                       counts=counts)
         return arguments.result(buf, target, tensor, inplace)
 
-    return _submit(run, name, asynchronous)
+    return _submit(run, name, asynchronous, "all_reduce", buf)
 
 
 def allreduce(tensor, op: ReduceOp = Average, name: str | None = None,
@@ -239,7 +244,7 @@ def _allgather(tensor, name, asynchronous):
         out, rows = ops.allgather(world, buf.flat, buf.dtype, name=name, shape=buf.shape)
         return arguments.row_result(buf, out, sum(rows))
 
-    return _submit(run, name, asynchronous)
+    return _submit(run, name, asynchronous, "all_gather", buf)
 
 
 def allgather(tensor, name: str | None = None):
@@ -264,7 +269,7 @@ def _broadcast(tensor, root_rank, name, inplace, asynchronous):
         ops.broadcast(world, target, buf.dtype, root, name=name, shape=buf.shape)
         return arguments.result(buf, target, tensor, inplace)
 
-    return _submit(run, name, asynchronous)
+    return _submit(run, name, asynchronous, "broadcast", buf)
 
 
 def broadcast(tensor, root_rank: int, name: str | None = None):
@@ -300,7 +305,10 @@ def _reducescatter(tensor, op, name, prescale_factor, postscale_factor, asynchro
         rows = ops.split_rows(buf.shape[0], world.size)[world.rank]
         return arguments.row_result(buf, mine, rows)
 
-    return _submit(run, name, asynchronous)
+    # The analyzer checks an even split (input rows = output rows x ranks): the rows of an
+    # uneven one are written as they are, and it then reports them.
+    out = (ops.split_rows(buf.shape[0], world.size)[world.rank], *buf.shape[1:])
+    return _submit(run, name, asynchronous, "reduce_scatter", buf, out)
 
 
 def reducescatter(tensor, op: ReduceOp = Average, name: str | None = None,
@@ -331,7 +339,7 @@ def _alltoall(tensor, splits, name, asynchronous):
             return result
         return result, arguments.received_splits(received, tensor)
 
-    return _submit(run, name, asynchronous)
+    return _submit(run, name, asynchronous, "all_to_all", buf)
 
 
 def alltoall(tensor, splits=None, name: str | None = None):
@@ -352,7 +360,7 @@ def alltoall_async(tensor, splits=None, name: str | None = None) -> Handle:
 def barrier() -> None:
     """Returns once every rank has called ``barrier``."""
     world = job.world()
-    _submit(lambda: ops.barrier(world), "barrier", False)
+    _submit(lambda: ops.barrier(world), "barrier", False, "barrier")
 
 
 def broadcast_object(obj=None, root_rank: int = 0, name: str | None = None):
@@ -360,14 +368,16 @@ def broadcast_object(obj=None, root_rank: int = 0, name: str | None = None):
     world = job.world()
     root = arguments.root_index(root_rank, range(world.size))
     name = _name(name, "broadcast_object")
-    return _submit(lambda: ops.broadcast_object(world, obj, root, name=name), name, False)
+    return _submit(lambda: ops.broadcast_object(world, obj, root, name=name), name, False,
+                   "broadcast")
 
 
 def allgather_object(obj, name: str | None = None) -> list:
     """Returns the list of every rank's ``obj`` (any picklable object), in rank order."""
     world = job.world()
     name = _name(name, "allgather_object")
-    return _submit(lambda: ops.allgather_object(world, obj, name=name), name, False)
+    return _submit(lambda: ops.allgather_object(world, obj, name=name), name, False,
+                   "all_gather")
 
 
 def synchronize(handle: Handle):

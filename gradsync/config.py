@@ -110,6 +110,20 @@ class Config:
     """Seconds a collective (or a Horovod-API operation that not every rank has issued yet)
     may wait before a warning names it (are all ranks issuing it?)."""
 
+    stall_report: float = 30.0
+    """Seconds a collective may wait before each waiting rank logs, once, a stall report: the
+    ranks that have not arrived, each one's Python stacks and the last operation it completed
+    (docs/troubleshooting.md, "A stuck job"). 0 turns it off."""
+
+    flight_recorder: int = 2000
+    """Operations each rank's flight recorder keeps (the newest ones: a ring); 0 turns it off
+    (docs/troubleshooting.md, "The flight recorder")."""
+
+    flight_recorder_dir: str = ""
+    """Directory the flight recorder dumps to on a failure or SIGUSR1, one file per rank
+    (``gradsync_trace_rank_<rank>``, torch's format); empty: ``<tmp>/gradsync-flight/<job id>``;
+    ``off``: no dump but on request (``gradsync.flight_recorder.dump``)."""
+
     abort_poll_interval: float = 0.1
     """Seconds between checks of the job's abort flag while a rank waits."""
 
@@ -193,6 +207,9 @@ class Config:
                               f"{self.data_prefetch}, {self.data_cache_bytes}")
         if self.elastic_timeout <= 0:
             raise ConfigError(f"elastic_timeout must be positive, got {self.elastic_timeout}")
+        if self.stall_report < 0 or self.flight_recorder < 0:
+            raise ConfigError(f"need stall_report >= 0 and flight_recorder >= 0, got "
+                              f"{self.stall_report}, {self.flight_recorder}")
         if self.abort_poll_interval <= 0 or self.stall_warning <= 0:
             raise ConfigError("abort_poll_interval and stall_warning must be positive")
         level = self.log_level.strip().upper()

@@ -13,6 +13,10 @@ synchronous collective pays about a microsecond here.
 Fusion is not guessed here from timing (what happens to be queued differs between ranks, so
 fusing it would need a negotiation round per cycle); callers that know a group of tensors
 (``grouped_allreduce``, gradient buckets) fuse it themselves, identically on every rank.
+
+Every operation of a job's engine is recorded in the flight recorder (``flight_recorder.py``)
+on the engine's *track* (the NumPy API on this World, given by ``job.Job``): the caller issues
+the record, the engine marks it started, completed or failed around ``fn``.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import threading
 from typing import Callable
 
 from .errors import GradsyncError
+from .flight_recorder import Record, Track
 
 __all__ = ["Engine", "Handle"]
 
@@ -71,9 +76,13 @@ class Handle:
 class Engine:
     """Executes operations of one World, in issue order."""
 
-    def __init__(self, world):
+    def __init__(self, world, track: "Track | None" = None):
         self.world = world
-        self._queue: collections.deque[tuple[Handle, Callable]] = collections.deque()
+        self.track = track
+        """The NumPy API's track in the flight recorder (``api`` and the express lane issue
+        its records), or None."""
+        self._queue: collections.deque[tuple[Handle, Callable, Record | None]] = \
+            collections.deque()
         # The lock is kept apart too: ``with self._lock`` runs in C, ``with self._cv`` does not.
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
@@ -87,12 +96,13 @@ class Engine:
         snapshot, exact when the caller is the only thread that issues operations)."""
         return self._busy or bool(self._queue)
 
-    def run(self, fn: Callable, name: str):
-        """Runs ``fn`` after every earlier operation and returns its result."""
+    def run(self, fn: Callable, name: str, record: "Record | None" = None):
+        """Runs ``fn`` after every earlier operation and returns its result; ``record`` is
+        its flight recorder's record (``track.issue``), if any."""
         if not self.claim_inline():
-            return self.submit(fn, name).wait()
+            return self.submit(fn, name, record).wait()
         try:
-            return self._execute(fn)
+            return self._execute(fn, record)
         finally:
             self.end_inline()
 
@@ -122,13 +132,13 @@ class Engine:
         finally:
             self._sleepers -= 1
 
-    def submit(self, fn: Callable, name: str) -> Handle:
+    def submit(self, fn: Callable, name: str, record: "Record | None" = None) -> Handle:
         """Queues ``fn`` for the progress thread; returns its Handle."""
         handle = Handle(name)
         with self._cv:
             if self._stopping:
                 raise RuntimeError("gradsync is shutting down")
-            self._queue.append((handle, fn))
+            self._queue.append((handle, fn, record))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="gradsync-progress",
                                                  daemon=True)
@@ -136,16 +146,27 @@ class Engine:
             self._cv.notify_all()
         return handle
 
-    def _execute(self, fn: Callable):
-        if self.world.failure is not None:
-            raise self.world.failure
+    def _execute(self, fn: Callable, record: "Record | None" = None):
+        if record is not None:
+            record.start()
         try:
-            return fn()
+            if self.world.failure is not None:
+                raise self.world.failure
+            result = fn()
         except GradsyncError as exc:
+            if record is not None:
+                record.fail(exc)  # before World.fail, whose flight recorder dump shows it
             error = self.world.fail(exc)
             if error is exc:
                 raise
             raise error from exc
+        except BaseException as exc:
+            if record is not None:
+                record.fail(exc)
+            raise
+        if record is not None:
+            record.done()
+        return result
 
     def _loop(self) -> None:
         while True:
@@ -154,10 +175,10 @@ class Engine:
                     if self._stopping and not self._queue:
                         return
                     self._sleep()
-                handle, fn = self._queue.popleft()
+                handle, fn, record = self._queue.popleft()
                 self._busy = True
             try:
-                handle.finish(result=self._execute(fn))
+                handle.finish(result=self._execute(fn, record))
             except BaseException as exc:  # delivered to whoever synchronizes the handle
                 handle.finish(error=exc)
             finally:

@@ -22,7 +22,9 @@ time, in the same order as the full road:
     4. ``ShmGroup.allreduce_express``: the compiled one-step allreduce (same protocol, same
        issued words, so a rank on the lane and a rank on the full road meet in one
        collective); a GradsyncError goes through ``World.fail`` as in the engine;
-    5. release the engine.
+    5. record it in the flight recorder, on the engine's track, with the full road's name
+       (one record, started at once, and its end: a few writes to memory);
+    6. release the engine.
 
 What the lane skips is what it checked once: the plan (``world.plans`` decides per size once
 anyway), the description, the op and dtype's kernel code, the size against the one-step road.
@@ -133,9 +135,13 @@ def allreduce(world, engine, tensor, op, name: "str | None", algorithm: str, inp
         else:
             # Drawn here, once the call is sure to go ahead: the full road draws when the
             # call is made, and a refused claim leaves the name to it (api._allreduce).
-            description = entry.prefix + unnamed() + entry.suffix
+            name = unnamed()
+            description = entry.prefix + name + entry.suffix
             signature = signature_of(description) if entry.signature else 0
+        record = engine.track.issue("all_reduce", name, shape, flat.dtype)
+        record.start()
         if world.failure is not None:
+            record.fail(world.failure)
             raise world.failure
         world.comm.begin_signed(description, signature)
         try:
@@ -143,10 +149,12 @@ def allreduce(world, engine, tensor, op, name: "str | None", algorithm: str, inp
                 flat if flat.ndim == 1 else flat.reshape(-1), entry.code, entry.divisor,
                 time.monotonic() + world.config.timeout, world.on_group_idle, signature)
         except GradsyncError as exc:
+            record.fail(exc)
             error = world.fail(exc)
             if error is exc:
                 raise
             raise error from exc
+        record.done()
     finally:
         engine.end_inline()
     return result

@@ -22,6 +22,7 @@ import threading
 from typing import Callable
 
 from .engine import Engine
+from .flight_recorder import recorder
 
 __all__ = ["Job", "current", "world", "engine", "start", "install", "close"]
 
@@ -35,7 +36,13 @@ class Job:
 
     def __init__(self, world):
         self.world = world
-        self.engine = Engine(world)
+        # The job's settings reach the process's flight recorder here, with the NumPy API's
+        # track on this World (each elastic generation's World has its own).
+        root_job, root_ranks = world.root
+        recorder.configure(world.config, root_ranks[world.rank], root_job)
+        self.engine = Engine(world, recorder.track(
+            f"numpy:{world.env.job_id}", "numpy API", root_ranks, "numpy",
+            world.config.timeout, world))
 
 
 _lock = threading.Lock()  # held by the writers: start, install, close

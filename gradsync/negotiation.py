@@ -74,6 +74,12 @@ whose script diverged ends in an error, not a hang, and the others can go on. A 
 reaches the table only once it goes in full (see Wire), with the seconds it waited as a bit,
 so its warning and expiry keep these times too.
 
+Flight recorder. Each request is recorded when issued (``flight_recorder.py``, on the
+controller's track) and numbered when it runs, in agreed order: the Horovod API lets ranks
+issue in different orders, so only the agreed order numbers a collective alike on every rank.
+A request of this rank that has waited ``stall_report`` seconds gets a stall report
+(``stall.py``): every rank that issued it and waits asks the others whether they have.
+
 Shutdown. ``stop()`` asks for it in the next ballot (the ``STOP`` flag); the loop ends in the
 first cycle in which every rank has asked, so no rank leaves a cycle the others are still in.
 Operations still in flight then fail with RuntimeError.
@@ -84,17 +90,20 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from typing import Any, Callable
 
 import numpy as np
 
 from . import operations as ops
+from . import stall
 from .agreement import JOIN, Agreement, ResponseCache, Signature, agreed, describe, mismatch_error
 from .ballot import IDLE, QUIET, STOP, Ballot, bits_of
 from .collectives.ops import BFLOAT16, ReduceOp
 from .negotiation_wire import from_wire, gather, to_wire, vote
 from .engine import Handle
 from .errors import CollectiveMismatchError, GradsyncError
+from .flight_recorder import recorder
 
 __all__ = ["Controller", "Request", "ResponseCache"]
 
@@ -103,6 +112,11 @@ log = logging.getLogger("gradsync")
 _MIN_IDLE = 0.001
 _MAX_IDLE = 0.02
 _HEARTBEAT = 0.5
+
+# torch's names of the collectives (the flight recorder's; a join is a barrier of sorts).
+_TORCH_KINDS = {"allreduce": "all_reduce", "allgather": "all_gather", "broadcast": "broadcast",
+                "alltoall": "all_to_all", "reducescatter": "reduce_scatter",
+                "barrier": "barrier", JOIN: "barrier"}
 
 
 class Request:
@@ -126,7 +140,7 @@ class Request:
     """
 
     __slots__ = ("name", "kind", "sig", "flat", "dtype_tag", "run", "finish", "handle", "joined",
-                 "counts")
+                 "counts", "record")
 
     def __init__(self, name: str, kind: str, dtype: str, shape: tuple, *, op: str | None = None,
                  root: int | None = None, scale: tuple = (1.0, 1.0), flat=None, dtype_tag=None,
@@ -140,6 +154,7 @@ class Request:
         self.counts = counts
         self.handle = Handle(name)
         self.joined = False  # a stand-in for a rank that has joined (see Controller.join)
+        self.record = None  # its flight recorder's record, once submitted
 
 
 class Controller:
@@ -161,6 +176,8 @@ class Controller:
             log.info("Horovod API (%s, %d ranks): fusion threshold %d bytes (%.4g MiB)",
                      label, len(self.ranks), fusion_threshold, fusion_threshold / (1 << 20))
         self.timeline = timeline
+        self.track = recorder.track(f"horovod:{world.env.job_id}", f"Horovod API ({label})",
+                                    self.ranks, "horovod", world.config.timeout, world)
         self.on_stand_in: Callable[[str], None] | None = None
         """Called with the name of each operation this rank joins in (or is excused from)
         without having issued it, while it is joined."""
@@ -180,6 +197,8 @@ class Controller:
         self._closed: BaseException | None = None
         self._fusion: dict[Any, np.ndarray] = {}
         self._shared_zeros: "np.ndarray | None" = None  # see _zeros
+        self._stall_look = 0.0  # when the loop next looks for stalled requests (stall.py)
+        stall.serve_named(world, self)
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name=f"gradsync-negotiate-{label}")
         self._thread.start()
@@ -202,6 +221,10 @@ class Controller:
                     f"{self.ranks[self.world.rank]} ({self.label}); synchronize it before "
                     "issuing another with the same name, or give this one another name")
             self._mine[request.name] = request
+            sig = request.sig
+            request.record = self.track.issue(
+                _TORCH_KINDS.get(request.kind, request.kind), request.name,
+                sig.shape if sig.dtype != "none" else None, sig.dtype, numbered=False)
             request.handle.on_synchronized = lambda: self._synchronized(request.name)
             self._new.append(request)
             tl = self.timeline
@@ -223,6 +246,19 @@ class Controller:
             self._stop_requested = True
             self._cv.notify()
         self._thread.join(timeout)
+
+    def issued(self, name: str) -> bool:
+        """Whether this rank has issued ``name`` and not synchronized it yet (a stall report
+        asks)."""
+        with self._cv:
+            return name in self._mine or name in self._unsynchronized
+
+    def waiting(self) -> list[tuple[str, int]]:
+        """This rank's requests not done yet: their names and when they were issued (the
+        flight recorder's ``created_ns``)."""
+        with self._cv:
+            return [(q.name, q.record.created_ns) for q in self._mine.values()
+                    if q.record is not None]
 
     @property
     def running(self) -> bool:
@@ -262,6 +298,8 @@ class Controller:
                     break
                 ready, busy = outcome
                 self.stats["cycles"] += 1
+                if self._mine and self.world.size > 1:
+                    self._look_for_stalls()
                 if ready or busy:
                     tl = self.timeline
                     if tl is not None:
@@ -337,6 +375,15 @@ class Controller:
         return self.agreement.absorb(announced, [waited for _, _, waited in payloads])
 
     # ------------------------------------------------------------------ stalls
+    def _look_for_stalls(self) -> None:
+        """At most every ``abort_poll_interval``: a request of this rank past
+        ``stall_report`` seconds gets its report (``stall.watch_named``), once."""
+        now = time.monotonic()
+        if now < self._stall_look:
+            return
+        self._stall_look = now + self.world.config.abort_poll_interval
+        stall.watch_named(self)
+
     def _stalled(self) -> tuple:
         """Rank 0: warns about names waiting past ``stall_warning``; returns those past
         ``timeout``, to be announced as expired."""
@@ -379,6 +426,8 @@ class Controller:
                 request = self._for_joined(name, by_rank, request)
                 if request is None:
                     continue
+            if request is not None and request.record is not None:
+                self.track.number(request.record)  # agreed order: alike on every rank
             if not agreed(by_rank):
                 self.stats["mismatches"] += 1
                 self._finish(request, error=mismatch_error(name, by_rank, self.ranks))
@@ -444,6 +493,9 @@ class Controller:
         if tl is not None:
             for q in batch:
                 tl.end(q.name, "QUEUE")
+        for q in batch:
+            if q.record is not None:
+                q.record.start()
         try:
             if head.kind == "allreduce":
                 results = self._allreduce(batch, tl)
@@ -537,6 +589,12 @@ class Controller:
     def _finish(self, request: Request, result=None, error: BaseException | None = None):
         if request.joined:
             return
+        record = request.record
+        if record is not None:
+            if error is None:
+                record.done()
+            else:
+                record.fail(error)
         with self._cv:
             if self._mine.pop(request.name, None) is not None and \
                     request.handle.on_synchronized is not None:
@@ -555,6 +613,8 @@ class Controller:
             self._unsynchronized.clear()
             self._new.clear()
         for q in pending:
+            if q.record is not None and q.record.state != "completed":
+                q.record.fail(error)
             q.handle.finish(error=error)
 
 

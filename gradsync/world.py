@@ -39,11 +39,12 @@ import socket
 import time
 from dataclasses import dataclass
 
-from . import _native, topology
+from . import _native, stall, topology
 from .collectives import hierarchical, planner
 from .config import Config
 from .errors import (AuthenticationError, CollectiveMismatchError, ConfigError, GradsyncError,
                      GradsyncTimeoutError, PeerLostError, ProtocolError)
+from .flight_recorder import recorder
 from .launch_env import LaunchEnv
 from .rendezvous import Store
 from .transport import frame, tcp
@@ -310,6 +311,7 @@ class World:
         world = cls(config, env, store, peers, comm, shm_group, listener, route, owns_listener)
         if root is not None:
             world.root = root
+        stall.serve(world, owns_listener)  # the ranks' stall reports may ask this process
         if config.heartbeat_timeout and env.size > 1:
             from .heartbeat import Heartbeat
             world.heartbeat = Heartbeat(
@@ -381,6 +383,7 @@ class World:
             self._stall_warned = self.comm.seq
             log.warning("rank %d has waited %.0fs in collective #%d %s; are all ranks issuing "
                         "it?", self.rank, waited, self.comm.seq, self.comm.description)
+        stall.watch(self, waited)
 
     def on_group_idle(self, waited: float) -> None:
         """``on_idle`` for waits in the host's shared-memory group, which read no frames: also
@@ -429,6 +432,7 @@ class World:
             self.failure = CollectiveMismatchError(self._mismatch_report())
         else:
             self.failure = exc
+        recorder.on_failure(self, self.failure)  # the flight recorder's dump, once
         return self.failure
 
     def _from_record(self, record: dict) -> GradsyncError:
@@ -447,6 +451,7 @@ class World:
             if cls is PeerLostError:
                 error.peer = record.get("peer")
         self.failure = error
+        recorder.on_failure(self, error)
         return error
 
     def _post_description(self) -> None:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from ... import operations as ops
 from ...config import load_config
 from ...errors import GradsyncError
+from ...flight_recorder import recorder
 from ...launch_env import LaunchEnv, host_name
 from ...rendezvous import Store
 from .errors import BackendError, to_backend_error
@@ -41,6 +42,13 @@ from .tensors import as_bytes, contiguous, fold, reduction_of, typed
 from .work import Lane, Work, close_lanes
 
 __all__ = ["ProcessGroupGradsync", "create", "SHUTDOWN_GRACE_S", "ABORT_GRACE_S"]
+
+# The flight recorder's name of an operation where it is not the lane's (torch's recorder
+# knows these collectives by their older names).
+_RECORDED_AS = {"all_reduce_coalesced": "allreduce_coalesced",
+                "all_gather_coalesced": "all_gather_into_tensor_coalesced",
+                "all_gather_into_tensor": "_all_gather_base",
+                "reduce_scatter_tensor": "_reduce_scatter_base"}
 
 _instances: dict[str, itertools.count] = {}
 _instances_lock = threading.Lock()
@@ -108,6 +116,10 @@ class ProcessGroupGradsync(dist.ProcessGroup):
             raise to_backend_error(exc, f"rank {rank} joining the gradsync process group") \
                 from exc
         self._lane = Lane(f"gradsync-pg{group_id}", self._failed)
+        if not recorder.configured:  # a job of the NumPy or Horovod API set it up already
+            recorder.configure(config, self._global_ranks[rank], job)
+        self._track = recorder.track(f"torch:{job}", f"torch group {group_id}",
+                                     self._global_ranks, "torch", config.timeout, self.world)
         self._scratch = torch.empty(0, dtype=torch.uint8)  # see _work
         self._p2p = PointToPoint(self.world)
         self._closed = False
@@ -202,6 +214,11 @@ class ProcessGroupGradsync(dist.ProcessGroup):
             fn()
 
         work = Work(what, result)
+        first = _first_tensor(result)
+        kind = what.split(" ", 1)[0]
+        work.record = self._track.issue(
+            _RECORDED_AS.get(kind, kind), None, None if first is None else tuple(first.shape),
+            None if first is None else first.dtype)
         if opts is not None and not getattr(opts, "asyncOp", True):
             return self._lane.run_now(work, guarded)
         return self._lane.submit(work, guarded)
@@ -661,6 +678,14 @@ def _release_at_exit() -> None:
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - exiting; nothing left to report to
         pass
+
+
+def _first_tensor(result) -> "torch.Tensor | None":
+    """The first tensor of an operation's tensors (a list, or a list of lists), whose shape and
+    dtype its flight recorder's record takes."""
+    while isinstance(result, (list, tuple)) and result:
+        result = result[0]
+    return result if isinstance(result, torch.Tensor) else None
 
 
 def _packed(t: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,9 @@ with the operation's result (the list of output tensors, which is what DDP reads
 Never an exception as a value, and never not at all: a lane that stops fails what is still
 queued.
 
+A Work may carry its flight recorder's record (``flight_recorder.py``; the group issues it on
+its track): the lane marks it started, completed or failed around the operation.
+
 Why our own ``Work`` subclass rather than ``_create_work_from_future``: that wrapper's
 ``wait()`` returns normally when its future holds an error (torch 2.13), so a failed
 synchronous ``dist.all_reduce`` would pass silently.
@@ -47,6 +50,7 @@ class Work(dist._Work):
         self._lock = threading.Lock()
         self._source: torch.futures.Future | None = None
         self._future: torch.futures.Future | None = None
+        self.record = None  # the flight recorder's record of the operation, if any
 
     # ------------------------------------------------------------------ torch's interface
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
@@ -159,6 +163,8 @@ class Lane:
         """Queues ``fn``; ``work`` completes when it has run (or failed)."""
         with self._cv:
             if self._closed is not None:
+                if work.record is not None:
+                    work.record.fail(self._closed)
                 work._finish(to_backend_error(self._closed, work.what))
                 return work
             self._queue.append((work, fn))
@@ -207,15 +213,22 @@ class Lane:
 
     def _execute(self, work: Work, fn: Callable[[], None]) -> None:
         self._current = work
+        record = work.record
+        if record is not None:
+            record.start()
         try:
             fn()
         except BaseException as exc:  # noqa: BLE001 - every failure completes the Work
+            if record is not None:
+                record.fail(exc)  # before on_error: its World.fail dumps the recorder
             try:
                 error = self.on_error(exc, work.what)
             except BaseException as inner:  # noqa: BLE001
                 error = to_backend_error(inner, work.what)
             work._finish(error)
         else:
+            if record is not None:
+                record.done()
             work._finish()
 
     def _loop(self) -> None:

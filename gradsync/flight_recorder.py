@@ -1,0 +1,412 @@
+"""The flight recorder: every rank's last operations, kept in memory, dumped in torch's format.
+
+When a job fails or stalls, the first questions are which collective each rank was in, which
+one it finished last, and whether the ranks even issued the same ones. The recorder answers
+them after the fact: each process keeps a *ring* of its last ``flight_recorder`` (2,000)
+operations, from every front door (the NumPy API's engine and its express lane, the Horovod
+API's negotiation, the torch backend's lanes), and writes it out on a failure, on SIGUSR1 or
+on request (``dump``), in the format of torch's Flight Recorder, so that torch's own analyzer
+reads a gradsync job's dumps::
+
+    python -m torch.distributed.flight_recorder.fr_trace <dump directory>
+
+Vocabulary. A *record* is one operation on one rank: its front door (``numpy``, ``express``,
+``horovod``, ``torch``), its name (the tensor's, for the NumPy and Horovod APIs), its
+collective (torch's words: ``all_reduce``, ``all_gather``...), sizes and dtype, its sequence
+number, its *track*, its times and its *state*: ``scheduled`` (issued), ``started`` (running),
+``completed`` or ``failed``. A *track* is what torch calls a process group: one front door on
+one World (the NumPy API on the job's World, the Horovod API on a process set, one torch
+group), with the global ranks it spans and its own sequence numbers, which every rank of it
+gives its operations in the same order (issue order for the NumPy API and torch, agreed
+order for the Horovod API). So the analyzer lines the ranks' records up by track and number
+and finds the first collective where they differ or where a rank is missing.
+
+Cost. Recording is on every operation's path, so it is a few writes to memory this process
+owns and nothing else: one small object per operation (``Record``, slots only), a number
+from a counter (``itertools.count``: atomic under the GIL, so threads need no lock), one
+store into a preallocated list, and for each change of state a clock read and two attribute
+writes. Nothing is formatted, copied or locked until a dump, which builds torch's dicts from
+the ring then. A record holds shapes and dtypes, never a tensor, so the ring keeps no memory
+of the job's alive.
+
+A dump is a snapshot: the ring is read without a lock while other threads may record, so it
+can miss an operation that began during the dump; each record it holds is whole (a record
+enters the ring in one list store). Torch's format has no ``failed`` state: a failed operation
+is written as ``started`` (it began and never completed, which is what torch would show), and
+gradsync's own keys beside torch's (``gradsync_state``, ``gradsync_error``, ``gradsync_door``,
+``gradsync_name``) keep the rest. The analyzer accepts only the communication libraries it
+knows in an operation's ``profiling_name``; gradsync writes ``gloo:<collective>`` (a CPU
+library with the same collectives), so ``fr_trace`` matches the records as gloo's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import pickle
+import re
+import signal
+import tempfile
+import threading
+import time
+import weakref
+
+__all__ = ["dump", "entries", "Recorder", "Record", "Track", "recorder", "FILE_PREFIX",
+           "FORMAT_VERSION", "SCHEDULED", "STARTED", "COMPLETED", "FAILED"]
+
+log = logging.getLogger("gradsync")
+
+SCHEDULED, STARTED, COMPLETED, FAILED = "scheduled", "started", "completed", "failed"
+
+FILE_PREFIX = "gradsync_trace_rank_"
+"""A dump's file name is this prefix and the rank's global rank, as torch names its own."""
+
+FORMAT_VERSION = "2.10"
+"""The version of torch's Flight Recorder format the dumps follow (torch 2.13 writes 2.10)."""
+
+DEFAULT_ENTRIES = 2000
+
+# Torch's names of the element types (what its recorder writes in input_dtypes).
+_TORCH_DTYPES = {
+    "float32": "Float", "float64": "Double", "float16": "Half", "bfloat16": "BFloat16",
+    "int8": "Char", "uint8": "Byte", "int16": "Short", "int32": "Int", "int64": "Long",
+    "bool": "Bool", "complex64": "ComplexFloat", "complex128": "ComplexDouble",
+}
+
+
+class Record:
+    """One operation on this rank (the module docstring says what each field holds)."""
+
+    __slots__ = ("record_id", "track", "kind", "name", "shape", "dtype", "out_shape", "seq",
+                 "peer", "created_ns", "started_ns", "ended_ns", "state", "error")
+
+    def start(self) -> None:
+        """The operation begins to run."""
+        self.started_ns = time.time_ns()
+        self.state = STARTED
+
+    def done(self) -> None:
+        """The operation completed."""
+        self.ended_ns = time.time_ns()
+        self.state = COMPLETED
+
+    def fail(self, error: BaseException) -> None:
+        """The operation failed with ``error``, kept in words: the exception itself would
+        keep its traceback's frames, and the tensors they hold, alive in the ring."""
+        self.ended_ns = time.time_ns()
+        self.error = str(error)
+        self.state = FAILED
+
+    def words(self) -> str:
+        """The record in one line, for logs and stall reports."""
+        what = f"{self.kind} '{self.name}'" if self.name else self.kind
+        shape = "" if self.shape is None else f" {list(self.shape)} {_dtype_name(self.dtype)}"
+        peer = "" if self.peer is None else f" peer {self.peer}"
+        when = self.ended_ns or self.started_ns or self.created_ns
+        age = (time.time_ns() - when) / 1e9
+        number = "not numbered yet:" if self.seq is None else f"#{self.seq}"
+        return (f"{number} {what}{shape}{peer} ({self.track.desc}), {self.state} "
+                f"{age:.1f}s ago")
+
+
+class Track:
+    """One front door on one World: a process group, as torch's recorder names it.
+
+    Args:
+        recorder: the process's Recorder.
+        uid: the same on every rank of the track, unique in the job (the analyzer's
+            ``pg_name``).
+        desc: in words (``numpy API``, ``Horovod API (process set 1)``).
+        ranks: the global rank of each of its ranks.
+        door: the front door (``numpy``, ``horovod``, ``torch``).
+        timeout: the World's collective timeout, in seconds (written as ``timeout_ms``).
+        world: the World it runs on (held weakly: a failure of that World fails the
+            track's operations in flight).
+    """
+
+    def __init__(self, recorder: "Recorder", uid: str, desc: str, ranks, door: str,
+                 timeout: float, world=None):
+        self.recorder, self.uid, self.desc, self.door = recorder, uid, desc, door
+        self.world = weakref.ref(world) if world is not None else _nothing
+        self.ranks = list(ranks)
+        self.timeout_ms = int(timeout * 1000)
+        self.index = next(recorder._tracks_made)
+        self._seqs = itertools.count(1)
+        self._p2p = itertools.count(1)
+
+    def issue(self, kind: str, name: "str | None" = None, shape=None, dtype=None,
+              out_shape=None, peer: "int | None" = None, numbered: bool = True) -> Record:
+        """Records an operation issued on this track (state ``scheduled``) and returns it.
+
+        Args:
+            kind: torch's name of the collective (``all_reduce``, ``send``).
+            name: the operation's own name, if any.
+            shape, dtype: of its input (None for a barrier); ``out_shape``: of its output,
+                when it differs from the input's.
+            peer: for a send or receive, the other end's rank in the track.
+            numbered: False when the track numbers it later (``number``): the Horovod API
+                runs operations in agreed order, not in issue order.
+        """
+        rec = Record()
+        rec.record_id = next(self.recorder._ids)
+        rec.track, rec.kind, rec.name = self, kind, name
+        rec.shape, rec.dtype, rec.out_shape, rec.peer = shape, dtype, out_shape, peer
+        if not numbered:
+            rec.seq = None
+        elif peer is None:
+            rec.seq = next(self._seqs)
+        else:
+            rec.seq = next(self._p2p)
+        rec.created_ns = time.time_ns()
+        rec.started_ns = rec.ended_ns = 0
+        rec.state, rec.error = SCHEDULED, None
+        self.recorder._store(rec)
+        return rec
+
+    def number(self, rec: Record) -> None:
+        """Gives ``rec`` the track's next sequence number (see ``issue``'s ``numbered``)."""
+        rec.seq = next(self._seqs)
+
+
+class Recorder:
+    """The process's ring of records (one per process: a rank owns its memory)."""
+
+    def __init__(self, entries: int = DEFAULT_ENTRIES):
+        self._ids = itertools.count()
+        self._tracks_made = itertools.count()
+        self._ring: list = [None] * entries
+        self._size = entries
+        self.rank = 0
+        """The process's global rank (names its dump file)."""
+        self.directory = ""
+        """Where failures and SIGUSR1 dump to; "" when they do not."""
+        self.tracks: "weakref.WeakSet[Track]" = weakref.WeakSet()
+        self._dumped: "weakref.WeakSet" = weakref.WeakSet()  # Worlds whose failure was dumped
+        self._signal_installed = False
+        self.configured = False
+        """True once a job's settings were taken (``configure``)."""
+
+    @property
+    def size(self) -> int:
+        """Records kept (0: the recorder is off)."""
+        return self._size
+
+    def _store(self, rec: Record) -> None:
+        if self._size:
+            # One store into the list: atomic under the GIL, as is the count the id came from.
+            self._ring[rec.record_id % self._size] = rec
+
+    def resize(self, entries: int) -> None:
+        """Keeps the newest ``entries`` records from now on (0: records nothing)."""
+        if entries == self._size:
+            return
+        kept = self.records()[-entries:] if entries else []
+        ring: list = [None] * entries
+        for rec in kept:
+            ring[rec.record_id % entries] = rec
+        self._ring, self._size = ring, entries
+
+    def track(self, uid: str, desc: str, ranks, door: str, timeout: float,
+              world=None) -> Track:
+        """A new track (one per front door and World; see ``Track``)."""
+        track = Track(self, uid, desc, ranks, door, timeout, world)
+        self.tracks.add(track)
+        return track
+
+    def records(self) -> list[Record]:
+        """The records held, oldest first (a snapshot; see the module docstring)."""
+        held = [rec for rec in list(self._ring) if rec is not None]
+        held.sort(key=lambda rec: rec.record_id)
+        return held
+
+    # ------------------------------------------------------------------ torch's format
+    def entries(self) -> list[dict]:
+        """The records as torch's Flight Recorder writes its entries."""
+        held = self.records()
+        # The Horovod API numbers an operation when it runs; those still waiting take the
+        # numbers after the last one run, in issue order: every rank that issued them in the
+        # same order numbers them alike, and a rank that never issued one is then missing
+        # from that number (what the analyzer reports as "not all ranks joining").
+        after: dict[Track, int] = {}
+        for rec in held:
+            if rec.seq is not None and rec.peer is None:
+                after[rec.track] = max(after.get(rec.track, 0), rec.seq)
+        found = []
+        for rec in held:
+            seq = rec.seq
+            if seq is None:
+                seq = after[rec.track] = after.get(rec.track, 0) + 1
+            found.append(_entry(rec, seq))
+        return found
+
+    def pg_config(self) -> dict:
+        """Every track's group, as torch writes ``pg_config``: uid -> name, desc, ranks."""
+        return {t.uid: {"name": t.uid, "desc": t.desc, "ranks": str(t.ranks)}
+                for t in sorted(self.tracks, key=lambda t: t.index)}
+
+    def snapshot(self) -> dict:
+        """The whole dump as torch's ``_dump_fr_trace`` returns it (unpickled)."""
+        entries = self.entries()
+        status = {}
+        for track in sorted(self.tracks, key=lambda t: t.index):
+            mine = [e for e in entries if e["process_group"][0] == track.uid]
+            status[str(track.index)] = {
+                "last_enqueued_collective": max((e["collective_seq_id"] for e in mine),
+                                                default=-1),
+                "last_started_collective": max((e["collective_seq_id"] for e in mine
+                                                if e["time_discovered_started_ns"]), default=-1),
+                "last_completed_collective": max((e["collective_seq_id"] for e in mine
+                                                  if e["gradsync_state"] == COMPLETED),
+                                                 default=-1)}
+        return {"version": FORMAT_VERSION, "comm_lib_version": "gradsync",
+                "pg_config": self.pg_config(), "pg_status": status, "entries": entries}
+
+    def dump(self, path: "str | os.PathLike | None" = None) -> str:
+        """Writes the dump; returns the file's path.
+
+        Args:
+            path: the directory (made if missing) that gets ``gradsync_trace_rank_<rank>``:
+                what the analyzer reads, one directory with one file per rank; None: the
+                configured one (``flight_recorder_dir``).
+        """
+        directory = os.fspath(path) if path is not None else (
+            self.directory or _default_directory(""))
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"{FILE_PREFIX}{self.rank}")
+        data = pickle.dumps(self.snapshot())
+        # Written aside, then renamed: a reader never sees half a file. The aside name holds
+        # no rank number at its end, so the analyzer never takes it for a rank's dump.
+        aside = os.path.join(directory, f".flight-{os.getpid()}-{threading.get_ident()}.partial")
+        with open(aside, "wb") as out:
+            out.write(data)
+        os.replace(aside, path)
+        return path
+
+    # ------------------------------------------------------------------ failures, signals
+    def configure(self, config, rank: int, job_id: str) -> None:
+        """Takes the settings of a job's World (at its connect) and arms SIGUSR1."""
+        self.resize(config.flight_recorder)
+        self.rank = rank
+        where = config.flight_recorder_dir
+        self.directory = "" if where == "off" else (where or _default_directory(job_id))
+        self.configured = True
+        self._arm_signal()
+
+    def on_failure(self, world, error: BaseException) -> None:
+        """A World failed: marks its operations in flight failed and dumps, once per World."""
+        if world in self._dumped:
+            return
+        self._dumped.add(world)
+        for rec in self.records():
+            if rec.state == STARTED and rec.track.world() is world:
+                rec.fail(error)
+        if not self.directory or not self._size:
+            return
+        try:
+            path = self.dump(self.directory)
+        except OSError as exc:
+            log.warning("rank %d: the flight recorder could not dump to %s: %s", self.rank,
+                        self.directory, exc)
+            return
+        log.warning("rank %d: flight recorder dumped to %s (read every rank's with: python -m "
+                    "torch.distributed.flight_recorder.fr_trace %s)", self.rank, path,
+                    os.path.dirname(path))
+
+    def _arm_signal(self) -> None:
+        """SIGUSR1 dumps. gradsync uses no other handler of it; one installed before (Lightning
+        installs one on SLURM, for requeueing) is called after the dump, and a signal that
+        was ignored stays ignored. Only the main thread can install a handler."""
+        if self._signal_installed or threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGUSR1)
+        if previous is signal.SIG_IGN:
+            return
+
+        def on_signal(signum, frame):
+            try:
+                path = self.dump(self.directory or None)
+                log.warning("rank %d: flight recorder dumped to %s (SIGUSR1)", self.rank, path)
+            except OSError as exc:
+                log.warning("rank %d: the flight recorder could not dump: %s", self.rank, exc)
+            if callable(previous):
+                previous(signum, frame)
+
+        signal.signal(signal.SIGUSR1, on_signal)
+        self._signal_installed = True
+
+
+def _nothing():
+    return None
+
+
+def _entry(rec: Record, seq: int) -> dict:
+    """One record as an entry of torch's Flight Recorder."""
+    track = rec.track
+    p2p = rec.peer is not None
+    kind = rec.kind
+    if p2p:
+        me = track.ranks.index(track.recorder.rank) if track.recorder.rank in track.ranks else 0
+        kind = (f"{kind} {me}->{rec.peer}" if rec.kind == "send" else f"{kind} {me}<-{rec.peer}")
+    if rec.shape is None:
+        sizes, dtypes, out_sizes = [], [], []
+    else:
+        sizes, dtypes = [list(rec.shape)], [_dtype_name(rec.dtype)]
+        out_sizes = [list(rec.out_shape if rec.out_shape is not None
+                          else _output_shape(rec.kind, rec.shape, len(track.ranks)))]
+    state = STARTED if rec.state == FAILED else rec.state
+    return {
+        "record_id": rec.record_id, "pg_id": track.index,
+        "process_group": (track.uid, track.desc),
+        "collective_seq_id": 0 if p2p else seq, "p2p_seq_id": seq if p2p else 0,
+        "op_id": seq, "profiling_name": f"gloo:{kind}", "is_p2p": p2p,
+        "time_created_ns": rec.created_ns,
+        "time_discovered_started_ns": rec.started_ns or None,
+        "time_discovered_completed_ns": rec.ended_ns if rec.state == COMPLETED else None,
+        "duration_ms": (rec.ended_ns - rec.started_ns) / 1e6
+        if rec.state == COMPLETED and rec.started_ns else None,
+        "input_sizes": sizes, "input_dtypes": dtypes,
+        "output_sizes": out_sizes, "output_dtypes": list(dtypes),
+        "state": state, "retired": rec.state in (COMPLETED, FAILED),
+        "timeout_ms": track.timeout_ms, "frames": [], "thread_id": "", "thread_name": "",
+        "gradsync_door": track.door, "gradsync_name": rec.name, "gradsync_state": rec.state,
+        "gradsync_error": rec.error,
+    }
+
+
+def _output_shape(kind: str, shape: tuple, ranks: int) -> tuple:
+    """The output's shape where only the input's was recorded: an allgather's rows from every
+    rank (as many as this rank's: the analyzer checks that product), else the input's."""
+    if kind == "all_gather" and shape:
+        return (shape[0] * ranks, *shape[1:])
+    return tuple(shape)
+
+
+def _dtype_name(dtype) -> str:
+    name = str(dtype).rsplit(".", 1)[-1]  # numpy's 'float32', torch's 'torch.float32'
+    return _TORCH_DTYPES.get(name, name)
+
+
+def _default_directory(job_id: str) -> str:
+    safe = re.sub(r"[^\w.-]+", "_", job_id) or str(os.getpid())
+    return os.path.join(tempfile.gettempdir(), "gradsync-flight", safe)
+
+
+recorder = Recorder()
+"""The process's recorder."""
+
+
+def dump(path: "str | os.PathLike | None" = None) -> str:
+    """Writes this rank's flight recorder in torch's format; returns the file's path.
+
+    Args:
+        path: the directory (made if missing) that gets ``gradsync_trace_rank_<rank>``; give
+            every rank the same one and run ``python -m
+            torch.distributed.flight_recorder.fr_trace <path>``. None: ``flight_recorder_dir``.
+    """
+    return recorder.dump(path)
+
+
+def entries() -> list[dict]:
+    """This rank's records, oldest first, as the entries of torch's Flight Recorder."""
+    return recorder.entries()
