@@ -91,7 +91,6 @@ class _CommReducer:
 
     def __init__(self, comm: Comm, compressor: ReducingCompressor | None):
         self.comm, self.compressor = comm, compressor
-        self.size = comm.size
         self._pool = None
 
     def start(self, flat: torch.Tensor, shapes: list, key: str):
@@ -115,12 +114,13 @@ class _HorovodReducer:
     """Runs reductions as asynchronous collectives of the Horovod API (a process set)."""
 
     def __init__(self, compressor: ReducingCompressor | None, process_set):
-        from ..torch import mpi_ops, requests
         from ..collectives.ops import ReduceOp
+        from ..torch import mpi_ops, requests
 
+        if process_set is None:
+            process_set = mpi_ops.global_process_set
         self.compressor, self.process_set = compressor, process_set
         self._ops, self._requests, self._average = mpi_ops, requests, ReduceOp.AVERAGE
-        self.size = process_set.size() if process_set is not None else mpi_ops.size()
 
     def start(self, flat, shapes, key):
         if self.compressor is None:
