@@ -342,3 +342,74 @@ def test_fault_mid_window_costs_only_the_fragment_in_flight():
         assert torch.equal(a, b)
     assert s0["step"] == s1["step"] == 16
     assert not torch.equal(m0, m1)  # inner steps on their own data since step 15
+
+
+def thread_bcast(comm):
+    """``bcast_object`` over the in-memory group: every rank gets a copy of the root's."""
+    def bcast(obj, root_rank=0, name=None):
+        g = comm.group
+        g.slots[comm.rank] = obj
+        g.barrier.wait()
+        got = copy.deepcopy(g.slots[root_rank])
+        g.barrier.wait()
+        return got
+    return bcast
+
+
+def test_a_new_worker_takes_the_live_outer_state_and_the_cut_sync_is_redone():
+    """Rank 1 is replaced by a new worker while fragment 0's sync (started at step 6) is in
+    flight. Both take rank 0's live state (``sync_from``): the joiner gets the anchors,
+    momentum, residuals and the step counter, the cut sync keeps its delta, and at the next
+    step it is reduced again over the new group and lands: ranks equal on fragment 0."""
+    old, new = ThreadGroup(2), ThreadGroup(2)
+
+    def body(r):
+        comm = ThreadComm(old, r)
+        model = fresh_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        outer = _streaming(model, opt, comm)
+        _run(comm, 6, model, opt, outer)
+        assert [p.fragment for p in outer.pending] == [0]
+        outer._settle()  # the old group's reduction ends before the new one is used
+        if r == 1:  # the new worker: a fresh process state
+            model = fresh_model()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            outer = _streaming(model, opt, comm)
+        for p in outer.pending:  # the fault: the reduction's result never arrived
+            p.result = None
+        handler = outer.elastic_handler(thread_bcast(ThreadComm(new, r)))
+        handler.sync_from(0)
+        mine = [t.detach().clone() for t in model.parameters()]
+        live = thread_bcast(ThreadComm(new, r))(mine, 0)  # the model's handler does this
+        torch.nn.utils.vector_to_parameters(torch.cat([t.reshape(-1) for t in live]),
+                                            model.parameters())
+        assert outer.step_count == 6 and [p.fragment for p in outer.pending] == [0]
+        outer.use_comm(ThreadComm(new, r))
+        _run(outer._reducer.comm, 7, model, opt, outer, 6)
+        return outer.state_dict(), [p.detach().clone() for p in model.parameters()], \
+            outer.groups, outer.landed
+
+    results, errors = [None] * 2, []
+
+    def run(r):
+        try:
+            results[r] = body(r)
+        except BaseException as exc:  # noqa: BLE001  (re-raised below)
+            errors.append(exc)
+            old.barrier.abort()
+            new.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    (s0, p0, groups, landed0), (s1, p1, _, landed1) = results
+    assert landed1 == [(7, 0)] and landed0[-1] == (7, 0)
+    assert s0["step"] == s1["step"] == 7
+    for a, b in zip(s0["anchors"] + s0["momenta"], s1["anchors"] + s1["momenta"]):
+        assert torch.equal(a, b)
+    assert all(torch.equal(p0[i], p1[i]) for i in groups[0])
+    assert s1["compressor"]["state"]["tensors"]  # the joiner took the residuals
