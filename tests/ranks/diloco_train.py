@@ -6,7 +6,8 @@ batch (so the ranks drift apart between syncs) with a ``DiLoCo`` wrapper:
 - over the Horovod API (``comm="horovod"``: asynchronous collectives; int8 through the
   compressed allreduce), streaming (H=4, two fragments, landing a step after their start),
   and plain local SGD (H=2, outer lr 1, a float32 allreduce);
-- over a gloo group and over a "gradsync" group (``TorchComm``), streaming with int8.
+- over a gloo group and over a "gradsync" group (``TorchComm``), streaming with int8, and
+  for a DDP model (over gloo, inner steps under ``no_sync()``) on a gloo group of its own.
 
 After every landing the landed fragment's parameters must be equal, bit for bit, on every
 rank, and the loss over all ranks' batches must fall; the same run done twice in the process
@@ -14,6 +15,7 @@ must end with the same bytes (fixed seeds: reproducible bit for bit). The script
 non-zero at the first failure and prints ``count`` at its end.
 """
 
+import contextlib
 import hashlib
 import warnings
 
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync.torch as hvd
 from gradsync.compress import DiLoCo, Int8, TorchComm
@@ -59,9 +62,11 @@ def digest(tensors) -> str:
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
 
 
-def train(what: str, gather, **settings) -> str:
+def train(what: str, gather, ddp_group=None, **settings) -> str:
     torch.manual_seed(0)
-    model = Net()
+    model = Net() if ddp_group is None else DDP(Net(), process_group=ddp_group)
+    # A DDP model takes its inner steps under no_sync(): no gradient allreduce.
+    quiet = contextlib.nullcontext if ddp_group is None else model.no_sync
     params = list(model.parameters())
     inner = torch.optim.SGD(params, lr=0.2)
     if "compressor" in settings:  # a new one per run: its residuals are the run's state
@@ -72,7 +77,8 @@ def train(what: str, gather, **settings) -> str:
     seen = 0
     for _ in range(STEPS):
         outer.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        with quiet():
+            F.cross_entropy(model(x), y).backward()
         outer.step()
         for t, fragment in outer.landed[seen:]:
             seen += 1
@@ -127,6 +133,10 @@ def all_digests(d):
 for label, group in (("gloo", GLOO), ("gradsync", OWN)):
     twice(f"{label} streaming int8", all_digests, compressor=lambda: Int8(block=64),
           comm=TorchComm(group), **STREAMING)
+# A DDP user: the model wrapped by DDP over gloo (inner steps under no_sync()), DiLoCo on a
+# gloo group of its own.
+twice("ddp gloo streaming int8", all_digests, ddp_group=GLOO, compressor=lambda: Int8(block=64),
+      comm=TorchComm(dist.new_group(backend="gloo")), **STREAMING)
 
 dist.destroy_process_group()
 hvd.shutdown()
