@@ -138,7 +138,10 @@ class DiLoCo:
     """Local SGD / DiLoCo / streaming DiLoCo around an inner optimizer (module docstring).
 
     Call ``step()`` where ``inner.step()`` was called: it takes the inner step, then starts
-    and lands the outer syncs that the schedule puts at this step.
+    and lands the outer syncs that the schedule puts at this step. Build it once the
+    parameters are equal on every rank (``hvd.broadcast_parameters``, or the elastic state's
+    first sync, which sends rank 0's anchors too): each rank's anchors start as its own
+    parameters, and the outer step keeps ranks equal only from equal anchors.
 
     Args:
         params: the model's parameters (or the model), in the same order on every rank.
@@ -149,7 +152,7 @@ class DiLoCo:
         nesterov: Nesterov momentum (DiLoCo's choice) rather than heavy ball.
         fragments: F, fragments synced in turn (1: all parameters at once).
         delay: inner steps between a fragment's start and its landing (0: at once; less
-            less than H // F, so that a fragment lands before the next one starts).
+            than H // F, so that a fragment lands before the next one starts).
         mix: the share of the local parameters kept when a fragment lands (0: replaced by
             the new anchor).
         compressor: a ``ReducingCompressor`` for the outer gradient (``Int8()``: with error
@@ -200,7 +203,7 @@ class DiLoCo:
         self.anchors = [p.detach().clone() for p in self.params]
         self.momenta = [torch.zeros_like(p) for p in self.params]
         self.pending: list[_Pending] = []
-        self.landed: list[tuple[int, int]] = []  # (step, fragment) of every landing, for tests
+        self.landed: list[tuple[int, int]] = []  # (step, fragment) of each landing: 16 B a sync
 
     # --------------------------------------------------------------------------- stepping
     def step(self, closure=None):
