@@ -298,6 +298,9 @@ class DiLoCo:
             if pending.future is not None:
                 pending.future = None
                 pending.result = None
+        # A background reduction cut by a fault has failed or is stuck in its collective; if
+        # it still finishes, it writes the compressor tensors it held, which the state
+        # loaded next replaces (load_state_dict clones), so it cannot reach the new state.
         if isinstance(self._reducer, _CommReducer) and self._reducer._pool is not None:
             self._reducer._pool.shutdown(wait=False)
             self._reducer._pool = None
