@@ -298,9 +298,9 @@ class DiLoCo:
             if pending.future is not None:
                 pending.future = None
                 pending.result = None
-        # A background reduction cut by a fault has failed or is stuck in its collective; if
-        # it still finishes, it writes the compressor tensors it held, which the state
-        # loaded next replaces (load_state_dict clones), so it cannot reach the new state.
+        # A reduction cut by a fault has failed, or waits in a collective that will fail, so
+        # it writes nothing more. One that could still complete (its peers alive) might write
+        # a compressor tensor of the state loaded next: wait for it first (``_settle``).
         if isinstance(self._reducer, _CommReducer) and self._reducer._pool is not None:
             self._reducer._pool.shutdown(wait=False)
             self._reducer._pool = None
