@@ -15,16 +15,21 @@ communication hook, ``ddp_hook.py``: gloo, gradsync or any backend).
 
 Modules: ``base`` (the interface), ``state`` (error-feedback residuals and the other state,
 with ``state_dict``), ``quantized`` (int8 and fp8), ``powersgd``, ``randomk``, ``comm``,
-``ddp_hook``.
+``ddp_hook``; ``diloco`` (local SGD, DiLoCo and streaming DiLoCo: an outer gradient every
+H steps, through the same compressors and ``Comm``), ``elastic`` (their state and the
+compressors' in an elastic ``State``).
 """
 
 from .base import ReducingCompressor
 from .comm import Comm, TorchComm, WorldComm
 from .ddp_hook import HookState, compressed_hook
+from .diloco import DiLoCo
+from .elastic import DiLoCoHandler, StateDictHandler
 from .powersgd import PowerSGD
 from .quantized import FP8, Int8
 from .randomk import RandomK
 from .state import CompressorState
 
 __all__ = ["ReducingCompressor", "Int8", "FP8", "PowerSGD", "RandomK", "CompressorState",
-           "Comm", "WorldComm", "TorchComm", "HookState", "compressed_hook"]
+           "Comm", "WorldComm", "TorchComm", "HookState", "compressed_hook", "DiLoCo",
+           "StateDictHandler", "DiLoCoHandler"]

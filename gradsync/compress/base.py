@@ -84,6 +84,13 @@ class ReducingCompressor:
                              f"(seed {self.seed})")
         self.state.load_state_dict(state["state"])
 
+    def elastic_handler(self, bcast_object=None):
+        """The handler an elastic ``State`` uses for this value: its state commits, rolls
+        back and is sent to new workers with the model (``elastic.py``)."""
+        from .elastic import StateDictHandler
+
+        return StateDictHandler(self, bcast_object, name=f"compressor {self.describe()}")
+
     def __repr__(self) -> str:
         return self.describe()
 

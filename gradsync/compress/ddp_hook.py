@@ -62,6 +62,11 @@ class HookState:
     def load_state_dict(self, state: dict) -> None:
         self.compressor.load_state_dict(state)
 
+    def elastic_handler(self, bcast_object=None):
+        """Its compressor's handler (``elastic.py``): a HookState can be given to an elastic
+        ``State`` as a value."""
+        return self.compressor.elastic_handler(bcast_object)
+
 
 def compressed_hook(state: HookState, bucket) -> torch.futures.Future[torch.Tensor]:
     """The hook (``model.register_comm_hook(state, compressed_hook)``): averages the bucket's
