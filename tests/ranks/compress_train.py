@@ -11,14 +11,14 @@ what uncompressed steps achieve), and the parameters must be equal, bit for bit,
 on every rank. The script exits non-zero at the first failure and prints ``count`` at its end.
 """
 
-import hashlib
 import warnings
 
 import common  # noqa: F401  (deadline)
 from checks import Checks
+import tiny_net
+from tiny_net import Net
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -40,29 +40,16 @@ def compressors():
             "randomk": RandomK(0.5, seed=5)}
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2, self.fc3 = nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 3)
-
-    def forward(self, x):
-        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
-
-
 def batch(rank: int = R):
-    g = torch.Generator().manual_seed(100 + rank)
-    return torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+    return tiny_net.batch(rank)
 
 
 def whole_loss(model) -> float:
-    """The loss over every rank's batch: what the averaged gradients descend."""
-    with torch.no_grad():
-        return sum(float(F.cross_entropy(model(x), y)) for x, y in map(batch, range(N))) / N
+    return tiny_net.whole_loss(model, N)
 
 
 def digest(model) -> str:
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
+    return tiny_net.digest(model.parameters())
 
 
 def reference_fall() -> float:

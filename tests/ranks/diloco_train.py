@@ -16,14 +16,14 @@ non-zero at the first failure and prints ``count`` at its end.
 """
 
 import contextlib
-import hashlib
 import warnings
 
 import common  # noqa: F401  (deadline)
 from checks import Checks
+import tiny_net
+from tiny_net import Net
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -38,28 +38,15 @@ fail = C.fail
 STEPS = 12
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2, self.fc3 = nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 3)
-
-    def forward(self, x):
-        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
-
-
 def batch(rank: int = R):
-    g = torch.Generator().manual_seed(100 + rank)
-    return torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+    return tiny_net.batch(rank)
 
 
 def whole_loss(model) -> float:
-    with torch.no_grad():
-        return sum(float(F.cross_entropy(model(x), y)) for x, y in map(batch, range(N))) / N
+    return tiny_net.whole_loss(model, N)
 
 
-def digest(tensors) -> str:
-    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
+digest = tiny_net.digest
 
 
 def train(what: str, gather, ddp_group=None, **settings) -> str:
