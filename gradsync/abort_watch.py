@@ -25,19 +25,24 @@ Costs and limits, as torch 2.13 behaves:
   ``tests/test_heartbeat.py``), but torch's C++ socket layer logs two warning lines each time
   (``waitForInput ... likely a timeout``). Hence the long ``rearm``: two lines per rank every
   five minutes, not ten per second.
-- A blocked request cannot be interrupted from Python. ``stop`` only marks the watch stopped;
-  the thread ends when the record appears, at its next re-arm, or with the process, and holds
-  its store connection until then. A clean shutdown ends with the process, and an elastic
-  generation usually ends with a record (the failure that ended it), so in practice only a
-  World closed in a process that goes on without a record (``shutdown()`` then ``init()``)
-  keeps a thread and a connection for up to ``rearm`` seconds.
+- A blocked request cannot be cancelled through torch's API, and no key can wake it but the
+  record's own: a TCPStore wait ends when *all* its keys exist, never at the first of two,
+  and writing the record to wake one rank's watch would abort every rank. So ``stop`` (a
+  World's ``close``) wakes its thread by shutting the watch's own connection down under it
+  (``_wake``): the blocked ``get`` fails at once, the thread sees the watch stopped and ends,
+  within milliseconds. Without this, a World closed without a record in a process that goes
+  on (``shutdown()`` then ``init()``, a process set's or a torch group's World) kept its
+  thread and connection blocked in the store for up to ``rearm`` seconds.
+- torch logs the failed request with a C++ stack (about 20 lines on stderr), so the process's
+  stderr is muted while the woken thread comes back (milliseconds; at most ``_WAKE_JOIN_S``
+  at a close): whatever another thread writes to stderr in those milliseconds is lost too.
+  The connection's descriptor is found when it is made (``private_connection``) and
+  checked against the socket's addresses before the shutdown; a watch whose descriptor is
+  not known never blocks, so there is nothing to wake.
 - A Python thread that comes back from a C++ call while the interpreter finalizes is ended
   by CPython 3.11 in a way that aborts the process (``terminate called without an active
   exception``), and a blocked request comes back when the store's host exits. So at exit
-  (``atexit``, after ``gradsync.shutdown``) every watch still blocked is woken by shutting
-  its connection down, with the process's stderr muted for those milliseconds: torch logs
-  the closed connection with a C++ stack. The connection's descriptor is found when it is
-  made (``private_connection``); a watch whose descriptor is not known never blocks.
+  (``atexit``, after ``gradsync.shutdown``) every watch still blocked is woken the same way.
 - Until the wait is in place (``armed``), and for a store that cannot be cloned (not a
   TCPStore), callers read the record themselves (``read_abort`` does), as before.
 """
@@ -49,6 +54,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -164,8 +170,11 @@ class AbortWatch:
         return self._record
 
     def stop(self) -> None:
-        """Marks the watch stopped (the thread cannot be woken: see the module docstring)."""
+        """Stops the watch and ends its thread: a thread blocked in the store is woken by
+        shutting its connection down (module docstring), and joined for a moment."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            _wake([self], _WAKE_JOIN_S)
 
     # ------------------------------------------------------------------ the thread
     def _loop(self) -> None:
@@ -178,11 +187,13 @@ class AbortWatch:
                 try:
                     record = json.loads(self._store.get(_ABORT_KEY, self.rearm))
                 except GradsyncTimeoutError:
+                    if self._stop.is_set() or _exiting.is_set():
+                        break  # woken on purpose (_wake): no request on the shut connection
                     # A timeout, or a store that went away (Store.get reports both the same
                     # way): a plain look tells them apart, raising PeerLostError for the latter.
                     record = self._store.read_abort()
                     if record is None and time.monotonic() - started < self.rearm / 2:
-                        time.sleep(min(1.0, self.rearm))  # never spin on a failing store
+                        self._stop.wait(min(1.0, self.rearm))  # never spin on a failing store
             self._record = record
         except (PeerLostError, RuntimeError, OSError, ValueError) as exc:
             if not (self._stop.is_set() or _exiting.is_set()):  # else: woken on purpose
@@ -197,37 +208,50 @@ class AbortWatch:
 
 _exiting = threading.Event()
 _EXIT_JOIN_S = 30.0  # the longest the exit waits for the woken threads (usually milliseconds)
+_WAKE_JOIN_S = 2.0  # the longest a close waits for its woken thread (usually milliseconds)
+_wake_lock = threading.Lock()  # one wake at a time: each mutes and restores the process's stderr
+
+
+def _wake(watches: "list[AbortWatch]", join_s: float) -> None:
+    """Wakes the threads of ``watches`` (each marked stopped or exiting) out of their blocked
+    requests by shutting their connections down, and waits up to ``join_s`` for them to end,
+    with stderr muted meanwhile (the module docstring says why)."""
+    with _wake_lock:
+        watches = [w for w in watches if w._thread.is_alive()]
+        if not watches:
+            return
+        sys.stderr.flush()
+        saved = os.dup(2)
+        try:
+            quiet = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(quiet, 2)
+            os.close(quiet)
+            for watch in watches:
+                # The thread is alive, so it holds its connection: the descriptor is still
+                # its own, unless the addresses say otherwise.
+                if _store_sockets().get(watch._fd) == watch._address:
+                    sock = socket.socket(fileno=os.dup(watch._fd))
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                    sock.close()
+            # Until each thread is back in Python and done, torch's log of the failed request
+            # included. At exit that is required as well: a thread that comes back after the
+            # interpreter began to finalize aborts the process (SIGABRT at the end of a job
+            # that succeeded). Woken threads need only a few milliseconds of CPU, but on a
+            # loaded host (64 ranks on 2 cores at the end of an elastic job) 2 s were not
+            # always enough at exit.
+            end = time.monotonic() + join_s
+            for watch in watches:
+                watch._thread.join(max(0.0, end - time.monotonic()))
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 @atexit.register
 def _wake_all() -> None:
     """Ends every blocked request before the interpreter finalizes (module docstring)."""
     _exiting.set()
-    watches = [w for w in list(_blocked) if w._thread.is_alive()]
-    if not watches:
-        return
-    saved = os.dup(2)
-    try:
-        quiet = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(quiet, 2)
-        os.close(quiet)
-        for watch in watches:
-            # The thread is alive, so it holds its connection: the descriptor is still its
-            # own, unless the addresses say otherwise.
-            if _store_sockets().get(watch._fd) == watch._address:
-                sock = socket.socket(fileno=os.dup(watch._fd))
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                sock.close()
-        # Until each thread is back in Python and done: one that comes back after the
-        # interpreter began to finalize aborts the process (SIGABRT at the end of a job that
-        # succeeded). Woken threads need only a few milliseconds of CPU, but on a loaded host
-        # (64 ranks on 2 cores at the end of an elastic job) 2 s were not always enough.
-        end = time.monotonic() + _EXIT_JOIN_S
-        for watch in watches:
-            watch._thread.join(max(0.0, end - time.monotonic()))
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+    _wake(list(_blocked), _EXIT_JOIN_S)

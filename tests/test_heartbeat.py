@@ -266,6 +266,25 @@ def test_the_abort_watch_sees_a_posted_record_at_once_and_survives_its_rearms():
     assert time.monotonic() - posted < 0.1 + 0.05
 
 
+def test_a_closed_worlds_abort_watch_ends_at_once_without_a_record(capfd):
+    # World.close stops its heartbeat, which stops the watch: its thread, blocked in the
+    # store for a record that will never come, must end now, not at its re-arm (300 s).
+    server = _store_server()
+    beats = _pair(server, "closing", timeout=5.0)
+    assert _wait_for(lambda: all(b.abort.armed for b in beats), 10) < 10
+    threads = [b.abort._thread for b in beats]
+    for beat in beats:
+        beat.stop()
+    for thread in threads:
+        thread.join(5.0)
+    assert not any(t.is_alive() for t in threads), [t.name for t in threads]
+    # Woken on purpose: no error to raise, and the readers look in the store themselves.
+    assert all(b.abort.read_abort() is None and not b.abort.armed for b in beats)
+    assert "recvValue" not in capfd.readouterr().err  # torch's log of the shut connection
+    # The store and the job's other connections are untouched.
+    assert Store.over(server, "closing", 10.0).read_abort() is None
+
+
 def test_a_sub_world_follows_its_root_worlds_heartbeat():
     # The root World's links watch every rank; the sub-world opens none and raises a lost
     # peer that the root's record names, in its own ranks.
