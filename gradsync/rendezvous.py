@@ -24,9 +24,17 @@ from datetime import timedelta
 
 from .errors import GradsyncTimeoutError, PeerLostError
 
-__all__ = ["Store", "request_counts"]
+__all__ = ["Store", "request_counts", "BELL_COUNT", "bell_key"]
 
 _ABORT = "abort"
+BELL_COUNT = "bell/count"
+"""The count of a root World's rings (``Store.rings``), in the root's namespace."""
+
+
+def bell_key(n: int) -> str:
+    """The key of ring ``n`` (from 1) of a root World's bell: it holds the ringing job's id."""
+    return f"bell/{n}"
+
 _BASES: dict = {}
 _COUNTS: collections.Counter = collections.Counter()
 _COUNTS_LOCK = threading.Lock()
@@ -111,6 +119,7 @@ class Store:
         self._job = job
         self._store = PrefixStore(f"gradsync/{job}/", base)
         self._lock = threading.Lock()
+        self._bell: str | None = None  # rings (the root World's job id)
 
     @property
     def job(self) -> str:
@@ -133,7 +142,24 @@ class Store:
             base = self._base
         twin = Store.__new__(Store)
         twin._init(base, self._job, self.timeout)
+        twin._bell = self._bell
         return twin
+
+    def rings(self, root_job: str) -> None:
+        """Makes this view, a sub-world's, ring its root World's bell when a record it posts
+        wins: the sub-world's watches in every process are kept by one thread per process
+        that waits on the bell, not one per sub-world (``abort_watch.Doorbell``)."""
+        self._bell = root_job
+
+    def move_to(self, base) -> None:
+        """Moves this view onto ``base``, another client of the same store: a sub-world that
+        met over a connection of its own (whose blocking waits hold up nobody) goes on over
+        a client shared with others once it makes only requests that answer at once."""
+        from torch.distributed import PrefixStore
+
+        with self._lock:
+            self._base = base
+            self._store = PrefixStore(f"gradsync/{self._job}/", base)
 
     def set(self, key: str, value: str | bytes) -> None:
         _count("set")
@@ -230,7 +256,18 @@ class Store:
         _count("compare_set")
         with self._lock:
             current = self._store.compare_set(_ABORT, "", text)
+        if self._bell is not None and current == text.encode():
+            self._ring()
         return json.loads(current)
+
+    def _ring(self) -> None:
+        """Rings the root World's bell with this job's id (two requests per record posted).
+        A failed ring is only late: each bell looks at every record it keeps at its re-arm."""
+        root = Store.over(self._base, self._bell, self.timeout)
+        try:
+            root.set(bell_key(root.add(BELL_COUNT, 1)), self._job)
+        except (RuntimeError, OSError):
+            pass
 
     def read_abort(self) -> dict | None:
         """The job's abort record, or None. Raises PeerLostError if the store is gone."""

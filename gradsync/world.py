@@ -354,6 +354,7 @@ class World:
         store = Store.over(self.store.base if base is None else base, env.job_id,
                            self.config.connect_timeout)
         root_job, root_ranks = self.root
+        store.rings(root_job)  # its records wake the root's bell (abort_watch.Doorbell)
         return World.connect(self.config, env, store,
                              root=(root_job, [root_ranks[r] for r in ranks]),
                              members=(self, ranks))
