@@ -22,7 +22,7 @@ import pytest
 from gradsync.errors import AuthenticationError, GradsyncError, PeerLostError
 from gradsync.transport import frame, tcp
 from gradsync.transport.comm import Comm
-from harness import launch, run_ranks, spawn
+from harness import run_ranks, spawn
 
 SECRET = b"s" * 32
 
@@ -484,23 +484,6 @@ def _check_sockets(n: int, got: dict) -> None:
         extra = sub["sockets"] - g["doubling"]["sockets"]
         # (A dial that crossed another may still be open when the parent's count is taken.)
         assert extra <= 2 + sub["heartbeat"], (r, g)
-
-
-def test_process_sets_do_not_add_store_clients():
-    # Each Horovod-API process set's World cloned a store client and its abort watch held
-    # another: 2 more sockets at the store per set per process. Now the sets share one client
-    # and the root World's bell keeps their records: as many after three sets (each rank in
-    # two, each used) as after init, and after they are removed.
-    result = launch(3, "process_set_sockets.py", timeout=90)
-    assert result.returncode == 0, result
-    got = {int(r): json.loads(v) for r, v in re.findall(r"RESULT rank=(\d+) (.*)",
-                                                         result.output)}
-    assert sorted(got) == [0, 1, 2], result
-    for r, g in got.items():
-        assert g["member_of"] == 2, (r, g)
-        # store client, root World's watch, the sets' shared client, the root's bell
-        assert g["init"] == 4, (r, g)
-        assert g["sets"] == g["init"] and g["removed"] == g["init"], (r, g)
 
 
 def _init_requests(got: dict) -> dict:
