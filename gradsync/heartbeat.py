@@ -98,7 +98,8 @@ Without a root heartbeat in this process it runs links of its own, and reports a
 in the root World's abort record too, in root ranks: the launcher watches only that record.
 
 Sockets per rank: two links, the abort watch's store connection, and the listener until
-rank - 1 has connected; a following sub-world adds one store connection (its abort watch).
+rank - 1 has connected; following sub-worlds add one store connection in all, however many
+there are: their records are kept by the root's bell (``abort_watch.Doorbell``).
 And a pipe, with which ``stop`` wakes the thread.
 """
 
@@ -232,9 +233,18 @@ class Heartbeat:
         self._root = root if root is not None and root[0] != store.job else None
         self._leader = (_ROOTS.get((root[0], root[1][rank])) if self._root is not None
                         else None)
-        connection = abort_watch.private_connection(store)
-        self._private = connection[0]
-        self.abort = abort_watch.AbortWatch(connection, store)
+        if self._leader is not None:
+            # A follower's record is kept by its root's bell: no connection of its own.
+            self._private = store
+            self.abort = abort_watch.AbortWatch.following(self._leader.doorbell(), store)
+        else:
+            connection = abort_watch.private_connection(store)
+            self._private = connection[0]
+            self.abort = abort_watch.AbortWatch(connection, store)
+        self._bell: "abort_watch.Doorbell | None" = None  # doorbell()
+        # Not self._lock: making the bell connects to the store (seconds, when the store's
+        # host is slow to resolve the new client), and the thread beats under that lock.
+        self._bell_lock = threading.Lock()
         self._links: dict[int, _Link] = {}
         self._next_beat = 0.0
         self._listener: tcp.Listener | None = None
@@ -260,6 +270,16 @@ class Heartbeat:
         self._wake = os.pipe()
         self._thread.start()
         return self
+
+    def doorbell(self) -> "abort_watch.Doorbell":
+        """The bell that keeps the records of this (root) World's sub-worlds in this process,
+        made at the first one's ask, ended with this heartbeat."""
+        with self._bell_lock:
+            if self._bell is None:
+                self._bell = abort_watch.Doorbell(self._main)
+                if self._stopping:  # stop() set it first, then looks for a bell: none yet
+                    self._bell.stop()
+            return self._bell
 
     def read_abort(self) -> dict | None:
         """The World's abort record, or None (``Store.read_abort``, without a store request
@@ -312,7 +332,11 @@ class Heartbeat:
             if self._stopping:
                 return
             self._stopping = True
+        with self._bell_lock:
+            bell = self._bell
         self.abort.stop()
+        if bell is not None:
+            bell.stop()
         if _ROOTS.get((self._main.job, self.rank)) is self:
             del _ROOTS[(self._main.job, self.rank)]
         if self._leader is not None:

@@ -11,6 +11,13 @@ the counts to check that the whole rendezvous is O(N) requests for the job, not 
 address table is the one place that would be quadratic if done naively (every rank reading
 every rank's key); ``gather_table`` makes it one gather by rank 0 (``multi_get``) and one read
 of the published table per rank.
+
+The bytes the store sends back are counted too (``served_bytes``): there the table is still
+quadratic, N ranks reading one key of N entries, so it is published compressed (zlib): a
+World's entry is a host name, an address, a port and a pid, about 40 bytes of text, of which
+the port and pid (about 5 bytes of information) are all that differs from the neighbours'
+entries. That divides the bytes by about 3 (one rank per host) to 4 (8 per host); it does not
+change their growth (docs/scale.md says what would).
 """
 
 from __future__ import annotations
@@ -20,15 +27,25 @@ import json
 import secrets
 import threading
 import time
+import zlib
 from datetime import timedelta
 
 from .errors import GradsyncTimeoutError, PeerLostError
 
-__all__ = ["Store", "request_counts"]
+__all__ = ["Store", "request_counts", "served_bytes", "BELL_COUNT", "bell_key"]
 
 _ABORT = "abort"
+BELL_COUNT = "bell/count"
+"""The count of a root World's rings (``Store.rings``), in the root's namespace."""
+
+
+def bell_key(n: int) -> str:
+    """The key of ring ``n`` (from 1) of a root World's bell: it holds the ringing job's id."""
+    return f"bell/{n}"
+
 _BASES: dict = {}
 _COUNTS: collections.Counter = collections.Counter()
+_BYTES: collections.Counter = collections.Counter()
 _COUNTS_LOCK = threading.Lock()
 
 
@@ -48,9 +65,25 @@ def request_counts() -> dict[str, int]:
         return dict(_COUNTS)
 
 
+def served_bytes() -> dict[str, int]:
+    """The bytes of the values the store returned to this process since it started, by
+    operation (``get``, ``multi_get``), summed as ``request_counts`` is.
+
+    Returns:
+        A new dict ``{operation: bytes}``.
+    """
+    with _COUNTS_LOCK:
+        return dict(_BYTES)
+
+
 def _count(operation: str) -> None:
     with _COUNTS_LOCK:
         _COUNTS[operation] += 1
+
+
+def _served(operation: str, values) -> None:
+    with _COUNTS_LOCK:
+        _BYTES[operation] += sum(len(v) for v in values)
 
 
 class Store:
@@ -111,6 +144,7 @@ class Store:
         self._job = job
         self._store = PrefixStore(f"gradsync/{job}/", base)
         self._lock = threading.Lock()
+        self._bell: str | None = None  # rings (the root World's job id)
 
     @property
     def job(self) -> str:
@@ -133,7 +167,24 @@ class Store:
             base = self._base
         twin = Store.__new__(Store)
         twin._init(base, self._job, self.timeout)
+        twin._bell = self._bell
         return twin
+
+    def rings(self, root_job: str) -> None:
+        """Makes this view, a sub-world's, ring its root World's bell when a record it posts
+        wins: the sub-world's watches in every process are kept by one thread per process
+        that waits on the bell, not one per sub-world (``abort_watch.Doorbell``)."""
+        self._bell = root_job
+
+    def move_to(self, base) -> None:
+        """Moves this view onto ``base``, another client of the same store: a sub-world that
+        met over a connection of its own (whose blocking waits hold up nobody) goes on over
+        a client shared with others once it makes only requests that answer at once."""
+        from torch.distributed import PrefixStore
+
+        with self._lock:
+            self._base = base
+            self._store = PrefixStore(f"gradsync/{self._job}/", base)
 
     def set(self, key: str, value: str | bytes) -> None:
         _count("set")
@@ -145,7 +196,9 @@ class Store:
         with self._lock:
             self._store.set_timeout(timedelta(seconds=timeout or self.timeout))
             try:
-                return self._store.get(key)
+                value = self._store.get(key)
+                _served("get", (value,))
+                return value
             except RuntimeError as exc:  # torch raises DistStoreError (a RuntimeError)
                 raise GradsyncTimeoutError(f"waiting for '{key}' in the rendezvous store: "
                                            f"{exc}") from None
@@ -162,7 +215,9 @@ class Store:
         with self._lock:
             self._store.set_timeout(timedelta(seconds=timeout or self.timeout))
             try:
-                return multi_get(keys)
+                values = multi_get(keys)
+                _served("multi_get", values)
+                return values
             except RuntimeError as exc:
                 raise GradsyncTimeoutError(f"waiting for {len(keys)} keys ({keys[0]} ..) in "
                                            f"the rendezvous store: {exc}") from None
@@ -179,8 +234,9 @@ class Store:
         rank reading every entry would be ``size``. Rank 0 waits through ``get`` (which a
         subclass may make abortable), never inside the ``multi_get``.
         Collective: every rank of the job calls it with the same ``name`` (used once).
-        The table travels as the entries joined by newlines (about 40 bytes a rank for the
-        World's entries), so an entry must hold none.
+        The table travels as the entries joined by newlines, compressed (module docstring:
+        about 13 bytes a rank for the World's entries, 40 uncompressed), so an entry must
+        hold no newline.
         """
         if "\n" in entry:
             raise ValueError("a table entry must not contain a newline")
@@ -188,13 +244,13 @@ class Store:
             self.set(f"{name}/{rank}", entry)
             if self.add(f"{name}/arrived", 1) == size - 1:
                 self.set(f"{name}/all", "1")
-            return self.get(name, timeout).decode().split("\n")
+            return zlib.decompress(self.get(name, timeout)).decode().split("\n")
         table = [entry]
         if size > 1:
             self.get(f"{name}/all", timeout)
             table += [v.decode() for v in self.get_many([f"{name}/{r}" for r in range(1, size)],
                                                         timeout)]
-        self.set(name, "\n".join(table))
+        self.set(name, zlib.compress("\n".join(table).encode()))
         return table
 
     def add(self, key: str, amount: int) -> int:
@@ -230,7 +286,18 @@ class Store:
         _count("compare_set")
         with self._lock:
             current = self._store.compare_set(_ABORT, "", text)
+        if self._bell is not None and current == text.encode():
+            self._ring()
         return json.loads(current)
+
+    def _ring(self) -> None:
+        """Rings the root World's bell with this job's id (two requests per record posted).
+        A failed ring is only late: each bell looks at every record it keeps at its re-arm."""
+        root = Store.over(self._base, self._bell, self.timeout)
+        try:
+            root.set(bell_key(root.add(BELL_COUNT, 1)), self._job)
+        except (RuntimeError, OSError):
+            pass
 
     def read_abort(self) -> dict | None:
         """The job's abort record, or None. Raises PeerLostError if the store is gone."""

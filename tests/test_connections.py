@@ -380,6 +380,60 @@ def test_the_address_table_costs_a_few_requests_per_rank(n):
     assert sum(rendezvous.request_counts().values()) - before == 3 * n + 1
 
 
+def _world_entry(rank: int, per_host: int, rng) -> str:
+    """An address-table entry as ``World._connect`` writes it: host, address, port, pid."""
+    host = rank // per_host
+    return json.dumps([f"node{host:05d}", f"10.0.{host // 256}.{host % 256}",
+                       rng.randint(32768, 60999), rng.randint(1000, 4_000_000)],
+                      separators=(",", ":"))
+
+
+def _table_bytes(clients, n: int, per_host: int) -> int:
+    """The bytes the store serves to ``get`` for one address table of ``n`` ranks (threads,
+    each with one of ``clients``), counted by ``rendezvous.served_bytes``: the table, read by
+    each rank but 0, and rank 0's one-byte flag (not its ``multi_get`` of the n entries,
+    40·n bytes). Asserts the table every rank read back too."""
+    import random
+
+    from gradsync import rendezvous
+
+    rng = random.Random(n)
+    entries = [_world_entry(r, per_host, rng) for r in range(n)]
+    stores = [rendezvous.Store.over(client, f"bytes{n}.{per_host}", 30)
+              for client in clients[:n]]
+    tables = [None] * n
+    before = rendezvous.served_bytes().get("get", 0)
+
+    def rank(r):
+        tables[r] = stores[r].gather_table("peers", r, n, entries[r])
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert tables == [entries] * n
+    return rendezvous.served_bytes().get("get", 0) - before
+
+
+def test_the_address_table_is_served_compressed():
+    # Every rank reads the whole table, so the store serves c·N(N - 1) bytes: c was about 40
+    # (the entries' text), and is about 13 (one rank per host) or 10 (8 per host) compressed.
+    # The growth stays quadratic (docs/scale.md): doubling N about quadruples the bytes.
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    server = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30),
+                      wait_for_workers=False)
+    clients = [server.clone() for _ in range(32)]  # at once: each burst may meet a DNS stall
+    for per_host, bound in ((1, 15), (8, 12)):
+        served = {n: _table_bytes(clients, n, per_host) for n in (16, 32)}
+        for n, total in served.items():
+            assert total <= bound * n * (n - 1), (per_host, n, total)
+        assert 3 <= served[32] / served[16] <= 5, (per_host, served)  # quadratic
+
+
 # -------------------------------------------------------------------------- multi-process
 def _results(ranks) -> dict:
     out = {}

@@ -14,10 +14,10 @@ from datetime import timedelta
 import pytest
 from torch.distributed import TCPStore
 
-from gradsync.abort_watch import AbortWatch, private_connection
+from gradsync.abort_watch import AbortWatch, Doorbell, private_connection
 from gradsync.config import Config
 from gradsync.heartbeat import BEAT, BYE, Heartbeat, _leave, _Link, watched_peers
-from gradsync.rendezvous import Store
+from gradsync.rendezvous import BELL_COUNT, Store
 from harness import launch, spawn
 
 pytestmark = pytest.mark.multiprocess
@@ -264,6 +264,59 @@ def test_the_abort_watch_sees_a_posted_record_at_once_and_survives_its_rearms():
     took = _wait_for(lambda: watch.read_abort() is not None, 5)
     assert watch.read_abort()["rank"] == 3 and took < 0.1, took
     assert time.monotonic() - posted < 0.1 + 0.05
+
+
+def test_a_closed_worlds_abort_watch_ends_at_once_without_a_record(capfd):
+    # World.close stops its heartbeat, which stops the watch: its thread, blocked in the
+    # store for a record that will never come, must end now, not at its re-arm (300 s).
+    server = _store_server()
+    beats = _pair(server, "closing", timeout=5.0)
+    assert _wait_for(lambda: all(b.abort.armed for b in beats), 10) < 10
+    threads = [b.abort._thread for b in beats]
+    for beat in beats:
+        beat.stop()
+    for thread in threads:
+        thread.join(5.0)
+    assert not any(t.is_alive() for t in threads), [t.name for t in threads]
+    # Woken on purpose: no error to raise, and the readers look in the store themselves.
+    assert all(b.abort.read_abort() is None and not b.abort.armed for b in beats)
+    assert "recvValue" not in capfd.readouterr().err  # torch's log of the shut connection
+    # The store and the job's other connections are untouched.
+    assert Store.over(server, "closing", 10.0).read_abort() is None
+
+
+def test_one_bell_keeps_the_records_of_every_sub_world():
+    # Two sub-worlds' watches, one thread and one connection (the root's bell): a record
+    # posted in one reaches its watch at once and not the other's; a ring lost between its
+    # count and its key (its poster died) delays the next record to the re-arm, no more.
+    server = _store_server()
+    root = Store.over(server, "b", 10.0)
+    bell = Doorbell(root, rearm=0.3)
+    subs = {name: Store.over(server, f"b/{name}", 10.0) for name in ("one", "two")}
+    watches = {name: AbortWatch.following(bell, store).start() for name, store in subs.items()}
+    try:
+        assert all(w.armed and w.read_abort() is None for w in watches.values())
+        assert not any(w._thread.is_alive() for w in watches.values())  # no thread of their own
+
+        def post(name, rank):  # as another member process would: a view that rings the root
+            poster = Store.over(server, f"b/{name}", 10.0)
+            poster.rings("b")
+            poster.post_abort({"kind": "GradsyncError", "rank": rank, "message": name,
+                               "peer": None})
+            return time.monotonic()
+
+        root.add(BELL_COUNT, 1)  # a ring counted, its key never set
+        posted = post("one", 1)
+        took = _wait_for(lambda: watches["one"].held() is not None, 5)
+        assert watches["one"].held()["rank"] == 1 and took < 0.3 + 0.5, took
+        assert watches["two"].held() is None and watches["two"].read_abort() is None
+        posted = post("two", 2)
+        _wait_for(lambda: watches["two"].held() is not None, 5)
+        assert watches["two"].held()["rank"] == 2
+        assert time.monotonic() - posted < 0.1 + 0.05  # a ring: before any re-arm
+    finally:
+        bell.stop()
+    assert not bell._thread.is_alive()
 
 
 def test_a_sub_world_follows_its_root_worlds_heartbeat():

@@ -11,6 +11,15 @@ Lifecycle, as in Horovod: ``hvd.init(process_sets=[...])`` or ``add_process_set(
 rank of the job calls it, in the same order; only the set's members connect) gives the set the
 next id; ``remove_process_set`` (every rank again) stops its controller once every member has
 asked and closes its World. The global set has id 0 and lives from ``init`` to ``shutdown``.
+
+Store connections: all the sets of a process share one client of the store (``_Registry``),
+whatever their number. A set *meets* (its barrier, which blocks in the store until every
+member arrives) over a client of its own, closed once it has met: a blocking wait on a
+shared TCPStore client holds its only connection, and would hold up every other set's
+request meanwhile (a failure posted by a running set's thread while a new set waits for its
+members). After that a set's World asks only what the store answers at once (its abort
+record, a goodbye), and its record is kept by the root World's bell (``abort_watch.py``), so
+with K sets a process holds 4 store connections, not 2 + 2K.
 """
 
 from __future__ import annotations
@@ -96,6 +105,7 @@ class _Registry:
         self.worlds: dict[int, object] = {}
         self.ids = itertools.count(1)
         self.timeline = None
+        self.client = None  # the store client the sets share once met (module docstring)
 
 
 _reg: _Registry | None = None
@@ -110,11 +120,22 @@ def _registry() -> _Registry:
 def _connect(pid: int, ranks: list[int], label: str) -> Controller:
     world = job.world()
     name = f"hvd{pid}"  # ids are never reused within one init, so names are unique
-    sub = world.subworld(ranks, name, base=world.store.base.clone())
+    if _reg.client is None:
+        _reg.client = _clone(world.store.base)
+    sub = world.subworld(ranks, name, base=_clone(world.store.base))
+    sub.store.move_to(_reg.client)  # the meeting's client closes with its last reference
     ctl = Controller(sub, label, ranks, world.config.fusion_threshold, _reg.timeline)
     ctl.owned_world = sub
     ctl.on_stand_in = lambda name: naming.skip(name, pid)
     return ctl
+
+
+def _clone(store):
+    """A new client of ``store`` (torch's ``Store.clone``), or ``store`` if it cannot."""
+    try:
+        return store.clone()
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return store
 
 
 def start(process_sets: Sequence[ProcessSet] | None = None, timeline=None) -> None:
