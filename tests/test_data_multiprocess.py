@@ -173,3 +173,38 @@ def test_a_lost_workers_uncommitted_share_goes_to_the_new_generation_exactly_onc
     assert sorted(after["0"] + P.order(SAMPLES, SEED, 0)[done[P.order(SAMPLES, SEED, 0)]]
                   .tolist()) == list(range(SAMPLES))
     assert after["1"] == _planned(1, 2, 1, 0)
+
+
+def _steps(received, epoch, workers):
+    """The samples in training order: step by step (each worker's next batch, by worker)."""
+    mine = [received[w][str(epoch)] for w in range(workers)]
+    batches = [[ids[a:a + BATCH] for a in range(0, len(ids), BATCH)] for ids in mine]
+    return [i for k in range(len(batches[0])) for w in range(workers) if k < len(batches[w])
+            for i in batches[w][k]]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # four launches: about a minute on a loaded 2-core machine
+def test_the_global_order_is_the_same_sequence_at_one_and_two_workers(tmp_path):
+    # Loader(order="global"): one worker and one server, then two of each; the samples,
+    # step by step, are the epoch's permutation both times (the default cut differs).
+    seen = {}
+    for workers in (1, 2):
+        (tmp_path / str(workers)).mkdir()
+        _run(workers, workers, "count", tmp_path / str(workers), 1,
+             env={"GS_DATA_ORDER": "global"})
+        seen[workers] = _steps(_received(tmp_path / str(workers), "count", workers), 0,
+                               workers)
+    assert seen[1] == seen[2] == P.order(SAMPLES, SEED, 0).tolist()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # four launches: about a minute on a loaded 2-core machine
+def test_a_job_resumed_at_other_counts_goes_on_with_the_global_sequence(tmp_path):
+    env = {"GS_DATA_ORDER": "global"}
+    _run(3, 1, "stop", tmp_path, 3, env=env)  # 3 steps of 3 workers: 9 batches delivered
+    first = _steps(_received(tmp_path, "stop", 3), 0, 3)
+    _run(2, 3, "resume", tmp_path, 2, env=env)
+    resumed = _received(tmp_path, "resume", 2)
+    assert first + _steps(resumed, 0, 2) == P.order(SAMPLES, SEED, 0).tolist()
+    assert _steps(resumed, 1, 2) == P.order(SAMPLES, SEED, 1).tolist()

@@ -168,15 +168,16 @@ class DataServer:
             they have all gone.
         beat: seconds between beats in the slot tables (the ``heartbeat_interval``; 0: no
             beats, for a job whose heartbeats are off).
+        order: how the epoch's batches are cut (``plan.ORDERS``; workers must agree).
     """
 
     def __init__(self, index: int, servers: int, workers: int, endpoint: Endpoint,
                  source: Source, batch_size: int, seed: int, timeout: float = 300.0,
-                 elastic: bool = False, beat: float = 0.0):
+                 elastic: bool = False, beat: float = 0.0, order: str = "servers"):
         self.index, self.servers, self.workers = index, servers, workers
         self.elastic = elastic
         self.endpoint, self.source, self.timeout = endpoint, source, timeout
-        self.batch_size, self.seed = batch_size, seed
+        self.batch_size, self.seed, self.order = batch_size, seed, order
         self.samples = len(source.dataset)
         if self.samples < 1:
             raise ValueError("the dataset is empty")
@@ -208,8 +209,10 @@ class DataServer:
 
     # ------------------------------------------------------------------ control methods
     def _hello(self, worker: int, args: dict) -> dict:
-        mine = {"batch_size": self.batch_size, "seed": self.seed, "samples": self.samples}
+        mine = {"batch_size": self.batch_size, "seed": self.seed, "samples": self.samples,
+                "order": self.order}
         theirs = {k: args.get(k) for k in mine}
+        theirs["order"] = args.get("order", "servers")  # the default cut says nothing
         if theirs != mine:
             diff = sorted(k for k in mine if mine[k] != theirs[k])
             raise CollectiveMismatchError(
@@ -278,7 +281,8 @@ class DataServer:
             if known is None:
                 mask = unpack_mask(done, self.samples) if done else None
                 known = ((digest, workers), plan(self.samples, self.batch_size, self.seed,
-                                                 epoch, self.servers, workers, mask))
+                                                 epoch, self.servers, workers, mask,
+                                                 self.order))
                 self._plans = {k: p for k, p in self._plans.items()
                                if k >= (generation, epoch - 1)}
                 self._plans[key] = known
@@ -481,7 +485,8 @@ END_KEY = "data/end"
 """Store key the elastic launcher sets once every worker has ended: the data servers end."""
 
 
-def serve(config, env, source: Source, batch_size: int, seed: int) -> int:
+def serve(config, env, source: Source, batch_size: int, seed: int,
+          order: str = "servers") -> int:
     """Runs this rank's data server until every worker is done (in an elastic job: until the
     launcher says the job is over); returns an exit status."""
     from ..server_links import open_store, publish
@@ -507,7 +512,7 @@ def serve(config, env, source: Source, batch_size: int, seed: int) -> int:
         server = DataServer(index, env.data_servers, env.workers, endpoint, source,
                             batch_size, seed, config.timeout, elastic=elastic,
                             beat=config.heartbeat_interval if config.heartbeat_timeout > 0
-                            else 0.0)
+                            else 0.0, order=order)
         publish(store, "data", index, endpoint)
         log.info("rank %d on host %s (pid %d): data server %d of %d, serving %s", env.rank,
                  env.hostname, os.getpid(), index, env.data_servers,

@@ -29,6 +29,7 @@ checks them (tests/test_data_multiprocess.py).
                              end worker 0 SIGCONTs the server, which finds its workers gone
                              and ends (``stopped``)
 
+GS_DATA_ORDER=global cuts the batches from the epoch's permutation (``Loader``'s ``order``).
 GS_DATA_SLOW=ID:SECONDS makes the dataset take SECONDS to read sample ID (a slow server, not a
 lost one: its decode is cached, so only the first epoch pays).
 """
@@ -50,6 +51,7 @@ import gradsync.data
 SAMPLES = int(os.environ.get("GS_DATA_SAMPLES", "103"))
 BATCH = int(os.environ.get("GS_DATA_BATCH", "4"))
 SEED = int(os.environ.get("GS_DATA_SEED", "7"))
+ORDER = os.environ.get("GS_DATA_ORDER", "servers")  # how batches are cut (plan.ORDERS)
 SLOW = [float(x) for x in os.environ["GS_DATA_SLOW"].split(":")] \
     if os.environ.get("GS_DATA_SLOW") else None
 
@@ -243,7 +245,8 @@ def main():
     workers = int(os.environ["GRADSYNC_SIZE"]) - int(os.environ["GRADSYNC_DATA_SERVERS"])
     if scenario.startswith("lose-") and 0 < int(os.environ["GRADSYNC_RANK"]) < workers:
         hold_connecting(directory, scenario[len("lose-"):])
-    loader = gradsync.data.Loader(dataset, batch_size=BATCH, transform=augment, seed=SEED)
+    loader = gradsync.data.Loader(dataset, batch_size=BATCH, transform=augment, seed=SEED,
+                                  order=ORDER)
     seen: dict = {}
     if scenario.startswith("lose-"):
         if gs.rank() == 0:
