@@ -208,3 +208,18 @@ def test_a_job_resumed_at_other_counts_goes_on_with_the_global_sequence(tmp_path
     resumed = _received(tmp_path, "resume", 2)
     assert first + _steps(resumed, 0, 2) == P.order(SAMPLES, SEED, 0).tolist()
     assert _steps(resumed, 1, 2) == P.order(SAMPLES, SEED, 1).tolist()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # two epochs of a launch: 40 s on a loaded 2-core machine; the
+# collate's server side is in the default tier (tests/test_data_collate.py)
+def test_packed_token_sequences_reach_exactly_one_worker_per_sample(tmp_path):
+    # 2 workers, 2 data servers, collate.Pack(8, separator=-1) over sequences of 0 to 7
+    # tokens: each worker checks every sample's tokens in the rows (tests/ranks/data_check.py,
+    # ``receive_packed``); here every sample is counted once per epoch, in the plan's order.
+    _run(2, 2, "count", tmp_path, 2, env={"GS_DATA_COLLATE": "pack"})
+    got = _received(tmp_path, "count", 2)
+    for epoch in (0, 1):
+        assert sorted(i for w in got for i in w[str(epoch)]) == list(range(SAMPLES))
+        for w in range(2):
+            assert got[w][str(epoch)] == _planned(epoch, 2, 2, w)
