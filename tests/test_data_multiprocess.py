@@ -184,22 +184,27 @@ def _steps(received, epoch, workers):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow  # four launches: about a minute on a loaded 2-core machine
-def test_the_global_order_is_the_same_sequence_at_one_and_two_workers(tmp_path):
-    # Loader(order="global"): one worker and one server, then two of each; the samples,
-    # step by step, are the epoch's permutation both times (the default cut differs).
+@pytest.mark.slow  # three launches: over a minute on a loaded 2-core machine
+@pytest.mark.parametrize("collate", [None, "pack"])
+def test_the_global_order_is_the_same_sequence_at_one_two_and_three_workers(tmp_path,
+                                                                           collate):
+    # Loader(order="global"): 1 worker and 1 data server, 2 and 2, 3 and 2; the samples,
+    # step by step, are the epoch's permutation each time (the default cut differs). With
+    # "pack", a language model's data: token sequences packed into rows (collate.Pack).
+    env = {"GS_DATA_ORDER": "global"}
+    if collate:
+        env["GS_DATA_COLLATE"] = collate
     seen = {}
-    for workers in (1, 2):
+    for workers, servers in ((1, 1), (2, 2), (3, 2)):
         (tmp_path / str(workers)).mkdir()
-        _run(workers, workers, "count", tmp_path / str(workers), 1,
-             env={"GS_DATA_ORDER": "global"})
+        _run(workers, servers, "count", tmp_path / str(workers), 1, env=env)
         seen[workers] = _steps(_received(tmp_path / str(workers), "count", workers), 0,
                                workers)
-    assert seen[1] == seen[2] == P.order(SAMPLES, SEED, 0).tolist()
+    assert seen[1] == seen[2] == seen[3] == P.order(SAMPLES, SEED, 0).tolist()
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow  # four launches: about a minute on a loaded 2-core machine
+@pytest.mark.slow  # two launches: about a minute on a loaded 2-core machine
 def test_a_job_resumed_at_other_counts_goes_on_with_the_global_sequence(tmp_path):
     env = {"GS_DATA_ORDER": "global"}
     _run(3, 1, "stop", tmp_path, 3, env=env)  # 3 steps of 3 workers: 9 batches delivered

@@ -93,3 +93,27 @@ def test_the_worked_example_of_the_module_docstring(monkeypatch):
     batches = P.plan(10, 2, 0, 0, servers=2, workers=2, cut="global")
     assert [(b.ids.tolist(), b.server, b.worker) for b in batches] == [
         ([7, 2], 0, 0), ([9, 4], 1, 1), ([0, 5], 0, 0), ([3, 8], 1, 1), ([1, 6], 0, 0)]
+
+
+def test_an_elastic_recovery_goes_on_with_the_same_sequence_at_the_new_count():
+    # 3 workers applied 4 updates each (12 batches) and worker 1 is lost; the survivors hold
+    # their 5th batch. ``live_state`` with the global cut credits the first 12 batches, a
+    # prefix of the permutation, and a new generation of 2 workers goes on from batch 12.
+    from gradsync.data.elastic import live_state
+
+    full = _batches(50, 3, 2, 3)
+
+    def position(place, acked):
+        mine = P.worker_batches(full, place)
+        delivered = np.zeros(50, bool)
+        for b in mine[:acked]:
+            delivered[b.ids] = True
+        return {"epoch": 1, "acked": acked, "delivered": P.pack_mask(delivered),
+                "hand": mine[acked].ids.tolist(), "start": None, "workers": 3,
+                "place": place}
+
+    state = live_state(50, 3, 3, 2, [position(0, 4), position(2, 4)], "global")
+    done = P.unpack_mask(state["done"], 50)
+    assert sorted(np.flatnonzero(done).tolist()) == sorted(
+        i for b in full[:12] for i in b.ids.tolist())
+    assert _rows(_batches(50, 3, 1, 2, done=done)) == _rows(full[12:])
