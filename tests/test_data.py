@@ -337,6 +337,8 @@ def test_workers_that_disagree_are_refused(server):
     srv, peers = server(Numbers(10), workers=2)
     with pytest.raises(CollectiveMismatchError, match="batch_size"):
         _hello(peers[0], 10, batch_size=5)
+    with pytest.raises(CollectiveMismatchError, match="order"):  # the server cuts "servers"
+        peers[0].call("hello", batch_size=4, seed=1, samples=10, prefetch=2, order="global")
     _hello(peers[0], 10)
     _hello(peers[1], 10)
     done = np.zeros(10, bool)

@@ -173,3 +173,58 @@ def test_a_lost_workers_uncommitted_share_goes_to_the_new_generation_exactly_onc
     assert sorted(after["0"] + P.order(SAMPLES, SEED, 0)[done[P.order(SAMPLES, SEED, 0)]]
                   .tolist()) == list(range(SAMPLES))
     assert after["1"] == _planned(1, 2, 1, 0)
+
+
+def _steps(received, epoch, workers):
+    """The samples in training order: step by step (each worker's next batch, by worker)."""
+    mine = [received[w][str(epoch)] for w in range(workers)]
+    batches = [[ids[a:a + BATCH] for a in range(0, len(ids), BATCH)] for ids in mine]
+    return [i for k in range(len(batches[0])) for w in range(workers) if k < len(batches[w])
+            for i in batches[w][k]]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # three launches: over a minute on a loaded 2-core machine
+@pytest.mark.parametrize("collate", [None, "pack"])
+def test_the_global_order_is_the_same_sequence_at_one_two_and_three_workers(tmp_path,
+                                                                           collate):
+    # Loader(order="global"): 1 worker and 1 data server, 2 and 2, 3 and 2; the samples,
+    # step by step, are the epoch's permutation each time (the default cut differs). With
+    # "pack", a language model's data: token sequences packed into rows (collate.Pack).
+    env = {"GS_DATA_ORDER": "global"}
+    if collate:
+        env["GS_DATA_COLLATE"] = collate
+    seen = {}
+    for workers, servers in ((1, 1), (2, 2), (3, 2)):
+        (tmp_path / str(workers)).mkdir()
+        _run(workers, servers, "count", tmp_path / str(workers), 1, env=env)
+        seen[workers] = _steps(_received(tmp_path / str(workers), "count", workers), 0,
+                               workers)
+    assert seen[1] == seen[2] == seen[3] == P.order(SAMPLES, SEED, 0).tolist()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # two launches: about a minute on a loaded 2-core machine
+def test_a_job_resumed_at_other_counts_goes_on_with_the_global_sequence(tmp_path):
+    env = {"GS_DATA_ORDER": "global"}
+    _run(3, 1, "stop", tmp_path, 3, env=env)  # 3 steps of 3 workers: 9 batches delivered
+    first = _steps(_received(tmp_path, "stop", 3), 0, 3)
+    _run(2, 3, "resume", tmp_path, 2, env=env)
+    resumed = _received(tmp_path, "resume", 2)
+    assert first + _steps(resumed, 0, 2) == P.order(SAMPLES, SEED, 0).tolist()
+    assert _steps(resumed, 1, 2) == P.order(SAMPLES, SEED, 1).tolist()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # two epochs of a launch: 40 s on a loaded 2-core machine; the
+# collate's server side is in the default tier (tests/test_data_collate.py)
+def test_packed_token_sequences_reach_exactly_one_worker_per_sample(tmp_path):
+    # 2 workers, 2 data servers, collate.Pack(8, separator=-1) over sequences of 0 to 7
+    # tokens: each worker checks every sample's tokens in the rows (tests/ranks/data_check.py,
+    # ``receive_packed``); here every sample is counted once per epoch, in the plan's order.
+    _run(2, 2, "count", tmp_path, 2, env={"GS_DATA_COLLATE": "pack"})
+    got = _received(tmp_path, "count", 2)
+    for epoch in (0, 1):
+        assert sorted(i for w in got for i in w[str(epoch)]) == list(range(SAMPLES))
+        for w in range(2):
+            assert got[w][str(epoch)] == _planned(epoch, 2, 2, w)

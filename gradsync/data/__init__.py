@@ -28,9 +28,10 @@ its position commits, rolls back and goes on with the model (``elastic.py``). Se
 which also lists what is not done yet.
 """
 
+from .collate import Collate, Pack, Pad
 from .loader import Loader
 
-__all__ = ["Loader", "LoaderDataset", "as_dataloader"]
+__all__ = ["Loader", "Collate", "Pad", "Pack", "LoaderDataset", "as_dataloader"]
 
 
 def __getattr__(name: str):

@@ -109,7 +109,7 @@ class LoaderState:
         views = api.allgather_object(mine, name="gradsync.data.positions")
         loader = self.loader
         self._reset(live_state(loader.samples, loader.batch_size, loader.seed, loader.servers,
-                               views))
+                               views, loader.order))
 
     def _reset(self, state: dict) -> None:
         from .. import job
@@ -122,11 +122,11 @@ class LoaderState:
 
 
 def live_state(samples: int, batch_size: int, seed: int, servers: int,
-               views: list[dict | None]) -> dict:
+               views: list[dict | None], order: str = "servers") -> dict:
     """The data state a recovery without roll-back goes on from (the module docstring).
 
     Args:
-        samples, batch_size, seed, servers: the Loader's.
+        samples, batch_size, seed, servers, order: the Loader's.
         views: every member's ``Loader.position()``; None for a member that holds no position
             of the job's (a new worker).
 
@@ -151,7 +151,7 @@ def live_state(samples: int, batch_size: int, seed: int, servers: int,
                 done[view["hand"]] = True  # its update was applied on the furthest survivor
             continue
         if batches is None:
-            batches = plan(samples, batch_size, seed, epoch, servers, workers, start)
+            batches = plan(samples, batch_size, seed, epoch, servers, workers, start, order)
         for b in worker_batches(batches, place)[:n]:  # a lost worker: its first n batches
             done[b.ids] = True
     if done.all():

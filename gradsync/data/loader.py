@@ -41,7 +41,7 @@ import numpy as np
 from ..errors import ConfigError, GradsyncError, GradsyncTimeoutError, PeerLostError
 from ..heartbeat import LINK_UP_S
 from .layout import Layout
-from .plan import STATE_VERSION, Batch, pack_mask, plan, unpack_mask, worker_batches
+from .plan import ORDERS, STATE_VERSION, Batch, pack_mask, plan, unpack_mask, worker_batches
 from .slots import poller
 
 __all__ = ["Loader", "STATE_VERSION"]
@@ -65,27 +65,37 @@ class Loader:
         seed: fixes each epoch's order and the transform's randomness.
         prefetch: batches in flight per data server and in this worker's queue (default: the
             ``data_prefetch`` setting).
+        order: how an epoch's batches are cut (``plan.ORDERS``): ``"servers"`` (each data
+            server cuts its own share of the samples, which it prepares, and caches, every
+            epoch) or ``"global"`` (batch ``g`` is samples ``[g * batch_size, (g + 1) *
+            batch_size)`` of the epoch's permutation: the same batches at any number of
+            workers and data servers).
+        collate: makes batches of samples whose shapes vary, on the data servers
+            (``collate.Pad``, ``collate.Pack`` or a ``collate.Collate`` of your own); None:
+            every sample has the first one's shapes and a batch is their stack.
 
     Raises:
         ConfigError: the job has no data servers (``gradsync run --data-servers D``).
     """
 
     def __init__(self, dataset, batch_size: int, transform=None, seed: int = 0,
-                 prefetch: int | None = None):
+                 prefetch: int | None = None, order: str = "servers", collate=None):
         from .. import api, job
         from ..config import load_config
         from ..launch_env import detect
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
         env = detect(data_server=True)
         if env.is_data_server:
             from .cache import Cache
             from .server import Source, serve
 
             config = load_config()
-            source = Source(dataset, transform, seed, Cache(config.data_cache_bytes))
-            raise SystemExit(serve(config, env, source, batch_size, seed))
+            source = Source(dataset, transform, seed, Cache(config.data_cache_bytes), collate)
+            raise SystemExit(serve(config, env, source, batch_size, seed, order))
         if env.data_servers == 0:
             raise ConfigError("this job has no data servers: start it with 'gradsync run -np W "
                               "--data-servers D ...' or export GRADSYNC_DATA_SERVERS=D on every "
@@ -94,6 +104,7 @@ class Loader:
         world = job.world()
         config = world.config
         self.samples, self.batch_size, self.seed = len(dataset), batch_size, seed
+        self.order, self.collate = order, collate
         self.prefetch = config.data_prefetch if prefetch is None else int(prefetch)
         if self.prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
@@ -161,7 +172,8 @@ class Loader:
         """Says hello to every data server reached and maps each one's slots; a server lost
         meanwhile is set aside, as in the training loop."""
         hello = {"batch_size": self.batch_size, "seed": self.seed, "samples": self.samples,
-                 "prefetch": self.prefetch}
+                 "order": self.order, "prefetch": self.prefetch,
+                 "collate": None if self.collate is None else self.collate.describe()}
         calls = {d: p.call_async("hello", **hello) for d, p in enumerate(self.peers)
                  if d not in self.lost}
         replies = {}
@@ -186,7 +198,9 @@ class Loader:
         if not replies or len(self.lost) == self.servers:
             raise self._none_left()
         first = replies[min(replies)]  # every server describes the same dataset
-        self.layout = Layout(first["layout"])
+        # The stack's layout, or the collate's spec (``collate.py``).
+        self.spec = first["layout"]
+        self.layout = Layout(self.spec) if self.collate is None else None
         self.slot_bytes = first["slot_bytes"]
 
     def _none_left(self) -> GradsyncError:
@@ -224,12 +238,12 @@ class Loader:
         else:
             epoch, done = self.epoch, self._resume.get(self.epoch)
         batches = plan(self.samples, self.batch_size, self.seed, epoch, self.servers,
-                       self.workers, done)
+                       self.workers, done, self.order)
         return [len(batches[w::self.workers]) for w in range(self.workers)]
 
     def _my_batches(self, epoch: int, done: np.ndarray | None) -> list[Batch]:
         return worker_batches(plan(self.samples, self.batch_size, self.seed, epoch,
-                                   self.servers, self.workers, done), self.rank)
+                                   self.servers, self.workers, done, self.order), self.rank)
 
     def __iter__(self):
         if self._closed:
@@ -633,7 +647,10 @@ class _Epoch:
             raise item
         batch, buf = item
         self.in_hand = self.ids = batch.ids
-        return self.loader.layout.unpack(buf, len(batch.ids))
+        loader = self.loader
+        if loader.collate is not None:
+            return loader.collate.unpack(loader.spec, buf, len(batch.ids))
+        return loader.layout.unpack(buf, len(batch.ids))
 
     def stop(self) -> None:
         self._stopping = True

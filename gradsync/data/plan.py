@@ -22,6 +22,27 @@ A worked example: 10 samples, 2 servers, 2 workers, batches of 2, an order of
 g0, g2, g4 and worker 1 g1, g3, g5. Every sample is in exactly one batch and every batch goes
 to exactly one worker: that is the exactly-once rule, and it holds for any ``done`` set,
 which is how a resumed epoch (``Loader.load_state_dict``) serves only what is left.
+
+**The global order** (``order="global"``). The plan above depends on the number of servers:
+the interleave, not the permutation, decides which samples share a batch and which batch
+comes first, so a job resumed or resized at other counts trains on another sequence. With
+``order="global"`` the batches are cut from the permutation itself, and only the dealing
+depends on the counts:
+
+1. Leave out the ``done`` samples, keeping the permutation's order: the *rest*.
+2. Batch ``g`` is ``rest[g * batch_size : (g + 1) * batch_size]`` (only the epoch's last
+   batch may be short), its rows in the permutation's order.
+3. Batch ``g`` goes to worker ``g % workers`` and is prepared by server ``g % servers``.
+
+So batch ``g`` holds the same samples, in the same rows, at any number of workers and servers,
+and a job of W workers trains, at its step ``k``, on batches ``k*W .. k*W + W-1``: samples
+``[k*W*batch_size, (k+1)*W*batch_size)`` of the rest. A checkpoint taken between steps
+(``Loader.state_dict``) marks a prefix of the permutation done, so the resumed job's rest is
+the same permutation's suffix, cut at the same boundaries, whatever its counts. The price:
+a server prepares whichever samples its batches hold, not a fixed share of the dataset, so its
+cache (``cache.py``) no longer holds the same samples every epoch. The same example with
+``order="global"``: ``g0=[7 2]@s0 g1=[9 4]@s1 g2=[0 5]@s0 g3=[3 8]@s1 g4=[1 6]@s0``; worker 0
+gets g0, g2, g4 and worker 1 g1, g3; at 1 worker and 1 server the batches are the same.
 """
 
 from __future__ import annotations
@@ -32,12 +53,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Batch", "order", "plan", "worker_batches", "pack_mask", "unpack_mask",
+__all__ = ["Batch", "ORDERS", "order", "plan", "worker_batches", "pack_mask", "unpack_mask",
            "STATE_VERSION"]
 
 STATE_VERSION = 1
 """The version of the state dicts a Loader makes (``state_dict``) and reads: the epoch and a
 ``pack_mask`` of its delivered samples, with the Loader's samples, batch size and seed."""
+
+
+ORDERS = ("servers", "global")
+"""How batches are cut (the module docstring): ``servers``, each server's share cut on its own
+and interleaved (a server prepares the same samples every epoch); ``global``, cut from the
+permutation (the same batches at any number of workers and servers)."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +87,7 @@ def order(samples: int, seed: int, epoch: int) -> np.ndarray:
 
 
 def plan(samples: int, batch_size: int, seed: int, epoch: int, servers: int, workers: int,
-         done: np.ndarray | None = None) -> list[Batch]:
+         done: np.ndarray | None = None, cut: str = "servers") -> list[Batch]:
     """The epoch's batches, in index order (see the module docstring).
 
     Args:
@@ -69,7 +96,10 @@ def plan(samples: int, batch_size: int, seed: int, epoch: int, servers: int, wor
         seed, epoch: fix the order.
         servers, workers: how many of each the job has.
         done: a boolean mask of ``samples`` entries; True samples are left out.
+        cut: one of ``ORDERS``: how batches are cut from the order.
     """
+    if cut not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {cut!r}")
     if batch_size < 1 or servers < 1 or workers < 1 or samples < 0:
         raise ValueError(f"need batch_size, servers, workers >= 1 and samples >= 0, got "
                          f"{batch_size}, {servers}, {workers}, {samples}")
@@ -79,6 +109,9 @@ def plan(samples: int, batch_size: int, seed: int, epoch: int, servers: int, wor
             raise ValueError(f"the done mask has shape {done.shape}, the dataset {samples} "
                              "samples")
         perm = perm[~done[perm]]
+    if cut == "global":
+        return [Batch(g, g % servers, g % workers, perm[a:a + batch_size])
+                for g, a in enumerate(range(0, len(perm), batch_size))]
     owner = perm % servers
     per_server = []
     for s in range(servers):

@@ -43,6 +43,8 @@ Preparing a sample: the decoded sample comes from the cache (``cache.py``) or fr
 ``dataset[i]`` (and then goes into the cache while the budget lasts); the transform is then
 applied with a generator seeded by (seed, epoch, sample id), so that augmentation is random
 across epochs but the same for a seed whatever the number of servers, workers or cache hits.
+The batch is the samples' stack (``layout.py``), or what the Loader's ``collate`` makes of
+them (``collate.py``: padding, packing), in a slot of the collate's fixed upper size.
 
 Failures: a sample that the dataset or transform cannot prepare fails every later ``take`` with
 an error naming it (the workers raise it); the tables say so too (``SlotTable.fail``), and a
@@ -99,10 +101,13 @@ class Source:
             ``numpy.random.Generator`` seeded by (seed, epoch, sample id). None: as decoded.
         seed: the job's data seed.
         cache: where decoded samples are kept between epochs.
+        collate: makes a batch of samples whose shapes vary (``collate.py``); None: every
+            sample has the first one's shapes and a batch is their stack (``layout.py``).
     """
 
-    def __init__(self, dataset, transform, seed: int, cache: Cache):
+    def __init__(self, dataset, transform, seed: int, cache: Cache, collate=None):
         self.dataset, self.transform, self.seed, self.cache = dataset, transform, seed, cache
+        self.collate = collate
 
     def decoded(self, sample_id: int):
         """``dataset[sample_id]``, from the cache when it is there."""
@@ -112,17 +117,25 @@ class Source:
             self.cache.put(sample_id, sample, sum(leaf.nbytes for leaf in leaves_of(sample)))
         return sample
 
-    def prepared(self, sample, sample_id: int, epoch: int) -> list[np.ndarray]:
-        """The leaves of the transformed sample."""
+    def served(self, sample, sample_id: int, epoch: int):
+        """The transformed sample."""
         if self.transform is not None:
             rng = np.random.default_rng([self.seed, epoch, sample_id])
             sample = self.transform(sample, rng)
-        return leaves_of(sample)
+        return sample
+
+    def prepared(self, sample, sample_id: int, epoch: int) -> list[np.ndarray]:
+        """The leaves of the transformed sample."""
+        return leaves_of(self.served(sample, sample_id, epoch))
+
+    def first(self):
+        """Sample 0 as served in epoch 0."""
+        return (self.transform(self.dataset[0], np.random.default_rng([self.seed, 0, 0]))
+                if self.transform is not None else self.dataset[0])
 
     def layout(self) -> Layout:
         """The layout of sample 0 as served in epoch 0 (every sample must match it)."""
-        return Layout.of(self.transform(self.dataset[0], np.random.default_rng([self.seed, 0, 0]))
-                         if self.transform is not None else self.dataset[0])
+        return Layout.of(self.first())
 
 
 class _Stream:
@@ -168,20 +181,29 @@ class DataServer:
             they have all gone.
         beat: seconds between beats in the slot tables (the ``heartbeat_interval``; 0: no
             beats, for a job whose heartbeats are off).
+        order: how the epoch's batches are cut (``plan.ORDERS``; workers must agree).
     """
 
     def __init__(self, index: int, servers: int, workers: int, endpoint: Endpoint,
                  source: Source, batch_size: int, seed: int, timeout: float = 300.0,
-                 elastic: bool = False, beat: float = 0.0):
+                 elastic: bool = False, beat: float = 0.0, order: str = "servers"):
         self.index, self.servers, self.workers = index, servers, workers
         self.elastic = elastic
         self.endpoint, self.source, self.timeout = endpoint, source, timeout
-        self.batch_size, self.seed = batch_size, seed
+        self.batch_size, self.seed, self.order = batch_size, seed, order
         self.samples = len(source.dataset)
         if self.samples < 1:
             raise ValueError("the dataset is empty")
-        self.layout = source.layout()
-        self.slot_bytes = max(1, batch_size * self.layout.sample_bytes)
+        # The batch's shape, what the workers need to read one: the layout of the samples'
+        # stack, or a collate's spec (then the slot holds the largest batch it can make).
+        self.collate = source.collate
+        if self.collate is None:
+            self.layout = source.layout()
+            self.spec = self.layout.describe()
+            self.slot_bytes = max(1, batch_size * self.layout.sample_bytes)
+        else:
+            self.spec = self.collate.learn(source.first())
+            self.slot_bytes = max(1, int(self.collate.slot_bytes(self.spec, batch_size)))
         self.streams: dict[int, _Stream] = {}
         self.failure: str | None = None
         self.batches_served = 0
@@ -208,8 +230,11 @@ class DataServer:
 
     # ------------------------------------------------------------------ control methods
     def _hello(self, worker: int, args: dict) -> dict:
-        mine = {"batch_size": self.batch_size, "seed": self.seed, "samples": self.samples}
+        mine = {"batch_size": self.batch_size, "seed": self.seed, "samples": self.samples,
+                "order": self.order,
+                "collate": None if self.collate is None else self.collate.describe()}
         theirs = {k: args.get(k) for k in mine}
+        theirs["order"] = args.get("order", "servers")  # the default cut says nothing
         if theirs != mine:
             diff = sorted(k for k in mine if mine[k] != theirs[k])
             raise CollectiveMismatchError(
@@ -231,7 +256,7 @@ class DataServer:
                 table.fail()
             self.streams[worker] = _Stream(slots, prefetch, table)
             self._seen.add(worker)
-        return {"layout": self.layout.describe(), "slot_bytes": self.slot_bytes,
+        return {"layout": self.spec, "slot_bytes": self.slot_bytes,
                 "server": self.index}
 
     def _start(self, worker: int, args: dict) -> dict:
@@ -278,7 +303,8 @@ class DataServer:
             if known is None:
                 mask = unpack_mask(done, self.samples) if done else None
                 known = ((digest, workers), plan(self.samples, self.batch_size, self.seed,
-                                                 epoch, self.servers, workers, mask))
+                                                 epoch, self.servers, workers, mask,
+                                                 self.order))
                 self._plans = {k: p for k, p in self._plans.items()
                                if k >= (generation, epoch - 1)}
                 self._plans[key] = known
@@ -430,6 +456,14 @@ class DataServer:
 
     def _prepare(self, batch: Batch, epoch: int, slot: np.ndarray) -> int:
         """Prepares ``batch``'s samples into ``slot``; returns the bytes written."""
+        if self.collate is not None:
+            ids = batch.ids.tolist()
+            samples = [self.source.served(self.source.decoded(i), i, epoch) for i in ids]
+            nbytes = int(self.collate.pack(self.spec, samples, ids, slot))
+            if not 0 <= nbytes <= len(slot):
+                raise ValueError(f"the collate wrote {nbytes} bytes into a slot of "
+                                 f"{len(slot)} (its slot_bytes)")
+            return nbytes
         samples = []
         for sample_id in batch.ids.tolist():
             leaves = self.source.prepared(self.source.decoded(sample_id), sample_id, epoch)
@@ -481,7 +515,8 @@ END_KEY = "data/end"
 """Store key the elastic launcher sets once every worker has ended: the data servers end."""
 
 
-def serve(config, env, source: Source, batch_size: int, seed: int) -> int:
+def serve(config, env, source: Source, batch_size: int, seed: int,
+          order: str = "servers") -> int:
     """Runs this rank's data server until every worker is done (in an elastic job: until the
     launcher says the job is over); returns an exit status."""
     from ..server_links import open_store, publish
@@ -507,7 +542,7 @@ def serve(config, env, source: Source, batch_size: int, seed: int) -> int:
         server = DataServer(index, env.data_servers, env.workers, endpoint, source,
                             batch_size, seed, config.timeout, elastic=elastic,
                             beat=config.heartbeat_interval if config.heartbeat_timeout > 0
-                            else 0.0)
+                            else 0.0, order=order)
         publish(store, "data", index, endpoint)
         log.info("rank %d on host %s (pid %d): data server %d of %d, serving %s", env.rank,
                  env.hostname, os.getpid(), index, env.data_servers,

@@ -29,6 +29,9 @@ checks them (tests/test_data_multiprocess.py).
                              end worker 0 SIGCONTs the server, which finds its workers gone
                              and ends (``stopped``)
 
+GS_DATA_COLLATE=pack serves ``Tokens`` (sample i: ``i % 8`` tokens) packed into rows of 8 by
+``collate.Pack``; each worker checks every sample's tokens and writes the ids as count does.
+GS_DATA_ORDER=global cuts the batches from the epoch's permutation (``Loader``'s ``order``).
 GS_DATA_SLOW=ID:SECONDS makes the dataset take SECONDS to read sample ID (a slow server, not a
 lost one: its decode is cached, so only the first epoch pays).
 """
@@ -50,6 +53,7 @@ import gradsync.data
 SAMPLES = int(os.environ.get("GS_DATA_SAMPLES", "103"))
 BATCH = int(os.environ.get("GS_DATA_BATCH", "4"))
 SEED = int(os.environ.get("GS_DATA_SEED", "7"))
+ORDER = os.environ.get("GS_DATA_ORDER", "servers")  # how batches are cut (plan.ORDERS)
 SLOW = [float(x) for x in os.environ["GS_DATA_SLOW"].split(":")] \
     if os.environ.get("GS_DATA_SLOW") else None
 
@@ -67,6 +71,26 @@ class Numbers:
         if SLOW is not None and i == SLOW[0]:
             time.sleep(SLOW[1])  # emulated slow storage: the server is slow, not lost
         return {"x": np.full(3, i, np.float32), "id": i}
+
+
+class Tokens:
+    """Sample i: ``i % 8`` tokens (0 .. 7: empty ones included), ``1000 * i + k``; packed
+    into rows of 8 with a separator, a sample of 7 tokens fills a row."""
+
+    def __len__(self):
+        return SAMPLES
+
+    def __getitem__(self, i):
+        return torch.arange(i % 8, dtype=torch.int64) + 1000 * i
+
+
+def receive_packed(loader, batch, seen):
+    ids = loader.ids.tolist()
+    samples = gradsync.data.Pack.split(batch)
+    assert len(samples) == len(ids) and batch["tokens"].shape[1] == 8
+    for i, tokens in zip(ids, samples):
+        assert tokens.tolist() == (torch.arange(i % 8) + 1000 * i).tolist(), (i, tokens)
+    seen.setdefault(str(loader._active.epoch), []).extend(ids)
 
 
 def augment(sample, rng):
@@ -243,7 +267,14 @@ def main():
     workers = int(os.environ["GRADSYNC_SIZE"]) - int(os.environ["GRADSYNC_DATA_SERVERS"])
     if scenario.startswith("lose-") and 0 < int(os.environ["GRADSYNC_RANK"]) < workers:
         hold_connecting(directory, scenario[len("lose-"):])
-    loader = gradsync.data.Loader(dataset, batch_size=BATCH, transform=augment, seed=SEED)
+    if os.environ.get("GS_DATA_COLLATE") == "pack":
+        global receive
+        receive = receive_packed
+        loader = gradsync.data.Loader(Tokens(), batch_size=BATCH, seed=SEED, order=ORDER,
+                                      collate=gradsync.data.Pack(8, separator=-1))
+    else:
+        loader = gradsync.data.Loader(dataset, batch_size=BATCH, transform=augment,
+                                      seed=SEED, order=ORDER)
     seen: dict = {}
     if scenario.startswith("lose-"):
         if gs.rank() == 0:
