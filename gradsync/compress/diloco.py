@@ -110,28 +110,16 @@ class _CommReducer:
         return future.result()
 
 
-class _HorovodReducer:
-    """Runs reductions as asynchronous collectives of the Horovod API (a process set)."""
+# Reducers of the front doors above this package, by name (``comm="horovod"``): each front
+# door registers its own when it is imported (``gradsync.torch`` registers "horovod"), so
+# this package, which the front doors use, imports none of them.
+_REDUCERS: dict = {}
 
-    def __init__(self, compressor: ReducingCompressor | None, process_set):
-        from ..collectives.ops import ReduceOp
-        from ..torch import mpi_ops, requests
 
-        if process_set is None:
-            process_set = mpi_ops.global_process_set
-        self.compressor, self.process_set = compressor, process_set
-        self._ops, self._requests, self._average = mpi_ops, requests, ReduceOp.AVERAGE
-
-    def start(self, flat, shapes, key):
-        if self.compressor is None:
-            return self._ops.allreduce_async(flat, name=key, op=self._ops.Average,
-                                             process_set=self.process_set)
-        return self._requests.compressed_allreduce(
-            flat, shapes, key, self._average, 1.0, 1.0, self.process_set, self.compressor, key,
-            asynchronous=True)
-
-    def wait(self, handle) -> torch.Tensor:
-        return self._ops.synchronize(handle)
+def register_reducer(name: str, factory) -> None:
+    """``factory(compressor, process_set)`` -> an object with ``start(flat, shapes, key)``
+    (a handle) and ``wait(handle)`` (the averaged tensor), used for ``DiLoCo(comm=name)``."""
+    _REDUCERS[name] = factory
 
 
 class DiLoCo:
@@ -190,8 +178,11 @@ class DiLoCo:
         self.inner, self.sync_every, self.fragments = inner, sync_every, fragments
         self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
         self.delay, self.mix, self.compressor, self.name = delay, mix, compressor, name
-        if comm == "horovod":
-            self._reducer = _HorovodReducer(compressor, process_set)
+        if isinstance(comm, str):
+            if comm not in _REDUCERS:
+                raise ValueError(f"comm={comm!r}: no such front door"
+                                 + ("; import gradsync.torch first" if comm == "horovod" else ""))
+            self._reducer = _REDUCERS[comm](compressor, process_set)
         elif isinstance(comm, Comm) or all(hasattr(comm, a) for a in ("allreduce_sum_", "size")):
             self._reducer = _CommReducer(comm, compressor)
         else:

@@ -35,20 +35,15 @@ from __future__ import annotations
 __all__ = ["StateDictHandler", "DiLoCoHandler"]
 
 
-def _bcast_default():
-    from ..torch.functions import broadcast_object
-
-    return broadcast_object
-
-
 class StateDictHandler:
     """The handler of any value with ``state_dict``/``load_state_dict`` that needs no more
     (a compressor, a ``HookState``).
 
     Args:
         value: the object.
-        bcast_object: ``bcast_object(obj, root_rank, name=...)``; default the Horovod API's
-            ``broadcast_object``.
+        bcast_object: ``bcast_object(obj, root_rank, name=...)``; when not given, the elastic
+            state that holds the value binds its own (``bind_broadcast``), so this package
+            needs no front door of its own.
         name: names the broadcasts.
     """
 
@@ -57,9 +52,16 @@ class StateDictHandler:
         self._bcast = bcast_object
         self.kept = value.state_dict()
 
+    def bind_broadcast(self, bcast_object) -> None:
+        """Called by the elastic state that holds the value: its broadcast, unless one was
+        given."""
+        self._bcast = self._bcast or bcast_object
+
     def bcast(self, obj, root_rank: int):
-        bcast = self._bcast or _bcast_default()
-        return bcast(obj, root_rank, name=f"elastic.{self.name}")
+        if self._bcast is None:
+            raise RuntimeError(f"{self.name}: no broadcast to move the elastic state with; give "
+                               "bcast_object= or hold the value in an elastic State")
+        return self._bcast(obj, root_rank, name=f"elastic.{self.name}")
 
     def save(self) -> None:
         self.kept = self.value.state_dict()

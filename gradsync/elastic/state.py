@@ -150,6 +150,10 @@ class ObjectState(State):
         for name, value in handled.items():
             setattr(self, name, value)
         super().__init__(bcast_object, get_rank)
+        for handler in self._value_handlers.values():
+            # A handler that moves its value with a broadcast uses this state's own.
+            if callable(getattr(handler, "bind_broadcast", None)):
+                handler.bind_broadcast(bcast_object)
 
     def save(self) -> None:
         self._saved_state = {name: copy.deepcopy(getattr(self, name))

@@ -22,6 +22,7 @@ from . import elastic
 from .build import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built,
                     mpi_enabled, mpi_threads_supported, nccl_built, rocm_built)
 from .compression import Compression
+from . import diloco_reducer  # noqa: F401  (registers DiLoCo(comm="horovod"))
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters)
 from .grouped import (grouped_allgather, grouped_allgather_async, grouped_reducescatter,
