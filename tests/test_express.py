@@ -3,7 +3,8 @@
 Through ``gradsync run`` at 2, 3 and 4 ranks (tests/ranks/express.py): closed-form results
 for every dtype, op and small count on the lane, named and unnamed, beside ranks on the full
 road, and with the compiled road off; a mismatch raised on every rank, of names and of an
-unnamed call's dtype, op or count. Then the engine's side of the lane alone.
+unnamed call's dtype, op or count (op and count in the jobs of the closed forms, after them).
+Then the engine's side of the lane alone.
 """
 
 import threading
@@ -15,12 +16,17 @@ from harness import launch
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("n,mode", [pytest.param(2, "lane", marks=pytest.mark.slow), (3, "mixed"), (4, "lane"), (2, "off")])
-def test_lane_matches_the_closed_form(n, mode):
+# With a mismatch (3-mixed-op, 4-lane-count): then the unnamed mismatch of
+# test_unnamed_mismatch_raises_on_every_rank, in a second job of the same ranks (one start-up).
+@pytest.mark.parametrize("n,mode,mismatch", [
+    pytest.param(2, "lane", None, marks=pytest.mark.slow), (3, "mixed", "op"),
+    (4, "lane", "count"), (2, "off", None)])
+def test_lane_matches_the_closed_form(n, mode, mismatch):
     env = {"GRADSYNC_SHM_FAST": "0"} if mode == "off" else None
-    result = launch(n, "express.py", mode, timeout=120, env=env)
-    assert result.returncode == 0, result.output
-    assert result.output.count("express ok") == n, result.output
+    args = (mode, f"+{mismatch}") if mismatch else (mode,)
+    result = launch(n, "express.py", *args, timeout=150, env=env)
+    assert result.returncode == 0, result
+    assert result.output.count("express ok") == n * (2 if mismatch else 1), result
     taken = [int(line.rsplit(" ", 1)[1]) for line in result.output.splitlines()
              if "express ok" in line]
     if mode == "off":
@@ -30,8 +36,9 @@ def test_lane_matches_the_closed_form(n, mode):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("n,mode,what", [(2, "lane", "dtype"), (3, "mixed", "op"),
-                                         (4, "lane", "count")])
+# (3, "mixed", "op") and (4, "lane", "count") run after the closed forms, in the jobs of
+# test_lane_matches_the_closed_form[3-mixed-op] and [4-lane-count]
+@pytest.mark.parametrize("n,mode,what", [(2, "lane", "dtype")])
 def test_unnamed_mismatch_raises_on_every_rank(n, mode, what):
     result = launch(n, "express.py", mode, what, timeout=90)
     assert result.returncode == 0, result.output

@@ -6,7 +6,7 @@ clients and re-inits that leave no thread."""
 
 import pytest
 
-from harness import launch
+import small_jobs
 
 pytestmark = pytest.mark.multiprocess
 
@@ -16,7 +16,9 @@ CHECKS = ("alltoall-grad", "set-optimizer", "sparse-grad", "parameter-names", "s
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_horovod_behaviours(n):
-    result = launch(n, "hvd_behaviours.py", timeout=90)
-    assert result.returncode == 0, result
+    # tests/ranks/hvd_behaviours.py, in the job it shares with other scripts (small_jobs.py)
+    result = small_jobs.result(n)
+    assert small_jobs.ran(result, "hvd_behaviours.py", n), result
+    output = small_jobs.output(result, "hvd_behaviours.py")
     for check in CHECKS:
-        assert result.output.count(f"ok {check} ") == n, (check, result.output[-3000:])
+        assert output.count(f"ok {check} ") == n, (check, output[-3000:])

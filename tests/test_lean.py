@@ -5,15 +5,16 @@ import pytest
 
 from gradsync.collectives import planner
 from gradsync.config import Config
-from harness import launch
+import small_jobs
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_lean_path_matches_the_closed_form(n):
-    result = launch(n, "lean.py", timeout=90)
-    assert result.returncode == 0, result.output
-    assert result.output.count("lean ok") == n, result.output
+    # tests/ranks/lean.py, in the job it shares with other scripts (small_jobs.py)
+    result = small_jobs.result(n)
+    assert small_jobs.ran(result, "lean.py", n), result
+    assert small_jobs.output(result, "lean.py").count("lean ok") == n, result
 
 
 def test_plans_decide_once_per_size_and_request(monkeypatch):

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from harness import launch
+import small_jobs
 
 from gradsync.agreement import Signature
 from gradsync.negotiation import Request, ResponseCache, describe
@@ -16,10 +17,12 @@ CHECKS = ["out-of-order", "barrier", "duplicate", "unnamed", "fusion", "cache", 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("np_", [1, 2, 3])
 def test_negotiated_execution(np_):
-    result = launch(np_, "negotiation.py", timeout=90)
-    assert result.returncode == 0, result
+    # tests/ranks/negotiation.py, in the job it shares with other scripts (small_jobs.py)
+    result = small_jobs.result(np_)
+    assert small_jobs.ran(result, "negotiation.py", np_), result
+    output = small_jobs.output(result, "negotiation.py")
     for check in CHECKS + (["mismatch"] if np_ > 1 else []):
-        assert result.output.count(f"ok {check} ") == np_, (check, result.output[-3000:])
+        assert output.count(f"ok {check} ") == np_, (check, output[-3000:])
 
 
 @pytest.mark.multiprocess

@@ -10,12 +10,22 @@ momentum, Adam, accumulation and a parameter only one rank uses, against closed 
 import pytest
 
 from harness import launch
+import small_jobs
 
 pytestmark = pytest.mark.multiprocess
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("n", [1, 2, 3])
 def test_torch_surface(n):
-    result = launch(n, "torch_surface.py", timeout=150)
+    # tests/ranks/torch_surface.py, in the job it shares with other scripts (small_jobs.py)
+    result = small_jobs.result(n)
+    assert small_jobs.ran(result, "torch_surface.py", n), result
+    assert small_jobs.output(result, "torch_surface.py").count("surface checks passed") == n, \
+        result
+
+
+@pytest.mark.slow
+def test_torch_surface_at_4_ranks():
+    result = launch(4, "torch_surface.py", timeout=150)
     assert result.returncode == 0, result
-    assert result.output.count("surface checks passed") == n, result
+    assert result.output.count("surface checks passed") == 4, result

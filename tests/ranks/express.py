@@ -17,7 +17,10 @@ lane>".
 
 With argv[2] (``dtype``, ``op`` or ``count``) the script instead warms the lane with a few
 unnamed calls, then issues an unnamed allreduce that differs between ranks in that respect
-only, and checks that every rank raises CollectiveMismatchError naming what each issued.
+only, and checks that every rank raises CollectiveMismatchError naming what each issued. With
+``+dtype``, ``+op`` or ``+count`` it does that after all the checks above, in a second job
+of the same ranks (``shutdown()`` then ``init()``: one start-up for both; it prints "express
+ok" twice).
 """
 
 import sys
@@ -83,7 +86,10 @@ def unnamed_mismatch(what: str) -> None:
     sys.exit(0)
 
 
-if len(sys.argv) > 2:
+then = None  # "+WHAT": the unnamed mismatch of WHAT after every other check, in this job
+if len(sys.argv) > 2 and sys.argv[2].startswith("+"):
+    then = sys.argv[2][1:]
+elif len(sys.argv) > 2:
     unnamed_mismatch(sys.argv[2])
 
 
@@ -179,3 +185,7 @@ except gs.CollectiveMismatchError as exc:
 else:
     fail("different names did not raise CollectiveMismatchError")
 print(f"express ok {taken}", flush=True)
+if then:  # the mismatch above failed this job (as any does): a fresh one, in these ranks
+    gs.shutdown()
+    gs.init()
+    unnamed_mismatch(then)
