@@ -28,8 +28,9 @@ def run(mode: str, tmp_path, *launcher, steps=150, env=None, max_np=3):
     hosts.write_text("localhost:2\n")
     result = launch(2, "elastic_join.py", mode, str(steps), timeout=240,
                     env={"HOSTS_FILE": str(hosts), **(env or {})},
-                    launcher_args=("--min-np", "2", "--max-np", str(max_np), "--host-discovery-script",
-                                   f"cat {hosts}", "-x", "HOSTS_FILE", *launcher))
+                    launcher_args=("--min-np", "2", "--max-np", str(max_np),
+                                   "--host-discovery-script", f"cat {hosts}", "-x", "HOSTS_FILE",
+                                   *launcher))
     assert result.returncode == 0, result
     return result
 
