@@ -168,9 +168,12 @@ def _ps(workers, servers, *args, timeout=90, env=None):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("workers, servers, optimizer, transport", [
-    (1, 1, "sgd", "auto"), (2, 3, "adam", "tcp"),
-    # slow tier: the same parity with other counts (the two above keep sgd and adam, one and
-    # several servers, both transports in the default tier)
+    (1, 1, "sgd", "auto"),
+    # slow tier: (2, 3, adam, tcp) is also checked by the checkpoint test's save run, which
+    # is a parity run of that case (tests/ranks/ps_check.py, ``checkpoint``); the same parity
+    # with other counts (the default tier keeps sgd and adam, one and several servers, both
+    # transports)
+    pytest.param(2, 3, "adam", "tcp", marks=pytest.mark.slow),
     pytest.param(2, 1, "adam", "auto", marks=pytest.mark.slow),
     pytest.param(3, 2, "sgd", "auto", marks=pytest.mark.slow),
     pytest.param(3, 1, "sgd", "tcp", marks=pytest.mark.slow),
@@ -179,6 +182,8 @@ def test_sync_training_equals_the_local_optimizer(workers, servers, optimizer, t
     r = _ps(workers, servers, "parity", optimizer, env={"GRADSYNC_TRANSPORT": transport})
     assert r.returncode == 0, r
     assert r.output.count("steps match") == workers, r
+    # sync's guarantee (test_each_mode_keeps_its_guarantee's sync case, checked here too)
+    assert "sync: counters hold" in r.output, r
 
 
 @pytest.mark.multiprocess
@@ -197,8 +202,11 @@ def test_a_bf16_model_trains_on_float32_master_weights():
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mode, workers, servers", [
-    ("sync", 2, 1), ("backup", 3, 1), ("async", 3, 2), pytest.param("ssp", 3, 1, marks=pytest.mark.slow),
-    ("ssp", 4, 2),
+    # sync: the parity runs check these counters too (test_sync_training_equals_the_local_
+    # optimizer's 1 worker on 1 server; the checkpoint test's save run, 2 workers, the last
+    # one slow, on 3 servers), so this run is in the slow tier
+    pytest.param("sync", 2, 1, marks=pytest.mark.slow), ("backup", 3, 1), ("async", 3, 2),
+    pytest.param("ssp", 3, 1, marks=pytest.mark.slow), ("ssp", 4, 2),
 ])
 def test_each_mode_keeps_its_guarantee(mode, workers, servers):
     r = _ps(workers, servers, "mode", mode, "12")
@@ -239,11 +247,15 @@ def test_a_killed_server_gives_every_worker_a_clear_error():
 
 @pytest.mark.multiprocess
 def test_checkpoint_restores_the_same_parameters_and_continues_identically(tmp_path):
-    r = _ps(2, 2, "save", str(tmp_path))
+    # The save run is also test_sync_training_equals_the_local_optimizer's 2-worker Adam case
+    # on 3 servers over TCP: every step against torch.optim.Adam, then sync's counters.
+    r = _ps(2, 3, "save", str(tmp_path), env={"GRADSYNC_TRANSPORT": "tcp"})
     assert r.returncode == 0, r
+    assert r.output.count("5 steps match adam") == 2, r
+    assert "sync: counters hold" in r.output, r
     assert sorted(p.name for p in tmp_path.iterdir()) == \
-        ["p3.npy", "p5.npy", "server-0.npz", "server-1.npz"]
-    r = _ps(2, 2, "restore", str(tmp_path))
+        ["p3.npy", "p5.npy", "server-0.npz", "server-1.npz", "server-2.npz"]
+    r = _ps(2, 3, "restore", str(tmp_path), env={"GRADSYNC_TRANSPORT": "tcp"})
     assert r.returncode == 0, r
     assert "restore: ok" in r.output, r
 

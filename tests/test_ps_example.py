@@ -51,15 +51,6 @@ def assert_trained(result) -> None:
     assert final_accuracy(result.output) >= 0.9, str(result)
 
 
-def test_sync_applies_every_gradient_in_rounds_of_two():
-    result = run("sync")
-    assert_trained(result)
-    [s] = servers(result.output)
-    assert s == {"version": STEPS, "applied": 2 * STEPS, "dropped": 0, "max_staleness": 0,
-                 "max_clock_gap": 0}, str(result)
-    assert workers_dropped(result.output) == [0, 0], str(result)
-
-
 def test_backup_drops_the_late_gradient_and_still_trains():
     # k = 1 of 2 workers, and worker 1 a 2x straggler: most of its gradients come too late.
     result = run("backup", "--backup", "1", "--slow", "1:2")
@@ -89,10 +80,16 @@ def test_ssp_keeps_the_clocks_within_the_bound():
     assert s["max_clock_gap"] <= 1, str(result)
 
 
-def test_two_servers_with_factored_fc_layer():
+def test_sync_applies_every_gradient_in_rounds_of_two_on_two_servers_with_factored_fc_layer():
+    # One job for two checks that were two jobs (docs/testing.md, "Where each check lives"):
+    # sync mode's rounds (every server applies both workers' gradients every step, none
+    # dropped, none stale) and the factored push's bytes. Dense sync pushes are checked
+    # against torch.optim in test_ps.py's parity tests; the backup run below pushes densely.
     result = run("sync", "--factor-fc", servers=2)
     assert_trained(result)
-    assert [s["version"] for s in servers(result.output)] == [STEPS, STEPS], str(result)
+    assert servers(result.output) == [{"version": STEPS, "applied": 2 * STEPS, "dropped": 0,
+                                       "max_staleness": 0, "max_clock_gap": 0}] * 2, str(result)
+    assert workers_dropped(result.output) == [0, 0], str(result)
     # fc1 (1024 -> 128) goes as x (rows x 1024) and delta (rows x 128) instead of its 131,072
     # gradients. The servers' cut (flat element 75,648) falls inside fc1's row 55, so both
     # servers get x, and delta's column for row 55 too. The other 20,234 floats go dense. An

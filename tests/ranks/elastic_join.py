@@ -4,12 +4,15 @@ dies before joining, or never becomes ready.
     elastic_join.py MODE [STEPS]
 
 The job starts on the hosts of the discovery file $HOSTS_FILE; worker 0 appends $GROW_HOST
-(default ``127.0.0.1:1``) to it at step 5, so the launcher starts a new worker there. The new
-worker (the one whose host is not the first worker's), before ``hvd.init()``:
+(default ``127.0.0.1:1``; several hosts separated by commas) to it at step 5, so the launcher
+starts a new worker there. The new worker (the one whose host is not the first worker's),
+before ``hvd.init()``:
 
 - MODE slow: sleeps $JOIN_SLEEP seconds (default 5), as a worker whose start is slow;
 - MODE die: exits with status 1;
-- MODE hang: sleeps for good (the launcher's ready timeout must end it).
+- MODE hang: sleeps for good (the launcher's ready timeout must end it);
+- MODE diehang: both in one job: the new worker on host 127.0.0.1 dies, any other hangs (run
+  with ``GROW_HOST=127.0.0.1:1,127.0.0.2:1``, so that two new workers start at once).
 
 Training (20 ms of emulated compute a step, a commit every 5 steps) ends when the job has had
 3 workers for 10 steps (MODE slow), or after STEPS steps (default 150: die, hang).
@@ -28,6 +31,8 @@ mode = sys.argv[1]
 limit = int(sys.argv[2]) if len(sys.argv) > 2 else 150
 if joiner:
     print(f"JOINER start wall={time.time():.6f}", flush=True)
+    if mode == "diehang":
+        mode = "die" if os.environ["GRADSYNC_HOSTNAME"] == "127.0.0.1" else "hang"
     if mode == "die":
         sys.exit(1)
     time.sleep(float(os.environ.get("JOIN_SLEEP", "5")) if mode == "slow" else 3600)
@@ -64,7 +69,8 @@ def train(state):
                   f"steps={state.steps} wall={time.time():.6f}", flush=True)
             if state.steps == 5 and hvd.rank() == 0 and worker.generation() == 0:
                 with open(os.environ["HOSTS_FILE"], "a") as hosts:
-                    hosts.write(os.environ.get("GROW_HOST", "127.0.0.1:1") + "\n")
+                    hosts.write(os.environ.get("GROW_HOST", "127.0.0.1:1").replace(",", "\n")
+                                + "\n")
             if (mode == "slow" and state.grown >= 10) or (mode != "slow" and
                                                           state.steps >= limit):
                 return

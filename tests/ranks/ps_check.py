@@ -4,14 +4,15 @@ Every rank runs this script; server ranks serve inside ``ParameterClient`` (``gs
 exit. Workers train a small MLP on closed-form batches (``batch(worker, step)``), so a
 reference model trained locally on the same batches is what the servers must hold.
 
-    parity OPT [STEPS]     sync mode vs a local torch optimizer over every worker's batch
+    parity OPT [STEPS]     sync mode vs a local torch optimizer over every worker's batch;
+                           the last worker is slow; then sync's guarantee from the counters
     factor                 parity with Project Adam's factored Linear gradients; less traffic
     mode MODE STEPS        the last worker is slow; each mode's guarantee from the counters
     kill MODE              worker 2 dies at step 3; the others finish (async, backup) or
                            raise PeerLostError naming it (sync)
     killserver             worker 0 kills server 0; every worker raises PeerLostError
     save DIR / restore DIR a checkpoint at step 3 restores the same parameters and continues
-                           to the same step-5 parameters
+                           to the same step-5 parameters; save is also a parity run (Adam)
     bf16                   a bf16 model trains on float32 master weights
     mismatch               worker 1 builds another model
 """
@@ -61,31 +62,72 @@ def max_diff(a, b) -> float:
 fail = Checks(os.environ.get("GRADSYNC_RANK"), label="FAIL worker").fail
 
 
+HYPER = {"sgd": {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3},
+         "adam": {"lr": 0.01, "weight_decay": 1e-3}}
+
+
+class Local:
+    """The reference: the same model trained in this process by torch.optim on every
+    worker's batch of each step, averaged as sync mode averages them."""
+
+    def __init__(self, optimizer: str, width: int, workers: int):
+        self.optimizer, self.workers, self.model = optimizer, workers, model(width)
+        self.opt = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[optimizer](
+            self.model.parameters(), **HYPER[optimizer])
+
+    def step(self, m, step: int) -> float:
+        """One step of the reference; fails unless ``m`` (after its server step) equals it."""
+        self.opt.zero_grad()
+        for w in range(self.workers):
+            (loss(self.model, w, step) / self.workers).backward()
+        self.opt.step()
+        diff = max_diff(m, self.model)
+        if diff > 2e-5:
+            fail(f"step {step}: parameters differ from the local {self.optimizer} by {diff:.3g}")
+        return diff
+
+
+def slow_worker(ps) -> bool:
+    """Whether this is the last of several workers, which sleeps 0.08 s a step: sync rounds
+    must wait for the slowest worker (sync_counters checks that they did)."""
+    return ps.rank == ps.workers - 1 and ps.workers > 1
+
+
 def parity(optimizer: str, steps: int, factor: bool = False) -> None:
-    hyper = {"sgd": {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3},
-             "adam": {"lr": 0.01, "weight_decay": 1e-3}}[optimizer]
     width = 256 if factor else 32
     m = model(width)
     ps = gradsync.ps.ParameterClient(m, optimizer=optimizer, mode="sync",
-                                     factor_fc=8 if factor else None, **hyper)
-    ref = model(width)
-    opt = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[optimizer](ref.parameters(), **hyper)
+                                     factor_fc=8 if factor else None, **HYPER[optimizer])
+    ref = Local(optimizer, width, ps.workers)
     dense = 0
     for step in range(steps):
+        if slow_worker(ps):
+            time.sleep(0.08)
         train_step(m, ps, ps.rank, step)
-        opt.zero_grad()
-        for w in range(ps.workers):
-            (loss(ref, w, step) / ps.workers).backward()
-        opt.step()
+        diff = ref.step(m, step)
         dense += sum(p.numel() for p in m.parameters()) * 4
-        diff = max_diff(m, ref)
-        if diff > 2e-5:
-            fail(f"step {step}: parameters differ from the local {optimizer} by {diff:.3g}")
     print(f"worker {ps.rank}: {steps} steps match {optimizer} (max diff {diff:.2g}); "
           f"pushed {ps.bytes_pushed} bytes, dense {dense}, ratio {dense / ps.bytes_pushed:.2f}")
     if factor and not dense > 1.5 * ps.bytes_pushed:
         fail(f"factored push sent {ps.bytes_pushed} bytes, dense would be {dense}")
+    sync_counters(ps, steps)
     ps.close()
+
+
+def sync_counters(ps, steps: int) -> None:
+    """Sync mode's guarantee from every server's counters, once every worker has left: each
+    round applied every worker's gradient (the slow last one's too), none dropped, none stale.
+    The parity runs check it, so that no job of its own is needed for it."""
+    ps.leave()
+    gs.barrier()  # every worker has left: the counters are final
+    if ps.rank != 0:
+        return
+    for st in ps.stats():
+        checks = [st["applied"] == ps.workers * steps, st["version"] == steps,
+                  st["dropped"] == 0, st["max_staleness"] == 0]
+        if not all(checks):
+            fail(f"sync counters break the mode's guarantee: {st} ({checks})")
+    print("sync: counters hold")
 
 
 def modes(mode: str, steps: int) -> None:
@@ -166,14 +208,26 @@ def killserver() -> None:
 
 
 def checkpoint(action: str, directory: str) -> None:
+    """The save run is a parity run too (Adam, every step against ``Local``, the last worker
+    slow, then sync's counters): test_ps.py runs it with 2 workers on 3 servers over TCP, so
+    that no parity job of its own is needed for that case."""
     m = model()
-    ps = gradsync.ps.ParameterClient(m, optimizer="adam", lr=0.01, mode="sync",
-                                     restore=directory if action == "restore" else None)
+    ps = gradsync.ps.ParameterClient(m, optimizer="adam", mode="sync",
+                                     restore=directory if action == "restore" else None,
+                                     **HYPER["adam"])
     flat = lambda: np.concatenate([p.detach().numpy().ravel() for p in m.parameters()])  # noqa
+    ref = Local("adam", 32, ps.workers) if action == "save" else None
     start = 0
+
+    def step_(step):
+        if ref is not None and slow_worker(ps):
+            time.sleep(0.08)
+        train_step(m, ps, ps.rank, step)
+        return ref.step(m, step) if ref is not None else None
+
     if action == "save":
         for step in range(3):
-            train_step(m, ps, ps.rank, step)
+            step_(step)
         if ps.rank == 0:
             ps.save(directory)
             np.save(os.path.join(directory, "p3.npy"), flat())
@@ -185,7 +239,9 @@ def checkpoint(action: str, directory: str) -> None:
         if ps.tags != [3] * ps.servers:
             fail(f"restored version {ps.tags}, expected 3")
     for step in range(3, 5):
-        train_step(m, ps, ps.rank, step)
+        diff = step_(step)
+    if ref is not None:
+        print(f"worker {ps.rank}: 5 steps match adam (max diff {diff:.2g})")
     if ps.rank == 0:
         path = os.path.join(directory, "p5.npy")
         if action == "save":
@@ -194,6 +250,8 @@ def checkpoint(action: str, directory: str) -> None:
             fail(f"after restore, step 5 differs from the original run by "
                  f"{np.abs(flat() - np.load(path)).max():.3g}")
         print(f"{action}: ok (start {start})")
+    if ref is not None:
+        sync_counters(ps, 5)
     ps.close()
 
 

@@ -21,7 +21,7 @@ prints ``digest <hex>`` of shard 0's parameters (one line per shard) for the tes
 - ``ssp``'s clock gap stays within its bound; ``sync`` makes one version per step.
 """
 
-import common  # noqa: F401  (deadline)
+import common  # deadline; until, gone
 from checks import Checks
 
 import os
@@ -60,7 +60,9 @@ def run(mode: str, fault: str, steps: int) -> None:
         check(ps, mode, steps, total)
         if fault == "stop":
             os.kill(victim, signal.SIGCONT)
-            time.sleep(3)  # the woken server finds itself fenced out and ends
+            # The woken server finds itself fenced out and ends (its message is the test's
+            # check): wait for that, not a fixed 3 s; the job's end would stop it otherwise.
+            common.until(lambda: common.gone(victim), "the woken server did not end")
     gs.barrier()
     ps.close()
 
