@@ -389,10 +389,10 @@ class Controller:
         ``timeout``, to be announced as expired."""
         config = self.world.config
         stalls, expired = self.agreement.stalled(config.stall_warning, config.timeout)
-        for stall in stalls:
+        for late in stalls:
             log.warning("gradsync (%s): operation '%s' has waited %.0fs: issued by ranks "
                         "%s, not yet by ranks %s; it fails after %.0fs (GRADSYNC_TIMEOUT)",
-                        self.label, stall.name, stall.waited, stall.issued, stall.missing,
+                        self.label, late.name, late.waited, late.issued, late.missing,
                         config.timeout)
         return expired
 

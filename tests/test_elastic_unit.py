@@ -5,7 +5,6 @@ import itertools
 import os
 import re
 import types
-from datetime import timedelta
 
 import pytest
 import torch

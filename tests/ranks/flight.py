@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-import common  # (deadline)
+import common  # noqa: F401  (deadline)
 import numpy as np
 
 import gradsync as gs

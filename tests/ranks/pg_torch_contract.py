@@ -11,7 +11,6 @@ timeout check goes last: its group fails on purpose.
 
 import os
 import re
-import sys
 import tempfile
 import time
 import traceback
