@@ -338,7 +338,7 @@ for what, exc, kwargs in (
         fail(f"unhelpful message: {message}")
 raises("wrapping a model", TypeError, lambda: D(net))
 subset = D(torch.optim.SGD(net[4].parameters(), lr=0.1), named_parameters=net.named_parameters())
-raises("wrapping twice", ValueError, lambda: D(subset))
+raises("wrapping twice", ValueError, lambda subset=subset: D(subset))
 del subset
 
 model = mlp().double()
