@@ -39,12 +39,19 @@ class Counting:
         self._comm.exchange(sends, recvs, lend)
 
 
-def world(rank: int, size: int, comm) -> types.SimpleNamespace:
+class FakeWorld(types.SimpleNamespace):
+    """A namespace that can be weakly referenced, as the flight recorder's tracks refer to
+    their World."""
+
+
+def world(rank: int, size: int, comm) -> FakeWorld:
     """What a Controller reads of a World, across hosts (no shared-memory group)."""
     config = types.SimpleNamespace(check_collectives=True, chunk_bytes=1 << 16,
-                                   stall_warning=60.0, timeout=60.0)
-    return types.SimpleNamespace(rank=rank, size=size, comm=comm, config=config,
-                                 shm_group=None, hierarchical=False, fail=lambda exc: exc)
+                                   stall_warning=60.0, timeout=60.0, stall_report=0.0,
+                                   abort_poll_interval=0.1)
+    return FakeWorld(rank=rank, size=size, comm=comm, config=config, shm_group=None,
+                     hierarchical=False, fail=lambda exc: exc,
+                     env=types.SimpleNamespace(job_id="negotiation-cost"))
 
 
 def steady_cycles(n: int, names: int = 4, steps: int = 5):
