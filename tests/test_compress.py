@@ -63,19 +63,20 @@ class ThreadComm:
         return torch.cat(got)
 
 
-def run_ranks(size: int, fn):
-    """Runs ``fn(comm)`` on ``size`` threads; returns their results in rank order."""
-    group = ThreadGroup(size)
+def run_threads(size: int, body, abort) -> list:
+    """Runs ``body(r)`` for r in range(size) on threads, one a rank; the first error calls
+    ``abort()`` (so that the others' barriers break instead of waiting) and is raised here.
+    Returns the results in rank order; a rank still running after 60 s fails the test."""
     results, errors = [None] * size, []
 
-    def body(r):
+    def run(r):
         try:
-            results[r] = fn(ThreadComm(group, r))
+            results[r] = body(r)
         except BaseException as exc:  # noqa: BLE001  (re-raised below)
             errors.append(exc)
-            group.barrier.abort()
+            abort()
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(size)]
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
     for t in threads:
         t.start()
     for t in threads:
@@ -83,7 +84,13 @@ def run_ranks(size: int, fn):
     if errors:
         raise errors[0]
     assert not any(t.is_alive() for t in threads), "a rank is stuck"
-    return results, group
+    return results
+
+
+def run_ranks(size: int, fn):
+    """Runs ``fn(comm)`` on ``size`` threads; returns their results in rank order."""
+    group = ThreadGroup(size)
+    return run_threads(size, lambda r: fn(ThreadComm(group, r)), group.barrier.abort), group
 
 
 def grads(rank: int, step: int, numel: int) -> torch.Tensor:

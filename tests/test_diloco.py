@@ -11,7 +11,6 @@ drift apart between syncs and meet at each one.
 from __future__ import annotations
 
 import copy
-import threading
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ import torch
 from gradsync.compress import DiLoCo, Int8
 from gradsync.compress.diloco import fragments_of
 from gradsync.elastic.state import ObjectState
-from test_compress import ThreadGroup, ThreadComm, run_ranks
+from test_compress import ThreadComm, ThreadGroup, run_ranks, run_threads
 
 
 def _net():
@@ -319,23 +318,7 @@ def test_fault_mid_window_costs_only_the_fragment_in_flight():
         _run(outer._reducer.comm, 16, model, opt, outer, 7)
         return flat(model), outer.state_dict(), outer.landed
 
-    results, errors = [None] * 3, []
-
-    def run(r):
-        try:
-            results[r] = body(r)
-        except BaseException as exc:  # noqa: BLE001  (re-raised below)
-            errors.append(exc)
-            survivors.barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
-    assert not any(t.is_alive() for t in threads), "a rank is stuck"
+    results = run_threads(3, body, survivors.barrier.abort)
     (m0, s0, landed), (m1, s1, _) = results[0], results[1]
     assert landed[-4:] == [(9, 1), (11, 0), (13, 1), (15, 0)]
     for a, b in zip(s0["anchors"] + s0["momenta"], s1["anchors"] + s1["momenta"]):
@@ -389,23 +372,7 @@ def test_a_new_worker_takes_the_live_outer_state_and_the_cut_sync_is_redone():
         return outer.state_dict(), [p.detach().clone() for p in model.parameters()], \
             outer.groups, outer.landed
 
-    results, errors = [None] * 2, []
-
-    def run(r):
-        try:
-            results[r] = body(r)
-        except BaseException as exc:  # noqa: BLE001  (re-raised below)
-            errors.append(exc)
-            old.barrier.abort()
-            new.barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
+    results = run_threads(2, body, lambda: (old.barrier.abort(), new.barrier.abort()))
     (s0, p0, groups, landed0), (s1, p1, _, landed1) = results
     assert landed1 == [(7, 0)] and landed0[-1] == (7, 0)
     assert s0["step"] == s1["step"] == 7
