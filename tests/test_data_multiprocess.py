@@ -35,6 +35,15 @@ def _planned(epoch, servers, workers, worker, done=None):
     return [i for b in batches for i in b.ids.tolist()]
 
 
+def _each_sample_once_as_planned(got, servers, workers):
+    """Both epochs: every sample reached exactly one worker, each worker its planned batches."""
+    for epoch in (0, 1):
+        ids = [i for w in got for i in w[str(epoch)]]
+        assert sorted(ids) == list(range(SAMPLES)), f"epoch {epoch}"
+        for w in range(workers):
+            assert got[w][str(epoch)] == _planned(epoch, servers, workers, w)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("workers, servers", [(1, 1), (2, 3), pytest.param(3, 2, marks=[
     pytest.mark.slow]), (4, 1)])
@@ -42,11 +51,7 @@ def test_every_sample_reaches_exactly_one_worker_in_the_seeded_order(tmp_path, w
                                                                      servers):
     _run(workers, servers, "count", tmp_path, 2)
     got = _received(tmp_path, "count", workers)
-    for epoch in (0, 1):
-        ids = [i for w in got for i in w[str(epoch)]]
-        assert sorted(ids) == list(range(SAMPLES)), f"epoch {epoch}"
-        for w in range(workers):
-            assert got[w][str(epoch)] == _planned(epoch, servers, workers, w)
+    _each_sample_once_as_planned(got, servers, workers)
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert [s["server"] for s in stats] == list(range(servers))
     # Epoch 0 decoded each sample once, on its own server; epoch 1 was served from the cache.
@@ -64,10 +69,7 @@ def test_batches_read_over_tcp_arrive_exactly_once_as_over_shared_memory(tmp_pat
     # connections (the road between hosts) instead of mapping them.
     _run(2, 2, "count", tmp_path, 2, env={"GRADSYNC_TRANSPORT": "tcp"})
     got = _received(tmp_path, "count", 2)
-    for epoch in (0, 1):
-        assert sorted(i for w in got for i in w[str(epoch)]) == list(range(SAMPLES))
-        for w in range(2):
-            assert got[w][str(epoch)] == _planned(epoch, 2, 2, w)
+    _each_sample_once_as_planned(got, 2, 2)
     # The road between hosts cannot map the slot table: every batch was a take.
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert [s["takes"] for s in stats] == [s["batches"] for s in stats]
@@ -224,7 +226,4 @@ def test_packed_token_sequences_reach_exactly_one_worker_per_sample(tmp_path):
     # ``receive_packed``); here every sample is counted once per epoch, in the plan's order.
     _run(2, 2, "count", tmp_path, 2, env={"GS_DATA_COLLATE": "pack"})
     got = _received(tmp_path, "count", 2)
-    for epoch in (0, 1):
-        assert sorted(i for w in got for i in w[str(epoch)]) == list(range(SAMPLES))
-        for w in range(2):
-            assert got[w][str(epoch)] == _planned(epoch, 2, 2, w)
+    _each_sample_once_as_planned(got, 2, 2)
