@@ -6,6 +6,7 @@ map each other's segments); the launcher tests (tests/ranks/ps_replicas.py) kill
 primary mid-training.
 """
 
+import os
 import re
 import threading
 import time
@@ -260,7 +261,7 @@ def test_a_joiner_names_the_newest_view_each_time_it_asks(monkeypatch):
     assert (two.epoch, two.members) == (3, (0,))
 
     joiner = types.SimpleNamespace(index=1, shard=0, view=views.first, views=views,
-                                   joined=threading.Event())
+                                   joined=threading.Event(), join_error=None)
     asked = []
 
     def request(store, server, epoch):
@@ -270,6 +271,45 @@ def test_a_joiner_names_the_newest_view_each_time_it_asks(monkeypatch):
     monkeypatch.setattr(join, "request", request)
     assert join.wait_joined(joiner, store, workers=1, timeout=10)
     assert asked == [3]
+
+
+def test_a_joiner_whose_copy_cannot_be_set_up_ends_with_the_reason():
+    """A replacement half set up (here: a region name already in /dev/shm) would refuse the
+    primary's next try (its listener admits each peer once) and wait out its connect
+    timeout: it must end at once, with the reason, for the launcher to start a fresh one."""
+    from gradsync.errors import GradsyncError
+    from gradsync.ps import join
+
+    store = DictStore()
+    ep = Endpoint(2, "localhost", b"k" * 32, "psjoin", expect={1}, timeout=5)
+    try:
+        joiner = Server(1, 2, 1, ep, timeout=5, connect_timeout=30, replicas=2,
+                        views=Views(store, 0, 2, 2, timeout=1), beats=Beats(store, timeout=0),
+                        locate=lambda b: ("127.0.0.1", 0))
+        joiner.joining, joiner.view = True, joiner.views.first
+        name = f"{ep._segment_prefix()}0"
+        open(f"/dev/shm/{name}", "wb").close()  # what a killed predecessor left
+        try:
+            with pytest.raises(FileExistsError):
+                join.install(joiner, 1, {"phase": "setup", "spec": SPEC})
+            start = time.monotonic()
+            with pytest.raises(GradsyncError, match="could not set up a copy of shard 0: "
+                                                    "FileExistsError"):
+                join.wait_joined(joiner, store, workers=1, timeout=30)
+            assert time.monotonic() - start < 5
+            # The next process of this rank clears what its predecessor left, only that.
+            other = "gradsync-psjoin-r20-0"
+            open(f"/dev/shm/{other}", "wb").close()
+            try:
+                assert ep.clear_stale() == [name]
+                assert os.path.exists(f"/dev/shm/{other}")
+            finally:
+                os.unlink(f"/dev/shm/{other}")
+        finally:
+            if os.path.exists(f"/dev/shm/{name}"):
+                os.unlink(f"/dev/shm/{name}")
+    finally:
+        ep.close()
 
 
 def test_a_join_that_fails_at_the_connection_is_logged_not_an_uncaught_error(pair):
@@ -576,12 +616,20 @@ def test_a_stopped_primary_is_found_silent_replaced_and_fenced_when_it_wakes():
 
 @pytest.mark.multiprocess
 def test_a_replacement_joins_with_a_copy_while_training_goes_on():
+    """The primary is killed, its replacement joins; that replacement (a backup now, whose
+    copy's shared-memory names are still linked) is killed too, and a third process joins:
+    it clears the names its predecessor left (they refused its own, and every join failed)."""
     r = _run("async", "join", steps=24)
     assert "rank 3 started again (1 of 3): it joins its shard with a copy" in r.output, r
     assert re.search(r"shard 0: view 2 holds servers \[1, 0\] \(server 0 joined with a copy "
                      r"of version \d+\)", r.output), r
+    assert "rank 3 started again (2 of 3)" in r.output, r
+    assert "removed" in r.output and "shared-memory names its killed predecessor left" in \
+        r.output, r
+    assert re.search(r"shard 0: view 4 holds servers \[1, 0\] \(server 0 joined with a copy "
+                     r"of version \d+\)", r.output), r
     # The check in the rank script compared the joined copy's version, clocks and bits.
-    assert re.search(r"shard 0: primary 1 view \[2, \[1, 0\]\]; copies \[\(0, (\d+), '(\w+)'\), "
+    assert re.search(r"shard 0: primary 1 view \[4, \[1, 0\]\]; copies \[\(0, (\d+), '(\w+)'\), "
                      r"\(1, \1, '\2'\)\]", r.output), r
     assert r.returncode == 137, r  # the killed incarnation's status, reported at the end
 

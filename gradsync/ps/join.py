@@ -158,11 +158,18 @@ def install(server, peer: int, args: dict) -> dict:
     phase = args["phase"]
     if phase == "setup":
         if server.spec is None:
-            server._setup(args["spec"])
-            for name, value in server.optimizer.state_dict().items():
-                if isinstance(value, np.ndarray):
-                    server.endpoint.allocate(f"copy.{name}", value.shape, value.dtype,
-                                             fenced=True)
+            try:
+                server._setup(args["spec"])
+                for name, value in server.optimizer.state_dict().items():
+                    if isinstance(value, np.ndarray):
+                        server.endpoint.allocate(f"copy.{name}", value.shape, value.dtype,
+                                                 fenced=True)
+            except Exception as exc:
+                # Half set up, and its listener will not admit this primary again: end this
+                # process (wait_joined raises) so that the launcher starts a fresh one.
+                server.join_error = exc
+                server.joined.set()
+                raise
         return {}
     if phase == "state":
         state = dict(args["scalars"])
@@ -186,7 +193,11 @@ def wait_joined(server, store, workers: int, timeout: float) -> bool:
     """(The joiner.) Asks to join and waits until a view holds it; False if the workers
     finished first (nothing left to serve). Asks again every few seconds."""
     end = time.monotonic() + timeout
-    while not server.joined.wait(0):
+    while not server.joined.wait(0) or server.join_error is not None:
+        if server.join_error is not None:
+            raise GradsyncError(f"parameter server {server.index}: could not set up a copy of "
+                                f"shard {server.shard}: {type(server.join_error).__name__}: "
+                                f"{server.join_error}")
         if int(store.add("ps/closed", 0)) >= workers:
             return False
         # The newest view now, not the one found at the start: an earlier process of this

@@ -102,6 +102,9 @@ class Server:
         self.fenced: str | None = None
         self.joining = self.installed = False  # a replacement, before / after its copy
         self.joined = threading.Event()
+        # Why a joiner could not take its copy (it then ends, and the launcher starts another:
+        # its listener admits each peer once, so the primary could not try it again).
+        self.join_error: BaseException | None = None
         self._copies: dict = {}  # backup server -> RemotePeer (the primary's forwards)
         self._last: dict | None = None  # the newest update's info (replicas: see _reconcile)
         self._settled = 0  # the view whose copies this primary has brought to one version
@@ -779,6 +782,13 @@ def serve(config, env) -> int:
     # launcher restarted its rank): it joins with a copy of its shard (join.py).
     replacing = replicas > 1 and store.check(f"ps/server/{index}")
     if replacing:
+        # Its predecessor exited before the launcher started this process; if it was killed
+        # after allocating its copy's regions, their names are still in /dev/shm and would
+        # refuse ours (the chaos soak's second kill of one server: every join failed).
+        stale = endpoint.clear_stale()
+        if stale:
+            log.warning("parameter server %d: removed %d shared-memory names its killed "
+                     "predecessor left", index, len(stale))
         server.joining, server.view = True, views.newest()
         # Only a primary of that view or a newer one may copy the shard into it.
         endpoint.raise_fence(server.view.epoch)

@@ -180,7 +180,7 @@ class Endpoint:
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if nbytes == 0:
             return self.register(name, np.zeros(shape, dtype), fenced).array
-        segment = f"gradsync-{self.job}-r{self.ident}-{next(self._segments)}"
+        segment = f"{self._segment_prefix()}{next(self._segments)}"
         mapping = shm.create_segment(segment, nbytes)
         self._linked.add(segment)
         # The record locks need a descriptor of the segment for the life of the region.
@@ -213,6 +213,16 @@ class Endpoint:
         """Removes the shared segments' names: peers that mapped them keep their mappings, new
         ones can no longer map them. Call once every same-host peer has mapped them."""
         _unlink_all(self._linked)
+
+    def clear_stale(self) -> list[str]:
+        """Removes the segment names an earlier process of this endpoint id left in /dev/shm
+        (a SIGKILL leaves whatever ``unlink_segments`` had not yet removed), which would
+        refuse this process's own. Only for a replacement whose predecessor has exited (the
+        launcher starts one only then); returns the names removed."""
+        return shm.unlink_prefixed(self._segment_prefix())
+
+    def _segment_prefix(self) -> str:
+        return f"gradsync-{self.job}-r{self.ident}-"
 
     def unlink(self, name: str) -> None:
         """Removes region ``name``'s shared segment name (``unlink_segments`` for one region):

@@ -175,6 +175,24 @@ def unlink_segment(name: str) -> None:
         pass
 
 
+def unlink_prefixed(prefix: str) -> list[str]:
+    """Removes every ``/dev/shm/<prefix>*``; returns the names removed. For a process that
+    replaces a killed one under the same names (its predecessor has exited: SIGKILL left
+    them), never for names a live process may still create or map."""
+    if not prefix or "/" in prefix:
+        raise ValueError(f"not a segment name prefix: {prefix!r}")
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return removed
+    for name in sorted(names):
+        if name.startswith(prefix):
+            unlink_segment(name)
+            removed.append(name)
+    return removed
+
+
 def _map(fd: int, size: int) -> mmap.mmap:
     # MAP_POPULATE fills the page tables now, so the first collective does not pay a minor
     # page fault per 4 KiB page (about 0.1 us each, 16k of them for 64 MiB).

@@ -8,7 +8,9 @@ closed-form batches. At step ``STEPS // 3`` worker 0 hits the primary of shard 0
     stop   SIGSTOP; found silent after GRADSYNC_HEARTBEAT_TIMEOUT; SIGCONT once training is
            over, when the server must find itself fenced out and end
     join   SIGKILL; the launcher starts the rank again and it joins with a copy while the
-           others train; worker 0 waits for it (at most 60 s), then all train on
+           others train; worker 0 waits for it (at most 60 s), then SIGKILLs that
+           replacement too (now a backup, with its copy's names still in /dev/shm) and waits
+           for the third process of the rank to join; then all train on
     joinbackup   the same with shard 0's first backup as the victim
 
 At the end worker 0 checks what the mode guarantees from the surviving copies' counters and
@@ -49,7 +51,12 @@ def run(mode: str, fault: str, steps: int) -> None:
             os.kill(victim, signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
             print(f"worker 0: {fault} server pid {victim} at step {step}", flush=True)
         if ps.rank == 0 and step == steps // 3 + 1 and fault.startswith("join"):
-            acked += wait_for_join(m, ps)
+            acked += wait_for_join(m, ps, ps.view[0].epoch)
+            if fault == "join":
+                epoch, again = ps.views[0].newest(ps.view[0]).epoch, ps._copy(0).pid
+                os.kill(again, signal.SIGKILL)
+                print(f"worker 0: kill the replacement, server pid {again}", flush=True)
+                acked += wait_for_join(m, ps, epoch)
         if ps.rank == ps.workers - 1 and mode != "sync":
             time.sleep(0.02)  # a slower worker: backup drops some, ssp waits for it
         acked += int(train_step(m, ps, ps.rank, step))
@@ -67,17 +74,23 @@ def run(mode: str, fault: str, steps: int) -> None:
     ps.close()
 
 
-def wait_for_join(m, ps) -> int:
-    """Trains on (this worker too) until shard 0's view holds all its copies again; returns
-    the pushes acknowledged meanwhile."""
-    end, acked, step = time.monotonic() + 60, 0, 1000
-    while len(ps.views[0].newest(ps.view[0]).members) < ps.replicas:
+def wait_for_join(m, ps, since: int) -> int:
+    """Trains on (this worker too) until a view of shard 0 newer than ``since`` holds all its
+    copies again; returns the pushes acknowledged meanwhile."""
+    end, acked, step = time.monotonic() + 60, 0, 1000 + 1000 * since
+
+    def whole():
+        newest = ps.views[0].newest(ps.view[0])
+        return newest.epoch > since and len(newest.members) == ps.replicas
+
+    while not whole():
         if time.monotonic() > end:
             fail("no replacement joined shard 0 within 60 s")
         acked += int(train_step(m, ps, ps.rank, step))  # training goes on meanwhile
         step += 1
         time.sleep(0.05)
-    print(f"worker 0: shard 0 has {ps.replicas} copies again after {step - 1000} more steps: "
+    print(f"worker 0: shard 0 has {ps.replicas} copies again after {step - 1000 - 1000 * since} "
+          f"more steps: "
           f"{ps.views[0].newest(ps.view[0])}", flush=True)
     return acked
 
