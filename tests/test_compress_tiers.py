@@ -217,7 +217,15 @@ def test_powersgd_runs_between_host_leaders_on_host_sums():
     for r in got:
         assert torch.equal(r, got[0])
     assert torch.allclose(got[0], want[0] / 5, atol=1e-6)
-    assert net.dtypes["host"] == {torch.float32} and net.bytes["host"] > 0
+    # (Given Q, PowerSGD is linear: run by every rank it would give the same numbers. What
+    # tells the schedules apart is who sends what.) Between hosts, only the 2 leaders'
+    # allreduces: the bias (5) with P (8 x 2), then Q (6 x 2), each member sending 2 (m-1)/m.
+    leaders = 2
+    assert net.bytes["host"] == 4 * sum(leaders * (2 * (leaders - 1) * n // leaders)
+                                        for n in (5 + 8 * 2, 6 * 2))
+    # Inside hosts, the whole float32 sum onto the leader and back: 2 (k - 1) 53 floats.
+    assert net.bytes["local"] == 4 * (2 * 2 * 53 + 2 * 1 * 53)
+    assert net.dtypes == {"local": {torch.float32}, "host": {torch.float32}, "group": set()}
 
 
 # ----------------------------------------------------------------------------- (b) bytes
