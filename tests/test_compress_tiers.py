@@ -315,8 +315,11 @@ def test_error_feedback_on_the_owners_makes_the_running_sum_converge(make, layou
     results = run_net(net, job)
     for sent, _, _ in results:
         assert torch.equal(sent, results[0][0])
+    # With error feedback the gap is what the residuals hold, bounded: it shrinks like 1/T
+    # (by 3.6 to 5.9 here from step 10 to 60; the runs are deterministic). Without it, int8's
+    # roundings add up like sqrt(T) (2.2 to 2.4) and random-k's unsent part like T (1).
     early, late = results[0][2]
-    assert late < early / 2 and late < 0.25, (early, late)
+    assert late < early / 3 and late < 0.25, (early, late)
     keys = [set(c.state.tensors) for _, c, _ in results]
     assert all(all(k.startswith("bucket0@") for k in ks) for ks in keys), keys
     assert any(keys)
