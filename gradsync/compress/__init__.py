@@ -15,9 +15,11 @@ communication hook, ``ddp_hook.py``: gloo, gradsync or any backend).
 
 Modules: ``base`` (the interface), ``state`` (error-feedback residuals and the other state,
 with ``state_dict``), ``quantized`` (int8 and fp8), ``powersgd``, ``randomk``, ``comm``,
-``ddp_hook``; ``diloco`` (local SGD, DiLoCo and streaming DiLoCo: an outer gradient every
-H steps, through the same compressors and ``Comm``), ``elastic`` (their state and the
-compressors' in an elastic ``State``).
+``ddp_hook``; ``tiers`` (on several hosts, full precision inside a host and the compressor
+only across the slowest tier, once per host: the default of every compressor); ``diloco``
+(local SGD, DiLoCo and streaming DiLoCo: an outer gradient every H steps, through the same
+compressors and ``Comm``), ``elastic`` (their state and the compressors' in an elastic
+``State``).
 """
 
 from .base import ReducingCompressor

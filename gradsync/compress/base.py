@@ -9,6 +9,11 @@ stays in its residual (``state``) and is added to its next gradient of the same 
 over steps the sum of what was sent follows the sum of the gradients (error feedback: Seide
 et al. 2014, Karimireddy et al. 2019).
 
+Tiers. On a Comm that knows its ranks' hosts (``comm.placement()``: the Horovod API's World,
+a DDP hook's group), the reduction is tiered (``tiers.py``): float32 inside each host, the
+compressor only across hosts (the slowest tier), once per host; ``tiers="all"`` compresses
+every rank's gradient on every tier, as on one host.
+
 Every rank must call ``reduce`` for the same keys, with the same shapes, in the same order:
 the collectives inside are issued in a fixed order that depends only on those (never on
 values, never on timing), which is what lets several buckets share one group.
@@ -20,6 +25,7 @@ import zlib
 
 import torch
 
+from . import tiers as _tiers
 from .state import CompressorState
 
 __all__ = ["ReducingCompressor", "seed_for"]
@@ -37,14 +43,24 @@ class ReducingCompressor:
     owns_reduction = True
     """Marks a compressor that replaces the allreduce (the front doors look for it)."""
 
-    def __init__(self, seed: int = 0):
+    shardable = True
+    """Element-wise: any slice of the flat tensor can be reduced on its own (``tiers.py``
+    gives each rank of a host a block); PowerSGD, which needs whole matrices, is not."""
+
+    def __init__(self, seed: int = 0, tiers: str = "slowest"):
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {seed!r}")
-        self.seed = seed
+        if tiers not in _tiers.TIERS:
+            raise ValueError(f"tiers must be one of {', '.join(_tiers.TIERS)}, got {tiers!r}")
+        self.seed, self.tiers = seed, tiers
         self.state = CompressorState()
 
     def describe(self) -> str:
-        """The compressor and its settings: what must agree between ranks."""
+        """The compressor and its settings: what must agree between ranks (``tiers`` too,
+        when it is not the default)."""
+        return self._describe() + (f"[tiers={self.tiers}]" if self.tiers != "slowest" else "")
+
+    def _describe(self) -> str:
         raise NotImplementedError
 
     def reduce(self, flat: torch.Tensor, shapes: list, comm, key: str | None,
@@ -61,7 +77,9 @@ class ReducingCompressor:
             raise ValueError(f"{self.describe()}: shapes {list(map(tuple, shapes))} hold "
                              f"{total} elements but the flat tensor has {flat.numel()}")
         x = flat.detach().to(torch.float32, copy=True)
-        return self._reduce(x, [tuple(s) for s in shapes], comm, key, average)
+        shapes = [tuple(s) for s in shapes]
+        tiered = _tiers.reduce(self, x, shapes, comm, key, average)
+        return tiered if tiered is not None else self._reduce(x, shapes, comm, key, average)
 
     def _reduce(self, x: torch.Tensor, shapes: list[tuple], comm, key: str | None,
                 average: bool) -> torch.Tensor:

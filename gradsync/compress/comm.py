@@ -12,6 +12,20 @@ pairs), so the Horovod API, a DDP hook and the tests' in-memory group are interc
 
 Each call is one collective issued in program order; a compressor issues them in an order
 fixed by its arguments alone, so every rank issues the same sequence.
+
+Tiers (``tiers.py``: compression on the slow tier only). A Comm that knows where its ranks
+are also offers:
+
+- ``placement()``: the ``Topology`` of its ranks (rank i of the Comm is rank i there), or
+  None when it does not know (then everything is one tier and compressed as above);
+- ``sub(ranks)``: a Comm among ``ranks`` (this Comm's numbering, in that order; member j is
+  ``ranks[j]``), called by exactly those ranks, in the same order on each;
+- ``reduce_scatter_sum_(t, counts)``: full-precision float32, in place; after it member j's
+  block (``counts[j]`` elements, blocks back to back in member order) holds the sum;
+- ``gather_blocks_(t, counts)``: in place, every member's block from its member;
+- ``begin_tiered(description)``: called once, on every rank, before a tiered reduction;
+- ``prepare(groups)`` (where sub-groups must be made ahead, by every rank: ``TorchComm``):
+  called with every sub-group the reduction will use, the same list on every rank.
 """
 
 from __future__ import annotations
@@ -19,12 +33,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .. import launch_env
 from .. import operations as ops
 from ..collectives import alltoall as _alltoall
-from ..collectives import ring
-from ..collectives.ops import ReduceOp
+from ..collectives import doubling, ring
+from ..collectives.ops import ReduceOp, make_reducer
+from ..topology import Topology
 
-__all__ = ["Comm", "WorldComm", "TorchComm"]
+__all__ = ["Comm", "WorldComm", "ViewComm", "TorchComm"]
 
 
 class Comm:
@@ -41,6 +57,73 @@ class Comm:
 
     def allgather(self, mine: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def placement(self) -> Topology | None:
+        return None
+
+    def sub(self, ranks: list[int]) -> "Comm":
+        raise NotImplementedError
+
+    def reduce_scatter_sum_(self, t: torch.Tensor, counts: list[int]) -> None:
+        raise NotImplementedError
+
+    def gather_blocks_(self, t: torch.Tensor, counts: list[int]) -> None:
+        raise NotImplementedError
+
+    def begin_tiered(self, description: str) -> None:
+        pass
+
+
+_SUM32 = make_reducer(ReduceOp.SUM, np.float32)
+
+
+class ViewComm(Comm):
+    """Some ranks of a World (a view of its communicator), inside one tiered reduction.
+
+    Opens no collective of its own: ``WorldComm.begin_tiered`` opened one for the whole
+    tiered reduction, and its sub-steps pair up their messages by the order in which every
+    rank walks them (as the hierarchical allreduce's views do, ``collectives/hierarchical``).
+    So it needs no description per call, and ranks that take part in different sub-steps
+    (the owners of different blocks) never count their collectives differently."""
+
+    def __init__(self, view, config):
+        self.view, self.config = view, config
+        self.rank, self.size = view.rank, view.size
+
+    def allreduce_sum_(self, t: torch.Tensor) -> None:
+        flat = t.numpy().reshape(-1)
+        if self.size == 1 or flat.size == 0:
+            return
+        if flat.nbytes < self.config.small_bytes:
+            doubling.allreduce(self.view, flat, _SUM32)
+        else:
+            ring.allreduce(self.view, flat, _SUM32, self.config.chunk_bytes)
+
+    def alltoall(self, send: torch.Tensor) -> torch.Tensor:
+        n = self.size
+        block = send.numel() // n
+        out = np.empty(send.numel(), dtype=np.uint8)
+        _alltoall.alltoall(self.view, send.numpy(), [block] * n, out, [block] * n)
+        return torch.from_numpy(out)
+
+    def allgather(self, mine: torch.Tensor) -> torch.Tensor:
+        n, block = self.size, mine.numel()
+        out = np.empty(n * block, dtype=np.uint8)
+        out[self.rank * block:(self.rank + 1) * block] = mine.numpy()
+        if n > 1 and block:
+            ring.allgather(self.view, out, [block] * n, self.config.chunk_bytes)
+        return torch.from_numpy(out)
+
+    def sub(self, ranks: list[int]) -> "ViewComm":
+        return ViewComm(self.view.view(ranks), self.config)
+
+    def reduce_scatter_sum_(self, t: torch.Tensor, counts: list[int]) -> None:
+        if self.size > 1:
+            ring.reduce_scatter(self.view, t.numpy(), counts, _SUM32, self.config.chunk_bytes)
+
+    def gather_blocks_(self, t: torch.Tensor, counts: list[int]) -> None:
+        if self.size > 1:
+            ring.allgather(self.view, t.numpy(), counts, self.config.chunk_bytes)
 
 
 class WorldComm(Comm):
@@ -88,18 +171,94 @@ class WorldComm(Comm):
             ring.allgather(world.comm, out, [block] * n, world.config.chunk_bytes)
         return torch.from_numpy(out)
 
+    def placement(self) -> Topology:
+        return self.world.topology
+
+    def begin_tiered(self, description: str) -> None:
+        world = self.world
+        world.comm.begin(f"tiered '{self._next('reduction')}' {description}",
+                         world.config.check_collectives)
+
+    def sub(self, ranks: list[int]) -> ViewComm:
+        return ViewComm(self.world.comm.view(ranks), self.world.config)
+
 
 class TorchComm(Comm):
     """On a ``torch.distributed`` process group (``None``: the default group), any backend
     that has all_reduce, all_to_all_single and all_gather_into_tensor for CPU tensors (gloo,
-    gradsync)."""
+    gradsync).
 
-    def __init__(self, group=None):
+    Tiers. ``placement()`` gathers every member's host name (``GRADSYNC_HOSTNAME``, else the
+    system's) once, unless ``topology`` was given (to name groups of hosts); only for a group
+    of every rank of the job (the default group, or one as large): the sub-groups are made by
+    ``new_group``, which every rank of the job must call, in the same order. ``prepare``
+    makes them all at once, from the list that ``tiers.subgroups`` derives from the
+    placement alone (the same on every rank), once per process and set of ranks; ``sub``
+    then finds them. Their reduce-scatter and block gather are full-precision all_reduces
+    of the whole tensor (the block gather with zeros outside each member's block, which adds
+    nothing): twice the bytes of a reduce-scatter on the fast tier, but every backend has
+    all_reduce for every size, where gloo's reduce-scatter and all-gather want equal blocks."""
+
+    def __init__(self, group=None, topology: Topology | None = None):
         import torch.distributed as dist
 
         self.dist, self.group = dist, group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
+        if topology is not None and topology.size != self.size:
+            raise ValueError(f"the topology places {topology.size} ranks but the group has "
+                             f"{self.size}")
+        self._topology = topology
+        self._placed = False
+
+    def placement(self) -> Topology | None:
+        if not self._placed:
+            self._placed = True
+            if self.size != self.dist.get_world_size():
+                self._topology = None  # (class docstring: sub-groups need every rank)
+            elif self._topology is None:
+                names: list = [None] * self.size
+                self.dist.all_gather_object(names, launch_env.host_name(), group=self.group)
+                self._topology = Topology.from_hosts(names)
+        return self._topology
+
+    def _global(self, ranks) -> tuple[int, ...]:
+        dist = self.dist
+        return tuple(r if self.group is None else dist.get_global_rank(self.group, r)
+                     for r in ranks)
+
+    def _where(self, ranks) -> tuple:
+        # Keyed by the default group too: a job that re-initialises starts afresh.
+        return (id(self.dist.group.WORLD), self.dist.get_backend(self.group),
+                self._global(ranks))
+
+    def prepare(self, groups: list[list[int]]) -> None:
+        """Makes the sub-groups ``groups`` (this Comm's ranks) not made yet: every rank of
+        the job calls it with the same list, and calls ``new_group`` for the same ones."""
+        for ranks in groups:
+            where = self._where(ranks)
+            if where not in _SUBGROUPS:
+                group = self.dist.new_group(list(where[2]), backend=where[1], sort_ranks=False)
+                _SUBGROUPS[where] = group if self.rank in ranks else None
+
+    def sub(self, ranks: list[int]) -> "TorchComm":
+        group = _SUBGROUPS.get(self._where(ranks))
+        if group is None:
+            raise RuntimeError(f"no sub-group of ranks {list(ranks)} was prepared on rank "
+                               f"{self.rank}")
+        return TorchComm(group)
+
+    def reduce_scatter_sum_(self, t: torch.Tensor, counts: list[int]) -> None:
+        if self.size > 1:
+            self.dist.all_reduce(t, group=self.group)
+
+    def gather_blocks_(self, t: torch.Tensor, counts: list[int]) -> None:
+        if self.size == 1:
+            return
+        lo = sum(counts[:self.rank])
+        t[:lo] = 0.0
+        t[lo + counts[self.rank]:] = 0.0
+        self.dist.all_reduce(t, group=self.group)
 
     def allreduce_sum_(self, t: torch.Tensor) -> None:
         self.dist.all_reduce(t, group=self.group)
@@ -113,3 +272,8 @@ class TorchComm(Comm):
         out = torch.empty(self.size * mine.numel(), dtype=mine.dtype)
         self.dist.all_gather_into_tensor(out, mine, group=self.group)
         return out
+
+
+_SUBGROUPS: dict = {}
+"""``TorchComm.prepare``'s groups by (default group, backend, global ranks), once per process;
+None on a rank outside the group."""

@@ -17,6 +17,14 @@ collectives, then bucket 1's, in the order DDP calls the hook, which is the buck
 every rank. The price: the bucket's communication is not overlapped with the rest of
 backward (the returned future is already complete).
 
+Tiers. When the group spans several hosts and some host has several ranks, the hook's
+reduction is tiered (``tiers.py``): float32 inside each host, the compressor only between
+hosts, once per host (the compressor's ``tiers="all"`` compresses every rank's gradient).
+The hosts are the members' host names (``GRADSYNC_HOSTNAME``, else the system's), gathered
+at the first bucket; ``HookState(topology=...)`` names them instead, with groups of hosts.
+The sub-groups are made then too, by every rank of the job (``TorchComm``): a group smaller
+than the job gets the flat schedule.
+
 State. The compressor's state (``HookState.compressor.state_dict()``) is keyed by bucket:
 ``ddp.<index>.<layout digest>``. When DDP rebuilds its buckets after the first step (it
 re-orders parameters by the order their gradients arrived), a bucket's layout changes, so
@@ -42,18 +50,21 @@ class HookState:
         compressor: a ``ReducingCompressor`` (``Int8()``, ``FP8()``, ``PowerSGD(rank=4)``,
             ``RandomK(0.01)``); its state holds the error feedback of every bucket.
         process_group: the DDP model's group, if it is not the default group.
+        topology: where the group's ranks are (``gradsync.topology.Topology``, rank i of
+            the group its rank i); None: from the members' host names.
     """
 
-    def __init__(self, compressor: ReducingCompressor, process_group=None):
+    def __init__(self, compressor: ReducingCompressor, process_group=None, topology=None):
         if not getattr(compressor, "owns_reduction", False):
             raise TypeError(f"HookState takes a gradsync.compress compressor (Int8, FP8, "
                             f"PowerSGD, RandomK), got {compressor!r}")
         self.compressor, self.process_group = compressor, process_group
+        self.topology = topology
         self._comm = None
 
     def comm(self) -> TorchComm:
         if self._comm is None:  # made at the first bucket: the group exists by then
-            self._comm = TorchComm(self.process_group)
+            self._comm = TorchComm(self.process_group, self.topology)
         return self._comm
 
     def state_dict(self) -> dict:

@@ -48,10 +48,16 @@ class PowerSGD(ReducingCompressor):
         rank: the rank r of each compressed matrix's approximation (capped at its size).
         min_compression_rate: compress a matrix only if it shrinks at least this much.
         seed: seeds the first Q of each matrix (the same on every rank).
+        tiers: ``"slowest"`` (default): on several hosts, each host's sum is reduced in
+            float32 onto its first rank, and only those ranks run PowerSGD (``tiers.py``);
+            ``"all"``: every rank runs it.
     """
 
-    def __init__(self, rank: int = 4, min_compression_rate: float = 2.0, seed: int = 0):
-        super().__init__(seed)
+    shardable = False  # each matrix must stay whole: tiers.py reduces onto a host's leader
+
+    def __init__(self, rank: int = 4, min_compression_rate: float = 2.0, seed: int = 0,
+                 tiers: str = "slowest"):
+        super().__init__(seed, tiers)
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"rank must be a positive int, got {rank!r}")
         if min_compression_rate < 1:
@@ -59,7 +65,7 @@ class PowerSGD(ReducingCompressor):
                              f"{min_compression_rate}")
         self.rank, self.min_compression_rate = rank, float(min_compression_rate)
 
-    def describe(self) -> str:
+    def _describe(self) -> str:
         return f"powersgd(rank={self.rank}, min_compression_rate={self.min_compression_rate})"
 
     def plan(self, shapes: list[tuple]) -> list[tuple[int, int, int] | None]:

@@ -57,13 +57,13 @@ class _Quantized(ReducingCompressor):
     name = ""
     QMAX = 1.0
 
-    def __init__(self, block: int = 1024, seed: int = 0):
-        super().__init__(seed)
+    def __init__(self, block: int = 1024, seed: int = 0, tiers: str = "slowest"):
+        super().__init__(seed, tiers)
         if isinstance(block, bool) or not isinstance(block, int) or block < 1:
             raise ValueError(f"block must be a positive int, got {block!r}")
         self.block = block
 
-    def describe(self) -> str:
+    def _describe(self) -> str:
         return f"{self.name}(block={self.block})"
 
     # -- encoding: float32 blocks (rows) <-> bytes
@@ -138,6 +138,8 @@ class Int8(_Quantized):
     Args:
         block: elements per scale (4 bytes of scale per block on the wire).
         seed: unused by the arithmetic (int8 rounds to nearest); kept for the common state.
+        tiers: ``"slowest"`` (default): on several hosts, only what crosses between hosts
+            is quantized, once per host (``tiers.py``); ``"all"``: every rank's gradient.
     """
 
     name = "int8"

@@ -32,15 +32,16 @@ class RandomK(ReducingCompressor):
     Args:
         ratio: the fraction of each bucket's elements sent per step, in (0, 1].
         seed: seeds the positions (the same on every rank).
+        tiers: ``"slowest"`` (default) or ``"all"``, as for ``Int8``.
     """
 
-    def __init__(self, ratio: float = 0.01, seed: int = 0):
-        super().__init__(seed)
+    def __init__(self, ratio: float = 0.01, seed: int = 0, tiers: str = "slowest"):
+        super().__init__(seed, tiers)
         if not 0 < ratio <= 1:
             raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
         self.ratio = float(ratio)
 
-    def describe(self) -> str:
+    def _describe(self) -> str:
         return f"randomk(ratio={self.ratio})"
 
     def count(self, numel: int) -> int:

@@ -13,7 +13,8 @@ with ``gradsync run -np N python train.py``::
 Modules: ``mpi_ops`` (the collectives, with Horovod's signatures), ``grouped`` (grouped
 allgather and reducescatter, sparse allreduce), ``build`` (``mpi_built()`` and the other build
 queries), ``optimizer`` (DistributedOptimizer) over ``buckets`` (the fixed fusion buckets),
-``adasum_optimizer`` (``DistributedOptimizer(op=Adasum)``), ``functions``
+``adasum_optimizer`` (``DistributedOptimizer(op=Adasum)``), ``lag`` (its ``gradient_lag``),
+``lars`` (LARS and LARC around any optimizer), ``functions``
 (parameter, optimizer-state and object broadcast), ``compression``, ``sync_batch_norm``,
 ``join``. docs/torch.md lists what is accepted and what raises.
 """
@@ -28,6 +29,7 @@ from .functions import (allgather_object, broadcast_object, broadcast_optimizer_
 from .grouped import (grouped_allgather, grouped_allgather_async, grouped_reducescatter,
                       grouped_reducescatter_async, sparse_allreduce_async)
 from .join import join
+from .lars import LARS
 from .mpi_ops import (Adasum, Average, HorovodInternalError, Max, Min, ProcessSet, Product, Sum,
                       add_process_set,
                       allgather, allgather_async, allreduce, allreduce_, allreduce_async,
@@ -51,7 +53,7 @@ __all__ = [
     "reducescatter_async", "barrier", "join", "synchronize", "poll",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
     "Average", "Sum", "Min", "Max", "Product", "Adasum",
-    "Compression", "SyncBatchNorm", "DistributedOptimizer",
+    "Compression", "SyncBatchNorm", "DistributedOptimizer", "LARS",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "elastic",
     "start_timeline", "stop_timeline",

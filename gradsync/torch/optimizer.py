@@ -45,6 +45,10 @@ after it; a compressor that owns its reduction (``Compression.int8``, ``.fp8``,
 ``.powersgd``, ``.randomk``; ``gradsync/compress/``) replaces the bucket's allreduce with its
 own, on the bucket as a whole (PowerSGD sees each member's shape), keyed by the bucket's name
 for its error feedback (``requests.compressed_allreduce``).
+
+Gradient lag (``gradient_lag=1``, ``lag.py``): each bucket's allreduce runs on a copy of the
+bucket and is waited for at the *next* round's ``step()``, which applies it; the first
+``step()`` applies nothing.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ from . import buckets as _buckets
 from .buckets import Bucket, assign_buckets, check_layout, choose_shared
 from .compression import Compression, Compressor, reducing
 from .grouped import sparse_allreduce_async
+from .lag import BucketLag
 from . import process_sets as _psets
 from . import requests as _requests
 from .mpi_ops import Adasum, ProcessSet, global_process_set
@@ -94,7 +99,7 @@ class _DistributedOptimizer:
     def _gs_setup(self, named_parameters, compression: type[Compressor],
                   backward_passes_per_step: int, op: ReduceOp,
                   gradient_predivide_factor: float, groups, sparse_as_dense: bool,
-                  process_set: ProcessSet = global_process_set) -> None:
+                  process_set: ProcessSet = global_process_set, gradient_lag: int = 0) -> None:
         # Buckets go through the set's controller like any Horovod-API allreduce: a rank
         # that has joined then contributes zeros to them (join.py).
         self._gs_process_set = process_set
@@ -109,6 +114,7 @@ class _DistributedOptimizer:
         self.backward_passes_per_step = backward_passes_per_step
         self.op, self.sparse_as_dense = op, sparse_as_dense
         self.gradient_predivide_factor = gradient_predivide_factor
+        self.gradient_lag = gradient_lag
         factor = gradient_predivide_factor
         self._gs_scale = (1.0 / factor, factor) if op is Average else (1.0, 1.0)
         self._gs_should_synchronize = True
@@ -123,6 +129,8 @@ class _DistributedOptimizer:
         check). Runs at construction and after ``add_param_group``."""
         remove_hooks(self._gs_hooks)
         _LIVE.discard(self)
+        for lag in (getattr(self, "_gs_lag", None) or {}).values():
+            lag.drop()  # the buckets change: rounds in flight cannot be applied to them
         params, names = [], []
         self._gs_frozen: list[tuple[str, torch.Tensor]] = []
         for gi, group in enumerate(self.param_groups):
@@ -143,8 +151,9 @@ class _DistributedOptimizer:
             # Reduced as they are (no compression cast), buckets live in buffers that the
             # host's other ranks map: their allreduce skips the staging copies (collectives/shm).
             group = None
+            # (Not with a lag: its allreduces work on copies, lag.py.)
             if (self._gs_compression is Compression.none and self._gs_reducer is None
-                    and self.op is not Adasum):
+                    and self.op is not Adasum and not self.gradient_lag):
                 group = _psets.controller(self._gs_process_set).world.shm_group
             plan = assign_buckets(params, self._gs_groups)
             shared: set[int] = set()
@@ -171,6 +180,9 @@ class _DistributedOptimizer:
                     grad_hook(self, slot)))
                 _take_ownership(param, ref)
             _LIVE.add(self)
+        self._gs_lag = ({b.index: BucketLag(b.buffer) for b in self._gs_buckets}
+                        if self.gradient_lag and self._gs_buckets else None)
+        self._gs_nothing_to_apply = False  # a lagged first round: step() skips the update
         self._gs_dense: set[int] = set()  # slots whose gradient backward made dense
         self._gs_sparse_ever: set[int] = set()  # slots that had a sparse gradient
         self._gs_rebind()
@@ -255,6 +267,10 @@ class _DistributedOptimizer:
             if slot in self._gs_dense:
                 self._gs_dense.discard(slot)
                 self._gs_bind_stale = True
+            if not self.sparse_as_dense and self._gs_lag is not None:
+                raise NotImplementedError(
+                    f"'{self._gs_slot_name[slot]}' has a sparse gradient: with gradient_lag, "
+                    "pass sparse_as_dense=True")
             if not self.sparse_as_dense:
                 # As Horovod: indices and values are allgathered (grouped.py), beside the
                 # bucket, whose view of this parameter reduces zeros.
@@ -277,35 +293,57 @@ class _DistributedOptimizer:
     def _gs_launch(self, bucket: Bucket) -> None:
         bucket.pending = 0
         prescale, postscale = self._gs_scale
+        source, name = bucket.buffer, bucket.name
+        lag = self._gs_lag[bucket.index] if self._gs_lag is not None else None
+        if lag is not None:  # a copy, so that the next backward can fill the bucket
+            source, which = lag.source(bucket.buffer)
+            name = f"{bucket.name} lag{which}"
         if self._gs_reducer is not None:
-            bucket.wire, bucket.ctx = bucket.buffer, None
-            bucket.handle = _requests.compressed_allreduce(
-                bucket.buffer, [tuple(p.shape) for p, _ in bucket.pairs], bucket.name,
-                self.op, prescale, postscale, self._gs_process_set, self._gs_reducer,
-                bucket.name, inplace=True, asynchronous=True)
+            wire, ctx = source, None
+            handle = _requests.compressed_allreduce(
+                source, [tuple(p.shape) for p, _ in bucket.pairs], name, self.op, prescale,
+                postscale, self._gs_process_set, self._gs_reducer, bucket.name, inplace=True,
+                asynchronous=True)
         else:
-            bucket.wire, bucket.ctx = self._gs_compression.compress(bucket.buffer)
-            bucket.handle = _requests.allreduce(bucket.wire, bucket.name, self.op, prescale,
-                                                postscale, self._gs_process_set, inplace=True,
-                                                asynchronous=True)
+            wire, ctx = self._gs_compression.compress(source)
+            handle = _requests.allreduce(wire, name, self.op, prescale, postscale,
+                                         self._gs_process_set, inplace=True, asynchronous=True)
         # The name is free once the allreduce is done, as in Horovod: a round abandoned (a
         # backward never stepped, then another optimizer over a model with the same parameter
         # names) must not hold it until this optimizer synchronizes, which it may never do.
-        bucket.handle.release()
+        handle.release()
+        if lag is None:
+            bucket.handle, bucket.wire, bucket.ctx = handle, wire, ctx
+        elif self._gs_reducer is not None:  # reduced in place, in this round's copy
+            lag.started(handle, lambda: source)
+        else:
+            decompress = self._gs_compression.decompress
+            lag.started(handle, lambda: decompress(wire, ctx))
         # Views share their base's version counter, and the allreduce writes through NumPy
         # without bumping it: any change seen in _gs_finish came from an in-place op on a grad.
         bucket.version = bucket.buffer._version
         self._gs_next = bucket.index + 1
 
     def _gs_finish(self, bucket: Bucket) -> None:
-        bucket.handle.wait()
-        if bucket.buffer._version != bucket.version:
-            raise RuntimeError(_MODIFIED.format(what=f"a gradient in {bucket.name}"))
-        result = (bucket.buffer if self._gs_reducer is not None else
-                  self._gs_compression.decompress(bucket.wire, bucket.ctx))
-        if result is not bucket.buffer:
-            bucket.buffer.copy_(result)
-        bucket.handle = bucket.wire = bucket.ctx = None
+        if self._gs_lag is not None:
+            # This round's allreduce works on a copy; the previous round's lands here.
+            if bucket.buffer._version != bucket.version:
+                raise RuntimeError(_MODIFIED.format(what=f"a gradient in {bucket.name}"))
+            result = self._gs_lag[bucket.index].land()
+            if result is None:  # the first round: nothing to apply yet (lag.py)
+                self._gs_nothing_to_apply = True
+                bucket.buffer.zero_()
+            else:
+                bucket.buffer.copy_(result)
+        else:
+            bucket.handle.wait()
+            if bucket.buffer._version != bucket.version:
+                raise RuntimeError(_MODIFIED.format(what=f"a gradient in {bucket.name}"))
+            result = (bucket.buffer if self._gs_reducer is not None else
+                      self._gs_compression.decompress(bucket.wire, bucket.ctx))
+            if result is not bucket.buffer:
+                bucket.buffer.copy_(result)
+            bucket.handle = bucket.wire = bucket.ctx = None
         staged, versions, sparse = self._gs_staged, self._gs_staged_version, self._gs_sparse
         for slot, (param, view) in zip(bucket.slots, bucket.pairs):
             grad = param.grad
@@ -350,6 +388,7 @@ class _DistributedOptimizer:
         self._gs_check_usable()
         if self._gs_synchronized and not self._gs_round_open:
             return
+        self._gs_nothing_to_apply = False
         if self._gs_buckets:
             for name, param in self._gs_frozen:
                 if param.requires_grad:
@@ -405,9 +444,17 @@ class _DistributedOptimizer:
             else:
                 closure = self._gs_synchronizing(closure)
         try:
+            if self._gs_lag is not None and closure is not None:
+                loss = closure()  # synchronizes: whether there is anything to apply is known
+                if not self._gs_nothing_to_apply:
+                    super().step()
+                return loss
+            if self._gs_nothing_to_apply:  # gradient_lag's first round (lag.py)
+                return None
             return super().step() if closure is None else super().step(closure)
         finally:
             self._gs_synchronized = False
+            self._gs_nothing_to_apply = False
 
     def _gs_synchronizing(self, closure: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         def synchronized_closure() -> torch.Tensor:
@@ -455,6 +502,8 @@ class _DistributedOptimizer:
             if bucket.handle is not None:
                 bucket.handle.wait()
                 bucket.handle = bucket.wire = bucket.ctx = None
+        for lag in (self._gs_lag or {}).values():
+            lag.drop()
         self._gs_reset_round()
         self._gs_synchronized, self._gs_should_synchronize = False, True
         super().load_state_dict(state_dict)
@@ -489,7 +538,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups: int | list[list[torch.Tensor]] | None = None,
                          sparse_as_dense: bool = False,
-                         process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
+                         process_set: ProcessSet = global_process_set,
+                         gradient_lag: int = 0) -> torch.optim.Optimizer:
     """Wraps ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
 
     Gradient allreduces start during backward, in fixed buckets of at most
@@ -519,6 +569,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         process_set: the ranks that average their gradients (default: all), registered. On a
             rank outside it the optimizer reduces nothing and steps on the local gradients,
             as in Horovod.
+        gradient_lag: 0 (default) or 1: each round's allreduces are waited for and applied
+            at the next round's ``step()``, overlapping the next forward and backward
+            (Kurth et al., SC18; ``lag.py``). The first ``step()`` applies nothing. Not with
+            ``op=Adasum``; sparse gradients need ``sparse_as_dense``.
 
     Raises:
         ValueError: bad ``named_parameters`` (not pairs, duplicate names, an optimizer
@@ -530,6 +584,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                         f"{type(optimizer).__name__}")
     if isinstance(optimizer, (_DistributedOptimizer, adasum_optimizer.AdasumOptimizer)):
         raise ValueError("this optimizer is already a DistributedOptimizer")
+    if isinstance(gradient_lag, bool) or gradient_lag not in (0, 1):
+        raise ValueError(f"gradient_lag must be 0 or 1, got {gradient_lag!r}")
+    if gradient_lag and op is Adasum:
+        raise ValueError("gradient_lag cannot be used with op=Adasum")
     _psets.is_member(process_set)  # registered (a rank outside the set reduces nothing)
     if op not in (Average, Sum, Adasum):
         raise ValueError(f"DistributedOptimizer reduces gradients with op=Average, op=Sum or "
@@ -562,7 +620,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                                      sparse_as_dense)
     wrapped = rebase(optimizer, _DistributedOptimizer)
     wrapped._gs_setup(named_parameters, compression, backward_passes_per_step, op,
-                      gradient_predivide_factor, groups, sparse_as_dense, process_set)
+                      gradient_predivide_factor, groups, sparse_as_dense, process_set,
+                      gradient_lag)
     return wrapped
 
 

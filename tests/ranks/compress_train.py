@@ -8,13 +8,15 @@ bucket of its own (DDP calls the hook several times per step: the ranks must iss
 hook's collectives in the same order, or gloo fails). Each run overfits one fixed batch per
 rank for a few SGD steps: the loss over all ranks' batches must fall (by at least 0.3 of
 what uncompressed steps achieve), and the parameters must be equal, bit for bit,
-on every rank. The script exits non-zero at the first failure and prints ``count`` at its end.
+on every rank. Then DistributedOptimizer(gradient_lag=1) and LARC (``lag_checks.py``). The
+script exits non-zero at the first failure and prints ``count`` at its end.
 """
 
 import warnings
 
 import common  # noqa: F401  (deadline)
 from checks import Checks
+from lag_checks import check_gradient_lag
 import tiny_net
 from tiny_net import Net
 import torch
@@ -128,6 +130,9 @@ C.count += 1
 if not (torch.allclose(got_m, m, atol=1e-4)
         and torch.allclose(got_v, torch.arange(3.0) + (N - 1) / 2)):
     fail(f"grouped_allreduce powersgd: got {got_m} {got_v}")
+
+# Gradient lag and LARC (tests/ranks/lag_checks.py), in this job rather than one of their own.
+check_gradient_lag(C)
 
 # ----------------------------------------------------------------------------- DDP hook
 dist.init_process_group("gradsync")
