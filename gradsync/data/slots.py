@@ -303,6 +303,12 @@ class Poller:
             raise PeerLostError(f"{self.label} closed its connection while this worker "
                                 "waited for a batch", peer=self.peer)
 
+    def view(self, header: Header) -> np.ndarray:
+        """The item's bytes where they lie, in the slot (``Loader(copy=False)``): valid until
+        ``table.ack(header.seq)``, after which the server may write the slot again."""
+        at = (header.seq % self.table.prefetch) * self.slot_bytes
+        return self.slots[at:at + header.nbytes]
+
     def read(self, header: Header, out: np.ndarray) -> None:
         """Copies the item's bytes into ``out``, then acks it (its slot is free again).
 
