@@ -177,6 +177,16 @@ class Config:
     """Data servers: bytes of decoded samples (before the transform) each data server keeps in
     memory for later epochs; 0 caches nothing. Accepts 512M, 4G."""
 
+    data_workers: int = 1
+    """Data servers: producers per data server, items it prepares at once (``gradsync run
+    --data-workers K``; a ``DataLoader``'s ``num_workers``). Each is a forked helper process
+    (or a thread: ``data_producer``) with the server's one cache; 1: the server's own thread."""
+
+    data_producer: str = "process"
+    """Data servers: what each of ``data_workers`` > 1 producers is, ``process`` (a transform
+    in Python runs on K cores) or ``thread`` (for a dataset and transform that release the
+    GIL)."""
+
     def __post_init__(self) -> None:
         if self.timeout <= 0 or self.connect_timeout <= 0:
             raise ConfigError(f"timeouts must be positive, got timeout={self.timeout}, "
@@ -202,6 +212,9 @@ class Config:
                               f"{self.heartbeat_timeout}")
         if self.ps_replicas < 1:
             raise ConfigError(f"ps_replicas must be >= 1, got {self.ps_replicas}")
+        if self.data_workers < 1 or self.data_producer not in ("process", "thread"):
+            raise ConfigError(f"need data_workers >= 1 and data_producer 'process' or "
+                              f"'thread', got {self.data_workers}, {self.data_producer!r}")
         if self.data_prefetch < 1 or self.data_cache_bytes < 0:
             raise ConfigError(f"need data_prefetch >= 1 and data_cache_bytes >= 0, got "
                               f"{self.data_prefetch}, {self.data_cache_bytes}")

@@ -10,7 +10,7 @@ from gradsync.run import cli
 
 RUN_OPTIONS = [
     "--bind-to", "--blacklist-cooldown", "--blacklist-cooldown-range", "--data-servers",
-    "--elastic-timeout",
+    "--data-workers", "--elastic-timeout",
     "--fusion-threshold-mb", "--help", "--host-discovery-script", "--hostfile", "--hosts",
     "--log-level", "--max-np", "--min-np", "--network-interface", "--no-output-prefix",
     "--num-proc", "--output-filename", "--output-prefix", "--ps-replicas",

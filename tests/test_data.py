@@ -121,6 +121,26 @@ def test_a_sample_that_does_not_fit_the_layout_is_named():
         Layout.of({"x": "text"})
 
 
+def test_a_transform_of_one_argument_is_given_no_generator():
+    # transform(sample) (a torchvision transform's call) skips the generator, whose seeding
+    # is most of a cheap sample's cost; transform(sample, rng) gets it, as before.
+    class Flip:
+        def __call__(self, sample):
+            return -sample
+
+    def draws(sample, rng=None):
+        return sample + rng.integers(0, 1000)
+
+    one = Source([np.float32(3)], Flip(), 1, Cache(0))
+    two = Source([np.float32(3)], draws, 1, Cache(0))
+    assert (one.rng, two.rng) == (False, True)
+    assert one.served(np.float32(3), 0, 2) == -3
+    assert two.served(np.float32(3), 0, 2) == 3 + np.random.default_rng([1, 2, 0]).integers(
+        0, 1000)
+    assert server_module.takes_rng(lambda *args: args) and server_module.takes_rng(np.add)
+    assert not server_module.takes_rng(lambda sample: sample)
+
+
 def test_the_cache_keeps_until_full_and_counts():
     cache = Cache(100)
     assert cache.get(1) is None
@@ -208,19 +228,23 @@ def server():
     """``make(dataset, **kw)`` -> (server, {worker: peer}); torn down after the test."""
     job = f"t{uuid.uuid4().hex[:10]}"
     made = []
+    idents = itertools.count(100)  # one endpoint id (and shared-memory names) per server
 
     def make(dataset, workers=2, batch_size=4, seed=1, servers=1, index=0, cache=1 << 20,
-             transform=_shift):
-        ep = Endpoint(100, "h", SECRET, job, expect=set(range(workers)), timeout=20)
+             transform=_shift, producers=1, producer="process", direct=True):
+        # ``direct=False``: the workers read over TCP, as from another host.
+        ident = next(idents)
+        ep = Endpoint(ident, "h", SECRET, job, expect=set(range(workers)), timeout=20)
         made.append(ep)
         srv = DataServer(index, servers, workers, ep, Source(dataset, transform, seed,
-                                                              Cache(cache)), batch_size, seed, 20)
+                                                              Cache(cache)), batch_size, seed, 20,
+                         producers=producers, producer=producer)
         made.append(srv)
         peers = {}
         for w in range(workers):
-            client = Endpoint(w, "h", SECRET, job, timeout=20)
+            client = Endpoint(w, "h", SECRET, job, timeout=20, direct=direct)
             made.append(client)
-            peers[w] = client.connect(100, "127.0.0.1", ep.port, time.monotonic() + 10)
+            peers[w] = client.connect(ident, "127.0.0.1", ep.port, time.monotonic() + 10)
             made.append(peers[w])
         return srv, peers
 

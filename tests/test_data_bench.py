@@ -12,7 +12,9 @@ pytestmark = pytest.mark.multiprocess
 
 def test_bench_data_compares_both_feeds_and_the_transport(tmp_path):
     rows_file = tmp_path / "row.json"
-    result = harness.bench("data", "-np", "2", "--data-servers", "1", "--samples", "96",
+    # 2 producer processes on the one data server: the DataLoaders' 2 loading processes in all
+    result = harness.bench("data", "-np", "2", "--data-servers", "1", "--data-workers", "2",
+                           "--samples", "96",
                            "--batch-size", "8", "--shape", "2,3", "--cost-ms", "0.2",
                            "--repeats", "2", "--json", str(rows_file), timeout=120)
     out = result.stdout
@@ -20,12 +22,14 @@ def test_bench_data_compares_both_feeds_and_the_transport(tmp_path):
     lines = out.splitlines()
     assert any(line.startswith("# data servers against each worker's own DataLoader, in the "
                                "same job: 2 worker(s), 1 data server(s), DataLoader "
-                               "num_workers=1 (NOT the same cores") for line in lines), out
+                               "num_workers=1 (same cores); 2 producer(s) per data server, "
+                               "batches borrowed") for line in lines), out
     feeds = {line.split()[0]: line.split() for line in lines
              if line.strip().startswith(("data servers", "DataLoader"))}
     assert feeds["data"][-1] == "0" and feeds["DataLoader"][-1] == "0", out  # #wrong
     row = json.loads(rows_file.read_text())
     assert (row["workers"], row["data_servers"], row["loader_workers"]) == (2, 1, 1)
+    assert (row["data_workers"], row["copy"]) == (2, False)
     assert row["wrong"] == 0 and row["dataloader_wrong"] == 0
     for feed in ("servers_samples_s", "dataloader_samples_s"):
         assert 0 < row[feed]["low"] <= row[feed]["median"] <= row[feed]["high"]

@@ -70,9 +70,11 @@ def test_batches_read_over_tcp_arrive_exactly_once_as_over_shared_memory(tmp_pat
     _run(2, 2, "count", tmp_path, 2, env={"GRADSYNC_TRANSPORT": "tcp"})
     got = _received(tmp_path, "count", 2)
     _each_sample_once_as_planned(got, 2, 2)
-    # The road between hosts cannot map the slot table: every batch was a take.
+    # The road between hosts cannot map the slot table: every batch was a take, and its
+    # bytes came on the take's reply (no READ of the slot after it).
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert [s["takes"] for s in stats] == [s["batches"] for s in stats]
+    assert [s["sent"] for s in stats] == [s["takes"] for s in stats]
     assert sum(s["batches"] for s in stats) > 0
 
 
@@ -124,6 +126,32 @@ def test_a_killed_data_servers_share_is_served_by_the_others_exactly_once(tmp_pa
         assert sorted(ids) == list(range(SAMPLES)), f"epoch {epoch}"
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert [s["server"] for s in stats] == [1, 2]  # the live ones
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # a launch of 3 workers and 3 data servers each: 20-30 s on 2 loaded cores
+@pytest.mark.parametrize("how", ["tcp", "producers"])
+def test_a_killed_data_server_is_served_once_over_tcp_and_with_producer_processes(tmp_path,
+                                                                                  how):
+    # As above, over TCP (every stream has its next take in flight when server 0 is
+    # killed), or with 2 producer processes per data server (the killed server's helpers
+    # end with it; the others serve the same bytes as one producer would: every value is
+    # checked against the closed form on the workers).
+    env = {"GRADSYNC_TRANSPORT": "tcp"} if how == "tcp" else {"GRADSYNC_DATA_WORKERS": "2"}
+    r = harness.launch(3, "data_check.py", "killserver", str(tmp_path), "2", timeout=120,
+                       launcher_args=("--data-servers", "3"), env=env)
+    assert r.returncode == 137, str(r)
+    assert "rank 3 (data server 0)" in r.output and "the job ran to its end" in r.output, str(r)
+    got = _received(tmp_path, "killserver", 3)
+    for epoch in (0, 1):
+        ids = [i for w in got for i in w[str(epoch)]]
+        assert sorted(ids) == list(range(SAMPLES)), f"epoch {epoch}"
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert [s["server"] for s in stats] == [1, 2]
+    if how == "tcp":
+        assert all(s["sent"] == s["takes"] > 0 for s in stats)
+    else:
+        assert all(s["producers"] == 2 for s in stats)
 
 
 @pytest.mark.multiprocess

@@ -1,7 +1,8 @@
 """Data servers against each worker's own torch ``DataLoader``, in the same job.
 
-    gradsync bench data -np W [--data-servers D] [--cost-ms 2] [--samples 512]
-        [--batch-size 32] [--shape 3,32,32] [--repeats 5] [--emulate none|netns]
+    gradsync bench data -np W [--data-servers D] [--data-workers K] [--cost-ms 2]
+        [--samples 512] [--batch-size 32] [--shape 3,32,32] [--repeats 5] [--copy]
+        [--emulate none|netns] [--profile DIR]
 
 Every rank runs this module (``drive`` starts the job with ``--data-servers D``, or, with
 ``--emulate netns``, on emulated hosts: the W workers on host ``w``, each data server on a
@@ -35,11 +36,18 @@ cost that a loaded machine stretches in wall time but does not shrink). Three me
    medians over the epoch's batches.
 3. **DataLoader.** Each worker's own ``torch.utils.data.DataLoader`` over the same dataset and
    transform, with a ``DistributedSampler`` (its share, shuffled) and ``num_workers`` =
-   ``max(1, round(D / W))``, so that the loading processes number the data servers (the same
-   total cores when W divides D; the header says when not); persistent workers, one warm-up
+   ``max(1, round(D * K / W))``, so that the loading processes number the data servers'
+   producers (``--data-workers K``: the same total cores when W divides D * K; the header says
+   when not); persistent workers, one warm-up
    epoch, then R timed epochs as in 1. Its epochs alternate with the data servers' (one of
    each, in turn), so that both feeds see the same load on a shared machine; the ratio is
    printed of the medians and epoch by epoch.
+
+The data servers' batches are borrowed (``Loader(copy=False)``: the tensors view the slot
+until the next batch, as a ``DataLoader``'s view its shared memory) unless ``--copy``.
+``--profile DIR``: every rank writes a cProfile of each of its threads' work to
+``DIR/rank<R>.prof`` (the producers and serving threads of a data server, the training loop
+of a worker), for ``python -m pstats``; the per-batch breakdown in docs/data.md comes from it.
 
 Medians over the R epochs (and over the transport epoch's batches) are printed, with the
 spread (lowest and highest); ``--json FILE`` writes the row. The data servers are idle while
@@ -134,6 +142,14 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gradsync bench data")
     p.add_argument("--data-servers", type=at_least(1), default=1, metavar="D",
                    help="data-server ranks beside the -np workers (default 1)")
+    p.add_argument("--data-workers", type=at_least(1), default=1, metavar="K",
+                   help="producer processes per data server (default 1); the DataLoader gets "
+                        "as many loading processes in all")
+    p.add_argument("--copy", action="store_true",
+                   help="the Loader copies each batch into a buffer of its own (default: "
+                        "borrowed, the tensors view the slot until the next batch)")
+    p.add_argument("--profile", metavar="DIR",
+                   help="write each rank's cProfile (all its threads) to DIR/rank<R>.prof")
     p.add_argument("--cost-ms", type=at_least(0.0, float), default=2.0,
                    help="CPU milliseconds the transform spends per sample (default 2)")
     p.add_argument("--decode-ms", type=at_least(0.0, float), default=0.0,
@@ -166,7 +182,7 @@ def drive(run_cmd: list[str], options, rest: list[str], workers: int, servers=No
         module = [sys.executable, "-m", __name__, *rest, "--result", result]
         if options.emulate == "none":
             status = subprocess.call([*run_cmd, "--data-servers", str(options.data_servers),
-                                      *module])
+                                      "--data-workers", str(options.data_workers), *module])
         else:
             status = _emulated(options, module, workers)
         if status != 0 or not os.path.exists(result):
@@ -200,7 +216,8 @@ def _emulated(options, module: list[str], workers: int) -> int:
     try:
         with netns.Cluster(hosts) as cluster:
             results = netns.run(cluster, module, timeout=options.timeout, on_line=echo,
-                                env={"GRADSYNC_DATA_SERVERS": str(options.data_servers)},
+                                env={"GRADSYNC_DATA_SERVERS": str(options.data_servers),
+                                     "GRADSYNC_DATA_WORKERS": str(options.data_workers)},
                                 stop_on_failure=True)
     except netns.NetnsError as exc:
         print(f"gradsync bench data: {exc}", file=sys.stderr)
@@ -221,12 +238,14 @@ def run(args) -> dict | None:
     import gradsync.data
 
     torch.set_num_threads(1)
+    if args.profile:
+        _profile(args.profile)
     dataset = Synthetic(args.samples, args.shape, args.decode_ms / 1e3)
     transform = Costly(args.cost_ms / 1e3)
     loader = gradsync.data.Loader(dataset, args.batch_size, transform=transform,
-                                  seed=args.seed, prefetch=args.prefetch)
+                                  seed=args.seed, prefetch=args.prefetch, copy=args.copy)
     rank, workers, servers = gradsync.rank(), gradsync.size(), loader.servers
-    threads = max(1, round(servers / workers))
+    threads = max(1, round(servers * args.data_workers / workers))
     own = _Own(dataset, transform, args, rank, workers, threads)
     epochs, wrong = [], 0
     # The two feeds' epochs alternate, so that both see the same load on a shared machine;
@@ -248,6 +267,7 @@ def run(args) -> dict | None:
     loader.close()
     own.close()
     row = {"workers": workers, "data_servers": servers, "loader_workers": threads,
+           "data_workers": args.data_workers, "copy": args.copy,
            "cost_ms": args.cost_ms, "decode_ms": args.decode_ms, "samples": args.samples,
            "batch_size": args.batch_size, "shape": list(args.shape),
            "transport": _transport_name(), "repeats": args.repeats, "wrong": wrong,
@@ -281,6 +301,50 @@ def run(args) -> dict | None:
     else:  # started without drive
         _print(rows)
     return rows[0]
+
+
+def _profile(directory: str) -> None:
+    """Profiles every thread this process runs from now on (and this one), each with a
+    ``cProfile.Profile`` of its own; writes them, merged, to ``directory/rank<R>.prof`` when
+    the process exits (a data server's too: it exits inside the ``Loader``)."""
+    import atexit
+    import cProfile
+    import pstats
+
+    os.makedirs(directory, exist_ok=True)
+    profiles, lock = [], threading.Lock()
+    run = threading.Thread.run
+
+    def profiled(thread):
+        profile = cProfile.Profile()
+        with lock:
+            profiles.append(profile)
+        profile.enable()
+        try:
+            run(thread)
+        finally:
+            profile.disable()
+
+    threading.Thread.run = profiled
+    main = cProfile.Profile()
+    profiles.append(main)
+    main.enable()
+
+    def write() -> None:
+        main.disable()
+        with lock:
+            done = list(profiles)
+        stats = None
+        for profile in done:
+            try:
+                stats = pstats.Stats(profile) if stats is None else stats.add(profile)
+            except TypeError:  # a thread still running (a daemon): its profile is not ready
+                continue
+        if stats is not None:
+            stats.dump_stats(os.path.join(directory, f"rank{os.environ.get('GRADSYNC_RANK', 0)}"
+                                                     ".prof"))
+
+    atexit.register(write)
 
 
 def _transport_name() -> str:
@@ -408,10 +472,13 @@ def _summary(values: list[float], scale: float = 1.0) -> dict:
 def _print(rows: list[dict]) -> None:
     row = rows[0]
     w, d, k = row["workers"], row["data_servers"], row["loader_workers"]
-    same = "same cores" if w * k == d else f"NOT the same cores: {d} data servers, {w * k} " \
-                                           "loading processes"
+    p = row.get("data_workers", 1)
+    same = "same cores" if w * k == d * p else f"NOT the same cores: {d} data servers of " \
+                                               f"{p} producer(s), {w * k} loading processes"
+    fed = "copied" if row.get("copy") else "borrowed"
     print(f"# data servers against each worker's own DataLoader, in the same job: {w} "
-          f"worker(s), {d} data server(s), DataLoader num_workers={k} ({same}); transform "
+          f"worker(s), {d} data server(s), DataLoader num_workers={k} ({same}); "
+          f"{p} producer(s) per data server, batches {fed}; transform "
           f"{row['cost_ms']:g} ms CPU/sample, decode {row['decode_ms']:g} ms; "
           f"{row['samples']} samples of float32 {tuple(row['shape'])}, batch "
           f"{row['batch_size']}; median (lowest-highest) of {row['repeats']} epochs; "

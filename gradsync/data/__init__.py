@@ -17,7 +17,8 @@ roles part::
 
 Within an epoch every sample goes to exactly one worker, in an order fixed by the seed
 (``plan.py``); samples are decoded once and kept in the servers' memory (``cache.py``), the
-transform runs afresh each epoch (``server.py``); batches move through one-sided memory regions
+transform runs afresh each epoch (``server.py``, by K producer processes or threads with
+``--data-workers K``: ``producers.py``); batches move through one-sided memory regions
 set up once (``transport/regions.py``), with ``prefetch`` batches of credit per worker
 (``loader.py``); on one host a worker polls each stream's slot table instead of asking for a
 batch, and acknowledges it with a store into shared memory (``slots.py``).

@@ -25,6 +25,13 @@ __all__ = ["Layout", "leaves_of"]
 
 def _leaf(value) -> np.ndarray | None:
     """``value`` as a NumPy array when it is a leaf, else None."""
+    kind = type(value)
+    if kind is np.ndarray:  # the usual leaves, first: this runs for every sample
+        return value
+    if kind is int:
+        return np.asarray(value, dtype=np.int64)
+    if kind is float:
+        return np.asarray(value, dtype=np.float64)
     if hasattr(value, "detach") and hasattr(value, "numpy"):
         return value.detach().cpu().numpy()
     if isinstance(value, (np.ndarray, np.generic)):
@@ -52,10 +59,25 @@ def _tree(value, leaves: list) -> dict:
                     f"them; got {type(value).__name__}")
 
 
+def _collect(value, leaves: list) -> None:
+    """``_tree``'s walk without the tree: the leaves only, in the same order."""
+    leaf = _leaf(value)
+    if leaf is not None:
+        leaves.append(leaf)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _collect(v, leaves)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _collect(v, leaves)
+    else:
+        _tree(value, leaves)  # raises the TypeError that names the type
+
+
 def leaves_of(sample) -> list[np.ndarray]:
     """The leaves of ``sample`` as NumPy arrays, in the layout's order."""
     leaves: list[np.ndarray] = []
-    _tree(sample, leaves)
+    _collect(sample, leaves)
     return leaves
 
 
@@ -73,6 +95,7 @@ class Layout:
         self.leaf_bytes = [int(np.prod(s, dtype=np.int64)) * d.itemsize
                            for d, s in zip(self.dtypes, self.shapes)]
         self.sample_bytes = sum(self.leaf_bytes)
+        self._want = list(zip(self.dtypes, self.shapes))
 
     @classmethod
     def of(cls, sample) -> "Layout":
@@ -91,7 +114,7 @@ class Layout:
     def check(self, leaves: list[np.ndarray], sample_id: int) -> None:
         """Raises ValueError, naming the sample, if ``leaves`` do not fit the layout."""
         got = [(leaf.dtype, leaf.shape) for leaf in leaves]
-        want = list(zip(self.dtypes, self.shapes))
+        want = self._want
         if got != want:
             raise ValueError(f"sample {sample_id} has leaves (dtype, shape) {_show(got)} but "
                              f"the first sample had {_show(want)}: every sample must have the "

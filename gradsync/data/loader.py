@@ -3,12 +3,15 @@
 Every rank of the job runs the same script and builds the same ``Loader``. On a data-server
 rank the constructor serves (``server.py``) and ends the process; on a worker it connects to
 every data server and returns. Each ``iter(loader)`` is one epoch: the worker computes the
-epoch's plan (``plan.py``), tells each server to queue its share, and a fetch thread takes the
-batches in plan order, reading each into a fresh buffer that the yielded tensors view, up to
-``prefetch`` batches ahead of the training loop. From a server on this host it takes a batch
-without a message: it polls the stream's slot table in shared memory and acks with a one-sided
-write (``slots.py``); from a server on another host it calls ``take``. An ``iter()`` while an
-epoch is unfinished (a loop left with ``break``) goes on with that epoch where it stopped.
+epoch's plan (``plan.py``), tells each server to queue its share, and takes the batches in plan
+order, each into a fresh buffer that the yielded tensors view (or, with ``copy=False``, lending
+the loop the server's slot itself). From a server on this host a batch comes without a
+message, in the loop's own ``next()``: it polls the stream's slot table in shared memory and
+acks with a one-sided write (``slots.py``), the servers having prepared ``prefetch`` batches
+ahead. From a server on another host a fetch thread calls ``take``, whose reply carries the
+batch's bytes, up to ``prefetch`` batches ahead of the loop, each server's next ``take`` asked
+while the current batch is read (``_Epoch``). An ``iter()`` while an epoch is unfinished (a
+loop left with ``break``) goes on with that epoch where it stopped.
 
 Exactly once. Within an epoch every sample is in exactly one batch and every batch goes to
 exactly one worker (``plan.py``). A batch counts as *delivered* (acknowledged) once the
@@ -61,7 +64,9 @@ class Loader:
             index it, the workers only take its length.
         batch_size: samples per batch; each data server's last batch of an epoch may be short.
         transform: ``transform(sample, rng) -> sample``, run on the data servers after the
-            cache, with a ``numpy.random.Generator`` seeded by (seed, epoch, sample id).
+            cache, with a ``numpy.random.Generator`` seeded by (seed, epoch, sample id); or
+            ``transform(sample)``, for one that draws nothing (it skips the generator,
+            most of a cheap sample's cost).
         seed: fixes each epoch's order and the transform's randomness.
         prefetch: batches in flight per data server and in this worker's queue (default: the
             ``data_prefetch`` setting).
@@ -73,13 +78,20 @@ class Loader:
         collate: makes batches of samples whose shapes vary, on the data servers
             (``collate.Pad``, ``collate.Pack`` or a ``collate.Collate`` of your own); None:
             every sample has the first one's shapes and a batch is their stack.
+        copy: True (the default): each batch's tensors view a fresh buffer of their own,
+            kept as long as the loop likes. False: from data servers on this host they view
+            the stream's slot itself, with no copy on the worker, and are valid only until
+            the loop takes the next batch (which frees the slot for the server): ``.clone()``
+            what must outlive the step. (From another host a batch is read into a fresh
+            buffer either way.)
 
     Raises:
         ConfigError: the job has no data servers (``gradsync run --data-servers D``).
     """
 
     def __init__(self, dataset, batch_size: int, transform=None, seed: int = 0,
-                 prefetch: int | None = None, order: str = "servers", collate=None):
+                 prefetch: int | None = None, order: str = "servers", collate=None,
+                 copy: bool = True):
         from .. import api, job
         from ..config import load_config
         from ..launch_env import detect
@@ -105,6 +117,7 @@ class Loader:
         config = world.config
         self.samples, self.batch_size, self.seed = len(dataset), batch_size, seed
         self.order, self.collate = order, collate
+        self.copy = bool(copy)
         self.prefetch = config.data_prefetch if prefetch is None else int(prefetch)
         if self.prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
@@ -501,7 +514,21 @@ def _ids(arrays: list[np.ndarray]) -> list[int]:
 
 
 class _Epoch:
-    """One epoch's iterator on a worker: the fetch thread and the delivered batches."""
+    """One epoch's iterator on a worker: where its batches come from, and the delivered ones.
+
+    Two ways to run. When every live data server is on this host (each stream's slot table
+    polled), the training loop's own ``next()`` polls for the next batch (*inline*): the
+    servers already prepare ``prefetch`` batches ahead into their slots, so a thread between
+    them and the loop would add only its hand-over (a queue, and the GIL passed back and
+    forth) to every batch. Otherwise a *fetch thread* takes the batches ahead into the queue,
+    ``prefetch`` of them, so that reads over TCP overlap the training step.
+
+    *Borrowed* batches (``Loader(copy=False)``, inline only): the yielded tensors view the
+    stream's slot itself, not a copy, and the slot is released (acked) when the loop asks for
+    the next batch, ends the epoch, or the Loader is reset or closed. So a batch must be used
+    before the next one is taken (``.clone()`` what is kept longer); in exchange the worker
+    copies nothing at all.
+    """
 
     def __init__(self, loader: Loader, epoch: int, work: list[tuple[Batch, int]],
                  orphans: list[Batch], done: np.ndarray | None):
@@ -511,45 +538,66 @@ class _Epoch:
         self.delivered: list[np.ndarray] = []
         self.in_hand: np.ndarray | None = None
         self.ids: np.ndarray | None = None  # the sample ids of the batch last yielded
-        self._queue: queue.Queue = queue.Queue(maxsize=loader.prefetch)
         self._stopping = False
-        self._thread = threading.Thread(target=self._fetch, daemon=True,
-                                        name="gradsync-data-fetch")
-        self._thread.start()
+        # Batches of each server still in ``work``: whether to ask a remote one for its next
+        # item ahead (``_ask_ahead``); (seq, handle) of that take, by server.
+        self._left = collections.Counter(s for _, s in work)
+        self._ahead: dict[int, tuple[int, object]] = {}
+        self._held = None  # (poller, seq) of a borrowed slot, released at the next batch
+        self._failed: BaseException | None = None  # raised again by every later next()
+        live = [d for d in range(loader.servers) if d not in loader.lost]
+        self.inline = all(loader.pollers[d] is not None for d in live)
+        self.borrow = self.inline and not loader.copy
+        self._items = self._batches()
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        if not self.inline:
+            self._queue = queue.Queue(maxsize=loader.prefetch)
+            self._thread = threading.Thread(target=self._fetch, daemon=True,
+                                            name="gradsync-data-fetch")
+            self._thread.start()
 
-    def _fetch(self) -> None:
-        """Takes this worker's batches in plan order, each into a fresh buffer.
+    def _batches(self):
+        """Yields (batch, buffer) for this worker's batches in plan order.
 
         The batches of a data server lost on the way (or before the epoch) are set aside and,
         once the live servers' batches are all taken, handed to the live servers and taken
         from them: so each server's stream is always taken in the order it was queued."""
         loader = self.loader
+        while self.work or self.orphans:
+            if not self.work:
+                adopted = loader._adopt(self.epoch, self.orphans)
+                self.work.extend(adopted)
+                self._left.update(s for _, s in adopted)
+                self.orphans = []
+            batch, s = self.work.popleft()
+            self._left[s] -= 1
+            if s in loader.lost:
+                self.orphans.append(batch)
+                continue
+            try:
+                buf = self._take(batch, s)
+            except PeerLostError as exc:
+                loader._lose(s, exc)
+                self.orphans.append(batch)
+                continue
+            if buf is None:  # stopped while waiting: the batch was not taken
+                return
+            yield batch, buf
+
+    def _fetch(self) -> None:
+        """(The fetch thread.) Takes the batches ahead of the loop into the queue."""
         try:
-            while self.work or self.orphans:
-                if not self.work:
-                    self.work.extend(loader._adopt(self.epoch, self.orphans))
-                    self.orphans = []
-                batch, s = self.work.popleft()
-                if s in loader.lost:
-                    self.orphans.append(batch)
-                    continue
-                try:
-                    buf = self._take(batch, s)
-                except PeerLostError as exc:
-                    loader._lose(s, exc)
-                    self.orphans.append(batch)
-                    continue
-                if buf is None:  # stopped while polling: the batch was not taken
-                    return
-                if not self._put((batch, buf)):
+            for item in self._items:
+                if not self._put(item):
                     return
             self._put(_END)
         except BaseException as exc:  # handed to the training loop, which raises it
             self._put(exc)
 
     def _take(self, batch: Batch, s: int) -> np.ndarray | None:
-        """Batch ``batch`` from data server ``s``, read into a fresh buffer (None: the epoch
-        was stopped before it came)."""
+        """Batch ``batch`` from data server ``s``, in this worker's buffer or (borrowed) a
+        view of the slot (None: the epoch was stopped before it came)."""
         loader = self.loader
         road = loader.pollers[s]
         if road is None:
@@ -569,10 +617,14 @@ class _Epoch:
             raise RuntimeError(f"data server {s} published item {seq} for generation "
                                f"{header.generation}; this worker is in generation "
                                f"{loader.generation}")
-        # A fresh buffer each batch: the tensors handed to the loop view it for as long as
-        # the loop keeps them, and the slot is rewritten as soon as it is acked.
-        buf = np.empty(header.nbytes, dtype=np.uint8)
-        road.read(header, buf)
+        if self.borrow:
+            buf = road.view(header)
+            self._held = (road, seq)
+        else:
+            # A fresh buffer each batch: the tensors handed to the loop view it for as long
+            # as the loop keeps them, and the slot is rewritten as soon as it is acked.
+            buf = np.empty(header.nbytes, dtype=np.uint8)
+            road.read(header, buf)
         loader._seq[s] += 1
         loader._transfers.append((polled - start, waited, time.perf_counter() - polled,
                                   buf.nbytes))
@@ -587,17 +639,44 @@ class _Epoch:
                                f"{list(ids)[:8]}...) where the plan has batch {batch.index} "
                                f"of epoch {self.epoch} (samples {batch.ids.tolist()[:8]}...)")
 
+    def _ask(self, s: int, seq: int, ahead: bool = False):
+        """Asks data server ``s`` for item ``seq``: with its bytes attached when its slots
+        are not mapped here (they cross the connection once, into a fresh buffer); returns
+        (reply, buffer or None), or with ``ahead`` a handle of that."""
+        loader = self.loader
+        peer = loader.peers[s]
+        if loader.slots[s].direct is not None:
+            if ahead:
+                return peer.call_async("take", seq=seq, wait=loader._take_wait)
+            return peer.call("take", seq=seq, wait=loader._take_wait), None
+
+        def buffer(reply: dict) -> np.ndarray:
+            return np.empty(reply["attached"], dtype=np.uint8)
+
+        args = {"seq": seq, "wait": loader._take_wait, "send": True}
+        if ahead:
+            return peer.call_into_async("take", buffer, **args)
+        return peer.call_into("take", buffer, **args)
+
     def _call(self, batch: Batch, s: int) -> np.ndarray | None:
-        """Batch ``batch`` by a ``take`` call, read over the region connection (or the
-        mapping, when it is a same-host server whose table is not polled); None: the epoch
-        was stopped before it came."""
+        """Batch ``batch`` by a ``take`` call (from another host, or a same-host server
+        whose table is not polled); None: the epoch was stopped before it came."""
         loader = self.loader
         start = time.perf_counter()
         waited = 0.0
+        seq = loader._seq[s]
+        ahead = self._ahead.pop(s, None)
         while True:
             # Answered within ``_take_wait`` while the server runs: "pending" when the batch
             # is not ready yet, so that a slow batch is never a silent server.
-            info = loader.peers[s].call("take", seq=loader._seq[s], wait=loader._take_wait)
+            if ahead is not None and ahead[0] == seq:
+                answer = ahead[1].wait()
+                if not isinstance(answer, tuple):
+                    answer = answer, None
+            else:
+                answer = self._ask(s, seq)
+            ahead = None
+            info, attached = answer
             waited += float(info.get("waited", 0.0))
             if not info.get("pending"):
                 break
@@ -607,13 +686,21 @@ class _Epoch:
                 raise PeerLostError(f"data server {s} was given up", peer=s)
             if time.perf_counter() - start > loader._timeout:
                 raise GradsyncTimeoutError(f"data server {s} did not prepare this worker's "
-                                           f"item {loader._seq[s]} within "
-                                           f"{loader._timeout:.0f}s")
+                                           f"item {seq} within {loader._timeout:.0f}s")
         taken = time.perf_counter()
         loader._seq[s] += 1
+        if self._left[s] > 0 and not self._stopping:
+            # The next item of this server is in this epoch's work: ask for it now, on the
+            # connection's own thread, so that its round trip (and the server's wait for
+            # its GIL) runs while this batch is checked and handed on. The take releases
+            # this item, whose bytes are already here.
+            self._ahead[s] = (seq + 1, self._ask(s, seq + 1, ahead=True))
         self._check(s, info["epoch"], info["index"], info["ids"], batch)
-        buf = np.empty(info["nbytes"], dtype=np.uint8)
-        loader.slots[s].read(buf, info["slot"] * loader.slot_bytes)
+        if attached is not None:
+            buf = attached
+        else:
+            buf = np.empty(info["nbytes"], dtype=np.uint8)
+            loader.slots[s].read(buf, info["slot"] * loader.slot_bytes)
         loader._transfers.append((taken - start, waited, time.perf_counter() - taken,
                                   buf.nbytes))
         return buf
@@ -636,13 +723,34 @@ class _Epoch:
             self.delivered.append(self.in_hand)
             self.in_hand = None
 
+    def _release(self) -> None:
+        """Frees the borrowed slot of the batch last yielded (its ack)."""
+        if self._held is not None:
+            road, seq = self._held
+            self._held = None
+            road.table.ack(seq)
+
+    def _next_item(self):
+        if self._failed is not None:  # the batches stopped at an error: never a silent end
+            return self._failed
+        if self._queue is not None:
+            return self._queue.get()
+        try:
+            return next(self._items)
+        except StopIteration:
+            return _END
+        except BaseException as exc:
+            return exc
+
     def __next__(self):
         self.acknowledge()
-        item = self._queue.get()
+        self._release()
+        item = self._next_item()
         if item is _END:
             self.loader._ended(self)
             raise StopIteration
         if isinstance(item, BaseException):
+            self._failed = item
             self.stop()
             raise item
         batch, buf = item
@@ -654,9 +762,12 @@ class _Epoch:
 
     def stop(self) -> None:
         self._stopping = True
+        self._release()
 
     def join(self, timeout: float) -> None:
         """Waits for the fetch thread to end (after ``stop``)."""
+        if self._thread is None:
+            return
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise RuntimeError(f"the data fetch thread did not stop within {timeout:.0f}s")

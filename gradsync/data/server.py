@@ -26,9 +26,12 @@ A step, seen from worker w:
    into the buffer its tensors will view, and writes the count of items it has read into
    the table: that one-sided write frees the slot. That release is the credit. No message.
 5. A worker on another host (or one told ``GRADSYNC_TRANSPORT=tcp``) cannot map the table:
-   it calls ``take(seq, wait)``, which waits until item ``seq`` is ready and answers where it
-   is (slot, bytes), what it holds and how long it waited, then reads the slot over the region
-   connection. Asking for ``seq`` also releases every item before it. A take waits at most
+   it calls ``take(seq, wait, send=True)``, which waits until item ``seq`` is ready and
+   answers what it holds (index, sample ids, bytes) and how long it waited, with the slot's
+   bytes attached (``regions.Attached``): they cross the connection once, straight into the
+   worker's buffer. The worker asks for its next item of this server while it reads this
+   one's bytes and hands them on (``loader.py``), so the round trip is hidden behind them.
+   Asking for ``seq`` also releases every item before it. A take waits at most
    ``wait`` seconds and then answers ``pending`` (the worker asks again): so every call is
    answered within a fraction of the heartbeat timeout while this server runs, and a worker
    that hears nothing for that long knows the server is stopped or cut off, not slow
@@ -38,6 +41,10 @@ Liveness. A beater thread counts up the *beat* word of every stream's slot table
 ``heartbeat_interval``; a same-host worker that sees it stand still for ``heartbeat_timeout``
 gives this server up (a stopped process beats no more). A worker on another host watches the
 replies instead: ``ping`` when it has nothing in flight, and every call answered promptly.
+
+Producers (``producers.py``): one thread prepares the items by default; with ``producers``
+K > 1 (``gradsync run --data-workers K``) K helper processes (or threads) prepare up to K
+items at once, each item by exactly one of them, with this process's one cache.
 
 Preparing a sample: the decoded sample comes from the cache (``cache.py``) or from
 ``dataset[i]`` (and then goes into the cache while the budget lasts); the transform is then
@@ -67,6 +74,7 @@ lasts).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 import os
 import sys
@@ -76,10 +84,11 @@ import time
 import numpy as np
 
 from ..errors import CollectiveMismatchError, GradsyncError, GradsyncTimeoutError
-from ..transport.regions import Endpoint
+from ..transport.regions import Attached, Endpoint
 from .cache import Cache
 from .layout import Layout, leaves_of
 from .plan import Batch, plan, unpack_mask, worker_batches
+from .producers import KINDS, Batcher, start_helpers
 from .slots import SlotTable, table_words
 
 __all__ = ["Source", "DataServer", "serve", "ELASTIC_KEY", "END_KEY"]
@@ -92,13 +101,30 @@ _SWITCH_INTERVAL = 0.0002  # seconds: see serve()
 _ACK_NAPS = (0.0001, 0.002)
 
 
+def takes_rng(transform) -> bool:
+    """Whether ``transform`` is called with the generator, ``transform(sample, rng)``: it
+    can take two positional arguments. One that takes one, ``transform(sample)`` (a
+    torchvision transform's ``__call__``), draws nothing from it, and seeding a generator
+    per sample is the largest cost of a cheap sample (30-60 us: docs/data.md, "Where a
+    batch's time goes"). Unknown (a signature Python cannot read): the generator."""
+    try:
+        params = list(inspect.signature(transform).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return True
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) >= 2
+
+
 class Source:
     """The user's dataset and transform, behind the cache: what prepares one sample.
 
     Args:
         dataset: supports ``len()`` and ``dataset[i]`` (a map-style torch ``Dataset``).
         transform: ``transform(sample, rng)`` returns the sample to serve; ``rng`` is a
-            ``numpy.random.Generator`` seeded by (seed, epoch, sample id). None: as decoded.
+            ``numpy.random.Generator`` seeded by (seed, epoch, sample id); or
+            ``transform(sample)``, which is given no generator (``takes_rng``). None: as
+            decoded.
         seed: the job's data seed.
         cache: where decoded samples are kept between epochs.
         collate: makes a batch of samples whose shapes vary (``collate.py``); None: every
@@ -108,6 +134,7 @@ class Source:
     def __init__(self, dataset, transform, seed: int, cache: Cache, collate=None):
         self.dataset, self.transform, self.seed, self.cache = dataset, transform, seed, cache
         self.collate = collate
+        self.rng = transform is not None and takes_rng(transform)
 
     def decoded(self, sample_id: int):
         """``dataset[sample_id]``, from the cache when it is there."""
@@ -119,9 +146,10 @@ class Source:
 
     def served(self, sample, sample_id: int, epoch: int):
         """The transformed sample."""
+        if self.rng:
+            return self.transform(sample, np.random.default_rng([self.seed, epoch, sample_id]))
         if self.transform is not None:
-            rng = np.random.default_rng([self.seed, epoch, sample_id])
-            sample = self.transform(sample, rng)
+            return self.transform(sample)
         return sample
 
     def prepared(self, sample, sample_id: int, epoch: int) -> list[np.ndarray]:
@@ -130,8 +158,7 @@ class Source:
 
     def first(self):
         """Sample 0 as served in epoch 0."""
-        return (self.transform(self.dataset[0], np.random.default_rng([self.seed, 0, 0]))
-                if self.transform is not None else self.dataset[0])
+        return self.served(self.dataset[0], 0, 0)
 
     def layout(self) -> Layout:
         """The layout of sample 0 as served in epoch 0 (every sample must match it)."""
@@ -145,11 +172,18 @@ class _Stream:
         self.slots, self.prefetch, self.table = slots, prefetch, table
         self.items: list[tuple[int, Batch]] = []   # (epoch, batch) by sequence number
         self.nbytes: list[int] = []                # bytes written, by sequence number
-        self.produced = 0    # items written into slots
+        self.produced = 0    # items written into slots: every item before it
+        self.claimed = 0     # items handed to a producer: every item before it
+        self.inflight: set[int] = set()  # items a producer is writing
+        self.finished: set[int] = set()  # items written, not yet counted in ``produced``
         self.released = 0    # items the worker has finished reading
-        self.busy = False    # the producer is writing item ``produced``
         self.gone = False
         self.generation = 0  # of the job's membership, as the worker's last start said
+
+    @property
+    def busy(self) -> bool:
+        """A producer is writing an item of this stream."""
+        return bool(self.inflight)
 
     def refresh(self) -> None:
         """Takes in the polling worker's ack: the items it has read free their slots. (An
@@ -158,13 +192,21 @@ class _Stream:
 
     def waits_for_credit(self) -> bool:
         """Items are queued but every slot holds one the worker has not read."""
-        return (not self.busy and not self.gone and self.produced < len(self.items)
-                and self.produced - self.released >= self.prefetch)
+        return (not self.gone and self.claimed < len(self.items)
+                and self.claimed - self.released >= self.prefetch)
 
     def can_produce(self) -> bool:
         self.refresh()
-        return (not self.busy and not self.gone and self.produced < len(self.items)
-                and self.produced - self.released < self.prefetch)
+        return (not self.gone and self.claimed < len(self.items)
+                and self.claimed - self.released < self.prefetch)
+
+    def finish(self, seq: int) -> None:
+        """Item ``seq`` is written: ``produced`` counts it once every earlier one is."""
+        self.inflight.discard(seq)
+        self.finished.add(seq)
+        while self.produced in self.finished:
+            self.finished.discard(self.produced)
+            self.produced += 1
 
 
 class DataServer:
@@ -182,11 +224,19 @@ class DataServer:
         beat: seconds between beats in the slot tables (the ``heartbeat_interval``; 0: no
             beats, for a job whose heartbeats are off).
         order: how the epoch's batches are cut (``plan.ORDERS``; workers must agree).
+        producers: items prepared at once (``producers.py``; the ``data_workers`` setting).
+        producer: ``"process"`` (each producer a forked helper process) or ``"thread"``;
+            with one producer, this server's own thread prepares every item.
     """
 
     def __init__(self, index: int, servers: int, workers: int, endpoint: Endpoint,
                  source: Source, batch_size: int, seed: int, timeout: float = 300.0,
-                 elastic: bool = False, beat: float = 0.0, order: str = "servers"):
+                 elastic: bool = False, beat: float = 0.0, order: str = "servers",
+                 producers: int = 1, producer: str = "process"):
+        if producers < 1:
+            raise ValueError(f"a data server needs at least 1 producer, got {producers}")
+        if producer not in KINDS:
+            raise ValueError(f"producer must be one of {KINDS}, got {producer!r}")
         self.index, self.servers, self.workers = index, servers, workers
         self.elastic = elastic
         self.endpoint, self.source, self.timeout = endpoint, source, timeout
@@ -202,12 +252,19 @@ class DataServer:
             self.spec = self.layout.describe()
             self.slot_bytes = max(1, batch_size * self.layout.sample_bytes)
         else:
+            self.layout = None
             self.spec = self.collate.learn(source.first())
             self.slot_bytes = max(1, int(self.collate.slot_bytes(self.spec, batch_size)))
+        self.batcher = Batcher(source, self.layout, self.spec)
+        # Forked before this server's own threads start (the endpoint's already run: the
+        # helpers touch none of their locks, only the dataset, the transform and a pipe).
+        self._helpers = (start_helpers(self.batcher, producers, self.slot_bytes)
+                         if producers > 1 and producer == "process" else [])
         self.streams: dict[int, _Stream] = {}
         self.failure: str | None = None
         self.batches_served = 0
         self.takes = 0  # take calls answered (the workers that poll make none)
+        self.sent = 0  # of them, answered with the batch's bytes attached
         # (generation, epoch) -> ((done digest, workers), plan)
         self._plans: dict[tuple[int, int], tuple[tuple[str, int], list[Batch]]] = {}
         self._seen: set[int] = set()
@@ -219,9 +276,14 @@ class DataServer:
         for method in ("hello", "start", "take", "stats", "ping"):
             endpoint.on_call(method, getattr(self, "_" + method))
         endpoint.on_disconnect(self._disconnected)
-        self._producer = threading.Thread(target=self._produce, daemon=True,
-                                          name=f"gradsync-data-server{index}")
-        self._producer.start()
+        self._turn = 0  # the worker whose stream a producer looks at first (round robin)
+        self._producers = [
+            threading.Thread(target=self._produce,
+                             args=(self._helpers[k] if self._helpers else None,), daemon=True,
+                             name=f"gradsync-data-server{index}" + (f".{k}" if k else ""))
+            for k in range(producers)]
+        for thread in self._producers:
+            thread.start()
         self._beater = None
         if beat > 0:
             self._beater = threading.Thread(target=self._beat, args=(beat,), daemon=True,
@@ -329,7 +391,7 @@ class DataServer:
         every slot is free. False, with nothing changed, when the producer is still writing
         into the stream at ``patience`` (a ``time.monotonic()``; None: wait for it)."""
         stream = self._stream(worker)
-        while stream.busy:  # the producer is writing into one of its slots: let it finish
+        while stream.busy:  # a producer is writing into one of its slots: let it finish
             left = 1.0 if patience is None else patience - time.monotonic()
             if left <= 0:
                 return False
@@ -342,7 +404,8 @@ class DataServer:
                              f"{stream.produced - 1}, and has released those before "
                              f"{stream.released}")
         del stream.items[seq:], stream.nbytes[seq:]
-        stream.produced = stream.released = seq
+        stream.produced = stream.released = stream.claimed = seq
+        stream.finished.clear()
         stream.generation = generation
         # The items published from ``seq`` on were the old plan's: a polling worker must not
         # find them. (It polls again only after this start's reply.)
@@ -379,11 +442,20 @@ class DataServer:
                 self._cv.wait(max(0.0, min(left, patience - time.monotonic(), 1.0)))
             self.takes += 1  # answered with its item (a pending answer is no take)
             epoch, batch = stream.items[seq]
+            slot, nbytes = seq % stream.prefetch, stream.nbytes[seq]
             # ``waited``: how long the batch was still being prepared (the rest of the call's
             # time is the transport's: Loader.transfers()).
-            return {"slot": seq % stream.prefetch, "nbytes": stream.nbytes[seq],
-                    "epoch": epoch, "index": batch.index, "ids": batch.ids.tolist(),
+            info = {"slot": slot, "nbytes": nbytes, "epoch": epoch, "index": batch.index,
+                    "ids": batch.ids.tolist(),
                     "waited": 0.0 if ready else time.monotonic() - arrived}
+        if args.get("send"):
+            with self._cv:
+                self.sent += 1
+            # The bytes follow the answer on the connection, sent from the slot: item
+            # ``seq`` stays unreleased (its slot unwritten) until the worker asks for a later
+            # one, which it does only once these bytes are in its buffer.
+            return Attached(info, stream.slots[slot][:nbytes])
+        return info
 
     def _ping(self, worker: int, args: dict) -> dict:
         """A worker's look at this server's liveness (``liveness.py``): an answer is all."""
@@ -391,8 +463,9 @@ class DataServer:
 
     def _stats(self, worker: int, args: dict) -> dict:
         with self._cv:
-            served, takes = self.batches_served, self.takes
-        return {"server": self.index, "batches": served, "takes": takes,
+            served, takes, sent = self.batches_served, self.takes, self.sent
+        return {"server": self.index, "batches": served, "takes": takes, "sent": sent,
+                "producers": len(self._producers),
                 **self.source.cache.counters()}
 
     def _stream(self, worker: int) -> _Stream:
@@ -402,9 +475,10 @@ class DataServer:
         return stream
 
     # ------------------------------------------------------------------ the producer
-    def _produce(self) -> None:
-        """Writes items into free slots, taking the workers in turn."""
-        turn, nap = 0, _ACK_NAPS[0]
+    def _produce(self, helper=None) -> None:
+        """(A producer thread; ``helper``: its helper process, ``producers.py``.) Writes
+        items into free slots, taking the workers in turn."""
+        nap = _ACK_NAPS[0]
         while True:
             with self._cv:
                 while True:
@@ -422,54 +496,45 @@ class DataServer:
                         self._cv.wait(1.0)
                 nap = _ACK_NAPS[0]
                 # The next worker in turn after the last one served: no stream starves.
-                worker = next((w for w in ready if w >= turn), ready[0])
-                turn = worker + 1
+                worker = next((w for w in ready if w >= self._turn), ready[0])
+                self._turn = worker + 1
                 stream = self.streams[worker]
-                stream.busy = True
-                seq = stream.produced
+                seq = stream.claimed
+                stream.claimed += 1
+                stream.inflight.add(seq)
                 epoch, batch = stream.items[seq]
                 generation = stream.generation  # ``_regenerate`` waits while busy
             try:
-                nbytes = self._prepare(batch, epoch, stream.slots[seq % stream.prefetch])
+                slot = stream.slots[seq % stream.prefetch]
+                ids = batch.ids.tolist()
+                if helper is None:
+                    nbytes = self.batcher.prepare(ids, epoch, slot)
+                else:
+                    nbytes = helper.prepare(self.source.cache, ids, epoch, slot)
                 with self._cv:  # counted before a worker can see it (and then ask the stats)
                     self.batches_served += 1
-                # Published while still busy, so a re-plan cannot clear the table between.
+                    stream.nbytes[seq] = nbytes
+                # Published while still in flight, so a re-plan cannot clear the table
+                # between.
                 stream.table.publish(seq, generation, epoch, batch.index, nbytes, batch.ids)
             except Exception as exc:  # the user's dataset or transform: tell every worker
-                log.exception("data server %d: batch %d of epoch %d failed", self.index,
-                              batch.index, epoch)
+                log.error("data server %d: batch %d of epoch %d failed: %s: %s", self.index,
+                          batch.index, epoch, type(exc).__name__, exc,
+                          exc_info=helper is None)
                 with self._cv:
-                    self.failure = (f"data server {self.index} could not prepare batch "
-                                    f"{batch.index} of epoch {epoch}: {type(exc).__name__}: "
-                                    f"{exc}")
-                    stream.busy = False
+                    if self.failure is None:
+                        self.failure = (f"data server {self.index} could not prepare batch "
+                                        f"{batch.index} of epoch {epoch}: "
+                                        f"{type(exc).__name__}: {exc}")
+                    stream.inflight.discard(seq)
                     self._stop = True
                     for other in self.streams.values():
                         other.table.fail()
                     self._cv.notify_all()
                 return
             with self._cv:
-                stream.nbytes[seq] = nbytes
-                stream.produced += 1
-                stream.busy = False
+                stream.finish(seq)
                 self._cv.notify_all()
-
-    def _prepare(self, batch: Batch, epoch: int, slot: np.ndarray) -> int:
-        """Prepares ``batch``'s samples into ``slot``; returns the bytes written."""
-        if self.collate is not None:
-            ids = batch.ids.tolist()
-            samples = [self.source.served(self.source.decoded(i), i, epoch) for i in ids]
-            nbytes = int(self.collate.pack(self.spec, samples, ids, slot))
-            if not 0 <= nbytes <= len(slot):
-                raise ValueError(f"the collate wrote {nbytes} bytes into a slot of "
-                                 f"{len(slot)} (its slot_bytes)")
-            return nbytes
-        samples = []
-        for sample_id in batch.ids.tolist():
-            leaves = self.source.prepared(self.source.decoded(sample_id), sample_id, epoch)
-            self.layout.check(leaves, sample_id)
-            samples.append(leaves)
-        return self.layout.pack(samples, slot)
 
     # ------------------------------------------------------------------ liveness
     def _beat(self, interval: float) -> None:
@@ -503,7 +568,10 @@ class DataServer:
         with self._cv:
             self._stop = True
             self._cv.notify_all()
-        self._producer.join(self.timeout)
+        for thread in self._producers:
+            thread.join(self.timeout)
+        for helper in self._helpers:
+            helper.close()
         if self._beater is not None:
             self._beater.join(self.timeout)
 
@@ -542,7 +610,8 @@ def serve(config, env, source: Source, batch_size: int, seed: int,
         server = DataServer(index, env.data_servers, env.workers, endpoint, source,
                             batch_size, seed, config.timeout, elastic=elastic,
                             beat=config.heartbeat_interval if config.heartbeat_timeout > 0
-                            else 0.0, order=order)
+                            else 0.0, order=order, producers=config.data_workers,
+                            producer=config.data_producer)
         publish(store, "data", index, endpoint)
         log.info("rank %d on host %s (pid %d): data server %d of %d, serving %s", env.rank,
                  env.hostname, os.getpid(), index, env.data_servers,

@@ -23,8 +23,9 @@ Publishing item ``seq`` into slot ``s = seq % prefetch``: the server writes the 
 and the header's metadata, then the header's ``published`` word, last. The worker that polls
 for ``seq`` reads ``published``; when it says ``seq``, it reads the metadata and ids, then
 ``published`` again, and takes them only if it still says ``seq`` (a seqlock). It then copies
-the slot's bytes into its own buffer and writes ``ack = seq + 1``; the server rewrites slot
-``s`` (item ``seq + prefetch``) only once it sees that ack. So backpressure (the server's
+the slot's bytes into its own buffer and writes ``ack = seq + 1`` (a worker that borrows the
+slot, ``Loader(copy=False)``, writes it only when its loop takes the next batch); the server
+rewrites slot ``s`` (item ``seq + prefetch``) only once it sees that ack. So backpressure (the server's
 ``prefetch`` credits) and the "taken" accounting need no message either.
 
 Why it is safe without locks: every word has one writer, and x86 (TSO) keeps stores in
@@ -302,6 +303,12 @@ class Poller:
         if ended:
             raise PeerLostError(f"{self.label} closed its connection while this worker "
                                 "waited for a batch", peer=self.peer)
+
+    def view(self, header: Header) -> np.ndarray:
+        """The item's bytes where they lie, in the slot (``Loader(copy=False)``): valid until
+        ``table.ack(header.seq)``, after which the server may write the slot again."""
+        at = (header.seq % self.table.prefetch) * self.slot_bytes
+        return self.slots[at:at + header.nbytes]
 
     def read(self, header: Header, out: np.ndarray) -> None:
         """Copies the item's bytes into ``out``, then acks it (its slot is free again).

@@ -89,6 +89,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                           "cache and transform the data for the workers (see gradsync.data); "
                           "in an elastic job they run on this machine, outside the workers' "
                           "generations")
+    job.add_argument("--data-workers", type=int, default=None, metavar="K",
+                     help="with --data-servers, K producers per data server (forked helper "
+                          "processes sharing the server's cache, as a DataLoader's "
+                          "num_workers; GRADSYNC_DATA_WORKERS, default 1)")
     where = job.add_mutually_exclusive_group()
     where.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...",
                        help="hosts and their slots, filled in order (default localhost:NP+S+D)")
@@ -274,6 +278,10 @@ def flag_settings(args: argparse.Namespace) -> dict[str, str]:
         if args.fusion_threshold_mb < 0:
             raise ValueError(f"--fusion-threshold-mb must be >= 0, got {args.fusion_threshold_mb}")
         settings["FUSION_THRESHOLD"] = str(args.fusion_threshold_mb << 20)  # MiB, as horovodrun
+    if getattr(args, "data_workers", None) is not None:
+        if args.data_workers < 1:
+            raise ValueError(f"--data-workers must be >= 1, got {args.data_workers}")
+        settings["DATA_WORKERS"] = str(args.data_workers)
     return {ENV_PREFIX + name: value for name, value in settings.items()}
 
 

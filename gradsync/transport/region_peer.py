@@ -124,6 +124,20 @@ class RemotePeer:
     def call_async(self, method: str, **args) -> Handle:
         return self.submit(lambda: self.call(method, **args), f"{self.label}.{method}")
 
+    def call_into(self, method: str, into: Callable[[dict], np.ndarray], **args
+                  ) -> tuple[dict, np.ndarray | None]:
+        """``call`` whose reply may carry bytes (the owner's handler returned it
+        ``regions.Attached``): they are received straight into ``into(reply)``, a writable
+        contiguous array of ``reply["attached"]`` bytes. Returns the reply and that array
+        (None when nothing was attached)."""
+        body = json.dumps({"method": method, **args}).encode()
+        return self.request(rf.Op.CALL, 0, 0, body, attach=into)
+
+    def call_into_async(self, method: str, into: Callable[[dict], np.ndarray],
+                        **args) -> Handle:
+        return self.submit(lambda: self.call_into(method, into, **args),
+                           f"{self.label}.{method}")
+
     def set_silence(self, silence: float | None) -> None:
         """Changes ``silence`` (None: the endpoint's timeout) for the requests from now on."""
         self.silence = silence
@@ -151,14 +165,15 @@ class RemotePeer:
             pass
 
     def request(self, op: int, region: int, offset: int, payload=None, length: int = 0,
-                into: np.ndarray | None = None, fence: int | None = None) -> bytes | None:
-        """One request and its reply, under this peer's lock. Returns a control reply's bytes.
-        ``fence``: the writer's epoch, for a write or an accumulate into a fenced region."""
+                into: np.ndarray | None = None, fence: int | None = None, attach=None):
+        """One request and its reply, under this peer's lock. Returns a control reply's bytes
+        (with ``attach``, ``call_into``'s pair). ``fence``: the writer's epoch, for a write
+        or an accumulate into a fenced region."""
         with self._lock:
-            return self._request(op, region, offset, payload, length, into, fence)
+            return self._request(op, region, offset, payload, length, into, fence, attach)
 
     def _request(self, op: int, region: int, offset: int, payload=None, length: int = 0,
-                 into: np.ndarray | None = None, fence: int | None = None) -> bytes | None:
+                 into: np.ndarray | None = None, fence: int | None = None, attach=None):
         """(Under ``_lock``.) ``request``."""
         if self._closed:
             raise PeerLostError(f"the connection to {self.label} is closed"
@@ -191,7 +206,19 @@ class RemotePeer:
             else:
                 if reply.length > rf.MAX_CALL:
                     raise ProtocolError(f"{self.label} sent a reply of {reply.length} bytes")
-                return recv_exact(self.sock, reply.length)
+                body = recv_exact(self.sock, reply.length)
+                if attach is None:
+                    return body
+                answer = json.loads(body)
+                nbytes = answer.get("attached")
+                if nbytes is None:
+                    return answer, None
+                out = attach(answer)
+                if out.nbytes != nbytes:
+                    raise ProtocolError(f"{self.label} attached {nbytes} bytes to its reply; "
+                                        f"the buffer for them holds {out.nbytes}")
+                recv_into(self.sock, out)
+                return answer, out
         except socket.timeout:
             self._closed = True
             if self.silence is not None:

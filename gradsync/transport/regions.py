@@ -46,6 +46,10 @@ writes as often as possible (the gradients of parameter-server workers) stay unf
 
 Control messages (``call``) travel on the same TCP connection as small JSON objects and are
 answered by handlers the owner registers (``on_call``). They carry who did what, never tensors.
+A handler may return its reply ``Attached`` to bytes of a region (a data server's ``take``
+answers with the batch it names): the bytes follow the reply on the stream, sent straight
+from the region, and the peer's ``call_into`` receives them straight into its buffer, so the
+answer and the bytes cost one round trip instead of a call and a READ.
 
 This module is the owner's side (its regions and the serving threads); the peer's side
 (``RemotePeer``, ``RemoteRegion``) is ``region_peer.py``; below both, ``region_memory.py`` holds
@@ -75,7 +79,7 @@ from .rma_frame import (RegionAccessError, StaleWriteError, error_payload, recv_
                         recv_into)
 
 __all__ = ["Endpoint", "Region", "Memory", "Stripes", "Fence", "STRIPE_BYTES",
-           "RegionAccessError", "StaleWriteError", "ANY_PEER"]
+           "RegionAccessError", "StaleWriteError", "ANY_PEER", "Attached"]
 
 log = logging.getLogger("gradsync.regions")
 
@@ -96,6 +100,23 @@ class _AnyPeer:
 
 
 ANY_PEER = _AnyPeer()
+
+
+class Attached:
+    """A control reply with bytes that follow it on the stream (``RemotePeer.call_into``).
+
+    Args:
+        reply: the JSON-able reply; it gains ``"attached"``, the number of bytes.
+        data: a contiguous uint8 view of the bytes (a region's, usually). The handler's
+            caller must keep them unchanged until they are sent: the serving thread sends
+            them after the handler has returned (a data server's slot stays unreleased
+            until the worker asks for a later item).
+    """
+
+    __slots__ = ("reply", "data")
+
+    def __init__(self, reply: dict, data: np.ndarray):
+        self.reply, self.data = {**reply, "attached": int(data.nbytes)}, data
 
 
 class Region(Memory):
@@ -301,13 +322,17 @@ class Endpoint:
 
     def _serve_call(self, peer: int, sock: socket.socket, req: rf.Request) -> None:
         payload = recv_exact(sock, req.length)
+        attached = None
         try:
             message = json.loads(payload)
             method = message.pop("method")
             handler = self._handlers.get(method)
             if handler is None:
                 raise ValueError(f"{self.label} has no control method {method!r}")
-            reply = json.dumps(handler(peer, message)).encode()
+            result = handler(peer, message)
+            if isinstance(result, Attached):
+                result, attached = result.reply, result.data
+            reply = json.dumps(result).encode()
             op = rf.Op.REPLY
         except (GradsyncError, ValueError, TypeError, KeyError) as exc:
             reply, op = error_payload(exc), rf.Op.ERROR
@@ -315,6 +340,8 @@ class Endpoint:
             log.exception("%s: control method failed for peer %d", self.label, peer)
             reply, op = error_payload(exc), rf.Op.ERROR
         sock.sendall(rf.pack(op, req.request, 0, 0, len(reply)) + reply)
+        if attached is not None and op == rf.Op.REPLY:
+            sock.sendall(attached)  # straight from the region: the one copy is the kernel's
 
     def _serve_access(self, sock: socket.socket, req: rf.Request, scratch: np.ndarray) -> None:
         why = rf.check_access(req, self.regions, lambda r: r.dtype.itemsize)

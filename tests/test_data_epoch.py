@@ -1,0 +1,133 @@
+"""A worker's epoch (``loader._Epoch``) against real data servers in this process: the two roads.
+
+On one host the training loop's own ``next()`` polls the slot tables (no fetch thread) and,
+with ``Loader(copy=False)``, lends the loop the slot itself until the next batch; over TCP a
+fetch thread asks each server for its next item while it reads the current one, and the
+bytes ride on the ``take``'s reply. The ``Loader`` here is wired by hand to the ``server``
+fixture's connections (``_loader``): its epochs, plan and loss handling are the real code;
+only ``Loader(...)``'s job set-up (the store, ``init()``) is skipped.
+"""
+
+import collections
+import threading
+
+
+from gradsync.data import plan as P
+from gradsync.data.layout import Layout
+from gradsync.data.loader import Loader
+from gradsync.data.slots import poller
+
+from test_data import Numbers, _hello, _wait_for, server  # noqa: F401 (fixture)
+
+SAMPLES, BATCH = 40, 4
+
+
+def _loader(peers: list, reply: dict, prefetch=2, copy=True, poll=True) -> Loader:
+    """Worker 0 of 1, connected to the data servers of ``peers`` (its peer of each, after the
+    hello whose ``reply`` describes the batches), as ``Loader.__init__`` would leave it."""
+    loader = Loader.__new__(Loader)
+    loader.samples, loader.batch_size, loader.seed = SAMPLES, BATCH, 1
+    loader.order, loader.collate, loader.copy = "servers", None, copy
+    loader.prefetch = prefetch
+    loader.rank, loader.workers, loader.servers = 0, 1, len(peers)
+    loader.elastic, loader.generation, loader.epoch = False, 0, 0
+    loader._resume, loader._active, loader._finished = {}, None, None
+    loader._seq = [0] * len(peers)
+    loader.lost = set()
+    loader._transfers = collections.deque(maxlen=100)
+    loader._closed, loader._timeout = False, 20.0
+    loader._lost_lock = threading.Lock()
+    loader._silence = loader._take_wait = loader._watch = None
+    loader.peers = peers
+    loader.slots = [p.region("slots.0") for p in peers]
+    loader.pollers = [poller(p, 0, prefetch, BATCH, reply["slot_bytes"]) if poll else None
+                      for p in peers]
+    loader.spec, loader.slot_bytes = reply["layout"], reply["slot_bytes"]
+    loader.layout = Layout(reply["layout"])
+    return loader
+
+
+def _planned(servers, epoch=0):
+    return [b.ids.tolist() for b in P.worker_batches(P.plan(SAMPLES, BATCH, 1, epoch, servers,
+                                                            1), 0)]
+
+
+def test_on_one_host_the_loop_polls_itself_and_a_borrowed_batch_is_the_slot_until_the_next(
+        server):
+    srv, peers = server(Numbers(SAMPLES), workers=1)
+    loader = _loader([peers[0]], _hello(peers[0], SAMPLES, prefetch=2), copy=False)
+    slots = loader.pollers[0].slots
+    low, high = slots.ctypes.data, slots.ctypes.data + slots.nbytes
+    batches = iter(loader)
+    assert batches._thread is None  # no fetch thread between the servers and the loop
+    got = []
+    for k, (x, ids) in enumerate(batches):
+        # The tensors view the stream's slot: nothing was copied on the worker ...
+        assert low <= x.data_ptr() < high and low <= ids.data_ptr() < high
+        # ... and the slot stays the worker's (unacked) while the loop holds the batch.
+        assert loader.pollers[0].table.acked() == k
+        assert srv.streams[0].released <= k
+        got.append(ids.tolist())
+    assert got == _planned(1)
+    assert loader.pollers[0].table.acked() == len(got)  # the last released at the epoch's end
+
+
+def test_a_copied_batch_polled_by_the_loop_is_its_own_buffer(server):
+    srv, peers = server(Numbers(SAMPLES), workers=1)
+    loader = _loader([peers[0]], _hello(peers[0], SAMPLES, prefetch=2))
+    slots = loader.pollers[0].slots
+    batches = iter(loader)
+    assert batches._thread is None
+    x, ids = next(batches)
+    assert not slots.ctypes.data <= x.data_ptr() < slots.ctypes.data + slots.nbytes
+    assert loader.pollers[0].table.acked() == 1  # read, so released at once
+    assert [ids.tolist()] + [i.tolist() for _, i in batches] == _planned(1)
+
+
+def test_over_tcp_the_next_take_is_asked_while_the_batch_in_hand_is_read(server):
+    # prefetch 1 (the worker's queue holds one batch): the loop holds batch 0, the queue
+    # batch 1, the fetch thread batch 2 (waiting to queue it). Without asking ahead the
+    # server has been asked for items 0-2; asking ahead, for item 3 too (which releases 2).
+    srv, peers = server(Numbers(SAMPLES), workers=1, direct=False)
+    loader = _loader([peers[0]], _hello(peers[0], SAMPLES, prefetch=2), prefetch=1)
+    assert loader.slots[0].direct is None and loader.pollers[0] is None  # the TCP road
+    batches = iter(loader)
+    assert batches._thread is not None
+    x, ids = next(batches)
+    assert _wait_for(lambda: srv.streams[0].released == 3)
+    got = [ids.tolist()] + [i.tolist() for _, i in batches]
+    assert got == _planned(1)
+    stats = peers[0].call("stats")
+    # Every batch crossed the connection once, on its take's reply (no READ after it).
+    assert stats["takes"] == stats["sent"] == len(got)
+
+
+def test_a_server_lost_with_a_take_in_flight_has_its_batches_served_once_by_the_other(
+        server):
+    # Two data servers over TCP; server 0's sample ``slow`` (in its second batch) waits for
+    # a gate, so the take asked ahead for that batch is in flight when server 0 is closed.
+    gate = threading.Event()
+    slow = _planned(2)[2][0]  # the plan deals batches to the servers in turn: 0, 1, 0, ...
+
+    class Gated(Numbers):
+        def __getitem__(self, i):
+            if i == slow:
+                gate.wait(20)
+            return super().__getitem__(i)
+
+    srv0, peers0 = server(Gated(SAMPLES), workers=1, servers=2, index=0, direct=False)
+    srv1, peers1 = server(Numbers(SAMPLES), workers=1, servers=2, index=1, direct=False)
+    reply = _hello(peers0[0], SAMPLES, prefetch=2)
+    _hello(peers1[0], SAMPLES, prefetch=2)
+    loader = _loader([peers0[0], peers1[0]], reply, prefetch=1)
+    batches = iter(loader)
+    # Server 0's first batch taken (the plan's first), its next is asked for at once.
+    assert _wait_for(lambda: batches._ahead.get(0, (None,))[0] == 1)
+    handle = batches._ahead[0][1]
+    assert not handle.poll()  # in flight: the server waits for the gate
+    srv0.endpoint.close()
+    got = [ids.tolist() for _, ids in batches]
+    gate.set()
+    assert loader.lost == {0}
+    ids = sorted(i for batch in got for i in batch)
+    assert ids == list(range(SAMPLES))  # each sample once, server 0's rest from server 1
