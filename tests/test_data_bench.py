@@ -14,7 +14,7 @@ def test_bench_data_compares_both_feeds_and_the_transport(tmp_path):
     rows_file = tmp_path / "row.json"
     # 2 producer processes on the one data server: the DataLoaders' 2 loading processes in all
     result = harness.bench("data", "-np", "2", "--data-servers", "1", "--data-workers", "2",
-                           "--samples", "96",
+                           "--borrow", "--samples", "96",
                            "--batch-size", "8", "--shape", "2,3", "--cost-ms", "0.2",
                            "--repeats", "2", "--json", str(rows_file), timeout=120)
     out = result.stdout

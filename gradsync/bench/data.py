@@ -1,7 +1,7 @@
 """Data servers against each worker's own torch ``DataLoader``, in the same job.
 
     gradsync bench data -np W [--data-servers D] [--data-workers K] [--cost-ms 2]
-        [--samples 512] [--batch-size 32] [--shape 3,32,32] [--repeats 5] [--copy]
+        [--samples 512] [--batch-size 32] [--shape 3,32,32] [--repeats 5] [--borrow]
         [--emulate none|netns] [--profile DIR]
 
 Every rank runs this module (``drive`` starts the job with ``--data-servers D``, or, with
@@ -43,8 +43,9 @@ cost that a loaded machine stretches in wall time but does not shrink). Three me
    each, in turn), so that both feeds see the same load on a shared machine; the ratio is
    printed of the medians and epoch by epoch.
 
-The data servers' batches are borrowed (``Loader(copy=False)``: the tensors view the slot
-until the next batch, as a ``DataLoader``'s view its shared memory) unless ``--copy``.
+The data servers' batches are copied into buffers of their own, as the ``Loader`` does by
+default and as a ``DataLoader``'s batches are the caller's to keep; ``--borrow`` measures
+``Loader(copy=False)`` instead (the tensors view the slot until the next batch is taken).
 ``--profile DIR``: every rank writes a cProfile of each of its threads' work to
 ``DIR/rank<R>.prof`` (the producers and serving threads of a data server, the training loop
 of a worker), for ``python -m pstats``; the per-batch breakdown in docs/data.md comes from it.
@@ -145,9 +146,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--data-workers", type=at_least(1), default=1, metavar="K",
                    help="producer processes per data server (default 1); the DataLoader gets "
                         "as many loading processes in all")
-    p.add_argument("--copy", action="store_true",
-                   help="the Loader copies each batch into a buffer of its own (default: "
-                        "borrowed, the tensors view the slot until the next batch)")
+    p.add_argument("--borrow", action="store_true",
+                   help="Loader(copy=False): the tensors view the slot until the next batch "
+                        "(default: each batch copied into a buffer of its own, the Loader's "
+                        "default)")
     p.add_argument("--profile", metavar="DIR",
                    help="write each rank's cProfile (all its threads) to DIR/rank<R>.prof")
     p.add_argument("--cost-ms", type=at_least(0.0, float), default=2.0,
@@ -243,7 +245,8 @@ def run(args) -> dict | None:
     dataset = Synthetic(args.samples, args.shape, args.decode_ms / 1e3)
     transform = Costly(args.cost_ms / 1e3)
     loader = gradsync.data.Loader(dataset, args.batch_size, transform=transform,
-                                  seed=args.seed, prefetch=args.prefetch, copy=args.copy)
+                                  seed=args.seed, prefetch=args.prefetch,
+                                  copy=not args.borrow)
     rank, workers, servers = gradsync.rank(), gradsync.size(), loader.servers
     threads = max(1, round(servers * args.data_workers / workers))
     own = _Own(dataset, transform, args, rank, workers, threads)
@@ -267,7 +270,7 @@ def run(args) -> dict | None:
     loader.close()
     own.close()
     row = {"workers": workers, "data_servers": servers, "loader_workers": threads,
-           "data_workers": args.data_workers, "copy": args.copy,
+           "data_workers": args.data_workers, "copy": not args.borrow,
            "cost_ms": args.cost_ms, "decode_ms": args.decode_ms, "samples": args.samples,
            "batch_size": args.batch_size, "shape": list(args.shape),
            "transport": _transport_name(), "repeats": args.repeats, "wrong": wrong,
