@@ -57,6 +57,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from ..collectives.ops import Average, ReduceOp, Sum
+from ..pace import meter
 from . import adasum_optimizer
 from . import buckets as _buckets
 from .buckets import Bucket, assign_buckets, check_layout, choose_shared
@@ -405,9 +406,11 @@ class _DistributedOptimizer:
             else:
                 closure = self._gs_synchronizing(closure)
         try:
-            return super().step() if closure is None else super().step(closure)
+            loss = super().step() if closure is None else super().step(closure)
         finally:
             self._gs_synchronized = False
+        meter.mark_step()  # a training step ends: stragglers are judged by steps (pace.py)
+        return loss
 
     def _gs_synchronizing(self, closure: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         def synchronized_closure() -> torch.Tensor:
