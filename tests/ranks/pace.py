@@ -1,9 +1,11 @@
 """Stragglers named and ``gradsync top`` in a real job (tests/test_stragglers.py).
 
 Each step sleeps (the step's "compute"), then allreduces, then marks the step
-(``gradsync.mark_step``); every rank posts its pace every 0.1 s (GRADSYNC_STRAGGLER_INTERVAL,
-set by the test).
+(``gradsync.mark_step``); every rank posts its pace every 0.1 s (``straggler_interval``).
 
+    pace.py               ``phases`` with the last rank slowed: what the job of 3 ranks of
+                          tests/small_jobs.py runs (after the other scripts: it leaves a
+                          second job's worth of state in the process)
     pace.py phases SLOW   40 steps of 60 ms: the first 20 on every rank alike (fault-free),
                           the next 20 with rank SLOW sleeping 30% longer. Rank 0 then waits
                           (a poll with a deadline) until steps 1-40 are judged and prints
@@ -28,20 +30,21 @@ import numpy as np
 
 import gradsync as gs
 
-mode, slow = sys.argv[1], int(sys.argv[2])
+mode, slow = (sys.argv[1], int(sys.argv[2])) if len(sys.argv) > 2 else ("phases", -1)
 if mode == "hvd":
     import torch
 
     import gradsync.torch as hvd
 
-    hvd.init()
+    hvd.init(straggler_interval=0.1)
     model = torch.nn.Linear(64, 64)
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                          named_parameters=model.named_parameters())
     batch = torch.ones(8, 64)
 else:
-    gs.init()
+    gs.init(straggler_interval=0.1)
 R, N = gs.rank(), gs.size()
+slow = N - 1 if slow < 0 else slow
 warned = []
 
 
@@ -51,7 +54,8 @@ class Warnings(logging.Handler):
             warned.append(record.getMessage())
 
 
-logging.getLogger("gradsync").addHandler(Warnings(logging.WARNING))
+handler = Warnings(logging.WARNING)
+logging.getLogger("gradsync").addHandler(handler)
 
 
 def step(base: float, slowed: float) -> None:
@@ -107,3 +111,4 @@ gs.barrier()
 if mode == "hvd":
     hvd.shutdown()
 gs.shutdown()
+logging.getLogger("gradsync").removeHandler(handler)
