@@ -25,6 +25,7 @@ from .collectives.ops import Average, ReduceOp
 from .collectives.planner import ALGORITHMS as _ALGORITHMS
 from .config import load_config
 from .engine import Handle
+from .pace import meter
 from .tensors import is_torch, wrap
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "reducescatter", "reducescatter_async", "alltoall", "alltoall_async",
     "barrier", "broadcast_object", "allgather_object", "synchronize", "poll",
+    "mark_step", "stragglers",
 ]
 
 log = logging.getLogger("gradsync")
@@ -392,3 +394,23 @@ def poll(handle: Handle) -> bool:
     if not isinstance(handle, Handle):
         raise TypeError(f"poll takes a Handle from an *_async call, got {handle!r}")
     return handle.poll()
+
+
+# ----------------------------------------------------------------------------- pace
+def mark_step() -> None:
+    """Ends a training step on this rank: steps are what stragglers are judged by (every rank
+    marks the same steps). The Horovod API's ``DistributedOptimizer.step`` marks them itself;
+    a job that marks none counts every ``straggler_ops`` operations as a step."""
+    meter.mark_step()
+
+
+def stragglers():
+    """The newest straggler report (``gradsync.straggler_watch.Report``): the ranks named now,
+    each with its host and its steps' split into compute, waiting and communication (ms);
+    rank 0 also has every rank's numbers (``ranks``). Empty before any step was judged,
+    in a one-rank job and with ``straggler_interval`` 0."""
+    from .straggler_watch import EMPTY
+
+    current = job.current()
+    pace = None if current is None else current.pace
+    return EMPTY if pace is None else pace.report

@@ -124,6 +124,24 @@ class Config:
     (``gradsync_trace_rank_<rank>``, torch's format); empty: ``<tmp>/gradsync-flight/<job id>``;
     ``off``: no dump but on request (``gradsync.flight_recorder.dump``)."""
 
+    straggler_interval: float = 1.0
+    """Seconds between a rank's posts of its pace (its newest steps' time and time blocked in
+    collectives) to the job's store, which name stragglers and feed ``gradsync top``
+    (docs/troubleshooting.md, "Stragglers"); 0 turns the pace meter, the posts and the
+    straggler warnings off."""
+
+    straggler_threshold: float = 0.1
+    """A rank is late in a step when it arrives at the step's collectives later than most
+    ranks by more than this fraction of the step's time (and by 1 ms)."""
+
+    straggler_window: int = 10
+    """A rank late in most of the last this many steps is named a straggler."""
+
+    straggler_ops: int = 64
+    """In a job that never marks a step (``gradsync.mark_step``, the Horovod API's
+    ``DistributedOptimizer.step``), every this many operations count as one step; 0: only
+    marked steps count."""
+
     abort_poll_interval: float = 0.1
     """Seconds between checks of the job's abort flag while a rank waits."""
 
@@ -223,6 +241,12 @@ class Config:
         if self.stall_report < 0 or self.flight_recorder < 0:
             raise ConfigError(f"need stall_report >= 0 and flight_recorder >= 0, got "
                               f"{self.stall_report}, {self.flight_recorder}")
+        if self.straggler_interval < 0 or self.straggler_ops < 0 or \
+                self.straggler_window < 1 or not 0 < self.straggler_threshold < 1:
+            raise ConfigError(f"need straggler_interval >= 0, straggler_ops >= 0, "
+                              f"straggler_window >= 1 and 0 < straggler_threshold < 1, got "
+                              f"{self.straggler_interval}, {self.straggler_ops}, "
+                              f"{self.straggler_window}, {self.straggler_threshold}")
         if self.abort_poll_interval <= 0 or self.stall_warning <= 0:
             raise ConfigError("abort_poll_interval and stall_warning must be positive")
         level = self.log_level.strip().upper()

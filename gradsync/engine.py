@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from typing import Callable
 
 from .errors import GradsyncError
 from .flight_recorder import Record, Track
+from .pace import meter
 
 __all__ = ["Engine", "Handle"]
 
@@ -49,7 +51,10 @@ class Handle:
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None):
-        if not self._done.wait(timeout):
+        began = time.monotonic_ns()
+        done = self._done.wait(timeout)
+        meter.blocked(began, time.monotonic_ns())  # the caller's time blocked (pace.py)
+        if not done:
             raise TimeoutError(f"operation '{self.name}' still in flight")
         self.release()
         if self._error is not None:
@@ -101,10 +106,12 @@ class Engine:
         its flight recorder's record (``track.issue``), if any."""
         if not self.claim_inline():
             return self.submit(fn, name, record).wait()
+        began = time.monotonic_ns()
         try:
             return self._execute(fn, record)
         finally:
             self.end_inline()
+            meter.blocked(began, time.monotonic_ns())  # the caller's time blocked (pace.py)
 
     def claim_inline(self) -> bool:
         """Marks the engine busy for an operation the caller runs inline; False (nothing

@@ -56,6 +56,7 @@ import numpy as np
 from . import operations as ops
 from .collectives.ops import ReduceOp
 from .errors import GradsyncError
+from .pace import meter
 from .transport.frame import signature_of
 
 __all__ = ["allreduce", "Entry"]
@@ -129,6 +130,7 @@ def allreduce(world, engine, tensor, op, name: "str | None", algorithm: str, inp
             result = sys.modules["torch"].from_numpy(flat)
     if not engine.claim_inline():
         return None
+    began = time.monotonic_ns()
     try:
         if entry.prefix is None:
             description, signature = entry.description, entry.signature
@@ -157,6 +159,7 @@ def allreduce(world, engine, tensor, op, name: "str | None", algorithm: str, inp
         record.done()
     finally:
         engine.end_inline()
+        meter.blocked(began, time.monotonic_ns())  # the caller's time blocked (pace.py)
     return result
 
 

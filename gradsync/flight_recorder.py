@@ -52,6 +52,8 @@ import threading
 import time
 import weakref
 
+from .pace import meter
+
 __all__ = ["dump", "entries", "Recorder", "Record", "Track", "recorder", "FILE_PREFIX",
            "FORMAT_VERSION", "SCHEDULED", "STARTED", "COMPLETED", "FAILED"]
 
@@ -87,9 +89,10 @@ class Record:
         self.state = STARTED
 
     def done(self) -> None:
-        """The operation completed."""
+        """The operation completed (and counts in the pace meter's steps, ``pace.py``)."""
         self.ended_ns = time.time_ns()
         self.state = COMPLETED
+        meter.op_done()
 
     def fail(self, error: BaseException) -> None:
         """The operation failed with ``error``, kept in words: the exception itself would

@@ -23,6 +23,7 @@ from typing import Callable
 
 from .engine import Engine
 from .flight_recorder import recorder
+from .pace import meter
 
 __all__ = ["Job", "current", "world", "engine", "start", "install", "close"]
 
@@ -32,17 +33,25 @@ _NOT_INITIALISED = "gradsync has not been initialised: call gradsync.init() firs
 class Job:
     """A connected World and the Engine that runs its operations in issue order."""
 
-    __slots__ = ("world", "engine")
+    __slots__ = ("world", "engine", "pace")
 
     def __init__(self, world):
         self.world = world
         # The job's settings reach the process's flight recorder here, with the NumPy API's
         # track on this World (each elastic generation's World has its own).
+        config = world.config
         root_job, root_ranks = world.root
-        recorder.configure(world.config, root_ranks[world.rank], root_job)
+        recorder.configure(config, root_ranks[world.rank], root_job)
         self.engine = Engine(world, recorder.track(
             f"numpy:{world.env.job_id}", "numpy API", root_ranks, "numpy",
-            world.config.timeout, world))
+            config.timeout, world))
+        # The pace meter counts this job's steps from 1 (an elastic generation renumbers
+        # them on every rank alike); its publisher names stragglers (straggler_watch.py).
+        meter.reset(config.straggler_ops, on=config.straggler_interval > 0)
+        self.pace = None
+        if config.straggler_interval > 0 and world.size > 1:
+            from .straggler_watch import Publisher
+            self.pace = Publisher(world, world.generation)
 
 
 _lock = threading.Lock()  # held by the writers: start, install, close
@@ -116,6 +125,8 @@ def close() -> None:
         job, _job = _job, None
     if job is None:
         return
+    if job.pace is not None:
+        job.pace.stop()
     try:
         if job.world.failure is None:
             job.engine.drain()

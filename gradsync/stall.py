@@ -88,7 +88,7 @@ _LEN = struct.Struct(">I")
 # gradsync's own service threads, idle in their loops whatever the rank does: not shown (the
 # threads that run the user's operations, the progress thread and the lanes, are).
 _QUIET = ("gradsync-abort-watch", "gradsync-heartbeat", "gradsync-listener",
-          "gradsync-handshake", "gradsync-stall", "gradsync-pulse")
+          "gradsync-handshake", "gradsync-stall", "gradsync-pulse", "gradsync-pace")
 
 
 def serve(world, root: bool) -> None:

@@ -190,6 +190,9 @@ class World:
         self.root: tuple[str, list[int]] = (env.job_id, list(range(self.size)))
         """The job id of the World at the root of this one's tree of sub-worlds, and the
         rank there of each rank here (this World's own, for a World that is no sub-world)."""
+        self.generation = -1
+        """The elastic generation this World is (``elastic.worker.join`` sets it); -1
+        outside elastic jobs."""
         self._next_poll = 0.0
         self._stall_warned = -1
         comm.on_idle = self.on_idle

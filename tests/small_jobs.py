@@ -25,9 +25,11 @@ from harness import launch
 _FRONT_DOORS = ("hvd_behaviours.py", "negotiation.py", "lean.py", "torch_surface.py")
 SCRIPTS = {1: _FRONT_DOORS,
            2: _FRONT_DOORS + ("torch_parity.py", "torch_bucket_views.py"),
-           3: _FRONT_DOORS + ("torch_parity.py", "torch_bucket_views.py")}
+           3: _FRONT_DOORS + ("torch_parity.py", "torch_bucket_views.py", "pace.py")}
 """The scripts of each world size's job, in this order: hvd_behaviours.py checks that shutdown
-leaves no thread behind, which is strictest with no World closed before its own."""
+leaves no thread behind, which is strictest with no World closed before its own; pace.py
+(stragglers named, tests/test_stragglers.py) comes last, its 40 steps of sleeps (3 s) after
+every other check."""
 
 TIMEOUT = 360
 """The job's deadline: the scripts' own (90-150 s each alone) less their start-ups, and

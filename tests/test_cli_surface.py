@@ -31,7 +31,15 @@ def test_run_options_are_pinned():
 def test_subcommands_are_pinned():
     commands = next(a for a in cli.build_parser()._actions
                     if isinstance(a, argparse._SubParsersAction))
-    assert sorted(commands.choices) == ["bench", "build-native", "plan", "probe", "run", "simulate"]
+    assert sorted(commands.choices) == ["bench", "build-native", "plan", "probe", "run", "simulate",
+                                        "top"]
+
+
+def test_top_options_are_pinned():
+    from gradsync.run import top
+
+    assert option_strings(top.build_parser()) == ["--help", "--interval", "--once", "--store",
+                                                  "--wait", "-h"]
 
 
 def test_run_defaults_and_command_after_double_dash():

@@ -25,8 +25,10 @@ new generation, in the same order). ``gradsync.data.Loader`` is such a value
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any, Callable
 
+from ..straggler_watch import on_report
 from . import worker
 
 __all__ = ["State", "ObjectState", "HostsUpdatedInterrupt"]
@@ -68,12 +70,31 @@ class State:
         self._bcast_object = bcast_object
         self._rank = get_rank
         self._reset_callbacks: list[Callable[[], None]] = []
+        self._straggler_callbacks: list[Callable[[Any], None]] = []
         self.last_recovery = None
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
         """Adds functions called after every re-formation, before the state is synced (e.g.
         to scale the learning rate with the new ``size()``)."""
         self._reset_callbacks.extend(callbacks)
+
+    def register_straggler_callbacks(self, callbacks: list[Callable[[Any], None]]) -> None:
+        """Adds functions called with each new straggler report (what ``gradsync.stragglers()``
+        returns: the ranks named, their hosts, where their steps go), on this rank's training
+        thread at its first step after the report came (docs/troubleshooting.md,
+        "Stragglers"): e.g. to leave the slow host out of what the discovery script prints,
+        so that the next generation runs without it. Ranks get a report at different steps:
+        a callback must not issue collectives."""
+        if not self._straggler_callbacks:
+            me = weakref.ref(self)  # the process-wide registration must not keep a State alive
+
+            def deliver(report) -> None:
+                state = me()
+                for callback in [] if state is None else state._straggler_callbacks:
+                    callback(report)
+
+            on_report(deliver)
+        self._straggler_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
         self.reset()

@@ -118,7 +118,7 @@ def join(config, env, after: int = -1):
                         env.elastic_id, gen, exc)
             after = gen
             continue
-        _generation = gen
+        _generation = world.generation = gen
         _export_horovod_identity(world)
         log.info("worker %s is rank %d of %d in generation %d", env.elastic_id, world.rank,
                  world.size, gen)

@@ -1,4 +1,5 @@
-"""The ``gradsync`` command: ``gradsync run`` starts a job, ``gradsync bench`` measures.
+"""The ``gradsync`` command: ``gradsync run`` starts a job, ``gradsync bench`` measures,
+``gradsync top`` shows a running job (``top.py``).
 
 ``gradsync run -np 4 -H a:2,b:2 python train.py`` is horovodrun's command line; see
 ``launcher.py`` for what the launcher does with it. ``--servers S`` adds S parameter-server
@@ -64,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="project training steps to any number of GPUs of a cluster")
     commands.add_parser("build-native", add_help=False,
                         help="build the compiled kernel ahead of first use, say where it is")
+    commands.add_parser("top", add_help=False,
+                        help="a live view of a running job: one row per rank")
     return parser
 
 
@@ -391,6 +394,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["build-native"]:
         from .. import _native
         return _native.main(argv[1:])
+    if argv[:1] == ["top"]:
+        from .top import main as top_main
+        return top_main(argv[1:])
     parser = build_parser()
     if argv[:1] == ["run"]:
         run_parser = parser.get_default("run_parser")

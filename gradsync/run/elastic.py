@@ -74,6 +74,7 @@ from datetime import timedelta
 
 from ..config import ENV_PREFIX
 from ..elastic.membership import Control
+from . import jobfile
 from .discovery import Discovery, parse_discovered
 from .hosts import Host
 from .data_servers import DataServers
@@ -203,6 +204,7 @@ class _ElasticJob:
         self.ready_timeout = spec.start_timeout or _READY_TIMEOUT
         self.informs = informs(spec)  # the ranks log at INFO: say which process is which
         self.data_servers: DataServers | None = None  # made once the store is up
+        self.jobfile: "str | None" = None  # where gradsync top finds the store (jobfile.py)
 
     # ------------------------------------------------------------------ the run
     def run(self) -> int:
@@ -224,6 +226,8 @@ class _ElasticJob:
                               f"{self.elastic.elastic_timeout:g}"})
                 self._server = start_store()
                 self.port = self._server.port
+                self.jobfile = jobfile.publish(self.starter.job_id, self.starter.store_addr,
+                                               self.port, self.spec.num_proc)
                 self.control = Control(self._server, self.starter.job_id, 30.0)
                 self._check_first_hosts()
                 self.data_servers = DataServers(self.spec, self.starter, self.output,
@@ -236,6 +240,7 @@ class _ElasticJob:
             except StartError as exc:
                 status, summary = exc.status, str(exc)
             finally:
+                jobfile.withdraw(self.jobfile)
                 if self.discovery is not None:
                     self.discovery.stop()
                 for proc, _ in self._probes.values():

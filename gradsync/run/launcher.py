@@ -83,7 +83,7 @@ from typing import BinaryIO, Mapping, Sequence
 
 from ..config import ENV_PREFIX, HOROVOD_IDENTITY, IDENTITY_VARIABLES, horovod_settings
 from ..errors import ConfigError
-from . import binding
+from . import binding, jobfile
 from .hosts import Host
 from .processes import (DEFAULT_START_TIMEOUT, STOP_GRACE, Interrupts, Output, Process,
                         StartError, Ssh, describe, exit_status, start, stop)
@@ -478,6 +478,7 @@ class _Job:
         self.interrupts = Interrupts()
         self.cores: "list[list[int]] | None" = None  # CPUs of each local rank, when bound
         self.store_port = 0
+        self.jobfile: "str | None" = None  # where gradsync top finds the store (jobfile.py)
         self.restarts: dict[int, int] = {}  # replicated servers started again, by rank
 
     def run(self) -> int:
@@ -487,6 +488,8 @@ class _Job:
                 self._plan_binding()
                 store = start_store()
                 self.store_port = store.port
+                self.jobfile = jobfile.publish(self.starter.job_id, self.starter.store_addr,
+                                               store.port, len(self.slots))
                 for slot in self.slots:
                     if self.interrupts.received is not None:
                         break
@@ -501,6 +504,7 @@ class _Job:
                 status, summary, others = exc.status, str(exc), "other "
             finally:
                 # Reached on every path (an exception included), so no rank outlives the job.
+                jobfile.withdraw(self.jobfile)
                 stopped = stop([r.process for r in self.ranks], self.spec.stop_grace,
                                hurry=lambda: self.interrupts.hurry, on_stuck=self._stuck)
                 self.output.drain(_DRAIN)

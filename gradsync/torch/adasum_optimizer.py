@@ -39,6 +39,7 @@ import torch
 
 from ..collectives.ops import Adasum
 from ..engine import Handle
+from ..pace import meter
 from . import requests as _requests
 from .compression import Compressor
 from .process_sets import global_process_set
@@ -141,6 +142,7 @@ class AdasumOptimizer:
                     p.add_(reduced.to(p.dtype))
         finally:
             self._gs_reset_round()
+        meter.mark_step()  # a training step ends: stragglers are judged by steps (pace.py)
         return loss
 
     def synchronize(self) -> None:

@@ -61,6 +61,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from ..collectives.ops import Average, ReduceOp, Sum
+from ..pace import meter
 from . import adasum_optimizer
 from . import buckets as _buckets
 from .buckets import Bucket, assign_buckets, check_layout, choose_shared
@@ -448,13 +449,15 @@ class _DistributedOptimizer:
                 loss = closure()  # synchronizes: whether there is anything to apply is known
                 if not self._gs_nothing_to_apply:
                     super().step()
-                return loss
-            if self._gs_nothing_to_apply:  # gradient_lag's first round (lag.py)
-                return None
-            return super().step() if closure is None else super().step(closure)
+            elif self._gs_nothing_to_apply:  # gradient_lag's first round (lag.py)
+                loss = None
+            else:
+                loss = super().step() if closure is None else super().step(closure)
         finally:
             self._gs_synchronized = False
             self._gs_nothing_to_apply = False
+        meter.mark_step()  # a training step ends: stragglers are judged by steps (pace.py)
+        return loss
 
     def _gs_synchronizing(self, closure: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         def synchronized_closure() -> torch.Tensor:

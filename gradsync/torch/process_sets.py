@@ -32,6 +32,7 @@ from .. import api as gs
 from .. import job
 from ..errors import GradsyncError
 from ..negotiation import Controller
+from ..pace import meter
 from . import naming
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
@@ -145,7 +146,7 @@ def start(process_sets: Sequence[ProcessSet] | None = None, timeline=None) -> No
     if _reg is not None:
         return
     _reg = _Registry()
-    _reg.timeline = timeline
+    _reg.timeline = meter.timeline = timeline
     n = gs.size()
     global_process_set.ranks = list(range(n))
     global_process_set.process_set_id = 0
@@ -190,6 +191,7 @@ def stop(abandon: "GradsyncError | None" = None):
             ps._invalidate()
     if abandon is not None:
         return reg.timeline
+    meter.timeline = None
     if reg.timeline is not None:
         reg.timeline.close()
     return None
@@ -292,5 +294,6 @@ def set_timeline(timeline) -> None:
         old, reg.timeline = reg.timeline, timeline
         for ctl in reg.controllers.values():
             ctl.timeline = timeline
+    meter.timeline = timeline  # steps and stragglers are marked in it too (pace.py)
     if old is not None and old is not timeline:
         old.close()

@@ -34,6 +34,7 @@ from ... import operations as ops
 from ...config import load_config
 from ...errors import GradsyncError
 from ...flight_recorder import recorder
+from ...pace import meter
 from ...launch_env import LaunchEnv, host_name
 from ...rendezvous import Store
 from .errors import BackendError, to_backend_error
@@ -116,8 +117,15 @@ class ProcessGroupGradsync(dist.ProcessGroup):
             raise to_backend_error(exc, f"rank {rank} joining the gradsync process group") \
                 from exc
         self._lane = Lane(f"gradsync-pg{group_id}", self._failed)
+        self._pace = None
         if not recorder.configured:  # a job of the NumPy or Horovod API set it up already
             recorder.configure(config, self._global_ranks[rank], job)
+            # The first group of a torch job (its default group) owns the pace meter, as a
+            # gradsync job does (``job.Job``): steps, stragglers, ``gradsync top``.
+            meter.reset(config.straggler_ops, on=config.straggler_interval > 0)
+            if config.straggler_interval > 0 and size > 1:
+                from ...straggler_watch import Publisher
+                self._pace = Publisher(self.world)
         self._track = recorder.track(f"torch:{job}", f"torch group {group_id}",
                                      self._global_ranks, "torch", config.timeout, self.world)
         self._scratch = torch.empty(0, dtype=torch.uint8)  # see _work
@@ -607,6 +615,8 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         # Sends and receives still waiting for a partner are not waited for: an unmatched
         # irecv would otherwise hold shutdown until the group's timeout.
         self._p2p.close(wait=False)
+        if self._pace is not None:
+            self._pace.stop()
         self.world.close()
 
     def abort(self) -> None:
@@ -640,6 +650,8 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         if not self._lane.drain(ABORT_GRACE_S):
             self._lane.fail_current(reason)  # a wait that does not look: its caller goes on
         self._p2p.close(wait=False)
+        if self._pace is not None:
+            self._pace.stop()
         world.close()
 
 _CPU = torch.device("cpu")

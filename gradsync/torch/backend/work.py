@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ...pace import meter
 from .errors import BackendError, to_backend_error
 
 __all__ = ["Work", "Lane"]
@@ -58,8 +59,13 @@ class Work(dist._Work):
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout / 1e3
         if self._finisher is threading.current_thread():
             pass  # called from a callback of this Work's own future: the outcome is known
-        elif not self._done.wait(seconds if seconds > 0 else None):
-            raise BackendError(f"{self.what} still in flight after {seconds:.1f}s (wait timeout)")
+        else:
+            began = time.monotonic_ns()
+            done = self._done.wait(seconds if seconds > 0 else None)
+            meter.blocked(began, time.monotonic_ns())  # the caller's time blocked (pace.py)
+            if not done:
+                raise BackendError(f"{self.what} still in flight after {seconds:.1f}s (wait "
+                                   "timeout)")
         if self._error is not None:
             raise self._error
         return True

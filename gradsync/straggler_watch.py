@@ -1,0 +1,331 @@
+"""Stragglers named: the rank that is late to the collectives, step after step, and why.
+
+A rank that is late to every collective (slow data loading, a throttled core, a noisy
+neighbour) makes the whole job slower without failing anything. This module names it, from
+the numbers each rank measures about itself (``pace.py``): per step, its step time and the
+time it was *blocked* in collectives.
+
+The rule. Clocks of different hosts do not agree, so no arrival time is compared. Instead, in
+one step, a rank that arrives late finds the others waiting and blocks only for the
+communication; the others block for as long as it was late, plus the communication. So, per
+step ``s`` and rank ``r``::
+
+    late(r, s) = typical(s) - blocked(r, s)
+
+where ``typical(s)`` is the upper median of the ranks' ``blocked(j, s)`` (the element at
+index N // 2 of them sorted: the most of two ranks, the third least of four): how much later
+than most ranks ``r`` arrived, measured on clocks that never meet. Against the most any rank
+blocked, the last of ranks that arrive in a random order on a busy machine would be late in
+every step; against the typical rank, only a rank later than most of the others is. (So one
+rank faster than three slow ones names nobody: it is the odd one, not they.) Rank ``r`` is
+*late in step s* when ``late(r, s)`` exceeds ``straggler_threshold`` (0.1) of the step's time
+(the median over the ranks) and 1 ms. A rank late in most of the last
+``straggler_window`` (10) steps (6 of 10) is *named*: a WARNING of the ``gradsync`` logger
+on rank 0 with its host and where its steps go, the numbers in ``gradsync.stragglers()``,
+an instant in the timeline and a call of the callbacks registered on an elastic ``State``
+(``register_straggler_callbacks``). Where the time of a step goes is split three ways:
+*communication* is the least any rank blocked in it (what the last to arrive blocked: the
+collectives themselves), *waiting* is the rest of a rank's blocked time, and *compute* is
+the step's time not blocked (the rank's own work: forward, backward, data loading).
+
+Worked example: 4 ranks, steps of 100 ms of work, rank 3 slowed by 30%. Per step rank 3
+computes 130 ms and blocks 2 ms (the allreduce); ranks 0-2 compute 100 ms and block 32 ms.
+typical = 32 ms; late(3) = 32 - 2 = 30 ms > 0.1 * 132 ms; late(0..2) = 0. After 6 such steps rank 3 is named:
+compute 130 ms, waiting 0 ms, communication 2 ms; its peers wait 30 ms a step for it.
+
+The exchange costs nothing per operation and no collective. Each rank's *publisher*, a
+thread (``gradsync-pace``) that wakes every ``straggler_interval`` (1 s), posts its summary
+(newest steps, operation count, payload bytes per second, last operation) to the job's store
+under ``pace/<rank>`` when it has changed: one store request per rank per interval, over
+the World's store client. Rank 0's publisher reads every rank's summary in one ``multi_get``,
+judges the steps that every rank has posted and not yet judged, and posts its verdict
+(``pace/verdict``, counted in ``pace/verdicts``) when the named ranks change; the other
+ranks read it when its count moves (one ``add`` of 0 per interval). ``gradsync top`` reads
+the same keys from outside the job, so it needs only the store's address.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import os
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+
+from .flight_recorder import COMPLETED, recorder
+from .pace import Meter, meter
+from .rendezvous import Store
+
+__all__ = ["Judge", "RankPace", "Report", "Publisher", "EMPTY", "on_report", "payload_bytes",
+           "CURRENT_KEY", "TOP_NAMESPACE", "FLOOR_NS"]
+
+log = logging.getLogger("gradsync")
+
+FLOOR_NS = 1_000_000
+"""A rank is late in a step only by more than this too (1 ms): below it, the differences are
+a busy machine's scheduling noise, not a straggler."""
+
+TOP_NAMESPACE = "top"
+"""The store namespace (outside any job's) where rank 0 says which job is running."""
+
+CURRENT_KEY = "current"
+"""Key in ``TOP_NAMESPACE``: the job id and size of the newest job that posts its pace."""
+
+
+@dataclass(frozen=True)
+class RankPace:
+    """One rank's last judged steps, averaged (milliseconds; see the module docstring)."""
+
+    rank: int
+    host: str
+    late_steps: int
+    """Steps it was late in, among the last ``steps``."""
+    steps: int
+    late_ms: float
+    """How much later than most ranks it arrived, on average (negative: earlier)."""
+    step_ms: float
+    compute_ms: float
+    wait_ms: float
+    comm_ms: float
+
+
+@dataclass(frozen=True)
+class Report:
+    """The straggler verdict after the newest judged step."""
+
+    step: int
+    """The newest step judged (0: none yet)."""
+    named: tuple = ()
+    """A ``RankPace`` for each rank named a straggler now."""
+    ranks: tuple = ()
+    """Every rank's ``RankPace`` over all the steps judged, on rank 0 (the judge); empty on
+    the others. (A named rank's own entry in ``named`` averages its late steps alone.)"""
+
+
+EMPTY = Report(0)
+
+
+class Judge:
+    """The rule (module docstring) over the steps of ``size`` ranks; no I/O, no clock.
+
+    Args:
+        size: the ranks.
+        window: the last steps looked at (``straggler_window``).
+        threshold: the fraction of a step's time a rank must be late by
+            (``straggler_threshold``).
+    """
+
+    def __init__(self, size: int, window: int, threshold: float):
+        self.size, self.window, self.threshold = size, window, threshold
+        self.step = 0
+        """The newest step judged."""
+        # Per rank, per judged step: (late?, step, blocked, waiting, communication, late) ns.
+        self._seen = [collections.deque(maxlen=window) for _ in range(size)]
+
+    def judge(self, step: int, samples) -> None:
+        """Judges step ``step`` from each rank's ``(step_ns, blocked_ns)``, in rank order."""
+        blocked = sorted(b for _, b in samples)
+        typical, least = blocked[len(blocked) // 2], blocked[0]
+        bar = max(self.threshold * statistics.median(s for s, _ in samples), FLOOR_NS)
+        for seen, (step_ns, blocked_ns) in zip(self._seen, samples):
+            late = typical - blocked_ns
+            seen.append((late > bar, step_ns, blocked_ns, blocked_ns - least, least, late))
+        self.step = step
+
+    def named(self) -> list[int]:
+        """The ranks late in most of the last ``window`` steps."""
+        return [r for r, seen in enumerate(self._seen)
+                if sum(s[0] for s in seen) > self.window // 2]
+
+    def pace(self, rank: int, host: str = "", late_only: bool = True) -> RankPace:
+        """Rank ``rank``'s numbers, averaged over the steps judged; ``late_only``: over its
+        late steps alone, if it has any (what a warning about it shows)."""
+        seen = self._seen[rank]
+        late = [s for s in seen if s[0]]
+        rows = (late if late_only else []) or list(seen) or [(False, 0, 0, 0, 0, 0)]
+
+        def ms(i):
+            return round(sum(s[i] for s in rows) / len(rows) / 1e6, 3)
+
+        return RankPace(rank, host, len(late), len(seen), ms(5), ms(1),
+                        round(ms(1) - ms(2), 3), ms(3), ms(4))
+
+
+def on_report(callback) -> None:
+    """Calls ``callback(report)`` with each new straggler report, on the training thread at
+    its next step mark (``gradsync.mark_step``, ``DistributedOptimizer.step``): not at the
+    same step on every rank, so it must not issue collectives of its own."""
+    meter.listeners.append(callback)
+
+
+def payload_bytes(rec) -> int:
+    """The bytes of a record's input (0 for a barrier or an object)."""
+    if rec.shape is None:
+        return 0
+    count = 1
+    for n in rec.shape:
+        count *= n
+    return count * getattr(rec.dtype, "itemsize", 0)
+
+
+class Publisher:
+    """A rank's publisher thread (module docstring); rank 0's also judges.
+
+    Args:
+        world: the job's World (its store, rank, size, hosts and settings).
+        generation: its elastic generation (-1: none).
+        pace: the meter it posts (the process's; tests give their own).
+        thread: start the thread (tests call ``round`` themselves).
+    """
+
+    def __init__(self, world, generation: int = -1, pace: Meter = meter, thread: bool = True):
+        config = world.config
+        self.meter = pace
+        self.rank, self.size = world.rank, world.size
+        self.interval, self.window = config.straggler_interval, config.straggler_window
+        self.generation = generation
+        self.hosts = [p.host for p in world.peers]
+        self.host = self.hosts[self.rank]
+        self.judge = Judge(world.size, config.straggler_window, config.straggler_threshold)
+        self.report = EMPTY
+        self._job = world.env.job_id
+        # The World's own client: a socket more per rank would break the job's budget
+        # (world.py), and a round that waits behind the training thread's store request is
+        # only late.
+        self._store = world.store
+        self._stop = threading.Event()
+        self._posted = (0, 0)  # (ops, step) last posted: an idle rank posts nothing
+        self._counted = False  # this rank counted itself in pace/ready
+        self._verdicts = 0
+        self._epoch = None  # (explicit steps?) of the steps judged
+        self._last_id, self._last_t = -1, time.monotonic()
+        self._thread = None
+        if thread:
+            self._thread = threading.Thread(target=self._run, name="gradsync-pace",
+                                            daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Ends the thread, waiting for the round in progress (milliseconds): a thread that
+        came back from a store request while the interpreter finalizes would abort the
+        process (``abort_watch.py`` says why), and ``shutdown`` runs at exit."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(10.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.round()
+            except Exception as exc:  # noqa: BLE001  (the job outlives its pace thread's errors)
+                log.debug("rank %d: pace round failed: %s", self.rank, exc)
+
+    def round(self) -> None:
+        """One wake-up: post this rank's summary, then judge (rank 0) or read the verdict."""
+        if (self.meter.ops, self.meter.step) != self._posted:
+            self._posted = (self.meter.ops, self.meter.step)
+            self._store.set(f"pace/{self.rank}", json.dumps(self.summary()))
+            if not self._counted:
+                self._counted = True
+                if self.rank == 0:
+                    self._store.set("pace/job", json.dumps({"size": self.size,
+                                                            "generation": self.generation}))
+                    Store.over(self._store.base, TOP_NAMESPACE, self._store.timeout).set(
+                        CURRENT_KEY, json.dumps({"job": self._job, "size": self.size}))
+                self._store.add("pace/ready", 1)
+        if self.rank == 0:
+            self._judge()
+        else:
+            count = self._store.add("pace/verdicts", 0)
+            if count != self._verdicts:
+                self._verdicts = count
+                report = _decoded(self._store.get("pace/verdict"))
+                self.report = report
+                self.meter.news = report
+
+    def summary(self) -> dict:
+        """What this rank posts: its newest steps and what it does now."""
+        held = recorder.records()
+        now_t = time.monotonic()
+        fresh = [r for r in held if r.record_id > self._last_id and r.state == COMPLETED]
+        rate = sum(payload_bytes(r) for r in fresh) / max(now_t - self._last_t, 1e-3)
+        if held:
+            self._last_id = held[-1].record_id
+        self._last_t = now_t
+        last = held[-1] if held else None
+        return {
+            "rank": self.rank, "host": self.host, "pid": os.getpid(),
+            "generation": self.generation, "explicit": self.meter.explicit,
+            "step": self.meter.step,
+            "ops": self.meter.ops, "bytes_s": round(rate),
+            "steps": [[n, step_ns, blocked_ns] for n, _, step_ns, blocked_ns, _ in
+                      self.meter.recent(self.window)],
+            "last": None if last is None else last.words(),
+        }
+
+    def _judge(self) -> None:
+        if self._store.add("pace/ready", 0) < self.size:
+            return  # a rank has posted nothing yet
+        found = [json.loads(v) for v in self._store.get_many(
+            [f"pace/{r}" for r in range(self.size)])]
+        epochs = {f["explicit"] for f in found}
+        if len(epochs) > 1:
+            return  # some ranks have begun to mark steps, others not yet
+        epoch = epochs.pop()
+        if epoch != self._epoch:  # steps counted by operations gave way to marked ones
+            self._epoch = epoch
+            self.judge = Judge(self.size, self.window, self.judge.threshold)
+        steps = [{n: (s, b) for n, s, b in f["steps"]} for f in found]
+        common = sorted(set.intersection(*(set(s) for s in steps)))
+        for n in common:
+            if n > self.judge.step:
+                self.judge.judge(n, [s[n] for s in steps])
+        before = {p.rank for p in self.report.named}
+        ranks = tuple(self.judge.pace(r, self.hosts[r], late_only=False)
+                      for r in range(self.size))
+        named = tuple(self.judge.pace(r, self.hosts[r]) for r in self.judge.named())
+        self.report = Report(self.judge.step, named, ranks)
+        now = {p.rank for p in named}
+        if now == before:
+            return
+        for p in named:
+            if p.rank not in before:
+                log.warning("%s", words(p, ranks, self.judge.step))
+        for r in sorted(before - now):
+            log.info("gradsync: rank %d on host %s is no longer a straggler (step %d)",
+                     r, self.hosts[r], self.judge.step)
+        verdict = Report(self.report.step, named)
+        self._store.set("pace/verdict", json.dumps(_encoded(verdict)))
+        self._verdicts = self._store.add("pace/verdicts", 1)
+        self.meter.news = verdict
+
+
+def words(p: RankPace, ranks, step: int) -> str:
+    """The warning that names ``p``'s rank at step ``step``, with where its steps and its
+    peers' go."""
+    others = [r for r in ranks if r.rank != p.rank] or [p]
+
+    def mean(field):
+        return sum(getattr(r, field) for r in others) / len(others)
+
+    return (f"gradsync: rank {p.rank} on host {p.host} is a straggler: it arrived after most "
+            f"ranks, by {p.late_ms:.1f} ms on average ({100 * p.late_ms / max(p.step_ms, 1e-9):.0f}% of "
+            f"a {p.step_ms:.1f} ms step), in {p.late_steps} of the last {p.steps} steps up to "
+            f"step {step}. "
+            f"Its steps: compute {p.compute_ms:.1f} ms, waiting {p.wait_ms:.1f} ms, "
+            f"communication {p.comm_ms:.1f} ms; its peers': compute {mean('compute_ms'):.1f} "
+            f"ms, waiting {mean('wait_ms'):.1f} ms, communication {mean('comm_ms'):.1f} ms "
+            f"(gradsync.stragglers(), gradsync top)")
+
+
+def _encoded(report: Report) -> dict:
+    return {"step": report.step, "named": [dataclasses.asdict(p) for p in report.named]}
+
+
+def _decoded(data: bytes) -> Report:
+    found = json.loads(data)
+    return Report(found["step"], tuple(RankPace(**p) for p in found["named"]))

@@ -1,0 +1,288 @@
+"""Stragglers named (gradsync/pace.py, gradsync/straggler_watch.py) and ``gradsync top``.
+
+The rule ("late in most of the last n steps") on injected numbers; the meter on an injected
+clock; four ranks' publishers over one in-process store, judging a simulated job; then real
+jobs through the launcher: a rank slowed by 30% named within 20 steps after 20 fault-free
+steps that name nobody, and ``gradsync top --once`` on a running 4-rank job.
+"""
+
+import json
+import logging
+import re
+import types
+
+import pytest
+
+import small_jobs
+from harness import launch
+
+from gradsync.config import Config
+from gradsync.pace import Meter
+from gradsync.run import top
+from gradsync.straggler_watch import Judge, Publisher, Report
+
+MS = 1_000_000
+
+
+def _steps(judge, late_steps, count, late_rank=3, late_ms=30):
+    """Judges steps 1..count of 4 ranks, each step 132 ms: in ``late_steps`` rank
+    ``late_rank`` arrives ``late_ms`` after the others (which then block that much longer)."""
+    for n in range(1, count + 1):
+        late = n in late_steps
+        judge.judge(n, [(132 * MS, (2 if r == late_rank or not late else 2 + late_ms) * MS)
+                        for r in range(4)])
+
+
+def test_a_rank_late_in_most_of_the_last_steps_is_named():
+    judge = Judge(4, 10, 0.1)
+    _steps(judge, {2, 3, 5, 7, 8, 10}, 10)  # 6 of 10
+    assert judge.named() == [3]
+
+
+def test_late_in_half_of_the_last_steps_is_not_named():
+    judge = Judge(4, 10, 0.1)
+    _steps(judge, {1, 3, 5, 7, 9}, 10)  # 5 of 10
+    assert judge.named() == []
+
+
+def test_only_the_last_window_counts():
+    judge = Judge(4, 10, 0.1)
+    _steps(judge, set(range(1, 11)), 20)  # late in steps 1-10, on time in 11-20
+    assert judge.named() == []
+    judge = Judge(4, 10, 0.1)
+    _steps(judge, set(range(1, 11)), 14)  # late in 6 of the last 10 (5-10)
+    assert judge.named() == [3]
+
+
+def test_late_means_later_than_most_ranks():
+    judge = Judge(4, 10, 0.1)
+    for n in range(1, 11):  # ranks 2 and 3 late by 30 ms: both named
+        judge.judge(n, [(132 * MS, (32 if r < 2 else 2) * MS) for r in range(4)])
+    assert judge.named() == [2, 3]
+    judge = Judge(4, 10, 0.1)
+    for n in range(1, 11):  # rank 0 faster than the three others: nobody is late
+        judge.judge(n, [(132 * MS, (32 if r == 0 else 2) * MS) for r in range(4)])
+    assert judge.named() == []
+    judge = Judge(4, 10, 0.1)
+    for n in range(1, 11):  # arrivals 10 ms apart: the typical rank blocks 22 ms
+        judge.judge(n, [(132 * MS, (2 + 10 * (3 - r)) * MS) for r in range(4)])
+    assert judge.named() == [3] and judge.pace(3).late_ms == 20 and judge.pace(2).late_ms == 10
+
+
+def test_late_by_less_than_the_threshold_or_the_floor_is_not_late():
+    judge = Judge(4, 10, 0.1)
+    _steps(judge, set(range(1, 11)), 10, late_ms=12)  # 9% of 132 ms
+    assert judge.named() == []
+    judge = Judge(4, 10, 0.1)
+    for n in range(1, 11):  # 2 ms steps, late by 0.8 ms: 40%, but below the 1 ms floor
+        judge.judge(n, [(2 * MS, MS if r < 3 else MS // 5) for r in range(4)])
+    assert judge.named() == []
+
+
+def test_where_a_straggler_and_its_peers_spend_their_steps():
+    # The worked example of straggler_watch's docstring: rank 3 computes 130 ms and blocks
+    # 2 ms (the allreduce), the others compute 100 ms and block 32 ms.
+    judge = Judge(4, 10, 0.1)
+    _steps(judge, set(range(1, 11)), 10)
+    slow, peer = judge.pace(3, "host3"), judge.pace(0, "host0")
+    assert (slow.late_steps, slow.steps, slow.late_ms, slow.step_ms) == (10, 10, 30, 132)
+    assert (slow.compute_ms, slow.wait_ms, slow.comm_ms) == (130, 0, 2)
+    assert (peer.late_steps, peer.compute_ms, peer.wait_ms, peer.comm_ms) == (0, 100, 30, 2)
+
+
+class Clock:
+    def __init__(self):
+        self.ns = 0
+
+    def __call__(self):
+        return self.ns
+
+
+def test_overlapping_blocked_intervals_count_once():
+    meter = Meter(Clock())
+    meter.reset(0)
+    for begin, end in ((0, 10), (5, 15), (12, 14), (20, 30)):
+        meter.blocked(begin, end)
+    assert meter.blocked_ns == 25
+
+
+def test_operations_make_steps_until_the_first_marked_one():
+    clock = Clock()
+    meter = Meter(clock)
+    meter.reset(3)
+    for _ in range(7):
+        clock.ns += 10
+        meter.op_done()
+    assert [s[0] for s in meter.steps] == [1, 2] and [s[2] for s in meter.steps] == [30, 30]
+    clock.ns += 5
+    meter.mark_step()  # the first marked step: numbered from 1, operations no longer count
+    for _ in range(6):
+        meter.op_done()
+    assert [(s[0], s[4]) for s in meter.steps] == [(1, 1)]
+    meter.reset(3, on=False)
+    meter.op_done()
+    meter.mark_step()
+    assert list(meter.steps) == []
+
+
+def test_a_report_reaches_the_listeners_at_the_next_marked_step():
+    meter = Meter(Clock())
+    meter.reset(0)
+    got = []
+    meter.listeners.append(got.append)
+    meter.mark_step()
+    assert got == []
+    meter.news = Report(7)
+    meter.mark_step()
+    meter.mark_step()
+    assert got == [Report(7)] and meter.news is None
+
+
+class Timeline:
+    def __init__(self):
+        self.marks = []
+
+    def instant(self, name, what, args=None):
+        self.marks.append((name, what, args))
+
+
+def test_steps_and_stragglers_are_marked_in_the_timeline():
+    clock = Clock()
+    meter = Meter(clock)
+    meter.reset(0)
+    meter.timeline = Timeline()
+    meter.blocked(0, 3 * MS)
+    clock.ns = 10 * MS
+    meter.mark_step()
+    meter.news = Report(1, (types.SimpleNamespace(rank=2),))
+    meter.mark_step()
+    assert meter.timeline.marks == [
+        ("steps", "STEP", {"step": 1, "compute_ms": 7.0, "blocked_ms": 3.0}),
+        ("steps", "STEP", {"step": 2, "compute_ms": 0.0, "blocked_ms": 0.0}),
+        ("stragglers", "STRAGGLERS", {"named": [2], "step": 1})]
+
+
+def test_an_elastic_states_straggler_callbacks_get_each_new_report():
+    from gradsync.elastic import ObjectState
+    from gradsync.pace import meter
+
+    state = ObjectState(lambda obj, root_rank=0, name=None: obj, lambda: 0)
+    got = []
+    state.register_straggler_callbacks([got.append])
+    meter.reset(0)
+    try:
+        meter.news = Report(5)
+        meter.mark_step()
+        meter.mark_step()
+        assert got == [Report(5)]
+    finally:
+        meter.reset(0, on=False)
+        meter.listeners.clear()
+
+
+def _publishers(size=4):
+    from torch.distributed import HashStore
+
+    from gradsync.rendezvous import Store
+
+    base = HashStore()
+    config = Config(straggler_interval=0.1)
+    meters, publishers = [], []
+    clock = Clock()
+    for r in range(size):
+        world = types.SimpleNamespace(
+            config=config, rank=r, size=size, env=types.SimpleNamespace(job_id="job"),
+            peers=[types.SimpleNamespace(host=f"host{i}") for i in range(size)],
+            store=Store.over(base, "job", 5.0))
+        meter = Meter(clock)
+        meter.reset(0)
+        meters.append(meter)
+        publishers.append(Publisher(world, pace=meter, thread=False))
+    return base, clock, meters, publishers
+
+
+def _run(clock, meters, publishers, compute_ms, steps, comm_ms=2):
+    """``steps`` steps of every rank: rank r computes ``compute_ms[r]``, then all meet in a
+    collective of ``comm_ms``; the publishers post (and rank 0 judges) every 5 steps."""
+    for n in range(steps):
+        start = clock.ns
+        arrivals = [start + c * MS for c in compute_ms]
+        clock.ns = max(arrivals) + comm_ms * MS
+        for meter, arrived in zip(meters, arrivals):
+            meter.op_done()
+            meter.blocked(arrived, clock.ns)
+            meter.mark_step()
+        if n % 5 == 4:
+            for p in publishers[1:] + publishers[:1]:
+                p.round()
+
+
+def test_four_ranks_name_the_slow_one_through_the_store_and_top_shows_it(caplog):
+    base, clock, meters, publishers = _publishers()
+    got = []  # what rank 1's listeners get, at its marked steps
+    meters[1].listeners.append(got.append)
+    with caplog.at_level(logging.WARNING, logger="gradsync"):
+        _run(clock, meters, publishers, [100, 100, 100, 100], 20)
+        assert publishers[0].report.step == 20 and publishers[0].report.named == ()
+        assert not [r for r in caplog.records if "straggler" in r.getMessage()]
+        _run(clock, meters, publishers, [100, 100, 130, 100], 20)
+    report = publishers[0].report
+    assert report.step == 40 and [p.rank for p in report.named] == [2], report
+    (warning,) = [r.getMessage() for r in caplog.records if "straggler" in r.getMessage()]
+    assert "rank 2 on host host2 is a straggler" in warning, warning
+    assert "compute 130.0 ms, waiting 0.0 ms, communication 2.0 ms" in warning, warning
+    assert int(re.search(r"up to step (\d+)", warning)[1]) <= 30, warning
+    for p in publishers[1:]:  # the others have read the verdict at their rounds
+        assert [s.rank for s in p.report.named] == [2]
+    assert [[s.rank for s in report.named] for report in got] == [[2]]
+    # gradsync top reads the same keys: a row per rank, the straggler marked.
+    current, posts, verdict = top.read(base)
+    assert current == {"job": "job", "size": 4}
+    lines = top.table(current, posts, verdict).splitlines()
+    assert len(lines) == 6 and "stragglers: rank 2" in lines[0], lines
+    assert [line.split()[:2] for line in lines[2:]] == [[str(r), f"host{r}"] for r in range(4)]
+    assert [line.endswith("STRAGGLER") for line in lines[2:]] == [False, False, True, False]
+
+
+def _result(output: str) -> dict:
+    found = re.search(r"RESULT (\{.*\})", output)
+    assert found, output
+    return json.loads(found[1])
+
+
+def _check_phases(got: dict, slow: int, size: int) -> None:
+    assert got["step"] == 40 and got["named"] == [slow] and got["ranks"] == size, got
+    steps = [int(re.search(r"up to step (\d+)", w)[1]) for w in got["warnings"]]
+    named = [int(re.search(r"rank (\d+) on host", w)[1]) for w in got["warnings"]]
+    # Nobody in the 20 fault-free steps; the slowed rank within 20 steps of being slowed, once.
+    assert named == [slow] and 20 < steps[0] <= 40, got["warnings"]
+
+
+@pytest.mark.multiprocess
+def test_a_rank_slowed_by_30_percent_is_named_within_20_steps_and_none_before():
+    # tests/ranks/pace.py, last of the scripts of the 3-rank job of small_jobs.py: rank 2 slowed
+    result = small_jobs.result(3)
+    assert small_jobs.ran(result, "pace.py", 3), result
+    _check_phases(_result(small_jobs.output(result, "pace.py")), 2, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_slowed_rank_is_named_through_the_horovod_api():
+    r = launch(4, "pace.py", "hvd", "2", timeout=90)
+    assert r.returncode == 0, r
+    _check_phases(_result(r.output), 2, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_top_once_shows_a_row_per_rank_of_a_running_job():
+    r = launch(4, "pace.py", "top", "3", timeout=120)
+    assert r.returncode == 0 and "RESULT top exit 0" in r.output, r
+    table = [line.split("TOP|", 1)[1] for line in r.output.splitlines() if "TOP|" in line]
+    assert "4 ranks" in table[0] and "rank 3" in table[0].split("stragglers:")[1], table
+    rows = {int(line.split()[0]): line for line in table[2:]}
+    assert sorted(rows) == [0, 1, 2, 3], table
+    # (Only rank 3 is slowed, but top's own start, a second of CPU on a busy machine, may
+    # make another rank late for a while too: only rank 3's mark is certain.)
+    assert rows[3].endswith("STRAGGLER"), table
