@@ -61,13 +61,17 @@ from .pace import Meter, meter
 from .rendezvous import Store
 
 __all__ = ["Judge", "RankPace", "Report", "Publisher", "EMPTY", "on_report", "payload_bytes",
-           "CURRENT_KEY", "TOP_NAMESPACE", "FLOOR_NS"]
+           "CURRENT_KEY", "TOP_NAMESPACE", "FLOOR_NS", "STORE_POSTS_PER_S"]
 
 log = logging.getLogger("gradsync")
 
 FLOOR_NS = 1_000_000
 """A rank is late in a step only by more than this too (1 ms): below it, the differences are
 a busy machine's scheduling noise, not a straggler."""
+
+STORE_POSTS_PER_S = 256
+"""Paces the store takes per ``straggler_interval`` at most: a job of more ranks posts less
+often (the interval times size / 256), so the store's load from paces does not grow with N."""
 
 TOP_NAMESPACE = "top"
 """The store namespace (outside any job's) where rank 0 says which job is running."""
@@ -186,7 +190,11 @@ class Publisher:
         config = world.config
         self.meter = pace
         self.rank, self.size = world.rank, world.size
-        self.interval, self.window = config.straggler_interval, config.straggler_window
+        # Every rank posts once an interval to the one store: beyond STORE_POSTS_PER_S ranks
+        # the interval grows with the job, so that the store's load from paces stays flat
+        # (at 27,360 ranks a post every 107 s, not 27,360 requests a second).
+        self.interval = config.straggler_interval * max(1.0, world.size / STORE_POSTS_PER_S)
+        self.window = config.straggler_window
         self.generation = generation
         self.hosts = [p.host for p in world.peers]
         self.host = self.hosts[self.rank]

@@ -286,3 +286,21 @@ def test_top_once_shows_a_row_per_rank_of_a_running_job():
     # (Only rank 3 is slowed, but top's own start, a second of CPU on a busy machine, may
     # make another rank late for a while too: only rank 3's mark is certain.)
     assert rows[3].endswith("STRAGGLER"), table
+
+
+def test_a_large_jobs_ranks_post_less_often_so_the_stores_load_stays_flat():
+    """Every rank posts once an interval to the one store: up to 256 ranks at the configured
+    interval, beyond that the interval grows with the job (27,360 ranks: every 107 s)."""
+    from gradsync.straggler_watch import STORE_POSTS_PER_S
+
+    def interval(size):
+        world = types.SimpleNamespace(
+            config=Config(straggler_interval=1.0), rank=0, size=size,
+            env=types.SimpleNamespace(job_id="job"),
+            peers=[types.SimpleNamespace(host="h")] * size, store=None)
+        return Publisher(world, thread=False).interval
+
+    assert STORE_POSTS_PER_S == 256
+    assert interval(4) == interval(256) == 1.0
+    assert interval(1024) == 4.0
+    assert interval(27_360) == pytest.approx(27_360 / 256)
