@@ -233,7 +233,11 @@ class Publisher:
                 log.debug("rank %d: pace round failed: %s", self.rank, exc)
 
     def round(self) -> None:
-        """One wake-up: post this rank's summary, then judge (rank 0) or read the verdict."""
+        """One wake-up: post this rank's summary, then judge (rank 0) or read the verdict.
+
+        Nothing at all while this rank has not moved (no operation, no step since the last
+        round): a rank waiting in a collective makes no store request (a step that no rank
+        0 post holds cannot be judged, and a verdict is acted on at the rank's next step)."""
         if (self.meter.ops, self.meter.step) != self._posted:
             self._posted = (self.meter.ops, self.meter.step)
             self._store.set(f"pace/{self.rank}", json.dumps(self.summary()))
@@ -245,6 +249,8 @@ class Publisher:
                     Store.over(self._store.base, TOP_NAMESPACE, self._store.timeout).set(
                         CURRENT_KEY, json.dumps({"job": self._job, "size": self.size}))
                 self._store.add("pace/ready", 1)
+        else:
+            return
         if self.rank == 0:
             self._judge()
         else:
