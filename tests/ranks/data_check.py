@@ -23,11 +23,11 @@ checks them (tests/test_data_multiprocess.py).
                              is lost and worker 0 resets to the commit alone (``shrink``)
     broken DIR SAMPLE        the dataset cannot read sample SAMPLE: each worker iterates epoch
                              0 and writes the error it raised to DIR/broken-<rank>.txt
-    stopserver DIR EPOCHS    as count (no break), but worker 0 SIGSTOPs data server 0 after 3
-                             batches and writes when to DIR/stopped.json; each worker writes the
-                             servers it gave up, when and why, to DIR/lost-<rank>.json; at the
-                             end worker 0 SIGCONTs the server, which finds its workers gone
-                             and ends (``stopped``)
+    stopserver DIR EPOCHS    as count (no break), but worker 0 SIGSTOPs data server 0 once
+                             every worker has 3 batches and writes when to DIR/stopped.json;
+                             each worker writes the servers it gave up, when and why, to
+                             DIR/lost-<rank>.json; at the end worker 0 SIGCONTs the server,
+                             which finds its workers gone and ends (``stopped``)
     holdserver DIR EPOCHS    as count (no break), but each data server holds its GIL in one C
                              call for GS_DATA_HOLD seconds (``hold``), once every worker has
                              its first batch; each worker writes the servers it gave up to
@@ -291,9 +291,10 @@ def gil_held(loader, directory, epochs, seen):
 
 
 def stopped(loader, directory, epochs, seen):
-    """Epochs 0 .. ``epochs`` - 1 while data server 0 is stopped (SIGSTOP, by worker 0 after
-    its third batch): its pid lives and its sockets stay open, so only the liveness watch can
-    give it up. Each worker records every server it gave up (``recorded_losses``)."""
+    """Epochs 0 .. ``epochs`` - 1 while data server 0 is stopped (SIGSTOP, by worker 0 once
+    every worker has its third batch): its pid lives and its sockets stay open, so only the
+    liveness watch can give it up. Each worker records every server it gave up
+    (``recorded_losses``)."""
     losses = recorded_losses(loader)
     pid = loader.peers[0].pid
     received = 0
@@ -301,10 +302,15 @@ def stopped(loader, directory, epochs, seen):
         for batch in loader:
             receive(loader, batch, seen)
             received += 1
-            if gs.rank() == 0 and received == 3:
-                os.kill(pid, signal.SIGSTOP)
-                with open(os.path.join(directory, "stopped.json"), "w") as f:
-                    json.dump({"wall": time.time()}, f)
+            if received == 3:
+                # Every worker is in the middle of epoch 0 when the server stops. Without the
+                # barrier, a worker that started seconds before worker 0 on a crowded machine
+                # took every batch of both epochs first, gave nothing up, and failed the test.
+                gs.barrier()
+                if gs.rank() == 0:
+                    os.kill(pid, signal.SIGSTOP)
+                    with open(os.path.join(directory, "stopped.json"), "w") as f:
+                        json.dump({"wall": time.time()}, f)
     write(directory, "stopped", seen)
     with open(os.path.join(directory, f"lost-{gs.rank()}.json"), "w") as f:
         json.dump(losses, f)
