@@ -1,12 +1,12 @@
 """The compiled part of gradsync's build: everything else is declared in pyproject.toml.
 
 gradsync's one C extension, ``gradsync.collectives._shmfast`` (the shared-memory group's
-one-step allreduce, ``collectives/_shmfast.c``), is built here when the machine has a C
-compiler and Python's headers, so ``pip install .`` and ``pip wheel .`` give a platform wheel
-that carries it. It is optional: where it does not compile (no compiler, no ``Python.h``, not
-Linux x86-64) setuptools prints one warning and the install goes on pure Python; at run time
-gradsync then builds the module on first use into a per-user cache, or takes its Python path
-(``gradsync/_native.py`` explains the order in which it looks).
+one-step allreduce and the heartbeats' beater, ``collectives/_shmfast.c``), is built here when
+the machine has a C compiler and Python's headers, so ``pip install .`` and ``pip wheel .``
+give a platform wheel that carries it. It is optional: where it does not compile (no compiler,
+no ``Python.h``, not Linux x86-64) setuptools prints one warning and the install goes on pure
+Python; at run time gradsync then builds the module on first use into a per-user cache, or
+takes its Python path (``gradsync/_native.py`` explains the order in which it looks).
 
 The module carries the hash of the source it was built from (``source_hash``), and gradsync
 loads an installed module only when that hash matches the ``_shmfast.c`` beside it: an

@@ -1,7 +1,8 @@
 """gradsync's compiled fast paths: installed with the package, else built ahead or on first use.
 
 gradsync has one C source today, ``collectives/_shmfast.c`` (the one-step shared-memory
-allreduce), a CPython extension module. ``load`` finds it in this order:
+allreduce, and the heartbeats' beater that needs no GIL: ``beater.py``), a CPython extension
+module. ``load`` finds it in this order:
 
 1. **Installed**: ``pip install`` and ``pip wheel`` compile it when the machine has a C
    compiler and Python's headers (setup.py, an optional extension), so the package carries
@@ -15,7 +16,8 @@ allreduce), a CPython extension module. ``load`` finds it in this order:
    loads it from there. ``gradsync build-native`` (``main``) does this ahead of time, for a
    container image, and says where the module is.
 3. **None**: where neither works (no compiler or no headers), one warning line says why and
-   callers take their Python path, which computes the same bits (the tests cover both).
+   callers take their Python path, which computes the same bits (the tests cover both); the
+   heartbeats are then sent by a Python thread, which a long hold of the GIL can silence.
 
 Every module carries the hash of the source it was compiled from (``source_hash``, set by
 setup.py and by the build here) and is loaded only when it matches the ``_shmfast.c`` beside
@@ -96,7 +98,8 @@ def load(name: str, compiler: "str | None" = None, build: bool = True):
         reason = str(exc).strip().splitlines()
         _warn(name, f"compiled {name} unavailable "
                     f"({reason[0] if reason else type(exc).__name__}); using the Python path, "
-                    f"slower for small allreduces: install a C compiler and Python's headers "
+                    f"slower for small allreduces and with heartbeats that a long hold of the "
+                    f"GIL can silence: install a C compiler and Python's headers "
                     f"(Debian/Ubuntu: apt-get install gcc python3-dev), then run "
                     f"`gradsync build-native` (docs/troubleshooting.md)")
         if not build:

@@ -16,10 +16,13 @@ between the ranks, never through the store, so the store's load does not grow wi
   id of its own (``<job>/heartbeat``), so a link is never taken for a collective's pair.
   Store requests: three per rank for the whole job (a set, a check and a get; more checks
   if rank + 1 is late), four with the goodbye.
-- **Beat.** A daemon thread of every rank sends one byte (``BEAT``) on each link every
-  ``heartbeat_interval`` seconds and reads its neighbours' beats. The thread runs while the
-  process runs Python or waits in C code that releases the GIL, so a busy rank keeps beating;
-  a stopped process stops every thread, the beater included.
+- **Beat.** A native thread of every rank (``beater.py``, in the compiled module) sends one
+  byte (``BEAT``) on each link every ``heartbeat_interval`` seconds. It never takes the GIL,
+  so a rank beats whatever its Python threads do: compute, wait, or sit in one long C call
+  that holds the GIL (an ``import torch``). A stopped process stops every thread, the beater
+  included. Without the compiled module (no C compiler) the heartbeat's Python thread sends
+  the beats itself, with the limit below.
+- **Read.** A daemon Python thread of every rank reads its neighbours' beats and judges them.
 - **Watch.** A link that ends (closed or reset) without a ``BYE`` byte is a lost peer at once
   (the process died: its kernel closed the socket), unless the store holds the peer's goodbye
   (below). A link that stays open but silent for ``heartbeat_timeout`` seconds of this
@@ -46,16 +49,19 @@ t = 0.3 and ranks 1 and 3 would have reported it within milliseconds.
 
 What keeps a live rank from looking silent, and what does not:
 
-- A watcher that was itself stalled (it was the stopped one, or the machine was starved)
-  must not blame its peers for its own gap: when its own loop ran late by more than half the
-  timeout, it restarts every peer's clock instead of judging. Beats that arrived meanwhile
-  wait in its socket buffer and count when it reads them, so a late watcher alone is no
-  evidence either way.
-- The beater is a Python thread, so it beats while the main thread runs Python (the GIL
-  changes hands every 5 ms) or waits in C code that releases the GIL (torch and NumPy
-  kernels, sockets, sleeps). One C call that holds the GIL longer than
-  ``timeout - interval`` (1.75 s by default; e.g. ``sum(range(10**9))``, pickling gigabytes
-  of small objects) silences it: such a job raises ``heartbeat_timeout``.
+- A watcher that was itself stalled (it was the stopped one, the machine was starved, or
+  its own main thread held the GIL) must not blame its peers for its own gap: when its own
+  loop ran late by more than half the timeout, it restarts every peer's clock instead of
+  judging. Beats that arrived meanwhile wait in its socket buffer and count when it reads
+  them, so a late watcher alone is no evidence either way; and it reads every link at each
+  look before it judges, not only those its last ``select`` found ready, since it may have
+  waited for the GIL for seconds between that ``select`` and its judgement.
+- The native beater beats through any GIL hold. Without it the beats come from the Python
+  thread, which beats while the main thread runs Python (the GIL changes hands every 5 ms)
+  or waits in C code that releases the GIL (torch and NumPy kernels, sockets, sleeps); one
+  C call that holds the GIL longer than ``timeout - interval`` (1.75 s by default; an
+  ``import torch`` on a loaded machine comes near, ``sum(range(10**9))`` passes it)
+  silences it, and its neighbours report it lost.
 - Until a link is up the neighbour cannot beat on it: the links get ``max(timeout,
   LINK_UP_S)`` (30 s) to form, so that the ranks of a large job on a crowded machine, which
   leave the connect barrier seconds apart, are not taken for silent ones (with 10 s, one
@@ -67,7 +73,7 @@ barrier seconds apart on a crowded machine, so a rank that leaves is often the n
 still waiting. A neighbour must know it left, whatever the order in which sockets close, resets
 arrive and the store answers. ``stop(goodbye=True)``, in this order:
 
-1. writes ``hb/<rank>/bye`` in the store, while this rank's thread still beats: the store may
+1. writes ``hb/<rank>/bye`` in the store, while this rank still beats: the store may
    take seconds to answer (it stalls when many ranks exit at once: docs/troubleshooting.md),
    and a rank that fell quiet meanwhile would be reported silent. Once written, the key is the
    goodbye's evidence for a neighbour whose link was not up yet, or whose ``BYE`` was lost;
@@ -75,7 +81,9 @@ arrive and the store answers. ``stop(goodbye=True)``, in this order:
    thread closed them while ``stop`` still waited for the store, so a neighbour saw the link
    end without ``BYE`` and found no key yet: a false "closed its heartbeat link" at the end
    of a 64-rank job in CI);
-3. sends ``BYE`` on each link and half-closes it (``SHUT_WR``: the ``BYE``, then a FIN);
+3. stops the native beats on each link (beater.py: before the ``BYE``, and before the close,
+   so that the beater never writes a descriptor that the process reuses), sends ``BYE`` and
+   half-closes it (``SHUT_WR``: the ``BYE``, then a FIN);
 4. reads its neighbours' beats until each has closed its end (it does on reading ``BYE``), for
    up to ``BYE_WAIT_S``, and only then closes: a socket closed with bytes unread sends a reset
    (RST) instead of a FIN, and a reset discards whatever the sender had not yet had
@@ -100,7 +108,8 @@ in the root World's abort record too, in root ranks: the launcher watches only t
 Sockets per rank: two links, the abort watch's store connection, and the listener until
 rank - 1 has connected; following sub-worlds add one store connection in all, however many
 there are: their records are kept by the root's bell (``abort_watch.Doorbell``).
-And a pipe, with which ``stop`` wakes the thread.
+And a pipe, with which ``stop`` wakes the thread; with the native beater, a duplicate
+descriptor of each link that it writes, and its thread.
 """
 
 from __future__ import annotations
@@ -115,7 +124,7 @@ import threading
 import time
 import weakref
 
-from . import abort_watch
+from . import abort_watch, beater
 from .errors import AuthenticationError, GradsyncError, GradsyncTimeoutError, PeerLostError
 from .rendezvous import Store
 from .transport import tcp
@@ -160,13 +169,27 @@ class _Lost(Exception):
 
 
 class _Link:
-    """The link to one neighbour: its socket and when this rank last heard from it."""
+    """The link to one neighbour: its socket and when this rank last heard from it; with
+    ``beats``, the native beater that beats on it (else the heartbeat's thread does)."""
 
-    def __init__(self, peer: int, sock: socket.socket):
+    def __init__(self, peer: int, sock: socket.socket, beats: "beater.Beater | None" = None):
         self.peer, self.sock = peer, sock
         sock.setblocking(False)
         self.heard = time.monotonic()
         self.left = False  # it sent BYE
+        self._beats = beats
+        self._beat = None if beats is None else beats.add_socket(sock.fileno(), BEAT)
+
+    def quiet(self) -> None:
+        """Ends the native beats on this link: before its BYE (no beat after it) and before
+        its socket closes (beater.py: the one rule)."""
+        if self._beat is not None:
+            self._beats.remove(self._beat)  # twice (two closers at once) is harmless
+            self._beat = None
+
+    def close(self) -> None:
+        self.quiet()
+        self.sock.close()
 
     def send(self, byte: bytes) -> None:
         try:
@@ -246,7 +269,8 @@ class Heartbeat:
         # host is slow to resolve the new client), and the thread beats under that lock.
         self._bell_lock = threading.Lock()
         self._links: dict[int, _Link] = {}
-        self._next_beat = 0.0
+        self._beater: "beater.Beater | None" = None  # start(): the native beats, if built
+        self._next_beat = 0.0  # the next look at the links (and beat, without a beater)
         self._listener: tcp.Listener | None = None
         self._armed = False  # the abort watch started (_arm)
         self._lock = threading.Lock()  # the links and listener, between stop() and the thread
@@ -267,6 +291,7 @@ class Heartbeat:
             return self
         if self._root is None:
             _ROOTS[(self._main.job, self.rank)] = self
+        self._beater = beater.start(self.interval)
         self._wake = os.pipe()
         self._thread.start()
         return self
@@ -343,7 +368,7 @@ class Heartbeat:
             self._stop.set()
             return
         if goodbye:
-            # Before any link can end, and while the thread still beats (the store may take
+            # Before any link can end, and while this rank still beats (the store may take
             # seconds): a neighbour that later finds no key can take a broken link for a crash.
             try:
                 self._main.set(f"hb/{self.rank}/bye", "1")
@@ -368,7 +393,11 @@ class Heartbeat:
             _leave(links, BYE_WAIT_S, quiet=self.timeout / 2)
         else:
             for link in links:
-                link.sock.close()
+                link.close()
+        if self._beater is not None:
+            # Every link of this World is quiet by now, and a thread that outlived its join
+            # closes the links it still holds through _drop, which the beater allows for.
+            self._beater.close()
         if self._wake is not None and not self._thread.is_alive():
             for end in self._wake:
                 os.close(end)
@@ -401,12 +430,16 @@ class Heartbeat:
                 if links:
                     self._links = {}
             for link in links:
-                link.sock.close()
+                link.close()
 
     @contextlib.contextmanager
     def _pulsing(self):
         """Beats on the links already up from a thread of its own, while this thread is busy
-        elsewhere (setting links up, asking the store about a lost peer)."""
+        elsewhere (setting links up, asking the store about a lost peer); the native beater,
+        where there is one, beats anyway."""
+        if self._beater is not None:
+            yield
+            return
         done = threading.Event()
         pulse = threading.Thread(target=self._pulse, args=(done,), daemon=True,
                                  name=f"gradsync-heartbeat-pulse-{self.rank}")
@@ -438,8 +471,9 @@ class Heartbeat:
 
     def _beat(self, now: float) -> None:
         if now >= self._next_beat:
-            for link in list(self._links.values()):
-                link.send(BEAT)
+            if self._beater is None:  # else the native thread beats (beater.py)
+                for link in list(self._links.values()):
+                    link.send(BEAT)
             self._next_beat = now + self.interval
 
     def _link_up(self) -> "list[_Lost]":
@@ -512,7 +546,7 @@ class Heartbeat:
             if self._stop.is_set():
                 sock.close()
                 raise _Stopped
-            self._links[peer] = _Link(peer, sock)
+            self._links[peer] = _Link(peer, sock, self._beater)  # the beater beats at once
         self._next_beat = 0.0  # a first beat at once: the other end's clock has started
 
     def _await(self, key: str, peer: int, deadline: float) -> bytes:
@@ -535,7 +569,8 @@ class Heartbeat:
         return bytes.fromhex(self._await("hb/secret", 0, deadline).decode())
 
     def _watch(self) -> None:
-        """Beats on every link each interval; reads beats as they come; judges silence."""
+        """Looks at every link each interval (and beats on it, without a native beater);
+        reads beats as they come; judges silence."""
         previous = time.monotonic()
         while not self._stop.is_set():
             links = [link for link in self._links.values() if not link.left]
@@ -549,14 +584,18 @@ class Heartbeat:
                     link.heard = now
             previous = now
             self._beat(now)
-            ready, _, _ = select.select([link.sock for link in links] + [self._wake[0]], [],
-                                        [], max(0.0, self._next_beat - now))
+            select.select([link.sock for link in links] + [self._wake[0]], [], [],
+                          max(0.0, self._next_beat - now))
             if self._stop.is_set():
                 return  # the World closes: stop() says goodbye on the links
             now = time.monotonic()
             for link in links:
                 try:
-                    if link.sock in ready and not link.read(now) and not link.left:
+                    # Every link is read, not only those that select found ready: this thread
+                    # may have waited for the GIL for seconds after its select returned (the
+                    # main thread in a long C call), and the beats that came meanwhile, unread
+                    # in the socket, are what says that the peer is alive.
+                    if not link.read(now) and not link.left:
                         raise _Lost(link.peer, f"{self.describe(link.peer)} closed its "
                                     f"heartbeat link (did it exit or crash?)", silent=False)
                     if not link.left and now - link.heard > self.timeout:
@@ -573,7 +612,7 @@ class Heartbeat:
             if mine:
                 del self._links[link.peer]
         if mine:  # else stop() took it, and closes it
-            link.sock.close()
+            link.close()
 
     def _unlinked(self, peer: int) -> _Lost:
         return _Lost(peer, f"{self.describe(peer)} did not open its heartbeat link within "
@@ -653,6 +692,7 @@ def _leave(links: "list[_Link]", wait: float, quiet: float) -> None:
     instead of a FIN, and a reset drops whatever of this end's bytes the neighbour's kernel
     had not acknowledged yet, which may be the BYE (the store's key is then the evidence)."""
     for link in links:
+        link.quiet()  # no beat from the native beater after the BYE, nor on a closed socket
         link.send(BYE)
         try:
             link.sock.shutdown(socket.SHUT_WR)  # the BYE, then a FIN
@@ -668,7 +708,7 @@ def _leave(links: "list[_Link]", wait: float, quiet: float) -> None:
                 waiting.discard(sock)  # its end closed: nothing more will arrive
     for link in links:
         _drained(link.sock)  # what a neighbour not waited for sent meanwhile
-        link.sock.close()
+        link.close()
 
 
 def _drained(sock: socket.socket) -> bool:

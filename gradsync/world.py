@@ -217,11 +217,13 @@ class World:
                 its ranks: their addresses, hosts and pids and this process's listener are
                 that World's, so the sub-world exchanges no addresses and opens no listener.
         """
-        if (config.shm_fast and config.transport != "tcp" and env.size > 1
-                and env.local_size in (None, env.size)):
-            # The host's ShmGroup will want the compiled kernel: a first use on this machine
-            # compiles it here, before the connect deadline starts (the job's other ranks, all
-            # on this host, wait on the build's lock, not on a deadline), never inside it.
+        if env.size > 1 and (config.heartbeat_timeout or (
+                config.shm_fast and config.transport != "tcp"
+                and env.local_size in (None, env.size))):
+            # The host's ShmGroup will want the compiled kernel, the heartbeat its beater
+            # (beater.py): a first use on this machine compiles it here, before the connect
+            # deadline starts (the job's other ranks on this host wait on the build's lock,
+            # not on a deadline), never inside it.
             _native.load("_shmfast")
         if store is None:
             # A process that shuts down and initialises again joins a new incarnation of the

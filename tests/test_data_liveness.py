@@ -209,6 +209,26 @@ def test_a_stopped_data_server_is_given_up_within_the_bound_and_its_share_served
 
 
 @pytest.mark.multiprocess
+def test_a_data_server_that_holds_its_gil_longer_than_the_timeout_is_not_given_up(tmp_path):
+    # 2 workers, 2 data servers on this host (the poll road). Once every worker has its first
+    # batch (no call in flight), each server holds its GIL for 1.5 timeouts in one C call, as
+    # a long ``import torch`` does on a loaded machine. Its beats come from the native beater,
+    # which needs no GIL; before it, its Python beater stood still and the workers gave both
+    # servers up.
+    hold = 1.5 * HEARTBEAT_TIMEOUT
+    r = harness.launch(2, "data_check.py", "holdserver", str(tmp_path), "1", timeout=120,
+                       env={"GS_DATA_SAMPLES": str(SAMPLES), "GS_DATA_HOLD": str(hold)},
+                       launcher_args=("--data-servers", "2"))
+    assert r.returncode == 0, str(r)
+    held = [json.loads(path.read_text()) for path in tmp_path.glob("gil-*.json")]
+    assert len(held) == 2 and min(held) >= HEARTBEAT_TIMEOUT, held  # both held, that long
+    lost = [json.loads((tmp_path / f"lost-{w}.json").read_text()) for w in range(2)]
+    assert lost == [{}, {}], lost
+    got = [json.loads((tmp_path / f"holdserver-{w}.json").read_text()) for w in range(2)]
+    assert sorted(i for w in got for i in w["0"]) == list(range(SAMPLES))
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("road", ["tcp", pytest.param("poll", marks=pytest.mark.slow)])
 def test_a_slow_data_server_is_not_given_up_beside_a_stopped_one(tmp_path, road):
     # 2 workers, 3 data servers. Server 1 takes 2.5 s, more than the heartbeat timeout, to

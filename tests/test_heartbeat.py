@@ -14,6 +14,7 @@ from datetime import timedelta
 import pytest
 from torch.distributed import TCPStore
 
+from gradsync import beater
 from gradsync.abort_watch import AbortWatch, Doorbell, private_connection
 from gradsync.config import Config
 from gradsync.heartbeat import BEAT, BYE, Heartbeat, _leave, _Link, watched_peers
@@ -141,6 +142,19 @@ def test_a_busy_rank_is_not_lost():
     assert len(re.findall(r"RESULT rank=\d+ no error", result.output)) == 3, result
 
 
+def test_a_rank_that_holds_the_gil_longer_than_the_timeout_is_not_lost():
+    """Rank 1 holds the GIL in one C call for 3 s, 1.5 times the default timeout (2 s), as an
+    ``import torch`` does for a second or more on a loaded machine: no Python thread of it
+    runs meanwhile. Its beats come from the native beater (beater.py), which needs no GIL;
+    before it, its heartbeat thread beat in Python and rank 0 reported it: "rank 1 ... sent
+    no heartbeat for 2.1s"."""
+    result = launch(2, "silent.py", "1", "auto", "hold", timeout=60)
+    assert result.returncode == 0, result
+    held = re.search(r"HELD rank=1 ([\d.]+)", result.output)
+    assert held and float(held.group(1)) > 2.0, result  # no Python thread ran for the timeout
+    assert len(re.findall(r"RESULT rank=\d+ no error", result.output)) == 2, result
+
+
 def _watch_a_peer_that_never_beats(store, rank: int, root):
     """Rank ``rank`` of a two-rank World over ``store`` watches a peer that never beats,
     until it declares it lost (timeout 0.3 s); returns the PeerLostError."""
@@ -214,9 +228,15 @@ def _wait_for(condition, seconds: float) -> float:
     return time.monotonic() - start
 
 
-def test_a_closed_link_is_a_lost_peer_at_once_and_a_goodbye_is_not():
+@pytest.mark.parametrize("beats", ["native", "python"])
+def test_a_closed_link_is_a_lost_peer_at_once_and_a_goodbye_is_not(beats, monkeypatch):
+    if beats == "python":  # as where the compiled module cannot be built
+        monkeypatch.setattr(beater, "start", lambda interval: None)
+    elif beater.start(1.0) is None:
+        pytest.skip("no compiled module on this machine (no C compiler)")
     server = _store_server()
     first, second = _pair(server, "crash", timeout=5.0)
+    assert (first._beater is not None) == (beats == "native")
     assert _wait_for(lambda: len(first._links) == 1 and second.abort.armed, 5) < 5
     second.stop(goodbye=False)  # as a crash: the link closes without BYE
     took = _wait_for(lambda: first.lost is not None, 5)
@@ -399,6 +419,43 @@ def test_a_rank_whose_goodbye_waits_on_the_store_is_neither_lost_nor_silent(monk
         assert Store.over(server, "leave", 10.0).read_abort() is None
     finally:
         first.stop()
+
+
+def test_a_watcher_late_after_its_select_reads_the_beats_that_wait_before_it_judges(
+        monkeypatch):
+    """Rank 0's heartbeat thread waits three timeouts between its ``select`` (which found
+    nothing yet) and its judgement, as a thread does that waits for the GIL while the main
+    thread holds it in a long C call. Rank 1 beat all along: its beats wait unread in rank
+    0's socket, and rank 0 must read them before it judges. Before the fix it read only the
+    sockets that its stale ``select`` had found ready and reported rank 1 silent. (Rank 1's
+    timeout is long, so that only rank 0's judgement is tested.)"""
+    server = _store_server()
+    store = Store.over(server, "late", 10.0)
+    first, second = [Heartbeat(store, r, 2, 0.05, timeout, secret=b"s" * 32).start()
+                     for r, timeout in ((0, 0.5), (1, 30.0))]
+    assert _wait_for(lambda: _linked([first, second]), 10) < 10
+    link = first._links[1]
+    real, looks = select.select, []
+
+    def late(rlist, *rest):
+        if threading.current_thread().name != "gradsync-heartbeat-0" or link.sock not in rlist:
+            return real(rlist, *rest)
+        looks.append(time.monotonic())
+        if len(looks) > 1:
+            return real(rlist, *rest)
+        real(rlist, *rest)
+        # Late: rank 1's beats of three timeouts wait in the socket meanwhile.
+        _wait_for(lambda: time.monotonic() - link.heard > 3 * 0.5, 10)
+        return [], [], []  # as the select found it: nothing had come yet
+
+    monkeypatch.setattr(select, "select", late)
+    try:
+        assert _wait_for(lambda: len(looks) >= 3 or first.lost is not None, 10) < 10
+        assert first.lost is None, first.lost
+        assert store.read_abort() is None
+    finally:
+        first.stop()
+        second.stop()
 
 
 def test_a_leaving_rank_reads_its_neighbours_beats_before_it_closes_so_no_reset():

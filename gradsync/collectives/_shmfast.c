@@ -1,4 +1,5 @@
-/* The one-step shared-memory allreduce of collectives/shm.py, compiled.
+/* gradsync's compiled fast paths: the one-step shared-memory allreduce of collectives/shm.py,
+ * and the beater of heartbeat.py and the data servers (at the end of this file, "The beater").
  *
  * A small allreduce among the ranks of one host is one synchronisation: every rank copies
  * its data into its slot, publishes its arrival counter, waits until every other rank has
@@ -29,11 +30,17 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <linux/futex.h>
+#include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -342,12 +349,314 @@ static PyObject *py_fold(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     return finish(&q, q.seq & 1);
 }
 
+/* --- The beater: heartbeats that need no GIL ---------------------------------------------
+ *
+ * A heartbeat link (heartbeat.py) carries a BEAT byte every heartbeat interval, and a data
+ * server counts up the beat word of each worker's slot table (data/server.py, slots.py): the
+ * evidence that the process runs. Sent by a Python thread, a beat waits for the GIL, so one C
+ * call that holds the GIL silences the process for as long as it runs: `import torch` holds
+ * it up to 0.4 s on an idle machine and over a second on a loaded one, `sum(range(10**9))`
+ * as long as it runs, and a watcher that hears nothing for the timeout takes a live process
+ * for a stopped one. The beater is a thread of its own that never takes the GIL: every
+ * interval it writes one byte on each registered socket and adds one to each registered
+ * word. A stopped process (SIGSTOP, a debugger) stops it with every other thread, so a stop
+ * is still found; a process that dies takes it along.
+ *
+ * Targets. A socket is registered as a descriptor of the beater's own (a dup, close-on-exec),
+ * written with MSG_DONTWAIT (a full buffer drops the beat: its reader is stopped, and its
+ * timeout says so) and MSG_NOSIGNAL (a broken link raises no SIGPIPE; its reader reports it).
+ * A word is an aligned int64 of a buffer (a slot table's mapped memory), added to atomically;
+ * the buffer is held (a buffer export) while it is registered, so it is never unmapped under
+ * the thread.
+ *
+ * Lifetime. The thread beats under the beater's mutex, and remove() takes that mutex: once
+ * remove() returns, the thread is not inside a write to that target and never writes it
+ * again, so Python may send its BYE and close the socket. The dup keeps even a close made
+ * before remove() harmless: the number the thread writes is its own, never one that the
+ * process reuses for another socket or file (that would put beats into someone else's
+ * stream). remove() takes an id that names one registration, never reused, so removing
+ * twice is harmless. close() stops and joins the thread and removes every target.
+ *
+ * Fork. A child of fork() has no beater thread (only the forking thread is copied), and its
+ * copy of the mutex may be held by the thread that is not there: in a child, remove() and
+ * close() release the targets without the mutex and without a join, and add() refuses.
+ *
+ * Python holds the beater as a capsule (gradsync/beater.py), which closes it when freed.
+ */
+
+typedef struct {
+    uint64_t id;        /* 0: a free entry */
+    int fd;             /* the beater's dup of a socket, or -1 for a word */
+    unsigned char byte; /* what goes on the socket */
+    int64_t *word;      /* the word counted up, in view */
+    Py_buffer view;
+} beat_target;
+
+typedef struct {
+    pthread_mutex_t lock;
+    pthread_cond_t wake; /* close() -> the thread */
+    pthread_t thread;
+    pid_t pid;           /* the process that started the thread */
+    int running, stopping;
+    int64_t interval_ns;
+    uint64_t next_id, rounds;
+    beat_target *targets; /* `capacity` entries (malloc), grown by add */
+    int capacity;
+} beater;
+
+static const char BEATER[] = "gradsync._shmfast.beater";
+
+static void beat_once(beat_target *t) {
+    if (t->fd >= 0)
+        (void)send(t->fd, &t->byte, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+    else
+        __atomic_add_fetch(t->word, 1, __ATOMIC_RELEASE);
+}
+
+static void *beat_loop(void *arg) {
+    beater *b = arg;
+    struct timespec next;
+    clock_gettime(CLOCK_MONOTONIC, &next);
+    pthread_mutex_lock(&b->lock);
+    while (!b->stopping) {
+        for (int i = 0; i < b->capacity; i++)
+            if (b->targets[i].id) beat_once(&b->targets[i]);
+        b->rounds++;
+        int64_t at = (int64_t)next.tv_sec * 1000000000 + next.tv_nsec + b->interval_ns;
+        int64_t now = now_ns();
+        if (at <= now) at = now + b->interval_ns; /* it ran late (starved): no burst */
+        next.tv_sec = at / 1000000000;
+        next.tv_nsec = at % 1000000000;
+        while (!b->stopping && pthread_cond_timedwait(&b->wake, &b->lock, &next) != ETIMEDOUT)
+            ;
+    }
+    pthread_mutex_unlock(&b->lock);
+    return NULL;
+}
+
+/* Releases a target taken out of the table (the GIL held, for the buffer). */
+static void release_target(beat_target *t) {
+    if (t->fd >= 0) close(t->fd);
+    else PyBuffer_Release(&t->view);
+}
+
+static int in_owner(const beater *b) { return getpid() == b->pid; }
+
+/* Stops the thread (in the process that started it) and releases every target. The targets
+ * are released after the mutex is let go: a buffer's release may free Python objects, whose
+ * finalizers may call back into the beater. */
+static void stop_beater(beater *b) {
+    int owner = in_owner(b);
+    if (owner) pthread_mutex_lock(&b->lock);
+    int join = owner && b->running;
+    b->stopping = 1;
+    b->running = 0;
+    beat_target *gone = b->targets;
+    int n = b->capacity;
+    b->targets = NULL;
+    b->capacity = 0;
+    if (owner) {
+        pthread_cond_signal(&b->wake);
+        pthread_mutex_unlock(&b->lock);
+    }
+    if (join) {
+        /* The thread never takes the GIL: holding it here cannot deadlock, and the thread
+         * ends within one round of writes. */
+        pthread_join(b->thread, NULL);
+    }
+    for (int i = 0; i < n; i++)
+        if (gone[i].id) release_target(&gone[i]);
+    free(gone);
+}
+
+static void free_beater(PyObject *capsule) {
+    beater *b = PyCapsule_GetPointer(capsule, BEATER);
+    stop_beater(b);
+    if (in_owner(b)) {
+        pthread_cond_destroy(&b->wake);
+        pthread_mutex_destroy(&b->lock);
+    }
+    PyMem_Free(b);
+}
+
+/* beater_open(interval) -> capsule: a running beater with no targets. */
+static PyObject *py_beater_open(PyObject *self, PyObject *args) {
+    double interval;
+    if (!PyArg_ParseTuple(args, "d", &interval)) return NULL;
+    if (!(interval > 0)) {
+        PyErr_SetString(PyExc_ValueError, "the beat interval must be positive");
+        return NULL;
+    }
+    beater *b = PyMem_Calloc(1, sizeof(beater));
+    if (!b) return PyErr_NoMemory();
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC); /* timedwait's deadline: now_ns()'s */
+    pthread_cond_init(&b->wake, &attr);
+    pthread_condattr_destroy(&attr);
+    pthread_mutex_init(&b->lock, NULL);
+    b->pid = getpid();
+    b->interval_ns = (int64_t)(interval * 1e9);
+    b->next_id = 1;
+    /* Every signal blocked in the thread (it inherits the mask): a signal is the business
+     * of the threads that run Python, and must not interrupt a beat. */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    int err = pthread_create(&b->thread, NULL, beat_loop, b);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (err) {
+        pthread_cond_destroy(&b->wake);
+        pthread_mutex_destroy(&b->lock);
+        PyMem_Free(b);
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    b->running = 1;
+    PyObject *capsule = PyCapsule_New(b, BEATER, free_beater);
+    if (!capsule) {
+        stop_beater(b);
+        PyMem_Free(b);
+    }
+    return capsule;
+}
+
+/* Puts `t` in a free entry (the table doubles when full) and beats it once at once; returns
+ * its id, or 0 with an error set. */
+static uint64_t add_target(beater *b, beat_target *t) {
+    uint64_t id = 0;
+    int owner = in_owner(b), closed = 0, slot = -1;
+    if (owner) pthread_mutex_lock(&b->lock);
+    if (!b->running || !owner) { /* a child of fork() has no thread to beat it */
+        closed = 1;
+    } else {
+        for (int i = 0; i < b->capacity && slot < 0; i++)
+            if (!b->targets[i].id) slot = i;
+        if (slot < 0) {
+            int grown = b->capacity ? 2 * b->capacity : 4;
+            beat_target *more = realloc(b->targets, (size_t)grown * sizeof(beat_target));
+            if (more) {
+                memset(more + b->capacity, 0, (size_t)(grown - b->capacity) * sizeof(beat_target));
+                slot = b->capacity;
+                b->targets = more;
+                b->capacity = grown;
+            }
+        }
+        if (slot >= 0) {
+            t->id = id = b->next_id++;
+            b->targets[slot] = *t;
+            beat_once(t); /* the other end's clock starts now: no wait for the round */
+        }
+    }
+    if (owner) pthread_mutex_unlock(&b->lock);
+    if (closed)
+        PyErr_SetString(PyExc_ValueError, owner ? "the beater is closed"
+                                                : "the beater's thread is in the parent process");
+    else if (!id)
+        PyErr_NoMemory();
+    return id;
+}
+
+/* beater_add_socket(beater, fd, byte) -> id: `byte` on (a dup of) socket fd each interval. */
+static PyObject *py_beater_add_socket(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    int fd;
+    unsigned char byte;
+    if (!PyArg_ParseTuple(args, "Oib", &capsule, &fd, &byte)) return NULL;
+    beater *b = PyCapsule_GetPointer(capsule, BEATER);
+    if (!b) return NULL;
+    beat_target t = {0};
+    t.fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (t.fd < 0) return PyErr_SetFromErrno(PyExc_OSError);
+    t.byte = byte;
+    uint64_t id = add_target(b, &t);
+    if (!id) {
+        close(t.fd);
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(id);
+}
+
+/* beater_add_word(beater, buffer, index) -> id: int64 word `index` of a writable buffer
+ * counted up each interval. */
+static PyObject *py_beater_add_word(PyObject *self, PyObject *args) {
+    PyObject *capsule, *buffer;
+    Py_ssize_t index;
+    if (!PyArg_ParseTuple(args, "OOn", &capsule, &buffer, &index)) return NULL;
+    beater *b = PyCapsule_GetPointer(capsule, BEATER);
+    if (!b) return NULL;
+    beat_target t = {0};
+    t.fd = -1;
+    if (PyObject_GetBuffer(buffer, &t.view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (index < 0 || (index + 1) * 8 > t.view.len || (uintptr_t)t.view.buf % 8) {
+        PyBuffer_Release(&t.view);
+        PyErr_SetString(PyExc_ValueError, "no aligned int64 word at that index");
+        return NULL;
+    }
+    t.word = (int64_t *)t.view.buf + index;
+    uint64_t id = add_target(b, &t);
+    if (!id) {
+        PyBuffer_Release(&t.view);
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(id);
+}
+
+/* beater_remove(beater, id): once it returns, the thread never writes that target again. */
+static PyObject *py_beater_remove(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    unsigned long long id;
+    if (!PyArg_ParseTuple(args, "OK", &capsule, &id)) return NULL;
+    beater *b = PyCapsule_GetPointer(capsule, BEATER);
+    if (!b) return NULL;
+    beat_target gone = {0};
+    int owner = in_owner(b);
+    if (owner) pthread_mutex_lock(&b->lock);
+    for (int i = 0; id && i < b->capacity; i++)
+        if (b->targets[i].id == id) {
+            gone = b->targets[i];
+            b->targets[i].id = 0;
+            break;
+        }
+    if (owner) pthread_mutex_unlock(&b->lock);
+    if (gone.id) release_target(&gone);
+    Py_RETURN_NONE;
+}
+
+/* beater_close(beater): stops the thread and releases every target (also when freed). */
+static PyObject *py_beater_close(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    if (!PyArg_ParseTuple(args, "O", &capsule)) return NULL;
+    beater *b = PyCapsule_GetPointer(capsule, BEATER);
+    if (!b) return NULL;
+    stop_beater(b);
+    Py_RETURN_NONE;
+}
+
+/* beater_rounds(beater) -> how many rounds of beats the thread has made (for tests). */
+static PyObject *py_beater_rounds(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    if (!PyArg_ParseTuple(args, "O", &capsule)) return NULL;
+    beater *b = PyCapsule_GetPointer(capsule, BEATER);
+    if (!b) return NULL;
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&b->rounds, __ATOMIC_RELAXED));
+}
+
 static PyMethodDef methods[] = {
     {"open", py_open, METH_VARARGS, "Binds a group's segment; returns a capsule."},
     {"call", (PyCFunction)(void (*)(void))py_call, METH_FASTCALL,
      "The one-step allreduce: DONE (0), WAITING (1) or MISMATCH (2)."},
     {"fold", (PyCFunction)(void (*)(void))py_fold, METH_FASTCALL,
      "The fold of call() once every rank has arrived: DONE (0) or MISMATCH (2)."},
+    {"beater_open", py_beater_open, METH_VARARGS, "A running beater: beats every interval."},
+    {"beater_add_socket", py_beater_add_socket, METH_VARARGS,
+     "A byte on (a dup of) a socket each interval; returns its id."},
+    {"beater_add_word", py_beater_add_word, METH_VARARGS,
+     "An int64 word of a buffer counted up each interval; returns its id."},
+    {"beater_remove", py_beater_remove, METH_VARARGS, "Stops beating one target, by id."},
+    {"beater_close", py_beater_close, METH_VARARGS, "Stops the thread; releases every target."},
+    {"beater_rounds", py_beater_rounds, METH_VARARGS, "Rounds of beats made so far."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -9,12 +9,14 @@ stay open, and without more a worker would wait for its next batch up to the job
 each of them anyway, so the same idea costs less here. With the job's heartbeat settings
 (``heartbeat_interval`` 0.25 s, ``heartbeat_timeout`` 2 s; a timeout of 0 turns this off):
 
-- **Same host (the poll road).** Each data server's beater thread counts up a *beat* word in
-  every stream's slot table each interval (``server.py``, ``slots.py``). This watch, a thread
-  of the worker, reads each polled server's beat every interval; a beat that has not moved for
-  the timeout, of this watcher's own time, is a silent server. A look that comes more than
-  half the timeout late (this worker was itself stopped or starved) restarts every clock
-  instead of judging: a late watcher is no evidence about anyone else. No message.
+- **Same host (the poll road).** Each data server's beater counts up a *beat* word in every
+  stream's slot table each interval (``server.py``, ``slots.py``): the native thread of
+  ``beater.py``, which needs no GIL, so a server whose producer holds the GIL in a long C call
+  (an ``import torch``, a large unpickling) still beats. This watch, a thread of the worker,
+  reads each polled server's beat every interval; a beat that has not moved for the timeout,
+  of this watcher's own time, is a silent server. A look that comes more than half the
+  timeout late (this worker was itself stopped or starved) restarts every clock instead of
+  judging: a late watcher is no evidence about anyone else. No message.
 - **Another host (the take road).** Every call to a data server is answered within a
   fraction of the timeout while it runs: a ``take`` whose batch is not ready answers
   ``pending`` after a quarter of the timeout, and the worker asks again. So the worker's
@@ -31,10 +33,12 @@ gets to form: the ranks of a job start seconds apart on a crowded machine.
 A server found silent is *lost*, exactly as one found dead: the worker sets its batches aside
 and hands them to the live servers at the end of the epoch (``loader.py``), so each sample is
 still delivered exactly once; its connection is shut, so that a server that wakes finds the
-worker gone and ends. A server only slow is never silent: its beater thread and its serving
-threads answer while its producer prepares a batch (its switch interval is 0.2 ms), and its
-takes answer ``pending``. What can still pass for silence is what silences a rank's
-heartbeat: one C call that holds the server's GIL longer than the timeout.
+worker gone and ends. A server only slow is never silent: its beats go on while its producer
+prepares a batch, its serving threads answer meanwhile (its switch interval is 0.2 ms), and
+its takes answer ``pending``. What can still pass for silence: on the take road, one C call
+that holds the server's GIL longer than the timeout (the replies come from Python threads);
+on the poll road, only where the compiled module is not built (the beats then come from a
+Python thread too).
 
 Detection, with the defaults: a stopped same-host server is given up between 2 and 2.5 s after
 its last beat (timeout + an interval of this watch, + 50 ms for a poll in progress to see it);

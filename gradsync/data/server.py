@@ -37,8 +37,10 @@ A step, seen from worker w:
    that hears nothing for that long knows the server is stopped or cut off, not slow
    (``liveness.py``).
 
-Liveness. A beater thread counts up the *beat* word of every stream's slot table each
-``heartbeat_interval``; a same-host worker that sees it stand still for ``heartbeat_timeout``
+Liveness. A beater counts up the *beat* word of every stream's slot table each
+``heartbeat_interval`` (the native thread of ``beater.py``, which needs no GIL, so that a
+producer in a long C call does not silence the server; a Python thread where the compiled
+module is not built); a same-host worker that sees it stand still for ``heartbeat_timeout``
 gives this server up (a stopped process beats no more). A worker on another host watches the
 replies instead: ``ping`` when it has nothing in flight, and every call answered promptly.
 
@@ -83,6 +85,7 @@ import time
 
 import numpy as np
 
+from .. import beater
 from ..errors import CollectiveMismatchError, GradsyncError, GradsyncTimeoutError
 from ..transport.regions import Attached, Endpoint
 from .cache import Cache
@@ -284,8 +287,9 @@ class DataServer:
             for k in range(producers)]
         for thread in self._producers:
             thread.start()
-        self._beater = None
-        if beat > 0:
+        self._beater = None  # the Python beater thread, where there is no native one
+        self._beats = beater.start(beat) if beat > 0 else None
+        if beat > 0 and self._beats is None:
             self._beater = threading.Thread(target=self._beat, args=(beat,), daemon=True,
                                             name=f"gradsync-data-beat{index}")
             self._beater.start()
@@ -314,6 +318,8 @@ class DataServer:
             words = self.endpoint.allocate(f"table.{worker}",
                                            (table_words(prefetch, self.batch_size),), np.int64)
             table = SlotTable(words, prefetch, self.batch_size)
+            if self._beats is not None:
+                table.beaten_by(self._beats)
             if self.failure is not None:
                 table.fail()
             self.streams[worker] = _Stream(slots, prefetch, table)
@@ -574,6 +580,8 @@ class DataServer:
             helper.close()
         if self._beater is not None:
             self._beater.join(self.timeout)
+        if self._beats is not None:
+            self._beats.close()
 
 
 ELASTIC_KEY = "data/elastic"

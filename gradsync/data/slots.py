@@ -143,8 +143,13 @@ class SlotTable:
                 self.futex.wake(_BELL * 8)
 
     def beat(self) -> None:
-        """(The server's beater thread.) One beat: the server runs."""
+        """(The server's Python beater thread.) One beat: the server runs."""
         self.words[_BEAT] += 1  # one writer: no lost update
+
+    def beaten_by(self, beats) -> None:
+        """(The server.) The native beater (``beater.py``) counts up the beat word from now
+        on, every interval, whatever holds the server's GIL; nothing else writes it."""
+        beats.add_word(self.words, _BEAT)
 
     def acked(self) -> int:
         """Items the worker has finished reading (its one-sided counter)."""

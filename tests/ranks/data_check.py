@@ -23,21 +23,29 @@ checks them (tests/test_data_multiprocess.py).
                              is lost and worker 0 resets to the commit alone (``shrink``)
     broken DIR SAMPLE        the dataset cannot read sample SAMPLE: each worker iterates epoch
                              0 and writes the error it raised to DIR/broken-<rank>.txt
-    stopserver DIR EPOCHS    as count (no break), but worker 0 SIGSTOPs data server 0 after 3
-                             batches and writes when to DIR/stopped.json; each worker writes the
-                             servers it gave up, when and why, to DIR/lost-<rank>.json; at the
-                             end worker 0 SIGCONTs the server, which finds its workers gone
-                             and ends (``stopped``)
+    stopserver DIR EPOCHS    as count (no break), but worker 0 SIGSTOPs data server 0 once
+                             every worker has 3 batches and writes when to DIR/stopped.json;
+                             each worker writes the servers it gave up, when and why, to
+                             DIR/lost-<rank>.json; at the end worker 0 SIGCONTs the server,
+                             which finds its workers gone and ends (``stopped``)
+    holdserver DIR EPOCHS    as count (no break), but each data server holds its GIL in one C
+                             call for GS_DATA_HOLD seconds (``hold``), once every worker has
+                             its first batch; each worker writes the servers it gave up to
+                             DIR/lost-<rank>.json (``gil_held``)
 
 GS_DATA_COLLATE=pack serves ``Tokens`` (sample i: ``i % 8`` tokens) packed into rows of 8 by
 ``collate.Pack``; each worker checks every sample's tokens and writes the ids as count does.
 GS_DATA_ORDER=global cuts the batches from the epoch's permutation (``Loader``'s ``order``).
 GS_DATA_SLOW=ID:SECONDS makes the dataset take SECONDS to read sample ID (a slow server, not a
 lost one: its decode is cached, so only the first epoch pays).
+GS_DATA_HOLD=SECONDS makes each data server, once DIR/hold exists, hold its GIL for SECONDS in
+one C call while it reads its next sample (as a long ``import torch`` does), then write how
+long to DIR/gil-<pid>.json.
 """
 
 import common  # (deadline)
 
+import ctypes
 import json
 import os
 import signal
@@ -56,6 +64,22 @@ SEED = int(os.environ.get("GS_DATA_SEED", "7"))
 ORDER = os.environ.get("GS_DATA_ORDER", "servers")  # how batches are cut (plan.ORDERS)
 SLOW = [float(x) for x in os.environ["GS_DATA_SLOW"].split(":")] \
     if os.environ.get("GS_DATA_SLOW") else None
+HOLD = float(os.environ.get("GS_DATA_HOLD", "0"))
+_held = []
+
+
+def hold():
+    """(A data server, GS_DATA_HOLD.) Once DIR/hold exists, holds the GIL for HOLD seconds
+    (once): ctypes.pythonapi is a PyDLL, whose calls keep the GIL, so no other thread of this
+    server runs Python meanwhile, its Python beater included."""
+    directory = sys.argv[2]
+    if _held or not os.path.exists(os.path.join(directory, "hold")):
+        return
+    start = time.monotonic()
+    ctypes.pythonapi.usleep(int(HOLD * 1e6))
+    _held.append(time.monotonic() - start)
+    with open(os.path.join(directory, f"gil-{os.getpid()}.json"), "w") as f:
+        json.dump(_held[0], f)
 
 
 class Numbers:
@@ -70,6 +94,8 @@ class Numbers:
             raise OSError(f"sample {i} is unreadable")
         if SLOW is not None and i == SLOW[0]:
             time.sleep(SLOW[1])  # emulated slow storage: the server is slow, not lost
+        if HOLD:
+            hold()
         return {"x": np.full(3, i, np.float32), "id": i}
 
 
@@ -229,11 +255,9 @@ def lose(loader, directory, epochs, seen, steps=3):
         json.dump(before, f)
 
 
-def stopped(loader, directory, epochs, seen):
-    """Epochs 0 .. ``epochs`` - 1 while data server 0 is stopped (SIGSTOP, by worker 0 after
-    its third batch): its pid lives and its sockets stay open, so only the liveness watch can
-    give it up. Each worker records every server it gave up, with the wall time and the
-    error, as its Loader does it."""
+def recorded_losses(loader) -> dict:
+    """Every server the worker gives up from now on, with the wall time and the error, as its
+    Loader does it: ``{server: [wall, error]}``."""
     losses = {}
     lose = loader._lose
 
@@ -242,16 +266,51 @@ def stopped(loader, directory, epochs, seen):
         lose(d, error)
 
     loader._lose = timed  # the fetch thread and the watch call it through the instance
+    return losses
+
+
+def gil_held(loader, directory, epochs, seen):
+    """Epochs 0 .. ``epochs`` - 1 while each data server holds its GIL for GS_DATA_HOLD
+    seconds (``hold``), from its next sample once worker 0 has made DIR/hold: after every
+    worker has its first batch, so every epoch's start has been answered and no call to a
+    server is in flight (a call waits for a reply that a server holding its GIL cannot give,
+    on the take road as on this one). Each worker writes the servers it gave up."""
+    losses = recorded_losses(loader)
+    received = 0
+    while loader.epoch < epochs:
+        for batch in loader:
+            receive(loader, batch, seen)
+            received += 1
+            if received == 1:
+                gs.barrier()
+                if gs.rank() == 0:
+                    open(os.path.join(directory, "hold"), "w").close()
+    write(directory, "holdserver", seen)
+    with open(os.path.join(directory, f"lost-{gs.rank()}.json"), "w") as f:
+        json.dump(losses, f)
+
+
+def stopped(loader, directory, epochs, seen):
+    """Epochs 0 .. ``epochs`` - 1 while data server 0 is stopped (SIGSTOP, by worker 0 once
+    every worker has its third batch): its pid lives and its sockets stay open, so only the
+    liveness watch can give it up. Each worker records every server it gave up
+    (``recorded_losses``)."""
+    losses = recorded_losses(loader)
     pid = loader.peers[0].pid
     received = 0
     while loader.epoch < epochs:
         for batch in loader:
             receive(loader, batch, seen)
             received += 1
-            if gs.rank() == 0 and received == 3:
-                os.kill(pid, signal.SIGSTOP)
-                with open(os.path.join(directory, "stopped.json"), "w") as f:
-                    json.dump({"wall": time.time()}, f)
+            if received == 3:
+                # Every worker is in the middle of epoch 0 when the server stops. Without the
+                # barrier, a worker that started seconds before worker 0 on a crowded machine
+                # took every batch of both epochs first, gave nothing up, and failed the test.
+                gs.barrier()
+                if gs.rank() == 0:
+                    os.kill(pid, signal.SIGSTOP)
+                    with open(os.path.join(directory, "stopped.json"), "w") as f:
+                        json.dump({"wall": time.time()}, f)
     write(directory, "stopped", seen)
     with open(os.path.join(directory, f"lost-{gs.rank()}.json"), "w") as f:
         json.dump(losses, f)
@@ -322,6 +381,8 @@ def main():
         shrink(loader, directory, arg, seen)
     elif scenario == "stopserver":
         stopped(loader, directory, arg, seen)
+    elif scenario == "holdserver":
+        gil_held(loader, directory, arg, seen)
     elif scenario == "broken":
         try:
             for batch in loader:

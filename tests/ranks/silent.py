@@ -5,6 +5,11 @@
                                       ELAPSED (seconds from the stop to its error)
     silent.py VICTIM TRANSPORT busy   VICTIM computes in Python for 2.5 heartbeat timeouts
                                       before joining the collectives: slow is not silent
+    silent.py VICTIM TRANSPORT hold   VICTIM holds the GIL in one C call for 1.5 heartbeat
+                                      timeouts before joining the collectives (as a long
+                                      ``import torch`` on a loaded machine does); it prints
+                                      HELD (the longest gap between the ticks of a Python
+                                      thread meanwhile: the GIL was not let go)
     silent.py VICTIM TRANSPORT kill   VICTIM kills itself (SIGKILL) while the others sleep,
                                       in no collective: after 1 s each prints the abort
                                       record (RECORD), which only its heartbeat links can
@@ -16,8 +21,10 @@
                                       it in an allreduce; they print ELAPSED as for ``stop``
 """
 
+import ctypes
 import os
 import signal
+import threading
 import subprocess
 import sys
 import time
@@ -65,6 +72,25 @@ if R == victim:
         subprocess.Popen(["sh", "-c", f"sleep 10; kill -9 {os.getpid()}"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif mode == "hold":
+        ticks, ticked, done = [], threading.Event(), threading.Event()
+
+        def tick():
+            while not done.is_set():
+                ticks.append(time.monotonic())
+                ticked.set()
+                done.wait(0.01)
+
+        ticker = threading.Thread(target=tick)
+        ticker.start()
+        ticked.wait()
+        # ctypes.pythonapi is a PyDLL: its calls keep the GIL, here for the whole sleep.
+        ctypes.pythonapi.usleep(int(1.5 * job.world().config.heartbeat_timeout * 1e6))
+        ticks.append(time.monotonic())
+        done.set()
+        ticker.join()
+        ticks.sort()
+        print(f"HELD rank={R} {max(b - a for a, b in zip(ticks, ticks[1:])):.2f}", flush=True)
     elif mode == "post":
         job.world().store.post_abort({"kind": "GradsyncError", "rank": R, "peer": None,
                                       "message": "posted on purpose"})
