@@ -1,4 +1,4 @@
-"""Emulated multi-host clusters for tests: ``gradsync.bench.netns`` plus the tests' conventions.
+"""Emulated multi-host clusters for tests: ``gradsync.testbed.netns`` plus the tests' conventions.
 
     with cluster([("h0", 2), ("h1", 2)], host_rate="1gbit") as c:
         for r in run_ranks(c, "sweep.py", timeout=60, placement="alternate"):
@@ -22,8 +22,8 @@ from typing import Iterator, Mapping, Sequence
 
 import pytest
 
-from gradsync.bench.netns import (Cluster, NetnsError, RankResult, cleanup_stale,  # noqa: F401
-                                  measure_goodput, place, run, unavailable_reason)
+from gradsync.testbed.netns import (Cluster, NetnsError, RankResult, cleanup_stale,  # noqa: F401
+                                    measure_goodput, place, run, unavailable_reason)
 
 RANKS = Path(__file__).parent / "ranks"
 

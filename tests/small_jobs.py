@@ -1,11 +1,12 @@
-"""One job per world size for the rank scripts that check a front door at 1, 2 and 3 ranks.
+"""One job per world size for the rank scripts that check a front door or sweep the collectives.
 
-tests/test_hvd_behaviours.py, test_negotiation.py, test_lean.py, test_torch_surface.py and
-test_torch_optimizer.py each used to start ``gradsync run -np N`` for their script at each
-world size: sixteen jobs whose start-ups (interpreters, torch's import, rendezvous) were nearly
-all of their time. Now the first of their tests to run at a world size starts one job there
-that runs every script of that size one after the other (tests/ranks/suite.py), and each test
-reads its own script's lines of that job's output.
+tests/test_hvd_behaviours.py, test_negotiation.py, test_lean.py, test_torch_surface.py,
+test_torch_optimizer.py, test_torch_api.py, test_collectives.py, test_arguments.py,
+test_subworld.py and test_adasum_multiprocess.py each used to start ``gradsync run -np N`` for
+their script at each world size: thirty-six jobs whose start-ups (interpreters, torch's import,
+rendezvous) were most of their time. Now the first of their tests to run at a world size
+starts one job there that runs every script of that size one after the other
+(tests/ranks/suite.py), and each test reads its own script's lines of that job's output.
 
 ``result(n)`` is the job's result (``harness.Result``: its exit status and whole output), made
 once per pytest process; ``output(result, script)`` the lines ``script`` printed, untagged.
@@ -23,17 +24,27 @@ import functools
 from harness import launch
 
 _FRONT_DOORS = ("hvd_behaviours.py", "negotiation.py", "lean.py", "torch_surface.py")
-SCRIPTS = {1: _FRONT_DOORS,
-           2: _FRONT_DOORS + ("torch_parity.py", "torch_bucket_views.py"),
-           3: _FRONT_DOORS + ("torch_parity.py", "torch_bucket_views.py", "pace.py")}
-"""The scripts of each world size's job, in this order: hvd_behaviours.py checks that shutdown
-leaves no thread behind, which is strictest with no World closed before its own; pace.py
-(stragglers named, tests/test_stragglers.py) comes last, its 40 steps of sleeps (3 s) after
-every other check."""
+_OPTIMIZER = ("torch_parity.py", "torch_bucket_views.py")
+SCRIPTS = {1: _FRONT_DOORS + ("torch_api.py", "sweep.py", "arguments.py", "subworld.py"),
+           2: _FRONT_DOORS + _OPTIMIZER + ("torch_api.py", "sweep.py", "adasum_check.py:shm",
+                                           "adasum_check.py:tcp"),
+           3: _FRONT_DOORS + _OPTIMIZER + ("torch_api.py", "sweep.py", "sweep.py:python",
+                                           "sweep.py:tcp", "arguments.py", "subworld.py:tcp",
+                                           "adasum_check.py:shm", "adasum_check.py:tcp",
+                                           "pace.py"),
+           4: ("sweep.py", "process_sets.py", "subworld.py", "adasum_check.py:shm")}
+"""The entries of each world size's job, in this order (``SCRIPT`` or ``SCRIPT:ARG``,
+tests/ranks/suite.py): hvd_behaviours.py checks that shutdown leaves no thread behind, which is
+strictest with no World closed before its own; pace.py (stragglers named,
+tests/test_stragglers.py) comes last, its 40 steps of sleeps (3 s) after every other check.
+The scripts after the front doors' were jobs of their own in test_torch_api.py,
+test_collectives.py, test_arguments.py, test_subworld.py, test_adasum_multiprocess.py and
+test_negotiation.py (docs/testing.md, "Where each check lives")."""
 
-TIMEOUT = 360
-"""The job's deadline: the scripts' own (90-150 s each alone) less their start-ups, and
-room for a loaded machine (a job of six scripts takes 40-150 s on 2 busy cores)."""
+TIMEOUT = 600
+"""The job's deadline: the scripts' own (60-240 s each alone) less their start-ups, and room
+for a loaded machine (the 3-rank job of fifteen entries took 119 s on the 2-core machine at a
+load of 20, 2026-11-29)."""
 
 
 @functools.lru_cache(maxsize=None)

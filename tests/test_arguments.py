@@ -8,7 +8,7 @@ import torch
 from gradsync import arguments
 from gradsync.collectives.ops import Adasum, Sum
 from gradsync.tensors import wrap
-from harness import launch
+import small_jobs
 
 
 @pytest.mark.parametrize("splits", [[1.0, 1.0], [1, 1.0], np.ones(2), torch.ones(2),
@@ -92,6 +92,7 @@ def test_received_splits_follow_the_tensor_kind():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("n", [1, 3])
 def test_both_apis_reject_alike(n):
-    result = launch(n, "arguments.py", timeout=90)
-    assert result.returncode == 0, result
-    assert result.output.count("arguments ok") == n, result
+    # tests/ranks/arguments.py, in the job it shares with other scripts (small_jobs.py)
+    result = small_jobs.result(n)
+    assert small_jobs.ran(result, "arguments.py", n), result
+    assert small_jobs.output(result, "arguments.py").count("arguments ok") == n, result

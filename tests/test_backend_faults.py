@@ -39,9 +39,10 @@ def test_abort_or_shutdown_on_one_rank_ends_every_ranks_collective(mode, ender, 
     assert _after(ranks[2]) < grace + 0.5 + 0.1 + 1.5, ranks[2].output
 
 
-def test_a_stopped_rank_fails_ddp_on_every_other_rank_within_the_heartbeat_bound():
+def test_a_stopped_rank_fails_ddp_on_every_other_rank_within_the_heartbeat_bound(tmp_path):
     bound = 3.0  # issue 28's detection bound for the defaults (2.6 s: heartbeat.py)
-    ranks = spawn(3, "pg_abort.py", "stop", timeout=90)
+    # The stopped rank is killed once both survivors have caught their error (pg_abort.py)
+    ranks = spawn(3, "pg_abort.py", "stop", str(tmp_path), timeout=90)
     assert ranks[2].returncode == -9, ranks[2]  # stopped, then ended by its lifeline
     for r in ranks[:2]:
         assert r.returncode == 3, f"rank {r.rank}: exit {r.returncode}\n{r.output[-4000:]}"

@@ -1,7 +1,7 @@
 """torch.distributed's gloo beside gradsync on emulated hosts (slow tier; needs root).
 
 gloo finds the interface to bind by the machine's host name, which no emulated host resolves;
-without ``GLOO_SOCKET_IFNAME=eth0`` (``gradsync.bench.netns.rank_env`` sets it) it binds to
+without ``GLOO_SOCKET_IFNAME=eth0`` (``gradsync.testbed.netns.rank_env`` sets it) it binds to
 loopback and its ranks on other hosts never meet. The bench runs both, on the same buffer,
 over the same shaped links.
 """
@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from netns import cluster, run
-from gradsync.bench.netns import Host, Slot, rank_env
+from gradsync.testbed.netns import Host, Slot, rank_env
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 import harness
-from gradsync.bench import cli, netns, scale, scale_rank
+from gradsync.bench import cli, scale, scale_rank
+from gradsync.testbed import netns
 
 ROOT = Path(__file__).resolve().parent.parent
 

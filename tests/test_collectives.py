@@ -1,5 +1,8 @@
 """Every collective through the real launcher at 1, 2, 3 and 4 ranks, against NumPy.
 
+The launcher's sweeps run in the job of each size that tests/small_jobs.py shares between
+several scripts; the sweeps on emulated hosts start their ranks themselves.
+
 The rank side is tests/ranks/sweep.py; it sweeps op x dtype x element count x algorithm
 (including the shared-memory one when every rank is on one host) and exits non-zero at the
 first wrong element, printing what it was.
@@ -7,31 +10,39 @@ first wrong element, printing what it was.
 
 import pytest
 
-from harness import launch, spawn
+from harness import spawn
+import small_jobs
 
 pytestmark = pytest.mark.multiprocess
 
 
+def sweep(n: int, entry: str = "sweep.py") -> str:
+    """What ``entry`` (sweep.py, or sweep.py:MODE) printed in the ``n``-rank job it shares with
+    other scripts (small_jobs.py), once it returned on every rank."""
+    result = small_jobs.result(n)
+    assert small_jobs.ran(result, entry, n), result
+    return small_jobs.output(result, entry)
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_sweep_default_transport(n):
-    result = launch(n, "sweep.py", timeout=240)
-    assert result.returncode == 0, result
-    assert result.output.count("checks passed") == n, result
+    output = sweep(n)
+    assert output.count("checks passed") == n, output
     # The small shm allreduces took the compiled road (tests/test_shm_fast.py tests both).
-    assert result.output.count("shm road compiled") == (n if n > 1 else 0), result
+    assert output.count("shm road compiled") == (n if n > 1 else 0), output
 
 
 def test_sweep_on_the_python_shm_road():
-    result = launch(3, "sweep.py", timeout=240, env={"GRADSYNC_SHM_FAST": "0"})
-    assert result.returncode == 0, result
-    assert result.output.count("shm road python") == 3, result
+    output = sweep(3, "sweep.py:python")  # init(shm_fast=False)
+    assert output.count("checks passed") == 3, output
+    assert output.count("shm road python") == 3, output
 
 
 @pytest.mark.parametrize("n", [3])
 def test_sweep_over_tcp(n):
-    result = launch(n, "sweep.py", "tcp", timeout=240, env={"GRADSYNC_TRANSPORT": "tcp"})
-    assert result.returncode == 0, result
-    assert result.output.count("checks passed") == n, result
+    output = sweep(n, "sweep.py:tcp")  # init(transport="tcp")
+    assert output.count("checks passed") == n, output
+    assert output.count("shm road none") == n, output  # no shared segment between the pairs
 
 
 @pytest.mark.parametrize("layout", ["aabb", pytest.param("abab", marks=pytest.mark.slow), "abcab"])

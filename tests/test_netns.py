@@ -12,7 +12,7 @@ import pytest
 
 from netns import (Cluster, NetnsError, cleanup_stale, cluster, measure_goodput, place,
                    require_netns, run_ranks)
-from gradsync.bench.netns import Host, parse_delay, parse_groups, parse_hosts, parse_rate
+from gradsync.testbed.netns import Host, parse_delay, parse_groups, parse_hosts, parse_rate
 
 pytestmark = pytest.mark.multiprocess
 
@@ -63,7 +63,7 @@ def test_specs_parse_and_bad_ones_are_named():
 
 
 def test_command_line_options_are_pinned():
-    from gradsync.bench.netns import parser
+    from gradsync.testbed.netns import parser
 
     options = sorted(s for a in parser()._actions for s in a.option_strings)
     assert options == ["--alternate", "--delay", "--group-delay", "--group-rate", "--groups",
@@ -225,7 +225,7 @@ def test_command_line_runs_every_rank_and_exits_with_the_failure(tmp_path):
             "else:\n    end = time.monotonic() + 30\n"
             "    while not all(map(os.path.exists, marks)) and time.monotonic() < end:\n"
             "        time.sleep(0.01)\n    sys.exit(3)")
-    proc = subprocess.run([sys.executable, "-m", "gradsync.bench.netns", "--hosts", "a:2,b:1",
+    proc = subprocess.run([sys.executable, "-m", "gradsync.testbed.netns", "--hosts", "a:2,b:1",
                            "--alternate", "--", sys.executable, "-c", show],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3, proc

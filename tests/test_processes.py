@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from gradsync.bench import netns, plan
+from gradsync.bench import plan
+from gradsync.testbed import netns
 from gradsync.run import cli, elastic
 from gradsync.run import processes
 from gradsync.run.hosts import Host, parse_hosts, rank_hosts, read_hostfile

@@ -1,10 +1,17 @@
-"""The package's structure, pinned: no import circles, and no module reads another package's
-private (underscore-prefixed) names.
+"""The package's structure, pinned: no import circles, no module reads another package's
+private (underscore-prefixed) names, and the tools are leaves of the import graph.
 
 Pure logic over the source (``ast``); nothing is imported or run. Issue 26 paid these debts
 (the job's owner in ``gradsync/job.py``, the shared region pieces below ``regions`` and
 ``region_peer``, ...); this test keeps them paid. A private name may be read inside its own
 package (the same folder): that is what the underscore says.
+
+The tools (issue 39): ``bench`` measures, ``simulate`` predicts, and ``testbed`` holds what
+both stand on (the emulated cluster, the models, ``--json``). Nothing the ranks load imports
+any of them; the one way in from the runtime is the ``gradsync`` command's dispatch
+(``run/cli.py``), which imports a tool's entry point inside the function that runs that
+command. ``bench`` and ``simulate`` import nothing from each other, and ``testbed`` nothing
+from either: a piece both need moves down into ``testbed`` rather than across.
 """
 
 from __future__ import annotations
@@ -131,3 +138,49 @@ def test_no_module_reads_another_packages_private_names():
                     for module, imported, names in _walk(modules) for name in names
                     if _package_of(module, modules) != _package_of(imported, modules)})
     assert reads == []
+
+
+TOOLS = ("gradsync.bench", "gradsync.simulate", "gradsync.testbed")
+# The gradsync command: `gradsync bench`, `plan`, `probe` and `simulate` run a tool.
+COMMAND = "gradsync.run.cli"
+
+
+def _tool(module: str) -> str | None:
+    return next((t for t in TOOLS if module == t or module.startswith(t + ".")), None)
+
+
+def _imported_at_load(module: str, modules: dict[str, Path]) -> set[str]:
+    """The modules that importing ``module`` imports: every import outside a function body."""
+    found: set[str] = set()
+    pending: list[ast.AST] = [ast.parse(modules[module].read_text())]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue  # runs when called, not when imported
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            source = _resolve(module, node.level, node.module, modules)
+            found.add(source)
+            found.update(f"{source}.{a.name}" for a in node.names)
+        pending.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def test_the_runtime_imports_no_tool_but_the_command_that_runs_one():
+    modules = _modules()
+    at_load = _imported_at_load(COMMAND, modules)
+    found = sorted({f"{module} imports {imported}" for module, imported, _ in _walk(modules)
+                    if _tool(module) is None and _tool(imported) is not None
+                    and not (module == COMMAND and imported not in at_load)})
+    assert found == []
+
+
+def test_the_tools_import_nothing_of_each_other_and_the_testbed_neither():
+    # bench and simulate may both use the testbed; neither reaches across, and the testbed
+    # reaches up into neither.
+    allowed = {("gradsync.bench", "gradsync.testbed"), ("gradsync.simulate", "gradsync.testbed")}
+    found = sorted({f"{module} imports {imported}" for module, imported, _ in _walk(_modules())
+                    if _tool(module) and _tool(imported) and _tool(module) != _tool(imported)
+                    and (_tool(module), _tool(imported)) not in allowed})
+    assert found == []

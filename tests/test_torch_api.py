@@ -1,4 +1,5 @@
-"""gradsync.torch's collectives through the real launcher at 1, 2 and 3 ranks.
+"""gradsync.torch's collectives through the real launcher at 1, 2 and 3 ranks (one job per size
+shared with other scripts: tests/small_jobs.py).
 
 The rank side is tests/ranks/torch_api.py: every collective and form (out-of-place, in place,
 async, async in place, grouped) x dtype against a closed-form reference, Horovod's argument
@@ -10,13 +11,14 @@ honour. It exits non-zero at the first wrong value.
 
 import pytest
 
-from harness import launch
+import small_jobs
 
 pytestmark = pytest.mark.multiprocess
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_torch_api(n):
-    result = launch(n, "torch_api.py", timeout=120)
-    assert result.returncode == 0, result
-    assert result.output.count("checks passed") == n, result
+    # tests/ranks/torch_api.py, in the job it shares with other scripts (small_jobs.py)
+    result = small_jobs.result(n)
+    assert small_jobs.ran(result, "torch_api.py", n), result
+    assert small_jobs.output(result, "torch_api.py").count("checks passed") == n, result

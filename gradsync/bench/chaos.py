@@ -5,11 +5,12 @@
                          [--max-detection 3] [--max-recovery 1] [--min-goodput 0.9]
                          [--servers S [--ps-replicas 2] [--ps-mode sync] | --data-servers D]
 
-The cluster is ``netns.Cluster``: one network namespace per emulated host (``h0`` ...), and
-one more, ``head``, where ``gradsync run`` and its store live, out of reach of every fault.
-The launcher reaches the hosts through an ssh stand-in that runs the worker's command in the
-host's namespace (``ip netns exec``, in a session of its own), so the job is started, watched
-and re-formed exactly as on real hosts: ``gradsync run -np H*K --min-np K -H h0:K,...
+The cluster is ``gradsync.testbed.netns.Cluster``: one network namespace per emulated host
+(``h0`` ...), and one more, ``head``, where ``gradsync run`` and its store live, out of reach of
+every fault. The launcher reaches the hosts through the testbed's ssh stand-in
+(``netns.ssh_stand_in``), which runs the worker's command in the host's namespace (``ip netns
+exec``, in a session of its own), so the job is started, watched and re-formed exactly as on
+real hosts: ``gradsync run -np H*K --min-np K -H h0:K,...
 --blacklist-cooldown C`` with ``chaos_rank.py`` as the training script.
 
 First a fault-free run of the same job (``--baseline-minutes``) gives the goodput to compare
@@ -50,7 +51,6 @@ import argparse
 import collections
 import os
 import random
-import shlex
 import signal
 import sys
 import tempfile
@@ -61,7 +61,7 @@ from ..run.processes import Process, pump, start, stop
 from . import chaos_report as cr
 from . import chaos_server_report as csr
 from . import chaos_servers as cs
-from .netns import Cluster, NetnsError, unavailable_reason
+from ..testbed.netns import Cluster, NetnsError, ssh_stand_in, unavailable_reason
 
 __all__ = ["parser", "drive", "FAULTS"]
 
@@ -138,7 +138,7 @@ class _Job:
         self.stop_file = os.path.join(folder, f"{name}.stop")
         launch = [sys.executable, "-m", "gradsync", "run", "-np", str(self.size),
                   "-H", ",".join(f"{h.name}:{h.slots}" for h in hosts),
-                  "--ssh-command", _ssh_stand_in(cluster, folder)]
+                  "--ssh-command", ssh_stand_in(cluster, folder)]
         if servers:  # not elastic: the workers are fixed, the servers come back (docs/ps.md)
             argv = launch + servers.launcher_args() + (
                 script or servers.script_args(options, self.stop_file))
@@ -225,21 +225,6 @@ def _kill_if_worker(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except (FileNotFoundError, ProcessLookupError):
         pass
-
-
-def _ssh_stand_in(cluster: Cluster, folder: str) -> str:
-    """Writes the "ssh" the launcher uses: ``... HOST COMMAND`` runs ``sh -c COMMAND`` in
-    HOST's namespace, in a session of its own (as an sshd would), its stdin (the secret and
-    the lifeline) passed through. Returns its path."""
-    cases = "".join(f"  {h.name}) ns={shlex.quote(h.ns)} ;;\n" for h in cluster.hosts)
-    path = os.path.join(folder, "ssh")
-    with open(path, "w") as f:
-        f.write("#!/bin/sh\n# gradsync bench chaos: ssh to an emulated host\n"
-                'while [ $# -gt 2 ]; do shift; done\ncase "$1" in\n' + cases +
-                '  *) echo "no emulated host $1" >&2; exit 255 ;;\nesac\n'
-                'exec ip netns exec "$ns" setsid -w sh -c "$2"\n')
-    os.chmod(path, 0o755)
-    return path
 
 
 class _Soak:
@@ -382,7 +367,7 @@ def _signal(pid: int, signum: int) -> bool:
 
 
 def _rate_bits(rate: str) -> int:
-    from .netns import parse_rate
+    from ..testbed.netns import parse_rate
 
     return parse_rate(rate)
 
@@ -396,7 +381,7 @@ def _rate_text(bits: float) -> str:
 
 
 def _delay_us(delay: str) -> float:
-    from .netns import parse_delay
+    from ..testbed.netns import parse_delay
 
     return parse_delay(delay) * 1e6
 
@@ -483,7 +468,7 @@ def drive(hosts: int, options) -> int:
         sys.stdout.write("".join(data["output_tail"]))
     sys.stdout.write(cr.format_markdown(data) if options.markdown else cr.format_text(data))
     if options.json:
-        from .cli import write_json
+        from ..testbed.rows import write_json
 
         write_json(data, options.json)
     return 1 if data["failures"] else 0

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from ..run.launcher import SERVER_RESTARTS
 from . import chaos_server_report as csr
-from .netns import _alive  # a pid that still runs (this package's one check)
+from ..testbed.netns import alive  # a pid that still runs (the one check)
 
 __all__ = ["ServerJob", "kinds", "plan", "restarts_for"]
 
@@ -121,8 +121,8 @@ class ServerJob:
         pids = self.server_pids(log)
         if self.kind == "data":
             live = set(range(self.servers)) - self.lost_data_servers(log)
-            return all(s in pids and _alive(int(pids[s])) for s in live)
-        if len(pids) < self.servers or not all(_alive(int(p)) for p in pids.values()):
+            return all(s in pids and alive(int(pids[s])) for s in live)
+        if len(pids) < self.servers or not all(alive(int(p)) for p in pids.values()):
             return False
         newest: dict[int, tuple[int, ...]] = {}
         for _, shard, _, members in sorted(log.views):

@@ -16,24 +16,24 @@ itself too (it emulates hosts, which ``gradsync run`` cannot), and is the one be
 ``-np`` may be a list (a sweep, one run per number) and whose ``--hosts`` is a number of
 emulated hosts.
 
-``--json`` means one thing in every command of ``gradsync`` (``bench``, ``plan``,
-``simulate``): ``--json FILE`` writes the rows to FILE as JSON; ``--json`` alone (or
-``--json -``) prints them to stdout (``plan`` and ``simulate``: instead of their table). A
-benchmark's modules take a file only, so for stdout this command gives them a temporary file
+``--json`` means one thing in every command of ``gradsync`` (``gradsync/testbed/rows.py``):
+``--json FILE`` writes the rows to FILE as JSON; ``--json`` alone (or ``--json -``) prints them
+to stdout. A benchmark's modules take a file only, so for stdout this command gives them a temporary file
 and prints it once the job has ended, after the job's own output.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
-from typing import Any, Callable
+from typing import Callable
 
-__all__ = ["main", "add_json_option", "write_json", "parse_counts", "BENCHMARKS"]
+from ..testbed.rows import JSON_HELP
+
+__all__ = ["main", "parse_counts", "BENCHMARKS"]
 
 BENCHMARKS = {"allreduce": "gradsync.bench.allreduce", "backend": "gradsync.bench.backend",
               "chaos": "gradsync.bench.chaos",
@@ -42,26 +42,6 @@ BENCHMARKS = {"allreduce": "gradsync.bench.allreduce", "backend": "gradsync.benc
               "probe": "gradsync.bench.probe",
               "ps": "gradsync.bench.ps", "scale": "gradsync.bench.scale",
               "train": "gradsync.bench.train"}
-
-_JSON_HELP = "the rows as JSON: written to FILE, or to stdout (instead of the table) without FILE"
-
-
-def add_json_option(parser) -> None:
-    """Adds ``--json [FILE]`` (this package's one meaning of ``--json``) to a parser or group;
-    the parsed value is None (no JSON), ``"-"`` (stdout) or the file's path."""
-    parser.add_argument("--json", nargs="?", const="-", metavar="FILE", help=_JSON_HELP)
-
-
-def write_json(data: Any, target: str) -> None:
-    """Writes ``data`` as JSON to ``target``: a path, or ``"-"`` for stdout."""
-    if target == "-":
-        json.dump(data, sys.stdout, indent=1)
-        print()
-        return
-    with open(target, "w") as out:
-        json.dump(data, out, indent=1)
-        out.write("\n")
-
 
 def parse_counts(text: str) -> list[int]:
     """``-np``: ``"16"`` -> [16], ``"16,64"`` -> [16, 64] (a sweep, scale only).
@@ -121,7 +101,7 @@ def benchmark_parser(name: str) -> argparse.ArgumentParser:
     parser = _module(name).parser()
     for action in parser._actions:
         if action.dest == "json":  # the modules take a file; main() also offers stdout
-            action.nargs, action.const, action.metavar, action.help = "?", "-", "FILE", _JSON_HELP
+            action.nargs, action.const, action.metavar, action.help = "?", "-", "FILE", JSON_HELP
     if name != "probe":  # probe is also "gradsync probe": its usage names no launch options
         _common(parser.add_argument_group("ranks (gradsync bench)"),
                 taken=set(parser._option_string_actions))

@@ -200,7 +200,7 @@ def drive(run_cmd: list[str], options, rest: list[str], workers: int, servers=No
 
 
 def _emulated(options, module: list[str], workers: int) -> int:
-    from . import netns
+    from ..testbed import netns
 
     why = netns.unavailable_reason()
     if why is not None:

@@ -17,7 +17,7 @@ from ..collectives.planner import CANDIDATES, plan
 from ..run.hosts import parse_hosts, rank_hosts
 from ..topology import Topology, load
 from .allreduce import size_range
-from .cli import add_json_option, write_json
+from ..testbed.rows import add_json_option, write_json
 
 __all__ = ["main", "parser", "placement"]
 

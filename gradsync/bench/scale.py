@@ -60,7 +60,7 @@ import time
 from typing import Sequence
 
 from ..run.processes import Process, pump, start, stop
-from . import netns
+from ..testbed import netns
 from .scale_rank import PREFIX
 
 __all__ = ["parser", "drive", "sweep", "measure", "aggregate", "summary_rows", "markdown",

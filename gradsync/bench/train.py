@@ -59,11 +59,10 @@ import zlib
 
 import numpy as np
 
+from ..testbed.models import MODELS, build_model
 from .allreduce import at_least
 
-__all__ = ["parser", "run", "build_model"]
-
-MODELS = ("mlp", "cnn")
+__all__ = ["parser", "run"]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -89,28 +88,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true",
                    help="time forward, backward, sync and update of each mode (rank 0)")
     return p
-
-
-def build_model(name: str):
-    """The benchmark's models and the shape of one input sample.
-
-    ``mlp``: 1024-1024-1024-10, 2.1M parameters (8.4 MB of gradients), little compute per
-    byte, so communication matters. ``cnn``: three 3x3 convolutions with pooling and two
-    linear layers on CIFAR-sized input (3x32x32), 0.62M parameters, compute-bound.
-    """
-    import torch.nn as nn
-
-    if name == "mlp":
-        return nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
-                             nn.Linear(1024, 10)), (1024,)
-    if name == "cnn":
-        def conv(c_in, c_out):
-            return [nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
-
-        model = nn.Sequential(*conv(3, 32), *conv(32, 64), *conv(64, 128), nn.Flatten(),
-                              nn.Linear(128 * 4 * 4, 256), nn.ReLU(), nn.Linear(256, 10))
-        return model, (3, 32, 32)
-    raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
 
 
 class _Trainer:

@@ -3,7 +3,7 @@
 Four commands read a host list, and all of them read it here, with one set of rules:
 ``gradsync run -H`` and ``--hostfile``, the lines an elastic job's ``--host-discovery-script``
 prints, ``gradsync plan --hosts`` and the emulated cluster's ``--hosts``
-(``python3 -m gradsync.bench.netns``).
+(``python3 -m gradsync.testbed.netns``).
 
 An *entry* is ``host:slots`` or ``host`` (one slot). Entries are separated by commas (by
 lines in a discovery script's output); white space around an entry, its name or its slot

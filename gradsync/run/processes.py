@@ -1,7 +1,7 @@
 """Process mechanics: start a child as a group of its own, here or over ssh, forward its
 output, and stop it with everything it started.
 
-The launchers (``launcher.py``, ``elastic.py``), the emulated cluster (``bench/netns.py``) and
+The launchers (``launcher.py``, ``elastic.py``), the emulated cluster (``testbed/netns.py``) and
 the tests' harness (``tests/harness.py``) compose these pieces to start, watch and stop their
 ranks.
 

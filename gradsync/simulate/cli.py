@@ -24,7 +24,7 @@ import argparse
 import sys
 import textwrap
 
-from ..bench.cli import add_json_option, write_json
+from ..testbed.rows import add_json_option, write_json
 from ..errors import ConfigError
 from .cluster import load, shipped
 from .step import ALGORITHMS, CANDIDATES, parse_model, simulate
@@ -186,7 +186,7 @@ def _print_sources(rows: list[dict]) -> None:
             described.add(r["cluster"])
             print(wrap.fill(f"{r['cluster']}: {r['hosts']} network namespaces of "
                             f"{r['gpus'] // r['hosts']} ranks, links at {r['rate']} each way "
-                            "(gradsync/bench/netns.py); the cluster is emulated-2x2's with "
+                            "(gradsync/testbed/netns.py); the cluster is emulated-2x2's with "
                             "the host tier at the rate's TCP payload, x 1448/1514 "
                             "(gradsync/simulate/measure_allreduce.py)"))
     for name in dict.fromkeys(r["cluster"] for r in rows if r["cluster"] in shipped()):

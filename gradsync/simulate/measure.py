@@ -1,6 +1,6 @@
 """Validation measured here: training steps on emulated clusters against the simulator.
 
-Each point builds an emulated cluster of network namespaces (``gradsync.bench.netns``: hosts
+Each point builds an emulated cluster of network namespaces (``gradsync.testbed.netns``: hosts
 joined by veth pairs that ``tc`` shapes), runs ``gradsync bench train`` on it (the bench MLP,
 2.1M parameters, communication-bound, and the bench CNN, 0.62M, compute-bound), and compares
 the measured step time of gradsync's DistributedOptimizer with the simulator's prediction
@@ -66,7 +66,7 @@ EMULATED = (
 def measure(emulation: Emulation, steps: int = 4, windows: int = 2,
             timeout: float = 240) -> list[dict]:
     """Runs the bench on ``emulation``; one row per model, predicted against measured."""
-    from ..bench.netns import Cluster, run
+    from ..testbed.netns import Cluster, run
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
@@ -122,7 +122,7 @@ def compute_jitter(model: str = "cnn", steps: int = 300, warmup: int = 20,
     import torch
     import torch.nn.functional as F
 
-    from ..bench.train import build_model
+    from ..testbed.models import build_model
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -155,7 +155,7 @@ def _straggler_rank(model: str, steps: int, warmup: int, barrier, out) -> None:
     import torch
     import torch.nn.functional as F
 
-    from ..bench.train import build_model
+    from ..testbed.models import build_model
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """Validation measured here: allreduces on emulated clusters of 16 to 64 ranks, against the model.
 
-Each point builds ``hosts`` emulated hosts of ``ranks`` ranks each (``gradsync.bench.netns``:
+Each point builds ``hosts`` emulated hosts of ``ranks`` ranks each (``gradsync.testbed.netns``:
 network namespaces on one switch, every host's link shaped by ``tc`` to ``rate`` each way),
 runs ``gradsync bench allreduce`` on them for each algorithm, and compares the median time of
 an allreduce of ``nbytes`` with the cost model's (``collectives/costs.py`` on ``TierFabric``)
@@ -17,7 +17,7 @@ shared memory, and the start of each step).
 
 The link-limited bound of each point is what its algorithm sends through the busiest NIC over
 the link's TCP payload rate (``rate x 1448/1514``: a full Ethernet frame of 1514 bytes carries
-1448 of payload; ``gradsync.bench.netns --measure`` reads 12.0 MB/s at 100 Mbit/s):
+1448 of payload; ``gradsync.testbed.netns --measure`` reads 12.0 MB/s at 100 Mbit/s):
 
     hierarchical (collectives/hierarchical.py): inside a host a reduce-scatter over shared
         memory; across hosts each of a host's k ranks allreduces its 1/k share in a ring of
@@ -72,7 +72,7 @@ class AllreducePoint:
 
     def payload_rate(self) -> float:
         """Bytes/s of TCP payload one host link carries each way."""
-        from ..bench.netns import parse_rate
+        from ..testbed.netns import parse_rate
 
         return parse_rate(self.rate) / 8 * PAYLOAD
 
@@ -106,7 +106,7 @@ def bound(point: AllreducePoint, algorithm: str) -> float:
 
 def measure_allreduce(point: AllreducePoint, iters: int = 3, timeout: float = 900) -> list[dict]:
     """Runs the bench on ``point``'s emulated cluster; one row per algorithm."""
-    from ..bench.netns import Cluster as Emulated, run
+    from ..testbed.netns import Cluster as Emulated, run
 
     hosts = [(f"h{i}", point.ranks) for i in range(point.hosts)]
     with tempfile.TemporaryDirectory() as tmp:

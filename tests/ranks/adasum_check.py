@@ -1,5 +1,11 @@
 """Adasum over the job's real pairs (shm or tcp): every dtype and buffer layout against the
-NumPy reference of tests/test_adasum.py. Run by tests/test_adasum_multiprocess.py."""
+NumPy reference of tests/test_adasum.py. Run by tests/test_adasum_multiprocess.py.
+
+    adasum_check.py shm|tcp
+
+The transport is ``init()``'s keyword argument (not GRADSYNC_TRANSPORT), so that both run in
+one job of tests/small_jobs.py, one after the other.
+"""
 
 import common  # noqa: F401  (deadline)
 
@@ -15,7 +21,8 @@ from gradsync import job  # noqa: E402
 from gradsync.collectives import adasum  # noqa: E402
 from test_adasum import DTYPE_IDS, DTYPES, EPS, random_inputs, reference, widen  # noqa: E402
 
-gs.init()
+TRANSPORT = sys.argv[1]
+gs.init(transport=TRANSPORT)
 world, R, N = job.world(), gs.rank(), gs.size()
 LAYOUTS = [[0], [1], [3 * N + 1], [5, 0, 1, 17, 2 * N + 3, 40], [20000, 3, 70001]]
 checked = 0
@@ -37,5 +44,5 @@ for dtype, dtype_id in zip(DTYPES, DTYPE_IDS):
         if total[0] != digest * N:
             sys.exit(f"rank {R}: adasum {dtype_id} {counts}: ranks hold different bits")
         checked += 1
-print(f"rank {R}: {checked} adasum checks passed over {os.environ.get('GRADSYNC_TRANSPORT')}")
+print(f"rank {R}: {checked} adasum checks passed over {world.config.transport}")
 gs.shutdown()

@@ -1,7 +1,11 @@
 """Failure scenarios; each rank prints one RESULT line that the test checks.
 
     faults.py kill VICTIM      VICTIM SIGKILLs itself in the middle of a 64 MiB allreduce
-    faults.py mismatch WHAT    rank 1 issues a different collective (shape/dtype/op/name/kind)
+    faults.py mismatch WHAT[,WHAT...]
+                               rank 1 issues a different collective (shape/dtype/op/name/kind);
+                               each WHAT in turn, in a fresh job of the same ranks
+                               (``shutdown()`` then ``init()``: one start-up for all), each
+                               with its own RESULT line, ``RESULT rank=R what=WHAT ...``
     faults.py intruders        garbage, truncated and wrong-secret connections mid-job
     faults.py exit-early       rank 1 returns before the last allreduce
 """
@@ -20,7 +24,8 @@ import gradsync as gs
 from gradsync import job
 
 mode = sys.argv[1]
-gs.init(timeout=float(os.environ.get("FAULT_TIMEOUT", "20")))
+TIMEOUT = float(os.environ.get("FAULT_TIMEOUT", "20"))
+gs.init(timeout=TIMEOUT)
 R, N = gs.rank(), gs.size()
 
 
@@ -28,6 +33,25 @@ def report(exc: BaseException) -> None:
     one_line = str(exc).replace("\n", " | ")
     print(f"RESULT rank={R} {type(exc).__name__}: {one_line}", flush=True)
     os._exit(17)
+
+
+def mismatch(what: str) -> None:
+    """Rank 1 issues a collective that differs from the others' in ``what``."""
+    shape, dtype, op, name = (10, 4), np.float32, gs.Sum, "grad.fc1"
+    odd = R == 1
+    if odd and what == "shape":
+        shape = (10, 5)
+    if odd and what == "dtype":
+        dtype = np.float64
+    if odd and what == "op":
+        op = gs.Max
+    if odd and what == "name":
+        name = "grad.fc2"
+    x = np.ones(shape, dtype=dtype)
+    if odd and what == "kind":
+        gs.broadcast(x, 0, name=name)
+    else:
+        gs.allreduce(x, op=op, name=name, algorithm=os.environ.get("FAULT_ALGORITHM", "auto"))
 
 
 gs.allreduce(np.ones(10), name="warm-up")
@@ -42,23 +66,19 @@ try:
             gs.allreduce_(x, name="big", algorithm=os.environ.get("FAULT_ALGORITHM", "auto"))
         print(f"RESULT rank={R} no error", flush=True)
     elif mode == "mismatch":
-        what = sys.argv[2]
-        shape, dtype, op, name = (10, 4), np.float32, gs.Sum, "grad.fc1"
-        odd = R == 1
-        if odd and what == "shape":
-            shape = (10, 5)
-        if odd and what == "dtype":
-            dtype = np.float64
-        if odd and what == "op":
-            op = gs.Max
-        if odd and what == "name":
-            name = "grad.fc2"
-        x = np.ones(shape, dtype=dtype)
-        if odd and what == "kind":
-            gs.broadcast(x, 0, name=name)
-        else:
-            gs.allreduce(x, op=op, name=name, algorithm=os.environ.get("FAULT_ALGORITHM", "auto"))
-        print(f"RESULT rank={R} no error", flush=True)
+        for i, what in enumerate(sys.argv[2].split(",")):
+            if i:  # the mismatch before failed its job (as any does): a fresh one, these ranks
+                gs.shutdown()
+                gs.init(timeout=TIMEOUT)
+                gs.allreduce(np.ones(10), name="warm-up")
+            try:
+                mismatch(what)
+            except gs.CollectiveMismatchError as exc:
+                one_line = str(exc).replace("\n", " | ")
+                print(f"RESULT rank={R} what={what} {type(exc).__name__}: {one_line}", flush=True)
+            else:
+                print(f"RESULT rank={R} what={what} no error", flush=True)
+        os._exit(0)  # as report() leaves: the last job failed, no goodbye to wait for
     elif mode == "intruders":
         from gradsync import job
         from gradsync.transport import frame

@@ -12,9 +12,11 @@ Every rank agrees on a moment ``T`` (rank 0's clock plus 1.5 s, broadcast), then
 - ``shutdown``: the same, but rank 0 calls ``destroy_process_group()`` (the group's
   ``shutdown``) with its ``all_reduce`` still in flight, and rank N-1 issues its own after
   shutdown's grace (``SHUTDOWN_GRACE_S``), which would have let the all_reduce finish.
-- ``stop``: DDP training; at ``T`` rank N-1 stops itself (SIGSTOP, after arranging its own
-  SIGKILL 10 s later), in its first step at or after ``T``, before its backward pass, while
-  the others wait for it in theirs. It prints ``STOP <seconds>`` (from ``T`` to its stop).
+- ``stop DIR``: DDP training; at ``T`` rank N-1 stops itself (SIGSTOP, after arranging its own
+  SIGKILL), in its first step at or after ``T``, before its backward pass, while the others
+  wait for it in theirs. It prints ``STOP <seconds>`` (from ``T`` to its stop). Each other
+  rank, once it caught its error, leaves a file in DIR; the stopped rank's SIGKILL waits for
+  all of them (at most 30 s), so the job ends as soon as the check is done.
 
 Each rank that saw the expected failure prints ``caught <class>: <message>`` and
 ``AFTER <seconds>`` (from ``T`` to the error), and exits 3.
@@ -51,6 +53,8 @@ def until(when: float) -> None:
 def caught(exc: BaseException) -> None:
     print(f"rank {R}: caught {type(exc).__name__}: {exc}".replace("\n", " | "), flush=True)
     print(f"AFTER rank={R} {time.time() - T:.2f}", flush=True)
+    if mode == "stop":  # the stopped rank's lifeline waits for every survivor's file
+        open(os.path.join(sys.argv[2], f"caught.{R}"), "w").close()
     sys.exit(3)
 
 
@@ -87,9 +91,13 @@ if mode == "stop":
             x = torch.randn(8, 64)
             loss = F.cross_entropy(model(x), torch.zeros(8, dtype=torch.long))
             if R == N - 1 and time.time() >= T:
-                # A stopped process cannot end itself: a lifeline that outlives the test's
-                # need for it (the survivors report within seconds) ends it.
-                subprocess.Popen(["sh", "-c", f"sleep 10; kill -9 {os.getpid()}"],
+                # A stopped process cannot end itself: a lifeline ends it once every survivor
+                # has caught its error (their files in DIR), or after 30 s if one never does.
+                # Not before: its closed sockets would tell a survivor what the heartbeat must.
+                lifeline = (f'i=0; while [ "$(ls {sys.argv[2]} | wc -l)" -lt {N - 1} ] && '
+                            f'[ $i -lt 300 ]; do sleep 0.1; i=$((i + 1)); done; '
+                            f'kill -9 {os.getpid()}')
+                subprocess.Popen(["sh", "-c", lifeline],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 print(f"STOP rank={R} {time.time() - T:.2f}", flush=True)
                 os.kill(os.getpid(), signal.SIGSTOP)

@@ -1,8 +1,15 @@
 """Sub-worlds: even and odd ranks each form a World of their own and run collectives on it
-from a second thread while the main thread runs collectives on the whole job."""
+from a second thread while the main thread runs collectives on the whole job.
+
+    subworld.py [tcp]
+
+``tcp``: every pair over TCP (``init(transport="tcp")``; the job's environment is shared by
+the scripts of a tests/small_jobs.py job).
+"""
 
 import common  # noqa: F401  (deadline)
 
+import sys
 import threading
 
 import numpy as np
@@ -11,7 +18,7 @@ import gradsync as gs
 from gradsync import job, operations
 from gradsync.collectives.ops import Sum
 
-gs.init()
+gs.init(**({"transport": "tcp"} if sys.argv[1:] == ["tcp"] else {}))
 world, r, n = job.world(), gs.rank(), gs.size()
 members = [q for q in range(n) if q % 2 == r % 2]
 sub = world.subworld(members, f"parity{r % 2}")
@@ -41,3 +48,4 @@ if errors:
     raise errors[0]
 sub.close()
 print("subworld ok", r, sub.size)
+gs.shutdown()

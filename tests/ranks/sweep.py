@@ -1,7 +1,13 @@
 """Every collective x dtype x algorithm x element count, against a NumPy reference.
 
-Run by tests/test_collectives.py through ``gradsync run -np N`` for N = 1..4. Prints one line
-per collective family and exits non-zero at the first wrong element.
+    sweep.py [tcp|python]
+
+Run by tests/test_collectives.py for N = 1..4, in the job of each size that tests/small_jobs.py
+starts (and alone by ``harness.spawn`` on emulated hosts). ``tcp`` joins every pair over TCP;
+``python`` keeps the host's shared segment on its Python road (the compiled one off). The
+settings are ``init()``'s keyword arguments, not GRADSYNC_* variables: the job's environment
+is shared by every script it runs. Prints one line per collective family and exits non-zero at
+the first wrong element.
 """
 
 import sys
@@ -13,13 +19,15 @@ import torch
 
 import gradsync as gs
 
-gs.init(chunk_bytes=256, shm_slot_bytes=1024, small_bytes=256, medium_bytes=2048)
+MODE = sys.argv[1] if len(sys.argv) > 1 else "default"
+SETTINGS = {"default": {}, "tcp": {"transport": "tcp"}, "python": {"shm_fast": False}}[MODE]
+gs.init(chunk_bytes=256, shm_slot_bytes=1024, small_bytes=256, medium_bytes=2048, **SETTINGS)
 R, N = gs.rank(), gs.size()
 OPS = {"sum": gs.Sum, "average": gs.Average, "min": gs.Min, "max": gs.Max, "product": gs.Product}
 DTYPES = ["float32", "float64", "int32", "int64", "uint8", "float16", "bfloat16", "bool"]
 COUNTS = [0, 1, max(N - 1, 1), 7 * N + 3, 1000]  # 1000 elements span many 256-byte chunks
 ALGORITHMS = ["auto", "ring", "topo_ring", "doubling", "halving_doubling", "hierarchical"]
-if gs.local_size() == N and len(sys.argv) < 2:
+if gs.local_size() == N and MODE != "tcp":
     ALGORITHMS.append("shm")
 checked = 0
 fail = Checks(R).fail

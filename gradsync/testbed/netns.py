@@ -1,6 +1,6 @@
 """Emulated multi-host clusters on one Linux machine, built from network namespaces.
 
-    python3 -m gradsync.bench.netns --hosts h0:2,h1:2 [--alternate] [--rate 1gbit]
+    python3 -m gradsync.testbed.netns --hosts h0:2,h1:2 [--alternate] [--rate 1gbit]
         [--delay 0.1ms] [--groups 'g0=h0,h1;g1=h2' --group-rate 200mbit --group-delay 1ms]
         [--timeout S] [--measure] [--topology-out FILE] -- python3 script.py args
 
@@ -33,6 +33,10 @@ Faults, for ``gradsync bench chaos``: ``Cluster.cut(host)`` takes a host's switc
 connected=True)``; ``Cluster.reshape(host, rate, delay)`` replaces the shaping of its link
 (a straggler), and the cluster's own rate and delay restore it.
 
+A launcher that starts ranks over ssh (``gradsync run -H h0:2,h1:2``, elastic or not) reaches
+the hosts through ``ssh_stand_in(cluster, folder)``: an "ssh" that runs the command in the
+named host's namespace, so the job is started, watched and stopped as on real hosts.
+
 Ranks start as an external launcher (torchrun) would start them: ``ip netns exec <host ns>``
 with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR (rank 0's host address),
 MASTER_PORT (random; every namespace has its own ports) and GRADSYNC_HOSTNAME (the emulated
@@ -48,6 +52,7 @@ import itertools
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -64,7 +69,8 @@ from ..run.processes import STOP_GRACE, Process, exit_status, pump, start, stop
 
 __all__ = ["Cluster", "Host", "Slot", "RankResult", "NetnsError", "parse_hosts",
            "parse_groups", "parse_rate", "parse_delay", "place", "unavailable_reason",
-           "cleanup_stale", "run", "rank_env", "measure_goodput", "parser", "main", "PREFIX"]
+           "cleanup_stale", "alive", "run", "rank_env", "ssh_stand_in", "measure_goodput",
+           "parser", "main", "PREFIX"]
 
 PREFIX = "gsnet"
 """Default first part of every namespace name."""
@@ -246,7 +252,8 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still exists (another user's counts: the signal is refused)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -263,7 +270,7 @@ def cleanup_stale(prefix: str = PREFIX) -> list[str]:
     etc = os.listdir(_ETC) if os.path.isdir(_ETC) else []
     for ns in sorted(set(_namespaces()) | set(etc)):
         match = pattern.match(ns)
-        if match and not _alive(int(match.group(1))):
+        if match and not alive(int(match.group(1))):
             _delete_ns(ns)
             stale.append(ns)
     return stale
@@ -477,6 +484,25 @@ def rank_env(cluster: Cluster, slot: Slot, slots: Sequence[Slot], port: int,
             "GLOO_SOCKET_IFNAME": "eth0"}
 
 
+def ssh_stand_in(cluster: Cluster, folder: str) -> str:
+    """Writes an "ssh" for a launcher that reaches the emulated hosts by name; returns its path.
+
+    ``ssh [OPTIONS] HOST COMMAND`` runs ``sh -c COMMAND`` in HOST's namespace, in a session of
+    its own (as an sshd would), its stdin (the job's secret and the lifeline) passed through;
+    the options ``gradsync run`` gives ssh are skipped (only the last two arguments count).
+    A host the cluster does not have fails with status 255, as ssh does for an unknown host.
+    """
+    cases = "".join(f"  {h.name}) ns={shlex.quote(h.ns)} ;;\n" for h in cluster.hosts)
+    path = os.path.join(folder, "ssh")
+    with open(path, "w") as f:
+        f.write("#!/bin/sh\n# gradsync.testbed.netns: ssh to an emulated host\n"
+                'while [ $# -gt 2 ]; do shift; done\ncase "$1" in\n' + cases +
+                '  *) echo "no emulated host $1" >&2; exit 255 ;;\nesac\n'
+                'exec ip netns exec "$ns" setsid -w sh -c "$2"\n')
+    os.chmod(path, 0o755)
+    return path
+
+
 def run(cluster: Cluster, argv: Sequence[str], *, timeout: float | None = None,
         placement: str | Sequence[str] = "host", env: Mapping[str, str] | None = None,
         environ: Mapping[str, str] | None = None,
@@ -602,9 +628,9 @@ def measure_goodput(cluster: Cluster, src: str, dst: str, seconds: float = 1.0) 
 # ---------------------------------------------------------------------- command line
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python3 -m gradsync.bench.netns", formatter_class=argparse.RawTextHelpFormatter,
+        prog="python3 -m gradsync.testbed.netns", formatter_class=argparse.RawTextHelpFormatter,
         description="Run a command's ranks on an emulated multi-host network (needs root).",
-        epilog="example: python3 -m gradsync.bench.netns --hosts h0:2,h1:2 --rate 1gbit -- "
+        epilog="example: python3 -m gradsync.testbed.netns --hosts h0:2,h1:2 --rate 1gbit -- "
                "python3 -m gradsync.bench.allreduce --sizes 64M:64M")
     net = p.add_argument_group("network")
     net.add_argument("--hosts", required=True, help="hosts and their ranks: h0:2,h1:2")
