@@ -6,6 +6,7 @@
     gradsync bench ps -np 2 --servers 1 [--sizes 1K:64M] [--transport auto|tcp] [--straggler]
     gradsync bench scale -np 16[,64,128,...] [--hosts H] [--emulate auto|netns|names]
     gradsync bench chaos [--hosts H] [--ranks-per-host K] [--minutes T] [--every F] ...
+    gradsync bench compress [--hosts H] [--ranks-per-host K] [--task lm|cnn] [--rates ...]
     gradsync bench data -np W [--data-servers D] [--cost-ms 2] [--emulate none|netns]
     gradsync bench BENCHMARK --help      (that benchmark's options)
 
@@ -36,7 +37,7 @@ from ..testbed.rows import JSON_HELP
 __all__ = ["main", "parse_counts", "BENCHMARKS"]
 
 BENCHMARKS = {"allreduce": "gradsync.bench.allreduce", "backend": "gradsync.bench.backend",
-              "chaos": "gradsync.bench.chaos",
+              "chaos": "gradsync.bench.chaos", "compress": "gradsync.bench.compress",
               "data": "gradsync.bench.data",
               "elastic": "gradsync.bench.elastic",
               "probe": "gradsync.bench.probe",
@@ -68,8 +69,8 @@ def _common(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
         (("-np",), {"dest": "np", "default": "2",
                     "help": "number of ranks (default 2; for ps: of workers; for scale: a "
                             "list too, 16,64,128: one run per number)"}),
-        (("-H", "--hosts"), {"help": "hosts and slots, as for gradsync run (for scale and "
-                                     "chaos: how many emulated hosts, default one per rank "
+        (("-H", "--hosts"), {"help": "hosts and slots, as for gradsync run (for scale, chaos "
+                                     "and compress: how many emulated hosts, default one per rank "
                                      "and 4)"}),
         (("--servers",), {"type": int, "metavar": "S",
                           "help": "parameter-server ranks after the -np workers (ps only; "
@@ -147,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         return _scale(parser, args, counts, rest)
     if args.benchmark == "chaos":
         return _chaos(parser, args, rest)
+    if args.benchmark == "compress":
+        return _compress(parser, args, rest)
     if len(counts) > 1:
         parser.error("-np takes a list of numbers for the scale benchmark only")
     args.np = counts[0]
@@ -223,6 +226,32 @@ def _chaos(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list
     def run(path: str) -> int:
         options.json = path
         return chaos.drive(int(hosts), options)
+
+    return _rows_to_stdout(run)
+
+
+def _compress(parser: argparse.ArgumentParser, args: argparse.Namespace,
+              rest: list[str]) -> int:
+    """``gradsync bench compress``: as chaos, ``--hosts`` is a number of emulated hosts
+    (default 4) and the ranks are ``--hosts`` x ``--ranks-per-host``, so no ``-np``."""
+    if args.np != "2":
+        parser.error("gradsync bench compress takes no -np: its job is --hosts x "
+                     "--ranks-per-host ranks")
+    if args.servers is not None:
+        parser.error("--servers applies to the ps and chaos benchmarks only")
+    hosts = args.hosts or "4"
+    if not hosts.isdigit() or int(hosts) < 2:
+        parser.error(f"--hosts {hosts!r}: the compress benchmark takes a number of emulated "
+                     "hosts (at least 2)")
+    compress = _module("compress")
+    rest, to_stdout = _json_to_stdout(rest)
+    options = compress.parser().parse_args(rest)
+    if not to_stdout:
+        return compress.drive(int(hosts), options)
+
+    def run(path: str) -> int:
+        options.json = path
+        return compress.drive(int(hosts), options)
 
     return _rows_to_stdout(run)
 

@@ -1,0 +1,228 @@
+"""One rank of one mode of ``gradsync bench compress``: train to the target, report.
+
+    python3 -m gradsync.bench.compress_rank --settings FILE --mode MODE --result FILE
+
+Started by the driver (``compress.py``) in its emulated host's namespace with torchrun's
+variables (``netns.run``). Every mode joins the job's default group over gloo, which carries
+the bench's own collectives (the barrier before each timed segment, the reduction of the
+validation figures), and the modes over the gradsync backend add a group of their own
+(``new_group(backend="gradsync")``) so that nothing of the bench's travels on it.
+
+**A segment** is ``eval_every`` training steps (for ``gs-diloco``, rounded up to a multiple of
+H, and ``max_steps`` up to whole segments, so that every evaluation sees the synced model,
+equal on every rank): a barrier, then the
+steps, timed on every rank and counted at the slowest (a step is not done until the last rank
+is), then each rank evaluates its share of the validation set with the clock stopped, and one
+allreduce sums the figures. Every rank thus sees the same numbers and takes the same decision:
+stop when the target is met (``reached``), at ``max_steps``, past ``minutes`` of training
+time, or when the loss is no longer finite (``diverged``). The ``floor`` mode trains with no
+exchange for ``floor_steps`` steps and evaluates nothing.
+
+**Bytes.** The first rank of each host reads the host's ``eth0`` transmit counter
+(``/proc/net/dev`` shows the namespace's own) around each segment's steps: what the host put
+on the wire, every protocol's headers and the backends' own small messages included, and
+nothing of the bench's (its collectives run outside the counted spans).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from datetime import timedelta
+
+__all__ = ["main", "tx_bytes"]
+
+
+def tx_bytes(dev: str = "eth0", table: str = "/proc/net/dev") -> int:
+    """Bytes sent so far on ``dev`` of this process's network namespace."""
+    with open(table) as f:
+        for line in f:
+            name, sep, fields = line.partition(":")
+            if sep and name.strip() == dev:
+                return int(fields.split()[8])  # receive has 8 fields, then transmit bytes
+    raise RuntimeError(f"no interface {dev!r} in {table}")
+
+
+def _torch_bf16_hook(state, bucket):
+    """torch's ``bf16_compress_hook``, unchanged, under another name.
+
+    ``DistributedDataParallel.register_comm_hook`` refuses a hook *named*
+    ``bf16_compress_hook`` unless CUDA with NCCL 2.10+ (or XPU) is there (torch 2.13,
+    ``nn/parallel/distributed.py``), although the hook only casts the bucket to bfloat16 and
+    allreduces it on the given group, which gloo does on CPU tensors. No return annotation:
+    DDP compares it with the object ``Future[Tensor]``, and this module's annotations are
+    strings."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+    return bf16_compress_hook(state, bucket)
+
+
+class _Trainer:
+    """One mode's model and step: ``step(x, y)``; ``model`` is what evaluation runs."""
+
+    def __init__(self, mode: str, model, task, s: dict):
+        import torch
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.task, self.model, self.outer = task, model, None
+        lr = s["lr"]
+        if mode == "floor":
+            self.net, self.opt = model, torch.optim.AdamW(model.parameters(), lr)
+            self.choice = "none (no exchange)"
+            return
+        group = None
+        if mode.startswith("gs-"):
+            import gradsync  # noqa: F401  (registers the backend "gradsync")
+
+            group = dist.new_group(backend="gradsync")
+        if mode == "gs-diloco":
+            from gradsync.compress import DiLoCo, Int8, TorchComm
+
+            inner = torch.optim.AdamW(model.parameters(), lr)
+            compressor = Int8(seed=s["seed"]) if s["diloco_int8"] else None
+            self.outer = DiLoCo(model, inner, sync_every=s["diloco_h"], outer_lr=s["outer_lr"],
+                                outer_momentum=s["outer_momentum"], compressor=compressor,
+                                comm=TorchComm(group))
+            self.net, self.opt = model, self.outer
+            self.choice = (f"H={s['diloco_h']}, outer lr {s['outer_lr']} momentum "
+                           f"{s['outer_momentum']}, {'int8' if compressor else 'fp32'}")
+            return
+        # One bucket for torch's PowerSGD hook: with DDP's default buckets its second
+        # allreduce, issued from a future's callback, can reach gloo in a different order on
+        # different ranks, and gloo fails (issue 38). A bucket_cap_mb given by the caller
+        # also caps the first bucket (DDP's 1 MiB first bucket is for the default only).
+        extra = {"bucket_cap_mb": 1 << 12} if mode == "gloo-powersgd" else {}
+        self.net = DDP(model, process_group=group, broadcast_buffers=False, **extra)
+        self.opt = torch.optim.AdamW(model.parameters(), lr)
+        r = s["powersgd_rank"]
+        if mode in ("gloo-fp32", "gs-fp32"):
+            self.choice = "fp32"
+        elif mode == "gloo-bf16":
+            self.net.register_comm_hook(None, _torch_bf16_hook)
+            self.choice = "bf16 (torch's hook)"
+        elif mode == "gloo-powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+            # start_powerSGD_iter=2: torch's smallest with error feedback (its first steps
+            # are plain allreduces, while DDP rebuilds its buckets).
+            state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=r,
+                                       start_powerSGD_iter=2, random_seed=s["seed"])
+            self.net.register_comm_hook(state, psgd.powerSGD_hook)
+            self.choice = f"rank {r}, one bucket"
+        elif mode in ("gs-int8", "gs-powersgd"):
+            from gradsync.compress import HookState, Int8, PowerSGD, compressed_hook
+
+            compressor = Int8(seed=s["seed"]) if mode == "gs-int8" else \
+                PowerSGD(rank=r, seed=s["seed"])
+            self.net.register_comm_hook(HookState(compressor, group), compressed_hook)
+            self.choice = compressor.describe()
+        else:
+            raise ValueError(f"unknown mode {mode!r}")
+
+    def step(self, x, y) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        self.task.loss(self.net, x, y).backward()
+        self.opt.step()
+
+
+def _meets(s: dict, loss: float, accuracy: float) -> bool:
+    if s["task"] == "cnn":
+        return accuracy >= s["target_accuracy"]
+    return loss <= s["target_loss"]
+
+
+def _train(trainer: _Trainer, task, gen, s: dict, floor: bool, measure: bool) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    segment = s["eval_every"]
+    max_steps = s["floor_steps"] if floor else s["max_steps"]
+    if trainer.outer is not None:  # whole windows only: evaluate the synced model
+        h = s["diloco_h"]
+        segment = -(-segment // h) * h
+        max_steps = -(-max_steps // segment) * segment
+    steps, clock, sent, evals = 0, 0.0, 0.0, []
+    reached, stop = None, None
+    while stop is None:
+        count = min(segment, max_steps - steps)
+        dist.barrier()
+        before = tx_bytes() if measure else 0
+        start = time.perf_counter()
+        for _ in range(count):
+            x, y = task.batch(gen)
+            trainer.step(x, y)
+        elapsed = time.perf_counter() - start
+        wire = tx_bytes() - before if measure else 0
+        steps += count
+        figures = (0.0, 0, 0) if floor else task.evaluate(trainer.model)
+        sums = torch.tensor([*figures, wire], dtype=torch.float64)
+        dist.all_reduce(sums)
+        slowest = torch.tensor([elapsed], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        clock += float(slowest)
+        sent += float(sums[3])
+        if not floor:
+            loss, accuracy = float(sums[0] / sums[1]), float(sums[2] / sums[1])
+            evals.append({"step": steps, "seconds": round(clock, 4), "loss": loss,
+                          "accuracy": accuracy})
+            if not math.isfinite(loss):
+                stop = "diverged"
+            elif _meets(s, loss, accuracy):
+                reached, stop = (steps, clock), "reached"
+        if stop is None and steps >= max_steps:
+            stop = "max steps"
+        if stop is None and clock >= s["minutes"] * 60:
+            stop = "time budget"
+    return {"steps": steps, "seconds": clock, "sent": sent, "evals": evals, "stop": stop,
+            "eval_every": segment, "reached": reached is not None,
+            "steps_to_target": reached[0] if reached else None,
+            "time_to_target": reached[1] if reached else None,
+            "final": evals[-1] if evals else {}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m gradsync.bench.compress_rank")
+    p.add_argument("--settings", required=True, help="the driver's settings (JSON)")
+    p.add_argument("--mode", required=True)
+    p.add_argument("--result", required=True, help="rank 0 writes its row here (JSON)")
+    args = p.parse_args(argv)
+    with open(args.settings) as f:
+        s = json.load(f)
+
+    import torch
+    import torch.distributed as dist
+
+    from .compress_tasks import Sizes, build_model, load
+
+    torch.set_num_threads(1)  # several ranks share the cores, as under torchrun
+    dist.init_process_group("gloo", timeout=timedelta(seconds=s["collective_timeout"]))
+    rank, size = dist.get_rank(), dist.get_world_size()
+    sizes = Sizes(**s["sizes"])
+    task = load(s["task"], s["data"], sizes, s["batch"], rank, size, s["val_items"])
+    torch.manual_seed(s["seed"])  # the same weights on every rank, in every mode
+    model = build_model(s["task"], sizes)
+    trainer = _Trainer(args.mode, model, task, s)
+    gen = torch.Generator().manual_seed(s["seed"] * 1000 + rank)  # the same batches per mode
+    measure = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    row = _train(trainer, task, gen, s, args.mode == "floor", measure)
+    hosts = size // s["ranks_per_host"]
+    row.update(mode=args.mode, choice=trainer.choice,
+               params=sum(p.numel() for p in model.parameters()),
+               bytes_per_step=row.pop("sent") / hosts / row["steps"])
+    if trainer.outer is not None:
+        trainer.outer.finish()
+    dist.barrier()
+    if rank == 0:
+        with open(args.result, "w") as f:
+            json.dump(row, f)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""``gradsync bench compress``: the corpus split, the floor and the ratios, the tables and the
+command line (no processes, but for one hash check), and a short run on two emulated hosts
+(slow tier, root only)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gradsync.bench import cli, compress
+from gradsync.bench import compress_report as cr
+from gradsync.bench import compress_tasks as ct
+from gradsync.bench.compress_rank import tx_bytes
+
+
+# ---------------------------------------------------------------- the corpus
+def _tree(root, files: dict) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_the_split_puts_every_file_in_exactly_one_part_the_same_every_time():
+    names = [f"pkg{i % 7}/mod{i}.py" for i in range(500)]
+    train, val = ct.split_files(reversed(names), 10)
+    assert set(train) | set(val) == set(names) and not set(train) & set(val)
+    assert (train, val) == ct.split_files(names + names[:3], 10)  # order and repeats: no matter
+    assert 30 <= len(val) <= 70  # about 10%
+    # A file is validation at 10% iff at any larger share: growing the share only moves files
+    # out of training, so a validation file of a short run is never trained on in a longer one.
+    assert set(val) <= set(ct.split_files(names, 20)[1])
+
+
+def test_the_split_does_not_depend_on_the_process(tmp_path):
+    # str's hash() is salted per process: a split built on it would differ between ranks,
+    # machines and runs. Two interpreters with different salts must agree.
+    script = ("import json, sys; from gradsync.bench.compress_tasks import split_files; "
+              "print(json.dumps(split_files([f'm{i}.py' for i in range(200)], 25)))")
+    outs = set()
+    for salt in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": salt}
+        outs.add(subprocess.run([sys.executable, "-c", script], env=env, check=True,
+                                capture_output=True, text=True).stdout)
+    assert len(outs) == 1
+    train, val = json.loads(outs.pop())
+    assert (train, val) == ct.split_files([f"m{i}.py" for i in range(200)], 25)
+
+
+def test_the_lm_corpus_keeps_validation_files_out_of_training(tmp_path):
+    root, out = tmp_path / "Lib", tmp_path / "out"
+    out.mkdir()
+    files = {f"pkg/m{i}.py": f"MARK{i:03d}\n" for i in range(60)}
+    files["site-packages/torch/x.py"] = "INSTALLED\n"
+    files["pkg/__pycache__/m0.py"] = "CACHE\n"
+    files["pkg/notes.txt"] = "NOTPY\n"
+    _tree(root, files)
+    meta = ct.prepare("lm", str(out), val_percent=20, root=str(root))
+    train_text = (out / "lm.train.bin").read_text()
+    val_text = (out / "lm.val.bin").read_text()
+    train, val = ct.split_files([f"pkg/m{i}.py" for i in range(60)], 20)
+    assert meta["train_files"] == len(train) and meta["val_files"] == len(val) and val
+    for name in train:
+        assert files[name] in train_text and files[name] not in val_text
+    for name in val:
+        assert files[name] in val_text and files[name] not in train_text
+    for other in ("INSTALLED", "CACHE", "NOTPY"):
+        assert other not in train_text + val_text
+    assert meta["train_bytes"] == len(train_text.encode())
+
+
+def test_the_stdlib_corpus_is_this_pythons_lib_without_installed_packages():
+    names = ct.stdlib_files()
+    assert "os.py" in names and "json/__init__.py" in names
+    assert not [n for n in names if "site-packages" in n or "__pycache__" in n]
+
+
+# ---------------------------------------------------------------- floor and ratios
+def _row(mode, rate="100mbit", **kw):
+    row = {"mode": mode, "rate": rate, "steps": 120, "seconds": 150.0, "reached": True,
+           "steps_to_target": 120, "time_to_target": 150.0, "bytes_per_step": 1e6,
+           "final": {"loss": 2.3, "accuracy": 0.5}, "stop": "reached", "choice": "x"}
+    return {**row, **kw}
+
+
+def _floor(step_s=0.5, steps=24, rate="100mbit"):
+    return _row("floor", rate=rate, steps=steps, seconds=step_s * steps, reached=False,
+                steps_to_target=None, time_to_target=None, final={}, stop="max steps",
+                bytes_per_step=10.0)
+
+
+def test_the_floor_is_compute_time_per_step_times_fp32s_steps_to_target():
+    assert cr.floor_seconds(0.5, 120) == 60.0
+    assert cr.floor_seconds(None, 120) is None and cr.floor_seconds(0.5, None) is None
+    with pytest.raises(ValueError):
+        cr.floor_seconds(0.0, 120)
+    out = cr.rate_report([_floor(), _row("gloo-fp32"),
+                          _row("gs-int8", steps_to_target=128, time_to_target=66.0)])
+    assert out["floor_step_s"] == 0.5 and out["floor_s"] == 60.0
+    assert out["floor_reference"] == "gloo-fp32"
+    ratios = {r["mode"]: r["x_floor"] for r in out["rows"]}
+    assert ratios == {"floor": 1.0, "gloo-fp32": 2.5, "gs-int8": 1.1}
+    floor = out["rows"][0]
+    assert floor["time_to_target"] == 60.0 and floor["steps_to_target"] == 120
+
+
+def test_a_mode_short_of_the_target_or_failed_gets_no_ratio():
+    out = cr.rate_report([_floor(), _row("gloo-fp32"),
+                          _row("gloo-bf16", reached=False, steps_to_target=None,
+                               time_to_target=None, stop="max steps"),
+                          {"mode": "gs-powersgd", "rate": "100mbit", "failed": "rank 1 exit 1"}])
+    ratios = {r["mode"]: r["x_floor"] for r in out["rows"]}
+    assert ratios == {"floor": 1.0, "gloo-fp32": 2.5, "gloo-bf16": None, "gs-powersgd": None}
+
+
+def test_the_floor_falls_back_to_gradsyncs_fp32_and_otherwise_is_absent():
+    short = {"reached": False, "steps_to_target": None, "time_to_target": None}
+    out = cr.rate_report([_floor(), _row("gloo-fp32", **short),
+                          _row("gs-fp32", steps_to_target=80, time_to_target=90.0)])
+    assert out["floor_reference"] == "gs-fp32" and out["floor_s"] == 40.0
+    assert [r["x_floor"] for r in out["rows"]] == [1.0, None, 2.25]
+    none = cr.rate_report([_floor(), _row("gloo-fp32", **short), _row("gs-int8")])
+    assert none["floor_s"] is None and [r["x_floor"] for r in none["rows"]] == [None] * 3
+    no_floor = cr.rate_report([_row("gloo-fp32"), _row("gs-int8")])
+    assert no_floor["floor_s"] is None and no_floor["rows"][1]["x_floor"] is None
+
+
+def _settings(task="lm"):
+    return {"task": task, "hosts": 4, "ranks_per_host": 1, "seed": 0, "params": 1000,
+            "target_loss": 2.4, "target_accuracy": 0.95}
+
+
+def test_the_report_keeps_the_rates_in_order_and_prints_every_row():
+    rows = [_floor(rate="25mbit"), _row("gloo-fp32", rate="25mbit"),
+            _floor(rate="unshaped"), _row("gloo-fp32", rate="unshaped", time_to_target=75.0),
+            {"mode": "gs-int8", "rate": "unshaped", "failed": "rank 1 exited 1: boom"}]
+    data = cr.report(rows, _settings())
+    assert [r["rate"] for r in data["rates"]] == ["25mbit", "unshaped"]
+    assert data["rates"][1]["rows"][1]["x_floor"] == 1.25
+    text, md = cr.format_text(data), cr.format_markdown(data)
+    for out in (text, md):
+        assert "auto: not built" in out and "validation loss <= 2.4" in out
+        assert "rank 1 exited 1: boom" in out
+        assert out.count("gloo-fp32") >= 2
+    assert "| unshaped | gloo-fp32 | yes | 120 | 75.0 | 1.25 |" in md
+    # The floor's line: the fp32 run's steps to the target, not the 24 it timed.
+    assert "| unshaped | floor | - | 120 | 60.0 | 1.00 | 0.500 |" in md
+    assert md.count("\n| ") == 2 + 5  # the header, its rule, one line per row
+
+
+# ---------------------------------------------------------------- command line
+def test_modes_keep_the_benchs_order_and_auto_is_refused_not_faked():
+    assert compress.parse_modes("gs-diloco,gloo-powersgd,floor,gs-fp32") == \
+        ["floor", "gloo-powersgd", "gs-fp32", "gs-diloco"]
+    with pytest.raises(Exception, match="not built"):
+        compress.parse_modes("auto")
+    with pytest.raises(Exception, match="unknown mode"):
+        compress.parse_modes("int4")
+    assert compress.parse_rates("25mbit, unshaped") == ["25mbit", "unshaped"]
+    with pytest.raises(Exception):
+        compress.parse_rates("fast")
+
+
+def test_settings_fill_each_tasks_defaults_and_refuse_the_other_tasks_target():
+    p = compress.parser()
+    s = compress.settings_of(p.parse_args([]), 4, "/d")
+    assert (s["task"], s["target_loss"], s["target_accuracy"]) == ("lm", 2.4, None)
+    s = compress.settings_of(p.parse_args(["--task", "cnn"]), 4, "/d")
+    assert (s["target_loss"], s["target_accuracy"], s["batch"]) == (None, 0.95, 32)
+    with pytest.raises(ValueError, match="target-accuracy"):
+        compress.settings_of(p.parse_args(["--task", "cnn", "--target-loss", "1"]), 4, "/d")
+    with pytest.raises(ValueError, match="target-loss"):
+        compress.settings_of(p.parse_args(["--target-accuracy", "0.5"]), 4, "/d")
+
+
+def test_the_command_line_names_its_hosts_and_takes_no_np(capsys, monkeypatch):
+    def drive(hosts, options):  # a command line let through must not start a benchmark
+        raise AssertionError(f"the bench would run on {hosts} hosts")
+
+    monkeypatch.setattr(compress, "drive", drive)
+    assert cli.main(["compress", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: gradsync bench compress")
+    for option in ("--rates", "--modes", "--target-loss", "--max-steps", "--minutes",
+                   "--markdown", "--json [FILE]", "--ranks-per-host"):
+        assert option in out, option
+    with pytest.raises(SystemExit):
+        cli.main(["compress", "-np", "4"])
+    with pytest.raises(SystemExit):
+        cli.main(["compress", "--hosts", "1"])
+
+
+def test_bytes_are_read_from_the_namespaces_interface_table(tmp_path):
+    table = tmp_path / "dev"
+    table.write_text(
+        "Inter-|   Receive                                                |  Transmit\n"
+        " face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets\n"
+        "    lo:     100       1    0    0    0     0          0         0      100       1"
+        "    0    0    0     0       0          0\n"
+        "  eth0: 5000000    4000    0    0    0     0          0         0  7340032    6000"
+        "    0    0    0     0       0          0\n")
+    assert tx_bytes("eth0", str(table)) == 7340032
+    with pytest.raises(RuntimeError, match="eth1"):
+        tx_bytes("eth1", str(table))
+
+
+# ---------------------------------------------------------------- a short run (slow, root)
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_short_run_on_two_emulated_hosts_reports_every_mode_honestly(tmp_path, capsys):
+    from netns import require_netns
+
+    require_netns()
+    out = tmp_path / "report.json"
+    target = 4.2
+    options = compress.parser().parse_args([
+        "--rates", "unshaped", "--modes", "floor,gloo-fp32,gs-int8", "--lm-dim", "32",
+        "--lm-layers", "1", "--lm-heads", "2", "--lm-context", "32", "--val-items", "32",
+        "--max-steps", "24", "--eval-every", "4", "--floor-steps", "8", "--minutes", "2",
+        "--target-loss", str(target), "--markdown", "--json", str(out)])
+    assert compress.drive(2, options) == 0, capsys.readouterr().out
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert [r["rate"] for r in data["rates"]] == ["unshaped"]
+    rate = data["rates"][0]
+    rows = {r["mode"]: r for r in rate["rows"]}
+    assert list(rows) == ["floor", "gloo-fp32", "gs-int8"]
+    params = rows["gloo-fp32"]["params"]
+    for mode in ("gloo-fp32", "gs-int8"):
+        row = rows[mode]
+        assert not row.get("failed") and row["final"] == row["evals"][-1]
+        # Honest: reached iff an evaluation met the target, at the first one that did.
+        hits = [e for e in row["evals"] if e["loss"] <= target]
+        assert row["reached"] == bool(hits) == (row["stop"] == "reached"), row
+        if hits:
+            assert row["steps_to_target"] == hits[0]["step"] == row["steps"]
+            assert math.isclose(row["time_to_target"], hits[0]["seconds"], rel_tol=1e-3)
+        else:
+            assert row["stop"] in ("max steps", "time budget", "diverged") and \
+                row["time_to_target"] is None
+        assert [e["step"] for e in row["evals"]] == list(range(4, row["steps"] + 1, 4))
+        assert f"| unshaped | {mode} |" in printed
+    # Bytes counted on the wire: with 2 hosts, a float32 ring sends the whole gradient per
+    # host per step; int8 sends about a quarter; the floor sends next to nothing.
+    assert rows["gloo-fp32"]["bytes_per_step"] >= 0.95 * 4 * params
+    assert rows["gs-int8"]["bytes_per_step"] <= 0.5 * rows["gloo-fp32"]["bytes_per_step"]
+    assert rows["floor"]["bytes_per_step"] < 0.01 * 4 * params
+    assert rows["floor"]["steps"] == 8
+    # The target is one the fp32 run reaches in a few steps (which steps is arithmetic, not
+    # timing: the same weights and batches on any machine), so the floor is always there.
+    assert rows["gloo-fp32"]["reached"], rows["gloo-fp32"]["evals"]
+    step_s = rows["floor"]["seconds"] / 8
+    assert math.isclose(rate["floor_s"], step_s * rows["gloo-fp32"]["steps_to_target"])
+    assert math.isclose(rows["gloo-fp32"]["x_floor"],
+                        rows["gloo-fp32"]["time_to_target"] / rate["floor_s"])
+    assert "auto: not built" in printed
