@@ -207,6 +207,7 @@ class Publisher:
         self._store = world.store
         self._stop = threading.Event()
         self._posted = (0, 0)  # (ops, step) last posted: an idle rank posts nothing
+        self._newest = 0  # the newest step this rank posted
         self._counted = False  # this rank counted itself in pace/ready
         self._verdicts = 0
         self._epoch = None  # (explicit steps?) of the steps judged
@@ -235,11 +236,14 @@ class Publisher:
     def round(self) -> None:
         """One wake-up: post this rank's summary, then judge (rank 0) or read the verdict.
 
-        Nothing at all while this rank has not moved (no operation, no step since the last
-        round): a rank waiting in a collective makes no store request (a step that no rank
-        0 post holds cannot be judged, and a verdict is acted on at the rank's next step)."""
+        A rank that has not moved since the last round (no operation, no step) makes no
+        store request, so a rank waiting in a collective costs the store nothing (a verdict
+        is acted on at the rank's next step anyway); only rank 0 goes on judging while a step
+        it posted is not judged yet (its peers' posts of that step come later): one request
+        a round at rank 0, until they have."""
         if (self.meter.ops, self.meter.step) != self._posted:
             self._posted = (self.meter.ops, self.meter.step)
+            self._newest = max((n for n, *_ in self.meter.recent(self.window)), default=0)
             self._store.set(f"pace/{self.rank}", json.dumps(self.summary()))
             if not self._counted:
                 self._counted = True
@@ -249,7 +253,7 @@ class Publisher:
                     Store.over(self._store.base, TOP_NAMESPACE, self._store.timeout).set(
                         CURRENT_KEY, json.dumps({"job": self._job, "size": self.size}))
                 self._store.add("pace/ready", 1)
-        else:
+        elif self.rank != 0 or self._newest <= self.judge.step:
             return
         if self.rank == 0:
             self._judge()
