@@ -36,11 +36,14 @@ compute 130 ms, waiting 0 ms, communication 2 ms; its peers wait 30 ms a step fo
 The exchange costs nothing per operation and no collective. Each rank's *publisher*, a
 thread (``gradsync-pace``) that wakes every ``straggler_interval`` (1 s), posts its summary
 (newest steps, operation count, payload bytes per second, last operation) to the job's store
-under ``pace/<rank>`` when it has changed: one store request per rank per interval, over
-the World's store client. Rank 0's publisher reads every rank's summary in one ``multi_get``,
-judges the steps that every rank has posted and not yet judged, and posts its verdict
-(``pace/verdict``, counted in ``pace/verdicts``) when the named ranks change; the other
-ranks read it when its count moves (one ``add`` of 0 per interval). ``gradsync top`` reads
+under ``pace/<rank>`` when it has changed: at most two store requests per rank per interval,
+over the World's store client, and none while the rank has not moved (waiting in a
+collective); beyond 256 ranks the interval grows with the job (``STORE_POSTS_PER_S``). Rank
+0's publisher reads every rank's summary in one ``multi_get``, judges the steps that every
+rank has posted and not yet judged (and goes on asking while a step it posted waits for the
+others' posts), and posts its verdict (``pace/verdict``, counted in ``pace/verdicts``) when
+the named ranks change; the other ranks read it when its count moves (one ``add`` of 0 per
+round in which they moved). ``gradsync top`` reads
 the same keys from outside the job, so it needs only the store's address.
 """
 
