@@ -54,8 +54,12 @@ def test_the_default_bound_is_at_most_3_seconds():
     pytest.param(4, 2, "auto", marks=pytest.mark.slow),  # shared memory: pids exist, sockets none
     pytest.param(2, 0, "auto", marks=pytest.mark.slow),  # rank 0 stopped
 ])
-def test_a_stopped_rank_is_lost_on_every_other_rank_within_the_bound(n, victim, transport):
-    result = launch(n, "silent.py", str(victim), transport, "stop", timeout=60, env=ENV)
+def test_a_stopped_rank_is_lost_on_every_other_rank_within_the_bound(n, victim, transport,
+                                                                     tmp_path):
+    # The launcher stops the job at the first survivor's exit; the stopped rank's lifeline
+    # kills it once every survivor reported (silent.py), before the stop's grace has run out.
+    result = launch(n, "silent.py", str(victim), transport, "stop", str(tmp_path), timeout=60,
+                    env=ENV)
     assert result.returncode == 17, result
     got = dict(re.findall(r"RESULT rank=(\d+) (.*)", result.output))
     elapsed = [float(e) for e in re.findall(r"ELAPSED rank=\d+ ([\d.]+)", result.output)]
@@ -69,9 +73,10 @@ def test_a_stopped_rank_is_lost_on_every_other_rank_within_the_bound(n, victim, 
     assert min(elapsed) > TIMEOUT - INTERVAL, elapsed  # it was the heartbeat, not a socket
 
 
-def test_a_stopped_rank_is_lost_on_every_rank_within_3_seconds_with_the_defaults():
-    # Without the launcher, which would stop the survivors once the first has exited.
-    ranks = spawn(4, "silent.py", "2", "auto", "stop", timeout=60)
+def test_a_stopped_rank_is_lost_on_every_rank_within_3_seconds_with_the_defaults(tmp_path):
+    # Without the launcher, which would stop the survivors once the first has exited. The
+    # stopped rank is killed once the three survivors have caught their error (silent.py).
+    ranks = spawn(4, "silent.py", "2", "auto", "stop", str(tmp_path), timeout=60)
     assert ranks[2].returncode == -9, ranks[2]  # stopped, then ended by its lifeline
     elapsed = []
     for r in ranks[:2] + ranks[3:]:

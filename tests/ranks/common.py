@@ -63,6 +63,31 @@ def digest(model) -> str:
 
 # --- waiting for another process, instead of sleeping for it ------------------------------
 
+def lifeline(directory: str, survivors: int, cap: float = 30.0) -> None:
+    """Arranges this process's SIGKILL for when it has stopped itself (SIGSTOP), which it
+    cannot end on its own: once ``survivors`` files are in ``directory`` (each rank that has
+    checked what it must leaves one: ``reported``), or after ``cap`` seconds if one never does.
+
+    Not sooner: a stopped rank's closed sockets would tell the others what only its silence
+    (the heartbeat) must. And not a fixed delay: that one is paid in full by every test, even
+    when the survivors are done in 2 s. The shell ignores SIGTERM, so a launcher's stop, which
+    SIGTERMs the group and SIGKILLs it after its grace, leaves it there to kill the stopped
+    rank as soon as the survivors reported, not at the end of the grace."""
+    import subprocess
+
+    pid = os.getpid()
+    script = (f"trap '' TERM; i=0; while [ \"$(ls {directory} | wc -l)\" -lt {survivors} ] && "
+              f"[ $i -lt {int(cap * 10)} ] && kill -0 {pid}; do sleep 0.1; i=$((i + 1)); "
+              f"done; kill -9 {pid}")
+    subprocess.Popen(["sh", "-c", script], stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL)
+
+
+def reported(directory: str, rank: int) -> None:
+    """Leaves rank ``rank``'s file in ``directory``: it has what it came for (``lifeline``)."""
+    open(os.path.join(directory, f"reported.{rank}"), "w").close()
+
+
 def gone(pid: int) -> bool:
     """Whether process ``pid`` has exited (a zombie its parent has not reaped counts: its
     sockets are closed and its port refuses)."""

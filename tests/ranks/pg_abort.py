@@ -24,11 +24,10 @@ Each rank that saw the expected failure prints ``caught <class>: <message>`` and
 
 import os
 import signal
-import subprocess
 import sys
 import time
 
-import common  # noqa: F401  (deadline)
+import common  # (deadline; the stopped rank's lifeline)
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -54,7 +53,7 @@ def caught(exc: BaseException) -> None:
     print(f"rank {R}: caught {type(exc).__name__}: {exc}".replace("\n", " | "), flush=True)
     print(f"AFTER rank={R} {time.time() - T:.2f}", flush=True)
     if mode == "stop":  # the stopped rank's lifeline waits for every survivor's file
-        open(os.path.join(sys.argv[2], f"caught.{R}"), "w").close()
+        common.reported(sys.argv[2], R)
     sys.exit(3)
 
 
@@ -93,12 +92,7 @@ if mode == "stop":
             if R == N - 1 and time.time() >= T:
                 # A stopped process cannot end itself: a lifeline ends it once every survivor
                 # has caught its error (their files in DIR), or after 30 s if one never does.
-                # Not before: its closed sockets would tell a survivor what the heartbeat must.
-                lifeline = (f'i=0; while [ "$(ls {sys.argv[2]} | wc -l)" -lt {N - 1} ] && '
-                            f'[ $i -lt 300 ]; do sleep 0.1; i=$((i + 1)); done; '
-                            f'kill -9 {os.getpid()}')
-                subprocess.Popen(["sh", "-c", lifeline],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                common.lifeline(sys.argv[2], N - 1)
                 print(f"STOP rank={R} {time.time() - T:.2f}", flush=True)
                 os.kill(os.getpid(), signal.SIGSTOP)
             loss.backward()

@@ -1,8 +1,10 @@
 """A rank that stops, dies, computes or fails on its own: what the others see, and when.
 
-    silent.py VICTIM TRANSPORT stop   VICTIM stops itself (SIGSTOP; a lifeline kills it 10 s
-                                      later); every other rank prints one RESULT line and
-                                      ELAPSED (seconds from the stop to its error)
+    silent.py VICTIM TRANSPORT stop DIR
+                                      VICTIM stops itself (SIGSTOP); every other rank prints
+                                      one RESULT line and ELAPSED (seconds from the stop to
+                                      its error), then leaves a file in DIR; VICTIM's lifeline
+                                      kills it once all of them are there (at most 30 s)
     silent.py VICTIM TRANSPORT busy   VICTIM computes in Python for 2.5 heartbeat timeouts
                                       before joining the collectives: slow is not silent
     silent.py VICTIM TRANSPORT hold   VICTIM holds the GIL in one C call for 1.5 heartbeat
@@ -25,11 +27,10 @@ import ctypes
 import os
 import signal
 import threading
-import subprocess
 import sys
 import time
 
-import common  # noqa: F401  (deadline)
+import common  # (deadline; the stopped rank's lifeline)
 import numpy as np
 
 import gradsync as gs
@@ -68,9 +69,9 @@ if mode in ("kill", "idle"):
 if R == victim:
     time.sleep(max(0.0, stopped_at - time.time()))
     if mode == "stop":
-        # Without a launcher (harness.spawn) nobody ends a stopped rank: its lifeline does.
-        subprocess.Popen(["sh", "-c", f"sleep 10; kill -9 {os.getpid()}"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # Without a launcher (harness.spawn) nobody ends a stopped rank: its lifeline does,
+        # once every other rank has its error (under a launcher, before the stop's grace ends).
+        common.lifeline(sys.argv[4], N - 1)
         os.kill(os.getpid(), signal.SIGSTOP)
     elif mode == "hold":
         ticks, ticked, done = [], threading.Event(), threading.Event()
@@ -106,4 +107,6 @@ try:
 except gs.GradsyncError as exc:
     print(f"ELAPSED rank={R} {time.time() - stopped_at:.2f}", flush=True)
     print(f"RESULT rank={R} {type(exc).__name__}: {exc}".replace("\n", " | "), flush=True)
+    if mode == "stop":
+        common.reported(sys.argv[4], R)  # the stopped rank's lifeline waits for these
     os._exit(17)
