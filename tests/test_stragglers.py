@@ -446,3 +446,23 @@ def test_the_live_view_ends_with_its_job_in_one_line():
         view.proc.kill()
     assert view.proc.returncode == 0, err
     assert "the job has ended" in err and "frame #" not in err, err
+
+
+def test_top_judges_afresh_when_a_job_begins_to_mark_its_steps():
+    """Until a job marks a step, its steps are counted by operations; its first marked step
+    is numbered 1 again: the view kept judging only steps past the counted ones, so it
+    froze on them."""
+    current = {"job": "job", "size": 2}
+
+    def posts(first, explicit, slow_blocked):
+        return [dict(_post(r, [[n, 100 * MS, (slow_blocked if r else 2) * MS]
+                               for n in range(first, first + 10)]), explicit=explicit)
+                for r in range(2)]
+
+    view = top.View(current)
+    view.update(posts(41, False, 2), now=1.0)  # counted steps 41-50
+    assert view.judge.step == 50
+    view.update(posts(1, True, 32), now=2.0)  # marked steps 1-10: rank 1 waits 30 ms for rank 0
+    assert view.judge.step == 10
+    assert top.table(current, posts(1, True, 32), {}, view=view).splitlines()[3].split()[7] \
+        == "30.0"

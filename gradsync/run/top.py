@@ -141,6 +141,7 @@ class View:
         self._steps: list[dict] = [{} for _ in range(size)]
         self._moved: list = [None] * size  # (ops, step) of each rank's newest post
         self.changed: list[float] = [0.0] * size
+        self._epoch = None  # whether the steps judged were marked (True) or counted
 
     def update(self, posts: list, now: float) -> None:
         for r, post in enumerate(posts):
@@ -154,6 +155,17 @@ class View:
                 mine[n] = (step_ns, blocked_ns)
             for n in sorted(mine)[:-_KEPT]:
                 del mine[n]
+        # A job's steps are counted by its operations until it marks one (as rank 0's judge
+        # does, pace.py): numbers that start again at 1 then, judged afresh once all have.
+        epochs = {p["explicit"] for p in posts if p is not None and "explicit" in p}
+        if len(epochs) > 1:
+            return
+        if epochs and epochs != {self._epoch}:
+            if self._epoch is not None:
+                self.judge = Judge(len(self._steps), _WINDOW, 0.1)
+                for r, post in enumerate(posts):
+                    self._steps[r] = {n: (s, b) for n, s, b in post["steps"]}
+            self._epoch = epochs.pop()
         common = set.intersection(*(set(s) for s in self._steps)) if self._steps else set()
         for n in sorted(common):
             if n > self.judge.step:
