@@ -59,6 +59,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from .flight_recorder import COMPLETED, recorder
 from .pace import Meter, meter
 from .rendezvous import Store
@@ -176,7 +178,23 @@ def payload_bytes(rec) -> int:
     count = 1
     for n in rec.shape:
         count *= n
-    return count * getattr(rec.dtype, "itemsize", 0)
+    return count * _itemsize(rec.dtype)
+
+
+def _itemsize(dtype) -> int:
+    """Bytes per element of a numpy or torch dtype, or of its name: the Horovod API records
+    its dtype as a name ('float32', 'bfloat16'), which has no ``itemsize`` (its operations,
+    the gradients of every DistributedOptimizer job, counted 0 bytes before)."""
+    size = getattr(dtype, "itemsize", None)
+    if size is not None:
+        return size
+    name = str(dtype).rsplit(".", 1)[-1]
+    if name == "bfloat16":  # not a numpy type
+        return 2
+    try:
+        return np.dtype(name).itemsize
+    except TypeError:
+        return 0
 
 
 class Publisher:
@@ -214,7 +232,7 @@ class Publisher:
         self._counted = False  # this rank counted itself in pace/ready
         self._verdicts = 0
         self._epoch = None  # (explicit steps?) of the steps judged
-        self._last_id, self._last_t = -1, time.monotonic()
+        self._last_end, self._last_t = 0, time.monotonic()  # what the last post counted
         self._thread = None
         if thread:
             self._thread = threading.Thread(target=self._run, name="gradsync-pace",
@@ -272,10 +290,12 @@ class Publisher:
         """What this rank posts: its newest steps and what it does now."""
         held = recorder.records()
         now_t = time.monotonic()
-        fresh = [r for r in held if r.record_id > self._last_id and r.state == COMPLETED]
+        # The bytes of the operations completed since the last post: by their end time, not
+        # their number, since an operation in flight now (the Horovod API's fused gradients,
+        # often) completes after newer ones were issued and must still count once it does.
+        fresh = [r for r in held if r.state == COMPLETED and r.ended_ns > self._last_end]
         rate = sum(payload_bytes(r) for r in fresh) / max(now_t - self._last_t, 1e-3)
-        if held:
-            self._last_id = held[-1].record_id
+        self._last_end = max([self._last_end] + [r.ended_ns for r in fresh])
         self._last_t = now_t
         last = held[-1] if held else None
         return {

@@ -304,3 +304,165 @@ def test_a_large_jobs_ranks_post_less_often_so_the_stores_load_stays_flat():
     assert interval(4) == interval(256) == 1.0
     assert interval(1024) == 4.0
     assert interval(27_360) == pytest.approx(27_360 / 256)
+
+
+def test_the_horovod_apis_operations_count_in_the_bytes_per_second():
+    """The Horovod API records dtypes by name ('float32'), which have no itemsize: its
+    operations, the gradients of every DistributedOptimizer job, counted 0 bytes, and
+    ``gradsync top``'s MB/s stayed 0.00. And an operation in flight at a post (the fused
+    gradients, often) must count at the next post, once it completed."""
+    import time
+
+    from gradsync.flight_recorder import recorder
+    from gradsync.straggler_watch import payload_bytes
+
+    track = recorder.track("topshot", "Horovod API (global)", [0], "horovod", 5.0)
+    named = [track.issue("all_reduce", "g", (10,), dtype, numbered=False)
+             for dtype in ("float32", "bfloat16", "float64", "int8")]
+    assert [payload_bytes(rec) for rec in named] == [40, 20, 80, 10]
+    world = types.SimpleNamespace(
+        config=Config(straggler_interval=1.0), rank=0, size=1,
+        env=types.SimpleNamespace(job_id="job"), peers=[types.SimpleNamespace(host="h")],
+        store=None)
+    publisher = Publisher(world, pace=Meter(), thread=False)
+    publisher.summary()  # what earlier tests left completed in the ring counts here
+    gradients = track.issue("all_reduce", "gradients", (250_000,), "float32", numbered=False)
+    track.issue("all_reduce", "go", (1,), "float32", numbered=False).done()  # issued after
+    publisher.summary()  # the gradients in flight: not counted yet
+    gradients.done()
+    publisher._last_t = time.monotonic() - 1.0  # a post a second later
+    assert publisher.summary()["bytes_s"] == pytest.approx(1_000_000, rel=0.2)
+
+
+def _post(rank, steps, ops=100, last="#9 all_reduce 'g' [1] Float (numpy API), completed 0.1s ago"):
+    return {"rank": rank, "host": f"host{rank}", "generation": -1, "step": steps[-1][0],
+            "ops": ops, "bytes_s": 2_000_000, "steps": steps, "last": last}
+
+
+def test_top_keeps_the_steps_of_earlier_reads_and_ages_a_waiting_ranks_last_operation():
+    """Ranks post at their own moments: one read may hold no step that every rank's post
+    still holds (the live view of a 10-steps-a-second job showed 0.0 ms in every column
+    at times). The view keeps the steps of earlier reads, shows '-' where nothing was
+    judged, and a rank that has not posted since (waiting) gets older, not 0.1 s forever."""
+    current = {"job": "job", "size": 4}
+
+    def steps(first, slow):  # 10 steps of 100 ms; the others wait 30 ms for rank 3
+        return [[n, 100 * MS, (2 if slow else 32) * MS] for n in range(first, first + 10)]
+
+    early = [_post(r, steps(1, r == 3)) for r in range(2)]
+    late = [_post(r, steps(11, r == 3)) for r in range(2, 4)]
+    view = top.View(current)
+    view.update(early + late, now=100.0)
+    rows = top.table(current, early + late, {}, view=view, now=100.0).splitlines()[2:]
+    # Nothing judged yet: '-' in the split and late columns, not zeros.
+    assert all(row.split()[5:9] + row.split()[10:11] == ["-"] * 5 for row in rows), rows
+    newer = [_post(r, steps(11, r == 3), ops=120) for r in range(2)]
+    view.update(newer + late, now=101.0)
+    rows = top.table(current, newer + late, {"named": [{"rank": 3}]}, view=view,
+                     now=106.0).splitlines()[2:]
+    assert [row.split()[5:9] for row in rows] == (
+        [["100.0", "68.0", "30.0", "2.0"]] * 3 + [["100.0", "98.0", "0.0", "2.0"]]), rows
+    assert [row.split()[10] for row in rows] == ["0/10"] * 3 + ["10/10"], rows
+    # Ranks 0 and 1 posted at 101 s, 2 and 3 last at 100 s: at 106 s their ops are older.
+    assert [re.search(r"completed (\S+)s ago", row)[1] for row in rows] == (
+        ["5.1", "5.1", "6.1", "6.1"]), rows
+    assert rows[3].endswith("STRAGGLER") and not rows[0].endswith("STRAGGLER")
+
+
+def test_top_cuts_its_rows_to_the_terminal_but_never_the_straggler_mark():
+    """A row wider than the terminal wrapped, pushing the rows below it down and its own
+    STRAGGLER mark onto the next line."""
+    current = {"job": "job", "size": 2}
+    posts = [_post(r, [[1, 100 * MS, 2 * MS]], last="not numbered yet: all_reduce "
+                   "'allreduce.gradients[0] 4.bias .. 0.weight (6 tensors, torch.float32)' "
+                   "[399370] Float (Horovod API (global)), scheduled 0.0s ago")
+             for r in range(2)]
+    lines = top.table(current, posts, {"named": [{"rank": 1}]}, width=120).splitlines()
+    assert max(len(line) for line in lines) <= 120, lines
+    assert lines[3].endswith("... STRAGGLER") and lines[2].endswith("..."), lines
+    assert len(top.table(current, posts, {}).splitlines()[2]) > 120  # --once: uncut
+    frame = top._frame("a\nb")  # redrawn in place: no clear of the whole screen (flicker)
+    assert frame == "\x1b[Ha\x1b[K\nb\x1b[K\x1b[J"
+
+
+def test_top_says_a_job_has_ended_when_its_store_is_gone(capsys, monkeypatch):
+    """Torch's store client retries a port where nothing listens for its whole timeout,
+    printing C++ stack traces meanwhile; top says at once that the job has ended."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as ended:
+        top.main(["--store", f"127.0.0.1:{port}", "--once"])
+    assert "has the job ended?" in str(ended.value) and time.monotonic() - start < 3
+
+    def gone(base):  # the store's server went away after the view began
+        raise RuntimeError("Connection reset by peer")
+
+    monkeypatch.setattr(top, "read", gone)
+    assert top._show(top.build_parser().parse_args(["--once"]), None) == 1
+    assert "the job has ended" in capsys.readouterr().err
+    assert top._show(top.build_parser().parse_args([]), None) == 0
+
+
+def test_the_live_view_ends_with_its_job_in_one_line():
+    """The job's store goes with its launcher: the live view says so and exits 0, without
+    the C++ stack that torch's store client logs for the failed request (20 lines over the
+    last table, in the view of a real job that ended)."""
+    import gc
+    import os
+    import select
+    import sys
+    import time
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from gradsync.rendezvous import Store
+    from gradsync.run.processes import start
+    from gradsync.straggler_watch import CURRENT_KEY, TOP_NAMESPACE
+
+    server = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=5))
+    Store.over(server, TOP_NAMESPACE, 5.0).set(CURRENT_KEY, json.dumps({"job": "j", "size": 1}))
+    job = Store.over(server, "j", 5.0)
+    job.set("pace/0", json.dumps(_post(0, [[1, 100 * MS, 2 * MS]])))
+    job.add("pace/ready", 1)
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}
+    view = start([sys.executable, "-m", "gradsync", "top", "--store",
+                  f"127.0.0.1:{server.port}", "--interval", "0.1"], env, text=True)
+    try:
+        deadline, shown = time.monotonic() + 30, ""
+        while "host0" not in shown and time.monotonic() < deadline:  # a table is up
+            if select.select([view.proc.stdout], [], [], 0.5)[0]:
+                shown += view.proc.stdout.readline()
+        assert "host0" in shown, shown
+        del job, server  # the job ends: its store's server with it
+        gc.collect()
+        out, err = view.proc.communicate(timeout=30)
+    finally:
+        view.proc.kill()
+    assert view.proc.returncode == 0, err
+    assert "the job has ended" in err and "frame #" not in err, err
+
+
+def test_top_judges_afresh_when_a_job_begins_to_mark_its_steps():
+    """Until a job marks a step, its steps are counted by operations; its first marked step
+    is numbered 1 again: the view kept judging only steps past the counted ones, so it
+    froze on them."""
+    current = {"job": "job", "size": 2}
+
+    def posts(first, explicit, slow_blocked):
+        return [dict(_post(r, [[n, 100 * MS, (slow_blocked if r else 2) * MS]
+                               for n in range(first, first + 10)]), explicit=explicit)
+                for r in range(2)]
+
+    view = top.View(current)
+    view.update(posts(41, False, 2), now=1.0)  # counted steps 41-50
+    assert view.judge.step == 50
+    view.update(posts(1, True, 32), now=2.0)  # marked steps 1-10: rank 1 waits 30 ms for rank 0
+    assert view.judge.step == 10
+    assert top.table(current, posts(1, True, 32), {}, view=view).splitlines()[3].split()[7] \
+        == "30.0"

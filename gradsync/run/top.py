@@ -19,13 +19,20 @@ drawn in reverse video).
 Finding the store: ``--store HOST:PORT``; else the job file the launcher writes on this
 machine (``jobfile.py``): ``gradsync top`` takes the newest running job, ``gradsync top JOB``
 the one whose id starts with JOB. ``--once`` prints one table (after waiting up to
-``--wait`` seconds for every rank's first post) and exits: for scripts and CI.
+``--wait`` seconds for every rank's first post and a step of all of them judged) and exits 0:
+for scripts and CI. Once the job has ended (its launcher's store with it), both forms say so;
+``--once`` then exits 1, the live view 0. On a terminal the live view redraws in place, its
+rows cut to the terminal's width (the last operation gives way, not the STRAGGLER mark).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import socket
+import shutil
 import sys
 import time
 from datetime import timedelta
@@ -37,7 +44,8 @@ from . import jobfile
 
 __all__ = ["main", "build_parser", "read", "table"]
 
-_CLEAR = "\x1b[H\x1b[2J"
+_HOME, _CLEAR_LINE, _CLEAR_BELOW = "\x1b[H", "\x1b[K", "\x1b[J"
+_WINDOW = 10  # steps judged together (straggler_window's default)
 _REVERSE, _PLAIN = "\x1b[7m", "\x1b[0m"
 
 
@@ -74,6 +82,17 @@ def _connect(args: argparse.Namespace):
             raise SystemExit(f"gradsync top: no running job {which}started on this machine "
                              f"(no file in {jobfile.directory()}); give --store HOST:PORT")
         addr, port_ = entry["store_addr"], int(entry["store_port"])
+    # A plain connection first: where nothing listens (the job has ended), torch's client
+    # retries until its timeout and prints C++ stack traces meanwhile.
+    try:
+        socket.create_connection((addr, port_), timeout=5.0).close()
+    except OSError as exc:
+        raise SystemExit(f"gradsync top: cannot reach the store at {addr}:{port_} ({exc}): "
+                         "has the job ended?") from None
+    # torch's C++ logs each failed store request as a warning with its C++ stack (at the
+    # job's end, 20 lines over the view's last table); top says what failed itself. Read
+    # when torch loads, so set before; a user's own setting wins.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from torch.distributed import TCPStore  # imported on use: torch takes a second
 
     try:
@@ -100,15 +119,80 @@ def read(base) -> "tuple[dict | None, list, dict]":
     return current, posts, verdict
 
 
-def table(current: dict, posts: list, verdict: dict, colour: bool = False) -> str:
-    """The view: a head line and one row per rank."""
+_KEPT = 4 * _WINDOW  # steps kept per rank between reads
+
+
+class View:
+    """What the view keeps from one read to the next (one per job it shows).
+
+    Ranks post once a second each, at their own moments, their newest ``_WINDOW`` steps: in
+    a job of 10 steps a second, one read often finds no step that every rank's post still
+    holds, and a read alone would show no split at all. So the steps of every read are kept
+    (``_KEPT`` per rank) and each step is judged once every rank's has been seen, by the
+    rule rank 0 applies. A rank posts only when it moved: ``changed`` holds when its post
+    last changed, on this clock, so that the age of its last operation keeps growing while
+    it waits (the post's own age is as old as the post).
+    """
+
+    def __init__(self, current: dict):
+        self.key = (current["job"], int(current["size"]))
+        size = self.key[1]
+        self.judge = Judge(size, _WINDOW, 0.1)
+        self._steps: list[dict] = [{} for _ in range(size)]
+        self._moved: list = [None] * size  # (ops, step) of each rank's newest post
+        self.changed: list[float] = [0.0] * size
+        self._epoch = None  # whether the steps judged were marked (True) or counted
+
+    def update(self, posts: list, now: float) -> None:
+        for r, post in enumerate(posts):
+            if post is None:
+                continue
+            moved = (post["ops"], post["step"])
+            if moved != self._moved[r]:
+                self._moved[r], self.changed[r] = moved, now
+            mine = self._steps[r]
+            for n, step_ns, blocked_ns in post["steps"]:
+                mine[n] = (step_ns, blocked_ns)
+            for n in sorted(mine)[:-_KEPT]:
+                del mine[n]
+        # A job's steps are counted by its operations until it marks one (as rank 0's judge
+        # does, pace.py): numbers that start again at 1 then, judged afresh once all have.
+        epochs = {p["explicit"] for p in posts if p is not None and "explicit" in p}
+        if len(epochs) > 1:
+            return
+        if epochs and epochs != {self._epoch}:
+            if self._epoch is not None:
+                self.judge = Judge(len(self._steps), _WINDOW, 0.1)
+                for r, post in enumerate(posts):
+                    self._steps[r] = {n: (s, b) for n, s, b in post["steps"]}
+            self._epoch = epochs.pop()
+        common = set.intersection(*(set(s) for s in self._steps)) if self._steps else set()
+        for n in sorted(common):
+            if n > self.judge.step:
+                self.judge.judge(n, [s[n] for s in self._steps])
+
+
+def _aged(last: str, waited: float) -> str:
+    """``last`` (a record in words, ending in its age when posted) with ``waited`` more
+    seconds of age."""
+    if waited < 0.05:
+        return last
+    return re.sub(r"(\d+(?:\.\d+)?)s ago$", lambda m: f"{float(m[1]) + waited:.1f}s ago", last)
+
+
+def table(current: dict, posts: list, verdict: dict, colour: bool = False,
+          view: "View | None" = None, width: "int | None" = None, now: "float | None" = None) \
+        -> str:
+    """The view: a head line and one row per rank. ``view`` carries the steps of earlier
+    reads (default: this read alone); ``width``: rows are cut to it (a terminal's width: a
+    wrapped row would push the next ones, and its own STRAGGLER mark, out of place)."""
     size = len(posts)
     posted = [p for p in posts if p is not None]
-    judge = Judge(size, 10, 0.1)
-    if len(posted) == size and size:
-        steps = [{n: (s, b) for n, s, b in p["steps"]} for p in posts]
-        for n in sorted(set.intersection(*(set(s) for s in steps))):
-            judge.judge(n, [s[n] for s in steps])
+    now = time.monotonic() if now is None else now
+    if view is None:
+        view = View(current)
+        view.update(posts, now)
+    judge = view.judge
     named = {p["rank"] for p in verdict.get("named", [])}
     gen = next((p["generation"] for p in posted), -1)
     head = (f"gradsync top: job {current['job']}, {size} ranks"
@@ -117,21 +201,37 @@ def table(current: dict, posts: list, verdict: dict, colour: bool = False) -> st
             f"{', '.join(f'rank {r}' for r in sorted(named)) or 'none'}")
     columns = (f"{'rank':>4} {'host':<16} {'gen':>3} {'step':>6} {'ops':>8} {'step ms':>8} "
                f"{'compute':>8} {'wait':>8} {'comm':>8} {'MB/s':>8} {'late':>5}  last operation")
-    lines = [head, columns]
+    lines = [head[:width], columns[:width]]
     for r, post in enumerate(posts):
         if post is None:
             lines.append(f"{r:>4} {'(no post yet)':<16}")
             continue
         pace = judge.pace(r, post["host"], late_only=False)
-        late = f"{pace.late_steps}/{pace.steps}" if pace.steps else "-"
+        if pace.steps:
+            late = f"{pace.late_steps}/{pace.steps}"
+            split = (f"{pace.step_ms:>8.1f} {pace.compute_ms:>8.1f} {pace.wait_ms:>8.1f} "
+                     f"{pace.comm_ms:>8.1f}")
+        else:  # no step of it judged yet: nothing measured, not zeros
+            late, split = "-", " ".join(f"{'-':>8}" for _ in range(4))
+        last = _aged(post.get("last") or "-", now - view.changed[r])
+        mark = " STRAGGLER" if r in named else ""
         row = (f"{r:>4} {post['host'][:16]:<16} {post['generation']:>3} {post['step']:>6} "
-               f"{post['ops']:>8} {pace.step_ms:>8.1f} {pace.compute_ms:>8.1f} "
-               f"{pace.wait_ms:>8.1f} {pace.comm_ms:>8.1f} {post['bytes_s'] / 1e6:>8.2f} "
-               f"{late:>5}  {post.get('last') or '-'}")
-        if r in named:
-            row = f"{_REVERSE}{row} STRAGGLER{_PLAIN}" if colour else f"{row} STRAGGLER"
+               f"{post['ops']:>8} {split} {post['bytes_s'] / 1e6:>8.2f} {late:>5}  ")
+        if width is not None:  # the last operation gives way, never the mark
+            room = max(width - len(row) - len(mark), 0)
+            last = last if len(last) <= room else last[:max(room - 3, 0)] + "..."[:room]
+        row = (row + last)[:None if width is None else width - len(mark)] + mark
+        if mark and colour:
+            row = f"{_REVERSE}{row}{_PLAIN}"
         lines.append(row)
     return "\n".join(lines)
+
+
+def _frame(text: str) -> str:
+    """``text`` drawn over the previous frame: from the top left, each line clearing what
+    is left of the old one, then clearing below; no clear of the whole screen first, which
+    a terminal shows blank for a moment each second (flicker)."""
+    return _HOME + (_CLEAR_LINE + "\n").join(text.split("\n")) + _CLEAR_LINE + _CLEAR_BELOW
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -146,24 +246,37 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _show(args: argparse.Namespace, base) -> int:
     colour = sys.stdout.isatty()
     deadline = time.monotonic() + args.wait
+    view = None
     while True:
         try:
             current, posts, verdict = read(base)
         except (RuntimeError, OSError) as exc:
-            print(f"gradsync top: the job's store is gone ({exc})", file=sys.stderr)
-            return 0 if not args.once else 1
+            # The launcher's store goes with the job: the job has ended (or its launcher
+            # is gone). Said on a line of its own, below the last table, in both forms.
+            print(f"\ngradsync top: the job's store is gone: the job has ended ({exc})",
+                  file=sys.stderr)
+            return 1 if args.once else 0  # the live view ends with its job
+        now = time.monotonic()
+        if current is not None:
+            if view is None or view.key != (current["job"], int(current["size"])):
+                view = View(current)  # the first read, or a new job (generation) posts
+            view.update(posts, now)
         complete = current is not None and all(p is not None for p in posts)
         if args.once:
-            if complete or time.monotonic() >= deadline:
+            # One table, once every rank posted and a step of all was judged (or at --wait).
+            if (complete and view.judge.step) or now >= deadline:
                 if current is None:
                     print("gradsync top: no rank of the job has posted its pace yet "
                           "(GRADSYNC_STRAGGLER_INTERVAL=0 turns posting off)", file=sys.stderr)
                     return 1
-                print(table(current, posts, verdict, colour))
+                print(table(current, posts, verdict, colour, view, now=now))
                 return 0
             time.sleep(0.2)
             continue
-        shown = (table(current, posts, verdict, colour) if current is not None else
+        width = shutil.get_terminal_size().columns if colour else None
+        shown = (table(current, posts, verdict, colour, view, width, now)
+                 if current is not None else
                  "gradsync top: waiting for the job's ranks to post their pace ...")
-        print(_CLEAR + shown, flush=True)
+        sys.stdout.write(_frame(shown) if colour else shown + "\n\n")
+        sys.stdout.flush()
         time.sleep(args.interval)
