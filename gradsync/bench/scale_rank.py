@@ -24,8 +24,10 @@ thread (the heartbeat's thread uses the store too) and only while ``init()`` run
 wrapper covers is ``other``. A function that a later gradsync no longer has is skipped, and
 its phase reads "n/a": the benchmark keeps working while ``world.py`` changes under it.
 
-**What is counted.** Sockets: the entries of ``/proc/self/fd`` that are sockets (the store's
-client connections, the listener, each TCP pair; shared-memory pairs hold none). Memory:
+**What is counted.** Sockets: the distinct sockets among the entries of ``/proc/self/fd``
+(``testbed.procfs``: a descriptor's dup, as the heartbeat's native beater holds, is the same
+socket; the store's client connections, the listener, each TCP pair; shared-memory pairs hold
+none). Memory:
 ``VmRSS`` from ``/proc/self/status`` (and its private part, ``RssAnon``), before ``init()``
 (after the imports: the baseline), after it and after the allreduces. Store requests: ``gradsync.rendezvous.request_counts()``,
 this process's requests by operation since it started, where the running gradsync has it
@@ -44,6 +46,7 @@ import statistics
 import threading
 import time
 from typing import Callable
+from ..testbed.procfs import sockets
 
 __all__ = ["SPECS", "PREFIX", "PhaseClock", "instrument", "sockets", "rss_mib",
            "request_counts", "main"]
@@ -132,15 +135,6 @@ def instrument(clock: PhaseClock, specs=SPECS) -> list[str]:
     return phases
 
 
-def sockets() -> int:
-    """The sockets this process holds open."""
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-        except OSError:
-            pass  # the listing's own descriptor, closed by now
-    return count
 
 
 def rss_mib(field: str = "VmRSS") -> float:

@@ -22,6 +22,7 @@ import numpy as np
 
 import gradsync as gs
 from gradsync import job, rendezvous
+from gradsync.testbed.procfs import sockets
 
 mode = sys.argv[1]
 gs.init(timeout=20)
@@ -30,15 +31,6 @@ R, N = gs.rank(), gs.size()
 world = job.world()
 
 
-def sockets() -> int:
-    """The sockets this process holds (store clients, listener, TCP pairs)."""
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-        except OSError:  # the directory's own descriptor, gone by now
-            pass
-    return count
 
 
 def connected(w) -> list[int]:

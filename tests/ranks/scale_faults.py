@@ -37,6 +37,7 @@ if mode == "secret":  # set before init reads it; the secret guards every TCP co
 
 import gradsync as gs  # noqa: E402
 from gradsync import job  # noqa: E402
+from gradsync.testbed.procfs import sockets  # noqa: E402
 
 R = int(os.environ["RANK"])
 
@@ -59,15 +60,6 @@ def equal(what, got, want) -> None:
                  f"{np.asarray(want).ravel()[:6]}")
 
 
-def sockets() -> int:
-    """TCP and Unix sockets this process holds now."""
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-        except OSError:  # the directory's own descriptor, closed meanwhile
-            pass
-    return count
 
 
 try:
