@@ -114,9 +114,20 @@ def test_a_resumed_job_continues_the_epoch_without_repeats_on_other_counts(tmp_p
 
 
 @pytest.mark.multiprocess
-def test_a_killed_data_servers_share_is_served_by_the_others_exactly_once(tmp_path):
+@pytest.mark.parametrize("how", [
+    "shm",
+    # a launch of 3 workers and 3 data servers each: 20-30 s on 2 loaded cores
+    pytest.param("tcp", marks=pytest.mark.slow),
+    pytest.param("producers", marks=pytest.mark.slow)])
+def test_a_killed_data_servers_share_is_served_by_the_others_exactly_once(tmp_path, how):
+    # Same host (shm); over TCP (every stream has its next take in flight when server 0 is
+    # killed); or with 2 producer processes per data server (the killed server's helpers
+    # end with it; the others serve the same bytes as one producer would: every value is
+    # checked against the closed form on the workers).
+    env = {"tcp": {"GRADSYNC_TRANSPORT": "tcp"},
+           "producers": {"GRADSYNC_DATA_WORKERS": "2"}}.get(how)
     r = harness.launch(3, "data_check.py", "killserver", str(tmp_path), "2", timeout=120,
-                       launcher_args=("--data-servers", "3"))
+                       launcher_args=("--data-servers", "3"), env=env)
     # The job runs to its end; its status is the killed server's (128 + SIGKILL).
     assert r.returncode == 137, str(r)
     assert "rank 3 (data server 0)" in r.output and "the job ran to its end" in r.output, str(r)
@@ -126,31 +137,9 @@ def test_a_killed_data_servers_share_is_served_by_the_others_exactly_once(tmp_pa
         assert sorted(ids) == list(range(SAMPLES)), f"epoch {epoch}"
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert [s["server"] for s in stats] == [1, 2]  # the live ones
-
-
-@pytest.mark.multiprocess
-@pytest.mark.slow  # a launch of 3 workers and 3 data servers each: 20-30 s on 2 loaded cores
-@pytest.mark.parametrize("how", ["tcp", "producers"])
-def test_a_killed_data_server_is_served_once_over_tcp_and_with_producer_processes(tmp_path,
-                                                                                  how):
-    # As above, over TCP (every stream has its next take in flight when server 0 is
-    # killed), or with 2 producer processes per data server (the killed server's helpers
-    # end with it; the others serve the same bytes as one producer would: every value is
-    # checked against the closed form on the workers).
-    env = {"GRADSYNC_TRANSPORT": "tcp"} if how == "tcp" else {"GRADSYNC_DATA_WORKERS": "2"}
-    r = harness.launch(3, "data_check.py", "killserver", str(tmp_path), "2", timeout=120,
-                       launcher_args=("--data-servers", "3"), env=env)
-    assert r.returncode == 137, str(r)
-    assert "rank 3 (data server 0)" in r.output and "the job ran to its end" in r.output, str(r)
-    got = _received(tmp_path, "killserver", 3)
-    for epoch in (0, 1):
-        ids = [i for w in got for i in w[str(epoch)]]
-        assert sorted(ids) == list(range(SAMPLES)), f"epoch {epoch}"
-    stats = json.loads((tmp_path / "stats.json").read_text())
-    assert [s["server"] for s in stats] == [1, 2]
     if how == "tcp":
         assert all(s["sent"] == s["takes"] > 0 for s in stats)
-    else:
+    elif how == "producers":
         assert all(s["producers"] == 2 for s in stats)
 
 

@@ -217,17 +217,7 @@ def _chaos(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list
     if not hosts.isdigit() or int(hosts) < 2:
         parser.error(f"--hosts {hosts!r}: the chaos benchmark takes a number of emulated hosts "
                      "(at least 2)")
-    chaos = _module("chaos")
-    rest, to_stdout = _json_to_stdout(rest)
-    options = chaos.parser().parse_args(rest)
-    if not to_stdout:
-        return chaos.drive(int(hosts), options)
-
-    def run(path: str) -> int:
-        options.json = path
-        return chaos.drive(int(hosts), options)
-
-    return _rows_to_stdout(run)
+    return _on_emulated_hosts("chaos", int(hosts), rest)
 
 
 def _compress(parser: argparse.ArgumentParser, args: argparse.Namespace,
@@ -243,15 +233,21 @@ def _compress(parser: argparse.ArgumentParser, args: argparse.Namespace,
     if not hosts.isdigit() or int(hosts) < 2:
         parser.error(f"--hosts {hosts!r}: the compress benchmark takes a number of emulated "
                      "hosts (at least 2)")
-    compress = _module("compress")
+    return _on_emulated_hosts("compress", int(hosts), rest)
+
+
+def _on_emulated_hosts(name: str, hosts: int, rest: list[str]) -> int:
+    """Runs bench ``name``'s ``drive(hosts, options)`` (chaos, compress: jobs on ``hosts``
+    emulated hosts), its ``--json`` without a file printed to stdout."""
+    bench = _module(name)
     rest, to_stdout = _json_to_stdout(rest)
-    options = compress.parser().parse_args(rest)
+    options = bench.parser().parse_args(rest)
     if not to_stdout:
-        return compress.drive(int(hosts), options)
+        return bench.drive(hosts, options)
 
     def run(path: str) -> int:
         options.json = path
-        return compress.drive(int(hosts), options)
+        return bench.drive(hosts, options)
 
     return _rows_to_stdout(run)
 
