@@ -80,7 +80,8 @@ from .hosts import Host
 from .data_servers import DataServers
 from .launcher import (LaunchSpec, Rank, Slot, Starter, informs, is_local, rank_line,
                        start_store, store_address)
-from .processes import Interrupts, Output, StartError, describe, exit_status, stop
+from .processes import (Interrupts, Output, StartError, clear_shared_memory, describe,
+                        exit_status, stop)
 
 __all__ = ["ElasticSpec", "launch_elastic", "parse_discovered"]
 
@@ -257,6 +258,7 @@ class _ElasticJob:
                      on_stuck=lambda i: self.output.message(
                          f"rank {ranks[i].slot.rank} (pid {ranks[i].proc.pid}) did not exit "
                          "after SIGKILL"))
+                clear_shared_memory(self.starter.job_id)
                 self.output.drain(2.0)
         if summary:
             self.output.message(summary)

@@ -86,7 +86,8 @@ from ..errors import ConfigError
 from . import binding, jobfile
 from .hosts import Host
 from .processes import (DEFAULT_START_TIMEOUT, STOP_GRACE, Interrupts, Output, Process,
-                        StartError, Ssh, describe, exit_status, start, stop)
+                        StartError, Ssh, clear_shared_memory, describe, exit_status, start,
+                        stop)
 
 __all__ = ["Host", "Slot", "LaunchSpec", "place", "launch", "is_local", "STOP_GRACE",
            "SERVER_LINGER", "DEFAULT_START_TIMEOUT", "Rank", "Starter", "store_address",
@@ -507,6 +508,7 @@ class _Job:
                 jobfile.withdraw(self.jobfile)
                 stopped = stop([r.process for r in self.ranks], self.spec.stop_grace,
                                hurry=lambda: self.interrupts.hurry, on_stuck=self._stuck)
+                clear_shared_memory(self.starter.job_id)
                 self.output.drain(_DRAIN)
         if summary and self.ranks and others is not None:
             summary += f"; stopped {stopped} {others}rank{'' if stopped == 1 else 's'}"

@@ -111,6 +111,17 @@ def start(argv: Sequence[str], env: Mapping[str, str] | None = None, *,
         text=text, errors="replace" if text else None, start_new_session=True, cwd=cwd))
 
 
+def clear_shared_memory(job_id: str) -> list[str]:
+    """Removes what the job's ranks on this host left in /dev/shm, once every one of them has
+    ended (``stop`` returned): a rank unlinks its segments once its peers mapped them, or at
+    exit, but one SIGKILLed before (a killed data or parameter server, a rank stopped past the
+    grace) cannot. Every name a gradsync job makes starts with ``gradsync-<its job id>``;
+    returns those removed. Hosts reached over ssh keep theirs (docs/launch.md)."""
+    from ..transport import shm  # the launcher imports no transport until the job ends
+
+    return shm.unlink_prefixed(f"gradsync-{job_id}")
+
+
 def stop(children: Sequence[Process], grace: float = STOP_GRACE, *,
          hurry: Callable[[], bool] = lambda: False,
          on_stuck: Callable[[int], None] | None = None) -> int:
