@@ -110,12 +110,6 @@ dist.init_process_group("gradsync")
 GLOO = dist.new_group(backend="gloo")
 
 
-def all_digests(d, group):
-    out = [None] * N
-    dist.all_gather_object(out, d, group=group)
-    return out
-
-
 for label, group in (("gloo", GLOO), ("gradsync", None)):
     state = HookState(Int8(block=16), group)
     got = state.compressor.reduce(inputs(R), [(NUMEL,)], state.comm(), None, average=False)
@@ -125,7 +119,7 @@ for label, group in (("gloo", GLOO), ("gradsync", None)):
     state = HookState(Int8(block=64), group)
     model.register_comm_hook(state, compressed_hook)
     train(model, torch.optim.SGD(model.parameters(), lr=1.0), f"DDP hook over {label}",
-          lambda d, group=group: all_digests(d, group))
+          lambda d, group=group: tiny_net.all_digests(d, group))
     tiered_keys(state.compressor, f"DDP hook over {label}")
 
 dist.destroy_process_group()

@@ -139,12 +139,6 @@ dist.init_process_group("gradsync")
 GLOO = dist.new_group(backend="gloo")
 
 
-def all_digests(d, group):
-    out = [None] * N
-    dist.all_gather_object(out, d, group=group)
-    return out
-
-
 for label, group in (("gradsync", None), ("gloo", GLOO)):
     for name, compressor in compressors().items():
         torch.manual_seed(0)
@@ -152,7 +146,7 @@ for label, group in (("gradsync", None), ("gloo", GLOO)):
         model.register_comm_hook(HookState(compressor, group), compressed_hook)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         train(model, opt, f"DDP hook over {label}, {name}",
-              lambda d, group=group: all_digests(d, group))
+              lambda d, group=group: tiny_net.all_digests(d, group))
         several_buckets(compressor, f"DDP hook over {label}, {name}")
 
 dist.destroy_process_group()

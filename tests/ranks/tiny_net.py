@@ -8,6 +8,7 @@ the quantity the averaged gradients descend.
 import hashlib
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -36,3 +37,10 @@ def digest(tensors) -> str:
     """A short hash of the tensors' bytes: equal on two ranks only if bitwise equal."""
     flat = torch.cat([t.detach().reshape(-1) for t in tensors])
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
+
+
+def all_digests(d: str, group) -> list:
+    """Every rank's ``d`` over torch group ``group`` (None: the default group), by rank."""
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, d, group=group)
+    return out
