@@ -337,7 +337,7 @@ def test_a_killed_parameter_server_is_found_by_its_view_and_costs_no_step():
     assert [c["ok"] for c in data["checks"]] == [True, True, True], data["checks"]
     assert data["failures"] == []
     text = cr.format_text(data)
-    assert "check: shard 0: acknowledged updates lost: yes (0 (40 acknowledged, 40 applied))" \
+    assert "check: shard 0: no acknowledged update lost: yes (0 lost (40 acknowledged, 40 applied))" \
         in text and "verdict: passed" in text
 
 
@@ -352,9 +352,9 @@ def test_versions_that_go_back_after_a_server_fault_are_steps_lost():
 
 def test_lost_or_twice_applied_updates_and_copies_that_differ_fail_the_server_soak():
     failures = _server_report(_ps_log(applied=39))["failures"]
-    assert failures == ["shard 0: acknowledged updates lost: 1 (40 acknowledged, 39 applied)"]
+    assert failures == ["shard 0: no acknowledged update lost: 1 lost (40 acknowledged, 39 applied)"]
     failures = _server_report(_ps_log(applied=41))["failures"]
-    assert failures == ["shard 0: acknowledged updates lost: -1 (40 acknowledged, 41 applied)"]
+    assert failures == ["shard 0: no acknowledged update lost: -1 lost (40 acknowledged, 41 applied)"]
     failures = _server_report(_ps_log(agree=0))["failures"]
     assert failures == ["shard 0: copies agree: 2 copies of the 2 in the view answered, "
                         "DIFFERENT"]
@@ -403,7 +403,7 @@ def test_a_server_fault_nobody_noticed_and_a_slow_detection_fail_the_server_soak
     # no final counters: the updates' check was not made
     lines = [line for line in _ps_log() if "psfinal" not in line]
     failures = _server_report(lines, job="ps-async", reference=None)["failures"]
-    assert "acknowledged updates lost: not made: no final counters (worker 0 did not reach " \
+    assert "no acknowledged update lost: not made: no final counters (worker 0 did not reach " \
            "its check)" in failures
 
 
@@ -617,8 +617,8 @@ def test_a_short_soak_of_replicated_sync_parameter_servers_loses_no_acknowledged
         assert row["steps_lost"] == 0 and row["params_identical"] is True, row
     assert rows["kill"]["detection_s"] < 1.0, rows  # closed sockets: no heartbeat to wait for
     checks = {c["check"]: c for c in data["checks"]}
-    lost = checks["shard 0: acknowledged updates lost"]
-    assert lost["ok"] is True and lost["detail"].startswith("0 ("), lost
+    lost = checks["shard 0: no acknowledged update lost"]
+    assert lost["ok"] is True and lost["detail"].startswith("0 lost ("), lost
     assert checks["shard 0: copies agree"]["ok"] is True, checks
     equal = checks["parameters bitwise equal to the fault-free run"]
     assert equal["ok"] is True and "every step's digest and every shard's equal" in \

@@ -298,12 +298,12 @@ def checks(log: ServerLog, *, job: str, reference: ServerLog | None, dataset: in
                                if whole else "no epoch that every worker finished")})
         return out
     if not log.finals:
-        out.append({"check": "acknowledged updates lost", "ok": None,
+        out.append({"check": "no acknowledged update lost", "ok": None,
                     "detail": "no final counters (worker 0 did not reach its check)"})
     for f in log.finals:
         lost = f["acked"] - f["applied"]
-        out.append({"check": f"shard {f['shard']}: acknowledged updates lost", "ok": lost == 0,
-                    "detail": f"{lost} ({f['acked']} acknowledged, {f['applied']} applied)"})
+        out.append({"check": f"shard {f['shard']}: no acknowledged update lost", "ok": lost == 0,
+                    "detail": f"{lost} lost ({f['acked']} acknowledged, {f['applied']} applied)"})
         out.append({"check": f"shard {f['shard']}: copies agree",
                     "ok": bool(f["agree"]) and f["copies"] == f["view"],
                     "detail": f"{f['copies']} copies of the {f['view']} in the view answered, "
