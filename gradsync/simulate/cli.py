@@ -2,6 +2,7 @@
 
     gradsync simulate --cluster summit --model params=60M,compute_ms=180,buckets=25MB \\
         --gpus 6,96,1536,27360 [--algorithm auto|ring|hierarchical|halving_doubling|doubling]
+        [--compression none|bf16|int8|powersgd:4|randomk:0.01|diloco:100[+int8][@all|@hosts]]
         [--json [FILE]] [--plot scaling.png]
     gradsync simulate --validate [--measure] [--json [FILE]]
 
@@ -10,7 +11,12 @@
 count it prints the step time, the communication left exposed after overlapping backward,
 the time waited for the slowest rank (the cluster's ``jitter_cv`` and ``persistent_cv``, 0
 unless the file or ``--model jitter_cv=,persistent_cv=`` sets them), the scaling efficiency
-against one GPU, the algorithm each bucket ran, and the busiest tier.
+against one GPU, the busiest tier, the compression's compute per step and the megabytes one
+rank sends per step (compressed / uncompressed), and the algorithm each bucket ran.
+``--compression`` (or ``--model compression=``) models gradsync's compressors: their bytes,
+their compute (the cluster file's ``compress_seconds_per_element``, measured by
+``python3 -m gradsync.simulate.calibrate``, else assumed from its ``reduce_bandwidth``), the
+tiers they compress, and local SGD's and DiLoCo's sync every H steps (docs/simulate.md).
 ``--plot`` (needs matplotlib: ``pip install 'gradsync[simulate]'``) draws efficiency and
 step time against GPU count, one line per algorithm. ``--validate`` prints the validation
 points, predicted against observed, then the sources and assumptions of each point and
@@ -26,8 +32,12 @@ import textwrap
 
 from ..testbed.rows import add_json_option, write_json
 from ..errors import ConfigError
+from dataclasses import replace
+
 from .cluster import load, shipped
-from .step import ALGORITHMS, CANDIDATES, parse_model, simulate
+from .compression import parse as parse_compression
+from .compression import rate
+from .step import ALGORITHMS, CANDIDATES, check, parse_model, simulate
 
 __all__ = ["main", "parser"]
 
@@ -38,11 +48,15 @@ def parser() -> argparse.ArgumentParser:
     what = p.add_argument_group("what to simulate")
     what.add_argument("--cluster", help=f"cluster file, or a shipped one: {', '.join(shipped())}")
     what.add_argument("--model", help="params=60M,compute_ms=180[,buckets=25MB,backward=0.67,"
-                                      "update_ms=0,bytes_per_param=4,compression=none|fp16,"
-                                      "jitter_cv=0.02,persistent_cv=0.01]")
+                                      "update_ms=0,bytes_per_param=4,compression=int8,"
+                                      "matrix=1024x1024,jitter_cv=0.02,persistent_cv=0.01]")
     what.add_argument("--gpus", help="GPU counts, comma-separated, e.g. 6,96,1536,27360")
     what.add_argument("--algorithm", choices=ALGORITHMS, default="auto",
                       help="allreduce algorithm; auto: the planner's choice per bucket")
+    what.add_argument("--compression", help="none, fp16, bf16, int8, fp8, powersgd:R, "
+                      "randomk:RATIO, localsgd:H, diloco:H[+int8]; @slowest (default: only the "
+                      "top tier, as gradsync), @hosts (across nodes) or @all (every tier); "
+                      "overrides --model compression=")
     check = p.add_argument_group("validation")
     check.add_argument("--validate", action="store_true",
                        help="print the validation points: predicted, observed, error")
@@ -77,6 +91,9 @@ def main(argv: "list[str] | None" = None) -> int:
     try:
         cluster = load(args.cluster)
         model = parse_model(args.model)
+        if args.compression is not None:
+            model = replace(model, compression=args.compression)
+            check(model)
         counts = _gpus(args.gpus)
         rows = [simulate(cluster, model, n, args.algorithm) for n in counts]
     except (ConfigError, ValueError) as exc:
@@ -87,20 +104,39 @@ def main(argv: "list[str] | None" = None) -> int:
         print(f"# {cluster.name}: {model.params / 1e6:.1f}M parameters "
               f"({model.gradient_bytes / 1e6:.0f} MB of gradients, "
               f"{len(model.buckets())} buckets), compute {model.compute * 1e3:.1f} ms, "
-              f"algorithm {args.algorithm}, compression {model.compression}, jitter_cv "
+              f"algorithm {args.algorithm}, compression {rows[0].compression}, jitter_cv "
               f"{cluster.jitter_cv if model.jitter_cv is None else model.jitter_cv:g}, "
               f"persistent_cv "
               f"{cluster.persistent_cv if model.persistent_cv is None else model.persistent_cv:g}")
+        _print_rate(cluster, model)
         print(f"{'gpus':>7} {'step_ms':>10} {'exposed_ms':>10} {'straggle_ms':>11} {'eff':>6}  "
-              f"{'busiest tier':<14} algorithms (buckets)")
+              f"{'busiest tier':<14} {'compress_ms':>11} {'MB_sent':>15}  algorithms (buckets)")
         for r in rows:
             algs = ", ".join(f"{a} x{k}" for a, k in r.algorithms.items()) or "-"
+            sent = f"{r.wire_bytes / 1e6:.2f}/{r.fp32_bytes / 1e6:.2f}"
             print(f"{r.gpus:>7} {r.step * 1e3:>10.2f} {r.exposed * 1e3:>10.2f} "
                   f"{r.straggle * 1e3:>11.2f} {r.efficiency:>6.1%}  {r.busiest_tier or '-':<14} "
-                  f"{algs}")
+                  f"{r.compress * 1e3:>11.2f} {sent:>15}  {algs}")
+        print("# MB_sent: megabytes one rank sends per step, compressed/uncompressed"
+              + (f" (amortised over the {rows[0].sync_every} steps between syncs)"
+                 if rows[0].sync_every > 1 else ""))
     if args.plot:
         _plot(args.plot, cluster, model, counts, args.algorithm)
     return 0
+
+
+def _print_rate(cluster, model) -> None:
+    """Where the compression's compute rate comes from: measured, or assumed."""
+    comp = parse_compression(model.compression)
+    kinds = {comp.kind} | ({comp.outer.kind} if comp.outer else set())
+    for kind in sorted(kinds - {"none", "localsgd", "diloco"}):
+        per = rate(cluster, kind)
+        if kind in cluster.compress_seconds_per_element:
+            where = f"measured: {cluster.compress_source or 'the cluster file'}"
+        else:
+            where = ("assumed: the library's passes over memory at the cluster's "
+                     "reduce_bandwidth (docs/simulate.md)")
+        print(f"# {kind} compute {per * 1e9:.3g} ns per element ({where})")
 
 
 def _require_matplotlib() -> None:
@@ -131,7 +167,7 @@ def _plot(path: str, cluster, model, counts: list[int], algorithm: str) -> None:
         ax.grid(True, alpha=0.3)
     eff.legend()
     fig.suptitle(f"{cluster.name}: {model.params / 1e6:.0f}M params, "
-                 f"compute {model.compute * 1e3:.0f} ms")
+                 f"compute {model.compute * 1e3:.0f} ms, compression {model.compression}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     print(f"# wrote {path}")
@@ -164,6 +200,11 @@ def _validate(args) -> int:
                   f"{r['predicted']:>10.1%} {r['observed']:>9.1%} "
                   f"{r['error_points']:>+6.1f}pt {r['predicted_no_jitter']:>10.1%} "
                   f"{r['predicted_no_persistent']:>13.1%}")
+    from .validate import POWERSGD_SHARE_OBSERVED, powersgd_share
+
+    print(f"# pytorch#74148, 8 GPUs: the step with PowerSGD's P and Q allreduces over the step "
+          f"without them: predicted {powersgd_share():.3f}, observed {POWERSGD_SHARE_OBSERVED:.3f} "
+          f"(6.29/5.46)")
     if not args.measure:
         print("# measured-here points (training steps and allreduces of 16 to 64 ranks on "
               "emulated clusters): add --measure (root, about twenty minutes)")

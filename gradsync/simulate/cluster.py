@@ -39,13 +39,20 @@ the slowest rank (``straggle.py``). ``jitter_source`` says where the number come
 slower than another on every step (manufacturing and power management), the same for the whole
 job; ``persistent_source`` says where it comes from. Both are shares of the mean compute time.
 
+``compress_seconds_per_element`` (optional) maps a compression kind (``bf16``, ``int8``,
+``fp8``, ``powersgd``, ``randomk``) to the seconds one rank's compressor spends per gradient
+element (compress, reduce its share, decompress), as ``python3 -m gradsync.simulate.calibrate``
+measures it on a machine of the cluster; ``compress_source`` says where the numbers come from.
+A kind it does not name is charged its passes over memory at ``reduce_bandwidth``
+(``compression.py``).
+
 Files ship in ``gradsync/simulate/clusters/``; ``load("summit")`` finds them by name.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
@@ -56,7 +63,9 @@ __all__ = ["ClusterTier", "Cluster", "parse", "load", "shipped", "CLUSTERS_DIR"]
 
 CLUSTERS_DIR = Path(__file__).parent / "clusters"
 _TOP = {"name", "ranks_per_node", "tiers", "reduce_bandwidth", "jitter_cv", "jitter_source",
-        "persistent_cv", "persistent_source", "source", "assumed"}
+        "persistent_cv", "persistent_source", "source", "assumed",
+        "compress_seconds_per_element", "compress_source"}
+_COMPRESS_KINDS = ("fp16", "bf16", "int8", "fp8", "powersgd", "randomk")
 _TIER = {"name", "fanout", "bandwidth", "latency", "oversubscription", "source", "assumed"}
 
 
@@ -90,6 +99,9 @@ class Cluster:
     persistent_cv: float = 0.0
     """Coefficient of variation of the GPUs' own speeds, fixed for a job (0: all alike)."""
     persistent_source: str = ""
+    compress_seconds_per_element: dict = field(default_factory=dict)
+    """Measured compression compute per element, by kind (``compression.rate``)."""
+    compress_source: str = ""
 
     def unit_ranks(self) -> list[float]:
         """Ranks in one unit of each level: ``[1 (a rank), a node, a rack, ..., inf]``."""
@@ -165,10 +177,19 @@ def parse(spec: Mapping, source: str = "cluster") -> Cluster:
         spread[key] = float(value)
     reduce_bw = parse_bandwidth(spec.get("reduce_bandwidth", "6GB/s"),
                                 f"{source}: reduce_bandwidth")
+    rates = spec.get("compress_seconds_per_element", {})
+    if not isinstance(rates, Mapping) or not all(
+            k in _COMPRESS_KINDS and isinstance(v, (int, float)) and not isinstance(v, bool)
+            and v >= 0 for k, v in rates.items()):
+        raise ConfigError(f"{source}: compress_seconds_per_element must map kinds of "
+                          f"{', '.join(_COMPRESS_KINDS)} to seconds >= 0, got {rates!r}")
+    if not isinstance(spec.get("compress_source", ""), str):
+        raise ConfigError(f"{source}: compress_source must be text")
     return Cluster(str(spec.get("name", source)), rpn, tuple(tiers), reduce_bw,
                    spec.get("source", ""), tuple(spec.get("assumed", ())), spread["jitter"],
                    spec.get("jitter_source", ""), spread["persistent"],
-                   spec.get("persistent_source", ""))
+                   spec.get("persistent_source", ""),
+                   {k: float(v) for k, v in rates.items()}, spec.get("compress_source", ""))
 
 
 def _fields(entry: Mapping, where: str, known, required) -> None:

@@ -15,7 +15,14 @@ Backward produces gradient bytes at an even rate (the assumption ``ready=uniform
 networks are uneven: VGG's fully connected layers, most of its bytes, come out first). The
 allreduce time is the cost model's (``gradsync.collectives.costs``) on the cluster's
 ``TierFabric``, for the algorithm asked for or, with ``auto``, the cheapest per bucket as the
-planner picks it at run time. Compression divides the bytes on the wire.
+planner picks it at run time.
+
+Compression (``compression.py``): each bucket's exchange is the collectives the library's
+compressor issues (int8's alltoall and allgather, PowerSGD's two allreduces, random-k's one,
+a cast's allreduce of half the bytes), tiered as gradsync tiers it, plus the compressor's
+compute on the bucket's critical path; it overlaps backward like an uncompressed allreduce.
+Local SGD and DiLoCo (``localsgd:H``, ``diloco:H``) exchange nothing per step and one
+allreduce of the parameters every H steps, not overlapped, amortised over the H steps.
 
 Stragglers (``straggle.py``): with a per-step coefficient of variation c of a rank's compute
 (``jitter_cv``, the cluster file's, or the model's when it sets one), the step runs on the
@@ -35,23 +42,23 @@ Efficiency is weak scaling: the same batch per rank, ``step(1 rank) / step(N ran
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from ..collectives import costs
 from ..topology import parse_latency
+from . import compression as _compression
 from .cluster import Cluster
 from .fabric import TierFabric
 from .straggle import straggler_factor
 
-__all__ = ["Model", "StepResult", "parse_model", "simulate", "ALGORITHMS", "CANDIDATES",
-           "COMPRESSION"]
+__all__ = ["Model", "StepResult", "parse_model", "simulate", "ALGORITHMS", "CANDIDATES"]
 
 CANDIDATES = ("doubling", "halving_doubling", "ring", "hierarchical")
 """The planner's candidates; its ``topo_ring`` is ``ring`` here (ranks are in block order)."""
 ALGORITHMS = ("auto",) + CANDIDATES
-COMPRESSION = {"none": 1.0, "fp16": 0.5, "bf16": 0.5}
+_MATRIX = re.compile(r"\s*([0-9]+)\s*[xX]\s*([0-9]+)\s*")
 _SIZE = re.compile(r"\s*([0-9.eE+-]+)\s*([kKmMgG]?)(i?)([bB]?)\s*")
 
 
@@ -71,6 +78,11 @@ class Model:
     update: float = 0.0
     """Seconds of the optimizer step after the last allreduce."""
     compression: str = "none"
+    """``compression.parse``'s text: none, bf16, int8, powersgd:4, randomk:0.01, diloco:500,
+    ... with @slowest (default), @hosts or @all."""
+    matrix: tuple = (1024, 1024)
+    """PowerSGD: the shape of a typical gradient matrix (rows, the product of the others);
+    a bucket is cut into whole matrices of it and a flat rest. Assumed unless given."""
     jitter_cv: "float | None" = None
     """Per-step coefficient of variation of a rank's compute; None: the cluster file's."""
     persistent_cv: "float | None" = None
@@ -100,7 +112,7 @@ def _size(text: str, key: str) -> float:
 
 def parse_model(text: str) -> Model:
     """``params=60M,compute_ms=180,buckets=25MB[,backward=0.67,update_ms=5,bytes_per_param=2,
-    compression=fp16,jitter_cv=0.02,persistent_cv=0.01]`` -> Model."""
+    compression=int8,matrix=512x4608,jitter_cv=0.02,persistent_cv=0.01]`` -> Model."""
     fields = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, eq, value = item.partition("=")
@@ -108,7 +120,7 @@ def parse_model(text: str) -> Model:
             raise ValueError(f"--model: {item!r} is not KEY=VALUE")
         fields[key.strip()] = value.strip()
     known = {"params", "compute_ms", "buckets", "backward", "update_ms", "bytes_per_param",
-             "compression", "jitter_cv", "persistent_cv"}
+             "compression", "matrix", "jitter_cv", "persistent_cv"}
     if set(fields) - known:
         raise ValueError(f"--model: unknown key(s) {sorted(set(fields) - known)}; known: "
                          f"{', '.join(sorted(known))}")
@@ -127,6 +139,12 @@ def parse_model(text: str) -> Model:
         model = replace(model, bytes_per_param=float(fields["bytes_per_param"]))
     if "compression" in fields:
         model = replace(model, compression=fields["compression"])
+    if "matrix" in fields:
+        m = _MATRIX.fullmatch(fields["matrix"])
+        if not m or not int(m[1]) or not int(m[2]):
+            raise ValueError(f"--model matrix={fields['matrix']!r}: expected ROWSxCOLS such as "
+                             f"512x4608")
+        model = replace(model, matrix=(int(m[1]), int(m[2])))
     for key in ("jitter_cv", "persistent_cv"):
         if key in fields:
             try:
@@ -146,9 +164,10 @@ def check(model: Model) -> None:
         value = getattr(model, key)
         if value is not None and not 0 <= value < 1:
             raise ValueError(f"--model: {key} must be in [0, 1), got {value}")
-    if model.compression not in COMPRESSION:
-        raise ValueError(f"--model: compression {model.compression!r}; choose from "
-                         f"{', '.join(COMPRESSION)}")
+    try:
+        _compression.parse(model.compression)
+    except ValueError as exc:
+        raise ValueError(f"--model: {exc}") from None
 
 
 @dataclass
@@ -166,13 +185,25 @@ class StepResult:
     straggle: float = 0.0
     """Seconds the step waits for the slowest rank's compute beyond the mean rank's (per-step
     jitter and persistently slow GPUs together)."""
+    compression: str = "none"
+    compress: float = 0.0
+    """Seconds of compression compute per step on the buckets' critical paths (amortised over
+    H steps for local SGD and DiLoCo)."""
+    fp32_bytes: float = 0.0
+    """Bytes one rank sends uncompressed per step (inside units under tiered compression)."""
+    wire_bytes: float = 0.0
+    """Bytes one rank sends compressed per step."""
+    sync_every: int = 1
 
     def as_dict(self) -> dict:
         return {"gpus": self.gpus, "step_ms": self.step * 1e3, "compute_ms": self.compute * 1e3,
                 "exposed_ms": self.exposed * 1e3, "straggle_ms": self.straggle * 1e3,
                 "efficiency": self.efficiency,
                 "algorithms": self.algorithms, "busiest_tier": self.busiest_tier,
-                "tier_ms": {k: v * 1e3 for k, v in self.tier_seconds.items()}}
+                "tier_ms": {k: v * 1e3 for k, v in self.tier_seconds.items()},
+                "compression": self.compression, "compress_ms": self.compress * 1e3,
+                "fp32_mb": self.fp32_bytes / 1e6, "wire_mb": self.wire_bytes / 1e6,
+                "sync_every": self.sync_every}
 
 
 def _timeline(model: Model, times: list[float]) -> float:
@@ -187,18 +218,37 @@ def _timeline(model: Model, times: list[float]) -> float:
     return max(model.compute, done) + model.update
 
 
+def _exchanges(cluster: Cluster, gpus: int, model: Model, algorithm: str
+               ) -> list[_compression.Cost]:
+    """Each bucket's exchange under the model's compression (``compression.exchange``)."""
+    fabric = TierFabric(cluster, gpus)
+    comp = _compression.parse(model.compression)
+    algs = CANDIDATES if algorithm == "auto" else (algorithm,)
+    seen = {nbytes: _compression.exchange(cluster, fabric, comp, nbytes, model.bytes_per_param,
+                                          algs, model.matrix)
+            for nbytes in set(model.buckets())}
+    return [seen[b] for b in model.buckets()]
+
+
 def _allreduces(cluster: Cluster, gpus: int, model: Model, algorithm: str
                 ) -> tuple[list[float], list[str]]:
-    fabric = TierFabric(cluster, gpus)
-    wire = COMPRESSION[model.compression]
-    seen: dict[float, tuple[float, str]] = {}
-    for nbytes in set(model.buckets()):
-        algs = CANDIDATES if algorithm == "auto" else (algorithm,)
-        timed = {a: costs.allreduce_time(a, fabric, nbytes * wire) for a in algs}
-        best = min(algs, key=timed.get)  # the planner's rule: the first of equals
-        seen[nbytes] = (timed[best], best)
-    buckets = model.buckets()
-    return [seen[b][0] for b in buckets], [seen[b][1] for b in buckets]
+    """Each bucket's exchange seconds and algorithm."""
+    done = _exchanges(cluster, gpus, model, algorithm)
+    return [c.seconds for c in done], [c.algorithm for c in done]
+
+
+def _sync(cluster: Cluster, gpus: int, model: Model, algorithm: str,
+          comp: _compression.Compression) -> _compression.Cost:
+    """Local SGD's or DiLoCo's synchronisation: every parameter's outer gradient (float32)
+    in one reduction, through the outer compressor if any, then the outer step's passes."""
+    outer = comp.outer or _compression.Compression("none")
+    algs = CANDIDATES if algorithm == "auto" else (algorithm,)
+    cost = _compression.exchange(cluster, TierFabric(cluster, gpus), outer, 4 * model.params,
+                                 4, algs, model.matrix)
+    if gpus > 1:
+        step = _compression.OUTER_PASSES * model.params / cluster.reduce_bandwidth
+        cost = replace(cost, seconds=cost.seconds + step, compute=cost.compute + step)
+    return cost
 
 
 def simulate(cluster: Cluster, model: Model, gpus: int, algorithm: str = "auto") -> StepResult:
@@ -207,18 +257,41 @@ def simulate(cluster: Cluster, model: Model, gpus: int, algorithm: str = "auto")
         raise ValueError(f"unknown algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)}")
     if gpus < 1:
         raise ValueError(f"gpus must be at least 1, got {gpus}")
-    times, chosen = _allreduces(cluster, gpus, model, algorithm)
+    comp = _compression.parse(model.compression)
     cv = cluster.jitter_cv if model.jitter_cv is None else model.jitter_cv
     fixed = cluster.persistent_cv if model.persistent_cv is None else model.persistent_cv
-    slowest = model.compute * straggler_factor(gpus, cv, fixed)
-    step = _timeline(replace(model, compute=slowest), times)
     base = model.compute + model.update
-    comm = sum(times)
+    if comp.periodic:
+        # H steps without an exchange, then one sync: the ranks wait for each other once per
+        # window, so per-step jitter averages over H steps (compression.py).
+        every = comp.every
+        slowest = model.compute * straggler_factor(gpus, cv / math.sqrt(every), fixed)
+
+        def comm_of(c: Cluster) -> float:
+            return _sync(c, gpus, model, algorithm, comp).seconds / every
+
+        sync = _sync(cluster, gpus, model, algorithm, comp)
+        comm = sync.seconds / every
+        step = slowest + model.update + comm
+        done = [sync]
+        algorithms = {sync.algorithm: 1} if gpus > 1 else {}
+        scale = 1 / every
+    else:
+        def comm_of(c: Cluster) -> float:
+            return sum(x.seconds for x in _exchanges(c, gpus, model, algorithm))
+
+        done = _exchanges(cluster, gpus, model, algorithm)
+        slowest = model.compute * straggler_factor(gpus, cv, fixed)
+        step = _timeline(replace(model, compute=slowest), [c.seconds for c in done])
+        comm = sum(c.seconds for c in done)
+        algorithms = dict(Counter(c.algorithm for c in done)) if gpus > 1 else {}
+        scale = 1.0
     per_tier = {}
     for i, tier in enumerate(cluster.tiers):
-        freed, _ = _allreduces(cluster.with_free_tier(i), gpus, model, algorithm)
-        per_tier[tier.name] = comm - sum(freed)
+        per_tier[tier.name] = comm - comm_of(cluster.with_free_tier(i))
     busiest = max(per_tier, key=per_tier.get) if comm > 0 else ""
-    algorithms = dict(Counter(chosen)) if gpus > 1 else {}
     return StepResult(gpus, step, base, step - slowest - model.update, base / step, algorithms,
-                      per_tier, busiest, slowest - model.compute)
+                      per_tier, busiest, slowest - model.compute, comp.describe(),
+                      scale * sum(c.compute for c in done),
+                      scale * sum(c.fp32_bytes for c in done),
+                      scale * sum(c.wire_bytes for c in done), comp.every)
