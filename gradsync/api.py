@@ -25,7 +25,7 @@ from .collectives.ops import Average, ReduceOp
 from .collectives.planner import ALGORITHMS as _ALGORITHMS
 from .config import load_config
 from .engine import Handle
-from .pace import meter
+from .pace import meter, metered, waiting_for_data  # noqa: F401  (the API's, below)
 from .tensors import is_torch, wrap
 
 __all__ = [
@@ -35,7 +35,7 @@ __all__ = [
     "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "reducescatter", "reducescatter_async", "alltoall", "alltoall_async",
     "barrier", "broadcast_object", "allgather_object", "synchronize", "poll",
-    "mark_step", "stragglers",
+    "mark_step", "stragglers", "waiting_for_data", "metered",
 ]
 
 log = logging.getLogger("gradsync")
@@ -406,11 +406,12 @@ def mark_step() -> None:
 
 def stragglers():
     """The newest straggler report (``gradsync.straggler_watch.Report``): the ranks named now,
-    each with its host and its steps' split into compute, waiting and communication (ms);
+    each with its host and its steps' split into compute, data, waiting and communication (ms);
     rank 0 also has every rank's numbers (``ranks``). Empty before any step was judged,
     in a one-rank job and with ``straggler_interval`` 0."""
-    from .straggler_watch import EMPTY
+    from .straggler_watch import EMPTY, running
 
     current = job.current()
-    pace = None if current is None else current.pace
+    # A job's publisher, else a torch job's (its default group over the backend "gradsync").
+    pace = running() if current is None else current.pace
     return EMPTY if pace is None else pace.report

@@ -20,26 +20,46 @@ the same operations in the same order under both APIs, so the counts agree). Eac
 ``(number, wall end in ns, step ns, blocked ns, operations)``; the step's *compute* is its
 time not blocked.
 
+*Data* time is wall time the training loop waited for its next batch: gradsync's own
+``gradsync.data.Loader`` reports it at each ``next()``; a torch ``DataLoader`` (or any
+iterable of batches) reports it through ``gradsync.metered(loader)``, which times each
+``next()``, or ``with gradsync.waiting_for_data():`` around the fetch. It is kept as a union
+of intervals too (``waited_for_data``) and, per step, taken out of the step's time before the
+rest counts as compute: a rank whose data is slow shows it under data, not compute.
+
+Who marks the steps, in order of precedence (``level``): every ``straggler_ops`` operations
+(0, a job that marks nothing); the end of each backward pass that issued collectives of the
+torch backend (1, a DDP or FSDP job, ``torch/backend/backward.py``); ``mark_step`` (2, the
+user or ``DistributedOptimizer``). A mark of a higher level drops the steps of the lower one
+and numbers the steps from 1 again; a lower one is ignored from then on, so a DDP job whose
+loop also calls ``gradsync.mark_step`` is judged by those marks alone.
+
 Cost per operation: ``op_done`` (called by ``Record.done`` of the flight recorder, which every
 front door calls) adds one to a counter and compares it; ``blocked`` reads two clocks around a
 wait and writes two numbers. No lock: a lost update between two threads that finish at the
 same instant loses one interval's share of a statistic, never blocks anything. The meter is
 off (each call returns at its first test) when ``straggler_interval`` is 0.
 
-What a torch DDP job shows. DDP waits for its buckets inside torch's C++ reducer, which the
-meter does not see; such a job's blocked time is what its Python calls wait (``Work.wait``).
+What a torch DDP job shows. DDP waits for its buckets inside torch's C++ reducer, on a
+``Future`` no Python code waits on; the torch backend measures that wait from the end of the
+backward pass instead (``torch/backend/backward.py``) and reports it through ``blocked``.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 
-__all__ = ["Meter", "meter", "HISTORY"]
+__all__ = ["Meter", "meter", "HISTORY", "OPS", "BACKWARD", "MARKED", "waiting_for_data",
+           "metered"]
 
 HISTORY = 64
 """Steps each rank keeps (the newest): what it publishes covers the last ``straggler_window``
 of them, and ``gradsync top`` shows the newest."""
+
+OPS, BACKWARD, MARKED = 0, 1, 2
+"""Who marks the steps (``Meter.level``; the module docstring)."""
 
 
 class Meter:
@@ -70,13 +90,17 @@ class Meter:
         self.on = on
         self.blocked_ns = 0  # the union of this rank's blocked intervals, in ns
         self._until = 0  # the end of that union so far (monotonic ns)
+        self.data_ns = 0  # the union of the loop's waits for a batch, in ns
+        self._data_until = 0
         self.ops = 0
         self.steps: collections.deque = collections.deque(maxlen=HISTORY)
         self.step = 0
-        self.explicit = False
+        self.level = OPS
+        """Who marks the steps now: ``OPS``, ``BACKWARD`` or ``MARKED``."""
         self._ops_per_step = ops_per_step
         self._next_mark = ops_per_step or -1
         self._mark_ns, self._mark_blocked, self._mark_ops = self._clock(), 0, 0
+        self._mark_data = 0
         self.news = None
         """A straggler report not yet given to ``listeners`` (the publisher's thread sets it,
         the next explicit step mark hands it over on the training thread)."""
@@ -89,6 +113,13 @@ class Meter:
             self.blocked_ns += end_ns - (begin_ns if begin_ns > until else until)
             self._until = end_ns
 
+    def waited_for_data(self, begin_ns: int, end_ns: int) -> None:
+        """The training loop waited for its next batch from ``begin_ns`` to ``end_ns``."""
+        until = self._data_until
+        if end_ns > until:
+            self.data_ns += end_ns - (begin_ns if begin_ns > until else until)
+            self._data_until = end_ns
+
     def op_done(self) -> None:
         """An operation completed (every front door's, through its flight record)."""
         if not self.on:
@@ -99,14 +130,20 @@ class Meter:
             self._mark()
 
     # ------------------------------------------------------------------ per step
-    def mark_step(self) -> None:
+    @property
+    def explicit(self) -> bool:
+        """True once steps are marked (by ``mark_step`` or by the backward passes)."""
+        return self.level > OPS
+
+    def mark_step(self, level: int = MARKED) -> None:
         """Ends a step (on the training thread); hands a new straggler report to the
-        listeners. The first explicit mark drops the steps that counted operations, so that
-        every rank numbers the explicit steps from 1."""
-        if not self.on:
+        listeners. The first mark of a higher ``level`` drops the steps of the lower one, so
+        that every rank numbers the steps of that level from 1; marks of a lower level are
+        ignored from then on."""
+        if not self.on or level < self.level:
             return
-        if not self.explicit:
-            self.explicit = True
+        if level > self.level:
+            self.level = level
             self._next_mark = -1
             self.steps.clear()
             self.step = 0
@@ -122,18 +159,36 @@ class Meter:
                 listener(news)
 
     def _mark(self) -> None:
-        now, blocked, ops = self._clock(), self.blocked_ns, self.ops
+        now, blocked, ops, data = self._clock(), self.blocked_ns, self.ops, self.data_ns
         self.step += 1
-        step_ns, blocked_ns = now - self._mark_ns, blocked - self._mark_blocked
+        step_ns = now - self._mark_ns
+        blocked_ns = min(blocked - self._mark_blocked, step_ns)
+        # Waits for data and for collectives are on the loop's thread one after the other;
+        # clipped so that the three parts never exceed the step (a wait of another thread
+        # may overlap).
+        data_ns = min(data - self._mark_data, step_ns - blocked_ns)
         # One append: atomic under the GIL, so the publisher's snapshot sees whole steps.
-        self.steps.append((self.step, time.time_ns(), step_ns, min(blocked_ns, step_ns),
-                           ops - self._mark_ops))
+        self.steps.append((self.step, time.time_ns(), step_ns, blocked_ns,
+                           ops - self._mark_ops, data_ns))
         self._mark_ns, self._mark_blocked, self._mark_ops = now, blocked, ops
+        self._mark_data = data
         timeline = self.timeline
         if timeline is not None:
             timeline.instant("steps", "STEP", {
-                "step": self.step, "compute_ms": round((step_ns - blocked_ns) / 1e6, 3),
-                "blocked_ms": round(blocked_ns / 1e6, 3)})
+                "step": self.step,
+                "compute_ms": round((step_ns - blocked_ns - data_ns) / 1e6, 3),
+                "data_ms": round(data_ns / 1e6, 3), "blocked_ms": round(blocked_ns / 1e6, 3)})
+
+    def pause(self, on: bool) -> None:
+        """Turns the meter off (``on`` False) or back on within a job, as ``gradsync bench
+        train --overhead`` does between its windows; the step that goes on after a pause
+        is measured from the resumption, so the time off is in no step."""
+        if on and not self.on:
+            self._mark_ns, self._mark_blocked = self._clock(), self.blocked_ns
+            self._mark_ops, self._mark_data = self.ops, self.data_ns
+            if self._next_mark > 0:
+                self._next_mark = self.ops + self._ops_per_step
+        self.on = on
 
     def recent(self, count: int) -> list[tuple]:
         """The newest ``count`` steps, oldest first (a snapshot)."""
@@ -143,3 +198,32 @@ class Meter:
 
 meter = Meter()
 """The process's meter."""
+
+
+@contextlib.contextmanager
+def waiting_for_data(pace: Meter = meter):
+    """``with gradsync.waiting_for_data(): batch = next(it)``: the time inside counts as the
+    loop waiting for data (``data`` in ``gradsync.stragglers()``, ``gradsync top`` and the
+    timeline), not as compute."""
+    began = time.monotonic_ns()
+    try:
+        yield
+    finally:
+        pace.waited_for_data(began, time.monotonic_ns())
+
+
+def metered(batches, pace: Meter = meter):
+    """Yields the items of ``batches`` (a torch ``DataLoader``, any iterable), timing each
+    ``next()`` as the loop's wait for data: ``for x, y in gradsync.metered(loader):``.
+    The time the loop spends on a batch between two ``next()`` is not counted."""
+    items = iter(batches)
+    clock = time.monotonic_ns
+    while True:
+        began = clock()
+        try:
+            item = next(items)
+        except StopIteration:
+            return
+        finally:
+            pace.waited_for_data(began, clock())
+        yield item

@@ -25,17 +25,22 @@ on rank 0 with its host and where its steps go, the numbers in ``gradsync.stragg
 an instant in the timeline and a call of the callbacks registered on an elastic ``State``
 (``register_straggler_callbacks``). Where the time of a step goes is split three ways:
 *communication* is the least any rank blocked in it (what the last to arrive blocked: the
-collectives themselves), *waiting* is the rest of a rank's blocked time, and *compute* is
-the step's time not blocked (the rank's own work: forward, backward, data loading).
+collectives themselves), *waiting* is the rest of a rank's blocked time, *data* is the time
+its loop waited for its next batch (``pace.py``: gradsync's ``Loader`` reports it, a torch
+``DataLoader`` through ``gradsync.metered``), and *compute* is the rest of the step (the
+rank's own work: forward, backward, the optimizer).
 
 Worked example: 4 ranks, steps of 100 ms of work, rank 3 slowed by 30%. Per step rank 3
 computes 130 ms and blocks 2 ms (the allreduce); ranks 0-2 compute 100 ms and block 32 ms.
 typical = 32 ms; late(3) = 32 - 2 = 30 ms > 0.1 * 132 ms; late(0..2) = 0. After 6 such steps rank 3 is named:
-compute 130 ms, waiting 0 ms, communication 2 ms; its peers wait 30 ms a step for it.
+compute 130 ms, data 0 ms, waiting 0 ms, communication 2 ms; its peers wait 30 ms a step
+for it. Had rank 3's 30 ms been a wait for its batches, the same numbers would say compute
+100 ms, data 30 ms.
 
 The exchange costs nothing per operation and no collective. Each rank's *publisher*, a
 thread (``gradsync-pace``) that wakes every ``straggler_interval`` (1 s), posts its summary
-(newest steps, operation count, payload bytes per second, last operation) to the job's store
+(newest steps, operation count, payload bytes per second, bytes per second per tier
+``traffic.py``, last operation) to the job's store
 under ``pace/<rank>`` when it has changed: at most two store requests per rank per interval,
 over the World's store client, and none while the rank has not moved (waiting in a
 collective); beyond 256 ranks the interval grows with the job (``STORE_POSTS_PER_S``). Rank
@@ -64,9 +69,10 @@ import numpy as np
 from .flight_recorder import COMPLETED, recorder
 from .pace import Meter, meter
 from .rendezvous import Store
+from .traffic import Traffic
 
 __all__ = ["Judge", "RankPace", "Report", "Publisher", "EMPTY", "on_report", "payload_bytes",
-           "CURRENT_KEY", "TOP_NAMESPACE", "FLOOR_NS", "STORE_POSTS_PER_S"]
+           "running", "CURRENT_KEY", "TOP_NAMESPACE", "FLOOR_NS", "STORE_POSTS_PER_S"]
 
 log = logging.getLogger("gradsync")
 
@@ -100,6 +106,8 @@ class RankPace:
     compute_ms: float
     wait_ms: float
     comm_ms: float
+    data_ms: float = 0.0
+    """Waiting for its next batch (its data loading's share of the step)."""
 
 
 @dataclass(frozen=True)
@@ -132,17 +140,20 @@ class Judge:
         self.size, self.window, self.threshold = size, window, threshold
         self.step = 0
         """The newest step judged."""
-        # Per rank, per judged step: (late?, step, blocked, waiting, communication, late) ns.
+        # Per rank, per judged step: (late?, step, blocked, waiting, communication, late,
+        # data) ns.
         self._seen = [collections.deque(maxlen=window) for _ in range(size)]
 
     def judge(self, step: int, samples) -> None:
-        """Judges step ``step`` from each rank's ``(step_ns, blocked_ns)``, in rank order."""
-        blocked = sorted(b for _, b in samples)
+        """Judges step ``step`` from each rank's ``(step_ns, blocked_ns, data_ns)``, in rank
+        order (``data_ns`` may be left out: 0)."""
+        blocked = sorted(s[1] for s in samples)
         typical, least = blocked[len(blocked) // 2], blocked[0]
-        bar = max(self.threshold * statistics.median(s for s, _ in samples), FLOOR_NS)
-        for seen, (step_ns, blocked_ns) in zip(self._seen, samples):
+        bar = max(self.threshold * statistics.median(s[0] for s in samples), FLOOR_NS)
+        for seen, (step_ns, blocked_ns, *data) in zip(self._seen, samples):
             late = typical - blocked_ns
-            seen.append((late > bar, step_ns, blocked_ns, blocked_ns - least, least, late))
+            seen.append((late > bar, step_ns, blocked_ns, blocked_ns - least, least, late,
+                         data[0] if data else 0))
         self.step = step
 
     def named(self) -> list[int]:
@@ -155,13 +166,21 @@ class Judge:
         late steps alone, if it has any (what a warning about it shows)."""
         seen = self._seen[rank]
         late = [s for s in seen if s[0]]
-        rows = (late if late_only else []) or list(seen) or [(False, 0, 0, 0, 0, 0)]
+        rows = (late if late_only else []) or list(seen) or [(False, 0, 0, 0, 0, 0, 0)]
 
         def ms(i):
             return round(sum(s[i] for s in rows) / len(rows) / 1e6, 3)
 
         return RankPace(rank, host, len(late), len(seen), ms(5), ms(1),
-                        round(ms(1) - ms(2), 3), ms(3), ms(4))
+                        round(ms(1) - ms(2) - ms(6), 3), ms(3), ms(4), ms(6))
+
+
+_running: "Publisher | None" = None  # the process's publisher thread (a job's or a torch group's)
+
+
+def running() -> "Publisher | None":
+    """The publisher of the process's job (or of its torch job's default group), if any."""
+    return _running
 
 
 def on_report(callback) -> None:
@@ -233,8 +252,13 @@ class Publisher:
         self._verdicts = 0
         self._epoch = None  # (explicit steps?) of the steps judged
         self._last_end, self._last_t = 0, time.monotonic()  # what the last post counted
+        self.traffic = Traffic(world)  # bytes per second per tier (traffic.py)
         self._thread = None
+        self.paused = False
+        """True: rounds do nothing (``gradsync bench train --overhead``'s windows off)."""
         if thread:
+            global _running
+            _running = self
             self._thread = threading.Thread(target=self._run, name="gradsync-pace",
                                             daemon=True)
             self._thread.start()
@@ -243,6 +267,9 @@ class Publisher:
         """Ends the thread, waiting for the round in progress (milliseconds): a thread that
         came back from a store request while the interpreter finalizes would abort the
         process (``abort_watch.py`` says why), and ``shutdown`` runs at exit."""
+        global _running
+        if _running is self:
+            _running = None
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(10.0)
@@ -262,6 +289,8 @@ class Publisher:
         is acted on at the rank's next step anyway); only rank 0 goes on judging while a step
         it posted is not judged yet (its peers' posts of that step come later): one request
         a round at rank 0, until they have."""
+        if self.paused:
+            return
         if (self.meter.ops, self.meter.step) != self._posted:
             self._posted = (self.meter.ops, self.meter.step)
             self._newest = max((n for n, *_ in self.meter.recent(self.window)), default=0)
@@ -300,11 +329,12 @@ class Publisher:
         last = held[-1] if held else None
         return {
             "rank": self.rank, "host": self.host, "pid": os.getpid(),
-            "generation": self.generation, "explicit": self.meter.explicit,
+            # Who marks the steps (pace.py): a change of it renumbers them on every rank.
+            "generation": self.generation, "explicit": self.meter.level,
             "step": self.meter.step,
-            "ops": self.meter.ops, "bytes_s": round(rate),
-            "steps": [[n, step_ns, blocked_ns] for n, _, step_ns, blocked_ns, _ in
-                      self.meter.recent(self.window)],
+            "ops": self.meter.ops, "bytes_s": round(rate), "tiers": self.traffic.rates(),
+            "steps": [[n, step_ns, blocked_ns, data_ns] for n, _, step_ns, blocked_ns, _,
+                      data_ns in self.meter.recent(self.window)],
             "last": None if last is None else last.words(),
         }
 
@@ -320,7 +350,7 @@ class Publisher:
         if epoch != self._epoch:  # steps counted by operations gave way to marked ones
             self._epoch = epoch
             self.judge = Judge(self.size, self.window, self.judge.threshold)
-        steps = [{n: (s, b) for n, s, b in f["steps"]} for f in found]
+        steps = [{n: tuple(sample) for n, *sample in f["steps"]} for f in found]
         common = sorted(set.intersection(*(set(s) for s in steps)))
         for n in common:
             if n > self.judge.step:
@@ -357,9 +387,10 @@ def words(p: RankPace, ranks, step: int) -> str:
             f"ranks, by {p.late_ms:.1f} ms on average ({100 * p.late_ms / max(p.step_ms, 1e-9):.0f}% of "
             f"a {p.step_ms:.1f} ms step), in {p.late_steps} of the last {p.steps} steps up to "
             f"step {step}. "
-            f"Its steps: compute {p.compute_ms:.1f} ms, waiting {p.wait_ms:.1f} ms, "
-            f"communication {p.comm_ms:.1f} ms; its peers': compute {mean('compute_ms'):.1f} "
-            f"ms, waiting {mean('wait_ms'):.1f} ms, communication {mean('comm_ms'):.1f} ms "
+            f"Its steps: compute {p.compute_ms:.1f} ms, data {p.data_ms:.1f} ms, waiting "
+            f"{p.wait_ms:.1f} ms, communication {p.comm_ms:.1f} ms; its peers': compute "
+            f"{mean('compute_ms'):.1f} ms, data {mean('data_ms'):.1f} ms, waiting "
+            f"{mean('wait_ms'):.1f} ms, communication {mean('comm_ms'):.1f} ms "
             f"(gradsync.stragglers(), gradsync top)")
 
 

@@ -31,12 +31,14 @@ SCRIPTS = {1: _FRONT_DOORS + ("torch_api.py", "sweep.py", "arguments.py", "subwo
            3: _FRONT_DOORS + _OPTIMIZER + ("torch_api.py", "sweep.py", "sweep.py:python",
                                            "sweep.py:tcp", "arguments.py", "subworld.py:tcp",
                                            "adasum_check.py:shm", "adasum_check.py:tcp",
-                                           "pace.py"),
+                                           "pace.py", "pace.py:data", "pace.py:ddp"),
            4: ("sweep.py", "process_sets.py", "subworld.py", "adasum_check.py:shm")}
 """The entries of each world size's job, in this order (``SCRIPT`` or ``SCRIPT:ARG``,
 tests/ranks/suite.py): hvd_behaviours.py checks that shutdown leaves no thread behind, which is
 strictest with no World closed before its own; pace.py (stragglers named,
-tests/test_stragglers.py) comes last, its 40 steps of sleeps (3 s) after every other check.
+tests/test_stragglers.py) comes last, three times (the NumPy API, a rank slow for its data,
+DDP over the backend "gradsync"), its 40 steps of sleeps (3 s each time) after every other
+check.
 The scripts after the front doors' were jobs of their own in test_torch_api.py,
 test_collectives.py, test_arguments.py, test_subworld.py, test_adasum_multiprocess.py and
 test_negotiation.py (docs/testing.md, "Where each check lives")."""

@@ -71,15 +71,18 @@ def test_table_ddp_comparison_profile_and_identical_parameters(tmp_path):
             assert phases["compute_slowest"] >= phases["compute"] > 0, (mode, phases)
 
 
-def test_fsdp_comparison_over_gloo_and_the_backend(tmp_path):
+def test_fsdp_comparison_over_gloo_and_the_backend_and_the_cost_of_observing(tmp_path):
+    """With ``--overhead`` too (in this run, so as to start no job of its own): gradsync with
+    the flight recorder and the straggler watch off, window for window beside it on."""
     rows_file = tmp_path / "rows.json"
     result = bench("-np", "2", "--compare", "fsdp", "--model", "mlp", "--steps", "2",
-                   "--windows", "2", "--warmup", "1", "--json", str(rows_file))
+                   "--windows", "3", "--warmup", "1", "--overhead", "--json", str(rows_file))
     out = result.stdout
     assert result.returncode == 0, out
     lines = _rank0_lines(out)
     header = _header(lines)
     assert lines[header].split()[11:] == [
+        "|", "gs-off", "iqr%", "on/off",
         "|", "fsdp", "iqr%", "eff", "comm", "|", "fsdp-gs", "iqr%", "eff", "comm", "|",
         "gs/fsdp", "fgs/fsdp", "fgs/gs"], out
     # FSDP's shards are gathered for the checksum: the whole parameters, the same on every
@@ -89,6 +92,12 @@ def test_fsdp_comparison_over_gloo_and_the_backend(tmp_path):
                      r"gradsync and fsdp agree; fsdp_gs and fsdp agree", out), out
     [row] = json.loads(rows_file.read_text())
     assert row["identical"] is True and "ddp" not in row
+    ratios = row["observed_ratios"]
+    assert len(ratios) == 3 and row["observed_ratio"] == sorted(ratios)[1]
+    assert row["gradsync_off"]["samples_per_s"] > 0
+    # Off: no record kept, no step measured; on: both (the job's defaults), 3 windows x 2.
+    assert row["observed"]["off"] == {"records": 0, "steps": 0}, row["observed"]
+    assert row["observed"]["on"]["records"] > 0 and row["observed"]["on"]["steps"] == 6, row
     assert row["ratio_fsdp_gs"] == pytest.approx(row["fsdp_gs"]["samples_per_s"]
                                                  / row["fsdp"]["samples_per_s"])
     assert row["ratio"] == pytest.approx(row["gradsync"]["samples_per_s"]

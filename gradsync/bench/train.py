@@ -20,6 +20,17 @@ seed and copied, so all modes start from the same weights. The modes:
   (``--compare ddp``).
 - ``ddp-gs``: the same DDP over the torch.distributed backend "gradsync" (a
   ``new_group(backend="gradsync")`` beside gloo's default group; ``--compare ddp``).
+- ``gradsync-off`` (``--overhead``): ``gradsync`` again (a trainer of its own from the same
+  weights, so that ``gradsync``'s parameters stay comparable with its peer's after the same
+  steps), run with the flight recorder and the
+  straggler watch off: the recorder keeps no record (as ``flight_recorder=0``), the pace
+  meter counts nothing and its publisher makes no store request (as
+  ``straggler_interval=0``; its thread still wakes once an interval, and finds it has
+  nothing to do). ``gradsync`` runs them as the job is configured (the defaults: both on).
+  Within each round the two take turns in alternating order, so that neither always runs
+  right after the other modes; the table adds ``gs-off`` and ``on/off``: per round the
+  ``gradsync`` rate over the ``gradsync-off`` rate, the median over the rounds (1 - it is
+  the cost of observing the job, issue 41 item 5).
 - ``fsdp`` and ``fsdp-gs`` (``--compare fsdp``, instead of the two DDP modes):
   ``FullyShardedDataParallel`` (the whole model one unit, fully sharded: an allgather of the
   parameters in forward and in backward, a reduce-scatter of the gradients) over gloo and over
@@ -50,6 +61,7 @@ it; ``gradsync simulate`` predicts the step from it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
@@ -87,7 +99,51 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the rows to this file (rank 0)")
     p.add_argument("--profile", action="store_true",
                    help="time forward, backward, sync and update of each mode (rank 0)")
+    p.add_argument("--overhead", action="store_true",
+                   help="also run the gradsync mode with the flight recorder and the "
+                        "straggler watch off, window for window beside it, and print the "
+                        "ratio of the two (median over the windows)")
     return p
+
+
+class _Observers:
+    """The flight recorder and the straggler watch of the job, turned off for the windows of
+    ``gradsync-off`` and back on (as the job was configured) for the others; ``seen`` counts
+    what they recorded in the windows of each (records kept, steps measured), so that the
+    JSON rows show the windows off observed nothing."""
+
+    def __init__(self):
+        from .. import job
+        from ..flight_recorder import recorder
+        from ..pace import meter
+
+        self.recorder, self.meter = recorder, meter
+        self.entries, self.metering = recorder.size, meter.on
+        self.publisher = job.current().pace
+        self.seen = {"on": {"records": 0, "steps": 0}, "off": {"records": 0, "steps": 0}}
+
+    @contextlib.contextmanager
+    def window(self, mode: str):
+        """Runs a window of ``mode`` (``gradsync`` or ``gradsync_off``) and counts what was
+        observed in it."""
+        off = mode == "gradsync_off"
+        if off:
+            self.turn(False)
+        began, step = time.time_ns(), self.meter.step
+        try:
+            yield
+        finally:
+            seen = self.seen["off" if off else "on"]
+            seen["records"] += sum(r.created_ns >= began for r in self.recorder.records())
+            seen["steps"] += self.meter.step - step
+            if off:
+                self.turn(True)
+
+    def turn(self, on: bool) -> None:
+        self.recorder.resize(self.entries if on else 0)
+        self.meter.pause(on and self.metering)
+        if self.publisher is not None:
+            self.publisher.paused = not on
 
 
 class _Trainer:
@@ -178,7 +234,9 @@ def run(args) -> list[dict]:
     # Rank 0's counts, so that every rank issues the same collectives.
     steps, args.windows, args.warmup = hvd.broadcast_object(
         (args.steps, args.windows, args.warmup), 0, name="bench.train.counts")
-    modes = ["single", "local", "gradsync"] + ([peer, f"{peer}_gs"] if compare else [])
+    modes = ["single", "local", "gradsync"] + (["gradsync_off"] if args.overhead else []) \
+        + ([peer, f"{peer}_gs"] if compare else [])
+    observers = _Observers() if args.overhead else None
     rows = []
     for model_name in MODELS if args.model == "both" else [args.model]:
         torch.manual_seed(args.seed)  # the same initial weights on every rank
@@ -190,6 +248,9 @@ def run(args) -> list[dict]:
         trainers = {"single": local, "local": local,
                     "gradsync": _Trainer("gradsync", copy.deepcopy(base), x, y, hvd,
                                          args.compression)}
+        if args.overhead:
+            trainers["gradsync_off"] = _Trainer("gradsync", copy.deepcopy(base), x, y, hvd,
+                                                args.compression)
         if compare:
             trainers[peer] = _Trainer(peer, copy.deepcopy(base), x, y, hvd, args.compression,
                                       bucket_view=args.bucket_view)
@@ -202,15 +263,20 @@ def run(args) -> list[dict]:
                     trainers[mode].step()
         times = {mode: [] for mode in modes}
         for w in range(args.windows):
-            for mode in modes:
-                times[mode].append(_window(trainers[mode], steps, mode, rank, n, world,
-                                           f"{model_name}.{w}"))
+            for mode in _turns(modes, w):
+                watched = observers is not None and mode in ("gradsync", "gradsync_off")
+                with observers.window(mode) if watched else contextlib.nullcontext():
+                    times[mode].append(_window(trainers[mode], steps, mode, rank, n, world,
+                                               f"{model_name}.{w}"))
         row = _summarise(model_name, base, args, n, steps, times, world)
+        if observers is not None:
+            row["observed"] = copy.deepcopy(observers.seen)
+            observers.seen = {k: {"records": 0, "steps": 0} for k in observers.seen}
         if args.profile:
             row["profile_ms"] = {mode: _profile(trainers[mode], steps * args.windows)
-                                 for mode in modes if mode != "single"}
+                                 for mode in modes if mode not in ("single", "gradsync_off")}
         sums = {mode: hvd.allgather_object(trainers[mode].checksum(), name=f"bench.crc.{mode}")
-                for mode in modes if mode not in ("single", "local")}
+                for mode in modes if mode not in ("single", "local", "gradsync_off")}
         row["checksums"] = sums
         row["identical"] = all(len(set(v)) == 1 for v in sums.values())
         rows.append(row)
@@ -225,6 +291,17 @@ def run(args) -> list[dict]:
         dist.destroy_process_group()
     hvd.shutdown()
     return rows
+
+
+def _turns(modes: list[str], window: int) -> list[str]:
+    """The modes in the order of round ``window``: ``gradsync`` and ``gradsync_off`` swap
+    places every other round, so that neither always follows the same mode."""
+    if window % 2 == 0 or "gradsync_off" not in modes:
+        return modes
+    turned = list(modes)
+    on, off = turned.index("gradsync"), turned.index("gradsync_off")
+    turned[on], turned[off] = "gradsync_off", "gradsync"
+    return turned
 
 
 def _window(trainer: _Trainer, steps: int, mode: str, rank: int, n: int, world,
@@ -256,14 +333,22 @@ def _summarise(model_name, base, args, n, steps, times, world) -> dict:
            "batch": args.batch_size, "ranks": n, "steps": steps, "windows": args.windows,
            "compression": args.compression, "bucket_view": args.bucket_view,
            "fusion_threshold": world.config.fusion_threshold}
+    slowest_of = {}
     for mode, samples in times.items():
-        slowest = gs.allreduce(np.array(samples), op=gs.Max, name=f"bench.train.{mode}")
+        slowest = slowest_of[mode] = gs.allreduce(np.array(samples), op=gs.Max,
+                                                  name=f"bench.train.{mode}")
         ranks = 1 if mode == "single" else n
         rates = ranks * args.batch_size * steps / slowest
         q75, q25 = np.percentile(rates, [75, 25])
         median = statistics.median(rates.tolist())
         row[mode] = {"samples_per_s": median, "iqr_pct": 100 * (q75 - q25) / median,
                      "step_ms": statistics.median(slowest.tolist()) / steps * 1e3}
+    if "gradsync_off" in times:
+        # Per round the rate observed over the rate unobserved (= the unobserved window's
+        # time over the observed one's): rounds pair windows run close together in time.
+        ratios = slowest_of["gradsync_off"] / slowest_of["gradsync"]
+        row["observed_ratio"] = statistics.median(ratios.tolist())
+        row["observed_ratios"] = ratios.tolist()
     single = row["single"]["samples_per_s"]
     for mode in times:
         if mode != "single":
@@ -317,6 +402,10 @@ def _print_row(row: dict, header: bool, peer: "str | None") -> None:
                 "local = every rank at once, no communication",
                 "eff = rate / (N x single): scaling efficiency; comm = rate / local: "
                 "what communication costs",
+                *(["gs-off = gradsync with the flight recorder and the straggler watch off; "
+                   "on/off = gradsync's rate over gs-off's, per round, median over the "
+                   f"{row['windows']} rounds (1 - on/off: the cost of observing the job)"]
+                  if "gradsync_off" in row else []),
                 *([f"{peer} = {_WHAT[peer]} over gloo; {peer}-gs = the same over the "
                    f"torch.distributed backend 'gradsync'{view}; {short}/{peer} and "
                    f"{short}/gs: {peer}-gs's rate over {peer}'s and gradsync's"]
@@ -324,6 +413,8 @@ def _print_row(row: dict, header: bool, peer: "str | None") -> None:
             print(f"# {line}", flush=True)
         cols = f"{'model':>5} {'params':>7} {'batch':>5} | {'single':>8} {'local':>8} | " \
                f"{'gradsync':>9} {'iqr%':>5} {'eff':>5} {'comm':>5}"
+        if "gradsync_off" in row:
+            cols += f" | {'gs-off':>9} {'iqr%':>5} {'on/off':>6}"
         if peer:
             cols += f" | {peer:>9} {'iqr%':>5} {'eff':>5} {'comm':>5}" \
                     f" | {peer + '-gs':>9} {'iqr%':>5} {'eff':>5} {'comm':>5}" \
@@ -333,6 +424,10 @@ def _print_row(row: dict, header: bool, peer: "str | None") -> None:
     line = f"{row['model']:>5} {row['params'] / 1e6:>6.2f}M {row['batch']:>5} | " \
            f"{row['single']['samples_per_s']:>8.1f} {row['local']['samples_per_s']:>8.1f} | " \
            f"{g['samples_per_s']:>9.1f} {g['iqr_pct']:>5.1f} {g['eff']:>5.2f} {g['comm']:>5.2f}"
+    if "gradsync_off" in row:
+        off = row["gradsync_off"]
+        line += f" | {off['samples_per_s']:>9.1f} {off['iqr_pct']:>5.1f} " \
+                f"{row['observed_ratio']:>6.3f}"
     if peer:
         for mode in (peer, f"{peer}_gs"):
             d = row[mode]

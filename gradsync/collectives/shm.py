@@ -254,6 +254,9 @@ class ShmGroup:
                         for parity in (0, 1)] for r in range(size)]
         self._views: dict[np.dtype, list[list[np.ndarray]]] = {}
         self._seq = 0
+        self.moved = 0
+        """Bytes this rank put into and took out of the segment, counted by the payload of
+        each collective (an allreduce's twice: in, then out); read by ``traffic.py``."""
         self._failed: "BaseException | None" = None
         self._ctl[self._mine + _STARTED] = max(process_start_time(os.getpid()) or 0, 0)
         self._ctl[self._mine + _PID] = os.getpid()
@@ -342,6 +345,7 @@ class ShmGroup:
         flat = self._flat(data, writable=True)
         if self.size == 1:
             return
+        self.moved += 2 * flat.nbytes
         shared = self._shared_of(flat)
         if shared is not None:
             with self._guard():
@@ -444,6 +448,7 @@ class ShmGroup:
         bytes, ``code`` from ``fast_code``, ``divisor`` as for ``allreduce`` (no ``trunc``)."""
         if self._failed is not None or self._segment is None:
             self._flat(flat, writable=True)  # raises what allreduce raises
+        self.moved += 2 * flat.nbytes
         seq = self._seq = self._seq + 1
         try:
             # The common case is this one C call and no other Python frame: every rank
@@ -561,6 +566,7 @@ class ShmGroup:
         flat = self._flat(data, writable=self.rank != root)
         if self.size == 1:
             return
+        self.moved += flat.nbytes
         with self._guard():
             views = self._views_of(flat.dtype)
             step = self.slot_bytes // flat.itemsize

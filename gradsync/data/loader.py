@@ -43,6 +43,7 @@ import numpy as np
 
 from ..errors import ConfigError, GradsyncError, GradsyncTimeoutError, PeerLostError
 from ..heartbeat import LINK_UP_S
+from ..pace import meter
 from .layout import Layout
 from .plan import ORDERS, STATE_VERSION, Batch, pack_mask, plan, unpack_mask, worker_batches
 from .slots import poller
@@ -745,7 +746,10 @@ class _Epoch:
     def __next__(self):
         self.acknowledge()
         self._release()
+        began = time.monotonic_ns()
         item = self._next_item()
+        # The loop's wait for this batch: its step's "data" (pace.py), not its compute.
+        meter.waited_for_data(began, time.monotonic_ns())
         if item is _END:
             self.loader._ended(self)
             raise StopIteration

@@ -9,11 +9,14 @@ those keys, so it reaches a job from any machine that reaches its store, and cos
 nothing but the store's answers to it.
 
 Each row shows a rank's host, generation, step and operation counts, its steps split into
-compute / waiting / communication (milliseconds, averaged over the steps that every rank has
-posted, by the same rule that names stragglers: communication is the least any rank blocked
-in a step, waiting the rest of a rank's blocked time, compute the step's time not blocked),
-MB/s, the last operation and its age, and ``late`` (the steps of the last few it arrived
-late in, by the rule). A rank named a straggler is marked ``STRAGGLER`` (and, on a terminal,
+compute / data / waiting / communication (milliseconds, averaged over the steps that every
+rank has posted, by the same rule that names stragglers: communication is the least any rank
+blocked in a step, waiting the rest of a rank's blocked time, data the time its loop waited
+for its next batch, compute the rest of the step),
+the MB/s of its operations' payload and the MB/s it moved through each tier of the topology
+(``local``: the host's shared memory; ``host``: the network between hosts; ``group``: between
+groups of hosts, where the topology names them; ``traffic.py``), the last operation and its
+age, and ``late`` (the steps of the last few it arrived late in, by the rule). A rank named a straggler is marked ``STRAGGLER`` (and, on a terminal,
 drawn in reverse video).
 
 Finding the store: ``--store HOST:PORT``; else the job file the launcher writes on this
@@ -40,6 +43,7 @@ from typing import Sequence
 
 from ..rendezvous import Store
 from ..straggler_watch import CURRENT_KEY, TOP_NAMESPACE, Judge
+from ..topology import TIERS
 from . import jobfile
 
 __all__ = ["main", "build_parser", "read", "table"]
@@ -151,8 +155,8 @@ class View:
             if moved != self._moved[r]:
                 self._moved[r], self.changed[r] = moved, now
             mine = self._steps[r]
-            for n, step_ns, blocked_ns in post["steps"]:
-                mine[n] = (step_ns, blocked_ns)
+            for n, *sample in post["steps"]:  # (step, blocked, data) ns
+                mine[n] = tuple(sample)
             for n in sorted(mine)[:-_KEPT]:
                 del mine[n]
         # A job's steps are counted by its operations until it marks one (as rank 0's judge
@@ -164,7 +168,7 @@ class View:
             if self._epoch is not None:
                 self.judge = Judge(len(self._steps), _WINDOW, 0.1)
                 for r, post in enumerate(posts):
-                    self._steps[r] = {n: (s, b) for n, s, b in post["steps"]}
+                    self._steps[r] = {n: tuple(sample) for n, *sample in post["steps"]}
             self._epoch = epochs.pop()
         common = set.intersection(*(set(s) for s in self._steps)) if self._steps else set()
         for n in sorted(common):
@@ -199,8 +203,11 @@ def table(current: dict, posts: list, verdict: dict, colour: bool = False,
             f"{'' if gen < 0 else f', generation {gen}'}, {len(posted)} posting; step "
             f"{judge.step or '-'} judged; stragglers: "
             f"{', '.join(f'rank {r}' for r in sorted(named)) or 'none'}")
+    tiers = [t for t in TIERS if t in ("local", "host")
+             or any(t in p.get("tiers", {}) for p in posted)]
     columns = (f"{'rank':>4} {'host':<16} {'gen':>3} {'step':>6} {'ops':>8} {'step ms':>8} "
-               f"{'compute':>8} {'wait':>8} {'comm':>8} {'MB/s':>8} {'late':>5}  last operation")
+               f"{'compute':>8} {'data':>8} {'wait':>8} {'comm':>8} {'ops MB/s':>8} "
+               + "".join(f"{t + ' MB/s':>10} " for t in tiers) + f"{'late':>5}  last operation")
     lines = [head[:width], columns[:width]]
     for r, post in enumerate(posts):
         if post is None:
@@ -209,14 +216,17 @@ def table(current: dict, posts: list, verdict: dict, colour: bool = False,
         pace = judge.pace(r, post["host"], late_only=False)
         if pace.steps:
             late = f"{pace.late_steps}/{pace.steps}"
-            split = (f"{pace.step_ms:>8.1f} {pace.compute_ms:>8.1f} {pace.wait_ms:>8.1f} "
-                     f"{pace.comm_ms:>8.1f}")
+            split = (f"{pace.step_ms:>8.1f} {pace.compute_ms:>8.1f} {pace.data_ms:>8.1f} "
+                     f"{pace.wait_ms:>8.1f} {pace.comm_ms:>8.1f}")
         else:  # no step of it judged yet: nothing measured, not zeros
-            late, split = "-", " ".join(f"{'-':>8}" for _ in range(4))
+            late, split = "-", " ".join(f"{'-':>8}" for _ in range(5))
         last = _aged(post.get("last") or "-", now - view.changed[r])
         mark = " STRAGGLER" if r in named else ""
+        moved = post.get("tiers", {})  # a job of an older gradsync posts none
+        by_tier = "".join(f"{moved[t] / 1e6:>10.2f} " if t in moved else f"{'-':>10} "
+                          for t in tiers)
         row = (f"{r:>4} {post['host'][:16]:<16} {post['generation']:>3} {post['step']:>6} "
-               f"{post['ops']:>8} {split} {post['bytes_s'] / 1e6:>8.2f} {late:>5}  ")
+               f"{post['ops']:>8} {split} {post['bytes_s'] / 1e6:>8.2f} {by_tier}{late:>5}  ")
         if width is not None:  # the last operation gives way, never the mark
             room = max(width - len(row) - len(mark), 0)
             last = last if len(last) <= room else last[:max(room - 3, 0)] + "..."[:room]

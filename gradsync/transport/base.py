@@ -175,6 +175,12 @@ class Pair:
     def check_alive(self) -> None:
         """Raises PeerLostError if the peer is known to be gone (called while waiting)."""
 
+    def moved(self) -> int:
+        """Bytes sent plus bytes received on this pair so far (frames whole, headers too),
+        from counters the transport keeps anyway; read once an interval by ``traffic.py``,
+        never on an operation's path. 0 where the transport keeps none."""
+        return 0
+
     def close(self) -> None:
         raise NotImplementedError
 

@@ -356,6 +356,11 @@ class ShmPair(Pair):
         self._in = _Ring(inbound, _READ)
         self._out = _Ring(outbound, _WRITE)
 
+    def moved(self) -> int:
+        # The rings' own positions: bytes written out and read in (another thread's view of
+        # them may lag by the copy in progress, never more).
+        return self._out.pos + self._in.pos
+
     def advance_send(self, op: Send) -> bool:
         out = self._out
         hlen = len(op.header)

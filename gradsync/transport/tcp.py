@@ -121,6 +121,11 @@ def _recv_frame_kind(sock: socket.socket, *kinds: int) -> tuple[int, bytes]:
     return header.kind, _recv_exact(sock, header.length)
 
 
+# struct tcp_info (linux/tcp.h): tcpi_bytes_acked and tcpi_bytes_received, two u64 at byte
+# 120, after the u8 and u32 fields and the pacing rates (Linux 4.6 and later).
+_TCP_INFO_LEN, _TCP_INFO_BYTES = 256, 120
+
+
 class TcpPair(Pair):
     """An authenticated, non-blocking connection to rank ``peer``.
 
@@ -355,6 +360,22 @@ class TcpPair(Pair):
 
     def unsettled(self) -> bool:
         return bool(self.unacked or self._ctl_out)
+
+    def moved(self) -> int:
+        # The kernel's own counts (TCP_INFO: bytes acknowledged by the peer, bytes received),
+        # one system call, so nothing is counted on the data path. Heartbeats on the same
+        # connection count too (a few bytes a beat).
+        sock = self.sock
+        if sock is None:
+            return 0
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
+        except (OSError, AttributeError):  # closed meanwhile, or no TCP_INFO (not Linux)
+            return 0
+        if len(info) < _TCP_INFO_BYTES + 16:
+            return 0  # a kernel older than 4.6: no byte counts
+        acked, received = struct.unpack_from("QQ", info, _TCP_INFO_BYTES)
+        return acked + received
 
     def owes_bytes(self) -> bool:
         return bool(self._ctl_out)

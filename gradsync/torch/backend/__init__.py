@@ -10,7 +10,8 @@ or after gradsync), through ``gradsync/_torch_hook.py``; ``register()`` does it 
 docs/distributed.md lists what the backend supports and what it raises.
 
 Modules: ``group`` (the ProcessGroup: every collective), ``p2p`` (send and receive),
-``work`` (Works and the progress lanes), ``tensors`` (dtypes and reduce ops), ``errors``.
+``work`` (Works and the progress lanes), ``backward`` (DDP's wait inside torch's reducer, for
+the pace meter), ``tensors`` (dtypes and reduce ops), ``errors``.
 """
 
 from __future__ import annotations

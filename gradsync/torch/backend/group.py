@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ... import job as _job
 from ... import operations as ops
 from ...config import load_config
 from ...errors import GradsyncError
@@ -37,6 +38,7 @@ from ...flight_recorder import recorder
 from ...pace import meter
 from ...launch_env import LaunchEnv, host_name
 from ...rendezvous import Store
+from .backward import backward
 from .errors import BackendError, to_backend_error
 from .p2p import PointToPoint, clone_store
 from .tensors import as_bytes, contiguous, fold, reduction_of, typed
@@ -118,10 +120,15 @@ class ProcessGroupGradsync(dist.ProcessGroup):
                 from exc
         self._lane = Lane(f"gradsync-pg{group_id}", self._failed)
         self._pace = None
-        if not recorder.configured:  # a job of the NumPy or Horovod API set it up already
+        # The first group of a torch job (its default group) owns the flight recorder's
+        # settings and the pace meter, as a gradsync job does (``job.Job``): steps,
+        # stragglers, ``gradsync top``; unless a job of the NumPy or Horovod API runs, or
+        # a live group owns them already. (A torch job after a gradsync job that has shut
+        # down, in one process, owns them anew.)
+        self._owns = _job.current() is None and not any(not g._closed for g in _owners)
+        if self._owns:
+            _owners.add(self)
             recorder.configure(config, self._global_ranks[rank], job)
-            # The first group of a torch job (its default group) owns the pace meter, as a
-            # gradsync job does (``job.Job``): steps, stragglers, ``gradsync top``.
             meter.reset(config.straggler_ops, on=config.straggler_interval > 0)
             if config.straggler_interval > 0 and size > 1:
                 from ...straggler_watch import Publisher
@@ -227,6 +234,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         work.record = self._track.issue(
             _RECORDED_AS.get(kind, kind), None, None if first is None else tuple(first.shape),
             None if first is None else first.dtype)
+        backward.issued()  # inside a backward pass (DDP's buckets): watch its end's wait
         if opts is not None and not getattr(opts, "asyncOp", True):
             return self._lane.run_now(work, guarded)
         return self._lane.submit(work, guarded)
@@ -657,6 +665,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
 _CPU = torch.device("cpu")
 _BackendOptions = torch._C._distributed_c10d.Backend.Options
 _live: "weakref.WeakSet[ProcessGroupGradsync]" = weakref.WeakSet()
+_owners: "weakref.WeakSet[ProcessGroupGradsync]" = weakref.WeakSet()  # see __init__
 _EXIT_GRACE_S = 2.0
 SHUTDOWN_GRACE_S = 2.0
 """Seconds ``shutdown`` lets queued collectives finish before it aborts them."""

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ...pace import meter
+from .backward import backward
 from .errors import BackendError, to_backend_error
 
 __all__ = ["Work", "Lane"]
@@ -231,10 +232,15 @@ class Lane:
                 error = self.on_error(exc, work.what)
             except BaseException as inner:  # noqa: BLE001
                 error = to_backend_error(inner, work.what)
+            backward.done_ns = time.monotonic_ns()  # (as below)
             work._finish(error)
         else:
             if record is not None:
                 record.done()
+            # Where a backward pass waits for this Work's Future in torch's C++, the wait ends
+            # now (backward.py); stamped before the Future completes, so that the waiter,
+            # woken by it, never reads an older stamp.
+            backward.done_ns = time.monotonic_ns()
             work._finish()
 
     def _loop(self) -> None:
