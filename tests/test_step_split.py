@@ -17,7 +17,6 @@ import types
 import uuid
 
 import numpy as np
-import pytest
 
 from gradsync.config import Config
 from gradsync.pace import BACKWARD, Meter, metered, waiting_for_data
