@@ -314,6 +314,27 @@ class Loader:
             # stopped one continued) finds this worker gone; ``close`` frees the rest.
             peers[server].abandon()
 
+    def look_at_servers(self) -> None:
+        """Looks once, without waiting, at every data server this worker has not lost: one
+        whose process has exited (a same-host server) or whose end of the connection is
+        closed (any: the kernel closes a killed process's sockets) is lost now, as if this
+        worker had asked it for a batch. An elastic recovery looks before it trusts the
+        plan's order (``elastic.LoaderState.resumable``): a server killed while this worker
+        still read the batches it had published is otherwise found only at its next wait."""
+        from .slots import check_open
+
+        for d, peer in enumerate(getattr(self, "peers", [])):
+            if peer is None or d in self.lost:
+                continue
+            try:
+                road = self.pollers[d]
+                if road is not None:
+                    road.check_alive()
+                else:
+                    check_open(peer.sock, peer.label, peer.ident)
+            except PeerLostError as exc:
+                self._lose(d, exc)
+
     def _adopt(self, epoch: int, orphans: list[Batch]) -> list[tuple[Batch, int]]:
         """(The fetch thread.) Hands ``orphans``, batches of lost data servers, to the live
         ones, dealt by batch index; returns them as (batch, server) in the order to take:
