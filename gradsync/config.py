@@ -191,6 +191,13 @@ class Config:
     data server and in its own queue (the credits that bound how far servers run ahead);
     the ``Loader``'s ``prefetch`` argument overrides it."""
 
+    data_window: int = 4
+    """Data servers on another host: batches a worker's ``Loader`` keeps in flight per data
+    server over the connection. A ``take`` brings every batch after the one asked for that
+    the server has prepared already, up to this many, and the next is asked as soon as the
+    reply is in (so one round trip carries up to ``min(data_window, data_prefetch)``
+    batches); 1 asks for one batch at a time, one ahead."""
+
     data_cache_bytes: int = 1 << 30
     """Data servers: bytes of decoded samples (before the transform) each data server keeps in
     memory for later epochs; 0 caches nothing. Accepts 512M, 4G."""
@@ -233,6 +240,8 @@ class Config:
         if self.data_workers < 1 or self.data_producer not in ("process", "thread"):
             raise ConfigError(f"need data_workers >= 1 and data_producer 'process' or "
                               f"'thread', got {self.data_workers}, {self.data_producer!r}")
+        if self.data_window < 1:
+            raise ConfigError(f"need data_window >= 1, got {self.data_window}")
         if self.data_prefetch < 1 or self.data_cache_bytes < 0:
             raise ConfigError(f"need data_prefetch >= 1 and data_cache_bytes >= 0, got "
                               f"{self.data_prefetch}, {self.data_cache_bytes}")

@@ -16,19 +16,20 @@ from gradsync.data import plan as P
 from gradsync.data.layout import Layout
 from gradsync.data.loader import Loader
 from gradsync.data.slots import poller
+from gradsync.errors import PeerLostError
 
 from test_data import Numbers, _hello, _wait_for, server  # noqa: F401 (fixture)
 
 SAMPLES, BATCH = 40, 4
 
 
-def _loader(peers: list, reply: dict, prefetch=2, copy=True, poll=True) -> Loader:
+def _loader(peers: list, reply: dict, prefetch=2, copy=True, poll=True, window=1) -> Loader:
     """Worker 0 of 1, connected to the data servers of ``peers`` (its peer of each, after the
     hello whose ``reply`` describes the batches), as ``Loader.__init__`` would leave it."""
     loader = Loader.__new__(Loader)
     loader.samples, loader.batch_size, loader.seed = SAMPLES, BATCH, 1
     loader.order, loader.collate, loader.copy = "servers", None, copy
-    loader.prefetch = prefetch
+    loader.prefetch, loader.window = prefetch, window
     loader.rank, loader.workers, loader.servers = 0, 1, len(peers)
     loader.elastic, loader.generation, loader.epoch = False, 0, 0
     loader._resume, loader._active, loader._finished = {}, None, None
@@ -131,3 +132,73 @@ def test_a_server_lost_with_a_take_in_flight_has_its_batches_served_once_by_the_
     assert loader.lost == {0}
     ids = sorted(i for batch in got for i in batch)
     assert ids == list(range(SAMPLES))  # each sample once, server 0's rest from server 1
+
+
+def _server_items(servers, server):
+    """The sample ids of data server ``server``'s items for worker 0 of 1, in stream order."""
+    return [b.ids.tolist() for b in P.worker_batches(P.plan(SAMPLES, BATCH, 1, 0, servers, 1), 0)
+            if b.server == server]
+
+
+class _Gates(Numbers):
+    """``Numbers`` whose first sample of item ``k`` of the server's stream waits for
+    ``gates[k]``: with two producer threads the server prepares the items after a gated one
+    while that one waits."""
+
+    def __init__(self, n, items, gates):
+        super().__init__(n)
+        self.gated = {items[k][0]: gate for k, gate in gates.items()}
+
+    def __getitem__(self, i):
+        if i in self.gated:
+            self.gated[i].wait(20)
+        return super().__getitem__(i)
+
+
+def test_over_tcp_one_take_brings_every_ready_batch_of_the_window(server):
+    # Window 4, prefetch 4: item 0 waits for a gate while the server's second producer
+    # prepares items 1-3. The take asked for item 0 then answers with items 0-3, their bytes
+    # one after the other on its reply: one round trip, four batches (with a window of one
+    # batch: four takes).
+    first = threading.Event()
+    items = _server_items(1, 0)
+    srv, peers = server(_Gates(SAMPLES, items, {0: first}), workers=1, direct=False,
+                        producers=2, producer="thread")
+    loader = _loader([peers[0]], _hello(peers[0], SAMPLES, prefetch=4), prefetch=4, window=4)
+    batches = iter(loader)
+    assert _wait_for(lambda: srv.streams[0].finished == {1, 2, 3})  # item 0 still gated
+    first.set()
+    got = [ids.tolist() for _, ids in batches]
+    assert got == _planned(1)
+    stats = peers[0].call("stats")
+    assert stats["sent"] == len(got)  # each batch's bytes crossed once
+    assert stats["takes"] <= len(got) - 3  # the first take brought 4
+
+
+def test_over_tcp_a_lost_servers_batches_received_in_a_window_are_not_served_again(server):
+    # Two data servers, window 4: server 0's first take brings its items 0-3 (item 0 gated
+    # until items 1-3 are ready); the take asked ahead for item 4 waits on a gate when server
+    # 0 is closed and given up. Items 1-3 were received: they are handed on, not served
+    # again; server 0's items from 4 on come from server 1, each sample once.
+    first, never = threading.Event(), threading.Event()
+    items = _server_items(2, 0)
+    srv0, peers0 = server(_Gates(SAMPLES, items, {0: first, 4: never}), workers=1, servers=2,
+                          index=0, direct=False, producers=2, producer="thread")
+    srv1, peers1 = server(Numbers(SAMPLES), workers=1, servers=2, index=1, direct=False)
+    reply = _hello(peers0[0], SAMPLES, prefetch=4)
+    _hello(peers1[0], SAMPLES, prefetch=4)
+    loader = _loader([peers0[0], peers1[0]], reply, prefetch=1, window=4)
+    batches = iter(loader)
+    assert _wait_for(lambda: srv0.streams[0].finished == {1, 2, 3})
+    first.set()
+    assert _wait_for(lambda: batches._ahead.get(0, (None,))[0] == 4)  # items 0-3 are here
+    srv0.endpoint.close()
+    # Given up before the fetch thread hands on item 1 (as the liveness watch would).
+    loader._lose(0, PeerLostError("data server 0 was given up", peer=0))
+    got = [ids.tolist() for _, ids in batches]
+    never.set()
+    assert loader.lost == {0}
+    assert sorted(i for batch in got for i in batch) == list(range(SAMPLES))
+    # Server 1 served its own items and server 0's from item 4 on: not items 1-3 again.
+    own = len(_server_items(2, 1))
+    assert peers1[0].call("stats")["sent"] == own + len(items) - 4

@@ -128,7 +128,10 @@ def test_a_loader_that_lost_a_data_server_makes_the_torch_state_no_resume_point(
     from gradsync.data.elastic import LoaderState
     from gradsync.torch.elastic import TorchState
 
-    loader = types.SimpleNamespace(lost=set(), local_state=lambda: {})
+    dead = set()  # data servers whose process has ended, found by a look
+
+    loader = types.SimpleNamespace(lost=set(), local_state=lambda: {},
+                                   look_at_servers=lambda: loader.lost.update(dead))
     loader.elastic_handler = lambda: LoaderState(loader)
     model = torch.nn.Linear(2, 1)
     state = TorchState(model, torch.optim.SGD(model.parameters(), lr=0.1), loader=loader)
@@ -137,6 +140,11 @@ def test_a_loader_that_lost_a_data_server_makes_the_torch_state_no_resume_point(
     assert state.resumable()
     loader.lost.add(1)  # its batches now come at the end of each epoch, out of plan order
     assert not state.resumable()
+    # A data server that died while this worker still read what it had published: the lost
+    # worker may have found it first, so the state looks at the servers before it answers.
+    loader.lost.clear()
+    dead.add(0)
+    assert not state.resumable() and loader.lost == {0}
 
 
 def test_an_object_state_hands_a_value_with_a_handler_to_it_at_every_step():

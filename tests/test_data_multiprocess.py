@@ -71,11 +71,12 @@ def test_batches_read_over_tcp_arrive_exactly_once_as_over_shared_memory(tmp_pat
     _run(2, 2, "count", tmp_path, 2, env={"GRADSYNC_TRANSPORT": "tcp"})
     got = _received(tmp_path, "count", 2)
     _each_sample_once_as_planned(got, 2, 2)
-    # The road between hosts cannot map the slot table: every batch was a take, and its
-    # bytes came on the take's reply (no READ of the slot after it).
+    # The road between hosts cannot map the slot table: every batch came on a take's reply
+    # (no READ of the slot after it), several on one reply where they were ready (the
+    # window, ``data_window``).
     stats = json.loads((tmp_path / "stats.json").read_text())
-    assert [s["takes"] for s in stats] == [s["batches"] for s in stats]
-    assert [s["sent"] for s in stats] == [s["takes"] for s in stats]
+    assert [s["sent"] for s in stats] == [s["batches"] for s in stats]
+    assert all(0 < s["takes"] <= s["sent"] for s in stats)
     assert sum(s["batches"] for s in stats) > 0
 
 
@@ -144,7 +145,7 @@ def test_a_killed_data_servers_share_is_served_by_the_others_exactly_once(tmp_pa
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert [s["server"] for s in stats] == [1, 2]  # the live ones
     if how == "tcp":
-        assert all(s["sent"] == s["takes"] > 0 for s in stats)
+        assert all(s["sent"] >= s["takes"] > 0 for s in stats)
     elif how == "producers":
         assert all(s["producers"] == 2 for s in stats)
 

@@ -48,9 +48,13 @@ the result is the same without a broadcast.
 The rule counts a lost worker's batches in plan order. A worker that lost a data server takes
 that server's batches at the end of each epoch (``Loader._adopt``), out of plan order, so a
 survivor that lost one says its state is no resume point (``LoaderState.resumable``) and the
-job rolls back to the last commit instead. Left open: a lost worker that had lost a data
-server which no survivor had noticed yet would still be credited in plan order;
-``rollback = "always"`` on the state rules that out too.
+job rolls back to the last commit instead. The lost worker may have found a data server
+dead while the survivors still read the batches that server had published: so at a failure
+every survivor first looks at its data servers (``Loader.look_at_servers``: a process gone, a
+connection closed) and finds any dead one lost too. Left open: a lost worker that had given
+up a *silent* data server (stopped, or cut off from it alone), which no survivor had found
+silent yet, would still be credited in plan order; ``rollback = "always"`` on the state
+rules that out too.
 """
 
 from __future__ import annotations
@@ -89,7 +93,13 @@ class LoaderState:
     def resumable(self) -> bool:
         """Whether ``live_state`` may credit the workers (asked at a failure, with the
         state's own answer): not once this worker lost a data server, whose batches it then
-        takes out of plan order (the module docstring), so the job rolls back instead."""
+        takes out of plan order (the module docstring), so the job rolls back instead.
+
+        It looks at the data servers first (``Loader.look_at_servers``): the lost worker
+        may have found a data server dead (and taken batches out of plan order since) while
+        this one still read what that server had published; every survivor finds a dead
+        server here, so none credits the lost worker its plan's batches."""
+        self.loader.look_at_servers()
         return not self.loader.lost
 
     def sync(self) -> None:

@@ -9,8 +9,9 @@ the loop the server's slot itself). From a server on this host a batch comes wit
 message, in the loop's own ``next()``: it polls the stream's slot table in shared memory and
 acks with a one-sided write (``slots.py``), the servers having prepared ``prefetch`` batches
 ahead. From a server on another host a fetch thread calls ``take``, whose reply carries the
-batch's bytes, up to ``prefetch`` batches ahead of the loop, each server's next ``take`` asked
-while the current batch is read (``_Epoch``). An ``iter()`` while an epoch is unfinished (a
+batch's bytes (and those of the next ones the server has ready, up to the ``data_window``
+setting), up to ``prefetch`` batches ahead of the loop, each server's next ``take`` asked
+while the current batches are read (``_Epoch``). An ``iter()`` while an epoch is unfinished (a
 loop left with ``break``) goes on with that epoch where it stopped.
 
 Exactly once. Within an epoch every sample is in exactly one batch and every batch goes to
@@ -122,6 +123,9 @@ class Loader:
         self.prefetch = config.data_prefetch if prefetch is None else int(prefetch)
         if self.prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
+        # Batches in flight per data server on another host (``_Epoch._call``): a server
+        # never has more than ``prefetch`` of a stream prepared ahead, so no more can come.
+        self.window = max(1, min(config.data_window, self.prefetch))
         self.rank, self.workers, self.servers = env.rank, env.workers, env.data_servers
         self.elastic = env.elastic_id is not None
         self.generation = 0  # of the job's membership: ``reset``
@@ -310,6 +314,27 @@ class Loader:
             # Shut, so that a request waiting on it ends now and a server that wakes (a
             # stopped one continued) finds this worker gone; ``close`` frees the rest.
             peers[server].abandon()
+
+    def look_at_servers(self) -> None:
+        """Looks once, without waiting, at every data server this worker has not lost: one
+        whose process has exited (a same-host server) or whose end of the connection is
+        closed (any: the kernel closes a killed process's sockets) is lost now, as if this
+        worker had asked it for a batch. An elastic recovery looks before it trusts the
+        plan's order (``elastic.LoaderState.resumable``): a server killed while this worker
+        still read the batches it had published is otherwise found only at its next wait."""
+        from .slots import check_open
+
+        for d, peer in enumerate(getattr(self, "peers", [])):
+            if peer is None or d in self.lost:
+                continue
+            try:
+                road = self.pollers[d]
+                if road is not None:
+                    road.check_alive()
+                else:
+                    check_open(peer.sock, peer.label, peer.ident)
+            except PeerLostError as exc:
+                self._lose(d, exc)
 
     def _adopt(self, epoch: int, orphans: list[Batch]) -> list[tuple[Batch, int]]:
         """(The fetch thread.) Hands ``orphans``, batches of lost data servers, to the live
@@ -541,9 +566,11 @@ class _Epoch:
         self.ids: np.ndarray | None = None  # the sample ids of the batch last yielded
         self._stopping = False
         # Batches of each server still in ``work``: whether to ask a remote one for its next
-        # item ahead (``_ask_ahead``); (seq, handle) of that take, by server.
+        # items ahead (``_call``); (seq, handle) of that take, by server; the items a take
+        # brought beyond the one it asked for, (seq, answer, bytes) in stream order, by server.
         self._left = collections.Counter(s for _, s in work)
         self._ahead: dict[int, tuple[int, object]] = {}
+        self._got: dict[int, collections.deque] = collections.defaultdict(collections.deque)
         self._held = None  # (poller, seq) of a borrowed slot, released at the next batch
         self._failed: BaseException | None = None  # raised again by every later next()
         live = [d for d in range(loader.servers) if d not in loader.lost]
@@ -573,7 +600,8 @@ class _Epoch:
                 self.orphans = []
             batch, s = self.work.popleft()
             self._left[s] -= 1
-            if s in loader.lost:
+            if s in loader.lost and not self._got[s]:
+                # (A batch whose bytes came before the loss is received: it is handed on.)
                 self.orphans.append(batch)
                 continue
             try:
@@ -640,10 +668,11 @@ class _Epoch:
                                f"{list(ids)[:8]}...) where the plan has batch {batch.index} "
                                f"of epoch {self.epoch} (samples {batch.ids.tolist()[:8]}...)")
 
-    def _ask(self, s: int, seq: int, ahead: bool = False):
+    def _ask(self, s: int, seq: int, ahead: bool = False, count: int = 1):
         """Asks data server ``s`` for item ``seq``: with its bytes attached when its slots
-        are not mapped here (they cross the connection once, into a fresh buffer); returns
-        (reply, buffer or None), or with ``ahead`` a handle of that."""
+        are not mapped here (they cross the connection once, into a fresh buffer), and then
+        with those of the next ``count - 1`` items that are ready; returns (reply, buffer or
+        None), or with ``ahead`` a handle of that."""
         loader = self.loader
         peer = loader.peers[s]
         if loader.slots[s].direct is not None:
@@ -654,57 +683,85 @@ class _Epoch:
         def buffer(reply: dict) -> np.ndarray:
             return np.empty(reply["attached"], dtype=np.uint8)
 
-        args = {"seq": seq, "wait": loader._take_wait, "send": True}
+        args = {"seq": seq, "wait": loader._take_wait, "send": True, "count": count}
         if ahead:
             return peer.call_into_async("take", buffer, **args)
         return peer.call_into("take", buffer, **args)
 
     def _call(self, batch: Batch, s: int) -> np.ndarray | None:
         """Batch ``batch`` by a ``take`` call (from another host, or a same-host server
-        whose table is not polled); None: the epoch was stopped before it came."""
+        whose table is not polled); None: the epoch was stopped before it came.
+
+        ``loader._seq[s]`` counts the items of the stream received (the next one to ask
+        for); a reply may bring the ``window`` items after the one asked for that were
+        ready, kept in ``_got[s]`` until their batches' turn: so up to ``window`` batches
+        of a server are in flight at once, and the next take is asked as soon as a reply is
+        in, while the batches it brought are checked and handed on."""
         loader = self.loader
         start = time.perf_counter()
         waited = 0.0
-        seq = loader._seq[s]
-        ahead = self._ahead.pop(s, None)
-        while True:
-            # Answered within ``_take_wait`` while the server runs: "pending" when the batch
-            # is not ready yet, so that a slow batch is never a silent server.
-            if ahead is not None and ahead[0] == seq:
-                answer = ahead[1].wait()
-                if not isinstance(answer, tuple):
-                    answer = answer, None
-            else:
-                answer = self._ask(s, seq)
-            ahead = None
-            info, attached = answer
-            waited += float(info.get("waited", 0.0))
-            if not info.get("pending"):
-                break
-            if self._stopping:
-                return None
-            if s in loader.lost:  # the liveness watch gave it up meanwhile
-                raise PeerLostError(f"data server {s} was given up", peer=s)
-            if time.perf_counter() - start > loader._timeout:
-                raise GradsyncTimeoutError(f"data server {s} did not prepare this worker's "
-                                           f"item {seq} within {loader._timeout:.0f}s")
-        taken = time.perf_counter()
-        loader._seq[s] += 1
-        if self._left[s] > 0 and not self._stopping:
-            # The next item of this server is in this epoch's work: ask for it now, on the
-            # connection's own thread, so that its round trip (and the server's wait for
-            # its GIL) runs while this batch is checked and handed on. The take releases
-            # this item, whose bytes are already here.
-            self._ahead[s] = (seq + 1, self._ask(s, seq + 1, ahead=True))
-        self._check(s, info["epoch"], info["index"], info["ids"], batch)
-        if attached is not None:
-            buf = attached
+        got = self._got[s]
+        if got:  # came with an earlier take's reply
+            seq, info, buf = got.popleft()
         else:
+            seq = loader._seq[s]
+            ahead = self._ahead.pop(s, None)
+            while True:
+                # Answered within ``_take_wait`` while the server runs: "pending" when the
+                # batch is not ready yet, so that a slow batch is never a silent server.
+                if ahead is not None and ahead[0] == seq:
+                    answer = ahead[1].wait()
+                    if not isinstance(answer, tuple):
+                        answer = answer, None
+                else:
+                    # This batch and the next ones of the server in the work.
+                    answer = self._ask(s, seq, count=self._count(s, 1 + self._left[s]))
+                ahead = None
+                info, attached = answer
+                waited += float(info.get("waited", 0.0))
+                if not info.get("pending"):
+                    break
+                if self._stopping:
+                    return None
+                if s in loader.lost:  # the liveness watch gave it up meanwhile
+                    raise PeerLostError(f"data server {s} was given up", peer=s)
+                if time.perf_counter() - start > loader._timeout:
+                    raise GradsyncTimeoutError(f"data server {s} did not prepare this "
+                                               f"worker's item {seq} within "
+                                               f"{loader._timeout:.0f}s")
+            more = info.pop("more", [])
+            loader._seq[s] += 1 + len(more)
+            buf = None
+            if attached is not None:  # the items' bytes, one after the other
+                at = info["nbytes"]
+                buf = attached[:at]
+                for k, extra in enumerate(more, 1):
+                    got.append((seq + k, extra, attached[at:at + extra["nbytes"]]))
+                    at += extra["nbytes"]
+        taken = time.perf_counter()
+        # Of the server's batches after this one in the work, those not received yet.
+        wanted = self._count(s, self._left[s] - len(got))
+        if s not in self._ahead and wanted and not self._stopping and s not in loader.lost:
+            # More items of this server are in this epoch's work than this worker holds:
+            # ask for the next ones now, on the connection's own thread, so that the round
+            # trip (and the server's wait for its GIL) runs while this batch is checked and
+            # handed on. The take releases the items received, whose bytes are here.
+            self._ahead[s] = (loader._seq[s], self._ask(s, loader._seq[s], ahead=True,
+                                                        count=wanted))
+        self._check(s, info["epoch"], info["index"], info["ids"], batch)
+        if buf is None:
             buf = np.empty(info["nbytes"], dtype=np.uint8)
             loader.slots[s].read(buf, info["slot"] * loader.slot_bytes)
         loader._transfers.append((taken - start, waited, time.perf_counter() - taken,
                                   buf.nbytes))
         return buf
+
+    def _count(self, s: int, wanted: int) -> int:
+        """How many of ``wanted`` items of server ``s`` a take may ask for: up to the window
+        (0: none wanted). From a server whose slots are mapped here (a take without bytes),
+        one at a time: the worker reads each slot itself after the reply."""
+        window = 1 if self.loader.slots[s].direct is not None else self.loader.window
+        return max(0, min(window, wanted))
 
     def _put(self, item) -> bool:
         while not self._stopping:

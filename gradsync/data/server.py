@@ -29,9 +29,10 @@ A step, seen from worker w:
    it calls ``take(seq, wait, send=True)``, which waits until item ``seq`` is ready and
    answers what it holds (index, sample ids, bytes) and how long it waited, with the slot's
    bytes attached (``regions.Attached``): they cross the connection once, straight into the
-   worker's buffer. The worker asks for its next item of this server while it reads this
-   one's bytes and hands them on (``loader.py``), so the round trip is hidden behind them.
-   Asking for ``seq`` also releases every item before it. A take waits at most
+   worker's buffer; with ``count`` > 1 (the worker's window) the items after ``seq`` that
+   are prepared already follow on the same reply, none waited for. The worker asks for its
+   next items of this server while it reads these and hands them on (``loader.py``), so the
+   round trip is hidden behind them. Asking for ``seq`` also releases every item before it. A take waits at most
    ``wait`` seconds and then answers ``pending`` (the worker asks again): so every call is
    answered within a fraction of the heartbeat timeout while this server runs, and a worker
    that hears nothing for that long knows the server is stopped or cut off, not slow
@@ -454,13 +455,30 @@ class DataServer:
             info = {"slot": slot, "nbytes": nbytes, "epoch": epoch, "index": batch.index,
                     "ids": batch.ids.tolist(),
                     "waited": 0.0 if ready else time.monotonic() - arrived}
-        if args.get("send"):
-            with self._cv:
-                self.sent += 1
-            # The bytes follow the answer on the connection, sent from the slot: item
-            # ``seq`` stays unreleased (its slot unwritten) until the worker asks for a later
-            # one, which it does only once these bytes are in its buffer.
-            return Attached(info, stream.slots[slot][:nbytes])
+            send = bool(args.get("send"))
+            # ``count``: a worker on another host takes up to this many items at once (its
+            # window, ``data_window``): the ones after ``seq`` that are prepared already
+            # ride on the same reply, so one round trip brings several batches. None is
+            # waited for: the reply leaves as soon as item ``seq`` is ready.
+            more, last = [], seq
+            if send:
+                most = min(seq + max(1, int(args.get("count", 1))), len(stream.items))
+                while last + 1 < most and stream.produced > last + 1:
+                    last += 1
+                    e, b = stream.items[last]
+                    more.append({"nbytes": stream.nbytes[last], "epoch": e, "index": b.index,
+                                 "ids": b.ids.tolist()})
+                self.sent += 1 + len(more)
+        if send:
+            if more:
+                info["more"] = more
+            # The bytes follow the answer on the connection, sent from the slots: items
+            # ``seq`` .. ``last`` stay unreleased (their slots unwritten) until the worker
+            # asks for a later one, which it does only once these bytes are in its buffer
+            # (or, asked ahead, once the serving thread has handed them to the kernel: the
+            # next request on this connection is read only after this reply is sent).
+            return Attached(info, [stream.slots[k % stream.prefetch][:stream.nbytes[k]]
+                                   for k in range(seq, last + 1)])
         return info
 
     def _ping(self, worker: int, args: dict) -> dict:

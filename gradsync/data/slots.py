@@ -68,7 +68,7 @@ from ..errors import GradsyncTimeoutError, PeerLostError
 from ..transport import shm
 from ..transport.futex import Futex, fence
 
-__all__ = ["SlotTable", "Header", "Poller", "poller", "table_words", "ACK_WORD",
+__all__ = ["SlotTable", "Header", "Poller", "poller", "table_words", "check_open", "ACK_WORD",
            "FAILED_WORD"]
 
 _LINE = 8  # words per cache line
@@ -82,6 +82,27 @@ _PUBLISHED, _GENERATION, _EPOCH, _INDEX, _NBYTES, _COUNT, _STAMP = range(7)
 def table_words(prefetch: int, batch_size: int) -> int:
     """The table's size in 8-byte words for ``prefetch`` slots of ``batch_size`` samples."""
     return _HEADERS + prefetch * _LINE + prefetch * batch_size
+
+
+def check_open(sock: socket.socket, label: str, peer: int) -> None:
+    """Raises PeerLostError if the owner's end of the connection ``sock`` is closed (its
+    process exited or was killed: the kernel closed it), looking without waiting.
+
+    A peek through a non-blocking duplicate: the connection's own socket has a timeout, with
+    which ``recv`` would wait for a byte. Nothing is due while no call is in flight, so a
+    peek finds the end (0 bytes), no byte (alive), or a byte of a reply another thread is
+    reading (alive; the peek leaves it there)."""
+    try:
+        with socket.fromfd(sock.fileno(), sock.family, sock.type) as probe:
+            probe.setblocking(False)
+            ended = probe.recv(1, socket.MSG_PEEK) == b""
+    except (BlockingIOError, InterruptedError):
+        return
+    except OSError as exc:
+        raise PeerLostError(f"lost the connection to {label}: {exc}", peer=peer) from None
+    if ended:
+        raise PeerLostError(f"{label} closed its connection (did it exit or crash?)",
+                            peer=peer)
 
 
 class Header:
@@ -290,24 +311,8 @@ class Poller:
         if shm.process_start_time(self.pid) != self.started:
             raise PeerLostError(f"{self.label} (pid {self.pid}, same host) exited or was "
                                 "killed while this worker waited for a batch", peer=self.peer)
-        if self.sock is None:
-            return
-        try:
-            # A peek through a non-blocking duplicate: the connection's own socket has a
-            # timeout, with which ``recv`` would wait for a byte. Nothing is due while no call
-            # is in flight, so a peek finds the end (0 bytes), no byte (alive), or a byte of a
-            # reply another thread is reading (alive; the peek leaves it there).
-            with socket.fromfd(self.sock.fileno(), self.sock.family, self.sock.type) as probe:
-                probe.setblocking(False)
-                ended = probe.recv(1, socket.MSG_PEEK) == b""
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            raise PeerLostError(f"lost the connection to {self.label} while this worker "
-                                f"waited for a batch: {exc}", peer=self.peer) from None
-        if ended:
-            raise PeerLostError(f"{self.label} closed its connection while this worker "
-                                "waited for a batch", peer=self.peer)
+        if self.sock is not None:
+            check_open(self.sock, self.label, self.peer)
 
     def view(self, header: Header) -> np.ndarray:
         """The item's bytes where they lie, in the slot (``Loader(copy=False)``): valid until

@@ -107,16 +107,19 @@ class Attached:
 
     Args:
         reply: the JSON-able reply; it gains ``"attached"``, the number of bytes.
-        data: a contiguous uint8 view of the bytes (a region's, usually). The handler's
-            caller must keep them unchanged until they are sent: the serving thread sends
-            them after the handler has returned (a data server's slot stays unreleased
-            until the worker asks for a later item).
+        data: a contiguous uint8 view of the bytes (a region's, usually), or a list of them,
+            sent one after the other (several slots of a data server, which need not lie
+            side by side). The handler's caller must keep them unchanged until they are
+            sent: the serving thread sends them after the handler has returned (a data
+            server's slots stay unreleased until the worker asks for a later item).
     """
 
     __slots__ = ("reply", "data")
 
-    def __init__(self, reply: dict, data: np.ndarray):
-        self.reply, self.data = {**reply, "attached": int(data.nbytes)}, data
+    def __init__(self, reply: dict, data: "np.ndarray | list[np.ndarray]"):
+        parts = data if isinstance(data, list) else [data]
+        self.reply = {**reply, "attached": int(sum(part.nbytes for part in parts))}
+        self.data = parts
 
 
 class Region(Memory):
@@ -341,7 +344,8 @@ class Endpoint:
             reply, op = error_payload(exc), rf.Op.ERROR
         sock.sendall(rf.pack(op, req.request, 0, 0, len(reply)) + reply)
         if attached is not None and op == rf.Op.REPLY:
-            sock.sendall(attached)  # straight from the region: the one copy is the kernel's
+            for part in attached:  # straight from the region: the one copy is the kernel's
+                sock.sendall(part)
 
     def _serve_access(self, sock: socket.socket, req: rf.Request, scratch: np.ndarray) -> None:
         why = rf.check_access(req, self.regions, lambda r: r.dtype.itemsize)

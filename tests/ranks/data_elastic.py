@@ -16,9 +16,15 @@ in lockstep without ``hvd.join()``.
 MODE: fixed (no failure); kill (the worker whose first rank is VICTIM SIGKILLs itself after
 the forward of step AT + 1 of generation 0: the others wait in that step's gradient
 allreduce); killserver (the worker whose first rank is VICTIM SIGKILLs data server 0 in step
-AT + 1); join (worker 0 appends $GROW_HOST, default ``127.0.0.1:1``, to $HOSTS_FILE after
-step AT of generation 0: the launcher starts a new worker there; worker 0 holds the next
-commit until the launcher has listed it, so it joins there).
+AT + 1); both (a data server and a worker lost in the same epoch: the worker whose first rank
+is VICTIM SIGKILLs data server 0 in step AT + 1 and finds it lost at once, by ``stats()``,
+while the others still read the batches it had published; then itself in step AT + 4 of
+generation 0); workerfirst (the same two losses the other way round: the worker whose first
+rank is VICTIM SIGKILLs itself in step AT + 1 of generation 0, then rank 0 of the next
+generation SIGKILLs data server 0 in step AT + 4, the same epoch); join (worker 0 appends
+$GROW_HOST, default ``127.0.0.1:1``, to $HOSTS_FILE after step AT of generation 0: the
+launcher starts a new worker there; worker 0 holds the next commit until the launcher has
+listed it, so it joins there).
 $ELASTIC_ROLLBACK (default auto): the state's ``rollback``.
 
 Lines: ``TRAINED id=<worker> gen=<g> epoch=<e> ids=<i,j,...>`` after each applied update
@@ -98,6 +104,19 @@ def train(state):
                 os.kill(os.getpid(), signal.SIGKILL)
             if me and mode == "killserver" and state.steps == at and 0 not in loader.lost:
                 os.kill(loader.peers[0].pid, signal.SIGKILL)
+            if me and mode == "both" and worker.generation() == 0:
+                if state.steps == at and 0 not in loader.lost:
+                    os.kill(loader.peers[0].pid, signal.SIGKILL)
+                    while 0 not in loader.lost:  # found at once by this worker's stats()
+                        loader.stats()
+                if state.steps == at + 3:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            if mode == "workerfirst":
+                if me and worker.generation() == 0 and state.steps == at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if worker.generation() > 0 and hvd.rank() == 0 and state.steps == at + 3 \
+                        and 0 not in loader.lost:
+                    os.kill(loader.peers[0].pid, signal.SIGKILL)
             loss.backward()
             optimizer.step()
             state.steps += 1
