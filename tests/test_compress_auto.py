@@ -275,3 +275,29 @@ def test_options_are_checked():
     with pytest.raises(ValueError, match="calibrate"):
         Auto(calibrate=0)
     assert Auto(options=("none", "int8")).names == ("none", "int8")
+
+
+def test_the_elastic_handler_commits_and_rolls_back_the_choice():
+    """In an elastic State (``elastic.py``'s handler): a commit keeps the choice and the
+    residuals; a roll-back after more steps and a re-decision (here: a resize to 3 ranks
+    on a fast link, measured and decided afresh) brings the committed ones back."""
+    autos, comms, _ = job(2, rate=1e6)
+    train(autos, comms, 6, [0.05, 0.05])
+    handler = autos[0].elastic_handler(lambda obj, root, name: obj)
+    committed = autos[0].state_dict()
+    train(autos, comms, 2, [0.05, 0.05])  # the residuals move on
+    bigger, comms3, _ = job(3, rate=1e10, latency=1e-5)
+    bigger[0] = autos[0]  # rank 0's Auto goes on in the new world
+    train(bigger, comms3, 6, [0.05] * 3)
+    assert autos[0].decision.reason == "resize 2 -> 3 ranks"
+    assert autos[0].decision.choices != committed["auto"]["decision"]["choices"]
+    handler.restore()
+    restored = autos[0].state_dict()["auto"]
+    for held in (restored, committed["auto"]):
+        held["decision"].pop("made")  # the order of making, renewed by a load
+    assert restored == committed["auto"]
+    inner = autos[0].state_dict()["inner"]
+    for name, state in committed["inner"].items():
+        for key, held in state["state"]["tensors"].items():
+            assert all(torch.equal(t, inner[name]["state"]["tensors"][key][n])
+                       for n, t in held.items())
