@@ -138,27 +138,31 @@ def _settings(task="lm"):
 def test_the_report_keeps_the_rates_in_order_and_prints_every_row():
     rows = [_floor(rate="25mbit"), _row("gloo-fp32", rate="25mbit"),
             _floor(rate="unshaped"), _row("gloo-fp32", rate="unshaped", time_to_target=75.0),
-            {"mode": "gs-int8", "rate": "unshaped", "failed": "rank 1 exited 1: boom"}]
+            {"mode": "gs-int8", "rate": "unshaped", "failed": "rank 1 exited 1: boom"},
+            _row("gs-auto", rate="unshaped", choice="int8 x2 (5.6 MB)",
+                 decision="tier host: int8 for 2 buckets | calibrated: 98 Mbit/s")]
     data = cr.report(rows, _settings())
     assert [r["rate"] for r in data["rates"]] == ["25mbit", "unshaped"]
     assert data["rates"][1]["rows"][1]["x_floor"] == 1.25
     text, md = cr.format_text(data), cr.format_markdown(data)
     for out in (text, md):
-        assert "auto: not built" in out and "validation loss <= 2.4" in out
+        assert "not built" not in out and "validation loss <= 2.4" in out
         assert "rank 1 exited 1: boom" in out
         assert out.count("gloo-fp32") >= 2
+        # auto's choice in its row, and the numbers behind it under the table.
+        assert "int8 x2 (5.6 MB)" in out
+        assert "unshaped: gs-auto chose tier host: int8 for 2 buckets | calibrated" in out
     assert "| unshaped | gloo-fp32 | yes | 120 | 75.0 | 1.25 |" in md
     # The floor's line: the fp32 run's steps to the target, not the 24 it timed.
     assert "| unshaped | floor | - | 120 | 60.0 | 1.00 | 0.500 |" in md
-    assert md.count("\n| ") == 2 + 5  # the header, its rule, one line per row
+    assert md.count("\n| ") == 2 + 6  # the header, its rule, one line per row
 
 
 # ---------------------------------------------------------------- command line
-def test_modes_keep_the_benchs_order_and_auto_is_refused_not_faked():
+def test_modes_keep_the_benchs_order_and_auto_is_a_mode():
     assert compress.parse_modes("gs-diloco,gloo-powersgd,floor,gs-fp32") == \
         ["floor", "gloo-powersgd", "gs-fp32", "gs-diloco"]
-    with pytest.raises(Exception, match="not built"):
-        compress.parse_modes("auto")
+    assert compress.parse_modes("gs-diloco,auto,gs-int8") == ["gs-int8", "gs-auto", "gs-diloco"]
     with pytest.raises(Exception, match="unknown mode"):
         compress.parse_modes("int4")
     assert compress.parse_rates("25mbit, unshaped") == ["25mbit", "unshaped"]
@@ -219,7 +223,7 @@ def test_a_short_run_on_two_emulated_hosts_reports_every_mode_honestly(tmp_path,
     out = tmp_path / "report.json"
     target = 4.2
     options = compress.parser().parse_args([
-        "--rates", "unshaped", "--modes", "floor,gloo-fp32,gs-int8", "--lm-dim", "32",
+        "--rates", "unshaped", "--modes", "floor,gloo-fp32,gs-int8,gs-auto", "--lm-dim", "32",
         "--lm-layers", "1", "--lm-heads", "2", "--lm-context", "32", "--val-items", "32",
         "--max-steps", "24", "--eval-every", "4", "--floor-steps", "8", "--minutes", "2",
         "--target-loss", str(target), "--markdown", "--json", str(out)])
@@ -229,9 +233,9 @@ def test_a_short_run_on_two_emulated_hosts_reports_every_mode_honestly(tmp_path,
     assert [r["rate"] for r in data["rates"]] == ["unshaped"]
     rate = data["rates"][0]
     rows = {r["mode"]: r for r in rate["rows"]}
-    assert list(rows) == ["floor", "gloo-fp32", "gs-int8"]
+    assert list(rows) == ["floor", "gloo-fp32", "gs-int8", "gs-auto"]
     params = rows["gloo-fp32"]["params"]
-    for mode in ("gloo-fp32", "gs-int8"):
+    for mode in ("gloo-fp32", "gs-int8", "gs-auto"):
         row = rows[mode]
         assert not row.get("failed") and row["final"] == row["evals"][-1]
         # Honest: reached iff an evaluation met the target, at the first one that did.
@@ -258,4 +262,12 @@ def test_a_short_run_on_two_emulated_hosts_reports_every_mode_honestly(tmp_path,
     assert math.isclose(rate["floor_s"], step_s * rows["gloo-fp32"]["steps_to_target"])
     assert math.isclose(rows["gloo-fp32"]["x_floor"],
                         rows["gloo-fp32"]["time_to_target"] / rate["floor_s"])
-    assert "auto: not built" in printed
+    # auto decides at its step 5 (DDP's first two steps may count as one: its buckets are
+    # rebuilt after the first), so by step 8, and then says what it chose.
+    auto = rows["gs-auto"]
+    if auto["steps"] >= 8:
+        assert auto["decisions"][0].startswith("step 5 (calibrated)"), auto
+        assert auto["choice"] != "auto (not decided yet)"
+        assert "unshaped: gs-auto chose" in printed
+    else:
+        assert auto["choice"] == "auto (not decided yet)" and "decisions" not in auto

@@ -15,7 +15,7 @@ import threading
 import pytest
 import torch
 
-from gradsync.compress import FP8, Int8, PowerSGD, RandomK
+from gradsync.compress import BF16, FP8, Int8, PowerSGD, RandomK
 
 
 class ThreadGroup:
@@ -104,6 +104,7 @@ def grads(rank: int, step: int, numel: int) -> torch.Tensor:
 COMPRESSORS = {
     "int8": lambda: Int8(block=16),
     "fp8": lambda: FP8(block=16),
+    "bf16": lambda: BF16(block=16),
     "powersgd": lambda: PowerSGD(rank=2, min_compression_rate=1.0),
     "randomk": lambda: RandomK(0.1, seed=3),
 }
@@ -187,7 +188,7 @@ ADVERSARIAL = {
 }
 
 
-@pytest.mark.parametrize("codec", [Int8, FP8])
+@pytest.mark.parametrize("codec", [Int8, FP8, BF16])
 @pytest.mark.parametrize("values", sorted(ADVERSARIAL))
 @pytest.mark.parametrize("size, numel", [(2, 0), (3, 1), (3, 2), (2, 7), (3, 100), (3, 1000)])
 def test_quantized_sums_cannot_overflow(codec, values, size, numel):
@@ -205,9 +206,10 @@ def test_quantized_sums_cannot_overflow(codec, values, size, numel):
         assert out.shape == (numel,) and torch.equal(out, results[0])
         assert torch.isfinite(out).all()
         # Two roundings, each at most half a step of the block's scale (int8: 1/254 of the
-        # block's largest magnitude; fp8 e4m3: 1/16 relative to the value, or of the scale).
+        # block's largest magnitude; fp8 e4m3: 1/16 relative to the value, or of the scale;
+        # bf16: 1/512 relative to the value).
         peak = max(float(make(r, numel).abs().max()) if numel else 0.0 for r in range(size))
-        bound = (2.0 / 127 if codec is Int8 else 0.14) * peak
+        bound = {Int8: 2.0 / 127, FP8: 0.14, BF16: 0.01}[codec] * peak
         err = float((out.double() - exact).abs().max()) if numel else 0.0
         assert err <= bound, (err, bound)
     if numel:
@@ -226,6 +228,28 @@ def test_int8_wire_is_one_byte_per_element():
     per_rank = numel + 4 * numel // block + (numel // size + 4 * numel // size // block)
     assert group.wire_bytes == [per_rank] * size
     assert per_rank < 1.4 * numel  # against 8 bytes per element for float32 (both phases)
+
+
+@pytest.mark.parametrize("codec", [Int8, FP8, BF16])
+def test_quantized_on_one_rank_with_an_odd_chunk(codec):
+    """One rank (a process set of one, auto's one-rank timing of the arithmetic): the wire's
+    rows are one row whose stride (4 bytes of scale + 67 codes) is no multiple of 4."""
+    x = torch.linspace(-1.0, 1.0, 67)
+    (out,), _ = run_ranks(1, lambda comm: codec(block=1024).reduce(x, [(67,)], comm, "k",
+                                                                    average=True))
+    assert out.shape == (67,) and float((out - x).abs().max()) <= 0.14
+
+
+def test_bf16_wire_is_two_bytes_per_element():
+    size, numel, block = 3, 3 * 4096, 1024
+
+    def job(comm):
+        return BF16(block=block).reduce(torch.randn(numel), [(numel,)], comm, "k", False)
+
+    _, group = run_ranks(size, job)
+    per_rank = 2 * numel + 4 * numel // block + (2 * numel // size + 4 * numel // size // block)
+    assert group.wire_bytes == [per_rank] * size
+    assert group.wire_dtypes == {torch.uint8}
 
 
 def test_int8_exact_on_representable_values():

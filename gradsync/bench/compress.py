@@ -23,10 +23,11 @@ default) on CPython's standard library, validation files kept apart by a hash of
 ``cnn``, a small CNN on scikit-learn's digits. **The modes**, each rate running all of them in
 this order (``compress_report.MODES``): ``floor`` (no exchange), DDP over gloo at fp32, with
 torch's bf16 hook and with torch's PowerSGD hook (one bucket), DDP over the gradsync backend
-at fp32, with gradsync's int8 and PowerSGD hooks, and gradsync's DiLoCo (H inner steps, the
-outer gradient in int8). Every mode trains the same model from the same weights on the same
-batches with the same optimizer (AdamW); only the exchange differs. ``auto`` is not built
-yet: the report says so where its row will be.
+at fp32, with gradsync's int8 and PowerSGD hooks and with ``compression="auto"``
+(``gs-auto``, whose row's ``choice`` says what it chose per bucket class, with the numbers
+behind it under the table), and gradsync's DiLoCo (H inner steps, the outer gradient in
+int8). Every mode trains the same model from the same weights on the same batches with the
+same optimizer (AdamW); only the exchange differs.
 
 **What is reported**, per rate and mode (``compress_report.py``): whether it reached the
 target, the steps and training seconds to it (evaluation excluded, each segment timed at its
@@ -76,9 +77,8 @@ def parse_rates(text: str) -> list[str]:
 
 def parse_modes(text: str) -> list[str]:
     """``"gs-int8,floor"`` -> the modes, in the bench's order (``compress_report.MODES``)."""
-    names = {m.strip() for m in text.split(",") if m.strip()}
-    if "auto" in names:
-        raise argparse.ArgumentTypeError(f"auto: {cr.AUTO}")
+    names = {"gs-auto" if m.strip() == "auto" else m.strip() for m in text.split(",")
+             if m.strip()}
     unknown = sorted(names - set(cr.MODES))
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown mode(s) {', '.join(unknown) or repr(text)}; "

@@ -69,7 +69,7 @@ class _Trainer:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        self.task, self.model, self.outer = task, model, None
+        self.task, self.model, self.outer, self.auto = task, model, None, None
         lr = s["lr"]
         if mode == "floor":
             self.net, self.opt = model, torch.optim.AdamW(model.parameters(), lr)
@@ -114,6 +114,12 @@ class _Trainer:
                                        start_powerSGD_iter=2, random_seed=s["seed"])
             self.net.register_comm_hook(state, psgd.powerSGD_hook)
             self.choice = f"rank {r}, one bucket"
+        elif mode == "gs-auto":
+            from gradsync.compress import Auto, HookState, compressed_hook
+
+            self.auto = Auto(seed=s["seed"])
+            self.net.register_comm_hook(HookState(self.auto, group), compressed_hook)
+            self.choice = "auto (not decided yet)"  # replaced by its decision at the end
         elif mode in ("gs-int8", "gs-powersgd"):
             from gradsync.compress import HookState, Int8, PowerSGD, compressed_hook
 
@@ -211,6 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     measure = int(os.environ.get("LOCAL_RANK", "0")) == 0
     row = _train(trainer, task, gen, s, args.mode == "floor", measure)
     hosts = size // s["ranks_per_host"]
+    if trainer.auto is not None and trainer.auto.decision is not None:
+        # The decision in force at the end (each change was logged at INFO on rank 0).
+        decision = trainer.auto.decision
+        trainer.choice = decision.short()
+        row["decision"] = decision.summary()
+        row["decisions"] = [f"step {d.step} ({d.reason}): {d.short()}"
+                            for d in trainer.auto.history]
     row.update(mode=args.mode, choice=trainer.choice,
                params=sum(p.numel() for p in model.parameters()),
                bytes_per_step=row.pop("sent") / hosts / row["steps"])

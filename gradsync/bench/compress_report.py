@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["MODES", "AUTO", "FLOOR_REFERENCES", "floor_seconds", "rate_report", "report",
+__all__ = ["MODES", "FLOOR_REFERENCES", "floor_seconds", "rate_report", "report",
            "format_text", "format_markdown"]
 
 MODES = {
@@ -31,6 +31,8 @@ MODES = {
     "gs-fp32": "DDP over the gradsync backend, float32",
     "gs-int8": "DDP over the gradsync backend, gradsync.compress Int8 hook",
     "gs-powersgd": "DDP over the gradsync backend, gradsync.compress PowerSGD hook",
+    "gs-auto": "DDP over the gradsync backend, compression=\"auto\": per bucket, none, "
+               "bf16, int8 or PowerSGD from the measured link (its choice in 'choice')",
     "gs-diloco": "gradsync.compress DiLoCo over a gradsync group: H inner steps per sync",
 }
 """Every mode, in the order each rate runs them (the floor first)."""
@@ -87,7 +89,7 @@ def report(rows: list[dict], settings: dict) -> dict:
     for row in rows:
         if row["rate"] not in rates:
             rates.append(row["rate"])
-    return {"settings": settings, "auto": AUTO,
+    return {"settings": settings,
             "rates": [{"rate": rate, **rate_report([r for r in rows if r["rate"] == rate])}
                       for rate in rates]}
 
@@ -146,7 +148,10 @@ def _footer(data: dict) -> list[str]:
         else:
             lines.append(f"{r['rate']}: floor {r['floor_s']:.1f} s = {r['floor_step_s']:.3f} "
                          f"s/step x {r['floor_reference']}'s steps to target")
-    lines.append(f"auto: {data['auto']}")
+    autos = [(r["rate"], row) for r in data["rates"] for row in r["rows"]
+             if row["mode"] == "gs-auto" and not row.get("failed") and row.get("decision")]
+    for rate, row in autos:  # the choice with the numbers behind it, one line a rate
+        lines.append(f"{rate}: gs-auto chose {row['decision']}")
     return lines
 
 

@@ -19,19 +19,22 @@ with ``state_dict``), ``quantized`` (int8 and fp8), ``powersgd``, ``randomk``, `
 only across the slowest tier, once per host: the default of every compressor); ``diloco``
 (local SGD, DiLoCo and streaming DiLoCo: an outer gradient every H steps, through the same
 compressors and ``Comm``), ``elastic`` (their state and the compressors' in an elastic
-``State``).
+``State``); ``auto`` and ``auto_model`` (``compression="auto"``: per bucket, none, bf16,
+int8 or PowerSGD, chosen from the measured link and step, agreed by every rank).
 """
 
+from .auto import Auto
 from .base import ReducingCompressor
 from .comm import Comm, TorchComm, WorldComm
 from .ddp_hook import HookState, compressed_hook
 from .diloco import DiLoCo
 from .elastic import DiLoCoHandler, StateDictHandler
 from .powersgd import PowerSGD
-from .quantized import FP8, Int8
+from .quantized import BF16, FP8, Int8
 from .randomk import RandomK
 from .state import CompressorState
 
-__all__ = ["ReducingCompressor", "Int8", "FP8", "PowerSGD", "RandomK", "CompressorState",
+__all__ = ["ReducingCompressor", "Int8", "FP8", "BF16", "Auto", "PowerSGD", "RandomK",
+           "CompressorState",
            "Comm", "WorldComm", "TorchComm", "HookState", "compressed_hook", "DiLoCo",
            "StateDictHandler", "DiLoCoHandler"]

@@ -48,13 +48,19 @@ class HookState:
 
     Args:
         compressor: a ``ReducingCompressor`` (``Int8()``, ``FP8()``, ``PowerSGD(rank=4)``,
-            ``RandomK(0.01)``); its state holds the error feedback of every bucket.
+            ``RandomK(0.01)``), or ``"auto"`` / ``Auto(...)`` (``auto.py``: per bucket,
+            chosen from the measured link; ``state.compressor.decision`` is its choice);
+            its state holds the error feedback of every bucket.
         process_group: the DDP model's group, if it is not the default group.
         topology: where the group's ranks are (``gradsync.topology.Topology``, rank i of
             the group its rank i); None: from the members' host names.
     """
 
     def __init__(self, compressor: ReducingCompressor, process_group=None, topology=None):
+        if isinstance(compressor, str) and compressor == "auto":
+            from .auto import Auto
+
+            compressor = Auto()
         if not getattr(compressor, "owns_reduction", False):
             raise TypeError(f"HookState takes a gradsync.compress compressor (Int8, FP8, "
                             f"PowerSGD, RandomK), got {compressor!r}")

@@ -16,6 +16,10 @@ Two kinds, one argument (``compression=`` of ``DistributedOptimizer``, ``allredu
   the class for the defaults (``Compression.int8``) or an instance for settings, and keep
   the instance to save its state: ``c = Compression.powersgd(rank=4)``, then
   ``c.state_dict()``. docs/slow-links.md says what each sends.
+- ``"auto"`` (or ``Compression.auto``, an instance for settings): per bucket, none, bf16,
+  int8 or PowerSGD, chosen from the measured link and step (``gradsync/compress/auto.py``);
+  it owns its reduction too. The collectives (``allreduce``) need an instance kept across
+  calls: a new one per call never gets past its calibration (none).
 
 What a cast costs and buys: half the bytes on every link, one extra pass over the data on each
 side, and the reduction itself in 16 bits (each rank's contribution is rounded before the
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compress import FP8, Int8, PowerSGD, RandomK, ReducingCompressor
+from ..compress import FP8, Auto, Int8, PowerSGD, RandomK, ReducingCompressor
 
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression",
            "reducing"]
@@ -87,7 +91,8 @@ class BF16Compressor(_CastCompressor):
 
 class Compression:
     """The built-in compressors, by Horovod's names: ``none``, ``fp16``; plus ``bf16``, and
-    those that replace the allreduce: ``int8``, ``fp8``, ``powersgd``, ``randomk``."""
+    those that replace the allreduce: ``int8``, ``fp8``, ``powersgd``, ``randomk``, and
+    ``auto`` (the choice among none, bf16 with error feedback, int8 and PowerSGD)."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
@@ -96,11 +101,18 @@ class Compression:
     fp8 = FP8
     powersgd = PowerSGD
     randomk = RandomK
+    auto = Auto
 
 
 def reducing(compression) -> ReducingCompressor | None:
     """The compressor instance if ``compression`` owns its reduction (a class is
-    instantiated with its defaults), else None (a Horovod-style compress/decompress pair)."""
+    instantiated with its defaults, the string ``"auto"`` is ``Auto()``), else None (a
+    Horovod-style compress/decompress pair)."""
+    if isinstance(compression, str):
+        if compression != "auto":
+            raise ValueError(f"compression={compression!r}: the only name taken is 'auto'; "
+                             "pass a compressor (hvd.Compression.int8, ...) otherwise")
+        return Auto()
     if isinstance(compression, type) and issubclass(compression, ReducingCompressor):
         return compression()
     if getattr(compression, "owns_reduction", False):

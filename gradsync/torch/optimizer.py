@@ -54,6 +54,7 @@ bucket and is waited for at the *next* round's ``step()``, which applies it; the
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 import weakref
 from typing import Callable, Iterable, Iterator
@@ -325,19 +326,32 @@ class _DistributedOptimizer:
         bucket.version = bucket.buffer._version
         self._gs_next = bucket.index + 1
 
+    def _waited(self, wait):
+        """``wait()``, its time told to a compressor that weighs it (``compression="auto"``:
+        what the exchange costs the step is what the training thread waits, the rest ran
+        behind backward)."""
+        tell = getattr(self._gs_reducer, "blocked", None)
+        if tell is None:
+            return wait()
+        begin = time.perf_counter()
+        try:
+            return wait()
+        finally:
+            tell(time.perf_counter() - begin)
+
     def _gs_finish(self, bucket: Bucket) -> None:
         if self._gs_lag is not None:
             # This round's allreduce works on a copy; the previous round's lands here.
             if bucket.buffer._version != bucket.version:
                 raise RuntimeError(_MODIFIED.format(what=f"a gradient in {bucket.name}"))
-            result = self._gs_lag[bucket.index].land()
+            result = self._waited(self._gs_lag[bucket.index].land)
             if result is None:  # the first round: nothing to apply yet (lag.py)
                 self._gs_nothing_to_apply = True
                 bucket.buffer.zero_()
             else:
                 bucket.buffer.copy_(result)
         else:
-            bucket.handle.wait()
+            self._waited(bucket.handle.wait)
             if bucket.buffer._version != bucket.version:
                 raise RuntimeError(_MODIFIED.format(what=f"a gradient in {bucket.name}"))
             result = (bucket.buffer if self._gs_reducer is not None else
@@ -558,7 +572,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             one that replaces each bucket's allreduce, with error feedback:
             ``Compression.int8``, ``.fp8``, ``.powersgd``, ``.randomk`` (the class for its
             defaults, or an instance, e.g. ``Compression.powersgd(rank=4)``, whose
-            ``state_dict()`` holds the residuals). Not with ``op=Adasum`` or ``join()``.
+            ``state_dict()`` holds the residuals); or ``"auto"`` (``Compression.auto``):
+            per bucket, none, bf16, int8 or PowerSGD chosen from the measured link and
+            step (docs/slow-links.md). Not with ``op=Adasum`` or ``join()``.
         backward_passes_per_step: backward passes accumulated locally per allreduce.
         op: ``Average`` (default), ``Sum``, or ``Adasum``: each parameter's local update is
             Adasum-reduced instead of the gradients (``adasum_optimizer.py``).

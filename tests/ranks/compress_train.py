@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync
 import gradsync.torch as hvd
-from gradsync.compress import FP8, HookState, Int8, PowerSGD, RandomK, compressed_hook
+from gradsync.compress import FP8, Auto, HookState, Int8, PowerSGD, RandomK, compressed_hook
 
 warnings.simplefilter("ignore")
 hvd.init()
@@ -114,6 +114,39 @@ opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
                                compression=hvd.Compression.int8)
 train(model, opt, "DistributedOptimizer Compression.int8", lambda d: hvd.allgather_object(d))
 
+
+def same_auto_choice(auto, what: str, reasons: tuple, gather) -> None:
+    """compression="auto" decided (for one of ``reasons``: a drift check on a loaded
+    machine may have decided again) and every rank holds the same choice."""
+    C.count += 1
+    d = auto.decision
+    if d is None or not d.reason.startswith(reasons):
+        fail(f"{what}: expected a decision for {reasons}, got {d and d.summary()}")
+    if R == 0:
+        print(f"{what}: {d.summary()}", flush=True)
+    choices = gather((d.step, sorted(d.choices.items())))
+    if len(set(map(repr, choices))) != 1:
+        fail(f"{what}: the ranks chose differently: {choices}")
+
+
+def quick_auto():
+    # tiers="all": on one host auto would be off; this measures the ranks' own links.
+    # Decided at step 3 (warm-up 1, calibration 2), checked again at steps 4 and 6.
+    return Auto(tiers="all", warmup=1, calibrate=2, check_every=2)
+
+
+# compression="auto": off on one host (none at once), and measured (tiers="all").
+for what, compression in (("auto", "auto"), ("Auto(tiers='all')", quick_auto())):
+    torch.manual_seed(0)
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                   named_parameters=model.named_parameters(),
+                                   compression=compression)
+    train(model, opt, f"DistributedOptimizer {what}", lambda d: hvd.allgather_object(d))
+    same_auto_choice(opt._gs_reducer, f"DistributedOptimizer {what}",
+                     ("one host",) if compression == "auto" else ("calibrated", "drift"),
+                     lambda d: hvd.allgather_object(d))
+
 # Collectives: int8 of values it represents exactly sums exactly: integers in [-127, 127],
 # every other one 127, so that every block's scale is 1 (and the sum's is N).
 x = torch.stack([torch.full((255,), 127.0), torch.arange(-127.0, 128.0)], dim=1).reshape(-1)
@@ -148,6 +181,18 @@ for label, group in (("gradsync", None), ("gloo", GLOO)):
         train(model, opt, f"DDP hook over {label}, {name}",
               lambda d, group=group: tiny_net.all_digests(d, group))
         several_buckets(compressor, f"DDP hook over {label}, {name}")
+
+for label, group, state in (("gradsync", None, HookState(quick_auto())),
+                            ("gloo", GLOO, HookState("auto", GLOO))):
+    torch.manual_seed(0)
+    model = DDP(Net(), process_group=group, bucket_cap_mb=0.0005)
+    model.register_comm_hook(state, compressed_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    train(model, opt, f"DDP hook over {label}, auto",
+          lambda d, group=group: tiny_net.all_digests(d, group))
+    same_auto_choice(state.compressor, f"DDP hook over {label}, auto",
+                     ("calibrated", "drift") if label == "gradsync" else ("one host",),
+                     lambda d, group=group: tiny_net.all_digests(d, group))
 
 dist.destroy_process_group()
 hvd.shutdown()

@@ -1,0 +1,543 @@
+"""``compression="auto"``: per bucket, the compressor the measured link and step call for.
+
+    opt = hvd.DistributedOptimizer(opt, named_parameters=..., compression="auto")
+    model.register_comm_hook(HookState("auto"), compressed_hook)        # DDP, any backend
+
+``Auto`` is a compressor like the others (it owns its reduction), so both front doors take
+it unchanged; each bucket it reduces goes through the option it chose for that bucket:
+none (a float32 allreduce), ``BF16``, ``Int8`` or ``PowerSGD(rank=r)``, each with its
+error feedback and tiers (float32 inside a host, the compressor only across the slowest
+tier, ``tiers.py``). The choice is ``auto_model.decide``'s; this module measures what it
+reads, agrees it across ranks, and re-decides when the numbers move.
+
+Steps. Auto sees only bucket calls. Every rank calls ``reduce`` for the same keys in the
+same order (the front doors' contract), so a *step* is counted where a key comes back that
+was already reduced since the last step began: the same call on every rank. Everything that
+needs the other ranks (the agreements below) happens at such a call, before its bucket's
+reduction, so it is never mid-step and every rank issues the same collectives in the same
+order.
+
+1. Off: on one host (the Comm's placement says so) or one rank, every bucket is none, at
+   once, with no measurement (compression cannot pay where there is no slow tier).
+2. Calibration: steps ``warmup`` to ``warmup + calibrate - 1`` run none, timed: each
+   bucket's float32 exchange, the step's period, the time the training thread was blocked
+   on the exchange (the Horovod API's optimizer reports its waits, ``blocked``; a DDP hook
+   blocks for the whole exchange), and a latency: a one-element allreduce, timed after a
+   first one has lined the ranks up. In the last of these steps each candidate's arithmetic
+   is timed on the bucket's own gradient, on a one-rank loopback (the same work as on n
+   ranks: an owner sums n chunks of 1/n). Warm-up steps are not timed (DDP rebuilds its
+   buckets after step 0; connections are made).
+3. Agreement: at the first call of the next step, every rank's numbers are averaged (one
+   allreduce: the same bytes on every rank), then rank 0's decision is sent to all (a second
+   allreduce, every other rank adding zeros): every rank uses rank 0's choice, even where a
+   rank's own arithmetic would have rounded differently.
+4. Drift: every ``check_every`` steps the same two allreduces carry the window's numbers;
+   the link's rate is measured again from the chosen options' own exchanges (their time,
+   less their arithmetic, latency and fast-tier part, against their bytes), and the step's
+   compute. Beyond ``drift`` (a fraction) from what the decision used, rank 0 decides again.
+5. Resize: a Comm of another size (an elastic job's new world) starts again at 2 (or 1).
+
+Reports. A changed decision is logged at INFO once (rank 0; ``Decision.summary``: per tier
+and bucket class, and the numbers behind it) and marked on the timeline (``AUTO`` on the
+``compression`` row, every rank, when the Horovod API's timeline records). ``auto.decision``
+is the current one, ``latest()`` the newest of any Auto in the process.
+
+State (``state_dict``): the step count, the agreed numbers and choices, and each inner
+compressor's residuals, so a checkpoint or an elastic state carries it (``elastic.py``'s
+handler: ``sync`` gives every rank rank 0's, hence the same choices). A state loaded into a
+world of another size recalibrates (5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import statistics
+import time
+import weakref
+
+import torch
+
+from . import auto_model as model
+from .base import ReducingCompressor
+from .powersgd import PowerSGD
+from .quantized import BF16, Int8
+
+__all__ = ["Auto", "latest", "OPTIONS"]
+
+log = logging.getLogger("gradsync")
+
+OPTIONS = ("none", "bf16", "int8", "powersgd")
+"""The kinds auto may choose from (``options=`` restricts them; none is always there)."""
+
+HISTORY = 32
+"""Decisions ``Auto.history`` keeps."""
+
+_TINY = 1e-6  # seconds: a floor for measured wire times (a division by them follows)
+
+_LIVE: "weakref.WeakSet[Auto]" = weakref.WeakSet()
+_ORDER = itertools.count(1)
+
+
+def latest() -> "model.Decision | None":
+    """The newest decision of any ``Auto`` in this process (for a script that passed the
+    string ``"auto"`` and holds no instance, and for the bench)."""
+    held = [a.decision for a in list(_LIVE) if a.decision is not None]
+    return max(held, key=lambda d: d.made, default=None)
+
+
+class _Loopback:
+    """A one-rank Comm: times a compressor's arithmetic without the network."""
+
+    rank, size = 0, 1
+
+    def allreduce_sum_(self, t):
+        pass
+
+    def alltoall(self, send):
+        return send.clone()
+
+    def allgather(self, mine):
+        return mine.clone()
+
+    def placement(self):
+        return None
+
+
+class Auto(ReducingCompressor):
+    """Chooses none, bf16, int8 or PowerSGD per bucket from measurements (module docstring).
+
+    Args:
+        options: the kinds to choose from, of ``OPTIONS``; none is always one of them.
+        powersgd_ranks: PowerSGD's candidate ranks (each an option, the lower the lossier).
+        block: int8's and bf16's elements per scale.
+        margin: a more faithful option is kept if its predicted step is at most this
+            fraction slower than the fastest choice (``auto_model``).
+        warmup: steps not timed at the start (and after a resize).
+        calibrate: steps timed uncompressed before the first decision.
+        check_every: steps between two drift checks.
+        drift: relative change of the measured rate or compute that re-decides.
+        seed: the inner compressors' seed.
+        tiers: the inner compressors' (``tiers.py``): ``"slowest"`` (default) compresses
+            only across hosts, and auto is off on one host; ``"all"`` compresses every
+            rank's gradient, and auto weighs it even on one host (the ranks' links are then
+            the tier measured: loopback TCP, an emulated link).
+        clock: seconds, monotonic (tests give their own).
+    """
+
+    def __init__(self, options=OPTIONS, powersgd_ranks=(8, 4, 2), block: int = 1024,
+                 margin: float = 0.05, warmup: int = 2, calibrate: int = 3,
+                 check_every: int = 16, drift: float = 0.25, seed: int = 0,
+                 tiers: str = "slowest", clock=time.perf_counter):
+        super().__init__(seed, tiers)
+        unknown = set(options) - set(OPTIONS)
+        if unknown:
+            raise ValueError(f"auto: unknown option(s) {sorted(unknown)}; choose from "
+                             f"{', '.join(OPTIONS)}")
+        for name, value, low in (("warmup", warmup, 0), ("calibrate", calibrate, 1),
+                                 ("check_every", check_every, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"auto: {name} must be an int >= {low}, got {value!r}")
+        if not margin >= 0 or not drift > 0:
+            raise ValueError(f"auto: margin must be >= 0 and drift > 0, got {margin}, {drift}")
+        ranks = sorted({int(r) for r in powersgd_ranks}, reverse=True)
+        if "powersgd" in options and (not ranks or ranks[-1] < 1):
+            raise ValueError(f"auto: powersgd_ranks must be positive ints, got {powersgd_ranks}")
+        self.margin, self.drift, self.block = float(margin), float(drift), block
+        self.warmup, self.calibrate, self.check_every = warmup, calibrate, check_every
+        self.clock = clock
+        # The candidates, most faithful first (auto_model.decide's order).
+        self.inner: dict[str, ReducingCompressor] = {}
+        if "bf16" in options:
+            self.inner["bf16"] = BF16(block=block, seed=seed, tiers=tiers)
+        if "int8" in options:
+            self.inner["int8"] = Int8(block=block, seed=seed, tiers=tiers)
+        if "powersgd" in options:
+            for r in ranks:
+                self.inner[f"powersgd{r}"] = PowerSGD(rank=r, seed=seed, tiers=tiers)
+        self.names = ("none", *self.inner)
+        self.decision: model.Decision | None = None
+        self.history: list[model.Decision] = []
+        """Every decision announced, oldest first (the newest ``HISTORY``)."""
+        self._reset(size=None)
+        _LIVE.add(self)
+
+    def _describe(self) -> str:
+        return (f"auto({'|'.join(self.names)}, block={self.block}, margin={self.margin}, "
+                f"drift={self.drift})")
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _reset(self, size) -> None:
+        """Back to the start: every bucket none, calibration ahead (a new world too)."""
+        self._size = size
+        self._step = 0
+        self._choice: dict[str, int] = {}
+        self._agreed: dict | None = None  # the numbers of the last decision
+        self._off = False
+        self._calib_from = self.warmup  # the first timed step of the calibration
+        self._resized: str | None = None
+        self._new_step_state()
+
+    def _new_step_state(self) -> None:
+        self._seen: list[str] = []
+        self._last_keys: list[str] = []
+        self._shapes: dict[str, list[tuple]] = {}
+        self._start = None  # the current step's first call (clock)
+        self._times: dict[str, float] = {}  # this step's exchange seconds per key
+        self._blocked = 0.0
+        self._reported = False
+        self._aside = 0.0  # seconds of this step spent measuring (not the step's work)
+        self._window: list[dict] = []  # closed steps since the last agreement
+        self._latency: list[float] = []
+        self._kappa: dict[str, list[float]] = {}
+
+    def blocked(self, seconds: float) -> None:
+        """The front door's training thread waited ``seconds`` on this compressor's
+        exchange (the Horovod API's optimizer calls it; a DDP hook does not need to: it
+        blocks for the whole exchange)."""
+        self._blocked += seconds
+        self._reported = True
+
+    # ------------------------------------------------------------------ the reduction
+    def reduce(self, flat: torch.Tensor, shapes: list, comm, key: str | None,
+               average: bool) -> torch.Tensor:
+        """See ``base``; the bucket goes through the option chosen for ``key``."""
+        if key is None:  # no state, no steps: a one-off call is none
+            return self._none(flat.detach().to(torch.float32, copy=True), comm, average)
+        shapes = [tuple(s) for s in shapes]
+        self._at_call(key, shapes, comm)
+        name = self.names[self._choice.get(key, 0)]
+        start = self.clock()
+        if name == "none":
+            out = self._none(flat.detach().to(torch.float32, copy=True), comm, average)
+        else:
+            out = self.inner[name].reduce(flat, shapes, comm, key, average)
+        self._times[key] = self._times.get(key, 0.0) + self.clock() - start
+        if self._timing() and self._step == self._calib_from + self.calibrate - 1:
+            begin = self.clock()
+            self._kappa[key] = self._arithmetic(flat, shapes)
+            self._aside += self.clock() - begin
+        return out
+
+    def _none(self, x: torch.Tensor, comm, average: bool) -> torch.Tensor:
+        if comm.size > 1 and x.numel():
+            comm.allreduce_sum_(x)
+        if average:
+            x /= comm.size
+        return x
+
+    def _timing(self) -> bool:
+        return not self._off and self._step >= self._calib_from and self._agreed is None
+
+    def _at_call(self, key: str, shapes: list[tuple], comm) -> None:
+        """A bucket call's bookkeeping: a new world, a new step, and what the step boundary
+        brings (an agreement, a drift check): all before the bucket is reduced."""
+        if self._size != comm.size:
+            before = self._size
+            self._reset(comm.size)
+            self._off = not self._spans_hosts(comm)
+            if self._off:
+                self._announce(comm, self._off_decision(comm, "one host" if comm.size > 1
+                                                          else "one rank"))
+            elif before is not None:
+                log.info("compression auto: the world changed from %d to %d ranks; "
+                         "uncompressed until measured again", before, comm.size)
+                self._resized = f"resize {before} -> {comm.size} ranks"
+        if key in self._seen:
+            self._close_step()
+            if not self._off:
+                if self._agreed is None and self._step == self._calib_from + self.calibrate:
+                    self._agree(comm, self._resized or "calibrated")
+                elif self._agreed is not None and self._step % self.check_every == 0:
+                    if self._keys() != self._agreed["keys"]:
+                        # The buckets changed (a parameter group added, DDP's buckets
+                        # rebuilt): the same keys on every rank, so every rank starts
+                        # calibrating again here, with no collective.
+                        self._recalibrate("the buckets changed")
+                    else:
+                        self._check(comm)
+        if not self._seen:
+            if self._timing():  # a latency sample: the first allreduce lines ranks up
+                one = torch.zeros(1)
+                comm.allreduce_sum_(one)
+                begin = self.clock()
+                comm.allreduce_sum_(one)
+                self._latency.append(self.clock() - begin)
+            self._start = self.clock()
+        self._seen.append(key)
+        self._shapes[key] = shapes
+
+    def _recalibrate(self, why: str) -> None:
+        log.info("compression auto (step %d): %s; uncompressed until measured again",
+                 self._step, why)
+        self._choice, self._agreed, self._resized = {}, None, why
+        self._calib_from = self._step
+        self._window, self._latency, self._kappa = [], [], {}
+
+    def _close_step(self) -> None:
+        now = self.clock()
+        exchange = sum(self._times.values())
+        if self._start is not None and self._step >= self._calib_from:
+            blocked = min(self._blocked, exchange) if self._reported else exchange
+            self._window.append({"period": now - self._start - self._aside,
+                                 "exchange": exchange,
+                                 "blocked": blocked, "times": dict(self._times)})
+        self._step += 1
+        self._last_keys = list(self._seen)
+        self._seen, self._times = [], {}
+        self._blocked, self._reported, self._aside = 0.0, False, 0.0
+        self._start = now
+
+    def _arithmetic(self, flat: torch.Tensor, shapes: list[tuple]) -> list[float]:
+        """Seconds of each candidate's arithmetic on this bucket (the best of two runs)."""
+        loop = _Loopback()
+        x = flat.detach().to(torch.float32, copy=True)
+        out = []
+        for name, c in self.inner.items():
+            best = float("inf")
+            for _ in range(2):
+                begin = self.clock()
+                c._reduce(x.clone(), shapes, loop, None, False)
+                best = min(best, self.clock() - begin)
+            out.append(best)
+        return out
+
+    # ------------------------------------------------------------------ agreement
+    def _spans_hosts(self, comm) -> bool:
+        if comm.size < 2:
+            return False
+        if self.tiers == "all":
+            return True
+        placement = getattr(comm, "placement", None)
+        topo = placement() if placement is not None else None
+        return topo is None or len(topo.hosts) > 1
+
+    def _placement(self, comm):
+        """(units across the slowest tier, ranks per unit k, its tier, topology or None);
+        the tier is ``all`` (every rank's bucket compressed, ``tiers="all"``) or ``flat``
+        (the Comm does not know its placement: the same, every rank a unit)."""
+        if self.tiers == "all":
+            return comm.size, 1, "all", None
+        placement = getattr(comm, "placement", None)
+        topo = placement() if placement is not None else None
+        if topo is None:
+            return comm.size, 1, "flat", None
+        if len(topo.groups) > 1:
+            units = [sum(1 for r in range(topo.size) if topo.group_of[topo.host_of[r]] == g)
+                     for g in range(len(topo.groups))]
+            return len(topo.groups), max(units), "group", topo
+        per_host = [topo.host_of.count(h) for h in range(len(topo.hosts))]
+        return len(topo.hosts), max(per_host), "host", topo
+
+    def _local_seconds(self, topo, nbytes: int) -> float:
+        """The float32 steps inside the largest host, by the planner's model (costs.py)."""
+        if topo is None:
+            return 0.0
+        from ..collectives.costs import RankFabric, ring
+
+        host = max(range(len(topo.hosts)), key=topo.host_of.count)
+        ranks = [r for r in range(topo.size) if topo.host_of[r] == host]
+        return ring(RankFabric(topo, ranks), nbytes) if len(ranks) > 1 else 0.0
+
+    def _keys(self) -> list[str]:
+        """The keys of the last whole step, in call order (the same on every rank)."""
+        return list(self._last_keys)
+
+    def _agree(self, comm, reason: str) -> None:
+        """The calibration's numbers, averaged; rank 0's decision, taken by every rank."""
+        keys = self._keys()
+        w = self._window
+        per = 1 + len(self.inner)
+        local = [1.0 if w else 0.0]
+        if w:
+            local += [statistics.median(self._latency) if self._latency else 0.0,
+                      statistics.median(s["period"] for s in w),
+                      statistics.median(s["exchange"] for s in w),
+                      statistics.median(s["blocked"] for s in w)]
+            for k in keys:
+                local.append(statistics.median(s["times"].get(k, 0.0) for s in w))
+                local.extend(self._kappa.get(k, [0.0] * len(self.inner)))
+        else:  # nothing timed here (a state loaded mid-calibration): the same length
+            local += [0.0] * (4 + per * len(keys))
+        agreed = self._average(comm, local)
+        if agreed[0] < 1.0:  # some rank timed nothing: every rank calibrates again
+            self._recalibrate("not every rank had timed the calibration")
+            return
+        latency, period, exchange, blocked = agreed[1:5]
+        times = {k: agreed[5 + i * per] for i, k in enumerate(keys)}
+        kappa = {k: agreed[6 + i * per:5 + (i + 1) * per] for i, k in enumerate(keys)}
+        units, k_local, tier, topo = self._placement(comm)
+        local_s = {k: self._local_seconds(topo, 4 * self._numel(k)) for k in keys}
+        busy = sum(max(times[k] - latency - local_s[k], _TINY) for k in keys)
+        numbers = {"keys": keys, "rate": sum(4 * self._numel(k) for k in keys) / busy,
+                   "latency": latency, "compute": max(period - blocked, 0.0),
+                   "hidden": max(exchange - blocked, 0.0), "kappa": kappa, "local": local_s,
+                   "units": units, "per_unit": k_local, "tier": tier}
+        self._decide(comm, numbers, reason)
+
+    def _check(self, comm) -> None:
+        """The window's numbers, averaged; a decision again where they drifted."""
+        a = self._agreed
+        keys = a["keys"]
+        w = self._window
+        if w:
+            local = [1.0, statistics.median(s["period"] for s in w),
+                     statistics.median(s["exchange"] for s in w),
+                     statistics.median(s["blocked"] for s in w)]
+            local += [statistics.median(s["times"].get(k, 0.0) for s in w) for k in keys]
+        else:  # (a state just loaded: nothing timed yet)
+            local = [0.0] * (4 + len(keys))
+        agreed = self._average(comm, local)
+        period, exchange, blocked = agreed[1:4]
+        times = dict(zip(keys, agreed[4:]))
+        wire_bytes = busy = 0.0
+        options = self._options(a)
+        for b, k in enumerate(keys):
+            option = options[b].options[self._choice.get(k, 0)]
+            wire_bytes += option.ratio * 4 * self._numel(k)
+            busy += max(times[k] - option.compute - option.collectives * a["latency"]
+                        - a["local"][k], _TINY)
+        rate, compute = wire_bytes / busy, max(period - blocked, 0.0)
+        moved = []
+        if agreed[0] < 1.0:
+            pass  # some rank timed nothing: no drift to judge this time
+        else:
+            if abs(rate / a["rate"] - 1) > self.drift:
+                moved.append(f"rate {a['rate'] * 8 / 1e6:.4g} -> {rate * 8 / 1e6:.4g} Mbit/s")
+            if abs(compute - a["compute"]) > self.drift * max(a["compute"], 1e-3):
+                moved.append(f"compute {a['compute'] * 1e3:.4g} -> {compute * 1e3:.4g} ms")
+        # Every rank runs the second allreduce, drifted or not: the agreement is rank 0's.
+        numbers = dict(a, rate=rate, compute=compute, hidden=max(exchange - blocked, 0.0))
+        self._decide(comm, numbers if moved else a, "drift: " + ", ".join(moved),
+                     quiet=not moved)
+
+    def _average(self, comm, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float32)
+        comm.allreduce_sum_(t)
+        return [v / comm.size for v in t.tolist()]
+
+    def _numel(self, key: str) -> int:
+        return sum(_numel(s) for s in self._shapes[key])
+
+    def _options(self, numbers: dict) -> list[model.Bucket]:
+        units, k = numbers["units"], numbers["per_unit"]
+        out = []
+        for key in numbers["keys"]:
+            numel, shapes = self._numel(key), self._shapes[key]
+            options = [model.Option("none", 1.0, 1, 0.0)]
+            for (name, c), kappa in zip(self.inner.items(), numbers["kappa"][key]):
+                # Tiered, an element-wise compressor's work is shared by a host's k ranks;
+                # PowerSGD runs whole on the host's leader.
+                kappa = kappa / k if c.shardable else kappa
+                if name in ("bf16", "int8"):
+                    block, blocks = c.layout(numel, units)
+                    wire = units * (4 * blocks + c.WIDTH * block * blocks)
+                    options.append(model.Option(name, wire / (4 * max(numel, 1)), 2, kappa))
+                else:
+                    plan = c.plan(shapes)
+                    sent = sum(_numel(s) if p is None else p[2] * (p[0] + p[1])
+                               for s, p in zip(shapes, plan))
+                    twice = any(p is not None for p in plan)
+                    options.append(model.Option(name, sent / max(numel, 1), 2 if twice else 1,
+                                                kappa))
+            out.append(model.Bucket(key, 4 * numel, tuple(options), numbers["local"][key]))
+        return out
+
+    def _decide(self, comm, numbers: dict, reason: str, quiet: bool = False) -> None:
+        buckets = self._options(numbers)
+        inputs = model.Inputs(tuple(buckets), rate=max(numbers["rate"], 1.0),
+                              latency=numbers["latency"], compute=numbers["compute"],
+                              hidden=numbers["hidden"], margin=self.margin)
+        mine = model.decide(inputs) if not quiet else tuple(
+            self._choice.get(k, 0) for k in numbers["keys"])
+        # Rank 0's choice everywhere: the others add zeros (exact in float32).
+        codes = torch.tensor(mine if comm.rank == 0 else [0] * len(mine), dtype=torch.float32)
+        comm.allreduce_sum_(codes)
+        choice = tuple(int(round(v)) for v in codes.tolist())
+        self._agreed = numbers
+        self._window, self._latency, self._kappa = [], [], {}
+        changed = any(self._choice.get(k, 0) != c for k, c in zip(numbers["keys"], choice))
+        for k, c in zip(numbers["keys"], choice):
+            if self._choice.get(k, 0) != c:
+                self._forget(k)
+            self._choice[k] = c
+        self._resized = None
+        if quiet and not changed and self.decision is not None:
+            return
+        decision = model.Decision(
+            step=self._step, reason=reason, ranks=comm.size, hosts=numbers["units"],
+            tier=numbers["tier"], made=next(_ORDER),
+            choices={k: self.names[c] for k, c in zip(numbers["keys"], choice)},
+            sizes={b.key: b.nbytes for b in buckets}, rate=inputs.rate,
+            latency=inputs.latency, compute=inputs.compute, hidden=inputs.hidden,
+            predicted=model.step_time(inputs, choice),
+            uncompressed=model.step_time(inputs, [0] * len(choice)))
+        if not changed and self.decision is not None and reason.startswith("drift"):
+            self.decision = decision  # the same choice on new numbers: nothing to report
+            return
+        self._announce(comm, decision)
+
+    def _forget(self, key: str) -> None:
+        """Drops the residuals of ``key`` in every inner compressor: a bucket that changes
+        option starts its error feedback afresh (one step's rounding is lost, once)."""
+        for c in self.inner.values():
+            for k in [k for k in c.state.tensors if k == key or k.startswith(key + "@")]:
+                del c.state.tensors[k]
+
+    def _off_decision(self, comm, reason: str) -> model.Decision:
+        return model.Decision(step=self._step, reason=reason, ranks=comm.size, hosts=1,
+                              tier="local", made=next(_ORDER))
+
+    def _announce(self, comm, decision: model.Decision) -> None:
+        self.decision = decision
+        self.history = (self.history + [decision])[-HISTORY:]
+        if comm.rank == 0:
+            log.info("compression auto (step %d): %s", decision.step, decision.summary())
+        from ..pace import meter
+
+        timeline = meter.timeline
+        if timeline is not None:
+            timeline.instant("compression", "AUTO", {"step": decision.step,
+                                                     "choice": decision.short(),
+                                                     "reason": decision.reason})
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """The decision, its numbers, the step count and the inner compressors' states."""
+        return {"compressor": self.describe(), "seed": self.seed,
+                # Taken between steps: the step whose buckets were all reduced counts as
+                # done, so a restored run numbers its steps (and checks) as this one would.
+                "auto": {"step": self._step + (1 if self._seen else 0), "size": self._size,
+                         "off": self._off,
+                         "calib_from": self._calib_from,
+                         "choice": dict(self._choice),
+                         "agreed": None if self._agreed is None else dict(self._agreed),
+                         "shapes": {k: list(v) for k, v in self._shapes.items()},
+                         "decision": None if self.decision is None else
+                         self.decision.to_dict()},
+                "inner": {name: c.state_dict() for name, c in self.inner.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("compressor") != self.describe() or state.get("seed") != self.seed:
+            raise ValueError(f"a state of {state.get('compressor')!r} (seed "
+                             f"{state.get('seed')}) cannot be loaded into {self.describe()} "
+                             f"(seed {self.seed})")
+        for name, c in self.inner.items():
+            c.load_state_dict(state["inner"][name])
+        a = state["auto"]
+        self._size, self._step, self._off = a["size"], int(a["step"]), bool(a["off"])
+        self._calib_from, self._resized = int(a["calib_from"]), None
+        self._choice = {str(k): int(v) for k, v in a["choice"].items()}
+        self._agreed = None if a["agreed"] is None else dict(a["agreed"])
+        self._new_step_state()  # timers start again: a restored step is not measured
+        self._shapes = {k: [tuple(s) for s in v] for k, v in a["shapes"].items()}
+        self.decision = None if a["decision"] is None else dataclasses.replace(
+            model.Decision(**a["decision"]), made=next(_ORDER))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

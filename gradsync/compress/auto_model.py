@@ -1,0 +1,210 @@
+"""``compression="auto"``: the cost model and the decision, as pure functions of measured numbers.
+
+No clocks and no collectives here (``auto.py`` measures and agrees); the same numbers give
+the same decision in every process, which is what lets ranks agree on it.
+
+The model, per step. The float32 exchange of a bucket of S bytes crosses the slowest tier
+at a measured *rate* (gradient bytes per second through that tier's exchange, the ring's
+factor 2 (H-1)/H folded in) after a *latency* per collective, and spends ``local`` seconds
+in float32 inside each host first and after (the fast tier, never compressed, timed by the
+planner's model of the local tier). An option c (bf16, int8, PowerSGD rank r) puts ``ratio_c
+x S`` bytes on the slow tier in ``collectives_c`` collectives and costs ``compute_c``
+seconds of arithmetic on this machine (measured on the bucket itself):
+
+    wire_c(b)   = local(b) + collectives_c x latency + ratio_c(b) x S_b / rate
+    step(choice) = compute + sum_b compute_c(b) + max(0, sum_b wire_c(b) - hidden)
+
+``compute`` is the step's own work (forward, backward, optimizer: measured as the step's
+period minus the time its thread was blocked on the exchange); ``hidden`` is the part of
+the exchange that already runs behind that work (measured: the exchange's time minus the
+blocked time; 0 where the exchange blocks the computing thread, as a DDP hook's does). The
+compressors' arithmetic is counted in full, never hidden: on a CPU it takes the cores that
+backward needs.
+
+The decision. First the fastest: per bucket the option that minimises ``step`` with the
+others fixed, repeated until nothing changes (coordinate descent, from every bucket at
+none). Then the most faithful within a margin: ``step`` may grow by ``margin`` (a fraction
+of the fastest step), and buckets, smallest first, go back to the most faithful option
+(none, bf16, int8, PowerSGD by falling rank) that keeps the step within it. So compression
+is off where it does not pay (a fast link: what it saves is less than the margin, or less
+than its arithmetic), small buckets stay uncompressed (their exchange is latency, which
+compression makes longer: two collectives instead of one), and a low-rank PowerSGD, the
+lossiest option, is taken only where nothing more faithful comes close.
+
+Worked example: one bucket of 5.6 MB, 100 Mbit/s between two hosts of one rank (rate
+12.5 MB/s as the exchange sees it), latency 1 ms, compute 0.2 s, nothing hidden, int8's
+arithmetic 8 ms. None: 0.2 + 0.001 + 5.6/12.5 = 0.649 s. int8 (ratio 0.251, 2
+collectives): 0.2 + 0.008 + 0.002 + 0.112 = 0.322 s. bf16 (ratio 0.501): 0.2 + 0.006 +
+0.002 + 0.224 = 0.432 s. The fastest is int8; the margin (5%: 0.016 s) admits nothing more
+faithful, so int8. At 10 Gbit/s the exchange is 4.5 ms and none is within the margin of
+anything: none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+__all__ = ["Option", "Bucket", "Inputs", "Decision", "wire_time", "step_time", "decide"]
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to exchange one bucket."""
+
+    name: str
+    """``none``, ``bf16``, ``int8`` or ``powersgd<r>``."""
+    ratio: float
+    """Bytes on the slow tier over the float32 bytes (1 for none)."""
+    collectives: int
+    """Collectives that cross the slow tier one after another (each pays the latency)."""
+    compute: float
+    """Seconds of this option's arithmetic on this bucket on this machine (0 for none)."""
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A bucket and its options, most faithful first (``options[0]`` is none)."""
+
+    key: str
+    nbytes: int
+    """Its float32 bytes."""
+    options: tuple[Option, ...]
+    local: float = 0.0
+    """Seconds of the float32 steps inside each host (the same for every option)."""
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Everything ``decide`` reads: identical on every rank after ``auto.py`` agrees it."""
+
+    buckets: tuple[Bucket, ...]
+    rate: float
+    """Gradient bytes per second through the slow tier's float32 exchange (measured)."""
+    latency: float
+    """Seconds per collective across the slow tier (measured)."""
+    compute: float
+    """Seconds of the step's own work (measured)."""
+    hidden: float = 0.0
+    """Seconds of exchange that run behind the step's work (measured)."""
+    margin: float = 0.05
+    """How much slower than the fastest choice a more faithful one may be (a fraction)."""
+
+    def __post_init__(self):
+        if not self.rate > 0:
+            raise ValueError(f"rate must be positive, got {self.rate}")
+        if self.latency < 0 or self.compute < 0 or self.hidden < 0 or self.margin < 0:
+            raise ValueError(f"latency, compute, hidden and margin must not be negative: "
+                             f"{self.latency}, {self.compute}, {self.hidden}, {self.margin}")
+        for b in self.buckets:
+            if not b.options or b.options[0].name != "none":
+                raise ValueError(f"bucket {b.key!r}: the first option must be none")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What auto chose, with the numbers behind it (``auto.py`` makes it, logs it, keeps it)."""
+
+    step: int
+    """The step (of the bucket calls auto counted) at which it was taken."""
+    reason: str
+    """Why now: ``calibrated``, ``one host``, ``drift ...``, ``resize ...``."""
+    ranks: int
+    hosts: int
+    tier: str
+    """The slowest tier the ranks cross (the one compressed: ``host``, ``group``), ``local``
+    (one host: off), ``flat`` (placement unknown) or ``all`` (``tiers="all"``)."""
+    choices: dict = field(default_factory=dict)
+    """Bucket key -> option name."""
+    sizes: dict = field(default_factory=dict)
+    """Bucket key -> float32 bytes."""
+    rate: float = 0.0
+    latency: float = 0.0
+    compute: float = 0.0
+    hidden: float = 0.0
+    predicted: float = 0.0
+    """Predicted seconds per step with these choices."""
+    uncompressed: float = 0.0
+    """Predicted seconds per step with none everywhere."""
+    made: int = field(default=0, compare=False)
+    """Order of making in this process (``auto.latest`` takes the newest)."""
+
+    def classes(self) -> list[tuple[str, int, int]]:
+        """(option, buckets, bytes) per option chosen, most bytes first: the bucket classes."""
+        out: dict[str, list[int]] = {}
+        for key, name in self.choices.items():
+            entry = out.setdefault(name, [0, 0])
+            entry[0] += 1
+            entry[1] += self.sizes.get(key, 0)
+        return sorted(((n, c, b) for n, (c, b) in out.items()), key=lambda t: (-t[2], t[0]))
+
+    def summary(self) -> str:
+        """One line: the choice per tier and bucket class, and the numbers behind it."""
+        if self.tier == "local" or not self.choices:
+            return f"none on every tier ({self.reason})"
+        tier = {"flat": "flat (placement unknown: every rank's bucket)",
+                "all": "every tier (tiers=all: every rank's bucket)"}.get(self.tier, self.tier)
+        classes = ", ".join(f"{name} for {count} bucket{'s' if count != 1 else ''} "
+                            f"({nbytes / 1e6:.3g} MB)" for name, count, nbytes in self.classes())
+        link = self.rate * 8 / 1e6
+        return (f"tier {tier}: {classes}; faster tiers: none (float32) | {self.reason}: "
+                f"{self.ranks} ranks on {self.hosts} units, measured {link:.4g} Mbit/s "
+                f"of gradient, latency {self.latency * 1e3:.3g} ms, compute "
+                f"{self.compute * 1e3:.4g} ms/step, hidden {self.hidden * 1e3:.3g} ms; "
+                f"predicted {self.predicted * 1e3:.4g} ms/step against "
+                f"{self.uncompressed * 1e3:.4g} ms uncompressed")
+
+    def short(self) -> str:
+        """The choice alone, for a table cell: ``int8 x2 (5.6 MB), none x1 (0.01 MB)``."""
+        if self.tier == "local" or not self.choices:
+            return f"none ({self.reason})"
+        return ", ".join(f"{name} x{count} ({nbytes / 1e6:.3g} MB)"
+                         for name, count, nbytes in self.classes())
+
+    def to_dict(self) -> dict:
+        return {f.name: (dict(v) if isinstance(v, dict) else v)
+                for f in fields(self) for v in [getattr(self, f.name)]}
+
+
+def wire_time(inputs: Inputs, bucket: Bucket, option: Option) -> float:
+    """Seconds bucket ``bucket`` spends in exchange with ``option`` (the module docstring)."""
+    return (bucket.local + option.collectives * inputs.latency
+            + option.ratio * bucket.nbytes / inputs.rate)
+
+
+def step_time(inputs: Inputs, choice: "tuple[int, ...] | list[int]") -> float:
+    """Predicted seconds per step with option ``choice[i]`` for bucket i."""
+    arithmetic = wire = 0.0
+    for bucket, i in zip(inputs.buckets, choice):
+        option = bucket.options[i]
+        arithmetic += option.compute
+        wire += wire_time(inputs, bucket, option)
+    return inputs.compute + arithmetic + max(0.0, wire - inputs.hidden)
+
+
+def decide(inputs: Inputs) -> tuple[int, ...]:
+    """The option index per bucket (the module docstring's two passes)."""
+    buckets = inputs.buckets
+    choice = [0] * len(buckets)
+    for _ in range(4 * len(buckets) + 4):  # converges in a few passes; bounded regardless
+        changed = False
+        for b, bucket in enumerate(buckets):
+            best, best_t = choice[b], step_time(inputs, choice)
+            for i in range(len(bucket.options)):
+                trial = choice[:b] + [i] + choice[b + 1:]
+                t = step_time(inputs, trial)
+                if t < best_t:
+                    best, best_t = i, t
+            if best != choice[b]:
+                choice[b], changed = best, True
+        if not changed:
+            break
+    budget = step_time(inputs, choice) * (1.0 + inputs.margin)
+    # Smallest buckets first: going back to float32 costs them least (their exchange is
+    # latency), so the margin is spent where compression gains least.
+    for b in sorted(range(len(buckets)), key=lambda b: (buckets[b].nbytes, buckets[b].key)):
+        for i in range(choice[b]):
+            trial = choice[:b] + [i] + choice[b + 1:]
+            if step_time(inputs, trial) <= budget:
+                choice[b] = i
+                break
+    return tuple(choice)

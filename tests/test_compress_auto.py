@@ -1,0 +1,303 @@
+"""compression="auto" (gradsync/compress/auto.py, auto_model.py): the decision and its agreement.
+
+The model is a pure function (``auto_model.decide``), checked over a grid of link rates,
+latencies and compute times. The runtime (``Auto``) runs on threads as ranks
+(``test_compress``'s in-memory group) over an *emulated link*: every collective advances
+its rank's own clock by ``latency + bytes / rate`` (the rank's own figures, so ranks can
+measure different links), and each step advances it by the step's compute. Time is an
+input (``Auto(clock=...)``): nothing here sleeps or depends on the machine's load. The
+front doors on real processes are tests/ranks/compress_train.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gradsync.compress import Auto
+from gradsync.compress import auto_model as m
+from gradsync.topology import Topology
+from test_compress import ThreadComm, ThreadGroup, run_threads
+
+# --------------------------------------------------------------------------- the model
+ARITHMETIC = 1e-9  # seconds per byte of a compressor's arithmetic (about a CPU's)
+
+
+def bucket(key: str, nbytes: int, arithmetic: float = ARITHMETIC) -> m.Bucket:
+    k = arithmetic * nbytes
+    return m.Bucket(key, nbytes, (m.Option("none", 1.0, 1, 0.0),
+                                  m.Option("bf16", 0.501, 2, k),
+                                  m.Option("int8", 0.251, 2, k),
+                                  m.Option("powersgd4", 0.05, 2, 2 * k)))
+
+
+def names(inputs: m.Inputs) -> list[str]:
+    return [b.options[i].name for b, i in zip(inputs.buckets, m.decide(inputs))]
+
+
+RATES = [1e6, 12.5e6, 125e6, 1.25e9, 12.5e9]  # bytes/s: 8 Mbit/s .. 100 Gbit/s
+LATENCIES = [1e-5, 1e-3, 1e-2]
+COMPUTES = [0.01, 0.2, 1.0]
+GRID = [(r, lat, c) for r in RATES for lat in LATENCIES for c in COMPUTES]
+
+
+@pytest.mark.parametrize("rate,latency,compute", GRID)
+def test_decision_over_a_grid_of_links_and_steps(rate, latency, compute):
+    """Fast links: none (what compression saves is less than its arithmetic); slow links
+    with big buckets: a compressor; tiny latency-bound buckets: none."""
+    big, tiny = bucket("big", 16 << 20), bucket("tiny", 1024)
+    chosen = dict(zip(["big", "tiny"], names(m.Inputs((big, tiny), rate, latency, compute))))
+    if rate >= 1.25e9:
+        assert chosen == {"big": "none", "tiny": "none"}
+    if rate <= 12.5e6:
+        assert chosen["big"] != "none", chosen
+    if latency >= 1e-3:
+        assert chosen["tiny"] == "none", chosen
+
+
+def test_the_worked_example_of_the_models_docstring():
+    b = m.Bucket("b", 5_600_000, (m.Option("none", 1.0, 1, 0.0),
+                                  m.Option("bf16", 0.501, 2, 0.006),
+                                  m.Option("int8", 0.251, 2, 0.008)))
+    inputs = m.Inputs((b,), rate=12.5e6, latency=1e-3, compute=0.2)
+    assert m.step_time(inputs, [0]) == pytest.approx(0.649)
+    assert m.step_time(inputs, [2]) == pytest.approx(0.3224, abs=1e-3)
+    assert m.step_time(inputs, [1]) == pytest.approx(0.4324, abs=1e-3)
+    assert names(inputs) == ["int8"]
+    assert names(m.Inputs((b,), rate=1.25e9, latency=1e-3, compute=0.2)) == ["none"]
+
+
+def test_an_exchange_hidden_behind_compute_is_not_compressed():
+    big = bucket("big", 16 << 20)
+    wire = m.wire_time(m.Inputs((big,), 12.5e6, 1e-3, 0.2), big, big.options[0])
+    assert names(m.Inputs((big,), 12.5e6, 1e-3, 0.2, hidden=0.0)) != ["none"]
+    assert names(m.Inputs((big,), 12.5e6, 1e-3, 0.2, hidden=wire)) == ["none"]
+
+
+def test_the_most_faithful_option_within_the_margin():
+    """Where bf16 is within the margin of the fastest, bf16, not int8 or PowerSGD; with no
+    margin, the fastest (PowerSGD, the lossiest)."""
+    big = bucket("big", 4 << 20, arithmetic=0.0)
+    inputs = m.Inputs((big,), rate=1e9, latency=1e-4, compute=0.2, margin=0.01)
+    assert names(inputs) == ["bf16"]
+    assert names(m.Inputs((big,), rate=1e9, latency=1e-4, compute=0.2, margin=0.0)) == \
+        ["powersgd4"]
+
+
+def test_inputs_are_checked():
+    with pytest.raises(ValueError, match="rate"):
+        m.Inputs((), rate=0.0, latency=0.0, compute=0.0)
+    with pytest.raises(ValueError, match="first option"):
+        m.Inputs((m.Bucket("b", 4, (m.Option("int8", 0.25, 2, 0.0),)),), 1.0, 0.0, 0.0)
+
+
+# --------------------------------------------------------------------------- the runtime
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Link:
+    """Each rank's link: its own rate and latency, changeable between steps."""
+
+    def __init__(self, size: int, rate: float, latency: float = 1e-3):
+        self.rate, self.latency = [rate] * size, [latency] * size
+
+
+class LinkComm(ThreadComm):
+    """A thread rank whose collectives advance its clock as its link says."""
+
+    def __init__(self, group, rank, clock: Clock, link: Link, hosts: int | None = None):
+        super().__init__(group, rank)
+        self.clock, self.link, self.hosts = clock, link, hosts
+        self.collectives = 0
+
+    def _spend(self, nbytes: int) -> None:
+        self.collectives += 1
+        self.clock.t += self.link.latency[self.rank] + nbytes / self.link.rate[self.rank]
+
+    def allreduce_sum_(self, t):
+        self._spend(t.numel() * t.element_size())
+        super().allreduce_sum_(t)
+
+    def alltoall(self, send):
+        self._spend(send.numel())
+        return super().alltoall(send)
+
+    def allgather(self, mine):
+        self._spend(mine.numel())
+        return super().allgather(mine)
+
+    def placement(self):
+        if self.hosts is None:
+            return None
+        return Topology.from_hosts([f"h{r * self.hosts // self.size}"
+                                    for r in range(self.size)])
+
+
+SHAPES = {"big": [(256, 256)], "tiny": [(8,)]}  # 256 KB and 32 bytes of float32
+
+
+def train(autos, comms, steps: int, compute, on_step=None):
+    """``steps`` steps on every rank: compute (per rank), then the two buckets. Returns
+    each rank's outputs of its last step."""
+    size = len(comms)
+
+    def body(r):
+        out = None
+        for step in range(steps):
+            if on_step is not None and r == 0:
+                on_step(step)
+            comms[r].group.barrier.wait()  # on_step's change is seen by every rank
+            comms[r].clock.t += compute[r]
+            out = []
+            for key, shapes in SHAPES.items():
+                n = sum(math.prod(s) for s in shapes)
+                g = torch.randn(n, generator=torch.Generator().manual_seed(step * 10 + r))
+                out.append(autos[r].reduce(g, shapes, comms[r], key, average=True))
+        return out
+
+    return run_threads(size, body, comms[0].group.barrier.abort)
+
+
+def job(size: int, rate, latency=1e-3, hosts=None, **settings):
+    group = ThreadGroup(size)
+    link = Link(size, rate, latency)
+    clocks = [Clock() for _ in range(size)]
+    comms = [LinkComm(group, r, clocks[r], link, hosts) for r in range(size)]
+    autos = [Auto(clock=clocks[r], warmup=1, calibrate=2, check_every=4, **settings)
+             for r in range(size)]
+    return autos, comms, link
+
+
+def test_slow_link_compresses_the_big_bucket_and_not_the_tiny_one():
+    autos, comms, _ = job(2, rate=1e6)
+    outs = train(autos, comms, 6, [0.05, 0.05])
+    d = autos[0].decision
+    assert d is not None and d.reason == "calibrated" and d.step == 3
+    assert d.choices["big"] != "none" and d.choices["tiny"] == "none", d.summary()
+    assert d.predicted < d.uncompressed
+    assert all(a.decision.choices == d.choices for a in autos)
+    assert torch.equal(outs[0][0], outs[1][0])  # the same result on every rank
+
+
+def test_fast_link_and_one_host_stay_uncompressed():
+    autos, comms, _ = job(2, rate=1e10, latency=1e-5)
+    train(autos, comms, 6, [0.05, 0.05])
+    assert set(autos[0].decision.choices.values()) == {"none"}, autos[0].decision.summary()
+    autos, comms, _ = job(2, rate=1e6, hosts=1)
+    train(autos, comms, 6, [0.05, 0.05])
+    d = autos[1].decision
+    assert (d.reason, d.tier, d.short()) == ("one host", "local", "none (one host)")
+    # Off: no collective beyond the buckets' own float32 allreduces (no timing, no vote).
+    assert comms[1].collectives == 6 * 2
+
+
+def test_ranks_that_measure_different_links_take_rank_0s_choice():
+    """Rank 0 sees a fast link, rank 1 a slow one: on its own numbers each would choose
+    differently; averaged and sent by rank 0, both use one choice (and the reductions,
+    which would mismatch otherwise, give the same result on both)."""
+    alone = []
+    for rate in (1e10, 1e5):
+        autos, comms, _ = job(2, rate=rate)
+        train(autos, comms, 6, [0.05, 0.05])
+        alone.append(autos[0].decision.choices["big"])
+    assert alone[0] != alone[1], alone
+    autos, comms, link = job(2, rate=1e10)
+    link.rate[1] = 1e5
+    outs = train(autos, comms, 6, [0.01, 0.3])
+    assert autos[0].decision.choices == autos[1].decision.choices
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_a_link_that_slows_down_is_decided_again_at_the_next_check():
+    autos, comms, link = job(2, rate=1e10, latency=1e-5)
+
+    def slow_down(step):
+        if step == 5:  # after the decision at step 3 (none), before the check at step 8
+            link.rate[:] = [1e5, 1e5]
+            link.latency[:] = [1e-3, 1e-3]
+
+    train(autos, comms, 10, [0.05, 0.05], on_step=slow_down)
+    first, last = autos[0].history[0], autos[0].history[-1]
+    assert first.choices["big"] == "none"
+    assert last.reason.startswith("drift: rate") and last.step == 8, last
+    assert last.choices["big"] != "none"
+    assert [a.decision.choices for a in autos] == [last.choices] * 2
+
+
+def test_a_resize_recalibrates_and_a_checkpoint_continues():
+    autos, comms, _ = job(2, rate=1e6)
+    train(autos, comms, 6, [0.05, 0.05])
+    chosen = autos[0].decision.choices
+    states = [a.state_dict() for a in autos]  # each rank's checkpoint: its own residuals
+    # The same world, restored from a checkpoint: the choice and its residuals go on, bit
+    # for bit as the run that was not interrupted, and nothing recalibrates.
+    straight = train(autos, comms, 3, [0.05, 0.05])
+    again, comms2, _ = job(2, rate=1e6)
+    for a, state in zip(again, states):
+        a.load_state_dict(state)
+    assert again[1].decision.choices == chosen
+    resumed = train(again, comms2, 3, [0.05, 0.05])
+    assert len(again[0].history) == 0 and again[0].decision.choices == chosen
+    for s_out, r_out in zip(straight, resumed):
+        assert all(torch.equal(a, b) for a, b in zip(s_out, r_out))
+    # Steps numbered alike (the drift checks fall on the same steps).
+    assert again[0].state_dict()["auto"]["step"] == autos[0].state_dict()["auto"]["step"]
+    # A new world of 3 ranks that took rank 0's state (an elastic sync): measured again.
+    bigger, comms3, _ = job(3, rate=1e6)
+    for a in bigger:
+        a.load_state_dict(states[0])
+    train(bigger, comms3, 6, [0.05] * 3)
+    d = bigger[2].decision
+    assert d.reason == "resize 2 -> 3 ranks" and d.ranks == 3 and d.step == 3, d
+    assert all(a.decision.choices == d.choices for a in bigger)
+
+
+def test_state_dict_holds_the_inner_residuals_and_refuses_another_compressor():
+    autos, comms, _ = job(2, rate=1e6)
+    train(autos, comms, 6, [0.05, 0.05])
+    name = autos[0].decision.choices["big"]
+    state = autos[0].state_dict()
+    assert "big" in state["inner"][name]["state"]["tensors"]
+    with pytest.raises(ValueError, match="cannot be loaded"):
+        Auto(margin=0.5).load_state_dict(state)
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="unknown option"):
+        Auto(options=("none", "int4"))
+    with pytest.raises(ValueError, match="calibrate"):
+        Auto(calibrate=0)
+    assert Auto(options=("none", "int8")).names == ("none", "int8")
+
+
+def test_the_elastic_handler_commits_and_rolls_back_the_choice():
+    """In an elastic State (``elastic.py``'s handler): a commit keeps the choice and the
+    residuals; a roll-back after more steps and a re-decision (here: a resize to 3 ranks
+    on a fast link, measured and decided afresh) brings the committed ones back."""
+    autos, comms, _ = job(2, rate=1e6)
+    train(autos, comms, 6, [0.05, 0.05])
+    handler = autos[0].elastic_handler(lambda obj, root, name: obj)
+    committed = autos[0].state_dict()
+    train(autos, comms, 2, [0.05, 0.05])  # the residuals move on
+    bigger, comms3, _ = job(3, rate=1e10, latency=1e-5)
+    bigger[0] = autos[0]  # rank 0's Auto goes on in the new world
+    train(bigger, comms3, 6, [0.05] * 3)
+    assert autos[0].decision.reason == "resize 2 -> 3 ranks"
+    assert autos[0].decision.choices != committed["auto"]["decision"]["choices"]
+    handler.restore()
+    restored = autos[0].state_dict()["auto"]
+    for held in (restored, committed["auto"]):
+        held["decision"].pop("made")  # the order of making, renewed by a load
+    assert restored == committed["auto"]
+    inner = autos[0].state_dict()["inner"]
+    for name, state in committed["inner"].items():
+        for key, held in state["state"]["tensors"].items():
+            assert all(torch.equal(t, inner[name]["state"]["tensors"][key][n])
+                       for n, t in held.items())
