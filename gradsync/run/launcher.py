@@ -22,20 +22,25 @@ A job goes through five steps:
    128 + the signal the launcher received, or 0 when every rank exited 0.
 
 Parameter-server jobs (``servers`` > 0): the ``num_proc`` workers are ranks ``0 .. num_proc - 1``
-and the servers the last ``servers`` ranks, placed after them like any rank; every rank runs
-the same command and learns the split from ``GRADSYNC_SERVERS``. The servers hold the model, so
-a failing server ends the job as above; a failing worker does not (the others can go on without
-it): the launcher reports it at once, waits for every rank to end, and then exits with the
-status of the first worker that failed. Servers end by themselves once every worker has said
+and the servers the last ``servers`` ranks, placed after them like any rank. The workers run
+the job's command; each server runs the server entry point, ``python -m gradsync.ps``
+(``server_entry``: the job's interpreter when the command starts with one, else the
+launcher's), not the user's script, which a server does not need: the first worker's hello
+tells it the model. Every rank learns the split from ``GRADSYNC_SERVERS``. The servers hold
+the model, so a failing server ends the job as above; a failing worker does not (the others
+can go on without it): the launcher reports it at once, waits for every rank to end, and then
+exits with the status of the first worker that failed. Servers end by themselves once every worker has said
 goodbye or died; servers still running ``SERVER_LINGER`` seconds after the last worker ended
 (workers that died before reaching their servers, or a script that never used them) are
 stopped, so that such a job cannot hang.
 
 Data-server jobs (``data_servers`` > 0, ``gradsync.data``): the data servers are the last
 ``data_servers`` ranks, after the workers and any parameter servers, and learn their role from
-``GRADSYNC_DATA_SERVERS``. A failing data server does not end the job (the workers hand its
-share to the others): it is reported at once, and the job's status at the end is that of the
-first rank that failed, as for a parameter-server job's workers. A failing worker ends the job
+``GRADSYNC_DATA_SERVERS``. They run the job's command, since what they serve is the user's
+code (the data set, its transform and collate, built by the script's ``gradsync.data.Loader``
+call, which serves and ends the process there). A failing data server does not end the job
+(the workers hand its share to the others): it is reported at once, and the job's status at
+the end is that of the first rank that failed, as for a parameter-server job's workers. A failing worker ends the job
 as in step 4, unless the job has parameter servers. Data servers end once every worker has
 disconnected; those still running ``SERVER_LINGER`` seconds after the last worker ended are
 stopped, as servers are.
@@ -50,8 +55,9 @@ not lost in a buffer when the job is stopped.
 When the ranks log at INFO or DEBUG (``--log-level``, or ``GRADSYNC_LOG_LEVEL`` /
 ``HOROVOD_LOG_LEVEL`` for them or here), the launcher also says, once the ranks have started,
 which process each rank is: ``gradsync run: rank 1 (worker) on host a: pid 4242``, so that a
-profiler (``py-spy dump --pid``) or a signal can reach the rank that is slow. The pid is that
-of the process started (the command's); a remote rank's is ssh's here, and the rank's own
+profiler (``py-spy dump --pid``) or a signal can reach the rank that is slow; a parameter
+server's line ends with its entry point (``..., pid 4243, python -m gradsync.ps``). The pid is
+that of the process started (the command's); a remote rank's is ssh's here, and the rank's own
 INFO line (``world.py``) names its pid on its host.
 
 Remote ranks run under ``ssh`` with a *lifeline* (``processes.py``): the job secret travels on
@@ -71,6 +77,7 @@ mechanics under them (new sessions, stopping, output, signals, ssh) are ``proces
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import socket
@@ -91,10 +98,14 @@ from .processes import (DEFAULT_START_TIMEOUT, STOP_GRACE, Interrupts, Output, P
 
 __all__ = ["Host", "Slot", "LaunchSpec", "place", "launch", "is_local", "STOP_GRACE",
            "SERVER_LINGER", "DEFAULT_START_TIMEOUT", "Rank", "Starter", "store_address",
-           "start_store", "forwarded_settings", "informs", "rank_line"]
+           "start_store", "forwarded_settings", "informs", "rank_line", "server_entry",
+           "SERVER_MODULE"]
 
 SERVER_LINGER = 10.0
 """Seconds servers may run on after every worker of a parameter-server job has ended."""
+
+SERVER_MODULE = "gradsync.ps"
+"""The module a parameter server runs (``python -m gradsync.ps``: ``ps/__main__.py``)."""
 
 SERVER_RESTARTS = 3
 """The default of ``LaunchSpec.server_restarts`` (``--server-restarts``)."""
@@ -202,6 +213,9 @@ class LaunchSpec:
     """Private key passed to ssh as ``-i``."""
     output_filename: str | None = None
     """Folder that also gets each rank's output, ``rank.<rank>/stdout`` and ``.../stderr``."""
+    server_command: Sequence[str] | None = None
+    """The command each parameter server runs; None: the server entry point
+    (``server_entry(command)``, ``python -m gradsync.ps``)."""
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -232,6 +246,25 @@ class LaunchSpec:
     def size(self) -> int:
         """Number of ranks in the job: workers, servers and data servers."""
         return self.num_proc + self.servers + self.data_servers
+
+    def command_of(self, rank: int) -> Sequence[str]:
+        """What rank ``rank`` runs: a parameter server the server entry point, every other
+        rank (workers, data servers) the job's command."""
+        if self.num_proc <= rank < self.num_proc + self.servers:
+            return self.server_command or server_entry(self.command)
+        return self.command
+
+
+def server_entry(command: Sequence[str]) -> list[str]:
+    """The command that starts a parameter server of a job whose ranks run ``command``:
+    ``<python> -m gradsync.ps``, with ``command``'s interpreter when it starts with one
+    (``python``, ``python3.12``, a virtual environment's), so that a server imports the gradsync the workers
+    import, else with the launcher's own (``sys.executable``), which a remote host must then
+    have at the same path, as a horovodrun job's hosts have its Python."""
+    first = command[0]
+    named = re.fullmatch(r"python[0-9.]*", os.path.basename(first))
+    python = first if named else sys.executable
+    return [python, "-m", SERVER_MODULE]
 
 
 def launch(spec: LaunchSpec, stdout: BinaryIO | None = None,
@@ -314,6 +347,8 @@ class Rank:
 
     slot: Slot
     process: Process
+    command: Sequence[str] = ()
+    """What it runs (``LaunchSpec.command_of``)."""
 
     @property
     def proc(self) -> subprocess.Popen:
@@ -352,7 +387,8 @@ class Starter:
 
     def start(self, slot: Slot, port: int, size: int, cores: Sequence[int] | None = None,
               identity: Mapping[str, str] | None = None) -> Rank:
-        """Starts one rank of a job of ``size`` ranks whose store listens on ``port``.
+        """Starts one rank of a job of ``size`` ranks whose store listens on ``port``, with
+        the command of its role (``LaunchSpec.command_of``).
 
         Args:
             cores: CPUs to bind a rank started here to (None: not bound).
@@ -362,17 +398,18 @@ class Starter:
             StartError: it cannot be started (status 127 or 126, as a shell's).
         """
         variables = {**self.identity(slot, port, size), **(identity or {})}
+        command = self.spec.command_of(slot.rank)
         remote = not is_local(slot.host)
         try:
             if remote:
                 forwarded = forwarded_settings(os.environ)
                 process = self.ssh.start(
-                    slot.host, self.spec.command,
+                    slot.host, command,
                     {**forwarded, **self.torch_identity(slot, port, size),
                      **self.settings(slot), **self.spec.env, **variables},
                     self.secret, self.spec.stop_grace)
             else:
-                process = start(self.spec.command, {
+                process = start(command, {
                     **os.environ, **self.torch_identity(slot, port, size),
                     **self.settings(slot), **self.spec.env, **variables,
                     ENV_PREFIX + "SECRET": self.secret.hex()})
@@ -389,7 +426,7 @@ class Starter:
             raise StartError(f"cannot start rank {slot.rank} on host {slot.host}: {exc}",
                              status) from None
         self.output.follow(slot.rank, process.proc)
-        return Rank(slot, process)
+        return Rank(slot, process, command)
 
     def identity(self, slot: Slot, port: int, size: int) -> dict[str, str]:
         """A rank's ``GRADSYNC_*`` identity."""
@@ -459,13 +496,16 @@ def informs(spec: LaunchSpec) -> bool:
 
 def rank_line(rank: Rank, role: str, index: int | None = None) -> str:
     """Which process ``rank`` is, for a user who wants to attach a profiler to it; ``index``:
-    its rank now, when that is not the one it started with (an elastic job's workers)."""
+    its rank now, when that is not the one it started with (an elastic job's workers). A
+    parameter server's line ends with what it runs (``python -m gradsync.ps``)."""
     index = rank.slot.rank if index is None else index
     where = f"rank {index} ({role}) on host {rank.slot.host}"
+    entry = list(rank.command[1:]) == ["-m", SERVER_MODULE]
+    runs = f", {os.path.basename(rank.command[0])} -m {SERVER_MODULE}" if entry else ""
     if rank.remote:
-        return f"{where}: started over ssh (pid {rank.proc.pid} here); its pid there is " \
+        return f"{where}: started over ssh (pid {rank.proc.pid} here{runs}); its pid there is " \
                "in its own INFO line"
-    return f"{where}: pid {rank.proc.pid}"
+    return f"{where}: pid {rank.proc.pid}{runs}"
 
 
 class _Job:
