@@ -68,8 +68,10 @@ launcher's ``GRADSYNC_*`` and ``HOROVOD_*`` settings (``config.py`` maps the lat
 under ``mpirun -x``; local ranks inherit the launcher's
 whole environment.
 
-The pieces an elastic job (``elastic.py``) shares with this one are public: ``Starter``
-starts a rank with its identity, here or over ssh (its ``ssh`` also checks hosts);
+This job and an elastic one (``elastic.py``) are two policies of one job loop (``loop.py``:
+signals, the poll, the end that stops every rank, the job file, /dev/shm); this module's
+``_Job`` is the static policy. The pieces they share are public: ``Starter`` starts a rank with
+its identity and the command of its role, here or over ssh (its ``ssh`` also checks hosts);
 ``store_address`` and ``start_store`` give the store; ``Rank`` is a started rank. The process
 mechanics under them (new sessions, stopping, output, signals, ssh) are ``processes.py``.
 """
@@ -79,7 +81,6 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -92,9 +93,9 @@ from ..config import ENV_PREFIX, HOROVOD_IDENTITY, IDENTITY_VARIABLES, horovod_s
 from ..errors import ConfigError
 from . import binding, jobfile
 from .hosts import Host
-from .processes import (DEFAULT_START_TIMEOUT, STOP_GRACE, Interrupts, Output, Process,
-                        StartError, Ssh, clear_shared_memory, describe, exit_status, start,
-                        stop)
+from .loop import End, JobLoop
+from .processes import (DEFAULT_START_TIMEOUT, STOP_GRACE, Output, Process, StartError, Ssh,
+                        describe, exit_status, start)
 
 __all__ = ["Host", "Slot", "LaunchSpec", "place", "launch", "is_local", "STOP_GRACE",
            "SERVER_LINGER", "DEFAULT_START_TIMEOUT", "Rank", "Starter", "store_address",
@@ -110,8 +111,7 @@ SERVER_MODULE = "gradsync.ps"
 SERVER_RESTARTS = 3
 """The default of ``LaunchSpec.server_restarts`` (``--server-restarts``)."""
 
-_POLL = 0.05  # how often the watcher looks at the ranks: the delay before a failure is seen
-_DRAIN = 2.0  # seconds to wait for the last output after the ranks are gone
+_POLL = 0.05  # how often the start looks at the hosts' ssh checks
 _LOCAL_NAMES = {"localhost", "127.0.0.1", "::1"}
 
 
@@ -508,53 +508,42 @@ def rank_line(rank: Rank, role: str, index: int | None = None) -> str:
     return f"{where}: pid {rank.proc.pid}{runs}"
 
 
-class _Job:
-    """One run of the launcher; see the module docstring for its steps."""
+class _Job(JobLoop):
+    """The static job's policy in the launcher's job loop (``loop.py``): every rank placed and
+    started at once; see the module docstring for what a failure does."""
 
     def __init__(self, spec: LaunchSpec, slots: list[Slot], output: Output):
-        self.spec, self.slots, self.output = spec, slots, output
+        super().__init__(spec, output)
+        self.slots = slots
         self.remote_hosts = list(dict.fromkeys(s.host for s in slots if not is_local(s.host)))
         self.starter = Starter(spec, output, store_address(self.remote_hosts))
         self.ranks: list[Rank] = []
-        self.interrupts = Interrupts()
         self.cores: "list[list[int]] | None" = None  # CPUs of each local rank, when bound
+        self.store = None  # the job's TCPStore server, held for the whole run
         self.store_port = 0
-        self.jobfile: "str | None" = None  # where gradsync top finds the store (jobfile.py)
         self.restarts: dict[int, int] = {}  # replicated servers started again, by rank
+        self.failed: list[tuple[int, str, str]] = []  # ranks that failed and let the job go on
+        self.seen: set[int] = set()  # their indices (a restarted server's failure is new)
+        self.workers_ended: float | None = None  # when the last worker of a server job ended
 
-    def run(self) -> int:
-        with self.interrupts.catching():
-            try:
-                self._check_hosts()
-                self._plan_binding()
-                store = start_store()
-                self.store_port = store.port
-                self.jobfile = jobfile.publish(self.starter.job_id, self.starter.store_addr,
-                                               store.port, len(self.slots))
-                for slot in self.slots:
-                    if self.interrupts.received is not None:
-                        break
-                    cores = None if self.cores is None else self.cores[slot.local_rank]
-                    self.ranks.append(self.starter.start(slot, store.port, len(self.slots),
-                                                         cores))
-                if informs(self.spec):
-                    for rank in self.ranks:
-                        self.output.message(rank_line(rank, self._role(rank.slot.rank)))
-                status, summary, others = self._watch()
-            except StartError as exc:
-                status, summary, others = exc.status, str(exc), "other "
-            finally:
-                # Reached on every path (an exception included), so no rank outlives the job.
-                jobfile.withdraw(self.jobfile)
-                stopped = stop([r.process for r in self.ranks], self.spec.stop_grace,
-                               hurry=lambda: self.interrupts.hurry, on_stuck=self._stuck)
-                clear_shared_memory(self.starter.job_id)
-                self.output.drain(_DRAIN)
-        if summary and self.ranks and others is not None:
-            summary += f"; stopped {stopped} {others}rank{'' if stopped == 1 else 's'}"
-        if summary:
-            self.output.message(summary)
-        return status
+    def begin(self) -> None:
+        self._check_hosts()
+        self._plan_binding()
+        self.store = start_store()
+        self.store_port = self.store.port
+        self.jobfile = jobfile.publish(self.starter.job_id, self.starter.store_addr,
+                                       self.store_port, len(self.slots))
+        for slot in self.slots:
+            if self.interrupts.received is not None:
+                break
+            cores = None if self.cores is None else self.cores[slot.local_rank]
+            self.ranks.append(self.starter.start(slot, self.store_port, len(self.slots), cores))
+        if informs(self.spec):
+            for rank in self.ranks:
+                self.output.message(rank_line(rank, self._role(rank.slot.rank)))
+
+    def started(self) -> list[Rank]:
+        return self.ranks
 
     # ------------------------------------------------------------------ start
     def _plan_binding(self) -> None:
@@ -591,63 +580,58 @@ class _Job:
             for proc in checks.values():
                 ssh.end_probe(proc)
 
-    # ------------------------------------------------------------------ watch and stop
-    def _watch(self) -> tuple[int, str | None, str | None]:
-        """Waits for the end: every rank ended, one stopping the job failed, or the launcher
-        got a signal. A failed worker of a parameter-server job, or a failed data server, is
-        reported, not stopping.
+    # ------------------------------------------------------------------ watch
+    def turn(self) -> End | None:
+        """One look at the ranks: the end once every rank ended or one stopping the job
+        failed. A failed worker of a parameter-server job, a failed data server or a failed
+        replicated server (started again) is reported, not stopping.
 
         Returns:
-            The exit status, the summary line (None for success) and what the ranks that
-            the stop finds running are called in it: "other " when the summary is about one
-            rank, "" after a signal, None when every rank ended by itself (nothing to count).
+            None while the job runs; else the exit status, the summary line (None for
+            success) and what the ranks that the stop finds running are called in it:
+            "other " when the summary is about one rank, None when every rank ended by
+            itself (nothing to count).
         """
-        failed: list[tuple[int, str, str]] = []  # a parameter-server job's failed workers
-        seen: set[int] = set()
-        workers_ended: float | None = None
-        while True:
-            if self.interrupts.received is not None:
-                name = signal.Signals(self.interrupts.received).name
-                return 128 + self.interrupts.received, f"interrupted by {name}", ""
-            running = False
-            for rank in self.ranks:
-                code = rank.proc.poll()
-                if code is None:
-                    running = True
-                elif code != 0 and rank.slot.rank not in seen:
-                    who, what = self._failure(rank, code)
-                    index = rank.slot.rank
-                    data_server = index >= self.spec.size - self.spec.data_servers
-                    # With replicas, a lost parameter server's shards live on elsewhere.
-                    copied = self.spec.ps_replicas > 1 and not data_server and \
-                        index >= self.spec.num_proc
-                    if not data_server and not copied and (
-                            not self.spec.servers or index >= self.spec.num_proc):
-                        return exit_status(code), f"{who} {what}", "other "
-                    seen.add(index)
-                    failed.append((exit_status(code), who, what))
-                    self.output.message(f"{who} {what}; the other ranks go on " + (
-                        "(the other data servers serve its share)" if data_server else
-                        "(its shards live on the other replicas)" if copied else
-                        "(parameter-server job)"))
-                    if copied and workers_ended is None:
-                        self._restart_server(rank, seen)
-            if (self.spec.servers or self.spec.data_servers) and workers_ended is None and all(
-                    r.proc.poll() is not None for r in self.ranks[:self.spec.num_proc]):
-                workers_ended = time.monotonic()
-            lingered = workers_ended is not None and \
-                time.monotonic() - workers_ended > SERVER_LINGER
-            if not running or lingered:
-                linger = (f"; the servers were still running {SERVER_LINGER:g}s after the last "
-                          f"worker ended and were stopped") if running else ""
-                if not failed:
-                    return 0, (f"every worker ended{linger}" if linger else None), \
-                        ("" if linger else None)
-                status, who, what = failed[0]
-                first = f", the first of {len(failed)} failed workers" if len(failed) > 1 else ""
-                summary = f"{who} failed earlier ({what}){first}; the job ran to its end{linger}"
-                return status, summary, ("" if linger else None)
-            time.sleep(_POLL)
+        running = False
+        for rank in self.ranks:
+            code = rank.proc.poll()
+            if code is None:
+                running = True
+            elif code != 0 and rank.slot.rank not in self.seen:
+                who, what = self._failure(rank, code)
+                index = rank.slot.rank
+                data_server = index >= self.spec.size - self.spec.data_servers
+                # With replicas, a lost parameter server's shards live on elsewhere.
+                copied = self.spec.ps_replicas > 1 and not data_server and \
+                    index >= self.spec.num_proc
+                if not data_server and not copied and (
+                        not self.spec.servers or index >= self.spec.num_proc):
+                    return exit_status(code), f"{who} {what}", "other "
+                self.seen.add(index)
+                self.failed.append((exit_status(code), who, what))
+                self.output.message(f"{who} {what}; the other ranks go on " + (
+                    "(the other data servers serve its share)" if data_server else
+                    "(its shards live on the other replicas)" if copied else
+                    "(parameter-server job)"))
+                if copied and self.workers_ended is None:
+                    self._restart_server(rank, self.seen)
+        if (self.spec.servers or self.spec.data_servers) and self.workers_ended is None and \
+                all(r.proc.poll() is not None for r in self.ranks[:self.spec.num_proc]):
+            self.workers_ended = time.monotonic()
+        lingered = self.workers_ended is not None and \
+            time.monotonic() - self.workers_ended > SERVER_LINGER
+        if not running or lingered:
+            linger = (f"; the servers were still running {SERVER_LINGER:g}s after the last "
+                      f"worker ended and were stopped") if running else ""
+            if not self.failed:
+                return 0, (f"every worker ended{linger}" if linger else None), \
+                    ("" if linger else None)
+            status, who, what = self.failed[0]
+            first = f", the first of {len(self.failed)} failed workers" \
+                if len(self.failed) > 1 else ""
+            summary = f"{who} failed earlier ({what}){first}; the job ran to its end{linger}"
+            return status, summary, ("" if linger else None)
+        return None
 
     def _restart_server(self, rank: Rank, seen: set[int]) -> None:
         """Starts a failed replicated server's rank again (``spec.server_restarts`` times at
@@ -702,7 +686,4 @@ class _Job:
             what += " (ssh returns 255 when the connection fails)"
         return f"{name} on host {rank.slot.host}", what
 
-    def _stuck(self, index: int) -> None:
-        rank = self.ranks[index]
-        self.output.message(f"rank {rank.slot.rank} (pid {rank.proc.pid}) did not exit after "
-                            "SIGKILL")
+
