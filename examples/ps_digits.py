@@ -8,8 +8,10 @@
     gradsync run -np 3 --servers 1 python examples/ps_digits.py --mode async --optimizer adam
     gradsync run -np 2 --servers 2 python examples/ps_digits.py --factor-fc
 
-The servers are the job's last ranks: ``gradsync.init()`` on a server rank serves until the
-workers are done and exits, so every rank runs this same script. Each worker trains on its own
+The servers are the job's last ranks; ``gradsync run`` starts them as ``python -m gradsync.ps``,
+so only the workers run this script (under torchrun, srun or mpirun, with ``GRADSYNC_SERVERS``
+exported, every rank runs it and ``gradsync.init()`` on a server rank serves until the workers
+are done and exits). Each worker trains on its own
 shard of the training set (every ``workers``-th image), reshuffled each epoch, and calls
 ``ps.step()`` after each backward pass: push the gradients, wait as the mode says, pull the
 parameters. The servers hold the weights and run the optimizer (docs/examples.md).
@@ -146,7 +148,7 @@ def main(args) -> int:
 
 if __name__ == "__main__":
     args = parse_args()
-    gs.init()  # on a server rank: serve until every worker has said goodbye, then exit
+    gs.init()  # on a server rank of a foreign launcher: serve until the workers are done, exit
     # Only workers get here. Importing scikit-learn (through train_digits) takes seconds of
     # CPU, which a server would otherwise take from the workers sharing its cores.
     import torch

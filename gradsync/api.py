@@ -14,7 +14,6 @@ import atexit
 import dataclasses
 import itertools
 import logging
-import os
 
 import numpy as np
 
@@ -61,14 +60,13 @@ def _connect(settings: dict):
     config = load_config(settings)  # also sets up logging (logs.configure)
     env = detect()
     if env.is_server:
-        # A parameter-server rank (GRADSYNC_SERVERS): serve until the workers are done,
-        # then end the process, as MXNet's servers do. Its script goes no further.
-        from .ps.server import serve
-        log.info("rank %d of %d on host %s (pid %d, local rank %s): parameter server %d of %d "
-                 "(each shard on %d of them), serving %d workers", env.rank, env.size,
-                 env.hostname, os.getpid(), env.local_rank, env.server_rank, env.servers,
-                 config.ps_replicas, env.workers)
-        raise SystemExit(serve(config, env))
+        # A parameter-server rank that runs the user's script: the foreign-launcher case
+        # (torchrun, srun, mpirun start every rank from one command, GRADSYNC_SERVERS
+        # exported). gradsync run starts its servers as ``python -m gradsync.ps`` instead
+        # (ps/__main__.py), so they never get here. Serve until the workers are done, then
+        # end the process, as MXNet's servers do: the script goes no further.
+        from .ps.server import serve_rank
+        raise SystemExit(serve_rank(config, env))
     if env.servers:
         env = dataclasses.replace(env, size=env.workers, servers=0)  # workers-only collectives
     if env.elastic_id is not None:  # gradsync run --min-np/--max-np: join a generation

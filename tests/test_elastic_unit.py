@@ -188,6 +188,7 @@ class _FakeRank:
         self.signals = []
         self.proc = types.SimpleNamespace(poll=lambda: None, pid=next(_pids))
         self.slot, self.remote = types.SimpleNamespace(host=host), False
+        self.command = ["python3", "train.py"]  # what a worker runs (launcher.Rank.command)
 
     def signal(self, signum):
         self.signals.append(signum)

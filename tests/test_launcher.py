@@ -100,10 +100,26 @@ def _env(**extra) -> dict:
     return env
 
 
+# ``gradsync run`` whose parameter servers run the command in argv[1] (JSON) instead of the
+# server entry point (``python -m gradsync.ps``): the tests of what the launcher does with a
+# server that fails, ends or prints use a ``python -c`` server, as its workers are.
+_SERVERS_RUN = """
+import dataclasses, json, sys
+from gradsync.run import cli
+launch = cli.launch
+server = json.loads(sys.argv[1])
+cli.launch = lambda spec: launch(dataclasses.replace(spec, server_command=server))
+sys.exit(cli.main(["run", *sys.argv[2:]]))
+"""
+
+
 @contextmanager
-def launcher(*args: str, **env):
-    """Starts ``gradsync run ARGS`` and makes sure it is gone when the block ends."""
-    proc = subprocess.Popen([sys.executable, "-m", "gradsync", "run", *args], cwd=ROOT,
+def launcher(*args: str, server: list[str] | None = None, **env):
+    """Starts ``gradsync run ARGS`` and makes sure it is gone when the block ends; ``server``:
+    the command its parameter servers run (default: the entry point)."""
+    argv = ["-m", "gradsync", "run"] if server is None else \
+        ["-c", _SERVERS_RUN, json.dumps(server)]
+    proc = subprocess.Popen([sys.executable, *argv, *args], cwd=ROOT,
                             env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
@@ -121,10 +137,11 @@ def launcher(*args: str, **env):
             pass  # ValueError: a test already read the pipes to their end
 
 
-def run(*args: str, **env) -> tuple[int, list[str], list[str], float]:
+def run(*args: str, server: list[str] | None = None,
+        **env) -> tuple[int, list[str], list[str], float]:
     """Runs ``gradsync run ARGS`` to its end; returns (status, stdout lines, stderr lines,
     wall-clock time of the launcher's exit)."""
-    with launcher(*args, **env) as proc:
+    with launcher(*args, server=server, **env) as proc:
         out, err = proc.communicate(timeout=DEADLINE)
     return proc.returncode, out.splitlines(), err.splitlines(), time.time()
 
@@ -296,7 +313,8 @@ def test_servers_are_the_last_ranks_of_the_job():
         env = detect()
         print(rank, size, os.environ["GRADSYNC_SERVERS"], env.workers, env.server_rank)
     """)
-    status, out, err, _ = run("-np", "2", "--servers", "1", "--no-output-prefix", *code)
+    status, out, err, _ = run("-np", "2", "--servers", "1", "--no-output-prefix", *code,
+                              server=code)
     assert status == 0, err
     assert sorted(out) == ["0 3 1 2 None", "1 3 1 2 None", "2 3 1 2 0"]
 
@@ -318,7 +336,8 @@ def test_failing_worker_lets_the_others_finish(tmp_path, failure, status, how):
             time.sleep(0.01)
         print("finished", rank, time.time())
     """)
-    with launcher("-np", "2", "--servers", "1", "--no-output-prefix", *code) as proc:
+    with launcher("-np", "2", "--servers", "1", "--no-output-prefix", *code,
+                  server=code) as proc:
         first = proc.stderr.readline()
         reported = time.time()
         told.touch()
@@ -342,7 +361,8 @@ def test_failing_server_stops_the_job_with_its_status():
             sys.exit(4)
         time.sleep({NAP})
     """)
-    status, out, err, ended = run("-np", "2", "--servers", "1", "--no-output-prefix", *code)
+    status, out, err, ended = run("-np", "2", "--servers", "1", "--no-output-prefix", *code,
+                                  server=code)
     assert status == 4
     assert err[-1] == "gradsync run: rank 2 (server 0) on host localhost exited with status 4; " \
                       "stopped 2 other ranks"

@@ -83,10 +83,10 @@ def test_an_info_job_says_once_who_is_who_and_what_was_chosen_and_nothing_per_st
                        launcher_args=("--servers", "1", "--data-servers", "1"))
     assert r.returncode == 0, r
     lines = r.output.splitlines()
-    # The launcher: which process each rank is.
+    # The launcher: which process each rank is (a parameter server: the entry point it runs).
     started = {int(m[0]): (m[1], int(m[2])) for m in re.findall(
-        r"^gradsync run: rank (\d) \(([a-z ]+ ?\d?)\) on host localhost: pid (\d+)$",
-        r.output, re.M)}
+        r"^gradsync run: rank (\d) \(([a-z ]+ ?\d?)\) on host localhost: pid (\d+)"
+        r"(?:, \S+ -m gradsync\.ps)?$", r.output, re.M)}
     assert {k: v[0] for k, v in started.items()} == {
         0: "worker", 1: "worker", 2: "parameter server 0", 3: "data server 0"}, r
     # Each rank: who it is (the pid the launcher named), its role, its peers.

@@ -2,18 +2,23 @@
 whose every worker logs what it did, so that a fault on a *server* can be measured from the
 workers' lines.
 
-``gradsync bench chaos --servers S`` (or ``--data-servers D``) starts this module as every rank
-of ``gradsync run -np W --servers S --ps-replicas R ...`` (or ``... --data-servers D``); the
-server ranks serve inside ``ParameterClient`` (or ``Loader``) and never reach the training
-loop. ``chaos_rank.py`` is the elastic worker job's script; the lines here share its format
-(``chaos_report.Log`` reads the step lines of both), every time a ``time.time()`` of one
+``gradsync bench chaos --servers S`` (or ``--data-servers D``) starts this module as the
+command of ``gradsync run -np W --servers S --ps-replicas R ...`` (or ``... --data-servers D``):
+the workers and the data servers run it (a data server serves inside ``Loader`` and never
+reaches the training loop); the launcher starts the parameter servers as ``python -m
+gradsync.ps``. ``chaos_rank.py`` is the elastic worker job's script; the lines here share its
+format (``chaos_report.Log`` reads the step lines of both), every time a ``time.time()`` of one
 machine.
 
-Every rank, before it serves or trains:
+Every rank that runs this script, before it serves or trains, and worker 0 for each parameter
+server:
 
 - ``CHAOS hello p=P host=H rank=R wall=T``: rank R started on emulated host H as pid P (a server
   started again by the launcher says hello again, with its new pid: the bench signals servers
-  by these pids).
+  by these pids). A worker and a data server say it itself; a parameter server runs
+  ``python -m gradsync.ps``, not this script, so worker 0 says it for each server, from the
+  address record the server publishes (``ps/server/<s>``, its pid among it), and again for
+  each new pid a restarted server publishes (looked at every 50 ms).
 
 **The parameter-server job** (``--job ps``): each worker trains an MLP through
 ``gradsync.ps.ParameterClient`` (``--mode sync`` or ``async``, Adam on the servers) on batches
@@ -54,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import sys
 import threading
@@ -134,8 +140,22 @@ def _ps(options, pid: int) -> None:
         store = ps._store.clone_private()
         views = [Views(store, k, ps.servers, ps.replicas, 5.0) for k in range(ps.shards)]
         seen = [v.first for v in views]
+        incarnations: dict[int, int] = {}  # server -> the pid whose hello was said
+
+        def servers_hello():
+            for s in range(ps.servers):
+                info = json.loads(store.get(f"ps/server/{s}", 5.0))
+                if incarnations.get(s) != info["pid"]:
+                    incarnations[s] = info["pid"]
+                    _say(f"hello p={info['pid']} host={info['host']} rank={ps.workers + s}")
+
+        servers_hello()  # every server has published its record: the client reached it
 
         def look():
+            try:
+                servers_hello()
+            except Exception:  # the store is going away with the job: nothing to see
+                return
             for k, v in enumerate(views):
                 try:
                     newest = v.newest(seen[k])

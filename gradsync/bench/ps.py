@@ -5,7 +5,8 @@ the workers' first ``hello`` and keeps it for the life of the job, so one job me
 model: this module is a *driver* that starts one ``gradsync run -np N --servers S`` job per
 model size (or per consistency mode), every rank of which runs this module again; worker 0
 hands the job's row back in a JSON file and the driver prints the table. Only the driver
-prints; the server ranks serve inside ``gradsync.init()`` and exit when the workers are done.
+prints; the server ranks run ``python -m gradsync.ps`` (not this module) and exit when the
+workers are done.
 
 **Throughput** (the default). For each size (``--sizes``, float32), every worker builds a
 ``ParameterClient`` (mode ``async``, optimizer ``sgd``, lr 2^-10) over one flat parameter of
@@ -346,7 +347,7 @@ def throughput_rank(args) -> dict | None:
     from gradsync.bench.grpc_ps import GrpcClient
     from gradsync.ps import ParameterClient
 
-    gs.init()  # a server rank serves here and exits
+    gs.init()
     torch.set_num_threads(1)
     count, n = args.job_size // 4, gs.size()
     param = torch.nn.Parameter(torch.zeros(count))
@@ -419,7 +420,7 @@ def straggler_rank(args) -> dict | None:
     from gradsync import job
     from gradsync.ps import ParameterClient
 
-    gs.init()  # a server rank serves here and exits
+    gs.init()
     torch.set_num_threads(1)
     rank, n = gs.rank(), gs.size()
     slow, mode = n - 1, args.job_mode

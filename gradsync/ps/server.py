@@ -1,10 +1,13 @@
 """A parameter server: one shard of the model in memory regions, its optimizer, its clock.
 
 A job started with ``GRADSYNC_SERVERS=S`` (``gradsync run -np N --servers S``) has its last S
-ranks serve; ``gradsync.init()`` on such a rank calls ``serve`` and exits when the workers are
-done. The server knows nothing of the model until the workers say ``hello``: the first hello
-carries the *spec* (tensor sizes, optimizer, mode), and the server then allocates its regions
-in shared memory (``transport/regions.py``)::
+ranks serve. ``gradsync run`` starts each of them as the server entry point, ``python -m
+gradsync.ps`` (``__main__.py``), which calls ``serve_rank`` and exits when the workers are
+done; under a launcher that starts every rank from the user's script (torchrun, srun, mpirun)
+``gradsync.init()`` on such a rank calls ``serve_rank`` and ends the process. The server
+knows nothing of the model until the workers say ``hello``: the first hello carries the
+*spec* (tensor sizes, optimizer, mode), and the server then allocates its regions in shared
+memory (``transport/regions.py``)::
 
     params      float32[n]    this server's slice of the flat parameter vector      (fenced)
     grad.<w>    float32[n]    worker w's gradient slot (written by worker w only)
@@ -63,7 +66,7 @@ from .consistency import Clock
 from .replication import Beats, Fenced, View, Views, abandon, shard_of, wait_watched
 from .sharding import bounds
 
-__all__ = ["Server", "StoreGate", "serve", "checkpoint_path"]
+__all__ = ["Server", "StoreGate", "serve", "serve_rank", "checkpoint_path"]
 
 log = logging.getLogger("gradsync.ps")
 
@@ -741,6 +744,19 @@ class _Gated:
         return call
 
 
+def serve_rank(config, env) -> int:
+    """What a parameter-server rank does, whichever way it started (``python -m gradsync.ps``,
+    or ``gradsync.init()`` under a foreign launcher): says who it is, then serves until every
+    worker is done; returns the process's exit status."""
+    # On the job's logger, as every rank's line of who it is (world.py's, a worker's).
+    logging.getLogger("gradsync").info(
+        "rank %d of %d on host %s (pid %d, local rank %s): parameter server %d of %d (each "
+        "shard on %d of them), serving %d workers", env.rank, env.size, env.hostname,
+        os.getpid(), env.local_rank, env.server_rank, env.servers, config.ps_replicas,
+        env.workers)
+    return serve(config, env)
+
+
 def serve(config, env) -> int:
     """Runs this rank's parameter server until every worker is done; returns an exit status."""
     from ..rendezvous import Store
@@ -796,8 +812,10 @@ def serve(config, env) -> int:
         threading.Thread(target=_beat, args=(server, beats, Views(
             private, shard, env.servers, replicas, config.connect_timeout), private,
             config.heartbeat_interval, stop), daemon=True, name="gradsync-ps-beat").start()
+    # The pid is for tools that signal a server (``gradsync bench chaos``): it no longer runs
+    # a script of theirs that could say it (gradsync run starts it as ``python -m gradsync.ps``).
     store.set(f"ps/server/{index}", json.dumps({"addr": endpoint.addr, "port": endpoint.port,
-                                                "host": env.hostname}))
+                                                "host": env.hostname, "pid": os.getpid()}))
     try:
         if replacing and not join.wait_joined(server, store, env.workers,
                                               config.connect_timeout):

@@ -1,7 +1,9 @@
 """``gradsync run --min-np/--max-np``: an elastic job, re-formed instead of stopped.
 
 The launcher hosts the store and owns the job's *generations* (``gradsync.elastic.membership``):
-who the workers are and in which rank order. Its loop, every ``_POLL`` seconds:
+who the workers are and in which rank order. This is a policy of the launcher's one job loop
+(``loop.py``, which also runs the static job: signals, the end that stops every rank, the job
+file, /dev/shm); each of its turns, every ``loop.POLL`` seconds:
 
 1. **Watch.** A worker of the newest generation that exits non-zero, or is reported silent by
    a heartbeat (the abort record of its World says ``silent``; the launcher SIGKILLs it), is
@@ -80,12 +82,12 @@ from .hosts import Host
 from .data_servers import DataServers
 from .launcher import (LaunchSpec, Rank, Slot, Starter, informs, is_local, rank_line,
                        start_store, store_address)
-from .processes import (Interrupts, Output, StartError, clear_shared_memory, describe,
-                        exit_status, stop)
+from .loop import End, JobLoop
+from .processes import Output, describe, exit_status
 
 __all__ = ["ElasticSpec", "launch_elastic", "parse_discovered"]
 
-_POLL = 0.05
+_POLL = 0.05  # how often the start looks at the first hosts' ssh checks
 _LOST_GRACE = 5.0  # seconds a worker reported lost may take to exit before it is killed
 # A new worker that is not ready holds nobody up (the job trains on without it), so this limit
 # only frees its slot: generous, for a loaded machine where importing torch takes tens of
@@ -172,17 +174,19 @@ class _State:
     first_failure: int | None = None  # exit status of the first failed worker
 
 
-class _ElasticJob:
-    """One run of an elastic job; see the module docstring."""
+class _ElasticJob(JobLoop):
+    """The elastic job's policy in the launcher's job loop (``loop.py``); see the module
+    docstring."""
+
+    count_stopped = False  # its end says nothing of the workers it stops
 
     def __init__(self, spec: LaunchSpec, elastic: ElasticSpec, output: Output):
-        self.spec, self.elastic, self.output = spec, elastic, output
+        super().__init__(spec, output)
+        self.elastic = elastic
         self.static_hosts = list(spec.hosts) or [Host("localhost", spec.num_proc)]
         # A job given no hosts runs on this machine alone: there a failed worker leaves alone,
         # since removing every worker of the host would end the job.
         self.per_worker = not spec.hosts and not elastic.discovery_script
-        self.interrupts = Interrupts()
-        self.starter: Starter | None = None  # made once the store's address is known
         self.port = 0
         self.blacklist: dict[str, float] = {}
         self._failures: dict[str, int] = {}  # per host: how often it was blacklisted
@@ -205,107 +209,88 @@ class _ElasticJob:
         self.ready_timeout = spec.start_timeout or _READY_TIMEOUT
         self.informs = informs(spec)  # the ranks log at INFO: say which process is which
         self.data_servers: DataServers | None = None  # made once the store is up
-        self.jobfile: "str | None" = None  # where gradsync top finds the store (jobfile.py)
+        self._seen_version = 0  # the discovery script's output last looked at
 
     # ------------------------------------------------------------------ the run
-    def run(self) -> int:
-        with self.interrupts.catching():
-            status, summary = 1, None
-            try:
-                if self.elastic.discovery_script:
-                    self.discovery = Discovery(self.elastic.discovery_script,
-                                                self.elastic.discovery_interval,
-                                                self.output).start()
-                # Every worker of every generation gets the same store address: one that the
-                # remote hosts known now reach, or with a discovery script (remote hosts may
-                # come later) one that other hosts can reach.
-                remote_hosts = [h.name for h in self._hosts() if not is_local(h.name)]
-                self.starter = Starter(
-                    self.spec, self.output,
-                    store_address(remote_hosts, reachable=self.discovery is not None),
-                    settings={ENV_PREFIX + "ELASTIC_TIMEOUT":
-                              f"{self.elastic.elastic_timeout:g}"})
-                self._server = start_store()
-                self.port = self._server.port
-                self.jobfile = jobfile.publish(self.starter.job_id, self.starter.store_addr,
-                                               self.port, self.spec.num_proc)
-                self.control = Control(self._server, self.starter.job_id, 30.0)
-                self._check_first_hosts()
-                self.data_servers = DataServers(self.spec, self.starter, self.output,
-                                                self._server, self.port)
-                # On this machine, under its name in the hosts given, so that its workers map
-                # the data servers' slots (one memcpy per batch).
-                self.data_servers.start(next((h.name for h in self._hosts()
-                                              if is_local(h.name)), "localhost"))
-                status, summary = self._loop()
-            except StartError as exc:
-                status, summary = exc.status, str(exc)
-            finally:
-                jobfile.withdraw(self.jobfile)
-                if self.discovery is not None:
-                    self.discovery.stop()
-                for proc, _ in self._probes.values():
-                    self.starter.ssh.end_probe(proc)
-                if summary and self.control is not None and status != 0:
-                    try:
-                        self.control.give_up(summary)
-                    except (RuntimeError, OSError):
-                        pass
-                ranks = [w.rank for w in self.workers if w.rank is not None] + \
-                    (self.data_servers.ranks if self.data_servers else [])
-                stop([r.process for r in ranks], self.spec.stop_grace,
-                     hurry=lambda: self.interrupts.hurry,
-                     on_stuck=lambda i: self.output.message(
-                         f"rank {ranks[i].slot.rank} (pid {ranks[i].proc.pid}) did not exit "
-                         "after SIGKILL"))
-                clear_shared_memory(self.starter.job_id)
-                self.output.drain(2.0)
-        if summary:
-            self.output.message(summary)
-        return status
-
-    def _loop(self) -> tuple[int, str | None]:
-        st = self.state
+    def begin(self) -> None:
+        if self.elastic.discovery_script:
+            self.discovery = Discovery(self.elastic.discovery_script,
+                                       self.elastic.discovery_interval, self.output).start()
+        # Every worker of every generation gets the same store address: one that the remote
+        # hosts known now reach, or with a discovery script (remote hosts may come later) one
+        # that other hosts can reach.
+        remote_hosts = [h.name for h in self._hosts() if not is_local(h.name)]
+        self.starter = Starter(
+            self.spec, self.output,
+            store_address(remote_hosts, reachable=self.discovery is not None),
+            settings={ENV_PREFIX + "ELASTIC_TIMEOUT": f"{self.elastic.elastic_timeout:g}"})
+        self._server = start_store()
+        self.port = self._server.port
+        self.jobfile = jobfile.publish(self.starter.job_id, self.starter.store_addr,
+                                       self.port, self.spec.num_proc)
+        self.control = Control(self._server, self.starter.job_id, 30.0)
+        self._check_first_hosts()
+        self.data_servers = DataServers(self.spec, self.starter, self.output,
+                                        self._server, self.port)
+        # On this machine, under its name in the hosts given, so that its workers map the
+        # data servers' slots (one memcpy per batch).
+        self.data_servers.start(next((h.name for h in self._hosts() if is_local(h.name)),
+                                     "localhost"))
         self._form(first=True)
-        seen_version = self.discovery.version if self.discovery else 0
-        while True:
-            received = self.interrupts.received
-            if received is not None:
-                return 128 + received, f"interrupted by {signal.Signals(received).name}"
-            changed = self._watch()  # the newest generation must be replaced now
-            self.data_servers.watch()
-            self._reap()
-            self._watch_new()
-            grow = False  # room for new workers: start them; they join once ready
-            reachable = self._probe_hosts()
-            if self.discovery is not None and self.discovery.version != seen_version:
-                seen_version = self.discovery.version
-                if not st.finishing and self._unlisted():
-                    changed = True
-                reachable = True
-            if reachable and not st.finishing and \
-                    len(self._placed()) < self.elastic.max_np and self._free_slots():
-                grow = True
-            if self._cooled_down() and len(self._placed()) < self.elastic.max_np:
-                grow = True
-            if st.short_since is not None:
-                changed = True  # keep trying while short of workers
-            if changed and st.finishing:
-                self.control.give_up("a worker failed after another had finished: the job "
-                                     "is not re-formed any more")
-            elif st.finishing:
-                for worker in self._alive(self.pending):
-                    self._retire(worker, "the job is finishing")
-                self._end_unformed()
-            elif changed or grow or self.pending or \
-                    len(self._alive(st.members)) < len(st.members):
-                done = self._form(first=False, now=changed)
-                if done is not None:
-                    return done
-            end = self._loop_end()
-            if end is not None:
-                return self.data_servers.end(*end, interrupted=lambda: self.interrupts.received)
-            time.sleep(_POLL)
+        self._seen_version = self.discovery.version if self.discovery else 0
+
+    def started(self) -> list[Rank]:
+        return [w.rank for w in self.workers if w.rank is not None] + \
+            (self.data_servers.ranks if self.data_servers else [])
+
+    def ending(self, status: int, summary: str | None) -> None:
+        if self.discovery is not None:
+            self.discovery.stop()
+        for proc, _ in self._probes.values():
+            self.starter.ssh.end_probe(proc)
+        if summary and self.control is not None and status != 0:
+            try:
+                self.control.give_up(summary)
+            except (RuntimeError, OSError):
+                pass
+
+    def turn(self) -> End | None:
+        st = self.state
+        changed = self._watch()  # the newest generation must be replaced now
+        self.data_servers.watch()
+        self._reap()
+        self._watch_new()
+        grow = False  # room for new workers: start them; they join once ready
+        reachable = self._probe_hosts()
+        if self.discovery is not None and self.discovery.version != self._seen_version:
+            self._seen_version = self.discovery.version
+            if not st.finishing and self._unlisted():
+                changed = True
+            reachable = True
+        if reachable and not st.finishing and \
+                len(self._placed()) < self.elastic.max_np and self._free_slots():
+            grow = True
+        if self._cooled_down() and len(self._placed()) < self.elastic.max_np:
+            grow = True
+        if st.short_since is not None:
+            changed = True  # keep trying while short of workers
+        if changed and st.finishing:
+            self.control.give_up("a worker failed after another had finished: the job "
+                                 "is not re-formed any more")
+        elif st.finishing:
+            for worker in self._alive(self.pending):
+                self._retire(worker, "the job is finishing")
+            self._end_unformed()
+        elif changed or grow or self.pending or \
+                len(self._alive(st.members)) < len(st.members):
+            done = self._form(first=False, now=changed)
+            if done is not None:
+                return (*done, None)
+        end = self._loop_end()
+        if end is not None:
+            return (*self.data_servers.end(*end, interrupted=lambda: self.interrupts.received),
+                    None)
+        return None
 
     def _loop_end(self) -> tuple[int, str | None] | None:
         """The job's status once every worker has exited (None before): 0 when the last

@@ -22,20 +22,25 @@ A job goes through five steps:
    128 + the signal the launcher received, or 0 when every rank exited 0.
 
 Parameter-server jobs (``servers`` > 0): the ``num_proc`` workers are ranks ``0 .. num_proc - 1``
-and the servers the last ``servers`` ranks, placed after them like any rank; every rank runs
-the same command and learns the split from ``GRADSYNC_SERVERS``. The servers hold the model, so
-a failing server ends the job as above; a failing worker does not (the others can go on without
-it): the launcher reports it at once, waits for every rank to end, and then exits with the
-status of the first worker that failed. Servers end by themselves once every worker has said
+and the servers the last ``servers`` ranks, placed after them like any rank. The workers run
+the job's command; each server runs the server entry point, ``python -m gradsync.ps``
+(``server_entry``: the job's interpreter when the command starts with one, else the
+launcher's), not the user's script, which a server does not need: the first worker's hello
+tells it the model. Every rank learns the split from ``GRADSYNC_SERVERS``. The servers hold
+the model, so a failing server ends the job as above; a failing worker does not (the others
+can go on without it): the launcher reports it at once, waits for every rank to end, and then
+exits with the status of the first worker that failed. Servers end by themselves once every worker has said
 goodbye or died; servers still running ``SERVER_LINGER`` seconds after the last worker ended
 (workers that died before reaching their servers, or a script that never used them) are
 stopped, so that such a job cannot hang.
 
 Data-server jobs (``data_servers`` > 0, ``gradsync.data``): the data servers are the last
 ``data_servers`` ranks, after the workers and any parameter servers, and learn their role from
-``GRADSYNC_DATA_SERVERS``. A failing data server does not end the job (the workers hand its
-share to the others): it is reported at once, and the job's status at the end is that of the
-first rank that failed, as for a parameter-server job's workers. A failing worker ends the job
+``GRADSYNC_DATA_SERVERS``. They run the job's command, since what they serve is the user's
+code (the data set, its transform and collate, built by the script's ``gradsync.data.Loader``
+call, which serves and ends the process there). A failing data server does not end the job
+(the workers hand its share to the others): it is reported at once, and the job's status at
+the end is that of the first rank that failed, as for a parameter-server job's workers. A failing worker ends the job
 as in step 4, unless the job has parameter servers. Data servers end once every worker has
 disconnected; those still running ``SERVER_LINGER`` seconds after the last worker ended are
 stopped, as servers are.
@@ -50,8 +55,9 @@ not lost in a buffer when the job is stopped.
 When the ranks log at INFO or DEBUG (``--log-level``, or ``GRADSYNC_LOG_LEVEL`` /
 ``HOROVOD_LOG_LEVEL`` for them or here), the launcher also says, once the ranks have started,
 which process each rank is: ``gradsync run: rank 1 (worker) on host a: pid 4242``, so that a
-profiler (``py-spy dump --pid``) or a signal can reach the rank that is slow. The pid is that
-of the process started (the command's); a remote rank's is ssh's here, and the rank's own
+profiler (``py-spy dump --pid``) or a signal can reach the rank that is slow; a parameter
+server's line ends with its entry point (``..., pid 4243, python -m gradsync.ps``). The pid is
+that of the process started (the command's); a remote rank's is ssh's here, and the rank's own
 INFO line (``world.py``) names its pid on its host.
 
 Remote ranks run under ``ssh`` with a *lifeline* (``processes.py``): the job secret travels on
@@ -62,8 +68,10 @@ launcher's ``GRADSYNC_*`` and ``HOROVOD_*`` settings (``config.py`` maps the lat
 under ``mpirun -x``; local ranks inherit the launcher's
 whole environment.
 
-The pieces an elastic job (``elastic.py``) shares with this one are public: ``Starter``
-starts a rank with its identity, here or over ssh (its ``ssh`` also checks hosts);
+This job and an elastic one (``elastic.py``) are two policies of one job loop (``loop.py``:
+signals, the poll, the end that stops every rank, the job file, /dev/shm); this module's
+``_Job`` is the static policy. The pieces they share are public: ``Starter`` starts a rank with
+its identity and the command of its role, here or over ssh (its ``ssh`` also checks hosts);
 ``store_address`` and ``start_store`` give the store; ``Rank`` is a started rank. The process
 mechanics under them (new sessions, stopping, output, signals, ssh) are ``processes.py``.
 """
@@ -71,8 +79,8 @@ mechanics under them (new sessions, stopping, output, signals, ssh) are ``proces
 from __future__ import annotations
 
 import os
+import re
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -85,22 +93,25 @@ from ..config import ENV_PREFIX, HOROVOD_IDENTITY, IDENTITY_VARIABLES, horovod_s
 from ..errors import ConfigError
 from . import binding, jobfile
 from .hosts import Host
-from .processes import (DEFAULT_START_TIMEOUT, STOP_GRACE, Interrupts, Output, Process,
-                        StartError, Ssh, clear_shared_memory, describe, exit_status, start,
-                        stop)
+from .loop import End, JobLoop
+from .processes import (DEFAULT_START_TIMEOUT, STOP_GRACE, Output, Process, StartError, Ssh,
+                        describe, exit_status, start)
 
 __all__ = ["Host", "Slot", "LaunchSpec", "place", "launch", "is_local", "STOP_GRACE",
            "SERVER_LINGER", "DEFAULT_START_TIMEOUT", "Rank", "Starter", "store_address",
-           "start_store", "forwarded_settings", "informs", "rank_line"]
+           "start_store", "forwarded_settings", "informs", "rank_line", "server_entry",
+           "SERVER_MODULE"]
 
 SERVER_LINGER = 10.0
 """Seconds servers may run on after every worker of a parameter-server job has ended."""
 
+SERVER_MODULE = "gradsync.ps"
+"""The module a parameter server runs (``python -m gradsync.ps``: ``ps/__main__.py``)."""
+
 SERVER_RESTARTS = 3
 """The default of ``LaunchSpec.server_restarts`` (``--server-restarts``)."""
 
-_POLL = 0.05  # how often the watcher looks at the ranks: the delay before a failure is seen
-_DRAIN = 2.0  # seconds to wait for the last output after the ranks are gone
+_POLL = 0.05  # how often the start looks at the hosts' ssh checks
 _LOCAL_NAMES = {"localhost", "127.0.0.1", "::1"}
 
 
@@ -202,6 +213,9 @@ class LaunchSpec:
     """Private key passed to ssh as ``-i``."""
     output_filename: str | None = None
     """Folder that also gets each rank's output, ``rank.<rank>/stdout`` and ``.../stderr``."""
+    server_command: Sequence[str] | None = None
+    """The command each parameter server runs; None: the server entry point
+    (``server_entry(command)``, ``python -m gradsync.ps``)."""
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -232,6 +246,25 @@ class LaunchSpec:
     def size(self) -> int:
         """Number of ranks in the job: workers, servers and data servers."""
         return self.num_proc + self.servers + self.data_servers
+
+    def command_of(self, rank: int) -> Sequence[str]:
+        """What rank ``rank`` runs: a parameter server the server entry point, every other
+        rank (workers, data servers) the job's command."""
+        if self.num_proc <= rank < self.num_proc + self.servers:
+            return self.server_command or server_entry(self.command)
+        return self.command
+
+
+def server_entry(command: Sequence[str]) -> list[str]:
+    """The command that starts a parameter server of a job whose ranks run ``command``:
+    ``<python> -m gradsync.ps``, with ``command``'s interpreter when it starts with one
+    (``python``, ``python3.12``, a virtual environment's), so that a server imports the gradsync the workers
+    import, else with the launcher's own (``sys.executable``), which a remote host must then
+    have at the same path, as a horovodrun job's hosts have its Python."""
+    first = command[0]
+    named = re.fullmatch(r"python[0-9.]*", os.path.basename(first))
+    python = first if named else sys.executable
+    return [python, "-m", SERVER_MODULE]
 
 
 def launch(spec: LaunchSpec, stdout: BinaryIO | None = None,
@@ -314,6 +347,8 @@ class Rank:
 
     slot: Slot
     process: Process
+    command: Sequence[str] = ()
+    """What it runs (``LaunchSpec.command_of``)."""
 
     @property
     def proc(self) -> subprocess.Popen:
@@ -352,7 +387,8 @@ class Starter:
 
     def start(self, slot: Slot, port: int, size: int, cores: Sequence[int] | None = None,
               identity: Mapping[str, str] | None = None) -> Rank:
-        """Starts one rank of a job of ``size`` ranks whose store listens on ``port``.
+        """Starts one rank of a job of ``size`` ranks whose store listens on ``port``, with
+        the command of its role (``LaunchSpec.command_of``).
 
         Args:
             cores: CPUs to bind a rank started here to (None: not bound).
@@ -362,17 +398,18 @@ class Starter:
             StartError: it cannot be started (status 127 or 126, as a shell's).
         """
         variables = {**self.identity(slot, port, size), **(identity or {})}
+        command = self.spec.command_of(slot.rank)
         remote = not is_local(slot.host)
         try:
             if remote:
                 forwarded = forwarded_settings(os.environ)
                 process = self.ssh.start(
-                    slot.host, self.spec.command,
+                    slot.host, command,
                     {**forwarded, **self.torch_identity(slot, port, size),
                      **self.settings(slot), **self.spec.env, **variables},
                     self.secret, self.spec.stop_grace)
             else:
-                process = start(self.spec.command, {
+                process = start(command, {
                     **os.environ, **self.torch_identity(slot, port, size),
                     **self.settings(slot), **self.spec.env, **variables,
                     ENV_PREFIX + "SECRET": self.secret.hex()})
@@ -389,7 +426,7 @@ class Starter:
             raise StartError(f"cannot start rank {slot.rank} on host {slot.host}: {exc}",
                              status) from None
         self.output.follow(slot.rank, process.proc)
-        return Rank(slot, process)
+        return Rank(slot, process, command)
 
     def identity(self, slot: Slot, port: int, size: int) -> dict[str, str]:
         """A rank's ``GRADSYNC_*`` identity."""
@@ -459,62 +496,54 @@ def informs(spec: LaunchSpec) -> bool:
 
 def rank_line(rank: Rank, role: str, index: int | None = None) -> str:
     """Which process ``rank`` is, for a user who wants to attach a profiler to it; ``index``:
-    its rank now, when that is not the one it started with (an elastic job's workers)."""
+    its rank now, when that is not the one it started with (an elastic job's workers). A
+    parameter server's line ends with what it runs (``python -m gradsync.ps``)."""
     index = rank.slot.rank if index is None else index
     where = f"rank {index} ({role}) on host {rank.slot.host}"
+    entry = list(rank.command[1:]) == ["-m", SERVER_MODULE]
+    runs = f", {os.path.basename(rank.command[0])} -m {SERVER_MODULE}" if entry else ""
     if rank.remote:
-        return f"{where}: started over ssh (pid {rank.proc.pid} here); its pid there is " \
+        return f"{where}: started over ssh (pid {rank.proc.pid} here{runs}); its pid there is " \
                "in its own INFO line"
-    return f"{where}: pid {rank.proc.pid}"
+    return f"{where}: pid {rank.proc.pid}{runs}"
 
 
-class _Job:
-    """One run of the launcher; see the module docstring for its steps."""
+class _Job(JobLoop):
+    """The static job's policy in the launcher's job loop (``loop.py``): every rank placed and
+    started at once; see the module docstring for what a failure does."""
 
     def __init__(self, spec: LaunchSpec, slots: list[Slot], output: Output):
-        self.spec, self.slots, self.output = spec, slots, output
+        super().__init__(spec, output)
+        self.slots = slots
         self.remote_hosts = list(dict.fromkeys(s.host for s in slots if not is_local(s.host)))
         self.starter = Starter(spec, output, store_address(self.remote_hosts))
         self.ranks: list[Rank] = []
-        self.interrupts = Interrupts()
         self.cores: "list[list[int]] | None" = None  # CPUs of each local rank, when bound
+        self.store = None  # the job's TCPStore server, held for the whole run
         self.store_port = 0
-        self.jobfile: "str | None" = None  # where gradsync top finds the store (jobfile.py)
         self.restarts: dict[int, int] = {}  # replicated servers started again, by rank
+        self.failed: list[tuple[int, str, str]] = []  # ranks that failed and let the job go on
+        self.seen: set[int] = set()  # their indices (a restarted server's failure is new)
+        self.workers_ended: float | None = None  # when the last worker of a server job ended
 
-    def run(self) -> int:
-        with self.interrupts.catching():
-            try:
-                self._check_hosts()
-                self._plan_binding()
-                store = start_store()
-                self.store_port = store.port
-                self.jobfile = jobfile.publish(self.starter.job_id, self.starter.store_addr,
-                                               store.port, len(self.slots))
-                for slot in self.slots:
-                    if self.interrupts.received is not None:
-                        break
-                    cores = None if self.cores is None else self.cores[slot.local_rank]
-                    self.ranks.append(self.starter.start(slot, store.port, len(self.slots),
-                                                         cores))
-                if informs(self.spec):
-                    for rank in self.ranks:
-                        self.output.message(rank_line(rank, self._role(rank.slot.rank)))
-                status, summary, others = self._watch()
-            except StartError as exc:
-                status, summary, others = exc.status, str(exc), "other "
-            finally:
-                # Reached on every path (an exception included), so no rank outlives the job.
-                jobfile.withdraw(self.jobfile)
-                stopped = stop([r.process for r in self.ranks], self.spec.stop_grace,
-                               hurry=lambda: self.interrupts.hurry, on_stuck=self._stuck)
-                clear_shared_memory(self.starter.job_id)
-                self.output.drain(_DRAIN)
-        if summary and self.ranks and others is not None:
-            summary += f"; stopped {stopped} {others}rank{'' if stopped == 1 else 's'}"
-        if summary:
-            self.output.message(summary)
-        return status
+    def begin(self) -> None:
+        self._check_hosts()
+        self._plan_binding()
+        self.store = start_store()
+        self.store_port = self.store.port
+        self.jobfile = jobfile.publish(self.starter.job_id, self.starter.store_addr,
+                                       self.store_port, len(self.slots))
+        for slot in self.slots:
+            if self.interrupts.received is not None:
+                break
+            cores = None if self.cores is None else self.cores[slot.local_rank]
+            self.ranks.append(self.starter.start(slot, self.store_port, len(self.slots), cores))
+        if informs(self.spec):
+            for rank in self.ranks:
+                self.output.message(rank_line(rank, self._role(rank.slot.rank)))
+
+    def started(self) -> list[Rank]:
+        return self.ranks
 
     # ------------------------------------------------------------------ start
     def _plan_binding(self) -> None:
@@ -551,63 +580,58 @@ class _Job:
             for proc in checks.values():
                 ssh.end_probe(proc)
 
-    # ------------------------------------------------------------------ watch and stop
-    def _watch(self) -> tuple[int, str | None, str | None]:
-        """Waits for the end: every rank ended, one stopping the job failed, or the launcher
-        got a signal. A failed worker of a parameter-server job, or a failed data server, is
-        reported, not stopping.
+    # ------------------------------------------------------------------ watch
+    def turn(self) -> End | None:
+        """One look at the ranks: the end once every rank ended or one stopping the job
+        failed. A failed worker of a parameter-server job, a failed data server or a failed
+        replicated server (started again) is reported, not stopping.
 
         Returns:
-            The exit status, the summary line (None for success) and what the ranks that
-            the stop finds running are called in it: "other " when the summary is about one
-            rank, "" after a signal, None when every rank ended by itself (nothing to count).
+            None while the job runs; else the exit status, the summary line (None for
+            success) and what the ranks that the stop finds running are called in it:
+            "other " when the summary is about one rank, None when every rank ended by
+            itself (nothing to count).
         """
-        failed: list[tuple[int, str, str]] = []  # a parameter-server job's failed workers
-        seen: set[int] = set()
-        workers_ended: float | None = None
-        while True:
-            if self.interrupts.received is not None:
-                name = signal.Signals(self.interrupts.received).name
-                return 128 + self.interrupts.received, f"interrupted by {name}", ""
-            running = False
-            for rank in self.ranks:
-                code = rank.proc.poll()
-                if code is None:
-                    running = True
-                elif code != 0 and rank.slot.rank not in seen:
-                    who, what = self._failure(rank, code)
-                    index = rank.slot.rank
-                    data_server = index >= self.spec.size - self.spec.data_servers
-                    # With replicas, a lost parameter server's shards live on elsewhere.
-                    copied = self.spec.ps_replicas > 1 and not data_server and \
-                        index >= self.spec.num_proc
-                    if not data_server and not copied and (
-                            not self.spec.servers or index >= self.spec.num_proc):
-                        return exit_status(code), f"{who} {what}", "other "
-                    seen.add(index)
-                    failed.append((exit_status(code), who, what))
-                    self.output.message(f"{who} {what}; the other ranks go on " + (
-                        "(the other data servers serve its share)" if data_server else
-                        "(its shards live on the other replicas)" if copied else
-                        "(parameter-server job)"))
-                    if copied and workers_ended is None:
-                        self._restart_server(rank, seen)
-            if (self.spec.servers or self.spec.data_servers) and workers_ended is None and all(
-                    r.proc.poll() is not None for r in self.ranks[:self.spec.num_proc]):
-                workers_ended = time.monotonic()
-            lingered = workers_ended is not None and \
-                time.monotonic() - workers_ended > SERVER_LINGER
-            if not running or lingered:
-                linger = (f"; the servers were still running {SERVER_LINGER:g}s after the last "
-                          f"worker ended and were stopped") if running else ""
-                if not failed:
-                    return 0, (f"every worker ended{linger}" if linger else None), \
-                        ("" if linger else None)
-                status, who, what = failed[0]
-                first = f", the first of {len(failed)} failed workers" if len(failed) > 1 else ""
-                summary = f"{who} failed earlier ({what}){first}; the job ran to its end{linger}"
-                return status, summary, ("" if linger else None)
-            time.sleep(_POLL)
+        running = False
+        for rank in self.ranks:
+            code = rank.proc.poll()
+            if code is None:
+                running = True
+            elif code != 0 and rank.slot.rank not in self.seen:
+                who, what = self._failure(rank, code)
+                index = rank.slot.rank
+                data_server = index >= self.spec.size - self.spec.data_servers
+                # With replicas, a lost parameter server's shards live on elsewhere.
+                copied = self.spec.ps_replicas > 1 and not data_server and \
+                    index >= self.spec.num_proc
+                if not data_server and not copied and (
+                        not self.spec.servers or index >= self.spec.num_proc):
+                    return exit_status(code), f"{who} {what}", "other "
+                self.seen.add(index)
+                self.failed.append((exit_status(code), who, what))
+                self.output.message(f"{who} {what}; the other ranks go on " + (
+                    "(the other data servers serve its share)" if data_server else
+                    "(its shards live on the other replicas)" if copied else
+                    "(parameter-server job)"))
+                if copied and self.workers_ended is None:
+                    self._restart_server(rank, self.seen)
+        if (self.spec.servers or self.spec.data_servers) and self.workers_ended is None and \
+                all(r.proc.poll() is not None for r in self.ranks[:self.spec.num_proc]):
+            self.workers_ended = time.monotonic()
+        lingered = self.workers_ended is not None and \
+            time.monotonic() - self.workers_ended > SERVER_LINGER
+        if not running or lingered:
+            linger = (f"; the servers were still running {SERVER_LINGER:g}s after the last "
+                      f"worker ended and were stopped") if running else ""
+            if not self.failed:
+                return 0, (f"every worker ended{linger}" if linger else None), \
+                    ("" if linger else None)
+            status, who, what = self.failed[0]
+            first = f", the first of {len(self.failed)} failed workers" \
+                if len(self.failed) > 1 else ""
+            summary = f"{who} failed earlier ({what}){first}; the job ran to its end{linger}"
+            return status, summary, ("" if linger else None)
+        return None
 
     def _restart_server(self, rank: Rank, seen: set[int]) -> None:
         """Starts a failed replicated server's rank again (``spec.server_restarts`` times at
@@ -662,7 +686,4 @@ class _Job:
             what += " (ssh returns 255 when the connection fails)"
         return f"{name} on host {rank.slot.host}", what
 
-    def _stuck(self, index: int) -> None:
-        rank = self.ranks[index]
-        self.output.message(f"rank {rank.slot.rank} (pid {rank.proc.pid}) did not exit after "
-                            "SIGKILL")
+

@@ -6,7 +6,8 @@ allreduce algorithm of both sizes, the Horovod API's fusion threshold, a paramet
 push, a data-server epoch), prints ``STEPS-BEGIN`` to stderr, then takes STEPS more steps and
 prints ``STEPS-END``. The test counts gradsync's INFO lines between the two marks: none, what
 ever STEPS is. The job may have parameter servers and data servers (``--servers``,
-``--data-servers``): they serve inside ``Loader``/``init`` and end; a worker then pushes to
+``--data-servers``): a data server serves inside ``Loader`` and ends, a parameter server
+runs ``python -m gradsync.ps``, not this script; a worker then pushes to
 the servers and reads batches too.
 """
 
@@ -34,7 +35,7 @@ class Numbers:
 def main():
     steps = int(sys.argv[1])
     loader = gradsync.data.Loader(Numbers(), batch_size=4) if "--data" in sys.argv else None
-    hvd.init()  # a parameter-server rank serves in here and ends
+    hvd.init()
     model = torch.nn.Linear(3, 1)
     ps = gradsync.ps.ParameterClient(model, optimizer="sgd", lr=0.1) \
         if "--ps" in sys.argv else None

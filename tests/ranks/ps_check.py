@@ -1,7 +1,8 @@
 """Parameter-server checks, one scenario per run: ``ps_check.py SCENARIO [ARGS]``.
 
-Every rank runs this script; server ranks serve inside ``ParameterClient`` (``gs.init``) and
-exit. Workers train a small MLP on closed-form batches (``batch(worker, step)``), so a
+The workers run this script; under gradsync run a server runs ``python -m gradsync.ps``, under
+``harness.spawn`` (torchrun's way) it runs this script too and serves inside
+``ParameterClient`` (``gs.init``), then exits. Workers train a small MLP on closed-form batches (``batch(worker, step)``), so a
 reference model trained locally on the same batches is what the servers must hold.
 
     parity OPT [STEPS]     sync mode vs a local torch optimizer over every worker's batch;

@@ -1,0 +1,122 @@
+"""The launcher's one job loop: every ``gradsync run`` job, static or elastic, runs in it.
+
+What a run does that does not depend on how its ranks come and go:
+
+1. **Catch** SIGINT, SIGTERM and SIGHUP for the whole run (``processes.Interrupts``): the first
+   ends the job, a second skips the stop's grace.
+2. **Begin.** The policy hosts the store, publishes the job file (``jobfile.py``: where
+   ``gradsync top`` finds the store) and starts its first ranks.
+3. **Turn**, every ``POLL`` seconds: a signal received ends the job; else the policy looks at
+   its ranks once and says whether the job has ended, with what status and summary.
+4. **End**, on every path (an exception's too), so that no rank outlives the job: the job file
+   withdrawn, the policy's own ending (an elastic job tells waiting workers it gave up), every
+   rank still running stopped (SIGTERM, then SIGKILL after ``stop_grace``), the job's names in
+   this host's /dev/shm removed (a SIGKILLed rank cannot unlink its own), the last output
+   drained; then the summary line, and the launcher exits with the status.
+
+The policies (what a turn decides) are the static job (``launcher._Job``: a fixed set of ranks,
+where a failed rank stops the job unless its role lets the others go on) and the elastic job
+(``elastic._ElasticJob``: generations of workers re-formed around failures). Both start ranks
+through one ``launcher.Starter``, each with the command of its role.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Optional, Tuple
+
+from . import jobfile
+from .processes import Interrupts, Output, StartError, clear_shared_memory, stop
+
+__all__ = ["JobLoop", "End", "POLL"]
+
+POLL = 0.05
+"""Seconds between two turns: the delay before a failure is seen."""
+
+_DRAIN = 2.0  # seconds to wait for the last output after the ranks are gone
+
+End = Tuple[int, Optional[str], Optional[str]]
+"""How a job ended: (exit status, summary line or None, what the ranks the end stops are
+called in the summary: ``"other "`` after one rank's failure, ``""`` after a signal, None to
+leave them uncounted)."""
+
+
+class JobLoop:
+    """One run of a job (see the module docstring); a policy subclasses it.
+
+    Args:
+        spec: the job (a ``launcher.LaunchSpec``; this module imports neither policy, so that
+            both import it).
+        output: where the ranks' output and the launcher's messages go.
+    """
+
+    count_stopped = True
+    """Whether the summary counts the ranks the end stopped (``; stopped 2 other ranks``); an
+    elastic job's does not, its workers having come and gone."""
+
+    def __init__(self, spec, output: Output):
+        self.spec, self.output = spec, output
+        self.interrupts = Interrupts()
+        self.starter = None  # the policy's launcher.Starter, from __init__ or begin()
+        self.jobfile: "str | None" = None  # set by the policy once published
+
+    # ------------------------------------------------------------------ the policy's part
+    def begin(self) -> None:
+        """Hosts the store, publishes the job file and starts the first ranks.
+
+        Raises:
+            StartError: the job cannot start (its status is the launcher's).
+        """
+        raise NotImplementedError
+
+    def turn(self) -> End | None:
+        """Looks at the ranks once; returns how the job ended (``End``), or None."""
+        raise NotImplementedError
+
+    def started(self) -> list:
+        """Every rank started so far that the end must stop (``launcher.Rank``)."""
+        raise NotImplementedError
+
+    def ending(self, status: int, summary: str | None) -> None:
+        """Called at the end before the ranks are stopped: what the policy itself stops."""
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> int:
+        """Runs the job to its end; returns the launcher's exit status."""
+        ranks: list = []
+        with self.interrupts.catching():
+            status, summary, others = 1, None, None
+            try:
+                self.begin()
+                end = None
+                while end is None:
+                    end = self._interrupted() or self.turn()
+                    if end is None:
+                        time.sleep(POLL)
+                status, summary, others = end
+            except StartError as exc:
+                status, summary, others = exc.status, str(exc), "other "
+            finally:
+                jobfile.withdraw(self.jobfile)
+                self.ending(status, summary)
+                ranks = self.started()
+                stopped = stop([r.process for r in ranks], self.spec.stop_grace,
+                               hurry=lambda: self.interrupts.hurry,
+                               on_stuck=lambda i: self.output.message(
+                                   f"rank {ranks[i].slot.rank} (pid {ranks[i].proc.pid}) did "
+                                   "not exit after SIGKILL"))
+                if self.starter is not None:
+                    clear_shared_memory(self.starter.job_id)
+                self.output.drain(_DRAIN)
+        if summary and ranks and others is not None and self.count_stopped:
+            summary += f"; stopped {stopped} {others}rank{'' if stopped == 1 else 's'}"
+        if summary:
+            self.output.message(summary)
+        return status
+
+    def _interrupted(self) -> End | None:
+        received = self.interrupts.received
+        if received is None:
+            return None
+        return 128 + received, f"interrupted by {signal.Signals(received).name}", ""
