@@ -49,7 +49,15 @@ def test_sweep_over_tcp(n):
 def test_sweep_on_emulated_hosts(layout):
     # Rank r plays host layout[r]: shared memory inside a host, TCP between hosts; "abab"
     # numbers ranks across hosts alternately, "abcab" has uneven hosts. The hierarchical and
-    # topology-ordered algorithms run here on real processes.
+    # topology-ordered algorithms run here on real processes. "aabb" runs last in the 4-rank
+    # job of small_jobs.py (sweep.py sets its host's name for its own init()).
+    if layout == "aabb":
+        output = sweep(4, "sweep.py:hosts=aabb")
+        assert output.count("checks passed") == 4, output
+        # two hosts of two ranks each: the names were this script's, not the job's
+        for host in ("host-a", "host-b"):
+            assert output.count(f"2 ranks on host {host}") == 2, output
+        return
     ranks = spawn(len(layout), "sweep.py", timeout=240,
                   per_rank_env=lambda r: {"GRADSYNC_HOSTNAME": f"host-{layout[r]}"})
     for r in ranks:

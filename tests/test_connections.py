@@ -9,6 +9,7 @@ count from inside the ranks what they hold (/proc/self/fd) and what they asked o
 """
 
 import collections
+import functools
 import json
 import math
 import re
@@ -435,12 +436,14 @@ def test_the_address_table_is_served_compressed():
 
 
 # -------------------------------------------------------------------------- multi-process
-def _results(ranks) -> dict:
+def _results(ranks, mode: str) -> dict:
+    """Each rank's RESULT object of ``mode`` (tests/ranks/connections.py)."""
     out = {}
     for r in ranks:
-        m = re.search(r"RESULT rank=(\d+) (.*)", r.output)
-        assert m, f"rank {r.rank}: exit {r.returncode}\n{r.output[-3000:]}"
-        out[r.rank] = m.group(2)
+        found = [json.loads(m) for m in re.findall(r"RESULT rank=\d+ (.*)", r.output)]
+        found = [g for g in found if g["mode"] == mode]
+        assert found, f"rank {r.rank}: no {mode} result, exit {r.returncode}\n{r.output[-3000:]}"
+        out[r.rank] = found[0]
     return out
 
 
@@ -451,7 +454,15 @@ def _own_hosts(r: int) -> dict:
 def _sockets_job(n: int, timeout: float, env: "dict | None" = None) -> dict:
     ranks = spawn(n, "connections.py", "sockets", timeout=timeout, env=env,
                   per_rank_env=_own_hosts)
-    return {r: json.loads(v) for r, v in _results(ranks).items()}
+    return _results(ranks, "sockets")
+
+
+@functools.lru_cache(maxsize=None)
+def _four_ranks():
+    """One job of 4 ranks for the sockets' count, then the first uses' patterns in a fresh
+    ``init()`` (the sockets first: nothing before them to count): one start-up for both
+    tests. Run once per pytest process."""
+    return spawn(4, "connections.py", "sockets,patterns", timeout=90, per_rank_env=_own_hosts)
 
 
 def _check_sockets(n: int, got: dict) -> None:
@@ -494,7 +505,8 @@ def _init_requests(got: dict) -> dict:
                                pytest.param(16, marks=pytest.mark.slow),
                                pytest.param(64, marks=pytest.mark.slow)])
 def test_sockets_per_rank_after_allreduces(n):
-    got = _sockets_job(n, timeout=60 + 3 * n)
+    got = (_results(_four_ranks(), "sockets") if n == 4 else
+           _sockets_job(n, timeout=60 + 3 * n))
     _check_sockets(n, got)
     # No rank reads the address table key by key: at most the secret, the table and the
     # barrier's key (rank 0: the entries' arrival instead of the table, and one multi_get),
@@ -520,8 +532,7 @@ def test_store_requests_for_init_grow_linearly():
 
 
 def test_first_uses_that_send_only_or_receive_only():
-    ranks = spawn(4, "connections.py", "patterns", timeout=60, per_rank_env=_own_hosts)
-    got = {r: json.loads(v) for r, v in _results(ranks).items()}
+    got = _results(_four_ranks(), "patterns")  # after the sockets' check, in its own init()
     for r, g in got.items():
         assert g["tcp"] == sorted({r ^ 1, r ^ 2}), got
 
@@ -529,9 +540,6 @@ def test_first_uses_that_send_only_or_receive_only():
 def test_a_rank_killed_before_its_pairs_connect_is_a_lost_peer():
     ranks = spawn(3, "connections.py", "killed", "1", timeout=60, per_rank_env=_own_hosts)
     assert ranks[1].returncode == -9
-    for r in (0, 2):
-        m = re.search(r"RESULT rank=\d+ (.*)", ranks[r].output)
-        assert m, ranks[r].output[-3000:]
-        g = json.loads(m.group(1))
+    for r, g in _results([ranks[0], ranks[2]], "killed").items():
         assert g["error"].startswith("PeerLostError") and "rank 1" in g["error"], g
         assert g["elapsed"] < 5, g

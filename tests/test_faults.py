@@ -48,24 +48,29 @@ _MISMATCHES = [("shape", r"float32\[10, 5\]"), ("dtype", "float64"), ("op", "op=
 
 
 def mismatch_results(ranks, what):
-    """Each rank's RESULT for the mismatch ``what`` (faults.py mismatch WHAT,...)."""
+    """Each rank's RESULT for the entry ``what`` (faults.py mismatch WHAT,...)."""
     out = {}
     for r in ranks:
-        m = re.search(rf"RESULT rank=(\d+) what={what} (.*)", r.output)
+        m = re.search(rf"RESULT rank=(\d+) what={re.escape(what)} (.*)", r.output)
         out[r.rank] = m.group(2) if m else f"<no result, exit {r.returncode}>\n{r.output[-3000:]}"
     return out
 
 
 @functools.lru_cache(maxsize=None)
 def mismatch_job(n: int, kinds: tuple[str, ...]):
-    """One job of ``n`` ranks that issues each mismatch of ``kinds`` in turn, a fresh job for
-    each (``shutdown()`` then ``init()`` in the same ranks): one start-up for all of them. Run
-    once per pytest process; the exit statuses are not checked: the RESULT lines are."""
+    """One job of ``n`` ranks that runs each entry of ``kinds`` in turn (a mismatch, or the
+    intruders' check), a fresh job for each (``shutdown()`` then ``init()`` in the same ranks):
+    one start-up for all of them. Run once per pytest process; the exit statuses are not
+    checked: the RESULT lines are."""
     return spawn(n, "faults.py", "mismatch", ",".join(kinds), timeout=90)
 
 
 # Every kind at 2 ranks (one job); at 3 ranks the shape in the default tier, the other kinds in
-# the slow one (one job for those four).
+# the slow one (one job for those four). The default tier's jobs also run the intruders' check
+# first and, at 3 ranks, the shape over TCP with the ring: one start-up per size.
+_TCP_SHAPE = "shape:tcp:ring"
+_DEFAULT_JOB = {2: ("intruders",) + tuple(w for w, _ in _MISMATCHES),
+                3: ("intruders", "shape", _TCP_SHAPE)}
 _SLOW_AT_3 = tuple(w for w, _ in _MISMATCHES if w != "shape")
 
 
@@ -73,8 +78,7 @@ _SLOW_AT_3 = tuple(w for w, _ in _MISMATCHES if w != "shape")
     (3, w, d) if w == "shape" else pytest.param(3, w, d, marks=pytest.mark.slow)
     for w, d in _MISMATCHES])
 def test_mismatched_collectives_fail_on_every_rank(n, what, detail):
-    kinds = (tuple(w for w, _ in _MISMATCHES) if n == 2 else
-             ("shape",) if what == "shape" else _SLOW_AT_3)
+    kinds = _DEFAULT_JOB[n] if n == 2 or what == "shape" else _SLOW_AT_3
     got = mismatch_results(mismatch_job(n, kinds), what)
     for r in range(n):
         assert got[r].startswith("CollectiveMismatchError"), got
@@ -83,16 +87,17 @@ def test_mismatched_collectives_fail_on_every_rank(n, what, detail):
 
 
 def test_mismatch_is_caught_by_the_tcp_frames_too():
-    ranks = spawn(3, "faults.py", "mismatch", "shape", timeout=60,
-                  env={"GRADSYNC_TRANSPORT": "tcp", "FAULT_ALGORITHM": "ring"})
-    got = mismatch_results(ranks, "shape")
+    # in the 3-rank job of the mismatches: every pair over TCP, the ring's frames
+    got = mismatch_results(mismatch_job(3, _DEFAULT_JOB[3]), _TCP_SHAPE)
+    assert len(got) == 3, got
     assert all(v.startswith("CollectiveMismatchError") for v in got.values()), got
 
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_intruders_are_dropped_and_the_job_goes_on(n):
-    ranks = spawn(n, "faults.py", "intruders", timeout=60)
-    got = results(ranks)
+    # the first check of the job of the mismatches at n ranks, in its own init()
+    ranks = mismatch_job(n, _DEFAULT_JOB[n])
+    got = mismatch_results(ranks, "intruders")
     assert all(v.startswith("ok") for v in got.values()), got
     for r in range(1, n):
         assert "rejected=4" in got[r], got

@@ -2,6 +2,7 @@
 a busy one never, one that leaves on purpose never, whatever the store does meanwhile; waiting
 ranks learn of a failure within the poll interval without asking the store."""
 
+import functools
 import re
 import select
 import socket
@@ -119,6 +120,43 @@ def test_a_killed_rank_is_reported_by_its_heartbeat_links_at_once():
         assert "rank 1 on host" in record.group(1) and "heartbeat link" in record.group(1)
 
 
+# --- the calm job: busy, hold, idle and post in the same three ranks ---------------------------
+#
+# Each of these four checks was a job of its own (three ranks, two for hold), and each job's
+# time was mostly its start-up: interpreters, torch's import, the rendezvous (5 s idle, 15 s
+# and more on a loaded 2-core machine). silent.py runs them in turn in one job, each mode in a
+# fresh init() with its own settings; post, which ends the job, comes last. A mode that fails
+# ends the job there: its test and those of the modes after it fail, never pass.
+
+_DEFAULTS = Config()
+_HEARTBEAT = f"heartbeat_timeout={TIMEOUT},heartbeat_interval={INTERVAL}"
+CALM = ("busy:auto:" + _HEARTBEAT,
+        # the defaults: rank 1 holds the GIL 1.5 times the default timeout
+        f"hold:auto:heartbeat_timeout={_DEFAULTS.heartbeat_timeout},"
+        f"heartbeat_interval={_DEFAULTS.heartbeat_interval}",
+        # the pace publisher rounds every 0.25 s, 4 times its default (below)
+        f"idle:tcp:{_HEARTBEAT},straggler_interval=0.25",
+        "post:tcp:" + _HEARTBEAT)
+
+
+@functools.lru_cache(maxsize=None)
+def calm_job():
+    """The job of silent.py's modes CALM, run once per pytest process."""
+    return launch(3, "silent.py", "1", "-", *CALM, timeout=150)
+
+
+def _mode(mode: str) -> str:
+    """The lines that ``mode`` printed in the calm job, without their tag; fails its test
+    unless the mode ran to its end on every rank (post, which ends the job, excepted)."""
+    result = calm_job()
+    tag = f"[{mode}] "  # after the launcher's own tag, "[R]<stdout>:"
+    lines = "".join(line.split(tag, 1)[1] + "\n" for line in result.output.splitlines()
+                    if tag in line)
+    if mode != "post":
+        assert sorted(re.findall(r"^DONE rank=(\d+)", lines, re.M)) == ["0", "1", "2"], result
+    return lines
+
+
 def test_waiting_ranks_make_almost_no_store_requests():
     # 3 s in which rank 1 sleeps and ranks 0 and 2 wait for it in an allreduce (on_idle runs
     # every 0.1 s): polling the abort record and beating through the store cost each waiting
@@ -126,30 +164,27 @@ def test_waiting_ranks_make_almost_no_store_requests():
     # publisher (straggler_watch.py) rounds every 0.25 s here, 4 times its default: a waiting
     # rank, which has not moved, must make no request in any of them (its one post after the
     # warm-up comes before the window).
-    result = launch(3, "silent.py", "1", "tcp", "idle", timeout=120,
-                    env={**ENV, "GRADSYNC_STRAGGLER_INTERVAL": "0.25"})
-    assert result.returncode == 0, result
-    rates = {int(r): float(v) for r, v in re.findall(r"STORE rank=(\d+) ([\d.]+)",
-                                                     result.output)}
-    assert sorted(rates) == [0, 1, 2], result
+    output = _mode("idle")
+    rates = {int(r): float(v) for r, v in re.findall(r"STORE rank=(\d+) ([\d.]+)", output)}
+    assert sorted(rates) == [0, 1, 2], output
     # the allreduce after the wait, its plan and the shutdown's goodbye: a few requests
     assert max(rates.values()) < 1.0, rates
 
 
 def test_a_posted_failure_reaches_waiting_ranks_within_the_poll_interval():
-    result = launch(3, "silent.py", "1", "tcp", "post", timeout=120, env=ENV)
-    got = dict(re.findall(r"RESULT rank=(\d+) (.*)", result.output))
-    elapsed = [float(e) for e in re.findall(r"ELAPSED rank=\d+ ([\d.]+)", result.output)]
-    assert sorted(got) == ["0", "2"], result
+    output = _mode("post")
+    got = dict(re.findall(r"RESULT rank=(\d+) (.*)", output))
+    elapsed = [float(e) for e in re.findall(r"ELAPSED rank=\d+ ([\d.]+)", output)]
+    assert sorted(got) == ["0", "2"], calm_job()
     assert all("posted on purpose" in line for line in got.values()), got
     # abort_poll_interval (0.1 s) + wait_all's 50 ms between looks + a loaded machine
     assert len(elapsed) == 2 and max(elapsed) < 0.1 + 0.05 + 0.35, elapsed
 
 
 def test_a_busy_rank_is_not_lost():
-    result = launch(3, "silent.py", "1", "auto", "busy", timeout=60, env=ENV)
-    assert result.returncode == 0, result
-    assert len(re.findall(r"RESULT rank=\d+ no error", result.output)) == 3, result
+    # rank 1 computes in Python for 1.5 heartbeat timeouts before it joins the allreduces
+    output = _mode("busy")
+    assert len(re.findall(r"RESULT rank=\d+ no error", output)) == 3, output
 
 
 def test_a_rank_that_holds_the_gil_longer_than_the_timeout_is_not_lost():
@@ -158,11 +193,11 @@ def test_a_rank_that_holds_the_gil_longer_than_the_timeout_is_not_lost():
     runs meanwhile. Its beats come from the native beater (beater.py), which needs no GIL;
     before it, its heartbeat thread beat in Python and rank 0 reported it: "rank 1 ... sent
     no heartbeat for 2.1s"."""
-    result = launch(2, "silent.py", "1", "auto", "hold", timeout=60)
-    assert result.returncode == 0, result
-    held = re.search(r"HELD rank=1 ([\d.]+)", result.output)
-    assert held and float(held.group(1)) > 2.0, result  # no Python thread ran for the timeout
-    assert len(re.findall(r"RESULT rank=\d+ no error", result.output)) == 2, result
+    output = _mode("hold")
+    held = re.search(r"HELD rank=1 ([\d.]+)", output)
+    # no Python thread ran for the timeout
+    assert held and float(held.group(1)) > _DEFAULTS.heartbeat_timeout, output
+    assert len(re.findall(r"RESULT rank=\d+ no error", output)) == 3, output
 
 
 def _watch_a_peer_that_never_beats(store, rank: int, root):

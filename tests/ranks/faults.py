@@ -1,11 +1,14 @@
 """Failure scenarios; each rank prints one RESULT line that the test checks.
 
     faults.py kill VICTIM      VICTIM SIGKILLs itself in the middle of a 64 MiB allreduce
-    faults.py mismatch WHAT[,WHAT...]
+    faults.py mismatch WHAT[:TRANSPORT[:ALGORITHM]][,...]
                                rank 1 issues a different collective (shape/dtype/op/name/kind);
                                each WHAT in turn, in a fresh job of the same ranks
-                               (``shutdown()`` then ``init()``: one start-up for all), each
-                               with its own RESULT line, ``RESULT rank=R what=WHAT ...``
+                               (``shutdown()`` then ``init()``: one start-up for all), over
+                               TRANSPORT (``init()``'s argument; the default else) with
+                               ALGORITHM (else $FAULT_ALGORITHM), each with its own RESULT
+                               line, ``RESULT rank=R what=ENTRY ...``; WHAT ``intruders`` runs
+                               the intruders' check (below) as one of them
     faults.py intruders        garbage, truncated and wrong-secret connections mid-job
     faults.py exit-early       rank 1 returns before the last allreduce
 """
@@ -35,7 +38,7 @@ def report(exc: BaseException) -> None:
     os._exit(17)
 
 
-def mismatch(what: str) -> None:
+def mismatch(what: str, algorithm: str) -> None:
     """Rank 1 issues a collective that differs from the others' in ``what``."""
     shape, dtype, op, name = (10, 4), np.float32, gs.Sum, "grad.fc1"
     odd = R == 1
@@ -51,7 +54,34 @@ def mismatch(what: str) -> None:
     if odd and what == "kind":
         gs.broadcast(x, 0, name=name)
     else:
-        gs.allreduce(x, op=op, name=name, algorithm=os.environ.get("FAULT_ALGORITHM", "auto"))
+        gs.allreduce(x, op=op, name=name, algorithm=algorithm)
+
+
+def intruders() -> str:
+    """Rank 0 sends garbage, an absurd length, a truncated frame and a bad MAC to every other
+    rank's listener; then the job goes on. Returns this rank's RESULT."""
+    from gradsync.transport import frame
+
+    world = job.world()
+    if R == 0:
+        for peer in world.peers[1:]:
+            for payload in (b"GET / HTTP/1.1\r\n\r\n",                       # garbage
+                            frame.pack(frame.Kind.PROOF, 0, 0, 0, 1 << 40),  # absurd length
+                            frame.pack(frame.Kind.PROOF, 0, 0, 0, 80)[:20],  # truncated
+                            frame.pack(frame.Kind.PROOF, 0, 0, 0, 80) + b"\0" * 80):  # bad MAC
+                with socket.create_connection((peer.addr, peer.port)) as s:
+                    s.settimeout(5)
+                    try:
+                        s.sendall(payload)
+                        s.shutdown(socket.SHUT_WR)  # EOF: a truncated frame ends here
+                        while s.recv(4096):
+                            pass
+                    except OSError:
+                        pass
+    y = gs.allreduce(np.full(1000, R, dtype=np.float64), op=gs.Sum)
+    assert (y == N * (N - 1) / 2).all()
+    gs.barrier()
+    return f"ok rejected={world.listener.rejected}"
 
 
 gs.allreduce(np.ones(10), name="warm-up")
@@ -66,43 +96,27 @@ try:
             gs.allreduce_(x, name="big", algorithm=os.environ.get("FAULT_ALGORITHM", "auto"))
         print(f"RESULT rank={R} no error", flush=True)
     elif mode == "mismatch":
-        for i, what in enumerate(sys.argv[2].split(",")):
-            if i:  # the mismatch before failed its job (as any does): a fresh one, these ranks
+        for i, entry in enumerate(sys.argv[2].split(",")):
+            what, transport, algorithm = (entry.split(":") + ["", ""])[:3]
+            if i or transport:  # the one before failed its job (as any mismatch does), or
+                # this one needs other settings: a fresh job in these ranks
                 gs.shutdown()
-                gs.init(timeout=TIMEOUT)
+                gs.init(timeout=TIMEOUT, **({"transport": transport} if transport else {}))
                 gs.allreduce(np.ones(10), name="warm-up")
+            if what == "intruders":
+                print(f"RESULT rank={R} what={entry} {intruders()}", flush=True)
+                continue
             try:
-                mismatch(what)
+                mismatch(what, algorithm or os.environ.get("FAULT_ALGORITHM", "auto"))
             except gs.CollectiveMismatchError as exc:
                 one_line = str(exc).replace("\n", " | ")
-                print(f"RESULT rank={R} what={what} {type(exc).__name__}: {one_line}", flush=True)
+                print(f"RESULT rank={R} what={entry} {type(exc).__name__}: {one_line}",
+                      flush=True)
             else:
-                print(f"RESULT rank={R} what={what} no error", flush=True)
+                print(f"RESULT rank={R} what={entry} no error", flush=True)
         os._exit(0)  # as report() leaves: the last job failed, no goodbye to wait for
     elif mode == "intruders":
-        from gradsync import job
-        from gradsync.transport import frame
-
-        world = job.world()
-        if R == 0:
-            for peer in world.peers[1:]:
-                for payload in (b"GET / HTTP/1.1\r\n\r\n",                       # garbage
-                                frame.pack(frame.Kind.PROOF, 0, 0, 0, 1 << 40),  # absurd length
-                                frame.pack(frame.Kind.PROOF, 0, 0, 0, 80)[:20],  # truncated
-                                frame.pack(frame.Kind.PROOF, 0, 0, 0, 80) + b"\0" * 80):  # bad MAC
-                    with socket.create_connection((peer.addr, peer.port)) as s:
-                        s.settimeout(5)
-                        try:
-                            s.sendall(payload)
-                            s.shutdown(socket.SHUT_WR)  # EOF: a truncated frame ends here
-                            while s.recv(4096):
-                                pass
-                        except OSError:
-                            pass
-        y = gs.allreduce(np.full(1000, R, dtype=np.float64), op=gs.Sum)
-        assert (y == N * (N - 1) / 2).all()
-        gs.barrier()
-        print(f"RESULT rank={R} ok rejected={world.listener.rejected}", flush=True)
+        print(f"RESULT rank={R} {intruders()}", flush=True)
     elif mode == "exit-early":
         store = job.world().store
         if R == 1:

@@ -1,15 +1,19 @@
 """Every collective x dtype x algorithm x element count, against a NumPy reference.
 
-    sweep.py [tcp|python]
+    sweep.py [tcp|python|hosts=LAYOUT]
 
 Run by tests/test_collectives.py for N = 1..4, in the job of each size that tests/small_jobs.py
 starts (and alone by ``harness.spawn`` on emulated hosts). ``tcp`` joins every pair over TCP;
 ``python`` keeps the host's shared segment on its Python road (the compiled one off). The
 settings are ``init()``'s keyword arguments, not GRADSYNC_* variables: the job's environment
-is shared by every script it runs. Prints one line per collective family and exits non-zero at
+is shared by every script it runs. ``hosts=LAYOUT`` is the one exception: rank r plays host
+LAYOUT[r] (``aabb``: two hosts of two ranks), a name that ``init()`` reads from
+``GRADSYNC_HOSTNAME`` only; this script sets it for its own ``init()`` and puts the job's back
+after its ``shutdown()``. Prints one line per collective family and exits non-zero at
 the first wrong element.
 """
 
+import os
 import sys
 
 import common  # noqa: F401  (deadline)
@@ -20,7 +24,11 @@ import torch
 import gradsync as gs
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "default"
-SETTINGS = {"default": {}, "tcp": {"transport": "tcp"}, "python": {"shm_fast": False}}[MODE]
+SETTINGS = {"tcp": {"transport": "tcp"}, "python": {"shm_fast": False}}.get(MODE, {})
+JOB_HOSTNAME = os.environ.get("GRADSYNC_HOSTNAME")
+if MODE.startswith("hosts="):  # this rank's host: RANK under torchrun, GRADSYNC_RANK under run
+    rank = int(os.environ.get("GRADSYNC_RANK", os.environ.get("RANK", "0")))
+    os.environ["GRADSYNC_HOSTNAME"] = f"host-{MODE[len('hosts='):][rank]}"
 gs.init(chunk_bytes=256, shm_slot_bytes=1024, small_bytes=256, medium_bytes=2048, **SETTINGS)
 R, N = gs.rank(), gs.size()
 OPS = {"sum": gs.Sum, "average": gs.Average, "min": gs.Min, "max": gs.Max, "product": gs.Product}
@@ -166,5 +174,10 @@ assert gs.allgather_object(("r", R) * (R + 1)) == [("r", r) * (r + 1) for r in r
 gs.barrier()
 group = gs.job.world().shm_group
 road = "none" if group is None else "compiled" if group.fast else "python"
-print(f"rank {R}: objects ok; {checked} checks passed; shm road {road}", flush=True)
+print(f"rank {R}: objects ok; {checked} checks passed; shm road {road}; "
+      f"{gs.local_size()} ranks on host {gs.job.world().env.hostname}", flush=True)
 gs.shutdown()
+if JOB_HOSTNAME is None:  # the job's own environment again, for the scripts after this one
+    os.environ.pop("GRADSYNC_HOSTNAME", None)
+else:
+    os.environ["GRADSYNC_HOSTNAME"] = JOB_HOSTNAME
