@@ -11,9 +11,9 @@ from .api import *  # noqa: F401,F403
 from .api import __all__ as _api_all
 from .collectives.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .config import Config
-from .engine import Handle
 from .errors import (AuthenticationError, CollectiveMismatchError, ConfigError, GradsyncError,
                      GradsyncTimeoutError, PeerLostError, ProtocolError)
+from .pipeline.engine import Handle
 
 from ._torch_hook import install as _install_torch_backend
 

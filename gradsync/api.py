@@ -17,15 +17,16 @@ import logging
 
 import numpy as np
 
-from . import arguments, express, job
-from . import operations as ops
-from .arguments import adasum_dtype  # noqa: F401  (importable from here, as it was)
+from . import job
 from .collectives.ops import Average, ReduceOp
 from .collectives.planner import ALGORITHMS as _ALGORITHMS
 from .config import load_config
-from .engine import Handle
-from .pace import meter, metered, waiting_for_data  # noqa: F401  (the API's, below)
-from .tensors import is_torch, wrap
+from .liveness.pace import meter, metered, waiting_for_data  # noqa: F401  (the API's, below)
+from .pipeline import arguments, express
+from .pipeline import operations as ops
+from .pipeline.arguments import adasum_dtype  # noqa: F401  (importable from here, as it was)
+from .pipeline.engine import Handle
+from .pipeline.tensors import is_torch, wrap
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -54,8 +55,8 @@ def init(**settings) -> None:
 
 def _connect(settings: dict):
     """Connects this process to its job (``job.start`` calls it once); returns the World."""
-    from .launch_env import detect
-    from .world import World
+    from .cluster.launch_env import detect
+    from .connect.world import World
 
     config = load_config(settings)  # also sets up logging (logs.configure)
     env = detect()
@@ -403,11 +404,11 @@ def mark_step() -> None:
 
 
 def stragglers():
-    """The newest straggler report (``gradsync.straggler_watch.Report``): the ranks named now,
-    each with its host and its steps' split into compute, data, waiting and communication (ms);
+    """The newest straggler report (``gradsync.liveness.straggler_watch.Report``): the ranks named
+    now, each with its host and its steps' split into compute, data, waiting and communication (ms);
     rank 0 also has every rank's numbers (``ranks``). Empty before any step was judged,
     in a one-rank job and with ``straggler_interval`` 0."""
-    from .straggler_watch import EMPTY, running
+    from .liveness.straggler_watch import EMPTY, running
 
     current = job.current()
     # A job's publisher, else a torch job's (its default group over the backend "gradsync").

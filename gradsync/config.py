@@ -5,7 +5,7 @@ then the defaults below. Unknown ``GRADSYNC_*`` names and bad values fail loudly
 variable. The README's configuration table lists the same fields.
 
 Launcher-provided identity (rank, world size, store address, secret) is read by
-``gradsync.launch_env``; this module owns the tunables.
+``gradsync.cluster.launch_env``; this module owns the tunables.
 
 Horovod's settings: a ``HOROVOD_*`` variable that has a gradsync equivalent (``HOROVOD_SETTINGS``)
 fills that field when neither a keyword nor its ``GRADSYNC_*`` variable does, converted to

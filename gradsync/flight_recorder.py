@@ -52,7 +52,7 @@ import threading
 import time
 import weakref
 
-from .pace import meter
+from .liveness.pace import meter
 
 __all__ = ["dump", "entries", "Recorder", "Record", "Track", "recorder", "FILE_PREFIX",
            "FORMAT_VERSION", "SCHEDULED", "STARTED", "COMPLETED", "FAILED"]

@@ -21,9 +21,9 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-from .engine import Engine
 from .flight_recorder import recorder
-from .pace import meter
+from .liveness.pace import meter
+from .pipeline.engine import Engine
 
 __all__ = ["Job", "current", "world", "engine", "start", "install", "close"]
 
@@ -50,7 +50,7 @@ class Job:
         meter.reset(config.straggler_ops, on=config.straggler_interval > 0)
         self.pace = None
         if config.straggler_interval > 0 and world.size > 1:
-            from .straggler_watch import Publisher
+            from .liveness.straggler_watch import Publisher
             self.pace = Publisher(world, world.generation)
 
 

@@ -1,15 +1,16 @@
-"""The agreement table of name negotiation (gradsync/agreement.py), without processes: several
-ranks are simulated by one ``Agreement`` each, fed the same cycles, as the Controller does."""
+"""The agreement table of name negotiation (gradsync/pipeline/agreement.py), without processes:
+several ranks are simulated by one ``Agreement`` each, fed the same cycles, as the Controller
+does."""
 
 import pickle
 
 import pytest
 
-from gradsync.agreement import (JOIN, Agreement, Signature, Stall, agreed, describe,
-                                mismatch_error)
 from gradsync.errors import CollectiveMismatchError
-from gradsync.negotiation import Request
-from gradsync.negotiation_wire import from_wire, to_wire
+from gradsync.pipeline.agreement import (JOIN, Agreement, Signature, Stall, agreed, describe,
+                                         mismatch_error)
+from gradsync.pipeline.negotiation import Request
+from gradsync.pipeline.negotiation_wire import from_wire, to_wire
 
 
 def sig(kind="allreduce", dtype="float32", shape=(4,), op="SUM", root=None, prescale=1.0,

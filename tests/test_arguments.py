@@ -1,13 +1,13 @@
-"""The argument checks both APIs share (``gradsync/arguments.py``): the rules themselves, then
-both APIs held to them through the launcher (``tests/ranks/arguments.py``)."""
+"""The argument checks both APIs share (``gradsync/pipeline/arguments.py``): the rules themselves,
+then both APIs held to them through the launcher (``tests/ranks/arguments.py``)."""
 
 import numpy as np
 import pytest
 import torch
 
-from gradsync import arguments
 from gradsync.collectives.ops import Adasum, Sum
-from gradsync.tensors import wrap
+from gradsync.pipeline import arguments
+from gradsync.pipeline.tensors import wrap
 import small_jobs
 
 

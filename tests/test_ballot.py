@@ -1,10 +1,10 @@
-"""The ballot of a negotiation cycle (gradsync/ballot.py), without processes: several ranks are
-simulated by one ``Agreement`` and one ``Ballot`` each, their ballots ANDed as the vote does."""
+"""The ballot of a negotiation cycle (gradsync/pipeline/ballot.py), without processes: several ranks
+are simulated by one ``Agreement`` and one ``Ballot`` each, their ballots ANDed as the vote does."""
 
 import numpy as np
 
-from gradsync.agreement import Agreement, Signature
-from gradsync.ballot import IDLE, QUIET, STOP, Ballot, bits_of, words_for
+from gradsync.pipeline.agreement import Agreement, Signature
+from gradsync.pipeline.ballot import IDLE, QUIET, STOP, Ballot, bits_of, words_for
 
 
 def sig(shape=(4,)) -> Signature:

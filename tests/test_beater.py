@@ -1,5 +1,5 @@
-"""The native beater (gradsync/beater.py, collectives/_shmfast.c): it beats while the GIL is
-held, never after ``remove`` returns, never into a descriptor the process reuses; ``close``
+"""The native beater (gradsync/liveness/beater.py, collectives/_shmfast.c): it beats while the GIL
+is held, never after ``remove`` returns, never into a descriptor the process reuses; ``close``
 ends its thread, and a child of ``fork`` releases it without the thread it does not have."""
 
 import ctypes
@@ -10,7 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from gradsync import _native, beater
+from gradsync import _native
+from gradsync.liveness import beater
 
 BEAT = b"\x01"
 

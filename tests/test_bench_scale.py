@@ -345,8 +345,9 @@ def test_the_rank_module_is_importable_without_torch():
 
 
 def test_request_counts_are_read_where_gradsync_has_them(monkeypatch):
-    import gradsync.rendezvous
-    monkeypatch.delattr(gradsync.rendezvous, "request_counts", raising=False)
+    import gradsync.cluster.rendezvous
+    monkeypatch.delattr(gradsync.cluster.rendezvous, "request_counts", raising=False)
     assert scale_rank.request_counts() is None
-    monkeypatch.setattr(gradsync.rendezvous, "request_counts", lambda: {"get": 3}, raising=False)
+    monkeypatch.setattr(gradsync.cluster.rendezvous, "request_counts", lambda: {"get": 3},
+                        raising=False)
     assert scale_rank.request_counts() == {"get": 3}

@@ -16,9 +16,9 @@ import math
 import pytest
 import torch
 
+from gradsync.cluster.topology import Topology
 from gradsync.compress import Auto
 from gradsync.compress import auto_model as m
-from gradsync.topology import Topology
 from test_compress import ThreadComm, ThreadGroup, run_threads
 
 # --------------------------------------------------------------------------- the model

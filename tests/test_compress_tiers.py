@@ -15,9 +15,9 @@ import threading
 import pytest
 import torch
 
+from gradsync.cluster.topology import TIERS, Topology
 from gradsync.compress import FP8, Int8, PowerSGD, RandomK
 from gradsync.compress.tiers import subgroups
-from gradsync.topology import TIERS, Topology
 from test_compress import ThreadGroup, run_threads
 
 

@@ -361,7 +361,7 @@ def test_the_address_table_costs_a_few_requests_per_rank(n):
 
     from torch.distributed import TCPStore
 
-    from gradsync import rendezvous
+    from gradsync.cluster import rendezvous
 
     server = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30),
                       wait_for_workers=False)
@@ -396,7 +396,7 @@ def _table_bytes(clients, n: int, per_host: int) -> int:
     40·n bytes). Asserts the table every rank read back too."""
     import random
 
-    from gradsync import rendezvous
+    from gradsync.cluster import rendezvous
 
     rng = random.Random(n)
     entries = [_world_entry(r, per_host, rng) for r in range(n)]

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+from gradsync.cluster.launch_env import detect
 from gradsync.data import plan as P
 from gradsync.data import server as server_module
 from gradsync.data.cache import Cache
 from gradsync.data.layout import Layout, leaves_of
 from gradsync.data.server import DataServer, Source
 from gradsync.errors import CollectiveMismatchError, ConfigError, GradsyncError
-from gradsync.launch_env import detect
 from gradsync.transport.regions import Endpoint
 
 SECRET = b"s" * 32

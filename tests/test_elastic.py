@@ -128,9 +128,9 @@ def test_a_stopped_rank_is_found_by_heartbeats_killed_and_left_out():
     assert "sent no heartbeat for" in result.output
     assert "worker localhost[3] (rank 3 of generation 0) sent no heartbeats and was killed" \
         in result.output, result
-    # Detected within the heartbeat bound (docs/elastic.md, gradsync/heartbeat.py): a watcher
-    # declares the peer lost within timeout + 2 intervals of its last beat, which came before
-    # the DYING line, and the others see the record within the 0.1 s abort poll. No earlier
+    # Detected within the heartbeat bound (docs/elastic.md, gradsync/liveness/heartbeat.py): a
+    # watcher declares the peer lost within timeout + 2 intervals of its last beat, which came
+    # before the DYING line, and the others see the record within the 0.1 s abort poll. No earlier
     # than timeout - interval after the stop (its last beat was at most an interval before
     # it), less a second for a heartbeat thread the load delayed.
     timeout = float(FAST_HEARTBEAT["GRADSYNC_HEARTBEAT_TIMEOUT"])

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from gradsync import _shm_setup
 from gradsync.config import Config
+from gradsync.connect import _shm_setup
 from gradsync.errors import ConfigError, GradsyncTimeoutError
 from gradsync.run.processes import Ssh
 from gradsync.transport import shm
@@ -109,7 +109,7 @@ def test_ssh_never_prompts():
 
 # ---------------------------------------------------------------- firewall
 def test_an_unreachable_store_names_the_port_to_open():
-    from gradsync.rendezvous import Store
+    from gradsync.cluster.rendezvous import Store
     with socket.socket() as probe:  # a port nobody listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -119,7 +119,7 @@ def test_an_unreachable_store_names_the_port_to_open():
 
 
 def test_the_peer_hint_names_the_ports_and_the_interface_option():
-    from gradsync.world import firewall_hint
+    from gradsync.connect.world import firewall_hint
     hint = firewall_hint("node2")
     assert "node2" in hint and "--network-interface" in hint
     low, high = hint.split("TCP ports ")[1].split(" ")[0].split("-")

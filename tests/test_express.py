@@ -1,4 +1,4 @@
-"""The express lane of small synchronous allreduces (gradsync/express.py).
+"""The express lane of small synchronous allreduces (gradsync/pipeline/express.py).
 
 Through ``gradsync run`` at 2, 3 and 4 ranks (tests/ranks/express.py): closed-form results
 for every dtype, op and small count on the lane, named and unnamed, beside ranks on the full
@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from gradsync.engine import Engine
+from gradsync.pipeline.engine import Engine
 from harness import launch
 
 

@@ -1,4 +1,5 @@
-"""The flight recorder (gradsync/flight_recorder.py) and the stall report (gradsync/stall.py).
+"""The flight recorder (gradsync/flight_recorder.py) and the stall report
+(gradsync/liveness/stall.py).
 
 The ring's logic and its dumps run in this process; two jobs run through the launcher: a
 rank asleep in user code while its peers wait (every waiting rank's stall report names it and
@@ -164,7 +165,7 @@ def test_configure_resizes_and_picks_the_directory():
 
 # ----------------------------------------------------------------------------- stall reports
 def test_an_answer_shows_a_sleeping_threads_frame_and_not_the_answering_one():
-    from gradsync import stall
+    from gradsync.liveness import stall
 
     asleep, wake = threading.Event(), threading.Event()
 
@@ -189,7 +190,7 @@ def test_an_answer_shows_a_sleeping_threads_frame_and_not_the_answering_one():
 def test_a_report_of_many_ranks_shows_eight_of_each_and_lists_the_rest():
     import types
 
-    from gradsync import stall
+    from gradsync.liveness import stall
 
     world = types.SimpleNamespace(root=("job", list(range(20))), rank=0,
                                   config=types.SimpleNamespace(timeout=300.0))

@@ -15,11 +15,11 @@ from datetime import timedelta
 import pytest
 from torch.distributed import TCPStore
 
-from gradsync import beater
-from gradsync.abort_watch import AbortWatch, Doorbell, private_connection
+from gradsync.cluster.rendezvous import BELL_COUNT, Store
 from gradsync.config import Config
-from gradsync.heartbeat import BEAT, BYE, Heartbeat, _leave, _Link, watched_peers
-from gradsync.rendezvous import BELL_COUNT, Store
+from gradsync.liveness import beater
+from gradsync.liveness.abort_watch import AbortWatch, Doorbell, private_connection
+from gradsync.liveness.heartbeat import BEAT, BYE, Heartbeat, _leave, _Link, watched_peers
 from harness import launch, spawn
 
 pytestmark = pytest.mark.multiprocess

@@ -12,10 +12,10 @@ import json
 import numpy as np
 import pytest
 
+from gradsync.cluster.topology import Topology, load, parse_bandwidth, parse_latency, to_dict
 from gradsync.collectives import hierarchical
 from gradsync.collectives.ops import Max, Sum, make_reducer
 from gradsync.errors import ConfigError
-from gradsync.topology import Topology, load, parse_bandwidth, parse_latency, to_dict
 from test_algorithms import run_ranks
 
 CHUNK = 64

@@ -131,7 +131,7 @@ def test_a_horovodrun_script_reads_its_identity_under_gradsync_run():
 
 
 def test_an_interface_name_stands_for_its_address():
-    from gradsync.world import interface_address
+    from gradsync.connect.world import interface_address
     assert interface_address("lo") == "127.0.0.1"
     with pytest.raises(ConfigError, match="'nosuch0' does not exist"):
         interface_address("nosuch0")
@@ -216,7 +216,7 @@ def test_an_interface_this_host_lacks_is_a_usage_error_for_a_local_job(capsys):
 def test_an_addr_that_is_neither_address_nor_interface_names_both():
     from types import SimpleNamespace
     from gradsync.config import Config
-    from gradsync.world import listen_addr
+    from gradsync.connect.world import listen_addr
     env = SimpleNamespace(store_addr="127.0.0.1", store_port=1)
     assert listen_addr(Config(addr="lo"), env) == "127.0.0.1"
     with pytest.raises(ConfigError, match="neither an address of this host nor one of its"):

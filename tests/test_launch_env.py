@@ -4,9 +4,9 @@ import socket
 
 import pytest
 
+from gradsync.cluster.launch_env import detect, slurm_first_host, slurm_tasks_per_node
 from gradsync.config import Config, load_config
 from gradsync.errors import ConfigError
-from gradsync.launch_env import detect, slurm_first_host, slurm_tasks_per_node
 
 SECRET = bytes(range(32))
 

@@ -212,7 +212,7 @@ def test_the_script_gets_its_arguments_even_prefixes_of_the_launchers_options(tm
 def test_identity_variables_and_store():
     code = rank_code("""
         import json, socket
-        from gradsync.launch_env import detect
+        from gradsync.cluster.launch_env import detect
         env = detect()
         # Something must be listening at the store address: the launcher's TCPStore.
         socket.create_connection((env.store_addr, env.store_port), timeout=5).close()
@@ -309,7 +309,7 @@ def test_servers_need_slots_of_their_own(capsys):
 @pytest.mark.multiprocess
 def test_servers_are_the_last_ranks_of_the_job():
     code = rank_code("""
-        from gradsync.launch_env import detect
+        from gradsync.cluster.launch_env import detect
         env = detect()
         print(rank, size, os.environ["GRADSYNC_SERVERS"], env.workers, env.server_rank)
     """)

@@ -1,5 +1,5 @@
-"""Name-negotiated execution of the Horovod API (gradsync/negotiation.py), process sets and the
-timeline, over 1-4 ranks; the ResponseCache and the fusion plan in-process."""
+"""Name-negotiated execution of the Horovod API (gradsync/pipeline/negotiation.py), process sets and
+the timeline, over 1-4 ranks; the ResponseCache and the fusion plan in-process."""
 
 import numpy as np
 import pytest
@@ -7,8 +7,8 @@ import pytest
 from harness import launch
 import small_jobs
 
-from gradsync.agreement import Signature
-from gradsync.negotiation import Request, ResponseCache, describe
+from gradsync.pipeline.agreement import Signature
+from gradsync.pipeline.negotiation import Request, ResponseCache, describe
 
 CHECKS = ["out-of-order", "barrier", "duplicate", "unnamed", "fusion", "cache", "beside",
           "rounding", "steady", "shutdown"]

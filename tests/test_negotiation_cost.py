@@ -1,6 +1,6 @@
 """What a steady-state negotiation cycle costs one rank, counted: N Controllers
-(gradsync/negotiation.py) as threads over in-memory pairs (``transport.local``), each rank's
-sends counted per collective. A cycle of cached operations must cost each rank at most
+(gradsync/pipeline/negotiation.py) as threads over in-memory pairs (``transport.local``), each
+rank's sends counted per collective. A cycle of cached operations must cost each rank at most
 ⌊log2 N⌋ + 1 messages of one ballot (a flags word and the cache bits), with no gather."""
 
 import math
@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from gradsync.negotiation import Controller, Request
+from gradsync.pipeline.negotiation import Controller, Request
 from gradsync.transport import frame
 from gradsync.transport.local import local_comms
 

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from gradsync.bench import plan as plan_cli
+from gradsync.cluster.topology import Topology, load
 from gradsync.collectives.planner import choose_allreduce, predict
 from gradsync.config import Config
-from gradsync.topology import Topology, load
 from harness import spawn
 
 GBIT = {"tiers": {"host": {"bandwidth": "1gbit", "latency": "100us"},

@@ -496,7 +496,7 @@ import sys, threading
 from datetime import timedelta
 from torch.distributed import TCPStore
 from gradsync.ps.server import StoreGate
-from gradsync.rendezvous import Store
+from gradsync.cluster.rendezvous import Store
 
 host = TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=10), wait_for_workers=False)
 gate = StoreGate()

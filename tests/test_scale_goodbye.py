@@ -1,5 +1,5 @@
 """The end of a 64-rank job: ranks leave the last barrier seconds apart, and none is taken for
-lost by a neighbour still inside it (gradsync/heartbeat.py, "Leaving").
+lost by a neighbour still inside it (gradsync/liveness/heartbeat.py, "Leaving").
 
 CI once failed a job that had finished: rank 55 passed the final barrier and shut down, and
 rank 56, still finishing that barrier, raised "rank 55 ... closed its heartbeat link" and
@@ -19,7 +19,7 @@ from test_scale import forked, results
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
-# What a rank's heartbeat logs when it reports a neighbour lost (gradsync/heartbeat.py)
+# What a rank's heartbeat logs when it reports a neighbour lost (gradsync/liveness/heartbeat.py)
 LOST = re.compile(r"closed its heartbeat link|sent no heartbeat|did not open its heartbeat link"
                   r"|bytes that are no heartbeat|broke its heartbeat link")
 

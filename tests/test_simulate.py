@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 
+from gradsync.cluster.topology import Topology
 from gradsync.collectives.costs import RankFabric, allreduce_time
 from gradsync.collectives.planner import choose_allreduce
 from gradsync.config import Config
@@ -26,7 +27,6 @@ from gradsync.simulate.measure_allreduce import EMULATED_ALLREDUCE, AllreducePoi
 from gradsync.simulate.step import Model, _allreduces, _timeline, parse_model, simulate
 from gradsync.simulate.straggle import blom, expected_max, straggler_factor
 from gradsync.simulate.validate import PUBLISHED, predict
-from gradsync.topology import Topology
 
 MB = 1e6
 LOCAL = {"bandwidth": "5GB/s", "latency": "5us"}

@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 
+from gradsync.cluster.topology import Topology
 from gradsync.collectives.costs import allreduce_time
 from gradsync.compress import FP8, Int8, PowerSGD, RandomK
 from gradsync.run.cli import main as gradsync_main
@@ -27,7 +28,6 @@ from gradsync.simulate.fabric import TierFabric
 from gradsync.simulate.step import CANDIDATES, Model, parse_model, simulate
 from gradsync.simulate.straggle import expected_max
 from gradsync.simulate.validate import COMPRESSED, POWERSGD_SHARE_OBSERVED, powersgd_share, predict
-from gradsync.topology import Topology
 from gradsync.torch.compression import BF16Compressor, FP16Compressor
 
 

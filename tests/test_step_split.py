@@ -19,9 +19,9 @@ import uuid
 import numpy as np
 
 from gradsync.config import Config
-from gradsync.pace import BACKWARD, Meter, metered, waiting_for_data
+from gradsync.liveness.pace import BACKWARD, Meter, metered, waiting_for_data
+from gradsync.liveness.straggler_watch import Publisher
 from gradsync.run import top
-from gradsync.straggler_watch import Publisher
 
 MS = 1_000_000
 
@@ -86,7 +86,7 @@ def test_the_loaders_next_reports_its_wait_for_a_batch():
     """gradsync.data.Loader's epoch iterator reports how long the loop's ``next()`` waited
     (here a batch that takes 20 ms to come, polled inline as from a same-host server)."""
     from gradsync.data.loader import _Epoch
-    from gradsync.pace import meter
+    from gradsync.liveness.pace import meter
 
     def items():
         _busy(20 * MS)
@@ -105,7 +105,7 @@ def test_the_loaders_next_reports_its_wait_for_a_batch():
 def _publishers(size=4):
     from torch.distributed import HashStore
 
-    from gradsync.rendezvous import Store
+    from gradsync.cluster.rendezvous import Store
 
     base, clock = HashStore(), Clock()
     meters, publishers = [], []
@@ -166,7 +166,7 @@ def test_a_backward_pass_that_issues_collectives_reports_its_final_wait_and_mark
     and each such backward pass is a step."""
     import torch
 
-    from gradsync.pace import meter
+    from gradsync.liveness.pace import meter
     from gradsync.torch.backend.backward import backward
 
     meter.reset(0)
@@ -233,8 +233,8 @@ def _tcp_pair():
 def test_bytes_per_tier_come_from_the_transports_own_counters():
     """Rank 1 of three: rank 0 on its host (a shared-memory pair, and the host's segment),
     rank 2 on another (TCP). What each moved shows under its tier: local and host."""
-    from gradsync.topology import Topology
-    from gradsync.traffic import Traffic
+    from gradsync.cluster.topology import Topology
+    from gradsync.liveness.traffic import Traffic
     from gradsync.transport import frame
     from gradsync.transport.base import Expect, Recv, Send, wait_all
     from gradsync.transport.shm import ShmPair, attach_ring, create_ring, unlink_ring
@@ -283,8 +283,8 @@ def test_bytes_per_tier_come_from_the_transports_own_counters():
 
 
 def test_top_shows_a_column_per_tier_and_the_group_tier_where_the_topology_has_one():
-    from gradsync.topology import Topology
-    from gradsync.traffic import Traffic
+    from gradsync.cluster.topology import Topology
+    from gradsync.liveness.traffic import Traffic
 
     grouped = Topology.from_hosts(["a", "b", "c"], {"groups": {"r0": ["a", "b"], "r1": ["c"]}})
     world = types.SimpleNamespace(rank=0, topology=grouped, comm=None, shm_group=None)

@@ -1,4 +1,5 @@
-"""Stragglers named (gradsync/pace.py, gradsync/straggler_watch.py) and ``gradsync top``.
+"""Stragglers named (gradsync/liveness/pace.py, gradsync/liveness/straggler_watch.py) and ``gradsync
+top``.
 
 The rule ("late in most of the last n steps") on injected numbers; the meter on an injected
 clock; four ranks' publishers over one in-process store, judging a simulated job; then real
@@ -17,9 +18,9 @@ import small_jobs
 from harness import launch
 
 from gradsync.config import Config
-from gradsync.pace import Meter
+from gradsync.liveness.pace import Meter
+from gradsync.liveness.straggler_watch import Judge, Publisher, Report
 from gradsync.run import top
-from gradsync.straggler_watch import Judge, Publisher, Report
 
 MS = 1_000_000
 
@@ -164,7 +165,7 @@ def test_steps_and_stragglers_are_marked_in_the_timeline():
 
 def test_an_elastic_states_straggler_callbacks_get_each_new_report():
     from gradsync.elastic import ObjectState
-    from gradsync.pace import meter
+    from gradsync.liveness.pace import meter
 
     state = ObjectState(lambda obj, root_rank=0, name=None: obj, lambda: 0)
     got = []
@@ -183,7 +184,7 @@ def test_an_elastic_states_straggler_callbacks_get_each_new_report():
 def _publishers(size=4):
     from torch.distributed import HashStore
 
-    from gradsync.rendezvous import Store
+    from gradsync.cluster.rendezvous import Store
 
     base = HashStore()
     config = Config(straggler_interval=0.1)
@@ -315,7 +316,7 @@ def test_top_once_shows_a_row_per_rank_of_a_running_job():
 def test_a_large_jobs_ranks_post_less_often_so_the_stores_load_stays_flat():
     """Every rank posts once an interval to the one store: up to 256 ranks at the configured
     interval, beyond that the interval grows with the job (27,360 ranks: every 107 s)."""
-    from gradsync.straggler_watch import STORE_POSTS_PER_S
+    from gradsync.liveness.straggler_watch import STORE_POSTS_PER_S
 
     def interval(size):
         world = types.SimpleNamespace(
@@ -338,7 +339,7 @@ def test_the_horovod_apis_operations_count_in_the_bytes_per_second():
     import time
 
     from gradsync.flight_recorder import recorder
-    from gradsync.straggler_watch import payload_bytes
+    from gradsync.liveness.straggler_watch import payload_bytes
 
     track = recorder.track("topshot", "Horovod API (global)", [0], "horovod", 5.0)
     named = [track.issue("all_reduce", "g", (10,), dtype, numbered=False)
@@ -450,9 +451,9 @@ def test_the_live_view_ends_with_its_job_in_one_line():
 
     from torch.distributed import TCPStore
 
-    from gradsync.rendezvous import Store
+    from gradsync.cluster.rendezvous import Store
+    from gradsync.liveness.straggler_watch import CURRENT_KEY, TOP_NAMESPACE
     from gradsync.run.processes import start
-    from gradsync.straggler_watch import CURRENT_KEY, TOP_NAMESPACE
 
     server = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=5))
     Store.over(server, TOP_NAMESPACE, 5.0).set(CURRENT_KEY, json.dumps({"job": "j", "size": 1}))

@@ -12,6 +12,10 @@ any of them; the one way in from the runtime is the ``gradsync`` command's dispa
 (``run/cli.py``), which imports a tool's entry point inside the function that runs that
 command. ``bench`` and ``simulate`` import nothing from each other, and ``testbed`` nothing
 from either: a piece both need moves down into ``testbed`` rather than across.
+
+The floors (issue 39, item 6): the runtime's folders are the design map's layers, and a
+module imports from its own floor and those below it, never from one above; the package's top
+level holds only the public face and what every floor shares.
 """
 
 from __future__ import annotations
@@ -184,3 +188,58 @@ def test_the_tools_import_nothing_of_each_other_and_the_testbed_neither():
                     if _tool(module) and _tool(imported) and _tool(module) != _tool(imported)
                     and (_tool(module), _tool(imported)) not in allowed})
     assert found == []
+
+
+# The runtime's floors, bottom up (docs/internals.md, "Layout"). A module on a floor imports
+# from its own floor and those below it; everything not on a floor (the front doors: api,
+# torch, ps, data, elastic, compress; the launcher; the tools) stands above them all.
+FLOORS = (
+    ("what every floor shares", ("gradsync.errors", "gradsync.logs", "gradsync.config",
+                                 "gradsync._native")),
+    ("the job before it is connected", ("gradsync.cluster",)),
+    ("bytes between two ranks", ("gradsync.transport",)),
+    ("algorithms over the transport", ("gradsync.collectives",)),
+    ("the watchers", ("gradsync.liveness", "gradsync.flight_recorder")),
+    ("the connected job", ("gradsync.connect",)),
+    ("the operation pipeline", ("gradsync.pipeline",)),
+    ("the process's job", ("gradsync.job",)),
+)
+# Imports that still go up a floor, each with its reason. A debt paid comes off the list (the
+# test fails while a listed import no longer exists), so the list only shrinks.
+UPWARD = {
+    # A one-sided region's asynchronous calls hand out the engine's Handle: the engine sits
+    # below the transport in the import graph (issue 39, item 1).
+    ("gradsync.transport.region_peer", "gradsync.pipeline.engine"),
+}
+# The package's top level: the public face, what every floor shares, and the two modules whose
+# paths the docs give users (gradsync.flight_recorder.dump, gradsync.timeline.merge).
+TOP = {"__init__", "__main__", "api", "job", "config", "errors", "logs", "_native",
+       "_torch_hook", "flight_recorder", "timeline"}
+
+
+def _floor(module: str) -> int | None:
+    for index, (_, members) in enumerate(FLOORS):
+        if any(module == m or module.startswith(m + ".") for m in members):
+            return index
+    return None
+
+
+def test_every_floor_imports_only_its_own_floor_and_those_below():
+    modules = _modules()
+    missing = [m for _, members in FLOORS for m in members if m not in modules]
+    assert missing == []
+    up = set()
+    for module, imported, _ in _walk(modules):
+        here = _floor(module)
+        # The package itself ("from .. import x" reads it) is no floor: it runs first anyway.
+        if here is None or imported == "gradsync":
+            continue
+        there = _floor(imported)
+        if there is None or there > here:
+            up.add((module, imported))
+    assert sorted(f"{a} imports {b}" for a, b in up - UPWARD) == []
+    assert sorted(UPWARD - up) == []  # paid: take it off UPWARD
+
+
+def test_the_top_level_holds_only_the_public_face_and_what_the_floors_share():
+    assert sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in TOP) == []

@@ -15,7 +15,7 @@ import sys
 
 from ..collectives.planner import CANDIDATES, plan
 from ..run.hosts import parse_hosts, rank_hosts
-from ..topology import Topology, load
+from ..cluster.topology import Topology, load
 from .allreduce import size_range
 from ..testbed.rows import add_json_option, write_json
 

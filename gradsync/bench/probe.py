@@ -87,7 +87,7 @@ def _reduce_bandwidth() -> float:
 def run(args) -> dict:
     import gradsync as gs
     from gradsync import job
-    from gradsync.topology import TIERS, Tier, Topology, to_dict
+    from gradsync.cluster.topology import TIERS, Tier, Topology, to_dict
 
     gs.init()
     world = job.world()

@@ -378,7 +378,7 @@ def _print_point(data: dict) -> None:
         counts = data["store_requests"][stage]
         if counts is None:
             print(f"store requests, whole job, {label}: n/a (this gradsync does not count "
-                  "them: gradsync.rendezvous.request_counts)")
+                  "them: gradsync.cluster.rendezvous.request_counts)")
         else:
             ops = ", ".join(f"{op} {k}" for op, k in counts["by_op"].items())
             print(f"store requests, whole job, {label}: {counts['total']} ({ops})")

@@ -29,7 +29,7 @@ its phase reads "n/a": the benchmark keeps working while ``world.py`` changes un
 socket; the store's client connections, the listener, each TCP pair; shared-memory pairs hold
 none). Memory:
 ``VmRSS`` from ``/proc/self/status`` (and its private part, ``RssAnon``), before ``init()``
-(after the imports: the baseline), after it and after the allreduces. Store requests: ``gradsync.rendezvous.request_counts()``,
+(after the imports: the baseline), after it and after the allreduces. Store requests: ``gradsync.cluster.rendezvous.request_counts()``,
 this process's requests by operation since it started, where the running gradsync has it
 (None otherwise). Every figure is one line ``GSSCALE <json>`` on stdout; the driver
 (``scale.py``) reads it.
@@ -56,20 +56,20 @@ PREFIX = "GSSCALE "
 
 SPECS: tuple[tuple[str, str, str], ...] = (
     ("config", "gradsync.api", "load_config"),
-    ("config", "gradsync.launch_env", "detect"),
+    ("config", "gradsync.cluster.launch_env", "detect"),
     ("compile", "gradsync._native", "load"),
-    ("store", "gradsync.rendezvous", "Store.__init__"),
-    ("address table", "gradsync.rendezvous", "Store.gather_table"),
-    ("store requests", "gradsync.rendezvous", "Store.*"),
+    ("store", "gradsync.cluster.rendezvous", "Store.__init__"),
+    ("address table", "gradsync.cluster.rendezvous", "Store.gather_table"),
+    ("store requests", "gradsync.cluster.rendezvous", "Store.*"),
     ("listen", "gradsync.transport.tcp", "Listener.__init__"),
     ("tcp connect", "gradsync.transport.tcp", "connect"),
     ("tcp connect", "gradsync.transport.tcp", "Listener.wait_for"),
-    ("shm", "gradsync._shm_setup", "connect"),
-    ("barrier", "gradsync.rendezvous", "Store.barrier"),
-    ("world", "gradsync.world", "World.__init__"),
-    ("heartbeat", "gradsync.heartbeat", "Heartbeat.__init__"),
-    ("heartbeat", "gradsync.heartbeat", "Heartbeat.start"),
-    ("engine", "gradsync.engine", "Engine.__init__"),
+    ("shm", "gradsync.connect._shm_setup", "connect"),
+    ("barrier", "gradsync.cluster.rendezvous", "Store.barrier"),
+    ("world", "gradsync.connect.world", "World.__init__"),
+    ("heartbeat", "gradsync.liveness.heartbeat", "Heartbeat.__init__"),
+    ("heartbeat", "gradsync.liveness.heartbeat", "Heartbeat.start"),
+    ("engine", "gradsync.pipeline.engine", "Engine.__init__"),
 )
 """(phase, module, function) per wrapped function of ``init()``, in the order ``init()``
 reaches them; ``Class.*`` is every public method of the class not named elsewhere."""
@@ -149,9 +149,9 @@ def rss_mib(field: str = "VmRSS") -> float:
 
 def request_counts() -> dict[str, int] | None:
     """This process's store requests by operation, or None where gradsync cannot count them."""
-    import gradsync.rendezvous
+    import gradsync.cluster.rendezvous
 
-    counts = getattr(gradsync.rendezvous, "request_counts", None)
+    counts = getattr(gradsync.cluster.rendezvous, "request_counts", None)
     return None if counts is None else dict(counts())
 
 

@@ -115,7 +115,7 @@ class _Observers:
     def __init__(self):
         from .. import job
         from ..flight_recorder import recorder
-        from ..pace import meter
+        from ..liveness.pace import meter
 
         self.recorder, self.meter = recorder, meter
         self.entries, self.metering = recorder.size, meter.on

@@ -381,7 +381,7 @@ static PyObject *py_fold(PyObject *self, PyObject *const *args, Py_ssize_t nargs
  * copy of the mutex may be held by the thread that is not there: in a child, remove() and
  * close() release the targets without the mutex and without a join, and add() refuses.
  *
- * Python holds the beater as a capsule (gradsync/beater.py), which closes it when freed.
+ * Python holds the beater as a capsule (gradsync/liveness/beater.py), which closes it when freed.
  */
 
 typedef struct {

@@ -59,7 +59,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Mapping, Protocol, Sequence
 
-from ..topology import Topology
+from ..cluster.topology import Topology
 from . import hierarchical as _hier
 from .doubling import core_size
 

@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..topology import Topology
+from ..cluster.topology import Topology
 from ..transport.comm import Comm, CommView
 from . import doubling, ring, tree
 from .ops import Reducer

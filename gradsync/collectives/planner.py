@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-from ..topology import Topology
+from ..cluster.topology import Topology
 from .costs import RankFabric, allreduce_time
 
 __all__ = ["ALGORITHMS", "CANDIDATES", "Plans", "choose_allreduce", "predict", "plan"]

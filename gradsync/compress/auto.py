@@ -494,7 +494,7 @@ class Auto(ReducingCompressor):
         self.history = (self.history + [decision])[-HISTORY:]
         if comm.rank == 0:
             log.info("compression auto (step %d): %s", decision.step, decision.summary())
-        from ..pace import meter
+        from ..liveness.pace import meter
 
         timeline = meter.timeline
         if timeline is not None:

@@ -33,12 +33,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .. import launch_env
-from .. import operations as ops
+from ..cluster import launch_env
+from ..cluster.topology import Topology
 from ..collectives import alltoall as _alltoall
 from ..collectives import doubling, ring
 from ..collectives.ops import ReduceOp, make_reducer
-from ..topology import Topology
+from ..pipeline import operations as ops
 
 __all__ = ["Comm", "WorldComm", "ViewComm", "TorchComm"]
 

@@ -52,7 +52,7 @@ class HookState:
             chosen from the measured link; ``state.compressor.decision`` is its choice);
             its state holds the error feedback of every bucket.
         process_group: the DDP model's group, if it is not the default group.
-        topology: where the group's ranks are (``gradsync.topology.Topology``, rank i of
+        topology: where the group's ranks are (``gradsync.cluster.topology.Topology``, rank i of
             the group its rank i); None: from the members' host names.
     """
 

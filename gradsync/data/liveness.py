@@ -5,8 +5,8 @@ pid while it polls) and its connections close (every call fails). One that is *s
 (SIGSTOP, a debugger) or whose host is *cut off* shows neither: its pid lives and its sockets
 stay open, and without more a worker would wait for its next batch up to the job's
 ``timeout`` (300 s). The ranks of the training job have heartbeats for this
-(``gradsync/heartbeat.py``); data servers are not members of that job, and a worker talks to
-each of them anyway, so the same idea costs less here. With the job's heartbeat settings
+(``gradsync/liveness/heartbeat.py``); data servers are not members of that job, and a worker talks
+to each of them anyway, so the same idea costs less here. With the job's heartbeat settings
 (``heartbeat_interval`` 0.25 s, ``heartbeat_timeout`` 2 s; a timeout of 0 turns this off):
 
 - **Same host (the poll road).** Each data server's beater counts up a *beat* word in every

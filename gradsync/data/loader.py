@@ -43,8 +43,8 @@ import time
 import numpy as np
 
 from ..errors import ConfigError, GradsyncError, GradsyncTimeoutError, PeerLostError
-from ..heartbeat import LINK_UP_S
-from ..pace import meter
+from ..liveness.heartbeat import LINK_UP_S
+from ..liveness.pace import meter
 from .layout import Layout
 from .plan import ORDERS, STATE_VERSION, Batch, pack_mask, plan, unpack_mask, worker_batches
 from .slots import poller
@@ -95,8 +95,8 @@ class Loader:
                  prefetch: int | None = None, order: str = "servers", collate=None,
                  copy: bool = True):
         from .. import api, job
+        from ..cluster.launch_env import detect
         from ..config import load_config
-        from ..launch_env import detect
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -161,7 +161,7 @@ class Loader:
         atexit.register(self.close)
 
     def _connect(self, env, config) -> None:
-        from ..server_links import connect_servers, open_store, unique_id
+        from ..connect.server_links import connect_servers, open_store, unique_id
 
         store = open_store(config, env)
         # The id the data servers know this worker by: its rank, or in an elastic job (where

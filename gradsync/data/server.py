@@ -86,8 +86,8 @@ import time
 
 import numpy as np
 
-from .. import beater
 from ..errors import CollectiveMismatchError, GradsyncError, GradsyncTimeoutError
+from ..liveness import beater
 from ..transport.regions import Attached, Endpoint
 from .cache import Cache
 from .layout import Layout, leaves_of
@@ -613,9 +613,9 @@ def serve(config, env, source: Source, batch_size: int, seed: int,
           order: str = "servers") -> int:
     """Runs this rank's data server until every worker is done (in an elastic job: until the
     launcher says the job is over); returns an exit status."""
-    from ..server_links import open_store, publish
+    from ..connect.server_links import open_store, publish
+    from ..connect.world import listen_addr
     from ..transport.regions import ANY_PEER
-    from ..world import listen_addr
 
     index = env.data_server_rank
     # The producer runs the user's transform, often Python code that holds the GIL; the

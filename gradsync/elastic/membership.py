@@ -52,8 +52,8 @@ from __future__ import annotations
 import json
 import time
 
+from ..cluster.rendezvous import Store
 from ..errors import GradsyncError
-from ..rendezvous import Store
 
 __all__ = ["Control", "generation_job", "ElasticJobFailed", "ExcludedError"]
 

@@ -28,7 +28,7 @@ import copy
 import weakref
 from typing import Any, Callable
 
-from ..straggler_watch import on_report
+from ..liveness.straggler_watch import on_report
 from . import worker
 
 __all__ = ["State", "ObjectState", "HostsUpdatedInterrupt"]

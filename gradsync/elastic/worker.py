@@ -26,8 +26,8 @@ import sys
 import time
 
 from .. import job
+from ..cluster.rendezvous import Store
 from ..errors import GradsyncError, GradsyncTimeoutError, PeerLostError
-from ..rendezvous import Store
 from .membership import Control, ExcludedError, generation_job
 
 __all__ = ["join", "reset", "is_elastic", "generation", "newer_generation"]
@@ -87,7 +87,7 @@ def join(config, env, after: int = -1):
             _prepare()  # a new worker of a running job, which trains on meanwhile
         _control.announce_ready(env.elastic_id)
     _env, _config = env, config
-    from ..world import World
+    from ..connect.world import World
 
     # The launcher ends the job elastic_timeout after it lacks workers and then writes its
     # reason; waiting a little longer lets the workers report that reason rather than their own.

@@ -20,9 +20,9 @@ on a server rank calls the same ``serve_rank`` and ends the process (``api.py``)
 
 from __future__ import annotations
 
+from ..cluster.launch_env import detect
 from ..config import load_config
 from ..errors import ConfigError
-from ..launch_env import detect
 from .server import serve_rank
 
 

@@ -72,8 +72,8 @@ class ParameterClient:
                  backup: float | None = None, staleness: int | None = None,
                  factor_fc: int | None = None, restore: str | None = None, **hyper):
         from .. import api, job
-        from ..launch_env import detect
-        from ..server_links import connect_servers, open_store
+        from ..cluster.launch_env import detect
+        from ..connect.server_links import connect_servers, open_store
 
         api.init()  # on a server rank this serves and exits; on a worker it returns
         if mode not in MODES:

@@ -759,8 +759,8 @@ def serve_rank(config, env) -> int:
 
 def serve(config, env) -> int:
     """Runs this rank's parameter server until every worker is done; returns an exit status."""
-    from ..rendezvous import Store
-    from ..world import listen_addr
+    from ..cluster.rendezvous import Store
+    from ..connect.world import listen_addr
 
     # Every store request of the server's threads passes a gate that its exit shuts (above).
     gate = StoreGate()

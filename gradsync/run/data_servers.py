@@ -49,7 +49,7 @@ class DataServers:
     """
 
     def __init__(self, spec: LaunchSpec, starter: Starter, output: Output, base, port: int):
-        from ..rendezvous import Store
+        from ..cluster.rendezvous import Store
 
         self.spec, self.starter, self.output, self.port = spec, starter, output, port
         self.store = Store.over(base, starter.job_id, 30.0)

@@ -41,9 +41,9 @@ import time
 from datetime import timedelta
 from typing import Sequence
 
-from ..rendezvous import Store
-from ..straggler_watch import CURRENT_KEY, TOP_NAMESPACE, Judge
-from ..topology import TIERS
+from ..cluster.rendezvous import Store
+from ..cluster.topology import TIERS
+from ..liveness.straggler_watch import CURRENT_KEY, TOP_NAMESPACE, Judge
 from . import jobfile
 
 __all__ = ["main", "build_parser", "read", "table"]

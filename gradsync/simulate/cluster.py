@@ -28,7 +28,7 @@ others (the rate of a node's NICs into that tier). A unit of tier t (a node for 
 for t = 2, ...) reaches the tiers above through an uplink of ``nodes in the unit x bandwidth /
 oversubscription`` that the messages leaving it at the same time share; a message inside a
 node gets the first tier's bandwidth to itself. ``latency`` is seconds per message between
-two units of the tier. Units: those of ``gradsync/topology.py`` (``25Gbit/s``, ``12.5GB/s``,
+two units of the tier. Units: those of ``gradsync/cluster/topology.py`` (``25Gbit/s``, ``12.5GB/s``,
 ``2us``). Each tier and the file may say ``source`` (text) and ``assumed`` (list of text):
 they are printed by ``gradsync simulate --validate`` and never read as numbers.
 
@@ -56,8 +56,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
+from ..cluster.topology import load as _load_file, parse_bandwidth, parse_latency
 from ..errors import ConfigError
-from ..topology import load as _load_file, parse_bandwidth, parse_latency
 
 __all__ = ["ClusterTier", "Cluster", "parse", "load", "shipped", "CLUSTERS_DIR"]
 

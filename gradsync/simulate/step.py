@@ -47,7 +47,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from ..topology import parse_latency
+from ..cluster.topology import parse_latency
 from . import compression as _compression
 from .cluster import Cluster
 from .fabric import TierFabric

@@ -14,8 +14,8 @@ def sockets() -> int:
     """The sockets this process holds open (TCP and Unix), each counted once.
 
     A socket is its inode (``socket:[N]``), not a descriptor: the heartbeat's native beater
-    writes to a ``dup`` of each link's descriptor (``gradsync/beater.py``), which is the same
-    connection and the same kernel socket, and counts once here.
+    writes to a ``dup`` of each link's descriptor (``gradsync/liveness/beater.py``), which is the
+    same connection and the same kernel socket, and counts once here.
     """
     held = set()
     for fd in os.listdir("/proc/self/fd"):

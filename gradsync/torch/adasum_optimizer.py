@@ -38,8 +38,8 @@ import weakref
 import torch
 
 from ..collectives.ops import Adasum
-from ..engine import Handle
-from ..pace import meter
+from ..liveness.pace import meter
+from ..pipeline.engine import Handle
 from . import requests as _requests
 from .compression import Compressor
 from .process_sets import global_process_set

@@ -1,8 +1,8 @@
 """Gradient buckets: which gradients share one fused allreduce, decided once, up front.
 
 Why fixed up front. Collectives must be issued in the same order, with the same shapes, on
-every rank (``gradsync/engine.py``). Gradient hooks fire in whatever order autograd reaches the
-parameters, and that order can differ between ranks: a data-dependent branch, a parameter that
+every rank (``gradsync/pipeline/engine.py``). Gradient hooks fire in whatever order autograd reaches
+the parameters, and that order can differ between ranks: a data-dependent branch, a parameter that
 one rank does not use this step. So a bucket cannot be "whatever happens to be ready". Every
 rank instead derives the same assignment from the same parameter list before training, and
 launches bucket k only once buckets 0..k-1 are launched (DDP's rule): the launch order is the
@@ -33,7 +33,7 @@ Only a gradient that is not its view (after ``zero_grad(set_to_none=True)``, or 
 script assigned) is copied into its view when it is ready.
 
 A rank that has called ``join()`` takes part in the buckets' allreduces with zeros: its set's
-controller stands in for it (``gradsync/negotiation.py``), so buckets need nothing for it.
+controller stands in for it (``gradsync/pipeline/negotiation.py``), so buckets need nothing for it.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from typing import Any, Iterable
 import torch
 
 from .. import api as gs
-from .. import arguments
+from ..pipeline import arguments
 from .buckets import fusion_threshold, plan_buckets
 from . import requests as _requests
 from .mpi_ops import ProcessSet, _check_process_set, _cpu, global_process_set

@@ -6,8 +6,8 @@ last. Averages still divide by the full number of ranks, joined ones included. O
 collectives (allgather, broadcast, alltoall, reducescatter, barrier) issued while a rank is
 joined raise RuntimeError on the ranks that issued them.
 
-How. Operations of the Horovod API are negotiated by name (``gradsync/negotiation.py``), so a
-joined rank does not need to know what the others will issue: ``join()`` announces the
+How. Operations of the Horovod API are negotiated by name (``gradsync/pipeline/negotiation.py``), so
+a joined rank does not need to know what the others will issue: ``join()`` announces the
 operation ``join`` to the global set's controller, and from then on the controller treats an
 operation as ready once every rank that has *not* joined announced it, and runs a zero
 allreduce in this rank's place. DistributedOptimizer's gradient buckets go through the same

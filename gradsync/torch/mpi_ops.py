@@ -2,7 +2,7 @@
 
 Every function keeps the signature of its ``horovod.torch`` namesake. Operations are matched
 across ranks by name, as in Horovod: each call becomes a request (``requests.py``) that the
-controller of its process set (``process_sets.py``, ``gradsync/negotiation.py``) runs once
+controller of its process set (``process_sets.py``, ``gradsync/pipeline/negotiation.py``) runs once
 every rank of the set has issued it, in an order all ranks agree on, fused with other ready
 allreduces. So ranks may issue operations in different orders; mismatched shapes, dtypes, ops
 or roots raise ``CollectiveMismatchError`` (a RuntimeError) on every rank and the next
@@ -45,8 +45,8 @@ import torch
 from .. import api as gs
 from .. import job
 from ..collectives.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
-from ..engine import Handle
 from ..errors import GradsyncError, PeerLostError
+from ..pipeline.engine import Handle
 from . import naming as _naming
 from . import process_sets as _psets
 from . import requests as _requests

@@ -20,7 +20,7 @@ One round (one optimizer step), on each rank:
    gradient has been accumulated. After ``backward_passes_per_step`` reports, a gradient that
    is not already its view is copied into its view of its bucket (``buckets.py``). When a
    bucket is complete and every earlier bucket has been launched, its allreduce goes to the
-   process set's controller (``allreduce_async_``; ``gradsync/negotiation.py``), which runs
+   process set's controller (``allreduce_async_``; ``gradsync/pipeline/negotiation.py``), which runs
    it (fused with other ready buckets) while backward computes the next gradients.
 2. ``step()`` or ``synchronize()``. Buckets not launched yet, because a member got no gradient
    (a parameter unused this step, a branch this rank did not take) or fewer passes than
@@ -62,7 +62,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from ..collectives.ops import Average, ReduceOp, Sum
-from ..pace import meter
+from ..liveness.pace import meter
 from . import adasum_optimizer
 from . import buckets as _buckets
 from .buckets import Bucket, assign_buckets, check_layout, choose_shared

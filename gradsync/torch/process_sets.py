@@ -31,8 +31,8 @@ from typing import Sequence
 from .. import api as gs
 from .. import job
 from ..errors import GradsyncError
-from ..negotiation import Controller
-from ..pace import meter
+from ..liveness.pace import meter
+from ..pipeline.negotiation import Controller
 from . import naming
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",

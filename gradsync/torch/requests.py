@@ -7,19 +7,19 @@ and process set (``naming.py``).
 Ranks. Roots (broadcast) are global ranks, as in Horovod, translated here to the set's rank;
 ``splits`` (alltoall) have one entry per rank of the set. Arguments are checked before the
 request is announced, so no rank fails locally in the middle of a collective; the checks and
-the in-place result step are ``gradsync/arguments.py``'s, the same as the NumPy API's.
+the in-place result step are ``gradsync/pipeline/arguments.py``'s, the same as the NumPy API's.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import arguments
-from .. import operations as ops
 from ..collectives.ops import ReduceOp
 from ..compress import WorldComm
-from ..negotiation import Request
-from ..tensors import wrap
+from ..pipeline import arguments
+from ..pipeline import operations as ops
+from ..pipeline.negotiation import Request
+from ..pipeline.tensors import wrap
 from . import naming
 from . import process_sets as psets
 

@@ -31,8 +31,8 @@ from typing import Callable
 
 import numpy as np
 
-from ..engine import Handle
 from ..errors import GradsyncTimeoutError, PeerLostError, ProtocolError
+from ..pipeline.engine import Handle
 from . import rma_frame as rf
 from . import shm
 from .region_memory import Memory, Stripes, as_bytes

@@ -1,8 +1,8 @@
 """Both APIs reject the same bad arguments, with the same error, before anything is exchanged.
 
 Run by tests/test_arguments.py through ``gradsync run -np N``. The NumPy API (``gradsync``) and
-the Horovod API (``gradsync.torch``) share their checks (``gradsync/arguments.py``); each case
-here is asked of both. Every rank rejects locally, so the job goes on: a collective after the
+the Horovod API (``gradsync.torch``) share their checks (``gradsync/pipeline/arguments.py``); each
+case here is asked of both. Every rank rejects locally, so the job goes on: a collective after the
 rejected calls still works.
 """
 

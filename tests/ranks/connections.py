@@ -26,7 +26,8 @@ import common  # (deadline)
 import numpy as np
 
 import gradsync as gs
-from gradsync import job, rendezvous
+from gradsync import job
+from gradsync.cluster import rendezvous
 from gradsync.testbed.procfs import sockets
 
 
@@ -51,7 +52,7 @@ def run(mode: str) -> None:
         # A sub-world of every rank, over this World's store client: only its own TCP pairs add
         # sockets (no listener, no store client).
         sub = world.subworld(range(N), "everyone")
-        from gradsync import operations
+        from gradsync.pipeline import operations
 
         z = np.full(1000, 1.0)
         operations.allreduce(sub, z, z.dtype, gs.Sum, name="sub", shape=z.shape, algorithm="ring")

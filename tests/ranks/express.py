@@ -1,4 +1,4 @@
-"""The express lane of small allreduces (gradsync/express.py) against closed-form results.
+"""The express lane of small allreduces (gradsync/pipeline/express.py) against closed-form results.
 
 Run by tests/test_express.py through ``gradsync run -np N``; argv[1] is the mode:
 
@@ -31,9 +31,10 @@ import numpy as np
 import torch
 
 import gradsync as gs
-from gradsync import express, job
+from gradsync import job
 from gradsync.collectives.shm import ShmGroup
-from gradsync.operations import scale
+from gradsync.pipeline import express
+from gradsync.pipeline.operations import scale
 
 mode = sys.argv[1]
 gs.init()

@@ -23,7 +23,7 @@ import common  # noqa: F401  (deadline)
 import numpy as np
 
 import gradsync as gs
-from gradsync import rendezvous
+from gradsync.cluster import rendezvous
 
 STALL = float(sys.argv[1]) if len(sys.argv) > 1 else 0.0
 if STALL:

@@ -11,7 +11,7 @@ import numpy as np
 
 import gradsync as gs
 from gradsync import _native, job
-from gradsync.world import World
+from gradsync.connect.world import World
 
 compiles, inside, connecting = [], [], []
 compile_, connect_ = _native._compile, World._connect.__func__

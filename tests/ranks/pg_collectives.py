@@ -331,7 +331,7 @@ def check_no_fresh_buffers():
     if group._scratch.data_ptr() != kept:
         fail("reduce_scatter_tensor allocated a new work buffer for a size it had already")
     # all_gather_into_tensor gathers straight into a contiguous output of the right size
-    import gradsync.operations as operations
+    import gradsync.pipeline.operations as operations
     gather, used = operations.allgather, []
 
     def spy(*args, into=None, **kwargs):

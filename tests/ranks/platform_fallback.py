@@ -6,7 +6,8 @@ import common  # noqa: F401  (the deadline)
 import numpy as np
 
 import gradsync as gs
-from gradsync import _shm_setup, job
+from gradsync import job
+from gradsync.connect import _shm_setup
 from gradsync.transport.tcp import TcpPair
 
 _shm_setup.platform.machine = lambda: "aarch64"

@@ -46,7 +46,7 @@ import numpy as np
 
 import gradsync as gs
 from gradsync import job
-from gradsync.rendezvous import Store
+from gradsync.cluster.rendezvous import Store
 
 requests = [0]
 for name in ("set", "get", "add", "check", "post_abort"):

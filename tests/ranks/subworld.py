@@ -15,8 +15,9 @@ import threading
 import numpy as np
 
 import gradsync as gs
-from gradsync import job, operations
+from gradsync import job
 from gradsync.collectives.ops import Sum
+from gradsync.pipeline import operations
 
 gs.init(**({"transport": "tcp"} if sys.argv[1:] == ["tcp"] else {}))
 world, r, n = job.world(), gs.rank(), gs.size()

@@ -41,7 +41,7 @@ import time
 
 import torch
 
-from ...pace import BACKWARD, meter
+from ...liveness.pace import BACKWARD, meter
 
 __all__ = ["Backward", "backward"]
 

@@ -6,8 +6,8 @@ index in the group and the group's size. Each group becomes a gradsync World of 
 that store: its own connections (shared memory inside a host, TCP between hosts), sequence
 numbers and abort record, so two groups never interleave frames and one group's failure does
 not poison another. Every collective maps onto one of gradsync's operations
-(``gradsync/operations.py``) and runs on the group's progress lane; sends and receives run on a
-lane per peer and direction, over a two-rank World of their own (``p2p.py``), so they never
+(``gradsync/pipeline/operations.py``) and runs on the group's progress lane; sends and receives run
+on a lane per peer and direction, over a two-rank World of their own (``p2p.py``), so they never
 wait behind collectives or block them.
 
 Calls from torch arrive here in two ways with the same signatures: from Python
@@ -31,13 +31,13 @@ import torch
 import torch.distributed as dist
 
 from ... import job as _job
-from ... import operations as ops
+from ...pipeline import operations as ops
 from ...config import load_config
 from ...errors import GradsyncError
 from ...flight_recorder import recorder
-from ...pace import meter
-from ...launch_env import LaunchEnv, host_name
-from ...rendezvous import Store
+from ...liveness.pace import meter
+from ...cluster.launch_env import LaunchEnv, host_name
+from ...cluster.rendezvous import Store
 from .backward import backward
 from .errors import BackendError, to_backend_error
 from .p2p import PointToPoint, clone_store
@@ -108,7 +108,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
                         cross_rank=None, cross_size=None, hostname=host_name(),
                         store_addr=addr or "127.0.0.1", store_port=port, store_is_server=False,
                         secret=None, job_id=job, source="torch.distributed")
-        from ...world import World
+        from ...connect.world import World
 
         try:
             # A connection of its own to the store: torch's main thread may block on the
@@ -131,7 +131,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
             recorder.configure(config, self._global_ranks[rank], job)
             meter.reset(config.straggler_ops, on=config.straggler_interval > 0)
             if config.straggler_interval > 0 and size > 1:
-                from ...straggler_watch import Publisher
+                from ...liveness.straggler_watch import Publisher
                 self._pace = Publisher(self.world)
         self._track = recorder.track(f"torch:{job}", f"torch group {group_id}",
                                      self._global_ranks, "torch", config.timeout, self.world)

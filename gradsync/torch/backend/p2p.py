@@ -29,8 +29,8 @@ from __future__ import annotations
 import threading
 import time
 
+from ...cluster.rendezvous import Store
 from ...errors import GradsyncError, GradsyncTimeoutError
-from ...rendezvous import Store
 from .errors import BackendError, to_backend_error
 from .tensors import as_bytes, contiguous
 from .work import Lane, Work

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ...pace import meter
+from ...liveness.pace import meter
 from .backward import backward
 from .errors import BackendError, to_backend_error
 

@@ -72,8 +72,8 @@ import threading
 import time
 import weakref
 
-from .errors import GradsyncTimeoutError, PeerLostError
-from .rendezvous import BELL_COUNT, Store, bell_key
+from ..cluster.rendezvous import BELL_COUNT, Store, bell_key
+from ..errors import GradsyncTimeoutError, PeerLostError
 
 __all__ = ["AbortWatch", "Doorbell", "REARM", "private_connection"]
 

@@ -46,7 +46,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["LaunchEnv", "detect", "host_name", "slurm_first_host", "slurm_tasks_per_node", "SOURCES"]
 

@@ -53,11 +53,11 @@ from typing import Callable
 
 import numpy as np
 
+from ..collectives.ops import ReduceOp
+from ..errors import GradsyncError
+from ..liveness.pace import meter
+from ..transport.frame import signature_of
 from . import operations as ops
-from .collectives.ops import ReduceOp
-from .errors import GradsyncError
-from .pace import meter
-from .transport.frame import signature_of
 
 __all__ = ["allreduce", "Entry"]
 

@@ -23,9 +23,9 @@ import json
 import time
 from typing import Callable
 
-from .errors import PeerLostError
-from .rendezvous import Store
-from .transport import regions
+from ..cluster.rendezvous import Store
+from ..errors import PeerLostError
+from ..transport import regions
 from .world import listen_addr
 
 __all__ = ["open_store", "publish", "connect_servers", "unique_id"]

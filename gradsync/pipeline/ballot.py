@@ -1,8 +1,8 @@
 """The ballot of a negotiation cycle: one fixed-size bit vector per rank, combined by AND.
 
-This is the pure part of a steady-state cycle of ``gradsync/negotiation.py`` (after Horovod's
-response cache, whose bit vector is reduced with a bitwise AND). No sockets or threads: the
-``Controller`` fills a ballot, combines the ranks' ballots with one allreduce
+This is the pure part of a steady-state cycle of ``gradsync/pipeline/negotiation.py`` (after
+Horovod's response cache, whose bit vector is reduced with a bitwise AND). No sockets or threads:
+the ``Controller`` fills a ballot, combines the ranks' ballots with one allreduce
 (``negotiation_wire.vote``) and reads the result back with the functions here.
 
 Vocabulary. A *ballot* is an array of ``uint64`` *words*: word 0 holds the *flags*, words 1..

@@ -66,9 +66,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .flight_recorder import COMPLETED, recorder
+from ..cluster.rendezvous import Store
+from ..flight_recorder import COMPLETED, recorder
 from .pace import Meter, meter
-from .rendezvous import Store
 from .traffic import Traffic
 
 __all__ = ["Judge", "RankPace", "Report", "Publisher", "EMPTY", "on_report", "payload_bytes",

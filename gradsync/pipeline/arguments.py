@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .collectives.ops import BFLOAT16, ReduceOp
+from ..collectives.ops import BFLOAT16, ReduceOp
 from .tensors import Buffer, is_torch
 
 __all__ = ["adasum_dtype", "reduce_op", "rows", "send_counts", "root_index", "target",

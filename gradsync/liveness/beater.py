@@ -25,7 +25,7 @@ then beat from a Python thread as before, with the GIL's limit.
 
 from __future__ import annotations
 
-from . import _native
+from .. import _native
 
 __all__ = ["Beater", "start"]
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .collectives.ops import BFLOAT16
+from ..collectives.ops import BFLOAT16
 
 __all__ = ["Buffer", "wrap", "is_torch"]
 

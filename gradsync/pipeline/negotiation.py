@@ -96,14 +96,14 @@ from typing import Any, Callable
 import numpy as np
 
 from . import operations as ops
-from . import stall
+from ..liveness import stall
 from .agreement import JOIN, Agreement, ResponseCache, Signature, agreed, describe, mismatch_error
 from .ballot import IDLE, QUIET, STOP, Ballot, bits_of
-from .collectives.ops import BFLOAT16, ReduceOp
+from ..collectives.ops import BFLOAT16, ReduceOp
 from .negotiation_wire import from_wire, gather, to_wire, vote
 from .engine import Handle
-from .errors import CollectiveMismatchError, GradsyncError
-from .flight_recorder import recorder
+from ..errors import CollectiveMismatchError, GradsyncError
+from ..flight_recorder import recorder
 
 __all__ = ["Controller", "Request", "ResponseCache"]
 

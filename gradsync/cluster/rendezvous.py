@@ -30,7 +30,7 @@ import time
 import zlib
 from datetime import timedelta
 
-from .errors import GradsyncTimeoutError, PeerLostError
+from ..errors import GradsyncTimeoutError, PeerLostError
 
 __all__ = ["Store", "request_counts", "served_bytes", "BELL_COUNT", "bell_key"]
 

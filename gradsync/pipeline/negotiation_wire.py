@@ -1,9 +1,9 @@
 """What a negotiation cycle sends: the ballots' vote, and a gather only when it is needed.
 
-A cycle of ``gradsync/negotiation.py`` has two steps on the wire.
+A cycle of ``gradsync/pipeline/negotiation.py`` has two steps on the wire.
 
-1. The *vote*, every cycle: each rank's ballot (``gradsync/ballot.py``: a flags word and one
-   bit per response-cache entry, ``8 × (1 + ⌈span / 64⌉)`` bytes, at most 136 with the cache's
+1. The *vote*, every cycle: each rank's ballot (``gradsync/pipeline/ballot.py``: a flags word and
+   one bit per response-cache entry, ``8 × (1 + ⌈span / 64⌉)`` bytes, at most 136 with the cache's
    1,024 entries) combined by a bitwise AND over the World. Across hosts it is a
    recursive-doubling allreduce (``collectives/doubling.py``, the small-message algorithm):
    ``log2 p`` exchanges of the whole ballot for the ``p`` ranks of the largest power of two,
@@ -29,10 +29,10 @@ import pickle
 
 import numpy as np
 
+from ..collectives import doubling, ring
+from ..collectives.ops import ReduceOp
 from . import operations as ops
 from .agreement import Signature
-from .collectives import doubling, ring
-from .collectives.ops import ReduceOp
 
 __all__ = ["SLOT", "from_wire", "gather", "to_wire", "vote"]
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["Tier", "Topology", "TIERS", "DEFAULT_TIERS", "load", "parse", "parse_bandwidth",
            "parse_latency", "to_dict"]

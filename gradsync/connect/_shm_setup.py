@@ -34,10 +34,10 @@ import re
 import sys
 import time
 
-from .collectives import shm as shm_group
-from .collectives.shm import ShmGroup
-from .errors import ConfigError
-from .transport import shm
+from ..collectives import shm as shm_group
+from ..collectives.shm import ShmGroup
+from ..errors import ConfigError
+from ..transport import shm
 
 __all__ = ["connect", "segment_job", "check_room", "host_bytes", "usable", "platform_problem"]
 

@@ -40,17 +40,19 @@ import socket
 import time
 from dataclasses import dataclass
 
-from . import _native, stall, topology
-from .collectives import hierarchical, planner
-from .config import Config
-from .errors import (AuthenticationError, CollectiveMismatchError, ConfigError, GradsyncError,
-                     GradsyncTimeoutError, PeerLostError, ProtocolError)
-from .flight_recorder import recorder
-from .launch_env import LaunchEnv
-from .rendezvous import Store
-from .transport import frame, tcp
-from .transport.base import Pair, different_collective
-from .transport.comm import Comm
+from .. import _native
+from ..cluster import topology
+from ..cluster.launch_env import LaunchEnv
+from ..cluster.rendezvous import Store
+from ..collectives import hierarchical, planner
+from ..config import Config
+from ..errors import (AuthenticationError, CollectiveMismatchError, ConfigError, GradsyncError,
+                      GradsyncTimeoutError, PeerLostError, ProtocolError)
+from ..flight_recorder import recorder
+from ..liveness import stall
+from ..transport import frame, tcp
+from ..transport.base import Pair, different_collective
+from ..transport.comm import Comm
 
 __all__ = ["World", "PeerInfo", "listen_addr"]
 
@@ -319,7 +321,7 @@ class World:
             world.root = root
         stall.serve(world, owns_listener)  # the ranks' stall reports may ask this process
         if config.heartbeat_timeout and env.size > 1:
-            from .heartbeat import Heartbeat
+            from ..liveness.heartbeat import Heartbeat
             world.heartbeat = Heartbeat(
                 store, env.rank, env.size, config.heartbeat_interval, config.heartbeat_timeout,
                 lambda r: f"rank {r} on host {peers[r].host} (pid {peers[r].pid})",

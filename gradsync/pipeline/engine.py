@@ -26,9 +26,9 @@ import threading
 import time
 from typing import Callable
 
-from .errors import GradsyncError
-from .flight_recorder import Record, Track
-from .pace import meter
+from ..errors import GradsyncError
+from ..flight_recorder import Record, Track
+from ..liveness.pace import meter
 
 __all__ = ["Engine", "Handle"]
 

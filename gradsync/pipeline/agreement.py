@@ -1,6 +1,6 @@
 """The agreement table of name negotiation: what every rank announced, and what is ready.
 
-This is the pure part of ``gradsync/negotiation.py``: no processes, sockets, threads or
+This is the pure part of ``gradsync/pipeline/negotiation.py``: no processes, sockets, threads or
 tensors. The ``Controller`` there moves the announcements between ranks and runs what is
 ready; this module decides, from the announcements alone, what is ready, in which order,
 whether the ranks agree on it, and what has waited too long. Every rank holds one
@@ -36,8 +36,8 @@ Response cache (after Horovod's ``response_cache.cc``). Once an operation has ru
 stores its (name, signature) under the same *bit* (``ran`` is called in agreed order, so bits
 are assigned and evicted identically everywhere). A rank that issues a cached name with an
 unchanged signature does not describe it: it votes for its bit (``bit``) in the cycle's
-*ballot*, a bit vector that the ranks combine with a bitwise AND (``gradsync/ballot.py``), and
-a bit that every rank voted for is ready (``voted``), with the cached signature on every rank.
+*ballot*, a bit vector that the ranks combine with a bitwise AND (``gradsync/pipeline/ballot.py``),
+and a bit that every rank voted for is ready (``voted``), with the cached signature on every rank.
 A name goes in full (into the table) instead when it is not cached, when its signature
 changed, when the table already holds it (some rank described it: the others must meet it
 there) or while some rank has joined (the table knows who must be waited for; the ballot
@@ -62,7 +62,7 @@ import collections
 import time
 from typing import Callable, Iterable, NamedTuple
 
-from .errors import CollectiveMismatchError
+from ..errors import CollectiveMismatchError
 
 __all__ = ["JOIN", "Agreement", "ResponseCache", "Signature", "Stall", "agreed", "describe",
            "mismatch_error"]

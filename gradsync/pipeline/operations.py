@@ -16,11 +16,11 @@ import zlib
 
 import numpy as np
 
-from .collectives import adasum
-from .collectives import alltoall as _alltoall
-from .collectives import doubling, halving_doubling, hierarchical, ring, tree
-from .collectives.ops import BFLOAT16, ReduceOp, make_reducer
-from .transport import frame
+from ..collectives import adasum
+from ..collectives import alltoall as _alltoall
+from ..collectives import doubling, halving_doubling, hierarchical, ring, tree
+from ..collectives.ops import BFLOAT16, ReduceOp, make_reducer
+from ..transport import frame
 
 # Distinct collectives whose description is remembered (unnamed calls each have their own).
 _DESCRIPTIONS_KEPT = 4096

@@ -61,9 +61,9 @@ import time
 import traceback
 import weakref
 
-from .errors import GradsyncError
-from .flight_recorder import COMPLETED, FAILED, SCHEDULED, STARTED, recorder
-from .transport import tcp
+from ..errors import GradsyncError
+from ..flight_recorder import COMPLETED, FAILED, SCHEDULED, STARTED, recorder
+from ..transport import tcp
 
 __all__ = ["serve", "watch", "answer", "ROUTE", "ASK_S"]
 

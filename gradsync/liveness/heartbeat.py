@@ -124,10 +124,10 @@ import threading
 import time
 import weakref
 
+from ..cluster.rendezvous import Store
+from ..errors import AuthenticationError, GradsyncError, GradsyncTimeoutError, PeerLostError
+from ..transport import tcp
 from . import abort_watch, beater
-from .errors import AuthenticationError, GradsyncError, GradsyncTimeoutError, PeerLostError
-from .rendezvous import Store
-from .transport import tcp
 
 __all__ = ["Heartbeat", "watched_peers", "BEAT", "BYE", "BYE_WAIT_S", "LINK_UP_S"]
 

@@ -1,0 +1,13 @@
+"""The operation pipeline: a collective from the caller's tensor to its algorithm, agreed first.
+
+A call's arguments are checked and its result handed back once for both APIs (``arguments``,
+over ``tensors``: user tensors as flat buffers); operations then run in issue order
+(``engine``, the NumPy API's, inline or on its progress thread; ``express``, a small
+synchronous allreduce straight to the compiled call) or are first matched by name (the Horovod
+API: ``agreement``, the pure table; ``ballot``, a cycle's vote; ``negotiation_wire``, the cycle
+on the wire; ``negotiation``, the controller that runs and fuses them); ``operations`` is each
+collective as one function over a World. It stands on the collectives, the transport's frames
+and the watchers; ``gradsync/job.py`` pairs an Engine with its World.
+"""
+
+__all__: list[str] = []
