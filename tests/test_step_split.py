@@ -18,10 +18,9 @@ import uuid
 
 import numpy as np
 
-from gradsync.config import Config
 from gradsync.liveness.pace import BACKWARD, Meter, metered, waiting_for_data
-from gradsync.liveness.straggler_watch import Publisher
 from gradsync.run import top
+from test_stragglers import _publishers
 
 MS = 1_000_000
 
@@ -100,26 +99,6 @@ def test_the_loaders_next_reports_its_wait_for_a_batch():
     before = meter.data_ns
     assert next(run) == (b"batch", 2)
     assert meter.data_ns - before >= 20 * MS
-
-
-def _publishers(size=4):
-    from torch.distributed import HashStore
-
-    from gradsync.cluster.rendezvous import Store
-
-    base, clock = HashStore(), Clock()
-    meters, publishers = [], []
-    for r in range(size):
-        world = types.SimpleNamespace(
-            config=Config(straggler_interval=0.1), rank=r, size=size,
-            env=types.SimpleNamespace(job_id="job"),
-            peers=[types.SimpleNamespace(host=f"host{i}") for i in range(size)],
-            store=Store.over(base, "job", 5.0))
-        meter = Meter(clock)
-        meter.reset(0)
-        meters.append(meter)
-        publishers.append(Publisher(world, pace=meter, thread=False))
-    return base, clock, meters, publishers
 
 
 def test_a_rank_slow_for_its_data_is_named_with_its_time_under_data(caplog):

@@ -61,6 +61,7 @@ import torch
 
 from . import auto_model as model
 from .base import ReducingCompressor
+from .comm import Loopback
 from .powersgd import PowerSGD
 from .quantized import BF16, Int8
 
@@ -86,23 +87,6 @@ def latest() -> "model.Decision | None":
     held = [a.decision for a in list(_LIVE) if a.decision is not None]
     return max(held, key=lambda d: d.made, default=None)
 
-
-class _Loopback:
-    """A one-rank Comm: times a compressor's arithmetic without the network."""
-
-    rank, size = 0, 1
-
-    def allreduce_sum_(self, t):
-        pass
-
-    def alltoall(self, send):
-        return send.clone()
-
-    def allgather(self, mine):
-        return mine.clone()
-
-    def placement(self):
-        return None
 
 
 class Auto(ReducingCompressor):
@@ -291,7 +275,7 @@ class Auto(ReducingCompressor):
 
     def _arithmetic(self, flat: torch.Tensor, shapes: list[tuple]) -> list[float]:
         """Seconds of each candidate's arithmetic on this bucket (the best of two runs)."""
-        loop = _Loopback()
+        loop = Loopback()
         x = flat.detach().to(torch.float32, copy=True)
         out = []
         for name, c in self.inner.items():

@@ -40,7 +40,7 @@ from ..collectives import doubling, ring
 from ..collectives.ops import ReduceOp, make_reducer
 from ..pipeline import operations as ops
 
-__all__ = ["Comm", "WorldComm", "ViewComm", "TorchComm"]
+__all__ = ["Comm", "Loopback", "WorldComm", "ViewComm", "TorchComm"]
 
 
 class Comm:
@@ -72,6 +72,23 @@ class Comm:
 
     def begin_tiered(self, description: str) -> None:
         pass
+
+
+class Loopback(Comm):
+    """A Comm of one rank: every collective returns its input. What a compressor's own
+    arithmetic costs, timed without the network (``auto.py``'s candidates, ``gradsync
+    simulate``'s calibration)."""
+
+    rank, size = 0, 1
+
+    def allreduce_sum_(self, t: torch.Tensor) -> None:
+        pass
+
+    def alltoall(self, send: torch.Tensor) -> torch.Tensor:
+        return send.clone()
+
+    def allgather(self, mine: torch.Tensor) -> torch.Tensor:
+        return mine.clone()
 
 
 _SUM32 = make_reducer(ReduceOp.SUM, np.float32)
