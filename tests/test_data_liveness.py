@@ -197,9 +197,14 @@ def test_a_stopped_data_server_is_given_up_within_the_bound_and_its_share_served
     # beat stands still.
     r, stopped, lost = _stopped_job(tmp_path, 2, {})
     _given_up_in_time(stopped, lost, "silent")
-    # Worker 0, polling server 0's table in the middle of the epoch, found its beat still (a
-    # worker with a call in flight then, such as its epoch's start, finds the call silent).
-    assert "beat stood still" in lost[0]["0"][1], lost
+    # Worker 0, polling server 0's table in the middle of the epoch, finds its beat still; but
+    # a worker with a call to that server in flight when the 2 s run out (its epoch's start;
+    # on a loaded machine, beside two CPU burners, worker 0 too) finds the call silent first.
+    # Both roads give the server up within the bound (above); which one wins is a race, so
+    # this job asserts either, and the beat road's verdict is checked on its own, clock in
+    # hand, by test_the_watch_gives_up_a_server_whose_beat_stands_still_and_not_a_late_watcher.
+    error = lost[0]["0"][1]
+    assert "beat stood still" in error or "(stopped, or its host cut off?)" in error, lost
     # Epoch 1 was served by server 1 alone, each worker's share in its planned order.
     got = [json.loads((tmp_path / f"stopped-{w}.json").read_text()) for w in range(2)]
     for w in range(2):
