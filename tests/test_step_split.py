@@ -261,6 +261,31 @@ def test_bytes_per_tier_come_from_the_transports_own_counters():
         listener.close()
 
 
+def test_bytes_of_sub_worlds_count_with_their_roots_and_a_shared_segment_once():
+    """The Horovod API's process sets run on sub-worlds (``World.subworld``), each with pairs
+    and a shared segment of its own: their bytes are the rank's too (a real 2-rank job's
+    DistributedOptimizer showed 0 MB/s on every tier while the root World alone was read)."""
+    from gradsync.cluster.topology import Topology
+    from gradsync.liveness.traffic import Traffic
+
+    def stand_in(rank, hosts, pairs, group, subworlds=()):
+        return types.SimpleNamespace(rank=rank, topology=Topology.from_hosts(hosts),
+                                     comm=types.SimpleNamespace(pairs=pairs),
+                                     shm_group=group, subworlds=list(subworlds))
+
+    shared = types.SimpleNamespace(moved=0)  # a segment both Worlds hold
+    pair = types.SimpleNamespace(n=0, moved=lambda: pair.n)  # the sub-world's TCP pair
+    nested = stand_in(0, ["a", "b"], {}, types.SimpleNamespace(moved=0))
+    sub = stand_in(0, ["a", "b"], {1: pair}, shared, [nested])
+    root = stand_in(1, ["a", "a", "b"], {}, shared, [sub])
+    clock = types.SimpleNamespace(t=0.0)
+    traffic = Traffic(root, clock=lambda: clock.t)
+    traffic.rates()
+    pair.n, shared.moved, nested.shm_group.moved = 4_000, 2_000, 6_000
+    clock.t = 2.0
+    assert traffic.rates() == {"local": (2_000 + 6_000) // 2, "host": 4_000 // 2}
+
+
 def test_top_shows_a_column_per_tier_and_the_group_tier_where_the_topology_has_one():
     from gradsync.cluster.topology import Topology
     from gradsync.liveness.traffic import Traffic

@@ -38,6 +38,7 @@ import logging
 import os
 import socket
 import time
+import weakref
 from dataclasses import dataclass
 
 from .. import _native
@@ -164,6 +165,9 @@ class World:
         self.peers = peers
         self.comm = comm
         self.shm_group = shm_group
+        self.subworlds: "weakref.WeakSet[World]" = weakref.WeakSet()
+        """The sub-worlds made from this one while they live (the Horovod API's process sets
+        run on them): ``liveness/traffic.py`` counts their bytes with this World's."""
         self.listener = listener
         """The process's listener: this World's own, or for a sub-world its root World's."""
         self.route = route
@@ -365,9 +369,11 @@ class World:
                            self.config.connect_timeout)
         root_job, root_ranks = self.root
         store.rings(root_job)  # its records wake the root's bell (abort_watch.Doorbell)
-        return World.connect(self.config, env, store,
-                             root=(root_job, [root_ranks[r] for r in ranks]),
-                             members=(self, ranks))
+        sub = World.connect(self.config, env, store,
+                            root=(root_job, [root_ranks[r] for r in ranks]),
+                            members=(self, ranks))
+        self.subworlds.add(sub)
+        return sub
 
     # ------------------------------------------------------------------ failures
     def on_idle(self, waited: float) -> None:

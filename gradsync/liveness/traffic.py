@@ -52,20 +52,29 @@ class Traffic:
         self._at = clock()
 
     def counts(self) -> dict:
-        """Each counter's bytes so far, by ``(tier, key)``."""
-        world = self._world
-        topo, me = getattr(world, "topology", None), world.rank
+        """Each counter's bytes so far, by ``(tier, id of its pair or segment)``: this World's
+        and its live sub-worlds' (``World.subworlds``: the Horovod API's process sets run on
+        sub-worlds with pairs and a segment of their own); a pair or segment two Worlds
+        share is counted once."""
         found = {}
-        if topo is None:
-            return found
-        comm = getattr(world, "comm", None)
-        # One C-level copy of the dict under the GIL: pairs made on demand by another
-        # thread meanwhile cannot break the loop.
-        for peer, pair in list(comm.pairs.items()) if comm is not None else ():
-            found[(topo.tier(me, peer), peer)] = pair.moved()
-        group = getattr(world, "shm_group", None)
-        if group is not None:
-            found[("local", "segment")] = group.moved
+        worlds, seen = [self._world], set()
+        while worlds:
+            world = worlds.pop()
+            if id(world) in seen:
+                continue
+            seen.add(id(world))
+            worlds.extend(list(getattr(world, "subworlds", ())))
+            topo, me = getattr(world, "topology", None), world.rank
+            if topo is None:
+                continue
+            comm = getattr(world, "comm", None)
+            # One C-level copy of the dict under the GIL: pairs made on demand by another
+            # thread meanwhile cannot break the loop.
+            for peer, pair in list(comm.pairs.items()) if comm is not None else ():
+                found[(topo.tier(me, peer), id(pair))] = pair.moved()
+            group = getattr(world, "shm_group", None)
+            if group is not None:
+                found[("local", id(group))] = group.moved
         return found
 
     def rates(self) -> dict:
