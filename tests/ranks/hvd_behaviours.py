@@ -4,8 +4,6 @@ Run by tests/test_hvd_behaviours.py through ``gradsync run -np N``. Prints "ok <
 per check; exits non-zero at the first wrong value.
 """
 
-import os
-import socket
 import sys
 import threading
 import time
@@ -16,6 +14,7 @@ import torch
 
 import gradsync.torch as hvd
 from gradsync import job
+from gradsync.liveness import abort_watch
 
 hvd.init()
 R, N = hvd.rank(), hvd.size()
@@ -132,21 +131,8 @@ ok("zero-grads")
 #     and its abort watch held another. Counted as this process's sockets to the store's port
 #     (the launcher hosts the store) before and after more sets, each used, and removed.
 def store_clients() -> int:
-    port, count = job.world().env.store_port, 0
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                continue
-            sock = socket.socket(fileno=os.dup(int(name)))
-        except OSError:
-            continue  # closed meanwhile
-        try:
-            count += sock.type == socket.SOCK_STREAM and sock.getpeername()[1] == port
-        except (OSError, IndexError):
-            pass  # a listener, a unix socket, or not connected
-        finally:
-            sock.close()
-    return count
+    port = job.world().env.store_port
+    return sum(peer[1] == port for _, peer in abort_watch._store_sockets().values())
 
 
 def settled(limit: int) -> int:
