@@ -9,8 +9,8 @@ import pytest
 from gradsync.run import cli
 
 RUN_OPTIONS = [
-    "--bind-to", "--blacklist-cooldown", "--blacklist-cooldown-range", "--data-servers",
-    "--data-workers", "--elastic-timeout",
+    "--bind-to", "--blacklist-cooldown", "--blacklist-cooldown-range", "--data-hosts",
+    "--data-servers", "--data-workers", "--elastic-timeout",
     "--fusion-threshold-mb", "--help", "--host-discovery-script", "--hostfile", "--hosts",
     "--log-level", "--max-np", "--min-np", "--network-interface", "--no-output-prefix",
     "--num-proc", "--output-filename", "--output-prefix", "--ps-replicas",

@@ -15,7 +15,7 @@ from collections import Counter
 
 import pytest
 
-from harness import launch, worker_results
+from harness import launch, remote_ssh, worker_results
 
 pytestmark = pytest.mark.multiprocess
 
@@ -42,7 +42,8 @@ def trained(output: str) -> dict[int, Counter]:
     return found
 
 
-def check_counts(result, survivors: list[str], size: int, servers_failed: bool = False) -> None:
+def check_counts(result, survivors: list[str], size: int, servers_failed: bool = False) -> dict:
+    """Checks every survivor's counts and the data servers' end; returns the RESULT lines."""
     got = worker_results(result.output)
     assert sorted(got) == sorted(survivors), result
     for r in got.values():
@@ -50,6 +51,7 @@ def check_counts(result, survivors: list[str], size: int, servers_failed: bool =
     # The data servers ended when told, after the last worker: neither stopped nor failed.
     assert "still running" not in result.output, result
     assert ("(data server" in result.output) == servers_failed, result
+    return got
 
 
 def check_trained_once(result) -> None:
@@ -90,7 +92,9 @@ def test_a_worker_killed_mid_epoch_with_rollback_always_goes_back_to_the_commit(
 def test_a_lost_data_servers_share_is_served_by_the_other_and_the_job_goes_on():
     # Worker 0 SIGKILLs data server 0 in step 4; the job keeps its 2 workers, which take the
     # lost server's batches from data server 1. The job's status is the data server's.
-    result = run(2, "killserver", "0", "3", launcher=("--min-np", "2"), status=137)
+    # (--server-restarts 0: not started again, which the data-host test below checks)
+    result = run(2, "killserver", "0", "3", launcher=("--min-np", "2", "--server-restarts", "0"),
+                 status=137)
     assert "rank 2 (data server 0)" in result.output, result
     assert "data server 0 failed earlier" in result.output, result
     check_counts(result, ["localhost[0]", "localhost[1]"], 2, servers_failed=True)
@@ -119,7 +123,8 @@ def test_a_data_server_and_then_a_worker_lost_in_one_epoch_train_every_sample_on
     # every data server, finds server 0 gone, and rolls back to the commit after step 4
     # instead of crediting worker 2 its plan's batches; every sample is then trained exactly
     # once per epoch by the 2 survivors and data server 1.
-    result = run(3, "both", "2", "2", launcher=("--min-np", "2"), status=137)
+    result = run(3, "both", "2", "2", launcher=("--min-np", "2", "--server-restarts", "0"),
+                 status=137)
     assert "PLAN action=rollback updates=4" in result.output, result
     check_counts(result, ["localhost[0]", "localhost[1]"], 2, servers_failed=True)
 
@@ -129,7 +134,62 @@ def test_a_worker_and_then_a_data_server_lost_in_one_epoch_train_every_sample_on
     # Worker 2 of 3 dies in step 3 of epoch 0 (the others go on from 2 updates), then rank 0
     # of the job of 2 SIGKILLs data server 0 in step 6, still in epoch 0: nothing is rolled
     # back, so the batches printed as trained hold every sample once per epoch too.
-    result = run(3, "workerfirst", "2", "2", launcher=("--min-np", "2"), status=137)
+    result = run(3, "workerfirst", "2", "2",
+                 launcher=("--min-np", "2", "--server-restarts", "0"), status=137)
     assert "PLAN action=go_on updates=2" in result.output, result
     check_counts(result, ["localhost[0]", "localhost[1]"], 2, servers_failed=True)
     check_trained_once(result)
+
+
+@pytest.mark.slow  # about 50 s on a loaded 2-core machine, as the kill's
+def test_a_stopped_data_server_given_up_by_a_worker_that_then_dies_rolls_the_job_back():
+    # As the data server and then the worker above, with data server 0 SIGSTOPped instead of
+    # killed: worker 2 gives it up (as its liveness watch would), trains a batch of data
+    # server 1 in step 5 where its plan had one of server 0, and dies in step 6. The
+    # survivors see server 0's process alive and its connections open: only worker 2's
+    # record of the loss in the store tells the recovery, which rolls back to the commit
+    # after step 4 instead of crediting worker 2 its plan's batches (without the record: a
+    # go_on, one sample trained twice and another never).
+    result = run(3, "stopboth", "2", "2", launcher=("--min-np", "2"))
+    assert "PLAN action=rollback updates=4" in result.output, result
+    check_counts(result, ["localhost[0]", "localhost[1]"], 2)
+
+
+@pytest.mark.slow  # about 60 s on a loaded 2-core machine: every batch crosses TCP
+def test_data_servers_on_a_data_host_of_their_own_serve_workers_on_other_hosts(tmp_path):
+    # hostD, hostA, hostB and hostC are other hosts to the launcher: their ranks start
+    # through an ssh stand-in that runs each in a session of its own (tests/harness.py
+    # remote_ssh), with its own GRADSYNC_HOSTNAME, so every batch comes by a take over TCP.
+    # The discovery script lists hostD first, with 2 slots, and --max-np 4 leaves the job
+    # room to grow: still no worker goes there, hostD being the data host (--data-hosts).
+    ssh, log = remote_ssh(tmp_path)
+    hosts = tmp_path / "hosts"
+    hosts.write_text("hostD:2\nhostA:1\nhostB:1\n")
+    result = run(2, "killgrow", "0", "3", status=137,
+                 env={"FAKE_SSH_LOG": str(log), "HOSTS_FILE": str(hosts),
+                      "GROW_HOST": "hostC:1"},
+                 launcher=("--min-np", "2", "--max-np", "4", "--host-discovery-script",
+                           f"cat {hosts}", "--data-hosts", "hostD:2", "--ssh-command",
+                           str(ssh), "-x", "GS_TEST_DEADLINE", "-x", "HOSTS_FILE", "-x",
+                           "GROW_HOST"))
+    out = result.output
+    # Worker 0 SIGKILLs data server 0 in step 4: reported and started again on hostD. The
+    # two workers give it up for good (they take its share from data server 1); once the
+    # replacement has published its address, worker 0 lists hostC, whose new worker joins
+    # at the commit after step 4 and takes its share of data server 0 from the replacement.
+    assert "rank 2 (data server 0) on host hostD exited with status 137" in out, result
+    assert "data server 0 started again on host hostD (1 of 3)" in out, result
+    got = check_counts(result, ["hostA[0]", "hostB[1]", "hostC[2]"], 3, servers_failed=True)
+    assert [got[w]["lost"] for w in ("hostA[0]", "hostB[1]", "hostC[2]")] == ["0", "0", ""]
+    check_trained_once(result)
+    assert "TRAINED id=hostC[2] gen=1 epoch=0" in out, result  # a share of epoch 0
+    # where each rank ran, as it says itself: the workers on their hosts (the new one's
+    # launch rank is 2 too), the data servers and data server 0's replacement on hostD
+    assert sorted(re.findall(r"HOST rank=(\d+) host=(\S+)", out)) == [
+        ("0", "hostA"), ("1", "hostB"), ("2", "hostC"), ("2", "hostD"), ("2", "hostD"),
+        ("3", "hostD")], result
+    # one ssh check per host, then one ssh per rank started there
+    calls = re.findall(r"-o ConnectTimeout=\d+ (\S+) (\S+)", log.read_text())
+    assert sorted(h for h, _ in calls) == \
+        ["hostA"] * 2 + ["hostB"] * 2 + ["hostC"] * 2 + ["hostD"] * 4, result
+    assert [c for _, c in calls].count("true") == 4

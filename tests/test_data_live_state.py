@@ -210,3 +210,56 @@ def test_an_elastic_data_server_admits_new_ids_and_outlives_its_workers():
             thing.close()
         srv.close()
         owner.close()
+
+
+def test_a_loss_is_recorded_before_it_takes_effect_and_a_recovery_look_finds_it():
+    # A worker of an elastic job that gives up a data server (dead, stopped or cut off)
+    # writes it to the job's store first, then takes batches out of its plan's order; a
+    # survivor's look at a recovery (``Loader.look_at_servers``) finds the record even where
+    # the server's process lives and its connections are open (a stopped one), as long as
+    # it is connected to the same process: a data server started again in its place is not
+    # the lost one.
+    import threading
+    import types
+
+    from torch.distributed import HashStore
+
+    from gradsync.cluster.rendezvous import Store
+    from gradsync.data.loader import Loader
+    from gradsync.errors import PeerLostError
+
+    store = Store.over(HashStore(), "job", 5.0)
+    seen_lost = []  # what the writer's `lost` held when the record was written
+
+    class Watched(Store):
+        def set(self, key, value):
+            seen_lost.append((key, set(writer.lost)))
+            super().set(key, value)
+
+    def worker(pids, losses=store, connected=True):
+        loader = Loader.__new__(Loader)  # as Loader.__init__ leaves an elastic worker
+        loader.rank = loader.ident = len(pids)
+        loader.servers, loader.lost, loader._lost_lock = 2, set(), threading.Lock()
+        loader._losses = losses
+        if connected:  # (before the connections are made there is no ``peers``)
+            loader.peers = [types.SimpleNamespace(host="d", pid=p, abandon=lambda: None)
+                            for p in pids]
+            loader.pollers = [types.SimpleNamespace(check_alive=lambda: None)] * 2
+        return loader
+
+    writer = worker([101, 102], losses=Watched.over(store.base, "job", 5.0))
+    same, replaced = worker([101, 102]), worker([201, 102])
+    writer._lose(0, PeerLostError("data server 0 has been silent for 2.0s", peer=None))
+    assert seen_lost == [("data/lost/0/d/101", set())] and writer.lost == {0}
+    same.look_at_servers()
+    replaced.look_at_servers()
+    assert same.lost == {0} and replaced.lost == set()
+    # lost before it was reached (no connection to name a process): every process of that
+    # index is given up at the next look
+    worker([], connected=False)._lose(1, PeerLostError("refused", peer=None))
+    replaced.look_at_servers()
+    assert replaced.lost == {1}
+    # a static job's Loader writes nothing (no recovery reads it)
+    static = worker([101, 102], losses=None)
+    static._lose(0, PeerLostError("gone", peer=None))
+    assert static.lost == {0} and not store.check("data/lost/0/any")

@@ -91,6 +91,8 @@ class Loader:
         ConfigError: the job has no data servers (``gradsync run --data-servers D``).
     """
 
+    _losses = None  # the store this worker's losses are written to: an elastic job's only
+
     def __init__(self, dataset, batch_size: int, transform=None, seed: int = 0,
                  prefetch: int | None = None, order: str = "servers", collate=None,
                  copy: bool = True):
@@ -167,6 +169,9 @@ class Loader:
         # The id the data servers know this worker by: its rank, or in an elastic job (where
         # ranks change and new workers come) a number no other worker of the job has had.
         self.ident = unique_id(store, "data") if self.elastic else env.rank
+        # In an elastic job, where each loss is written (``_lose``): over a connection of
+        # its own, so that a loss found by any thread never waits behind another's request.
+        self._losses = store.clone_private() if self.elastic else None
         # A data server lost while this worker connects is lost as one lost in the training
         # loop (``_lose``): the others serve its batches from the first epoch on. One that
         # cannot be reached at all has no connection here (None in ``peers``).
@@ -301,7 +306,16 @@ class Loader:
 
     def _lose(self, server: int, error: BaseException) -> None:
         """(The fetch thread, ``__iter__``, the connection, ``stats`` or the liveness watch.)
-        Data server ``server`` is gone, or silent: its batches go elsewhere."""
+        Data server ``server`` is gone, or silent: its batches go elsewhere.
+
+        In an elastic job the loss is first written to the job's store (``_loss_key``), and
+        only then can this worker take a batch out of its plan's order: a recovery that
+        finds a lost worker's record (``look_at_servers``) knows that it may have, even when
+        the server is only stopped or cut off, which no survivor can see for itself."""
+        with self._lost_lock:
+            if server in self.lost:
+                return
+        self._record_loss(server)
         with self._lost_lock:
             if server in self.lost:
                 return
@@ -319,9 +333,12 @@ class Loader:
         """Looks once, without waiting, at every data server this worker has not lost: one
         whose process has exited (a same-host server) or whose end of the connection is
         closed (any: the kernel closes a killed process's sockets) is lost now, as if this
-        worker had asked it for a batch. An elastic recovery looks before it trusts the
-        plan's order (``elastic.LoaderState.resumable``): a server killed while this worker
-        still read the batches it had published is otherwise found only at its next wait."""
+        worker had asked it for a batch; so is one that another worker of an elastic job
+        has given up (its record in the store: ``_lose``), dead, stopped or cut off. An
+        elastic recovery looks before it trusts the plan's order
+        (``elastic.LoaderState.resumable``): a server killed while this worker still read
+        the batches it had published is otherwise found only at its next wait, and one that
+        only the lost worker found silent, never."""
         from .slots import check_open
 
         for d, peer in enumerate(getattr(self, "peers", [])):
@@ -333,8 +350,26 @@ class Loader:
                     road.check_alive()
                 else:
                     check_open(peer.sock, peer.label, peer.ident)
+                if self._losses is not None and any(
+                        self._losses.check(key) for key in (_loss_key(d, peer),
+                                                            _loss_key(d, None))):
+                    raise PeerLostError(f"another worker of the job gave up data server {d}",
+                                        peer=None)
             except PeerLostError as exc:
                 self._lose(d, exc)
+
+    def _record_loss(self, server: int) -> None:
+        """Writes that this worker gave up data server ``server`` (an elastic job's only)."""
+        if self._losses is None:
+            return
+        peers = getattr(self, "peers", None)  # None while the connections are made
+        try:
+            self._losses.set(_loss_key(server, peers[server] if peers else None),
+                             str(self.ident))
+        except (RuntimeError, OSError, GradsyncError) as exc:  # the launcher's store: it
+            # is gone only with the job, whose end this worker then meets anyway
+            log.warning("worker %d could not record the loss of data server %d: %s",
+                        self.rank, server, exc)
 
     def _adopt(self, epoch: int, orphans: list[Batch]) -> list[tuple[Batch, int]]:
         """(The fetch thread.) Hands ``orphans``, batches of lost data servers, to the live
@@ -533,6 +568,16 @@ class Loader:
                 peer.close()
         if hasattr(self, "endpoint"):
             self.endpoint.close()
+
+
+def _loss_key(server: int, peer) -> str:
+    """The store key of a loss of data server ``server``: of the process this worker is
+    connected to (``peer``: its host and pid), so that a data server started again in its
+    place (``run/data_servers.py``) is not taken for the lost one; with no connection (lost
+    before it was reached) of every process of that index."""
+    if peer is None or not peer.pid:
+        return f"data/lost/{server}/any"
+    return f"data/lost/{server}/{peer.host}/{peer.pid}"
 
 
 def _ids(arrays: list[np.ndarray]) -> list[int]:

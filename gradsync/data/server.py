@@ -631,6 +631,14 @@ def serve(config, env, source: Source, batch_size: int, seed: int,
                         expect=ANY_PEER if elastic else set(range(env.workers)),
                         timeout=config.timeout, direct=config.transport != "tcp",
                         label=f"data server {index} (rank {env.rank})")
+    if elastic and store.check(f"data/server/{index}"):
+        # A replacement: the launcher started this rank again after its predecessor exited
+        # (``run/data_servers.py``). A SIGKILLed predecessor leaves the names of the slots it
+        # had not yet unlinked in /dev/shm, which would refuse this process's own.
+        stale = endpoint.clear_stale()
+        log.warning("data server %d started again%s", index,
+                    f"; removed {len(stale)} shared-memory names its predecessor left"
+                    if stale else "")
     server = None
     try:
         server = DataServer(index, env.data_servers, env.workers, endpoint, source,

@@ -86,12 +86,18 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     job.add_argument("--server-restarts", type=int, default=SERVER_RESTARTS, metavar="N",
                      help="with --ps-replicas above 1, start each failed server rank again at "
                           f"most N times while workers run (default {SERVER_RESTARTS}): a long "
-                          "soak that kills servers often needs more")
+                          "soak that kills servers often needs more; in an elastic job, each "
+                          "failed data server too")
     job.add_argument("--data-servers", type=int, default=0, metavar="D",
                      help="also start D data-server ranks, the job's last D ranks, that load, "
                           "cache and transform the data for the workers (see gradsync.data); "
-                          "in an elastic job they run on this machine, outside the workers' "
-                          "generations")
+                          "in an elastic job they run outside the workers' generations, on "
+                          "this machine unless --data-hosts places them")
+    job.add_argument("--data-hosts", metavar="HOST:SLOTS,...",
+                     help="with --data-servers, the hosts that run the data servers, filled "
+                          "in order, and no worker (even when -H or the discovery script "
+                          "lists them); default: after the workers in -H's slots (an elastic "
+                          "job: this machine)")
     job.add_argument("--data-workers", type=int, default=None, metavar="K",
                      help="with --data-servers, K producers per data server (forked helper "
                           "processes sharing the server's cache, as a DataLoader's "
@@ -306,6 +312,10 @@ def _checked_elastic(args: argparse.Namespace) -> ElasticSpec:
                          "--host-discovery-script)")
     if args.host_discovery_script and (args.hosts or args.hostfile):
         raise ValueError("give --host-discovery-script or -H/--hostfile, not both")
+    # The data hosts are fixed for the job's life (its data servers start once); a discovery
+    # script that lists one as well only offers slots that no worker takes.
+    data_hosts = tuple(_data_hosts(args, [] if args.host_discovery_script else
+                                   _worker_hosts(args) or [Host("localhost", 1)]))
     unlimited = 1 << 20
     spec = ElasticSpec(
         min_np=args.num_proc if args.min_np is None else args.min_np,
@@ -314,7 +324,8 @@ def _checked_elastic(args: argparse.Namespace) -> ElasticSpec:
         discovery_script=args.host_discovery_script, reset_limit=args.reset_limit,
         elastic_timeout=args.elastic_timeout, blacklist_cooldown=args.blacklist_cooldown,
         blacklist_cooldown_range=(tuple(args.blacklist_cooldown_range)
-                                  if args.blacklist_cooldown_range else None))
+                                  if args.blacklist_cooldown_range else None),
+        data_hosts=data_hosts)
     if not spec.min_np <= args.num_proc <= spec.max_np:
         raise ValueError(f"-np {args.num_proc} must lie between --min-np {spec.min_np} and "
                          f"--max-np {spec.max_np}")
@@ -325,6 +336,59 @@ def _check_elastic_only(args: argparse.Namespace) -> None:
     if args.blacklist_cooldown_range and not _is_elastic(args):
         raise ValueError("--blacklist-cooldown-range applies to elastic jobs only (--min-np, "
                          "--max-np, --host-discovery-script)")
+
+
+def _worker_hosts(args: argparse.Namespace) -> list[Host]:
+    """The hosts of ``-H`` or ``--hostfile`` (none given: [])."""
+    if args.hostfile:
+        return read_hostfile(args.hostfile)
+    return parse_hosts(args.hosts) if args.hosts else []
+
+
+def _data_hosts(args: argparse.Namespace, hosts: Sequence[Host]) -> list[Host]:
+    """The hosts of ``--data-hosts`` ([] when not given), checked against the data servers
+    they are to hold and the workers' ``hosts``.
+
+    Raises:
+        ValueError: no --data-servers, too few slots, or a host that is in both lists.
+    """
+    if args.data_hosts is None:
+        return []
+    data_hosts = parse_hosts(args.data_hosts, source="--data-hosts")
+    if not args.data_servers:
+        raise ValueError("--data-hosts places data servers: give --data-servers D too")
+    slots = sum(h.slots for h in data_hosts)
+    if slots < args.data_servers:
+        raise ValueError(f"--data-servers {args.data_servers} need {args.data_servers} slots "
+                         f"but --data-hosts {args.data_hosts} has {slots}")
+    both = sorted({h.name for h in hosts} & {h.name for h in data_hosts})
+    if both:
+        raise ValueError(f"host(s) {', '.join(both)} in both --data-hosts and the workers' "
+                         "hosts: a data host runs no worker")
+    return data_hosts
+
+
+def _static_hosts(args: argparse.Namespace, hosts: list[Host]) -> list[Host]:
+    """A static job's hosts with ``--data-hosts``: the workers' (and parameter servers')
+    slots of ``hosts`` (default this machine), cut to the NP + S ranks they hold, then the
+    data hosts, so that placing the ranks in order (``launcher.place``) puts the last D, the
+    data servers, on the data hosts and nowhere else. Without ``--data-hosts``: ``hosts``."""
+    data_hosts = _data_hosts(args, hosts or [Host("localhost", 1)])
+    if not data_hosts:
+        return hosts
+    ranks = args.num_proc + args.servers
+    hosts = hosts or [Host("localhost", ranks)]
+    total = sum(h.slots for h in hosts)
+    if total < ranks:
+        raise ValueError(f"{ranks} workers and servers need {ranks} slots on the hosts of "
+                         f"-H/--hostfile, which have {total} (--data-hosts run only data "
+                         "servers)")
+    cut = []
+    for host in hosts:
+        take = min(host.slots, ranks - sum(h.slots for h in cut))
+        if take:
+            cut.append(Host(host.name, take))
+    return cut + data_hosts
 
 
 def _check_interface(name: str | None, hosts: Sequence[Host]) -> None:
@@ -345,10 +409,9 @@ def _spec(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LaunchSp
         parser.error("no command given (e.g. gradsync run -np 2 python train.py)")
     try:
         _check_elastic_only(args)
-        if args.hostfile:
-            hosts = read_hostfile(args.hostfile)
-        else:
-            hosts = parse_hosts(args.hosts) if args.hosts else []
+        hosts = _worker_hosts(args)
+        if not _is_elastic(args):
+            hosts = _static_hosts(args, hosts)
         spec = LaunchSpec(command=command, num_proc=args.num_proc, servers=args.servers,
                           ps_replicas=args.ps_replicas,
                           server_restarts=args.server_restarts,

@@ -4,18 +4,28 @@
 an elastic job come and go in generations (``elastic.py``); its D data servers
 (``gradsync.data``) do not. They are not workers:
 
-- **Start.** Once, before the first generation, on this machine: launch ranks ``W .. W+D-1``
-  of a launch size ``W + D`` (so ``launch_env`` makes data server ``d`` of ``d = rank - W``,
-  as in a static job), under the name this machine has among the job's hosts. Before they
-  start, the store key ``data/elastic`` tells them that their workers come and go: a data
-  server then admits any worker id (a worker's id is no rank there) and does not end when
-  the workers it knows have gone (``gradsync/data/server.py``).
+- **Start.** Once, before the first generation: launch ranks ``W .. W+D-1`` of a launch size
+  ``W + D`` (so ``launch_env`` makes data server ``d`` of ``d = rank - W``, as in a static
+  job). Where: on the hosts of ``--data-hosts``, filled in order as ``-H`` fills a static
+  job's (``launcher.place``: with ``--data-hosts d0:1,d1:2`` and D = 3, server 0 on d0,
+  servers 1 and 2 on d1), here or over ssh as a worker starts; without it on this machine,
+  under the name it has among the job's hosts. Before they start, the store key
+  ``data/elastic`` tells them that their workers come and go: a data server then admits any
+  worker id (a worker's id is no rank there) and does not end when the workers it knows have
+  gone (``gradsync/data/server.py``). Workers find them wherever they run: each publishes
+  its address in the store (``connect/server_links.py``).
 - **Apart.** In no generation, counted in no ``--min-np``/``--max-np`` and no ``WORLD_SIZE``
   (the workers' launch size counts them and ``launch_env`` takes them out, as in a static
-  job); a data server's failure blacklists no host.
+  job); a data server's failure blacklists no host. A data host takes no worker, even when
+  ``-H`` or the discovery script lists it (``elastic._ElasticJob._free_slots``).
 - **A failure** is reported at once and the job goes on: every worker hands the lost server's
-  batches to the others (``Loader._adopt``). At the end the job's status is the first failed
-  data server's, unless a worker failed (as in a static job).
+  batches to the others (``Loader._adopt``) for the rest of the job. The rank is started
+  again on its host, as a replicated parameter server's is in a static job (at most
+  ``--server-restarts`` times, default 3; not once the job is finishing): the new process
+  publishes its address in place of the lost one's, so the workers that connect from then
+  on (new workers of later generations) take their share of it; the workers that lost it
+  do not go back to it. At the end the job's status is the first failed data server's,
+  unless a worker failed (as in a static job).
 - **End.** Once every worker has ended, the launcher writes ``data/end``; each data server
   sees it within a second and ends; those still running ``SERVER_LINGER`` seconds later are
   stopped with the rest of the job.
@@ -24,10 +34,12 @@ an elastic job come and go in generations (``elastic.py``); its D data servers
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
-from .launcher import SERVER_LINGER, LaunchSpec, Rank, Slot, Starter, informs, rank_line
-from .processes import Output, describe, exit_status
+from .hosts import Host
+from .launcher import (SERVER_LINGER, LaunchSpec, Rank, Slot, Starter, informs, place,
+                       rank_line)
+from .processes import Output, StartError, describe, exit_status
 
 __all__ = ["DataServers"]
 
@@ -54,10 +66,16 @@ class DataServers:
         self.spec, self.starter, self.output, self.port = spec, starter, output, port
         self.store = Store.over(base, starter.job_id, 30.0)
         self.ranks: list[Rank] = []
-        self.failed: dict[int, int] = {}  # data server -> exit status, in failure order
+        self.failed: list[tuple[int, int]] = []  # (data server, exit status), in failure order
+        self._reported: list[Rank] = []  # the processes whose failure was reported
+        self.restarts: dict[int, int] = {}  # data server -> times started again
 
-    def start(self, host: str) -> None:
-        """Starts the data servers on ``host``, a name of this machine."""
+    def start(self, hosts: Sequence[Host]) -> None:
+        """Starts the data servers on ``hosts``, filled in order (``launcher.place``).
+
+        Raises:
+            ValueError: the hosts have fewer slots than the job has data servers.
+        """
         count = self.spec.data_servers
         if not count:
             return
@@ -65,22 +83,50 @@ class DataServers:
 
         self.store.set(ELASTIC_KEY, "1")  # read once by each data server, at its start
         first = self.spec.num_proc
-        for d in range(count):
-            slot = Slot(first + d, host, d, count, 0, 1)
+        for d, slot in enumerate(place(hosts, count)):
+            slot = Slot(first + d, slot.host, slot.local_rank, slot.local_size,
+                        slot.cross_rank, slot.cross_size)
             self.ranks.append(self.starter.start(slot, self.port, first + count))
             if informs(self.spec):
                 self.output.message(rank_line(self.ranks[-1], f"data server {d}"))
 
-    def watch(self) -> None:
-        """Reports each data server that failed since the last look."""
+    def watch(self, restart: bool = True) -> None:
+        """Reports each data server that failed since the last look and, when ``restart``
+        (the job is not finishing), starts it again on its host while its restarts last."""
         for d, rank in enumerate(self.ranks):
             code = rank.proc.poll()
-            if code in (None, 0) or d in self.failed:
+            if code in (None, 0) or any(r is rank for r in self._reported):
                 continue
-            self.failed[d] = exit_status(code)
+            self._reported.append(rank)
+            self.failed.append((d, exit_status(code)))
             self.output.message(f"rank {rank.slot.rank} (data server {d}) on host "
                                 f"{rank.slot.host} {describe(code)}; the workers go on (the "
                                 "other data servers serve its share)")
+            if restart:
+                self._restart(d)
+
+    def _restart(self, d: int) -> None:
+        """Starts data server ``d`` again in its slot (its predecessor has exited): the
+        replica rule of a static job's parameter servers (``--server-restarts``)."""
+        rank, count, most = self.ranks[d], self.restarts.get(d, 0), self.spec.server_restarts
+        if count >= most:
+            if count == most and most:  # said once, at the first failure past the limit
+                self.restarts[d] = count + 1
+                self.output.message(f"data server {d} is not started again: it was started "
+                                    f"again {most} times already (--server-restarts)")
+            return
+        self.restarts[d] = count + 1
+        try:
+            self.ranks[d] = self.starter.start(rank.slot, self.port,
+                                               self.spec.num_proc + len(self.ranks))
+        except StartError as exc:
+            self.output.message(f"could not start data server {d} again: {exc}")
+            return
+        self.output.message(f"data server {d} started again on host {rank.slot.host} "
+                            f"({count + 1} of {most}): workers that connect from now on "
+                            "take their share of it")
+        if informs(self.spec):
+            self.output.message(rank_line(self.ranks[d], f"data server {d}"))
 
     def end(self, status: int, summary: str | None,
             interrupted: Callable[[], int | None] = lambda: None) -> tuple[int, str | None]:
@@ -100,12 +146,13 @@ class DataServers:
         while any(r.proc.poll() is None for r in self.ranks) and \
                 time.monotonic() < deadline and interrupted() is None:
             time.sleep(_POLL)
-        self.watch()
+        self.watch(restart=False)
         if any(r.proc.poll() is None for r in self.ranks):
             self.output.message(f"data servers still running {SERVER_LINGER:g}s after the last "
                                 "worker ended are stopped")
         if status == 0 and self.failed:
-            d, code = next(iter(self.failed.items()))
-            return code, (f"data server {d} failed earlier ({len(self.failed)} of "
-                          f"{len(self.ranks)} failed); the job ran to its end")
+            d, code = self.failed[0]
+            lost = len({s for s, _ in self.failed})
+            return code, (f"data server {d} failed earlier ({lost} of {len(self.ranks)} "
+                          "failed); the job ran to its end")
         return status, summary

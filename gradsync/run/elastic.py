@@ -44,10 +44,13 @@ file, /dev/shm); each of its turns, every ``loop.POLL`` seconds:
    generation's workers all exited 0 (those stopped aside), else the first failure's status.
 
 **Data servers** (``--data-servers D``, ``gradsync.data``) are not workers: they are started
-once, before the first generation, on this machine, and serve every generation; they are in
-no generation, count in no ``--min-np``/``--max-np`` and no ``WORLD_SIZE``, and are never
-blacklisted. A failed one is reported and the job goes on; once every worker has ended they
-are told to end (``data_servers.py``).
+once, before the first generation, on the hosts of ``--data-hosts`` (their ssh check passed
+first: an unreachable data host ends the job before it starts) or else on this machine, and
+serve every generation; they are in no generation, count in no ``--min-np``/``--max-np`` and
+no ``WORLD_SIZE``, and are never blacklisted. A data host takes no worker, even when ``-H``
+or the discovery script lists it. A failed data server is reported, started again on its
+host (``--server-restarts``) and the job goes on; once every worker has ended they are told
+to end (``data_servers.py``).
 
 Hosts are the unit of failure, as in Horovod, except in a job given neither ``-H`` nor a
 discovery script: that job runs on this machine alone, so there a failed worker leaves alone
@@ -83,7 +86,7 @@ from .data_servers import DataServers
 from .launcher import (LaunchSpec, Rank, Slot, Starter, informs, is_local, rank_line,
                        start_store, store_address)
 from .loop import End, JobLoop
-from .processes import Output, describe, exit_status
+from .processes import Output, StartError, describe, exit_status
 
 __all__ = ["ElasticSpec", "launch_elastic", "parse_discovered"]
 
@@ -121,6 +124,10 @@ class ElasticSpec:
     """(low, high): a failed host stays out ``low * 2**n`` seconds plus up to ``low`` more
     at its n-th failure, kept within [low, high] (horovodrun's ``--blacklist-cooldown-range``,
     the same rule); None: ``blacklist_cooldown``."""
+    data_hosts: tuple[Host, ...] = ()
+    """Hosts that run the data servers (``--data-hosts``), filled in order, and never a
+    worker, even when ``-H`` or the discovery script lists them; empty: the data servers run
+    on this machine."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_np <= self.max_np:
@@ -140,6 +147,9 @@ class ElasticSpec:
             if not 0 < low <= high:
                 raise ValueError(f"--blacklist-cooldown-range needs 0 < MIN <= MAX, got {low:g} "
                                  f"{high:g}")
+        names = [h.name for h in self.data_hosts]
+        if len(set(names)) < len(names):
+            raise ValueError(f"--data-hosts names a host twice: {', '.join(names)}")
 
     def cooldown(self, failures: int) -> float | None:
         """Seconds a host stays blacklisted at its ``failures``-th failure; None: for good."""
@@ -219,7 +229,8 @@ class _ElasticJob(JobLoop):
         # Every worker of every generation gets the same store address: one that the remote
         # hosts known now reach, or with a discovery script (remote hosts may come later) one
         # that other hosts can reach.
-        remote_hosts = [h.name for h in self._hosts() if not is_local(h.name)]
+        remote_hosts = [h.name for h in [*self._hosts(), *self.elastic.data_hosts]
+                        if not is_local(h.name)]
         self.starter = Starter(
             self.spec, self.output,
             store_address(remote_hosts, reachable=self.discovery is not None),
@@ -232,10 +243,20 @@ class _ElasticJob(JobLoop):
         self._check_first_hosts()
         self.data_servers = DataServers(self.spec, self.starter, self.output,
                                         self._server, self.port)
-        # On this machine, under its name in the hosts given, so that its workers map the
-        # data servers' slots (one memcpy per batch).
-        self.data_servers.start(next((h.name for h in self._hosts() if is_local(h.name)),
-                                     "localhost"))
+        if self.elastic.data_hosts and self.spec.data_servers:
+            unreachable = [h.name for h in self.elastic.data_hosts
+                           if not is_local(h.name) and h.name not in self._reachable]
+            if unreachable:
+                # Started once, the data servers have no other host to go to.
+                raise StartError(f"data host(s) {', '.join(unreachable)} cannot be reached "
+                                 "over ssh: the data servers cannot start", 255)
+            self.data_servers.start(self.elastic.data_hosts)
+        else:
+            # On this machine, under its name in the hosts given, so that its workers map the
+            # data servers' slots (one memcpy per batch).
+            self.data_servers.start([Host(next((h.name for h in self._hosts()
+                                                if is_local(h.name)), "localhost"),
+                                          self.spec.data_servers)])
         self._form(first=True)
         self._seen_version = self.discovery.version if self.discovery else 0
 
@@ -257,7 +278,7 @@ class _ElasticJob(JobLoop):
     def turn(self) -> End | None:
         st = self.state
         changed = self._watch()  # the newest generation must be replaced now
-        self.data_servers.watch()
+        self.data_servers.watch(restart=not st.finishing)
         self._reap()
         self._watch_new()
         grow = False  # room for new workers: start them; they join once ready
@@ -552,7 +573,7 @@ class _ElasticJob(JobLoop):
         is blacklisted (for ``--blacklist-cooldown``). True when a host became reachable."""
         ssh = self.starter.ssh
         now = time.monotonic()
-        for host in self._hosts():
+        for host in [*self._hosts(), *self.elastic.data_hosts]:
             name = host.name
             if is_local(name) or name in self._reachable or name in self._probes or \
                     self.blacklist.get(name, 0) > now:
@@ -585,10 +606,11 @@ class _ElasticJob(JobLoop):
         """One entry per free slot of a usable host, hosts in discovery order."""
         now = time.monotonic()
         live = self._alive(self.workers)
+        data_hosts = {h.name for h in self.elastic.data_hosts}
         free = []
         for host in self._hosts():
-            if self.blacklist.get(host.name, 0) > now:
-                continue
+            if self.blacklist.get(host.name, 0) > now or host.name in data_hosts:
+                continue  # (a data host's slots are its data servers')
             if not is_local(host.name) and host.name not in self._reachable:
                 continue  # its ssh check has not passed (yet)
             used = sum(1 for w in live if w.host == host.name)

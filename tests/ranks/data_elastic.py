@@ -21,16 +21,25 @@ is VICTIM SIGKILLs data server 0 in step AT + 1 and finds it lost at once, by ``
 while the others still read the batches it had published; then itself in step AT + 4 of
 generation 0); workerfirst (the same two losses the other way round: the worker whose first
 rank is VICTIM SIGKILLs itself in step AT + 1 of generation 0, then rank 0 of the next
-generation SIGKILLs data server 0 in step AT + 4, the same epoch); join (worker 0 appends
+generation SIGKILLs data server 0 in step AT + 4, the same epoch); stopboth (as both, with
+data server 0 SIGSTOPped, not killed: the worker gives it up at once, as its liveness watch
+would after the heartbeat timeout, and no survivor can see it gone; rank 0 of the next
+generation SIGCONTs it once the recovery is done, so that it ends when told); join (worker 0 appends
 $GROW_HOST, default ``127.0.0.1:1``, to $HOSTS_FILE after step AT of generation 0: the
 launcher starts a new worker there; worker 0 holds the next commit until the launcher has
 listed it, so it joins there).
+killgrow (killserver, then a new worker served by data server 0's replacement: after step
+AT + 1 the worker that killed it waits until the launcher's replacement has published its
+address, then appends $GROW_HOST to $HOSTS_FILE and holds the next commit, as join does).
 $ELASTIC_ROLLBACK (default auto): the state's ``rollback``.
+
+Every rank first prints ``HOST rank=<launch rank> host=<GRADSYNC_HOSTNAME>``: where the
+launcher started it (the data servers' too).
 
 Lines: ``TRAINED id=<worker> gen=<g> epoch=<e> ids=<i,j,...>`` after each applied update
 that used a batch; ``PLAN action=<go_on|rollback|start> updates=<u>`` after a recovery;
-``RESULT id=<worker> size=<n> gen=<g> low=<min count> high=<max count> total=<sum>`` at the
-end.
+``RESULT id=<worker> size=<n> gen=<g> low=<min count> high=<max count> total=<sum>
+lost=<data servers this worker lost, a,b,...>`` at the end.
 """
 
 import common  # noqa: F401  (deadline)
@@ -45,6 +54,7 @@ import torch
 import gradsync.data
 import gradsync.torch as hvd
 from gradsync.elastic import worker
+from gradsync.errors import PeerLostError
 
 # The dataset and its transform are data_check.py's (its closed form: sample i is [i, i, i]).
 from data_check import BATCH, SAMPLES, SEED, Numbers, augment  # noqa: E402
@@ -61,6 +71,8 @@ class Counter(torch.nn.Module):
         self.counts = torch.nn.Parameter(torch.zeros(SAMPLES, dtype=torch.float64))
 
 
+print(f"HOST rank={os.environ['GRADSYNC_RANK']} host={os.environ['GRADSYNC_HOSTNAME']}",
+      flush=True)
 loader = gradsync.data.Loader(Numbers(), batch_size=BATCH, transform=augment, seed=SEED)
 hvd.init()
 name = os.environ["GRADSYNC_ELASTIC_ID"]
@@ -81,11 +93,23 @@ def wait_for_the_new_worker() -> None:
         time.sleep(0.05)
 
 
+def wait_for_the_replacement() -> None:
+    """Holds this step until the launcher's replacement for the killed data server 0 has
+    published its address in place of the old one's (it starts in seconds): a worker that
+    starts after that connects to it."""
+    deadline = time.monotonic() + 120
+    while loader._losses.get("data/server/0") == killed and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 @hvd.elastic.run
 def train(state):
+    global killed
     rec = state.last_recovery
     if rec is not None and rec.generation == worker.generation():
         print(f"PLAN action={rec.plan.action} updates={rec.plan.updates}", flush=True)
+        if mode == "stopboth" and hvd.rank() == 0:
+            os.kill(loader.peers[0].pid, signal.SIGCONT)  # given up by now: it may end
     while loader.epoch < epochs:
         epoch = loader.epoch
         steps = max(loader.lengths())  # of the epoch's rest, for this generation
@@ -102,13 +126,21 @@ def train(state):
                 loss = model.counts.sum() * 0.0
             if me and mode == "kill" and worker.generation() == 0 and state.steps == at:
                 os.kill(os.getpid(), signal.SIGKILL)
-            if me and mode == "killserver" and state.steps == at and 0 not in loader.lost:
+            if me and mode in ("killserver", "killgrow") and state.steps == at and \
+                    0 not in loader.lost:
+                killed = loader._losses.get("data/server/0")  # its published address
                 os.kill(loader.peers[0].pid, signal.SIGKILL)
             if me and mode == "both" and worker.generation() == 0:
                 if state.steps == at and 0 not in loader.lost:
                     os.kill(loader.peers[0].pid, signal.SIGKILL)
                     while 0 not in loader.lost:  # found at once by this worker's stats()
                         loader.stats()
+                if state.steps == at + 3:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            if me and mode == "stopboth" and worker.generation() == 0:
+                if state.steps == at and 0 not in loader.lost:
+                    os.kill(loader.peers[0].pid, signal.SIGSTOP)
+                    loader._lose(0, PeerLostError("SIGSTOPped: found silent"))
                 if state.steps == at + 3:
                     os.kill(os.getpid(), signal.SIGKILL)
             if mode == "workerfirst":
@@ -123,21 +155,27 @@ def train(state):
             if batch is not None:
                 print(f"TRAINED id={name} gen={worker.generation()} epoch={epoch} "
                       f"ids={','.join(map(str, ids.tolist()))}", flush=True)
-            if mode == "join" and state.steps == at and hvd.rank() == 0 and \
-                    worker.generation() == 0:
+            grow = mode == "join" and state.steps == at and hvd.rank() == 0
+            if me and mode == "killgrow" and state.steps == at + 1:
+                wait_for_the_replacement()
+                grow = True
+            if grow and worker.generation() == 0:
                 with open(os.environ["HOSTS_FILE"], "a") as hosts:
                     hosts.write(os.environ.get("GROW_HOST", "127.0.0.1:1") + "\n")
             if state.steps % EVERY == 0:
-                if mode == "join" and state.steps > at and worker.generation() == 0:
+                if mode in ("join", "killgrow") and state.steps > at and \
+                        worker.generation() == 0:
                     wait_for_the_new_worker()
                 state.commit()
         for extra in batches:  # ends the epoch: its last batch is delivered
             raise AssertionError(f"a batch beyond this worker's {mine} of the epoch")
 
 
+killed = None  # data server 0's published address, once this worker has killed it
 train(state)
 counts = model.counts.detach()
 print(f"RESULT id={name} size={hvd.size()} gen={worker.generation()} "
       f"low={counts.min().item():g} high={counts.max().item():g} "
-      f"total={counts.sum().item():g}", flush=True)
+      f"total={counts.sum().item():g} lost={','.join(map(str, sorted(loader.lost)))}",
+      flush=True)
 loader.close()
