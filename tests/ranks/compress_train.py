@@ -147,6 +147,23 @@ for what, compression in (("auto", "auto"), ("Auto(tiers='all')", quick_auto()))
                      ("one host",) if compression == "auto" else ("calibrated", "drift"),
                      lambda d: hvd.allgather_object(d))
 
+# compression="auto" allowed local SGD (H at most 4), decided once, at step 3 (no drift
+# check in these 8 steps): whatever H it chose (1, 2 or 4: the loopback link decides), every
+# window ends by the last step, so the parameters must end equal on every rank, through
+# DistributedOptimizer's attach and after_step and the Horovod API's DiLoCo reducer.
+torch.manual_seed(0)
+model = Net()
+auto = Auto(tiers="all", warmup=1, calibrate=2, check_every=100, margin=0.0,
+            local_share=0.01, local_sgd=4)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                               named_parameters=model.named_parameters(), compression=auto)
+train(model, opt, "DistributedOptimizer auto, local_sgd=4", lambda d: hvd.allgather_object(d))
+same_auto_choice(auto, "DistributedOptimizer auto, local_sgd=4", ("calibrated",),
+                 lambda d: hvd.allgather_object(d))
+C.count += 1
+if len(set(hvd.allgather_object((auto.decision.period, auto.period, auto.phase)))) != 1:
+    fail(f"auto, local_sgd=4: the ranks hold different windows: {auto.decision.summary()}")
+
 # Collectives: int8 of values it represents exactly sums exactly: integers in [-127, 127],
 # every other one 127, so that every block's scale is 1 (and the sum's is N).
 x = torch.stack([torch.full((255,), 127.0), torch.arange(-127.0, 128.0)], dim=1).reshape(-1)
