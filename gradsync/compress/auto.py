@@ -43,7 +43,8 @@ choices. With H > 1 a bucket returns this rank's own gradient (no collective) an
 front door's ``after_step`` averages the parameters at each window's end; a new H takes
 effect at a window's end (or at once from H = 1), where the ranks' parameters are equal.
 Drift checks go on in the windows: the rate is measured from the syncs, compute from every
-step. Calibration (a resize, changed buckets) waits for the window's end.
+step. Changed buckets calibrate again from the window's end; a resize at once (an elastic
+re-formation has given every rank the same parameters).
 
 Reports. A changed decision is logged at INFO once (rank 0; ``Decision.summary``: per tier
 and bucket class, and the numbers behind it) and marked on the timeline (``AUTO`` on the
