@@ -375,19 +375,6 @@ def test_local_sgd_settings_are_checked():
     assert "local_sgd<=16" in Auto(local_sgd=16).describe()
 
 
-def test_distributed_optimizer_takes_local_sgd_with_auto_only():
-    import gradsync.torch as hvd
-
-    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
-    for compression, extra, match in [
-            (hvd.Compression.int8, {}, "compression='auto'"),
-            ("auto", {"op": hvd.Sum}, "op=Average"),
-            ("auto", {"gradient_lag": 1}, "gradient_lag"),
-            (hvd.Compression.auto(local_sgd=8), {}, "disagree")]:
-        with pytest.raises(ValueError, match=match):
-            hvd.DistributedOptimizer(sgd, compression=compression, local_sgd=16, **extra)
-
-
 # Local SGD at run time: every rank holds parameters of SHAPES' shapes, steps on the
 # reduced gradient (plain SGD) and calls after_step, as DistributedOptimizer.step does.
 LOCAL = {"options": ("none", "int8")}
