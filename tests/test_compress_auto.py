@@ -301,3 +301,235 @@ def test_the_elastic_handler_commits_and_rolls_back_the_choice():
         for key, held in state["state"]["tensors"].items():
             assert all(torch.equal(t, inner[name]["state"]["tensors"][key][n])
                        for n, t in held.items())
+
+
+# --------------------------------------------------------------------------- local SGD's H
+def only(nbytes: int, int8_seconds: float = 0.004) -> m.Bucket:
+    return m.Bucket("b", nbytes, (m.Option("none", 1.0, 1, 0.0),
+                                  m.Option("int8", 0.25, 2, int8_seconds)))
+
+
+def period(rate, compute, periods=m.periods_upto(32), bucket=None, latency=1e-3,
+           margin=0.05) -> int:
+    inputs = m.Inputs((bucket or only(4_000_000),), rate, latency, compute, margin=margin,
+                      periods=periods)
+    return m.choose_period(inputs, m.decide(inputs))
+
+
+# One 4 MB bucket, latency 1 ms, H at most 32, share 0.1, margin 0.05; worked by hand from
+# the rule (auto_model's docstring): sync = 0.001 + 4e6 / rate; int8 costs c + 0.006 +
+# 1e6 / rate a step, none c + sync.
+EXPECTED_H = {
+    (1e6, 0.05): 32,     # int8 1.056 s; sync/H <= 5 ms needs H >= 800: the largest, 32
+    (1e6, 0.5): 32,      # sync/H <= 50 ms needs H >= 80: 32
+    (12.5e6, 0.05): 32,  # int8 0.136 s; sync 0.321 s, H >= 64.2: 32
+    (12.5e6, 0.5): 8,    # int8 0.586 s; H >= 6.42: 8 (0.540 s; not 16 or 32)
+    (125e6, 0.05): 8,    # int8 0.064 s; sync 0.033 s, H >= 6.6: 8 (0.0541 s)
+    (125e6, 0.5): 1,     # none within the margin (0.533 s); 33 ms <= 50 ms: every step
+    (1.25e9, 0.05): 1,   # none: 4.2 ms <= 5 ms
+    (1.25e9, 0.5): 1,
+}
+
+
+@pytest.mark.parametrize("rate,compute", sorted(EXPECTED_H))
+def test_local_sgds_h_on_a_grid_of_links_and_computes(rate, compute):
+    assert period(rate, compute) == EXPECTED_H[(rate, compute)]
+    assert period(rate, compute, periods=()) == 1  # not allowed: never
+
+
+def test_h_is_the_smallest_that_brings_the_exchange_under_the_share():
+    """With no margin the share alone decides: an exchange of 8% of the step stays every
+    step; at 12% H = 2 (the smallest that brings it under 10%, not the largest allowed)."""
+    none_only = m.Bucket("b", 4_000_000, (m.Option("none", 1.0, 1, 0.0),))
+    assert period(4e6 / 0.04, 0.5, bucket=none_only, latency=0.0, margin=0.0) == 1
+    assert period(4e6 / 0.06, 0.5, bucket=none_only, latency=0.0, margin=0.0) == 2
+
+
+def test_local_sgd_is_not_chosen_where_it_does_not_pay():
+    """At 1 Gbit/s and 50 ms of compute H = 8 pays; allowed only H = 2, local SGD would
+    save less than the margin (0.0665 s x 1.05 against int8's 0.064 s): every step."""
+    assert period(125e6, 0.05, periods=m.periods_upto(16)) == 8
+    assert period(125e6, 0.05, periods=m.periods_upto(2)) == 1
+
+
+def test_the_worked_example_of_local_sgd():
+    b = m.Bucket("b", 5_600_000, (m.Option("none", 1.0, 1, 0.0),
+                                  m.Option("bf16", 0.501, 2, 0.006),
+                                  m.Option("int8", 0.251, 2, 0.008)))
+    assert period(12.5e6, 0.2, m.periods_upto(16), b) == 16
+    assert period(12.5e6, 0.2, m.periods_upto(64), b) == 32
+    assert period(125e6, 0.2, m.periods_upto(16), b) == 4
+    assert period(1.25e9, 0.2, m.periods_upto(16), b) == 1
+    inputs = m.Inputs((b,), 12.5e6, 1e-3, 0.2, periods=m.periods_upto(16))
+    assert m.period_step_time(inputs, m.decide(inputs), 16) == pytest.approx(0.228, abs=1e-3)
+
+
+def test_local_sgd_settings_are_checked():
+    assert m.periods_upto(1) == () and m.periods_upto(12) == (2, 4, 8, 12)
+    with pytest.raises(ValueError, match="periods"):
+        m.Inputs((), 1.0, 0.0, 0.0, periods=(4, 2))
+    with pytest.raises(ValueError, match="local_sgd"):
+        Auto(local_sgd=0)
+    with pytest.raises(ValueError, match="does not allow local SGD"):
+        Auto().attach([torch.zeros(2)], comm=ThreadComm(ThreadGroup(1), 0))
+    assert "local_sgd<=16" in Auto(local_sgd=16).describe()
+
+
+# Local SGD at run time: every rank holds parameters of SHAPES' shapes, steps on the
+# reduced gradient (plain SGD) and calls after_step, as DistributedOptimizer.step does.
+LOCAL = {"options": ("none", "int8")}
+
+
+def local_job(size: int, rate, local_sgd=8, attach=True, **settings):
+    autos, comms, link = job(size, rate, **LOCAL, local_sgd=local_sgd, **settings)
+    params = [[torch.zeros(s) for shapes in SHAPES.values() for s in shapes]
+              for _ in range(size)]
+    if attach:
+        for a, c, p in zip(autos, comms, params):
+            a.attach(p, comm=c)
+    return autos, comms, link, params
+
+
+def train_local(autos, comms, params, steps, compute, start=0, on_step=None,
+                after_step=True):
+    """``steps`` steps from step ``start``; returns per rank, per step: (H in force, the
+    parameters after the step)."""
+    def body(r):
+        seen = []
+        for step in range(start, start + steps):
+            if on_step is not None and r == 0:
+                on_step(step)
+            comms[r].group.barrier.wait()
+            comms[r].clock.t += compute[r]
+            grads = []
+            for (key, shapes), p in zip(SHAPES.items(), params[r]):
+                g = torch.randn(p.numel(), generator=torch.Generator().manual_seed(step * 10 + r))
+                grads.append(autos[r].reduce(g, shapes, comms[r], key, average=True))
+            held = autos[r].period
+            for p, g in zip(params[r], grads):
+                p.sub_(0.1 * g.view(p.shape))
+            if after_step:
+                autos[r].after_step()
+            seen.append((held, [p.clone() for p in params[r]]))
+        return seen
+
+    return run_threads(len(comms), body, comms[0].group.barrier.abort)
+
+
+def test_local_sgd_only_where_allowed_and_attached(caplog):
+    for local_sgd, attach, expected in ((None, False, 1), (8, False, 1), (8, True, 8)):
+        autos, comms, _, params = local_job(2, 1e6, local_sgd=local_sgd, attach=attach)
+        with caplog.at_level("WARNING", logger="gradsync"):
+            seen = train_local(autos, comms, params, 6, [0.05, 0.05])
+        d = autos[0].decision
+        assert (d.period, autos[1].decision.period) == (expected, expected), d.summary()
+        # H takes effect at the step after the decision (3): the ranks were equal then.
+        assert [h for h, _ in seen[0]] == [1, 1, 1, 1] + [expected] * 2
+        assert d.short().startswith("local SGD H=8") == (expected == 8)
+    assert "not every rank attached" in caplog.text
+
+
+# (rate, compute, largest H) -> H: two ranks, the buckets of SHAPES (int8: about 64 KB a
+# step), sync = 1 ms + 0.262 s at 1 MB/s; closed forms as in EXPECTED_H.
+RUNTIME_H = {(1e6, 0.05, 8): 8,      # int8 0.119 s a step; H = 8: 0.083 s
+             (1e6, 0.05, 64): 64,    # sync/H <= 5 ms needs H >= 53: 64
+             (1e6, 0.5, 64): 8,      # sync/H <= 50 ms: H >= 5.3, the smallest is 8
+             (1e6, 5.0, 64): 1,      # 70 ms of exchange is under 10% of 5 s
+             (1e10, 0.05, 64): 1}    # a fast link: none, every step
+
+
+@pytest.mark.parametrize("rate,compute,most", sorted(RUNTIME_H))
+def test_auto_chooses_h_from_the_measured_link_and_step(rate, compute, most):
+    autos, comms, _, params = local_job(2, rate, local_sgd=most, latency=1e-3)
+    train_local(autos, comms, params, 5, [compute, compute])
+    assert [a.decision.period for a in autos] == [RUNTIME_H[(rate, compute, most)]] * 2, \
+        autos[0].decision.summary()
+
+
+def test_local_sgd_exchanges_nothing_between_syncs_and_averages_at_each_windows_end():
+    autos, comms, _, params = local_job(2, 1e6)
+    counted = []
+    seen = train_local(autos, comms, params, 13, [0.05, 0.05],
+                       on_step=lambda step: counted.append(comms[0].collectives))
+    # Steps 4 .. 11 are the first window: no collective but the drift checks at steps 4
+    # and 8 (two each); the sync after step 11 is one allreduce.
+    assert [h for h, _ in seen[1]][3:] == [1] + [8] * 9
+    assert [b - a for a, b in zip(counted[4:], counted[5:12])] == [2, 0, 0, 0, 2, 0, 0]
+    assert counted[12] - counted[11] == 1
+    for step in (3, 11):  # exchanged, and the window's sync: equal bit for bit
+        assert all(torch.equal(a, b) for a, b in zip(seen[0][step][1], seen[1][step][1]))
+    for step in (4, 10, 12):  # each rank on its own gradients
+        assert not torch.equal(seen[0][step][1][0], seen[1][step][1][0])
+    # The sync is the ranks' mean: after step 11, (sum of the two ranks' parameters) / 2.
+    alone = [torch.zeros(256, 256), torch.zeros(256, 256)]
+    for r in range(2):
+        alone[r].copy_(seen[r][3][1][0])
+        for step in range(4, 12):
+            alone[r] -= 0.1 * torch.randn(
+                256 * 256, generator=torch.Generator().manual_seed(step * 10 + r)).view(256, 256)
+    assert torch.allclose(seen[0][11][1][0], (alone[0] + alone[1]) / 2, atol=1e-5)
+
+
+def test_every_rank_takes_rank_0s_h():
+    """Rank 0 allows H up to 8, rank 1 up to 64: each alone would choose its own largest;
+    together both take rank 0's, and their syncs stay paired."""
+    alone = []
+    for most in (8, 64):
+        autos, comms, _, params = local_job(2, 1e6, local_sgd=most)
+        train_local(autos, comms, params, 5, [0.05, 0.05])
+        alone.append(autos[0].decision.period)
+    assert alone == [8, 64]
+    autos, comms, _, params = local_job(2, 1e6)
+    autos[1] = Auto(clock=comms[1].clock, warmup=1, calibrate=2, check_every=4, **LOCAL,
+                    local_sgd=64)
+    autos[1].attach(params[1], comm=comms[1])
+    seen = train_local(autos, comms, params, 12, [0.05, 0.05])
+    assert [a.decision.period for a in autos] == [8, 8]
+    assert all(torch.equal(a, b) for a, b in zip(seen[0][11][1], seen[1][11][1]))
+
+
+def test_a_window_without_after_step_fails_loudly():
+    autos, comms, _, params = local_job(2, 1e6)
+    with pytest.raises(RuntimeError, match="after_step"):
+        train_local(autos, comms, params, 13, [0.05, 0.05], after_step=False)
+
+
+def test_a_faster_link_ends_local_sgd_at_the_windows_end():
+    autos, comms, link, params = local_job(2, 1e6)
+
+    def speed_up(step):
+        if step == 5:  # inside the first window (steps 4 .. 11)
+            link.rate[:] = [1e10, 1e10]
+            link.latency[:] = [1e-5, 1e-5]
+
+    seen = train_local(autos, comms, params, 22, [0.05, 0.05], on_step=speed_up)
+    last = autos[0].history[-1]
+    # Measured from the sync after step 11, judged at the check of step 12; the window
+    # that began at step 12 runs to its end (its anchors are the parameters then).
+    assert (last.reason.startswith("drift: rate"), last.step, last.period) == (True, 12, 1)
+    assert [h for h, _ in seen[0]][11:] == [8] * 9 + [1] * 2
+    assert all(torch.equal(a, b) for a, b in zip(seen[0][21][1], seen[1][21][1]))
+
+
+@pytest.mark.parametrize("stop", [4, 7])
+def test_local_sgd_survives_a_state_dict(stop):
+    """A checkpoint where a window starts (after step 3: the anchors are the parameters
+    then) and mid-window (after step 6: the anchors of step 4): the restored run goes on bit
+    for bit as the one that was not interrupted, across the window's sync. Rank 0's state
+    is loaded before its parameters are attached, rank 1's after."""
+    autos, comms, _, params = local_job(2, 1e6)
+    train_local(autos, comms, params, stop, [0.05, 0.05])
+    states = [a.state_dict() for a in autos]
+    kept = [[p.clone() for p in ps] for ps in params]
+    straight = train_local(autos, comms, params, 8, [0.05, 0.05], start=stop)
+    again, comms2, _, _ = local_job(2, 1e6, attach=False)
+    again[0].load_state_dict(states[0])
+    again[0].attach(kept[0], comm=comms2[0])
+    again[1].attach(kept[1], comm=comms2[1])
+    again[1].load_state_dict(states[1])
+    resumed = train_local(again, comms2, kept, 8, [0.05, 0.05], start=stop)
+    for s_rank, r_rank in zip(straight, resumed):
+        for (s_h, s_params), (r_h, r_params) in zip(s_rank, r_rank):
+            assert s_h == r_h
+            assert all(torch.equal(a, b) for a, b in zip(s_params, r_params))
+    assert again[0].state_dict()["auto"]["phase"] == autos[0].state_dict()["auto"]["phase"]

@@ -14,4 +14,4 @@ from harness import launch
 def test_compressors_train_on_both_front_doors(n):
     result = launch(n, "compress_train.py", timeout=150)
     assert result.returncode == 0, result
-    assert result.output.count("count 100") == n, result
+    assert result.output.count("count 106") == n, result

@@ -37,15 +37,25 @@ order.
    compute. Beyond ``drift`` (a fraction) from what the decision used, rank 0 decides again.
 5. Resize: a Comm of another size (an elastic job's new world) starts again at 2 (or 1).
 
+Local SGD (only with ``local_sgd=H_max`` and the parameters attached, ``auto_local.py``):
+the decision also carries H (``auto_model.choose_period``), sent by rank 0 with the
+choices. With H > 1 a bucket returns this rank's own gradient (no collective) and the
+front door's ``after_step`` averages the parameters at each window's end; a new H takes
+effect at a window's end (or at once from H = 1), where the ranks' parameters are equal.
+Drift checks go on in the windows: the rate is measured from the syncs, compute from every
+step. Changed buckets calibrate again from the window's end; a resize at once (an elastic
+re-formation has given every rank the same parameters).
+
 Reports. A changed decision is logged at INFO once (rank 0; ``Decision.summary``: per tier
 and bucket class, and the numbers behind it) and marked on the timeline (``AUTO`` on the
 ``compression`` row, every rank, when the Horovod API's timeline records). ``auto.decision``
 is the current one, ``latest()`` the newest of any Auto in the process.
 
-State (``state_dict``): the step count, the agreed numbers and choices, and each inner
-compressor's residuals, so a checkpoint or an elastic state carries it (``elastic.py``'s
-handler: ``sync`` gives every rank rank 0's, hence the same choices). A state loaded into a
-world of another size recalibrates (5).
+State (``state_dict``): the step count, the agreed numbers and choices, H and the window's
+place (with local SGD's anchors mid-window), and each inner compressor's residuals, so a
+checkpoint or an elastic state carries it (``elastic.py``'s handler: ``sync`` gives every
+rank rank 0's, hence the same choices). A state loaded into a world of another size
+recalibrates (5).
 """
 
 from __future__ import annotations
@@ -107,13 +117,20 @@ class Auto(ReducingCompressor):
             only across hosts, and auto is off on one host; ``"all"`` compresses every
             rank's gradient, and auto weighs it even on one host (the ranks' links are then
             the tier measured: loopback TCP, an emulated link).
+        local_sgd: the largest H auto may choose for local SGD (parameters averaged every H
+            steps, no gradient exchange between); None or 1: never. It runs only once the
+            front door attached the parameters (``attach``; ``DistributedOptimizer(...,
+            local_sgd=H)`` does) and calls ``after_step`` after each optimizer step.
+        local_share: local SGD's H is the smallest that brings the exchange under this
+            share of the step's compute (``auto_model.choose_period``).
         clock: seconds, monotonic (tests give their own).
     """
 
     def __init__(self, options=OPTIONS, powersgd_ranks=(8, 4, 2), block: int = 1024,
                  margin: float = 0.05, warmup: int = 2, calibrate: int = 3,
                  check_every: int = 16, drift: float = 0.25, seed: int = 0,
-                 tiers: str = "slowest", clock=time.perf_counter):
+                 tiers: str = "slowest", local_sgd: int | None = None,
+                 local_share: float = 0.1, clock=time.perf_counter):
         super().__init__(seed, tiers)
         unknown = set(options) - set(OPTIONS)
         if unknown:
@@ -125,6 +142,18 @@ class Auto(ReducingCompressor):
                 raise ValueError(f"auto: {name} must be an int >= {low}, got {value!r}")
         if not margin >= 0 or not drift > 0:
             raise ValueError(f"auto: margin must be >= 0 and drift > 0, got {margin}, {drift}")
+        if local_sgd is not None and (isinstance(local_sgd, bool) or not isinstance(
+                local_sgd, int) or local_sgd < 1):
+            raise ValueError(f"auto: local_sgd must be None or an int >= 1 (the largest H), "
+                             f"got {local_sgd!r}")
+        if not 0 < local_share < 1:
+            raise ValueError(f"auto: local_share must be in (0, 1), got {local_share!r}")
+        self.periods = model.periods_upto(local_sgd or 1)
+        """Local SGD's candidate H (empty: not allowed)."""
+        self.share = float(local_share)
+        self._local = None  # auto_local.LocalSGD, once a front door attaches the parameters
+        self._local_pending: dict | None = None  # its state, loaded before it attached
+        self._warned = False
         ranks = sorted({int(r) for r in powersgd_ranks}, reverse=True)
         if "powersgd" in options and (not ranks or ranks[-1] < 1):
             raise ValueError(f"auto: powersgd_ranks must be positive ints, got {powersgd_ranks}")
@@ -148,8 +177,10 @@ class Auto(ReducingCompressor):
         _LIVE.add(self)
 
     def _describe(self) -> str:
+        local = (f", local_sgd<={self.periods[-1]}, share={self.share}" if self.periods
+                 else "")
         return (f"auto({'|'.join(self.names)}, block={self.block}, margin={self.margin}, "
-                f"drift={self.drift})")
+                f"drift={self.drift}{local})")
 
     # ------------------------------------------------------------------ bookkeeping
     def _reset(self, size) -> None:
@@ -161,6 +192,9 @@ class Auto(ReducingCompressor):
         self._off = False
         self._calib_from = self.warmup  # the first timed step of the calibration
         self._resized: str | None = None
+        self.period = 1  # local SGD's H in force for this step's buckets (1: exchanged)
+        self.phase = 0  # this step's place in its window (0 .. period - 1)
+        self._target = 1  # the agreed H, in force from the next window
         self._new_step_state()
 
     def _new_step_state(self) -> None:
@@ -175,6 +209,9 @@ class Auto(ReducingCompressor):
         self._window: list[dict] = []  # closed steps since the last agreement
         self._latency: list[float] = []
         self._kappa: dict[str, list[float]] = {}
+        self._synced = 0.0  # seconds of this step spent in local SGD's sync
+        self._syncs: list[float] = []  # the window's syncs (seconds)
+        self._stepped = False  # after_step since the last step boundary
 
     def blocked(self, seconds: float) -> None:
         """The front door's training thread waited ``seconds`` on this compressor's
@@ -182,6 +219,45 @@ class Auto(ReducingCompressor):
         blocks for the whole exchange)."""
         self._blocked += seconds
         self._reported = True
+
+    # ------------------------------------------------------------------ local SGD
+    def attach(self, params, comm="horovod", process_set=None,
+               name: str = "auto.local_sgd") -> None:
+        """Gives local SGD the parameters (``auto_local.LocalSGD``): from the next decision
+        on, auto may choose H. ``DistributedOptimizer(..., local_sgd=H)`` calls it; a DDP
+        script calls it once, with ``comm=TorchComm(group)`` (a group of its own), and
+        ``after_step()`` after each optimizer step.
+
+        Args:
+            params: the parameters the optimizer steps (the same order on every rank).
+            comm: ``"horovod"`` (with ``process_set``) or a ``Comm``.
+            name: names the syncs' collectives.
+        """
+        if not self.periods:
+            raise ValueError(f"{self.describe()} does not allow local SGD: pass "
+                             "local_sgd=H (the largest H) to Auto")
+        if self.period > 1 and self._local is not None:  # its window's anchors are held
+            raise RuntimeError("compression auto: attach() again during a local SGD window")
+        from .auto_local import LocalSGD
+
+        self._local = LocalSGD(params, comm, process_set, name)
+        if self._local_pending is not None:
+            self._local.load_state_dict(self._local_pending)
+            self._local_pending = None
+
+    def after_step(self) -> None:
+        """Call after each optimizer step once attached (DistributedOptimizer does): at a
+        local SGD window's end, averages the parameters over the ranks (timed: the drift
+        check's rate). Does nothing otherwise, and nothing a second time in a step."""
+        if self._local is None or self._stepped or not self._seen:
+            return
+        self._stepped = True
+        if self.period > 1 and self.phase == self.period - 1:
+            begin = self.clock()
+            self._local.sync()
+            spent = self.clock() - begin
+            self._synced += spent
+            self._syncs.append(spent)
 
     # ------------------------------------------------------------------ the reduction
     def reduce(self, flat: torch.Tensor, shapes: list, comm, key: str | None,
@@ -193,7 +269,9 @@ class Auto(ReducingCompressor):
         self._at_call(key, shapes, comm)
         name = self.names[self._choice.get(key, 0)]
         start = self.clock()
-        if name == "none":
+        if self.period > 1:  # local SGD: this rank's own gradient, nothing exchanged
+            out = flat.detach().to(torch.float32, copy=True)
+        elif name == "none":
             out = self._none(flat.detach().to(torch.float32, copy=True), comm, average)
         else:
             out = self.inner[name].reduce(flat, shapes, comm, key, average)
@@ -212,7 +290,8 @@ class Auto(ReducingCompressor):
         return x
 
     def _timing(self) -> bool:
-        return not self._off and self._step >= self._calib_from and self._agreed is None
+        return (not self._off and self._step >= self._calib_from and self._agreed is None
+                and self.period == 1)
 
     def _at_call(self, key: str, shapes: list[tuple], comm) -> None:
         """A bucket call's bookkeeping: a new world, a new step, and what the step boundary
@@ -256,22 +335,50 @@ class Auto(ReducingCompressor):
         log.info("compression auto (step %d): %s; uncompressed until measured again",
                  self._step, why)
         self._choice, self._agreed, self._resized = {}, None, why
-        self._calib_from = self._step
+        self._target = 1
+        # Mid-window, calibration starts after the window's sync (the ranks equal again).
+        self._calib_from = self._step + (self.period - self.phase if self.period > 1 else 0)
         self._window, self._latency, self._kappa = [], [], {}
+        self._syncs = []
 
     def _close_step(self) -> None:
         now = self.clock()
         exchange = sum(self._times.values())
         if self._start is not None and self._step >= self._calib_from:
             blocked = min(self._blocked, exchange) if self._reported else exchange
-            self._window.append({"period": now - self._start - self._aside,
-                                 "exchange": exchange,
+            self._window.append({"period": now - self._start - self._aside - self._synced,
+                                 "exchange": exchange, "local": self.period > 1,
                                  "blocked": blocked, "times": dict(self._times)})
         self._step += 1
         self._last_keys = list(self._seen)
         self._seen, self._times = [], {}
-        self._blocked, self._reported, self._aside = 0.0, False, 0.0
+        self._blocked, self._reported, self._aside, self._synced = 0.0, False, 0.0, 0.0
         self._start = now
+        self._next_window()
+
+    def _advance(self) -> tuple[int, int, bool]:
+        """(H, place) of the next step, and whether a window starts there after steps that
+        exchanged gradients (its anchors are the parameters then)."""
+        if self.period > 1 and self.phase < self.period - 1:
+            return self.period, self.phase + 1, False
+        target = self._target if self._local is not None else 1
+        return target, 0, target > 1 and self.period == 1
+
+    def _next_window(self) -> None:
+        """The step boundary of local SGD's windows (the module docstring)."""
+        if (self.period > 1 and self.phase == self.period - 1 and self._local is not None
+                and not self._stepped):
+            raise RuntimeError(
+                f"compression auto: local SGD's window of {self.period} steps ended at step "
+                f"{self._step - 1} without after_step() (the parameters were not averaged); "
+                "call it after each optimizer step (DistributedOptimizer does)")
+        was = self.period
+        self.period, self.phase, starts = self._advance()
+        self._stepped = False
+        if starts:
+            self._local.restart()  # the ranks' parameters are equal: the window's anchors
+        elif was > 1 and self.period == 1 and self._agreed is None:
+            self._calib_from = self._step  # a recalibration waited for this window's end
 
     def _arithmetic(self, flat: torch.Tensor, shapes: list[tuple]) -> list[float]:
         """Seconds of each candidate's arithmetic on this bucket (the best of two runs)."""
@@ -344,6 +451,7 @@ class Auto(ReducingCompressor):
                 local.extend(self._kappa.get(k, [0.0] * len(self.inner)))
         else:  # nothing timed here (a state loaded mid-calibration): the same length
             local += [0.0] * (4 + per * len(keys))
+        local.append(1.0 if self._local is not None else 0.0)
         agreed = self._average(comm, local)
         if agreed[0] < 1.0:  # some rank timed nothing: every rank calibrates again
             self._recalibrate("not every rank had timed the calibration")
@@ -357,7 +465,8 @@ class Auto(ReducingCompressor):
         numbers = {"keys": keys, "rate": sum(4 * self._numel(k) for k in keys) / busy,
                    "latency": latency, "compute": max(period - blocked, 0.0),
                    "hidden": max(exchange - blocked, 0.0), "kappa": kappa, "local": local_s,
-                   "units": units, "per_unit": k_local, "tier": tier}
+                   "units": units, "per_unit": k_local, "tier": tier,
+                   "attached": agreed[-1]}
         self._decide(comm, numbers, reason)
 
     def _check(self, comm) -> None:
@@ -365,24 +474,36 @@ class Auto(ReducingCompressor):
         a = self._agreed
         keys = a["keys"]
         w = self._window
-        if w:
-            local = [1.0, statistics.median(s["period"] for s in w),
-                     statistics.median(s["exchange"] for s in w),
-                     statistics.median(s["blocked"] for s in w)]
-            local += [statistics.median(s["times"].get(k, 0.0) for s in w) for k in keys]
-        else:  # (a state just loaded: nothing timed yet)
-            local = [0.0] * (4 + len(keys))
+        # Steps that exchanged gradients give the rate from their buckets; under local SGD
+        # the syncs give it. Every rank has the same steps of each kind (H is agreed).
+        ex = [s for s in w if not s["local"]]
+        local = [1.0 if w else 0.0,
+                 statistics.median(s["period"] - s["blocked"] for s in w) if w else 0.0,
+                 statistics.median(s["exchange"] for s in ex) if ex else 0.0,
+                 statistics.median(s["blocked"] for s in ex) if ex else 0.0]
+        local += [statistics.median(s["times"].get(k, 0.0) for s in ex) if ex else 0.0
+                  for k in keys]
+        local += [1.0 if ex else 0.0, 1.0 if self._local is not None else 0.0,
+                  statistics.median(self._syncs) if self._syncs else 0.0,
+                  1.0 if self._syncs else 0.0]
         agreed = self._average(comm, local)
-        period, exchange, blocked = agreed[1:4]
-        times = dict(zip(keys, agreed[4:]))
-        wire_bytes = busy = 0.0
-        options = self._options(a)
-        for b, k in enumerate(keys):
-            option = options[b].options[self._choice.get(k, 0)]
-            wire_bytes += option.ratio * 4 * self._numel(k)
-            busy += max(times[k] - option.compute - option.collectives * a["latency"]
-                        - a["local"][k], _TINY)
-        rate, compute = wire_bytes / busy, max(period - blocked, 0.0)
+        work, exchange, blocked = agreed[1:4]
+        times = dict(zip(keys, agreed[4:4 + len(keys)]))
+        exchanged, attached, sync, synced = agreed[4 + len(keys):]
+        rate, hidden = a["rate"], a["hidden"]
+        if exchanged >= 1.0:
+            wire_bytes = busy = 0.0
+            options = self._options(a)
+            for b, k in enumerate(keys):
+                option = options[b].options[self._choice.get(k, 0)]
+                wire_bytes += option.ratio * 4 * self._numel(k)
+                busy += max(times[k] - option.compute - option.collectives * a["latency"]
+                            - a["local"][k], _TINY)
+            rate, hidden = wire_bytes / busy, max(exchange - blocked, 0.0)
+        elif synced >= 1.0:  # one float32 allreduce of every parameter (auto_local.py)
+            busy = sync - a["latency"] - sum(a["local"][k] for k in keys)
+            rate = sum(4 * self._numel(k) for k in keys) / max(busy, _TINY)
+        compute = max(work, 0.0)
         moved = []
         if agreed[0] < 1.0:
             pass  # some rank timed nothing: no drift to judge this time
@@ -391,8 +512,10 @@ class Auto(ReducingCompressor):
                 moved.append(f"rate {a['rate'] * 8 / 1e6:.4g} -> {rate * 8 / 1e6:.4g} Mbit/s")
             if abs(compute - a["compute"]) > self.drift * max(a["compute"], 1e-3):
                 moved.append(f"compute {a['compute'] * 1e3:.4g} -> {compute * 1e3:.4g} ms")
+            if self.periods and attached >= 1.0 and a.get("attached", 0.0) < 1.0:
+                moved.append("local SGD attached")
         # Every rank runs the second allreduce, drifted or not: the agreement is rank 0's.
-        numbers = dict(a, rate=rate, compute=compute, hidden=max(exchange - blocked, 0.0))
+        numbers = dict(a, rate=rate, compute=compute, hidden=hidden, attached=attached)
         self._decide(comm, numbers if moved else a, "drift: " + ", ".join(moved),
                      quiet=not moved)
 
@@ -430,18 +553,32 @@ class Auto(ReducingCompressor):
 
     def _decide(self, comm, numbers: dict, reason: str, quiet: bool = False) -> None:
         buckets = self._options(numbers)
+        # Local SGD only where every rank attached its parameters (a rank that cannot
+        # average them would drift away for good).
+        periods = self.periods if numbers.get("attached", 0.0) >= 1.0 else ()
+        if self.periods and not periods and not self._warned and comm.rank == 0:
+            self._warned = True
+            log.warning("compression auto: local_sgd=%d is allowed but not every rank "
+                        "attached its parameters (Auto.attach); H stays 1", self.periods[-1])
         inputs = model.Inputs(tuple(buckets), rate=max(numbers["rate"], 1.0),
                               latency=numbers["latency"], compute=numbers["compute"],
-                              hidden=numbers["hidden"], margin=self.margin)
-        mine = model.decide(inputs) if not quiet else tuple(
-            self._choice.get(k, 0) for k in numbers["keys"])
-        # Rank 0's choice everywhere: the others add zeros (exact in float32).
+                              hidden=numbers["hidden"], margin=self.margin,
+                              periods=periods, share=self.share)
+        if quiet:
+            mine = (*(self._choice.get(k, 0) for k in numbers["keys"]), self._target)
+        else:
+            per_step = model.decide(inputs)
+            mine = (*per_step, model.choose_period(inputs, per_step))
+        # Rank 0's choice (and H, last) everywhere: the others add zeros (exact in float32).
         codes = torch.tensor(mine if comm.rank == 0 else [0] * len(mine), dtype=torch.float32)
         comm.allreduce_sum_(codes)
-        choice = tuple(int(round(v)) for v in codes.tolist())
+        *choice, period = (int(round(v)) for v in codes.tolist())
+        choice = tuple(choice)
         self._agreed = numbers
-        self._window, self._latency, self._kappa = [], [], {}
-        changed = any(self._choice.get(k, 0) != c for k, c in zip(numbers["keys"], choice))
+        self._window, self._latency, self._kappa, self._syncs = [], [], {}, []
+        changed = period != self._target or any(
+            self._choice.get(k, 0) != c for k, c in zip(numbers["keys"], choice))
+        self._target = period
         for k, c in zip(numbers["keys"], choice):
             if self._choice.get(k, 0) != c:
                 self._forget(k)
@@ -455,8 +592,9 @@ class Auto(ReducingCompressor):
             choices={k: self.names[c] for k, c in zip(numbers["keys"], choice)},
             sizes={b.key: b.nbytes for b in buckets}, rate=inputs.rate,
             latency=inputs.latency, compute=inputs.compute, hidden=inputs.hidden,
-            predicted=model.step_time(inputs, choice),
-            uncompressed=model.step_time(inputs, [0] * len(choice)))
+            predicted=model.period_step_time(inputs, choice, period),
+            uncompressed=model.step_time(inputs, [0] * len(choice)), period=period,
+            sync=model.sync_time(inputs) if period > 1 else 0.0)
         if not changed and self.decision is not None and reason.startswith("drift"):
             self.decision = decision  # the same choice on new numbers: nothing to report
             return
@@ -489,10 +627,20 @@ class Auto(ReducingCompressor):
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """The decision, its numbers, the step count and the inner compressors' states."""
+        # Taken between steps: the step whose buckets were all reduced counts as done, so a
+        # restored run numbers its steps (and checks, and windows) as this one would.
+        period, phase, local = self.period, self.phase, None
+        if self._seen:
+            period, phase, starts = self._advance()
+            if starts:  # the parameters now are the next window's anchors
+                local = self._local.anchored_now()
+        if local is None and period > 1:  # mid-window: its anchors
+            local = (self._local.state_dict() if self._local is not None
+                     else self._local_pending)
         return {"compressor": self.describe(), "seed": self.seed,
-                # Taken between steps: the step whose buckets were all reduced counts as
-                # done, so a restored run numbers its steps (and checks) as this one would.
                 "auto": {"step": self._step + (1 if self._seen else 0), "size": self._size,
+                         "period": period, "phase": phase, "target": self._target,
+                         "local": local,
                          "off": self._off,
                          "calib_from": self._calib_from,
                          "choice": dict(self._choice),
@@ -515,6 +663,13 @@ class Auto(ReducingCompressor):
         self._choice = {str(k): int(v) for k, v in a["choice"].items()}
         self._agreed = None if a["agreed"] is None else dict(a["agreed"])
         self._new_step_state()  # timers start again: a restored step is not measured
+        self.period, self.phase = int(a.get("period", 1)), int(a.get("phase", 0))
+        self._target = int(a.get("target", 1))
+        if a.get("local") is not None:
+            if self._local is not None:
+                self._local.load_state_dict(a["local"])
+            else:  # the front door attaches later (auto_local.py)
+                self._local_pending = a["local"]
         self._shapes = {k: [tuple(s) for s in v] for k, v in a["shapes"].items()}
         self.decision = None if a["decision"] is None else dataclasses.replace(
             model.Decision(**a["decision"]), made=next(_ORDER))

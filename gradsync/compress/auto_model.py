@@ -38,13 +38,51 @@ collectives): 0.2 + 0.008 + 0.002 + 0.112 = 0.322 s. bf16 (ratio 0.501): 0.2 + 0
 0.002 + 0.224 = 0.432 s. The fastest is int8; the margin (5%: 0.016 s) admits nothing more
 faithful, so int8. At 10 Gbit/s the exchange is 4.5 ms and none is within the margin of
 anything: none.
+
+Local SGD's H (only where the user allows it: ``Auto(local_sgd=H_max)``, ``periods`` here).
+Under local SGD every rank steps on its own gradients and the ranks' parameters are averaged
+once every H steps (plain local SGD through ``diloco.py``: one float32 allreduce of every
+parameter, not hidden), so the exchange costs ``sync / H`` a step instead of the per-step
+choice's:
+
+    sync         = latency + sum_b local(b) + sum_b S_b / rate
+    step_H       = compute + sync / H
+
+A larger H costs quality (the ranks drift apart for longer), so H is kept as small as the
+link allows. The rule, after the per-step choice above (``choose_period``):
+
+1. If the per-step choice already costs the step at most ``share`` of its compute
+   (``step(choice) - compute <= share x compute``; share 0.1 by default), H = 1: local SGD
+   could save little and would cost quality.
+2. Else H is the smallest of ``periods`` (the powers of two up to the user's maximum, and
+   that maximum) with ``sync / H <= share x compute``, or the largest if none is.
+3. That H is kept only if it pays beyond the margin: ``step_H x (1 + margin) <
+   step(choice)``; else H = 1 (the per-step choice is the more faithful one and close).
+
+Worked example (the bucket above; ``local_sgd=16``): int8's 0.322 s a step spends 0.122 s
+on the exchange, more than 10% of 0.2 s; sync = 0.001 + 0.448 = 0.449 s, and sync / H
+<= 0.02 s needs H >= 22.5: none of 2, 4, 8, 16 is enough, so the largest, 16: 0.2 + 0.028 =
+0.228 s a step, which pays (0.228 x 1.05 < 0.322): H = 16. With ``local_sgd=64``, H = 32.
+At 1 Gbit/s bf16 (0.230 s) spends 0.030 s, sync = 0.046 s, H = 4 (0.2115 s, pays). At 10
+Gbit/s none spends 5.5 ms, under 0.02 s: H = 1.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-__all__ = ["Option", "Bucket", "Inputs", "Decision", "wire_time", "step_time", "decide"]
+__all__ = ["Option", "Bucket", "Inputs", "Decision", "wire_time", "step_time", "decide",
+           "PERIODS", "periods_upto", "sync_time", "period_step_time", "choose_period"]
+
+PERIODS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+"""Local SGD's candidate H (those up to the user's maximum, and the maximum itself)."""
+
+
+def periods_upto(most: int) -> tuple[int, ...]:
+    """The candidate H up to ``most`` (``most`` included): ``()`` for 1, local SGD off."""
+    if most < 2:
+        return ()
+    return tuple(sorted({h for h in PERIODS if h < most} | {most}))
 
 
 @dataclass(frozen=True)
@@ -88,6 +126,10 @@ class Inputs:
     """Seconds of exchange that run behind the step's work (measured)."""
     margin: float = 0.05
     """How much slower than the fastest choice a more faithful one may be (a fraction)."""
+    periods: tuple[int, ...] = ()
+    """Local SGD's candidate H, ascending (empty: not allowed)."""
+    share: float = 0.1
+    """The exchange's share of the step's compute that local SGD's H is chosen to reach."""
 
     def __post_init__(self):
         if not self.rate > 0:
@@ -95,6 +137,11 @@ class Inputs:
         if self.latency < 0 or self.compute < 0 or self.hidden < 0 or self.margin < 0:
             raise ValueError(f"latency, compute, hidden and margin must not be negative: "
                              f"{self.latency}, {self.compute}, {self.hidden}, {self.margin}")
+        if not self.share > 0 or any(
+                isinstance(h, bool) or not isinstance(h, int) or h < 2 for h in self.periods) \
+                or list(self.periods) != sorted(set(self.periods)):
+            raise ValueError(f"periods must be ascending ints >= 2 and share positive, got "
+                             f"{self.periods}, {self.share}")
         for b in self.buckets:
             if not b.options or b.options[0].name != "none":
                 raise ValueError(f"bucket {b.key!r}: the first option must be none")
@@ -125,6 +172,11 @@ class Decision:
     """Predicted seconds per step with these choices."""
     uncompressed: float = 0.0
     """Predicted seconds per step with none everywhere."""
+    period: int = 1
+    """Local SGD's H: parameters averaged every ``period`` steps, no gradient exchange
+    between (1: the per-bucket choices, every step)."""
+    sync: float = 0.0
+    """Predicted seconds of one local SGD sync (when ``period`` > 1)."""
     made: int = field(default=0, compare=False)
     """Order of making in this process (``auto.latest`` takes the newest)."""
 
@@ -141,12 +193,17 @@ class Decision:
         """One line: the choice per tier and bucket class, and the numbers behind it."""
         if self.tier == "local" or not self.choices:
             return f"none on every tier ({self.reason})"
+        local = ""
+        if self.period > 1:
+            local = (f"local SGD every {self.period} steps (parameters averaged in float32, "
+                     f"{sum(self.sizes.values()) / 1e6:.3g} MB, {self.sync * 1e3:.4g} ms a sync; "
+                     f"no gradient exchange between); every step it would be: ")
         tier = {"flat": "flat (placement unknown: every rank's bucket)",
                 "all": "every tier (tiers=all: every rank's bucket)"}.get(self.tier, self.tier)
         classes = ", ".join(f"{name} for {count} bucket{'s' if count != 1 else ''} "
                             f"({nbytes / 1e6:.3g} MB)" for name, count, nbytes in self.classes())
         link = self.rate * 8 / 1e6
-        return (f"tier {tier}: {classes}; faster tiers: none (float32) | {self.reason}: "
+        return (f"{local}tier {tier}: {classes}; faster tiers: none (float32) | {self.reason}: "
                 f"{self.ranks} ranks on {self.hosts} units, measured {link:.4g} Mbit/s "
                 f"of gradient, latency {self.latency * 1e3:.3g} ms, compute "
                 f"{self.compute * 1e3:.4g} ms/step, hidden {self.hidden * 1e3:.3g} ms; "
@@ -157,6 +214,9 @@ class Decision:
         """The choice alone, for a table cell: ``int8 x2 (5.6 MB), none x1 (0.01 MB)``."""
         if self.tier == "local" or not self.choices:
             return f"none ({self.reason})"
+        if self.period > 1:
+            return (f"local SGD H={self.period} "
+                    f"({sum(self.sizes.values()) / 1e6:.3g} MB every {self.period} steps)")
         return ", ".join(f"{name} x{count} ({nbytes / 1e6:.3g} MB)"
                          for name, count, nbytes in self.classes())
 
@@ -208,3 +268,32 @@ def decide(inputs: Inputs) -> tuple[int, ...]:
                 choice[b] = i
                 break
     return tuple(choice)
+
+
+def sync_time(inputs: Inputs) -> float:
+    """Seconds of one local SGD sync: every bucket's parameters in one float32 allreduce."""
+    return (inputs.latency + sum(b.local for b in inputs.buckets)
+            + sum(b.nbytes for b in inputs.buckets) / inputs.rate)
+
+
+def period_step_time(inputs: Inputs, choice, period: int) -> float:
+    """Predicted seconds per step with ``choice`` every step (period 1), or local SGD with
+    H = ``period`` (the module docstring)."""
+    if period <= 1:
+        return step_time(inputs, choice)
+    return inputs.compute + sync_time(inputs) / period
+
+
+def choose_period(inputs: Inputs, choice) -> int:
+    """Local SGD's H for the per-step ``choice`` (``decide``'s): the module docstring's rule."""
+    if not inputs.periods:
+        return 1
+    best = step_time(inputs, choice)
+    target = inputs.share * inputs.compute
+    if best - inputs.compute <= target:
+        return 1  # the exchange is already a small share of the step: keep every step
+    sync = sync_time(inputs)
+    period = next((h for h in inputs.periods if sync / h <= target), inputs.periods[-1])
+    if period_step_time(inputs, choice, period) * (1.0 + inputs.margin) < best:
+        return period
+    return 1

@@ -50,7 +50,9 @@ class HookState:
         compressor: a ``ReducingCompressor`` (``Int8()``, ``FP8()``, ``PowerSGD(rank=4)``,
             ``RandomK(0.01)``), or ``"auto"`` / ``Auto(...)`` (``auto.py``: per bucket,
             chosen from the measured link; ``state.compressor.decision`` is its choice);
-            its state holds the error feedback of every bucket.
+            its state holds the error feedback of every bucket. ``Auto(local_sgd=H)`` may
+            choose local SGD once given the parameters (``attach``) and called after each
+            optimizer step (``after_step``): docs/slow-links.md.
         process_group: the DDP model's group, if it is not the default group.
         topology: where the group's ranks are (``gradsync.cluster.topology.Topology``, rank i of
             the group its rank i); None: from the members' host names.

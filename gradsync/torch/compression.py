@@ -19,7 +19,9 @@ Two kinds, one argument (``compression=`` of ``DistributedOptimizer``, ``allredu
 - ``"auto"`` (or ``Compression.auto``, an instance for settings): per bucket, none, bf16,
   int8 or PowerSGD, chosen from the measured link and step (``gradsync/compress/auto.py``);
   it owns its reduction too. The collectives (``allreduce``) need an instance kept across
-  calls: a new one per call never gets past its calibration (none).
+  calls: a new one per call never gets past its calibration (none). ``Compression.auto(
+  local_sgd=H)`` (or ``DistributedOptimizer(..., local_sgd=H)``) lets it choose local SGD
+  too, which ``DistributedOptimizer`` runs (``gradsync/compress/auto_local.py``).
 
 What a cast costs and buys: half the bytes on every link, one extra pass over the data on each
 side, and the reduction itself in 16 bits (each rank's contribution is rounded before the

@@ -49,6 +49,11 @@ for its error feedback (``requests.compressed_allreduce``).
 Gradient lag (``gradient_lag=1``, ``lag.py``): each bucket's allreduce runs on a copy of the
 bucket and is waited for at the *next* round's ``step()``, which applies it; the first
 ``step()`` applies nothing.
+
+Local SGD chosen by auto (``compression="auto", local_sgd=H``): the optimizer attaches its
+parameters to the ``Auto`` (``gradsync/compress/auto_local.py``) and calls its
+``after_step()`` after each wrapped step; where auto chose H > 1, the buckets give back each
+rank's own gradients and the parameters are averaged at each window's end.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from ..collectives.ops import Average, ReduceOp, Sum
+from ..compress.auto_model import periods_upto
 from ..liveness.pace import meter
 from . import adasum_optimizer
 from . import buckets as _buckets
@@ -117,6 +123,8 @@ class _DistributedOptimizer:
         self.op, self.sparse_as_dense = op, sparse_as_dense
         self.gradient_predivide_factor = gradient_predivide_factor
         self.gradient_lag = gradient_lag
+        # compression="auto" allowed to choose local SGD (an Auto with local_sgd=H).
+        self._gs_local = bool(getattr(self._gs_reducer, "periods", ()))
         factor = gradient_predivide_factor
         self._gs_scale = (1.0 / factor, factor) if op is Average else (1.0, 1.0)
         self._gs_should_synchronize = True
@@ -176,6 +184,9 @@ class _DistributedOptimizer:
                     self._gs_slot_bucket.append(bucket)
                 self._gs_slot_name.extend(bucket.names)
             check_layout(self._gs_buckets, self._gs_allgather_object)
+            if self._gs_local:  # the same parameters, in the same order, on every rank
+                self._gs_reducer.attach(params, comm="horovod", process_set=self._gs_process_set,
+                                        name=f"auto.local_sgd.{names[0]}")
             ref = weakref.ref(self)
             for slot, param in enumerate(self._gs_slot_param):
                 self._gs_hooks.append(param.register_post_accumulate_grad_hook(
@@ -470,6 +481,8 @@ class _DistributedOptimizer:
         finally:
             self._gs_synchronized = False
             self._gs_nothing_to_apply = False
+        if self._gs_local:
+            self._gs_reducer.after_step()  # a local SGD window's end: the parameters averaged
         meter.mark_step()  # a training step ends: stragglers are judged by steps (pace.py)
         return loss
 
@@ -556,7 +569,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          groups: int | list[list[torch.Tensor]] | None = None,
                          sparse_as_dense: bool = False,
                          process_set: ProcessSet = global_process_set,
-                         gradient_lag: int = 0) -> torch.optim.Optimizer:
+                         gradient_lag: int = 0,
+                         local_sgd: int | None = None) -> torch.optim.Optimizer:
     """Wraps ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
 
     Gradient allreduces start during backward, in fixed buckets of at most
@@ -592,6 +606,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             at the next round's ``step()``, overlapping the next forward and backward
             (Kurth et al., SC18; ``lag.py``). The first ``step()`` applies nothing. Not with
             ``op=Adasum``; sparse gradients need ``sparse_as_dense``.
+        local_sgd: with ``compression="auto"``: the largest H for which auto may choose
+            local SGD (each rank steps on its own gradients, the parameters are averaged
+            every H steps) where the measured link makes the exchange cost the step more
+            than a tenth of its compute (docs/slow-links.md); None (default): never.
+            ``Compression.auto(local_sgd=H)`` is the same. Only with ``op=Average`` and
+            without ``gradient_lag``.
 
     Raises:
         ValueError: bad ``named_parameters`` (not pairs, duplicate names, an optimizer
@@ -603,6 +623,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                         f"{type(optimizer).__name__}")
     if isinstance(optimizer, (_DistributedOptimizer, adasum_optimizer.AdasumOptimizer)):
         raise ValueError("this optimizer is already a DistributedOptimizer")
+    compression = _allow_local_sgd(compression, local_sgd)
+    if getattr(compression, "periods", ()) and (op is not Average or gradient_lag):
+        raise ValueError(f"compression={compression!r} may choose local SGD: only with "
+                         f"op=Average and gradient_lag=0 (got op={op!r}, gradient_lag="
+                         f"{gradient_lag!r})")
     if isinstance(gradient_lag, bool) or gradient_lag not in (0, 1):
         raise ValueError(f"gradient_lag must be 0 or 1, got {gradient_lag!r}")
     if gradient_lag and op is Adasum:
@@ -650,6 +675,25 @@ def live_optimizers() -> list[_DistributedOptimizer]:
 
 
 # ----------------------------------------------------------------------------- helpers
+def _allow_local_sgd(compression, local_sgd):
+    """``compression`` with local SGD allowed up to H = ``local_sgd`` (auto only)."""
+    if local_sgd is None:
+        return compression
+    if isinstance(local_sgd, bool) or not isinstance(local_sgd, int) or local_sgd < 1:
+        raise ValueError(f"local_sgd must be None or an int >= 1 (the largest H), got "
+                         f"{local_sgd!r}")
+    auto = Compression.auto
+    if (isinstance(compression, str) and compression == "auto") or compression is auto:
+        return auto(local_sgd=local_sgd)
+    if isinstance(compression, auto):
+        if compression.periods != periods_upto(local_sgd):
+            raise ValueError(f"local_sgd={local_sgd} and {compression!r} disagree: give the "
+                             "largest H once (Compression.auto(local_sgd=H) or local_sgd=H)")
+        return compression
+    raise ValueError(f"local_sgd={local_sgd} is a choice for compression='auto', not "
+                     f"{compression!r}; for a fixed H use gradsync.compress.DiLoCo")
+
+
 def _take_ownership(param: torch.Tensor, ref: "weakref.ref[_DistributedOptimizer]") -> None:
     # Two live optimizers hooked on one parameter would both launch allreduces for it, and the
     # older one's never-synchronized rounds would fail the next backward. Re-wrapping a model

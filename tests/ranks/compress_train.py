@@ -26,7 +26,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync
 import gradsync.torch as hvd
-from gradsync.compress import FP8, Auto, HookState, Int8, PowerSGD, RandomK, compressed_hook
+from gradsync.compress import (FP8, Auto, HookState, Int8, PowerSGD, RandomK, TorchComm,
+                               compressed_hook)
 
 warnings.simplefilter("ignore")
 hvd.init()
@@ -147,6 +148,23 @@ for what, compression in (("auto", "auto"), ("Auto(tiers='all')", quick_auto()))
                      ("one host",) if compression == "auto" else ("calibrated", "drift"),
                      lambda d: hvd.allgather_object(d))
 
+# compression="auto" allowed local SGD (H at most 4), decided once, at step 3 (no drift
+# check in these 8 steps): whatever H it chose (1, 2 or 4: the loopback link decides), every
+# window ends by the last step, so the parameters must end equal on every rank, through
+# DistributedOptimizer's attach and after_step and the Horovod API's DiLoCo reducer.
+torch.manual_seed(0)
+model = Net()
+auto = Auto(tiers="all", warmup=1, calibrate=2, check_every=100, margin=0.0,
+            local_share=0.01, local_sgd=4)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                               named_parameters=model.named_parameters(), compression=auto)
+train(model, opt, "DistributedOptimizer auto, local_sgd=4", lambda d: hvd.allgather_object(d))
+same_auto_choice(auto, "DistributedOptimizer auto, local_sgd=4", ("calibrated",),
+                 lambda d: hvd.allgather_object(d))
+C.count += 1
+if len(set(hvd.allgather_object((auto.decision.period, auto.period, auto.phase)))) != 1:
+    fail(f"auto, local_sgd=4: the ranks hold different windows: {auto.decision.summary()}")
+
 # Collectives: int8 of values it represents exactly sums exactly: integers in [-127, 127],
 # every other one 127, so that every block's scale is 1 (and the sum's is N).
 x = torch.stack([torch.full((255,), 127.0), torch.arange(-127.0, 128.0)], dim=1).reshape(-1)
@@ -193,6 +211,34 @@ for label, group, state in (("gradsync", None, HookState(quick_auto())),
     same_auto_choice(state.compressor, f"DDP hook over {label}, auto",
                      ("calibrated", "drift") if label == "gradsync" else ("one host",),
                      lambda d, group=group: tiny_net.all_digests(d, group))
+
+
+
+# The same local SGD through the DDP hook, as docs/slow-links.md's DDP loop: the script
+# attaches the parameters (the syncs on a gloo group of their own) and calls after_step
+# after each step. DDP rebuilds its buckets after step 0, so auto counts (and decides) a
+# step later than above: the loop goes on until the window in flight has ended.
+torch.manual_seed(0)
+model = DDP(Net(), bucket_cap_mb=0.0005)
+auto = Auto(tiers="all", warmup=1, calibrate=2, check_every=100, margin=0.0,
+            local_share=0.01, local_sgd=4)
+model.register_comm_hook(HookState(auto), compressed_hook)
+auto.attach(list(model.parameters()), comm=TorchComm(dist.new_group(backend="gloo")))
+opt = torch.optim.SGD(model.parameters(), lr=1.0)
+x, y = batch()
+for step in range(STEPS + 4):
+    if step >= STEPS and (auto.period == 1 or auto.phase == auto.period - 1):
+        break  # every step exchanged, or the window's sync just ran
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    auto.after_step()
+C.count += 1
+digests = tiny_net.all_digests(digest(model), None)
+if len(set(digests)) != 1:
+    fail(f"DDP hook, auto, local_sgd=4: parameters differ after step {step}: {digests}")
+same_auto_choice(auto, "DDP hook over gradsync, auto, local_sgd=4", ("calibrated",),
+                 lambda d: tiny_net.all_digests(d, None))
 
 dist.destroy_process_group()
 hvd.shutdown()

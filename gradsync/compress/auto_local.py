@@ -1,0 +1,82 @@
+"""``compression="auto"`` with local SGD allowed: the parameter averaging every H steps.
+
+    opt = hvd.DistributedOptimizer(opt, named_parameters=..., compression="auto",
+                                   local_sgd=16)              # H at most 16, auto's choice
+
+``Auto`` only sees gradient buckets; local SGD also needs the parameters, and a moment
+after the optimizer's step and before the next backward. A front door that allows local
+SGD *attaches* them (``Auto.attach``: the Horovod API's ``DistributedOptimizer`` does it
+itself, a DDP script calls it) and calls ``Auto.after_step()`` after every optimizer step.
+This module is what those two calls run; the averaging itself is ``diloco.DiLoCo``'s (plain
+local SGD: outer lr 1, no momentum, one fragment, no delay), called, not copied.
+
+Windows. Auto agrees H with its per-bucket choices (``auto_model.choose_period``) and
+counts the steps (``Auto.period``: the H in force for this step's buckets, ``Auto.phase``:
+this step's place in its window). A new H takes effect only where the ranks' parameters are
+equal: after a step whose gradients were exchanged (H was 1), or after a window's sync. So,
+after each optimizer step:
+
+- the step ended a window (``phase == period - 1``): the ranks' parameters are averaged
+  (``DiLoCo.outer_step``: delta = anchor - theta averaged, anchor moved by it, theta =
+  anchor, equal on every rank), timed for auto's drift check;
+- the next step starts a window and the last one was not local (H was 1): a fresh DiLoCo
+  takes the parameters, equal on every rank, as its anchors.
+
+Nothing is exchanged between syncs: auto's buckets return each rank's own gradient.
+
+State. Mid-window, the anchors (the parameters at the window's start) are what the next
+sync needs, so ``Auto.state_dict`` carries this DiLoCo's state; a state loaded before the
+front door attached is kept until it does.
+"""
+
+from __future__ import annotations
+
+from .diloco import DiLoCo
+
+__all__ = ["LocalSGD"]
+
+
+class LocalSGD:
+    """The parameters, the comm and the DiLoCo of one ``Auto`` (module docstring).
+
+    Args:
+        params: the parameters the optimizer steps, in the same order on every rank.
+        comm: what DiLoCo reduces over: ``"horovod"`` (the Horovod API's asynchronous
+            collectives on ``process_set``) or a ``Comm`` (``TorchComm(group)``: give it a
+            group of its own).
+        process_set: with ``comm="horovod"``.
+        name: names the syncs' collectives (the same on every rank).
+    """
+
+    def __init__(self, params, comm="horovod", process_set=None, name: str = "auto.local_sgd"):
+        self.params = list(params)
+        if not self.params:
+            raise ValueError("local SGD needs the parameters the optimizer steps; got none")
+        self.comm, self.process_set, self.name = comm, process_set, name
+        self.diloco = self._fresh()  # made now so that a bad comm fails at attach
+
+    def _fresh(self) -> DiLoCo:
+        """A DiLoCo whose anchors are the parameters now (equal on every rank here). It
+        syncs at each ``outer_step`` (sync_every 1): the window is counted by Auto."""
+        return DiLoCo(self.params, None, sync_every=1, outer_lr=1.0, outer_momentum=0.0,
+                      nesterov=False, comm=self.comm, process_set=self.process_set,
+                      name=self.name)
+
+    def sync(self) -> None:
+        """Averages the parameters over the ranks (the window's end)."""
+        self.diloco.outer_step()
+
+    def restart(self) -> None:
+        """A window starts after steps that exchanged gradients: the anchors are now."""
+        self.diloco._orphan()  # nothing in flight (syncs land at once); stops its thread
+        self.diloco = self._fresh()
+
+    def anchored_now(self) -> dict:
+        """The state a window starting now will have (anchors: the parameters now)."""
+        return self._fresh().state_dict()
+
+    def state_dict(self) -> dict:
+        return self.diloco.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.diloco.load_state_dict(state)
