@@ -95,6 +95,15 @@ class ReducingCompressor:
         return {"compressor": self.describe(), "seed": self.seed,
                 "state": self.state.state_dict()}
 
+    def snapshot(self) -> dict:
+        """``state_dict()`` without the copies (``state.py``: held tensors never change):
+        what an elastic state takes after every optimizer update. A subclass that keeps more
+        than ``self.state`` (its own ``state_dict``: ``Auto``) gets a copy."""
+        if type(self).state_dict is not ReducingCompressor.state_dict:
+            return self.state_dict()
+        return {"compressor": self.describe(), "seed": self.seed,
+                "state": self.state.snapshot()}
+
     def load_state_dict(self, state: dict) -> None:
         if state.get("compressor") != self.describe() or state.get("seed") != self.seed:
             raise ValueError(f"a state of {state.get('compressor')!r} (seed "

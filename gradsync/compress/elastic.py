@@ -18,9 +18,17 @@ each of its steps, on every rank at the same point:
 - ``sync()`` (the job's start or a roll-back): every member takes rank 0's kept state, so a
   new worker takes the outer state (anchors, momentum, residuals, the schedule's step and
   the syncs not yet landed) from a live peer;
-- ``sync_from(root)`` (a recovery without roll-back): every member takes the root's live
-  state; a sync whose reduction the failure cut keeps its delta and is reduced again, in
-  the new world, at the next step.
+- ``sync_from(root)`` (a recovery without roll-back): every member takes the root's state
+  *at its last applied update*: the step in flight is redone, so the state it starts from
+  must be the one that step first started from. A compressor's live state may be ahead of
+  that: a failure in a round of several buckets can come after some of them were reduced
+  (their residuals moved) and before the update was applied. So the elastic state tells the
+  handler after each applied optimizer update (``at_update``), and the handler keeps a
+  ``snapshot()`` then (references: held tensors never change in place, ``state.py``), which
+  is what ``sync_from`` sends. Held by a state that never tells it (no optimizer), the
+  handler sends the live state. DiLoCo is told nothing: its inner steps are no rounds, and a
+  sync whose reduction the failure cut keeps its delta and is reduced again, in the new
+  world, at the next step.
 
 Residuals after a sync. Error feedback is per rank (what *this* rank's quantization lost),
 but an elastic state is one state, rank 0's, on every rank after ``sync()``: the survivors
@@ -51,6 +59,8 @@ class StateDictHandler:
         self.value, self.name = value, name
         self._bcast = bcast_object
         self.kept = value.state_dict()
+        self.applied = self.kept  # the state at the last applied update (``at_update``)
+        self.told = False  # whether the elastic state tells this handler of updates
 
     def bind_broadcast(self, bcast_object) -> None:
         """Called by the elastic state that holds the value: its broadcast, unless one was
@@ -63,21 +73,30 @@ class StateDictHandler:
                                "bcast_object= or hold the value in an elastic State")
         return self._bcast(obj, root_rank, name=f"elastic.{self.name}")
 
+    def at_update(self) -> None:
+        """An optimizer update was applied: the live state is the one a redone step starts
+        from (the module docstring)."""
+        self.told = True
+        snapshot = getattr(self.value, "snapshot", None)
+        self.applied = snapshot() if snapshot is not None else self.value.state_dict()
+
     def save(self) -> None:
-        self.kept = self.value.state_dict()
+        self.applied = self.kept = self.value.state_dict()
 
     def restore(self) -> None:
         self.value.load_state_dict(self.kept)
+        self.applied = self.kept
 
     def sync(self) -> None:
-        self.kept = self.bcast(self.kept, 0)
+        self.applied = self.kept = self.bcast(self.kept, 0)
         self.value.load_state_dict(self.kept)
 
     def sync_from(self, root_rank: int) -> None:
-        self.value.load_state_dict(self.bcast(self._live(), root_rank))
+        self.applied = self.bcast(self._live(), root_rank)
+        self.value.load_state_dict(self.applied)
 
     def _live(self) -> dict:
-        return self.value.state_dict()
+        return self.applied if self.told else self.value.state_dict()
 
 
 class DiLoCoHandler(StateDictHandler):
@@ -86,6 +105,10 @@ class DiLoCoHandler(StateDictHandler):
 
     def __init__(self, diloco, bcast_object=None):
         super().__init__(diloco, bcast_object, name=diloco.name)
+
+    def at_update(self) -> None:
+        """Nothing: an inner step is no round, and a snapshot would wait for the syncs in
+        flight (``_live`` takes the live state, its syncs orphaned)."""
 
     def restore(self) -> None:
         self.value._orphan()

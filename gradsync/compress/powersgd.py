@@ -92,7 +92,9 @@ class PowerSGD(ReducingCompressor):
                     if p is not None for rows, cols, r in [p]]
         plain = [i for i, p in enumerate(plan) if p is None]
         compressed = sum(rows * cols for _, rows, cols, _ in matrices)
+        since = self.state.begin()
         residual = self._residual(key, "residual", compressed)
+        left = torch.empty_like(residual)  # its successor, put once both allreduces returned
         ms, qs, offset = [], [], 0
         for i, rows, cols, r in matrices:
             m = pieces[i].view(rows, cols)
@@ -113,7 +115,7 @@ class PowerSGD(ReducingCompressor):
         for m, basis in zip(ms, bases):
             q = m.t() @ basis
             local_qs.append(q)
-            residual[offset:offset + m.numel()].copy_((m - basis @ q.t()).reshape(-1))
+            left[offset:offset + m.numel()].copy_((m - basis @ q.t()).reshape(-1))
             offset += m.numel()
         # Allreduce 2: every Q.
         if local_qs:
@@ -124,7 +126,9 @@ class PowerSGD(ReducingCompressor):
                 q = q.view(cols, r)
                 pieces[i].view(rows, cols).copy_(basis @ q.t())
                 if key is not None:
-                    self.state.put(key, f"q{i}", q / n)
+                    self.state.put(key, f"q{i}", q / n, since)
+        if key is not None:
+            self.state.put(key, "residual", left, since)
         if average:
             x /= n
         return x

@@ -98,15 +98,14 @@ class _Quantized(ReducingCompressor):
         chunk = block * blocks
         # Padding is zeros: it quantizes to zero bytes and sums to zero.
         padded = torch.zeros(n * chunk, dtype=torch.float32)
-        residual = self._residual(key, "residual", numel)
-        torch.add(x, residual, out=padded[:numel])
+        since = self.state.begin()
+        torch.add(x, self._residual(key, "residual", numel), out=padded[:numel])
         rows = padded.view(n * blocks, block)
         scales, q = self._quantize(rows)
         # What this rank's quantization lost stays here. A non-finite gradient (an overflow
         # that GradScaler will skip) must not poison every later step through the residual.
         sent = self._dequantize(scales, q).view(-1)[:numel]
-        residual.copy_(torch.nan_to_num(padded[:numel] - sent, nan=0.0, posinf=0.0,
-                                        neginf=0.0))
+        residual = torch.nan_to_num(padded[:numel] - sent, nan=0.0, posinf=0.0, neginf=0.0)
         # Wire block for rank j: its chunk's scales (4 bytes each), then its bytes.
         width = self.WIDTH
         wire = torch.cat([scales.view(n, blocks).view(torch.uint8),
@@ -122,15 +121,20 @@ class _Quantized(ReducingCompressor):
         if average:
             total /= n
         mine = total.float()
+        owner_name = f"owner{comm.rank}of{n}"
         if key is not None:
-            owner = self.state.tensor(key, f"owner{comm.rank}of{n}", (blocks, block))
-            mine += owner
+            mine += self.state.tensor(key, owner_name, (blocks, block))
         out_scales, out_q = self._quantize(mine)
         if key is not None:
-            owner.copy_(torch.nan_to_num(mine - self._dequantize(out_scales, out_q), nan=0.0,
-                                         posinf=0.0, neginf=0.0))
+            owner = torch.nan_to_num(mine - self._dequantize(out_scales, out_q), nan=0.0,
+                                     posinf=0.0, neginf=0.0)
         piece = torch.cat([out_scales.view(torch.uint8), out_q.view(-1).view(torch.uint8)])
         gathered = comm.allgather(piece).view(n, 4 * blocks + chunk * width)
+        # Every collective returned: only now does the state move (a reduction that a lost
+        # peer cut short leaves it as it was, state.py).
+        if key is not None:
+            self.state.put(key, "residual", residual, since)
+            self.state.put(key, owner_name, owner, since)
         all_scales = _packed(gathered[:, :4 * blocks]).view(torch.float32).reshape(-1)
         all_q = _packed(gathered[:, 4 * blocks:]).view(n * blocks, block * width)
         return self._dequantize(all_scales, all_q).view(-1)[:numel].clone()

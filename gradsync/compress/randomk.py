@@ -52,15 +52,18 @@ class RandomK(ReducingCompressor):
         numel = x.numel()
         if numel == 0:
             return x
-        step = self.state.next_step(key) if key is not None else 0
+        since = self.state.begin()
+        step = self.state.step(key) if key is not None else 0
         g = torch.Generator().manual_seed(seed_for(self.seed, str(key), step))
         chosen = torch.randperm(numel, generator=g)[:self.count(numel)]
-        residual = self._residual(key, "residual", numel)
-        x += residual
+        x += self._residual(key, "residual", numel)
         values = x[chosen]
-        residual.copy_(x)
+        residual = x.clone()
         residual[chosen] = 0.0  # what was sent leaves the residual
         comm.allreduce_sum_(values)
+        if key is not None:  # the allreduce returned: the state moves (state.py)
+            self.state.put(key, "residual", residual, since)
+            self.state.set_step(key, step + 1, since)
         if average:
             values /= comm.size
         x.zero_()

@@ -20,6 +20,9 @@ takes part in every step: ``save()`` at a commit (on every rank: it may be a col
 ``sync_from(root)`` to take the live state of a recovery's root (both on every member of the
 new generation, in the same order). ``gradsync.data.Loader`` is such a value
 (``gradsync/data/elastic.py``): its position in the epoch commits and rolls back with the model.
+A handler may also have ``at_update()``: a state that counts optimizer updates (``TorchState``)
+calls it after each one is applied, so that the handler knows the point a redone step starts
+from (a compressor's residuals, ``gradsync/compress/elastic.py``).
 """
 
 from __future__ import annotations
@@ -205,6 +208,14 @@ class ObjectState(State):
                 setattr(self, name, value)
         for handler in self._value_handlers.values():
             handler.sync_from(root_rank)
+
+    def _values_at_update(self) -> None:
+        """Tells the value handlers that ask (``at_update``) that an optimizer update was
+        applied (the module docstring)."""
+        for handler in self._value_handlers.values():
+            at_update = getattr(handler, "at_update", None)
+            if callable(at_update):
+                at_update()
 
     def _values_resumable(self) -> bool:
         """Whether every value handler that can tell (``resumable()``) says its live state

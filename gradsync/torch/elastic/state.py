@@ -62,6 +62,7 @@ class _OptimizerHandler(_Handler):
         self.updates = 0
         self.depth = 0  # steps entered and not finished (see _before)
         self._hooks = []
+        self.on_update = None  # called after each update applied (TorchState's values)
         super().__init__(value)
 
     def save(self) -> None:
@@ -114,6 +115,8 @@ class _OptimizerHandler(_Handler):
         self.depth -= 1
         if self.depth == 0:  # the update is applied: the round is over and counts
             self.updates += 1
+            if self.on_update is not None:
+                self.on_update()
 
 
 class _SamplerHandler(_Handler):
@@ -168,6 +171,10 @@ class TorchState(ObjectState):
             object.__setattr__(self, name, handler.value)
         object.__setattr__(self, "_saved_updates", self.applied_updates())
         super().__init__(broadcast_object, rank, **plain)
+        # A value whose handler must know where a redone step starts (a compressor's
+        # residuals: gradsync/compress/elastic.py) is told after each update.
+        for handler in self._optimizers():
+            handler.on_update = self._values_at_update
 
     def __setattr__(self, name, value) -> None:
         handlers = self.__dict__.get("_handlers", {})
