@@ -125,8 +125,8 @@ class Config:
     ``off``: no dump but on request (``gradsync.flight_recorder.dump``)."""
 
     straggler_interval: float = 1.0
-    """Seconds between a rank's posts of its pace (its newest steps' time and time blocked in
-    collectives) to the job's store, which name stragglers and feed ``gradsync top``
+    """Seconds between a rank's posts of its pace (its steps' time and time blocked in
+    collectives since its last post) to the job's store, which name stragglers and feed ``gradsync top``
     (docs/troubleshooting.md, "Stragglers"); 0 turns the pace meter, the posts and the
     straggler warnings off."""
 

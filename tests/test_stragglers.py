@@ -202,9 +202,10 @@ def _publishers(size=4):
     return base, clock, meters, publishers
 
 
-def _run(clock, meters, publishers, compute_ms, steps, comm_ms=2):
+def _run(clock, meters, publishers, compute_ms, steps, comm_ms=2, rounds=None):
     """``steps`` steps of every rank: rank r computes ``compute_ms[r]``, then all meet in a
-    collective of ``comm_ms``; the publishers post (and rank 0 judges) every 5 steps."""
+    collective of ``comm_ms``; after each step the publishers that ``rounds(step)`` gives
+    post (and rank 0 judges); by default all of them every 5 steps, rank 0 last."""
     for n in range(steps):
         start = clock.ns
         arrivals = [start + c * MS for c in compute_ms]
@@ -213,9 +214,10 @@ def _run(clock, meters, publishers, compute_ms, steps, comm_ms=2):
             meter.op_done()
             meter.blocked(arrived, clock.ns)
             meter.mark_step()
-        if n % 5 == 4:
-            for p in publishers[1:] + publishers[:1]:
-                p.round()
+        step = meters[0].step
+        for p in (rounds(step) if rounds else
+                  publishers[1:] + publishers[:1] if n % 5 == 4 else []):
+            p.round()
 
 
 def test_four_ranks_name_the_slow_one_through_the_store_and_top_shows_it(caplog):
@@ -244,6 +246,66 @@ def test_four_ranks_name_the_slow_one_through_the_store_and_top_shows_it(caplog)
     assert len(lines) == 6 and "stragglers: rank 2" in lines[0], lines
     assert [line.split()[:2] for line in lines[2:]] == [[str(r), f"host{r}"] for r in range(4)]
     assert [line.endswith("STRAGGLER") for line in lines[2:]] == [False, False, True, False]
+
+
+@pytest.mark.parametrize("per_round", [13, 130])
+def test_rank_0_judges_the_steps_its_peers_posted_before_its_own_round(caplog, per_round):
+    """A real job (78 ms steps: 13 an interval) in which rank 0's round came a few steps
+    before its peers': its post of its newest 10 steps and theirs, an interval older, never
+    held a step in common, and rank 0 named nobody for 14 s (170 steps) while gradsync top,
+    which keeps its reads, showed the straggler late in 10 of 10. Rank 0 keeps what its
+    peers posted; and a post carries the steps since the last one (every 8th of a job of
+    130 steps an interval), so that none is left out of every post."""
+    base, clock, meters, publishers = _publishers()
+    lag = 3 * per_round // 13  # the peers post 0.23 intervals after rank 0
+
+    def rounds(step):
+        return (publishers[:1] if step % per_round == 0 else
+                publishers[1:] if step % per_round == lag else [])
+
+    with caplog.at_level(logging.WARNING, logger="gradsync"):
+        _run(clock, meters, publishers, [100] * 4, 2 * per_round, rounds=rounds)
+        judged = publishers[0].report.step
+        assert judged and publishers[0].report.named == (), publishers[0].report
+        assert not [r for r in caplog.records if "straggler" in r.getMessage()]
+        _run(clock, meters, publishers, [100, 100, 100, 130], 3 * per_round, rounds=rounds)
+    report = publishers[0].report
+    assert [p.rank for p in report.named] == [3], report
+    (warning,) = [r.getMessage() for r in caplog.records if "straggler" in r.getMessage()]
+    # Slowed from step 2 * per_round + 1: named from what the peers posted at their second
+    # round after that, judged at rank 0's next (every step of an interval; with 130 steps,
+    # every 8th: 10 of them span 80 steps).
+    stride = 1 if per_round == 13 else 8
+    named_at = int(re.search(r"up to step (\d+)", warning)[1])
+    assert named_at == (3 * per_round + lag) // stride * stride, warning
+    assert "in 10 of the last 10 steps" in warning, warning
+    assert all(m.stride == stride for m in meters)
+
+
+def test_a_post_carries_the_steps_since_the_last_one():
+    """Ten steps a post while a rank made 13 an interval left 3 of every 13 out of all of
+    its posts; a job of 130 an interval posts every 8th, and keeps only those."""
+    clock = Clock()
+    world = types.SimpleNamespace(
+        config=Config(straggler_interval=1.0), rank=1, size=2,
+        env=types.SimpleNamespace(job_id="job"),
+        peers=[types.SimpleNamespace(host="h")] * 2, store=None)
+    meter = Meter(clock)
+    meter.reset(0)
+    publisher = Publisher(world, pace=meter, thread=False)
+
+    def steps(count):
+        for _ in range(count):
+            clock.ns += 10 * MS
+            meter.mark_step()
+        return [n for n, *_ in publisher.summary()["steps"]]
+
+    assert steps(4) == [1, 2, 3, 4]
+    assert steps(13) == list(range(5, 18))
+    assert steps(3) == list(range(11, 21))  # the newest 10 at least (gradsync top's first read)
+    steps(130)  # more than HISTORY: the meter kept the newest 64
+    assert meter.stride == 8
+    assert steps(130) == list(range(152, 281, 8))
 
 
 def _result(output: str) -> dict:

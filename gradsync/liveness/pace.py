@@ -17,8 +17,10 @@ union so far (``blocked``). A *step* is what lies between two step marks: ``mark
 (``gradsync.mark_step``, called by the Horovod API's ``DistributedOptimizer.step``) or, in a
 job that never marks one, every ``straggler_ops`` completed operations (every rank completes
 the same operations in the same order under both APIs, so the counts agree). Each step keeps
-``(number, wall end in ns, step ns, blocked ns, operations)``; the step's *compute* is its
-time not blocked.
+``(number, wall end in ns, step ns, blocked ns, operations, data ns)``; the step's
+*compute* is its time not blocked. A job of more steps an interval than its posts carry keeps
+every ``stride``-th step alone (a power of two the publisher sets, ``straggler_watch.py``), so
+that the steps it keeps still span more than its posts' interval.
 
 *Data* time is wall time the training loop waited for its next batch: gradsync's own
 ``gradsync.data.Loader`` reports it at each ``next()``; a torch ``DataLoader`` (or any
@@ -55,8 +57,8 @@ __all__ = ["Meter", "meter", "HISTORY", "OPS", "BACKWARD", "MARKED", "waiting_fo
            "metered"]
 
 HISTORY = 64
-"""Steps each rank keeps (the newest): what it publishes covers the last ``straggler_window``
-of them, and ``gradsync top`` shows the newest."""
+"""Steps each rank keeps (the newest of those its ``stride`` keeps): what it posts is drawn
+from them (``straggler_watch.py``)."""
 
 OPS, BACKWARD, MARKED = 0, 1, 2
 """Who marks the steps (``Meter.level``; the module docstring)."""
@@ -101,6 +103,8 @@ class Meter:
         self._next_mark = ops_per_step or -1
         self._mark_ns, self._mark_blocked, self._mark_ops = self._clock(), 0, 0
         self._mark_data = 0
+        self.stride = 1
+        """Steps kept: those whose number is a multiple of this (the publisher sets it)."""
         self.news = None
         """A straggler report not yet given to ``listeners`` (the publisher's thread sets it,
         the next explicit step mark hands it over on the training thread)."""
@@ -168,8 +172,9 @@ class Meter:
         # may overlap).
         data_ns = min(data - self._mark_data, step_ns - blocked_ns)
         # One append: atomic under the GIL, so the publisher's snapshot sees whole steps.
-        self.steps.append((self.step, time.time_ns(), step_ns, blocked_ns,
-                           ops - self._mark_ops, data_ns))
+        if self.step % self.stride == 0:
+            self.steps.append((self.step, time.time_ns(), step_ns, blocked_ns,
+                               ops - self._mark_ops, data_ns))
         self._mark_ns, self._mark_blocked, self._mark_ops = now, blocked, ops
         self._mark_data = data
         timeline = self.timeline

@@ -39,8 +39,8 @@ for it. Had rank 3's 30 ms been a wait for its batches, the same numbers would s
 
 The exchange costs nothing per operation and no collective. Each rank's *publisher*, a
 thread (``gradsync-pace``) that wakes every ``straggler_interval`` (1 s), posts its summary
-(newest steps, operation count, payload bytes per second, bytes per second per tier
-``traffic.py``, last operation) to the job's store
+(its steps since its last post, operation count, payload bytes per second, bytes per second
+per tier ``traffic.py``, last operation) to the job's store
 under ``pace/<rank>`` when it has changed: at most two store requests per rank per interval,
 over the World's store client, and none while the rank has not moved (waiting in a
 collective); beyond 256 ranks the interval grows with the job (``STORE_POSTS_PER_S``). Rank
@@ -50,6 +50,20 @@ others' posts), and posts its verdict (``pace/verdict``, counted in ``pace/verdi
 the named ranks change; the other ranks read it when its count moves (one ``add`` of 0 per
 round in which they moved). ``gradsync top`` reads
 the same keys from outside the job, so it needs only the store's address.
+
+Steps across posts (``Ledger``). Ranks post at their own moments, up to an interval apart,
+and rank 0 posts its newest steps just before it judges. In a job of 13 steps an interval, a
+post of the newest 10 steps held by rank 0 at step 112 (steps 103-112) and one posted by a
+peer 0.2 s after rank 0's previous round (at step 102: steps 93-102) have no step in common,
+and the phases of the ranks' threads drift by milliseconds a round: judging only the steps
+that the posts of one read share, rank 0 judged none for 14 s of a real job's 78 ms steps
+while ``gradsync top``, which kept its reads, showed the straggler late in 10 of 10. So the
+judge keeps every rank's posted steps from one read to the next and judges a step once every
+rank's post of it has come. And a post carries every step since the rank's last post (the
+newest ``straggler_window`` at least), so that no step is left out of all of a rank's posts:
+at most two windows of them (and half of ``HISTORY``); a job of more steps an interval keeps
+(``Meter.stride``) and posts only every second, fourth, ... step, a power of two, so that the
+steps of ranks whose counts straddle a power of two still meet (the multiples of the larger).
 """
 
 from __future__ import annotations
@@ -68,11 +82,11 @@ import numpy as np
 
 from ..cluster.rendezvous import Store
 from ..flight_recorder import COMPLETED, recorder
-from .pace import Meter, meter
+from .pace import HISTORY, Meter, meter
 from .traffic import Traffic
 
-__all__ = ["Judge", "RankPace", "Report", "Publisher", "EMPTY", "on_report", "payload_bytes",
-           "running", "CURRENT_KEY", "TOP_NAMESPACE", "FLOOR_NS", "STORE_POSTS_PER_S"]
+__all__ = ["Judge", "Ledger", "RankPace", "Report", "Publisher", "EMPTY", "on_report",
+           "payload_bytes", "running", "CURRENT_KEY", "TOP_NAMESPACE", "FLOOR_NS", "STORE_POSTS_PER_S"]
 
 log = logging.getLogger("gradsync")
 
@@ -175,6 +189,52 @@ class Judge:
                         round(ms(1) - ms(2) - ms(6), 3), ms(3), ms(4), ms(6))
 
 
+class Ledger:
+    """The steps each rank has posted, kept from one read of the posts to the next; each
+    judged once every rank's has come (module docstring). Rank 0's judge and ``gradsync
+    top``'s view.
+
+    Args:
+        size, window, threshold: the ``Judge``'s.
+    """
+
+    def __init__(self, size: int, window: int, threshold: float):
+        self.judge = Judge(size, window, threshold)
+        self._held: list[dict] = [{} for _ in range(size)]  # per rank: step -> sample
+        self._epoch = None  # the ``explicit`` (who marks the steps) of the steps held
+
+    def read(self, posts) -> None:
+        """Adds each rank's post (None where it has none yet) and judges, in order, the
+        steps past the newest judged that every rank has now posted."""
+        # A job's steps are counted by its operations until it marks one (pace.py): numbers
+        # that start again at 1 then, judged afresh once every rank's do.
+        epochs = {p["explicit"] for p in posts if p is not None and "explicit" in p}
+        if len(epochs) > 1:
+            return  # some ranks have begun to mark steps, others not yet
+        if epochs and epochs != {self._epoch}:
+            if self._epoch is not None:
+                judge = self.judge
+                self.judge = Judge(judge.size, judge.window, judge.threshold)
+                self._held = [{} for _ in self._held]
+            self._epoch = epochs.pop()
+        judged = self.judge.step
+        for held, post in zip(self._held, posts):
+            if post is None:
+                continue
+            for n, *sample in post["steps"]:
+                if n > judged:
+                    held[n] = tuple(sample)
+            # Bounded: a rank's steps that the others never post (a rank far ahead) go.
+            for n in sorted(held)[:-HISTORY]:
+                del held[n]
+        for n in sorted(set.intersection(*(set(h) for h in self._held))):
+            self.judge.judge(n, [h[n] for h in self._held])
+        judged = self.judge.step
+        for held in self._held:  # a step before the newest judged will not be judged
+            for n in [n for n in held if n <= judged]:
+                del held[n]
+
+
 _running: "Publisher | None" = None  # the process's publisher thread (a job's or a torch group's)
 
 
@@ -238,7 +298,7 @@ class Publisher:
         self.generation = generation
         self.hosts = [p.host for p in world.peers]
         self.host = self.hosts[self.rank]
-        self.judge = Judge(world.size, config.straggler_window, config.straggler_threshold)
+        self.ledger = Ledger(world.size, config.straggler_window, config.straggler_threshold)
         self.report = EMPTY
         self._job = world.env.job_id
         # The World's own client: a socket more per rank would break the job's budget
@@ -248,9 +308,9 @@ class Publisher:
         self._stop = threading.Event()
         self._posted = (0, 0)  # (ops, step) last posted: an idle rank posts nothing
         self._newest = 0  # the newest step this rank posted
+        self._since = (0, 0)  # (level, step) of the meter at the last post
         self._counted = False  # this rank counted itself in pace/ready
         self._verdicts = 0
-        self._epoch = None  # (explicit steps?) of the steps judged
         self._last_end, self._last_t = 0, time.monotonic()  # what the last post counted
         self.traffic = Traffic(world)  # bytes per second per tier (traffic.py)
         self._thread = None
@@ -262,6 +322,11 @@ class Publisher:
             self._thread = threading.Thread(target=self._run, name="gradsync-pace",
                                             daemon=True)
             self._thread.start()
+
+    @property
+    def judge(self) -> Judge:
+        """Rank 0's judge (its ``Ledger``'s)."""
+        return self.ledger.judge
 
     def stop(self) -> None:
         """Ends the thread, waiting for the round in progress (milliseconds): a thread that
@@ -293,7 +358,6 @@ class Publisher:
             return
         if (self.meter.ops, self.meter.step) != self._posted:
             self._posted = (self.meter.ops, self.meter.step)
-            self._newest = max((n for n, *_ in self.meter.recent(self.window)), default=0)
             self._store.set(f"pace/{self.rank}", json.dumps(self.summary()))
             if not self._counted:
                 self._counted = True
@@ -316,7 +380,7 @@ class Publisher:
                 self.meter.news = report
 
     def summary(self) -> dict:
-        """What this rank posts: its newest steps and what it does now."""
+        """What this rank posts: its steps since its last post and what it does now."""
         held = recorder.records()
         now_t = time.monotonic()
         # The bytes of the operations completed since the last post: by their end time, not
@@ -334,27 +398,35 @@ class Publisher:
             "step": self.meter.step,
             "ops": self.meter.ops, "bytes_s": round(rate), "tiers": self.traffic.rates(),
             "steps": [[n, step_ns, blocked_ns, data_ns] for n, _, step_ns, blocked_ns, _,
-                      data_ns in self.meter.recent(self.window)],
+                      data_ns in self._steps()],
             "last": None if last is None else last.words(),
         }
+
+    def _steps(self) -> list:
+        """The steps to post: those since the last post (the newest ``window`` at least), at
+        most two windows of them, thinned by a power-of-two stride (module docstring)."""
+        meter, level = self.meter, self.meter.level
+        if level != self._since[0]:  # steps renumbered from 1 (pace.py)
+            self._since, self._newest = (level, 0), 0
+        count = meter.step - self._since[1]
+        self._since = (level, meter.step)
+        most = max(1, min(2 * self.window, HISTORY // 2))
+        stride = 1
+        while count > stride * most:
+            stride *= 2
+        # The meter keeps the same steps from now on: what it holds spans two posts and more.
+        meter.stride = stride
+        held = [s for s in meter.recent(HISTORY) if s[0] % stride == 0]
+        fresh = [s for s in held if s[0] > self._newest]
+        posted = fresh if len(fresh) >= self.window else held[-self.window:]
+        self._newest = max([self._newest] + [s[0] for s in posted])
+        return posted
 
     def _judge(self) -> None:
         if self._store.add("pace/ready", 0) < self.size:
             return  # a rank has posted nothing yet
-        found = [json.loads(v) for v in self._store.get_many(
-            [f"pace/{r}" for r in range(self.size)])]
-        epochs = {f["explicit"] for f in found}
-        if len(epochs) > 1:
-            return  # some ranks have begun to mark steps, others not yet
-        epoch = epochs.pop()
-        if epoch != self._epoch:  # steps counted by operations gave way to marked ones
-            self._epoch = epoch
-            self.judge = Judge(self.size, self.window, self.judge.threshold)
-        steps = [{n: tuple(sample) for n, *sample in f["steps"]} for f in found]
-        common = sorted(set.intersection(*(set(s) for s in steps)))
-        for n in common:
-            if n > self.judge.step:
-                self.judge.judge(n, [s[n] for s in steps])
+        self.ledger.read([json.loads(v) for v in self._store.get_many(
+            [f"pace/{r}" for r in range(self.size)])])
         before = {p.rank for p in self.report.named}
         ranks = tuple(self.judge.pace(r, self.hosts[r], late_only=False)
                       for r in range(self.size))

@@ -1,12 +1,12 @@
 """``gradsync top``: a live view of a running job, one row per rank, from its store alone.
 
 Every rank of a job posts its *pace* to the job's store once a second
-(``straggler_watch.py``): its newest steps (each step's time and the time it was blocked in
-collectives), its operation count, the payload bytes per second of its collectives, its last
-operation and its elastic generation; rank 0 adds the straggler verdict and says under
-``top/current`` which job (and generation) is the newest to post. ``gradsync top`` reads
-those keys, so it reaches a job from any machine that reaches its store, and costs the job
-nothing but the store's answers to it.
+(``straggler_watch.py``): its steps since its last post (each step's time and the time it
+was blocked in collectives), its operation count, the payload bytes per second of its
+collectives, its last operation and its elastic generation; rank 0 adds the straggler
+verdict and says under ``top/current`` which job (and generation) is the newest to post.
+``gradsync top`` reads those keys, so it reaches a job from any machine that reaches its
+store, and costs the job nothing but the store's answers to it.
 
 Each row shows a rank's host, generation, step and operation counts, its steps split into
 compute / data / waiting / communication (milliseconds, averaged over the steps that every
@@ -43,7 +43,7 @@ from typing import Sequence
 
 from ..cluster.rendezvous import Store
 from ..cluster.topology import TIERS
-from ..liveness.straggler_watch import CURRENT_KEY, TOP_NAMESPACE, Judge
+from ..liveness.straggler_watch import CURRENT_KEY, TOP_NAMESPACE, Judge, Ledger
 from . import jobfile
 
 __all__ = ["main", "build_parser", "read", "table"]
@@ -123,57 +123,33 @@ def read(base) -> "tuple[dict | None, list, dict]":
     return current, posts, verdict
 
 
-_KEPT = 4 * _WINDOW  # steps kept per rank between reads
-
-
 class View:
     """What the view keeps from one read to the next (one per job it shows).
 
-    Ranks post once a second each, at their own moments, their newest ``_WINDOW`` steps: in
-    a job of 10 steps a second, one read often finds no step that every rank's post still
-    holds, and a read alone would show no split at all. So the steps of every read are kept
-    (``_KEPT`` per rank) and each step is judged once every rank's has been seen, by the
-    rule rank 0 applies. A rank posts only when it moved: ``changed`` holds when its post
-    last changed, on this clock, so that the age of its last operation keeps growing while
-    it waits (the post's own age is as old as the post).
+    Ranks post once a second each, at their own moments: one read often finds no step that
+    every rank's post holds, so the view keeps the steps of its reads and judges each once
+    every rank's has come, as rank 0 does (``straggler_watch.Ledger``). A rank posts only
+    when it moved: ``changed`` holds when its post last changed, on this clock, so that the
+    age of its last operation keeps growing while it waits (the post's own age is as old as
+    the post).
     """
 
     def __init__(self, current: dict):
         self.key = (current["job"], int(current["size"]))
         size = self.key[1]
-        self.judge = Judge(size, _WINDOW, 0.1)
-        self._steps: list[dict] = [{} for _ in range(size)]
+        self.ledger = Ledger(size, _WINDOW, 0.1)
         self._moved: list = [None] * size  # (ops, step) of each rank's newest post
         self.changed: list[float] = [0.0] * size
-        self._epoch = None  # whether the steps judged were marked (True) or counted
+
+    @property
+    def judge(self) -> Judge:
+        return self.ledger.judge
 
     def update(self, posts: list, now: float) -> None:
         for r, post in enumerate(posts):
-            if post is None:
-                continue
-            moved = (post["ops"], post["step"])
-            if moved != self._moved[r]:
-                self._moved[r], self.changed[r] = moved, now
-            mine = self._steps[r]
-            for n, *sample in post["steps"]:  # (step, blocked, data) ns
-                mine[n] = tuple(sample)
-            for n in sorted(mine)[:-_KEPT]:
-                del mine[n]
-        # A job's steps are counted by its operations until it marks one (as rank 0's judge
-        # does, pace.py): numbers that start again at 1 then, judged afresh once all have.
-        epochs = {p["explicit"] for p in posts if p is not None and "explicit" in p}
-        if len(epochs) > 1:
-            return
-        if epochs and epochs != {self._epoch}:
-            if self._epoch is not None:
-                self.judge = Judge(len(self._steps), _WINDOW, 0.1)
-                for r, post in enumerate(posts):
-                    self._steps[r] = {n: tuple(sample) for n, *sample in post["steps"]}
-            self._epoch = epochs.pop()
-        common = set.intersection(*(set(s) for s in self._steps)) if self._steps else set()
-        for n in sorted(common):
-            if n > self.judge.step:
-                self.judge.judge(n, [s[n] for s in self._steps])
+            if post is not None and (post["ops"], post["step"]) != self._moved[r]:
+                self._moved[r], self.changed[r] = (post["ops"], post["step"]), now
+        self.ledger.read(posts)
 
 
 def _aged(last: str, waited: float) -> str:
