@@ -22,27 +22,41 @@ order for the Horovod API). So the analyzer lines the ranks' records up by track
 and finds the first collective where they differ or where a rank is missing.
 
 Cost. Recording is on every operation's path, so it is a few writes to memory this process
-owns and nothing else: one small object per operation (``Record``, slots only), a number
-from a counter (``itertools.count``: atomic under the GIL, so threads need no lock), one
-store into a preallocated list, and for each change of state a clock read and two attribute
-writes. Nothing is formatted, copied or locked until a dump, which builds torch's dicts from
-the ring then. A record holds shapes and dtypes, never a tensor, so the ring keeps no memory
-of the job's alive.
+owns and nothing else. The ring is a list of ``Record`` objects (slots only) made once, when
+the ring is sized; an operation takes the next one in turn and overwrites its fields, so no
+object is made per operation (a record still in flight when its turn comes again, which
+only an operation older than the whole ring can be, stays with its holder and a new object
+takes its place in the ring). Its number comes from a counter (``itertools.count``: atomic
+under the GIL, so threads need no lock); each change of state is a clock read and two
+attribute writes, and completing one also counts it in the pace meter's steps (``pace.py``)
+in place, without a call. Nothing is formatted, copied or locked until a reader asks: a
+dump builds torch's dicts from the ring then, and the pace publisher, once a second, picks
+out the records completed since its last look (``completed_after``: one pass over the ring,
+no sort, no copy of the others) and copies the newest one.
+A record holds shapes and dtypes, never a tensor, so the ring keeps no memory of the job's
+alive. With a ring of 0 (``flight_recorder=0``) each operation gets an object of its own,
+kept by its holder alone (the Horovod API's stall report reads when it was issued).
 
 A dump is a snapshot: the ring is read without a lock while other threads may record, so it
-can miss an operation that began during the dump; each record it holds is whole (a record
-enters the ring in one list store). Torch's format has no ``failed`` state: a failed operation
-is written as ``started`` (it began and never completed, which is what torch would show), and
-gradsync's own keys beside torch's (``gradsync_state``, ``gradsync_error``, ``gradsync_door``,
-``gradsync_name``) keep the rest. The analyzer accepts only the communication libraries it
-knows in an operation's ``profiling_name``; gradsync writes ``gloo:<collective>`` (a CPU
-library with the same collectives), so ``fr_trace`` matches the records as gloo's.
+can miss an operation that began during the dump. Each record it holds is whole: a reader
+copies a record's fields in one call of C code (``operator.attrgetter``), which no thread
+can interrupt, and leaves out a record whose number is -1 (``issue`` sets the number to -1
+before it overwrites the fields and to the new number last), so a copy is never half of two
+operations.
+
+Torch's format has no ``failed`` state: a failed operation is written as ``started`` (it
+began and never completed, which is what torch would show), and gradsync's own keys beside
+torch's (``gradsync_state``, ``gradsync_error``, ``gradsync_door``, ``gradsync_name``) keep
+the rest. The analyzer accepts only the communication libraries it knows in an operation's
+``profiling_name``; gradsync writes ``gloo:<collective>`` (a CPU library with the same
+collectives), so ``fr_trace`` matches the records as gloo's.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import os
 import pickle
 import re
@@ -69,6 +83,17 @@ FORMAT_VERSION = "2.10"
 
 DEFAULT_ENTRIES = 2000
 
+# A record's fields, in the order readers copy them (``_whole``).
+_FIELDS = ("record_id", "track", "kind", "name", "shape", "dtype", "out_shape", "seq", "peer",
+           "created_ns", "started_ns", "ended_ns", "state", "error")
+# Readers take a record's fields in one call of C code, which no other thread can interrupt
+# (it runs no Python code, so never lets the GIL go): a consistent view, as of one instant.
+_fields_of = operator.attrgetter(*_FIELDS)
+_completion_of = operator.attrgetter("record_id", "state", "shape", "dtype", "ended_ns")
+_record_id = operator.attrgetter("record_id")
+_blank = object.__new__
+_time_ns = time.time_ns
+
 # Torch's names of the element types (what its recorder writes in input_dtypes).
 _TORCH_DTYPES = {
     "float32": "Float", "float64": "Double", "float16": "Half", "bfloat16": "BFloat16",
@@ -80,24 +105,34 @@ _TORCH_DTYPES = {
 class Record:
     """One operation on this rank (the module docstring says what each field holds)."""
 
-    __slots__ = ("record_id", "track", "kind", "name", "shape", "dtype", "out_shape", "seq",
-                 "peer", "created_ns", "started_ns", "ended_ns", "state", "error")
+    __slots__ = _FIELDS
+
+    def __init__(self):
+        # An empty slot of the ring: number -1 (no operation), in no state.
+        self.record_id, self.track, self.state = -1, None, None
+        self.kind = self.name = self.shape = self.dtype = self.out_shape = None
+        self.seq = self.peer = self.error = None
+        self.created_ns = self.started_ns = self.ended_ns = 0
 
     def start(self) -> None:
         """The operation begins to run."""
-        self.started_ns = time.time_ns()
+        self.started_ns = _time_ns()
         self.state = STARTED
 
     def done(self) -> None:
-        """The operation completed (and counts in the pace meter's steps, ``pace.py``)."""
-        self.ended_ns = time.time_ns()
+        """The operation completed, and counts in the pace meter's steps (``pace.py``): the
+        meter's ``op_done`` in place, a call saved on every operation."""
+        self.ended_ns = _time_ns()
         self.state = COMPLETED
-        meter.op_done()
+        if meter.on:
+            meter.ops = ops = meter.ops + 1
+            if ops == meter.next_mark:
+                meter.step_by_ops()
 
     def fail(self, error: BaseException) -> None:
         """The operation failed with ``error``, kept in words: the exception itself would
         keep its traceback's frames, and the tensors they hold, alive in the ring."""
-        self.ended_ns = time.time_ns()
+        self.ended_ns = _time_ns()
         self.error = str(error)
         self.state = FAILED
 
@@ -139,7 +174,8 @@ class Track:
         self._p2p = itertools.count(1)
 
     def issue(self, kind: str, name: "str | None" = None, shape=None, dtype=None,
-              out_shape=None, peer: "int | None" = None, numbered: bool = True) -> Record:
+              out_shape=None, peer: "int | None" = None, numbered: bool = True,
+              started: bool = False) -> Record:
         """Records an operation issued on this track (state ``scheduled``) and returns it.
 
         Args:
@@ -150,9 +186,20 @@ class Track:
             peer: for a send or receive, the other end's rank in the track.
             numbered: False when the track numbers it later (``number``): the Horovod API
                 runs operations in agreed order, not in issue order.
+            started: it begins to run now (state ``started``, with the same clock read), as
+                the express lane's do: ``start`` saved.
         """
-        rec = Record()
-        rec.record_id = next(self.recorder._ids)
+        recorder = self.recorder
+        record_id = next(recorder._ids)
+        ring, size = recorder._slots  # one read: a resize swaps both at once
+        if size:
+            rec = ring[record_id % size]
+            state = rec.state
+            if state is SCHEDULED or state is STARTED:  # in flight a whole ring later: its
+                rec = ring[record_id % size] = _blank(Record)  # holder keeps it, a new one here
+        else:
+            rec = _blank(Record)  # (every field is set below: no __init__ to run)
+        rec.record_id = -1  # readers leave it alone until it is whole again (module docstring)
         rec.track, rec.kind, rec.name = self, kind, name
         rec.shape, rec.dtype, rec.out_shape, rec.peer = shape, dtype, out_shape, peer
         if not numbered:
@@ -161,10 +208,13 @@ class Track:
             rec.seq = next(self._seqs)
         else:
             rec.seq = next(self._p2p)
-        rec.created_ns = time.time_ns()
-        rec.started_ns = rec.ended_ns = 0
-        rec.state, rec.error = SCHEDULED, None
-        self.recorder._store(rec)
+        rec.created_ns = now = _time_ns()
+        rec.ended_ns, rec.error = 0, None
+        if started:
+            rec.started_ns, rec.state = now, STARTED
+        else:
+            rec.started_ns, rec.state = 0, SCHEDULED
+        rec.record_id = record_id
         return rec
 
     def number(self, rec: Record) -> None:
@@ -178,8 +228,7 @@ class Recorder:
     def __init__(self, entries: int = DEFAULT_ENTRIES):
         self._ids = itertools.count()
         self._tracks_made = itertools.count()
-        self._ring: list = [None] * entries
-        self._size = entries
+        self._slots: tuple = ([Record() for _ in range(entries)], entries)  # (ring, size)
         self.rank = 0
         """The process's global rank (names its dump file)."""
         self.directory = ""
@@ -193,22 +242,19 @@ class Recorder:
     @property
     def size(self) -> int:
         """Records kept (0: the recorder is off)."""
-        return self._size
-
-    def _store(self, rec: Record) -> None:
-        if self._size:
-            # One store into the list: atomic under the GIL, as is the count the id came from.
-            self._ring[rec.record_id % self._size] = rec
+        return self._slots[1]
 
     def resize(self, entries: int) -> None:
         """Keeps the newest ``entries`` records from now on (0: records nothing)."""
-        if entries == self._size:
+        ring, size = self._slots
+        if entries == size:
             return
-        kept = self.records()[-entries:] if entries else []
-        ring: list = [None] * entries
-        for rec in kept:
-            ring[rec.record_id % entries] = rec
-        self._ring, self._size = ring, entries
+        fresh = [Record() for _ in range(entries)]
+        # The newest records move over as they are (their holders may still complete them).
+        kept = sorted((rec for rec in ring if rec.record_id >= 0), key=_record_id)
+        for rec in kept[-entries:] if entries else ():
+            fresh[rec.record_id % entries] = rec
+        self._slots = (fresh, entries)
 
     def track(self, uid: str, desc: str, ranks, door: str, timeout: float,
               world=None) -> Track:
@@ -218,10 +264,35 @@ class Recorder:
         return track
 
     def records(self) -> list[Record]:
-        """The records held, oldest first (a snapshot; see the module docstring)."""
-        held = [rec for rec in list(self._ring) if rec is not None]
-        held.sort(key=lambda rec: rec.record_id)
+        """The records held, oldest first: copies, each whole (a snapshot; see the module
+        docstring), which later operations do not change."""
+        held = []
+        for rec in list(self._slots[0]):
+            copy = _whole(rec)
+            if copy is not None:
+                held.append(copy)
+        held.sort(key=_record_id)
         return held
+
+    def newest(self) -> "Record | None":
+        """A copy of the newest record held (None: none), without copying the others."""
+        ring = self._slots[0]
+        for _ in range(3):  # found while a newer operation overwrote it: look again
+            copy = _whole(max(ring, key=_record_id)) if ring else None  # max: one pass in C
+            if copy is not None:
+                return copy
+        return None
+
+    def completed_after(self, ns: int) -> list[tuple]:
+        """``(shape, dtype, ended_ns)`` of each record held that completed after ``ns``
+        (``time.time_ns``): one pass over the ring, no copy of the others (the pace
+        publisher's bytes per second, once a second)."""
+        found = []
+        for rec in [rec for rec in self._slots[0] if rec.ended_ns > ns]:
+            record_id, state, shape, dtype, ended_ns = _completion_of(rec)  # read at once
+            if state is COMPLETED and ended_ns > ns and record_id >= 0:
+                found.append((shape, dtype, ended_ns))
+        return found
 
     # ------------------------------------------------------------------ torch's format
     def entries(self) -> list[dict]:
@@ -301,10 +372,10 @@ class Recorder:
         if world in self._dumped:
             return
         self._dumped.add(world)
-        for rec in self.records():
-            if rec.state == STARTED and rec.track.world() is world:
+        for rec in list(self._slots[0]):  # the ring's own records, not copies
+            if rec.state is STARTED and rec.track.world() is world:
                 rec.fail(error)
-        if not self.directory or not self._size:
+        if not self.directory or not self.size:
             return
         try:
             path = self.dump(self.directory)
@@ -341,6 +412,18 @@ class Recorder:
 
 def _nothing():
     return None
+
+
+def _whole(rec: Record) -> "Record | None":
+    """A copy of ``rec`` if it holds an operation (None while ``issue`` overwrites it)."""
+    fields = _fields_of(rec)
+    if fields[0] < 0:
+        return None
+    copy = _blank(Record)
+    (copy.record_id, copy.track, copy.kind, copy.name, copy.shape, copy.dtype, copy.out_shape,
+     copy.seq, copy.peer, copy.created_ns, copy.started_ns, copy.ended_ns, copy.state,
+     copy.error) = fields
+    return copy
 
 
 def _entry(rec: Record, seq: int) -> dict:

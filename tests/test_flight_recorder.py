@@ -81,8 +81,8 @@ def test_operations_numbered_when_they_run_take_the_next_numbers_while_they_wait
 
 
 def test_the_ring_allocates_nothing_once_full():
-    # Nothing per operation beyond its record: once the ring is full each new record replaces
-    # the oldest, so the memory held stays flat however many operations run.
+    # Nothing per operation: once the ring is full each new operation overwrites the oldest
+    # one's record, so the memory held stays flat however many operations run.
     recorder, track = _recorder(entries=100)
     shape = (4,)
 
@@ -103,6 +103,121 @@ def test_the_ring_allocates_nothing_once_full():
         tracemalloc.stop()
     # 5,000 records kept would hold hundreds of KB; a few KB come and go with int objects
     assert after - before < 50_000, (before, after)
+
+
+_OBSERVERS = tuple(os.path.join(*path) for path in (
+    ("gradsync", "flight_recorder.py"), ("liveness", "pace.py"), ("liveness", "straggler_watch.py")))
+
+
+def _calls(run, files=_OBSERVERS) -> int:
+    """Python functions entered while ``run()`` runs on this thread, in ``files`` (counted,
+    not timed: the same on a busy machine)."""
+    found = [0]
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.endswith(files):
+            found[0] += 1
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return found[0]
+
+
+def test_an_operation_costs_the_recorder_and_the_meter_a_few_writes_into_records_made_once():
+    # Issue 41: observing a job costs nothing per operation beyond a few writes to memory the
+    # rank owns. Once the ring is full, each operation takes the record of the one a ring
+    # earlier (no object made), and the engine's road (the NumPy API's: issue, start, done,
+    # the caller's time blocked) enters four functions of the recorder and the meter, where
+    # it entered six before (a call to store the record, one to count it in the meter).
+    import types
+
+    from gradsync.liveness.pace import meter
+    from gradsync.pipeline.engine import Engine
+
+    recorder, track = _recorder(entries=100)
+    engine = Engine(types.SimpleNamespace(failure=None), track)
+    shape = (4,)
+
+    def operations(n):
+        for _ in range(n):
+            engine.run(int, "grad", track.issue("all_reduce", "grad", shape, "float32"))
+
+    was = meter.on
+    meter.reset(0, on=True)  # the meter counts (as in a job), marks no steps
+    try:
+        operations(100)
+        ring = [track.issue("barrier") for _ in range(100)]
+        for rec in ring:
+            rec.done()
+        again = [track.issue("barrier") for _ in range(100)]
+        assert all(a is b for a, b in zip(ring, again))  # the same records, overwritten
+        for rec in again:
+            rec.done()
+        ops = meter.ops
+        calls = _calls(lambda: operations(1000))
+        assert meter.ops == ops + 1000  # each one counted in the meter's steps
+    finally:
+        meter.reset(0, on=was)
+    assert calls <= 4 * 1000, calls / 1000
+    assert [r.name for r in recorder.records()] == ["grad"] * 100
+
+
+def test_a_record_in_flight_a_whole_ring_later_stays_its_holders():
+    recorder, track = _recorder(entries=2)
+    slow = track.issue("all_reduce", "slow", (1,), "float32")
+    slow.start()
+    track.issue("all_reduce", "quick", (1,), "float32").done()
+    newer = track.issue("all_reduce", "newer", (1,), "float32")  # slow's slot: still running
+    slow.done()
+    assert (slow.name, slow.state) == ("slow", COMPLETED)
+    assert (newer.name, newer.state) == ("newer", SCHEDULED)
+    assert [r.name for r in recorder.records()] == ["quick", "newer"]
+
+
+def test_a_reader_copies_whole_records_and_skips_one_being_overwritten():
+    recorder, track = _recorder(entries=3)
+    first, second = (track.issue("all_reduce", n, (1,), "float32") for n in ("a", "b"))
+    held = recorder.records()
+    assert [r.name for r in held] == ["a", "b"] and held[0] is not first  # copies
+    first.done()
+    assert held[0].state == SCHEDULED  # a snapshot: later changes are not in it
+    second.record_id = -1  # how issue() leaves a record while it overwrites its fields
+    assert [r.name for r in recorder.records()] == ["a"]
+    assert recorder.newest().name == "a"
+
+
+def test_a_pace_post_reads_only_what_completed_since_the_last_one(monkeypatch):
+    # The publisher's thread posts once a second while the training thread waits for the
+    # GIL: with a full ring of 2,000 it copied and sorted every record (a call per record
+    # in the sort's key alone) and worked out each new one's bytes; now one pass over the
+    # ring picks out what completed since the last post.
+    import types
+
+    from gradsync.liveness import straggler_watch
+    from gradsync.liveness.pace import Meter
+
+    recorder, track = _recorder(entries=2000)
+    monkeypatch.setattr(straggler_watch, "recorder", recorder)
+    world = types.SimpleNamespace(
+        config=Config(straggler_interval=1.0), rank=0, size=1,
+        env=types.SimpleNamespace(job_id="job"), peers=[types.SimpleNamespace(host="h")],
+        store=None)
+    publisher = straggler_watch.Publisher(world, pace=Meter(), thread=False)
+    for _ in range(2000):
+        track.issue("all_reduce", "g", (256,), "float32").done()
+    publisher.summary()
+    for _ in range(10):
+        track.issue("all_reduce", "g", (256,), "float32").done()
+    track.issue("all_gather", "last", (1,), "int8")
+    publisher._last_t -= 1.0  # a post a second later
+    posted = {}
+    calls = _calls(lambda: posted.update(publisher.summary()))
+    assert posted["bytes_s"] == pytest.approx(10 * 1024, rel=0.2)  # 10 of 256 floats, in 1 s
+    assert posted["last"].startswith("#2011 all_gather 'last' [1] Char"), posted["last"]
+    assert calls < 100, calls
 
 
 def test_a_recorder_of_size_zero_keeps_nothing():

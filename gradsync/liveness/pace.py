@@ -36,11 +36,12 @@ user or ``DistributedOptimizer``). A mark of a higher level drops the steps of t
 and numbers the steps from 1 again; a lower one is ignored from then on, so a DDP job whose
 loop also calls ``gradsync.mark_step`` is judged by those marks alone.
 
-Cost per operation: ``op_done`` (called by ``Record.done`` of the flight recorder, which every
-front door calls) adds one to a counter and compares it; ``blocked`` reads two clocks around a
-wait and writes two numbers. No lock: a lost update between two threads that finish at the
-same instant loses one interval's share of a statistic, never blocks anything. The meter is
-off (each call returns at its first test) when ``straggler_interval`` is 0.
+Cost per operation: completing one (``Record.done`` of the flight recorder, which every
+front door calls) adds one to a counter and compares it with ``next_mark``, in place: no
+call; ``blocked`` reads two clocks around a wait and writes two numbers. No lock: a lost
+update between two threads that finish at the same instant loses one interval's share of a
+statistic, never blocks anything. The meter is off (each call returns at its first test)
+when ``straggler_interval`` is 0.
 
 What a torch DDP job shows. DDP waits for its buckets inside torch's C++ reducer, on a
 ``Future`` no Python code waits on; the torch backend measures that wait from the end of the
@@ -100,7 +101,8 @@ class Meter:
         self.level = OPS
         """Who marks the steps now: ``OPS``, ``BACKWARD`` or ``MARKED``."""
         self._ops_per_step = ops_per_step
-        self._next_mark = ops_per_step or -1
+        self.next_mark = ops_per_step or -1
+        """The operation count that ends the next step (-1: none; steps are marked)."""
         self._mark_ns, self._mark_blocked, self._mark_ops = self._clock(), 0, 0
         self._mark_data = 0
         self.stride = 1
@@ -125,13 +127,18 @@ class Meter:
             self._data_until = end_ns
 
     def op_done(self) -> None:
-        """An operation completed (every front door's, through its flight record)."""
+        """An operation completed (``Record.done`` of the flight recorder, which every front
+        door calls, does the same in place)."""
         if not self.on:
             return
         self.ops += 1
-        if self.ops == self._next_mark:
-            self._next_mark += self._ops_per_step
-            self._mark()
+        if self.ops == self.next_mark:
+            self.step_by_ops()
+
+    def step_by_ops(self) -> None:
+        """The operations counted reached ``next_mark``: a step ends (``level`` OPS)."""
+        self.next_mark += self._ops_per_step
+        self._mark()
 
     # ------------------------------------------------------------------ per step
     @property
@@ -148,7 +155,7 @@ class Meter:
             return
         if level > self.level:
             self.level = level
-            self._next_mark = -1
+            self.next_mark = -1
             self.steps.clear()
             self.step = 0
         self._mark()
@@ -191,8 +198,8 @@ class Meter:
         if on and not self.on:
             self._mark_ns, self._mark_blocked = self._clock(), self.blocked_ns
             self._mark_ops, self._mark_data = self.ops, self.data_ns
-            if self._next_mark > 0:
-                self._next_mark = self.ops + self._ops_per_step
+            if self.next_mark > 0:
+                self.next_mark = self.ops + self._ops_per_step
         self.on = on
 
     def recent(self, count: int) -> list[tuple]:

@@ -72,6 +72,7 @@ import collections
 import dataclasses
 import json
 import logging
+import math
 import os
 import statistics
 import threading
@@ -81,7 +82,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..cluster.rendezvous import Store
-from ..flight_recorder import COMPLETED, recorder
+from ..flight_recorder import recorder
 from .pace import HISTORY, Meter, meter
 from .traffic import Traffic
 
@@ -252,12 +253,11 @@ def on_report(callback) -> None:
 
 def payload_bytes(rec) -> int:
     """The bytes of a record's input (0 for a barrier or an object)."""
-    if rec.shape is None:
-        return 0
-    count = 1
-    for n in rec.shape:
-        count *= n
-    return count * _itemsize(rec.dtype)
+    return _nbytes(rec.shape, rec.dtype)
+
+
+def _nbytes(shape, dtype) -> int:
+    return 0 if shape is None else math.prod(shape) * _itemsize(dtype)
 
 
 def _itemsize(dtype) -> int:
@@ -381,16 +381,19 @@ class Publisher:
 
     def summary(self) -> dict:
         """What this rank posts: its steps since its last post and what it does now."""
-        held = recorder.records()
         now_t = time.monotonic()
         # The bytes of the operations completed since the last post: by their end time, not
         # their number, since an operation in flight now (the Horovod API's fused gradients,
         # often) completes after newer ones were issued and must still count once it does.
-        fresh = [r for r in held if r.state == COMPLETED and r.ended_ns > self._last_end]
-        rate = sum(payload_bytes(r) for r in fresh) / max(now_t - self._last_t, 1e-3)
-        self._last_end = max([self._last_end] + [r.ended_ns for r in fresh])
+        # One pass over the ring, no copy or sort of it (flight_recorder.completed_after), and
+        # the size of each shape and dtype worked out once.
+        fresh = recorder.completed_after(self._last_end)
+        alike = collections.Counter([(shape, dtype) for shape, dtype, _ in fresh])
+        rate = sum(count * _nbytes(shape, dtype) for (shape, dtype), count in alike.items()) / \
+            max(now_t - self._last_t, 1e-3)
+        self._last_end = max([self._last_end] + [ended for _, _, ended in fresh])
         self._last_t = now_t
-        last = held[-1] if held else None
+        last = recorder.newest()
         return {
             "rank": self.rank, "host": self.host, "pid": os.getpid(),
             # Who marks the steps (pace.py): a change of it renumbers them on every rank.

@@ -140,8 +140,7 @@ def allreduce(world, engine, tensor, op, name: "str | None", algorithm: str, inp
             name = unnamed()
             description = entry.prefix + name + entry.suffix
             signature = signature_of(description) if entry.signature else 0
-        record = engine.track.issue("all_reduce", name, shape, flat.dtype)
-        record.start()
+        record = engine.track.issue("all_reduce", name, shape, flat.dtype, started=True)
         if world.failure is not None:
             record.fail(world.failure)
             raise world.failure
