@@ -17,13 +17,14 @@ closed-form batches. At step ``STEPS // 3`` worker 0 hits the primary of shard 0
            for the third process of the rank to join; then all train on
     joinbackup   the same with shard 0's first backup as the victim
     partition    (root; tests/test_ps_partition.py) shard 0's backup runs on a namespace host
-           (PART_NS, its link PART_DEV) that worker 0 cuts off (every packet it sends is
-           dropped; its sockets and routes stay, as when a switch port goes down): the backup
-           is found silent and fenced; the launcher kills it (a kill that, as over ssh, reaches
-           it late) and starts its replacement on that host, behind the cut. Once that
-           replacement runs (at most 40 s) worker 0 joins the host again, trains on until the
-           shard has its copies again (60 s at most), and waits for the old process, awake
-           again beside its replacement, to end (40 s at most)
+           that worker 0 cuts off: this side's end of its veth (PART_OUTER) goes down, so the
+           host loses its carrier but keeps its address, routes and sockets, and every packet
+           is dropped, as behind a dead switch port. The backup is found silent and fenced;
+           the launcher kills it (a kill that, as over ssh, reaches it late) and starts its
+           replacement on that host, behind the cut. Once that replacement runs (at most
+           40 s) worker 0 joins the host again, trains on until the shard has its copies
+           again (60 s at most), and waits for the old process, awake again beside its
+           replacement, to end (40 s at most)
 
 At the end worker 0 checks what the mode guarantees from the surviving copies' counters and
 prints ``digest <hex>`` of shard 0's parameters (one line per shard) for the test to compare:
@@ -118,14 +119,11 @@ def run(mode: str, fault: str, steps: int) -> None:
 
 
 def link(state: str) -> None:
-    """Cuts the namespace host off ("down": a qdisc that drops every packet it sends) or joins
-    it again ("up"). Not ``ip link set down``: that takes the host's routes with it, and a
-    replacement's connect would then fail at once (ENETUNREACH) instead of waiting, as it
-    does behind a pulled cable or a dead switch port."""
-    ns, dev = os.environ["PART_NS"], os.environ["PART_DEV"]
-    tc = ["tc", "qdisc", "add", "dev", dev, "root", "netem", "loss", "100%"] \
-        if state == "down" else ["tc", "qdisc", "del", "dev", dev, "root"]
-    subprocess.run(["ip", "netns", "exec", ns, *tc], check=True)
+    """Cuts the namespace host off ("down") or joins it again ("up") at this side's end of its
+    veth. Not its own end: that would take the host's routes with it, and a replacement's
+    connect would fail at once (ENETUNREACH) instead of waiting, as it does behind a pulled
+    cable or a dead switch port."""
+    subprocess.run(["ip", "link", "set", os.environ["PART_OUTER"], state], check=True)
 
 
 def replacement(old: int) -> int | None:
