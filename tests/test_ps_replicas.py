@@ -17,7 +17,7 @@ import pytest
 
 from gradsync.errors import PeerLostError
 from gradsync.ps.consistency import Clock
-from gradsync.ps.replication import Beats, Views, members_of, shard_of
+from gradsync.ps.replication import Beats, Views, beat_key, members_of, shard_of
 from gradsync.ps.server import Server
 from gradsync.transport.regions import Endpoint, StaleWriteError
 
@@ -114,6 +114,92 @@ def test_the_setting_and_the_launch_option_are_checked():
     assert LaunchSpec(command=["x"], num_proc=2, servers=4, ps_replicas=2).size == 6
 
 
+# --- the launcher's watch (run/server_watch.py) ---------------------------------------------------
+
+class Watched:
+    """Shard 0 (servers 0 and 2) of a job of 4 servers with 2 copies, on a DictStore, and the
+    launcher's watch of it on a clock the test moves."""
+
+    def __init__(self):
+        from gradsync.run.server_watch import ServerWatch
+
+        self.store, self.now = DictStore(), 0.0
+        self.watch = ServerWatch(self.store, 4, 2, silent=1.0, clock=lambda: self.now)
+        self.views = Views(self.store, 0, 4, 2, timeout=1)
+
+    def beat(self, *servers):
+        for s in servers:
+            self.store.add(beat_key(s), 1)
+
+    def later(self, seconds, *beating):
+        """``seconds`` pass, ``beating`` beat meanwhile; the watch looks: the servers it finds
+        stranded."""
+        self.now += seconds
+        self.beat(*beating)
+        return [(st.server, st.view.epoch) for st in self.watch.look()]
+
+
+def test_the_launcher_finds_a_server_fenced_out_while_silent_and_only_such_a_one():
+    w = Watched()
+    assert w.later(0, 0, 1, 2, 3) == []
+    assert w.later(5, 1, 2, 3) == []  # silent, but a member: its peers decide, not the launcher
+    w.views.propose(w.views.first, 0, "silent")  # view 1: [2]
+    # Fenced but beating: awake, it sees the view within a beat and ends by itself.
+    assert w.later(0.5, 0, 1, 2, 3) == [] and w.later(0.5, 0, 1, 2, 3) == []
+    assert w.later(0.9, 1, 2, 3) == []  # silent for less than 1 s
+    assert w.later(0.2, 1, 2, 3) == [(0, 1)]
+    assert w.watch.look()[0].quiet == pytest.approx(1.1)
+    w.watch.restarted(0)  # killed; a replacement runs for server 0 and asks to join
+    # Not yet in a view, and not beating yet: never taken for fenced.
+    assert w.later(3, 1, 2, 3) == []
+    joined = w.views.change(w.views.newest(), (2, 0), "server 0 joined")  # view 2
+    assert w.later(3, 1, 2, 3) == []
+    w.views.propose(joined, 0, "silent")  # view 3: the replacement is fenced in its turn
+    assert w.later(0, 1, 2, 3) == [(0, 3)]
+    w.watch.forget(0)
+    assert w.later(5, 1, 2, 3) == []
+
+
+def test_the_views_of_the_old_process_are_never_taken_for_its_replacements():
+    """The old process of server 0 joined (view 2) and was killed before the watch read that
+    view. Its replacement, started after, is dropped as "it restarted" (view 3) before it
+    joins: had view 2 been read as the replacement's join, view 3 would fence the
+    replacement, silent while it starts, and the launcher would kill it."""
+    w = Watched()
+    assert w.later(0, 0, 1, 2, 3) == []
+    one = w.views.propose(w.views.first, 0, "killed")
+    two = w.views.change(one, (2, 0), "server 0 joined")
+    w.watch.restarted(0)  # the old process (view 2's member) was killed; one more starts
+    w.views.propose(two, 0, "it restarted")  # view 3, while the new process starts
+    assert w.later(5, 1, 2, 3) == []
+
+
+def test_a_silent_servers_replacement_starts_on_a_host_with_room_and_no_copy_of_its_shard():
+    import io
+
+    from gradsync.run.launcher import LaunchSpec, Rank, _Job, place
+    from gradsync.run.hosts import Host
+    from gradsync.run.processes import Output
+    from gradsync.run.server_watch import spare_host
+
+    hosts = [Host("a", 2), Host("b", 2), Host("c", 2)]
+    assert spare_host(hosts, ["a", "a", "b", "c"], avoid={"b"}) == "c"
+    assert spare_host(hosts, ["a", "a", "b", "c", "c"], avoid={"b"}) is None
+    assert spare_host(hosts, ["a", "b"], avoid={"a", "b", "c"}) is None
+    # 2 workers and 4 servers (2 shards of 2 copies) on three local host names: 127.0.0.1
+    # runs the workers and server 0, .2 servers 1 and 2, .3 server 3 and has a slot free.
+    names = [Host("127.0.0.1", 3), Host("127.0.0.2", 2), Host("127.0.0.3", 2)]
+    spec = LaunchSpec(command=["x"], num_proc=2, servers=4, ps_replicas=2, hosts=names)
+    slots = place(names, spec.size)
+    job = _Job(spec, slots, Output(False, io.BytesIO(), io.BytesIO()))
+    job.ranks = [Rank(slot, None) for slot in slots]
+    # Server 0 (rank 2): its shard's other copy, server 2, is on .2: it moves to .3.
+    moved = job._replacement_slot(job.ranks[2])
+    assert (moved.rank, moved.host, moved.local_rank) == (2, "127.0.0.3", 1)
+    # Server 3 (rank 5, on .3): server 1 holds its shard on .2; .1 is full: it stays.
+    assert job._replacement_slot(job.ranks[5]) is job.ranks[5].slot
+
+
 # --- two servers of one shard in this process --------------------------------------------------
 
 SPEC = {"names": ["w"], "numels": [100], "optimizer": "sgd", "hyper": {"lr": 0.5},
@@ -202,6 +288,24 @@ def test_a_server_that_finds_a_newer_view_without_it_fences_itself(pair):
     assert not primary.fenced and primary.view.members == (0,)
     # Alone now, the primary applies without forwarding.
     assert _push(primary, np.ones(100, np.float32), 1, 1)["version"] == 1
+
+
+def test_a_stale_copy_that_wakes_after_its_replacement_joined_stays_fenced(pair):
+    """The launcher replaced server 0 (the primary, silent) while its kill could not reach it
+    (a host cut off from the launcher): view 1 left it out, view 2 took its index back for the
+    replacement that joined. Waking, the old process reads view 2, which holds its index: it
+    must still find itself fenced, not serve beside its replacement as a copy of view 2."""
+    store, (old, backup) = pair
+    views = Views(store, 0, 2, 2, timeout=1)
+    one = views.propose(old.view, 0, "silent")
+    views.change(one, (1, 0), "server 0 joined with a copy of version 0")
+    old.look(views)
+    assert old.fenced and "view 1 of shard 0 left this process out" in old.fenced, old.fenced
+    assert old.done.is_set() and old.outcome()[0] == 1
+    assert _push(old, np.ones(100, np.float32), 1, 2) == {"stale": 2}
+    # A copy that skipped the same views but was in each of them is no stale copy.
+    backup.look(views)
+    assert not backup.fenced and backup.view.members == (1, 0)
 
 
 def test_a_primary_whose_workers_all_left_for_a_newer_view_ends_excluded_not_done(pair):
@@ -606,12 +710,26 @@ def test_a_killed_primary_loses_no_acknowledged_update(mode):
 
 
 @pytest.mark.multiprocess
-def test_a_stopped_primary_is_found_silent_replaced_and_fenced_when_it_wakes():
-    r = _run("async", "stop")
+def test_a_stopped_primary_is_killed_and_replaced_while_it_is_still_stopped():
+    """The primary is stopped and never woken while the others train: its peers fence it
+    (view 1), the launcher finds it fenced and silent, kills it and starts its replacement,
+    which joins (view 2). Worker 0 polls the view for the two copies (30 s at most), then
+    checks that the stopped process is gone; the copies end equal. Before, the launcher
+    waited for the stopped process to end, which it does only once woken: the shard ran on
+    one copy for as long as the stop lasted (19 s of a 20 s stop in the chaos soak)."""
+    r = _run("async", "stopjoin")
     assert re.search(r"view 1 holds servers \[1\] \(server 0: worker \d: parameter server 0 "
                      r"\(rank 3\) has been silent for 2s", r.output), r
-    assert "parameter server 0 (rank 3) ends: it was excluded from shard 0" in r.output, r
-    assert r.returncode == 1, r  # the fenced server's status, reported at the end
+    assert re.search(r"rank 3 \(server 0\) on host \S+ was fenced out of shard 0 \(view 1: "
+                     r"server 0: .*\) and has been silent for [\d.]+s: killed by the launcher",
+                     r.output), r
+    assert "rank 3 started again (1 of 3): it joins its shard with a copy" in r.output, r
+    assert re.search(r"shard 0: view 2 holds servers \[1, 0\] \(server 0 joined with a copy "
+                     r"of version \d+\)", r.output), r
+    assert "was killed while stopped" in r.output, r
+    assert re.search(r"shard 0: primary 1 view \[2, \[1, 0\]\]; copies \[\(0, (\d+), '(\w+)'\), "
+                     r"\(1, \1, '\2'\)\]", r.output), r
+    assert r.returncode == 137, r  # the kill, reported at the end as the server's failure
 
 
 @pytest.mark.multiprocess
@@ -648,6 +766,8 @@ def test_a_killed_backup_is_replaced_too():
 def test_sync_with_a_stopped_primary_is_bit_identical_to_a_run_without_faults():
     clean = _run("sync", "none", servers=4)
     stopped = _run("sync", "stop", servers=4)
-    assert "ends: it was excluded from shard 0" in stopped.output, stopped
+    # Fenced either way: woken by worker 0 at the end, or killed by the launcher before.
+    assert "ends: it was excluded from shard 0" in stopped.output or \
+        "killed by the launcher" in stopped.output, stopped
     assert len(_digests(clean.output)) == 2 and _digests(stopped.output) == \
         _digests(clean.output), (clean.output[-2000:], stopped.output[-2000:])

@@ -32,13 +32,18 @@ backup's ``update`` region carries its view, and a backup in a newer view refuse
 primary's settling of its view (``_reconcile``) takes every backup into that view first, so
 no copy of a settled view takes anything from an older one. The stale primary stops serving
 and ends with an error saying it was excluded. A server that learns (through any message, or
-its own look at the store) that it is no longer a member does the same.
+its own look at the store) that it is no longer a member does the same, and so does one that
+finds a view that left it out behind a newer one that holds its index again: a view never takes
+a member back, so that index is a replacement process that joined since (the launcher starts
+one without waiting for a silent server's process to end, ``run/server_watch.py``).
 
 **Silence.** A killed server's connections close and its peers notice at once. A stopped or
 cut-off one says nothing, so each server adds 1 to ``ps/beat/<server>`` every
 ``heartbeat_interval``; a peer waiting on it declares it lost when that counter has not moved
 for ``heartbeat_timeout`` seconds (a counter, not a time stamp: the hosts' clocks need not
-agree). A server that is merely slow (a long ``sync`` round) keeps beating.
+agree). A server that is merely slow (a long ``sync`` round) keeps beating. The launcher reads
+the same views and counters (``run/server_watch.py``): a server fenced out of its shard whose
+counter stands still would end only once woken, so it kills it and starts its replacement.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ from dataclasses import dataclass
 from ..errors import GradsyncError, PeerLostError
 
 __all__ = ["View", "Views", "Beats", "Fenced", "shard_of", "members_of", "wait_watched",
-           "abandon"]
+           "abandon", "beat_key"]
 
 log = logging.getLogger("gradsync.ps")
 
@@ -63,6 +68,12 @@ _LOCK = threading.Lock()
 
 class Fenced(GradsyncError):
     """This server is not a member of its shard's newest view: it must not serve."""
+
+
+def beat_key(server: int) -> str:
+    """The store key of server ``server``'s liveness counter (``Beats``; the launcher reads it
+    too, ``run/server_watch.py``)."""
+    return f"ps/beat/{server}"
 
 
 def shard_of(server: int, servers: int, replicas: int) -> int:
@@ -116,16 +127,31 @@ class Views:
 
     def newest(self, known: View | None = None) -> View:
         """The newest view, walking forward from ``known`` (one store look per view)."""
-        view = known or self.first
+        newer = self.after(known)
+        return newer[-1] if newer else (known or self.first)
+
+    def after(self, known: View | None = None) -> list[View]:
+        """Every view newer than ``known`` (view 0 if None), oldest first: who joined and who
+        left in each (the launcher's watch, ``run/server_watch.py``, needs every step)."""
+        view, newer = known or self.first, []
         while self.store.check(self._key(view.epoch + 1)):
             view = self._read(view.epoch + 1)
-        return view
+            newer.append(view)
+        return newer
 
     def held(self, server: int, after: int, upto: int) -> int | None:
         """The first view numbered ``after + 1 .. upto`` that holds ``server``, or None (one
         store read per view: a join request's check, join.py)."""
         for epoch in range(after + 1, upto + 1):
             if server in self._read(epoch).members:
+                return epoch
+        return None
+
+    def left_out(self, server: int, after: int, upto: int) -> int | None:
+        """The first view numbered ``after + 1 .. upto`` that does not hold ``server``, or None
+        (one store read per view: a server that skipped views, ``Server._adopt``)."""
+        for epoch in range(after + 1, upto + 1):
+            if server not in self._read(epoch).members:
                 return epoch
         return None
 
@@ -169,7 +195,7 @@ class Beats:
         self._lock = threading.Lock()
 
     def beat(self, server: int) -> None:
-        self.store.add(f"ps/beat/{server}", 1)
+        self.store.add(beat_key(server), 1)
 
     def silent(self, server: int) -> bool:
         """Whether ``server``'s counter has stood still for ``timeout`` seconds (the first
@@ -177,7 +203,7 @@ class Beats:
         if not self.timeout:
             return False
         with self._lock:
-            count = self.store.add(f"ps/beat/{server}", 0)
+            count = self.store.add(beat_key(server), 0)
             now = time.monotonic()
             last = self._seen.get(server)
             if last is None or last[0] != count:

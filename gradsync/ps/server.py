@@ -501,15 +501,27 @@ class Server:
         it is no member."""
         if view.epoch <= self.view.epoch:
             return
-        self.view = view
+        before, self.view = self.view.epoch, view
         # From here no write of an older view lands in this copy's memory (forwards from a
         # primary the others replaced); waits only for a stripe's copy already admitted.
         self.endpoint.raise_fence(view.epoch)
         for b in [b for b in self._copies if b not in view.backups]:
             abandon(self._copies.pop(b))
-        if self.index not in view.members and not self.joining:
+        if self.joining:
+            return
+        if self.index not in view.members:
             self._fence(f"view {view.epoch} of shard {self.shard} holds servers "
                         f"{list(view.members)} ({view.why})")
+        elif view.epoch > before + 1:
+            # This process missed views (it was stopped or cut off while they were made). One
+            # that left it out makes it stale even if a later one holds its index: a view never
+            # takes a member back, so that is a replacement process that joined since (the
+            # launcher starts one without waiting for a silent server to end).
+            gone = self.views.left_out(self.index, before, view.epoch - 1)
+            if gone is not None:
+                self._fence(f"view {gone} of shard {self.shard} left this process out; view "
+                            f"{view.epoch} holds server {self.index} again for a replacement "
+                            f"process that joined since")
 
     def _fence(self, why: str) -> None:
         if self.fenced:

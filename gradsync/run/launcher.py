@@ -32,7 +32,12 @@ can go on without it): the launcher reports it at once, waits for every rank to 
 exits with the status of the first worker that failed. Servers end by themselves once every worker has said
 goodbye or died; servers still running ``SERVER_LINGER`` seconds after the last worker ended
 (workers that died before reaching their servers, or a script that never used them) are
-stopped, so that such a job cannot hang.
+stopped, so that such a job cannot hang. With replicas (``ps_replicas`` > 1) a failing server
+does not end the job either: it is reported and started again (``server_restarts`` times at
+most), and the new process joins its shard with a copy (``ps/join.py``). A server that its
+shard fenced out while it is silent (stopped, hung or cut off), which would end only once it
+wakes, is killed and replaced at once: the launcher reads the views and beat counters from its
+store (``server_watch.py``).
 
 Data-server jobs (``data_servers`` > 0, ``gradsync.data``): the data servers are the last
 ``data_servers`` ranks, after the workers and any parameter servers, and learn their role from
@@ -81,6 +86,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -112,6 +118,7 @@ SERVER_RESTARTS = 3
 """The default of ``LaunchSpec.server_restarts`` (``--server-restarts``)."""
 
 _POLL = 0.05  # how often the start looks at the hosts' ssh checks
+_REAP = 5.0  # seconds to wait for a killed local server to be gone before its replacement
 _LOCAL_NAMES = {"localhost", "127.0.0.1", "::1"}
 
 
@@ -525,6 +532,12 @@ class _Job(JobLoop):
         self.failed: list[tuple[int, str, str]] = []  # ranks that failed and let the job go on
         self.seen: set[int] = set()  # their indices (a restarted server's failure is new)
         self.workers_ended: float | None = None  # when the last worker of a server job ended
+        # A replicated job's watch on its views (server_watch.py), and the server processes it
+        # replaced before they ended: no longer the ranks' own, still stopped at the end.
+        self.watch = None
+        self.replaced: list[Rank] = []
+        self._next_look = 0.0
+        self._watch_warned = ""
 
     def begin(self) -> None:
         self._check_hosts()
@@ -533,6 +546,14 @@ class _Job(JobLoop):
         self.store_port = self.store.port
         self.jobfile = jobfile.publish(self.starter.job_id, self.starter.store_addr,
                                        self.store_port, len(self.slots))
+        if self.spec.servers and self.spec.ps_replicas > 1 and self.spec.server_restarts:
+            # Imported here: the parameter servers' package loads numpy and their client, which
+            # no other job needs.
+            from ..cluster.rendezvous import Store
+            from .server_watch import ServerWatch
+
+            self.watch = ServerWatch(Store.over(self.store, self.starter.job_id, 30.0),
+                                     self.spec.servers, self.spec.ps_replicas)
         for slot in self.slots:
             if self.interrupts.received is not None:
                 break
@@ -543,7 +564,7 @@ class _Job(JobLoop):
                 self.output.message(rank_line(rank, self._role(rank.slot.rank)))
 
     def started(self) -> list[Rank]:
-        return self.ranks
+        return self.ranks + self.replaced
 
     # ------------------------------------------------------------------ start
     def _plan_binding(self) -> None:
@@ -615,6 +636,8 @@ class _Job(JobLoop):
                     "(parameter-server job)"))
                 if copied and self.workers_ended is None:
                     self._restart_server(rank, self.seen)
+        if self.watch is not None and self.workers_ended is None:
+            self._replace_stranded()
         if (self.spec.servers or self.spec.data_servers) and self.workers_ended is None and \
                 all(r.proc.poll() is not None for r in self.ranks[:self.spec.num_proc]):
             self.workers_ended = time.monotonic()
@@ -633,9 +656,59 @@ class _Job(JobLoop):
             return status, summary, ("" if linger else None)
         return None
 
-    def _restart_server(self, rank: Rank, seen: set[int]) -> None:
+    def _replace_stranded(self) -> None:
+        """Every ``WATCH_EVERY`` seconds: kills each replicated server that its shard fenced
+        out while it is silent (stopped, hung or cut off), and starts its replacement without
+        waiting for the process to end, which it would only once woken (``server_watch.py``).
+        """
+        from .server_watch import WATCH_EVERY
+
+        now = time.monotonic()
+        if now < self._next_look:
+            return
+        self._next_look = now + WATCH_EVERY
+        try:
+            stranded = self.watch.look()
+        except Exception as exc:  # noqa: BLE001 (said once; the next look tries again)
+            if str(exc) != self._watch_warned:
+                self._watch_warned = str(exc)
+                self.output.message(f"cannot read the parameter servers' views from the "
+                                    f"launcher's store ({exc}); a silent server is replaced "
+                                    f"only once its process ends")
+            return
+        for lost in stranded:
+            index = self.spec.num_proc + lost.server
+            rank = next(r for r in self.ranks if r.slot.rank == index)
+            if rank.proc.poll() is not None or \
+                    self.restarts.get(index, 0) >= self.spec.server_restarts:
+                # It ended meanwhile (the next turn reports that and starts it again), or it
+                # may not be started again: then it ends once it wakes, as any fenced server.
+                self.watch.forget(lost.server)
+                continue
+            who = self._failure(rank, -signal.SIGKILL)[0]
+            what = (f"was fenced out of shard {lost.view.shard} (view {lost.view.epoch}: "
+                    f"{lost.view.why}) and has been silent for {lost.quiet:.1f}s: killed by the "
+                    f"launcher")
+            rank.signal(signal.SIGKILL)
+            if not rank.remote:
+                # Its replacement clears the shared-memory names this process left, which it
+                # may do only once the process is gone (SIGKILL ends a stopped one too).
+                try:
+                    rank.proc.wait(_REAP)
+                except subprocess.TimeoutExpired:
+                    pass
+            self.replaced.append(rank)
+            self.seen.add(index)
+            self.failed.append((128 + signal.SIGKILL, who, what))
+            self.output.message(f"{who} {what}; the other ranks go on (its shards live on the "
+                                f"other replicas)")
+            self._restart_server(rank, self.seen, moved=True)
+
+    def _restart_server(self, rank: Rank, seen: set[int], moved: bool = False) -> None:
         """Starts a failed replicated server's rank again (``spec.server_restarts`` times at
-        most): the new process copies its shard from the shard's primary (``ps/join.py``)."""
+        most): the new process copies its shard from the shard's primary (``ps/join.py``).
+        ``moved``: the old one was silent, its host maybe cut off: the new one starts on a
+        host with room if there is one (``_replacement_slot``)."""
         index = rank.slot.rank
         count, most = self.restarts.get(index, 0), self.spec.server_restarts
         if count >= most:
@@ -645,20 +718,55 @@ class _Job(JobLoop):
                                     f"{most} times already (--server-restarts)")
             return
         self.restarts[index] = count + 1
-        cores = None if self.cores is None or not is_local(rank.slot.host) else \
-            self.cores[rank.slot.local_rank]
+        slot = self._replacement_slot(rank) if moved else rank.slot
+        # A rank moved to another host was not in the binding's plan: it runs unbound.
+        cores = None if self.cores is None or not is_local(slot.host) or slot is not \
+            rank.slot else self.cores[slot.local_rank]
+        if self.watch is not None:
+            try:
+                self.watch.restarted(index - self.spec.num_proc)
+            except Exception as exc:  # noqa: BLE001 (said; the watch forgot the old process)
+                self.output.message(f"cannot read the parameter servers' views from the "
+                                    f"launcher's store ({exc})")
         try:
             position = self.ranks.index(rank)
-            self.ranks[position] = self.starter.start(rank.slot, self.store_port,
+            self.ranks[position] = self.starter.start(slot, self.store_port,
                                                       len(self.slots), cores)
         except StartError as exc:
             self.output.message(f"could not start a replacement for rank {index}: {exc}")
             return
         seen.discard(index)  # the replacement's own failure is reported again
-        self.output.message(f"rank {index} started again ({count + 1} of {most}): "
+        where = f" on host {slot.host}" if slot.host != rank.slot.host else ""
+        self.output.message(f"rank {index} started again ({count + 1} of {most}){where}: "
                             f"it joins its shard with a copy")
         if informs(self.spec):
             self.output.message(rank_line(self.ranks[position], self._role(index)))
+
+    def _replacement_slot(self, rank: Rank) -> Slot:
+        """Where a silent server's replacement starts: a host of the job with a free slot that
+        holds no other copy of its shard and is not its own (which may be cut off), else its
+        own slot (``server_watch.spare_host``)."""
+        from ..ps.replication import members_of, shard_of
+        from .server_watch import spare_host
+
+        server, workers = rank.slot.rank - self.spec.num_proc, self.spec.num_proc
+        shard = shard_of(server, self.spec.servers, self.spec.ps_replicas)
+        others = {r.slot.host for r in self.ranks if r.slot.rank - workers in
+                  members_of(shard, self.spec.servers, self.spec.ps_replicas)}
+        # Hosts the job runs on only: they passed the check at the start, and the store's
+        # address was chosen for them.
+        mine = {s.host for s in self.slots}
+        hosts = [h for h in (self.spec.hosts or [Host("localhost", self.spec.size)])
+                 if h.name in mine]
+        host = spare_host(hosts, [r.slot.host for r in self.ranks if r is not rank],
+                          others | {rank.slot.host})
+        if host is None:
+            return rank.slot
+        here = sum(1 for r in self.ranks if r is not rank and r.slot.host == host)
+        # Its local rank is the next on that host; the cross rank only names a position
+        # among the job's first placement, which a server does not use.
+        return Slot(rank=rank.slot.rank, host=host, local_rank=here, local_size=here + 1,
+                    cross_rank=0, cross_size=1)
 
     def _role(self, index: int) -> str:
         """``worker``, ``parameter server 1`` or ``data server 0``: what rank ``index`` is."""

@@ -6,12 +6,25 @@ closed-form batches. At step ``STEPS // 3`` worker 0 hits the primary of shard 0
     none   nothing (the fault-free run that a sync run with a fault must equal bit for bit)
     kill   SIGKILL
     stop   SIGSTOP; found silent after GRADSYNC_HEARTBEAT_TIMEOUT; SIGCONT once training is
-           over, when the server must find itself fenced out and end
+           over if it still exists (the launcher kills a fenced server it finds silent, which
+           may come first), when the server must find itself fenced out and end
+    stopjoin   SIGSTOP, never SIGCONT while the others train: worker 0 trains on until the
+           shard has its copies again (at most 30 s), which it may only because the launcher
+           killed the stopped server and started its replacement; that server must be gone
     join   SIGKILL; the launcher starts the rank again and it joins with a copy while the
            others train; worker 0 waits for it (at most 60 s), then SIGKILLs that
            replacement too (now a backup, with its copy's names still in /dev/shm) and waits
            for the third process of the rank to join; then all train on
     joinbackup   the same with shard 0's first backup as the victim
+    partition    (root; tests/test_ps_partition.py) shard 0's backup runs on a namespace host
+           that worker 0 cuts off: this side's end of its veth (PART_OUTER) goes down, so the
+           host loses its carrier but keeps its address, routes and sockets, and every packet
+           is dropped, as behind a dead switch port. The backup is found silent and fenced;
+           the launcher kills it (a kill that, as over ssh, reaches it late) and starts its
+           replacement on that host, behind the cut. Once that replacement runs (at most
+           40 s) worker 0 joins the host again, trains on until the shard has its copies
+           again (60 s at most), and waits for the old process, awake again beside its
+           replacement, to end (40 s at most)
 
 At the end worker 0 checks what the mode guarantees from the surviving copies' counters and
 prints ``digest <hex>`` of shard 0's parameters (one line per shard) for the test to compare:
@@ -28,6 +41,7 @@ from checks import Checks
 
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -44,12 +58,39 @@ def run(mode: str, fault: str, steps: int) -> None:
     m = model()
     ps = gradsync.ps.ParameterClient(m, optimizer="adam", lr=0.01, mode=mode, backup=2,
                                      staleness=1)
-    victim = ps.copies[ps.view[0].backups[0]].pid if fault == "joinbackup" else ps.peers[0].pid
+    victim = ps.copies[ps.view[0].backups[0]].pid if fault in ("joinbackup", "partition") \
+        else ps.peers[0].pid
     acked = 0
     for step in range(steps):
-        if ps.rank == 0 and step == steps // 3 and fault != "none":
-            os.kill(victim, signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
+        if ps.rank == 0 and step == steps // 3 and fault == "partition":
+            link("down")
+            print(f"worker 0: cut the host of server pid {victim} at step {step}", flush=True)
+        elif ps.rank == 0 and step == steps // 3 and fault != "none":
+            os.kill(victim, signal.SIGSTOP if fault.startswith("stop") else signal.SIGKILL)
             print(f"worker 0: {fault} server pid {victim} at step {step}", flush=True)
+        if ps.rank == 0 and step == steps // 3 + 1 and fault == "partition":
+            # Step steps // 3 returned: its forward found the backup silent, view 1 left it
+            # out. Only a launcher that replaces it without waiting for it to end starts one
+            # while the old process runs on behind the cut.
+            try:
+                common.until(lambda: replacement(victim) is not None,  # a walk of /proc each
+                             "no replacement of the cut-off server started behind the cut",
+                             40, 0.2)
+                print(f"worker 0: replacement pid {replacement(victim)} runs beside the cut-off "
+                      f"server pid {victim}; the host joins again", flush=True)
+            finally:
+                link("up")
+            acked += wait_for_join(m, ps, 1, limit=60)
+            common.until(lambda: common.gone(victim), "the old copy did not end", 40)
+        if ps.rank == 0 and step == steps // 3 + 1 and fault == "stopjoin":
+            # Not woken by this script before the copies are back: only a launcher that
+            # replaces it while it is stopped can bring them back.
+            acked += wait_for_join(m, ps, ps.view[0].epoch, limit=30)
+            if not common.gone(victim):
+                fail(f"shard 0 has its copies again, but the stopped server (pid {victim}) "
+                     f"still exists")
+            print(f"worker 0: the stopped server pid {victim} was killed while stopped",
+                  flush=True)
         if ps.rank == 0 and step == steps // 3 + 1 and fault.startswith("join"):
             acked += wait_for_join(m, ps, ps.view[0].epoch)
             if fault == "join":
@@ -65,19 +106,56 @@ def run(mode: str, fault: str, steps: int) -> None:
     gs.barrier()  # every worker has left: the counters are final
     if ps.rank == 0:
         check(ps, mode, steps, total)
-        if fault == "stop":
-            os.kill(victim, signal.SIGCONT)
-            # The woken server finds itself fenced out and ends (its message is the test's
-            # check): wait for that, not a fixed 3 s; the job's end would stop it otherwise.
+        if fault.startswith("stop") and not common.gone(victim):
+            try:
+                os.kill(victim, signal.SIGCONT)
+            except ProcessLookupError:
+                pass  # the launcher killed it meanwhile
+            # A woken server finds itself fenced out and ends: wait for that, not a fixed
+            # 3 s; the job's end would stop it otherwise.
             common.until(lambda: common.gone(victim), "the woken server did not end")
     gs.barrier()
     ps.close()
 
 
-def wait_for_join(m, ps, since: int) -> int:
+def link(state: str) -> None:
+    """Cuts the namespace host off ("down") or joins it again ("up") at this side's end of its
+    veth. Not its own end: that would take the host's routes with it, and a replacement's
+    connect would fail at once (ENETUNREACH) instead of waiting, as it does behind a pulled
+    cable or a dead switch port."""
+    subprocess.run(["ip", "link", "set", os.environ["PART_OUTER"], state], check=True)
+
+
+def replacement(old: int) -> int | None:
+    """The pid of another server process of this job with the rank of process ``old``."""
+    def environ(pid) -> list[bytes]:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read().split(b"\0")
+
+    try:
+        mine = [v for v in environ(old) if v.startswith((b"GRADSYNC_RANK=", b"GRADSYNC_JOB_ID="))]
+    except OSError:
+        return None
+    if len(mine) != 2:
+        return None
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == old:
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if b"gradsync.ps" not in f.read():
+                    continue
+            if all(v in environ(name) for v in mine):
+                return int(name)
+        except OSError:
+            continue  # it ended meanwhile
+    return None
+
+
+def wait_for_join(m, ps, since: int, limit: float = 60) -> int:
     """Trains on (this worker too) until a view of shard 0 newer than ``since`` holds all its
-    copies again; returns the pushes acknowledged meanwhile."""
-    end, acked, step = time.monotonic() + 60, 0, 1000 + 1000 * since
+    copies again (at most ``limit`` seconds); returns the pushes acknowledged meanwhile."""
+    end, acked, step = time.monotonic() + limit, 0, 1000 + 1000 * since
 
     def whole():
         newest = ps.views[0].newest(ps.view[0])
@@ -85,7 +163,7 @@ def wait_for_join(m, ps, since: int) -> int:
 
     while not whole():
         if time.monotonic() > end:
-            fail("no replacement joined shard 0 within 60 s")
+            fail(f"no replacement joined shard 0 within {limit:g} s")
         acked += int(train_step(m, ps, ps.rank, step))  # training goes on meanwhile
         step += 1
         time.sleep(0.05)
