@@ -108,3 +108,43 @@ def test_bad_option_fails_before_any_rank_starts():
     result = bench("-np", "2", "--model", "resnet")
     assert result.returncode == 2
     assert "invalid choice: 'resnet'" in result.stdout
+
+
+class _Recorder:
+    def __init__(self):
+        self.size, self.kept = 8, []
+
+    def resize(self, size):
+        self.size = size
+
+    def records(self):
+        return self.kept
+
+
+class _Meter:
+    def __init__(self):
+        self.on, self.step = True, 0
+
+    def pause(self, on):
+        self.on = on
+
+
+class _Publisher:
+    paused = False
+
+
+@pytest.mark.parametrize("control", [False, True])
+def test_overhead_turns_the_observers_off_for_gs_off_and_the_control_does_not(control):
+    """``--overhead`` turns the recorder, the meter and the publisher off in gs-off's windows
+    and back on after; ``--overhead-control`` leaves them on, so that its on/off reads only
+    the two trainers' difference."""
+    from gradsync.bench.train import _Observers
+
+    recorder, meter, publisher = _Recorder(), _Meter(), _Publisher()
+    observers = _Observers(recorder, meter, publisher, control=control)
+    with observers.window("gradsync_off"):
+        assert (recorder.size, meter.on, publisher.paused) == \
+            ((8, True, False) if control else (0, False, True))
+    assert (recorder.size, meter.on, publisher.paused) == (8, True, False)
+    with observers.window("gradsync"):
+        assert (recorder.size, meter.on, publisher.paused) == (8, True, False)

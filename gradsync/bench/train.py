@@ -30,7 +30,10 @@ seed and copied, so all modes start from the same weights. The modes:
   Within each round the two take turns in alternating order, so that neither always runs
   right after the other modes; the table adds ``gs-off`` and ``on/off``: per round the
   ``gradsync`` rate over the ``gradsync-off`` rate, the median over the rounds (1 - it is
-  the cost of observing the job, issue 41 item 5).
+  the cost of observing the job, issue 41 item 5). ``--overhead-control`` runs the same two
+  trainers with nothing turned off: the two are separate copies of the model (their own
+  parameters, buckets and addresses), so its on/off is what the method reads when there is no
+  cost to find, the yardstick for the real one.
 - ``fsdp`` and ``fsdp-gs`` (``--compare fsdp``, instead of the two DDP modes):
   ``FullyShardedDataParallel`` (the whole model one unit, fully sharded: an allgather of the
   parameters in forward and in backward, a reduce-scatter of the gradients) over gloo and over
@@ -103,6 +106,10 @@ def parser() -> argparse.ArgumentParser:
                    help="also run the gradsync mode with the flight recorder and the "
                         "straggler watch off, window for window beside it, and print the "
                         "ratio of the two (median over the windows)")
+    p.add_argument("--overhead-control", action="store_true",
+                   help="--overhead with the observers left on in gs-off's windows too: "
+                        "the two trainers then differ only in being two copies, so on/off "
+                        "shows what the method itself reads when nothing is turned off")
     return p
 
 
@@ -112,22 +119,29 @@ class _Observers:
     what they recorded in the windows of each (records kept, steps measured), so that the
     JSON rows show the windows off observed nothing."""
 
-    def __init__(self):
+    def __init__(self, recorder, meter, publisher, control: bool = False):
+        self.recorder, self.meter, self.publisher = recorder, meter, publisher
+        self.entries, self.metering = recorder.size, meter.on
+        self.control = control
+        """True (``--overhead-control``): nothing is turned off; gs-off's windows are observed
+        as gradsync's are, so on/off measures the two copies' difference, not observing."""
+        self.seen = {"on": {"records": 0, "steps": 0}, "off": {"records": 0, "steps": 0}}
+
+    @classmethod
+    def of_job(cls, control: bool = False) -> "_Observers":
+        """The running job's recorder, meter and straggler publisher."""
         from .. import job
         from ..flight_recorder import recorder
         from ..liveness.pace import meter
 
-        self.recorder, self.meter = recorder, meter
-        self.entries, self.metering = recorder.size, meter.on
-        self.publisher = job.current().pace
-        self.seen = {"on": {"records": 0, "steps": 0}, "off": {"records": 0, "steps": 0}}
+        return cls(recorder, meter, job.current().pace, control)
 
     @contextlib.contextmanager
     def window(self, mode: str):
         """Runs a window of ``mode`` (``gradsync`` or ``gradsync_off``) and counts what was
         observed in it."""
         off = mode == "gradsync_off"
-        if off:
+        if off and not self.control:
             self.turn(False)
         began, step = time.time_ns(), self.meter.step
         try:
@@ -136,7 +150,7 @@ class _Observers:
             seen = self.seen["off" if off else "on"]
             seen["records"] += sum(r.created_ns >= began for r in self.recorder.records())
             seen["steps"] += self.meter.step - step
-            if off:
+            if off and not self.control:
                 self.turn(True)
 
     def turn(self, on: bool) -> None:
@@ -221,6 +235,7 @@ def run(args) -> list[dict]:
     import gradsync.torch as hvd
     from gradsync import job
 
+    args.overhead = args.overhead or args.overhead_control
     hvd.init()
     torch.set_num_threads(1)
     world = job.world()
@@ -236,7 +251,7 @@ def run(args) -> list[dict]:
         (args.steps, args.windows, args.warmup), 0, name="bench.train.counts")
     modes = ["single", "local", "gradsync"] + (["gradsync_off"] if args.overhead else []) \
         + ([peer, f"{peer}_gs"] if compare else [])
-    observers = _Observers() if args.overhead else None
+    observers = _Observers.of_job(args.overhead_control) if args.overhead else None
     rows = []
     for model_name in MODELS if args.model == "both" else [args.model]:
         torch.manual_seed(args.seed)  # the same initial weights on every rank
@@ -270,6 +285,7 @@ def run(args) -> list[dict]:
                                                f"{model_name}.{w}"))
         row = _summarise(model_name, base, args, n, steps, times, world)
         if observers is not None:
+            row["control"] = observers.control
             row["observed"] = copy.deepcopy(observers.seen)
             observers.seen = {k: {"records": 0, "steps": 0} for k in observers.seen}
         if args.profile:
@@ -405,7 +421,11 @@ def _print_row(row: dict, header: bool, peer: "str | None") -> None:
                 *(["gs-off = gradsync with the flight recorder and the straggler watch off; "
                    "on/off = gradsync's rate over gs-off's, per round, median over the "
                    f"{row['windows']} rounds (1 - on/off: the cost of observing the job)"]
-                  if "gradsync_off" in row else []),
+                  if "gradsync_off" in row and not row.get("control") else []),
+                *(["control (--overhead-control): gs-off = a second gradsync trainer, "
+                   "observed like the first; on/off = their rates' ratio, per round, median "
+                   f"over the {row['windows']} rounds: what the method reads with no cost to "
+                   "find"] if row.get("control") else []),
                 *([f"{peer} = {_WHAT[peer]} over gloo; {peer}-gs = the same over the "
                    f"torch.distributed backend 'gradsync'{view}; {short}/{peer} and "
                    f"{short}/gs: {peer}-gs's rate over {peer}'s and gradsync's"]
