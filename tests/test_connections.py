@@ -3,9 +3,14 @@
 Two kinds of tests. In-process ones drive ``tcp.Listener``, ``tcp.Route`` and lazy
 ``TcpPair``s directly, one thread per rank, and force the interleavings that matter (both ends
 dialing at once, in either order) deterministically. Multi-process ones start real ranks, each
-told it is on a host of its own (``GRADSYNC_HOSTNAME``), so that every pair is a TCP pair, and
-count from inside the ranks what they hold (/proc/self/fd) and what they asked of the store
-(``rendezvous.request_counts``). tests/ranks/connections.py is the rank side.
+on a host of its own (``GRADSYNC_HOSTNAME``, which tests/ranks/connections.py sets), so that
+every pair is a TCP pair, and count from inside the ranks what they hold (/proc/self/fd) and
+what they asked of the store (``rendezvous.request_counts``). tests/ranks/connections.py is the
+rank side. The 4-rank job starts its ranks as torchrun does (``harness.spawn``); the slow tier's
+jobs of 2 to 16 ranks fork them from one process that has imported torch
+(``scale_jobs.forked``: what is counted is the same, the interpreters' start-up shared), and
+the 64 ranks' count is the first entry of the 64-rank job that test_scale.py's checks share
+(``scale_jobs.sixty_four``).
 """
 
 import collections
@@ -23,7 +28,9 @@ import pytest
 from gradsync.errors import AuthenticationError, GradsyncError, PeerLostError
 from gradsync.transport import frame, tcp
 from gradsync.transport.comm import Comm
+import loopback
 from harness import run_ranks, spawn
+from scale_jobs import entry_logs, forked, ran, sixty_four
 
 SECRET = b"s" * 32
 
@@ -357,14 +364,9 @@ def test_the_address_table_costs_a_few_requests_per_rank(n):
     # n ranks as threads, each with its own client of one store: the table costs 3 requests
     # per rank and one more (the last arrival's), where every rank reading every entry
     # would cost n per rank.
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
     from gradsync.cluster import rendezvous
 
-    server = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30),
-                      wait_for_workers=False)
+    server = loopback.store(30)  # no DNS wait for each client (tests/loopback.py)
     stores = [rendezvous.Store.over(server.clone(), f"table{n}", 30) for _ in range(n)]
     before = sum(rendezvous.request_counts().values())
     tables = [None] * n
@@ -421,13 +423,8 @@ def test_the_address_table_is_served_compressed():
     # Every rank reads the whole table, so the store serves c·N(N - 1) bytes: c was about 40
     # (the entries' text), and is about 13 (one rank per host) or 10 (8 per host) compressed.
     # The growth stays quadratic (docs/scale.md): doubling N about quadruples the bytes.
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
-    server = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30),
-                      wait_for_workers=False)
-    clients = [server.clone() for _ in range(32)]  # at once: each burst may meet a DNS stall
+    server = loopback.store(30)  # no DNS wait for each client (tests/loopback.py)
+    clients = [server.clone() for _ in range(32)]  # made once, for every table below
     for per_host, bound in ((1, 15), (8, 12)):
         served = {n: _table_bytes(clients, n, per_host) for n in (16, 32)}
         for n, total in served.items():
@@ -436,25 +433,25 @@ def test_the_address_table_is_served_compressed():
 
 
 # -------------------------------------------------------------------------- multi-process
-def _results(ranks, mode: str) -> dict:
-    """Each rank's RESULT object of ``mode`` (tests/ranks/connections.py)."""
+def _results(outputs: dict, mode: str, status=lambda rank: None) -> dict:
+    """Each rank's RESULT object of ``mode`` (tests/ranks/connections.py), from each rank's
+    output (``outputs``: rank -> text); ``status(rank)`` its exit status, for the message."""
     out = {}
-    for r in ranks:
-        found = [json.loads(m) for m in re.findall(r"RESULT rank=\d+ (.*)", r.output)]
+    for rank, text in outputs.items():
+        found = [json.loads(m) for m in re.findall(r"RESULT rank=\d+ (.*)", text)]
         found = [g for g in found if g["mode"] == mode]
-        assert found, f"rank {r.rank}: no {mode} result, exit {r.returncode}\n{r.output[-3000:]}"
-        out[r.rank] = found[0]
+        assert found, f"rank {rank}: no {mode} result, exit {status(rank)}\n{text[-3000:]}"
+        out[rank] = found[0]
     return out
 
 
-def _own_hosts(r: int) -> dict:
-    return {"GRADSYNC_HOSTNAME": f"host{r}"}
+def _spawned(ranks) -> dict:
+    return {r.rank: r.output for r in ranks}
 
 
 def _sockets_job(n: int, timeout: float, env: "dict | None" = None) -> dict:
-    ranks = spawn(n, "connections.py", "sockets", timeout=timeout, env=env,
-                  per_rank_env=_own_hosts)
-    return _results(ranks, "sockets")
+    job = forked(n, 1, "connections.py", "sockets", timeout=timeout, env=env)
+    return _results(job.logs, "sockets", job.status)
 
 
 @functools.lru_cache(maxsize=None)
@@ -462,7 +459,7 @@ def _four_ranks():
     """One job of 4 ranks for the sockets' count, then the first uses' patterns in a fresh
     ``init()`` (the sockets first: nothing before them to count): one start-up for both
     tests. Run once per pytest process."""
-    return spawn(4, "connections.py", "sockets,patterns", timeout=90, per_rank_env=_own_hosts)
+    return spawn(4, "connections.py", "sockets,patterns", timeout=90)
 
 
 def _check_sockets(n: int, got: dict) -> None:
@@ -505,8 +502,14 @@ def _init_requests(got: dict) -> dict:
                                pytest.param(16, marks=pytest.mark.slow),
                                pytest.param(64, marks=pytest.mark.slow)])
 def test_sockets_per_rank_after_allreduces(n):
-    got = (_results(_four_ranks(), "sockets") if n == 4 else
-           _sockets_job(n, timeout=60 + 3 * n))
+    if n == 4:
+        got = _results(_spawned(_four_ranks()), "sockets")
+    elif n == 64:  # the first entry of the 64-rank job that test_scale.py's checks share
+        job = sixty_four()
+        assert ran(job, "connections.py:sockets"), job
+        got = _results(entry_logs(job, "connections.py:sockets"), "sockets", job.status)
+    else:
+        got = _sockets_job(n, timeout=60 + 3 * n)
     _check_sockets(n, got)
     # No rank reads the address table key by key: at most the secret, the table and the
     # barrier's key (rank 0: the entries' arrival instead of the table, and one multi_get),
@@ -532,14 +535,14 @@ def test_store_requests_for_init_grow_linearly():
 
 
 def test_first_uses_that_send_only_or_receive_only():
-    got = _results(_four_ranks(), "patterns")  # after the sockets' check, in its own init()
+    got = _results(_spawned(_four_ranks()), "patterns")  # after the sockets' count, own init()
     for r, g in got.items():
         assert g["tcp"] == sorted({r ^ 1, r ^ 2}), got
 
 
 def test_a_rank_killed_before_its_pairs_connect_is_a_lost_peer():
-    ranks = spawn(3, "connections.py", "killed", "1", timeout=60, per_rank_env=_own_hosts)
+    ranks = spawn(3, "connections.py", "killed", "1", timeout=60)
     assert ranks[1].returncode == -9
-    for r, g in _results([ranks[0], ranks[2]], "killed").items():
+    for r, g in _results(_spawned([ranks[0], ranks[2]]), "killed").items():
         assert g["error"].startswith("PeerLostError") and "rank 1" in g["error"], g
         assert g["elapsed"] < 5, g

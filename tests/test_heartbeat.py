@@ -10,16 +10,15 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import timedelta
 
 import pytest
-from torch.distributed import TCPStore
 
 from gradsync.cluster.rendezvous import BELL_COUNT, Store
 from gradsync.config import Config
 from gradsync.liveness import beater
 from gradsync.liveness.abort_watch import AbortWatch, Doorbell, private_connection
 from gradsync.liveness.heartbeat import BEAT, BYE, Heartbeat, _leave, _Link, watched_peers
+import loopback
 from harness import launch, spawn
 
 pytestmark = pytest.mark.multiprocess
@@ -52,7 +51,8 @@ def test_the_default_bound_is_at_most_3_seconds():
 
 @pytest.mark.parametrize("n, victim, transport", [
     (3, 1, "tcp"),
-    pytest.param(4, 2, "auto", marks=pytest.mark.slow),  # shared memory: pids exist, sockets none
+    # (4, 2, "auto"), shared memory, where pids exist and sockets none, is the defaults' test
+    # below, which checks the same lines against the default bound
     pytest.param(2, 0, "auto", marks=pytest.mark.slow),  # rank 0 stopped
 ])
 def test_a_stopped_rank_is_lost_on_every_other_rank_within_the_bound(n, victim, transport,
@@ -82,12 +82,17 @@ def test_a_stopped_rank_is_lost_on_every_other_rank_within_the_bound(n, victim, 
 def test_a_stopped_rank_is_lost_on_every_rank_within_3_seconds_with_the_defaults(tmp_path):
     # Without the launcher, which would stop the survivors once the first has exited. The
     # stopped rank is killed once the three survivors have caught their error (silent.py).
+    # 4 ranks on one host: shared memory, where the stopped rank's pid exists and no socket
+    # closes (this was also a slow test of its own at a 3 s timeout, 4 ranks, victim 2).
     ranks = spawn(4, "silent.py", "2", "auto", "stop", str(tmp_path), timeout=60)
     assert ranks[2].returncode == -9, ranks[2]  # stopped, then ended by its lifeline
     elapsed = []
     for r in ranks[:2] + ranks[3:]:
         assert r.returncode == 17 and "sent no heartbeat" in r.output, r
+        [line] = re.findall(r"RESULT rank=\d+ (.*)", r.output)
+        assert line.startswith("PeerLostError") and "rank 2 on host" in line, r
         elapsed += [float(e) for e in re.findall(r"ELAPSED rank=\d+ ([\d.]+)", r.output)]
+    assert len(elapsed) == 3, ranks
     # 2.6 s at worst (heartbeat.py), measured 1.8-1.9 s; 0.4 s of slack for a loaded host
     assert max(elapsed) < 3.0, elapsed
     assert min(elapsed) > 2.0 - 0.25, elapsed  # the heartbeat found it, not a socket
@@ -215,7 +220,7 @@ def _watch_a_peer_that_never_beats(store, rank: int, root):
 
 
 def _store_server():
-    return TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10))
+    return loopback.store(10)  # no DNS wait for each client (tests/loopback.py)
 
 
 def _posted(monkeypatch) -> list:

@@ -1,7 +1,8 @@
 """Rank side of tests/test_connections.py: what a rank holds and asks of the store.
 
-Every rank plays a host of its own (``GRADSYNC_HOSTNAME``, set by the test), so every pair
-of ranks is a TCP pair, connected on demand.
+Every rank plays a host of its own (``GRADSYNC_HOSTNAME``, which this script sets for its own
+``init()`` and puts back after its ``shutdown()``), so every pair of ranks is a TCP pair,
+connected on demand, whatever hosts the job gave its ranks.
 
     connections.py sockets     init (store requests counted), a ring allreduce, a doubling
                                allreduce, then a ring allreduce in a sub-world: after each,
@@ -12,6 +13,11 @@ of ranks is a TCP pair, connected on demand.
     connections.py sockets,patterns
                                the modes in turn, each in a fresh job of the same ranks
                                (``shutdown()`` then ``init()``: one start-up for both)
+
+Started on its own (tests/test_connections.py: ``harness.spawn``, or forked from one process,
+tests/scale_jobs.py) or as the first entry of the shared 64-rank job (tests/scale_jobs.py): the
+store requests it reports are the process's since its start, so ``sockets`` must be the first
+mode of the process to call ``init()``.
 
 Each mode prints one line, ``RESULT rank=R {...}``: a JSON object, ``"mode"`` among its fields.
 """
@@ -107,6 +113,8 @@ def run(mode: str) -> None:
             os._exit(17)
 
 
+job_hostname = os.environ.get("GRADSYNC_HOSTNAME")
+os.environ["GRADSYNC_HOSTNAME"] = f"host{os.environ['RANK']}"
 for i, mode in enumerate(sys.argv[1].split(",")):
     if i:
         gs.shutdown()
@@ -115,3 +123,9 @@ for i, mode in enumerate(sys.argv[1].split(",")):
     R, N = gs.rank(), gs.size()
     world = job.world()
     run(mode)
+gs.shutdown()
+# The job's own host name again, for the entries after this one in a suite's job.
+if job_hostname is None:
+    os.environ.pop("GRADSYNC_HOSTNAME", None)
+else:
+    os.environ["GRADSYNC_HOSTNAME"] = job_hostname

@@ -1,18 +1,22 @@
 """Failures and first contacts among many ranks; each rank prints one RESULT line.
 
-    scale_faults.py kill VICTIM      VICTIM SIGKILLs itself while every other rank waits in
+    scale_faults.py kill=VICTIM      VICTIM SIGKILLs itself while every other rank waits in
                                      an allreduce for it
-    scale_faults.py lost VICTIM      VICTIM SIGKILLs itself once every init() returned, before any
+    scale_faults.py lost=VICTIM      VICTIM SIGKILLs itself once every init() returned, before any
                                      collective: the others' first collective (an alltoall,
                                      which needs every peer) meets a peer that is gone
     scale_faults.py first-use        an alltoall first of all (every pair's first message, every
                                      rank sending and receiving at once), then objects and
                                      allreduces: all correct
-    scale_faults.py secret BAD       rank BAD has another secret than the rest
-    scale_faults.py sockets          a few allreduces of three sizes, then each rank counts the
+    scale_faults.py secret=BAD       rank BAD has another secret than the rest
+    scale_faults.py sockets          every rank on a host of its own (this script names it), a
+                                     few allreduces of three sizes, then each rank counts the
                                      TCP sockets it holds
 
-Run by tests/test_scale.py (through tests/ranks/forked.py). Lines:
+Run by tests/test_scale.py through tests/ranks/forked.py, alone or as an entry of
+tests/ranks/suite.py (``scale_faults.py:kill=37`` after scale.py in the 128-rank job; the
+shared 64-rank job of tests/scale_jobs.py): one mode per run, in an ``init()`` of its own,
+ending with ``shutdown()`` or, for the faults, the rank's end. Lines:
 
     DYING wall=<time.time()>                    the victim, just before it dies
     RESULT rank=<r> wall=<time.time()> <ErrorType>: <message>   a rank that caught an error
@@ -31,9 +35,12 @@ import time
 import common  # (deadline)
 import numpy as np
 
-mode = sys.argv[1]
+mode, _, arg = sys.argv[1].partition("=")
+job_hostname = os.environ.get("GRADSYNC_HOSTNAME")
 if mode == "secret":  # set before init reads it; the secret guards every TCP connection
-    os.environ["GRADSYNC_SECRET"] = ("ab" if os.environ["RANK"] == sys.argv[2] else "cd") * 32
+    os.environ["GRADSYNC_SECRET"] = ("ab" if os.environ["RANK"] == arg else "cd") * 32
+elif mode == "sockets":  # every peer a TCP connection: a host of its own, by name
+    os.environ["GRADSYNC_HOSTNAME"] = f"own{os.environ['RANK']}"
 
 import gradsync as gs  # noqa: E402
 from gradsync import job  # noqa: E402
@@ -67,7 +74,7 @@ try:
     gs.init(timeout=60)
     N = gs.size()
     if mode == "kill":
-        victim = int(sys.argv[2])
+        victim = int(arg)
         gs.allreduce(np.ones(10), name="warm-up")
         gs.barrier()
         store = job.world().store
@@ -83,7 +90,7 @@ try:
         gs.allreduce(np.ones(1000, dtype=np.float32), name="waits for the victim")
         print(f"RESULT rank={R} ok: no error", flush=True)
     elif mode == "lost":
-        victim = int(sys.argv[2])
+        victim = int(arg)
         # The victim dies once every rank's init() has returned (counted in the store, which
         # is no peer contact): on 2 cores the last init ends seconds after the first, and a
         # rank still in init() cannot be inside the collective whose detection is measured.
@@ -129,3 +136,8 @@ try:
     gs.shutdown()
 except gs.GradsyncError as exc:
     report(exc)
+# The job's own host name again, for the entries after this one in a suite's job.
+if job_hostname is None:
+    os.environ.pop("GRADSYNC_HOSTNAME", None)
+else:
+    os.environ["GRADSYNC_HOSTNAME"] = job_hostname
