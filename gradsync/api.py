@@ -129,6 +129,7 @@ def _submit(fn, name: str, asynchronous: bool, kind: str, buf=None, out_shape=No
     """Runs ``fn`` on the engine, recorded in the flight recorder as ``kind`` (torch's name of
     the collective) of ``buf``'s shape and dtype (none for a barrier or an object)."""
     engine = job.engine()
+    assert engine.track is not None  # job.py gives the API's engine its track
     record = engine.track.issue(kind, name, None if buf is None else buf.shape,
                                 None if buf is None else buf.dtype, out_shape)
     return (engine.submit(fn, name, record) if asynchronous else

@@ -22,7 +22,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass, fields
-from typing import Mapping
+from typing import Any, Mapping
 
 from . import logs
 from .errors import ConfigError
@@ -392,7 +392,7 @@ def load_config(overrides: Mapping[str, object] | None = None,
     if unknown_kwargs:
         raise ConfigError(f"unknown gradsync setting(s): {sorted(unknown_kwargs)}; "
                           f"known: {sorted(by_name)}")
-    values: dict[str, object] = {}
+    values: dict[str, Any] = {}  # each field's parsed value, checked by Config itself
     horovod, ignored = horovod_settings(environ)
     for name, text in horovod.items():
         variable = next(v for v, (n, _) in HOROVOD_SETTINGS.items()

@@ -158,7 +158,7 @@ class _Writer:
         self.closing = True
         self.wake.set()
         self.thread.join()
-        lines = []
+        lines: list[str] = []
         ts = self._ts(_now())
         for name, stack in self.open.items():
             lines.extend(self._event("E", name, None, ts) for _ in stack)

@@ -79,7 +79,7 @@ class Fabric(Protocol):
 
     def fold_step(self, p: int, nbytes: float) -> float: ...
 
-    def split(self) -> "tuple[list[Fabric], Fabric] | None":
+    def split(self) -> "tuple[Sequence[Fabric], Fabric] | None":  # Sequence: a list of any kind
         """``(parts, owners)``: one fabric per distinct unit (the ranks of one unit, in order),
         and the fabric of one stand-in rank per unit, whose messages carry the unit's shares
         through its uplink and, below it, through all of the unit's links at once; None when

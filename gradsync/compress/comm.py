@@ -91,7 +91,7 @@ class Loopback(Comm):
         return mine.clone()
 
 
-_SUM32 = make_reducer(ReduceOp.SUM, np.float32)
+_SUM32 = make_reducer(ReduceOp.SUM, np.dtype(np.float32))
 
 
 class ViewComm(Comm):

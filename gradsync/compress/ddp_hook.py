@@ -68,7 +68,7 @@ class HookState:
                             f"PowerSGD, RandomK), got {compressor!r}")
         self.compressor, self.process_group = compressor, process_group
         self.topology = topology
-        self._comm = None
+        self._comm: TorchComm | None = None
 
     def comm(self) -> TorchComm:
         if self._comm is None:  # made at the first bucket: the group exists by then
@@ -95,6 +95,6 @@ def compressed_hook(state: HookState, bucket) -> torch.futures.Future[torch.Tens
     layout = zlib.crc32(repr(shapes).encode())
     key = f"ddp.{bucket.index()}.{layout:08x}"
     result = state.compressor.reduce(flat, shapes, state.comm(), key, average=True)
-    future = torch.futures.Future()
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(result.to(flat.dtype))
     return future

@@ -70,7 +70,7 @@ class PowerSGD(ReducingCompressor):
 
     def plan(self, shapes: list[tuple]) -> list[tuple[int, int, int] | None]:
         """Per tensor: (rows, cols, r) if it is compressed, else None (plain)."""
-        out = []
+        out: list[tuple[int, int, int] | None] = []
         for shape in shapes:
             if len(shape) < 2:
                 out.append(None)

@@ -196,9 +196,8 @@ class Pack(Collate):
 
     @staticmethod
     def _tokens(sample, sample_id) -> np.ndarray:
-        tokens = leaves_of(sample)
-        tokens = tokens[0] if len(tokens) == 1 and tokens[0].ndim == 1 else \
-            np.asarray(sample)
+        leaves = leaves_of(sample)
+        tokens = leaves[0] if len(leaves) == 1 and leaves[0].ndim == 1 else np.asarray(sample)
         if tokens.ndim != 1:
             raise ValueError(f"sample {sample_id} is not one sequence of tokens (shape "
                              f"{tokens.shape}): Pack takes 1-D samples")

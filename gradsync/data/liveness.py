@@ -51,8 +51,12 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from ..errors import PeerLostError
+
+if TYPE_CHECKING:
+    from ..pipeline.engine import Handle
 
 __all__ = ["Watch"]
 
@@ -71,7 +75,7 @@ class Watch:
     def __init__(self, loader, interval: float, silence: float, clock=time.monotonic):
         self.loader, self.interval, self.silence, self.clock = loader, interval, silence, clock
         self._beats: dict[int, tuple[int, float]] = {}  # server -> (beat seen, since when)
-        self._pings: dict[int, object] = {}  # server -> its ping's handle, while in flight
+        self._pings: dict[int, Handle] = {}  # server -> its ping's handle, while in flight
         self._last: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

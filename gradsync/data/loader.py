@@ -39,6 +39,7 @@ import logging
 import queue
 import threading
 import time
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -48,6 +49,9 @@ from ..liveness.pace import meter
 from .layout import Layout
 from .plan import ORDERS, STATE_VERSION, Batch, pack_mask, plan, unpack_mask, worker_batches
 from .slots import poller
+
+if TYPE_CHECKING:
+    from ..pipeline.engine import Handle
 
 __all__ = ["Loader", "STATE_VERSION"]
 
@@ -614,9 +618,10 @@ class _Epoch:
         # items ahead (``_call``); (seq, handle) of that take, by server; the items a take
         # brought beyond the one it asked for, (seq, answer, bytes) in stream order, by server.
         self._left = collections.Counter(s for _, s in work)
-        self._ahead: dict[int, tuple[int, object]] = {}
+        self._ahead: dict[int, tuple[int, Handle]] = {}
         self._got: dict[int, collections.deque] = collections.defaultdict(collections.deque)
-        self._held = None  # (poller, seq) of a borrowed slot, released at the next batch
+        # (poller, seq) of a borrowed slot, released at the next batch
+        self._held: tuple[Any, int] | None = None
         self._failed: BaseException | None = None  # raised again by every later next()
         live = [d for d in range(loader.servers) if d not in loader.lost]
         self.inline = all(loader.pollers[d] is not None for d in live)
@@ -809,6 +814,7 @@ class _Epoch:
         return max(0, min(window, wanted))
 
     def _put(self, item) -> bool:
+        assert self._queue is not None  # only the fetching thread puts, and it has its queue
         while not self._stopping:
             try:
                 self._queue.put(item, timeout=0.5)
@@ -864,6 +870,7 @@ class _Epoch:
         loader = self.loader
         if loader.collate is not None:
             return loader.collate.unpack(loader.spec, buf, len(batch.ids))
+        assert loader.layout is not None  # a Loader without a collate has the samples' layout
         return loader.layout.unpack(buf, len(batch.ids))
 
     def stop(self) -> None:

@@ -90,7 +90,8 @@ class _Given:
     ones decoded here (handed back for the server's cache)."""
 
     def __init__(self, hits: dict, keep: bool):
-        self.hits, self.keep, self.decoded = hits, keep, {}
+        self.hits, self.keep = hits, keep
+        self.decoded: dict[int, object] = {}
 
     def get(self, sample_id: int):
         return self.hits.get(sample_id)
@@ -163,7 +164,7 @@ def start_helpers(batcher: Batcher, count: int, slot_bytes: int) -> list[Helper]
     # MAP_SHARED and anonymous: the forked processes write the very pages the server reads.
     memory = mmap.mmap(-1, max(1, count * slot_bytes))
     whole = np.frombuffer(memory, dtype=np.uint8)
-    helpers = []
+    helpers: list[Helper] = []
     for c in range(count):
         staging = whole[c * slot_bytes:(c + 1) * slot_bytes]
         mine, theirs = context.Pipe()
@@ -205,6 +206,7 @@ def _serve(conn, ends: list, batcher: Batcher, staging: np.ndarray) -> None:
             return
         epoch, ids, hits, keep = request
         source.cache = _Given(hits, keep)
+        answer: tuple  # ("ok", nbytes, decoded) or ("error", exception)
         try:
             nbytes = batcher.prepare(ids, epoch, staging, source)
             answer = ("ok", nbytes, source.cache.decoded)
@@ -225,14 +227,16 @@ class _HelperSource:
     def __init__(self, source):
         self.dataset, self.transform, self.seed = source.dataset, source.transform, source.seed
         self.collate = source.collate
-        self.cache = None
+        self.cache: _Given | None = None  # each batch's, set before the batch is prepared
         self._source = source
 
     def decoded(self, sample_id: int):
-        sample = self.cache.get(sample_id)
+        cache = self.cache
+        assert cache is not None  # _serve gives each batch its cache before preparing it
+        sample = cache.get(sample_id)
         if sample is None:
             sample = self.dataset[sample_id]
-            self.cache.put(sample_id, sample, 0)
+            cache.put(sample_id, sample, 0)
         return sample
 
     def served(self, sample, sample_id: int, epoch: int):

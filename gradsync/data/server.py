@@ -251,6 +251,7 @@ class DataServer:
         # The batch's shape, what the workers need to read one: the layout of the samples'
         # stack, or a collate's spec (then the slot holds the largest batch it can make).
         self.collate = source.collate
+        self.layout: Layout | None
         if self.collate is None:
             self.layout = source.layout()
             self.spec = self.layout.describe()
@@ -419,7 +420,7 @@ class DataServer:
         stream.table.clear()
         return True
 
-    def _take(self, worker: int, args: dict) -> dict:
+    def _take(self, worker: int, args: dict) -> dict | Attached:
         seq = int(args["seq"])
         end = time.monotonic() + self.timeout * 0.9  # answer before the worker's socket gives up
         # ``wait``: the worker's bound (a fraction of its heartbeat timeout), after which the

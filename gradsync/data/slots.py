@@ -84,7 +84,7 @@ def table_words(prefetch: int, batch_size: int) -> int:
     return _HEADERS + prefetch * _LINE + prefetch * batch_size
 
 
-def check_open(sock: socket.socket, label: str, peer: int) -> None:
+def check_open(sock: socket.socket, label: str, peer: int | None) -> None:
     """Raises PeerLostError if the owner's end of the connection ``sock`` is closed (its
     process exited or was killed: the kernel closed it), looking without waiting.
 
@@ -139,7 +139,7 @@ class SlotTable:
         # The worker's reads go through a memoryview of the words: an item of it is a Python
         # int in a fraction of a NumPy scalar's time, and the poll runs once per batch on a
         # thread whose caches have gone cold while it slept.
-        self._view = memoryview(words).cast("B").cast("q")
+        self._view = words.data.cast("B").cast("q")  # ndarray.data: its memoryview
 
     # ------------------------------------------------------------------ the server's side
     def publish(self, seq: int, generation: int, epoch: int, index: int, nbytes: int,

@@ -108,15 +108,16 @@ def decide(reports: list[Report]) -> Plan:
     survivors = [(i, r) for i, r in enumerate(reports) if r.survivor]
     if not survivors:
         return Plan("start", 0, None, None)
-    counted = all(r.live is not None for _, r in survivors)
-    top = max((r.live for _, r in survivors), default=None) if counted else None
+    lives = [r.live for _, r in survivors if r.live is not None]
+    counted = len(lives) == len(survivors)
+    top = max(lives) if counted else None
     if counted and all(r.resumable and not r.always for _, r in survivors):
         root = min(i for i, r in survivors if r.live == top)
         return Plan("go_on", root, top, 0)
     # Rank 0 is always a survivor (the launcher lists survivors first), so its save is
     # the one every member ends with.
     saved = reports[0].saved
-    lost = top - saved if counted and saved is not None else None
+    lost = top - saved if top is not None and saved is not None else None
     return Plan("rollback", 0, saved, lost)
 
 

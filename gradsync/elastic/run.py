@@ -44,6 +44,7 @@ import dataclasses
 import functools
 import logging
 import time
+from typing import Any
 
 from .. import job
 from ..errors import GradsyncTimeoutError, PeerLostError
@@ -78,7 +79,7 @@ def run_fn(func, reset):
             raise ValueError(f"state.rollback must be one of {recovery.ROLLBACK_MODES}, got "
                              f"{state.rollback!r}")
         sync, failure = True, None
-        progress = {"joined": False, "phase": "train"}
+        progress: dict[str, Any] = {"joined": False, "phase": "train"}
         while True:
             try:
                 if sync:
@@ -120,7 +121,8 @@ def _agree_and_sync(state, failure: _Failure | None, progress: dict) -> None:
     progress["phase"] = "agree"
     plan = recovery.agree(recovery.Report(
         survivor=survivor, live=state.applied_updates(),
-        resumable=survivor and failure.resumable, saved=state.saved_updates(),
+        resumable=failure is not None and survivor and failure.resumable,
+        saved=state.saved_updates(),
         always=state.rollback == "always"))
     progress["phase"] = "sync"
     if plan.action == "go_on":

@@ -91,7 +91,7 @@ import collections
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -104,6 +104,9 @@ from .negotiation_wire import from_wire, gather, to_wire, vote
 from .engine import Handle
 from ..errors import CollectiveMismatchError, GradsyncError
 from ..flight_recorder import recorder
+
+if TYPE_CHECKING:
+    from ..connect.world import World
 
 __all__ = ["Controller", "Request", "ResponseCache"]
 
@@ -178,6 +181,9 @@ class Controller:
         self.timeline = timeline
         self.track = recorder.track(f"horovod:{world.env.job_id}", f"Horovod API ({label})",
                                     self.ranks, "horovod", world.config.timeout, world)
+        self.owned_world: World | None = None
+        """The World this controller was made for and closes after it stops (a process set's
+        sub-world, ``torch/process_sets.py``), or None."""
         self.on_stand_in: Callable[[str], None] | None = None
         """Called with the name of each operation this rank joins in (or is excused from)
         without having issued it, while it is joined."""

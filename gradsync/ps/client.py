@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import time
+from typing import Any
 
 import numpy as np
 
@@ -93,7 +94,7 @@ class ParameterClient:
         self.mode = mode
         self.params = _parameters(model)
         numels = [p.numel() for _, p in self.params]
-        spec = {"names": [n for n, _ in self.params], "numels": numels,
+        spec: dict[str, Any] = {"names": [n for n, _ in self.params], "numels": numels,
                 "optimizer": optimizer.lower(), "hyper": _jsonable(hyper), "mode": mode,
                 "restore": restore, "factored": self._factored(model, factor_fc)}
         if mode == "backup":
@@ -108,7 +109,7 @@ class ParameterClient:
         store = open_store(config, env)
         self.endpoint, peers = connect_servers(config, env, store, "ps", self.workers,
                                                self.servers, "parameter server")
-        self.copies: dict[int, object] = dict(enumerate(peers))  # server -> its connection
+        self.copies: dict[int, region_peer.RemotePeer] = dict(enumerate(peers))  # by server
         self._closed = self._left = False
         try:
             # Each shard's view (replication.py): its primary takes the pushes and pulls.
@@ -305,6 +306,8 @@ class ParameterClient:
         connection, silence, a refusal naming a newer view) is replaced by the shard's next
         view, and the request (the whole push, gradient included) goes again to the new
         primary, which answers a push it already applied without applying it again."""
+        beats = self._beats
+        assert beats is not None  # there are copies (replicas > 1), so their beats are watched
         handles = {s: self.peers[s].submit(lambda s=s: fn(s), f"{what} shard {s}")
                    for s in range(self.shards)}
         out = [None] * self.shards
@@ -312,7 +315,7 @@ class ParameterClient:
             for attempt in range(self.replicas * 4):
                 view, peer = self.view[s], self.peers[s]
                 try:
-                    out[s] = wait_watched(handles[s], self._beats, view.primary,
+                    out[s] = wait_watched(handles[s], beats, view.primary,
                                           self.workers + view.primary,
                                           lambda peer=peer: abandon(peer))
                     break
@@ -410,9 +413,11 @@ class ParameterClient:
         if self.replicas == 1:
             region_peer.wait(list(handles.values()))
             return
+        beats = self._beats
+        assert beats is not None  # there are copies, so their beats are watched
         for s, h in handles.items():
             try:  # a copy that is gone or silent does not need the goodbye
-                wait_watched(h, self._beats, s, self.workers + s,
+                wait_watched(h, beats, s, self.workers + s,
                              lambda peer=self.copies[s]: abandon(peer))
             except PeerLostError:
                 pass

@@ -68,7 +68,9 @@ class Clock:
         if mode == "ssp" and not (staleness is not None and staleness >= 0):
             raise ValueError(f"ssp mode needs a staleness bound >= 0, got {staleness}")
         self.mode, self.workers = mode, workers
-        self.k, self.s = backup, staleness
+        # Only backup mode reads k, only ssp reads s: both checked above for their mode.
+        self.k: int = backup if backup is not None else workers
+        self.s: int = staleness if staleness is not None else 0
         self._apply, self.timeout = apply, timeout
         self._cv = threading.Condition()
         self.version = 0

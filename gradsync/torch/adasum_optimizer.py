@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -48,7 +49,15 @@ from .wrapping import grad_hook, rebase, remove_hooks
 __all__ = ["AdasumOptimizer", "wrap"]
 
 
-class AdasumOptimizer:
+if TYPE_CHECKING:
+    # As optimizer.py's mixin: the checker sees it as a subclass of the wrapped optimizer's
+    # class, which rebase makes it.
+    _Optimizer = torch.optim.Optimizer
+else:
+    _Optimizer = object
+
+
+class AdasumOptimizer(_Optimizer):
     """Reduces each parameter's local update with Adasum (module docstring)."""
 
     backward_passes_per_step: int
@@ -137,7 +146,9 @@ class AdasumOptimizer:
         try:
             with torch.no_grad():
                 for k, p in enumerate(self._gs_params):
-                    handle, ctx = self._gs_inflight[k]
+                    flight = self._gs_inflight[k]
+                    assert flight is not None  # every parameter was stepped and launched above
+                    handle, ctx = flight
                     reduced = self._gs_compression.decompress(handle.wait(), ctx)
                     p.add_(reduced.to(p.dtype))
         finally:

@@ -49,6 +49,7 @@ from ..errors import CollectiveMismatchError
 
 if TYPE_CHECKING:
     from ..collectives.shm import ShmGroup
+    from ..pipeline.engine import Handle
 
 __all__ = ["Bucket", "assign_buckets", "check_layout", "choose_shared", "plan_buckets",
            "split_evenly", "fusion_threshold"]
@@ -199,7 +200,7 @@ class Bucket:
         # With a group (``choose_shared``), the buffer is shared with the host's other ranks
         # (``ShmGroup.shared_buffer``): the allreduce then reads and writes it in place.
         raw = group.shared_buffer(nbytes) if group is not None and nbytes else None
-        if raw is None:
+        if group is None or raw is None:
             self.buffer = torch.zeros(total, dtype=dtype)
         else:
             self.buffer = torch.frombuffer(raw, dtype=dtype)  # zeros, as memfd pages start
@@ -209,7 +210,11 @@ class Bucket:
         first = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
         self.name = f"gradients[{index}] {first} ({len(names)} tensors, {self.buffer.dtype})"
         self.pending = len(slots)
-        self.handle = self.wire = self.ctx = None
+        # This round's allreduce (optimizer._gs_launch): its handle, the tensor on the wire and
+        # the compressor's context for it.
+        self.handle: Handle | None = None
+        self.wire: torch.Tensor | None = None
+        self.ctx: object = None
         self.version = 0
 
     def describe(self) -> list[tuple[str, tuple[int, ...], str]]:

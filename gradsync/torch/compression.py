@@ -31,6 +31,8 @@ fp16 has 11 bits of mantissa but overflows above 65504.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..compress import FP8, Auto, Int8, PowerSGD, RandomK, ReducingCompressor
@@ -47,7 +49,7 @@ class Compressor:
         raise NotImplementedError
 
     @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: object) -> torch.Tensor:
+    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
         raise NotImplementedError
 
 

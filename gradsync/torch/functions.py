@@ -18,7 +18,7 @@ gradients on its trainable parameters that had none.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -27,6 +27,9 @@ from ..pipeline import arguments
 from .buckets import fusion_threshold, plan_buckets
 from . import requests as _requests
 from .mpi_ops import ProcessSet, _check_process_set, _cpu, global_process_set
+
+if TYPE_CHECKING:
+    from ..pipeline.engine import Handle
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
            "allgather_object"]
@@ -146,7 +149,8 @@ def _broadcast_fused(tensors: list[torch.Tensor], root_rank: int, name: str) -> 
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t.detach())
-    in_flight = []
+    # (handle, the flat buffer of several tensors or None for one, the tensors it holds)
+    in_flight: list[tuple[Handle, torch.Tensor | None, list[torch.Tensor]]] = []
     for dtype, group in by_dtype.items():
         sizes = [t.numel() * t.element_size() for t in group]
         for k, members in enumerate(plan_buckets(sizes, [dtype] * len(group), fusion_threshold())):
@@ -158,8 +162,8 @@ def _broadcast_fused(tensors: list[torch.Tensor], root_rank: int, name: str) -> 
             flat = (torch.cat([t.reshape(-1) for t in part]) if is_root else
                     torch.empty(sum(t.numel() for t in part), dtype=dtype))
             in_flight.append((gs.broadcast_async_(flat, root_rank, name=label), flat, part))
-    for handle, flat, part in in_flight:
+    for handle, buffer, part in in_flight:
         handle.wait()
-        if flat is not None and not is_root:
-            for t, piece in zip(part, flat.split([t.numel() for t in part])):
+        if buffer is not None and not is_root:
+            for t, piece in zip(part, buffer.split([t.numel() for t in part])):
                 t.copy_(piece.view(t.shape))

@@ -37,9 +37,12 @@ controller, so its state is never touched by two at once).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from ..pipeline.engine import Handle
 
 __all__ = ["BucketLag"]
 
@@ -52,7 +55,7 @@ class BucketLag:
         self.launched = 0
         # (handle, result) per round in flight, oldest first; ``result()`` is the reduced
         # gradients once the handle is waited for.
-        self.flights: list[tuple[object, Callable[[], torch.Tensor]]] = []
+        self.flights: list[tuple[Handle, Callable[[], torch.Tensor]]] = []
 
     def source(self, bucket_buffer: torch.Tensor) -> tuple[torch.Tensor, int]:
         """This round's copy of the bucket's gradients and its buffer number (0 or 1)."""
@@ -62,7 +65,7 @@ class BucketLag:
         self.launched += 1
         return buffer, which
 
-    def started(self, handle, result: Callable[[], torch.Tensor]) -> None:
+    def started(self, handle: Handle, result: Callable[[], torch.Tensor]) -> None:
         self.flights.append((handle, result))
 
     def land(self) -> torch.Tensor | None:

@@ -117,7 +117,7 @@ class LARS(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict)
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
 
-    def step(self, closure: Callable[[], torch.Tensor] | None = None):
+    def step(self, closure: Callable[[], float] | None = None):  # torch's types
         """Evaluates ``closure`` (if any), scales the gradients, then the wrapped step."""
         loss = None
         if closure is not None:

@@ -270,21 +270,20 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
 class GroupedHandle:
     """A grouped allreduce in flight: one engine handle per fused buffer."""
 
-    __slots__ = ("_handles", "_finish", "_result", "_done")
+    __slots__ = ("_handles", "_finish", "_result")
 
     def __init__(self, handles: list[Handle], finish: Callable[[], list[torch.Tensor]]):
         self._handles, self._finish = handles, finish
-        self._result: list[torch.Tensor] | None = None
-        self._done = False
+        self._result: list[torch.Tensor] | None = None  # once finished
 
     def poll(self) -> bool:
         return all(h.poll() for h in self._handles)
 
     def wait(self) -> list[torch.Tensor]:
-        if not self._done:
+        if self._result is None:
             for h in self._handles:
                 h.wait()
-            self._result, self._done = self._finish(), True
+            self._result = self._finish()
         return self._result
 
 
@@ -331,7 +330,9 @@ class _GroupedAllreduce(torch.autograd.Function):
         ctx.spec = spec
         # Clones: outputs of a custom Function that are views of one buffer could not be
         # modified in place by the caller.
-        return tuple(t.clone() for t in _grouped(list(tensors), *spec, inplace=False).wait())
+        op, name, prescale, postscale, process_set = spec
+        return tuple(t.clone() for t in _grouped(list(tensors), op, name, prescale, postscale,
+                                                  process_set, inplace=False).wait())
 
     @staticmethod
     def backward(ctx, *grads):

@@ -62,7 +62,7 @@ import contextlib
 import time
 import warnings
 import weakref
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 
@@ -95,7 +95,15 @@ _MODIFIED = (
     "call optimizer.step() inside optimizer.skip_synchronize() (docs/torch.md)")
 
 
-class _DistributedOptimizer:
+if TYPE_CHECKING:
+    # The type checker sees the mixin as what rebase makes of it, a subclass of the wrapped
+    # optimizer's class: param_groups, super().step() and the rest are torch's.
+    _Optimizer = torch.optim.Optimizer
+else:
+    _Optimizer = object
+
+
+class _DistributedOptimizer(_Optimizer):
     """Reduces gradients across ranks before the wrapped optimizer's step (module docstring)."""
 
     backward_passes_per_step: int
@@ -160,23 +168,24 @@ class _DistributedOptimizer:
         if self._gs_size() > 1 and params:
             # Reduced as they are (no compression cast), buckets live in buffers that the
             # host's other ranks map: their allreduce skips the staging copies (collectives/shm).
-            group = None
+            shm_group = None
             # (Not with a lag: its allreduces work on copies, lag.py.)
             if (self._gs_compression is Compression.none and self._gs_reducer is None
                     and self.op is not Adasum and not self.gradient_lag):
-                group = _psets.controller(self._gs_process_set).world.shm_group
+                shm_group = _psets.controller(self._gs_process_set).world.shm_group
             plan = assign_buckets(params, self._gs_groups)
             shared: set[int] = set()
-            if group is not None:
+            if shm_group is not None:
                 shared = choose_shared(
                     [sum(params[i].numel() * params[i].element_size() for i in members)
                      for members in plan],
-                    group.small_bytes if _buckets.SHARED_ABOVE is None else _buckets.SHARED_ABOVE)
+                    shm_group.small_bytes if _buckets.SHARED_ABOVE is None
+                    else _buckets.SHARED_ABOVE)
             for k, members in enumerate(plan):
                 first = len(self._gs_slot_param)
                 bucket = Bucket(k, list(range(first, first + len(members))),
                                 [params[i] for i in members], [names[i] for i in members],
-                                group if k in shared else None)
+                                shm_group if k in shared else None)
                 self._gs_buckets.append(bucket)
                 for param, view in bucket.pairs:
                     self._gs_slot_param.append(param)
@@ -362,11 +371,13 @@ class _DistributedOptimizer:
             else:
                 bucket.buffer.copy_(result)
         else:
-            self._waited(bucket.handle.wait)
+            handle, wire = bucket.handle, bucket.wire
+            assert handle is not None and wire is not None  # launched this round (_gs_launch)
+            self._waited(handle.wait)
             if bucket.buffer._version != bucket.version:
                 raise RuntimeError(_MODIFIED.format(what=f"a gradient in {bucket.name}"))
             result = (bucket.buffer if self._gs_reducer is not None else
-                      self._gs_compression.decompress(bucket.wire, bucket.ctx))
+                      self._gs_compression.decompress(wire, bucket.ctx))
             if result is not bucket.buffer:
                 bucket.buffer.copy_(result)
             bucket.handle = bucket.wire = bucket.ctx = None
@@ -452,7 +463,7 @@ class _DistributedOptimizer:
         finally:
             self._gs_should_synchronize = True
 
-    def step(self, closure: Callable[[], torch.Tensor] | None = None):
+    def step(self, closure: Callable[[], float] | None = None):  # torch's types
         """Synchronizes (unless inside ``skip_synchronize``), then the wrapped step.
 
         With a ``closure``, the gradients it computes are synchronized before the wrapped
@@ -486,8 +497,8 @@ class _DistributedOptimizer:
         meter.mark_step()  # a training step ends: stragglers are judged by steps (pace.py)
         return loss
 
-    def _gs_synchronizing(self, closure: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-        def synchronized_closure() -> torch.Tensor:
+    def _gs_synchronizing(self, closure: Callable[[], float]) -> Callable[[], float]:
+        def synchronized_closure() -> float:
             loss = closure()
             self.synchronize()
             return loss

@@ -50,7 +50,7 @@ class ProcessSet:
     """
 
     process_set_id: int | None = None
-    ranks: list[int] | None = None
+    ranks: list[int]
     mpi_comm = None
 
     def __init__(self, ranks: Sequence[int]):
@@ -119,13 +119,13 @@ def _registry() -> _Registry:
 
 
 def _connect(pid: int, ranks: list[int], label: str) -> Controller:
-    world = job.world()
+    world, reg = job.world(), _registry()
     name = f"hvd{pid}"  # ids are never reused within one init, so names are unique
-    if _reg.client is None:
-        _reg.client = _clone(world.store.base)
+    if reg.client is None:
+        reg.client = _clone(world.store.base)
     sub = world.subworld(ranks, name, base=_clone(world.store.base))
-    sub.store.move_to(_reg.client)  # the meeting's client closes with its last reference
-    ctl = Controller(sub, label, ranks, world.config.fusion_threshold, _reg.timeline)
+    sub.store.move_to(reg.client)  # the meeting's client closes with its last reference
+    ctl = Controller(sub, label, ranks, world.config.fusion_threshold, reg.timeline)
     ctl.owned_world = sub
     ctl.on_stand_in = lambda name: naming.skip(name, pid)
     return ctl
@@ -185,7 +185,8 @@ def stop(abandon: "GradsyncError | None" = None):
             elif ctl.world.failure is None:
                 ctl.stop()
         finally:
-            ctl.owned_world.close()
+            if ctl.owned_world is not None:  # a set's controller owns its sub-world
+                ctl.owned_world.close()
     for pid, ps in reg.sets.items():
         if pid:
             ps._invalidate()
@@ -242,7 +243,8 @@ def remove_process_set(process_set: ProcessSet) -> bool:
             if ctl.world.failure is None:
                 ctl.stop()
         finally:
-            ctl.owned_world.close()
+            if ctl.owned_world is not None:  # a set's controller owns its sub-world
+                ctl.owned_world.close()
     return True
 
 

@@ -55,7 +55,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                              f"training, got {int(total)} across all ranks")
         mean = (counts * means).sum(0) / total
         m2 = (m2s + counts * (means - mean) ** 2).sum(0)
-        if running_mean is not None:
+        if running_mean is not None and running_var is not None:  # both, or neither
             with torch.no_grad():
                 running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
                 running_var.mul_(1 - momentum).add_((m2 / (total - 1)).to(running_var.dtype),
@@ -132,9 +132,11 @@ class SyncBatchNorm(_BatchNorm):
         self._check_input_dim(input)
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats:
-            self.num_batches_tracked.add_(1)
+            tracked = self.num_batches_tracked
+            assert tracked is not None  # a buffer of every BatchNorm that tracks its stats
+            tracked.add_(1)
             if self.momentum is None:
-                factor = 1.0 / float(self.num_batches_tracked)
+                factor = 1.0 / float(tracked)
         use_running = not self.training and self.track_running_stats
         if use_running or gs.size() == 1:
             return F.batch_norm(input, self.running_mean, self.running_var, self.weight,

@@ -17,7 +17,7 @@ finalizer removes the hooks once the optimizer is collected.
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -25,8 +25,10 @@ __all__ = ["rebase", "grad_hook", "remove_hooks"]
 
 _CLASSES: dict[tuple[type, type], type] = {}
 
+Mixin = TypeVar("Mixin")
 
-def rebase(optimizer: torch.optim.Optimizer, mixin: type) -> torch.optim.Optimizer:
+
+def rebase(optimizer: torch.optim.Optimizer, mixin: type[Mixin]) -> Mixin:
     """A new object of class ``(mixin, type(optimizer))`` over ``optimizer``'s attributes.
 
     The caller then sets the mixin up (its ``_gs_setup``). An instance attribute of
@@ -34,7 +36,7 @@ def rebase(optimizer: torch.optim.Optimizer, mixin: type) -> torch.optim.Optimiz
     ``optimizer.step`` on the instance) stays behind: it would bypass the synchronization.
     """
     base = type(optimizer)
-    cls = _CLASSES.get((mixin, base))
+    cls: Any = _CLASSES.get((mixin, base))  # a class made at run time
     if cls is None:
         cls = _CLASSES[mixin, base] = type(base.__name__, (mixin, base),
                                            {"__module__": mixin.__module__})

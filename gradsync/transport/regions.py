@@ -164,7 +164,8 @@ class Endpoint:
     """
 
     def __init__(self, ident: int, host: str, secret: bytes, job: str, addr: str = "127.0.0.1",
-                 expect: set[int] = frozenset(), timeout: float = 300.0, direct: bool = True,
+                 expect: set[int] | frozenset[int] | _AnyPeer = frozenset(),
+                 timeout: float = 300.0, direct: bool = True,
                  label: str = ""):
         self.ident, self.host, self.job = ident, host, shm.check_job_id(job)
         self.secret, self.timeout, self.direct = secret, timeout, direct

@@ -25,6 +25,7 @@ import secrets
 import threading
 import weakref
 from datetime import timedelta
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -43,6 +44,9 @@ from .errors import BackendError, to_backend_error
 from .p2p import PointToPoint, clone_store
 from .tensors import as_bytes, contiguous, fold, reduction_of, typed
 from .work import Lane, Work, close_lanes
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 __all__ = ["ProcessGroupGradsync", "create", "SHUTDOWN_GRACE_S", "ABORT_GRACE_S"]
 
@@ -73,6 +77,11 @@ def create(options, backend_options=None) -> "ProcessGroupGradsync":
                                 list(options.global_ranks_in_group or []))
 
 
+# torch's stubs describe ProcessGroup as its users call it: each collective with the overloads
+# of its Python front (a tensor and a ReduceOp, or a list and options), _get_backend returning a
+# Backend, and only the constructor that takes a store. A backend written in Python, as this
+# one, is called by c10d with (tensors, opts) and is its own backend, and torch's bindings
+# accept (rank, size): the `# type: ignore[...]` below mark those places, one code each.
 class ProcessGroupGradsync(dist.ProcessGroup):
     """A process group whose collectives run on gradsync's transports and algorithms.
 
@@ -84,9 +93,11 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         global_ranks: the group's ranks in the default group (``options.global_ranks_in_group``).
     """
 
+    _closed: bool  # another group's __init__ reads it (_owners)
+
     def __init__(self, store, rank: int, size: int, timeout: timedelta = timedelta(minutes=30),
                  group_id: str = "0", global_ranks: "list[int] | None" = None):
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # see above the class
         self._global_ranks = list(global_ranks) if global_ranks else list(range(size))
         self._group_name, self._group_desc = str(group_id), ""
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
@@ -177,7 +188,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
     def _device_types(self) -> list:
         return [_CPU]
 
-    def _get_backend(self, device) -> "ProcessGroupGradsync":
+    def _get_backend(self, device) -> "ProcessGroupGradsync":  # type: ignore[override]
         device = torch.device(device)
         if device.type != "cpu":
             raise RuntimeError(f"No backend type associated with device type {device.type}")
@@ -187,7 +198,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
     def options(self):
         """The backend's options, as a c10d backend has them (name and timeout)."""
         options = _BackendOptions("gradsync", timedelta(seconds=self.world.config.timeout))
-        options.group_name = self._group_name
+        options.group_name = cast("GroupName", self._group_name)  # a NewType of str
         options.global_ranks_in_group = list(self._global_ranks)
         return options
 
@@ -269,7 +280,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         rank's coalesced indices and values are gathered (ranks hold different numbers of
         entries), and each rank adds them up into one coalesced tensor."""
         kind = opts_op if isinstance(opts_op, dist.ReduceOp.RedOpType) else opts_op.op
-        if kind != dist.ReduceOp.RedOpType.SUM:
+        if kind != dist.ReduceOp.SUM:
             raise ValueError("all_reduce of a sparse tensor supports ReduceOp.SUM only")
         if t.device.type != "cpu":
             raise ValueError(f"the gradsync backend takes CPU tensors; got one on {t.device}")
@@ -299,7 +310,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
             t.copy_(torch.sparse_coo_tensor(indices, values, t.shape).coalesce())
         return run
 
-    def allreduce(self, tensors, opts=None):
+    def allreduce(self, tensors, opts=None):  # type: ignore[override]
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         steps = [self._sparse_allreduce_one(t, op) if t.is_sparse else
                  self._allreduce_one(t, op, "all_reduce") for t in tensors]
@@ -326,7 +337,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
             steps.append(run)
         return self._run("all_reduce_coalesced", tensors, lambda: [s() for s in steps], opts)
 
-    def reduce(self, tensors, opts=None):
+    def reduce(self, tensors, opts=None):  # type: ignore[override]
         root = self._root(opts.rootRank, "reduce")
         mine = self.rank() == root
         steps = [self._allreduce_one(t, opts.reduceOp, f"reduce root={root}", in_place=mine)
@@ -390,7 +401,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
             self._scratch = torch.empty(nbytes, dtype=torch.uint8)
         return self._scratch[:nbytes].view(dtype).view(shape)
 
-    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         steps = [self._reduce_scatter_one(o, list(i), op, "reduce_scatter")
                  for o, i in zip(output_tensors, input_tensors)]
@@ -417,7 +428,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     # ------------------------------------------------------------------ data movement
-    def broadcast(self, tensors, opts=None):
+    def broadcast(self, tensors, opts=None):  # type: ignore[override]
         root = self._root(opts.rootRank if opts is not None else 0, "broadcast")
         world = self.world
 
@@ -523,7 +534,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         return ops.alltoall(self.world, send, np.uint8, send_counts, name=what,
                             shape=(send.size,))
 
-    def gather(self, output_tensors, input_tensors, opts=None):
+    def gather(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
         root = self._root(opts.rootRank, "gather")
         n, mine = self.size(), self.rank() == root
         if mine and (len(output_tensors) != 1 or len(output_tensors[0]) != n):
@@ -537,7 +548,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
                 self._scatter_into(out, got, list(output_tensors[0]), "gather")
         return self._run("gather", output_tensors, run, opts)
 
-    def scatter(self, output_tensors, input_tensors, opts=None):
+    def scatter(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
         root = self._root(opts.rootRank, "scatter")
         n, mine = self.size(), self.rank() == root
         if mine and (len(input_tensors) != 1 or len(input_tensors[0]) != n):

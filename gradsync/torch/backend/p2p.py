@@ -26,14 +26,19 @@ Store look-ups happen only while such a receive waits, at most every ``_ANNOUNCE
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from ...cluster.rendezvous import Store
 from ...errors import GradsyncError, GradsyncTimeoutError
 from .errors import BackendError, to_backend_error
 from .tensors import as_bytes, contiguous
 from .work import Lane, Work
+
+if TYPE_CHECKING:
+    from ...connect.world import World
 
 __all__ = ["PointToPoint", "clone_store"]
 
@@ -59,7 +64,7 @@ class _Direction:
 
     def __init__(self, parent, src: int, dst: int):
         self.parent, self.src, self.dst = parent, src, dst
-        self.world = None
+        self.world: World | None = None
         self.lane = Lane(f"gradsync-p2p-{src}-{dst}", self._failed)
 
     def _failed(self, exc: BaseException, what: str) -> BackendError:
@@ -100,7 +105,7 @@ class PointToPoint:
         self._directions: dict[tuple[int, int], _Direction] = {}
         self._lock = threading.Lock()
         self._any: "Lane | None" = None  # receives from any source, in order (on first use)
-        self._announced = None  # the store connection they look for announcements on
+        self._announced: Store | None = None  # the store connection they look for announcements on
 
     def _direction(self, src: int, dst: int) -> _Direction:
         with self._lock:
@@ -159,6 +164,7 @@ class PointToPoint:
                                  lambda exc, what: to_backend_error(exc, f"rank {me}: {what}"))
                 self._announced = self.world.store.clone_private()
             lane, store = self._any, self._announced
+            assert store is not None  # made with the lane, just above
         sources = [r for r in range(me + 1, size)] + [r for r in range(me)]
 
         def take(d, src):
@@ -191,7 +197,7 @@ class PointToPoint:
                         next_ask[src] = now + _ANNOUNCE_POLL_S
                         if not store.check(_opened_key(src, me)):
                             continue
-                    ran, took = d.lane.try_run(lambda d=d, src=src: take(d, src))
+                    ran, took = d.lane.try_run(functools.partial(take, d, src))
                     if ran and took:
                         work._src = src
                         return

@@ -20,13 +20,15 @@ from ...collectives.ops import BFLOAT16, ReduceOp
 
 __all__ = ["contiguous", "as_bytes", "typed", "Reduction", "reduction_of", "fold"]
 
+# The members are read through ReduceOp (ReduceOp.SUM is RedOpType.SUM): torch's stubs
+# declare them on ReduceOp and give RedOpType none.
 RedOpType = dist.ReduceOp.RedOpType
 
-_DIRECT = {RedOpType.SUM: ReduceOp.SUM, RedOpType.AVG: ReduceOp.AVERAGE,
-           RedOpType.PRODUCT: ReduceOp.PRODUCT, RedOpType.MIN: ReduceOp.MIN,
-           RedOpType.MAX: ReduceOp.MAX, RedOpType.PREMUL_SUM: ReduceOp.SUM}
-_BITWISE = {RedOpType.BAND: torch.bitwise_and, RedOpType.BOR: torch.bitwise_or,
-            RedOpType.BXOR: torch.bitwise_xor}
+_DIRECT = {dist.ReduceOp.SUM: ReduceOp.SUM, dist.ReduceOp.AVG: ReduceOp.AVERAGE,
+           dist.ReduceOp.PRODUCT: ReduceOp.PRODUCT, dist.ReduceOp.MIN: ReduceOp.MIN,
+           dist.ReduceOp.MAX: ReduceOp.MAX, dist.ReduceOp.PREMUL_SUM: ReduceOp.SUM}
+_BITWISE = {dist.ReduceOp.BAND: torch.bitwise_and, dist.ReduceOp.BOR: torch.bitwise_or,
+            dist.ReduceOp.BXOR: torch.bitwise_xor}
 _FLOAT8 = {getattr(torch, name) for name in dir(torch) if name.startswith("float8_")}
 
 
@@ -101,7 +103,7 @@ _cache: dict = {}
 def reduction_of(opts_op, dtype: torch.dtype) -> Reduction:
     """The Reduction for a torch ``ReduceOp`` on ``dtype`` (cached; see ``_reduction_of``)."""
     kind = opts_op if isinstance(opts_op, RedOpType) else opts_op.op
-    if kind == RedOpType.PREMUL_SUM:  # carries its factor: not cached
+    if kind == dist.ReduceOp.PREMUL_SUM:  # carries its factor: not cached
         return _reduction_of(opts_op, dtype)
     key = (kind, dtype)
     red = _cache.get(key)
@@ -130,15 +132,15 @@ def _reduction_of(opts_op, dtype: torch.dtype) -> Reduction:
     if kind not in _DIRECT:
         raise ValueError(f"the gradsync backend does not know ReduceOp {opts_op!r}")
     prescale = 1.0
-    if kind == RedOpType.PREMUL_SUM:
+    if kind == dist.ReduceOp.PREMUL_SUM:
         factor = getattr(opts_op, "factor", None)
         if factor is None:
             raise ValueError("ReduceOp.PREMUL_SUM needs its factor: build the op with "
                              "torch.distributed._make_nccl_premul_sum(factor)")
         prescale = float(factor.item() if isinstance(factor, torch.Tensor) else factor)
-    if dtype.is_complex and kind in (RedOpType.MIN, RedOpType.MAX):
+    if dtype.is_complex and kind in (dist.ReduceOp.MIN, dist.ReduceOp.MAX):
         raise ValueError(f"ReduceOp.{name} is not defined on complex tensors ({dtype})")
-    if dtype.is_complex and kind == RedOpType.PRODUCT:
+    if dtype.is_complex and kind == dist.ReduceOp.PRODUCT:
         return Reduction(None, 1.0, lambda stacked: torch.prod(stacked, dim=0), name)
     return Reduction(_DIRECT[kind], prescale, None, name)
 

@@ -24,7 +24,7 @@ import threading
 import time
 import weakref
 from datetime import timedelta
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,9 @@ import torch.distributed as dist
 from ...liveness.pace import meter
 from .backward import backward
 from .errors import BackendError, to_backend_error
+
+if TYPE_CHECKING:
+    from ...flight_recorder import Record
 
 __all__ = ["Work", "Lane"]
 
@@ -52,7 +55,7 @@ class Work(dist._Work):
         self._lock = threading.Lock()
         self._source: torch.futures.Future | None = None
         self._future: torch.futures.Future | None = None
-        self.record = None  # the flight recorder's record of the operation, if any
+        self.record: Record | None = None  # the flight recorder's record of the operation, if any
 
     # ------------------------------------------------------------------ torch's interface
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:

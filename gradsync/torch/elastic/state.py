@@ -21,6 +21,7 @@ a failure without rolling back (``gradsync/elastic/recovery.py``).
 
 from __future__ import annotations
 
+import abc
 import copy
 
 import torch
@@ -33,10 +34,24 @@ from .sampler import ElasticSampler
 __all__ = ["TorchState"]
 
 
-class _Handler:
+class _Handler(abc.ABC):
+    """Saves, restores and syncs one kind of value of a TorchState, its own way."""
+
     def __init__(self, value):
         self.value = value
         self.save()
+
+    @abc.abstractmethod
+    def save(self) -> None:
+        """Keeps a copy of the value (a commit)."""
+
+    @abc.abstractmethod
+    def restore(self) -> None:
+        """Puts the copy back into the value (a rollback)."""
+
+    @abc.abstractmethod
+    def sync(self, root_rank: int = 0) -> None:
+        """Makes every rank's value ``root_rank``'s."""
 
     def set_value(self, value) -> None:
         self.value = value
@@ -143,8 +158,9 @@ def _drop_round(optimizer) -> None:
     optimizer._gs_synchronized, optimizer._gs_should_synchronize = False, True
 
 
-_HANDLERS = [(torch.nn.Module, _ModelHandler), (torch.optim.Optimizer, _OptimizerHandler),
-             (ElasticSampler, _SamplerHandler)]
+_HANDLERS: list[tuple[type, type[_Handler]]] = [
+    (torch.nn.Module, _ModelHandler), (torch.optim.Optimizer, _OptimizerHandler),
+    (ElasticSampler, _SamplerHandler)]
 
 
 class TorchState(ObjectState):
@@ -157,13 +173,16 @@ class TorchState(ObjectState):
             any other value is saved by deep copy (``epoch=0, batch=0``).
     """
 
+    _handlers: dict[str, _Handler]  # set in __init__ (object.__setattr__: see __setattr__)
+
     def __init__(self, model=None, optimizer=None, **kwargs):
         kwargs.update(model=model, optimizer=optimizer)
-        handlers, plain = {}, {}
+        handlers: dict[str, _Handler] = {}
+        plain: dict[str, object] = {}
         for name, value in kwargs.items():
-            handler = next((h for kind, h in _HANDLERS if isinstance(value, kind)), None)
-            if handler is not None:
-                handlers[name] = handler(value)
+            kind = next((h for k, h in _HANDLERS if isinstance(value, k)), None)
+            if kind is not None:
+                handlers[name] = kind(value)
             else:
                 plain[name] = value
         object.__setattr__(self, "_handlers", handlers)
