@@ -65,6 +65,7 @@ import tempfile
 import threading
 import time
 import weakref
+from typing import Any
 
 from .liveness.pace import meter
 
@@ -106,6 +107,20 @@ class Record:
     """One operation on this rank (the module docstring says what each field holds)."""
 
     __slots__ = _FIELDS
+    record_id: int
+    track: Any  # the operation's Track; None only in an empty slot, which nothing reads
+    kind: str | None
+    name: str | None
+    shape: tuple | None
+    dtype: object
+    out_shape: tuple | None
+    seq: int | None
+    peer: int | None
+    created_ns: int
+    started_ns: int
+    ended_ns: int
+    state: str | None
+    error: str | None
 
     def __init__(self):
         # An empty slot of the ring: number -1 (no operation), in no state.
@@ -460,7 +475,7 @@ def _entry(rec: Record, seq: int) -> dict:
     }
 
 
-def _output_shape(kind: str, shape: tuple, ranks: int) -> tuple:
+def _output_shape(kind: str | None, shape: tuple, ranks: int) -> tuple:
     """The output's shape where only the input's was recorded: an allgather's rows from every
     rank (as many as this rank's: the analyzer checks that product), else the input's."""
     if kind == "all_gather" and shape:

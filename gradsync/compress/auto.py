@@ -66,6 +66,7 @@ import logging
 import statistics
 import time
 import weakref
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -74,6 +75,9 @@ from .base import ReducingCompressor
 from .comm import Loopback
 from .powersgd import PowerSGD
 from .quantized import BF16, Int8
+
+if TYPE_CHECKING:
+    from .auto_local import LocalSGD
 
 __all__ = ["Auto", "latest", "OPTIONS"]
 
@@ -151,7 +155,7 @@ class Auto(ReducingCompressor):
         self.periods = model.periods_upto(local_sgd or 1)
         """Local SGD's candidate H (empty: not allowed)."""
         self.share = float(local_share)
-        self._local = None  # auto_local.LocalSGD, once a front door attaches the parameters
+        self._local: LocalSGD | None = None  # once a front door attaches the parameters
         self._local_pending: dict | None = None  # its state, loaded before it attached
         self._warned = False
         ranks = sorted({int(r) for r in powersgd_ranks}, reverse=True)
@@ -161,7 +165,8 @@ class Auto(ReducingCompressor):
         self.warmup, self.calibrate, self.check_every = warmup, calibrate, check_every
         self.clock = clock
         # The candidates, most faithful first (auto_model.decide's order).
-        self.inner: dict[str, ReducingCompressor] = {}
+        # Each candidate is read by its own kind below (Int8's layout, PowerSGD's plan).
+        self.inner: dict[str, Any] = {}
         if "bf16" in options:
             self.inner["bf16"] = BF16(block=block, seed=seed, tiers=tiers)
         if "int8" in options:
@@ -376,6 +381,7 @@ class Auto(ReducingCompressor):
         self.period, self.phase, starts = self._advance()
         self._stepped = False
         if starts:
+            assert self._local is not None  # a window of H > 1 starts only once attached
             self._local.restart()  # the ranks' parameters are equal: the window's anchors
         elif was > 1 and self.period == 1 and self._agreed is None:
             self._calib_from = self._step  # a recalibration waited for this window's end
@@ -472,6 +478,7 @@ class Auto(ReducingCompressor):
     def _check(self, comm) -> None:
         """The window's numbers, averaged; a decision again where they drifted."""
         a = self._agreed
+        assert a is not None  # checked only once a decision is agreed (step)
         keys = a["keys"]
         w = self._window
         # Steps that exchanged gradients give the rate from their buckets; under local SGD
@@ -572,8 +579,8 @@ class Auto(ReducingCompressor):
         # Rank 0's choice (and H, last) everywhere: the others add zeros (exact in float32).
         codes = torch.tensor(mine if comm.rank == 0 else [0] * len(mine), dtype=torch.float32)
         comm.allreduce_sum_(codes)
-        *choice, period = (int(round(v)) for v in codes.tolist())
-        choice = tuple(choice)
+        *codes_of_buckets, period = (int(round(v)) for v in codes.tolist())
+        choice = tuple(codes_of_buckets)
         self._agreed = numbers
         self._window, self._latency, self._kappa, self._syncs = [], [], {}, []
         changed = period != self._target or any(
@@ -633,6 +640,7 @@ class Auto(ReducingCompressor):
         if self._seen:
             period, phase, starts = self._advance()
             if starts:  # the parameters now are the next window's anchors
+                assert self._local is not None  # a window of H > 1 starts only once attached
                 local = self._local.anchored_now()
         if local is None and period > 1:  # mid-window: its anchors
             local = (self._local.state_dict() if self._local is not None

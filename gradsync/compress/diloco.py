@@ -91,7 +91,7 @@ class _CommReducer:
 
     def __init__(self, comm: Comm, compressor: ReducingCompressor | None):
         self.comm, self.compressor = comm, compressor
-        self._pool = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def start(self, flat: torch.Tensor, shapes: list, key: str):
         if self._pool is None:
@@ -133,7 +133,9 @@ class DiLoCo:
 
     Args:
         params: the model's parameters (or the model), in the same order on every rank.
-        inner: the inner optimizer (any ``torch.optim.Optimizer`` over ``params``).
+        inner: the inner optimizer (any ``torch.optim.Optimizer`` over ``params``), or None
+            where the caller steps the parameters itself and calls only ``outer_step``
+            (``compression="auto"``'s local SGD, ``auto_local.py``).
         sync_every: H, inner steps per window.
         outer_lr: the outer learning rate (1 with ``outer_momentum=0``: local SGD).
         outer_momentum: the outer momentum mu (0: none).
@@ -150,7 +152,7 @@ class DiLoCo:
         name: prefixes the collectives' names and the compressor's keys.
     """
 
-    def __init__(self, params, inner: torch.optim.Optimizer, *, sync_every: int,
+    def __init__(self, params, inner: torch.optim.Optimizer | None, *, sync_every: int,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
                  fragments: int = 1, delay: int = 0, mix: float = 0.0,
                  compressor: ReducingCompressor | None = None, comm="horovod",
@@ -199,12 +201,19 @@ class DiLoCo:
     # --------------------------------------------------------------------------- stepping
     def step(self, closure=None):
         """The inner step, then this step's outer syncs (module docstring)."""
-        loss = self.inner.step(closure) if closure is not None else self.inner.step()
+        inner = self._inner()
+        loss = inner.step(closure) if closure is not None else inner.step()
         self.outer_step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.inner.zero_grad(set_to_none=set_to_none)
+        self._inner().zero_grad(set_to_none=set_to_none)
+
+    def _inner(self) -> torch.optim.Optimizer:
+        if self.inner is None:
+            raise RuntimeError("this DiLoCo has no inner optimizer: step the parameters "
+                               "yourself and call outer_step()")
+        return self.inner
 
     def outer_step(self) -> None:
         """Counts an inner step taken, lands the syncs due, starts the syncs scheduled."""
@@ -241,12 +250,14 @@ class DiLoCo:
     def _land(self, pending: _Pending) -> None:
         self._wait(pending)
         self.pending.remove(pending)
+        result = pending.result
+        assert result is not None  # _wait has just landed it
         mu, lr, offset = self.outer_momentum, self.outer_lr, 0
         with torch.no_grad():
             for i in self.groups[pending.fragment]:
                 anchor, param = self.anchors[i], self.params[i]
                 n = anchor.numel()
-                g = pending.result[offset:offset + n].view(anchor.shape).to(anchor.dtype)
+                g = result[offset:offset + n].view(anchor.shape).to(anchor.dtype)
                 offset += n
                 if mu:
                     buf = self.momenta[i].mul_(mu).add_(g)

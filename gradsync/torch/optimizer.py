@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 import torch
 
 from ..collectives.ops import Average, ReduceOp, Sum
+from ..compress.auto import Auto
 from ..compress.auto_model import periods_upto
 from ..liveness.pace import meter
 from . import adasum_optimizer
@@ -132,7 +133,9 @@ class _DistributedOptimizer(_Optimizer):
         self.gradient_predivide_factor = gradient_predivide_factor
         self.gradient_lag = gradient_lag
         # compression="auto" allowed to choose local SGD (an Auto with local_sgd=H).
-        self._gs_local = bool(getattr(self._gs_reducer, "periods", ()))
+        # (That Auto itself, or None: attached here, told of each step's end in step().)
+        reducer = self._gs_reducer
+        self._gs_local = reducer if isinstance(reducer, Auto) and reducer.periods else None
         factor = gradient_predivide_factor
         self._gs_scale = (1.0 / factor, factor) if op is Average else (1.0, 1.0)
         self._gs_should_synchronize = True
@@ -193,8 +196,8 @@ class _DistributedOptimizer(_Optimizer):
                     self._gs_slot_bucket.append(bucket)
                 self._gs_slot_name.extend(bucket.names)
             check_layout(self._gs_buckets, self._gs_allgather_object)
-            if self._gs_local:  # the same parameters, in the same order, on every rank
-                self._gs_reducer.attach(params, comm="horovod", process_set=self._gs_process_set,
+            if self._gs_local is not None:  # the same parameters, in the same order, on every rank
+                self._gs_local.attach(params, comm="horovod", process_set=self._gs_process_set,
                                         name=f"auto.local_sgd.{names[0]}")
             ref = weakref.ref(self)
             for slot, param in enumerate(self._gs_slot_param):
@@ -492,8 +495,8 @@ class _DistributedOptimizer(_Optimizer):
         finally:
             self._gs_synchronized = False
             self._gs_nothing_to_apply = False
-        if self._gs_local:
-            self._gs_reducer.after_step()  # a local SGD window's end: the parameters averaged
+        if self._gs_local is not None:
+            self._gs_local.after_step()  # a local SGD window's end: the parameters averaged
         meter.mark_step()  # a training step ends: stragglers are judged by steps (pace.py)
         return loss
 
