@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 
 from .hosts import Host
 from .launcher import (SERVER_LINGER, LaunchSpec, Rank, Slot, Starter, informs, place,
-                       rank_line)
+                       rank_line, restart_allowed)
 from .processes import Output, StartError, describe, exit_status
 
 __all__ = ["DataServers"]
@@ -108,14 +108,10 @@ class DataServers:
     def _restart(self, d: int) -> None:
         """Starts data server ``d`` again in its slot (its predecessor has exited): the
         replica rule of a static job's parameter servers (``--server-restarts``)."""
-        rank, count, most = self.ranks[d], self.restarts.get(d, 0), self.spec.server_restarts
-        if count >= most:
-            if count == most and most:  # said once, at the first failure past the limit
-                self.restarts[d] = count + 1
-                self.output.message(f"data server {d} is not started again: it was started "
-                                    f"again {most} times already (--server-restarts)")
+        rank = self.ranks[d]
+        if not restart_allowed(self.restarts, d, self.spec.server_restarts,
+                               self.output.message, f"data server {d}"):
             return
-        self.restarts[d] = count + 1
         try:
             self.ranks[d] = self.starter.start(rank.slot, self.port,
                                                self.spec.num_proc + len(self.ranks))
@@ -123,7 +119,7 @@ class DataServers:
             self.output.message(f"could not start data server {d} again: {exc}")
             return
         self.output.message(f"data server {d} started again on host {rank.slot.host} "
-                            f"({count + 1} of {most}): workers that connect from now on "
+                            f"({self.restarts[d]} of {self.spec.server_restarts}): workers that connect from now on "
                             "take their share of it")
         if informs(self.spec):
             self.output.message(rank_line(self.ranks[d], f"data server {d}"))

@@ -93,7 +93,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import BinaryIO, Mapping, Sequence
+from typing import BinaryIO, Callable, Mapping, Sequence
 
 from ..config import ENV_PREFIX, HOROVOD_IDENTITY, IDENTITY_VARIABLES, horovod_settings
 from ..errors import ConfigError
@@ -515,6 +515,22 @@ def rank_line(rank: Rank, role: str, index: int | None = None) -> str:
     return f"{where}: pid {rank.proc.pid}{runs}"
 
 
+def restart_allowed(restarts: dict, key, most: int, say: Callable[[str], None],
+                    who: str) -> bool:
+    """Counts one more start of a failed server ``key`` (a parameter server's rank, a data
+    server's index) in ``restarts`` if ``--server-restarts`` (``most``) allows it; says once,
+    at the first failure past the limit, that ``who`` is not started again."""
+    count = restarts.get(key, 0)
+    if count >= most:
+        if count == most and most:
+            restarts[key] = count + 1
+            say(f"{who} is not started again: it was started again {most} times already "
+                "(--server-restarts)")
+        return False
+    restarts[key] = count + 1
+    return True
+
+
 class _Job(JobLoop):
     """The static job's policy in the launcher's job loop (``loop.py``): every rank placed and
     started at once; see the module docstring for what a failure does."""
@@ -710,14 +726,9 @@ class _Job(JobLoop):
         ``moved``: the old one was silent, its host maybe cut off: the new one starts on a
         host with room if there is one (``_replacement_slot``)."""
         index = rank.slot.rank
-        count, most = self.restarts.get(index, 0), self.spec.server_restarts
-        if count >= most:
-            if count == most and most:  # said once, at the first failure past the limit
-                self.restarts[index] = count + 1
-                self.output.message(f"rank {index} is not started again: it was started again "
-                                    f"{most} times already (--server-restarts)")
+        if not restart_allowed(self.restarts, index, self.spec.server_restarts,
+                               self.output.message, f"rank {index}"):
             return
-        self.restarts[index] = count + 1
         slot = self._replacement_slot(rank) if moved else rank.slot
         # A rank moved to another host was not in the binding's plan: it runs unbound.
         cores = None if self.cores is None or not is_local(slot.host) or slot is not \
@@ -737,7 +748,8 @@ class _Job(JobLoop):
             return
         seen.discard(index)  # the replacement's own failure is reported again
         where = f" on host {slot.host}" if slot.host != rank.slot.host else ""
-        self.output.message(f"rank {index} started again ({count + 1} of {most}){where}: "
+        self.output.message(f"rank {index} started again ({self.restarts[index]} of "
+                            f"{self.spec.server_restarts}){where}: "
                             f"it joins its shard with a copy")
         if informs(self.spec):
             self.output.message(rank_line(self.ranks[position], self._role(index)))
