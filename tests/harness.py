@@ -143,14 +143,12 @@ def spawn(np_: int, script: str, *args: str, timeout: float = 60, env: dict | No
             (TORCHELASTIC_USE_AGENT_STORE=True); otherwise rank 0 hosts it.
     """
     import socket
-    from datetime import timedelta
 
     store = None
     if agent_store:
-        from torch.distributed import TCPStore
+        import loopback  # an IPv4 listener: no client waits on a reverse DNS look-up
 
-        store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout),
-                         wait_for_workers=False)
+        store = loopback.store(timeout)
         port = store.port
     else:
         with socket.socket() as s:

@@ -170,6 +170,53 @@ def two_hosts():
         yield c
 
 
+_LOOKUPS = """
+import socket, sys, time
+from datetime import timedelta
+from torch.distributed import TCPStore
+
+# The reverse look-ups torch's store server makes of its clients: each must be answered by
+# the host's own files (a name) or refused at once, never sent to a DNS server.
+names = [socket.getnameinfo((a, 0), socket.NI_NAMEREQD)[0]
+         for a in ("::ffff:127.0.0.1", "::ffff:" + sys.argv[1], sys.argv[1])]
+t = time.monotonic()
+try:
+    socket.getaddrinfo("no-such-host.invalid", 0)
+except socket.gaierror:
+    pass
+refused = time.monotonic() - t
+# A store that opens its own socket (dual-stack) and four clients on the host's loopback,
+# each connection's look-up on the thread that serves them all.
+server = TCPStore("0.0.0.0", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+server.set("k", "v")
+t = time.monotonic()
+for _ in range(4):
+    TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=30)).get("k")
+print(" ".join(names), f"{refused:.3f} {time.monotonic() - t:.3f}")
+"""
+
+
+def test_a_store_in_an_emulated_host_never_waits_on_dns(two_hosts):
+    """torch's store server looks up each client's name on the thread that serves them all;
+    a look-up that the host's files do not answer goes to DNS, where a server that drops
+    queries costs 5 s each (docs/troubleshooting.md). Each emulated host answers its loopback
+    in the v4-mapped form its dual-stack store sees (``::ffff:127.0.0.1``) and every peer from
+    /etc/netns/<ns>/hosts, and refuses other look-ups at once (resolv.conf names its own
+    loopback). The names fail without the testbed's hosts lines. The timings (bounds far above
+    milliseconds, far below the 5 s of one dropped query) guard the refusal and the store's
+    loopback clients; they cannot fail where the DNS server is unreachable from the emulated
+    subnet (this machine: refused at once), so the names are the check. With a DNS server that
+    drops queries, a client process on the host's loopback waited 10 s without the v4-mapped
+    line and 0.00 s with it (docs/testing.md)."""
+    ip = two_hosts.host("h0").ip
+    out = subprocess.run(two_hosts.exec_argv("h0", [sys.executable, "-c", _LOOKUPS, ip]),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    loopback, mapped, plain, refused, connects = out.stdout.split()
+    assert (loopback, mapped, plain) == ("localhost", "h0", "h0")
+    assert float(refused) < 2.0 and float(connects) < 2.0, out.stdout
+
+
 @pytest.mark.parametrize("placement", [
     "host", pytest.param("alternate", marks=pytest.mark.slow),  # test_collectives' abcab stays
 ])

@@ -602,7 +602,9 @@ from torch.distributed import TCPStore
 from gradsync.ps.server import StoreGate
 from gradsync.cluster.rendezvous import Store
 
-host = TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=10), wait_for_workers=False)
+import loopback  # no DNS wait for each client (tests/loopback.py); tests/ is on PYTHONPATH
+
+host = loopback.store(10, 2)
 gate = StoreGate()
 store = gate.wrap(Store.over(TCPStore("127.0.0.1", host.port, 2, False,
                                       timedelta(seconds=10)), "exit", 10))

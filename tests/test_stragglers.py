@@ -14,6 +14,7 @@ import types
 
 import pytest
 
+import loopback
 import small_jobs
 from harness import launch
 
@@ -509,15 +510,12 @@ def test_the_live_view_ends_with_its_job_in_one_line():
     import select
     import sys
     import time
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
 
     from gradsync.cluster.rendezvous import Store
     from gradsync.liveness.straggler_watch import CURRENT_KEY, TOP_NAMESPACE
     from gradsync.run.processes import start
 
-    server = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=5))
+    server = loopback.store(5)  # no DNS wait for each client (tests/loopback.py)
     Store.over(server, TOP_NAMESPACE, 5.0).set(CURRENT_KEY, json.dumps({"job": "j", "size": 1}))
     job = Store.over(server, "j", 5.0)
     job.set("pace/0", json.dumps(_post(0, [[1, 100 * MS, 2 * MS]])))

@@ -409,12 +409,21 @@ class Cluster:
             _shape(self.switch, port, self.host_rate, None)
             # The host names resolve inside the emulation; without them, every reverse
             # look-up of a peer's address fails (torch's store warns about each one; it
-            # looks up the IPv4-mapped IPv6 form, hence the second line per host).
+            # looks up the IPv4-mapped IPv6 form, hence the second line per host, and
+            # ::ffff:127.0.0.1 for a client on the host's own loopback). A look-up that
+            # the file does not answer goes to DNS, and torch's store server waits for it
+            # on the thread that serves every client: with the machine's resolv.conf, a
+            # server that drops queries costs 5 s a look-up (docs/troubleshooting.md,
+            # "The rendezvous store stalls for 5 s"). No DNS server is reachable from the
+            # emulated subnet anyway, so each host's resolv.conf names its own loopback,
+            # where nothing listens: the query is refused at once.
             os.makedirs(os.path.join(_ETC, host.ns), exist_ok=True)
             with open(os.path.join(_ETC, host.ns, "hosts"), "w") as f:
-                f.write("127.0.0.1 localhost\n::1 localhost\n"
+                f.write("127.0.0.1 localhost\n::1 localhost\n::ffff:127.0.0.1 localhost\n"
                         + "".join(f"{h.ip} {h.name}\n::ffff:{h.ip} {h.name}\n"
                                   for h in self.hosts))
+            with open(os.path.join(_ETC, host.ns, "resolv.conf"), "w") as f:
+                f.write("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
 
     def down(self) -> None:
         """Deletes this cluster's namespaces (and with them every veth and bridge)."""
