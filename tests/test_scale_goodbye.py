@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from test_scale import forked, results
+from scale_jobs import forked, results
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -40,11 +40,11 @@ def _every_rank_left(job) -> None:
 
 
 @pytest.mark.parametrize("run", [1, 2, 3])
-def test_a_64_rank_job_that_ends_in_a_barrier_finishes_cleanly(run, tmp_path):
-    _every_rank_left(forked(64, 1, "goodbye.py", tmp_path=tmp_path, timeout=240))
+def test_a_64_rank_job_that_ends_in_a_barrier_finishes_cleanly(run):
+    _every_rank_left(forked(64, 1, "goodbye.py", timeout=240))
 
 
-def test_a_64_rank_job_ends_cleanly_while_the_store_is_slow_to_take_the_goodbyes(tmp_path):
+def test_a_64_rank_job_ends_cleanly_while_the_store_is_slow_to_take_the_goodbyes():
     # 1 s per goodbye: four heartbeat intervals, in which a leaving rank's links must neither
     # end without its BYE nor go quiet.
-    _every_rank_left(forked(64, 1, "goodbye.py", "1.0", tmp_path=tmp_path, timeout=240))
+    _every_rank_left(forked(64, 1, "goodbye.py", "1.0", timeout=240))
