@@ -74,7 +74,10 @@ def test_nothing_is_written_once_remove_returns(beats):
     try:
         on_socket = beats.add_socket(ours.fileno(), BEAT)
         on_word = beats.add_word(words, 0)
-        assert _unread(theirs) == BEAT  # the first beat at once
+        # The first beat at once (a crowded machine may let the next round come before this
+        # read: CI saw two).
+        got = _unread(theirs)
+        assert got and set(got) == {BEAT[0]}, got
         beats.remove(on_socket)
         beats.remove(on_word)
         beats.remove(on_word)  # twice: harmless

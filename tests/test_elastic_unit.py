@@ -431,3 +431,16 @@ def test_a_member_that_exits_just_before_a_re_formation_is_failed_with_its_host(
     assert members[1].failed and job.blacklist == {"a": float("inf")}
     assert members[0].retired and members[0].rank.signals == [15]  # SIGTERM
     assert job.control.generation() == 1 and ids(job.control, 1) == ["b[2]"]
+
+
+def test_no_worker_starts_once_a_member_has_ended(monkeypatch):
+    """A member that exits 0 (the job is finishing) between the launcher's look at its
+    workers and its count of free slots frees no slot, and the job starts nobody on it: a
+    new worker would only be stopped again as the job ends (a slow CI caught one)."""
+    job, members = _growing_job(monkeypatch)
+    members[1].rank.proc.poll = lambda: 0  # b[1] has just ended; the launcher has not seen it
+    assert job._free_slots() == ["c"]  # b[1] still holds b's slot
+    assert job._form(first=False) is None
+    assert job.state.finishing
+    assert job.pending == [] and [w.id for w in job.workers] == ["a[0]", "b[1]"]
+    assert job.control.generation() == 0

@@ -440,6 +440,48 @@ def test_a_join_that_fails_at_the_connection_is_logged_not_an_uncaught_error(pai
     assert primary.view == view and not primary.fenced
 
 
+def test_a_joiner_that_reads_its_view_first_is_still_its_primarys_backup(pair, monkeypatch):
+    """The primary puts the view that adds the joiner into the store, and the joiner's beat
+    reads it there before the primary's last call arrives. That call must not fail the join:
+    CI saw it fail with "not joining", and the primary went on in the view before, forwarding
+    nothing to a copy that the workers and the joiner counted as a member (they diverged)."""
+    from gradsync.ps import join
+
+    store, (primary, lost) = pair
+    lost.endpoint.close()  # server 1's process ends: its names are free for the replacement
+    dropped = Views(store, 0, 2, 2, timeout=1).propose(primary.view, 1, "killed")
+    primary.look(Views(store, 0, 2, 2, timeout=1))
+    assert primary.view == dropped
+    _push(primary, np.linspace(-1, 1, 100, dtype=np.float32), 1, dropped.epoch)
+    ep = Endpoint(2, "localhost", b"k" * 32, "psrep", expect={0, 1}, timeout=10,
+                  label="server 1's replacement")
+    try:
+        joiner = Server(1, 2, 1, ep, timeout=10, connect_timeout=10, replicas=2,
+                        views=Views(store, 0, 2, 2, timeout=1), beats=Beats(store, timeout=0),
+                        locate=lambda b: (primary.endpoint.addr, primary.endpoint.port))
+        joiner.joining, joiner.view = True, joiner.views.newest()
+        ep.raise_fence(joiner.view.epoch)
+        primary._locate = lambda b: (ep.addr, ep.port)
+        install = join.install
+
+        def beat_first(server, peer, args):
+            if args["phase"] == "view":
+                server.look(Views(store, 0, 2, 2, timeout=1))  # its beat, just before
+                assert not server.joining
+            return install(server, peer, args)
+
+        monkeypatch.setattr(join, "install", beat_first)
+        assert join.bring_in(primary, 1, dropped.epoch) is True
+        assert primary.view.members == (0, 1) and joiner.view == primary.view
+        # the next update reaches the joiner: one version, the same bits
+        reply = _push(primary, np.full(100, 0.25, np.float32), 2, primary.view.epoch)
+        assert reply == {"version": 2, "applied": True}
+        assert joiner.clock.version == primary.clock.version == 2
+        assert np.array_equal(joiner.params, primary.params)
+    finally:
+        ep.close()
+
+
 def test_a_stale_primary_woken_mid_forward_is_refused_at_the_write(trio):
     """Primary 0 is stopped in the middle of forwarding update 2 (combined and applied on its
     own copy, not yet written into the backups). The shard moves to view 1 and its new primary,

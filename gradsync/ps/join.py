@@ -134,7 +134,6 @@ def _bring_in(server, joiner: int, since: int) -> bool:
                 server._adopt(view)  # someone else changed the view first; it asks again
                 abandon(peer)
                 return False
-            peer.call("install", phase="view", view=[view.epoch, list(view.members), view.why])
         except (GradsyncError, OSError) as exc:
             log.warning("parameter server %d: server %d could not join: %s", server.index,
                         joiner, exc)
@@ -143,19 +142,37 @@ def _bring_in(server, joiner: int, since: int) -> bool:
             if isinstance(exc, StaleWriteError):  # the joiner knows a newer view: look
                 server._adopt(server.views.newest(server.view))
             return False
+        # The view is in the store: it is the shard's now, whatever the last step says (the
+        # joiner may take it on its own beat first, and a joiner lost now is dropped by the
+        # next forward, as any backup). A primary that went on in the view before it would
+        # forward nothing to a copy the workers and the joiner count as a member.
         server._copies[joiner] = peer
         server._adopt(view)
         log.warning("shard %d: server %d joined with a copy of version %d (view %d: %s)",
                     server.shard, joiner, version, view.epoch, list(view.members))
+        try:
+            peer.call("install", phase="view", view=[view.epoch, list(view.members), view.why])
+        except (GradsyncError, OSError, ValueError) as exc:
+            log.warning("parameter server %d: server %d did not take view %d from its primary "
+                        "(%s); it reads it from the store, or the next update drops it",
+                        server.index, joiner, view.epoch, exc)
         return True
 
 
 def install(server, peer: int, args: dict) -> dict:
     """(The joiner.) One step of ``bring_in`` from the primary (rank ``peer``)."""
+    phase = args["phase"]
+    if phase == "view":
+        # Its own beat may have taken this view from the store first (``Server.look``).
+        epoch, members, why = args["view"]
+        server.accept(View(server.shard, int(epoch), tuple(members), why))
+        if server.joining or server.view.epoch < int(epoch):
+            raise ValueError(f"parameter server {server.index} is not in view {epoch} of "
+                             f"shard {server.shard} (rank {peer} tried to install it)")
+        return {}
     if not server.joining:
         raise ValueError(f"parameter server {server.index} is not joining (rank {peer} "
                          f"tried to install a copy)")
-    phase = args["phase"]
     if phase == "setup":
         if server.spec is None:
             try:
@@ -181,10 +198,6 @@ def install(server, peer: int, args: dict) -> dict:
             server.clock.install(args["clock"])
             server.meta[0] = server.clock.version
             server.installed = True
-        return {}
-    if phase == "view":
-        epoch, members, why = args["view"]
-        server.accept(View(server.shard, int(epoch), tuple(members), why))
         return {}
     raise ValueError(f"unknown install phase {phase!r}")
 

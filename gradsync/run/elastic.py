@@ -603,9 +603,12 @@ class _ElasticJob(JobLoop):
         return self.static_hosts
 
     def _free_slots(self) -> list[str]:
-        """One entry per free slot of a usable host, hosts in discovery order."""
+        """One entry per free slot of a usable host, hosts in discovery order. A worker holds
+        its slot until the launcher has noted its end (failed or retired it): one whose exit
+        0 is not yet noted must not make room for a new worker, which the finishing job would
+        only stop again."""
         now = time.monotonic()
-        live = self._alive(self.workers)
+        live = [w for w in self.workers if not w.failed and not w.retired]
         data_hosts = {h.name for h in self.elastic.data_hosts}
         free = []
         for host in self._hosts():
@@ -630,6 +633,8 @@ class _ElasticJob(JobLoop):
                                  "script (or with fewer slots)")
         if not first:
             self._note_exits()
+            if st.finishing:
+                return None  # a worker has ended: nobody starts, no generation forms
         survivors = self._alive(st.members)
         pending = self._alive(self.pending)
         now = now or len(survivors) < len(st.members)
