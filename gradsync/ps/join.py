@@ -14,8 +14,10 @@ died unnoticed, is dropped from it first):
    (``params``, ``copy.<name>``), then ``install(phase="state")`` with the optimizer's
    scalars and the clock's snapshot: the joiner now holds exactly the primary's version;
 3. it proposes the shard's next view with the joiner appended (the store's claim makes it
-   the only change of that view number) and calls ``install(phase="view")``; from the next
-   update on, the joiner is a backup like any other.
+   the only change of that view number), adopts it, and calls ``install(phase="view")``;
+   from the next update on, the joiner is a backup like any other. The view is the shard's
+   once the store holds it: the joiner's beat may read it before that call arrives (the call
+   then finds the joiner in it already), and the primary goes on in it whatever the call says.
 
 The joiner serves nothing before step 3: until then its own view does not hold it, and a
 push or a forwarded update gets ``{"stale": ...}``. If the primary fails between steps 2 and
