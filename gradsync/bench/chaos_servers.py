@@ -24,8 +24,10 @@ times at most: below):
 
 A parameter server that is lost comes back: the launcher starts it again and it joins its
 shard with a copy (docs/ps.md); the next fault waits until every shard has its R copies. A
-lost data server does not (docs/data.md: the others serve its share), so a data-server soak
-stops injecting once one data server is left: at most D - 1 faults that lose one. A
+lost data server is started again too, but serves only workers that connect after it
+(docs/data.md), and a server job's workers are all there from the start: for them it stays
+lost (the others serve its share), so a data-server soak stops injecting once one data
+server is left: at most D - 1 faults that lose one. A
 parameter-server soak passes the launcher ``--server-restarts`` large enough for every fault
 it can inject (``restarts_for``: a 10-minute soak with a fault every 30 s on 2 servers hits
 each about 10 times, past the launcher's default of 3), and would stop injecting only once

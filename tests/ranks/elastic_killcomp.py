@@ -35,7 +35,6 @@ RESULT id=<worker> size=<n> updates=<applied> begun=<steps begun by this process
     landed=<DiLoCo's landings, step:fragment,... (``-``)>
 """
 
-import hashlib
 import os
 import signal
 import sys
@@ -48,6 +47,9 @@ import torch.nn.functional as F
 import gradsync.torch as hvd
 from gradsync.compress import DiLoCo, Int8, PowerSGD
 from gradsync.elastic import worker
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import digests  # noqa: E402  (tests/digests.py, which the test compares with)
 
 MODE = sys.argv[1]
 KILL, GROW, TOTAL = (10, 15, 24) if MODE == "diloco" else (5, 10, 16)
@@ -91,24 +93,8 @@ else:
 
 
 def digest(values) -> str:
-    """A short hash of nested dicts and lists of tensors and numbers (dict keys sorted)."""
-    h = hashlib.sha256()
-
-    def walk(v):
-        if isinstance(v, dict):
-            for k in sorted(v):
-                h.update(str(k).encode())
-                walk(v[k])
-        elif isinstance(v, (list, tuple)):
-            for item in v:
-                walk(item)
-        elif isinstance(v, torch.Tensor):
-            h.update(v.detach().contiguous().numpy().tobytes())
-        else:
-            h.update(repr(v).encode())
-
-    walk(values)
-    return h.hexdigest()[:16]
+    """A short hash of nested dicts and lists of tensors and numbers (tests/digests.py)."""
+    return digests.digest(values, 16)
 
 
 def state_digest() -> str:
