@@ -489,7 +489,10 @@ def _check_sockets(n: int, got: dict) -> None:
         assert len(sub["tcp"]) == 2, (r, g)
         # ... and its abort watch's store client (abort_watch.py): no listener, no links.
         # (made by the watch's thread, so it may not be there yet when counted).
-        extra = sub["sockets"] - g["doubling"]["sockets"]
+        # Counted from the parent's whole set: a socket of the parent's threads that was not
+        # up at the parent's count (one fewer, above) is there by the sub-world's, and is not
+        # the sub-world's (a busy machine's run counted 7 then 11 sockets on rank 0: 8 + 3).
+        extra = sub["sockets"] - max(g["doubling"]["sockets"], expected)
         # (A dial that crossed another may still be open when the parent's count is taken.)
         assert extra <= 2 + sub["heartbeat"], (r, g)
 
