@@ -304,9 +304,76 @@ def test_a_post_carries_the_steps_since_the_last_one():
     assert steps(4) == [1, 2, 3, 4]
     assert steps(13) == list(range(5, 18))
     assert steps(3) == list(range(11, 21))  # the newest 10 at least (gradsync top's first read)
-    steps(130)  # more than HISTORY: the meter kept the newest 64
+    steps(130)  # more than HISTORY (64) since the last post (the test below says what it posts)
     assert meter.stride == 8
     assert steps(130) == list(range(152, 281, 8))
+
+
+def test_a_meter_full_of_steps_not_posted_keeps_every_other_one_rather_than_drop_the_oldest():
+    """A meter holds its newest 64 steps (HISTORY). Before the first post had set its stride,
+    a job of 130 steps in its first interval held steps 67-130 alone and posted 72-128
+    (every 8th): its steps 8-64 were in no post, judged on no rank; the same when its steps
+    became 8 times faster. Without a publisher it keeps the newest 64, every one."""
+    clock = Clock()
+    world = types.SimpleNamespace(
+        config=Config(straggler_interval=1.0), rank=1, size=2,
+        env=types.SimpleNamespace(job_id="job"),
+        peers=[types.SimpleNamespace(host="h")] * 2, store=None)
+    meter = Meter(clock)
+    meter.reset(0)
+    publisher = Publisher(world, pace=meter, thread=False)
+
+    def steps(count, ms):
+        for _ in range(count):
+            clock.ns += ms * MS
+            meter.mark_step()
+        return [n for n, *_ in publisher.summary()["steps"]]
+
+    assert steps(130, 8) == list(range(8, 129, 8))
+    assert steps(130, 8) == list(range(136, 257, 8))
+    assert steps(1040, 1) == list(range(320, 1281, 64))  # 8 times as many an interval
+    # The same when the job begins to mark its steps, numbered from 1 again: the steps
+    # counted by operations up to 100 were posted, the marked ones up to 100 were not.
+    meter.reset(1)
+    publisher = Publisher(world, pace=meter, thread=False)
+    for _ in range(10):
+        for _ in range(10):
+            meter.op_done()
+        publisher.summary()
+    assert meter.step == 100 and meter.stride == 1
+    assert steps(130, 8) == list(range(8, 129, 8))
+    alone = Meter(clock)
+    alone.reset(0)
+    for _ in range(200):
+        alone.mark_step()
+    assert [s[0] for s in alone.steps] == list(range(137, 201)) and alone.stride == 1
+
+
+def test_the_start_up_in_a_jobs_first_step_is_not_judged(caplog):
+    """Step 1's clock starts at the job's start (the meter's reset): it holds the start-up.
+    Here rank 3 reaches its first collective 2 s after its peers (a slower import, a later
+    connection), and they block 2 s in it; then it is slowed by 30%. Judged, step 1 made
+    rank 3 late by 2 s there, and the first warning said "by 358.3 ms on average" with its
+    peers "waiting 358.3 ms"; the judge begins at step 2 (``FIRST_JUDGED``)."""
+    base, clock, meters, publishers = _publishers()
+    with caplog.at_level(logging.WARNING, logger="gradsync"):
+        _run(clock, meters, publishers, [500, 500, 500, 2500], 1,
+             rounds=lambda step: publishers[1:] + publishers[:1])
+        # Step 1 is posted and passed over: rank 0, not moving, asks the store for nothing.
+        store = publishers[0]._store
+        publishers[0]._store = None  # (any request would raise)
+        publishers[0].round()
+        publishers[0]._store = store
+        assert publishers[0].report.step == 0
+        _run(clock, meters, publishers, [100, 100, 100, 130], 19)  # rounds at steps 6, 11, 16
+    report = publishers[0].report
+    assert report.step == 16 and [p.rank for p in report.named] == [3], report
+    (warning,) = [r.getMessage() for r in caplog.records if "straggler" in r.getMessage()]
+    assert "by 30.0 ms on average" in warning and "in 10 of the last 10 steps up to step 11" \
+        in warning, warning
+    assert "Its steps: compute 130.0 ms, data 0.0 ms, waiting 0.0 ms, communication 2.0 ms; " \
+        "its peers': compute 100.0 ms, data 0.0 ms, waiting 30.0 ms" in warning, warning
+    assert [(p.steps, p.step_ms) for p in report.ranks] == [(10, 132)] * 4, report.ranks
 
 
 def _result(output: str) -> dict:

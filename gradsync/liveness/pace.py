@@ -18,9 +18,15 @@ union so far (``blocked``). A *step* is what lies between two step marks: ``mark
 job that never marks one, every ``straggler_ops`` completed operations (every rank completes
 the same operations in the same order under both APIs, so the counts agree). Each step keeps
 ``(number, wall end in ns, step ns, blocked ns, operations, data ns)``; the step's
-*compute* is its time not blocked. A job of more steps an interval than its posts carry keeps
-every ``stride``-th step alone (a power of two the publisher sets, ``straggler_watch.py``), so
-that the steps it keeps still span more than its posts' interval.
+*compute* is its time not blocked. A step's clock starts at the end of the step before; the
+first step's started at ``reset`` (or at the last mark of a lower level), so it holds the
+job's start-up (the rendezvous, connections, first calls' warm-ups) and the judge passes over
+it (``straggler_watch.FIRST_JUDGED``). A job of more steps an interval than its posts carry
+keeps every ``stride``-th step alone (a power of two the publisher sets,
+``straggler_watch.py``), so that the steps it keeps still span more than its posts' interval;
+and a history full of steps not posted yet keeps every other one of them (the stride doubles)
+rather than drop the oldest, which then no post would carry (a job's first interval, before
+any post set a stride, lost all but its newest ``HISTORY`` steps).
 
 *Data* time is wall time the training loop waited for its next batch: gradsync's own
 ``gradsync.data.Loader`` reports it at each ``next()``; a torch ``DataLoader`` (or any
@@ -53,6 +59,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the report's type, for the checker alone (straggler_watch imports this)
+    from .straggler_watch import Report
 
 __all__ = ["Meter", "meter", "HISTORY", "OPS", "BACKWARD", "MARKED", "waiting_for_data",
            "metered"]
@@ -106,8 +116,12 @@ class Meter:
         self._mark_ns, self._mark_blocked, self._mark_ops = self._clock(), 0, 0
         self._mark_data = 0
         self.stride = 1
-        """Steps kept: those whose number is a multiple of this (the publisher sets it)."""
-        self.news = None
+        """Steps kept: those whose number is a multiple of this (the publisher sets it; a
+        history full of steps not posted yet doubles it)."""
+        self.posted: int | None = None
+        """The newest step the publisher posted (None: no publisher reads this meter, and
+        the history simply keeps the newest ``HISTORY`` steps)."""
+        self.news: Report | None = None
         """A straggler report not yet given to ``listeners`` (the publisher's thread sets it,
         the next explicit step mark hands it over on the training thread)."""
 
@@ -158,6 +172,8 @@ class Meter:
             self.next_mark = -1
             self.steps.clear()
             self.step = 0
+            if self.posted is not None:
+                self.posted = 0  # numbered from 1 again: none of these steps posted yet
         self._mark()
         news = self.news
         if news is not None:
@@ -179,7 +195,7 @@ class Meter:
         # may overlap).
         data_ns = min(data - self._mark_data, step_ns - blocked_ns)
         # One append: atomic under the GIL, so the publisher's snapshot sees whole steps.
-        if self.step % self.stride == 0:
+        if self.step % self.stride == 0 and (len(self.steps) < HISTORY or self._keeps()):
             self.steps.append((self.step, time.time_ns(), step_ns, blocked_ns,
                                ops - self._mark_ops, data_ns))
         self._mark_ns, self._mark_blocked, self._mark_ops = now, blocked, ops
@@ -190,6 +206,21 @@ class Meter:
                 "step": self.step,
                 "compute_ms": round((step_ns - blocked_ns - data_ns) / 1e6, 3),
                 "data_ms": round(data_ns / 1e6, 3), "blocked_ms": round(blocked_ns / 1e6, 3)})
+
+    def _keeps(self) -> bool:
+        """The history is full: whether the new step is kept. The oldest step goes if it has
+        been posted; if not, no post would ever carry it, so the history keeps every other
+        step instead (the stride doubles, a power of two still: ``straggler_watch.py``), and
+        the new step if the new stride keeps it."""
+        posted = self.posted
+        if posted is None or self.steps[0][0] <= posted:
+            return True
+        self.stride *= 2
+        # A new deque, assigned in one store: the publisher's snapshot (``recent``) sees the
+        # old history or the new one, whole.
+        self.steps = collections.deque([s for s in self.steps if s[0] % self.stride == 0],
+                                       maxlen=HISTORY)
+        return self.step % self.stride == 0
 
     def pause(self, on: bool) -> None:
         """Turns the meter off (``on`` False) or back on within a job, as ``gradsync bench

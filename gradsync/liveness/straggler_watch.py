@@ -19,16 +19,25 @@ blocked, the last of ranks that arrive in a random order on a busy machine would
 every step; against the typical rank, only a rank later than most of the others is. (So one
 rank faster than three slow ones names nobody: it is the odd one, not they.) Rank ``r`` is
 *late in step s* when ``late(r, s)`` exceeds ``straggler_threshold`` (0.1) of the step's time
-(the median over the ranks) and 1 ms. A rank late in most of the last
-``straggler_window`` (10) steps (6 of 10) is *named*: a WARNING of the ``gradsync`` logger
-on rank 0 with its host and where its steps go, the numbers in ``gradsync.stragglers()``,
-an instant in the timeline and a call of the callbacks registered on an elastic ``State``
+(the median over the ranks) and 1 ms. A rank late in most of the last ``straggler_window``
+(10) steps (6 of 10) is *named*: a WARNING of the ``gradsync`` logger on rank 0 with its host
+and where its steps go, the numbers in ``gradsync.stragglers()``, an instant in the timeline
+and a call of the callbacks registered on an elastic ``State``
 (``register_straggler_callbacks``). Where the time of a step goes is split three ways:
 *communication* is the least any rank blocked in it (what the last to arrive blocked: the
 collectives themselves), *waiting* is the rest of a rank's blocked time, *data* is the time
 its loop waited for its next batch (``pace.py``: gradsync's ``Loader`` reports it, a torch
 ``DataLoader`` through ``gradsync.metered``), and *compute* is the rest of the step (the
 rank's own work: forward, backward, the optimizer).
+
+Steady training only: the steps judged begin at the second (``FIRST_JUDGED``) of each count
+of them (a job's, an elastic generation's, and the count that begins when the job first
+marks its steps, ``pace.py``). A step's clock starts at the end of the step before; the first
+step's started at the job's start (or at the last mark of the count before), so it holds the
+start-up (the rendezvous, connections, first calls' warm-ups, the model's broadcast): a rank
+that reached its first collective 2 s after the others was late by 2 s in it, and they
+waited 2 s, numbers that the first window's averages (a warning's late time and its split)
+carried.
 
 Worked example: 4 ranks, steps of 100 ms of work, rank 3 slowed by 30%. Per step rank 3
 computes 130 ms and blocks 2 ms (the allreduce); ranks 0-2 compute 100 ms and block 32 ms.
@@ -64,6 +73,12 @@ newest ``straggler_window`` at least), so that no step is left out of all of a r
 at most two windows of them (and half of ``HISTORY``); a job of more steps an interval keeps
 (``Meter.stride``) and posts only every second, fourth, ... step, a power of two, so that the
 steps of ranks whose counts straddle a power of two still meet (the multiples of the larger).
+A meter holds its newest ``HISTORY`` (64) steps: before a rank's first post had set its
+stride, or when its steps became much faster, more steps than that since its last post
+pushed out steps that no post had carried (a job of 130 steps in its first interval posted
+steps 72-128, every 8th: steps 8-64 were judged on no rank), so a meter full of steps not
+posted yet keeps every other one of them instead (``Meter._keeps``), and the first post
+carries steps 8-128.
 """
 
 from __future__ import annotations
@@ -87,13 +102,18 @@ from .pace import HISTORY, Meter, meter
 from .traffic import Traffic
 
 __all__ = ["Judge", "Ledger", "RankPace", "Report", "Publisher", "EMPTY", "on_report",
-           "payload_bytes", "running", "CURRENT_KEY", "TOP_NAMESPACE", "FLOOR_NS", "STORE_POSTS_PER_S"]
+           "payload_bytes", "running", "CURRENT_KEY", "TOP_NAMESPACE", "FLOOR_NS",
+           "STORE_POSTS_PER_S", "FIRST_JUDGED"]
 
 log = logging.getLogger("gradsync")
 
 FLOOR_NS = 1_000_000
 """A rank is late in a step only by more than this too (1 ms): below it, the differences are
 a busy machine's scheduling noise, not a straggler."""
+
+FIRST_JUDGED = 2
+"""The first step judged of each count of steps: step 1 holds the start-up (module
+docstring)."""
 
 STORE_POSTS_PER_S = 256
 """Paces the store takes per ``straggler_interval`` at most: a job of more ranks posts less
@@ -157,7 +177,8 @@ class Judge:
         """The newest step judged."""
         # Per rank, per judged step: (late?, step, blocked, waiting, communication, late,
         # data) ns.
-        self._seen = [collections.deque(maxlen=window) for _ in range(size)]
+        self._seen: list[collections.deque] = [collections.deque(maxlen=window)
+                                               for _ in range(size)]
 
     def judge(self, step: int, samples) -> None:
         """Judges step ``step`` from each rank's ``(step_ns, blocked_ns, data_ns)``, in rank
@@ -192,8 +213,8 @@ class Judge:
 
 class Ledger:
     """The steps each rank has posted, kept from one read of the posts to the next; each
-    judged once every rank's has come (module docstring). Rank 0's judge and ``gradsync
-    top``'s view.
+    judged once every rank's has come, from ``FIRST_JUDGED`` on (module docstring). Rank 0's
+    judge and ``gradsync top``'s view.
 
     Args:
         size, window, threshold: the ``Judge``'s.
@@ -204,9 +225,14 @@ class Ledger:
         self._held: list[dict] = [{} for _ in range(size)]  # per rank: step -> sample
         self._epoch = None  # the ``explicit`` (who marks the steps) of the steps held
 
+    @property
+    def settled(self) -> int:
+        """The newest step judged or passed over (the steps before ``FIRST_JUDGED``)."""
+        return max(self.judge.step, FIRST_JUDGED - 1)
+
     def read(self, posts) -> None:
         """Adds each rank's post (None where it has none yet) and judges, in order, the
-        steps past the newest judged that every rank has now posted."""
+        steps past ``settled`` that every rank has now posted."""
         # A job's steps are counted by its operations until it marks one (pace.py): numbers
         # that start again at 1 then, judged afresh once every rank's do.
         epochs = {p["explicit"] for p in posts if p is not None and "explicit" in p}
@@ -218,12 +244,12 @@ class Ledger:
                 self.judge = Judge(judge.size, judge.window, judge.threshold)
                 self._held = [{} for _ in self._held]
             self._epoch = epochs.pop()
-        judged = self.judge.step
+        settled = self.settled
         for held, post in zip(self._held, posts):
             if post is None:
                 continue
             for n, *sample in post["steps"]:
-                if n > judged:
+                if n > settled:
                     held[n] = tuple(sample)
             # Bounded: a rank's steps that the others never post (a rank far ahead) go.
             for n in sorted(held)[:-HISTORY]:
@@ -289,6 +315,9 @@ class Publisher:
     def __init__(self, world, generation: int = -1, pace: Meter = meter, thread: bool = True):
         config = world.config
         self.meter = pace
+        # From now on the meter keeps the steps not posted yet (pace.py): up to the first
+        # post, every step since the job's start.
+        pace.posted = 0
         self.rank, self.size = world.rank, world.size
         # Every rank posts once an interval to the one store: beyond STORE_POSTS_PER_S ranks
         # the interval grows with the job, so that the store's load from paces stays flat
@@ -313,7 +342,7 @@ class Publisher:
         self._verdicts = 0
         self._last_end, self._last_t = 0, time.monotonic()  # what the last post counted
         self.traffic = Traffic(world)  # bytes per second per tier (traffic.py)
-        self._thread = None
+        self._thread: threading.Thread | None = None
         self.paused = False
         """True: rounds do nothing (``gradsync bench train --overhead``'s windows off)."""
         if thread:
@@ -367,7 +396,7 @@ class Publisher:
                     Store.over(self._store.base, TOP_NAMESPACE, self._store.timeout).set(
                         CURRENT_KEY, json.dumps({"job": self._job, "size": self.size}))
                 self._store.add("pace/ready", 1)
-        elif self.rank != 0 or self._newest <= self.judge.step:
+        elif self.rank != 0 or self._newest <= self.ledger.settled:
             return
         if self.rank == 0:
             self._judge()
@@ -423,6 +452,7 @@ class Publisher:
         fresh = [s for s in held if s[0] > self._newest]
         posted = fresh if len(fresh) >= self.window else held[-self.window:]
         self._newest = max([self._newest] + [s[0] for s in posted])
+        meter.posted = self._newest  # the meter may let these go now (pace.py)
         return posted
 
     def _judge(self) -> None:
