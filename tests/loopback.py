@@ -9,24 +9,17 @@ of the store with it. Measured here (2026-11-29): 32 clients cloned from a test'
 5.1 and 10.1 s on a store of its own socket, 0.06 and 0.12 s on one given an IPv4 socket
 (``master_listen_fd``), where the lookup of ``127.0.0.1`` is answered by /etc/hosts.
 
-What the tests check never depends on that wait; a store that ranks started by the runtime
-itself host (the launcher's, rank 0's) still opens its own socket.
+The stores the runtime hosts (rank 0's, the launcher's) are made the same way, by
+``gradsync.cluster.rendezvous.host_store``: given the loopback address, it listens on an IPv4
+socket of 127.0.0.1 (tests/test_store_ipv4.py checks both).
 """
 
 from __future__ import annotations
 
-import socket
-from datetime import timedelta
+from gradsync.cluster.rendezvous import host_store
 
 
 def store(timeout: float, world_size: int | None = None, wait_for_workers: bool = False):
-    """A TCPStore server in this process on an IPv4 socket of 127.0.0.1 (the store owns the
-    socket and closes it with itself)."""
-    from torch.distributed import TCPStore
-
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1024)  # many ranks connect at once
-    port = listener.getsockname()[1]
-    return TCPStore("127.0.0.1", port, world_size, True, timedelta(seconds=timeout),
-                    wait_for_workers=wait_for_workers, master_listen_fd=listener.detach())
+    """A TCPStore server in this process on an IPv4 socket of 127.0.0.1, on a free port
+    (``.port``; the store owns the socket and closes it with itself)."""
+    return host_store("127.0.0.1", 0, timeout, world_size, wait_for_workers=wait_for_workers)

@@ -18,21 +18,36 @@ World's entry is a host name, an address, a port and a pid, about 40 bytes of te
 the port and pid (about 5 bytes of information) are all that differs from the neighbours'
 entries. That divides the bytes by about 3 (one rank per host) to 4 (8 per host); it does not
 change their growth (docs/scale.md says what would).
+
+A store this process hosts (``host_store``: rank 0's, the launcher's) listens on an IPv4 socket
+of its own making whenever its clients reach it at an IPv4 address. torch's server looks up the
+host name of every client that connects, on the thread that serves all of them; on the
+dual-stack socket torch opens itself a client on loopback is ``::ffff:127.0.0.1``, which
+``/etc/hosts`` does not answer, so the look-up goes to DNS, and where the DNS server drops it
+every client waits 5 s (docs/troubleshooting.md, "The rendezvous store stalls for 5 s"). On an
+IPv4 socket the same client is ``127.0.0.1``, which ``/etc/hosts`` answers at once.
 """
 
 from __future__ import annotations
 
 import collections
+import ipaddress
 import json
+import os
 import secrets
+import socket
 import threading
 import time
 import zlib
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from ..errors import GradsyncTimeoutError, PeerLostError
 
-__all__ = ["Store", "request_counts", "served_bytes", "BELL_COUNT", "bell_key"]
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+
+__all__ = ["Store", "host_store", "request_counts", "served_bytes", "BELL_COUNT", "bell_key"]
 
 _ABORT = "abort"
 BELL_COUNT = "bell/count"
@@ -86,6 +101,65 @@ def _served(operation: str, values) -> None:
         _BYTES[operation] += sum(len(v) for v in values)
 
 
+def host_store(reached_at: str, port: int, timeout: float, world_size: int | None = None, *,
+               client_addr: str | None = None, wait_for_workers: bool = False) -> "TCPStore":
+    """A TCPStore server in this process, and this process's client of it.
+
+    Where the clients reach the store at a literal IPv4 address, the server listens on an IPv4
+    socket made here (module docstring: no client waits on DNS): bound to that address when it
+    is a loopback one (only this host can reach it there, so no other interface need be open),
+    else to 0.0.0.0, every IPv4 interface, as torch's own socket would listen on every one. A
+    host name may resolve to an IPv6 address, and an IPv6 address needs an IPv6 socket: for
+    those the server opens torch's own dual-stack socket.
+
+    Args:
+        reached_at: the address every client is given for the store (``MASTER_ADDR``, the
+            launcher's ``store_address``).
+        port: the port to listen on; 0 for a free one (the store's ``.port`` says which).
+        timeout: seconds the store's requests wait.
+        world_size: the clients the server counts (``TCPStore``'s ``world_size``).
+        client_addr: where this process's own client connects (default ``reached_at``): the
+            launcher's connects on loopback whatever address the ranks are given.
+        wait_for_workers: wait here until ``world_size`` clients connected.
+
+    Raises:
+        OSError: the port cannot be bound; RuntimeError: torch cannot start the store.
+    """
+    from torch.distributed import TCPStore
+
+    wait = timedelta(seconds=timeout)
+    host = client_addr or reached_at
+    address: ipaddress.IPv4Address | ipaddress.IPv6Address | None
+    try:
+        address = ipaddress.ip_address(reached_at)
+    except ValueError:  # a host name
+        address = None
+    if address is None or address.version != 4:
+        return TCPStore(host, port, world_size, True, wait, wait_for_workers=wait_for_workers)
+    bind = reached_at if address.is_loopback else "0.0.0.0"
+    # create_server sets SO_REUSEADDR, as torch does on its own socket: a fixed port (a
+    # MASTER_PORT used again) binds while the last job's connections linger in TIME_WAIT. The
+    # backlog is the kernel's cap: many ranks connect at once.
+    listener = socket.create_server((bind, port), family=socket.AF_INET,
+                                    backlog=socket.SOMAXCONN)
+    port, inode = listener.getsockname()[1], os.fstat(listener.fileno()).st_ino
+    # The store owns the descriptor from here on and closes it with itself. torch also closes
+    # one it adopted when the start fails; one it never reached is still this socket (the same
+    # inode: a number torch closed and another thread reused would be another file) and is
+    # closed here, so a failed start leaves no port bound.
+    fd = listener.detach()
+    try:
+        return TCPStore(host, port, world_size, True, wait, wait_for_workers=wait_for_workers,
+                        master_listen_fd=fd)
+    except BaseException:
+        try:
+            if os.fstat(fd).st_ino == inode:
+                os.close(fd)
+        except OSError:
+            pass
+        raise
+
+
 class Store:
     """A thread-safe, job-scoped view of a torch TCPStore.
 
@@ -105,8 +179,11 @@ class Store:
         base = _BASES.get(key)
         if base is None:
             try:
-                base = TCPStore(addr, port, world_size if is_server else None, is_server,
-                                timedelta(seconds=timeout), wait_for_workers=False)
+                if is_server:
+                    base = host_store(addr, port, timeout, world_size)
+                else:
+                    base = TCPStore(addr, port, None, False, timedelta(seconds=timeout),
+                                    wait_for_workers=False)
             except (RuntimeError, OSError) as exc:
                 # A client that cannot reach the store is most often behind a firewall.
                 hint = "" if is_server else (
@@ -189,7 +266,8 @@ class Store:
     def set(self, key: str, value: str | bytes) -> None:
         _count("set")
         with self._lock:
-            self._store.set(key, value)
+            # torch's stub says str; its binding takes bytes too (the compressed table).
+            self._store.set(key, value)  # type: ignore[arg-type]
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
         _count("get")
@@ -287,13 +365,14 @@ class Store:
         with self._lock:
             current = self._store.compare_set(_ABORT, "", text)
         if self._bell is not None and current == text.encode():
-            self._ring()
+            self._ring(self._bell)
         return json.loads(current)
 
-    def _ring(self) -> None:
-        """Rings the root World's bell with this job's id (two requests per record posted).
-        A failed ring is only late: each bell looks at every record it keeps at its re-arm."""
-        root = Store.over(self._base, self._bell, self.timeout)
+    def _ring(self, root_job: str) -> None:
+        """Rings the root World's bell (``root_job``'s) with this job's id (two requests per
+        record posted). A failed ring is only late: each bell looks at every record it keeps
+        at its re-arm."""
+        root = Store.over(self._base, root_job, self.timeout)
         try:
             root.set(bell_key(root.add(BELL_COUNT, 1)), self._job)
         except (RuntimeError, OSError):

@@ -235,7 +235,7 @@ class _ElasticJob(JobLoop):
             self.spec, self.output,
             store_address(remote_hosts, reachable=self.discovery is not None),
             settings={ENV_PREFIX + "ELASTIC_TIMEOUT": f"{self.elastic.elastic_timeout:g}"})
-        self._server = start_store()
+        self._server = start_store(self.starter.store_addr)
         self.port = self._server.port
         self.jobfile = jobfile.publish(self.starter.job_id, self.starter.store_addr,
                                        self.port, self.spec.num_proc)

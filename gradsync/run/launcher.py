@@ -92,9 +92,9 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import BinaryIO, Callable, Mapping, Sequence
 
+from ..cluster.rendezvous import host_store
 from ..config import ENV_PREFIX, HOROVOD_IDENTITY, IDENTITY_VARIABLES, horovod_settings
 from ..errors import ConfigError
 from . import binding, jobfile
@@ -329,21 +329,21 @@ def store_address(remote_hosts: Sequence[str], reachable: bool = False) -> str:
         return socket.gethostname()
 
 
-def start_store():
-    """Starts the job's TCPStore server on a free port (``.port``), on every interface.
+def start_store(store_addr: str):
+    """Starts the job's TCPStore server on a free port (``.port``), where the ranks reach it
+    at ``store_addr`` (``store_address``); the launcher's own client connects on loopback.
+
+    It listens on an IPv4 socket when ``store_addr`` is an IPv4 address (``host_store``: no
+    rank waits on the DNS look-up of its connection): of loopback only for a one-host job,
+    whose every client reaches it there, else of every interface. For a host name or an IPv6
+    address it listens on every interface, IPv4 and IPv6 (torch's own socket).
 
     Raises:
         StartError: it cannot be started (status 1).
     """
-    # Imported here: torch takes a second to import and only this step needs it.
-    from torch.distributed import TCPStore
-
-    # The server listens on every interface whatever host name it is given; the name is
-    # only where the launcher's own client connects. Port 0 lets the kernel choose a free
-    # port without a race.
+    # Port 0 lets the kernel choose a free port without a race.
     try:
-        return TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30),
-                        wait_for_workers=False)
+        return host_store(store_addr, 0, 30.0, client_addr="127.0.0.1")
     except (RuntimeError, OSError) as exc:
         raise StartError(f"cannot start the rendezvous store: {exc}", 1) from None
 
@@ -558,7 +558,7 @@ class _Job(JobLoop):
     def begin(self) -> None:
         self._check_hosts()
         self._plan_binding()
-        self.store = start_store()
+        self.store = start_store(self.starter.store_addr)
         self.store_port = self.store.port
         self.jobfile = jobfile.publish(self.starter.job_id, self.starter.store_addr,
                                        self.store_port, len(self.slots))
