@@ -44,7 +44,7 @@ import re
 import socket
 import zlib
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Literal, Mapping, overload
 
 from ..errors import ConfigError
 
@@ -184,6 +184,13 @@ class _Reader:
     def has(self, name: str) -> bool:
         return self.get(name) is not None
 
+    # A required variable either has a value or raises: only an optional one returns None.
+    @overload
+    def integer(self, name: str, required: Literal[True] = True, minimum: int = 0) -> int: ...
+
+    @overload
+    def integer(self, name: str, required: bool, minimum: int = 0) -> int | None: ...
+
     def integer(self, name: str, required: bool = True, minimum: int = 0) -> int | None:
         text = self.get(name)
         if text is None:
@@ -225,7 +232,7 @@ def host_name(environ: Mapping[str, str] | None = None) -> str:
         or socket.gethostname()
 
 
-def _check_below(index_name: str, index: int | None, count_name: str,
+def _check_below(index_name: str, index: int | None, count_name: str | None,
                  count: int | None) -> None:
     if index is not None and count is not None and index >= count:
         raise ConfigError(f"{index_name}={index} must be below {count_name} ({count})")

@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..cluster.rendezvous import Store
 from ..errors import PeerLostError
 from ..transport import regions
 from .world import listen_addr
+
+if TYPE_CHECKING:
+    from ..transport.region_peer import RemotePeer
 
 __all__ = ["open_store", "publish", "connect_servers", "unique_id"]
 
@@ -85,7 +88,7 @@ def connect_servers(config, env, store: Store, service: str, first_rank: int, co
                                 addr=listen_addr(config, env), timeout=config.timeout,
                                 direct=config.transport != "tcp", label=f"worker {ident}")
     deadline = time.monotonic() + config.connect_timeout
-    peers = []
+    peers: list[RemotePeer | None] = []  # None: a lost server's place (``lost``)
     try:
         for index in range(count):
             info = json.loads(store.get(f"{service}/server/{index}", config.connect_timeout))

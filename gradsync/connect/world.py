@@ -40,6 +40,7 @@ import socket
 import time
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .. import _native
 from ..cluster import topology
@@ -54,6 +55,9 @@ from ..liveness import stall
 from ..transport import frame, tcp
 from ..transport.base import Pair, different_collective
 from ..transport.comm import Comm
+
+if TYPE_CHECKING:
+    from ..liveness.heartbeat import Heartbeat
 
 __all__ = ["World", "PeerInfo", "listen_addr"]
 
@@ -192,7 +196,7 @@ class World:
         self.descriptions: dict[tuple, tuple[str, int]] = {}
         self.express: dict = {}  # express.py's entries, per distinct small allreduce call
         self.failure: GradsyncError | None = None
-        self.heartbeat = None  # a heartbeat.Heartbeat once connect() has started it
+        self.heartbeat: Heartbeat | None = None  # once connect() has started it
         self.root: tuple[str, list[int]] = (env.job_id, list(range(self.size)))
         """The job id of the World at the root of this one's tree of sub-worlds, and the
         rank there of each rank here (this World's own, for a World that is no sub-world)."""
@@ -300,9 +304,11 @@ class World:
         tcp_peers = set(range(env.size)) - use_shm - {env.rank}
         route = listener.route(env.job_id, env.rank, tcp_peers)
         try:
-            comm = None
+            comm: Comm | None = None
 
             def alive() -> None:  # while dialing: the abort record, as any wait polls it
+                # A pair dials on its first exchange, which comes after ``comm`` is made below.
+                assert comm is not None
                 comm.on_idle(0.0)
 
             pairs: dict[int, Pair] = {
@@ -463,7 +469,7 @@ class World:
             # This rank's own record (its heartbeat thread's) needs no "reported by".
             error = cls(record["message"] if record["rank"] == self.rank else
                         f"{who} reported: {record['message']}")
-            if cls is PeerLostError:
+            if isinstance(error, PeerLostError):
                 error.peer = record.get("peer")
         self.failure = error
         recorder.on_failure(self, error)

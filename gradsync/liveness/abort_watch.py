@@ -86,7 +86,8 @@ REARM = 300.0
 # it; the watch blocks on it. (rendezvous.Store has no public blocking read of the record.)
 _ABORT_KEY = "abort"
 
-_blocked: "weakref.WeakSet[AbortWatch]" = weakref.WeakSet()  # watches whose thread may block
+# The watches and bells whose thread may block in the store.
+_blocked: "weakref.WeakSet[AbortWatch | Doorbell]" = weakref.WeakSet()
 _clone_lock = threading.Lock()
 
 
@@ -136,12 +137,13 @@ class AbortWatch:
     Args:
         connection: ``private_connection``'s answer: a job-scoped store over a connection
             that nobody else uses, which the watch takes over once started, and its file
-            descriptor (None: the watch never blocks, and readers look themselves).
+            descriptor (None: the watch never blocks, and readers look themselves); (None,
+            None) for a watch that its ``bell`` keeps.
         fallback: the World's own store, read directly while the watch is not armed.
         rearm: seconds each blocked request waits before it is made again.
     """
 
-    def __init__(self, connection: "tuple[Store, int | None]", fallback: Store,
+    def __init__(self, connection: "tuple[Store | None, int | None]", fallback: Store,
                  rearm: float = REARM, *, bell: "Doorbell | None" = None):
         self._store, self._fd = connection
         self._fallback, self.rearm = fallback, rearm
@@ -218,20 +220,22 @@ class AbortWatch:
 
     # ------------------------------------------------------------------ the thread
     def _loop(self) -> None:
+        store = self._store
+        assert store is not None  # start() runs the thread only on a connection of its own
         try:
             # Armed only after a first look: a record posted before the wait began is seen.
-            record = self._store.read_abort()
+            record = store.read_abort()
             self._armed = True
             while record is None and not self._stop.is_set() and not _exiting.is_set():
                 started = time.monotonic()
                 try:
-                    record = json.loads(self._store.get(_ABORT_KEY, self.rearm))
+                    record = json.loads(store.get(_ABORT_KEY, self.rearm))
                 except GradsyncTimeoutError:
                     if self._stop.is_set() or _exiting.is_set():
                         break  # woken on purpose (_wake): no request on the shut connection
                     # A timeout, or a store that went away (Store.get reports both the same
                     # way): a plain look tells them apart, raising PeerLostError for the latter.
-                    record = self._store.read_abort()
+                    record = store.read_abort()
                     if record is None and time.monotonic() - started < self.rearm / 2:
                         self._stop.wait(min(1.0, self.rearm))  # never spin on a failing store
             self._record = record
@@ -361,7 +365,7 @@ _WAKE_JOIN_S = 2.0  # the longest a close waits for its woken thread (usually mi
 _wake_lock = threading.Lock()  # one wake at a time: each mutes and restores the process's stderr
 
 
-def _wake(watches: "list[AbortWatch]", join_s: float) -> None:
+def _wake(watches: "list[AbortWatch | Doorbell]", join_s: float) -> None:
     """Wakes the threads of ``watches`` (each marked stopped or exiting) out of their blocked
     requests by shutting their connections down, and waits up to ``join_s`` for them to end,
     with stderr muted meanwhile (the module docstring says why)."""
@@ -378,8 +382,10 @@ def _wake(watches: "list[AbortWatch]", join_s: float) -> None:
             for watch in watches:
                 # The thread is alive, so it holds its connection: the descriptor is still
                 # its own, unless the addresses say otherwise.
-                if _store_sockets().get(watch._fd) == watch._address:
-                    sock = socket.socket(fileno=os.dup(watch._fd))
+                # (A watch or bell without a descriptor of its own never starts its thread.)
+                fd = watch._fd
+                if fd is not None and _store_sockets().get(fd) == watch._address:
+                    sock = socket.socket(fileno=os.dup(fd))
                     try:
                         sock.shutdown(socket.SHUT_RDWR)
                     except OSError:

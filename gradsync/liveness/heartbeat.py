@@ -184,6 +184,7 @@ class _Link:
         """Ends the native beats on this link: before its BYE (no beat after it) and before
         its socket closes (beater.py: the one rule)."""
         if self._beat is not None:
+            assert self._beats is not None  # a beat is one that the beater added
             self._beats.remove(self._beat)  # twice (two closers at once) is harmless
             self._beat = None
 
@@ -254,8 +255,8 @@ class Heartbeat:
         self._main = store
         self._secret, self._addr = secret, addr
         self._root = root if root is not None and root[0] != store.job else None
-        self._leader = (_ROOTS.get((root[0], root[1][rank])) if self._root is not None
-                        else None)
+        self._leader = (_ROOTS.get((self._root[0], self._root[1][rank]))
+                        if self._root is not None else None)
         if self._leader is not None:
             # A follower's record is kept by its root's bell: no connection of its own.
             self._private = store
@@ -331,9 +332,10 @@ class Heartbeat:
         leader = self._leader
         if leader is None:
             return
+        assert self._root is not None  # a leader is looked up only for a sub-world's root
         members = self._root[1]
         found = leader.lost
-        if found is not None and found.peer in members:
+        if found is not None and found.peer is not None and found.peer in members:
             raise PeerLostError(str(found), peer=members.index(found.peer))
         record = leader.read_abort()
         if (record is not None and record["kind"] == "PeerLostError"
@@ -527,13 +529,15 @@ class Heartbeat:
     def _connect(self, peer: int, secret: bytes, job: str, deadline: float) -> socket.socket:
         host, port = self._await(f"hb/{peer}/at", peer, deadline).decode().rsplit(" ", 1)
         try:
-            return tcp.connect(host, int(port), self.rank, peer, secret, job, deadline,
+            sock = tcp.connect(host, int(port), self.rank, peer, secret, job, deadline,
                                self._alive)
         except GradsyncTimeoutError:
             raise self._unlinked(peer) from None
         except (PeerLostError, AuthenticationError) as exc:
             raise _Lost(peer, f"{self.describe(peer)} broke its heartbeat link: {exc}",
                         silent=False) from None
+        assert sock is not None  # tcp.connect answers None only to a crossing dial
+        return sock
 
     def _accepted(self, peer: int, sock: socket.socket) -> None:
         try:
@@ -571,6 +575,8 @@ class Heartbeat:
     def _watch(self) -> None:
         """Looks at every link each interval (and beats on it, without a native beater);
         reads beats as they come; judges silence."""
+        wake = self._wake
+        assert wake is not None  # start() made the pipe before it started this thread
         previous = time.monotonic()
         while not self._stop.is_set():
             links = [link for link in self._links.values() if not link.left]
@@ -584,7 +590,8 @@ class Heartbeat:
                     link.heard = now
             previous = now
             self._beat(now)
-            select.select([link.sock for link in links] + [self._wake[0]], [], [],
+            watched: "list[socket.socket | int]" = [link.sock for link in links]
+            select.select(watched + [wake[0]], [], [],
                           max(0.0, self._next_beat - now))
             if self._stop.is_set():
                 return  # the World closes: stop() says goodbye on the links

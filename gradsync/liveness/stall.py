@@ -60,10 +60,14 @@ import threading
 import time
 import traceback
 import weakref
+from typing import TYPE_CHECKING, Protocol
 
 from ..errors import GradsyncError
 from ..flight_recorder import COMPLETED, FAILED, SCHEDULED, STARTED, recorder
 from ..transport import tcp
+
+if TYPE_CHECKING:
+    from ..transport.comm import Comm
 
 __all__ = ["serve", "watch", "answer", "ROUTE", "ASK_S"]
 
@@ -80,9 +84,21 @@ _DEPTH = 16  # innermost frames shown per thread
 _ASKING = 32  # peers asked at once
 _SHOWN = 8  # ranks shown in full, of those not arrived and of the others; the rest listed
 
-_worlds: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
+
+# What ``answer`` reads of a World and of a Horovod API loop. Both live on floors above this
+# one (``connect/world.py``, ``pipeline/negotiation.py``), which this module must not import,
+# even for its types: so it names what it uses of them.
+class _Asked(Protocol):
+    comm: Comm
+
+
+class _Named(Protocol):
+    def issued(self, name: str) -> bool: ...
+
+
+_worlds: "weakref.WeakValueDictionary[str, _Asked]" = weakref.WeakValueDictionary()
 _reported: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
-_controllers: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
+_controllers: "weakref.WeakValueDictionary[str, _Named]" = weakref.WeakValueDictionary()
 _named: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
 _LEN = struct.Struct(">I")
 # gradsync's own service threads, idle in their loops whatever the rank does: not shown (the
@@ -167,7 +183,8 @@ def answer(job: str, seq: int, name: "str | None" = None) -> dict:
         "in": None if world is None else world.comm.description,
         "last": None if last is None else last.words(), "running": running, "failed": failed,
         "stacks": _stacks(),
-        "issued": None if controller is None else controller.issued(name),
+        # (a controller is looked up only for a name, but the type checker cannot see that)
+        "issued": None if controller is None or name is None else controller.issued(name),
     }
 
 

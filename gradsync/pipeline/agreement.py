@@ -156,7 +156,7 @@ class ResponseCache:
     def __init__(self, capacity: int = 1024):
         self.capacity = capacity
         self._bits: collections.OrderedDict[str, int] = collections.OrderedDict()
-        self._entries: dict[int, tuple[str, tuple]] = {}
+        self._entries: dict[int, tuple[str, Signature]] = {}
         self._free: list[int] = []
         self.span = 0
         """Bit positions ever assigned (the highest plus one): the ballot's width, the same
@@ -165,18 +165,18 @@ class ResponseCache:
     def __len__(self) -> int:
         return len(self._bits)
 
-    def bit(self, name: str, sig: tuple) -> int | None:
+    def bit(self, name: str, sig: Signature) -> int | None:
         """The bit of ``name`` if it is cached with exactly ``sig``."""
         bit = self._bits.get(name)
         if bit is not None and self._entries[bit][1] == sig:
             return bit
         return None
 
-    def entry(self, bit: int) -> tuple[str, tuple]:
+    def entry(self, bit: int) -> tuple[str, Signature]:
         """The ``(name, signature)`` cached under ``bit``."""
         return self._entries[bit]
 
-    def put(self, name: str, sig: tuple) -> None:
+    def put(self, name: str, sig: Signature) -> None:
         """Records that ``name`` ran with ``sig`` (every rank calls this in agreed order)."""
         _, unnamed, count = name.partition(".noname.")
         if unnamed and count.isdigit():  # <kind>.noname.<n>: the next call gets n + 1

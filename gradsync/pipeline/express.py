@@ -99,6 +99,7 @@ def allreduce(world, engine, tensor, op, name: "str | None", algorithm: str, inp
         unnamed: returns the next name of an unnamed allreduce, from the count the full road
             draws from; called once, only when the call goes ahead on the lane.
     """
+    flat: "np.ndarray | None"  # None: a tensor the lane cannot take
     if type(tensor) is np.ndarray:
         flags = tensor.flags
         if not flags.c_contiguous or (inplace and not flags.writeable):

@@ -103,7 +103,7 @@ from ..collectives.ops import BFLOAT16, ReduceOp
 from .negotiation_wire import from_wire, gather, to_wire, vote
 from .engine import Handle
 from ..errors import CollectiveMismatchError, GradsyncError
-from ..flight_recorder import recorder
+from ..flight_recorder import Record, recorder
 
 if TYPE_CHECKING:
     from ..connect.world import World
@@ -157,7 +157,7 @@ class Request:
         self.counts = counts
         self.handle = Handle(name)
         self.joined = False  # a stand-in for a rank that has joined (see Controller.join)
-        self.record = None  # its flight recorder's record, once submitted
+        self.record: Record | None = None  # its flight recorder's record, once submitted
 
 
 class Controller:
@@ -191,7 +191,7 @@ class Controller:
         self.agreement = Agreement(world.rank, self.ranks)
         self.cache = self.agreement.cache
         self._ballot = Ballot()  # this rank's cached requests, voted for until ready
-        self.stats = collections.Counter()
+        self.stats: collections.Counter[str] = collections.Counter()
         """``cycles``, ``gathers`` (cycles with full announcements), ``cached`` and ``full``
         (requests announced each way), ``demoted`` (voted, then announced in full),
         ``mismatches``, ``expired``, ``fused_batches``, ``fused_tensors``."""
@@ -425,6 +425,8 @@ class Controller:
             if tl is not None and request is not None:
                 tl.end(name)
             if name == JOIN:
+                # JOIN is ready once every rank announced it, this one too: its request is here.
+                assert request is not None
                 last = self.agreement.end_join()
                 self._finish(request, result=self.ranks[last])
                 continue
@@ -432,7 +434,10 @@ class Controller:
                 request = self._for_joined(name, by_rank, request)
                 if request is None:
                     continue
-            if request is not None and request.record is not None:
+            # Any other name is ready once every rank that has not joined announced it: this
+            # rank's request is here, or ``_for_joined`` stands in for it.
+            assert request is not None
+            if request.record is not None:
                 self.track.number(request.record)  # agreed order: alike on every rank
             if not agreed(by_rank):
                 self.stats["mismatches"] += 1
@@ -462,9 +467,13 @@ class Controller:
         if request is not None:
             return request
         dtype = sig.dtype
-        tag = BFLOAT16 if dtype == BFLOAT16 else np.dtype(dtype)
+        tag: np.dtype | str
+        if dtype == BFLOAT16:  # held as int16, as tensors.py holds bfloat16's bits
+            tag, held = BFLOAT16, np.dtype(np.int16)
+        else:
+            tag = held = np.dtype(dtype)
         count = int(np.prod(sig.shape, dtype=np.int64))
-        flat = self._zeros(np.dtype(np.int16) if dtype == BFLOAT16 else tag, count, sig.shared)
+        flat = self._zeros(held, count, sig.shared)
         zeros = Request(name, "allreduce", dtype, sig.shape, op=sig.op,
                         scale=(sig.prescale, sig.postscale), flat=flat, dtype_tag=tag,
                         shared=sig.shared)
@@ -509,6 +518,7 @@ class Controller:
                 phase = head.kind.upper()
                 if tl is not None:
                     tl.begin(head.name, phase)
+                assert head.run is not None  # every kind but allreduce comes with its run
                 try:
                     value = head.run(self.world)
                 finally:
@@ -527,6 +537,7 @@ class Controller:
     def _allreduce(self, batch: list[Request], tl) -> list:
         head = batch[0]
         sig = head.sig
+        assert sig.op is not None  # an allreduce always names its reduce op
         op, pre, post = _OPS[sig.op], sig.prescale, sig.postscale
         if len(batch) == 1:
             flat = head.flat

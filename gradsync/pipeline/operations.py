@@ -48,7 +48,7 @@ def scale(flat: np.ndarray, dtype, factor: float, divide: bool = False,
         divisor = flat.dtype.type(factor)
         inexact = np.remainder(flat, divisor) != 0 if trunc else None
         np.floor_divide(flat, divisor, out=flat)
-        if trunc:  # a negative quotient that was rounded down moves up by one
+        if inexact is not None:  # trunc: a negative quotient that was rounded down moves up by one
             flat += inexact & (flat < 0)
     else:
         np.multiply(flat, factor, out=flat, casting="unsafe")
@@ -203,8 +203,10 @@ def allgather(world, flat: np.ndarray, dtype, *, name: str, shape: tuple,
     what = f"'{name}' {_dt(dtype)}[*, {', '.join(map(str, shape[1:]))}]"
     rows = _allgather_counts(world, shape[0], what)
     total = sum(rows) * row
-    fits = into is not None and into.size == total and into.dtype == flat.dtype
-    out = into if fits else np.empty(total, dtype=flat.dtype)
+    if into is not None and into.size == total and into.dtype == flat.dtype:
+        out = into
+    else:
+        out = np.empty(total, dtype=flat.dtype)
     offset = sum(rows[:world.rank]) * row
     out[offset:offset + flat.size] = flat
     world.comm.begin(f"allgather {what} rows={rows}", world.config.check_collectives)
@@ -320,7 +322,7 @@ def barrier(world) -> None:
         world.shm_group.barrier(_deadline(world), world.on_group_idle, world.comm.signature)
     elif world.size > 1:
         token = np.zeros(1, dtype=np.uint8)
-        doubling.allreduce(world.comm, token, make_reducer(ReduceOp.MAX, np.uint8))
+        doubling.allreduce(world.comm, token, make_reducer(ReduceOp.MAX, token.dtype))
 
 
 def broadcast_object(world, obj, root: int, *, name: str):

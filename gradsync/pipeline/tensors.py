@@ -10,10 +10,14 @@ mean.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..collectives.ops import BFLOAT16
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Buffer", "wrap", "is_torch"]
 
@@ -36,9 +40,9 @@ class Buffer:
     """
 
     flat: np.ndarray
-    dtype: object
+    dtype: np.dtype | str
     shape: tuple
-    source: object
+    source: np.ndarray | torch.Tensor
     copied: bool
 
     @property
@@ -52,10 +56,11 @@ class Buffer:
         """Copies ``flat`` into a non-contiguous source after an in-place operation."""
         if not self.copied:
             return
-        if is_torch(self.source):
-            self.source.copy_(self.to_user(self.flat, self.shape))
-        else:
-            self.source[...] = self.flat.reshape(self.shape)
+        source = self.source
+        if isinstance(source, np.ndarray):
+            source[...] = self.flat.reshape(self.shape)
+        else:  # a torch tensor (``wrap`` takes no other source)
+            source.copy_(self.to_user(self.flat, self.shape))
 
     def to_user(self, flat: np.ndarray, shape: tuple):
         """Wraps a result array in the user's type (torch tensor or NumPy array), no copy."""
@@ -92,6 +97,7 @@ def wrap(x, *, writable: bool = False) -> Buffer:
         copied = not t.is_contiguous()
         if copied:
             t = t.contiguous()
+        dtype: np.dtype | str
         if t.dtype == torch.bfloat16:
             flat, dtype = t.view(torch.int16).numpy().reshape(-1), BFLOAT16
         else:
