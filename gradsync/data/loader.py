@@ -359,6 +359,8 @@ class Loader:
         writes its loss in the store, as any worker that gives up a server (``_lose``):
         every worker of the epoch is meant to use it, so a recovery must know that this
         one did not."""
+        store = self._losses
+        assert store is not None  # ``_choose_servers`` runs in an elastic job only
         with self._lost_lock:
             # From here on, a failure of the old connection is no news (``_lose`` ignores a
             # server in ``lost``).
@@ -370,7 +372,7 @@ class Loader:
             old.close()
         label = f"data server {server} (incarnation {back.incarnation})"
         try:
-            info = json.loads(self._losses.get(f"data/server/{server}", self._connect_timeout))
+            info = json.loads(store.get(f"data/server/{server}", self._connect_timeout))
             peer = self.endpoint.connect(int(info["ident"]), info["addr"], int(info["port"]),
                                          time.monotonic() + self._connect_timeout, label,
                                          listening=True, silence=self._forming)
@@ -410,23 +412,24 @@ class Loader:
         record names a newer process that nobody has given up (no store request when every
         server is in use, or in a job that is not elastic)."""
         ready = {}
-        for d in sorted(self.lost) if self._losses is not None else ():
-            found = self._ready(d)
+        store = self._losses
+        for d in sorted(self.lost) if store is not None else ():
+            found = self._ready(store, d)
             if found is not None:
                 ready[d] = found
         return {"returns": dict(self.returns), "ready": ready}
 
-    def _ready(self, server: int) -> tuple[int, str, int] | None:
-        """(incarnation, host, pid) of the latest process of data server ``server`` if it is
-        newer than the table's and not recorded lost; else None."""
+    def _ready(self, store, server: int) -> tuple[int, str, int] | None:
+        """(incarnation, host, pid) of the latest process of data server ``server`` in
+        ``store`` if it is newer than the table's and not recorded lost; else None."""
         known = self.returns.get(server)
         try:
-            if not self._losses.check(ready_key(server)):
+            if not store.check(ready_key(server)):
                 return None
-            incarnation, host, pid = read_ready(self._losses.get(ready_key(server)))
+            incarnation, host, pid = read_ready(store.get(ready_key(server)))
             if incarnation <= (1 if known is None else known.incarnation):
                 return None
-            if self._losses.check(_process_key(server, host, pid)):
+            if store.check(_process_key(server, host, pid)):
                 return None
         except (RuntimeError, OSError, GradsyncError) as exc:  # the launcher's store
             log.warning("worker %d could not read data server %d's ready record: %s",
