@@ -113,6 +113,28 @@ def test_a_new_worker_takes_a_share_of_the_rest_of_the_epoch(tmp_path):
     assert f"TRAINED id={joiner} gen=1 epoch=0" in result.output, result  # a share of epoch 0
 
 
+@pytest.mark.slow  # a replacement's start (an interpreter and torch) and 2 epochs
+def test_a_data_server_started_again_serves_the_workers_that_lost_it_from_the_next_epoch():
+    # Worker 0 of 3 SIGKILLs data server 0 in step 3 of epoch 0 and holds that step until the
+    # launcher's replacement is ready; the commit after step 4 agrees that the replacement
+    # serves every worker from epoch 1 (tests/test_data_return.py: the agreement without
+    # processes). The rest of epoch 0 comes from data server 1; in epoch 1 every worker
+    # takes its plan's batches of data server 0 from the replacement (3 workers: at 2, the
+    # plan deals every batch of server 0 to worker 0), and none has a server lost at the end.
+    workers = ["localhost[0]", "localhost[1]", "localhost[2]"]
+    result = run(3, "return", "0", "2", launcher=("--min-np", "2"), status=137)
+    out = result.output
+    assert "rank 3 (data server 0)" in out and "data server 0 started again" in out, result
+    got = check_counts(result, workers, 3, servers_failed=True)
+    assert [got[w]["lost"] for w in workers] == ["", "", ""], result
+    served = re.findall(r"FROM0 id=(\S+) incarnation=(\d+) items=(\d+) planned=(\d+)", out)
+    assert sorted(w for w, *_ in served) == workers, result
+    for _, incarnation, items, planned in served:
+        # every batch of data server 0 in epoch 1, from the replacement, and only those
+        assert incarnation == "2" and items == planned and int(planned) > 0, result
+    check_trained_once(result)
+
+
 @pytest.mark.slow  # about 50 s on a loaded 2-core machine; the look itself is in the default
 # tier (tests/test_data_live_state.py)
 def test_a_data_server_and_then_a_worker_lost_in_one_epoch_train_every_sample_once():
@@ -174,13 +196,18 @@ def test_data_servers_on_a_data_host_of_their_own_serve_workers_on_other_hosts(t
                            "GROW_HOST"))
     out = result.output
     # Worker 0 SIGKILLs data server 0 in step 4: reported and started again on hostD. The
-    # two workers give it up for good (they take its share from data server 1); once the
-    # replacement has published its address, worker 0 lists hostC, whose new worker joins
-    # at the commit after step 4 and takes its share of data server 0 from the replacement.
+    # two workers give it up (they take its share from data server 1); once the replacement
+    # has published its address, worker 0 lists hostC, whose new worker joins at the commit
+    # after step 4. That commit agrees that the replacement serves every worker from epoch
+    # 1 (the new worker learns it at its first sync): in epoch 0 nobody uses it, the new
+    # worker included, and in epoch 1 all three take their share of data server 0 from it.
     assert "rank 2 (data server 0) on host hostD exited with status 137" in out, result
     assert "data server 0 started again on host hostD (1 of 3)" in out, result
     got = check_counts(result, ["hostA[0]", "hostB[1]", "hostC[2]"], 3, servers_failed=True)
-    assert [got[w]["lost"] for w in ("hostA[0]", "hostB[1]", "hostC[2]")] == ["0", "0", ""]
+    assert [got[w]["lost"] for w in ("hostA[0]", "hostB[1]", "hostC[2]")] == ["", "", ""]
+    served = re.findall(r"FROM0 id=(\S+) incarnation=(\d+) items=(\d+) planned=(\d+)", out)
+    assert sorted((w, k, n == m) for w, k, n, m in served) == [
+        ("hostA[0]", "2", True), ("hostB[1]", "2", True), ("hostC[2]", "2", True)], result
     check_trained_once(result)
     assert "TRAINED id=hostC[2] gen=1 epoch=0" in out, result  # a share of epoch 0
     # where each rank ran, as it says itself: the workers on their hosts (the new one's

@@ -25,8 +25,9 @@ batch, and acknowledges it with a store into shared memory (``slots.py``).
 ``as_dataloader(loader)`` is a torch ``DataLoader`` over it, for DDP and Lightning
 (``compat.py``). In an elastic job (``gradsync run --min-np ... --data-servers D``) the Loader
 goes into the elastic state, ``hvd.elastic.TorchState(model, optimizer, loader=loader)``, and
-its position commits, rolls back and goes on with the model (``elastic.py``). See docs/data.md,
-which also lists what is not done yet.
+its position commits, rolls back and goes on with the model (``elastic.py``); a data server
+that the launcher starts again serves every worker from an epoch they agree on
+(``returns.py``). See docs/data.md, which also lists what is not done yet.
 """
 
 from .collate import Collate, Pack, Pad

@@ -45,16 +45,21 @@ the old generation computed. Every other sample of the epoch is served again, to
 worker of the new generation. Every member computes this from the same gathered reports, so
 the result is the same without a broadcast.
 
-The rule counts a lost worker's batches in plan order. A worker that lost a data server takes
-that server's batches at the end of each epoch (``Loader._adopt``), out of plan order, so a
-survivor that lost one says its state is no resume point (``LoaderState.resumable``) and the
-job rolls back to the last commit instead. The lost worker may have found a data server
-dead while the survivors still read the batches that server had published: so at a failure
-every survivor first looks at its data servers (``Loader.look_at_servers``: a process gone, a
-connection closed) and finds any dead one lost too. Left open: a lost worker that had given
-up a *silent* data server (stopped, or cut off from it alone), which no survivor had found
-silent yet, would still be credited in plan order; ``rollback = "always"`` on the state
-rules that out too.
+The rule counts a lost worker's batches in plan order. A worker that does not use a data
+server in an epoch (lost, or not taken back yet) takes that server's batches at the end of the
+epoch (``Loader._adopt``), out of plan order, so a survivor that does not use one says its
+state is no resume point (``LoaderState.resumable``) and the job rolls back to the last commit
+instead. The lost worker may have found a data server dead while the survivors still read the
+batches that server had published: so at a failure every survivor first looks at its data
+servers (``Loader.look_at_servers``: a process gone, a connection closed) and finds any dead
+one lost too. A lost worker that had given up a *silent* data server (stopped, or cut off from
+it alone), which no survivor can find silent, wrote so in the store first (``Loader._lose``),
+and the look finds that record.
+
+That reasoning needs every worker of an epoch to use the same data servers: a data server
+started again (``run/data_servers.py``) is taken back by every worker at one epoch boundary,
+agreed in the collectives above (a commit's ``state_dict``, ``sync``, ``sync_from``; see
+``returns.py``).
 """
 
 from __future__ import annotations
@@ -103,10 +108,14 @@ class LoaderState:
         return not self.loader.lost
 
     def sync(self) -> None:
-        """Takes rank 0's kept state (the job's start, a roll-back)."""
-        from .. import api
+        """Takes rank 0's kept state (the job's start, a roll-back), and its table of data
+        servers back (``returns.py``): a new return serves from the epoch after the kept
+        one, which every member starts afresh."""
+        from .. import api, job
 
-        self.kept = api.broadcast_object(self.kept, root_rank=0, name="gradsync.data.kept")
+        mine = (self.kept, self.loader.server_report()) if job.world().rank == 0 else None
+        self.kept, report = api.broadcast_object(mine, root_rank=0, name="gradsync.data.kept")
+        self.loader.agree_on_servers([report], self.kept["epoch"] + 1)
         self._reset(self.kept)
 
     def sync_from(self, root_rank: int) -> None:
@@ -115,11 +124,18 @@ class LoaderState:
         is not needed: every survivor's report counts."""
         from .. import api
 
-        mine = self.loader.position() if self._joined else None
-        views = api.allgather_object(mine, name="gradsync.data.positions")
         loader = self.loader
-        self._reset(live_state(loader.samples, loader.batch_size, loader.seed, loader.servers,
-                               views, loader.order))
+        mine = loader.position() if self._joined else None
+        gathered = api.allgather_object((mine, loader.server_report()),
+                                        name="gradsync.data.positions")
+        views = [view for view, _ in gathered]
+        state = live_state(loader.samples, loader.batch_size, loader.seed, loader.servers,
+                           views, loader.order)
+        # The table of data servers back, agreed in the same gather (``returns.py``): a new
+        # return serves from the epoch after the furthest any member may have started.
+        furthest = max([v["epoch"] for v in views if v is not None] + [state["epoch"]])
+        loader.agree_on_servers([report for _, report in gathered], furthest + 1)
+        self._reset(state)
 
     def _reset(self, state: dict) -> None:
         from .. import job

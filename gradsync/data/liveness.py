@@ -91,6 +91,18 @@ class Watch:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(self.interval + 1.0)
 
+    def forget(self, server: int) -> None:
+        """Drops what was seen of ``server``'s process: the worker connected to another one
+        (a server that came back, ``Loader._redial``), whose beat starts anew."""
+        self._beats.pop(server, None)
+        self._pings.pop(server, None)
+
+    def _lose(self, d: int, peer, error: PeerLostError) -> None:
+        """Gives up server ``d`` if ``peer`` is still the worker's connection to it: one that
+        a process started again has replaced since (``Loader._redial``) is no news."""
+        if self.loader.peers[d] is peer:
+            self.loader._lose(d, error)
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             self.look()
@@ -124,18 +136,17 @@ class Watch:
                                   f"for {quiet:.1f}s: its beat stood still (stopped?)",
                                   peer=road.peer)
             road.silent = error  # a poll waiting on it raises it at its next check
-            self.loader._lose(d, error)
+            self._lose(d, peer, error)
 
     def _ping(self, d: int, peer) -> None:
         handle = self._pings.get(d)
         if handle is not None and not handle.poll():
             return  # the last ping still waits: its connection's silence judges
-        loader = self.loader
 
         def ping():
             try:
                 peer.call_if_idle("ping")
             except PeerLostError as exc:  # silent, or the connection ended
-                loader._lose(d, exc)
+                self._lose(d, peer, exc)
 
         self._pings[d] = peer.submit(ping, f"{peer.label}.ping")

@@ -29,12 +29,16 @@ calls ``state_dict()`` at each commit and ``reset()`` at each re-formation (``el
 
 A data server that dies, stops or is cut off is *lost* (``liveness.py`` watches the live
 ones): its batches go to the others, each sample still exactly once (``_lose``, ``_adopt``).
+In an elastic job the launcher starts it again, and every worker takes the new process back
+at the start of an epoch they agreed on (``returns.py``, ``_choose_servers``): until then it is
+left out (in ``lost``) on every worker, a new worker connected to it included.
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
+import json
 import logging
 import queue
 import threading
@@ -48,6 +52,7 @@ from ..liveness.heartbeat import LINK_UP_S
 from ..liveness.pace import meter
 from .layout import Layout
 from .plan import ORDERS, STATE_VERSION, Batch, pack_mask, plan, unpack_mask, worker_batches
+from .returns import Return, agree, read_ready, ready_key, wanted
 from .slots import poller
 
 if TYPE_CHECKING:
@@ -148,11 +153,18 @@ class Loader:
         self._active: _Epoch | None = None
         self._finished: tuple[int, list[np.ndarray]] | None = None  # last epoch: (e, ids)
         self._seq = [0] * self.servers  # next sequence number of this worker's stream
-        self.lost: set[int] = set()  # data servers this worker has lost
+        self.lost: set[int] = set()  # data servers this worker does not use now
+        # Of ``lost``, the servers left out for the epoch though this worker's connection
+        # lives: a process the agreed table does not want yet (``returns.py``).
+        self._pending: set[int] = set()
+        # The agreed returns of data servers started again (``returns.py``): from which
+        # epoch each serves every worker, updated at each commit and re-formation.
+        self.returns: dict[int, Return] = {}
         # (poll or take seconds, of which waited, read seconds, bytes) of the latest batches
         self._transfers: collections.deque = collections.deque(maxlen=_TRANSFERS_KEPT)
         self._closed = False
         self._timeout = config.timeout
+        self._connect_timeout = config.connect_timeout
         self._lost_lock = threading.Lock()
         # A reply silent this long is a stopped or cut-off server (``liveness.py``); a take
         # waits at most a quarter of it on the server, then answers "pending".
@@ -179,29 +191,45 @@ class Loader:
         # A data server lost while this worker connects is lost as one lost in the training
         # loop (``_lose``): the others serve its batches from the first epoch on. One that
         # cannot be reached at all has no connection here (None in ``peers``).
-        # While the connections form, a server gets ``LINK_UP_S`` (30 s) to answer, as a
-        # heartbeat link gets to form: the ranks of a job start seconds apart on a crowded
-        # machine, and a server still starting is not a silent one. Then the timeout.
-        forming = None if self._silence is None else max(self._silence, LINK_UP_S)
+        # While the connections form, a server gets ``LINK_UP_S`` (30 s) to answer
+        # (``_forming``); then the timeout.
         self.endpoint, self.peers = connect_servers(config, env, store, "data", env.size,
                                                     self.servers, "data server", self.ident,
-                                                    lost=self._lose, silence=forming)
+                                                    lost=self._lose, silence=self._forming)
+        # Per server: its slots, and the poll road (same host) or None (take over the region
+        # connection). A lost server keeps None in both: no batch is asked of it again.
+        # ``incarnations``: which process of that index the connection reaches (0: none).
+        self.slots: list = [None] * self.servers
+        self.pollers: list = [None] * self.servers
+        self.incarnations: list[int] = [0] * self.servers
         try:
-            self._greet()
+            replies = self._greet(range(self.servers))
+            if not replies or len(self.lost) == self.servers:
+                raise self._none_left()
         except BaseException:
             self.close()
             raise
-        for peer in self.peers:
-            if peer is not None:
-                peer.set_silence(self._silence)
+        first = replies[min(replies)]  # every server describes the same dataset
+        # The stack's layout, or the collate's spec (``collate.py``).
+        self.spec = first["layout"]
+        self.layout = Layout(self.spec) if self.collate is None else None
+        self.slot_bytes = first["slot_bytes"]
 
-    def _greet(self) -> None:
-        """Says hello to every data server reached and maps each one's slots; a server lost
-        meanwhile is set aside, as in the training loop."""
+    @property
+    def _forming(self) -> float | None:
+        """The silence allowed while a connection forms (the dial, the hello, the read of
+        the slots): ``LINK_UP_S`` (30 s), as a heartbeat link gets to form, since the ranks
+        of a job start seconds apart on a crowded machine and a server still starting is
+        not a silent one. Then the timeout (``_silence``)."""
+        return None if self._silence is None else max(self._silence, LINK_UP_S)
+
+    def _greet(self, servers) -> dict[int, dict]:
+        """Says hello to each of ``servers`` reached and maps its slots; a server lost
+        meanwhile is set aside, as in the training loop. Returns the hellos' replies."""
         hello = {"batch_size": self.batch_size, "seed": self.seed, "samples": self.samples,
                  "order": self.order, "prefetch": self.prefetch,
                  "collate": None if self.collate is None else self.collate.describe()}
-        calls = {d: p.call_async("hello", **hello) for d, p in enumerate(self.peers)
+        calls = {d: self.peers[d].call_async("hello", **hello) for d in servers
                  if d not in self.lost}
         replies = {}
         for d, handle in calls.items():
@@ -209,11 +237,7 @@ class Loader:
                 replies[d] = handle.wait()
             except PeerLostError as exc:
                 self._lose(d, exc)
-        # Per server: its slots, and the poll road (same host) or None (take over the region
-        # connection). A lost server keeps None in both: no batch is asked of it again.
-        self.slots: list = [None] * self.servers
-        self.pollers: list = [None] * self.servers
-        for d in replies:
+        for d in list(replies):
             peer = self.peers[d]
             try:
                 # Reads the server's region table again (the hello allocated the slots).
@@ -222,13 +246,11 @@ class Loader:
                                          replies[d]["slot_bytes"])
             except PeerLostError as exc:
                 self._lose(d, exc)
-        if not replies or len(self.lost) == self.servers:
-            raise self._none_left()
-        first = replies[min(replies)]  # every server describes the same dataset
-        # The stack's layout, or the collate's spec (``collate.py``).
-        self.spec = first["layout"]
-        self.layout = Layout(self.spec) if self.collate is None else None
-        self.slot_bytes = first["slot_bytes"]
+                del replies[d]
+                continue
+            self.incarnations[d] = int(replies[d].get("incarnation", 1))
+            peer.set_silence(self._silence)
+        return replies
 
     def _none_left(self) -> GradsyncError:
         """The error of a worker that has lost every data server."""
@@ -283,6 +305,8 @@ class Loader:
         done = self._resume.get(epoch)
         batches = self._my_batches(epoch, done)
         text = pack_mask(done) if done is not None else None
+        if self._losses is not None:  # an elastic job, whose data servers may come back
+            self._choose_servers(epoch)
         live = [d for d in range(self.servers) if d not in self.lost]
         # ``seq``: where this worker's stream goes on, for a server that learns of a new
         # generation from this start (``reset``).
@@ -307,6 +331,122 @@ class Loader:
         orphans = [b for b in batches if b.server in self.lost]
         self._active = _Epoch(self, epoch, work, orphans, done)
         return self._active
+
+    # ------------------------------------------------------------------ servers back
+    def _choose_servers(self, epoch: int) -> None:
+        """(``__iter__``, an elastic job's.) Uses in ``epoch`` exactly the data servers
+        every worker uses in it: of each, the incarnation that the agreed table wants
+        (``returns.wanted``), connected to now when this worker has an older one (a server
+        that came back); every other server is left out for the epoch, its batches handed
+        to the others (``_adopt``), as on every other worker."""
+        for d in range(self.servers):
+            want = wanted(self.returns, d, epoch)
+            if want is not None and self.incarnations[d] < want:
+                self._redial(d, self.returns[d])
+            with self._lost_lock:
+                given_up = d in self.lost and d not in self._pending
+                if want is not None and self.incarnations[d] == want and not given_up:
+                    self.lost.discard(d)
+                    self._pending.discard(d)
+                elif d not in self.lost:  # alive, but not the process the epoch uses
+                    self.lost.add(d)
+                    self._pending.add(d)
+
+    def _redial(self, server: int, back: Return) -> None:
+        """Connects to data server ``server`` again, to the process its address names now,
+        which the table wants (``back``) from this epoch on: this worker gave its last
+        process up, or that process has exited since. A worker that cannot reach ``back``
+        writes its loss in the store, as any worker that gives up a server (``_lose``):
+        every worker of the epoch is meant to use it, so a recovery must know that this
+        one did not."""
+        store = self._losses
+        assert store is not None  # ``_choose_servers`` runs in an elastic job only
+        with self._lost_lock:
+            # From here on, a failure of the old connection is no news (``_lose`` ignores a
+            # server in ``lost``).
+            self.lost.add(server)
+            self._pending.discard(server)
+        old = self.peers[server]
+        if old is not None:  # an older process, which has exited: the launcher started
+            old.abandon()    # ``back`` only then (shut first: nothing waits on it)
+            old.close()
+        label = f"data server {server} (incarnation {back.incarnation})"
+        try:
+            info = json.loads(store.get(f"data/server/{server}", self._connect_timeout))
+            peer = self.endpoint.connect(int(info["ident"]), info["addr"], int(info["port"]),
+                                         time.monotonic() + self._connect_timeout, label,
+                                         listening=True, silence=self._forming)
+        except (RuntimeError, OSError) as exc:  # PeerLostError, a timeout, the store's
+            # Not reached: the process of ``back`` is given up for good (this worker will
+            # not dial it again: its incarnation counts as the one it has, lost).
+            self._record_loss(server, _process_key(server, back.host, back.pid))
+            self.incarnations[server] = back.incarnation
+            log.warning("worker %d could not reach %s again: %s", self.rank, label, exc)
+            return
+        # The new connection replaces the old one before ``server`` leaves ``lost``: the
+        # liveness watch, which looks at the servers not lost, must not judge the new
+        # process by the old one's beat (nor give it up for a ping of the old one).
+        self.peers[server], self.pollers[server], self.slots[server] = peer, None, None
+        self.incarnations[server], self._seq[server] = 0, 0
+        if self._watch is not None:
+            self._watch.forget(server)
+        with self._lost_lock:
+            self.lost.discard(server)
+            self._pending.discard(server)
+        if self._greet([server]) and self.incarnations[server] == back.incarnation:
+            log.info("worker %d takes data server %d back (incarnation %d, pid %d on %s) "
+                     "from epoch %d", self.rank, server, back.incarnation, back.pid,
+                     back.host, back.epoch)
+            return
+        # Lost in its hello (``_greet`` wrote so), or the address names a newer process:
+        # the one wanted has exited too.
+        if server not in self.lost:
+            self._record_loss(server, _process_key(server, back.host, back.pid))
+            with self._lost_lock:
+                self.lost.add(server)
+                self._pending.add(server)
+
+    def server_report(self) -> dict:
+        """What this worker adds to a collective that agrees on the data servers
+        (``returns.agree``): the table it holds, and each server it does not use whose ready
+        record names a newer process that nobody has given up (no store request when every
+        server is in use, or in a job that is not elastic)."""
+        ready = {}
+        store = self._losses
+        for d in sorted(self.lost) if store is not None else ():
+            found = self._ready(store, d)
+            if found is not None:
+                ready[d] = found
+        return {"returns": dict(self.returns), "ready": ready}
+
+    def _ready(self, store, server: int) -> tuple[int, str, int] | None:
+        """(incarnation, host, pid) of the latest process of data server ``server`` in
+        ``store`` if it is newer than the table's and not recorded lost; else None."""
+        known = self.returns.get(server)
+        try:
+            if not store.check(ready_key(server)):
+                return None
+            incarnation, host, pid = read_ready(store.get(ready_key(server)))
+            if incarnation <= (1 if known is None else known.incarnation):
+                return None
+            if store.check(_process_key(server, host, pid)):
+                return None
+        except (RuntimeError, OSError, GradsyncError) as exc:  # the launcher's store
+            log.warning("worker %d could not read data server %d's ready record: %s",
+                        self.rank, server, exc)
+            return None
+        return incarnation, host, pid
+
+    def agree_on_servers(self, reports: list[dict], epoch: int) -> None:
+        """Takes the table every member of a collective computes from the same ``reports``
+        (``returns.agree``): a data server that came back serves every worker from
+        ``epoch`` on, the first epoch no member can have started."""
+        table = agree(reports, epoch)
+        for d, back in sorted(table.items()):
+            if self.returns.get(d) != back:
+                log.info("worker %d: data server %d (incarnation %d) serves every worker "
+                         "from epoch %d", self.rank, d, back.incarnation, back.epoch)
+        self.returns = table
 
     def _lose(self, server: int, error: BaseException) -> None:
         """(The fetch thread, ``__iter__``, the connection, ``stats`` or the liveness watch.)
@@ -362,13 +502,14 @@ class Loader:
             except PeerLostError as exc:
                 self._lose(d, exc)
 
-    def _record_loss(self, server: int) -> None:
-        """Writes that this worker gave up data server ``server`` (an elastic job's only)."""
+    def _record_loss(self, server: int, key: str | None = None) -> None:
+        """Writes that this worker gave up data server ``server`` (an elastic job's only):
+        the process it is connected to, or the one ``key`` names."""
         if self._losses is None:
             return
         peers = getattr(self, "peers", None)  # None while the connections are made
         try:
-            self._losses.set(_loss_key(server, peers[server] if peers else None),
+            self._losses.set(key or _loss_key(server, peers[server] if peers else None),
                              str(self.ident))
         except (RuntimeError, OSError, GradsyncError) as exc:  # the launcher's store: it
             # is gone only with the job, whose end this worker then meets anyway
@@ -430,6 +571,8 @@ class Loader:
             mine["ids"] = np.flatnonzero(self._resume[self.epoch]).tolist()
         if self._finished is not None:
             mine["previous"] = [self._finished[0], _ids(self._finished[1])]
+        # The same gather agrees on the data servers that came back (``returns.py``).
+        mine["servers"] = self.server_report()
         views = api.allgather_object(mine, name="gradsync.data.state_dict")
         epoch = min(v["epoch"] for v in views)
         done = np.zeros(self.samples, dtype=bool)
@@ -442,6 +585,10 @@ class Loader:
                 raise ValueError(f"state_dict: worker {views.index(v)} is in epoch "
                                  f"{v['epoch']} while another is in epoch {epoch}; call it at "
                                  "the same step on every worker")
+        # No worker has started the epoch after the furthest one's: a server back serves
+        # from it on every worker.
+        self.agree_on_servers([v["servers"] for v in views],
+                              max(v["epoch"] for v in views) + 1)
         if done.all():
             epoch, done[:] = epoch + 1, False
         return {"version": STATE_VERSION, "samples": self.samples,
@@ -581,7 +728,12 @@ def _loss_key(server: int, peer) -> str:
     before it was reached) of every process of that index."""
     if peer is None or not peer.pid:
         return f"data/lost/{server}/any"
-    return f"data/lost/{server}/{peer.host}/{peer.pid}"
+    return _process_key(server, peer.host, peer.pid)
+
+
+def _process_key(server: int, host: str, pid: int) -> str:
+    """The store key of a loss of the process ``pid`` on ``host`` serving as ``server``."""
+    return f"data/lost/{server}/{host}/{pid}"
 
 
 def _ids(arrays: list[np.ndarray]) -> list[int]:

@@ -71,7 +71,10 @@ epoch for the new count, so a lost worker's unacknowledged share goes to the oth
 another data server is lost, each worker hands the batches it has not received from it to the
 servers left (``start`` with ``items``): they join the end of that worker's stream here like
 any other, decoded from the dataset (this server's cache keeps them only while its budget
-lasts).
+lasts). A data server that the elastic launcher starts again in its slot counts itself in the
+store (its *incarnation*, answered in every ``hello``) before it publishes its address, then
+writes its *ready record*: the workers agree on the epoch from which it serves them all
+(``returns.py``), and each says hello to it then, as to any server.
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ from .cache import Cache
 from .layout import Layout, leaves_of
 from .plan import Batch, plan, unpack_mask, worker_batches
 from .producers import KINDS, Batcher, start_helpers
+from .returns import ready_key, ready_record
 from .slots import SlotTable, table_words
 
 __all__ = ["Source", "DataServer", "serve", "ELASTIC_KEY", "END_KEY"]
@@ -266,6 +270,10 @@ class DataServer:
         self._helpers = (start_helpers(self.batcher, producers, self.slot_bytes)
                          if producers > 1 and producer == "process" else [])
         self.streams: dict[int, _Stream] = {}
+        # Which process of this index this is (``returns.py``): 1, or the count of processes
+        # that published before it plus one in an elastic job (``serve`` sets it before the
+        # address is published, so every hello answers it).
+        self.incarnation = 1
         self.failure: str | None = None
         self.batches_served = 0
         self.takes = 0  # take calls answered (the workers that poll make none)
@@ -327,7 +335,7 @@ class DataServer:
             self.streams[worker] = _Stream(slots, prefetch, table)
             self._seen.add(worker)
         return {"layout": self.spec, "slot_bytes": self.slot_bytes,
-                "server": self.index}
+                "server": self.index, "incarnation": self.incarnation}
 
     def _start(self, worker: int, args: dict) -> dict:
         """Appends ``worker``'s batches of ``args["epoch"]`` on this server to its stream: its
@@ -647,7 +655,14 @@ def serve(config, env, source: Source, batch_size: int, seed: int,
                             beat=config.heartbeat_interval if config.heartbeat_timeout > 0
                             else 0.0, order=order, producers=config.data_workers,
                             producer=config.data_producer)
+        if elastic:
+            # Counted before the address is published, by the processes that get that far:
+            # the workers take a replacement back from an agreed epoch on (``returns.py``).
+            server.incarnation = store.add(f"data/incarnations/{index}", 1)
         publish(store, "data", index, endpoint)
+        if elastic:
+            store.set(ready_key(index), ready_record(server.incarnation, endpoint.host,
+                                                     os.getpid()))
         log.info("rank %d on host %s (pid %d): data server %d of %d, serving %s", env.rank,
                  env.hostname, os.getpid(), index, env.data_servers,
                  "an elastic job's workers" if elastic else f"{env.workers} workers")

@@ -19,13 +19,14 @@ an elastic job come and go in generations (``elastic.py``); its D data servers
   job); a data server's failure blacklists no host. A data host takes no worker, even when
   ``-H`` or the discovery script lists it (``elastic._ElasticJob._free_slots``).
 - **A failure** is reported at once and the job goes on: every worker hands the lost server's
-  batches to the others (``Loader._adopt``) for the rest of the job. The rank is started
-  again on its host, as a replicated parameter server's is in a static job (at most
-  ``--server-restarts`` times, default 3; not once the job is finishing): the new process
-  publishes its address in place of the lost one's, so the workers that connect from then
-  on (new workers of later generations) take their share of it; the workers that lost it
-  do not go back to it. At the end the job's status is the first failed data server's,
-  unless a worker failed (as in a static job).
+  batches to the others (``Loader._adopt``). The rank is started again on its host, as a
+  replicated parameter server's is in a static job (at most ``--server-restarts`` times,
+  default 3; not once the job is finishing): the new process counts itself (its
+  *incarnation*), publishes its address in place of the lost one's and then its ready
+  record. The workers agree, at their next commit or re-formation, on the epoch from which
+  it serves them all, and each connects to it at that epoch's start, new workers included
+  (``gradsync/data/returns.py``); nothing here takes part. At the end the job's status is
+  the first failed data server's, unless a worker failed (as in a static job).
 - **End.** Once every worker has ended, the launcher writes ``data/end``; each data server
   sees it within a second and ends; those still running ``SERVER_LINGER`` seconds later are
   stopped with the rest of the job.
@@ -119,8 +120,8 @@ class DataServers:
             self.output.message(f"could not start data server {d} again: {exc}")
             return
         self.output.message(f"data server {d} started again on host {rank.slot.host} "
-                            f"({self.restarts[d]} of {self.spec.server_restarts}): workers that connect from now on "
-                            "take their share of it")
+                            f"({self.restarts[d]} of {self.spec.server_restarts}): the workers "
+                            "take it back from an epoch they agree on")
         if informs(self.spec):
             self.output.message(rank_line(self.ranks[d], f"data server {d}"))
 

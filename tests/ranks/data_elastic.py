@@ -31,6 +31,10 @@ listed it, so it joins there).
 killgrow (killserver, then a new worker served by data server 0's replacement: after step
 AT + 1 the worker that killed it waits until the launcher's replacement has published its
 address, then appends $GROW_HOST to $HOSTS_FILE and holds the next commit, as join does).
+return (the worker whose first rank is VICTIM SIGKILLs data server 0 in step AT + 1, finds it
+lost at once by ``stats()``, and holds that step until the launcher's replacement has written
+its ready record: the next commit's gather agrees that it serves every worker from the next
+epoch on).
 $ELASTIC_ROLLBACK (default auto): the state's ``rollback``.
 
 Every rank first prints ``HOST rank=<launch rank> host=<GRADSYNC_HOSTNAME>``: where the
@@ -38,7 +42,9 @@ launcher started it (the data servers' too).
 
 Lines: ``TRAINED id=<worker> gen=<g> epoch=<e> ids=<i,j,...>`` after each applied update
 that used a batch; ``PLAN action=<go_on|rollback|start> updates=<u>`` after a recovery;
-``RESULT id=<worker> size=<n> gen=<g> low=<min count> high=<max count> total=<sum>
+``FROM0 id=<worker> incarnation=<k> items=<n> planned=<m>`` at the end: which process of data
+server 0 the worker is connected to, the batches it took from that process, and its batches
+of data server 0 in the last epoch's plan; ``RESULT id=<worker> size=<n> gen=<g> low=<min count> high=<max count> total=<sum>
 lost=<data servers this worker lost, a,b,...>`` at the end.
 """
 
@@ -53,6 +59,8 @@ import torch
 
 import gradsync.data
 import gradsync.torch as hvd
+from gradsync.data.plan import plan, worker_batches
+from gradsync.data.returns import read_ready, ready_key
 from gradsync.elastic import worker
 from gradsync.errors import PeerLostError
 
@@ -102,6 +110,17 @@ def wait_for_the_replacement() -> None:
         time.sleep(0.05)
 
 
+def wait_for_the_return() -> None:
+    """Holds this step until data server 0's replacement has written its ready record (the
+    launcher starts it in seconds): the worker that does not use server 0 then reports it at
+    the next commit."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (
+            loader._losses.check(ready_key(0))
+            and read_ready(loader._losses.get(ready_key(0)))[0] > 1):
+        time.sleep(0.05)
+
+
 @hvd.elastic.run
 def train(state):
     global killed
@@ -130,6 +149,11 @@ def train(state):
                     0 not in loader.lost:
                 killed = loader._losses.get("data/server/0")  # its published address
                 os.kill(loader.peers[0].pid, signal.SIGKILL)
+            if me and mode == "return" and state.steps == at and 0 not in loader.lost:
+                os.kill(loader.peers[0].pid, signal.SIGKILL)
+                while 0 not in loader.lost:  # found at once by this worker's stats()
+                    loader.stats()
+                wait_for_the_return()
             if me and mode == "both" and worker.generation() == 0:
                 if state.steps == at and 0 not in loader.lost:
                     os.kill(loader.peers[0].pid, signal.SIGKILL)
@@ -174,6 +198,10 @@ def train(state):
 killed = None  # data server 0's published address, once this worker has killed it
 train(state)
 counts = model.counts.detach()
+last = worker_batches(plan(SAMPLES, BATCH, SEED, epochs - 1, loader.servers, hvd.size()),
+                      hvd.rank(), 0)
+print(f"FROM0 id={name} incarnation={loader.incarnations[0]} items={loader._seq[0]} "
+      f"planned={len(last)}", flush=True)
 print(f"RESULT id={name} size={hvd.size()} gen={worker.generation()} "
       f"low={counts.min().item():g} high={counts.max().item():g} "
       f"total={counts.sum().item():g} lost={','.join(map(str, sorted(loader.lost)))}",
