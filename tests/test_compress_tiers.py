@@ -17,6 +17,7 @@ import torch
 
 from gradsync.cluster.topology import TIERS, Topology
 from gradsync.compress import FP8, Int8, PowerSGD, RandomK
+from gradsync.compress.comm import Comm
 from gradsync.compress.tiers import subgroups
 from test_compress import ThreadGroup, run_threads
 
@@ -61,8 +62,10 @@ class Net:
         return NetComm(self, tuple(range(self.size)), rank)
 
 
-class NetComm:
-    """The Comm of ``members`` (global ranks) seen by member ``index``."""
+class NetComm(Comm):
+    """The Comm of ``members`` (global ranks) seen by member ``index``. The funnel onto a
+    unit's leader and back is ``Comm``'s: one non-empty block through ``reduce_scatter_sum_``
+    and ``gather_blocks_`` (the schedules of a World's are tests/test_compress_funnel.py)."""
 
     def __init__(self, net: Net, members: tuple, index: int):
         self.net, self.members = net, members

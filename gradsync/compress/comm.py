@@ -23,6 +23,11 @@ are also offers:
 - ``reduce_scatter_sum_(t, counts)``: full-precision float32, in place; after it member j's
   block (``counts[j]`` elements, blocks back to back in member order) holds the sum;
 - ``gather_blocks_(t, counts)``: in place, every member's block from its member;
+- ``reduce_to_leader_(t)``: full-precision float32, in place, the sum onto member 0 (the
+  unit's *leader*; the others keep partial sums), for a compressor that needs whole tensors;
+- ``broadcast_from_leader_(t)``: in place, member 0's ``t`` on every member. By default these
+  two are ``reduce_scatter_sum_`` and ``gather_blocks_`` with one non-empty block, member 0's;
+  ``ViewComm`` chooses a chain, a tree or a split by the cost model (``collectives/funnel.py``);
 - ``begin_tiered(description)``: called once, on every rank, before a tiered reduction;
 - ``prepare(groups)`` (where sub-groups must be made ahead, by every rank: ``TorchComm``):
   called with every sub-group the reduction will use, the same list on every rank.
@@ -36,7 +41,7 @@ import torch
 from ..cluster import launch_env
 from ..cluster.topology import Topology
 from ..collectives import alltoall as _alltoall
-from ..collectives import doubling, ring
+from ..collectives import costs, doubling, funnel, halving_doubling, ring
 from ..collectives.ops import ReduceOp, make_reducer
 from ..pipeline import operations as ops
 
@@ -70,6 +75,12 @@ class Comm:
     def gather_blocks_(self, t: torch.Tensor, counts: list[int]) -> None:
         raise NotImplementedError
 
+    def reduce_to_leader_(self, t: torch.Tensor) -> None:
+        self.reduce_scatter_sum_(t, [t.numel()] + [0] * (self.size - 1))
+
+    def broadcast_from_leader_(self, t: torch.Tensor) -> None:
+        self.gather_blocks_(t, [t.numel()] + [0] * (self.size - 1))
+
     def begin_tiered(self, description: str) -> None:
         pass
 
@@ -101,18 +112,25 @@ class ViewComm(Comm):
     tiered reduction, and its sub-steps pair up their messages by the order in which every
     rank walks them (as the hierarchical allreduce's views do, ``collectives/hierarchical``).
     So it needs no description per call, and ranks that take part in different sub-steps
-    (the owners of different blocks) never count their collectives differently."""
+    (the owners of different blocks) never count their collectives differently.
 
-    def __init__(self, view, config):
-        self.view, self.config = view, config
+    ``topology``: the job's, for the cost model's choices on the view's ranks, the same on
+    every rank: each allreduce's algorithm (``SUB_ALLREDUCES``) and the funnel's schedule
+    (``collectives/funnel.py``)."""
+
+    def __init__(self, view, config, topology: Topology):
+        self.view, self.config, self.topology = view, config, topology
         self.rank, self.size = view.rank, view.size
 
     def allreduce_sum_(self, t: torch.Tensor) -> None:
         flat = t.numpy().reshape(-1)
         if self.size == 1 or flat.size == 0:
             return
-        if flat.nbytes < self.config.small_bytes:
+        algorithm = self._chosen("allreduce", flat.nbytes)
+        if algorithm == "doubling":
             doubling.allreduce(self.view, flat, _SUM32)
+        elif algorithm == "halving_doubling":
+            halving_doubling.allreduce(self.view, flat, _SUM32)
         else:
             ring.allreduce(self.view, flat, _SUM32, self.config.chunk_bytes)
 
@@ -132,7 +150,7 @@ class ViewComm(Comm):
         return torch.from_numpy(out)
 
     def sub(self, ranks: list[int]) -> "ViewComm":
-        return ViewComm(self.view.view(ranks), self.config)
+        return ViewComm(self.view.view(ranks), self.config, self.topology)
 
     def reduce_scatter_sum_(self, t: torch.Tensor, counts: list[int]) -> None:
         if self.size > 1:
@@ -141,6 +159,50 @@ class ViewComm(Comm):
     def gather_blocks_(self, t: torch.Tensor, counts: list[int]) -> None:
         if self.size > 1:
             ring.allgather(self.view, t.numpy(), counts, self.config.chunk_bytes)
+
+    def reduce_to_leader_(self, t: torch.Tensor) -> None:
+        flat = t.numpy().reshape(-1)
+        funnel.reduce(self.view, flat, _SUM32, self.config.chunk_bytes,
+                      self.schedule_of(flat.nbytes))
+
+    def broadcast_from_leader_(self, t: torch.Tensor) -> None:
+        flat = t.numpy().reshape(-1)
+        funnel.broadcast(self.view, flat, self.config.chunk_bytes,
+                         self.schedule_of(flat.nbytes))
+
+    def schedule_of(self, nbytes: int) -> str:
+        """The funnel's schedule for ``nbytes`` on this view's ranks (``funnel.schedule``)."""
+        return self._chosen("funnel", nbytes)
+
+    def _chosen(self, what: str, nbytes: int) -> str:
+        """The cost model's choice for ``what`` (``"funnel"`` or ``"allreduce"``) of ``nbytes``
+        on this view's ranks, worked out once per topology, ranks and size (``_CHOSEN``)."""
+        chunk_bytes = self.config.chunk_bytes
+        key = (what, id(self.topology), tuple(self.view.ranks), nbytes, chunk_bytes)
+        hit = _CHOSEN.get(key)
+        if hit is not None and hit[0] is self.topology:
+            return hit[1]
+        fabric = costs.RankFabric(self.topology, self.view.ranks)
+        if what == "funnel":
+            choice = funnel.schedule(fabric, nbytes, chunk_bytes)
+        else:
+            choice = costs.cheapest(fabric, nbytes, SUB_ALLREDUCES)
+        if len(_CHOSEN) >= 4096:  # a training job's buckets come in a few sizes
+            _CHOSEN.clear()
+        _CHOSEN[key] = (self.topology, choice)
+        return choice
+
+
+SUB_ALLREDUCES = ("doubling", "halving_doubling", "ring")
+"""What ``ViewComm.allreduce_sum_`` chooses from, by the cost model on the view's ranks (the
+planner's candidates less the two that only reorder or split a group across tiers: a
+tiered reduction's sub-group already lies within one tier)."""
+
+_CHOSEN: dict[tuple, tuple[Topology, str]] = {}
+"""``ViewComm._chosen``'s choices by (what, topology's id, ranks, bytes, chunk_bytes), with
+the topology they were made for (an id can be reused once it is gone): the cost model
+enumerates every message of every step, which a step of training should not pay for each
+bucket."""
 
 
 class WorldComm(Comm):
@@ -197,7 +259,7 @@ class WorldComm(Comm):
                          world.config.check_collectives)
 
     def sub(self, ranks: list[int]) -> ViewComm:
-        return ViewComm(self.world.comm.view(ranks), self.world.config)
+        return ViewComm(self.world.comm.view(ranks), self.world.config, self.world.topology)
 
 
 class TorchComm(Comm):

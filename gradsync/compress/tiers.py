@@ -25,7 +25,14 @@ uneven hosts work and every rank walks the blocks in the same order. A compresso
 arithmetic is element-wise (int8, fp8, random-k: ``shardable``) runs on each block as a
 flat tensor. PowerSGD needs each matrix whole, so it gets one block: the host's sum is
 reduced onto local rank 0 (the host's *leader*), the leaders run PowerSGD, and each leader
-sends the result back to its host (a block gather from the leader alone is a broadcast).
+sends the result back to its host: the *funnel* (``Comm.reduce_to_leader_`` and
+``broadcast_from_leader_``). On a World it is ``collectives/funnel.py``: a pipelined chain
+(the ring with one non-empty block; each link carries the bucket once, in S + k - 2 steps of
+a segment for S segments and k ranks), a binomial tree (ceil(log2 k) rounds of the whole
+bucket) or a split (k blocks: a reduce-scatter and a gather, a scatter and an allgather),
+whichever the cost model predicts fastest on the unit's ranks: the tree for the smallest
+buckets, the split in between, the chain for the largest. Whichever ran, every rank of the
+unit ends with the leader's bits.
 
 Worked example, 2 hosts of 2 ranks (ranks 0, 1 on host a, 2, 3 on host b), int8, 8
 elements: blocks [0:4] (owned by ranks 0 and 2) and [4:8] (ranks 1 and 3). Step 1: rank 0
@@ -131,7 +138,10 @@ def _reduce(compressor, comm, ranks: list[int], x: torch.Tensor, shapes: list[tu
     counts = [sum(bounds[b + 1] - bounds[b] for b in range(m) if mine[b] == j)
               for j in range(len(parts[me]))]
     local = comm.sub(parts[me])
-    local.reduce_scatter_sum_(x, counts)
+    if compressor.shardable:
+        local.reduce_scatter_sum_(x, counts)
+    else:  # one block, the leader's
+        local.reduce_to_leader_(x)
     for b in range(m):
         if parts[me][mine[b]] == comm.rank:
             group = [unit[owners[u][b]] for u, unit in enumerate(parts)]
@@ -139,4 +149,7 @@ def _reduce(compressor, comm, ranks: list[int], x: torch.Tensor, shapes: list[tu
             block_shapes = [(piece.numel(),)] if compressor.shardable else shapes
             _reduce(compressor, comm, group, piece, block_shapes, levels[1:], key,
                     f"{path}.{b}of{m}" if path else f"{b}of{m}")
-    local.gather_blocks_(x, counts)
+    if compressor.shardable:
+        local.gather_blocks_(x, counts)
+    else:
+        local.broadcast_from_leader_(x)

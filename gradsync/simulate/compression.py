@@ -29,12 +29,17 @@ through every tier the cluster file names, so only the top tier's traffic is com
 same with only nodes known (a topology of host names alone): compressed across nodes,
 everything above a node. Element-wise compressors give each rank of a unit its block;
 PowerSGD, which needs whole matrices, reduces onto the unit's first rank (its *leader*) and
-back, a chain of k-1 hops of the whole bucket each way (``ring.reduce_scatter`` with one
-non-empty block).
+back: the library's *funnel* (``collectives/funnel.py``), a pipelined chain (the ring with
+one non-empty block: S + k - 2 steps of a segment of ``CHUNK_BYTES`` each way, for S
+segments and k ranks), a binomial tree (ceil(log2 k) rounds of the whole bucket each way) or
+a split into k blocks (a reduce-scatter and a gather, a scatter and an allgather), the one
+its cost model predicts fastest on the unit, timed by the same formulas
+(``funnel.round_trip_time``).
 
 Time of a call on a fabric (the cost model's ``TierFabric``): an allreduce is the cost model's
-(``costs.allreduce_time``: the planner's choice for a flat schedule; the ring, or recursive
-doubling below ``small_bytes``, inside a tiered one, as ``comm.ViewComm`` runs them); the
+(``costs.allreduce_time``: the planner's choice for a flat schedule; inside a tiered one the
+cheapest of recursive doubling, halving-doubling and the ring, as ``comm.ViewComm`` chooses
+them); the
 alltoall is ``alltoall.py``'s pairwise exchange, n-1 steps in which rank i sends a block to
 i + d (``alltoall_time``: the messages that leave each unit in step d share its uplink); the
 allgather is ``ring.allgather``, n-1 ring steps of one block.
@@ -72,15 +77,18 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..collectives import costs
+from ..collectives import costs, funnel
 
 __all__ = ["Compression", "parse", "schedule", "sent_bytes", "powersgd_plan", "int8_layout",
-           "randomk_count", "alltoall_time", "PASSES", "OUTER_PASSES", "KINDS", "TIERS"]
+           "randomk_count", "alltoall_time", "funnel_time", "PASSES", "OUTER_PASSES", "KINDS",
+           "TIERS"]
 
 KINDS = ("none", "fp16", "bf16", "int8", "fp8", "powersgd", "randomk", "localsgd", "diloco")
 TIERS = ("slowest", "hosts", "all")
-SMALL_BYTES = 64 << 10
-"""``Config.small_bytes``'s default: a tiered sub-allreduce below it runs recursive doubling."""
+SUB_ALLREDUCES = ("doubling", "halving_doubling", "ring")
+"""``compress.comm.SUB_ALLREDUCES``: a tiered sub-allreduce runs the cheapest of these."""
+CHUNK_BYTES = 1 << 20
+"""``Config.chunk_bytes``'s default: the funnel's chain cuts segments of it."""
 
 # Bytes of memory traffic per element of a bucket that a rank compresses, counted from the
 # library's passes (each read and write of a float32 is 4 bytes, of a float64 8, of an int8 1):
@@ -261,12 +269,15 @@ def schedule(c: Compression, elements: float, n: int, shapes=None) -> list[tuple
 def sent_bytes(call: tuple[str, float], n: int) -> float:
     """Bytes one rank sends for ``call`` among ``n`` ranks, as gradsync runs it: a ring
     allreduce 2(n-1)/n of the data, the alltoall all but its own block, the ring allgather
-    its block to n-1 ranks, each pass of the float32 reduce-scatter or gather (n-1)/n."""
+    its block to n-1 ranks, each pass of the float32 reduce-scatter or gather (n-1)/n, and
+    each way of the funnel (n-1)/n on average (the whole bucket n-1 times over, by the chain
+    or the tree; the split sends more, ``funnel.mean_sent``)."""
     kind, nbytes = call
     if n < 2:
         return 0.0
     share = {"allreduce": 2 * (n - 1) / n, "alltoall": (n - 1) / n, "allgather": n - 1,
-             "reduce_scatter": (n - 1) / n, "gather_blocks": (n - 1) / n}[kind]
+             "reduce_scatter": (n - 1) / n, "gather_blocks": (n - 1) / n,
+             "reduce_to_leader": (n - 1) / n, "broadcast_from_leader": (n - 1) / n}[kind]
     return share * nbytes
 
 
@@ -298,8 +309,8 @@ def alltoall_time(f, nbytes: float) -> float:
 
 def call_time(f, call: tuple[str, float], algorithms: "tuple[str, ...] | None") -> float:
     """Seconds of one call on fabric ``f``. An allreduce runs the cheapest of ``algorithms``
-    (the planner's rule) or, with None, a tiered sub-group's ring (recursive doubling below
-    ``SMALL_BYTES``), as ``comm.ViewComm`` runs it."""
+    (the planner's rule) or, with None, of ``SUB_ALLREDUCES``, as ``comm.ViewComm`` chooses
+    for a tiered sub-group."""
     kind, nbytes = call
     if f.n < 2 or nbytes <= 0:
         return 0.0
@@ -308,8 +319,15 @@ def call_time(f, call: tuple[str, float], algorithms: "tuple[str, ...] | None") 
     if kind == "allgather":
         return (f.n - 1) * f.ring_step(nbytes)
     if algorithms is None:
-        algorithms = ("doubling",) if nbytes < SMALL_BYTES else ("ring",)
+        algorithms = SUB_ALLREDUCES
     return min(costs.allreduce_time(a, f, nbytes) for a in algorithms)
+
+
+def funnel_time(f, nbytes: float) -> float:
+    """Seconds of the funnel of ``nbytes`` onto the leader of ``f``'s ranks and back, by the
+    schedule ``comm.ViewComm`` runs (``funnel.schedule``, at ``CHUNK_BYTES``)."""
+    how = funnel.schedule(f, nbytes, CHUNK_BYTES)
+    return funnel.round_trip_time(how, f, nbytes, CHUNK_BYTES)
 
 
 @dataclass
@@ -393,9 +411,10 @@ def exchange(cluster, fabric, c: Compression, nbytes: float, bytes_per_param: fl
             full, reps = subs[k], math.ceil(m / k)
             return Cost(inside + cross, reps * full.compute, fp32 + reps * full.fp32_bytes,
                         reps * full.wire_bytes, "hierarchical")
-        # PowerSGD: onto the unit's leader and back, k-1 hops of the whole bucket each way.
-        inside = max(2 * (u.n - 1) * u.ring_step(4 * e) + (u.n - 1) * 4 * e / u.reduce_bandwidth
-                     for u in parts)
+        # PowerSGD: onto the unit's leader and back by the funnel the library chooses.
+        inside = max(funnel_time(u, 4 * e) for u in parts)
+        how = funnel.schedule(parts[0], 4 * e, CHUNK_BYTES)
+        fp32 = share * funnel.mean_sent(how, k, 4 * e)
         sub = tiered(owners, e, share / k, True, depth + 1)
         return Cost(inside + sub.seconds, sub.compute, fp32 + sub.fp32_bytes, sub.wire_bytes,
                     "hierarchical")
