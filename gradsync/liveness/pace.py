@@ -59,13 +59,22 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # the report's type, for the checker alone (straggler_watch imports this)
-    from .straggler_watch import Report
+from typing import Protocol
 
 __all__ = ["Meter", "meter", "HISTORY", "OPS", "BACKWARD", "MARKED", "waiting_for_data",
            "metered"]
+
+
+class News(Protocol):
+    """What the meter reads of a straggler report (``straggler_watch.Report``, which imports
+    this module: named here by its shape, so that no import goes back up)."""
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def named(self) -> tuple: ...
+
 
 HISTORY = 64
 """Steps each rank keeps (the newest of those its ``stride`` keeps): what it posts is drawn
@@ -121,7 +130,7 @@ class Meter:
         self.posted: int | None = None
         """The newest step the publisher posted (None: no publisher reads this meter, and
         the history simply keeps the newest ``HISTORY`` steps)."""
-        self.news: Report | None = None
+        self.news: News | None = None
         """A straggler report not yet given to ``listeners`` (the publisher's thread sets it,
         the next explicit step mark hands it over on the training thread)."""
 
