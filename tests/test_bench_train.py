@@ -1,26 +1,54 @@
-"""``gradsync bench train`` end to end at 2 ranks, with a few steps: the table's shape, the
-DDP comparison, the profile, the JSON rows and the identical-parameters check."""
+"""``gradsync bench train`` at 2 ranks, with a few steps: the table's shape, the DDP and FSDP
+comparisons, the profile, the cost of observing, the JSON rows and the identical-parameters
+check.
+
+The two runs were a job of their own each (``gradsync bench train -np 2``: the command,
+``gradsync run`` and two ranks, each importing torch and building the models), whose time was
+mostly those start-ups. Now one job of two ranks, forked from one process that imported torch
+once (tests/forked_jobs.py), runs the benchmark's module twice, each run a fresh job with its
+own arguments (tests/ranks/bench_runs.py), and each test reads its own run's output and rows.
+The command line that starts the ranks, which the shared job does not run, has tests of its
+own that start nothing."""
 
 import json
 import re
-import subprocess
 
 import pytest
 
-import harness
+import forked_jobs
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = pytest.mark.multiprocess  # (the tests of the command line start nothing)
 
-TIMEOUT = 120
+MODULE = "gradsync.bench.train"
+# A check of the benchmark's logic and output, not of its timing: few steps of small batches.
+SHORT = ["--steps", "2", "--warmup", "1", "--batch-size", "8"]
+RUNS = [
+    {"name": "ddp", "args": ["--compare", "ddp", "--windows", "2", "--profile", *SHORT]},
+    # --overhead too (in this run, so as to start no job of its own)
+    {"name": "fsdp", "args": ["--compare", "fsdp", "--model", "mlp", "--windows", "3",
+                              "--overhead", *SHORT]},
+]
+"""The runs of the shared job, in order, each with ``--json NAME.json``."""
 
 
-def bench(*args: str) -> subprocess.CompletedProcess:
-    return harness.bench("train", *args, timeout=TIMEOUT)
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """The shared job of ``RUNS`` at 2 ranks. Timeout: each run had a job of 120 s; together,
+    forked, they took 48 s on the 2-core machine at a load of 15, where their two jobs had
+    taken 105 s at a load of 14 (2026-11-29)."""
+    folder = tmp_path_factory.mktemp("bench-train")
+    runs = [{**run, "module": MODULE, "args": [*run["args"], "--json",
+                                                str(folder / f"{run['name']}.json")]}
+            for run in RUNS]
+    return forked_jobs.bench_runs(2, runs, folder, timeout=240)
 
 
-def _rank0_lines(out: str) -> list[str]:
-    """What rank 0 printed, without the launcher's prefix."""
-    return [line.split(":", 1)[1] for line in out.splitlines() if line.startswith("[0]<stdout>:")]
+def _run(job, name: str) -> tuple[list[str], list]:
+    """What run ``name`` printed on rank 0, line by line, and its JSON rows; fails its test
+    unless the run returned on both ranks (the module's exit status 0: the parameters were
+    identical)."""
+    assert job.ran(name), job
+    return job.stdout(name).splitlines(), json.loads((job.folder / f"{name}.json").read_text())
 
 
 def _header(lines: list[str]) -> int:
@@ -28,14 +56,10 @@ def _header(lines: list[str]) -> int:
     return next(i for i, line in enumerate(lines) if line.split()[:2] == ["model", "params"])
 
 
-def test_table_ddp_comparison_profile_and_identical_parameters(tmp_path):
-    rows_file = tmp_path / "rows.json"
-    result = bench("-np", "2", "--compare", "ddp", "--steps", "2", "--windows", "2",
-                   "--warmup", "1", "--profile", "--json", str(rows_file))
-    out = result.stdout
-    assert result.returncode == 0, out
-    lines = _rank0_lines(out)
-    assert "[1]<stdout>:" not in out, out  # only rank 0 prints
+def test_table_ddp_comparison_profile_and_identical_parameters(job):
+    lines, rows = _run(job, "ddp")
+    out = "\n".join(lines)
+    assert job.stdout("ddp", 1) == "", job  # only rank 0 prints
     header = _header(lines)
     names = lines[header].split()
     assert names == ["model", "params", "batch", "|", "single", "local", "|", "gradsync", "iqr%",
@@ -57,7 +81,6 @@ def test_table_ddp_comparison_profile_and_identical_parameters(tmp_path):
                if re.match(r"\s*(mlp|cnn)\s+(local|gradsync|ddp|ddp_gs)\s", line)]
     assert sorted((p[0], p[1]) for p in profile) == sorted(
         (m, mode) for m in ("mlp", "cnn") for mode in ("local", "gradsync", "ddp", "ddp_gs")), out
-    rows = json.loads(rows_file.read_text())
     assert [row["model"] for row in rows] == ["mlp", "cnn"]
     for row in rows:
         assert row["identical"] is True
@@ -71,15 +94,11 @@ def test_table_ddp_comparison_profile_and_identical_parameters(tmp_path):
             assert phases["compute_slowest"] >= phases["compute"] > 0, (mode, phases)
 
 
-def test_fsdp_comparison_over_gloo_and_the_backend_and_the_cost_of_observing(tmp_path):
-    """With ``--overhead`` too (in this run, so as to start no job of its own): gradsync with
-    the flight recorder and the straggler watch off, window for window beside it on."""
-    rows_file = tmp_path / "rows.json"
-    result = bench("-np", "2", "--compare", "fsdp", "--model", "mlp", "--steps", "2",
-                   "--windows", "3", "--warmup", "1", "--overhead", "--json", str(rows_file))
-    out = result.stdout
-    assert result.returncode == 0, out
-    lines = _rank0_lines(out)
+def test_fsdp_comparison_over_gloo_and_the_backend_and_the_cost_of_observing(job):
+    """With ``--overhead`` too: gradsync with the flight recorder and the straggler watch off,
+    window for window beside it on."""
+    lines, [row] = _run(job, "fsdp")
+    out = "\n".join(lines)
     header = _header(lines)
     assert lines[header].split()[11:] == [
         "|", "gs-off", "iqr%", "on/off",
@@ -90,7 +109,6 @@ def test_fsdp_comparison_over_gloo_and_the_backend_and_the_cost_of_observing(tmp
     assert re.search(r"# mlp: parameters identical on all 2 ranks after training: gradsync yes "
                      r"\(crc32 ([0-9a-f]{8})\), fsdp yes \(crc32 \1\), fsdp_gs yes \(crc32 \1\); "
                      r"gradsync and fsdp agree; fsdp_gs and fsdp agree", out), out
-    [row] = json.loads(rows_file.read_text())
     assert row["identical"] is True and "ddp" not in row
     ratios = row["observed_ratios"]
     assert len(ratios) == 3 and row["observed_ratio"] == sorted(ratios)[1]
@@ -104,10 +122,32 @@ def test_fsdp_comparison_over_gloo_and_the_backend_and_the_cost_of_observing(tmp
                                          / row["fsdp"]["samples_per_s"])
 
 
-def test_bad_option_fails_before_any_rank_starts():
-    result = bench("-np", "2", "--model", "resnet")
-    assert result.returncode == 2
-    assert "invalid choice: 'resnet'" in result.stdout
+def test_the_command_starts_the_ranks_through_gradsync_run(monkeypatch):
+    """The part of ``gradsync bench train -np 2 ARGS`` that the shared job does not run: it
+    starts ``gradsync run -np 2 python -m gradsync.bench.train ARGS``."""
+    import sys
+
+    from gradsync.bench import cli
+    from gradsync.run.cli import main
+
+    started = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd: started.append(cmd) or 0)
+    args = ["--compare", "fsdp", "--model", "mlp", "--overhead"]
+    assert main(["bench", "train", "-np", "2", *args]) == 0
+    assert started == [[sys.executable, "-m", "gradsync", "run", "-np", "2",
+                        sys.executable, "-m", MODULE, *args]]
+
+
+def test_bad_option_fails_before_any_rank_starts(monkeypatch, capsys):
+    from gradsync.bench import cli
+    from gradsync.run.cli import main
+
+    started = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd: started.append(cmd) or 0)
+    with pytest.raises(SystemExit) as error:
+        main(["bench", "train", "-np", "2", "--model", "resnet"])
+    assert error.value.code == 2 and started == []
+    assert "invalid choice: 'resnet'" in capsys.readouterr().err
 
 
 class _Recorder:

@@ -8,6 +8,7 @@ import select
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -18,13 +19,13 @@ from gradsync.config import Config
 from gradsync.liveness import beater
 from gradsync.liveness.abort_watch import AbortWatch, Doorbell, private_connection
 from gradsync.liveness.heartbeat import BEAT, BYE, Heartbeat, _leave, _Link, watched_peers
+import forked_jobs
 import loopback
-from harness import launch, spawn
+from harness import launch
 
 pytestmark = pytest.mark.multiprocess
 
 TIMEOUT, INTERVAL = 3.0, 0.5
-ENV = {"GRADSYNC_HEARTBEAT_TIMEOUT": str(TIMEOUT), "GRADSYNC_HEARTBEAT_INTERVAL": str(INTERVAL)}
 
 
 def test_watched_peers_are_ring_neighbours_and_everyone_is_watched():
@@ -49,11 +50,79 @@ def test_the_default_bound_is_at_most_3_seconds():
             + config.abort_poll_interval) <= 3.0
 
 
+# --- ranks as processes: one job for every check -----------------------------------------
+#
+# Each of these checks was a job of its own, and each job's time was mostly its start-up: an
+# interpreter and torch's import per rank, the rendezvous (5 s idle, 15 s and more on a loaded
+# 2-core machine). Now one job of five ranks, forked from one process that imported torch once
+# (tests/forked_jobs.py), runs them in turn, each entry of silent.py in a fresh init() with its
+# own settings. A rank killed or stopped leaves the job: the survivors go on, renumbered, so
+# the first entries run at five and four ranks and the rest at three. The checks whose ranks
+# stay alive come between them; the stop over TCP, whose survivors exit, comes last. An entry
+# that fails ends the job there (or leaves its own lines wrong): its test fails, and so do
+# those of the entries after it, never pass.
+
+SETTINGS = f"heartbeat_timeout={TIMEOUT},heartbeat_interval={INTERVAL}"
+JOB = (f"kill:1:tcp:{SETTINGS}",   # 5 ranks: rank 1 killed, outside any collective
+       "stop:2:auto",             # 4 ranks on one host (shared memory), the defaults
+       "busy:1:auto",             # 3 ranks from here; the defaults
+       "hold:1:auto",             # the defaults: rank 1 holds the GIL 1.5 default timeouts
+       # the pace publisher rounds every 0.25 s, 4 times its default (below)
+       f"idle:1:tcp:{SETTINGS},straggler_interval=0.25",
+       f"post:1:tcp:{SETTINGS}",
+       f"stop:1:tcp:{SETTINGS}")  # its survivors exit 17: the job's end
+"""The entries of the job, in order (tests/ranks/silent.py's ``MODE:VICTIM:TRANSPORT[:...]``)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _run_job() -> tuple:
+    try:
+        with tempfile.TemporaryDirectory(prefix="gs-silent-") as folder:
+            return forked_jobs.spawn(5, "silent.py", folder, *JOB, timeout=240), None
+    except AssertionError as exc:  # its deadline: every test of the job fails with it, once
+        return None, exc
+
+
+def the_job() -> list:
+    """The ranks (``harness.Rank``) of the job of ``JOB`` at five forked ranks, run once per
+    pytest process (a deadline missed, once too). Timeout: the job took 35 s on the 2-core
+    machine at a load of 5, where its checks' four jobs had taken 77 s at a load of 7
+    (2026-11-29); the room is for a loaded machine."""
+    ranks, error = _run_job()
+    if error is not None:
+        raise error
+    return ranks
+
+
+def _report() -> str:
+    """The job's report, every rank's (an assertion's message)."""
+    return "\n".join(the_job())
+
+
+def _tag(text: str) -> str:
+    """How silent.py tags the lines of entry ``text``: ``MODE:VICTIM:TRANSPORT``."""
+    return ":".join(text.split(":")[:3])
+
+
+def _entry(text: str, ranks=None) -> tuple[str, dict]:
+    """What entry ``text`` printed on every rank (its lines, untagged) and the process of
+    each of its ranks (``harness.Rank``: exit status and whole output), by its rank there;
+    of ``the_job()`` unless ``ranks`` are given."""
+    ranks = the_job() if ranks is None else ranks
+    tag = _tag(text)
+    procs = {}
+    for proc in ranks:
+        found = re.search(rf"^\[{re.escape(tag)}\] RANK rank=(\d+)$", proc.output, re.M)
+        if found:
+            procs[int(found.group(1))] = proc
+    return "\n".join(forked_jobs.lines(ranks, tag)), procs
+
+
 @pytest.mark.parametrize("n, victim, transport", [
-    (3, 1, "tcp"),
+    (3, 1, "tcp"),  # the last entry of the job
     # (4, 2, "auto"), shared memory, where pids exist and sockets none, is the defaults' test
     # below, which checks the same lines against the default bound
-    pytest.param(2, 0, "auto", marks=pytest.mark.slow),  # rank 0 stopped
+    pytest.param(2, 0, "auto", marks=pytest.mark.slow),  # rank 0 stopped: a job of its own
 ])
 def test_a_stopped_rank_is_lost_on_every_other_rank_within_the_bound(n, victim, transport,
                                                                      tmp_path):
@@ -61,12 +130,17 @@ def test_a_stopped_rank_is_lost_on_every_other_rank_within_the_bound(n, victim, 
     # that is not the stopped rank's neighbour learns of the loss from the job's record, a
     # little later, and was sometimes stopped before it printed (4 ranks, victim 2, loaded
     # machine). The stopped rank's lifeline kills it once every survivor reported (silent.py).
-    ranks = spawn(n, "silent.py", str(victim), transport, "stop", str(tmp_path), timeout=60,
-                  env=ENV)
+    text = f"stop:{victim}:{transport}:{SETTINGS}"
+    if text == JOB[-1]:
+        result, ranks = _entry(text)
+    else:
+        result, ranks = _entry(text, forked_jobs.spawn(n, "silent.py", str(tmp_path), text,
+                                                       timeout=60))
+    assert sorted(ranks) == list(range(n)), \
+        _report() if text == JOB[-1] else "\n".join(ranks.values())
     assert ranks[victim].returncode == -9, ranks[victim]  # stopped, then ended by its lifeline
-    for r, rank in enumerate(ranks):
+    for r, rank in ranks.items():
         assert r == victim or rank.returncode == 17, rank
-    result = "\n".join(rank.output for rank in ranks)
     got = dict(re.findall(r"RESULT rank=(\d+) (.*)", result))
     elapsed = [float(e) for e in re.findall(r"ELAPSED rank=\d+ ([\d.]+)", result)]
     assert sorted(int(r) for r in got) == [r for r in range(n) if r != victim], result
@@ -79,20 +153,24 @@ def test_a_stopped_rank_is_lost_on_every_other_rank_within_the_bound(n, victim, 
     assert min(elapsed) > TIMEOUT - INTERVAL, elapsed  # it was the heartbeat, not a socket
 
 
-def test_a_stopped_rank_is_lost_on_every_rank_within_3_seconds_with_the_defaults(tmp_path):
+def test_a_stopped_rank_is_lost_on_every_rank_within_3_seconds_with_the_defaults():
     # Without the launcher, which would stop the survivors once the first has exited. The
     # stopped rank is killed once the three survivors have caught their error (silent.py).
     # 4 ranks on one host: shared memory, where the stopped rank's pid exists and no socket
     # closes (this was also a slow test of its own at a 3 s timeout, 4 ranks, victim 2).
-    ranks = spawn(4, "silent.py", "2", "auto", "stop", str(tmp_path), timeout=60)
+    # The survivors go on to the job's next entries; that each caught its error and shut
+    # down is its DONE line (alone, it exited 17).
+    result, ranks = _entry(JOB[1])
+    assert sorted(ranks) == [0, 1, 2, 3], _report()
     assert ranks[2].returncode == -9, ranks[2]  # stopped, then ended by its lifeline
     elapsed = []
-    for r in ranks[:2] + ranks[3:]:
-        assert r.returncode == 17 and "sent no heartbeat" in r.output, r
-        [line] = re.findall(r"RESULT rank=\d+ (.*)", r.output)
-        assert line.startswith("PeerLostError") and "rank 2 on host" in line, r
-        elapsed += [float(e) for e in re.findall(r"ELAPSED rank=\d+ ([\d.]+)", r.output)]
-    assert len(elapsed) == 3, ranks
+    for r in (0, 1, 3):
+        lines = "\n".join(forked_jobs.lines([ranks[r]], _tag(JOB[1])))
+        assert f"DONE rank={r}" in lines and "sent no heartbeat" in lines, ranks[r]
+        [line] = re.findall(r"RESULT rank=\d+ (.*)", lines)
+        assert line.startswith("PeerLostError") and "rank 2 on host" in line, ranks[r]
+        elapsed += [float(e) for e in re.findall(r"ELAPSED rank=\d+ ([\d.]+)", lines)]
+    assert len(elapsed) == 3, result
     # 2.6 s at worst (heartbeat.py), measured 1.8-1.9 s; 0.4 s of slack for a loaded host
     assert max(elapsed) < 3.0, elapsed
     assert min(elapsed) > 2.0 - 0.25, elapsed  # the heartbeat found it, not a socket
@@ -115,50 +193,30 @@ def test_live_ranks_on_an_oversubscribed_machine_are_not_lost():
 
 def test_a_killed_rank_is_reported_by_its_heartbeat_links_at_once():
     # Nobody is in a collective: only the links to the dead rank can have noticed, and a
-    # second is a third of the timeout, so it was the closed link, not the silence.
-    ranks = spawn(3, "silent.py", "1", "tcp", "kill", timeout=120, env=ENV)
-    for r in (0, 2):
-        record = re.search(r"RECORD rank=\d+ (.*)", ranks[r].output)
-        assert record, ranks[r].output[-3000:]
+    # second is a third of the timeout, so it was the closed link, not the silence. Every
+    # other rank reads the record: its neighbours 0 and 2, and 3 and 4, which watch others.
+    output, ranks = _entry(JOB[0])
+    assert sorted(ranks) == [0, 1, 2, 3, 4] and ranks[1].returncode == -9, _report()
+    for r in (0, 2, 3, 4):
+        record = re.search(rf"RECORD rank={r} (.*)", output)
+        assert record, ranks[r]
         assert "'kind': 'PeerLostError'" in record.group(1), record.group(1)
         assert "'peer': 1" in record.group(1) and "'silent': False" in record.group(1)
         assert "rank 1 on host" in record.group(1) and "heartbeat link" in record.group(1)
 
 
-# --- the calm job: busy, hold, idle and post in the same three ranks ---------------------------
-#
-# Each of these four checks was a job of its own (three ranks, two for hold), and each job's
-# time was mostly its start-up: interpreters, torch's import, the rendezvous (5 s idle, 15 s
-# and more on a loaded 2-core machine). silent.py runs them in turn in one job, each mode in a
-# fresh init() with its own settings; post, which ends the job, comes last. A mode that fails
-# ends the job there: its test and those of the modes after it fail, never pass.
-
 _DEFAULTS = Config()
-_HEARTBEAT = f"heartbeat_timeout={TIMEOUT},heartbeat_interval={INTERVAL}"
-CALM = ("busy:auto:" + _HEARTBEAT,
-        # the defaults: rank 1 holds the GIL 1.5 times the default timeout
-        f"hold:auto:heartbeat_timeout={_DEFAULTS.heartbeat_timeout},"
-        f"heartbeat_interval={_DEFAULTS.heartbeat_interval}",
-        # the pace publisher rounds every 0.25 s, 4 times its default (below)
-        f"idle:tcp:{_HEARTBEAT},straggler_interval=0.25",
-        "post:tcp:" + _HEARTBEAT)
-
-
-@functools.lru_cache(maxsize=None)
-def calm_job():
-    """The job of silent.py's modes CALM, run once per pytest process."""
-    return launch(3, "silent.py", "1", "-", *CALM, timeout=150)
 
 
 def _mode(mode: str) -> str:
-    """The lines that ``mode`` printed in the calm job, without their tag; fails its test
-    unless the mode ran to its end on every rank (post, which ends the job, excepted)."""
-    result = calm_job()
-    tag = f"[{mode}] "  # after the launcher's own tag, "[R]<stdout>:"
-    lines = "".join(line.split(tag, 1)[1] + "\n" for line in result.output.splitlines()
-                    if tag in line)
+    """The lines that the entry of ``mode`` printed in the job, untagged; fails its test
+    unless the entry ran to its end on every rank (post, whose victim's record ends the
+    others' collectives, excepted)."""
+    text = next(text for text in JOB if text.startswith(f"{mode}:"))
+    lines, _ = _entry(text)
     if mode != "post":
-        assert sorted(re.findall(r"^DONE rank=(\d+)", lines, re.M)) == ["0", "1", "2"], result
+        assert sorted(re.findall(r"^DONE rank=(\d+)", lines, re.M)) == ["0", "1", "2"], \
+            _report()
     return lines
 
 
@@ -180,14 +238,15 @@ def test_a_posted_failure_reaches_waiting_ranks_within_the_poll_interval():
     output = _mode("post")
     got = dict(re.findall(r"RESULT rank=(\d+) (.*)", output))
     elapsed = [float(e) for e in re.findall(r"ELAPSED rank=\d+ ([\d.]+)", output)]
-    assert sorted(got) == ["0", "2"], calm_job()
+    assert sorted(got) == ["0", "2"], _report()
     assert all("posted on purpose" in line for line in got.values()), got
     # abort_poll_interval (0.1 s) + wait_all's 50 ms between looks + a loaded machine
     assert len(elapsed) == 2 and max(elapsed) < 0.1 + 0.05 + 0.35, elapsed
 
 
 def test_a_busy_rank_is_not_lost():
-    # rank 1 computes in Python for 1.5 heartbeat timeouts before it joins the allreduces
+    # rank 1 computes in Python for 1.5 default heartbeat timeouts before it joins the
+    # allreduces
     output = _mode("busy")
     assert len(re.findall(r"RESULT rank=\d+ no error", output)) == 3, output
 
@@ -296,7 +355,9 @@ def test_a_closed_link_is_a_lost_peer_at_once_and_a_goodbye_is_not(beats, monkey
     first, second = _pair(server, "clean", timeout=0.3)
     assert _wait_for(lambda: len(first._links) == 1, 5) < 5
     second.stop()
-    time.sleep(1.0)  # three timeouts
+    # Rank 0 lets the link go once it has read the BYE, and watches rank 1 no more: after that
+    # nothing can report it (it used to wait three timeouts instead, 1 s, to see no report).
+    assert _wait_for(lambda: 1 not in first._links or first.lost is not None, 5) < 5
     assert first.lost is None and Store.over(server, "clean", 10.0).read_abort() is None
     first.stop()
 
