@@ -283,17 +283,24 @@ def test_rank_0_judges_the_steps_its_peers_posted_before_its_own_round(caplog, p
     assert all(m.stride == stride for m in meters)
 
 
-def test_a_post_carries_the_steps_since_the_last_one():
-    """Ten steps a post while a rank made 13 an interval left 3 of every 13 out of all of
-    its posts; a job of 130 an interval posts every 8th, and keeps only those."""
-    clock = Clock()
+def _posting_meter(clock, meter=None):
+    """Rank 1 of 2's meter on ``clock`` (``meter``, else a new one) and a publisher of it (no
+    thread, no store): a post is ``publisher.summary()``."""
     world = types.SimpleNamespace(
         config=Config(straggler_interval=1.0), rank=1, size=2,
         env=types.SimpleNamespace(job_id="job"),
         peers=[types.SimpleNamespace(host="h")] * 2, store=None)
-    meter = Meter(clock)
-    meter.reset(0)
-    publisher = Publisher(world, pace=meter, thread=False)
+    if meter is None:
+        meter = Meter(clock)
+        meter.reset(0)
+    return meter, Publisher(world, pace=meter, thread=False)
+
+
+def test_a_post_carries_the_steps_since_the_last_one():
+    """Ten steps a post while a rank made 13 an interval left 3 of every 13 out of all of
+    its posts; a job of 130 an interval posts every 8th, and keeps only those."""
+    clock = Clock()
+    meter, publisher = _posting_meter(clock)
 
     def steps(count):
         for _ in range(count):
@@ -315,13 +322,7 @@ def test_a_meter_full_of_steps_not_posted_keeps_every_other_one_rather_than_drop
     (every 8th): its steps 8-64 were in no post, judged on no rank; the same when its steps
     became 8 times faster. Without a publisher it keeps the newest 64, every one."""
     clock = Clock()
-    world = types.SimpleNamespace(
-        config=Config(straggler_interval=1.0), rank=1, size=2,
-        env=types.SimpleNamespace(job_id="job"),
-        peers=[types.SimpleNamespace(host="h")] * 2, store=None)
-    meter = Meter(clock)
-    meter.reset(0)
-    publisher = Publisher(world, pace=meter, thread=False)
+    meter, publisher = _posting_meter(clock)
 
     def steps(count, ms):
         for _ in range(count):
@@ -335,7 +336,7 @@ def test_a_meter_full_of_steps_not_posted_keeps_every_other_one_rather_than_drop
     # The same when the job begins to mark its steps, numbered from 1 again: the steps
     # counted by operations up to 100 were posted, the marked ones up to 100 were not.
     meter.reset(1)
-    publisher = Publisher(world, pace=meter, thread=False)
+    _, publisher = _posting_meter(clock, meter)
     for _ in range(10):
         for _ in range(10):
             meter.op_done()
