@@ -4,6 +4,13 @@ The rank side is tests/ranks/data_check.py: every worker checks each value it re
 against the closed form (the sample's id plus its augmentation for the epoch) and writes the
 sample ids it received, in order, to a file; these tests then check the files against the plan
 (``gradsync.data.plan``), which is the reference for the order.
+
+Most default-tier scenarios share a job with the others of their shape (tests/service_jobs.py:
+each scenario a job of its own under its own job id, in the same ranks): 4 workers and 1 data
+server (``count``, then ``broken``, whose failing data server ends the job), 3 and 4
+(``stop``, then ``lose``, whose kills end it) and 2 and 3 (``count``, over TCP, ``shrink``, then
+``resume`` from the 3-and-4 job's ``stop``). The 1-and-1 count and the killed server of 3 and
+3 keep a job each (no other scenario of their shape), as do the slow tier's.
 """
 
 import json
@@ -14,8 +21,12 @@ import pytest
 from gradsync.data import plan as P
 
 import harness
+import service_jobs as S
 
 SAMPLES, BATCH, SEED = 103, 4, 7
+TIMEOUT = 420
+"""A shared job's deadline: its scenarios' own (120 s each alone, mostly the start-up paid once
+now) and room for a loaded machine."""
 
 
 def _run(workers, servers, scenario, directory, arg, timeout=120, env=None):
@@ -24,6 +35,74 @@ def _run(workers, servers, scenario, directory, arg, timeout=120, env=None):
                        launcher_args=("--data-servers", str(servers)))
     assert r.returncode == 0, str(r)
     return r
+
+
+class Shared:
+    """A shared job (``S.launch``): its result, its scenarios' tags in order, and each
+    scenario's directory."""
+
+    def __init__(self, tmp, workers, servers, scenarios, dirs=None):
+        self.workers, self.servers, self.tags = workers, servers, [e["tag"] for e in scenarios]
+        self.dirs = {**{t: tmp / t for t in self.tags}, **(dirs or {})}
+        for d in self.dirs.values():
+            d.mkdir(exist_ok=True)
+        for e in scenarios:  # each scenario's directory, by tag: its files' place
+            e["args"][1:2] = [str(self.dirs[e["tag"]])]
+            for args in e.get("rank_args", {}).values():
+                args[1:2] = [str(self.dirs[e["tag"]])]
+        # -np counts the workers; --data-servers adds the servers' ranks after them.
+        self.result = S.launch(workers, scenarios, tmp, timeout=TIMEOUT,
+                               launcher_args=("--data-servers", str(servers)))
+
+    def ran(self, tag):
+        """Scenario ``tag`` returned on every rank, and the job's failure is not its (``_run``
+        asserted the job's status 0 where it ran alone)."""
+        assert S.ran(self.result, self.tags, tag, self.workers + self.servers), \
+            f"scenario {tag} did not run to its end on every rank:\n{self.result}"
+        return self.dirs[tag]
+
+
+def _scenario(tag, *args, **kw):
+    return S.entry(tag, "data_check.py", args[0], "DIR", *args[1:], **kw)
+
+
+@pytest.fixture(scope="module")
+def four_one(tmp_path_factory):
+    """4 workers, 1 data server: ``count``, then ``broken`` (its data server's status 1 ends
+    the job, as it ended the job of its own)."""
+    return Shared(tmp_path_factory.mktemp("data-4-1"), 4, 1,
+                  [_scenario("count", "count", 2), _scenario("broken", "broken", BROKEN)])
+
+
+@pytest.fixture(scope="module")
+def three_four(tmp_path_factory):
+    """3 workers, 4 data servers: ``stop`` (resumed in ``two_three``), then ``lose``: worker 1
+    held before its dial to data server 0, worker 2 before its read of server 0's region
+    table (each moment of the old ``[dial]`` and ``[regions]`` jobs met by a held worker); its
+    kills end the job."""
+    tmp = tmp_path_factory.mktemp("data-3-4")
+    lose = _scenario("lose", "lose-dial", 2, rank_args={1: ["lose-dial", "DIR", 2],
+                                                        2: ["lose-regions", "DIR", 2]})
+    return Shared(tmp, 3, 4, [_scenario("stop", "stop", 3), lose],
+                  dirs={"stop": tmp_path_factory.mktemp("resume")})
+
+
+@pytest.fixture(scope="module")
+def two_three(tmp_path_factory, three_four):
+    """2 workers, 3 data servers: ``count``, ``count`` over TCP, ``shrink``, then ``resume`` of
+    ``three_four``'s ``stop`` (in its directory)."""
+    return Shared(tmp_path_factory.mktemp("data-2-3"), 2, 3, [
+        _scenario("count", "count", 2),
+        _scenario("tcp", "count", 2, env={"GRADSYNC_TRANSPORT": "tcp"}),
+        _scenario("shrink", "shrink", 3),
+        _scenario("resume", "resume", 2)], dirs={"resume": three_four.dirs["stop"]})
+
+
+SHARED = {(4, 1): "four_one", (2, 3): "two_three"}
+"""The count scenarios that run in a shared job, by (workers, servers)."""
+
+BROKEN = 50
+"""The sample that the ``broken`` scenario's dataset cannot read."""
 
 
 def _received(directory, tag, workers):
@@ -49,8 +128,11 @@ def _each_sample_once_as_planned(got, servers, workers):
 @pytest.mark.parametrize("workers, servers", [(1, 1), (2, 3), pytest.param(3, 2, marks=[
     pytest.mark.slow]), (4, 1)])
 def test_every_sample_reaches_exactly_one_worker_in_the_seeded_order(tmp_path, workers,
-                                                                     servers):
-    _run(workers, servers, "count", tmp_path, 2)
+                                                                     servers, request):
+    if (workers, servers) in SHARED:
+        tmp_path = request.getfixturevalue(SHARED[workers, servers]).ran("count")
+    else:
+        _run(workers, servers, "count", tmp_path, 2)
     got = _received(tmp_path, "count", workers)
     _each_sample_once_as_planned(got, servers, workers)
     stats = json.loads((tmp_path / "stats.json").read_text())
@@ -65,12 +147,13 @@ def test_every_sample_reaches_exactly_one_worker_in_the_seeded_order(tmp_path, w
 
 
 @pytest.mark.multiprocess
-def test_batches_read_over_tcp_arrive_exactly_once_as_over_shared_memory(tmp_path):
+def test_batches_read_over_tcp_arrive_exactly_once_as_over_shared_memory(two_three):
     # GRADSYNC_TRANSPORT=tcp: the workers read the slots through the servers' region
-    # connections (the road between hosts) instead of mapping them.
-    _run(2, 2, "count", tmp_path, 2, env={"GRADSYNC_TRANSPORT": "tcp"})
+    # connections (the road between hosts) instead of mapping them. 2 workers, 3 data
+    # servers (the shared job's).
+    tmp_path = two_three.ran("tcp")
     got = _received(tmp_path, "count", 2)
-    _each_sample_once_as_planned(got, 2, 2)
+    _each_sample_once_as_planned(got, 3, 2)
     # The road between hosts cannot map the slot table: every batch came on a take's reply
     # (no READ of the slot after it), several on one reply where they were ready (the
     # window, ``data_window``).
@@ -81,31 +164,40 @@ def test_batches_read_over_tcp_arrive_exactly_once_as_over_shared_memory(tmp_pat
 
 
 @pytest.mark.multiprocess
-def test_a_sample_that_fails_to_prepare_is_raised_on_every_worker(tmp_path):
-    # Sample 50 is in batch 7, worker 1's fourth. The server's producer stops at it and
-    # flags every stream's slot table; a worker that finds its next item missing fetches
-    # the message with a take. Worker 0 raises it too, unless the server had prepared all
-    # of its batches before (it may run ahead of worker 1, which started later).
-    assert [b.index for b in P.plan(SAMPLES, BATCH, SEED, 0, 1, 2) if 50 in b.ids] == [7]
-    r = harness.launch(2, "data_check.py", "broken", str(tmp_path), "50", timeout=120,
-                       launcher_args=("--data-servers", "1"))
+def test_a_sample_that_fails_to_prepare_is_raised_on_every_worker(four_one):
+    # 4 workers, 1 data server (the shared job's last scenario). Sample 50 is in batch 7,
+    # worker 3's second. The server's producer stops at it and flags every stream's slot
+    # table; a worker that finds its next item missing fetches the message with a take. The
+    # others raise it too, unless the server had prepared all of their batches before (it
+    # may run ahead of a worker that started later).
+    plan = P.plan(SAMPLES, BATCH, SEED, 0, 1, 4)
+    assert [b.index for b in plan if BROKEN in b.ids] == [7]
+    owner = [w for w in range(4) if 7 in [b.index for b in P.worker_batches(plan, w)]]
+    assert owner == [3]
+    r = four_one.result
     assert r.returncode == 1, str(r)  # the data server's status
+    assert S.done(r.output, "broken") == 4, str(r)  # every worker wrote what it raised
+    tmp_path = four_one.dirs["broken"]
     expected = ("GradsyncError: data server 0 could not prepare batch 7 of epoch 0: OSError: "
                 "sample 50 is unreadable")
-    assert (tmp_path / "broken-1.txt").read_text() == expected
-    assert (tmp_path / "broken-0.txt").read_text() in (expected, "no error")
+    assert (tmp_path / "broken-3.txt").read_text() == expected
+    for w in range(3):
+        assert (tmp_path / f"broken-{w}.txt").read_text() in (expected, "no error")
 
 
 @pytest.mark.multiprocess
-def test_a_resumed_job_continues_the_epoch_without_repeats_on_other_counts(tmp_path):
-    _run(3, 1, "stop", tmp_path, 3)
+def test_a_resumed_job_continues_the_epoch_without_repeats_on_other_counts(three_four,
+                                                                           two_three):
+    # Stopped with 3 workers and 4 data servers (three_four's first scenario), resumed with
+    # 2 and 3 (two_three's last), in the same directory.
+    tmp_path = three_four.ran("stop")
     state = json.loads((tmp_path / "state.json").read_text())
     assert state["epoch"] == 0 and state["done"]
     stopped = _received(tmp_path, "stop", 3)
     first = [i for w in stopped for i in w["0"]]
     assert len(first) == 3 * 3 * BATCH and len(set(first)) == len(first)
     # Another job, with 2 workers and 3 data servers, finishes epoch 0 and runs epoch 1.
-    _run(2, 3, "resume", tmp_path, 2)
+    assert two_three.ran("resume") == tmp_path
     resumed = _received(tmp_path, "resume", 2)
     rest = [i for w in resumed for i in w["0"]]
     assert sorted(first + rest) == list(range(SAMPLES))
@@ -154,15 +246,23 @@ def test_a_killed_data_servers_share_is_served_by_the_others_exactly_once(tmp_pa
 @pytest.mark.parametrize("point", ["dial", "regions", pytest.param("hello", marks=[
     pytest.mark.slow])])
 def test_a_data_server_lost_at_any_moment_is_served_by_the_others_exactly_once(tmp_path,
-                                                                               point):
+                                                                               point, request):
     # 3 workers, 4 data servers; worker 0 SIGKILLs three of them, each while the other
     # workers are held at a moment (tests/ranks/data_check.py, ``lose``): server 0 while
     # workers 1 and 2 are inside Loader(...), before POINT of their connection to it (a dial
     # it refuses, a hello on a connection it reset, the read of its region table: the CI
     # failure); server 1 while every worker is inside state_dict(); server 2 between the
     # epochs. Server 3 serves the rest, and every sample still reaches exactly one worker.
-    r = harness.launch(3, "data_check.py", f"lose-{point}", str(tmp_path), "2", timeout=120,
-                       launcher_args=("--data-servers", "4"))
+    # dial and regions: one job (three_four's last scenario), worker 1 held before its dial
+    # and worker 2 before its read of the region table; hello (slow): a job of its own.
+    if point == "hello":
+        r = harness.launch(3, "data_check.py", f"lose-{point}", str(tmp_path), "2",
+                           timeout=120, launcher_args=("--data-servers", "4"))
+    else:
+        shared = request.getfixturevalue("three_four")
+        r, tmp_path = shared.result, shared.dirs["lose"]
+        # Every worker wrote what it received (and data server 3, the one left, ended too).
+        assert S.done(r.output, "lose") >= 3, str(r)
     assert r.returncode == 137, str(r)
     for d in range(3):
         assert f"rank {3 + d} (data server {d})" in r.output, str(r)
@@ -183,10 +283,11 @@ def test_a_data_server_lost_at_any_moment_is_served_by_the_others_exactly_once(t
 
 
 @pytest.mark.multiprocess
-def test_a_lost_workers_uncommitted_share_goes_to_the_new_generation_exactly_once(tmp_path):
-    # 2 workers and 2 data servers: both commit after 3 batches and take 2 more; worker 1 is
-    # then lost, and worker 0 resets to the commit as a generation of one worker.
-    _run(2, 2, "shrink", tmp_path, 3)
+def test_a_lost_workers_uncommitted_share_goes_to_the_new_generation_exactly_once(two_three):
+    # 2 workers and 3 data servers (the shared job's): both commit after 3 batches and take 2
+    # more; worker 1 is then lost, and worker 0 resets to the commit as a generation of one
+    # worker.
+    tmp_path = two_three.ran("shrink")
     record = json.loads((tmp_path / "shrink.json").read_text())
     state = record["state"]
     assert state["epoch"] == 0
@@ -195,10 +296,10 @@ def test_a_lost_workers_uncommitted_share_goes_to_the_new_generation_exactly_onc
     after = record["after"]
     # The rest of epoch 0, the lost worker's share and both workers' uncommitted batches
     # included, planned for one worker; then epoch 1 whole.
-    assert after["0"] == _planned(0, 2, 1, 0, done)
+    assert after["0"] == _planned(0, 3, 1, 0, done)
     assert sorted(after["0"] + P.order(SAMPLES, SEED, 0)[done[P.order(SAMPLES, SEED, 0)]]
                   .tolist()) == list(range(SAMPLES))
-    assert after["1"] == _planned(1, 2, 1, 0)
+    assert after["1"] == _planned(1, 3, 1, 0)
 
 
 def _steps(received, epoch, workers):

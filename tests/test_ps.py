@@ -1,7 +1,20 @@
-"""Parameter-server training through the launcher: every mode, failures, checkpoints.
+"""Parameter-server training in real processes: every mode, failures, checkpoints.
 
 The rank side is tests/ranks/ps_check.py (one scenario per run); pure logic (sharding, the
 consistency clock, factor layout) is tested here without processes.
+
+A parameter server serves one job and ends, so each scenario used to be a job of its own:
+``gradsync run --servers``, its workers and servers, every one an interpreter importing torch,
+for a second or two of training. Now the default tier's scenarios of one shape run one after
+the other in the same ranks (tests/service_jobs.py), each a job of its own under its own job
+id: the ranks are started as torchrun starts them (``harness.spawn``, ``GRADSYNC_SERVERS``
+exported), so that a server rank runs the script too and serves from ``init()`` (the road of
+the foreign launchers, docs/ps.md), then goes on to the next scenario. Shared: 1 worker and 1
+server (``parity`` SGD, ``factor``, then a client in a job without servers, whose error ends
+the job), 2 and 1 (``bf16``, ``mismatch``, then ``killserver``, whose kill ends it), 4 and 2
+(the modes ``ssp``, ``async``, ``backup``) and 2 and 3 over TCP (``save``, then ``restore``).
+The killed workers' tests read the launcher's status and keep a ``gradsync run --servers`` job
+each, as do the slow tier's cases.
 """
 
 import threading
@@ -15,6 +28,7 @@ from gradsync.ps.consistency import Clock
 from gradsync.ps.sharding import bounds, offsets
 
 import harness
+import service_jobs as S
 
 
 # --- pure logic ------------------------------------------------------------------------------
@@ -166,6 +180,72 @@ def _ps(workers, servers, *args, timeout=90, env=None):
                           launcher_args=("--servers", str(servers)))
 
 
+TIMEOUT = 420
+"""A shared job's deadline: its scenarios' own (90 s each alone, mostly the start-up paid once
+now) and room for a loaded machine."""
+
+
+class Shared:
+    """A shared job of ``workers`` and ``servers`` ranks started as torchrun starts them
+    (``S.spawn``): each rank's end, and each scenario's output."""
+
+    def __init__(self, tmp, workers, servers, scenarios, env=None):
+        self.tags = [e["tag"] for e in scenarios]
+        self.ranks = S.spawn(workers + servers, scenarios, tmp, timeout=TIMEOUT,
+                             env={"GRADSYNC_SERVERS": str(servers), **(env or {})})
+
+    def output(self, tag) -> str:
+        """What scenario ``tag`` printed on every rank (stdout and stderr), rank by rank."""
+        return "".join(S.section(r.output, tag) for r in self.ranks)
+
+    def ran(self, tag) -> str:
+        """Scenario ``tag``'s output, once it returned on every rank: what the status 0 of
+        its own job said."""
+        assert all(S.done(r.output, tag) == 1 for r in self.ranks), \
+            f"scenario {tag} did not run to its end on every rank:\n" + "\n".join(self.ranks)
+        return self.output(tag)
+
+
+def _scenario(tag, *args, **kw):
+    return S.entry(tag, "ps_check.py", *args, **kw)
+
+
+@pytest.fixture(scope="module")
+def one_one(tmp_path_factory):
+    """1 worker, 1 server: ``parity`` (SGD), ``factor``, then ``noservers``: ``parity`` with
+    ``GRADSYNC_SERVERS=0``, where both ranks are workers and their clients fail (the last)."""
+    return Shared(tmp_path_factory.mktemp("ps-1-1"), 1, 1, [
+        _scenario("parity", "parity", "sgd"), _scenario("factor", "factor"),
+        _scenario("noservers", "parity", "sgd", env={"GRADSYNC_SERVERS": "0"})])
+
+
+@pytest.fixture(scope="module")
+def two_one(tmp_path_factory):
+    """2 workers, 1 server: ``bf16``, ``mismatch`` (its workers' exit 3 ends the scenario, not
+    the ranks), then ``killserver`` (the server is killed: the last)."""
+    return Shared(tmp_path_factory.mktemp("ps-2-1"), 2, 1, [
+        _scenario("bf16", "bf16"), _scenario("mismatch", "mismatch", go_on=True),
+        _scenario("killserver", "killserver")])
+
+
+@pytest.fixture(scope="module")
+def four_two(tmp_path_factory):
+    """4 workers, 2 servers: the modes ``ssp``, ``async`` and ``backup``, 12 steps each."""
+    return Shared(tmp_path_factory.mktemp("ps-4-2"), 4, 2,
+                  [_scenario(mode, "mode", mode, 12) for mode in ("ssp", "async", "backup")])
+
+
+@pytest.fixture(scope="module")
+def two_three(tmp_path_factory):
+    """2 workers, 3 servers, over TCP: ``save``, then ``restore`` (both in ``checkpoint``)."""
+    tmp = tmp_path_factory.mktemp("ps-2-3")
+    (tmp / "checkpoint").mkdir()
+    job = Shared(tmp, 2, 3, [_scenario(a, a, tmp / "checkpoint") for a in ("save", "restore")],
+                 env={"GRADSYNC_TRANSPORT": "tcp"})
+    job.directory = tmp / "checkpoint"
+    return job
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("workers, servers, optimizer, transport", [
     (1, 1, "sgd", "auto"),
@@ -178,40 +258,56 @@ def _ps(workers, servers, *args, timeout=90, env=None):
     pytest.param(3, 2, "sgd", "auto", marks=pytest.mark.slow),
     pytest.param(3, 1, "sgd", "tcp", marks=pytest.mark.slow),
 ])
-def test_sync_training_equals_the_local_optimizer(workers, servers, optimizer, transport):
-    r = _ps(workers, servers, "parity", optimizer, env={"GRADSYNC_TRANSPORT": transport})
-    assert r.returncode == 0, r
-    assert r.output.count("steps match") == workers, r
+def test_sync_training_equals_the_local_optimizer(workers, servers, optimizer, transport,
+                                                  request):
+    if (workers, servers, optimizer, transport) == (1, 1, "sgd", "auto"):
+        out = request.getfixturevalue("one_one").ran("parity")  # its job's status 0
+    else:
+        r = _ps(workers, servers, "parity", optimizer, env={"GRADSYNC_TRANSPORT": transport})
+        assert r.returncode == 0, r
+        out = r.output
+    assert out.count("steps match") == workers, out
     # sync's guarantee (test_each_mode_keeps_its_guarantee's sync case, checked here too)
-    assert "sync: counters hold" in r.output, r
+    assert "sync: counters hold" in out, out
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("workers, servers", [(1, 1), pytest.param(3, 2, marks=pytest.mark.slow)])
-def test_factored_linear_gradients_train_identically_with_less_traffic(workers, servers):
-    r = _ps(workers, servers, "factor")
-    assert r.returncode == 0, r
-    assert r.output.count("steps match") == workers, r
+def test_factored_linear_gradients_train_identically_with_less_traffic(workers, servers,
+                                                                        request):
+    if (workers, servers) == (1, 1):
+        out = request.getfixturevalue("one_one").ran("factor")  # its job's status 0
+    else:
+        r = _ps(workers, servers, "factor")
+        assert r.returncode == 0, r
+        out = r.output
+    assert out.count("steps match") == workers, out
 
 
 @pytest.mark.multiprocess
-def test_a_bf16_model_trains_on_float32_master_weights():
-    r = _ps(2, 1, "bf16")
-    assert r.returncode == 0 and r.output.count("bf16 ok") == 2, r
+def test_a_bf16_model_trains_on_float32_master_weights(two_one):
+    out = two_one.ran("bf16")  # its job's status 0
+    assert out.count("bf16 ok") == 2, out
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mode, workers, servers", [
     # sync: the parity runs check these counters too (test_sync_training_equals_the_local_
     # optimizer's 1 worker on 1 server; the checkpoint test's save run, 2 workers, the last
-    # one slow, on 3 servers), so this run is in the slow tier
-    pytest.param("sync", 2, 1, marks=pytest.mark.slow), ("backup", 3, 1), ("async", 3, 2),
+    # one slow, on 3 servers), so this run is in the slow tier. backup, async and ssp at 4
+    # workers on 2 servers share a job (four_two): backup was 3 workers on 1 server and
+    # async 3 on 2, each a job of its own.
+    pytest.param("sync", 2, 1, marks=pytest.mark.slow), ("backup", 4, 2), ("async", 4, 2),
     pytest.param("ssp", 3, 1, marks=pytest.mark.slow), ("ssp", 4, 2),
 ])
-def test_each_mode_keeps_its_guarantee(mode, workers, servers):
-    r = _ps(workers, servers, "mode", mode, "12")
-    assert r.returncode == 0, r
-    assert f"{mode}: counters hold" in r.output, r
+def test_each_mode_keeps_its_guarantee(mode, workers, servers, request):
+    if (workers, servers) == (4, 2):
+        out = request.getfixturevalue("four_two").ran(mode)  # its job's status 0
+    else:
+        r = _ps(workers, servers, "mode", mode, "12")
+        assert r.returncode == 0, r
+        out = r.output
+    assert f"{mode}: counters hold" in out, out
 
 
 @pytest.mark.multiprocess
@@ -235,39 +331,43 @@ def test_a_killed_worker_in_sync_mode_fails_the_others_naming_it():
 
 
 @pytest.mark.multiprocess
-def test_a_killed_server_gives_every_worker_a_clear_error():
-    ranks = harness.spawn(3, "ps_check.py", "killserver", timeout=60,
-                          env={"GRADSYNC_SERVERS": "1"})
+def test_a_killed_server_gives_every_worker_a_clear_error(two_one):
+    # The last scenario of two_one's job: the ranks' ends are its.
+    ranks = two_one.ranks
     assert ranks[2].returncode == -9 or ranks[2].returncode == 137, ranks[2]
     for w in (0, 1):
+        out = S.section(ranks[w].output, "killserver")
         assert ranks[w].returncode == 3, ranks[w].output[-3000:]
-        assert "PeerLostError peer=2" in ranks[w].output, ranks[w].output[-3000:]
-        assert "parameter server 0 (rank 2)" in ranks[w].output, ranks[w].output[-3000:]
+        assert "PeerLostError peer=2" in out, ranks[w].output[-3000:]
+        assert "parameter server 0 (rank 2)" in out, ranks[w].output[-3000:]
 
 
 @pytest.mark.multiprocess
-def test_checkpoint_restores_the_same_parameters_and_continues_identically(tmp_path):
+def test_checkpoint_restores_the_same_parameters_and_continues_identically(two_three):
     # The save run is also test_sync_training_equals_the_local_optimizer's 2-worker Adam case
-    # on 3 servers over TCP: every step against torch.optim.Adam, then sync's counters.
-    r = _ps(2, 3, "save", str(tmp_path), env={"GRADSYNC_TRANSPORT": "tcp"})
-    assert r.returncode == 0, r
-    assert r.output.count("5 steps match adam") == 2, r
-    assert "sync: counters hold" in r.output, r
-    assert sorted(p.name for p in tmp_path.iterdir()) == \
+    # on 3 servers over TCP: every step against torch.optim.Adam, then sync's counters. Save
+    # and restore are two scenarios of one job (two_three), each a job of its own.
+    out = two_three.ran("save")  # its job's status 0
+    assert out.count("5 steps match adam") == 2, out
+    assert "sync: counters hold" in out, out
+    # (Listed after the restore, which reads the directory and writes nothing to it.)
+    assert sorted(p.name for p in two_three.directory.iterdir()) == \
         ["p3.npy", "p5.npy", "server-0.npz", "server-1.npz", "server-2.npz"]
-    r = _ps(2, 3, "restore", str(tmp_path), env={"GRADSYNC_TRANSPORT": "tcp"})
-    assert r.returncode == 0, r
-    assert "restore: ok" in r.output, r
+    out = two_three.ran("restore")  # its job's status 0
+    assert "restore: ok" in out, out
 
 
 @pytest.mark.multiprocess
-def test_workers_with_different_models_get_an_error_naming_the_difference():
-    r = _ps(2, 1, "mismatch", timeout=60)
-    assert "CollectiveMismatchError" in r.output and "numels" in r.output, r
-    assert "PeerLostError" in r.output, r  # the other worker learns that it left
+def test_workers_with_different_models_get_an_error_naming_the_difference(two_one):
+    out = two_one.output("mismatch")  # every rank's, whatever its status (none was checked)
+    assert "CollectiveMismatchError" in out and "numels" in out, out
+    assert "PeerLostError" in out, out  # the other worker learns that it left
 
 
 @pytest.mark.multiprocess
-def test_a_parameter_client_without_servers_is_a_config_error():
-    r = harness.launch(1, "ps_check.py", "parity", "sgd", timeout=60)
-    assert r.returncode == 1 and "has no parameter servers" in r.output, r
+def test_a_parameter_client_without_servers_is_a_config_error(one_one):
+    # one_one's last scenario: its two ranks in a job without servers (GRADSYNC_SERVERS=0),
+    # where it was one rank under gradsync run without --servers.
+    for rank in one_one.ranks:
+        out = S.section(rank.output, "noservers")
+        assert rank.returncode == 1 and "has no parameter servers" in out, rank
