@@ -28,11 +28,14 @@ class PeerLostError(GradsyncError):
 
     Attributes:
         peer: the rank that was lost (``None`` when unknown).
+        silent: the peer sent no heartbeats (stopped, stuck or cut off) rather than closing
+            its connection: the launcher kills such a peer at once.
     """
 
-    def __init__(self, message: str, peer: "int | None" = None):
+    def __init__(self, message: str, peer: "int | None" = None, silent: bool = False):
         super().__init__(message)
         self.peer = peer
+        self.silent = silent
 
 
 class CollectiveMismatchError(GradsyncError):

@@ -673,3 +673,27 @@ def test_a_crash_is_still_reported_when_the_store_never_answers(monkeypatch):
         assert took < 3.0 + 2.0, took  # link_up, and slack for a loaded machine
     finally:
         first.stop(goodbye=False)
+
+
+def test_a_silent_peer_raised_by_a_collective_is_posted_as_silent(monkeypatch):
+    """The heartbeat hands a silent peer to the rank's collectives before its own post, so
+    the rank's ``World.fail`` may post the job's record first: that record must say
+    ``silent`` too, or the launcher waits 5 s for the peer to exit instead of killing it at
+    once (CI: "was reported lost by its peers and had not exited 5s later")."""
+    import types
+
+    from gradsync.connect import world as world_module
+    from gradsync.errors import PeerLostError
+
+    monkeypatch.setattr(world_module.recorder, "on_failure", lambda world, error: None)
+    posted = []
+    fake = types.SimpleNamespace(
+        failure=None, heartbeat=None, rank=2,
+        store=types.SimpleNamespace(post_abort=lambda record: posted.append(record) or record))
+    silent = PeerLostError("rank 2: rank 3 sent no heartbeat for 3.0s", peer=3, silent=True)
+    assert world_module.World.fail(fake, silent) is silent
+    assert posted[-1]["peer"] == 3 and posted[-1]["silent"] is True
+    fake.failure = None
+    closed = PeerLostError("rank 2: rank 3 closed its heartbeat link", peer=3)
+    world_module.World.fail(fake, closed)
+    assert posted[-1]["silent"] is False

@@ -432,8 +432,12 @@ class World:
         """
         if self.failure is not None:
             return self.failure
+        # ``silent`` as the heartbeat's own post says it: this rank's collective may raise the
+        # heartbeat's silent peer and post it before the heartbeat thread does, and without
+        # it the launcher waits 5 s for the peer to exit instead of killing it at once.
         record = {"kind": type(exc).__name__, "rank": self.rank, "message": str(exc),
-                  "peer": getattr(exc, "peer", None)}
+                  "peer": getattr(exc, "peer", None),
+                  "silent": bool(getattr(exc, "silent", False))}
         try:
             if isinstance(exc, CollectiveMismatchError):
                 self._post_description()
@@ -471,6 +475,7 @@ class World:
                         f"{who} reported: {record['message']}")
             if isinstance(error, PeerLostError):
                 error.peer = record.get("peer")
+                error.silent = bool(record.get("silent", False))
         self.failure = error
         recorder.on_failure(self, error)
         return error

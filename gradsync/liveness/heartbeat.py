@@ -638,7 +638,7 @@ class Heartbeat:
         peer, message = lost.peer, lost.message
         record = {"kind": "PeerLostError", "rank": self.rank, "message": message,
                   "peer": peer, "silent": lost.silent}
-        found = PeerLostError(f"rank {self.rank}: {message}", peer=peer)
+        found = PeerLostError(f"rank {self.rank}: {message}", peer=peer, silent=lost.silent)
         if lost.silent and peer in self._links:
             # A linked peer that falls silent did not leave (it would have sent BYE): raise it
             # at once, not after the post on a new store connection. A closed link waits for
