@@ -47,35 +47,13 @@ import runpy
 import sys
 
 import common  # noqa: F401  (deadline, and the checkout on sys.path)
+from tagged import Tagged  # stdout tagged per script
 
 import gradsync as gs
 from gradsync.connect import world
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BEGIN, DONE = "suite: begin", "suite: scenario done"
-
-
-class _Tagged:
-    """stdout whose every line starts with ``<tag>| ``."""
-
-    def __init__(self, stream, tag: str):
-        self.stream, self.tag, self.at_line_start = stream, tag, True
-
-    def write(self, text: str) -> int:
-        out = []
-        for piece in text.splitlines(keepends=True):
-            if self.at_line_start:
-                out.append(self.tag)
-            out.append(piece)
-            self.at_line_start = piece.endswith("\n")
-        self.stream.write("".join(out))
-        return len(text)
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
 
 
 def rank() -> str:
@@ -100,7 +78,7 @@ def run(entry: dict, base: str) -> None:
     # id as given, would then watch another abort record than the World's. The id is new.
     world._generations = itertools.count()
     sys.argv = [script, *map(str, args)]
-    sys.stdout = _Tagged(real_stdout, f"{tag}| ")
+    sys.stdout = Tagged(real_stdout, f"{tag}| ")
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:

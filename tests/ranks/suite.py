@@ -27,40 +27,18 @@ import runpy
 import sys
 
 import common  # noqa: F401  (deadline, and the checkout on sys.path)
+from tagged import Tagged  # stdout tagged per script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DONE = "suite: script done"
 """Printed (tagged) once a script has returned without error on this rank."""
 
 
-class _Tagged:
-    """stdout whose every line starts with ``<script>| ``."""
-
-    def __init__(self, stream, tag: str):
-        self.stream, self.tag, self.at_line_start = stream, tag, True
-
-    def write(self, text: str) -> int:
-        out = []
-        for piece in text.splitlines(keepends=True):
-            if self.at_line_start:
-                out.append(self.tag)
-            out.append(piece)
-            self.at_line_start = piece.endswith("\n")
-        self.stream.write("".join(out))
-        return len(text)
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
-
-
 real_stdout = sys.stdout
 for entry in sys.argv[1:]:
     script, _, arg = entry.partition(":")
     sys.argv = [os.path.join(HERE, script)] + ([arg] if arg else [])
-    sys.stdout = _Tagged(real_stdout, f"{entry}| ")
+    sys.stdout = Tagged(real_stdout, f"{entry}| ")
     try:
         runpy.run_path(sys.argv[0], run_name="__main__")
     except SystemExit as exc:
