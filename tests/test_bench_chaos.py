@@ -453,6 +453,27 @@ def test_a_killed_data_server_is_found_by_every_worker_and_each_sample_comes_onc
     assert not csr.outcome(other, csr.parse(_data_log()), 100.0, job="data")["detected"]
 
 
+def test_the_soak_ends_only_once_every_worker_gave_a_lost_data_server_up_and_stepped():
+    """CI's data soak once failed "workers made no step after it": a kill near the end of the
+    soak, noticed by the second worker (which had not needed the server's batches) so late
+    that the window closed before its next step. The soak now ends only once the last
+    fault is measurable (``ServerJob.settled``)."""
+    job = cs.ServerJob("data", 2, 2, 1, ["h0", "h1"], ["h2", "h3"])
+
+    def settled(lost, since=12.1):
+        return job.settled(csr.parse(_data_log(lost=lost)), since)
+
+    # Worker 100 gave server 1 up at 12.3 s; worker 200 has not yet: not settled, however
+    # many steps both made since.
+    assert not settled(((12.3, 100),))
+    # Both gave it up, and both stepped after (the log's steps run to 13.01 s).
+    assert settled(((12.3, 100), (12.5, 200)))
+    # Worker 200 gave it up after the last step either worker made: not settled.
+    assert not settled(((12.3, 100), (13.5, 200)))
+    # No fault since 13.5 s: nobody stepped after that.
+    assert not settled(((12.3, 100), (12.5, 200)), since=13.5)
+
+
 def test_a_sample_twice_or_missing_or_no_whole_epoch_fails_the_data_soak():
     def failures(**kw):
         return csr.report([_DATA_KILL], csr.parse(_data_log(**kw)), job="data",

@@ -261,6 +261,11 @@ class _Soak:
         with self.job.lock:
             return self.servers.steady(self.job.log, since)
 
+    def _settled(self) -> bool:
+        assert self.servers is not None
+        with self.job.lock:
+            return self.servers.settled(self.job.log, self.faults[-1].until)
+
     def run(self) -> "_Soak":
         try:
             if not self._wait("start-up to full size", self._steady,
@@ -288,6 +293,13 @@ class _Soak:
                                   lambda: self.job.last_step() > after):
                     return self
             time.sleep(max(0.0, end - time.time()))
+            # A server fault is known only once every worker gave the server up (a data
+            # server: a worker that does not need its batches may notice it a beat later)
+            # and is recovered from at every worker's next step: a fault injected near the
+            # end must have both inside the window, or its row says "no step after it".
+            if self.servers is not None and self.faults and not self._wait(
+                    "the end: every worker stepping after the last fault", self._settled):
+                return self
             self.window = (begin, time.time())
             with self.job.lock:
                 text = self.servers.stop_text(self.job.log) if self.servers else ""

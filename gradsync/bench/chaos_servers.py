@@ -143,6 +143,21 @@ class ServerJob:
                 counts[st.worker] = counts.get(st.worker, 0) + 1
         return len(counts) == self.workers and min(counts.values()) >= 3
 
+    def settled(self, log: csr.ServerLog, since: float) -> bool:
+        """Every worker has made a step since ``since`` and since the job last changed (a
+        view, a data server given up): what the report needs to measure a fault's recovery
+        (``chaos_server_report.outcome``: each worker's first step after the fault was known),
+        whether or not the lost server's copy is back yet. A data server given up by one
+        worker must be given up by every worker first."""
+        if self.kind == "data":
+            workers = {st.worker for st in log.base.steps}
+            given_up = {(worker, d) for _, worker, d in log.lost}
+            if any((w, d) not in given_up for w in workers for d in self.lost_data_servers(log)):
+                return False
+        changed = max([since] + [v[0] for v in log.views] + [x[0] for x in log.lost])
+        stepped = {st.worker for st in log.base.steps[-50 * self.workers:] if st.wall > changed}
+        return len(stepped) == self.workers
+
     def target(self, log: csr.ServerLog, hits: dict[int, int], rng) -> int | None:
         """The server the next fault hits: one hit least so far; None when none may be hit
         (a data-server job with one data server left; parameter servers all started again
