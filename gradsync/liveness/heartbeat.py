@@ -183,10 +183,12 @@ class _Link:
     def quiet(self) -> None:
         """Ends the native beats on this link: before its BYE (no beat after it) and before
         its socket closes (beater.py: the one rule)."""
-        if self._beat is not None:
+        # Read once: a second closer may clear it between a check and a use (its remove
+        # of the same beat, two closers at once, is harmless).
+        beat, self._beat = self._beat, None
+        if beat is not None:
             assert self._beats is not None  # a beat is one that the beater added
-            self._beats.remove(self._beat)  # twice (two closers at once) is harmless
-            self._beat = None
+            self._beats.remove(beat)
 
     def close(self) -> None:
         self.quiet()
