@@ -697,3 +697,30 @@ def test_a_silent_peer_raised_by_a_collective_is_posted_as_silent(monkeypatch):
     closed = PeerLostError("rank 2: rank 3 closed its heartbeat link", peer=3)
     world_module.World.fail(fake, closed)
     assert posted[-1]["silent"] is False
+
+
+def test_a_heartbeat_link_refused_for_its_secret_is_an_authentication_error():
+    """A neighbour with another secret refuses this rank's heartbeat link: every rank must
+    raise AuthenticationError, the documented error of a wrong secret. The heartbeat reported
+    a PeerLostError ("broke its heartbeat link"), so a rank whose own connections had all
+    proved, and whose first collective met the heartbeat's loss first, failed as if a peer had
+    crashed (busy run, test_faults.py::test_wrong_secret_fails_init_on_every_rank)."""
+    from gradsync.errors import AuthenticationError, PeerLostError
+
+    server = _store_server()
+    store = Store.over(server, "secrets", 10.0)
+    # In a World of two, rank 0 dials rank 1, which holds another secret.
+    first, second = [Heartbeat(store, r, 2, 0.05, 5.0, secret=bytes([65 + r]) * 32,
+                               link_up=3.0).start() for r in range(2)]
+    try:
+        _wait_for(lambda: first.lost is not None, 10)
+        assert isinstance(first.lost, AuthenticationError), repr(first.lost)
+        assert not isinstance(first.lost, PeerLostError)
+        assert "refused its heartbeat link" in str(first.lost), first.lost
+        with pytest.raises(AuthenticationError):
+            first.check()
+        record = store.read_abort()
+        assert record is not None and record["kind"] == "AuthenticationError", record
+    finally:
+        first.stop(goodbye=False)
+        second.stop(goodbye=False)

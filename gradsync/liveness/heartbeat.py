@@ -161,11 +161,14 @@ class _Stopped(Exception):
 
 
 class _Lost(Exception):
-    """A neighbour is lost (``silent``: alive but quiet; otherwise its link broke)."""
+    """A neighbour is lost (``silent``: alive but quiet; otherwise its link broke). ``kind``:
+    the error every rank raises for it, ``PeerLostError`` unless the neighbour's link failed
+    its authentication (``AuthenticationError``: a wrong secret is no lost peer)."""
 
-    def __init__(self, peer: int, message: str, silent: bool):
+    def __init__(self, peer: int, message: str, silent: bool,
+                 kind: type[GradsyncError] = PeerLostError):
         super().__init__(message)
-        self.peer, self.message, self.silent = peer, message, silent
+        self.peer, self.message, self.silent, self.kind = peer, message, silent, kind
 
 
 class _Link:
@@ -251,7 +254,7 @@ class Heartbeat:
         self.interval, self.timeout = interval, timeout
         self.link_up = max(timeout, LINK_UP_S) if link_up is None else link_up
         self.describe = describe
-        self.lost: PeerLostError | None = None
+        self.lost: GradsyncError | None = None  # a PeerLostError, or an AuthenticationError
         self._posted: dict | None = None  # this rank's post, if it is the job's record
         self._ended: GradsyncError | None = None  # end_waits
         self._main = store
@@ -337,7 +340,7 @@ class Heartbeat:
         assert self._root is not None  # a leader is looked up only for a sub-world's root
         members = self._root[1]
         found = leader.lost
-        if found is not None and found.peer is not None and found.peer in members:
+        if isinstance(found, PeerLostError) and found.peer is not None and found.peer in members:
             raise PeerLostError(str(found), peer=members.index(found.peer))
         record = leader.read_abort()
         if (record is not None and record["kind"] == "PeerLostError"
@@ -535,9 +538,15 @@ class Heartbeat:
                                self._alive)
         except GradsyncTimeoutError:
             raise self._unlinked(peer) from None
-        except (PeerLostError, AuthenticationError) as exc:
+        except PeerLostError as exc:
             raise _Lost(peer, f"{self.describe(peer)} broke its heartbeat link: {exc}",
                         silent=False) from None
+        except AuthenticationError as exc:
+            # Raised as what it is on every rank (the job's record keeps the kind): with the
+            # first collective often racing this thread, a PeerLostError here made a wrong
+            # secret look like a crash on the rank whose own connections had all proved.
+            raise _Lost(peer, f"{self.describe(peer)} refused its heartbeat link: {exc}",
+                        silent=False, kind=AuthenticationError) from None
         assert sock is not None  # tcp.connect answers None only to a crossing dial
         return sock
 
@@ -638,9 +647,10 @@ class Heartbeat:
         if self._stop.is_set():
             return
         peer, message = lost.peer, lost.message
-        record = {"kind": "PeerLostError", "rank": self.rank, "message": message,
+        record = {"kind": lost.kind.__name__, "rank": self.rank, "message": message,
                   "peer": peer, "silent": lost.silent}
-        found = PeerLostError(f"rank {self.rank}: {message}", peer=peer, silent=lost.silent)
+        found = PeerLostError(f"rank {self.rank}: {message}", peer=peer, silent=lost.silent) \
+            if lost.kind is PeerLostError else lost.kind(f"rank {self.rank}: {message}")
         if lost.silent and peer in self._links:
             # A linked peer that falls silent did not leave (it would have sent BYE): raise it
             # at once, not after the post on a new store connection. A closed link waits for
