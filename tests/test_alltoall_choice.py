@@ -1,18 +1,28 @@
-"""Bruck's alltoall or the pairwise exchange: the cost model's choice.
+"""Bruck's alltoall or the pairwise exchange: the cost model's choice, and the compressors'
+Comms choosing the same on every rank.
 
 The model's formulas against a fabric of fixed links (the numbers of ``costs.py``'s worked
-example), and the choice on a job's ranks (``RankFabric``) and on Summit (``TierFabric``).
+example), the choice on a job's ranks (``RankFabric``) and on Summit (``TierFabric``), and
+``compress.comm``'s ``ViewComm`` and ``WorldComm`` running int8's alltoall over ranks as
+threads (``test_algorithms.run_ok``), each rank with its own copy of the topology, as
+processes have.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
+import torch
 
 from gradsync.cluster.topology import Topology
 from gradsync.collectives import costs
 from gradsync.collectives.costs import RankFabric, bruck_alltoall, pairwise_alltoall
+from gradsync.compress.comm import ViewComm, WorldComm
 from gradsync.simulate import cluster as cluster_file
 from gradsync.simulate.fabric import TierFabric
+from test_algorithms import Counting, run_ok
 
 
 class Links:
@@ -67,3 +77,56 @@ def test_the_cost_model_sends_tiny_blocks_by_bruck_and_large_by_pairwise():
     assert owners.n == 4560
     assert costs.cheapest_alltoall(owners, 4560 * 232) == "bruck"
     assert costs.cheapest_alltoall(owners, 4560 * (1 << 20)) == "pairwise"
+
+
+class Recording(Counting):
+    """``Counting`` that also keeps the descriptions the collectives begin with."""
+
+    def __init__(self, comm):
+        super().__init__(comm)
+        self.begun: list[str] = []
+
+    def begin(self, description, check=True):
+        self.begun.append(description)
+        self._comm.begin(description, check)
+
+
+# Five hosts (odd: Bruck's steps move 2, 2 and 1 blocks): far apart with tiny blocks, Bruck's 3
+# latencies beat the pairwise exchange's 4; close by with 64 KiB blocks, the pairwise
+# exchange's one pass over the link beats Bruck's 5 blocks and copies.
+CHOICES = {"far": ("10ms", "100GB/s", 16, "bruck", 3),
+           "near": ("1us", "1GB/s", 64 << 10, "pairwise", 4)}
+
+
+@pytest.mark.parametrize("front", ["view", "world"])
+@pytest.mark.parametrize("links", sorted(CHOICES))
+def test_compress_comms_choose_the_same_alltoall_on_every_rank(links, front):
+    """``ViewComm`` (inside a tiered reduction) and ``WorldComm`` (the World's ranks): every
+    rank, with its own topology, runs the algorithm the cost model picks on the ranks (told
+    by its steps), and gets every rank's block for it; the World's description names it."""
+    latency, bandwidth, block, want, steps = CHOICES[links]
+    k = 5
+    assert costs.cheapest_alltoall(RankFabric(hosts(k, latency, bandwidth), range(k)),
+                                   k * block) == want
+
+    def rank_fn(comm):
+        r, topo = comm.rank, hosts(k, latency, bandwidth)
+        recording = Recording(comm.view(list(range(k))) if front == "view" else comm)
+        config = SimpleNamespace(chunk_bytes=1 << 20, check_collectives=True)
+        if front == "view":
+            through = ViewComm(recording, config, topo)
+        else:
+            world = SimpleNamespace(rank=r, size=k, comm=recording, topology=topo,
+                                    config=config)
+            through = WorldComm(world, "test")
+        send = torch.from_numpy(np.concatenate(
+            [np.full(block, 16 * r + d, dtype=np.uint8) for d in range(k)]))
+        got = through.alltoall(send)
+        return got.numpy(), recording.steps, recording.begun
+
+    for r, (got, taken, begun) in enumerate(run_ok(k, rank_fn)):
+        assert got.tobytes() == np.repeat(16 * np.arange(k) + r, block).astype(np.uint8).tobytes()
+        assert taken == steps, (r, taken)
+        if front == "world":
+            assert begun == [f"compressed alltoall 'test #1 alltoall' uint8[{k}x{block}] "
+                             f"by {want}"]
