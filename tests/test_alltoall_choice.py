@@ -1,11 +1,12 @@
-"""Bruck's alltoall or the pairwise exchange: the cost model's choice, and the compressors'
-Comms choosing the same on every rank.
+"""Bruck's alltoall or the pairwise exchange: the cost model's choice, the simulator's time, and
+the compressors' Comms choosing the same on every rank.
 
 The model's formulas against a fabric of fixed links (the numbers of ``costs.py``'s worked
-example), the choice on a job's ranks (``RankFabric``) and on Summit (``TierFabric``), and
-``compress.comm``'s ``ViewComm`` and ``WorldComm`` running int8's alltoall over ranks as
-threads (``test_algorithms.run_ok``), each rank with its own copy of the topology, as
-processes have.
+example), the choice on a job's ranks (``RankFabric``) and on Summit (``TierFabric``), the
+simulator's ``alltoall_time`` against the cheaper formula, and ``compress.comm``'s
+``ViewComm`` and ``WorldComm`` running int8's alltoall over ranks as threads
+(``test_algorithms.run_ok``), each rank with its own copy of the topology, as processes
+have.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from gradsync.collectives import costs
 from gradsync.collectives.costs import RankFabric, bruck_alltoall, pairwise_alltoall
 from gradsync.compress.comm import ViewComm, WorldComm
 from gradsync.simulate import cluster as cluster_file
+from gradsync.simulate import compression as simulated
 from gradsync.simulate.fabric import TierFabric
 from test_algorithms import Counting, run_ok
 
@@ -77,6 +79,21 @@ def test_the_cost_model_sends_tiny_blocks_by_bruck_and_large_by_pairwise():
     assert owners.n == 4560
     assert costs.cheapest_alltoall(owners, 4560 * 232) == "bruck"
     assert costs.cheapest_alltoall(owners, 4560 * (1 << 20)) == "pairwise"
+
+
+@pytest.mark.parametrize("ranks,stride,nbytes,cheaper", [
+    (27360, 6, 4560 * 232, "bruck"),  # int8@hosts' owners, a 25 MB bucket
+    (27360, 1, 27360 * 40, "bruck"),  # int8@all
+    (12, 1, 100 << 20, "pairwise"),  # two nodes, a large bucket
+])
+def test_the_simulator_times_the_cheaper_alltoall(ranks, stride, nbytes, cheaper):
+    """``simulate/compression.alltoall_time`` is the cheaper formula, which every call of an
+    alltoall is timed by."""
+    f = TierFabric(cluster_file.load("summit"), ranks, stride)
+    timed = {alg: costs.alltoall_time(alg, f, nbytes) for alg in costs.ALLTOALLS}
+    assert min(timed, key=timed.__getitem__) == cheaper
+    assert simulated.alltoall_time(f, nbytes) == min(timed.values())
+    assert simulated.call_time(f, ("alltoall", nbytes), None) == min(timed.values())
 
 
 class Recording(Counting):
