@@ -16,7 +16,7 @@ where a message's tier is the slowest tier between its two ranks, and its bandwi
 tier's link bandwidth divided by the number of the step's messages that leave the same unit
 (host, group of hosts) over that tier at the same time: k ranks of one host sending to other
 hosts share its NIC. Folding a received piece into one's own costs ``bytes /
-reduce_bandwidth``. A fabric offers three kinds of step over its ranks ``0..n-1`` (positions
+reduce_bandwidth``. A fabric offers four kinds of step over its ranks ``0..n-1`` (positions
 in the fabric's order, not necessarily global ranks):
 
     ring_step(b)         every rank i sends b bytes to i+1 (the last to the first)
