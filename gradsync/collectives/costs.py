@@ -62,6 +62,8 @@ from __future__ import annotations
 import math
 from typing import Callable, Mapping, Protocol, Sequence
 
+import numpy as np
+
 from ..cluster.topology import Topology
 from . import hierarchical as _hier
 from .alltoall import ALGORITHMS as _ALLTOALLS
@@ -236,22 +238,26 @@ class RankFabric:
         self.hosts = dict(hosts or {})
         self.n = len(self.ranks)
         self.reduce_bandwidth = topo.reduce_bandwidth
+        self._rank = np.asarray(self.ranks, dtype=np.int64)
+        self._host = np.asarray(topo.host_of, dtype=np.int64)
+        self._group = np.asarray(topo.group_of, dtype=np.int64)
+        self._nics = np.array([len(self._hosts_of(r)) for r in self.ranks], dtype=np.int64)
 
     def ring_step(self, nbytes: float) -> float:
-        order = self.ranks
-        return self._step(list(zip(order, order[1:] + order[:1])), nbytes)
+        i = np.arange(self.n)
+        return self._step(i, (i + 1) % self.n, nbytes)
 
     def pair_step(self, distance: int, p: int, nbytes: float) -> float:
-        r = self.ranks
-        return self._step([(r[i], r[i ^ distance]) for i in range(p)], nbytes)
+        i = np.arange(p)
+        return self._step(i, i ^ distance, nbytes)
 
     def fold_step(self, p: int, nbytes: float) -> float:
-        r = self.ranks
-        return self._step([(r[p + i], r[i]) for i in range(self.n - p)], nbytes)
+        i = np.arange(self.n - p)
+        return self._step(p + i, i, nbytes)
 
     def shift_step(self, distance: int, nbytes: float) -> float:
-        r, n = self.ranks, self.n
-        return self._step([(r[i], r[(i + distance) % n]) for i in range(n)], nbytes)
+        i = np.arange(self.n)
+        return self._step(i, (i + distance) % self.n, nbytes)
 
     def split(self) -> "tuple[list[RankFabric], RankFabric] | None":
         levels = _hier.splitting(self.ranks, self.levels)
@@ -271,34 +277,30 @@ class RankFabric:
     def shm_bandwidth(self) -> float:
         return self.topo.tiers["local"].bandwidth
 
-    def _step(self, messages: Sequence[tuple[int, int]], nbytes: float) -> float:
-        """Time of one step in which each (src, dst) message carries ``nbytes`` at once."""
-        if not messages:
-            return 0.0
-        topo = self.topo
-        leaving: dict[tuple[str, int], int] = {}
-        for a, b in messages:
-            for key in self._uplinks(a, b):
-                leaving[key] = leaving.get(key, 0) + 1
-        worst = 0.0
-        for a, b in messages:
-            tier = topo.tier(a, b)
-            # A stand-in's shares leave through every NIC of its unit (``hosts``) at once.
-            nics = len(self._hosts_of(a))
-            bandwidth = topo.tiers["local"].bandwidth if tier == "local" else min(
-                topo.tiers[t].bandwidth * (nics if t == "host" else 1) / leaving[(t, unit)]
-                for t, unit in self._uplinks(a, b))
-            worst = max(worst, topo.tiers[tier].latency + nbytes / bandwidth)
-        return worst
+    def _step(self, src: np.ndarray, dst: np.ndarray, nbytes: float) -> float:
+        """Time of one step in which the rank at each position of ``src`` sends ``nbytes`` to
+        the one at the same place of ``dst``, all at once (positions in ``ranks``).
 
-    def _uplinks(self, a: int, b: int) -> list[tuple[str, int]]:
-        """The shared links a message from ``a`` to ``b`` goes through: its host's NIC when
-        it leaves the host, and its group's uplink when it leaves the group."""
-        topo = self.topo
-        ha, hb = topo.host_of[a], topo.host_of[b]
-        if ha == hb:
-            return []
-        out = [("host", ha)]
-        if topo.group_of[ha] != topo.group_of[hb]:
-            out.append(("group", topo.group_of[ha]))
-        return out
+        A message that leaves its host shares the host's NIC with the step's other messages
+        leaving it, and one that leaves its group the group's uplink likewise: counted with
+        NumPy over the messages (a pairwise alltoall takes n-1 steps of n messages)."""
+        if src.size == 0:
+            return 0.0
+        tiers = self.topo.tiers
+        ha, hb = self._host[self._rank[src]], self._host[self._rank[dst]]
+        ga, gb = self._group[ha], self._group[hb]
+        leaves_host, leaves_group = ha != hb, ga != gb
+        bandwidth = np.full(src.size, tiers["local"].bandwidth)
+        latency = np.full(src.size, tiers["local"].latency)
+        if leaves_host.any():
+            # A stand-in's shares leave through every NIC of its unit (``hosts``) at once.
+            out = ha[leaves_host]
+            bandwidth[leaves_host] = (tiers["host"].bandwidth * self._nics[src[leaves_host]]
+                                      / np.bincount(out)[out])
+            latency[leaves_host] = tiers["host"].latency
+        if leaves_group.any():
+            out = ga[leaves_group]
+            bandwidth[leaves_group] = np.minimum(
+                bandwidth[leaves_group], tiers["group"].bandwidth / np.bincount(out)[out])
+            latency[leaves_group] = tiers["group"].latency
+        return float(np.max(latency + nbytes / bandwidth))
