@@ -320,6 +320,65 @@ def test_alltoall(n, base):
         np.testing.assert_array_equal(got, np.concatenate([block(s, r) for s in range(n)]))
 
 
+def uniform_block(src: int, dst: int, count: int, dtype) -> np.ndarray:
+    """Rank ``src``'s block for rank ``dst``: distinct for every pair (mod 251, so uint8 too)."""
+    return cast((np.arange(count) * 7 + 3 * src + 11 * dst) % 251, dtype)
+
+
+class Counting:
+    """A communicator that counts its exchanges (the steps a rank takes) and the bytes it
+    sends, and passes them on."""
+
+    def __init__(self, comm):
+        self._comm, self.steps, self.sent = comm, 0, 0
+
+    def exchange(self, sends=(), recvs=(), lend=False):
+        self.steps += 1
+        self.sent += sum(memoryview(buf).nbytes for _, buf in sends)
+        self._comm.exchange(sends, recvs, lend)
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+
+def uniform_case(algorithm: str, n: int, block: int, dtype) -> list[int]:
+    """Runs ``alltoall.uniform`` and checks every rank's blocks; returns each rank's steps."""
+    def rank_fn(comm):
+        r = comm.rank
+        send = np.concatenate([uniform_block(r, d, block, dtype) for d in range(n)])
+        recv = np.zeros_like(send)
+        counting = Counting(comm)
+        alltoall.uniform(counting, send, recv, algorithm)
+        return recv, counting.steps
+
+    steps = []
+    for r, (got, taken) in enumerate(run_ok(n, rank_fn)):
+        want = np.concatenate([uniform_block(s, r, block, dtype) for s in range(n)])
+        assert got.dtype == want.dtype
+        assert got.tobytes() == want.tobytes(), f"rank {r}: {got} != {want}"
+        steps.append(taken)
+    return steps
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.float32, np.int64], ids=["u8", "f32", "i64"])
+@pytest.mark.parametrize("count", ["zero", "one", "uneven", "multi"])
+@pytest.mark.parametrize("n", SIZES)
+def test_bruck_alltoall(n, count, dtype):
+    """Every rank gets each rank's block for it, in ceil(log2 n) steps (odd n and non powers
+    of two too); a block of 0, 1, 3n + 1 and 48n + 5 elements."""
+    steps = uniform_case("bruck", n, element_count(count, n), dtype)
+    assert steps == [(n - 1).bit_length()] * n
+
+
+@pytest.mark.parametrize("algorithm", alltoall.ALGORITHMS)
+def test_uniform_alltoall_runs_the_algorithm_named(algorithm):
+    """Six ranks: Bruck's 3 steps, of 3, 2 and 2 blocks (``moving_blocks``), or the pairwise
+    exchange's 5 of one block."""
+    assert uniform_case(algorithm, 6, 5, np.float32) == [3 if algorithm == "bruck" else 5] * 6
+    assert [alltoall.moving_blocks(6, d) for d in (1, 2, 4)] == [3, 2, 2]
+    assert [alltoall.moving_blocks(5, d) for d in (1, 2, 4)] == [2, 2, 1]
+
+
 # --- failures end in errors, not hangs ---------------------------------------------------
 
 @pytest.mark.parametrize("algorithm", sorted(ALLREDUCES))
@@ -380,4 +439,10 @@ def test_bad_arguments_raise_value_error():
         tree.broadcast(comm, data, 1, CHUNK)
     with pytest.raises(ValueError, match="sends itself"):
         alltoall.alltoall(comm, data, [4], np.zeros(3, dtype=np.float32), [3])
+    with pytest.raises(ValueError, match="equal length"):
+        alltoall.bruck(comm, data, np.zeros(3, dtype=np.float32))
+    with pytest.raises(ValueError, match="receives float64"):
+        alltoall.bruck(comm, data, np.zeros(4, dtype=np.float64))
+    with pytest.raises(ValueError, match="no alltoall 'star'"):
+        alltoall.uniform(comm, data, data.copy(), "star")
 

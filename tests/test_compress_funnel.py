@@ -22,7 +22,7 @@ from gradsync.collectives.costs import RankFabric, cheapest
 from gradsync.collectives.ops import Sum, make_reducer
 from gradsync.compress.comm import SUB_ALLREDUCES, ViewComm
 from gradsync.simulate import compression as simulated
-from test_algorithms import COUNTS, element_count, run_ok
+from test_algorithms import COUNTS, Counting, element_count, run_ok
 
 CHUNK = 64  # bytes per segment: 16 float32, so the "multi" count spans many segments
 SUM32 = make_reducer(Sum, np.float32)
@@ -91,22 +91,6 @@ def test_the_leader_gets_the_sum_in_its_order_and_every_rank_its_bits(how, k, co
     assert results[0][0].tobytes() == want.tobytes()
     for rank, (_, data) in enumerate(results):
         assert data.tobytes() == want.tobytes(), rank
-
-
-class Counting:
-    """A communicator that counts its exchanges (the steps a rank takes) and the bytes it
-    sends, and passes them on."""
-
-    def __init__(self, comm):
-        self._comm, self.steps, self.sent = comm, 0, 0
-
-    def exchange(self, sends=(), recvs=(), lend=False):
-        self.steps += 1
-        self.sent += sum(memoryview(buf).nbytes for _, buf in sends)
-        self._comm.exchange(sends, recvs, lend)
-
-    def __getattr__(self, name):
-        return getattr(self._comm, name)
 
 
 class Steps:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from gradsync.cluster.topology import Topology
-from gradsync.collectives.costs import RankFabric, allreduce_time
+from gradsync.collectives.costs import RankFabric, allreduce_time, alltoall_time
 from gradsync.collectives.planner import choose_allreduce
 from gradsync.config import Config
 from gradsync.errors import ConfigError
@@ -72,10 +72,11 @@ def test_the_planner_chooses_as_before_the_cost_model_moved(key):
 
 
 def _uniform(hosts: int, per_host: int, groups: int):
-    """The same cluster as a Topology (planner) and as a cluster file (simulator)."""
+    """The same cluster as a Topology (planner) and as a cluster file (simulator); the last
+    group is partial when ``groups`` does not divide ``hosts``."""
     names = string.ascii_lowercase[:hosts]
     spec = {"tiers": {"local": LOCAL, "host": HOST, "group": GROUP}}
-    per_group = hosts // groups
+    per_group = -(-hosts // groups)
     if groups > 1:
         spec["groups"] = {f"g{g}": list(names[g * per_group:(g + 1) * per_group])
                           for g in range(groups)}
@@ -89,7 +90,8 @@ def _uniform(hosts: int, per_host: int, groups: int):
 
 
 @pytest.mark.parametrize("hosts,per_host,groups", [(2, 2, 1), (3, 2, 1), (5, 3, 1), (2, 1, 1),
-                                                   (4, 3, 2), (6, 4, 3), (8, 3, 4)])
+                                                   (4, 3, 2), (6, 4, 3), (8, 3, 4), (12, 2, 6),
+                                                   (11, 2, 6), (13, 3, 5)])
 def test_closed_forms_give_the_planners_numbers(hosts, per_host, groups):
     topo, c = _uniform(hosts, per_host, groups)
     for alg in ("ring", "doubling", "halving_doubling", "hierarchical"):
@@ -97,6 +99,52 @@ def test_closed_forms_give_the_planners_numbers(hosts, per_host, groups):
             planner = allreduce_time(alg, RankFabric(topo, topo.ring_order()), nbytes)
             simulator = allreduce_time(alg, TierFabric(c, hosts * per_host), nbytes)
             assert simulator == pytest.approx(planner, rel=1e-12), (alg, nbytes)
+    # The alltoalls' shift steps: counted at every distance on the job's ranks, at two
+    # distances per unit and four units' senders in the simulator (fabric.py, "Shift steps";
+    # five and more units, as 5 x 3 and 12 x 2 in 6 groups, take that road, and with a
+    # partial last group 11 x 2 in 6 and 13 x 3 in 5), also among one stand-in per unit at
+    # every level (split's owners, the last standing for a partial group, on fewer NICs), as
+    # tiered int8 runs it.
+    fabrics = [(RankFabric(topo, topo.ring_order()), TierFabric(c, hosts * per_host))]
+    while (cut := fabrics[-1][0].split()) is not None:
+        fabrics.append((cut[1], fabrics[-1][1].split()[1]))
+    for p, s in fabrics:
+        assert p.n == s.n
+        assert [s.shift_step(d, 1000) for d in range(1, p.n)] == pytest.approx(
+            [p.shift_step(d, 1000) for d in range(1, p.n)], rel=1e-12)
+        for alg in ("pairwise", "bruck"):
+            for nbytes in (1000, 1 << 20, 100 << 20):
+                assert alltoall_time(alg, s, nbytes) == pytest.approx(
+                    alltoall_time(alg, p, nbytes), rel=1e-12), (alg, nbytes)
+
+
+def test_shift_steps_count_a_partial_last_cabinets_fewer_nics():
+    """Summit's tiers, 7 cabinets of 18 nodes and one of 6 (6 GPUs a node): among one
+    stand-in per cabinet the last sends through 6 NICs, not 18, and is the slowest sender of
+    every shift step; the simulator's four units' senders (fabric.py) include it. The same
+    among one stand-in per node, and at some distances among all 792 ranks."""
+    nodes, per_cab = 7 * 18 + 6, 18
+    names = [f"n{i}" for i in range(nodes)]
+    spec = {"tiers": {"local": {"bandwidth": "50GB/s", "latency": "3us"},
+                      "host": {"bandwidth": "23GB/s", "latency": "2us"},
+                      "group": {"bandwidth": f"{23 * per_cab}GB/s", "latency": "3us"}},
+            "groups": {f"c{g}": names[g * per_cab:(g + 1) * per_cab] for g in range(8)}}
+    topo = Topology.from_hosts([h for h in names for _ in range(6)], spec)
+    planner, simulator = RankFabric(topo, topo.ring_order()), TierFabric(
+        cluster_file.load("summit"), 6 * nodes)
+    planner.reduce_bandwidth = simulator.reduce_bandwidth  # summit.json's, for the copies
+    for d in (1, 5, 107, 108, 300, 684, 685, 791):
+        assert simulator.shift_step(d, 1e6) == pytest.approx(planner.shift_step(d, 1e6),
+                                                             rel=1e-12), d
+    for _ in range(2):
+        planner, simulator = planner.split()[1], simulator.split()[1]
+        planner.reduce_bandwidth = simulator.reduce_bandwidth
+        assert [simulator.shift_step(d, 1e6) for d in range(1, planner.n)] == pytest.approx(
+            [planner.shift_step(d, 1e6) for d in range(1, planner.n)], rel=1e-12)
+        for alg in ("pairwise", "bruck"):
+            assert alltoall_time(alg, simulator, 1e8) == pytest.approx(
+                alltoall_time(alg, planner, 1e8), rel=1e-12)
+    assert planner.n == 8 and len(planner.hosts[planner.ranks[-1]]) == 6
 
 
 def test_a_ring_across_nodes_in_closed_form():

@@ -1,4 +1,5 @@
-"""The allreduce cost model: one formula per algorithm, over any *fabric* that times a step.
+"""The cost model: one formula per allreduce or alltoall algorithm, over any *fabric* that times
+a step.
 
 This is the one cost model of gradsync. The run-time planner (``planner.py``) evaluates it on
 the job's own ranks (``RankFabric``: every message of a step enumerated over a ``Topology``);
@@ -15,12 +16,13 @@ where a message's tier is the slowest tier between its two ranks, and its bandwi
 tier's link bandwidth divided by the number of the step's messages that leave the same unit
 (host, group of hosts) over that tier at the same time: k ranks of one host sending to other
 hosts share its NIC. Folding a received piece into one's own costs ``bytes /
-reduce_bandwidth``. A fabric offers three kinds of step over its ranks ``0..n-1`` (positions
+reduce_bandwidth``. A fabric offers four kinds of step over its ranks ``0..n-1`` (positions
 in the fabric's order, not necessarily global ranks):
 
     ring_step(b)         every rank i sends b bytes to i+1 (the last to the first)
     pair_step(d, p, b)   every rank i < p sends b bytes to i XOR d (recursive doubling)
     fold_step(p, b)      every rank p+i >= p sends b bytes to rank i (non powers of two)
+    shift_step(d, b)     every rank i sends b bytes to (i + d) mod n (the alltoalls)
 
 and ``split()``, which cuts it along its fastest tier that has several units of several ranks
 (the hierarchical plan), or says that no tier does.
@@ -37,21 +39,22 @@ The algorithms, for n ranks and S bytes (p = the largest power of two <= n):
                       another (m = the largest unit), the unit's k ranks at the same time
     shm               the host's shared segment: 3 (k-1)/k S through local memory
 
-The allreduce across units runs on ``split()``'s *owners*: one stand-in per unit, carrying the
-k shares that the unit's k ranks send at once. Through the unit's uplink they all pass, so the
-stand-in gets the uplink as one message would; below it each share leaves from its own rank,
-so the stand-in's bytes spread over the unit's own links: a rack of 16 single-GPU nodes sends
-its 16 shares through 16 NICs, not one. Its bandwidth there is the sum of those links
-(``RankFabric.hosts``, ``TierFabric``'s stride). Example: 4 racks x 16 nodes of one GPU, 10
-GB/s NICs, non-blocking racks, 1 GB: the ring inside a rack takes 2 x 15/16 x 1 GB / 10 GB/s
-= 187.5 ms; across racks each rank's 4-rank ring on 1/16 GB takes 2 x 3/4 x 62.5 MB / 10 GB/s
-= 9.4 ms: 197 ms, as a flat ring (the stand-in sent through one NIC would take 150 ms there).
+The alltoalls (``alltoall.py``), S bytes per rank in n uniform blocks of S/n, each block a
+local copy costing ``bytes / reduce_bandwidth`` as a fold does (both stream the bytes
+through memory once):
 
-Worked example: 2 hosts x 2 ranks, 1 Gbit/s (125 MB/s) between hosts, 64 MiB. The
-hierarchical plan's ring inside each host is fast; across hosts two owners (one per host)
-each run a 2-rank ring on the whole 64 MiB: 2 steps of 32 MiB at 125 MB/s = 0.54 s, the
-minimum any allreduce across two hosts needs. A flat ring dealt across hosts (h0 h1 h0 h1)
-sends 6 steps of 16 MiB with two streams on each NIC: 1.6 s, 2.9x more.
+    pairwise          n-1 shift steps of S/n at distances 1 .. n-1; the own block copied
+    bruck             ceil(log2 n) shift steps at distances 1, 2, 4, ..: the step at d carries
+                      c_d S/n (c_d = ``alltoall.moving_blocks(n, d)``, about n/2) and packs
+                      and unpacks it (2 c_d S/n copied); the two rotations copy 2 S
+
+Pairwise sends (n-1)/n S in n-1 latencies, Bruck about (S/2) log2 n in log2 n: Bruck for
+small blocks among many ranks, pairwise for large blocks (``cheapest_alltoall``). Example:
+4,560 ranks one a host, 23 GB/s and 3 us between hosts, folds at 400 GB/s, S = 1 MB (blocks
+of 219 bytes, 9.5 ns on the link): pairwise 4,559 x (3 us + 9.5 ns) = 13.72 ms; Bruck 13
+steps, 27,040 blocks in all: 39 us + 0.26 ms on the links + 2 MB + 11.9 MB copied, 35 us:
+0.33 ms, 41x less. At S = 1 GB (219 KB blocks) pairwise takes 57 ms (13.7 of latency), Bruck
+0.29 s: 5.9 GB through each rank's link.
 """
 
 from __future__ import annotations
@@ -59,12 +62,17 @@ from __future__ import annotations
 import math
 from typing import Callable, Mapping, Protocol, Sequence
 
+import numpy as np
+
 from ..cluster.topology import Topology
 from . import hierarchical as _hier
+from .alltoall import ALGORITHMS as _ALLTOALLS
+from .alltoall import moving_blocks
 from .doubling import core_size
 
 __all__ = ["Fabric", "RankFabric", "FORMULAS", "allreduce_time", "cheapest", "ring",
-           "doubling", "halving_doubling", "hierarchical"]
+           "doubling", "halving_doubling", "hierarchical", "ALLTOALLS", "alltoall_time",
+           "cheapest_alltoall", "pairwise_alltoall", "bruck_alltoall"]
 
 
 class Fabric(Protocol):
@@ -78,6 +86,8 @@ class Fabric(Protocol):
     def pair_step(self, distance: int, p: int, nbytes: float) -> float: ...
 
     def fold_step(self, p: int, nbytes: float) -> float: ...
+
+    def shift_step(self, distance: int, nbytes: float) -> float: ...
 
     def split(self) -> "tuple[Sequence[Fabric], Fabric] | None":  # Sequence: a list of any kind
         """``(parts, owners)``: one fabric per distinct unit (the ranks of one unit, in order),
@@ -165,6 +175,49 @@ def cheapest(f: Fabric, nbytes: float, candidates: Sequence[str]) -> str:
     return min(candidates, key=lambda alg: allreduce_time(alg, f, nbytes))
 
 
+def pairwise_alltoall(f: Fabric, nbytes: float) -> float:
+    n = f.n
+    if n < 2:
+        return 0.0
+    block = nbytes / n
+    return block / f.reduce_bandwidth + sum(f.shift_step(d, block) for d in range(1, n))
+
+
+def bruck_alltoall(f: Fabric, nbytes: float) -> float:
+    n = f.n
+    if n < 2:
+        return 0.0
+    block = nbytes / n
+    total = 2 * nbytes / f.reduce_bandwidth  # the rotation and the inverse rotation
+    distance = 1
+    while distance < n:
+        moving = moving_blocks(n, distance) * block
+        total += f.shift_step(distance, moving) + 2 * moving / f.reduce_bandwidth
+        distance <<= 1
+    return total
+
+
+ALLTOALLS: dict[str, Callable[[Fabric, float], float]] = {
+    "pairwise": pairwise_alltoall, "bruck": bruck_alltoall}
+"""The uniform-block alltoalls, by ``alltoall.ALGORITHMS``' names."""
+
+
+def alltoall_time(algorithm: str, f: Fabric, nbytes: float) -> float:
+    """Predicted seconds of an alltoall of ``nbytes`` per rank (n uniform blocks) over ``f``."""
+    try:
+        formula = ALLTOALLS[algorithm]
+    except KeyError:
+        raise ValueError(f"no cost model for alltoall {algorithm!r}; known: "
+                         f"{sorted(ALLTOALLS)}") from None
+    return formula(f, nbytes)
+
+
+def cheapest_alltoall(f: Fabric, nbytes: float,
+                      candidates: Sequence[str] = _ALLTOALLS) -> str:
+    """The alltoall with the least predicted time (the first of equals, in order)."""
+    return min(candidates, key=lambda alg: alltoall_time(alg, f, nbytes))
+
+
 # --- the job's own ranks ----------------------------------------------------------------------
 
 class RankFabric:
@@ -185,18 +238,26 @@ class RankFabric:
         self.hosts = dict(hosts or {})
         self.n = len(self.ranks)
         self.reduce_bandwidth = topo.reduce_bandwidth
+        self._rank = np.asarray(self.ranks, dtype=np.int64)
+        self._host = np.asarray(topo.host_of, dtype=np.int64)
+        self._group = np.asarray(topo.group_of, dtype=np.int64)
+        self._nics = np.array([len(self._hosts_of(r)) for r in self.ranks], dtype=np.int64)
 
     def ring_step(self, nbytes: float) -> float:
-        order = self.ranks
-        return self._step(list(zip(order, order[1:] + order[:1])), nbytes)
+        i = np.arange(self.n)
+        return self._step(i, (i + 1) % self.n, nbytes)
 
     def pair_step(self, distance: int, p: int, nbytes: float) -> float:
-        r = self.ranks
-        return self._step([(r[i], r[i ^ distance]) for i in range(p)], nbytes)
+        i = np.arange(p)
+        return self._step(i, i ^ distance, nbytes)
 
     def fold_step(self, p: int, nbytes: float) -> float:
-        r = self.ranks
-        return self._step([(r[p + i], r[i]) for i in range(self.n - p)], nbytes)
+        i = np.arange(self.n - p)
+        return self._step(p + i, i, nbytes)
+
+    def shift_step(self, distance: int, nbytes: float) -> float:
+        i = np.arange(self.n)
+        return self._step(i, (i + distance) % self.n, nbytes)
 
     def split(self) -> "tuple[list[RankFabric], RankFabric] | None":
         levels = _hier.splitting(self.ranks, self.levels)
@@ -216,34 +277,30 @@ class RankFabric:
     def shm_bandwidth(self) -> float:
         return self.topo.tiers["local"].bandwidth
 
-    def _step(self, messages: Sequence[tuple[int, int]], nbytes: float) -> float:
-        """Time of one step in which each (src, dst) message carries ``nbytes`` at once."""
-        if not messages:
-            return 0.0
-        topo = self.topo
-        leaving: dict[tuple[str, int], int] = {}
-        for a, b in messages:
-            for key in self._uplinks(a, b):
-                leaving[key] = leaving.get(key, 0) + 1
-        worst = 0.0
-        for a, b in messages:
-            tier = topo.tier(a, b)
-            # A stand-in's shares leave through every NIC of its unit (``hosts``) at once.
-            nics = len(self._hosts_of(a))
-            bandwidth = topo.tiers["local"].bandwidth if tier == "local" else min(
-                topo.tiers[t].bandwidth * (nics if t == "host" else 1) / leaving[(t, unit)]
-                for t, unit in self._uplinks(a, b))
-            worst = max(worst, topo.tiers[tier].latency + nbytes / bandwidth)
-        return worst
+    def _step(self, src: np.ndarray, dst: np.ndarray, nbytes: float) -> float:
+        """Time of one step in which the rank at each position of ``src`` sends ``nbytes`` to
+        the one at the same place of ``dst``, all at once (positions in ``ranks``).
 
-    def _uplinks(self, a: int, b: int) -> list[tuple[str, int]]:
-        """The shared links a message from ``a`` to ``b`` goes through: its host's NIC when
-        it leaves the host, and its group's uplink when it leaves the group."""
-        topo = self.topo
-        ha, hb = topo.host_of[a], topo.host_of[b]
-        if ha == hb:
-            return []
-        out = [("host", ha)]
-        if topo.group_of[ha] != topo.group_of[hb]:
-            out.append(("group", topo.group_of[ha]))
-        return out
+        A message that leaves its host shares the host's NIC with the step's other messages
+        leaving it, and one that leaves its group the group's uplink likewise: counted with
+        NumPy over the messages (a pairwise alltoall takes n-1 steps of n messages)."""
+        if src.size == 0:
+            return 0.0
+        tiers = self.topo.tiers
+        ha, hb = self._host[self._rank[src]], self._host[self._rank[dst]]
+        ga, gb = self._group[ha], self._group[hb]
+        leaves_host, leaves_group = ha != hb, ga != gb
+        bandwidth = np.full(src.size, tiers["local"].bandwidth)
+        latency = np.full(src.size, tiers["local"].latency)
+        if leaves_host.any():
+            # A stand-in's shares leave through every NIC of its unit (``hosts``) at once.
+            out = ha[leaves_host]
+            bandwidth[leaves_host] = (tiers["host"].bandwidth * self._nics[src[leaves_host]]
+                                      / np.bincount(out)[out])
+            latency[leaves_host] = tiers["host"].latency
+        if leaves_group.any():
+            out = ga[leaves_group]
+            bandwidth[leaves_group] = np.minimum(
+                bandwidth[leaves_group], tiers["group"].bandwidth / np.bincount(out)[out])
+            latency[leaves_group] = tiers["group"].latency
+        return float(np.max(latency + nbytes / bandwidth))

@@ -6,7 +6,9 @@ pairs), so the Horovod API, a DDP hook and the tests' in-memory group are interc
 - ``allreduce_sum_(t)``: float32 ``t`` becomes the sum over ranks, in place, the same bytes
   on every rank (PowerSGD's factors, random-k's values, uncompressed small tensors);
 - ``alltoall(send)``: ``send`` is ``size`` equal blocks of bytes (uint8), block j for rank j;
-  returns ``size`` blocks, block s from rank s (int8's reduce-scatter);
+  returns ``size`` blocks, block s from rank s (int8's reduce-scatter). On a World and its
+  views by the pairwise exchange or Bruck's algorithm, whichever the cost model predicts
+  faster on the ranks' links (``collectives/alltoall.py``; ``chosen``);
 - ``allgather(mine)``: every rank's equal-sized uint8 block, in rank order (int8's
   all-gather).
 
@@ -35,6 +37,8 @@ are also offers:
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 import torch
 
@@ -45,7 +49,7 @@ from ..collectives import costs, doubling, funnel, halving_doubling, ring
 from ..collectives.ops import ReduceOp, make_reducer
 from ..pipeline import operations as ops
 
-__all__ = ["Comm", "Loopback", "WorldComm", "ViewComm", "TorchComm"]
+__all__ = ["Comm", "Loopback", "WorldComm", "ViewComm", "TorchComm", "chosen"]
 
 
 class Comm:
@@ -115,8 +119,8 @@ class ViewComm(Comm):
     (the owners of different blocks) never count their collectives differently.
 
     ``topology``: the job's, for the cost model's choices on the view's ranks, the same on
-    every rank: each allreduce's algorithm (``SUB_ALLREDUCES``) and the funnel's schedule
-    (``collectives/funnel.py``)."""
+    every rank: each allreduce's algorithm (``SUB_ALLREDUCES``), the alltoall's (pairwise or
+    Bruck's) and the funnel's schedule (``collectives/funnel.py``)."""
 
     def __init__(self, view, config, topology: Topology):
         self.view, self.config, self.topology = view, config, topology
@@ -135,10 +139,9 @@ class ViewComm(Comm):
             ring.allreduce(self.view, flat, _SUM32, self.config.chunk_bytes)
 
     def alltoall(self, send: torch.Tensor) -> torch.Tensor:
-        n = self.size
-        block = send.numel() // n
         out = np.empty(send.numel(), dtype=np.uint8)
-        _alltoall.alltoall(self.view, send.numpy(), [block] * n, out, [block] * n)
+        wire = send.numpy()
+        _alltoall.uniform(self.view, wire, out, self._chosen("alltoall", wire.nbytes))
         return torch.from_numpy(out)
 
     def allgather(self, mine: torch.Tensor) -> torch.Tensor:
@@ -175,22 +178,31 @@ class ViewComm(Comm):
         return self._chosen("funnel", nbytes)
 
     def _chosen(self, what: str, nbytes: int) -> str:
-        """The cost model's choice for ``what`` (``"funnel"`` or ``"allreduce"``) of ``nbytes``
-        on this view's ranks, worked out once per topology, ranks and size (``_CHOSEN``)."""
-        chunk_bytes = self.config.chunk_bytes
-        key = (what, id(self.topology), tuple(self.view.ranks), nbytes, chunk_bytes)
-        hit = _CHOSEN.get(key)
-        if hit is not None and hit[0] is self.topology:
-            return hit[1]
-        fabric = costs.RankFabric(self.topology, self.view.ranks)
-        if what == "funnel":
-            choice = funnel.schedule(fabric, nbytes, chunk_bytes)
-        else:
-            choice = costs.cheapest(fabric, nbytes, SUB_ALLREDUCES)
-        if len(_CHOSEN) >= 4096:  # a training job's buckets come in a few sizes
-            _CHOSEN.clear()
-        _CHOSEN[key] = (self.topology, choice)
-        return choice
+        """The cost model's choice for ``what`` of ``nbytes`` on this view's ranks
+        (``chosen``)."""
+        return chosen(what, self.topology, self.view.ranks, nbytes, self.config.chunk_bytes)
+
+
+def chosen(what: str, topology: Topology, ranks: Sequence[int], nbytes: int,
+           chunk_bytes: int) -> str:
+    """The cost model's choice for ``what`` (``"funnel"``, ``"allreduce"`` or ``"alltoall"``)
+    of ``nbytes`` on ``ranks`` of ``topology``, worked out once per topology, ranks and size
+    (``_CHOSEN``): it depends on nothing else, so every rank makes the same."""
+    key = (what, id(topology), tuple(ranks), nbytes, chunk_bytes)
+    hit = _CHOSEN.get(key)
+    if hit is not None and hit[0] is topology:
+        return hit[1]
+    fabric = costs.RankFabric(topology, ranks)
+    if what == "funnel":
+        choice = funnel.schedule(fabric, nbytes, chunk_bytes)
+    elif what == "alltoall":
+        choice = costs.cheapest_alltoall(fabric, nbytes)
+    else:
+        choice = costs.cheapest(fabric, nbytes, SUB_ALLREDUCES)
+    if len(_CHOSEN) >= 4096:  # a training job's buckets come in a few sizes
+        _CHOSEN.clear()
+    _CHOSEN[key] = (topology, choice)
+    return choice
 
 
 SUB_ALLREDUCES = ("doubling", "halving_doubling", "ring")
@@ -199,7 +211,7 @@ planner's candidates less the two that only reorder or split a group across tier
 tiered reduction's sub-group already lies within one tier)."""
 
 _CHOSEN: dict[tuple, tuple[Topology, str]] = {}
-"""``ViewComm._chosen``'s choices by (what, topology's id, ranks, bytes, chunk_bytes), with
+"""``chosen``'s choices by (what, topology's id, ranks, bytes, chunk_bytes), with
 the topology they were made for (an id can be reused once it is gone): the cost model
 enumerates every message of every step, which a step of training should not pay for each
 bucket."""
@@ -231,12 +243,15 @@ class WorldComm(Comm):
         block = send.numel() // n
         out = np.empty(send.numel(), dtype=np.uint8)
         world = self.world
-        world.comm.begin(f"compressed alltoall '{self._next('alltoall')}' uint8[{n}x{block}]",
-                         world.config.check_collectives)
+        wire = send.numpy()
+        how = chosen("alltoall", world.topology, range(n), wire.nbytes, world.config.chunk_bytes)
+        # The choice in the description: ranks that chose differently fail at the first frame.
+        world.comm.begin(f"compressed alltoall '{self._next('alltoall')}' uint8[{n}x{block}] "
+                         f"by {how}", world.config.check_collectives)
         if n == 1:
-            out[:] = send.numpy()
+            out[:] = wire
         else:
-            _alltoall.alltoall(world.comm, send.numpy(), [block] * n, out, [block] * n)
+            _alltoall.uniform(world.comm, wire, out, how)
         return torch.from_numpy(out)
 
     def allgather(self, mine: torch.Tensor) -> torch.Tensor:

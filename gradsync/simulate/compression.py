@@ -40,8 +40,10 @@ Time of a call on a fabric (the cost model's ``TierFabric``): an allreduce is th
 (``costs.allreduce_time``: the planner's choice for a flat schedule; inside a tiered one the
 cheapest of recursive doubling, halving-doubling and the ring, as ``comm.ViewComm`` chooses
 them); the
-alltoall is ``alltoall.py``'s pairwise exchange, n-1 steps in which rank i sends a block to
-i + d (``alltoall_time``: the messages that leave each unit in step d share its uplink); the
+alltoall is the cheaper of ``alltoall.py``'s two, as ``comm`` chooses them (``alltoall_time``):
+the pairwise exchange, n-1 steps in which rank i sends a block to i + d (the messages that
+leave each unit in step d share its uplink), or Bruck's ceil(log2 n) steps at d = 1, 2, 4, ..
+of about n/2 blocks each (the bytes a rank sends, ``sent_bytes``, follow the choice); the
 allgather is ``ring.allgather``, n-1 ring steps of one block.
 
 Compute. Compressing costs ``seconds per element`` (``rate``) on the elements a rank
@@ -64,9 +66,9 @@ the persistent spread p does not average out).
 
 Worked example, int8 over 4 ranks, E = 10,000 elements, block 1024: ceil(10,000/4) = 2,500
 per rank, blocks of 1,024, 3 per chunk, c = 3,072; the alltoall sends 4 x (12 + 3,072) =
-12,336 bytes of which a rank keeps a quarter, the allgather 3,084 bytes: 2 x 3/4 x 12,336 =
-18,504 bytes sent per rank against 60,000 for a float32 ring (3.2x fewer; 3.97x for large
-buckets, where the padding is negligible).
+12,336 bytes of which a rank keeps a quarter (by the pairwise exchange), the allgather
+3,084 bytes: 2 x 3/4 x 12,336 = 18,504 bytes sent per rank against 60,000 for a float32
+ring (3.2x fewer; 3.97x for large buckets, where the padding is negligible).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..collectives import costs, funnel
+from ..collectives.alltoall import moving_blocks
 
 __all__ = ["Compression", "parse", "schedule", "sent_bytes", "powersgd_plan", "int8_layout",
            "randomk_count", "alltoall_time", "funnel_time", "PASSES", "OUTER_PASSES", "KINDS",
@@ -266,15 +269,19 @@ def schedule(c: Compression, elements: float, n: int, shapes=None) -> list[tuple
     return [("allreduce", 4 * (plain + ps))] + ([("allreduce", 4 * qs)] if qs else [])
 
 
-def sent_bytes(call: tuple[str, float], n: int) -> float:
+def sent_bytes(call: tuple[str, float], n: int, alltoall: str = "pairwise") -> float:
     """Bytes one rank sends for ``call`` among ``n`` ranks, as gradsync runs it: a ring
-    allreduce 2(n-1)/n of the data, the alltoall all but its own block, the ring allgather
-    its block to n-1 ranks, each pass of the float32 reduce-scatter or gather (n-1)/n, and
-    each way of the funnel (n-1)/n on average (the whole bucket n-1 times over, by the chain
-    or the tree; the split sends more, ``funnel.mean_sent``)."""
+    allreduce 2(n-1)/n of the data, the alltoall by ``alltoall`` all but its own block
+    (pairwise) or the blocks of each of Bruck's steps (about (log2 n)/2 of the data), the
+    ring allgather its block to n-1 ranks, each pass of the float32 reduce-scatter or gather
+    (n-1)/n, and each way of the funnel (n-1)/n on average (the whole bucket n-1 times over,
+    by the chain or the tree; the split sends more, ``funnel.mean_sent``)."""
     kind, nbytes = call
     if n < 2:
         return 0.0
+    if kind == "alltoall" and alltoall == "bruck":
+        steps = range((n - 1).bit_length())
+        return sum(moving_blocks(n, 1 << k) for k in steps) / n * nbytes
     share = {"allreduce": 2 * (n - 1) / n, "alltoall": (n - 1) / n, "allgather": n - 1,
              "reduce_scatter": (n - 1) / n, "gather_blocks": (n - 1) / n,
              "reduce_to_leader": (n - 1) / n, "broadcast_from_leader": (n - 1) / n}[kind]
@@ -284,27 +291,10 @@ def sent_bytes(call: tuple[str, float], n: int) -> float:
 # --- time on a fabric ------------------------------------------------------------------------
 
 def alltoall_time(f, nbytes: float) -> float:
-    """``alltoall.py``'s pairwise exchange of ``nbytes`` per rank (n blocks) on ``f``
-    (a ``TierFabric``): in step d = 1..n-1 rank i sends its block to i + d mod n; of a unit
-    of s active ranks, min(s, d, n - d) messages leave it at once and share its uplink. Each
-    step lasts as its slowest message: the top tier's latency and the tightest uplink share."""
-    n = f.n
-    if n < 2:
-        return 0.0
-    piece = nbytes / n
-    d = np.arange(1, n, dtype=float)
-    leave = np.minimum(d, n - d)
-    bandwidth = np.full(d.size, float(f._uplinks[0]))
-    top = 0
-    for u in range(1, len(f._latency)):
-        per_unit = max(1.0, f._sizes[u] / f.stride)
-        if per_unit >= n:
-            break
-        count = np.minimum(leave, per_unit)
-        share = f._uplinks[u] * f._links[0][u] / count
-        bandwidth = share if u == 1 else np.minimum(bandwidth, share)
-        top = u
-    return float(np.sum(f._latency[top] + piece / bandwidth))
+    """The alltoall of ``nbytes`` per rank (n uniform blocks) on ``f``, by the cheaper of
+    ``alltoall.py``'s pairwise exchange and Bruck's algorithm, as ``comm.ViewComm`` and
+    ``comm.WorldComm`` choose (``costs.cheapest_alltoall``)."""
+    return min(costs.alltoall_time(a, f, nbytes) for a in costs.ALLTOALLS)
 
 
 def call_time(f, call: tuple[str, float], algorithms: "tuple[str, ...] | None") -> float:
@@ -380,17 +370,20 @@ def exchange(cluster, fabric, c: Compression, nbytes: float, bytes_per_param: fl
 
         calls = calls_of(e)
         took = sum(call_time(f, call, algs) for call in calls)
+        # The alltoall's algorithm, as timed (``alltoall_time``): its bytes follow it.
+        hows = [costs.cheapest_alltoall(f, b) if kind == "alltoall" else "" for kind, b in calls]
         work = rate(cluster, c.kind) * (e if lead else e * share)
         if lead:  # one rank (the leader) sends for its unit: the unit's average
-            sent = share * sum(sent_bytes(call, f.n) for call in calls)
+            sent = share * sum(sent_bytes(call, f.n, how) for call, how in zip(calls, hows))
         else:  # each rank sends its own block's schedule (its own k, its own padding)
-            sent = sum(sent_bytes(call, f.n) for call in calls_of(e * share))
+            sent = sum(sent_bytes(call, f.n, how)
+                       for call, how in zip(calls_of(e * share), hows))
         if algs is None:
             label = "hierarchical"
         elif calls and calls[0][0] == "allreduce":
             label = min(algs, key=lambda a: costs.allreduce_time(a, f, calls[0][1]))
         else:
-            label = "alltoall+allgather"
+            label = f"alltoall ({hows[0]})+allgather"
         return Cost(took + work, work, 0.0, sent, label)
 
     def tiered(f, e: float, share: float, lead: bool, depth: int) -> Cost:

@@ -23,6 +23,16 @@ ranks: one stand-in per node, as the hierarchical plan uses one tier up).
   leave each unit are counted with NumPy over the active ranks, O(n) per step, a few
   milliseconds at 27,360 ranks. (Closed forms exist when every fanout is a power of two; with
   six GPUs per node they do not.)
+- Shift steps (the alltoalls' ``i -> i + d mod n``), counted the same way, but the pairwise
+  alltoall takes n-1 of them. Let ``far`` be the active ranks of one unit of the highest
+  level that has several: at every distance ``far <= d <= n - far`` every message leaves
+  every unit up to that level (a unit's ranks ``[a, a + s)`` send to ``[a + d, a + s + d)``
+  mod n, which misses the unit when ``s <= d <= n - s``) and crosses the same tier, and
+  each unit sends all of its ranks' messages: the same step. It is counted once
+  (``_shifts``, by distance: a step's worst latency and bandwidth per tier serve every
+  size), so the pairwise alltoall costs 2 far counted steps, not n; and each counts only
+  the senders of four units of ``far`` ranks, the first two and the last two (``_shifted``
+  says why the others add nothing): 2 far x 4 far messages in all.
 - ``split``: the lowest level with several units of several active ranks; its parts are one
   full unit and the partial last one, its owners the same ranks at the unit's stride.
 - A stand-in's links. An active rank at stride s stands for the s ranks of its unit (fewer
@@ -63,6 +73,11 @@ class TierFabric:
         # (1 at and above its own level), _links[1]: the partial last unit's.
         self._links = [np.array([_spread(size, stride, r) for size in self._sizes], dtype=float)
                        for r in (stride, last)]
+        self._far = 1  # the active ranks of a unit of the highest level with several
+        for level in range(1, len(self._latency)):
+            if self._units(level) > 1:
+                self._far = max(1, -(-int(self._sizes[level]) // stride))
+        self._shifts: dict[int, list[tuple[float, float]]] = {}  # shift_step's, by distance
 
     def _units(self, level: int) -> int:
         """How many level ``level`` units hold active ranks."""
@@ -95,9 +110,38 @@ class TierFabric:
         dst = np.arange(self.n - p, dtype=np.int64)
         return self._step(dst + p, dst, nbytes)
 
+    def shift_step(self, distance: int, nbytes: float) -> float:
+        n = self.n
+        distance %= n
+        if self._far <= distance <= n - self._far:
+            distance = self._far  # the same step at every such distance (module docstring)
+        worst = self._shifts.get(distance)
+        if worst is None:
+            src = self._shifted(np.arange(n, dtype=np.int64))
+            worst = self._shifts[distance] = self._worst(src, (src + distance) % n)
+        return _time(worst, nbytes)
+
+    def _shifted(self, ranks: np.ndarray) -> np.ndarray:
+        """The senders whose messages show every kind a shift step has: the ranks of the
+        first two and the last two units of ``far`` ranks. A unit sends ``[a, a + far)`` to
+        ``[a + d, a + far + d)``; only where that range wraps past rank n - 1 (the last units
+        for d < far, the first for d > n - far) or the unit is partial (the last) does it
+        differ from unit 1's: every other unit repeats unit 1 (its units below nest in it, so
+        their counts are whole)."""
+        far, units = self._far, -(-self.n // self._far)
+        if units <= 4:
+            return ranks
+        return np.concatenate([ranks[:2 * far], ranks[(units - 2) * far:]])
+
     def _step(self, src: np.ndarray, dst: np.ndarray, nbytes: float) -> float:
+        return _time(self._worst(src, dst), nbytes)
+
+    def _worst(self, src: np.ndarray, dst: np.ndarray) -> list[tuple[float, float]]:
+        """Per tier the step's messages cross: its latency and their least bandwidth. A step
+        of b bytes lasts the largest latency + b / bandwidth of these, whatever b (of the
+        messages on one tier, the one with the least bandwidth is the slowest)."""
         if src.size == 0:
-            return 0.0
+            return []
         a, b = src * self.stride, dst * self.stride
         levels = len(self._latency)
         # tier[i]: the lowest t with both ends in one level t+1 unit.
@@ -111,13 +155,12 @@ class TierFabric:
             out = tier >= u  # leaves its level u unit
             if not out.any():
                 break
-            unit = a[out] // self._sizes[u]
-            _, inverse, counts = np.unique(unit, return_inverse=True, return_counts=True)
+            unit = a[out] // int(self._sizes[u])
+            counts = np.bincount(unit)[unit]  # the messages that leave each unit at once
             links = np.where(last[out], self._links[1][u], self._links[0][u])
-            bandwidth[out] = np.minimum(bandwidth[out],
-                                        self._uplinks[u] * links / counts[inverse])
-        latency = np.asarray(self._latency)[tier]
-        return float(np.max(latency + nbytes / bandwidth))
+            bandwidth[out] = np.minimum(bandwidth[out], self._uplinks[u] * links / counts)
+        return [(self._latency[t], float(bandwidth[tier == t].min()))
+                for t in range(levels) if (tier == t).any()]
 
     # --- structure --------------------------------------------------------------------------
     def split(self) -> "tuple[list[TierFabric], TierFabric] | None":
@@ -142,6 +185,11 @@ class TierFabric:
 
     def __repr__(self) -> str:
         return f"TierFabric({self.cluster.name!r}, ranks={self.ranks}, stride={self.stride})"
+
+
+def _time(worst: list[tuple[float, float]], nbytes: float) -> float:
+    """A step's seconds for ``nbytes`` a message, from ``TierFabric._worst``."""
+    return max((latency + nbytes / bandwidth for latency, bandwidth in worst), default=0.0)
 
 
 def _spread(size: float, stride: int, ranks: int) -> int:
