@@ -358,8 +358,12 @@ class ShmPair(Pair):
 
     def moved(self) -> int:
         # The rings' own positions: bytes written out and read in (another thread's view of
-        # them may lag by the copy in progress, never more).
-        return self._out.pos + self._in.pos
+        # them may lag by the copy in progress, never more). The pace thread may ask after
+        # ``close`` (traffic.py): a closed pair counts nothing, as a closed TCP pair does.
+        out, inb = self._out, self._in
+        if out is None or inb is None:
+            return 0
+        return out.pos + inb.pos
 
     def advance_send(self, op: Send) -> bool:
         out = self._out
