@@ -114,7 +114,8 @@ def _allreduce(comm: Communicator, ranks: list[int], data: np.ndarray, reducer: 
     ring.allgather(local, data, counts, chunk_bytes)
 
 
-def _flat(view, data: np.ndarray, reducer: Reducer, chunk_bytes: int, small_bytes: int) -> None:
+def _flat(view: Communicator, data: np.ndarray, reducer: Reducer, chunk_bytes: int,
+          small_bytes: int) -> None:
     if view.size == 1 or data.size == 0:
         return
     if data.nbytes < small_bytes:
@@ -177,7 +178,7 @@ def _slices(spans: list[tuple[int, int]], m: int) -> list[list[tuple[int, int]]]
     return out
 
 
-def _gather_spans(view, data: np.ndarray, spans: list[list[tuple[int, int]]],
+def _gather_spans(view: Communicator, data: np.ndarray, spans: list[list[tuple[int, int]]],
                   chunk_bytes: int) -> None:
     """Allgather where member i contributes the (possibly scattered) spans ``spans[i]``."""
     if view.size == 1:
