@@ -182,6 +182,17 @@ def test_pair_close_is_seen_by_the_peer():
     assert info.value.peer == 0
 
 
+def test_pair_counts_nothing_once_closed():
+    # The pace thread reads ``moved`` (liveness/traffic.py) and may come after the pair's
+    # World closed; the old code raised AttributeError there, and the pace round with it.
+    a, b = _loopback()
+    _frame(a, b, _pattern(40, 0), np.zeros(40, np.uint8))
+    assert a.moved() == b.moved() == frame.HEADER_SIZE + 40
+    a.close()
+    assert a.moved() == 0
+    assert b.moved() == frame.HEADER_SIZE + 40
+
+
 def _pair_exchange(ctx: Rank, sizes: list[int]):
     peer = 1 - ctx.rank
     pairs = open_pairs(ctx.job, ctx.rank, {peer: ctx.pids[peer]}, ctx.barrier, _TINY_RING)

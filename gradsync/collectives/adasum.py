@@ -71,7 +71,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..transport.comm import Comm
+from ..transport.comm import Communicator
 from .doubling import core_size, fold_in, fold_out
 from .ops import BFLOAT16
 
@@ -87,7 +87,8 @@ stay in cache, where whole float64 copies of a large buffer would not."""
 _FLOATS = {np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)}
 
 
-def allreduce(comm: Comm, flat: np.ndarray, dtype, counts: Sequence[int] | None = None) -> None:
+def allreduce(comm: Communicator, flat: np.ndarray, dtype,
+              counts: Sequence[int] | None = None) -> None:
     """Replaces ``flat`` on every rank by the Adasum of all ranks' ``flat``, in place.
 
     Args:
@@ -135,7 +136,7 @@ def combine(a: np.ndarray, b: np.ndarray, dtype, counts: Sequence[int] | None = 
     _combine(a, b, True, dtype, offsets, _dots(a, b, True, dtype, offsets, work), work)
 
 
-def _halve(comm: Comm, flat: np.ndarray, dtype, p: int, offsets: np.ndarray,
+def _halve(comm: Communicator, flat: np.ndarray, dtype, p: int, offsets: np.ndarray,
            work) -> tuple[list[tuple[int, int]], tuple[int, int]]:
     """The combining levels; returns the window held before each level and the one kept last."""
     rank = comm.rank
@@ -159,7 +160,7 @@ def _halve(comm: Comm, flat: np.ndarray, dtype, p: int, offsets: np.ndarray,
     return windows, (lo, hi)
 
 
-def _double(comm: Comm, flat: np.ndarray, p: int, windows: list[tuple[int, int]],
+def _double(comm: Communicator, flat: np.ndarray, p: int, windows: list[tuple[int, int]],
             kept: tuple[int, int]) -> None:
     """Grows the window ``kept`` back to the whole buffer: the levels of ``_halve`` in reverse,
     each rank sending its window and receiving its peer's, the other half of the one before."""
@@ -174,7 +175,7 @@ def _double(comm: Comm, flat: np.ndarray, p: int, windows: list[tuple[int, int]]
         distance >>= 1
 
 
-def _group_sum(comm: Comm, dots: np.ndarray, distance: int) -> None:
+def _group_sum(comm: Communicator, dots: np.ndarray, distance: int) -> None:
     """Sums ``dots`` over the ``2 * distance`` ranks that share this rank's bits above ``distance``.
 
     Recursive doubling: rank ``r`` adds ``x + y`` where its peer adds ``y + x``, the same bits, so
@@ -253,7 +254,7 @@ def _chunk_segments(bounds: np.ndarray, start: int, end: int):
     return ids[keep], starts[keep], lengths[keep]
 
 
-def _work(comm: Comm) -> tuple[np.ndarray, np.ndarray]:
+def _work(comm: Communicator) -> tuple[np.ndarray, np.ndarray]:
     return (comm.scratch(8 * _CHUNK, slot=2).view(np.float64),
             comm.scratch(8 * _CHUNK, slot=3).view(np.float64))
 
@@ -288,8 +289,8 @@ def _offsets(counts: Sequence[int] | None, size: int) -> np.ndarray:
     """Tensor boundaries ``[0, c0, c0+c1, ..]``, checked against the buffer's size."""
     if counts is None:
         return np.array([0, size], dtype=np.int64)
-    counts = np.asarray(list(counts), dtype=np.int64)
-    if (counts < 0).any() or counts.sum() != size:
-        raise ValueError(f"Adasum counts {counts.tolist()} must be >= 0 and sum to the "
+    lengths = np.asarray(list(counts), dtype=np.int64)
+    if (lengths < 0).any() or lengths.sum() != size:
+        raise ValueError(f"Adasum counts {lengths.tolist()} must be >= 0 and sum to the "
                          f"buffer's {size} elements")
-    return np.concatenate(([0], np.cumsum(counts)))
+    return np.concatenate(([0], np.cumsum(lengths)))

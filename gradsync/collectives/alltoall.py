@@ -63,7 +63,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..transport.comm import Comm
+from ..transport.comm import Communicator
 from .ring import block_offsets
 
 __all__ = ["alltoall", "bruck", "uniform", "moving_blocks", "ALGORITHMS"]
@@ -72,7 +72,7 @@ ALGORITHMS = ("pairwise", "bruck")
 """The uniform-block alltoalls ``uniform`` runs, by name (``costs.ALLTOALLS`` times them)."""
 
 
-def alltoall(comm: Comm, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray,
+def alltoall(comm: Communicator, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray,
              recv_counts: Sequence[int]) -> None:
     """Sends block ``d`` of ``send`` to rank ``d`` and receives rank ``s``'s block for this rank.
 

@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..transport.comm import Comm
+from ..transport.comm import Communicator
 from .ops import Reducer
 
 __all__ = ["allreduce", "core_size", "fold_in", "fold_out"]
 
 
-def allreduce(comm: Comm, data: np.ndarray, reducer: Reducer) -> None:
+def allreduce(comm: Communicator, data: np.ndarray, reducer: Reducer) -> None:
     """Reduces ``data`` in place over all ranks by recursive doubling.
 
     Args:
@@ -63,7 +63,7 @@ def core_size(size: int) -> int:
     return 1 << (size.bit_length() - 1)
 
 
-def fold_in(comm: Comm, data: np.ndarray, reducer: Reducer, p: int) -> bool:
+def fold_in(comm: Communicator, data: np.ndarray, reducer: Reducer, p: int) -> bool:
     """Folds each extra rank's vector into its partner's; True on ranks of the core.
 
     Uses scratch slot 0 (as large as ``data``) on partners.
@@ -79,7 +79,7 @@ def fold_in(comm: Comm, data: np.ndarray, reducer: Reducer, p: int) -> bool:
     return True
 
 
-def fold_out(comm: Comm, data: np.ndarray, p: int) -> None:
+def fold_out(comm: Communicator, data: np.ndarray, p: int) -> None:
     """Sends the core's result back from each partner into its extra rank's ``data``."""
     rank = comm.rank
     if rank >= p:

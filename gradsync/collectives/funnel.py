@@ -75,7 +75,7 @@ import math
 
 import numpy as np
 
-from ..transport.comm import Comm
+from ..transport.comm import Communicator
 from . import ring, tree
 from .costs import Fabric
 from .ops import Reducer
@@ -86,7 +86,7 @@ __all__ = ["SCHEDULES", "reduce", "broadcast", "schedule", "reduce_time", "broad
 SCHEDULES = ("chain", "tree", "split")
 
 
-def reduce(comm: Comm, data: np.ndarray, reducer: Reducer, chunk_bytes: int,
+def reduce(comm: Communicator, data: np.ndarray, reducer: Reducer, chunk_bytes: int,
            how: str) -> None:
     """Sums ``data`` over every rank onto rank 0, in place (other ranks keep partial sums).
 
@@ -117,7 +117,7 @@ def reduce(comm: Comm, data: np.ndarray, reducer: Reducer, chunk_bytes: int,
                 comm.exchange(recvs=[(peer, part)])
 
 
-def broadcast(comm: Comm, data: np.ndarray, chunk_bytes: int, how: str) -> None:
+def broadcast(comm: Communicator, data: np.ndarray, chunk_bytes: int, how: str) -> None:
     """Copies rank 0's ``data`` into ``data`` on every rank (``reduce``'s arguments)."""
     _check(how)
     n = comm.size

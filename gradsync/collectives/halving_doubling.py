@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..transport.comm import Comm
+from ..transport.comm import Communicator
 from .doubling import core_size, fold_in, fold_out
 from .ops import Reducer
 
 __all__ = ["allreduce"]
 
 
-def allreduce(comm: Comm, data: np.ndarray, reducer: Reducer) -> None:
+def allreduce(comm: Communicator, data: np.ndarray, reducer: Reducer) -> None:
     """Reduces ``data`` in place over all ranks by recursive halving, then doubling.
 
     Args:
@@ -53,7 +53,7 @@ def allreduce(comm: Comm, data: np.ndarray, reducer: Reducer) -> None:
     fold_out(comm, data, p)
 
 
-def _halve(comm: Comm, data: np.ndarray, reducer: Reducer, p: int,
+def _halve(comm: Communicator, data: np.ndarray, reducer: Reducer, p: int,
            offsets: list[int]) -> tuple[int, int]:
     """The reduce-scatter; returns the window ``[first, last)`` of blocks this rank owns."""
     rank = comm.rank
@@ -76,7 +76,7 @@ def _halve(comm: Comm, data: np.ndarray, reducer: Reducer, p: int,
     return first, last
 
 
-def _double(comm: Comm, data: np.ndarray, p: int, offsets: list[int], first: int,
+def _double(comm: Communicator, data: np.ndarray, p: int, offsets: list[int], first: int,
             last: int) -> None:
     """The allgather: grows the owned window ``[first, last)`` to the whole vector."""
     rank = comm.rank

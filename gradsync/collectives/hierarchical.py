@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..cluster.topology import Topology
-from ..transport.comm import Comm, CommView
+from ..transport.comm import Communicator
 from . import doubling, ring, tree
 from .ops import Reducer
 
@@ -71,7 +71,7 @@ def block_owners(unit_sizes: Sequence[int]) -> tuple[int, list[list[int]]]:
     return m, [[b * k // m for b in range(m)] for k in unit_sizes]
 
 
-def allreduce(comm: Comm, data: np.ndarray, reducer: Reducer, order: Sequence[int],
+def allreduce(comm: Communicator, data: np.ndarray, reducer: Reducer, order: Sequence[int],
               levels: Sequence[Level], chunk_bytes: int, small_bytes: int = 64 << 10) -> None:
     """Reduces ``data`` in place across all ranks of ``comm``, planned for ``levels``.
 
@@ -91,7 +91,7 @@ def splitting(ranks: Sequence[int], levels: Sequence[Level]) -> list[Level]:
     return [lv for lv in levels if 1 < len({lv(r) for r in ranks}) < len(ranks)]
 
 
-def _allreduce(comm: Comm, ranks: list[int], data: np.ndarray, reducer: Reducer,
+def _allreduce(comm: Communicator, ranks: list[int], data: np.ndarray, reducer: Reducer,
                levels: list[Level], chunk_bytes: int, small_bytes: int) -> None:
     levels = splitting(ranks, levels)
     if not levels:
@@ -114,7 +114,8 @@ def _allreduce(comm: Comm, ranks: list[int], data: np.ndarray, reducer: Reducer,
     ring.allgather(local, data, counts, chunk_bytes)
 
 
-def _flat(view, data: np.ndarray, reducer: Reducer, chunk_bytes: int, small_bytes: int) -> None:
+def _flat(view: Communicator, data: np.ndarray, reducer: Reducer, chunk_bytes: int,
+          small_bytes: int) -> None:
     if view.size == 1 or data.size == 0:
         return
     if data.nbytes < small_bytes:
@@ -123,7 +124,7 @@ def _flat(view, data: np.ndarray, reducer: Reducer, chunk_bytes: int, small_byte
         ring.allreduce(view, data, reducer, chunk_bytes)
 
 
-def allgather(comm: Comm, data: np.ndarray, counts: Sequence[int], order: Sequence[int],
+def allgather(comm: Communicator, data: np.ndarray, counts: Sequence[int], order: Sequence[int],
               levels: Sequence[Level], chunk_bytes: int) -> None:
     """Allgather in place: rank r's ``counts[r]`` elements sit at its offset (rank order).
 
@@ -177,7 +178,7 @@ def _slices(spans: list[tuple[int, int]], m: int) -> list[list[tuple[int, int]]]
     return out
 
 
-def _gather_spans(view, data: np.ndarray, spans: list[list[tuple[int, int]]],
+def _gather_spans(view: Communicator, data: np.ndarray, spans: list[list[tuple[int, int]]],
                   chunk_bytes: int) -> None:
     """Allgather where member i contributes the (possibly scattered) spans ``spans[i]``."""
     if view.size == 1:
@@ -202,7 +203,7 @@ def _gather_spans(view, data: np.ndarray, spans: list[list[tuple[int, int]]],
             at += hi - lo
 
 
-def broadcast(comm: Comm, data: np.ndarray, root: int, order: Sequence[int],
+def broadcast(comm: Communicator, data: np.ndarray, root: int, order: Sequence[int],
               levels: Sequence[Level], chunk_bytes: int) -> None:
     """Broadcast from rank ``root``: across units first, then inside each.
 
@@ -213,7 +214,7 @@ def broadcast(comm: Comm, data: np.ndarray, root: int, order: Sequence[int],
     _broadcast(comm, list(order), data, root, list(levels), chunk_bytes)
 
 
-def _broadcast(comm: Comm, ranks: list[int], data: np.ndarray, root: int,
+def _broadcast(comm: Communicator, ranks: list[int], data: np.ndarray, root: int,
                levels: list[Level], chunk_bytes: int) -> None:
     levels = splitting(ranks, levels)
     if not levels:
@@ -227,6 +228,6 @@ def _broadcast(comm: Comm, ranks: list[int], data: np.ndarray, root: int,
     tree.broadcast(_view(comm, parts[me]), data, parts[me].index(leaders[me]), chunk_bytes)
 
 
-def _view(comm: Comm, ranks: list[int]) -> "Comm | CommView":
+def _view(comm: Communicator, ranks: list[int]) -> Communicator:
     """``comm`` itself when ``ranks`` is every rank in order, else its view of ``ranks``."""
     return comm if ranks == list(range(comm.size)) else comm.view(ranks)

@@ -12,6 +12,7 @@ import enum
 from typing import Callable
 
 import numpy as np
+import numpy.typing as npt
 
 __all__ = ["ReduceOp", "Sum", "Average", "Min", "Max", "Product", "Adasum", "Reducer",
            "make_reducer", "BFLOAT16"]
@@ -53,19 +54,28 @@ _NUMPY_UFUNCS = {
 }
 
 
+def _in_place(ufunc: np.ufunc) -> Reducer:
+    """The reducer that applies the binary ``ufunc`` with ``dst`` as its output."""
+    def reduce(dst: np.ndarray, src: np.ndarray) -> None:
+        ufunc(dst, src, out=dst)
+
+    return reduce
+
+
 def _bool_kernel(op: ReduceOp) -> Reducer:
     # On booleans SUM/AVERAGE/MAX are "any" and PRODUCT/MIN are "all", as in torch.distributed.
     ufunc = np.logical_or if op in (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MAX) else np.logical_and
-    return lambda dst, src: ufunc(dst, src, out=dst)
+    return _in_place(ufunc)
 
 
 def _torch_kernel(op: ReduceOp, dtype) -> Reducer:
     import torch
 
-    fn = {
+    kernels: dict[ReduceOp, Callable[..., torch.Tensor]] = {
         ReduceOp.SUM: torch.add, ReduceOp.AVERAGE: torch.add, ReduceOp.MIN: torch.minimum,
         ReduceOp.MAX: torch.maximum, ReduceOp.PRODUCT: torch.mul,
-    }[op]
+    }
+    fn = kernels[op]
 
     def reduce(dst: np.ndarray, src: np.ndarray) -> None:
         d = torch.from_numpy(dst).view(dtype)
@@ -74,7 +84,7 @@ def _torch_kernel(op: ReduceOp, dtype) -> Reducer:
     return reduce
 
 
-def make_reducer(op: ReduceOp, dtype: "np.dtype | str") -> Reducer:
+def make_reducer(op: ReduceOp, dtype: npt.DTypeLike) -> Reducer:
     """Returns the in-place kernel ``reducer(dst, src)`` for ``op`` on ``dtype``.
 
     ``dtype`` is a NumPy dtype or ``BFLOAT16``. Float16 goes through torch, whose CPU kernels
@@ -92,5 +102,4 @@ def make_reducer(op: ReduceOp, dtype: "np.dtype | str") -> Reducer:
         return _torch_kernel(op, torch.float16)
     if dtype == np.bool_:
         return _bool_kernel(op)
-    ufunc = _NUMPY_UFUNCS[op]
-    return lambda dst, src: ufunc(dst, src, out=dst)
+    return _in_place(_NUMPY_UFUNCS[op])

@@ -121,6 +121,7 @@ def plan(topo: Topology, sizes: Sequence[int]) -> list[dict]:
     rows = []
     for nbytes in sizes:
         times = {alg: predict(alg, nbytes, topo) for alg in CANDIDATES}
-        rows.append({"size": nbytes, "predicted": times, "choice": min(times, key=times.get)})
+        rows.append({"size": nbytes, "predicted": times,
+                     "choice": min(times, key=times.__getitem__)})
     return rows
 

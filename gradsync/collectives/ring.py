@@ -103,7 +103,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from ..transport.comm import Comm
+from ..transport.comm import Communicator
 from ..transport.trials import Plan, plan_of
 from .ops import ReduceOp, Reducer, make_reducer
 
@@ -127,7 +127,7 @@ def even_counts(length: int, size: int) -> list[int]:
     return [base + (b < extra) for b in range(size)]
 
 
-def reduce_scatter(comm: Comm, data: np.ndarray, counts: Sequence[int], reducer: Reducer,
+def reduce_scatter(comm: Communicator, data: np.ndarray, counts: Sequence[int], reducer: Reducer,
                    chunk_bytes: int, source: "np.ndarray | None" = None,
                    own: "np.ndarray | None" = None) -> None:
     """Reduces ``data`` over all ranks, leaving each rank's own block fully reduced.
@@ -164,7 +164,8 @@ def reduce_scatter(comm: Comm, data: np.ndarray, counts: Sequence[int], reducer:
     comm.settle()
 
 
-def allgather(comm: Comm, data: np.ndarray, counts: Sequence[int], chunk_bytes: int) -> None:
+def allgather(comm: Communicator, data: np.ndarray, counts: Sequence[int],
+              chunk_bytes: int) -> None:
     """Fills every rank's block of ``data`` from the rank that owns it.
 
     Args:
@@ -179,7 +180,7 @@ def allgather(comm: Comm, data: np.ndarray, counts: Sequence[int], chunk_bytes: 
     comm.settle()
 
 
-def allreduce(comm: Comm, data: np.ndarray, reducer: Reducer, chunk_bytes: int) -> None:
+def allreduce(comm: Communicator, data: np.ndarray, reducer: Reducer, chunk_bytes: int) -> None:
     """Reduces ``data`` in place over all ranks: a reduce-scatter and an allgather, their
     streams side by side (see "Both phases at once" above).
 
@@ -203,7 +204,7 @@ def allreduce(comm: Comm, data: np.ndarray, reducer: Reducer, chunk_bytes: int) 
                      partial(_agree, comm, chunk_bytes))
 
 
-def _allreduce(comm: Comm, data: np.ndarray, counts: Sequence[int], reducer: Reducer,
+def _allreduce(comm: Communicator, data: np.ndarray, counts: Sequence[int], reducer: Reducer,
                chunk_bytes: int, lend: bool) -> None:
     """Both phases of ``allreduce`` as one stream of exchanges: see "Both phases at once"."""
     n = comm.size
@@ -221,7 +222,7 @@ def _allreduce(comm: Comm, data: np.ndarray, counts: Sequence[int], reducer: Red
     scratch = comm.scratch(seg_elems * data.itemsize).view(data.dtype)
     # The wire takes bytes: slices of byte views cost less than arrays' (per exchange, in Python).
     size = data.itemsize
-    raw, landing = memoryview(data.view(np.uint8)), memoryview(scratch.view(np.uint8))
+    raw, landing = data.view(np.uint8).data, scratch.view(np.uint8).data
     for k in range(lag + max(len(ag_sends), len(ag_recvs))):
         outgoing, incoming = [], []
         if k < len(rs_sends):
@@ -256,7 +257,7 @@ def _lag(offsets: list[int], seg_elems: int) -> int:
     return 1 + max(total - segs[q - 1] - segs[q] for q in range(n))
 
 
-def _agree(comm: Comm, chunk_bytes: int, costs: np.ndarray) -> None:
+def _agree(comm: Communicator, chunk_bytes: int, costs: np.ndarray) -> None:
     """Sums the trials' ``costs`` over the ring (``Plan.measure``): a ring allreduce of its own,
     too small to be tuned, that leaves the same bits on every rank."""
     allreduce(comm, costs, _SUM, chunk_bytes)
@@ -269,18 +270,18 @@ def _size_class(nbytes: int, chunk_bytes: int) -> tuple:
             nbytes > LEND_ABOVE_BYTES)
 
 
-def _plan(comm: Comm, nbytes: int, chunk_bytes: int) -> Plan:
+def _plan(comm: Communicator, nbytes: int, chunk_bytes: int) -> Plan:
     return plan_of(comm, _size_class(nbytes, chunk_bytes), chunk_bytes, nbytes,
                    nbytes >= TUNE_FROM_BYTES, nbytes > LEND_ABOVE_BYTES)
 
 
-def segment_bytes(comm: Comm, nbytes: int, chunk_bytes: int) -> int:
+def segment_bytes(comm: Communicator, nbytes: int, chunk_bytes: int) -> int:
     """The largest segment an allreduce of ``nbytes`` on ``comm`` cuts now (once the trials of
     segment sizes are over, from then on)."""
     return _plan(comm, nbytes, chunk_bytes).next_segment()
 
 
-def measuring(comm: Comm, nbytes: int, chunk_bytes: int) -> bool:
+def measuring(comm: Communicator, nbytes: int, chunk_bytes: int) -> bool:
     """Whether a ring allreduce of ``nbytes`` on ``comm`` would be one of its trials, of
     segment sizes or of lending."""
     plan = _plan(comm, nbytes, chunk_bytes)
@@ -289,7 +290,7 @@ def measuring(comm: Comm, nbytes: int, chunk_bytes: int) -> bool:
     return plan.measuring()
 
 
-def _lends(comm: Comm, data: np.ndarray) -> bool:
+def _lends(comm: Communicator, data: np.ndarray) -> bool:
     """Whether a reduce-scatter or allgather of ``data`` alone lends: above the threshold,
     unless the Comm's allreduces found copying faster."""
     return data.nbytes > LEND_ABOVE_BYTES and comm.lending.chosen is not False
@@ -309,7 +310,8 @@ def block_offsets(counts: Sequence[int], size: int, length: int) -> list[int]:
     return offsets
 
 
-def _offsets(comm: Comm, data: np.ndarray, counts: Sequence[int], chunk_bytes: int) -> list[int]:
+def _offsets(comm: Communicator, data: np.ndarray, counts: Sequence[int],
+             chunk_bytes: int) -> list[int]:
     """Validates the arguments; returns the ``n + 1`` block boundaries."""
     if data.ndim != 1 or not data.flags.c_contiguous:
         raise ValueError(f"ring collectives take a contiguous 1-D array, got shape {data.shape}")
@@ -341,7 +343,7 @@ def _segments(offsets: list[int], first_block: int, seg_elems: int) -> Iterator[
                 break
 
 
-def _circulate(comm: Comm, data: np.ndarray, offsets: list[int], first_send_block: int,
+def _circulate(comm: Communicator, data: np.ndarray, offsets: list[int], first_send_block: int,
                seg_elems: int, reducer: "Reducer | None", lend: bool,
                source: "np.ndarray | None" = None, own: "np.ndarray | None" = None) -> None:
     """Runs one ring phase: reduce-scatter when ``reducer`` is given, allgather when None.
@@ -377,7 +379,7 @@ def _circulate(comm: Comm, data: np.ndarray, offsets: list[int], first_send_bloc
             landing = data[start:stop] if scratch is None else scratch[:stop - start]
             incoming.append((left, landing))
         comm.exchange(outgoing, incoming, lend)
-        if scratch is not None and recv is not None and stop > start:
+        if reducer is not None and recv is not None and stop > start:  # fold what landed
             base = data if source is None else source
             if own is not None and own_lo <= start < own_hi:
                 into = own[start - own_lo:stop - own_lo]

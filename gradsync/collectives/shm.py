@@ -157,10 +157,12 @@ _PAGE = 4096
 # Kernel codes of _shmfast.c: op << 4 | dtype. An Average folds as a sum, then divides.
 _FAST_OPS = {ReduceOp.SUM: 0, ReduceOp.AVERAGE: 0, ReduceOp.MIN: 1, ReduceOp.MAX: 2,
              ReduceOp.PRODUCT: 3}
-_FAST_DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.int32): 2,
-                np.dtype(np.int64): 3}
-_FAST_CODES = {(op, dtype): code << 4 | t for op, code in _FAST_OPS.items()
-               for dtype, t in _FAST_DTYPES.items()}
+_FAST_DTYPES: dict[np.dtype, int] = {np.dtype(np.float32): 0, np.dtype(np.float64): 1,
+                                     np.dtype(np.int32): 2, np.dtype(np.int64): 3}
+# Looked up with the op an allreduce was given, None when the Python road must run: no code.
+_FAST_CODES: dict[tuple[ReduceOp | None, np.dtype], int] = {
+    (op, dtype): code << 4 | t for op, code in _FAST_OPS.items()
+    for dtype, t in _FAST_DTYPES.items()}
 _FAST_DONE, _FAST_WAITING, _FAST_MISMATCH = 0, 1, 2
 # Shared buffers: serial numbers, unique in this process, and how many of each other rank's
 # buffers stay mapped (a DistributedOptimizer shares at most 16: torch/buckets.py,
@@ -237,7 +239,7 @@ class ShmGroup:
         self.ranks = list(ranks) if ranks is not None else list(range(size))
         if len(self.ranks) != size:
             raise ValueError(f"ranks has {len(self.ranks)} entries for {size} local ranks")
-        self._segment = segment
+        self._segment: mmap.mmap | None = segment  # None once closed
         self._ctl = memoryview(segment)[:_control_bytes(size)].cast("Q")
         self._mine = self._line(local_rank)
         self._lines = [self._line(r) for r in range(size)]
@@ -263,7 +265,10 @@ class ShmGroup:
         # Load only: this runs inside init()'s connect window, so a first-use compile happens
         # earlier (World.connect builds before its deadline starts; _native.py says why).
         module = _native.load("_shmfast", build=False) if fast else None
-        self._fast_call = self._fast_fold = self._fast_group = None
+        # The compiled road's entry points and its group, all None where it is not built.
+        self._fast_call: Callable[..., int] | None = None
+        self._fast_fold: Callable[..., int] | None = None
+        self._fast_group: object | None = None
         if module is not None:
             spin = MAX_SPIN if self._may_spin else MIN_SPIN
             self._fast_group = module.open(segment, local_rank, size, slot_bytes, base,
@@ -453,8 +458,9 @@ class ShmGroup:
         try:
             # The common case is this one C call and no other Python frame: every rank
             # arrived within the C wait's budget and issued the same.
-            status = self._fast_call(self._fast_group, flat, seq, signature, code, divisor,
-                                     False)
+            call = self._fast_call
+            assert call is not None  # ``code`` came from fast_code: the road is built
+            status = call(self._fast_group, flat, seq, signature, code, divisor, False)
             if status != _FAST_DONE:
                 self._fast_rest(status, flat, seq, signature & _MASK64, code, divisor, False,
                                 deadline, on_idle)
@@ -483,7 +489,9 @@ class ShmGroup:
         mismatches come back here to be handled as on the Python road."""
         seq = self._seq = self._seq + 1
         signature &= _MASK64
-        status = self._fast_call(self._fast_group, flat, seq, signature, code, divisor, trunc)
+        call = self._fast_call
+        assert call is not None  # there is a ``code`` only where the road is built
+        status = call(self._fast_group, flat, seq, signature, code, divisor, trunc)
         if status != _FAST_DONE:
             self._fast_rest(status, flat, seq, signature, code, divisor, trunc, deadline,
                             on_idle)
@@ -496,8 +504,9 @@ class ShmGroup:
             # The C wait spun, yielded and slept for _CHECK_EVERY: check now, then go on.
             self._wait(_ARRIVED, seq, deadline, on_idle, "arrive",
                        started=time.perf_counter() - _CHECK_EVERY)
-            status = self._fast_fold(self._fast_group, flat, seq, signature, code, divisor,
-                                     trunc)
+            fold = self._fast_fold
+            assert fold is not None  # built with ``_fast_call``, which made ``status``
+            status = fold(self._fast_group, flat, seq, signature, code, divisor, trunc)
         if status == _FAST_MISMATCH:
             self._check_issued(seq, _ALLREDUCE, flat.nbytes, signature)
 
@@ -716,19 +725,19 @@ class ShmGroup:
                 on_idle(now - started)
                 next_check = now + _CHECK_EVERY
             if self._futex is not None:
-                self._sleep_on(waiting[0], word, seq, max(next_check - now, 1e-4))
+                self._sleep_on(self._futex, waiting[0], word, seq, max(next_check - now, 1e-4))
             else:
                 time.sleep(nap)
                 nap = min(nap * 2, 0.0005)
 
-    def _sleep_on(self, r: int, word: int, seq: int, timeout: float) -> None:
+    def _sleep_on(self, futex: Futex, r: int, word: int, seq: int, timeout: float) -> None:
         """Sleeps until local rank ``r`` raises counter ``word`` (to ``seq`` or not), at most
         ``timeout`` seconds, announcing it in this rank's ``_SLEEPING`` word."""
         c, mine, at = self._ctl, self._mine, self._lines[r] + word
         c[mine + _SLEEPING] = 1 + (r << 4 | word)
         try:
             seen = c[at]
-            if seen < seq and not self._futex.wait(at * 8, seen, timeout):
+            if seen < seq and not futex.wait(at * 8, seen, timeout):
                 time.sleep(min(timeout, 0.0005))  # the kernel refused: nap instead
         finally:
             c[mine + _SLEEPING] = 0

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..transport.comm import Comm
+from ..transport.comm import Communicator
 from .ops import Reducer
 
 __all__ = ["broadcast", "reduce"]
 
 
-def broadcast(comm: Comm, data: np.ndarray, root: int, chunk_bytes: int) -> None:
+def broadcast(comm: Communicator, data: np.ndarray, root: int, chunk_bytes: int) -> None:
     """Copies the root's ``data`` into ``data`` on every rank.
 
     Args:
@@ -68,7 +68,7 @@ def broadcast(comm: Comm, data: np.ndarray, root: int, chunk_bytes: int) -> None
             comm.exchange(outgoing, incoming)
 
 
-def reduce(comm: Comm, data: np.ndarray, root: int, reducer: Reducer) -> None:
+def reduce(comm: Communicator, data: np.ndarray, root: int, reducer: Reducer) -> None:
     """Reduces ``data`` over all ranks onto the root.
 
     Args:

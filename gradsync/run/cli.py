@@ -383,7 +383,7 @@ def _static_hosts(args: argparse.Namespace, hosts: list[Host]) -> list[Host]:
         raise ValueError(f"{ranks} workers and servers need {ranks} slots on the hosts of "
                          f"-H/--hostfile, which have {total} (--data-hosts run only data "
                          "servers)")
-    cut = []
+    cut: list[Host] = []
     for host in hosts:
         take = min(host.slots, ranks - sum(h.slots for h in cut))
         if take:

@@ -166,12 +166,19 @@ class ElasticSpec:
 class _Worker:
     id: str
     host: str
-    rank: Rank
+    rank: Rank | None  # None until ``_start`` starts it
     first_rank: int
     failed: bool = False
     retired: bool = False  # stopped by the launcher: its host was blacklisted or removed
     started: float = 0.0  # time.monotonic() at its start
     ready_at: float | None = None  # when it announced readiness (new workers only)
+
+    @property
+    def started_rank(self) -> Rank:
+        """``rank``, of a worker that ``_start`` started: every worker the job holds (in
+        ``workers``, ``pending`` or a generation) was started before it was held there."""
+        assert self.rank is not None
+        return self.rank
 
 
 @dataclass
@@ -189,6 +196,8 @@ class _ElasticJob(JobLoop):
     docstring."""
 
     count_stopped = False  # its end says nothing of the workers it stops
+
+    starter: Starter | None  # made by begin()
 
     def __init__(self, spec: LaunchSpec, elastic: ElasticSpec, output: Output):
         super().__init__(spec, output)
@@ -260,6 +269,18 @@ class _ElasticJob(JobLoop):
         self._form(first=True)
         self._seen_version = self.discovery.version if self.discovery else 0
 
+    # What begin() made, for the turns: the loop turns only once begin() returned.
+    @property
+    def _starter(self) -> Starter:
+        assert self.starter is not None
+        return self.starter
+
+    @property
+    def _control(self) -> Control:
+        """The job's control records (``_read_abort`` may replace them with a new client)."""
+        assert self.control is not None
+        return self.control
+
     def started(self) -> list[Rank]:
         return [w.rank for w in self.workers if w.rank is not None] + \
             (self.data_servers.ranks if self.data_servers else [])
@@ -267,8 +288,8 @@ class _ElasticJob(JobLoop):
     def ending(self, status: int, summary: str | None) -> None:
         if self.discovery is not None:
             self.discovery.stop()
-        for proc, _ in self._probes.values():
-            self.starter.ssh.end_probe(proc)
+        for proc, _ in self._probes.values():  # (only begin()'s starter starts them)
+            self._starter.ssh.end_probe(proc)
         if summary and self.control is not None and status != 0:
             try:
                 self.control.give_up(summary)
@@ -278,7 +299,9 @@ class _ElasticJob(JobLoop):
     def turn(self) -> End | None:
         st = self.state
         changed = self._watch()  # the newest generation must be replaced now
-        self.data_servers.watch(restart=not st.finishing)
+        data_servers = self.data_servers
+        assert data_servers is not None  # made by begin()
+        data_servers.watch(restart=not st.finishing)
         self._reap()
         self._watch_new()
         grow = False  # room for new workers: start them; they join once ready
@@ -296,8 +319,8 @@ class _ElasticJob(JobLoop):
         if st.short_since is not None:
             changed = True  # keep trying while short of workers
         if changed and st.finishing:
-            self.control.give_up("a worker failed after another had finished: the job "
-                                 "is not re-formed any more")
+            self._control.give_up("a worker failed after another had finished: the job "
+                                  "is not re-formed any more")
         elif st.finishing:
             for worker in self._alive(self.pending):
                 self._retire(worker, "the job is finishing")
@@ -309,7 +332,7 @@ class _ElasticJob(JobLoop):
                 return (*done, None)
         end = self._loop_end()
         if end is not None:
-            return (*self.data_servers.end(*end, interrupted=lambda: self.interrupts.received),
+            return (*data_servers.end(*end, interrupted=lambda: self.interrupts.received),
                     None)
         return None
 
@@ -317,10 +340,10 @@ class _ElasticJob(JobLoop):
         """The job's status once every worker has exited (None before): 0 when the last
         generation's workers all exited 0 (those the launcher stopped aside)."""
         st = self.state
-        if not self.workers or any(w.rank.proc.poll() is None for w in self.workers):
+        if not self.workers or any(w.started_rank.proc.poll() is None for w in self.workers):
             return None
         ended = [w for w in st.members if not w.retired]
-        if ended and all(w.rank.proc.returncode == 0 for w in ended):
+        if ended and all(w.started_rank.proc.returncode == 0 for w in ended):
             return 0, None
         return st.first_failure or 1, "the elastic job ended with failed workers"
 
@@ -333,13 +356,13 @@ class _ElasticJob(JobLoop):
         in the older generation as the one that exited did: they passed the same commits,
         whose host check is one broadcast, so they saw no newer generation either."""
         st = self.state
-        done = [w for w in st.members if not w.retired and w.rank.proc.poll() == 0]
+        done = [w for w in st.members if not w.retired and w.started_rank.proc.poll() == 0]
         older = set(map(id, self._generation_members.get(st.gen - 1, ())))
         new = [w for w in self._alive(st.members) if id(w) not in older]
         if not done or not new:
             return
         try:
-            formed = self.control.world_store(st.gen).check("peers")
+            formed = self._control.world_store(st.gen).check("peers")
         except (RuntimeError, OSError):
             return  # the store is ours: the next poll asks again
         if formed:
@@ -351,7 +374,7 @@ class _ElasticJob(JobLoop):
     # ------------------------------------------------------------------ watching
     def _alive(self, workers: list[_Worker]) -> list[_Worker]:
         return [w for w in workers
-                if not w.failed and not w.retired and w.rank.proc.poll() is None]
+                if not w.failed and not w.retired and w.started_rank.proc.poll() is None]
 
     def _placed(self) -> list[_Worker]:
         """The live workers of the newest generation, then the new ones not yet in one."""
@@ -363,7 +386,7 @@ class _ElasticJob(JobLoop):
         any worker (its host blacklisted). Neither holds up the job, which trains on."""
         now = time.monotonic()
         for worker in list(self.pending):
-            code = worker.rank.proc.poll()
+            code = worker.started_rank.proc.poll()
             if worker.failed or worker.retired or code is not None:
                 self.pending.remove(worker)
                 if code not in (None, 0) and not worker.failed and not worker.retired:
@@ -373,13 +396,13 @@ class _ElasticJob(JobLoop):
             if worker.ready_at is not None:
                 continue
             try:
-                ready = self.control.is_ready(worker.id)
+                ready = self._control.is_ready(worker.id)
             except (RuntimeError, OSError):
                 ready = False  # the store is ours: the next poll asks again
             if ready:
                 worker.ready_at = now
             elif now - worker.started > self.ready_timeout:
-                worker.rank.signal(signal.SIGKILL)
+                worker.started_rank.signal(signal.SIGKILL)
                 self.pending.remove(worker)
                 self._fail(worker, f"new worker {worker.id} was not ready to join within "
                                    f"{self.ready_timeout:g}s; killed", 128 + 9)
@@ -395,7 +418,7 @@ class _ElasticJob(JobLoop):
         blacklisted."""
         st, failed = self.state, False
         for worker in st.members:
-            code = worker.rank.proc.poll()
+            code = worker.started_rank.proc.poll()
             if code is None or worker.failed or worker.retired:
                 continue
             if code == 0:
@@ -428,7 +451,7 @@ class _ElasticJob(JobLoop):
             if record.get("silent") and peer is not None and 0 <= peer < len(members):
                 victim = members[peer]
                 if not victim.failed and not victim.retired:
-                    victim.rank.signal(signal.SIGKILL)
+                    victim.started_rank.signal(signal.SIGKILL)
                     self._fail(victim, f"worker {victim.id} (rank {peer} of generation {gen}) "
                                        "sent no heartbeats and was killed", 128 + 9,
                                detail=record.get("message"))
@@ -441,7 +464,7 @@ class _ElasticJob(JobLoop):
         may stay out of step with the server, and an abort record the launcher cannot read
         would leave a silent worker in the job for good."""
         try:
-            return self.control.world_store(gen).read_abort()
+            return self._control.world_store(gen).read_abort()
         except Exception as exc:  # noqa: BLE001 (reported; the next poll tries again)
             if str(exc) != self._store_warned:
                 self._store_warned = str(exc)
@@ -451,7 +474,7 @@ class _ElasticJob(JobLoop):
                 from torch.distributed import TCPStore
 
                 client = TCPStore("127.0.0.1", self.port, None, False, timedelta(seconds=30))
-                self.control = Control(client, self.starter.job_id, 30.0)
+                self.control = Control(client, self._starter.job_id, 30.0)
             except (RuntimeError, OSError) as again:
                 self.output.message(f"cannot reconnect to the launcher's store: {again}")
             return None
@@ -467,7 +490,7 @@ class _ElasticJob(JobLoop):
         suspect = members[peer]
         if suspect.failed or suspect.retired:
             return True
-        code = suspect.rank.proc.poll()
+        code = suspect.started_rank.proc.poll()
         if code is not None:
             # It exited after this poll's look at the members: fail it now, or the generation
             # formed next would see its host unblacklisted and a free slot in its place.
@@ -478,7 +501,7 @@ class _ElasticJob(JobLoop):
         since = self._suspects.setdefault(suspect.id, time.monotonic())
         if time.monotonic() - since < _LOST_GRACE:
             return False
-        suspect.rank.signal(signal.SIGKILL)
+        suspect.started_rank.signal(signal.SIGKILL)
         self._fail(suspect, f"worker {suspect.id} was reported lost by its peers and had not "
                             f"exited {_LOST_GRACE:g}s later; killed", 128 + 9)
         return True
@@ -511,8 +534,8 @@ class _ElasticJob(JobLoop):
         that did not arrive) may come back; it finds itself out of the next generation and
         raises ``ExcludedError`` with this reason (``elastic/membership.py``)."""
         try:
-            self.control.exclude(worker.id, f"excluded from the job at generation "
-                                            f"{self.state.gen}: {why}")
+            self._control.exclude(worker.id, f"excluded from the job at generation "
+                                             f"{self.state.gen}: {why}")
         except (RuntimeError, OSError) as exc:  # the store is ours: unlikely, and not fatal
             self.output.message(f"cannot record why worker {worker.id} left: {exc}")
 
@@ -528,7 +551,7 @@ class _ElasticJob(JobLoop):
         SIGKILL after the stop grace (``_reap``). Its exit is not a failure."""
         worker.retired = True
         self._exclude(worker, f"stopped by gradsync run: {why}")
-        worker.rank.signal(signal.SIGTERM)
+        worker.started_rank.signal(signal.SIGTERM)
         self._stopping.append((worker, time.monotonic() + self.spec.stop_grace))
         self.output.message(f"stopping worker {worker.id}: {why}")
 
@@ -537,10 +560,10 @@ class _ElasticJob(JobLoop):
         now = time.monotonic()
         for entry in list(self._stopping):
             worker, kill_at = entry
-            if worker.rank.proc.poll() is None and now < kill_at:
+            if worker.started_rank.proc.poll() is None and now < kill_at:
                 continue
-            if worker.rank.proc.poll() is None:
-                worker.rank.signal(signal.SIGKILL)
+            if worker.started_rank.proc.poll() is None:
+                worker.started_rank.signal(signal.SIGKILL)
             self._stopping.remove(entry)
 
     def _unlisted(self) -> list[_Worker]:
@@ -571,7 +594,7 @@ class _ElasticJob(JobLoop):
         """Starts the ssh check (``Ssh.probe``) of each listed remote host not yet checked,
         and collects the finished ones: a reachable host may take workers; an unreachable one
         is blacklisted (for ``--blacklist-cooldown``). True when a host became reachable."""
-        ssh = self.starter.ssh
+        ssh = self._starter.ssh
         now = time.monotonic()
         for host in [*self._hosts(), *self.elastic.data_hosts]:
             name = host.name
@@ -583,6 +606,7 @@ class _ElasticJob(JobLoop):
         for name, (proc, end) in list(self._probes.items()):
             if proc.poll() is None and time.monotonic() < end:
                 continue
+            error: str | None
             if proc.poll() is None:
                 error = f"ssh to {name} did not finish within {ssh.timeout:.0f}s"
             else:
@@ -717,10 +741,11 @@ class _ElasticJob(JobLoop):
         ready one has waited ``_READY_GRACE`` seconds for the others, or ``everyone`` (a
         generation is formed anyway); else none."""
         ready = [w for w in pending if w.ready_at is not None]
+        ready_at = [w.ready_at for w in pending if w.ready_at is not None]
         if not ready:
             return []
         if everyone or len(ready) == len(pending) or \
-                time.monotonic() - min(w.ready_at for w in ready) >= _READY_GRACE:
+                time.monotonic() - min(ready_at) >= _READY_GRACE:
             return ready
         return []
 
@@ -731,7 +756,7 @@ class _ElasticJob(JobLoop):
         (``HostsUpdatedInterrupt``): nothing of theirs is rolled back."""
         st = self.state
         gen = st.gen + 1
-        self.control.publish(gen, [{"id": w.id, "host": w.host} for w in members])
+        self._control.publish(gen, [{"id": w.id, "host": w.host} for w in members])
         if now:
             self._abort_older(f"the job was re-formed as generation {gen} of {len(members)} "
                               "workers")
@@ -751,7 +776,7 @@ class _ElasticJob(JobLoop):
         members = self._generation_members[gen]
         for index, worker in enumerate(members):
             self.output.message(f"generation {gen}: " + rank_line(
-                worker.rank, f"worker {worker.id}", index))
+                worker.started_rank, f"worker {worker.id}", index))
         if gen > 0:
             before = self._generation_members.get(gen - 1, [])
             self.output.message(
@@ -762,13 +787,13 @@ class _ElasticJob(JobLoop):
     def _abort_older(self, message: str) -> None:
         """Tells the workers of the generations being replaced to stop waiting."""
         for gen in self._open:
-            self.control.abort(gen, message, None)
+            self._control.abort(gen, message, None)
         self._open.clear()
 
     def _start_worker(self, slot: Slot, wid: str, size: int) -> Rank:
         # The launch size counts the data servers, the last ranks (launch_env takes them out
         # again): so does a static job's.
-        return self.starter.start(slot, self.port, size + self.spec.data_servers,
+        return self._starter.start(slot, self.port, size + self.spec.data_servers,
                                   identity={ENV_PREFIX + "ELASTIC_ID": wid})
 
 

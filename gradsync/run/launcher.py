@@ -92,7 +92,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, BinaryIO, Callable, Mapping, Sequence
 
 from ..cluster.rendezvous import host_store
 from ..config import ENV_PREFIX, HOROVOD_IDENTITY, IDENTITY_VARIABLES, horovod_settings
@@ -102,6 +102,12 @@ from .hosts import Host
 from .loop import End, JobLoop
 from .processes import (DEFAULT_START_TIMEOUT, STOP_GRACE, Output, Process, StartError, Ssh,
                         describe, exit_status, start)
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+
+    # Imported where it runs: it loads the parameter servers' package.
+    from .server_watch import ServerWatch
 
 __all__ = ["Host", "Slot", "LaunchSpec", "place", "launch", "is_local", "STOP_GRACE",
            "SERVER_LINGER", "DEFAULT_START_TIMEOUT", "Rank", "Starter", "store_address",
@@ -155,7 +161,7 @@ def place(hosts: Sequence[Host], num_proc: int) -> list[Slot]:
     for host in hosts:
         counts[host.name] = min(host.slots, num_proc - sum(counts.values()))
     used = [name for name, count in counts.items() if count > 0]
-    slots = []
+    slots: list[Slot] = []
     for name in used:
         for local_rank in range(counts[name]):
             same_local = [h for h in used if counts[h] > local_rank]
@@ -329,7 +335,7 @@ def store_address(remote_hosts: Sequence[str], reachable: bool = False) -> str:
         return socket.gethostname()
 
 
-def start_store(store_addr: str):
+def start_store(store_addr: str) -> "TCPStore":
     """Starts the job's TCPStore server on a free port (``.port``), where the ranks reach it
     at ``store_addr`` (``store_address``); the launcher's own client connects on loopback.
 
@@ -535,6 +541,8 @@ class _Job(JobLoop):
     """The static job's policy in the launcher's job loop (``loop.py``): every rank placed and
     started at once; see the module docstring for what a failure does."""
 
+    starter: Starter  # made in __init__
+
     def __init__(self, spec: LaunchSpec, slots: list[Slot], output: Output):
         super().__init__(spec, output)
         self.slots = slots
@@ -542,7 +550,7 @@ class _Job(JobLoop):
         self.starter = Starter(spec, output, store_address(self.remote_hosts))
         self.ranks: list[Rank] = []
         self.cores: "list[list[int]] | None" = None  # CPUs of each local rank, when bound
-        self.store = None  # the job's TCPStore server, held for the whole run
+        self.store: TCPStore | None = None  # the job's TCPStore server, held for the whole run
         self.store_port = 0
         self.restarts: dict[int, int] = {}  # replicated servers started again, by rank
         self.failed: list[tuple[int, str, str]] = []  # ranks that failed and let the job go on
@@ -550,7 +558,7 @@ class _Job(JobLoop):
         self.workers_ended: float | None = None  # when the last worker of a server job ended
         # A replicated job's watch on its views (server_watch.py), and the server processes it
         # replaced before they ended: no longer the ranks' own, still stopped at the end.
-        self.watch = None
+        self.watch: ServerWatch | None = None
         self.replaced: list[Rank] = []
         self._next_look = 0.0
         self._watch_warned = ""
@@ -683,8 +691,10 @@ class _Job(JobLoop):
         if now < self._next_look:
             return
         self._next_look = now + WATCH_EVERY
+        watch = self.watch
+        assert watch is not None  # the turn looks only with a watch
         try:
-            stranded = self.watch.look()
+            stranded = watch.look()
         except Exception as exc:  # noqa: BLE001 (said once; the next look tries again)
             if str(exc) != self._watch_warned:
                 self._watch_warned = str(exc)
@@ -699,7 +709,7 @@ class _Job(JobLoop):
                     self.restarts.get(index, 0) >= self.spec.server_restarts:
                 # It ended meanwhile (the next turn reports that and starts it again), or it
                 # may not be started again: then it ends once it wakes, as any fenced server.
-                self.watch.forget(lost.server)
+                watch.forget(lost.server)
                 continue
             who = self._failure(rank, -signal.SIGKILL)[0]
             what = (f"was fenced out of shard {lost.view.shard} (view {lost.view.epoch}: "

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import Optional, Tuple
+from typing import Optional, Protocol, Tuple
 
 from . import jobfile
 from .processes import Interrupts, Output, StartError, clear_shared_memory, stop
@@ -40,6 +40,13 @@ End = Tuple[int, Optional[str], Optional[str]]
 """How a job ended: (exit status, summary line or None, what the ranks the end stops are
 called in the summary: ``"other "`` after one rank's failure, ``""`` after a signal, None to
 leave them uncounted)."""
+
+
+class _Starter(Protocol):
+    """What the loop reads of its policy's ``launcher.Starter``: the job id, whose names the
+    end removes from /dev/shm."""
+
+    job_id: str
 
 
 class JobLoop:
@@ -58,7 +65,8 @@ class JobLoop:
     def __init__(self, spec, output: Output):
         self.spec, self.output = spec, output
         self.interrupts = Interrupts()
-        self.starter = None  # the policy's launcher.Starter, from __init__ or begin()
+        # The policy's launcher.Starter, from its __init__ or begin().
+        self.starter: _Starter | None = None
         self.jobfile: "str | None" = None  # set by the policy once published
 
     # ------------------------------------------------------------------ the policy's part

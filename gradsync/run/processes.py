@@ -322,9 +322,11 @@ class Ssh:
                                grace)
         process = start(self.argv(host, script), stdin=subprocess.PIPE)
         process.lifeline = True
+        stdin = process.proc.stdin
+        assert stdin is not None  # started with stdin=PIPE
         try:
-            process.proc.stdin.write(secret.hex().encode() + b"\n")
-            process.proc.stdin.flush()
+            stdin.write(secret.hex().encode() + b"\n")
+            stdin.flush()
         except OSError:
             pass  # ssh already failed; whoever watches the process reports its exit status
         return process
@@ -352,6 +354,7 @@ class Ssh:
         """What a finished reachability check says is wrong with ``host`` (None: nothing)."""
         if proc.returncode in (0, None):
             return None
+        assert proc.stderr is not None  # probe() pipes it
         detail = proc.stderr.read().decode(errors="replace").strip().splitlines()
         return (f"cannot run commands on {host} with '{self.command}' (status "
                 f"{proc.returncode}" + (f": {detail[-1]}" if detail else "") + ")"
@@ -363,6 +366,7 @@ class Ssh:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        assert proc.stderr is not None  # probe() pipes it
         proc.stderr.close()
 
 

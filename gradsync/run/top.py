@@ -250,7 +250,7 @@ def _show(args: argparse.Namespace, base) -> int:
         complete = current is not None and all(p is not None for p in posts)
         if args.once:
             # One table, once every rank posted and a step of all was judged (or at --wait).
-            if (complete and view.judge.step) or now >= deadline:
+            if (complete and view is not None and view.judge.step) or now >= deadline:
                 if current is None:
                     print("gradsync top: no rank of the job has posted its pace yet "
                           "(GRADSYNC_STRAGGLER_INTERVAL=0 turns posting off)", file=sys.stderr)

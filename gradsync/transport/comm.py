@@ -28,7 +28,7 @@ from .base import Expect, Pair, Recv, Send, Settle, wait_all
 # The measuring lives in trials.py; its names stay importable from here.
 from .trials import LEND_TRIALS, SEGMENT_BLOCK, SEGMENT_TRIALS, Lending, Trials, Tuning
 
-__all__ = ["Comm", "CommView", "Trials", "Lending", "LEND_MIN_BYTES", "LEND_TRIALS",
+__all__ = ["Comm", "CommView", "Communicator", "Trials", "Lending", "LEND_MIN_BYTES", "LEND_TRIALS",
            "SEGMENT_TRIALS", "SEGMENT_BLOCK"]
 
 #: Smaller sends are copied even when lent: each lent frame costs an acknowledgement.
@@ -95,7 +95,7 @@ class Comm:
         return any(pair.lends for pair in self.pairs.values())
 
     def segments(self, chunk_bytes: int, nbytes: int,
-                 ranks: "Sequence[int] | None" = None) -> "Trials | None":
+                 ranks: "Sequence[int] | None" = None) -> "Trials[int] | None":
         """The trials of segment sizes for ring allreduces of about ``nbytes`` among ``ranks``
         (global ranks in ring order; default all), or None: ``Tuning.segments``, where the
         ring's trials count a socket among its pairs."""
@@ -141,7 +141,8 @@ class Comm:
         """
         ops: list[Send | Recv] = []
         seq, signature, pairs = self.seq, self.signature, self.pairs
-        sent, last = self._sent, {}  # last: the previous send to each peer in this call
+        sent = self._sent
+        last_sent: dict[int, Send] = {}  # the previous send to each peer in this call
         for peer, buf in sends:
             step = sent.get(peer, 0)
             sent[peer] = step + 1
@@ -150,19 +151,20 @@ class Comm:
             flags = address = 0
             if lend and pair.lends and payload.nbytes >= LEND_MIN_BYTES:
                 flags, address = frame.LENT, np.frombuffer(payload, np.uint8).ctypes.data
-            op = Send(pair, frame.pack(frame.Kind.DATA, seq, step, signature, payload.nbytes,
-                                       flags), payload, address, last.get(peer))
-            last[peer] = op
-            ops.append(op)
-        received, last = self._received, {}
+            send = Send(pair, frame.pack(frame.Kind.DATA, seq, step, signature, payload.nbytes,
+                                         flags), payload, address, last_sent.get(peer))
+            last_sent[peer] = send
+            ops.append(send)
+        received = self._received
+        last_received: dict[int, Recv] = {}  # and the previous receive from each
         for peer, buf in recvs:
             step = received.get(peer, 0)
             received[peer] = step + 1
             payload = _bytes_view(buf)
-            op = Recv(pairs[peer], Expect(seq, step, signature, self._describe, payload.nbytes),
-                      payload, last.get(peer))
-            last[peer] = op
-            ops.append(op)
+            recv = Recv(pairs[peer], Expect(seq, step, signature, self._describe, payload.nbytes),
+                        payload, last_received.get(peer))
+            last_received[peer] = recv
+            ops.append(recv)
         wait_all(ops, self._deadline, self.on_idle, self._waiting_for, sends, recvs)
 
     def settle(self) -> None:
@@ -226,7 +228,8 @@ class CommView:
             raise ValueError(f"rank {root.rank} is not in the view {ranks}")
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"a view lists a rank twice: {ranks}")
-        self.root, self.ranks = root, ranks
+        self.root: Comm = root
+        self.ranks: list[int] = ranks
         self.rank, self.size = ranks.index(root.rank), len(ranks)
         self.plans = root.tuning.plans_of(tuple(ranks))
 
@@ -242,7 +245,7 @@ class CommView:
     def lending(self) -> Lending:
         return self.root.lending
 
-    def segments(self, chunk_bytes: int, nbytes: int) -> "Trials | None":
+    def segments(self, chunk_bytes: int, nbytes: int) -> "Trials[int] | None":
         """``Comm.segments`` of the view's ranks."""
         return self.root.segments(chunk_bytes, nbytes, self.ranks)
 
@@ -268,3 +271,7 @@ class CommView:
     def view(self, ranks: Sequence[int]) -> "CommView":
         """A view of this view: ``ranks`` are ranks of this view."""
         return CommView(self, ranks)
+
+
+#: What collective algorithms run on: the job's Comm, or a view of some of its ranks.
+Communicator = Comm | CommView

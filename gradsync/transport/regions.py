@@ -187,9 +187,11 @@ class Endpoint:
         # Only peers in ``expect`` may connect; with none (a parameter-server worker, which only
         # reaches others' regions) there is nothing to listen for.
         self.listener = None
-        if expect is ANY_PEER:
+        if isinstance(expect, _AnyPeer):
             self.listener = tcp.Listener(addr, ident, secret, job, {0}, on_accept=self._accepted)
-            # The route checks admission with ``in``: any id, still once each (tcp.Route).
+            # The route checks admission with ``in``: any id, still once each (tcp.Route). The
+            # listener has that first route: it was made with the job.
+            assert self.listener.first is not None
             self.listener.first.expect = ANY_PEER
         elif expect:
             self.listener = tcp.Listener(addr, ident, secret, job, expect,
@@ -369,7 +371,7 @@ class Endpoint:
             for a, b in region.stripes.pieces(lo, hi):
                 region.stripes.acquire(a, shared=True)
                 try:
-                    sock.sendall(region.u8[a:b])
+                    sock.sendall(region.u8[a:b].data)
                 finally:
                     region.stripes.release(a)
         elif req.op == rf.Op.WRITE:
@@ -395,14 +397,16 @@ class Endpoint:
         request's epoch (the owner may raise it while the bytes arrive). Once one is refused
         the rest is drained unstored: stripes stored before the fence rose stay, which the
         owner, then still in the writer's epoch, took as it takes any write."""
+        fence = req.fence
+        assert fence is not None  # check_fence refused a write into a fenced region without one
         lo, hi = req.offset, req.offset + req.length
         for a, b in region.stripes.pieces(lo, hi):
             piece = scratch[:b - a]
             recv_into(sock, piece)
-            if not self.fence.enter(req.fence):
+            if not self.fence.enter(fence):
                 self._refuse(sock, req, scratch, hi - b, StaleWriteError.refusing(
                     self.label, f"{rf.Op.NAMES[req.op]} into region '{region.name}'",
-                    req.fence, self.fence.level))
+                    fence, self.fence.level))
                 return
             try:
                 if req.op == rf.Op.WRITE:
@@ -437,6 +441,7 @@ class Endpoint:
         # an endpoint dials no one, so its listener never does, and a socket always comes back.
         sock = tcp.connect(addr, port, self.ident, peer, self.secret, self.job, deadline,
                            crossing=listening)
+        assert sock is not None
         return RemotePeer(self, peer, sock, label or f"endpoint {peer}", silence=silence)
 
     def close(self) -> None:

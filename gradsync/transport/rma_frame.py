@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+from typing import Literal, overload
 
 import numpy as np
 
@@ -219,9 +220,10 @@ def error_payload(exc: BaseException) -> bytes:
 
 def error_from(record: dict, peer: int) -> GradsyncError | ValueError:
     """The exception an ERROR reply's decoded payload ``record`` reports (from ``peer``)."""
-    cls = ERRORS.get(record.get("kind"))
+    kind = record.get("kind")
+    cls = None if kind is None else ERRORS.get(kind)
     if cls is None:
-        return ValueError(record.get("message", "")) if record.get("kind") == "ValueError" \
+        return ValueError(record.get("message", "")) if kind == "ValueError" \
             else GradsyncError(record.get("message", ""))
     if cls is PeerLostError:
         return cls(record["message"], peer=record.get("peer"))
@@ -237,6 +239,15 @@ def _epoch_or_none(value) -> int | None:
 
 
 # --- reading the stream ---------------------------------------------------------------------
+
+# Only a caller that takes the end of the stream (``eof_ok=True``) can be given None.
+@overload
+def recv_exact(sock: socket.socket, n: int, eof_ok: Literal[False] = False) -> bytes: ...
+
+
+@overload
+def recv_exact(sock: socket.socket, n: int, eof_ok: bool) -> bytes | None: ...
+
 
 def recv_exact(sock: socket.socket, n: int, eof_ok: bool = False) -> bytes | None:
     """The next ``n`` bytes of ``sock``; None at a clean end of stream before any (``eof_ok``)."""
@@ -254,7 +265,7 @@ def recv_exact(sock: socket.socket, n: int, eof_ok: bool = False) -> bytes | Non
 
 def recv_into(sock: socket.socket, dst: np.ndarray) -> None:
     """Fills ``dst`` (a contiguous array) from ``sock``, straight into its memory."""
-    view, got, n = memoryview(dst), 0, dst.nbytes
+    view, got, n = dst.data, 0, dst.nbytes
     while got < n:
         k = sock.recv_into(view[got:])
         if k == 0:

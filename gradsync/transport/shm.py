@@ -181,7 +181,7 @@ def unlink_prefixed(prefix: str) -> list[str]:
     them), never for names a live process may still create or map."""
     if not prefix or "/" in prefix:
         raise ValueError(f"not a segment name prefix: {prefix!r}")
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(SHM_DIR)
     except FileNotFoundError:
@@ -353,16 +353,23 @@ class ShmPair(Pair):
         self._peer_started = process_start_time(peer_pid)
         if self._peer_started is None:
             raise PeerLostError(f"rank {peer} (pid {peer_pid}) is not running", peer=peer)
-        self._in = _Ring(inbound, _READ)
-        self._out = _Ring(outbound, _WRITE)
+        # None once closed; only ``moved`` may still be asked then (an operation on a closed
+        # pair is a caller's bug).
+        self._in: _Ring | None = _Ring(inbound, _READ)
+        self._out: _Ring | None = _Ring(outbound, _WRITE)
 
     def moved(self) -> int:
         # The rings' own positions: bytes written out and read in (another thread's view of
-        # them may lag by the copy in progress, never more).
-        return self._out.pos + self._in.pos
+        # them may lag by the copy in progress, never more). The pace thread may ask after
+        # ``close`` (traffic.py): a closed pair counts nothing, as a closed TCP pair does.
+        out, inb = self._out, self._in
+        if out is None or inb is None:
+            return 0
+        return out.pos + inb.pos
 
     def advance_send(self, op: Send) -> bool:
         out = self._out
+        assert out is not None, "send on a closed pair"
         hlen = len(op.header)
         while op.offset < op.total:
             free = out.capacity - (out.pos - out.ctl[_READ])
@@ -382,6 +389,7 @@ class ShmPair(Pair):
 
     def advance_recv(self, op: Recv) -> bool:
         inb = self._in
+        assert inb is not None, "receive on a closed pair"
         if op.header_got < frame.HEADER_SIZE:
             avail = inb.ctl[_WRITE] - inb.pos
             n = min(frame.HEADER_SIZE - op.header_got, avail)
@@ -407,6 +415,7 @@ class ShmPair(Pair):
 
     def peek_header(self) -> "frame.Header | None":
         inb = self._in
+        assert inb is not None, "peek on a closed pair"
         if inb.ctl[_WRITE] - inb.pos < frame.HEADER_SIZE:
             return None
         raw = bytearray(frame.HEADER_SIZE)
@@ -418,9 +427,11 @@ class ShmPair(Pair):
             return None  # the receive that takes it reports it
 
     def check_alive(self) -> None:
-        if self._in.ctl[_WRITER_CLOSED] and self._in.ctl[_WRITE] == self._in.pos:
+        inb, out = self._in, self._out
+        assert inb is not None and out is not None, "check_alive on a closed pair"
+        if inb.ctl[_WRITER_CLOSED] and inb.ctl[_WRITE] == inb.pos:
             raise self._lost("closed its end")
-        if self._out.ctl[_READER_CLOSED]:
+        if out.ctl[_READER_CLOSED]:
             raise self._lost("closed its end")
         started = process_start_time(self.peer_pid)
         if started is None or (started != self._peer_started and started != -1):
@@ -432,12 +443,13 @@ class ShmPair(Pair):
 
     def close(self) -> None:
         """Tells the peer this end is gone (it raises PeerLostError) and unmaps the rings."""
-        if self._in is None:
+        inb, out = self._in, self._out
+        if inb is None or out is None:
             return
-        self._out.ctl[_WRITER_CLOSED] = 1
-        self._in.ctl[_READER_CLOSED] = 1
-        self._in.release()
-        self._out.release()
+        out.ctl[_WRITER_CLOSED] = 1
+        inb.ctl[_READER_CLOSED] = 1
+        inb.release()
+        out.release()
         self._in = self._out = None
 
 

@@ -49,7 +49,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable
+from typing import Callable, Container, Iterable
 
 from ..errors import AuthenticationError, GradsyncError, GradsyncTimeoutError, PeerLostError, \
     ProtocolError
@@ -179,15 +179,14 @@ class TcpPair(Pair):
         """Whether the pair holds its socket (a pair made on demand: once first used)."""
         return self.sock is not None
 
-    def _open(self) -> bool:
-        """Makes the connection if the pair has none yet; True once it has one."""
+    def _open(self) -> socket.socket | None:
+        """Makes the connection the pair has not got yet; the socket, or None until it is made."""
         if self._opener is None:
             raise self._lost(None)  # closed before it ever connected
         sock = self._opener()
-        if sock is None:
-            return False
-        self._adopt(sock)
-        return True
+        if sock is not None:
+            self._adopt(sock)
+        return sock
 
     def _lost(self, exc: BaseException | None) -> PeerLostError:
         why = f": {exc}" if exc else ""
@@ -195,86 +194,87 @@ class TcpPair(Pair):
                              f"crash?)", peer=self.peer)
 
     def advance_send(self, op: Send) -> bool:
-        if self.sock is None and not self._open():
+        sock = self.sock if self.sock is not None else self._open()
+        if sock is None:
             return False
         try:
             if self._sending is not op:
                 if self._sending is not None:
                     return False  # another frame to this peer is half written
-                if self._ctl_out and not self._flush_ctl():
+                if self._ctl_out and not self._flush_ctl(sock):
                     return False  # ACKs first: they must not land inside this frame
                 if op.address:
                     self.unacked += 1  # the header carries LENT: the peer will answer it
                 self._sending = op
             if op.address and self.lends:
-                self._send_lent(op)
+                self._send_lent(sock, op)
             else:
-                self._send_copied(op)
+                self._send_copied(sock, op)
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as exc:
             raise self._lost(exc) from None
         self._sending = None
         if self._ctl_out:
-            self._flush_ctl()
+            self._flush_ctl(sock)
         return True
 
-    def _send_copied(self, op: Send) -> None:
+    def _send_copied(self, sock: socket.socket, op: Send) -> None:
         hlen = len(op.header)
         while op.offset < op.total:
             if op.offset == 0:
-                n = self.sock.sendmsg([op.header, op.payload])
+                n = sock.sendmsg([op.header, op.payload])
             elif op.offset < hlen:
-                n = self.sock.sendmsg([memoryview(op.header)[op.offset:], op.payload])
+                n = sock.sendmsg([memoryview(op.header)[op.offset:], op.payload])
             else:
-                n = self.sock.send(op.payload[op.offset - hlen:])
+                n = sock.send(op.payload[op.offset - hlen:])
             op.offset += n
 
-    def _send_lent(self, op: Send) -> None:
+    def _send_lent(self, sock: socket.socket, op: Send) -> None:
         """The header by copy, then the payload's pages through the pipe into the socket."""
         hlen = len(op.header)
         while op.offset < hlen:
-            op.offset += self.sock.send(memoryview(op.header)[op.offset:], socket.MSG_MORE)
+            op.offset += sock.send(memoryview(op.header)[op.offset:], socket.MSG_MORE)
         if self._splicer is None:
             try:
                 self._splicer = _splice.Splicer(self.fileno)
             except OSError as exc:  # out of file descriptors for the pipe
-                return self._copy_from_now_on(op, exc)
+                return self._copy_from_now_on(sock, op, exc)
         splicer = self._splicer
         while op.offset < op.total:
             if not splicer.piped:  # all sent so far is in the socket: lend the next piece
                 try:
                     pushed = splicer.push(op.address + op.offset - hlen, op.total - op.offset)
                 except OSError as exc:  # no vmsplice after all (seccomp, old kernel)
-                    return self._copy_from_now_on(op, exc)
+                    return self._copy_from_now_on(sock, op, exc)
                 if not pushed:
                     raise BlockingIOError  # an empty pipe took nothing: try again later
             op.offset += splicer.drain(more=op.offset + splicer.piped < op.total)
 
-    def _copy_from_now_on(self, op: Send, exc: OSError) -> None:
+    def _copy_from_now_on(self, sock: socket.socket, op: Send, exc: OSError) -> None:
         """Stops lending on this pair; sends the rest of ``op`` (and all later frames) copied.
 
         The peer still acknowledges ``op``, whose header says it was lent."""
         log.warning("lending pages to the socket to rank %d failed (%s); sending copies from "
                     "now on", self.peer, exc)
         self.lends = False
-        self._send_copied(op)
+        self._send_copied(sock, op)
 
-    def _flush_ctl(self) -> bool:
+    def _flush_ctl(self, sock: socket.socket) -> bool:
         """Writes owed ACKs; True once all are out. Call only between frames."""
         try:
             while self._ctl_out:
-                del self._ctl_out[:self.sock.send(self._ctl_out)]
+                del self._ctl_out[:sock.send(self._ctl_out)]
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as exc:
             raise self._lost(exc) from None
         return True
 
-    def _next_header(self) -> None:
+    def _next_header(self, sock: socket.socket) -> None:
         """Reads until ``_hdr`` holds a whole header; raises BlockingIOError before that."""
         while self._hdr_got < frame.HEADER_SIZE:
-            n = self.sock.recv_into(self._hdr_view[self._hdr_got:])
+            n = sock.recv_into(self._hdr_view[self._hdr_got:])
             if n == 0:
                 raise self._lost(None)
             self._hdr_got += n
@@ -291,21 +291,22 @@ class TcpPair(Pair):
         return True
 
     def advance_recv(self, op: Recv) -> bool:
-        if self.sock is None and not self._open():
+        sock = self.sock if self.sock is not None else self._open()
+        if sock is None:
             return False
         try:
             if self._ctl_out and self._sending is None:
-                self._flush_ctl()
+                self._flush_ctl(sock)
             if op.header_got < frame.HEADER_SIZE:
-                self._next_header()
+                self._next_header(sock)
                 while self._take_ack():
-                    self._next_header()
+                    self._next_header(sock)
                 op.header_buf[:] = self._hdr
                 op.header_got, self._hdr_got = frame.HEADER_SIZE, 0
                 op.check_header()
             total = op.payload.nbytes
             while op.offset < total:
-                n = self.sock.recv_into(op.payload[op.offset:])
+                n = sock.recv_into(op.payload[op.offset:])
                 if n == 0:
                     raise self._lost(None)
                 op.offset += n
@@ -319,17 +320,19 @@ class TcpPair(Pair):
             op.lent = False
             self._ctl_out += _ACK
             if self._sending is None:
-                self._flush_ctl()
+                self._flush_ctl(sock)
         return True
 
     def peek_header(self) -> "frame.Header | None":
-        if self.sock is None:
+        sock = self.sock
+        if sock is None:
             return None
+        raw: bytes | bytearray | None
         if self._hdr_got:  # a header this side began to take in (while looking for ACKs)
             raw = self._hdr if self._hdr_got == frame.HEADER_SIZE else None
         else:
             try:
-                raw = self.sock.recv(frame.HEADER_SIZE, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                raw = sock.recv(frame.HEADER_SIZE, socket.MSG_PEEK | socket.MSG_DONTWAIT)
             except OSError:
                 return None  # nothing there yet, or a lost peer, which check_alive reports
             if len(raw) < frame.HEADER_SIZE:
@@ -340,13 +343,14 @@ class TcpPair(Pair):
             return None  # the receive that takes it reports it
 
     def advance_settle(self, op: Settle) -> bool:
-        if self.sock is None:
+        sock = self.sock
+        if sock is None:
             return True  # never connected: nothing was lent or is owed
         try:
             if self._ctl_out and self._sending is None:
-                self._flush_ctl()
+                self._flush_ctl(sock)
             while self.unacked:
-                self._next_header()
+                self._next_header(sock)
                 if not self._take_ack():
                     raise ProtocolError(
                         f"rank {self.peer} sent a frame of kind {self._hdr[5]} while this rank "
@@ -407,10 +411,11 @@ class Route:
     two connections (the module docstring).
     """
 
-    def __init__(self, listener: "Listener", job: str, rank: int, expect,
+    def __init__(self, listener: "Listener", job: str, rank: int, expect: Iterable[int],
                  on_accept: Callable[[int, socket.socket], None] | None = None):
         self.listener, self.job, self.rank = listener, job.encode(), rank
-        self.expect = set(expect)
+        # Admission asks only ``in``: an owner may widen it (regions.ANY_PEER).
+        self.expect: Container[int] = set(expect)
         self.on_accept = on_accept
         self.slots: dict[int, "socket.socket | str"] = {}
         self._busy_since: dict[int, float] = {}
@@ -491,7 +496,8 @@ class Route:
                         f"rank {self.rank}: rank(s) {missing} did not connect in time; are they "
                         f"running, and can they reach this host's port {self.listener.port}?")
                 cond.wait(min(left, 0.1))
-            found = {r: self.slots[r] for r in ranks}
+            # Every one of them holds its socket now: that ended the wait.
+            found = {r: s for r in ranks if isinstance(s := self.slots[r], socket.socket)}
             self.slots.update(dict.fromkeys(ranks, _TAKEN))
             return found
 
@@ -534,7 +540,7 @@ class Listener:
     """
 
     def __init__(self, addr: str, rank: int, secret: bytes, job: str | None,
-                 expect: set[int] = frozenset(),
+                 expect: Iterable[int] = frozenset(),
                  on_accept: Callable[[int, socket.socket], None] | None = None):
         self.rank, self.secret = rank, secret
         self._cond = threading.Condition()
@@ -547,7 +553,7 @@ class Listener:
         self._thread = threading.Thread(target=self._serve, name="gradsync-listener", daemon=True)
         self._thread.start()
 
-    def route(self, job: str, rank: int, expect,
+    def route(self, job: str, rank: int, expect: Iterable[int],
               on_accept: Callable[[int, socket.socket], None] | None = None) -> Route:
         """Accepts connections proven for ``job`` from ``expect`` to ``rank`` from now on,
         until the route is closed. Raises ValueError if ``job`` has a route already."""
@@ -623,6 +629,7 @@ class Listener:
     def wait_for(self, ranks: set[int], deadline: float,
                  alive: Callable[[], None] = lambda: None) -> dict[int, socket.socket]:
         """``Route.wait_for`` of the first route."""
+        assert self.first is not None, "a listener made without a job has no first route"
         return self.first.wait_for(ranks, deadline, alive)
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Sequence
+from typing import Callable, Generic, Sequence, TypeVar
 
 import numpy as np
 
@@ -37,8 +37,11 @@ LEND_TRIALS = 3
 SEGMENT_TRIALS = 2
 SEGMENT_BLOCK = 4
 
+#: A candidate way of running a collective: a segment size in bytes, or whether to lend.
+Way = TypeVar("Way")
 
-class Trials:
+
+class Trials(Generic[Way]):
     """Chooses one of ``ways`` of running a collective by timing the first ones.
 
     Until a way is chosen, the ways take turns in their order, ``block`` collectives each, for
@@ -56,20 +59,20 @@ class Trials:
         block: collectives per turn.
     """
 
-    def __init__(self, ways: Sequence, rounds: int, untried, block: int = 1):
+    def __init__(self, ways: Sequence[Way], rounds: int, untried: Way, block: int = 1):
         self.ways = tuple(ways)
         self.rounds, self.block = rounds, block
-        self.seconds_per_byte: dict = {way: [] for way in self.ways}
-        self.chosen = untried if rounds == 0 else None
+        self.seconds_per_byte: dict[Way, list[float]] = {way: [] for way in self.ways}
+        self.chosen: Way | None = untried if rounds == 0 else None
         self._runs = 0
 
-    def next(self):
+    def next(self) -> Way:
         """The way the next collective takes."""
         if self.chosen is not None:
             return self.chosen
         return self.ways[self._runs // self.block % len(self.ways)]
 
-    def record(self, way, seconds: float, nbytes: int) -> bool:
+    def record(self, way: Way, seconds: float, nbytes: int) -> bool:
         """What a collective run ``way`` (``next()``'s) took; True when that ends the trials."""
         if self.chosen is not None or nbytes <= 0:
             return False
@@ -87,7 +90,7 @@ class Trials:
         self.chosen = self.ways[min(range(len(self.ways)), key=lambda i: costs[i])]
 
 
-class Lending(Trials):
+class Lending(Trials[bool]):
     """Whether a Comm's large collectives lend their send buffers, decided by timing them.
 
     Lending saves the sender's copy but costs the kernel's page references and an
@@ -121,10 +124,11 @@ class Tuning:
     def __init__(self, segment_trials: "int | None" = None, lend_trials: "int | None" = None):
         self.lending = Lending(LEND_TRIALS if lend_trials is None else lend_trials)
         self.segment_trials = SEGMENT_TRIALS if segment_trials is None else segment_trials
-        self._segments: dict[tuple, "Trials | None"] = {}
+        self._segments: dict[tuple, "Trials[int] | None"] = {}
         self._plans: dict[tuple, dict] = {}
 
-    def segments(self, ranks: tuple, chunk_bytes: int, nbytes: int, sockets) -> "Trials | None":
+    def segments(self, ranks: tuple, chunk_bytes: int, nbytes: int,
+                 sockets) -> "Trials[int] | None":
         """The trials of segment sizes for ring allreduces of about ``nbytes`` (the same power
         of 4) among ``ranks`` (global ranks in ring order), or None when their segments are
         ``chunk_bytes`` always.
@@ -167,7 +171,8 @@ class Plan:
 
     __slots__ = ("segment", "lend", "settled", "sizing", "lending")
 
-    def __init__(self, chunk_bytes: int, sizing: "Trials | None", lending: "Lending | None"):
+    def __init__(self, chunk_bytes: int, sizing: "Trials[int] | None",
+                 lending: "Lending | None"):
         self.segment, self.lend = chunk_bytes, False
         self.sizing, self.lending = sizing, lending
         self.settled = False
@@ -196,19 +201,18 @@ class Plan:
         """
         if self.lending is not None and not comm.lends:
             self.lending = None  # a pair stopped lending (a failed vmsplice): for good
-        sizing = self.sizing
+        # The trials this allreduce is one of: the segment sizes' until the segment is settled,
+        # then the Comm's measurements of lending until the faster way is chosen.
+        sizing = self.sizing if self.sizing is not None and self.sizing.chosen is None else None
+        lending = self.lending if sizing is None else None
         segment = self.next_segment()
-        sizes_measured = sizing is not None and sizing.chosen is None
-        # Once the segment is settled, this allreduce is one of the Comm's measurements of
-        # lending until the faster way is chosen.
-        lends_measured = not sizes_measured and self.lending is not None
-        lend = lends_measured and self.lending.next()
+        lend = lending is not None and lending.next()
         start = time.perf_counter()
         run(segment, lend)
         seconds = time.perf_counter() - start
-        if lends_measured:
-            self.lending.record(lend, seconds, nbytes)
-        if sizes_measured and sizing.record(segment, seconds, nbytes):
+        if lending is not None:
+            lending.record(lend, seconds, nbytes)
+        if sizing is not None and sizing.record(segment, seconds, nbytes):
             # Every rank completes the trials in the same allreduce, so all of them agree
             # within it; the sum leaves the same bits on every rank.
             costs = np.array(sizing.medians(), dtype=np.float64)
@@ -220,6 +224,8 @@ class Plan:
         if self.measuring():
             return
         if self.sizing is not None:
+            # Not measuring: the segment-size trials are over, so one of them is chosen.
+            assert self.sizing.chosen is not None
             self.segment = self.sizing.chosen
         self.lend = self.lending is not None and bool(self.lending.chosen)
         self.settled = True
