@@ -100,7 +100,7 @@ def alltoall(comm: Communicator, send: np.ndarray, send_counts: Sequence[int], r
                       [(src, recv[recv_offsets[src]:recv_offsets[src + 1]])])
 
 
-def bruck(comm: Comm, send: np.ndarray, recv: np.ndarray) -> None:
+def bruck(comm: Communicator, send: np.ndarray, recv: np.ndarray) -> None:
     """Bruck's alltoall of uniform blocks: block ``d`` of ``send`` to rank ``d``, in
     ``ceil(log2 n)`` steps (module docstring).
 
@@ -133,7 +133,7 @@ def bruck(comm: Comm, send: np.ndarray, recv: np.ndarray) -> None:
     np.take(rotated, (rank - positions) % n, axis=0, out=recv.reshape(n, block))
 
 
-def uniform(comm: Comm, send: np.ndarray, recv: np.ndarray, algorithm: str) -> None:
+def uniform(comm: Communicator, send: np.ndarray, recv: np.ndarray, algorithm: str) -> None:
     """The alltoall of uniform blocks by ``algorithm`` (one of ``ALGORITHMS``), the same on
     every rank."""
     if algorithm == "bruck":
