@@ -202,3 +202,30 @@ def test_over_tcp_a_lost_servers_batches_received_in_a_window_are_not_served_aga
     # Server 1 served its own items and server 0's from item 4 on: not items 1-3 again.
     own = len(_server_items(2, 1))
     assert peers1[0].call("stats")["sent"] == own + len(items) - 4
+
+
+def test_a_mapped_slot_reached_by_take_is_read_before_the_next_take_releases_it(server):
+    # A same-host server whose slot table is not polled (``poll=False``): the take's reply
+    # names the slot, and the worker reads it through its own mapping. The take asked ahead
+    # for the next item releases this one, so the server may write the slot again: it must
+    # be asked only once the slot is read (it was asked first, so a batch could be read
+    # while the server already rewrote its slot).
+    srv, peers = server(Numbers(SAMPLES), workers=1)
+    loader = _loader([peers[0]], _hello(peers[0], SAMPLES, prefetch=2), poll=False)
+    assert loader.slots[0].direct is not None and loader.pollers[0] is None
+    region, reads, early = loader.slots[0], [], []
+    read = region.read
+
+    def read_late(buf, offset=0):
+        k = len(reads)
+        reads.append(k)
+        if k == 0:  # give a take already asked for item 1 the time to release item 0
+            _wait_for(lambda: srv.streams[0].released > 0, 0.3)
+        if srv.streams[0].released > k:
+            early.append((k, srv.streams[0].released))
+        return read(buf, offset)
+
+    region.read = read_late
+    got = [ids.tolist() for _, ids in iter(loader)]
+    assert got == _planned(1)
+    assert reads and not early, early  # (item, released) read after their release

@@ -941,6 +941,11 @@ class _Epoch:
                     got.append((seq + k, extra, attached[at:at + extra["nbytes"]]))
                     at += extra["nbytes"]
         taken = time.perf_counter()
+        if buf is None:
+            # The slot is mapped here: read it before asking for the next item, whose take
+            # releases this one (the server may then write the slot again).
+            buf = np.empty(info["nbytes"], dtype=np.uint8)
+            loader.slots[s].read(buf, info["slot"] * loader.slot_bytes)
         # Of the server's batches after this one in the work, those not received yet.
         wanted = self._count(s, self._left[s] - len(got))
         if s not in self._ahead and wanted and not self._stopping and s not in loader.lost:
@@ -951,9 +956,6 @@ class _Epoch:
             self._ahead[s] = (loader._seq[s], self._ask(s, loader._seq[s], ahead=True,
                                                         count=wanted))
         self._check(s, info["epoch"], info["index"], info["ids"], batch)
-        if buf is None:
-            buf = np.empty(info["nbytes"], dtype=np.uint8)
-            loader.slots[s].read(buf, info["slot"] * loader.slot_bytes)
         loader._transfers.append((taken - start, waited, time.perf_counter() - taken,
                                   buf.nbytes))
         return buf
