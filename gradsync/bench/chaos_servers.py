@@ -136,11 +136,7 @@ class ServerJob:
         changed (a view, a data server given up)."""
         if not self.whole(log):
             return False
-        changed = max([since] + [v[0] for v in log.views] + [x[0] for x in log.lost])
-        counts: dict[str, int] = {}
-        for st in log.base.steps[-50 * self.workers:]:
-            if st.wall > changed:
-                counts[st.worker] = counts.get(st.worker, 0) + 1
+        counts = self._steps_since_change(log, since)
         return len(counts) == self.workers and min(counts.values()) >= 3
 
     def settled(self, log: csr.ServerLog, since: float) -> bool:
@@ -154,9 +150,14 @@ class ServerJob:
             given_up = {(worker, d) for _, worker, d in log.lost}
             if any((w, d) not in given_up for w in workers for d in self.lost_data_servers(log)):
                 return False
+        return len(self._steps_since_change(log, since)) == self.workers
+
+    def _steps_since_change(self, log: csr.ServerLog, since: float) -> Counter:
+        """Each worker's steps (of the latest ones) since ``since`` and since the job last
+        changed (a view, a data server given up)."""
         changed = max([since] + [v[0] for v in log.views] + [x[0] for x in log.lost])
-        stepped = {st.worker for st in log.base.steps[-50 * self.workers:] if st.wall > changed}
-        return len(stepped) == self.workers
+        return Counter(st.worker for st in log.base.steps[-50 * self.workers:]
+                       if st.wall > changed)
 
     def target(self, log: csr.ServerLog, hits: dict[int, int], rng) -> int | None:
         """The server the next fault hits: one hit least so far; None when none may be hit
