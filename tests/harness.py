@@ -21,6 +21,7 @@ import threading
 from pathlib import Path
 
 from gradsync.run.processes import start
+from gradsync.testbed.procfs import gone
 from gradsync.transport import tcp
 from gradsync.transport.comm import Comm
 from gradsync.transport.tcp import TcpPair
@@ -233,22 +234,6 @@ def ssh_stand_in(directory: Path, own_session: bool = False) -> tuple[Path, Path
 def remote_ssh(directory: Path) -> tuple[Path, Path]:
     """``ssh_stand_in`` for another host: the command runs in a session of its own."""
     return ssh_stand_in(directory, own_session=True)
-
-
-def gone(pid: int) -> bool:
-    """Whether process ``pid`` has exited (a zombie whose parent has not reaped it counts as
-    gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        return False
 
 
 def tcp_mesh(n, splice_on=lambda r: True, comm_class=lambda r: Comm, **comm_args):

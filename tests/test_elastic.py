@@ -13,7 +13,9 @@ import sys
 
 import pytest
 
-from harness import gone, launch, remote_ssh, run_job, worker_results
+from harness import launch, remote_ssh, run_job, worker_results
+
+from gradsync.testbed.procfs import gone
 
 pytestmark = pytest.mark.multiprocess
 

@@ -22,10 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from harness import gone, ssh_stand_in
+from harness import ssh_stand_in
 
 from gradsync.run import cli
 from gradsync.run.cli import parse_hosts, read_hostfile, resolve_exports
+from gradsync.testbed.procfs import gone
 from gradsync.run.launcher import Host, LaunchSpec, Slot, informs, place
 from gradsync.run.processes import remote_script, start
 

@@ -17,8 +17,7 @@ from gradsync.run import cli, elastic
 from gradsync.run import processes
 from gradsync.run.hosts import Host, parse_hosts, rank_hosts, read_hostfile
 from gradsync.run.processes import Interrupts, Output, Ssh, start, stop
-
-from harness import gone
+from gradsync.testbed.procfs import gone
 
 
 # ---------------------------------------------------------------------- host lists
@@ -141,6 +140,46 @@ def test_stop_reaches_what_a_child_started_and_kills_one_that_ignores_sigterm():
     while not gone(grandchild) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert gone(grandchild)
+
+
+def test_gone_sees_a_live_process_a_zombie_and_one_reaped():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert not gone(child.pid)
+        child.kill()
+        deadline = time.monotonic() + 10
+        while not gone(child.pid) and time.monotonic() < deadline:  # a zombie, not yet reaped
+            time.sleep(0.01)
+        assert gone(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert gone(child.pid)
+
+
+def test_gone_counts_a_process_that_ends_while_its_proc_entry_is_read(monkeypatch):
+    # /proc/<pid>/stat opened, then the process reaped before read(): ESRCH (a 64-rank CI run).
+    import builtins
+
+    real_open = builtins.open
+
+    class Vanishing:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def read(self):
+            raise ProcessLookupError(3, "No such process")
+
+    def opener(path, *args, **kwargs):
+        if str(path).startswith("/proc/") and str(path).endswith("/stat"):
+            return Vanishing()
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", opener)
+    assert gone(os.getpid())
 
 
 def test_stop_gives_the_grace_and_hurry_skips_it():

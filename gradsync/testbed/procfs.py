@@ -1,13 +1,16 @@
-"""What a process holds, read from ``/proc/self``: the figures behind "sockets per rank".
+"""What a process holds, read from ``/proc``: the figures behind "sockets per rank", and
+whether a process has ended.
 
-One function, for ``bench scale``'s ranks and the tests' rank scripts alike.
+For ``bench scale``'s ranks and the tests' rank scripts alike.
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["sockets"]
+from gradsync.transport.shm import process_start_time
+
+__all__ = ["gone", "sockets"]
 
 
 def sockets() -> int:
@@ -26,3 +29,24 @@ def sockets() -> int:
         if target.startswith("socket:"):
             held.add(target)
     return len(held)
+
+
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended: exited, or a zombie its parent has not reaped (its
+    sockets are closed and its ports refuse).
+
+    A process may end while its ``/proc`` entry is read (``ProcessLookupError`` mid-read);
+    that is an end too. Where ``/proc`` hides other users' processes, ``kill(pid, 0)`` says.
+    """
+    start = process_start_time(pid)
+    if start is None:
+        return True
+    if start >= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return False

@@ -91,11 +91,9 @@ def reported(directory: str, rank: int) -> None:
 def gone(pid: int) -> bool:
     """Whether process ``pid`` has exited (a zombie its parent has not reaped counts: its
     sockets are closed and its port refuses)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
+    from gradsync.testbed.procfs import gone as ended
+
+    return ended(pid)
 
 
 def until(condition, what: str, timeout: float = 60.0, every: float = 0.01) -> None:
