@@ -3,9 +3,13 @@ verification of both feeds, and the JSON row (the figures themselves are docs/be
 
 import json
 
+import os
+
 import pytest
 
 import harness
+
+from gradsync.bench import data as bench_data
 
 pytestmark = pytest.mark.multiprocess
 
@@ -49,3 +53,50 @@ def test_bench_data_compares_both_feeds_and_the_transport(tmp_path):
 def test_bench_data_rejects_a_bad_shape():
     result = harness.bench("data", "--shape", "3,x", timeout=60)
     assert result.returncode != 0 and "--shape '3,x'" in result.stdout, result.stdout
+
+
+def test_bench_data_pins_the_data_servers_apart_and_spins_the_training_step(tmp_path):
+    rows_file = tmp_path / "row.json"
+    mine = sorted(os.sched_getaffinity(0))
+    assert len(mine) >= 2, f"CI has 2 cores; this process may use {mine}"
+    result = harness.bench("data", "-np", "2", "--data-servers", "1", "--samples", "48",
+                           "--batch-size", "8", "--shape", "2", "--cost-ms", "0",
+                           "--step-ms", "0.5", "--server-cpus", str(mine[-1]),
+                           "--repeats", "1", "--json", str(rows_file), timeout=120)
+    out = result.stdout
+    assert result.returncode == 0, out
+    assert f"data servers pinned to CPUs [{mine[-1]}], the workers and their DataLoaders to " \
+           "the others" in out and "training step 0.5 ms CPU/batch" in out, out
+    row = json.loads(rows_file.read_text())
+    assert (row["step_ms"], row["server_cpus"]) == (0.5, [mine[-1]])
+    assert row["per_worker_cpus"] == [mine[:-1], mine[:-1]]
+    assert row["wrong"] == 0 and row["dataloader_wrong"] == 0
+    # 24 samples per worker an epoch, each of its 3 batches spinning 0.5 ms: below 16k/s
+    for feed in ("servers_samples_s", "dataloader_samples_s"):
+        assert row[feed]["high"] < 24 / (3 * 0.5e-3)
+
+
+def test_pin_puts_data_servers_on_their_cpus_and_workers_on_the_others(monkeypatch):
+    from gradsync.cluster import launch_env
+
+    pinned = []
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: pinned.append(set(cpus)))
+    for data_server, expected in ((True, {2, 3}), (False, {0, 1})):
+        monkeypatch.setattr(launch_env, "detect", lambda data_server=False, on=data_server:
+                            type("Env", (), {"is_data_server": on})())
+        bench_data._pin({2, 3})
+        assert pinned.pop() == expected
+    bench_data._pin(None)
+    assert pinned == []
+
+
+def test_server_cpus_must_name_some_not_all_of_the_cpus(monkeypatch):
+    import argparse
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert bench_data._cpus("1") == {1}
+    assert bench_data._cpus("0,2-3") == {0, 2, 3}
+    for bad in ("0-3", "4", "x", "1-", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="--server-cpus"):
+            bench_data._cpus(bad)

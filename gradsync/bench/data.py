@@ -2,7 +2,7 @@
 
     gradsync bench data -np W [--data-servers D] [--data-workers K] [--cost-ms 2]
         [--samples 512] [--batch-size 32] [--shape 3,32,32] [--repeats 5] [--borrow]
-        [--emulate none|netns] [--profile DIR]
+        [--step-ms 0] [--server-cpus LIST] [--emulate none|netns] [--profile DIR]
 
 Every rank runs this module (``drive`` starts the job with ``--data-servers D``, or, with
 ``--emulate netns``, on emulated hosts: the W workers on host ``w``, each data server on a
@@ -42,6 +42,15 @@ cost that a loaded machine stretches in wall time but does not shrink). Three me
    epoch, then R timed epochs as in 1. Its epochs alternate with the data servers' (one of
    each, in turn), so that both feeds see the same load on a shared machine; the ratio is
    printed of the medians and epoch by epoch.
+
+**Cores the workers do not have** (Project Adam's point: the data are prepared off the
+training machines). ``--step-ms S`` spins S ms of the training loop's CPU per batch in every
+timed epoch of both feeds (the training step the worker's cores also run), and
+``--server-cpus LIST`` pins the data-server ranks (and the producers they start) to those
+CPUs and the workers (and the ``DataLoader``'s loading processes they start) to the others:
+a worker's own ``DataLoader`` then shares the worker's cores with its training step, where the
+data servers use cores of their own, as two kinds of machine would. Without them both feeds
+share every core, and only the feeds differ.
 
 The data servers' batches are copied into buffers of their own, as the ``Loader`` does by
 default and as a ``DataLoader``'s batches are the caller's to keep; ``--borrow`` measures
@@ -139,6 +148,36 @@ def _shape(text: str) -> tuple[int, ...]:
     return dims
 
 
+def _cpus(text: str) -> set[int]:
+    """A CPU list as ``taskset`` reads one: ``1``, ``0,2`` or ``2-3,5``."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, dash, last = part.partition("-")
+            cpus.update(range(int(first), int(last if dash else first) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--server-cpus {text!r}: CPUs as 1, 0,2 or "
+                                         "2-3,5") from None
+    here = os.sched_getaffinity(0)
+    if not cpus or not cpus < here:
+        raise argparse.ArgumentTypeError(
+            f"--server-cpus {text!r}: must name some, not all, of this process's CPUs "
+            f"{sorted(here)}: the workers need the others")
+    return cpus
+
+
+def _pin(server_cpus: set[int] | None) -> None:
+    """Pins this rank (and every process it starts from now on) to the data servers' CPUs or
+    to the others (``--server-cpus``)."""
+    if server_cpus is None:
+        return
+    from ..cluster.launch_env import detect
+
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, server_cpus if detect(data_server=True).is_data_server
+                         else mine - server_cpus)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gradsync bench data")
     p.add_argument("--data-servers", type=at_least(1), default=1, metavar="D",
@@ -165,6 +204,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefetch", type=at_least(1), default=None,
                    help="the Loader's prefetch (default the data_prefetch setting)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-ms", type=at_least(0.0, float), default=0.0,
+                   help="CPU milliseconds of the training step per batch, spun by the worker "
+                        "in every timed epoch of both feeds (default 0)")
+    p.add_argument("--server-cpus", type=_cpus, default=None, metavar="LIST",
+                   help="pin the data servers to these CPUs (as 1 or 2-3,5) and the workers "
+                        "and their DataLoaders to the others: cores the workers do not have")
     p.add_argument("--emulate", choices=("none", "netns"), default="none",
                    help="netns: workers on one emulated host, each data server on its own "
                         "(needs root)")
@@ -194,8 +239,8 @@ def drive(run_cmd: list[str], options, rest: list[str], workers: int, servers=No
     _print(rows)
     if options.json:
         with open(options.json, "w") as f:
-            json.dump(rows[0] | {"per_worker_transfer": [r["transfer"] for r in rows]}, f,
-                      indent=1)
+            json.dump(rows[0] | {"per_worker_transfer": [r["transfer"] for r in rows],
+                                 "per_worker_cpus": [r["cpus"] for r in rows]}, f, indent=1)
     return 0
 
 
@@ -240,6 +285,7 @@ def run(args) -> dict | None:
     import gradsync.data
 
     torch.set_num_threads(1)
+    _pin(args.server_cpus)
     if args.profile:
         _profile(args.profile)
     dataset = Synthetic(args.samples, args.shape, args.decode_ms / 1e3)
@@ -254,7 +300,7 @@ def run(args) -> dict | None:
     # The two feeds' epochs alternate, so that both see the same load on a shared machine;
     # epoch 0 of each is its warm-up (the cache fills, the loading processes start).
     for epoch in range(args.repeats + 1):
-        seconds, ids, bad = _epoch(iter(loader), loader)
+        seconds, ids, bad = _epoch(iter(loader), loader, step=args.step_ms / 1e3)
         wrong += _exactly_once(ids, bad, args.samples)
         own.epoch(epoch)
         if epoch > 0:
@@ -271,7 +317,10 @@ def run(args) -> dict | None:
     own.close()
     row = {"workers": workers, "data_servers": servers, "loader_workers": threads,
            "data_workers": args.data_workers, "copy": not args.borrow,
-           "cost_ms": args.cost_ms, "decode_ms": args.decode_ms, "samples": args.samples,
+           "cost_ms": args.cost_ms, "decode_ms": args.decode_ms, "step_ms": args.step_ms,
+           "server_cpus": None if args.server_cpus is None else sorted(args.server_cpus),
+           "cpus": sorted(os.sched_getaffinity(0)),  # this worker's (``_pin``)
+           "samples": args.samples,
            "batch_size": args.batch_size, "shape": list(args.shape),
            "transport": _transport_name(), "repeats": args.repeats, "wrong": wrong,
            "servers_samples_s": _summary(epochs), "dataloader_samples_s": _summary(own.rates),
@@ -356,9 +405,11 @@ def _transport_name() -> str:
     return job.world().config.transport
 
 
-def _epoch(batches, loader=None, pause: float = 0.0, on_pause=None, lead: float = 0.0):
-    """Iterates one epoch of ``batches`` after a barrier (and ``lead`` seconds more); returns
-    the slowest worker's seconds, this worker's ids and its wrong samples."""
+def _epoch(batches, loader=None, pause: float = 0.0, on_pause=None, lead: float = 0.0,
+           step: float = 0.0):
+    """Iterates one epoch of ``batches`` after a barrier (and ``lead`` seconds more), spinning
+    ``step`` seconds of CPU per batch (the training step); returns the slowest worker's
+    seconds, this worker's ids and its wrong samples."""
     import gradsync
 
     gradsync.barrier()
@@ -372,6 +423,7 @@ def _epoch(batches, loader=None, pause: float = 0.0, on_pause=None, lead: float 
         values = x.reshape(len(labels), -1)
         bad += int((values != _column(labels)).any(1).sum())
         ids.append(labels.copy())
+        spin(step)
         if pause:
             time.sleep(pause)
             if on_pause is not None:
@@ -445,6 +497,7 @@ class _Own:
                                           seed=args.seed, drop_last=False)
         self.loader = DataLoader(data, batch_size=args.batch_size, sampler=self.sampler,
                                  num_workers=threads, persistent_workers=True)
+        self.step = args.step_ms / 1e3
         self.rates: list[float] = []  # samples/s of the timed epochs
         self.wrong = 0
 
@@ -453,7 +506,7 @@ class _Own:
         import gradsync
 
         self.sampler.set_epoch(epoch)
-        seconds, ids, bad = _epoch(self.loader)
+        seconds, ids, bad = _epoch(self.loader, step=self.step)
         # The sampler pads the last share with repeated samples (drop_last=False): count
         # the samples served, and check only that none is missing or wrong.
         views = gradsync.allgather_object((ids.tolist(), bad), name="bench.data.own")
@@ -479,10 +532,14 @@ def _print(rows: list[dict]) -> None:
     same = "same cores" if w * k == d * p else f"NOT the same cores: {d} data servers of " \
                                                f"{p} producer(s), {w * k} loading processes"
     fed = "copied" if row.get("copy") else "borrowed"
+    if row.get("server_cpus"):
+        same = f"data servers pinned to CPUs {row['server_cpus']}, the workers and their " \
+               "DataLoaders to the others"
     print(f"# data servers against each worker's own DataLoader, in the same job: {w} "
           f"worker(s), {d} data server(s), DataLoader num_workers={k} ({same}); "
           f"{p} producer(s) per data server, batches {fed}; transform "
-          f"{row['cost_ms']:g} ms CPU/sample, decode {row['decode_ms']:g} ms; "
+          f"{row['cost_ms']:g} ms CPU/sample, decode {row['decode_ms']:g} ms, training step "
+          f"{row.get('step_ms', 0):g} ms CPU/batch; "
           f"{row['samples']} samples of float32 {tuple(row['shape'])}, batch "
           f"{row['batch_size']}; median (lowest-highest) of {row['repeats']} epochs; "
           f"GRADSYNC_TRANSPORT={row['transport']}", flush=True)
