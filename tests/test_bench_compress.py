@@ -130,6 +130,28 @@ def test_the_floor_falls_back_to_gradsyncs_fp32_and_otherwise_is_absent():
     assert no_floor["floor_s"] is None and no_floor["rows"][1]["x_floor"] is None
 
 
+def test_a_rate_whose_fp32_runs_fell_short_takes_their_steps_from_another_rate():
+    short = {"reached": False, "steps_to_target": None, "time_to_target": None,
+             "stop": "time budget"}
+    rows = [_floor(step_s=0.6, rate="25mbit"), _row("gloo-fp32", rate="25mbit", **short),
+            _row("gs-fp32", rate="25mbit", **short),
+            _row("gs-int8", rate="25mbit", time_to_target=96.0),
+            _floor(rate="100mbit"), _row("gloo-fp32", rate="100mbit", steps_to_target=96,
+                                         time_to_target=75.0)]
+    data = cr.report(rows, _settings())
+    slow, fast = data["rates"]
+    assert slow["floor_reference"] == "gloo-fp32@100mbit" and fast["floor_reference"] == \
+        "gloo-fp32"
+    assert slow["floor_s"] == pytest.approx(0.6 * 96) and fast["floor_s"] == 0.5 * 96
+    assert [r["x_floor"] for r in slow["rows"]] == [1.0, None, None,
+                                                    pytest.approx(96.0 / (0.6 * 96))]
+    assert "25mbit: floor 57.6 s = 0.600 s/step x gloo-fp32@100mbit's steps to target" in \
+        cr.format_text(data)
+    # No fp32 run reached the target anywhere: no floor at either rate.
+    none = cr.report([r for r in rows if r["rate"] == "25mbit"], _settings())
+    assert none["rates"][0]["floor_s"] is None
+
+
 def _settings(task="lm"):
     return {"task": task, "hosts": 4, "ranks_per_host": 1, "seed": 0, "params": 1000,
             "target_loss": 2.4, "target_accuracy": 0.95}

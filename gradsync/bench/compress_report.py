@@ -10,10 +10,15 @@ One *row* per run of a mode at a link rate, as a rank 0 wrote it (``compress_ran
 ranks and steps with the gradient exchange skipped, which gives its time per step; times the
 fp32 reference's steps to the target, it is what no scheme can beat (issue 38). The reference
 is DDP over gloo at fp32 (``gloo-fp32``), or over the gradsync backend (``gs-fp32``) where
-gloo's did not run; where neither reached the target there is no floor, and no ratio. Every
-mode that reached the target gets ``x_floor = time_to_target / floor``. Worked example:
-floor steps of 0.5 s, ``gloo-fp32`` reaching the target at step 120 in 150 s: the floor is
-60 s and gloo-fp32 sits at 2.5x; a mode that took 66 s sits at 1.1x.
+gloo's did not run. Where neither reached the target at a rate (on a slow link a float32
+exchange can use up the time budget first), the steps come from an fp32 run of another rate
+in the same invocation that reached it (the first in the order the rates ran): a float32
+exchange is the same sum at every rate, so its steps to the target do not depend on the link,
+and the report names the rate they come from (``gloo-fp32@100mbit``). Where no fp32 run
+reached the target at any rate there is no floor, and no ratio. Every mode that reached the
+target gets ``x_floor = time_to_target / floor``. Worked example: floor steps of 0.5 s,
+``gloo-fp32`` reaching the target at step 120 in 150 s: the floor is 60 s and gloo-fp32 sits
+at 2.5x; a mode that took 66 s sits at 1.1x.
 """
 
 from __future__ import annotations
@@ -37,11 +42,6 @@ MODES = {
 }
 """Every mode, in the order each rate runs them (the floor first)."""
 
-AUTO = ("not built: compression=\"auto\" (issue 38 item 5) will be a mode here, its row's "
-        "'choice' what it chose per bucket and tier")
-"""The hook for ``auto``: when it exists it is one more mode whose ``choice`` column says
-what it chose; until then the report says so instead of showing a row."""
-
 FLOOR_REFERENCES = ("gloo-fp32", "gs-fp32")
 """The fp32 runs whose steps to the target make the floor, the first that reached it."""
 
@@ -56,24 +56,36 @@ def floor_seconds(floor_step_s: float | None, reference_steps: int | None) -> fl
     return floor_step_s * reference_steps
 
 
-def rate_report(rows: list[dict]) -> dict:
+def _reference(rows: list[dict]) -> tuple[str, int] | None:
+    """The fp32 run among ``rows`` whose steps to the target make the floor (the first of
+    ``FLOOR_REFERENCES`` that reached it): (its mode, its steps), or None."""
+    by_mode = {r["mode"]: r for r in rows}
+    for mode in FLOOR_REFERENCES:
+        row = by_mode.get(mode)
+        if row is not None and row.get("reached") and not row.get("failed"):
+            return mode, row["steps_to_target"]
+    return None
+
+
+def rate_report(rows: list[dict], elsewhere: tuple[str, int] | None = None) -> dict:
     """The rows of one rate (one per mode) -> the floor, its reference, and each row with
-    ``x_floor`` (None where there is no floor or the mode did not reach the target)."""
+    ``x_floor`` (None where there is no floor or the mode did not reach the target).
+    ``elsewhere``: (name, steps) of an fp32 run at another rate, the reference when neither
+    fp32 run here reached the target (module docstring)."""
     by_mode = {r["mode"]: r for r in rows}
     floor_row = by_mode.get("floor")
     step_s = None
     if floor_row is not None and not floor_row.get("failed") and floor_row.get("steps"):
         step_s = floor_row["seconds"] / floor_row["steps"]
-    reference = next((m for m in FLOOR_REFERENCES
-                      if m in by_mode and by_mode[m].get("reached")), None)
-    floor = floor_seconds(step_s, by_mode[reference]["steps_to_target"] if reference else None)
+    found = _reference(rows) or elsewhere
+    reference, steps = found if found else (None, None)
+    floor = floor_seconds(step_s, steps)
     out = []
     for row in rows:
         row = dict(row)
         if row["mode"] == "floor":
             row["time_to_target"] = floor
-            row["steps_to_target"] = by_mode[reference]["steps_to_target"] if reference \
-                else None
+            row["steps_to_target"] = steps
             row["x_floor"] = 1.0 if floor else None
         else:
             reached = row.get("reached") and not row.get("failed")
@@ -85,12 +97,16 @@ def rate_report(rows: list[dict]) -> dict:
 
 def report(rows: list[dict], settings: dict) -> dict:
     """Every rate's ``rate_report``, in the order the rates ran, with the settings."""
-    rates = []
+    rates: list[str] = []
     for row in rows:
         if row["rate"] not in rates:
             rates.append(row["rate"])
+    per_rate = {rate: [r for r in rows if r["rate"] == rate] for rate in rates}
+    # An fp32 reference from another rate, for a rate whose own fp32 runs fell short.
+    elsewhere = next(((f"{found[0]}@{rate}", found[1]) for rate in rates
+                      if (found := _reference(per_rate[rate])) is not None), None)
     return {"settings": settings,
-            "rates": [{"rate": rate, **rate_report([r for r in rows if r["rate"] == rate])}
+            "rates": [{"rate": rate, **rate_report(per_rate[rate], elsewhere)}
                       for rate in rates]}
 
 
