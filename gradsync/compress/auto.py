@@ -32,9 +32,17 @@ order.
    allreduce, every other rank adding zeros): every rank uses rank 0's choice, even where a
    rank's own arithmetic would have rounded differently.
 4. Drift: every ``check_every`` steps the same two allreduces carry the window's numbers;
-   the link's rate is measured again from the chosen options' own exchanges (their time,
-   less their arithmetic, latency and fast-tier part, against their bytes), and the step's
-   compute. Beyond ``drift`` (a fraction) from what the decision used, rank 0 decides again.
+   the link's rate is measured again, and the step's compute. Beyond ``drift`` (a fraction)
+   from what the decision used, rank 0 decides again. Where every bucket is none, the rate
+   comes from their float32 exchanges, as in calibration. Where a bucket is compressed, its
+   exchange says little about the link: a few hundred kilobytes of PowerSGD factors take a
+   millisecond of wire and tens of milliseconds of arithmetic, small collectives and waiting
+   for the other ranks, and what is left after subtracting the modelled part is mostly what
+   the model leaves out. Read as a rate, it made the link look slower at each check, which
+   chose more compression, whose exchange looked slower still (a 1 Gbit link read as 85
+   Mbit/s in ``gradsync bench compress``). So the check measures the link itself: one float32
+   allreduce of a probe (``PROBE_BYTES``, or the largest bucket if smaller), timed after a
+   one-element allreduce has lined the ranks up.
 5. Resize: a Comm of another size (an elastic job's new world) starts again at 2 (or 1).
 
 Local SGD (only with ``local_sgd=H_max`` and the parameters attached, ``auto_local.py``):
@@ -90,6 +98,11 @@ HISTORY = 32
 """Decisions ``Auto.history`` keeps."""
 
 _TINY = 1e-6  # seconds: a floor for measured wire times (a division by them follows)
+
+PROBE_BYTES = 1 << 20
+"""Bytes of the float32 allreduce a drift check times where a bucket is compressed (module
+docstring, 4): large enough that the wire, not the latency, is most of its time on the links
+auto weighs (8 ms at 1 Gbit/s, 0.3 s at 25 Mbit/s, once per ``check_every`` steps)."""
 
 _LIVE: "weakref.WeakSet[Auto]" = weakref.WeakSet()
 _ORDER = itertools.count(1)
@@ -484,6 +497,10 @@ class Auto(ReducingCompressor):
         # Steps that exchanged gradients give the rate from their buckets; under local SGD
         # the syncs give it. Every rank has the same steps of each kind (H is agreed).
         ex = [s for s in w if not s["local"]]
+        options = self._options(a)
+        compressed = any(options[b].options[self._choice.get(k, 0)].name != "none"
+                         for b, k in enumerate(keys))
+        probe = self._probe(comm, a) if compressed and ex else 0.0
         local = [1.0 if w else 0.0,
                  statistics.median(s["period"] - s["blocked"] for s in w) if w else 0.0,
                  statistics.median(s["exchange"] for s in ex) if ex else 0.0,
@@ -492,21 +509,21 @@ class Auto(ReducingCompressor):
                   for k in keys]
         local += [1.0 if ex else 0.0, 1.0 if self._local is not None else 0.0,
                   statistics.median(self._syncs) if self._syncs else 0.0,
-                  1.0 if self._syncs else 0.0]
+                  1.0 if self._syncs else 0.0, probe]
         agreed = self._average(comm, local)
         work, exchange, blocked = agreed[1:4]
         times = dict(zip(keys, agreed[4:4 + len(keys)]))
-        exchanged, attached, sync, synced = agreed[4 + len(keys):]
+        exchanged, attached, sync, synced, probe_s = agreed[4 + len(keys):]
         rate, hidden = a["rate"], a["hidden"]
-        if exchanged >= 1.0:
-            wire_bytes = busy = 0.0
-            options = self._options(a)
-            for b, k in enumerate(keys):
-                option = options[b].options[self._choice.get(k, 0)]
-                wire_bytes += option.ratio * 4 * self._numel(k)
-                busy += max(times[k] - option.compute - option.collectives * a["latency"]
-                            - a["local"][k], _TINY)
-            rate, hidden = wire_bytes / busy, max(exchange - blocked, 0.0)
+        if exchanged >= 1.0 and probe_s > 0.0:  # the link itself (module docstring, 4)
+            nbytes = self._probe_bytes(keys)
+            _, _, _, topo = self._placement(comm)
+            busy = probe_s - a["latency"] - self._local_seconds(topo, nbytes)
+            rate, hidden = nbytes / max(busy, _TINY), max(exchange - blocked, 0.0)
+        elif exchanged >= 1.0:  # every bucket none: their own float32 exchanges
+            busy = sum(max(times[k] - a["latency"] - a["local"][k], _TINY) for k in keys)
+            rate = sum(4 * self._numel(k) for k in keys) / busy
+            hidden = max(exchange - blocked, 0.0)
         elif synced >= 1.0:  # one float32 allreduce of every parameter (auto_local.py)
             busy = sync - a["latency"] - sum(a["local"][k] for k in keys)
             rate = sum(4 * self._numel(k) for k in keys) / max(busy, _TINY)
@@ -525,6 +542,20 @@ class Auto(ReducingCompressor):
         numbers = dict(a, rate=rate, compute=compute, hidden=hidden, attached=attached)
         self._decide(comm, numbers if moved else a, "drift: " + ", ".join(moved),
                      quiet=not moved)
+
+    def _probe_bytes(self, keys: list[str]) -> int:
+        """The drift check's probe: ``PROBE_BYTES``, or the largest bucket if smaller."""
+        return min(PROBE_BYTES, max(4 * self._numel(k) for k in keys))
+
+    def _probe(self, comm, numbers: dict) -> float:
+        """Seconds of one float32 allreduce of the probe, after a one-element allreduce
+        has lined the ranks up (every rank calls it at the same check)."""
+        one = torch.zeros(1)
+        comm.allreduce_sum_(one)
+        probe = torch.zeros(self._probe_bytes(numbers["keys"]) // 4)
+        begin = self.clock()
+        comm.allreduce_sum_(probe)
+        return self.clock() - begin
 
     def _average(self, comm, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float32)
