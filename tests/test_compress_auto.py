@@ -86,6 +86,35 @@ def test_the_most_faithful_option_within_the_margin():
         ["powersgd4"]
 
 
+def test_a_lossy_option_pays_for_its_extra_steps():
+    """The bench's language model at 100 Mbit/s (4 hosts, 5.3 MB of gradient, 0.13 s of
+    compute): PowerSGD's step is the shortest, but at 1.8 times float32's steps int8 reaches
+    the target first; weighed by step time alone (steps 1), PowerSGD. At 25 Mbit/s
+    PowerSGD's step is short enough to pay for its steps."""
+    def lm(rate, steps):
+        k = 5e-9 * 5_320_000
+        b = m.Bucket("b", 5_320_000, (m.Option("none", 1.0, 1, 0.0),
+                                      m.Option("int8", 0.251, 2, k),
+                                      m.Option("powersgd4", 0.04, 2, 2 * k, steps)))
+        return m.Inputs((b,), rate=rate, latency=1e-3, compute=0.13)
+
+    assert names(lm(8e6, 1.0)) == ["powersgd4"]
+    assert names(lm(8e6, 1.8)) == ["int8"]
+    assert m.time_to_target(lm(8e6, 1.8), [2]) == pytest.approx(
+        1.8 * m.step_time(lm(8e6, 1.8), [2]))
+    assert names(lm(2e6, 1.8)) == ["powersgd4"]
+
+
+def test_the_steps_factor_weighs_each_bucket_by_its_bytes():
+    big = m.Bucket("big", 3000, (m.Option("none", 1.0, 1, 0.0),
+                                 m.Option("powersgd4", 0.1, 2, 0.0, 2.0)))
+    small = m.Bucket("small", 1000, (m.Option("none", 1.0, 1, 0.0),))
+    inputs = m.Inputs((big, small), rate=1e6, latency=0.0, compute=0.1)
+    assert m.steps_factor(inputs, [0, 0]) == 1.0
+    assert m.steps_factor(inputs, [1, 0]) == pytest.approx((3000 * 2.0 + 1000) / 4000)
+    assert m.steps_factor(m.Inputs((), 1.0, 0.0, 0.0), []) == 1.0
+
+
 def test_inputs_are_checked():
     with pytest.raises(ValueError, match="rate"):
         m.Inputs((), rate=0.0, latency=0.0, compute=0.0)
@@ -300,6 +329,8 @@ def test_options_are_checked():
         Auto(options=("none", "int4"))
     with pytest.raises(ValueError, match="calibrate"):
         Auto(calibrate=0)
+    with pytest.raises(ValueError, match="powersgd_steps"):
+        Auto(powersgd_steps=0.5)
     assert Auto(options=("none", "int8")).names == ("none", "int8")
 
 

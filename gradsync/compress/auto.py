@@ -122,6 +122,11 @@ class Auto(ReducingCompressor):
     Args:
         options: the kinds to choose from, of ``OPTIONS``; none is always one of them.
         powersgd_ranks: PowerSGD's candidate ranks (each an option, the lower the lossier).
+        powersgd_steps: PowerSGD's steps to float32's quality, as a multiple of float32's
+            (``auto_model``: what auto minimises is the step's time times this); 1.8 by
+            default, the larger of what ``gradsync bench compress``'s two tasks measured
+            (1.83 and 1.2). Set it from your own runs: 1 weighs PowerSGD by its step time
+            alone.
         block: int8's and bf16's elements per scale.
         margin: a more faithful option is kept if its predicted step is at most this
             fraction slower than the fastest choice (``auto_model``).
@@ -143,7 +148,8 @@ class Auto(ReducingCompressor):
         clock: seconds, monotonic (tests give their own).
     """
 
-    def __init__(self, options=OPTIONS, powersgd_ranks=(8, 4, 2), block: int = 1024,
+    def __init__(self, options=OPTIONS, powersgd_ranks=(8, 4, 2), powersgd_steps: float = 1.8,
+                 block: int = 1024,
                  margin: float = 0.05, warmup: int = 2, calibrate: int = 3,
                  check_every: int = 16, drift: float = 0.25, seed: int = 0,
                  tiers: str = "slowest", local_sgd: int | None = None,
@@ -163,6 +169,10 @@ class Auto(ReducingCompressor):
                 local_sgd, int) or local_sgd < 1):
             raise ValueError(f"auto: local_sgd must be None or an int >= 1 (the largest H), "
                              f"got {local_sgd!r}")
+        if not powersgd_steps >= 1:
+            raise ValueError(f"auto: powersgd_steps must be >= 1 (no lossy option needs fewer "
+                             f"steps than float32), got {powersgd_steps!r}")
+        self.powersgd_steps = float(powersgd_steps)
         if not 0 < local_share < 1:
             raise ValueError(f"auto: local_share must be in (0, 1), got {local_share!r}")
         self.periods = model.periods_upto(local_sgd or 1)
@@ -585,7 +595,7 @@ class Auto(ReducingCompressor):
                                for s, p in zip(shapes, plan))
                     twice = any(p is not None for p in plan)
                     options.append(model.Option(name, sent / max(numel, 1), 2 if twice else 1,
-                                                kappa))
+                                                kappa, self.powersgd_steps if twice else 1.0))
             out.append(model.Bucket(key, 4 * numel, tuple(options), numbers["local"][key]))
         return out
 

@@ -21,11 +21,23 @@ blocked time; 0 where the exchange blocks the computing thread, as a DDP hook's 
 compressors' arithmetic is counted in full, never hidden: on a CPU it takes the cores that
 backward needs.
 
-The decision. First the fastest: per bucket the option that minimises ``step`` with the
-others fixed, repeated until nothing changes (coordinate descent, from every bucket at
-none). Then the most faithful within a margin: ``step`` may grow by ``margin`` (a fraction
-of the fastest step), and buckets, smallest first, go back to the most faithful option
-(none, bf16, int8, PowerSGD by falling rank) that keeps the step within it. So compression
+What is minimised is not the step but the time to a quality: a lossy option may need more
+steps. Each option carries ``steps``, its steps to float32's quality as a multiple of
+float32's: 1 for bf16 and int8 (error feedback keeps float32's steps: in ``gradsync bench
+compress`` both reached the target at float32's very step), a prior for PowerSGD, which
+the user may set (``Auto(powersgd_steps=...)``). It depends on the task: PowerSGD rank 4
+took 176 steps to float32's 96 on the bench's language model (1.83) and 96 to 80 on its CNN
+(1.2, docs/slow-links.md); the default, 1.8, takes the larger, so that the lossiest option
+must win clearly to be chosen. A choice's factor is its options' ``steps`` weighted by
+bucket bytes, and
+
+    time_to_target(choice) = step(choice) x steps_factor(choice)
+
+The decision. First the fastest: per bucket the option that minimises ``time_to_target``
+with the others fixed, repeated until nothing changes (coordinate descent, from every
+bucket at none). Then the most faithful within a margin: ``time_to_target`` may grow by
+``margin`` (a fraction of the fastest), and buckets, smallest first, go back to the most
+faithful option (none, bf16, int8, PowerSGD by falling rank) that keeps it within. So compression
 is off where it does not pay (a fast link: what it saves is less than the margin, or less
 than its arithmetic), small buckets stay uncompressed (their exchange is latency, which
 compression makes longer: two collectives instead of one), and a low-rank PowerSGD, the
@@ -71,7 +83,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-__all__ = ["Option", "Bucket", "Inputs", "Decision", "wire_time", "step_time", "decide",
+__all__ = ["Option", "Bucket", "Inputs", "Decision", "wire_time", "step_time", "steps_factor",
+           "time_to_target", "decide",
            "PERIODS", "periods_upto", "sync_time", "period_step_time", "choose_period"]
 
 PERIODS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -97,6 +110,10 @@ class Option:
     """Collectives that cross the slow tier one after another (each pays the latency)."""
     compute: float
     """Seconds of this option's arithmetic on this bucket on this machine (0 for none)."""
+    steps: float = 1.0
+    """Steps to the same quality, as a multiple of float32's (a prior the user may set, not
+    measured here): 1 for none, bf16 and int8, whose error feedback keeps float32's steps;
+    more for PowerSGD (``Auto(powersgd_steps=...)``)."""
 
 
 @dataclass(frozen=True)
@@ -241,6 +258,22 @@ def step_time(inputs: Inputs, choice: "tuple[int, ...] | list[int]") -> float:
     return inputs.compute + arithmetic + max(0.0, wire - inputs.hidden)
 
 
+def steps_factor(inputs: Inputs, choice: "tuple[int, ...] | list[int]") -> float:
+    """The choice's steps to the same quality as a multiple of float32's: each bucket's
+    option's ``steps``, weighted by the bucket's bytes (the share of the gradient it
+    carries)."""
+    total = sum(b.nbytes for b in inputs.buckets)
+    if total == 0:
+        return 1.0
+    return sum(b.nbytes * b.options[i].steps for b, i in zip(inputs.buckets, choice)) / total
+
+
+def time_to_target(inputs: Inputs, choice: "tuple[int, ...] | list[int]") -> float:
+    """What ``decide`` minimises: ``step_time x steps_factor``, seconds per float32 step's
+    worth of progress."""
+    return step_time(inputs, choice) * steps_factor(inputs, choice)
+
+
 def decide(inputs: Inputs) -> tuple[int, ...]:
     """The option index per bucket (the module docstring's two passes)."""
     buckets = inputs.buckets
@@ -248,23 +281,23 @@ def decide(inputs: Inputs) -> tuple[int, ...]:
     for _ in range(4 * len(buckets) + 4):  # converges in a few passes; bounded regardless
         changed = False
         for b, bucket in enumerate(buckets):
-            best, best_t = choice[b], step_time(inputs, choice)
+            best, best_t = choice[b], time_to_target(inputs, choice)
             for i in range(len(bucket.options)):
                 trial = choice[:b] + [i] + choice[b + 1:]
-                t = step_time(inputs, trial)
+                t = time_to_target(inputs, trial)
                 if t < best_t:
                     best, best_t = i, t
             if best != choice[b]:
                 choice[b], changed = best, True
         if not changed:
             break
-    budget = step_time(inputs, choice) * (1.0 + inputs.margin)
+    budget = time_to_target(inputs, choice) * (1.0 + inputs.margin)
     # Smallest buckets first: going back to float32 costs them least (their exchange is
     # latency), so the margin is spent where compression gains least.
     for b in sorted(range(len(buckets)), key=lambda b: (buckets[b].nbytes, buckets[b].key)):
         for i in range(choice[b]):
             trial = choice[:b] + [i] + choice[b + 1:]
-            if step_time(inputs, trial) <= budget:
+            if time_to_target(inputs, trial) <= budget:
                 choice[b] = i
                 break
     return tuple(choice)
