@@ -724,3 +724,34 @@ def test_a_heartbeat_link_refused_for_its_secret_is_an_authentication_error():
     finally:
         first.stop(goodbye=False)
         second.stop(goodbye=False)
+
+
+def test_a_wait_that_finds_the_store_gone_goes_on_for_the_grace_then_raises(monkeypatch):
+    """A store hosted by rank 0 goes when rank 0 ends, which may be while another rank still
+    receives its last bytes from live peers: the wait goes on for ``STORE_LOSS_GRACE``
+    (the data may still come) and only then raises the loss. One process: the World's
+    ``on_idle`` on a stand-in whose store is gone, on a clock of the test's."""
+    from types import SimpleNamespace
+
+    from gradsync.connect import world as world_module
+    from gradsync.connect.world import STORE_LOSS_GRACE, World
+    from gradsync.errors import PeerLostError
+
+    class GoneStore:
+        def read_abort(self):
+            raise PeerLostError("lost the rendezvous store: connection reset (its host, "
+                                "usually rank 0 or the launcher, has probably died)")
+
+    now = [100.0]
+    monkeypatch.setattr(world_module.time, "monotonic", lambda: now[0])
+    fake = SimpleNamespace(
+        _next_poll=0.0, _stall_warned=-1, _store_lost=None, heartbeat=None, failure=None,
+        store=GoneStore(), rank=1, size=3,
+        config=Config(abort_poll_interval=0.1, stall_warning=1e9, stall_report=0),
+        comm=SimpleNamespace(seq=7, description="allreduce"))
+    World.on_idle(fake, 0.0)  # found gone: the grace starts
+    now[0] += STORE_LOSS_GRACE - 0.2
+    World.on_idle(fake, STORE_LOSS_GRACE - 0.2)  # still within it: the wait goes on
+    now[0] += 0.3
+    with pytest.raises(PeerLostError, match="lost the rendezvous store"):
+        World.on_idle(fake, STORE_LOSS_GRACE + 0.1)
