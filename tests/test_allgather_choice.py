@@ -123,7 +123,7 @@ def test_the_formulas_time_the_steps_each_rank_takes(n):
 
 def test_the_cost_model_gathers_tiny_blocks_by_bruck_and_large_ones_on_a_host_by_the_ring():
     """64 hosts 50 us apart, one rank each: Bruck's 6 steps carry the ring's bytes, so it wins
-    at every size. 8 hosts of 4 ranks: Bruck's steps at distance 4 and 8 put every rank's
+    at every size. 8 hosts of 4 ranks: Bruck's steps at distances 4, 8 and 16 put every rank's
     message on its host's NIC at once, where the ring in topology order sends one a host, so
     large blocks go by the ring. Summit's 4,560 nodes and 27,360 GPUs: int8's blocks by
     Bruck."""

@@ -11,9 +11,9 @@ at *distance* ``d = 2^k``, a rank holds positions ``0 .. d-1``; it sends the fir
 ``step_blocks(n, d) = min(d, n - d)`` of them to rank ``(r + d) mod n`` and receives rank
 ``(r - d) mod n``'s, which are its own positions ``d ..``: after the step it holds positions
 ``0 .. min(2d, n) - 1``. The last step, where fewer than ``d`` blocks are missing, sends only
-those, so every block crosses the network once per rank that lacks it: ``n - 1`` blocks in
-all, the ring's bytes, in ``ceil(log2 n)`` messages instead of ``n - 1``. Odd ``n`` and non
-powers of two need nothing more. With 5 ranks (blocks held, in position order)::
+those, so a rank receives each block it lacks exactly once: ``n - 1`` blocks in all, the
+ring's bytes, in ``ceil(log2 n)`` messages instead of ``n - 1``. Odd ``n`` and non powers of
+two need nothing more. With 5 ranks (blocks held, in position order)::
 
               rank 0       rank 1       rank 2       rank 3       rank 4
     start     0            1            2            3            4
@@ -28,15 +28,16 @@ block ``n - 1``. The receiver places the same blocks, so it cuts the run where t
 did and each frame meets a receive buffer of its size (``Comm.exchange`` keeps the order of
 frames to one peer). The own block is already in place: no rotation, unlike Bruck's
 alltoall (``alltoall.py``), and no scratch. Every block is written once, on arrival, before
-it is sent on, and never after.
+it is sent on, and never after. Unlike the ring's above ``ring.LEND_ABOVE_BYTES``, its sends
+are never lent to the transport.
 
 When each wins. With a message latency ``alpha``, blocks of ``b`` bytes and a link of
-``beta`` bytes/s, both send ``(n - 1) b / beta``; the ring pays ``(n - 1) alpha``, Bruck
-``ceil(log2 n) alpha``. What the ring has for it is where its messages go: to the next rank,
-which in topology order is mostly on the same host, where Bruck's step at a distance of a
-host's ranks or more sends every rank's message off its host at once, sharing the NIC. So
-Bruck wins where latency decides (int8's allgather among thousands of owners: blocks of a
-few hundred bytes), the ring where bandwidth does on a hierarchy. ``costs.py`` times both on
+``beta`` bytes/s, both spend ``(n - 1) b / beta`` on a rank's link; the ring pays ``(n - 1)
+alpha``, Bruck ``ceil(log2 n) alpha``. What the ring has for it is where its messages go: to
+the next rank, which in topology order is mostly on the same host, where Bruck's step at a
+distance of a host's ranks or more sends every rank's message off its host at once, sharing
+the NIC. So Bruck wins where latency decides (int8's allgather among thousands of owners:
+blocks of a few hundred bytes), the ring where bandwidth does on a hierarchy. ``costs.py`` times both on
 the job's links and chooses (``cheapest_allgather``), the ring at a tie (``ALGORITHMS``'
 order): at 2 or 3 ranks they take the same steps.
 """
