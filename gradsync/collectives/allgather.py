@@ -37,9 +37,9 @@ alpha``, Bruck ``ceil(log2 n) alpha``. What the ring has for it is where its mes
 the next rank, which in topology order is mostly on the same host, where Bruck's step at a
 distance of a host's ranks or more sends every rank's message off its host at once, sharing
 the NIC. So Bruck wins where latency decides (int8's allgather among thousands of owners:
-blocks of a few hundred bytes), the ring where bandwidth does on a hierarchy. ``costs.py`` times both on
-the job's links and chooses (``cheapest_allgather``), the ring at a tie (``ALGORITHMS``'
-order): at 2 or 3 ranks they take the same steps.
+blocks of a few hundred bytes), the ring where bandwidth does on a hierarchy. ``costs.py``
+times both on the job's links and chooses (``cheapest_allgather``), the ring at a tie
+(``ALGORITHMS``' order): at 2 or 3 ranks they take the same steps.
 """
 
 from __future__ import annotations

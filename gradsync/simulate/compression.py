@@ -275,9 +275,10 @@ def sent_bytes(call: tuple[str, float], n: int, alltoall: str = "pairwise") -> f
     """Bytes one rank sends for ``call`` among ``n`` ranks, as gradsync runs it: a ring
     allreduce 2(n-1)/n of the data, the alltoall by ``alltoall`` all but its own block
     (pairwise) or the blocks of each of Bruck's steps (about (log2 n)/2 of the data), the
-    allgather n-1 blocks (by the ring or Bruck's: each rank gets each block once), each pass of the float32 reduce-scatter or gather
-    (n-1)/n, and each way of the funnel (n-1)/n on average (the whole bucket n-1 times over,
-    by the chain or the tree; the split sends more, ``funnel.mean_sent``)."""
+    allgather n-1 blocks (by the ring or Bruck's, which each give a rank each block once),
+    each pass of the float32 reduce-scatter or gather (n-1)/n, and each way of the funnel
+    (n-1)/n on average (the whole bucket n-1 times over, by the chain or the tree; the split
+    sends more, ``funnel.mean_sent``)."""
     kind, nbytes = call
     if n < 2:
         return 0.0
