@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from gradsync.collectives import alltoall, doubling, halving_doubling, ring, tree
+from gradsync.collectives import allgather, alltoall, doubling, halving_doubling, ring, tree
 from gradsync.collectives.ops import BFLOAT16, Max, Min, Product, Sum, make_reducer
 from gradsync.errors import PeerLostError, ProtocolError
 from gradsync.transport.local import local_comms
@@ -282,6 +282,35 @@ def test_allgather(n, count, dtype):
     assert_same_everywhere(run_ok(n, rank_fn), expected)
 
 
+@pytest.mark.parametrize("dtype", [np.uint8, np.float32], ids=["u8", "f32"])
+@pytest.mark.parametrize("count", COUNTS)
+@pytest.mark.parametrize("n", range(1, 9))
+def test_bruck_allgather_is_the_rings(n, count, dtype):
+    """Bruck's allgather of equal blocks (0, 1, n - 1, 3n + 1 and 48n + 5 elements: the ring's
+    segments are 16 float32) leaves the bytes ``ring.allgather`` leaves, every rank's block in
+    rank order, in ceil(log2 n) steps that send n - 1 blocks."""
+    block = {"zero": 0, "one": 1, "fewer": n - 1, "uneven": 3 * n + 1, "multi": 48 * n + 5}[count]
+    expected = labelled(n * block, dtype)[0]
+
+    def rank_fn(comm):
+        own = slice(comm.rank * block, (comm.rank + 1) * block)
+        by = {}
+        for algorithm in allgather.ALGORITHMS:
+            data = np.zeros_like(expected)
+            data[own] = expected[own]
+            counting = Counting(comm)
+            allgather.uniform(counting, data, algorithm, CHUNK)
+            by[algorithm] = data, counting
+        return by
+
+    for r, by in enumerate(run_ok(n, rank_fn)):
+        (bruck, counted), (ringed, _) = by["bruck"], by["ring"]
+        assert ringed.tobytes() == expected.tobytes(), f"rank {r}"
+        assert bruck.tobytes() == ringed.tobytes(), f"rank {r}: {bruck} != {ringed}"
+        assert (counted.steps, counted.sent) == ((n - 1).bit_length(),
+                                                 (n - 1) * block * expected.itemsize)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.bool_, np.float16], ids=["f32", "bool", "f16"])
 @pytest.mark.parametrize("count", COUNTS)
 @pytest.mark.parametrize("n", SIZES)
@@ -445,4 +474,8 @@ def test_bad_arguments_raise_value_error():
         alltoall.bruck(comm, data, np.zeros(4, dtype=np.float64))
     with pytest.raises(ValueError, match="no alltoall 'star'"):
         alltoall.uniform(comm, data, data.copy(), "star")
+    with pytest.raises(ValueError, match="no allgather 'star'"):
+        allgather.uniform(comm, data, "star", CHUNK)
+    with pytest.raises(ValueError, match="contiguous 1-D"):
+        allgather.bruck(comm, data.reshape(2, 2))
 

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from gradsync.cluster.topology import Topology
-from gradsync.collectives.costs import RankFabric, allreduce_time, alltoall_time
+from gradsync.collectives.costs import (RankFabric, allgather_time, allreduce_time,
+                                        alltoall_time)
 from gradsync.collectives.planner import choose_allreduce
 from gradsync.config import Config
 from gradsync.errors import ConfigError
@@ -116,6 +117,10 @@ def test_closed_forms_give_the_planners_numbers(hosts, per_host, groups):
             for nbytes in (1000, 1 << 20, 100 << 20):
                 assert alltoall_time(alg, s, nbytes) == pytest.approx(
                     alltoall_time(alg, p, nbytes), rel=1e-12), (alg, nbytes)
+        for alg in ("ring", "bruck"):  # the allgathers, as tiered int8 runs them too
+            for nbytes in (1000, 1 << 20, 100 << 20):
+                assert allgather_time(alg, s, nbytes) == pytest.approx(
+                    allgather_time(alg, p, nbytes), rel=1e-12), (alg, nbytes)
 
 
 def test_shift_steps_count_a_partial_last_cabinets_fewer_nics():

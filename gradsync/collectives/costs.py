@@ -1,5 +1,5 @@
-"""The cost model: one formula per allreduce or alltoall algorithm, over any *fabric* that times
-a step.
+"""The cost model: one formula per allreduce, alltoall or allgather algorithm, over any *fabric*
+that times a step.
 
 This is the one cost model of gradsync. The run-time planner (``planner.py``) evaluates it on
 the job's own ranks (``RankFabric``: every message of a step enumerated over a ``Topology``);
@@ -22,7 +22,8 @@ in the fabric's order, not necessarily global ranks):
     ring_step(b)         every rank i sends b bytes to i+1 (the last to the first)
     pair_step(d, p, b)   every rank i < p sends b bytes to i XOR d (recursive doubling)
     fold_step(p, b)      every rank p+i >= p sends b bytes to rank i (non powers of two)
-    shift_step(d, b)     every rank i sends b bytes to (i + d) mod n (the alltoalls)
+    shift_step(d, b)     every rank i sends b bytes to (i + d) mod n (the alltoalls, Bruck's
+                         allgather)
 
 and ``split()``, which cuts it along its fastest tier that has several units of several ranks
 (the hierarchical plan), or says that no tier does.
@@ -55,6 +56,22 @@ of 219 bytes, 9.5 ns on the link): pairwise 4,559 x (3 us + 9.5 ns) = 13.72 ms; 
 steps, 27,040 blocks in all: 39 us + 0.26 ms on the links + 2 MB + 11.9 MB copied, 35 us:
 0.33 ms, 41x less. At S = 1 GB (219 KB blocks) pairwise takes 57 ms (13.7 of latency), Bruck
 0.29 s: 5.9 GB through each rank's link.
+
+The allgathers of equal blocks (``allgather.py``), S bytes gathered on every rank in n blocks
+of S/n, each rank's own already in place:
+
+    ring              n-1 ring steps of S/n (``ring.allgather``; its segments are not modelled,
+                      as the ring allreduce's are not)
+    bruck             ceil(log2 n) shift steps at distances 1, 2, 4, ..: the step at d carries
+                      min(d, n-d) S/n (``allgather.step_blocks``), straight out of and into
+                      place: no copies
+
+Both send (n-1)/n S; Bruck pays log2 n latencies instead of n-1, but its steps at distances
+of a host's ranks or more put every rank's message on its host's NIC at once, where the ring
+in topology order sends one a host (``cheapest_allgather``; the ring at a tie, as at 2 or 3
+ranks). The same 4,560 ranks, S = 1 MB: the ring 4,559 x (3 us + 9.5 ns) = 13.72 ms, Bruck
+13 steps, 4,559 blocks in all: 39 us + 43 us on the links = 82 us, 166x less; at S = 1 GB
+(219 KB blocks) the ring 57 ms, Bruck 43 ms, the same bytes in fewer latencies.
 """
 
 from __future__ import annotations
@@ -66,13 +83,16 @@ import numpy as np
 
 from ..cluster.topology import Topology
 from . import hierarchical as _hier
+from .allgather import ALGORITHMS as _ALLGATHERS
+from .allgather import step_blocks
 from .alltoall import ALGORITHMS as _ALLTOALLS
 from .alltoall import moving_blocks
 from .doubling import core_size
 
 __all__ = ["Fabric", "RankFabric", "FORMULAS", "allreduce_time", "cheapest", "ring",
            "doubling", "halving_doubling", "hierarchical", "ALLTOALLS", "alltoall_time",
-           "cheapest_alltoall", "pairwise_alltoall", "bruck_alltoall"]
+           "cheapest_alltoall", "pairwise_alltoall", "bruck_alltoall", "ALLGATHERS",
+           "allgather_time", "cheapest_allgather", "ring_allgather", "bruck_allgather"]
 
 
 class Fabric(Protocol):
@@ -216,6 +236,45 @@ def cheapest_alltoall(f: Fabric, nbytes: float,
                       candidates: Sequence[str] = _ALLTOALLS) -> str:
     """The alltoall with the least predicted time (the first of equals, in order)."""
     return min(candidates, key=lambda alg: alltoall_time(alg, f, nbytes))
+
+
+def ring_allgather(f: Fabric, nbytes: float) -> float:
+    n = f.n
+    if n < 2:
+        return 0.0
+    return (n - 1) * f.ring_step(nbytes / n)
+
+
+def bruck_allgather(f: Fabric, nbytes: float) -> float:
+    n = f.n
+    block = nbytes / n
+    total = 0.0
+    distance = 1
+    while distance < n:
+        total += f.shift_step(distance, step_blocks(n, distance) * block)
+        distance <<= 1
+    return total
+
+
+ALLGATHERS: dict[str, Callable[[Fabric, float], float]] = {
+    "ring": ring_allgather, "bruck": bruck_allgather}
+"""The allgathers of equal blocks, by ``allgather.ALGORITHMS``' names."""
+
+
+def allgather_time(algorithm: str, f: Fabric, nbytes: float) -> float:
+    """Predicted seconds of an allgather of ``nbytes`` in all (n equal blocks) over ``f``."""
+    try:
+        formula = ALLGATHERS[algorithm]
+    except KeyError:
+        raise ValueError(f"no cost model for allgather {algorithm!r}; known: "
+                         f"{sorted(ALLGATHERS)}") from None
+    return formula(f, nbytes)
+
+
+def cheapest_allgather(f: Fabric, nbytes: float,
+                       candidates: Sequence[str] = _ALLGATHERS) -> str:
+    """The allgather with the least predicted time (the first of equals, in order: the ring)."""
+    return min(candidates, key=lambda alg: allgather_time(alg, f, nbytes))
 
 
 # --- the job's own ranks ----------------------------------------------------------------------

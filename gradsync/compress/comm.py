@@ -10,7 +10,8 @@ pairs), so the Horovod API, a DDP hook and the tests' in-memory group are interc
   views by the pairwise exchange or Bruck's algorithm, whichever the cost model predicts
   faster on the ranks' links (``collectives/alltoall.py``; ``chosen``);
 - ``allgather(mine)``: every rank's equal-sized uint8 block, in rank order (int8's
-  all-gather).
+  all-gather). On a World and its views by the ring or Bruck's algorithm, whichever the cost
+  model predicts faster (``collectives/allgather.py``; ``chosen``).
 
 Each call is one collective issued in program order; a compressor issues them in an order
 fixed by its arguments alone, so every rank issues the same sequence.
@@ -44,6 +45,7 @@ import torch
 
 from ..cluster import launch_env
 from ..cluster.topology import Topology
+from ..collectives import allgather as _allgather
 from ..collectives import alltoall as _alltoall
 from ..collectives import costs, doubling, funnel, halving_doubling, ring
 from ..collectives.ops import ReduceOp, make_reducer
@@ -120,7 +122,8 @@ class ViewComm(Comm):
 
     ``topology``: the job's, for the cost model's choices on the view's ranks, the same on
     every rank: each allreduce's algorithm (``SUB_ALLREDUCES``), the alltoall's (pairwise or
-    Bruck's) and the funnel's schedule (``collectives/funnel.py``)."""
+    Bruck's), the allgather's (the ring or Bruck's) and the funnel's schedule
+    (``collectives/funnel.py``)."""
 
     def __init__(self, view, config, topology: Topology):
         self.view, self.config, self.topology = view, config, topology
@@ -149,7 +152,8 @@ class ViewComm(Comm):
         out = np.empty(n * block, dtype=np.uint8)
         out[self.rank * block:(self.rank + 1) * block] = mine.numpy()
         if n > 1 and block:
-            ring.allgather(self.view, out, [block] * n, self.config.chunk_bytes)
+            _allgather.uniform(self.view, out, self._chosen("allgather", out.nbytes),
+                               self.config.chunk_bytes)
         return torch.from_numpy(out)
 
     def sub(self, ranks: list[int]) -> "ViewComm":
@@ -185,8 +189,9 @@ class ViewComm(Comm):
 
 def chosen(what: str, topology: Topology, ranks: Sequence[int], nbytes: int,
            chunk_bytes: int) -> str:
-    """The cost model's choice for ``what`` (``"funnel"``, ``"allreduce"`` or ``"alltoall"``)
-    of ``nbytes`` on ``ranks`` of ``topology``, worked out once per topology, ranks and size
+    """The cost model's choice for ``what`` (``"funnel"``, ``"allreduce"``, ``"alltoall"`` or
+    ``"allgather"``) of ``nbytes`` on ``ranks`` of ``topology`` (the alltoall's and the
+    allgather's ``nbytes``: all of their blocks), worked out once per topology, ranks and size
     (``_CHOSEN``): it depends on nothing else, so every rank makes the same."""
     key = (what, id(topology), tuple(ranks), nbytes, chunk_bytes)
     hit = _CHOSEN.get(key)
@@ -197,6 +202,8 @@ def chosen(what: str, topology: Topology, ranks: Sequence[int], nbytes: int,
         choice = funnel.schedule(fabric, nbytes, chunk_bytes)
     elif what == "alltoall":
         choice = costs.cheapest_alltoall(fabric, nbytes)
+    elif what == "allgather":
+        choice = costs.cheapest_allgather(fabric, nbytes)
     else:
         choice = costs.cheapest(fabric, nbytes, SUB_ALLREDUCES)
     if len(_CHOSEN) >= 4096:  # a training job's buckets come in a few sizes
@@ -259,10 +266,12 @@ class WorldComm(Comm):
         out = np.empty(n * block, dtype=np.uint8)
         out[self.rank * block:(self.rank + 1) * block] = mine.numpy()
         world = self.world
-        world.comm.begin(f"compressed allgather '{self._next('allgather')}' uint8[{n}x{block}]",
-                         world.config.check_collectives)
+        how = chosen("allgather", world.topology, range(n), out.nbytes, world.config.chunk_bytes)
+        # The choice in the description: ranks that chose differently fail at the first frame.
+        world.comm.begin(f"compressed allgather '{self._next('allgather')}' uint8[{n}x{block}] "
+                         f"by {how}", world.config.check_collectives)
         if n > 1 and block:
-            ring.allgather(world.comm, out, [block] * n, world.config.chunk_bytes)
+            _allgather.uniform(world.comm, out, how, world.config.chunk_bytes)
         return torch.from_numpy(out)
 
     def placement(self) -> Topology:

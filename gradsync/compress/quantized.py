@@ -30,9 +30,10 @@ Rank 0 has x = [1.27, -0.5, 0, 2.54, 0, 0]: chunk 0's scale is 0.01 and its byte
 rank 0 sums the two dequantized chunks, re-quantizes, and both ranks gather the two chunks.
 
 Bytes on the wire per element of the tensor, per rank, with n ranks and blocks of b
-elements: the alltoall sends (n-1)/n of the chunks, the all-gather sends one chunk to each
-of n-1 ranks' blocks over a ring ((n-1)/n again), each chunk 1 byte per element plus 4 bytes
-per block: 2 (n-1)/n (1 + 4/b) bytes, against 2 (n-1)/n * 4 for a float32 ring allreduce
+elements: the alltoall sends (n-1)/n of the chunks (by the pairwise exchange; Bruck's, which
+``comm.py`` chooses among many ranks, about (log2 n)/2 times that), the all-gather one chunk
+to each of n-1 ranks ((n-1)/n again, by the ring or Bruck's), each chunk 1 byte per element
+plus 4 bytes per block: 2 (n-1)/n (1 + 4/b) bytes, against 2 (n-1)/n * 4 for a float32 ring allreduce
 (about 3.97x fewer with b = 1024). A tensor shorter than n * b gets smaller blocks (one per
 chunk), so tiny tensors never pay for a padded block; padding is at most one block per chunk.
 

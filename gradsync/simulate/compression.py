@@ -44,7 +44,9 @@ alltoall is the cheaper of ``alltoall.py``'s two, as ``comm`` chooses them (``al
 the pairwise exchange, n-1 steps in which rank i sends a block to i + d (the messages that
 leave each unit in step d share its uplink), or Bruck's ceil(log2 n) steps at d = 1, 2, 4, ..
 of about n/2 blocks each (the bytes a rank sends, ``sent_bytes``, follow the choice); the
-allgather is ``ring.allgather``, n-1 ring steps of one block.
+allgather is the cheaper of ``allgather.py``'s two, as ``comm`` chooses them
+(``allgather_time``): ``ring.allgather``, n-1 ring steps of one block, or Bruck's
+ceil(log2 n) steps at d = 1, 2, 4, .. of min(d, n - d) blocks each (both send n-1 blocks).
 
 Compute. Compressing costs ``seconds per element`` (``rate``) on the elements a rank
 compresses, on the bucket's critical path (compress, send, decompress, one after another, as
@@ -83,8 +85,8 @@ from ..collectives import costs, funnel
 from ..collectives.alltoall import moving_blocks
 
 __all__ = ["Compression", "parse", "schedule", "sent_bytes", "powersgd_plan", "int8_layout",
-           "randomk_count", "alltoall_time", "funnel_time", "PASSES", "OUTER_PASSES", "KINDS",
-           "TIERS"]
+           "randomk_count", "alltoall_time", "allgather_time", "funnel_time", "PASSES",
+           "OUTER_PASSES", "KINDS", "TIERS"]
 
 KINDS = ("none", "fp16", "bf16", "int8", "fp8", "powersgd", "randomk", "localsgd", "diloco")
 TIERS = ("slowest", "hosts", "all")
@@ -273,9 +275,10 @@ def sent_bytes(call: tuple[str, float], n: int, alltoall: str = "pairwise") -> f
     """Bytes one rank sends for ``call`` among ``n`` ranks, as gradsync runs it: a ring
     allreduce 2(n-1)/n of the data, the alltoall by ``alltoall`` all but its own block
     (pairwise) or the blocks of each of Bruck's steps (about (log2 n)/2 of the data), the
-    ring allgather its block to n-1 ranks, each pass of the float32 reduce-scatter or gather
-    (n-1)/n, and each way of the funnel (n-1)/n on average (the whole bucket n-1 times over,
-    by the chain or the tree; the split sends more, ``funnel.mean_sent``)."""
+    allgather n-1 blocks (by the ring or Bruck's, which each give a rank each block once),
+    each pass of the float32 reduce-scatter or gather (n-1)/n, and each way of the funnel
+    (n-1)/n on average (the whole bucket n-1 times over, by the chain or the tree; the split
+    sends more, ``funnel.mean_sent``)."""
     kind, nbytes = call
     if n < 2:
         return 0.0
@@ -297,6 +300,13 @@ def alltoall_time(f, nbytes: float) -> float:
     return min(costs.alltoall_time(a, f, nbytes) for a in costs.ALLTOALLS)
 
 
+def allgather_time(f, nbytes: float) -> float:
+    """The allgather of one block of ``nbytes`` from each of ``f``'s n ranks, by the cheaper of
+    ``allgather.py``'s ring and Bruck's algorithm, as ``comm.ViewComm`` and ``comm.WorldComm``
+    choose (``costs.cheapest_allgather``, which takes all n blocks' bytes)."""
+    return min(costs.allgather_time(a, f, f.n * nbytes) for a in costs.ALLGATHERS)
+
+
 def call_time(f, call: tuple[str, float], algorithms: "tuple[str, ...] | None") -> float:
     """Seconds of one call on fabric ``f``. An allreduce runs the cheapest of ``algorithms``
     (the planner's rule) or, with None, of ``SUB_ALLREDUCES``, as ``comm.ViewComm`` chooses
@@ -307,7 +317,7 @@ def call_time(f, call: tuple[str, float], algorithms: "tuple[str, ...] | None") 
     if kind == "alltoall":
         return alltoall_time(f, nbytes)
     if kind == "allgather":
-        return (f.n - 1) * f.ring_step(nbytes)
+        return allgather_time(f, nbytes)
     if algorithms is None:
         algorithms = SUB_ALLREDUCES
     return min(costs.allreduce_time(a, f, nbytes) for a in algorithms)
@@ -370,8 +380,11 @@ def exchange(cluster, fabric, c: Compression, nbytes: float, bytes_per_param: fl
 
         calls = calls_of(e)
         took = sum(call_time(f, call, algs) for call in calls)
-        # The alltoall's algorithm, as timed (``alltoall_time``): its bytes follow it.
-        hows = [costs.cheapest_alltoall(f, b) if kind == "alltoall" else "" for kind, b in calls]
+        # The alltoall's and the allgather's algorithms, as timed (``alltoall_time``,
+        # ``allgather_time``): the alltoall's bytes follow its choice.
+        hows = [costs.cheapest_alltoall(f, b) if kind == "alltoall" else
+                costs.cheapest_allgather(f, f.n * b) if kind == "allgather" else ""
+                for kind, b in calls]
         work = rate(cluster, c.kind) * (e if lead else e * share)
         if lead:  # one rank (the leader) sends for its unit: the unit's average
             sent = share * sum(sent_bytes(call, f.n, how) for call, how in zip(calls, hows))
@@ -383,7 +396,7 @@ def exchange(cluster, fabric, c: Compression, nbytes: float, bytes_per_param: fl
         elif calls and calls[0][0] == "allreduce":
             label = min(algs, key=lambda a: costs.allreduce_time(a, f, calls[0][1]))
         else:
-            label = f"alltoall ({hows[0]})+allgather"
+            label = f"alltoall ({hows[0]})+allgather ({hows[1]})"
         return Cost(took + work, work, 0.0, sent, label)
 
     def tiered(f, e: float, share: float, lead: bool, depth: int) -> Cost:
