@@ -17,7 +17,7 @@ an elastic job come and go in generations (``elastic.py``); its D data servers
 - **Apart.** In no generation, counted in no ``--min-np``/``--max-np`` and no ``WORLD_SIZE``
   (the workers' launch size counts them and ``launch_env`` takes them out, as in a static
   job); a data server's failure blacklists no host. A data host takes no worker, even when
-  ``-H`` or the discovery script lists it (``elastic._ElasticJob._free_slots``).
+  ``-H`` or the discovery script lists it (``host_pool.HostPool.free``).
 - **A failure** is reported at once and the job goes on: every worker hands the lost server's
   batches to the others (``Loader._adopt``). The rank is started again on its host, as a
   replicated parameter server's is in a static job (at most ``--server-restarts`` times,
