@@ -215,7 +215,6 @@ class _ElasticJob(JobLoop):
         self.state = _State()
         self._counter = 0
         self._suspects: dict[str, float] = {}
-        self._stopping: list[tuple[_Worker, float]] = []  # retired workers, SIGKILL time
         self.pending: list[_Worker] = []  # new workers started, in no generation yet
         self._unsettled = False  # a lost worker is reported and may not be listed again yet
         self.ready_timeout = spec.start_timeout or _READY_TIMEOUT
@@ -287,7 +286,6 @@ class _ElasticJob(JobLoop):
         data_servers = self.data_servers
         assert data_servers is not None  # made by begin()
         data_servers.watch(restart=not st.finishing)
-        self._reap()
         self._watch_new()
         grow = False  # room for new workers: start them; they join once ready
         reachable = self.pool.probe(self._starter.ssh)
@@ -473,23 +471,11 @@ class _ElasticJob(JobLoop):
 
     def _retire(self, worker: _Worker, why: str) -> None:
         """Stops a worker that is no longer wanted: SIGTERM now (over ssh: its lifeline),
-        SIGKILL after the stop grace (``_reap``). Its exit is not a failure."""
+        SIGKILL after the stop grace (the loop's ``stop_one``). Its exit is not a failure."""
         worker.retired = True
         self.generations.exclude(worker.id, f"stopped by gradsync run: {why}")
-        worker.started_rank.signal(signal.SIGTERM)
-        self._stopping.append((worker, time.monotonic() + self.spec.stop_grace))
+        self.stop_one(worker.started_rank)
         self.output.message(f"stopping worker {worker.id}: {why}")
-
-    def _reap(self) -> None:
-        """SIGKILLs retired workers still running after the stop grace."""
-        now = time.monotonic()
-        for entry in list(self._stopping):
-            worker, kill_at = entry
-            if worker.started_rank.proc.poll() is None and now < kill_at:
-                continue
-            if worker.started_rank.proc.poll() is None:
-                worker.started_rank.signal(signal.SIGKILL)
-            self._stopping.remove(entry)
 
     def _unlisted(self) -> list[_Worker]:
         """Live workers (of the newest generation, or new ones) whose host discovery no longer

@@ -6,8 +6,10 @@ What a run does that does not depend on how its ranks come and go:
    ends the job, a second skips the stop's grace.
 2. **Begin.** The policy hosts the store, publishes the job file (``jobfile.py``: where
    ``gradsync top`` finds the store) and starts its first ranks.
-3. **Turn**, every ``POLL`` seconds: a signal received ends the job; else the policy looks at
-   its ranks once and says whether the job has ended, with what status and summary.
+3. **Turn**, every ``POLL`` seconds: a signal received ends the job; else the ranks the policy
+   stopped while the job goes on (``stop_one``: SIGTERM at once) that still run after
+   ``stop_grace`` get SIGKILL, and the policy looks at its ranks once and says whether the job
+   has ended, with what status and summary.
 4. **End**, on every path (an exception's too), so that no rank outlives the job: the job file
    withdrawn, the policy's own ending (an elastic job tells waiting workers it gave up), every
    rank still running stopped (SIGTERM, then SIGKILL after ``stop_grace``), the job's names in
@@ -17,14 +19,16 @@ What a run does that does not depend on how its ranks come and go:
 The policies (what a turn decides) are the static job (``launcher._Job``: a fixed set of ranks,
 where a failed rank stops the job unless its role lets the others go on) and the elastic job
 (``elastic._ElasticJob``: generations of workers re-formed around failures). Both start ranks
-through one ``launcher.Starter``, each with the command of its role.
+through one ``launcher.Starter``, each with the command of its role, and both have their
+ranks stopped by the loop: every one at the end, and one at a time while the job goes on (an
+elastic job's workers on a blacklisted host, or no longer wanted).
 """
 
 from __future__ import annotations
 
 import signal
 import time
-from typing import Optional, Protocol, Tuple
+from typing import Any, Optional, Protocol, Tuple
 
 from . import jobfile
 from .processes import Interrupts, Output, StartError, clear_shared_memory, stop
@@ -68,6 +72,7 @@ class JobLoop:
         # The policy's launcher.Starter, from its __init__ or begin().
         self.starter: _Starter | None = None
         self.jobfile: "str | None" = None  # set by the policy once published
+        self._stopping: list[tuple[Any, float]] = []  # (rank stop_one stopped, SIGKILL time)
 
     # ------------------------------------------------------------------ the policy's part
     def begin(self) -> None:
@@ -89,6 +94,14 @@ class JobLoop:
     def ending(self, status: int, summary: str | None) -> None:
         """Called at the end before the ranks are stopped: what the policy itself stops."""
 
+    # ------------------------------------------------------------------ for the policy
+    def stop_one(self, rank) -> None:
+        """Stops one rank (a ``launcher.Rank``) while the job goes on: SIGTERM now (over ssh:
+        its lifeline), SIGKILL once ``stop_grace`` has passed if it still runs (looked at
+        before each turn). It stays among ``started()``, so the end stops it in any case."""
+        rank.signal(signal.SIGTERM)
+        self._stopping.append((rank, time.monotonic() + self.spec.stop_grace))
+
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
         """Runs the job to its end; returns the launcher's exit status."""
@@ -99,7 +112,10 @@ class JobLoop:
                 self.begin()
                 end = None
                 while end is None:
-                    end = self._interrupted() or self.turn()
+                    end = self._interrupted()
+                    if end is None:
+                        self._reap()
+                        end = self.turn()
                     if end is None:
                         time.sleep(POLL)
                 status, summary, others = end
@@ -122,6 +138,17 @@ class JobLoop:
         if summary:
             self.output.message(summary)
         return status
+
+    def _reap(self) -> None:
+        """SIGKILLs the ranks ``stop_one`` stopped that still run after the stop grace."""
+        now = time.monotonic()
+        for entry in list(self._stopping):
+            rank, kill_at = entry
+            if rank.proc.poll() is None and now < kill_at:
+                continue
+            if rank.proc.poll() is None:
+                rank.signal(signal.SIGKILL)
+            self._stopping.remove(entry)
 
     def _interrupted(self) -> End | None:
         received = self.interrupts.received
