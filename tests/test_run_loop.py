@@ -4,8 +4,9 @@ Both job kinds (the static ``launcher._Job`` and ``elastic._ElasticJob``) run in
 what it promises whatever the policy: a signal ends the job with 128 + its number, a policy
 that fails to start or raises still has every rank it started stopped, the summary counts
 the ranks the end stopped (unless the policy says not to), and a rank the policy stops while
-the job goes on gets SIGTERM at once and SIGKILL only past the grace. Each rank here is a ``sleep`` (no
-interpreter): this tests the loop, not a job; test_launcher.py and test_elastic.py run jobs.
+the job goes on gets SIGTERM at once and SIGKILL only past the grace. Each rank here is a
+``sleep`` (no interpreter) or a stand-in: this tests the loop, not a job; test_launcher.py and
+test_elastic.py run jobs.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ turns, every ``loop.POLL`` seconds:
    is no longer listed, or beyond the slots now listed for it, are stopped.
 3. **Re-form.** New workers are started *first*, on free usable slots up to ``--max-np``
    (in the first generation: ``-np``): here as children, on other hosts over ssh exactly as
-   ``gradsync run`` starts remote ranks (``launcher.Starter``: the secret on ssh's stdin, the
+   ``gradsync run`` starts remote ranks (``ranks.Starter``: the secret on ssh's stdin, the
    lifeline that ends the remote worker when the launcher stops it or goes away). A new
    worker is listed only once it is *ready* (``elastic/ready/<id>``, written by ``init()``
    after the interpreter and torch have started): starting costs seconds, and the job trains
@@ -86,8 +86,8 @@ from .discovery import Discovery, parse_discovered
 from .generations import Generations
 from .host_pool import HostPool
 from .hosts import Host
-from .launcher import (LaunchSpec, Rank, Slot, Starter, informs, is_local, rank_line,
-                       start_store, store_address)
+from .ranks import (LaunchSpec, Rank, Slot, Starter, informs, is_local, rank_line, start_store,
+                    store_address)
 from .loop import End, JobLoop
 from .processes import Output, StartError, describe, exit_status
 

@@ -37,7 +37,7 @@ from typing import Callable, Protocol, Sequence, TypeVar
 
 from .discovery import Discovery
 from .hosts import Host
-from .launcher import is_local
+from .ranks import is_local
 from .processes import Output, Ssh
 
 __all__ = ["HostPool"]

@@ -19,7 +19,7 @@ What a run does that does not depend on how its ranks come and go:
 The policies (what a turn decides) are the static job (``launcher._Job``: a fixed set of ranks,
 where a failed rank stops the job unless its role lets the others go on) and the elastic job
 (``elastic._ElasticJob``: generations of workers re-formed around failures). Both start ranks
-through one ``launcher.Starter``, each with the command of its role, and both have their
+through one ``ranks.Starter``, each with the command of its role, and both have their
 ranks stopped by the loop: every one at the end, and one at a time while the job goes on (an
 elastic job's workers on a blacklisted host, or no longer wanted).
 """
@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import Any, Optional, Protocol, Tuple
+from typing import Optional, Tuple
 
 from . import jobfile
 from .processes import Interrupts, Output, StartError, clear_shared_memory, stop
+from .ranks import LaunchSpec, Rank, Starter
 
 __all__ = ["JobLoop", "End", "POLL"]
 
@@ -46,19 +47,11 @@ called in the summary: ``"other "`` after one rank's failure, ``""`` after a sig
 leave them uncounted)."""
 
 
-class _Starter(Protocol):
-    """What the loop reads of its policy's ``launcher.Starter``: the job id, whose names the
-    end removes from /dev/shm."""
-
-    job_id: str
-
-
 class JobLoop:
     """One run of a job (see the module docstring); a policy subclasses it.
 
     Args:
-        spec: the job (a ``launcher.LaunchSpec``; this module imports neither policy, so that
-            both import it).
+        spec: the job.
         output: where the ranks' output and the launcher's messages go.
     """
 
@@ -66,13 +59,14 @@ class JobLoop:
     """Whether the summary counts the ranks the end stopped (``; stopped 2 other ranks``); an
     elastic job's does not, its workers having come and gone."""
 
-    def __init__(self, spec, output: Output):
+    def __init__(self, spec: LaunchSpec, output: Output):
         self.spec, self.output = spec, output
         self.interrupts = Interrupts()
-        # The policy's launcher.Starter, from its __init__ or begin().
-        self.starter: _Starter | None = None
+        # The policy's Starter, from its __init__ or begin(): the end removes the names of its
+        # job id from /dev/shm.
+        self.starter: Starter | None = None
         self.jobfile: "str | None" = None  # set by the policy once published
-        self._stopping: list[tuple[Any, float]] = []  # (rank stop_one stopped, SIGKILL time)
+        self._stopping: list[tuple[Rank, float]] = []  # (rank stop_one stopped, SIGKILL time)
 
     # ------------------------------------------------------------------ the policy's part
     def begin(self) -> None:
@@ -87,16 +81,16 @@ class JobLoop:
         """Looks at the ranks once; returns how the job ended (``End``), or None."""
         raise NotImplementedError
 
-    def started(self) -> list:
-        """Every rank started so far that the end must stop (``launcher.Rank``)."""
+    def started(self) -> list[Rank]:
+        """Every rank started so far that the end must stop."""
         raise NotImplementedError
 
     def ending(self, status: int, summary: str | None) -> None:
         """Called at the end before the ranks are stopped: what the policy itself stops."""
 
     # ------------------------------------------------------------------ for the policy
-    def stop_one(self, rank) -> None:
-        """Stops one rank (a ``launcher.Rank``) while the job goes on: SIGTERM now (over ssh:
+    def stop_one(self, rank: Rank) -> None:
+        """Stops one rank while the job goes on: SIGTERM now (over ssh:
         its lifeline), SIGKILL once ``stop_grace`` has passed if it still runs (looked at
         before each turn). It stays among ``started()``, so the end stops it in any case."""
         rank.signal(signal.SIGTERM)
@@ -105,7 +99,7 @@ class JobLoop:
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
         """Runs the job to its end; returns the launcher's exit status."""
-        ranks: list = []
+        ranks: list[Rank] = []
         with self.interrupts.catching():
             status, summary, others = 1, None, None
             try:
