@@ -130,3 +130,27 @@ def test_a_rank_stopped_while_the_job_goes_on_is_killed_only_past_the_grace():
     assert waiting.signals == [signal.SIGTERM]  # within its grace
     assert late.signals == [signal.SIGTERM, signal.SIGKILL]
     assert gone.signals == [signal.SIGTERM]
+
+
+def test_the_store_a_policy_hosts_is_found_while_the_job_runs_and_not_after():
+    from gradsync.run import jobfile
+    from gradsync.run.ranks import Starter
+
+    class Hosting(JobLoop):
+        def begin(self):
+            self.starter = Starter(self.spec, self.output, "127.0.0.1")
+            self.store = self.host_store(3)
+
+        def turn(self):
+            self.found = jobfile.find(self.starter.job_id)
+            return 0, None, None
+
+        def started(self):
+            return []
+
+    job = Hosting(LaunchSpec(command=["true"], num_proc=3),
+                  Output(True, io.BytesIO(), io.BytesIO()))
+    assert job.run() == 0
+    assert job.found is not None  # gradsync top finds the store by the job id
+    assert (job.found["store_port"], job.found["size"]) == (job.store.port, 3)
+    assert jobfile.find(job.starter.job_id) is None  # withdrawn at the end

@@ -80,14 +80,12 @@ import time
 from dataclasses import dataclass
 
 from ..config import ENV_PREFIX
-from . import jobfile
 from .data_servers import DataServers
 from .discovery import Discovery, parse_discovered
 from .generations import Generations
 from .host_pool import HostPool
 from .hosts import Host
-from .ranks import (LaunchSpec, Rank, Slot, Starter, informs, is_local, rank_line, start_store,
-                    store_address)
+from .ranks import LaunchSpec, Rank, Slot, Starter, informs, is_local, rank_line, store_address
 from .loop import End, JobLoop
 from .processes import Output, StartError, describe, exit_status
 
@@ -236,10 +234,8 @@ class _ElasticJob(JobLoop):
             self.spec, self.output,
             store_address(remote_hosts, reachable=self.pool.discovery is not None),
             settings={ENV_PREFIX + "ELASTIC_TIMEOUT": f"{self.elastic.elastic_timeout:g}"})
-        self._server = start_store(self.starter.store_addr)
+        self._server = self.host_store(self.spec.num_proc)
         self.port = self._server.port
-        self.jobfile = jobfile.publish(self.starter.job_id, self.starter.store_addr,
-                                       self.port, self.spec.num_proc)
         self.generations.host(self._server, self.starter.job_id, self.port)
         # Before the first generation, so that it can place workers on the remote hosts.
         self.pool.check_first(self.starter.ssh, lambda: self.interrupts.received is not None)

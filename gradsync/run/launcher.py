@@ -90,7 +90,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, BinaryIO
 
-from . import binding, jobfile
+from . import binding
 from .hosts import Host
 from .loop import End, JobLoop
 from .processes import DEFAULT_START_TIMEOUT, STOP_GRACE, Output, StartError, describe, exit_status
@@ -164,10 +164,8 @@ class _Job(JobLoop):
     def begin(self) -> None:
         self._check_hosts()
         self._plan_binding()
-        self.store = start_store(self.starter.store_addr)
+        self.store = self.host_store(len(self.slots))
         self.store_port = self.store.port
-        self.jobfile = jobfile.publish(self.starter.job_id, self.starter.store_addr,
-                                       self.store_port, len(self.slots))
         if self.spec.servers and self.spec.ps_replicas > 1 and self.spec.server_restarts:
             # Imported here: the parameter servers' package loads numpy and their client, which
             # no other job needs.

@@ -4,8 +4,9 @@ What a run does that does not depend on how its ranks come and go:
 
 1. **Catch** SIGINT, SIGTERM and SIGHUP for the whole run (``processes.Interrupts``): the first
    ends the job, a second skips the stop's grace.
-2. **Begin.** The policy hosts the store, publishes the job file (``jobfile.py``: where
-   ``gradsync top`` finds the store) and starts its first ranks.
+2. **Begin.** The policy hosts the store through the loop (``host_store``, which publishes
+   the job file, ``jobfile.py``: where ``gradsync top`` finds the store) and starts its first
+   ranks.
 3. **Turn**, every ``POLL`` seconds: a signal received ends the job; else the ranks the policy
    stopped while the job goes on (``stop_one``: SIGTERM at once) that still run after
    ``stop_grace`` get SIGKILL, and the policy looks at its ranks once and says whether the job
@@ -28,11 +29,14 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
 from . import jobfile
 from .processes import Interrupts, Output, StartError, clear_shared_memory, stop
-from .ranks import LaunchSpec, Rank, Starter
+from .ranks import LaunchSpec, Rank, Starter, start_store
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 __all__ = ["JobLoop", "End", "POLL"]
 
@@ -65,7 +69,7 @@ class JobLoop:
         # The policy's Starter, from its __init__ or begin(): the end removes the names of its
         # job id from /dev/shm.
         self.starter: Starter | None = None
-        self.jobfile: "str | None" = None  # set by the policy once published
+        self.jobfile: "str | None" = None  # published by host_store, withdrawn by the end
         self._stopping: list[tuple[Rank, float]] = []  # (rank stop_one stopped, SIGKILL time)
 
     # ------------------------------------------------------------------ the policy's part
@@ -89,6 +93,21 @@ class JobLoop:
         """Called at the end before the ranks are stopped: what the policy itself stops."""
 
     # ------------------------------------------------------------------ for the policy
+    def host_store(self, size: int) -> "TCPStore":
+        """Starts the job's store where every rank of the policy's Starter reaches it
+        (``ranks.start_store``) and publishes the job file (``jobfile.py``: where ``gradsync
+        top`` finds the store; ``size``: the job's size it records), which the end withdraws.
+        The policy holds the store for the whole run: it outlives every rank.
+
+        Raises:
+            StartError: the store cannot be started.
+        """
+        assert self.starter is not None  # made first: the store listens on its address
+        store = start_store(self.starter.store_addr)
+        self.jobfile = jobfile.publish(self.starter.job_id, self.starter.store_addr, store.port,
+                                       size)
+        return store
+
     def stop_one(self, rank: Rank) -> None:
         """Stops one rank while the job goes on: SIGTERM now (over ssh:
         its lifeline), SIGKILL once ``stop_grace`` has passed if it still runs (looked at
