@@ -12,17 +12,18 @@ worker when all three hold:
   (for good by default), or by horovodrun's backoff rule (``--blacklist-cooldown-range``, at
   the host's n-th failure: ``ElasticSpec.cooldown``); it comes back once that time is past;
 - **reachable**: this machine, or a remote host whose ssh check (``ssh host true``,
-  ``processes.Ssh.probe``) passed. The check runs once, when the host is first listed (or
-  when its blacklisting ends), in the background: a host that fails it is blacklisted like a
-  failed worker's.
+  ``processes.Ssh.probe``) passed. The check runs in the background when the host is first
+  listed; a host that fails it is blacklisted like a failed worker's, and checked again once
+  that blacklisting ends.
 
 Its free slots are its listed slots minus the workers that hold one there (``free``). When
 discovery lists a host with fewer slots, or no longer lists it, the workers beyond its slots
 (the last ones placed) must go (``beyond``).
 
-Example: discovery lists ``a:2, b:2, d:1`` with ``--data-hosts d:1``; ``b``'s check has not
-finished; one worker runs on ``a``. Free: ``["a"]``. ``b`` passes its check: ``["a", "b",
-"b"]``. A worker on ``b`` fails: ``b`` is blacklisted and free is ``["a"]`` again.
+Example: discovery lists ``a:2, b:2, d:1`` with ``--data-hosts d:1``; ``a`` has passed its
+check, ``b``'s has not finished; one worker runs on ``a``. Free: ``["a"]``. ``b`` passes its
+check: ``["a", "b", "b"]``. A worker on ``b`` fails: ``b`` is blacklisted (and its other
+workers stopped, by the policy), and free is ``["a"]`` again.
 
 This module decides nothing about workers: the elastic policy counts who holds a slot, starts
 and stops the workers, and asks the pool where there is room.
@@ -110,7 +111,7 @@ class HostPool:
     def beyond(self, placed: Sequence[W]) -> list[W]:
         """The workers of ``placed`` (in placement order) whose host discovery no longer
         lists, or that are beyond the slots it now lists for their host: the last ones on
-        the host. None without a discovery answer."""
+        the host; none without a discovery answer."""
         if self.discovery is None or self.discovery.hosts is None:
             return []
         slots = {h.name: h.slots for h in self.discovery.hosts}
