@@ -444,3 +444,51 @@ def test_no_worker_starts_once_a_member_has_ended(monkeypatch):
     assert job.state.finishing
     assert job.pending == [] and [w.id for w in job.workers] == ["a[0]", "b[1]"]
     assert job.generations.control.generation() == 0
+
+
+def test_generations_abort_only_what_a_loss_replaces_and_watch_every_open_one():
+    """The launcher's control plane (run/generations.py), its docstring's example: a loss
+    aborts the open generations, a joiner aborts none, and a turn reads the records of every
+    generation workers may still train in."""
+    from torch.distributed import HashStore
+
+    from gradsync.run.generations import Generations
+
+    said = []
+    gens = Generations(said.append)
+    gens.control = Control(HashStore(), "job", 5.0)
+    a, b, c, d = (types.SimpleNamespace(id=f"{h}[{i}]", host=h) for i, h in enumerate("abcd"))
+    assert gens.publish([a, b, c], now=False) == 0 and gens.watched() == [0]
+    assert gens.publish([a, c], now=True) == 1  # b was lost
+    assert gens.read_abort(0)["rank"] == -1 and gens.open == [1]
+    assert gens.publish([a, c, d], now=False) == 2  # d joined: 1 trains on until its commit
+    assert gens.read_abort(1) is None and gens.watched() == [1, 2]
+    assert gens.of(1) == [a, c] and ids(gens.control, 2) == ["a[0]", "c[2]", "d[3]"]
+    gens.exclude("b[1]", "it exited with status 1")
+    assert gens.control.exclusion("b[1]") == ("excluded from the job at generation 2: it "
+                                              "exited with status 1")
+    assert said == []
+
+
+def test_a_failed_read_of_an_abort_record_is_said_once_and_the_client_replaced():
+    from gradsync.run.generations import Generations
+    from gradsync.run.ranks import start_store
+
+    server = start_store("127.0.0.1")
+    said = []
+    gens = Generations(said.append)
+    gens.host(server, "job", server.port)
+    gens.publish([types.SimpleNamespace(id="a[0]", host="a")], now=False)
+    gens.control.abort(0, "lost", 0)
+
+    class Broken(Control):  # a client whose calls fail, as one out of step with the server
+        def world_store(self, gen):
+            raise RuntimeError("connection reset")
+
+    for _ in range(2):
+        gens.control = Broken(server, "job", 5.0)
+        assert gens.read_abort(0) is None
+    assert said == ["cannot read the abort record of generation 0 from the launcher's store "
+                    "(connection reset); reconnecting to it"]  # once for the same error
+    assert type(gens.control) is Control  # a new client, on loopback
+    assert gens.read_abort(0)["message"] == "lost"
