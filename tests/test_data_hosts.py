@@ -95,11 +95,11 @@ def _job(data_hosts=(), data_servers=2, restarts=3):
 
 def test_a_data_host_offers_no_worker_slot_even_when_discovery_lists_it():
     job = _job([Host("d", 2)])
-    job.discovery = types.SimpleNamespace(hosts=[Host("d", 2), Host("a", 1), Host("b", 2)])
-    job._reachable = {"a", "b", "d"}
+    job.pool.discovery = types.SimpleNamespace(hosts=[Host("d", 2), Host("a", 1), Host("b", 2)])
+    job.pool.reachable = {"a", "b", "d"}
     assert job._free_slots() == ["a", "b", "b"]
     plain = _job()  # a job without data hosts: every listed slot
-    plain.discovery, plain._reachable = job.discovery, job._reachable
+    plain.pool.discovery, plain.pool.reachable = job.pool.discovery, job.pool.reachable
     assert plain._free_slots() == ["d", "d", "a", "b", "b"]
 
 

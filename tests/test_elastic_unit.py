@@ -204,12 +204,12 @@ def test_a_failed_host_loses_every_worker_and_an_unlisted_host_its_workers(hosts
     job = _ElasticJob(spec, ElasticSpec(min_np=1, max_np=6), Output(True, io.BytesIO(),
                                                                        io.BytesIO()))
     members = [_Worker(f"{h}[{i}]", h, _FakeRank(), i) for i, h in enumerate("aaabbc")]
-    job.workers, job.state.members = list(members), list(members)
+    job.workers, job.generations.members = list(members), list(members)
     excluded = {}  # fencing: why each worker left, for it to read if it comes back
-    job.control = types.SimpleNamespace(exclude=excluded.__setitem__)
-    job.state.gen = 0
+    job.generations.control = types.SimpleNamespace(exclude=excluded.__setitem__)
+    job.generations.gen = 0
     job._fail(members[1], "worker a[1] exited with status 1", 1)
-    assert job.blacklist == {"a": float("inf")}
+    assert job.pool.blacklist == {"a": float("inf")}
     assert excluded["a[1]"] == ("excluded from the job at generation 0: worker a[1] exited "
                                 "with status 1")
     if hosts:
@@ -225,7 +225,7 @@ def test_a_failed_host_loses_every_worker_and_an_unlisted_host_its_workers(hosts
         assert members[0].rank.signals == []
         assert sorted(excluded) == ["a[1]"]
     # discovery now lists b with one slot and no c: b's last worker and c's leave
-    job.discovery = types.SimpleNamespace(hosts=[Host("a", 3), Host("b", 1)])
+    job.pool.discovery = types.SimpleNamespace(hosts=[Host("a", 3), Host("b", 1)])
     assert [w.id for w in job._unlisted()] == ["b[4]", "c[5]"]
 
 
@@ -280,8 +280,8 @@ def _growing_job(monkeypatch):
                       hosts=[Host("a", 1), Host("b", 1), Host("c", 1)])
     job = _ElasticJob(spec, ElasticSpec(min_np=1, max_np=3), Output(True, io.BytesIO(),
                                                                        io.BytesIO()))
-    job._reachable = {"a", "b", "c"}
-    job.control = Control(HashStore(), "job", 5.0)
+    job.pool.reachable = {"a", "b", "c"}
+    job.generations.control = Control(HashStore(), "job", 5.0)
     monkeypatch.setattr(job, "_start_worker", lambda slot, wid, size: _FakeRank(slot.host))
     members = [_Worker(f"{h}[{i}]", h, _FakeRank(h), i) for i, h in enumerate("ab")]
     job.workers, job._counter = list(members), 2
@@ -296,7 +296,7 @@ def ids(control, gen):
 def test_a_new_worker_is_listed_only_once_ready_and_the_old_generation_trains_on(
         monkeypatch):
     job, members = _growing_job(monkeypatch)
-    control = job.control
+    control = job.generations.control
     assert job._form(first=False) is None
     # c[2] was started, but no generation lists it before it is ready
     assert [w.id for w in job.pending] == ["c[2]"] and control.generation() == 0
@@ -313,7 +313,7 @@ def test_a_new_worker_is_listed_only_once_ready_and_the_old_generation_trains_on
 
 def test_a_loss_re_forms_at_once_without_the_joiner_still_starting(monkeypatch):
     job, members = _growing_job(monkeypatch)
-    control = job.control
+    control = job.generations.control
     job._form(first=False)  # c[2] starts
     job._fail(members[1], "worker b[1] exited with status 1", 1)
     job._form(first=False, now=True)
@@ -336,7 +336,7 @@ def test_at_info_each_generation_names_its_workers_processes_and_who_came_and_we
     job._form(first=False)  # c[2] starts
     job._fail(members[1], "worker b[1] exited with status 1", 1)
     job._form(first=False, now=True)  # generation 1: a[0] alone
-    job.control.announce_ready("c[2]")
+    job.generations.control.announce_ready("c[2]")
     job._watch_new()
     job._form(first=False)  # generation 2: a[0], c[2]
     a, b, c = (w.rank.proc.pid for w in job.workers)
@@ -357,7 +357,7 @@ def test_a_new_worker_that_never_joins_is_failed_and_no_generation_lists_it(monk
     import signal
 
     job, members = _growing_job(monkeypatch)
-    control = job.control
+    control = job.generations.control
     job._form(first=False)
     [joiner] = job.pending
     if how == "exits":
@@ -365,7 +365,7 @@ def test_a_new_worker_that_never_joins_is_failed_and_no_generation_lists_it(monk
     else:
         job.ready_timeout = 0.0
     job._watch_new()
-    assert joiner.failed and job.pending == [] and "c" in job.blacklist
+    assert joiner.failed and job.pending == [] and "c" in job.pool.blacklist
     assert joiner.rank.signals == ([] if how == "exits" else [signal.SIGKILL])
     assert "excluded from the job at generation 0" in control.exclusion("c[2]")
     assert job._form(first=False) is None and control.generation() == 0
@@ -380,13 +380,13 @@ def test_a_generation_that_a_finished_worker_never_joined_is_stopped_not_waited_
     import signal
 
     job, members = _growing_job(monkeypatch)
-    control = job.control
+    control = job.generations.control
     job._form(first=False)
     control.announce_ready("c[2]")
     job._watch_new()
     job._form(first=False)  # generation 1: a[0], b[1], c[2]
     assert control.generation() == 1
-    joiner = job.state.members[2]
+    joiner = job.generations.members[2]
     if formed:  # the generation's address table is out: b[1] trained in it
         control.world_store(1).set("peers", "table")
     # b[1] finished the job in generation 0, before it saw generation 1
@@ -399,7 +399,7 @@ def test_a_generation_that_a_finished_worker_never_joined_is_stopped_not_waited_
     # c[2] would wait for b[1] until the elastic timeout: stopped, not failed; a[0] passed
     # the same commits as b[1] and finishes in generation 0 too
     assert joiner.retired and joiner.rank.signals == [signal.SIGTERM]
-    assert not joiner.failed and job.blacklist == {}
+    assert not joiner.failed and job.pool.blacklist == {}
     assert not members[0].retired and members[0].rank.signals == []
     members[0].rank.proc = types.SimpleNamespace(poll=lambda: 0, returncode=0)
     joiner.rank.proc = types.SimpleNamespace(poll=lambda: -15, returncode=-15)
@@ -419,8 +419,8 @@ def test_a_member_that_exits_just_before_a_re_formation_is_failed_with_its_host(
     spec = LaunchSpec(command=["true"], num_proc=3, hosts=[Host("a", 2), Host("b", 1)])
     job = _ElasticJob(spec, ElasticSpec(min_np=1, max_np=3), Output(True, io.BytesIO(),
                                                                        io.BytesIO()))
-    job._reachable = {"a", "b"}
-    job.control = Control(HashStore(), "job", 5.0)
+    job.pool.reachable = {"a", "b"}
+    job.generations.control = Control(HashStore(), "job", 5.0)
     monkeypatch.setattr(job, "_start_worker", lambda slot, wid, size: _FakeRank())
     members = [_Worker(f"{h}[{i}]", h, _FakeRank(), i) for i, h in enumerate("aab")]
     job.workers, job._counter = list(members), 3
@@ -428,9 +428,9 @@ def test_a_member_that_exits_just_before_a_re_formation_is_failed_with_its_host(
     assert job._watch() is False  # every member still runs
     members[1].rank.proc.poll = lambda: -9  # a[1] dies now, after the watch looked
     job._form(first=False)
-    assert members[1].failed and job.blacklist == {"a": float("inf")}
+    assert members[1].failed and job.pool.blacklist == {"a": float("inf")}
     assert members[0].retired and members[0].rank.signals == [15]  # SIGTERM
-    assert job.control.generation() == 1 and ids(job.control, 1) == ["b[2]"]
+    assert job.generations.control.generation() == 1 and ids(job.generations.control, 1) == ["b[2]"]
 
 
 def test_no_worker_starts_once_a_member_has_ended(monkeypatch):
@@ -443,4 +443,52 @@ def test_no_worker_starts_once_a_member_has_ended(monkeypatch):
     assert job._form(first=False) is None
     assert job.state.finishing
     assert job.pending == [] and [w.id for w in job.workers] == ["a[0]", "b[1]"]
-    assert job.control.generation() == 0
+    assert job.generations.control.generation() == 0
+
+
+def test_generations_abort_only_what_a_loss_replaces_and_watch_every_open_one():
+    """The launcher's control plane (run/generations.py), its docstring's example: a loss
+    aborts the open generations, a joiner aborts none, and a turn reads the records of every
+    generation workers may still train in."""
+    from torch.distributed import HashStore
+
+    from gradsync.run.generations import Generations
+
+    said = []
+    gens = Generations(said.append)
+    gens.control = Control(HashStore(), "job", 5.0)
+    a, b, c, d = (types.SimpleNamespace(id=f"{h}[{i}]", host=h) for i, h in enumerate("abcd"))
+    assert gens.publish([a, b, c], now=False) == 0 and gens.watched() == [0]
+    assert gens.publish([a, c], now=True) == 1  # b was lost
+    assert gens.read_abort(0)["rank"] == -1 and gens.open == [1]
+    assert gens.publish([a, c, d], now=False) == 2  # d joined: 1 trains on until its commit
+    assert gens.read_abort(1) is None and gens.watched() == [1, 2]
+    assert gens.of(1) == [a, c] and ids(gens.control, 2) == ["a[0]", "c[2]", "d[3]"]
+    gens.exclude("b[1]", "it exited with status 1")
+    assert gens.control.exclusion("b[1]") == ("excluded from the job at generation 2: it "
+                                              "exited with status 1")
+    assert said == []
+
+
+def test_a_failed_read_of_an_abort_record_is_said_once_and_the_client_replaced():
+    from gradsync.run.generations import Generations
+    from gradsync.run.ranks import start_store
+
+    server = start_store("127.0.0.1")
+    said = []
+    gens = Generations(said.append)
+    gens.host(server, "job", server.port)
+    gens.publish([types.SimpleNamespace(id="a[0]", host="a")], now=False)
+    gens.control.abort(0, "lost", 0)
+
+    class Broken(Control):  # a client whose calls fail, as one out of step with the server
+        def world_store(self, gen):
+            raise RuntimeError("connection reset")
+
+    for _ in range(2):
+        gens.control = Broken(server, "job", 5.0)
+        assert gens.read_abort(0) is None
+    assert said == ["cannot read the abort record of generation 0 from the launcher's store "
+                    "(connection reset); reconnecting to it"]  # once for the same error
+    assert type(gens.control) is Control  # a new client, on loopback
+    assert gens.read_abort(0)["message"] == "lost"

@@ -2,15 +2,18 @@
 
 Both job kinds (the static ``launcher._Job`` and ``elastic._ElasticJob``) run in this loop;
 what it promises whatever the policy: a signal ends the job with 128 + its number, a policy
-that fails to start or raises still has every rank it started stopped, and the summary counts
-the ranks the end stopped (unless the policy says not to). Each rank here is a ``sleep`` (no
-interpreter): this tests the loop, not a job; test_launcher.py and test_elastic.py run jobs.
+that fails to start or raises still has every rank it started stopped, the summary counts
+the ranks the end stopped (unless the policy says not to), and a rank the policy stops while
+the job goes on gets SIGTERM at once and SIGKILL only past the grace. Each rank here is a
+``sleep`` (no interpreter) or a stand-in: this tests the loop, not a job; test_launcher.py and
+test_elastic.py run jobs.
 """
 
 from __future__ import annotations
 
 import io
 import signal
+import types
 
 import pytest
 
@@ -96,3 +99,58 @@ def test_a_policy_that_raises_still_stops_every_rank():
     with pytest.raises(RuntimeError, match="a defect in the policy"):
         policy.run()
     assert _gone(policy) and policy.ended == [(1, None)]
+
+
+class _Signalled:
+    """A rank that records the signals it gets and runs until ``code`` is set."""
+
+    def __init__(self):
+        self.signals, self.code = [], None
+        self.proc = types.SimpleNamespace(poll=lambda: self.code)
+
+    def signal(self, signum):
+        self.signals.append(signum)
+
+
+def test_a_rank_stopped_while_the_job_goes_on_is_killed_only_past_the_grace():
+    def loop(grace):
+        return JobLoop(LaunchSpec(command=["true"], num_proc=1, stop_grace=grace),
+                       Output(True, io.BytesIO(), io.BytesIO()))
+
+    patient, hasty = loop(3600.0), loop(0.0)
+    waiting, late, gone = _Signalled(), _Signalled(), _Signalled()
+    patient.stop_one(waiting)
+    hasty.stop_one(late)
+    hasty.stop_one(gone)
+    assert waiting.signals == late.signals == gone.signals == [signal.SIGTERM]  # at once
+    gone.code = -signal.SIGTERM  # it heeded the SIGTERM
+    for _ in range(2):  # two turns: a SIGKILL is sent once
+        patient._reap()
+        hasty._reap()
+    assert waiting.signals == [signal.SIGTERM]  # within its grace
+    assert late.signals == [signal.SIGTERM, signal.SIGKILL]
+    assert gone.signals == [signal.SIGTERM]
+
+
+def test_the_store_a_policy_hosts_is_found_while_the_job_runs_and_not_after():
+    from gradsync.run import jobfile
+    from gradsync.run.ranks import Starter
+
+    class Hosting(JobLoop):
+        def begin(self):
+            self.starter = Starter(self.spec, self.output, "127.0.0.1")
+            self.store = self.host_store(3)
+
+        def turn(self):
+            self.found = jobfile.find(self.starter.job_id)
+            return 0, None, None
+
+        def started(self):
+            return []
+
+    job = Hosting(LaunchSpec(command=["true"], num_proc=3),
+                  Output(True, io.BytesIO(), io.BytesIO()))
+    assert job.run() == 0
+    assert job.found is not None  # gradsync top finds the store by the job id
+    assert (job.found["store_port"], job.found["size"]) == (job.store.port, 3)
+    assert jobfile.find(job.starter.job_id) is None  # withdrawn at the end

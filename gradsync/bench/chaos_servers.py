@@ -44,7 +44,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 
-from ..run.launcher import SERVER_RESTARTS
+from ..run.ranks import SERVER_RESTARTS
 from . import chaos_server_report as csr
 from ..testbed.netns import alive  # a pid that still runs (the one check)
 

@@ -3,8 +3,8 @@
 An elastic job runs as a sequence of *generations*. Generation ``g`` is a list of workers in
 rank order; its World has the job id ``<job>.e<g>``, so its store keys (addresses, barriers,
 the abort record) and its shared-memory segments never meet another generation's. Only
-``gradsync run`` (the launcher, which hosts the store) writes a generation; workers read it.
-The keys live under ``gradsync/<job>/elastic/``:
+``gradsync run`` (the launcher, which hosts the store) writes a generation, all through
+``run/generations.py``; workers read it. The keys live under ``gradsync/<job>/elastic/``:
 
 =================  ============================================================================
 ``members/<g>``    JSON list ``[{"id": "localhost[3]", "host": "localhost"}, ...]``: rank i is

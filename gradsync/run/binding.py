@@ -21,7 +21,7 @@ than cores. ``none`` never binds. The default, ``auto``, binds only when both ho
 local ranks are no more than the cores, and the user did not restrict the launcher's affinity
 already (usable CPUs fewer than the machine's online CPUs: ``taskset``, a cpuset, a batch
 system's binding), so a choice someone made is never overridden. Only ranks started on this
-host by ``gradsync run`` are bound (``launcher.Starter.start``, after the child exists and
+host by ``gradsync run`` are bound (``ranks.Starter.start``, after the child exists and
 before it has started any thread); ranks on other hosts, and ranks started by torchrun, srun
 or mpirun (adopted through ``launch_env``) keep what their launcher gave them: mpirun and srun
 bind themselves, and fighting a launcher's placement helps nobody.

@@ -28,8 +28,8 @@ from ..config import ENV_PREFIX, HOROVOD_IDENTITY, IDENTITY_VARIABLES
 from . import binding
 from .elastic import ElasticSpec, launch_elastic
 from .hosts import Host, parse_hosts, read_hostfile
-from .launcher import (DEFAULT_START_TIMEOUT, SERVER_RESTARTS, LaunchSpec, is_local, launch,
-                       place)
+from .launcher import DEFAULT_START_TIMEOUT, LaunchSpec, is_local, launch, place
+from .ranks import SERVER_RESTARTS
 
 __all__ = ["main", "build_parser", "add_run_arguments", "split_command", "option_values",
            "parse_hosts", "read_hostfile", "resolve_exports", "flag_settings"]
@@ -371,7 +371,7 @@ def _data_hosts(args: argparse.Namespace, hosts: Sequence[Host]) -> list[Host]:
 def _static_hosts(args: argparse.Namespace, hosts: list[Host]) -> list[Host]:
     """A static job's hosts with ``--data-hosts``: the workers' (and parameter servers')
     slots of ``hosts`` (default this machine), cut to the NP + S ranks they hold, then the
-    data hosts, so that placing the ranks in order (``launcher.place``) puts the last D, the
+    data hosts, so that placing the ranks in order (``ranks.place``) puts the last D, the
     data servers, on the data hosts and nowhere else. Without ``--data-hosts``: ``hosts``."""
     data_hosts = _data_hosts(args, hosts or [Host("localhost", 1)])
     if not data_hosts:

@@ -7,7 +7,7 @@ an elastic job come and go in generations (``elastic.py``); its D data servers
 - **Start.** Once, before the first generation: launch ranks ``W .. W+D-1`` of a launch size
   ``W + D`` (so ``launch_env`` makes data server ``d`` of ``d = rank - W``, as in a static
   job). Where: on the hosts of ``--data-hosts``, filled in order as ``-H`` fills a static
-  job's (``launcher.place``: with ``--data-hosts d0:1,d1:2`` and D = 3, server 0 on d0,
+  job's (``ranks.place``: with ``--data-hosts d0:1,d1:2`` and D = 3, server 0 on d0,
   servers 1 and 2 on d1), here or over ssh as a worker starts; without it on this machine,
   under the name it has among the job's hosts. Before they start, the store key
   ``data/elastic`` tells them that their workers come and go: a data server then admits any
@@ -17,7 +17,7 @@ an elastic job come and go in generations (``elastic.py``); its D data servers
 - **Apart.** In no generation, counted in no ``--min-np``/``--max-np`` and no ``WORLD_SIZE``
   (the workers' launch size counts them and ``launch_env`` takes them out, as in a static
   job); a data server's failure blacklists no host. A data host takes no worker, even when
-  ``-H`` or the discovery script lists it (``elastic._ElasticJob._free_slots``).
+  ``-H`` or the discovery script lists it (``host_pool.HostPool.free``).
 - **A failure** is reported at once and the job goes on: every worker hands the lost server's
   batches to the others (``Loader._adopt``). The rank is started again on its host, as a
   replicated parameter server's is in a static job (at most ``--server-restarts`` times,
@@ -38,8 +38,8 @@ import time
 from typing import Callable, Sequence
 
 from .hosts import Host
-from .launcher import (SERVER_LINGER, LaunchSpec, Rank, Slot, Starter, informs, place,
-                       rank_line, restart_allowed)
+from .ranks import (SERVER_LINGER, LaunchSpec, Rank, Slot, Starter, informs, place, rank_line,
+                    restart_allowed)
 from .processes import Output, StartError, describe, exit_status
 
 __all__ = ["DataServers"]
@@ -72,7 +72,7 @@ class DataServers:
         self.restarts: dict[int, int] = {}  # data server -> times started again
 
     def start(self, hosts: Sequence[Host]) -> None:
-        """Starts the data servers on ``hosts``, filled in order (``launcher.place``).
+        """Starts the data servers on ``hosts``, filled in order (``ranks.place``).
 
         Raises:
             ValueError: the hosts have fewer slots than the job has data servers.

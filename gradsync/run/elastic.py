@@ -3,7 +3,12 @@
 The launcher hosts the store and owns the job's *generations* (``gradsync.elastic.membership``):
 who the workers are and in which rank order. This is a policy of the launcher's one job loop
 (``loop.py``, which also runs the static job: signals, the end that stops every rank, the job
-file, /dev/shm); each of its turns, every ``loop.POLL`` seconds:
+file, /dev/shm). It stands on two parts of its own, each one concern: ``generations.py``, the
+launcher's side of the control plane (every store key the launcher writes or reads about
+membership: publish, abort, exclude, ready, give up), and ``host_pool.py``, where workers may
+run (listed, blacklisted, reachable, free slots). What stays here is the policy: when to
+re-form and whom to list, and the workers' processes (start, watch, fail, retire). Each of its
+turns, every ``loop.POLL`` seconds:
 
 1. **Watch.** A worker of the newest generation that exits non-zero, or is reported silent by
    a heartbeat (the abort record of its World says ``silent``; the launcher SIGKILLs it), is
@@ -19,7 +24,7 @@ file, /dev/shm); each of its turns, every ``loop.POLL`` seconds:
    is no longer listed, or beyond the slots now listed for it, are stopped.
 3. **Re-form.** New workers are started *first*, on free usable slots up to ``--max-np``
    (in the first generation: ``-np``): here as children, on other hosts over ssh exactly as
-   ``gradsync run`` starts remote ranks (``launcher.Starter``: the secret on ssh's stdin, the
+   ``gradsync run`` starts remote ranks (``ranks.Starter``: the secret on ssh's stdin, the
    lifeline that ends the remote worker when the launcher stops it or goes away). A new
    worker is listed only once it is *ready* (``elastic/ready/<id>``, written by ``init()``
    after the interpreter and torch have started): starting costs seconds, and the job trains
@@ -68,29 +73,24 @@ process while its rank changes.
 
 from __future__ import annotations
 
-import math
 import random
 import signal
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass
 
 from ..config import ENV_PREFIX
-from ..elastic.membership import Control
-from . import jobfile
-from .discovery import Discovery, parse_discovered
-from .hosts import Host
 from .data_servers import DataServers
-from .launcher import (LaunchSpec, Rank, Slot, Starter, informs, is_local, rank_line,
-                       start_store, store_address)
+from .discovery import Discovery, parse_discovered
+from .generations import Generations
+from .host_pool import HostPool
+from .hosts import Host
+from .ranks import LaunchSpec, Rank, Slot, Starter, informs, is_local, rank_line, store_address
 from .loop import End, JobLoop
 from .processes import Output, StartError, describe, exit_status
 
 __all__ = ["ElasticSpec", "launch_elastic", "parse_discovered"]
 
-_POLL = 0.05  # how often the start looks at the first hosts' ssh checks
 _LOST_GRACE = 5.0  # seconds a worker reported lost may take to exit before it is killed
 # A new worker that is not ready holds nobody up (the job trains on without it), so this limit
 # only frees its slot: generous, for a loaded machine where importing torch takes tens of
@@ -183,8 +183,6 @@ class _Worker:
 
 @dataclass
 class _State:
-    gen: int = -1
-    members: list[_Worker] = field(default_factory=list)
     resets: int = 0
     finishing: bool = False
     short_since: float | None = None  # when the job first lacked min_np workers
@@ -202,59 +200,50 @@ class _ElasticJob(JobLoop):
     def __init__(self, spec: LaunchSpec, elastic: ElasticSpec, output: Output):
         super().__init__(spec, output)
         self.elastic = elastic
-        self.static_hosts = list(spec.hosts) or [Host("localhost", spec.num_proc)]
         # A job given no hosts runs on this machine alone: there a failed worker leaves alone,
         # since removing every worker of the host would end the job.
         self.per_worker = not spec.hosts and not elastic.discovery_script
         self.port = 0
-        self.blacklist: dict[str, float] = {}
-        self._failures: dict[str, int] = {}  # per host: how often it was blacklisted
+        # Where workers may run (listed, blacklisted, reachable: host_pool.py) and what the
+        # workers are told (the control plane: generations.py).
+        self.pool = HostPool(list(spec.hosts) or [Host("localhost", spec.num_proc)],
+                             elastic.data_hosts, elastic.cooldown, output)
+        self.generations: Generations[_Worker] = Generations(output.message)
         self.workers: list[_Worker] = []
         self.state = _State()
-        self.control: Control | None = None
-        self.discovery: Discovery | None = None
         self._counter = 0
-        self._generation_members: dict[int, list[_Worker]] = {}
         self._suspects: dict[str, float] = {}
-        self._store_warned = ""
-        self._probes: dict[str, tuple[subprocess.Popen, float]] = {}  # ssh checks running
-        self._reachable: set[str] = set()  # remote hosts whose ssh check passed
-        self._stopping: list[tuple[_Worker, float]] = []  # retired workers, SIGKILL time
         self.pending: list[_Worker] = []  # new workers started, in no generation yet
         self._unsettled = False  # a lost worker is reported and may not be listed again yet
-        # Generations published and not aborted: survivors may still train in one that only
-        # new workers replaced, until their next commit().
-        self._open: list[int] = []
         self.ready_timeout = spec.start_timeout or _READY_TIMEOUT
         self.informs = informs(spec)  # the ranks log at INFO: say which process is which
         self.data_servers: DataServers | None = None  # made once the store is up
-        self._seen_version = 0  # the discovery script's output last looked at
 
     # ------------------------------------------------------------------ the run
     def begin(self) -> None:
         if self.elastic.discovery_script:
-            self.discovery = Discovery(self.elastic.discovery_script,
-                                       self.elastic.discovery_interval, self.output).start()
+            self.pool.discovery = Discovery(self.elastic.discovery_script,
+                                            self.elastic.discovery_interval,
+                                            self.output).start()
         # Every worker of every generation gets the same store address: one that the remote
         # hosts known now reach, or with a discovery script (remote hosts may come later) one
         # that other hosts can reach.
-        remote_hosts = [h.name for h in [*self._hosts(), *self.elastic.data_hosts]
+        remote_hosts = [h.name for h in [*self.pool.listed(), *self.elastic.data_hosts]
                         if not is_local(h.name)]
         self.starter = Starter(
             self.spec, self.output,
-            store_address(remote_hosts, reachable=self.discovery is not None),
+            store_address(remote_hosts, reachable=self.pool.discovery is not None),
             settings={ENV_PREFIX + "ELASTIC_TIMEOUT": f"{self.elastic.elastic_timeout:g}"})
-        self._server = start_store(self.starter.store_addr)
+        self._server = self.host_store(self.spec.num_proc)
         self.port = self._server.port
-        self.jobfile = jobfile.publish(self.starter.job_id, self.starter.store_addr,
-                                       self.port, self.spec.num_proc)
-        self.control = Control(self._server, self.starter.job_id, 30.0)
-        self._check_first_hosts()
+        self.generations.host(self._server, self.starter.job_id, self.port)
+        # Before the first generation, so that it can place workers on the remote hosts.
+        self.pool.check_first(self.starter.ssh, lambda: self.interrupts.received is not None)
         self.data_servers = DataServers(self.spec, self.starter, self.output,
                                         self._server, self.port)
         if self.elastic.data_hosts and self.spec.data_servers:
             unreachable = [h.name for h in self.elastic.data_hosts
-                           if not is_local(h.name) and h.name not in self._reachable]
+                           if not is_local(h.name) and h.name not in self.pool.reachable]
             if unreachable:
                 # Started once, the data servers have no other host to go to.
                 raise StartError(f"data host(s) {', '.join(unreachable)} cannot be reached "
@@ -263,11 +252,11 @@ class _ElasticJob(JobLoop):
         else:
             # On this machine, under its name in the hosts given, so that its workers map the
             # data servers' slots (one memcpy per batch).
-            self.data_servers.start([Host(next((h.name for h in self._hosts()
+            self.data_servers.start([Host(next((h.name for h in self.pool.listed()
                                                 if is_local(h.name)), "localhost"),
                                           self.spec.data_servers)])
         self._form(first=True)
-        self._seen_version = self.discovery.version if self.discovery else 0
+        self.pool.news()  # the first generation was formed on discovery's answer now
 
     # What begin() made, for the turns: the loop turns only once begin() returned.
     @property
@@ -275,24 +264,15 @@ class _ElasticJob(JobLoop):
         assert self.starter is not None
         return self.starter
 
-    @property
-    def _control(self) -> Control:
-        """The job's control records (``_read_abort`` may replace them with a new client)."""
-        assert self.control is not None
-        return self.control
-
     def started(self) -> list[Rank]:
         return [w.rank for w in self.workers if w.rank is not None] + \
             (self.data_servers.ranks if self.data_servers else [])
 
     def ending(self, status: int, summary: str | None) -> None:
-        if self.discovery is not None:
-            self.discovery.stop()
-        for proc, _ in self._probes.values():  # (only begin()'s starter starts them)
-            self._starter.ssh.end_probe(proc)
-        if summary and self.control is not None and status != 0:
+        self.pool.end()
+        if summary and self.generations.control is not None and status != 0:
             try:
-                self.control.give_up(summary)
+                self.generations.give_up(summary)
             except (RuntimeError, OSError):
                 pass
 
@@ -302,31 +282,29 @@ class _ElasticJob(JobLoop):
         data_servers = self.data_servers
         assert data_servers is not None  # made by begin()
         data_servers.watch(restart=not st.finishing)
-        self._reap()
         self._watch_new()
         grow = False  # room for new workers: start them; they join once ready
-        reachable = self._probe_hosts()
-        if self.discovery is not None and self.discovery.version != self._seen_version:
-            self._seen_version = self.discovery.version
+        reachable = self.pool.probe(self._starter.ssh)
+        if self.pool.news():
             if not st.finishing and self._unlisted():
                 changed = True
             reachable = True
         if reachable and not st.finishing and \
                 len(self._placed()) < self.elastic.max_np and self._free_slots():
             grow = True
-        if self._cooled_down() and len(self._placed()) < self.elastic.max_np:
+        if self.pool.cooled_down() and len(self._placed()) < self.elastic.max_np:
             grow = True
         if st.short_since is not None:
             changed = True  # keep trying while short of workers
         if changed and st.finishing:
-            self._control.give_up("a worker failed after another had finished: the job "
-                                  "is not re-formed any more")
+            self.generations.give_up("a worker failed after another had finished: the job "
+                                     "is not re-formed any more")
         elif st.finishing:
             for worker in self._alive(self.pending):
                 self._retire(worker, "the job is finishing")
             self._end_unformed()
         elif changed or grow or self.pending or \
-                len(self._alive(st.members)) < len(st.members):
+                len(self._alive(self.generations.members)) < len(self.generations.members):
             done = self._form(first=False, now=changed)
             if done is not None:
                 return (*done, None)
@@ -339,13 +317,12 @@ class _ElasticJob(JobLoop):
     def _loop_end(self) -> tuple[int, str | None] | None:
         """The job's status once every worker has exited (None before): 0 when the last
         generation's workers all exited 0 (those the launcher stopped aside)."""
-        st = self.state
         if not self.workers or any(w.started_rank.proc.poll() is None for w in self.workers):
             return None
-        ended = [w for w in st.members if not w.retired]
+        ended = [w for w in self.generations.members if not w.retired]
         if ended and all(w.started_rank.proc.returncode == 0 for w in ended):
             return 0, None
-        return st.first_failure or 1, "the elastic job ended with failed workers"
+        return self.state.first_failure or 1, "the elastic job ended with failed workers"
 
     def _end_unformed(self) -> None:
         """Stops the new workers of a newest generation that can never form: one of its
@@ -355,21 +332,17 @@ class _ElasticJob(JobLoop):
         unpublished (a member that trained in it has read it). Its other old members finish
         in the older generation as the one that exited did: they passed the same commits,
         whose host check is one broadcast, so they saw no newer generation either."""
-        st = self.state
-        done = [w for w in st.members if not w.retired and w.started_rank.proc.poll() == 0]
-        older = set(map(id, self._generation_members.get(st.gen - 1, ())))
-        new = [w for w in self._alive(st.members) if id(w) not in older]
+        gens = self.generations
+        done = [w for w in gens.members if not w.retired and w.started_rank.proc.poll() == 0]
+        older = set(map(id, gens.of(gens.gen - 1)))
+        new = [w for w in self._alive(gens.members) if id(w) not in older]
         if not done or not new:
             return
-        try:
-            formed = self._control.world_store(st.gen).check("peers")
-        except (RuntimeError, OSError):
-            return  # the store is ours: the next poll asks again
-        if formed:
-            return
+        if gens.formed() is not False:
+            return  # formed, or the store did not answer (ours: the next poll asks again)
         for worker in new:
             self._retire(worker, f"the job is finishing: worker {done[0].id} ended before "
-                                 f"generation {st.gen} formed, which cannot form without it")
+                                 f"generation {gens.gen} formed, which cannot form without it")
 
     # ------------------------------------------------------------------ watching
     def _alive(self, workers: list[_Worker]) -> list[_Worker]:
@@ -378,7 +351,7 @@ class _ElasticJob(JobLoop):
 
     def _placed(self) -> list[_Worker]:
         """The live workers of the newest generation, then the new ones not yet in one."""
-        return self._alive(self.state.members) + self._alive(self.pending)
+        return self._alive(self.generations.members) + self._alive(self.pending)
 
     def _watch_new(self) -> None:
         """Follows the new workers not yet in a generation: notes when each is ready; one
@@ -395,11 +368,7 @@ class _ElasticJob(JobLoop):
                 continue
             if worker.ready_at is not None:
                 continue
-            try:
-                ready = self._control.is_ready(worker.id)
-            except (RuntimeError, OSError):
-                ready = False  # the store is ours: the next poll asks again
-            if ready:
+            if self.generations.is_ready(worker.id):
                 worker.ready_at = now
             elif now - worker.started > self.ready_timeout:
                 worker.started_rank.signal(signal.SIGKILL)
@@ -416,35 +385,31 @@ class _ElasticJob(JobLoop):
         and a survivor count that merely skipped it would re-form the job without failing it,
         so its host's other workers would stay in the job and its host never be
         blacklisted."""
-        st, failed = self.state, False
-        for worker in st.members:
+        gens, failed = self.generations, False
+        for worker in gens.members:
             code = worker.started_rank.proc.poll()
             if code is None or worker.failed or worker.retired:
                 continue
             if code == 0:
-                st.finishing = True
+                self.state.finishing = True
                 continue
-            self._fail(worker, f"worker {worker.id} (rank {st.members.index(worker)} of "
-                               f"generation {st.gen}) {describe(code)}", exit_status(code))
+            self._fail(worker, f"worker {worker.id} (rank {gens.members.index(worker)} of "
+                               f"generation {gens.gen}) {describe(code)}", exit_status(code))
             failed = True
         return failed
 
     def _watch(self) -> bool:
         """Marks failed members; True when the newest generation needs replacing."""
-        st = self.state
+        gens = self.generations
         self._unsettled = False
         changed = self._note_exits()
-        # A generation that only new workers replaced is still trained in until its workers
-        # reach the next commit(): its heartbeats may report a silent worker too.
-        for gen in sorted({st.gen - 1, st.gen, *self._open}):
-            if gen < 0:
-                continue
-            record = self._read_abort(gen)
+        for gen in gens.watched():
+            record = gens.read_abort(gen)
             if record is None or record.get("rank") == -1:
-                continue
-            members = self._generation_members.get(gen, [])
+                continue  # (rank -1: the launcher's own record of a loss)
+            members = gens.of(gen)
             peer = record.get("peer")
-            if gen == st.gen:
+            if gen == gens.gen:
                 settled = self._lost_peer_settled(members, peer)
                 self._unsettled = not settled
                 changed = settled or changed
@@ -457,27 +422,6 @@ class _ElasticJob(JobLoop):
                                detail=record.get("message"))
                     changed = True
         return changed
-
-    def _read_abort(self, gen: int) -> dict | None:
-        """Generation ``gen``'s abort record (None: none). A read that fails is reported and
-        the launcher's client of its own store replaced: a client whose call failed midway
-        may stay out of step with the server, and an abort record the launcher cannot read
-        would leave a silent worker in the job for good."""
-        try:
-            return self._control.world_store(gen).read_abort()
-        except Exception as exc:  # noqa: BLE001 (reported; the next poll tries again)
-            if str(exc) != self._store_warned:
-                self._store_warned = str(exc)
-                self.output.message(f"cannot read the abort record of generation {gen} from "
-                                    f"the launcher's store ({exc}); reconnecting to it")
-            try:
-                from torch.distributed import TCPStore
-
-                client = TCPStore("127.0.0.1", self.port, None, False, timedelta(seconds=30))
-                self.control = Control(client, self._starter.job_id, 30.0)
-            except (RuntimeError, OSError) as again:
-                self.output.message(f"cannot reconnect to the launcher's store: {again}")
-            return None
 
     def _lost_peer_settled(self, members: list[_Worker], peer: int | None) -> bool:
         """Whether the newest generation can be replaced after a worker reported ``peer``
@@ -496,7 +440,8 @@ class _ElasticJob(JobLoop):
             # formed next would see its host unblacklisted and a free slot in its place.
             if code != 0:
                 self._fail(suspect, f"worker {suspect.id} (rank {peer} of generation "
-                                    f"{self.state.gen}) {describe(code)}", exit_status(code))
+                                    f"{self.generations.gen}) {describe(code)}",
+                               exit_status(code))
             return True
         since = self._suspects.setdefault(suspect.id, time.monotonic())
         if time.monotonic() - since < _LOST_GRACE:
@@ -506,15 +451,6 @@ class _ElasticJob(JobLoop):
                             f"exited {_LOST_GRACE:g}s later; killed", 128 + 9)
         return True
 
-    def _cooled_down(self) -> bool:
-        """True once when a blacklisted host's cooldown has passed."""
-        now = time.monotonic()
-        expired = [h for h, until in self.blacklist.items() if until <= now]
-        for host in expired:
-            del self.blacklist[host]
-            self.output.message(f"host {host} is no longer blacklisted")
-        return bool(expired)
-
     def _fail(self, worker: _Worker, what: str, status: int, detail: str | None = None) -> None:
         """Marks ``worker`` failed and blacklists its host; as in Horovod, the host's other
         workers leave the job too (unless the job is this machine alone: ``per_worker``).
@@ -522,127 +458,34 @@ class _ElasticJob(JobLoop):
         worker.failed = True
         if self.state.first_failure is None:
             self.state.first_failure = status
-        self._exclude(worker, what + (f" ({detail})" if detail else ""))
-        self._ban(worker.host, what)
+        self.generations.exclude(worker.id, what + (f" ({detail})" if detail else ""))
+        self.pool.ban(worker.host, what)
         if not self.per_worker:
             for other in self._alive(self.workers):
                 if other.host == worker.host:
                     self._retire(other, f"host {worker.host} is blacklisted")
 
-    def _exclude(self, worker: _Worker, why: str) -> None:
-        """Fencing: a worker the launcher could not stop in time (a partitioned host, a kill
-        that did not arrive) may come back; it finds itself out of the next generation and
-        raises ``ExcludedError`` with this reason (``elastic/membership.py``)."""
-        try:
-            self._control.exclude(worker.id, f"excluded from the job at generation "
-                                             f"{self.state.gen}: {why}")
-        except (RuntimeError, OSError) as exc:  # the store is ours: unlikely, and not fatal
-            self.output.message(f"cannot record why worker {worker.id} left: {exc}")
-
-    def _ban(self, host: str, what: str) -> None:
-        self._failures[host] = self._failures.get(host, 0) + 1
-        cooldown = self.elastic.cooldown(self._failures[host])
-        self.blacklist[host] = math.inf if cooldown is None else time.monotonic() + cooldown
-        self.output.message(f"{what}; host {host} is blacklisted"
-                            + ("" if cooldown is None else f" for {cooldown:g}s"))
-
     def _retire(self, worker: _Worker, why: str) -> None:
         """Stops a worker that is no longer wanted: SIGTERM now (over ssh: its lifeline),
-        SIGKILL after the stop grace (``_reap``). Its exit is not a failure."""
+        SIGKILL after the stop grace (the loop's ``stop_one``). Its exit is not a failure."""
         worker.retired = True
-        self._exclude(worker, f"stopped by gradsync run: {why}")
-        worker.started_rank.signal(signal.SIGTERM)
-        self._stopping.append((worker, time.monotonic() + self.spec.stop_grace))
+        self.generations.exclude(worker.id, f"stopped by gradsync run: {why}")
+        self.stop_one(worker.started_rank)
         self.output.message(f"stopping worker {worker.id}: {why}")
-
-    def _reap(self) -> None:
-        """SIGKILLs retired workers still running after the stop grace."""
-        now = time.monotonic()
-        for entry in list(self._stopping):
-            worker, kill_at = entry
-            if worker.started_rank.proc.poll() is None and now < kill_at:
-                continue
-            if worker.started_rank.proc.poll() is None:
-                worker.started_rank.signal(signal.SIGKILL)
-            self._stopping.remove(entry)
 
     def _unlisted(self) -> list[_Worker]:
         """Live workers (of the newest generation, or new ones) whose host discovery no longer
         lists, or that are beyond the slots it now lists for their host (the last ones on the
         host: new workers first)."""
-        if self.discovery is None or self.discovery.hosts is None:
-            return []
-        slots = {h.name: h.slots for h in self.discovery.hosts}
-        seen: dict[str, int] = {}
-        unlisted = []
-        for worker in self._placed():
-            seen[worker.host] = seen.get(worker.host, 0) + 1
-            if seen[worker.host] > slots.get(worker.host, 0):
-                unlisted.append(worker)
-        return unlisted
-
-    # ------------------------------------------------------------------ remote hosts
-    def _check_first_hosts(self) -> None:
-        """Checks the remote hosts known at the start before the first generation, so that
-        it can place workers on them; an unreachable one is blacklisted."""
-        self._probe_hosts()
-        while self._probes and self.interrupts.received is None:
-            time.sleep(_POLL)
-            self._probe_hosts()
-
-    def _probe_hosts(self) -> bool:
-        """Starts the ssh check (``Ssh.probe``) of each listed remote host not yet checked,
-        and collects the finished ones: a reachable host may take workers; an unreachable one
-        is blacklisted (for ``--blacklist-cooldown``). True when a host became reachable."""
-        ssh = self._starter.ssh
-        now = time.monotonic()
-        for host in [*self._hosts(), *self.elastic.data_hosts]:
-            name = host.name
-            if is_local(name) or name in self._reachable or name in self._probes or \
-                    self.blacklist.get(name, 0) > now:
-                continue
-            self._probes[name] = (ssh.probe(name), now + ssh.probe_limit)
-        added = False
-        for name, (proc, end) in list(self._probes.items()):
-            if proc.poll() is None and time.monotonic() < end:
-                continue
-            error: str | None
-            if proc.poll() is None:
-                error = f"ssh to {name} did not finish within {ssh.timeout:.0f}s"
-            else:
-                error = ssh.probe_error(name, proc)
-            ssh.end_probe(proc)
-            del self._probes[name]
-            if error is None:
-                self._reachable.add(name)
-                added = True
-            else:
-                self._ban(name, error)
-        return added
+        return self.pool.beyond(self._placed())
 
     # ------------------------------------------------------------------ forming
-    def _hosts(self) -> list[Host]:
-        if self.discovery is not None:
-            return self.discovery.hosts or []
-        return self.static_hosts
-
     def _free_slots(self) -> list[str]:
-        """One entry per free slot of a usable host, hosts in discovery order. A worker holds
-        its slot until the launcher has noted its end (failed or retired it): one whose exit
-        0 is not yet noted must not make room for a new worker, which the finishing job would
-        only stop again."""
-        now = time.monotonic()
-        live = [w for w in self.workers if not w.failed and not w.retired]
-        data_hosts = {h.name for h in self.elastic.data_hosts}
-        free = []
-        for host in self._hosts():
-            if self.blacklist.get(host.name, 0) > now or host.name in data_hosts:
-                continue  # (a data host's slots are its data servers')
-            if not is_local(host.name) and host.name not in self._reachable:
-                continue  # its ssh check has not passed (yet)
-            used = sum(1 for w in live if w.host == host.name)
-            free += [host.name] * max(0, host.slots - used)
-        return free
+        """One entry per free slot of a usable host (``HostPool.free``). A worker holds its
+        slot until the launcher has noted its end (failed or retired it): one whose exit 0 is
+        not yet noted must not make room for a new worker, which the finishing job would only
+        stop again."""
+        return self.pool.free([w.host for w in self.workers if not w.failed and not w.retired])
 
     def _form(self, first: bool, now: bool = False) -> tuple[int, str] | None:
         """Starts new workers on free slots and forms the next generation when it should:
@@ -659,13 +502,15 @@ class _ElasticJob(JobLoop):
             self._note_exits()
             if st.finishing:
                 return None  # a worker has ended: nobody starts, no generation forms
-        survivors = self._alive(st.members)
+        members = self.generations.members
+        survivors = self._alive(members)
         pending = self._alive(self.pending)
-        now = now or len(survivors) < len(st.members)
+        now = now or len(survivors) < len(members)
         if not first and not survivors:
             # As in Horovod: new workers alone cannot go on, the job's state is lost.
-            return st.first_failure or 1, (f"no worker of generation {st.gen} is left to hand "
-                                           "the job's state to new workers: the job ends")
+            return st.first_failure or 1, (f"no worker of generation {self.generations.gen} is "
+                                           "left to hand the job's state to new workers: the "
+                                           "job ends")
         free = self._free_slots()
         placed = len(survivors) + len(pending)
         target = min(self.spec.num_proc if first else el.max_np, placed + len(free))
@@ -686,8 +531,8 @@ class _ElasticJob(JobLoop):
         if len(survivors) + len(ready) < el.min_np:
             # Enough workers are starting, not yet enough are ready: the survivors (a worker
             # was lost) stop and wait for them; the elastic timeout is not counting.
-            self._abort_older(f"the job is below --min-np {el.min_np} until new workers are "
-                              "ready")
+            self.generations.abort_older(f"the job is below --min-np {el.min_np} until new "
+                                         "workers are ready")
             return None
         if el.reset_limit is not None and st.resets >= el.reset_limit:
             return st.first_failure or 1, (f"the job needed a re-formation after "
@@ -705,12 +550,12 @@ class _ElasticJob(JobLoop):
         now = time.monotonic()
         if st.short_since is None:
             st.short_since = now
-            self._abort_older(f"the job is below --min-np {el.min_np}")
+            self.generations.abort_older(f"the job is below --min-np {el.min_np}")
             self.output.message(f"{survivors} worker(s) left and {free} free "
                                 f"slot(s), below --min-np {el.min_np}; waiting up to "
                                 f"{el.elastic_timeout:g}s for hosts")
         if now - st.short_since > el.elastic_timeout:
-            banned = [h for h, until in self.blacklist.items() if until > now]
+            banned = self.pool.banned()
             return 1, (f"only {survivors} worker(s) left and no host to add within "
                        f"--elastic-timeout {el.elastic_timeout:g}s: the job needs "
                        f"--min-np {el.min_np}" + (f"; blacklisted: {', '.join(banned)}"
@@ -754,15 +599,7 @@ class _ElasticJob(JobLoop):
         replaces are aborted, so that survivors stop waiting at once; when it only adds new
         workers, the survivors train on and reach it at their next ``commit()``
         (``HostsUpdatedInterrupt``): nothing of theirs is rolled back."""
-        st = self.state
-        gen = st.gen + 1
-        self._control.publish(gen, [{"id": w.id, "host": w.host} for w in members])
-        if now:
-            self._abort_older(f"the job was re-formed as generation {gen} of {len(members)} "
-                              "workers")
-        st.gen, st.members = gen, members
-        self._open.append(gen)
-        self._generation_members[gen] = members
+        gen = self.generations.publish(members, now)
         if gen > 0:  # (the first generation's workers start after it is published)
             self.output.message(f"generation {gen}: {len(members)} workers ({kept} kept, "
                                 f"{new} new)")
@@ -773,22 +610,16 @@ class _ElasticJob(JobLoop):
         and who joined and left since the one before."""
         if not self.informs:
             return
-        members = self._generation_members[gen]
+        members = self.generations.of(gen)
         for index, worker in enumerate(members):
             self.output.message(f"generation {gen}: " + rank_line(
                 worker.started_rank, f"worker {worker.id}", index))
         if gen > 0:
-            before = self._generation_members.get(gen - 1, [])
+            before = self.generations.of(gen - 1)
             self.output.message(
                 f"generation {gen}: joined " + (", ".join(
                     w.id for w in members if w not in before) or "none") + "; left " +
                 (", ".join(w.id for w in before if w not in members) or "none"))
-
-    def _abort_older(self, message: str) -> None:
-        """Tells the workers of the generations being replaced to stop waiting."""
-        for gen in self._open:
-            self._control.abort(gen, message, None)
-        self._open.clear()
 
     def _start_worker(self, slot: Slot, wid: str, size: int) -> Rank:
         # The launch size counts the data servers, the last ranks (launch_env takes them out
