@@ -12,7 +12,6 @@ its own copy of the topology, as processes have.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,12 +20,11 @@ import torch
 from gradsync.cluster.topology import Topology
 from gradsync.collectives import allgather, costs
 from gradsync.collectives.costs import RankFabric, bruck_allgather, ring_allgather
-from gradsync.compress.comm import ViewComm, WorldComm
 from gradsync.simulate import cluster as cluster_file
 from gradsync.simulate import compression as simulated
 from gradsync.simulate.fabric import TierFabric
 from test_algorithms import Counting, run_ok
-from test_alltoall_choice import Links, Recording, hosts
+from test_alltoall_choice import Links, hosts, through
 
 
 class RingLinks(Links):
@@ -178,16 +176,9 @@ def test_compress_comms_choose_the_same_allgather_on_every_rank(links, front):
     assert costs.cheapest_allgather(RankFabric(topology(), range(k)), k * block) == want
 
     def rank_fn(comm):
-        r, topo = comm.rank, topology()
-        recording = Recording(comm.view(list(range(k))) if front == "view" else comm)
-        config = SimpleNamespace(chunk_bytes=1 << 20, check_collectives=True)
-        if front == "view":
-            through = ViewComm(recording, config, topo)
-        else:
-            world = SimpleNamespace(rank=r, size=k, comm=recording, topology=topo,
-                                    config=config)
-            through = WorldComm(world, "test")
-        got = through.allgather(torch.full((block,), 16 * r + 1, dtype=torch.uint8))
+        r = comm.rank
+        fronted, recording = through(front, comm, k, topology())
+        got = fronted.allgather(torch.full((block,), 16 * r + 1, dtype=torch.uint8))
         return got.numpy(), recording.steps, recording.begun
 
     for r, (got, taken, begun) in enumerate(run_ok(k, rank_fn)):

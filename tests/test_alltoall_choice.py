@@ -108,6 +108,19 @@ class Recording(Counting):
         self._comm.begin(description, check)
 
 
+def through(front: str, comm, k: int, topo: Topology):
+    """The compressors' Comm over ``comm``'s first ``k`` ranks, as ``front`` builds it:
+    ``ViewComm`` (inside a tiered reduction) or ``WorldComm`` (the World's ranks), on a
+    ``Recording`` of what it sends; returns (that Comm, the recording)."""
+    recording = Recording(comm.view(list(range(k))) if front == "view" else comm)
+    config = SimpleNamespace(chunk_bytes=1 << 20, check_collectives=True)
+    if front == "view":
+        return ViewComm(recording, config, topo), recording
+    world = SimpleNamespace(rank=comm.rank, size=k, comm=recording, topology=topo,
+                            config=config)
+    return WorldComm(world, "test"), recording
+
+
 # Five hosts (odd: Bruck's steps move 2, 2 and 1 blocks): far apart with tiny blocks, Bruck's 3
 # latencies beat the pairwise exchange's 4; close by with 64 KiB blocks, the pairwise
 # exchange's one pass over the link beats Bruck's 5 blocks and copies.
@@ -127,18 +140,11 @@ def test_compress_comms_choose_the_same_alltoall_on_every_rank(links, front):
                                    k * block) == want
 
     def rank_fn(comm):
-        r, topo = comm.rank, hosts(k, latency, bandwidth)
-        recording = Recording(comm.view(list(range(k))) if front == "view" else comm)
-        config = SimpleNamespace(chunk_bytes=1 << 20, check_collectives=True)
-        if front == "view":
-            through = ViewComm(recording, config, topo)
-        else:
-            world = SimpleNamespace(rank=r, size=k, comm=recording, topology=topo,
-                                    config=config)
-            through = WorldComm(world, "test")
+        r = comm.rank
+        fronted, recording = through(front, comm, k, hosts(k, latency, bandwidth))
         send = torch.from_numpy(np.concatenate(
             [np.full(block, 16 * r + d, dtype=np.uint8) for d in range(k)]))
-        got = through.alltoall(send)
+        got = fronted.alltoall(send)
         return got.numpy(), recording.steps, recording.begun
 
     for r, (got, taken, begun) in enumerate(run_ok(k, rank_fn)):

@@ -181,13 +181,19 @@ FORMULAS: dict[str, Callable[[Fabric, float], float]] = {
     "halving_doubling": halving_doubling, "hierarchical": hierarchical, "shm": _shm}
 
 
+def _formula(table: dict[str, Callable[[Fabric, float], float]], kind: str,
+             algorithm: str) -> Callable[[Fabric, float], float]:
+    """``table[algorithm]``, or ValueError naming the ``kind`` of collective and the known."""
+    try:
+        return table[algorithm]
+    except KeyError:
+        raise ValueError(f"no cost model for {kind}{algorithm!r}; known: {sorted(table)}") \
+            from None
+
+
 def allreduce_time(algorithm: str, f: Fabric, nbytes: float) -> float:
     """Predicted seconds of an allreduce of ``nbytes`` over the ranks of ``f``."""
-    try:
-        formula = FORMULAS[algorithm]
-    except KeyError:
-        raise ValueError(f"no cost model for {algorithm!r}; known: {sorted(FORMULAS)}") from None
-    return formula(f, nbytes)
+    return _formula(FORMULAS, "", algorithm)(f, nbytes)
 
 
 def cheapest(f: Fabric, nbytes: float, candidates: Sequence[str]) -> str:
@@ -224,12 +230,7 @@ ALLTOALLS: dict[str, Callable[[Fabric, float], float]] = {
 
 def alltoall_time(algorithm: str, f: Fabric, nbytes: float) -> float:
     """Predicted seconds of an alltoall of ``nbytes`` per rank (n uniform blocks) over ``f``."""
-    try:
-        formula = ALLTOALLS[algorithm]
-    except KeyError:
-        raise ValueError(f"no cost model for alltoall {algorithm!r}; known: "
-                         f"{sorted(ALLTOALLS)}") from None
-    return formula(f, nbytes)
+    return _formula(ALLTOALLS, "alltoall ", algorithm)(f, nbytes)
 
 
 def cheapest_alltoall(f: Fabric, nbytes: float,
@@ -263,12 +264,7 @@ ALLGATHERS: dict[str, Callable[[Fabric, float], float]] = {
 
 def allgather_time(algorithm: str, f: Fabric, nbytes: float) -> float:
     """Predicted seconds of an allgather of ``nbytes`` in all (n equal blocks) over ``f``."""
-    try:
-        formula = ALLGATHERS[algorithm]
-    except KeyError:
-        raise ValueError(f"no cost model for allgather {algorithm!r}; known: "
-                         f"{sorted(ALLGATHERS)}") from None
-    return formula(f, nbytes)
+    return _formula(ALLGATHERS, "allgather ", algorithm)(f, nbytes)
 
 
 def cheapest_allgather(f: Fabric, nbytes: float,
