@@ -6,16 +6,29 @@ does each access the cheapest way it can: a copy through this process's own mapp
 region is shared memory on this host, else a request that the owner's serving thread answers
 straight from or into the region (the protocol is in ``rma_frame.py``). A write into a
 *fenced* region carries the writer's epoch and always goes through the owner, which decides
-whether to store it (``regions.py``); reads of it still use the mapping. Requests to one peer
-are ordered; requests to different peers run together on each peer's request thread.
+whether to store it (``regions.py``); reads of it still use the mapping.
+
+*Pipelining.* The owner's serving thread reads one connection's requests one after the other
+and answers each before it reads the next, and every reply carries its request's number. So
+a peer may send a request before the replies of earlier ones are in (``post``): requests to
+one peer are sent in the order issued, several may be in flight at once, and their replies
+come back in that order, each checked against the number of the oldest request in flight and
+received straight into that request's buffer. A blocking request (``request``, ``call``, a
+region's ``read``) is a posted one waited for at once; ``*_async`` ones run on this peer's
+own thread, in order; requests to different peers run together. An ERROR reply fails its own
+request only; a broken stream (a socket error, a reply out of step) fails every request in
+flight, as ``abandon`` does at once.
 
 *Silence.* A peer connected with ``silence=S`` (a data server's: ``gradsync/data/liveness.py``)
 is an owner that always answers within S seconds while it runs: a reply of which no byte
 arrives for S seconds means the owner is stopped, or its host cut off, and the request raises
-``PeerLostError`` (``silent``) instead of waiting for the endpoint's timeout. The owner's
-handlers must then never hold a reply longer than S (a data server's ``take`` answers
-"pending" instead); ``call_if_idle`` lets a watcher ask only when no request is in flight,
-which watches that peer already.
+``PeerLostError`` (``silent``) instead of waiting for the endpoint's timeout, as does every
+request in flight behind it. The owner answers pipelined requests one after the other, so
+each reply's S counts from the end of the one before. The owner's handlers must then never
+hold a reply longer than S (a data server's ``take`` answers "pending" instead); a posted
+request's reply is received as soon as it comes (by this peer's thread when nobody waits for
+it), so a request in flight is always being watched, and ``call_if_idle`` lets a watcher ask
+only when no request is in flight.
 """
 
 from __future__ import annotations
@@ -38,7 +51,7 @@ from . import shm
 from .region_memory import Memory, Stripes, as_bytes
 from .rma_frame import error_from, recv_exact, recv_into
 
-__all__ = ["RemotePeer", "RemoteRegion", "wait"]
+__all__ = ["RemotePeer", "RemoteRegion", "Posted", "wait"]
 
 log = logging.getLogger("gradsync.regions")
 
@@ -46,9 +59,10 @@ log = logging.getLogger("gradsync.regions")
 class RemotePeer:
     """A connection to another endpoint: its regions and its control methods.
 
-    Requests on one peer run one at a time in the order issued (blocking ones on the caller's
-    thread, ``*_async`` ones on this peer's own thread), so requests to different peers can
-    be in flight together while those to one peer stay ordered.
+    Requests on one peer are sent in the order issued and answered in that order; several
+    may be in flight at once (``post``, module docstring), each blocking one waits for its
+    own reply (after the earlier ones'), and ``*_async`` ones run one at a time on this
+    peer's own thread. Requests to different peers run together.
 
     Args:
         endpoint: this process's ``regions.Endpoint`` (its id, host, timeout and whether it
@@ -68,8 +82,14 @@ class RemotePeer:
         # A timeout per recv: bytes that keep coming (a large read on a slow link) are no
         # silence, whatever the whole reply takes.
         sock.settimeout(endpoint.timeout if silence is None else silence)
-        self._lock = threading.Lock()
+        # Requests are sent one at a time under ``_send_lock`` and join ``_inflight`` in
+        # that order, which is the order of their replies; one thread at a time (the one
+        # with ``_receiving``, under ``_turn``) receives the oldest's reply.
+        self._send_lock = threading.Lock()
         self._requests = itertools.count(1)
+        self._inflight: collections.deque[Posted] = collections.deque()
+        self._turn = threading.Condition()
+        self._receiving = False
         self._queue: collections.deque = collections.deque()
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -118,8 +138,7 @@ class RemotePeer:
     def call(self, method: str, **args) -> dict:
         """Sends a control message and returns the owner's JSON reply."""
         body = json.dumps({"method": method, **args}).encode()
-        reply = self.request(rf.Op.CALL, 0, 0, body)
-        return json.loads(reply)
+        return self.post(rf.Op.CALL, 0, 0, body, decode=json.loads, receive=False).wait()
 
     def call_async(self, method: str, **args) -> Handle:
         return self.submit(lambda: self.call(method, **args), f"{self.label}.{method}")
@@ -131,12 +150,25 @@ class RemotePeer:
         contiguous array of ``reply["attached"]`` bytes. Returns the reply and that array
         (None when nothing was attached)."""
         body = json.dumps({"method": method, **args}).encode()
-        return self.request(rf.Op.CALL, 0, 0, body, attach=into)
+        return self.post(rf.Op.CALL, 0, 0, body, attach=into, receive=False).wait()
 
     def call_into_async(self, method: str, into: Callable[[dict], np.ndarray],
                         **args) -> Handle:
         return self.submit(lambda: self.call_into(method, into, **args),
                            f"{self.label}.{method}")
+
+    def post_call(self, method: str, **args) -> "Posted":
+        """``call`` pipelined (``post``): sends the control message now and returns at
+        once; the ``Posted``'s ``wait()`` returns the owner's JSON reply."""
+        body = json.dumps({"method": method, **args}).encode()
+        return self.post(rf.Op.CALL, 0, 0, body, decode=json.loads)
+
+    def post_call_into(self, method: str, into: Callable[[dict], np.ndarray],
+                       **args) -> "Posted":
+        """``call_into`` pipelined (``post``): sends now; ``wait()`` returns (reply, array
+        or None), the attached bytes received straight into ``into(reply)`` as they come."""
+        body = json.dumps({"method": method, **args}).encode()
+        return self.post(rf.Op.CALL, 0, 0, body, attach=into)
 
     def set_silence(self, silence: float | None) -> None:
         """Changes ``silence`` (None: the endpoint's timeout) for the requests from now on."""
@@ -145,19 +177,23 @@ class RemotePeer:
 
     def call_if_idle(self, method: str, **args) -> dict | None:
         """``call``, unless a request is in flight on this connection (None then, at once):
-        a watcher's look (``silence``), which that request's own wait already makes."""
-        if not self._lock.acquire(blocking=False):
+        a watcher's look (``silence``), which the wait for that request's reply already
+        makes (a posted request's reply is always being received: ``post``)."""
+        if not self._send_lock.acquire(blocking=False):
             return None
         try:
+            if self._inflight:
+                return None
             body = json.dumps({"method": method, **args}).encode()
-            return json.loads(self._request(rf.Op.CALL, 0, 0, body))
+            posted = self._send(Posted(self, rf.Op.CALL, None, None, json.loads), 0, 0, body)
         finally:
-            self._lock.release()
+            self._send_lock.release()
+        return posted.wait()
 
     def abandon(self) -> None:
         """Gives the owner up (found lost) without waiting for a request in flight: shuts the
-        socket, so that such a request fails at once and the owner, if it wakes, sees this
-        peer gone; ``close`` still frees the rest."""
+        socket, so that every request in flight fails at once (``PeerLostError``) and the
+        owner, if it wakes, sees this peer gone; ``close`` still frees the rest."""
         self._closed = True
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
@@ -166,23 +202,46 @@ class RemotePeer:
 
     def request(self, op: int, region: int, offset: int, payload=None, length: int = 0,
                 into: np.ndarray | None = None, fence: int | None = None, attach=None):
-        """One request and its reply, under this peer's lock. Returns a control reply's bytes
-        (with ``attach``, ``call_into``'s pair). ``fence``: the writer's epoch, for a write
-        or an accumulate into a fenced region."""
-        with self._lock:
-            return self._request(op, region, offset, payload, length, into, fence, attach)
+        """One request and its reply, received on this thread (after the replies of the
+        requests sent before it). Returns a control reply's bytes (with ``attach``,
+        ``call_into``'s pair). ``fence``: the writer's epoch, for a write or an accumulate
+        into a fenced region."""
+        return self.post(op, region, offset, payload, length, into, fence, attach,
+                         receive=False).wait()
 
-    def _request(self, op: int, region: int, offset: int, payload=None, length: int = 0,
-                 into: np.ndarray | None = None, fence: int | None = None, attach=None):
-        """(Under ``_lock``.) ``request``."""
+    def post(self, op: int, region: int, offset: int, payload=None, length: int = 0,
+             into: np.ndarray | None = None, fence: int | None = None, attach=None,
+             decode: Callable | None = None, receive: bool = True) -> "Posted":
+        """Sends one request now and returns without waiting for its reply: the requests
+        posted on one peer are in flight together, and their replies come back in the order
+        they were sent. ``Posted.wait()`` returns what ``request`` would (passed through
+        ``decode``, when given) or raises its error.
+
+        Each reply is received as it arrives, into ``into`` or ``attach``'s buffer (the bytes
+        cross once, straight into place), by whichever thread waits for it or for a later
+        one, else (``receive``) by this peer's request thread: a reply never waits in the
+        kernel's buffers for its requester, where a large one would stall the owner's
+        serving thread, and while a request is in flight its reply's ``silence`` is always
+        being judged. Raises at once, sending nothing, when the connection is already
+        closed or lost; an ERROR reply fails only its own request."""
+        with self._send_lock:
+            posted = self._send(Posted(self, op, into, attach, decode), region, offset,
+                                payload, length, fence)
+        if receive:
+            self._enqueue(None, lambda: self._receive(posted))
+        return posted
+
+    def _send(self, posted: "Posted", region: int, offset: int, payload=None, length: int = 0,
+              fence: int | None = None) -> "Posted":
+        """(Under ``_send_lock``.) Numbers ``posted``, sends its request and puts it in
+        flight, behind every request sent before it."""
         if self._closed:
-            raise PeerLostError(f"the connection to {self.label} is closed"
-                                + (f": {self._why}" if self._why else ""), peer=self.ident)
-        rid = next(self._requests)
+            raise self._closed_error()
         size = length if payload is None else len(payload) if isinstance(payload, bytes) \
             else payload.nbytes
+        posted.request = next(self._requests)
+        header = rf.pack(posted.op, posted.request, region, offset, size, fence)
         try:
-            header = rf.pack(op, rid, region, offset, size, fence)
             if payload is None:
                 self.sock.sendall(header)
             elif isinstance(payload, bytes):
@@ -190,55 +249,127 @@ class RemotePeer:
             else:
                 self.sock.sendall(header)
                 self.sock.sendall(payload)
-            reply = rf.unpack(recv_exact(self.sock, rf.HEADER_SIZE), rf.Op.REPLIES)
-            if reply.request != rid:
-                raise ProtocolError(f"{self.label} answered request {reply.request}, "
-                                    f"expected {rid}")
-            if reply.op == rf.Op.ERROR:
-                refused = error_from(json.loads(recv_exact(self.sock, reply.length)),
-                                      self.ident)
-            elif into is not None:
-                if reply.length != into.nbytes:
-                    raise ProtocolError(f"{self.label} sent {reply.length} bytes for a "
-                                        f"read of {into.nbytes}")
-                recv_into(self.sock, into)
-                return None
+        except OSError as exc:  # socket.timeout is one
+            # Half a request may be on the stream: nothing more can go on it, and the
+            # replies of the requests before it are no longer worth waiting for.
+            error = self._broken(exc)
+            self.abandon()
+            raise error from None
+        self._inflight.append(posted)
+        return posted
+
+    def _receive(self, target: "Posted") -> None:
+        """Receives the replies in flight, in order, until ``target``'s is in (or the
+        connection is lost): one thread at a time receives; the others wait until their
+        own reply has come or the turn to receive is free."""
+        with self._turn:
+            while not target.done:
+                if not self._receiving:
+                    self._receiving = True
+                    break
+                self._turn.wait()
             else:
-                if reply.length > rf.MAX_CALL:
-                    raise ProtocolError(f"{self.label} sent a reply of {reply.length} bytes")
-                body = recv_exact(self.sock, reply.length)
-                if attach is None:
-                    return body
-                answer = json.loads(body)
-                nbytes = answer.get("attached")
-                if nbytes is None:
-                    return answer, None
-                out = attach(answer)
-                if out.nbytes != nbytes:
-                    raise ProtocolError(f"{self.label} attached {nbytes} bytes to its reply; "
-                                        f"the buffer for them holds {out.nbytes}")
-                recv_into(self.sock, out)
-                return answer, out
-        except socket.timeout:
-            self._closed = True
+                return
+        try:
+            while not target.done:
+                self._receive_one()
+                with self._turn:
+                    self._turn.notify_all()
+        finally:
+            with self._turn:
+                self._receiving = False
+                self._turn.notify_all()
+
+    def _receive_one(self) -> None:
+        """(The receiving thread.) The reply of the oldest request in flight."""
+        posted = self._inflight[0]
+        if self._closed:  # abandoned or lost: no reply is waited for
+            self._fail_all()
+            return
+        try:
+            result, refused = self._read(posted)
+        except Exception as exc:  # a socket error (or timeout), a reply out of step, or a
+            # buffer ``attach`` could not make: the stream is no longer in step with the
+            # owner, and nothing more can go on it.
+            error = self._broken(exc)
+            self._inflight.popleft()
+            posted.finish(error=error)
+            self._fail_all()
+            return
+        self._inflight.popleft()
+        # A refusal is an answer, not a broken stream: the requests after it go on.
+        posted.finish(result=result, error=refused)
+
+    def _read(self, posted: "Posted"):
+        """Reads ``posted``'s reply: (result, None), or (None, the error an ERROR reply
+        carries)."""
+        reply = rf.unpack(recv_exact(self.sock, rf.HEADER_SIZE), rf.Op.REPLIES)
+        if reply.request != posted.request:
+            raise ProtocolError(f"{self.label} answered request {reply.request}, "
+                                f"expected {posted.request}")
+        if reply.op == rf.Op.ERROR:
+            return None, error_from(json.loads(self._recv(reply.length)), self.ident)
+        into = posted.into
+        if into is not None:
+            if reply.length != into.nbytes:
+                raise ProtocolError(f"{self.label} sent {reply.length} bytes for a "
+                                    f"read of {into.nbytes}")
+            recv_into(self.sock, into)
+            return None, None
+        if reply.length > rf.MAX_CALL:
+            raise ProtocolError(f"{self.label} sent a reply of {reply.length} bytes")
+        body = self._recv(reply.length)
+        if posted.attach is None:
+            return body, None
+        answer = json.loads(body)
+        nbytes = answer.get("attached")
+        if nbytes is None:
+            return (answer, None), None
+        out = posted.attach(answer)
+        if out.nbytes != nbytes:
+            raise ProtocolError(f"{self.label} attached {nbytes} bytes to its reply; "
+                                f"the buffer for them holds {out.nbytes}")
+        recv_into(self.sock, out)
+        return (answer, out), None
+
+    def _recv(self, n: int) -> bytes:
+        data = recv_exact(self.sock, n)
+        assert data is not None  # (None only at an end of stream that ``eof_ok`` allows)
+        return data
+
+    def _broken(self, exc: BaseException) -> BaseException:
+        """Marks the connection lost by ``exc`` (a socket error or a reply out of step);
+        returns the error for the request it happened to."""
+        self._closed = True
+        if isinstance(exc, socket.timeout):
             if self.silence is not None:
                 self._why = (f"{self.label} has been silent for {self.silence:g}s (stopped, "
                              "or its host cut off?)")
-                raise PeerLostError(self._why, peer=self.ident) from None
-            raise GradsyncTimeoutError(f"{self.label} did not answer within "
-                                       f"{self.endpoint.timeout:.0f}s") from None
-        except (OSError, ProtocolError) as exc:
-            # The stream is no longer in step with the owner: nothing more can go on it.
-            self._closed = True
-            raise PeerLostError(f"lost the connection to {self.label}: {exc} (did it exit "
-                                f"or crash?)", peer=self.ident) from None
-        # Raised outside the socket handling: a refusal is an answer, not a broken stream
-        # (and a GradsyncTimeoutError it carries is no socket timeout).
-        raise refused
+                return PeerLostError(self._why, peer=self.ident)
+            self._why = f"{self.label} did not answer within {self.endpoint.timeout:.0f}s"
+            return GradsyncTimeoutError(self._why)
+        if not self._why:
+            self._why = f"lost the connection to {self.label}: {exc}"
+        return PeerLostError(f"lost the connection to {self.label}: {exc} (did it exit or "
+                             "crash?)", peer=self.ident)
+
+    def _closed_error(self) -> PeerLostError:
+        return PeerLostError(f"the connection to {self.label} is closed"
+                             + (f": {self._why}" if self._why else ""), peer=self.ident)
+
+    def _fail_all(self) -> None:
+        """(The receiving thread, or ``close``.) Fails every request in flight: the
+        connection is closed or lost, and no reply will come."""
+        while self._inflight:
+            self._inflight.popleft().finish(error=self._closed_error())
 
     def submit(self, fn: Callable, name: str) -> Handle:
         """Runs ``fn`` on this peer's request thread, after every earlier async request."""
         handle = Handle(name)
+        self._enqueue(handle, fn)
+        return handle
+
+    def _enqueue(self, handle: Handle | None, fn: Callable) -> None:
         with self._cv:
             self._queue.append((handle, fn))
             if self._thread is None:
@@ -246,7 +377,6 @@ class RemotePeer:
                                                 name=f"gradsync-regions-to{self.ident}")
                 self._thread.start()
             self._cv.notify()
-        return handle
 
     def _loop(self) -> None:
         while True:
@@ -257,19 +387,32 @@ class RemotePeer:
             if fn is None:
                 return
             try:
-                handle.finish(result=fn())
+                result = fn()
             except BaseException as exc:  # delivered to whoever waits on the handle
-                handle.finish(error=exc)
+                if handle is None:  # a posted request's receipt stores its own errors
+                    log.exception("%s: receiving a reply failed", self.label)
+                else:
+                    handle.finish(error=exc)
+                continue
+            if handle is not None:  # (None: a posted request's reply, received as it came)
+                handle.finish(result=result)
 
     def close(self) -> None:
-        """Closes the connection (the owner sees a clean close) and unmaps shared regions."""
+        """Closes the connection (the owner sees a clean close, after every reply in flight
+        has been received) and unmaps shared regions."""
         if self._thread is not None:
             with self._cv:
                 self._queue.append((None, None))
                 self._cv.notify()
             self._thread.join(self.endpoint.timeout)
-        with self._lock:
-            self._closed = True
+        with self._send_lock:
+            if self._inflight and not self._closed:  # posted with receive=False, unwaited
+                self._receive(self._inflight[-1])
+            with self._turn:
+                while self._receiving:
+                    self._turn.wait()
+                self._closed = True
+                self._fail_all()
             try:
                 self.sock.close()
             except OSError:
@@ -279,6 +422,50 @@ class RemotePeer:
         for mapping, fd in self._maps:
             os.close(fd)
         self._maps.clear()
+
+
+class Posted:
+    """A request sent to another endpoint whose reply is still to come (``RemotePeer.post``).
+
+    ``wait()`` returns its result, or raises its error (an ERROR reply's, or the lost
+    connection's); ``poll()`` says whether the reply is in. Replies arrive in the order the
+    requests were sent, each one received straight into its request's buffer.
+    """
+
+    __slots__ = ("peer", "op", "into", "attach", "decode", "request", "_done", "_result",
+                 "_error")
+
+    def __init__(self, peer: RemotePeer, op: int, into: np.ndarray | None, attach,
+                 decode: Callable | None):
+        self.peer, self.op, self.into, self.attach, self.decode = peer, op, into, attach, decode
+        self.request = 0  # its number on the connection, once sent
+        self._done = threading.Event()
+        self._result = None
+        self._error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def poll(self) -> bool:
+        return self._done.is_set()
+
+    def finish(self, result=None, error: BaseException | None = None) -> None:
+        """(The receiving thread.) The reply is in, or the request failed."""
+        self._result, self._error = result, error
+        self._done.set()
+
+    def wait(self):
+        """The reply's result (``decode``-d); receives the replies before it and its own
+        when no other thread is doing so. Returns within the connection's ``silence`` of
+        each reply's last byte, or raises ``PeerLostError``."""
+        if not self._done.is_set():
+            self.peer._receive(self)
+        if self._error is not None:
+            raise self._error
+        if self.decode is not None:
+            return self.decode(self._result)
+        return self._result
 
 
 class RemoteRegion:
