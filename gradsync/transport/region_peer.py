@@ -457,8 +457,8 @@ class Posted:
 
     def wait(self):
         """The reply's result (``decode``-d); receives the replies before it and its own
-        when no other thread is doing so. Returns within the connection's ``silence`` of
-        each reply's last byte, or raises ``PeerLostError``."""
+        when no other thread is doing so. No byte of a reply for the connection's
+        ``silence`` (else the endpoint's timeout) fails it and every request in flight."""
         if not self._done.is_set():
             self.peer._receive(self)
         if self._error is not None:
