@@ -948,10 +948,12 @@ class _Epoch:
             buf = np.empty(info["nbytes"], dtype=np.uint8)
             loader.slots[s].read(buf, info["slot"] * loader.slot_bytes)
             loader._seq[s] += 1
-        read = time.perf_counter()
         self._post(s, 0)  # the next takes go out while this batch is checked and handed on
         self._check(s, info["epoch"], info["index"], info["ids"], batch)
-        loader._transfers.append((taken - start, waited, read - taken, buf.nbytes))
+        # (The read's seconds include the next takes' sending, as they included the take
+        # asked ahead before takes were pipelined: ``transfers()`` measures the same span.)
+        loader._transfers.append((taken - start, waited, time.perf_counter() - taken,
+                                  buf.nbytes))
         return buf
 
     def _received(self, s: int, info: dict, attached: np.ndarray | None) -> None:
