@@ -23,10 +23,11 @@ import numpy as np
 import pytest
 
 from gradsync.errors import AuthenticationError, GradsyncError, PeerLostError, ProtocolError
-from gradsync.transport import region_memory
+from gradsync.transport import region_memory, region_peer
 from gradsync.transport import rma_frame as rf
 from gradsync.transport.region_peer import wait
-from gradsync.transport.regions import STRIPE_BYTES, Endpoint, RegionAccessError, Stripes
+from gradsync.transport.regions import (STRIPE_BYTES, Attached, Endpoint, RegionAccessError,
+                                       Stripes)
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs Linux /dev/shm")
 
@@ -396,6 +397,51 @@ def test_a_silent_owner_fails_every_request_in_flight_though_nobody_waits(job):
         release.set()
         client.close()
         owner.close()
+
+
+def _attaching(owner: Endpoint):
+    """Adds the control method ``bytes``, whose reply carries ``n`` bytes; returns the list
+    of the threads that make the buffers the replies' bytes are received into (``into``)."""
+    owner.on_call("bytes", lambda peer, args: Attached({"n": args["n"]},
+                                                       np.zeros(args["n"], np.uint8)))
+    receivers: list[str] = []
+
+    def into(reply: dict) -> np.ndarray:
+        receivers.append(threading.current_thread().name)
+        return np.empty(reply["attached"], np.uint8)
+
+    return receivers, into
+
+
+def test_posted_replies_are_received_by_the_thread_that_waits(net, monkeypatch):
+    # The requester that waits receives the replies itself, a blocking call behind them
+    # too: no other thread takes part (each reply was handed to the peer's own thread).
+    monkeypatch.setattr(region_peer, "LOOK_S", 60.0)  # no look of the peer's thread meanwhile
+    owner, client = net
+    receivers, into = _attaching(owner)
+    peer = client(1, direct=False)
+    posted = [peer.post_call_into("bytes", into, n=n) for n in (10, 20, 30)]
+    assert peer.call_into("bytes", into, n=40)[1].nbytes == 40
+    assert all(p.poll() for p in posted)  # received on the way to the call's own reply
+    assert [p.wait()[1].nbytes for p in posted] == [10, 20, 30]
+    assert receivers == [threading.current_thread().name] * 4
+
+
+def test_a_posted_reply_nobody_waits_for_is_received_by_the_peers_thread(net, monkeypatch):
+    # 16 MiB: more than the kernel's buffers hold, so the owner's serving thread stays in its
+    # send until someone receives. Nobody waits: the peer's thread receives it after two
+    # looks, then stops looking; a request posted after that is watched again.
+    monkeypatch.setattr(region_peer, "LOOK_S", 0.02)
+    owner, client = net
+    receivers, into = _attaching(owner)
+    peer = client(1, direct=False)
+    for _ in range(2):
+        posted = peer.post_call_into("bytes", into, n=16 << 20)
+        assert _until(posted.poll)
+        assert _until(lambda: not peer._watching)
+    assert receivers == [f"gradsync-regions-to{peer.ident}"] * 2
+    assert posted.wait()[0] == {"n": 16 << 20, "attached": 16 << 20}
+    assert peer.call("echo", x=1) == {"peer": 1, "x": 1}  # the owner serves on
 
 
 def test_call_if_idle_does_not_ask_while_a_request_is_in_flight(net):
