@@ -444,6 +444,21 @@ def test_a_posted_reply_nobody_waits_for_is_received_by_the_peers_thread(net, mo
     assert peer.call("echo", x=1) == {"peer": 1, "x": 1}  # the owner serves on
 
 
+def test_the_peers_thread_looks_at_unwaited_replies_between_queued_requests(net, monkeypatch):
+    # The peer's thread is never idle (a queue of async jobs, each shorter than a look's
+    # interval, one after another): its looks are due all the same, and receive the reply.
+    monkeypatch.setattr(region_peer, "LOOK_S", 0.02)
+    owner, client = net
+    receivers, into = _attaching(owner)
+    peer = client(1, direct=False)
+    posted = peer.post_call_into("bytes", into, n=16 << 20)
+    jobs = [peer.submit(lambda: time.sleep(0.005), "busy") for _ in range(200)]  # 1 s or more
+    assert _until(posted.poll, 0.8)
+    assert not jobs[-1].poll()  # received while jobs were still queued
+    assert receivers == [f"gradsync-regions-to{peer.ident}"]
+    wait(jobs)
+
+
 def test_call_if_idle_does_not_ask_while_a_request_is_in_flight(net):
     owner, client = net
     entered, release = _holding(owner)

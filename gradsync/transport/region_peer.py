@@ -51,6 +51,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from typing import Callable
 
 import numpy as np
@@ -476,13 +477,17 @@ class RemotePeer:
     def _loop(self) -> None:
         """(The request thread.) Runs the submitted requests in order, and looks at the
         replies in flight (``_look``) every ``LOOK_S`` while watching."""
+        due = time.monotonic()  # of the next look, while watching
         while True:
             with self._cv:
-                while not self._queue:
-                    if not self._cv.wait(LOOK_S if self._watching else None):
-                        break  # a look is due
-                job = self._queue.popleft() if self._queue else None
+                # A look that is due goes first: requests submitted one after another must
+                # not put it off.
+                while not self._queue and not (self._watching and time.monotonic() >= due):
+                    self._cv.wait(max(0.0, due - time.monotonic()) if self._watching else None)
+                job = None if self._watching and time.monotonic() >= due \
+                    else self._queue.popleft()
             if job is None:
+                due = time.monotonic() + LOOK_S
                 try:
                     self._look()
                 except Exception:  # (a reply's error is its request's; this is a bug)
