@@ -198,11 +198,12 @@ class Config:
     and those after it that the server has prepared already, up to its share of the
     window; 1: one batch, one take, in flight."""
 
-    data_takes: int = 2
+    data_takes: int = 1
     """Data servers on another host: ``take`` requests a worker's ``Loader`` keeps in flight
-    per data server on its one connection (at most ``data_window``): the next one already
-    waits on the server when a batch becomes ready, so no batch waits for a round trip.
-    1: one take at a time, the next sent once the reply of the one before is in."""
+    per data server on its one connection (at most ``data_window``). 1: one take, sent for
+    the next batches as soon as the reply before it is in; above 1, pipelined, so that the
+    next take already waits on the server when a batch becomes ready (measured between
+    emulated hosts, no faster than 1: docs/data.md, "Between hosts, pipelined")."""
 
     data_cache_bytes: int = 1 << 30
     """Data servers: bytes of decoded samples (before the transform) each data server keeps in

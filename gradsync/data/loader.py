@@ -9,11 +9,12 @@ the loop the server's slot itself). From a server on this host a batch comes wit
 message, in the loop's own ``next()``: it polls the stream's slot table in shared memory and
 acks with a one-sided write (``slots.py``), the servers having prepared ``prefetch`` batches
 ahead. From a server on another host a fetch thread takes the batches up to ``prefetch``
-ahead of the loop with ``take`` calls, whose replies carry the batches' bytes: it keeps up to
-``data_takes`` of them in flight per server on the one connection (pipelined, answered in
-order), together asking for up to ``data_window`` batches, each take bringing the one it asks
-for and those after it that the server has ready; so the next take already waits on the
-server while the batches in hand are read (``_Epoch._call``). An ``iter()`` while an epoch
+ahead of the loop with ``take`` calls, whose replies carry the batches' bytes: it keeps
+``data_takes`` of them (by default one) in flight per server on the one connection (more are
+pipelined, answered in order), together asking for up to ``data_window`` batches, each take
+bringing the one it asks for and those after it that the server has ready; the next take is
+sent as soon as a reply is in, so its round trip runs while the batches in hand are checked
+and handed on (``_Epoch._call``). An ``iter()`` while an epoch
 is unfinished (a loop left with ``break``) goes on with that epoch where it stopped.
 
 Exactly once. Within an epoch every sample is in exactly one batch and every batch goes to
