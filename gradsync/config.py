@@ -193,10 +193,17 @@ class Config:
 
     data_window: int = 4
     """Data servers on another host: batches a worker's ``Loader`` keeps in flight per data
-    server over the connection. A ``take`` brings every batch after the one asked for that
-    the server has prepared already, up to this many, and the next is asked as soon as the
-    reply is in (so one round trip carries up to ``min(data_window, data_prefetch)``
-    batches); 1 asks for one batch at a time, one ahead."""
+    server over the connection (at most ``data_prefetch``), asked for by up to
+    ``data_takes`` pipelined ``take`` requests, each of which brings the batch it asks for
+    and those after it that the server has prepared already, up to its share of the
+    window; 1: one batch, one take, in flight."""
+
+    data_takes: int = 1
+    """Data servers on another host: ``take`` requests a worker's ``Loader`` keeps in flight
+    per data server on its one connection (at most ``data_window``). 1: one take, sent for
+    the next batches as soon as the reply before it is in; above 1, pipelined, so that the
+    next take already waits on the server when a batch becomes ready (measured between
+    emulated hosts, no faster than 1: docs/data.md, "Between hosts, pipelined")."""
 
     data_cache_bytes: int = 1 << 30
     """Data servers: bytes of decoded samples (before the transform) each data server keeps in
@@ -240,8 +247,9 @@ class Config:
         if self.data_workers < 1 or self.data_producer not in ("process", "thread"):
             raise ConfigError(f"need data_workers >= 1 and data_producer 'process' or "
                               f"'thread', got {self.data_workers}, {self.data_producer!r}")
-        if self.data_window < 1:
-            raise ConfigError(f"need data_window >= 1, got {self.data_window}")
+        if self.data_window < 1 or self.data_takes < 1:
+            raise ConfigError(f"need data_window >= 1 and data_takes >= 1, got "
+                              f"{self.data_window}, {self.data_takes}")
         if self.data_prefetch < 1 or self.data_cache_bytes < 0:
             raise ConfigError(f"need data_prefetch >= 1 and data_cache_bytes >= 0, got "
                               f"{self.data_prefetch}, {self.data_cache_bytes}")

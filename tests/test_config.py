@@ -62,3 +62,12 @@ def test_timeline_settings():
     assert (cfg.timeline, cfg.timeline_mark_cycles) == ("/tmp/t.json", True)
     with pytest.raises(ConfigError, match="GRADSYNC_TIMELINE_MARK_CYCLES"):
         load_config(environ={"GRADSYNC_TIMELINE_MARK_CYCLES": "often"})
+
+
+def test_a_worker_keeps_one_take_in_flight_per_data_server_by_default():
+    # Pipelined takes (2 in flight) were measured no faster than one between emulated hosts
+    # (docs/data.md, "Between hosts, pipelined"): one is the default, more an option.
+    assert Config().data_takes == 1
+    assert load_config(environ={"GRADSYNC_DATA_TAKES": "2"}).data_takes == 2
+    with pytest.raises(ConfigError, match="data_takes"):
+        Config(data_takes=0)

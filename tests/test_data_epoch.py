@@ -9,27 +9,33 @@ only ``Loader(...)``'s job set-up (the store, ``init()``) is skipped.
 """
 
 import collections
+import socket
 import threading
 
+import numpy as np
+import pytest
 
 from gradsync.data import plan as P
 from gradsync.data.layout import Layout
 from gradsync.data.loader import Loader
 from gradsync.data.slots import poller
 from gradsync.errors import PeerLostError
+from gradsync.transport import rma_frame as rf
+from gradsync.transport.regions import Attached
 
 from test_data import Numbers, _hello, _wait_for, server  # noqa: F401 (fixture)
 
 SAMPLES, BATCH = 40, 4
 
 
-def _loader(peers: list, reply: dict, prefetch=2, copy=True, poll=True, window=1) -> Loader:
+def _loader(peers: list, reply: dict, prefetch=2, copy=True, poll=True, window=1,
+            takes=1) -> Loader:
     """Worker 0 of 1, connected to the data servers of ``peers`` (its peer of each, after the
     hello whose ``reply`` describes the batches), as ``Loader.__init__`` would leave it."""
     loader = Loader.__new__(Loader)
     loader.samples, loader.batch_size, loader.seed = SAMPLES, BATCH, 1
     loader.order, loader.collate, loader.copy = "servers", None, copy
-    loader.prefetch, loader.window = prefetch, window
+    loader.prefetch, loader.window, loader.takes = prefetch, window, takes
     loader.rank, loader.workers, loader.servers = 0, 1, len(peers)
     loader.elastic, loader.generation, loader.epoch = False, 0, 0
     loader._resume, loader._active, loader._finished = {}, None, None
@@ -103,10 +109,12 @@ def test_over_tcp_the_next_take_is_asked_while_the_batch_in_hand_is_read(server)
     assert stats["takes"] == stats["sent"] == len(got)
 
 
-def test_a_server_lost_with_a_take_in_flight_has_its_batches_served_once_by_the_other(
-        server):
+@pytest.mark.parametrize("takes", [1, 2])
+def test_a_server_lost_with_takes_in_flight_has_its_batches_served_once_by_the_other(
+        server, takes):
     # Two data servers over TCP; server 0's sample ``slow`` (in its second batch) waits for
-    # a gate, so the take asked ahead for that batch is in flight when server 0 is closed.
+    # a gate, so the take asked ahead for that batch (and with 2 takes, the one behind it)
+    # is in flight when server 0 is closed.
     gate = threading.Event()
     slow = _planned(2)[2][0]  # the plan deals batches to the servers in turn: 0, 1, 0, ...
 
@@ -120,12 +128,11 @@ def test_a_server_lost_with_a_take_in_flight_has_its_batches_served_once_by_the_
     srv1, peers1 = server(Numbers(SAMPLES), workers=1, servers=2, index=1, direct=False)
     reply = _hello(peers0[0], SAMPLES, prefetch=2)
     _hello(peers1[0], SAMPLES, prefetch=2)
-    loader = _loader([peers0[0], peers1[0]], reply, prefetch=1)
+    loader = _loader([peers0[0], peers1[0]], reply, prefetch=1, window=takes, takes=takes)
     batches = iter(loader)
-    # Server 0's first batch taken (the plan's first), its next is asked for at once.
-    assert _wait_for(lambda: batches._ahead.get(0, (None,))[0] == 1)
-    handle = batches._ahead[0][1]
-    assert not handle.poll()  # in flight: the server waits for the gate
+    # Server 0's first batch taken (the plan's first), its next are asked for at once.
+    assert _wait_for(lambda: loader._seq[0] == 1 and len(batches._posted[0]) == takes)
+    assert not any(take.poll() for _, take in batches._posted[0])  # the server waits
     srv0.endpoint.close()
     got = [ids.tolist() for _, ids in batches]
     gate.set()
@@ -142,12 +149,13 @@ def _server_items(servers, server):
 
 class _Gates(Numbers):
     """``Numbers`` whose first sample of item ``k`` of the server's stream waits for
-    ``gates[k]``: with two producer threads the server prepares the items after a gated one
+    ``gates[k]`` (its first but sample 0, which the server also reads when it starts, for
+    the layout): with two producer threads the server prepares the items after a gated one
     while that one waits."""
 
     def __init__(self, n, items, gates):
         super().__init__(n)
-        self.gated = {items[k][0]: gate for k, gate in gates.items()}
+        self.gated = {next(i for i in items[k] if i != 0): gate for k, gate in gates.items()}
 
     def __getitem__(self, i):
         if i in self.gated:
@@ -164,7 +172,8 @@ def test_over_tcp_one_take_brings_every_ready_batch_of_the_window(server):
     items = _server_items(1, 0)
     srv, peers = server(_Gates(SAMPLES, items, {0: first}), workers=1, direct=False,
                         producers=2, producer="thread")
-    loader = _loader([peers[0]], _hello(peers[0], SAMPLES, prefetch=4), prefetch=4, window=4)
+    loader = _loader([peers[0]], _hello(peers[0], SAMPLES, prefetch=4), prefetch=4, window=4,
+                     takes=1)
     batches = iter(loader)
     assert _wait_for(lambda: srv.streams[0].finished == {1, 2, 3})  # item 0 still gated
     first.set()
@@ -187,11 +196,12 @@ def test_over_tcp_a_lost_servers_batches_received_in_a_window_are_not_served_aga
     srv1, peers1 = server(Numbers(SAMPLES), workers=1, servers=2, index=1, direct=False)
     reply = _hello(peers0[0], SAMPLES, prefetch=4)
     _hello(peers1[0], SAMPLES, prefetch=4)
-    loader = _loader([peers0[0], peers1[0]], reply, prefetch=1, window=4)
+    loader = _loader([peers0[0], peers1[0]], reply, prefetch=1, window=4, takes=1)
     batches = iter(loader)
     assert _wait_for(lambda: srv0.streams[0].finished == {1, 2, 3})
     first.set()
-    assert _wait_for(lambda: batches._ahead.get(0, (None,))[0] == 4)  # items 0-3 are here
+    # Items 0-3 are here, and the take for item 4 is in flight.
+    assert _wait_for(lambda: loader._seq[0] == 4 and len(batches._posted[0]) == 1)
     srv0.endpoint.close()
     # Given up before the fetch thread hands on item 1 (as the liveness watch would).
     loader._lose(0, PeerLostError("data server 0 was given up", peer=0))
@@ -229,3 +239,87 @@ def test_a_mapped_slot_reached_by_take_is_read_before_the_next_take_releases_it(
     got = [ids.tolist() for _, ids in iter(loader)]
     assert got == _planned(1)
     assert reads and not early, early  # (item, released) read after their release
+
+
+def _waiting_bytes(srv, worker: int) -> int:
+    """Bytes of ``worker``'s requests that wait, unread, on data server ``srv``'s end of the
+    connection (a peek through a non-blocking duplicate, as ``slots.check_open`` looks)."""
+    sock = srv.endpoint._conns[worker]
+    with socket.fromfd(sock.fileno(), sock.family, sock.type) as probe:
+        probe.setblocking(False)
+        try:
+            return len(probe.recv(1 << 16, socket.MSG_PEEK))
+        except BlockingIOError:
+            return 0
+
+
+def test_over_tcp_the_next_take_waits_on_the_server_before_its_batch_is_ready(server):
+    # Window 2 in 2 takes of one batch each: while the server holds the take for item 1 (its
+    # first sample waits for a gate), the take for item 2 is on its connection already, so
+    # the server answers it the moment item 2 is ready (with one take in flight, the worker
+    # would send it only once item 1's reply is in: a round trip later).
+    gate = threading.Event()
+    srv, peers = server(_Gates(SAMPLES, _server_items(1, 0), {1: gate}), workers=1,
+                        direct=False)
+    loader = _loader([peers[0]], _hello(peers[0], SAMPLES, prefetch=4), prefetch=4, window=2,
+                     takes=2)
+    batches = iter(loader)
+    first = next(batches)[1].tolist()
+    assert _wait_for(lambda: _waiting_bytes(srv, 0) >= rf.HEADER_SIZE)
+    assert srv.streams[0].produced == 1  # item 1 is still behind its gate
+    gate.set()
+    got = [first] + [ids.tolist() for _, ids in batches]
+    assert got == _planned(1)
+    stats = peers[0].call("stats")
+    assert stats["takes"] == stats["sent"] == len(got)  # each batch crossed once
+
+
+def test_over_tcp_a_pending_take_is_asked_again_in_order_by_the_take_behind_it(server):
+    # Item 1 is slow: its take answers "pending" after 0.2 s while the next take is already
+    # on the connection. That one, sent without an item number, asks for item 1 (not item
+    # 2), and the stream goes on in order, each batch once.
+    gate = threading.Event()
+    srv, peers = server(_Gates(SAMPLES, _server_items(1, 0), {1: gate}), workers=1,
+                        direct=False)
+    answers = []  # (the item a take named, or None; the item answered, or "pending")
+    take = srv._take
+
+    def recording(worker, args):
+        reply = take(worker, args)
+        info = reply.reply if isinstance(reply, Attached) else reply
+        answers.append((args.get("seq"), "pending" if info.get("pending") else info["seq"]))
+        if info.get("pending"):
+            gate.set()
+        return reply
+
+    srv.endpoint.on_call("take", recording)
+    loader = _loader([peers[0]], _hello(peers[0], SAMPLES, prefetch=4), prefetch=4, window=2,
+                     takes=2)
+    loader._take_wait = 0.2
+    got = [ids.tolist() for _, ids in iter(loader)]
+    assert got == _planned(1)
+    pending = [k for k, (_, answer) in enumerate(answers) if answer == "pending"]
+    assert pending and answers[pending[0]][0] is None  # the take for item 1 was pipelined
+    assert answers[pending[0] + 1][0] is None  # and so was the one behind it
+    assert [answer for _, answer in answers if answer != "pending"] == list(range(len(got)))
+
+
+def test_a_reset_with_takes_in_flight_cuts_the_stream_where_the_worker_stands(server):
+    # Two takes in flight when the worker resets (an elastic re-formation): they released
+    # only the items received before them, so the new generation's start cuts the stream
+    # there, and the rest of the epoch is served once, in the new plan's order.
+    srv, peers = server(Numbers(SAMPLES), workers=1, direct=False)
+    loader = _loader([peers[0]], _hello(peers[0], SAMPLES, prefetch=4), prefetch=1, window=4,
+                     takes=2)
+    batches = iter(loader)
+    held = [next(batches)[1].tolist() for _ in range(2)]
+    assert _wait_for(lambda: len(batches._posted[0]) == 2)
+    done = np.zeros(SAMPLES, dtype=bool)
+    done[[i for batch in held for i in batch]] = True
+    state = {"version": P.STATE_VERSION, "samples": SAMPLES, "batch_size": BATCH, "seed": 1,
+             "epoch": 0, "done": P.pack_mask(done)}
+    loader.reset(0, 1, state, generation=1)
+    rest = [ids.tolist() for _, ids in iter(loader)]
+    assert rest == [b.ids.tolist() for b in P.worker_batches(
+        P.plan(SAMPLES, BATCH, 1, 0, 1, 1, done), 0)]
+    assert sorted(i for batch in held + rest for i in batch) == list(range(SAMPLES))

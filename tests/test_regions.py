@@ -12,6 +12,7 @@ import fcntl
 import multiprocessing as mp
 import os
 import queue
+import socket
 import threading
 import time
 import traceback
@@ -22,10 +23,11 @@ import numpy as np
 import pytest
 
 from gradsync.errors import AuthenticationError, GradsyncError, PeerLostError, ProtocolError
-from gradsync.transport import region_memory
+from gradsync.transport import region_memory, region_peer
 from gradsync.transport import rma_frame as rf
 from gradsync.transport.region_peer import wait
-from gradsync.transport.regions import STRIPE_BYTES, Endpoint, RegionAccessError, Stripes
+from gradsync.transport.regions import (STRIPE_BYTES, Attached, Endpoint, RegionAccessError,
+                                       Stripes)
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs Linux /dev/shm")
 
@@ -286,6 +288,189 @@ def test_closing_the_owner_fails_a_blocked_peer_and_frees_segments(net, job):
     with pytest.raises(PeerLostError):
         peer.call("echo")
     release.set()
+
+
+# --- pipelined requests: several in flight on one connection ------------------------------
+
+def _waiting_bytes(owner: Endpoint, peer: int) -> int:
+    """Bytes of ``peer``'s requests that wait, unread, on the owner's end of its connection
+    (a peek through a non-blocking duplicate, as ``slots.check_open`` looks)."""
+    sock = owner._conns[peer]
+    with socket.fromfd(sock.fileno(), sock.family, sock.type) as probe:
+        probe.setblocking(False)
+        try:
+            return len(probe.recv(1 << 16, socket.MSG_PEEK))
+        except BlockingIOError:
+            return 0
+
+
+def _holding(owner: Endpoint):
+    """Adds the control method ``hold``, which answers ``{"held": x}`` once ``release`` is
+    set; returns (entered, release)."""
+    entered, release = threading.Event(), threading.Event()
+
+    def hold(peer, args):
+        entered.set()
+        assert release.wait(20)
+        return {"held": args["x"]}
+
+    owner.on_call("hold", hold)
+    return entered, release
+
+
+def test_posted_requests_are_in_flight_together_and_answered_in_order(net):
+    owner, client = net
+    array = owner.register("r", np.arange(64, dtype=np.int64)).array
+    entered, release = _holding(owner)
+    peer = client(1, direct=False)
+    out = np.zeros(8, np.int64)
+    first = peer.post_call("hold", x=1)
+    assert entered.wait(5)  # the owner's serving thread holds the first request ...
+    later = [peer.post_call("echo", x=2), peer.post(READ, peer.region("r").index, 8 * 8,
+                                                    length=out.nbytes, into=out),
+             peer.post_call_into("echo", lambda reply: np.empty(0, np.uint8), x=4)]
+    # ... while the ones sent after it are on its connection already, unanswered.
+    assert _until(lambda: _waiting_bytes(owner, 1) >= 3 * rf.HEADER_SIZE)
+    assert not first.poll() and not any(p.poll() for p in later)
+    # A blocking call behind them waits for their replies, then gets its own.
+    behind = peer.call_async("echo", x=5)
+    release.set()
+    assert first.wait() == {"held": 1}
+    assert later[0].wait() == {"peer": 1, "x": 2}
+    assert later[1].wait() is None and (out == array[8:16]).all()
+    assert later[2].wait() == ({"peer": 1, "x": 4}, None)
+    assert behind.wait(5) == {"peer": 1, "x": 5}
+
+
+def test_an_error_reply_between_posted_requests_fails_only_its_own(net):
+    owner, client = net
+    entered, release = _holding(owner)
+    peer = client(1, direct=False)
+    posted = [peer.post_call("hold", x=1), peer.post_call("nope"), peer.post_call("echo", x=3)]
+    assert entered.wait(5)
+    release.set()
+    assert posted[0].wait() == {"held": 1}
+    with pytest.raises(ValueError, match="no control method 'nope'"):
+        posted[1].wait()
+    assert posted[2].wait() == {"peer": 1, "x": 3}
+    assert peer.call("echo", x=4) == {"peer": 1, "x": 4}  # the stream is still in step
+
+
+def test_abandoning_a_peer_fails_every_request_in_flight_at_once(net):
+    owner, client = net
+    entered, release = _holding(owner)
+    peer = client(1, direct=False)
+    posted = [peer.post_call("hold", x=1), peer.post_call("echo", x=2),
+              peer.post_call("echo", x=3)]
+    assert entered.wait(5)
+    start = time.monotonic()
+    peer.abandon()
+    for p in posted:  # no reply will come: each fails, though the owner still holds one
+        with pytest.raises(PeerLostError):
+            p.wait()
+    assert time.monotonic() - start < 5
+    with pytest.raises(PeerLostError, match="closed"):
+        peer.post_call("echo", x=4)
+    release.set()
+
+
+def test_a_silent_owner_fails_every_request_in_flight_though_nobody_waits(job):
+    owner = Endpoint(0, HOST, SECRET, job, expect={1}, timeout=60)
+    entered, release = _holding(owner)
+    owner.on_call("echo", lambda peer, args: args)
+    client = Endpoint(1, HOST, SECRET, job, timeout=60, direct=False)
+    try:
+        peer = client.connect(0, "127.0.0.1", owner.port, _soon(), label="owner",
+                              silence=0.5)
+        start = time.monotonic()
+        posted = [peer.post_call("hold", x=1), peer.post_call("echo", x=2)]
+        # Nobody waits for them: the peer's own thread receives the replies as they come,
+        # so the silence is judged all the same.
+        assert _until(lambda: all(p.poll() for p in posted), 10)
+        assert time.monotonic() - start < 10  # the endpoint's timeout is 60 s
+        with pytest.raises(PeerLostError, match="owner has been silent for 0.5s"):
+            posted[0].wait()
+        with pytest.raises(PeerLostError, match="silent"):
+            posted[1].wait()
+        peer.close()
+    finally:
+        release.set()
+        client.close()
+        owner.close()
+
+
+def _attaching(owner: Endpoint):
+    """Adds the control method ``bytes``, whose reply carries ``n`` bytes; returns the list
+    of the threads that make the buffers the replies' bytes are received into (``into``)."""
+    owner.on_call("bytes", lambda peer, args: Attached({"n": args["n"]},
+                                                       np.zeros(args["n"], np.uint8)))
+    receivers: list[str] = []
+
+    def into(reply: dict) -> np.ndarray:
+        receivers.append(threading.current_thread().name)
+        return np.empty(reply["attached"], np.uint8)
+
+    return receivers, into
+
+
+def test_posted_replies_are_received_by_the_thread_that_waits(net, monkeypatch):
+    # The requester that waits receives the replies itself, a blocking call behind them
+    # too: no other thread takes part (each reply was handed to the peer's own thread).
+    monkeypatch.setattr(region_peer, "LOOK_S", 60.0)  # no look of the peer's thread meanwhile
+    owner, client = net
+    receivers, into = _attaching(owner)
+    peer = client(1, direct=False)
+    posted = [peer.post_call_into("bytes", into, n=n) for n in (10, 20, 30)]
+    assert peer.call_into("bytes", into, n=40)[1].nbytes == 40
+    assert all(p.poll() for p in posted)  # received on the way to the call's own reply
+    assert [p.wait()[1].nbytes for p in posted] == [10, 20, 30]
+    assert receivers == [threading.current_thread().name] * 4
+
+
+def test_a_posted_reply_nobody_waits_for_is_received_by_the_peers_thread(net, monkeypatch):
+    # 16 MiB: more than the kernel's buffers hold, so the owner's serving thread stays in its
+    # send until someone receives. Nobody waits: the peer's thread receives it after two
+    # looks, then stops looking; a request posted after that is watched again.
+    monkeypatch.setattr(region_peer, "LOOK_S", 0.02)
+    owner, client = net
+    receivers, into = _attaching(owner)
+    peer = client(1, direct=False)
+    for _ in range(2):
+        posted = peer.post_call_into("bytes", into, n=16 << 20)
+        assert _until(posted.poll)
+        assert _until(lambda: not peer._watching)
+    assert receivers == [f"gradsync-regions-to{peer.ident}"] * 2
+    assert posted.wait()[0] == {"n": 16 << 20, "attached": 16 << 20}
+    assert peer.call("echo", x=1) == {"peer": 1, "x": 1}  # the owner serves on
+
+
+def test_the_peers_thread_looks_at_unwaited_replies_between_queued_requests(net, monkeypatch):
+    # The peer's thread is never idle (a queue of async jobs, each shorter than a look's
+    # interval, one after another): its looks are due all the same, and receive the reply.
+    monkeypatch.setattr(region_peer, "LOOK_S", 0.02)
+    owner, client = net
+    receivers, into = _attaching(owner)
+    peer = client(1, direct=False)
+    posted = peer.post_call_into("bytes", into, n=16 << 20)
+    jobs = [peer.submit(lambda: time.sleep(0.005), "busy") for _ in range(200)]  # 1 s or more
+    assert _until(posted.poll, 0.8)
+    assert not jobs[-1].poll()  # received while jobs were still queued
+    assert receivers == [f"gradsync-regions-to{peer.ident}"]
+    wait(jobs)
+
+
+def test_call_if_idle_does_not_ask_while_a_request_is_in_flight(net):
+    owner, client = net
+    entered, release = _holding(owner)
+    peer = client(1, direct=False)
+    posted = peer.post_call("hold", x=1)
+    assert entered.wait(5)
+    start = time.monotonic()
+    assert peer.call_if_idle("echo", x=2) is None  # at once: the posted one is watched
+    assert time.monotonic() - start < 1
+    release.set()
+    assert posted.wait() == {"held": 1}
+    assert peer.call_if_idle("echo", x=3) == {"peer": 1, "x": 3}
 
 
 # --- ranks as processes: stripe locks between processes -----------------------------------

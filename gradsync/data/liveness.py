@@ -23,8 +23,10 @@ to each of them anyway, so the same idea costs less here. With the job's heartbe
   connection waits for a reply with the timeout as its *silence* (``region_peer.RemotePeer``):
   no byte for that long is a stopped or cut-off server. A connection with nothing in flight is
   looked at with a ``ping`` each interval, on the connection's own request thread (one that
-  is busy is watched by its own request already), so that a worker that has no batch to ask of
-  that server yet still finds it silent.
+  is busy is watched by its own request already: a take in flight is received by the fetch
+  thread when it waits, or by the connection's thread at most 0.1 s after it was sent,
+  ``region_peer.LOOK_S``), so that a worker that has no batch to ask of that server yet
+  still finds it silent.
 
 While a worker's connections form (inside ``Loader(...)``: the dial, the hello, the read of
 the slots) a server gets ``heartbeat.LINK_UP_S`` (30 s) to answer instead, as a heartbeat link
@@ -43,7 +45,8 @@ Python thread too).
 Detection, with the defaults: a stopped same-host server is given up between 2 and 2.5 s after
 its last beat (timeout + an interval of this watch, + 50 ms for a poll in progress to see it);
 one on another host 2 s after the worker's first request left unanswered (a take in flight,
-or the next ping, at most an interval after the stop). Within ``gradsync bench chaos``'s
+received at most 0.1 s after it was sent, or the next ping, at most an interval after the
+stop). Within ``gradsync bench chaos``'s
 default bound of 3 s.
 """
 

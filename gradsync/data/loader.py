@@ -8,11 +8,14 @@ order, each into a fresh buffer that the yielded tensors view (or, with ``copy=F
 the loop the server's slot itself). From a server on this host a batch comes without a
 message, in the loop's own ``next()``: it polls the stream's slot table in shared memory and
 acks with a one-sided write (``slots.py``), the servers having prepared ``prefetch`` batches
-ahead. From a server on another host a fetch thread calls ``take``, whose reply carries the
-batch's bytes (and those of the next ones the server has ready, up to the ``data_window``
-setting), up to ``prefetch`` batches ahead of the loop, each server's next ``take`` asked
-while the current batches are read (``_Epoch``). An ``iter()`` while an epoch is unfinished (a
-loop left with ``break``) goes on with that epoch where it stopped.
+ahead. From a server on another host a fetch thread takes the batches up to ``prefetch``
+ahead of the loop with ``take`` calls, whose replies carry the batches' bytes: it keeps
+``data_takes`` of them (by default one) in flight per server on the one connection (more are
+pipelined, answered in order), together asking for up to ``data_window`` batches, each take
+bringing the one it asks for and those after it that the server has ready; the next take is
+sent as soon as a reply is in, so its round trip runs while the batches in hand are checked
+and handed on (``_Epoch._call``). An ``iter()`` while an epoch
+is unfinished (a loop left with ``break``) goes on with that epoch where it stopped.
 
 Exactly once. Within an epoch every sample is in exactly one batch and every batch goes to
 exactly one worker (``plan.py``). A batch counts as *delivered* (acknowledged) once the
@@ -56,7 +59,7 @@ from .returns import Return, agree, read_ready, ready_key, wanted
 from .slots import poller
 
 if TYPE_CHECKING:
-    from ..pipeline.engine import Handle
+    from ..transport.region_peer import Posted
 
 __all__ = ["Loader", "STATE_VERSION"]
 
@@ -137,6 +140,8 @@ class Loader:
         # Batches in flight per data server on another host (``_Epoch._call``): a server
         # never has more than ``prefetch`` of a stream prepared ahead, so no more can come.
         self.window = max(1, min(config.data_window, self.prefetch))
+        # Takes in flight per data server on another host, sharing the window (``_post``).
+        self.takes = max(1, min(config.data_takes, self.window))
         self.rank, self.workers, self.servers = env.rank, env.workers, env.data_servers
         self.elastic = env.elastic_id is not None
         self.generation = 0  # of the job's membership: ``reset``
@@ -639,8 +644,9 @@ class Loader:
                 worker's last plus one; ``hvd.elastic`` passes the job's).
         """
         if self._active is not None:
-            # Stop the fetch thread before reading where the streams stand: a take in
-            # flight moves them on.
+            # Stop the fetch thread before reading where the streams stand: it moves them
+            # on as it takes in replies. The takes it leaves in flight released only what
+            # it had received, where the next start cuts the stream.
             self._active.stop()
             self._active.join(self._timeout)
             self._active = None
@@ -766,11 +772,13 @@ class _Epoch:
         self.in_hand: np.ndarray | None = None
         self.ids: np.ndarray | None = None  # the sample ids of the batch last yielded
         self._stopping = False
-        # Batches of each server still in ``work``: whether to ask a remote one for its next
-        # items ahead (``_call``); (seq, handle) of that take, by server; the items a take
-        # brought beyond the one it asked for, (seq, answer, bytes) in stream order, by server.
+        # Batches of each server still in ``work``: how many more items to ask a remote one
+        # for (``_post``); its takes in flight, (items asked for, take) in the order sent,
+        # by server; the items a take brought beyond the one needed then, (seq, answer,
+        # bytes) in stream order, by server.
         self._left = collections.Counter(s for _, s in work)
-        self._ahead: dict[int, tuple[int, Handle]] = {}
+        self._posted: dict[int, collections.deque] = collections.defaultdict(
+            collections.deque)
         self._got: dict[int, collections.deque] = collections.defaultdict(collections.deque)
         # (poller, seq) of a borrowed slot, released at the next batch
         self._held: tuple[Any, int] | None = None
@@ -809,6 +817,8 @@ class _Epoch:
             try:
                 buf = self._take(batch, s)
             except PeerLostError as exc:
+                if self._stopping:  # the Loader is closing its connections: no loss
+                    return
                 loader._lose(s, exc)
                 self.orphans.append(batch)
                 continue
@@ -870,102 +880,132 @@ class _Epoch:
                                f"{list(ids)[:8]}...) where the plan has batch {batch.index} "
                                f"of epoch {self.epoch} (samples {batch.ids.tolist()[:8]}...)")
 
-    def _ask(self, s: int, seq: int, ahead: bool = False, count: int = 1):
-        """Asks data server ``s`` for item ``seq``: with its bytes attached when its slots
-        are not mapped here (they cross the connection once, into a fresh buffer), and then
-        with those of the next ``count - 1`` items that are ready; returns (reply, buffer or
-        None), or with ``ahead`` a handle of that."""
+    def _ask(self, s: int, seq: int | None, count: int) -> "Posted":
+        """Sends data server ``s`` a ``take`` and returns it in flight (``RemotePeer.post``):
+        for item ``seq``, or without it for the item after those its takes in flight will
+        have answered; with its bytes attached when its slots are not mapped here (they
+        cross the connection once, into a fresh buffer), and then those of the next
+        ``count - 1`` items that are ready. It releases the items received so far."""
         loader = self.loader
         peer = loader.peers[s]
+        args = {"wait": loader._take_wait, "release": loader._seq[s]}
+        if seq is not None:
+            args["seq"] = seq
         if loader.slots[s].direct is not None:
-            if ahead:
-                return peer.call_async("take", seq=seq, wait=loader._take_wait)
-            return peer.call("take", seq=seq, wait=loader._take_wait), None
+            return peer.post_call("take", **args)
 
         def buffer(reply: dict) -> np.ndarray:
             return np.empty(reply["attached"], dtype=np.uint8)
 
-        args = {"seq": seq, "wait": loader._take_wait, "send": True, "count": count}
-        if ahead:
-            return peer.call_into_async("take", buffer, **args)
-        return peer.call_into("take", buffer, **args)
+        return peer.post_call_into("take", buffer, send=True, count=count, **args)
 
     def _call(self, batch: Batch, s: int) -> np.ndarray | None:
-        """Batch ``batch`` by a ``take`` call (from another host, or a same-host server
+        """Batch ``batch`` by ``take`` calls (from another host, or a same-host server
         whose table is not polled); None: the epoch was stopped before it came.
 
-        ``loader._seq[s]`` counts the items of the stream received (the next one to ask
-        for); a reply may bring the ``window`` items after the one asked for that were
-        ready, kept in ``_got[s]`` until their batches' turn: so up to ``window`` batches
-        of a server are in flight at once, and the next take is asked as soon as a reply is
-        in, while the batches it brought are checked and handed on."""
+        ``loader._seq[s]`` counts the items of the stream received (the next one to come).
+        Up to ``takes`` takes of the server are in flight at once (``_post``), asking for
+        up to ``window`` items together; their replies come in order, each checked against
+        the item it should bring, and the items a reply brought beyond the one needed now
+        wait in ``_got[s]`` for their batches' turn. As soon as a reply is in, the next
+        take is sent, while the batches already here are checked and handed on, so a batch
+        that the server makes ready finds a take waiting for it."""
         loader = self.loader
         start = time.perf_counter()
         waited = 0.0
-        got = self._got[s]
-        if got:  # came with an earlier take's reply
-            seq, info, buf = got.popleft()
-        else:
-            seq = loader._seq[s]
-            ahead = self._ahead.pop(s, None)
-            while True:
-                # Answered within ``_take_wait`` while the server runs: "pending" when the
-                # batch is not ready yet, so that a slow batch is never a silent server.
-                if ahead is not None and ahead[0] == seq:
-                    answer = ahead[1].wait()
-                    if not isinstance(answer, tuple):
-                        answer = answer, None
-                else:
-                    # This batch and the next ones of the server in the work.
-                    answer = self._ask(s, seq, count=self._count(s, 1 + self._left[s]))
-                ahead = None
-                info, attached = answer
-                waited += float(info.get("waited", 0.0))
-                if not info.get("pending"):
-                    break
+        got, posted = self._got[s], self._posted[s]
+        while not got:
+            self._post(s, 1)
+            if not posted:  # stopped, or given up meanwhile: nothing was asked
+                if self._stopping:
+                    return None
+                raise PeerLostError(f"data server {s} was given up", peer=s)
+            # Answered within ``_take_wait`` while the server runs: "pending" when the batch
+            # is not ready yet, so that a slow batch is never a silent server.
+            try:
+                answer = posted[0][1].wait()
+            except BaseException:
+                # The takes behind it are received and dropped: the items they bring were
+                # not released, and the server's stream goes on from what this worker holds.
+                posted.clear()
+                raise
+            posted.popleft()
+            info, attached = answer if isinstance(answer, tuple) else (answer, None)
+            waited += float(info.get("waited", 0.0))
+            if info.get("pending"):  # a take behind it asks for the same item
                 if self._stopping:
                     return None
                 if s in loader.lost:  # the liveness watch gave it up meanwhile
                     raise PeerLostError(f"data server {s} was given up", peer=s)
                 if time.perf_counter() - start > loader._timeout:
                     raise GradsyncTimeoutError(f"data server {s} did not prepare this "
-                                               f"worker's item {seq} within "
+                                               f"worker's item {loader._seq[s]} within "
                                                f"{loader._timeout:.0f}s")
-            more = info.pop("more", [])
-            loader._seq[s] += 1 + len(more)
-            buf = None
-            if attached is not None:  # the items' bytes, one after the other
-                at = info["nbytes"]
-                buf = attached[:at]
-                for k, extra in enumerate(more, 1):
-                    got.append((seq + k, extra, attached[at:at + extra["nbytes"]]))
-                    at += extra["nbytes"]
+                continue
+            self._received(s, info, attached)
         taken = time.perf_counter()
-        if buf is None:
-            # The slot is mapped here: read it before asking for the next item, whose take
-            # releases this one (the server may then write the slot again).
+        _, info, buf = got.popleft()
+        if buf is None:  # its slot is mapped here: read it before a take releases it
             buf = np.empty(info["nbytes"], dtype=np.uint8)
             loader.slots[s].read(buf, info["slot"] * loader.slot_bytes)
-        # Of the server's batches after this one in the work, those not received yet.
-        wanted = self._count(s, self._left[s] - len(got))
-        if s not in self._ahead and wanted and not self._stopping and s not in loader.lost:
-            # More items of this server are in this epoch's work than this worker holds:
-            # ask for the next ones now, on the connection's own thread, so that the round
-            # trip (and the server's wait for its GIL) runs while this batch is checked and
-            # handed on. The take releases the items received, whose bytes are here.
-            self._ahead[s] = (loader._seq[s], self._ask(s, loader._seq[s], ahead=True,
-                                                        count=wanted))
+            loader._seq[s] += 1
+        self._post(s, 0)  # the next takes go out while this batch is checked and handed on
         self._check(s, info["epoch"], info["index"], info["ids"], batch)
+        # (The read's seconds include the next takes' sending, as they included the take
+        # asked ahead before takes were pipelined: ``transfers()`` measures the same span.)
         loader._transfers.append((taken - start, waited, time.perf_counter() - taken,
                                   buf.nbytes))
         return buf
 
-    def _count(self, s: int, wanted: int) -> int:
-        """How many of ``wanted`` items of server ``s`` a take may ask for: up to the window
-        (0: none wanted). From a server whose slots are mapped here (a take without bytes),
-        one at a time: the worker reads each slot itself after the reply."""
-        window = 1 if self.loader.slots[s].direct is not None else self.loader.window
-        return max(0, min(window, wanted))
+    def _received(self, s: int, info: dict, attached: np.ndarray | None) -> None:
+        """Takes in a take's answer from data server ``s``: the items it brings, which
+        must be the next ones of the stream, go into ``_got[s]``."""
+        loader = self.loader
+        first = loader._seq[s]
+        if info.get("seq") != first:
+            raise RuntimeError(f"data server {s} answered item {info.get('seq')} of this "
+                               f"worker's stream where item {first} comes next")
+        more = info.pop("more", [])
+        got = self._got[s]
+        if attached is None:  # no bytes: the worker reads the slot (``_call``)
+            got.append((first, info, None))
+            return
+        at = info["nbytes"]
+        got.append((first, info, attached[:at]))
+        for k, extra in enumerate(more, 1):  # the items' bytes, one after the other
+            got.append((first + k, extra, attached[at:at + extra["nbytes"]]))
+            at += extra["nbytes"]
+        loader._seq[s] += 1 + len(more)
+
+    def _post(self, s: int, current: int) -> None:
+        """Sends data server ``s`` takes for the items of it that this worker's work still
+        needs (``current``: 1 while the batch being taken is not here yet), while fewer
+        than ``takes`` are in flight and they ask for fewer than ``window`` items together.
+
+        The first take of a run names its item; the ones sent behind it do not (the server
+        answers the item after those the one before it answered, which a "pending" answer
+        leaves where it was). Each releases the items received so far, so the items asked
+        for and not yet released stay within the window, at most the stream's slots: the
+        item a take waits for is always one the server may prepare."""
+        loader = self.loader
+        if self._stopping or s in loader.lost:
+            return
+        window, takes = loader.window, loader.takes
+        if loader.pollers[s] is not None:  # polled: one take, for a failed sample's message
+            if not current:
+                return
+            window = takes = 1
+        elif loader.slots[s].direct is not None:  # a reply without bytes: one item each
+            window = takes = min(takes, loader.prefetch)
+        posted, got = self._posted[s], self._got[s]
+        asked = sum(count for count, _ in posted)
+        wanted = current + self._left[s] - len(got) - asked
+        share = -(-window // takes)  # items a take asks for, at most
+        while wanted > 0 and len(posted) < takes and asked < window:
+            count = min(share, wanted, window - asked)
+            posted.append((count, self._ask(s, None if posted else loader._seq[s], count)))
+            asked += count
+            wanted -= count
 
     def _put(self, item) -> bool:
         assert self._queue is not None  # only the fetching thread puts, and it has its queue

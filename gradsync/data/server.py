@@ -29,13 +29,17 @@ A step, seen from worker w:
    it calls ``take(seq, wait, send=True)``, which waits until item ``seq`` is ready and
    answers what it holds (index, sample ids, bytes) and how long it waited, with the slot's
    bytes attached (``regions.Attached``): they cross the connection once, straight into the
-   worker's buffer; with ``count`` > 1 (the worker's window) the items after ``seq`` that
-   are prepared already follow on the same reply, none waited for. The worker asks for its
-   next items of this server while it reads these and hands them on (``loader.py``), so the
-   round trip is hidden behind them. Asking for ``seq`` also releases every item before it. A take waits at most
-   ``wait`` seconds and then answers ``pending`` (the worker asks again): so every call is
-   answered within a fraction of the heartbeat timeout while this server runs, and a worker
-   that hears nothing for that long knows the server is stopped or cut off, not slow
+   worker's buffer; with ``count`` > 1 the items after ``seq`` that are prepared already
+   follow on the same reply, none waited for. The worker keeps a few takes in flight on its
+   connection (``loader.py``), which this server's serving thread answers one after the
+   other: a take without ``seq`` answers the item after those the one before it answered,
+   so the next take already waits here when a batch becomes ready, and the round trip is
+   hidden behind the batches the worker reads meanwhile. A take releases the items before
+   its ``release`` (default ``seq``): those whose bytes are in the worker's buffers when it
+   was sent. A take waits at most ``wait`` seconds and then answers ``pending`` (the worker
+   asks again; a take already behind it asks for the same item): so every call is answered
+   within a fraction of the heartbeat timeout while this server runs, and a worker that
+   hears nothing for that long knows the server is stopped or cut off, not slow
    (``liveness.py``).
 
 Liveness. A beater counts up the *beat* word of every stream's slot table each
@@ -185,6 +189,7 @@ class _Stream:
         self.inflight: set[int] = set()  # items a producer is writing
         self.finished: set[int] = set()  # items written, not yet counted in ``produced``
         self.released = 0    # items the worker has finished reading
+        self.answered = 0    # the next item a take without ``seq`` answers (``_take``)
         self.gone = False
         self.generation = 0  # of the job's membership, as the worker's last start said
 
@@ -420,7 +425,7 @@ class DataServer:
                              f"{stream.produced - 1}, and has released those before "
                              f"{stream.released}")
         del stream.items[seq:], stream.nbytes[seq:]
-        stream.produced = stream.released = stream.claimed = seq
+        stream.produced = stream.released = stream.claimed = stream.answered = seq
         stream.finished.clear()
         stream.generation = generation
         # The items published from ``seq`` on were the old plan's: a polling worker must not
@@ -429,7 +434,10 @@ class DataServer:
         return True
 
     def _take(self, worker: int, args: dict) -> dict | Attached:
-        seq = int(args["seq"])
+        """Item ``seq`` of the worker's stream (or, without ``seq``, the next one after
+        those the last take answered: a worker's pipelined takes, of which the one before
+        may have answered "pending"), with the ready items after it up to ``count`` when
+        ``send``; releases the items before ``release`` (default ``seq``)."""
         end = time.monotonic() + self.timeout * 0.9  # answer before the worker's socket gives up
         # ``wait``: the worker's bound (a fraction of its heartbeat timeout), after which the
         # answer is ``pending``: a slow batch is never taken for a silent server.
@@ -438,11 +446,17 @@ class DataServer:
         with self._cv:
             stream = self._stream(worker)
             stream.refresh()
-            if not stream.released <= seq < len(stream.items):
+            seq = int(args["seq"]) if "seq" in args else stream.answered
+            # Every item before ``release`` has been read: its slot is free. A pipelined
+            # take names fewer than it asks for (the worker has not yet received the items
+            # the takes before it answer), so the server never runs more than ``prefetch``
+            # items ahead of what the worker holds.
+            release = int(args.get("release", seq))
+            if not stream.released <= release <= seq < len(stream.items):
                 raise ValueError(f"worker {worker} asked data server {self.index} for item "
-                                 f"{seq}; its stream holds items {stream.released} .. "
-                                 f"{len(stream.items) - 1}")
-            stream.released = seq  # every earlier item has been read: its slot is free
+                                 f"{seq}, releasing those before {release}; its stream holds "
+                                 f"items {stream.released} .. {len(stream.items) - 1}")
+            stream.released, stream.answered = release, seq
             self._cv.notify_all()
             arrived, ready = time.monotonic(), stream.produced > seq
             while stream.produced <= seq:
@@ -450,6 +464,7 @@ class DataServer:
                     raise GradsyncError(self.failure)
                 left = end - time.monotonic()
                 if patience < end and time.monotonic() >= patience:
+                    # The next take without ``seq`` asks for this item again.
                     return {"pending": True, "waited": time.monotonic() - arrived}
                 if left <= 0:
                     raise GradsyncTimeoutError(f"data server {self.index} did not prepare "
@@ -461,8 +476,8 @@ class DataServer:
             slot, nbytes = seq % stream.prefetch, stream.nbytes[seq]
             # ``waited``: how long the batch was still being prepared (the rest of the call's
             # time is the transport's: Loader.transfers()).
-            info = {"slot": slot, "nbytes": nbytes, "epoch": epoch, "index": batch.index,
-                    "ids": batch.ids.tolist(),
+            info = {"seq": seq, "slot": slot, "nbytes": nbytes, "epoch": epoch,
+                    "index": batch.index, "ids": batch.ids.tolist(),
                     "waited": 0.0 if ready else time.monotonic() - arrived}
             send = bool(args.get("send"))
             # ``count``: a worker on another host takes up to this many items at once (its
@@ -478,14 +493,14 @@ class DataServer:
                     more.append({"nbytes": stream.nbytes[last], "epoch": e, "index": b.index,
                                  "ids": b.ids.tolist()})
                 self.sent += 1 + len(more)
+            stream.answered = last + 1
         if send:
             if more:
                 info["more"] = more
             # The bytes follow the answer on the connection, sent from the slots: items
-            # ``seq`` .. ``last`` stay unreleased (their slots unwritten) until the worker
-            # asks for a later one, which it does only once these bytes are in its buffer
-            # (or, asked ahead, once the serving thread has handed them to the kernel: the
-            # next request on this connection is read only after this reply is sent).
+            # ``seq`` .. ``last`` stay unreleased (their slots unwritten) until a take
+            # releases them, which the worker sends only once these bytes are in its
+            # buffer.
             return Attached(info, [stream.slots[k % stream.prefetch][:stream.nbytes[k]]
                                    for k in range(seq, last + 1)])
         return info

@@ -293,7 +293,9 @@ class Endpoint:
                          name=f"gradsync-region-peer{peer}").start()
 
     def _serve(self, peer: int, sock: socket.socket) -> None:
-        """One peer's requests, in order, until it closes the connection."""
+        """One peer's requests, in order, until it closes the connection: each is answered
+        before the next is read, which a peer's pipelined requests rely on (their replies
+        come back in the order they were sent: ``RemotePeer.post``)."""
         error: BaseException | None = None
         scratch = np.empty(STRIPE_BYTES, dtype=np.uint8)
         try:
