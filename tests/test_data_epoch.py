@@ -9,7 +9,6 @@ only ``Loader(...)``'s job set-up (the store, ``init()``) is skipped.
 """
 
 import collections
-import socket
 import threading
 
 import numpy as np
@@ -243,14 +242,10 @@ def test_a_mapped_slot_reached_by_take_is_read_before_the_next_take_releases_it(
 
 def _waiting_bytes(srv, worker: int) -> int:
     """Bytes of ``worker``'s requests that wait, unread, on data server ``srv``'s end of the
-    connection (a peek through a non-blocking duplicate, as ``slots.check_open`` looks)."""
-    sock = srv.endpoint._conns[worker]
-    with socket.fromfd(sock.fileno(), sock.family, sock.type) as probe:
-        probe.setblocking(False)
-        try:
-            return len(probe.recv(1 << 16, socket.MSG_PEEK))
-        except BlockingIOError:
-            return 0
+    connection (``test_regions._waiting_bytes`` on its endpoint)."""
+    from test_regions import _waiting_bytes as waiting
+
+    return waiting(srv.endpoint, worker)
 
 
 def test_over_tcp_the_next_take_waits_on_the_server_before_its_batch_is_ready(server):
