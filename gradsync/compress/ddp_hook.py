@@ -11,11 +11,28 @@ hook returns a future of the averaged result, which DDP copies back into the gra
 Same order on every rank. torch's PowerSGD hook issues its second allreduce from a future's
 callback, whose timing differs between ranks; with two buckets, one rank could issue bucket
 1's first allreduce before bucket 0's second while another did the opposite, and gloo, which
-matches collectives by the order they are issued, then fails (issue 38). This hook runs the
-whole compressed reduction of a bucket inside the hook call, so every rank issues bucket 0's
-collectives, then bucket 1's, in the order DDP calls the hook, which is the bucket order on
-every rank. The price: the bucket's communication is not overlapped with the rest of
-backward (the returned future is already complete).
+matches collectives by the order they are issued, then fails (issue 38). Here every bucket's
+whole compressed reduction is one task, and the tasks run one after another on one thread,
+in the order DDP calls the hook: every rank issues bucket 0's collectives, then bucket 1's.
+
+Behind backward (``overlap=True``, the default). The hook hands the bucket's reduction to
+that thread and returns its future at once, so backward goes on computing the next buckets'
+gradients while this one crosses the link; DDP waits for every bucket's future at the end of
+backward, before the optimizer step. The reductions run on a group of their own: a copy of
+the model's group (the same ranks, the same backend, made at the first bucket by each of its
+ranks), because DDP itself may issue a collective during backward (with
+``find_unused_parameters=True``, its map of used parameters after the last bucket) and two
+threads' collectives on one group could be issued in different orders on different ranks.
+``overlap=False`` runs the reduction inside the hook call on the model's group, the
+returned future already complete (the earlier behaviour: nothing hidden, no second group).
+
+What was not hidden. A compressor that wants to know how long training waited on its
+exchange (``Auto``, whose model counts only that wait against the step: its ``blocked``)
+is told, once per backward: at the first bucket the hook queues a callback at the end of
+the backward pass (autograd's final callbacks, which run before the one DDP queues after
+the last bucket), and there, on the training thread, it waits for the last reduction handed
+over and reports that wait. With ``overlap=False`` the whole exchange is the wait, which
+such a compressor assumes when nothing is reported.
 
 Tiers. When the group spans several hosts and some host has several ranks, the hook's
 reduction is tiered (``tiers.py``): float32 inside each host, the compressor only between
@@ -33,6 +50,9 @@ its residual starts again from zero rather than being added to the wrong paramet
 
 # No ``from __future__ import annotations`` here: DDP's register_comm_hook checks the hook's
 # return annotation against the object torch.futures.Future[torch.Tensor], not a string.
+import concurrent.futures
+import time
+import weakref
 import zlib
 
 import torch
@@ -56,9 +76,13 @@ class HookState:
         process_group: the DDP model's group, if it is not the default group.
         topology: where the group's ranks are (``gradsync.cluster.topology.Topology``, rank i of
             the group its rank i); None: from the members' host names.
+        overlap: run each bucket's reduction on a background thread, over a copy of the
+            group, behind the rest of backward (the module docstring); False: inside the
+            hook call, on ``process_group``.
     """
 
-    def __init__(self, compressor: ReducingCompressor, process_group=None, topology=None):
+    def __init__(self, compressor: ReducingCompressor, process_group=None, topology=None,
+                 overlap: bool = True):
         if isinstance(compressor, str) and compressor == "auto":
             from .auto import Auto
 
@@ -67,13 +91,48 @@ class HookState:
             raise TypeError(f"HookState takes a gradsync.compress compressor (Int8, FP8, "
                             f"PowerSGD, RandomK), got {compressor!r}")
         self.compressor, self.process_group = compressor, process_group
-        self.topology = topology
+        self.topology, self.overlap = topology, bool(overlap)
         self._comm: TorchComm | None = None
+        self._lane: concurrent.futures.ThreadPoolExecutor | None = None
+        self._last: concurrent.futures.Future | None = None  # the last reduction handed over
+        self._waits_queued = False  # this backward's end-of-backward callback is queued
 
     def comm(self) -> TorchComm:
-        if self._comm is None:  # made at the first bucket: the group exists by then
-            self._comm = TorchComm(self.process_group, self.topology)
+        """The Comm the reductions run on, made at the first bucket (the group exists by
+        then): on ``process_group``, or with ``overlap`` on a copy of it, which every rank of
+        the group makes here, at its first bucket."""
+        if self._comm is None:
+            group = _copy_of(self.process_group) if self.overlap else self.process_group
+            self._comm = TorchComm(group, self.topology)
         return self._comm
+
+    def lane(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The one thread that runs the reductions, in the order they were handed over;
+        shut down when this state is collected."""
+        if self._lane is None:
+            self._lane = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="gradsync-ddp-hook")
+            weakref.finalize(self, self._lane.shutdown, wait=False)
+        return self._lane
+
+    def _hand_over(self, task) -> concurrent.futures.Future:
+        report = getattr(self.compressor, "blocked", None)
+        if report is not None and not self._waits_queued:
+            from torch.autograd import Variable
+
+            self._waits_queued = True
+            Variable._execution_engine.queue_callback(lambda: self._report_wait(report))
+        self._last = self.lane().submit(task)
+        return self._last
+
+    def _report_wait(self, report) -> None:
+        """At the end of backward: waits for the last reduction, tells the compressor how
+        long (its failure, if any, reaches DDP through the bucket's future)."""
+        self._waits_queued = False
+        began = time.monotonic()
+        if self._last is not None:
+            concurrent.futures.wait([self._last])
+        report(time.monotonic() - began)
 
     def state_dict(self) -> dict:
         return self.compressor.state_dict()
@@ -94,7 +153,33 @@ def compressed_hook(state: HookState, bucket) -> torch.futures.Future[torch.Tens
     shapes = [tuple(g.shape) for g in bucket.gradients()]
     layout = zlib.crc32(repr(shapes).encode())
     key = f"ddp.{bucket.index()}.{layout:08x}"
-    result = state.compressor.reduce(flat, shapes, state.comm(), key, average=True)
+    comm = state.comm()
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    future.set_result(result.to(flat.dtype))
+    if not state.overlap:
+        future.set_result(state.compressor.reduce(flat, shapes, comm, key, average=True)
+                          .to(flat.dtype))
+        return future
+
+    def reduce() -> torch.Tensor:
+        return state.compressor.reduce(flat, shapes, comm, key, average=True).to(flat.dtype)
+
+    def done(task: concurrent.futures.Future) -> None:
+        error = task.exception()
+        if error is None:
+            future.set_result(task.result())
+        else:
+            future.set_exception(error)  # type: ignore[arg-type]  # (torch's stub says T)
+
+    state._hand_over(reduce).add_done_callback(done)
     return future
+
+
+def _copy_of(group):
+    """A new group of ``group``'s ranks (None: the default group's), in its order, on its
+    backend. Made by each of those ranks only: with ``use_local_synchronization`` a rank
+    outside them need not call it (a DDP model over part of the job)."""
+    import torch.distributed as dist
+
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return dist.new_group(ranks, backend=dist.get_backend(group), sort_ranks=False,
+                          use_local_synchronization=len(ranks) != dist.get_world_size())
