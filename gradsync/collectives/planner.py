@@ -17,8 +17,9 @@ come from the topology (``gradsync probe`` measures them; defaults otherwise).
 ``costs.choose``'s rule: on a bandwidth-bound link a ring (``ring``, ``topo_ring``,
 ``hierarchical``) predicted within ``costs.RING_MARGIN`` (5%) of a cheaper doubling or
 halving-doubling is taken instead, since halving-doubling's bursts cost more on a shaped link
-than the model predicts (measured; see there); on one host it picks ``shm`` if the group exists, else by size (the tiers' constants
-describe shared memory, not the loopback TCP that a forced ``transport=tcp`` uses).
+than the model predicts (measured; see there). On one host it picks ``shm`` if the group
+exists, else by size (the tiers' constants describe shared memory, not the loopback TCP that a
+forced ``transport=tcp`` uses).
 
 The choice depends only on the size, the requested algorithm and the job, none of which
 changes between calls, so ``Plans`` remembers it per (size, request): the planner runs once
