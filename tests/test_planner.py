@@ -8,7 +8,9 @@ import pytest
 
 from gradsync.bench import plan as plan_cli
 from gradsync.cluster.topology import Topology, load
-from gradsync.collectives.planner import choose_allreduce, predict
+from gradsync.collectives import costs
+from gradsync.collectives.planner import choose_allreduce, plan, predict
+from gradsync.compress.comm import chosen
 from gradsync.config import Config
 from harness import spawn
 
@@ -91,6 +93,65 @@ def test_non_blocking_groups_go_hierarchical_and_oversubscribed_ones_as_before()
     assert [choose_allreduce(1 << e, 8, "auto", Config(), False, _grouped("200mbit"))
             for e in (10, 16, 20, 26)] == ["doubling", "hierarchical", "hierarchical",
                                            "hierarchical"]
+
+
+SLOW = {"tiers": {"host": {"bandwidth": "100mbit", "latency": "100us"},
+                  "local": {"bandwidth": "5GB/s", "latency": "5us"}}}
+BUCKET = 5_300_000  # issue 38's language model's float32 gradients, one DDP bucket
+
+
+@pytest.mark.parametrize("spec", [SLOW, None], ids=["100mbit", "default-tiers"])
+def test_a_bandwidth_bound_link_takes_the_ring_over_halving_doublings_bursts(spec):
+    # Issue 38: 4 hosts of one rank, a 5.3 MB allreduce. Both send 2(n-1)/n S a rank; the
+    # model has halving-doubling faster by two latencies (0.03% at 100 Mbit/s, 1.4% with the
+    # default tiers), and measured it was slower on shaped links (costs.RING_MARGIN). The
+    # planner ran halving-doubling here before; now the ring.
+    t = Topology.from_hosts(list("abcd"), spec) if spec else Topology.from_hosts(list("abcd"))
+    hd, ring = predict("halving_doubling", BUCKET, t), predict("ring", BUCKET, t)
+    assert hd < ring < hd * (1 + costs.RING_MARGIN)
+    assert choose_allreduce(BUCKET, 4, "auto", Config(), False, t) == "ring"
+    assert choose_allreduce(4 * MiB, 4, "auto", Config(), False, t) == "ring"
+    # A tiered exchange's sub-group (compress.comm) chooses by the same rule.
+    assert chosen("allreduce", t, [0, 1, 2, 3], BUCKET, 1 << 20) == "ring"
+
+
+def test_latency_bound_messages_keep_doubling_and_halving_doubling():
+    slow = topo("abcd", SLOW)
+    assert choose_allreduce(4096, 4, "auto", Config(), False, slow) == "doubling"  # 27% faster
+    default = Topology.from_hosts(list("abcd"))
+    assert [choose_allreduce(n, 4, "auto", Config(), False, default)
+            for n in (4096, 256 << 10, MiB)] == ["doubling", "halving_doubling",
+                                                "halving_doubling"]  # 2.8x, 18%, 6.3% faster
+    # Within the margin yet latency-bound (the latencies more than half the time): 16 KiB
+    # over 2 hosts x 2 ranks dealt alternately, halving-doubling 0.2% ahead of the
+    # hierarchical plan, stays.
+    t = topo("abab")
+    hd = predict("halving_doubling", 16 << 10, t)
+    assert predict("hierarchical", 16 << 10, t) < hd * (1 + costs.RING_MARGIN)
+    assert choose_allreduce(16 << 10, 4, "auto", Config(), False, t) == "halving_doubling"
+    assert choose_allreduce(MiB, 4, "auto", Config(), False, t) == "hierarchical"
+
+
+def test_the_ring_family_is_preferred_only_over_the_bursty_algorithms():
+    # costs.choose on made-up times on a 100 Mbit/s link: a ring within the margin of a
+    # cheaper doubling or halving-doubling wins; a cheapest ring stays; outside the margin,
+    # or between the two bursty ones, the cheapest stays.
+    f = costs.RankFabric(topo("abcd", SLOW), range(4))
+    m = costs.RING_MARGIN
+    assert costs.choose(f, {"halving_doubling": 1.0, "ring": 1 + m / 2}) == "ring"
+    assert costs.choose(f, {"halving_doubling": 1.0, "ring": 1 + 2 * m}) == "halving_doubling"
+    assert costs.choose(f, {"doubling": 1.0, "topo_ring": 1.01, "ring": 1.02}) == "topo_ring"
+    assert costs.choose(f, {"ring": 1.0, "hierarchical": 0.99}) == "hierarchical"
+    assert costs.choose(f, {"doubling": 1.0, "halving_doubling": 1.01}) == "doubling"
+    # Latency-bound: halving-doubling's four latencies (400 us) are more than half its time.
+    assert costs.choose(f, {"halving_doubling": 6e-4, "ring": 6.1e-4}) == "halving_doubling"
+
+
+def test_plan_prints_the_choice_the_planner_makes():
+    t = topo("abcd", SLOW)
+    sizes = [1 << e for e in range(8, 28, 2)] + [BUCKET]
+    assert [row["choice"] for row in plan(t, sizes)] == [
+        choose_allreduce(n, 4, "auto", Config(), False, t) for n in sizes]
 
 
 def test_one_host_uses_the_shared_memory_group_or_sizes():

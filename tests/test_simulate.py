@@ -37,17 +37,21 @@ GROUP = {"bandwidth": "200mbit", "latency": "200us"}
 # The planner's choice for each layout (one letter a host, ranks in rank order) and each size
 # 256 B, 1 KiB, ..., 256 MiB (x4), recorded from the planner before its formulas moved to
 # collectives/costs.py: do = doubling, ha = halving_doubling, ri = ring, hi = hierarchical.
+# Since issue 38 a ring predicted within costs.RING_MARGIN of a cheaper doubling or
+# halving-doubling on a bandwidth-bound link is chosen instead (costs.choose); that moved
+# three rows, from 64 KiB or 1 MiB up: "ab" (was do do do do do do do ha ha ri ha), "abab"
+# (was do do do ha ha ha ha ha ha ha ha) and "abcd" (was do do do do ha ha ha ha ha ha ha).
 BEFORE = {
-    "ab": "do do do do do do do ha ha ri ha",
+    "ab": "do do do do do ri ri ri ri ri ri",
     "aab": "do do do do hi hi hi hi hi hi hi",
     "aabb": "do do do hi hi hi hi hi hi hi hi",
-    "abab": "do do do ha ha ha ha ha ha ha ha",
+    "abab": "do do do ha hi hi hi hi hi hi hi",
     "aaabbb": "hi hi hi hi hi hi hi hi hi hi hi",
     "aabbcc": "do do hi hi hi hi hi hi hi hi hi",
     "abcabc": "do hi hi hi hi hi hi hi hi hi hi",
     "aaaabbbb": "do do do hi hi hi hi hi hi hi hi",
     "aabbb": "do do do hi hi hi hi hi hi hi hi",
-    "abcd": "do do do do ha ha ha ha ha ha ha",
+    "abcd": "do do do do ha ha ri ri ri ri ri",
     "aabbccdd/g0=ab;g1=cd": "do do hi hi hi hi hi hi hi hi hi",
     "aabbcc/g0=ab;g1=c": "do do hi hi hi hi hi hi hi hi hi",
     "aabbccddeeff": "do do do hi hi hi hi hi hi hi hi",
@@ -88,6 +92,34 @@ def _uniform(hosts: int, per_host: int, groups: int):
     c = cluster_file.parse({"ranks_per_node": per_host, "tiers": tiers,
                             "reduce_bandwidth": topo.reduce_bandwidth})
     return topo, c
+
+
+@pytest.mark.parametrize("rate", ["1gbit", "100mbit"])
+def test_the_simulator_chooses_what_the_planner_runs(rate):
+    # One rule (costs.choose) for both: on a sweep of sizes and world sizes the simulator's
+    # algorithm for a one-bucket step is the planner's (its topo_ring is the ring here: the
+    # ranks are in host order). The sweep holds cases where the ring was chosen over a
+    # cheaper halving-doubling (issue 38), so the rule is exercised, not only the minimum.
+    host = {"bandwidth": rate, "latency": "100us"}
+    preferred = 0
+    for hosts, per_host in [(2, 1), (3, 1), (4, 1), (8, 1), (2, 2), (4, 2), (3, 3)]:
+        names = string.ascii_lowercase[:hosts]
+        topo = Topology.from_hosts([h for h in names for _ in range(per_host)],
+                                   {"tiers": {"local": LOCAL, "host": host}})
+        c = cluster_file.parse({"ranks_per_node": per_host, "reduce_bandwidth":
+                                topo.reduce_bandwidth,
+                                "tiers": [LOCAL, {**host, "fanout": hosts}]})
+        for nbytes in [1 << s for s in range(8, 28, 2)] + [5_300_000]:
+            planner = choose_allreduce(nbytes, topo.size, "auto", Config(), False, topo)
+            model = Model(params=nbytes / 4, compute=0.1, bucket_bytes=nbytes)
+            _, [simulator] = _allreduces(c, topo.size, model, "auto")
+            assert (simulator, nbytes, hosts, per_host) == (
+                {"topo_ring": "ring"}.get(planner, planner), nbytes, hosts, per_host)
+            times = {a: allreduce_time(a, RankFabric(topo, range(topo.size)), nbytes)
+                     for a in ("doubling", "halving_doubling")}
+            preferred += min(times.values()) < allreduce_time(
+                planner, RankFabric(topo, range(topo.size)), nbytes)
+    assert preferred >= 5
 
 
 @pytest.mark.parametrize("hosts,per_host,groups", [(2, 2, 1), (3, 2, 1), (5, 3, 1), (2, 1, 1),
@@ -280,14 +312,17 @@ def test_27360_ranks_without_simulating_each_rank():
 # Each published point without stragglers (jitter_cv 0), as before the term existed: the
 # straggler term must leave them bit for bit (docs/simulate.md, "Validation", before/after).
 # Kurth et al.'s moved from 0.9941 when the hierarchical plan's step across cabinets
-# stopped sending each cabinet's shares through one node's NICs (issue 27).
+# stopped sending each cabinet's shares through one node's NICs (issue 27). Goyal et al.'s
+# moved from 0.9270 (and 0.9237 below) when its 8-GPU baseline's two 64 MB buckets went from
+# halving-doubling to the ring, predicted 0.03% slower (costs.RING_MARGIN, issue 38): the
+# printed 92.7% and 92.4% stay.
 NO_JITTER = {"Horovod Inception V3": 0.9511, "Horovod VGG-16": 0.7234, "DDL ResNet-50": 0.9514,
-             "Goyal et al. ResNet-50": 0.9270, "Kurth et al. DeepLabv3+ (FP32)": 0.9954}
+             "Goyal et al. ResNet-50": 0.9272, "Kurth et al. DeepLabv3+ (FP32)": 0.9954}
 # ... and with the per-step jitter only (persistent_cv 0), as before persistently slow GPUs were
 # modelled: only summit.json sets persistent_cv, so only Kurth et al.'s point moved (98.3% ->
 # 93.8%; docs/simulate.md, "Validation").
 NO_PERSISTENT = {"Horovod Inception V3": 0.9429, "Horovod VGG-16": 0.7214,
-                 "DDL ResNet-50": 0.9438, "Goyal et al. ResNet-50": 0.9237,
+                 "DDL ResNet-50": 0.9438, "Goyal et al. ResNet-50": 0.9240,
                  "Kurth et al. DeepLabv3+ (FP32)": 0.9834}
 
 

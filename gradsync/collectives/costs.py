@@ -40,6 +40,13 @@ The algorithms, for n ranks and S bytes (p = the largest power of two <= n):
                       another (m = the largest unit), the unit's k ranks at the same time
     shm               the host's shared segment: 3 (k-1)/k S through local memory
 
+Choosing (``choose``): the least predicted time, except that on a bandwidth-bound link (the
+cheapest's bytes take longer than its latencies) a ring (``RING_FAMILY``: the ring, the ring
+in topology order, the hierarchical plan) predicted within ``RING_MARGIN`` (5%) of a cheaper
+doubling or halving-doubling is preferred: the model does not see what halving-doubling's
+bursts cost on a shaped or congested link, which was measured (see ``RING_MARGIN``). Every
+choice of an allreduce by predicted time, the planner's and the simulator's, is made there.
+
 The alltoalls (``alltoall.py``), S bytes per rank in n uniform blocks of S/n, each block a
 local copy costing ``bytes / reduce_bandwidth`` as a fold does (both stream the bytes
 through memory once):
@@ -89,7 +96,8 @@ from .alltoall import ALGORITHMS as _ALLTOALLS
 from .alltoall import moving_blocks
 from .doubling import core_size
 
-__all__ = ["Fabric", "RankFabric", "FORMULAS", "allreduce_time", "cheapest", "ring",
+__all__ = ["Fabric", "RankFabric", "FORMULAS", "allreduce_time", "RING_FAMILY", "RING_MARGIN",
+           "choose", "cheapest", "ring",
            "doubling", "halving_doubling", "hierarchical", "ALLTOALLS", "alltoall_time",
            "cheapest_alltoall", "pairwise_alltoall", "bruck_alltoall", "ALLGATHERS",
            "allgather_time", "cheapest_allgather", "ring_allgather", "bruck_allgather"]
@@ -196,9 +204,70 @@ def allreduce_time(algorithm: str, f: Fabric, nbytes: float) -> float:
     return _formula(FORMULAS, "", algorithm)(f, nbytes)
 
 
+RING_FAMILY = ("ring", "topo_ring", "hierarchical")
+"""The allreduces whose traffic is the ring's: every rank sends a steady stream of small pieces
+to one neighbour, step after step, pipelined. ``topo_ring`` is the same ring over the ranks in
+topology order (the ring a tiered fabric runs); ``hierarchical`` is rings inside each unit and,
+across units, a ring of one stand-in per unit (recursive doubling only for pieces under
+``small_bytes``, latency-bound ones), so it counts too. The others, ``doubling`` and
+``halving_doubling``, send the whole message, or halves of it, to one partner at a time."""
+
+RING_MARGIN = 0.05
+"""How much slower than the cheapest candidate a ring-family one may be predicted and still be
+chosen (``choose``): 5% of the cheapest's time.
+
+Why: the model times a step by its bytes and latencies alone. On a link whose rate is the
+bound, halving-doubling and the ring send the same 2(n-1)/n S per rank and differ only by
+latencies, so the model predicts halving-doubling a little faster; but its whole halves sent
+at once to one peer overflow a shaped or congested link's queue, which the model does not
+see. Measured (docs/benchmarks.md, "Slow links"), one 5.3 MB allreduce over 4 emulated hosts:
+halving-doubling against the ring 3.47-3.73 s against 2.88 s at 25 Mbit/s, 0.904 against
+0.676 s at 100 Mbit/s, 0.068 against 0.063 s at 1 Gbit/s (8% slower at the least); on the
+shaped links halving-doubling's ranks retransmitted 102-189 TCP segments each, the ring's 0-2
+(the same measurement, issue 38). The model, with its default tiers,
+had predicted halving-doubling 1.4% faster (1.7% at 4 MiB), and with the 100 Mbit/s link's
+own constants 0.03%.
+
+What it was chosen from: above those predicted gains (2% at the most) and below the least
+loss measured (8%), and below the gains that make recursive doubling or halving-doubling worth
+their bursts where latency counts, which stay chosen: with the default tiers over 4 hosts,
+halving-doubling 6.3% faster than the ring at 1 MiB and 18% at 256 KiB, doubling 2.8 times
+faster at 4 KiB; at 100 Mbit/s, doubling 27% faster at 4 KiB."""
+
+
+def choose(f: Fabric, times: Mapping[str, float]) -> str:
+    """The allreduce to run on ``f``, given each candidate's predicted seconds there (in
+    candidate order).
+
+    The cheapest (the first of equals), unless it is not of ``RING_FAMILY``, the cheapest of
+    ``RING_FAMILY`` among the candidates is predicted within ``RING_MARGIN`` of it, and the
+    link is the bound: the cheapest's latencies (its time for 0 bytes) are under half of its
+    time, i.e. the message is longer than Hockney's half-performance length. Then that ring.
+    Over n = 2^k ranks of one tier the ring's time exceeds halving-doubling's by 2(n-1) - 2k
+    latencies and nothing else, so the margin alone already keeps latency-bound messages on
+    recursive doubling or halving-doubling; the second test keeps them there also where a
+    ring-family plan comes near for other reasons (16 KiB over 2 hosts of 2 ranks dealt
+    alternately: halving-doubling 0.2% ahead of the hierarchical plan, its four latencies
+    most of its time).
+
+    The one rule for every choice of an allreduce by predicted time: the planner
+    (``planner.choose_allreduce``, ``planner.plan``), a tiered sub-group's (``cheapest``, for
+    ``compress.comm``) and ``gradsync simulate``'s (``simulate.compression``), so that the
+    simulator projects what the library runs."""
+    best = min(times, key=times.__getitem__)
+    rings = [alg for alg in times if alg in RING_FAMILY]
+    if best in RING_FAMILY or not rings:
+        return best
+    ring_best = min(rings, key=times.__getitem__)
+    if times[ring_best] > times[best] * (1 + RING_MARGIN):
+        return best
+    return ring_best if 2 * allreduce_time(best, f, 0.0) < times[best] else best
+
+
 def cheapest(f: Fabric, nbytes: float, candidates: Sequence[str]) -> str:
-    """The candidate with the least predicted time (the first of equals, in order)."""
-    return min(candidates, key=lambda alg: allreduce_time(alg, f, nbytes))
+    """The candidate ``choose`` picks from the predicted times on ``f``: the least, or a ring
+    within ``RING_MARGIN`` of it on a bandwidth-bound link."""
+    return choose(f, {alg: allreduce_time(alg, f, nbytes) for alg in candidates})
 
 
 def pairwise_alltoall(f: Fabric, nbytes: float) -> float:

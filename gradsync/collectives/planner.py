@@ -13,9 +13,13 @@ Candidates:
 The model is ``costs.py``'s (shared with ``gradsync simulate``), evaluated here on the job's
 own ranks with every message of every step enumerated (``costs.RankFabric``). The constants
 come from the topology (``gradsync probe`` measures them; defaults otherwise).
-``choose_allreduce`` picks the cheapest candidate when ranks span several hosts; on one host it
-picks ``shm`` if the group exists, else by size (the tiers' constants describe shared memory,
-not the loopback TCP that a forced ``transport=tcp`` uses).
+``choose_allreduce`` picks the cheapest candidate when ranks span several hosts, by
+``costs.choose``'s rule: on a bandwidth-bound link a ring (``ring``, ``topo_ring``,
+``hierarchical``) predicted within ``costs.RING_MARGIN`` (5%) of a cheaper doubling or
+halving-doubling is taken instead, since halving-doubling's bursts cost more on a shaped link
+than the model predicts (measured; see there). On one host it picks ``shm`` if the group
+exists, else by size (the tiers' constants describe shared memory, not the loopback TCP that a
+forced ``transport=tcp`` uses).
 
 The choice depends only on the size, the requested algorithm and the job, none of which
 changes between calls, so ``Plans`` remembers it per (size, request): the planner runs once
@@ -30,7 +34,7 @@ import logging
 from typing import Sequence
 
 from ..cluster.topology import Topology
-from .costs import RankFabric, allreduce_time
+from .costs import RankFabric, allreduce_time, cheapest, choose
 
 __all__ = ["ALGORITHMS", "CANDIDATES", "Plans", "choose_allreduce", "predict", "plan"]
 
@@ -58,7 +62,7 @@ def choose_allreduce(nbytes: int, size: int, requested: str, config, has_shm_gro
         if has_shm_group:
             return "shm"
         if topo is not None and len(topo.hosts) > 1:
-            return min(CANDIDATES, key=lambda alg: predict(alg, nbytes, topo))
+            return cheapest(RankFabric(topo, range(topo.size)), nbytes, CANDIDATES)
         if nbytes < config.small_bytes:
             return "doubling"
         if nbytes < config.medium_bytes:
@@ -119,9 +123,9 @@ def predict(algorithm: str, nbytes: int, topo: Topology) -> float:
 def plan(topo: Topology, sizes: Sequence[int]) -> list[dict]:
     """For each size: every candidate's predicted seconds and the choice."""
     rows = []
+    fabric = RankFabric(topo, range(topo.size))  # ``predict``'s
     for nbytes in sizes:
-        times = {alg: predict(alg, nbytes, topo) for alg in CANDIDATES}
-        rows.append({"size": nbytes, "predicted": times,
-                     "choice": min(times, key=times.__getitem__)})
+        times = {alg: allreduce_time(alg, fabric, nbytes) for alg in CANDIDATES}
+        rows.append({"size": nbytes, "predicted": times, "choice": choose(fabric, times)})
     return rows
 

@@ -37,11 +37,11 @@ its cost model predicts fastest on the unit, timed by the same formulas
 (``funnel.round_trip_time``).
 
 Time of a call on a fabric (the cost model's ``TierFabric``): an allreduce is the cost model's
-(``costs.allreduce_time``: the planner's choice for a flat schedule; inside a tiered one the
-cheapest of recursive doubling, halving-doubling and the ring, as ``comm.ViewComm`` chooses
-them); the
-alltoall is the cheaper of ``alltoall.py``'s two, as ``comm`` chooses them (``alltoall_time``):
-the pairwise exchange, n-1 steps in which rank i sends a block to i + d (the messages that
+(``costs.allreduce_time``: the planner's choice for a flat schedule; inside a tiered one
+recursive doubling, halving-doubling or the ring, as ``comm.ViewComm`` chooses them, both by
+``costs.choose``: the cheapest, or a ring within ``costs.RING_MARGIN`` of it); the alltoall
+is the cheaper of ``alltoall.py``'s two, as ``comm`` chooses them (``alltoall_time``): the
+pairwise exchange, n-1 steps in which rank i sends a block to i + d (the messages that
 leave each unit in step d share its uplink), or Bruck's ceil(log2 n) steps at d = 1, 2, 4, ..
 of about n/2 blocks each (the bytes a rank sends, ``sent_bytes``, follow the choice); the
 allgather is the cheaper of ``allgather.py``'s two, as ``comm`` chooses them
@@ -308,9 +308,10 @@ def allgather_time(f, nbytes: float) -> float:
 
 
 def call_time(f, call: tuple[str, float], algorithms: "tuple[str, ...] | None") -> float:
-    """Seconds of one call on fabric ``f``. An allreduce runs the cheapest of ``algorithms``
-    (the planner's rule) or, with None, of ``SUB_ALLREDUCES``, as ``comm.ViewComm`` chooses
-    for a tiered sub-group."""
+    """Seconds of one call on fabric ``f``. An allreduce runs the one of ``algorithms`` that
+    the planner's rule picks (``costs.choose``: the cheapest, or a ring within its margin)
+    or, with None, of ``SUB_ALLREDUCES``, as ``comm.ViewComm`` chooses for a tiered
+    sub-group."""
     kind, nbytes = call
     if f.n < 2 or nbytes <= 0:
         return 0.0
@@ -320,7 +321,8 @@ def call_time(f, call: tuple[str, float], algorithms: "tuple[str, ...] | None") 
         return allgather_time(f, nbytes)
     if algorithms is None:
         algorithms = SUB_ALLREDUCES
-    return min(costs.allreduce_time(a, f, nbytes) for a in algorithms)
+    times = {a: costs.allreduce_time(a, f, nbytes) for a in algorithms}
+    return times[costs.choose(f, times)]
 
 
 def funnel_time(f, nbytes: float) -> float:
@@ -357,14 +359,14 @@ def rate(cluster, kind: str) -> float:
 def exchange(cluster, fabric, c: Compression, nbytes: float, bytes_per_param: float,
              algorithms: tuple[str, ...], matrix: tuple[int, int]) -> Cost:
     """One bucket of ``nbytes`` of gradients under ``c`` on ``fabric``; ``algorithms``: the
-    candidates of the flat allreduce (the planner picks the cheapest, the first of equals)."""
+    candidates of the flat allreduce (the planner's rule picks one: ``costs.choose``)."""
     elements = nbytes / bytes_per_param
     if fabric.n < 2:
         return Cost()
     if c.kind in ("none", "localsgd", "diloco", "fp16", "bf16"):
         wire = nbytes if c.kind not in ("fp16", "bf16") else elements * min(2, bytes_per_param)
         timed = {a: costs.allreduce_time(a, fabric, wire) for a in algorithms}
-        best = min(algorithms, key=timed.get)
+        best = costs.choose(fabric, timed)
         sent = sent_bytes(("allreduce", wire), fabric.n)
         if c.kind in ("fp16", "bf16"):
             work = rate(cluster, c.kind) * elements
@@ -394,7 +396,7 @@ def exchange(cluster, fabric, c: Compression, nbytes: float, bytes_per_param: fl
         if algs is None:
             label = "hierarchical"
         elif calls and calls[0][0] == "allreduce":
-            label = min(algs, key=lambda a: costs.allreduce_time(a, f, calls[0][1]))
+            label = costs.cheapest(f, calls[0][1], algs)
         else:
             label = f"alltoall ({hows[0]})+allgather ({hows[1]})"
         return Cost(took + work, work, 0.0, sent, label)

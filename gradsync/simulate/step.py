@@ -14,8 +14,8 @@ buckets), per rank and identical on every rank:
 Backward produces gradient bytes at an even rate (the assumption ``ready=uniform``; real
 networks are uneven: VGG's fully connected layers, most of its bytes, come out first). The
 allreduce time is the cost model's (``gradsync.collectives.costs``) on the cluster's
-``TierFabric``, for the algorithm asked for or, with ``auto``, the cheapest per bucket as the
-planner picks it at run time.
+``TierFabric``, for the algorithm asked for or, with ``auto``, per bucket the one the
+planner picks at run time (``costs.choose``: the cheapest, or a ring within 5% of it).
 
 Compression (``compression.py``): each bucket's exchange is the collectives the library's
 compressor issues (int8's alltoall and allgather, PowerSGD's two allreduces, random-k's one,
