@@ -252,3 +252,49 @@ def test_an_unrunnable_ssh_is_a_start_error():
     with pytest.raises(processes.StartError, match="cannot run '/no/such/ssh'") as info:
         Ssh("/no/such/ssh").probe("h1")
     assert info.value.status == 127
+
+
+class QuickSsh(Ssh):
+    @property
+    def probe_limit(self) -> float:  # (Ssh's is its ConnectTimeout and 5 s more)
+        return 1.0
+
+
+def test_host_checks_collect_each_host_as_its_check_ends_and_kill_a_late_one(tmp_path):
+    """``HostChecks``, the one ssh-check loop of the static start and the elastic pool: a
+    check is collected when it ends (reachable: no error; refused: ssh's error and status),
+    one past its deadline is killed and reported late (255), none is waited on."""
+    fake = tmp_path / "ssh"
+    fake.write_text("#!/bin/sh\n"  # (its arguments end with "HOST true")
+                    'case "$*" in *" bad true") echo "ssh: connect to host bad port 22: '
+                    'Connection refused" >&2; exit 255;;\n'
+                    '*" slow true") exec sleep 30;;\nesac\nexit 0\n')
+    fake.chmod(0o755)
+    checks = processes.HostChecks(QuickSsh(str(fake)))
+    began = time.monotonic()
+    for host in ("good", "bad", "slow"):
+        checks.start(host)
+    checks.start("good")  # already running: not started twice
+    found: dict[str, tuple] = {}
+    while checks and time.monotonic() - began < 10:
+        for host, error, code in checks.collect():
+            found[host] = (error, code, time.monotonic() - began)
+        time.sleep(0.02)
+    assert not checks and "slow" not in checks
+    assert found["good"][:2] == (None, 0)
+    error, code, when = found["bad"]
+    assert code == 255 and "cannot run commands on bad" in error and "Connection refused" in error
+    assert when < 1.0  # collected when it ended, not after the slow one
+    error, code, when = found["slow"]
+    assert (error, code) == ("ssh to slow did not finish within 30s", 255) and 1.0 <= when < 5
+
+
+def test_host_checks_end_kills_the_checks_still_running(tmp_path):
+    fake = tmp_path / "ssh"
+    fake.write_text("#!/bin/sh\nexec sleep 30\n")
+    fake.chmod(0o755)
+    checks = processes.HostChecks(Ssh(str(fake)))
+    checks.start("h1")
+    (proc, _), = checks._running.values()
+    checks.end()
+    assert not checks and proc.poll() is not None

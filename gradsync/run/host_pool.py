@@ -32,14 +32,13 @@ and stops the workers, and asks the pool where there is room.
 from __future__ import annotations
 
 import math
-import subprocess
 import time
 from typing import Callable, Protocol, Sequence, TypeVar
 
 from .discovery import Discovery
 from .hosts import Host
 from .ranks import is_local
-from .processes import Output, Ssh
+from .processes import HostChecks, Output, Ssh
 
 __all__ = ["HostPool"]
 
@@ -76,7 +75,7 @@ class HostPool:
         self.blacklist: dict[str, float] = {}
         self.reachable: set[str] = set()
         self._failures: dict[str, int] = {}  # per host: how often it was blacklisted
-        self._probes: dict[str, tuple[subprocess.Popen, float]] = {}  # ssh checks running
+        self._checks: HostChecks | None = None  # the ssh checks, made at the first probe
         self._seen_version = 0  # the discovery script's answer last looked at
 
     def listed(self) -> list[Host]:
@@ -151,7 +150,7 @@ class HostPool:
         """Checks the remote hosts known at the start before the first generation, so that
         it can place workers on them; an unreachable one is blacklisted."""
         self.probe(ssh)
-        while self._probes and not interrupted():
+        while self._checks and not interrupted():
             time.sleep(_POLL)
             self.probe(ssh)
 
@@ -159,24 +158,17 @@ class HostPool:
         """Starts the ssh check (``Ssh.probe``) of each listed remote host not yet checked,
         and collects the finished ones: a reachable host may take workers; an unreachable one
         is blacklisted (for ``--blacklist-cooldown``). True when a host became reachable."""
-        now = time.monotonic()
+        if self._checks is None:
+            self._checks = HostChecks(ssh)
+        checks, now = self._checks, time.monotonic()
         for host in [*self.listed(), *self.data_hosts]:
             name = host.name
-            if is_local(name) or name in self.reachable or name in self._probes or \
+            if is_local(name) or name in self.reachable or name in checks or \
                     self.blacklist.get(name, 0) > now:
                 continue
-            self._probes[name] = (ssh.probe(name), now + ssh.probe_limit)
+            checks.start(name)
         added = False
-        for name, (proc, end) in list(self._probes.items()):
-            if proc.poll() is None and time.monotonic() < end:
-                continue
-            error: str | None
-            if proc.poll() is None:
-                error = f"ssh to {name} did not finish within {ssh.timeout:.0f}s"
-            else:
-                error = ssh.probe_error(name, proc)
-            ssh.end_probe(proc)
-            del self._probes[name]
+        for name, error, _ in checks.collect():
             if error is None:
                 self.reachable.add(name)
                 added = True
@@ -188,6 +180,5 @@ class HostPool:
         """Stops the discovery script and the ssh checks still running."""
         if self.discovery is not None:
             self.discovery.stop()
-        for proc, _ in self._probes.values():
-            Ssh.end_probe(proc)
-        self._probes.clear()
+        if self._checks is not None:
+            self._checks.end()

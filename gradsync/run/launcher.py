@@ -93,7 +93,8 @@ from typing import TYPE_CHECKING, BinaryIO
 from . import binding
 from .hosts import Host
 from .loop import End, JobLoop
-from .processes import DEFAULT_START_TIMEOUT, STOP_GRACE, Output, StartError, describe, exit_status
+from .processes import (DEFAULT_START_TIMEOUT, STOP_GRACE, HostChecks, Output, StartError,
+                        describe, exit_status)
 from .ranks import (SERVER_LINGER, SERVER_MODULE, LaunchSpec, Rank, Slot, Starter,
                     forwarded_settings, informs, is_local, place, rank_line, restart_allowed,
                     server_entry, start_store, store_address)
@@ -199,27 +200,18 @@ class _Job(JobLoop):
     def _check_hosts(self) -> None:
         """Runs ``true`` on each remote host first, so that an unreachable host is reported
         by name before any rank starts, instead of as one rank's ssh failure."""
-        ssh = self.starter.ssh
-        checks: dict[str, subprocess.Popen] = {}
-        end = time.monotonic() + ssh.probe_limit
+        checks = HostChecks(self.starter.ssh)
         try:
             for host in self.remote_hosts:
-                checks[host] = ssh.probe(host)
-            # Polled rather than waited on, so that a Ctrl-C is honoured at once.
-            while self.interrupts.received is None and \
-                    any(p.poll() is None for p in checks.values()):
-                if time.monotonic() > end:
-                    late = [h for h, p in checks.items() if p.poll() is None]
-                    raise StartError(f"ssh to {', '.join(late)} did not finish within "
-                                     f"{ssh.timeout:.0f}s", 255)
-                time.sleep(_POLL)
-            for host, proc in checks.items():
-                error = ssh.probe_error(host, proc)
-                if error is not None:
-                    raise StartError(error, proc.returncode)
+                checks.start(host)
+            while checks and self.interrupts.received is None:
+                for _, error, code in checks.collect():
+                    if error is not None:  # the first host found wrong is reported
+                        raise StartError(error, code)
+                if checks:
+                    time.sleep(_POLL)
         finally:
-            for proc in checks.values():
-                ssh.end_probe(proc)
+            checks.end()
 
     # ------------------------------------------------------------------ watch
     def turn(self) -> End | None:

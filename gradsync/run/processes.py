@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import BinaryIO, Callable, Iterator, Mapping, Sequence
 
 __all__ = ["STOP_GRACE", "DEFAULT_START_TIMEOUT", "Process", "StartError", "start", "stop",
+           "HostChecks",
            "pump", "Output", "Interrupts", "Ssh", "remote_script", "exit_status", "describe"]
 
 STOP_GRACE = 3.0
@@ -368,6 +369,55 @@ class Ssh:
             proc.wait()
         assert proc.stderr is not None  # probe() pipes it
         proc.stderr.close()
+
+
+class HostChecks:
+    """The reachability checks in flight (``Ssh.probe``), each with its deadline
+    (``Ssh.probe_limit``): what the static start (every remote host before any rank starts,
+    ``launcher.py``) and the elastic host pool (hosts as they are listed, ``host_pool.py``)
+    both start, poll and collect. Neither waits on a check: each polls ``collect`` from its
+    own loop, so a Ctrl-C is honoured at once."""
+
+    def __init__(self, ssh: Ssh):
+        self.ssh = ssh
+        self._running: dict[str, tuple[subprocess.Popen, float]] = {}
+
+    def start(self, host: str) -> None:
+        """Starts ``host``'s check, unless one is running."""
+        if host not in self._running:
+            self._running[host] = (self.ssh.probe(host), time.monotonic() + self.ssh.probe_limit)
+
+    def __contains__(self, host: str) -> bool:
+        return host in self._running
+
+    def __bool__(self) -> bool:
+        """True while a check is running."""
+        return bool(self._running)
+
+    def collect(self) -> list[tuple[str, str | None, int]]:
+        """The checks that ended, or ran past their deadline (then killed), since the last
+        call: (host, what is wrong with it or None, the check's exit status: 255 for one
+        that did not finish, as ssh's own for a connection that failed)."""
+        now = time.monotonic()
+        done: list[tuple[str, str | None, int]] = []
+        for host, (proc, end) in list(self._running.items()):
+            if proc.poll() is None and now < end:
+                continue
+            error: str | None
+            if proc.poll() is None:
+                error, code = f"ssh to {host} did not finish within {self.ssh.timeout:.0f}s", 255
+            else:
+                error, code = self.ssh.probe_error(host, proc), proc.returncode
+            self.ssh.end_probe(proc)
+            del self._running[host]
+            done.append((host, error, code))
+        return done
+
+    def end(self) -> None:
+        """Kills the checks still running."""
+        for proc, _ in self._running.values():
+            self.ssh.end_probe(proc)
+        self._running.clear()
 
 
 def _ssh_fix(host: str, detail: str) -> str:
