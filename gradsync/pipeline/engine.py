@@ -1,14 +1,11 @@
 """The engine: runs collectives in the order ranks issue them, in the background when asked.
 
 Collectives follow MPI semantics: every rank issues the same collectives in the same order,
-so the engine never reorders them. Asynchronous operations go to a queue served by one
-background thread (the *progress thread*); the caller gets a ``Handle`` to ``synchronize`` or
-``poll``. A synchronous call made while nothing is queued or running runs inline on the
-caller's thread: that saves the two thread hand-offs (tens of microseconds under the GIL) that
-would otherwise dominate a small allreduce. Order is still kept, because "nothing queued"
-means every earlier operation has finished. The inline path takes the engine's lock twice
-and notifies only when a thread actually waits on it (``_sleepers``), so that a small
-synchronous collective pays about a microsecond here.
+so the engine never reorders them. It is an ``executor.Serial`` (the torch backend's lanes are
+the other): asynchronous operations go to a queue served by one background thread (the
+*progress thread*), and the caller gets a ``Handle`` to ``synchronize`` or ``poll``; a
+synchronous call made while nothing is queued or running runs inline on the caller's thread
+(about a microsecond of the executor's for a small collective).
 
 Fusion is not guessed here from timing (what happens to be queued differs between ranks, so
 fusing it would need a negotiation round per cycle); callers that know a group of tensors
@@ -21,7 +18,6 @@ the record, the engine marks it started, completed or failed around ``fn``.
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 from typing import Callable
@@ -29,6 +25,7 @@ from typing import Callable
 from ..errors import GradsyncError
 from ..flight_recorder import Record, Track
 from ..liveness.pace import meter
+from .executor import Serial
 
 __all__ = ["Engine", "Handle"]
 
@@ -78,80 +75,48 @@ class Handle:
         return f"<gradsync.Handle {self.name!r} {'done' if self.poll() else 'in flight'}>"
 
 
-class Engine:
-    """Executes operations of one World, in issue order."""
+class Engine(Serial["tuple[Handle, Callable, Record | None]"]):
+    """Executes operations of one World, in issue order (``executor.Serial``: the queue, the
+    progress thread, the inline claim)."""
 
     def __init__(self, world, track: "Track | None" = None):
+        super().__init__("gradsync-progress")
         self.world = world
         self.track = track
         """The NumPy API's track in the flight recorder (``api`` and the express lane issue
         its records), or None."""
-        self._queue: collections.deque[tuple[Handle, Callable, Record | None]] = \
-            collections.deque()
-        # The lock is kept apart too: ``with self._lock`` runs in C, ``with self._cv`` does not.
-        self._lock = threading.Lock()
-        self._cv = threading.Condition(self._lock)
-        self._sleepers = 0  # threads in self._cv.wait(): the only ones a notify can concern
-        self._busy = False
-        self._stopping = False
-        self._thread: threading.Thread | None = None
-
-    def busy(self) -> bool:
-        """True while an operation runs or waits in the queue (read without the lock: a
-        snapshot, exact when the caller is the only thread that issues operations)."""
-        return self._busy or bool(self._queue)
 
     def run(self, fn: Callable, name: str, record: "Record | None" = None):
         """Runs ``fn`` after every earlier operation and returns its result; ``record`` is
         its flight recorder's record (``track.issue``), if any."""
-        if not self.claim_inline():
+        if not self.claim():
             return self.submit(fn, name, record).wait()
         began = time.monotonic_ns()
         try:
             return self._execute(fn, record)
         finally:
-            self.end_inline()
+            self.release()
             meter.blocked(began, time.monotonic_ns())  # the caller's time blocked (pace.py)
 
-    def claim_inline(self) -> bool:
-        """Marks the engine busy for an operation the caller runs inline; False (nothing
-        changed) when something is queued or running, so the caller must queue instead.
-        Every True must be followed by one ``end_inline()`` (the express lane, ``express.py``,
-        uses the pair around its own call)."""
-        with self._lock:
-            if self._queue or self._busy:
-                return False
-            self._busy = True
-            return True
-
-    def end_inline(self) -> None:
-        """Ends what ``claim_inline`` began; wakes the threads waiting for the engine to be idle."""
-        with self._lock:
-            self._busy = False
-            if self._sleepers:
-                self._cv.notify_all()
-
-    def _sleep(self) -> None:
-        """``self._cv.wait()``, counted in ``_sleepers``; call with the lock held."""
-        self._sleepers += 1
-        try:
-            self._cv.wait()
-        finally:
-            self._sleepers -= 1
+    claim_inline = Serial.claim
+    """Marks the engine busy for an operation the caller runs inline (``Serial.claim``): the
+    express lane (``express.py``) uses the pair around its own call."""
+    end_inline = Serial.release
+    """Ends what ``claim_inline`` began."""
 
     def submit(self, fn: Callable, name: str, record: "Record | None" = None) -> Handle:
         """Queues ``fn`` for the progress thread; returns its Handle."""
         handle = Handle(name)
-        with self._cv:
-            if self._stopping:
-                raise RuntimeError("gradsync is shutting down")
-            self._queue.append((handle, fn, record))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="gradsync-progress",
-                                                 daemon=True)
-                self._thread.start()
-            self._cv.notify_all()
+        if self.push((handle, fn, record)) is not None:
+            raise RuntimeError("gradsync is shutting down")
         return handle
+
+    def _run(self, item: "tuple[Handle, Callable, Record | None]") -> None:
+        handle, fn, record = item
+        try:
+            handle.finish(result=self._execute(fn, record))
+        except BaseException as exc:  # delivered to whoever synchronizes the handle
+            handle.finish(error=exc)
 
     def _execute(self, fn: Callable, record: "Record | None" = None):
         if record is not None:
@@ -175,33 +140,7 @@ class Engine:
             record.done()
         return result
 
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._queue or self._busy:
-                    if self._stopping and not self._queue:
-                        return
-                    self._sleep()
-                handle, fn, record = self._queue.popleft()
-                self._busy = True
-            try:
-                handle.finish(result=self._execute(fn, record))
-            except BaseException as exc:  # delivered to whoever synchronizes the handle
-                handle.finish(error=exc)
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
-
-    def drain(self) -> None:
-        """Waits until every queued operation has finished."""
-        with self._cv:
-            while self._queue or self._busy:
-                self._sleep()
-
     def stop(self) -> None:
-        with self._cv:
-            self._stopping = True
-            self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join()
+        """Runs what is queued, then ends the progress thread; later submits raise."""
+        self.shut(RuntimeError("gradsync is shutting down"))
+        self.join()

@@ -19,7 +19,6 @@ synchronous ``dist.all_reduce`` would pass silently.
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 import weakref
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ...liveness.pace import meter
+from ...pipeline.executor import Serial
 from .backward import backward
 from .errors import BackendError, to_backend_error
 
@@ -145,8 +145,9 @@ class Work(dist._Work):
         return work
 
 
-class Lane:
-    """A progress thread that runs operations one after another, in submission order.
+class Lane(Serial["tuple[Work, Callable[[], None]]"]):
+    """A progress thread that runs operations one after another, in submission order
+    (``pipeline/executor.Serial``, the same machinery as the NumPy API's engine).
 
     A synchronous call (``run_now``) made while nothing is queued or running runs on the
     caller's thread instead: that saves the two thread hand-offs (tens of microseconds each
@@ -160,69 +161,35 @@ class Lane:
     """
 
     def __init__(self, name: str, on_error: Callable[[BaseException, str], BackendError]):
-        self.name = name
+        super().__init__(name)
         self.on_error = on_error
-        self._queue: collections.deque[tuple[Work, Callable[[], None]]] = collections.deque()
-        self._cv = threading.Condition()
-        self._busy = False
-        self._current: Work | None = None  # the Work running, on the lane or inline
-        self._thread: threading.Thread | None = None
-        self._closed: BaseException | None = None
+
+    def _started(self) -> None:
+        _running.add(self)
 
     def submit(self, work: Work, fn: Callable[[], None]) -> Work:
         """Queues ``fn``; ``work`` completes when it has run (or failed)."""
-        with self._cv:
-            if self._closed is not None:
-                if work.record is not None:
-                    work.record.fail(self._closed)
-                work._finish(to_backend_error(self._closed, work.what))
-                return work
-            self._queue.append((work, fn))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-                self._thread.start()
-                _running.add(self)
-            self._cv.notify()
+        closed = self.push((work, fn))
+        if closed is not None:
+            if work.record is not None:
+                work.record.fail(closed)
+            work._finish(to_backend_error(closed, work.what))
         return work
 
     def run_now(self, work: Work, fn: Callable[[], None]) -> Work:
         """Runs ``fn`` on this thread if the lane is idle, else queues it; returns ``work``."""
-        with self._cv:
-            inline = not self._queue and not self._busy and self._closed is None
-            if inline:
-                self._busy = True
-        if not inline:
+        if not self.claim((work, fn), open_only=True):
             return self.submit(work, fn)
         try:
             self._execute(work, fn)
         finally:
-            with self._cv:
-                self._busy = False
-                self._cv.notify()
+            self.release()
         return work
 
-    @property
-    def closed(self) -> "BaseException | None":
-        """Why the lane was closed (``close``); None while it is open."""
-        return self._closed
-
-    def try_run(self, fn: Callable[[], object]) -> "tuple[bool, object]":
-        """Runs ``fn`` on this thread if nothing is queued or running, holding the lane
-        meanwhile: ``(True, fn())``; ``(False, None)`` without running it when the lane is
-        busy or closed. Exceptions of ``fn`` go to the caller (no Work is involved)."""
-        with self._cv:
-            if self._queue or self._busy or self._closed is not None:
-                return False, None
-            self._busy = True
-        try:
-            return True, fn()
-        finally:
-            with self._cv:
-                self._busy = False
-                self._cv.notify()
+    def _run(self, item: "tuple[Work, Callable[[], None]]") -> None:
+        self._execute(*item)
 
     def _execute(self, work: Work, fn: Callable[[], None]) -> None:
-        self._current = work
         record = work.record
         if record is not None:
             record.start()
@@ -246,65 +213,26 @@ class Lane:
             backward.done_ns = time.monotonic_ns()
             work._finish()
 
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._queue or self._busy:
-                    if self._closed is not None and not self._queue:
-                        return
-                    self._cv.wait()
-                work, fn = self._queue.popleft()
-                self._busy = True
-            try:
-                self._execute(work, fn)
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify()
-
-    def drain(self, timeout: float) -> bool:
-        """Waits up to ``timeout`` seconds until nothing is queued or running; True then."""
-        with self._cv:
-            return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
-
     def in_flight(self) -> str:
         """What is queued or running, in words ("nothing", "all_reduce and 2 more")."""
-        with self._cv:
-            works = ([self._current] if self._busy and self._current is not None else []) + [
-                work for work, _ in self._queue]
+        works = [work for work, _ in self.pending()]
         if not works:
             return "nothing"
         return works[0].what + (f" and {len(works) - 1} more" if len(works) > 1 else "")
 
     def fail_current(self, reason: BaseException) -> None:
         """Fails the Work running now, without waiting for its function (which may go on)."""
-        with self._cv:
-            work = self._current if self._busy else None
-        if work is not None:
+        item = self.current()
+        if item is not None:
+            work = item[0]
             work._finish(to_backend_error(reason, work.what))
-
-    def join(self, timeout: float) -> bool:
-        """Waits up to ``timeout`` seconds for a closed lane's thread; True once it is gone."""
-        if self._thread is None or self._thread is threading.current_thread():
-            return True
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
 
     def close(self, reason: BaseException, wait: bool = True) -> None:
         """Stops the thread once the queue is empty (``wait``) or fails what is queued."""
-        with self._cv:
-            self._closed = reason
-            if not wait:
-                dropped = list(self._queue)
-                self._queue.clear()
-            else:
-                dropped = []
-            self._cv.notify_all()
-        for work, _ in dropped:
+        for work, _ in self.shut(reason, drop=not wait):
             work._finish(to_backend_error(reason, work.what))
-        if wait and self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
-
+        if wait:
+            self.join()
 
 
 # Lanes whose thread has started (see ``close_lanes``).

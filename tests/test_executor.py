@@ -1,0 +1,95 @@
+"""``pipeline/executor.Serial``, the one queue-and-thread machinery under the NumPy API's engine
+and the torch backend's lanes (one process, threads: nothing here needs another rank).
+Its two users are tested through their own interfaces in test_express.py (the engine's inline
+claim and the express lane) and test_backend_work.py (Works, run_now, close)."""
+
+from __future__ import annotations
+
+import threading
+
+from gradsync.pipeline.executor import Serial
+
+
+class Log(Serial):
+    """Runs items by appending them, with the thread that ran them, to ``ran``; an item that
+    is an Event is waited on first (so a test can hold the progress thread)."""
+
+    def __init__(self):
+        super().__init__("test-serial")
+        self.ran: list = []
+
+    def _run(self, item) -> None:
+        if isinstance(item, threading.Event):
+            item.wait(10)
+        self.ran.append((item, threading.current_thread().name))
+
+
+def test_items_run_in_push_order_on_the_progress_thread():
+    serial = Log()
+    for i in range(50):
+        assert serial.push(i) is None
+    assert serial.drain(10)
+    assert [item for item, _ in serial.ran] == list(range(50))
+    assert {name for _, name in serial.ran} == {"test-serial"}
+    serial.shut(RuntimeError("done"))
+    assert serial.join(10)
+
+
+def test_a_claim_holds_the_progress_thread_and_is_refused_while_anything_runs_or_waits():
+    serial = Log()
+    assert serial.claim("mine") and serial.current() == "mine" and serial.busy()
+    assert not serial.claim()  # running (inline)
+    serial.push(1)
+    assert not serial.drain(0.2)  # the progress thread waits for the claim's release
+    assert serial.ran == [] and serial.pending() == ["mine", 1]
+    serial.release()
+    assert serial.drain(10) and [item for item, _ in serial.ran] == [1]
+    gate = threading.Event()
+    serial.push(gate)
+    assert not serial.claim()  # queued or running on the progress thread
+    gate.set()
+    assert serial.drain(10) and serial.claim()
+    serial.release()
+    serial.shut(RuntimeError("done"))
+    serial.join(10)
+
+
+def test_try_run_runs_on_the_callers_thread_only_when_idle_and_open():
+    serial = Log()
+    assert serial.try_run(lambda: threading.current_thread().name) == \
+        (True, threading.current_thread().name)
+    assert serial.claim()
+    assert serial.try_run(lambda: 1) == (False, None)
+    serial.release()
+    serial.shut(RuntimeError("shut"))
+    assert serial.try_run(lambda: 1) == (False, None)
+    assert serial.claim()  # a plain claim does not look at the shut (the engine's inline run)
+    serial.release()
+
+
+def test_shut_runs_what_is_queued_or_hands_it_back_and_refuses_later_pushes():
+    serial = Log()
+    gate = threading.Event()
+    serial.push(gate)
+    serial.push(1)
+    serial.push(2)
+    reason = RuntimeError("closing")
+    assert serial.shut(reason) == []
+    assert serial.push(3) is reason and serial.closed is reason
+    gate.set()
+    assert serial.join(10)
+    assert [item for item, _ in serial.ran] == [gate, 1, 2]
+
+    dropping = Log()
+    gate = threading.Event()
+    dropping.push(gate)
+    dropping.push(1)
+    dropping.push(2)
+    for _ in range(2000):  # until the progress thread has taken the gate (10 s at most)
+        if dropping.current() is gate:
+            break
+        threading.Event().wait(0.005)
+    assert dropping.shut(reason, drop=True) == [1, 2]
+    gate.set()
+    assert dropping.join(10)
+    assert [item for item, _ in dropping.ran] == [gate]
