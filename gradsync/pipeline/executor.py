@@ -73,13 +73,17 @@ class Serial(Generic[T]):
         with self._lock:
             if self._queue or self._busy or (open_only and self._closed is not None):
                 return False
-            self._busy, self._current = True, item
+            self._busy = True
+            if item is not None:
+                self._current = item
             return True
 
     def release(self) -> None:
         """Ends what ``claim`` began; wakes the threads waiting for the executor."""
         with self._lock:
-            self._busy, self._current = False, None
+            self._busy = False
+            if self._current is not None:
+                self._current = None
             if self._sleepers:
                 self._cv.notify_all()
 
