@@ -105,6 +105,38 @@ def test_a_lossy_option_pays_for_its_extra_steps():
     assert names(lm(2e6, 1.8)) == ["powersgd4"]
 
 
+def test_a_lower_powersgd_rank_is_weighed_by_more_steps():
+    """PowerSGD's prior is its factor at rank 4; the excess over float32 scales as 4 / r, so
+    rank 2 needs 2.6 x float32's steps by default, not 1.8 (the bench's language model:
+    auto's rank-2 runs took 2.25-2.83 x). At 25 Mbit/s on the language model's 5.3 MB, a flat
+    1.8 for every rank chose rank 2; weighed by its rank, rank 4."""
+    assert m.powersgd_steps(1.8, 4) == pytest.approx(1.8)
+    assert m.powersgd_steps(1.8, 2) == pytest.approx(2.6)
+    assert m.powersgd_steps(1.8, 8) == pytest.approx(1.4)
+    assert m.powersgd_steps(1.0, 1) == 1.0
+
+    def lm(scaled: bool):
+        k = 5e-9 * 5_320_000
+        options = [m.Option("none", 1.0, 1, 0.0), m.Option("int8", 0.251, 2, k)]
+        for r, ratio in ((4, 0.083), (2, 0.042)):
+            options.append(m.Option(f"powersgd{r}", ratio, 2, 2 * k,
+                                    m.powersgd_steps(1.8, r) if scaled else 1.8))
+        b = m.Bucket("b", 5_320_000, tuple(options))
+        return m.Inputs((b,), rate=2e6, latency=1e-3, compute=0.13)
+
+    assert names(lm(scaled=False)) == ["powersgd2"]
+    assert names(lm(scaled=True)) == ["powersgd4"]
+
+    auto = Auto(powersgd_ranks=(8, 4, 2), powersgd_steps=1.5)  # what auto builds per rank
+    auto._shapes["b"] = [(256, 256)]
+    numbers = {"units": 4, "per_unit": 1, "keys": ["b"], "local": {"b": 0.0},
+               "kappa": {"b": [0.0] * len(auto.inner)}}
+    (bucket,) = auto._options(numbers)
+    steps = {o.name: o.steps for o in bucket.options}
+    assert steps == pytest.approx({"none": 1.0, "bf16": 1.0, "int8": 1.0, "powersgd8": 1.25,
+                                   "powersgd4": 1.5, "powersgd2": 2.0})
+
+
 def test_the_steps_factor_weighs_each_bucket_by_its_bytes():
     big = m.Bucket("big", 3000, (m.Option("none", 1.0, 1, 0.0),
                                  m.Option("powersgd4", 0.1, 2, 0.0, 2.0)))

@@ -122,11 +122,11 @@ class Auto(ReducingCompressor):
     Args:
         options: the kinds to choose from, of ``OPTIONS``; none is always one of them.
         powersgd_ranks: PowerSGD's candidate ranks (each an option, the lower the lossier).
-        powersgd_steps: PowerSGD's steps to float32's quality, as a multiple of float32's
-            (``auto_model``: what auto minimises is the step's time times this); 1.8 by
-            default, the larger of what ``gradsync bench compress``'s two tasks measured
-            (1.83 and 1.2). Set it from your own runs: 1 weighs PowerSGD by its step time
-            alone.
+        powersgd_steps: PowerSGD rank 4's steps to float32's quality, as a multiple of
+            float32's (``auto_model``: what auto minimises is the step's time times this;
+            at rank r its excess over 1 is scaled by 4 / r); 1.8 by default, the larger of
+            what ``gradsync bench compress``'s two tasks measured (1.83 and 1.2). Set it
+            from your own runs: 1 weighs PowerSGD by its step time alone.
         block: int8's and bf16's elements per scale.
         margin: a more faithful option is kept if its predicted step is at most this
             fraction slower than the fastest choice (``auto_model``).
@@ -594,8 +594,9 @@ class Auto(ReducingCompressor):
                     sent = sum(_numel(s) if p is None else p[2] * (p[0] + p[1])
                                for s, p in zip(shapes, plan))
                     twice = any(p is not None for p in plan)
+                    steps = model.powersgd_steps(self.powersgd_steps, c.rank) if twice else 1.0
                     options.append(model.Option(name, sent / max(numel, 1), 2 if twice else 1,
-                                                kappa, self.powersgd_steps if twice else 1.0))
+                                                kappa, steps))
             out.append(model.Bucket(key, 4 * numel, tuple(options), numbers["local"][key]))
         return out
 

@@ -25,11 +25,15 @@ What is minimised is not the step but the time to a quality: a lossy option may 
 steps. Each option carries ``steps``, its steps to float32's quality as a multiple of
 float32's: 1 for bf16 and int8 (error feedback keeps float32's steps: in ``gradsync bench
 compress`` both reached the target at float32's very step), a prior for PowerSGD, which
-the user may set (``Auto(powersgd_steps=...)``). It depends on the task: PowerSGD rank 4
-took 176 steps to float32's 96 on the bench's language model (1.83) and 96 to 80 on its CNN
-(1.2, docs/slow-links.md); the default, 1.8, takes the larger, so that the lossiest option
-must win clearly to be chosen. A choice's factor is its options' ``steps`` weighted by
-bucket bytes, and
+the user may set (``Auto(powersgd_steps=...)``, the factor at rank 4). It depends on the
+task: PowerSGD rank 4 took 176 steps to float32's 96 on the bench's language model (1.83)
+and 96 to 80 on its CNN (1.2, docs/slow-links.md); the default, 1.8, takes the larger, so
+that the lossiest option must win clearly to be chosen. It depends on the rank too: what a
+rank-r approximation leaves out waits in the residual, and the fewer the ranks the more
+(``powersgd_steps``: the prior's excess over float32 scales as 4/r). On the language model,
+with rank 2 on 4.23 MB of the gradient and rank 4 on the other 1.09 MB, auto's runs took
+176-272 steps (1.83-2.83), rank 2's share thus 1.83-3.1 against the 2.6 this rule gives
+with the default. A choice's factor is its options' ``steps`` weighted by bucket bytes, and
 
     time_to_target(choice) = step(choice) x steps_factor(choice)
 
@@ -84,6 +88,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 __all__ = ["Option", "Bucket", "Inputs", "Decision", "wire_time", "step_time", "steps_factor",
+           "powersgd_steps",
            "time_to_target", "decide",
            "PERIODS", "periods_upto", "sync_time", "period_step_time", "choose_period"]
 
@@ -256,6 +261,12 @@ def step_time(inputs: Inputs, choice: "tuple[int, ...] | list[int]") -> float:
         arithmetic += option.compute
         wire += wire_time(inputs, bucket, option)
     return inputs.compute + arithmetic + max(0.0, wire - inputs.hidden)
+
+
+def powersgd_steps(at_rank_4: float, rank: int) -> float:
+    """PowerSGD rank ``rank``'s steps factor (module docstring), given the factor at rank 4:
+    its excess over float32's steps grows as 4 / rank (1 stays 1)."""
+    return 1.0 + (at_rank_4 - 1.0) * 4.0 / rank
 
 
 def steps_factor(inputs: Inputs, choice: "tuple[int, ...] | list[int]") -> float:
