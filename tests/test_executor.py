@@ -37,7 +37,7 @@ def test_items_run_in_push_order_on_the_progress_thread():
 
 def test_a_claim_holds_the_progress_thread_and_is_refused_while_anything_runs_or_waits():
     serial = Log()
-    assert serial.claim("mine") and serial.current() == "mine" and serial.busy()
+    assert serial.claim_open("mine") and serial.current() == "mine" and serial.busy()
     assert not serial.claim()  # running (inline)
     serial.push(1)
     assert not serial.drain(0.2)  # the progress thread waits for the claim's release

@@ -65,25 +65,32 @@ class Serial(Generic[T]):
         """Why it was shut (``shut``); None while it is open."""
         return self._closed
 
-    def claim(self, item: T | None = None, open_only: bool = False) -> bool:
-        """Marks the executor busy for an operation the caller runs on its own thread
-        (``item``, if given, is then its ``current()``); False (nothing changed) when
-        something is queued or running (or, with ``open_only``, when closed), so the caller
-        must push instead. Every True is followed by one ``release()``."""
+    def claim(self) -> bool:
+        """Marks the executor busy for an operation the caller runs on its own thread; False
+        (nothing changed) when something is queued or running, so the caller must push
+        instead. Every True is followed by one ``release()``. (The express lane's pair:
+        kept to a lock and two reads.)"""
         with self._lock:
-            if self._queue or self._busy or (open_only and self._closed is not None):
+            if self._queue or self._busy:
                 return False
             self._busy = True
-            if item is not None:
-                self._current = item
+            return True
+
+    def claim_open(self, item: T | None = None) -> bool:
+        """``claim``, refused also when shut; ``item``, if given, is ``current()`` until the
+        ``release()``."""
+        with self._lock:
+            if self._queue or self._busy or self._closed is not None:
+                return False
+            self._busy, self._current = True, item
             return True
 
     def release(self) -> None:
-        """Ends what ``claim`` began; wakes the threads waiting for the executor."""
+        """Ends what ``claim`` (or ``claim_open``) began; wakes the threads waiting for the
+        executor."""
         with self._lock:
             self._busy = False
-            if self._current is not None:
-                self._current = None
+            self._current = None
             if self._sleepers:
                 self._cv.notify_all()
 
@@ -91,7 +98,7 @@ class Serial(Generic[T]):
         """``fn()`` on the caller's thread, holding the executor, if it is idle and open:
         ``(True, fn())``; ``(False, None)`` without running it otherwise. ``fn``'s
         exceptions go to the caller."""
-        if not self.claim(open_only=True):
+        if not self.claim_open():
             return False, None
         try:
             return True, fn()

@@ -178,7 +178,7 @@ class Lane(Serial["tuple[Work, Callable[[], None]]"]):
 
     def run_now(self, work: Work, fn: Callable[[], None]) -> Work:
         """Runs ``fn`` on this thread if the lane is idle, else queues it; returns ``work``."""
-        if not self.claim((work, fn), open_only=True):
+        if not self.claim_open((work, fn)):
             return self.submit(work, fn)
         try:
             self._execute(work, fn)
