@@ -16,10 +16,11 @@
  * mixes them).
  *
  * The wait, as in ShmGroup._wait: spin (spin_ns), then yield the core between looks (until
- * yield_ns after the wait began), then sleep on a futex, until budget_ns after the wait
- * began. Past the budget the call returns WAITING and Python takes over the wait: it owns
- * the deadline, the liveness checks and on_idle, which all run on the same 50 ms schedule
- * as before, so a lost peer ends in the same PeerLostError or timeout, never in a hang here.
+ * yield_ns after the wait began), then sleep on a futex (or nap nap_ns where there is none),
+ * until budget_ns after the wait began; the four come from transport/wait.py at open(). Past
+ * the budget the call returns WAITING and Python takes over the wait: it owns the deadline,
+ * the liveness checks and on_idle, which all run on the same 50 ms schedule as before, so a
+ * lost peer ends in the same PeerLostError or timeout, never in a hang here.
  *
  * Memory order (x86-64 only, like the Python path: ShmGroup refuses other machines): the
  * slot bytes and the issued words are written before the counter with a release store; a
@@ -64,7 +65,7 @@ typedef struct {
     char *slots;            /* slot (r, parity) starts at slots + (2 r + parity) slot_bytes */
     Py_ssize_t slot_bytes;
     int rank, size, futex;
-    int64_t spin_ns, yield_ns, budget_ns;
+    int64_t spin_ns, yield_ns, budget_ns, nap_ns; /* transport/wait.py's native_ladder */
 } group;
 
 static const char CAPSULE[] = "gradsync._shmfast.group";
@@ -121,7 +122,7 @@ static int wait_for(const group *g, int word, uint64_t seq) {
             sched_yield();
         } else if (now - started < g->budget_ns) {
             if (!g->futex) {
-                struct timespec nap = {0, 500000};
+                struct timespec nap = {g->nap_ns / 1000000000, g->nap_ns % 1000000000};
                 nanosleep(&nap, NULL);
                 continue;
             }
@@ -231,17 +232,18 @@ static void free_group(PyObject *capsule) {
     PyMem_Free(g);
 }
 
-/* open(segment, rank, size, slot_bytes, control_bytes, futex, spin_ns, yield_ns, budget_ns)
- * -> capsule. The capsule holds a buffer export of the segment until it is freed, so the
- * mmap refuses to close while a call (which holds the capsule) may still read it; ShmGroup
- * drops its capsule before it closes the segment. */
+/* open(segment, rank, size, slot_bytes, control_bytes, futex, spin_ns, yield_ns, budget_ns,
+ * nap_ns) -> capsule. The four durations are the wait's ladder (transport/wait.py's
+ * native_ladder); this file keeps none of its own. The capsule holds a buffer export of the
+ * segment until it is freed, so the mmap refuses to close while a call (which holds the
+ * capsule) may still read it; ShmGroup drops its capsule before it closes the segment. */
 static PyObject *py_open(PyObject *self, PyObject *args) {
     PyObject *segment;
     int rank, size, use_futex;
     Py_ssize_t slot_bytes, control_bytes;
-    long long spin_ns, yield_ns, budget_ns;
-    if (!PyArg_ParseTuple(args, "OiinnpLLL", &segment, &rank, &size, &slot_bytes,
-                          &control_bytes, &use_futex, &spin_ns, &yield_ns, &budget_ns))
+    long long spin_ns, yield_ns, budget_ns, nap_ns;
+    if (!PyArg_ParseTuple(args, "OiinnpLLLL", &segment, &rank, &size, &slot_bytes,
+                          &control_bytes, &use_futex, &spin_ns, &yield_ns, &budget_ns, &nap_ns))
         return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(segment, &view, PyBUF_WRITABLE) < 0) return NULL;
@@ -258,7 +260,7 @@ static PyObject *py_open(PyObject *self, PyObject *args) {
         return PyErr_NoMemory();
     }
     *g = (group){view, (uint64_t *)base, base + control_bytes, slot_bytes, rank, size,
-                 use_futex, spin_ns, yield_ns, budget_ns};
+                 use_futex, spin_ns, yield_ns, budget_ns, nap_ns};
     PyObject *capsule = PyCapsule_New(g, CAPSULE, free_group);
     if (!capsule) {
         PyBuffer_Release(&g->segment);
