@@ -74,7 +74,7 @@ def test_the_compiled_wait_is_handed_the_policys_rungs(monkeypatch):
     assert wait.native_ladder(True) == (int(wait.MAX_SPIN * 1e9), int(wait.YIELD_FOR * 1e9),
                                         int(wait.CHECK_EVERY * 1e9), int(wait.MAX_NAP * 1e9))
     assert wait.native_ladder(False)[0] == int(wait.MIN_SPIN * 1e9)
-    from gradsync.collectives import shm as host_segment
+    from gradsync.transport import host_segment
 
     opened: list = []
     fake = types.SimpleNamespace(open=lambda *args: opened.append(args) or object(),

@@ -1,5 +1,6 @@
-/* gradsync's compiled fast paths: the one-step shared-memory allreduce of collectives/shm.py,
- * and the beater of heartbeat.py and the data servers (at the end of this file, "The beater").
+/* gradsync's compiled fast paths: the one-step shared-memory allreduce of the host's segment
+ * (transport/host_segment.py), and the beater of heartbeat.py and the data servers (at the
+ * end of this file, "The beater").
  *
  * A small allreduce among the ranks of one host is one synchronisation: every rank copies
  * its data into its slot, publishes its arrival counter, waits until every other rank has
@@ -9,9 +10,9 @@
  * one call, so a 4 KiB allreduce costs a few hundred nanoseconds of work plus the wait.
  *
  * This file is a second implementation of ShmGroup._allreduce_small, not a new protocol: it
- * reads and writes the same segment in the same layout (collectives/shm.py describes it;
- * the constants below must match it), publishes the same counters and issued words, sleeps
- * on the same futex words announcing itself in the same _SLEEPING word. A rank on this path
+ * reads and writes the same segment in the same layout (transport/host_segment.py describes
+ * it; the constants below must match it), publishes the same counters and issued words,
+ * sleeps on the same futex words announcing itself in the same _SLEEPING word. A rank on this path
  * and a rank on the Python path therefore meet in the same collective (tests/test_shm.py
  * mixes them).
  *
@@ -46,7 +47,7 @@
 #include <time.h>
 #include <unistd.h>
 
-/* The segment's layout (collectives/shm.py). */
+/* The segment's layout (transport/host_segment.py). */
 #define WORDS 8 /* 64-bit words per cache line */
 enum { ARRIVED = 0, SLEEPING = 5, ISSUED = WORDS };
 #define KIND_ALLREDUCE 1
@@ -54,7 +55,7 @@ enum { ARRIVED = 0, SLEEPING = 5, ISSUED = WORDS };
 /* What call() and fold() return to Python. */
 enum { DONE = 0, WAITING = 1, MISMATCH = 2 };
 
-/* Kernel codes: op << 4 | dtype (collectives/shm.py builds them). */
+/* Kernel codes: op << 4 | dtype (transport/host_segment.py builds them). */
 enum { OP_SUM = 0, OP_MIN = 1, OP_MAX = 2, OP_PROD = 3 };
 enum { T_F32 = 0, T_F64 = 1, T_I32 = 2, T_I64 = 3 };
 static const Py_ssize_t ITEMSIZE[] = {4, 8, 4, 8};

@@ -1,4 +1,11 @@
-"""Allreduce, broadcast and barrier among the ranks of one host, through one shared segment.
+"""The host's shared segment: allreduce, broadcast and barrier among the ranks of one host.
+
+The segment is a transport, the second beside the pairs (``base.py``): where every rank of a
+World is on this host, ``connect/_shm_setup.py`` opens it and ``World`` holds it, and the
+algorithms reach it through ``pipeline/operations.py`` (the ``shm`` algorithm) like any other
+transport. The front doors never hold it: they ask ``World`` (is there a small-message road
+for this call, how large a bucket is worth sharing, a shared buffer of n bytes), and
+tests/test_structure.py names the only modules that may reach it.
 
 Vocabulary. The host's *local ranks* 0..n-1 share one segment. Each local rank owns two
 *slots* of ``slot_bytes`` (double buffering) and one cache line of *counters*. The data is
@@ -95,6 +102,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import enum
 import itertools
 import mmap
 import os
@@ -105,15 +113,17 @@ import numpy as np
 
 from .. import _native
 from ..errors import CollectiveMismatchError, GradsyncError, GradsyncTimeoutError, PeerLostError
-from ..transport.futex import Futex, fence
-from ..transport.wait import (CHECK_EVERY, FIRST_NAP, MAX_NAP, MIN_SPIN, PY_SPIN, PY_YIELD_FOR,
-                              may_spin, native_ladder)
-from ..transport.shm import (CACHE_LINE, attach_segment, check_job_id, create_segment,
-                             process_start_time, require_tso, unlink_segment)
-from .ops import Reducer, ReduceOp
+from .futex import Futex, fence
+from .shm import (CACHE_LINE, attach_segment, check_job_id, create_segment, process_start_time,
+                  require_tso, unlink_segment)
+from .wait import (CHECK_EVERY, FIRST_NAP, MAX_NAP, MIN_SPIN, PY_SPIN, PY_YIELD_FOR, may_spin,
+                   native_ladder)
 
 __all__ = ["ShmGroup", "segment_bytes", "DEFAULT_SLOT_BYTES", "DEFAULT_SMALL_BYTES", "group_segment_name",
            "create_group_segment"]
+
+Reducer = Callable[[np.ndarray, np.ndarray], None]
+"""``reducer(dst, src)`` folds ``src`` into ``dst`` in place (``collectives/ops.py``'s)."""
 
 DEFAULT_SLOT_BYTES = 1 << 20
 DEFAULT_SMALL_BYTES = 32 << 10
@@ -137,12 +147,13 @@ _KIND_NAMES = {_ALLREDUCE: "allreduce", _BROADCAST: "broadcast", _BARRIER: "barr
 _MASK64 = (1 << 64) - 1
 _PAGE = 4096
 # Kernel codes of _shmfast.c: op << 4 | dtype. An Average folds as a sum, then divides.
-_FAST_OPS = {ReduceOp.SUM: 0, ReduceOp.AVERAGE: 0, ReduceOp.MIN: 1, ReduceOp.MAX: 2,
-             ReduceOp.PRODUCT: 3}
+# The ops are named by their ``ReduceOp`` value (``collectives/ops.py``, the floor above: the
+# segment takes the algorithms' op and reads its value, and imports nothing from there).
+_FAST_OPS = {"sum": 0, "average": 0, "min": 1, "max": 2, "product": 3}
 _FAST_DTYPES: dict[np.dtype, int] = {np.dtype(np.float32): 0, np.dtype(np.float64): 1,
                                      np.dtype(np.int32): 2, np.dtype(np.int64): 3}
 # Looked up with the op an allreduce was given, None when the Python road must run: no code.
-_FAST_CODES: dict[tuple[ReduceOp | None, np.dtype], int] = {
+_FAST_CODES: dict[tuple[str, np.dtype], int] = {
     (op, dtype): code << 4 | t for op, code in _FAST_OPS.items()
     for dtype, t in _FAST_DTYPES.items()}
 _FAST_DONE, _FAST_WAITING, _FAST_MISMATCH = 0, 1, 2
@@ -310,7 +321,7 @@ class ShmGroup:
                   on_idle: Callable[[float], None] = lambda waited: None,
                   signature: int = 0,
                   finish: Callable[[np.ndarray], None] | None = None,
-                  op: "ReduceOp | None" = None, divisor: int = 0, trunc: bool = False) -> None:
+                  op: "enum.Enum | None" = None, divisor: int = 0, trunc: bool = False) -> None:
         """Reduces ``data`` in place across the local ranks; all end with identical bytes.
 
         Args:
@@ -341,7 +352,8 @@ class ShmGroup:
             return
         if flat.nbytes <= self.small_bytes:
             try:  # what _guard does, without a context manager's cost on the small road
-                code = _FAST_CODES.get((op, flat.dtype)) if self._fast_call else None
+                code = (_FAST_CODES.get((op._value_, flat.dtype))
+                        if self._fast_call and op is not None else None)
                 if code is not None:
                     self._allreduce_fast(flat, code, divisor, trunc, deadline, on_idle,
                                          signature)
@@ -423,10 +435,10 @@ class ShmGroup:
         if shared is not None:
             os.close(shared[0])
 
-    def fast_code(self, op: ReduceOp, dtype: np.dtype) -> "int | None":
+    def fast_code(self, op: enum.Enum, dtype: np.dtype) -> "int | None":
         """The compiled road's kernel code for ``op`` on ``dtype``, or None when an allreduce
         of them takes the Python road (or the compiled one is not built)."""
-        return _FAST_CODES.get((op, dtype)) if self._fast_call else None
+        return _FAST_CODES.get((op._value_, dtype)) if self._fast_call else None
 
     def allreduce_express(self, flat: np.ndarray, code: int, divisor: int, deadline: float,
                           on_idle: Callable[[float], None], signature: int) -> None:
