@@ -45,16 +45,16 @@ __all__ = ["SPINS", "YIELDS", "FIRST_NAP", "MAX_NAP", "CHECK_EVERY", "MIN_SPIN",
 # 20 (6 ms either way when each rank had a core of its own): "gradsync/transport/shm.py",
 # ``Backoff.SPINS``.
 SPINS = 20
-# Rounds of yielding after the spins, before the naps begin. Not measured on its own: it
-# came with the spin count above and was kept when that was.
+# Rounds of yielding after the spins, before the naps begin. No measurement of this figure is
+# recorded (docs/benchmarks-history.md names none).
 YIELDS = 2000
 
 # --- the sleep rung, shared by both kinds -------------------------------------------------
 
-# A nap where no futex can be slept on starts at FIRST_NAP and doubles up to MAX_NAP: short
-# enough that a wake-up found late costs at most half a millisecond, long enough that an
-# oversubscribed host (more ranks than cores, as in CI) is not kept busy by the nappers. Not
-# measured separately; every nap of the transport has used these two figures.
+# A nap where no futex can be slept on starts at FIRST_NAP and doubles up to MAX_NAP: a
+# wake-up found late costs at most half a millisecond, and an oversubscribed host (more ranks
+# than cores, as in CI) is not kept busy by the nappers. No measurement of these figures is
+# recorded; every nap of the transport has used them.
 FIRST_NAP = 1e-6
 MAX_NAP = 0.0005
 # How often a wait that sleeps looks at its deadline, the job's abort record and its peers'
@@ -67,8 +67,8 @@ CHECK_EVERY = 0.05
 # when they outnumber the cores (``may_spin``): spinning then delays the rank waited for.
 # MAX_SPIN is the compiled wait's, which releases the GIL. With each rank bound to one CPU
 # under mpirun (so given MIN_SPIN), spinning 100 us instead gave 4 KiB ratios to Open MPI of
-# 1.5, 3.2, 2.5 against 1.5, 1.7, 1.9 in three alternating pairs: no gain ("The express lane and core
-# binding", "Is the peer late, or does the waiter miss it?").
+# 1.5, 3.2, 2.5 against 1.5, 1.7, 1.9 in three alternating pairs: no gain ("The express lane
+# and core binding", "Is the peer late, or does the waiter miss it?").
 MIN_SPIN, MAX_SPIN = 2e-6, 100e-6
 # The Python wait spins at most PY_SPIN: its loop holds the GIL, which a training step's main
 # thread needs while a background thread waits here, so a long spin slows the step it waits
@@ -86,7 +86,8 @@ YIELD_FOR = 20e-3
 # back, and a rank that waits milliseconds in a large allreduce during training waits for a
 # peer still in its backward pass, not for one that was descheduled. 15 alternating triples
 # of scripts/train_costs.py gave DistributedOptimizer 0.58 of the local rate with 3 ms,
-# against 0.52 with 20 ms: "gradsync/collectives/shm.py", ``PY_YIELD_FOR``.
+# against 0.52 with 20 ms: "gradsync/collectives/shm.py", ``PY_YIELD_FOR``, and "A fifth
+# session".
 PY_YIELD_FOR = 3e-3
 
 
