@@ -252,8 +252,9 @@ def test_the_top_level_holds_only_the_public_face_and_what_the_floors_share():
 # The host's shared segment is a transport (issue 39, item 2): the modules that may reach it,
 # by importing its module or by reading World's handle on it. The front doors ask World
 # instead (``shares_host``, ``small_road``, ``shared_above``, ``shared_buffer``,
-# ``release_shared``, ``is_shared``, ``host_traffic``), and the algorithms run on it through
-# ``operations``. A module that stops reaching it comes off the list, so the list only shrinks.
+# ``release_shared``, ``release_shared_with``, ``is_shared``, ``host_traffic``), and the
+# algorithms run on it through ``operations``. A module that stops reaching it comes off the
+# list, so the list only shrinks.
 SEGMENT, HANDLE = "gradsync.transport.host_segment", "shm_group"
 REACH_SEGMENT = {
     "gradsync.connect._shm_setup",   # opens it, when every rank of the job is on one host

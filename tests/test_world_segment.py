@@ -67,3 +67,25 @@ def test_without_a_segment_every_answer_is_no():
     assert not World.is_shared(world, np.zeros(16, np.uint8))
     assert World.host_traffic(world) is None
     World.release_shared(world, 12345)
+
+
+def test_a_buffers_release_waits_for_its_owner_and_does_not_keep_the_world(group):
+    """A DistributedOptimizer bucket's shared buffer is released when the bucket's tensor goes:
+    the finalizer holds the segment, so a closed sub-world is not kept alive by its buckets."""
+    import gc
+    import weakref
+
+    class Stand:  # weakly referable, unlike a SimpleNamespace
+        shm_group = group
+
+    released: list = []
+    group.release = released.append
+    world, owner = Stand(), Stand()
+    World.release_shared_with(world, owner, 4096)
+    gone = weakref.ref(world)
+    del world
+    gc.collect()
+    assert gone() is None and released == []
+    del owner
+    gc.collect()
+    assert released == [4096]

@@ -438,6 +438,12 @@ class World:
         if self.shm_group is not None:
             self.shm_group.release(address)
 
+    def release_shared_with(self, owner: object, address: int) -> None:
+        """Forgets the shared buffer at ``address`` once ``owner`` (what views it) is gone. The
+        finalizer holds the segment, not this World, which may be collected before it."""
+        if self.shm_group is not None:
+            weakref.finalize(owner, self.shm_group.release, address)
+
     def is_shared(self, data: "np.ndarray") -> bool:
         """Whether an allreduce of ``data`` runs on shared buffers (``shared_buffer``)."""
         group = self.shm_group

@@ -38,7 +38,6 @@ controller stands in for it (``gradsync/pipeline/negotiation.py``), so buckets n
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -204,7 +203,7 @@ class Bucket:
             self.buffer = torch.zeros(total, dtype=dtype)
         else:
             self.buffer = torch.frombuffer(raw, dtype=dtype)  # zeros, as memfd pages start
-            weakref.finalize(self.buffer, host.release_shared, raw.ctypes.data)
+            host.release_shared_with(self.buffer, raw.ctypes.data)
         pieces = self.buffer.split(numels)
         self.pairs = [(p, piece.view(p.shape)) for p, piece in zip(params, pieces)]
         first = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
