@@ -170,7 +170,8 @@ class _DistributedOptimizer(_Optimizer):
         # Horovod reduces nothing in a one-rank job; neither do we (step is the plain step).
         if self._gs_size() > 1 and params:
             # Reduced as they are (no compression cast), buckets live in buffers that the
-            # host's other ranks map: their allreduce skips the staging copies (transport/host_segment.py).
+            # host's other ranks map: their allreduce skips the staging copies
+            # (transport/host_segment.py).
             host = None
             # (Not with a lag: its allreduces work on copies, lag.py.)
             if (self._gs_compression is Compression.none and self._gs_reducer is None
