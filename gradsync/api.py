@@ -175,7 +175,7 @@ def _allreduce(tensor, op, name, prescale_factor, postscale_factor, algorithm, i
             if result is not None:
                 return result
         elif (prescale_factor == 1.0 and postscale_factor == 1.0
-              and current.world.shm_group is not None):
+              and current.world.shares_host):
             # The express lane (express.py): a small allreduce straight to the compiled call,
             # named or not (an unnamed one draws its name there, only if it goes ahead).
             result = express.allreduce(current.world, current.engine, tensor, op, name,

@@ -49,7 +49,7 @@ def world(rank: int, size: int, comm) -> FakeWorld:
     config = types.SimpleNamespace(check_collectives=True, chunk_bytes=1 << 16,
                                    stall_warning=60.0, timeout=60.0, stall_report=0.0,
                                    abort_poll_interval=0.1)
-    return FakeWorld(rank=rank, size=size, comm=comm, config=config, shm_group=None,
+    return FakeWorld(rank=rank, size=size, comm=comm, config=config, shares_host=False,
                      hierarchical=False, fail=lambda exc: exc,
                      env=types.SimpleNamespace(job_id="negotiation-cost"))
 

@@ -1,4 +1,5 @@
-"""Shared memory: the rings of ``transport/shm.py`` and the host group of ``collectives/shm.py``.
+"""Shared memory: the rings of ``transport/shm.py`` and the host's segment of
+``transport/host_segment.py``.
 
 Multi-process tests fork real ranks (no launcher needed); every launch has a deadline after
 which its processes dump their stacks and are killed, so a hang fails the test instead of CI.
@@ -24,7 +25,7 @@ import pytest
 import torch  # noqa: F401 - imported before forking, so float16 ranks do not each import it
 
 from gradsync.collectives.ops import Max, Sum, make_reducer
-from gradsync.collectives.shm import ShmGroup
+from gradsync.transport.host_segment import ShmGroup
 from gradsync.errors import CollectiveMismatchError, PeerLostError
 from gradsync.transport import frame
 from gradsync.transport import shm as shm_transport

@@ -23,7 +23,7 @@ import pytest
 
 from gradsync import _native
 from gradsync.collectives.ops import Average, Max, Min, Product, Sum, make_reducer
-from gradsync.collectives.shm import ShmGroup
+from gradsync.transport.host_segment import ShmGroup
 from gradsync.config import load_config
 from gradsync.pipeline.operations import scale
 from test_shm import Rank, _launch, _raises

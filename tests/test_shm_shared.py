@@ -17,10 +17,10 @@ import time
 import numpy as np
 import pytest
 
-from gradsync.collectives import shm
 from gradsync.collectives.ops import Max, Sum, make_reducer
-from gradsync.collectives.shm import ShmGroup
 from gradsync.errors import GradsyncError
+from gradsync.transport import host_segment as shm
+from gradsync.transport.host_segment import ShmGroup
 from test_shm import Rank, _launch, _raises, assert_rank_2_lost
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd_create")

@@ -229,7 +229,7 @@ def test_bytes_per_tier_come_from_the_transports_own_counters():
         segment = types.SimpleNamespace(moved=0)
         world = types.SimpleNamespace(rank=1, topology=Topology.from_hosts(["a", "a", "b"]),
                                       comm=types.SimpleNamespace(pairs={0: to_0, 2: to_2}),
-                                      shm_group=segment)
+                                      host_traffic=lambda: (id(segment), segment.moved))
         clock = types.SimpleNamespace(t=0.0)
         traffic = Traffic(world, clock=lambda: clock.t)
 
@@ -269,9 +269,11 @@ def test_bytes_of_sub_worlds_count_with_their_roots_and_a_shared_segment_once():
     from gradsync.liveness.traffic import Traffic
 
     def stand_in(rank, hosts, pairs, group, subworlds=()):
+        # World.host_traffic: the segment's key (the same in every World holding it), its bytes
         return types.SimpleNamespace(rank=rank, topology=Topology.from_hosts(hosts),
-                                     comm=types.SimpleNamespace(pairs=pairs),
-                                     shm_group=group, subworlds=list(subworlds))
+                                     comm=types.SimpleNamespace(pairs=pairs), group=group,
+                                     host_traffic=lambda: (id(group), group.moved),
+                                     subworlds=list(subworlds))
 
     shared = types.SimpleNamespace(moved=0)  # a segment both Worlds hold
     pair = types.SimpleNamespace(n=0, moved=lambda: pair.n)  # the sub-world's TCP pair
@@ -281,7 +283,7 @@ def test_bytes_of_sub_worlds_count_with_their_roots_and_a_shared_segment_once():
     clock = types.SimpleNamespace(t=0.0)
     traffic = Traffic(root, clock=lambda: clock.t)
     traffic.rates()
-    pair.n, shared.moved, nested.shm_group.moved = 4_000, 2_000, 6_000
+    pair.n, shared.moved, nested.group.moved = 4_000, 2_000, 6_000
     clock.t = 2.0
     assert traffic.rates() == {"local": (2_000 + 6_000) // 2, "host": 4_000 // 2}
 
@@ -291,7 +293,8 @@ def test_top_shows_a_column_per_tier_and_the_group_tier_where_the_topology_has_o
     from gradsync.liveness.traffic import Traffic
 
     grouped = Topology.from_hosts(["a", "b", "c"], {"groups": {"r0": ["a", "b"], "r1": ["c"]}})
-    world = types.SimpleNamespace(rank=0, topology=grouped, comm=None, shm_group=None)
+    world = types.SimpleNamespace(rank=0, topology=grouped, comm=None,
+                                  host_traffic=lambda: None)
     assert Traffic(world).tiers == ["local", "host", "group"]
     current = {"job": "job", "size": 2}
     posts = [{"rank": r, "host": f"host{r}", "generation": -1, "step": 1, "ops": 9,

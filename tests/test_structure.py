@@ -13,6 +13,10 @@ any of them; the one way in from the runtime is the ``gradsync`` command's dispa
 command. ``bench`` and ``simulate`` import nothing from each other, and ``testbed`` nothing
 from either: a piece both need moves down into ``testbed`` rather than across.
 
+The host's shared segment (issue 39, item 2) is a transport: besides the transport itself,
+only the set-up that opens it, the World that holds it and the operations that run the shm
+algorithm on it may reach it; the front doors ask World.
+
 The floors (issue 39, item 6): the runtime's folders are the design map's layers, and a
 module imports from its own floor and those below it, never from one above; the package's top
 level holds only the public face and what every floor shares.
@@ -243,3 +247,37 @@ def test_every_floor_imports_only_its_own_floor_and_those_below():
 
 def test_the_top_level_holds_only_the_public_face_and_what_the_floors_share():
     assert sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in TOP) == []
+
+
+# The host's shared segment is a transport (issue 39, item 2): the modules that may reach it,
+# by importing its module or by reading World's handle on it. The front doors ask World
+# instead (``shares_host``, ``small_road``, ``shared_above``, ``shared_buffer``,
+# ``release_shared``, ``release_shared_with``, ``is_shared``, ``host_traffic``), and the
+# algorithms run on it through ``operations``. A module that stops reaching it comes off the
+# list, so the list only shrinks.
+SEGMENT, HANDLE = "gradsync.transport.host_segment", "shm_group"
+REACH_SEGMENT = {
+    "gradsync.connect._shm_setup",   # opens it, when every rank of the job is on one host
+    "gradsync.connect.world",        # holds it, closes it, answers the front doors' questions
+    "gradsync.pipeline.operations",  # runs the shm algorithm (allreduce, broadcast, barrier)
+}
+
+
+def _reaches_segment(modules: dict[str, Path]) -> set[str]:
+    """The modules that import the segment's module or read ``HANDLE`` (as an attribute, or
+    by name through ``getattr``)."""
+    found = {module for module, imported, _ in _walk(modules) if imported == SEGMENT}
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if ((isinstance(node, ast.Attribute) and node.attr == HANDLE)
+                    or (isinstance(node, ast.Constant) and node.value == HANDLE)):
+                found.add(module)
+    return found
+
+
+def test_only_the_transport_and_its_set_up_reach_the_hosts_shared_segment():
+    modules = _modules()
+    assert SEGMENT in modules
+    outside = {m for m in _reaches_segment(modules) if not m.startswith("gradsync.transport.")}
+    assert sorted(outside - REACH_SEGMENT) == []  # a front door reaching it: ask World
+    assert sorted(REACH_SEGMENT - outside) == []  # paid: take it off REACH_SEGMENT

@@ -298,7 +298,7 @@ def run(args) -> list[dict]:
         x = np.zeros(count, dtype=dtype)
         xs = {"plain": x}
         if "shared" in buffers:
-            raw = world.shm_group.shared_buffer(nbytes) if world.shm_group else None
+            raw = world.shared_buffer(nbytes)
             if raw is None:
                 raise SystemExit("--buffer shared needs 2 or more ranks, all on one host")
             xs["shared"] = raw.view(dtype)
@@ -325,7 +325,7 @@ def run(args) -> list[dict]:
         measured = {}
         # The trials are the plain ring's (on the job's Comm): only its warm-up waits for them.
         trying = lambda: ring.measuring(world.comm, nbytes, world.config.chunk_bytes)  # noqa: E731
-        rings = {alg: choose_allreduce(nbytes, n, alg, world.config, world.shm_group is not None,
+        rings = {alg: choose_allreduce(nbytes, n, alg, world.config, world.shares_host,
                                        world.topology) == "ring" for alg in algorithms}
         for label, key, fn, barrier, data in impls:
             measured[key] = _measure(args, fn, barrier, reduce_max, data,
@@ -336,11 +336,11 @@ def run(args) -> list[dict]:
                 np.array([exchange.wrong(sent, received, rank, n)]), op=gs.Sum,
                 name="bench.exchange.wrong")[0])
         if "shared" in xs:
-            world.shm_group.release(xs["shared"].ctypes.data)
+            world.release_shared(xs["shared"].ctypes.data)
         for alg, buf in runs:
             row = {"size": nbytes, "count": count, "dtype": dtype.name, "requested": alg,
                    "algorithm": choose_allreduce(nbytes, n, alg, world.config,
-                                                 world.shm_group is not None, world.topology),
+                                                 world.shares_host, world.topology),
                    "buffer": buf, "transport": world.config.transport, "ranks": n,
                    "shm_road": _shm_road(world),
                    "segment": ring.segment_bytes(world.comm, nbytes, world.config.chunk_bytes),
@@ -463,8 +463,12 @@ def _alg_label(row: dict) -> str:
 
 def _shm_road(world) -> str:
     """Which road a small shared-memory allreduce takes: compiled, python, or none (no group)."""
-    group = world.shm_group
-    return "none" if group is None else "compiled" if group.fast else "python"
+    from gradsync.collectives.ops import ReduceOp
+
+    if not world.shares_host:
+        return "none"
+    compiled = world.small_road(ReduceOp.SUM, np.dtype(np.float32), 4) is not None
+    return "compiled" if compiled else "python"
 
 
 def _print_row(row: dict, header: bool, compare: bool, several: bool = False,

@@ -1,5 +1,6 @@
-/* gradsync's compiled fast paths: the one-step shared-memory allreduce of collectives/shm.py,
- * and the beater of heartbeat.py and the data servers (at the end of this file, "The beater").
+/* gradsync's compiled fast paths: the one-step shared-memory allreduce of the host's segment
+ * (transport/host_segment.py), and the beater of heartbeat.py and the data servers (at the
+ * end of this file, "The beater").
  *
  * A small allreduce among the ranks of one host is one synchronisation: every rank copies
  * its data into its slot, publishes its arrival counter, waits until every other rank has
@@ -9,17 +10,18 @@
  * one call, so a 4 KiB allreduce costs a few hundred nanoseconds of work plus the wait.
  *
  * This file is a second implementation of ShmGroup._allreduce_small, not a new protocol: it
- * reads and writes the same segment in the same layout (collectives/shm.py describes it;
- * the constants below must match it), publishes the same counters and issued words, sleeps
- * on the same futex words announcing itself in the same _SLEEPING word. A rank on this path
+ * reads and writes the same segment in the same layout (transport/host_segment.py describes
+ * it; the constants below must match it), publishes the same counters and issued words,
+ * sleeps on the same futex words announcing itself in the same _SLEEPING word. A rank on this path
  * and a rank on the Python path therefore meet in the same collective (tests/test_shm.py
  * mixes them).
  *
  * The wait, as in ShmGroup._wait: spin (spin_ns), then yield the core between looks (until
- * yield_ns after the wait began), then sleep on a futex, until budget_ns after the wait
- * began. Past the budget the call returns WAITING and Python takes over the wait: it owns
- * the deadline, the liveness checks and on_idle, which all run on the same 50 ms schedule
- * as before, so a lost peer ends in the same PeerLostError or timeout, never in a hang here.
+ * yield_ns after the wait began), then sleep on a futex (or nap nap_ns where there is none),
+ * until budget_ns after the wait began; the four come from transport/wait.py at open(). Past
+ * the budget the call returns WAITING and Python takes over the wait: it owns the deadline,
+ * the liveness checks and on_idle, which all run on the same 50 ms schedule as before, so a
+ * lost peer ends in the same PeerLostError or timeout, never in a hang here.
  *
  * Memory order (x86-64 only, like the Python path: ShmGroup refuses other machines): the
  * slot bytes and the issued words are written before the counter with a release store; a
@@ -45,7 +47,7 @@
 #include <time.h>
 #include <unistd.h>
 
-/* The segment's layout (collectives/shm.py). */
+/* The segment's layout (transport/host_segment.py). */
 #define WORDS 8 /* 64-bit words per cache line */
 enum { ARRIVED = 0, SLEEPING = 5, ISSUED = WORDS };
 #define KIND_ALLREDUCE 1
@@ -53,7 +55,7 @@ enum { ARRIVED = 0, SLEEPING = 5, ISSUED = WORDS };
 /* What call() and fold() return to Python. */
 enum { DONE = 0, WAITING = 1, MISMATCH = 2 };
 
-/* Kernel codes: op << 4 | dtype (collectives/shm.py builds them). */
+/* Kernel codes: op << 4 | dtype (transport/host_segment.py builds them). */
 enum { OP_SUM = 0, OP_MIN = 1, OP_MAX = 2, OP_PROD = 3 };
 enum { T_F32 = 0, T_F64 = 1, T_I32 = 2, T_I64 = 3 };
 static const Py_ssize_t ITEMSIZE[] = {4, 8, 4, 8};
@@ -64,7 +66,7 @@ typedef struct {
     char *slots;            /* slot (r, parity) starts at slots + (2 r + parity) slot_bytes */
     Py_ssize_t slot_bytes;
     int rank, size, futex;
-    int64_t spin_ns, yield_ns, budget_ns;
+    int64_t spin_ns, yield_ns, budget_ns, nap_ns; /* transport/wait.py's native_ladder */
 } group;
 
 static const char CAPSULE[] = "gradsync._shmfast.group";
@@ -121,7 +123,7 @@ static int wait_for(const group *g, int word, uint64_t seq) {
             sched_yield();
         } else if (now - started < g->budget_ns) {
             if (!g->futex) {
-                struct timespec nap = {0, 500000};
+                struct timespec nap = {g->nap_ns / 1000000000, g->nap_ns % 1000000000};
                 nanosleep(&nap, NULL);
                 continue;
             }
@@ -231,17 +233,18 @@ static void free_group(PyObject *capsule) {
     PyMem_Free(g);
 }
 
-/* open(segment, rank, size, slot_bytes, control_bytes, futex, spin_ns, yield_ns, budget_ns)
- * -> capsule. The capsule holds a buffer export of the segment until it is freed, so the
- * mmap refuses to close while a call (which holds the capsule) may still read it; ShmGroup
- * drops its capsule before it closes the segment. */
+/* open(segment, rank, size, slot_bytes, control_bytes, futex, spin_ns, yield_ns, budget_ns,
+ * nap_ns) -> capsule. The four durations are the wait's ladder (transport/wait.py's
+ * native_ladder); this file keeps none of its own. The capsule holds a buffer export of the
+ * segment until it is freed, so the mmap refuses to close while a call (which holds the
+ * capsule) may still read it; ShmGroup drops its capsule before it closes the segment. */
 static PyObject *py_open(PyObject *self, PyObject *args) {
     PyObject *segment;
     int rank, size, use_futex;
     Py_ssize_t slot_bytes, control_bytes;
-    long long spin_ns, yield_ns, budget_ns;
-    if (!PyArg_ParseTuple(args, "OiinnpLLL", &segment, &rank, &size, &slot_bytes,
-                          &control_bytes, &use_futex, &spin_ns, &yield_ns, &budget_ns))
+    long long spin_ns, yield_ns, budget_ns, nap_ns;
+    if (!PyArg_ParseTuple(args, "OiinnpLLLL", &segment, &rank, &size, &slot_bytes,
+                          &control_bytes, &use_futex, &spin_ns, &yield_ns, &budget_ns, &nap_ns))
         return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(segment, &view, PyBUF_WRITABLE) < 0) return NULL;
@@ -258,7 +261,7 @@ static PyObject *py_open(PyObject *self, PyObject *args) {
         return PyErr_NoMemory();
     }
     *g = (group){view, (uint64_t *)base, base + control_bytes, slot_bytes, rank, size,
-                 use_futex, spin_ns, yield_ns, budget_ns};
+                 use_futex, spin_ns, yield_ns, budget_ns, nap_ns};
     PyObject *capsule = PyCapsule_New(g, CAPSULE, free_group);
     if (!capsule) {
         PyBuffer_Release(&g->segment);

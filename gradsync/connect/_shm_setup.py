@@ -34,10 +34,9 @@ import re
 import sys
 import time
 
-from ..collectives import shm as shm_group
-from ..collectives.shm import ShmGroup
 from ..errors import ConfigError
-from ..transport import shm
+from ..transport import host_segment, shm
+from ..transport.host_segment import ShmGroup
 
 __all__ = ["connect", "segment_job", "check_room", "host_bytes", "usable", "platform_problem"]
 
@@ -87,7 +86,7 @@ def host_bytes(local_size: int, slot_bytes: int, group: bool) -> tuple[int, int]
         ``(host, rank0)``: every rank makes ``local_size - 1`` rings; rank 0 also the segment.
     """
     rings = (local_size - 1) * shm.ring_bytes()
-    segment = shm_group.segment_bytes(local_size, slot_bytes) if group else 0
+    segment = host_segment.segment_bytes(local_size, slot_bytes) if group else 0
     return local_size * rings + segment, rings + segment
 
 

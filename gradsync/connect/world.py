@@ -40,7 +40,7 @@ import socket
 import time
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from .. import _native
 from ..cluster import topology
@@ -57,7 +57,10 @@ from ..transport.base import Pair, different_collective
 from ..transport.comm import Comm
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from ..liveness.heartbeat import Heartbeat
+    from ..transport.host_segment import ShmGroup
 
 __all__ = ["World", "PeerInfo", "listen_addr"]
 
@@ -171,13 +174,21 @@ class World:
     """Identity, connections and failure handling of one initialised process."""
 
     def __init__(self, config: Config, env: LaunchEnv, store: Store, peers: list[PeerInfo],
-                 comm: Comm, shm_group, listener: tcp.Listener,
+                 comm: Comm, shm_group: "ShmGroup | None", listener: tcp.Listener,
                  route: "tcp.Route | None" = None, owns_listener: bool = True):
         self.config, self.env, self.store = config, env, store
         self.rank, self.size = env.rank, env.size
         self.peers = peers
         self.comm = comm
         self.shm_group = shm_group
+        """The host's shared segment (``transport/host_segment.py``) when every rank of this
+        World is on this host, else None: a transport, like ``comm``. Only the transport, the
+        set-up that opens it, this class and ``operations`` (which runs the ``shm``
+        algorithm on it) reach it (tests/test_structure.py); the front doors ask the
+        questions of "The host's segment" below."""
+        self.shares_host = shm_group is not None
+        """Whether every rank of this World shares this host's segment: small calls have the
+        segment's roads and buffers can be shared (``small_road``, ``shared_buffer``)."""
         self.subworlds: "weakref.WeakSet[World]" = weakref.WeakSet()
         """The sub-worlds made from this one while they live (the Horovod API's process sets
         run on them): ``liveness/traffic.py`` counts their bytes with this World's."""
@@ -390,6 +401,60 @@ class World:
                             members=(self, ranks))
         self.subworlds.add(sub)
         return sub
+
+    # ------------------------------------------------------------------ the host's segment
+    # The questions the front doors ask of the host's shared segment, answered here once, so
+    # that none of them holds the segment (tests/test_structure.py).
+
+    def small_road(self, op, dtype: "np.dtype",
+                   nbytes: int) -> "tuple[Callable[..., None], int] | None":
+        """The segment's compiled one-step allreduce for a call of ``nbytes`` of ``dtype``
+        reduced by ``op`` (a ``ReduceOp``), and its kernel code; None where that call cannot
+        take it (no segment, 0 bytes or more than its one-step road, an op or dtype the
+        compiled road lacks, or the road not built). The function is bound once here, for the
+        express lane (``pipeline/express.py``) to call per call as
+        ``run(flat, code, divisor, deadline, on_idle, signature)``."""
+        group = self.shm_group
+        if group is None or not 0 < nbytes <= group.small_bytes:
+            return None
+        code = group.fast_code(op, dtype)
+        return None if code is None else (group.allreduce_express, code)
+
+    def shared_above(self) -> "int | None":
+        """The bytes above which an allreduce's buffer is worth sharing with the host's other
+        ranks (``shared_buffer``): the segment's one-step road takes smaller ones faster.
+        None without a segment."""
+        return None if self.shm_group is None else self.shm_group.small_bytes
+
+    def shared_buffer(self, nbytes: int) -> "np.ndarray | None":
+        """``nbytes`` of zeros (uint8) that the host's other ranks map, for allreduces without
+        the segment's copies (``ShmGroup.shared_buffer``); None without a segment or where
+        none can be made. Give it back with ``release_shared``."""
+        group = self.shm_group
+        return None if group is None else group.shared_buffer(nbytes)
+
+    def release_shared(self, address: int) -> None:
+        """Forgets the shared buffer whose first byte is at ``address`` (``shared_buffer``)."""
+        if self.shm_group is not None:
+            self.shm_group.release(address)
+
+    def release_shared_with(self, owner: object, address: int) -> None:
+        """Forgets the shared buffer at ``address`` once ``owner`` (what views it) is gone. The
+        finalizer holds the segment, not this World, which may be collected before it."""
+        if self.shm_group is not None:
+            weakref.finalize(owner, self.shm_group.release, address)
+
+    def is_shared(self, data: "np.ndarray") -> bool:
+        """Whether an allreduce of ``data`` runs on shared buffers (``shared_buffer``)."""
+        group = self.shm_group
+        return group is not None and group.is_shared(data)
+
+    def host_traffic(self) -> "tuple[int, int] | None":
+        """The segment's byte count for ``liveness/traffic.py``: a key the same in every
+        World that holds this segment, and the bytes this rank moved through it so far
+        (``ShmGroup.moved``). None without a segment."""
+        group = self.shm_group
+        return None if group is None else (id(group), group.moved)
 
     # ------------------------------------------------------------------ failures
     def on_idle(self, waited: float) -> None:

@@ -12,8 +12,9 @@ Nothing is counted on an operation's path for this. The transports keep counters
   what this rank wrote out and read in;
 - a TCP pair's socket has the kernel's counts (``TCP_INFO``: bytes the peer acknowledged,
   bytes received), one system call to read;
-- the host's shared segment (``collectives/shm.py``) adds each collective's payload to one
-  integer it owns (an allreduce's twice, in and out), the one write per operation here.
+- the host's shared segment (``transport/host_segment.py``) adds each collective's payload to
+  one integer it owns (an allreduce's twice, in and out), the one write per operation here;
+  ``World.host_traffic`` hands it over.
 
 ``Traffic.rates`` reads them all once an interval, on the pace publisher's thread
 (``straggler_watch.py``), and returns bytes per second per tier since its last call: each
@@ -72,9 +73,9 @@ class Traffic:
             # thread meanwhile cannot break the loop.
             for peer, pair in list(comm.pairs.items()) if comm is not None else ():
                 found[(topo.tier(me, peer), id(pair))] = pair.moved()
-            group = getattr(world, "shm_group", None)
-            if group is not None:
-                found[("local", id(group))] = group.moved
+            segment = world.host_traffic()  # (the segment's key, its bytes), or None
+            if segment is not None:
+                found[("local", segment[0])] = segment[1]
         return found
 
     def rates(self) -> dict:

@@ -19,9 +19,10 @@ time, in the same order as the full road:
     2. raise the job's failure if there is one (what ``Engine._execute`` does first);
     3. ``comm.begin_signed``: the same sequence number and signature as the full road, so the
        mismatch check and the stall and failure reports see the same collective;
-    4. ``ShmGroup.allreduce_express``: the compiled one-step allreduce (same protocol, same
-       issued words, so a rank on the lane and a rank on the full road meet in one
-       collective); a GradsyncError goes through ``World.fail`` as in the engine;
+    4. ``ShmGroup.allreduce_express``, which ``World.small_road`` handed the entry bound to
+       the host's segment: the compiled one-step allreduce (same protocol, same issued words,
+       so a rank on the lane and a rank on the full road meet in one collective); a
+       GradsyncError goes through ``World.fail`` as in the engine;
     5. record it in the flight recorder, on the engine's track, with the full road's name
        (one record, started at once, and its end: a few writes to memory);
     6. release the engine.
@@ -71,15 +72,16 @@ class Entry:
     For a named call, ``description`` and ``signature`` are what ``comm.begin_signed`` takes.
     For an unnamed one (``prefix`` not None) the description is ``prefix + name + suffix``
     with a name drawn per call, and ``signature`` only says whether to sign it (nonzero when
-    the world checks collectives).
+    the world checks collectives). ``run`` and ``code``: the compiled call, bound to the
+    host's segment, and its kernel code (``World.small_road``).
     """
 
-    __slots__ = ("description", "signature", "code", "divisor", "prefix", "suffix")
+    __slots__ = ("description", "signature", "run", "code", "divisor", "prefix", "suffix")
 
-    def __init__(self, description: str, signature: int, code: int, divisor: int,
-                 prefix: "str | None" = None, suffix: str = ""):
-        self.description, self.signature, self.code, self.divisor = (
-            description, signature, code, divisor)
+    def __init__(self, description: str, signature: int, run: Callable[..., None], code: int,
+                 divisor: int, prefix: "str | None" = None, suffix: str = ""):
+        self.description, self.signature, self.run, self.code, self.divisor = (
+            description, signature, run, code, divisor)
         self.prefix, self.suffix = prefix, suffix
 
 
@@ -147,9 +149,8 @@ def allreduce(world, engine, tensor, op, name: "str | None", algorithm: str, inp
             raise world.failure
         world.comm.begin_signed(description, signature)
         try:
-            world.shm_group.allreduce_express(
-                flat if flat.ndim == 1 else flat.reshape(-1), entry.code, entry.divisor,
-                time.monotonic() + world.config.timeout, world.on_group_idle, signature)
+            entry.run(flat if flat.ndim == 1 else flat.reshape(-1), entry.code, entry.divisor,
+                      time.monotonic() + world.config.timeout, world.on_group_idle, signature)
         except GradsyncError as exc:
             record.fail(exc)
             error = world.fail(exc)
@@ -166,12 +167,10 @@ def allreduce(world, engine, tensor, op, name: "str | None", algorithm: str, inp
 def _entry(world, flat: np.ndarray, op: ReduceOp, name: "str | None", shape: tuple,
            algorithm: str) -> "Entry | None":
     """The lane's entry for a call, or None when the call must take the full road."""
-    group = world.shm_group
-    if group is None or world.size == 1 or not 0 < flat.nbytes <= group.small_bytes:
+    road = world.small_road(op, flat.dtype, flat.nbytes) if world.size > 1 else None
+    if road is None:
         return None
-    code = group.fast_code(op, flat.dtype)
-    if code is None:
-        return None
+    run, code = road
     try:
         alg = world.plans.allreduce(flat.nbytes, algorithm)
     except (ValueError, TypeError):
@@ -182,12 +181,12 @@ def _entry(world, flat: np.ndarray, op: ReduceOp, name: "str | None", shape: tup
     description, signature = ops.allreduce_signed(
         world, _CUT if name is None else name, flat.dtype, shape, op, 1.0, 1.0, alg)
     if name is not None:
-        return Entry(description, signature, code, divisor)
+        return Entry(description, signature, run, code, divisor)
     # operations words the description; cut it where the name goes, to join per call.
     prefix, cut, suffix = description.partition(_CUT)
     if not cut:
         return None  # a description without the name: the lane could not word it alike
-    return Entry("", signature, code, divisor, prefix, suffix)
+    return Entry("", signature, run, code, divisor, prefix, suffix)
 
 
 def _torch_flat(x) -> "np.ndarray | None":

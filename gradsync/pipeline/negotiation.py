@@ -582,15 +582,15 @@ class Controller:
 
     def _zeros(self, dtype: np.dtype, count: int, shared: bool) -> np.ndarray:
         """Zeros that a joined rank contributes; in a shared buffer where the others pass
-        theirs (``ShmGroup.shared_buffer``), which is kept for the next such allreduce."""
-        group = self.world.shm_group
-        if not shared or group is None:
+        theirs (``World.shared_buffer``), which is kept for the next such allreduce."""
+        world = self.world
+        if not shared or not world.shares_host:
             return np.zeros(count, dtype=dtype)
         nbytes = count * dtype.itemsize
         if self._shared_zeros is None or self._shared_zeros.nbytes < nbytes:
             if self._shared_zeros is not None:
-                group.release(self._shared_zeros.ctypes.data)
-            self._shared_zeros = group.shared_buffer(nbytes)
+                world.release_shared(self._shared_zeros.ctypes.data)
+            self._shared_zeros = world.shared_buffer(nbytes)
             if self._shared_zeros is None:  # cannot be: the others made shared buffers
                 return np.zeros(count, dtype=dtype)
         flat = self._shared_zeros[:nbytes].view(dtype)

@@ -9,7 +9,7 @@ A cycle of ``gradsync/pipeline/negotiation.py`` has two steps on the wire.
    ``log2 p`` exchanges of the whole ballot for the ``p`` ranks of the largest power of two,
    one more for a rank that folds in a rank beyond it, one for that rank. So a steady-state
    cycle costs each rank at most ``⌊log2 N⌋ + 1`` messages of one ballot, whatever N is. On
-   one host (``World.shm_group``) each rank writes its ballot into its own row of an array
+   one host (``World.shares_host``) each rank writes its ballot into its own row of an array
    that the shared-memory group sums, as the cycle's exchange always did there (its waits
    sleep on a futex and wake at once; the rows are ``local ranks × ballot`` bytes), and every
    rank ANDs the rows.
@@ -47,8 +47,7 @@ def _and(dst: np.ndarray, src: np.ndarray) -> None:
 def vote(world, ballot: np.ndarray) -> np.ndarray:
     """Combines every rank's ``ballot`` (``uint64`` words, the same length everywhere) by a
     bitwise AND; returns the result (``ballot`` itself across hosts)."""
-    group = world.shm_group
-    if group is None:
+    if not world.shares_host:
         comm = world.comm
         # The width goes into the description: ranks whose caches differed would fail the
         # frame checks at once instead of reading each other's bits wrongly.
@@ -71,7 +70,7 @@ def gather(world, data: bytes) -> list[bytes]:
     mine[:8] = np.frombuffer(np.int64(len(data)).tobytes(), dtype=np.uint8)
     if len(data) <= SLOT - 8:
         mine[8:8 + len(data)] = np.frombuffer(data, dtype=np.uint8)
-    if world.shm_group is not None:
+    if world.shares_host:
         # A sum of the blocks (each rank's is zero but for its own row) through the host's
         # shared-memory group, whose waits sleep on a futex and wake at once.
         words = blocks.reshape(-1).view(np.int64)

@@ -38,7 +38,6 @@ controller stands in for it (``gradsync/pipeline/negotiation.py``), so buckets n
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -48,7 +47,7 @@ from .. import job
 from ..errors import CollectiveMismatchError
 
 if TYPE_CHECKING:
-    from ..collectives.shm import ShmGroup
+    from ..connect.world import World
     from ..pipeline.engine import Handle
 
 __all__ = ["Bucket", "assign_buckets", "check_layout", "choose_shared", "plan_buckets",
@@ -60,7 +59,7 @@ __all__ = ["Bucket", "assign_buckets", "check_layout", "choose_shared", "plan_bu
 SHARED_ABOVE: "int | None" = None
 # At most this many of an optimizer's buckets are shared buffers, its largest: each holds
 # descriptors here and a mapping in every other local rank, which keeps a bounded number of
-# them (``collectives/shm.py``, ``_MAPPED_KEPT``); a model cut into hundreds of buckets (a
+# them (``transport/host_segment.py``, ``_MAPPED_KEPT``); a model cut into hundreds of buckets (a
 # fusion threshold near 0) would otherwise have them mapped again at every step.
 SHARED_MAX = 16
 
@@ -191,20 +190,20 @@ class Bucket:
     """
 
     def __init__(self, index: int, slots: list[int], params: list[torch.Tensor],
-                 names: list[str], group: "ShmGroup | None" = None):
+                 names: list[str], host: "World | None" = None):
         self.index, self.slots, self.names = index, slots, names
         numels = [p.numel() for p in params]
         total = sum(numels)
         dtype = params[0].dtype
         nbytes = total * params[0].element_size()
-        # With a group (``choose_shared``), the buffer is shared with the host's other ranks
-        # (``ShmGroup.shared_buffer``): the allreduce then reads and writes it in place.
-        raw = group.shared_buffer(nbytes) if group is not None and nbytes else None
-        if group is None or raw is None:
+        # With a ``host`` (``choose_shared``), the buffer is shared with the host's other ranks
+        # (``World.shared_buffer``): the allreduce then reads and writes it in place.
+        raw = host.shared_buffer(nbytes) if host is not None and nbytes else None
+        if host is None or raw is None:
             self.buffer = torch.zeros(total, dtype=dtype)
         else:
             self.buffer = torch.frombuffer(raw, dtype=dtype)  # zeros, as memfd pages start
-            weakref.finalize(self.buffer, group.release, raw.ctypes.data)
+            host.release_shared_with(self.buffer, raw.ctypes.data)
         pieces = self.buffer.split(numels)
         self.pairs = [(p, piece.view(p.shape)) for p, piece in zip(params, pieces)]
         first = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"

@@ -37,7 +37,7 @@ turn that into an error.
 
 Averaging: with ``op=Average`` the collective divides the sum by the number of ranks (on
 one host, inside the shared-memory reduction: each element is divided once, by the rank that
-summed it, while it is in cache; ``collectives/shm.py``). With a
+summed it, while it is in cache; ``transport/host_segment.py``). With a
 ``gradient_predivide_factor`` f, each rank's gradients are multiplied by 1/f before the sum
 and the result by f after the division (1/size overall; the split keeps half-precision sums
 in range). Compression casts each bucket to the wire dtype before its allreduce and back
@@ -170,25 +170,26 @@ class _DistributedOptimizer(_Optimizer):
         # Horovod reduces nothing in a one-rank job; neither do we (step is the plain step).
         if self._gs_size() > 1 and params:
             # Reduced as they are (no compression cast), buckets live in buffers that the
-            # host's other ranks map: their allreduce skips the staging copies (collectives/shm).
-            shm_group = None
+            # host's other ranks map: their allreduce skips the staging copies
+            # (transport/host_segment.py).
+            host = None
             # (Not with a lag: its allreduces work on copies, lag.py.)
             if (self._gs_compression is Compression.none and self._gs_reducer is None
                     and self.op is not Adasum and not self.gradient_lag):
-                shm_group = _psets.controller(self._gs_process_set).world.shm_group
+                host = _psets.controller(self._gs_process_set).world
             plan = assign_buckets(params, self._gs_groups)
             shared: set[int] = set()
-            if shm_group is not None:
+            above = host.shared_above() if host is not None else None  # None: no segment
+            if above is not None:
                 shared = choose_shared(
                     [sum(params[i].numel() * params[i].element_size() for i in members)
                      for members in plan],
-                    shm_group.small_bytes if _buckets.SHARED_ABOVE is None
-                    else _buckets.SHARED_ABOVE)
+                    above if _buckets.SHARED_ABOVE is None else _buckets.SHARED_ABOVE)
             for k, members in enumerate(plan):
                 first = len(self._gs_slot_param)
                 bucket = Bucket(k, list(range(first, first + len(members))),
                                 [params[i] for i in members], [names[i] for i in members],
-                                shm_group if k in shared else None)
+                                host if k in shared else None)
                 self._gs_buckets.append(bucket)
                 for param, view in bucket.pairs:
                     self._gs_slot_param.append(param)

@@ -50,12 +50,12 @@ def allreduce(tensor, name, op: ReduceOp, prescale: float, postscale: float, pro
 
     ``counts`` (Adasum): the sizes of the tensors packed into ``tensor``, each of which gets
     its own dot products."""
-    group = psets.controller(process_set).world.shm_group
+    world = psets.controller(process_set).world
     buf = wrap(tensor, writable=inplace)
     arguments.reduce_op(op, buf.dtype)
     target = arguments.target(buf, inplace)
     # In place in a shared buffer (a DistributedOptimizer bucket), it is reduced where it is.
-    shared = inplace and group is not None and group.is_shared(target)
+    shared = inplace and world.is_shared(target)
 
     def finish():
         return arguments.result(buf, target, tensor, inplace)

@@ -5,8 +5,9 @@ then a payload that goes straight from the sender's buffer into the receiver's b
 are non-blocking: ``Send`` and ``Recv`` are small state machines that a pair advances a bit
 at a time, so one thread can drive many of them at once (a ring step sends right while it
 receives from the left) without a thread per connection. ``wait_all`` is that driver: it
-advances every operation, sleeps in ``select`` (sockets) or a spin-then-sleep back-off (shared
-memory) when nothing moves, and checks the deadline and the job's abort flag while it waits.
+advances every operation, sleeps in ``select`` (sockets) or climbs the spin, yield, nap ladder
+of ``wait.py`` (shared memory) when nothing moves, and checks the deadline and the job's abort
+flag while it waits.
 
 A pair that can *lend* (``Pair.lends``, TCP on Linux: ``splice.py``) sends a ``Send`` marked
 ``lent`` by reference to the caller's memory instead of copying it; ``Settle`` waits until the
@@ -15,13 +16,13 @@ peer has acknowledged every frame lent to it, after which that memory may be wri
 
 from __future__ import annotations
 
-import os
 import select
 import time
 from typing import Callable, Sequence
 
 from ..errors import CollectiveMismatchError, GradsyncTimeoutError, ProtocolError
 from . import frame
+from .wait import CHECK_EVERY, Backoff
 
 __all__ = ["Pair", "Send", "Recv", "Settle", "Expect", "wait_all", "different_collective"]
 
@@ -185,15 +186,6 @@ class Pair:
         raise NotImplementedError
 
 
-# Spin this many rounds on shared memory before yielding the CPU, then sleep with a
-# doubling back-off capped at _MAX_NAP. Spinning keeps latency low when each rank has a core;
-# the naps keep oversubscribed hosts (more ranks than cores, as in CI) from starving the peer
-# we are waiting for.
-_SPINS = 20
-_YIELDS = 2000
-_MAX_NAP = 0.0005
-
-
 def wait_all(ops: Sequence["Send | Recv | Settle"], deadline: float,
              on_idle: Callable[[float], None], what: Callable[..., str], *what_args) -> None:
     """Advances ``ops`` until all are complete.
@@ -209,11 +201,11 @@ def wait_all(ops: Sequence["Send | Recv | Settle"], deadline: float,
     started = time.monotonic()
     # The first round advances every op: for a pair made on demand, that dials and
     # authenticates its peer, so it too looks at liveness between its ops (``_round``).
-    pending, next_idle = _round(list(ops), started + 0.05, on_idle, started)
+    pending, next_idle = _round(list(ops), started + CHECK_EVERY, on_idle, started)
     if not pending:
         return
-    idle_rounds = 0
-    nap = 1e-6
+    # Where a pair must be polled (shared memory): spin, yield, then nap (``wait.py``).
+    backoff = Backoff()
     while pending:
         before = _moved(pending)
         still, next_idle = _round(pending, next_idle, on_idle, started)
@@ -222,29 +214,24 @@ def wait_all(ops: Sequence["Send | Recv | Settle"], deadline: float,
         if not pending:
             return
         if progressed:
-            idle_rounds, nap = 0, 1e-6
+            backoff.reset()
             continue
-        idle_rounds += 1
         now = time.monotonic()
         if now >= next_idle:
             if now >= deadline:
                 raise GradsyncTimeoutError(f"timed out after {now - started:.1f}s waiting for "
                                            f"{what(*what_args)}")
             _look(pending, on_idle, started)
-            next_idle = now + 0.05
+            next_idle = now + CHECK_EVERY
         if all(op.pair.fileno >= 0 for op in pending):
             # Only sockets: sleep in the kernel until one is ready (or it is time to look up).
+            backoff.count()
             rd = [op.pair.fileno for op in pending if not isinstance(op, Send)]
             wr = [op.pair.fileno for op in pending
                   if isinstance(op, Send) or op.pair.owes_bytes()]
             select.select(rd, wr, [], max(0.0, min(next_idle, deadline) - now))
-        elif idle_rounds < _SPINS:
-            pass
-        elif idle_rounds < _SPINS + _YIELDS:
-            os.sched_yield()
         else:
-            time.sleep(nap)
-            nap = min(nap * 2, _MAX_NAP)
+            backoff.idle()
 
 
 def _round(pending: list, next_idle: float, on_idle: Callable[[float], None],
@@ -259,7 +246,7 @@ def _round(pending: list, next_idle: float, on_idle: Callable[[float], None],
             still.append(op)
         if i + 1 < len(pending) and time.monotonic() >= next_idle:
             _look(still + pending[i + 1:], on_idle, started)
-            next_idle = time.monotonic() + 0.05
+            next_idle = time.monotonic() + CHECK_EVERY
     return still, next_idle
 
 

@@ -22,7 +22,7 @@ of 12 bytes (a 4-byte header for brevity, then 8 bytes of payload)::
     recv: read=8 write=12 avail 4 payload 8..11 from 0..3            publish read=12
 
 Neither side ever blocks: ``advance_send``/``advance_recv`` copy what fits and return, and
-``wait_all`` polls them (``fileno`` is -1) with a spin, yield, sleep back-off.
+``wait_all`` polls them (``fileno`` is -1) on the spin, yield, nap ladder of ``wait.py``.
 
 Why no locks: each counter has one writer, sits alone on its 64-byte cache line (so the
 consumer's polling does not steal the line the producer writes, and vice versa), and is
@@ -49,7 +49,6 @@ import mmap
 import os
 import platform
 import re
-import time
 from typing import Callable, Mapping
 
 from ..errors import PeerLostError, ProtocolError
@@ -58,7 +57,7 @@ from .base import Pair, Recv, Send
 
 __all__ = ["ShmPair", "DEFAULT_CAPACITY", "ring_bytes", "keeps_store_order", "SHM_DIR", "open_pairs", "ring_name", "create_ring",
            "attach_ring", "unlink_ring", "create_segment", "attach_segment", "unlink_segment",
-           "check_job_id", "process_start_time", "require_tso", "Backoff"]
+           "check_job_id", "process_start_time", "require_tso"]
 
 SHM_DIR = "/dev/shm"
 DEFAULT_CAPACITY = 4 << 20
@@ -220,42 +219,6 @@ def process_start_time(pid: int) -> "int | None":
     if fields[0] in (b"Z", b"X", b"x"):  # field 3, the state: zombie or dead
         return None
     return int(fields[19])  # field 22
-
-
-# --- back-off --------------------------------------------------------------------------------
-
-class Backoff:
-    """Spin, then ``sched_yield``, then sleep with a doubling nap, for a polling loop.
-
-    Spinning keeps latency low when each rank has a core; yielding and napping keep a host
-    with more ranks than cores from starving the very rank we wait for. The spin is short
-    (20 rounds, about 10 us of Python) because a spinning rank that shares its core with the
-    rank it waits for only delays it (measured: docs/benchmarks-history.md, "Measurement
-    notes moved out of the code").
-    ``base.wait_all`` still spins 200 rounds.
-    """
-
-    SPINS, YIELDS, MAX_NAP = 20, 2000, 0.0005
-
-    __slots__ = ("rounds", "nap")
-
-    def __init__(self):
-        self.rounds, self.nap = 0, 1e-6
-
-    def reset(self) -> None:
-        """Call on progress: the next wait starts spinning again."""
-        self.rounds, self.nap = 0, 1e-6
-
-    def idle(self) -> None:
-        """One round of waiting."""
-        self.rounds += 1
-        if self.rounds < self.SPINS:
-            return
-        if self.rounds < self.SPINS + self.YIELDS:
-            os.sched_yield()
-            return
-        time.sleep(self.nap)
-        self.nap = min(self.nap * 2, self.MAX_NAP)
 
 
 # --- rings -----------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ import torch
 
 import gradsync as gs
 from gradsync import job
-from gradsync.collectives.shm import ShmGroup
+from gradsync.transport.host_segment import ShmGroup
 from gradsync.pipeline import express
 from gradsync.pipeline.operations import scale
 

@@ -1,4 +1,11 @@
-"""Allreduce, broadcast and barrier among the ranks of one host, through one shared segment.
+"""The host's shared segment: allreduce, broadcast and barrier among the ranks of one host.
+
+The segment is a transport, the second beside the pairs (``base.py``): where every rank of a
+World is on this host, ``connect/_shm_setup.py`` opens it and ``World`` holds it, and the
+algorithms reach it through ``pipeline/operations.py`` (the ``shm`` algorithm) like any other
+transport. The front doors never hold it: they ask ``World`` (is there a small-message road
+for this call, how large a bucket is worth sharing, a shared buffer of n bytes), and
+tests/test_structure.py names the only modules that may reach it.
 
 Vocabulary. The host's *local ranks* 0..n-1 share one segment. Each local rank owns two
 *slots* of ``slot_bytes`` (double buffering) and one cache line of *counters*. The data is
@@ -31,7 +38,7 @@ one C call copies in, publishes, waits, checks the issued words, folds and divid
 Average, for sums, products, minima, maxima and averages of float32, float64, int32 and
 int64. It is the same protocol on the same layout, so a rank on the compiled road and a rank
 on the Python road meet in the same collective; its wait spins, yields and sleeps like
-``_wait`` for up to ``_CHECK_EVERY`` and then hands the wait back to ``_wait``, which owns
+``_wait`` for up to ``CHECK_EVERY`` and then hands the wait back to ``_wait``, which owns
 the deadline, the liveness checks and ``on_idle``. Other dtypes and ops, a postscale, no C
 compiler, or ``GRADSYNC_SHM_FAST=0`` (``fast=False``) take the Python road.
 
@@ -76,13 +83,14 @@ x86-64 (TSO) stores become visible in program order, loads happen in program ord
 store is never moved ahead of an earlier load, which is what the two arguments above need
 (``transport/shm.py`` spells out the assumptions; this module refuses to run elsewhere).
 
-Every wait spins while the ranks it waits for can be close (each has a core of its own:
-up to ``MAX_SPIN``, 100 us, in the compiled wait, which releases the GIL, and ``PY_SPIN``,
-10 us, in the Python one, which holds it; a few microseconds otherwise), then yields the core
-between looks (up to ``YIELD_FOR``, 20 ms, from the wait's start in the compiled wait, and
-``PY_YIELD_FOR``, 3 ms, in the Python one), then sleeps on the counter
-with a futex (``transport/futex.py``: no lost wake-ups; the rank that publishes a
-counter wakes a rank that announced it sleeps on it), or naps where futexes are missing.
+Every wait climbs the transport's one ladder (``transport/wait.py``, which holds the figures
+and what they were measured from): it spins while the ranks it waits for can be close (each
+has a core of its own: up to ``MAX_SPIN`` in the compiled wait, which releases the GIL, and
+``PY_SPIN`` in the Python one, which holds it; ``MIN_SPIN`` otherwise), then yields the core
+between looks (until ``YIELD_FOR`` from the wait's start in the compiled wait, and
+``PY_YIELD_FOR`` in the Python one), then sleeps on the counter with a futex
+(``transport/futex.py``: no lost wake-ups; the rank that publishes a counter wakes a rank that
+announced it sleeps on it), or naps where futexes are missing.
 Between sleeps (at most 50 ms each) it checks the deadline, calls ``on_idle``, and checks
 that the ranks it waits for are alive (pid and start time registered in their counter line)
 and have not left the group.
@@ -94,6 +102,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import enum
 import itertools
 import mmap
 import os
@@ -104,13 +113,17 @@ import numpy as np
 
 from .. import _native
 from ..errors import CollectiveMismatchError, GradsyncError, GradsyncTimeoutError, PeerLostError
-from ..transport.futex import Futex, fence
-from ..transport.shm import (CACHE_LINE, attach_segment, check_job_id, create_segment,
-                             process_start_time, require_tso, unlink_segment)
-from .ops import Reducer, ReduceOp
+from .futex import Futex, fence
+from .shm import (CACHE_LINE, attach_segment, check_job_id, create_segment, process_start_time,
+                  require_tso, unlink_segment)
+from .wait import (CHECK_EVERY, FIRST_NAP, MAX_NAP, MIN_SPIN, PY_SPIN, PY_YIELD_FOR, may_spin,
+                   native_ladder)
 
 __all__ = ["ShmGroup", "segment_bytes", "DEFAULT_SLOT_BYTES", "DEFAULT_SMALL_BYTES", "group_segment_name",
            "create_group_segment"]
+
+Reducer = Callable[[np.ndarray, np.ndarray], None]
+"""``reducer(dst, src)`` folds ``src`` into ``dst`` in place (``collectives/ops.py``'s)."""
 
 DEFAULT_SLOT_BYTES = 1 << 20
 DEFAULT_SMALL_BYTES = 32 << 10
@@ -132,35 +145,15 @@ _ALLREDUCE, _BROADCAST, _BARRIER, _ALLREDUCE_SHARED = 1, 2, 3, 4
 _KIND_NAMES = {_ALLREDUCE: "allreduce", _BROADCAST: "broadcast", _BARRIER: "barrier",
                _ALLREDUCE_SHARED: "allreduce"}
 _MASK64 = (1 << 64) - 1
-_CHECK_EVERY = 0.05
-# Seconds a wait spins before it sleeps: MAX_SPIN when every local rank can have a core,
-# MIN_SPIN when they are more than the cores (see _wait).
-MIN_SPIN, MAX_SPIN = 2e-6, 100e-6
-# The Python wait (_wait) spins at most PY_SPIN: its loop holds the GIL, which a training
-# step's main thread needs while a background thread waits here, so a long spin slows the
-# step it waits for (measured: docs/benchmarks-history.md, "Measurement notes moved out of the
-# code"). The compiled wait releases the GIL and keeps MAX_SPIN.
-PY_SPIN = 10e-6
-# Then, up to YIELD_FOR seconds after the wait began, it yields the core between looks (it
-# stays runnable, so a peer that was only descheduled is seen as soon as this rank runs again);
-# only past that does it sleep on a futex. On a loaded host a woken process can wait
-# milliseconds for a core, so sleeping early turns a microsecond wait into one of
-# milliseconds (docs/benchmarks-history.md, "Measurement notes moved out of the code").
-YIELD_FOR = 20e-3
-# The Python wait yields for at most PY_YIELD_FOR before it sleeps. Every look between yields
-# takes the GIL back, and a rank that waits milliseconds in a large allreduce during training
-# waits for a peer still in its backward pass, not for one that was descheduled, so yielding
-# longer only takes the GIL from that backward pass (docs/benchmarks-history.md, "A fifth
-# session"). The compiled wait, on the small road, keeps YIELD_FOR.
-PY_YIELD_FOR = 3e-3
 _PAGE = 4096
 # Kernel codes of _shmfast.c: op << 4 | dtype. An Average folds as a sum, then divides.
-_FAST_OPS = {ReduceOp.SUM: 0, ReduceOp.AVERAGE: 0, ReduceOp.MIN: 1, ReduceOp.MAX: 2,
-             ReduceOp.PRODUCT: 3}
+# The ops are named by their ``ReduceOp`` value (``collectives/ops.py``, the floor above: the
+# segment takes the algorithms' op and reads its value, and imports nothing from there).
+_FAST_OPS = {"sum": 0, "average": 0, "min": 1, "max": 2, "product": 3}
 _FAST_DTYPES: dict[np.dtype, int] = {np.dtype(np.float32): 0, np.dtype(np.float64): 1,
                                      np.dtype(np.int32): 2, np.dtype(np.int64): 3}
 # Looked up with the op an allreduce was given, None when the Python road must run: no code.
-_FAST_CODES: dict[tuple[ReduceOp | None, np.dtype], int] = {
+_FAST_CODES: dict[tuple[str, np.dtype], int] = {
     (op, dtype): code << 4 | t for op, code in _FAST_OPS.items()
     for dtype, t in _FAST_DTYPES.items()}
 _FAST_DONE, _FAST_WAITING, _FAST_MISMATCH = 0, 1, 2
@@ -249,7 +242,7 @@ class ShmGroup:
         if sleep == "futex" and self._futex is None:
             raise ValueError("futexes are not available here (Linux x86-64 with ctypes)")
         # Spinning pays only when every local rank can have a core of its own.
-        self._may_spin = size <= len(os.sched_getaffinity(0))
+        self._may_spin = may_spin(size)
         base = _control_bytes(size)
         self._slots = [[np.frombuffer(segment, np.uint8, slot_bytes,
                                       base + (2 * r + parity) * slot_bytes)
@@ -270,10 +263,10 @@ class ShmGroup:
         self._fast_fold: Callable[..., int] | None = None
         self._fast_group: object | None = None
         if module is not None:
-            spin = MAX_SPIN if self._may_spin else MIN_SPIN
+            # The compiled wait climbs the same ladder (``wait.py``), handed over here once.
             self._fast_group = module.open(segment, local_rank, size, slot_bytes, base,
-                                           self._futex is not None, int(spin * 1e9),
-                                           int(YIELD_FOR * 1e9), int(_CHECK_EVERY * 1e9))
+                                           self._futex is not None,
+                                           *native_ladder(self._may_spin))
             self._fast_call, self._fast_fold = module.call, module.fold
         self.fast = self._fast_group is not None
         # This rank's shared buffers (``shared_buffer``) by the address of their first byte:
@@ -328,7 +321,7 @@ class ShmGroup:
                   on_idle: Callable[[float], None] = lambda waited: None,
                   signature: int = 0,
                   finish: Callable[[np.ndarray], None] | None = None,
-                  op: "ReduceOp | None" = None, divisor: int = 0, trunc: bool = False) -> None:
+                  op: "enum.Enum | None" = None, divisor: int = 0, trunc: bool = False) -> None:
         """Reduces ``data`` in place across the local ranks; all end with identical bytes.
 
         Args:
@@ -359,7 +352,8 @@ class ShmGroup:
             return
         if flat.nbytes <= self.small_bytes:
             try:  # what _guard does, without a context manager's cost on the small road
-                code = _FAST_CODES.get((op, flat.dtype)) if self._fast_call else None
+                code = (_FAST_CODES.get((op._value_, flat.dtype))
+                        if self._fast_call and op is not None else None)
                 if code is not None:
                     self._allreduce_fast(flat, code, divisor, trunc, deadline, on_idle,
                                          signature)
@@ -441,10 +435,10 @@ class ShmGroup:
         if shared is not None:
             os.close(shared[0])
 
-    def fast_code(self, op: ReduceOp, dtype: np.dtype) -> "int | None":
+    def fast_code(self, op: enum.Enum, dtype: np.dtype) -> "int | None":
         """The compiled road's kernel code for ``op`` on ``dtype``, or None when an allreduce
         of them takes the Python road (or the compiled one is not built)."""
-        return _FAST_CODES.get((op, dtype)) if self._fast_call else None
+        return _FAST_CODES.get((op._value_, dtype)) if self._fast_call else None
 
     def allreduce_express(self, flat: np.ndarray, code: int, divisor: int, deadline: float,
                           on_idle: Callable[[float], None], signature: int) -> None:
@@ -501,9 +495,9 @@ class ShmGroup:
                    on_idle: Callable[[float], None]) -> None:
         """What follows a C call that did not finish: the wait, then the fold; or the report."""
         if status == _FAST_WAITING:
-            # The C wait spun, yielded and slept for _CHECK_EVERY: check now, then go on.
+            # The C wait spun, yielded and slept for CHECK_EVERY: check now, then go on.
             self._wait(_ARRIVED, seq, deadline, on_idle, "arrive",
-                       started=time.perf_counter() - _CHECK_EVERY)
+                       started=time.perf_counter() - CHECK_EVERY)
             fold = self._fast_fold
             assert fold is not None  # built with ``_fast_call``, which made ``status``
             status = fold(self._fast_group, flat, seq, signature, code, divisor, trunc)
@@ -706,8 +700,8 @@ class ShmGroup:
             waiting = [r for r in waiting if c[lines[r] + word] < seq]
             if not waiting:
                 return
-        nap = 1e-6
-        next_check = started + _CHECK_EVERY
+        nap = FIRST_NAP
+        next_check = started + CHECK_EVERY
         while True:
             waiting = [r for r in waiting if c[lines[r] + word] < seq]
             if not waiting:
@@ -723,12 +717,12 @@ class ShmGroup:
                         f"rank(s) {waiting} (rank(s) {[self.ranks[r] for r in waiting]}) to "
                         f"{phase}; they are alive: are they in another collective?")
                 on_idle(now - started)
-                next_check = now + _CHECK_EVERY
+                next_check = now + CHECK_EVERY
             if self._futex is not None:
                 self._sleep_on(self._futex, waiting[0], word, seq, max(next_check - now, 1e-4))
             else:
                 time.sleep(nap)
-                nap = min(nap * 2, 0.0005)
+                nap = min(nap * 2, MAX_NAP)
 
     def _sleep_on(self, futex: Futex, r: int, word: int, seq: int, timeout: float) -> None:
         """Sleeps until local rank ``r`` raises counter ``word`` (to ``seq`` or not), at most
@@ -738,7 +732,7 @@ class ShmGroup:
         try:
             seen = c[at]
             if seen < seq and not futex.wait(at * 8, seen, timeout):
-                time.sleep(min(timeout, 0.0005))  # the kernel refused: nap instead
+                time.sleep(min(timeout, MAX_NAP))  # the kernel refused: nap instead
         finally:
             c[mine + _SLEEPING] = 0
 
