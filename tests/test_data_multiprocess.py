@@ -37,41 +37,13 @@ def _run(workers, servers, scenario, directory, arg, timeout=120, env=None):
     return r
 
 
-class Shared:
-    """A shared job (``S.launch``): its result, its scenarios' tags in order, and each
-    scenario's directory."""
-
-    def __init__(self, tmp, workers, servers, scenarios, dirs=None):
-        self.workers, self.servers, self.tags = workers, servers, [e["tag"] for e in scenarios]
-        self.dirs = {**{t: tmp / t for t in self.tags}, **(dirs or {})}
-        for d in self.dirs.values():
-            d.mkdir(exist_ok=True)
-        for e in scenarios:  # each scenario's directory, by tag: its files' place
-            e["args"][1:2] = [str(self.dirs[e["tag"]])]
-            for args in e.get("rank_args", {}).values():
-                args[1:2] = [str(self.dirs[e["tag"]])]
-        # -np counts the workers; --data-servers adds the servers' ranks after them.
-        self.result = S.launch(workers, scenarios, tmp, timeout=TIMEOUT,
-                               launcher_args=("--data-servers", str(servers)))
-
-    def ran(self, tag):
-        """Scenario ``tag`` returned on every rank, and the job's failure is not its (``_run``
-        asserted the job's status 0 where it ran alone)."""
-        assert S.ran(self.result, self.tags, tag, self.workers + self.servers), \
-            f"scenario {tag} did not run to its end on every rank:\n{self.result}"
-        return self.dirs[tag]
-
-
-def _scenario(tag, *args, **kw):
-    return S.entry(tag, "data_check.py", args[0], "DIR", *args[1:], **kw)
-
-
 @pytest.fixture(scope="module")
 def four_one(tmp_path_factory):
     """4 workers, 1 data server: ``count``, then ``broken`` (its data server's status 1 ends
     the job, as it ended the job of its own)."""
-    return Shared(tmp_path_factory.mktemp("data-4-1"), 4, 1,
-                  [_scenario("count", "count", 2), _scenario("broken", "broken", BROKEN)])
+    return S.DataJob(tmp_path_factory.mktemp("data-4-1"), 4, 1,
+                     [S.data_entry("count", "count", 2),
+                      S.data_entry("broken", "broken", BROKEN)], timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -81,21 +53,22 @@ def three_four(tmp_path_factory):
     table (each moment of the old ``[dial]`` and ``[regions]`` jobs met by a held worker); its
     kills end the job."""
     tmp = tmp_path_factory.mktemp("data-3-4")
-    lose = _scenario("lose", "lose-dial", 2, rank_args={1: ["lose-dial", "DIR", 2],
-                                                        2: ["lose-regions", "DIR", 2]})
-    return Shared(tmp, 3, 4, [_scenario("stop", "stop", 3), lose],
-                  dirs={"stop": tmp_path_factory.mktemp("resume")})
+    lose = S.data_entry("lose", "lose-dial", 2, rank_args={1: ["lose-dial", "DIR", 2],
+                                                           2: ["lose-regions", "DIR", 2]})
+    return S.DataJob(tmp, 3, 4, [S.data_entry("stop", "stop", 3), lose], timeout=TIMEOUT,
+                     dirs={"stop": tmp_path_factory.mktemp("resume")})
 
 
 @pytest.fixture(scope="module")
 def two_three(tmp_path_factory, three_four):
     """2 workers, 3 data servers: ``count``, ``count`` over TCP, ``shrink``, then ``resume`` of
     ``three_four``'s ``stop`` (in its directory)."""
-    return Shared(tmp_path_factory.mktemp("data-2-3"), 2, 3, [
-        _scenario("count", "count", 2),
-        _scenario("tcp", "count", 2, env={"GRADSYNC_TRANSPORT": "tcp"}),
-        _scenario("shrink", "shrink", 3),
-        _scenario("resume", "resume", 2)], dirs={"resume": three_four.dirs["stop"]})
+    return S.DataJob(tmp_path_factory.mktemp("data-2-3"), 2, 3, [
+        S.data_entry("count", "count", 2),
+        S.data_entry("tcp", "count", 2, env={"GRADSYNC_TRANSPORT": "tcp"}),
+        S.data_entry("shrink", "shrink", 3),
+        S.data_entry("resume", "resume", 2)], timeout=TIMEOUT,
+        dirs={"resume": three_four.dirs["stop"]})
 
 
 SHARED = {(4, 1): "four_one", (2, 3): "two_three"}
