@@ -30,9 +30,11 @@ returned on a rank."""
 
 
 def entry(tag: str, script: str, *args, rank_args: dict | None = None, env: dict | None = None,
-          go_on: bool = False) -> dict:
+          go_on: bool = False, ranks: list[int] | None = None) -> dict:
     """One scenario of a plan (tests/ranks/service_suite.py describes the fields)."""
-    found = {"tag": tag, "script": script, "args": [str(a) for a in args]}
+    found: dict = {"tag": tag, "script": script, "args": [str(a) for a in args]}
+    if ranks is not None:
+        found["ranks"] = list(ranks)
     if rank_args:
         found["rank_args"] = {str(r): [str(a) for a in a_] for r, a_ in rank_args.items()}
     if env:
