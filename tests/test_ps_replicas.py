@@ -753,15 +753,24 @@ def test_a_killed_primary_loses_no_acknowledged_update(mode):
     assert re.search(r"shard 0: primary 1 view \[1, \[1, 2\]\]", r.output), r
 
 
+@pytest.fixture(scope="module")
+def stopped_then_killed():
+    """One job for the two tests below (``stopjoin+join``), each the other's start-up: shard
+    0's primary (server 0, rank 3) is stopped and replaced; then the primary of that view
+    (server 1, rank 4) is killed, its replacement joins, is killed in turn and a third process
+    of rank 4 joins."""
+    return _run("async", "stopjoin+join", steps=24)
+
+
 @pytest.mark.multiprocess
-def test_a_stopped_primary_is_killed_and_replaced_while_it_is_still_stopped():
+def test_a_stopped_primary_is_killed_and_replaced_while_it_is_still_stopped(stopped_then_killed):
     """The primary is stopped and never woken while the others train: its peers fence it
     (view 1), the launcher finds it fenced and silent, kills it and starts its replacement,
     which joins (view 2). Worker 0 polls the view for the two copies (30 s at most), then
     checks that the stopped process is gone; the copies end equal. Before, the launcher
     waited for the stopped process to end, which it does only once woken: the shard ran on
     one copy for as long as the stop lasted (19 s of a 20 s stop in the chaos soak)."""
-    r = _run("async", "stopjoin")
+    r = stopped_then_killed
     assert re.search(r"view 1 holds servers \[1\] \(server 0: worker \d: parameter server 0 "
                      r"\(rank 3\) has been silent for 2s", r.output), r
     assert re.search(r"rank 3 \(server 0\) on host \S+ was fenced out of shard 0 \(view 1: "
@@ -771,29 +780,33 @@ def test_a_stopped_primary_is_killed_and_replaced_while_it_is_still_stopped():
     assert re.search(r"shard 0: view 2 holds servers \[1, 0\] \(server 0 joined with a copy "
                      r"of version \d+\)", r.output), r
     assert "was killed while stopped" in r.output, r
-    assert re.search(r"shard 0: primary 1 view \[2, \[1, 0\]\]; copies \[\(0, (\d+), '(\w+)'\), "
+    # The copies end equal (after the kills of the test below, in the same job).
+    assert re.search(r"shard 0: primary 0 view \[6, \[0, 1\]\]; copies \[\(0, (\d+), '(\w+)'\), "
                      r"\(1, \1, '\2'\)\]", r.output), r
-    assert r.returncode == 137, r  # the kill, reported at the end as the server's failure
+    assert r.returncode == 137, r  # the kills, reported at the end as the servers' failure
 
 
 @pytest.mark.multiprocess
-def test_a_replacement_joins_with_a_copy_while_training_goes_on():
+def test_a_replacement_joins_with_a_copy_while_training_goes_on(stopped_then_killed):
     """The primary is killed, its replacement joins; that replacement (a backup now, whose
     copy's shared-memory names are still linked) is killed too, and a third process joins:
-    it clears the names its predecessor left (they refused its own, and every join failed)."""
-    r = _run("async", "join", steps=24)
-    assert "rank 3 started again (1 of 3): it joins its shard with a copy" in r.output, r
-    assert re.search(r"shard 0: view 2 holds servers \[1, 0\] \(server 0 joined with a copy "
+    it clears the names its predecessor left (they refused its own, and every join failed).
+    The job is the test above's: the primary killed is server 1 (rank 4), primary since the
+    stopped server 0 was replaced (view 2)."""
+    r = stopped_then_killed
+    assert re.search(r"worker 0: kill the primary, server 1 pid \d+", r.output), r
+    assert "rank 4 started again (1 of 3): it joins its shard with a copy" in r.output, r
+    assert re.search(r"shard 0: view 4 holds servers \[0, 1\] \(server 1 joined with a copy "
                      r"of version \d+\)", r.output), r
-    assert "rank 3 started again (2 of 3)" in r.output, r
+    assert "rank 4 started again (2 of 3)" in r.output, r
     assert "removed" in r.output and "shared-memory names its killed predecessor left" in \
         r.output, r
-    assert re.search(r"shard 0: view 4 holds servers \[1, 0\] \(server 0 joined with a copy "
+    assert re.search(r"shard 0: view 6 holds servers \[0, 1\] \(server 1 joined with a copy "
                      r"of version \d+\)", r.output), r
     # The check in the rank script compared the joined copy's version, clocks and bits.
-    assert re.search(r"shard 0: primary 1 view \[4, \[1, 0\]\]; copies \[\(0, (\d+), '(\w+)'\), "
+    assert re.search(r"shard 0: primary 0 view \[6, \[0, 1\]\]; copies \[\(0, (\d+), '(\w+)'\), "
                      r"\(1, \1, '\2'\)\]", r.output), r
-    assert r.returncode == 137, r  # the killed incarnation's status, reported at the end
+    assert r.returncode == 137, r  # a killed incarnation's status, reported at the end
 
 
 @pytest.mark.multiprocess
