@@ -8,9 +8,9 @@ sample ids it received, in order, to a file; these tests then check the files ag
 Most default-tier scenarios share a job with the others of their shape (tests/service_jobs.py:
 each scenario a job of its own under its own job id, in the same ranks): 4 workers and 1 data
 server (``count``, then ``broken``, whose failing data server ends the job), 3 and 4
-(``stop``, then ``lose``, whose kills end it) and 2 and 3 (``count``, over TCP, ``shrink``, then
-``resume`` from the 3-and-4 job's ``stop``). The 1-and-1 count and the killed server of 3 and
-3 keep a job each (no other scenario of their shape), as do the slow tier's.
+(``stop``, then ``lose``, whose kills end it) and 2 and 3 (``count``, over TCP, ``shrink``,
+``resume`` from the 3-and-4 job's ``stop``, then ``killserver``, whose kill ends it). The
+1-and-1 count keeps a job of its own (no other scenario of its shape), as do the slow tier's.
 """
 
 import json
@@ -61,14 +61,19 @@ def three_four(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_three(tmp_path_factory, three_four):
-    """2 workers, 3 data servers: ``count``, ``count`` over TCP, ``shrink``, then ``resume`` of
-    ``three_four``'s ``stop`` (in its directory)."""
-    return S.DataJob(tmp_path_factory.mktemp("data-2-3"), 2, 3, [
+    """2 workers, 3 data servers: ``count``, ``count`` over TCP, ``shrink``, ``resume`` of
+    ``three_four``'s ``stop`` (in its directory), then ``killserver`` (its kill ends the job).
+    ``shm_before``: the names in /dev/shm before the job."""
+    before = set(os.listdir("/dev/shm"))
+    job = S.DataJob(tmp_path_factory.mktemp("data-2-3"), 2, 3, [
         S.data_entry("count", "count", 2),
         S.data_entry("tcp", "count", 2, env={"GRADSYNC_TRANSPORT": "tcp"}),
         S.data_entry("shrink", "shrink", 3),
-        S.data_entry("resume", "resume", 2)], timeout=TIMEOUT,
+        S.data_entry("resume", "resume", 2),
+        S.data_entry("killserver", "killserver", 2)], timeout=TIMEOUT,
         dirs={"resume": three_four.dirs["stop"]})
+    job.shm_before = before
+    return job
 
 
 SHARED = {(4, 1): "four_one", (2, 3): "two_three"}
@@ -186,24 +191,35 @@ def test_a_resumed_job_continues_the_epoch_without_repeats_on_other_counts(three
     # a launch of 3 workers and 3 data servers each: 20-30 s on 2 loaded cores
     pytest.param("tcp", marks=pytest.mark.slow),
     pytest.param("producers", marks=pytest.mark.slow)])
-def test_a_killed_data_servers_share_is_served_by_the_others_exactly_once(tmp_path, how):
+def test_a_killed_data_servers_share_is_served_by_the_others_exactly_once(tmp_path, how,
+                                                                          request):
     # Same host (shm); over TCP (every stream has its next take in flight when server 0 is
     # killed); or with 2 producer processes per data server (the killed server's helpers
     # end with it; the others serve the same bytes as one producer would: every value is
-    # checked against the closed form on the workers).
-    env = {"tcp": {"GRADSYNC_TRANSPORT": "tcp"},
-           "producers": {"GRADSYNC_DATA_WORKERS": "2"}}.get(how)
-    before = set(os.listdir("/dev/shm"))
-    r = harness.launch(3, "data_check.py", "killserver", str(tmp_path), "2", timeout=120,
-                       launcher_args=("--data-servers", "3"), env=env)
+    # checked against the closed form on the workers). shm: 2 workers, the last scenario of
+    # the shared job of 2 workers and 3 data servers (two_three); the others 3 workers.
+    if how == "shm":
+        shared = request.getfixturevalue("two_three")
+        r, tmp_path, before = shared.result, shared.dirs["killserver"], shared.shm_before
+        workers = 2
+        # Both workers and both live data servers returned from the scenario.
+        assert S.done(r.output, "killserver") == 4, str(r)
+    else:
+        env = {"tcp": {"GRADSYNC_TRANSPORT": "tcp"},
+               "producers": {"GRADSYNC_DATA_WORKERS": "2"}}[how]
+        before = set(os.listdir("/dev/shm"))
+        workers = 3
+        r = harness.launch(workers, "data_check.py", "killserver", str(tmp_path), "2",
+                           timeout=120, launcher_args=("--data-servers", "3"), env=env)
     # The job runs to its end; its status is the killed server's (128 + SIGKILL).
     assert r.returncode == 137, str(r)
     # The killed server could not unlink its slot tables; the launcher removes what the job
     # left on this host once every rank has ended (run/processes.py, clear_shared_memory).
     left = sorted(n for n in set(os.listdir("/dev/shm")) - before if n.startswith("gradsync-"))
     assert left == [], left
-    assert "rank 3 (data server 0)" in r.output and "the job ran to its end" in r.output, str(r)
-    got = _received(tmp_path, "killserver", 3)
+    assert f"rank {workers} (data server 0)" in r.output, str(r)
+    assert "the job ran to its end" in r.output, str(r)
+    got = _received(tmp_path, "killserver", workers)
     for epoch in (0, 1):
         ids = [i for w in got for i in w[str(epoch)]]
         assert sorted(ids) == list(range(SAMPLES)), f"epoch {epoch}"
