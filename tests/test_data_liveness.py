@@ -8,7 +8,8 @@ both roads, its share served by the others with every sample exactly once; a ser
 slow at the same time is not given up. The stopped server on the poll road and the servers that
 hold their GIL share one job of 2 workers and 2 data servers (tests/service_jobs.py), each
 scenario a job of its own under its own job id in the same ranks; the slow server beside a
-stopped one (3 data servers) keeps a job of its own.
+stopped one over TCP (2 workers, 3 data servers) is a scenario of test_data_multiprocess.py's
+job of that shape (tests/data_jobs.py).
 """
 
 import json
@@ -27,6 +28,7 @@ from gradsync.transport.regions import Endpoint
 
 from test_data import SECRET, Numbers, _hello, _wait_for, server  # noqa: F401 (fixture)
 
+import data_jobs
 import harness
 import service_jobs as S
 
@@ -259,16 +261,17 @@ def test_a_data_server_that_holds_its_gil_longer_than_the_timeout_is_not_given_u
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("road", ["tcp", pytest.param("poll", marks=pytest.mark.slow)])
-def test_a_slow_data_server_is_not_given_up_beside_a_stopped_one(tmp_path, road):
+def test_a_slow_data_server_is_not_given_up_beside_a_stopped_one(tmp_path, road,
+                                                                tmp_path_factory):
     # 2 workers, 3 data servers. Server 1 takes 2.5 s, more than the heartbeat timeout, to
     # read a sample of its first batch (batch 1, worker 1's first from it; worker 0's next
     # one from it waits behind it), and server 0 is stopped after worker 0's third batch.
     # Over TCP a take that waited for the batch without a word would pass for silence: it
     # answers "pending" instead; on the poll road the beat goes on while the producer reads.
-    batches = P.plan(SAMPLES, BATCH, SEED, 0, 3, 2)
-    assert batches[1].server == 1
-    env = {"GS_DATA_SLOW": f"{batches[1].ids[0]}:2.5"}
+    # tcp: the ``slow`` scenario of the shared job of 2 workers and 3 data servers
+    # (tests/data_jobs.py, with test_data_multiprocess.py's); poll: a job of its own.
     if road == "tcp":
-        env["GRADSYNC_TRANSPORT"] = "tcp"
-    stopped, lost = _stopped_job(tmp_path, 3, env)
+        stopped, lost = _stopped_files(data_jobs.two_three(tmp_path_factory).ran("slow"))
+    else:
+        stopped, lost = _stopped_job(tmp_path, 3, data_jobs.slow_env(3, road))
     _given_up_in_time(stopped, lost, "silent")

@@ -9,8 +9,10 @@ Most default-tier scenarios share a job with the others of their shape (tests/se
 each scenario a job of its own under its own job id, in the same ranks): 4 workers and 1 data
 server (``count``, then ``broken``, whose failing data server ends the job), 3 and 4
 (``stop``, then ``lose``, whose kills end it) and 2 and 3 (``count``, over TCP, ``shrink``,
-``resume`` from the 3-and-4 job's ``stop``, then ``killserver``, whose kill ends it). The
-1-and-1 count keeps a job of its own (no other scenario of its shape), as do the slow tier's.
+``resume`` from the 3-and-4 job's ``stop``, test_data_liveness.py's slow server, then
+``killserver``, whose kill ends it); the last two are tests/data_jobs.py's, shared with
+test_data_liveness.py. The 1-and-1 count keeps a job of its own (no other scenario of its
+shape), as do the slow tier's.
 """
 
 import json
@@ -20,13 +22,12 @@ import pytest
 
 from gradsync.data import plan as P
 
+import data_jobs
 import harness
 import service_jobs as S
 
 SAMPLES, BATCH, SEED = 103, 4, 7
-TIMEOUT = 420
-"""A shared job's deadline: its scenarios' own (120 s each alone, mostly the start-up paid once
-now) and room for a loaded machine."""
+TIMEOUT = data_jobs.TIMEOUT
 
 
 def _run(workers, servers, scenario, directory, arg, timeout=120, env=None):
@@ -46,34 +47,17 @@ def four_one(tmp_path_factory):
                       S.data_entry("broken", "broken", BROKEN)], timeout=TIMEOUT)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def three_four(tmp_path_factory):
-    """3 workers, 4 data servers: ``stop`` (resumed in ``two_three``), then ``lose``: worker 1
-    held before its dial to data server 0, worker 2 before its read of server 0's region
-    table (each moment of the old ``[dial]`` and ``[regions]`` jobs met by a held worker); its
-    kills end the job."""
-    tmp = tmp_path_factory.mktemp("data-3-4")
-    lose = S.data_entry("lose", "lose-dial", 2, rank_args={1: ["lose-dial", "DIR", 2],
-                                                           2: ["lose-regions", "DIR", 2]})
-    return S.DataJob(tmp, 3, 4, [S.data_entry("stop", "stop", 3), lose], timeout=TIMEOUT,
-                     dirs={"stop": tmp_path_factory.mktemp("resume")})
+    """3 workers, 4 data servers: ``stop``, then ``lose`` (tests/data_jobs.py)."""
+    return data_jobs.three_four(tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
-def two_three(tmp_path_factory, three_four):
-    """2 workers, 3 data servers: ``count``, ``count`` over TCP, ``shrink``, ``resume`` of
-    ``three_four``'s ``stop`` (in its directory), then ``killserver`` (its kill ends the job).
-    ``shm_before``: the names in /dev/shm before the job."""
-    before = set(os.listdir("/dev/shm"))
-    job = S.DataJob(tmp_path_factory.mktemp("data-2-3"), 2, 3, [
-        S.data_entry("count", "count", 2),
-        S.data_entry("tcp", "count", 2, env={"GRADSYNC_TRANSPORT": "tcp"}),
-        S.data_entry("shrink", "shrink", 3),
-        S.data_entry("resume", "resume", 2),
-        S.data_entry("killserver", "killserver", 2)], timeout=TIMEOUT,
-        dirs={"resume": three_four.dirs["stop"]})
-    job.shm_before = before
-    return job
+@pytest.fixture
+def two_three(tmp_path_factory):
+    """2 workers, 3 data servers: ``count``, ``tcp``, ``shrink``, ``resume`` of ``three_four``'s
+    ``stop``, test_data_liveness.py's ``slow``, then ``killserver`` (tests/data_jobs.py)."""
+    return data_jobs.two_three(tmp_path_factory)
 
 
 SHARED = {(4, 1): "four_one", (2, 3): "two_three"}
