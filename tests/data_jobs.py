@@ -4,16 +4,14 @@ both read.
 A job of data servers costs a launcher, an interpreter that imports torch per rank and a
 rendezvous (most of a scenario's time), so the scenarios of one shape share one job
 (tests/service_jobs.py). Two files had a job of 2 workers and 3 data servers: the counts, the
-shrink, the resume and the killed server of test_data_multiprocess.py, and the slow server
-beside a stopped one over TCP of test_data_liveness.py. Now one job runs them all, started by
+shrink and the resume of test_data_multiprocess.py, and the slow server beside a stopped one
+over TCP of test_data_liveness.py. Now one job runs them all, started by
 the first test of either file that asks (``two_three``), once per pytest process; its time,
 and that of the 3-and-4 job whose stopped state it resumes (``three_four``), is charged to
 this file's line in the budgets (tests/budgets.txt), not to the test that asked first.
 """
 
 from __future__ import annotations
-
-import os
 
 from budgets import charged_to
 from gradsync.data import plan as P
@@ -68,21 +66,16 @@ def three_four(tmp_path_factory) -> S.DataJob:
 
 def two_three(tmp_path_factory) -> S.DataJob:
     """2 workers, 3 data servers: ``count``, ``count`` over TCP (``tcp``), ``shrink``,
-    ``resume`` of ``three_four``'s ``stop`` (in its directory), ``slow`` (data server 0 stopped
-    and server 1 slow, over TCP: test_data_liveness.py), then ``killserver`` (its kill ends
-    the job). ``shm_before``: the names in /dev/shm before the job."""
+    ``resume`` of ``three_four``'s ``stop`` (in its directory), then ``slow`` (data server 0
+    stopped and server 1 slow, over TCP: test_data_liveness.py)."""
     if "two_three" not in _jobs:
         stopped = three_four(tmp_path_factory).dirs["stop"]
-        before = set(os.listdir("/dev/shm"))
         with charged_to("data_jobs.py"):
-            job = S.DataJob(tmp_path_factory.mktemp("data-2-3"), 2, 3, [
+            _jobs["two_three"] = S.DataJob(tmp_path_factory.mktemp("data-2-3"), 2, 3, [
                 S.data_entry("count", "count", 2),
                 S.data_entry("tcp", "count", 2, env={"GRADSYNC_TRANSPORT": "tcp"}),
                 S.data_entry("shrink", "shrink", 3),
                 S.data_entry("resume", "resume", 2),
-                S.data_entry("slow", "stopserver", 2, env=slow_env(3, "tcp")),
-                S.data_entry("killserver", "killserver", 2)], timeout=TIMEOUT,
-                dirs={"resume": stopped})
-        job.shm_before = before
-        _jobs["two_three"] = job
+                S.data_entry("slow", "stopserver", 2, env=slow_env(3, "tcp"))],
+                timeout=TIMEOUT, dirs={"resume": stopped})
     return _jobs["two_three"]

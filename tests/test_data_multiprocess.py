@@ -9,10 +9,11 @@ Most default-tier scenarios share a job with the others of their shape (tests/se
 each scenario a job of its own under its own job id, in the same ranks): 4 workers and 1 data
 server (``count``, then ``broken``, whose failing data server ends the job), 3 and 4
 (``stop``, then ``lose``, whose kills end it) and 2 and 3 (``count``, over TCP, ``shrink``,
-``resume`` from the 3-and-4 job's ``stop``, test_data_liveness.py's slow server, then
-``killserver``, whose kill ends it); the last two are tests/data_jobs.py's, shared with
-test_data_liveness.py. The 1-and-1 count keeps a job of its own (no other scenario of its
-shape), as do the slow tier's.
+``resume`` from the 3-and-4 job's ``stop``, and test_data_liveness.py's slow server); the last
+two are tests/data_jobs.py's, shared with test_data_liveness.py. The 1-and-1 count and the
+killed server of 3 and 3 keep a job each (no other scenario of their shape; at 2 workers the
+killed server leaves nothing in /dev/shm for the launcher to clear, which that test checks),
+as do the slow tier's.
 """
 
 import json
@@ -56,7 +57,7 @@ def three_four(tmp_path_factory):
 @pytest.fixture
 def two_three(tmp_path_factory):
     """2 workers, 3 data servers: ``count``, ``tcp``, ``shrink``, ``resume`` of ``three_four``'s
-    ``stop``, test_data_liveness.py's ``slow``, then ``killserver`` (tests/data_jobs.py)."""
+    ``stop``, then test_data_liveness.py's ``slow`` (tests/data_jobs.py)."""
     return data_jobs.two_three(tmp_path_factory)
 
 
@@ -175,35 +176,24 @@ def test_a_resumed_job_continues_the_epoch_without_repeats_on_other_counts(three
     # a launch of 3 workers and 3 data servers each: 20-30 s on 2 loaded cores
     pytest.param("tcp", marks=pytest.mark.slow),
     pytest.param("producers", marks=pytest.mark.slow)])
-def test_a_killed_data_servers_share_is_served_by_the_others_exactly_once(tmp_path, how,
-                                                                          request):
+def test_a_killed_data_servers_share_is_served_by_the_others_exactly_once(tmp_path, how):
     # Same host (shm); over TCP (every stream has its next take in flight when server 0 is
     # killed); or with 2 producer processes per data server (the killed server's helpers
     # end with it; the others serve the same bytes as one producer would: every value is
-    # checked against the closed form on the workers). shm: 2 workers, the last scenario of
-    # the shared job of 2 workers and 3 data servers (two_three); the others 3 workers.
-    if how == "shm":
-        shared = request.getfixturevalue("two_three")
-        r, tmp_path, before = shared.result, shared.dirs["killserver"], shared.shm_before
-        workers = 2
-        # Both workers and both live data servers returned from the scenario.
-        assert S.done(r.output, "killserver") == 4, str(r)
-    else:
-        env = {"tcp": {"GRADSYNC_TRANSPORT": "tcp"},
-               "producers": {"GRADSYNC_DATA_WORKERS": "2"}}[how]
-        before = set(os.listdir("/dev/shm"))
-        workers = 3
-        r = harness.launch(workers, "data_check.py", "killserver", str(tmp_path), "2",
-                           timeout=120, launcher_args=("--data-servers", "3"), env=env)
+    # checked against the closed form on the workers).
+    env = {"tcp": {"GRADSYNC_TRANSPORT": "tcp"},
+           "producers": {"GRADSYNC_DATA_WORKERS": "2"}}.get(how)
+    before = set(os.listdir("/dev/shm"))
+    r = harness.launch(3, "data_check.py", "killserver", str(tmp_path), "2", timeout=120,
+                       launcher_args=("--data-servers", "3"), env=env)
     # The job runs to its end; its status is the killed server's (128 + SIGKILL).
     assert r.returncode == 137, str(r)
     # The killed server could not unlink its slot tables; the launcher removes what the job
     # left on this host once every rank has ended (run/processes.py, clear_shared_memory).
     left = sorted(n for n in set(os.listdir("/dev/shm")) - before if n.startswith("gradsync-"))
     assert left == [], left
-    assert f"rank {workers} (data server 0)" in r.output, str(r)
-    assert "the job ran to its end" in r.output, str(r)
-    got = _received(tmp_path, "killserver", workers)
+    assert "rank 3 (data server 0)" in r.output and "the job ran to its end" in r.output, str(r)
+    got = _received(tmp_path, "killserver", 3)
     for epoch in (0, 1):
         ids = [i for w in got for i in w[str(epoch)]]
         assert sorted(ids) == list(range(SAMPLES)), f"epoch {epoch}"
