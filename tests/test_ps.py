@@ -13,9 +13,10 @@ on to the next scenario. Each scenario runs on as many of the job's six ranks as
 had (``GRADSYNC_SERVERS`` of them servers, set for it): 1 worker and 1 server (``parity`` SGD,
 ``factor``, then a client in a job without servers, whose error ends its ranks), 2 and 1
 (``bf16``, ``mismatch``, then ``killserver``, whose kill ends its ranks), 4 and 2 (the modes
-``ssp``, ``async``, ``backup``) and 2 and 3 over TCP (``save``, then ``restore``).
-The killed workers' tests read the launcher's status and keep a ``gradsync run --servers`` job
-each, as do the slow tier's cases.
+``ssp``, ``async``, ``backup``), 3 and 1 (a worker killed in sync mode) and 2 and 3 over TCP
+(``save``, then ``restore``). The tests of a worker killed in async and backup mode read the
+launcher's status (the job goes on without it, and ends with its status) and keep a
+``gradsync run --servers`` job each, as do the slow tier's cases.
 """
 
 import threading
@@ -224,10 +225,12 @@ def job(tmp_path_factory):
     (workers + servers): 1 worker and 1 server (ranks 3, 4): ``parity`` (SGD), ``factor``;
     2 and 1 (ranks 0-2): ``bf16``, ``mismatch`` (its workers' exit 3 ends the scenario, not
     the ranks); 4 and 2 (all six): the modes ``ssp``, ``async`` and ``backup``, 12 steps each;
-    2 and 3 over TCP (ranks 0-4): ``save``, then ``restore`` (both in ``checkpoint``); then, last
-    for their ranks, ``noservers`` (ranks 3, 4): ``parity`` with ``GRADSYNC_SERVERS=0``, where
-    both ranks are workers and their clients fail, and ``killserver`` (ranks 0-2: the server is
-    killed). Ranks 0-2 and 3-4 run their first scenarios at once."""
+    3 and 1 (ranks 3, 4, 5 and 0): ``killsync``, worker 2 (rank 5, its last) killed in sync
+    mode, the others' exit 3 ending the scenario; 2 and 3 over TCP (ranks 0-4): ``save``, then
+    ``restore`` (both in ``checkpoint``); then, last for their ranks, ``noservers`` (ranks 3,
+    4): ``parity`` with ``GRADSYNC_SERVERS=0``, where both ranks are workers and their clients
+    fail, and ``killserver`` (ranks 0-2: the server is killed). Ranks 0-2 and 3-4 run their
+    first scenarios at once."""
     tmp = tmp_path_factory.mktemp("ps")
     (tmp / "checkpoint").mkdir()
     one_one, two_one, two_three = [3, 4], [0, 1, 2], [0, 1, 2, 3, 4]
@@ -239,6 +242,7 @@ def job(tmp_path_factory):
         _scenario("mismatch", two_one, 1, "mismatch", go_on=True),
         *[_scenario(mode, list(range(6)), 2, "mode", mode, 12)
           for mode in ("ssp", "async", "backup")],
+        _scenario("killsync", [3, 4, 5, 0], 1, "kill", "sync", go_on=True),
         *[_scenario(a, two_three, 3, a, tmp / "checkpoint", env=tcp)
           for a in ("save", "restore")],
         _scenario("noservers", one_one, 0, "parity", "sgd"),
@@ -324,11 +328,16 @@ def test_a_killed_worker_is_dropped_and_training_goes_on(mode):
 
 
 @pytest.mark.multiprocess
-def test_a_killed_worker_in_sync_mode_fails_the_others_naming_it():
-    r = _ps(3, 1, "kill", "sync")
-    assert r.returncode != 0, r
-    for w in (0, 1):
-        assert f"worker {w}: PeerLostError peer=2: worker 2 was lost" in r.output, r
+def test_a_killed_worker_in_sync_mode_fails_the_others_naming_it(job):
+    # 3 workers and 1 server of the shared job (``killsync``: job ranks 3, 4, 5 and 0); worker
+    # 2 (job rank 5) SIGKILLs itself, its last scenario. The other two fail: each ends the
+    # scenario with its sys.exit(3) (``go_on``), where their job of their own failed.
+    workers = job.ranks("killsync")[:2]
+    for w, rank in enumerate(workers):
+        out = S.section(rank.output, "killsync")
+        assert f"worker {w}: PeerLostError peer=2: worker 2 was lost" in out, rank
+        assert "killsync| suite: exit 3" in out, rank
+    assert job.ranks("killsync")[2].returncode == -9, job.ranks("killsync")[2]
 
 
 @pytest.mark.multiprocess
