@@ -7,7 +7,10 @@ scenarios that then ran for a second or two. Now the scenarios of one shape (as 
 and servers) run one after the other in the same ranks, each under a job id of its own, and
 each test reads its own scenario's part of the shared output, as tests/small_jobs.py does for
 the front doors' scripts. A module-scoped fixture of the test file starts each such job once
-per pytest process, so its time stays with its file in the budgets (tests/budgets.txt).
+per pytest process, so its time stays with its file in the budgets (tests/budgets.txt); a job
+that two files read is started by tests/data_jobs.py and charged to its own line. Ranks started
+as torchrun starts them (``spawn``) may run each scenario on some of them (``entry``'s
+``ranks``), so that scenarios of several shapes share one job.
 ``DataJob`` is such a job of data servers under ``gradsync run --data-servers``, each scenario
 with a directory of its own for the files its workers write (tests/ranks/data_check.py).
 
