@@ -3,7 +3,9 @@
 Pure logic runs on a dict standing in for the rendezvous store; the fencing tests run two or
 three real servers of one shard in this process (their endpoints talk over loopback TCP and
 map each other's segments); the launcher tests (tests/ranks/ps_replicas.py) kill or stop a
-primary mid-training.
+primary mid-training. Three of them read one job (``stopped_then_killed``), whose training
+meets their faults in turn: a job's start-up (the launcher, 7 interpreters that import torch,
+a rendezvous) is paid once for the stopped primary, the killed one and the twice-killed joiner.
 """
 
 import os
