@@ -1,12 +1,18 @@
 """One job for several scenarios of the data or parameter servers (tests/ranks/service_suite.py).
 
-tests/test_data_multiprocess.py and tests/test_ps.py each started a job per scenario:
+tests/test_data_multiprocess.py, tests/test_data_liveness.py and tests/test_ps.py each started a
+job per scenario:
 ``gradsync run`` and its workers and servers, every one an interpreter that imports torch, for
 scenarios that then ran for a second or two. Now the scenarios of one shape (as many workers
 and servers) run one after the other in the same ranks, each under a job id of its own, and
 each test reads its own scenario's part of the shared output, as tests/small_jobs.py does for
 the front doors' scripts. A module-scoped fixture of the test file starts each such job once
-per pytest process, so its time stays with its file in the budgets (tests/budgets.txt).
+per pytest process, so its time stays with its file in the budgets (tests/budgets.txt); a job
+that two files read is started by tests/data_jobs.py and charged to its own line. Ranks started
+as torchrun starts them (``spawn``) may run each scenario on some of them (``entry``'s
+``ranks``), so that scenarios of several shapes share one job.
+``DataJob`` is such a job of data servers under ``gradsync run --data-servers``, each scenario
+with a directory of its own for the files its workers write (tests/ranks/data_check.py).
 
 A scenario that fails ends its rank (the scenarios after it do not run): its test fails with
 its reason, and so do those of the scenarios after it, which did not run (``ran``); the tests
@@ -27,9 +33,11 @@ returned on a rank."""
 
 
 def entry(tag: str, script: str, *args, rank_args: dict | None = None, env: dict | None = None,
-          go_on: bool = False) -> dict:
+          go_on: bool = False, ranks: list[int] | None = None) -> dict:
     """One scenario of a plan (tests/ranks/service_suite.py describes the fields)."""
-    found = {"tag": tag, "script": script, "args": [str(a) for a in args]}
+    found: dict = {"tag": tag, "script": script, "args": [str(a) for a in args]}
+    if ranks is not None:
+        found["ranks"] = list(ranks)
     if rank_args:
         found["rank_args"] = {str(r): [str(a) for a in a_] for r, a_ in rank_args.items()}
     if env:
@@ -93,3 +101,36 @@ def ran(result: harness.Result, tags: list[str], tag: str, ranks: int) -> bool:
         return False
     later = tags[tags.index(tag) + 1:]
     return result.returncode == 0 or any(done(result.output, t) < ranks for t in later)
+
+
+def data_entry(tag: str, scenario: str, *args, **kw) -> dict:
+    """A scenario of tests/ranks/data_check.py (``data_check.py SCENARIO DIR ARGS``): its
+    ``DIR`` is filled in by ``DataJob``, the scenario's own directory."""
+    return entry(tag, "data_check.py", scenario, "DIR", *args, **kw)
+
+
+class DataJob:
+    """A shared job of ``workers`` workers and ``servers`` data servers (``launch`` under
+    ``gradsync run --data-servers``): its result, its scenarios' tags in order, and each
+    scenario's directory (``dirs``: by default ``tmp/<tag>``)."""
+
+    def __init__(self, tmp: Path, workers: int, servers: int, scenarios: list[dict], *,
+                 timeout: float, dirs: dict | None = None):
+        self.workers, self.servers, self.tags = workers, servers, [e["tag"] for e in scenarios]
+        self.dirs = {**{t: Path(tmp) / t for t in self.tags}, **(dirs or {})}
+        for d in self.dirs.values():
+            d.mkdir(exist_ok=True)
+        for e in scenarios:  # each scenario's directory, by tag: its files' place
+            e["args"][1:2] = [str(self.dirs[e["tag"]])]
+            for args in e.get("rank_args", {}).values():
+                args[1:2] = [str(self.dirs[e["tag"]])]
+        # -np counts the workers; --data-servers adds the servers' ranks after them.
+        self.result = launch(workers, scenarios, tmp, timeout=timeout,
+                             launcher_args=("--data-servers", str(servers)))
+
+    def ran(self, tag: str) -> Path:
+        """Scenario ``tag`` returned on every rank, and the job's failure is not its (its job
+        alone asserted the status 0); its directory."""
+        assert ran(self.result, self.tags, tag, self.workers + self.servers), \
+            f"scenario {tag} did not run to its end on every rank:\n{self.result}"
+        return self.dirs[tag]

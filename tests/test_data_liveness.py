@@ -5,7 +5,11 @@ whose owner stops answering found silent; the watch's judgement of a same-host s
 on an injected clock. Through the launcher (tests/ranks/data_check.py, ``stopserver``): a data
 server SIGSTOPped mid-epoch is given up by every worker within the chaos bench's bound, on
 both roads, its share served by the others with every sample exactly once; a server that is
-slow at the same time is not given up.
+slow at the same time is not given up. The stopped server on the poll road and the servers that
+hold their GIL share one job of 2 workers and 2 data servers (tests/service_jobs.py), each
+scenario a job of its own under its own job id in the same ranks; the slow server beside a
+stopped one over TCP (2 workers, 3 data servers) is a scenario of test_data_multiprocess.py's
+job of that shape (tests/data_jobs.py).
 """
 
 import json
@@ -24,7 +28,9 @@ from gradsync.transport.regions import Endpoint
 
 from test_data import SECRET, Numbers, _hello, _wait_for, server  # noqa: F401 (fixture)
 
+import data_jobs
 import harness
+import service_jobs as S
 
 HEARTBEAT_TIMEOUT, HEARTBEAT_INTERVAL = 2.0, 0.25  # the defaults, which the jobs run with
 BOUND = 3.0  # gradsync bench chaos's default detection bound
@@ -164,19 +170,42 @@ def test_the_watch_gives_up_a_server_whose_beat_stands_still_and_not_a_late_watc
 SAMPLES, BATCH, SEED = 400, 4, 7  # 25 batches per worker and server and epoch: mid-epoch
 
 
+TIMEOUT = 240
+"""The shared job's deadline: its two scenarios' own (120 s each alone, mostly start-up) and
+room for a loaded machine."""
+
+
+@pytest.fixture(scope="module")
+def two_two(tmp_path_factory):
+    """2 workers, 2 data servers on this host (the poll road): ``stopserver`` (server 0
+    SIGSTOPped, SIGCONTed at its end: it finds its workers gone and ends, so its rank goes on),
+    then ``holdserver`` (each server holds its GIL for 1.5 heartbeat timeouts). Both ended
+    with status 0 in jobs of their own."""
+    hold = {"GS_DATA_SAMPLES": str(SAMPLES), "GS_DATA_HOLD": str(1.5 * HEARTBEAT_TIMEOUT)}
+    return S.DataJob(tmp_path_factory.mktemp("liveness-2-2"), 2, 2, [
+        S.data_entry("stopserver", "stopserver", 2, env={"GS_DATA_SAMPLES": str(SAMPLES)}),
+        S.data_entry("holdserver", "holdserver", 1, env=hold)], timeout=TIMEOUT)
+
+
+def _stopped_files(directory):
+    """What a ``stopserver`` scenario left in ``directory``: when server 0 was stopped, the
+    servers each worker gave up; checks that both epochs reached the workers exactly once."""
+    stopped = json.loads((directory / "stopped.json").read_text())["wall"]
+    lost = [json.loads((directory / f"lost-{w}.json").read_text()) for w in range(2)]
+    got = [json.loads((directory / f"stopped-{w}.json").read_text()) for w in range(2)]
+    for epoch in (0, 1):
+        ids = [i for w in got for i in w[str(epoch)]]
+        assert sorted(ids) == list(range(SAMPLES)), f"epoch {epoch}"
+    return stopped, lost
+
+
 def _stopped_job(tmp_path, servers, env):
     r = harness.launch(2, "data_check.py", "stopserver", str(tmp_path), "2", timeout=120,
                        env={"GS_DATA_SAMPLES": str(SAMPLES), **env},
                        launcher_args=("--data-servers", str(servers)))
     # The stopped server, continued at the end, finds its workers gone and ends cleanly.
     assert r.returncode == 0, str(r)
-    stopped = json.loads((tmp_path / "stopped.json").read_text())["wall"]
-    lost = [json.loads((tmp_path / f"lost-{w}.json").read_text()) for w in range(2)]
-    got = [json.loads((tmp_path / f"stopped-{w}.json").read_text()) for w in range(2)]
-    for epoch in (0, 1):
-        ids = [i for w in got for i in w[str(epoch)]]
-        assert sorted(ids) == list(range(SAMPLES)), f"epoch {epoch}"
-    return r, stopped, lost
+    return _stopped_files(tmp_path)
 
 
 def _given_up_in_time(stopped, lost, why):
@@ -190,12 +219,13 @@ def _given_up_in_time(stopped, lost, why):
 
 
 @pytest.mark.multiprocess
-def test_a_stopped_data_server_is_given_up_within_the_bound_and_its_share_served_once(
-        tmp_path):
+def test_a_stopped_data_server_is_given_up_within_the_bound_and_its_share_served_once(two_two):
     # 2 workers, 2 data servers on this host (the poll road: no message): worker 0 stops
     # data server 0 after its third batch. Its pid lives and its sockets stay open; only its
-    # beat stands still.
-    r, stopped, lost = _stopped_job(tmp_path, 2, {})
+    # beat stands still. The stopped server, continued at the end, finds its workers gone and
+    # ends cleanly (the scenario returned on every rank, its server's too: ``ran``).
+    directory = two_two.ran("stopserver")
+    stopped, lost = _stopped_files(directory)
     _given_up_in_time(stopped, lost, "silent")
     # Worker 0, polling server 0's table in the middle of the epoch, finds its beat still; but
     # a worker with a call to that server in flight when the 2 s run out (its epoch's start;
@@ -206,7 +236,7 @@ def test_a_stopped_data_server_is_given_up_within_the_bound_and_its_share_served
     error = lost[0]["0"][1]
     assert "beat stood still" in error or "(stopped, or its host cut off?)" in error, lost
     # Epoch 1 was served by server 1 alone, each worker's share in its planned order.
-    got = [json.loads((tmp_path / f"stopped-{w}.json").read_text()) for w in range(2)]
+    got = [json.loads((directory / f"stopped-{w}.json").read_text()) for w in range(2)]
     for w in range(2):
         planned = P.worker_batches(P.plan(SAMPLES, BATCH, SEED, 1, 2, 2), w)
         mine = [i for b in planned if b.server == 1 for i in b.ids.tolist()]
@@ -214,37 +244,34 @@ def test_a_stopped_data_server_is_given_up_within_the_bound_and_its_share_served
 
 
 @pytest.mark.multiprocess
-def test_a_data_server_that_holds_its_gil_longer_than_the_timeout_is_not_given_up(tmp_path):
+def test_a_data_server_that_holds_its_gil_longer_than_the_timeout_is_not_given_up(two_two):
     # 2 workers, 2 data servers on this host (the poll road). Once every worker has its first
     # batch (no call in flight), each server holds its GIL for 1.5 timeouts in one C call, as
     # a long ``import torch`` does on a loaded machine. Its beats come from the native beater,
     # which needs no GIL; before it, its Python beater stood still and the workers gave both
     # servers up.
-    hold = 1.5 * HEARTBEAT_TIMEOUT
-    r = harness.launch(2, "data_check.py", "holdserver", str(tmp_path), "1", timeout=120,
-                       env={"GS_DATA_SAMPLES": str(SAMPLES), "GS_DATA_HOLD": str(hold)},
-                       launcher_args=("--data-servers", "2"))
-    assert r.returncode == 0, str(r)
-    held = [json.loads(path.read_text()) for path in tmp_path.glob("gil-*.json")]
+    directory = two_two.ran("holdserver")  # its job's status 0
+    held = [json.loads(path.read_text()) for path in directory.glob("gil-*.json")]
     assert len(held) == 2 and min(held) >= HEARTBEAT_TIMEOUT, held  # both held, that long
-    lost = [json.loads((tmp_path / f"lost-{w}.json").read_text()) for w in range(2)]
+    lost = [json.loads((directory / f"lost-{w}.json").read_text()) for w in range(2)]
     assert lost == [{}, {}], lost
-    got = [json.loads((tmp_path / f"holdserver-{w}.json").read_text()) for w in range(2)]
+    got = [json.loads((directory / f"holdserver-{w}.json").read_text()) for w in range(2)]
     assert sorted(i for w in got for i in w["0"]) == list(range(SAMPLES))
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("road", ["tcp", pytest.param("poll", marks=pytest.mark.slow)])
-def test_a_slow_data_server_is_not_given_up_beside_a_stopped_one(tmp_path, road):
+def test_a_slow_data_server_is_not_given_up_beside_a_stopped_one(tmp_path, road,
+                                                                tmp_path_factory):
     # 2 workers, 3 data servers. Server 1 takes 2.5 s, more than the heartbeat timeout, to
     # read a sample of its first batch (batch 1, worker 1's first from it; worker 0's next
     # one from it waits behind it), and server 0 is stopped after worker 0's third batch.
     # Over TCP a take that waited for the batch without a word would pass for silence: it
     # answers "pending" instead; on the poll road the beat goes on while the producer reads.
-    batches = P.plan(SAMPLES, BATCH, SEED, 0, 3, 2)
-    assert batches[1].server == 1
-    env = {"GS_DATA_SLOW": f"{batches[1].ids[0]}:2.5"}
+    # tcp: the ``slow`` scenario of the shared job of 2 workers and 3 data servers
+    # (tests/data_jobs.py, with test_data_multiprocess.py's); poll: a job of its own.
     if road == "tcp":
-        env["GRADSYNC_TRANSPORT"] = "tcp"
-    r, stopped, lost = _stopped_job(tmp_path, 3, env)
+        stopped, lost = _stopped_files(data_jobs.two_three(tmp_path_factory).ran("slow"))
+    else:
+        stopped, lost = _stopped_job(tmp_path, 3, data_jobs.slow_env(3, road))
     _given_up_in_time(stopped, lost, "silent")

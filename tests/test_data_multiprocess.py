@@ -8,9 +8,12 @@ sample ids it received, in order, to a file; these tests then check the files ag
 Most default-tier scenarios share a job with the others of their shape (tests/service_jobs.py:
 each scenario a job of its own under its own job id, in the same ranks): 4 workers and 1 data
 server (``count``, then ``broken``, whose failing data server ends the job), 3 and 4
-(``stop``, then ``lose``, whose kills end it) and 2 and 3 (``count``, over TCP, ``shrink``, then
-``resume`` from the 3-and-4 job's ``stop``). The 1-and-1 count and the killed server of 3 and
-3 keep a job each (no other scenario of their shape), as do the slow tier's.
+(``stop``, then ``lose``, whose kills end it) and 2 and 3 (``count``, over TCP, ``shrink``,
+``resume`` from the 3-and-4 job's ``stop``, and test_data_liveness.py's slow server); the last
+two are tests/data_jobs.py's, shared with test_data_liveness.py. The 1-and-1 count and the
+killed server of 3 and 3 keep a job each (no other scenario of their shape; at 2 workers the
+killed server leaves nothing in /dev/shm for the launcher to clear, which that test checks),
+as do the slow tier's.
 """
 
 import json
@@ -20,13 +23,12 @@ import pytest
 
 from gradsync.data import plan as P
 
+import data_jobs
 import harness
 import service_jobs as S
 
 SAMPLES, BATCH, SEED = 103, 4, 7
-TIMEOUT = 420
-"""A shared job's deadline: its scenarios' own (120 s each alone, mostly the start-up paid once
-now) and room for a loaded machine."""
+TIMEOUT = data_jobs.TIMEOUT
 
 
 def _run(workers, servers, scenario, directory, arg, timeout=120, env=None):
@@ -37,65 +39,26 @@ def _run(workers, servers, scenario, directory, arg, timeout=120, env=None):
     return r
 
 
-class Shared:
-    """A shared job (``S.launch``): its result, its scenarios' tags in order, and each
-    scenario's directory."""
-
-    def __init__(self, tmp, workers, servers, scenarios, dirs=None):
-        self.workers, self.servers, self.tags = workers, servers, [e["tag"] for e in scenarios]
-        self.dirs = {**{t: tmp / t for t in self.tags}, **(dirs or {})}
-        for d in self.dirs.values():
-            d.mkdir(exist_ok=True)
-        for e in scenarios:  # each scenario's directory, by tag: its files' place
-            e["args"][1:2] = [str(self.dirs[e["tag"]])]
-            for args in e.get("rank_args", {}).values():
-                args[1:2] = [str(self.dirs[e["tag"]])]
-        # -np counts the workers; --data-servers adds the servers' ranks after them.
-        self.result = S.launch(workers, scenarios, tmp, timeout=TIMEOUT,
-                               launcher_args=("--data-servers", str(servers)))
-
-    def ran(self, tag):
-        """Scenario ``tag`` returned on every rank, and the job's failure is not its (``_run``
-        asserted the job's status 0 where it ran alone)."""
-        assert S.ran(self.result, self.tags, tag, self.workers + self.servers), \
-            f"scenario {tag} did not run to its end on every rank:\n{self.result}"
-        return self.dirs[tag]
-
-
-def _scenario(tag, *args, **kw):
-    return S.entry(tag, "data_check.py", args[0], "DIR", *args[1:], **kw)
-
-
 @pytest.fixture(scope="module")
 def four_one(tmp_path_factory):
     """4 workers, 1 data server: ``count``, then ``broken`` (its data server's status 1 ends
     the job, as it ended the job of its own)."""
-    return Shared(tmp_path_factory.mktemp("data-4-1"), 4, 1,
-                  [_scenario("count", "count", 2), _scenario("broken", "broken", BROKEN)])
+    return S.DataJob(tmp_path_factory.mktemp("data-4-1"), 4, 1,
+                     [S.data_entry("count", "count", 2),
+                      S.data_entry("broken", "broken", BROKEN)], timeout=TIMEOUT)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def three_four(tmp_path_factory):
-    """3 workers, 4 data servers: ``stop`` (resumed in ``two_three``), then ``lose``: worker 1
-    held before its dial to data server 0, worker 2 before its read of server 0's region
-    table (each moment of the old ``[dial]`` and ``[regions]`` jobs met by a held worker); its
-    kills end the job."""
-    tmp = tmp_path_factory.mktemp("data-3-4")
-    lose = _scenario("lose", "lose-dial", 2, rank_args={1: ["lose-dial", "DIR", 2],
-                                                        2: ["lose-regions", "DIR", 2]})
-    return Shared(tmp, 3, 4, [_scenario("stop", "stop", 3), lose],
-                  dirs={"stop": tmp_path_factory.mktemp("resume")})
+    """3 workers, 4 data servers: ``stop``, then ``lose`` (tests/data_jobs.py)."""
+    return data_jobs.three_four(tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
-def two_three(tmp_path_factory, three_four):
-    """2 workers, 3 data servers: ``count``, ``count`` over TCP, ``shrink``, then ``resume`` of
-    ``three_four``'s ``stop`` (in its directory)."""
-    return Shared(tmp_path_factory.mktemp("data-2-3"), 2, 3, [
-        _scenario("count", "count", 2),
-        _scenario("tcp", "count", 2, env={"GRADSYNC_TRANSPORT": "tcp"}),
-        _scenario("shrink", "shrink", 3),
-        _scenario("resume", "resume", 2)], dirs={"resume": three_four.dirs["stop"]})
+@pytest.fixture
+def two_three(tmp_path_factory):
+    """2 workers, 3 data servers: ``count``, ``tcp``, ``shrink``, ``resume`` of ``three_four``'s
+    ``stop``, then test_data_liveness.py's ``slow`` (tests/data_jobs.py)."""
+    return data_jobs.two_three(tmp_path_factory)
 
 
 SHARED = {(4, 1): "four_one", (2, 3): "two_three"}

@@ -5,16 +5,18 @@ consistency clock, factor layout) is tested here without processes.
 
 A parameter server serves one job and ends, so each scenario used to be a job of its own:
 ``gradsync run --servers``, its workers and servers, every one an interpreter importing torch,
-for a second or two of training. Now the default tier's scenarios of one shape run one after
-the other in the same ranks (tests/service_jobs.py), each a job of its own under its own job
-id: the ranks are started as torchrun starts them (``harness.spawn``, ``GRADSYNC_SERVERS``
-exported), so that a server rank runs the script too and serves from ``init()`` (the road of
-the foreign launchers, docs/ps.md), then goes on to the next scenario. Shared: 1 worker and 1
-server (``parity`` SGD, ``factor``, then a client in a job without servers, whose error ends
-the job), 2 and 1 (``bf16``, ``mismatch``, then ``killserver``, whose kill ends it), 4 and 2
-(the modes ``ssp``, ``async``, ``backup``) and 2 and 3 over TCP (``save``, then ``restore``).
-The killed workers' tests read the launcher's status and keep a ``gradsync run --servers`` job
-each, as do the slow tier's cases.
+for a second or two of training. Now the default tier's scenarios run one after the other in
+the ranks of one job (tests/service_jobs.py), each a job of its own under its own job id: the
+ranks are started as torchrun starts them (``harness.spawn``), so that a server rank runs the
+script too and serves from ``init()`` (the road of the foreign launchers, docs/ps.md), then goes
+on to the next scenario. Each scenario runs on as many of the job's six ranks as its own job
+had (``GRADSYNC_SERVERS`` of them servers, set for it): 1 worker and 1 server (``parity`` SGD,
+``factor``, then a client in a job without servers, whose error ends its ranks), 2 and 1
+(``bf16``, ``mismatch``, then ``killserver``, whose kill ends its ranks), 4 and 2 (the modes
+``ssp``, ``async``, ``backup``), 3 and 1 (a worker killed in sync mode) and 2 and 3 over TCP
+(``save``, then ``restore``). The tests of a worker killed in async and backup mode read the
+launcher's status (the job goes on without it, and ends with its status) and keep a
+``gradsync run --servers`` job each, as do the slow tier's cases.
 """
 
 import threading
@@ -181,69 +183,72 @@ def _ps(workers, servers, *args, timeout=90, env=None):
 
 
 TIMEOUT = 420
-"""A shared job's deadline: its scenarios' own (90 s each alone, mostly the start-up paid once
+"""The shared job's deadline: its scenarios' own (90 s each alone, mostly the start-up paid once
 now) and room for a loaded machine."""
 
 
 class Shared:
-    """A shared job of ``workers`` and ``servers`` ranks started as torchrun starts them
-    (``S.spawn``): each rank's end, and each scenario's output."""
+    """A shared job of ``size`` ranks started as torchrun starts them (``S.spawn``), whose
+    scenarios each run on some of them (``entry``'s ``ranks``): each rank's end, and each
+    scenario's output."""
 
-    def __init__(self, tmp, workers, servers, scenarios, env=None):
-        self.tags = [e["tag"] for e in scenarios]
-        self.ranks = S.spawn(workers + servers, scenarios, tmp, timeout=TIMEOUT,
-                             env={"GRADSYNC_SERVERS": str(servers), **(env or {})})
+    def __init__(self, tmp, size, scenarios):
+        self.ranks_of = {e["tag"]: e["ranks"] for e in scenarios}
+        self.all = S.spawn(size, scenarios, tmp, timeout=TIMEOUT)
+
+    def ranks(self, tag) -> list:
+        """The job's ranks (``harness.Rank``) that ran scenario ``tag``, in its rank order."""
+        return [self.all[r] for r in self.ranks_of[tag]]
 
     def output(self, tag) -> str:
         """What scenario ``tag`` printed on every rank (stdout and stderr), rank by rank."""
-        return "".join(S.section(r.output, tag) for r in self.ranks)
+        return "".join(S.section(r.output, tag) for r in self.ranks(tag))
 
     def ran(self, tag) -> str:
         """Scenario ``tag``'s output, once it returned on every rank: what the status 0 of
         its own job said."""
-        assert all(S.done(r.output, tag) == 1 for r in self.ranks), \
-            f"scenario {tag} did not run to its end on every rank:\n" + "\n".join(self.ranks)
+        assert all(S.done(r.output, tag) == 1 for r in self.ranks(tag)), \
+            f"scenario {tag} did not run to its end on every rank:\n" + "\n".join(self.all)
         return self.output(tag)
 
 
-def _scenario(tag, *args, **kw):
-    return S.entry(tag, "ps_check.py", *args, **kw)
+def _scenario(tag, ranks, servers, *args, env=None, **kw):
+    """Scenario ``tag`` (``ps_check.py ARGS``) on the job's ``ranks``, the last ``servers`` of
+    them parameter servers."""
+    return S.entry(tag, "ps_check.py", *args, ranks=ranks,
+                   env={"GRADSYNC_SERVERS": str(servers), **(env or {})}, **kw)
 
 
 @pytest.fixture(scope="module")
-def one_one(tmp_path_factory):
-    """1 worker, 1 server: ``parity`` (SGD), ``factor``, then ``noservers``: ``parity`` with
-    ``GRADSYNC_SERVERS=0``, where both ranks are workers and their clients fail (the last)."""
-    return Shared(tmp_path_factory.mktemp("ps-1-1"), 1, 1, [
-        _scenario("parity", "parity", "sgd"), _scenario("factor", "factor"),
-        _scenario("noservers", "parity", "sgd", env={"GRADSYNC_SERVERS": "0"})])
-
-
-@pytest.fixture(scope="module")
-def two_one(tmp_path_factory):
-    """2 workers, 1 server: ``bf16``, ``mismatch`` (its workers' exit 3 ends the scenario, not
-    the ranks), then ``killserver`` (the server is killed: the last)."""
-    return Shared(tmp_path_factory.mktemp("ps-2-1"), 2, 1, [
-        _scenario("bf16", "bf16"), _scenario("mismatch", "mismatch", go_on=True),
-        _scenario("killserver", "killserver")])
-
-
-@pytest.fixture(scope="module")
-def four_two(tmp_path_factory):
-    """4 workers, 2 servers: the modes ``ssp``, ``async`` and ``backup``, 12 steps each."""
-    return Shared(tmp_path_factory.mktemp("ps-4-2"), 4, 2,
-                  [_scenario(mode, "mode", mode, 12) for mode in ("ssp", "async", "backup")])
-
-
-@pytest.fixture(scope="module")
-def two_three(tmp_path_factory):
-    """2 workers, 3 servers, over TCP: ``save``, then ``restore`` (both in ``checkpoint``)."""
-    tmp = tmp_path_factory.mktemp("ps-2-3")
+def job(tmp_path_factory):
+    """One job of 6 ranks for every shared scenario, each on as many ranks as its own job had
+    (workers + servers): 1 worker and 1 server (ranks 3, 4): ``parity`` (SGD), ``factor``;
+    2 and 1 (ranks 0-2): ``bf16``, ``mismatch`` (its workers' exit 3 ends the scenario, not
+    the ranks); 4 and 2 (all six): the modes ``ssp``, ``async`` and ``backup``, 12 steps each;
+    3 and 1 (ranks 3, 4, 5 and 0): ``killsync``, worker 2 (rank 5, its last) killed in sync
+    mode, the others' exit 3 ending the scenario; 2 and 3 over TCP (ranks 0-4): ``save``, then
+    ``restore`` (both in ``checkpoint``); then, last for their ranks, ``noservers`` (ranks 3,
+    4): ``parity`` with ``GRADSYNC_SERVERS=0``, where both ranks are workers and their clients
+    fail, and ``killserver`` (ranks 0-2: the server is killed). Ranks 0-2 and 3-4 run their
+    first scenarios at once."""
+    tmp = tmp_path_factory.mktemp("ps")
     (tmp / "checkpoint").mkdir()
-    job = Shared(tmp, 2, 3, [_scenario(a, a, tmp / "checkpoint") for a in ("save", "restore")],
-                 env={"GRADSYNC_TRANSPORT": "tcp"})
-    job.directory = tmp / "checkpoint"
-    return job
+    one_one, two_one, two_three = [3, 4], [0, 1, 2], [0, 1, 2, 3, 4]
+    tcp = {"GRADSYNC_TRANSPORT": "tcp"}
+    found = Shared(tmp, 6, [
+        _scenario("parity", one_one, 1, "parity", "sgd"),
+        _scenario("factor", one_one, 1, "factor"),
+        _scenario("bf16", two_one, 1, "bf16"),
+        _scenario("mismatch", two_one, 1, "mismatch", go_on=True),
+        *[_scenario(mode, list(range(6)), 2, "mode", mode, 12)
+          for mode in ("ssp", "async", "backup")],
+        _scenario("killsync", [3, 4, 5, 0], 1, "kill", "sync", go_on=True),
+        *[_scenario(a, two_three, 3, a, tmp / "checkpoint", env=tcp)
+          for a in ("save", "restore")],
+        _scenario("noservers", one_one, 0, "parity", "sgd"),
+        _scenario("killserver", two_one, 1, "killserver")])
+    found.directory = tmp / "checkpoint"
+    return found
 
 
 @pytest.mark.multiprocess
@@ -261,7 +266,7 @@ def two_three(tmp_path_factory):
 def test_sync_training_equals_the_local_optimizer(workers, servers, optimizer, transport,
                                                   request):
     if (workers, servers, optimizer, transport) == (1, 1, "sgd", "auto"):
-        out = request.getfixturevalue("one_one").ran("parity")  # its job's status 0
+        out = request.getfixturevalue("job").ran("parity")  # its job's status 0
     else:
         r = _ps(workers, servers, "parity", optimizer, env={"GRADSYNC_TRANSPORT": transport})
         assert r.returncode == 0, r
@@ -276,7 +281,7 @@ def test_sync_training_equals_the_local_optimizer(workers, servers, optimizer, t
 def test_factored_linear_gradients_train_identically_with_less_traffic(workers, servers,
                                                                         request):
     if (workers, servers) == (1, 1):
-        out = request.getfixturevalue("one_one").ran("factor")  # its job's status 0
+        out = request.getfixturevalue("job").ran("factor")  # its job's status 0
     else:
         r = _ps(workers, servers, "factor")
         assert r.returncode == 0, r
@@ -285,8 +290,8 @@ def test_factored_linear_gradients_train_identically_with_less_traffic(workers, 
 
 
 @pytest.mark.multiprocess
-def test_a_bf16_model_trains_on_float32_master_weights(two_one):
-    out = two_one.ran("bf16")  # its job's status 0
+def test_a_bf16_model_trains_on_float32_master_weights(job):
+    out = job.ran("bf16")  # its job's status 0
     assert out.count("bf16 ok") == 2, out
 
 
@@ -295,14 +300,14 @@ def test_a_bf16_model_trains_on_float32_master_weights(two_one):
     # sync: the parity runs check these counters too (test_sync_training_equals_the_local_
     # optimizer's 1 worker on 1 server; the checkpoint test's save run, 2 workers, the last
     # one slow, on 3 servers), so this run is in the slow tier. backup, async and ssp at 4
-    # workers on 2 servers share a job (four_two): backup was 3 workers on 1 server and
-    # async 3 on 2, each a job of its own.
+    # workers on 2 servers share a job (``job``'s six ranks): backup was 3 workers on 1 server
+    # and async 3 on 2, each a job of its own.
     pytest.param("sync", 2, 1, marks=pytest.mark.slow), ("backup", 4, 2), ("async", 4, 2),
     pytest.param("ssp", 3, 1, marks=pytest.mark.slow), ("ssp", 4, 2),
 ])
 def test_each_mode_keeps_its_guarantee(mode, workers, servers, request):
     if (workers, servers) == (4, 2):
-        out = request.getfixturevalue("four_two").ran(mode)  # its job's status 0
+        out = request.getfixturevalue("job").ran(mode)  # its job's status 0
     else:
         r = _ps(workers, servers, "mode", mode, "12")
         assert r.returncode == 0, r
@@ -323,17 +328,22 @@ def test_a_killed_worker_is_dropped_and_training_goes_on(mode):
 
 
 @pytest.mark.multiprocess
-def test_a_killed_worker_in_sync_mode_fails_the_others_naming_it():
-    r = _ps(3, 1, "kill", "sync")
-    assert r.returncode != 0, r
-    for w in (0, 1):
-        assert f"worker {w}: PeerLostError peer=2: worker 2 was lost" in r.output, r
+def test_a_killed_worker_in_sync_mode_fails_the_others_naming_it(job):
+    # 3 workers and 1 server of the shared job (``killsync``: job ranks 3, 4, 5 and 0); worker
+    # 2 (job rank 5) SIGKILLs itself, its last scenario. The other two fail: each ends the
+    # scenario with its sys.exit(3) (``go_on``), where their job of their own failed.
+    workers = job.ranks("killsync")[:2]
+    for w, rank in enumerate(workers):
+        out = S.section(rank.output, "killsync")
+        assert f"worker {w}: PeerLostError peer=2: worker 2 was lost" in out, rank
+        assert "killsync| suite: exit 3" in out, rank
+    assert job.ranks("killsync")[2].returncode == -9, job.ranks("killsync")[2]
 
 
 @pytest.mark.multiprocess
-def test_a_killed_server_gives_every_worker_a_clear_error(two_one):
-    # The last scenario of two_one's job: the ranks' ends are its.
-    ranks = two_one.ranks
+def test_a_killed_server_gives_every_worker_a_clear_error(job):
+    # The last scenario of its ranks (0-2) in the shared job: their ends are its.
+    ranks = job.ranks("killserver")
     assert ranks[2].returncode == -9 or ranks[2].returncode == 137, ranks[2]
     for w in (0, 1):
         out = S.section(ranks[w].output, "killserver")
@@ -343,31 +353,31 @@ def test_a_killed_server_gives_every_worker_a_clear_error(two_one):
 
 
 @pytest.mark.multiprocess
-def test_checkpoint_restores_the_same_parameters_and_continues_identically(two_three):
+def test_checkpoint_restores_the_same_parameters_and_continues_identically(job):
     # The save run is also test_sync_training_equals_the_local_optimizer's 2-worker Adam case
     # on 3 servers over TCP: every step against torch.optim.Adam, then sync's counters. Save
-    # and restore are two scenarios of one job (two_three), each a job of its own.
-    out = two_three.ran("save")  # its job's status 0
+    # and restore are two scenarios of the shared job, each a job of its own.
+    out = job.ran("save")  # its job's status 0
     assert out.count("5 steps match adam") == 2, out
     assert "sync: counters hold" in out, out
     # (Listed after the restore, which reads the directory and writes nothing to it.)
-    assert sorted(p.name for p in two_three.directory.iterdir()) == \
+    assert sorted(p.name for p in job.directory.iterdir()) == \
         ["p3.npy", "p5.npy", "server-0.npz", "server-1.npz", "server-2.npz"]
-    out = two_three.ran("restore")  # its job's status 0
+    out = job.ran("restore")  # its job's status 0
     assert "restore: ok" in out, out
 
 
 @pytest.mark.multiprocess
-def test_workers_with_different_models_get_an_error_naming_the_difference(two_one):
-    out = two_one.output("mismatch")  # every rank's, whatever its status (none was checked)
+def test_workers_with_different_models_get_an_error_naming_the_difference(job):
+    out = job.output("mismatch")  # every rank's, whatever its status (none was checked)
     assert "CollectiveMismatchError" in out and "numels" in out, out
     assert "PeerLostError" in out, out  # the other worker learns that it left
 
 
 @pytest.mark.multiprocess
-def test_a_parameter_client_without_servers_is_a_config_error(one_one):
-    # one_one's last scenario: its two ranks in a job without servers (GRADSYNC_SERVERS=0),
-    # where it was one rank under gradsync run without --servers.
-    for rank in one_one.ranks:
+def test_a_parameter_client_without_servers_is_a_config_error(job):
+    # The last scenario of its ranks (3, 4) in the shared job: two ranks in a job without
+    # servers (GRADSYNC_SERVERS=0), where it was one rank under gradsync run without --servers.
+    for rank in job.ranks("noservers"):
         out = S.section(rank.output, "noservers")
         assert rank.returncode == 1 and "has no parameter servers" in out, rank

@@ -3,7 +3,9 @@
 Pure logic runs on a dict standing in for the rendezvous store; the fencing tests run two or
 three real servers of one shard in this process (their endpoints talk over loopback TCP and
 map each other's segments); the launcher tests (tests/ranks/ps_replicas.py) kill or stop a
-primary mid-training.
+primary mid-training. Three of them read one job (``stopped_then_killed``), whose training
+meets their faults in turn: a job's start-up (the launcher, 7 interpreters that import torch,
+a rendezvous) is paid once for the stopped primary, the killed one and the twice-killed joiner.
 """
 
 import os
@@ -744,56 +746,92 @@ def test_sync_with_a_killed_primary_is_bit_identical_to_a_run_without_faults():
         _digests(clean.output), (clean.output[-2000:], killed.output[-2000:])
 
 
+def _copies_agree(output: str, primary: int, epoch: int, members: list[int]) -> bool:
+    """Whether worker 0's last look found shard 0 at view ``epoch`` of ``members`` under
+    ``primary``, every copy at the same version with the same parameters' digest."""
+    found = re.search(rf"shard 0: primary {primary} view \[{epoch}, \[([\d, ]+)\]\]; copies "
+                      r"\[([^\]]*)\]", output)
+    if found is None or found[1] != ", ".join(map(str, members)):
+        return False
+    copies = re.findall(r"\((\d+), (\d+), '(\w+)'\)", found[2])
+    return sorted(int(c[0]) for c in copies) == sorted(members) and \
+        len({c[1:] for c in copies}) == 1
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["async", pytest.param("ssp", marks=pytest.mark.slow),
                                   pytest.param("backup", marks=pytest.mark.slow)])
-def test_a_killed_primary_loses_no_acknowledged_update(mode):
-    r = _run(mode, "kill", servers=3, replicas=3)
+def test_a_killed_primary_loses_no_acknowledged_update(mode, request):
+    if mode != "async":
+        r = _run(mode, "kill", servers=3, replicas=3)
+        assert r.returncode == 137, r
+        assert re.search(r"shard 0: primary 1 view \[1, \[1, 2\]\]", r.output), r
+        return
+    # async: the shared job below (3 copies), whose second fault kills the primary of view 2,
+    # server 1, beside two backups: server 2, primary of view 3, forwards to server 0; every
+    # acknowledged push applied once and the copies equal at the end (its ``_run``).
+    r = request.getfixturevalue("stopped_then_killed")
+    assert re.search(r"worker 0: kill the primary, server 1 pid \d+", r.output), r
+    assert re.search(r"shard 0: view 3 holds servers \[2, 0\] \(server 1: worker \d: ",
+                     r.output), r
+    assert re.search(r"shard 0: primary server 2 settled view 3 at version \d+", r.output), r
+    assert _copies_agree(r.output, 2, 6, [2, 0, 1]), r
     assert r.returncode == 137, r
-    assert re.search(r"shard 0: primary 1 view \[1, \[1, 2\]\]", r.output), r
+
+
+@pytest.fixture(scope="module")
+def stopped_then_killed():
+    """One job of 3 workers and one shard of 3 copies (servers 0-2, ranks 3-5) for the two
+    tests below and the killed primary's above (``stopjoin+join``), each the others'
+    start-up: shard 0's primary (server 0, rank 3) is stopped and replaced; then the primary
+    of that view (server 1, rank 4) is killed, its replacement joins, is killed in turn and a
+    third process of rank 4 joins."""
+    return _run("async", "stopjoin+join", servers=3, replicas=3, steps=24, timeout=180)
 
 
 @pytest.mark.multiprocess
-def test_a_stopped_primary_is_killed_and_replaced_while_it_is_still_stopped():
+def test_a_stopped_primary_is_killed_and_replaced_while_it_is_still_stopped(stopped_then_killed):
     """The primary is stopped and never woken while the others train: its peers fence it
     (view 1), the launcher finds it fenced and silent, kills it and starts its replacement,
-    which joins (view 2). Worker 0 polls the view for the two copies (30 s at most), then
+    which joins (view 2). Worker 0 polls the view for the copies (30 s at most), then
     checks that the stopped process is gone; the copies end equal. Before, the launcher
     waited for the stopped process to end, which it does only once woken: the shard ran on
     one copy for as long as the stop lasted (19 s of a 20 s stop in the chaos soak)."""
-    r = _run("async", "stopjoin")
-    assert re.search(r"view 1 holds servers \[1\] \(server 0: worker \d: parameter server 0 "
+    r = stopped_then_killed
+    assert re.search(r"view 1 holds servers \[1, 2\] \(server 0: worker \d: parameter server 0 "
                      r"\(rank 3\) has been silent for 2s", r.output), r
     assert re.search(r"rank 3 \(server 0\) on host \S+ was fenced out of shard 0 \(view 1: "
                      r"server 0: .*\) and has been silent for [\d.]+s: killed by the launcher",
                      r.output), r
     assert "rank 3 started again (1 of 3): it joins its shard with a copy" in r.output, r
-    assert re.search(r"shard 0: view 2 holds servers \[1, 0\] \(server 0 joined with a copy "
+    assert re.search(r"shard 0: view 2 holds servers \[1, 2, 0\] \(server 0 joined with a copy "
                      r"of version \d+\)", r.output), r
     assert "was killed while stopped" in r.output, r
-    assert re.search(r"shard 0: primary 1 view \[2, \[1, 0\]\]; copies \[\(0, (\d+), '(\w+)'\), "
-                     r"\(1, \1, '\2'\)\]", r.output), r
-    assert r.returncode == 137, r  # the kill, reported at the end as the server's failure
+    # The copies end equal (after the kills of the tests around, in the same job).
+    assert _copies_agree(r.output, 2, 6, [2, 0, 1]), r
+    assert r.returncode == 137, r  # the kills, reported at the end as the servers' failure
 
 
 @pytest.mark.multiprocess
-def test_a_replacement_joins_with_a_copy_while_training_goes_on():
+def test_a_replacement_joins_with_a_copy_while_training_goes_on(stopped_then_killed):
     """The primary is killed, its replacement joins; that replacement (a backup now, whose
     copy's shared-memory names are still linked) is killed too, and a third process joins:
-    it clears the names its predecessor left (they refused its own, and every join failed)."""
-    r = _run("async", "join", steps=24)
-    assert "rank 3 started again (1 of 3): it joins its shard with a copy" in r.output, r
-    assert re.search(r"shard 0: view 2 holds servers \[1, 0\] \(server 0 joined with a copy "
-                     r"of version \d+\)", r.output), r
-    assert "rank 3 started again (2 of 3)" in r.output, r
+    it clears the names its predecessor left (they refused its own, and every join failed).
+    The job is the test above's: the primary killed is server 1 (rank 4), primary since the
+    stopped server 0 was replaced (view 2)."""
+    r = stopped_then_killed
+    assert re.search(r"worker 0: kill the primary, server 1 pid \d+", r.output), r
+    assert "rank 4 started again (1 of 3): it joins its shard with a copy" in r.output, r
+    assert re.search(r"shard 0: view 4 holds servers \[2, 0, 1\] \(server 1 joined with a "
+                     r"copy of version \d+\)", r.output), r
+    assert "rank 4 started again (2 of 3)" in r.output, r
     assert "removed" in r.output and "shared-memory names its killed predecessor left" in \
         r.output, r
-    assert re.search(r"shard 0: view 4 holds servers \[1, 0\] \(server 0 joined with a copy "
-                     r"of version \d+\)", r.output), r
+    assert re.search(r"shard 0: view 6 holds servers \[2, 0, 1\] \(server 1 joined with a "
+                     r"copy of version \d+\)", r.output), r
     # The check in the rank script compared the joined copy's version, clocks and bits.
-    assert re.search(r"shard 0: primary 1 view \[4, \[1, 0\]\]; copies \[\(0, (\d+), '(\w+)'\), "
-                     r"\(1, \1, '\2'\)\]", r.output), r
-    assert r.returncode == 137, r  # the killed incarnation's status, reported at the end
+    assert _copies_agree(r.output, 2, 6, [2, 0, 1]), r
+    assert r.returncode == 137, r  # a killed incarnation's status, reported at the end
 
 
 @pytest.mark.multiprocess

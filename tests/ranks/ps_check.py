@@ -197,6 +197,9 @@ def kill(mode: str) -> None:
             step += 1
     except PeerLostError as exc:
         print(f"worker {ps.rank}: PeerLostError peer={exc.peer}: {exc}")
+        # Disconnects now, so that the server ends: in a shared job (tests/service_jobs.py)
+        # this process goes on to the next scenario, and no exit closes its connections.
+        ps.close()
         sys.exit(3)
     if ps.rank == 0:
         print(f"worker 0 trained its 10 steps and {step - 10} more; server counters "

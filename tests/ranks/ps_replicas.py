@@ -15,6 +15,8 @@ closed-form batches. At step ``STEPS // 3`` worker 0 hits the primary of shard 0
            others train; worker 0 waits for it (at most 60 s), then SIGKILLs that
            replacement too (now a backup, with its copy's names still in /dev/shm) and waits
            for the third process of the rank to join; then all train on
+    stopjoin+join   stopjoin, then join with the primary of the shard's view then (server 1,
+           whose copy took over) as the victim: one job for both, each the other's start-up
     joinbackup   the same with shard 0's first backup as the victim
     partition    (root; tests/test_ps_partition.py) shard 0's backup runs on a namespace host
            that worker 0 cuts off: this side's end of its veth (PART_OUTER) goes down, so the
@@ -82,7 +84,7 @@ def run(mode: str, fault: str, steps: int) -> None:
                 link("up")
             acked += wait_for_join(m, ps, 1, limit=60)
             common.until(lambda: common.gone(victim), "the old copy did not end", 40)
-        if ps.rank == 0 and step == steps // 3 + 1 and fault == "stopjoin":
+        if ps.rank == 0 and step == steps // 3 + 1 and fault.startswith("stopjoin"):
             # Not woken by this script before the copies are back: only a launcher that
             # replaces it while it is stopped can bring them back.
             acked += wait_for_join(m, ps, ps.view[0].epoch, limit=30)
@@ -91,13 +93,19 @@ def run(mode: str, fault: str, steps: int) -> None:
                      f"still exists")
             print(f"worker 0: the stopped server pid {victim} was killed while stopped",
                   flush=True)
+            if fault == "stopjoin+join":
+                # This worker's own view may still be view 1 (a join moves no worker), and
+                # view 2 already holds both copies: the join to wait for comes after it.
+                primary, since = ps.view[0].primary, ps.views[0].newest(ps.view[0]).epoch
+                print(f"worker 0: kill the primary, server {primary} pid {ps.peers[0].pid}",
+                      flush=True)
+                os.kill(ps.peers[0].pid, signal.SIGKILL)
+                acked += join_twice(m, ps, primary, since)
         if ps.rank == 0 and step == steps // 3 + 1 and fault.startswith("join"):
-            acked += wait_for_join(m, ps, ps.view[0].epoch)
             if fault == "join":
-                epoch, again = ps.views[0].newest(ps.view[0]).epoch, ps._copy(0).pid
-                os.kill(again, signal.SIGKILL)
-                print(f"worker 0: kill the replacement, server pid {again}", flush=True)
-                acked += wait_for_join(m, ps, epoch)
+                acked += join_twice(m, ps, 0, ps.view[0].epoch)
+            else:
+                acked += wait_for_join(m, ps, ps.view[0].epoch)
         if ps.rank == ps.workers - 1 and mode != "sync":
             time.sleep(0.02)  # a slower worker: backup drops some, ssp waits for it
         acked += int(train_step(m, ps, ps.rank, step))
@@ -150,6 +158,18 @@ def replacement(old: int) -> int | None:
         except OSError:
             continue  # it ended meanwhile
     return None
+
+
+def join_twice(m, ps, server: int, since: int) -> int:
+    """(``join``.) ``server`` was killed in view ``since``: trains on until its replacement has
+    joined shard 0, SIGKILLs that replacement (a backup now, its copy's names in /dev/shm) and
+    trains on until the rank's third process has joined; returns the pushes acknowledged
+    meanwhile."""
+    acked = wait_for_join(m, ps, since)
+    epoch, again = ps.views[0].newest(ps.view[0]).epoch, ps._copy(server).pid
+    os.kill(again, signal.SIGKILL)
+    print(f"worker 0: kill the replacement, server pid {again}", flush=True)
+    return acked + wait_for_join(m, ps, epoch)
 
 
 def wait_for_join(m, ps, since: int, limit: float = 60) -> int:

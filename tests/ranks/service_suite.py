@@ -31,12 +31,19 @@ PLAN.json is a list of entries, each a dict::
     env        optional, variables set for this scenario only (``GRADSYNC_TRANSPORT``)
     go_on      optional: a non-zero exit of the scenario (``sys.exit(3)`` after an expected
                error) ends the scenario, not the rank: ``<tag>| suite: exit STATUS``
+    ranks      optional, ranks started as torchrun starts them only: the job's ranks that
+               run the scenario, in its rank order (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``
+               and ``LOCAL_WORLD_SIZE`` set to the scenario's); the others skip it, printing
+               nothing. So scenarios of several shapes (1 worker and 1 server, 4 and 2) share
+               the start-up of one job of as many ranks as the largest needs
 
 Each scenario starts with the line ``<tag>| suite: begin`` and each line it prints on stdout
 is tagged ``<tag>| `` (as tests/ranks/suite.py does); on its return, ``<tag>| suite: scenario
 done``. Unless ``go_on``, a scenario that exits with a non-zero status ends the rank with it,
 as the script alone would (the scenarios after it do not run, and their tests fail): so a
-scenario that ends its job (a killed server, a failing data server) comes last.
+scenario that ends its job (a killed server, a failing data server) comes last, for each of
+its ranks. Every rank runs its scenarios in the plan's order, so scenarios on disjoint ranks
+may run at once and none waits for a rank that is still in an earlier one of its own.
 """
 
 import itertools
@@ -68,6 +75,15 @@ def run(entry: dict, base: str) -> None:
     script = os.path.join(HERE, entry["script"])
     args = entry.get("rank_args", {}).get(rank(), entry.get("args", []))
     settings = {"GRADSYNC_JOB_ID": f"{base}.{tag}", **entry.get("env", {})}
+    if "ranks" in entry:
+        if "GRADSYNC_RANK" in os.environ:
+            raise SystemExit(f"service_suite: {tag}'s ranks need ranks started as torchrun "
+                             "starts them (a launcher's ranks have their roles)")
+        ranks = [int(r) for r in entry["ranks"]]
+        if int(rank()) not in ranks:
+            return
+        mine, size = str(ranks.index(int(rank()))), str(len(ranks))
+        settings.update(RANK=mine, WORLD_SIZE=size, LOCAL_RANK=mine, LOCAL_WORLD_SIZE=size)
     saved = {name: os.environ.get(name) for name in settings}
     real_stdout = sys.stdout
     print(f"{tag}| {BEGIN}", flush=True)
