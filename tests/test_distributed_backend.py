@@ -1,6 +1,9 @@
 """The torch.distributed backend "gradsync": collectives against gloo, DDP and FSDP against a
 single-process reference, failures on every rank. Rank scripts: tests/ranks/pg_*.py, started
-as torchrun starts ranks (``harness.spawn``), so every rank's own status and message count.
+as torchrun starts ranks, with torchrun's variables and a store the test hosts, so every
+rank's own status and message count: forked from one process that imported torch once
+(``forked_jobs.spawn``: a rank started on its own spent most of its test's time importing
+torch), ``per_host`` ranks a host; one job goes through ``gradsync run``.
 """
 
 import re
@@ -9,7 +12,8 @@ import sys
 
 import pytest
 
-from harness import launch, spawn
+import forked_jobs
+from harness import launch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -33,8 +37,8 @@ def test_registered_on_import_without_importing_torch():
 
 @pytest.mark.parametrize("np_,hosts", [(1, "a"), (3, "aab")])
 def test_every_collective_and_dtype_against_gloo(np_, hosts):
-    ranks = spawn(np_, "pg_collectives.py", timeout=120, env=SMALL_CHUNKS,
-                  per_rank_env=lambda r: {"GRADSYNC_HOSTNAME": f"host-{hosts[r]}"})
+    ranks = forked_jobs.spawn(np_, "pg_collectives.py", timeout=120, env=SMALL_CHUNKS,
+                              per_host=hosts.count("a"))
     _ok(ranks, "pg collectives ok")
 
 
@@ -47,15 +51,13 @@ def test_every_collective_under_gradsync_run():
 
 @pytest.mark.parametrize("np_,hosts", [(2, "aa"), (3, "aab")])
 def test_ddp_and_fsdp_train_like_one_process(np_, hosts):
-    ranks = spawn(np_, "pg_training.py", timeout=150,
-                  per_rank_env=lambda r: {"GRADSYNC_HOSTNAME": f"host-{hosts[r]}"})
+    ranks = forked_jobs.spawn(np_, "pg_training.py", timeout=150, per_host=hosts.count("a"))
     _ok(ranks, "pg training ok: 11 checks")
 
 
 @pytest.mark.parametrize("hosts", ["aaa", "aab"])
 def test_rank_killed_mid_allreduce_under_ddp_fails_every_survivor(hosts):
-    ranks = spawn(3, "pg_faults.py", "kill", timeout=90,
-                  per_rank_env=lambda r: {"GRADSYNC_HOSTNAME": f"host-{hosts[r]}"})
+    ranks = forked_jobs.spawn(3, "pg_faults.py", "kill", timeout=90, per_host=hosts.count("a"))
     assert ranks[2].returncode == -9, ranks[2]  # killed itself
     for r in ranks[:2]:
         assert r.returncode == 3, f"rank {r.rank}: exit {r.returncode}\n{r.output[-4000:]}"
@@ -69,7 +71,7 @@ def test_mismatch_between_a_ring_and_the_shared_memory_group_fails_every_rank(np
                                                                               second):
     # The ring's ranks send frames that the group's rank never reads, and the group's rank
     # waits where the ring's never arrive: the group's wait looks at the frames waiting.
-    ranks = spawn(np_, "pg_faults.py", "roads", first, second, timeout=60)
+    ranks = forked_jobs.spawn(np_, "pg_faults.py", "roads", first, second, timeout=60)
     for r in ranks:
         assert r.returncode == 3, f"rank {r.rank}: exit {r.returncode}\n{r.output[-4000:]}"
         assert "caught MismatchBackendError" in r.output, r.output
@@ -79,7 +81,7 @@ def test_mismatch_between_a_ring_and_the_shared_memory_group_fails_every_rank(np
 
 
 def test_shape_mismatch_under_ddp_fails_every_rank():
-    ranks = spawn(2, "pg_faults.py", "mismatch", timeout=90)
+    ranks = forked_jobs.spawn(2, "pg_faults.py", "mismatch", timeout=90)
     for r in ranks:
         assert r.returncode == 3, f"rank {r.rank}: exit {r.returncode}\n{r.output[-4000:]}"
         assert "caught MismatchBackendError" in r.output, r.output
