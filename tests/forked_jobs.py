@@ -106,14 +106,15 @@ class BenchRuns:
     __repr__ = __str__
 
 
-def bench_runs(n: int, runs: list[dict], folder: Path, timeout: float) -> BenchRuns:
+def bench_runs(n: int, runs: list[dict], folder: Path, timeout: float,
+               env: dict | None = None, per_host: int | None = None) -> BenchRuns:
     """Runs ``runs`` (tests/ranks/bench_runs.py's RUNS.json: name, module, args, env) one
     after the other in ``n`` forked ranks, a store for each; their output goes to
-    ``folder``."""
+    ``folder``. ``env`` and ``per_host``: ``spawn``'s."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "runs.json").write_text(json.dumps(runs))
     ranks = spawn(n, "bench_runs.py", str(folder / "runs.json"), timeout=timeout,
-                  stores=len(runs))
+                  stores=len(runs), env=env, per_host=per_host)
     return BenchRuns(ranks, folder)
 
 
