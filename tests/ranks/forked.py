@@ -20,7 +20,8 @@ every thread, then exit), since a fork does not inherit the parent's watchdog th
 With ``GS_TEST_RANKS_ENV`` (a JSON list of N objects) the i-th fork's variables are updated
 with the i-th object after the above, so that one process per emulated host can fork that
 host's ranks, whatever their numbers (tests/netns.py's ``run_forked``); its log is then named
-by the RANK it was given.
+by the RANK it was given. ``GS_TEST_FORK_LEAN=1`` imports only torch, NumPy and gradsync
+first, for scripts that train nothing.
 
 Prints ``EXIT rank=<r> status=<s>`` per rank as it ends (``s`` negative: killed by signal
 ``-s``) and exits 0 when every rank exited 0, else 1. Ranks stay in this process's group and
@@ -44,10 +45,15 @@ import torch  # noqa: E402
 import torch.distributed  # noqa: F401,E402
 
 import gradsync  # noqa: F401,E402
-import gradsync.torch  # noqa: F401,E402
 
 torch.set_num_threads(1)
-torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1).zero_grad()  # torch._dynamo
+if not os.environ.pop("GS_TEST_FORK_LEAN", ""):
+    # The Horovod API and the first optimizer's torch._dynamo: 1.5 s of CPU more than the
+    # imports above (3.0 s and 1.5 s here), paid once for every rank that trains, but wasted
+    # by one per host of ranks that only run collectives (tests/netns.py's run_forked).
+    import gradsync.torch  # noqa: F401
+
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1).zero_grad()
 
 n, per_host, logs, script = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 args = sys.argv[5:]
