@@ -59,8 +59,9 @@ def spawn(n: int, script: str, *args: str, timeout: float, env: dict | None = No
     full_env.update(env or {})
     with tempfile.TemporaryDirectory(prefix="gs-forked-") as logs:
         try:
-            done = run_job([sys.executable, str(RANKS / "forked.py"), str(n), str(per_host or n), logs,
-                            str(RANKS / script), *args], timeout=timeout, env=full_env,
+            done = run_job([sys.executable, str(RANKS / "forked.py"), str(n),
+                            str(per_host or n), logs, str(RANKS / script), *args],
+                           timeout=timeout, env=full_env,
                            what=f"{script} with {n} forked ranks")
         except AssertionError as exc:  # the deadline: where each rank was (its stack dump)
             dumps = "\n".join(report(f"--- rank {r} ---", _log(logs, r), REPORT_CHARS // n)

@@ -124,7 +124,9 @@ def run_forked(c: Cluster, script: str, args: Sequence[str] = (), timeout: float
             log = Path(logs) / f"{s.rank}.log"
             output = log.read_text(errors="replace") if log.exists() else ""
             if s.rank not in statuses:  # its host's process may say why (it died first)
-                output += f"\n[no exit status; {s.host.name}'s process said:]\n{said[s.host.name]}"
+                output += f"\n[no exit status; {s.host.name}'s process said:]\n" \
+                          f"{said[s.host.name]}"
+            # -9 where no status was reported: the rank was killed (here or with its host's)
             results.append(RankResult(s.rank, s.host.name, statuses.get(s.rank, -9), output,
                                       timed_out=late and s.rank not in statuses))
     if late:
