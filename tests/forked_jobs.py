@@ -8,9 +8,9 @@ on 2 cores spends about 5 s before its first collective, and 15-45 s on a loaded
 gradsync) once; each rank is still a process of its own, with its own runtime, connections,
 shared memory, exit status and signals (SIGSTOP, SIGKILL), found through a store that this
 process hosts, as torchrun's agent does. All ranks play one host (shared memory among them
-unless a script asks for TCP). The result is the same as ``harness.spawn``'s: a
-``harness.Rank`` per rank, its exit status (negative: the signal that ended it) and
-everything it wrote, stdout and stderr together.
+unless a script asks for TCP), or ``per_host`` ranks each of several (TCP between them).
+The result is the same as ``harness.spawn``'s: a ``harness.Rank`` per rank, its exit status
+(negative: the signal that ended it) and everything it wrote, stdout and stderr together.
 
 A job that runs several checks one after the other may give each its own store (``stores``):
 a run that hosts torch.distributed's groups on the store (gloo's keys are named by the group's
@@ -39,15 +39,16 @@ __all__ = ["spawn", "lines", "BenchRuns", "bench_runs"]
 
 
 def spawn(n: int, script: str, *args: str, timeout: float, env: dict | None = None,
-          stores: int = 1) -> list[Rank]:
-    """Runs ``n`` ranks of tests/ranks/``script`` with ``args``, forked from one process, on
-    one host; returns each rank's end (``harness.Rank``: ``returncode`` None if it never
-    reported one).
+          stores: int = 1, per_host: int | None = None) -> list[Rank]:
+    """Runs ``n`` ranks of tests/ranks/``script`` with ``args``, forked from one process;
+    returns each rank's end (``harness.Rank``: ``returncode`` None if it never reported one).
 
     Args:
         timeout: the whole job's deadline in seconds.
         env: more variables for every rank (``GRADSYNC_*`` of this process are dropped).
         stores: how many stores to host (``GS_TEST_STORE_PORTS``).
+        per_host: ranks per host, in rank order (tests/ranks/forked.py's PER_HOST: 2 of 3
+            ranks is hosts ``h0 h0 h1``); default all ``n`` on one host.
     """
     hosted = [loopback.store(timeout) for _ in range(stores)]  # IPv4: no DNS wait per client
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
@@ -58,8 +59,9 @@ def spawn(n: int, script: str, *args: str, timeout: float, env: dict | None = No
     full_env.update(env or {})
     with tempfile.TemporaryDirectory(prefix="gs-forked-") as logs:
         try:
-            done = run_job([sys.executable, str(RANKS / "forked.py"), str(n), str(n), logs,
-                            str(RANKS / script), *args], timeout=timeout, env=full_env,
+            done = run_job([sys.executable, str(RANKS / "forked.py"), str(n),
+                            str(per_host or n), logs, str(RANKS / script), *args],
+                           timeout=timeout, env=full_env,
                            what=f"{script} with {n} forked ranks")
         except AssertionError as exc:  # the deadline: where each rank was (its stack dump)
             dumps = "\n".join(report(f"--- rank {r} ---", _log(logs, r), REPORT_CHARS // n)
@@ -105,14 +107,15 @@ class BenchRuns:
     __repr__ = __str__
 
 
-def bench_runs(n: int, runs: list[dict], folder: Path, timeout: float) -> BenchRuns:
+def bench_runs(n: int, runs: list[dict], folder: Path, timeout: float,
+               env: dict | None = None, per_host: int | None = None) -> BenchRuns:
     """Runs ``runs`` (tests/ranks/bench_runs.py's RUNS.json: name, module, args, env) one
     after the other in ``n`` forked ranks, a store for each; their output goes to
-    ``folder``."""
+    ``folder``. ``env`` and ``per_host``: ``spawn``'s."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "runs.json").write_text(json.dumps(runs))
     ranks = spawn(n, "bench_runs.py", str(folder / "runs.json"), timeout=timeout,
-                  stores=len(runs))
+                  stores=len(runs), env=env, per_host=per_host)
     return BenchRuns(ranks, folder)
 
 

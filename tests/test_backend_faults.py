@@ -1,14 +1,16 @@
 """The "gradsync" torch backend under faults: ``abort()`` and ``shutdown()`` on one rank end the
 collectives in flight on every rank, and a stopped rank fails DDP on the others within the
 heartbeat's bound, so that ``torchrun --max-restarts`` restarts a job in seconds rather than
-after the group's 30-minute timeout."""
+after the group's 30-minute timeout. The ranks are started as torchrun starts them, each its
+own process with its own exit status, forked from one that imported torch once
+(``forked_jobs.spawn``)."""
 
 import re
 
 import pytest
 
 from gradsync.torch.backend.group import SHUTDOWN_GRACE_S
-from harness import spawn
+import forked_jobs
 
 pytestmark = pytest.mark.multiprocess
 
@@ -27,7 +29,7 @@ def test_abort_or_shutdown_on_one_rank_ends_every_ranks_collective(mode, ender, 
     # Ranks 0 and 1 have an all_reduce in flight that rank 2 does not join; at T rank 0 (with
     # the all_reduce in flight) or rank 2 (with nothing in flight) aborts, or rank 0 shuts
     # down; rank 2 issues its own all_reduce at T + 0.5 s, after shutdown's grace.
-    ranks = spawn(3, "pg_abort.py", mode, str(ender), timeout=60)
+    ranks = forked_jobs.spawn(3, "pg_abort.py", mode, str(ender), timeout=60)
     for r in ranks:
         assert r.returncode == 3, f"rank {r.rank}: exit {r.returncode}\n{r.output[-4000:]}"
         assert words in r.output, r.output[-4000:]
@@ -42,7 +44,7 @@ def test_abort_or_shutdown_on_one_rank_ends_every_ranks_collective(mode, ender, 
 def test_a_stopped_rank_fails_ddp_on_every_other_rank_within_the_heartbeat_bound(tmp_path):
     bound = 3.0  # issue 28's detection bound for the defaults (2.6 s: heartbeat.py)
     # The stopped rank is killed once both survivors have caught their error (pg_abort.py)
-    ranks = spawn(3, "pg_abort.py", "stop", str(tmp_path), timeout=90)
+    ranks = forked_jobs.spawn(3, "pg_abort.py", "stop", str(tmp_path), timeout=90)
     assert ranks[2].returncode == -9, ranks[2]  # stopped, then ended by its lifeline
     for r in ranks[:2]:
         assert r.returncode == 3, f"rank {r.rank}: exit {r.returncode}\n{r.output[-4000:]}"

@@ -21,6 +21,7 @@ JOINER = "127.0.0.1[2]"
 # The re-formation (a commit, the interrupt, a new World over TCP and shared memory, the
 # state's broadcast) takes 0.1-0.3 s here; 1 s is the issue's bound, with room for the load.
 PAUSE = 1.0
+JOIN_SLEEP = 3  # seconds the slow new worker sleeps before it starts
 
 
 def run(mode: str, tmp_path, *launcher, steps=150, env=None, max_np=3):
@@ -52,7 +53,9 @@ def longest_gap(lines: list[dict]) -> float:
 
 
 def test_a_slow_new_worker_does_not_stop_the_job(tmp_path):
-    result = run("slow", tmp_path, env={"JOIN_SLEEP": "5"})
+    # The new worker sleeps 3 s before it starts, then imports torch: the job must train
+    # on meanwhile (it slept 5 s until issue 39; the sleep's length is not the point).
+    result = run("slow", tmp_path, env={"JOIN_SLEEP": str(JOIN_SLEEP)})
     out = result.output
     got = worker_results(out)
     assert sorted(got) == sorted(WORKERS + [JOINER]), result
@@ -64,14 +67,14 @@ def test_a_slow_new_worker_does_not_stop_the_job(tmp_path):
     assert "generation 2" not in out, result
     [start] = map(float, re.findall(r"JOINER start wall=([0-9.]+)", out))
     [ready] = map(float, re.findall(r"JOINER ready wall=([0-9.]+)", out))
-    assert ready - start >= 5.0, result
+    assert ready - start >= JOIN_SLEEP, result
     per_worker = steps(out)
     for worker in WORKERS:
         lines = per_worker[worker]
         # the job trained on while the new worker slept: a step at least every 20 ms
         # (compute) plus the allreduce; at least 2 steps a second even on a loaded machine
         during = [s for s in lines if start <= s["wall"] <= ready]
-        assert len(during) >= 10, (worker, len(during), result)
+        assert len(during) >= 2 * JOIN_SLEEP, (worker, len(during), result)
         assert all(s["gen"] == 0 and s["size"] == 2 for s in during), result
         # and it paid only the re-formation: no gap between two steps as long as PAUSE, the
         # one across the re-formation included

@@ -1,12 +1,18 @@
 """gradsync run: placement logic, then real launches of tiny ``python -c`` ranks.
 
-Every launch has a deadline; the launcher runs in its own session and is stopped (SIGTERM,
-then SIGKILL) if a test fails while it runs, and the ranks never sleep longer than ``NAP``
-seconds, so nothing outlives a failed test for long.
+Most launches run the command in this process (``here``: ``cli.main``, its output captured),
+since a launcher process spends most of its test importing torch for the job's store; those
+that signal the launcher or read its output while it runs start ``python -m gradsync run``
+(``launcher``). Every launch has a deadline; a launcher process runs in its own session and
+is stopped (SIGTERM, then SIGKILL) if a test fails while it runs, one in this process gets
+SIGTERM at its deadline, and the ranks never sleep longer than ``NAP`` seconds, so nothing
+outlives a failed test for long.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import os
 import queue
@@ -95,10 +101,12 @@ def test_the_launcher_names_the_ranks_processes_when_they_log_at_info(monkeypatc
 
 # ---------------------------------------------------------------- helpers for real launches
 def _env(**extra) -> dict:
+    """This process's environment without its ``GRADSYNC_*`` settings, gradsync importable,
+    ``extra`` added (a name given as None is left out)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.update(extra)
-    return env
+    return {k: v for k, v in env.items() if v is not None}
 
 
 # ``gradsync run`` whose parameter servers run the command in argv[1] (JSON) instead of the
@@ -138,13 +146,38 @@ def launcher(*args: str, server: list[str] | None = None, **env):
             pass  # ValueError: a test already read the pipes to their end
 
 
-def run(*args: str, server: list[str] | None = None,
-        **env) -> tuple[int, list[str], list[str], float]:
-    """Runs ``gradsync run ARGS`` to its end; returns (status, stdout lines, stderr lines,
-    wall-clock time of the launcher's exit)."""
-    with launcher(*args, server=server, **env) as proc:
-        out, err = proc.communicate(timeout=DEADLINE)
-    return proc.returncode, out.splitlines(), err.splitlines(), time.time()
+def here(monkeypatch, *args: str, server: list[str] | None = None,
+         **env) -> tuple[int, list[str], list[str], float]:
+    """Runs ``gradsync run ARGS`` to its end in this process: the command's own parse, spec
+    and job loop (``cli.main``), in the environment ``_env(**env)`` gives (set here, restored
+    after the test), ``server`` as ``launcher``'s. Returns (status, stdout lines, stderr
+    lines, wall-clock time of the launch's end). A launcher process spent most of its test's
+    time importing torch for the job's store (2-3 s of CPU each; once here). At ``DEADLINE``
+    a watchdog sends this process SIGTERM, which the launcher's handler turns into stopping
+    its ranks: the test then fails on the status (143), never hangs."""
+    wanted = _env(**env)
+    for name in set(os.environ) - set(wanted):
+        monkeypatch.delenv(name)
+    for name, value in wanted.items():
+        monkeypatch.setenv(name, value)
+    out, err = io.BytesIO(), io.BytesIO()
+    launch = cli.launch
+
+    def captured(spec):
+        if server is not None:
+            spec = dataclasses.replace(spec, server_command=server)
+        return launch(spec, out, err)
+
+    monkeypatch.setattr(cli, "launch", captured)
+    watchdog = threading.Timer(DEADLINE, os.kill, (os.getpid(), signal.SIGTERM))
+    watchdog.start()
+    try:
+        status = cli.main(["run", *args])
+    finally:
+        watchdog.cancel()
+    ended = time.time()
+    return (status, out.getvalue().decode().splitlines(), err.getvalue().decode().splitlines(),
+            ended)
 
 
 def rank_code(body: str) -> list[str]:
@@ -170,7 +203,7 @@ def fake_ssh(tmp_path):
 # ---------------------------------------------------------------- real launches
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("np_, prefix", [(1, False), (2, True), (3, True)])
-def test_ranks_exit_zero_with_whole_prefixed_lines(np_, prefix):
+def test_ranks_exit_zero_with_whole_prefixed_lines(np_, prefix, monkeypatch):
     # Each line is written in two pieces with a pause between: a forwarder that did not wait
     # for the newline would interleave the pieces of different ranks.
     code = rank_code("""
@@ -182,8 +215,8 @@ def test_ranks_exit_zero_with_whole_prefixed_lines(np_, prefix):
         print("second half", file=sys.stderr)
         sys.stdout.write("no newline at the end")
     """)
-    status, out, err, _ = run("-np", str(np_), *([] if prefix else ["--no-output-prefix"]),
-                              *code)
+    status, out, err, _ = here(monkeypatch, "-np", str(np_),
+                               *([] if prefix else ["--no-output-prefix"]), *code)
     assert status == 0, err
     tag = "[{0}]<{1}>:" if prefix else ""
     assert sorted(out) == sorted(
@@ -195,7 +228,8 @@ def test_ranks_exit_zero_with_whole_prefixed_lines(np_, prefix):
 
 
 @pytest.mark.multiprocess
-def test_the_script_gets_its_arguments_even_prefixes_of_the_launchers_options(tmp_path):
+def test_the_script_gets_its_arguments_even_prefixes_of_the_launchers_options(tmp_path,
+                                                                              monkeypatch):
     # The issue's command line, then every prefix of every launcher option (from its parser):
     # argparse's prefix matching read "--n" as an ambiguous launcher option and the job died.
     options = cli.option_values(cli.build_parser().get_default("run_parser"))
@@ -203,14 +237,14 @@ def test_the_script_gets_its_arguments_even_prefixes_of_the_launchers_options(tm
     script = tmp_path / "script.py"
     script.write_text("import json, sys\nprint(json.dumps(sys.argv[1:]))\n")
     argv = ["--n", "3", "--out", "x", "--b", "1", *prefixes]
-    status, out, err, _ = run("-np", "1", "--no-output-prefix", sys.executable, str(script),
-                              *argv)
+    status, out, err, _ = here(monkeypatch, "-np", "1", "--no-output-prefix", sys.executable,
+                               str(script), *argv)
     assert status == 0, err
     assert json.loads(out[-1]) == argv
 
 
 @pytest.mark.multiprocess
-def test_identity_variables_and_store():
+def test_identity_variables_and_store(monkeypatch):
     code = rank_code("""
         import json, socket
         from gradsync.cluster.launch_env import detect
@@ -221,10 +255,9 @@ def test_identity_variables_and_store():
         print(json.dumps({**{n: os.environ[n] for n in names}, "source": env.source,
                           "secret_len": len(env.secret), "server": env.store_is_server}))
     """)
-    with launcher("-np", "3", "-x", "EXTRA=1", *code) as proc:
-        out, err = proc.communicate(timeout=DEADLINE)
-    assert proc.returncode == 0, err
-    ranks = sorted((json.loads(line.split(":", 1)[1]) for line in out.splitlines()),
+    status, out, err, _ = here(monkeypatch, "-np", "3", "-x", "EXTRA=1", *code)
+    assert status == 0, err
+    ranks = sorted((json.loads(line.split(":", 1)[1]) for line in out),
                    key=lambda v: int(v["GRADSYNC_RANK"]))
     assert [r["GRADSYNC_RANK"] for r in ranks] == ["0", "1", "2"]
     for rank, seen in enumerate(ranks):
@@ -233,7 +266,7 @@ def test_identity_variables_and_store():
         assert (seen["GRADSYNC_CROSS_RANK"], seen["GRADSYNC_CROSS_SIZE"]) == ("0", "1")
         assert seen["GRADSYNC_HOSTNAME"] == "localhost"
         assert seen["GRADSYNC_STORE_ADDR"] == "127.0.0.1"
-        assert seen["GRADSYNC_LAUNCHER_PID"] == str(proc.pid)
+        assert seen["GRADSYNC_LAUNCHER_PID"] == str(os.getpid())  # the launcher: here
         assert seen["GRADSYNC_SERVERS"] == "0"  # set even without servers: nothing leaks in
         assert (seen["source"], seen["secret_len"], seen["server"]) == ("gradsync", 32, False)
     for name in ("GRADSYNC_JOB_ID", "GRADSYNC_SECRET", "GRADSYNC_STORE_PORT"):
@@ -241,7 +274,7 @@ def test_identity_variables_and_store():
 
 
 @pytest.mark.multiprocess
-def test_failing_rank_stops_the_job_with_its_status():
+def test_failing_rank_stops_the_job_with_its_status(monkeypatch):
     code = rank_code(f"""
         if rank == 1:
             time.sleep(0.3)
@@ -249,7 +282,7 @@ def test_failing_rank_stops_the_job_with_its_status():
             sys.exit(3)
         time.sleep({NAP})
     """)
-    status, out, err, ended = run("-np", "3", "--no-output-prefix", *code)
+    status, out, err, ended = here(monkeypatch, "-np", "3", "--no-output-prefix", *code)
     assert status == 3
     assert err[-1] == "gradsync run: rank 1 on host localhost exited with status 3; " \
                       "stopped 2 other ranks"
@@ -257,7 +290,7 @@ def test_failing_rank_stops_the_job_with_its_status():
 
 
 @pytest.mark.multiprocess
-def test_rank_killed_by_a_signal_gives_128_plus_signal():
+def test_rank_killed_by_a_signal_gives_128_plus_signal(monkeypatch):
     code = rank_code(f"""
         import signal
         if rank == 0:
@@ -265,7 +298,7 @@ def test_rank_killed_by_a_signal_gives_128_plus_signal():
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep({NAP})
     """)
-    status, out, err, ended = run("-np", "2", "--no-output-prefix", *code)
+    status, out, err, ended = here(monkeypatch, "-np", "2", "--no-output-prefix", *code)
     assert status == 137
     assert err[-1] == "gradsync run: rank 0 on host localhost was killed by signal 9 " \
                       "(SIGKILL); stopped 1 other rank"
@@ -308,14 +341,14 @@ def test_servers_need_slots_of_their_own(capsys):
 
 
 @pytest.mark.multiprocess
-def test_servers_are_the_last_ranks_of_the_job():
+def test_servers_are_the_last_ranks_of_the_job(monkeypatch):
     code = rank_code("""
         from gradsync.cluster.launch_env import detect
         env = detect()
         print(rank, size, os.environ["GRADSYNC_SERVERS"], env.workers, env.server_rank)
     """)
-    status, out, err, _ = run("-np", "2", "--servers", "1", "--no-output-prefix", *code,
-                              server=code)
+    status, out, err, _ = here(monkeypatch, "-np", "2", "--servers", "1", "--no-output-prefix",
+                               *code, server=code)
     assert status == 0, err
     assert sorted(out) == ["0 3 1 2 None", "1 3 1 2 None", "2 3 1 2 0"]
 
@@ -354,7 +387,7 @@ def test_failing_worker_lets_the_others_finish(tmp_path, failure, status, how):
 
 
 @pytest.mark.multiprocess
-def test_failing_server_stops_the_job_with_its_status():
+def test_failing_server_stops_the_job_with_its_status(monkeypatch):
     code = rank_code(f"""
         if rank == 2:
             time.sleep(0.3)
@@ -362,8 +395,8 @@ def test_failing_server_stops_the_job_with_its_status():
             sys.exit(4)
         time.sleep({NAP})
     """)
-    status, out, err, ended = run("-np", "2", "--servers", "1", "--no-output-prefix", *code,
-                                  server=code)
+    status, out, err, ended = here(monkeypatch, "-np", "2", "--servers", "1",
+                                   "--no-output-prefix", *code, server=code)
     assert status == 4
     assert err[-1] == "gradsync run: rank 2 (server 0) on host localhost exited with status 4; " \
                       "stopped 2 other ranks"
@@ -371,16 +404,16 @@ def test_failing_server_stops_the_job_with_its_status():
 
 
 @pytest.mark.multiprocess
-def test_fake_ssh_places_remote_ranks_and_hides_the_secret(fake_ssh):
+def test_fake_ssh_places_remote_ranks_and_hides_the_secret(fake_ssh, monkeypatch):
     ssh, log = fake_ssh
     code = rank_code("""
         import json
         names = [n for n in os.environ if n.startswith("GRADSYNC_") or n in ("FOO", "LOCAL_ONLY")]
         print(json.dumps({n: os.environ[n] for n in names}))
     """)
-    status, out, err, _ = run("-np", "4", "-H", "localhost:1,hostA:2,hostB:2",
-                              "--ssh-command", str(ssh), "--ssh-port", "2222", "-x", "FOO=bar",
-                              *code, FAKE_SSH_LOG=str(log), LOCAL_ONLY="1")
+    status, out, err, _ = here(monkeypatch, "-np", "4", "-H", "localhost:1,hostA:2,hostB:2",
+                               "--ssh-command", str(ssh), "--ssh-port", "2222", "-x", "FOO=bar",
+                               *code, FAKE_SSH_LOG=str(log), LOCAL_ONLY="1")
     assert status == 0, err
     ranks = {int(v["GRADSYNC_RANK"]): v for v in
              (json.loads(line.split(":", 1)[1]) for line in out)}
@@ -405,7 +438,7 @@ def test_fake_ssh_places_remote_ranks_and_hides_the_secret(fake_ssh):
 
 
 @pytest.mark.multiprocess
-def test_remote_failure_stops_local_and_remote_ranks(fake_ssh):
+def test_remote_failure_stops_local_and_remote_ranks(fake_ssh, monkeypatch):
     ssh, log = fake_ssh
     code = rank_code(f"""
         print(os.getpid(), time.time(), flush=True)
@@ -414,9 +447,9 @@ def test_remote_failure_stops_local_and_remote_ranks(fake_ssh):
             sys.exit(4)
         time.sleep({NAP})
     """)
-    status, out, err, ended = run("-np", "3", "-H", "localhost:1,hostB:2",
-                                    "--ssh-command", str(ssh), "--no-output-prefix", *code,
-                                    FAKE_SSH_LOG=str(log))
+    status, out, err, ended = here(monkeypatch, "-np", "3", "-H", "localhost:1,hostB:2",
+                                   "--ssh-command", str(ssh), "--no-output-prefix", *code,
+                                   FAKE_SSH_LOG=str(log))
     assert status == 4
     assert err[-1] == "gradsync run: rank 2 on host hostB exited with status 4; " \
                       "stopped 2 other ranks"
@@ -425,11 +458,11 @@ def test_remote_failure_stops_local_and_remote_ranks(fake_ssh):
 
 
 @pytest.mark.multiprocess
-def test_unreachable_host_is_reported_before_any_rank_starts(fake_ssh):
+def test_unreachable_host_is_reported_before_any_rank_starts(fake_ssh, monkeypatch):
     ssh, log = fake_ssh
-    status, out, err, _ = run("-np", "2", "-H", "localhost:1,unreachable:1", "--ssh-command",
-                              str(ssh), sys.executable, "-c", "print('started')",
-                              FAKE_SSH_LOG=str(log))
+    status, out, err, _ = here(monkeypatch, "-np", "2", "-H", "localhost:1,unreachable:1",
+                               "--ssh-command", str(ssh), sys.executable, "-c", "print('started')",
+                               FAKE_SSH_LOG=str(log))
     assert status == 255 and out == []
     assert "cannot run commands on unreachable" in err[-1] and "Connection refused" in err[-1]
 
@@ -457,8 +490,6 @@ def test_lost_connection_kills_the_remote_rank():
 def test_servers_left_running_after_every_worker_ended_are_stopped(monkeypatch):
     """Workers that never reach their servers (here: they just exit) must not leave the job
     waiting on servers forever: the launcher stops them SERVER_LINGER seconds later."""
-    import io
-
     from gradsync.run import launcher as launcher_module
 
     monkeypatch.setattr(launcher_module, "SERVER_LINGER", 0.5)
@@ -476,31 +507,26 @@ def test_servers_left_running_after_every_worker_ended_are_stopped(monkeypatch):
     assert b"stopped 1 rank" in err.getvalue()
 
 
-@pytest.mark.parametrize("preset, expected", [
-    ({}, ("33554432", "1073741824")),
-    ({"MALLOC_TRIM_THRESHOLD_": "131072"}, ("unset", "131072")),
-    ({"GLIBC_TUNABLES": "glibc.malloc.check=0"}, ("unset", "unset"))])
-def test_ranks_keep_freed_memory_unless_malloc_is_configured(preset, expected):
+# What the launcher adds to a rank's environment unless the user set it: glibc's malloc
+# thresholds that keep freed memory (unless any malloc setting is given) and one OpenMP thread
+# for ranks sharing a host (unless OMP_NUM_THREADS is given). The two rules are independent,
+# so each job checks a case of each: three jobs for what were six (docs/testing.md, "Where
+# each check lives").
+@pytest.mark.parametrize("np_, preset, malloc, threads", [
+    (2, {}, ("33554432", "1073741824"), "1"),
+    (2, {"MALLOC_TRIM_THRESHOLD_": "131072", "OMP_NUM_THREADS": "3"}, ("unset", "131072"), "3"),
+    (1, {"GLIBC_TUNABLES": "glibc.malloc.check=0"}, ("unset", "unset"), "unset")])
+def test_ranks_keep_freed_memory_and_get_one_openmp_thread_a_host_unless_told(
+        np_, preset, malloc, threads, monkeypatch):
     cmd = rank_code("print('malloc', os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset'), "
-                    "os.environ.get('MALLOC_TRIM_THRESHOLD_', 'unset'))")
-    env = {k: v for k, v in _env().items() if not k.startswith("MALLOC_")
-           and k != "GLIBC_TUNABLES"}
-    proc = subprocess.run([sys.executable, "-m", "gradsync", "run", "-np", "2", *cmd], cwd=ROOT,
-                          env={**env, **preset}, capture_output=True, text=True, timeout=DEADLINE)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("malloc {} {}".format(*expected)) == 2, proc.stdout
-
-
-@pytest.mark.parametrize("np_, preset, expected", [(2, None, "1"), (1, None, "unset"),
-                                                   (2, "3", "3")])
-def test_ranks_sharing_a_host_get_one_openmp_thread_unless_told(np_, preset, expected):
-    cmd = rank_code("print('threads', os.environ.get('OMP_NUM_THREADS', 'unset'))")
-    proc = subprocess.run([sys.executable, "-m", "gradsync", "run", "-np", str(np_), *cmd],
-                          cwd=ROOT, env={**_env(), **{"OMP_NUM_THREADS": preset}} if preset
-                          else {k: v for k, v in _env().items() if k != "OMP_NUM_THREADS"},
-                          capture_output=True, text=True, timeout=DEADLINE)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count(f"threads {expected}") == np_, proc.stdout
+                    "os.environ.get('MALLOC_TRIM_THRESHOLD_', 'unset'), "
+                    "'threads', os.environ.get('OMP_NUM_THREADS', 'unset'))")
+    unset = {k: None for k in os.environ
+             if k.startswith("MALLOC_") or k in ("GLIBC_TUNABLES", "OMP_NUM_THREADS")}
+    status, out, err, _ = here(monkeypatch, "-np", str(np_), *cmd, **{**unset, **preset})
+    assert status == 0, err
+    line = "malloc {} {} threads {}".format(*malloc, threads)
+    assert [x.split(":", 1)[1] for x in out] == [line] * np_, out
 
 
 @pytest.mark.parametrize("argv, most", [([], 3), (["--server-restarts", "5"], 5),
@@ -508,8 +534,6 @@ def test_ranks_sharing_a_host_get_one_openmp_thread_unless_told(np_, preset, exp
 def test_a_failed_replicated_server_is_started_again_server_restarts_times(argv, most):
     """``--server-restarts N`` reaches the launcher, which starts a failed replicated server
     rank again N times and then leaves it down, saying so once (a fake starter: no process)."""
-    import io
-
     from gradsync.run import launcher as launcher_module
     from gradsync.run.processes import Output
 

@@ -1,6 +1,8 @@
 """Emulated multi-host clusters (network namespaces; see docs/testing.md) and collectives on them.
 
-The cluster tests need root and skip without it; the placement and parsing tests do not.
+The cluster tests need root and skip without it; the placement and parsing tests do not. The
+sweeps and the planner's check fork each host's ranks from one interpreter in its namespace
+(``run_forked``); the deadline tests start every rank on its own (``run_ranks``).
 """
 
 import os
@@ -11,7 +13,7 @@ import time
 import pytest
 
 from netns import (Cluster, NetnsError, cleanup_stale, cluster, measure_goodput, place,
-                   require_netns, run_ranks)
+                   require_netns, run_forked, run_ranks)
 from gradsync.testbed.netns import Host, parse_delay, parse_groups, parse_hosts, parse_rate
 
 pytestmark = pytest.mark.multiprocess
@@ -223,14 +225,14 @@ def test_a_store_in_an_emulated_host_never_waits_on_dns(two_hosts):
 def test_sweep_on_two_hosts(two_hosts, placement):
     # Shared memory inside a namespace, TCP between them; "alternate" numbers ranks across
     # hosts (h0 h1 h0 h1), so every flat algorithm's neighbours are on the other host.
-    for r in run_ranks(two_hosts, "sweep.py", timeout=80, placement=placement):
+    for r in run_forked(two_hosts, "sweep.py", timeout=80, placement=placement):
         assert r.returncode == 0, r
         assert "checks passed" in r.output, r
 
 
 def test_sweep_on_three_uneven_hosts():
     with cluster([("h0", 2), ("h1", 1), ("h2", 2)]) as c:
-        results = run_ranks(c, "sweep.py", timeout=100)
+        results = run_forked(c, "sweep.py", timeout=100)
     assert [r.host for r in results] == ["h0", "h0", "h1", "h2", "h2"]
     for r in results:
         assert r.returncode == 0, r
@@ -293,8 +295,8 @@ def test_planner_predictions_agree_with_measurements(tmp_path):
     import json
 
     with cluster([("h0", 2), ("h1", 2)], host_rate="200mbit") as c:
-        ranks = run_ranks(c, "plan_check.py", [str(tmp_path / "topo.json"), str(4 << 20)],
-                          timeout=120, placement="alternate")
+        ranks = run_forked(c, "plan_check.py", [str(tmp_path / "topo.json"), str(4 << 20)],
+                           timeout=120, placement="alternate")
     assert all(r.returncode == 0 for r in ranks), "\n".join(map(str, ranks))
     line = next(x for x in ranks[0].output.splitlines() if x.startswith("PLANCHECK "))
     got = json.loads(line.removeprefix("PLANCHECK "))
@@ -318,7 +320,7 @@ def test_sweep_on_three_hosts_in_two_groups(tmp_path):
     with cluster([("h0", 2), ("h1", 1), ("h2", 2)], {"g0": ["h0", "h1"], "g1": ["h2"]}) as c:
         path = tmp_path / "topo.json"
         path.write_text(json.dumps(c.topology_spec()))
-        results = run_ranks(c, "sweep.py", timeout=100, placement="alternate",
-                            env={"GRADSYNC_TOPOLOGY": str(path)})
+        results = run_forked(c, "sweep.py", timeout=100, placement="alternate",
+                             env={"GRADSYNC_TOPOLOGY": str(path)})
     for r in results:
         assert r.returncode == 0 and "checks passed" in r.output, r

@@ -12,6 +12,9 @@ and ``shutdown()`` itself, so each is a fresh job; each meets at a store of its 
 port of ``GS_TEST_STORE_PORTS``, tests/forked_jobs.py), since the benchmarks host
 torch.distributed's groups on the job's store under fixed names.
 
+A rank script of tests/ranks (on the forked ranks' path) runs the same way, by its module
+name: tests/test_distributed_backend.py runs the torch backend's scripts so.
+
 What a run prints to stdout goes to ``NAME.R.out`` beside RUNS.json (R: this rank), what the
 module alone would have printed; once the run has returned, the rank prints
 ``bench_runs: NAME done``. A run that fails (an exception, or a non-zero exit status, as the

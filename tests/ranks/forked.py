@@ -17,6 +17,12 @@ TCP between hosts. Its stdout and stderr go to ``LOGS/<r>.log``, and it runs SCR
 ``__main__`` with ARGS. Every rank arms its own deadline (GS_TEST_DEADLINE: a stack dump of
 every thread, then exit), since a fork does not inherit the parent's watchdog thread.
 
+With ``GS_TEST_RANKS_ENV`` (a JSON list of N objects) the i-th fork's variables are updated
+with the i-th object after the above, so that one process per emulated host can fork that
+host's ranks, whatever their numbers (tests/netns.py's ``run_forked``); its log is then named
+by the RANK it was given. ``GS_TEST_FORK_LEAN=1`` imports only torch, NumPy and gradsync
+first, for scripts that train nothing.
+
 Prints ``EXIT rank=<r> status=<s>`` per rank as it ends (``s`` negative: killed by signal
 ``-s``) and exits 0 when every rank exited 0, else 1. Ranks stay in this process's group and
 environment, so the caller's deadline (``harness.run_job``) reaches them.
@@ -24,6 +30,7 @@ environment, so the caller's deadline (``harness.run_job``) reaches them.
 
 import faulthandler
 import gc
+import json
 import os
 import runpy
 import sys
@@ -38,14 +45,20 @@ import torch  # noqa: E402
 import torch.distributed  # noqa: F401,E402
 
 import gradsync  # noqa: F401,E402
-import gradsync.torch  # noqa: F401,E402
 
 torch.set_num_threads(1)
-torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1).zero_grad()  # torch._dynamo
+if not os.environ.pop("GS_TEST_FORK_LEAN", ""):
+    # The Horovod API and the first optimizer's torch._dynamo: 1.5 s of CPU more than the
+    # imports above (3.0 s and 1.5 s here), paid once for every rank that trains, but wasted
+    # by one per host of ranks that only run collectives (tests/netns.py's run_forked).
+    import gradsync.torch  # noqa: F401
+
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1).zero_grad()
 
 n, per_host, logs, script = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 args = sys.argv[5:]
 deadline = float(os.environ.get("GS_TEST_DEADLINE", "0"))
+given = json.loads(os.environ.pop("GS_TEST_RANKS_ENV", "null")) or [{}] * n
 gc.freeze()  # the collector would touch, and so copy, every shared object in every rank
 
 
@@ -55,6 +68,8 @@ def rank_main(rank: int) -> None:
         "RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_RANK": str(rank % per_host),
         "LOCAL_WORLD_SIZE": str(min(per_host, n - rank // per_host * per_host)),
         "GRADSYNC_HOSTNAME": f"h{rank // per_host}", "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    os.environ.update(given[rank])
+    rank = int(os.environ["RANK"])
     log = os.open(os.path.join(logs, f"{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -88,7 +103,7 @@ for r in range(n):
     pid = os.fork()
     if pid == 0:
         rank_main(r)
-    children[pid] = r
+    children[pid] = int(given[r].get("RANK", r))
 failed = False
 while children:
     pid, status = os.wait()

@@ -1,7 +1,7 @@
 """The "gradsync" backend under faults: abort, shutdown and a stopped rank end every rank's
 collectives within seconds, never at the group's timeout (30 minutes by default).
 
-Run by tests/test_backend_faults.py (harness.spawn: each rank's own exit and output count).
+Run by tests/test_backend_faults.py (forked_jobs.spawn: each rank's own exit and output count).
 Every rank agrees on a moment ``T`` (rank 0's clock plus 1.5 s, broadcast), then:
 
 - ``abort [RANK]``: ranks 0 .. N-2 start an ``all_reduce`` that rank N-1 does not join, so it

@@ -1,7 +1,7 @@
 """Failures on the "gradsync" backend end in an error on every rank, never a hang.
 
-Run by tests/test_distributed_backend.py (harness.spawn, so each rank's own exit and message
-count). Modes:
+Run by tests/test_distributed_backend.py (forked_jobs.spawn, so each rank's own exit and
+message count). Modes:
 
 - ``kill``: DDP training; the last rank kills itself (SIGKILL) in its third step, before its
   backward pass, while the others are in their allreduces. The survivors' backward must raise,
