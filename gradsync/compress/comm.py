@@ -288,8 +288,8 @@ class WorldComm(Comm):
 
 class TorchComm(Comm):
     """On a ``torch.distributed`` process group (``None``: the default group), any backend
-    that has all_reduce, all_to_all_single and all_gather_into_tensor for CPU tensors (gloo,
-    gradsync).
+    that has all_reduce, all_to_all_single and all_gather_single (all_gather_into_tensor before
+    torch 2.13) for CPU tensors (gloo, gradsync).
 
     Tiers. ``placement()`` gathers every member's host name (``GRADSYNC_HOSTNAME``, else the
     system's) once, unless ``topology`` was given (to name groups of hosts); only for a group
@@ -373,7 +373,10 @@ class TorchComm(Comm):
 
     def allgather(self, mine: torch.Tensor) -> torch.Tensor:
         out = torch.empty(self.size * mine.numel(), dtype=mine.dtype)
-        self.dist.all_gather_into_tensor(out, mine, group=self.group)
+        # torch 2.13 names it all_gather_single (all_gather_into_tensor warns it is deprecated);
+        # the same backend call under either name.
+        gather = getattr(self.dist, "all_gather_single", None) or self.dist.all_gather_into_tensor
+        gather(out, mine, group=self.group)
         return out
 
 
