@@ -21,8 +21,9 @@ order.
    once, with no measurement (compression cannot pay where there is no slow tier).
 2. Calibration: steps ``warmup`` to ``warmup + calibrate - 1`` run none, timed: each
    bucket's float32 exchange, the step's period, the time the training thread was blocked
-   on the exchange (the Horovod API's optimizer reports its waits, ``blocked``; a DDP hook
-   blocks for the whole exchange), and a latency: a one-element allreduce, timed after a
+   on the exchange (the Horovod API's optimizer reports its waits, ``blocked``, and so does
+   the DDP hook, its wait at the end of backward; unreported, the whole exchange is taken
+   as blocked), and a latency: a one-element allreduce, timed after a
    first one has lined the ranks up. In the last of these steps each candidate's arithmetic
    is timed on the bucket's own gradient, on a one-rank loopback (the same work as on n
    ranks: an owner sums n chunks of 1/n). Warm-up steps are not timed (DDP rebuilds its
@@ -243,8 +244,9 @@ class Auto(ReducingCompressor):
 
     def blocked(self, seconds: float) -> None:
         """The front door's training thread waited ``seconds`` on this compressor's
-        exchange (the Horovod API's optimizer calls it; a DDP hook does not need to: it
-        blocks for the whole exchange)."""
+        exchange (the Horovod API's optimizer calls it, and the DDP hook, at the end of
+        each backward; a front door that does not is taken to block for the whole
+        exchange)."""
         self._blocked += seconds
         self._reported = True
 

@@ -17,7 +17,8 @@ seconds of arithmetic on this machine (measured on the bucket itself):
 ``compute`` is the step's own work (forward, backward, optimizer: measured as the step's
 period minus the time its thread was blocked on the exchange); ``hidden`` is the part of
 the exchange that already runs behind that work (measured: the exchange's time minus the
-blocked time; 0 where the exchange blocks the computing thread, as a DDP hook's does). The
+blocked time; 0 where the exchange blocks the computing thread, as a DDP hook's does with
+``overlap=False``). The
 compressors' arithmetic is counted in full, never hidden: on a CPU it takes the cores that
 backward needs.
 
