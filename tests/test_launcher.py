@@ -154,7 +154,8 @@ def here(monkeypatch, *args: str, server: list[str] | None = None,
     lines, wall-clock time of the launch's end). A launcher process spent most of its test's
     time importing torch for the job's store (2-3 s of CPU each; once here). At ``DEADLINE``
     a watchdog sends this process SIGTERM, which the launcher's handler turns into stopping
-    its ranks: the test then fails on the status (143), never hangs."""
+    its ranks: the test then fails on the status (143), never hangs; outside the launcher's
+    handlers the signal raises ``TimeoutError`` in the test."""
     wanted = _env(**env)
     for name in set(os.environ) - set(wanted):
         monkeypatch.delenv(name)
@@ -169,12 +170,20 @@ def here(monkeypatch, *args: str, server: list[str] | None = None,
         return launch(spec, out, err)
 
     monkeypatch.setattr(cli, "launch", captured)
+
+    def overdue(signum, frame):  # the watchdog's SIGTERM while no launcher handler is set
+        raise TimeoutError(f"gradsync run did not end within {DEADLINE} s")
+
+    # Before the launcher installs its handlers (and after it restores them) the watchdog's
+    # SIGTERM raises in this test instead of ending the whole pytest process.
+    previous = signal.signal(signal.SIGTERM, overdue)
     watchdog = threading.Timer(DEADLINE, os.kill, (os.getpid(), signal.SIGTERM))
     watchdog.start()
     try:
         status = cli.main(["run", *args])
     finally:
         watchdog.cancel()
+        signal.signal(signal.SIGTERM, previous)
     ended = time.time()
     return (status, out.getvalue().decode().splitlines(), err.getvalue().decode().splitlines(),
             ended)
