@@ -155,3 +155,18 @@ def test_the_wait_at_the_end_of_backward_is_reported_once_per_step(one_rank):
     buckets = len(compressor.state.tensors)
     assert buckets >= 2
     assert all(0.07 <= w <= buckets * 0.1 + 1.0 for w in compressor.waits), compressor.waits
+
+
+def test_a_failed_reduction_fails_ddps_backward_with_its_message(one_rank):
+    """DDP reads the bucket's future in C++: the error must reach it as an error, not as a
+    Python object where a Tensor is expected (``Unable to cast ... to Tensor``)."""
+
+    class Lost(Int8):
+        def reduce(self, flat, shapes, comm, key, average):
+            raise RuntimeError("lost a peer in the reduction")
+
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    model.register_comm_hook(HookState(Lost()), compressed_hook)
+    with pytest.raises(RuntimeError, match="lost a peer in the reduction") as info:
+        model(torch.randn(3, 4)).sum().backward()
+    assert "Unable to cast" not in str(info.value)

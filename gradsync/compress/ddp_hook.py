@@ -154,24 +154,23 @@ def compressed_hook(state: HookState, bucket) -> torch.futures.Future[torch.Tens
     layout = zlib.crc32(repr(shapes).encode())
     key = f"ddp.{bucket.index()}.{layout:08x}"
     comm = state.comm()
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    if not state.overlap:
-        future.set_result(state.compressor.reduce(flat, shapes, comm, key, average=True)
-                          .to(flat.dtype))
-        return future
 
     def reduce() -> torch.Tensor:
         return state.compressor.reduce(flat, shapes, comm, key, average=True).to(flat.dtype)
 
-    def done(task: concurrent.futures.Future) -> None:
-        error = task.exception()
-        if error is None:
-            future.set_result(task.result())
-        else:
-            future.set_exception(error)  # type: ignore[arg-type]  # (torch's stub says T)
-
-    state._hand_over(reduce).add_done_callback(done)
-    return future
+    if not state.overlap:
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        future.set_result(reduce())
+        return future
+    # The outcome reaches DDP through a callback that returns the result or raises the error,
+    # so torch keeps a C++ copy of the error: ``Future.set_exception`` would store the Python
+    # exception itself, which DDP's reducer then fails to read as a Tensor (``Unable to cast
+    # ...``) or, rethrowing it without the GIL, crashes on (the backend's ``Work.get_future``
+    # does the same, torch/backend/work.py).
+    source: torch.futures.Future[None] = torch.futures.Future()
+    task = state._hand_over(reduce)
+    task.add_done_callback(lambda _: source.set_result(None))
+    return source.then(lambda _: task.result())
 
 
 def _copy_of(group):
