@@ -252,15 +252,15 @@ def test_the_top_level_holds_only_the_public_face_and_what_the_floors_share():
 # The host's shared segment is a transport (issue 39, item 2): the modules that may reach it,
 # by importing its module or by reading World's handle on it. The front doors ask World
 # instead (``shares_host``, ``small_road``, ``shared_above``, ``shared_buffer``,
-# ``release_shared``, ``release_shared_with``, ``is_shared``, ``host_traffic``), and the
-# algorithms run on it through ``operations``. A module that stops reaching it comes off the
+# ``release_shared``, ``release_shared_with``, ``is_shared``, ``host_traffic``), and
+# ``operations`` runs the planner's ``shm`` algorithm through ``host_allreduce``,
+# ``host_broadcast`` and ``host_barrier``. A module that stops reaching it comes off the
 # list, so the list only shrinks.
 SEGMENT, HANDLE = "gradsync.transport.host_segment", "shm_group"
 REACH_SEGMENT = {
     "gradsync.connect._shm_setup",   # opens it, when every rank of the job is on one host
     "gradsync.connect.world",        # holds it, closes it, answers the front doors' questions
-    "gradsync.pipeline.operations",  # runs the shm algorithm (allreduce, broadcast, barrier)
-}
+}                                    # and runs the shm algorithm's calls for ``operations``
 
 
 def _reaches_segment(modules: dict[str, Path]) -> set[str]:

@@ -420,6 +420,30 @@ class World:
         code = group.fast_code(op, dtype)
         return None if code is None else (group.allreduce_express, code)
 
+    def host_allreduce(self, flat: "np.ndarray", reducer, finish, op, divisor: int,
+                       trunc: bool) -> None:
+        """Reduces ``flat`` in place over the host's segment (the planner's ``shm``
+        algorithm, taken only where the whole World shares it): ``reducer`` folds two blocks,
+        ``finish`` (or None) scales each finished block; ``op`` (or None), ``divisor`` and
+        ``trunc`` let the compiled road divide an Average itself. Waits up to the
+        ``timeout`` setting, watching the peers' liveness while it does."""
+        assert self.shm_group is not None, "the shm algorithm needs the host's segment"
+        self.shm_group.allreduce(flat, reducer, time.monotonic() + self.config.timeout,
+                                 self.on_group_idle, self.comm.signature, finish, op,
+                                 divisor, trunc)
+
+    def host_broadcast(self, data: "np.ndarray", root: int) -> None:
+        """Copies root's bytes (``data``, uint8) into every rank's over the host's segment."""
+        assert self.shm_group is not None, "a broadcast over the segment needs one"
+        self.shm_group.broadcast(data, root, time.monotonic() + self.config.timeout,
+                                 self.on_group_idle, self.comm.signature)
+
+    def host_barrier(self) -> None:
+        """Returns once every rank of the World, all on this host, has entered it."""
+        assert self.shm_group is not None, "a barrier over the segment needs one"
+        self.shm_group.barrier(time.monotonic() + self.config.timeout, self.on_group_idle,
+                               self.comm.signature)
+
     def shared_above(self) -> "int | None":
         """The bytes above which an allreduce's buffer is worth sharing with the host's other
         ranks (``shared_buffer``): the segment's one-step road takes smaller ones faster.

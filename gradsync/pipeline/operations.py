@@ -11,7 +11,6 @@ what each rank issued.
 from __future__ import annotations
 
 import pickle
-import time
 import zlib
 
 import numpy as np
@@ -54,10 +53,6 @@ def scale(flat: np.ndarray, dtype, factor: float, divide: bool = False,
         np.multiply(flat, factor, out=flat, casting="unsafe")
 
 
-def _deadline(world) -> float:
-    return time.monotonic() + world.config.timeout
-
-
 _reducers: dict = {}
 
 
@@ -81,9 +76,8 @@ def _run_allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, algorithm: str,
     reducer = _reducer(op, dtype)
     cfg = world.config
     if algorithm == "shm":
-        world.shm_group.allreduce(flat, reducer, _deadline(world), world.on_group_idle,
-                                  world.comm.signature, finish,
-                                  op if postscale == 1.0 else None, divisor, trunc)
+        world.host_allreduce(flat, reducer, finish, op if postscale == 1.0 else None,
+                             divisor, trunc)
         return finish is not None
     elif algorithm == "ring":
         ring.allreduce(world.comm, flat, reducer, cfg.chunk_bytes)
@@ -225,9 +219,8 @@ def broadcast(world, flat: np.ndarray, dtype, root: int, *, name: str, shape: tu
     world.comm.begin(f"broadcast '{name}' {_dt(dtype)}{list(shape)} root={root}",
                      world.config.check_collectives)
     if world.size > 1 and flat.size:
-        if world.shm_group is not None:
-            world.shm_group.broadcast(flat.view(np.uint8), root, _deadline(world),
-                                      world.on_group_idle, world.comm.signature)
+        if world.shares_host:
+            world.host_broadcast(flat.view(np.uint8), root)
         elif world.hierarchical:
             hierarchical.broadcast(world.comm, flat.view(np.uint8), root, world.ring_order,
                                    world.levels, world.config.chunk_bytes)
@@ -318,8 +311,8 @@ def alltoall(world, flat: np.ndarray, dtype, splits: list[int], *, name: str,
 def barrier(world) -> None:
     """Returns once every rank has entered the barrier."""
     world.comm.begin("barrier", world.config.check_collectives)
-    if world.shm_group is not None:
-        world.shm_group.barrier(_deadline(world), world.on_group_idle, world.comm.signature)
+    if world.shares_host:
+        world.host_barrier()
     elif world.size > 1:
         token = np.zeros(1, dtype=np.uint8)
         doubling.allreduce(world.comm, token, make_reducer(ReduceOp.MAX, token.dtype))
