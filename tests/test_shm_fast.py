@@ -25,7 +25,7 @@ from gradsync import _native
 from gradsync.collectives.ops import Average, Max, Min, Product, Sum, make_reducer
 from gradsync.transport.host_segment import ShmGroup
 from gradsync.config import load_config
-from gradsync.pipeline.operations import scale
+from gradsync.collectives.ops import scale
 from test_shm import Rank, _launch, _raises
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs Linux /dev/shm")

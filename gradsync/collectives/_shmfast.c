@@ -177,7 +177,7 @@ FOLD(double, double)
 FOLD(int32_t, uint32_t)
 FOLD(int64_t, uint64_t)
 
-/* An Average's division, as operations.scale does it: in the element type; integers
+/* An Average's division, as ops.scale does it: in the element type; integers
  * rounded down (floor_divide), or toward zero with trunc (Horovod's). */
 #define DIVIDE_FLOAT(T)                                                                     \
     static void divide_##T(T *d, Py_ssize_t n, int64_t by, int trunc) {                    \

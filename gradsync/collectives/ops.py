@@ -4,6 +4,11 @@ Algorithms move raw bytes; the only place that knows what the bytes mean is a ``
 ``reducer(dst, src)`` folds ``src`` into ``dst`` in place, both NumPy arrays of the same
 length. NumPy has no bfloat16, so bfloat16 data travels as ``uint16`` arrays and its reducer
 reinterprets them as torch bfloat16 tensors (zero-copy) for the arithmetic.
+
+The arithmetic after a reduction lives here too: ``scale`` (an Average's division, a
+pre- or postscale factor) and ``finisher``, the callable an algorithm applies to each block
+it has finished reducing, so that an algorithm that scales while the block is in cache calls
+nothing above its own floor.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = ["ReduceOp", "Sum", "Average", "Min", "Max", "Product", "Adasum", "Reducer",
-           "make_reducer", "BFLOAT16"]
+           "make_reducer", "reducer", "scale", "finisher", "BFLOAT16"]
 
 BFLOAT16 = "bfloat16"
 """Dtype tag of bfloat16 data, which NumPy carries as uint16."""
@@ -103,3 +108,56 @@ def make_reducer(op: ReduceOp, dtype: npt.DTypeLike) -> Reducer:
     if dtype == np.bool_:
         return _bool_kernel(op)
     return _in_place(_NUMPY_UFUNCS[op])
+
+
+_reducers: dict[tuple[ReduceOp, object], Reducer] = {}
+
+
+def reducer(op: ReduceOp, dtype) -> Reducer:
+    """``make_reducer``, made once per (op, dtype) and kept."""
+    found = _reducers.get((op, dtype))
+    if found is None:
+        found = _reducers[op, dtype] = make_reducer(op, dtype)
+    return found
+
+
+def scale(flat: np.ndarray, dtype, factor: float, divide: bool = False,
+          trunc: bool = False) -> None:
+    """Multiplies (or divides) ``flat`` by ``factor`` in place, in its own dtype.
+
+    An integer division rounds toward minus infinity (``floor_divide``, as ``torch.distributed``
+    does), or toward zero with ``trunc`` (as Horovod's C++ does: -75 / 2 is -37, not -38)."""
+    if dtype == BFLOAT16 or flat.dtype == np.float16:
+        import torch
+
+        t = torch.from_numpy(flat)
+        if dtype == BFLOAT16:
+            t = t.view(torch.bfloat16)
+        t.div_(factor) if divide else t.mul_(factor)
+    elif flat.dtype.kind == "f":
+        np.divide(flat, factor, out=flat) if divide else np.multiply(flat, factor, out=flat)
+    elif divide:
+        divisor = flat.dtype.type(factor)
+        inexact = np.remainder(flat, divisor) != 0 if trunc else None
+        np.floor_divide(flat, divisor, out=flat)
+        if inexact is not None:  # trunc: a negative quotient that was rounded down moves up by one
+            flat += inexact & (flat < 0)
+    else:
+        np.multiply(flat, factor, out=flat, casting="unsafe")
+
+
+def finisher(dtype, divisor: int, trunc: bool = False,
+             postscale: float = 1.0) -> "Callable[[np.ndarray], None] | None":
+    """What an allreduce does to each reduced block: divide by ``divisor`` (an Average over
+    that many ranks; 0: no division, rounding as ``trunc`` says), then multiply by
+    ``postscale``. None when there is nothing to do."""
+    if not divisor and postscale == 1.0:
+        return None
+
+    def finish(part: np.ndarray) -> None:
+        if divisor:
+            scale(part, dtype, divisor, divide=True, trunc=trunc)
+        if postscale != 1.0:
+            scale(part, dtype, postscale)
+
+    return finish

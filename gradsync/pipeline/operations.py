@@ -18,50 +18,14 @@ import numpy as np
 from ..collectives import adasum
 from ..collectives import alltoall as _alltoall
 from ..collectives import doubling, halving_doubling, hierarchical, ring, tree
-from ..collectives.ops import BFLOAT16, ReduceOp, make_reducer
+from ..collectives.ops import BFLOAT16, ReduceOp, finisher, make_reducer, reducer, scale
 from ..transport import frame
 
 # Distinct collectives whose description is remembered (unnamed calls each have their own).
 _DESCRIPTIONS_KEPT = 4096
 
 __all__ = ["allreduce", "allreduce_signed", "allgather", "broadcast", "reducescatter", "alltoall",
-           "barrier", "broadcast_object", "allgather_object", "scale"]
-
-
-def scale(flat: np.ndarray, dtype, factor: float, divide: bool = False,
-          trunc: bool = False) -> None:
-    """Multiplies (or divides) ``flat`` by ``factor`` in place, in its own dtype.
-
-    An integer division rounds toward minus infinity (``floor_divide``, as ``torch.distributed``
-    does), or toward zero with ``trunc`` (as Horovod's C++ does: -75 / 2 is -37, not -38)."""
-    if dtype == BFLOAT16 or flat.dtype == np.float16:
-        import torch
-
-        t = torch.from_numpy(flat)
-        if dtype == BFLOAT16:
-            t = t.view(torch.bfloat16)
-        t.div_(factor) if divide else t.mul_(factor)
-    elif flat.dtype.kind == "f":
-        np.divide(flat, factor, out=flat) if divide else np.multiply(flat, factor, out=flat)
-    elif divide:
-        divisor = flat.dtype.type(factor)
-        inexact = np.remainder(flat, divisor) != 0 if trunc else None
-        np.floor_divide(flat, divisor, out=flat)
-        if inexact is not None:  # trunc: a negative quotient that was rounded down moves up by one
-            flat += inexact & (flat < 0)
-    else:
-        np.multiply(flat, factor, out=flat, casting="unsafe")
-
-
-_reducers: dict = {}
-
-
-def _reducer(op: ReduceOp, dtype):
-    """``make_reducer``, made once per (op, dtype)."""
-    reducer = _reducers.get((op, dtype))
-    if reducer is None:
-        reducer = _reducers[op, dtype] = make_reducer(op, dtype)
-    return reducer
+           "barrier", "broadcast_object", "allgather_object"]
 
 
 def _run_allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, algorithm: str,
@@ -73,23 +37,23 @@ def _run_allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, algorithm: str,
     multiplies by ``postscale``; the shared-memory group's compiled road does the division
     itself, so it gets the op whenever there is no postscale.
     """
-    reducer = _reducer(op, dtype)
+    fold = reducer(op, dtype)
     cfg = world.config
     if algorithm == "shm":
-        world.host_allreduce(flat, reducer, finish, op if postscale == 1.0 else None,
+        world.host_allreduce(flat, fold, finish, op if postscale == 1.0 else None,
                              divisor, trunc)
         return finish is not None
     elif algorithm == "ring":
-        ring.allreduce(world.comm, flat, reducer, cfg.chunk_bytes)
+        ring.allreduce(world.comm, flat, fold, cfg.chunk_bytes)
     elif algorithm == "topo_ring":
-        ring.allreduce(world.comm.view(world.ring_order), flat, reducer, cfg.chunk_bytes)
+        ring.allreduce(world.comm.view(world.ring_order), flat, fold, cfg.chunk_bytes)
     elif algorithm == "hierarchical":
-        hierarchical.allreduce(world.comm, flat, reducer, world.ring_order, world.levels,
+        hierarchical.allreduce(world.comm, flat, fold, world.ring_order, world.levels,
                                cfg.chunk_bytes, cfg.small_bytes)
     elif algorithm == "doubling":
-        doubling.allreduce(world.comm, flat, reducer)
+        doubling.allreduce(world.comm, flat, fold)
     else:
-        halving_doubling.allreduce(world.comm, flat, reducer)
+        halving_doubling.allreduce(world.comm, flat, fold)
     return False
 
 
@@ -121,15 +85,10 @@ def allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, *, name: str, shape:
         else:
             # The division of an Average and the postscale are folded into the reduction
             # where the algorithm allows (shm: each element scaled once, while in cache).
-            finish = None
-            if average or postscale != 1.0:
-                def finish(part: np.ndarray) -> None:
-                    if average:
-                        scale(part, dtype, world.size, divide=True, trunc=trunc)
-                    if postscale != 1.0:
-                        scale(part, dtype, postscale)
-            finished = _run_allreduce(world, flat, dtype, op, alg, finish,
-                                      world.size if average else 0, trunc, postscale)
+            divisor = world.size if average else 0
+            finished = _run_allreduce(world, flat, dtype, op, alg,
+                                      finisher(dtype, divisor, trunc, postscale), divisor,
+                                      trunc, postscale)
     if finished:
         return
     if average:

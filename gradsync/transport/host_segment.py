@@ -337,7 +337,7 @@ class ShmGroup:
             op, divisor, trunc: what ``reducer`` and ``finish`` compute, for the compiled
                 road: ``op``, then (``divisor`` > 0) a division by ``divisor`` in the element
                 type, integers rounded down (toward zero with ``trunc``), as
-                ``operations.scale`` does. Leave ``op`` None when ``finish`` does anything
+                ``collectives.ops.scale`` does. Leave ``op`` None when ``finish`` does anything
                 else: the Python road then runs.
         """
         flat = self._flat(data, writable=True)

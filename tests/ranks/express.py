@@ -34,7 +34,7 @@ import gradsync as gs
 from gradsync import job
 from gradsync.transport.host_segment import ShmGroup
 from gradsync.pipeline import express
-from gradsync.pipeline.operations import scale
+from gradsync.collectives.ops import scale
 
 mode = sys.argv[1]
 gs.init()
