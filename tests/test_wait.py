@@ -40,6 +40,21 @@ def test_backoff_spins_then_yields_then_naps_doubling_to_the_cap(monkeypatch):
     assert steps == naps  # progress: spinning again
 
 
+def test_nap_doubles_to_the_cap_for_the_waits_outside_the_transport(monkeypatch):
+    steps = _record(monkeypatch)
+    nap = wait.Nap()
+    for _ in range(12):
+        nap()
+    assert steps == [min(wait.FIRST_NAP * 2 ** i, wait.MAX_NAP) for i in range(12)]
+    # The waits that nap with their own loop take this one, not a figure of their own.
+    from gradsync.data import slots
+    from gradsync.torch.backend import p2p
+    from gradsync.transport import host_segment
+
+    for module in (slots, p2p, host_segment):
+        assert module.Nap is wait.Nap, module.__name__
+
+
 class _Slow(Pair):
     """A polled pair (no descriptor) whose one send completes after ``rounds`` advances."""
 

@@ -43,7 +43,8 @@ to sleep while the bell still holds what it read; the server, after each publish
 bell (adds one), fences, and wakes the worker if it said it sleeps. So a published batch
 wakes the worker at once, and a waiting worker uses no core: on a host with few cores the
 server's producer (and the worker's own training loop, which needs the GIL) must run
-meanwhile. Where futexes are missing it naps instead, doubling from 50 us to 1 ms. Every 50
+meanwhile. Where futexes are missing it naps instead (the transport's nap, ``wait.Nap``:
+doubling from 1 us to 0.5 ms). Every 50
 ms of waiting it checks that the server is still alive, by its process id and start time as
 the shared-memory rings do, and that its region connection has not ended (a ``take`` would
 have seen either in its reply), that the worker's liveness watch has not found the server
@@ -67,6 +68,7 @@ import numpy as np
 from ..errors import GradsyncTimeoutError, PeerLostError
 from ..transport import shm
 from ..transport.futex import Futex, fence
+from ..transport.wait import Nap
 
 __all__ = ["SlotTable", "Header", "Poller", "poller", "table_words", "check_open", "ACK_WORD",
            "FAILED_WORD"]
@@ -236,9 +238,9 @@ class SlotTable:
             self.words[_SLEEPING] = 0
 
 
-# The poll's back-off: quick looks, then sleeps on the bell (or, without futexes, naps from
-# the first to the last, doubling); how often the server's liveness is checked while waiting.
-_LOOKS, _NAPS, _LIVENESS_EVERY = 8, (0.00005, 0.001), 0.05
+# The poll's back-off: quick looks, then sleeps on the bell (or, without futexes, the
+# transport's naps, ``wait.Nap``); how often the server's liveness is checked while waiting.
+_LOOKS, _LIVENESS_EVERY = 8, 0.05
 
 
 class Poller:
@@ -278,7 +280,7 @@ class Poller:
             return header, 0.0
         start_ns = time.monotonic_ns()
         start = time.perf_counter()
-        looks, nap = 0, _NAPS[0]
+        looks, nap = 0, Nap()
         checked = start
         while True:
             if self.table.failed() or stopping():
@@ -300,8 +302,7 @@ class Poller:
             if looks <= _LOOKS:
                 continue
             if not self.table.sleep(bell, _LIVENESS_EVERY):
-                time.sleep(nap)
-                nap = min(2 * nap, _NAPS[1])
+                nap()
 
     def check_alive(self) -> None:
         """Raises PeerLostError if the server's process has exited (or its pid was reused),

@@ -116,7 +116,7 @@ from ..errors import CollectiveMismatchError, GradsyncError, GradsyncTimeoutErro
 from .futex import Futex, fence
 from .shm import (CACHE_LINE, attach_segment, check_job_id, create_segment, process_start_time,
                   require_tso, unlink_segment)
-from .wait import (CHECK_EVERY, FIRST_NAP, MAX_NAP, MIN_SPIN, PY_SPIN, PY_YIELD_FOR, may_spin,
+from .wait import (CHECK_EVERY, MAX_NAP, MIN_SPIN, PY_SPIN, PY_YIELD_FOR, Nap, may_spin,
                    native_ladder)
 
 __all__ = ["ShmGroup", "segment_bytes", "DEFAULT_SLOT_BYTES", "DEFAULT_SMALL_BYTES", "group_segment_name",
@@ -700,7 +700,7 @@ class ShmGroup:
             waiting = [r for r in waiting if c[lines[r] + word] < seq]
             if not waiting:
                 return
-        nap = FIRST_NAP
+        nap = Nap()
         next_check = started + CHECK_EVERY
         while True:
             waiting = [r for r in waiting if c[lines[r] + word] < seq]
@@ -721,8 +721,7 @@ class ShmGroup:
             if self._futex is not None:
                 self._sleep_on(self._futex, waiting[0], word, seq, max(next_check - now, 1e-4))
             else:
-                time.sleep(nap)
-                nap = min(nap * 2, MAX_NAP)
+                nap()
 
     def _sleep_on(self, futex: Futex, r: int, word: int, seq: int, timeout: float) -> None:
         """Sleeps until local rank ``r`` raises counter ``word`` (to ``seq`` or not), at most

@@ -35,7 +35,7 @@ import os
 import time
 
 __all__ = ["SPINS", "YIELDS", "FIRST_NAP", "MAX_NAP", "CHECK_EVERY", "MIN_SPIN", "MAX_SPIN",
-           "PY_SPIN", "YIELD_FOR", "PY_YIELD_FOR", "Backoff", "may_spin", "native_ladder"]
+           "PY_SPIN", "YIELD_FOR", "PY_YIELD_FOR", "Nap", "Backoff", "may_spin", "native_ladder"]
 
 # --- the polling loop's rungs, in rounds --------------------------------------------------
 
@@ -108,6 +108,23 @@ def native_ladder(spin: bool) -> tuple[int, int, int, int]:
             int(CHECK_EVERY * 1e9), int(MAX_NAP * 1e9))
 
 
+class Nap:
+    """The sleep rung alone: each call sleeps, from ``FIRST_NAP`` doubling up to ``MAX_NAP``.
+    For the waits whose own loop does the looking and the checking, outside the transport
+    too: the host segment's counter wait where no futex exists, a data worker's poll of its
+    slot table where the kernel refused the futex, the torch backend's receive from any
+    source. One nap policy for all of them, here."""
+
+    __slots__ = ("seconds",)
+
+    def __init__(self):
+        self.seconds = FIRST_NAP
+
+    def __call__(self) -> None:
+        time.sleep(self.seconds)
+        self.seconds = min(self.seconds * 2, MAX_NAP)
+
+
 class Backoff:
     """The polling loop's ladder: ``idle`` after each round that moved nothing, ``reset`` on
     progress. Spins ``SPINS`` rounds, yields ``YIELDS`` more, then naps, doubling from
@@ -116,11 +133,12 @@ class Backoff:
     __slots__ = ("rounds", "nap")
 
     def __init__(self):
-        self.rounds, self.nap = 0, FIRST_NAP
+        self.rounds, self.nap = 0, Nap()
 
     def reset(self) -> None:
         """Progress: the next idle round starts spinning again."""
-        self.rounds, self.nap = 0, FIRST_NAP
+        self.rounds = 0
+        self.nap.seconds = FIRST_NAP
 
     def count(self) -> None:
         """A round that waited elsewhere (in ``select``): it counts as one of the ladder's."""
@@ -134,5 +152,4 @@ class Backoff:
         if self.rounds < SPINS + YIELDS:
             os.sched_yield()
             return
-        time.sleep(self.nap)
-        self.nap = min(self.nap * 2, MAX_NAP)
+        self.nap()

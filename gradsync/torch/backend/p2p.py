@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from ...cluster.rendezvous import Store
 from ...errors import GradsyncError, GradsyncTimeoutError
+from ...transport.wait import Nap
 from .errors import BackendError, to_backend_error
 from .tensors import as_bytes, contiguous
 from .work import Lane, Work
@@ -44,7 +45,6 @@ __all__ = ["PointToPoint", "clone_store"]
 
 _CLOSE_GRACE = 2.0  # seconds shutdown gives a lane to finish the message it is in
 _ANNOUNCE_POLL_S = 0.01  # how often a receive from any source asks if a direction opened
-_MAX_NAP_S = 0.001  # the longest sleep of a receive from any source between looks
 
 
 def _opened_key(src: int, dst: int) -> str:
@@ -186,7 +186,7 @@ class PointToPoint:
             start = time.monotonic()
             deadline = start + world.config.timeout
             next_ask = dict.fromkeys(sources, start)
-            nap = 1e-5
+            nap = Nap()  # the transport's sleep rung, between looks
             while True:
                 for src in sources:
                     d = self._direction(src, me)
@@ -211,8 +211,7 @@ class PointToPoint:
                     raise GradsyncTimeoutError(
                         f"rank {me} timed out after {now - start:.1f}s receiving from any "
                         f"rank (tag={tag}): no rank sent to it")
-                time.sleep(nap)
-                nap = min(nap * 2, _MAX_NAP_S)
+                nap()
         return lane.submit(work, run)
 
     def close(self, wait: bool = True) -> None:
