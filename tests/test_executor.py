@@ -1,13 +1,17 @@
-"""``pipeline/executor.Serial``, the one queue-and-thread machinery under the NumPy API's engine
-and the torch backend's lanes (one process, threads: nothing here needs another rank).
-Its two users are tested through their own interfaces in test_express.py (the engine's inline
-claim and the express lane) and test_backend_work.py (Works, run_now, close)."""
+"""``pipeline/executor.Serial``, the one queue-and-thread machinery under every front door: the
+NumPy API's engine, the torch backend's lanes and the Horovod API's controller (one process,
+threads: nothing here needs another rank). Its users are tested through their own interfaces
+in test_express.py (the engine's inline claim and the express lane), test_backend_work.py
+(Works, run_now, close) and test_negotiation*.py (the controller's cycles); here, the
+controller only as far as it is a Serial."""
 
 from __future__ import annotations
 
 import threading
+import types
 
 from gradsync.pipeline.executor import Serial
+from gradsync.pipeline.negotiation import Controller, Request
 
 
 class Log(Serial):
@@ -166,3 +170,33 @@ def test_take_hands_the_progress_thread_every_queued_item_for_a_policy_that_runs
     assert serial.drain(10) and serial.ran == [[gate, 0, 1, 2, 3, 4]]
     serial.shut(RuntimeError("done"))
     assert serial.join(10)
+
+
+class OneRank(types.SimpleNamespace):
+    """What a Controller reads of a one-rank World (weakly referable, as the flight
+    recorder's tracks refer to their World)."""
+
+
+def test_the_horovod_apis_controller_is_a_serial_whose_progress_thread_runs_its_operations():
+    config = types.SimpleNamespace(stall_warning=60.0, timeout=60.0, stall_report=0.0,
+                                   abort_poll_interval=0.1)
+    world = OneRank(rank=0, size=1, config=config, shares_host=False, fail=lambda exc: exc,
+                    env=types.SimpleNamespace(job_id="executor-controller"))
+    ctl = Controller(world, "global", [0], 1 << 20)
+    try:
+        assert isinstance(ctl, Serial)
+        handle = ctl.submit(Request("where", "barrier", "none", (),
+                                    run=lambda w: threading.current_thread()))
+        ran_on = handle.wait(10)
+        assert ran_on is ctl._thread and ran_on.name == "gradsync-negotiate-global"
+        assert [t for t in threading.enumerate() if t.name.startswith("gradsync-negotiate")] \
+            == [ran_on]
+    finally:
+        ctl.stop(10)
+    assert not ctl.running and isinstance(ctl.closed, RuntimeError)
+    try:
+        ctl.submit(Request("late", "barrier", "none", (), run=lambda w: None))
+    except RuntimeError as exc:
+        assert "has been shut down" in str(exc), exc
+    else:
+        raise AssertionError("a stopped controller took a request")

@@ -1,10 +1,13 @@
-"""One thread, one queue: what runs a World's operations one after another, in issue order.
+"""One thread, one queue: what runs a World's operations, with the policy of their front door.
 
 Collectives follow MPI's rule, which torch.distributed shares: every rank issues the same
 collectives in the same order, so whatever runs them must never reorder them. ``Serial`` is
-that rule's whole machinery, shared by the NumPy API's engine (``engine.Engine``) and the torch
-backend's lanes (``torch/backend/work.Lane``), which differ only in what an operation is (a
-``Handle`` or a ``Work``) and how its outcome is delivered (``_run``):
+that rule's whole machinery, shared by every front door: the NumPy API's engine
+(``engine.Engine``) and the torch backend's lanes (``torch/backend/work.Lane``) run their
+items one by one in issue order, and differ only in what an operation is (a ``Handle`` or a
+``Work``) and how its outcome is delivered (``_run``); the Horovod API's controller
+(``negotiation.Controller``) runs its items, the requests, in cycles agreed by name (a cycle
+announces every request queued since the last):
 
 - ``push``: queues an item for the *progress thread*, started at the first push (or by
   ``start``), which runs the items in order;
@@ -19,7 +22,7 @@ backend's lanes (``torch/backend/work.Lane``), which differ only in what an oper
   is queued, or the queue is handed back undone, and leaves.
 
 The idle policy. With nothing queued, the progress thread of the engine and the lanes sleeps
-until an item comes. A policy with work of its own (a negotiation's cycles: its requests wait
+until an item comes. A policy with work of its own (the negotiation's cycles: its requests wait
 for the other ranks' announcements, and the others' cycles wait for its ballot) says how
 long the thread may wait (``_patience``, asked with the lock held each time it would sleep)
 and what it runs when the wait ends with nothing queued (``_run_idle``, holding the executor
@@ -48,7 +51,8 @@ class Serial(Generic[T]):
         name: the progress thread's name.
         lock: the executor's lock; by default a plain one (the fastest ``claim``). A policy
             that changes its own state together with the queue passes an ``RLock`` and pushes
-            while holding it.
+            while holding it (the negotiation: a name's check, its registration and its
+            request's push are one step).
     """
 
     def __init__(self, name: str, lock: "threading.Lock | threading.RLock | None" = None):
