@@ -164,9 +164,10 @@ class Serial(Generic[T]):
                 self._start()
 
     def wake(self) -> None:
-        """Ends the progress thread's wait now: it runs the next item, or ``_run_idle``. For a
-        policy whose reason to run came early; change what ``_patience`` reads under the lock
-        first, so that the thread, if it is not waiting yet, sees the change instead."""
+        """Ends the progress thread's wait now: a timed one (``_patience``) as if its time had
+        passed (the next item runs, or ``_run_idle``), one without a limit asks ``_patience``
+        again. For a policy whose reason to run came early: change what ``_patience`` reads
+        under the lock first, so that a thread not waiting yet sees the change instead."""
         with self._lock:
             self._cv.notify_all()
 
