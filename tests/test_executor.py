@@ -182,15 +182,15 @@ def test_the_horovod_apis_controller_is_a_serial_whose_progress_thread_runs_its_
                                    abort_poll_interval=0.1)
     world = OneRank(rank=0, size=1, config=config, shares_host=False, fail=lambda exc: exc,
                     env=types.SimpleNamespace(job_id="executor-controller"))
-    ctl = Controller(world, "global", [0], 1 << 20)
+    ctl = Controller(world, "executor-test", [0], 1 << 20)
     try:
         assert isinstance(ctl, Serial)
         handle = ctl.submit(Request("where", "barrier", "none", (),
                                     run=lambda w: threading.current_thread()))
         ran_on = handle.wait(10)
-        assert ran_on is ctl._thread and ran_on.name == "gradsync-negotiate-global"
-        assert [t for t in threading.enumerate() if t.name.startswith("gradsync-negotiate")] \
-            == [ran_on]
+        # its progress thread, named as the controller's thread was; no other of its own
+        assert ran_on is ctl._thread and ran_on.name == "gradsync-negotiate-executor-test"
+        assert [t for t in threading.enumerate() if t.name == ran_on.name] == [ran_on]
     finally:
         ctl.stop(10)
     assert not ctl.running and isinstance(ctl.closed, RuntimeError)
