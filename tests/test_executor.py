@@ -1,13 +1,17 @@
-"""``pipeline/executor.Serial``, the one queue-and-thread machinery under the NumPy API's engine
-and the torch backend's lanes (one process, threads: nothing here needs another rank).
-Its two users are tested through their own interfaces in test_express.py (the engine's inline
-claim and the express lane) and test_backend_work.py (Works, run_now, close)."""
+"""``pipeline/executor.Serial``, the one queue-and-thread machinery under every front door: the
+NumPy API's engine, the torch backend's lanes and the Horovod API's controller (one process,
+threads: nothing here needs another rank). Its users are tested through their own interfaces
+in test_express.py (the engine's inline claim and the express lane), test_backend_work.py
+(Works, run_now, close) and test_negotiation*.py (the controller's cycles); here, the
+controller only as far as it is a Serial."""
 
 from __future__ import annotations
 
 import threading
+import types
 
 from gradsync.pipeline.executor import Serial
+from gradsync.pipeline.negotiation import Controller, Request
 
 
 class Log(Serial):
@@ -93,3 +97,106 @@ def test_shut_runs_what_is_queued_or_hands_it_back_and_refuses_later_pushes():
     gate.set()
     assert dropping.join(10)
     assert [item for item, _ in dropping.ran] == [gate]
+
+
+class Ticking(Log):
+    """A policy that wakes on its own: after ``patience`` seconds with nothing queued, its
+    progress thread runs ``_run_idle``, which logs None and waits for items again."""
+
+    def __init__(self, patience: float):
+        super().__init__()
+        self.patience: float | None = patience
+        self.ticked = threading.Event()
+
+    def _patience(self):
+        return self.patience
+
+    def _run_idle(self) -> None:
+        self.ran.append((None, threading.current_thread().name))
+        self.patience = None  # once: then it waits for items, as the default does
+        self.ticked.set()
+
+
+def asleep(serial: Serial) -> None:
+    """Returns once the progress thread waits (10 s at most)."""
+    for _ in range(2000):
+        with serial._cv:
+            if serial._sleepers:
+                return
+        threading.Event().wait(0.005)
+    raise AssertionError("the progress thread never waited")
+
+
+def test_an_idle_policy_runs_on_the_progress_thread_when_its_wait_ends_with_nothing_queued():
+    # From start(), without any push: the thread runs its own work when the wait ends.
+    ticking = Ticking(0.001)
+    ticking.start()
+    assert ticking.ticked.wait(10)
+    assert ticking.ran == [(None, "test-serial")]
+    ticking.push(1)  # an item still runs as an item
+    assert ticking.drain(10) and ticking.ran == [(None, "test-serial"), (1, "test-serial")]
+    ticking.shut(RuntimeError("done"))
+    assert ticking.join(10)
+
+    # A push ends a long wait at once, and runs the item, not the idle work.
+    patient = Ticking(3600.0)
+    patient.start()
+    asleep(patient)
+    patient.push(1)
+    assert patient.drain(10) and patient.ran == [(1, "test-serial")]
+    # wake() ends it too: the policy's reason to run came early (changed under the lock)
+    asleep(patient)
+    with patient._cv:
+        patient.patience = 0.0
+    patient.wake()
+    assert patient.ticked.wait(10) and patient.ran[-1] == (None, "test-serial")
+    patient.shut(RuntimeError("done"))
+    assert patient.join(10)
+
+
+def test_take_hands_the_progress_thread_every_queued_item_for_a_policy_that_runs_them_together():
+    class Together(Log):
+        def _run(self, item) -> None:
+            item.wait(10)  # the gate: meanwhile the others are queued
+            with self._lock:
+                self.ran.append([item, *self._take()])
+
+    serial = Together()
+    gate = threading.Event()
+    serial.push(gate)
+    for i in range(5):
+        serial.push(i)
+    gate.set()
+    assert serial.drain(10) and serial.ran == [[gate, 0, 1, 2, 3, 4]]
+    serial.shut(RuntimeError("done"))
+    assert serial.join(10)
+
+
+class OneRank(types.SimpleNamespace):
+    """What a Controller reads of a one-rank World (weakly referable, as the flight
+    recorder's tracks refer to their World)."""
+
+
+def test_the_horovod_apis_controller_is_a_serial_whose_progress_thread_runs_its_operations():
+    config = types.SimpleNamespace(stall_warning=60.0, timeout=60.0, stall_report=0.0,
+                                   abort_poll_interval=0.1)
+    world = OneRank(rank=0, size=1, config=config, shares_host=False, fail=lambda exc: exc,
+                    env=types.SimpleNamespace(job_id="executor-controller"))
+    ctl = Controller(world, "executor-test", [0], 1 << 20)
+    try:
+        assert isinstance(ctl, Serial)
+        handle = ctl.submit(Request("where", "barrier", "none", (),
+                                    run=lambda w: threading.current_thread()))
+        ran_on = handle.wait(10)
+        # its progress thread, named as the controller's thread was; no other of its own
+        assert ran_on is ctl._thread and ran_on.name == "gradsync-negotiate-executor-test"
+        assert [t for t in threading.enumerate() if t.name == ran_on.name] == [ran_on]
+    finally:
+        ctl.stop(10)
+    assert not ctl.running and isinstance(ctl.closed, RuntimeError)
+    try:
+        ctl.submit(Request("late", "barrier", "none", (), run=lambda w: None))
+    except RuntimeError as exc:
+        assert "has been shut down" in str(exc), exc
+    else:
+        raise AssertionError("a stopped controller took a request")

@@ -68,7 +68,7 @@ __all__ = ["JOIN", "Agreement", "ResponseCache", "Signature", "Stall", "agreed",
            "mismatch_error"]
 
 JOIN = "join"
-"""The name (and kind) of the join operation (``Controller.join``)."""
+"""The name (and kind) of the join operation (``Controller.announce_join``)."""
 
 # Kinds whose first dimension may differ between ranks.
 _RAGGED = ("allgather", "alltoall")

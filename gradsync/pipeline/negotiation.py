@@ -8,14 +8,23 @@ makes that work for one World (the global process set's, or one process set's).
 Vocabulary. A *request* is one rank's side of an operation: its name (``allreduce.grad.fc1``)
 and its *signature* (``agreement.Signature``: kind, dtype, shape, reduce op, root, scale
 factors, shared buffer), with the buffers and callables that run it. The controller's
-background thread runs *cycles*, a collective step of every rank of the World. In a cycle
+progress thread runs *cycles*, a collective step of every rank of the World. In a cycle
 every rank *announces* the requests its caller issued: a request whose name and signature are
 in the response cache (it ran before) as a *vote* for its cache bit, every other one *in
 full*. Each rank feeds what it learns to its ``agreement.Agreement``, the pure table that
 decides what is ready (announced by every rank), in which *agreed order*, whether the ranks
 agree on it and what has waited too long; from the same inputs every rank reaches the same
 decisions, so no rank coordinates. This module moves the announcements (see Wire below) and
-runs what is ready: fused, on the controller's thread.
+runs what is ready: fused, on the controller's progress thread.
+
+The executor. A ``Controller`` is an ``executor.Serial``, the one executor of every front door,
+with this front door's policy: its items are the requests its caller submits, and the progress
+thread (``gradsync-negotiate-<label>``) runs them in cycles, not one by one: a cycle announces
+every request queued since the last (``Serial._take``), and when nothing comes the thread
+still cycles, as often as Idle cost below says (``_patience``; the cycle then runs as
+``_run_idle``). The executor's lock (reentrant) also guards the controller's own state, so a
+submit checks the name, registers the request and queues it in one step, and a cycle takes
+the requests and the stop as they stand.
 
 Errors. A ready operation whose signatures disagree (shape, dtype, op, root, scale factors;
 for allgather and alltoall everything but the first dimension) does not run: every rank's
@@ -54,15 +63,16 @@ it has waited as a bit for half of ``min(stall_warning, timeout)`` (the table th
 from when it was issued). Ready names run in one order on every rank: the voted ones by bit,
 then the table's in agreed order. ``Controller.stats`` counts ``cycles`` and ``gathers``.
 
-Idle cost. A World of one rank needs no cycles (everything it issues is ready at once). With
-more ranks the loop runs back to back while requests arrive. A rank with nothing of its own in
-flight has nothing to learn from a cycle (no operation can become ready without its
-announcement), so its loop sleeps until its caller issues something, waking only every
-``_HEARTBEAT`` (0.5 s) for an empty cycle that keeps the other ranks' waiting exchanges within
-their deadline. Between two training steps the loop so costs nothing: the step's first
-request wakes it at once, and the other ranks' loops are woken by their own requests. A rank
-with operations in flight that are not ready yet (it waits for a slower rank, or it has
-joined) cycles after 1 ms, doubling up to ``_MAX_IDLE`` (20 ms).
+Idle cost (the executor's idle policy, ``_patience``). A World of one rank needs no cycles
+(everything it issues is ready at once): its thread waits for a request. With more ranks the
+cycles run back to back while requests arrive. A rank with nothing of its own in flight has
+nothing to learn from a cycle (no operation can become ready without its announcement), so
+its thread sleeps until its caller issues something, waking only every ``_HEARTBEAT`` (0.5 s)
+for an empty cycle that keeps the other ranks' waiting exchanges within their deadline.
+Between two training steps the controller so costs nothing: the step's first request wakes it
+at once, and the other ranks' controllers are woken by their own requests. A rank with
+operations in flight that are not ready yet (it waits for a slower rank, or it has joined)
+cycles after 1 ms, doubling up to ``_MAX_IDLE`` (20 ms).
 
 Stalls. An operation that some ranks issued and others never do would wait for ever: the
 cycles go on, so no transport deadline fires. Rank 0's table times each name; after
@@ -80,9 +90,10 @@ issue in different orders, so only the agreed order numbers a collective alike o
 A request of this rank that has waited ``stall_report`` seconds gets a stall report
 (``stall.py``): every rank that issued it and waits asks the others whether they have.
 
-Shutdown. ``stop()`` asks for it in the next ballot (the ``STOP`` flag); the loop ends in the
-first cycle in which every rank has asked, so no rank leaves a cycle the others are still in.
-Operations still in flight then fail with RuntimeError.
+Shutdown. ``stop()`` asks for it in the next ballot (the ``STOP`` flag; ``Serial.wake`` ends
+the thread's wait); the cycles end in the first in which every rank has asked, so no rank
+leaves a cycle the others are still in. The executor is then shut (``Serial.shut``) and its
+thread leaves; operations still in flight fail with RuntimeError.
 """
 
 from __future__ import annotations
@@ -102,6 +113,7 @@ from .ballot import IDLE, QUIET, STOP, Ballot, bits_of
 from ..collectives.ops import BFLOAT16, ReduceOp
 from .negotiation_wire import from_wire, gather, to_wire, vote
 from .engine import Handle
+from .executor import Serial
 from ..errors import CollectiveMismatchError, GradsyncError
 from ..flight_recorder import Record, recorder
 
@@ -156,16 +168,17 @@ class Request:
         self.run, self.finish = run, finish
         self.counts = counts
         self.handle = Handle(name)
-        self.joined = False  # a stand-in for a rank that has joined (see Controller.join)
+        self.joined = False  # a stand-in for a rank that has joined (see Controller.announce_join)
         self.record: Record | None = None  # its flight recorder's record, once submitted
 
 
-class Controller:
-    """Negotiates and runs the named operations of one World on a background thread.
+class Controller(Serial[Request]):
+    """Negotiates and runs the named operations of one World: an ``executor.Serial`` whose
+    items are this rank's requests, run in cycles (see the module docstring).
 
     Args:
         world: the World the operations run on (owned by the caller; not closed here).
-        label: names the thread and appears in errors (``global``, ``process set 1``).
+        label: names the progress thread and appears in errors (``global``, ``process set 1``).
         ranks: the global rank of each rank of ``world`` (for messages).
         fusion_threshold: bytes of allreduces fused into one collective.
         timeline: a ``gradsync.timeline.Timeline`` or None; may be replaced at any time.
@@ -173,6 +186,7 @@ class Controller:
 
     def __init__(self, world, label: str, ranks: list[int], fusion_threshold: int,
                  timeline=None):
+        super().__init__(f"gradsync-negotiate-{label}", threading.RLock())
         self.world, self.label, self.ranks = world, label, list(ranks)
         self.fusion_threshold = fusion_threshold
         if world.rank == 0:  # once per process set (and elastic generation), never per cycle
@@ -187,7 +201,7 @@ class Controller:
         self.on_stand_in: Callable[[str], None] | None = None
         """Called with the name of each operation this rank joins in (or is excused from)
         without having issued it, while it is joined."""
-        # The table is read and written by the loop's thread only, so it needs no lock.
+        # The table is read and written by the progress thread only, so it needs no lock.
         self.agreement = Agreement(world.rank, self.ranks)
         self.cache = self.agreement.cache
         self._ballot = Ballot()  # this rank's cached requests, voted for until ready
@@ -195,19 +209,16 @@ class Controller:
         """``cycles``, ``gathers`` (cycles with full announcements), ``cached`` and ``full``
         (requests announced each way), ``demoted`` (voted, then announced in full),
         ``mismatches``, ``expired``, ``fused_batches``, ``fused_tensors``."""
-        self._cv = threading.Condition()
-        self._new: list[Request] = []
+        # These three are guarded by the executor's lock (``self._lock``), with the queue.
         self._mine: dict[str, Request] = {}  # in flight
         self._unsynchronized: set[str] = set()  # done, handle not synchronized yet
         self._stop_requested = False
-        self._closed: BaseException | None = None
+        self._idle_cycles = 0  # cycles in a row that ran nothing and heard nothing (_patience)
         self._fusion: dict[Any, np.ndarray] = {}
         self._shared_zeros: "np.ndarray | None" = None  # see _zeros
-        self._stall_look = 0.0  # when the loop next looks for stalled requests (stall.py)
+        self._stall_look = 0.0  # when the thread next looks for stalled requests (stall.py)
         stall.serve_named(world, self)
-        self._thread = threading.Thread(target=self._loop, daemon=True,
-                                        name=f"gradsync-negotiate-{label}")
-        self._thread.start()
+        self.start()  # it cycles from the start: the other ranks' first cycles wait for it
 
     # ------------------------------------------------------------------ caller's side
     def submit(self, request: Request) -> Handle:
@@ -217,7 +228,7 @@ class Controller:
             ValueError: an operation with this name is in flight on this rank.
             RuntimeError: the controller has stopped (shutdown, or a failed World).
         """
-        with self._cv:
+        with self._lock:
             if self._closed is not None:
                 raise self._closed
             if request.name in self._mine or request.name in self._unsynchronized:
@@ -232,43 +243,45 @@ class Controller:
                 _TORCH_KINDS.get(request.kind, request.kind), request.name,
                 sig.shape if sig.dtype != "none" else None, sig.dtype, numbered=False)
             request.handle.on_synchronized = lambda: self._synchronized(request.name)
-            self._new.append(request)
             tl = self.timeline
             if tl is not None:
                 tl.begin(request.name, f"NEGOTIATE_{request.kind.upper()}",
                          {"signature": describe(request.sig)})
-            self._cv.notify()
+            self.push(request)  # open (the lock is held since the check): it is queued
         return request.handle
 
-    def join(self) -> Handle:
-        """Announces that this rank has joined; the Handle returns the global rank that joined
-        last, once every rank has. Meanwhile this rank contributes zeros to the others'
-        allreduces, and their other operations fail (as in Horovod)."""
+    def announce_join(self) -> Handle:
+        """Announces that this rank has joined (Horovod's ``join``; ``join``, the executor's,
+        waits for the progress thread); the Handle returns the global rank that joined last,
+        once every rank has. Meanwhile this rank contributes zeros to the others' allreduces,
+        and their other operations fail (as in Horovod)."""
         return self.submit(Request(JOIN, JOIN, "none", ()))
 
     def stop(self, timeout: float | None = None) -> None:
-        """Ends the loop once every rank of the World has asked to (see the module comment)."""
-        with self._cv:
+        """Ends the cycles once every rank of the World has asked to (see the module
+        docstring); waits up to ``timeout`` seconds for the progress thread to leave."""
+        with self._lock:  # before the wake: a thread not waiting yet sees it (_patience)
             self._stop_requested = True
-            self._cv.notify()
-        self._thread.join(timeout)
+        self.wake()
+        self.join(timeout)
 
     def issued(self, name: str) -> bool:
         """Whether this rank has issued ``name`` and not synchronized it yet (a stall report
         asks)."""
-        with self._cv:
+        with self._lock:
             return name in self._mine or name in self._unsynchronized
 
     def waiting(self) -> list[tuple[str, int]]:
         """This rank's requests not done yet: their names and when they were issued (the
         flight recorder's ``created_ns``)."""
-        with self._cv:
+        with self._lock:
             return [(q.name, q.record.created_ns) for q in self._mine.values()
                     if q.record is not None]
 
     @property
     def running(self) -> bool:
-        return self._thread.is_alive()
+        """Whether the progress thread still runs (until every rank stopped, or a failure)."""
+        return self._thread is not None and self._thread.is_alive()
 
     @property
     def cycles(self) -> int:
@@ -280,42 +293,55 @@ class Controller:
         """Cycles that also gathered full announcements (none in a steady state)."""
         return self.stats["gathers"]
 
-    # ------------------------------------------------------------------ the loop
-    def _loop(self) -> None:
-        idle = 0
+    # ------------------------------------------------------------------ the policy
+    def _patience(self) -> float | None:
+        """How long the progress thread waits for a request before it cycles anyway (Idle
+        cost in the module docstring); called with the lock held."""
+        if self._stop_requested:
+            return 0.0  # cycles back to back until every rank has asked
+        if self.world.size == 1:
+            return None  # no cycles: everything it issues is ready at once
+        if not self._mine:
+            return _HEARTBEAT  # nothing of ours in flight: a heartbeat only
+        if self._idle_cycles:
+            return min(_MIN_IDLE * (1 << min(self._idle_cycles - 1, 8)), _MAX_IDLE)
+        return 0.0
+
+    def _run(self, request: Request) -> None:
+        self._turn([request])
+
+    def _run_idle(self) -> None:
+        self._turn([])
+
+    def _turn(self, new: list[Request]) -> None:
+        """One cycle (one turn of the progress thread): announces ``new`` and every other
+        request queued since the last cycle, runs what is ready; on the last cycle, or a
+        failure, shuts the executor (``_close``)."""
         try:
-            while True:
-                with self._cv:
-                    if not self._new and not self._stop_requested:
-                        if self.world.size == 1:
-                            self._cv.wait()
-                        elif not self._mine:  # nothing of ours in flight: a heartbeat only
-                            self._cv.wait(_HEARTBEAT)
-                        elif idle:
-                            self._cv.wait(min(_MIN_IDLE * (1 << min(idle - 1, 8)), _MAX_IDLE))
-                    new, self._new = self._new, []
-                    stop = self._stop_requested
-                if self.world.size == 1:  # everything it issues is ready at once
-                    outcome = None if stop else self.agreement.absorb(
-                        [[(q.name, q.sig) for q in new]])
-                else:
-                    outcome = self._cycle(new, stop)
-                if outcome is None:  # every rank asked to stop
-                    break
-                ready, busy = outcome
-                self.stats["cycles"] += 1
-                if self._mine and self.world.size > 1:
-                    self._look_for_stalls()
-                if ready or busy:
-                    tl = self.timeline
-                    if tl is not None:
-                        tl.cycle()
-                    idle = 0
-                    self._run_ready(ready)
-                else:
-                    idle += 1
-            self._close(RuntimeError(f"gradsync ({self.label}) has been shut down; the "
-                                     "operation did not run"))
+            with self._lock:
+                new += self._take()
+                stop = self._stop_requested
+            if self.world.size == 1:  # everything it issues is ready at once
+                outcome = None if stop else self.agreement.absorb(
+                    [[(q.name, q.sig) for q in new]])
+            else:
+                outcome = self._cycle(new, stop)
+            if outcome is None:  # every rank asked to stop
+                self._close(RuntimeError(f"gradsync ({self.label}) has been shut down; the "
+                                         "operation did not run"))
+                return
+            ready, busy = outcome
+            self.stats["cycles"] += 1
+            if self._mine and self.world.size > 1:
+                self._look_for_stalls()
+            if ready or busy:
+                tl = self.timeline
+                if tl is not None:
+                    tl.cycle()
+                self._idle_cycles = 0
+                self._run_ready(ready)
+            else:
+                self._idle_cycles += 1
         except BaseException as exc:  # noqa: BLE001  (delivered to every waiting handle)
             if isinstance(exc, GradsyncError):
                 try:
@@ -329,7 +355,7 @@ class Controller:
 
         Returns None when every rank asked to stop (nothing else happened); otherwise the
         ready names in the order they run (the voted ones, then the table's) and whether
-        anything was announced (so the loop does not back off).
+        anything was announced (so the thread does not back off).
         """
         agreement, ballot, config = self.agreement, self._ballot, self.world.config
         for q in new:
@@ -403,7 +429,7 @@ class Controller:
         return expired
 
     def _finish_expired(self, name: str, who: tuple[list[int], list[int]]) -> None:
-        with self._cv:
+        with self._lock:
             request = self._mine.get(name)
         if request is None:
             return
@@ -420,7 +446,7 @@ class Controller:
         runnable: list[Request] = []
         tl = self.timeline
         for name, by_rank in ready:
-            with self._cv:
+            with self._lock:
                 request = self._mine.get(name)
             if tl is not None and request is not None:
                 tl.end(name)
@@ -526,7 +552,7 @@ class Controller:
                         tl.end(head.name, phase)
                 results = [head.finish(value) if head.finish else value]
         except GradsyncError:
-            raise  # the World is broken: the loop fails everything
+            raise  # the World is broken: _turn fails everything
         except Exception as exc:  # noqa: BLE001  (a local error in finishing the result)
             for q in batch:
                 self._finish(q, error=exc)
@@ -612,23 +638,24 @@ class Controller:
                 record.done()
             else:
                 record.fail(error)
-        with self._cv:
+        with self._lock:
             if self._mine.pop(request.name, None) is not None and \
                     request.handle.on_synchronized is not None:
                 self._unsynchronized.add(request.name)
         request.handle.finish(result=result, error=error)
 
     def _synchronized(self, name: str) -> None:
-        with self._cv:
+        with self._lock:
             self._unsynchronized.discard(name)
 
     def _close(self, error: BaseException) -> None:
-        with self._cv:
-            self._closed = error
+        """Shuts the executor (submits raise ``error`` from now on; the thread leaves after this
+        cycle) and fails every request in flight, those still queued too."""
+        with self._lock:
+            self.shut(error, drop=True)  # the dropped requests are in _mine: failed below
             pending = list(self._mine.values())
             self._mine.clear()
             self._unsynchronized.clear()
-            self._new.clear()
         for q in pending:
             if q.record is not None and q.record.state != "completed":
                 q.record.fail(error)

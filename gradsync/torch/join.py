@@ -45,4 +45,4 @@ def join(device: int = -1) -> int:
         raise TypeError(f"join(device=...) takes an integer device id, got {device!r}")
     for optimizer in live_optimizers():
         optimizer._gs_require_idle("join")
-    return _psets.controller(_psets.global_process_set).join().wait()
+    return _psets.controller(_psets.global_process_set).announce_join().wait()
