@@ -293,3 +293,31 @@ def test_a_short_run_on_two_emulated_hosts_reports_every_mode_honestly(tmp_path,
         assert "unshaped: gs-auto chose" in printed
     else:
         assert auto["choice"] == "auto (not decided yet)" and "decisions" not in auto
+
+
+def test_bucket_cap_and_overlap_reach_ddp_and_the_hook_but_not_torchs_powersgd(tmp_path):
+    # One rank in this process (gloo's default group; the gradsync modes make their own).
+    import torch
+    import torch.distributed as dist
+
+    from gradsync.bench import compress_rank
+
+    p = compress.parser()
+    s = compress.settings_of(p.parse_args([]), 4, "/d")
+    assert (s["bucket_cap_mb"], s["overlap"]) == (None, True)
+    s = compress.settings_of(p.parse_args(["--bucket-cap-mb", "1", "--no-overlap"]), 4, "/d")
+    assert (s["bucket_cap_mb"], s["overlap"]) == (1.0, False)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        caps = {}
+        for mode in ("gloo-fp32", "gloo-powersgd", "gs-int8"):
+            trainer = compress_rank._Trainer(mode, torch.nn.Linear(4, 2), None, s)
+            caps[mode] = trainer.net.bucket_bytes_cap
+            if mode == "gs-int8":
+                (_, state), = trainer.net._comm_hooks
+                assert state.overlap is False
+        assert caps == {"gloo-fp32": 1 << 20, "gloo-powersgd": (1 << 12) << 20,
+                        "gs-int8": 1 << 20}
+    finally:
+        dist.destroy_process_group()

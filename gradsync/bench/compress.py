@@ -142,6 +142,12 @@ def parser() -> argparse.ArgumentParser:
     compressors.add_argument("--outer-momentum", type=float, default=0.9)
     compressors.add_argument("--diloco-fp32", action="store_true",
                              help="gs-diloco's outer gradient in fp32 (default int8)")
+    compressors.add_argument("--bucket-cap-mb", type=_positive(float), metavar="MB",
+                             help="DDP's bucket_cap_mb in every DDP mode but gloo-powersgd, "
+                                  "which keeps one bucket (default DDP's own, 25)")
+    compressors.add_argument("--no-overlap", action="store_true",
+                             help="gradsync's hooks reduce inside the hook call instead of "
+                                  "behind backward (HookState(overlap=False))")
     out = p.add_argument_group("output")
     out.add_argument("--verbose", action="store_true", help="echo the ranks' output")
     out.add_argument("--markdown", action="store_true", help="print the report as Markdown")
@@ -175,6 +181,7 @@ def settings_of(options, hosts: int, data: str) -> dict:
             "powersgd_rank": options.powersgd_rank, "diloco_h": options.diloco_h,
             "outer_lr": options.outer_lr, "outer_momentum": options.outer_momentum,
             "diloco_int8": not options.diloco_fp32,
+            "bucket_cap_mb": options.bucket_cap_mb, "overlap": not options.no_overlap,
             "collective_timeout": 120 + 60 * options.minutes,
             "delay": options.delay}
 

@@ -95,8 +95,11 @@ class _Trainer:
         # One bucket for torch's PowerSGD hook: with DDP's default buckets its second
         # allreduce, issued from a future's callback, can reach gloo in a different order on
         # different ranks, and gloo fails (issue 38). A bucket_cap_mb given by the caller
-        # also caps the first bucket (DDP's 1 MiB first bucket is for the default only).
-        extra = {"bucket_cap_mb": 1 << 12} if mode == "gloo-powersgd" else {}
+        # also caps the first bucket (DDP's 1 MiB first bucket is for the default only);
+        # --bucket-cap-mb sets it for every other mode.
+        cap = s.get("bucket_cap_mb")
+        extra = ({"bucket_cap_mb": 1 << 12} if mode == "gloo-powersgd"
+                 else {} if cap is None else {"bucket_cap_mb": cap})
         self.net = DDP(model, process_group=group, broadcast_buffers=False, **extra)
         self.opt = torch.optim.AdamW(model.parameters(), lr)
         r = s["powersgd_rank"]
@@ -118,14 +121,16 @@ class _Trainer:
             from gradsync.compress import Auto, HookState, compressed_hook
 
             self.auto = Auto(seed=s["seed"])
-            self.net.register_comm_hook(HookState(self.auto, group), compressed_hook)
+            self.net.register_comm_hook(HookState(self.auto, group, overlap=s.get("overlap", True)),
+                                        compressed_hook)
             self.choice = "auto (not decided yet)"  # replaced by its decision at the end
         elif mode in ("gs-int8", "gs-powersgd"):
             from gradsync.compress import HookState, Int8, PowerSGD, compressed_hook
 
             compressor = Int8(seed=s["seed"]) if mode == "gs-int8" else \
                 PowerSGD(rank=r, seed=s["seed"])
-            self.net.register_comm_hook(HookState(compressor, group), compressed_hook)
+            self.net.register_comm_hook(
+                HookState(compressor, group, overlap=s.get("overlap", True)), compressed_hook)
             self.choice = compressor.describe()
         else:
             raise ValueError(f"unknown mode {mode!r}")
