@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import loopback
-from harness import RANKS, REPORT_CHARS, Rank, report, run_job
+from harness import RANKS, REPORT_CHARS, Rank, Result, report, run_job
 
-__all__ = ["spawn", "lines", "BenchRuns", "bench_runs"]
+__all__ = ["spawn", "job", "lines", "BenchRuns", "bench_runs"]
 
 
 def spawn(n: int, script: str, *args: str, timeout: float, env: dict | None = None,
@@ -73,6 +73,27 @@ def spawn(n: int, script: str, *args: str, timeout: float, env: dict | None = No
     statuses = {int(r): int(s) for r, s in re.findall(r"EXIT rank=(\d+) status=(-?\d+)",
                                                       done.output)}
     return [Rank(r, statuses.get(r), outputs[r]) for r in range(n)]
+
+
+def job(n: int, script: str, *args: str, timeout: float, env: dict | None = None,
+        lean: bool = False) -> Result:
+    """``spawn``'s ranks as one job's end, as ``harness.launch`` gives it for the same script
+    under ``gradsync run``: ``returncode`` 0 when every rank exited 0, else the first other
+    status in rank order (None: a rank that never reported one); ``output`` every rank's,
+    whole, in rank order. For the checks that read a job's lines and its status, not the
+    launcher's doing (which stops the other ranks once one fails, and prefixes the lines).
+
+    Args:
+        lean: fork from a process that imported torch, NumPy and gradsync only
+            (``GS_TEST_FORK_LEAN``: 1.5 s of CPU less), for scripts that build no optimizer
+            and use no Horovod API.
+    """
+    ranks = spawn(n, script, *args, timeout=timeout,
+                  env={**({"GS_TEST_FORK_LEAN": "1"} if lean else {}), **(env or {})})
+    status = next((rank.returncode for rank in ranks if rank.returncode != 0), 0)
+    output = "".join(rank.output + ("" if rank.output.endswith("\n") else "\n")
+                     for rank in ranks if rank.output)
+    return Result(status, output, args=[script, *args])
 
 
 def lines(ranks: list[Rank], tag: str) -> list[str]:
