@@ -2,17 +2,30 @@
 
 Ranks are started here the way torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR, ...),
 without gradsync's launcher, because the launcher would stop the survivors of a failure
-before they could report what they saw. tests/ranks/faults.py is the rank side.
+before they could report what they saw. tests/ranks/faults.py is the rank side. Each rank is
+a process of its own, forked from one that imported torch, NumPy and gradsync once
+(tests/forked_jobs.py; faults.py trains nothing): its exit status, its signals and its
+sockets are its own, as when each rank was an interpreter of its own.
 """
 
 import functools
+import json
 import re
 
 import pytest
 
-from harness import spawn
+import forked_jobs
 
 pytestmark = pytest.mark.multiprocess
+
+
+def spawn(n: int, *args: str, timeout: float, env: dict | None = None, per_rank_env=None):
+    """``n`` forked ranks of faults.py with ``args`` (``forked_jobs.spawn``, lean), each one
+    host's; ``per_rank_env(r)``: more variables for rank ``r`` (``GS_TEST_RANKS_ENV``)."""
+    env = {"GS_TEST_FORK_LEAN": "1", **(env or {})}
+    if per_rank_env is not None:
+        env["GS_TEST_RANKS_ENV"] = json.dumps([per_rank_env(r) for r in range(n)])
+    return forked_jobs.spawn(n, *args, timeout=timeout, env=env)
 
 
 def results(ranks):
