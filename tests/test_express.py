@@ -23,8 +23,7 @@ def express_job(n: int, *args: str, env: dict | None = None) -> list:
     """Runs tests/ranks/express.py with ``args`` in ``n`` forked ranks of one host; checks
     that every rank exited 0 (a failed check exits 1 naming it) and returns each rank's
     ``express ok`` counts: how many of its calls took the lane, once per job it ran."""
-    ranks = forked_jobs.spawn(n, "express.py", *args, timeout=150,
-                              env={"GS_TEST_FORK_LEAN": "1", **(env or {})})
+    ranks = forked_jobs.spawn(n, "express.py", *args, timeout=150, env=env, lean=True)
     assert [rank.returncode for rank in ranks] == [0] * n, "\n".join(ranks)
     return [[int(line.rsplit(" ", 1)[1]) for line in rank.output.splitlines()
              if line.startswith("express ok")] for rank in ranks]

@@ -9,7 +9,6 @@ sockets are its own, as when each rank was an interpreter of its own.
 """
 
 import functools
-import json
 import re
 
 import pytest
@@ -19,13 +18,10 @@ import forked_jobs
 pytestmark = pytest.mark.multiprocess
 
 
-def spawn(n: int, *args: str, timeout: float, env: dict | None = None, per_rank_env=None):
-    """``n`` forked ranks of faults.py with ``args`` (``forked_jobs.spawn``, lean), each one
-    host's; ``per_rank_env(r)``: more variables for rank ``r`` (``GS_TEST_RANKS_ENV``)."""
-    env = {"GS_TEST_FORK_LEAN": "1", **(env or {})}
-    if per_rank_env is not None:
-        env["GS_TEST_RANKS_ENV"] = json.dumps([per_rank_env(r) for r in range(n)])
-    return forked_jobs.spawn(n, *args, timeout=timeout, env=env)
+def spawn(n: int, *args: str, timeout: float, **kwargs):
+    """``n`` ranks of faults.py with ``args``, forked (``forked_jobs.spawn``: ``env``,
+    ``per_rank_env``) from a lean process."""
+    return forked_jobs.spawn(n, *args, timeout=timeout, lean=True, **kwargs)
 
 
 def results(ranks):
