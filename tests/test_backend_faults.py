@@ -30,8 +30,7 @@ def test_abort_or_shutdown_on_one_rank_ends_every_ranks_collective(mode, ender, 
     # the all_reduce in flight) or rank 2 (with nothing in flight) aborts, or rank 0 shuts
     # down; rank 2 issues its own all_reduce at T + 0.5 s, after shutdown's grace.
     # lean: no optimizer here, so no torch._dynamo to import first (1.5 s of CPU)
-    ranks = forked_jobs.spawn(3, "pg_abort.py", mode, str(ender), timeout=60,
-                              env={"GS_TEST_FORK_LEAN": "1"})
+    ranks = forked_jobs.spawn(3, "pg_abort.py", mode, str(ender), timeout=60, lean=True)
     for r in ranks:
         assert r.returncode == 3, f"rank {r.rank}: exit {r.returncode}\n{r.output[-4000:]}"
         assert words in r.output, r.output[-4000:]

@@ -23,7 +23,6 @@ pytestmark = pytest.mark.multiprocess
 # Small chunks and shared-memory slots: 300-element tensors take the multi-chunk paths.
 SMALL_CHUNKS = {"GRADSYNC_CHUNK_BYTES": "256", "GRADSYNC_SHM_SLOT_BYTES": "256"}
 FAULTHANDLER = {"PYTHONFAULTHANDLER": "1"}  # a crash at exit shows every thread's stack
-LEAN = {"GS_TEST_FORK_LEAN": "1"}  # for the scripts that build no optimizer (forked.py)
 
 SHARED = {
     "aab": (3, 2, [{"name": "collectives", "module": "pg_collectives", "args": [],
@@ -92,7 +91,7 @@ def test_every_collective_and_dtype_against_gloo(np_, hosts, shared):
         _ran(shared(hosts), "collectives", "pg collectives ok")
     else:
         _ok(forked_jobs.spawn(np_, "pg_collectives.py", timeout=120, per_host=hosts.count("a"),
-                              env={**SMALL_CHUNKS, **FAULTHANDLER, **LEAN}),
+                              env={**SMALL_CHUNKS, **FAULTHANDLER}, lean=True),
             "pg collectives ok")
 
 
@@ -131,7 +130,8 @@ def test_mismatch_between_a_ring_and_the_shared_memory_group_fails_every_rank(np
                                                                               second):
     # The ring's ranks send frames that the group's rank never reads, and the group's rank
     # waits where the ring's never arrive: the group's wait looks at the frames waiting.
-    ranks = forked_jobs.spawn(np_, "pg_faults.py", "roads", first, second, timeout=60, env=LEAN)
+    # lean: the roads build no optimizer
+    ranks = forked_jobs.spawn(np_, "pg_faults.py", "roads", first, second, timeout=60, lean=True)
     for r in ranks:
         assert r.returncode == 3, f"rank {r.rank}: exit {r.returncode}\n{r.output[-4000:]}"
         assert "caught MismatchBackendError" in r.output, r.output

@@ -63,9 +63,6 @@ def test_the_default_bound_is_at_most_3_seconds():
 # those of the entries after it, never pass.
 
 SETTINGS = f"heartbeat_timeout={TIMEOUT},heartbeat_interval={INTERVAL}"
-LEAN = {"GS_TEST_FORK_LEAN": "1"}
-"""silent.py trains nothing: its ranks fork from a process that imported torch, NumPy and
-gradsync only (tests/ranks/forked.py), 1.5 s of CPU less than the full start."""
 JOB = (f"kill:1:tcp:{SETTINGS}",   # 5 ranks: rank 1 killed, outside any collective
        "stop:2:auto",             # 4 ranks on one host (shared memory), the defaults
        # 3 ranks from here; the defaults: rank 1 computes in Python and rank 2 holds the GIL,
@@ -82,7 +79,8 @@ JOB = (f"kill:1:tcp:{SETTINGS}",   # 5 ranks: rank 1 killed, outside any collect
 def _run_job() -> tuple:
     try:
         with tempfile.TemporaryDirectory(prefix="gs-silent-") as folder:
-            return forked_jobs.spawn(5, "silent.py", folder, *JOB, timeout=240, env=LEAN), None
+            # lean: silent.py trains nothing (no optimizer's imports to share)
+            return forked_jobs.spawn(5, "silent.py", folder, *JOB, timeout=240, lean=True), None
     except AssertionError as exc:  # its deadline: every test of the job fails with it, once
         return None, exc
 
@@ -139,7 +137,7 @@ def test_a_stopped_rank_is_lost_on_every_other_rank_within_the_bound(n, victim, 
         result, ranks = _entry(text)
     else:
         result, ranks = _entry(text, forked_jobs.spawn(n, "silent.py", str(tmp_path), text,
-                                                       timeout=60, env=LEAN))
+                                                       timeout=60, lean=True))
     assert sorted(ranks) == list(range(n)), \
         _report() if text == JOB[-1] else "\n".join(ranks.values())
     assert ranks[victim].returncode == -9, ranks[victim]  # stopped, then ended by its lifeline

@@ -94,8 +94,7 @@ def run(mode: str, victim: int, transport: str, settings: dict, directory: str,
             gs.allreduce(np.ones(10), name="after the wait")
             say(f"STORE rank={R} {(requests[0] - before) / (time.time() - stopped_at):.2f}")
         return _leave(say, R, mode, victim)
-    acts = R == victim or (mode == "slow" and R == victim + 1)
-    if acts:
+    if R == victim or (mode == "slow" and R == victim + 1):
         time.sleep(max(0.0, stopped_at - time.time()))
         if mode == "slow":  # VICTIM busy, VICTIM + 1 holding the GIL, both at once
             mode = "busy" if R == victim else "hold"
