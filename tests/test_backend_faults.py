@@ -29,7 +29,8 @@ def test_abort_or_shutdown_on_one_rank_ends_every_ranks_collective(mode, ender, 
     # Ranks 0 and 1 have an all_reduce in flight that rank 2 does not join; at T rank 0 (with
     # the all_reduce in flight) or rank 2 (with nothing in flight) aborts, or rank 0 shuts
     # down; rank 2 issues its own all_reduce at T + 0.5 s, after shutdown's grace.
-    ranks = forked_jobs.spawn(3, "pg_abort.py", mode, str(ender), timeout=60)
+    # lean: no optimizer here, so no torch._dynamo to import first (1.5 s of CPU)
+    ranks = forked_jobs.spawn(3, "pg_abort.py", mode, str(ender), timeout=60, lean=True)
     for r in ranks:
         assert r.returncode == 3, f"rank {r.rank}: exit {r.returncode}\n{r.output[-4000:]}"
         assert words in r.output, r.output[-4000:]

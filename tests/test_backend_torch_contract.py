@@ -3,12 +3,14 @@ device and backend as a gloo group does, so FSDP2's full-state-dict load broadca
 and DCP's ``async_save`` work; and the tests torch's backend-generic suite failed on gradsync
 (``scripts/torch_suite.sh``): ``all_gather_coalesced``, a receive from any source, a sparse
 ``all_reduce``, a timeout worded as torch's. One 3-rank job (tests/ranks/pg_torch_contract.py)
-runs every check; each test below reads its own check's line on every rank.
+runs every check; each test below reads its own check's line on every rank. Its ranks are
+started as torchrun starts them, forked from one process that imported torch once
+(tests/forked_jobs.py).
 """
 
 import pytest
 
-from harness import spawn
+from forked_jobs import spawn
 
 pytestmark = pytest.mark.multiprocess
 

@@ -10,7 +10,7 @@ first wrong element, printing what it was.
 
 import pytest
 
-from harness import spawn
+from forked_jobs import spawn
 import small_jobs
 
 pytestmark = pytest.mark.multiprocess
@@ -58,7 +58,7 @@ def test_sweep_on_emulated_hosts(layout):
         for host in ("host-a", "host-b"):
             assert output.count(f"2 ranks on host {host}") == 2, output
         return
-    ranks = spawn(len(layout), "sweep.py", timeout=240,
+    ranks = spawn(len(layout), "sweep.py", timeout=240, lean=True,
                   per_rank_env=lambda r: {"GRADSYNC_HOSTNAME": f"host-{layout[r]}"})
     for r in ranks:
         assert r.returncode == 0, r.output

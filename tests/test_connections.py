@@ -6,7 +6,8 @@ dialing at once, in either order) deterministically. Multi-process ones start re
 on a host of its own (``GRADSYNC_HOSTNAME``, which tests/ranks/connections.py sets), so that
 every pair is a TCP pair, and count from inside the ranks what they hold (/proc/self/fd) and
 what they asked of the store (``rendezvous.request_counts``). tests/ranks/connections.py is the
-rank side. The 4-rank job starts its ranks as torchrun does (``harness.spawn``); the slow tier's
+rank side. The default tier's jobs of 4 and 3 ranks start their ranks as torchrun does,
+forked from one process that imported torch once (``forked_jobs.spawn``); the slow tier's
 jobs of 2 to 16 ranks fork them from one process that has imported torch
 (``scale_jobs.forked``: what is counted is the same, the interpreters' start-up shared), and
 the 64 ranks' count is the first entry of the 64-rank job that test_scale.py's checks share
@@ -29,7 +30,8 @@ from gradsync.errors import AuthenticationError, GradsyncError, PeerLostError
 from gradsync.transport import frame, tcp
 from gradsync.transport.comm import Comm
 import loopback
-from harness import run_ranks, spawn
+from forked_jobs import spawn
+from harness import run_ranks
 from scale_jobs import entry_logs, forked, ran, sixty_four
 
 SECRET = b"s" * 32
@@ -459,7 +461,7 @@ def _four_ranks():
     """One job of 4 ranks for the sockets' count, then the first uses' patterns in a fresh
     ``init()`` (the sockets first: nothing before them to count): one start-up for both
     tests. Run once per pytest process."""
-    return spawn(4, "connections.py", "sockets,patterns", timeout=90)
+    return spawn(4, "connections.py", "sockets,patterns", timeout=90, lean=True)
 
 
 def _check_sockets(n: int, got: dict) -> None:
@@ -544,7 +546,7 @@ def test_first_uses_that_send_only_or_receive_only():
 
 
 def test_a_rank_killed_before_its_pairs_connect_is_a_lost_peer():
-    ranks = spawn(3, "connections.py", "killed", "1", timeout=60)
+    ranks = spawn(3, "connections.py", "killed", "1", timeout=60, lean=True)
     assert ranks[1].returncode == -9
     for r, g in _results(_spawned([ranks[0], ranks[2]]), "killed").items():
         assert g["error"].startswith("PeerLostError") and "rank 1" in g["error"], g

@@ -90,8 +90,8 @@ def test_every_collective_and_dtype_against_gloo(np_, hosts, shared):
     if hosts in SHARED:
         _ran(shared(hosts), "collectives", "pg collectives ok")
     else:
-        _ok(forked_jobs.spawn(np_, "pg_collectives.py", timeout=120,
-                              env={**SMALL_CHUNKS, **FAULTHANDLER}, per_host=hosts.count("a")),
+        _ok(forked_jobs.spawn(np_, "pg_collectives.py", timeout=120, per_host=hosts.count("a"),
+                              env={**SMALL_CHUNKS, **FAULTHANDLER}, lean=True),
             "pg collectives ok")
 
 
@@ -130,7 +130,8 @@ def test_mismatch_between_a_ring_and_the_shared_memory_group_fails_every_rank(np
                                                                               second):
     # The ring's ranks send frames that the group's rank never reads, and the group's rank
     # waits where the ring's never arrive: the group's wait looks at the frames waiting.
-    ranks = forked_jobs.spawn(np_, "pg_faults.py", "roads", first, second, timeout=60)
+    # lean: the roads build no optimizer
+    ranks = forked_jobs.spawn(np_, "pg_faults.py", "roads", first, second, timeout=60, lean=True)
     for r in ranks:
         assert r.returncode == 3, f"rank {r.rank}: exit {r.returncode}\n{r.output[-4000:]}"
         assert "caught MismatchBackendError" in r.output, r.output

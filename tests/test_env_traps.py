@@ -128,9 +128,9 @@ def test_the_peer_hint_names_the_ports_and_the_interface_option():
 
 @pytest.mark.multiprocess
 def test_a_job_on_an_unsupported_platform_runs_over_tcp():
-    from harness import launch
+    import forked_jobs  # ranks forked from one process: the platform is each rank's own
 
-    result = launch(3, "platform_fallback.py", timeout=60)
+    result = forked_jobs.job(3, "platform_fallback.py", timeout=60, lean=True)
     assert result.returncode == 0, result
     assert result.output.count("ok") == 3, result
     assert result.output.count("shared-memory transport is not available") == 3, result

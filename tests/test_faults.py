@@ -2,7 +2,10 @@
 
 Ranks are started here the way torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR, ...),
 without gradsync's launcher, because the launcher would stop the survivors of a failure
-before they could report what they saw. tests/ranks/faults.py is the rank side.
+before they could report what they saw. tests/ranks/faults.py is the rank side. Each rank is
+a process of its own, forked from one that imported torch, NumPy and gradsync once
+(tests/forked_jobs.py; faults.py trains nothing): its exit status, its signals and its
+sockets are its own, as when each rank was an interpreter of its own.
 """
 
 import functools
@@ -10,9 +13,15 @@ import re
 
 import pytest
 
-from harness import spawn
+import forked_jobs
 
 pytestmark = pytest.mark.multiprocess
+
+
+def spawn(n: int, *args: str, timeout: float, **kwargs):
+    """``n`` ranks of faults.py with ``args``, forked (``forked_jobs.spawn``: ``env``,
+    ``per_rank_env``) from a lean process."""
+    return forked_jobs.spawn(n, *args, timeout=timeout, lean=True, **kwargs)
 
 
 def results(ranks):

@@ -1,9 +1,11 @@
 """The flight recorder (gradsync/flight_recorder.py) and the stall report
 (gradsync/liveness/stall.py).
 
-The ring's logic and its dumps run in this process; two jobs run through the launcher: a
-rank asleep in user code while its peers wait (every waiting rank's stall report names it and
-shows its sleeping frame), and a mismatched collective whose dumps torch's own analyzer reads.
+The ring's logic and its dumps run in this process; two jobs of ranks forked from one process
+(tests/forked_jobs.py; the Horovod API's and the torch backend's, in the slow tier, through
+the launcher and as torchrun starts ranks): a rank asleep in user code while its peers wait
+(every waiting rank's stall report names it and shows its sleeping frame), and a mismatched
+collective whose dumps torch's own analyzer reads.
 """
 
 import os
@@ -17,6 +19,7 @@ import tracemalloc
 
 import pytest
 
+import forked_jobs
 from harness import launch, spawn
 
 from gradsync.config import Config
@@ -329,8 +332,12 @@ def test_a_report_of_many_ranks_shows_eight_of_each_and_lists_the_rest():
 @pytest.mark.parametrize("api", ["numpy", pytest.param("horovod", marks=pytest.mark.slow)])
 def test_a_rank_asleep_in_user_code_is_named_with_its_stack_by_every_waiting_rank(api, tmp_path):
     threshold = 1.5
-    r = launch(3, "flight.py", "stall" if api == "numpy" else "hvd-stall", str(tmp_path),
-               timeout=90, env={"GRADSYNC_STALL_REPORT": str(threshold)})
+    env = {"GRADSYNC_STALL_REPORT": str(threshold)}
+    if api == "numpy":
+        r = forked_jobs.job(3, "flight.py", "stall", str(tmp_path), timeout=90, env=env,
+                            lean=True)
+    else:
+        r = launch(3, "flight.py", "hvd-stall", str(tmp_path), timeout=90, env=env)
     assert r.returncode == 0, r
     surveyors = set()
     for rank in (0, 2):
@@ -369,7 +376,7 @@ def test_torchs_analyzer_names_a_mismatched_collective_and_its_rank(api, tmp_pat
     dumps = tmp_path / "dumps"
     env = {"GRADSYNC_FLIGHT_RECORDER_DIR": str(dumps)}
     if api == "numpy":
-        r = launch(3, "flight.py", "mismatch", timeout=90, env=env)
+        r = forked_jobs.job(3, "flight.py", "mismatch", timeout=90, env=env, lean=True)
         assert r.returncode == 0, r
         assert sorted(re.findall(r"RESULT rank=(\d) CollectiveMismatchError", r.output)) == \
             ["0", "1", "2"], r

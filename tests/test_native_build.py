@@ -24,7 +24,7 @@ import pytest
 
 from gradsync import _native
 from gradsync.run import cli
-from harness import launch
+import forked_jobs
 
 ROOT = Path(__file__).resolve().parent.parent
 SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
@@ -115,7 +115,9 @@ def test_init_compiles_before_its_connect_deadline(tmp_path):
     slow_cc = tmp_path / "slow-cc"
     slow_cc.write_text('#!/bin/sh\nsleep 5\nexec cc "$@"\n')
     slow_cc.chmod(0o755)
-    result = launch(2, "native_build.py", timeout=90, env={
+    # Two ranks forked from one process that imported torch and gradsync (and loaded no
+    # compiled module: each rank's init() loads it, as a rank started alone does).
+    result = forked_jobs.job(2, "native_build.py", timeout=90, lean=True, env={
         "CC": str(slow_cc), "XDG_CACHE_HOME": str(tmp_path / "cache"),
         "GRADSYNC_CONNECT_TIMEOUT": "4"})
     assert result.returncode == 0, result.output

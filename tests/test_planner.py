@@ -12,7 +12,7 @@ from gradsync.collectives import costs
 from gradsync.collectives.planner import choose_allreduce, plan, predict
 from gradsync.compress.comm import chosen
 from gradsync.config import Config
-from harness import spawn
+from forked_jobs import spawn
 
 GBIT = {"tiers": {"host": {"bandwidth": "1gbit", "latency": "100us"},
                   "local": {"bandwidth": "5GB/s", "latency": "5us"}}}
@@ -179,7 +179,8 @@ def test_plan_prints_every_candidate_and_a_choice(capsys, tmp_path):
 def test_probe_measures_each_tier_and_writes_a_loadable_file(tmp_path):
     out = tmp_path / "probe.json"
     ranks = spawn(4, "probe.py", "--out", str(out), "--pings", "20", "--streams", "2",
-                  timeout=90, per_rank_env=lambda r: {"GRADSYNC_HOSTNAME": f"h{r // 2}"})
+                  timeout=90, lean=True,
+                  per_rank_env=lambda r: {"GRADSYNC_HOSTNAME": f"h{r // 2}"})
     assert all(r.returncode == 0 for r in ranks), [r.output for r in ranks]
     written = json.loads(out.read_text())
     assert set(written["measured"]) == {"local", "host"}

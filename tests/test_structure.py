@@ -25,6 +25,7 @@ level holds only the public face and what every floor shares.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,10 +58,18 @@ def _resolve(module: str, level: int, target: str | None, modules: dict[str, Pat
     return ".".join(base + ([target] if target else []))
 
 
+@functools.lru_cache(maxsize=None)
+def _tree(path: Path) -> ast.Module:
+    """The module at ``path``, parsed once per pytest process (every test here walks the
+    whole package: parsing it anew each time was 8 of the file's 10 s). Nothing changes a
+    tree: the tests only read them."""
+    return ast.parse(path.read_text(), str(path))
+
+
 def _walk(modules: dict[str, Path]):
     """Yields (module, imported module, private names read from it) for every import."""
     for module, path in modules.items():
-        tree = ast.parse(path.read_text(), str(path))
+        tree = _tree(path)
         aliases: dict[str, str] = {}  # local name -> module it stands for
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
@@ -160,7 +169,7 @@ def _tool(module: str) -> str | None:
 def _imported_at_load(module: str, modules: dict[str, Path]) -> set[str]:
     """The modules that importing ``module`` imports: every import outside a function body."""
     found: set[str] = set()
-    pending: list[ast.AST] = [ast.parse(modules[module].read_text())]
+    pending: list[ast.AST] = [_tree(modules[module])]
     while pending:
         node = pending.pop()
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
@@ -268,7 +277,7 @@ def _reaches_segment(modules: dict[str, Path]) -> set[str]:
     by name through ``getattr``)."""
     found = {module for module, imported, _ in _walk(modules) if imported == SEGMENT}
     for module, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(_tree(path)):
             if ((isinstance(node, ast.Attribute) and node.attr == HANDLE)
                     or (isinstance(node, ast.Constant) and node.value == HANDLE)):
                 found.add(module)

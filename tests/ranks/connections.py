@@ -14,10 +14,10 @@ connected on demand, whatever hosts the job gave its ranks.
                                the modes in turn, each in a fresh job of the same ranks
                                (``shutdown()`` then ``init()``: one start-up for both)
 
-Started on its own (tests/test_connections.py: ``harness.spawn``, or forked from one process,
-tests/scale_jobs.py) or as the first entry of the shared 64-rank job (tests/scale_jobs.py): the
-store requests it reports are the process's since its start, so ``sockets`` must be the first
-mode of the process to call ``init()``.
+Started on its own (forked from one process: tests/test_connections.py through
+``forked_jobs.spawn``, tests/scale_jobs.py) or as the first entry of the shared 64-rank job
+(tests/scale_jobs.py): the store requests it reports are the process's since its start, so
+``sockets`` must be the first mode of the process to call ``init()``.
 
 Each mode prints one line, ``RESULT rank=R {...}``: a JSON object, ``"mode"`` among its fields.
 """

@@ -1,6 +1,7 @@
 """The express lane of small allreduces (gradsync/pipeline/express.py) against closed-form results.
 
-Run by tests/test_express.py through ``gradsync run -np N``; argv[1] is the mode:
+Run by tests/test_express.py at N ranks forked from one process (tests/forked_jobs.py; by
+hand, ``gradsync run -np N`` runs it the same); argv[1] is the mode:
 
 - ``lane``: every rank may take the lane;
 - ``mixed``: rank 0 never does (its calls take the full road), the others may: both roads

@@ -1,9 +1,10 @@
 """When the compiled kernel is built: before ``init()``'s connect deadline, never inside it.
 
-Run by tests/test_native_build.py through ``gradsync run -np 2`` with an empty cache and a
-slow ``$CC``. Each rank records its compiles and whether ``World._connect`` (where the
-connect deadline runs) was on the stack at the time; the installed module is hidden, so the
-cache's first-use build is what runs. Prints "native <compiles> <inside> <fast>".
+Run by tests/test_native_build.py at 2 ranks forked from one process (tests/forked_jobs.py)
+with an empty cache and a slow ``$CC``. Each rank records its compiles and whether
+``World._connect`` (where the connect deadline runs) was on the stack at the time; the
+installed module is hidden, so the cache's first-use build is what runs. Prints "native
+<compiles> <inside> <fast>".
 """
 
 import common  # noqa: F401  (deadline)

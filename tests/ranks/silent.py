@@ -18,6 +18,8 @@ several checks (tests/test_heartbeat.py's job). The modes, VICTIM being the rank
             collectives (as a long ``import torch`` on a loaded machine does); it prints HELD
             (the longest gap between the ticks of a Python thread meanwhile: the GIL was not
             let go)
+    slow    busy and hold at once, the second by rank VICTIM + 1: both ranks slow past the
+            timeout in the same 1.5 timeouts (one wait for the two checks)
     kill    VICTIM kills itself (SIGKILL) while the others sleep, in no collective: after 1 s
             each prints the abort record (RECORD), which only its heartbeat links can have
             posted that soon
@@ -92,8 +94,10 @@ def run(mode: str, victim: int, transport: str, settings: dict, directory: str,
             gs.allreduce(np.ones(10), name="after the wait")
             say(f"STORE rank={R} {(requests[0] - before) / (time.time() - stopped_at):.2f}")
         return _leave(say, R, mode, victim)
-    if R == victim:
+    if R == victim or (mode == "slow" and R == victim + 1):
         time.sleep(max(0.0, stopped_at - time.time()))
+        if mode == "slow":  # VICTIM busy, VICTIM + 1 holding the GIL, both at once
+            mode = "busy" if R == victim else "hold"
         if mode == "stop":
             # Without a launcher (harness.spawn, forked ranks) nobody ends a stopped rank: its
             # lifeline does, once every other rank has its error (under a launcher, before the
