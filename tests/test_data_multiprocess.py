@@ -12,8 +12,12 @@ server (``count``, then ``broken``, whose failing data server ends the job), 3 a
 ``resume`` from the 3-and-4 job's ``stop``, and test_data_liveness.py's slow server); the last
 two are tests/data_jobs.py's, shared with test_data_liveness.py. The 1-and-1 count and the
 killed server of 3 and 3 keep a job each (no other scenario of their shape; at 2 workers the
-killed server leaves nothing in /dev/shm for the launcher to clear, which that test checks),
-as do the slow tier's.
+killed server leaves nothing in /dev/shm for the launcher to clear, which that test checks).
+
+The slow tier's scenarios that leave their job usable share jobs of their own shape too: 1 and
+1, 2 and 2, 3 and 2, each running the global order plain and packed (and 2 and 2 the packed
+count, 3 and 2 the count first); those that end their job (a killed server) or resume another
+job's state keep a launch each.
 """
 
 import json
@@ -61,7 +65,44 @@ def two_three(tmp_path_factory):
     return data_jobs.two_three(tmp_path_factory)
 
 
-SHARED = {(4, 1): "four_one", (2, 3): "two_three"}
+GLOBAL, PACK = {"GS_DATA_ORDER": "global"}, {"GS_DATA_COLLATE": "pack"}
+"""The variables of the global order (``Loader(order="global")``) and of packed token
+sequences (``collate.Pack``) in tests/ranks/data_check.py."""
+
+
+def _global_orders() -> list[dict]:
+    """One epoch in the global order, of plain samples (``global``) and of packed token
+    sequences (``global-pack``): the two scenarios every shape of the global order's test runs."""
+    return [S.data_entry("global", "count", 1, env=GLOBAL),
+            S.data_entry("global-pack", "count", 1, env={**GLOBAL, **PACK})]
+
+
+@pytest.fixture(scope="module")
+def one_one(tmp_path_factory):
+    """1 worker, 1 data server (slow tier): the global orders."""
+    return S.DataJob(tmp_path_factory.mktemp("data-1-1"), 1, 1, _global_orders(),
+                     timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def two_two(tmp_path_factory):
+    """2 workers, 2 data servers (slow tier): the global orders, then two epochs of packed
+    token sequences in the servers' order (``packed``)."""
+    return S.DataJob(tmp_path_factory.mktemp("data-2-2"), 2, 2,
+                     [*_global_orders(), S.data_entry("packed", "count", 2, env=PACK)],
+                     timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def three_two(tmp_path_factory):
+    """3 workers, 2 data servers (slow tier): ``count`` first (its servers' counters are the
+    job's first: every sample decoded once, then served from the cache), then the global
+    orders."""
+    return S.DataJob(tmp_path_factory.mktemp("data-3-2"), 3, 2,
+                     [S.data_entry("count", "count", 2), *_global_orders()], timeout=TIMEOUT)
+
+
+SHARED = {(4, 1): "four_one", (2, 3): "two_three", (3, 2): "three_two"}
 """The count scenarios that run in a shared job, by (workers, servers)."""
 
 BROKEN = 50
@@ -274,22 +315,18 @@ def _steps(received, epoch, workers):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow  # three launches: over a minute on a loaded 2-core machine
+@pytest.mark.slow  # three shared jobs: over a minute on a loaded 2-core machine
 @pytest.mark.parametrize("collate", [None, "pack"])
-def test_the_global_order_is_the_same_sequence_at_one_two_and_three_workers(tmp_path,
-                                                                           collate):
-    # Loader(order="global"): 1 worker and 1 data server, 2 and 2, 3 and 2; the samples,
-    # step by step, are the epoch's permutation each time (the default cut differs). With
-    # "pack", a language model's data: token sequences packed into rows (collate.Pack).
-    env = {"GS_DATA_ORDER": "global"}
-    if collate:
-        env["GS_DATA_COLLATE"] = collate
+def test_the_global_order_is_the_same_sequence_at_one_two_and_three_workers(collate, request):
+    # Loader(order="global"): 1 worker and 1 data server, 2 and 2, 3 and 2 (a scenario of
+    # each shape's shared job); the samples, step by step, are the epoch's permutation each
+    # time (the default cut differs). With "pack", a language model's data: token sequences
+    # packed into rows (collate.Pack).
+    tag = "global-pack" if collate else "global"
     seen = {}
-    for workers, servers in ((1, 1), (2, 2), (3, 2)):
-        (tmp_path / str(workers)).mkdir()
-        _run(workers, servers, "count", tmp_path / str(workers), 1, env=env)
-        seen[workers] = _steps(_received(tmp_path / str(workers), "count", workers), 0,
-                               workers)
+    for workers, job in ((1, "one_one"), (2, "two_two"), (3, "three_two")):
+        directory = request.getfixturevalue(job).ran(tag)
+        seen[workers] = _steps(_received(directory, "count", workers), 0, workers)
     assert seen[1] == seen[2] == seen[3] == P.order(SAMPLES, SEED, 0).tolist()
 
 
@@ -306,12 +343,11 @@ def test_a_job_resumed_at_other_counts_goes_on_with_the_global_sequence(tmp_path
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow  # two epochs of a launch: 40 s on a loaded 2-core machine; the
-# collate's server side is in the default tier (tests/test_data_collate.py)
-def test_packed_token_sequences_reach_exactly_one_worker_per_sample(tmp_path):
+@pytest.mark.slow  # two epochs of the 2-and-2 job; the collate's server side is in the
+# default tier (tests/test_data_collate.py)
+def test_packed_token_sequences_reach_exactly_one_worker_per_sample(two_two):
     # 2 workers, 2 data servers, collate.Pack(8, separator=-1) over sequences of 0 to 7
     # tokens: each worker checks every sample's tokens in the rows (tests/ranks/data_check.py,
     # ``receive_packed``); here every sample is counted once per epoch, in the plan's order.
-    _run(2, 2, "count", tmp_path, 2, env={"GS_DATA_COLLATE": "pack"})
-    got = _received(tmp_path, "count", 2)
+    got = _received(two_two.ran("packed"), "count", 2)
     _each_sample_once_as_planned(got, 2, 2)

@@ -16,7 +16,9 @@ had (``GRADSYNC_SERVERS`` of them servers, set for it): 1 worker and 1 server (`
 ``ssp``, ``async``, ``backup``), 3 and 1 (a worker killed in sync mode) and 2 and 3 over TCP
 (``save``, then ``restore``). The tests of a worker killed in async and backup mode read the
 launcher's status (the job goes on without it, and ends with its status) and keep a
-``gradsync run --servers`` job each, as do the slow tier's cases.
+``gradsync run --servers`` job each. The slow tier's cases (four parity runs, the factored
+gradients of 3 workers and 2 servers, sync at 2 and 1 and ssp at 3 and 1) share a job of
+their own of five ranks the same way (``slow_job``).
 """
 
 import threading
@@ -251,6 +253,34 @@ def job(tmp_path_factory):
     return found
 
 
+def _tag(*case) -> str:
+    """A slow case's scenario tag: ``parity-2-3-adam-tcp``, ``factor-3-2``, ``ssp-3-1``."""
+    return "-".join(map(str, case))
+
+
+SLOW_PARITY = [(2, 3, "adam", "tcp"), (2, 1, "adam", "auto"), (3, 2, "sgd", "auto"),
+               (3, 1, "sgd", "tcp")]
+"""The slow tier's parity cases: workers, servers, optimizer, transport."""
+
+
+@pytest.fixture(scope="module")
+def slow_job(tmp_path_factory):
+    """The slow tier's cases, each a job of its own under ``gradsync run --servers`` before
+    (5 to 8 s each of an idle machine's slow tier, most of it the start-up), in one job of
+    five ranks: each on the first workers + servers of them, the last ``servers`` of those
+    servers, one after the other: the parity runs of ``SLOW_PARITY``, ``factor`` at 3 and 2,
+    the modes ``sync`` at 2 and 1 and ``ssp`` at 3 and 1 (12 steps each)."""
+    def first(workers, servers):
+        return list(range(workers + servers))
+
+    return Shared(tmp_path_factory.mktemp("ps-slow"), 5, [
+        *[_scenario(_tag("parity", w, s, o, t), first(w, s), s, "parity", o,
+                    env={"GRADSYNC_TRANSPORT": t}) for w, s, o, t in SLOW_PARITY],
+        _scenario(_tag("factor", 3, 2), first(3, 2), 2, "factor"),
+        *[_scenario(_tag(mode, w, s), first(w, s), s, "mode", mode, 12)
+          for mode, w, s in (("sync", 2, 1), ("ssp", 3, 1))]])
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("workers, servers, optimizer, transport", [
     (1, 1, "sgd", "auto"),
@@ -267,10 +297,9 @@ def test_sync_training_equals_the_local_optimizer(workers, servers, optimizer, t
                                                   request):
     if (workers, servers, optimizer, transport) == (1, 1, "sgd", "auto"):
         out = request.getfixturevalue("job").ran("parity")  # its job's status 0
-    else:
-        r = _ps(workers, servers, "parity", optimizer, env={"GRADSYNC_TRANSPORT": transport})
-        assert r.returncode == 0, r
-        out = r.output
+    else:  # the slow tier's job
+        out = request.getfixturevalue("slow_job").ran(
+            _tag("parity", workers, servers, optimizer, transport))
     assert out.count("steps match") == workers, out
     # sync's guarantee (test_each_mode_keeps_its_guarantee's sync case, checked here too)
     assert "sync: counters hold" in out, out
@@ -282,10 +311,8 @@ def test_factored_linear_gradients_train_identically_with_less_traffic(workers, 
                                                                         request):
     if (workers, servers) == (1, 1):
         out = request.getfixturevalue("job").ran("factor")  # its job's status 0
-    else:
-        r = _ps(workers, servers, "factor")
-        assert r.returncode == 0, r
-        out = r.output
+    else:  # the slow tier's job
+        out = request.getfixturevalue("slow_job").ran(_tag("factor", workers, servers))
     assert out.count("steps match") == workers, out
 
 
@@ -308,10 +335,8 @@ def test_a_bf16_model_trains_on_float32_master_weights(job):
 def test_each_mode_keeps_its_guarantee(mode, workers, servers, request):
     if (workers, servers) == (4, 2):
         out = request.getfixturevalue("job").ran(mode)  # its job's status 0
-    else:
-        r = _ps(workers, servers, "mode", mode, "12")
-        assert r.returncode == 0, r
-        out = r.output
+    else:  # the slow tier's job
+        out = request.getfixturevalue("slow_job").ran(_tag(mode, workers, servers))
     assert f"{mode}: counters hold" in out, out
 
 

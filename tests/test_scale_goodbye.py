@@ -6,8 +6,15 @@ rank 56, still finishing that barrier, raised "rank 55 ... closed its heartbeat 
 posted it, so every rank still waiting raised it (1 run in 4 of the slow tier that day). The
 job here is that one's shape: 64 ranks, each on an emulated host of its own (every heartbeat
 link and pair over TCP), a few allreduces, a barrier, ``shutdown()``
-(tests/ranks/goodbye.py), run three times as it is, then once with the store slow to take
-every rank's goodbye, as it is when many ranks exit at once.
+(tests/ranks/goodbye.py), run once as it is, then once with the store slow to take every
+rank's goodbye, as it is when many ranks exit at once.
+
+The job ran three times as it is until issue 39, to meet a race that failed 1 run in 4. Each
+of the leaving protocol's defects that CI met here now has a test that meets it every time,
+two ranks' heartbeats in one process (tests/test_heartbeat.py): a goodbye that waits on the
+store (rank 55's), a leaving rank's unread beats turning its close into a reset that drops the
+``BYE``, a lost ``BYE`` found in a store that fails at first, a quiet neighbour not waited for.
+These two runs check that the 64-rank job ends cleanly with all of them together.
 """
 
 import re
@@ -39,8 +46,7 @@ def _every_rank_left(job) -> None:
     assert not reports, f"{len(reports)} false reports of a lost peer: {reports[:5]}"
 
 
-@pytest.mark.parametrize("run", [1, 2, 3])
-def test_a_64_rank_job_that_ends_in_a_barrier_finishes_cleanly(run):
+def test_a_64_rank_job_that_ends_in_a_barrier_finishes_cleanly():
     _every_rank_left(forked(64, 1, "goodbye.py", timeout=240))
 
 

@@ -1,7 +1,7 @@
 """``gradsync bench chaos``: an elastic job on emulated hosts, broken on a schedule.
 
     gradsync bench chaos [--hosts 4] [--ranks-per-host 1] [--minutes 10] [--every 30]
-                         [--faults kill,stop,partition,straggler] [--json] [--markdown]
+                         [--count N] [--faults kill,stop,partition,straggler] [--json] [--markdown]
                          [--max-detection 3] [--max-recovery 1] [--min-goodput 0.9]
                          [--servers S [--ps-replicas 2] [--ps-mode sync] | --data-servers D]
 
@@ -32,6 +32,14 @@ reference run of a ``sync`` job; ``chaos_server_report.py``: what is measured an
 
 A fault whose target is gone when it is injected (a pid that exited on its own) is recorded
 as not injected, and fails the verdict: it tested nothing.
+
+With ``--count N`` the soak is N faults instead of a length of time: each is injected as soon
+as the job is at full size again after the one before, and the soak ends ``--every`` seconds
+after the last one ended, once that one is measured (the job has made a step after it; in a
+server job, every worker has given its server up and stepped). A test of every kind once
+then costs the kinds' own seconds, not a schedule sized for the slowest re-formation; its
+window, for goodput, is mostly recovery, and the seconds after the last fault keep one stall
+(a stop's detection, 2-3 s) from being most of it.
 
 A fault waits until the job is at full size again (every host back from its cooldown). Every
 phase has a deadline (``--phase-deadline``): start-up to full size, each fault until the job
@@ -80,6 +88,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--minutes", type=float, default=10.0, help="length of the soak")
     p.add_argument("--every", type=float, default=30.0, metavar="F",
                    help="seconds between faults (default 30)")
+    p.add_argument("--count", type=int, default=0, metavar="N",
+                   help="a soak of N faults instead of --minutes: each as soon as the job is "
+                        "at full size again, the soak ending --every seconds after the last")
     p.add_argument("--faults", help="fault kinds in turn, of " + ",".join(FAULTS) +
                    " (default kill,stop,partition,straggler; in a server job server, which is "
                    "kill,stop,partition of a server)")
@@ -176,9 +187,19 @@ class _Job:
             g = max(self.counts)
             return g, dict(self.counts[g])
 
-    def steady(self) -> bool:
-        """At full size, every worker past its first steps in the newest generation."""
-        _, counts = self.current()
+    def steady(self, since: float = 0.0) -> bool:
+        """At full size, every worker past its first steps in the newest generation, counting
+        only steps that ended after ``since`` (the last fault's end): a worker killed a moment
+        ago is still in that generation until the survivors re-form, but steps no more."""
+        g, counts = self.current()
+        if since:
+            with self.lock:
+                counts = {}
+                for st in reversed(self.log.steps):  # the newest last: stop a second early
+                    if st.wall <= since - 1.0:
+                        break
+                    if st.g == g and st.wall > since:
+                        counts[st.worker] = counts.get(st.worker, 0) + 1
         return len(counts) == self.size and min(counts.values()) >= 3
 
     def last_step(self) -> float:
@@ -255,9 +276,9 @@ class _Soak:
         return True
 
     def _steady(self) -> bool:
-        if self.servers is None:
-            return self.job.steady()
         since = self.faults[-1].until if self.faults else 0.0
+        if self.servers is None:
+            return self.job.steady(since)
         with self.job.lock:
             return self.servers.steady(self.job.log, since)
 
@@ -267,21 +288,24 @@ class _Soak:
             return self.servers.settled(self.job.log, self.faults[-1].until)
 
     def run(self) -> "_Soak":
+        # --count: N faults back to back, no schedule and no end time (the module docstring)
+        counted = self.options.count > 0 and bool(self.kinds)
         try:
             if not self._wait("start-up to full size", self._steady,
                               max(self.options.phase_deadline, 300.0)):
                 return self
             begin = time.time()
             end = begin + self.seconds
-            for k in range(10 ** 6):
+            for k in range(self.options.count if counted else 10 ** 6):
                 due = begin + self.options.every * (k + 1)
                 kind = self.kinds[k % len(self.kinds)] if self.kinds else None
-                if kind is None or due + self._length(kind) + 5 > end:
+                if kind is None or not counted and due + self._length(kind) + 5 > end:
                     break
-                time.sleep(max(0.0, due - time.time()))
+                if not counted:
+                    time.sleep(max(0.0, due - time.time()))
                 if not self._wait(f"fault {k + 1}: job back at full size", self._steady):
                     return self
-                if time.time() + self._length(kind) + 5 > end:
+                if not counted and time.time() + self._length(kind) + 5 > end:
                     break  # the wait for full size took the time left
                 if not self._inject(kind):
                     print("chaos: no more faults: no server may be hit (one data server "
@@ -292,7 +316,10 @@ class _Soak:
                 if not self._wait(f"fault {k + 1} ({kind}): a step after it",
                                   lambda: self.job.last_step() > after):
                     return self
-            time.sleep(max(0.0, end - time.time()))
+            if not counted:
+                time.sleep(max(0.0, end - time.time()))
+            elif self.faults:
+                time.sleep(max(0.0, self.faults[-1].until + self.options.every - time.time()))
             # A server fault is known only once every worker gave the server up (a data
             # server: a worker that does not need its batches may notice it a beat later)
             # and is recovered from at every worker's next step: a fault injected near the
@@ -455,8 +482,10 @@ def drive(hosts: int, options) -> int:
                   flush=True)
             base = _Soak(cluster, options, folder, "baseline", [], baseline_s, servers).run()
             baseline = cr.goodput(base.job.log, *base.window) if not base.hangs else None
-            print(f"chaos: soak of {options.minutes * 60:g} s, a fault every "
-                  f"{options.every:g} s: {','.join(kinds)}", flush=True)
+            print(f"chaos: soak of {options.count} faults, each once the job is whole: "
+                  if options.count > 0 else f"chaos: soak of {options.minutes * 60:g} s, a "
+                  f"fault every {options.every:g} s: ", f"{','.join(kinds)}", sep="",
+                  flush=True)
             soak = _Soak(cluster, options, folder, "soak", kinds, options.minutes * 60,
                          servers).run()
             if servers is not None and servers.job == "ps-sync" and soak.job.log.steps:

@@ -184,13 +184,14 @@ class ServerJob:
         return str(max((st.e for st in log.base.steps), default=0) + 1)
 
 
-def restarts_for(seconds: float, every: float, servers: int) -> int:
-    """``--server-restarts`` for a soak of ``seconds`` with a fault every ``every`` seconds on
-    ``servers`` parameter servers: each fault may cost its server one start (a killed one, and
-    a stopped or cut-off one that wakes excluded and exits), the faults go to the server hit
-    least, so each is hit at most ``ceil(faults / servers)`` times; one more for slack, and
-    never below the launcher's default."""
-    faults = int(seconds // every) + 1 if every > 0 else 1
+def restarts_for(seconds: float, every: float, servers: int, count: int = 0) -> int:
+    """``--server-restarts`` for a soak of ``seconds`` with a fault every ``every`` seconds
+    (or of ``count`` faults, ``--count``) on ``servers`` parameter servers: each fault may cost
+    its server one start (a killed one, and a stopped or cut-off one that wakes excluded and
+    exits), the faults go to the server hit least, so each is hit at most
+    ``ceil(faults / servers)`` times; one more for slack, and never below the launcher's
+    default."""
+    faults = count if count > 0 else int(seconds // every) + 1 if every > 0 else 1
     return max(SERVER_RESTARTS, -(-faults // max(1, servers)) + 1)
 
 
@@ -226,5 +227,5 @@ def plan(options, hosts: int) -> ServerJob | None:
     return ServerJob("data" if data else f"ps-{options.ps_mode}",
                      (hosts - count) * options.ranks_per_host, count, replicas,
                      names[:hosts - count], names[hosts - count:],
-                     restarts_for(60 * options.minutes, options.every, count))
+                     restarts_for(60 * options.minutes, options.every, count, options.count))
 
