@@ -280,7 +280,7 @@ class Poller:
             return header, 0.0
         start_ns = time.monotonic_ns()
         start = time.perf_counter()
-        looks, nap = 0, Nap()
+        looks, nap = 0, None  # a Nap only where the kernel refuses the futex: rare
         checked = start
         while True:
             if self.table.failed() or stopping():
@@ -302,6 +302,7 @@ class Poller:
             if looks <= _LOOKS:
                 continue
             if not self.table.sleep(bell, _LIVENESS_EVERY):
+                nap = nap or Nap()
                 nap()
 
     def check_alive(self) -> None:
