@@ -39,7 +39,9 @@ IDENTITY_VARIABLES = frozenset(
         "RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE",
         "STORE_ADDR", "STORE_PORT", "SECRET", "JOB_ID", "LAUNCHER_PID", "HOSTNAME", "SERVERS",
         "DATA_SERVERS", "ELASTIC_ID",
-        "BIND",  # not an identity: gradsync run's --bind-to default, read by the launcher
+        # Not identities: gradsync run's --bind-to and --start-method defaults, read by the
+        # launcher.
+        "BIND", "START_METHOD",
     }
 )
 

@@ -290,6 +290,11 @@ def run_ranks(comms, fn):
 MARK = "GS_TEST_JOB"
 """The environment variable whose value marks the processes of one test's job."""
 
+START_METHOD = "GRADSYNC_START_METHOD"
+"""How a launcher started by ``run_job`` starts its local ranks (``gradsync run
+--start-method``): ``forkserver`` unless the job's environment says otherwise, or this
+process's ``GS_TEST_START_METHOD`` (``exec``: every job as users' jobs start by default)."""
+
 
 def new_mark() -> str:
     """A value of ``MARK`` that no other job on this machine carries."""
@@ -339,7 +344,8 @@ def run_job(cmd: list, *, timeout: float, env: dict | None = None, cwd=None,
     Args:
         cmd: the command line.
         env: the launcher's environment (default this process's without its ``GRADSYNC_*``
-            settings, as ``launch`` and ``bench`` give); ``MARK`` is added to it.
+            settings, as ``launch`` and ``bench`` give); ``MARK`` is added to it, and
+            ``START_METHOD`` where it does not say.
         cwd: the launcher's working directory.
         mark: the value of ``MARK`` for this job (default a new one), for a test that looks
             for its own processes with ``marked``.
@@ -349,6 +355,9 @@ def run_job(cmd: list, *, timeout: float, env: dict | None = None, cwd=None,
     full_env = dict(env if env is not None else
                     {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")})
     full_env[MARK] = mark
+    # Local ranks fork from one template that imported torch once (docs/testing.md, "Ranks
+    # forked from a template"); a test of the exec'd start sets it to exec.
+    full_env.setdefault(START_METHOD, os.environ.get("GS_TEST_START_METHOD", "forkserver"))
     # Read while it stops its ranks, so that it never blocks on a full pipe meanwhile.
     launcher = start(cmd, full_env, merge_stderr=True, text=True, cwd=cwd)
     proc = launcher.proc

@@ -29,7 +29,7 @@ from . import binding
 from .elastic import ElasticSpec, launch_elastic
 from .hosts import Host, parse_hosts, read_hostfile
 from .launcher import DEFAULT_START_TIMEOUT, LaunchSpec, is_local, launch, place
-from .ranks import SERVER_RESTARTS
+from .ranks import SERVER_RESTARTS, START_METHODS
 
 __all__ = ["main", "build_parser", "add_run_arguments", "split_command", "option_values",
            "parse_hosts", "read_hostfile", "resolve_exports", "flag_settings"]
@@ -174,6 +174,16 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                                 "GRADSYNC_BIND); auto: core when the ranks fit the usable "
                                 "cores and the affinity was not restricted already (taskset, "
                                 "cpusets)")
+    placement.add_argument("--start-method", choices=START_METHODS,
+                           default=os.environ.get("GRADSYNC_START_METHOD", "exec"),
+                           help="how each rank on this host starts: exec, a new interpreter "
+                                "(the default, or GRADSYNC_START_METHOD), or forkserver, forked "
+                                "from one process that imported gradsync, torch and NumPy once "
+                                "(for `python script.py` and `python -m module` commands of "
+                                "this interpreter; docs/launch.md)")
+    placement.add_argument("--preload", action="append", default=[], metavar="MODULE",
+                           help="with --start-method forkserver, also import MODULE once "
+                                "before forking the ranks; repeatable")
     output = parser.add_argument_group("output")
     output.add_argument("--output-filename", metavar="DIR",
                         help="also write each rank's output to DIR/rank.<rank>/stdout and "
@@ -421,6 +431,7 @@ def _spec(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LaunchSp
                           env={**flag_settings(args),
                                **resolve_exports(args.exports, os.environ)},
                           bind_to=args.bind_to, ssh_identity_file=args.ssh_identity_file,
+                          start_method=args.start_method, preload=tuple(args.preload),
                           output_filename=args.output_filename)
         if not _is_elastic(args):
             # Placement is checked here, so that too few slots is a usage error.

@@ -144,6 +144,7 @@ class JobLoop:
                                    f"rank {ranks[i].slot.rank} (pid {ranks[i].proc.pid}) did "
                                    "not exit after SIGKILL"))
                 if self.starter is not None:
+                    self.starter.close()
                     clear_shared_memory(self.starter.job_id)
                 self.output.drain(_DRAIN)
         if summary and ranks and others is not None and self.count_stopped:

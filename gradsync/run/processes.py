@@ -40,9 +40,9 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Iterator, Mapping, Sequence
+from typing import IO, BinaryIO, Callable, Iterator, Mapping, Protocol, Sequence
 
-__all__ = ["STOP_GRACE", "DEFAULT_START_TIMEOUT", "Process", "StartError", "start", "stop",
+__all__ = ["STOP_GRACE", "DEFAULT_START_TIMEOUT", "Child", "Process", "StartError", "start", "stop",
            "HostChecks",
            "pump", "Output", "Interrupts", "Ssh", "remote_script", "exit_status", "describe"]
 
@@ -66,12 +66,36 @@ class StartError(Exception):
         self.status = status
 
 
+class Child(Protocol):
+    """What the launchers use of a child: ``subprocess.Popen``'s, or a forked rank's
+    (``forkserver.Forked``)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    @property
+    def stdin(self) -> IO[bytes] | None: ...
+
+    @property
+    def stdout(self) -> IO[bytes] | None: ...
+
+    @property
+    def stderr(self) -> IO[bytes] | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
 @dataclass
 class Process:
     """A child that leads its own process group; ``lifeline``: its stdin is a remote
     command's lifeline (see the module docstring)."""
 
-    proc: subprocess.Popen
+    proc: Child
     lifeline: bool = False
 
     def poll(self) -> int | None:
@@ -191,7 +215,7 @@ class Output:
         self.threads: list[threading.Thread] = []
         self.files: list[BinaryIO] = []
 
-    def follow(self, rank: int, proc: subprocess.Popen) -> None:
+    def follow(self, rank: int, proc: Child) -> None:
         """Copies ``proc``'s stdout and stderr (binary pipes), tagged with ``rank``.
 
         Raises:

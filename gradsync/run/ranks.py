@@ -41,7 +41,6 @@ import os
 import re
 import secrets
 import socket
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
@@ -50,14 +49,16 @@ from ..cluster.rendezvous import host_store
 from ..config import ENV_PREFIX, HOROVOD_IDENTITY, IDENTITY_VARIABLES, horovod_settings
 from ..errors import ConfigError
 from . import binding
+from .forkserver import Forkserver
 from .hosts import Host
-from .processes import DEFAULT_START_TIMEOUT, STOP_GRACE, Output, Process, StartError, Ssh, start
+from .processes import (DEFAULT_START_TIMEOUT, STOP_GRACE, Child, Output, Process, StartError, Ssh,
+                        start)
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
 
 __all__ = ["Slot", "place", "LaunchSpec", "server_entry", "SERVER_LINGER", "SERVER_MODULE",
-           "SERVER_RESTARTS", "KEEP_FREED_MEMORY", "is_local", "store_address", "start_store",
+           "SERVER_RESTARTS", "START_METHODS", "KEEP_FREED_MEMORY", "is_local", "store_address", "start_store",
            "Rank", "Starter", "forwarded_settings", "informs", "rank_line", "restart_allowed"]
 
 SERVER_LINGER = 10.0
@@ -123,6 +124,9 @@ def place(hosts: Sequence[Host], num_proc: int) -> list[Slot]:
 # faults and 3-4 ms a step (docs/benchmarks-history.md, "Freed memory kept for reuse"). So
 # freed memory stays in the process for reuse, as the jemalloc and tcmalloc settings
 # recommended for PyTorch on CPU keep it.
+START_METHODS = ("exec", "forkserver")
+"""How ranks on the launcher's host start (``LaunchSpec.start_method``)."""
+
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20),
                      "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 _MALLOC_SETTINGS = ("MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_", "GLIBC_TUNABLES")
@@ -170,6 +174,12 @@ class LaunchSpec:
     """Private key passed to ssh as ``-i``."""
     output_filename: str | None = None
     """Folder that also gets each rank's output, ``rank.<rank>/stdout`` and ``.../stderr``."""
+    start_method: str = "exec"
+    """How a rank on this host starts: ``exec``, a new interpreter (as mpirun and torchrun
+    start theirs), or ``forkserver``, forked from a template that imported torch once
+    (``forkserver.py``; a command it cannot run is exec'd)."""
+    preload: Sequence[str] = ()
+    """Modules a ``forkserver`` template imports besides gradsync, torch and NumPy."""
     server_command: Sequence[str] | None = None
     """The command each parameter server runs; None: the server entry point
     (``server_entry(command)``, ``python -m gradsync.ps``)."""
@@ -195,6 +205,9 @@ class LaunchSpec:
             raise ValueError(f"ssh_port must be a TCP port (1-65535), got {self.ssh_port}")
         if self.stop_grace < 0:
             raise ValueError(f"stop_grace must be >= 0, got {self.stop_grace}")
+        if self.start_method not in START_METHODS:
+            raise ValueError(f"start_method must be one of {', '.join(START_METHODS)}, "
+                             f"got {self.start_method!r}")
         if self.bind_to not in binding.MODES:
             raise ValueError(f"bind_to must be one of {', '.join(binding.MODES)}, "
                              f"got {self.bind_to!r}")
@@ -287,7 +300,7 @@ class Rank:
     """What it runs (``LaunchSpec.command_of``)."""
 
     @property
-    def proc(self) -> subprocess.Popen:
+    def proc(self) -> Child:
         return self.process.proc
 
     @property
@@ -320,6 +333,12 @@ class Starter:
         self.job_id = secrets.token_hex(8)
         self.ssh = Ssh(spec.ssh_command, spec.ssh_port,
                        spec.start_timeout or DEFAULT_START_TIMEOUT, spec.ssh_identity_file)
+        self.forks = None
+        if spec.start_method == "forkserver" and \
+                (not spec.hosts or any(is_local(h.name) for h in spec.hosts)):
+            # Its imports run while this process imports torch for the store.
+            self.forks = Forkserver(spec.preload)
+            self.forks.begin({**os.environ, **spec.env})
 
     def start(self, slot: Slot, port: int, size: int, cores: Sequence[int] | None = None,
               identity: Mapping[str, str] | None = None) -> Rank:
@@ -345,11 +364,13 @@ class Starter:
                      **self.settings(slot), **self.spec.env, **variables},
                     self.secret, self.spec.stop_grace)
             else:
-                process = start(command, {
-                    **os.environ, **self.torch_identity(slot, port, size),
-                    **self.settings(slot), **self.spec.env, **variables,
-                    ENV_PREFIX + "SECRET": self.secret.hex()})
-                if cores is not None:
+                env = {**os.environ, **self.torch_identity(slot, port, size),
+                       **self.settings(slot), **self.spec.env, **variables,
+                       ENV_PREFIX + "SECRET": self.secret.hex()}
+                forked = None if self.forks is None else \
+                    self.forks.start(command, env, cores=cores)
+                process = forked or start(command, env)
+                if cores is not None and forked is None:
                     # The child has just exec'd: no thread of its own yet, and every thread
                     # it starts inherits the binding.
                     try:
@@ -363,6 +384,11 @@ class Starter:
                              status) from None
         self.output.follow(slot.rank, process.proc)
         return Rank(slot, process, command)
+
+    def close(self) -> None:
+        """Ends what starting ranks needed (a ``forkserver`` template); the ranks go on."""
+        if self.forks is not None:
+            self.forks.close()
 
     def identity(self, slot: Slot, port: int, size: int) -> dict[str, str]:
         """A rank's ``GRADSYNC_*`` identity."""

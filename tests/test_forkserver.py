@@ -1,0 +1,180 @@
+"""``gradsync run --start-method forkserver`` (gradsync/run/forkserver.py): which commands a
+template forks, the launcher's hold on a forked rank (exit status, signal, deadline), and
+launches whose ranks report what they see of their start, against what ``python script.py``
+gives a rank the launcher execs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from harness import RANKS, marked, new_mark, run_job
+
+from gradsync.run import forkserver
+from gradsync.run.forkserver import Forked, Plan, plan
+
+SCRIPT = str(RANKS / "forked_view.py")
+DEADLINE = 60.0
+
+
+# ---------------------------------------------------------------------- which commands
+
+
+def test_a_template_runs_this_interpreters_scripts_and_modules_only(tmp_path):
+    python = sys.executable
+    assert plan([python, "train.py", "--n", "3"]) == Plan("train.py", ("--n", "3"), False, False)
+    assert plan([python, "-u", "train.py"]) == Plan("train.py", (), False, True)
+    assert plan([python, "-u", "-m", "pkg.train", "-x"]) == Plan("pkg.train", ("-x",), True, True)
+    # What only a new interpreter can do: it is exec'd.
+    for other in ([python, "-c", "print(1)"], [python, "-O", "train.py"], [python],
+                  [python, "-m"], ["sh", "-c", "true"], ["no-such-program-gs", "x.py"], []):
+        assert plan(other) is None, other
+    # The same file reached from another directory is another interpreter (a virtual
+    # environment's bin/python links to its base's, with other packages).
+    (tmp_path / "bin").mkdir()
+    link = tmp_path / "bin" / "python"
+    link.symlink_to(os.path.realpath(python))
+    assert plan([str(link), "train.py"]) is None
+
+
+def test_a_name_on_path_is_the_interpreter_it_resolves_to(monkeypatch):
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable))
+    assert plan([os.path.basename(sys.executable), "t.py"]) == Plan("t.py", (), False, False)
+
+
+# ---------------------------------------------------------------------- the launcher's hold
+
+
+def _child(body) -> int:
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            body()
+        finally:
+            os._exit(0)
+    return pid
+
+
+def test_a_forked_rank_gives_its_exit_status_its_signal_and_a_deadline():
+    devnull = open(os.devnull, "rb")
+    exits = Forked(_child(lambda: os._exit(3)), ["x"], devnull, devnull)
+    assert exits.wait(timeout=DEADLINE) == 3 and exits.poll() == 3 and exits.returncode == 3
+
+    sleeper = Forked(_child(lambda: time.sleep(DEADLINE)), ["x"], devnull, devnull)
+    assert sleeper.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        sleeper.wait(timeout=0.05)
+    os.kill(sleeper.pid, signal.SIGKILL)
+    assert sleeper.wait() == -signal.SIGKILL  # negative: the signal, as Popen's
+    assert sleeper.poll() == -signal.SIGKILL  # reaped once; asked again, the same answer
+    devnull.close()
+
+
+# ---------------------------------------------------------------------- launches
+
+
+def _launch(*words: str, np_: int = 2, env: dict | None = None, cwd=None, mark=None):
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+    full_env.update({"OMP_NUM_THREADS": "1"})
+    full_env.update(env or {})
+    cmd = [sys.executable, "-m", "gradsync", "run", "-np", str(np_), *words]
+    return run_job(cmd, timeout=DEADLINE, env=full_env, cwd=cwd, mark=mark)
+
+
+def _views(output: str) -> dict[int, dict]:
+    views = [json.loads(line) for line in re.findall(r"VIEW (\{.*\})", output)]
+    return {view["rank"]: view for view in views}
+
+
+def test_forked_ranks_see_what_python_script_gives_them_and_the_template_leaves(tmp_path):
+    mark = new_mark()
+    env = {"GS_TEST_MARKER": "from the launcher"}
+    result = _launch("--start-method", "forkserver", "--bind-to", "core", "-x",
+                     "PYTHONUNBUFFERED=", sys.executable, SCRIPT, "--n", "3",
+                     env=env, cwd=tmp_path, mark=mark)
+    assert result.returncode == 0, result
+    views = _views(result.stdout)
+    assert sorted(views) == [0, 1], result
+    for view in views.values():
+        assert view["argv"] == [SCRIPT, "--n", "3"]  # the script's options are its own
+        assert view["path0"] == os.path.dirname(os.path.realpath(SCRIPT))
+        assert view["name"] == "__main__" and view["file"] == SCRIPT and view["main_is_us"]
+        assert view["cwd"] == str(tmp_path) and view["marker"] == "from the launcher"
+        assert view["parent_is_launcher"] and view["leads_its_group"] and view["session_leader"]
+        assert view["stdin_empty"] and view["stderr_line_buffering"]
+        assert not view["stdout_write_through"]  # a pipe: buffered, as python's (no -u)
+        assert view["torch_loaded_before_us"]  # forked from the template, not exec'd
+    assert len(views[0]["cores"]) == len(views[1]["cores"]) == 1 and \
+        views[0]["cores"] != views[1]["cores"]  # bound before the script's first line
+    assert views[0]["numpy_draw"] != views[1]["numpy_draw"]  # not the template's state
+    # The template ended with the job: no process of it is left.
+    end = time.monotonic() + 10
+    while marked(mark) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert marked(mark) == []
+
+    # The same script exec'd: the same view but for what the template imported, and -u.
+    result = _launch("--start-method", "exec", sys.executable, "-u", SCRIPT, "--n", "3",
+                     env=env, cwd=tmp_path)
+    assert result.returncode == 0, result
+    for view in _views(result.stdout).values():
+        assert not view["torch_loaded_before_us"] and view["stdout_write_through"]
+        assert view["path0"] == os.path.dirname(os.path.realpath(SCRIPT))
+
+
+def test_a_failing_forked_rank_shows_the_scripts_traceback_and_fails_the_job():
+    result = _launch("--start-method", "forkserver", sys.executable, "-u", SCRIPT, "--fail")
+    assert result.returncode == 1, result
+    lines = [line.split(":", 1)[1] for line in result.stdout.splitlines()
+             if line.startswith("[0]<stderr>:")]
+    start = lines.index("Traceback (most recent call last):")
+    assert "forked_view.py" in lines[start + 1], lines  # the script's frame first, not ours
+    assert not any("forkserver.py" in line for line in lines), lines
+    assert lines[-1] == "RuntimeError: the script failed here"
+    assert "rank 0 on host localhost exited with status 1" in result.stdout
+
+
+def test_a_module_a_missing_script_and_a_command_python_must_start_itself(tmp_path):
+    # -m: argv[0] the module's file, the working directory first on sys.path.
+    result = _launch("--start-method", "forkserver", sys.executable, "-m", "forked_view",
+                     "--exit", "0", np_=1, cwd=RANKS)
+    assert result.returncode == 0, result
+    view = _views(result.stdout)[0]
+    assert view["argv"] == [SCRIPT, "--exit", "0"] and view["path0"] == str(RANKS)
+    assert view["torch_loaded_before_us"]
+
+    # A script that is not there: python's words and status.
+    missing = str(tmp_path / "missing.py")
+    result = _launch("--start-method", "forkserver", sys.executable, missing, np_=1)
+    assert result.returncode == 2, result
+    assert f"can't open file '{missing}': [Errno 2] No such file or directory" in result.stdout
+
+    # A module that is not there.
+    result = _launch("--start-method", "forkserver", sys.executable, "-m", "no_such_gs_mod",
+                     np_=1)
+    assert result.returncode == 1 and "No module named no_such_gs_mod" in result.stdout, result
+
+    # What a template cannot run is exec'd, in the same job.
+    result = _launch("--start-method", "forkserver", sys.executable, "-c",
+                     "import sys; print('ran', 'torch' in sys.modules)", np_=1)
+    assert result.returncode == 0 and "ran False" in result.stdout, result
+
+
+def test_a_preload_that_fails_stops_the_job_at_its_start_with_the_import_error():
+    result = _launch("--start-method", "forkserver", "--preload", "no_such_gs_module",
+                     sys.executable, SCRIPT, np_=1)
+    assert result.returncode == 126, result
+    assert "cannot start rank 0 on host localhost: the forkserver could not start" in \
+        result.stdout
+    assert "--preload no_such_gs_module: ModuleNotFoundError" in result.stdout
+
+
+def test_the_module_names_what_it_runs():
+    assert forkserver.MODULE == forkserver.__name__
