@@ -13,9 +13,9 @@ RUN_OPTIONS = [
     "--data-servers", "--data-workers", "--elastic-timeout",
     "--fusion-threshold-mb", "--help", "--host-discovery-script", "--hostfile", "--hosts",
     "--log-level", "--max-np", "--min-np", "--network-interface", "--no-output-prefix",
-    "--num-proc", "--output-filename", "--output-prefix", "--ps-replicas",
+    "--num-proc", "--output-filename", "--output-prefix", "--preload", "--ps-replicas",
     "--reset-limit", "--server-restarts", "--servers",
-    "--ssh-command", "--ssh-identity-file", "--ssh-port", "--start-timeout",
+    "--ssh-command", "--ssh-identity-file", "--ssh-port", "--start-method", "--start-timeout",
     "--timeline-filename", "-H", "-h", "-i", "-np", "-p", "-x",
 ]
 
@@ -51,10 +51,25 @@ def test_run_defaults_and_command_after_double_dash():
         (2, [], "ssh", None, None, True, {})
 
 
+
+def test_start_method_exec_by_default_forkserver_on_request_or_from_the_environment(monkeypatch):
+    monkeypatch.delenv("GRADSYNC_START_METHOD", raising=False)
+    spec = _launched(monkeypatch, ["-np", "2", "python", "t.py"])
+    assert (spec.start_method, tuple(spec.preload)) == ("exec", ())
+    spec = _launched(monkeypatch, ["-np", "2", "--start-method", "forkserver", "--preload",
+                                   "transformers", "--preload", "pandas", "python", "t.py"])
+    assert (spec.start_method, tuple(spec.preload)) == ("forkserver", ("transformers", "pandas"))
+    monkeypatch.setenv("GRADSYNC_START_METHOD", "forkserver")
+    assert _launched(monkeypatch, ["-np", "1", "python", "t.py"]).start_method == "forkserver"
+    assert _launched(monkeypatch, ["-np", "1", "--start-method", "exec", "python",
+                                   "t.py"]).start_method == "exec"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["run", "-np", "2"], "no command given"),
     (["run", "-np", "3", "-H", "a:1,b:1", "true"], "3 ranks need 3 slots"),
     (["run", "-np", "0", "true"], "at least 1"),
+    (["run", "-np", "1", "--start-method", "spawn", "true"], "invalid choice: 'spawn'"),
     (["run", "-np", "1", "-H", "a", "--hostfile", "f", "true"], "not allowed with"),
     (["run", "-np", "1", "-x", "GRADSYNC_RANK=1", "true"], "sets GRADSYNC_RANK"),
 ])

@@ -129,39 +129,62 @@ def test_forked_ranks_see_what_python_script_gives_them_and_the_template_leaves(
         assert view["path0"] == os.path.dirname(os.path.realpath(SCRIPT))
 
 
-def test_a_failing_forked_rank_shows_the_scripts_traceback_and_fails_the_job():
-    result = _launch("--start-method", "forkserver", sys.executable, "-u", SCRIPT, "--fail")
-    assert result.returncode == 1, result
-    lines = [line.split(":", 1)[1] for line in result.stdout.splitlines()
-             if line.startswith("[0]<stderr>:")]
+def _become(tmp_path, target: str, *args: str, module: bool = False,
+            cwd: str | None = None) -> tuple[int, str, str]:
+    """Runs ``forkserver.become`` in a fork of this process, as a template's rank would run
+    (its pipes, environment, working directory); its exit status, stdout and stderr."""
+    out, err = tmp_path / "out", tmp_path / "err"
+    request = {"target": target, "args": list(args), "module": module, "unbuffered": False,
+               "env": {**os.environ, "GRADSYNC_RANK": "0",
+                       "GRADSYNC_LAUNCHER_PID": str(os.getpid())},
+               "cwd": cwd or str(tmp_path), "cores": None}
+    with open(out, "wb") as stdout, open(err, "wb") as stderr:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the rank
+            code = 1
+            try:
+                forkserver.become({**request, "fds": [os.dup(stdout.fileno()),
+                                                      os.dup(stderr.fileno())]})
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), out.read_text(), err.read_text()
+
+
+def test_a_failing_script_shows_its_own_traceback_and_exits_1(tmp_path):
+    code, stdout, stderr = _become(tmp_path, SCRIPT, "--fail")
+    assert code == 1 and _views(stdout)[0]["argv"] == [SCRIPT, "--fail"], stderr
+    lines = stderr.splitlines()
     start = lines.index("Traceback (most recent call last):")
     assert "forked_view.py" in lines[start + 1], lines  # the script's frame first, not ours
     assert not any("forkserver.py" in line for line in lines), lines
     assert lines[-1] == "RuntimeError: the script failed here"
-    assert "rank 0 on host localhost exited with status 1" in result.stdout
 
 
-def test_a_module_a_missing_script_and_a_command_python_must_start_itself(tmp_path):
+def test_a_module_a_missing_script_and_a_missing_module_start_as_python_would(tmp_path):
     # -m: argv[0] the module's file, the working directory first on sys.path.
-    result = _launch("--start-method", "forkserver", sys.executable, "-m", "forked_view",
-                     "--exit", "0", np_=1, cwd=RANKS)
-    assert result.returncode == 0, result
-    view = _views(result.stdout)[0]
-    assert view["argv"] == [SCRIPT, "--exit", "0"] and view["path0"] == str(RANKS)
-    assert view["torch_loaded_before_us"]
+    code, stdout, stderr = _become(tmp_path, "forked_view", "--exit", "4", module=True,
+                                   cwd=str(RANKS))
+    assert code == 4, stderr
+    view = _views(stdout)[0]
+    assert view["argv"] == [SCRIPT, "--exit", "4"] and view["path0"] == str(RANKS)
+    assert view["name"] == "__main__"
 
-    # A script that is not there: python's words and status.
     missing = str(tmp_path / "missing.py")
-    result = _launch("--start-method", "forkserver", sys.executable, missing, np_=1)
-    assert result.returncode == 2, result
-    assert f"can't open file '{missing}': [Errno 2] No such file or directory" in result.stdout
+    code, _, stderr = _become(tmp_path, missing)
+    assert code == 2 and \
+        f"can't open file '{missing}': [Errno 2] No such file or directory" in stderr
 
-    # A module that is not there.
-    result = _launch("--start-method", "forkserver", sys.executable, "-m", "no_such_gs_mod",
-                     np_=1)
-    assert result.returncode == 1 and "No module named no_such_gs_mod" in result.stdout, result
+    code, _, stderr = _become(tmp_path, "no_such_gs_mod", module=True)
+    assert code == 1 and "No module named no_such_gs_mod" in stderr
 
-    # What a template cannot run is exec'd, in the same job.
+
+def test_a_command_a_template_cannot_run_is_execd_in_a_forkserver_job():
     result = _launch("--start-method", "forkserver", sys.executable, "-c",
                      "import sys; print('ran', 'torch' in sys.modules)", np_=1)
     assert result.returncode == 0 and "ran False" in result.stdout, result

@@ -49,7 +49,7 @@ from ..cluster.rendezvous import host_store
 from ..config import ENV_PREFIX, HOROVOD_IDENTITY, IDENTITY_VARIABLES, horovod_settings
 from ..errors import ConfigError
 from . import binding
-from .forkserver import Forkserver
+from .forkserver import Forkserver, plan
 from .hosts import Host
 from .processes import (DEFAULT_START_TIMEOUT, STOP_GRACE, Child, Output, Process, StartError, Ssh,
                         start)
@@ -334,11 +334,13 @@ class Starter:
         self.ssh = Ssh(spec.ssh_command, spec.ssh_port,
                        spec.start_timeout or DEFAULT_START_TIMEOUT, spec.ssh_identity_file)
         self.forks = None
-        if spec.start_method == "forkserver" and \
-                (not spec.hosts or any(is_local(h.name) for h in spec.hosts)):
-            # Its imports run while this process imports torch for the store.
+        if spec.start_method == "forkserver":
             self.forks = Forkserver(spec.preload)
-            self.forks.begin({**os.environ, **spec.env})
+            roles = [spec.command] + ([spec.command_of(spec.num_proc)] if spec.servers else [])
+            if any(plan(command) for command in roles) and \
+                    (not spec.hosts or any(is_local(h.name) for h in spec.hosts)):
+                # Now, so that its imports run while this process imports torch for the store.
+                self.forks.begin({**os.environ, **spec.env})
 
     def start(self, slot: Slot, port: int, size: int, cores: Sequence[int] | None = None,
               identity: Mapping[str, str] | None = None) -> Rank:
