@@ -22,8 +22,9 @@ made the launcher's own child: the launcher is a *child subreaper* (``prctl``), 
 forks a short-lived child, that child forks the rank and exits at once, and the orphaned rank
 is handed to the nearest subreaper among its ancestors, the launcher. The template answers
 only after it has reaped the short-lived child, so by then the rank's parent is the launcher
-and ``waitpid`` works on it (``Forked``). The rank then calls ``setsid``: it leads its own
-session and process group, as a started rank does (``processes.start``).
+and ``waitpid`` works on it (``Forked``). The rank calls ``setsid`` before it writes its pid
+for the template: it leads its own session and process group, as a started rank does
+(``processes.start``), before the launcher can signal that group.
 
 **What the rank sees** is what ``python [-u] script.py args`` (or ``python [-u] -m module
 args``) would give it: ``sys.argv``, ``sys.path[0]`` (the script's directory, or the working
@@ -350,25 +351,31 @@ def _preload(preload: Sequence[str]) -> str | None:
 
 
 def _fork() -> int:
-    """Forks the rank as the launcher's child (module docstring): 0 in the rank, its pid in
-    the template."""
+    """Forks the rank as the launcher's child (module docstring): 0 in the rank, which leads a
+    session of its own by then, its pid in the template."""
     read, write = os.pipe()
     middle = os.fork()
-    if middle == 0:  # the short-lived child: forks the rank, says its pid, and leaves
+    if middle == 0:  # the short-lived child: forks the rank and leaves
         rank = -1
         try:
             os.close(read)
             rank = os.fork()
-            if rank > 0:
-                os.write(write, str(rank).encode())
+            if rank == 0:
+                # Before the launcher can know the pid, so that a signal to its group always
+                # finds it; the template reads the pid only once it is written.
+                try:
+                    os.setsid()
+                    os.write(write, str(os.getpid()).encode())
+                    os.close(write)
+                except BaseException:
+                    os._exit(1)  # the template reads no pid and answers the error
         finally:
             if rank != 0:
                 os._exit(0)  # never back into the template's loop
-        os.close(write)
         return 0
     os.close(write)
     with os.fdopen(read, "rb") as answer:
-        pid = answer.read()
+        pid = answer.read()  # to the end: the rank's write, once the middle child is gone too
     os.waitpid(middle, 0)  # the rank is the launcher's child from here on
     if not pid:
         raise OSError("the rank could not be forked")
@@ -378,7 +385,6 @@ def _fork() -> int:
 def become(request: dict) -> None:
     """Makes this forked process the rank ``request`` describes and runs its script or module
     as ``__main__`` (module docstring, "What the rank sees"); returns when it ends."""
-    os.setsid()
     out, err = request["fds"]
     null = os.open(os.devnull, os.O_RDONLY)
     for fd, target in ((null, 0), (out, 1), (err, 2)):
