@@ -111,6 +111,7 @@ def test_forked_ranks_see_what_python_script_gives_them_and_the_template_leaves(
         assert view["stdin_empty"] and view["stderr_line_buffering"]
         assert not view["stdout_write_through"]  # a pipe: buffered, as python's (no -u)
         assert view["torch_loaded_before_us"]  # forked from the template, not exec'd
+        assert view["malloc_kept_at_exec"]  # the template was exec'd with the ranks' settings
     assert len(views[0]["cores"]) == len(views[1]["cores"]) == 1 and \
         views[0]["cores"] != views[1]["cores"]  # bound before the script's first line
     assert views[0]["numpy_draw"] != views[1]["numpy_draw"]  # not the template's state

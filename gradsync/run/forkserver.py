@@ -34,8 +34,10 @@ stdin, the launcher's environment and working directory, its cores bound before 
 runs, and an uncaught exception's traceback from the script's first frame with exit status 1.
 What differs, and is documented (docs/launch.md):
 
-- the preloaded modules were imported, and initialised, with the environment of the job's first
-  local rank: a setting they read only at import (OpenBLAS's thread count) takes that value;
+- the template was exec'd, and the preloaded modules imported, with the launcher's environment,
+  the settings it gives the ranks of its host (``OMP_NUM_THREADS``, glibc's malloc variables,
+  which glibc reads once, at a process's start, and a fork keeps) and the ``-x`` variables: a
+  setting read only then takes that value for every rank;
 - NumPy's global random state, copied from the template, is drawn again from the OS (Python's
   ``random`` does so itself at a fork); torch's default generator starts from its fixed seed in
   any case;

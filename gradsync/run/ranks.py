@@ -337,10 +337,13 @@ class Starter:
         if spec.start_method == "forkserver":
             self.forks = Forkserver(spec.preload)
             roles = [spec.command] + ([spec.command_of(spec.num_proc)] if spec.servers else [])
-            if any(plan(command) for command in roles) and \
-                    (not spec.hosts or any(is_local(h.name) for h in spec.hosts)):
-                # Now, so that its imports run while this process imports torch for the store.
-                self.forks.begin({**os.environ, **spec.env})
+            here = [h.slots for h in spec.hosts if is_local(h.name)] if spec.hosts \
+                else [spec.size]
+            if here and any(plan(command) for command in roles):
+                # Now, so that its imports run while this process imports torch for the store;
+                # with the ranks' settings, which its forks keep: glibc reads its malloc
+                # variables once, at the template's start.
+                self.forks.begin({**os.environ, **self._settings(here[0]), **spec.env})
 
     def start(self, slot: Slot, port: int, size: int, cores: Sequence[int] | None = None,
               identity: Mapping[str, str] | None = None) -> Rank:
@@ -423,8 +426,12 @@ class Starter:
 
     def settings(self, slot: Slot) -> dict[str, str]:
         """What a rank gets besides its identity, before the -x variables."""
+        return self._settings(slot.local_size)
+
+    def _settings(self, local_size: int) -> dict[str, str]:
+        """``settings`` of a rank on a host of ``local_size`` ranks."""
         settings = {"PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1")}
-        if slot.local_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+        if local_size > 1 and "OMP_NUM_THREADS" not in os.environ:
             # As torchrun does: ranks sharing a host would otherwise each start a BLAS/OpenMP
             # thread per core and fight over the cores (a server's small matrix product
             # running 3x slower beside its workers on 2 cores was measured).

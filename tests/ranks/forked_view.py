@@ -23,6 +23,10 @@ def main() -> None:
         "stdin_empty": sys.stdin.read() == "",
         "numpy_draw": int(np.random.randint(0, 2**62)),
         "torch_loaded_before_us": "torch" in sys.modules,
+        # glibc read its malloc settings from the environment this process was exec'd with:
+        # the template's, for a forked rank.
+        "malloc_kept_at_exec": any(v.startswith(b"MALLOC_MMAP_THRESHOLD_=") for v in
+                                   open("/proc/self/environ", "rb").read().split(b"\0")),
     }
     print("VIEW " + json.dumps(view), flush=True)
     if "--fail" in sys.argv and view["rank"] == 0:
