@@ -81,10 +81,36 @@ def _ip(*args, ns=None):
     subprocess.run(cmd, check=True, capture_output=True)
 
 
+def _names(ns: str, address: str, gateway: str) -> None:
+    """The namespace's /etc/hosts and /etc/resolv.conf (``ip netns exec`` mounts
+    /etc/netns/NS/FILE over /etc/FILE), as gradsync.testbed.netns gives its emulated hosts.
+
+    Its only route leads to this machine, which forwards nothing, so a DNS query from it is
+    dropped: with the machine's resolv.conf every look-up that /etc/hosts does not answer
+    waits out the resolver's timeouts, 10 s (measured here: one ``getnameinfo`` of the
+    gateway's address in such a namespace took 10.2 s). torch's store client looks up the
+    names of its connection's addresses, and each such wait stalled the namespace's rank (its
+    log: "The hostname of the client socket cannot be retrieved. err=-3", a look-up that
+    timed out). So the file names both ends of the veth (in the IPv4-mapped form too, which
+    the store looks up), and the resolver asks the namespace's own loopback, where nothing
+    listens: a look-up the file does not answer is refused at once. The machine's own lines
+    are kept, so every name it resolves from the file resolves the same in the namespace."""
+    folder = os.path.join("/etc/netns", ns)
+    os.makedirs(folder, exist_ok=True)
+    with open("/etc/hosts") as machine:
+        lines = machine.read().rstrip("\n") + "\n"
+    with open(os.path.join(folder, "hosts"), "w") as f:
+        f.write(lines + "::ffff:127.0.0.1 localhost\n"
+                + "".join(f"{ip} {name}\n::ffff:{ip} {name}\n"
+                          for ip, name in ((address, "partitioned"), (gateway, "gateway"))))
+    with open(os.path.join(folder, "resolv.conf"), "w") as f:
+        f.write("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+
+
 @pytest.fixture
 def parthost():
     """A namespace joined to this one by a veth pair: (namespace, its device, its address,
-    the gateway: this side's address)."""
+    the gateway: this side's address). Its names are answered at once (``_names``)."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("needs root and iproute2 (ip netns, veth) to emulate a partitioned host")
     tag = os.getpid() % 250 + 1
@@ -92,6 +118,7 @@ def parthost():
     gateway, address = f"10.217.{tag}.1", f"10.217.{tag}.2"
     _ip("netns", "add", ns)
     try:
+        _names(ns, address, gateway)
         _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
         _ip("link", "set", inner, "netns", ns)
         _ip("addr", "add", f"{gateway}/30", "dev", outer)
@@ -104,6 +131,7 @@ def parthost():
     finally:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         subprocess.run(["ip", "link", "del", outer], capture_output=True)
+        shutil.rmtree(os.path.join("/etc/netns", ns), ignore_errors=True)
 
 
 def test_a_partitioned_host_that_reconnects_is_fenced_and_told_it_was_excluded(
