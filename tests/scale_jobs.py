@@ -9,14 +9,17 @@ own runtime, connections and shared memory.
 Even forked, a 64-rank job's start-up (64 runtimes meeting at the store, on 2 cores) is most of
 a check's time there. So the 64-rank checks that leave the job usable run one after the other
 in one job (``sixty_four``), each in a fresh ``init()`` (tests/ranks/suite.py runs each entry as
-a fresh ``__main__``), the one that ends the job in an error last:
+a fresh ``__main__``), the one that ends the job (a rank killed) last:
 
     connections.py:sockets        the sockets each rank holds, algorithm by algorithm, and the
                                   store requests of its init() (test_connections.py)
     scale_faults.py:sockets       the sockets after allreduces of every size's algorithm
                                   (test_scale.py)
     scale_faults.py:first-use     every pair's first contact at once (test_scale.py)
-    scale_faults.py:secret=42     rank 42 with another secret: every rank fails (test_scale.py)
+    scale_faults.py:secret=42     rank 42 with another secret: every rank fails, shuts down and
+                                  goes on to the next entry (test_scale.py)
+    scale_faults.py:lost=21       rank 21 dies after init(), before any collective: every other
+                                  rank's first one names it (test_scale.py)
 
 The sockets' counts come first: nothing before them in the process to count (the first
 counts exactly). Both play every rank on a host of its own by name, the others on 16 hosts
@@ -43,7 +46,7 @@ from budgets import charged_to
 from harness import RANKS, marked, new_mark, run_job
 
 SIXTY_FOUR = ("connections.py:sockets", "scale_faults.py:sockets", "scale_faults.py:first-use",
-              "scale_faults.py:secret=42")
+              "scale_faults.py:secret=42", "scale_faults.py:lost=21")
 """The entries of the shared 64-rank job, in order (tests/ranks/suite.py's ``SCRIPT:ARG``)."""
 
 DONE = "suite: script done"

@@ -93,10 +93,15 @@ def test_lightning_ddp_strategy_trains_like_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_lightning_gradsync_and_gloo_agree(tmp_path):
-    gs, gloo = _lightning("gradsync", tmp_path), _lightning("gloo", tmp_path)
-    for name in gloo:
-        assert torch.allclose(gs[name], gloo[name], rtol=1e-10, atol=1e-12), name
+def test_lightning_over_gloo_trains_like_one_process(tmp_path):
+    """The same job over gloo reaches the one-process reference that the default tier holds
+    Lightning over gradsync to (``test_lightning_ddp_strategy_trains_like_one_process``): the
+    two backends agree through it, each within rtol 1e-10 of it. Until 2026-11-30 this test
+    ran the gradsync job a second time beside gloo's and compared the two."""
+    got, want = _lightning("gloo", tmp_path), _lightning_reference()
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.allclose(got[name], want[name], rtol=1e-10, atol=1e-12), name
 
 
 @pytest.mark.slow
@@ -104,5 +109,4 @@ def test_ray_train_torch_trainer_on_gradsync_with_no_setup_hook():
     _need("ray", "pip install 'gradsync[ecosystem]' (or pip install 'ray[train]')")
     _installed_entry_point()
     out = _run(str(RANKS / "ray_job.py"), timeout=420)  # Ray starts slowly under load
-    assert "gloo: trained" in out and "gradsync: trained" in out and "ray train ok" in out, \
-        out[-4000:]
+    assert "gradsync: trained" in out and "ray train ok" in out, out[-4000:]

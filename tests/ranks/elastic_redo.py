@@ -9,15 +9,16 @@ others fail inside ``optimizer.step()`` before applying it, in a collective of a
 pre-hook: the survivors differ by one update), metric (VICTIM dies after update AT + 1; the
 others fail in an allreduce of their own between that update and ``record_batch``: no resume
 point), stale (fencing: VICTIM SIGSTOPs itself after the forward of the step after AT updates
-and is SIGCONTed $STALE_DELAY s later (default 8), after the others went on without it. The
-launcher's process for VICTIM is only a parent that waits for the worker, which runs in a
-session of its own, so the launcher's SIGKILL for a silent worker reaches the parent only: as
+and is SIGCONTed once the others went on without it, as the survivors' generation begins its
+collectives (``wake_once_gone_on``). The launcher's process for VICTIM is only a parent that
+waits for the worker, which runs in a session of its own, so the launcher's SIGKILL for a
+silent worker reaches the parent only: as
 a kill that cannot arrive (a partitioned host). The woken worker prints and writes to
 $STALE_MARK ``EXCLUDED <its error>``; the survivors run collectives (no state) until that
 file exists, then train on), partition (as stale, but VICTIM runs on a host of its own, a
 network namespace, and cuts its link instead of stopping: ``ip link set $PART_DEV down`` at
-the same point, up again $STALE_DELAY s later with its default route via $PART_GW; it goes
-on running meanwhile). VICTIM: the worker's first rank. No commit is
+the same point, up again with its default route via $PART_GW at the same moment as stale's
+SIGCONT; it goes on running meanwhile). VICTIM: the worker's first rank. No commit is
 ever made: the only save is the TorchState's at its construction.
 
 FIRST: the run the job must equal is FIRST updates at size 4, then the rest of the epoch at
@@ -69,6 +70,20 @@ def probe_hook(opt, args, kwargs):
 
 
 optimizer.register_step_pre_hook(probe_hook)
+GONE_ON = os.environ.get("STALE_MARK", "") + ".gone-on"
+
+
+def wake_once_gone_on(command: str) -> None:
+    """(stale, partition.) Runs shell ``command``, which wakes this worker or joins its host
+    again, once the survivors have gone on without it: rank 0 of the next generation makes the
+    file GONE_ON as they begin their collectives (polled every 0.1 s; after 60 s without it,
+    the command runs anyway and the test fails on what follows). A fixed delay (8 and 10 s
+    until 2026-11-30) had to cover the heartbeat's timeout and the re-formation on a loaded
+    machine, and was idle time on every other. The poll runs in a session of its own: it
+    outlives the launcher's kill, which reaches only this worker's parent or ssh."""
+    wait = (f'i=0; while [ ! -e "{GONE_ON}" ] && [ $i -lt 600 ]; do sleep 0.1; '
+            f'i=$((i + 1)); done; ')
+    subprocess.Popen(["sh", "-c", wait + command], start_new_session=True)
 
 
 @hvd.elastic.run
@@ -79,6 +94,8 @@ def train(state):
               f"lost={rec.plan.lost}", flush=True)
     if mode in ("stale", "partition") and worker.generation() > 0:
         # collectives in flight while the stale worker wakes up; rank 0 decides when to stop
+        if hvd.rank() == 0:
+            open(GONE_ON, "w").close()  # the stale worker may wake now (wake_once_gone_on)
         deadline = time.monotonic() + 60
         while not hvd.broadcast_object(os.path.exists(os.environ["STALE_MARK"]) or
                                        time.monotonic() > deadline, 0, name="stale.done"):
@@ -90,16 +107,13 @@ def train(state):
         optimizer.zero_grad()
         loss = torch.nn.functional.mse_loss(model(xb), yb)
         if me and mode == "stale" and state.applied_updates() == at:
-            subprocess.Popen(["sh", "-c", f"sleep {os.environ.get('STALE_DELAY', '8')}; "
-                              f"kill -CONT {os.getpid()}"], start_new_session=True)
+            wake_once_gone_on(f"kill -CONT {os.getpid()}")
             os.kill(os.getpid(), signal.SIGSTOP)
             print(f"WOKE wall={time.time():.6f}", flush=True)
         if me and mode == "partition" and state.applied_updates() == at:
             dev, gateway = os.environ["PART_DEV"], os.environ["PART_GW"]
             subprocess.run(["ip", "link", "set", dev, "down"], check=True)
-            subprocess.Popen(["sh", "-c", f"sleep {os.environ.get('STALE_DELAY', '8')}; "
-                              f"ip link set {dev} up; ip route replace default via {gateway}"],
-                             start_new_session=True)
+            wake_once_gone_on(f"ip link set {dev} up; ip route replace default via {gateway}")
             print(f"CUT wall={time.time():.6f}", flush=True)
         if me and mode == "redo" and state.applied_updates() == at:
             os.kill(os.getpid(), signal.SIGKILL)

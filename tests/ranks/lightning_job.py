@@ -3,8 +3,9 @@
 ``python lightning_job.py BACKEND OUT``: trains a small float64 regression model for 2 epochs
 with ``Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(process_group_backend=
 BACKEND))`` (Lightning re-runs this script for the second process) and saves the final
-parameters to OUT from rank 0. tests/test_ecosystem.py runs it with gloo and with gradsync
-and compares the two files. It never imports gradsync, as a user's Lightning script would not:
+parameters to OUT from rank 0. tests/test_ecosystem.py runs it with gradsync (default tier)
+and with gloo (slow tier) and compares each file with one process training on both ranks'
+batches. It never imports gradsync, as a user's Lightning script would not:
 the backend comes from gradsync's ``torch.backends`` entry point.
 """
 

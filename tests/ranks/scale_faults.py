@@ -8,15 +8,17 @@
     scale_faults.py first-use        an alltoall first of all (every pair's first message, every
                                      rank sending and receiving at once), then objects and
                                      allreduces: all correct
-    scale_faults.py secret=BAD       rank BAD has another secret than the rest
+    scale_faults.py secret=BAD       rank BAD has another secret than the rest; every rank
+                                     reports its error, shuts down and returns (a job of
+                                     tests/ranks/suite.py goes on to its next entry)
     scale_faults.py sockets          every rank on a host of its own (this script names it), a
                                      few allreduces of three sizes, then each rank counts the
                                      TCP sockets it holds
 
-Run by tests/test_scale.py through tests/ranks/forked.py, alone or as an entry of
-tests/ranks/suite.py (``scale_faults.py:kill=37`` after scale.py in the 128-rank job; the
-shared 64-rank job of tests/scale_jobs.py): one mode per run, in an ``init()`` of its own,
-ending with ``shutdown()`` or, for the faults, the rank's end. Lines:
+Run by tests/test_scale.py through tests/ranks/forked.py as an entry of tests/ranks/suite.py
+(``scale_faults.py:kill=37`` after scale.py in the 128-rank job; the shared 64-rank job of
+tests/scale_jobs.py, ``lost=21`` its last entry): one mode per run, in an ``init()`` of its
+own, ending with ``shutdown()`` or, for a killed rank's peers, the rank's end. Lines:
 
     DYING wall=<time.time()>                    the victim, just before it dies
     RESULT rank=<r> wall=<time.time()> <ErrorType>: <message>   a rank that caught an error
@@ -24,7 +26,8 @@ ending with ``shutdown()`` or, for the faults, the rank's end. Lines:
     SOCKETS rank=<r> count=<n>                  sockets in /proc/self/fd (store, listener and
                                                 peers alike), after the allreduces
 
-A wrong result ends the rank with exit status 1 and names it; a caught GradsyncError exits 17.
+A wrong result ends the rank with exit status 1 and names it; a caught GradsyncError exits 17,
+but in ``secret``, where no rank is lost: there the rank shuts down and returns.
 """
 
 import os
@@ -53,7 +56,6 @@ def report(exc: BaseException) -> None:
     one_line = str(exc).replace("\n", " | ")
     print(f"RESULT rank={R} wall={time.time():.6f} {type(exc).__name__}: {one_line}",
           flush=True)
-    os._exit(17)
 
 
 def die() -> None:
@@ -136,7 +138,15 @@ try:
     gs.shutdown()
 except gs.GradsyncError as exc:
     report(exc)
-# The job's own host name again, for the entries after this one in a suite's job.
+    if mode != "secret":
+        os._exit(17)  # a peer is dead: no later init() could meet it
+    # Every rank is alive and failed the same way: the World ends as after any failure, and
+    # the next entry's init() is a fresh job of the same ranks (tests/ranks/silent.py does
+    # the same after its failures).
+    gs.shutdown()
+# The job's own secret and host name again, for the entries after this one in a suite's job.
+if mode == "secret":
+    os.environ.pop("GRADSYNC_SECRET")  # forked.py's ranks start without one (scale_jobs.py)
 if job_hostname is None:
     os.environ.pop("GRADSYNC_HOSTNAME", None)
 else:
