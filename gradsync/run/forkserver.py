@@ -427,7 +427,7 @@ def _streams(unbuffered: bool) -> None:
 def _run_script(path: str, args: Sequence[str]) -> None:
     """Runs the file ``path`` as ``python path args`` would: a fresh ``__main__``, the script's
     directory first on ``sys.path``; an uncaught exception's traceback from the script's
-    first frame, then exit status 1."""
+    first frame, kept as ``sys.last_value``, then exit status 1."""
     sys.argv = [path, *args]
     sys.path[0] = os.path.dirname(os.path.realpath(path))
     try:
@@ -448,6 +448,9 @@ def _run_script(path: str, args: Sequence[str]) -> None:
     except BaseException as exc:
         if exc.__traceback__ is not None:  # from the script's frame on, as python shows it
             exc = exc.with_traceback(exc.__traceback__.tb_next)
+        # What the interpreter keeps of an unhandled exception, for the exit's handlers to
+        # read (the Horovod API's tells the other ranks this one left on an error).
+        sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
         sys.excepthook(type(exc), exc, exc.__traceback__)
         raise SystemExit(1) from None
 

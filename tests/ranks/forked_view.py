@@ -1,6 +1,7 @@
 """What a rank sees of its start (tests/test_forkserver.py): one ``VIEW <json>`` line; with
 ``--fail``, rank 0 then raises from a function of this script, so the traceback can be read."""
 
+import atexit
 import json
 import os
 import sys
@@ -30,6 +31,8 @@ def main() -> None:
     }
     print("VIEW " + json.dumps(view), flush=True)
     if "--fail" in sys.argv and view["rank"] == 0:
+        atexit.register(lambda: print("AT EXIT last_value:", repr(getattr(sys, "last_value",
+                                                                         None)), flush=True))
         deep_in_the_script()
     if "--exit" in sys.argv:
         sys.exit(int(sys.argv[sys.argv.index("--exit") + 1]))
