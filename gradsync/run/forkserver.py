@@ -451,6 +451,8 @@ def _run_script(path: str, args: Sequence[str]) -> None:
         # What the interpreter keeps of an unhandled exception, for the exit's handlers to
         # read (the Horovod API's tells the other ranks this one left on an error).
         sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
+        if sys.version_info >= (3, 12):
+            sys.last_exc = exc
         sys.excepthook(type(exc), exc, exc.__traceback__)
         raise SystemExit(1) from None
 
