@@ -229,6 +229,18 @@ def _allreduce(tensor, op, name, prescale_factor, postscale_factor, algorithm, i
             result = _small(current, tensor, op, name, algorithm, inplace)
             if result is not None:
                 return result
+    return _full(tensor, op, name, prescale_factor, postscale_factor, algorithm, inplace,
+                 asynchronous, counts)
+
+
+def _full(tensor, op, name, prescale_factor, postscale_factor, algorithm, inplace,
+          asynchronous, counts):
+    """The full path of an allreduce: validated, wrapped and run as a closure on the engine.
+
+    A function of its own, apart from ``_allreduce``: the closure's variables are cells,
+    which a function makes on every call before its first line, and the one-rank and small
+    calls that return early in ``_allreduce`` would pay for them (about a dozen objects).
+    """
     world = job.world()
     buf = wrap(tensor, writable=inplace)
     op = arguments.reduce_op(op, buf.dtype)

@@ -7,10 +7,11 @@ the other): asynchronous operations go to a queue served by one background threa
 synchronous call made while nothing is queued or running runs inline on the caller's thread
 (about a microsecond of the executor's for a small collective).
 
-An operation is a function and its arguments: a closure over the call (the NumPy API's
-``operations`` functions, which work out the plan and description per call) or a
-``Prepared`` allreduce's ``run`` with the call's data (worked out once per distinct call,
-``prepared`` keeps them). Both take the same steps, written once: ``run`` claims the engine
+An operation is a function: a closure over the call, run as ``fn()`` (the NumPy API's
+``operations`` functions, which work out the plan and description per call), or a
+``Prepared`` allreduce's ``run``, worked out once per distinct call (``prepared`` keeps them)
+and run as ``fn(call)`` with the call's own inputs. (One argument, not ``fn(*args)``: a call
+through ``*`` re-enters the interpreter, a few hundred nanoseconds on a small call.) Both take the same steps, written once: ``run`` claims the engine
 or queues, issues the flight recorder's record, and ``_execute``, on whichever thread holds
 the engine, raises the World's failure if there is one, runs the operation, fails its record
 and the World on an error (``World.fail``) and records its end. So the small-call fast case
@@ -86,7 +87,7 @@ class Handle:
         return f"<gradsync.Handle {self.name!r} {'done' if self.poll() else 'in flight'}>"
 
 
-class Engine(Serial["tuple[Handle, Callable, tuple, Record | None]"]):
+class Engine(Serial["tuple[Handle, Callable, object, Record | None]"]):
     """Executes operations of one World, in issue order (``executor.Serial``: the queue, the
     progress thread, the inline claim)."""
 
@@ -101,56 +102,57 @@ class Engine(Serial["tuple[Handle, Callable, tuple, Record | None]"]):
         None for a call that cannot be prepared, per distinct call (``api`` keys them)."""
 
     def run(self, fn: Callable, name: str, kind: str, shape=None, dtype=None, out_shape=None,
-            args: tuple = ()):
-        """Runs ``fn(*args)`` after every earlier operation and returns its result (or raises
-        its error): on the caller's thread when nothing is queued or running, else queued
-        (``submit``) while the caller waits.
+            call=None):
+        """Runs the operation ``fn`` (``fn()``, or ``fn(call)`` when ``call`` is not None)
+        after every earlier operation and returns its result (or raises its error): on the
+        caller's thread when nothing is queued or running, else queued (``submit``) while the
+        caller waits.
 
         Args:
-            fn, args: the operation.
+            fn, call: the operation and, for a prepared one, its call's inputs.
             name: its name (a Handle's, the record's).
             kind, shape, dtype, out_shape: its record (``Track.issue``): torch's name of the
                 collective, its input's shape and dtype (None for a barrier or an object),
                 its output's shape where it differs.
         """
         if not self.claim():
-            return self.submit(fn, name, kind, shape, dtype, out_shape, args).wait()
+            return self.submit(fn, name, kind, shape, dtype, out_shape, call).wait()
         began = time.monotonic_ns()
         try:
             track = self.track
             return self._execute(None if track is None else track.issue(
-                kind, name, shape, dtype, out_shape, started=True), fn, args)
+                kind, name, shape, dtype, out_shape, started=True), fn, call)
         finally:
             self.release()
             meter.blocked(began, time.monotonic_ns())  # the caller's time blocked (pace.py)
 
     def submit(self, fn: Callable, name: str, kind: str, shape=None, dtype=None,
-               out_shape=None, args: tuple = ()) -> Handle:
-        """Queues ``fn(*args)`` for the progress thread (the arguments as for ``run``);
-        returns its Handle."""
+               out_shape=None, call=None) -> Handle:
+        """Queues the operation ``fn`` for the progress thread (the arguments as for
+        ``run``); returns its Handle."""
         track = self.track
         record = None if track is None else track.issue(kind, name, shape, dtype, out_shape)
         handle = Handle(name)
-        if self.push((handle, fn, args, record)) is not None:
+        if self.push((handle, fn, call, record)) is not None:
             raise RuntimeError("gradsync is shutting down")
         return handle
 
-    def _run(self, item: "tuple[Handle, Callable, tuple, Record | None]") -> None:
-        handle, fn, args, record = item
+    def _run(self, item: "tuple[Handle, Callable, object, Record | None]") -> None:
+        handle, fn, call, record = item
         if record is not None:
             record.start()
         try:
-            handle.finish(result=self._execute(record, fn, args))
+            handle.finish(result=self._execute(record, fn, call))
         except BaseException as exc:  # delivered to whoever synchronizes the handle
             handle.finish(error=exc)
 
-    def _execute(self, record: "Record | None", fn: Callable, args: tuple):
+    def _execute(self, record: "Record | None", fn: Callable, call):
         """Runs an operation on the thread that holds the engine (its record started)."""
         world = self.world
         try:
             if world.failure is not None:
                 raise world.failure
-            result = fn(*args)
+            result = fn() if call is None else fn(call)
         except GradsyncError as exc:
             if record is not None:
                 record.fail(exc)  # before World.fail, whose flight recorder dump shows it

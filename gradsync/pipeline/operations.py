@@ -141,9 +141,10 @@ class Prepared:
     name drawn per call, and ``signature`` only says whether to sign it (nonzero when the
     world checks collectives).
 
-    ``run(flat, description, signature)``: begins the collective, then reduces ``flat`` (the
-    call's NumPy data, C-contiguous and writable, of the prepared dtype and shape) in place
-    over the host's segment, on the caller's deadline. A function made once, here, over what
+    ``run((flat, description, signature))``: begins the collective, then reduces ``flat``
+    (the call's NumPy data, C-contiguous and writable, of the prepared dtype and shape) in
+    place over the host's segment, on the caller's deadline; its one argument is what the
+    engine hands an operation (``Engine.run``'s ``call``). A function made once, here, over what
     it calls (the World's ``begin_signed`` and ``on_group_idle`` bound once): per call it
     reads no attribute chain and makes no bound method.
     """
@@ -151,7 +152,8 @@ class Prepared:
     __slots__ = ("description", "signature", "prefix", "suffix", "run")
 
     def __init__(self, description: str, signature: int,
-                 run: Callable[[np.ndarray, str, int], None], prefix: "str | None" = None,
+                 run: "Callable[[tuple[np.ndarray, str, int]], None]",
+                 prefix: "str | None" = None,
                  suffix: str = ""):
         self.description, self.signature, self.run = description, signature, run
         self.prefix, self.suffix = prefix, suffix
@@ -175,7 +177,8 @@ def prepare_allreduce(world, flat: np.ndarray, op: ReduceOp, name: "str | None",
     begin, on_idle, timeout = world.comm.begin_signed, world.on_group_idle, world.config.timeout
     flatten = flat.ndim != 1
 
-    def run(flat: np.ndarray, description: str, signature: int) -> None:
+    def run(call: "tuple[np.ndarray, str, int]") -> None:
+        flat, description, signature = call
         begin(description, signature)
         kernel(flat.reshape(-1) if flatten else flat, code, divisor, time.monotonic() + timeout,
                on_idle, signature)
