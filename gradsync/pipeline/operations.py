@@ -153,8 +153,7 @@ class Prepared:
 
     def __init__(self, description: str, signature: int,
                  run: "Callable[[tuple[np.ndarray, str, int]], None]",
-                 prefix: "str | None" = None,
-                 suffix: str = ""):
+                 prefix: "str | None" = None, suffix: str = ""):
         self.description, self.signature, self.run = description, signature, run
         self.prefix, self.suffix = prefix, suffix
 
@@ -178,9 +177,9 @@ def prepare_allreduce(world, flat: np.ndarray, op: ReduceOp, name: "str | None",
     flatten = flat.ndim != 1
 
     def run(call: "tuple[np.ndarray, str, int]") -> None:
-        flat, description, signature = call
+        data, description, signature = call
         begin(description, signature)
-        kernel(flat.reshape(-1) if flatten else flat, code, divisor, time.monotonic() + timeout,
+        kernel(data.reshape(-1) if flatten else data, code, divisor, time.monotonic() + timeout,
                on_idle, signature)
 
     description, signature = allreduce_signed(world, _CUT if name is None else name,
