@@ -5,7 +5,8 @@ Naming follows Horovod: ``allreduce`` returns a new tensor, ``allreduce_`` works
 ``poll`` checks. Each public function validates its arguments (``arguments.py``, shared with
 the Horovod API), wraps the tensor, and hands one closure to the job's engine (``job.py``,
 which owns the World and engine between ``init`` and ``shutdown``); the work is in
-``operations.py``.
+``operations.py``. A synchronous small allreduce on one host hands the engine a prepared
+operation instead (``_small``, ``operations.Prepared``), worked out on its first call.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import atexit
 import dataclasses
 import itertools
 import logging
+import sys
 
 import numpy as np
 
@@ -22,11 +24,12 @@ from .collectives.ops import Average, ReduceOp
 from .collectives.planner import ALGORITHMS as _ALGORITHMS
 from .config import load_config
 from .liveness.pace import meter, metered, waiting_for_data  # noqa: F401  (the API's, below)
-from .pipeline import arguments, express
+from .pipeline import arguments
 from .pipeline import operations as ops
 from .pipeline.arguments import adasum_dtype  # noqa: F401  (importable from here, as it was)
 from .pipeline.engine import Handle
-from .pipeline.tensors import is_torch, wrap
+from .pipeline.tensors import is_torch, kernel_view, wrap
+from .transport.frame import signature_of
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -41,6 +44,7 @@ __all__ = [
 log = logging.getLogger("gradsync")
 
 _unnamed = itertools.count()
+_PREPARED_KEPT = 4096  # distinct small allreduce calls whose Prepared an engine keeps
 
 
 def init(**settings) -> None:
@@ -119,21 +123,13 @@ def _name(name: str | None, kind: str) -> str:
     return name if name is not None else f"{kind}.noname.{next(_unnamed)}"
 
 
-def _unnamed_allreduce() -> str:
-    """The next unnamed allreduce's name, as the full road gives it (``express.py`` draws it
-    when an unnamed call takes the lane, so both roads count alike)."""
-    return _name(None, "allreduce")
-
-
 def _submit(fn, name: str, asynchronous: bool, kind: str, buf=None, out_shape=None):
     """Runs ``fn`` on the engine, recorded in the flight recorder as ``kind`` (torch's name of
     the collective) of ``buf``'s shape and dtype (none for a barrier or an object)."""
     engine = job.engine()
-    assert engine.track is not None  # job.py gives the API's engine its track
-    record = engine.track.issue(kind, name, None if buf is None else buf.shape,
-                                None if buf is None else buf.dtype, out_shape)
-    return (engine.submit(fn, name, record) if asynchronous else
-            engine.run(fn, name, record))
+    shape, dtype = (None, None) if buf is None else (buf.shape, buf.dtype)
+    return (engine.submit(fn, name, kind, shape, dtype, out_shape) if asynchronous else
+            engine.run(fn, name, kind, shape, dtype, out_shape))
 
 
 # ----------------------------------------------------------------------------- allreduce
@@ -165,6 +161,60 @@ def _alone(current, tensor, op, prescale_factor, postscale_factor, algorithm, in
     return None
 
 
+def _small(current, tensor, op, name, algorithm, inplace):
+    """The result of a synchronous allreduce through the engine's fast case, or None (nothing
+    done, no name drawn) for a call it does not take, which then takes the full path.
+
+    The fast case is a small allreduce on one host, prepared once per distinct call (name,
+    dtype, shape, op, algorithm) by ``operations.prepare_allreduce`` and kept by the engine
+    (``Engine.prepared``, None for a call that cannot be prepared); ``Engine.run`` runs it
+    like any operation. Per call this checks only what the key does not say: the tensor is a
+    C-contiguous NumPy array (writable, in place) or a torch CPU tensor ``kernel_view`` takes.
+    An unnamed call draws its name here, as the full path does, and joins it into the
+    prepared description (``Prepared.prefix``), signed when the world checks collectives.
+    """
+    flat: "np.ndarray | None"
+    if type(tensor) is np.ndarray:
+        flags = tensor.flags
+        if not flags.c_contiguous or (inplace and not flags.writeable):
+            return None
+        flat, shape = tensor, tensor.shape
+    else:
+        flat = kernel_view(tensor)
+        if flat is None:
+            return None
+        shape = tuple(tensor.shape)
+    if type(op) is not ReduceOp:
+        return None
+    engine = current.engine
+    # op._value_, not op: an Enum's hash is a Python-level call, on every lookup.
+    key = (name, flat.dtype, shape, op._value_, algorithm)
+    kept = engine.prepared
+    prepared = kept.get(key, False)
+    if prepared is False:
+        if len(kept) >= _PREPARED_KEPT:
+            kept.clear()
+        prepared = kept[key] = ops.prepare_allreduce(current.world, flat, op, name, shape,
+                                                     algorithm)
+    if prepared is None:
+        return None
+    if inplace:
+        result = tensor
+    else:
+        result = flat = flat.copy()
+        if type(tensor) is not np.ndarray:
+            result = sys.modules["torch"].from_numpy(flat)
+    if prepared.prefix is None:
+        description, signature = prepared.description, prepared.signature
+    else:
+        name = _name(None, "allreduce")
+        description = prepared.prefix + name + prepared.suffix
+        signature = signature_of(description) if prepared.signature else 0
+    engine.run(prepared.run, name, "all_reduce", shape, flat.dtype, None,
+               (flat, description, signature))
+    return result
+
+
 def _allreduce(tensor, op, name, prescale_factor, postscale_factor, algorithm, inplace,
                asynchronous, counts=None):
     current = job.current()  # one read: a World and the engine of that same World
@@ -176,12 +226,21 @@ def _allreduce(tensor, op, name, prescale_factor, postscale_factor, algorithm, i
                 return result
         elif (prescale_factor == 1.0 and postscale_factor == 1.0
               and current.world.shares_host):
-            # The express lane (express.py): a small allreduce straight to the compiled call,
-            # named or not (an unnamed one draws its name there, only if it goes ahead).
-            result = express.allreduce(current.world, current.engine, tensor, op, name,
-                                       algorithm, inplace, _unnamed_allreduce)
+            result = _small(current, tensor, op, name, algorithm, inplace)
             if result is not None:
                 return result
+    return _full(tensor, op, name, prescale_factor, postscale_factor, algorithm, inplace,
+                 asynchronous, counts)
+
+
+def _full(tensor, op, name, prescale_factor, postscale_factor, algorithm, inplace,
+          asynchronous, counts):
+    """The full path of an allreduce: validated, wrapped and run as a closure on the engine.
+
+    A function of its own, apart from ``_allreduce``: the closure's variables are cells,
+    which a function makes on every call before its first line, and the one-rank and small
+    calls that return early in ``_allreduce`` would pay for them (about a dozen objects).
+    """
     world = job.world()
     buf = wrap(tensor, writable=inplace)
     op = arguments.reduce_op(op, buf.dtype)

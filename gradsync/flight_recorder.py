@@ -3,14 +3,14 @@
 When a job fails or stalls, the first questions are which collective each rank was in, which
 one it finished last, and whether the ranks even issued the same ones. The recorder answers
 them after the fact: each process keeps a *ring* of its last ``flight_recorder`` (2,000)
-operations, from every front door (the NumPy API's engine and its express lane, the Horovod
+operations, from every front door (the NumPy API's engine, its small-call fast case included, the Horovod
 API's negotiation, the torch backend's lanes), and writes it out on a failure, on SIGUSR1 or
 on request (``dump``), in the format of torch's Flight Recorder, so that torch's own analyzer
 reads a gradsync job's dumps::
 
     python -m torch.distributed.flight_recorder.fr_trace <dump directory>
 
-Vocabulary. A *record* is one operation on one rank: its front door (``numpy``, ``express``,
+Vocabulary. A *record* is one operation on one rank: its front door (``numpy``,
 ``horovod``, ``torch``), its name (the tensor's, for the NumPy and Horovod APIs), its
 collective (torch's words: ``all_reduce``, ``all_gather``...), sizes and dtype, its sequence
 number, its *track*, its times and its *state*: ``scheduled`` (issued), ``started`` (running),
@@ -202,7 +202,7 @@ class Track:
             numbered: False when the track numbers it later (``number``): the Horovod API
                 runs operations in agreed order, not in issue order.
             started: it begins to run now (state ``started``, with the same clock read), as
-                the express lane's do: ``start`` saved.
+                an operation run at once on the caller's thread does: ``start`` saved.
         """
         recorder = self.recorder
         record_id = next(recorder._ids)

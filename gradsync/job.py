@@ -11,7 +11,7 @@ reads it through ``current()``, ``world()`` and ``engine()``; only ``start``, ``
 Why one object. The World and its Engine are installed and removed together as one ``Job``,
 replaced in a single assignment. A reader takes ``current()`` once and holds a World and the
 Engine of that same World, even while another thread shuts the job down (``api``'s size-1
-and express lanes read it so, once per call). Writers take one lock, so two threads that call
+and small-call fast cases read it so, once per call). Writers take one lock, so two threads that call
 ``init()`` at once connect once, and a shutdown never interleaves with an install. Readers
 take no lock: one module-global read is atomic, and the hot path pays nothing more for it.
 """

@@ -1,10 +1,18 @@
-"""The express lane of small synchronous allreduces (gradsync/pipeline/express.py).
+"""The small-allreduce fast case (once the express lane): a synchronous allreduce prepared once
+per distinct call (gradsync/pipeline/operations.prepare_allreduce) and run by the engine like
+any operation (Engine.run).
 
 At 2, 3 and 4 ranks on one host (tests/ranks/express.py): closed-form results for every
 dtype, op and small count on the lane, named and unnamed, beside ranks on the full road, and
 with the compiled road off; a mismatch raised on every rank, of names and of an unnamed call's
-dtype, op or count (op and count in the jobs of the closed forms, after them). Then the
-engine's side of the lane alone.
+dtype, op or count (op and count in the jobs of the closed forms, after them).
+
+In one process, over a World of two ranks whose host segment is a stand-in that records each
+call (no peer, so the data is doubled as a sum of two equal ranks would be): the engine's
+claim; the fast case and the full road begin with the same words and sequence numbers; a
+small call behind a queued one waits its turn as a prepared operation on the progress thread;
+an error of the kernel fails the call's record (and a GradsyncError the World, whose failure
+later calls raise before they begin).
 
 The ranks are forked from one process that imported torch once (tests/forked_jobs.py): what
 is checked is the lane inside each rank's runtime, which the launcher's start-up (an
@@ -12,10 +20,22 @@ interpreter and torch's import per rank, and one for the launcher's store) adds 
 """
 
 import threading
+import time
+import types
 
+import numpy as np
 import pytest
 
+import gradsync as gs
+from gradsync import job
+from gradsync.collectives import planner
+from gradsync.config import load_config
+from gradsync.errors import GradsyncError, PeerLostError
+from gradsync.flight_recorder import COMPLETED, FAILED, recorder
+from gradsync.pipeline import operations
 from gradsync.pipeline.engine import Engine
+from gradsync.transport.comm import Comm
+from gradsync.transport.frame import signature_of
 import forked_jobs
 
 
@@ -64,28 +84,164 @@ class _World:
 
 def test_claim_is_refused_while_anything_is_queued_or_running():
     engine = Engine(_World())
-    assert engine.claim_inline()
-    assert not engine.claim_inline()  # running
-    engine.end_inline()
+    assert engine.claim()
+    assert not engine.claim()  # running
+    engine.release()
     release = threading.Event()
-    handle = engine.submit(release.wait, "blocker")
-    assert not engine.claim_inline()  # queued or running on the progress thread
+    handle = engine.submit(release.wait, "blocker", "barrier")
+    assert not engine.claim()  # queued or running on the progress thread
     release.set()
     handle.wait(10)
     engine.drain()
-    assert engine.claim_inline()
-    engine.end_inline()
+    assert engine.claim()
+    engine.release()
     engine.stop()
 
 
-def test_end_inline_wakes_a_drain():
+def test_release_wakes_a_drain():
     engine = Engine(_World())
-    assert engine.claim_inline()
+    assert engine.claim()
     drained = threading.Event()
     waiter = threading.Thread(target=lambda: (engine.drain(), drained.set()))
     waiter.start()
     assert not drained.wait(0.2)  # the claimed operation is still running
-    engine.end_inline()
+    engine.release()
     assert drained.wait(10)
     waiter.join()
     engine.stop()
+
+
+class _SegmentWorld:
+    """A World of two ranks on one host, as ``api`` and ``operations`` see it, whose host
+    segment is a stand-in: each call of its compiled one-step road (``small_road``, what a
+    prepared allreduce calls) or of its ``shm`` algorithm (``host_allreduce``, the full road's)
+    is recorded in ``calls`` with the collective the Comm began, then doubles the data."""
+
+    size, rank, shares_host = 2, 0, True
+
+    def __init__(self):
+        self.config = load_config({}, environ={})
+        self.comm = Comm(0, 2, {}, self.config.timeout)
+        self.plans = planner.Plans(2, self.config, True, None, announce=False)
+        self.descriptions: dict = {}
+        self.failure: "GradsyncError | None" = None
+        self.calls: list[tuple] = []
+        self.kernel_error: "BaseException | None" = None
+
+    def small_road(self, op, dtype, nbytes):
+        ok = dtype in (np.float32, np.float64, np.int32, np.int64) and 0 < nbytes <= 1024
+        return (self._kernel, 7) if ok else None
+
+    def _kernel(self, flat, code, divisor, deadline, on_idle, signature):
+        assert flat.ndim == 1 and code == 7 and deadline > time.monotonic()
+        self._called("prepared", signature)
+        if self.kernel_error is not None:
+            raise self.kernel_error
+        flat *= 2
+
+    def host_allreduce(self, flat, reducer, finish, op, divisor, trunc):
+        self._called("full", self.comm.signature)
+        flat *= 2
+
+    def _called(self, road: str, signature: int) -> None:
+        comm = self.comm
+        assert signature == comm.signature
+        self.calls.append((road, threading.current_thread().name, comm.seq, comm.description,
+                           signature))
+
+    def on_group_idle(self, waited: float) -> None:
+        pass
+
+    def fail(self, exc: GradsyncError) -> GradsyncError:
+        if self.failure is None:
+            self.failure = exc
+        return self.failure
+
+
+@pytest.fixture
+def segment(monkeypatch):
+    """A ``_SegmentWorld`` installed as the job's World, with its Engine."""
+    world = _SegmentWorld()
+    engine = Engine(world, recorder.track("numpy:test-express", "numpy API", [0, 1], "numpy",
+                                          world.config.timeout, world))
+    monkeypatch.setattr(job, "_job", types.SimpleNamespace(world=world, engine=engine,
+                                                           pace=None))
+    yield world, engine
+    engine.stop()
+
+
+def test_the_fast_case_and_the_full_road_begin_with_the_same_words(segment, monkeypatch):
+    world, engine = segment
+    issued = []
+    for road in ("prepared", "full"):
+        if road == "full":  # nothing prepared from here on: every call takes the full road
+            monkeypatch.setattr(operations, "prepare_allreduce", lambda *args: None)
+            engine.prepared.clear()
+        x = np.arange(6, dtype=np.float32).reshape(2, 3)
+        assert gs.allreduce_(x, op=gs.Sum, name="g") is x and (x == 2 * np.arange(6).reshape(
+            2, 3)).all()
+        y = np.ones(4, np.int64)
+        z = gs.allreduce(y, op=gs.Max)  # unnamed, out of place
+        assert z is not y and (z == 2).all() and (y == 1).all()
+        issued.append(world.calls[-2:])
+    (named_fast, unnamed_fast), (named_full, unnamed_full) = issued
+    assert [c[0] for c in (named_fast, unnamed_fast, named_full, unnamed_full)] == [
+        "prepared", "prepared", "full", "full"]
+    assert named_fast[3:] == named_full[3:]  # the same description and signature
+    assert named_fast[3].startswith("allreduce 'g' float32[2, 3] op=SUM")
+    # Unnamed: each draws the next name from one count, and signs the description with it.
+    first = int(unnamed_fast[3].split("'")[1].rsplit(".", 1)[1])
+    assert unnamed_full[3] == unnamed_fast[3].replace(f".noname.{first}'",
+                                                      f".noname.{first + 1}'")
+    for call in (unnamed_fast, unnamed_full):
+        assert call[4] == signature_of(call[3]) != 0
+    seqs = [c[2] for c in (named_fast, unnamed_fast, named_full, unnamed_full)]
+    assert seqs == list(range(seqs[0], seqs[0] + 4))  # one begin each, on either road
+
+
+def test_a_small_call_behind_a_queued_one_runs_prepared_on_the_progress_thread(segment):
+    world, engine = segment
+    x = np.ones(8, np.float32)
+    gs.allreduce_(x, op=gs.Sum, name="s")  # prepared, and run at once on this thread
+    assert world.calls[-1][:2] == ("prepared", threading.current_thread().name)
+    release = threading.Event()
+    blocker = engine.submit(release.wait, "blocker", "barrier")
+    done = threading.Event()
+    caller = threading.Thread(target=lambda: (gs.allreduce_(x, op=gs.Sum, name="s"),
+                                              done.set()))
+    caller.start()
+    deadline = time.monotonic() + 10
+    while len(engine.pending()) < 2:  # the blocker running, the small call queued behind it
+        assert time.monotonic() < deadline, engine.pending()
+        time.sleep(0.001)
+    assert not done.is_set() and len(world.calls) == 1
+    release.set()
+    assert done.wait(10)
+    caller.join()
+    blocker.wait(10)
+    assert world.calls[-1][:2] == ("prepared", "gradsync-progress")
+    assert (x == 4).all()
+    newest = recorder.newest()
+    assert newest is not None and newest.name == "s" and newest.state == COMPLETED
+
+
+def test_an_error_of_the_kernel_fails_the_record_and_a_gradsync_error_the_world(segment):
+    world, engine = segment
+    gs.allreduce_(np.ones(4, np.float32), op=gs.Sum, name="e")
+    world.kernel_error = RuntimeError("the kernel broke")
+    with pytest.raises(RuntimeError, match="the kernel broke"):
+        gs.allreduce_(np.ones(4, np.float32), op=gs.Sum, name="e")
+    newest = recorder.newest()
+    assert newest is not None and newest.name == "e" and newest.state == FAILED
+    assert "the kernel broke" in newest.error and world.failure is None
+    lost = PeerLostError("rank 1 is gone")
+    world.kernel_error = lost
+    with pytest.raises(PeerLostError, match="rank 1 is gone"):
+        gs.allreduce_(np.ones(4, np.float32), op=gs.Sum, name="e")
+    assert world.failure is lost
+    calls = len(world.calls)
+    with pytest.raises(PeerLostError):  # the World's failure, raised before the call begins
+        gs.allreduce_(np.ones(4, np.float32), op=gs.Sum, name="e")
+    assert len(world.calls) == calls
+    newest = recorder.newest()
+    assert newest is not None and newest.state == FAILED

@@ -214,7 +214,6 @@ class World:
         self.plans = planner.Plans(self.size, config, shm_group is not None, self.topology,
                                    announce=self.rank == 0)
         self.descriptions: dict[tuple, tuple[str, int]] = {}
-        self.express: dict = {}  # express.py's entries, per distinct small allreduce call
         self.failure: GradsyncError | None = None
         self.heartbeat: Heartbeat | None = None  # once connect() has started it
         self.root: tuple[str, list[int]] = (env.job_id, list(range(self.size)))
@@ -411,8 +410,8 @@ class World:
         """The segment's compiled one-step allreduce for a call of ``nbytes`` of ``dtype``
         reduced by ``op`` (a ``ReduceOp``), and its kernel code; None where that call cannot
         take it (no segment, 0 bytes or more than its one-step road, an op or dtype the
-        compiled road lacks, or the road not built). The function is bound once here, for the
-        express lane (``pipeline/express.py``) to call per call as
+        compiled road lacks, or the road not built). The function is bound once here, for a
+        prepared allreduce (``pipeline/operations.Prepared``) to call per call as
         ``run(flat, code, divisor, deadline, on_idle, signature)``."""
         group = self.shm_group
         if group is None or not 0 < nbytes <= group.small_bytes:

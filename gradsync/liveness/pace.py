@@ -9,7 +9,7 @@ measured on its own clock. ``stragglers.py`` compares these numbers across ranks
 only measures them, on the rank's own threads, with a few writes to memory it owns.
 
 Vocabulary. *Blocked* time is wall time during which a thread of this rank waited for a
-collective to end: a synchronous call (the NumPy API run inline, the express lane), a
+collective to end: a synchronous call (the NumPy API run inline, its small-call fast case included), a
 ``synchronize`` / ``Handle.wait`` (both APIs, the Horovod API's optimizer included) or a torch
 backend ``Work.wait``. Blocked intervals of several threads that overlap count once: the
 meter keeps the union of the intervals, adding each new interval's part after the end of the

@@ -7,13 +7,26 @@ the other): asynchronous operations go to a queue served by one background threa
 synchronous call made while nothing is queued or running runs inline on the caller's thread
 (about a microsecond of the executor's for a small collective).
 
+An operation is a function: a closure over the call, run as ``fn()`` (the NumPy API's
+``operations`` functions, which work out the plan and description per call), or a
+``Prepared`` allreduce's ``run``, worked out once per distinct call (``prepared`` keeps them)
+and run as ``fn(call)`` with the call's own inputs. (One argument, not ``fn(*args)``: a call
+through ``*`` re-enters the interpreter, about 1,800 machine instructions on a small call.)
+Both take the same steps, written once: ``run`` claims the engine or queues, issues the
+flight recorder's record, and ``_execute``, on whichever thread holds the engine, raises the
+World's failure if there is one, runs the operation, fails its record and the World on an
+error (``World.fail``) and records its end. So the small-call fast case is this pipeline's
+inline path with a prepared operation, not a road of its own: it keeps the engine's order,
+failure check and records by construction.
+
 Fusion is not guessed here from timing (what happens to be queued differs between ranks, so
 fusing it would need a negotiation round per cycle); callers that know a group of tensors
 (``grouped_allreduce``, gradient buckets) fuse it themselves, identically on every rank.
 
 Every operation of a job's engine is recorded in the flight recorder (``flight_recorder.py``)
-on the engine's *track* (the NumPy API on this World, given by ``job.Job``): the caller issues
-the record, the engine marks it started, completed or failed around ``fn``.
+on the engine's *track* (the NumPy API on this World, given by ``job.Job``): issued when the
+caller makes the call (already started when it runs at once), then marked started,
+completed or failed around the operation.
 """
 
 from __future__ import annotations
@@ -75,7 +88,7 @@ class Handle:
         return f"<gradsync.Handle {self.name!r} {'done' if self.poll() else 'in flight'}>"
 
 
-class Engine(Serial["tuple[Handle, Callable, Record | None]"]):
+class Engine(Serial["tuple[Handle, Callable, object, Record | None]"]):
     """Executes operations of one World, in issue order (``executor.Serial``: the queue, the
     progress thread, the inline claim)."""
 
@@ -83,52 +96,68 @@ class Engine(Serial["tuple[Handle, Callable, Record | None]"]):
         super().__init__("gradsync-progress")
         self.world = world
         self.track = track
-        """The NumPy API's track in the flight recorder (``api`` and the express lane issue
-        its records), or None."""
+        """The NumPy API's track in the flight recorder, where ``run`` and ``submit`` record
+        each operation; None for none."""
+        self.prepared: dict = {}
+        """The ``Prepared`` allreduces of this World (``operations.prepare_allreduce``), or
+        None for a call that cannot be prepared, per distinct call (``api`` keys them)."""
 
-    def run(self, fn: Callable, name: str, record: "Record | None" = None):
-        """Runs ``fn`` after every earlier operation and returns its result; ``record`` is
-        its flight recorder's record (``track.issue``), if any."""
+    def run(self, fn: Callable, name: str, kind: str, shape=None, dtype=None, out_shape=None,
+            call=None):
+        """Runs the operation ``fn`` (``fn()``, or ``fn(call)`` when ``call`` is not None)
+        after every earlier operation and returns its result (or raises its error): on the
+        caller's thread when nothing is queued or running, else queued (``submit``) while the
+        caller waits.
+
+        Args:
+            fn, call: the operation and, for a prepared one, its call's inputs.
+            name: its name (a Handle's, the record's).
+            kind, shape, dtype, out_shape: its record (``Track.issue``): torch's name of the
+                collective, its input's shape and dtype (None for a barrier or an object),
+                its output's shape where it differs.
+        """
         if not self.claim():
-            return self.submit(fn, name, record).wait()
+            return self.submit(fn, name, kind, shape, dtype, out_shape, call).wait()
         began = time.monotonic_ns()
         try:
-            return self._execute(fn, record)
+            track = self.track
+            return self._execute(None if track is None else track.issue(
+                kind, name, shape, dtype, out_shape, started=True), fn, call)
         finally:
             self.release()
             meter.blocked(began, time.monotonic_ns())  # the caller's time blocked (pace.py)
 
-    claim_inline = Serial.claim
-    """Marks the engine busy for an operation the caller runs inline (``Serial.claim``): the
-    express lane (``express.py``) uses the pair around its own call."""
-    end_inline = Serial.release
-    """Ends what ``claim_inline`` began."""
-
-    def submit(self, fn: Callable, name: str, record: "Record | None" = None) -> Handle:
-        """Queues ``fn`` for the progress thread; returns its Handle."""
+    def submit(self, fn: Callable, name: str, kind: str, shape=None, dtype=None,
+               out_shape=None, call=None) -> Handle:
+        """Queues the operation ``fn`` for the progress thread (the arguments as for
+        ``run``); returns its Handle."""
+        track = self.track
+        record = None if track is None else track.issue(kind, name, shape, dtype, out_shape)
         handle = Handle(name)
-        if self.push((handle, fn, record)) is not None:
+        if self.push((handle, fn, call, record)) is not None:
             raise RuntimeError("gradsync is shutting down")
         return handle
 
-    def _run(self, item: "tuple[Handle, Callable, Record | None]") -> None:
-        handle, fn, record = item
-        try:
-            handle.finish(result=self._execute(fn, record))
-        except BaseException as exc:  # delivered to whoever synchronizes the handle
-            handle.finish(error=exc)
-
-    def _execute(self, fn: Callable, record: "Record | None" = None):
+    def _run(self, item: "tuple[Handle, Callable, object, Record | None]") -> None:
+        handle, fn, call, record = item
         if record is not None:
             record.start()
         try:
-            if self.world.failure is not None:
-                raise self.world.failure
-            result = fn()
+            handle.finish(result=self._execute(record, fn, call))
+        except BaseException as exc:  # delivered to whoever synchronizes the handle
+            handle.finish(error=exc)
+
+    def _execute(self, record: "Record | None", fn: Callable, call):
+        """Runs an operation on the thread that holds the engine (its record started)."""
+        world = self.world
+        try:
+            if world.failure is not None:
+                raise world.failure
+            result = fn() if call is None else fn(call)
         except GradsyncError as exc:
             if record is not None:
                 record.fail(exc)  # before World.fail, whose flight recorder dump shows it
-            error = self.world.fail(exc)
+            error = world.fail(exc)
             if error is exc:
                 raise
             raise error from exc

@@ -16,8 +16,8 @@ announces every request queued since the last):
   hand-offs (tens of microseconds under the GIL) that would dominate a small collective, and
   keeps the order, because "nothing queued or running" means every earlier operation has
   finished. The pair takes the lock once each and notifies only when a thread waits on it
-  (``_sleepers``): about a microsecond for a small synchronous call (the express lane,
-  ``express.py``, runs between them);
+  (``_sleepers``): about a microsecond for a small synchronous call (the engine's fast case,
+  a prepared small allreduce, runs between them);
 - ``shut``: no new item is taken (``push`` answers the reason instead); the thread runs what
   is queued, or the queue is handed back undone, and leaves.
 
@@ -106,8 +106,8 @@ class Serial(Generic[T]):
     def claim(self) -> bool:
         """Marks the executor busy for an operation the caller runs on its own thread; False
         (nothing changed) when something is queued or running, so the caller must push
-        instead. Every True is followed by one ``release()``. (The express lane's pair:
-        kept to a lock and two reads.)"""
+        instead. Every True is followed by one ``release()``. (The inline path's pair, on
+        every small synchronous call: kept to a lock and two reads.)"""
         with self._lock:
             if self._queue or self._busy:
                 return False

@@ -6,12 +6,36 @@ Every operation starts with ``comm.begin(description)``; the description names e
 that must agree between ranks (operation, name, dtype, shape, reduce op, root, algorithm), so
 ranks that issued different collectives fail at their first frame with a report that shows
 what each rank issued.
+
+A small allreduce on one host can also be *prepared* (``prepare_allreduce``): Gloo's "set up
+once, run many". Everything ``allreduce`` works out before its data moves depends only on the
+call's arguments and the job, never on the data: the plan, the description and its signature,
+the host segment's compiled one-step road and its kernel code, the divisor of an Average. A
+``Prepared`` holds that outcome for one distinct call, and its ``run`` does only what must
+happen every time: ``begin`` with the same description and signature as ``allreduce``, then
+the compiled call (the same protocol and issued words as ``allreduce``'s ``shm`` road, so a
+rank that runs the prepared operation and a rank that runs ``allreduce`` meet in one
+collective). The engine runs it like any operation (``Engine.run``: in issue order, inline
+when idle, with the failure check and the flight recorder), so a repeated small call skips
+the planner, the description and the segment's own checks, and nothing else. It takes
+float32/float64/int32/int64 data of 1 byte to the segment's one-step size, no pre/postscale
+and ``op`` Sum, Average, Min, Max or Product, when the compiled road is built
+(``GRADSYNC_SHM_FAST=0`` turns it off) and the plan is ``shm``; every other call is None there
+and takes ``allreduce``.
+
+An unnamed call is prepared too. ``api`` names it ``allreduce.noname.<n>`` (one count per
+process, drawn once per call), and the name is part of the description, so of the signature
+the other ranks compare. Its ``Prepared`` holds the description cut around the name
+(``prefix``, ``suffix``): per call, the caller joins the drawn name in and signs the result
+(one hash of a short string), so either way the ranks issue the same words.
 """
 
 from __future__ import annotations
 
 import pickle
+import time
 import zlib
+from typing import Callable
 
 import numpy as np
 
@@ -24,8 +48,11 @@ from ..transport import frame
 # Distinct collectives whose description is remembered (unnamed calls each have their own).
 _DESCRIPTIONS_KEPT = 4096
 
-__all__ = ["allreduce", "allreduce_signed", "allgather", "broadcast", "reducescatter", "alltoall",
-           "barrier", "broadcast_object", "allgather_object"]
+__all__ = ["allreduce", "allreduce_signed", "Prepared", "prepare_allreduce", "allgather",
+           "broadcast", "reducescatter", "alltoall", "barrier", "broadcast_object",
+           "allgather_object"]
+
+_CUT = "\0"  # stands for an unnamed call's name while its description is made; never in one
 
 
 def _run_allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, algorithm: str,
@@ -100,10 +127,70 @@ def allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, *, name: str, shape:
 def allreduce_signed(world, name: str, dtype, shape: tuple, op: ReduceOp, prescale: float,
                      postscale: float, alg: str) -> tuple[str, int]:
     """The description of an allreduce and its signature (what ``comm.begin_signed`` takes),
-    remembered per distinct call; the express lane (``express.py``) begins with the same."""
+    remembered per distinct call; a ``Prepared`` allreduce begins with the same."""
     return _signed(world, ("allreduce", name, dtype, tuple(shape), op, prescale, postscale, alg),
                    lambda: f"allreduce '{name}' {_dt(dtype)}{list(shape)} op={op.name} "
                            f"prescale={prescale} postscale={postscale} algorithm={alg}")
+
+
+class Prepared:
+    """A small allreduce prepared once per distinct call (the module docstring).
+
+    For a named call ``description`` and ``signature`` are what ``run`` begins with. For an
+    unnamed one (``prefix`` not None) the description is ``prefix + name + suffix`` with a
+    name drawn per call, and ``signature`` only says whether to sign it (nonzero when the
+    world checks collectives).
+
+    ``run((flat, description, signature))``: begins the collective, then reduces ``flat``
+    (the call's NumPy data, C-contiguous and writable, of the prepared dtype and shape) in
+    place over the host's segment, on the caller's deadline; its one argument is what the
+    engine hands an operation (``Engine.run``'s ``call``). A function made once, here, over what
+    it calls (the World's ``begin_signed`` and ``on_group_idle`` bound once): per call it
+    reads no attribute chain and makes no bound method.
+    """
+
+    __slots__ = ("description", "signature", "prefix", "suffix", "run")
+
+    def __init__(self, description: str, signature: int,
+                 run: "Callable[[tuple[np.ndarray, str, int]], None]",
+                 prefix: "str | None" = None, suffix: str = ""):
+        self.description, self.signature, self.run = description, signature, run
+        self.prefix, self.suffix = prefix, suffix
+
+
+def prepare_allreduce(world, flat: np.ndarray, op: ReduceOp, name: "str | None", shape: tuple,
+                      algorithm: str) -> "Prepared | None":
+    """The call's ``Prepared`` allreduce (``name`` None for an unnamed call), or None when it
+    cannot be prepared (the module docstring) and must take ``allreduce``."""
+    road = world.small_road(op, flat.dtype, flat.nbytes) if world.size > 1 else None
+    if road is None:
+        return None
+    kernel, code = road
+    try:
+        alg = world.plans.allreduce(flat.nbytes, algorithm)
+    except (ValueError, TypeError):
+        return None  # ``allreduce`` raises it, with its message
+    if alg != "shm":
+        return None
+    divisor = world.size if op is ReduceOp.AVERAGE else 0
+    begin, on_idle, timeout = world.comm.begin_signed, world.on_group_idle, world.config.timeout
+    flatten = flat.ndim != 1
+
+    def run(call: "tuple[np.ndarray, str, int]") -> None:
+        data, description, signature = call
+        begin(description, signature)
+        kernel(data.reshape(-1) if flatten else data, code, divisor, time.monotonic() + timeout,
+               on_idle, signature)
+
+    description, signature = allreduce_signed(world, _CUT if name is None else name,
+                                              flat.dtype, shape, op, 1.0, 1.0, alg)
+    if name is not None:
+        return Prepared(description, signature, run)
+    # The description is worded above; cut it where the name goes, to join per call.
+    prefix, cut, suffix = description.partition(_CUT)
+    if not cut:
+        return None  # a description without the name: it could not be worded alike
+    return Prepared("", signature, run, prefix, suffix)
 
 
 def _signed(world, key: tuple, describe) -> tuple[str, int]:

@@ -9,6 +9,7 @@ mean.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,7 +20,7 @@ from ..collectives.ops import BFLOAT16
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Buffer", "wrap", "is_torch"]
+__all__ = ["Buffer", "wrap", "is_torch", "kernel_view"]
 
 
 def is_torch(x) -> bool:
@@ -118,3 +119,24 @@ def _checked(buf: Buffer) -> Buffer:
         raise TypeError(f"collectives take boolean, integer or floating-point data, got "
                         f"{buf.flat.dtype}")
     return buf
+
+
+def kernel_view(x) -> "np.ndarray | None":
+    """The NumPy view of ``x`` when it is a torch CPU tensor that a prepared allreduce
+    (``operations.Prepared``) can take in place: strided, C-contiguous, of the compiled
+    kernels' dtypes (float32, float64, int32, int64); None for anything else. Never imports
+    torch: a process that has not loaded it has no torch tensor."""
+    global _kernel_dtypes
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(x, torch.Tensor):
+        return None
+    if _kernel_dtypes is None:
+        _kernel_dtypes = frozenset((torch.float32, torch.float64, torch.int32, torch.int64))
+    # is_cpu, not device.type: the device object costs ~0.4 µs to make, on every call.
+    if (x.dtype not in _kernel_dtypes or not x.is_cpu or x.layout is not torch.strided
+            or not x.is_contiguous()):
+        return None
+    return (x.detach() if x.requires_grad else x).numpy()
+
+
+_kernel_dtypes: "frozenset | None" = None  # the dtypes of _shmfast.c, as torch names them

@@ -443,7 +443,7 @@ class ShmGroup:
     def allreduce_express(self, flat: np.ndarray, code: int, divisor: int, deadline: float,
                           on_idle: Callable[[float], None], signature: int) -> None:
         """``allreduce`` on the compiled road, for a caller that has checked what it checks
-        (``express.py``): ``flat`` a writable C-contiguous 1-d array of 1 to ``small_bytes``
+        (a prepared allreduce, ``pipeline/operations.Prepared``): ``flat`` a writable C-contiguous 1-d array of 1 to ``small_bytes``
         bytes, ``code`` from ``fast_code``, ``divisor`` as for ``allreduce`` (no ``trunc``)."""
         if self._failed is not None or self._segment is None:
             self._flat(flat, writable=True)  # raises what allreduce raises

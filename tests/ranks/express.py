@@ -1,4 +1,5 @@
-"""The express lane of small allreduces (gradsync/pipeline/express.py) against closed-form results.
+"""The small-allreduce fast case (the *lane*: a call prepared once, by
+gradsync/pipeline/operations.prepare_allreduce, then run by the engine) against closed forms.
 
 Run by tests/test_express.py at N ranks forked from one process (tests/forked_jobs.py; by
 hand, ``gradsync run -np N`` runs it the same); argv[1] is the mode:
@@ -34,7 +35,7 @@ import torch
 import gradsync as gs
 from gradsync import job
 from gradsync.transport.host_segment import ShmGroup
-from gradsync.pipeline import express
+from gradsync.pipeline import operations
 from gradsync.collectives.ops import scale
 
 mode = sys.argv[1]
@@ -54,7 +55,7 @@ def counted(self, *args):
 
 ShmGroup.allreduce_express = counted
 if not lane_here:
-    express.allreduce = lambda *args: None  # this rank's calls take the full road
+    operations.prepare_allreduce = lambda *args: None  # nothing prepared: the full road
 
 
 fail = Checks(R).fail
@@ -165,8 +166,8 @@ if not lane_here:
 if taken != expected_lane:
     fail(f"{taken} calls took the lane, expected {expected_lane}")
 # Behind a queued asynchronous allreduce the lane must wait its turn (the engine's order):
-# refused while the engine is busy, the call queues behind the other; either way the results
-# are the closed form (whether the lane was free by then depends on timing).
+# while the engine is busy, the prepared call queues behind the other; either way the results
+# are the closed form (whether the engine was free by then depends on timing).
 big = np.full(1 << 18, R + 1, np.float32)
 h = gs.allreduce_async_(big, op=gs.Sum, name="big")
 small = np.full(3, R + 1, np.float32)
