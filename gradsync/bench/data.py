@@ -58,6 +58,10 @@ default and as a ``DataLoader``'s batches are the caller's to keep; ``--borrow``
 ``--profile DIR``: every rank writes a cProfile of each of its threads' work to
 ``DIR/rank<R>.prof`` (the producers and serving threads of a data server, the training loop
 of a worker), for ``python -m pstats``; the per-batch breakdown in docs/data.md comes from it.
+Its times are each thread's CPU seconds (``time.thread_time``), not wall time: a thread's
+waits (for a lock, the GIL, a reply) and a loaded machine's stretch do not count, so that
+profiles taken on a shared machine compare; the profiler's own cost per call inflates
+functions called often, whose call counts are exact.
 
 Medians over the R epochs (and over the transport epoch's batches) are printed, with the
 spread (lowest and highest); ``--json FILE`` writes the row. The data servers are idle while
@@ -368,7 +372,7 @@ def _profile(directory: str) -> None:
     run = threading.Thread.run
 
     def profiled(thread):
-        profile = cProfile.Profile()
+        profile = cProfile.Profile(time.thread_time)
         with lock:
             profiles.append(profile)
         profile.enable()
@@ -378,7 +382,7 @@ def _profile(directory: str) -> None:
             profile.disable()
 
     threading.Thread.run = profiled
-    main = cProfile.Profile()
+    main = cProfile.Profile(time.thread_time)
     profiles.append(main)
     main.enable()
 
@@ -393,8 +397,10 @@ def _profile(directory: str) -> None:
             except TypeError:  # a thread still running (a daemon): its profile is not ready
                 continue
         if stats is not None:
-            stats.dump_stats(os.path.join(directory, f"rank{os.environ.get('GRADSYNC_RANK', 0)}"
-                                                     ".prof"))
+            # GRADSYNC_RANK from ``gradsync run``, RANK from an emulated run's torchrun-style
+            # variables (``testbed/netns.py``).
+            rank = os.environ.get("GRADSYNC_RANK", os.environ.get("RANK", "0"))
+            stats.dump_stats(os.path.join(directory, f"rank{rank}.prof"))
 
     atexit.register(write)
 
