@@ -183,6 +183,57 @@ def test_over_tcp_one_take_brings_every_ready_batch_of_the_window(server):
     assert stats["takes"] <= len(got) - 3  # the first take brought 4
 
 
+class _Until:
+    """A gate (for ``_Gates``) that opens once ``ready()`` holds (polled, within 20 s)."""
+
+    def __init__(self, ready):
+        self.ready = ready
+
+    def wait(self, seconds):
+        return _wait_for(self.ready, seconds)
+
+
+def test_over_tcp_a_take_sent_ahead_waits_until_several_batches_are_ready(server):
+    # Window 4, one producer that makes the items in turn. The first take, which the worker
+    # waits for with nothing in hand, is answered with item 0 alone (item 1 waits for a
+    # gate). The take sent ahead (items 1-4) waits on the server until 3 of its items are
+    # ready and brings them on one reply: item 2 is made only once that take waits for more
+    # than item 1, or has answered. Answered as soon as item 1 was ready, as before, it
+    # brought item 1 alone, and every later batch paid a take of its own.
+    gate = threading.Event()
+    srv = None
+
+    def ahead() -> bool:
+        stream = srv.streams[0]
+        return getattr(stream, "awaited", 0) > 2 or srv.takes >= 2
+
+    srv, peers = server(_Gates(SAMPLES, _server_items(1, 0), {1: gate, 2: _Until(ahead)}),
+                        workers=1, direct=False)
+    answers = []  # (the item a take named, or None; the items its reply brought)
+    take = srv._take
+
+    def recording(worker, args):
+        reply = take(worker, args)
+        info = reply.reply if isinstance(reply, Attached) else reply
+        answers.append((args.get("seq"), [info["seq"] + k for k in
+                                           range(1 + len(info.get("more", [])))]))
+        return reply
+
+    srv.endpoint.on_call("take", recording)
+    loader = _loader([peers[0]], _hello(peers[0], SAMPLES, prefetch=4), prefetch=4, window=4,
+                     takes=1)
+    batches = iter(loader)
+    first = next(batches)[1].tolist()
+    gate.set()
+    got = [first] + [ids.tolist() for _, ids in batches]
+    assert got == _planned(1)
+    assert answers[0] == (0, [0])
+    assert len(answers[1][1]) >= 3, answers  # items 1-3 (and 4 if ready) on one reply
+    assert [k for _, brought in answers for k in brought] == list(range(len(got)))
+    stats = peers[0].call("stats")
+    assert stats["sent"] == len(got) and stats["takes"] == len(answers)
+
+
 def test_over_tcp_a_lost_servers_batches_received_in_a_window_are_not_served_again(server):
     # Two data servers, window 4: server 0's first take brings its items 0-3 (item 0 gated
     # until items 1-3 are ready); the take asked ahead for item 4 waits on a gate when server

@@ -880,12 +880,13 @@ class _Epoch:
                                f"{list(ids)[:8]}...) where the plan has batch {batch.index} "
                                f"of epoch {self.epoch} (samples {batch.ids.tolist()[:8]}...)")
 
-    def _ask(self, s: int, seq: int | None, count: int) -> "Posted":
+    def _ask(self, s: int, seq: int | None, count: int, least: int = 1) -> "Posted":
         """Sends data server ``s`` a ``take`` and returns it in flight (``RemotePeer.post``):
         for item ``seq``, or without it for the item after those its takes in flight will
         have answered; with its bytes attached when its slots are not mapped here (they
         cross the connection once, into a fresh buffer), and then those of the next
-        ``count - 1`` items that are ready. It releases the items received so far."""
+        ``count - 1`` items that are ready, answered once ``least`` of them are. It
+        releases the items received so far."""
         loader = self.loader
         peer = loader.peers[s]
         args = {"wait": loader._take_wait, "release": loader._seq[s]}
@@ -897,7 +898,8 @@ class _Epoch:
         def buffer(reply: dict) -> np.ndarray:
             return np.empty(reply["attached"], dtype=np.uint8)
 
-        return peer.post_call_into("take", buffer, send=True, count=count, **args)
+        return peer.post_call_into("take", buffer, send=True, count=count, least=least,
+                                   **args)
 
     def _call(self, batch: Batch, s: int) -> np.ndarray | None:
         """Batch ``batch`` by ``take`` calls (from another host, or a same-host server
@@ -1003,7 +1005,16 @@ class _Epoch:
         share = -(-window // takes)  # items a take asks for, at most
         while wanted > 0 and len(posted) < takes and asked < window:
             count = min(share, wanted, window - asked)
-            posted.append((count, self._ask(s, None if posted else loader._seq[s], count)))
+            # How many of its items the reply waits for (the server sends it once they are
+            # ready): one, when the worker waits for this take with nothing in hand or in
+            # flight (a run's first); else all but one. A reply sent as soon as its first
+            # item is ready brings one batch whenever the server is the slower side, and
+            # each batch then pays a take's request, reply and parse on both ends; one item
+            # fewer than asked leaves the server a slot to prepare into while the reply
+            # travels and the next take comes back, so its producer never waits for them.
+            least = 1 if current and not posted else max(1, count - 1)
+            posted.append((count, self._ask(s, None if posted else loader._seq[s], count,
+                                            least)))
             asked += count
             wanted -= count
 
