@@ -70,6 +70,38 @@ def test_unpack_rejects_untrustworthy_headers(raw, allowed, match):
         rf.unpack(raw, allowed)
 
 
+class _Trickle:
+    """A socket whose ``sendmsg`` takes at most ``most`` bytes of its buffers per call (as a
+    full send buffer makes a kernel take part of them)."""
+
+    def __init__(self, most: int):
+        self.most, self.calls, self.sent = most, 0, bytearray()
+
+    def sendmsg(self, buffers):
+        self.calls += 1
+        room = self.most
+        for buf in buffers:
+            piece = bytes(buf[:room])
+            self.sent += piece
+            room -= len(piece)
+            if not room:
+                break
+        return self.most - room
+
+
+@pytest.mark.parametrize("most", [1, 5, 7, 1 << 20])
+def test_send_parts_sends_every_byte_in_order_across_partial_sends(most):
+    # A reply and the batches attached to it (``regions.Attached``): bytes, arrays (one
+    # empty), sent one after the other whatever the kernel takes per call.
+    parts = [b"head", np.arange(9, dtype=np.uint8), np.zeros(0, np.uint8),
+             np.full(6, 7, np.uint8)[::1], b"x"]
+    sock = _Trickle(most)
+    rf.send_parts(sock, parts)
+    want = b"".join(bytes(part) for part in parts)
+    assert bytes(sock.sent) == want
+    assert sock.calls == -(-len(want) // most)  # no call that sent nothing
+
+
 _TABLE = [types.SimpleNamespace(name="a", nbytes=64), types.SimpleNamespace(name="b", nbytes=0)]
 
 

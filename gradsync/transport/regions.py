@@ -347,10 +347,12 @@ class Endpoint:
         except Exception as exc:  # a bug in a handler must not take the owner down
             log.exception("%s: control method failed for peer %d", self.label, peer)
             reply, op = error_payload(exc), rf.Op.ERROR
-        sock.sendall(rf.pack(op, req.request, 0, 0, len(reply)) + reply)
+        head = rf.pack(op, req.request, 0, 0, len(reply)) + reply
         if attached is not None and op == rf.Op.REPLY:
-            for part in attached:  # straight from the region: the one copy is the kernel's
-                sock.sendall(part)
+            # Straight from the region (the one copy is the kernel's), behind the reply.
+            rf.send_parts(sock, [head, *attached])
+        else:
+            sock.sendall(head)
 
     def _serve_access(self, sock: socket.socket, req: rf.Request, scratch: np.ndarray) -> None:
         why = rf.check_access(req, self.regions, lambda r: r.dtype.itemsize)

@@ -51,13 +51,14 @@ from ..errors import (AuthenticationError, CollectiveMismatchError, ConfigError,
 __all__ = ["HEADER", "HEADER_SIZE", "MAGIC", "VERSION", "FENCED", "MAX_FENCE", "Op",
            "Request", "pack", "unpack", "MAX_CALL", "check_access", "check_fence",
            "check_epoch", "RegionAccessError", "StaleWriteError", "ERRORS", "error_payload",
-           "error_from", "recv_exact", "recv_into"]
+           "error_from", "recv_exact", "recv_into", "send_parts"]
 
 MAGIC = b"GSRM"
 VERSION = 2
 HEADER = struct.Struct("<4sBBHQIIQQ")
 HEADER_SIZE = HEADER.size  # 40
 MAX_CALL = 1 << 20  # control messages are small; more is a broken or hostile peer
+_PARTS_PER_SEND = 64  # buffers per sendmsg, far below the kernel's IOV_MAX (1024)
 FENCED = 1  # flags: the request carries the writer's epoch in the fence field
 MAX_FENCE = (1 << 32) - 1  # the field's width; views are numbered from 0, one per change
 
@@ -271,3 +272,18 @@ def recv_into(sock: socket.socket, dst: np.ndarray) -> None:
         if k == 0:
             raise ConnectionResetError(f"connection closed after {got} of {n} bytes")
         got += k
+
+
+def send_parts(sock: socket.socket, parts) -> None:
+    """Sends the buffers of ``parts`` (bytes, or contiguous uint8 arrays) one after the other,
+    as ``sendall`` of each would, in as few system calls as the socket takes them: one
+    ``sendmsg`` for a reply and the batches attached to it (``regions.Attached``), where a
+    ``sendall`` each cost a call (and, with the socket's timeout, a ``poll``) per part."""
+    views = [view for view in (memoryview(part).cast("B") for part in parts) if view.nbytes]
+    while views:
+        sent = sock.sendmsg(views[:_PARTS_PER_SEND])
+        while sent:
+            if sent >= views[0].nbytes:
+                sent -= views.pop(0).nbytes
+            else:
+                views[0], sent = views[0][sent:], 0
