@@ -889,9 +889,10 @@ class _Epoch:
         return buf
 
     def _check(self, s: int, epoch: int, index: int, ids, batch: Batch) -> None:
-        # Both int64 arrays on the poll road: their bytes compare without NumPy's dispatch.
+        # Both int64 arrays on the poll road: their bytes compare without NumPy's dispatch;
+        # a take's list (JSON) against the plan's as a list, without making it an array.
         same = ids.tobytes() == batch.ids.tobytes() if isinstance(ids, np.ndarray) \
-            and ids.dtype == batch.ids.dtype else np.array_equal(ids, batch.ids)
+            and ids.dtype == batch.ids.dtype else list(ids) == batch.ids.tolist()
         if index != batch.index or epoch != self.epoch or not same:
             raise RuntimeError(f"data server {s} sent batch {index} of epoch {epoch} (samples "
                                f"{list(ids)[:8]}...) where the plan has batch {batch.index} "
