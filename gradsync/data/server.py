@@ -200,6 +200,9 @@ class _Stream:
         self.answered = 0    # the next item a take without ``seq`` answers (``_take``)
         self.gone = False
         self.generation = 0  # of the job's membership, as the worker's last start said
+        # The worker takes the bytes over the connection (a take with ``send``): its reads
+        # free slots only with a take, which wakes the producers, never by an ack in the table.
+        self.remote = False
 
     @property
     def busy(self) -> bool:
@@ -212,8 +215,9 @@ class _Stream:
         self.released = max(self.released, min(self.table.acked(), self.produced))
 
     def waits_for_credit(self) -> bool:
-        """Items are queued but every slot holds one the worker has not read."""
-        return (not self.gone and self.claimed < len(self.items)
+        """Items are queued but every slot holds one the worker has not read, and only the
+        worker's ack in the table can free one (the producer looks for it: ``_produce``)."""
+        return (not self.gone and not self.remote and self.claimed < len(self.items)
                 and self.claimed - self.released >= self.prefetch)
 
     def can_produce(self) -> bool:
@@ -471,6 +475,7 @@ class DataServer:
                                  f"{seq}, releasing those before {release}; its stream holds "
                                  f"items {stream.released} .. {len(stream.items) - 1}")
             stream.released, stream.answered = release, seq
+            stream.remote = stream.remote or send
             self._cv.notify_all()
             # ``count``: a worker on another host takes up to this many items at once (its
             # window, ``data_window``), and the reply waits until ``least`` of them are
