@@ -39,11 +39,11 @@ A step, seen from worker w:
    answered, so the next take already waits here when a batch becomes ready, and the round
    trip is hidden behind the batches the worker reads meanwhile. A take releases the items
    before its ``release`` (default ``seq``): those whose bytes are in the worker's buffers
-   when it was sent. A take waits at most ``wait`` seconds and then answers ``pending`` (the worker
-   asks again; a take already behind it asks for the same item): so every call is answered
-   within a fraction of the heartbeat timeout while this server runs, and a worker that
-   hears nothing for that long knows the server is stopped or cut off, not slow
-   (``liveness.py``).
+   when it was sent. A take waits at most ``wait`` seconds and then answers with the items
+   ready, or ``pending`` when there are none (the worker asks again; a take already behind
+   it asks for the same item): so every call is answered within a fraction of the
+   heartbeat timeout while this server runs, and a worker that hears nothing for that long
+   knows the server is stopped or cut off, not slow (``liveness.py``).
 
 Liveness. A beater counts up the *beat* word of every stream's slot table each
 ``heartbeat_interval`` (the native thread of ``beater.py``, which needs no GIL, so that a
