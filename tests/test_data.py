@@ -318,6 +318,24 @@ def test_a_server_runs_at_most_prefetch_batches_ahead_of_each_worker(server, mon
     assert srv.streams[0].produced == 3 and srv.streams[1].produced == 2
 
 
+def test_a_stream_taken_over_the_connection_is_not_looked_at_for_an_ack(server):
+    # A polling worker's ack wakes nobody, so the producer naps and looks again while a
+    # stream waits for one (0.1-2 ms naps). A worker that takes the bytes over TCP frees its
+    # slots with its next take, which wakes the producer: out of credit, its stream makes
+    # the producer nap no more (a nap and the GIL taken back for nothing).
+    srv, peers = server(Numbers(40), workers=2, direct=False)
+    for peer in peers.values():
+        _hello(peer, 40, prefetch=2)
+        peer.call("start", epoch=0, done=None)
+    assert _wait_for(lambda: all(s.produced == 2 for s in srv.streams.values()))
+    info, _ = peers[0].call_into("take", lambda r: np.empty(r["attached"], np.uint8), seq=0,
+                                 send=True)
+    assert info["seq"] == 0
+    assert _wait_for(lambda: srv.streams[0].produced == 2 and srv.streams[0].claimed == 2)
+    assert not srv.streams[0].waits_for_credit()  # item 0 is held: freed by the next take
+    assert srv.streams[1].waits_for_credit()  # no take yet: an ack in its table may come
+
+
 def test_batches_follow_the_plan_with_augmentation_after_the_cache(server):
     data = Numbers(21)
     srv, peers = server(data, workers=2)

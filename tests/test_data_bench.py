@@ -35,6 +35,8 @@ def test_bench_data_compares_both_feeds_and_the_transport(tmp_path):
     assert (row["workers"], row["data_servers"], row["loader_workers"]) == (2, 1, 1)
     assert (row["data_workers"], row["copy"]) == (2, False)
     assert row["wrong"] == 0 and row["dataloader_wrong"] == 0
+    assert row["takes"] == row["sent"] == 0  # polled: no take (the counts of the whole run)
+    assert not any(line.startswith("# takes:") for line in lines), out
     for feed in ("servers_samples_s", "dataloader_samples_s"):
         assert 0 < row[feed]["low"] <= row[feed]["median"] <= row[feed]["high"]
     assert row["throughput_ratio"] == pytest.approx(

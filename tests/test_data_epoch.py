@@ -1,9 +1,11 @@
 """A worker's epoch (``loader._Epoch``) against real data servers in this process: the two roads.
 
 On one host the training loop's own ``next()`` polls the slot tables (no fetch thread) and,
-with ``Loader(copy=False)``, lends the loop the slot itself until the next batch; over TCP a
-fetch thread asks each server for its next item while it reads the current one, and the
-bytes ride on the ``take``'s reply. The ``Loader`` here is wired by hand to the ``server``
+with ``Loader(copy=False)``, lends the loop the slot itself until the next batch; over TCP
+the worker asks each server for its next items while it uses the current one, and the bytes
+ride on the ``take``'s reply: taken by the loop's own ``next()`` when a window of batches is
+small (``INLINE_REPLY_BYTES``; these tests' batches are), else by a fetch thread
+(``thread=True`` forces it here). The ``Loader`` here is wired by hand to the ``server``
 fixture's connections (``_loader``): its epochs, plan and loss handling are the real code;
 only ``Loader(...)``'s job set-up (the store, ``init()``) is skipped.
 """
@@ -28,10 +30,13 @@ SAMPLES, BATCH = 40, 4
 
 
 def _loader(peers: list, reply: dict, prefetch=2, copy=True, poll=True, window=1,
-            takes=1) -> Loader:
+            takes=1, thread=False) -> Loader:
     """Worker 0 of 1, connected to the data servers of ``peers`` (its peer of each, after the
-    hello whose ``reply`` describes the batches), as ``Loader.__init__`` would leave it."""
+    hello whose ``reply`` describes the batches), as ``Loader.__init__`` would leave it
+    (``thread``: over TCP, a fetch thread whatever the batches' size)."""
     loader = Loader.__new__(Loader)
+    if thread:
+        loader.inline_reply_bytes = 0
     loader.samples, loader.batch_size, loader.seed = SAMPLES, BATCH, 1
     loader.order, loader.collate, loader.copy = "servers", None, copy
     loader.prefetch, loader.window, loader.takes = prefetch, window, takes
@@ -91,11 +96,13 @@ def test_a_copied_batch_polled_by_the_loop_is_its_own_buffer(server):
 
 
 def test_over_tcp_the_next_take_is_asked_while_the_batch_in_hand_is_read(server):
-    # prefetch 1 (the worker's queue holds one batch): the loop holds batch 0, the queue
-    # batch 1, the fetch thread batch 2 (waiting to queue it). Without asking ahead the
-    # server has been asked for items 0-2; asking ahead, for item 3 too (which releases 2).
+    # The fetch thread, prefetch 1 (the worker's queue holds one batch): the loop holds batch
+    # 0, the queue batch 1, the fetch thread batch 2 (waiting to queue it). Without asking
+    # ahead the server has been asked for items 0-2; asking ahead, for item 3 too (which
+    # releases 2).
     srv, peers = server(Numbers(SAMPLES), workers=1, direct=False)
-    loader = _loader([peers[0]], _hello(peers[0], SAMPLES, prefetch=2), prefetch=1)
+    loader = _loader([peers[0]], _hello(peers[0], SAMPLES, prefetch=2), prefetch=1,
+                     thread=True)
     assert loader.slots[0].direct is None and loader.pollers[0] is None  # the TCP road
     batches = iter(loader)
     assert batches._thread is not None
@@ -108,9 +115,29 @@ def test_over_tcp_the_next_take_is_asked_while_the_batch_in_hand_is_read(server)
     assert stats["takes"] == stats["sent"] == len(got)
 
 
+def test_over_tcp_small_batches_are_taken_by_the_loop_with_the_next_take_in_flight(server):
+    # No fetch thread: the loop's own next() receives each reply, and before it returns a
+    # batch the take for the server's next items is on the connection (sent as the reply
+    # came in), so their round trip runs while the loop uses the batch.
+    srv, peers = server(Numbers(SAMPLES), workers=1, direct=False)
+    loader = _loader([peers[0]], _hello(peers[0], SAMPLES, prefetch=4), prefetch=4, window=4)
+    batches = iter(loader)
+    assert batches._thread is None
+    got = []
+    for k, (_, ids) in enumerate(batches):
+        got.append(ids.tolist())
+        if k < len(_planned(1)) - 1:  # more to come: here already, or asked for
+            assert batches._got[0] or len(batches._posted[0]) == 1, k
+    assert got == _planned(1)
+    assert not any(t.name == "gradsync-data-fetch" for t in threading.enumerate())
+    stats = peers[0].call("stats")
+    assert stats["sent"] == len(got) and stats["takes"] < len(got)
+
+
+@pytest.mark.parametrize("thread", [False, True], ids=["loop", "thread"])
 @pytest.mark.parametrize("takes", [1, 2])
 def test_a_server_lost_with_takes_in_flight_has_its_batches_served_once_by_the_other(
-        server, takes):
+        server, takes, thread):
     # Two data servers over TCP; server 0's sample ``slow`` (in its second batch) waits for
     # a gate, so the take asked ahead for that batch (and with 2 takes, the one behind it)
     # is in flight when server 0 is closed.
@@ -127,13 +154,15 @@ def test_a_server_lost_with_takes_in_flight_has_its_batches_served_once_by_the_o
     srv1, peers1 = server(Numbers(SAMPLES), workers=1, servers=2, index=1, direct=False)
     reply = _hello(peers0[0], SAMPLES, prefetch=2)
     _hello(peers1[0], SAMPLES, prefetch=2)
-    loader = _loader([peers0[0], peers1[0]], reply, prefetch=1, window=takes, takes=takes)
+    loader = _loader([peers0[0], peers1[0]], reply, prefetch=1, window=takes, takes=takes,
+                     thread=thread)
     batches = iter(loader)
+    first = next(batches)[1].tolist()
     # Server 0's first batch taken (the plan's first), its next are asked for at once.
     assert _wait_for(lambda: loader._seq[0] == 1 and len(batches._posted[0]) == takes)
     assert not any(take.poll() for _, take in batches._posted[0])  # the server waits
     srv0.endpoint.close()
-    got = [ids.tolist() for _, ids in batches]
+    got = [first] + [ids.tolist() for _, ids in batches]
     gate.set()
     assert loader.lost == {0}
     ids = sorted(i for batch in got for i in batch)
@@ -183,7 +212,60 @@ def test_over_tcp_one_take_brings_every_ready_batch_of_the_window(server):
     assert stats["takes"] <= len(got) - 3  # the first take brought 4
 
 
-def test_over_tcp_a_lost_servers_batches_received_in_a_window_are_not_served_again(server):
+class _Until:
+    """A gate (for ``_Gates``) that opens once ``ready()`` holds (polled, within 20 s)."""
+
+    def __init__(self, ready):
+        self.ready = ready
+
+    def wait(self, seconds):
+        return _wait_for(self.ready, seconds)
+
+
+def test_over_tcp_a_take_sent_ahead_waits_until_several_batches_are_ready(server):
+    # Window 4, one producer that makes the items in turn. The first take, which the worker
+    # waits for with nothing in hand, is answered with item 0 alone (item 1 waits for a
+    # gate). The take sent ahead (items 1-4) waits on the server until 3 of its items are
+    # ready and brings them on one reply: item 2 is made only once that take waits for more
+    # than item 1, or has answered. Answered as soon as item 1 was ready, as before, it
+    # brought item 1 alone, and every later batch paid a take of its own.
+    gate = threading.Event()
+    srv = None
+
+    def ahead() -> bool:
+        stream = srv.streams[0]
+        return getattr(stream, "awaited", 0) > 2 or srv.takes >= 2
+
+    srv, peers = server(_Gates(SAMPLES, _server_items(1, 0), {1: gate, 2: _Until(ahead)}),
+                        workers=1, direct=False)
+    answers = []  # (the item a take named, or None; the items its reply brought)
+    take = srv._take
+
+    def recording(worker, args):
+        reply = take(worker, args)
+        info = reply.reply if isinstance(reply, Attached) else reply
+        answers.append((args.get("seq"), [info["seq"] + k for k in
+                                           range(1 + len(info.get("more", [])))]))
+        return reply
+
+    srv.endpoint.on_call("take", recording)
+    loader = _loader([peers[0]], _hello(peers[0], SAMPLES, prefetch=4), prefetch=4, window=4,
+                     takes=1)
+    batches = iter(loader)
+    first = next(batches)[1].tolist()
+    gate.set()
+    got = [first] + [ids.tolist() for _, ids in batches]
+    assert got == _planned(1)
+    assert answers[0] == (0, [0])
+    assert len(answers[1][1]) >= 3, answers  # items 1-3 (and 4 if ready) on one reply
+    assert [k for _, brought in answers for k in brought] == list(range(len(got)))
+    stats = peers[0].call("stats")
+    assert stats["sent"] == len(got) and stats["takes"] == len(answers)
+
+
+@pytest.mark.parametrize("thread", [False, True], ids=["loop", "thread"])
+def test_over_tcp_a_lost_servers_batches_received_in_a_window_are_not_served_again(server,
+                                                                                    thread):
     # Two data servers, window 4: server 0's first take brings its items 0-3 (item 0 gated
     # until items 1-3 are ready); the take asked ahead for item 4 waits on a gate when server
     # 0 is closed and given up. Items 1-3 were received: they are handed on, not served
@@ -195,16 +277,18 @@ def test_over_tcp_a_lost_servers_batches_received_in_a_window_are_not_served_aga
     srv1, peers1 = server(Numbers(SAMPLES), workers=1, servers=2, index=1, direct=False)
     reply = _hello(peers0[0], SAMPLES, prefetch=4)
     _hello(peers1[0], SAMPLES, prefetch=4)
-    loader = _loader([peers0[0], peers1[0]], reply, prefetch=1, window=4, takes=1)
+    loader = _loader([peers0[0], peers1[0]], reply, prefetch=1, window=4, takes=1,
+                     thread=thread)
     batches = iter(loader)
     assert _wait_for(lambda: srv0.streams[0].finished == {1, 2, 3})
     first.set()
+    got = [next(batches)[1].tolist()]
     # Items 0-3 are here, and the take for item 4 is in flight.
     assert _wait_for(lambda: loader._seq[0] == 4 and len(batches._posted[0]) == 1)
     srv0.endpoint.close()
-    # Given up before the fetch thread hands on item 1 (as the liveness watch would).
+    # Given up while items 1-3 wait to be handed on (as the liveness watch would).
     loader._lose(0, PeerLostError("data server 0 was given up", peer=0))
-    got = [ids.tolist() for _, ids in batches]
+    got += [ids.tolist() for _, ids in batches]
     never.set()
     assert loader.lost == {0}
     assert sorted(i for batch in got for i in batch) == list(range(SAMPLES))

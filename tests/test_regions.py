@@ -70,6 +70,99 @@ def test_unpack_rejects_untrustworthy_headers(raw, allowed, match):
         rf.unpack(raw, allowed)
 
 
+class _Trickle:
+    """A socket whose ``sendmsg`` takes at most ``most`` bytes of its buffers per call (as a
+    full send buffer makes a kernel take part of them)."""
+
+    def __init__(self, most: int):
+        self.most, self.calls, self.sent = most, 0, bytearray()
+
+    def sendmsg(self, buffers):
+        self.calls += 1
+        room = self.most
+        for buf in buffers:
+            piece = bytes(buf[:room])
+            self.sent += piece
+            room -= len(piece)
+            if not room:
+                break
+        return self.most - room
+
+
+@pytest.mark.parametrize("most", [1, 5, 7, 1 << 20])
+def test_send_parts_sends_every_byte_in_order_across_partial_sends(most):
+    # A reply and the batches attached to it (``regions.Attached``): bytes, arrays (one
+    # empty), sent one after the other whatever the kernel takes per call.
+    parts = [b"head", np.arange(9, dtype=np.uint8), np.zeros(0, np.uint8),
+             np.full(6, 7, np.uint8)[::1], b"x"]
+    sock = _Trickle(most)
+    rf.send_parts(sock, parts)
+    want = b"".join(bytes(part) for part in parts)
+    assert bytes(sock.sent) == want
+    assert sock.calls == -(-len(want) // most)  # no call that sent nothing
+
+
+class _Feed:
+    """A socket whose receives return ``steps`` in turn: bytes (as much as the buffer takes;
+    the rest at the next receive) or an exception to raise (a timeout); then end of stream."""
+
+    def __init__(self, *steps):
+        self.steps, self.calls = list(steps), 0
+
+    def recv_into(self, view):
+        self.calls += 1
+        step = self.steps.pop(0) if self.steps else b""
+        if isinstance(step, BaseException):
+            raise step
+        n = min(len(view), len(step))
+        view[:n] = step[:n]
+        if n < len(step):
+            self.steps.insert(0, step[n:])
+        return n
+
+
+def _call(request: int, body: bytes) -> bytes:
+    return rf.pack(rf.Op.CALL, request, 0, 0, len(body)) + body
+
+
+def test_an_owner_reads_a_request_and_its_payload_in_one_receive_and_keeps_the_next():
+    # Two control messages pipelined, the second cut across two receives: three reads of
+    # the stream would take five receives one by one (header, payload, ...).
+    first, second = _call(1, b'{"method": "take"}'), _call(2, b'{"method": "ping"}')
+    feed = _Feed(first + second[:10], second[10:])
+    incoming = rf.Incoming(feed)
+    assert rf.unpack(incoming.header(), rf.Op.REQUESTS).request == 1
+    assert incoming.exact(18) == b'{"method": "take"}'
+    assert feed.calls == 1
+    assert rf.unpack(incoming.header(), rf.Op.REQUESTS).request == 2
+    assert incoming.exact(18) == b'{"method": "ping"}'
+    assert feed.calls == 2
+    assert incoming.header() is None  # a clean end between requests
+
+
+def test_an_owners_read_ahead_goes_into_the_region_before_the_rest_of_the_payload():
+    payload = np.arange(40_000, dtype=np.uint32).view(np.uint8)  # more than one read ahead
+    feed = _Feed(rf.pack(WRITE, 1, 0, 0, payload.nbytes) + payload.tobytes())
+    incoming = rf.Incoming(feed)
+    incoming.header()
+    dst = np.zeros(payload.nbytes, np.uint8)
+    incoming.into(dst[:100])  # from the bytes read ahead only
+    incoming.into(dst[100:])  # the rest of them, then straight from the socket
+    assert np.array_equal(dst, payload)
+    assert incoming.header() is None
+
+
+def test_an_owner_waits_for_an_idle_peer_but_not_for_one_stalled_in_a_request():
+    head = _call(1, b"{}")
+    incoming = rf.Incoming(_Feed(socket.timeout(), socket.timeout(), head + b"{}"))
+    assert incoming.header() == head[:rf.HEADER_SIZE]  # idle twice: no stall
+    stalled = rf.Incoming(_Feed(head[:7], socket.timeout()))
+    with pytest.raises(socket.timeout):
+        stalled.header()
+    with pytest.raises(ConnectionResetError, match="after 7 of a header's"):
+        rf.Incoming(_Feed(head[:7])).header()
+
+
 _TABLE = [types.SimpleNamespace(name="a", nbytes=64), types.SimpleNamespace(name="b", nbytes=0)]
 
 

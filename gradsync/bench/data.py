@@ -32,8 +32,10 @@ cost that a loaded machine stretches in wall time but does not shrink). Three me
    of the stream's slot table (from the first look until the header is seen, less the time
    the batch was still being prepared: the naps of the back-off after it was published are
    counted), else the ``take`` call (the control round trip, less the time the server waited
-   for the batch to be prepared: the server says how long). Ratio = transport / copy,
-   medians over the epoch's batches.
+   for the batch to be prepared: the server says how long; a batch that came on the reply
+   of an earlier take is asked for in no time). Ratio = transport / copy, medians over the
+   epoch's batches. Between hosts the header line ``# takes:`` says how many takes the data
+   servers answered in the whole run and how many batches their replies brought.
 3. **DataLoader.** Each worker's own ``torch.utils.data.DataLoader`` over the same dataset and
    transform, with a ``DistributedSampler`` (its share, shuffled) and ``num_workers`` =
    ``max(1, round(D * K / W))``, so that the loading processes number the data servers'
@@ -58,6 +60,10 @@ default and as a ``DataLoader``'s batches are the caller's to keep; ``--borrow``
 ``--profile DIR``: every rank writes a cProfile of each of its threads' work to
 ``DIR/rank<R>.prof`` (the producers and serving threads of a data server, the training loop
 of a worker), for ``python -m pstats``; the per-batch breakdown in docs/data.md comes from it.
+Its times are each thread's CPU seconds (``time.thread_time``), not wall time: a thread's
+waits (for a lock, the GIL, a reply) and a loaded machine's stretch do not count, so that
+profiles taken on a shared machine compare; the profiler's own cost per call inflates
+functions called often, whose call counts are exact.
 
 Medians over the R epochs (and over the transport epoch's batches) are printed, with the
 spread (lowest and highest); ``--json FILE`` writes the row. The data servers are idle while
@@ -313,6 +319,11 @@ def run(args) -> dict | None:
     road = "/".join(sorted({"shm" if slots.direct is not None else "tcp"
                             for slots in loader.slots}))
     ask = "/".join(sorted({"poll" if p is not None else "take" for p in loader.pollers}))
+    # The takes the data servers answered (every worker's, the whole run: after the barrier
+    # every worker's last epoch is over) and the batches their replies brought: between
+    # hosts, how many batches one request carries.
+    gradsync.barrier()
+    counters = loader.stats()
     loader.close()
     own.close()
     row = {"workers": workers, "data_servers": servers, "loader_workers": threads,
@@ -325,6 +336,8 @@ def run(args) -> dict | None:
            "transport": _transport_name(), "repeats": args.repeats, "wrong": wrong,
            "servers_samples_s": _summary(epochs), "dataloader_samples_s": _summary(own.rates),
            "dataloader_wrong": own.wrong,
+           "takes": sum(c["takes"] for c in counters),
+           "sent": sum(c["sent"] for c in counters),
            # each timed epoch of the data servers over the DataLoader's epoch after it
            "pair_ratios": [a / b for a, b in zip(epochs, own.rates)]}
     row["throughput_ratio"] = (row["servers_samples_s"]["median"]
@@ -368,7 +381,7 @@ def _profile(directory: str) -> None:
     run = threading.Thread.run
 
     def profiled(thread):
-        profile = cProfile.Profile()
+        profile = cProfile.Profile(time.thread_time)
         with lock:
             profiles.append(profile)
         profile.enable()
@@ -378,7 +391,7 @@ def _profile(directory: str) -> None:
             profile.disable()
 
     threading.Thread.run = profiled
-    main = cProfile.Profile()
+    main = cProfile.Profile(time.thread_time)
     profiles.append(main)
     main.enable()
 
@@ -393,8 +406,10 @@ def _profile(directory: str) -> None:
             except TypeError:  # a thread still running (a daemon): its profile is not ready
                 continue
         if stats is not None:
-            stats.dump_stats(os.path.join(directory, f"rank{os.environ.get('GRADSYNC_RANK', 0)}"
-                                                     ".prof"))
+            # GRADSYNC_RANK from ``gradsync run``, RANK from an emulated run's torchrun-style
+            # variables (``testbed/netns.py``).
+            rank = os.environ.get("GRADSYNC_RANK", os.environ.get("RANK", "0"))
+            stats.dump_stats(os.path.join(directory, f"rank{rank}.prof"))
 
     atexit.register(write)
 
@@ -553,6 +568,9 @@ def _print(rows: list[dict]) -> None:
     print(f"# throughput ratio (data servers / DataLoader): {row['throughput_ratio']:.2f} "
           f"of the medians; epoch by epoch (each feed's epochs alternate): median "
           f"{statistics.median(pairs):.2f}, {min(pairs):.2f}-{max(pairs):.2f}")
+    if row.get("takes"):
+        print(f"# takes: {row['takes']} answered by the data servers, bringing {row['sent']} "
+              f"batches ({row['sent'] / row['takes']:.2f} a take)")
     print("# transport per batch against a memory copy of it into a fresh buffer, per worker, "
           "us (median over the transport epoch's batches): ask = the poll of the slot table "
           "(poll) or the take's control round trip (take), read = the bytes; ratios to the "

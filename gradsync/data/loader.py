@@ -8,14 +8,17 @@ order, each into a fresh buffer that the yielded tensors view (or, with ``copy=F
 the loop the server's slot itself). From a server on this host a batch comes without a
 message, in the loop's own ``next()``: it polls the stream's slot table in shared memory and
 acks with a one-sided write (``slots.py``), the servers having prepared ``prefetch`` batches
-ahead. From a server on another host a fetch thread takes the batches up to ``prefetch``
-ahead of the loop with ``take`` calls, whose replies carry the batches' bytes: it keeps
-``data_takes`` of them (by default one) in flight per server on the one connection (more are
-pipelined, answered in order), together asking for up to ``data_window`` batches, each take
-bringing the one it asks for and those after it that the server has ready; the next take is
-sent as soon as a reply is in, so its round trip runs while the batches in hand are checked
-and handed on (``_Epoch._call``). An ``iter()`` while an epoch
-is unfinished (a loop left with ``break``) goes on with that epoch where it stopped.
+ahead. From a server on another host the batches come by ``take`` calls, whose replies carry
+the batches' bytes: ``data_takes`` of them (by default one) in flight per server on the one
+connection (more are pipelined, answered in order), together asking for up to
+``data_window`` batches, each take bringing the one it asks for and those after it that the
+server has ready (a take sent while the worker holds batches waits there until all but one
+of them are); the next take is sent as soon as a reply is in, so its round trip runs while
+the batches in hand are used (``_Epoch._call``). Small batches are taken so by the loop's
+own ``next()``; larger ones (a window of more than ``INLINE_REPLY_BYTES``) by a fetch thread
+up to ``prefetch`` ahead of the loop, whose receipt of the bytes overlaps the training step.
+An ``iter()`` while an epoch is unfinished (a loop left with ``break``) goes on with that
+epoch where it stopped.
 
 Exactly once. Within an epoch every sample is in exactly one batch and every batch goes to
 exactly one worker (``plan.py``). A batch counts as *delivered* (acknowledged) once the
@@ -66,6 +69,11 @@ __all__ = ["Loader", "STATE_VERSION"]
 _END = object()  # the fetch thread's last item of an epoch
 _ADOPT_PIECE = 256  # batches handed to a data server per control message
 _TRANSFERS_KEPT = 4096  # batches whose fetch times ``transfers()`` keeps
+# A take's reply of at most this many bytes (a window of batches) is taken by the training
+# loop itself, without a fetch thread (``_Epoch``): it fits in the socket's receive buffer as
+# the kernel grants it from the start (Linux's tcp_rmem default, 128 KiB, of which half
+# holds data), so it arrives there while the loop trains, and the loop's receive is a copy.
+INLINE_REPLY_BYTES = 64 << 10
 
 log = logging.getLogger("gradsync.data")
 
@@ -104,6 +112,7 @@ class Loader:
     """
 
     _losses = None  # the store this worker's losses are written to: an elastic job's only
+    inline_reply_bytes = INLINE_REPLY_BYTES  # (a test sets 0: the fetch thread, any batch)
 
     def __init__(self, dataset, batch_size: int, transform=None, seed: int = 0,
                  prefetch: int | None = None, order: str = "servers", collate=None,
@@ -753,8 +762,15 @@ class _Epoch:
     polled), the training loop's own ``next()`` polls for the next batch (*inline*): the
     servers already prepare ``prefetch`` batches ahead into their slots, so a thread between
     them and the loop would add only its hand-over (a queue, and the GIL passed back and
-    forth) to every batch. Otherwise a *fetch thread* takes the batches ahead into the queue,
-    ``prefetch`` of them, so that reads over TCP overlap the training step.
+    forth) to every batch. So it does over TCP when a take's reply is small (a window of
+    batches of at most ``INLINE_REPLY_BYTES``): the take for the next batches is sent as
+    soon as a reply is in (``_call``), its reply lands in the socket's receive buffer while
+    the loop trains, and the loop's own receive is a copy; the connection's thread watches
+    the takes in flight for silence meanwhile, and receives a reply the loop has not asked
+    for within two of its looks (a step longer than 50 ms: ``region_peer.LOOK_S``).
+    Otherwise (larger batches, which would stream in while the loop waits) a *fetch thread*
+    takes the batches ahead into the queue, ``prefetch`` of them, so that reads over TCP
+    overlap the training step.
 
     *Borrowed* batches (``Loader(copy=False)``, inline only): the yielded tensors view the
     stream's slot itself, not a copy, and the slot is released (acked) when the loop asks for
@@ -784,7 +800,8 @@ class _Epoch:
         self._held: tuple[Any, int] | None = None
         self._failed: BaseException | None = None  # raised again by every later next()
         live = [d for d in range(loader.servers) if d not in loader.lost]
-        self.inline = all(loader.pollers[d] is not None for d in live)
+        self.inline = all(loader.pollers[d] is not None for d in live) \
+            or loader.window * loader.slot_bytes <= loader.inline_reply_bytes
         self.borrow = self.inline and not loader.copy
         self._items = self._batches()
         self._queue: queue.Queue | None = None
@@ -872,20 +889,22 @@ class _Epoch:
         return buf
 
     def _check(self, s: int, epoch: int, index: int, ids, batch: Batch) -> None:
-        # Both int64 arrays on the poll road: their bytes compare without NumPy's dispatch.
+        # Both int64 arrays on the poll road: their bytes compare without NumPy's dispatch;
+        # a take's list (JSON) against the plan's as a list, without making it an array.
         same = ids.tobytes() == batch.ids.tobytes() if isinstance(ids, np.ndarray) \
-            and ids.dtype == batch.ids.dtype else np.array_equal(ids, batch.ids)
+            and ids.dtype == batch.ids.dtype else list(ids) == batch.ids.tolist()
         if index != batch.index or epoch != self.epoch or not same:
             raise RuntimeError(f"data server {s} sent batch {index} of epoch {epoch} (samples "
                                f"{list(ids)[:8]}...) where the plan has batch {batch.index} "
                                f"of epoch {self.epoch} (samples {batch.ids.tolist()[:8]}...)")
 
-    def _ask(self, s: int, seq: int | None, count: int) -> "Posted":
+    def _ask(self, s: int, seq: int | None, count: int, least: int = 1) -> "Posted":
         """Sends data server ``s`` a ``take`` and returns it in flight (``RemotePeer.post``):
         for item ``seq``, or without it for the item after those its takes in flight will
         have answered; with its bytes attached when its slots are not mapped here (they
         cross the connection once, into a fresh buffer), and then those of the next
-        ``count - 1`` items that are ready. It releases the items received so far."""
+        ``count - 1`` items that are ready, answered once ``least`` of them are. It
+        releases the items received so far."""
         loader = self.loader
         peer = loader.peers[s]
         args = {"wait": loader._take_wait, "release": loader._seq[s]}
@@ -897,7 +916,8 @@ class _Epoch:
         def buffer(reply: dict) -> np.ndarray:
             return np.empty(reply["attached"], dtype=np.uint8)
 
-        return peer.post_call_into("take", buffer, send=True, count=count, **args)
+        return peer.post_call_into("take", buffer, send=True, count=count, least=least,
+                                   **args)
 
     def _call(self, batch: Batch, s: int) -> np.ndarray | None:
         """Batch ``batch`` by ``take`` calls (from another host, or a same-host server
@@ -1003,7 +1023,16 @@ class _Epoch:
         share = -(-window // takes)  # items a take asks for, at most
         while wanted > 0 and len(posted) < takes and asked < window:
             count = min(share, wanted, window - asked)
-            posted.append((count, self._ask(s, None if posted else loader._seq[s], count)))
+            # How many of its items the reply waits for (the server sends it once they are
+            # ready): one, when the worker waits for this take with nothing in hand or in
+            # flight (a run's first); else all but one. A reply sent as soon as its first
+            # item is ready brings one batch whenever the server is the slower side, and
+            # each batch then pays a take's request, reply and parse on both ends; one item
+            # fewer than asked leaves the server a slot to prepare into while the reply
+            # travels and the next take comes back, so its producer never waits for them.
+            least = 1 if current and not posted else max(1, count - 1)
+            posted.append((count, self._ask(s, None if posted else loader._seq[s], count,
+                                            least)))
             asked += count
             wanted -= count
 

@@ -29,18 +29,21 @@ A step, seen from worker w:
    it calls ``take(seq, wait, send=True)``, which waits until item ``seq`` is ready and
    answers what it holds (index, sample ids, bytes) and how long it waited, with the slot's
    bytes attached (``regions.Attached``): they cross the connection once, straight into the
-   worker's buffer; with ``count`` > 1 the items after ``seq`` that are prepared already
-   follow on the same reply, none waited for. The worker keeps a few takes in flight on its
-   connection (``loader.py``), which this server's serving thread answers one after the
-   other: a take without ``seq`` answers the item after those the one before it answered,
-   so the next take already waits here when a batch becomes ready, and the round trip is
-   hidden behind the batches the worker reads meanwhile. A take releases the items before
-   its ``release`` (default ``seq``): those whose bytes are in the worker's buffers when it
-   was sent. A take waits at most ``wait`` seconds and then answers ``pending`` (the worker
-   asks again; a take already behind it asks for the same item): so every call is answered
-   within a fraction of the heartbeat timeout while this server runs, and a worker that
-   hears nothing for that long knows the server is stopped or cut off, not slow
-   (``liveness.py``).
+   worker's buffer; with ``count`` > 1 the items after ``seq`` that are prepared follow on
+   the same reply, which waits until ``least`` of them are (a worker that holds batches asks
+   for several at once: one request and one reply for them all, where a reply sent at its
+   first ready item brings one batch whenever this server is the slower side; the producer
+   wakes the take once they are, not at every item). The worker keeps a few takes in flight
+   on its connection (``loader.py``), which this server's serving thread answers one after
+   the other: a take without ``seq`` answers the item after those the one before it
+   answered, so the next take already waits here when a batch becomes ready, and the round
+   trip is hidden behind the batches the worker reads meanwhile. A take releases the items
+   before its ``release`` (default ``seq``): those whose bytes are in the worker's buffers
+   when it was sent. A take waits at most ``wait`` seconds and then answers with the items
+   ready, or ``pending`` when there are none (the worker asks again; a take already behind
+   it asks for the same item): so every call is answered within a fraction of the
+   heartbeat timeout while this server runs, and a worker that hears nothing for that long
+   knows the server is stopped or cut off, not slow (``liveness.py``).
 
 Liveness. A beater counts up the *beat* word of every stream's slot table each
 ``heartbeat_interval`` (the native thread of ``beater.py``, which needs no GIL, so that a
@@ -180,8 +183,13 @@ class Source:
 class _Stream:
     """One worker's batches from this server, and its slots."""
 
-    def __init__(self, slots: np.ndarray, prefetch: int, table: SlotTable):
+    def __init__(self, slots: np.ndarray, prefetch: int, table: SlotTable, lock):
         self.slots, self.prefetch, self.table = slots, prefetch, table
+        # The take waiting on this stream (a worker's takes are answered one at a time)
+        # waits on ``answer``, under the server's lock, until ``produced`` reaches
+        # ``awaited``: the producer wakes it then, not at every item (``_take``).
+        self.answer = threading.Condition(lock)
+        self.awaited = 0
         self.items: list[tuple[int, Batch]] = []   # (epoch, batch) by sequence number
         self.nbytes: list[int] = []                # bytes written, by sequence number
         self.produced = 0    # items written into slots: every item before it
@@ -192,6 +200,9 @@ class _Stream:
         self.answered = 0    # the next item a take without ``seq`` answers (``_take``)
         self.gone = False
         self.generation = 0  # of the job's membership, as the worker's last start said
+        # The worker takes the bytes over the connection (a take with ``send``): its reads
+        # free slots only with a take, which wakes the producers, never by an ack in the table.
+        self.remote = False
 
     @property
     def busy(self) -> bool:
@@ -204,8 +215,9 @@ class _Stream:
         self.released = max(self.released, min(self.table.acked(), self.produced))
 
     def waits_for_credit(self) -> bool:
-        """Items are queued but every slot holds one the worker has not read."""
-        return (not self.gone and self.claimed < len(self.items)
+        """Items are queued but every slot holds one the worker has not read, and only the
+        worker's ack in the table can free one (the producer looks for it: ``_produce``)."""
+        return (not self.gone and not self.remote and self.claimed < len(self.items)
                 and self.claimed - self.released >= self.prefetch)
 
     def can_produce(self) -> bool:
@@ -287,7 +299,10 @@ class DataServer:
         self._plans: dict[tuple[int, int], tuple[tuple[str, int], list[Batch]]] = {}
         self._seen: set[int] = set()
         self._started: set[int] = set()
-        self._cv = threading.Condition()
+        # One lock for the server's state; the producers wait on ``_cv``, a take on its
+        # stream's ``answer``.
+        self._lock = threading.RLock()
+        self._cv = threading.Condition(self._lock)
         self._stop = False
         self.done = threading.Event()
         self._closing = threading.Event()
@@ -337,7 +352,7 @@ class DataServer:
                 table.beaten_by(self._beats)
             if self.failure is not None:
                 table.fail()
-            self.streams[worker] = _Stream(slots, prefetch, table)
+            self.streams[worker] = _Stream(slots, prefetch, table, self._lock)
             self._seen.add(worker)
         return {"layout": self.spec, "slot_bytes": self.slot_bytes,
                 "server": self.index, "incarnation": self.incarnation}
@@ -437,12 +452,15 @@ class DataServer:
         """Item ``seq`` of the worker's stream (or, without ``seq``, the next one after
         those the last take answered: a worker's pipelined takes, of which the one before
         may have answered "pending"), with the ready items after it up to ``count`` when
-        ``send``; releases the items before ``release`` (default ``seq``)."""
+        ``send``, once ``least`` of them are ready; releases the items before ``release``
+        (default ``seq``)."""
         end = time.monotonic() + self.timeout * 0.9  # answer before the worker's socket gives up
         # ``wait``: the worker's bound (a fraction of its heartbeat timeout), after which the
-        # answer is ``pending``: a slow batch is never taken for a silent server.
+        # answer is ``pending`` (or what is ready): a slow batch is never taken for a silent
+        # server.
         wait = args.get("wait")
         patience = end if wait is None else min(end, time.monotonic() + float(wait))
+        send = bool(args.get("send"))
         with self._cv:
             stream = self._stream(worker)
             stream.refresh()
@@ -457,36 +475,47 @@ class DataServer:
                                  f"{seq}, releasing those before {release}; its stream holds "
                                  f"items {stream.released} .. {len(stream.items) - 1}")
             stream.released, stream.answered = release, seq
+            stream.remote = stream.remote or send
             self._cv.notify_all()
-            arrived, ready = time.monotonic(), stream.produced > seq
-            while stream.produced <= seq:
+            # ``count``: a worker on another host takes up to this many items at once (its
+            # window, ``data_window``), and the reply waits until ``least`` of them are
+            # ready (the items after ``seq`` that exist in the stream now: no take waits for
+            # an epoch not started). A worker that has batches in hand asks for several
+            # (``loader._Epoch._post``): one request, one reply and one parse bring them
+            # all, where a reply sent as soon as its first item is ready brings one batch
+            # when the server is the slower side (its next items are still to come).
+            most = min(seq + max(1, int(args.get("count", 1))), len(stream.items)) \
+                if send else seq + 1
+            enough = min(seq + max(1, int(args.get("least", 1))), most)
+            arrived, ready = time.monotonic(), stream.produced >= enough
+            while stream.produced < enough:
+                now = time.monotonic()
+                if stream.produced > seq and (now >= patience or self.failure is not None):
+                    break  # what is ready goes; a failure is the next take's answer
                 if self.failure is not None:
                     raise GradsyncError(self.failure)
-                left = end - time.monotonic()
-                if patience < end and time.monotonic() >= patience:
+                if patience < end and now >= patience:
                     # The next take without ``seq`` asks for this item again.
-                    return {"pending": True, "waited": time.monotonic() - arrived}
-                if left <= 0:
+                    return {"pending": True, "waited": now - arrived}
+                if now >= end:
                     raise GradsyncTimeoutError(f"data server {self.index} did not prepare "
                                                f"worker {worker}'s item {seq} within "
                                                f"{self.timeout * 0.9:.0f}s")
-                self._cv.wait(max(0.0, min(left, patience - time.monotonic(), 1.0)))
+                stream.awaited = enough
+                try:
+                    stream.answer.wait(max(0.0, min(end - now, patience - now, 1.0)))
+                finally:
+                    stream.awaited = 0
             self.takes += 1  # answered with its item (a pending answer is no take)
             epoch, batch = stream.items[seq]
             slot, nbytes = seq % stream.prefetch, stream.nbytes[seq]
-            # ``waited``: how long the batch was still being prepared (the rest of the call's
-            # time is the transport's: Loader.transfers()).
+            # ``waited``: how long the batches it waited for were still being prepared (the
+            # rest of the call's time is the transport's: Loader.transfers()).
             info = {"seq": seq, "slot": slot, "nbytes": nbytes, "epoch": epoch,
                     "index": batch.index, "ids": batch.ids.tolist(),
                     "waited": 0.0 if ready else time.monotonic() - arrived}
-            send = bool(args.get("send"))
-            # ``count``: a worker on another host takes up to this many items at once (its
-            # window, ``data_window``): the ones after ``seq`` that are prepared already
-            # ride on the same reply, so one round trip brings several batches. None is
-            # waited for: the reply leaves as soon as item ``seq`` is ready.
             more, last = [], seq
             if send:
-                most = min(seq + max(1, int(args.get("count", 1))), len(stream.items))
                 while last + 1 < most and stream.produced > last + 1:
                     last += 1
                     e, b = stream.items[last]
@@ -578,11 +607,14 @@ class DataServer:
                     self._stop = True
                     for other in self.streams.values():
                         other.table.fail()
+                        other.answer.notify()
                     self._cv.notify_all()
                 return
             with self._cv:
                 stream.finish(seq)
-                self._cv.notify_all()
+                if stream.awaited and stream.produced >= stream.awaited:
+                    stream.answer.notify()
+                self._cv.notify_all()  # (a re-plan that waits for the stream not busy)
 
     # ------------------------------------------------------------------ liveness
     def _beat(self, interval: float) -> None:

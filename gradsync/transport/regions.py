@@ -75,8 +75,7 @@ from . import rma_frame as rf
 from . import shm, tcp
 from .region_memory import STRIPE_BYTES, Fence, Memory, Stripes
 from .region_peer import RemotePeer
-from .rma_frame import (RegionAccessError, StaleWriteError, error_payload, recv_exact,
-                        recv_into)
+from .rma_frame import Incoming, RegionAccessError, StaleWriteError, error_payload
 
 __all__ = ["Endpoint", "Region", "Memory", "Stripes", "Fence", "STRIPE_BYTES",
            "RegionAccessError", "StaleWriteError", "ANY_PEER", "Attached"]
@@ -298,21 +297,21 @@ class Endpoint:
         come back in the order they were sent: ``RemotePeer.post``)."""
         error: BaseException | None = None
         scratch = np.empty(STRIPE_BYTES, dtype=np.uint8)
+        # A peer may idle between requests as long as it likes, but once a request has begun
+        # its bytes must keep coming (``Incoming``): a WRITE that stalls half-way holds its
+        # stripe's lock, and every other peer of that stripe would wait with it.
+        sock.settimeout(self.timeout)
+        incoming = Incoming(sock)
         try:
             while True:
-                # A peer may idle between requests as long as it likes, but once a request has
-                # begun its bytes must keep coming: a WRITE that stalls half-way holds its
-                # stripe's lock, and every other peer of that stripe would wait with it.
-                sock.settimeout(None)
-                raw = recv_exact(sock, rf.HEADER_SIZE, eof_ok=True)
+                raw = incoming.header()
                 if raw is None:
                     break
-                sock.settimeout(self.timeout)
                 req = rf.unpack(raw, rf.Op.REQUESTS)
                 if req.op == rf.Op.CALL:
-                    self._serve_call(peer, sock, req)
+                    self._serve_call(peer, sock, incoming, req)
                 else:
-                    self._serve_access(sock, req, scratch)
+                    self._serve_access(sock, incoming, req, scratch)
         except (OSError, ProtocolError, ValueError) as exc:
             error = exc
             if not self._closed:
@@ -328,8 +327,9 @@ class Endpoint:
                 for callback in self._on_disconnect:
                     callback(peer, error)
 
-    def _serve_call(self, peer: int, sock: socket.socket, req: rf.Request) -> None:
-        payload = recv_exact(sock, req.length)
+    def _serve_call(self, peer: int, sock: socket.socket, incoming: Incoming,
+                    req: rf.Request) -> None:
+        payload = incoming.exact(req.length)
         attached = None
         try:
             message = json.loads(payload)
@@ -347,25 +347,28 @@ class Endpoint:
         except Exception as exc:  # a bug in a handler must not take the owner down
             log.exception("%s: control method failed for peer %d", self.label, peer)
             reply, op = error_payload(exc), rf.Op.ERROR
-        sock.sendall(rf.pack(op, req.request, 0, 0, len(reply)) + reply)
+        head = rf.pack(op, req.request, 0, 0, len(reply)) + reply
         if attached is not None and op == rf.Op.REPLY:
-            for part in attached:  # straight from the region: the one copy is the kernel's
-                sock.sendall(part)
+            # Straight from the region (the one copy is the kernel's), behind the reply.
+            rf.send_parts(sock, [head, *attached])
+        else:
+            sock.sendall(head)
 
-    def _serve_access(self, sock: socket.socket, req: rf.Request, scratch: np.ndarray) -> None:
+    def _serve_access(self, sock: socket.socket, incoming: Incoming, req: rf.Request,
+                      scratch: np.ndarray) -> None:
         why = rf.check_access(req, self.regions, lambda r: r.dtype.itemsize)
         if why is not None:
-            self._refuse(sock, req, scratch, 0 if req.op == rf.Op.READ else req.length,
+            self._refuse(sock, incoming, req, scratch, 0 if req.op == rf.Op.READ else req.length,
                          RegionAccessError(f"{self.label}: {why}"))
             return
         region = self.regions[req.region]
         if req.op != rf.Op.READ:
             refused = rf.check_fence(req, region, self.fence.level, self.label)
             if refused is not None:
-                self._refuse(sock, req, scratch, req.length, refused)
+                self._refuse(sock, incoming, req, scratch, req.length, refused)
                 return
             if region.fenced:
-                self._store_fenced(sock, req, region, scratch)
+                self._store_fenced(sock, incoming, req, region, scratch)
                 return
         lo, hi = req.offset, req.offset + req.length
         if req.op == rf.Op.READ:
@@ -381,19 +384,19 @@ class Endpoint:
             for a, b in region.stripes.pieces(lo, hi):
                 region.stripes.acquire(a)
                 try:
-                    recv_into(sock, region.u8[a:b])
+                    incoming.into(region.u8[a:b])
                 finally:
                     region.stripes.release(a)
             sock.sendall(rf.pack(rf.Op.REPLY, req.request, req.region, lo, 0))
         else:
             for a, b in region.stripes.pieces(lo, hi):
                 piece = scratch[:b - a]
-                recv_into(sock, piece)
+                incoming.into(piece)
                 region.add_piece(piece, a)
             sock.sendall(rf.pack(rf.Op.REPLY, req.request, req.region, lo, 0))
 
-    def _store_fenced(self, sock: socket.socket, req: rf.Request, region: Region,
-                      scratch: np.ndarray) -> None:
+    def _store_fenced(self, sock: socket.socket, incoming: Incoming, req: rf.Request,
+                      region: Region, scratch: np.ndarray) -> None:
         """A WRITE or ACCUMULATE into a fenced region, a stripe at a time: each stripe is
         received into ``scratch`` first and stored only if the fence still admits the
         request's epoch (the owner may raise it while the bytes arrive). Once one is refused
@@ -404,9 +407,9 @@ class Endpoint:
         lo, hi = req.offset, req.offset + req.length
         for a, b in region.stripes.pieces(lo, hi):
             piece = scratch[:b - a]
-            recv_into(sock, piece)
+            incoming.into(piece)
             if not self.fence.enter(fence):
-                self._refuse(sock, req, scratch, hi - b, StaleWriteError.refusing(
+                self._refuse(sock, incoming, req, scratch, hi - b, StaleWriteError.refusing(
                     self.label, f"{rf.Op.NAMES[req.op]} into region '{region.name}'",
                     fence, self.fence.level))
                 return
@@ -419,13 +422,13 @@ class Endpoint:
                 self.fence.leave()
         sock.sendall(rf.pack(rf.Op.REPLY, req.request, req.region, lo, 0))
 
-    def _refuse(self, sock: socket.socket, req: rf.Request, scratch: np.ndarray, left: int,
-                error: BaseException) -> None:
+    def _refuse(self, sock: socket.socket, incoming: Incoming, req: rf.Request,
+                scratch: np.ndarray, left: int, error: BaseException) -> None:
         """Answers ``req`` with ERROR ``error`` after reading and dropping the ``left``
         payload bytes still on the stream (too many: the stream is dropped instead)."""
         if left > _DRAIN_LIMIT:
             raise ProtocolError(f"refused request of {req.length} bytes: {error}")
-        _drain(sock, left, scratch)
+        _drain(incoming, left, scratch)
         body = error_payload(error)
         sock.sendall(rf.pack(rf.Op.ERROR, req.request, 0, 0, len(body)) + body)
 
@@ -471,8 +474,8 @@ def _unlink_all(names: set[str]) -> None:
         names.discard(name)
 
 
-def _drain(sock: socket.socket, n: int, scratch: np.ndarray) -> None:
+def _drain(incoming: Incoming, n: int, scratch: np.ndarray) -> None:
     while n > 0:
         k = min(n, scratch.nbytes)
-        recv_into(sock, scratch[:k])
+        incoming.into(scratch[:k])
         n -= k

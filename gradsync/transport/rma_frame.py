@@ -51,13 +51,15 @@ from ..errors import (AuthenticationError, CollectiveMismatchError, ConfigError,
 __all__ = ["HEADER", "HEADER_SIZE", "MAGIC", "VERSION", "FENCED", "MAX_FENCE", "Op",
            "Request", "pack", "unpack", "MAX_CALL", "check_access", "check_fence",
            "check_epoch", "RegionAccessError", "StaleWriteError", "ERRORS", "error_payload",
-           "error_from", "recv_exact", "recv_into"]
+           "error_from", "recv_exact", "recv_into", "send_parts", "Incoming"]
 
 MAGIC = b"GSRM"
 VERSION = 2
 HEADER = struct.Struct("<4sBBHQIIQQ")
 HEADER_SIZE = HEADER.size  # 40
 MAX_CALL = 1 << 20  # control messages are small; more is a broken or hostile peer
+_PARTS_PER_SEND = 64  # buffers per sendmsg, far below the kernel's IOV_MAX (1024)
+_READ_AHEAD = 16 << 10  # bytes an owner's receive of a request takes at most (``Incoming``)
 FENCED = 1  # flags: the request carries the writer's epoch in the fence field
 MAX_FENCE = (1 << 32) - 1  # the field's width; views are numbered from 0, one per change
 
@@ -271,3 +273,83 @@ def recv_into(sock: socket.socket, dst: np.ndarray) -> None:
         if k == 0:
             raise ConnectionResetError(f"connection closed after {got} of {n} bytes")
         got += k
+
+
+def send_parts(sock: socket.socket, parts) -> None:
+    """Sends the buffers of ``parts`` (bytes, or contiguous uint8 arrays) one after the other,
+    as ``sendall`` of each would, in as few system calls as the socket takes them: one
+    ``sendmsg`` for a reply and the batches attached to it (``regions.Attached``), where a
+    ``sendall`` each cost a call (and, with the socket's timeout, a ``poll``) per part."""
+    views = [view for view in (memoryview(part).cast("B") for part in parts) if view.nbytes]
+    while views:
+        sent = sock.sendmsg(views[:_PARTS_PER_SEND])
+        while sent:
+            if sent >= views[0].nbytes:
+                sent -= views.pop(0).nbytes
+            else:
+                views[0], sent = views[0][sent:], 0
+
+
+class Incoming:
+    """An owner's reading of one peer's requests (``regions.Endpoint._serve``), with a
+    receive of up to ``_READ_AHEAD`` bytes where the request's size is not known yet.
+
+    A header and a small payload that arrived together (a control message, which the peer
+    sends in one piece; a small write) then cost one receive, where a receive of the header
+    and another of the payload cost two, each with the GIL given up and taken back (on a
+    data server whose producer holds it, a wait for the switch interval each time). Bytes
+    read beyond the current request are the next requests' (a peer pipelines them), and are
+    served first. The socket keeps its timeout: a peer may idle between requests as long as
+    it likes (a timeout with nothing of a request read waits on), but once a request has
+    begun its bytes must keep coming.
+    """
+
+    __slots__ = ("sock", "buf", "view", "start", "end")
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.buf = bytearray(_READ_AHEAD)
+        self.view = memoryview(self.buf)
+        self.start = self.end = 0  # the bytes read and not yet used: buf[start:end]
+
+    def header(self) -> bytes | None:
+        """The next request's header bytes; None at a clean end of stream between requests."""
+        while self.end - self.start < HEADER_SIZE:
+            if self.start:  # what is left of the stream goes to the front
+                left = self.end - self.start
+                self.buf[:left] = self.view[self.start:self.end]
+                self.start, self.end = 0, left
+            try:
+                k = self.sock.recv_into(self.view[self.end:])
+            except socket.timeout:
+                if self.end == self.start:  # idle between requests: no stall
+                    continue
+                raise
+            if k == 0:
+                if self.end == self.start:
+                    return None
+                raise ConnectionResetError(f"connection closed after {self.end - self.start} "
+                                           f"of a header's {HEADER_SIZE} bytes")
+            self.end += k
+        self.start += HEADER_SIZE
+        return bytes(self.view[self.start - HEADER_SIZE:self.start])
+
+    def _take(self, n: int) -> memoryview:
+        """Up to ``n`` of the bytes already read."""
+        k = min(n, self.end - self.start)
+        self.start += k
+        return self.view[self.start - k:self.start]
+
+    def exact(self, n: int) -> bytes:
+        """The next ``n`` bytes of the stream."""
+        have = bytes(self._take(n))
+        return have if len(have) == n else have + recv_exact(self.sock, n - len(have))
+
+    def into(self, dst: np.ndarray) -> None:
+        """Fills ``dst`` (a contiguous uint8 array): the bytes already read, then straight
+        from the socket into its memory."""
+        have = self._take(dst.nbytes)
+        if have.nbytes:
+            dst[:have.nbytes] = np.frombuffer(have, dtype=np.uint8)
+        if have.nbytes < dst.nbytes:
+            recv_into(self.sock, dst[have.nbytes:])
