@@ -82,6 +82,38 @@ def test_silence_is_a_beat_counter_standing_still():
     assert not Beats(store, timeout=0).silent(0)  # 0: never
 
 
+def test_a_server_beats_as_soon_as_its_beat_thread_starts():
+    """The launcher's watch counts a counter that has not moved since its first look as
+    standing still since then. A server whose first beat waited one interval, cut off within
+    it (the partition test's: 0.05 s after its beat thread started), was reported silent
+    for its whole start-up. Fails on the old ``_beat``: no beat within 10 s of a 60 s
+    interval."""
+    from gradsync.ps.server import _beat
+
+    beaten = threading.Event()
+
+    class Store(DictStore):
+        def add(self, key, amount):
+            count = super().add(key, amount)
+            if key == beat_key(1) and count:
+                beaten.set()
+            return count
+
+    store = Store()
+    server = types.SimpleNamespace(index=1, clock=None, look=lambda views: None)
+    stop = threading.Event()
+    thread = threading.Thread(target=_beat, args=(server, Beats(store, 2.0), None, store, 60.0,
+                                                  stop), daemon=True)
+    thread.start()
+    try:
+        assert beaten.wait(10), "no beat before the first interval"
+    finally:
+        stop.set()
+        thread.join(10)
+    assert not thread.is_alive()  # the stop ends it within its wait
+    assert store.add(beat_key(1), 0) == 1  # one beat, then the interval
+
+
 def test_a_push_sent_again_after_a_failover_is_answered_not_applied_twice():
     applied = []
     clock = Clock("async", 2, lambda ws, avg: applied.append(list(ws)), timeout=5)
