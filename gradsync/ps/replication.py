@@ -51,7 +51,8 @@ copy), and one still joining by none: such a server learns that the workers are 
 store (``workers_done``). Each worker adds 1 to ``ps/closed`` when it closes its client; a
 worker that dies first never does, so a server that every worker reached, saw them all go and
 is still a member of its shard's newest view (no worker dropped it for a newer view) sets
-``ps/finished`` as it ends: every worker has ended, whether or not it closed.
+``ps/finished`` as it ends, whatever its status: every worker has ended, whether or not it
+closed.
 """
 
 from __future__ import annotations

@@ -847,9 +847,11 @@ def serve(config, env) -> int:
         status, why = server.outcome()
         if status:
             log.error("parameter server %d (rank %d) ends: %s", index, env.rank, why)
-        elif replicas > 1 and len(server._gone) >= env.workers:
-            # Every worker reached this member of the newest view and is gone: they have all
-            # ended, those that died without closing their client too (``workers_done``).
+        if replicas > 1 and not server.fenced and len(server._gone) >= env.workers:
+            # Every worker reached this member of the newest view (``outcome`` read it) and is
+            # gone: they have all ended, those that died without closing their client too
+            # (``workers_done``), in a job that failed (``sync``'s lost worker) as in one that
+            # went on.
             try:
                 store.set(FINISHED, str(index))
             except (GradsyncError, RuntimeError, OSError) as exc:  # the store is gone
