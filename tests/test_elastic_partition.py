@@ -32,9 +32,13 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 # comes through a relay in a session of its own, so that the launcher's SIGKILL of this
 # process does not reach it: on EOF the relay keeps the lifeline open while the link is down
 # and 15 s after it is up again, as a stop sent over ssh would arrive only after the
-# partition (TCP retransmits).
+# partition (TCP retransmits). As ssh does, the stand-in ends when the command ends, with
+# its status, whether or not its stdin has closed: the launcher keeps a rank's lifeline open
+# until the rank ends, so a relay that read it to its end before it looked at the command
+# outlived a rank that ended by itself (a replicated server's replacement on that host), and
+# the launcher stopped it as a server still running 10 s after the last worker.
 STAND_IN = r'''#!{python}
-import os, subprocess, sys, time
+import os, subprocess, sys, threading, time
 
 ns, dev = os.environ["PART_NS"], os.environ["PART_DEV"]
 if sys.argv[1] == "--relay":
@@ -42,12 +46,16 @@ if sys.argv[1] == "--relay":
     child = subprocess.Popen(["ip", "netns", "exec", ns, "env", "-i",
                               *[f"{k}={v}" for k, v in keep.items()], "sh", "-c", sys.argv[2]],
                              stdin=subprocess.PIPE)
-    while True:
-        chunk = os.read(0, 4096)
-        if not chunk:
-            break
-        child.stdin.write(chunk)
-        child.stdin.flush()
+    closed = threading.Event()  # the launcher closed the lifeline
+
+    def forward():
+        try:
+            while chunk := os.read(0, 4096):
+                child.stdin.write(chunk)
+                child.stdin.flush()
+        except (OSError, ValueError):  # the command ended: nobody reads its stdin
+            return
+        closed.set()
 
     def link_up():
         state = subprocess.run(["ip", "netns", "exec", ns, "cat",
@@ -55,13 +63,15 @@ if sys.argv[1] == "--relay":
                                text=True).stdout.strip()
         return state == "up"
 
+    threading.Thread(target=forward, daemon=True).start()
     up_since = None
     while child.poll() is None:
-        up_since = (up_since or time.monotonic()) if link_up() else None
-        if up_since is not None and time.monotonic() - up_since > 15:
-            break
+        if closed.is_set():
+            up_since = (up_since or time.monotonic()) if link_up() else None
+            if up_since is not None and time.monotonic() - up_since > 15:
+                child.stdin.close()
+                break
         time.sleep(0.2)
-    child.stdin.close()
     sys.exit(child.wait())
 args = sys.argv[1:]
 while args and args[0].startswith("-"):

@@ -82,6 +82,38 @@ def test_silence_is_a_beat_counter_standing_still():
     assert not Beats(store, timeout=0).silent(0)  # 0: never
 
 
+def test_a_server_beats_as_soon_as_its_beat_thread_starts():
+    """The launcher's watch counts a counter that has not moved since its first look as
+    standing still since then. A server whose first beat waited one interval, cut off within
+    it (the partition test's: 0.05 s after its beat thread started), was reported silent
+    for its whole start-up. Fails on the old ``_beat``: no beat within 10 s of a 60 s
+    interval."""
+    from gradsync.ps.server import _beat
+
+    beaten = threading.Event()
+
+    class Store(DictStore):
+        def add(self, key, amount):
+            count = super().add(key, amount)
+            if key == beat_key(1) and count:
+                beaten.set()
+            return count
+
+    store = Store()
+    server = types.SimpleNamespace(index=1, clock=None, look=lambda views: None)
+    stop = threading.Event()
+    thread = threading.Thread(target=_beat, args=(server, Beats(store, 2.0), None, store, 60.0,
+                                                  stop), daemon=True)
+    thread.start()
+    try:
+        assert beaten.wait(10), "no beat before the first interval"
+    finally:
+        stop.set()
+        thread.join(10)
+    assert not thread.is_alive()  # the stop ends it within its wait
+    assert store.add(beat_key(1), 0) == 1  # one beat, then the interval
+
+
 def test_a_push_sent_again_after_a_failover_is_answered_not_applied_twice():
     applied = []
     clock = Clock("async", 2, lambda ws, avg: applied.append(list(ws)), timeout=5)
@@ -721,8 +753,10 @@ def test_the_store_gate_waits_for_a_request_in_progress_and_holds_later_ones():
 
 # --- through the launcher ---------------------------------------------------------------------
 
-def _run(mode, fault, workers=3, servers=2, replicas=2, steps=12, timeout=120):
+def _run(mode, fault, workers=3, servers=2, replicas=2, steps=12, timeout=120, last_dies=False):
     env = {"GRADSYNC_HEARTBEAT_INTERVAL": "0.5", "GRADSYNC_HEARTBEAT_TIMEOUT": "2"}
+    if last_dies:
+        env["PS_LAST_DIES"] = "1"
     r = harness.launch(workers, "ps_replicas.py", mode, fault, str(steps), timeout=timeout,
                        env=env, launcher_args=("--servers", str(servers),
                                                "--ps-replicas", str(replicas)))
@@ -785,8 +819,10 @@ def stopped_then_killed():
     tests below and the killed primary's above (``stopjoin+join``), each the others'
     start-up: shard 0's primary (server 0, rank 3) is stopped and replaced; then the primary
     of that view (server 1, rank 4) is killed, its replacement joins, is killed in turn and a
-    third process of rank 4 joins."""
-    return _run("async", "stopjoin+join", servers=3, replicas=3, steps=24, timeout=180)
+    third process of rank 4 joins. At the end the last worker dies without closing its
+    client (``PS_LAST_DIES``)."""
+    return _run("async", "stopjoin+join", servers=3, replicas=3, steps=24, timeout=180,
+                last_dies=True)
 
 
 @pytest.mark.multiprocess
@@ -832,6 +868,22 @@ def test_a_replacement_joins_with_a_copy_while_training_goes_on(stopped_then_kil
     # The check in the rank script compared the joined copy's version, clocks and bits.
     assert _copies_agree(r.output, 2, 6, [2, 0, 1]), r
     assert r.returncode == 137, r  # a killed incarnation's status, reported at the end
+
+
+@pytest.mark.multiprocess
+def test_replacements_end_with_the_workers_even_when_one_died_without_closing(
+        stopped_then_killed):
+    """The copies that joined (servers 0 and 1, ranks 3 and 4 started again) were reached by
+    worker 0 only (its last look at every copy): they learn from the store that the workers
+    are done. Worker 2 died at the end without closing its client, so the count of closed
+    clients stops at 2 of 3; the primary, which every worker reached and saw go, says that
+    they are done as it ends (``ps/finished``). Before, the replacements ran on until the
+    launcher stopped them 10 s after the last worker ("the servers were still running 10s
+    after the last worker ended")."""
+    r = stopped_then_killed
+    assert "worker rank 2 on host localhost was killed by signal 9" in r.output, r
+    assert "still running" not in r.output, r
+    assert re.search(r"the first of \d+ failed ranks; the job ran to its end\n", r.output), r
 
 
 @pytest.mark.multiprocess

@@ -52,7 +52,7 @@ import numpy as np
 
 from ..errors import GradsyncError
 from ..transport.regions import StaleWriteError
-from .replication import View, abandon
+from .replication import View, abandon, workers_done
 
 __all__ = ["request", "requested", "bring_in", "install", "wait_joined",
            "serve_requests"]
@@ -213,7 +213,7 @@ def wait_joined(server, store, workers: int, timeout: float) -> bool:
             raise GradsyncError(f"parameter server {server.index}: could not set up a copy of "
                                 f"shard {server.shard}: {type(server.join_error).__name__}: "
                                 f"{server.join_error}")
-        if int(store.add("ps/closed", 0)) >= workers:
+        if workers_done(store, workers):
             return False
         # The newest view now, not the one found at the start: an earlier process of this
         # server that died unnoticed may stay in a view or two after it (another member was

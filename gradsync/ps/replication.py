@@ -44,6 +44,15 @@ for ``heartbeat_timeout`` seconds (a counter, not a time stamp: the hosts' clock
 agree). A server that is merely slow (a long ``sync`` round) keeps beating. The launcher reads
 the same views and counters (``run/server_watch.py``): a server fenced out of its shard whose
 counter stands still would end only once woken, so it kills it and starts its replacement.
+
+**The end.** A server ends once every worker has disconnected from it, but a replacement that
+joined is reached only by the workers that moved to a view holding it (or looked at every
+copy), and one still joining by none: such a server learns that the workers are done from the
+store (``workers_done``). Each worker adds 1 to ``ps/closed`` when it closes its client; a
+worker that dies first never does, so a server that every worker reached, saw them all go and
+is still a member of its shard's newest view (no worker dropped it for a newer view) sets
+``ps/finished`` as it ends, whatever its status: every worker has ended, whether or not it
+closed.
 """
 
 from __future__ import annotations
@@ -59,7 +68,7 @@ from dataclasses import dataclass
 from ..errors import GradsyncError, PeerLostError
 
 __all__ = ["View", "Views", "Beats", "Fenced", "shard_of", "members_of", "wait_watched",
-           "abandon", "beat_key"]
+           "abandon", "beat_key", "workers_done", "FINISHED"]
 
 log = logging.getLogger("gradsync.ps")
 
@@ -68,6 +77,18 @@ _LOCK = threading.Lock()
 
 class Fenced(GradsyncError):
     """This server is not a member of its shard's newest view: it must not serve."""
+
+
+FINISHED = "ps/finished"
+"""Set by a server that every worker reached and saw go, still a member of its shard's newest
+view, as it ends (``serve``): every worker has ended (see "The end" above)."""
+
+
+def workers_done(store, workers: int) -> bool:
+    """Whether the job's ``workers`` are done, for a server that not every worker reaches: each
+    closed its client (``ps/closed``), or a server that they all reached saw them all go
+    (``FINISHED``: a worker that died never closed its client)."""
+    return int(store.add("ps/closed", 0)) >= workers or store.check(FINISHED)
 
 
 def beat_key(server: int) -> str:

@@ -32,7 +32,9 @@ Replicas (``ps_replicas`` R > 1, replication.py): each shard lives on R servers;
 forwards every update it applies to the backups of its view (``apply``) before it answers the
 pushes, and a server fenced out of its shard's newest view stops serving and ends with status 1.
 Every worker disconnecting ends a replicated server only once it has read the newest view
-(``outcome``): the workers also drop a server that a newer view left out.
+(``outcome``): the workers also drop a server that a newer view left out. A copy that joined
+(join.py) is reached only by the workers that moved to a view holding it, so a replicated
+server also ends once the store says the workers are done (``replication.workers_done``).
 
 Fenced regions (``regions.py``): every region that another *server* writes (a primary's
 forwards into ``update.<k>``, its copy into a joiner's ``params`` and ``copy.<name>``) or that
@@ -63,7 +65,8 @@ from . import factors as fc
 from . import join
 from . import optim
 from .consistency import Clock
-from .replication import Beats, Fenced, View, Views, abandon, shard_of, wait_watched
+from .replication import (FINISHED, Beats, Fenced, View, Views, abandon, shard_of,
+                          wait_watched, workers_done)
 from .sharding import bounds
 
 __all__ = ["Server", "StoreGate", "serve", "serve_rank", "checkpoint_path"]
@@ -833,9 +836,9 @@ def serve(config, env) -> int:
                                               config.connect_timeout):
             return 0  # the workers finished before it could join: nothing to serve
         while not server.done.wait(1.0):
-            # A replicated server may have no worker connected (a joiner that never became
-            # primary): the workers' count of closed clients ends it.
-            if replicas > 1 and int(store.add("ps/closed", 0)) >= env.workers:
+            # A replicated server that not every worker reaches (a replacement that joined, or
+            # one still joining) learns from the store that the workers are done.
+            if replicas > 1 and workers_done(store, env.workers):
                 break
             record = store.read_abort()
             if record is not None and not server._greeted:
@@ -844,6 +847,16 @@ def serve(config, env) -> int:
         status, why = server.outcome()
         if status:
             log.error("parameter server %d (rank %d) ends: %s", index, env.rank, why)
+        if replicas > 1 and not server.fenced and len(server._gone) >= env.workers:
+            # Every worker reached this member of the newest view (``outcome`` read it) and is
+            # gone: they have all ended, those that died without closing their client too
+            # (``workers_done``), in a job that failed (``sync``'s lost worker) as in one that
+            # went on.
+            try:
+                store.set(FINISHED, str(index))
+            except (GradsyncError, RuntimeError, OSError) as exc:  # the store is gone
+                log.debug("parameter server %d: cannot say the workers are done: %s", index,
+                          exc)
         return status
     except GradsyncError as exc:
         log.error("parameter server %d: %s", index, exc)
@@ -859,13 +872,22 @@ def serve(config, env) -> int:
 def _beat(server: Server, beats: Beats, views: Views, store, interval: float,
           stop: threading.Event) -> None:
     """A replicated server's liveness counter, its look for newer views, and (a primary's)
-    for replacements asking to join."""
+    for replacements asking to join: at once, then every ``interval`` seconds.
+
+    The first beat does not wait an interval. The server takes hellos and forwards as soon as
+    its address is published, and the launcher's watch (``run/server_watch.py``) counts a
+    counter that has not moved since its first look as standing still since then: a server
+    cut off before its first beat (the partition test's, whose host went down 0.05 s after
+    its beat thread started) was reported silent for its whole start-up, 3.8-7.8 s, when it
+    had been silent 2.4 s."""
     handled: dict[int, str] = {}
-    while not stop.wait(interval):
+    while True:
         try:
             beats.beat(server.index)
             server.look(views)
             join.serve_requests(server, store, handled)
         except Exception as exc:  # the store is gone: the job is ending
             log.debug("parameter server %d: beat failed: %s", server.index, exc)
+            return
+        if stop.wait(interval):
             return

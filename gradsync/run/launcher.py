@@ -262,7 +262,7 @@ class _Job(JobLoop):
                 return 0, (f"every worker ended{linger}" if linger else None), \
                     ("" if linger else None)
             status, who, what = self.failed[0]
-            first = f", the first of {len(self.failed)} failed workers" \
+            first = f", the first of {len(self.failed)} failed ranks" \
                 if len(self.failed) > 1 else ""
             summary = f"{who} failed earlier ({what}){first}; the job ran to its end{linger}"
             return status, summary, ("" if linger else None)

@@ -36,6 +36,24 @@ no longer the rank's, and its end is not looked at again. (A counter that stands
 another reason, a beat late on a loaded machine or a ``heartbeat_interval`` above ``SILENT``,
 makes the launcher kill a process that was fenced and about to end by itself: nothing is lost.)
 
+**How soon.** The view comes first, and it sets the time: a peer (the primary forwarding an
+update, a worker pushing) fences a server whose counter has stood still for
+``heartbeat_timeout`` (2 s by default) from its first look during a request left unanswered, so
+the view is written about ``heartbeat_timeout`` plus a look (0.25 s) after the server fell
+silent. By then its counter has stood still longer than ``SILENT``, and the launcher kills it
+at its next look, within ``WATCH_EVERY`` and a turn of its job loop. ``SILENT`` adds nothing to
+that time; it keeps the launcher from killing a fenced server that is awake (beating) and about
+to end by itself. Measured in ``tests/test_ps_partition.py`` (heartbeat every 0.5 s, timeout 2
+s, the shared 2-core machine at a load of 4-7, the job's lines timestamped as they came): the
+cut at 3.60 s of the job, the view at 5.85 s, the kill at 6.02 s; in another run 5.23, 7.48 and
+7.65 s. The kill's message gives how long the launcher saw the counter stand still: since the
+server's last beat, at most one ``heartbeat_interval`` before it fell silent, because a server
+beats once as soon as its beat thread starts (``ps/server.py``, ``_beat``). When the first beat
+waited an interval, that server, cut off 0.05 s after its beat thread started, had never moved
+its counter, and the message counted from the launcher's first look at the job's start: "silent
+for 3.8s" and "4.8s" in those runs, for kills 2.4 s after the cut (7.8 s in a run on a loaded
+machine).
+
 **Where the replacement starts** (``spare_host``). The silent server's host may be cut off,
 and a replacement there would reach nobody. So a host of the job with a free slot that holds
 no other copy of the shard comes first; else the same host (the chaos soak's layout, one slot

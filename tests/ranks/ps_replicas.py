@@ -28,6 +28,10 @@ closed-form batches. At step ``STEPS // 3`` worker 0 hits the primary of shard 0
            again (60 s at most), and waits for the old process, awake again beside its
            replacement, to end (40 s at most)
 
+With ``PS_LAST_DIES=1`` in the environment the last worker SIGKILLs itself once every worker
+has left training, before it closes its client: a server that this worker never reached
+(a replacement) must still learn that the workers are done.
+
 At the end worker 0 checks what the mode guarantees from the surviving copies' counters and
 prints ``digest <hex>`` of shard 0's parameters (one line per shard) for the test to compare:
 
@@ -123,6 +127,8 @@ def run(mode: str, fault: str, steps: int) -> None:
             # 3 s; the job's end would stop it otherwise.
             common.until(lambda: common.gone(victim), "the woken server did not end")
     gs.barrier()
+    if os.environ.get("PS_LAST_DIES") and ps.rank == ps.workers - 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # its client never closes: no ``ps/closed``
     ps.close()
 
 
