@@ -145,6 +145,7 @@ def _become(tmp_path, target: str, *args: str, module: bool = False,
         if pid == 0:  # pragma: no cover - the rank
             code = 1
             atexit._clear()  # the exit handlers of the rank's script only, as at its exit
+            sys.excepthook = sys.__excepthook__  # a template's: other tests may have set one
             try:
                 forkserver.become({**request, "fds": [os.dup(stdout.fileno()),
                                                       os.dup(stderr.fileno())]})
