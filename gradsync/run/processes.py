@@ -42,8 +42,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, BinaryIO, Callable, Iterator, Mapping, Protocol, Sequence
 
-__all__ = ["STOP_GRACE", "DEFAULT_START_TIMEOUT", "Child", "Process", "StartError", "start", "stop",
-           "HostChecks",
+__all__ = ["STOP_GRACE", "DEFAULT_START_TIMEOUT", "Child", "Process", "StartError", "start",
+           "stop", "HostChecks",
            "pump", "Output", "Interrupts", "Ssh", "remote_script", "exit_status", "describe"]
 
 STOP_GRACE = 3.0

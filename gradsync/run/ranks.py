@@ -58,8 +58,8 @@ if TYPE_CHECKING:
     from torch.distributed import TCPStore
 
 __all__ = ["Slot", "place", "LaunchSpec", "server_entry", "SERVER_LINGER", "SERVER_MODULE",
-           "SERVER_RESTARTS", "START_METHODS", "KEEP_FREED_MEMORY", "is_local", "store_address", "start_store",
-           "Rank", "Starter", "forwarded_settings", "informs", "rank_line", "restart_allowed"]
+           "SERVER_RESTARTS", "START_METHODS", "KEEP_FREED_MEMORY", "is_local", "store_address",
+           "start_store", "Rank", "Starter", "forwarded_settings", "informs", "rank_line", "restart_allowed"]
 
 SERVER_LINGER = 10.0
 """Seconds servers (parameter or data servers) may run on after every worker has ended."""
@@ -116,6 +116,9 @@ def place(hosts: Sequence[Host], num_proc: int) -> list[Slot]:
     return slots
 
 
+START_METHODS = ("exec", "forkserver")
+"""How ranks on the launcher's host start (``LaunchSpec.start_method``)."""
+
 # What every rank gets unless the environment sets glibc's malloc itself. By default glibc
 # gives the top of the heap back to the kernel once more than a moving threshold is free, and
 # serves blocks above another moving threshold with mmap; a training step that frees and
@@ -124,9 +127,6 @@ def place(hosts: Sequence[Host], num_proc: int) -> list[Slot]:
 # faults and 3-4 ms a step (docs/benchmarks-history.md, "Freed memory kept for reuse"). So
 # freed memory stays in the process for reuse, as the jemalloc and tcmalloc settings
 # recommended for PyTorch on CPU keep it.
-START_METHODS = ("exec", "forkserver")
-"""How ranks on the launcher's host start (``LaunchSpec.start_method``)."""
-
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20),
                      "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 _MALLOC_SETTINGS = ("MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_", "GLIBC_TUNABLES")
