@@ -247,8 +247,8 @@ if __name__ == "__main__":
     # (gloo's, or gradsync's) alive past destroy_process_group, so the group's threads are
     # still running while the interpreter is torn down, and one that takes the GIL then is
     # ended by Python in a C++ frame that may not unwind: "terminate called without an active
-    # exception", SIGABRT, at the end of a run that went well (once in about 150 gloo-fp32
-    # runs, once in CI). Everything the bench reports is written by now; flushed here.
+    # exception", SIGABRT, as the rank ends (its last output line; once in about 150 gloo-fp32
+    # runs here, once in CI). What the bench reports is written by now; flushed here.
     status = main()
     sys.stdout.flush()
     sys.stderr.flush()
