@@ -515,6 +515,8 @@ class Controller(Serial[Request]):
 
     # ------------------------------------------------------------------ execution
     def _execute(self, batch: list[Request]) -> None:
+        """Runs one of the fusion stage's batches (an allreduce batch through the stage, any
+        other request by its ``run``) and finishes its requests."""
         tl = self.timeline
         head = batch[0]
         if tl is not None:
