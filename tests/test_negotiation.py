@@ -1,5 +1,6 @@
 """Name-negotiated execution of the Horovod API (gradsync/pipeline/negotiation.py), process sets and
-the timeline, over 1-4 ranks; the ResponseCache and the fusion plan in-process."""
+the timeline, over 1-4 ranks; the requests' signatures and the ResponseCache in-process (the
+fusion stage on its own: tests/test_fusion.py)."""
 
 import numpy as np
 import pytest

@@ -15,7 +15,7 @@ full*. Each rank feeds what it learns to its ``agreement.Agreement``, the pure t
 decides what is ready (announced by every rank), in which *agreed order*, whether the ranks
 agree on it and what has waited too long; from the same inputs every rank reaches the same
 decisions, so no rank coordinates. This module moves the announcements (see Wire below) and
-runs what is ready: fused, on the controller's progress thread.
+runs what is ready on the controller's progress thread, through the fusion stage.
 
 The executor. A ``Controller`` is an ``executor.Serial``, the one executor of every front door,
 with this front door's policy: its items are the requests its caller submits, and the progress
@@ -45,8 +45,13 @@ place (built from the others' signature), and any other kind fails with RuntimeE
 ranks that issued it, as in Horovod. ``join`` itself is ready when every rank announced it,
 and returns the rank whose announcement came last in agreed order.
 
-Fusion. Ready allreduces with the same dtype, op and scale factors are packed, in agreed order,
-into one buffer of at most ``fusion_threshold`` bytes and reduced by one collective.
+Fusion (``fusion.py``, a stage of the pipeline after agreement). The requests ready in a
+cycle go, in agreed order, to the controller's ``fusion.Fusion``, which cuts them into batches
+(allreduces of one dtype, op and scale factors, up to ``fusion_threshold`` bytes; any other
+request alone) and runs each allreduce batch as one collective of its fusion buffer. Every
+rank cuts the same batches from the same ready names. Around each batch the controller keeps
+its requests' books: it ends their ``QUEUE`` phase and starts their records before, and
+finishes their handles (a result, or the batch's error) after.
 
 Wire (``negotiation_wire.py``). A cycle is one *vote*: each rank's *ballot*
 (``ballot.py``: a flags word and one bit per cache entry, at most 136 bytes) combined by a
@@ -102,18 +107,18 @@ import collections
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from . import operations as ops
 from ..liveness import stall
 from .agreement import JOIN, Agreement, ResponseCache, Signature, agreed, describe, mismatch_error
 from .ballot import IDLE, QUIET, STOP, Ballot, bits_of
-from ..collectives.ops import BFLOAT16, ReduceOp
+from ..collectives.ops import BFLOAT16
 from .negotiation_wire import from_wire, gather, to_wire, vote
 from .engine import Handle
 from .executor import Serial
+from .fusion import Fusion
 from ..errors import CollectiveMismatchError, GradsyncError
 from ..flight_recorder import Record, recorder
 
@@ -188,7 +193,6 @@ class Controller(Serial[Request]):
                  timeline=None):
         super().__init__(f"gradsync-negotiate-{label}", threading.RLock())
         self.world, self.label, self.ranks = world, label, list(ranks)
-        self.fusion_threshold = fusion_threshold
         if world.rank == 0:  # once per process set (and elastic generation), never per cycle
             log.info("Horovod API (%s, %d ranks): fusion threshold %d bytes (%.4g MiB)",
                      label, len(self.ranks), fusion_threshold, fusion_threshold / (1 << 20))
@@ -208,13 +212,16 @@ class Controller(Serial[Request]):
         self.stats: collections.Counter[str] = collections.Counter()
         """``cycles``, ``gathers`` (cycles with full announcements), ``cached`` and ``full``
         (requests announced each way), ``demoted`` (voted, then announced in full),
-        ``mismatches``, ``expired``, ``fused_batches``, ``fused_tensors``."""
+        ``mismatches``, ``expired``, ``fused_batches``, ``fused_tensors`` (these two counted
+        by the fusion stage)."""
+        self.fusion = Fusion(world, fusion_threshold, self.stats)
+        """The fusion stage: cuts the ready requests into batches and runs an allreduce batch
+        (``fusion.py``); its buffers are reused from cycle to cycle."""
         # These three are guarded by the executor's lock (``self._lock``), with the queue.
         self._mine: dict[str, Request] = {}  # in flight
         self._unsynchronized: set[str] = set()  # done, handle not synchronized yet
         self._stop_requested = False
         self._idle_cycles = 0  # cycles in a row that ran nothing and heard nothing (_patience)
-        self._fusion: dict[Any, np.ndarray] = {}
         self._shared_zeros: "np.ndarray | None" = None  # see _zeros
         self._stall_look = 0.0  # when the thread next looks for stalled requests (stall.py)
         stall.serve_named(world, self)
@@ -473,7 +480,7 @@ class Controller(Serial[Request]):
             if tl is not None:
                 tl.begin(name, "QUEUE")
             runnable.append(request)
-        for batch in self._batches(runnable):
+        for batch in self.fusion.batches(runnable):
             self._execute(batch)
 
     def _for_joined(self, name: str, by_rank: dict, request: Request | None) -> Request | None:
@@ -506,29 +513,10 @@ class Controller(Serial[Request]):
         zeros.joined = True
         return zeros
 
-    def _batches(self, requests: list[Request]) -> list[list[Request]]:
-        """Groups ready allreduces of one dtype, op and scale up to the fusion threshold."""
-        batches: list[list[Request]] = []
-        open_: dict[tuple, tuple[list[Request], int]] = {}
-        for q in requests:
-            sig = q.sig
-            if q.kind != "allreduce" or sig.shared:  # a shared buffer is reduced where it is
-                batches.append([q])
-                continue
-            key = (sig.dtype, sig.op, sig.prescale, sig.postscale)
-            nbytes = q.flat.nbytes
-            group = open_.get(key)
-            if group is not None and group[1] + nbytes <= self.fusion_threshold:
-                group[0].append(q)
-                open_[key] = (group[0], group[1] + nbytes)
-            else:
-                batch: list[Request] = [q]
-                batches.append(batch)
-                open_[key] = (batch, nbytes)
-        return batches
-
     # ------------------------------------------------------------------ execution
     def _execute(self, batch: list[Request]) -> None:
+        """Runs one of the fusion stage's batches (an allreduce batch through the stage, any
+        other request by its ``run``) and finishes its requests."""
         tl = self.timeline
         head = batch[0]
         if tl is not None:
@@ -539,7 +527,8 @@ class Controller(Serial[Request]):
                 q.record.start()
         try:
             if head.kind == "allreduce":
-                results = self._allreduce(batch, tl)
+                self.fusion.run(batch, tl)
+                results = [q.finish() if q.finish else q.flat for q in batch]
             else:
                 phase = head.kind.upper()
                 if tl is not None:
@@ -560,52 +549,6 @@ class Controller(Serial[Request]):
         for q, result in zip(batch, results):
             self._finish(q, result=result)
 
-    def _allreduce(self, batch: list[Request], tl) -> list:
-        head = batch[0]
-        sig = head.sig
-        assert sig.op is not None  # an allreduce always names its reduce op
-        op, pre, post = _OPS[sig.op], sig.prescale, sig.postscale
-        if len(batch) == 1:
-            flat = head.flat
-        else:
-            self.stats["fused_batches"] += 1
-            self.stats["fused_tensors"] += len(batch)
-            total = sum(q.flat.size for q in batch)
-            flat = self._fusion_buffer(head.flat.dtype, total)
-            offset = 0
-            for q in batch:
-                if tl is not None:
-                    tl.begin(q.name, "MEMCPY_IN_FUSION_BUFFER")
-                flat[offset:offset + q.flat.size] = q.flat
-                offset += q.flat.size
-                if tl is not None:
-                    tl.end(q.name, "MEMCPY_IN_FUSION_BUFFER")
-        phase = "ADASUM" if op is ReduceOp.ADASUM else "ALLREDUCE"
-        if tl is not None:
-            for q in batch:
-                tl.begin(q.name, phase, {"fused": len(batch), "bytes": int(flat.nbytes)})
-        try:
-            name = head.name if len(batch) == 1 else f"{head.name}+{len(batch) - 1}"
-            counts = None
-            if op is ReduceOp.ADASUM:  # each tensor gets its own dot products
-                counts = [c for q in batch for c in (q.counts or [q.flat.size])]
-            ops.allreduce(self.world, flat, head.dtype_tag, op, name=name, shape=flat.shape,
-                          prescale=pre, postscale=post, counts=counts, trunc=True)
-        finally:
-            if tl is not None:
-                for q in batch:
-                    tl.end(q.name, phase)
-        if len(batch) > 1:
-            offset = 0
-            for q in batch:
-                if tl is not None:
-                    tl.begin(q.name, "MEMCPY_OUT_FUSION_BUFFER")
-                q.flat[...] = flat[offset:offset + q.flat.size]
-                offset += q.flat.size
-                if tl is not None:
-                    tl.end(q.name, "MEMCPY_OUT_FUSION_BUFFER")
-        return [q.finish() if q.finish else q.flat for q in batch]
-
     def _zeros(self, dtype: np.dtype, count: int, shared: bool) -> np.ndarray:
         """Zeros that a joined rank contributes; in a shared buffer where the others pass
         theirs (``World.shared_buffer``), which is kept for the next such allreduce."""
@@ -622,12 +565,6 @@ class Controller(Serial[Request]):
         flat = self._shared_zeros[:nbytes].view(dtype)
         flat[...] = 0
         return flat
-
-    def _fusion_buffer(self, dtype, count: int) -> np.ndarray:
-        buf = self._fusion.get(dtype)
-        if buf is None or buf.size < count:
-            buf = self._fusion[dtype] = np.empty(max(count, 1024), dtype=dtype)
-        return buf[:count]
 
     def _finish(self, request: Request, result=None, error: BaseException | None = None):
         if request.joined:
@@ -660,6 +597,3 @@ class Controller(Serial[Request]):
             if q.record is not None and q.record.state != "completed":
                 q.record.fail(error)
             q.handle.finish(error=error)
-
-
-_OPS = {op.name: op for op in ReduceOp}
