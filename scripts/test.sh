@@ -7,9 +7,14 @@
 # A lint or type error stops it before the tests. Extra arguments go to pytest, so
 # `bash scripts/test.sh -m slow` runs the slow tier instead and `-m ""` runs both.
 # Multi-process tests start real ranks; each has a deadline that dumps stacks and kills them.
+# The tests run on GS_TEST_WORKERS pytest workers at once (pytest-xdist; tests/parallel.py
+# keeps the tests that share a job in one worker): most of a tier's time is ranks waiting,
+# which other tests' ranks fill (docs/testing.md, "Several workers"). GS_TEST_WORKERS=0 runs
+# everything in one process, one test after the other.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 python3 -m ruff check .
 python3 -m mypy
-python3 -m pytest -q -p no:cacheprovider -m "not slow" "$@"
+python3 -m pytest -q -p no:cacheprovider -n "${GS_TEST_WORKERS:-3}" --dist loadgroup \
+    -m "not slow" "$@"

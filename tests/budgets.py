@@ -20,7 +20,9 @@ or more (a file or two run by hand) give no factor: the plugin then prints, neve
 
 Time that one test pays for many, a job shared by the tests of several files
 (tests/small_jobs.py), is charged with ``charged_to(NAME)`` to NAME, its own line in the
-budgets, and not to the file whose test happened to run first.
+budgets, and not to the file whose test happened to run first. On several workers
+(pytest-xdist, tests/parallel.py) the charge is made in the worker and travels to the
+controller, which adds up the run, in the test's teardown report (``user_properties``).
 
     python3 -m pytest -q -m "not slow" --budgets=enforce   # CI: print, and fail on a wide miss
     python3 -m pytest -q tests/test_heartbeat.py            # print only (the default: report)
@@ -44,10 +46,10 @@ FACTOR_FLOOR_S = 5.0  # files with a budget this large or larger set the machine
 FACTOR_FILES = 8  # at least this many of them, or there is no factor and nothing fails
 WIDE, WIDE_S = 2.0, 10.0  # a file fails past WIDE × its scaled budget and that + WIDE_S
 
+CHARGES = "budget_charges"  # the teardown report's user property: {name: seconds} moved
 clock = time.monotonic  # charged_to's clock (a test sets its own)
 _spent: dict[str, float] = defaultdict(float)  # seconds by file (or charged name), this run
-_charged: dict[str, float] = defaultdict(float)  # seconds by nodeid, moved to another name
-_current: list[str] = []  # the nodeid of the test running now
+_pending: dict[str, float] = defaultdict(float)  # charged by the test running now, by name
 
 
 def read_budgets(path: Path = BUDGETS) -> dict[str, dict[str, float]]:
@@ -75,10 +77,7 @@ def charged_to(name: str):
     try:
         yield
     finally:
-        seconds = clock() - start
-        _spent[name] += seconds
-        if _current:
-            _charged[_current[-1]] += seconds
+        _pending[name] += clock() - start
 
 
 def judge(spent: dict[str, float], budgets: dict[str, float]):
@@ -115,14 +114,22 @@ def pytest_addoption(parser):
                      help="the budgets to judge by (default tests/budgets.txt)")
 
 
-def pytest_runtest_logstart(nodeid, location):
-    _current[:] = [nodeid]
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if call.when == "teardown" and _pending:  # the test's last phase carries its charges
+        report.user_properties.append((CHARGES, dict(_pending)))
+        _pending.clear()
+    return report
 
 
 def pytest_runtest_logreport(report):
     seconds = report.duration
-    if report.when == "teardown":  # the last phase: what its test moved elsewhere comes off
-        seconds -= _charged.pop(report.nodeid, 0.0)
+    for key, charges in report.user_properties:
+        if key == CHARGES:  # moved off the test's file to the names charged
+            for name, charged in charges.items():
+                _spent[name] += charged
+                seconds -= charged
     _spent[report.nodeid.split("::", 1)[0].rsplit("/", 1)[-1]] += seconds
 
 

@@ -101,16 +101,20 @@ CONFTEST = """\
 import sys, time
 sys.path.insert(0, {tests!r})
 import pytest
-from budgets import (pytest_addoption, pytest_runtest_logreport, pytest_runtest_logstart,
+from budgets import (pytest_addoption, pytest_runtest_logreport, pytest_runtest_makereport,
                      pytest_sessionfinish, pytest_terminal_summary)
 
 SECONDS = {seconds!r}  # a test's call phase takes this long, by its file's name
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    report = (yield).get_result()
-    if call.when == "call":
-        report.duration = SECONDS.get(item.path.name, 0.0)
+class Durations:
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        report = (yield).get_result()
+        if call.when == "call":
+            report.duration = SECONDS.get(item.path.name, 0.0)
+
+def pytest_configure(config):
+    config.pluginmanager.register(Durations())
 """
 
 SHARED = """\
@@ -159,6 +163,15 @@ def test_a_run_prints_each_file_against_its_budget_and_charges_a_shared_job(tmp_
     # the 60 s of the shared job are its own, not those of the test that ran it
     assert "60.0 s" in lines["shared_job.py"] and "ok" in lines["shared_job.py"], out
     assert " 1.0 s" in lines["test_shared.py"] and "ok" in lines["test_shared.py"], out
+
+
+def test_a_job_charged_in_a_worker_is_charged_in_the_run_on_several_workers(tmp_path):
+    # pytest-xdist: the charge is made in a worker and the controller adds up the run
+    run = _pytest(_project(tmp_path, grown=10.0), "-n", "2")
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = {line.split()[-1]: line for line in run.stdout.splitlines() if " budget " in line}
+    assert "60.0 s" in lines["shared_job.py"], run.stdout
+    assert " 1.0 s" in lines["test_shared.py"], run.stdout
 
 
 def test_enforce_fails_a_run_for_a_file_far_over_its_budget(tmp_path):

@@ -224,14 +224,15 @@ def test_a_killed_data_servers_share_is_served_by_the_others_exactly_once(tmp_pa
     # checked against the closed form on the workers).
     env = {"tcp": {"GRADSYNC_TRANSPORT": "tcp"},
            "producers": {"GRADSYNC_DATA_WORKERS": "2"}}.get(how)
-    before = set(os.listdir("/dev/shm"))
     r = harness.launch(3, "data_check.py", "killserver", str(tmp_path), "2", timeout=120,
                        launcher_args=("--data-servers", "3"), env=env)
     # The job runs to its end; its status is the killed server's (128 + SIGKILL).
     assert r.returncode == 137, str(r)
     # The killed server could not unlink its slot tables; the launcher removes what the job
     # left on this host once every rank has ended (run/processes.py, clear_shared_memory).
-    left = sorted(n for n in set(os.listdir("/dev/shm")) - before if n.startswith("gradsync-"))
+    # (this job's names only: another job may run beside it, tests/parallel.py)
+    job = (tmp_path / "job").read_text()
+    left = sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"gradsync-{job}"))
     assert left == [], left
     assert "rank 3 (data server 0)" in r.output and "the job ran to its end" in r.output, str(r)
     got = _received(tmp_path, "killserver", 3)

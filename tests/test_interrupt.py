@@ -15,13 +15,27 @@ from harness import MARK, RANKS, kill_marked, marked, new_mark
 pytestmark = pytest.mark.multiprocess
 
 
-def segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("gradsync-*")}
+def segments(job: str) -> set[str]:
+    """The shared-memory segments of the job ``job`` (only its own: another job may run beside
+    it, tests/parallel.py)."""
+    return {p.name for p in Path("/dev/shm").glob(f"gradsync-{job}*")}
+
+
+def job_of(pids: set[int]) -> str:
+    """The job id that the launcher gave the ranks ``pids`` (GRADSYNC_JOB_ID)."""
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                for item in f.read().split(b"\0"):
+                    if item.startswith(b"GRADSYNC_JOB_ID="):
+                        return item.split(b"=", 1)[1].decode()
+        except OSError:
+            continue
+    raise AssertionError(f"no rank of {sorted(pids)} has GRADSYNC_JOB_ID")
 
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_ctrl_c_mid_allreduce_stops_every_rank_and_leaks_no_segment(n):
-    before = segments()
     mark = new_mark()  # finds this job's processes, and no other job's on the machine
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
     env.update({"GS_TEST_DEADLINE": "40", "PYTHONUNBUFFERED": "1", MARK: mark})
@@ -39,6 +53,7 @@ def test_ctrl_c_mid_allreduce_stops_every_rank_and_leaks_no_segment(n):
         # every rank prints 'ready' just before its loop of allreduces: they are in it now
         ranks = set(marked(mark)) - {proc.pid}
         assert len(ranks) >= n, f"the mark finds {sorted(ranks)}, not the {n} ranks"
+        job = job_of(ranks)
         proc.send_signal(signal.SIGINT)
         proc.wait(20)
     finally:
@@ -49,4 +64,4 @@ def test_ctrl_c_mid_allreduce_stops_every_rank_and_leaks_no_segment(n):
         kill_marked(mark)  # never leave them running, even when the test fails
     assert proc.returncode == 130
     assert left == [], f"ranks still running: {left}"
-    assert segments() - before == set()
+    assert segments(job) == set()

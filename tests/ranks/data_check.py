@@ -361,6 +361,8 @@ def main():
         if gs.rank() == 0:
             with open(os.path.join(directory, "stats.json"), "w") as f:
                 json.dump(loader.stats(), f)
+            with open(os.path.join(directory, "job"), "w") as f:  # names its segments
+                f.write(os.environ["GRADSYNC_JOB_ID"])
     elif scenario == "stop":
         it = iter(loader)
         for _ in range(arg):

@@ -136,6 +136,11 @@ def modes(mode: str, steps: int) -> None:
     ps = gradsync.ps.ParameterClient(m, optimizer="sgd", lr=0.05, mode=mode,
                                      backup=2, staleness=1)
     slow = ps.rank == ps.workers - 1
+    # Every worker has its first parameters (and its first gradient's tag) before any trains:
+    # on a loaded machine a worker that got them late found the others' rounds done but the
+    # last, which its backup-mode wait below then waited for in vain (seen with tests on
+    # three pytest workers, tests/parallel.py).
+    gs.barrier()
     if slow and mode in ("async", "ssp") and ps.workers > 1:
         # The slow worker's first gradient must be computed on parameters that the others
         # update before it arrives (staleness >= 1). Sleeping alone does not promise that on a
