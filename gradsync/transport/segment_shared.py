@@ -200,4 +200,3 @@ def _map_peer_buffer(pid: int, fd: int, serial: int, rank: int) -> np.ndarray:
     finally:
         os.close(peer)
     return np.frombuffer(mapping, np.uint8)
-
