@@ -19,7 +19,7 @@ import pytest
 
 from gradsync.collectives.ops import Max, Sum, make_reducer
 from gradsync.errors import GradsyncError
-from gradsync.transport import host_segment as shm
+from gradsync.transport import segment_shared as shm
 from gradsync.transport.host_segment import ShmGroup
 from test_shm import Rank, _launch, _raises, assert_rank_2_lost
 

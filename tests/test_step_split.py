@@ -84,14 +84,14 @@ def test_metered_and_waiting_for_data_time_the_fetch_alone():
 def test_the_loaders_next_reports_its_wait_for_a_batch():
     """gradsync.data.Loader's epoch iterator reports how long the loop's ``next()`` waited
     (here a batch that takes 20 ms to come, polled inline as from a same-host server)."""
-    from gradsync.data.loader import _Epoch
+    from gradsync.data.epoch import Epoch
     from gradsync.liveness.pace import meter
 
     def items():
         _busy(20 * MS)
         yield types.SimpleNamespace(ids=np.arange(2)), b"batch"
 
-    run = object.__new__(_Epoch)
+    run = object.__new__(Epoch)
     run.loader = types.SimpleNamespace(collate=None, layout=types.SimpleNamespace(
         unpack=lambda buf, n: (buf, n)))
     run.in_hand, run.delivered, run._held, run._failed = None, [], None, None

@@ -49,9 +49,9 @@ def test_nap_doubles_to_the_cap_for_the_waits_outside_the_transport(monkeypatch)
     # The waits that nap with their own loop take this one, not a figure of their own.
     from gradsync.data import slots
     from gradsync.torch.backend import p2p
-    from gradsync.transport import host_segment
+    from gradsync.transport import segment_sync
 
-    for module in (slots, p2p, host_segment):
+    for module in (slots, p2p, segment_sync):
         assert module.Nap is wait.Nap, module.__name__
 
 

@@ -33,9 +33,9 @@ the slots) a server gets ``heartbeat.LINK_UP_S`` (30 s) to answer instead, as a 
 gets to form: the ranks of a job start seconds apart on a crowded machine.
 
 A server found silent is *lost*, exactly as one found dead: the worker sets its batches aside
-and hands them to the live servers at the end of the epoch (``loader.py``), so each sample is
-still delivered exactly once; its connection is shut, so that a server that wakes finds the
-worker gone and ends. A server only slow is never silent: its beats go on while its producer
+and hands them to the live servers at the end of the epoch (``server_set.py``), so each
+sample is still delivered exactly once; its connection is shut, so that a server that wakes
+finds the worker gone and ends. A server only slow is never silent: its beats go on while its producer
 prepares a batch, its serving threads answer meanwhile (its switch interval is 0.2 ms), and
 its takes answer ``pending``. What can still pass for silence: on the take road, one C call
 that holds the server's GIL longer than the timeout (the replies come from Python threads);

@@ -34,7 +34,7 @@ A step, seen from worker w:
    for several at once: one request and one reply for them all, where a reply sent at its
    first ready item brings one batch whenever this server is the slower side; the producer
    wakes the take once they are, not at every item). The worker keeps a few takes in flight
-   on its connection (``loader.py``), which this server's serving thread answers one after
+   on its connection (``roads.py``), which this server's serving thread answers one after
    the other: a take without ``seq`` answers the item after those the one before it
    answered, so the next take already waits here when a batch becomes ready, and the round
    trip is hidden behind the batches the worker reads meanwhile. A take releases the items
@@ -481,7 +481,7 @@ class DataServer:
             # window, ``data_window``), and the reply waits until ``least`` of them are
             # ready (the items after ``seq`` that exist in the stream now: no take waits for
             # an epoch not started). A worker that has batches in hand asks for several
-            # (``loader._Epoch._post``): one request, one reply and one parse bring them
+            # (``roads.Roads._post``): one request, one reply and one parse bring them
             # all, where a reply sent as soon as its first item is ready brings one batch
             # when the server is the slower side (its next items are still to come).
             most = min(seq + max(1, int(args.get("count", 1))), len(stream.items)) \

@@ -59,7 +59,7 @@ __all__ = ["Bucket", "assign_buckets", "check_layout", "choose_shared", "plan_bu
 SHARED_ABOVE: "int | None" = None
 # At most this many of an optimizer's buckets are shared buffers, its largest: each holds
 # descriptors here and a mapping in every other local rank, which keeps a bounded number of
-# them (``transport/host_segment.py``, ``_MAPPED_KEPT``); a model cut into hundreds of buckets (a
+# them (``transport/segment_shared.py``, ``_MAPPED_KEPT``); a model cut into hundreds of buckets (a
 # fusion threshold near 0) would otherwise have them mapped again at every step.
 SHARED_MAX = 16
 

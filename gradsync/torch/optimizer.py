@@ -171,7 +171,7 @@ class _DistributedOptimizer(_Optimizer):
         if self._gs_size() > 1 and params:
             # Reduced as they are (no compression cast), buckets live in buffers that the
             # host's other ranks map: their allreduce skips the staging copies
-            # (transport/host_segment.py).
+            # (transport/segment_shared.py).
             host = None
             # (Not with a lag: its allreduces work on copies, lag.py.)
             if (self._gs_compression is Compression.none and self._gs_reducer is None

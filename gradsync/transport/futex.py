@@ -25,7 +25,7 @@ too (the caller checks deadlines and liveness between sleeps), so even a broken 
 would cost a late wake-up, never a hang.
 
 Where futexes cannot be reached (not Linux x86-64, no libc through ctypes) ``open`` returns
-None and callers nap instead (``host_segment.py``).
+None and callers nap instead (``segment_sync.py``, the host segment's waits).
 """
 
 from __future__ import annotations

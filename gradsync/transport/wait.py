@@ -17,7 +17,7 @@ Between sleeps a wait looks at its deadline and at the liveness of what it waits
 - a *polling loop* that moves bytes itself (``base.wait_all`` advancing its sends and
   receives over the byte rings): each round that moved nothing is one rung step, counted in
   rounds by ``Backoff`` (``SPINS`` rounds of spinning, then ``YIELDS`` of yielding, then naps);
-- a *counter wait* on the host's shared segment (``host_segment.py``): the rungs are measured
+- a *counter wait* on the host's shared segment (``segment_sync.py``): the rungs are measured
   in time from the wait's start, because one look costs microseconds in Python and
   nanoseconds in C. The Python wait holds the GIL while it looks, the compiled one
   (``collectives/_shmfast.c``) releases it, so each has its own spin and yield lengths below;
