@@ -41,8 +41,9 @@ from pathlib import Path
 import pytest
 
 BUDGETS = Path(__file__).with_name("budgets.txt")
-TIERS = {"not slow": "default", "slow": "slow"}
-"""The ``-m`` expressions of the two tiers (scripts/test.sh, .ci/run) and their columns."""
+TIERS = {"not slow": "default", "slow": "slow", "": "both"}
+"""The ``-m`` expressions of the two tiers (scripts/test.sh) and their columns; no ``-m`` (or
+``-m ""``: .ci/run, both tiers in one run) judges each file by the sum of its two columns."""
 
 FACTOR_FLOOR_S = 5.0  # files with a budget this large or larger set the machine factor
 FACTOR_FILES = 8  # at least this many of them, or there is no factor and nothing fails
@@ -57,7 +58,7 @@ _pending: dict[str, float] = defaultdict(float)  # charged by the test running n
 
 def read_budgets(path: Path = BUDGETS) -> dict[str, dict[str, float]]:
     """``{tier: {file: seconds}}`` from ``path``: ``FILE DEFAULT SLOW`` a line, ``-`` for a
-    file with no test in that tier, ``#`` starts a comment."""
+    file with no test in that tier, ``#`` starts a comment; tier ``both`` sums the two."""
     budgets: dict[str, dict[str, float]] = {"default": {}, "slow": {}}
     for number, line in enumerate(path.read_text().splitlines(), 1):
         fields = line.split("#", 1)[0].split()
@@ -69,6 +70,8 @@ def read_budgets(path: Path = BUDGETS) -> dict[str, dict[str, float]]:
         for tier, value in zip(("default", "slow"), columns):
             if value != "-":
                 budgets[tier][name] = float(value)
+    budgets["both"] = {name: budgets["default"].get(name, 0.0) + budgets["slow"].get(name, 0.0)
+                       for name in budgets["default"].keys() | budgets["slow"].keys()}
     return budgets
 
 
@@ -166,8 +169,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     write = terminalreporter.write_line
     terminalreporter.section("time per test file against its budget (tests/budgets.txt)")
     if tier is None:
-        write(f"-m {config.option.markexpr!r} is not a tier ('not slow' or 'slow'): "
-              "the files' totals, with no budget")
+        write(f"-m {config.option.markexpr!r} is not a tier ('not slow', 'slow' or none for "
+              "both): the files' totals, with no budget")
     budgets = read_budgets(Path(config.getoption("budgets_file")))[tier] if tier else {}
     wide = _wide(config)
     factor, rows = judge(_spent, budgets, wide)

@@ -23,7 +23,9 @@ def test_the_budgets_file_reads_both_tiers_and_names_a_bad_line(tmp_path):
                     "test_b.py  -   300\n"
                     "test_c.py  2.5 40\n")
     assert read_budgets(path) == {"default": {"test_a.py": 12.0, "test_c.py": 2.5},
-                                  "slow": {"test_b.py": 300.0, "test_c.py": 40.0}}
+                                  "slow": {"test_b.py": 300.0, "test_c.py": 40.0},
+                                  "both": {"test_a.py": 12.0, "test_b.py": 300.0,
+                                           "test_c.py": 42.5}}
     path.write_text("test_a.py 12\n")
     with pytest.raises(ValueError, match=r"budgets.txt:1: want 'FILE DEFAULT SLOW'"):
         read_budgets(path)
