@@ -41,9 +41,11 @@ from pathlib import Path
 import pytest
 
 BUDGETS = Path(__file__).with_name("budgets.txt")
-TIERS = {"not slow": "default", "slow": "slow", "": "both"}
-"""The ``-m`` expressions of the two tiers (scripts/test.sh) and their columns; no ``-m`` (or
-``-m ""``: .ci/run, both tiers in one run) judges each file by the sum of its two columns."""
+TIERS = {"not slow": "default", "slow": "slow", "slow and not alone": "slow",
+         "slow and alone": "slow", "": "both"}
+"""The ``-m`` expressions of the tiers (scripts/test.sh; .ci/run runs the slow tier's tests
+marked ``alone`` apart, with nothing beside them) and their columns; no ``-m`` (or ``-m ""``,
+both tiers in one run) judges each file by the sum of its two columns."""
 
 FACTOR_FLOOR_S = 5.0  # files with a budget this large or larger set the machine factor
 FACTOR_FILES = 8  # at least this many of them, or there is no factor and nothing fails

@@ -505,7 +505,7 @@ def _init_requests(got: dict) -> dict:
 
 @pytest.mark.parametrize("n", [4, pytest.param(8, marks=pytest.mark.slow),
                                pytest.param(16, marks=pytest.mark.slow),
-                               pytest.param(64, marks=pytest.mark.slow)])
+                               pytest.param(64, marks=[pytest.mark.slow, pytest.mark.alone])])
 def test_sockets_per_rank_after_allreduces(n):
     if n == 4:
         got = _results(_spawned(_four_ranks()), "sockets")

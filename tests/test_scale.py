@@ -41,7 +41,7 @@ import pytest
 from harness import MARK, launch, new_mark
 from scale_jobs import Job, Memory, entry_logs, forked, ran, results, sixty_four
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.alone]
 
 
 def wall_of(line: str) -> float:

@@ -23,7 +23,7 @@ import pytest
 
 from scale_jobs import forked, results
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.alone]
 
 
 # What a rank's heartbeat logs when it reports a neighbour lost (gradsync/liveness/heartbeat.py)
