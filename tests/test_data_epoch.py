@@ -21,6 +21,7 @@ from gradsync.data.layout import Layout
 from gradsync.data.loader import Loader
 from gradsync.data.slots import poller
 from gradsync.errors import PeerLostError
+from gradsync.transport import regions
 from gradsync.transport import rma_frame as rf
 from gradsync.transport.regions import Attached
 
@@ -324,19 +325,42 @@ def test_a_mapped_slot_reached_by_take_is_read_before_the_next_take_releases_it(
     assert reads and not early, early  # (item, released) read after their release
 
 
-def _waiting_bytes(srv, worker: int) -> int:
-    """Bytes of ``worker``'s requests that wait, unread, on data server ``srv``'s end of the
-    connection (``test_regions._waiting_bytes`` on its endpoint)."""
-    from test_regions import _waiting_bytes as waiting
+def _readings(monkeypatch) -> list:
+    """The ``Incoming`` of each connection that an endpoint serves from now on, as it makes
+    them (``regions.Endpoint._serve``): the requests a server has read ahead are in it."""
+    readings = []
 
-    return waiting(srv.endpoint, worker)
+    class Recorded(rf.Incoming):
+        def __init__(self, sock):
+            super().__init__(sock)
+            readings.append(self)
+
+    monkeypatch.setattr(regions, "Incoming", Recorded)
+    return readings
 
 
-def test_over_tcp_the_next_take_waits_on_the_server_before_its_batch_is_ready(server):
+def _unserved(srv, worker: int, readings: list) -> int:
+    """Bytes of ``worker``'s requests that data server ``srv`` has not served yet, beyond
+    the one it serves: read ahead with that one (its ``Incoming``, of ``readings``), or
+    waiting, unread, on its end of the connection (``test_regions._waiting_bytes``). Exact
+    only while its serving thread is held in a request's handler."""
+    from test_regions import _waiting_bytes
+
+    sock = srv.endpoint._conns[worker]
+    reading = next(r for r in readings if r.sock is sock)
+    return reading.end - reading.start + _waiting_bytes(srv.endpoint, worker)
+
+
+def test_over_tcp_the_next_take_waits_on_the_server_before_its_batch_is_ready(server,
+                                                                                monkeypatch):
     # Window 2 in 2 takes of one batch each: while the server holds the take for item 1 (its
-    # first sample waits for a gate), the take for item 2 is on its connection already, so
-    # the server answers it the moment item 2 is ready (with one take in flight, the worker
-    # would send it only once item 1's reply is in: a round trip later).
+    # first sample waits for a gate), the take for item 2 is at the server already, so the
+    # server answers it the moment item 2 is ready (with one take in flight, the worker
+    # would send it only once item 1's reply is in: a round trip later). It waits on the
+    # connection, or in the server's read-ahead (``rma_frame.Incoming``): when the worker
+    # had item 0's reply and sent it before the server's next receive, that one receive
+    # took both takes.
+    readings = _readings(monkeypatch)
     gate = threading.Event()
     srv, peers = server(_Gates(SAMPLES, _server_items(1, 0), {1: gate}), workers=1,
                         direct=False)
@@ -344,7 +368,10 @@ def test_over_tcp_the_next_take_waits_on_the_server_before_its_batch_is_ready(se
                      takes=2)
     batches = iter(loader)
     first = next(batches)[1].tolist()
-    assert _wait_for(lambda: _waiting_bytes(srv, 0) >= rf.HEADER_SIZE)
+    # The take for item 1 waits in its handler (``awaited``: until 2 items are made) ...
+    assert _wait_for(lambda: srv.streams[0].awaited == 2)
+    # ... and, as it cannot return before the gate opens, the bytes behind it stay put.
+    assert _wait_for(lambda: _unserved(srv, 0, readings) >= rf.HEADER_SIZE)
     assert srv.streams[0].produced == 1  # item 1 is still behind its gate
     gate.set()
     got = [first] + [ids.tolist() for _, ids in batches]
