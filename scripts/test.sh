@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up (scripts/setup.sh), lints (ruff, with the rules of pyproject.toml: seconds), checks
-# the types of the public modules, the runtime and the launcher (mypy, 144 files: those of
+# the types of the public modules, the runtime and the launcher (mypy, 152 files: those of
 # pyproject.toml's [tool.mypy], with its settings; about 11 s on a fresh clone, under a second
 # with its cache, .mypy_cache) and runs the default test tier: everything except the tests
 # marked `slow` (docs/testing.md says which those are).

@@ -52,11 +52,11 @@ def groups(files: dict[str, set[str]]) -> dict[str, str]:
         return x
 
     for used in files.values():
-        first, *rest = sorted(used) or [None]
-        for other in rest:
-            a, b = sorted((root(first), root(other)))
+        names = sorted(used)
+        for other in names[1:]:  # join every module a file uses into one group
+            a, b = sorted((root(names[0]), root(other)))
             parent[b] = a
-    return {f: root(sorted(used)[0]) if used else f for f, used in files.items()}
+    return {f: root(min(used)) if used else f for f, used in files.items()}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups in the worker
