@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -112,6 +113,7 @@ def test_forked_ranks_see_what_python_script_gives_them_and_the_template_leaves(
         assert view["stdin_empty"] and view["stderr_line_buffering"]
         assert not view["stdout_write_through"]  # a pipe: buffered, as python's (no -u)
         assert view["torch_loaded_before_us"]  # forked from the template, not exec'd
+        assert not view["launcher_has_torch"]  # the template's keeper holds the store
         assert view["malloc_kept_at_exec"]  # the template was exec'd with the ranks' settings
     assert len(views[0]["cores"]) == len(views[1]["cores"]) == 1 and \
         views[0]["cores"] != views[1]["cores"]  # bound before the script's first line
@@ -128,7 +130,57 @@ def test_forked_ranks_see_what_python_script_gives_them_and_the_template_leaves(
     assert result.returncode == 0, result
     for view in _views(result.stdout).values():
         assert not view["torch_loaded_before_us"] and view["stdout_write_through"]
+        assert view["launcher_has_torch"]  # no template: the launcher hosts the store
         assert view["path0"] == os.path.dirname(os.path.realpath(SCRIPT))
+
+
+_KEEPERS = """
+import json, os
+from datetime import timedelta
+from gradsync.run.forkserver import Forkserver
+forks = Forkserver()
+forks.begin(dict(os.environ))
+kept, dropped = forks.keep_store("127.0.0.1"), forks.keep_store("127.0.0.1")
+from torch.distributed import TCPStore
+client = TCPStore("127.0.0.1", kept.port, None, False, timedelta(seconds=10))
+client.set("key", "value")
+parents = [int(open(f"/proc/{k.process.pid}/stat").read().rsplit(")", 1)[1].split()[1])
+           for k in (kept, dropped)]
+print(json.dumps({"got": client.get("key").decode(), "mine": parents == [os.getpid()] * 2,
+                  "ports": [kept.port, dropped.port], "dropped": dropped.process.pid}),
+      flush=True)
+del client
+kept.close()
+forks.close()
+print(json.dumps({"kept_status": kept.process.returncode}), flush=True)
+os._exit(0)  # without closing the second keeper's lifeline: it closes with this process
+"""
+
+
+def test_a_store_keeper_serves_the_store_as_the_launchers_child_until_its_lifeline_closes():
+    result = subprocess.run([sys.executable, "-c", _KEEPERS], capture_output=True, text=True,
+                            timeout=DEADLINE)
+    assert result.returncode == 0, result
+    first, second = (json.loads(line) for line in result.stdout.splitlines())
+    assert first["got"] == "value" and first["mine"], result
+    assert second["kept_status"] == 0  # closed: it left at once, not killed
+    kept_port, dropped_port = first["ports"]
+    assert kept_port != dropped_port  # each keeper a store of its own
+    with pytest.raises(ConnectionRefusedError):  # the closed keeper's store is gone
+        socket.create_connection(("127.0.0.1", kept_port), timeout=5).close()
+    # The other keeper saw its lifeline close when the process that held it ended.
+    end = time.monotonic() + 10
+    while _alive(first["dropped"]) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not _alive(first["dropped"])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def _become(tmp_path, target: str, *args: str, module: bool = False,

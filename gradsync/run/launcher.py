@@ -7,8 +7,10 @@ A job goes through five steps:
    (local rank 0). A rank's *cross rank* is the index of its host among the hosts that have a
    rank with the same local rank (Horovod's definition): rank 2 has cross rank 1 of 2, rank 1
    cross rank 0 of 1.
-2. **Store.** The launcher hosts torch's TCPStore for the rendezvous. It outlives every rank,
-   so the death of rank 0 does not take the store (and the job's abort record) with it.
+2. **Store.** The launcher hosts torch's TCPStore for the rendezvous, in itself or, in a
+   ``forkserver`` job, in the template's store keeper, its child (``forkserver.py``: the
+   launcher then never imports torch). It outlives every rank, so the death of rank 0 does
+   not take the store (and the job's abort record) with it.
 3. **Start.** Each rank gets its identity as ``GRADSYNC_*`` variables (``launch_env`` reads
    them), and as horovodrun's ``HOROVOD_RANK``, ``_SIZE``, ``_LOCAL_RANK``, ``_LOCAL_SIZE``,
    ``_CROSS_RANK``, ``_CROSS_SIZE`` and ``HOROVOD_HOSTNAME`` (the host's name as listed), so
@@ -102,6 +104,8 @@ from .ranks import (SERVER_LINGER, SERVER_MODULE, LaunchSpec, Rank, Slot, Starte
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
 
+    from .forkserver import StoreKeeper
+
     # Imported where it runs: it loads the parameter servers' package.
     from .server_watch import ServerWatch
 
@@ -149,7 +153,9 @@ class _Job(JobLoop):
         self.starter = Starter(spec, output, store_address(self.remote_hosts))
         self.ranks: list[Rank] = []
         self.cores: "list[list[int]] | None" = None  # CPUs of each local rank, when bound
-        self.store: TCPStore | None = None  # the job's TCPStore server, held for the whole run
+        # The job's store, held for the whole run: a TCPStore hosted here where the server
+        # watch reads it, else perhaps a forkserver template's keeper (Starter.host_store).
+        self.store: TCPStore | StoreKeeper | None = None
         self.store_port = 0
         self.restarts: dict[int, int] = {}  # replicated servers started again, by rank
         self.failed: list[tuple[int, str, str]] = []  # ranks that failed and let the job go on
@@ -165,9 +171,11 @@ class _Job(JobLoop):
     def begin(self) -> None:
         self._check_hosts()
         self._plan_binding()
-        self.store = self.host_store(len(self.slots))
+        watched = bool(self.spec.servers and self.spec.ps_replicas > 1 and
+                       self.spec.server_restarts)
+        self.store = self.host_store(len(self.slots), client=watched)
         self.store_port = self.store.port
-        if self.spec.servers and self.spec.ps_replicas > 1 and self.spec.server_restarts:
+        if watched:
             # Imported here: the parameter servers' package loads numpy and their client, which
             # no other job needs.
             from ..cluster.rendezvous import Store

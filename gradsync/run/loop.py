@@ -33,10 +33,12 @@ from typing import TYPE_CHECKING, Optional, Tuple
 
 from . import jobfile
 from .processes import Interrupts, Output, StartError, clear_shared_memory, stop
-from .ranks import LaunchSpec, Rank, Starter, start_store
+from .ranks import LaunchSpec, Rank, Starter
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
+
+    from .forkserver import StoreKeeper
 
 __all__ = ["JobLoop", "End", "POLL"]
 
@@ -93,17 +95,19 @@ class JobLoop:
         """Called at the end before the ranks are stopped: what the policy itself stops."""
 
     # ------------------------------------------------------------------ for the policy
-    def host_store(self, size: int) -> "TCPStore":
+    def host_store(self, size: int, client: bool = True) -> "TCPStore | StoreKeeper":
         """Starts the job's store where every rank of the policy's Starter reaches it
-        (``ranks.start_store``) and publishes the job file (``jobfile.py``: where ``gradsync
-        top`` finds the store; ``size``: the job's size it records), which the end withdraws.
-        The policy holds the store for the whole run: it outlives every rank.
+        (``Starter.host_store``: hosted here, a ``TCPStore`` this process is a client of, or,
+        where the policy needs no ``client``, held by a forkserver template's store keeper)
+        and publishes the job file (``jobfile.py``: where ``gradsync top`` finds the store;
+        ``size``: the job's size it records), which the end withdraws. The policy holds the
+        store for the whole run: it outlives every rank.
 
         Raises:
             StartError: the store cannot be started.
         """
         assert self.starter is not None  # made first: the store listens on its address
-        store = start_store(self.starter.store_addr)
+        store = self.starter.host_store(client)
         self.jobfile = jobfile.publish(self.starter.job_id, self.starter.store_addr, store.port,
                                        size)
         return store

@@ -16,7 +16,8 @@ pieces; neither policy imports the other's module:
   (``server_entry``: ``python -m gradsync.ps``), every other rank the job's command.
 - **The store.** ``store_address`` chooses the one address every rank is given (loopback for a
   one-host job, else the address of this host on the route to a remote one) and
-  ``start_store`` starts the launcher's TCPStore there, on a port the kernel picks.
+  ``start_store`` starts the launcher's TCPStore there, on a port the kernel picks
+  (``Starter.host_store``: or a forkserver template's store keeper does).
 - **How.** ``Starter.start`` starts one rank and returns its ``Rank``. Its environment is
   layered, later layers winning: the launcher's own (a local rank's whole environment; a remote
   one only the ``GRADSYNC_*``/``HOROVOD_*`` settings, ``forwarded_settings``), torchrun's
@@ -49,7 +50,7 @@ from ..cluster.rendezvous import host_store
 from ..config import ENV_PREFIX, HOROVOD_IDENTITY, IDENTITY_VARIABLES, horovod_settings
 from ..errors import ConfigError
 from . import binding
-from .forkserver import Forkserver, plan
+from .forkserver import Forkserver, StoreKeeper, plan
 from .hosts import Host
 from .processes import (DEFAULT_START_TIMEOUT, STOP_GRACE, Child, Output, Process, StartError, Ssh,
                         start)
@@ -334,15 +335,16 @@ class Starter:
         self.ssh = Ssh(spec.ssh_command, spec.ssh_port,
                        spec.start_timeout or DEFAULT_START_TIMEOUT, spec.ssh_identity_file)
         self.forks = None
+        self.keeper: StoreKeeper | None = None  # the job's store, where a keeper holds it
         if spec.start_method == "forkserver":
             self.forks = Forkserver(spec.preload)
             roles = [spec.command] + ([spec.command_of(spec.num_proc)] if spec.servers else [])
             here = [h.slots for h in spec.hosts if is_local(h.name)] if spec.hosts \
                 else [spec.size]
             if here and any(plan(command) for command in roles):
-                # Now, so that its imports run while this process imports torch for the store;
-                # with the ranks' settings, which its forks keep: glibc reads its malloc
-                # variables once, at the template's start.
+                # Now, so that its store keeper can hold the job's store (host_store); with
+                # the ranks' settings, which its forks keep: glibc reads its malloc variables
+                # once, at the template's start.
                 self.forks.begin({**os.environ, **self._settings(here[0]), **spec.env})
 
     def start(self, slot: Slot, port: int, size: int, cores: Sequence[int] | None = None,
@@ -390,10 +392,32 @@ class Starter:
         self.output.follow(slot.rank, process.proc)
         return Rank(slot, process, command)
 
+    def host_store(self, client: bool) -> "TCPStore | StoreKeeper":
+        """Starts the job's store (something with its ``port``), which outlives every rank
+        until ``close``: kept by the template's store keeper where this job's template runs and
+        the launcher needs no client of its own (``client``; ``forkserver.py``, "The job's
+        store": the launcher then never imports torch), else hosted in this process
+        (``start_store``), as it is where the keeper cannot start it.
+
+        Raises:
+            StartError: the store cannot be started here.
+        """
+        if not client and self.forks is not None and self.forks.begun:
+            try:
+                self.keeper = self.forks.keep_store(self.store_addr)
+                return self.keeper
+            except OSError:
+                pass  # a template that failed says why at the first rank's start
+        return start_store(self.store_addr)
+
     def close(self) -> None:
-        """Ends what starting ranks needed (a ``forkserver`` template); the ranks go on."""
+        """Ends what starting ranks needed (a ``forkserver`` template, the store keeper);
+        the ranks go on. Call it once they are gone: the store ends here."""
         if self.forks is not None:
             self.forks.close()
+        if self.keeper is not None:
+            self.keeper.close()
+            self.keeper = None
 
     def identity(self, slot: Slot, port: int, size: int) -> dict[str, str]:
         """A rank's ``GRADSYNC_*`` identity."""
