@@ -245,7 +245,8 @@ def test_a_short_run_on_two_emulated_hosts_reports_every_mode_honestly(tmp_path,
     out = tmp_path / "report.json"
     target = 4.2
     options = compress.parser().parse_args([
-        "--rates", "unshaped", "--modes", "floor,gloo-fp32,gs-int8,gs-auto", "--lm-dim", "32",
+        "--rates", "unshaped", "--modes", "floor,gloo-fp32,gs-int8,gs-auto,gs-int8-lag",
+        "--lm-dim", "32",
         "--lm-layers", "1", "--lm-heads", "2", "--lm-context", "32", "--val-items", "32",
         "--max-steps", "24", "--eval-every", "4", "--floor-steps", "8", "--minutes", "2",
         "--target-loss", str(target), "--markdown", "--json", str(out)])
@@ -255,9 +256,10 @@ def test_a_short_run_on_two_emulated_hosts_reports_every_mode_honestly(tmp_path,
     assert [r["rate"] for r in data["rates"]] == ["unshaped"]
     rate = data["rates"][0]
     rows = {r["mode"]: r for r in rate["rows"]}
-    assert list(rows) == ["floor", "gloo-fp32", "gs-int8", "gs-auto"]
+    assert list(rows) == ["floor", "gloo-fp32", "gs-int8", "gs-auto", "gs-int8-lag"]
     params = rows["gloo-fp32"]["params"]
-    for mode in ("gloo-fp32", "gs-int8", "gs-auto"):
+    assert rows["gs-int8-lag"]["choice"] == "int8(block=1024), gradient lag 1"
+    for mode in ("gloo-fp32", "gs-int8", "gs-auto", "gs-int8-lag"):
         row = rows[mode]
         assert not row.get("failed") and row["final"] == row["evals"][-1]
         # Honest: reached iff an evaluation met the target, at the first one that did.

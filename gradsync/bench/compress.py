@@ -25,8 +25,9 @@ this order (``compress_report.MODES``): ``floor`` (no exchange), DDP over gloo a
 torch's bf16 hook and with torch's PowerSGD hook (one bucket), DDP over the gradsync backend
 at fp32, with gradsync's int8 and PowerSGD hooks and with ``compression="auto"``
 (``gs-auto``, whose row's ``choice`` says what it chose per bucket class, with the numbers
-behind it under the table), and gradsync's DiLoCo (H inner steps, the outer gradient in
-int8). Every mode trains the same model from the same weights on the same batches with the
+behind it under the table), the Horovod API's ``DistributedOptimizer`` with Int8 or PowerSGD
+and ``gradient_lag=1`` (``gs-int8-lag``, ``gs-powersgd-lag``: each step's exchange runs behind
+the next step's compute), and gradsync's DiLoCo (H inner steps, the outer gradient in int8). Every mode trains the same model from the same weights on the same batches with the
 same optimizer (AdamW); only the exchange differs.
 
 **What is reported**, per rate and mode (``compress_report.py``): whether it reached the

@@ -75,6 +75,9 @@ class _Trainer:
             self.net, self.opt = model, torch.optim.AdamW(model.parameters(), lr)
             self.choice = "none (no exchange)"
             return
+        if mode in ("gs-int8-lag", "gs-powersgd-lag"):
+            self._lagged(mode, model, s)
+            return
         group = None
         if mode.startswith("gs-"):
             import gradsync  # noqa: F401  (registers the backend "gradsync")
@@ -134,6 +137,26 @@ class _Trainer:
             self.choice = compressor.describe()
         else:
             raise ValueError(f"unknown mode {mode!r}")
+
+    def _lagged(self, mode: str, model, s: dict) -> None:
+        """The Horovod API's ``DistributedOptimizer`` with a compressor and
+        ``gradient_lag=1`` (docs/slow-links.md, "Gradient lag") on a World of its own: its
+        store on the port after the default group's (rank 0 hosts both; every emulated host
+        has its own ports)."""
+        import torch
+
+        import gradsync.torch as hvd
+        from gradsync.compress import Int8, PowerSGD
+
+        os.environ["GRADSYNC_STORE_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)
+        hvd.init()
+        compressor = Int8(seed=s["seed"]) if mode == "gs-int8-lag" else \
+            PowerSGD(rank=s["powersgd_rank"], seed=s["seed"])
+        self.net = model
+        self.opt = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), s["lr"]),
+                                            named_parameters=model.named_parameters(),
+                                            compression=compressor, gradient_lag=1)
+        self.choice = f"{compressor.describe()}, gradient lag 1"
 
     def step(self, x, y) -> None:
         self.opt.zero_grad(set_to_none=True)

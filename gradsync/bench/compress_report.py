@@ -38,6 +38,9 @@ MODES = {
     "gs-powersgd": "DDP over the gradsync backend, gradsync.compress PowerSGD hook",
     "gs-auto": "DDP over the gradsync backend, compression=\"auto\": per bucket, none, "
                "bf16, int8 or PowerSGD from the measured link (its choice in 'choice')",
+    "gs-int8-lag": "the Horovod API's DistributedOptimizer, Int8, gradient_lag=1: step t's "
+                   "exchange behind step t + 1's compute",
+    "gs-powersgd-lag": "the Horovod API's DistributedOptimizer, PowerSGD, gradient_lag=1",
     "gs-diloco": "gradsync.compress DiLoCo over a gradsync group: H inner steps per sync",
 }
 """Every mode, in the order each rate runs them (the floor first)."""
