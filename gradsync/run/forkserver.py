@@ -24,7 +24,8 @@ is handed to the nearest subreaper among its ancestors, the launcher. The templa
 only after it has reaped the short-lived child, so by then the rank's parent is the launcher
 and ``waitpid`` works on it (``Forked``). The rank calls ``setsid`` before it writes its pid
 for the template: it leads its own session and process group, as a started rank does
-(``processes.start``), before the launcher can signal that group.
+(``processes.start``), before the launcher can signal that group. It then waits until its
+parent is the launcher, so that its first line already sees the launcher as ``os.getppid()``.
 
 **What the rank sees** is what ``python [-u] script.py args`` (or ``python [-u] -m module
 args``) would give it: ``sys.argv``, ``sys.path[0]`` (the script's directory, or the working
@@ -467,6 +468,7 @@ def _fork() -> int:
         rank = -1
         try:
             os.close(read)
+            short_lived = os.getpid()
             rank = os.fork()
             if rank == 0:
                 # Before the launcher can know the pid, so that a signal to its group always
@@ -477,6 +479,11 @@ def _fork() -> int:
                     os.close(write)
                 except BaseException:
                     os._exit(1)  # the template reads no pid and answers the error
+                # Not a line of the rank's own before it is the launcher's child: its parent
+                # is the short-lived child until that one has exited, which on a busy machine
+                # can come after the script's first lines (os.getppid() read there).
+                while os.getppid() == short_lived:
+                    time.sleep(0.0002)
         finally:
             if rank != 0:
                 os._exit(0)  # never back into the template's loop
