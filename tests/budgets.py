@@ -16,9 +16,10 @@ A file fails when its total passes both twice its scaled budget (three times whe
 ran on several pytest workers, where a file's time also depends on what the other workers ran
 beside it: in one run the median file took 1.34 times its budget, one file 2.9 times) and its
 scaled budget plus 10 s: far enough that load and noise do not fail a run (measured on the
-loaded 2-core machine, docs/testing.md), near enough that a file which doubled is caught. A file over its scaled
-budget but within the margin is listed as over, and fails nothing. Fewer than 8 files of 5 s
-or more (a file or two run by hand) give no factor: the plugin then prints, never fails.
+loaded 2-core machine, docs/testing.md), near enough that a file which doubled is caught. A
+file over its scaled budget but within the margin is listed as over, and fails nothing. Fewer
+than 8 files of 5 s or more (a file or two run by hand) give no factor: the plugin then
+prints, never fails.
 
 Time that one test pays for many, a job shared by the tests of several files
 (tests/small_jobs.py), is charged with ``charged_to(NAME)`` to NAME, its own line in the

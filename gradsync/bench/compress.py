@@ -27,7 +27,8 @@ at fp32, with gradsync's int8 and PowerSGD hooks and with ``compression="auto"``
 (``gs-auto``, whose row's ``choice`` says what it chose per bucket class, with the numbers
 behind it under the table), the Horovod API's ``DistributedOptimizer`` with Int8 or PowerSGD
 and ``gradient_lag=1`` (``gs-int8-lag``, ``gs-powersgd-lag``: each step's exchange runs behind
-the next step's compute), and gradsync's DiLoCo (H inner steps, the outer gradient in int8). Every mode trains the same model from the same weights on the same batches with the
+the next step's compute), and gradsync's DiLoCo (H inner steps, the outer gradient in int8).
+Every mode trains the same model from the same weights on the same batches with the
 same optimizer (AdamW); only the exchange differs.
 
 **What is reported**, per rate and mode (``compress_report.py``): whether it reached the
