@@ -16,9 +16,13 @@ windows of 10 steps, each window timed on the slowest rank:
 - ``ddp``: ``DistributedDataParallel`` (its defaults) over the torch.distributed backend
   "gradsync";
 - ``ddp_none``: the same DDP with a comm hook that communicates nothing (every rank keeps its
-  own gradients): what DDP itself costs (its gradient copies and hooks).
+  own gradients): what DDP itself costs (its gradient copies and hooks), so the fastest any
+  backend can make ``ddp``;
+- ``ddp_gloo``: the same DDP over a gloo group (``new_group(backend="gloo")``), the peer of
+  ``ddp`` in the same processes.
 
-Prints each mode's step time and its rate over ``local``.
+Prints each mode's step time, its rate over ``local`` and, for the DDP modes, ``ddp_gloo``'s
+step time over theirs (docs/benchmarks.md, "Training, 2 ranks on one host").
 """
 
 import functools
@@ -69,6 +73,9 @@ def main() -> None:
     d5 = nn.parallel.DistributedDataParallel(m5)
     d5.register_comm_hook(None, keep_own)
     o5 = torch.optim.SGD(m5.parameters(), lr=0.01, momentum=0.9)
+    m6 = model()
+    d6 = nn.parallel.DistributedDataParallel(m6, process_group=dist.new_group(backend="gloo"))
+    o6 = torch.optim.SGD(m6.parameters(), lr=0.01, momentum=0.9)
 
     def train_step(model, opt):
         opt.zero_grad()
@@ -79,6 +86,7 @@ def main() -> None:
     controller = functools.partial(train_step, m3, o3)
     ddp = functools.partial(train_step, d4, o4)
     ddp_none = functools.partial(train_step, d5, o5)
+    ddp_gloo = functools.partial(train_step, d6, o6)
 
     def barrier():
         local()
@@ -100,7 +108,8 @@ def main() -> None:
         o2.step()
 
     modes = {"local": local, "barrier": barrier, "tiny": tiny, "views": views,
-             "inline": inline, "controller": controller, "ddp": ddp, "ddp_none": ddp_none}
+             "inline": inline, "controller": controller, "ddp": ddp, "ddp_none": ddp_none,
+             "ddp_gloo": ddp_gloo}
     for step in modes.values():
         for _ in range(3):
             step()
@@ -114,11 +123,12 @@ def main() -> None:
             times[name].append(time.perf_counter() - start)
     slowest = {k: gs.allreduce(np.array(v), op=gs.Max, name=f"costs.{k}") for k, v in times.items()}
     if rank == 0:
-        base = statistics.median(slowest["local"].tolist())
-        for name, windows in slowest.items():
-            med = statistics.median(windows.tolist())
+        medians = {k: statistics.median(v.tolist()) for k, v in slowest.items()}
+        for name, med in medians.items():
+            versus = (f"  gloo/this {medians['ddp_gloo'] / med:5.2f}"
+                      if name.startswith("ddp") else "")
             print(f"{name:11s} step {med / 10 * 1e3:7.2f} ms (slowest rank)  "
-                  f"rate/local {base / med:5.2f}")
+                  f"rate/local {medians['local'] / med:5.2f}{versus}")
     dist.destroy_process_group()
     hvd.shutdown()
 

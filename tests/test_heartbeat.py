@@ -398,12 +398,13 @@ def test_the_abort_watch_sees_a_posted_record_at_once_and_survives_its_rearms():
     assert _wait_for(lambda: watch.armed, 5) < 5
     time.sleep(0.9)
     assert watch.read_abort() is None
-    posted = time.monotonic()
     Store.over(server, "watch", 10.0).post_abort({"kind": "GradsyncError", "rank": 3,
                                                   "message": "m", "peer": None})
+    # Seen within half a re-arm of the post's return, not at the next re-arm. (Timed from the
+    # return: the post itself, a store request from this process, once took 0.2 s in a loaded
+    # tier, 2026-11-30, which said nothing about the watch.)
     took = _wait_for(lambda: watch.read_abort() is not None, 5)
     assert watch.read_abort()["rank"] == 3 and took < 0.1, took
-    assert time.monotonic() - posted < 0.1 + 0.05
 
 
 def test_a_closed_worlds_abort_watch_ends_at_once_without_a_record(capfd):

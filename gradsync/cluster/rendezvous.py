@@ -106,11 +106,9 @@ def host_store(reached_at: str, port: int, timeout: float, world_size: int | Non
     """A TCPStore server in this process, and this process's client of it.
 
     Where the clients reach the store at a literal IPv4 address, the server listens on an IPv4
-    socket made here (module docstring: no client waits on DNS): bound to that address when it
-    is a loopback one (only this host can reach it there, so no other interface need be open),
-    else to 0.0.0.0, every IPv4 interface, as torch's own socket would listen on every one. A
-    host name may resolve to an IPv6 address, and an IPv6 address needs an IPv6 socket: for
-    those the server opens torch's own dual-stack socket.
+    socket made here (``store_listener``; module docstring: no client waits on DNS). A host
+    name may resolve to an IPv6 address, and an IPv6 address needs an IPv6 socket: for those
+    the server opens torch's own dual-stack socket.
 
     Args:
         reached_at: the address every client is given for the store (``MASTER_ADDR``, the
@@ -125,32 +123,63 @@ def host_store(reached_at: str, port: int, timeout: float, world_size: int | Non
     Raises:
         OSError: the port cannot be bound; RuntimeError: torch cannot start the store.
     """
-    from torch.distributed import TCPStore
-
-    wait = timedelta(seconds=timeout)
     host = client_addr or reached_at
-    address: ipaddress.IPv4Address | ipaddress.IPv6Address | None
+    listener = store_listener(reached_at, port)
+    if listener is None:
+        from torch.distributed import TCPStore
+
+        return TCPStore(host, port, world_size, True, timedelta(seconds=timeout),
+                        wait_for_workers=wait_for_workers)
+    port = listener.getsockname()[1]
+    return serve_store(listener.detach(), port, host, timeout, world_size,
+                       wait_for_workers=wait_for_workers)
+
+
+def store_listener(reached_at: str, port: int) -> "socket.socket | None":
+    """The listening IPv4 socket of a store its clients reach at ``reached_at``, bound to
+    ``port`` (0: a free one), or None where ``reached_at`` is not a literal IPv4 address.
+
+    Bound to that address when it is a loopback one (only this host can reach it there, so
+    no other interface need be open), else to 0.0.0.0, every IPv4 interface, as torch's own
+    socket would listen on every one. Made without torch: the launcher binds it and hands it
+    to the process that serves the store (``run/keeper.py``), so the ranks can be given the
+    port before torch is imported anywhere.
+
+    Raises:
+        OSError: the port cannot be bound.
+    """
     try:
         address = ipaddress.ip_address(reached_at)
     except ValueError:  # a host name
-        address = None
-    if address is None or address.version != 4:
-        return TCPStore(host, port, world_size, True, wait, wait_for_workers=wait_for_workers)
+        return None
+    if address.version != 4:
+        return None
     bind = reached_at if address.is_loopback else "0.0.0.0"
     # create_server sets SO_REUSEADDR, as torch does on its own socket: a fixed port (a
     # MASTER_PORT used again) binds while the last job's connections linger in TIME_WAIT. The
-    # backlog is the kernel's cap: many ranks connect at once.
-    listener = socket.create_server((bind, port), family=socket.AF_INET,
-                                    backlog=socket.SOMAXCONN)
-    port, inode = listener.getsockname()[1], os.fstat(listener.fileno()).st_ino
-    # The store owns the descriptor from here on and closes it with itself. torch also closes
-    # one it adopted when the start fails; one it never reached is still this socket (the same
-    # inode: a number torch closed and another thread reused would be another file) and is
-    # closed here, so a failed start leaves no port bound.
-    fd = listener.detach()
+    # backlog is the kernel's cap: many ranks connect at once, some before the store serves.
+    return socket.create_server((bind, port), family=socket.AF_INET, backlog=socket.SOMAXCONN)
+
+
+def serve_store(fd: int, port: int, host: str, timeout: float, world_size: int | None = None,
+                *, wait_for_workers: bool = False) -> "TCPStore":
+    """A TCPStore server on the listening socket ``fd`` (``store_listener``'s, detached, bound
+    to ``port``), and this process's client of it, connecting at ``host``.
+
+    The store owns ``fd`` from here on and closes it with itself. torch also closes one it
+    adopted when the start fails; one it never reached is still the same socket (the same
+    inode: a number torch closed and another thread reused would be another file) and is
+    closed here, so a failed start leaves no port bound.
+
+    Raises:
+        OSError: ``fd`` is no listening socket; RuntimeError: torch cannot start the store.
+    """
+    inode = os.fstat(fd).st_ino
     try:
-        return TCPStore(host, port, world_size, True, wait, wait_for_workers=wait_for_workers,
-                        master_listen_fd=fd)
+        from torch.distributed import TCPStore
+
+        return TCPStore(host, port, world_size, True, timedelta(seconds=timeout),
+                        wait_for_workers=wait_for_workers, master_listen_fd=fd)
     except BaseException:
         try:
             if os.fstat(fd).st_ino == inode:

@@ -52,13 +52,11 @@ Anything else (another interpreter, ``-c``, other flags, a shell script), and ev
 another host, is started as before: ``Forkserver.start`` returns None and the launcher execs it.
 
 **The job's store.** The launcher of a job whose template runs asks it for one more child
-before the ranks: the *store keeper* (``Forkserver.keep_store``), forked like a rank (the
-launcher's child, its own session), which hosts the job's TCPStore on the job's store address
-and sends its port back on a pipe. torch is already imported there, so the launcher itself
-never imports it: a forkserver job pays torch's import once, in the template, not twice
-(1.5 s of CPU each on this project's machines). The keeper holds the read end of a second
-pipe, its lifeline, whose write end only the launcher holds: it ends when that pipe closes,
-when the launcher closes it (``StoreKeeper.close``, after the ranks) or ends in any way.
+before the ranks: the *store keeper* (``Forkserver.keep_store``; ``keeper.py``), forked like a
+rank (the launcher's child, its own session), which hosts the job's TCPStore on the job's store
+address and sends its port back on a pipe. torch is already imported there, so neither the
+launcher nor the keeper imports it: a forkserver job pays torch's import once, in the
+template. The keeper ends with its lifeline pipe, as ``keeper.py`` says.
 
 **Lifetime.** The template ends when its socket closes: the launcher closed it
 (``Forkserver.close``) or ended. A rank it forked lives on without it, and so does the keeper.
@@ -76,7 +74,6 @@ import io
 import json
 import os
 import runpy
-import select
 import shutil
 import signal
 import socket
@@ -88,9 +85,10 @@ import types
 from dataclasses import dataclass
 from typing import IO, Mapping, Sequence
 
+from .keeper import StoreKeeper, serve_until_closed
 from .processes import Process
 
-__all__ = ["Forkserver", "Forked", "StoreKeeper", "Plan", "plan", "DEFAULT_PRELOAD", "MODULE"]
+__all__ = ["Forkserver", "Forked", "Plan", "plan", "DEFAULT_PRELOAD", "MODULE"]
 
 MODULE = "gradsync.run.forkserver"
 """What the launcher runs (``python -m``) to start a template."""
@@ -292,17 +290,13 @@ class Forkserver:
                 os.close(life_read)
             if "error" in answer:
                 raise OSError(f"the forkserver could not start the store: {answer['error']}")
-            keeper = StoreKeeper(Forked(answer["pid"], ["store keeper"], None, None), life_write)
+            keeper = StoreKeeper(Forked(answer["pid"], ["store keeper"], None, None), life_write,
+                                 answer=port_read)
         except BaseException:
             os.close(port_read)
             os.close(life_write)
             raise
-        with os.fdopen(port_read, "rb") as said:  # one write, then the keeper closes it
-            ready, _, _ = select.select([said], [], [], _KEEPER_TIMEOUT)
-            try:
-                reply = json.loads(said.read()) if ready else {}
-            except ValueError:
-                reply = {}
+        reply = keeper.answer(timeout=_KEEPER_TIMEOUT) or {}
         if "port" not in reply:
             keeper.close()
             raise OSError(reply.get("error") or
@@ -361,50 +355,15 @@ class Forkserver:
         return json.loads(data)
 
 
-class StoreKeeper:
-    """The launcher's hold on the job's store keeper (module docstring, "The job's store"):
-    its ``port``, its process, and its lifeline's write end."""
-
-    def __init__(self, process: "Forked", lifeline: int):
-        self.process, self._lifeline = process, lifeline
-        self.port = 0
-
-    def close(self) -> None:
-        """Ends the store: closes the lifeline and waits for the keeper (SIGKILL after 5 s)."""
-        if self._lifeline >= 0:
-            os.close(self._lifeline)
-            self._lifeline = -1
-        try:
-            self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            os.kill(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-
-
 def keep(request: dict) -> None:
-    """Makes this forked process the job's store keeper (module docstring): hosts the store,
-    writes ``{"port": N}`` (or ``{"error": why}``) on the first pipe, then waits for the
-    lifeline to close and leaves without the interpreter's finalization, which would end the
-    store's threads inside C++ frames."""
-    said, lifeline = request["fds"]
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher ends it, through the lifeline
+    """Makes this forked process the job's store keeper (``keeper.serve_until_closed``): it
+    hosts the store on a socket of its own, says its port, and ends with its lifeline. Never
+    returns."""
     from ..cluster.rendezvous import host_store
 
-    try:
-        store = host_store(request["store"], 0, 30.0, client_addr="127.0.0.1")
-        answer: dict[str, object] = {"port": store.port}
-    except (RuntimeError, OSError) as exc:
-        answer = {"error": f"cannot start the rendezvous store: {exc}"}
-    try:
-        os.write(said, json.dumps(answer).encode())
-        os.close(said)
-        while "port" in answer and os.read(lifeline, 4096):
-            pass
-    finally:
-        os._exit(0)
+    said, lifeline = request["fds"]
+    serve_until_closed(lambda: host_store(request["store"], 0, 30.0, client_addr="127.0.0.1"),
+                       said, lifeline)
 
 
 # ---------------------------------------------------------------------------------- template

@@ -94,6 +94,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from . import binding
 from .hosts import Host
+from .keeper import StoreKeeper
 from .loop import End, JobLoop
 from .processes import (DEFAULT_START_TIMEOUT, STOP_GRACE, HostChecks, Output, StartError,
                         describe, exit_status)
@@ -103,8 +104,6 @@ from .ranks import (SERVER_LINGER, SERVER_MODULE, LaunchSpec, Rank, Slot, Starte
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
-
-    from .forkserver import StoreKeeper
 
     # Imported where it runs: it loads the parameter servers' package.
     from .server_watch import ServerWatch
@@ -154,7 +153,7 @@ class _Job(JobLoop):
         self.ranks: list[Rank] = []
         self.cores: "list[list[int]] | None" = None  # CPUs of each local rank, when bound
         # The job's store, held for the whole run: a TCPStore hosted here where the server
-        # watch reads it, else perhaps a forkserver template's keeper (Starter.host_store).
+        # watch reads it, else a store keeper, forked or exec'd (Starter.host_store).
         self.store: TCPStore | StoreKeeper | None = None
         self.store_port = 0
         self.restarts: dict[int, int] = {}  # replicated servers started again, by rank
@@ -188,6 +187,10 @@ class _Job(JobLoop):
                 break
             cores = None if self.cores is None else self.cores[slot.local_rank]
             self.ranks.append(self.starter.start(slot, self.store_port, len(self.slots), cores))
+        if isinstance(self.store, StoreKeeper):  # serving by now? (no need to wait for it
+            # once every rank ended without it)
+            self.store.ready(cancelled=lambda: self.interrupts.received is not None or
+                             all(rank.proc.poll() is not None for rank in self.ranks))
         if informs(self.spec):
             for rank in self.ranks:
                 self.output.message(rank_line(rank, self._role(rank.slot.rank)))

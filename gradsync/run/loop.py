@@ -38,7 +38,7 @@ from .ranks import LaunchSpec, Rank, Starter
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
 
-    from .forkserver import StoreKeeper
+    from .keeper import StoreKeeper
 
 __all__ = ["JobLoop", "End", "POLL"]
 
@@ -98,7 +98,7 @@ class JobLoop:
     def host_store(self, size: int, client: bool = True) -> "TCPStore | StoreKeeper":
         """Starts the job's store where every rank of the policy's Starter reaches it
         (``Starter.host_store``: hosted here, a ``TCPStore`` this process is a client of, or,
-        where the policy needs no ``client``, held by a forkserver template's store keeper)
+        where the policy needs no ``client``, held by a store keeper, ``keeper.py``)
         and publishes the job file (``jobfile.py``: where ``gradsync top`` finds the store;
         ``size``: the job's size it records), which the end withdraws. The policy holds the
         store for the whole run: it outlives every rank.

@@ -17,7 +17,8 @@ pieces; neither policy imports the other's module:
 - **The store.** ``store_address`` chooses the one address every rank is given (loopback for a
   one-host job, else the address of this host on the route to a remote one) and
   ``start_store`` starts the launcher's TCPStore there, on a port the kernel picks
-  (``Starter.host_store``: or a forkserver template's store keeper does).
+  (``Starter.host_store``: or a store keeper, ``keeper.py``, does, forked by the job's
+  template or exec'd on a socket bound here).
 - **How.** ``Starter.start`` starts one rank and returns its ``Rank``. Its environment is
   layered, later layers winning: the launcher's own (a local rank's whole environment; a remote
   one only the ``GRADSYNC_*``/``HOROVOD_*`` settings, ``forwarded_settings``), torchrun's
@@ -50,8 +51,9 @@ from ..cluster.rendezvous import host_store
 from ..config import ENV_PREFIX, HOROVOD_IDENTITY, IDENTITY_VARIABLES, horovod_settings
 from ..errors import ConfigError
 from . import binding
-from .forkserver import Forkserver, StoreKeeper, plan
+from .forkserver import Forkserver, plan
 from .hosts import Host
+from .keeper import StoreKeeper, spawn as spawn_keeper
 from .processes import (DEFAULT_START_TIMEOUT, STOP_GRACE, Child, Output, Process, StartError, Ssh,
                         start)
 
@@ -394,18 +396,24 @@ class Starter:
 
     def host_store(self, client: bool) -> "TCPStore | StoreKeeper":
         """Starts the job's store (something with its ``port``), which outlives every rank
-        until ``close``: kept by the template's store keeper where this job's template runs and
-        the launcher needs no client of its own (``client``; ``forkserver.py``, "The job's
-        store": the launcher then never imports torch), else hosted in this process
-        (``start_store``), as it is where the keeper cannot start it.
+        until ``close``. Where the launcher needs no client of its own (``client``), a keeper
+        holds it (``keeper.py``): forked by this job's template where one runs, else exec'd
+        unless this process has imported torch already, so the launcher never imports torch;
+        call the keeper's ``ready`` once the ranks started. Else, and where no keeper can
+        start, it is hosted in this process (``start_store``).
 
         Raises:
             StartError: the store cannot be started here.
         """
-        if not client and self.forks is not None and self.forks.begun:
+        if not client:
             try:
-                self.keeper = self.forks.keep_store(self.store_addr)
-                return self.keeper
+                if self.forks is not None and self.forks.begun:
+                    self.keeper = self.forks.keep_store(self.store_addr)
+                    return self.keeper
+                if "torch" not in sys.modules:  # (where it is, hosting the store costs nothing:
+                    # a launcher called from a program that imported torch)
+                    self.keeper = spawn_keeper(self.store_addr)
+                    return self.keeper
             except OSError:
                 pass  # a template that failed says why at the first rank's start
         return start_store(self.store_addr)

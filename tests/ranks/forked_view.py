@@ -24,7 +24,8 @@ def main() -> None:
         "stdin_empty": sys.stdin.read() == "",
         "numpy_draw": int(np.random.randint(0, 2**62)),
         "torch_loaded_before_us": "torch" in sys.modules,
-        # The launcher maps torch's library only where it hosts the store itself.
+        # The launcher maps torch's library only where it hosts the store itself (an elastic
+        # job), not where a keeper holds it (run/keeper.py).
         "launcher_has_torch": "libtorch" in open(
             f"/proc/{os.environ['GRADSYNC_LAUNCHER_PID']}/maps").read(),
         # glibc read its malloc settings from the environment this process was exec'd with:
