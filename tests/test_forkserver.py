@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -132,55 +131,6 @@ def test_forked_ranks_see_what_python_script_gives_them_and_the_template_leaves(
         assert not view["torch_loaded_before_us"] and view["stdout_write_through"]
         assert not view["launcher_has_torch"]  # an exec'd keeper holds the store (keeper.py)
         assert view["path0"] == os.path.dirname(os.path.realpath(SCRIPT))
-
-
-_KEEPERS = """
-import json, os
-from datetime import timedelta
-from gradsync.run.forkserver import Forkserver
-forks = Forkserver()
-forks.begin(dict(os.environ))
-kept, dropped = forks.keep_store("127.0.0.1"), forks.keep_store("127.0.0.1")
-from torch.distributed import TCPStore
-client = TCPStore("127.0.0.1", kept.port, None, False, timedelta(seconds=10))
-client.set("key", "value")
-parents = [int(open(f"/proc/{k.process.pid}/stat").read().rsplit(")", 1)[1].split()[1])
-           for k in (kept, dropped)]
-print(json.dumps({"got": client.get("key").decode(), "mine": parents == [os.getpid()] * 2,
-                  "ports": [kept.port, dropped.port], "dropped": dropped.process.pid}),
-      flush=True)
-del client
-kept.close()
-forks.close()
-print(json.dumps({"kept_status": kept.process.returncode}), flush=True)
-os._exit(0)  # without closing the second keeper's lifeline: it closes with this process
-"""
-
-
-def test_a_store_keeper_serves_the_store_as_the_launchers_child_until_its_lifeline_closes():
-    result = subprocess.run([sys.executable, "-c", _KEEPERS], capture_output=True, text=True,
-                            timeout=DEADLINE)
-    assert result.returncode == 0, result
-    first, second = (json.loads(line) for line in result.stdout.splitlines())
-    assert first["got"] == "value" and first["mine"], result
-    assert second["kept_status"] == 0  # closed: it left at once, not killed
-    kept_port, dropped_port = first["ports"]
-    assert kept_port != dropped_port  # each keeper a store of its own
-    with pytest.raises(ConnectionRefusedError):  # the closed keeper's store is gone
-        socket.create_connection(("127.0.0.1", kept_port), timeout=5).close()
-    # The other keeper saw its lifeline close when the process that held it ended.
-    end = time.monotonic() + 10
-    while _alive(first["dropped"]) and time.monotonic() < end:
-        time.sleep(0.05)
-    assert not _alive(first["dropped"])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _become(tmp_path, target: str, *args: str, module: bool = False,

@@ -1,8 +1,9 @@
-"""The exec'd store keeper (gradsync/run/keeper.py): the launcher binds the store's socket, so
-the port is known before torch is imported anywhere, and a child serves the store on it until
-its lifeline closes. (The forked keeper of a forkserver job: tests/test_forkserver.py.)"""
+"""The job's store keeper (gradsync/run/keeper.py), exec'd on a socket the launcher binds (the
+port known before torch is imported anywhere) or forked by a forkserver template: a child of
+the launcher serves the store until its lifeline closes."""
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -17,16 +18,21 @@ from gradsync.run.processes import StartError
 DEADLINE = 60
 
 _KEEPERS = """
-import json, os, socket
+import json, os, socket, sys
 from datetime import timedelta
-from gradsync.run import keeper
-kept, dropped = keeper.spawn("127.0.0.1"), keeper.spawn("127.0.0.1")
-# Named before either serves, and reachable at once: a rank that connects early waits in the
-# socket's backlog until the keeper's store accepts it.
-early = socket.create_connection(("127.0.0.1", kept.port), timeout=5)
-early.close()
-kept.ready()
-dropped.ready()
+if sys.argv[1] == "fork":  # kept by a forkserver template's children
+    from gradsync.run.forkserver import Forkserver
+    forks = Forkserver()
+    forks.begin(dict(os.environ))
+    kept, dropped = forks.keep_store("127.0.0.1"), forks.keep_store("127.0.0.1")
+else:  # exec'd on sockets bound here
+    from gradsync.run import keeper
+    kept, dropped = keeper.spawn("127.0.0.1"), keeper.spawn("127.0.0.1")
+    # Named before either serves, and reachable at once: a rank that connects early waits in
+    # the socket's backlog until the keeper's store accepts it.
+    socket.create_connection(("127.0.0.1", kept.port), timeout=5).close()
+    kept.ready()
+    dropped.ready()
 from torch.distributed import TCPStore
 client = TCPStore("127.0.0.1", kept.port, None, False, timedelta(seconds=10))
 client.set("key", "value")
@@ -38,14 +44,17 @@ print(json.dumps({"got": client.get("key").decode(), "mine": parents == [os.getp
       flush=True)
 del client
 kept.close()
+if sys.argv[1] == "fork":
+    forks.close()
 print(json.dumps({"kept_status": kept.process.returncode}), flush=True)
 os._exit(0)  # without closing the second keeper's lifeline: it closes with this process
 """
 
 
-def test_an_execd_keeper_serves_on_the_launchers_socket_until_its_lifeline_closes():
-    result = subprocess.run([sys.executable, "-c", _KEEPERS], capture_output=True, text=True,
-                            timeout=DEADLINE)
+@pytest.mark.parametrize("how", ["exec", "fork"])
+def test_a_keeper_serves_the_store_as_this_processs_child_until_its_lifeline_closes(how):
+    result = subprocess.run([sys.executable, "-c", _KEEPERS, how], capture_output=True,
+                            text=True, timeout=DEADLINE)
     assert result.returncode == 0, result
     first, second = (json.loads(line) for line in result.stdout.splitlines())
     assert first["got"] == "value" and first["mine"] and first["serving"] == [True, True]
@@ -90,6 +99,18 @@ def test_a_store_reached_by_name_or_ipv6_is_left_to_torchs_own_socket():
     listener = store_listener("127.0.0.1", 0)
     assert listener is not None and listener.getsockname()[0] == "127.0.0.1"
     listener.close()
+
+
+def test_a_keeper_finds_the_gradsync_its_launcher_imported(monkeypatch):
+    # A program that put gradsync on sys.path itself, without PYTHONPATH, starts a launcher
+    # whose keeper must import the same package: its folder goes first on the keeper's path.
+    import gradsync
+
+    home = os.path.dirname(os.path.dirname(os.path.abspath(gradsync.__file__)))
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    assert keeper._env()["PYTHONPATH"] == home
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    assert keeper._env()["PYTHONPATH"] == os.pathsep.join([home, "/elsewhere"])
 
 
 def _alive(pid: int) -> bool:

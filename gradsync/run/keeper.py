@@ -154,7 +154,7 @@ def spawn(store_addr: str, executable: str = sys.executable) -> StoreKeeper:
         port = listener.getsockname()[1]
         fds = (listener.fileno(), said_write, life_read)
         process = subprocess.Popen(
-            [executable, "-m", _MODULE, *map(str, fds), str(port)],
+            [executable, "-m", _MODULE, *map(str, fds), str(port)], env=_env(),
             stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno(), pass_fds=fds,
             start_new_session=True)
     except BaseException:
@@ -166,6 +166,16 @@ def spawn(store_addr: str, executable: str = sys.executable) -> StoreKeeper:
         os.close(said_write)
         os.close(life_read)
     return StoreKeeper(process, life_write, port, said_read)
+
+
+def _env() -> dict[str, str]:
+    """The launcher's environment, with the folder this gradsync was imported from first on
+    ``PYTHONPATH``: a launcher called from a program that found gradsync on a path of its own
+    (``sys.path`` changed in the program) still starts a keeper that finds the same one."""
+    env = dict(os.environ)
+    home = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([home, *filter(None, [env.get("PYTHONPATH")])])
+    return env
 
 
 def serve_until_closed(start: "Callable[[], TCPStore]", said: int, lifeline: int) -> None:
