@@ -53,8 +53,7 @@ class StoreKeeper:
     """The launcher's hold on the job's store keeper: the store's ``port``, the keeper's
     process, its lifeline's write end and, until ``ready`` read it, the pipe of its answer."""
 
-    def __init__(self, process: Child, lifeline: int, port: int = 0,
-                 answer: int = -1):
+    def __init__(self, process: Child, lifeline: int, port: int = 0, answer: int = -1):
         self.process, self._lifeline, self.port, self._answer = process, lifeline, port, answer
         self.serving = False
         """Whether the keeper said its store serves."""
