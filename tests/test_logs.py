@@ -89,6 +89,9 @@ def test_an_info_job_says_once_who_is_who_and_what_was_chosen_and_nothing_per_st
         r"(?:, \S+ -m gradsync\.ps)?$", r.output, re.M)}
     assert {k: v[0] for k, v in started.items()} == {
         0: "worker", 1: "worker", 2: "parameter server 0", 3: "data server 0"}, r
+    # ... and the one process of the job that is no rank: the store's keeper.
+    assert re.search(r"^gradsync run: the job's store: port \d+, kept by pid \d+ \(the store "
+                     r"keeper\)$", r.output, re.M), r
     # Each rank: who it is (the pid the launcher named), its role, its peers.
     for rank in (0, 1):
         pid = started[rank][1]

@@ -194,6 +194,9 @@ class _Job(JobLoop):
         if informs(self.spec):
             for rank in self.ranks:
                 self.output.message(rank_line(rank, self._role(rank.slot.rank)))
+            if isinstance(self.store, StoreKeeper):  # one more process of the job's
+                self.output.message(f"the job's store: port {self.store_port}, kept by pid "
+                                    f"{self.store.process.pid} (the store keeper)")
 
     def started(self) -> list[Rank]:
         return self.ranks + self.replaced
