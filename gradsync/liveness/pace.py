@@ -257,11 +257,12 @@ def waiting_for_data(pace: Meter = meter):
     """``with gradsync.waiting_for_data(): batch = next(it)``: the time inside counts as the
     loop waiting for data (``data`` in ``gradsync.stragglers()``, ``gradsync top`` and the
     timeline), not as compute."""
-    began = time.monotonic_ns()
+    clock = pace._clock  # the meter's own: its intervals are all on one clock
+    began = clock()
     try:
         yield
     finally:
-        pace.waited_for_data(began, time.monotonic_ns())
+        pace.waited_for_data(began, clock())
 
 
 def metered(batches, pace: Meter = meter):
@@ -269,7 +270,7 @@ def metered(batches, pace: Meter = meter):
     ``next()`` as the loop's wait for data: ``for x, y in gradsync.metered(loader):``.
     The time the loop spends on a batch between two ``next()`` is not counted."""
     items = iter(batches)
-    clock = time.monotonic_ns
+    clock = pace._clock  # (as in waiting_for_data)
     while True:
         began = clock()
         try:
