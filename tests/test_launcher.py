@@ -4,10 +4,10 @@ Most launches run the command in this process (``here``: ``cli.main``, its outpu
 since every job's store needs torch: a launcher process of its own starts a store keeper that
 imports it (1.3 s of CPU a job, gradsync/run/keeper.py), a launcher in this process, which
 imported torch once, hosts the store itself. Those that signal the launcher or read its output
-while it runs start ``python -m gradsync run`` (``launcher``). Every launch has a deadline; a launcher process runs in its own session and
-is stopped (SIGTERM, then SIGKILL) if a test fails while it runs, one in this process gets
-SIGTERM at its deadline, and the ranks never sleep longer than ``NAP`` seconds, so nothing
-outlives a failed test for long.
+while it runs start ``python -m gradsync run`` (``launcher``). Every launch has a deadline; a
+launcher process runs in its own session and is stopped (SIGTERM, then SIGKILL) if a test
+fails while it runs, one in this process gets SIGTERM at its deadline, and the ranks never
+sleep longer than ``NAP`` seconds, so nothing outlives a failed test for long.
 """
 
 from __future__ import annotations
@@ -154,10 +154,10 @@ def here(monkeypatch, *args: str, server: list[str] | None = None,
     after the test), ``server`` as ``launcher``'s. Returns (status, stdout lines, stderr
     lines, wall-clock time of the launch's end). torch is imported here first, so that the
     launcher hosts the job's store in this process rather than start a store keeper that
-    imports it again (module docstring). At ``DEADLINE``
-    a watchdog sends this process SIGTERM, which the launcher's handler turns into stopping
-    its ranks: the test then fails on the status (143), never hangs; outside the launcher's
-    handlers the signal raises ``TimeoutError`` in the test."""
+    imports it again (module docstring). At ``DEADLINE`` a watchdog sends this process
+    SIGTERM, which the launcher's handler turns into stopping its ranks: the test then fails
+    on the status (143), never hangs; outside the launcher's handlers the signal raises
+    ``TimeoutError`` in the test."""
     import torch  # noqa: F401  (the store's: see above)
 
     wanted = _env(**env)

@@ -85,7 +85,7 @@ import types
 from dataclasses import dataclass
 from typing import IO, Mapping, Sequence
 
-from .keeper import StoreKeeper, serve_until_closed
+from .keeper import READY_TIMEOUT as KEEPER_TIMEOUT, StoreKeeper, serve_until_closed
 from .processes import Process
 
 __all__ = ["Forkserver", "Forked", "Plan", "plan", "DEFAULT_PRELOAD", "MODULE"]
@@ -99,7 +99,6 @@ DEFAULT_PRELOAD = ("numpy", "torch", "torch.distributed", "gradsync", "gradsync.
 _MESSAGE = 1 << 20  # the largest request: an environment of a few KiB, with room to spare
 _PR_SET_CHILD_SUBREAPER = 36
 _READY_TIMEOUT = 300.0  # seconds a template may take to import its modules (a loaded host)
-_KEEPER_TIMEOUT = 60.0  # seconds a forked keeper may take to start its store and say its port
 
 
 @dataclass(frozen=True)
@@ -296,11 +295,11 @@ class Forkserver:
             os.close(port_read)
             os.close(life_write)
             raise
-        reply = keeper.answer(timeout=_KEEPER_TIMEOUT) or {}
+        reply = keeper.answer() or {}
         if "port" not in reply:
             keeper.close()
             raise OSError(reply.get("error") or
-                          f"the store keeper gave no port within {_KEEPER_TIMEOUT:.0f} s")
+                          f"the store keeper gave no port within {KEEPER_TIMEOUT:.0f} s")
         keeper.port = int(reply["port"])
         return keeper
 

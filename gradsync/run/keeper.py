@@ -85,15 +85,15 @@ class StoreKeeper:
         reply = self.answer(cancelled, timeout)
         if reply is None or "port" in reply:
             return
+        if "error" in reply:  # ("cannot start the rendezvous store: ...", serve_until_closed)
+            raise StartError(reply["error"], 1)
         try:  # a keeper that closed its pipe is ending: its status in a moment
             code: int | None = self.process.wait(timeout=2)
         except subprocess.TimeoutExpired:
             code = None
-        why = reply.get("error") or (
-            f"the store keeper ended (exit status {code}); its output is above"
-            if code is not None else f"the store keeper said nothing in {timeout:.0f} s")
-        raise StartError(why if why.startswith("cannot start") else
-                         f"cannot start the rendezvous store: {why}", 1)
+        why = (f"the store keeper ended (exit status {code}); its output is above"
+               if code is not None else f"the store keeper said nothing in {timeout:.0f} s")
+        raise StartError(f"cannot start the rendezvous store: {why}", 1)
 
     def close(self) -> None:
         """Ends the store: closes the lifeline and waits for the keeper (SIGKILL after 5 s, or

@@ -415,7 +415,8 @@ class Starter:
                     self.keeper = spawn_keeper(self.store_addr)
                     return self.keeper
             except OSError:
-                pass  # a template that failed says why at the first rank's start
+                pass  # hosted here instead (a template that failed says why at the first
+                # rank's start)
         return start_store(self.store_addr)
 
     def close(self) -> None:
