@@ -1,4 +1,5 @@
-"""The compiled one-step shared-memory allreduce (``collectives/_shmfast.c``) and its fallback.
+"""The compiled one-step shared-memory allreduce and barrier (``collectives/_shmfast.c``) and
+their fallback.
 
 Every multi-process test runs the group three ways: every rank on the compiled road
 (``fast``), every rank on the Python road (``python``, what ``GRADSYNC_SHM_FAST=0`` or a
@@ -132,7 +133,7 @@ def test_allreduce_matches_numpy_on_both_roads(size, mode):
                                          np.frombuffer(want, dtype)[:8])
 
 
-def _killed(ctx: Rank, mode: str):
+def _killed(ctx: Rank, mode: str, then: str):
     group = _open(ctx, mode)
     data = np.ones(100, np.float32)
     deadline = time.monotonic() + 20
@@ -140,12 +141,15 @@ def _killed(ctx: Rank, mode: str):
         _allreduce(group, data, "sum", deadline)
     if ctx.rank == 2:
         os.kill(os.getpid(), signal.SIGKILL)  # dies between two small allreduces
+    if then == "barrier":
+        return _raises(group.barrier, deadline)
     return _raises(_allreduce, group, data, "sum", deadline)
 
 
 @pytest.mark.parametrize("mode", _MODES)
-def test_killed_rank_raises_peer_lost_on_the_others(mode):
-    results = _launch(3, _killed, mode, expect=2)
+@pytest.mark.parametrize("then", ["allreduce", "barrier"])
+def test_killed_rank_raises_peer_lost_on_the_others(mode, then):
+    results = _launch(3, _killed, mode, then, expect=2)
     for rank in (0, 1):
         name, message, seconds = results[rank]
         assert name == "PeerLostError" and "local rank 2 (rank 2)" in message, message
@@ -217,6 +221,48 @@ def test_late_peer_is_waited_for_and_woken(mode):
         data, _ = results[rank]
         assert data == [3.0 * 2 ** (len(delays) - 1)] * 10  # 1 + 2, doubled twice more
     assert max(results[0][1]) < 2.0, results[0][1]  # no wake-up was lost for long
+
+
+def _barriers(ctx: Rank, mode: str, delays: list[float]):
+    """Rank 1 enters each barrier late by each delay (inside the compiled wait's futex phase,
+    past its budget, not at all); an allreduce after each shows the pieces still pair up."""
+    group = _open(ctx, mode)
+    data = np.full(10, float(ctx.rank + 1))
+    deadline = time.monotonic() + 10
+    waited = []
+    for delay in delays:
+        if ctx.rank == 1:
+            time.sleep(delay)
+        start = time.monotonic()
+        group.barrier(deadline, lambda waited: None, 0x5EED)
+        waited.append(time.monotonic() - start)
+        _allreduce(group, data, "sum", deadline)
+    return group.fast, data.tolist(), waited
+
+
+@pytest.mark.parametrize("mode", _MODES)
+def test_barrier_waits_for_the_last_rank_on_both_roads(mode):
+    delays = [0.03, 0.3, 0.0]
+    results = _launch(3, _barriers, mode, delays)
+    for rank in range(3):
+        fast, data, waited = results[rank]
+        assert fast == _uses_fast(mode, rank), (rank, mode)
+        assert data == [6.0 * 3 ** (len(delays) - 1)] * 10  # 1 + 2 + 3, tripled twice more
+        assert max(waited) < 2.0, waited  # no wake-up was lost for long
+        if rank != 1:  # no one leaves before the late rank came
+            assert waited[0] >= 0.02 and waited[1] >= 0.25, waited
+
+
+def test_the_compiled_call_refuses_a_barrier_with_data_or_an_unknown_kind():
+    module = _native.load("_shmfast")
+    segment = bytearray(4096 + 2 * 2 * 1024)  # control lines, then two slots per rank
+    group = module.open(segment, 0, 2, 1024, 4096, False, 0, 0, 0, 0)
+    with pytest.raises(ValueError, match="a barrier takes none"):
+        module.call(group, np.ones(4, np.float32), 1, 0, 0, 0, False, 3)
+    with pytest.raises(ValueError, match="kind 9"):
+        module.call(group, np.ones(4, np.float32), 1, 0, 0, 0, False, 9)
+    with pytest.raises(TypeError, match="7 or 8 arguments"):
+        module.call(group, np.ones(4, np.float32), 1, 0, 0, 0)
 
 
 # --- the fallback ------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 /* gradsync's compiled fast paths: the one-step shared-memory allreduce of the host's segment
- * (transport/host_segment.py), and the beater of heartbeat.py and the data servers (at the
- * end of this file, "The beater").
+ * (transport/host_segment.py) and its barrier, and the beater of heartbeat.py and the data
+ * servers (at the end of this file, "The beater").
  *
  * A small allreduce among the ranks of one host is one synchronisation: every rank copies
  * its data into its slot, publishes its arrival counter, waits until every other rank has
@@ -14,7 +14,8 @@
  * it; the constants below must match it), publishes the same counters and issued words,
  * sleeps on the same futex words announcing itself in the same _SLEEPING word. A rank on this path
  * and a rank on the Python path therefore meet in the same collective (tests/test_shm.py
- * mixes them).
+ * mixes them). A barrier is the same call with no data and its own kind in the issued words
+ * (ShmGroup.barrier's _arrive in Python): the arrival and the wait, nothing to fold.
  *
  * The wait, as in ShmGroup._wait: spin (spin_ns), then yield the core between looks (until
  * yield_ns after the wait began), then sleep on a futex (or nap nap_ns where there is none),
@@ -50,7 +51,9 @@
 /* The segment's layout (transport/host_segment.py). */
 #define WORDS 8 /* 64-bit words per cache line */
 enum { ARRIVED = 0, SLEEPING = 5, ISSUED = WORDS };
-#define KIND_ALLREDUCE 1
+/* Kinds of collective in the issued words (segment_layout.py's _ALLREDUCE .. _ALLREDUCE_SHARED):
+ * an allreduce, or a barrier (no bytes, nothing folded), the two this file runs. */
+enum { KIND_ALLREDUCE = 1, KIND_BARRIER = 3 };
 
 /* What call() and fold() return to Python. */
 enum { DONE = 0, WAITING = 1, MISMATCH = 2 };
@@ -145,11 +148,12 @@ static int wait_for(const group *g, int word, uint64_t seq) {
 }
 
 /* Whether every rank issued what I issued at seq (else Python reports who issued what). */
-static int agree(const group *g, uint64_t seq, uint64_t nbytes, uint64_t signature) {
+static int agree(const group *g, uint64_t seq, uint64_t kind, uint64_t nbytes,
+                 uint64_t signature) {
     int at = ISSUED + 3 * (int)(seq & 1);
     for (int r = 0; r < g->size; r++) {
         const uint64_t *w = line(g, r) + at;
-        if (w[0] != KIND_ALLREDUCE || w[1] != nbytes || w[2] != signature) return 0;
+        if (w[0] != kind || w[1] != nbytes || w[2] != signature) return 0;
     }
     return 1;
 }
@@ -270,20 +274,22 @@ static PyObject *py_open(PyObject *self, PyObject *args) {
     return capsule;
 }
 
-/* Parses (capsule, data, seq, signature, code, divisor, trunc) shared by call and fold. */
+/* Parses (capsule, data, seq, signature, code, divisor, trunc[, kind]) shared by call and
+ * fold. kind (default KIND_ALLREDUCE) is KIND_BARRIER for a barrier: empty data, any code. */
 typedef struct {
     group *g;
     Py_buffer data;
     uint64_t seq, signature;
-    int code, trunc;
+    int code, trunc, kind;
     int64_t divisor;
 } request;
 
 static int parse(PyObject *const *args, Py_ssize_t nargs, request *q) {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "expected 7 arguments");
+    if (nargs != 7 && nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "expected 7 or 8 arguments");
         return -1;
     }
+    q->kind = nargs == 8 ? (int)PyLong_AsLong(args[7]) : KIND_ALLREDUCE;
     q->g = PyCapsule_GetPointer(args[0], CAPSULE);
     if (!q->g) return -1;
     q->seq = PyLong_AsUnsignedLongLong(args[2]);
@@ -293,16 +299,19 @@ static int parse(PyObject *const *args, Py_ssize_t nargs, request *q) {
     q->trunc = PyObject_IsTrue(args[6]);
     if (PyErr_Occurred()) return -1;
     int op = q->code >> 4, type = q->code & 15;
-    if (op < OP_SUM || op > OP_PROD || type < T_F32 || type > T_I64 || q->divisor < 0) {
-        PyErr_Format(PyExc_ValueError, "bad kernel code %d or divisor", q->code);
+    if (op < OP_SUM || op > OP_PROD || type < T_F32 || type > T_I64 || q->divisor < 0 ||
+        (q->kind != KIND_ALLREDUCE && q->kind != KIND_BARRIER)) {
+        PyErr_Format(PyExc_ValueError, "bad kernel code %d, divisor or kind %d", q->code,
+                     q->kind);
         return -1;
     }
     if (PyObject_GetBuffer(args[1], &q->data, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
         return -1;
-    if (q->data.len > q->g->slot_bytes || q->data.len % ITEMSIZE[type]) {
+    if (q->data.len > q->g->slot_bytes || q->data.len % ITEMSIZE[type] ||
+        (q->kind == KIND_BARRIER && q->data.len)) {
         PyBuffer_Release(&q->data);
-        PyErr_Format(PyExc_ValueError, "%zd bytes do not fit a %zd-byte slot in whole elements",
-                     q->data.len, q->g->slot_bytes);
+        PyErr_Format(PyExc_ValueError, "%zd bytes do not fit a %zd-byte slot in whole elements"
+                     " (a barrier takes none)", q->data.len, q->g->slot_bytes);
         return -1;
     }
     return 0;
@@ -310,7 +319,7 @@ static int parse(PyObject *const *args, Py_ssize_t nargs, request *q) {
 
 static PyObject *finish(request *q, uint64_t parity) {
     int status = MISMATCH;
-    if (agree(q->g, q->seq, (uint64_t)q->data.len, q->signature)) {
+    if (agree(q->g, q->seq, (uint64_t)q->kind, (uint64_t)q->data.len, q->signature)) {
         reduce(q->g, q->data.buf, q->data.len, parity, q->code, q->divisor, q->trunc);
         status = DONE;
     }
@@ -318,16 +327,17 @@ static PyObject *finish(request *q, uint64_t parity) {
     return PyLong_FromLong(status);
 }
 
-/* call(group, data, seq, signature, code, divisor, trunc) -> DONE, WAITING or MISMATCH.
- * The whole one-step allreduce of piece seq; on WAITING, Python waits for the arrivals and
+/* call(group, data, seq, signature, code, divisor, trunc[, kind]) -> DONE, WAITING or
+ * MISMATCH. The whole one-step allreduce of piece seq (or, with KIND_BARRIER and no data, a
+ * barrier: the arrival and the wait alone); on WAITING, Python waits for the arrivals and
  * then calls fold with the same arguments. */
 static PyObject *py_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     request q;
     if (parse(args, nargs, &q) < 0) return NULL;
     group *g = q.g;
     uint64_t parity = q.seq & 1, *issued = line(g, g->rank) + ISSUED + 3 * parity;
-    memcpy(slot(g, g->rank, parity), q.data.buf, (size_t)q.data.len);
-    issued[0] = KIND_ALLREDUCE;
+    if (q.data.len) memcpy(slot(g, g->rank, parity), q.data.buf, (size_t)q.data.len);
+    issued[0] = (uint64_t)q.kind;
     issued[1] = (uint64_t)q.data.len;
     issued[2] = q.signature;
     publish(g, ARRIVED, q.seq); /* last: a release store, after the slot and the words */
@@ -344,8 +354,8 @@ static PyObject *py_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     return finish(&q, parity);
 }
 
-/* fold(group, data, seq, signature, code, divisor, trunc) -> DONE or MISMATCH: the rest of
- * call() once every rank has arrived at seq. */
+/* fold(group, data, seq, signature, code, divisor, trunc[, kind]) -> DONE or MISMATCH: the
+ * rest of call() once every rank has arrived at seq. */
 static PyObject *py_fold(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     request q;
     if (parse(args, nargs, &q) < 0) return NULL;

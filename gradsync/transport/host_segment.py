@@ -266,8 +266,12 @@ class ShmGroup(SmallRoad, SharedRoad):
 
     def barrier(self, deadline: float, on_idle: Callable[[float], None] = lambda waited: None,
                 signature: int = 0) -> None:
-        """Returns once every local rank has entered the barrier."""
+        """Returns once every local rank has entered the barrier (in one C call where the
+        compiled road is built)."""
         if self.size == 1:
+            return
+        if self._fast_call is not None:
+            self._barrier_fast(deadline, on_idle, signature)
             return
         with self._guard():
             self._arrive(self._next_seq(), _BARRIER, 0, signature, deadline, on_idle)

@@ -30,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from .segment_layout import _ALLREDUCE, _ARRIVED, _MASK64
+from .segment_layout import _ALLREDUCE, _ARRIVED, _BARRIER, _MASK64
 from .segment_sync import Reducer, SegmentRank
 from .wait import CHECK_EVERY
 
@@ -39,11 +39,14 @@ __all__ = ["SmallRoad"]
 # What a C call (``_shmfast.c``'s ``call`` and ``fold``) returns: done, still waiting past its
 # budget (``_fast_rest`` goes on), or a mismatch of the issued words (``_check_issued`` says).
 _FAST_DONE, _FAST_WAITING, _FAST_MISMATCH = 0, 1, 2
+# A barrier's data on the compiled road: nothing (and any kernel code: nothing is folded).
+_NOTHING = np.empty(0, np.float32)
 
 
 class SmallRoad(SegmentRank):
     """The one-step road of ``ShmGroup`` (a base of it): ``_allreduce_small`` in Python,
-    ``_allreduce_fast`` and ``allreduce_express`` in one C call."""
+    ``_allreduce_fast`` and ``allreduce_express`` in one C call, and the barrier's C call,
+    ``_barrier_fast``."""
 
     # The compiled road's entry points and its group, all None where it is not built
     # (``ShmGroup.__init__`` opens it).
@@ -102,9 +105,28 @@ class SmallRoad(SegmentRank):
             self._fast_rest(status, flat, seq, signature, code, divisor, trunc, deadline,
                             on_idle)
 
+    def _barrier_fast(self, deadline: float, on_idle: Callable[[float], None],
+                      signature: int) -> None:
+        """The barrier in one C call: the one-step road's arrival and wait, with no data and
+        the barrier's kind in the issued words, as ``_arrive`` publishes them in Python. The
+        last rank to arrive leaves at once and the others within a look of the compiled
+        wait, where the Python wait's looks take microseconds each."""
+        seq = self._seq = self._seq + 1
+        signature &= _MASK64
+        call = self._fast_call
+        assert call is not None  # ``barrier`` calls this only where the road is built
+        try:
+            status = call(self._fast_group, _NOTHING, seq, signature, 0, 0, False, _BARRIER)
+            if status != _FAST_DONE:
+                self._fast_rest(status, _NOTHING, seq, signature, 0, 0, False, deadline,
+                                on_idle, _BARRIER)
+        except BaseException as exc:  # what _guard does
+            self._fail(exc)
+            raise
+
     def _fast_rest(self, status: int, flat: np.ndarray, seq: int, signature: int, code: int,
                    divisor: int, trunc: bool, deadline: float,
-                   on_idle: Callable[[float], None]) -> None:
+                   on_idle: Callable[[float], None], kind: int = _ALLREDUCE) -> None:
         """What follows a C call that did not finish: the wait, then the fold; or the report."""
         if status == _FAST_WAITING:
             # The C wait spun, yielded and slept for CHECK_EVERY: check now, then go on.
@@ -112,6 +134,6 @@ class SmallRoad(SegmentRank):
                        started=time.perf_counter() - CHECK_EVERY)
             fold = self._fast_fold
             assert fold is not None  # built with ``_fast_call``, which made ``status``
-            status = fold(self._fast_group, flat, seq, signature, code, divisor, trunc)
+            status = fold(self._fast_group, flat, seq, signature, code, divisor, trunc, kind)
         if status == _FAST_MISMATCH:
-            self._check_issued(seq, _ALLREDUCE, flat.nbytes, signature)
+            self._check_issued(seq, kind, flat.nbytes, signature)
