@@ -111,6 +111,8 @@ class SmallRoad(SegmentRank):
         the barrier's kind in the issued words, as ``_arrive`` publishes them in Python. The
         last rank to arrive leaves at once and the others within a look of the compiled
         wait, where the Python wait's looks take microseconds each."""
+        if self._failed is not None:
+            self._flat(_NOTHING, writable=True)  # raises what allreduce raises
         seq = self._seq = self._seq + 1
         signature &= _MASK64
         call = self._fast_call
