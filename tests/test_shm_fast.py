@@ -258,7 +258,7 @@ def test_barrier_waits_for_the_last_rank_on_both_roads(mode):
 def test_the_compiled_call_refuses_a_barrier_with_data_or_an_unknown_kind():
     module = _native.load("_shmfast")
     segment = bytearray(4096 + 2 * 2 * 1024)  # control lines, then two slots per rank
-    group = module.open(segment, 0, 2, 1024, 4096, False, 0, 0, 0, 0)
+    group = module.open(segment, 0, 2, 1024, 4096, False, 0, 0, 0, 0, 0)
     with pytest.raises(ValueError, match="a barrier takes none"):
         module.call(group, np.ones(4, np.float32), 1, 0, 0, 0, False, 3)
     with pytest.raises(ValueError, match="kind 9"):

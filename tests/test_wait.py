@@ -87,7 +87,8 @@ def test_the_compiled_wait_is_handed_the_policys_rungs(monkeypatch):
     """``ShmGroup`` opens the compiled road with ``native_ladder``: _shmfast.c keeps no
     duration of its own, so a change here reaches the C wait."""
     assert wait.native_ladder(True) == (int(wait.MAX_SPIN * 1e9), int(wait.YIELD_FOR * 1e9),
-                                        int(wait.CHECK_EVERY * 1e9), int(wait.MAX_NAP * 1e9))
+                                        int(wait.CHECK_EVERY * 1e9), int(wait.MAX_NAP * 1e9),
+                                        int(wait.BARRIER_YIELD_FOR * 1e9))
     assert wait.native_ladder(False)[0] == int(wait.MIN_SPIN * 1e9)
     from gradsync.transport import host_segment
 
@@ -101,7 +102,7 @@ def test_the_compiled_wait_is_handed_the_policys_rungs(monkeypatch):
     group = host_segment.ShmGroup(segment, 0)
     try:
         assert group.fast and len(opened) == 1
-        assert opened[0][-4:] == wait.native_ladder(wait.may_spin(1))
+        assert opened[0][-5:] == wait.native_ladder(wait.may_spin(1))
     finally:
         group.close()
 

@@ -70,6 +70,7 @@ typedef struct {
     Py_ssize_t slot_bytes;
     int rank, size, futex;
     int64_t spin_ns, yield_ns, budget_ns, nap_ns; /* transport/wait.py's native_ladder */
+    int64_t barrier_yield_ns; /* a barrier's yield_ns (the ladder's fifth rung) */
 } group;
 
 static const char CAPSULE[] = "gradsync._shmfast.group";
@@ -114,15 +115,15 @@ static void publish(const group *g, int word, uint64_t seq) {
 }
 
 /* Waits (GIL released by the caller) until every other rank's counter `word` reaches seq,
- * at most budget_ns; returns DONE or WAITING. */
-static int wait_for(const group *g, int word, uint64_t seq) {
+ * yielding until yield_ns, at most budget_ns; returns DONE or WAITING. */
+static int wait_for(const group *g, int word, uint64_t seq, int64_t yield_ns) {
     int64_t started = now_ns(), now = started;
     int r;
     while ((r = behind(g, word, seq)) >= 0) {
         now = now_ns();
         if (now - started < g->spin_ns) {
             __builtin_ia32_pause();
-        } else if (now - started < g->yield_ns) {
+        } else if (now - started < yield_ns) {
             sched_yield();
         } else if (now - started < g->budget_ns) {
             if (!g->futex) {
@@ -238,17 +239,19 @@ static void free_group(PyObject *capsule) {
 }
 
 /* open(segment, rank, size, slot_bytes, control_bytes, futex, spin_ns, yield_ns, budget_ns,
- * nap_ns) -> capsule. The four durations are the wait's ladder (transport/wait.py's
- * native_ladder); this file keeps none of its own. The capsule holds a buffer export of the
+ * nap_ns, barrier_yield_ns) -> capsule. The five durations are the wait's ladder
+ * (transport/wait.py's native_ladder; a barrier yields until barrier_yield_ns instead of
+ * yield_ns); this file keeps none of its own. The capsule holds a buffer export of the
  * segment until it is freed, so the mmap refuses to close while a call (which holds the
  * capsule) may still read it; ShmGroup drops its capsule before it closes the segment. */
 static PyObject *py_open(PyObject *self, PyObject *args) {
     PyObject *segment;
     int rank, size, use_futex;
     Py_ssize_t slot_bytes, control_bytes;
-    long long spin_ns, yield_ns, budget_ns, nap_ns;
-    if (!PyArg_ParseTuple(args, "OiinnpLLLL", &segment, &rank, &size, &slot_bytes,
-                          &control_bytes, &use_futex, &spin_ns, &yield_ns, &budget_ns, &nap_ns))
+    long long spin_ns, yield_ns, budget_ns, nap_ns, barrier_yield_ns;
+    if (!PyArg_ParseTuple(args, "OiinnpLLLLL", &segment, &rank, &size, &slot_bytes,
+                          &control_bytes, &use_futex, &spin_ns, &yield_ns, &budget_ns, &nap_ns,
+                          &barrier_yield_ns))
         return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(segment, &view, PyBUF_WRITABLE) < 0) return NULL;
@@ -265,7 +268,7 @@ static PyObject *py_open(PyObject *self, PyObject *args) {
         return PyErr_NoMemory();
     }
     *g = (group){view, (uint64_t *)base, base + control_bytes, slot_bytes, rank, size,
-                 use_futex, spin_ns, yield_ns, budget_ns, nap_ns};
+                 use_futex, spin_ns, yield_ns, budget_ns, nap_ns, barrier_yield_ns};
     PyObject *capsule = PyCapsule_New(g, CAPSULE, free_group);
     if (!capsule) {
         PyBuffer_Release(&g->segment);
@@ -344,7 +347,8 @@ static PyObject *py_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (behind(g, ARRIVED, q.seq) >= 0) {
         int status;
         Py_BEGIN_ALLOW_THREADS
-        status = wait_for(g, ARRIVED, q.seq);
+        status = wait_for(g, ARRIVED, q.seq,
+                          q.kind == KIND_BARRIER ? g->barrier_yield_ns : g->yield_ns);
         Py_END_ALLOW_THREADS
         if (status == WAITING) {
             PyBuffer_Release(&q.data);

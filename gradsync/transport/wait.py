@@ -35,7 +35,8 @@ import os
 import time
 
 __all__ = ["SPINS", "YIELDS", "FIRST_NAP", "MAX_NAP", "CHECK_EVERY", "MIN_SPIN", "MAX_SPIN",
-           "PY_SPIN", "YIELD_FOR", "PY_YIELD_FOR", "Nap", "Backoff", "may_spin", "native_ladder"]
+           "PY_SPIN", "YIELD_FOR", "PY_YIELD_FOR", "BARRIER_YIELD_FOR", "Nap", "Backoff",
+           "may_spin", "native_ladder"]
 
 # --- the polling loop's rungs, in rounds --------------------------------------------------
 
@@ -89,6 +90,13 @@ YIELD_FOR = 20e-3
 # against 0.52 with 20 ms: "gradsync/collectives/shm.py", ``PY_YIELD_FOR``, and "A fifth
 # session".
 PY_YIELD_FOR = 3e-3
+# The compiled barrier yields for BARRIER_YIELD_FOR, as long as the Python wait did when the
+# barrier ran in Python: a barrier's waits are long wherever one rank is late, and a rank that
+# yields stays runnable, so on a host with more ranks than cores the waiters take turns from
+# the rank they wait for. With YIELD_FOR there, 4 ranks on the 2 cores, rank 0 counting to
+# 300,000 before each of 30 barriers: the three waiters used 0.23-0.28 s of CPU each, against
+# 0.04 s with the Python barrier (docs/benchmarks.md, "The barrier on the compiled road").
+BARRIER_YIELD_FOR = PY_YIELD_FOR
 
 
 def may_spin(ranks: int) -> bool:
@@ -99,13 +107,14 @@ def may_spin(ranks: int) -> bool:
     return ranks <= len(os.sched_getaffinity(0))
 
 
-def native_ladder(spin: bool) -> tuple[int, int, int, int]:
+def native_ladder(spin: bool) -> tuple[int, int, int, int, int]:
     """The compiled counter wait's rungs, in nanoseconds: how long it spins (``MAX_SPIN``, or
     ``MIN_SPIN`` where ``may_spin`` said no), until when it yields (``YIELD_FOR``), its budget
     before it hands the wait back to Python (``CHECK_EVERY``: Python owns the deadline and
-    the liveness checks), and its nap where there is no futex (``MAX_NAP``)."""
+    the liveness checks), its nap where there is no futex (``MAX_NAP``), and until when a
+    barrier yields (``BARRIER_YIELD_FOR``)."""
     return (int((MAX_SPIN if spin else MIN_SPIN) * 1e9), int(YIELD_FOR * 1e9),
-            int(CHECK_EVERY * 1e9), int(MAX_NAP * 1e9))
+            int(CHECK_EVERY * 1e9), int(MAX_NAP * 1e9), int(BARRIER_YIELD_FOR * 1e9))
 
 
 class Nap:
