@@ -199,9 +199,10 @@ def test_mismatched_collectives_raise_on_every_rank(mode, how):
         assert "local rank 1 (rank 1)" in message and "0x1234" in message, message
 
 
-def _late(ctx: Rank, mode: str, delays: list[float]):
+def _late(ctx: Rank, mode: str, delays: list[float], barrier: bool = False):
     """Rank 1 arrives late by each delay: inside the compiled wait's futex phase (30 ms)
-    and past its budget (300 ms, where Python takes the wait over)."""
+    and past its budget (300 ms, where Python takes the wait over), at an allreduce, or at
+    a barrier followed by an allreduce (which shows the pieces still pair up)."""
     group = _open(ctx, mode)
     data = np.full(10, float(ctx.rank + 1))
     deadline = time.monotonic() + 10
@@ -210,9 +211,14 @@ def _late(ctx: Rank, mode: str, delays: list[float]):
         if ctx.rank == 1:
             time.sleep(delay)
         start = time.monotonic()
-        _allreduce(group, data, "sum", deadline)
+        if barrier:
+            group.barrier(deadline, lambda waited: None, 0x5EED)
+        else:
+            _allreduce(group, data, "sum", deadline)
         waited.append(time.monotonic() - start)
-    return data.tolist(), waited
+        if barrier:
+            _allreduce(group, data, "sum", deadline)
+    return group.fast, data.tolist(), waited
 
 
 @pytest.mark.parametrize("mode", ["fast", "mixed"])
@@ -220,32 +226,15 @@ def test_late_peer_is_waited_for_and_woken(mode):
     delays = [0.03, 0.3, 0.0]
     results = _launch(2, _late, mode, delays)
     for rank in (0, 1):
-        data, _ = results[rank]
+        _, data, _ = results[rank]
         assert data == [3.0 * 2 ** (len(delays) - 1)] * 10  # 1 + 2, doubled twice more
-    assert max(results[0][1]) < 2.0, results[0][1]  # no wake-up was lost for long
-
-
-def _barriers(ctx: Rank, mode: str, delays: list[float]):
-    """Rank 1 enters each barrier late by each delay (inside the compiled wait's futex phase,
-    past its budget, not at all); an allreduce after each shows the pieces still pair up."""
-    group = _open(ctx, mode)
-    data = np.full(10, float(ctx.rank + 1))
-    deadline = time.monotonic() + 10
-    waited = []
-    for delay in delays:
-        if ctx.rank == 1:
-            time.sleep(delay)
-        start = time.monotonic()
-        group.barrier(deadline, lambda waited: None, 0x5EED)
-        waited.append(time.monotonic() - start)
-        _allreduce(group, data, "sum", deadline)
-    return group.fast, data.tolist(), waited
+    assert max(results[0][2]) < 2.0, results[0][2]  # no wake-up was lost for long
 
 
 @pytest.mark.parametrize("mode", _MODES)
 def test_barrier_waits_for_the_last_rank_on_both_roads(mode):
     delays = [0.03, 0.3, 0.0]
-    results = _launch(3, _barriers, mode, delays)
+    results = _launch(3, _late, mode, delays, True)
     for rank in range(3):
         fast, data, waited = results[rank]
         assert fast == _uses_fast(mode, rank), (rank, mode)
