@@ -93,38 +93,30 @@ class SmallRoad(SegmentRank):
 
     def _allreduce_fast(self, flat: np.ndarray, code: int, divisor: int, trunc: bool,
                         deadline: float, on_idle: Callable[[float], None],
-                        signature: int) -> None:
+                        signature: int, kind: int = _ALLREDUCE) -> None:
         """The one-step road in one C call (``_shmfast.c``); waits past its budget and
-        mismatches come back here to be handled as on the Python road."""
+        mismatches come back here to be handled as on the Python road. With ``kind``
+        ``_BARRIER`` and no data (``_barrier_fast``) it is the barrier."""
         seq = self._seq = self._seq + 1
         signature &= _MASK64
         call = self._fast_call
         assert call is not None  # there is a ``code`` only where the road is built
-        status = call(self._fast_group, flat, seq, signature, code, divisor, trunc)
+        status = call(self._fast_group, flat, seq, signature, code, divisor, trunc, kind)
         if status != _FAST_DONE:
             self._fast_rest(status, flat, seq, signature, code, divisor, trunc, deadline,
-                            on_idle)
+                            on_idle, kind)
 
     def _barrier_fast(self, deadline: float, on_idle: Callable[[float], None],
                       signature: int) -> None:
         """The barrier in one C call: the one-step road's arrival and wait, with no data and
         the barrier's kind in the issued words, as ``_arrive`` publishes them in Python. The
         last rank to arrive leaves at once and the others within a look of the compiled
-        wait, where the Python wait's looks take microseconds each."""
+        wait, where the Python wait's looks take microseconds each. A group that failed
+        earlier refuses it at once, as ``allreduce_express`` does."""
         if self._failed is not None:
             self._flat(_NOTHING, writable=True)  # raises what allreduce raises
-        seq = self._seq = self._seq + 1
-        signature &= _MASK64
-        call = self._fast_call
-        assert call is not None  # ``barrier`` calls this only where the road is built
-        try:
-            status = call(self._fast_group, _NOTHING, seq, signature, 0, 0, False, _BARRIER)
-            if status != _FAST_DONE:
-                self._fast_rest(status, _NOTHING, seq, signature, 0, 0, False, deadline,
-                                on_idle, _BARRIER)
-        except BaseException as exc:  # what _guard does
-            self._fail(exc)
-            raise
+        with self._guard():
+            self._allreduce_fast(_NOTHING, 0, 0, False, deadline, on_idle, signature, _BARRIER)
 
     def _fast_rest(self, status: int, flat: np.ndarray, seq: int, signature: int, code: int,
                    divisor: int, trunc: bool, deadline: float,
