@@ -300,6 +300,27 @@ def test_remote_workers_start_over_ssh_leave_with_their_host_and_join_when_disco
 
 
 @pytest.mark.slow
+def test_a_rank_that_re_forms_first_takes_the_ranks_still_waiting_in_an_allreduce_along(
+        tmp_path):
+    # Worker 0 adds a host and re-forms for it (the host update check_host_updates raises)
+    # while worker 1 waits in the step's allreduces, which worker 0 never starts: worker 0's
+    # abandonment of generation 0 is that generation's abort record, and worker 1 must take
+    # it as a lost peer and re-form too, not end the job (as it did when a stopped host's
+    # peers raced the update, session 15).
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    result = launch(2, "elastic_train.py", "interrupt", "0", "4", "1", timeout=240,
+                    env={"HOSTS_FILE": str(hosts), "TRAIN_UNTIL_SIZE": "3"},
+                    launcher_args=("--min-np", "1", "--max-np", "3", "--host-discovery-script",
+                                   f"cat {hosts}"))
+    check_consistent(result, ["localhost[0]", "localhost[1]", "127.0.0.1[2]"], 3)
+    assert "generation 0 lost a worker (rank 0 reported: rank 0 left generation 0 to re-form " \
+           "the elastic job" in result.output, result
+    assert "rank 0 reported: rank 0 left generation 0 to re-form the elastic job" in \
+        result.output, result
+
+
+@pytest.mark.slow
 def test_a_remote_host_that_leaves_discovery_loses_its_workers_through_the_lifeline(tmp_path):
     ssh, log = remote_ssh(tmp_path)
     hosts = tmp_path / "hosts"

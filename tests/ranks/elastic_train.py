@@ -10,7 +10,11 @@ $HOSTS_FILE and training goes on until the job has one more worker), kill-grow (
 worker 0 adds $GROW_HOST at step AT + 4 as in grow), shrink (worker 0 rewrites
 $HOSTS_FILE as the lines of $SHRINK_HOSTS, separated by commas, at step AT and training goes
 on until the job is smaller), die-all (every worker but VICTIM exits,
-to fall below --min-np).
+to fall below --min-np), interrupt (at step AT of generation 0 the worker adds $GROW_HOST to
+$HOSTS_FILE as in grow, waits for the launcher's next generation and raises
+HostsUpdatedInterrupt instead of starting the step's allreduces, as check_host_updates does on
+a rank that learns of a newer generation while its peers still wait in an allreduce: its
+re-formation abandons the generation under them).
 VICTIM: the worker's first rank (GRADSYNC_RANK at its start); AT: the global step it acts at.
 
 RESULT id=<worker> rank=<r> size=<n> gen=<g> steps=<global steps> hash=<parameters' digest>
@@ -35,6 +39,7 @@ import torch
 
 import gradsync.torch as hvd
 from gradsync.elastic import worker
+from gradsync.elastic.state import HostsUpdatedInterrupt
 
 mode, victim, at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 epochs = int(sys.argv[4]) if len(sys.argv) > 4 else 3
@@ -120,6 +125,12 @@ def train(state):
         for batch, (xb, yb) in enumerate(loader):
             optimizer.zero_grad()
             loss = torch.nn.functional.mse_loss(model(xb), yb)
+            if me and state.steps == at and mode == "interrupt" and worker.generation() == 0:
+                with open(os.environ["HOSTS_FILE"], "a") as hosts:
+                    hosts.write(os.environ.get("GROW_HOST", "127.0.0.1:1") + "\n")
+                while not worker.newer_generation():
+                    time.sleep(0.05)  # (the test's deadline bounds it)
+                raise HostsUpdatedInterrupt(False)
             if me and state.steps == at and mode in ("kill", "raise", "stop", "kill-sync",
                                                      "kill-grow"):
                 loss.backward()  # the hooks have launched the allreduces: die with them in flight
