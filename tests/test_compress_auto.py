@@ -292,30 +292,69 @@ def test_a_link_that_slows_down_is_decided_again_at_the_next_check():
     assert [a.decision.choices for a in autos] == [last.choices] * 2
 
 
-def test_a_compressed_exchange_slowed_by_what_the_model_leaves_out_is_no_slower_link():
-    """The chosen option's exchanges take far longer than the model says (arithmetic, small
-    collectives, waiting for the other ranks: here 0.2 s more per compressed collective);
-    the link is as fast as calibrated. The drift check measures the link by its probe and
-    keeps the rate and the choice; read from those exchanges, the rate fell at each check and
-    chose ever more compression."""
-    autos, comms, _ = job(2, rate=1e6, options=("none", "int8"))
+def slowed(comms, seconds: float) -> None:
+    """Each compressed collective (int8's all-to-all and gather) takes ``seconds`` more than
+    its bytes: what the model leaves out (arithmetic, small collectives, waiting for the
+    other ranks, cores shared with the backward pass)."""
 
     class Slowed(LinkComm):
         def alltoall(self, send):
-            self.clock.t += 0.2
+            self.clock.t += seconds
             return super().alltoall(send)
 
         def allgather(self, mine):
-            self.clock.t += 0.2
+            self.clock.t += seconds
             return super().allgather(mine)
 
     for c in comms:
         c.__class__ = Slowed
+
+
+def test_a_compressed_exchange_slowed_by_what_the_model_leaves_out_is_no_slower_link():
+    """The chosen option's exchanges take far longer than the model says (here 0.05 s more
+    per compressed collective), though its steps are still faster than float32's; the link
+    is as fast as calibrated. The drift check measures the link by its probe and keeps the
+    rate and the choice; read from those exchanges, the rate fell at each check and chose
+    ever more compression."""
+    autos, comms, _ = job(2, rate=1e6, options=("none", "int8"))
+    slowed(comms, 0.05)
     train(autos, comms, 18, [0.05, 0.05])
     first = autos[0].history[0]
     assert first.reason == "calibrated" and first.choices["big"] != "none"
     assert len(autos[0].history) == 1, [d.summary() for d in autos[0].history]
     assert autos[0]._agreed["rate"] == pytest.approx(1e6, rel=0.05)
+
+
+def test_a_choice_the_steps_do_not_bear_out_is_undone_and_not_tried_again_at_that_rate():
+    """int8 pays by the model, but each of its collectives costs 0.2 s more than its bytes:
+    its steps are slower than float32's. The check after the decision compares the steps
+    and goes back to none; a later check, at the same rate, re-decides for a longer compute
+    and is not let to try int8 again; a link that then slows down by more than ``drift``
+    lets it be tried again."""
+    autos, comms, link = job(2, rate=1e6, options=("none", "int8"))
+    slowed(comms, 0.2)
+    compute = [0.05, 0.05]
+
+    def change(step):
+        if step == 9:  # the check at 12 re-decides for it (and int8 wins by the model)
+            compute[:] = [0.1, 0.1]
+        if step == 17:  # after the checks at steps 12 and 16, before the one at 20
+            link.rate[:] = [2e5, 2e5]
+
+    train(autos, comms, 21, compute, on_step=change)
+    history = autos[0].history
+    assert [d.choices["big"] for d in history] == ["int8", "none", "int8"], \
+        [d.summary() for d in history]
+    assert history[1].step == 4 and history[1].reason.startswith("measured: int8 took "), \
+        history[1].reason
+    assert history[1].reason.endswith("; undone")
+    assert history[2].step == 20 and history[2].reason.startswith("drift: rate"), \
+        history[2].reason
+    assert [a.history[-1].choices for a in autos] == [history[-1].choices] * 2
+    # the undone trial and its refusal go with a checkpoint
+    state = autos[0].state_dict()["auto"]
+    assert state["refused"] == [] and state["trial"]["new"] == [1, 0] and \
+        state["trial"]["old"] == [0, 0]
 
 
 def test_a_resize_recalibrates_and_a_checkpoint_continues():

@@ -45,6 +45,16 @@ order.
    allreduce of a probe (``PROBE_BYTES``, or the largest bucket if smaller), timed after a
    one-element allreduce has lined the ranks up.
 5. Resize: a Comm of another size (an elastic job's new world) starts again at 2 (or 1).
+6. Outcome: a decision that changes a bucket's option is a trial. At the next check, the
+   window's median step (every rank's, averaged) is compared with the median step of the
+   window that led to it; slower by more than ``margin``, the change is undone (the earlier
+   options again, the numbers that led to it kept as the agreed ones) and the option it tried
+   is refused until the link's measured rate moves by more than ``drift`` from the rate it was
+   tried at. The model does not see everything a compressor costs: on ranks that share their
+   cores, the arithmetic of a compressor slows the backward pass beside it, which a drift
+   check then reads as more compute and a slower link, and chooses more compression (in
+   ``gradsync bench compress`` at 1 Gbit/s, four ranks on two cores: none, then int8 for one
+   bucket, then both, the steps twice as long as float32's). The step itself is the measure.
 
 Local SGD (only with ``local_sgd=H_max`` and the parameters attached, ``auto_local.py``):
 the decision also carries H (``auto_model.choose_period``), sent by rank 0 with the
@@ -224,6 +234,8 @@ class Auto(ReducingCompressor):
         self.period = 1  # local SGD's H in force for this step's buckets (1: exchanged)
         self.phase = 0  # this step's place in its window (0 .. period - 1)
         self._target = 1  # the agreed H, in force from the next window
+        self._trial: dict | None = None  # a change on trial (module docstring, 6)
+        self._refused: dict[tuple, float] = {}  # options undone -> the rate they were tried at
         self._new_step_state()
 
     def _new_step_state(self) -> None:
@@ -366,6 +378,7 @@ class Auto(ReducingCompressor):
                  self._step, why)
         self._choice, self._agreed, self._resized = {}, None, why
         self._target = 1
+        self._trial, self._refused = None, {}
         # Mid-window, calibration starts after the window's sync (the ranks equal again).
         self._calib_from = self._step + (self.period - self.phase if self.period > 1 else 0)
         self._window, self._latency, self._kappa = [], [], {}
@@ -498,7 +511,7 @@ class Auto(ReducingCompressor):
                    "hidden": max(exchange - blocked, 0.0), "kappa": kappa, "local": local_s,
                    "units": units, "per_unit": k_local, "tier": tier,
                    "attached": agreed[-1]}
-        self._decide(comm, numbers, reason)
+        self._decide(comm, numbers, reason, before=period)
 
     def _check(self, comm) -> None:
         """The window's numbers, averaged; a decision again where they drifted."""
@@ -521,11 +534,17 @@ class Auto(ReducingCompressor):
                   for k in keys]
         local += [1.0 if ex else 0.0, 1.0 if self._local is not None else 0.0,
                   statistics.median(self._syncs) if self._syncs else 0.0,
-                  1.0 if self._syncs else 0.0, probe]
+                  1.0 if self._syncs else 0.0, probe,
+                  statistics.median(s["period"] for s in ex) if ex else 0.0]
         agreed = self._average(comm, local)
         work, exchange, blocked = agreed[1:4]
         times = dict(zip(keys, agreed[4:4 + len(keys)]))
-        exchanged, attached, sync, synced, probe_s = agreed[4 + len(keys):]
+        exchanged, attached, sync, synced, probe_s, step_s = agreed[4 + len(keys):]
+        trial, self._trial = self._trial, None
+        if (trial is not None and agreed[0] >= 1.0 and exchanged >= 1.0
+                and step_s > trial["before"] * (1 + self.margin)):
+            self._undo(comm, trial, step_s)  # (the same averages, so the same on every rank)
+            return
         rate, hidden = a["rate"], a["hidden"]
         if exchanged >= 1.0 and probe_s > 0.0:  # the link itself (module docstring, 4)
             nbytes = self._probe_bytes(keys)
@@ -553,7 +572,18 @@ class Auto(ReducingCompressor):
         # Every rank runs the second allreduce, drifted or not: the agreement is rank 0's.
         numbers = dict(a, rate=rate, compute=compute, hidden=hidden, attached=attached)
         self._decide(comm, numbers if moved else a, "drift: " + ", ".join(moved),
-                     quiet=not moved)
+                     quiet=not moved, before=step_s if exchanged >= 1.0 else None)
+
+    def _undo(self, comm, trial: dict, step_s: float) -> None:
+        """The change on trial made the steps slower: back to the options before it (module
+        docstring, 6)."""
+        numbers = trial["numbers"]
+        self._refused[tuple(trial["new"])] = numbers["rate"]
+        tried = ", ".join(sorted({self.names[n] for o, n in zip(trial["old"], trial["new"])
+                                  if o != n}))
+        reason = (f"measured: {tried} took {step_s * 1e3:.4g} ms a step against "
+                  f"{trial['before'] * 1e3:.4g} ms before; undone")
+        self._decide(comm, numbers, reason, forced=tuple(trial["old"]))
 
     def _probe_bytes(self, keys: list[str]) -> int:
         """The drift check's probe: ``PROBE_BYTES``, or the largest bucket if smaller."""
@@ -602,8 +632,14 @@ class Auto(ReducingCompressor):
             out.append(model.Bucket(key, 4 * numel, tuple(options), numbers["local"][key]))
         return out
 
-    def _decide(self, comm, numbers: dict, reason: str, quiet: bool = False) -> None:
+    def _decide(self, comm, numbers: dict, reason: str, quiet: bool = False,
+                before: float | None = None, forced: tuple | None = None) -> None:
+        """Rank 0's choice for ``numbers``, taken by every rank. ``quiet``: the choice in
+        force (a check that found no drift); ``forced``: these options (an undone trial);
+        ``before``: the median step of the window the numbers came from, which makes a
+        change a trial (module docstring, 6)."""
         buckets = self._options(numbers)
+        current = tuple(self._choice.get(k, 0) for k in numbers["keys"])
         # Local SGD only where every rank attached its parameters (a rank that cannot
         # average them would drift away for good).
         periods = self.periods if numbers.get("attached", 0.0) >= 1.0 else ()
@@ -616,9 +652,16 @@ class Auto(ReducingCompressor):
                               hidden=numbers["hidden"], margin=self.margin,
                               periods=periods, share=self.share)
         if quiet:
-            mine = (*(self._choice.get(k, 0) for k in numbers["keys"]), self._target)
+            mine = (*current, self._target)
+        elif forced is not None:
+            mine = (*forced, self._target)
         else:
-            per_step = model.decide(inputs)
+            per_step = tuple(model.decide(inputs))
+            refused_at = self._refused.get(per_step)
+            if refused_at is not None and abs(inputs.rate / refused_at - 1) <= self.drift:
+                per_step = current  # undone at about this rate (module docstring, 6)
+            elif refused_at is not None:
+                del self._refused[per_step]  # the link moved: it may be tried again
             mine = (*per_step, model.choose_period(inputs, per_step))
         # Rank 0's choice (and H, last) everywhere: the others add zeros (exact in float32).
         codes = torch.tensor(mine if comm.rank == 0 else [0] * len(mine), dtype=torch.float32)
@@ -629,6 +672,10 @@ class Auto(ReducingCompressor):
         self._window, self._latency, self._kappa, self._syncs = [], [], {}, []
         changed = period != self._target or any(
             self._choice.get(k, 0) != c for k, c in zip(numbers["keys"], choice))
+        if (changed and before is not None and period == 1 and self._target == 1
+                and choice != current):
+            self._trial = {"before": before, "old": list(current), "new": list(choice),
+                           "numbers": numbers}
         self._target = period
         for k, c in zip(numbers["keys"], choice):
             if self._choice.get(k, 0) != c:
@@ -697,6 +744,8 @@ class Auto(ReducingCompressor):
                          "calib_from": self._calib_from,
                          "choice": dict(self._choice),
                          "agreed": None if self._agreed is None else dict(self._agreed),
+                         "trial": None if self._trial is None else dict(self._trial),
+                         "refused": [[list(c), r] for c, r in self._refused.items()],
                          "shapes": {k: list(v) for k, v in self._shapes.items()},
                          "decision": None if self.decision is None else
                          self.decision.to_dict()},
@@ -714,6 +763,8 @@ class Auto(ReducingCompressor):
         self._calib_from, self._resized = int(a["calib_from"]), None
         self._choice = {str(k): int(v) for k, v in a["choice"].items()}
         self._agreed = None if a["agreed"] is None else dict(a["agreed"])
+        self._trial = None if a.get("trial") is None else dict(a["trial"])
+        self._refused = {tuple(c): float(r) for c, r in a.get("refused", [])}
         self._new_step_state()  # timers start again: a restored step is not measured
         self.period, self.phase = int(a.get("period", 1)), int(a.get("phase", 0))
         self._target = int(a.get("target", 1))
