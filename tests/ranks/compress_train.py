@@ -118,7 +118,8 @@ train(model, opt, "DistributedOptimizer Compression.int8", lambda d: hvd.allgath
 
 def same_auto_choice(auto, what: str, reasons: tuple, gather) -> None:
     """compression="auto" decided (for one of ``reasons``: a drift check on a loaded
-    machine may have decided again) and every rank holds the same choice."""
+    machine may have decided again, or undone a change its steps did not bear out) and every
+    rank holds the same choice."""
     C.count += 1
     d = auto.decision
     if d is None or not d.reason.startswith(reasons):
@@ -145,7 +146,8 @@ for what, compression in (("auto", "auto"), ("Auto(tiers='all')", quick_auto()))
                                    compression=compression)
     train(model, opt, f"DistributedOptimizer {what}", lambda d: hvd.allgather_object(d))
     same_auto_choice(opt._gs_reducer, f"DistributedOptimizer {what}",
-                     ("one host",) if compression == "auto" else ("calibrated", "drift"),
+                     ("one host",) if compression == "auto" else
+                     ("calibrated", "drift", "measured"),
                      lambda d: hvd.allgather_object(d))
 
 # compression="auto" allowed local SGD (H at most 4), decided once, at step 3 (no drift
@@ -209,7 +211,8 @@ for label, group, state in (("gradsync", None, HookState(quick_auto())),
     train(model, opt, f"DDP hook over {label}, auto",
           lambda d, group=group: tiny_net.all_digests(d, group))
     same_auto_choice(state.compressor, f"DDP hook over {label}, auto",
-                     ("calibrated", "drift") if label == "gradsync" else ("one host",),
+                     ("calibrated", "drift", "measured") if label == "gradsync" else
+                     ("one host",),
                      lambda d, group=group: tiny_net.all_digests(d, group))
 
 
