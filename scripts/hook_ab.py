@@ -1,8 +1,9 @@
 """DDP over the gradsync backend three ways in the same ranks, window for window: no hook
 (``gs-fp32`` of ``gradsync bench compress``), gradsync's compressed hook with
-``compression="auto"`` (``gs-auto``), and a plain Python hook that does what DDP does by
-itself (an asynchronous allreduce of the bucket, then the division): what the hook path and
-auto's bookkeeping cost beside the same steps, without the 10% that separate jobs move by.
+``compression="auto"`` (``gs-auto``), and torch's reference hook that does what DDP does by
+itself (``default_hooks.allreduce_hook``: the division, then an asynchronous allreduce of the
+bucket): what a Python hook, and auto's path and bookkeeping, cost beside the same steps,
+without the 10% that separate jobs move by.
 
 Run on emulated hosts whose links are shaped (root; ``gradsync/testbed/netns.py``)::
 
@@ -28,6 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync  # noqa: F401  (registers the "gradsync" backend)
@@ -48,21 +50,16 @@ def main() -> None:
     rank, size = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(backend="gradsync")
     sizes = Sizes()
-    autos = {}
+    auto = Auto()
     trainers = {}
     for way in WAYS:
         torch.manual_seed(0)
         model = build_model("lm", sizes)
         net = DDP(model, process_group=group, broadcast_buffers=False)
         if way == "auto":
-            autos[way] = Auto()
-            net.register_comm_hook(HookState(autos[way], group), compressed_hook)
+            net.register_comm_hook(HookState(auto, group), compressed_hook)
         elif way == "plain":
-            def plain(_, bucket):
-                done = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
-                return done.get_future().then(lambda f: f.value()[0].div_(size))
-
-            net.register_comm_hook(None, plain)
+            net.register_comm_hook(group, allreduce_hook)
         trainers[way] = (net, torch.optim.AdamW(model.parameters(), 3e-3))
     gen = torch.Generator().manual_seed(rank)
     wall: dict[str, list[float]] = {way: [] for way in WAYS}
@@ -91,7 +88,7 @@ def main() -> None:
             print(f"{way:6} wall {statistics.median(wall[way]) * 1e3:7.1f} ms/step  cpu "
                   f"{statistics.median(cpu[way]) * 1e3:7.1f} ms/step  wall/none "
                   f"{statistics.median(wall[way]) / base:.3f}")
-        decision = autos["auto"].decision
+        decision = auto.decision
         print(f"auto: {decision.summary() if decision is not None else 'no decision'}")
     dist.barrier()
     dist.destroy_process_group()
