@@ -9,9 +9,9 @@
 # to pytest, so `bash scripts/test.sh -m slow` runs the slow tier instead and `-m ""` runs both.
 # Multi-process tests start real ranks; each has a deadline that dumps stacks and kills them.
 # The tests run on GS_TEST_WORKERS pytest workers at once (pytest-xdist; tests/parallel.py
-# keeps the tests that share a job in one worker): most of a tier's time is ranks waiting,
-# which other tests' ranks fill (docs/testing.md, "Several workers"). GS_TEST_WORKERS=0 runs
-# everything in one process, one test after the other.
+# keeps the tests that share a job in one worker and hands the largest groups out first): most
+# of a tier's time is ranks waiting, which other tests' ranks fill (docs/testing.md, "Several
+# workers"). GS_TEST_WORKERS=0 runs everything in one process, one test after the other.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Bytecode is cached (the ignored __pycache__ folders) even where the environment says not to:

@@ -142,7 +142,8 @@ def pytest_runtest_logreport(report):
     _spent[report.nodeid.split("::", 1)[0].rsplit("/", 1)[-1]] += seconds
 
 
-def _tier(config) -> str | None:
+def tier_of(config) -> str | None:
+    """The budgets' column of this run's ``-m`` expression, or None where it is not a tier."""
     return TIERS.get(" ".join((config.option.markexpr or "").split()))
 
 
@@ -155,7 +156,7 @@ def _wide(config) -> float:
 
 def pytest_sessionfinish(session, exitstatus):
     config = session.config
-    tier = _tier(config)
+    tier = tier_of(config)
     if (config.getoption("budgets") != "enforce" or tier is None or not _spent
             or hasattr(config, "workerinput")):  # (a worker's share: its controller judges)
         return
@@ -166,7 +167,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    tier = _tier(config)
+    tier = tier_of(config)
     if config.getoption("budgets") == "off" or not _spent:
         return
     write = terminalreporter.write_line

@@ -3,4 +3,4 @@ and the groups that keep shared jobs in one worker on several workers (tests/par
 
 from budgets import (pytest_addoption, pytest_runtest_logreport,  # noqa: F401 (pytest's hooks)
                      pytest_runtest_makereport, pytest_sessionfinish, pytest_terminal_summary)
-from parallel import pytest_collection_modifyitems  # noqa: F401 (pytest's hook)
+from parallel import pytest_collection_modifyitems, pytest_configure  # noqa: F401 (hooks)

@@ -14,6 +14,14 @@ module (files that read two are joined into one group), and the tier runs with
 ``--dist loadgroup``: a group's tests go to one worker, the groups spread over the workers.
 Run with no ``-n`` (or ``-n 0``), nothing here changes anything.
 
+**Longest first.** The groups are handed to the workers in the order of their cost, the largest
+first: a group's cost is the sum of its files' budgets in the tier (tests/budgets.txt, with
+the shared jobs' own lines). xdist's own order (``--loadscope-reorder``, its default: the groups
+with the most tests first) handed the one-test files of 15-30 s each (an example trained to
+its target, a Lightning job) out last, and the tier ended with one worker still running them
+and the other two idle (20-25 s of a 390 s default tier, measured 2026-11-30). Within a group
+the tests keep their order.
+
 A test that looks at the whole machine, not at its own job (every segment in /dev/shm, every
 process), must not mistake another worker's job for its own: such a test names its job's
 segments and processes (harness.MARK, the job id), never "whatever appeared meanwhile".
@@ -24,6 +32,8 @@ from __future__ import annotations
 from types import ModuleType
 
 import pytest
+
+from budgets import BUDGETS, read_budgets, tier_of
 
 SHARED = ("small_jobs", "data_jobs", "scale_jobs")
 """Modules of tests/ whose jobs are started once per pytest process and read by several files."""
@@ -72,3 +82,39 @@ def pytest_collection_modifyitems(config, items):
     group = groups(files)
     for item in items:
         item.add_marker(pytest.mark.xdist_group(group[item.nodeid.split("::", 1)[0]]))
+    budgets = read_budgets(BUDGETS)[tier_of(config) or "both"]
+    items[:] = longest_first(items, {f: group[f] for f in files},
+                             costs(files, group, budgets))
+
+
+def costs(files: dict[str, set[str]], group: dict[str, str],
+          budgets: dict[str, float]) -> dict[str, float]:
+    """Each group's budget: its files' lines and those of the shared jobs its files read (each
+    once), by base name (``small_jobs.py``)."""
+    cost: dict[str, float] = {}
+    jobs: dict[str, set[str]] = {}
+    for name, used in files.items():
+        cost[group[name]] = cost.get(group[name], 0.0) + budgets.get(name.rsplit("/", 1)[-1], 0.0)
+        jobs.setdefault(group[name], set()).update(used)
+    for name, used in jobs.items():
+        cost[name] += sum(budgets.get(f"{module}.py", 0.0) for module in used)
+    return cost
+
+
+def longest_first(items: list, group: dict[str, str], cost: dict[str, float]) -> list:
+    """``items`` with the groups of the largest cost first (ties in the order they came),
+    each group's items in their own order (``group`` maps each item's file to its group)."""
+    first: dict[str, int] = {}
+    for index, item in enumerate(items):
+        first.setdefault(group[item.nodeid.split("::", 1)[0]], index)
+
+    def key(item) -> tuple[float, int]:
+        name = group[item.nodeid.split("::", 1)[0]]
+        return (-cost.get(name, 0.0), first[name])
+    return sorted(items, key=key)
+
+
+def pytest_configure(config):
+    """xdist hands out the groups in the collected order (``longest_first``), not its own."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False

@@ -61,7 +61,9 @@ def test_a_take_whose_batch_is_slow_answers_pending_within_its_wait_and_then_the
     info = peers[0].call("take", seq=0, wait=0.2)
     # Answered within the wait (a broken server would hold it until the batch is ready).
     assert info["pending"] and time.monotonic() - start < 5
-    assert info["waited"] >= 0.2
+    # ``waited`` counts from the moment the server holds the worker's stream, the wait's 0.2 s
+    # from the request's arrival, a moment earlier (0.19988 s once, on 3 busy pytest workers).
+    assert info["waited"] >= 0.15
     assert peers[0].call("stats")["takes"] == 0  # a pending answer is no take
     gate.open.set()
     info = peers[0].call("take", seq=0, wait=5)
