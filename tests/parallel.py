@@ -83,8 +83,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(pytest.mark.xdist_group(group[item.nodeid.split("::", 1)[0]]))
     budgets = read_budgets(BUDGETS)[tier_of(config) or "both"]
-    items[:] = longest_first(items, {f: group[f] for f in files},
-                             costs(files, group, budgets))
+    items[:] = longest_first(items, group, costs(files, group, budgets))
 
 
 def costs(files: dict[str, set[str]], group: dict[str, str],
