@@ -308,6 +308,37 @@ def test_powersgd_residual_is_what_was_left():
     assert torch.linalg.matrix_rank(approx) == 1
 
 
+def test_powersgd_plain_first_steps_are_exact_sums_then_the_power_steps_begin():
+    rows, cols = 16, 12
+
+    def job(comm):
+        c = PowerSGD(rank=1, min_compression_rate=1.0, plain_steps=2)
+        outs = []
+        for step in range(3):
+            g = grads(comm.rank, step, rows * cols)
+            outs.append((g.clone(), c.reduce(g, [(rows, cols)], comm, "b", average=False)))
+            if step == 1:  # a restored copy goes on from the same count
+                restored = PowerSGD(rank=1, min_compression_rate=1.0, plain_steps=2)
+                restored.load_state_dict(c.state_dict())
+                assert restored.state.step("b") == 2 and "b" not in restored.state.tensors
+        return outs, c.state.tensors["b"]["residual"]
+
+    results, _ = run_ranks(2, job)
+    for step in range(3):
+        total = results[0][0][step][0] + results[1][0][step][0]
+        out = results[0][0][step][1]
+        if step < 2:  # whole, and no residual kept
+            assert torch.allclose(out, total, atol=1e-6), step
+        else:  # cut to rank 1; the residuals are what it left
+            assert torch.linalg.matrix_rank(out.view(rows, cols)) == 1
+            left = results[0][1] + results[1][1]
+            assert torch.allclose(out + left, total, atol=1e-5)
+    with pytest.raises(ValueError, match="plain_steps"):
+        PowerSGD(plain_steps=-1)
+    assert "plain_steps=2" in PowerSGD(plain_steps=2).describe()
+    assert "plain_steps" not in PowerSGD().describe()
+
+
 def test_powersgd_keeps_small_and_flat_tensors_plain():
     c = PowerSGD(rank=4)  # default rate 2: a 4x4 matrix would not shrink
     assert c.plan([(10,), (4, 4), (64, 32), (8, 2, 2, 2)]) == [None, None, (64, 32, 4), None]

@@ -130,8 +130,10 @@ class _Trainer:
         elif mode in ("gs-int8", "gs-powersgd"):
             from gradsync.compress import HookState, Int8, PowerSGD, compressed_hook
 
+            # PowerSGD's first two reductions of each bucket plain, as torch's hook's in
+            # gloo-powersgd (start_powerSGD_iter=2): the two are compared like for like.
             compressor = Int8(seed=s["seed"]) if mode == "gs-int8" else \
-                PowerSGD(rank=r, seed=s["seed"])
+                PowerSGD(rank=r, seed=s["seed"], plain_steps=2)
             self.net.register_comm_hook(
                 HookState(compressor, group, overlap=s.get("overlap", True)), compressed_hook)
             self.choice = compressor.describe()

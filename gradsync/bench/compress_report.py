@@ -35,7 +35,8 @@ MODES = {
     "gloo-powersgd": "DDP over gloo, torch's powerSGD_hook (one bucket)",
     "gs-fp32": "DDP over the gradsync backend, float32",
     "gs-int8": "DDP over the gradsync backend, gradsync.compress Int8 hook",
-    "gs-powersgd": "DDP over the gradsync backend, gradsync.compress PowerSGD hook",
+    "gs-powersgd": "DDP over the gradsync backend, gradsync.compress PowerSGD hook (its first "
+                   "two steps plain, as torch's hook's here)",
     "gs-auto": "DDP over the gradsync backend, compression=\"auto\": per bucket, none, "
                "bf16, int8 or PowerSGD from the measured link (its choice in 'choice')",
     "gs-int8-lag": "the Horovod API's DistributedOptimizer, Int8, gradient_lag=1: step t's "

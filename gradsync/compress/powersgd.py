@@ -22,6 +22,14 @@ One step, for a bucket, on every rank w:
 A matrix of rank at most r is reproduced exactly (up to rounding): P spans its columns, so
 the projection loses nothing and the residual is zero.
 
+**Plain first steps** (``plain_steps=k``, torch's hook's ``start_powerSGD_iter``): the first k
+reductions of each bucket are plain float32 allreduces of the whole bucket, with no residual
+kept; the power steps begin at the (k + 1)-th, from a zero residual. The count is each
+bucket's step counter in the state (``state.py``), so a restored run goes on where it was.
+On the language model of ``gradsync bench compress`` at 100 Mbit/s, two plain steps took
+rank 4 to the target in 152 steps instead of 160, as many as torch's hook, which
+``gradsync bench compress`` runs with ``start_powerSGD_iter=2`` (docs/benchmarks.md).
+
 Every rank orthonormalises the same summed P itself, and the results agree bit for bit only
 if its QR does the same arithmetic everywhere (the same torch and LAPACK; for these thin
 matrices LAPACK takes its unblocked, single-threaded path). torch's PowerSGD hook relies on
@@ -51,22 +59,30 @@ class PowerSGD(ReducingCompressor):
         tiers: ``"slowest"`` (default): on several hosts, each host's sum is reduced in
             float32 onto its first rank, and only those ranks run PowerSGD (``tiers.py``);
             ``"all"``: every rank runs it.
+        plain_steps: reduce each bucket's first ``plain_steps`` times uncompressed (module
+            docstring, "Plain first steps"); a reduction without a key (no state) is never
+            one of them.
     """
 
     shardable = False  # each matrix must stay whole: tiers.py reduces onto a host's leader
 
     def __init__(self, rank: int = 4, min_compression_rate: float = 2.0, seed: int = 0,
-                 tiers: str = "slowest"):
+                 tiers: str = "slowest", plain_steps: int = 0):
         super().__init__(seed, tiers)
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"rank must be a positive int, got {rank!r}")
+        if isinstance(plain_steps, bool) or not isinstance(plain_steps, int) or plain_steps < 0:
+            raise ValueError(f"plain_steps must be an int of 0 or more, got {plain_steps!r}")
+        self.plain_steps = plain_steps
         if min_compression_rate < 1:
             raise ValueError(f"min_compression_rate must be at least 1, got "
                              f"{min_compression_rate}")
         self.rank, self.min_compression_rate = rank, float(min_compression_rate)
 
     def _describe(self) -> str:
-        return f"powersgd(rank={self.rank}, min_compression_rate={self.min_compression_rate})"
+        plain = f", plain_steps={self.plain_steps}" if self.plain_steps else ""
+        return (f"powersgd(rank={self.rank}, min_compression_rate={self.min_compression_rate}"
+                f"{plain})")
 
     def plan(self, shapes: list[tuple]) -> list[tuple[int, int, int] | None]:
         """Per tensor: (rows, cols, r) if it is compressed, else None (plain)."""
@@ -86,6 +102,14 @@ class PowerSGD(ReducingCompressor):
 
     def _reduce(self, x, shapes, comm, key, average):
         n = comm.size
+        if key is not None and self.state.step(key) < self.plain_steps:
+            since = self.state.begin()
+            step = self.state.step(key)
+            comm.allreduce_sum_(x)
+            self.state.set_step(key, step + 1, since)  # once the allreduce returned
+            if average:
+                x /= n
+            return x
         plan = self.plan(shapes)
         pieces = list(x.split([_numel(s) for s in shapes]))
         matrices = [(i, rows, cols, r) for i, (p, shape) in enumerate(zip(plan, shapes))
