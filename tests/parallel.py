@@ -17,10 +17,10 @@ Run with no ``-n`` (or ``-n 0``), nothing here changes anything.
 **Longest first.** The groups are handed to the workers in the order of their cost, the largest
 first: a group's cost is the sum of its files' budgets in the tier (tests/budgets.txt, with
 the shared jobs' own lines). xdist's own order (``--loadscope-reorder``, its default: the groups
-with the most tests first) handed the one-test files of 15-30 s each (an example trained to
+with the most tests first) handed the one-test files of 15-35 s each (an example trained to
 its target, a Lightning job) out last, and the tier ended with one worker still running them
-and the other two idle (20-25 s of a 390 s default tier, measured 2026-11-30). Within a group
-the tests keep their order.
+and the other two idle (the last 13-26 s of default tiers of 380-466 s, measured 2026-11-30;
+docs/testing.md, "The largest groups first"). Within a group the tests keep their order.
 
 A test that looks at the whole machine, not at its own job (every segment in /dev/shm, every
 process), must not mistake another worker's job for its own: such a test names its job's

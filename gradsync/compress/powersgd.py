@@ -71,13 +71,13 @@ class PowerSGD(ReducingCompressor):
         super().__init__(seed, tiers)
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"rank must be a positive int, got {rank!r}")
-        if isinstance(plain_steps, bool) or not isinstance(plain_steps, int) or plain_steps < 0:
-            raise ValueError(f"plain_steps must be an int of 0 or more, got {plain_steps!r}")
-        self.plain_steps = plain_steps
         if min_compression_rate < 1:
             raise ValueError(f"min_compression_rate must be at least 1, got "
                              f"{min_compression_rate}")
+        if isinstance(plain_steps, bool) or not isinstance(plain_steps, int) or plain_steps < 0:
+            raise ValueError(f"plain_steps must be an int of 0 or more, got {plain_steps!r}")
         self.rank, self.min_compression_rate = rank, float(min_compression_rate)
+        self.plain_steps = plain_steps
 
     def _describe(self) -> str:
         plain = f", plain_steps={self.plain_steps}" if self.plain_steps else ""
@@ -102,9 +102,9 @@ class PowerSGD(ReducingCompressor):
 
     def _reduce(self, x, shapes, comm, key, average):
         n = comm.size
-        if key is not None and self.state.step(key) < self.plain_steps:
+        step = self.state.step(key) if key is not None else self.plain_steps
+        if step < self.plain_steps:
             since = self.state.begin()
-            step = self.state.step(key)
             comm.allreduce_sum_(x)
             self.state.set_step(key, step + 1, since)  # once the allreduce returned
             if average:
