@@ -4,20 +4,24 @@ ladder, ``wait_all`` climbing it, and the compiled counter wait handed the same 
 from __future__ import annotations
 
 import os
+import socket
 import time
 import types
 
 import pytest
 
 from gradsync.transport import base, wait
-from gradsync.transport.base import Pair, Send, wait_all
+from gradsync.transport.base import Expect, Pair, Recv, Send, wait_all
 
 
-def _record(monkeypatch) -> list:
-    """Replaces the ladder's yield and nap by records of them."""
+def _record(monkeypatch, clock: "list | None" = None) -> list:
+    """Replaces the ladder's yield and nap by records of them, and its clock by ``clock[0]``,
+    which moves only when the test moves it (frozen where no list is given)."""
     steps: list = []
+    clock = clock if clock is not None else [1000.0]
     monkeypatch.setattr(wait.os, "sched_yield", lambda: steps.append("yield"))
     monkeypatch.setattr(wait.time, "sleep", lambda s: steps.append(s))
+    monkeypatch.setattr(wait.time, "monotonic", lambda: clock[0])
     return steps
 
 
@@ -38,6 +42,50 @@ def test_backoff_spins_then_yields_then_naps_doubling_to_the_cap(monkeypatch):
     backoff.reset()
     backoff.idle()
     assert steps == naps  # progress: spinning again
+
+
+def test_the_yields_end_at_PY_YIELD_FOR_after_the_last_progress_however_few(monkeypatch):
+    """With more ranks than cores each yield lasts another rank's turn, and a rank that
+    yields stays runnable: the rung ends by the clock, not only by its count."""
+    clock = [1000.0]
+    steps = _record(monkeypatch, clock)
+    backoff = wait.Backoff()
+    for _ in range(wait.SPINS - 1 + 5):
+        backoff.idle()
+    assert steps == ["yield"] * 5
+    clock[0] += wait.PY_YIELD_FOR
+    backoff.idle()
+    assert steps[5:] == [wait.FIRST_NAP]  # 5 yields, not YIELDS: the nap rung
+    backoff.reset()  # progress: the rung's time counts from here
+    for _ in range(wait.SPINS):
+        backoff.idle()
+    assert steps[6:] == ["yield"]
+
+
+def test_a_long_wait_naps_longer_but_ends_at_most_LATE_SHARE_late(monkeypatch):
+    """Past ``MAX_NAP / LATE_SHARE`` without progress a nap may last ``LATE_SHARE`` of the wait
+    so far (up to ``LONG_NAP``): a rank that waits on a peer bound by a slow link wakes
+    hundreds of times a second, not thousands, and finds the peer at most 2% late."""
+    clock = [1000.0]
+    steps = _record(monkeypatch, clock)
+    nap = wait.Nap()
+    for _ in range(12):
+        nap()
+    assert steps[-1] == wait.MAX_NAP and wait.MAX_NAP / wait.LATE_SHARE >= 0.02
+    del steps[:]
+    clock[0] += 0.1  # 100 ms without progress: naps of up to 2 ms
+    for _ in range(4):
+        nap()
+    assert steps == pytest.approx([wait.MAX_NAP, 2 * wait.MAX_NAP, 0.1 * wait.LATE_SHARE,
+                                   0.1 * wait.LATE_SHARE])
+    del steps[:]
+    clock[0] += 100  # far longer: up to LONG_NAP, no further
+    for _ in range(5):
+        nap()
+    assert steps[-2:] == [wait.LONG_NAP] * 2 and max(steps) == wait.LONG_NAP
+    nap.reset()  # progress: the next wait starts at the first nap again
+    nap()
+    assert steps[-1] == wait.FIRST_NAP
 
 
 def test_nap_doubles_to_the_cap_for_the_waits_outside_the_transport(monkeypatch):
@@ -81,6 +129,48 @@ def test_wait_all_on_a_polled_pair_climbs_the_one_ladder(monkeypatch):
     # 10 advances: the first round, then 8 idle rounds (1 spin, 3 yields, 4 naps), then done.
     assert steps == ["yield"] * 3 + [1e-6, 2e-6, 4e-6, 8e-6]
     assert base.CHECK_EVERY is wait.CHECK_EVERY  # the liveness looks' interval is the policy's
+
+
+class _Trickle(Pair):
+    """A socket pair (a descriptor to select on) whose receive takes one byte a round."""
+
+    is_socket = True
+
+    def __init__(self, fileno: int, length: int):
+        self.peer, self.fileno, self.length = 2, fileno, length
+
+    def advance_recv(self, op: Recv) -> bool:
+        op.offset += 1
+        return op.offset >= self.length
+
+    def close(self) -> None:
+        pass
+
+
+def test_bytes_on_a_socket_do_not_hold_a_polled_wait_on_its_spinning_rungs(monkeypatch):
+    """A ring step over both kinds of pair (a same-host neighbour on one side, a slow link on
+    the other): the socket's trickle is no news of the polled peer, so the ladder climbs as
+    if nothing moved, and its naps sleep in ``select`` on the socket, which wakes them when
+    bytes come. Before, each byte reset the ladder: the rank spun and yielded for as long as
+    the link took."""
+    steps = _record(monkeypatch)
+    selects: list = []
+    monkeypatch.setattr(base.select, "select",
+                        lambda rd, wr, ex, timeout: selects.append((rd, wr, timeout)) or
+                        ([], [], []))
+    monkeypatch.setattr(wait, "SPINS", 2)
+    monkeypatch.setattr(wait, "YIELDS", 3)
+    a, b = socket.socketpair()
+    fd = a.fileno()
+    with a, b:
+        send = Send(_Slow(12), b"", memoryview(b""))
+        recv = Recv(_Trickle(fd, 50), Expect(0, 0, 0, lambda: "x"), memoryview(b""))
+        wait_all([send, recv], time.monotonic() + 10, lambda waited: None, lambda: "a test")
+    assert send.done and recv.done
+    # 12 advances of the send: the first round, then 10 idle rounds (1 spin, 3 yields, 6 naps
+    # in select on the socket), then done; the receive's last 38 bytes without sleeping.
+    assert steps == ["yield"] * 3
+    assert selects == [([fd], [], wait.FIRST_NAP * 2 ** i) for i in range(6)]
 
 
 def test_the_compiled_wait_is_handed_the_policys_rungs(monkeypatch):

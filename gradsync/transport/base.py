@@ -204,18 +204,27 @@ def wait_all(ops: Sequence["Send | Recv | Settle"], deadline: float,
     pending, next_idle = _round(list(ops), started + CHECK_EVERY, on_idle, started)
     if not pending:
         return
-    # Where a pair must be polled (shared memory): spin, yield, then nap (``wait.py``).
+    # Where a pair must be polled (shared memory): spin, yield, then nap (``wait.py``). Only
+    # a polled pair's progress (or an op done) starts the ladder again: bytes arriving on a
+    # socket of the same wait say nothing about when the polled peer will write, and on a slow
+    # link they arrive every few milliseconds, which kept such a wait spinning and yielding.
     backoff = Backoff()
     while pending:
         before = _moved(pending)
         still, next_idle = _round(pending, next_idle, on_idle, started)
-        progressed = len(still) != len(pending) or _moved(still) != before
-        pending = still
-        if not pending:
+        if not still:
             return
-        if progressed:
+        if len(still) != len(pending):  # an op done: the ladder starts again
+            backoff.reset()
+            pending = still
+            continue
+        after = _moved(still)
+        if after[0] != before[0]:  # a polled pair moved
             backoff.reset()
             continue
+        polled = after[2]  # how many ops are on polled pairs
+        if not polled and after[1] != before[1]:
+            continue  # only sockets, and they moved: advance them again before sleeping
         now = time.monotonic()
         if now >= next_idle:
             if now >= deadline:
@@ -223,15 +232,23 @@ def wait_all(ops: Sequence["Send | Recv | Settle"], deadline: float,
                                            f"{what(*what_args)}")
             _look(pending, on_idle, started)
             next_idle = now + CHECK_EVERY
-        if all(op.pair.fileno >= 0 for op in pending):
+        if polled == len(pending):
+            backoff.idle()
+        elif not polled:
             # Only sockets: sleep in the kernel until one is ready (or it is time to look up).
             backoff.count()
-            rd = [op.pair.fileno for op in pending if not isinstance(op, Send)]
-            wr = [op.pair.fileno for op in pending
-                  if isinstance(op, Send) or op.pair.owes_bytes()]
-            select.select(rd, wr, [], max(0.0, min(next_idle, deadline) - now))
+            _select(pending, max(0.0, min(next_idle, deadline) - now))
         else:
-            backoff.idle()
+            # Both kinds: the polled pairs' ladder, whose naps wake early for the sockets.
+            sockets = [op for op in pending if op.pair.fileno >= 0]
+            backoff.idle(lambda seconds: _select(sockets, seconds))
+
+
+def _select(ops, seconds: float) -> None:
+    """Sleeps until one of ``ops``' sockets is ready to read or write, or ``seconds`` pass."""
+    rd = [op.pair.fileno for op in ops if not isinstance(op, Send)]
+    wr = [op.pair.fileno for op in ops if isinstance(op, Send) or op.pair.owes_bytes()]
+    select.select(rd, wr, [], seconds)
 
 
 def _round(pending: list, next_idle: float, on_idle: Callable[[float], None],
@@ -259,6 +276,15 @@ def _look(ops, on_idle: Callable[[float], None], started: float) -> None:
         op.pair.check_alive()
 
 
-def _moved(ops) -> int:
-    """Bytes moved so far by ``ops``: a change means progress short of completion."""
-    return sum(op.offset + getattr(op, "header_got", 0) for op in ops)
+def _moved(ops) -> "tuple[int, int, int]":
+    """Bytes moved so far by ``ops`` over polled pairs and over sockets (a change means
+    progress short of completion), and how many of ``ops`` are on polled pairs."""
+    polled = sockets = count = 0
+    for op in ops:
+        moved = op.offset + getattr(op, "header_got", 0)
+        if op.pair.fileno < 0:
+            polled += moved
+            count += 1
+        else:
+            sockets += moved
+    return polled, sockets, count

@@ -9,7 +9,8 @@ Every wait of the transport has the same three rungs:
             this rank runs again.
     sleep   give the core up: on a futex where the wait has a counter to sleep on
             (``futex.py``: the writer wakes it), else a nap that doubles from ``FIRST_NAP``
-            up to ``MAX_NAP``.
+            up to ``MAX_NAP`` (in a long wait up to ``LATE_SHARE`` of it, ``LONG_NAP`` at
+            most).
 
 Between sleeps a wait looks at its deadline and at the liveness of what it waits for every
 ``CHECK_EVERY`` seconds. Two kinds of loop climb the ladder:
@@ -33,9 +34,10 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Callable
 
-__all__ = ["SPINS", "YIELDS", "FIRST_NAP", "MAX_NAP", "CHECK_EVERY", "MIN_SPIN", "MAX_SPIN",
-           "PY_SPIN", "YIELD_FOR", "PY_YIELD_FOR", "BARRIER_YIELD_FOR", "Nap", "Backoff",
+__all__ = ["SPINS", "YIELDS", "FIRST_NAP", "MAX_NAP", "LATE_SHARE", "LONG_NAP", "CHECK_EVERY",
+           "MIN_SPIN", "MAX_SPIN", "PY_SPIN", "YIELD_FOR", "PY_YIELD_FOR", "BARRIER_YIELD_FOR", "Nap", "Backoff",
            "may_spin", "native_ladder"]
 
 # --- the polling loop's rungs, in rounds --------------------------------------------------
@@ -58,6 +60,15 @@ YIELDS = 2000
 # recorded; every nap of the transport has used them.
 FIRST_NAP = 1e-6
 MAX_NAP = 0.0005
+# A wait that has seen nothing move for longer than MAX_NAP / LATE_SHARE (25 ms) naps up to
+# LATE_SHARE of its length so far, up to LONG_NAP: a nap then ends the wait at most 2% late,
+# and a rank that waits on a peer bound by a slow link does not wake 2,000 times a second.
+# Sixteen ranks of a ring over four emulated hosts at 25 Mbit/s, each waking every MAX_NAP
+# on its shared-memory neighbours while the links carried the bytes (tests/
+# test_simulate_netns.py), used most of both cores (docs/benchmarks.md, "Waiting on a slow
+# link").
+LATE_SHARE = 0.02
+LONG_NAP = 0.01
 # How often a wait that sleeps looks at its deadline, the job's abort record and its peers'
 # liveness (``on_idle``). Not a measurement: the bound on how late a failure is seen.
 CHECK_EVERY = 0.05
@@ -118,26 +129,40 @@ def native_ladder(spin: bool) -> tuple[int, int, int, int, int]:
 
 
 class Nap:
-    """The sleep rung alone: each call sleeps, from ``FIRST_NAP`` doubling up to ``MAX_NAP``.
-    For the waits whose own loop does the looking and the checking, outside the transport
-    too: the host segment's counter wait where no futex exists, a data worker's poll of its
-    slot table where the kernel refused the futex, the torch backend's receive from any
-    source. One nap policy for all of them, here."""
+    """The sleep rung alone: each call sleeps, from ``FIRST_NAP`` doubling up to ``MAX_NAP``,
+    and in a wait that has lasted longer than ``MAX_NAP / LATE_SHARE`` up to ``LATE_SHARE``
+    of its length so far (at most ``LONG_NAP``). For the waits whose own loop does the
+    looking and the checking, outside the transport too: the host segment's counter wait
+    where no futex exists, a data worker's poll of its slot table where the kernel refused
+    the futex, the torch backend's receive from any source. One nap policy for all of them,
+    here."""
 
-    __slots__ = ("seconds",)
+    __slots__ = ("seconds", "since")
 
     def __init__(self):
-        self.seconds = FIRST_NAP
+        self.seconds, self.since = FIRST_NAP, time.monotonic()
 
-    def __call__(self) -> None:
-        time.sleep(self.seconds)
-        self.seconds = min(self.seconds * 2, MAX_NAP)
+    def reset(self) -> None:
+        """The wait starts again (progress): the next nap is the first."""
+        self.seconds, self.since = FIRST_NAP, time.monotonic()
+
+    def __call__(self, sleep: "Callable[[float], object] | None" = None) -> None:
+        (sleep or time.sleep)(self.seconds)
+        longest = max(MAX_NAP, min(LONG_NAP, (time.monotonic() - self.since) * LATE_SHARE))
+        self.seconds = min(self.seconds * 2, longest)
 
 
 class Backoff:
     """The polling loop's ladder: ``idle`` after each round that moved nothing, ``reset`` on
-    progress. Spins ``SPINS`` rounds, yields ``YIELDS`` more, then naps, doubling from
-    ``FIRST_NAP`` to ``MAX_NAP``."""
+    progress. Spins ``SPINS`` rounds, yields ``YIELDS`` more but for no longer than
+    ``PY_YIELD_FOR`` since the last progress, then naps, doubling from ``FIRST_NAP`` to
+    ``MAX_NAP``.
+
+    The time bound is for a host with more ranks than cores: there each yield hands the core
+    to another runnable rank, so 2,000 yields last as long as the others' turns, and a rank
+    that yields stays runnable all the while. Sixteen ranks of a ring over four emulated hosts
+    at 25 Mbit/s (tests/test_simulate_netns.py) were yielding most of each link-bound step,
+    and 75% of both cores was the kernel's (docs/benchmarks.md, "Waiting on a slow link")."""
 
     __slots__ = ("rounds", "nap")
 
@@ -147,18 +172,19 @@ class Backoff:
     def reset(self) -> None:
         """Progress: the next idle round starts spinning again."""
         self.rounds = 0
-        self.nap.seconds = FIRST_NAP
+        self.nap.reset()
 
     def count(self) -> None:
         """A round that waited elsewhere (in ``select``): it counts as one of the ladder's."""
         self.rounds += 1
 
-    def idle(self) -> None:
-        """One round of waiting on the ladder's current rung."""
+    def idle(self, sleep: "Callable[[float], object] | None" = None) -> None:
+        """One round of waiting on the ladder's current rung; a nap is ``sleep(seconds)``
+        (a ``select`` on the wait's sockets too, where it has some: ``base.wait_all``)."""
         self.rounds += 1
         if self.rounds < SPINS:
             return
-        if self.rounds < SPINS + YIELDS:
+        if self.rounds < SPINS + YIELDS and time.monotonic() - self.nap.since < PY_YIELD_FOR:
             os.sched_yield()
             return
-        self.nap()
+        self.nap(sleep)
