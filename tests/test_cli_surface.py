@@ -65,6 +65,22 @@ def test_start_method_exec_by_default_forkserver_on_request_or_from_the_environm
                                    "t.py"]).start_method == "exec"
 
 
+def test_an_elastic_jobs_templates_also_hold_what_a_first_optimizer_imports(monkeypatch):
+    """Every worker of an elastic job trains, and torch's first optimizer imports
+    ``torch._dynamo`` (1.6 s of CPU): its templates import it once, where installed (``?``),
+    after the user's modules; a static job's only on request (forkserver.ELASTIC_PRELOAD)."""
+    from gradsync.run.forkserver import ELASTIC_PRELOAD
+
+    assert ELASTIC_PRELOAD == ("?torch._dynamo",)
+    specs = []
+    monkeypatch.setattr(cli, "launch_elastic", lambda spec, elastic: specs.append(spec) or 0)
+    assert cli.main(["run", "-np", "2", "--min-np", "1", "--start-method", "forkserver",
+                     "--preload", "pandas", "python", "t.py"]) == 0
+    assert tuple(specs[0].preload) == ("pandas", "?torch._dynamo")
+    assert tuple(_launched(monkeypatch, ["-np", "2", "--start-method", "forkserver", "python",
+                                         "t.py"]).preload) == ()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["run", "-np", "2"], "no command given"),
     (["run", "-np", "3", "-H", "a:1,b:1", "true"], "3 ranks need 3 slots"),

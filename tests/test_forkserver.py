@@ -209,5 +209,16 @@ def test_a_preload_that_fails_stops_the_job_at_its_start_with_the_import_error()
     assert "--preload no_such_gs_module: ModuleNotFoundError" in result.stdout
 
 
+def test_a_module_marked_optional_is_imported_where_installed_and_else_passed_over():
+    """``?MODULE`` (forkserver.ELASTIC_PRELOAD's ``?torch._dynamo``): a template on a machine
+    without it starts all the same; an unmarked module that is missing stops the job, as
+    above; a marked one that is there is imported."""
+    sys.modules.pop("colorsys", None)
+    assert forkserver._preload(["?no_such_gs_module", "?colorsys"]) is None
+    assert "colorsys" in sys.modules
+    assert forkserver._preload(["no_such_gs_module"]) == \
+        "--preload no_such_gs_module: ModuleNotFoundError: No module named 'no_such_gs_module'"
+
+
 def test_the_module_names_what_it_runs():
     assert forkserver.MODULE == forkserver.__name__

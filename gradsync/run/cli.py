@@ -27,6 +27,7 @@ from typing import Mapping, Sequence
 from ..config import ENV_PREFIX, HOROVOD_IDENTITY, IDENTITY_VARIABLES
 from . import binding
 from .elastic import ElasticSpec, launch_elastic
+from .forkserver import ELASTIC_PRELOAD
 from .hosts import Host, parse_hosts, read_hostfile
 from .launcher import DEFAULT_START_TIMEOUT, LaunchSpec, is_local, launch, place
 from .ranks import SERVER_RESTARTS, START_METHODS
@@ -183,7 +184,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                                 "this interpreter; docs/launch.md)")
     placement.add_argument("--preload", action="append", default=[], metavar="MODULE",
                            help="with --start-method forkserver, also import MODULE once "
-                                "before forking the ranks; repeatable")
+                                "before forking the ranks; repeatable (torch._dynamo for a "
+                                "script that builds an optimizer: its first one imports it; "
+                                "an elastic job's templates import it anyway)")
     output = parser.add_argument_group("output")
     output.add_argument("--output-filename", metavar="DIR",
                         help="also write each rank's output to DIR/rank.<rank>/stdout and "
@@ -431,7 +434,9 @@ def _spec(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LaunchSp
                           env={**flag_settings(args),
                                **resolve_exports(args.exports, os.environ)},
                           bind_to=args.bind_to, ssh_identity_file=args.ssh_identity_file,
-                          start_method=args.start_method, preload=tuple(args.preload),
+                          start_method=args.start_method,
+                          preload=tuple(args.preload) + (ELASTIC_PRELOAD if _is_elastic(args)
+                                                         else ()),
                           output_filename=args.output_filename)
         if not _is_elastic(args):
             # Placement is checked here, so that too few slots is a usage error.

@@ -88,13 +88,23 @@ from typing import IO, Mapping, Sequence
 from .keeper import READY_TIMEOUT as KEEPER_TIMEOUT, StoreKeeper, serve_until_closed
 from .processes import Process
 
-__all__ = ["Forkserver", "Forked", "Plan", "plan", "DEFAULT_PRELOAD", "MODULE"]
+__all__ = ["Forkserver", "Forked", "Plan", "plan", "DEFAULT_PRELOAD", "ELASTIC_PRELOAD", "MODULE"]
 
 MODULE = "gradsync.run.forkserver"
 """What the launcher runs (``python -m``) to start a template."""
 
 DEFAULT_PRELOAD = ("numpy", "torch", "torch.distributed", "gradsync", "gradsync.api")
 """What every template imports when it is installed: the imports every rank of a job makes."""
+
+ELASTIC_PRELOAD = ("?torch._dynamo",)
+"""What an elastic job's templates import besides (``?``: where installed). A torch process's
+first optimizer imports ``torch._dynamo`` (``torch.optim``'s ``_disable_dynamo``): 1.6 s of CPU
+on this project's machines, as much as torch itself, paid by every forked rank until the
+template holds it. Every worker of an elastic job trains (its ``State`` holds the optimizer's),
+and a worker that joins a running job imports it before it says it is ready anyway
+(``elastic/worker._prepare``). Other jobs pay 1.7 s once per host for it only with
+``--preload torch._dynamo``: a template of a job that builds no optimizer would pay it for
+nothing (docs/launch.md, "Starting ranks from a template")."""
 
 _MESSAGE = 1 << 20  # the largest request: an environment of a few KiB, with room to spare
 _PR_SET_CHILD_SUBREAPER = 36
@@ -411,7 +421,10 @@ def _preload(preload: Sequence[str]) -> str | None:
             pass  # not installed: a rank that needs it imports it itself
     for name in preload:
         try:
-            importlib.import_module(name)
+            importlib.import_module(name.removeprefix("?"))
+        except ImportError as exc:
+            if not name.startswith("?"):  # ``?``: only where installed
+                return f"--preload {name}: {type(exc).__name__}: {exc}"
         except Exception as exc:  # whatever a module's import raises is the user's to see
             return f"--preload {name}: {type(exc).__name__}: {exc}"
     return None
@@ -544,7 +557,8 @@ def _run_module(name: str, args: Sequence[str]) -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-    """``python -m gradsync.run.forkserver FD [MODULE ...]``: a template on the socket ``FD``."""
+    """``python -m gradsync.run.forkserver FD [MODULE ...]``: a template on the socket ``FD``
+    (a ``?MODULE`` is imported where it is installed, its absence no failure)."""
     connection = socket.socket(fileno=int(argv[0]))
     request = serve(connection, argv[1:])
     if request is None:

@@ -27,6 +27,8 @@ PLAN action=<go_on|rollback> updates=<u> lost=<l>: the recovery's plan (printed 
 $ELASTIC_ROLLBACK (default auto): the state's ``rollback``. $TRAIN_UNTIL_SIZE: see below.
 FIRSTSTEP wall=<time.time()>: the first completed step after a re-formation.
 DYING wall=<time.time()>: the victim, just before it fails.
+PRELOADED dynamo=<bool>: at the start, whether ``torch._dynamo`` (what torch's first optimizer
+imports) was there before the script built one: an elastic job's template preloads it.
 """
 
 import os
@@ -41,6 +43,7 @@ import gradsync.torch as hvd
 from gradsync.elastic import worker
 from gradsync.elastic.state import HostsUpdatedInterrupt
 
+print(f"PRELOADED dynamo={'torch._dynamo' in sys.modules}", flush=True)
 mode, victim, at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 epochs = int(sys.argv[4]) if len(sys.argv) > 4 else 3
 first_rank = int(os.environ["GRADSYNC_RANK"])
