@@ -102,9 +102,9 @@ first optimizer imports ``torch._dynamo`` (``torch.optim``'s ``_disable_dynamo``
 on this project's machines, as much as torch itself, paid by every forked rank until the
 template holds it. Every worker of an elastic job trains (its ``State`` holds the optimizer's),
 and a worker that joins a running job imports it before it says it is ready anyway
-(``elastic/worker._prepare``). Other jobs pay 1.7 s once per host for it only with
-``--preload torch._dynamo``: a template of a job that builds no optimizer would pay it for
-nothing (docs/launch.md, "Starting ranks from a template")."""
+(``elastic/worker._prepare``). Other jobs import it only with ``--preload torch._dynamo``: a
+job that builds no optimizer would pay it for nothing, 1.4 s at its start (docs/launch.md,
+"What a training script imports later")."""
 
 _MESSAGE = 1 << 20  # the largest request: an environment of a few KiB, with room to spare
 _PR_SET_CHILD_SUBREAPER = 36
@@ -422,11 +422,9 @@ def _preload(preload: Sequence[str]) -> str | None:
     for name in preload:
         try:
             importlib.import_module(name.removeprefix("?"))
-        except ImportError as exc:
-            if not name.startswith("?"):  # ``?``: only where installed
-                return f"--preload {name}: {type(exc).__name__}: {exc}"
         except Exception as exc:  # whatever a module's import raises is the user's to see
-            return f"--preload {name}: {type(exc).__name__}: {exc}"
+            if not (name.startswith("?") and isinstance(exc, ImportError)):  # ``?``: if there
+                return f"--preload {name}: {type(exc).__name__}: {exc}"
     return None
 
 

@@ -37,8 +37,8 @@ import time
 from typing import Callable
 
 __all__ = ["SPINS", "YIELDS", "FIRST_NAP", "MAX_NAP", "LATE_SHARE", "LONG_NAP", "CHECK_EVERY",
-           "MIN_SPIN", "MAX_SPIN", "PY_SPIN", "YIELD_FOR", "PY_YIELD_FOR", "BARRIER_YIELD_FOR", "Nap", "Backoff",
-           "may_spin", "native_ladder"]
+           "MIN_SPIN", "MAX_SPIN", "PY_SPIN", "YIELD_FOR", "PY_YIELD_FOR", "BARRIER_YIELD_FOR",
+           "Nap", "Backoff", "may_spin", "native_ladder"]
 
 # --- the polling loop's rungs, in rounds --------------------------------------------------
 
