@@ -199,9 +199,26 @@ def wait_for_join(m, ps, since: int, limit: float = 60) -> int:
     return acked
 
 
+def counters(ps, limit: float = 20) -> tuple[dict[int, dict], list[dict]]:
+    """Every copy's counters and every primary's, read in one view of each shard. The
+    launcher's replacement of a killed server (``kill``) may join a shard at any time, after
+    training too, and then between the two reads: reads again until every primary reports the
+    view whose members the copies were asked in."""
+    end = time.monotonic() + limit
+    while True:
+        copies = ps.replica_stats()  # in the newest views, which it records in ps.view
+        primaries = ps.stats()
+        if all(p["view"] == [v.epoch, list(v.members)] for p, v in zip(primaries, ps.view)):
+            return copies, primaries
+        if time.monotonic() > end:
+            fail(f"the shards' views kept changing for {limit:g} s: primaries "
+                 f"{[p['view'] for p in primaries]}, copies asked in {ps.view}")
+        time.sleep(0.1)
+
+
 def check(ps, mode: str, steps: int, total: int) -> None:
-    copies = ps.replica_stats()
-    for s, primary in enumerate(ps.stats()):
+    copies, primaries = counters(ps)
+    for s, primary in enumerate(primaries):
         shard = [st for st in copies.values() if st["lo"] == primary["lo"]]
         print(f"shard {s}: primary {primary['server']} view {primary['view']}; copies "
               f"{[(st['server'], st['version'], st['digest']) for st in shard]}")
