@@ -186,9 +186,9 @@ def _small(current, tensor, op, name, algorithm, inplace):
         shape = tuple(tensor.shape)
     if type(op) is not ReduceOp:
         return None
-    engine = current.engine
+    engine, dtype = current.engine, flat.dtype
     # op._value_, not op: an Enum's hash is a Python-level call, on every lookup.
-    key = (name, flat.dtype, shape, op._value_, algorithm)
+    key = (name, dtype, shape, op._value_, algorithm)
     kept = engine.prepared
     prepared = kept.get(key, False)
     if prepared is False:
@@ -210,7 +210,7 @@ def _small(current, tensor, op, name, algorithm, inplace):
         name = _name(None, "allreduce")
         description = prepared.prefix + name + prepared.suffix
         signature = signature_of(description) if prepared.signature else 0
-    engine.run(prepared.run, name, "all_reduce", shape, flat.dtype, None,
+    engine.run(prepared.run, name, "all_reduce", shape, dtype, None,
                (flat, description, signature))
     return result
 

@@ -216,7 +216,8 @@ class Track:
             rec = _blank(Record)  # (every field is set below: no __init__ to run)
         rec.record_id = -1  # readers leave it alone until it is whole again (module docstring)
         rec.track, rec.kind, rec.name = self, kind, name
-        rec.shape, rec.dtype, rec.out_shape, rec.peer = shape, dtype, out_shape, peer
+        rec.shape, rec.dtype = shape, dtype  # (pairs: a group of four would build a tuple)
+        rec.out_shape, rec.peer = out_shape, peer
         if not numbered:
             rec.seq = None
         elif peer is None:

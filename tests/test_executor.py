@@ -7,6 +7,7 @@ controller only as far as it is a Serial."""
 
 from __future__ import annotations
 
+import collections
 import threading
 import types
 
@@ -168,6 +169,33 @@ def test_take_hands_the_progress_thread_every_queued_item_for_a_policy_that_runs
         serial.push(i)
     gate.set()
     assert serial.drain(10) and serial.ran == [[gate, 0, 1, 2, 3, 4]]
+    serial.shut(RuntimeError("done"))
+    assert serial.join(10)
+
+
+def test_a_claim_is_refused_while_the_progress_thread_takes_an_item_off_the_queue():
+    """A claim does not take the executor's lock: it looks at the queue, then tries the
+    running lock. The progress thread takes that lock before it takes an item off the queue,
+    so in between, with the queue empty and the item not yet run, a claim is refused (were it
+    taken after, the claim would run first: the caller's synchronous operation ahead of its
+    own asynchronous one). The moment is slowed here to 50 ms."""
+    taking = threading.Event()
+
+    class SlowTake(collections.deque):
+        def popleft(self):
+            item = super().popleft()
+            taking.set()
+            threading.Event().wait(0.05)
+            return item
+
+    serial = Log()
+    serial._queue = SlowTake()
+    serial.push("asynchronous")
+    assert taking.wait(10) and not serial._queue  # taken off, not run yet
+    assert not serial.claim() and serial.busy()
+    assert serial.drain(10) and [item for item, _ in serial.ran] == ["asynchronous"]
+    assert serial.claim()
+    serial.release()
     serial.shut(RuntimeError("done"))
     assert serial.join(10)
 

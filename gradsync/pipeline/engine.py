@@ -121,8 +121,9 @@ class Engine(Serial["tuple[Handle, Callable, object, Record | None]"]):
         began = time.monotonic_ns()
         try:
             track = self.track
+            # Positional (peer, numbered, started): a call with keywords is not specialised.
             return self._execute(None if track is None else track.issue(
-                kind, name, shape, dtype, out_shape, started=True), fn, call)
+                kind, name, shape, dtype, out_shape, None, True, True), fn, call)
         finally:
             self.release()
             meter.blocked(began, time.monotonic_ns())  # the caller's time blocked (pace.py)

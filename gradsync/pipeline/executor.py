@@ -15,9 +15,11 @@ announces every request queued since the last):
   the caller's thread instead, holding the executor meanwhile. That saves the two thread
   hand-offs (tens of microseconds under the GIL) that would dominate a small collective, and
   keeps the order, because "nothing queued or running" means every earlier operation has
-  finished. The pair takes the lock once each and notifies only when a thread waits on it
-  (``_sleepers``): about a microsecond for a small synchronous call (the engine's fast case,
-  a prepared small allreduce, runs between them);
+  finished. Whoever runs an item, the progress thread or a claiming caller, holds the
+  *running lock*; a claim is a look at the queue and that lock's non-blocking acquire, and a
+  release notifies only when a thread waits (``_sleepers``): about 0.2 us for a small
+  synchronous call (the engine's fast case, a prepared small allreduce, runs between them),
+  where the executor's lock, taken twice, cost 0.55 us;
 - ``shut``: no new item is taken (``push`` answers the reason instead); the thread runs what
   is queued, or the queue is handed back undone, and leaves.
 
@@ -35,11 +37,12 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Callable, Generic, TypeVar
+from typing import Callable, Generic, TypeVar, cast
 
 __all__ = ["Serial"]
 
 T = TypeVar("T")
+_CLOSED = object()  # ``_next``'s answer to a shut executor with nothing queued
 
 
 class Serial(Generic[T]):
@@ -61,8 +64,10 @@ class Serial(Generic[T]):
         # The lock is kept apart too: ``with self._lock`` runs in C, ``with self._cv`` does not.
         self._lock = threading.Lock() if lock is None else lock
         self._cv = threading.Condition(self._lock)
-        self._sleepers = 0  # threads in self._cv.wait(): the only ones a notify can concern
-        self._busy = False
+        self._sleepers = 0  # threads waiting on self._cv: the only ones a notify can concern
+        # Held while an item runs, on the progress thread or claimed by a caller: its
+        # non-blocking acquire is the one test-and-set that makes an item run alone.
+        self._running = threading.Lock()
         self._current: T | None = None  # the item the progress thread runs now
         self._closed: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -96,7 +101,7 @@ class Serial(Generic[T]):
     def busy(self) -> bool:
         """True while an item runs or waits in the queue (read without the lock: a snapshot,
         exact when the caller is the only thread that issues operations)."""
-        return self._busy or bool(self._queue)
+        return self._running.locked() or bool(self._queue)
 
     @property
     def closed(self) -> BaseException | None:
@@ -106,30 +111,33 @@ class Serial(Generic[T]):
     def claim(self) -> bool:
         """Marks the executor busy for an operation the caller runs on its own thread; False
         (nothing changed) when something is queued or running, so the caller must push
-        instead. Every True is followed by one ``release()``. (The inline path's pair, on
-        every small synchronous call: kept to a lock and two reads.)"""
-        with self._lock:
-            if self._queue or self._busy:
-                return False
-            self._busy = True
-            return True
+        instead. Every True is followed by one ``release()``.
+
+        The inline path's pair, on every small synchronous call, without the executor's lock:
+        a look at the queue and the running lock's non-blocking acquire, each one step under
+        the GIL. The progress thread takes the running lock before it takes an item off the
+        queue, so a claim that finds the queue empty and the lock free runs after everything
+        pushed before it and beside nothing. (With the executor's lock, as before, the pair
+        took 0.55 us of a 3.2 us small call's Python; now 0.2 us.)"""
+        return not self._queue and self._running.acquire(False)
 
     def claim_open(self, item: T | None = None) -> bool:
         """``claim``, refused also when shut; ``item``, if given, is ``current()`` until the
         ``release()``."""
         with self._lock:
-            if self._queue or self._busy or self._closed is not None:
+            if self._queue or self._closed is not None or not self._running.acquire(False):
                 return False
-            self._busy, self._current = True, item
+            self._current = item
             return True
 
     def release(self) -> None:
         """Ends what ``claim`` (or ``claim_open``) began; wakes the threads waiting for the
-        executor."""
-        with self._lock:
-            self._busy = False
-            self._current = None
-            if self._sleepers:
+        executor. A waiter counts itself in ``_sleepers`` before it looks at the running
+        lock, so one that this reads as absent will find the lock free."""
+        self._current = None
+        self._running.release()
+        if self._sleepers:
+            with self._lock:
                 self._cv.notify_all()
 
     def try_run(self, fn: Callable[[], object]) -> tuple[bool, object]:
@@ -176,26 +184,31 @@ class Serial(Generic[T]):
         running; True then."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            while self._queue or self._busy:
-                if deadline is None:
-                    self._sleep()
-                else:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        return False
-                    self._sleep(left)
-            return True
+            self._sleepers += 1  # before the look at the running lock (``release``)
+            try:
+                while self._queue or self._running.locked():
+                    if deadline is None:
+                        self._cv.wait()
+                    else:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            return False
+                        self._cv.wait(left)
+                return True
+            finally:
+                self._sleepers -= 1
 
     def pending(self) -> list[T]:
         """The item running now (``current``), if any, then those queued."""
         with self._lock:
-            running = [self._current] if self._busy and self._current is not None else []
+            current = self._current
+            running = [current] if current is not None and self._running.locked() else []
             return running + list(self._queue)
 
     def current(self) -> T | None:
         """The item running now (on the progress thread, or claimed with it), or None."""
         with self._lock:
-            return self._current if self._busy else None
+            return self._current if self._running.locked() else None
 
     def shut(self, reason: BaseException, drop: bool = False) -> list[T]:
         """From now on ``push`` refuses with ``reason``; the progress thread leaves once the
@@ -224,42 +237,46 @@ class Serial(Generic[T]):
         self._thread.start()
         self._started()
 
-    def _sleep(self, timeout: float | None = None) -> None:
-        """``self._cv.wait()``, counted in ``_sleepers``; call with the lock held."""
-        self._sleepers += 1
-        try:
-            self._cv.wait(timeout)
-        finally:
-            self._sleepers -= 1
-
     def _loop(self) -> None:
+        running = self._running
         while True:
             with self._lock:
-                idle = False
-                while not self._queue or self._busy:
-                    if self._closed is not None and not self._queue:
-                        return
-                    patience = None if self._busy else self._patience()
-                    if patience is None:  # until an item comes (or a claim ends)
-                        self._sleep()
-                        continue
-                    if patience > 0:
-                        self._sleep(patience)  # a push, a claim's release or wake() ends it sooner
-                    if not (self._queue or self._busy or self._closed is not None):
-                        idle = True
-                        break
-                if idle:
-                    self._busy = True
-                else:
-                    item = self._queue.popleft()
-                    self._busy, self._current = True, item
+                self._sleepers += 1  # before any look at the running lock (``release``)
+                try:
+                    idle, item = self._next(running)
+                finally:
+                    self._sleepers -= 1
+            if item is _CLOSED:
+                return
             try:
                 if idle:
                     self._run_idle()
                 else:
-                    self._run(item)
+                    self._run(cast(T, item))
             finally:
-                with self._lock:
-                    self._busy, self._current = False, None
-                    if self._sleepers:
+                self._current = None
+                running.release()
+                if self._sleepers:
+                    with self._lock:
                         self._cv.notify_all()
+
+    def _next(self, running: threading.Lock) -> tuple[bool, object]:
+        """(The progress thread, the lock held.) Waits for what to run next and takes the
+        running lock for it: ``(False, item)``, the next item off the queue; ``(True, None)``,
+        ``_run_idle`` (the policy's wait ended with nothing queued); ``(False, _CLOSED)``, shut
+        with nothing queued: the thread leaves."""
+        while True:
+            if self._queue and running.acquire(False):
+                item = self._queue.popleft()
+                self._current = item
+                return False, item
+            if self._closed is not None and not self._queue:
+                return False, _CLOSED
+            patience = None if running.locked() else self._patience()
+            if patience is None:  # until an item comes (or a claim ends)
+                self._cv.wait()
+                continue
+            if patience > 0:
+                self._cv.wait(patience)  # a push, a claim's release or wake() ends it sooner
+            if not (self._queue or self._closed is not None) and running.acquire(False):
+                return True, None

@@ -33,7 +33,6 @@ the other ranks compare. Its ``Prepared`` holds the description cut around the n
 from __future__ import annotations
 
 import pickle
-import time
 import zlib
 from typing import Callable
 
@@ -143,7 +142,7 @@ class Prepared:
 
     ``run((flat, description, signature))``: begins the collective, then reduces ``flat``
     (the call's NumPy data, C-contiguous and writable, of the prepared dtype and shape) in
-    place over the host's segment, on the caller's deadline; its one argument is what the
+    place over the host's segment, on the deadline the begin sets; its one argument is what the
     engine hands an operation (``Engine.run``'s ``call``). A function made once, here, over what
     it calls (the World's ``begin_signed`` and ``on_group_idle`` bound once): per call it
     reads no attribute chain and makes no bound method.
@@ -173,14 +172,13 @@ def prepare_allreduce(world, flat: np.ndarray, op: ReduceOp, name: "str | None",
     if alg != "shm":
         return None
     divisor = world.size if op is ReduceOp.AVERAGE else 0
-    begin, on_idle, timeout = world.comm.begin_signed, world.on_group_idle, world.config.timeout
+    begin, on_idle = world.comm.begin_signed, world.on_group_idle
     flatten = flat.ndim != 1
 
     def run(call: "tuple[np.ndarray, str, int]") -> None:
         data, description, signature = call
-        begin(description, signature)
-        kernel(data.reshape(-1) if flatten else data, code, divisor, time.monotonic() + timeout,
-               on_idle, signature)
+        deadline = begin(description, signature)  # the World's timeout from now, as the Comm's
+        kernel(data.reshape(-1) if flatten else data, code, divisor, deadline, on_idle, signature)
 
     description, signature = allreduce_signed(world, _CUT if name is None else name,
                                               flat.dtype, shape, op, 1.0, 1.0, alg)

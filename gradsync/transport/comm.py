@@ -113,18 +113,20 @@ class Comm:
         self._sent.clear()
         self._received.clear()
 
-    def begin_signed(self, description: str, signature: int) -> None:
+    def begin_signed(self, description: str, signature: int) -> float:
         """``begin`` with the signature already computed (``frame.signature_of(description)``,
         or 0 when checks are off): the per-call path of a collective whose description repeats.
-        """
+        Returns the collective's deadline (``time.monotonic()`` seconds), for a caller that
+        hands it on rather than reading the clock again."""
         self.seq += 1
         self.description = description
         self.signature = signature
-        self._deadline = time.monotonic() + self.timeout
+        self._deadline = deadline = time.monotonic() + self.timeout
         if self._sent:
             self._sent.clear()
         if self._received:
             self._received.clear()
+        return deadline
 
     def exchange(self, sends: Sequence[tuple[int, object]] = (),
                  recvs: Sequence[tuple[int, object]] = (), lend: bool = False) -> None:
