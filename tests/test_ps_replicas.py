@@ -799,7 +799,11 @@ def test_a_killed_primary_loses_no_acknowledged_update(mode, request):
     if mode != "async":
         r = _run(mode, "kill", servers=3, replicas=3)
         assert r.returncode == 137, r
-        assert re.search(r"shard 0: primary 1 view \[1, \[1, 2\]\]", r.output), r
+        # Server 1, the first backup, took over in view 1; the launcher's replacement of
+        # server 0 joins with a copy (view 2) whenever it is ready, before worker 0's last
+        # look or after it: either way every copy agrees.
+        assert _copies_agree(r.output, 1, 1, [1, 2]) or \
+            _copies_agree(r.output, 1, 2, [1, 2, 0]), r
         return
     # async: the shared job below (3 copies), whose second fault kills the primary of view 2,
     # server 1, beside two backups: server 2, primary of view 3, forwards to server 0; every
