@@ -25,6 +25,7 @@ from mpi4py import MPI
 
 import gradsync as gs
 from gradsync import job
+from gradsync.bench.allreduce import _timed  # the bench's own loop: a barrier, then the call
 
 ROUNDS, ITERATIONS, WARMUP = 3, 5000, 500
 
@@ -50,14 +51,9 @@ def main() -> None:
         for _ in range(WARMUP):
             barrier()
             fn()
-        samples = np.empty(ITERATIONS)
-        for i in range(ITERATIONS):
-            barrier()
-            began = time.perf_counter()
-            fn()
-            samples[i] = time.perf_counter() - began
-        slower = gs.allreduce(samples, op=gs.Max, name="split.samples")
-        return statistics.median(slower.tolist()) * 1e6
+        slower = _timed(fn, barrier, ITERATIONS,
+                        lambda a: gs.allreduce(a, op=gs.Max, name="split.samples"))
+        return statistics.median(slower) * 1e6
 
     results: dict[str, list[float]] = {}
     for _ in range(ROUNDS):
