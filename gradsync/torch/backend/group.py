@@ -45,6 +45,8 @@ from .p2p import PointToPoint, clone_store
 from .tensors import as_bytes, contiguous, fold, reduction_of, typed
 from .work import Lane, Work, close_lanes
 
+_PREPARED_KEPT = 4096  # distinct small allreduces whose Prepared a group keeps (as api's)
+
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import GroupName
 
@@ -130,6 +132,8 @@ class ProcessGroupGradsync(dist.ProcessGroup):
             raise to_backend_error(exc, f"rank {rank} joining the gradsync process group") \
                 from exc
         self._lane = Lane(f"gradsync-pg{group_id}", self._failed)
+        self._prepared: dict = {}
+        """The small allreduces of this group prepared once per distinct call (``_small``)."""
         self._pace = None
         # The first group of a torch job (its default group) owns the flight recorder's
         # settings and the pace meter, as a gradsync job does (``job.Job``): steps,
@@ -269,11 +273,37 @@ class ProcessGroupGradsync(dist.ProcessGroup):
                 work.copy_(fold(red, gathered, work, world.size))
             else:
                 flat, dtype = red.flat(work)
-                ops.allreduce(world, flat, dtype, red.op, name=what, shape=tuple(work.shape),
-                              prescale=red.prescale)
+                shape = tuple(work.shape)
+                if not self._small(flat, dtype, red, what, shape):
+                    ops.allreduce(world, flat, dtype, red.op, name=what, shape=shape,
+                                  prescale=red.prescale)
             if in_place and work is not t:
                 t.copy_(work)
         return run
+
+    def _small(self, flat: np.ndarray, dtype, red, what: str, shape: tuple) -> bool:
+        """Reduces ``flat`` through the pipeline's small-call fast case, as the NumPy API's
+        small synchronous allreduces do (``operations.prepare_allreduce``: the description,
+        signature and road worked out once per distinct call, then one begin and one call of
+        the host segment); False (nothing done) where that does not apply: a scaled
+        reduction (``PREMUL_SUM``), bfloat16 (reduced as its own type, not as its int16
+        view), or a call that cannot be prepared (not small, not on one host). It is the
+        same collective as ``operations.allreduce`` with these arguments (the same
+        description, signature and protocol), so ranks on either road meet."""
+        if red.prescale != 1.0 or dtype is not flat.dtype:
+            return False
+        key = (what, dtype, shape, red.op._value_)
+        kept = self._prepared
+        prepared = kept.get(key, False)
+        if prepared is False:
+            if len(kept) >= _PREPARED_KEPT:
+                kept.clear()
+            prepared = kept[key] = ops.prepare_allreduce(self.world, flat, red.op, what, shape,
+                                                         "auto")
+        if prepared is None:
+            return False
+        prepared.run((flat, prepared.description, prepared.signature))
+        return True
 
     def _sparse_allreduce_one(self, t: torch.Tensor, opts_op):
         """The closure that sums a sparse COO tensor ``t`` in place, as gloo does: every

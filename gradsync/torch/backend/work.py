@@ -46,7 +46,11 @@ class Work(dist._Work):
         super().__init__()
         self.what = what
         self._result = result
-        self._done = threading.Event()
+        # Done, and the event a waiter sleeps on: made only by a ``wait`` that comes before
+        # the end. Most Works end before anyone waits (a synchronous call runs inline), and
+        # an Event (a Condition and its lock), set and looked at, costs microseconds a call.
+        self._done = False
+        self._event: threading.Event | None = None
         self._error: BaseException | None = None
         self._src = -1  # the rank a receive took its message from (``_source_rank()``)
         self._finisher: threading.Thread | None = None
@@ -61,15 +65,20 @@ class Work(dist._Work):
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         """Blocks until the operation is done; raises its error. ``timeout`` 0: no limit."""
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout / 1e3
-        if self._finisher is threading.current_thread():
-            pass  # called from a callback of this Work's own future: the outcome is known
-        else:
-            began = time.monotonic_ns()
-            done = self._done.wait(seconds if seconds > 0 else None)
-            meter.blocked(began, time.monotonic_ns())  # the caller's time blocked (pace.py)
-            if not done:
-                raise BackendError(f"{self.what} still in flight after {seconds:.1f}s (wait "
-                                   "timeout)")
+        # Not from a callback of this Work's own future, run by ``_finish`` before it sets
+        # ``_done``: the outcome is known there.
+        if not self._done and self._finisher is not threading.current_thread():
+            with self._lock:  # ``_finish`` sets ``_done`` and reads ``_event`` under it
+                if not self._done and self._event is None:
+                    self._event = threading.Event()
+                event = None if self._done else self._event
+            if event is not None:
+                began = time.monotonic_ns()
+                done = event.wait(seconds if seconds > 0 else None)
+                meter.blocked(began, time.monotonic_ns())  # the caller's time blocked (pace.py)
+                if not done:
+                    raise BackendError(f"{self.what} still in flight after {seconds:.1f}s "
+                                       "(wait timeout)")
         if self._error is not None:
             raise self._error
         return True
@@ -92,10 +101,10 @@ class Work(dist._Work):
         return self._future
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        return self._done
 
     def is_success(self) -> bool:
-        return self._done.is_set() and self._error is None
+        return self._done and self._error is None
 
     def exception(self):
         return self._error
@@ -112,7 +121,7 @@ class Work(dist._Work):
     _source_rank = source_rank
 
     def __repr__(self) -> str:
-        state = "in flight" if not self._done.is_set() else \
+        state = "in flight" if not self._done else \
             ("failed" if self._error is not None else "done")
         return f"<gradsync Work {self.what} {state}>"
 
@@ -131,7 +140,9 @@ class Work(dist._Work):
         if source is not None:
             source.set_result(None)
         with self._lock:
-            self._done.set()
+            self._done, event = True, self._event
+        if event is not None:
+            event.set()
 
     def _deliver(self, _source):
         if self._error is not None:
