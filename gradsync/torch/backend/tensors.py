@@ -100,7 +100,7 @@ class Reduction:
 _cache: dict = {}
 
 
-_PREMUL_SUM = int(dist.ReduceOp.PREMUL_SUM)
+_PREMUL_SUM = dist.ReduceOp.PREMUL_SUM.value
 
 
 def reduction_of(opts_op, dtype: torch.dtype) -> Reduction:
@@ -109,7 +109,7 @@ def reduction_of(opts_op, dtype: torch.dtype) -> Reduction:
     Keyed by the op's number: comparing and hashing torch's op objects (pybind11 enums) took
     most of the 2.5 us this cost on every collective."""
     kind = opts_op if isinstance(opts_op, RedOpType) else opts_op.op
-    code = int(kind)
+    code = kind.value
     if code == _PREMUL_SUM:  # carries its factor: not cached
         return _reduction_of(opts_op, dtype)
     key = (code, dtype)
