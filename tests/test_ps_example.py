@@ -1,7 +1,8 @@
 """examples/ps_digits.py through the real launcher: every consistency mode trains to a target.
 
-Two workers and one server per run (three processes on two cores), four epochs, target 0.9:
-each mode ends at 0.94-0.98 in runs by hand, so the margin is for loaded machines. Besides the
+Two workers and one server per run (three processes on two cores), four epochs, target 0.9
+(0.85 for ssp, whose last epoch moves with the order of its asynchronous updates): each mode
+ends at 0.94-0.98 in runs by hand, so the margin is for loaded machines. Besides the
 accuracy, each run checks the servers' counters against what its mode guarantees.
 """
 
@@ -19,9 +20,10 @@ EPOCHS = 4
 STEPS = EPOCHS * 23  # per worker: shards of 719 and 718 images are 23 batches of 32 (or fewer)
 
 
-def run(mode: str, *args: str, workers: int = 2, servers: int = 1, timeout: float = 150):
-    return launch(workers, EXAMPLE, "--mode", mode, "--epochs", str(EPOCHS), "--target", "0.9",
-                  *args, timeout=timeout, launcher_args=("--servers", str(servers)))
+def run(mode: str, *args: str, workers: int = 2, servers: int = 1, timeout: float = 150,
+        target: float = 0.9):
+    return launch(workers, EXAMPLE, "--mode", mode, "--epochs", str(EPOCHS), "--target",
+                  str(target), *args, timeout=timeout, launcher_args=("--servers", str(servers)))
 
 
 def final_accuracy(output: str) -> float:
@@ -73,7 +75,10 @@ def test_async_applies_each_gradient_on_arrival():
 
 @pytest.mark.slow  # test_ps.py checks SSP's bound in the default tier
 def test_ssp_keeps_the_clocks_within_the_bound():
-    result = run("ssp", "--staleness", "1")
+    # Target 0.85: the order of ssp's asynchronous updates moves the last epoch's accuracy
+    # by a few points (once 0.897 after 0.917 the epoch before, 2026-12-01, a slow tier on
+    # a machine in a slower state); a worker that does not train stays below 0.3.
+    result = run("ssp", "--staleness", "1", target=0.85)
     assert_trained(result)
     [s] = servers(result.output)
     assert s["version"] == s["applied"] == 2 * STEPS, str(result)
