@@ -1,7 +1,7 @@
 """examples/ps_digits.py through the real launcher: every consistency mode trains to a target.
 
 Two workers and one server per run (three processes on two cores), four epochs, target 0.9
-(0.85 for ssp, whose last epoch moves with the order of its asynchronous updates): each mode
+(0.8 for ssp, whose final accuracy moves with the order of its asynchronous updates): each mode
 ends at 0.94-0.98 in runs by hand, so the margin is for loaded machines. Besides the
 accuracy, each run checks the servers' counters against what its mode guarantees.
 """
@@ -75,10 +75,11 @@ def test_async_applies_each_gradient_on_arrival():
 
 @pytest.mark.slow  # test_ps.py checks SSP's bound in the default tier
 def test_ssp_keeps_the_clocks_within_the_bound():
-    # Target 0.85: the order of ssp's asynchronous updates moves the last epoch's accuracy
-    # by a few points (once 0.897 after 0.917 the epoch before, 2026-12-01, a slow tier on
-    # a machine in a slower state); a worker that does not train stays below 0.3.
-    result = run("ssp", "--staleness", "1", target=0.85)
+    # Target 0.8: the late worker's last updates, applied after worker 0's last evaluation,
+    # move the final accuracy by several points, the more the busier the cores (2026-12-01:
+    # 0.947-0.964 in six runs by hand; 0.881-0.958 in ten beside two CPU burners; 0.897 in a
+    # loaded slow tier, and once below 0.85 beside two burners). Not training stays below 0.3.
+    result = run("ssp", "--staleness", "1", target=0.8)
     assert_trained(result)
     [s] = servers(result.output)
     assert s["version"] == s["applied"] == 2 * STEPS, str(result)
