@@ -292,7 +292,9 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         description, signature and protocol), so ranks on either road meet."""
         if red.prescale != 1.0 or dtype is not flat.dtype:
             return False
-        key = (what, dtype, shape, red.op._value_)
+        # ``flat.size`` too: a complex tensor is reduced as twice as many reals, so a shape
+        # and a dtype alone do not say how many bytes it is (nor which road it takes).
+        key = (what, dtype, shape, flat.size, red.op._value_)
         kept = self._prepared
         prepared = kept.get(key, False)
         if prepared is False:
