@@ -44,7 +44,6 @@ __all__ = [
 log = logging.getLogger("gradsync")
 
 _unnamed = itertools.count()
-_PREPARED_KEPT = 4096  # distinct small allreduce calls whose Prepared an engine keeps
 
 
 def init(**settings) -> None:
@@ -192,10 +191,7 @@ def _small(current, tensor, op, name, algorithm, inplace):
     kept = engine.prepared
     prepared = kept.get(key, False)
     if prepared is False:
-        if len(kept) >= _PREPARED_KEPT:
-            kept.clear()
-        prepared = kept[key] = ops.prepare_allreduce(current.world, flat, op, name, shape,
-                                                     algorithm)
+        prepared = ops.prepare_into(kept, key, current.world, flat, op, name, shape, algorithm)
     if prepared is None:
         return None
     if inplace:

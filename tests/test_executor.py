@@ -178,21 +178,23 @@ def test_a_claim_is_refused_while_the_progress_thread_takes_an_item_off_the_queu
     running lock. The progress thread takes that lock before it takes an item off the queue,
     so in between, with the queue empty and the item not yet run, a claim is refused (were it
     taken after, the claim would run first: the caller's synchronous operation ahead of its
-    own asynchronous one). The moment is slowed here to 50 ms."""
-    taking = threading.Event()
+    own asynchronous one). The moment is held here until the test has tried its claim."""
+    taking, tried = threading.Event(), threading.Event()
 
-    class SlowTake(collections.deque):
+    class HeldTake(collections.deque):
         def popleft(self):
             item = super().popleft()
             taking.set()
-            threading.Event().wait(0.05)
+            tried.wait(10)
             return item
 
     serial = Log()
-    serial._queue = SlowTake()
+    serial._queue = HeldTake()
     serial.push("asynchronous")
     assert taking.wait(10) and not serial._queue  # taken off, not run yet
-    assert not serial.claim() and serial.busy()
+    claimed = serial.claim()
+    tried.set()
+    assert not claimed and serial.busy()
     assert serial.drain(10) and [item for item, _ in serial.ran] == ["asynchronous"]
     assert serial.claim()
     serial.release()

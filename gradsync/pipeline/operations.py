@@ -47,7 +47,8 @@ from ..transport import frame
 # Distinct collectives whose description is remembered (unnamed calls each have their own).
 _DESCRIPTIONS_KEPT = 4096
 
-__all__ = ["allreduce", "allreduce_signed", "Prepared", "prepare_allreduce", "allgather",
+__all__ = ["allreduce", "allreduce_signed", "Prepared", "prepare_allreduce", "prepare_into",
+           "PREPARED_KEPT", "allgather",
            "broadcast", "reducescatter", "alltoall", "barrier", "broadcast_object",
            "allgather_object"]
 
@@ -155,6 +156,21 @@ class Prepared:
                  prefix: "str | None" = None, suffix: str = ""):
         self.description, self.signature, self.run = description, signature, run
         self.prefix, self.suffix = prefix, suffix
+
+
+PREPARED_KEPT = 4096  # distinct calls a front door's memory of prepared allreduces keeps
+
+
+def prepare_into(kept: dict, key: tuple, world, flat: np.ndarray, op: ReduceOp,
+                 name: "str | None", shape: tuple, algorithm: str) -> "Prepared | None":
+    """``prepare_allreduce``'s answer for a call that ``kept``, a front door's memory of its
+    prepared calls (the NumPy API's ``Engine.prepared``, a torch group's), does not hold yet
+    under ``key``, remembered there; the memory starts again empty once it holds
+    ``PREPARED_KEPT`` calls. The miss path only: a front door looks ``key`` up itself."""
+    if len(kept) >= PREPARED_KEPT:
+        kept.clear()
+    prepared = kept[key] = prepare_allreduce(world, flat, op, name, shape, algorithm)
+    return prepared
 
 
 def prepare_allreduce(world, flat: np.ndarray, op: ReduceOp, name: "str | None", shape: tuple,

@@ -45,8 +45,6 @@ from .p2p import PointToPoint, clone_store
 from .tensors import as_bytes, contiguous, fold, reduction_of, typed
 from .work import Lane, Work, close_lanes
 
-_PREPARED_KEPT = 4096  # distinct small allreduces whose Prepared a group keeps (as api's)
-
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import GroupName
 
@@ -298,10 +296,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         kept = self._prepared
         prepared = kept.get(key, False)
         if prepared is False:
-            if len(kept) >= _PREPARED_KEPT:
-                kept.clear()
-            prepared = kept[key] = ops.prepare_allreduce(self.world, flat, red.op, what, shape,
-                                                         "auto")
+            prepared = ops.prepare_into(kept, key, self.world, flat, red.op, what, shape, "auto")
         if prepared is None:
             return False
         prepared.run((flat, prepared.description, prepared.signature))

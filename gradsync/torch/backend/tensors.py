@@ -98,9 +98,7 @@ class Reduction:
 
 
 _cache: dict = {}
-
-
-_PREMUL_SUM = dist.ReduceOp.PREMUL_SUM.value
+_PREMUL_SUM = dist.ReduceOp.PREMUL_SUM.value  # ``reduction_of``'s key is the op's number
 
 
 def reduction_of(opts_op, dtype: torch.dtype) -> Reduction:
