@@ -6,7 +6,7 @@ Naming follows Horovod: ``allreduce`` returns a new tensor, ``allreduce_`` works
 the Horovod API), wraps the tensor, and hands one closure to the job's engine (``job.py``,
 which owns the World and engine between ``init`` and ``shutdown``); the work is in
 ``operations.py``. A synchronous small allreduce on one host hands the engine a prepared
-operation instead (``_small``, ``operations.Prepared``), worked out on its first call.
+operation instead (``_quick``, ``operations.Prepared``), worked out on its first call.
 """
 
 from __future__ import annotations
@@ -132,15 +132,16 @@ def _submit(fn, name: str, asynchronous: bool, kind: str, buf=None, out_shape=No
 
 
 # ----------------------------------------------------------------------------- allreduce
-def _alone(current, tensor, op, prescale_factor, postscale_factor, algorithm, inplace):
-    """The result of a synchronous allreduce at ``size() == 1``, or None to take the full path.
+def _alone(current, tensor, op, algorithm, inplace):
+    """The result of an unscaled synchronous allreduce at ``size() == 1``, or None to take the
+    full path.
 
     With one rank there is nothing to exchange: every reduction of one value is that value.
-    When no scaling is asked for, the engine is idle and the tensor is a plain array the full
-    path would accept, the answer is the tensor itself (in place) or a copy of it; anything
-    else (errors included) goes the full way, so both paths raise and return alike.
+    When the engine is idle and the tensor is a plain array the full path would accept, the
+    answer is the tensor itself (in place) or a copy of it; anything else (errors included)
+    goes the full way, so both paths raise and return alike.
     """
-    if (prescale_factor != 1.0 or postscale_factor != 1.0 or current.world.failure is not None
+    if (current.world.failure is not None
             or type(op) is not ReduceOp or op is ReduceOp.ADASUM
             or not (algorithm == "auto" or algorithm in _ALGORITHMS)
             or current.engine.busy()):
@@ -160,9 +161,10 @@ def _alone(current, tensor, op, prescale_factor, postscale_factor, algorithm, in
     return None
 
 
-def _small(current, tensor, op, name, algorithm, inplace):
-    """The result of a synchronous allreduce through the engine's fast case, or None (nothing
-    done, no name drawn) for a call it does not take, which then takes the full path.
+def _quick(tensor, op, name, algorithm, inplace):
+    """The result of a synchronous, unscaled allreduce by a quick road, or None (nothing
+    done, no name drawn) for a call that takes the full path (``_full``): one rank
+    (``_alone``), or the engine's fast case on one host, below.
 
     The fast case is a small allreduce on one host, prepared once per distinct call (name,
     dtype, shape, op, algorithm) by ``operations.prepare_allreduce`` and kept by the engine
@@ -170,8 +172,16 @@ def _small(current, tensor, op, name, algorithm, inplace):
     like any operation. Per call this checks only what the key does not say: the tensor is a
     C-contiguous NumPy array (writable, in place) or a torch CPU tensor ``kernel_view`` takes.
     An unnamed call draws its name here, as the full path does, and joins it into the
-    prepared description (``Prepared.prefix``), signed when the world checks collectives.
+    prepared description (``Prepared.prefix``, run by ``Prepared.run_as``), signed when the world checks collectives.
+    (One function, not one per road: on a call of a few microseconds each Python call taken
+    shows.)
     """
+    current = job.current()  # one read: a World and the engine of that same World
+    if current is None:
+        return None
+    world = current.world
+    if not world.shares_host:
+        return _alone(current, tensor, op, algorithm, inplace) if world.size == 1 else None
     flat: "np.ndarray | None"
     if type(tensor) is np.ndarray:
         flags = tensor.flags
@@ -191,7 +201,7 @@ def _small(current, tensor, op, name, algorithm, inplace):
     kept = engine.prepared
     prepared = kept.get(key, False)
     if prepared is False:
-        prepared = ops.prepare_into(kept, key, current.world, flat, op, name, shape, algorithm)
+        prepared = ops.prepare_into(kept, key, world, flat, op, name, shape, algorithm)
     if prepared is None:
         return None
     if inplace:
@@ -200,42 +210,23 @@ def _small(current, tensor, op, name, algorithm, inplace):
         result = flat = flat.copy()
         if type(tensor) is not np.ndarray:
             result = sys.modules["torch"].from_numpy(flat)
-    if prepared.prefix is None:
-        description, signature = prepared.description, prepared.signature
+    if prepared.run is not None:
+        engine.run(prepared.run, name, "all_reduce", shape, dtype, None, flat)
     else:
         name = _name(None, "allreduce")
         description = prepared.prefix + name + prepared.suffix
-        signature = signature_of(description) if prepared.signature else 0
-    engine.run(prepared.run, name, "all_reduce", shape, dtype, None,
-               (flat, description, signature))
+        engine.run(prepared.run_as, name, "all_reduce", shape, dtype, None,
+                   (flat, description, signature_of(description) if prepared.signature else 0))
     return result
 
 
-def _allreduce(tensor, op, name, prescale_factor, postscale_factor, algorithm, inplace,
-               asynchronous, counts=None):
-    current = job.current()  # one read: a World and the engine of that same World
-    if current is not None and not asynchronous and counts is None:
-        if current.world.size == 1:
-            result = _alone(current, tensor, op, prescale_factor, postscale_factor, algorithm,
-                            inplace)
-            if result is not None:
-                return result
-        elif (prescale_factor == 1.0 and postscale_factor == 1.0
-              and current.world.shares_host):
-            result = _small(current, tensor, op, name, algorithm, inplace)
-            if result is not None:
-                return result
-    return _full(tensor, op, name, prescale_factor, postscale_factor, algorithm, inplace,
-                 asynchronous, counts)
-
-
 def _full(tensor, op, name, prescale_factor, postscale_factor, algorithm, inplace,
-          asynchronous, counts):
+          asynchronous):
     """The full path of an allreduce: validated, wrapped and run as a closure on the engine.
 
-    A function of its own, apart from ``_allreduce``: the closure's variables are cells,
-    which a function makes on every call before its first line, and the one-rank and small
-    calls that return early in ``_allreduce`` would pay for them (about a dozen objects).
+    A function of its own, apart from ``_quick``: the closure's variables are cells, which a
+    function makes on every call before its first line, and the calls that ``_quick`` takes
+    would pay for them (about a dozen objects).
     """
     world = job.world()
     buf = wrap(tensor, writable=inplace)
@@ -245,8 +236,7 @@ def _full(tensor, op, name, prescale_factor, postscale_factor, algorithm, inplac
 
     def run():
         ops.allreduce(world, target, buf.dtype, op, name=name, shape=buf.shape,
-                      prescale=prescale_factor, postscale=postscale_factor, algorithm=algorithm,
-                      counts=counts)
+                      prescale=prescale_factor, postscale=postscale_factor, algorithm=algorithm)
         return arguments.result(buf, target, tensor, inplace)
 
     return _submit(run, name, asynchronous, "all_reduce", buf)
@@ -267,28 +257,36 @@ def allreduce(tensor, op: ReduceOp = Average, name: str | None = None,
         algorithm: ``auto`` or one of ``ring``, ``topo_ring``, ``doubling``,
             ``halving_doubling``, ``hierarchical``, ``shm`` (see ``collectives/planner.py``).
     """
-    return _allreduce(tensor, op, name, prescale_factor, postscale_factor, algorithm, False, False)
+    if prescale_factor == 1.0 and postscale_factor == 1.0:
+        result = _quick(tensor, op, name, algorithm, False)
+        if result is not None:
+            return result
+    return _full(tensor, op, name, prescale_factor, postscale_factor, algorithm, False, False)
 
 
 def allreduce_(tensor, op: ReduceOp = Average, name: str | None = None,
                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                algorithm: str = "auto"):
     """In-place ``allreduce``: the result replaces ``tensor``, which is returned."""
-    return _allreduce(tensor, op, name, prescale_factor, postscale_factor, algorithm, True, False)
+    if prescale_factor == 1.0 and postscale_factor == 1.0:
+        result = _quick(tensor, op, name, algorithm, True)
+        if result is not None:
+            return result
+    return _full(tensor, op, name, prescale_factor, postscale_factor, algorithm, True, False)
 
 
 def allreduce_async(tensor, op: ReduceOp = Average, name: str | None = None,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     algorithm: str = "auto") -> Handle:
     """Starts an ``allreduce``; ``synchronize(handle)`` returns the new tensor."""
-    return _allreduce(tensor, op, name, prescale_factor, postscale_factor, algorithm, False, True)
+    return _full(tensor, op, name, prescale_factor, postscale_factor, algorithm, False, True)
 
 
 def allreduce_async_(tensor, op: ReduceOp = Average, name: str | None = None,
                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      algorithm: str = "auto") -> Handle:
     """Starts an in-place ``allreduce``; don't touch ``tensor`` until it is synchronized."""
-    return _allreduce(tensor, op, name, prescale_factor, postscale_factor, algorithm, True, True)
+    return _full(tensor, op, name, prescale_factor, postscale_factor, algorithm, True, True)
 
 
 # ----------------------------------------------------------------------------- allgather

@@ -28,7 +28,8 @@ object is made per operation (a record still in flight when its turn comes again
 only an operation older than the whole ring can be, stays with its holder and a new object
 takes its place in the ring). Its number comes from a counter (``itertools.count``: atomic
 under the GIL, so threads need no lock); each change of state is a clock read and two
-attribute writes, and completing one also counts it in the pace meter's steps (``pace.py``)
+attribute writes (the monotonic clock, whose reads the engine's pace accounting shares; a
+dump writes the wall clock's times, as torch's recorder does), and completing one also counts it in the pace meter's steps (``pace.py``)
 in place, without a call. Nothing is formatted, copied or locked until a reader asks: a
 dump builds torch's dicts from the ring then, and the pace publisher, once a second, picks
 out the records completed since its last look (``completed_after``: one pass over the ring,
@@ -93,7 +94,7 @@ _fields_of = operator.attrgetter(*_FIELDS)
 _completion_of = operator.attrgetter("record_id", "state", "shape", "dtype", "ended_ns")
 _record_id = operator.attrgetter("record_id")
 _blank = object.__new__
-_time_ns = time.time_ns
+_time_ns = time.monotonic_ns  # the records' clock; a dump writes the wall clock's (``entries``)
 
 # Torch's names of the element types (what its recorder writes in input_dtypes).
 _TORCH_DTYPES = {
@@ -157,7 +158,7 @@ class Record:
         shape = "" if self.shape is None else f" {list(self.shape)} {_dtype_name(self.dtype)}"
         peer = "" if self.peer is None else f" peer {self.peer}"
         when = self.ended_ns or self.started_ns or self.created_ns
-        age = (time.time_ns() - when) / 1e9
+        age = (_time_ns() - when) / 1e9
         number = "not numbered yet:" if self.seq is None else f"#{self.seq}"
         return (f"{number} {what}{shape}{peer} ({self.track.desc}), {self.state} "
                 f"{age:.1f}s ago")
@@ -301,7 +302,7 @@ class Recorder:
 
     def completed_after(self, ns: int) -> list[tuple]:
         """``(shape, dtype, ended_ns)`` of each record held that completed after ``ns``
-        (``time.time_ns``): one pass over the ring, no copy of the others (the pace
+        (``time.monotonic_ns``, the records' clock): one pass over the ring, no copy of the others (the pace
         publisher's bytes per second, once a second)."""
         found = []
         for rec in [rec for rec in self._slots[0] if rec.ended_ns > ns]:
@@ -312,8 +313,11 @@ class Recorder:
 
     # ------------------------------------------------------------------ torch's format
     def entries(self) -> list[dict]:
-        """The records as torch's Flight Recorder writes its entries."""
+        """The records as torch's Flight Recorder writes its entries (times on the wall
+        clock, as torch's: the records' monotonic times moved by the clocks' difference now,
+        so that ranks on different hosts compare)."""
         held = self.records()
+        wall = time.time_ns() - _time_ns()
         # The Horovod API numbers an operation when it runs; those still waiting take the
         # numbers after the last one run, in issue order: every rank that issued them in the
         # same order numbers them alike, and a rank that never issued one is then missing
@@ -327,7 +331,7 @@ class Recorder:
             seq = rec.seq
             if seq is None:
                 seq = after[rec.track] = after.get(rec.track, 0) + 1
-            found.append(_entry(rec, seq))
+            found.append(_entry(rec, seq, wall))
         return found
 
     def pg_config(self) -> dict:
@@ -442,8 +446,9 @@ def _whole(rec: Record) -> "Record | None":
     return copy
 
 
-def _entry(rec: Record, seq: int) -> dict:
-    """One record as an entry of torch's Flight Recorder."""
+def _entry(rec: Record, seq: int, wall: int) -> dict:
+    """One record as an entry of torch's Flight Recorder; ``wall``: the wall clock's time
+    less the records' (``time.time_ns() - time.monotonic_ns()``)."""
     track = rec.track
     p2p = rec.peer is not None
     kind = rec.kind
@@ -462,9 +467,9 @@ def _entry(rec: Record, seq: int) -> dict:
         "process_group": (track.uid, track.desc),
         "collective_seq_id": 0 if p2p else seq, "p2p_seq_id": seq if p2p else 0,
         "op_id": seq, "profiling_name": f"gloo:{kind}", "is_p2p": p2p,
-        "time_created_ns": rec.created_ns,
-        "time_discovered_started_ns": rec.started_ns or None,
-        "time_discovered_completed_ns": rec.ended_ns if rec.state == COMPLETED else None,
+        "time_created_ns": rec.created_ns + wall,
+        "time_discovered_started_ns": rec.started_ns + wall if rec.started_ns else None,
+        "time_discovered_completed_ns": rec.ended_ns + wall if rec.state == COMPLETED else None,
         "duration_ms": (rec.ended_ns - rec.started_ns) / 1e6
         if rec.state == COMPLETED and rec.started_ns else None,
         "input_sizes": sizes, "input_dtypes": dtypes,

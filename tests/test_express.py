@@ -19,6 +19,7 @@ is checked is the lane inside each rank's runtime, which the launcher's start-up
 interpreter and torch's import per rank, and one for the launcher's store) adds nothing to.
 """
 
+import collections
 import threading
 import time
 import types
@@ -32,8 +33,9 @@ from gradsync.collectives import planner
 from gradsync.config import load_config
 from gradsync.errors import GradsyncError, PeerLostError
 from gradsync.flight_recorder import COMPLETED, FAILED, recorder
+from gradsync.liveness.pace import meter
 from gradsync.pipeline import operations
-from gradsync.pipeline.engine import Engine
+from gradsync.pipeline.engine import Engine, Handle
 from gradsync.transport.comm import Comm
 from gradsync.transport.frame import signature_of
 import forked_jobs
@@ -108,6 +110,96 @@ def test_release_wakes_a_drain():
     engine.release()
     assert drained.wait(10)
     waiter.join()
+    engine.stop()
+
+
+def test_an_inline_run_wakes_a_drain_when_it_ends():
+    # Engine.run writes the executor's release out in place: its end must wake a waiter
+    # as ``release`` does (drain waits with no limit here: a lost wake-up hangs it).
+    engine = Engine(_World())
+    running, finish, drained = threading.Event(), threading.Event(), threading.Event()
+    caller = threading.Thread(target=lambda: engine.run(
+        lambda: (running.set(), finish.wait(10)), "inline", "barrier"))
+    caller.start()
+    assert running.wait(10)
+    waiter = threading.Thread(target=lambda: (engine.drain(), drained.set()), daemon=True)
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while not engine._sleepers:  # the drain is waiting
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    finish.set()
+    assert drained.wait(10)
+    caller.join()
+    engine.stop()
+
+
+def test_an_inline_run_is_refused_while_the_progress_thread_takes_an_item_off_the_queue():
+    # Engine.run's claim in place, as ``Serial.claim``'s test holds the take: with the queue
+    # empty and the asynchronous item taken but not yet run, a synchronous run must queue
+    # behind it rather than run first.
+    taking, tried = threading.Event(), threading.Event()
+
+    class HeldTake(collections.deque):
+        def popleft(self):
+            item = super().popleft()
+            taking.set()
+            tried.wait(10)
+            return item
+
+    engine = Engine(_World())
+    engine._queue = HeldTake()
+    ran: list[str] = []
+    first = engine.submit(lambda: ran.append("asynchronous"), "first", "barrier")
+    assert taking.wait(10) and not engine._queue
+    submitted, submit = threading.Event(), engine.submit
+
+    def submitting(*args):  # the claim was refused: the call queues (after the held take)
+        submitted.set()
+        return submit(*args)
+
+    engine.submit = submitting  # type: ignore[method-assign]
+    caller = threading.Thread(target=lambda: engine.run(
+        lambda: ran.append("synchronous"), "second", "barrier"))
+    caller.start()
+    deadline = time.monotonic() + 10
+    while not submitted.is_set() and not ran:  # refused, or (wrongly) run at once
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    tried.set()
+    caller.join(10)
+    first.wait(10)
+    assert ran == ["asynchronous", "synchronous"]
+    engine.stop()
+
+
+def test_an_inline_run_is_refused_while_an_item_waits_in_the_queue():
+    # The other half of Engine.run's claim in place: the running lock is free, but an item
+    # waits in the queue (pushed, the progress thread not yet awake to take it), so a
+    # synchronous run must queue behind it. Holding the executor's lock keeps the item there.
+    engine = Engine(_World())
+    ran: list[str] = []
+    engine.submit(lambda: ran.append("first"), "first", "barrier").wait(10)  # the thread runs
+    queued = Handle("queued")
+    submitted, submit = threading.Event(), engine.submit
+
+    def submitting(*args):
+        submitted.set()
+        return submit(*args)
+
+    engine.submit = submitting  # type: ignore[method-assign]
+    with engine._lock:
+        engine._queue.append((queued, lambda: ran.append("asynchronous"), None, None))
+        caller = threading.Thread(target=lambda: engine.run(
+            lambda: ran.append("synchronous"), "second", "barrier"))
+        caller.start()
+        deadline = time.monotonic() + 10
+        while not submitted.is_set() and len(ran) < 2:  # refused, or (wrongly) run at once
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+    caller.join(10)
+    queued.wait(10)
+    assert ran == ["first", "asynchronous", "synchronous"]
     engine.stop()
 
 
@@ -245,3 +337,35 @@ def test_an_error_of_the_kernel_fails_the_record_and_a_gradsync_error_the_world(
     assert len(world.calls) == calls
     newest = recorder.newest()
     assert newest is not None and newest.state == FAILED
+
+
+def test_the_callers_time_blocked_is_its_records_life_or_its_own_clock_without_one(segment):
+    # Engine.run counts the caller's time blocked in the pace meter from the record's own
+    # clock reads (issued, done or failed), and reads the clock itself only with no record.
+    world, engine = segment
+    x = np.ones(4, np.float32)
+    gs.allreduce_(x, op=gs.Sum, name="b")  # prepared
+    kernel = world._kernel
+
+    def slow(*args):
+        time.sleep(0.02)
+        kernel(*args)
+
+    world._kernel = slow
+    engine.prepared.clear()  # prepared again, over the slow kernel
+    for error in (None, PeerLostError("rank 1 is gone")):
+        world.kernel_error = error
+        before = meter.blocked_ns
+        if error is None:
+            gs.allreduce_(x, op=gs.Sum, name="b")
+        else:
+            with pytest.raises(PeerLostError):
+                gs.allreduce_(x, op=gs.Sum, name="b")
+        newest = recorder.newest()
+        assert newest is not None and newest.state == (COMPLETED if error is None else FAILED)
+        assert meter.blocked_ns - before == newest.ended_ns - newest.created_ns >= 20_000_000
+    world.failure = world.kernel_error = None
+    engine.track = None
+    before, began = meter.blocked_ns, time.monotonic_ns()
+    gs.allreduce_(x, op=gs.Sum, name="b")
+    assert 20_000_000 <= meter.blocked_ns - before <= time.monotonic_ns() - began

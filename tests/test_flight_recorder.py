@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import tracemalloc
 
 import pytest
@@ -68,6 +69,24 @@ def test_a_record_goes_through_its_states_and_torch_reads_them():
     assert by_name["failed"]["gradsync_error"] == "peer lost"
     assert by_name["waiting"]["state"] == "scheduled"
     assert by_name["waiting"]["time_discovered_started_ns"] is None
+
+
+def test_records_keep_the_monotonic_clock_and_a_dump_writes_the_wall_clocks_times():
+    # The records' clock is the monotonic one (the engine's pace accounting reads it off
+    # them); torch's format, which ranks on several hosts compare, has the wall clock's.
+    recorder, track = _recorder()
+    wall_before, before = time.time_ns(), time.monotonic_ns()
+    rec = track.issue("all_reduce", "w", (1,), "float32")
+    rec.start()
+    rec.done()
+    wall_after, after = time.time_ns(), time.monotonic_ns()
+    assert before <= rec.created_ns <= rec.started_ns <= rec.ended_ns <= after
+    (entry,) = recorder.entries()
+    slack = 50_000_000  # the clocks' difference, read again at the dump, may move a little
+    for key in ("time_created_ns", "time_discovered_started_ns",
+                "time_discovered_completed_ns"):
+        assert wall_before - slack <= entry[key] <= wall_after + slack, key
+    assert entry["duration_ms"] == (rec.ended_ns - rec.started_ns) / 1e6
 
 
 def test_operations_numbered_when_they_run_take_the_next_numbers_while_they_wait():

@@ -143,7 +143,7 @@ class _Observers:
         off = mode == "gradsync_off"
         if off and not self.control:
             self.turn(False)
-        began, step = time.time_ns(), self.meter.step
+        began, step = time.monotonic_ns(), self.meter.step  # the records' clock
         try:
             yield
         finally:

@@ -139,7 +139,7 @@ def watch_named(controller) -> None:
     threshold = world.config.stall_report
     if not threshold:
         return
-    now = time.time_ns()  # the records' clock
+    now = time.monotonic_ns()  # the records' clock
     # name -> (when the request reported was issued, how many of that name were reported): a
     # name is reported once per request, and its count tells its stalls apart in the store.
     reported = _named.setdefault(controller, {})

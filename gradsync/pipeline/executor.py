@@ -118,7 +118,8 @@ class Serial(Generic[T]):
         the GIL. The progress thread takes the running lock before it takes an item off the
         queue, so a claim that finds the queue empty and the lock free runs after everything
         pushed before it and beside nothing. (With the executor's lock, as before, the pair
-        took 0.55 us of a 3.2 us small call's Python; now 0.2 us.)"""
+        took 0.55 us of a 3.2 us small call's Python; now 0.2 us.) ``Engine.run`` writes this
+        pair out in place, in the same steps."""
         return not self._queue and self._running.acquire(False)
 
     def claim_open(self, item: T | None = None) -> bool:

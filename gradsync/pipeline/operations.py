@@ -136,25 +136,28 @@ def allreduce_signed(world, name: str, dtype, shape: tuple, op: ReduceOp, presca
 class Prepared:
     """A small allreduce prepared once per distinct call (the module docstring).
 
-    For a named call ``description`` and ``signature`` are what ``run`` begins with. For an
-    unnamed one (``prefix`` not None) the description is ``prefix + name + suffix`` with a
-    name drawn per call, and ``signature`` only says whether to sign it (nonzero when the
-    world checks collectives).
-
-    ``run((flat, description, signature))``: begins the collective, then reduces ``flat``
+    ``run_as((flat, description, signature))`` begins the collective, then reduces ``flat``
     (the call's NumPy data, C-contiguous and writable, of the prepared dtype and shape) in
     place over the host's segment, on the deadline the begin sets; its one argument is what the
-    engine hands an operation (``Engine.run``'s ``call``). A function made once, here, over what
-    it calls (the World's ``begin_signed`` and ``on_group_idle`` bound once): per call it
-    reads no attribute chain and makes no bound method.
+    engine hands an operation (``Engine.run``'s ``call``). For a named call ``run(flat)`` does
+    the same with the prepared ``description`` and ``signature``, bound in (no tuple built or
+    taken apart per call). For an unnamed one ``run`` is None and the description is
+    ``prefix + name + suffix`` with a name drawn per call; ``signature`` then only says
+    whether to sign it (nonzero when the world checks collectives).
+
+    Both are functions made once, here, over what they call (the World's ``begin_signed`` and
+    ``on_group_idle`` bound once): per call they read no attribute chain and make no bound
+    method.
     """
 
-    __slots__ = ("description", "signature", "prefix", "suffix", "run")
+    __slots__ = ("description", "signature", "prefix", "suffix", "run", "run_as")
 
     def __init__(self, description: str, signature: int,
-                 run: "Callable[[tuple[np.ndarray, str, int]], None]",
+                 run: "Callable[[np.ndarray], None] | None",
+                 run_as: "Callable[[tuple[np.ndarray, str, int]], None]",
                  prefix: "str | None" = None, suffix: str = ""):
-        self.description, self.signature, self.run = description, signature, run
+        self.description, self.signature = description, signature
+        self.run, self.run_as = run, run_as
         self.prefix, self.suffix = prefix, suffix
 
 
@@ -191,7 +194,7 @@ def prepare_allreduce(world, flat: np.ndarray, op: ReduceOp, name: "str | None",
     begin, on_idle = world.comm.begin_signed, world.on_group_idle
     flatten = flat.ndim != 1
 
-    def run(call: "tuple[np.ndarray, str, int]") -> None:
+    def run_as(call: "tuple[np.ndarray, str, int]") -> None:
         data, description, signature = call
         deadline = begin(description, signature)  # the World's timeout from now, as the Comm's
         kernel(data.reshape(-1) if flatten else data, code, divisor, deadline, on_idle, signature)
@@ -199,12 +202,17 @@ def prepare_allreduce(world, flat: np.ndarray, op: ReduceOp, name: "str | None",
     description, signature = allreduce_signed(world, _CUT if name is None else name,
                                               flat.dtype, shape, op, 1.0, 1.0, alg)
     if name is not None:
-        return Prepared(description, signature, run)
+        def run(data: np.ndarray) -> None:  # run_as, with this call's description
+            deadline = begin(description, signature)
+            kernel(data.reshape(-1) if flatten else data, code, divisor, deadline, on_idle,
+                   signature)
+
+        return Prepared(description, signature, run, run_as)
     # The description is worded above; cut it where the name goes, to join per call.
     prefix, cut, suffix = description.partition(_CUT)
     if not cut:
         return None  # a description without the name: it could not be worded alike
-    return Prepared("", signature, run, prefix, suffix)
+    return Prepared("", signature, None, run_as, prefix, suffix)
 
 
 def _signed(world, key: tuple, describe) -> tuple[str, int]:

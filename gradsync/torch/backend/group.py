@@ -299,7 +299,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
             prepared = ops.prepare_into(kept, key, self.world, flat, red.op, what, shape, "auto")
         if prepared is None:
             return False
-        prepared.run((flat, prepared.description, prepared.signature))
+        prepared.run(flat)  # named (``what``): its description is prepared
         return True
 
     def _sparse_allreduce_one(self, t: torch.Tensor, opts_op):
