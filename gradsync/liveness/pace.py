@@ -111,7 +111,9 @@ class Meter:
         """
         self.on = on
         self.blocked_ns = 0  # the union of this rank's blocked intervals, in ns
-        self._until = 0  # the end of that union so far (monotonic ns)
+        self.blocked_until = 0
+        """The end of that union so far (monotonic ns); ``blocked``, and ``Engine.run``'s
+        copy of it in place, move it."""
         self.data_ns = 0  # the union of the loop's waits for a batch, in ns
         self._data_until = 0
         self.ops = 0
@@ -137,10 +139,10 @@ class Meter:
     # ------------------------------------------------------------------ per operation
     def blocked(self, begin_ns: int, end_ns: int) -> None:
         """A thread waited for a collective from ``begin_ns`` to ``end_ns`` (monotonic)."""
-        until = self._until
+        until = self.blocked_until
         if end_ns > until:
             self.blocked_ns += end_ns - (begin_ns if begin_ns > until else until)
-            self._until = end_ns
+            self.blocked_until = end_ns
 
     def waited_for_data(self, begin_ns: int, end_ns: int) -> None:
         """The training loop waited for its next batch from ``begin_ns`` to ``end_ns``."""

@@ -12,15 +12,15 @@ An operation is a function: a closure over the call, run as ``fn()`` (the NumPy 
 ``Prepared`` allreduce's ``run``, worked out once per distinct call (``prepared`` keeps them)
 and run as ``fn(call)`` with the call's own inputs. (One argument, not ``fn(*args)``: a call
 through ``*`` re-enters the interpreter, about 1,800 machine instructions on a small call.)
-Both take the same steps, written once: ``run`` claims the engine or queues, issues the
-flight recorder's record, and ``_execute``, on whichever thread holds the engine, raises the
-World's failure if there is one, runs the operation, fails its record and the World on an
-error (``World.fail``) and records its end. So the small-call fast case is this pipeline's
-inline path with a prepared operation, not a road of its own: it keeps the engine's order,
-failure check and records by construction.
-``run`` writes the executor's claim and release out in place (``Serial.claim`` and
-``release``, the same steps) and times the caller's wait by its record's own clock reads,
-none of its own: on a call of a few microseconds each Python call and clock read shows.
+Both take the same steps: ``run`` claims the engine or queues, issues the flight recorder's
+record, then (as ``_execute`` does on the progress thread) raises the World's failure if there
+is one, runs the operation, fails its record and the World on an error (``_failed``, shared:
+``World.fail``) and records its end. So the small-call fast case is this pipeline's inline
+path with a prepared operation, not a road of its own: it keeps the engine's order, failure
+check and records by construction. On the caller's thread ``run`` writes these steps out in
+place (the executor's claim and release, ``_execute``'s, the pace meter's ``blocked``) and
+times the caller's wait by its record's own clock reads, none of its own: on a call of a few
+microseconds each Python call and clock read shows.
 
 Fusion is not guessed here from timing (what happens to be queued differs between ranks, so
 fusing it would need a negotiation round per cycle); callers that know a group of tensors
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from typing import Callable, NoReturn
 
 from ..errors import GradsyncError
 from ..flight_recorder import Record, Track
@@ -121,22 +121,40 @@ class Engine(Serial["tuple[Handle, Callable, object, Record | None]"]):
         """
         if self._queue or not self._running.acquire(False):  # ``claim``, inline
             return self.submit(fn, name, kind, shape, dtype, out_shape, call).wait()
+        # What ``_execute`` and the meter's ``blocked`` do, written out: on a call of a few
+        # microseconds each Python call taken shows (``Record.done`` does the same for the
+        # meter's ``op_done``).
+        record = None
         try:
             track = self.track
             if track is None:
-                record, began = None, time.monotonic_ns()
+                began = time.monotonic_ns()
             else:  # the record's clock reads are the pace meter's too (no read of our own)
                 record = track.issue(kind, name, shape, dtype, out_shape, None, True, True)
                 began = record.created_ns
-            return self._execute(record, fn, call)
+            world = self.world
+            if world.failure is not None:
+                raise world.failure
+            result = fn() if call is None else fn(call)
+        except BaseException as exc:
+            self._failed(record, exc)
+        else:
+            if record is not None:
+                record.done()
+            return result
         finally:
-            # ``release``, inline (``claim`` set no ``_current``): two calls fewer per call.
+            # ``release``, inline (``claim`` set no ``_current``).
             self._running.release()
             if self._sleepers:
                 with self._lock:
                     self._cv.notify_all()
-            # The caller's time blocked (pace.py), to its record's end (done or failed).
-            meter.blocked(began, time.monotonic_ns() if record is None else record.ended_ns)
+            # The caller's time blocked (``Meter.blocked``), to its record's end (done or
+            # failed), or to now without a record.
+            end = time.monotonic_ns() if record is None else record.ended_ns
+            until = meter.blocked_until
+            if end > until:
+                meter.blocked_ns += end - (began if began > until else until)
+                meter.blocked_until = end
 
     def submit(self, fn: Callable, name: str, kind: str, shape=None, dtype=None,
                out_shape=None, call=None) -> Handle:
@@ -159,26 +177,31 @@ class Engine(Serial["tuple[Handle, Callable, object, Record | None]"]):
             handle.finish(error=exc)
 
     def _execute(self, record: "Record | None", fn: Callable, call):
-        """Runs an operation on the thread that holds the engine (its record started)."""
+        """Runs an operation on the thread that holds the engine (its record started);
+        ``run`` writes the same steps out in place."""
         world = self.world
         try:
             if world.failure is not None:
                 raise world.failure
             result = fn() if call is None else fn(call)
-        except GradsyncError as exc:
-            if record is not None:
-                record.fail(exc)  # before World.fail, whose flight recorder dump shows it
-            error = world.fail(exc)
-            if error is exc:
-                raise
-            raise error from exc
         except BaseException as exc:
-            if record is not None:
-                record.fail(exc)
-            raise
+            self._failed(record, exc)
         if record is not None:
             record.done()
         return result
+
+    def _failed(self, record: "Record | None", exc: BaseException) -> NoReturn:
+        """Raises what the operation's error ``exc`` becomes: its record failed, and a
+        gradsync error failing the World first (``World.fail``: the World's first failure
+        is what every operation raises from then on)."""
+        if record is not None:
+            record.fail(exc)  # before World.fail, whose flight recorder dump shows it
+        if not isinstance(exc, GradsyncError):
+            raise exc
+        error = self.world.fail(exc)
+        if error is exc:
+            raise exc
+        raise error from exc
 
     def stop(self) -> None:
         """Runs what is queued, then ends the progress thread; later submits raise."""
