@@ -173,6 +173,23 @@ def test_take_hands_the_progress_thread_every_queued_item_for_a_policy_that_runs
     assert serial.join(10)
 
 
+class HeldTake(collections.deque):
+    """An executor's queue whose take is held: once the progress thread has taken an item
+    off it (its running lock held, the item not yet run), ``taking`` is set, and the take
+    returns only once ``tried`` is (tests/test_express.py holds ``Engine.run``'s claim with it
+    too)."""
+
+    def __init__(self, taking: threading.Event, tried: threading.Event):
+        super().__init__()
+        self.taking, self.tried = taking, tried
+
+    def popleft(self):
+        item = super().popleft()
+        self.taking.set()
+        self.tried.wait(10)
+        return item
+
+
 def test_a_claim_is_refused_while_the_progress_thread_takes_an_item_off_the_queue():
     """A claim does not take the executor's lock: it looks at the queue, then tries the
     running lock. The progress thread takes that lock before it takes an item off the queue,
@@ -180,16 +197,8 @@ def test_a_claim_is_refused_while_the_progress_thread_takes_an_item_off_the_queu
     taken after, the claim would run first: the caller's synchronous operation ahead of its
     own asynchronous one). The moment is held here until the test has tried its claim."""
     taking, tried = threading.Event(), threading.Event()
-
-    class HeldTake(collections.deque):
-        def popleft(self):
-            item = super().popleft()
-            taking.set()
-            tried.wait(10)
-            return item
-
     serial = Log()
-    serial._queue = HeldTake()
+    serial._queue = HeldTake(taking, tried)
     serial.push("asynchronous")
     assert taking.wait(10) and not serial._queue  # taken off, not run yet
     claimed = serial.claim()

@@ -19,7 +19,6 @@ is checked is the lane inside each rank's runtime, which the launcher's start-up
 interpreter and torch's import per rank, and one for the launcher's store) adds nothing to.
 """
 
-import collections
 import threading
 import time
 import types
@@ -39,6 +38,7 @@ from gradsync.pipeline.engine import Engine, Handle
 from gradsync.transport.comm import Comm
 from gradsync.transport.frame import signature_of
 import forked_jobs
+from test_executor import HeldTake
 
 
 def express_job(n: int, *args: str, env: dict | None = None) -> list:
@@ -139,16 +139,8 @@ def test_an_inline_run_is_refused_while_the_progress_thread_takes_an_item_off_th
     # empty and the asynchronous item taken but not yet run, a synchronous run must queue
     # behind it rather than run first.
     taking, tried = threading.Event(), threading.Event()
-
-    class HeldTake(collections.deque):
-        def popleft(self):
-            item = super().popleft()
-            taking.set()
-            tried.wait(10)
-            return item
-
     engine = Engine(_World())
-    engine._queue = HeldTake()
+    engine._queue = HeldTake(taking, tried)
     ran: list[str] = []
     first = engine.submit(lambda: ran.append("asynchronous"), "first", "barrier")
     assert taking.wait(10) and not engine._queue
