@@ -172,9 +172,9 @@ def _quick(tensor, op, name, algorithm, inplace):
     like any operation. Per call this checks only what the key does not say: the tensor is a
     C-contiguous NumPy array (writable, in place) or a torch CPU tensor ``kernel_view`` takes.
     An unnamed call draws its name here, as the full path does, and joins it into the
-    prepared description (``Prepared.prefix``, run by ``Prepared.run_as``), signed when the world checks collectives.
-    (One function, not one per road: on a call of a few microseconds each Python call taken
-    shows.)
+    prepared description (``Prepared.prefix``, run by ``Prepared.run_as``), signed when the
+    world checks collectives. (One function, not one per road: on a call of a few
+    microseconds each Python call taken shows.)
     """
     current = job.current()  # one read: a World and the engine of that same World
     if current is None:

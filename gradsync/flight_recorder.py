@@ -29,11 +29,12 @@ only an operation older than the whole ring can be, stays with its holder and a 
 takes its place in the ring). Its number comes from a counter (``itertools.count``: atomic
 under the GIL, so threads need no lock); each change of state is a clock read and two
 attribute writes (the monotonic clock, whose reads the engine's pace accounting shares; a
-dump writes the wall clock's times, as torch's recorder does), and completing one also counts it in the pace meter's steps (``pace.py``)
-in place, without a call. Nothing is formatted, copied or locked until a reader asks: a
-dump builds torch's dicts from the ring then, and the pace publisher, once a second, picks
-out the records completed since its last look (``completed_after``: one pass over the ring,
-no sort, no copy of the others) and copies the newest one.
+dump writes the wall clock's times, as torch's recorder does), and completing one also
+counts it in the pace meter's steps (``pace.py``) in place, without a call. Nothing is
+formatted, copied or locked until a reader asks: a dump builds torch's dicts from the ring
+then, and the pace publisher, once a second, picks out the records completed since its last
+look (``completed_after``: one pass over the ring, no sort, no copy of the others) and copies
+the newest one.
 A record holds shapes and dtypes, never a tensor, so the ring keeps no memory of the job's
 alive. With a ring of 0 (``flight_recorder=0``) each operation gets an object of its own,
 kept by its holder alone (the Horovod API's stall report reads when it was issued).
@@ -302,8 +303,8 @@ class Recorder:
 
     def completed_after(self, ns: int) -> list[tuple]:
         """``(shape, dtype, ended_ns)`` of each record held that completed after ``ns``
-        (``time.monotonic_ns``, the records' clock): one pass over the ring, no copy of the others (the pace
-        publisher's bytes per second, once a second)."""
+        (``time.monotonic_ns``, the records' clock): one pass over the ring, no copy of the
+        others (the pace publisher's bytes per second, once a second)."""
         found = []
         for rec in [rec for rec in self._slots[0] if rec.ended_ns > ns]:
             record_id, state, shape, dtype, ended_ns = _completion_of(rec)  # read at once
