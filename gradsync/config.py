@@ -137,7 +137,8 @@ class Config:
     ranks by more than this fraction of the step's time (and by 1 ms)."""
 
     straggler_window: int = 10
-    """A rank late in most of the last this many steps is named a straggler."""
+    """A rank late in most of the last this many steps is named a straggler (until it is
+    late in at most a quarter of them)."""
 
     straggler_ops: int = 64
     """In a job that never marks a step (``gradsync.mark_step``, the Horovod API's

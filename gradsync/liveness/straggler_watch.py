@@ -20,7 +20,9 @@ every step; against the typical rank, only a rank later than most of the others 
 rank faster than three slow ones names nobody: it is the odd one, not they.) Rank ``r`` is
 *late in step s* when ``late(r, s)`` exceeds ``straggler_threshold`` (0.1) of the step's time
 (the median over the ranks) and 1 ms. A rank late in most of the last ``straggler_window``
-(10) steps (6 of 10) is *named*: a WARNING of the ``gradsync`` logger on rank 0 with its host
+(10) steps (6 of 10) is *named*, and stays named until it was late in at most a quarter of
+them (2 of 10): a rank slowed just past the bar, which a busy machine moves it under for a
+step or two, is not named and let go again and again, a warning each time. Named: a WARNING of the ``gradsync`` logger on rank 0 with its host
 and where its steps go, the numbers in ``gradsync.stragglers()``, an instant in the timeline
 and a call of the callbacks registered on an elastic ``State``
 (``register_straggler_callbacks``). Where the time of a step goes is split three ways:
@@ -175,6 +177,7 @@ class Judge:
         self.size, self.window, self.threshold = size, window, threshold
         self.step = 0
         """The newest step judged."""
+        self._named: set[int] = set()  # the ranks named as of the newest step
         # Per rank, per judged step: (late?, step, blocked, waiting, communication, late,
         # data) ns.
         self._seen: list[collections.deque] = [collections.deque(maxlen=window)
@@ -190,12 +193,18 @@ class Judge:
             late = typical - blocked_ns
             seen.append((late > bar, step_ns, blocked_ns, blocked_ns - least, least, late,
                          data[0] if data else 0))
+        for r, seen in enumerate(self._seen):
+            late_steps = sum(s[0] for s in seen)
+            if late_steps > self.window // 2:
+                self._named.add(r)
+            elif late_steps <= self.window // 4:
+                self._named.discard(r)
         self.step = step
 
     def named(self) -> list[int]:
-        """The ranks late in most of the last ``window`` steps."""
-        return [r for r, seen in enumerate(self._seen)
-                if sum(s[0] for s in seen) > self.window // 2]
+        """The ranks late in most of the last ``window`` steps, and those named before that
+        have not been on time in three quarters of them since (the module docstring)."""
+        return sorted(self._named)
 
     def pace(self, rank: int, host: str = "", late_only: bool = True) -> RankPace:
         """Rank ``rank``'s numbers, averaged over the steps judged; ``late_only``: over its
