@@ -22,8 +22,8 @@ rank faster than three slow ones names nobody: it is the odd one, not they.) Ran
 (the median over the ranks) and 1 ms. A rank late in most of the last ``straggler_window``
 (10) steps (6 of 10) is *named*, and stays named until it was late in at most a quarter of
 them (2 of 10): a rank slowed just past the bar, which a busy machine moves it under for a
-step or two, is not named and let go again and again, a warning each time. Named: a WARNING of the ``gradsync`` logger on rank 0 with its host
-and where its steps go, the numbers in ``gradsync.stragglers()``, an instant in the timeline
+step or two, is not named and let go again and again, a warning each time. Named: a WARNING
+of the ``gradsync`` logger on rank 0 with its host and where its steps go, the numbers in ``gradsync.stragglers()``, an instant in the timeline
 and a call of the callbacks registered on an elastic ``State``
 (``register_straggler_callbacks``). Where the time of a step goes is split three ways:
 *communication* is the least any rank blocked in it (what the last to arrive blocked: the
@@ -178,6 +178,7 @@ class Judge:
         self.step = 0
         """The newest step judged."""
         self._named: set[int] = set()  # the ranks named as of the newest step
+        self._late = [0] * size  # per rank, its late steps among those ``_seen`` holds
         # Per rank, per judged step: (late?, step, blocked, waiting, communication, late,
         # data) ns.
         self._seen: list[collections.deque] = [collections.deque(maxlen=window)
@@ -189,15 +190,17 @@ class Judge:
         blocked = sorted(s[1] for s in samples)
         typical, least = blocked[len(blocked) // 2], blocked[0]
         bar = max(self.threshold * statistics.median(s[0] for s in samples), FLOOR_NS)
-        for seen, (step_ns, blocked_ns, *data) in zip(self._seen, samples):
+        counts, most, few = self._late, self.window // 2, self.window // 4
+        for r, (seen, (step_ns, blocked_ns, *data)) in enumerate(zip(self._seen, samples)):
             late = typical - blocked_ns
+            if len(seen) == seen.maxlen:
+                counts[r] -= seen[0][0]  # the step the append below lets go
             seen.append((late > bar, step_ns, blocked_ns, blocked_ns - least, least, late,
                          data[0] if data else 0))
-        for r, seen in enumerate(self._seen):
-            late_steps = sum(s[0] for s in seen)
-            if late_steps > self.window // 2:
+            counts[r] += late > bar
+            if counts[r] > most:
                 self._named.add(r)
-            elif late_steps <= self.window // 4:
+            elif counts[r] <= few:
                 self._named.discard(r)
         self.step = step
 

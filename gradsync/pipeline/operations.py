@@ -136,14 +136,14 @@ def allreduce_signed(world, name: str, dtype, shape: tuple, op: ReduceOp, presca
 class Prepared:
     """A small allreduce prepared once per distinct call (the module docstring).
 
-    ``run_as((flat, description, signature))`` begins the collective, then reduces ``flat``
-    (the call's NumPy data, C-contiguous and writable, of the prepared dtype and shape) in
-    place over the host's segment, on the deadline the begin sets; its one argument is what the
-    engine hands an operation (``Engine.run``'s ``call``). For a named call ``run(flat)`` does
-    the same with the prepared ``description`` and ``signature``, bound in (no tuple built or
-    taken apart per call). For an unnamed one ``run`` is None and the description is
-    ``prefix + name + suffix`` with a name drawn per call; ``signature`` then only says
-    whether to sign it (nonzero when the world checks collectives).
+    For a named call ``run(flat)`` begins the collective with the prepared ``description``
+    and ``signature``, bound in, then reduces ``flat`` (the call's NumPy data, C-contiguous and
+    writable, of the prepared dtype and shape) in place over the host's segment, on the
+    deadline the begin sets; ``run_as`` is None. For an unnamed one ``run`` is None and
+    ``run_as((flat, description, signature))`` does the same with the description
+    ``prefix + name + suffix``, a name drawn per call; ``signature`` then only says whether to
+    sign it (nonzero when the world checks collectives). Either takes one argument, what the
+    engine hands an operation (``Engine.run``'s ``call``).
 
     Both are functions made once, here, over what they call (the World's ``begin_signed`` and
     ``on_group_idle`` bound once): per call they read no attribute chain and make no bound
@@ -154,7 +154,7 @@ class Prepared:
 
     def __init__(self, description: str, signature: int,
                  run: "Callable[[np.ndarray], None] | None",
-                 run_as: "Callable[[tuple[np.ndarray, str, int]], None]",
+                 run_as: "Callable[[tuple[np.ndarray, str, int]], None] | None",
                  prefix: "str | None" = None, suffix: str = ""):
         self.description, self.signature = description, signature
         self.run, self.run_as = run, run_as
@@ -194,20 +194,21 @@ def prepare_allreduce(world, flat: np.ndarray, op: ReduceOp, name: "str | None",
     begin, on_idle = world.comm.begin_signed, world.on_group_idle
     flatten = flat.ndim != 1
 
-    def run_as(call: "tuple[np.ndarray, str, int]") -> None:
-        data, description, signature = call
-        deadline = begin(description, signature)  # the World's timeout from now, as the Comm's
-        kernel(data.reshape(-1) if flatten else data, code, divisor, deadline, on_idle, signature)
-
     description, signature = allreduce_signed(world, _CUT if name is None else name,
                                               flat.dtype, shape, op, 1.0, 1.0, alg)
     if name is not None:
-        def run(data: np.ndarray) -> None:  # run_as, with this call's description
-            deadline = begin(description, signature)
+        def run(data: np.ndarray) -> None:
+            deadline = begin(description, signature)  # the World's timeout from now
             kernel(data.reshape(-1) if flatten else data, code, divisor, deadline, on_idle,
                    signature)
 
-        return Prepared(description, signature, run, run_as)
+        return Prepared(description, signature, run, None)
+
+    def run_as(call: "tuple[np.ndarray, str, int]") -> None:  # ``run``, named per call
+        data, named, signed = call
+        deadline = begin(named, signed)
+        kernel(data.reshape(-1) if flatten else data, code, divisor, deadline, on_idle, signed)
+
     # The description is worded above; cut it where the name goes, to join per call.
     prefix, cut, suffix = description.partition(_CUT)
     if not cut:
