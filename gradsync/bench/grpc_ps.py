@@ -266,8 +266,11 @@ def serve_forever(num_elements: int, lr: float, host: str, ready_file: str) -> N
         server = GrpcParameterServer(num_elements, lr=lr, host=host)
         try:
             _write_atomically(ready_file, f"{server.port}\n")
-            # Event.wait is interrupted by signals, so the handler runs and this returns.
-            stopping.wait()
+            # The kernel delivers a stop signal to any thread that does not block it (gRPC's,
+            # OpenBLAS's): one caught by another thread only flags it for this one, which
+            # would sleep on in an endless wait. Woken each second, it runs the handler.
+            while not stopping.wait(1.0):
+                pass
         finally:
             server.stop(grace=1.0)
     finally:
