@@ -96,6 +96,12 @@ class Config:
     """Small shared-memory allreduces take the compiled road (``collectives/_shmfast.c``,
     built on first use with the system C compiler); false keeps them in Python."""
 
+    torch_share_buckets: bool = True
+    """The torch backend moves a tensor that it reduces in place again and again inside
+    backward passes (DDP's buckets), of at least ``shm_slot_bytes``, into a shared-memory file
+    once, so that the host's ranks fold it where it lies (``torch/backend/sharing.py``); false
+    moves nothing."""
+
     small_bytes: int = 64 << 10
     """Below this size ``auto`` allreduce uses recursive doubling (latency-optimal)."""
 

@@ -104,7 +104,7 @@ def test_every_collective_under_gradsync_run():
 
 @pytest.mark.parametrize("np_,hosts", [(2, "aa"), (3, "aab")])
 def test_ddp_and_fsdp_train_like_one_process(np_, hosts, shared):
-    _ran(shared(hosts), "training", "pg training ok: 11 checks")
+    _ran(shared(hosts), "training", "pg training ok: 14 checks")
 
 
 @pytest.mark.parametrize("hosts", ["aaa", "aab"])

@@ -1,7 +1,9 @@
 """Allreduces on shared buffers (``ShmGroup.shared_buffer``): the road without slots.
 
-Each rank allocates its buffers itself (a memfd); the others map them at the first allreduce
-that needs them. Results must be bitwise equal to a NumPy reduction in the order the owner of
+Each rank allocates its buffers itself (a memfd), or adopts memory that lives in a shared
+file already (``ShmGroup.adopt``: the torch backend's DDP buckets); the others map them at the
+first allreduce that needs them. From a slot's size on, the ranks agree whether every one
+passed a shared buffer, and otherwise meet on the slots. Results must be bitwise equal to a NumPy reduction in the order the owner of
 each sub-slice folds (its own value first, then the others by local rank) on every rank, for
 world sizes 1-4, several dtypes, uneven and multi-piece counts, interleaved with the slots'
 collectives; failures must end in the group's usual errors. Ranks are forked by
@@ -10,6 +12,7 @@ collectives; failures must end in the group's usual errors. Ranks are forked by
 
 from __future__ import annotations
 
+import mmap
 import os
 import signal
 import time
@@ -51,8 +54,8 @@ def _expected(count: int, dtype: str, ufunc, size: int, salt: int) -> bytes:
 def _sweep(ctx: Rank):
     group = ShmGroup.open(ctx.job, ctx.rank, ctx.size, ctx.barrier, slot_bytes=_SLOT)
     taken = []
-    shared_road = group._allreduce_shared
-    group._allreduce_shared = lambda *a: (taken.append(1), shared_road(*a))
+    shared_road = group._fold_shared
+    group._fold_shared = lambda *a: (taken.append(1), shared_road(*a))
     deadline = time.monotonic() + 20
     # Two buffers, used in turn, each for allreduces of several sizes and dtypes.
     buffers = [group.shared_buffer(1001 * 8) for _ in range(2)]
@@ -110,19 +113,56 @@ def test_shared_allreduce_matches_numpy(size):
 
 def _mixed(ctx: Rank):
     group = ShmGroup.open(ctx.job, ctx.rank, ctx.size, ctx.barrier, slot_bytes=_SLOT)
-    raw = group.shared_buffer(400)
-    data = np.ones(100, np.float32) if ctx.rank == 1 else raw.view(np.float32)
+    raw = group.shared_buffer(200)  # below a slot: every rank shares, or it is a mismatch
+    data = np.ones(50, np.float32) if ctx.rank == 1 else raw.view(np.float32)
     return _raises(group.allreduce, data, make_reducer(Sum, data.dtype),
                    time.monotonic() + 10, lambda waited: None, 0x1234)
 
 
 @pytest.mark.multiprocess
-def test_a_rank_without_a_shared_buffer_is_a_mismatch_on_every_rank():
+def test_a_rank_without_a_shared_buffer_below_a_slot_is_a_mismatch_on_every_rank():
     results = _launch(3, _mixed)
     for rank in range(3):
         name, message, _ = results[rank]
         assert name == "CollectiveMismatchError", message
         assert "on shared buffers" in message and "local rank 1 (rank 1) allreduce of" in message
+
+
+def _offered(ctx: Rank, plain_ranks: tuple):
+    """Allreduces of a slot or more where the ranks in ``plain_ranks`` pass private arrays and
+    the others shared buffers, then one where all share; counts the shared folds."""
+    group = ShmGroup.open(ctx.job, ctx.rank, ctx.size, ctx.barrier, slot_bytes=_SLOT)
+    taken = []
+    shared_road = group._fold_shared
+    group._fold_shared = lambda *a: (taken.append(1), shared_road(*a))
+    deadline = time.monotonic() + 20
+    raw = group.shared_buffer(1001 * 4)
+    out = []
+    for salt, count in enumerate((_SLOT // 4, 1001)):  # exactly a slot; many pieces
+        data = (np.empty(count, np.float32) if ctx.rank in plain_ranks
+                else raw[:count * 4].view(np.float32))
+        data[...] = _input(count, "float32", ctx.rank, salt)
+        group.allreduce(data, make_reducer(Sum, data.dtype), deadline, signature=salt)
+        out.append((salt, count, data.tobytes()))
+    mixed = len(taken)
+    data = raw.view(np.float32)
+    data[...] = _input(1001, "float32", ctx.rank, 9)
+    group.allreduce(data, make_reducer(Sum, data.dtype), deadline, signature=9)
+    out.append((9, 1001, data.tobytes()))
+    group.barrier(deadline)
+    return out, mixed, len(taken) - mixed
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("size,plain", [(2, (1,)), (3, (0,)), (3, (0, 2)), (4, (3,))])
+def test_from_a_slot_on_a_rank_without_a_shared_buffer_meets_the_others_on_the_slots(size,
+                                                                                    plain):
+    results = _launch(size, _offered, plain)
+    for rank in range(size):
+        out, mixed, shared = results[rank]
+        assert mixed == 0 and shared == 1, (rank, mixed, shared)
+        for salt, count, data in out:
+            assert data == _expected(count, "float32", np.add, size, salt), (rank, count)
 
 
 def _killed(ctx: Rank):
@@ -193,9 +233,63 @@ def test_a_peer_buffer_that_is_not_the_one_published_is_refused():
     fd = os.memfd_create("something-else")
     try:
         os.ftruncate(fd, 64)
-        with pytest.raises(GradsyncError, match="not its shared buffer #7"):
-            shm._map_peer_buffer(os.getpid(), fd, 7, 3)
+        other = shm._identity(os.fstat(fd)) ^ 1
+        with pytest.raises(GradsyncError, match="descriptor .* is another file than the shared"):
+            shm._map_peer_buffer(os.getpid(), fd, other, 3)
+        assert shm._map_peer_buffer(os.getpid(), fd, shm._identity(os.fstat(fd)), 3).size == 64
     finally:
         os.close(fd)
     with pytest.raises(GradsyncError, match="cannot map rank 3's shared buffer"):
         shm._map_peer_buffer(os.getpid(), 10**6, 7, 3)
+
+
+def _adopted(ctx: Rank):
+    """Each rank adopts a mapping of a file it opened itself (as torch's ``_share_fd_cpu_``
+    leaves one), reduces on it, then closes that file and reduces again at the same address."""
+    group = ShmGroup.open(ctx.job, ctx.rank, ctx.size, ctx.barrier, slot_bytes=_SLOT)
+    taken = []
+    shared_road = group._fold_shared
+    group._fold_shared = lambda *a: (taken.append(1), shared_road(*a))
+    deadline = time.monotonic() + 20
+    fd = os.memfd_create("owned-by-the-caller")
+    os.ftruncate(fd, 1001 * 4)
+    data = np.frombuffer(mmap.mmap(fd, 1001 * 4), np.float32)
+    adopted = group.adopt(data.ctypes.data, fd, data.nbytes)
+    again = group.adopt(data.ctypes.data, fd, data.nbytes)  # already held: nothing changes
+    too_small = group.adopt(data.ctypes.data, fd, data.nbytes + 1)
+    data[...] = _input(1001, "float32", ctx.rank, 1)
+    group.allreduce(data, make_reducer(Sum, data.dtype), deadline, signature=1)
+    first = data.tobytes()
+    group.release(data.ctypes.data)  # forgotten, not closed: the caller owns the descriptor
+    still_open = _target(fd) is not None
+    group.adopt(data.ctypes.data, fd, data.nbytes)
+    os.close(fd)  # the owner frees it; the address still holds memory (the mapping)
+    stale = group.is_shared(data)  # looked at again: no longer the file adopted
+    data[...] = _input(1001, "float32", ctx.rank, 2)
+    group.allreduce(data, make_reducer(Sum, data.dtype), deadline, signature=2)
+    group.barrier(deadline)
+    return adopted, again, too_small, first, still_open, stale, data.tobytes(), len(taken)
+
+
+@pytest.mark.multiprocess
+def test_adopted_buffers_take_the_shared_road_and_are_forgotten_once_their_file_is_gone():
+    results = _launch(3, _adopted)
+    for rank in range(3):
+        adopted, again, too_small, first, still_open, stale, second, taken = results[rank]
+        assert (adopted, again, too_small) == (True, True, False)
+        assert first == _expected(1001, "float32", np.add, 3, 1)
+        assert still_open and stale is False
+        assert second == _expected(1001, "float32", np.add, 3, 2)
+        assert taken == 1  # the first allreduce; the second ran on the slots
+
+
+def test_adopting_needs_a_group_of_several_ranks():
+    job = f"t{os.getpid()}adopt"
+    group = ShmGroup.open(job, 0, 1, lambda: None, slot_bytes=_SLOT)
+    try:
+        fd = os.memfd_create("one-rank")
+        os.ftruncate(fd, 4096)
+        assert group.adopt(12345, fd, 4096) is False
+        os.close(fd)
+    finally:
+        group.close()

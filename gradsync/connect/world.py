@@ -456,6 +456,21 @@ class World:
         group = self.shm_group
         return None if group is None else group.shared_buffer(nbytes)
 
+    def adopt_above(self) -> "int | None":
+        """The bytes from which an allreduce agrees among the ranks whether it runs on their
+        shared buffers (``adopt_shared``: a buffer adopted on one rank only meets the others
+        on the segment's slots). None without a segment."""
+        return None if self.shm_group is None else self.shm_group.slot_bytes
+
+    def adopt_shared(self, address: int, fd: int, nbytes: int) -> bool:
+        """Takes the ``nbytes`` at ``address``, mapped from the shared file open as ``fd``
+        (torch's ``UntypedStorage._share_fd_cpu_``), as a shared buffer that the caller
+        keeps owning (``ShmGroup.adopt``); whether it is one. Allreduces of at least
+        ``adopt_above`` bytes that start there run without the segment's copies where
+        every rank passes such a buffer."""
+        group = self.shm_group
+        return group is not None and group.adopt(address, fd, nbytes)
+
     def release_shared(self, address: int) -> None:
         """Forgets the shared buffer whose first byte is at ``address`` (``shared_buffer``)."""
         if self.shm_group is not None:

@@ -39,8 +39,9 @@ copied into a ring and out again, and half of them are folded).
 
 Four roads. ``ShmGroup.allreduce`` chooses by what it is given, which is the same on every
 rank: shared buffers take the shared road (``segment_shared.py``: the buffers themselves
-instead of the slots); an allreduce that fits one piece of at most ``small_bytes`` takes the
-one-step road (``segment_small.py``: one synchronisation instead of two, and one C call
+instead of the slots; from a slot's size on, only where every rank passes one, which the
+ranks tell each other in one arrival before the pieces); an allreduce that fits one piece of
+at most ``small_bytes`` takes the one-step road (``segment_small.py``: one synchronisation instead of two, and one C call
 where ``_shmfast.c`` has a kernel for the op and dtype, whose codes ``_FAST_CODES`` below
 builds); anything else the pieces above. A broadcast goes piece by piece through the root's
 slots, a barrier is one arrival.
@@ -194,7 +195,7 @@ class ShmGroup(SmallRoad, SharedRoad):
             return
         self.moved += 2 * flat.nbytes
         shared = self._shared_of(flat)
-        if shared is not None:
+        if shared is not None and flat.nbytes < self.slot_bytes:
             with self._guard():
                 self._allreduce_shared(flat, shared, reducer, finish, deadline, on_idle,
                                        signature)
@@ -215,6 +216,11 @@ class ShmGroup(SmallRoad, SharedRoad):
                 raise
             return
         with self._guard():
+            if flat.nbytes >= self.slot_bytes:  # shared buffers on every rank, or the pieces
+                seq = self._offer(flat, shared, deadline, on_idle, signature)
+                if seq:
+                    self._fold_shared(flat, seq, reducer, finish, deadline, on_idle)
+                    return
             views = self._views_of(flat.dtype)
             step = self.slot_bytes // flat.itemsize
             align = max(1, CACHE_LINE // flat.itemsize)
@@ -282,8 +288,9 @@ class ShmGroup(SmallRoad, SharedRoad):
             return
         self._ctl[self._mine + _CLOSED] = 1
         self._slots, self._views = [], {}
-        for fd, _, _ in self._shared.values():
-            os.close(fd)
+        for fd, _, _, owned in self._shared.values():
+            if owned:
+                os.close(fd)
         self._shared, self._mapped = {}, collections.OrderedDict()
         self._fast_call = self._fast_fold = self._fast_group = None  # it holds the address
         self._ctl.release()

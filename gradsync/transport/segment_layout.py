@@ -33,14 +33,17 @@ _WORDS = CACHE_LINE // 8
 # synchronises once per piece: a rank past its arrival wait at piece k may already write
 # piece k+1's words while a slower rank still compares piece k's. It cannot reach k+2, whose
 # arrival needs the slower rank's arrival at k+1.
-_ARRIVED, _REDUCED, _PID, _STARTED, _CLOSED, _SLEEPING, _SHARED_FD, _SHARED_SERIAL = range(8)
+_ARRIVED, _REDUCED, _PID, _STARTED, _CLOSED, _SLEEPING, _SHARED_FD, _SHARED_ID = range(8)
 # _SLEEPING holds 0, or 1 + (local rank << 4 | counter word) of the counter its owner sleeps on.
-# _SHARED_FD and _SHARED_SERIAL: the descriptor and serial number of the shared buffer that the
-# line's owner passed at its latest allreduce on shared buffers.
+# _SHARED_FD and _SHARED_ID: the descriptor and file identity (segment_shared._identity) of the
+# shared buffer that the line's owner passed at its latest allreduce on shared buffers, or
+# offered at its latest allreduce of at least a slot (0 and 0: none).
 _ISSUED = _WORDS  # + 3 * parity: kind (| root << 8), total bytes, signature
-_ALLREDUCE, _BROADCAST, _BARRIER, _ALLREDUCE_SHARED = 1, 2, 3, 4
+# _ALLREDUCE_OFFER: the first arrival of an allreduce of at least a slot, where the ranks say
+# whether they pass shared buffers (segment_shared.py, ``_offer``).
+_ALLREDUCE, _BROADCAST, _BARRIER, _ALLREDUCE_SHARED, _ALLREDUCE_OFFER = 1, 2, 3, 4, 5
 _KIND_NAMES = {_ALLREDUCE: "allreduce", _BROADCAST: "broadcast", _BARRIER: "barrier",
-               _ALLREDUCE_SHARED: "allreduce"}
+               _ALLREDUCE_SHARED: "allreduce", _ALLREDUCE_OFFER: "allreduce"}
 _MASK64 = (1 << 64) - 1
 _PAGE = 4096
 

@@ -15,9 +15,25 @@ writes, each byte of data costs a rank 2.5 bytes of memory traffic this way and 
 the slots: the copy-in, the publish copy and the copy-out are gone. DistributedOptimizer's
 buckets are shared buffers (``gradsync/torch/buckets.py``).
 
-A buffer is known by its descriptor and a serial number that this process never reuses (the
-memfd's name carries it), so a rank that maps a peer's buffer checks that the descriptor is
-still the buffer published, not another file that took its number. Each rank keeps the
+Adopted buffers. A caller may also hand over memory that already lives in a shared file
+(``adopt``): the torch backend moves a tensor that it reduces again and again (DDP's buckets)
+into one with torch's own ``UntypedStorage._share_fd_cpu_`` (every view of the storage
+follows it), so a DDP bucket takes this road as DistributedOptimizer's buckets do. The
+descriptor stays torch's: an adopted buffer is looked at again at each use (its descriptor
+must still be that file), and forgetting it closes nothing.
+
+Who is shared is agreed, not assumed, for an allreduce of at least a slot (``slot_bytes``):
+every rank publishes its buffer, or none, and arrives once (``_offer``); if every rank
+published one, the fold above runs on the buffers, and otherwise the piece road runs as for
+any array (``host_segment.py``), so a rank whose tensor was not moved, or could not be, meets
+the others all the same. Smaller shared buffers (DistributedOptimizer's small buckets, which
+every rank shares or none) arrive as ``_ALLREDUCE_SHARED`` with no second choice: a rank
+that passes another array raises CollectiveMismatchError.
+
+A buffer is known by its descriptor and its file's identity (device and inode, ``_identity``:
+tmpfs numbers its files afresh), so a rank that maps a peer's buffer checks that the file it
+opened through the descriptor is the buffer published, not another file that took its
+number. Each rank keeps the
 mappings it made, ``_MAPPED_KEPT`` per peer in all (the least recently used go first), and
 drops a peer's mappings of buffers that the peer has released (``release``) when it maps a
 new one of that peer's.
@@ -34,28 +50,30 @@ from typing import Callable
 import numpy as np
 
 from ..errors import CollectiveMismatchError, GradsyncError
-from .segment_layout import _ALLREDUCE_SHARED, _PID, _REDUCED, _SHARED_FD, _SHARED_SERIAL
+from .segment_layout import (_ALLREDUCE_OFFER, _ALLREDUCE_SHARED, _PID, _REDUCED, _SHARED_FD,
+                             _SHARED_ID)
 from .segment_sync import Reducer, SegmentRank
 from .shm import CACHE_LINE
 
 __all__ = ["SharedRoad"]
 
-# Shared buffers: serial numbers, unique in this process, and how many of each other rank's
-# buffers stay mapped (a DistributedOptimizer shares at most 16: torch/buckets.py,
-# SHARED_MAX; a dropped mapping is made again when needed).
-_serials = itertools.count(1)
+# How many of each other rank's shared buffers stay mapped (a DistributedOptimizer shares at
+# most 16: torch/buckets.py, SHARED_MAX; DDP has a few buckets; a dropped mapping is made again
+# when needed).
 _MAPPED_KEPT = 32
+# Shared buffers made here, numbered in their memfd names (for a reader of /proc only).
+_made = itertools.count(1)
 
 
 class SharedRoad(SegmentRank):
     """The shared road of ``ShmGroup`` (a base of it): this rank's shared buffers, the other
     ranks' mapped here, and the allreduce on them."""
 
-    # This rank's shared buffers (``shared_buffer``) by the address of their first byte:
-    # (descriptor, serial, bytes); and the other ranks' buffers mapped here, by (local
-    # rank, pid, serial), least recently used first: (their descriptor, the mapping).
-    # ``ShmGroup.__init__`` makes both empty.
-    _shared: dict[int, tuple[int, int, int]]
+    # This rank's shared buffers (``shared_buffer``, ``adopt``) by the address of their first
+    # byte: (descriptor, identity, bytes, whether this group owns the descriptor); and the
+    # other ranks' buffers mapped here, by (local rank, pid, identity), least recently used
+    # first: (their descriptor, the mapping). ``ShmGroup.__init__`` makes both empty.
+    _shared: dict[int, tuple[int, int, int, bool]]
     _mapped: "collections.OrderedDict[tuple[int, int, int], tuple[int, np.ndarray]]"
 
     def shared_buffer(self, nbytes: int) -> "np.ndarray | None":
@@ -75,8 +93,7 @@ class SharedRoad(SegmentRank):
             raise ValueError(f"nbytes must be positive, got {nbytes}")
         if self.size == 1 or not hasattr(os, "memfd_create") or self._segment is None:
             return None
-        serial = next(_serials)
-        fd = os.memfd_create(_memfd_name(serial), os.MFD_CLOEXEC)
+        fd = os.memfd_create(f"gradsync-shared{next(_made)}", os.MFD_CLOEXEC)
         try:
             if not os.path.exists(f"/proc/{os.getpid()}/fd/{fd}"):  # no /proc: none can map it
                 os.close(fd)
@@ -87,39 +104,97 @@ class SharedRoad(SegmentRank):
             os.close(fd)
             raise
         mine = np.frombuffer(mapping, np.uint8, nbytes)
-        self._shared[mine.ctypes.data] = (fd, serial, nbytes)
+        self._shared[mine.ctypes.data] = (fd, _identity(os.fstat(fd)), nbytes, True)
         return mine
+
+    def adopt(self, address: int, fd: int, nbytes: int) -> bool:
+        """Takes the ``nbytes`` at ``address``, the mapping of the shared file open as ``fd``
+        from its first byte (torch's ``_share_fd_cpu_``), as a shared buffer of this rank's
+        that the caller keeps owning (module docstring, "Adopted buffers"). Not a
+        collective. Returns whether it is one now (False: one rank, no /proc, or ``fd``
+        is not a file of at least ``nbytes``)."""
+        if self.size == 1 or self._segment is None or nbytes < 1:
+            return False
+        held = self._shared.get(address)
+        if held is not None and held[0] == fd and held[2] == nbytes:
+            return True
+        try:
+            status = os.fstat(fd)
+            if status.st_size < nbytes or not os.path.exists(f"/proc/{os.getpid()}/fd/{fd}"):
+                return False
+        except OSError:
+            return False
+        self.release(address)
+        self._shared[address] = (fd, _identity(status), nbytes, False)
+        return True
 
     def is_shared(self, data: np.ndarray) -> bool:
         """Whether an allreduce of ``data`` takes the shared road (see ``shared_buffer``)."""
         return self._shared_of(data) is not None
 
-    def _shared_of(self, data: np.ndarray) -> "tuple[int, int, int] | None":
+    def _shared_of(self, data: np.ndarray) -> "tuple[int, int, int, bool] | None":
         """The shared buffer ``data`` starts and fits in, or None (without looking up the
-        address, which costs a microsecond, while this rank has none)."""
+        address, which costs a microsecond, while this rank has none). An adopted buffer
+        whose descriptor no longer holds its file (its owner freed it, and the address now
+        holds other memory) is forgotten here."""
         if not self._shared or not data.size:
             return None
-        shared = self._shared.get(data.ctypes.data)
-        return shared if shared is not None and data.nbytes <= shared[2] else None
+        address = data.ctypes.data
+        shared = self._shared.get(address)
+        if shared is None or data.nbytes > shared[2]:
+            return None
+        if not shared[3]:
+            try:
+                same = _identity(os.fstat(shared[0])) == shared[1]
+            except OSError:
+                same = False
+            if not same:
+                del self._shared[address]
+                return None
+        return shared
 
     def release(self, address: int) -> None:
         """Forgets the shared buffer whose first byte is at ``address`` (no-op for any other
         address): its memory goes once no array of it is left here and the other ranks have
-        dropped their mappings, which they do when they next map a buffer of this rank's."""
+        dropped their mappings, which they do when they next map a buffer of this rank's.
+        An adopted buffer's descriptor stays open: it is its owner's."""
         shared = self._shared.pop(address, None)
-        if shared is not None:
+        if shared is not None and shared[3]:
             os.close(shared[0])
 
-    def _allreduce_shared(self, flat: np.ndarray, shared: tuple[int, int, int],
+    def _allreduce_shared(self, flat: np.ndarray, shared: tuple[int, int, int, bool],
                           reducer: Reducer, finish: Callable[[np.ndarray], None] | None,
                           deadline: float, on_idle: Callable[[float], None],
                           signature: int) -> None:
-        """The allreduce on shared buffers (see the module's docstring): two synchronisations,
-        whatever the size; no slot is used."""
+        """The allreduce on shared buffers below a slot's size (see the module's docstring):
+        two synchronisations, whatever the size; no slot is used."""
         seq = self._next_seq()
         c = self._ctl
-        c[self._mine + _SHARED_FD], c[self._mine + _SHARED_SERIAL] = shared[0], shared[1]
+        c[self._mine + _SHARED_FD], c[self._mine + _SHARED_ID] = shared[0], shared[1]
         self._arrive(seq, _ALLREDUCE_SHARED, flat.nbytes, signature, deadline, on_idle)
+        self._fold_shared(flat, seq, reducer, finish, deadline, on_idle)
+
+    def _offer(self, flat: np.ndarray, shared: "tuple[int, int, int, bool] | None",
+               deadline: float, on_idle: Callable[[float], None], signature: int) -> int:
+        """The first step of an allreduce of at least a slot: publishes this rank's shared
+        buffer (or none), arrives, and returns the sequence number of that arrival if every
+        local rank published one (``_fold_shared`` follows), else 0 (the piece road
+        follows). Every rank sees the same words, so every rank takes the same road."""
+        seq = self._next_seq()
+        c, mine = self._ctl, self._mine
+        c[mine + _SHARED_FD], c[mine + _SHARED_ID] = shared[:2] if shared else (0, 0)
+        self._arrive(seq, _ALLREDUCE_OFFER, flat.nbytes, signature, deadline, on_idle)
+        lines = self._lines
+        if shared is None or not all(c[lines[r] + _SHARED_ID] for r in self._others):
+            return 0
+        return seq
+
+    def _fold_shared(self, flat: np.ndarray, seq: int, reducer: Reducer,
+                     finish: Callable[[np.ndarray], None] | None, deadline: float,
+                     on_idle: Callable[[float], None]) -> None:
+        """The allreduce on shared buffers once every rank arrived at ``seq`` having published
+        its buffer: folds this rank's sub-slice of every buffer into all of them, then waits
+        until every rank did."""
         views = [flat if r == self.rank else self._peer_buffer(r, flat.nbytes).view(flat.dtype)
                  for r in range(self.size)]
         bounds = self._split(flat.size, max(1, CACHE_LINE // flat.itemsize))
@@ -141,8 +216,8 @@ class SharedRoad(SegmentRank):
         """The first ``nbytes`` of the shared buffer that local rank ``r`` passed to the
         allreduce now running (it published which after arriving), mapped once."""
         c, line = self._ctl, self._lines[r]
-        pid, fd, serial = c[line + _PID], c[line + _SHARED_FD], c[line + _SHARED_SERIAL]
-        key = (r, pid, serial)
+        pid, fd, identity = c[line + _PID], c[line + _SHARED_FD], c[line + _SHARED_ID]
+        key = (r, pid, identity)
         entry = self._mapped.get(key)
         if entry is None:
             # A new buffer of r's: first drop the mappings of those r has released (their
@@ -150,7 +225,7 @@ class SharedRoad(SegmentRank):
             for old in [k for k in self._mapped if k[0] == r]:
                 if not _published(old[1], self._mapped[old][0], old[2]):
                     del self._mapped[old]
-            entry = (fd, _map_peer_buffer(pid, fd, serial, self.ranks[r]))
+            entry = (fd, _map_peer_buffer(pid, fd, identity, self.ranks[r]))
             self._mapped[key] = entry
             if len(self._mapped) > _MAPPED_KEPT * (self.size - 1):
                 self._mapped.popitem(last=False)
@@ -164,39 +239,36 @@ class SharedRoad(SegmentRank):
         return view[:nbytes]
 
 
-def _memfd_name(serial: int) -> str:
-    """The name of shared buffer #``serial``: serials are never reused, so the name tells a
-    buffer from another that got its descriptor number after it was closed."""
-    return f"gradsync-shared{serial}"
+def _identity(status: os.stat_result) -> int:
+    """A file's identity in one nonzero 64-bit word: its device and its inode. Files of tmpfs
+    (memfds, /dev/shm) are numbered afresh, so a descriptor number that was closed and
+    reused names another identity."""
+    return ((status.st_dev & 0xFFFFFF) << 40 | status.st_ino & (1 << 40) - 1) or 1
 
 
-def _names(target: str, serial: int) -> bool:
-    """Whether ``target``, a descriptor's link in /proc, is shared buffer #``serial``."""
-    return target.split(" ")[0] == "/memfd:" + _memfd_name(serial)
-
-
-def _published(pid: int, fd: int, serial: int) -> bool:
-    """Whether process ``pid`` still holds shared buffer #``serial`` as descriptor ``fd``."""
+def _published(pid: int, fd: int, identity: int) -> bool:
+    """Whether process ``pid`` still holds the shared buffer ``identity`` as descriptor
+    ``fd``."""
     try:
-        return _names(os.readlink(f"/proc/{pid}/fd/{fd}"), serial)
+        return _identity(os.stat(f"/proc/{pid}/fd/{fd}")) == identity
     except OSError:
         return False
 
 
-def _map_peer_buffer(pid: int, fd: int, serial: int, rank: int) -> np.ndarray:
+def _map_peer_buffer(pid: int, fd: int, identity: int, rank: int) -> np.ndarray:
     """Maps all of another process's shared buffer, descriptor ``fd`` of ``pid``."""
     path = f"/proc/{pid}/fd/{fd}"
     try:
-        target = os.readlink(path)
         peer = os.open(path, os.O_RDWR)
     except OSError as exc:
         raise GradsyncError(f"cannot map rank {rank}'s shared buffer {path}: {exc} (shared "
                             "buffers need /proc, and the local ranks run as one user)") from exc
     try:
-        if not _names(target, serial):
-            raise GradsyncError(f"rank {rank}'s descriptor {fd} is {target!r}, not its shared "
-                                f"buffer #{serial}")
-        mapping = mmap.mmap(peer, os.fstat(peer).st_size)
+        status = os.fstat(peer)
+        if _identity(status) != identity:
+            raise GradsyncError(f"rank {rank}'s descriptor {fd} is another file than the "
+                                "shared buffer it published")
+        mapping = mmap.mmap(peer, status.st_size)
     finally:
         os.close(peer)
     return np.frombuffer(mapping, np.uint8)

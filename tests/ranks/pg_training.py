@@ -109,6 +109,50 @@ compare("ddp no_sync (2 micro-batches)", train_ddp("no_sync", accumulate=2),
         reference(STEPS, accumulate=2))
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
 
+# Buckets of a slot or more (1 MiB): the backend moves each into shared memory the second
+# time it reduces it (gradsync/torch/backend/sharing.py), and every view follows. On one host
+# the gradients (views of the buckets) end up shared; the result is the same.
+WIDE = 384  # fc2's 384 x 384 float64 weights: 1.1 MiB
+
+
+class Wide(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(IN, WIDE), nn.Linear(WIDE, WIDE), nn.Linear(WIDE, OUT)
+
+    def forward(self, x):
+        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+def wide(distributed: bool, **kwargs):
+    torch.manual_seed(0)
+    model = DDP(Wide(), **kwargs) if distributed else Wide()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(step)
+        F.cross_entropy(model(mine(x) if distributed else x), mine(y) if distributed else y).backward()
+        opt.step()
+    return model
+
+
+backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+wide_ref = wide(False)
+for view in (False, True):
+    model = wide(True, gradient_as_bucket_view=view)
+    compare(f"ddp buckets of a slot or more (gradient_as_bucket_view={view})", model, wide_ref)
+    if view:
+        moved = [p.grad.untyped_storage().is_shared() for p in model.parameters()]
+        if backend.world.shares_host and not any(moved):
+            fail("no DDP bucket was moved into shared memory on one host")
+        if not backend.world.shares_host and any(moved):
+            fail("a DDP bucket was moved into shared memory across hosts")
+big = torch.ones(WIDE * WIDE)  # as large, reduced in place twice outside a backward pass
+for _ in range(2):
+    dist.all_reduce(big)
+if big.untyped_storage().is_shared() or big[0].item() != N * N:
+    fail("a tensor reduced outside a backward pass moved into shared memory (or is wrong)")
+passed.append("all_reduce outside a backward pass: the tensor stays where it is")
 compare("ddp fp16_compress_hook", train_ddp("fp16", hook=default_hooks.fp16_compress_hook),
         ref, rtol=1e-2, atol=1e-3)
 # (bf16_compress_hook: DDP refuses it without CUDA/NCCL or XPU, whatever the backend)

@@ -42,6 +42,7 @@ from ...cluster.rendezvous import Store
 from .backward import backward
 from .errors import BackendError, to_backend_error
 from .p2p import PointToPoint, clone_store
+from .sharing import Sharing
 from .tensors import as_bytes, contiguous, fold, reduction_of, typed
 from .work import Lane, Work, close_lanes
 
@@ -132,6 +133,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         self._lane = Lane(f"gradsync-pg{group_id}", self._failed)
         self._prepared: dict = {}
         """The small allreduces of this group prepared once per distinct call (``_small``)."""
+        self._sharing = Sharing(self.world, config.torch_share_buckets)
         self._pace = None
         # The first group of a torch job (its default group) owns the flight recorder's
         # settings and the pace meter, as a gradsync job does (``job.Job``): steps,
@@ -258,13 +260,17 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         return root
 
     # ------------------------------------------------------------------ reductions
-    def _allreduce_one(self, t: torch.Tensor, opts_op, what: str, in_place: bool = True):
-        """The closure that allreduces ``t`` (in place, or into a scratch copy for ``reduce``)."""
+    def _allreduce_one(self, t: torch.Tensor, opts_op, what: str, in_place: bool = True,
+                       share: bool = False):
+        """The closure that allreduces ``t`` (in place, or into a scratch copy for ``reduce``);
+        ``share``: ``t`` may move into shared memory (``sharing.py``)."""
         red = reduction_of(opts_op, t.dtype)
         world = self.world
 
         def run():
             work = contiguous(t) if in_place else t.detach().clone()
+            if share and work is t and red.op is not None:
+                self._sharing.offer(t)  # before its bytes are viewed: it may move
             if red.op is None:
                 gathered, _ = ops.allgather(world, as_bytes(work), np.uint8, name=what,
                                             shape=(work.nbytes,))
@@ -339,8 +345,11 @@ class ProcessGroupGradsync(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None):  # type: ignore[override]
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        # Issued inside a backward pass: DDP's buckets (or a comm hook's tensors), which may
+        # move into shared memory (``sharing.py`` says why only these).
+        share = self._sharing.on and torch._C._current_graph_task_id() != -1
         steps = [self._sparse_allreduce_one(t, op) if t.is_sparse else
-                 self._allreduce_one(t, op, "all_reduce") for t in tensors]
+                 self._allreduce_one(t, op, "all_reduce", share=share) for t in tensors]
         return self._run("all_reduce", tensors, lambda: [s() for s in steps], opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
