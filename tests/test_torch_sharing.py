@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+from gradsync.torch.backend import sharing as sharing_module
 from gradsync.torch.backend.sharing import Sharing
 
 
@@ -119,3 +120,25 @@ def test_the_tensors_remembered_are_bounded(count):
     for t in kept:
         sharing.offer(t)
     assert len(sharing._seen) == min(count, 64)
+
+
+def test_a_tensor_moves_only_where_half_of_dev_shm_stays_free(monkeypatch, caplog):
+    world = _World()
+    sharing = Sharing(world)
+    # A 64 MiB /dev/shm (a container's default) with 33 MiB free: a 2 MiB tensor would leave
+    # 31 MiB, under half.
+    monkeypatch.setattr(sharing_module.os, "statvfs", lambda path: _StatVfs(64 << 20, 33 << 20))
+    t = torch.ones(512 << 10)
+    with caplog.at_level(logging.INFO, logger="gradsync"):
+        sharing.offer(t)
+        sharing.offer(t)
+    assert world.adopted == [] and not t.untyped_storage().is_shared()
+    assert "33 MiB free of 64 MiB" in caplog.text
+    assert sharing_module._room_for(2 << 20) != ""
+    monkeypatch.setattr(sharing_module.os, "statvfs", lambda path: _StatVfs(64 << 20, 35 << 20))
+    assert sharing_module._room_for(2 << 20) == ""  # 33 MiB left: more than half
+
+
+class _StatVfs:
+    def __init__(self, size: int, free: int):
+        self.f_frsize, self.f_blocks, self.f_bavail = 4096, size // 4096, free // 4096

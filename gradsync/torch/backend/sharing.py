@@ -27,11 +27,17 @@ already (a DataLoader worker's, for instance) is adopted as it is. Whether to ru
 buffers is agreed by the ranks at each such allreduce (``ShmGroup._offer``), so a rank whose
 tensor was not moved, or could not be (/dev/shm full: torch raises, and the tensor stays
 where it is), meets the others on the slots.
+
+Room. A moved tensor takes its bytes of /dev/shm, which other users of the host need too
+(DataLoader workers hand their batches over in /dev/shm files, and a container's /dev/shm is
+often 64 MB). A tensor moves only where at least half of /dev/shm stays free after it
+(``_room_for``); otherwise it stays in private memory and meets the others on the slots.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from typing import TYPE_CHECKING
 
@@ -82,17 +88,35 @@ class Sharing:
             return
         if seen[1]:  # refused before
             return
-        try:
-            storage._share_fd_cpu_()
-        except RuntimeError as exc:  # /dev/shm full or missing: the tensor stays where it is
+        why = _room_for(storage.nbytes())
+        if not why:
+            try:
+                storage._share_fd_cpu_()
+            except RuntimeError as exc:  # /dev/shm full or missing: the tensor stays
+                why = str(exc)
+        if why:
             self._seen[address] = (seen[0], True)
             log.info("gradsync: a %d-byte tensor stays in private memory (%s); its allreduces "
-                     "go through the host segment's slots", t.nbytes, exc)
+                     "go through the host segment's slots", t.nbytes, why)
             return
         del self._seen[address]
         fd = _descriptor(storage)
         if fd is not None:
             self._world.adopt_shared(storage.data_ptr(), fd, storage.nbytes())
+
+
+def _room_for(nbytes: int, where: str = "/dev/shm") -> str:
+    """Why ``nbytes`` more of ``where`` may not be taken (at least half of it must stay free),
+    or "" where they may."""
+    try:
+        fs = os.statvfs(where)
+    except OSError as exc:
+        return f"{where}: {exc.strerror}"
+    free, size = fs.f_bavail * fs.f_frsize, fs.f_blocks * fs.f_frsize
+    if free - nbytes < size // 2:
+        return (f"{where} has {free >> 20} MiB free of {size >> 20} MiB, and at least half of "
+                "it stays free for its other users")
+    return ""
 
 
 def _descriptor(storage: torch.UntypedStorage) -> "int | None":
