@@ -293,3 +293,32 @@ def test_adopting_needs_a_group_of_several_ranks():
         os.close(fd)
     finally:
         group.close()
+
+
+def _adopted_head(ctx: Rank):
+    """Rank 0 alone adopts a buffer; every rank then reduces the buffer's first bytes (fewer
+    than a slot, as a gradient viewing a DDP bucket's start) and the whole of it."""
+    group = ShmGroup.open(ctx.job, ctx.rank, ctx.size, ctx.barrier, slot_bytes=_SLOT)
+    deadline = time.monotonic() + 20
+    fd = os.memfd_create("a-bucket")
+    os.ftruncate(fd, 1001 * 4)
+    data = np.frombuffer(mmap.mmap(fd, 1001 * 4), np.float32)
+    if ctx.rank == 0:
+        assert group.adopt(data.ctypes.data, fd, data.nbytes)
+    head = data[:10]
+    head[...] = _input(10, "float32", ctx.rank, 3)
+    group.allreduce(head, make_reducer(Sum, head.dtype), deadline, signature=3)
+    reduced_head = head.tobytes()
+    data[...] = _input(1001, "float32", ctx.rank, 4)
+    group.allreduce(data, make_reducer(Sum, data.dtype), deadline, signature=4)
+    group.barrier(deadline)
+    return reduced_head, data.tobytes()
+
+
+@pytest.mark.multiprocess
+def test_an_allreduce_below_a_slot_at_an_adopted_buffer_takes_the_slots_whoever_adopted():
+    results = _launch(3, _adopted_head)
+    for rank in range(3):
+        head, whole = results[rank]
+        assert head == _expected(10, "float32", np.add, 3, 3), rank
+        assert whole == _expected(1001, "float32", np.add, 3, 4), rank

@@ -135,8 +135,10 @@ class SharedRoad(SegmentRank):
     def _shared_of(self, data: np.ndarray) -> "tuple[int, int, int, bool] | None":
         """The shared buffer ``data`` starts and fits in, or None (without looking up the
         address, which costs a microsecond, while this rank has none). An adopted buffer
-        whose descriptor no longer holds its file (its owner freed it, and the address now
-        holds other memory) is forgotten here."""
+        counts only for an allreduce of a slot or more, whose road the ranks agree on (a
+        smaller one at its address, a gradient viewing a DDP bucket's first bytes, takes the
+        slots, whatever the other ranks moved); one whose descriptor no longer holds its file
+        (its owner freed it, and the address now holds other memory) is forgotten here."""
         if not self._shared or not data.size:
             return None
         address = data.ctypes.data
@@ -144,6 +146,8 @@ class SharedRoad(SegmentRank):
         if shared is None or data.nbytes > shared[2]:
             return None
         if not shared[3]:
+            if data.nbytes < self.slot_bytes:  # adopted buffers take the agreed road alone
+                return None
             try:
                 same = _identity(os.fstat(shared[0])) == shared[1]
             except OSError:

@@ -22,11 +22,11 @@ side lives) comes back: one tensor made afresh each step is never moved, however
 allocator gives it the same address. Only there, because a moved tensor can no longer grow:
 torch 2.13 crashes (a segmentation fault) on a ``resize_`` past a shared storage's size, and
 DDP never resizes its buckets, while a user's tensor reduced by ``dist.all_reduce`` might be.
-``GRADSYNC_TORCH_SHARE_BUCKETS=0`` (``Config.torch_share_buckets``) moves nothing. A storage that is shared
-already (a DataLoader worker's, for instance) is adopted as it is. Whether to run on shared
-buffers is agreed by the ranks at each such allreduce (``ShmGroup._offer``), so a rank whose
-tensor was not moved, or could not be (/dev/shm full: torch raises, and the tensor stays
-where it is), meets the others on the slots.
+``GRADSYNC_TORCH_SHARE_BUCKETS=0`` (``Config.torch_share_buckets``) moves nothing. A storage
+that is shared already (a DataLoader worker's, for instance) is adopted as it is. Whether to
+run on shared buffers is agreed by the ranks at each such allreduce (``ShmGroup._offer``), so
+a rank whose tensor was not moved, or could not be (/dev/shm full: torch raises, and the
+tensor stays where it is), meets the others on the slots.
 
 Room. A moved tensor takes its bytes of /dev/shm, which other users of the host need too
 (DataLoader workers hand their batches over in /dev/shm files, and a container's /dev/shm is
