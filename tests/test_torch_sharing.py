@@ -58,6 +58,18 @@ def test_the_same_tensor_moves_the_second_time_and_its_views_follow():
     assert world.adopted[-1] == (bucket.data_ptr(), fd, 2048) and len(world.adopted) == 2
 
 
+def test_the_first_move_is_said_once(caplog):
+    sharing = Sharing(_World())
+    buckets = [torch.zeros(512), torch.zeros(512)]
+    with caplog.at_level(logging.INFO, logger="gradsync"):
+        for _ in range(3):
+            for bucket in buckets:
+                sharing.offer(bucket)
+    assert all(b.untyped_storage().is_shared() for b in buckets)
+    said = [r.getMessage() for r in caplog.records if "moved into shared memory" in r.getMessage()]
+    assert len(said) == 1 and "2048-byte tensor" in said[0], said
+
+
 def test_another_tensor_at_the_same_address_is_not_taken_for_the_first():
     world = _World()
     sharing = Sharing(world)

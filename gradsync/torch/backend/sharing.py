@@ -65,6 +65,7 @@ class Sharing:
         self._above = world.adopt_above()
         # storage address -> (the tensor seen there, whether torch refused to move it)
         self._seen: dict[int, tuple[weakref.ref, bool]] = {}
+        self._told = False  # the first move was said (INFO, once per group)
 
     def offer(self, t: torch.Tensor) -> None:
         """Makes ``t``'s storage a shared buffer of this rank's where that pays (module
@@ -96,13 +97,19 @@ class Sharing:
                 why = str(exc)
         if why:
             self._seen[address] = (seen[0], True)
-            log.info("gradsync: a %d-byte tensor stays in private memory (%s); its allreduces "
+            log.info("a %d-byte tensor stays in private memory (%s); its allreduces "
                      "go through the host segment's slots", t.nbytes, why)
             return
         del self._seen[address]
         fd = _descriptor(storage)
         if fd is not None:
             self._world.adopt_shared(storage.data_ptr(), fd, storage.nbytes())
+        if not self._told:
+            self._told = True
+            log.info("a %d-byte tensor reduced in backward passes (a DDP bucket) moved "
+                     "into shared memory, where the host's ranks fold it without copies; so do "
+                     "the next ones (GRADSYNC_TORCH_SHARE_BUCKETS=0 keeps them where they are)",
+                     t.nbytes)
 
 
 def _room_for(nbytes: int, where: str = "/dev/shm") -> str:
