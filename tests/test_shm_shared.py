@@ -3,10 +3,10 @@
 Each rank allocates its buffers itself (a memfd), or adopts memory that lives in a shared
 file already (``ShmGroup.adopt``: the torch backend's DDP buckets); the others map them at the
 first allreduce that needs them. From a slot's size on, the ranks agree whether every one
-passed a shared buffer, and otherwise meet on the slots. Results must be bitwise equal to a NumPy reduction in the order the owner of
-each sub-slice folds (its own value first, then the others by local rank) on every rank, for
-world sizes 1-4, several dtypes, uneven and multi-piece counts, interleaved with the slots'
-collectives; failures must end in the group's usual errors. Ranks are forked by
+passed a shared buffer, and otherwise meet on the slots. Results must be bitwise equal to a
+NumPy reduction in the order the owner of each sub-slice folds (its own value first, then the
+others by local rank) on every rank, for world sizes 1-4, several dtypes, uneven and
+multi-piece counts, interleaved with the slots' collectives; failures must end in the group's usual errors. Ranks are forked by
 ``test_shm._launch`` (a deadline, stacks dumped on a hang, nothing left in /dev/shm).
 """
 

@@ -125,7 +125,7 @@ def test_a_move_that_torch_refuses_leaves_the_tensor_and_is_not_tried_again(monk
     assert "stays in private memory" in caplog.text and "No space left" in caplog.text
 
 
-@pytest.mark.parametrize("count", [200, 70])
+@pytest.mark.parametrize("count", [200, 30])
 def test_the_tensors_remembered_are_bounded(count):
     sharing = Sharing(_World())
     kept = [torch.zeros(512) for _ in range(count)]

@@ -23,8 +23,9 @@ rank faster than three slow ones names nobody: it is the odd one, not they.) Ran
 (10) steps (6 of 10) is *named*, and stays named until it was late in at most a quarter of
 them (2 of 10): a rank slowed just past the bar, which a busy machine moves it under for a
 step or two, is not named and let go again and again, a warning each time. Named: a WARNING
-of the ``gradsync`` logger on rank 0 with its host and where its steps go, the numbers in ``gradsync.stragglers()``, an instant in the timeline
-and a call of the callbacks registered on an elastic ``State``
+of the ``gradsync`` logger on rank 0 with its host and where its steps go, the numbers in
+``gradsync.stragglers()``, an instant in the timeline and a call of the callbacks registered
+on an elastic ``State``
 (``register_straggler_callbacks``). Where the time of a step goes is split three ways:
 *communication* is the least any rank blocked in it (what the last to arrive blocked: the
 collectives themselves), *waiting* is the rest of a rank's blocked time, *data* is the time

@@ -43,8 +43,8 @@ instead of the slots; from a slot's size on, only where every rank passes one, w
 ranks tell each other in one arrival before the pieces); an allreduce that fits one piece of
 at most ``small_bytes`` takes the one-step road (``segment_small.py``: one synchronisation
 instead of two, and one C call where ``_shmfast.c`` has a kernel for the op and dtype, whose
-codes ``_FAST_CODES`` below builds); anything else the pieces above. A broadcast goes piece by piece through the root's
-slots, a barrier is one arrival.
+codes ``_FAST_CODES`` below builds); anything else the pieces above. A broadcast goes piece
+by piece through the root's slots, a barrier is one arrival.
 
 The parts, bottom up: ``segment_layout.py`` places every word and slot of the segment and
 makes and names it; ``segment_sync.py`` (``SegmentRank``) is one rank's hold on it, the

@@ -145,16 +145,17 @@ class SharedRoad(SegmentRank):
         shared = self._shared.get(address)
         if shared is None or data.nbytes > shared[2]:
             return None
-        if not shared[3]:
-            if data.nbytes < self.slot_bytes:  # adopted buffers take the agreed road alone
-                return None
-            try:
-                same = _identity(os.fstat(shared[0])) == shared[1]
-            except OSError:
-                same = False
-            if not same:
-                del self._shared[address]
-                return None
+        if shared[3]:  # made here: the descriptor is this group's own
+            return shared
+        if data.nbytes < self.slot_bytes:  # adopted buffers take the agreed road alone
+            return None
+        try:
+            same = _identity(os.fstat(shared[0])) == shared[1]
+        except OSError:
+            same = False
+        if not same:
+            del self._shared[address]
+            return None
         return shared
 
     def release(self, address: int) -> None:

@@ -32,10 +32,11 @@ fail = Checks(R).fail
 
 
 class Net(nn.Module):
-    def __init__(self, unused: bool = False):
+    def __init__(self, unused: bool = False, width: int = 16):
         super().__init__()
-        self.fc1, self.fc2, self.fc3 = nn.Linear(IN, 16), nn.Linear(16, 16), nn.Linear(16, OUT)
-        self.spare = nn.Linear(16, OUT) if unused else None  # never used in forward
+        self.fc1, self.fc2 = nn.Linear(IN, width), nn.Linear(width, width)
+        self.fc3 = nn.Linear(width, OUT)
+        self.spare = nn.Linear(width, OUT) if unused else None  # never used in forward
 
     def forward(self, x):
         return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
@@ -115,23 +116,16 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E
 WIDE = 384  # fc2's 384 x 384 float64 weights: 1.1 MiB
 
 
-class Wide(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2, self.fc3 = nn.Linear(IN, WIDE), nn.Linear(WIDE, WIDE), nn.Linear(WIDE, OUT)
-
-    def forward(self, x):
-        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
-
-
 def wide(distributed: bool, **kwargs):
     torch.manual_seed(0)
-    model = DDP(Wide(), **kwargs) if distributed else Wide()
+    model = DDP(Net(width=WIDE), **kwargs) if distributed else Net(width=WIDE)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
         opt.zero_grad()
         x, y = batch(step)
-        F.cross_entropy(model(mine(x) if distributed else x), mine(y) if distributed else y).backward()
+        if distributed:
+            x, y = mine(x), mine(y)
+        F.cross_entropy(model(x), y).backward()
         opt.step()
     return model
 
