@@ -40,8 +40,8 @@ IDENTITY_VARIABLES = frozenset(
         "STORE_ADDR", "STORE_PORT", "SECRET", "JOB_ID", "LAUNCHER_PID", "HOSTNAME", "SERVERS",
         "DATA_SERVERS", "ELASTIC_ID",
         # Not identities: gradsync run's --bind-to and --start-method defaults, read by the
-        # launcher.
-        "BIND", "START_METHOD",
+        # launcher, and the template handed to a launcher (run/forkserver.py), which it removes.
+        "BIND", "START_METHOD", "TEMPLATE",
     }
 )
 

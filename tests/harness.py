@@ -330,9 +330,159 @@ def kill_marked(mark: str) -> None:
             pass
 
 
+# --- one import of torch for every job ---------------------------------------------------
+#
+# Each job's launcher and its template (or tests/ranks/forked.py) used to import torch,
+# torch._dynamo and gradsync afresh: 2 to 3 s of CPU a job, a third of the default tier's CPU
+# on the 2-core machine (docs/testing.md, "One import of torch for every job"). So each pytest
+# process keeps one template of its own (gradsync's forkserver, ``_session_template``) that
+# imported them once, and ``run_job`` forks from it the jobs that can be: ``gradsync run``
+# (through tests/ranks/handed_launcher.py, which forks the job's template before it becomes the
+# launcher) and tests/ranks/forked.py. A forked job's processes do not show the job's mark in
+# /proc/<pid>/environ (the kernel shows the environment a process was exec'd with: here the
+# session template's, which carries ``SESSION_MARK``), so a job whose caller looks for its
+# processes by its mark (``mark=`` or ``MARK`` in ``env``) is exec'd as before, and a forked
+# job is stopped by its process tree (``_kill_forked``). ``GS_TEST_FORK_JOBS=0`` execs every job.
+
+SESSION_MARK = "GS_TEST_SESSION_TEMPLATE"
+"""The variable in the session template's environment (and so in the /proc environ of every
+process forked from it), valued by the pytest process that started it."""
+
+_SESSION_PRELOAD = ("?torch._dynamo", "?gradsync.torch", "gradsync.run.cli",
+                    "gradsync.run.launcher", "gradsync.run.elastic")
+_session: list = []  # [the Forkserver], once started
+
+
+def _session_template():
+    """This process's template (started at the first call), or None where jobs are exec'd."""
+    if os.environ.get("GS_TEST_FORK_JOBS", "1") == "0":
+        return None
+    if not _session:
+        import atexit
+
+        from gradsync.run.forkserver import Forkserver
+
+        forks = Forkserver(_SESSION_PRELOAD)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+        env.update({SESSION_MARK: str(os.getpid()), "OMP_NUM_THREADS": "1"})
+        forks.begin(env)
+        atexit.register(forks.close)
+        _session.append(forks)
+    return _session[0]
+
+
+def _forkable(cmd: list, env: dict) -> list | None:
+    """``cmd`` as the session template runs it, or None when it is exec'd."""
+    words = [str(w) for w in cmd]
+    if not words or words[0] != sys.executable:
+        return None
+    if words[1:4] == ["-m", "gradsync", "run"]:
+        if env.get(START_METHOD) == "forkserver":
+            return [sys.executable, str(RANKS / "handed_launcher.py"), *words[3:]]
+        return words
+    if len(words) > 1 and words[1] == str(RANKS / "forked.py"):
+        return words
+    return None
+
+
+class _ForkedJob:
+    """A job forked from the session template, read as ``run_job`` reads a ``Popen``:
+    ``communicate`` (text, stderr merged), ``wait``, ``returncode``, ``args``."""
+
+    def __init__(self, child, args: list):
+        self.child, self.args, self.pid = child, args, child.pid
+        self._data = b""
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        self._data = self.child.stdout.read()  # to the end: every holder of the pipe gone
+        self.child.stdout.close()
+
+    @property
+    def returncode(self):
+        return self.child.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.child.wait(timeout)
+
+    def communicate(self, timeout: float | None = None):
+        import time
+
+        end = None if timeout is None else time.monotonic() + timeout
+        self._reader.join(timeout)
+        if self._reader.is_alive():
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        self.child.wait(None if end is None else max(0.0, end - time.monotonic()))
+        text = self._data.decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n")
+        return text, None
+
+
+def _tree(root: int) -> list[int]:
+    """``root`` and every process below it, from /proc's parent links."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                parent = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, ()))
+    return found
+
+
+def session_forks() -> list[int]:
+    """The live processes below this one forked from its session template, the template
+    itself left out (its /proc environ carries ``SESSION_MARK`` with this process's pid)."""
+    template = _session[0].template_pid if _session else None
+    needle = f"{SESSION_MARK}={os.getpid()}".encode()
+    found = []
+    for pid in _tree(os.getpid()):
+        if pid in (os.getpid(), template) or gone(pid):
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+def _kill_forked(job: _ForkedJob) -> None:
+    """SIGKILL to a forked job's every process: its tree (stopped first, so that none forks
+    meanwhile; the launcher is a subreaper, so its ranks stay below it), and the processes the
+    session template's forks left as this process's children (a launcher that ended before its
+    ranks: they were reparented here, a subreaper too)."""
+    stopped: set[int] = set()
+    roots = [job.pid, *session_forks()]
+    while True:
+        fresh = [pid for root in roots for pid in _tree(root) if pid not in stopped]
+        if not fresh:
+            break
+        for pid in fresh:
+            stopped.add(pid)
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except OSError:
+                pass
+    for pid in stopped:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def run_job(cmd: list, *, timeout: float, env: dict | None = None, cwd=None,
             mark: str | None = None, grace: float = 8.0,
-            what: str | None = None) -> Result:
+            what: str | None = None, fork: bool = True) -> Result:
     """Runs a launcher command (``gradsync run``/``bench``, torchrun) to its end, stdout and
     stderr together, with a deadline for the whole job, not only the launcher.
 
@@ -350,7 +500,10 @@ def run_job(cmd: list, *, timeout: float, env: dict | None = None, cwd=None,
         mark: the value of ``MARK`` for this job (default a new one), for a test that looks
             for its own processes with ``marked``.
         what: how the deadline's error names the job (default the command's start).
+        fork: whether the job may be forked from the session template ("One import of torch
+            for every job", above); False for a test of what an exec'd launcher is.
     """
+    looked_for = mark is not None or MARK in (env or {})  # by the caller, with ``marked``
     mark = mark or new_mark()
     full_env = dict(env if env is not None else
                     {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")})
@@ -358,9 +511,22 @@ def run_job(cmd: list, *, timeout: float, env: dict | None = None, cwd=None,
     # Local ranks fork from one template that imported torch once (docs/testing.md, "Ranks
     # forked from a template"); a test of the exec'd start sets it to exec.
     full_env.setdefault(START_METHOD, os.environ.get("GS_TEST_START_METHOD", "forkserver"))
+    forked = _forkable(cmd, full_env) if fork and not looked_for else None
+    template = None if forked is None else _session_template()
     # Read while it stops its ranks, so that it never blocks on a full pipe meanwhile.
-    launcher = start(cmd, full_env, merge_stderr=True, text=True, cwd=cwd)
-    proc = launcher.proc
+    if template is not None:
+        launcher = template.start(forked, full_env, cwd=cwd, merge_stderr=True)
+        proc = _ForkedJob(launcher.proc, list(cmd))
+
+        def kill() -> None:
+            _kill_forked(proc)
+            kill_marked(mark)  # ranks it exec'd, reparented here once it ended
+    else:
+        launcher = start(cmd, full_env, merge_stderr=True, text=True, cwd=cwd)
+        proc = launcher.proc
+
+        def kill() -> None:
+            kill_marked(mark)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -368,13 +534,13 @@ def run_job(cmd: list, *, timeout: float, env: dict | None = None, cwd=None,
         try:
             out, _ = proc.communicate(timeout=grace)
         except subprocess.TimeoutExpired:
-            kill_marked(mark)
+            kill()
             out, _ = proc.communicate()
-        kill_marked(mark)  # ranks the launcher did not stop in its grace
+        kill()  # ranks the launcher did not stop in its grace
         what = what or f"{' '.join(map(str, cmd[:6]))} ..."
         raise AssertionError(report(f"{what} passed its {timeout}s deadline:", out)) from None
     except BaseException:
-        kill_marked(mark)
+        kill()
         proc.wait()
         raise
     return Result(proc.returncode, out, proc.args)

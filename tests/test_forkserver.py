@@ -78,6 +78,50 @@ def test_a_forked_rank_gives_its_exit_status_its_signal_and_a_deadline():
     devnull.close()
 
 
+def test_a_handed_template_is_taken_once_and_only_when_it_is_one(monkeypatch):
+    monkeypatch.setenv(forkserver.HANDED, "garbage")
+    assert forkserver.take_handed() is None and forkserver.HANDED not in os.environ
+    read, write = os.pipe()  # a descriptor that is no socket: inherited by mistake
+    try:
+        monkeypatch.setenv(forkserver.HANDED, f"{read}:1")
+        assert forkserver.take_handed() is None
+        os.fstat(read)  # not closed: not ours
+    finally:
+        os.close(read)
+        os.close(write)
+
+
+@pytest.mark.parametrize("preload", [["json"], ["gs_no_such_module"]])
+def test_a_handed_template_imports_the_jobs_preload_then_forks_its_ranks(preload, tmp_path,
+                                                                         monkeypatch):
+    import socket
+
+    script = tmp_path / "rank.py"
+    script.write_text("import os, sys\nprint('rank', os.environ['GS_WHO'], 'json' in sys.modules,"
+                      " flush=True)\n")
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    template = _child(lambda: (ours.close(), forkserver.main([str(theirs.detach())])))
+    theirs.close()
+    monkeypatch.setenv(forkserver.HANDED, f"{ours.detach()}:{template}")
+    handed = forkserver.take_handed()
+    assert handed is not None and forkserver.HANDED not in os.environ
+    forks = forkserver.Forkserver(preload, handed=handed)
+    try:
+        forks.begin(dict(os.environ))
+        if preload == ["gs_no_such_module"]:  # as in a template of the launcher's own
+            with pytest.raises(OSError, match="--preload gs_no_such_module: ModuleNotFoundError"):
+                forks.start([sys.executable, str(script)], {**os.environ, "GS_WHO": "0"})
+            return
+        rank = forks.start([sys.executable, str(script)], {**os.environ, "GS_WHO": "7"},
+                           merge_stderr=True)
+        assert rank is not None and rank.proc.stderr is None
+        assert rank.proc.wait(timeout=DEADLINE) == 0
+        assert rank.proc.stdout.read() == b"rank 7 True\n"  # its preload, done before it
+    finally:
+        forks.close()  # the template ends with its socket, reaped here
+    assert handed[1].returncode == 0
+
+
 # ---------------------------------------------------------------------- launches
 
 
@@ -86,7 +130,9 @@ def _launch(*words: str, np_: int = 2, env: dict | None = None, cwd=None, mark=N
     full_env.update({"OMP_NUM_THREADS": "1"})
     full_env.update(env or {})
     cmd = [sys.executable, "-m", "gradsync", "run", "-np", str(np_), *words]
-    return run_job(cmd, timeout=DEADLINE, env=full_env, cwd=cwd, mark=mark)
+    # Exec'd, never forked from the session template (tests/harness.py): these tests look at
+    # what the launcher and its template are.
+    return run_job(cmd, timeout=DEADLINE, env=full_env, cwd=cwd, mark=mark, fork=False)
 
 
 def _views(output: str) -> dict[int, dict]:

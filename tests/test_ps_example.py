@@ -45,12 +45,12 @@ def workers_dropped(output: str) -> list[int]:
     return [int(d) for d in found[2].split(",")]
 
 
-def assert_trained(result) -> None:
+def assert_trained(result, target: float = 0.9) -> None:
     assert result.returncode == 0, str(result)
     epochs = re.findall(r"epoch +(\d+) +loss ([0-9.]+) +test accuracy", result.output)
     assert [int(e) for e, _ in epochs] == list(range(1, EPOCHS + 1)), str(result)
     assert float(epochs[-1][1]) < float(epochs[0][1]), str(result)  # the loss went down
-    assert final_accuracy(result.output) >= 0.9, str(result)
+    assert final_accuracy(result.output) >= target, str(result)
 
 
 def test_backup_drops_the_late_gradient_and_still_trains():
@@ -80,7 +80,7 @@ def test_ssp_keeps_the_clocks_within_the_bound():
     # 0.947-0.964 in six runs by hand; 0.881-0.958 in ten beside two CPU burners; 0.897 in a
     # loaded slow tier, and once below 0.85 beside two burners). Not training stays below 0.3.
     result = run("ssp", "--staleness", "1", target=0.8)
-    assert_trained(result)
+    assert_trained(result, target=0.8)  # 0.867 once in a loaded slow tier (2026-12-01)
     [s] = servers(result.output)
     assert s["version"] == s["applied"] == 2 * STEPS, str(result)
     assert s["max_clock_gap"] <= 1, str(result)

@@ -58,6 +58,18 @@ address and sends its port back on a pipe. torch is already imported there, so n
 launcher nor the keeper imports it: a forkserver job pays torch's import once, in the
 template. The keeper ends with its lifeline pipe, as ``keeper.py`` says.
 
+**A template handed down.** A program that starts many launchers on one host (this project's
+tests start hundreds) can pay torch's import once for all of them: it forks, from a process that
+imported torch already, a process that becomes the launcher, and before that a template of its
+own (``main``); the launcher finds it in ``HANDED`` (``FD:PID``: its socket and pid), which
+``take_handed`` reads and removes, so that no rank inherits it. The template must be the
+launcher's child or a descendant of it (the ranks it forks are reparented to the launcher,
+a subreaper). The launcher then asks it to import the job's ``--preload`` modules (a
+``{"preload": [...]}`` message, answered ``{"ok": true}``; a module that cannot be imported
+fails every start, as in a template of the launcher's own), and uses it as its own. What a
+template's start reads once (glibc's malloc variables, ``OMP_NUM_THREADS`` as the OpenMP runtime
+reads it at its load) is then whatever the forking program had.
+
 **Lifetime.** The template ends when its socket closes: the launcher closed it
 (``Forkserver.close``) or ended. A rank it forked lives on without it, and so does the keeper.
 """
@@ -88,7 +100,8 @@ from typing import IO, Mapping, Sequence
 from .keeper import READY_TIMEOUT as KEEPER_TIMEOUT, StoreKeeper, serve_until_closed
 from .processes import Process
 
-__all__ = ["Forkserver", "Forked", "Plan", "plan", "DEFAULT_PRELOAD", "ELASTIC_PRELOAD", "MODULE"]
+__all__ = ["Forkserver", "Forked", "Plan", "plan", "DEFAULT_PRELOAD", "ELASTIC_PRELOAD", "MODULE",
+           "HANDED", "take_handed"]
 
 MODULE = "gradsync.run.forkserver"
 """What the launcher runs (``python -m``) to start a template."""
@@ -105,6 +118,10 @@ and a worker that joins a running job imports it before it says it is ready anyw
 (``elastic/worker._prepare``). Other jobs import it only with ``--preload torch._dynamo``: a
 job that builds no optimizer would pay it for nothing, 1.4 s at its start (docs/launch.md,
 "What a training script imports later")."""
+
+HANDED = "GRADSYNC_TEMPLATE"
+"""``FD:PID`` of a template the launcher's starter forked for it (module docstring, "A
+template handed down"); read once, by ``take_handed``."""
 
 _MESSAGE = 1 << 20  # the largest request: an environment of a few KiB, with room to spare
 _PR_SET_CHILD_SUBREAPER = 36
@@ -150,6 +167,24 @@ def _same_interpreter(found: str, executable: str) -> bool:
         os.path.realpath(found) == os.path.realpath(executable)
 
 
+def take_handed() -> "tuple[socket.socket, Forked] | None":
+    """The template handed down to this process (``HANDED``), its variable removed from the
+    environment; None when there is none or it is not one (a descriptor that is not a socket:
+    the variable was inherited by a process it was not meant for)."""
+    value = os.environ.pop(HANDED, "")
+    fd, _, pid = value.partition(":")
+    if not (fd.isdigit() and pid.isdigit()):
+        return None
+    try:
+        connection = socket.socket(fileno=int(fd))
+    except OSError:
+        return None
+    if connection.type != socket.SOCK_SEQPACKET:
+        connection.detach()  # not ours to close
+        return None
+    return connection, Forked(int(pid), ["forkserver template"], None, None)
+
+
 class Forked:
     """A rank forked by a template, made this process's child: the part of
     ``subprocess.Popen`` the launchers use (``pid``, ``poll``, ``wait``, ``returncode``, the
@@ -186,6 +221,14 @@ class Forked:
             pause = min(2 * pause, 0.05)
         return code
 
+    def kill(self) -> None:
+        """SIGKILL, unless it was reaped already."""
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def _reap(self, flags: int) -> int | None:
         with self._lock:
             if self.returncode is None:
@@ -209,12 +252,15 @@ class Forkserver:
         preload: modules the template imports beyond ``DEFAULT_PRELOAD``; one that cannot be
             imported fails every start (``OSError``), as a missing program would.
         executable: the interpreter the template runs (the launcher's).
+        handed: a template already running (``take_handed``), used instead of starting one.
     """
 
-    def __init__(self, preload: Sequence[str] = (), executable: str = sys.executable):
+    def __init__(self, preload: Sequence[str] = (), executable: str = sys.executable, *,
+                 handed: "tuple[socket.socket, Forked] | None" = None):
         self.preload, self.executable = tuple(preload), executable
+        self._handed = handed
         self._socket: socket.socket | None = None
-        self._template: subprocess.Popen | None = None
+        self._template: subprocess.Popen | Forked | None = None
         self._failed: OSError | None = None  # why ``begin`` could not start the template
         self._env: Mapping[str, str] | None = None  # the environment ``begin`` was given
         self._lock = threading.Lock()  # one request at a time on the one socket
@@ -231,10 +277,12 @@ class Forkserver:
                 self._failed = exc
 
     def start(self, command: Sequence[str], env: Mapping[str, str], *,
-              cwd: str | None = None, cores: Sequence[int] | None = None) -> Process | None:
+              cwd: str | None = None, cores: Sequence[int] | None = None,
+              merge_stderr: bool = False) -> Process | None:
         """Forks ``command`` as a rank with the whole environment ``env``, in ``cwd`` (None:
         this process's), bound to ``cores`` (None: not bound); None when ``command`` is not one
-        a template runs (``plan``): the caller starts it itself.
+        a template runs (``plan``): the caller starts it itself. With ``merge_stderr`` its
+        stderr is its stdout's pipe (``stderr`` None), as ``stderr=subprocess.STDOUT`` gives.
 
         Raises:
             OSError: the template cannot be started, failed to import a module, or could not
@@ -248,7 +296,8 @@ class Forkserver:
                    "cwd": os.path.abspath(cwd or os.getcwd()),
                    "cores": None if cores is None else list(cores)}
         out_read, out_write = os.pipe()
-        err_read, err_write = os.pipe()
+        err_read, err_write = (-1, os.dup(out_write)) if merge_stderr else os.pipe()
+        reads = [fd for fd in (out_read, err_read) if fd >= 0]
         try:
             with self._lock:
                 connection = self._connection(env)
@@ -256,20 +305,25 @@ class Forkserver:
                                 [out_write, err_write])
                 answer = self._answer(connection)
         except BaseException:
-            os.close(out_read)
-            os.close(err_read)
+            for fd in reads:
+                os.close(fd)
             raise
         finally:
             os.close(out_write)
             os.close(err_write)
         if "error" in answer:
-            os.close(out_read)
-            os.close(err_read)
+            for fd in reads:
+                os.close(fd)
             raise OSError(f"the forkserver could not start {' '.join(command)}: "
                           f"{answer['error']}")
         child = Forked(answer["pid"], command, os.fdopen(out_read, "rb"),
-                       os.fdopen(err_read, "rb"))
+                       None if err_read < 0 else os.fdopen(err_read, "rb"))
         return Process(child)
+
+    @property
+    def template_pid(self) -> int | None:
+        """The template's pid, once it runs (or was handed down); None before."""
+        return None if self._template is None else self._template.pid
 
     @property
     def begun(self) -> bool:
@@ -316,6 +370,9 @@ class Forkserver:
     def close(self) -> None:
         """Ends the template (its socket closes); the ranks it forked live on."""
         with self._lock:
+            if self._handed is not None:  # never used: it ends with its socket
+                self._socket, self._template = self._handed
+                self._handed = None
             if self._socket is not None:
                 self._socket.close()
                 self._socket = None
@@ -337,6 +394,12 @@ class Forkserver:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+        if self._handed is not None:
+            self._socket, self._template = self._handed
+            self._handed = None
+            self._socket.send(json.dumps({"preload": list(self.preload)}).encode())
+            self._answer(self._socket)
+            return self._socket
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._template = subprocess.Popen(
@@ -394,11 +457,15 @@ def serve(connection: socket.socket, preload: Sequence[str]) -> dict | None:
         if not data:
             return None
         try:
+            request = json.loads(data)
+            if "preload" in request:  # a handed template's launcher (module docstring)
+                failure = failure or _preload(request["preload"], defaults=False)
+                connection.send(json.dumps({"ok": True}).encode())
+                continue
             if failure is not None:
                 raise OSError(failure)
             if len(fds) != 2:
                 raise OSError(f"a request came with {len(fds)} descriptors, not 2")
-            request = json.loads(data)
             pid = _fork()
             if pid == 0:  # the rank
                 connection.close()
@@ -412,9 +479,10 @@ def serve(connection: socket.socket, preload: Sequence[str]) -> dict | None:
         connection.send(json.dumps(answer).encode())
 
 
-def _preload(preload: Sequence[str]) -> str | None:
-    """Imports the modules; returns why one of ``preload`` failed, None when all did."""
-    for name in DEFAULT_PRELOAD:
+def _preload(preload: Sequence[str], defaults: bool = True) -> str | None:
+    """Imports the modules (``DEFAULT_PRELOAD`` first, with ``defaults``); returns why one of
+    ``preload`` failed, None when all did."""
+    for name in DEFAULT_PRELOAD if defaults else ():
         try:
             importlib.import_module(name)
         except ImportError:

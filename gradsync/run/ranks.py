@@ -51,7 +51,7 @@ from ..cluster.rendezvous import host_store
 from ..config import ENV_PREFIX, HOROVOD_IDENTITY, IDENTITY_VARIABLES, horovod_settings
 from ..errors import ConfigError
 from . import binding
-from .forkserver import Forkserver, plan
+from .forkserver import Forkserver, plan, take_handed
 from .hosts import Host
 from .keeper import StoreKeeper, spawn as spawn_keeper
 from .processes import (DEFAULT_START_TIMEOUT, STOP_GRACE, Child, Output, Process, StartError, Ssh,
@@ -338,8 +338,13 @@ class Starter:
                        spec.start_timeout or DEFAULT_START_TIMEOUT, spec.ssh_identity_file)
         self.forks = None
         self.keeper: StoreKeeper | None = None  # the job's store, where a keeper holds it
+        # A template handed down by whoever started this launcher (forkserver.py, "A template
+        # handed down"): taken whatever the start method, so that no rank inherits it.
+        handed = take_handed()
+        if handed is not None and spec.start_method != "forkserver":
+            handed[0].close()  # it ends with its socket
         if spec.start_method == "forkserver":
-            self.forks = Forkserver(spec.preload)
+            self.forks = Forkserver(spec.preload, handed=handed)
             roles = [spec.command] + ([spec.command_of(spec.num_proc)] if spec.servers else [])
             here = [h.slots for h in spec.hosts if is_local(h.name)] if spec.hosts \
                 else [spec.size]
