@@ -34,7 +34,8 @@ def test_a_forked_launchers_ranks_see_what_an_exec_d_launchers_ranks_see(tmp_pat
         pytest.skip("GS_TEST_FORK_JOBS=0: every job is exec'd")
     cmd = [sys.executable, "-m", "gradsync", "run", "-np", "2", "--bind-to", "core",
            sys.executable, VIEW, "--n", "3"]
-    result = run_job(cmd, timeout=60, env=_env(), cwd=tmp_path)
+    # A template handed down, whatever GS_TEST_START_METHOD says.
+    result = run_job(cmd, timeout=60, env=_env(GRADSYNC_START_METHOD="forkserver"), cwd=tmp_path)
     assert result.returncode == 0, result
     assert harness._session, "the job was not forked from the session template"
     views = {v["rank"]: v for v in map(json.loads, re.findall(r"VIEW (\{.*\})", result.output))}
