@@ -20,7 +20,7 @@ import sys
 import threading
 from pathlib import Path
 
-from gradsync.run.processes import start
+from gradsync.run.processes import Process, start
 from gradsync.testbed.procfs import gone
 from gradsync.transport import tcp
 from gradsync.transport.comm import Comm
@@ -165,8 +165,7 @@ def spawn(np_: int, script: str, *args: str, timeout: float = 60, env: dict | No
                   "TORCHELASTIC_USE_AGENT_STORE": str(agent_store)})
         e.update(env or {})
         e.update((per_rank_env or (lambda r: {}))(r))
-        procs.append(start([sys.executable, str(RANKS / script), *args], e,
-                           merge_stderr=True, text=True))
+        procs.append(_start_rank([sys.executable, str(RANKS / script), *args], e))
     results = []
     try:
         for r, p in enumerate(procs):
@@ -385,6 +384,16 @@ def _forkable(cmd: list, env: dict) -> list | None:
     return None
 
 
+def _start_rank(cmd: list, env: dict):
+    """A rank of ``spawn``: forked from the session template where jobs are (its deadline
+    signals each rank's own session, as it does an exec'd one's), else exec'd."""
+    template = _session_template()
+    if template is None:
+        return start(cmd, env, merge_stderr=True, text=True)
+    forked = template.start(cmd, env, merge_stderr=True)
+    return Process(_ForkedJob(forked.proc, list(cmd)))
+
+
 class _ForkedJob:
     """A job forked from the session template, read as ``run_job`` reads a ``Popen``:
     ``communicate`` (text, stderr merged), ``wait``, ``returncode``, ``args``."""
@@ -402,6 +411,9 @@ class _ForkedJob:
     @property
     def returncode(self):
         return self.child.returncode
+
+    def poll(self):
+        return self.child.poll()
 
     def wait(self, timeout: float | None = None) -> int:
         return self.child.wait(timeout)
