@@ -337,7 +337,7 @@ def kill_marked(mark: str) -> None:
 # process keeps one template of its own (gradsync's forkserver, ``_session_template``) that
 # imported them once, and ``run_job`` forks from it the jobs that can be: ``gradsync run``
 # (through tests/ranks/handed_launcher.py, which forks the job's template before it becomes the
-# launcher) and tests/ranks/forked.py. A forked job's processes do not show the job's mark in
+# launcher), tests/ranks/forked.py, and ``spawn``'s ranks. A forked job's processes do not show the job's mark in
 # /proc/<pid>/environ (the kernel shows the environment a process was exec'd with: here the
 # session template's, which carries ``SESSION_MARK``), so a job whose caller looks for its
 # processes by its mark (``mark=`` or ``MARK`` in ``env``) is exec'd as before, and a forked
@@ -391,12 +391,14 @@ def _start_rank(cmd: list, env: dict):
     if template is None:
         return start(cmd, env, merge_stderr=True, text=True)
     forked = template.start(cmd, env, merge_stderr=True)
+    if forked is None:  # not a command of this interpreter's: exec'd
+        return start(cmd, env, merge_stderr=True, text=True)
     return Process(_ForkedJob(forked.proc, list(cmd)))
 
 
 class _ForkedJob:
     """A job forked from the session template, read as ``run_job`` reads a ``Popen``:
-    ``communicate`` (text, stderr merged), ``wait``, ``returncode``, ``args``."""
+    ``communicate`` (text, stderr merged), ``poll``, ``wait``, ``returncode``, ``args``."""
 
     def __init__(self, child, args: list):
         self.child, self.args, self.pid = child, args, child.pid
