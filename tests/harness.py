@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from gradsync.run.processes import Process, start
@@ -165,7 +166,10 @@ def spawn(np_: int, script: str, *args: str, timeout: float = 60, env: dict | No
                   "TORCHELASTIC_USE_AGENT_STORE": str(agent_store)})
         e.update(env or {})
         e.update((per_rank_env or (lambda r: {}))(r))
-        procs.append(_start_rank([sys.executable, str(RANKS / script), *args], e))
+        cmd = [sys.executable, str(RANKS / script), *args]
+        # Forked where it can be (each rank leads its own session either way, so the deadline's
+        # signal below reaches it alike): "One import of torch for every job", below.
+        procs.append(_fork_from_session(cmd, e) or start(cmd, e, merge_stderr=True, text=True))
     results = []
     try:
         for r, p in enumerate(procs):
@@ -384,16 +388,12 @@ def _forkable(cmd: list, env: dict) -> list | None:
     return None
 
 
-def _start_rank(cmd: list, env: dict):
-    """A rank of ``spawn``: forked from the session template where jobs are (its deadline
-    signals each rank's own session, as it does an exec'd one's), else exec'd."""
+def _fork_from_session(cmd: list, env: dict, cwd=None) -> Process | None:
+    """``cmd`` forked from the session template, its stderr on its stdout, read as a
+    ``Popen`` (``_ForkedJob``); None where jobs are exec'd or the template cannot run it."""
     template = _session_template()
-    if template is None:
-        return start(cmd, env, merge_stderr=True, text=True)
-    forked = template.start(cmd, env, merge_stderr=True)
-    if forked is None:  # not a command of this interpreter's: exec'd
-        return start(cmd, env, merge_stderr=True, text=True)
-    return Process(_ForkedJob(forked.proc, list(cmd)))
+    forked = None if template is None else template.start(cmd, env, cwd=cwd, merge_stderr=True)
+    return None if forked is None else Process(_ForkedJob(forked.proc, list(cmd)))
 
 
 class _ForkedJob:
@@ -421,8 +421,6 @@ class _ForkedJob:
         return self.child.wait(timeout)
 
     def communicate(self, timeout: float | None = None):
-        import time
-
         end = None if timeout is None else time.monotonic() + timeout
         self._reader.join(timeout)
         if self._reader.is_alive():
@@ -432,8 +430,8 @@ class _ForkedJob:
         return text, None
 
 
-def _tree(root: int) -> list[int]:
-    """``root`` and every process below it, from /proc's parent links."""
+def _tree(*roots: int) -> list[int]:
+    """``roots`` and every process below them, from one reading of /proc's parent links."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -444,7 +442,7 @@ def _tree(root: int) -> list[int]:
         except (OSError, IndexError, ValueError):
             continue
         children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [root]
+    found, todo = [], list(roots)
     while todo:
         pid = todo.pop()
         found.append(pid)
@@ -478,7 +476,7 @@ def _kill_forked(job: _ForkedJob) -> None:
     stopped: set[int] = set()
     roots = [job.pid, *session_forks()]
     while True:
-        fresh = [pid for root in roots for pid in _tree(root) if pid not in stopped]
+        fresh = [pid for pid in _tree(*roots) if pid not in stopped]
         if not fresh:
             break
         for pid in fresh:
@@ -526,21 +524,15 @@ def run_job(cmd: list, *, timeout: float, env: dict | None = None, cwd=None,
     # forked from a template"); a test of the exec'd start sets it to exec.
     full_env.setdefault(START_METHOD, os.environ.get("GS_TEST_START_METHOD", "forkserver"))
     forked = _forkable(cmd, full_env) if fork and not looked_for else None
-    template = None if forked is None else _session_template()
+    launcher = None if forked is None else _fork_from_session(forked, full_env, cwd)
     # Read while it stops its ranks, so that it never blocks on a full pipe meanwhile.
-    if template is not None:
-        launcher = template.start(forked, full_env, cwd=cwd, merge_stderr=True)
-        proc = _ForkedJob(launcher.proc, list(cmd))
+    launcher = launcher or start(cmd, full_env, merge_stderr=True, text=True, cwd=cwd)
+    proc = launcher.proc
 
-        def kill() -> None:
+    def kill() -> None:
+        if isinstance(proc, _ForkedJob):
             _kill_forked(proc)
-            kill_marked(mark)  # ranks it exec'd, reparented here once it ended
-    else:
-        launcher = start(cmd, full_env, merge_stderr=True, text=True, cwd=cwd)
-        proc = launcher.proc
-
-        def kill() -> None:
-            kill_marked(mark)
+        kill_marked(mark)  # the ranks it exec'd (reparented here, once a forked one ended)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -79,5 +79,7 @@ def test_a_job_whose_caller_looks_for_its_mark_is_exec_d(tmp_path):
     cmd = [sys.executable, "-m", "gradsync", "run", "-np", "2", sys.executable, VIEW]
     result = run_job(cmd, timeout=60, env=_env(), mark=mark)
     assert result.returncode == 0, result
-    for view in map(json.loads, re.findall(r"VIEW (\{.*\})", result.output)):
+    views = [json.loads(v) for v in re.findall(r"VIEW (\{.*\})", result.output)]
+    assert len(views) == 2, result
+    for view in views:
         assert not view["launcher_has_torch"]  # exec'd: a keeper holds the store

@@ -101,7 +101,7 @@ from .keeper import READY_TIMEOUT as KEEPER_TIMEOUT, StoreKeeper, serve_until_cl
 from .processes import Process
 
 __all__ = ["Forkserver", "Forked", "Plan", "plan", "DEFAULT_PRELOAD", "ELASTIC_PRELOAD", "MODULE",
-           "HANDED", "take_handed"]
+           "HANDED", "take_handed", "become_subreaper"]
 
 MODULE = "gradsync.run.forkserver"
 """What the launcher runs (``python -m``) to start a template."""
@@ -165,6 +165,18 @@ def _same_interpreter(found: str, executable: str) -> bool:
     found, executable = os.path.abspath(found), os.path.abspath(executable)
     return os.path.dirname(found) == os.path.dirname(executable) and \
         os.path.realpath(found) == os.path.realpath(executable)
+
+
+def become_subreaper() -> None:
+    """Makes this process a child subreaper (``prctl``): an orphan below it is reparented to
+    it, so that it can wait for the ranks a template forks (module docstring, "Whose child").
+
+    Raises:
+        OSError: the kernel refused.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
 
 
 def take_handed() -> "tuple[socket.socket, Forked] | None":
@@ -391,9 +403,7 @@ class Forkserver:
             return self._socket
         if sys.platform != "linux":
             raise OSError("--start-method forkserver needs Linux (a child subreaper)")
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+        become_subreaper()
         if self._handed is not None:
             self._socket, self._template = self._handed
             self._handed = None

@@ -10,7 +10,6 @@ that the ranks it forks are reparented to this process, the launcher, a subreape
 launcher as ``python -m gradsync`` would.
 """
 
-import ctypes
 import os
 import runpy
 import socket
@@ -19,8 +18,7 @@ import sys
 from gradsync.run import forkserver
 
 ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-if ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER
-    raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+forkserver.become_subreaper()
 sys.stdout.flush()
 sys.stderr.flush()
 template = os.fork()
