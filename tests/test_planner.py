@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from gradsync.bench import plan as plan_cli
 from gradsync.cluster.topology import Topology, load
 from gradsync.collectives import costs
-from gradsync.collectives.planner import choose_allreduce, plan, predict
+from gradsync.collectives import planner
+from gradsync.collectives.planner import Plans, choose_allreduce, plan, predict
 from gradsync.compress.comm import chosen
 from gradsync.config import Config
 from forked_jobs import spawn
@@ -173,6 +175,119 @@ def test_plan_prints_every_candidate_and_a_choice(capsys, tmp_path):
     assert len(rows) == 8 and rows[0][0] == "4096" and rows[-1][0] == str(64 * MiB)
     assert all(len(r) == 7 for r in rows)
     assert plan_cli.placement("a:2,b:1", True) == ["a", "b", "a"]
+
+
+# --------------------------------------------------------------- close calls, measured
+HD, RING = "halving_doubling", "ring"
+
+
+def _trials(plans: Plans, nbytes: int, seconds: dict, agree=lambda costs: None) -> list[str]:
+    """Runs allreduces of ``nbytes`` through ``plans`` while it is trying, each taking
+    ``seconds[algorithm]``; the algorithms they ran, and then the one kept."""
+    ran = []
+    while len(ran) < 20:
+        alg = plans.allreduce(nbytes)
+        if not plans.trying:
+            return ran + [alg]
+        ran.append(alg)
+        plans.ran(nbytes, "auto", alg, seconds[alg], agree)
+    raise AssertionError(f"still trying after {ran}")
+
+
+@pytest.mark.parametrize("faster", [RING, HD])
+def test_a_close_call_on_guessed_tiers_is_measured_and_the_faster_kept(faster):
+    # 4 hosts, the default tiers (a guessed 10 Gbit/s): 1 MiB is halving-doubling's by 6.3%
+    # predicted, within planner.TRIAL_MARGIN of the ring, so the first allreduces take both in
+    # turns and the faster is kept. Measured on 4 emulated hosts: the ring at 100 Mbit/s,
+    # halving-doubling at 1 Gbit/s (docs/topology.md, "Close calls, measured").
+    plans = Plans(4, Config(), False, Topology.from_hosts(list("abcd")))
+    assert not plans.trying
+    slower = HD if faster == RING else RING
+    ran = _trials(plans, MiB, {faster: 0.01, slower: 0.012})
+    assert ran == [HD, RING] * planner.TRIAL_ROUNDS + [faster]
+    assert not plans.trying
+    # Another size of the class (a power of 4) takes the outcome without trials of its own.
+    assert plans.allreduce(1_090_000) == faster and not plans.trying
+    # Outside the margin the model's choice stands, untried: doubling at 64 KiB (71% ahead of
+    # the ring), the ring at 4 MiB (its own choice).
+    assert plans.allreduce(64 << 10) == "doubling" and not plans.trying
+    assert plans.allreduce(4 * MiB) == RING and not plans.trying
+
+
+def test_the_trials_keep_what_the_ranks_measured_together():
+    # The ranks sum their medians (``agree``, a collective in the job) and keep by the sum, so
+    # all of them keep the same algorithm even where their own timings disagree: this rank
+    # found the ring faster, the others (their share added by ``agree``) much slower.
+    agreed = []
+
+    def agree(costs):
+        assert costs.dtype == np.float64 and costs.shape == (2,)
+        agreed.append(costs.copy())
+        costs += np.array([0.0, 3 * 0.1 / MiB])  # [HD, RING] per byte, three other ranks
+
+    plans = Plans(4, Config(), False, Topology.from_hosts(list("abcd")))
+    ran = _trials(plans, MiB, {HD: 0.012, RING: 0.01}, agree)
+    assert ran[-1] == HD and len(agreed) == 1
+    assert agreed[0] * MiB == pytest.approx([0.012, 0.01])  # this rank's medians, per byte
+
+
+def test_declared_tiers_requests_and_one_host_are_not_tried():
+    default = Topology.from_hosts(list("abcd"))
+    cases = {
+        "declared": Plans(4, Config(), False, Topology.from_hosts(
+            list("abcd"), {"tiers": {"host": {"bandwidth": "10gbit", "latency": "50us"}}})),
+        "configured": Plans(4, Config(algorithm=HD), False, default),
+        "no trial rounds": Plans(4, Config(), False, default, trial_rounds=0),
+        "one host": Plans(4, Config(), False, Topology.from_hosts(list("aaaa"))),
+    }
+    for why, plans in cases.items():
+        first = plans.allreduce(MiB)
+        assert not plans.trying, why
+        assert first == plans.allreduce(MiB), why
+    # A declared local tier leaves the host tier, the one crossed, guessed: tried.
+    local_only = Plans(4, Config(), False, Topology.from_hosts(
+        list("abcd"), {"tiers": {"local": {"bandwidth": "8GB/s"}}}))
+    assert local_only.allreduce(MiB) == HD and local_only.trying
+    plans = Plans(4, Config(), False, default)
+    assert plans.allreduce(MiB, HD) == HD and not plans.trying  # a requested algorithm
+
+
+def test_contested_needs_a_ring_close_behind_a_bursty_choice_on_a_bandwidth_bound_link():
+    f = costs.RankFabric(topo("abcd", SLOW), range(4))
+    m = planner.TRIAL_MARGIN
+    assert planner.contested(f, {HD: 1.0, RING: 1 + m / 2}, HD) == RING
+    assert planner.contested(f, {HD: 1.0, RING: 1 + 2 * m}, HD) is None
+    assert planner.contested(f, {"doubling": 1.0, "topo_ring": 1.1, RING: 1.2},
+                             "doubling") == "topo_ring"
+    assert planner.contested(f, {HD: 1.0, RING: 0.99}, RING) is None
+    assert planner.contested(f, {"doubling": 1.0, HD: 1.01}, "doubling") is None
+    # Latency-bound: halving-doubling's four latencies (400 us) more than half its time.
+    assert planner.contested(f, {HD: 6e-4, RING: 6.1e-4}, HD) is None
+
+
+def test_the_topology_says_which_tiers_a_file_declared_and_the_slowest_spanned():
+    t = Topology.from_hosts(["a", "a", "b"], {"tiers": {"host": {"latency": "1us"}}})
+    assert t.declared == {"host"} and Topology.from_hosts(["a", "b"]).declared == set()
+    assert t.slowest() == "host" and t.slowest([0, 1]) is None
+    grouped = Topology.from_hosts(["a", "b", "c"], {"groups": {"g": ["a", "b"], "h": ["c"]}})
+    assert grouped.slowest() == "group" and grouped.slowest([0, 1]) == "host"
+
+
+@pytest.mark.multiprocess
+def test_the_ranks_of_a_job_try_the_same_algorithms_and_keep_the_same_one():
+    # 4 ranks playing 4 hosts (loopback TCP), the default tiers: every 1 MiB allreduce exact,
+    # the first 2 x TRIAL_ROUNDS in turns, and every rank keeps the same algorithm.
+    calls = 2 * planner.TRIAL_ROUNDS + 2
+    ranks = spawn(4, "plan_trials.py", str(calls), timeout=90, lean=True,
+                  per_rank_env=lambda r: {"GRADSYNC_HOSTNAME": f"h{r}"})
+    assert all(r.returncode == 0 for r in ranks), [r.output for r in ranks]
+    seen = [(line for line in r.output.splitlines() if line.startswith("RAN ")) for r in ranks]
+    ran = [next(lines).split()[1:] for lines in seen]
+    kept = {next(x for x in r.output.splitlines() if x.startswith("KEPT ")) for r in ranks}
+    assert len(kept) == 1, kept
+    winner = kept.pop().split()[1]
+    assert winner in (HD, RING) and "TRYING False" in ranks[0].output
+    assert all(seq == [HD, RING] * planner.TRIAL_ROUNDS + [winner] * 2 for seq in ran), ran
 
 
 @pytest.mark.multiprocess

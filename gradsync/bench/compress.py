@@ -239,9 +239,11 @@ def _progress(row: dict) -> str:
     got = (f"target at step {row['steps_to_target']} in {row['time_to_target']:.1f} s"
            if row.get("reached") else f"{row['stop']} at step {row['steps']}")
     quality = "" if not final else f", val loss {final['loss']:.4f}"
+    ran = "; ".join(row.get("allreduce") or ())  # a gradsync group's sizes and algorithms
     return (f"compress: {row['rate']} {row['mode']}: {got}{quality}, "
             f"{row['seconds'] / row['steps']:.3f} s/step, "
-            f"{row['bytes_per_step'] / 1e6:.3f} MB/step/host")
+            f"{row['bytes_per_step'] / 1e6:.3f} MB/step/host" +
+            (f"; allreduce {ran}" if ran else ""))
 
 
 def drive(hosts: int, options) -> int:

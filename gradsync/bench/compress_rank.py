@@ -70,6 +70,7 @@ class _Trainer:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         self.task, self.model, self.outer, self.auto = task, model, None, None
+        self.group = None  # the gradsync group, in the modes that have one
         lr = s["lr"]
         if mode == "floor":
             self.net, self.opt = model, torch.optim.AdamW(model.parameters(), lr)
@@ -82,7 +83,7 @@ class _Trainer:
         if mode.startswith("gs-"):
             import gradsync  # noqa: F401  (registers the backend "gradsync")
 
-            group = dist.new_group(backend="gradsync")
+            group = self.group = dist.new_group(backend="gradsync")
         if mode == "gs-diloco":
             from gradsync.compress import DiLoCo, Int8, TorchComm
 
@@ -254,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
         row["decision"] = decision.summary()
         row["decisions"] = [f"step {d.step} ({d.reason}): {d.short()}"
                             for d in trainer.auto.history]
+    if trainer.group is not None:
+        # What the gradsync group's allreduces ran, by size (the planner's close calls
+        # measured: collectives/planner.py).
+        row["allreduce"] = trainer.group._get_backend(torch.device("cpu")).world.plans.kept()
     row.update(mode=args.mode, choice=trainer.choice,
                params=sum(p.numel() for p in model.parameters()),
                bytes_per_step=row.pop("sent") / hosts / row["steps"])

@@ -6,6 +6,8 @@
 Pure computation, no job: the placement comes from ``--hosts`` (ranks filled host by host,
 or dealt across hosts with ``--alternate``), the tiers from ``--topology`` (a file written by
 ``gradsync probe``) or the defaults. Times are the cost model's (``collectives/planner.py``).
+On tiers left to the defaults, the sizes where a job measures the model's choice against a
+ring (``planner.Plans``' trials) are listed after the table.
 """
 
 from __future__ import annotations
@@ -64,6 +66,12 @@ def main(argv: "list[str] | None" = None) -> int:
         print(f"{row['size']:>12} " +
               " ".join(f"{row['predicted'][a] * 1e6:>16.1f}" for a in CANDIDATES) +
               f" {row['choice']:>16}")
+    tried = [row for row in rows if row["trial"]]
+    if tried:
+        print(f"# tier {topo.slowest()} guessed (not in --topology): close calls, measured by a "
+              "job's first allreduces of each size class (planner.TRIAL_MARGIN)")
+        for row in tried:
+            print(f"#   {row['size']}: {row['choice']} or {row['trial']}")
     return 0
 
 

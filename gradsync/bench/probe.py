@@ -106,7 +106,8 @@ def run(args) -> dict:
         measured[tier] = result
         tiers[tier] = Tier(bandwidth=result[2], latency=result[1])
     reduce_bw = float(np.median(gs.allgather_object(_reduce_bandwidth(), name="probe.reduce")))
-    probed = Topology(topo.hosts, topo.host_of, topo.groups, topo.group_of, tiers, reduce_bw)
+    probed = Topology(topo.hosts, topo.host_of, topo.groups, topo.group_of, tiers, reduce_bw,
+                      topo.declared | frozenset(measured))
     if world.rank == 0:
         out = to_dict(probed)
         out["measured"] = {t: {"ranks": list(m[0]), "latency_us": round(m[1] * 1e6, 2),

@@ -71,6 +71,10 @@ class Topology:
         group_of: the group index of each host.
         tiers: a Tier for each name in TIERS.
         reduce_bandwidth: bytes/s at which one rank folds one array into another.
+        declared: the tiers whose constants a file gave (``gradsync probe``'s, or one written
+            by hand); the others hold ``DEFAULT_TIERS``' guesses, which the run-time planner
+            checks by measuring where its choice is close (``planner.TRIAL_MARGIN``). Not
+            compared: two topologies of the same constants describe the same network.
     """
 
     hosts: tuple[str, ...]
@@ -79,6 +83,7 @@ class Topology:
     group_of: tuple[int, ...] = ()
     tiers: Mapping[str, Tier] = field(default_factory=lambda: dict(DEFAULT_TIERS))
     reduce_bandwidth: float = DEFAULT_REDUCE_BANDWIDTH
+    declared: frozenset = field(default=frozenset(), compare=False)  # whence, not what
 
     def __post_init__(self):
         if not self.group_of:
@@ -96,6 +101,13 @@ class Topology:
     @property
     def size(self) -> int:
         return len(self.host_of)
+
+    def slowest(self, ranks: "Sequence[int] | None" = None) -> "str | None":
+        """The slowest tier between any two of ``ranks`` (all when None); None for one host."""
+        hosts = {self.host_of[r] for r in (range(self.size) if ranks is None else ranks)}
+        if len(hosts) < 2:
+            return None
+        return "group" if len({self.group_of[h] for h in hosts}) > 1 else "host"
 
     def tier(self, a: int, b: int) -> str:
         """The slowest tier between ranks ``a`` and ``b``."""
@@ -237,7 +249,8 @@ def parse(spec: Mapping, topo: Topology, source: str = "topology") -> Topology:
             raise ConfigError(f"{source}: groups: host(s) {missing} of this job are in no group")
         names = list(dict.fromkeys(where_is[h] for h in topo.hosts))
         groups, group_of = tuple(names), tuple(names.index(where_is[h]) for h in topo.hosts)
-    return Topology(topo.hosts, topo.host_of, groups, group_of, tiers, reduce_bw)
+    return Topology(topo.hosts, topo.host_of, groups, group_of, tiers, reduce_bw,
+                    topo.declared | frozenset(declared))
 
 
 def load(path: "str | Path") -> dict:

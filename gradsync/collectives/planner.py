@@ -26,17 +26,37 @@ changes between calls, so ``Plans`` remembers it per (size, request): the planne
 per size, not on every call (a small allreduce would otherwise pay for it each time). Rank 0
 logs each algorithm at INFO the first time it is chosen, with the size that chose it: one line
 per size class, never one per call.
+
+Close calls are measured (``Plans``, "trials"). Where the ranks span hosts over a tier whose
+constants are guesses (``DEFAULT_TIERS``: no topology file declared or probed that tier), and
+the model prefers recursive doubling or halving-doubling to the best ring-family candidate by
+less than ``TRIAL_MARGIN`` on a bandwidth-bound message, the model cannot tell which is faster:
+its error between the two reaches 36% on a shaped link (a 5.3 MB halving-doubling predicted
+1.4% faster than the ring ran 34% slower at 100 Mbit/s) and the guessed link may be ten or a
+hundred times off. There the job's own first allreduces of that size class (a power of 4)
+run both, in turns, ``TRIAL_ROUNDS`` each, timed per byte; the ranks sum their medians (a ring
+allreduce inside the last trial, the same bits everywhere) and keep the faster one for the
+class from then on. Every rank runs the same collectives in the same order, so all of them try
+the same algorithm at the same call and end their trials at the same one. Rank 0 logs the
+outcome at INFO: both algorithms' measured milliseconds per MB and the model's prediction.
+A topology file (``gradsync probe``) or ``GRADSYNC_ALGORITHM`` makes the choice a rule
+again, the same in every run: the trials' outcome may differ between runs, and with it the
+order in which a float sum is added.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
+
+import numpy as np
 
 from ..cluster.topology import Topology
-from .costs import RankFabric, allreduce_time, cheapest, choose
+from ..transport.trials import Trials
+from .costs import RING_FAMILY, RankFabric, allreduce_time, cheapest, choose
 
-__all__ = ["ALGORITHMS", "CANDIDATES", "Plans", "choose_allreduce", "predict", "plan"]
+__all__ = ["ALGORITHMS", "CANDIDATES", "TRIAL_MARGIN", "TRIAL_ROUNDS", "Plans", "contested",
+           "choose_allreduce", "predict", "plan"]
 
 log = logging.getLogger("gradsync")
 
@@ -48,16 +68,54 @@ _announced: set[tuple[int, str, str]] = set()
 ALGORITHMS = ("ring", "topo_ring", "doubling", "halving_doubling", "hierarchical", "shm")
 CANDIDATES = ("doubling", "halving_doubling", "ring", "topo_ring", "hierarchical")
 
+TRIAL_MARGIN = 0.25
+"""How far ahead of the best ring-family candidate the model's choice of recursive doubling or
+halving-doubling may be predicted, on guessed constants, and still be measured against it
+(``contested``): 25%. Above the model's error between the two measured on shaped links (a
+5.3 MB halving-doubling predicted 1.4% ahead of the ring ran 34% behind it at 100 Mbit/s;
+a 1.09 MB one, predicted 6.3% ahead with the default tiers, ran level or 24% behind at
+100 Mbit/s and about 20% ahead unshaped); below the lead where doubling's fewer latencies
+decide on any link (over 4 hosts with the default tiers, doubling 34% ahead of the ring at
+128 KiB). So over 4 hosts with the default tiers, 256 KiB (halving-doubling 18% ahead) to
+2 MiB are measured."""
+
+TRIAL_ROUNDS = 3
+"""Allreduces by each of the two contested algorithms before the faster is kept."""
+
+
+def _resolved(requested: str, config) -> str:
+    return config.algorithm if requested == "auto" else requested
+
+
+def contested(f, times: "dict[str, float]", choice: str) -> "str | None":
+    """The ring-family candidate to measure against ``choice`` (``costs.choose``'s pick from
+    ``times`` on the fabric ``f``), or None when the model's choice stands.
+
+    Contested: ``choice`` is no ring (recursive doubling or halving-doubling), the best
+    ring-family candidate is predicted within ``TRIAL_MARGIN`` of it, and the message is
+    bandwidth-bound (``choice``'s latencies under half of its time), where the model misses
+    what halving-doubling's bursts cost. The caller asks only where the constants are guessed.
+    """
+    if choice in RING_FAMILY:
+        return None
+    rings = [alg for alg in times if alg in RING_FAMILY]
+    if not rings:
+        return None
+    rival = min(rings, key=times.__getitem__)
+    if times[rival] > times[choice] * (1 + TRIAL_MARGIN):
+        return None
+    return rival if 2 * allreduce_time(choice, f, 0.0) < times[choice] else None
+
 
 def choose_allreduce(nbytes: int, size: int, requested: str, config, has_shm_group: bool,
                      topo: "Topology | None" = None) -> str:
-    """Returns the algorithm name for an allreduce of ``nbytes`` over ``size`` ranks.
+    """Returns the algorithm name for an allreduce of ``nbytes`` over ``size`` ranks, by the
+    model alone (``Plans`` measures its close calls).
 
     Raises:
         ValueError: an unknown algorithm, or ``shm`` when the ranks span several hosts.
     """
-    if requested == "auto":
-        requested = config.algorithm
+    requested = _resolved(requested, config)
     if requested == "auto":
         if has_shm_group:
             return "shm"
@@ -78,7 +136,14 @@ def choose_allreduce(nbytes: int, size: int, requested: str, config, has_shm_gro
 
 
 class Plans:
-    """``choose_allreduce`` for one job, remembered per (bytes, requested algorithm).
+    """``choose_allreduce`` for one job, remembered per (bytes, requested algorithm), with its
+    close calls measured (the module docstring, "Close calls are measured").
+
+    A contested size is not remembered until its trials end: ``allreduce`` then names the
+    algorithm whose turn it is, ``trying`` is true, and the caller times the allreduce and
+    hands the seconds to ``ran``. The trials are kept per size class (a power of 4) and pair
+    of algorithms, so that the sizes of one class, a fused buffer's that vary a little from
+    step to step among them, share them.
 
     Args:
         size: the number of ranks.
@@ -86,31 +151,120 @@ class Plans:
         has_shm_group: whether every rank shares this host's shared-memory group.
         topo: the job's Topology.
         limit: entries kept; past it the memory is cleared (sizes of a training job are few).
-        announce: log each algorithm at INFO when it is first chosen (rank 0 of a World).
+        announce: log each algorithm at INFO when it is first chosen, and each trial's outcome
+            (rank 0 of a World).
+        trial_rounds: allreduces by each contested algorithm; 0 keeps the model's choice.
     """
 
     def __init__(self, size: int, config, has_shm_group: bool,
-                 topo: "Topology | None" = None, limit: int = 4096, announce: bool = False):
+                 topo: "Topology | None" = None, limit: int = 4096, announce: bool = False,
+                 trial_rounds: int = TRIAL_ROUNDS):
         self.size, self.config, self.has_shm_group, self.topo = size, config, has_shm_group, topo
         self.limit = limit
         self._chosen: dict[tuple[int, str], str] = {}
         self.announce = announce
+        self.trying = False
+        """Whether some size is on trial: the caller then times its allreduces (``ran``)."""
+        # Measure only where the slowest tier the ranks span has guessed constants.
+        self._guessed = (trial_rounds > 0 and topo is not None and not has_shm_group
+                         and topo.slowest() not in (None, *topo.declared))
+        self._rounds = trial_rounds
+        self._on_trial: dict[tuple[int, str], "_Contest"] = {}
+        self._contests: dict[tuple, "_Contest"] = {}
+        self._measured: dict[tuple[int, str], tuple[str, ...]] = {}
 
     def allreduce(self, nbytes: int, requested: str = "auto") -> str:
         """The algorithm for an allreduce of ``nbytes``; raises as ``choose_allreduce``."""
         key = (nbytes, requested)
         alg = self._chosen.get(key)
-        if alg is None:
+        if alg is not None:
+            return alg
+        contest = self._on_trial.get(key)
+        if contest is None and self._guessed and _resolved(requested, self.config) == "auto":
+            contest, alg = self._contest(nbytes)
+        if contest is not None:
+            if contest.trials.chosen is None:
+                self._on_trial[key] = contest
+                return contest.trials.next()
+            self._on_trial.pop(key, None)
+            alg = contest.trials.chosen
+            self._measured[key] = contest.trials.ways
+        elif alg is None:
             alg = choose_allreduce(nbytes, self.size, requested, self.config,
                                    self.has_shm_group, self.topo)
-            if len(self._chosen) >= self.limit:
-                self._chosen.clear()
-            self._chosen[key] = alg
-            if self.announce and (self.size, requested, alg) not in _announced:
-                _announced.add((self.size, requested, alg))
-                log.info("allreduce over %d ranks: %s, first chosen for %d bytes (requested "
-                         "%s)", self.size, alg, nbytes, requested)
+        if len(self._chosen) >= self.limit:
+            self._chosen.clear()
+        self._chosen[key] = alg
+        if self.announce and (self.size, requested, alg) not in _announced:
+            _announced.add((self.size, requested, alg))
+            log.info("allreduce over %d ranks: %s, first chosen for %d bytes (requested "
+                     "%s)", self.size, alg, nbytes, requested)
         return alg
+
+    def ran(self, nbytes: int, requested: str, algorithm: str, seconds: float,
+            agree: Callable[[np.ndarray], None]) -> None:
+        """An allreduce of ``nbytes`` that ``allreduce`` named ``algorithm`` took ``seconds``.
+
+        Called on every rank while ``trying``; the call that ends its size's trials sums the
+        ranks' medians with ``agree`` (float64, in place, the same bits on every rank: a
+        collective, run inside the trial's allreduce) and keeps the faster algorithm."""
+        contest = self._on_trial.get((nbytes, requested))
+        if contest is None or contest.trials.chosen is not None:
+            return
+        trials = contest.trials
+        if not trials.record(algorithm, seconds, nbytes):
+            return
+        costs = np.array(trials.medians(), dtype=np.float64)
+        agree(costs)
+        trials.choose(costs.tolist())
+        self.trying = any(c.trials.chosen is None for c in self._contests.values())
+        if self.announce:
+            (a, b), (pa, pb) = trials.ways, contest.predicted
+            log.info("allreduce over %d ranks, about %d bytes: %s and %s measured in turns, "
+                     "%.4g and %.4g ms per MB (the ranks' medians summed; predicted %.4g and "
+                     "%.4g): %s kept", self.size, nbytes, a, b, costs[0] * 1e9 / self.size,
+                     costs[1] * 1e9 / self.size, pa * 1e9 / nbytes, pb * 1e9 / nbytes,
+                     trials.chosen)
+
+    def kept(self) -> list[str]:
+        """Each size's algorithm as remembered now, and for a measured one the two tried:
+        ``"1089536 B: ring (measured against halving_doubling)"`` (a benchmark's row)."""
+        out = []
+        for (nbytes, requested), alg in sorted(self._chosen.items()):
+            ways = self._measured.get((nbytes, requested))
+            rival = "" if ways is None else f" (measured against {ways[ways[0] == alg]})"
+            asked = "" if requested == "auto" else f" (requested {requested})"
+            out.append(f"{nbytes} B: {alg}{rival}{asked}")
+        return out
+
+    def _contest(self, nbytes: int) -> "tuple[_Contest | None, str]":
+        """The trials ``nbytes`` joins (None when the model's choice stands), and the model's
+        choice."""
+        assert self.topo is not None
+        fabric = RankFabric(self.topo, range(self.topo.size))
+        times = {alg: allreduce_time(alg, fabric, nbytes) for alg in CANDIDATES}
+        choice = choose(fabric, times)
+        rival = contested(fabric, times, choice)
+        if rival is None:
+            return None, choice
+        key = ((max(nbytes, 1).bit_length() - 1) // 2, choice, rival)
+        contest = self._contests.get(key)
+        if contest is None:
+            contest = self._contests[key] = _Contest(
+                Trials((choice, rival), self._rounds, untried=choice),
+                (times[choice], times[rival]))
+            self.trying = True
+        return contest, choice
+
+
+class _Contest:
+    """One size class's trials of two algorithms, and what the model predicted for the first
+    size that started them."""
+
+    __slots__ = ("trials", "predicted")
+
+    def __init__(self, trials: Trials, predicted: tuple[float, float]):
+        self.trials, self.predicted = trials, predicted
 
 
 def predict(algorithm: str, nbytes: int, topo: Topology) -> float:
@@ -121,11 +275,15 @@ def predict(algorithm: str, nbytes: int, topo: Topology) -> float:
 
 
 def plan(topo: Topology, sizes: Sequence[int]) -> list[dict]:
-    """For each size: every candidate's predicted seconds and the choice."""
+    """For each size: every candidate's predicted seconds, the choice, and the candidate a job
+    measures it against (``trial``: ``Plans``' close calls, on guessed tiers; else None)."""
     rows = []
     fabric = RankFabric(topo, range(topo.size))  # ``predict``'s
+    guessed = topo.slowest() not in (None, *topo.declared)
     for nbytes in sizes:
         times = {alg: allreduce_time(alg, fabric, nbytes) for alg in CANDIDATES}
-        rows.append({"size": nbytes, "predicted": times, "choice": choose(fabric, times)})
+        choice = choose(fabric, times)
+        rows.append({"size": nbytes, "predicted": times, "choice": choice,
+                     "trial": contested(fabric, times, choice) if guessed else None})
     return rows
 

@@ -33,7 +33,9 @@ the other ranks compare. Its ``Prepared`` holds the description cut around the n
 from __future__ import annotations
 
 import pickle
+import time
 import zlib
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -84,6 +86,13 @@ def _run_allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, algorithm: str,
     return False
 
 
+def _agree(world, costs: np.ndarray) -> None:
+    """Sums the planner's trial ``costs`` (float64) over the ranks, inside the allreduce that
+    ended the trials: a ring allreduce, the same bits on every rank."""
+    ring.allreduce(world.comm, costs, reducer(ReduceOp.SUM, np.float64),
+                   world.config.chunk_bytes)
+
+
 def allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, *, name: str, shape: tuple,
               prescale: float = 1.0, postscale: float = 1.0, algorithm: str = "auto",
               counts: list[int] | None = None, trunc: bool = False) -> None:
@@ -113,9 +122,15 @@ def allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, *, name: str, shape:
             # The division of an Average and the postscale are folded into the reduction
             # where the algorithm allows (shm: each element scaled once, while in cache).
             divisor = world.size if average else 0
+            trying = world.plans.trying
+            if trying:
+                start = time.perf_counter()
             finished = _run_allreduce(world, flat, dtype, op, alg,
                                       finisher(dtype, divisor, trunc, postscale), divisor,
                                       trunc, postscale)
+            if trying:  # a close call of the planner's, measured (``planner.Plans``)
+                world.plans.ran(flat.nbytes, algorithm, alg, time.perf_counter() - start,
+                                partial(_agree, world))
     if finished:
         return
     if average:
