@@ -529,6 +529,9 @@ static PyObject *py_beater_open(PyObject *self, PyObject *args) {
         errno = err;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
+    /* Named before this returns, so that top -H, py-spy and /proc/PID/task/TID/comm tell it
+     * from the others at once (a name the thread gave itself would come when it first ran). */
+    (void)pthread_setname_np(b->thread, "gs-beater");
     b->running = 1;
     PyObject *capsule = PyCapsule_New(b, BEATER, free_beater);
     if (!capsule) {

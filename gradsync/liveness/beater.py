@@ -10,7 +10,8 @@ unpickling a large object, ``sum(range(10**9))``. Its watchers then report it as
 
 ``Beater`` is a thread of the compiled module (``collectives/_shmfast.c``, "The beater") that
 never takes the GIL: every interval it writes the byte on each socket registered with
-``add_socket`` and counts up each word registered with ``add_word``. A stopped process stops
+``add_socket`` and counts up each word registered with ``add_word``; it is named
+``gs-beater`` (``top -H``, ``py-spy``, ``/proc/PID/task/TID/comm``). A stopped process stops
 it with every other thread, so a stop is still found within the bound; a process that dies
 takes it along. Python keeps everything else: the reading, the judging, the goodbye.
 
