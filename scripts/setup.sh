@@ -33,6 +33,13 @@ if { ! command -v cc >/dev/null || [ "$headers" != True ]; } && command -v apt-g
     $cc_pkgs >/dev/null || { apt-get update -q >/dev/null && $cc_pkgs >/dev/null; } ||
         echo "setup: no C compiler or Python headers; small shm allreduces stay in Python: $cc_pkgs" >&2
 fi
+# An environment that this script has set up from these same files, and that still holds the
+# install, is left alone: scripts/setup_current.py says when (a stamp in site-packages, and
+# every requirement checked). Otherwise, and always on a fresh machine, pip runs.
+if python3 scripts/setup_current.py check "$extras" "$TORCH" 2>/dev/null; then
+    echo "setup: already installed here, unchanged (scripts/setup_current.py): pip skipped"
+    exit 0
+fi
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
 echo "$TORCH" >"$constraints"
@@ -43,3 +50,4 @@ python3 -m pip install -q -c "$constraints" -e ".[$extras]"
 if command -v mpirun >/dev/null; then
     python3 -m pip install -q -c "$constraints" "mpi4py>=4.0"
 fi
+python3 scripts/setup_current.py write "$extras" "$TORCH"
