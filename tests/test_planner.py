@@ -279,6 +279,7 @@ def test_the_ranks_of_a_job_try_the_same_algorithms_and_keep_the_same_one():
     # the first 2 x TRIAL_ROUNDS in turns, and every rank keeps the same algorithm.
     calls = 2 * planner.TRIAL_ROUNDS + 2
     ranks = spawn(4, "plan_trials.py", str(calls), timeout=90, lean=True,
+                  env={"GRADSYNC_LOG_LEVEL": "INFO"},
                   per_rank_env=lambda r: {"GRADSYNC_HOSTNAME": f"h{r}"})
     assert all(r.returncode == 0 for r in ranks), [r.output for r in ranks]
     seen = [(line for line in r.output.splitlines() if line.startswith("RAN ")) for r in ranks]
@@ -288,6 +289,10 @@ def test_the_ranks_of_a_job_try_the_same_algorithms_and_keep_the_same_one():
     winner = kept.pop().split()[1]
     assert winner in (HD, RING) and "TRYING False" in ranks[0].output
     assert all(seq == [HD, RING] * planner.TRIAL_ROUNDS + [winner] * 2 for seq in ran), ran
+    # Rank 0 says what it measured and kept, once; the others say nothing of it.
+    said = [r.output.count(f"{HD} and {RING} measured in turns") for r in ranks]
+    assert said == [1, 0, 0, 0], [r.output for r in ranks]
+    assert f"): {winner} kept" in ranks[0].output
 
 
 @pytest.mark.multiprocess

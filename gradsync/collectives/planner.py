@@ -221,8 +221,9 @@ class Plans:
         if self.announce:
             (a, b), (pa, pb) = trials.ways, contest.predicted
             log.info("allreduce over %d ranks, about %d bytes: %s and %s measured in turns, "
-                     "%.4g and %.4g ms per MB (the ranks' medians summed; predicted %.4g and "
-                     "%.4g): %s kept", self.size, nbytes, a, b, costs[0] * 1e9 / self.size,
+                     "%.4g and %.4g ms per MB (the mean of the ranks' medians; predicted "
+                     "%.4g and %.4g): %s kept", self.size, nbytes, a, b,
+                     costs[0] * 1e9 / self.size,
                      costs[1] * 1e9 / self.size, pa * 1e9 / nbytes, pb * 1e9 / nbytes,
                      trials.chosen)
 
