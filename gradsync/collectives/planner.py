@@ -34,11 +34,17 @@ less than ``TRIAL_MARGIN`` on a bandwidth-bound message, the model cannot tell w
 its error between the two reaches 36% on a shaped link (a 5.3 MB halving-doubling predicted
 1.4% faster than the ring ran 34% slower at 100 Mbit/s) and the guessed link may be ten or a
 hundred times off. There the job's own first allreduces of that size class (a power of 4)
-run both, in turns, ``TRIAL_ROUNDS`` each, timed per byte; the ranks sum their medians (a ring
-allreduce inside the last trial, the same bits everywhere) and keep the faster one for the
-class from then on. Every rank runs the same collectives in the same order, so all of them try
-the same algorithm at the same call and end their trials at the same one. Rank 0 logs the
-outcome at INFO: both algorithms' measured milliseconds per MB and the model's prediction.
+run both, in turns of ``TRIAL_BLOCK`` calls (the first of each turn not counted),
+``TRIAL_ROUNDS`` turns each, timed per byte. Inside the last one the ranks take, for each
+counted call, the least of their times (a ring allreduce of the minimum, the same bits
+everywhere): the last rank to arrive waits for no one, so that is the collective's own time,
+where a rank's own time also holds its wait for the others, which in a training step varies
+more than the algorithms do. Of those, each algorithm's median; the ring-family one is kept
+for the class from then on unless the other is faster by more than ``costs.RING_MARGIN``
+(``costs.choose``'s rule, on measured times). Every rank runs the same collectives in the same
+order, so all of them try the same algorithm at the same call and end their trials at the same
+one. Rank 0 logs the outcome at INFO: both medians in milliseconds per MB and the model's
+prediction.
 A topology file (``gradsync probe``) or ``GRADSYNC_ALGORITHM`` makes the choice a rule
 again, the same in every run: the trials' outcome may differ between runs, and with it the
 order in which a float sum is added.
@@ -47,15 +53,17 @@ order in which a float sum is added.
 from __future__ import annotations
 
 import logging
+import statistics
 from typing import Callable, Sequence
 
 import numpy as np
 
 from ..cluster.topology import Topology
 from ..transport.trials import Trials
-from .costs import RING_FAMILY, RankFabric, allreduce_time, cheapest, choose
+from .costs import RING_FAMILY, RING_MARGIN, RankFabric, allreduce_time, cheapest, choose
 
-__all__ = ["ALGORITHMS", "CANDIDATES", "TRIAL_MARGIN", "TRIAL_ROUNDS", "Plans", "contested",
+__all__ = ["ALGORITHMS", "CANDIDATES", "TRIAL_MARGIN", "TRIAL_ROUNDS", "TRIAL_BLOCK", "Plans",
+           "contested",
            "choose_allreduce", "predict", "plan"]
 
 log = logging.getLogger("gradsync")
@@ -80,7 +88,12 @@ decide on any link (over 4 hosts with the default tiers, doubling 34% ahead of t
 2 MiB are measured."""
 
 TRIAL_ROUNDS = 3
-"""Allreduces by each of the two contested algorithms before the faster is kept."""
+"""Turns of each of the two contested algorithms before one is kept: each turn
+``TRIAL_BLOCK`` allreduces, of which the first is not counted (the connections' state after
+the other algorithm's traffic: a congestion window that halving-doubling's bursts shrank
+slows the ring's next call), so three counted calls each."""
+
+TRIAL_BLOCK = 2
 
 
 def _resolved(requested: str, config) -> str:
@@ -205,26 +218,36 @@ class Plans:
             agree: Callable[[np.ndarray], None]) -> None:
         """An allreduce of ``nbytes`` that ``allreduce`` named ``algorithm`` took ``seconds``.
 
-        Called on every rank while ``trying``; the call that ends its size's trials sums the
-        ranks' medians with ``agree`` (float64, in place, the same bits on every rank: a
-        collective, run inside the trial's allreduce) and keeps the faster algorithm."""
+        Called on every rank while ``trying``; the call that ends its size's trials takes,
+        for each counted call, the least of the ranks' seconds with ``agree`` (a minimum over
+        the ranks of a float64 array, in place, the same bits on every rank: a collective,
+        run inside the trial's allreduce), and keeps the ring-family candidate unless the
+        other's median is below it by more than ``costs.RING_MARGIN``."""
         contest = self._on_trial.get((nbytes, requested))
         if contest is None or contest.trials.chosen is not None:
             return
         trials = contest.trials
         if not trials.record(algorithm, seconds, nbytes):
             return
-        costs = np.array(trials.medians(), dtype=np.float64)
-        agree(costs)
-        trials.choose(costs.tolist())
+        # Every rank recorded the same calls in the same order: per call, the least of the
+        # ranks' times (``agree``: a minimum over the ranks) is the collective's own, since
+        # the last rank to arrive waits for no one and the others' extra is waiting for it.
+        recorded = [trials.seconds_per_byte[way] for way in trials.ways]
+        calls = np.array([s for way in recorded for s in way], dtype=np.float64)
+        agree(calls)
+        cut = len(recorded[0])
+        costs = [statistics.median(calls[:cut].tolist()), statistics.median(calls[cut:].tolist())]
+        # The ring unless the other is measured faster beyond ``costs.RING_MARGIN``: the rule
+        # of ``costs.choose``, on measured times (a median does not see halving-doubling's
+        # tails on a congested link, which a longer run meets).
+        trials.chosen = trials.ways[0 if costs[0] * (1 + RING_MARGIN) < costs[1] else 1]
         self.trying = any(c.trials.chosen is None for c in self._contests.values())
         if self.announce:
             (a, b), (pa, pb) = trials.ways, contest.predicted
             log.info("allreduce over %d ranks, about %d bytes: %s and %s measured in turns, "
-                     "%.4g and %.4g ms per MB (the mean of the ranks' medians; predicted "
-                     "%.4g and %.4g): %s kept", self.size, nbytes, a, b,
-                     costs[0] * 1e9 / self.size,
-                     costs[1] * 1e9 / self.size, pa * 1e9 / nbytes, pb * 1e9 / nbytes,
+                     "%.4g and %.4g ms per MB (the median over calls of the least of the "
+                     "ranks' times; predicted %.4g and %.4g): %s kept", self.size, nbytes, a, b,
+                     costs[0] * 1e9, costs[1] * 1e9, pa * 1e9 / nbytes, pb * 1e9 / nbytes,
                      trials.chosen)
 
     def kept(self) -> list[str]:
@@ -252,7 +275,7 @@ class Plans:
         contest = self._contests.get(key)
         if contest is None:
             contest = self._contests[key] = _Contest(
-                Trials((choice, rival), self._rounds, untried=choice),
+                Trials((choice, rival), self._rounds, untried=choice, block=TRIAL_BLOCK),
                 (times[choice], times[rival]))
             self.trying = True
         return contest, choice

@@ -86,10 +86,11 @@ def _run_allreduce(world, flat: np.ndarray, dtype, op: ReduceOp, algorithm: str,
     return False
 
 
-def _agree(world, costs: np.ndarray) -> None:
-    """Sums the planner's trial ``costs`` (float64) over the ranks, inside the allreduce that
-    ended the trials: a ring allreduce, the same bits on every rank."""
-    ring.allreduce(world.comm, costs, reducer(ReduceOp.SUM, np.float64),
+def _agree(world, seconds: np.ndarray) -> None:
+    """The least over the ranks of each of the planner's trial ``seconds`` (float64), in
+    place, inside the allreduce that ended the trials: a ring allreduce, the same bits on
+    every rank."""
+    ring.allreduce(world.comm, seconds, reducer(ReduceOp.MIN, np.float64),
                    world.config.chunk_bytes)
 
 
