@@ -109,6 +109,12 @@ class Topology:
             return None
         return "group" if len({self.group_of[h] for h in hosts}) > 1 else "host"
 
+    def guessed(self) -> bool:
+        """Whether the slowest tier between the ranks holds ``DEFAULT_TIERS``' guess (no file
+        declared it); False on one host. Where it does, the planner measures its close calls
+        (``planner.Plans``)."""
+        return self.slowest() not in (None, *self.declared)
+
     def tier(self, a: int, b: int) -> str:
         """The slowest tier between ranks ``a`` and ``b``."""
         ha, hb = self.host_of[a], self.host_of[b]

@@ -166,7 +166,8 @@ class Plans:
         limit: entries kept; past it the memory is cleared (sizes of a training job are few).
         announce: log each algorithm at INFO when it is first chosen, and each trial's outcome
             (rank 0 of a World).
-        trial_rounds: allreduces by each contested algorithm; 0 keeps the model's choice.
+        trial_rounds: turns of each contested algorithm (``TRIAL_BLOCK`` allreduces each);
+            0 keeps the model's choice.
     """
 
     def __init__(self, size: int, config, has_shm_group: bool,
@@ -178,9 +179,8 @@ class Plans:
         self.announce = announce
         self.trying = False
         """Whether some size is on trial: the caller then times its allreduces (``ran``)."""
-        # Measure only where the slowest tier the ranks span has guessed constants.
         self._guessed = (trial_rounds > 0 and topo is not None and not has_shm_group
-                         and topo.slowest() not in (None, *topo.declared))
+                         and topo.guessed())
         self._rounds = trial_rounds
         self._on_trial: dict[tuple[int, str], "_Contest"] = {}
         self._contests: dict[tuple, "_Contest"] = {}
@@ -303,7 +303,7 @@ def plan(topo: Topology, sizes: Sequence[int]) -> list[dict]:
     measures it against (``trial``: ``Plans``' close calls, on guessed tiers; else None)."""
     rows = []
     fabric = RankFabric(topo, range(topo.size))  # ``predict``'s
-    guessed = topo.slowest() not in (None, *topo.declared)
+    guessed = topo.guessed()
     for nbytes in sizes:
         times = {alg: allreduce_time(alg, fabric, nbytes) for alg in CANDIDATES}
         choice = choose(fabric, times)
