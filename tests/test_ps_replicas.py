@@ -19,7 +19,8 @@ import pytest
 
 from gradsync.errors import PeerLostError
 from gradsync.ps.consistency import Clock
-from gradsync.ps.replication import Beats, Views, beat_key, members_of, shard_of
+from gradsync.ps.replication import (Beats, Views, beat_key, members_of, shard_of,
+                                     wait_watched)
 from gradsync.ps.server import Server
 from gradsync.transport.regions import Endpoint, StaleWriteError
 
@@ -80,6 +81,44 @@ def test_silence_is_a_beat_counter_standing_still():
     time.sleep(0.06)
     assert beats.silent(0)
     assert not Beats(store, timeout=0).silent(0)  # 0: never
+
+
+class _EndsAsTheWaitGivesUp(threading.Event):
+    """A handle's event whose first timed wait gives up at the very moment the operation
+    ends: the race of CI stop 60, where a push answered just as the watcher's 0.25 s poll ran
+    out was raised to the worker as "operation 'push shard 0' still in flight"."""
+
+    def __init__(self, handle):
+        super().__init__()
+        self.handle, self.fired = handle, False
+
+    def wait(self, timeout=None):
+        if timeout is not None and not self.fired:
+            self.fired = True
+            self.handle.finish("pushed")
+            return False
+        return super().wait(timeout)
+
+
+def test_a_watched_request_that_ends_as_a_poll_gives_up_returns_its_result():
+    from gradsync.pipeline.engine import Handle
+    handle = Handle("push shard 0")
+    handle._done = _EndsAsTheWaitGivesUp(handle)
+    assert wait_watched(handle, Beats(DictStore(), timeout=0), 0, 2, lambda: None) == "pushed"
+
+
+def test_a_watched_request_raises_its_own_error_and_a_silent_server_is_lost():
+    from gradsync.pipeline.engine import Handle
+    own = Handle("push shard 0")
+    own.finish(error=TimeoutError("the request's own"))
+    with pytest.raises(TimeoutError, match="own"):
+        wait_watched(own, Beats(DictStore(), timeout=0), 0, 2, lambda: None)
+    hung, abandoned = Handle("push shard 0"), []
+    with pytest.raises(PeerLostError, match="server 1 .rank 3. has been silent") as lost:
+        wait_watched(hung, Beats(DictStore(), timeout=0.05), 1, 3,
+                     lambda: (abandoned.append(1), hung.finish(error=OSError("shut"))),
+                     poll=0.02)
+    assert lost.value.peer == 3 and abandoned == [1]
 
 
 def test_a_server_beats_as_soon_as_its_beat_thread_starts():

@@ -63,11 +63,17 @@ class Handle:
     def poll(self) -> bool:
         return self._done.is_set()
 
-    def wait(self, timeout: float | None = None):
+    def ended(self, timeout: float | None = None) -> bool:
+        """Waits up to ``timeout`` seconds for the operation to end; whether it did. Never
+        raises: a watcher that polls must not read a TimeoutError that the operation itself
+        raised as "still in flight", nor the reverse."""
         began = time.monotonic_ns()
         done = self._done.wait(timeout)
         meter.blocked(began, time.monotonic_ns())  # the caller's time blocked (pace.py)
-        if not done:
+        return done
+
+    def wait(self, timeout: float | None = None):
+        if not self.ended(timeout):
             raise TimeoutError(f"operation '{self.name}' still in flight")
         self.release()
         if self._error is not None:

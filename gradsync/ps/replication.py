@@ -242,12 +242,7 @@ def wait_watched(handle, beats: Beats, server: int, rank: int, abandon,
     """``handle.wait()``, but if ``server`` (rank ``rank``) falls silent meanwhile,
     ``abandon()`` (which must make the handle end, e.g. by shutting its socket) and raise
     PeerLostError naming its rank."""
-    while True:
-        try:
-            return handle.wait(poll)
-        except TimeoutError:
-            if handle.poll():
-                raise  # the operation's own timeout, not "still running"
+    while not handle.ended(poll):
         if beats.silent(server):
             abandon()
             try:
@@ -256,6 +251,7 @@ def wait_watched(handle, beats: Beats, server: int, rank: int, abandon,
                 pass
             raise PeerLostError(f"parameter server {server} (rank {rank}) has been silent for "
                                 f"{beats.timeout:g}s (stopped, hung or cut off)", peer=rank)
+    return handle.wait()
 
 
 _ABANDONED: "weakref.WeakSet" = weakref.WeakSet()
