@@ -41,7 +41,10 @@ everywhere): the last rank to arrive waits for no one, so that is the collective
 where a rank's own time also holds its wait for the others, which in a training step varies
 more than the algorithms do. Of those, each algorithm's median; the ring-family one is kept
 for the class from then on unless the other is faster by more than ``costs.RING_MARGIN``
-(``costs.choose``'s rule, on measured times). Every rank runs the same collectives in the same
+(``costs.choose``'s rule, on measured times). The ranks agree the same way after one turn
+each, and keep the ring at once where the other is then behind it by more than
+``TRIAL_MARGIN`` (halving-doubling ran 1.6-1.7x the ring's time at 25 Mbit/s, and its next
+turns would cost as much again). Every rank runs the same collectives in the same
 order, so all of them try the same algorithm at the same call and end their trials at the same
 one. Rank 0 logs the outcome at INFO: both medians in milliseconds per MB and the model's
 prediction.
@@ -222,12 +225,16 @@ class Plans:
         for each counted call, the least of the ranks' seconds with ``agree`` (a minimum over
         the ranks of a float64 array, in place, the same bits on every rank: a collective,
         run inside the trial's allreduce), and keeps the ring-family candidate unless the
-        other's median is below it by more than ``costs.RING_MARGIN``."""
+        other's median is below it by more than ``costs.RING_MARGIN``. The call that ends
+        the first turn of each agrees too, and ends the trials with the ring-family candidate
+        where the other is behind it by more than ``TRIAL_MARGIN``."""
         contest = self._on_trial.get((nbytes, requested))
         if contest is None or contest.trials.chosen is not None:
             return
         trials = contest.trials
-        if not trials.record(algorithm, seconds, nbytes):
+        done = trials.record(algorithm, seconds, nbytes)
+        first_turns = trials.runs == trials.block * len(trials.ways)
+        if not (done or first_turns):
             return
         # Every rank recorded the same calls in the same order: per call, the least of the
         # ranks' times (``agree``: a minimum over the ranks) is the collective's own, since
@@ -237,18 +244,27 @@ class Plans:
         agree(calls)
         cut = len(recorded[0])
         costs = [statistics.median(calls[:cut].tolist()), statistics.median(calls[cut:].tolist())]
-        # The ring unless the other is measured faster beyond ``costs.RING_MARGIN``: the rule
-        # of ``costs.choose``, on measured times (a median does not see halving-doubling's
-        # tails on a congested link, which a longer run meets).
-        trials.chosen = trials.ways[0 if costs[0] * (1 + RING_MARGIN) < costs[1] else 1]
+        if done:
+            # The ring unless the other is measured faster beyond ``costs.RING_MARGIN``: the
+            # rule of ``costs.choose``, on measured times (a median does not see
+            # halving-doubling's tails on a congested link, which a longer run meets).
+            trials.chosen = trials.ways[0 if costs[0] * (1 + RING_MARGIN) < costs[1] else 1]
+        elif costs[0] > costs[1] * (1 + TRIAL_MARGIN):
+            # After one turn each, the other already behind the ring by more than the model's
+            # own doubt: the ring, without the other's turns to come (each of them at least
+            # that much slower: at 25 Mbit/s halving-doubling ran 1.7x the ring's time).
+            trials.chosen = trials.ways[1]
+        else:
+            return
         self.trying = any(c.trials.chosen is None for c in self._contests.values())
         if self.announce:
             (a, b), (pa, pb) = trials.ways, contest.predicted
-            log.info("allreduce over %d ranks, about %d bytes: %s and %s measured in turns, "
-                     "%.4g and %.4g ms per MB (the median over calls of the least of the "
+            turns = trials.runs // (trials.block * 2)
+            log.info("allreduce over %d ranks, about %d bytes: %s and %s measured in %d turn%s "
+                     "each, %.4g and %.4g ms per MB (the median over calls of the least of the "
                      "ranks' times; predicted %.4g and %.4g): %s kept", self.size, nbytes, a, b,
-                     costs[0] * 1e9, costs[1] * 1e9, pa * 1e9 / nbytes, pb * 1e9 / nbytes,
-                     trials.chosen)
+                     turns, "" if turns == 1 else "s", costs[0] * 1e9, costs[1] * 1e9,
+                     pa * 1e9 / nbytes, pb * 1e9 / nbytes, trials.chosen)
 
     def kept(self) -> list[str]:
         """Each size's algorithm as remembered now, and for a measured one the two tried:

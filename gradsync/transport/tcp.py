@@ -304,6 +304,8 @@ class TcpPair(Pair):
             if self._ctl_out and self._sending is None:
                 self._flush_ctl(sock)
             if op.header_got < frame.HEADER_SIZE:
+                if self._lowat != 1:  # a payload left unfinished (a wait that gave up)
+                    self._wake_at(sock, 1)
                 self._next_header(sock)
                 while self._take_ack():
                     self._next_header(sock)
@@ -324,8 +326,6 @@ class TcpPair(Pair):
             return False
         except (ConnectionError, TimeoutError) as exc:
             raise self._lost(exc) from None
-        except OSError as exc:  # setsockopt on a socket the peer reset
-            raise self._lost(exc) from None
         if self._lowat != 1:
             self._wake_at(sock, 1)  # headers and ACKs: wake for their first byte
         if op.lent:
@@ -339,7 +339,10 @@ class TcpPair(Pair):
         """Makes a wait for this socket wake once ``nbytes`` are there to read (or it closes).
         Only ever as many as the peer is sure to send next: a payload's rest, else 1."""
         if nbytes != self._lowat:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+            except OSError as exc:  # a socket closed under the wait
+                raise self._lost(exc) from None
             self._lowat = nbytes
 
     def peek_header(self) -> "frame.Header | None":

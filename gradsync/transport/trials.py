@@ -66,6 +66,11 @@ class Trials(Generic[Way]):
         self.chosen: Way | None = untried if rounds == 0 else None
         self._runs = 0
 
+    @property
+    def runs(self) -> int:
+        """Collectives recorded so far (counted or not)."""
+        return self._runs
+
     def next(self) -> Way:
         """The way the next collective takes."""
         if self.chosen is not None:
