@@ -251,8 +251,8 @@ class Plans:
             trials.chosen = trials.ways[0 if costs[0] * (1 + RING_MARGIN) < costs[1] else 1]
         elif costs[0] > costs[1] * (1 + TRIAL_MARGIN):
             # After one turn each, the other already behind the ring by more than the model's
-            # own doubt: the ring, without the other's turns to come (each of them at least
-            # that much slower: at 25 Mbit/s halving-doubling ran 1.7x the ring's time).
+            # own doubt: the ring, without the other's turns to come (at 25 Mbit/s
+            # halving-doubling ran 1.6-1.7x the ring's time in each of them).
             trials.chosen = trials.ways[1]
         else:
             return
