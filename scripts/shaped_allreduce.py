@@ -10,14 +10,17 @@ Every rank joins a gloo default group and a gradsync group (``new_group``), warm
 with one allreduce, then runs ``--rounds`` rounds, each a barrier and one timed allreduce per
 backend; rank 0 prints each backend's median and its rounds, the wire rate the median
 means for a ring's bytes (each rank sends 2 (n - 1) / n of the tensor), and the CPU time a
-rank's process spent in a call (all its threads; the median over rounds of the ranks' mean). Set
-``GRADSYNC_ALGORITHM`` to compare gradsync's algorithms against gloo (docs/benchmarks.md,
-"Slow links").
+rank's process spent in a call (all its threads; the median over rounds of the ranks' mean),
+and TCP's loss episodes during the calls (the kernel's TcpExt TCPSackRecovery, read by the first
+rank of each emulated host in its namespace, summed over the hosts and the rounds). Set
+``GRADSYNC_ALGORITHM`` to compare gradsync's algorithms against gloo, ``GRADSYNC_CHUNK_BYTES``
+to change the ring's segments (docs/benchmarks.md, "Slow links").
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -25,6 +28,16 @@ import torch
 import torch.distributed as dist
 
 import gradsync  # noqa: F401  (registers the "gradsync" backend)
+
+
+def loss_episodes() -> int:
+    """TCP's loss recoveries so far in this network namespace (0 for a host's other ranks,
+    which share its counters)."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return 0
+    with open("/proc/net/netstat") as f:
+        rows = [line.split() for line in f if line.startswith("TcpExt:")]
+    return int(dict(zip(rows[0][1:], rows[1][1:]))["TCPSackRecovery"])
 
 
 def main() -> None:
@@ -40,25 +53,28 @@ def main() -> None:
         dist.all_reduce(t, group=group)  # connections made, buffers touched
     times: dict[str, list[float]] = {name: [] for name in groups}
     cpu: dict[str, list[float]] = {name: [] for name in groups}
+    losses = dict.fromkeys(groups, 0)
     for _ in range(args.rounds):
         for name, group in groups.items():
             dist.barrier()
-            start, used = time.perf_counter(), time.process_time()
+            start, used, lost = time.perf_counter(), time.process_time(), loss_episodes()
             dist.all_reduce(t, group=group)
             times[name].append(time.perf_counter() - start)
             cpu[name].append(time.process_time() - used)
+            losses[name] += loss_episodes() - lost
     n = dist.get_world_size()
     everyone: list = [None] * n
-    dist.all_gather_object(everyone, cpu)
+    dist.all_gather_object(everyone, (cpu, losses))
     if dist.get_rank() == 0:
         for name, seconds in times.items():
             median = statistics.median(seconds)
             wire = 2 * (n - 1) / n * 4 * args.elements * 8 / median / 1e6
-            used = statistics.median(statistics.mean(c[name][i] for c in everyone)
+            used = statistics.median(statistics.mean(c[name][i] for c, _ in everyone)
                                      for i in range(args.rounds))
+            lost = sum(lo[name] for _, lo in everyone)
             print(f"{name}: median {median:.3f} s, rounds "
                   f"{', '.join(f'{s:.3f}' for s in seconds)}; {wire:.1f} Mbit/s on the wire; "
-                  f"CPU {used * 1e3:.0f} ms per rank", flush=True)
+                  f"CPU {used * 1e3:.0f} ms per rank; {lost} loss episodes", flush=True)
     dist.destroy_process_group()
 
 

@@ -91,8 +91,10 @@ def test_a_payload_on_its_way_wakes_its_wait_only_for_a_useful_amount():
             into = np.zeros(size, np.uint8)
             op = Recv(pair, Expect(3, 0, 7, lambda: "x", size), memoryview(into))
             raw.sendall(frame.pack(frame.Kind.DATA, 3, 0, 7, size) + payload[:sent_first].tobytes())
-            time.sleep(0.05)
-            assert not op.advance()
+            deadline = time.monotonic() + 5
+            while op.offset < sent_first:  # until all that was sent has been taken in
+                assert not op.advance() and time.monotonic() < deadline
+                select.select([pair.fileno], [], [], 0.01)
             assert lowat() == min(size - sent_first, tcp._WAKE_BYTES)
             # Not readable below the mark: the wait sleeps through the next packet.
             raw.sendall(payload[sent_first:sent_first + 100].tobytes())

@@ -62,7 +62,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..cluster.topology import Topology
-from ..transport.trials import Trials
+from ..transport.trials import Trials, size_class
 from .costs import RING_FAMILY, RING_MARGIN, RankFabric, allreduce_time, cheapest, choose
 
 __all__ = ["ALGORITHMS", "CANDIDATES", "TRIAL_MARGIN", "TRIAL_ROUNDS", "TRIAL_BLOCK", "Plans",
@@ -259,7 +259,7 @@ class Plans:
         self.trying = any(c.trials.chosen is None for c in self._contests.values())
         if self.announce:
             (a, b), (pa, pb) = trials.ways, contest.predicted
-            turns = trials.runs // (trials.block * 2)
+            turns = trials.runs // (trials.block * len(trials.ways))
             log.info("allreduce over %d ranks, about %d bytes: %s and %s measured in %d turn%s "
                      "each, %.4g and %.4g ms per MB (the median over calls of the least of the "
                      "ranks' times; predicted %.4g and %.4g): %s kept", self.size, nbytes, a, b,
@@ -287,7 +287,7 @@ class Plans:
         rival = contested(fabric, times, choice)
         if rival is None:
             return None, choice
-        key = ((max(nbytes, 1).bit_length() - 1) // 2, choice, rival)
+        key = (size_class(nbytes), choice, rival)
         contest = self._contests.get(key)
         if contest is None:
             contest = self._contests[key] = _Contest(

@@ -104,7 +104,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from ..transport.comm import Communicator
-from ..transport.trials import Plan, plan_of
+from ..transport.trials import Plan, plan_of, size_class
 from .ops import ReduceOp, Reducer, make_reducer
 
 __all__ = ["reduce_scatter", "allgather", "allreduce", "even_counts", "block_offsets",
@@ -266,7 +266,7 @@ def _agree(comm: Communicator, chunk_bytes: int, costs: np.ndarray) -> None:
 def _size_class(nbytes: int, chunk_bytes: int) -> tuple:
     """The key of the plan of allreduces of ``nbytes``: its power of 4, and which side of
     each threshold it is on (``LEND_ABOVE_BYTES`` falls inside one)."""
-    return (chunk_bytes, (max(nbytes, 1).bit_length() - 1) // 2, nbytes >= TUNE_FROM_BYTES,
+    return (chunk_bytes, size_class(nbytes), nbytes >= TUNE_FROM_BYTES,
             nbytes > LEND_ABOVE_BYTES)
 
 

@@ -25,8 +25,8 @@ from typing import Callable, Generic, Sequence, TypeVar
 
 import numpy as np
 
-__all__ = ["Trials", "Lending", "Tuning", "Plan", "plan_of", "LEND_TRIALS", "SEGMENT_TRIALS",
-           "SEGMENT_BLOCK"]
+__all__ = ["Trials", "Lending", "Tuning", "Plan", "plan_of", "size_class", "LEND_TRIALS",
+           "SEGMENT_TRIALS", "SEGMENT_BLOCK"]
 
 #: The first collectives that may lend copy and lend in turn, this many times each, and the
 #: faster way is kept (``Lending``); 0 lends from the start, unmeasured.
@@ -36,6 +36,12 @@ LEND_TRIALS = 3
 #: ``SEGMENT_BLOCK`` allreduces (``Tuning.segments``); 0 keeps the configured ``chunk_bytes``.
 SEGMENT_TRIALS = 2
 SEGMENT_BLOCK = 4
+
+def size_class(nbytes: int) -> int:
+    """The power of 4 that ``nbytes`` falls in: sizes of one class share their trials (the
+    sizes of a fused buffer vary a little from step to step)."""
+    return (max(nbytes, 1).bit_length() - 1) // 2
+
 
 #: A candidate way of running a collective: a segment size in bytes, or whether to lend.
 Way = TypeVar("Way")
@@ -143,7 +149,7 @@ class Tuning:
         can be the slower one at another. Each set of ranks has trials of its own: only its
         members run its collectives, all of them.
         """
-        key = (ranks, chunk_bytes, (max(nbytes, 1).bit_length() - 1) // 2)
+        key = (ranks, chunk_bytes, size_class(nbytes))
         if key in self._segments:
             return self._segments[key]
         trials = None
