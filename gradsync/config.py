@@ -78,10 +78,11 @@ class Config:
     """Pipelining unit (largest segment) of the ring and tree algorithms between pairs of ranks."""
 
     tune_segments: bool = True
-    """Ring allreduces of 4 MiB or more with a TCP connection in the ring measure their segment
-    size, each power of 4 of sizes on its own: the first ones cut segments of ``chunk_bytes``
-    and of a quarter of it in turns, and the ranks keep the faster together
-    (``transport/comm.py``, ``Comm.segments``); false always cuts ``chunk_bytes``."""
+    """Ring allreduces of 1 MiB or more with a TCP connection in the ring measure their segment
+    size, each power of 4 of sizes on its own: the first ones cut segments of a sixteenth, a
+    quarter and the whole of ``chunk_bytes`` in turns, and the ranks keep the fastest together,
+    a smaller one only when faster by more than 2% (``transport/trials.py``,
+    ``Tuning.segments``); false always cuts ``chunk_bytes``."""
 
     tcp_splice: bool = True
     """The ring's segments of vectors above 32 MiB may go to a TCP socket by reference

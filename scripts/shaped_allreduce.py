@@ -7,7 +7,9 @@ Run on emulated hosts whose links are shaped (root; ``gradsync/testbed/netns.py`
         python3 scripts/shaped_allreduce.py [--elements 1329856] [--rounds 4]
 
 Every rank joins a gloo default group and a gradsync group (``new_group``), warms each up
-with one allreduce, then runs ``--rounds`` rounds, each a barrier and one timed allreduce per
+with ``--warmup`` allreduces (the default, 25, lets the ring's trials of segment sizes end
+first: three sizes, two turns of four allreduces each, ``transport/trials.py``), then runs
+``--rounds`` rounds, each a barrier and one timed allreduce per
 backend; rank 0 prints each backend's median and its rounds, the wire rate the median
 means for a ring's bytes (each rank sends 2 (n - 1) / n of the tensor), and the CPU time a
 rank's process spent in a call (all its threads; the median over rounds of the ranks' mean),
@@ -45,12 +47,16 @@ def main() -> None:
     p.add_argument("--elements", type=int, default=1_329_856,
                    help="float32 elements (default: the bench's language model, 5.3 MB)")
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=25,
+                   help="allreduces per backend before the rounds (default 25: the ring's "
+                        "segment-size trials end within them)")
     args = p.parse_args()
     dist.init_process_group("gloo")
     groups = {"gloo": None, "gradsync": dist.new_group(backend="gradsync")}
     t = torch.ones(args.elements)
     for group in groups.values():
-        dist.all_reduce(t, group=group)  # connections made, buffers touched
+        for _ in range(args.warmup):  # connections made, buffers touched, trials over
+            dist.all_reduce(t, group=group)
     times: dict[str, list[float]] = {name: [] for name in groups}
     cpu: dict[str, list[float]] = {name: [] for name in groups}
     losses = dict.fromkeys(groups, 0)

@@ -15,6 +15,7 @@ class _Comm:
         self.plans = self.tuning.plans_of((0, 1))
         self.lends = lends
         self.asked = 0
+        self.rank, self.size = 0, 2
 
     @property
     def lending(self):
@@ -48,13 +49,13 @@ def test_sizes_then_lending_are_measured_then_the_plan_settles():
         runs.append((segment, lend))
 
     def agree(costs):  # the ranks' sum: another rank finds whole segments much cheaper
-        costs += np.array([0.0, -1.0])
+        costs += np.array([0.0, 0.0, -1.0])
 
     while not plan.settled:
         plan.measure(comm, 64 << 20, run, agree)
-    quarter, whole = (1 << 20) // 4, 1 << 20
+    sixteenth, quarter, whole = (1 << 20) // 16, (1 << 20) // 4, 1 << 20
     # segment sizes first (one turn of 4 each, never lent), then lending, copying first
-    assert runs == [(quarter, False)] * 4 + [(whole, False)] * 4 + \
+    assert runs == [(sixteenth, False)] * 4 + [(quarter, False)] * 4 + [(whole, False)] * 4 + \
         [(whole, False), (whole, True)] * 2
     assert plan.segment == whole and plan.lend is comm.lending.chosen
 

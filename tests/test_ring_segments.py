@@ -1,6 +1,6 @@
 """The ring's segment size over TCP, measured (``Comm.segments``): the first large allreduces
-try segments of ``chunk_bytes`` and of a quarter of it, in turns, and then every rank keeps the
-same one, chosen from the medians of all ranks. These tests run the ring on real loopback TCP
+try segments of a sixteenth, a quarter and the whole of ``chunk_bytes``, in turns, and then every
+rank keeps the same one, chosen from the medians of all ranks. These tests run the ring on real loopback TCP
 connections, one thread per rank, with one way made slower on purpose.
 """
 
@@ -14,6 +14,7 @@ from gradsync.collectives.ops import ReduceOp, make_reducer
 from gradsync.config import Config
 from gradsync.transport import local
 from gradsync.transport.comm import SEGMENT_BLOCK, Comm, Trials
+from gradsync.transport.trials import SEGMENT_MARGIN, SegmentTrials
 from harness import run_ranks, tcp_mesh
 
 CHUNK = 64 << 10
@@ -42,6 +43,23 @@ def test_trials_take_turns_in_blocks_and_keep_the_end_of_each_turn():
     assert Trials(("a", "b"), rounds=0, untried="b").chosen == "b"
 
 
+def test_a_smaller_segment_is_kept_only_when_faster_by_more_than_the_margin():
+    def kept(costs):
+        trials = SegmentTrials((1024, 4096, 16384), rounds=1, untried=16384)
+        trials.choose(costs)
+        return trials.chosen
+
+    close = 1 - SEGMENT_MARGIN / 2
+    assert kept([1.0, 1.0, 1.0]) == 16384  # a tie: the largest, the least CPU
+    assert kept([close, close, 1.0]) == 16384  # faster, but within the margin
+    assert kept([0.9, 0.99, 1.0]) == 1024
+    assert kept([0.99, 0.9, 1.0]) == 4096
+    # the sixteenth beats the whole by more than the margin, but not the quarter kept before it
+    assert kept([0.9 * close, 0.9, 1.0]) == 4096
+    assert kept([1.0, 1.0, 2.0]) == 4096  # the tie between the smaller two: the larger
+    assert kept([2.0, 1.0, 1.0 / close]) == 16384
+
+
 def _slowed(monkeypatch, delays):
     """Makes ring allreduces with segments of ``size`` bytes ``delays[rank][size]`` seconds
     slower on ``rank`` (or ``delays(rank, size, vector bytes)``); returns the list of (rank,
@@ -67,19 +85,19 @@ class _PrefersWhole(Comm):
     def segments(self, chunk_bytes, nbytes, ranks=None):
         trials = super().segments(chunk_bytes, nbytes, ranks)
         if trials is not None:
-            trials.medians = lambda: [5e-8, 1e-8]
+            trials.medians = lambda: [5e-8, 5e-8, 1e-8]
         return trials
 
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_the_ranks_keep_the_segment_that_is_faster_over_all_of_them(monkeypatch, n):
-    # Whole segments are made 100 ms slower an allreduce on rank 0; rank 1's medians say whole
-    # segments are faster. Alone they would choose differently; together they must keep the
-    # same one, the quarter (the lower sum), or their segments would no longer match.
-    monkeypatch.setattr(ring, "TUNE_FROM_BYTES", 1 << 20)
-    runs = _slowed(monkeypatch, {0: {CHUNK: 0.1}})
+    # Whole and sixteenth segments are made 100 ms slower an allreduce on rank 0; rank 1's
+    # medians say whole segments are faster. Alone they would choose differently; together they
+    # must keep the same one, the quarter (the lower sum), or their segments would no longer
+    # match.
+    runs = _slowed(monkeypatch, {0: {CHUNK: 0.1, CHUNK // 16: 0.1}})
     length = (1 << 20) // 8 + 3 * n  # uneven blocks, several segments each
-    allreduces = 2 * 2 * SEGMENT_BLOCK + 3
+    allreduces = 2 * 3 * SEGMENT_BLOCK + 3
 
     def fn(comm):
         data = np.empty(length, np.float64)
@@ -95,28 +113,28 @@ def test_the_ranks_keep_the_segment_that_is_faster_over_all_of_them(monkeypatch,
     comms = tcp_mesh(n, comm_class=lambda r: _PrefersWhole if r == 1 else Comm)
     results = run_ranks(comms, fn)
     assert [chosen for chosen, _ in results] == [CHUNK // 4] * n
-    small, large = results[0][1]
-    assert small * 2 < large  # rank 0 measured its delay
-    # The trials take turns of SEGMENT_BLOCK allreduces, quarter segments first; the
-    # agreement's own tiny allreduce of two float64 (in segments of one element, 8 bytes) ends
-    # the trials; then the chosen size.
+    sixteenth, quarter, whole = results[0][1]
+    assert quarter * 2 < min(sixteenth, whole)  # rank 0 measured its delays
+    # The trials take turns of SEGMENT_BLOCK allreduces, the smallest segments first; the
+    # agreement's own tiny allreduce of three float64 (in segments of one block, 16 or 8
+    # bytes) ends the trials; then the chosen size.
     ranks0 = [segment for rank, segment in runs if rank == 0]
-    turns = [CHUNK // 4] * SEGMENT_BLOCK + [CHUNK] * SEGMENT_BLOCK
-    assert ranks0 == turns * 2 + [8] + [CHUNK // 4] * 3
+    turns = [CHUNK // 16] * SEGMENT_BLOCK + [CHUNK // 4] * SEGMENT_BLOCK + [CHUNK] * SEGMENT_BLOCK
+    assert ranks0 == turns * 2 + [8 * -(-3 // n)] + [CHUNK // 4] * 3
 
 
 def test_each_power_of_4_of_sizes_chooses_on_its_own(monkeypatch):
-    # Interleaved allreduces of two sizes: at the smaller, whole segments are made slower; at
-    # the larger (four times as large), quarter ones. Each size keeps its own faster segment.
-    monkeypatch.setattr(ring, "TUNE_FROM_BYTES", 1 << 20)
+    # Interleaved allreduces of two sizes: at the smaller, whole and sixteenth segments are made
+    # slower; at the larger (four times as large), quarter and sixteenth ones. Each size keeps
+    # its own faster segment.
     small, large = (1 << 20) // 8, (4 << 20) // 8
-    slow = {small * 8: CHUNK, large * 8: CHUNK // 4}
-    _slowed(monkeypatch, lambda rank, segment, nbytes: 0.05 * (slow.get(nbytes) == segment))
+    slow = {small * 8: (CHUNK, CHUNK // 16), large * 8: (CHUNK // 4, CHUNK // 16)}
+    _slowed(monkeypatch, lambda rank, segment, nbytes: 0.05 * (segment in slow.get(nbytes, ())))
 
     def fn(comm):
         assert comm.segments(CHUNK, small * 8) is comm.segments(CHUNK, small * 8 + 4096)
         assert comm.segments(CHUNK, small * 8) is not comm.segments(CHUNK, large * 8)
-        for it in range(2 * 2 * SEGMENT_BLOCK + 1):
+        for it in range(2 * 3 * SEGMENT_BLOCK + 1):
             for length in (small, large):
                 data = np.full(length, comm.rank + 1.0)
                 comm.begin(f"allreduce {it} of {length}")

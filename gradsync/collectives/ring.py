@@ -82,9 +82,12 @@ neighbour read the last segments.
 Segment sizes. Over sockets the segment size that keeps the kernel's copies fastest depends on
 the machine (docs/benchmarks-history.md, "The segment size measured"), so allreduces of
 ``TUNE_FROM_BYTES`` or more on a ring with a socket among its pairs measure it
-(``Comm.segments``), each power of 4 of sizes on its own: the first ones cut segments of
-``chunk_bytes`` and of a quarter of it in turns, each timed per byte, and then every rank keeps
-the size whose medians, summed over the ranks, are lowest. The ranks must agree, as both ends of
+(``Comm.segments``), each power of 4 of sizes on its own: the first ones cut segments of a
+sixteenth, a quarter and the whole of ``chunk_bytes`` in turns, each timed per byte, and then
+every rank keeps the size whose medians, summed over the ranks, are lowest (a smaller one only
+when lower by more than ``trials.SEGMENT_MARGIN``, for its CPU). Over a link shaped to
+25 Mbit/s the sixteenths won: whole segments burst past the shaper's queue and TCP recovered
+from losses more than twice as often. The ranks must agree, as both ends of
 a segment must cut it alike, so the sum is allreduced (``_agree``) within the allreduce that
 ends the trials, which is the same one on every rank.
 Lending is measured after that, in segments of the chosen size.
@@ -115,8 +118,9 @@ __all__ = ["reduce_scatter", "allgather", "allreduce", "even_counts", "block_off
 LEND_ABOVE_BYTES = 32 << 20
 
 #: Allreduces of at least this many bytes over a ring with a socket may cut segments smaller
-#: than ``chunk_bytes`` (see "Segment sizes" above); below, a vector is a few segments either way.
-TUNE_FROM_BYTES = 4 << 20
+#: than ``chunk_bytes`` (see "Segment sizes" above): from DDP's first bucket up. Below, a
+#: vector is a few segments either way.
+TUNE_FROM_BYTES = 1 << 20
 
 _SUM = make_reducer(ReduceOp.SUM, np.float64)
 

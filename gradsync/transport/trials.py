@@ -19,14 +19,17 @@ measures.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from typing import Callable, Generic, Sequence, TypeVar
 
 import numpy as np
 
-__all__ = ["Trials", "Lending", "Tuning", "Plan", "plan_of", "size_class", "LEND_TRIALS",
-           "SEGMENT_TRIALS", "SEGMENT_BLOCK"]
+__all__ = ["Trials", "Lending", "SegmentTrials", "Tuning", "Plan", "plan_of", "size_class",
+           "LEND_TRIALS", "SEGMENT_TRIALS", "SEGMENT_BLOCK", "SEGMENT_DIVISORS", "SEGMENT_MARGIN"]
+
+log = logging.getLogger("gradsync")
 
 #: The first collectives that may lend copy and lend in turn, this many times each, and the
 #: faster way is kept (``Lending``); 0 lends from the start, unmeasured.
@@ -36,6 +39,18 @@ LEND_TRIALS = 3
 #: ``SEGMENT_BLOCK`` allreduces (``Tuning.segments``); 0 keeps the configured ``chunk_bytes``.
 SEGMENT_TRIALS = 2
 SEGMENT_BLOCK = 4
+
+#: The segments the trials cut, as divisors of ``chunk_bytes``, in the order of their turns: a
+#: sixteenth, a quarter and the whole. Copies between processes of one machine ran fastest in
+#: quarters (64 KiB ones about half as fast); over a link shaped to 25 Mbit/s sixteenths kept
+#: the shaper's queue from overflowing and ran 8% faster than wholes (docs/benchmarks.md,
+#: "Smaller segments on the slowest link").
+SEGMENT_DIVISORS = (16, 4, 1)
+
+#: A smaller segment costs more CPU per byte (more exchanges, more system calls), which its
+#: trials' times do not show where the allreduce runs beside compute; so it is kept only when
+#: its cost is below the larger one's by more than this fraction.
+SEGMENT_MARGIN = 0.02
 
 def size_class(nbytes: int) -> int:
     """The power of 4 that ``nbytes`` falls in: sizes of one class share their trials (the
@@ -123,6 +138,20 @@ class Lending(Trials[bool]):
         return done
 
 
+class SegmentTrials(Trials[int]):
+    """The trials of segment sizes (``Tuning.segments``): the ways are segment sizes in bytes,
+    and a smaller one is kept only when it beats each larger one kept so far by more than
+    ``SEGMENT_MARGIN``."""
+
+    def choose(self, costs: Sequence[float]) -> None:
+        largest_first = sorted(range(len(self.ways)), key=lambda i: -self.ways[i])
+        best = largest_first[0]
+        for i in largest_first[1:]:
+            if costs[i] < costs[best] * (1 - SEGMENT_MARGIN):
+                best = i
+        self.chosen = self.ways[best]
+
+
 class Tuning:
     """What one Comm's collectives have measured, and the plans built from it.
 
@@ -145,17 +174,19 @@ class Tuning:
         ``chunk_bytes`` always.
 
         Rings with a socket among their pairs (``sockets()``, asked once) try ``chunk_bytes``
-        and a quarter of it. Each size class chooses on its own: the faster segment at one size
-        can be the slower one at another. Each set of ranks has trials of its own: only its
-        members run its collectives, all of them.
+        divided by each of ``SEGMENT_DIVISORS`` (none below 4 bytes). Each size class chooses on
+        its own: the faster segment at one size can be the slower one at another. Each set of
+        ranks has trials of its own: only its members run its collectives, all of them.
         """
         key = (ranks, chunk_bytes, size_class(nbytes))
         if key in self._segments:
             return self._segments[key]
         trials = None
-        if self.segment_trials and chunk_bytes >= 4 and sockets():
-            trials = Trials((chunk_bytes // 4, chunk_bytes), self.segment_trials,
-                            untried=chunk_bytes, block=SEGMENT_BLOCK)
+        ways = tuple(dict.fromkeys(chunk_bytes // d for d in SEGMENT_DIVISORS
+                                   if chunk_bytes // d >= 4))
+        if self.segment_trials and len(ways) > 1 and sockets():
+            trials = SegmentTrials(ways, self.segment_trials, untried=chunk_bytes,
+                                   block=SEGMENT_BLOCK)
         self._segments[key] = trials
         return trials
 
@@ -229,6 +260,11 @@ class Plan:
             costs = np.array(sizing.medians(), dtype=np.float64)
             agree(costs)
             sizing.choose(costs.tolist())
+            if comm.rank == 0:
+                log.info("ring allreduces of about %d bytes over %d ranks: segments of %s "
+                         "bytes measured, %s ms per MB (medians summed over the ranks): %d "
+                         "kept", nbytes, comm.size, ", ".join(map(str, sizing.ways)),
+                         ", ".join(f"{c * 1e9:.4g}" for c in costs), sizing.chosen)
         self._settle()
 
     def _settle(self) -> None:
