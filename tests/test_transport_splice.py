@@ -29,6 +29,12 @@ CHUNK = LEND_MIN_BYTES  # every ring segment is large enough to be lent
 SUM = make_reducer(ReduceOp.SUM, np.float64)
 
 
+def _mesh(n, **kwargs):
+    """Connected ranks whose ring cuts segments of ``CHUNK`` always: the segment-size trials
+    (``Comm.segments``) would cut smaller ones, too small to be lent."""
+    return tcp_mesh(n, segment_trials=0, **kwargs)
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_lent_ring_allreduce_back_to_back_with_writes_in_between(n):
     # Uneven blocks of several segments each; every rank writes next round's input into the
@@ -45,7 +51,7 @@ def test_lent_ring_allreduce_back_to_back_with_writes_in_between(n):
             got.append(data.copy())
         return got, [p.lends for p in comm.pairs.values()]
 
-    results = run_ranks(tcp_mesh(n), fn)
+    results = run_ranks(_mesh(n), fn)
     ranks_sum = n * (n + 1) // 2
     for got, lends in results:
         assert all(lends)
@@ -71,7 +77,7 @@ def test_lent_reduce_scatter_and_allgather(n):
         data[:] = -2
         return mine, gathered
 
-    for mine, gathered in run_ranks(tcp_mesh(n), fn):
+    for mine, gathered in run_ranks(_mesh(n), fn):
         assert (mine == n * (n + 1) / 2).all()
         np.testing.assert_array_equal(gathered, np.repeat(np.arange(n, dtype=float), counts))
 
@@ -93,7 +99,7 @@ def test_lent_reduce_scatter_from_a_source(n):
         return data[offsets[comm.rank]:offsets[comm.rank + 1]].copy(), untouched, \
             [p.lends for p in comm.pairs.values()]
 
-    for mine, untouched, lends in run_ranks(tcp_mesh(n), fn):
+    for mine, untouched, lends in run_ranks(_mesh(n), fn):
         assert all(lends) and untouched
         assert (mine == n * (n + 1) / 2).all()
 
@@ -137,7 +143,7 @@ def _race(monkeypatch=None):
             _LateReader.rank0_done.set()
         return data.copy()
 
-    comms = tcp_mesh(2, comm_class=lambda r: _LateReader if r == 1 else Comm)
+    comms = _mesh(2, comm_class=lambda r: _LateReader if r == 1 else Comm)
     results = run_ranks(comms, fn)
     assert _LateReader.calls == 3
     return results[1]
@@ -181,7 +187,7 @@ def _two_rank_sums(comms):
 def test_a_copying_rank_and_a_lending_rank_meet():
     # Rank 1 copies (GRADSYNC_TCP_SPLICE=0 on its side) but still acknowledges rank 0's
     # lent frames; rank 0 lends.
-    (d0, l0), (d1, l1) = _two_rank_sums(tcp_mesh(2, splice_on=lambda r: r == 0))
+    (d0, l0), (d1, l1) = _two_rank_sums(_mesh(2, splice_on=lambda r: r == 0))
     assert (l0, l1) == (True, False)
     assert (d0 == 3.0).all() and (d1 == 3.0).all()
 
@@ -191,7 +197,7 @@ def test_a_failing_vmsplice_falls_back_to_copies(monkeypatch, caplog):
         raise OSError(1, "vmsplice: Operation not permitted")
 
     monkeypatch.setattr(splice.Splicer, "push", refuse)
-    for data, lends in _two_rank_sums(tcp_mesh(2)):
+    for data, lends in _two_rank_sums(_mesh(2)):
         assert (data == 3.0).all() and not lends
     assert "sending copies from now on" in caplog.text
 
@@ -245,6 +251,6 @@ def test_the_ring_measures_lending_and_copying_and_keeps_the_faster(monkeypatch,
             assert (data == 3.0 + 2 * it).all()
         return comm.lent_calls, comm.lending.chosen
 
-    for lent_calls, chosen in run_ranks(tcp_mesh(2, comm_class=lambda r: _Counting), fn):
+    for lent_calls, chosen in run_ranks(_mesh(2, comm_class=lambda r: _Counting), fn):
         assert chosen is lend_faster
         assert [bool(k) for k in lent_calls] == [False, True, False, True] + [lend_faster] * 3
