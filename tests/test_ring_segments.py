@@ -4,6 +4,7 @@ rank keeps the same one, chosen from the medians of all ranks. These tests run t
 connections, one thread per rank, with one way made slower on purpose.
 """
 
+import logging
 import time
 
 import numpy as np
@@ -90,11 +91,12 @@ class _PrefersWhole(Comm):
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_the_ranks_keep_the_segment_that_is_faster_over_all_of_them(monkeypatch, n):
+def test_the_ranks_keep_the_segment_that_is_faster_over_all_of_them(monkeypatch, caplog, n):
     # Whole and sixteenth segments are made 100 ms slower an allreduce on rank 0; rank 1's
     # medians say whole segments are faster. Alone they would choose differently; together they
     # must keep the same one, the quarter (the lower sum), or their segments would no longer
     # match.
+    caplog.set_level(logging.INFO, logger="gradsync")
     runs = _slowed(monkeypatch, {0: {CHUNK: 0.1, CHUNK // 16: 0.1}})
     length = (1 << 20) // 8 + 3 * n  # uneven blocks, several segments each
     allreduces = 2 * 3 * SEGMENT_BLOCK + 3
@@ -121,6 +123,12 @@ def test_the_ranks_keep_the_segment_that_is_faster_over_all_of_them(monkeypatch,
     ranks0 = [segment for rank, segment in runs if rank == 0]
     turns = [CHUNK // 16] * SEGMENT_BLOCK + [CHUNK // 4] * SEGMENT_BLOCK + [CHUNK] * SEGMENT_BLOCK
     assert ranks0 == turns * 2 + [8 * -(-3 // n)] + [CHUNK // 4] * 3
+    # rank 0 says what it measured and kept, once
+    said = [r.getMessage() for r in caplog.records if "segments of" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(
+        f"ring allreduces of about {length * 8} bytes over {n} ranks: segments of "
+        f"{CHUNK // 16}, {CHUNK // 4}, {CHUNK} bytes measured, ") and said[0].endswith(
+        f"(medians summed over the ranks): {CHUNK // 4} kept"), said
 
 
 def test_each_power_of_4_of_sizes_chooses_on_its_own(monkeypatch):
