@@ -2,7 +2,6 @@
 processes, no sockets, a stand-in communicator that says whether it lends and hands out trials.
 """
 
-
 from gradsync.transport.trials import SEGMENT_MARGIN, Lending, Plan, Tuning, plan_of
 
 
