@@ -15,7 +15,7 @@ import threading
 import pytest
 import torch
 
-from gradsync.compress import BF16, FP8, Int8, PowerSGD, RandomK
+from gradsync.compress import BF16, FP8, Int4, Int8, PowerSGD, RandomK
 
 
 class ThreadGroup:
@@ -103,6 +103,7 @@ def grads(rank: int, step: int, numel: int) -> torch.Tensor:
 
 COMPRESSORS = {
     "int8": lambda: Int8(block=16),
+    "int4": lambda: Int4(block=15),  # odd: the last code of each block is half a byte
     "fp8": lambda: FP8(block=16),
     "bf16": lambda: BF16(block=16),
     "powersgd": lambda: PowerSGD(rank=2, min_compression_rate=1.0),
@@ -188,7 +189,7 @@ ADVERSARIAL = {
 }
 
 
-@pytest.mark.parametrize("codec", [Int8, FP8, BF16])
+@pytest.mark.parametrize("codec", [Int8, Int4, FP8, BF16])
 @pytest.mark.parametrize("values", sorted(ADVERSARIAL))
 @pytest.mark.parametrize("size, numel", [(2, 0), (3, 1), (3, 2), (2, 7), (3, 100), (3, 1000)])
 def test_quantized_sums_cannot_overflow(codec, values, size, numel):
@@ -206,10 +207,10 @@ def test_quantized_sums_cannot_overflow(codec, values, size, numel):
         assert out.shape == (numel,) and torch.equal(out, results[0])
         assert torch.isfinite(out).all()
         # Two roundings, each at most half a step of the block's scale (int8: 1/254 of the
-        # block's largest magnitude; fp8 e4m3: 1/16 relative to the value, or of the scale;
-        # bf16: 1/512 relative to the value).
+        # block's largest magnitude, int4: 1/14; fp8 e4m3: 1/16 relative to the value, or of
+        # the scale; bf16: 1/512 relative to the value).
         peak = max(float(make(r, numel).abs().max()) if numel else 0.0 for r in range(size))
-        bound = {Int8: 2.0 / 127, FP8: 0.14, BF16: 0.01}[codec] * peak
+        bound = {Int8: 2.0 / 127, Int4: 2.0 / 7, FP8: 0.14, BF16: 0.01}[codec] * peak
         err = float((out.double() - exact).abs().max()) if numel else 0.0
         assert err <= bound, (err, bound)
     if numel:
@@ -230,14 +231,15 @@ def test_int8_wire_is_one_byte_per_element():
     assert per_rank < 1.4 * numel  # against 8 bytes per element for float32 (both phases)
 
 
-@pytest.mark.parametrize("codec", [Int8, FP8, BF16])
+@pytest.mark.parametrize("codec", [Int8, Int4, FP8, BF16])
 def test_quantized_on_one_rank_with_an_odd_chunk(codec):
     """One rank (a process set of one, auto's one-rank timing of the arithmetic): the wire's
     rows are one row whose stride (4 bytes of scale + 67 codes) is no multiple of 4."""
     x = torch.linspace(-1.0, 1.0, 67)
     (out,), _ = run_ranks(1, lambda comm: codec(block=1024).reduce(x, [(67,)], comm, "k",
                                                                     average=True))
-    assert out.shape == (67,) and float((out - x).abs().max()) <= 0.14
+    bound = 2.0 / 7 if codec is Int4 else 0.14  # two roundings of a step of 1/7
+    assert out.shape == (67,) and float((out - x).abs().max()) <= bound
 
 
 def test_bf16_wire_is_two_bytes_per_element():
@@ -250,6 +252,33 @@ def test_bf16_wire_is_two_bytes_per_element():
     per_rank = 2 * numel + 4 * numel // block + (2 * numel // size + 4 * numel // size // block)
     assert group.wire_bytes == [per_rank] * size
     assert group.wire_dtypes == {torch.uint8}
+
+
+def test_int4_wire_is_half_a_byte_per_element():
+    size, numel, block = 3, 3 * 4096, 1024
+
+    def job(comm):
+        return Int4(block=block).reduce(torch.randn(numel), [(numel,)], comm, "k", False)
+
+    _, group = run_ranks(size, job)
+    per_rank = numel // 2 + 4 * numel // block + (numel // 2 // size + 4 * numel // size // block)
+    assert group.wire_bytes == [per_rank] * size
+    assert group.wire_dtypes == {torch.uint8}
+
+
+@pytest.mark.parametrize("block", [16, 15])
+def test_int4_exact_on_representable_values(block):
+    """Integers in [-7, 7] in blocks whose maximum is 7 are quantized without loss, every
+    code at both ends of a byte (and a block of an odd count, half a byte of padding)."""
+    pattern = torch.tensor([7.0, -7.0, 0.0, 3.0, -1.0, 5.0, -6.0, 2.0, 1.0, -3.0, 4.0, -5.0,
+                            6.0, -2.0, -4.0, 7.0])[:block]
+    x = pattern.repeat(6)
+
+    def job(comm):
+        return Int4(block=block).reduce(x, [(x.numel(),)], comm, None, average=False)
+
+    results, _ = run_ranks(2, job)
+    assert torch.equal(results[0], 2 * x) and torch.equal(results[1], 2 * x)
 
 
 def test_int8_exact_on_representable_values():

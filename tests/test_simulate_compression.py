@@ -19,7 +19,7 @@ import torch
 from gradsync.cluster.topology import Topology
 from gradsync.collectives import funnel
 from gradsync.collectives.costs import allreduce_time, cheapest_alltoall
-from gradsync.compress import FP8, Int8, PowerSGD, RandomK
+from gradsync.compress import FP8, Int4, Int8, PowerSGD, RandomK
 from gradsync.run.cli import main as gradsync_main
 from gradsync.simulate import cluster as cluster_file
 from gradsync.simulate.compression import (CHUNK_BYTES, call_time, exchange, int8_layout,
@@ -81,7 +81,7 @@ FP32 = ("reduce_scatter", "gather_blocks") + FUNNEL
 
 
 def _library(kind: str):
-    return {"int8": Int8(tiers="all"), "fp8": FP8(tiers="all"),
+    return {"int8": Int8(tiers="all"), "int4": Int4(tiers="all"), "fp8": FP8(tiers="all"),
             "powersgd": PowerSGD(rank=2, tiers="all"),
             "randomk": RandomK(ratio=0.05, tiers="all")}[kind]
 
@@ -91,8 +91,8 @@ SHAPES = [[(3000,)], [(64, 96), (96,), (200, 30), (5, 5), (17,)], [(1,)], [(40, 
 
 @pytest.mark.parametrize("n", [2, 3, 8])  # (one rank exchanges nothing in the model)
 @pytest.mark.parametrize("shapes", SHAPES, ids=["flat", "layers", "one", "conv"])
-@pytest.mark.parametrize("kind,text", [("int8", "int8@all"), ("fp8", "fp8@all"),
-                                       ("powersgd", "powersgd:2@all"),
+@pytest.mark.parametrize("kind,text", [("int8", "int8@all"), ("int4", "int4@all"),
+                                       ("fp8", "fp8@all"), ("powersgd", "powersgd:2@all"),
                                        ("randomk", "randomk:0.05@all")])
 def test_the_flat_schedule_is_what_each_compressor_sends(kind, text, shapes, n):
     numel = sum(math.prod(s) for s in shapes)
@@ -323,7 +323,7 @@ def test_calibration_measures_every_kind():
     from gradsync.simulate.calibrate import measure
 
     rates = measure(elements=8192, repeats=1, matrix=64)
-    assert set(rates) == {"bf16", "fp16", "int8", "fp8", "powersgd", "randomk"}
+    assert set(rates) == {"bf16", "fp16", "int8", "int4", "fp8", "powersgd", "randomk"}
     assert all(0 < v < 1e-2 for v in rates.values()), rates  # seconds per element: any load
     cluster_file.parse({"name": "c", "ranks_per_node": 1, "compress_seconds_per_element": rates,
                         "tiers": [{"bandwidth": "1GB/s", "latency": "1us"}]})

@@ -23,7 +23,7 @@ default) on CPython's standard library, validation files kept apart by a hash of
 ``cnn``, a small CNN on scikit-learn's digits. **The modes**, each rate running all of them in
 this order (``compress_report.MODES``): ``floor`` (no exchange), DDP over gloo at fp32, with
 torch's bf16 hook and with torch's PowerSGD hook (one bucket), DDP over the gradsync backend
-at fp32, with gradsync's int8 and PowerSGD hooks and with ``compression="auto"``
+at fp32, with gradsync's int8, int4 and PowerSGD hooks and with ``compression="auto"``
 (``gs-auto``, whose row's ``choice`` says what it chose per bucket class, with the numbers
 behind it under the table), the Horovod API's ``DistributedOptimizer`` with Int8 or PowerSGD
 and ``gradient_lag=1`` (``gs-int8-lag``, ``gs-powersgd-lag``: each step's exchange runs behind

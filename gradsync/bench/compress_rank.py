@@ -128,12 +128,13 @@ class _Trainer:
             self.net.register_comm_hook(HookState(self.auto, group, overlap=s.get("overlap", True)),
                                         compressed_hook)
             self.choice = "auto (not decided yet)"  # replaced by its decision at the end
-        elif mode in ("gs-int8", "gs-powersgd"):
-            from gradsync.compress import HookState, Int8, PowerSGD, compressed_hook
+        elif mode in ("gs-int8", "gs-int4", "gs-powersgd"):
+            from gradsync.compress import HookState, Int4, Int8, PowerSGD, compressed_hook
 
             # PowerSGD's first two reductions of each bucket plain, as torch's hook's in
             # gloo-powersgd (start_powerSGD_iter=2): the two are compared like for like.
             compressor = Int8(seed=s["seed"]) if mode == "gs-int8" else \
+                Int4(seed=s["seed"]) if mode == "gs-int4" else \
                 PowerSGD(rank=r, seed=s["seed"], plain_steps=2)
             self.net.register_comm_hook(
                 HookState(compressor, group, overlap=s.get("overlap", True)), compressed_hook)

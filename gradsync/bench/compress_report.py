@@ -35,6 +35,7 @@ MODES = {
     "gloo-powersgd": "DDP over gloo, torch's powerSGD_hook (one bucket)",
     "gs-fp32": "DDP over the gradsync backend, float32",
     "gs-int8": "DDP over the gradsync backend, gradsync.compress Int8 hook",
+    "gs-int4": "DDP over the gradsync backend, gradsync.compress Int4 hook (half int8's bytes)",
     "gs-powersgd": "DDP over the gradsync backend, gradsync.compress PowerSGD hook (its first "
                    "two steps plain, as torch's hook's here)",
     "gs-auto": "DDP over the gradsync backend, compression=\"auto\": per bucket, none, "

@@ -14,7 +14,7 @@ World (the Horovod API: ``DistributedOptimizer(compression=...)`` and the collec
 communication hook, ``ddp_hook.py``: gloo, gradsync or any backend).
 
 Modules: ``base`` (the interface), ``state`` (error-feedback residuals and the other state,
-with ``state_dict``), ``quantized`` (int8 and fp8), ``powersgd``, ``randomk``, ``comm``,
+with ``state_dict``), ``quantized`` (int8, int4 and fp8), ``powersgd``, ``randomk``, ``comm``,
 ``ddp_hook``; ``tiers`` (on several hosts, full precision inside a host and the compressor
 only across the slowest tier, once per host: the default of every compressor); ``diloco``
 (local SGD, DiLoCo and streaming DiLoCo: an outer gradient every H steps, through the same
@@ -31,11 +31,11 @@ from .ddp_hook import HookState, compressed_hook
 from .diloco import DiLoCo
 from .elastic import DiLoCoHandler, StateDictHandler
 from .powersgd import PowerSGD
-from .quantized import BF16, FP8, Int8
+from .quantized import BF16, FP8, Int4, Int8
 from .randomk import RandomK
 from .state import CompressorState
 
-__all__ = ["ReducingCompressor", "Int8", "FP8", "BF16", "Auto", "PowerSGD", "RandomK",
+__all__ = ["ReducingCompressor", "Int8", "Int4", "FP8", "BF16", "Auto", "PowerSGD", "RandomK",
            "CompressorState",
            "Comm", "WorldComm", "TorchComm", "HookState", "compressed_hook", "DiLoCo",
            "StateDictHandler", "DiLoCoHandler"]

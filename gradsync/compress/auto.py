@@ -619,7 +619,7 @@ class Auto(ReducingCompressor):
                 kappa = kappa / k if c.shardable else kappa
                 if name in ("bf16", "int8"):
                     block, blocks = c.layout(numel, units)
-                    wire = units * (4 * blocks + c.WIDTH * block * blocks)
+                    wire = units * (4 * blocks + c.row_bytes(block) * blocks)
                     options.append(model.Option(name, wire / (4 * max(numel, 1)), 2, kappa))
                 else:
                     plan = c.plan(shapes)

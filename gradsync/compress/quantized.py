@@ -1,4 +1,4 @@
-"""int8 (and fp8) allreduce: a quantized reduce-scatter, an fp32 sum, a quantized all-gather.
+"""int8 (and int4, fp8) allreduce: a quantized reduce-scatter, an fp32 sum, a quantized all-gather.
 
 Why not "quantize, then allreduce". Eight bits cannot hold a sum: two ranks at +127 already
 overflow int8, and widening the wire to hold n ranks' sums (int16, int32) gives back the
@@ -37,6 +37,12 @@ plus 4 bytes per block: 2 (n-1)/n (1 + 4/b) bytes, against 2 (n-1)/n * 4 for a f
 (about 3.97x fewer with b = 1024). A tensor shorter than n * b gets smaller blocks (one per
 chunk), so tiny tensors never pay for a padded block; padding is at most one block per chunk.
 
+int4 (``Int4``): the same schedule with codes -7..7 (scale ``max|x| / 7``) packed two to a
+byte, 2 (n-1)/n (1/2 + 4/b) bytes per element, about 7.9x fewer than float32 with b = 1024. Its
+roundings are coarse, and the two error feedbacks pay them back: on ``gradsync bench
+compress``'s language model it reaches the target in as many steps as int8
+(docs/slow-links.md, "The compressors").
+
 fp8 (``FP8``): the same schedule with e4m3 bytes (scale ``max|x| / 448``): torch 2.x's CPU
 kernels convert float32 to ``torch.float8_e4m3fn`` and back (nothing else is needed: the
 sums are float64 here), with 3 mantissa bits against int8's 7 but a floating exponent inside
@@ -49,7 +55,7 @@ import torch
 
 from .base import ReducingCompressor
 
-__all__ = ["Int8", "FP8", "BF16"]
+__all__ = ["Int8", "Int4", "FP8", "BF16"]
 
 
 class _Quantized(ReducingCompressor):
@@ -58,7 +64,7 @@ class _Quantized(ReducingCompressor):
     name = ""
     QMAX = 1.0
     WIDTH = 1
-    """Bytes per element on the wire."""
+    """Bytes per element on the wire (``row_bytes`` for codes narrower than a byte)."""
 
     def __init__(self, block: int = 1024, seed: int = 0, tiers: str = "slowest"):
         super().__init__(seed, tiers)
@@ -69,21 +75,25 @@ class _Quantized(ReducingCompressor):
     def _describe(self) -> str:
         return f"{self.name}(block={self.block})"
 
-    # -- encoding: float32 blocks (rows) <-> bytes
+    def row_bytes(self, block: int) -> int:
+        """Bytes on the wire for the codes of one block of ``block`` elements."""
+        return block * self.WIDTH
+
+    # -- encoding: float32 blocks (rows) <-> rows of ``row_bytes(block)`` bytes
     def _encode(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def _decode(self, q: torch.Tensor) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, block: int) -> torch.Tensor:
         raise NotImplementedError
 
     def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Blocks ``x`` (rows) -> (scales float32 per row, bytes uint8 like ``x``)."""
+        """Blocks ``x`` (rows) -> (scales float32 per row, uint8 rows of ``row_bytes``)."""
         scales = x.abs().amax(dim=1) / self.QMAX if x.numel() else x.new_zeros(x.shape[0])
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         return scales, self._encode(x / safe.unsqueeze(1))
 
-    def _dequantize(self, scales: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        return self._decode(q) * scales.unsqueeze(1)
+    def _dequantize(self, scales: torch.Tensor, q: torch.Tensor, block: int) -> torch.Tensor:
+        return self._decode(q, block) * scales.unsqueeze(1)
 
     def layout(self, numel: int, size: int) -> tuple[int, int]:
         """(elements per block, blocks per chunk) for ``numel`` elements over ``size`` ranks."""
@@ -105,20 +115,20 @@ class _Quantized(ReducingCompressor):
         scales, q = self._quantize(rows)
         # What this rank's quantization lost stays here. A non-finite gradient (an overflow
         # that GradScaler will skip) must not poison every later step through the residual.
-        sent = self._dequantize(scales, q).view(-1)[:numel]
+        sent = self._dequantize(scales, q, block).reshape(-1)[:numel]
         residual = torch.nan_to_num(padded[:numel] - sent, nan=0.0, posinf=0.0, neginf=0.0)
         # Wire block for rank j: its chunk's scales (4 bytes each), then its bytes.
-        width = self.WIDTH
+        codes = blocks * self.row_bytes(block)  # bytes of one chunk's codes
         wire = torch.cat([scales.view(n, blocks).view(torch.uint8),
-                          q.reshape(n, chunk * width)], dim=1)
-        got = comm.alltoall(wire.reshape(-1)).view(n, 4 * blocks + chunk * width)
+                          q.reshape(n, codes)], dim=1)
+        got = comm.alltoall(wire.reshape(-1)).view(n, 4 * blocks + codes)
         their_scales = _packed(got[:, :4 * blocks]).view(torch.float32)  # (n, blocks)
         their_q = _packed(got[:, 4 * blocks:])
         # The owner's sum, in float64 (module docstring: overflow is impossible).
         total = torch.zeros(blocks, block, dtype=torch.float64)
         for s in range(n):  # in rank order: the same rounding on every owner
-            total += self._dequantize(their_scales[s],
-                                      their_q[s].view(blocks, block * width)).double()
+            total += self._dequantize(their_scales[s], their_q[s].view(blocks, -1),
+                                      block).double()
         if average:
             total /= n
         mine = total.float()
@@ -127,18 +137,18 @@ class _Quantized(ReducingCompressor):
             mine += self.state.tensor(key, owner_name, (blocks, block))
         out_scales, out_q = self._quantize(mine)
         if key is not None:
-            owner = torch.nan_to_num(mine - self._dequantize(out_scales, out_q), nan=0.0,
-                                     posinf=0.0, neginf=0.0)
+            owner = torch.nan_to_num(mine - self._dequantize(out_scales, out_q, block),
+                                     nan=0.0, posinf=0.0, neginf=0.0)
         piece = torch.cat([out_scales.view(torch.uint8), out_q.view(-1).view(torch.uint8)])
-        gathered = comm.allgather(piece).view(n, 4 * blocks + chunk * width)
+        gathered = comm.allgather(piece).view(n, 4 * blocks + codes)
         # Every collective returned: only now does the state move (a reduction that a lost
         # peer cut short leaves it as it was, state.py).
         if key is not None:
             self.state.put(key, "residual", residual, since)
             self.state.put(key, owner_name, owner, since)
         all_scales = _packed(gathered[:, :4 * blocks]).view(torch.float32).reshape(-1)
-        all_q = _packed(gathered[:, 4 * blocks:]).view(n * blocks, block * width)
-        return self._dequantize(all_scales, all_q).view(-1)[:numel].clone()
+        all_q = _packed(gathered[:, 4 * blocks:]).view(n * blocks, -1)
+        return self._dequantize(all_scales, all_q, block).reshape(-1)[:numel].clone()
 
 
 def _packed(columns: torch.Tensor) -> torch.Tensor:
@@ -165,8 +175,30 @@ class Int8(_Quantized):
     def _encode(self, x):
         return x.round().clamp_(-127, 127).to(torch.int8).view(torch.uint8)
 
-    def _decode(self, q):
+    def _decode(self, q, block):
         return q.view(torch.int8).to(torch.float32)
+
+
+class Int4(_Quantized):
+    """int4 with per-block scales: codes -7..7, two to a byte (the high nibble first), summed
+    in float64 by each chunk's owner (module docstring); same arguments as ``Int8``. A block of
+    an odd number of elements ends with half a byte of padding."""
+
+    name = "int4"
+    QMAX = 7.0
+
+    def row_bytes(self, block):
+        return (block + 1) // 2
+
+    def _encode(self, x):
+        codes = (x.round().clamp_(-7, 7) + 8).to(torch.uint8)  # 1..15; 8 is zero
+        if codes.shape[1] % 2:
+            codes = torch.cat([codes, codes.new_full((codes.shape[0], 1), 8)], dim=1)
+        return (codes[:, 0::2] << 4) | codes[:, 1::2]
+
+    def _decode(self, q, block):
+        codes = torch.stack([q >> 4, q & 15], dim=2).view(q.shape[0], -1)[:, :block]
+        return codes.to(torch.float32) - 8.0
 
 
 class FP8(_Quantized):
@@ -178,7 +210,7 @@ class FP8(_Quantized):
     def _encode(self, x):
         return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
 
-    def _decode(self, q):
+    def _decode(self, q, block):
         return q.view(torch.float8_e4m3fn).to(torch.float32)
 
 
@@ -196,5 +228,5 @@ class BF16(_Quantized):
     def _encode(self, x):
         return x.to(torch.bfloat16).view(torch.uint8)
 
-    def _decode(self, q):
+    def _decode(self, q, block):
         return q.view(torch.bfloat16).to(torch.float32)

@@ -3,7 +3,7 @@
 
     python3 -m gradsync.simulate.calibrate [--elements 4M] [--repeats 5] [--json]
 
-Each of gradsync's compressors (``gradsync.compress``: int8, fp8, PowerSGD rank 4, random-k
+Each of gradsync's compressors (``gradsync.compress``: int8, int4, fp8, PowerSGD rank 4, random-k
 1%; and the bf16/fp16 casts of ``gradsync.torch.compression``) reduces a bucket of float32
 gradients on a one-rank ``Comm`` whose collectives return their input: what is timed is the
 compressor's own work on the bucket (residual, quantize, the owner's sum, dequantize; P, Q and
@@ -31,7 +31,7 @@ def measure(elements: int = 4 << 20, repeats: int = 5, matrix: int = 1024) -> di
     """Median seconds per element of each kind on this machine."""
     import torch
 
-    from ..compress import FP8, Int8, PowerSGD, RandomK
+    from ..compress import FP8, Int4, Int8, PowerSGD, RandomK
     from ..compress.comm import Loopback
     from ..torch.compression import BF16Compressor, FP16Compressor
 
@@ -44,7 +44,8 @@ def measure(elements: int = 4 << 20, repeats: int = 5, matrix: int = 1024) -> di
         return lambda: codec.decompress(*codec.compress(flat))
 
     runs = {"bf16": cast(BF16Compressor), "fp16": cast(FP16Compressor)}
-    for kind, c in (("int8", Int8()), ("fp8", FP8()), ("powersgd", PowerSGD(rank=4)),
+    for kind, c in (("int8", Int8()), ("int4", Int4()), ("fp8", FP8()),
+                    ("powersgd", PowerSGD(rank=4)),
                     ("randomk", RandomK(ratio=0.01))):
         runs[kind] = lambda c=c: c.reduce(flat, shapes, comm, "calibrate", True)
     out = {}

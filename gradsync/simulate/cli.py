@@ -53,7 +53,7 @@ def parser() -> argparse.ArgumentParser:
     what.add_argument("--gpus", help="GPU counts, comma-separated, e.g. 6,96,1536,27360")
     what.add_argument("--algorithm", choices=ALGORITHMS, default="auto",
                       help="allreduce algorithm; auto: the planner's choice per bucket")
-    what.add_argument("--compression", help="none, fp16, bf16, int8, fp8, powersgd:R, "
+    what.add_argument("--compression", help="none, fp16, bf16, int8, int4, fp8, powersgd:R, "
                       "randomk:RATIO, localsgd:H, diloco:H[+int8]; @slowest (default: only the "
                       "top tier, as gradsync), @hosts (across nodes) or @all (every tier); "
                       "overrides --model compression=")

@@ -40,7 +40,7 @@ slower than another on every step (manufacturing and power management), the same
 job; ``persistent_source`` says where it comes from. Both are shares of the mean compute time.
 
 ``compress_seconds_per_element`` (optional) maps a compression kind (``bf16``, ``int8``,
-``fp8``, ``powersgd``, ``randomk``) to the seconds one rank's compressor spends per gradient
+``int4``, ``fp8``, ``powersgd``, ``randomk``) to the seconds one rank's compressor spends per gradient
 element (compress, reduce its share, decompress), as ``python3 -m gradsync.simulate.calibrate``
 measures it on a machine of the cluster; ``compress_source`` says where the numbers come from.
 A kind it does not name is charged its passes over memory at ``reduce_bandwidth``
@@ -65,7 +65,7 @@ CLUSTERS_DIR = Path(__file__).parent / "clusters"
 _TOP = {"name", "ranks_per_node", "tiers", "reduce_bandwidth", "jitter_cv", "jitter_source",
         "persistent_cv", "persistent_source", "source", "assumed",
         "compress_seconds_per_element", "compress_source"}
-_COMPRESS_KINDS = ("fp16", "bf16", "int8", "fp8", "powersgd", "randomk")
+_COMPRESS_KINDS = ("fp16", "bf16", "int8", "int4", "fp8", "powersgd", "randomk")
 _TIER = {"name", "fanout", "bandwidth", "latency", "oversubscription", "source", "assumed"}
 
 

@@ -6,7 +6,7 @@ tensor through a recording ``Comm`` and checks that the calls and sizes below ar
 what it issued, so this file cannot drift from the code unnoticed.
 
 Vocabulary. A *compression* is a kind and its settings (``parse``: ``none``, ``fp16``,
-``bf16``, ``int8``, ``fp8``, ``powersgd:R``, ``randomk:RATIO``, ``localsgd:H``,
+``bf16``, ``int8``, ``int4``, ``fp8``, ``powersgd:R``, ``randomk:RATIO``, ``localsgd:H``,
 ``diloco:H`` or ``diloco:H+int8`` (the outer gradient compressed), each optionally
 ``@slowest`` (the default), ``@hosts`` or ``@all`` for the tiers it compresses). A
 *schedule* is the list of collectives one bucket costs on a flat group of n ranks, each a
@@ -17,6 +17,7 @@ Vocabulary. A *compression* is a kind and its settings (``parse``: ``none``, ``f
     int8, fp8       alltoall n (4b + c), allgather 4b + c
                     (``quantized.py``: c = the chunk of ceil(E/n) elements rounded up to b
                     blocks of ``block`` elements, 4 bytes of scale per block)
+    int4            the same with b ceil(block / 2) bytes of codes in place of c
     powersgd:R      allreduce 4 (plain + sum rows x r), allreduce 4 sum cols x r
                     (``powersgd.py``: matrices that shrink at least 2x, r = min(R, rows, cols))
     randomk:RATIO   allreduce 4k, k = ceil(RATIO x E)
@@ -88,7 +89,8 @@ __all__ = ["Compression", "parse", "schedule", "sent_bytes", "powersgd_plan", "i
            "randomk_count", "alltoall_time", "allgather_time", "funnel_time", "PASSES",
            "OUTER_PASSES", "KINDS", "TIERS"]
 
-KINDS = ("none", "fp16", "bf16", "int8", "fp8", "powersgd", "randomk", "localsgd", "diloco")
+KINDS = ("none", "fp16", "bf16", "int8", "int4", "fp8", "powersgd", "randomk", "localsgd",
+         "diloco")
 TIERS = ("slowest", "hosts", "all")
 SUB_ALLREDUCES = ("doubling", "halving_doubling", "ring")
 """``compress.comm.SUB_ALLREDUCES``: a tiered sub-allreduce runs the cheapest of these."""
@@ -105,6 +107,10 @@ PASSES = {
     # cast 21, dequantize for the residual 13, residual update 28, wire copy 2, the owner's
     # float64 sum of every rank's version 49, the final dequantize and copy 21: about 166.
     "int8": 166, "fp8": 166,
+    # int4: int8's passes with half the wire bytes, plus packing (the codes read and the
+    # nibbles shifted, or'd and written: 3) and unpacking them twice (the residual's and the
+    # result's dequantize: 2 x 3): about 175.
+    "int4": 175,
     # powersgd._reduce on compressed elements: residual add 12, M Q and M^T P (each reads M:
     # 8), the new residual M - P Q^T (16) and its copy (8), the result P Q^T written back (12).
     "powersgd": 56,
@@ -135,7 +141,7 @@ class Compression:
     """DiLoCo: the compressor of the outer gradient (None: float32)."""
     tiers: str = "slowest"
     block: int = 1024
-    """int8/fp8 elements per scale (``Int8(block=1024)``)."""
+    """int8/int4/fp8 elements per scale (``Int8(block=1024)``)."""
 
     @property
     def periodic(self) -> bool:
@@ -144,7 +150,7 @@ class Compression:
     @property
     def owns_reduction(self) -> bool:
         """Replaces the allreduce (tiered by default); a cast or none does not."""
-        return self.kind in ("int8", "fp8", "powersgd", "randomk")
+        return self.kind in ("int8", "int4", "fp8", "powersgd", "randomk")
 
     @property
     def shardable(self) -> bool:
@@ -166,7 +172,7 @@ def parse(text: str) -> Compression:
     """``int8``, ``powersgd:4@all``, ``randomk:0.01``, ``diloco:500+int8`` -> Compression."""
     m = _SPEC.match(text.strip().lower())
     if not m or m["kind"] not in KINDS:
-        raise ValueError(f"compression {text!r}: choose from none, fp16, bf16, int8, fp8, "
+        raise ValueError(f"compression {text!r}: choose from none, fp16, bf16, int8, int4, fp8, "
                          f"powersgd:R, randomk:RATIO, localsgd:H, diloco:H[+int8|...], each "
                          f"with @slowest (default), @hosts or @all")
     kind, arg, tiers = m["kind"], m["arg"], m["tiers"] or "slowest"
@@ -255,11 +261,11 @@ def schedule(c: Compression, elements: float, n: int, shapes=None) -> list[tuple
         return [("allreduce", 4 * e)]
     if c.kind in ("fp16", "bf16"):
         return [("allreduce", 2 * e)]
-    if c.kind in ("int8", "fp8"):
+    if c.kind in ("int8", "int4", "fp8"):
         if e == 0:
             return []
         block, blocks = int8_layout(e, n, c.block)
-        wire = 4 * blocks + block * blocks
+        wire = 4 * blocks + (block if c.kind != "int4" else (block + 1) // 2) * blocks
         return [("alltoall", n * wire), ("allgather", wire)]
     if c.kind == "randomk":
         return [("allreduce", 4 * randomk_count(e, c.ratio))] if e else []

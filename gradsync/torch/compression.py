@@ -9,7 +9,7 @@ Two kinds, one argument (``compression=`` of ``DistributedOptimizer``, ``allredu
   so they are element-wise: compressing a fused gradient bucket is the same as compressing
   each gradient in it. A user-defined compressor only has to keep the same two static (or
   class) methods, as in Horovod.
-- *instead of* the allreduce (``gradsync/compress/``: ``int8``, ``fp8``, ``powersgd``,
+- *instead of* the allreduce (``gradsync/compress/``: ``int8``, ``int4``, ``fp8``, ``powersgd``,
   ``randomk``): an int8 sum would overflow, PowerSGD orthogonalises between two reductions,
   random-k must pick the same positions on every rank; so these own their reduction
   (``reduce``, marked ``owns_reduction``) and keep error-feedback state between steps. Pass
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ..compress import FP8, Auto, Int8, PowerSGD, RandomK, ReducingCompressor
+from ..compress import FP8, Auto, Int4, Int8, PowerSGD, RandomK, ReducingCompressor
 
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression",
            "reducing"]
@@ -95,13 +95,14 @@ class BF16Compressor(_CastCompressor):
 
 class Compression:
     """The built-in compressors, by Horovod's names: ``none``, ``fp16``; plus ``bf16``, and
-    those that replace the allreduce: ``int8``, ``fp8``, ``powersgd``, ``randomk``, and
+    those that replace the allreduce: ``int8``, ``int4``, ``fp8``, ``powersgd``, ``randomk``, and
     ``auto`` (the choice among none, bf16 with error feedback, int8 and PowerSGD)."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
     int8 = Int8
+    int4 = Int4
     fp8 = FP8
     powersgd = PowerSGD
     randomk = RandomK

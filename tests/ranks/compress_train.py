@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync
 import gradsync.torch as hvd
-from gradsync.compress import (FP8, Auto, HookState, Int8, PowerSGD, RandomK, TorchComm,
+from gradsync.compress import (FP8, Auto, HookState, Int4, Int8, PowerSGD, RandomK, TorchComm,
                                compressed_hook)
 
 warnings.simplefilter("ignore")
@@ -38,7 +38,7 @@ STEPS = 8
 
 
 def compressors():
-    return {"int8": Int8(block=64), "fp8": FP8(block=64),
+    return {"int8": Int8(block=64), "int4": Int4(block=63), "fp8": FP8(block=64),
             "powersgd": PowerSGD(rank=2, min_compression_rate=1.0),
             "randomk": RandomK(0.5, seed=5)}
 
