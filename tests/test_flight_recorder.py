@@ -224,6 +224,10 @@ def test_a_pace_post_reads_only_what_completed_since_the_last_one(monkeypatch):
 
     recorder, track = _recorder(entries=2000)
     monkeypatch.setattr(straggler_watch, "recorder", recorder)
+    # The publisher's clock, moved by hand: on a loaded machine real seconds pass between the
+    # two posts, which the rate would divide by.
+    clock = [1000.0]
+    monkeypatch.setattr(straggler_watch, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     world = types.SimpleNamespace(
         config=Config(straggler_interval=1.0), rank=0, size=1,
         env=types.SimpleNamespace(job_id="job"), peers=[types.SimpleNamespace(host="h")],
@@ -235,7 +239,7 @@ def test_a_pace_post_reads_only_what_completed_since_the_last_one(monkeypatch):
     for _ in range(10):
         track.issue("all_reduce", "g", (256,), "float32").done()
     track.issue("all_gather", "last", (1,), "int8")
-    publisher._last_t -= 1.0  # a post a second later
+    clock[0] += 1.0  # a post a second later
     posted = {}
     calls = _calls(lambda: posted.update(publisher.summary()))
     assert posted["bytes_s"] == pytest.approx(10 * 1024, rel=0.2)  # 10 of 256 floats, in 1 s
