@@ -8,12 +8,8 @@ DiLoCo over the Horovod API (H = 8, 4 fragments landing a step after they start,
 outer gradient), held in the ``TorchState`` (``diloco=``) with the inner optimizer.
 
 The job starts with 3 workers: localhost[0], localhost[1] and 127.0.0.1[2], the *victim*, on a
-host of its own in the discovery file (``KILLCOMP_HOSTS``), so that the launcher (with
-``--blacklist-cooldown 0``) can start a new worker in its slot: 127.0.0.1[3], the *joiner*.
-The victim takes its host out of the file just before it dies, and rank 0 of the survivors puts
-it back once they have recovered in a generation of two: so the joiner comes after that
-recovery however slow the machine (when it came at once, a loaded machine could form the
-generation of three before the survivors had recovered in the one of two).
+host of its own in the discovery file, so that after its death the launcher (with
+``--blacklist-cooldown 0``) starts a new worker in its slot: 127.0.0.1[3], the *joiner*.
 
 - int8, powersgd: the victim SIGKILLs itself inside the compressor, as the second bucket of
   the round of update KILL + 1 starts: the first bucket was reduced everywhere (the
@@ -60,26 +56,12 @@ KILL, GROW, TOTAL = (10, 15, 24) if MODE == "diloco" else (5, 10, 16)
 ME = os.environ["GRADSYNC_ELASTIC_ID"]
 VICTIM = ME == "127.0.0.1[2]"
 JOIN_DEADLINE = 90.0
-HOSTS = os.environ["KILLCOMP_HOSTS"]
 
 torch.set_num_threads(1)
 hvd.init()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
 reduces = {"count": 0, "armed": False}
-
-
-def discover(lines: str) -> None:
-    """Rewrites the discovery file whole (the launcher's ``cat`` never reads half of it)."""
-    with open(HOSTS + ".new", "w") as f:
-        f.write(lines)
-    os.replace(HOSTS + ".new", HOSTS)
-
-
-def die() -> None:
-    """The victim's end: its host out of discovery, then SIGKILL."""
-    discover("localhost:2\n")
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def killing(base):
@@ -90,7 +72,7 @@ def killing(base):
         def reduce(self, flat, shapes, comm, key, average):
             reduces["count"] += 1
             if reduces["armed"] and reduces["count"] == 2:
-                die()
+                os.kill(os.getpid(), signal.SIGKILL)
             return super().reduce(flat, shapes, comm, key, average)
 
     return Killing
@@ -166,7 +148,7 @@ def diloco_steps() -> None:
         outer.zero_grad()
         F.mse_loss(model(x), y).backward()
         if VICTIM and t == KILL - 1:
-            die()  # before it starts step KILL's sync
+            os.kill(os.getpid(), signal.SIGKILL)  # before it starts step KILL's sync
         outer.step()
         if not outer.pending:  # no sync in flight: a point to roll back to
             after[outer.step_count] = state_digest()
@@ -186,8 +168,6 @@ def train(state):
               f"action={plan.action if plan else '-'} updates={plan.updates if plan else '-'} "
               f"lost={plan.lost if plan else '-'} state={state_digest()} "
               f"before={after.get(plan.updates, 'none') if plan else 'none'}", flush=True)
-        if hvd.size() == 2 and hvd.rank() == 0:
-            discover("localhost:2\n127.0.0.1:1\n")  # the survivors recovered: the joiner may come
     (diloco_steps if MODE == "diloco" else compressed_steps)()
 
 
