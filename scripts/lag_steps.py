@@ -22,9 +22,9 @@ from gradsync.bench import compress_tasks as ct
 SIZE, TARGET, MAX_STEPS, EVERY = 4, 2.4, 400, 8
 
 
-def main() -> None:
-    lag = int(sys.argv[1])
-    lr = float(sys.argv[2]) if len(sys.argv) > 2 else 3e-3
+def setup(lr: float = 3e-3):
+    """The bench's language-model task for SIZE ranks in one process: (the ranks' tasks, the
+    model, AdamW, each rank's batch generator, the parameters), the data prepared once."""
     folder = "/tmp/gs_lag_steps_data"
     if not os.path.exists(os.path.join(folder, "done")):
         os.makedirs(folder, exist_ok=True)
@@ -36,7 +36,22 @@ def main() -> None:
     model = ct.build_model("lm", sizes)
     opt = torch.optim.AdamW(model.parameters(), lr)
     gens = [torch.Generator().manual_seed(r) for r in range(SIZE)]
-    params = list(model.parameters())
+    return tasks, model, opt, gens, list(model.parameters())
+
+
+def reached(step: int, tasks, model) -> bool:
+    """Every EVERY steps, prints the validation loss (rank 0's share) and says whether it is
+    at most TARGET."""
+    if step % EVERY:
+        return False
+    loss, count, _ = tasks[0].evaluate(model)
+    print(step, round(loss / count, 4), flush=True)
+    return loss / count <= TARGET
+
+
+def main() -> None:
+    lag = int(sys.argv[1])
+    tasks, model, opt, gens, params = setup(float(sys.argv[2]) if len(sys.argv) > 2 else 3e-3)
     pending = None
     for step in range(1, MAX_STEPS + 1):
         grads = [torch.zeros_like(p) for p in params]
@@ -51,11 +66,8 @@ def main() -> None:
             for g, p in zip(apply, params):
                 p.grad = g
             opt.step()
-        if step % EVERY == 0:
-            loss, count, _ = tasks[0].evaluate(model)
-            print(step, round(loss / count, 4), flush=True)
-            if loss / count <= TARGET:
-                break
+        if reached(step, tasks, model):
+            break
 
 
 if __name__ == "__main__":

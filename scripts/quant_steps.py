@@ -14,14 +14,13 @@ validation loss (rank 0's share of the validation set) every 8 steps until it is
 or 400 steps have run.
 """
 
-import os
 import sys
 
 import torch
 
-from gradsync.bench import compress_tasks as ct
+from lag_steps import MAX_STEPS, SIZE, reached, setup  # scripts/lag_steps.py
 
-SIZE, TARGET, MAX_STEPS, EVERY, BLOCK = 4, 2.4, 400, 8, 1024
+BLOCK = 1024
 
 
 def quantized(x: torch.Tensor, qmax: float) -> torch.Tensor:
@@ -37,18 +36,7 @@ def main() -> None:
     bits = int(sys.argv[1])
     qmax = None if bits >= 32 else float(2 ** (bits - 1) - 1)
     torch.set_num_threads(1)
-    folder = "/tmp/gs_lag_steps_data"  # shared with scripts/lag_steps.py
-    if not os.path.exists(os.path.join(folder, "done")):
-        os.makedirs(folder, exist_ok=True)
-        ct.prepare("lm", folder)
-        open(os.path.join(folder, "done"), "w").close()
-    sizes = ct.Sizes()
-    tasks = [ct.load("lm", folder, sizes, 8, r, SIZE) for r in range(SIZE)]
-    torch.manual_seed(0)
-    model = ct.build_model("lm", sizes)
-    opt = torch.optim.AdamW(model.parameters(), 3e-3)
-    gens = [torch.Generator().manual_seed(r) for r in range(SIZE)]
-    params = list(model.parameters())
+    tasks, model, opt, gens, params = setup()
     numel = sum(p.numel() for p in params)
     residuals = [torch.zeros(numel) for _ in range(SIZE)]
     owner = torch.zeros(numel)
@@ -75,11 +63,8 @@ def main() -> None:
             p.grad = average[offset:offset + p.numel()].view_as(p).clone()
             offset += p.numel()
         opt.step()
-        if step % EVERY == 0:
-            loss, count, _ = tasks[0].evaluate(model)
-            print(step, round(loss / count, 4), flush=True)
-            if loss / count <= TARGET:
-                break
+        if reached(step, tasks, model):
+            break
 
 
 if __name__ == "__main__":
