@@ -157,8 +157,23 @@ def job(mode: str, tmp_path):
     for line in re.findall(r"RECOVERED (.*)", result.output):
         fields = dict(item.split("=", 1) for item in line.split())
         recovered.setdefault(int(fields.pop("size")), {})[fields.pop("id")] = fields
-    assert sorted(recovered) == [2, 3], result
+    assert sorted(recovered) in ([2, 3], [3]), result
     return result, found, recovered
+
+
+def recoveries(recovered: dict, action: str, updates: int, lost: int, grow: int,
+               result) -> int:
+    """Checks the survivors' recovery from the kill and the joiner's start; returns the update
+    (DiLoCo: the step) the joiner started from. As a rule two re-formations: the survivors
+    alone (2 workers) from the kill, then all three at the commit of GROW. On a loaded machine
+    one: the launcher (``--blacklist-cooldown 0``) had listed the joiner before the survivors
+    recovered, so they recover from the kill in a generation of three, the joiner with them."""
+    if 2 in recovered:
+        check_recovery(recovered[2], SURVIVORS, action, updates, lost, result)
+        check_recovery(recovered[3], SURVIVORS + [JOINER], "go_on", grow, 0, result)
+        return grow
+    check_recovery(recovered[3], SURVIVORS + [JOINER], action, updates, lost, result)
+    return updates
 
 
 def check_recovery(lines: dict, ids: list, action: str, updates: int, lost: int, result):
@@ -178,14 +193,13 @@ def test_a_worker_killed_mid_round_under_compression_costs_the_round_in_flight(m
     kill, grow, total = STEPS[mode]
     result, found, recovered = job(mode, tmp_path)
     # The survivors went on from update KILL (none lost, no roll-back) with the compressor's
-    # state of that update: the first bucket reduced in the round in flight is undone.
-    check_recovery(recovered[2], SURVIVORS, "go_on", kill, 0, result)
-    # The joiner took the live peers' state at the commit where it joined.
-    check_recovery(recovered[3], SURVIVORS + [JOINER], "go_on", grow, 0, result)
+    # state of that update: the first bucket reduced in the round in flight is undone. The
+    # joiner took the live peers' state where it joined.
+    joined = recoveries(recovered, "go_on", kill, 0, grow, result)
     assert {r["updates"] for r in found.values()} == {str(total)}, result
     # Every update applied once; only the round in flight was begun twice.
     assert [found[w]["begun"] for w in SURVIVORS] == [str(total + 1)] * 2, result
-    assert found[JOINER]["begun"] == str(total - grow), result
+    assert found[JOINER]["begun"] == str(total - joined), result
     assert len({r["model"] for r in found.values()}) == 1, result
 
 
@@ -210,19 +224,19 @@ def test_a_worker_killed_mid_fragment_costs_the_fragment_in_flight_and_a_joiner_
     # Rolled back to the save before the fragment started at KILL: steps KILL and KILL + 1
     # (its start and landing) are redone, nothing before them. (The survivors fail at its
     # landing; or at its start, 1 step lost, had they seen the kill that soon.)
-    assert ROOT in recovered[2], result
-    lost = int(recovered[2][ROOT]["lost"])
+    first = recovered[min(recovered)]
+    assert ROOT in first, result
+    lost = int(first[ROOT]["lost"])
     assert lost in (1, 2), result
-    check_recovery(recovered[2], SURVIVORS, "rollback", kill - 1, lost, result)
-    check_recovery(recovered[3], SURVIVORS + [JOINER], "go_on", grow, 0, result)
+    joined = recoveries(recovered, "rollback", kill - 1, lost, grow, result)
     assert {r["updates"] for r in found.values()} == {str(total)}, result
     assert [found[w]["begun"] for w in SURVIVORS] == [str(total + lost)] * 2, result
-    assert found[JOINER]["begun"] == str(total - grow), result
+    assert found[JOINER]["begun"] == str(total - joined), result
     # Every fragment of the schedule landed once on the survivors (the one in flight at the
     # kill was never landed by the failed generation), from the join on the joiner.
     expected = diloco_landings(total)
     survivors = ",".join(f"{s}:{f}" for s, f in expected)
-    joiner = ",".join(f"{s}:{f}" for s, f in expected if s > grow)
+    joiner = ",".join(f"{s}:{f}" for s, f in expected if s > joined)
     assert [found[w]["landed"] for w in SURVIVORS] == [survivors] * 2, result
     assert found[JOINER]["landed"] == joiner, result
     assert len({r["shared"] for r in found.values()}) == 1, result  # anchors and momenta
