@@ -43,8 +43,8 @@ SEGMENT_BLOCK = 4
 #: The segments the trials cut, as divisors of ``chunk_bytes``, in the order of their turns: a
 #: sixteenth, a quarter and the whole. Copies between processes of one machine ran fastest in
 #: quarters (64 KiB ones about half as fast); over a link shaped to 25 Mbit/s sixteenths kept
-#: the shaper's queue from overflowing and ran 8% faster than wholes (docs/benchmarks.md,
-#: "Smaller segments on the slowest link").
+#: the shaper's queue from overflowing and ran 3-8% faster than wholes (docs/benchmarks.md,
+#: "Smaller segments on the slowest link" and "The segment chosen by measurement").
 SEGMENT_DIVISORS = (16, 4, 1)
 
 #: A smaller segment costs more CPU per byte (more exchanges, more system calls), which its
