@@ -492,3 +492,31 @@ def test_a_failed_read_of_an_abort_record_is_said_once_and_the_client_replaced()
                     "(connection reset); reconnecting to it"]  # once for the same error
     assert type(gens.control) is Control  # a new client, on loopback
     assert gens.read_abort(0)["message"] == "lost"
+
+
+def test_a_sub_worlds_store_gives_up_when_its_generation_is_abandoned():
+    # A survivor that formed generation g connects its process sets' sub-worlds right after
+    # (torch/elastic/reform.py); if the launcher abandons g meanwhile (another generation
+    # formed back to back), their waits must end as the generation's own do, not wait out
+    # the connect timeout while the other survivors form the next generation.
+    import threading
+    import time
+
+    from torch.distributed import HashStore
+
+    from gradsync.cluster.rendezvous import Store
+    from gradsync.elastic.worker import _GenerationStore
+    from gradsync.errors import PeerLostError
+
+    base = HashStore()
+    generation = _GenerationStore.over(base, "job.g1", 30.0)
+    sub = generation.child(base, "job.g1/hvd0", 30.0)
+    assert isinstance(sub, _GenerationStore) and sub.job == "job.g1/hvd0"
+    threading.Timer(0.2, lambda: Store.over(base, "job.g1", 5.0).post_abort(
+        {"message": "re-formed as generation 2", "peer": None})).start()
+    start = time.monotonic()
+    with pytest.raises(PeerLostError, match="re-formed as generation 2"):
+        sub.barrier("shm", 2, 30.0)  # the other member left for generation 2
+    assert time.monotonic() - start < 5.0
+    # A plain store's sub-world is a plain view, as before.
+    assert type(Store.over(base, "job", 5.0).child(base, "job/x", 5.0)) is Store

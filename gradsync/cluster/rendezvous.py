@@ -242,6 +242,12 @@ class Store:
         self._init(base, job, timeout)
         return self
 
+    def child(self, base, job: str, timeout: float) -> "Store":
+        """The store of a sub-world of this store's World: ``job``'s view over ``base``. A
+        plain view here; an elastic generation's store gives one whose waits also give up
+        when the generation is abandoned (``elastic/worker.py``, ``_GenerationStore``)."""
+        return Store.over(base, job, timeout)
+
     def _init(self, base, job: str, timeout: float) -> None:
         from torch.distributed import PrefixStore
 

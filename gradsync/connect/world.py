@@ -391,8 +391,8 @@ class World:
             self.env, rank=ranks.index(self.rank), size=len(ranks), local_rank=None,
             local_size=None, cross_rank=None, cross_size=None, servers=0,
             secret=self.listener.secret, job_id=f"{self.env.job_id}/{name}")
-        store = Store.over(self.store.base if base is None else base, env.job_id,
-                           self.config.connect_timeout)
+        store = self.store.child(self.store.base if base is None else base, env.job_id,
+                                 self.config.connect_timeout)
         root_job, root_ranks = self.root
         store.rings(root_job)  # its records wake the root's bell (abort_watch.Doorbell)
         sub = World.connect(self.config, env, store,

@@ -161,11 +161,27 @@ class _GenerationStore(Store):
     """
 
     _POLL = 0.01
+    _generation: Store
+    """The generation's own view, whose abort record abandons this store's waits: itself, or
+    for a sub-world's store (``child``: the process sets' worlds that ``reform`` connects right
+    after the generation's), the generation's view over the sub-world's own connection."""
+
+    @classmethod
+    def over(cls, base, job: str, timeout: float) -> "_GenerationStore":
+        self = super().over(base, job, timeout)
+        assert isinstance(self, _GenerationStore)
+        self._generation = self
+        return self
+
+    def child(self, base, job: str, timeout: float) -> Store:
+        child = _GenerationStore.over(base, job, timeout)
+        child._generation = Store.over(base, self._generation.job, timeout)
+        return child
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
         end = time.monotonic() + (timeout or self.timeout)
         while not self.check(key):
-            record = self.read_abort()
+            record = self._generation.read_abort()
             if record is not None:
                 raise PeerLostError(f"generation {self._job} was abandoned while forming: "
                                     f"{record['message']}", peer=record.get("peer"))
