@@ -52,6 +52,7 @@ SEGMENT_DIVISORS = (16, 4, 1)
 #: its cost is below the larger one's by more than this fraction.
 SEGMENT_MARGIN = 0.02
 
+
 def size_class(nbytes: int) -> int:
     """The power of 4 that ``nbytes`` falls in: sizes of one class share their trials (the
     sizes of a fused buffer vary a little from step to step)."""
