@@ -286,11 +286,11 @@ def test_a_short_run_on_two_emulated_hosts_reports_every_mode_honestly(tmp_path,
     assert math.isclose(rate["floor_s"], step_s * rows["gloo-fp32"]["steps_to_target"])
     assert math.isclose(rows["gloo-fp32"]["x_floor"],
                         rows["gloo-fp32"]["time_to_target"] / rate["floor_s"])
-    # auto decides at its step 5 (DDP's first two steps may count as one: its buckets are
+    # auto decides at its step 4 (DDP's first two steps may count as one: its buckets are
     # rebuilt after the first), so by step 8, and then says what it chose.
     auto = rows["gs-auto"]
     if auto["steps"] >= 8:
-        assert auto["decisions"][0].startswith("step 5 (calibrated)"), auto
+        assert auto["decisions"][0].startswith("step 4 (calibrated)"), auto
         assert auto["choice"] != "auto (not decided yet)"
         assert "unshaped: gs-auto chose" in printed
     else:

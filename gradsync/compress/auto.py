@@ -5,8 +5,8 @@
 
 ``Auto`` is a compressor like the others (it owns its reduction), so both front doors take
 it unchanged; each bucket it reduces goes through the option it chose for that bucket:
-none (a float32 allreduce), ``BF16``, ``Int8`` or ``PowerSGD(rank=r)``, each with its
-error feedback and tiers (float32 inside a host, the compressor only across the slowest
+none (a float32 allreduce), ``BF16``, ``Int8``, ``Int4`` or ``PowerSGD(rank=r)``, each with
+its error feedback and tiers (float32 inside a host, the compressor only across the slowest
 tier, ``tiers.py``). The choice is ``auto_model.decide``'s; this module measures what it
 reads, agrees it across ranks, and re-decides when the numbers move.
 
@@ -19,15 +19,19 @@ order.
 
 1. Off: on one host (the Comm's placement says so) or one rank, every bucket is none, at
    once, with no measurement (compression cannot pay where there is no slow tier).
-2. Calibration: steps ``warmup`` to ``warmup + calibrate - 1`` run none, timed: each
+2. Warm-up and calibration: steps 0 to ``warmup - 1`` are not timed (DDP rebuilds its
+   buckets after step 0; connections are made) and run the leanest quantizer among the
+   options (``WARM``: int4, else int8, else bf16, else none): what they exchange is measured
+   by nothing, and a float32 exchange there would only cost a slow link's time; their
+   residuals are dropped when calibration begins (the warm-up's last rounding, once).
+   Steps ``warmup`` to ``warmup + calibrate - 1`` run none, timed: each
    bucket's float32 exchange, the step's period, the time the training thread was blocked
    on the exchange (the Horovod API's optimizer reports its waits, ``blocked``, and so does
    the DDP hook, its wait at the end of backward; unreported, the whole exchange is taken
    as blocked), and a latency: a one-element allreduce, timed after a
    first one has lined the ranks up. In the last of these steps each candidate's arithmetic
    is timed on the bucket's own gradient, on a one-rank loopback (the same work as on n
-   ranks: an owner sums n chunks of 1/n). Warm-up steps are not timed (DDP rebuilds its
-   buckets after step 0; connections are made).
+   ranks: an owner sums n chunks of 1/n).
 3. Agreement: at the first call of the next step, every rank's numbers are averaged (one
    allreduce: the same bytes on every rank), then rank 0's decision is sent to all (a second
    allreduce, every other rank adding zeros): every rank uses rank 0's choice, even where a
@@ -47,7 +51,9 @@ order.
 5. Resize: a Comm of another size (an elastic job's new world) starts again at 2 (or 1).
 6. Outcome: a decision that changes a bucket's option is a trial. At the next check, the
    window's median step (every rank's, averaged) is compared with the median step of the
-   window that led to it; slower by more than ``margin``, the change is undone (the earlier
+   window that led to it, each times its choice's steps factor (what the model minimises is
+   the time to the target, not the step: a lossier choice's shorter steps must also pay for
+   the steps it adds); slower by more than ``margin``, the change is undone (the earlier
    options again, the numbers that led to it kept as the agreed ones) and the option it tried
    is refused until the link's measured rate moves by more than ``drift`` from the rate it was
    tried at. The model does not see everything a compressor costs: on ranks that share their
@@ -93,7 +99,7 @@ from . import auto_model as model
 from .base import ReducingCompressor
 from .comm import Loopback
 from .powersgd import PowerSGD
-from .quantized import BF16, Int8
+from .quantized import BF16, Int4, Int8
 
 if TYPE_CHECKING:
     from .auto_local import LocalSGD
@@ -102,8 +108,11 @@ __all__ = ["Auto", "latest", "OPTIONS"]
 
 log = logging.getLogger("gradsync")
 
-OPTIONS = ("none", "bf16", "int8", "powersgd")
+OPTIONS = ("none", "bf16", "int8", "int4", "powersgd")
 """The kinds auto may choose from (``options=`` restricts them; none is always there)."""
+
+WARM = ("int4", "int8", "bf16")
+"""The warm-up's option: the first of these among the options (none if none is)."""
 
 HISTORY = 32
 """Decisions ``Auto.history`` keeps."""
@@ -128,7 +137,7 @@ def latest() -> "model.Decision | None":
 
 
 class Auto(ReducingCompressor):
-    """Chooses none, bf16, int8 or PowerSGD per bucket from measurements (module docstring).
+    """Chooses none, bf16, int8, int4 or PowerSGD per bucket from measurements (module docstring).
 
     Args:
         options: the kinds to choose from, of ``OPTIONS``; none is always one of them.
@@ -138,10 +147,11 @@ class Auto(ReducingCompressor):
             at rank r its excess over 1 is scaled by 4 / r); 1.8 by default, the larger of
             what ``gradsync bench compress``'s two tasks measured (1.83 and 1.2). Set it
             from your own runs: 1 weighs PowerSGD by its step time alone.
-        block: int8's and bf16's elements per scale.
+        block: the quantizers' (bf16, int8, int4) elements per scale.
         margin: a more faithful option is kept if its predicted step is at most this
             fraction slower than the fastest choice (``auto_model``).
-        warmup: steps not timed at the start (and after a resize).
+        warmup: steps not timed at the start (and after a resize), exchanged through the
+            leanest quantizer among the options (``WARM``).
         calibrate: steps timed uncompressed before the first decision.
         check_every: steps between two drift checks.
         drift: relative change of the measured rate or compute that re-decides.
@@ -161,7 +171,7 @@ class Auto(ReducingCompressor):
 
     def __init__(self, options=OPTIONS, powersgd_ranks=(8, 4, 2), powersgd_steps: float = 1.8,
                  block: int = 1024,
-                 margin: float = 0.05, warmup: int = 2, calibrate: int = 3,
+                 margin: float = 0.05, warmup: int = 2, calibrate: int = 2,
                  check_every: int = 16, drift: float = 0.25, seed: int = 0,
                  tiers: str = "slowest", local_sgd: int | None = None,
                  local_share: float = 0.1, clock=time.perf_counter):
@@ -205,10 +215,14 @@ class Auto(ReducingCompressor):
             self.inner["bf16"] = BF16(block=block, seed=seed, tiers=tiers)
         if "int8" in options:
             self.inner["int8"] = Int8(block=block, seed=seed, tiers=tiers)
+        if "int4" in options:
+            self.inner["int4"] = Int4(block=block, seed=seed, tiers=tiers)
         if "powersgd" in options:
             for r in ranks:
                 self.inner[f"powersgd{r}"] = PowerSGD(rank=r, seed=seed, tiers=tiers)
         self.names = ("none", *self.inner)
+        self.warm = next((n for n in WARM if n in self.inner), "none")
+        """The option of the warm-up steps (module docstring, 2)."""
         self.decision: model.Decision | None = None
         self.history: list[model.Decision] = []
         """Every decision announced, oldest first (the newest ``HISTORY``)."""
@@ -309,7 +323,7 @@ class Auto(ReducingCompressor):
             return self._none(flat.detach().to(torch.float32, copy=True), comm, average)
         shapes = [tuple(s) for s in shapes]
         self._at_call(key, shapes, comm)
-        name = self.names[self._choice.get(key, 0)]
+        name = self.warm if self._warming() else self.names[self._choice.get(key, 0)]
         start = self.clock()
         if self.period > 1:  # local SGD: this rank's own gradient, nothing exchanged
             out = flat.detach().to(torch.float32, copy=True)
@@ -330,6 +344,11 @@ class Auto(ReducingCompressor):
         if average:
             x /= comm.size
         return x
+
+    def _warming(self) -> bool:
+        """A warm-up step: not timed, exchanged through ``self.warm`` (module docstring, 2)."""
+        return (not self._off and self._step < self._calib_from and self._agreed is None
+                and self.period == 1 and not self._choice)
 
     def _timing(self) -> bool:
         return (not self._off and self._step >= self._calib_from and self._agreed is None
@@ -392,8 +411,13 @@ class Auto(ReducingCompressor):
             self._window.append({"period": now - self._start - self._aside - self._synced,
                                  "exchange": exchange, "local": self.period > 1,
                                  "blocked": blocked, "times": dict(self._times)})
+        warmed = self._warming()
         self._step += 1
         self._last_keys = list(self._seen)
+        if warmed and not self._warming() and self.warm != "none":
+            # Calibration begins, in float32: the warm-up's residuals go (DDP's buckets of
+            # step 0 included, whose keys may not come back).
+            self.inner[self.warm].state.tensors.clear()
         self._seen, self._times = [], {}
         self._blocked, self._reported, self._aside, self._synced = 0.0, False, 0.0, 0.0
         self._start = now
@@ -542,7 +566,8 @@ class Auto(ReducingCompressor):
         exchanged, attached, sync, synced, probe_s, step_s = agreed[4 + len(keys):]
         trial, self._trial = self._trial, None
         if (trial is not None and agreed[0] >= 1.0 and exchanged >= 1.0
-                and step_s > trial["before"] * (1 + self.margin)):
+                and step_s * trial.get("steps_new", 1.0)
+                > trial["before"] * trial.get("steps_old", 1.0) * (1 + self.margin)):
             self._undo(comm, trial, step_s)  # (the same averages, so the same on every rank)
             return
         rate, hidden = a["rate"], a["hidden"]
@@ -581,8 +606,12 @@ class Auto(ReducingCompressor):
         self._refused[tuple(trial["new"])] = numbers["rate"]
         tried = ", ".join(sorted({self.names[n] for o, n in zip(trial["old"], trial["new"])
                                   if o != n}))
+        new, old = trial.get("steps_new", 1.0), trial.get("steps_old", 1.0)
+        weighed = (f" (times their steps factors {new:.3g} and {old:.3g}: "
+                   f"{step_s * new * 1e3:.4g} against {trial['before'] * old * 1e3:.4g} ms)"
+                   if (new, old) != (1.0, 1.0) else "")
         reason = (f"measured: {tried} took {step_s * 1e3:.4g} ms a step against "
-                  f"{trial['before'] * 1e3:.4g} ms before; undone")
+                  f"{trial['before'] * 1e3:.4g} ms before{weighed}; undone")
         self._decide(comm, numbers, reason, forced=tuple(trial["old"]))
 
     def _probe_bytes(self, keys: list[str]) -> int:
@@ -617,7 +646,7 @@ class Auto(ReducingCompressor):
                 # Tiered, an element-wise compressor's work is shared by a host's k ranks;
                 # PowerSGD runs whole on the host's leader.
                 kappa = kappa / k if c.shardable else kappa
-                if name in ("bf16", "int8"):
+                if name in ("bf16", "int8", "int4"):
                     block, blocks = c.layout(numel, units)
                     wire = units * (4 * blocks + c.row_bytes(block) * blocks)
                     options.append(model.Option(name, wire / (4 * max(numel, 1)), 2, kappa))
@@ -675,7 +704,9 @@ class Auto(ReducingCompressor):
         if (changed and before is not None and period == 1 and self._target == 1
                 and choice != current):
             self._trial = {"before": before, "old": list(current), "new": list(choice),
-                           "numbers": numbers}
+                           "numbers": numbers,
+                           "steps_old": model.steps_factor(inputs, current),
+                           "steps_new": model.steps_factor(inputs, choice)}
         self._target = period
         for k, c in zip(numbers["keys"], choice):
             if self._choice.get(k, 0) != c:
@@ -752,12 +783,14 @@ class Auto(ReducingCompressor):
                 "inner": {name: c.state_dict() for name, c in self.inner.items()}}
 
     def load_state_dict(self, state: dict) -> None:
+        state = self._translated(state)
         if state.get("compressor") != self.describe() or state.get("seed") != self.seed:
             raise ValueError(f"a state of {state.get('compressor')!r} (seed "
                              f"{state.get('seed')}) cannot be loaded into {self.describe()} "
                              f"(seed {self.seed})")
         for name, c in self.inner.items():
-            c.load_state_dict(state["inner"][name])
+            if name in state["inner"]:
+                c.load_state_dict(state["inner"][name])
         a = state["auto"]
         self._size, self._step, self._off = a["size"], int(a["step"]), bool(a["off"])
         self._calib_from, self._resized = int(a["calib_from"]), None
@@ -776,6 +809,29 @@ class Auto(ReducingCompressor):
         self._shapes = {k: [tuple(s) for s in v] for k, v in a["shapes"].items()}
         self.decision = None if a["decision"] is None else dataclasses.replace(
             model.Decision(**a["decision"]), made=next(_ORDER))
+
+    def _translated(self, state: dict) -> dict:
+        """``state`` with its options' numbers renumbered to this Auto's, where it was saved
+        by an Auto whose options are a subset of these and whose settings are otherwise the
+        same (a checkpoint from before int4 was an option: ``none|bf16|int8|powersgd8|...``);
+        any other state as it is (``load_state_dict`` then refuses what does not match).
+        An option new to this Auto starts with no residual, as a fresh one does."""
+        saved, mine = str(state.get("compressor", "")), self.describe()
+        head, here = saved.partition(",")[0], mine.partition(",")[0]
+        if (saved == mine or not head.startswith("auto(") or
+                saved[len(head):] != mine[len(here):]):
+            return state
+        old = head[len("auto("):].split("|")
+        if not set(old) <= set(self.names):
+            return state
+        to = [self.names.index(n) for n in old]
+        a = dict(state["auto"])
+        a["choice"] = {k: to[int(v)] for k, v in a["choice"].items()}
+        if a.get("trial") is not None:
+            a["trial"] = {**a["trial"], "old": [to[int(v)] for v in a["trial"]["old"]],
+                          "new": [to[int(v)] for v in a["trial"]["new"]]}
+        a["refused"] = [[[to[int(v)] for v in c], r] for c, r in a.get("refused", [])]
+        return {**state, "compressor": mine, "auto": a}
 
 
 def _numel(shape) -> int:

@@ -7,7 +7,7 @@ The model, per step. The float32 exchange of a bucket of S bytes crosses the slo
 at a measured *rate* (gradient bytes per second through that tier's exchange, the ring's
 factor 2 (H-1)/H folded in) after a *latency* per collective, and spends ``local`` seconds
 in float32 inside each host first and after (the fast tier, never compressed, timed by the
-planner's model of the local tier). An option c (bf16, int8, PowerSGD rank r) puts ``ratio_c
+planner's model of the local tier). An option c (bf16, int8, int4, PowerSGD rank r) puts ``ratio_c
 x S`` bytes on the slow tier in ``collectives_c`` collectives and costs ``compute_c``
 seconds of arithmetic on this machine (measured on the bucket itself):
 
@@ -24,8 +24,8 @@ backward needs.
 
 What is minimised is not the step but the time to a quality: a lossy option may need more
 steps. Each option carries ``steps``, its steps to float32's quality as a multiple of
-float32's: 1 for bf16 and int8 (error feedback keeps float32's steps: in ``gradsync bench
-compress`` both reached the target at float32's very step), a prior for PowerSGD, which
+float32's: 1 for bf16, int8 and int4 (error feedback keeps float32's steps: in ``gradsync
+bench compress`` each reached the target at float32's very step), a prior for PowerSGD, which
 the user may set (``Auto(powersgd_steps=...)``, the factor at rank 4). It depends on the
 task: PowerSGD rank 4 took 176 steps to float32's 96 on the bench's language model (1.83)
 and 96 to 80 on its CNN (1.2, docs/slow-links.md); the default, 1.8, takes the larger, so
@@ -42,18 +42,20 @@ The decision. First the fastest: per bucket the option that minimises ``time_to_
 with the others fixed, repeated until nothing changes (coordinate descent, from every
 bucket at none). Then the most faithful within a margin: ``time_to_target`` may grow by
 ``margin`` (a fraction of the fastest), and buckets, smallest first, go back to the most
-faithful option (none, bf16, int8, PowerSGD by falling rank) that keeps it within. So compression
+faithful option (none, bf16, int8, int4, PowerSGD by falling rank) that keeps it within. So compression
 is off where it does not pay (a fast link: what it saves is less than the margin, or less
 than its arithmetic), small buckets stay uncompressed (their exchange is latency, which
 compression makes longer: two collectives instead of one), and a low-rank PowerSGD, the
 lossiest option, is taken only where nothing more faithful comes close.
 
 Worked example: one bucket of 5.6 MB, 100 Mbit/s between two hosts of one rank (rate
-12.5 MB/s as the exchange sees it), latency 1 ms, compute 0.2 s, nothing hidden, int8's
-arithmetic 8 ms. None: 0.2 + 0.001 + 5.6/12.5 = 0.649 s. int8 (ratio 0.251, 2
-collectives): 0.2 + 0.008 + 0.002 + 0.112 = 0.322 s. bf16 (ratio 0.501): 0.2 + 0.006 +
-0.002 + 0.224 = 0.432 s. The fastest is int8; the margin (5%: 0.016 s) admits nothing more
-faithful, so int8. At 10 Gbit/s the exchange is 4.5 ms and none is within the margin of
+12.5 MB/s as the exchange sees it), latency 1 ms, compute 0.2 s, nothing hidden, int8's and
+int4's arithmetic 8 ms. None: 0.2 + 0.001 + 5.6/12.5 = 0.649 s. int4 (ratio 0.126, 2
+collectives): 0.2 + 0.008 + 0.002 + 0.056 = 0.266 s. int8 (ratio 0.251): 0.2 + 0.008 +
+0.002 + 0.112 = 0.322 s. bf16 (ratio 0.501): 0.2 + 0.006 + 0.002 + 0.224 = 0.432 s. The
+fastest is int4; the margin (5%: 0.013 s) admits nothing more faithful, so int4. At 1 Gbit/s
+int4 takes 0.216 s, int8 0.221 s, bf16 0.230 s and none 0.246 s: int8, the most faithful
+within 5% of int4. At 10 Gbit/s the exchange is 4.5 ms and none is within the margin of
 anything: none.
 
 Local SGD's H (only where the user allows it: ``Auto(local_sgd=H_max)``, ``periods`` here).
@@ -76,12 +78,12 @@ link allows. The rule, after the per-step choice above (``choose_period``):
 3. That H is kept only if it pays beyond the margin: ``step_H x (1 + margin) <
    step(choice)``; else H = 1 (the per-step choice is the more faithful one and close).
 
-Worked example (the bucket above; ``local_sgd=16``): int8's 0.322 s a step spends 0.122 s
+Worked example (the bucket above; ``local_sgd=16``): int4's 0.266 s a step spends 0.066 s
 on the exchange, more than 10% of 0.2 s; sync = 0.001 + 0.448 = 0.449 s, and sync / H
 <= 0.02 s needs H >= 22.5: none of 2, 4, 8, 16 is enough, so the largest, 16: 0.2 + 0.028 =
-0.228 s a step, which pays (0.228 x 1.05 < 0.322): H = 16. With ``local_sgd=64``, H = 32.
-At 1 Gbit/s bf16 (0.230 s) spends 0.030 s, sync = 0.046 s, H = 4 (0.2115 s, pays). At 10
-Gbit/s none spends 5.5 ms, under 0.02 s: H = 1.
+0.228 s a step, which pays (0.228 x 1.05 < 0.266): H = 16. With ``local_sgd=64``, H = 32.
+At 1 Gbit/s int8 (0.221 s) spends 0.021 s, sync = 0.046 s, and H = 4 would take 0.211 s, not
+5% less: H = 1. At 10 Gbit/s none spends 5.5 ms, under 0.02 s: H = 1.
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ class Option:
     """One way to exchange one bucket."""
 
     name: str
-    """``none``, ``bf16``, ``int8`` or ``powersgd<r>``."""
+    """``none``, ``bf16``, ``int8``, ``int4`` or ``powersgd<r>``."""
     ratio: float
     """Bytes on the slow tier over the float32 bytes (1 for none)."""
     collectives: int
@@ -118,7 +120,7 @@ class Option:
     """Seconds of this option's arithmetic on this bucket on this machine (0 for none)."""
     steps: float = 1.0
     """Steps to the same quality, as a multiple of float32's (a prior the user may set, not
-    measured here): 1 for none, bf16 and int8, whose error feedback keeps float32's steps;
+    measured here): 1 for none, bf16, int8 and int4, whose error feedback keeps float32's steps;
     more for PowerSGD (``Auto(powersgd_steps=...)``)."""
 
 
