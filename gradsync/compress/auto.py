@@ -38,7 +38,11 @@ order.
    rank's own arithmetic would have rounded differently.
 4. Drift: every ``check_every`` steps the same two allreduces carry the window's numbers;
    the link's rate is measured again, and the step's compute. Beyond ``drift`` (a fraction)
-   from what the decision used, rank 0 decides again. Where every bucket is none, the rate
+   from what the decision used, the same way at two readings in a row, rank 0 decides again
+   (a single slow probe, a loss episode on a slow link, is not a slower link: read as one,
+   it switched a 25 Mbit/s run from int4 to PowerSGD and back, each switch dropping the
+   residuals; under local SGD a check without a sync has no new rate, and the first reading
+   waits for the next sync's). Where every bucket is none, the rate
    comes from their float32 exchanges, as in calibration. Where a bucket is compressed, its
    exchange says little about the link: a few hundred kilobytes of PowerSGD factors take a
    millisecond of wire and tens of milliseconds of arithmetic, small collectives and waiting
@@ -250,6 +254,7 @@ class Auto(ReducingCompressor):
         self._target = 1  # the agreed H, in force from the next window
         self._trial: dict | None = None  # a change on trial (module docstring, 6)
         self._refused: dict[tuple, float] = {}  # options undone -> the rate they were tried at
+        self._suspect: tuple[int, int] | None = None  # the drift the last check saw
         self._new_step_state()
 
     def _new_step_state(self) -> None:
@@ -397,7 +402,7 @@ class Auto(ReducingCompressor):
                  self._step, why)
         self._choice, self._agreed, self._resized = {}, None, why
         self._target = 1
-        self._trial, self._refused = None, {}
+        self._trial, self._refused, self._suspect = None, {}, None
         # Mid-window, calibration starts after the window's sync (the ranks equal again).
         self._calib_from = self._step + (self.period - self.phase if self.period > 1 else 0)
         self._window, self._latency, self._kappa = [], [], {}
@@ -586,14 +591,25 @@ class Auto(ReducingCompressor):
         compute = max(work, 0.0)
         moved = []
         if agreed[0] < 1.0:
-            pass  # some rank timed nothing: no drift to judge this time
+            self._suspect = None  # some rank timed nothing: no drift to judge this time
         else:
-            if abs(rate / a["rate"] - 1) > self.drift:
+            # A drift counts where the reading before saw it too, the same way (module
+            # docstring, 4): one slow probe (a loss episode) is not a slower link. Under
+            # local SGD a check without a sync has no new rate: the suspicion waits.
+            fresh = exchanged >= 1.0 or synced >= 1.0
+            was = self._suspect or (0, 0)
+            rate_dir = _direction(rate / a["rate"] - 1, self.drift) if fresh else was[0]
+            compute_dir = _direction((compute - a["compute"]) / max(a["compute"], 1e-3),
+                                     self.drift)
+            self._suspect = (rate_dir, compute_dir)
+            if fresh and rate_dir and was[0] == rate_dir:
                 moved.append(f"rate {a['rate'] * 8 / 1e6:.4g} -> {rate * 8 / 1e6:.4g} Mbit/s")
-            if abs(compute - a["compute"]) > self.drift * max(a["compute"], 1e-3):
+            if compute_dir and was[1] == compute_dir:
                 moved.append(f"compute {a['compute'] * 1e3:.4g} -> {compute * 1e3:.4g} ms")
             if self.periods and attached >= 1.0 and a.get("attached", 0.0) < 1.0:
                 moved.append("local SGD attached")
+            if moved:
+                self._suspect = None
         # Every rank runs the second allreduce, drifted or not: the agreement is rank 0's.
         numbers = dict(a, rate=rate, compute=compute, hidden=hidden, attached=attached)
         self._decide(comm, numbers if moved else a, "drift: " + ", ".join(moved),
@@ -604,6 +620,7 @@ class Auto(ReducingCompressor):
         docstring, 6)."""
         numbers = trial["numbers"]
         self._refused[tuple(trial["new"])] = numbers["rate"]
+        self._suspect = None  # its numbers again: a drift from them is seen afresh
         tried = ", ".join(sorted({self.names[n] for o, n in zip(trial["old"], trial["new"])
                                   if o != n}))
         new, old = trial.get("steps_new", 1.0), trial.get("steps_old", 1.0)
@@ -777,6 +794,7 @@ class Auto(ReducingCompressor):
                          "agreed": None if self._agreed is None else dict(self._agreed),
                          "trial": None if self._trial is None else dict(self._trial),
                          "refused": [[list(c), r] for c, r in self._refused.items()],
+                         "suspect": None if self._suspect is None else list(self._suspect),
                          "shapes": {k: list(v) for k, v in self._shapes.items()},
                          "decision": None if self.decision is None else
                          self.decision.to_dict()},
@@ -798,6 +816,8 @@ class Auto(ReducingCompressor):
         self._agreed = None if a["agreed"] is None else dict(a["agreed"])
         self._trial = None if a.get("trial") is None else dict(a["trial"])
         self._refused = {tuple(c): float(r) for c, r in a.get("refused", [])}
+        suspect = a.get("suspect")
+        self._suspect = None if suspect is None else (int(suspect[0]), int(suspect[1]))
         self._new_step_state()  # timers start again: a restored step is not measured
         self.period, self.phase = int(a.get("period", 1)), int(a.get("phase", 0))
         self._target = int(a.get("target", 1))
@@ -832,6 +852,11 @@ class Auto(ReducingCompressor):
                           "new": [to[int(v)] for v in a["trial"]["new"]]}
         a["refused"] = [[[to[int(v)] for v in c], r] for c, r in a.get("refused", [])]
         return {**state, "compressor": mine, "auto": a}
+
+
+def _direction(change: float, drift: float) -> int:
+    """+1 or -1 where a relative ``change`` is beyond ``drift``, else 0."""
+    return 0 if abs(change) <= drift else (1 if change > 0 else -1)
 
 
 def _numel(shape) -> int:
