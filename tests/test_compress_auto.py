@@ -345,6 +345,42 @@ def test_a_link_that_slows_down_is_decided_again_once_two_checks_see_it():
     assert again._suspect == (-1, 0)
 
 
+def counting_probes(autos) -> list[int]:
+    """Counts each rank's probes (``Auto._probe``), one entry per rank."""
+    counts = [0] * len(autos)
+    for r, a in enumerate(autos):
+        def probe(comm, numbers, r=r, real=a._probe):
+            counts[r] += 1
+            return real(comm, numbers)
+        a._probe = probe
+    return counts
+
+
+def test_a_compressed_exchange_is_probed_after_a_decision_and_when_it_moves():
+    """Compressed, the link is probed at the first check after the decision (its exchange's
+    measure is taken then) and not again while the exchange stays as it was; a link that
+    slows makes the exchange slower at the check of step 12, the probe at 16 confirms, and
+    auto decides again on the new rate (int8 still: the same choice, so not announced)."""
+    autos, comms, link = job(2, rate=1e6, options=("none", "int8"))
+    probes = counting_probes(autos)
+    train(autos, comms, 25, [0.05, 0.05])
+    assert probes == [1, 1]  # the check of step 8 only (decided at 3; checks 8 .. 24)
+    assert [d.step for d in autos[0].history] == [3]
+
+    autos, comms, link = job(2, rate=1e6, options=("none", "int8"))
+    probes = counting_probes(autos)
+
+    def slow_down(step):
+        if step == 9:  # after the probe at step 8
+            link.rate[:] = [2e5, 2e5]
+
+    train(autos, comms, 21, [0.05, 0.05], on_step=slow_down)
+    assert probes == [2, 2]  # 8, then 16 (the exchange moved at 12); not 20
+    now = autos[0].decision
+    assert (now.step, now.reason.split(":")[0]) == (16, "drift"), now.summary()
+    assert now.rate == pytest.approx(2e5, rel=0.1) and now.choices["big"] == "int8"
+
+
 def slowed(comms, seconds: float) -> None:
     """Each compressed collective (int8's all-to-all and gather) takes ``seconds`` more than
     its bytes: what the model leaves out (arithmetic, small collectives, waiting for the

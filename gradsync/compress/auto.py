@@ -51,7 +51,13 @@ order.
    chose more compression, whose exchange looked slower still (a 1 Gbit link read as 85
    Mbit/s in ``gradsync bench compress``). So the check measures the link itself: one float32
    allreduce of a probe (``PROBE_BYTES``, or the largest bucket if smaller), timed after a
-   one-element allreduce has lined the ranks up.
+   one-element allreduce has lined the ranks up. A probe costs a slow link's time (1 MiB:
+   0.5 s at 25 Mbit/s, 4% of an int4 run's steps there with a probe every 16), so it runs
+   at the first check after a decision, which also takes the compressed exchange's time as
+   its measure, and after that only where a reading suspects the rate: a compressed
+   exchange that moved by more than ``drift`` from its measure is read as a suspicion (not
+   as a rate), which the next check's probe confirms or clears (a link as it was: the
+   exchange moved for another reason, and its time is the new measure).
 5. Resize: a Comm of another size (an elastic job's new world) starts again at 2 (or 1).
 6. Outcome: a decision that changes a bucket's option is a trial. At the next check, the
    window's median step (every rank's, averaged) is compared with the median step of the
@@ -255,6 +261,7 @@ class Auto(ReducingCompressor):
         self._trial: dict | None = None  # a change on trial (module docstring, 6)
         self._refused: dict[tuple, float] = {}  # options undone -> the rate they were tried at
         self._suspect: tuple[int, int] | None = None  # the drift the last check saw
+        self._baseline: float | None = None  # the compressed exchange after the decision
         self._new_step_state()
 
     def _new_step_state(self) -> None:
@@ -403,6 +410,7 @@ class Auto(ReducingCompressor):
         self._choice, self._agreed, self._resized = {}, None, why
         self._target = 1
         self._trial, self._refused, self._suspect = None, {}, None
+        self._baseline = None
         # Mid-window, calibration starts after the window's sync (the ranks equal again).
         self._calib_from = self._step + (self.period - self.phase if self.period > 1 else 0)
         self._window, self._latency, self._kappa = [], [], {}
@@ -554,7 +562,12 @@ class Auto(ReducingCompressor):
         options = self._options(a)
         compressed = any(options[b].options[self._choice.get(k, 0)].name != "none"
                          for b, k in enumerate(keys))
-        probe = self._probe(comm, a) if compressed and ex else 0.0
+        # The probe costs a slow link's time (0.5 s of 1 MiB at 25 Mbit/s): it runs at the
+        # first check after a decision and where a reading suspects the rate (module
+        # docstring, 4); the suspicion is agreed, so every rank probes or none does.
+        suspect_rate = self._suspect is not None and self._suspect[0] != 0
+        wants = compressed and ex and (self._baseline is None or suspect_rate)
+        probe = self._probe(comm, a) if wants else 0.0
         local = [1.0 if w else 0.0,
                  statistics.median(s["period"] - s["blocked"] for s in w) if w else 0.0,
                  statistics.median(s["exchange"] for s in ex) if ex else 0.0,
@@ -576,6 +589,13 @@ class Auto(ReducingCompressor):
             self._undo(comm, trial, step_s)  # (the same averages, so the same on every rank)
             return
         rate, hidden = a["rate"], a["hidden"]
+        # A compressed exchange that moved from what it took after the decision: the
+        # link's rate is suspect (the probe confirms or clears it at the next check).
+        hint = 0
+        if exchanged >= 1.0 and compressed and probe_s == 0.0 and self._baseline is not None:
+            hint = -_direction(exchange / max(self._baseline, _TINY) - 1, self.drift)
+        if exchanged >= 1.0 and compressed and self._baseline is None:
+            self._baseline = exchange
         if exchanged >= 1.0 and probe_s > 0.0:  # the link itself (module docstring, 4)
             nbytes = self._probe_bytes(keys)
             _, _, _, topo = self._placement(comm)
@@ -596,12 +616,19 @@ class Auto(ReducingCompressor):
             # A drift counts where the reading before saw it too, the same way (module
             # docstring, 4): one slow probe (a loss episode) is not a slower link. Under
             # local SGD a check without a sync has no new rate: the suspicion waits.
-            fresh = exchanged >= 1.0 or synced >= 1.0
+            fresh = (exchanged >= 1.0 and (probe_s > 0.0 or not compressed)) or synced >= 1.0
             was = self._suspect or (0, 0)
-            rate_dir = _direction(rate / a["rate"] - 1, self.drift) if fresh else was[0]
+            if fresh:
+                rate_dir = _direction(rate / a["rate"] - 1, self.drift)
+            elif exchanged >= 1.0 and compressed:  # no probe: the exchange's hint
+                rate_dir = hint
+            else:  # local SGD without a sync: the suspicion waits for one
+                rate_dir = was[0]
             compute_dir = _direction((compute - a["compute"]) / max(a["compute"], 1e-3),
                                      self.drift)
             self._suspect = (rate_dir, compute_dir)
+            if probe_s > 0.0 and not rate_dir:  # the link as it was: the exchange moved
+                self._baseline = exchange  # for another reason, its new measure
             if fresh and rate_dir and was[0] == rate_dir:
                 moved.append(f"rate {a['rate'] * 8 / 1e6:.4g} -> {rate * 8 / 1e6:.4g} Mbit/s")
             if compute_dir and was[1] == compute_dir:
@@ -725,6 +752,8 @@ class Auto(ReducingCompressor):
                            "steps_old": model.steps_factor(inputs, current),
                            "steps_new": model.steps_factor(inputs, choice)}
         self._target = period
+        if changed:
+            self._baseline = None  # the new options' exchange is measured afresh
         for k, c in zip(numbers["keys"], choice):
             if self._choice.get(k, 0) != c:
                 self._forget(k)
@@ -795,6 +824,7 @@ class Auto(ReducingCompressor):
                          "trial": None if self._trial is None else dict(self._trial),
                          "refused": [[list(c), r] for c, r in self._refused.items()],
                          "suspect": None if self._suspect is None else list(self._suspect),
+                         "baseline": self._baseline,
                          "shapes": {k: list(v) for k, v in self._shapes.items()},
                          "decision": None if self.decision is None else
                          self.decision.to_dict()},
@@ -818,6 +848,7 @@ class Auto(ReducingCompressor):
         self._refused = {tuple(c): float(r) for c, r in a.get("refused", [])}
         suspect = a.get("suspect")
         self._suspect = None if suspect is None else (int(suspect[0]), int(suspect[1]))
+        self._baseline = a.get("baseline")
         self._new_step_state()  # timers start again: a restored step is not measured
         self.period, self.phase = int(a.get("period", 1)), int(a.get("phase", 0))
         self._target = int(a.get("target", 1))
