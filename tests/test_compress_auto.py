@@ -381,6 +381,24 @@ def test_a_compressed_exchange_is_probed_after_a_decision_and_when_it_moves():
     assert now.rate == pytest.approx(2e5, rel=0.1) and now.choices["big"] == "int8"
 
 
+def test_a_rate_read_once_does_not_move_a_decision_taken_for_compute():
+    """The compute doubles (seen at the checks of steps 8 and 12: decided again at 12); the
+    probes of those checks read the link 10 times faster, then 10 times slower, neither
+    twice: the decision at 12 keeps the rate the calibration measured."""
+    autos, comms, link = job(2, rate=1e6, options=("none", "int8"))
+    compute = [0.05, 0.05]
+
+    def change(step):
+        if step == 5:
+            compute[:] = [0.1, 0.1]
+        link.rate[:] = {8: [1e7, 1e7], 12: [1e5, 1e5]}.get(step, [1e6, 1e6])
+
+    train(autos, comms, 13, compute, on_step=change)
+    now = autos[0].decision
+    assert (now.step, now.reason) == (12, "drift: compute 50 -> 100 ms"), now.summary()
+    assert now.rate == pytest.approx(1e6, rel=0.05)
+
+
 def slowed(comms, seconds: float) -> None:
     """Each compressed collective (int8's all-to-all and gather) takes ``seconds`` more than
     its bytes: what the model leaves out (arithmetic, small collectives, waiting for the

@@ -638,7 +638,13 @@ class Auto(ReducingCompressor):
             if moved:
                 self._suspect = None
         # Every rank runs the second allreduce, drifted or not: the agreement is rank 0's.
-        numbers = dict(a, rate=rate, compute=compute, hidden=hidden, attached=attached)
+        # Only confirmed readings move the numbers: a rate read once waits for the next
+        # (one probe on a 100 Mbit/s link of gradsync bench compress read 297 Mbit/s).
+        rate_moved = any(m.startswith("rate") for m in moved)
+        numbers = dict(a, rate=rate if rate_moved else a["rate"],
+                       compute=compute if any(m.startswith("compute") for m in moved)
+                       else a["compute"],
+                       hidden=hidden if rate_moved else a["hidden"], attached=attached)
         self._decide(comm, numbers if moved else a, "drift: " + ", ".join(moved),
                      quiet=not moved, before=step_s if exchanged >= 1.0 else None)
 
