@@ -243,6 +243,9 @@ def job(size: int, rate, latency=1e-3, hosts=None, **settings):
     link = Link(size, rate, latency)
     clocks = [Clock() for _ in range(size)]
     comms = [LinkComm(group, r, clocks[r], link, hosts) for r in range(size)]
+    # The steps these tests count assume both calibration steps (early=1); the early
+    # decision has its own test.
+    settings.setdefault("early", 1.0)
     autos = [Auto(clock=clocks[r], warmup=1, calibrate=2, check_every=4, **settings)
              for r in range(size)]
     return autos, comms, link
@@ -280,6 +283,25 @@ def test_the_warm_up_runs_the_leanest_quantizer_and_the_calibration_float32():
     assert torch.allclose(first, mean, atol=1e-6)
     assert Auto(options=("none", "bf16", "int8")).warm == "int8"
     assert Auto(options=("none", "powersgd")).warm == "none"
+
+
+def test_a_first_calibrated_step_spent_in_the_exchange_decides_alone():
+    """Where the first calibrated step spent more than half its time in the float32
+    exchange (a slow link), the ranks decide after it (step 2 here, warm-up 1); elsewhere
+    after both calibration steps (step 3), having agreed once more that it was not so."""
+    autos, comms, _ = job(2, rate=1e6, early=0.5)
+    train(autos, comms, 4, [0.05, 0.05])
+    d = autos[0].decision
+    assert (d.step, d.reason) == (2, "calibrated") and d.choices["big"] != "none"
+    assert [a.decision.choices for a in autos] == [d.choices] * 2
+    autos, comms, _ = job(2, rate=1e10, latency=1e-5, early=0.5)
+    train(autos, comms, 5, [0.05, 0.05])
+    assert (autos[1].decision.step, autos[1].decision.choices["big"]) == (3, "none")
+    assert Auto().describe() == Auto(early=0.5).describe()  # the default is not named
+    assert "early=1.0" in Auto(early=1.0).describe()
+    for wrong in (0, 1.5):
+        with pytest.raises(ValueError, match="early"):
+            Auto(early=wrong)
 
 
 def test_fast_link_and_one_host_stay_uncompressed():
@@ -340,7 +362,7 @@ def test_a_link_that_slows_down_is_decided_again_once_two_checks_see_it():
     train(autos, comms, 10, [0.05, 0.05], on_step=slow_down)
     state = autos[0].state_dict()
     assert state["auto"]["suspect"] == [-1, 0]
-    again = Auto(warmup=1, calibrate=2, check_every=4)
+    again = Auto(warmup=1, calibrate=2, check_every=4, early=1.0)
     again.load_state_dict(state)
     assert again._suspect == (-1, 0)
 
@@ -763,7 +785,7 @@ def test_every_rank_takes_rank_0s_h():
     assert alone == [8, 64]
     autos, comms, _, params = local_job(2, 1e6)
     autos[1] = Auto(clock=comms[1].clock, warmup=1, calibrate=2, check_every=4, **LOCAL,
-                    local_sgd=64)
+                    early=1.0, local_sgd=64)
     autos[1].attach(params[1], comm=comms[1])
     seen = train_local(autos, comms, params, 12, [0.05, 0.05])
     assert [a.decision.period for a in autos] == [8, 8]

@@ -29,9 +29,14 @@ order.
    on the exchange (the Horovod API's optimizer reports its waits, ``blocked``, and so does
    the DDP hook, its wait at the end of backward; unreported, the whole exchange is taken
    as blocked), and a latency: a one-element allreduce, timed after a
-   first one has lined the ranks up. In the last of these steps each candidate's arithmetic
-   is timed on the bucket's own gradient, on a one-rank loopback (the same work as on n
-   ranks: an owner sums n chunks of 1/n).
+   first one has lined the ranks up. In the first of these steps each candidate's
+   arithmetic is timed on the bucket's own gradient, on a one-rank loopback (the same work
+   as on n ranks: an owner sums n chunks of 1/n). Where that first step spent more than
+   ``early`` (half) of its time in the float32 exchange, it decides alone: the link is what
+   the decision turns on, a step measures it well, and each more float32 step costs the
+   most where the link is slowest (2.8 s a step at 25 Mbit/s on the bench's language model,
+   against 0.5 s with int4). Whether it does is read from the agreement's averages, the
+   same on every rank (an allreduce more where it does not).
 3. Agreement: at the first call of the next step, every rank's numbers are averaged (one
    allreduce: the same bytes on every rank), then rank 0's decision is sent to all (a second
    allreduce, every other rank adding zeros): every rank uses rank 0's choice, even where a
@@ -124,6 +129,10 @@ OPTIONS = ("none", "bf16", "int8", "int4", "powersgd")
 WARM = ("int4", "int8", "bf16")
 """The warm-up's option: the first of these among the options (none if none is)."""
 
+EARLY = 0.5
+"""``Auto(early=)``'s default: a first calibrated step that spent more than this share of
+its time in the float32 exchange decides alone (module docstring, 2)."""
+
 HISTORY = 32
 """Decisions ``Auto.history`` keeps."""
 
@@ -174,6 +183,10 @@ class Auto(ReducingCompressor):
             steps, no gradient exchange between); None or 1: never. It runs only once the
             front door attached the parameters (``attach``; ``DistributedOptimizer(...,
             local_sgd=H)`` does) and calls ``after_step`` after each optimizer step.
+        early: a first calibrated step that spent more than this share of its time in the
+            float32 exchange decides alone (a slow link: one step measures it, and each more
+            float32 step costs most there); 1: never, every calibration takes ``calibrate``
+            steps.
         local_share: local SGD's H is the smallest that brings the exchange under this
             share of the step's compute (``auto_model.choose_period``).
         clock: seconds, monotonic (tests give their own).
@@ -184,7 +197,7 @@ class Auto(ReducingCompressor):
                  margin: float = 0.05, warmup: int = 2, calibrate: int = 2,
                  check_every: int = 16, drift: float = 0.25, seed: int = 0,
                  tiers: str = "slowest", local_sgd: int | None = None,
-                 local_share: float = 0.1, clock=time.perf_counter):
+                 local_share: float = 0.1, early: float = EARLY, clock=time.perf_counter):
         super().__init__(seed, tiers)
         unknown = set(options) - set(OPTIONS)
         if unknown:
@@ -209,6 +222,9 @@ class Auto(ReducingCompressor):
         self.periods = model.periods_upto(local_sgd or 1)
         """Local SGD's candidate H (empty: not allowed)."""
         self.share = float(local_share)
+        if not 0 < early <= 1:
+            raise ValueError(f"auto: early must be in (0, 1], got {early!r}")
+        self.early = float(early)
         self._local: LocalSGD | None = None  # once a front door attaches the parameters
         self._local_pending: dict | None = None  # its state, loaded before it attached
         self._warned = False
@@ -242,8 +258,11 @@ class Auto(ReducingCompressor):
     def _describe(self) -> str:
         local = (f", local_sgd<={self.periods[-1]}, share={self.share}" if self.periods
                  else "")
+        # early decides whether the ranks agree after one calibrated step: named where it
+        # is not the default (a state of the same settings saved before it existed loads).
+        early = f", early={self.early}" if self.early != EARLY else ""
         return (f"auto({'|'.join(self.names)}, block={self.block}, margin={self.margin}, "
-                f"drift={self.drift}{local})")
+                f"drift={self.drift}{local}{early})")
 
     # ------------------------------------------------------------------ bookkeeping
     def _reset(self, size) -> None:
@@ -344,7 +363,7 @@ class Auto(ReducingCompressor):
         else:
             out = self.inner[name].reduce(flat, shapes, comm, key, average)
         self._times[key] = self._times.get(key, 0.0) + self.clock() - start
-        if self._timing() and self._step == self._calib_from + self.calibrate - 1:
+        if self._timing() and self._step == self._calib_from:
             begin = self.clock()
             self._kappa[key] = self._arithmetic(flat, shapes)
             self._aside += self.clock() - begin
@@ -385,6 +404,9 @@ class Auto(ReducingCompressor):
             if not self._off:
                 if self._agreed is None and self._step == self._calib_from + self.calibrate:
                     self._agree(comm, self._resized or "calibrated")
+                elif (self._agreed is None and self._step == self._calib_from + 1
+                      and self.early < 1):
+                    self._agree(comm, self._resized or "calibrated", early=True)
                 elif self._agreed is not None and self._step % self.check_every == 0:
                     if self._keys() != self._agreed["keys"]:
                         # The buckets changed (a parameter group added, DDP's buckets
@@ -516,8 +538,10 @@ class Auto(ReducingCompressor):
         """The keys of the last whole step, in call order (the same on every rank)."""
         return list(self._last_keys)
 
-    def _agree(self, comm, reason: str) -> None:
-        """The calibration's numbers, averaged; rank 0's decision, taken by every rank."""
+    def _agree(self, comm, reason: str, early: bool = False) -> None:
+        """The calibration's numbers, averaged; rank 0's decision, taken by every rank.
+        ``early`` (after the first calibrated step): decided only where that step spent
+        more than ``self.early`` of its time in the float32 exchange (module docstring, 2)."""
         keys = self._keys()
         w = self._window
         per = 1 + len(self.inner)
@@ -534,6 +558,9 @@ class Auto(ReducingCompressor):
             local += [0.0] * (4 + per * len(keys))
         local.append(1.0 if self._local is not None else 0.0)
         agreed = self._average(comm, local)
+        if early and (agreed[0] < 1.0 or self.early >= 1
+                      or not agreed[3] > self.early * agreed[2]):
+            return  # calibration goes on (the same averages: the same on every rank)
         if agreed[0] < 1.0:  # some rank timed nothing: every rank calibrates again
             self._recalibrate("not every rank had timed the calibration")
             return
