@@ -421,6 +421,27 @@ def test_a_rate_read_once_does_not_move_a_decision_taken_for_compute():
     assert now.rate == pytest.approx(1e6, rel=0.05)
 
 
+def test_a_re_decision_keeps_the_options_in_force_within_the_margin():
+    """int4 is chosen for a short step; the compute grows to 2 s, where int8 (more
+    faithful) comes within 5% of int4 and a first decision would take it. A re-decision
+    keeps int4: a change drops the residuals and costs steps, which a near tie does not
+    repay."""
+    autos, comms, _ = job(2, rate=1e6, options=("none", "int8", "int4"))
+    compute = [0.05, 0.05]
+
+    def grow(step):
+        if step == 5:
+            compute[:] = [2.0, 2.0]
+
+    train(autos, comms, 13, compute, on_step=grow)
+    now = autos[0].decision
+    assert now.reason.startswith("drift: compute") and now.step == 12, now.summary()
+    assert now.choices["big"] == "int4" and [d.step for d in autos[0].history] == [3]
+    fresh, comms2, _ = job(2, rate=1e6, options=("none", "int8", "int4"))
+    train(fresh, comms2, 4, [2.0, 2.0])
+    assert fresh[0].decision.choices["big"] == "int8"  # what a first decision takes
+
+
 def slowed(comms, seconds: float) -> None:
     """Each compressed collective (int8's all-to-all and gather) takes ``seconds`` more than
     its bytes: what the model leaves out (arithmetic, small collectives, waiting for the

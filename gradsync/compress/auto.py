@@ -47,7 +47,11 @@ order.
    (a single slow probe, a loss episode on a slow link, is not a slower link: read as one,
    it switched a 25 Mbit/s run from int4 to PowerSGD and back, each switch dropping the
    residuals; under local SGD a check without a sync has no new rate, and the first reading
-   waits for the next sync's). Where every bucket is none, the rate
+   waits for the next sync's). A re-decision keeps the options in force where their
+   predicted time to the target comes within ``margin`` of the new choice's: a change drops
+   the residuals and costs steps (at 25 Mbit/s the bench's language model went from
+   PowerSGD to int4 at step 32, a near tie, and needed 112 steps where either alone needed
+   88 or 152 at about the same time). Where every bucket is none, the rate
    comes from their float32 exchanges, as in calibration. Where a bucket is compressed, its
    exchange says little about the link: a few hundred kilobytes of PowerSGD factors take a
    millisecond of wire and tens of milliseconds of arithmetic, small collectives and waiting
@@ -763,6 +767,13 @@ class Auto(ReducingCompressor):
             mine = (*forced, self._target)
         else:
             per_step = tuple(model.decide(inputs))
+            if (self._agreed is not None and per_step != current
+                    and model.time_to_target(inputs, current)
+                    <= model.time_to_target(inputs, per_step) * (1 + self.margin)):
+                # A re-decision keeps the options in force where they come within the margin
+                # of the new ones: a change drops the residuals and costs steps, which a near
+                # tie does not repay (module docstring, 4).
+                per_step = current
             refused_at = self._refused.get(per_step)
             if refused_at is not None and abs(inputs.rate / refused_at - 1) <= self.drift:
                 per_step = current  # undone at about this rate (module docstring, 6)
