@@ -304,6 +304,24 @@ def test_a_first_calibrated_step_spent_in_the_exchange_decides_alone():
             Auto(early=wrong)
 
 
+def test_the_arithmetic_is_timed_in_the_last_warm_up_step():
+    """Nothing times the warm-up, so the candidates' arithmetic is timed there (not in a
+    calibrated step, whose period it would distort); a bucket first seen in calibration,
+    and a recalibration (no warm-up), time it in the first calibrated step."""
+    autos, comms, _ = job(2, rate=1e6)  # warm-up 1 step
+    when: list[tuple[int, int]] = []
+    real = autos[0]._arithmetic
+    autos[0]._arithmetic = lambda flat, shapes: (when.append((autos[0]._step, flat.numel())),
+                                                 real(flat, shapes))[1]
+    train(autos, comms, 6, [0.05, 0.05])
+    assert when == [(0, 65536), (0, 8)]  # step 0, the warm-up; both buckets
+    for a in autos:  # as the buckets changing would (every rank at the same step)
+        a._recalibrate("test")
+    start = autos[0]._step
+    train(autos, comms, 3, [0.05, 0.05])
+    assert when[2:] == [(start + 1, 65536), (start + 1, 8)]  # the first calibrated step
+
+
 def test_fast_link_and_one_host_stay_uncompressed():
     autos, comms, _ = job(2, rate=1e10, latency=1e-5)
     train(autos, comms, 6, [0.05, 0.05])

@@ -29,9 +29,14 @@ order.
    on the exchange (the Horovod API's optimizer reports its waits, ``blocked``, and so does
    the DDP hook, its wait at the end of backward; unreported, the whole exchange is taken
    as blocked), and a latency: a one-element allreduce, timed after a
-   first one has lined the ranks up. In the first of these steps each candidate's
-   arithmetic is timed on the bucket's own gradient, on a one-rank loopback (the same work
-   as on n ranks: an owner sums n chunks of 1/n). Where that first step spent more than
+   first one has lined the ranks up. Each candidate's arithmetic is timed on the bucket's
+   own gradient, on a one-rank loopback (the same work as on n ranks: an owner sums n
+   chunks of 1/n), in the last warm-up step, which nothing times, or in the first
+   calibrated step for a bucket that step did not have (DDP's buckets before their
+   rebuild) and where no warm-up precedes (a recalibration). (Timed in a calibrated step,
+   its time is taken out of the step's while the backward pass may run beside it on the DDP
+   hook's thread: in ``gradsync bench compress`` at 1 Gbit/s the calibration's step read
+   157 ms against float32's 217, and the int8 it chose was undone against that.) Where that first step spent more than
    ``early`` (half) of its time in the float32 exchange, it decides alone: the link is what
    the decision turns on, a step measures it well, and each more float32 step costs the
    most where the link is slowest (2.8 s a step at 25 Mbit/s on the bench's language model,
@@ -367,11 +372,20 @@ class Auto(ReducingCompressor):
         else:
             out = self.inner[name].reduce(flat, shapes, comm, key, average)
         self._times[key] = self._times.get(key, 0.0) + self.clock() - start
-        if self._timing() and self._step == self._calib_from:
+        if self._arithmetic_due(key):
             begin = self.clock()
             self._kappa[key] = self._arithmetic(flat, shapes)
             self._aside += self.clock() - begin
         return out
+
+    def _arithmetic_due(self, key: str) -> bool:
+        """Whether this bucket's candidates are timed now (module docstring, 2): in the last
+        warm-up step, which nothing times, or else (no warm-up before this calibration, or
+        a bucket that step did not have) in the first calibrated step that has it."""
+        if (self._off or self._agreed is not None or self.period != 1 or key in self._kappa
+                or not self.inner):
+            return False
+        return (self._step == self._calib_from - 1 and self._warming()) or self._timing()
 
     def _none(self, x: torch.Tensor, comm, average: bool) -> torch.Tensor:
         if comm.size > 1 and x.numel():
