@@ -439,11 +439,11 @@ def test_a_rate_read_once_does_not_move_a_decision_taken_for_compute():
     assert now.rate == pytest.approx(1e6, rel=0.05)
 
 
-def test_a_re_decision_keeps_the_options_in_force_within_the_margin():
+def test_a_re_decision_keeps_the_options_in_force_within_the_tolerance():
     """int4 is chosen for a short step; the compute grows to 2 s, where int8 (more
-    faithful) comes within 5% of int4 and a first decision would take it. A re-decision
-    keeps int4: a change drops the residuals and costs steps, which a near tie does not
-    repay."""
+    faithful) comes within the margin (2%) of int4 and a first decision would take it. A
+    re-decision keeps int4: a change drops the residuals and costs steps, which a near tie
+    does not repay."""
     autos, comms, _ = job(2, rate=1e6, options=("none", "int8", "int4"))
     compute = [0.05, 0.05]
 
@@ -595,6 +595,11 @@ def test_a_checkpoint_from_before_int4_loads_with_its_choices_by_name():
     resumed = train(today, comms2, 2, [0.05, 0.05])
     for s_out, r_out in zip(straight, resumed):
         assert all(torch.equal(a, b) for a, b in zip(s_out, r_out))
+    # Saved under the margin then the default (0.05): it loads into today's default too.
+    legacy = dict(states[0], compressor=states[0]["compressor"].replace("margin=0.02",
+                                                                        "margin=0.05"))
+    assert legacy != states[0]
+    Auto(warmup=1, calibrate=2, check_every=4, early=1.0).load_state_dict(legacy)
     with pytest.raises(ValueError, match="cannot be loaded"):
         Auto(options=before, margin=0.5).load_state_dict(states[0])
     with pytest.raises(ValueError, match="cannot be loaded"):  # not a subset of its options
@@ -619,6 +624,10 @@ def test_options_are_checked():
     with pytest.raises(ValueError, match="powersgd_steps"):
         Auto(powersgd_steps=0.5)
     assert Auto(options=("none", "int8")).names == ("none", "int8")
+    with pytest.raises(ValueError, match="tolerance"):
+        Auto(tolerance=-0.1)
+    assert "tolerance" not in Auto().describe() and "margin=0.02" in Auto().describe()
+    assert "tolerance=0.1" in Auto(tolerance=0.1).describe()
 
 
 def test_the_elastic_handler_commits_and_rolls_back_the_choice():

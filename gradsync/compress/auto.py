@@ -53,7 +53,7 @@ order.
    it switched a 25 Mbit/s run from int4 to PowerSGD and back, each switch dropping the
    residuals; under local SGD a check without a sync has no new rate, and the first reading
    waits for the next sync's). A re-decision keeps the options in force where their
-   predicted time to the target comes within ``margin`` of the new choice's: a change drops
+   predicted time to the target comes within ``tolerance`` of the new choice's: a change drops
    the residuals and costs steps (at 25 Mbit/s the bench's language model went from
    PowerSGD to int4 at step 32, a near tie, and needed 112 steps where either alone needed
    88 or 152 at about the same time). Where every bucket is none, the rate
@@ -77,7 +77,7 @@ order.
    window's median step (every rank's, averaged) is compared with the median step of the
    window that led to it, each times its choice's steps factor (what the model minimises is
    the time to the target, not the step: a lossier choice's shorter steps must also pay for
-   the steps it adds); slower by more than ``margin``, the change is undone (the earlier
+   the steps it adds); slower by more than ``tolerance``, the change is undone (the earlier
    options again, the numbers that led to it kept as the agreed ones) and the option it tried
    is refused until the link's measured rate moves by more than ``drift`` from the rate it was
    tried at. The model does not see everything a compressor costs: on ranks that share their
@@ -112,6 +112,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import re
 import statistics
 import time
 import weakref
@@ -176,8 +177,12 @@ class Auto(ReducingCompressor):
             what ``gradsync bench compress``'s two tasks measured (1.83 and 1.2). Set it
             from your own runs: 1 weighs PowerSGD by its step time alone.
         block: the quantizers' (bf16, int8, int4) elements per scale.
-        margin: a more faithful option is kept if its predicted step is at most this
-            fraction slower than the fastest choice (``auto_model``).
+        margin: a more faithful option is taken if its predicted time to the target is at
+            most this fraction more than the fastest choice's (``auto_model``); 0.02: int8
+            over int4 cost 3% a step at 100 Mbit/s where int4 needed no more steps.
+        tolerance: a change is undone where the measured steps (times their steps factors)
+            got more than this fraction slower; a re-decision keeps the options in force
+            within it; local SGD is taken only where it pays beyond it.
         warmup: steps not timed at the start (and after a resize), exchanged through the
             leanest quantizer among the options (``WARM``).
         calibrate: steps timed uncompressed before the first decision.
@@ -203,7 +208,8 @@ class Auto(ReducingCompressor):
 
     def __init__(self, options=OPTIONS, powersgd_ranks=(8, 4, 2), powersgd_steps: float = 1.8,
                  block: int = 1024,
-                 margin: float = 0.05, warmup: int = 2, calibrate: int = 2,
+                 margin: float = 0.02, tolerance: float = 0.05, warmup: int = 2,
+                 calibrate: int = 2,
                  check_every: int = 16, drift: float = 0.25, seed: int = 0,
                  tiers: str = "slowest", local_sgd: int | None = None,
                  local_share: float = 0.1, early: float = EARLY, clock=time.perf_counter):
@@ -216,8 +222,9 @@ class Auto(ReducingCompressor):
                                  ("check_every", check_every, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"auto: {name} must be an int >= {low}, got {value!r}")
-        if not margin >= 0 or not drift > 0:
-            raise ValueError(f"auto: margin must be >= 0 and drift > 0, got {margin}, {drift}")
+        if not margin >= 0 or not tolerance >= 0 or not drift > 0:
+            raise ValueError(f"auto: margin and tolerance must be >= 0 and drift > 0, got "
+                             f"{margin}, {tolerance}, {drift}")
         if local_sgd is not None and (isinstance(local_sgd, bool) or not isinstance(
                 local_sgd, int) or local_sgd < 1):
             raise ValueError(f"auto: local_sgd must be None or an int >= 1 (the largest H), "
@@ -241,6 +248,7 @@ class Auto(ReducingCompressor):
         if "powersgd" in options and (not ranks or ranks[-1] < 1):
             raise ValueError(f"auto: powersgd_ranks must be positive ints, got {powersgd_ranks}")
         self.margin, self.drift, self.block = float(margin), float(drift), block
+        self.tolerance = float(tolerance)
         self.warmup, self.calibrate, self.check_every = warmup, calibrate, check_every
         self.clock = clock
         # The candidates, most faithful first (auto_model.decide's order).
@@ -270,6 +278,7 @@ class Auto(ReducingCompressor):
         # early decides whether the ranks agree after one calibrated step: named where it
         # is not the default (a state of the same settings saved before it existed loads).
         early = f", early={self.early}" if self.early != EARLY else ""
+        early += f", tolerance={self.tolerance}" if self.tolerance != 0.05 else ""
         return (f"auto({'|'.join(self.names)}, block={self.block}, margin={self.margin}, "
                 f"drift={self.drift}{local}{early})")
 
@@ -630,7 +639,7 @@ class Auto(ReducingCompressor):
         trial, self._trial = self._trial, None
         if (trial is not None and agreed[0] >= 1.0 and exchanged >= 1.0
                 and step_s * trial.get("steps_new", 1.0)
-                > trial["before"] * trial.get("steps_old", 1.0) * (1 + self.margin)):
+                > trial["before"] * trial.get("steps_old", 1.0) * (1 + self.tolerance)):
             self._undo(comm, trial, step_s)  # (the same averages, so the same on every rank)
             return
         rate, hidden = a["rate"], a["hidden"]
@@ -783,9 +792,9 @@ class Auto(ReducingCompressor):
             per_step = tuple(model.decide(inputs))
             if (self._agreed is not None and per_step != current
                     and model.time_to_target(inputs, current)
-                    <= model.time_to_target(inputs, per_step) * (1 + self.margin)):
-                # A re-decision keeps the options in force where they come within the margin
-                # of the new ones: a change drops the residuals and costs steps, which a near
+                    <= model.time_to_target(inputs, per_step) * (1 + self.tolerance)):
+                # A re-decision keeps the options in force where they come within the
+                # tolerance of the new ones: a change drops the residuals and costs steps, which a near
                 # tie does not repay (module docstring, 4).
                 per_step = current
             refused_at = self._refused.get(per_step)
@@ -793,7 +802,9 @@ class Auto(ReducingCompressor):
                 per_step = current  # undone at about this rate (module docstring, 6)
             elif refused_at is not None:
                 del self._refused[per_step]  # the link moved: it may be tried again
-            mine = (*per_step, model.choose_period(inputs, per_step))
+            # Local SGD, a change of algorithm, must pay beyond the tolerance.
+            mine = (*per_step, model.choose_period(
+                dataclasses.replace(inputs, margin=self.tolerance), per_step))
         # Rank 0's choice (and H, last) everywhere: the others add zeros (exact in float32).
         codes = torch.tensor(mine if comm.rank == 0 else [0] * len(mine), dtype=torch.float32)
         comm.allreduce_sum_(codes)
@@ -921,17 +932,21 @@ class Auto(ReducingCompressor):
 
     def _translated(self, state: dict) -> dict:
         """``state`` with its options' numbers renumbered to this Auto's, where it was saved
-        by an Auto whose options are a subset of these and whose settings are otherwise the
-        same (a checkpoint from before int4 was an option: ``none|bf16|int8|powersgd8|...``);
+        by an Auto of before int4 was an option (``none|bf16|int8|powersgd8|...``), whose
+        options are a subset of these and whose settings are otherwise the same but for the
+        margin;
         any other state as it is (``load_state_dict`` then refuses what does not match).
         An option new to this Auto starts with no residual, as a fresh one does."""
         saved, mine = str(state.get("compressor", "")), self.describe()
         head, here = saved.partition(",")[0], mine.partition(",")[0]
-        if (saved == mine or not head.startswith("auto(") or
-                saved[len(head):] != mine[len(here):]):
+        if saved == mine or not head.startswith("auto("):
             return state
         old = head[len("auto("):].split("|")
-        if not set(old) <= set(self.names):
+        if "int4" in old or not set(old) <= set(self.names):
+            return state
+        # Such a state was saved under the margin then the default (0.05, now 0.02): the
+        # margin steers rank 0's next decisions only, so it need not match.
+        if _margin_out(saved[len(head):]) != _margin_out(mine[len(here):]):
             return state
         to = [self.names.index(n) for n in old]
         a = dict(state["auto"])
@@ -941,6 +956,11 @@ class Auto(ReducingCompressor):
                           "new": [to[int(v)] for v in a["trial"]["new"]]}
         a["refused"] = [[[to[int(v)] for v in c], r] for c, r in a.get("refused", [])]
         return {**state, "compressor": mine, "auto": a}
+
+
+def _margin_out(settings: str) -> str:
+    """``describe()``'s settings without the margin."""
+    return re.sub(r", margin=[^,)]*", "", settings)
 
 
 def _direction(change: float, drift: float) -> int:
