@@ -25,7 +25,7 @@ backward needs.
 What is minimised is not the step but the time to a quality: a lossy option may need more
 steps. Each option carries ``steps``, its steps to float32's quality as a multiple of
 float32's: 1 for bf16, int8 and int4 (error feedback keeps float32's steps: in ``gradsync
-bench compress`` each reached the target at float32's very step), a prior for PowerSGD, which
+bench compress`` each reached the target at float32's step or sooner), a prior for PowerSGD, which
 the user may set (``Auto(powersgd_steps=...)``, the factor at rank 4). It depends on the
 task: PowerSGD rank 4 took 176 steps to float32's 96 on the bench's language model (1.83)
 and 96 to 80 on its CNN (1.2, docs/slow-links.md); the default, 1.8, takes the larger, so
