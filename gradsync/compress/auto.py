@@ -34,10 +34,11 @@ order.
    chunks of 1/n), in the last warm-up step, which nothing times, or in the first
    calibrated step for a bucket that step did not have (DDP's buckets before their
    rebuild) and where no warm-up precedes (a recalibration). (Timed in a calibrated step,
-   its time is taken out of the step's while the backward pass may run beside it on the DDP
-   hook's thread: in ``gradsync bench compress`` at 1 Gbit/s the calibration's step read
-   157 ms against float32's 217, and the int8 it chose was undone against that.) Where that first step spent more than
-   ``early`` (half) of its time in the float32 exchange, it decides alone: the link is what
+   its time is taken out of the step's while the backward pass may run beside it on the
+   DDP hook's thread: in ``gradsync bench compress`` at 1 Gbit/s the calibration's step
+   read 157 ms against float32's 217, and the int8 it chose was undone against that.)
+   Where the first calibrated step spent more than ``early`` (half) of its time in the
+   float32 exchange, it decides alone: the link is what
    the decision turns on, a step measures it well, and each more float32 step costs the
    most where the link is slowest (2.8 s a step at 25 Mbit/s on the bench's language model,
    against 0.5 s with int4). Whether it does is read from the agreement's averages, the
@@ -55,8 +56,8 @@ order.
    waits for the next sync's). A re-decision keeps the options in force where their
    predicted time to the target comes within ``tolerance`` of the new choice's: a change drops
    the residuals and costs steps (at 25 Mbit/s the bench's language model went from
-   PowerSGD to int4 at step 32, a near tie, and needed 112 steps where either alone needed
-   88 or 152 at about the same time). Where every bucket is none, the rate
+   PowerSGD to int4 at step 32, a near tie, and needed 112 steps, where int4 alone needed
+   88 and PowerSGD 152 in about the same time). Where every bucket is none, the rate
    comes from their float32 exchanges, as in calibration. Where a bucket is compressed, its
    exchange says little about the link: a few hundred kilobytes of PowerSGD factors take a
    millisecond of wire and tens of milliseconds of arithmetic, small collectives and waiting
@@ -139,6 +140,9 @@ OPTIONS = ("none", "bf16", "int8", "int4", "powersgd")
 WARM = ("int4", "int8", "bf16")
 """The warm-up's option: the first of these among the options (none if none is)."""
 
+TOLERANCE = 0.05
+"""``Auto(tolerance=)``'s default."""
+
 EARLY = 0.5
 """``Auto(early=)``'s default: a first calibrated step that spent more than this share of
 its time in the float32 exchange decides alone (module docstring, 2)."""
@@ -208,7 +212,7 @@ class Auto(ReducingCompressor):
 
     def __init__(self, options=OPTIONS, powersgd_ranks=(8, 4, 2), powersgd_steps: float = 1.8,
                  block: int = 1024,
-                 margin: float = 0.02, tolerance: float = 0.05, warmup: int = 2,
+                 margin: float = 0.02, tolerance: float = TOLERANCE, warmup: int = 2,
                  calibrate: int = 2,
                  check_every: int = 16, drift: float = 0.25, seed: int = 0,
                  tiers: str = "slowest", local_sgd: int | None = None,
@@ -275,12 +279,13 @@ class Auto(ReducingCompressor):
     def _describe(self) -> str:
         local = (f", local_sgd<={self.periods[-1]}, share={self.share}" if self.periods
                  else "")
-        # early decides whether the ranks agree after one calibrated step: named where it
-        # is not the default (a state of the same settings saved before it existed loads).
-        early = f", early={self.early}" if self.early != EARLY else ""
-        early += f", tolerance={self.tolerance}" if self.tolerance != 0.05 else ""
+        # early (whether the ranks agree after one calibrated step) and tolerance (whether
+        # they undo a change) must agree too: named where not the default, so that a state
+        # of the same settings saved before they existed loads.
+        extra = f", early={self.early}" if self.early != EARLY else ""
+        extra += f", tolerance={self.tolerance}" if self.tolerance != TOLERANCE else ""
         return (f"auto({'|'.join(self.names)}, block={self.block}, margin={self.margin}, "
-                f"drift={self.drift}{local}{early})")
+                f"drift={self.drift}{local}{extra})")
 
     # ------------------------------------------------------------------ bookkeeping
     def _reset(self, size) -> None:
@@ -692,8 +697,9 @@ class Auto(ReducingCompressor):
             if moved:
                 self._suspect = None
         # Every rank runs the second allreduce, drifted or not: the agreement is rank 0's.
-        # Only confirmed readings move the numbers: a rate read once waits for the next
-        # (one probe on a 100 Mbit/s link of gradsync bench compress read 297 Mbit/s).
+        # Only confirmed readings move the numbers: a rate read once waits for the next (a
+        # compute drift once took a reading of 297 Mbit/s of a 100 Mbit/s link with it, in
+        # gradsync bench compress).
         rate_moved = any(m.startswith("rate") for m in moved)
         numbers = dict(a, rate=rate if rate_moved else a["rate"],
                        compute=compute if any(m.startswith("compute") for m in moved)
@@ -794,8 +800,8 @@ class Auto(ReducingCompressor):
                     and model.time_to_target(inputs, current)
                     <= model.time_to_target(inputs, per_step) * (1 + self.tolerance)):
                 # A re-decision keeps the options in force where they come within the
-                # tolerance of the new ones: a change drops the residuals and costs steps, which a near
-                # tie does not repay (module docstring, 4).
+                # tolerance of the new ones: a change drops the residuals and costs steps,
+                # which a near tie does not repay (module docstring, 4).
                 per_step = current
             refused_at = self._refused.get(per_step)
             if refused_at is not None and abs(inputs.rate / refused_at - 1) <= self.drift:
@@ -934,9 +940,8 @@ class Auto(ReducingCompressor):
         """``state`` with its options' numbers renumbered to this Auto's, where it was saved
         by an Auto of before int4 was an option (``none|bf16|int8|powersgd8|...``), whose
         options are a subset of these and whose settings are otherwise the same but for the
-        margin;
-        any other state as it is (``load_state_dict`` then refuses what does not match).
-        An option new to this Auto starts with no residual, as a fresh one does."""
+        margin; any other state as it is (``load_state_dict`` then refuses what does not
+        match). An option new to this Auto starts with no residual, as a fresh one does."""
         saved, mine = str(state.get("compressor", "")), self.describe()
         head, here = saved.partition(",")[0], mine.partition(",")[0]
         if saved == mine or not head.startswith("auto("):
