@@ -39,7 +39,7 @@ MODES = {
     "gs-powersgd": "DDP over the gradsync backend, gradsync.compress PowerSGD hook (its first "
                    "two steps plain, as torch's hook's here)",
     "gs-auto": "DDP over the gradsync backend, compression=\"auto\": per bucket, none, "
-               "bf16, int8 or PowerSGD from the measured link (its choice in 'choice')",
+               "bf16, int8, int4 or PowerSGD from the measured link (its choice in 'choice')",
     "gs-int8-lag": "the Horovod API's DistributedOptimizer, Int8, gradient_lag=1: step t's "
                    "exchange behind step t + 1's compute",
     "gs-powersgd-lag": "the Horovod API's DistributedOptimizer, PowerSGD, gradient_lag=1",

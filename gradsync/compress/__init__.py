@@ -20,8 +20,8 @@ only across the slowest tier, once per host: the default of every compressor); `
 (local SGD, DiLoCo and streaming DiLoCo: an outer gradient every H steps, through the same
 compressors and ``Comm``), ``elastic`` (their state and the compressors' in an elastic
 ``State``); ``auto`` and ``auto_model`` (``compression="auto"``: per bucket, none, bf16,
-int8 or PowerSGD, chosen from the measured link and step, agreed by every rank; where the
-user allows it, local SGD's H, run by ``auto_local`` through ``diloco``).
+int8, int4 or PowerSGD, chosen from the measured link and step, agreed by every rank; where
+the user allows it, local SGD's H, run by ``auto_local`` through ``diloco``).
 """
 
 from .auto import Auto

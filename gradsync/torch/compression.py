@@ -17,8 +17,8 @@ Two kinds, one argument (``compression=`` of ``DistributedOptimizer``, ``allredu
   the instance to save its state: ``c = Compression.powersgd(rank=4)``, then
   ``c.state_dict()``. docs/slow-links.md says what each sends.
 - ``"auto"`` (or ``Compression.auto``, an instance for settings): per bucket, none, bf16,
-  int8 or PowerSGD, chosen from the measured link and step (``gradsync/compress/auto.py``);
-  it owns its reduction too. The collectives (``allreduce``) need an instance kept across
+  int8, int4 or PowerSGD, chosen from the measured link and step
+  (``gradsync/compress/auto.py``); it owns its reduction too. The collectives (``allreduce``) need an instance kept across
   calls: a new one per call never gets past its calibration (none). ``Compression.auto(
   local_sgd=H)`` (or ``DistributedOptimizer(..., local_sgd=H)``) lets it choose local SGD
   too, which ``DistributedOptimizer`` runs (``gradsync/compress/auto_local.py``).

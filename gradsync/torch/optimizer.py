@@ -602,7 +602,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             ``Compression.int8``, ``.fp8``, ``.powersgd``, ``.randomk`` (the class for its
             defaults, or an instance, e.g. ``Compression.powersgd(rank=4)``, whose
             ``state_dict()`` holds the residuals); or ``"auto"`` (``Compression.auto``):
-            per bucket, none, bf16, int8 or PowerSGD chosen from the measured link and
+            per bucket, none, bf16, int8, int4 or PowerSGD chosen from the measured link and
             step (docs/slow-links.md). Not with ``op=Adasum`` or ``join()``.
         backward_passes_per_step: backward passes accumulated locally per allreduce.
         op: ``Average`` (default), ``Sum``, or ``Adasum``: each parameter's local update is
