@@ -262,24 +262,33 @@ def test_slow_link_compresses_the_big_bucket_and_not_the_tiny_one():
     assert torch.equal(outs[0][0], outs[1][0])  # the same result on every rank
 
 
-def test_the_warm_up_runs_the_leanest_quantizer_and_the_calibration_float32():
+@pytest.mark.parametrize("size", [2, 3])
+def test_the_warm_up_runs_the_leanest_quantizer_and_the_calibration_float32(size):
     """The warm-up steps are timed by nothing, so they go through int4 (a slow link's
-    float32 exchange there would cost time for nothing); calibration then runs float32, its
-    result the exact mean, and the warm-up's residuals are gone."""
-    autos, comms, _ = job(2, rate=1e6)  # warm-up 1 step, calibration 2
+    float32 exchange there would cost time for nothing); calibration then runs float32 and
+    sends what the warm-up still owed with its first exchange: the two steps' results sum to
+    the two exact means (error feedback whole across the change), the next step's result
+    is the exact mean, and no residual is left."""
+    autos, comms, _ = job(size, rate=1e6)  # warm-up 1 step, calibration 2
+    compute = [0.05] * size
     assert autos[0].warm == "int4"
-    grads = [torch.randn(65536, generator=torch.Generator().manual_seed(r)) for r in (0, 1)]
-    mean = (grads[0] + grads[1]) / 2
-    (warm, _), _ = train(autos, comms, 1, [0.05, 0.05])
+    grads = [torch.randn(65536, generator=torch.Generator().manual_seed(r))
+             for r in range(size)]
+    mean = sum(grads) / size
+    (warm, _), *_ = train(autos, comms, 1, compute)
     assert "big" in autos[0].inner["int4"].state.tensors
     assert not torch.allclose(warm, mean, atol=1e-3)  # rounded to 4 bits
-    (calibrating, _), _ = train(autos, comms, 1, [0.05, 0.05])
-    assert torch.allclose(calibrating, mean, atol=1e-6)  # float32
+    (calibrating, _), *_ = train(autos, comms, 1, compute)
+    assert not torch.allclose(calibrating, mean, atol=1e-3)  # the owed part with it
+    assert torch.allclose(warm + calibrating, 2 * mean, atol=1e-5)  # and nothing lost
     assert all(not c.state.tensors for a in autos for c in a.inner.values())
-    assert autos[0].decision is None  # nothing decided yet
+    assert not any(a._owed for a in autos)
+    (again, _), *_ = train(autos, comms, 1, compute)
+    assert torch.allclose(again, mean, atol=1e-6)  # float32, nothing owed
+    assert autos[0].decision is None  # nothing decided yet (calibration: steps 1 and 2)
     # On one host auto is off from the first step: float32 throughout.
-    autos, comms, _ = job(2, rate=1e6, hosts=1)
-    (first, _), _ = train(autos, comms, 1, [0.05, 0.05])
+    autos, comms, _ = job(size, rate=1e6, hosts=1)
+    (first, _), *_ = train(autos, comms, 1, compute)
     assert torch.allclose(first, mean, atol=1e-6)
     assert Auto(options=("none", "bf16", "int8")).warm == "int8"
     assert Auto(options=("none", "powersgd")).warm == "none"

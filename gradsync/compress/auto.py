@@ -22,8 +22,11 @@ order.
 2. Warm-up and calibration: steps 0 to ``warmup - 1`` are not timed (DDP rebuilds its
    buckets after step 0; connections are made) and run the leanest quantizer among the
    options (``WARM``: int4, else int8, else bf16, else none): what they exchange is measured
-   by nothing, and a float32 exchange there would only cost a slow link's time; their
-   residuals are dropped when calibration begins (the warm-up's last rounding, once).
+   by nothing, and a float32 exchange there would only cost a slow link's time. What the
+   warm-up still owes (each rank's residual and the owners') goes with the first float32
+   exchange of each bucket, so error feedback's sum stays whole across the change (a
+   bucket reduced in tiers, its residuals laid out per host, drops them: one step's
+   rounding).
    Steps ``warmup`` to ``warmup + calibrate - 1`` run none, timed: each
    bucket's float32 exchange, the step's period, the time the training thread was blocked
    on the exchange (the Horovod API's optimizer reports its waits, ``blocked``, and so does
@@ -304,6 +307,7 @@ class Auto(ReducingCompressor):
         self._refused: dict[tuple, float] = {}  # options undone -> the rate they were tried at
         self._suspect: tuple[int, int] | None = None  # the drift the last check saw
         self._baseline: float | None = None  # the compressed exchange after the decision
+        self._owed: dict[str, dict] = {}  # the warm-up's residuals, sent with float32
         self._new_step_state()
 
     def _new_step_state(self) -> None:
@@ -382,7 +386,9 @@ class Auto(ReducingCompressor):
         if self.period > 1:  # local SGD: this rank's own gradient, nothing exchanged
             out = flat.detach().to(torch.float32, copy=True)
         elif name == "none":
-            out = self._none(flat.detach().to(torch.float32, copy=True), comm, average)
+            x = flat.detach().to(torch.float32, copy=True)
+            self._pay_owed(key, x, comm, average)
+            out = self._none(x, comm, average)
         else:
             out = self.inner[name].reduce(flat, shapes, comm, key, average)
         self._times[key] = self._times.get(key, 0.0) + self.clock() - start
@@ -400,6 +406,28 @@ class Auto(ReducingCompressor):
                 or not self.inner):
             return False
         return (self._step == self._calib_from - 1 and self._warming()) or self._timing()
+
+    def _pay_owed(self, key: str, x: torch.Tensor, comm, average: bool) -> None:
+        """Adds to ``x`` what the warm-up's quantizer still owes for ``key`` (module
+        docstring, 2): this rank's residual, and the owner's for the chunk it owned (in the
+        averaged domain where the reduction averages: times n here, the float32 sum divides
+        by n). Error feedback's sum stays whole across the change. A bucket reduced in
+        tiers (``key@path`` states) or in a world of another size owes nothing here: its
+        residuals went with the warm-up (one step's rounding)."""
+        held = self._owed.pop(key, None)
+        if not held:
+            return
+        residual = held["residual"]
+        if residual.numel() != x.numel():
+            return
+        x += residual
+        owner = f"owner{comm.rank}of{comm.size}"
+        if owner in held:
+            piece = held[owner].reshape(-1)
+            start = comm.rank * piece.numel()
+            end = min(x.numel(), start + piece.numel())
+            if end > start:
+                x[start:end] += piece[:end - start] * (comm.size if average else 1)
 
     def _none(self, x: torch.Tensor, comm, average: bool) -> torch.Tensor:
         if comm.size > 1 and x.numel():
@@ -482,9 +510,11 @@ class Auto(ReducingCompressor):
         self._step += 1
         self._last_keys = list(self._seen)
         if warmed and not self._warming() and self.warm != "none":
-            # Calibration begins, in float32: the warm-up's residuals go (DDP's buckets of
-            # step 0 included, whose keys may not come back).
-            self.inner[self.warm].state.tensors.clear()
+            # Calibration begins, in float32: what the warm-up still owes is sent with the
+            # first float32 exchange of each bucket (``_owed``), and its state goes.
+            held = self.inner[self.warm].state.tensors
+            self._owed = {k: dict(v) for k, v in held.items() if "residual" in v}
+            held.clear()
         self._seen, self._times = [], {}
         self._blocked, self._reported, self._aside, self._synced = 0.0, False, 0.0, 0.0
         self._start = now
