@@ -158,7 +158,7 @@ _TINY = 1e-6  # seconds: a floor for measured wire times (a division by them fol
 PROBE_BYTES = 1 << 20
 """Bytes of the float32 allreduce a drift check times where a bucket is compressed (module
 docstring, 4): large enough that the wire, not the latency, is most of its time on the links
-auto weighs (8 ms at 1 Gbit/s, 0.3 s at 25 Mbit/s, once per ``check_every`` steps)."""
+auto weighs (8 ms at 1 Gbit/s, 0.3-0.5 s at 25 Mbit/s, at the checks that need it)."""
 
 _LIVE: "weakref.WeakSet[Auto]" = weakref.WeakSet()
 _ORDER = itertools.count(1)
@@ -509,11 +509,14 @@ class Auto(ReducingCompressor):
         warmed = self._warming()
         self._step += 1
         self._last_keys = list(self._seen)
+        self._owed = {}  # paid in the first calibrated step, or never (a key not back)
         if warmed and not self._warming() and self.warm != "none":
             # Calibration begins, in float32: what the warm-up still owes is sent with the
-            # first float32 exchange of each bucket (``_owed``), and its state goes.
+            # first float32 exchange of each bucket (``_pay_owed``; a tiered bucket's
+            # ``key@path`` states are laid out per host: dropped), and its state goes.
             held = self.inner[self.warm].state.tensors
-            self._owed = {k: dict(v) for k, v in held.items() if "residual" in v}
+            self._owed = {k: dict(v) for k, v in held.items()
+                          if "@" not in k and "residual" in v}
             held.clear()
         self._seen, self._times = [], {}
         self._blocked, self._reported, self._aside, self._synced = 0.0, False, 0.0, 0.0
@@ -699,6 +702,7 @@ class Auto(ReducingCompressor):
             rate = sum(4 * self._numel(k) for k in keys) / max(busy, _TINY)
         compute = max(work, 0.0)
         moved = []
+        rate_moved = compute_moved = False
         if agreed[0] < 1.0:
             self._suspect = None  # some rank timed nothing: no drift to judge this time
         else:
@@ -718,9 +722,11 @@ class Auto(ReducingCompressor):
             self._suspect = (rate_dir, compute_dir)
             if probe_s > 0.0 and not rate_dir:  # the link as it was: the exchange moved
                 self._baseline = exchange  # for another reason, its new measure
-            if fresh and rate_dir and was[0] == rate_dir:
+            rate_moved = bool(fresh and rate_dir and was[0] == rate_dir)
+            compute_moved = bool(compute_dir and was[1] == compute_dir)
+            if rate_moved:
                 moved.append(f"rate {a['rate'] * 8 / 1e6:.4g} -> {rate * 8 / 1e6:.4g} Mbit/s")
-            if compute_dir and was[1] == compute_dir:
+            if compute_moved:
                 moved.append(f"compute {a['compute'] * 1e3:.4g} -> {compute * 1e3:.4g} ms")
             if self.periods and attached >= 1.0 and a.get("attached", 0.0) < 1.0:
                 moved.append("local SGD attached")
@@ -730,10 +736,8 @@ class Auto(ReducingCompressor):
         # Only confirmed readings move the numbers: a rate read once waits for the next (a
         # compute drift once took a reading of 297 Mbit/s of a 100 Mbit/s link with it, in
         # gradsync bench compress).
-        rate_moved = any(m.startswith("rate") for m in moved)
         numbers = dict(a, rate=rate if rate_moved else a["rate"],
-                       compute=compute if any(m.startswith("compute") for m in moved)
-                       else a["compute"],
+                       compute=compute if compute_moved else a["compute"],
                        hidden=hidden if rate_moved else a["hidden"], attached=attached)
         self._decide(comm, numbers if moved else a, "drift: " + ", ".join(moved),
                      quiet=not moved, before=step_s if exchanged >= 1.0 else None)
