@@ -216,9 +216,14 @@ class LinkComm(ThreadComm):
 SHAPES = {"big": [(256, 256)], "tiny": [(8,)]}  # 256 KB and 32 bytes of float32
 
 
-def train(autos, comms, steps: int, compute, on_step=None):
+def grad(step: int, rank: int, n: int) -> torch.Tensor:
+    """Rank ``rank``'s gradient of ``n`` elements at ``step`` (``train``'s)."""
+    return torch.randn(n, generator=torch.Generator().manual_seed(step * 10 + rank))
+
+
+def train(autos, comms, steps: int, compute, on_step=None, kept=None):
     """``steps`` steps on every rank: compute (per rank), then the two buckets. Returns
-    each rank's outputs of its last step."""
+    each rank's outputs of its last step (``kept``: a list per rank takes every step's)."""
     size = len(comms)
 
     def body(r):
@@ -230,9 +235,10 @@ def train(autos, comms, steps: int, compute, on_step=None):
             comms[r].clock.t += compute[r]
             out = []
             for key, shapes in SHAPES.items():
-                n = sum(math.prod(s) for s in shapes)
-                g = torch.randn(n, generator=torch.Generator().manual_seed(step * 10 + r))
+                g = grad(step, r, sum(math.prod(s) for s in shapes))
                 out.append(autos[r].reduce(g, shapes, comms[r], key, average=True))
+            if kept is not None:
+                kept[r].append(out)
         return out
 
     return run_threads(size, body, comms[0].group.barrier.abort)
@@ -554,6 +560,39 @@ def test_the_outcome_check_weighs_each_choices_steps_by_its_steps_factor():
     assert steps == [(3, "powersgd4", "calibrated"), (12, "int4", "drift")], \
         [d.summary() for d in autos[0].history]
     assert autos[0]._trial is None and not autos[0]._refused  # judged at 16, and kept
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_change_of_option_sends_what_the_old_one_still_owes(size):
+    """PowerSGD on a slow link, int4 once it speeds up, none once it is fast and the step
+    short: each change sends what the old option still owes (each rank's residual, a
+    quantizer's owners') with the new option's first exchange, so once a step went float32
+    the results of every step sum to the sum of the exact means, and nothing is held."""
+    autos, comms, link = job(size, rate=1e5, options=("none", "int4", "powersgd"),
+                             powersgd_ranks=(4,))
+    slowed(comms, 0.005)
+    compute = [0.05] * size
+
+    def change(step):
+        if step == 5:  # seen at the checks of 8 and 12: int4
+            link.rate[:] = [1e6] * size
+        if step == 13:  # seen at the checks of 16 and 20: none
+            link.rate[:] = [1e10] * size
+            compute[:] = [0.001] * size
+
+    kept: list[list] = [[] for _ in range(size)]
+    steps = 22
+    train(autos, comms, steps, compute, on_step=change, kept=kept)
+    changes = [(d.step, d.choices["big"]) for d in autos[0].history]
+    assert changes == [(3, "powersgd4"), (12, "int4"), (20, "none")], \
+        [d.summary() for d in autos[0].history]
+    n = 256 * 256
+    means = [sum(grad(step, r, n) for r in range(size)) / size for step in range(steps)]
+    for r in range(size):
+        total = sum(out[0] for out in kept[r])
+        assert torch.allclose(total, sum(means), atol=1e-4), (total - sum(means)).abs().max()
+    assert not any(a._owed for a in autos)
+    assert all(not c.state.tensors for a in autos for c in a.inner.values())
 
 
 def test_a_resize_recalibrates_and_a_checkpoint_continues():

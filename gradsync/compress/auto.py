@@ -54,13 +54,17 @@ order.
    the link's rate is measured again, and the step's compute. Beyond ``drift`` (a fraction)
    from what the decision used, the same way at two readings in a row, rank 0 decides again
    (a single slow probe, a loss episode on a slow link, is not a slower link: read as one,
-   it switched a 25 Mbit/s run from int4 to PowerSGD and back, each switch dropping the
-   residuals; under local SGD a check without a sync has no new rate, and the first reading
+   it switched a 25 Mbit/s run from int4 to PowerSGD and back, each switch costing
+   steps; under local SGD a check without a sync has no new rate, and the first reading
    waits for the next sync's). A re-decision keeps the options in force where their
-   predicted time to the target comes within ``tolerance`` of the new choice's: a change drops
-   the residuals and costs steps (at 25 Mbit/s the bench's language model went from
-   PowerSGD to int4 at step 32, a near tie, and needed 112 steps, where int4 alone needed
-   88 and PowerSGD 152 in about the same time). Where every bucket is none, the rate
+   predicted time to the target comes within ``tolerance`` of the new choice's: a change
+   starts error feedback (and PowerSGD's warm start) afresh and costs steps (at 25 Mbit/s
+   the bench's language model went from PowerSGD to int4 at step 32, a near tie, and
+   needed 112 steps, where int4 alone needed 88 and PowerSGD 152 in about the same time).
+   A change of a bucket's option (a decision, an undo) sends what the old option still
+   owes (each rank's residual, laid out as the bucket: PowerSGD's over its matrices; a
+   quantizer's owners' too) with the new option's first exchange, as after the warm-up
+   (2): nothing of the gradients is lost. Where every bucket is none, the rate
    comes from their float32 exchanges, as in calibration. Where a bucket is compressed, its
    exchange says little about the link: a few hundred kilobytes of PowerSGD factors take a
    millisecond of wire and tens of milliseconds of arithmetic, small collectives and waiting
@@ -307,7 +311,7 @@ class Auto(ReducingCompressor):
         self._refused: dict[tuple, float] = {}  # options undone -> the rate they were tried at
         self._suspect: tuple[int, int] | None = None  # the drift the last check saw
         self._baseline: float | None = None  # the compressed exchange after the decision
-        self._owed: dict[str, dict] = {}  # the warm-up's residuals, sent with float32
+        self._owed: dict[str, dict] = {}  # an old option's residuals, for the next exchange
         self._new_step_state()
 
     def _new_step_state(self) -> None:
@@ -383,14 +387,18 @@ class Auto(ReducingCompressor):
         self._at_call(key, shapes, comm)
         name = self.warm if self._warming() else self.names[self._choice.get(key, 0)]
         start = self.clock()
-        if self.period > 1:  # local SGD: this rank's own gradient, nothing exchanged
-            out = flat.detach().to(torch.float32, copy=True)
-        elif name == "none":
+        x = flat
+        if key in self._owed or self.period > 1 or name == "none":
+            # What an earlier option still owes goes into this exchange's input, whatever
+            # the option now (module docstring, 2 and 4): error feedback's sum stays whole.
             x = flat.detach().to(torch.float32, copy=True)
             self._pay_owed(key, x, comm, average)
+        if self.period > 1:  # local SGD: this rank's own gradient, nothing exchanged
+            out = x
+        elif name == "none":
             out = self._none(x, comm, average)
         else:
-            out = self.inner[name].reduce(flat, shapes, comm, key, average)
+            out = self.inner[name].reduce(x, shapes, comm, key, average)
         self._times[key] = self._times.get(key, 0.0) + self.clock() - start
         if self._arithmetic_due(key):
             begin = self.clock()
@@ -407,13 +415,48 @@ class Auto(ReducingCompressor):
             return False
         return (self._step == self._calib_from - 1 and self._warming()) or self._timing()
 
+    def _owed_by(self, name: str, key: str) -> dict[str, torch.Tensor] | None:
+        """What option ``name`` still owes for ``key``, laid out as the bucket: this rank's
+        residual (PowerSGD's covers its matrices: zeros elsewhere) and, for a quantizer, the
+        owner's residual of the chunk this rank owned; None where it holds none, or holds
+        them per host (a bucket reduced in tiers: ``key@path`` states), which is let go
+        (one step's rounding)."""
+        c = self.inner.get(name)
+        held = c.state.tensors.get(key) if c is not None else None
+        if not held or "residual" not in held:
+            return None
+        if not isinstance(c, PowerSGD):  # a quantizer: the bucket's residual, a chunk's
+            return {k: v for k, v in held.items() if k == "residual" or k.startswith("owner")}
+        shapes = self._shapes.get(key, [])
+        residual, flat = held["residual"], torch.zeros(self._numel(key))
+        at = done = 0
+        for shape, plan in zip(shapes, c.plan(shapes)):
+            n = _numel(shape)
+            if plan is not None:  # a compressed matrix: its residual is the next n elements
+                if done + n > residual.numel():
+                    return None
+                flat[at:at + n] = residual[done:done + n]
+                done += n
+            at += n
+        return {"residual": flat} if done == residual.numel() else None
+
+    def _owe(self, name: str, key: str) -> None:
+        """Keeps what option ``name`` still owes for ``key``, to go with the bucket's next
+        exchange (``_pay_owed``), and drops every inner state of ``key`` (``_forget``)."""
+        owed = self._owed_by(name, key)
+        self._forget(key)
+        if owed is None:
+            return
+        held = self._owed.setdefault(key, {})
+        for part, value in owed.items():
+            held[part] = held[part] + value if part in held else value.clone()
+
     def _pay_owed(self, key: str, x: torch.Tensor, comm, average: bool) -> None:
-        """Adds to ``x`` what the warm-up's quantizer still owes for ``key`` (module
-        docstring, 2): this rank's residual, and the owner's for the chunk it owned (in the
-        averaged domain where the reduction averages: times n here, the float32 sum divides
-        by n). Error feedback's sum stays whole across the change. A bucket reduced in
-        tiers (``key@path`` states) or in a world of another size owes nothing here: its
-        residuals went with the warm-up (one step's rounding)."""
+        """Adds to ``x`` what an earlier option still owes for ``key`` (``_owe``): this
+        rank's residual, and the owner's for the chunk it owned (in the averaged domain
+        where the reduction averages: times n here, the sum divides by n). Error feedback's
+        sum stays whole across the change; under local SGD the parameters' average takes it
+        the same way. Owed in a world of another size, it is let go."""
         held = self._owed.pop(key, None)
         if not held:
             return
@@ -509,15 +552,13 @@ class Auto(ReducingCompressor):
         warmed = self._warming()
         self._step += 1
         self._last_keys = list(self._seen)
-        self._owed = {}  # paid in the first calibrated step, or never (a key not back)
+        self._owed = {}  # paid in the step after it was owed, or never (a key not back)
         if warmed and not self._warming() and self.warm != "none":
             # Calibration begins, in float32: what the warm-up still owes is sent with the
-            # first float32 exchange of each bucket (``_pay_owed``; a tiered bucket's
-            # ``key@path`` states are laid out per host: dropped), and its state goes.
+            # first float32 exchange of each bucket (``_owe``), and its state goes.
             held = self.inner[self.warm].state.tensors
-            self._owed = {k: dict(v) for k, v in held.items()
-                          if "@" not in k and "residual" in v}
-            held.clear()
+            for k in sorted({k.partition("@")[0] for k in held}):
+                self._owe(self.warm, k)
         self._seen, self._times = [], {}
         self._blocked, self._reported, self._aside, self._synced = 0.0, False, 0.0, 0.0
         self._start = now
@@ -834,8 +875,8 @@ class Auto(ReducingCompressor):
                     and model.time_to_target(inputs, current)
                     <= model.time_to_target(inputs, per_step) * (1 + self.tolerance)):
                 # A re-decision keeps the options in force where they come within the
-                # tolerance of the new ones: a change drops the residuals and costs steps,
-                # which a near tie does not repay (module docstring, 4).
+                # tolerance of the new ones: a change starts error feedback afresh and costs
+                # steps, which a near tie does not repay (module docstring, 4).
                 per_step = current
             refused_at = self._refused.get(per_step)
             if refused_at is not None and abs(inputs.rate / refused_at - 1) <= self.drift:
@@ -864,8 +905,8 @@ class Auto(ReducingCompressor):
         if changed:
             self._baseline = None  # the new options' exchange is measured afresh
         for k, c in zip(numbers["keys"], choice):
-            if self._choice.get(k, 0) != c:
-                self._forget(k)
+            if self._choice.get(k, 0) != c:  # the old option's residuals go with the new
+                self._owe(self.names[self._choice.get(k, 0)], k)
             self._choice[k] = c
         self._resized = None
         if quiet and not changed and self.decision is not None:
@@ -885,8 +926,9 @@ class Auto(ReducingCompressor):
         self._announce(comm, decision)
 
     def _forget(self, key: str) -> None:
-        """Drops the residuals of ``key`` in every inner compressor: a bucket that changes
-        option starts its error feedback afresh (one step's rounding is lost, once)."""
+        """Drops the state of ``key`` in every inner compressor: a bucket that changes option
+        starts its error feedback afresh (what the old one owed goes with its next exchange:
+        ``_owe``), PowerSGD its Q."""
         for c in self.inner.values():
             for k in [k for k in c.state.tensors if k == key or k.startswith(key + "@")]:
                 del c.state.tensors[k]
