@@ -46,53 +46,14 @@ order.
    most where the link is slowest (2.8 s a step at 25 Mbit/s on the bench's language model,
    against 0.5 s with int4). Whether it does is read from the agreement's averages, the
    same on every rank (an allreduce more where it does not).
-3. Agreement: at the first call of the next step, every rank's numbers are averaged (one
-   allreduce: the same bytes on every rank), then rank 0's decision is sent to all (a second
-   allreduce, every other rank adding zeros): every rank uses rank 0's choice, even where a
-   rank's own arithmetic would have rounded differently.
-4. Drift: every ``check_every`` steps the same two allreduces carry the window's numbers;
-   the link's rate is measured again, and the step's compute. Beyond ``drift`` (a fraction)
-   from what the decision used, the same way at two readings in a row, rank 0 decides again
-   (a single slow probe, a loss episode on a slow link, is not a slower link: read as one,
-   it switched a 25 Mbit/s run from int4 to PowerSGD and back, each switch costing
-   steps; under local SGD a check without a sync has no new rate, and the first reading
-   waits for the next sync's). A re-decision keeps the options in force where their
-   predicted time to the target comes within ``tolerance`` of the new choice's: a change
-   starts error feedback (and PowerSGD's warm start) afresh and costs steps (at 25 Mbit/s
-   the bench's language model went from PowerSGD to int4 at step 32, a near tie, and
-   needed 112 steps, where int4 alone needed 88 and PowerSGD 152 in about the same time).
-   A change of a bucket's option (a decision, an undo) sends what the old option still
-   owes (each rank's residual, laid out as the bucket: PowerSGD's over its matrices; a
-   quantizer's owners' too) with the new option's first exchange, as after the warm-up
-   (2): nothing of the gradients is lost. Where every bucket is none, the rate
-   comes from their float32 exchanges, as in calibration. Where a bucket is compressed, its
-   exchange says little about the link: a few hundred kilobytes of PowerSGD factors take a
-   millisecond of wire and tens of milliseconds of arithmetic, small collectives and waiting
-   for the other ranks, and what is left after subtracting the modelled part is mostly what
-   the model leaves out. Read as a rate, it made the link look slower at each check, which
-   chose more compression, whose exchange looked slower still (a 1 Gbit link read as 85
-   Mbit/s in ``gradsync bench compress``). So the check measures the link itself: one float32
-   allreduce of a probe (``PROBE_BYTES``, or the largest bucket if smaller), timed after a
-   one-element allreduce has lined the ranks up. A probe costs a slow link's time (1 MiB:
-   0.5 s at 25 Mbit/s, 4% of an int4 run's steps there with a probe every 16), so it runs
-   at the first check after a decision, which also takes the compressed exchange's time as
-   its measure, and after that only where a reading suspects the rate: a compressed
-   exchange that moved by more than ``drift`` from its measure is read as a suspicion (not
-   as a rate), which the next check's probe confirms or clears (a link as it was: the
-   exchange moved for another reason, and its time is the new measure).
+3. Agreement and 4. Drift: ``auto_policy.py`` (the policy half of Auto): every rank's
+   numbers are averaged and rank 0's decision taken by all, at the first call of a step;
+   every ``check_every`` steps the link and the compute are measured again, and a drift
+   that two readings in a row see re-decides; a change of a bucket's option sends what the
+   old option still owes with the new option's first exchange.
 5. Resize: a Comm of another size (an elastic job's new world) starts again at 2 (or 1).
-6. Outcome: a decision that changes a bucket's option is a trial. At the next check, the
-   window's median step (every rank's, averaged) is compared with the median step of the
-   window that led to it, each times its choice's steps factor (what the model minimises is
-   the time to the target, not the step: a lossier choice's shorter steps must also pay for
-   the steps it adds); slower by more than ``tolerance``, the change is undone (the earlier
-   options again, the numbers that led to it kept as the agreed ones) and the option it tried
-   is refused until the link's measured rate moves by more than ``drift`` from the rate it was
-   tried at. The model does not see everything a compressor costs: on ranks that share their
-   cores, the arithmetic of a compressor slows the backward pass beside it, which a drift
-   check then reads as more compute and a slower link, and chooses more compression (in
-   ``gradsync bench compress`` at 1 Gbit/s, four ranks on two cores: none, then int8 for one
-   bucket, then both, the steps twice as long as float32's). The step itself is the measure.
+6. Outcome: ``auto_policy.py``: a change is a trial, undone where the measured steps
+   (weighed by their steps factors) do not bear it out.
 
 Local SGD (only with ``local_sgd=H_max`` and the parameters attached, ``auto_local.py``):
 the decision also carries H (``auto_model.choose_period``), sent by rank 0 with the
@@ -103,10 +64,8 @@ Drift checks go on in the windows: the rate is measured from the syncs, compute 
 step. Changed buckets calibrate again from the window's end; a resize at once (an elastic
 re-formation has given every rank the same parameters).
 
-Reports. A changed decision is logged at INFO once (rank 0; ``Decision.summary``: per tier
-and bucket class, and the numbers behind it) and marked on the timeline (``AUTO`` on the
-``compression`` row, every rank, when the Horovod API's timeline records). ``auto.decision``
-is the current one, ``latest()`` the newest of any Auto in the process.
+Reports (``auto_policy.py``): a changed decision at INFO (rank 0) and on the timeline;
+``auto.decision`` is the current one, ``latest()`` the newest of any Auto in the process.
 
 State (``state_dict``): the step count, the agreed numbers and choices, H and the window's
 place (with local SGD's anchors mid-window), and each inner compressor's residuals, so a
@@ -118,10 +77,8 @@ recalibrates (5).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import re
-import statistics
 import time
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -129,6 +86,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import auto_model as model
+from .auto_policy import ORDER, Policy
 from .base import ReducingCompressor
 from .comm import Loopback
 from .powersgd import PowerSGD
@@ -154,18 +112,7 @@ EARLY = 0.5
 """``Auto(early=)``'s default: a first calibrated step that spent more than this share of
 its time in the float32 exchange decides alone (module docstring, 2)."""
 
-HISTORY = 32
-"""Decisions ``Auto.history`` keeps."""
-
-_TINY = 1e-6  # seconds: a floor for measured wire times (a division by them follows)
-
-PROBE_BYTES = 1 << 20
-"""Bytes of the float32 allreduce a drift check times where a bucket is compressed (module
-docstring, 4): large enough that the wire, not the latency, is most of its time on the links
-auto weighs (8 ms at 1 Gbit/s, 0.3-0.5 s at 25 Mbit/s, at the checks that need it)."""
-
 _LIVE: "weakref.WeakSet[Auto]" = weakref.WeakSet()
-_ORDER = itertools.count(1)
 
 
 def latest() -> "model.Decision | None":
@@ -176,7 +123,7 @@ def latest() -> "model.Decision | None":
 
 
 
-class Auto(ReducingCompressor):
+class Auto(Policy, ReducingCompressor):
     """Chooses none, bf16, int8, int4 or PowerSGD per bucket from measurements (module docstring).
 
     Args:
@@ -307,7 +254,7 @@ class Auto(ReducingCompressor):
         self.period = 1  # local SGD's H in force for this step's buckets (1: exchanged)
         self.phase = 0  # this step's place in its window (0 .. period - 1)
         self._target = 1  # the agreed H, in force from the next window
-        self._trial: dict | None = None  # a change on trial (module docstring, 6)
+        self._trial: dict | None = None  # a change on trial (auto_policy.py, 6)
         self._refused: dict[tuple, float] = {}  # options undone -> the rate they were tried at
         self._suspect: tuple[int, int] | None = None  # the drift the last check saw
         self._baseline: float | None = None  # the compressed exchange after the decision
@@ -318,7 +265,7 @@ class Auto(ReducingCompressor):
         self._seen: list[str] = []
         self._last_keys: list[str] = []
         self._shapes: dict[str, list[tuple]] = {}
-        self._start = None  # the current step's first call (clock)
+        self._start: float | None = None  # the current step's first call (clock)
         self._times: dict[str, float] = {}  # this step's exchange seconds per key
         self._blocked = 0.0
         self._reported = False
@@ -389,8 +336,8 @@ class Auto(ReducingCompressor):
         start = self.clock()
         x = flat
         if key in self._owed or self.period > 1 or name == "none":
-            # What an earlier option still owes goes into this exchange's input, whatever
-            # the option now (module docstring, 2 and 4): error feedback's sum stays whole.
+            # What an earlier option still owes goes into this exchange's input, whatever the
+            # option now (module docstring, 2; auto_policy.py, 4): error feedback stays whole.
             x = flat.detach().to(torch.float32, copy=True)
             self._pay_owed(key, x, comm, average)
         if self.period > 1:  # local SGD: this rank's own gradient, nothing exchanged
@@ -414,42 +361,6 @@ class Auto(ReducingCompressor):
                 or not self.inner):
             return False
         return (self._step == self._calib_from - 1 and self._warming()) or self._timing()
-
-    def _owed_by(self, name: str, key: str) -> dict[str, torch.Tensor] | None:
-        """What option ``name`` still owes for ``key``, laid out as the bucket: this rank's
-        residual (PowerSGD's covers its matrices: zeros elsewhere) and, for a quantizer, the
-        owner's residual of the chunk this rank owned; None where it holds none, or holds
-        them per host (a bucket reduced in tiers: ``key@path`` states), which is let go
-        (one step's rounding)."""
-        c = self.inner.get(name)
-        held = c.state.tensors.get(key) if c is not None else None
-        if not held or "residual" not in held:
-            return None
-        if not isinstance(c, PowerSGD):  # a quantizer: the bucket's residual, a chunk's
-            return {k: v for k, v in held.items() if k == "residual" or k.startswith("owner")}
-        shapes = self._shapes.get(key, [])
-        residual, flat = held["residual"], torch.zeros(self._numel(key))
-        at = done = 0
-        for shape, plan in zip(shapes, c.plan(shapes)):
-            n = _numel(shape)
-            if plan is not None:  # a compressed matrix: its residual is the next n elements
-                if done + n > residual.numel():
-                    return None
-                flat[at:at + n] = residual[done:done + n]
-                done += n
-            at += n
-        return {"residual": flat} if done == residual.numel() else None
-
-    def _owe(self, name: str, key: str) -> None:
-        """Keeps what option ``name`` still owes for ``key``, to go with the bucket's next
-        exchange (``_pay_owed``), and drops every inner state of ``key`` (``_forget``)."""
-        owed = self._owed_by(name, key)
-        self._forget(key)
-        if owed is None:
-            return
-        held = self._owed.setdefault(key, {})
-        for part, value in owed.items():
-            held[part] = held[part] + value if part in held else value.clone()
 
     def _pay_owed(self, key: str, x: torch.Tensor, comm, average: bool) -> None:
         """Adds to ``x`` what an earlier option still owes for ``key`` (``_owe``): this
@@ -529,18 +440,6 @@ class Auto(ReducingCompressor):
         self._seen.append(key)
         self._shapes[key] = shapes
 
-    def _recalibrate(self, why: str) -> None:
-        log.info("compression auto (step %d): %s; uncompressed until measured again",
-                 self._step, why)
-        self._choice, self._agreed, self._resized = {}, None, why
-        self._target = 1
-        self._trial, self._refused, self._suspect = None, {}, None
-        self._baseline = None
-        # Mid-window, calibration starts after the window's sync (the ranks equal again).
-        self._calib_from = self._step + (self.period - self.phase if self.period > 1 else 0)
-        self._window, self._latency, self._kappa = [], [], {}
-        self._syncs = []
-
     def _close_step(self) -> None:
         now = self.clock()
         exchange = sum(self._times.values())
@@ -603,353 +502,6 @@ class Auto(ReducingCompressor):
             out.append(best)
         return out
 
-    # ------------------------------------------------------------------ agreement
-    def _spans_hosts(self, comm) -> bool:
-        if comm.size < 2:
-            return False
-        if self.tiers == "all":
-            return True
-        placement = getattr(comm, "placement", None)
-        topo = placement() if placement is not None else None
-        return topo is None or len(topo.hosts) > 1
-
-    def _placement(self, comm):
-        """(units across the slowest tier, ranks per unit k, its tier, topology or None);
-        the tier is ``all`` (every rank's bucket compressed, ``tiers="all"``) or ``flat``
-        (the Comm does not know its placement: the same, every rank a unit)."""
-        if self.tiers == "all":
-            return comm.size, 1, "all", None
-        placement = getattr(comm, "placement", None)
-        topo = placement() if placement is not None else None
-        if topo is None:
-            return comm.size, 1, "flat", None
-        if len(topo.groups) > 1:
-            units = [sum(1 for r in range(topo.size) if topo.group_of[topo.host_of[r]] == g)
-                     for g in range(len(topo.groups))]
-            return len(topo.groups), max(units), "group", topo
-        per_host = [topo.host_of.count(h) for h in range(len(topo.hosts))]
-        return len(topo.hosts), max(per_host), "host", topo
-
-    def _local_seconds(self, topo, nbytes: int) -> float:
-        """The float32 steps inside the largest host, by the planner's model (costs.py)."""
-        if topo is None:
-            return 0.0
-        from ..collectives.costs import RankFabric, ring
-
-        host = max(range(len(topo.hosts)), key=topo.host_of.count)
-        ranks = [r for r in range(topo.size) if topo.host_of[r] == host]
-        return ring(RankFabric(topo, ranks), nbytes) if len(ranks) > 1 else 0.0
-
-    def _keys(self) -> list[str]:
-        """The keys of the last whole step, in call order (the same on every rank)."""
-        return list(self._last_keys)
-
-    def _agree(self, comm, reason: str, early: bool = False) -> None:
-        """The calibration's numbers, averaged; rank 0's decision, taken by every rank.
-        ``early`` (after the first calibrated step): decided only where that step spent
-        more than ``self.early`` of its time in the float32 exchange (module docstring, 2)."""
-        keys = self._keys()
-        w = self._window
-        per = 1 + len(self.inner)
-        local = [1.0 if w else 0.0]
-        if w:
-            local += [statistics.median(self._latency) if self._latency else 0.0,
-                      statistics.median(s["period"] for s in w),
-                      statistics.median(s["exchange"] for s in w),
-                      statistics.median(s["blocked"] for s in w)]
-            for k in keys:
-                local.append(statistics.median(s["times"].get(k, 0.0) for s in w))
-                local.extend(self._kappa.get(k, [0.0] * len(self.inner)))
-        else:  # nothing timed here (a state loaded mid-calibration): the same length
-            local += [0.0] * (4 + per * len(keys))
-        local.append(1.0 if self._local is not None else 0.0)
-        agreed = self._average(comm, local)
-        if early and (agreed[0] < 1.0 or self.early >= 1
-                      or not agreed[3] > self.early * agreed[2]):
-            return  # calibration goes on (the same averages: the same on every rank)
-        if agreed[0] < 1.0:  # some rank timed nothing: every rank calibrates again
-            self._recalibrate("not every rank had timed the calibration")
-            return
-        latency, period, exchange, blocked = agreed[1:5]
-        times = {k: agreed[5 + i * per] for i, k in enumerate(keys)}
-        kappa = {k: agreed[6 + i * per:5 + (i + 1) * per] for i, k in enumerate(keys)}
-        units, k_local, tier, topo = self._placement(comm)
-        local_s = {k: self._local_seconds(topo, 4 * self._numel(k)) for k in keys}
-        busy = sum(max(times[k] - latency - local_s[k], _TINY) for k in keys)
-        numbers = {"keys": keys, "rate": sum(4 * self._numel(k) for k in keys) / busy,
-                   "latency": latency, "compute": max(period - blocked, 0.0),
-                   "hidden": max(exchange - blocked, 0.0), "kappa": kappa, "local": local_s,
-                   "units": units, "per_unit": k_local, "tier": tier,
-                   "attached": agreed[-1]}
-        self._decide(comm, numbers, reason, before=period)
-
-    def _check(self, comm) -> None:
-        """The window's numbers, averaged; a decision again where they drifted."""
-        a = self._agreed
-        assert a is not None  # checked only once a decision is agreed (step)
-        keys = a["keys"]
-        w = self._window
-        # Steps that exchanged gradients give the rate from their buckets; under local SGD
-        # the syncs give it. Every rank has the same steps of each kind (H is agreed).
-        ex = [s for s in w if not s["local"]]
-        options = self._options(a)
-        compressed = any(options[b].options[self._choice.get(k, 0)].name != "none"
-                         for b, k in enumerate(keys))
-        # The probe costs a slow link's time (0.5 s of 1 MiB at 25 Mbit/s): it runs at the
-        # first check after a decision and where a reading suspects the rate (module
-        # docstring, 4); the suspicion is agreed, so every rank probes or none does.
-        suspect_rate = self._suspect is not None and self._suspect[0] != 0
-        wants = compressed and ex and (self._baseline is None or suspect_rate)
-        probe = self._probe(comm, a) if wants else 0.0
-        local = [1.0 if w else 0.0,
-                 statistics.median(s["period"] - s["blocked"] for s in w) if w else 0.0,
-                 statistics.median(s["exchange"] for s in ex) if ex else 0.0,
-                 statistics.median(s["blocked"] for s in ex) if ex else 0.0]
-        local += [statistics.median(s["times"].get(k, 0.0) for s in ex) if ex else 0.0
-                  for k in keys]
-        local += [1.0 if ex else 0.0, 1.0 if self._local is not None else 0.0,
-                  statistics.median(self._syncs) if self._syncs else 0.0,
-                  1.0 if self._syncs else 0.0, probe,
-                  statistics.median(s["period"] for s in ex) if ex else 0.0]
-        agreed = self._average(comm, local)
-        work, exchange, blocked = agreed[1:4]
-        times = dict(zip(keys, agreed[4:4 + len(keys)]))
-        exchanged, attached, sync, synced, probe_s, step_s = agreed[4 + len(keys):]
-        trial, self._trial = self._trial, None
-        if (trial is not None and agreed[0] >= 1.0 and exchanged >= 1.0
-                and step_s * trial.get("steps_new", 1.0)
-                > trial["before"] * trial.get("steps_old", 1.0) * (1 + self.tolerance)):
-            self._undo(comm, trial, step_s)  # (the same averages, so the same on every rank)
-            return
-        rate, hidden = a["rate"], a["hidden"]
-        # A compressed exchange that moved from what it took after the decision: the
-        # link's rate is suspect (the probe confirms or clears it at the next check).
-        hint = 0
-        if exchanged >= 1.0 and compressed and probe_s == 0.0 and self._baseline is not None:
-            hint = -_direction(exchange / max(self._baseline, _TINY) - 1, self.drift)
-        if exchanged >= 1.0 and compressed and self._baseline is None:
-            self._baseline = exchange
-        if exchanged >= 1.0 and probe_s > 0.0:  # the link itself (module docstring, 4)
-            nbytes = self._probe_bytes(keys)
-            _, _, _, topo = self._placement(comm)
-            busy = probe_s - a["latency"] - self._local_seconds(topo, nbytes)
-            rate, hidden = nbytes / max(busy, _TINY), max(exchange - blocked, 0.0)
-        elif exchanged >= 1.0:  # every bucket none: their own float32 exchanges
-            busy = sum(max(times[k] - a["latency"] - a["local"][k], _TINY) for k in keys)
-            rate = sum(4 * self._numel(k) for k in keys) / busy
-            hidden = max(exchange - blocked, 0.0)
-        elif synced >= 1.0:  # one float32 allreduce of every parameter (auto_local.py)
-            busy = sync - a["latency"] - sum(a["local"][k] for k in keys)
-            rate = sum(4 * self._numel(k) for k in keys) / max(busy, _TINY)
-        compute = max(work, 0.0)
-        moved = []
-        rate_moved = compute_moved = False
-        if agreed[0] < 1.0:
-            self._suspect = None  # some rank timed nothing: no drift to judge this time
-        else:
-            # A drift counts where the reading before saw it too, the same way (module
-            # docstring, 4): one slow probe (a loss episode) is not a slower link. Under
-            # local SGD a check without a sync has no new rate: the suspicion waits.
-            fresh = (exchanged >= 1.0 and (probe_s > 0.0 or not compressed)) or synced >= 1.0
-            was = self._suspect or (0, 0)
-            if fresh:
-                rate_dir = _direction(rate / a["rate"] - 1, self.drift)
-            elif exchanged >= 1.0 and compressed:  # no probe: the exchange's hint
-                rate_dir = hint
-            else:  # local SGD without a sync: the suspicion waits for one
-                rate_dir = was[0]
-            compute_dir = _direction((compute - a["compute"]) / max(a["compute"], 1e-3),
-                                     self.drift)
-            self._suspect = (rate_dir, compute_dir)
-            if probe_s > 0.0 and not rate_dir:  # the link as it was: the exchange moved
-                self._baseline = exchange  # for another reason, its new measure
-            rate_moved = bool(fresh and rate_dir and was[0] == rate_dir)
-            compute_moved = bool(compute_dir and was[1] == compute_dir)
-            if rate_moved:
-                moved.append(f"rate {a['rate'] * 8 / 1e6:.4g} -> {rate * 8 / 1e6:.4g} Mbit/s")
-            if compute_moved:
-                moved.append(f"compute {a['compute'] * 1e3:.4g} -> {compute * 1e3:.4g} ms")
-            if self.periods and attached >= 1.0 and a.get("attached", 0.0) < 1.0:
-                moved.append("local SGD attached")
-            if moved:
-                self._suspect = None
-        # Every rank runs the second allreduce, drifted or not: the agreement is rank 0's.
-        # Only confirmed readings move the numbers: a rate read once waits for the next (a
-        # compute drift once took a reading of 297 Mbit/s of a 100 Mbit/s link with it, in
-        # gradsync bench compress).
-        numbers = dict(a, rate=rate if rate_moved else a["rate"],
-                       compute=compute if compute_moved else a["compute"],
-                       hidden=hidden if rate_moved else a["hidden"], attached=attached)
-        self._decide(comm, numbers if moved else a, "drift: " + ", ".join(moved),
-                     quiet=not moved, before=step_s if exchanged >= 1.0 else None)
-
-    def _undo(self, comm, trial: dict, step_s: float) -> None:
-        """The change on trial made the steps slower: back to the options before it (module
-        docstring, 6)."""
-        numbers = trial["numbers"]
-        self._refused[tuple(trial["new"])] = numbers["rate"]
-        self._suspect = None  # its numbers again: a drift from them is seen afresh
-        tried = ", ".join(sorted({self.names[n] for o, n in zip(trial["old"], trial["new"])
-                                  if o != n}))
-        new, old = trial.get("steps_new", 1.0), trial.get("steps_old", 1.0)
-        weighed = (f" (times their steps factors {new:.3g} and {old:.3g}: "
-                   f"{step_s * new * 1e3:.4g} against {trial['before'] * old * 1e3:.4g} ms)"
-                   if (new, old) != (1.0, 1.0) else "")
-        reason = (f"measured: {tried} took {step_s * 1e3:.4g} ms a step against "
-                  f"{trial['before'] * 1e3:.4g} ms before{weighed}; undone")
-        self._decide(comm, numbers, reason, forced=tuple(trial["old"]))
-
-    def _probe_bytes(self, keys: list[str]) -> int:
-        """The drift check's probe: ``PROBE_BYTES``, or the largest bucket if smaller."""
-        return min(PROBE_BYTES, max(4 * self._numel(k) for k in keys))
-
-    def _probe(self, comm, numbers: dict) -> float:
-        """Seconds of one float32 allreduce of the probe, after a one-element allreduce
-        has lined the ranks up (every rank calls it at the same check)."""
-        one = torch.zeros(1)
-        comm.allreduce_sum_(one)
-        probe = torch.zeros(self._probe_bytes(numbers["keys"]) // 4)
-        begin = self.clock()
-        comm.allreduce_sum_(probe)
-        return self.clock() - begin
-
-    def _average(self, comm, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float32)
-        comm.allreduce_sum_(t)
-        return [v / comm.size for v in t.tolist()]
-
-    def _numel(self, key: str) -> int:
-        return sum(_numel(s) for s in self._shapes[key])
-
-    def _options(self, numbers: dict) -> list[model.Bucket]:
-        units, k = numbers["units"], numbers["per_unit"]
-        out = []
-        for key in numbers["keys"]:
-            numel, shapes = self._numel(key), self._shapes[key]
-            options = [model.Option("none", 1.0, 1, 0.0)]
-            for (name, c), kappa in zip(self.inner.items(), numbers["kappa"][key]):
-                # Tiered, an element-wise compressor's work is shared by a host's k ranks;
-                # PowerSGD runs whole on the host's leader.
-                kappa = kappa / k if c.shardable else kappa
-                if name in ("bf16", "int8", "int4"):
-                    block, blocks = c.layout(numel, units)
-                    wire = units * (4 * blocks + c.row_bytes(block) * blocks)
-                    options.append(model.Option(name, wire / (4 * max(numel, 1)), 2, kappa))
-                else:
-                    plan = c.plan(shapes)
-                    sent = sum(_numel(s) if p is None else p[2] * (p[0] + p[1])
-                               for s, p in zip(shapes, plan))
-                    twice = any(p is not None for p in plan)
-                    steps = model.powersgd_steps(self.powersgd_steps, c.rank) if twice else 1.0
-                    options.append(model.Option(name, sent / max(numel, 1), 2 if twice else 1,
-                                                kappa, steps))
-            out.append(model.Bucket(key, 4 * numel, tuple(options), numbers["local"][key]))
-        return out
-
-    def _decide(self, comm, numbers: dict, reason: str, quiet: bool = False,
-                before: float | None = None, forced: tuple | None = None) -> None:
-        """Rank 0's choice for ``numbers``, taken by every rank. ``quiet``: the choice in
-        force (a check that found no drift); ``forced``: these options (an undone trial);
-        ``before``: the median step of the window the numbers came from, which makes a
-        change a trial (module docstring, 6)."""
-        buckets = self._options(numbers)
-        current = tuple(self._choice.get(k, 0) for k in numbers["keys"])
-        # Local SGD only where every rank attached its parameters (a rank that cannot
-        # average them would drift away for good).
-        periods = self.periods if numbers.get("attached", 0.0) >= 1.0 else ()
-        if self.periods and not periods and not self._warned and comm.rank == 0:
-            self._warned = True
-            log.warning("compression auto: local_sgd=%d is allowed but not every rank "
-                        "attached its parameters (Auto.attach); H stays 1", self.periods[-1])
-        inputs = model.Inputs(tuple(buckets), rate=max(numbers["rate"], 1.0),
-                              latency=numbers["latency"], compute=numbers["compute"],
-                              hidden=numbers["hidden"], margin=self.margin,
-                              periods=periods, share=self.share)
-        if quiet:
-            mine = (*current, self._target)
-        elif forced is not None:
-            mine = (*forced, self._target)
-        else:
-            per_step = tuple(model.decide(inputs))
-            if (self._agreed is not None and per_step != current
-                    and model.time_to_target(inputs, current)
-                    <= model.time_to_target(inputs, per_step) * (1 + self.tolerance)):
-                # A re-decision keeps the options in force where they come within the
-                # tolerance of the new ones: a change starts error feedback afresh and costs
-                # steps, which a near tie does not repay (module docstring, 4).
-                per_step = current
-            refused_at = self._refused.get(per_step)
-            if refused_at is not None and abs(inputs.rate / refused_at - 1) <= self.drift:
-                per_step = current  # undone at about this rate (module docstring, 6)
-            elif refused_at is not None:
-                del self._refused[per_step]  # the link moved: it may be tried again
-            # Local SGD, a change of algorithm, must pay beyond the tolerance.
-            mine = (*per_step, model.choose_period(
-                dataclasses.replace(inputs, margin=self.tolerance), per_step))
-        # Rank 0's choice (and H, last) everywhere: the others add zeros (exact in float32).
-        codes = torch.tensor(mine if comm.rank == 0 else [0] * len(mine), dtype=torch.float32)
-        comm.allreduce_sum_(codes)
-        *codes_of_buckets, period = (int(round(v)) for v in codes.tolist())
-        choice = tuple(codes_of_buckets)
-        self._agreed = numbers
-        self._window, self._latency, self._kappa, self._syncs = [], [], {}, []
-        changed = period != self._target or any(
-            self._choice.get(k, 0) != c for k, c in zip(numbers["keys"], choice))
-        if (changed and before is not None and period == 1 and self._target == 1
-                and choice != current):
-            self._trial = {"before": before, "old": list(current), "new": list(choice),
-                           "numbers": numbers,
-                           "steps_old": model.steps_factor(inputs, current),
-                           "steps_new": model.steps_factor(inputs, choice)}
-        self._target = period
-        if changed:
-            self._baseline = None  # the new options' exchange is measured afresh
-        for k, c in zip(numbers["keys"], choice):
-            if self._choice.get(k, 0) != c:  # the old option's residuals go with the new
-                self._owe(self.names[self._choice.get(k, 0)], k)
-            self._choice[k] = c
-        self._resized = None
-        if quiet and not changed and self.decision is not None:
-            return
-        decision = model.Decision(
-            step=self._step, reason=reason, ranks=comm.size, hosts=numbers["units"],
-            tier=numbers["tier"], made=next(_ORDER),
-            choices={k: self.names[c] for k, c in zip(numbers["keys"], choice)},
-            sizes={b.key: b.nbytes for b in buckets}, rate=inputs.rate,
-            latency=inputs.latency, compute=inputs.compute, hidden=inputs.hidden,
-            predicted=model.period_step_time(inputs, choice, period),
-            uncompressed=model.step_time(inputs, [0] * len(choice)), period=period,
-            sync=model.sync_time(inputs) if period > 1 else 0.0)
-        if not changed and self.decision is not None and reason.startswith("drift"):
-            self.decision = decision  # the same choice on new numbers: nothing to report
-            return
-        self._announce(comm, decision)
-
-    def _forget(self, key: str) -> None:
-        """Drops the state of ``key`` in every inner compressor: a bucket that changes option
-        starts its error feedback afresh (what the old one owed goes with its next exchange:
-        ``_owe``), PowerSGD its Q."""
-        for c in self.inner.values():
-            for k in [k for k in c.state.tensors if k == key or k.startswith(key + "@")]:
-                del c.state.tensors[k]
-
-    def _off_decision(self, comm, reason: str) -> model.Decision:
-        return model.Decision(step=self._step, reason=reason, ranks=comm.size, hosts=1,
-                              tier="local", made=next(_ORDER))
-
-    def _announce(self, comm, decision: model.Decision) -> None:
-        self.decision = decision
-        self.history = (self.history + [decision])[-HISTORY:]
-        if comm.rank == 0:
-            log.info("compression auto (step %d): %s", decision.step, decision.summary())
-        from ..liveness.pace import meter
-
-        timeline = meter.timeline
-        if timeline is not None:
-            timeline.instant("compression", "AUTO", {"step": decision.step,
-                                                     "choice": decision.short(),
-                                                     "reason": decision.reason})
-
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """The decision, its numbers, the step count and the inner compressors' states."""
@@ -1010,7 +562,7 @@ class Auto(ReducingCompressor):
                 self._local_pending = a["local"]
         self._shapes = {k: [tuple(s) for s in v] for k, v in a["shapes"].items()}
         self.decision = None if a["decision"] is None else dataclasses.replace(
-            model.Decision(**a["decision"]), made=next(_ORDER))
+            model.Decision(**a["decision"]), made=next(ORDER))
 
     def _translated(self, state: dict) -> dict:
         """``state`` with its options' numbers renumbered to this Auto's, where it was saved
@@ -1042,15 +594,3 @@ class Auto(ReducingCompressor):
 def _margin_out(settings: str) -> str:
     """``describe()``'s settings without the margin."""
     return re.sub(r", margin=[^,)]*", "", settings)
-
-
-def _direction(change: float, drift: float) -> int:
-    """+1 or -1 where a relative ``change`` is beyond ``drift``, else 0."""
-    return 0 if abs(change) <= drift else (1 if change > 0 else -1)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n

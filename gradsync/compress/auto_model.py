@@ -1,6 +1,6 @@
 """``compression="auto"``: the cost model and the decision, as pure functions of measured numbers.
 
-No clocks and no collectives here (``auto.py`` measures and agrees); the same numbers give
+No clocks and no collectives here (``auto.py`` measures, ``auto_policy.py`` agrees); the same numbers give
 the same decision in every process, which is what lets ranks agree on it.
 
 The model, per step. The float32 exchange of a bucket of S bytes crosses the slowest tier
