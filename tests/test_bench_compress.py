@@ -245,7 +245,8 @@ def test_a_short_run_on_two_emulated_hosts_reports_every_mode_honestly(tmp_path,
     out = tmp_path / "report.json"
     target = 4.2
     options = compress.parser().parse_args([
-        "--rates", "unshaped", "--modes", "floor,gloo-fp32,gs-int8,gs-auto,gs-int8-lag",
+        "--rates", "unshaped", "--modes",
+        "floor,gloo-fp32,gs-int8,gs-auto,gs-auto-local,gs-int8-lag", "--local-sgd", "4",
         "--lm-dim", "32",
         "--lm-layers", "1", "--lm-heads", "2", "--lm-context", "32", "--val-items", "32",
         "--max-steps", "24", "--eval-every", "4", "--floor-steps", "8", "--minutes", "2",
@@ -256,10 +257,11 @@ def test_a_short_run_on_two_emulated_hosts_reports_every_mode_honestly(tmp_path,
     assert [r["rate"] for r in data["rates"]] == ["unshaped"]
     rate = data["rates"][0]
     rows = {r["mode"]: r for r in rate["rows"]}
-    assert list(rows) == ["floor", "gloo-fp32", "gs-int8", "gs-auto", "gs-int8-lag"]
+    assert list(rows) == ["floor", "gloo-fp32", "gs-int8", "gs-auto", "gs-auto-local",
+                          "gs-int8-lag"]
     params = rows["gloo-fp32"]["params"]
     assert rows["gs-int8-lag"]["choice"] == "int8(block=1024), gradient lag 1"
-    for mode in ("gloo-fp32", "gs-int8", "gs-auto", "gs-int8-lag"):
+    for mode in ("gloo-fp32", "gs-int8", "gs-auto", "gs-auto-local", "gs-int8-lag"):
         row = rows[mode]
         assert not row.get("failed") and row["final"] == row["evals"][-1]
         # Honest: reached iff an evaluation met the target, at the first one that did.
@@ -295,6 +297,13 @@ def test_a_short_run_on_two_emulated_hosts_reports_every_mode_honestly(tmp_path,
         assert "unshaped: gs-auto chose" in printed
     else:
         assert auto["choice"] == "auto (not decided yet)" and "decisions" not in auto
+    # With local SGD allowed (its parameters attached, after_step after each step) auto
+    # decides at the same step, H with its choices (the rule for H has its own tests in
+    # test_compress_auto.py; evaluated mid-window, the ranks' average is what is read).
+    local = rows["gs-auto-local"]
+    if local["steps"] >= 8:
+        assert local["decisions"][0].startswith("step 4 (calibrated)"), local
+        assert "unshaped: gs-auto-local chose" in printed
 
 
 def test_bucket_cap_and_overlap_reach_ddp_and_the_hook_but_not_torchs_powersgd(tmp_path):

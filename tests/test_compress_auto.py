@@ -711,56 +711,80 @@ def only(nbytes: int, int8_seconds: float = 0.004) -> m.Bucket:
 
 
 def period(rate, compute, periods=m.periods_upto(32), bucket=None, latency=1e-3,
-           margin=0.05) -> int:
+           margin=0.05, local_steps=m.LOCAL_STEPS) -> tuple[int, str]:
     inputs = m.Inputs((bucket or only(4_000_000),), rate, latency, compute, margin=margin,
-                      periods=periods)
+                      periods=periods, local_steps=local_steps)
     return m.choose_period(inputs, m.decide(inputs))
 
 
-# One 4 MB bucket, latency 1 ms, H at most 32, share 0.1, margin 0.05; worked by hand from
-# the rule (auto_model's docstring): sync = 0.001 + 4e6 / rate; int8 costs c + 0.006 +
-# 1e6 / rate a step, none c + sync.
+# One 4 MB bucket, latency 1 ms, H at most 32, margin 0.05, steps(H) 1, 1, 1.2, 1.4, 1.6
+# for H = 2 .. 32; worked by hand from the rule (auto_model's docstring): int8 costs
+# c + 0.006 + 1e6 / rate a step, none c + 0.001 + 4e6 / rate; a float32 sync 0.001 +
+# 4e6 / rate, an int8 one 0.002 + 1e6 / rate + 0.004; step_H = (c + sync / H) x steps(H).
 EXPECTED_H = {
-    (1e6, 0.05): 32,     # int8 1.056 s; sync/H <= 5 ms needs H >= 800: the largest, 32
-    (1e6, 0.5): 32,      # sync/H <= 50 ms needs H >= 80: 32
-    (12.5e6, 0.05): 32,  # int8 0.136 s; sync 0.321 s, H >= 64.2: 32
-    (12.5e6, 0.5): 8,    # int8 0.586 s; H >= 6.42: 8 (0.540 s; not 16 or 32)
-    (125e6, 0.05): 8,    # int8 0.064 s; sync 0.033 s, H >= 6.6: 8 (0.0541 s)
-    (125e6, 0.5): 1,     # none within the margin (0.533 s); 33 ms <= 50 ms: every step
-    (1.25e9, 0.05): 1,   # none: 4.2 ms <= 5 ms
-    (1.25e9, 0.5): 1,
+    # int8 1.056 s a step; int8 syncs: H = 32 (0.05 + 0.031) x 1.6 = 0.130, the fastest,
+    # nothing more faithful within 5% (H = 16: 0.158)
+    (1e6, 0.05): (32, "int8"),
+    # int8 1.506; H = 8 with int8 syncs the fastest (0.626 x 1.2 = 0.7509), H = 4 (0.7515)
+    # within 5% of it and more faithful
+    (1e6, 0.5): (4, "int8"),
+    # int8 0.136; H = 4, int8 syncs (0.05 + 0.0215 = 0.0715); H = 2 (0.093) not within 5%
+    (12.5e6, 0.05): (4, "int8"),
+    # int8 0.586; H = 4, int8 syncs the fastest (0.5215), H = 2 (0.543) within 5% of it,
+    # and 0.543 x 1.05 < 0.586
+    (12.5e6, 0.5): (2, "int8"),
+    # int8 0.064; H = 4, int8 syncs (0.0535); nothing more faithful within 5%
+    (125e6, 0.05): (4, "int8"),
+    # none 0.533; the most faithful within 5% of the fastest (H = 4, int8, 0.5035) is
+    # H = 2 in float32 (0.5165), which saves less than 5% of 0.533: every step
+    (125e6, 0.5): (1, "none"),
+    # none 0.0542; H = 2 in float32 (0.0521) the most faithful near the fastest, not 5% less
+    (1.25e9, 0.05): (1, "none"),
+    (1.25e9, 0.5): (1, "none"),
 }
 
 
 @pytest.mark.parametrize("rate,compute", sorted(EXPECTED_H))
 def test_local_sgds_h_on_a_grid_of_links_and_computes(rate, compute):
     assert period(rate, compute) == EXPECTED_H[(rate, compute)]
-    assert period(rate, compute, periods=()) == 1  # not allowed: never
+    assert period(rate, compute, periods=()) == (1, "none")  # not allowed: never
 
 
-def test_h_is_the_smallest_that_brings_the_exchange_under_the_share():
-    """With no margin the share alone decides: an exchange of 8% of the step stays every
-    step; at 12% H = 2 (the smallest that brings it under 10%, not the largest allowed)."""
+def test_a_larger_h_pays_only_as_far_as_its_steps_allow():
+    """steps(H): 1 up to H = 4, then ``local_steps`` more per doubling. A 4 MB bucket that
+    only goes float32, 0.2 s of exchange on 0.5 s of compute, no latency: with the default
+    prior H = 4 (0.55 s; H = 8: 0.525 x 1.2 = 0.63); with local SGD's steps taken as free
+    (local_steps=0) the largest, 32 (0.50625 s)."""
+    inputs = m.Inputs((), 1.0, 0.0, 0.0, periods=m.periods_upto(32))
+    assert [m.period_steps(inputs, h) for h in inputs.periods] == \
+        pytest.approx([1.0, 1.0, 1.2, 1.4, 1.6])
     none_only = m.Bucket("b", 4_000_000, (m.Option("none", 1.0, 1, 0.0),))
-    assert period(4e6 / 0.04, 0.5, bucket=none_only, latency=0.0, margin=0.0) == 1
-    assert period(4e6 / 0.06, 0.5, bucket=none_only, latency=0.0, margin=0.0) == 2
+    assert period(4e6 / 0.2, 0.5, bucket=none_only, latency=0.0, margin=0.0) == (4, "none")
+    assert period(4e6 / 0.2, 0.5, bucket=none_only, latency=0.0, margin=0.0,
+                  local_steps=0.0) == (32, "none")
 
 
 def test_local_sgd_is_not_chosen_where_it_does_not_pay():
-    """At 1 Gbit/s and 50 ms of compute H = 8 pays; allowed only H = 2, local SGD would
-    save less than the margin (0.0665 s x 1.05 against int8's 0.064 s): every step."""
-    assert period(125e6, 0.05, periods=m.periods_upto(16)) == 8
-    assert period(125e6, 0.05, periods=m.periods_upto(2)) == 1
+    """At 1 Gbit/s and 50 ms of compute H = 4 with int8 syncs pays; allowed only H = 2, it
+    still does (0.057 x 1.05 against int8's 0.064); with no sync but float32 allowed, the
+    most faithful local SGD near the fastest saves less than the margin: every step."""
+    assert period(125e6, 0.05, periods=m.periods_upto(16)) == (4, "int8")
+    assert period(125e6, 0.05, periods=m.periods_upto(2)) == (2, "int8")
+    none_only = m.Bucket("b", 4_000_000, (m.Option("none", 1.0, 1, 0.0),))
+    assert period(1.25e9, 0.05, bucket=none_only) == (1, "none")
 
 
 def test_the_worked_example_of_local_sgd():
     b = WORKED
-    assert period(12.5e6, 0.2, m.periods_upto(16), b) == 16
-    assert period(12.5e6, 0.2, m.periods_upto(64), b) == 32
-    assert period(125e6, 0.2, m.periods_upto(16), b) == 1  # H = 4: 0.211 s, not 5% faster
-    assert period(1.25e9, 0.2, m.periods_upto(16), b) == 1
+    assert period(12.5e6, 0.2, m.periods_upto(16), b) == (4, "int4")
+    assert period(12.5e6, 0.2, m.periods_upto(64), b) == (4, "int4")  # no more than needed
+    assert period(125e6, 0.2, m.periods_upto(16), b) == (2, "int8")
+    assert period(1.25e9, 0.2, m.periods_upto(16), b) == (1, "none")
     inputs = m.Inputs((b,), 12.5e6, 1e-3, 0.2, periods=m.periods_upto(16))
-    assert m.period_step_time(inputs, m.decide(inputs), 16) == pytest.approx(0.228, abs=1e-3)
+    assert m.sync_time(inputs, "none") == pytest.approx(0.449, abs=1e-3)
+    assert m.sync_time(inputs, "int4") == pytest.approx(0.0666, abs=1e-3)
+    assert m.period_step_time(inputs, m.decide(inputs), 4, "int4") == \
+        pytest.approx(0.2166, abs=1e-3)
 
 
 def test_local_sgd_settings_are_checked():
@@ -776,11 +800,12 @@ def test_local_sgd_settings_are_checked():
 
 # Local SGD at run time: every rank holds parameters of SHAPES' shapes, steps on the
 # reduced gradient (plain SGD) and calls after_step, as DistributedOptimizer.step does.
-LOCAL = {"options": ("none", "int8")}
+LOCAL = {"options": ("none",)}
 
 
 def local_job(size: int, rate, local_sgd=8, attach=True, **settings):
-    autos, comms, link = job(size, rate, **LOCAL, local_sgd=local_sgd, **settings)
+    settings = {**LOCAL, **settings}
+    autos, comms, link = job(size, rate, local_sgd=local_sgd, **settings)
     params = [[torch.zeros(s) for shapes in SHAPES.values() for s in shapes]
               for _ in range(size)]
     if attach:
@@ -828,12 +853,12 @@ def test_local_sgd_only_where_allowed_and_attached(caplog):
     assert "not every rank attached" in caplog.text
 
 
-# (rate, compute, largest H) -> H: two ranks, the buckets of SHAPES (int8: about 64 KB a
-# step), sync = 1 ms + 0.262 s at 1 MB/s; closed forms as in EXPECTED_H.
-RUNTIME_H = {(1e6, 0.05, 8): 8,      # int8 0.119 s a step; H = 8: 0.083 s
-             (1e6, 0.05, 64): 64,    # sync/H <= 5 ms needs H >= 53: 64
-             (1e6, 0.5, 64): 8,      # sync/H <= 50 ms: H >= 5.3, the smallest is 8
-             (1e6, 5.0, 64): 1,      # 70 ms of exchange is under 10% of 5 s
+# (rate, compute, largest H) -> H: two ranks, the buckets of SHAPES in float32 only (LOCAL),
+# sync = 1 ms + 0.262 s at 1 MB/s; closed forms as in EXPECTED_H.
+RUNTIME_H = {(1e6, 0.05, 8): 8,      # none 0.314 s a step; H = 8: 0.083 x 1.2 = 0.0995
+             (1e6, 0.05, 64): 16,    # H = 16: 0.0664 x 1.4 = 0.0930 (32: 0.0932, 64: 0.0974)
+             (1e6, 0.5, 64): 4,      # H = 4: 0.566 (8: 0.533 x 1.2 = 0.640)
+             (1e6, 5.0, 64): 1,      # H = 2 (5.13 s) saves less than 5% of 5.264
              (1e10, 0.05, 64): 1}    # a fast link: none, every step
 
 
@@ -851,10 +876,10 @@ def test_local_sgd_exchanges_nothing_between_syncs_and_averages_at_each_windows_
     seen = train_local(autos, comms, params, 13, [0.05, 0.05],
                        on_step=lambda step: counted.append(comms[0].collectives))
     # Steps 4 .. 11 are the first window: no collective but the drift checks at steps 4
-    # and 8 (two each; at step 4 two more, the probe of the link, since the window's step 3
-    # exchanged int8); the sync after step 11 is one allreduce.
+    # and 8 (two each: nothing was compressed, so no probe of the link); the sync after
+    # step 11 is one allreduce (float32: the only option here).
     assert [h for h, _ in seen[1]][3:] == [1] + [8] * 9
-    assert [b - a for a, b in zip(counted[4:], counted[5:12])] == [4, 0, 0, 0, 2, 0, 0]
+    assert [b - a for a, b in zip(counted[4:], counted[5:12])] == [2, 0, 0, 0, 2, 0, 0]
     assert counted[12] - counted[11] == 1
     for step in (3, 11):  # exchanged, and the window's sync: equal bit for bit
         assert all(torch.equal(a, b) for a, b in zip(seen[0][step][1], seen[1][step][1]))
@@ -871,14 +896,15 @@ def test_local_sgd_exchanges_nothing_between_syncs_and_averages_at_each_windows_
 
 
 def test_every_rank_takes_rank_0s_h():
-    """Rank 0 allows H up to 8, rank 1 up to 64: each alone would choose its own largest;
-    together both take rank 0's, and their syncs stay paired."""
+    """Rank 0 allows H up to 8, rank 1 up to 64: each alone would choose another (8, and
+    16 where its steps allow no more); together both take rank 0's, and their syncs stay
+    paired."""
     alone = []
     for most in (8, 64):
         autos, comms, _, params = local_job(2, 1e6, local_sgd=most)
         train_local(autos, comms, params, 5, [0.05, 0.05])
         alone.append(autos[0].decision.period)
-    assert alone == [8, 64]
+    assert alone == [8, 16]
     autos, comms, _, params = local_job(2, 1e6)
     autos[1] = Auto(clock=comms[1].clock, warmup=1, calibrate=2, check_every=4, **LOCAL,
                     early=1.0, local_sgd=64)
@@ -912,18 +938,52 @@ def test_a_faster_link_ends_local_sgd_at_the_windows_end():
     assert all(torch.equal(a, b) for a, b in zip(seen[0][29][1], seen[1][29][1]))
 
 
+QUANTIZED = {"options": ("none", "int8")}
+
+
+def test_local_sgd_syncs_through_the_quantizer_it_chose():
+    """With int8 among the options, a slow link's syncs go through it (H = 4: per step int8
+    0.119 s; H = 4 with int8 syncs 0.05 + 0.068 / 4 = 0.067, float32 syncs 0.116): two
+    collectives a sync, the ranks equal bit for bit after it, the parameters within int8's
+    rounding of the ranks' mean, and what the sync left out kept for the next."""
+    autos, comms, _, params = local_job(2, 1e6, **QUANTIZED)
+    counted = []
+    seen = train_local(autos, comms, params, 12, [0.05, 0.05],
+                       on_step=lambda step: counted.append(comms[0].collectives))
+    d = autos[0].decision
+    assert (d.period, d.sync_option, d.step) == (4, "int8", 3), d.summary()
+    assert "through int8" in d.short() and "parameters averaged in int8" in d.summary()
+    assert [h for h, _ in seen[0]][3:] == [1] + [4] * 8
+    assert counted[8] - counted[7] == 2  # the sync after step 7: alltoall and allgather
+    alone = [[p.clone() for p in seen[r][3][1]] for r in range(2)]
+    for r in range(2):
+        for step in range(4, 8):
+            for p, (key, shapes) in zip(alone[r], SHAPES.items()):
+                p -= 0.1 * grad(step, r, p.numel()).view(p.shape)
+    mean = [(a + b) / 2 for a, b in zip(*alone)]
+    for step in (7, 11):
+        assert all(torch.equal(a, b) for a, b in zip(seen[0][step][1], seen[1][step][1]))
+    after = seen[0][7][1]
+    assert all(torch.allclose(a, m_, atol=0.02) for a, m_ in zip(after, mean))
+    assert not all(torch.equal(a, m_) for a, m_ in zip(after, mean))  # rounded: not exact
+    held = autos[0]._local.diloco.compressor.state.tensors
+    assert held and all("residual" in v for v in held.values())
+
+
+@pytest.mark.parametrize("options", [LOCAL, QUANTIZED], ids=["float32", "int8"])
 @pytest.mark.parametrize("stop", [4, 7])
-def test_local_sgd_survives_a_state_dict(stop):
+def test_local_sgd_survives_a_state_dict(stop, options):
     """A checkpoint where a window starts (after step 3: the anchors are the parameters
     then) and mid-window (after step 6: the anchors of step 4): the restored run goes on bit
-    for bit as the one that was not interrupted, across the window's sync. Rank 0's state
-    is loaded before its parameters are attached, rank 1's after."""
-    autos, comms, _, params = local_job(2, 1e6)
+    for bit as the one that was not interrupted, across the window's sync (with int8 syncs,
+    their residuals too). Rank 0's state is loaded before its parameters are attached,
+    rank 1's after."""
+    autos, comms, _, params = local_job(2, 1e6, **options)
     train_local(autos, comms, params, stop, [0.05, 0.05])
     states = [a.state_dict() for a in autos]
     kept = [[p.clone() for p in ps] for ps in params]
     straight = train_local(autos, comms, params, 8, [0.05, 0.05], start=stop)
-    again, comms2, _, _ = local_job(2, 1e6, attach=False)
+    again, comms2, _, _ = local_job(2, 1e6, attach=False, **options)
     again[0].load_state_dict(states[0])
     again[0].attach(kept[0], comm=comms2[0])
     again[1].attach(kept[1], comm=comms2[1])

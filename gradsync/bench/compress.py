@@ -25,7 +25,8 @@ this order (``compress_report.MODES``): ``floor`` (no exchange), DDP over gloo a
 torch's bf16 hook and with torch's PowerSGD hook (one bucket), DDP over the gradsync backend
 at fp32, with gradsync's int8, int4 and PowerSGD hooks and with ``compression="auto"``
 (``gs-auto``, whose row's ``choice`` says what it chose per bucket class, with the numbers
-behind it under the table), the Horovod API's ``DistributedOptimizer`` with Int8 or PowerSGD
+behind it under the table; ``gs-auto-local`` the same with local SGD's H among its choices,
+up to ``--local-sgd``), the Horovod API's ``DistributedOptimizer`` with Int8 or PowerSGD
 and ``gradient_lag=1`` (``gs-int8-lag``, ``gs-powersgd-lag``: each step's exchange runs behind
 the next step's compute), and gradsync's DiLoCo (H inner steps, the outer gradient in int8).
 Every mode trains the same model from the same weights on the same batches with the
@@ -140,6 +141,8 @@ def parser() -> argparse.ArgumentParser:
                              help="rank of both PowerSGD modes (default 4)")
     compressors.add_argument("--diloco-h", type=_positive(int), default=8,
                              help="gs-diloco's inner steps per sync (default 8)")
+    compressors.add_argument("--local-sgd", type=_positive(int), default=8, metavar="H",
+                             help="gs-auto-local's largest H (Auto(local_sgd=H); default 8)")
     compressors.add_argument("--outer-lr", type=_positive(float), default=0.7)
     compressors.add_argument("--outer-momentum", type=float, default=0.9)
     compressors.add_argument("--diloco-fp32", action="store_true",
@@ -181,6 +184,7 @@ def settings_of(options, hosts: int, data: str) -> dict:
                       "lm_heads": options.lm_heads, "lm_context": options.lm_context,
                       "cnn_width": options.cnn_width},
             "powersgd_rank": options.powersgd_rank, "diloco_h": options.diloco_h,
+            "local_sgd": options.local_sgd,
             "outer_lr": options.outer_lr, "outer_momentum": options.outer_momentum,
             "diloco_int8": not options.diloco_fp32,
             "bucket_cap_mb": options.bucket_cap_mb, "overlap": not options.no_overlap,

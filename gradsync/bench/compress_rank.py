@@ -121,12 +121,17 @@ class _Trainer:
                                        start_powerSGD_iter=2, random_seed=s["seed"])
             self.net.register_comm_hook(state, psgd.powerSGD_hook)
             self.choice = f"rank {r}, one bucket"
-        elif mode == "gs-auto":
-            from gradsync.compress import Auto, HookState, compressed_hook
+        elif mode in ("gs-auto", "gs-auto-local"):
+            from gradsync.compress import Auto, HookState, TorchComm, compressed_hook
 
-            self.auto = Auto(seed=s["seed"])
+            local = s.get("local_sgd") if mode == "gs-auto-local" else None
+            self.auto = Auto(seed=s["seed"], local_sgd=local)
             self.net.register_comm_hook(HookState(self.auto, group, overlap=s.get("overlap", True)),
                                         compressed_hook)
+            if local:  # as a DDP script does (docs/slow-links.md): the syncs on a group of
+                # their own, after_step after each optimizer step (``step``)
+                self.auto.attach(list(model.parameters()),
+                                 comm=TorchComm(dist.new_group(backend="gradsync")))
             self.choice = "auto (not decided yet)"  # replaced by its decision at the end
         elif mode in ("gs-int8", "gs-int4", "gs-powersgd"):
             from gradsync.compress import HookState, Int4, Int8, PowerSGD, compressed_hook
@@ -166,6 +171,25 @@ class _Trainer:
         self.opt.zero_grad(set_to_none=True)
         self.task.loss(self.net, x, y).backward()
         self.opt.step()
+        if self.auto is not None:
+            self.auto.after_step()  # local SGD's syncs (nothing unless attached)
+
+
+def _evaluated(trainer: _Trainer):
+    """The model a segment's evaluation runs: the trainer's, or under local SGD mid-window
+    (``gs-auto-local`` with H > 1) a copy holding the ranks' average, as the window's sync
+    will make it (averaged over the bench's own group, outside the timed steps)."""
+    import copy
+
+    import torch.distributed as dist
+
+    if trainer.auto is None or trainer.auto.period <= 1:
+        return trainer.model
+    average = copy.deepcopy(trainer.model)
+    for p in average.parameters():
+        dist.all_reduce(p.data)
+        p.data /= dist.get_world_size()
+    return average
 
 
 def _meets(s: dict, loss: float, accuracy: float) -> bool:
@@ -197,7 +221,7 @@ def _train(trainer: _Trainer, task, gen, s: dict, floor: bool, measure: bool) ->
         elapsed = time.perf_counter() - start
         wire = tx_bytes() - before if measure else 0
         steps += count
-        figures = (0.0, 0, 0) if floor else task.evaluate(trainer.model)
+        figures = (0.0, 0, 0) if floor else task.evaluate(_evaluated(trainer))
         sums = torch.tensor([*figures, wire], dtype=torch.float64)
         dist.all_reduce(sums)
         slowest = torch.tensor([elapsed], dtype=torch.float64)

@@ -40,6 +40,8 @@ MODES = {
                    "two steps plain, as torch's hook's here)",
     "gs-auto": "DDP over the gradsync backend, compression=\"auto\": per bucket, none, "
                "bf16, int8, int4 or PowerSGD from the measured link (its choice in 'choice')",
+    "gs-auto-local": "gs-auto with local SGD allowed (Auto(local_sgd=--local-sgd), the "
+                     "parameters attached, after_step after each step): H chosen too",
     "gs-int8-lag": "the Horovod API's DistributedOptimizer, Int8, gradient_lag=1: step t's "
                    "exchange behind step t + 1's compute",
     "gs-powersgd-lag": "the Horovod API's DistributedOptimizer, PowerSGD, gradient_lag=1",
@@ -170,9 +172,10 @@ def _footer(data: dict) -> list[str]:
             lines.append(f"{r['rate']}: floor {r['floor_s']:.1f} s = {r['floor_step_s']:.3f} "
                          f"s/step x {r['floor_reference']}'s steps to target")
     autos = [(r["rate"], row) for r in data["rates"] for row in r["rows"]
-             if row["mode"] == "gs-auto" and not row.get("failed") and row.get("decision")]
+             if row["mode"].startswith("gs-auto") and not row.get("failed")
+             and row.get("decision")]
     for rate, row in autos:  # the choice with the numbers behind it, one line a rate
-        lines.append(f"{rate}: gs-auto chose {row['decision']}")
+        lines.append(f"{rate}: {row['mode']} chose {row['decision']}")
     return lines
 
 

@@ -159,8 +159,10 @@ class Auto(Policy, ReducingCompressor):
             float32 exchange decides alone (a slow link: one step measures it, and each more
             float32 step costs most there); 1: never, every calibration takes ``calibrate``
             steps.
-        local_share: local SGD's H is the smallest that brings the exchange under this
-            share of the step's compute (``auto_model.choose_period``).
+        local_steps: local SGD's extra steps to float32's quality, as a fraction of
+            float32's, per doubling of H beyond 4 (``auto_model``: a prior, as
+            ``powersgd_steps``); 0.2 by default, from ``gradsync bench compress``'s language
+            model. Set it from your own runs: 0 takes local SGD's steps as free.
         clock: seconds, monotonic (tests give their own).
     """
 
@@ -170,7 +172,8 @@ class Auto(Policy, ReducingCompressor):
                  calibrate: int = 2,
                  check_every: int = 16, drift: float = 0.25, seed: int = 0,
                  tiers: str = "slowest", local_sgd: int | None = None,
-                 local_share: float = 0.1, early: float = EARLY, clock=time.perf_counter):
+                 local_steps: float = model.LOCAL_STEPS, early: float = EARLY,
+                 clock=time.perf_counter):
         super().__init__(seed, tiers)
         unknown = set(options) - set(OPTIONS)
         if unknown:
@@ -191,11 +194,11 @@ class Auto(Policy, ReducingCompressor):
             raise ValueError(f"auto: powersgd_steps must be >= 1 (no lossy option needs fewer "
                              f"steps than float32), got {powersgd_steps!r}")
         self.powersgd_steps = float(powersgd_steps)
-        if not 0 < local_share < 1:
-            raise ValueError(f"auto: local_share must be in (0, 1), got {local_share!r}")
+        if not local_steps >= 0:
+            raise ValueError(f"auto: local_steps must be >= 0, got {local_steps!r}")
         self.periods = model.periods_upto(local_sgd or 1)
         """Local SGD's candidate H (empty: not allowed)."""
-        self.share = float(local_share)
+        self.local_steps = float(local_steps)
         if not 0 < early <= 1:
             raise ValueError(f"auto: early must be in (0, 1], got {early!r}")
         self.early = float(early)
@@ -231,7 +234,8 @@ class Auto(Policy, ReducingCompressor):
         _LIVE.add(self)
 
     def _describe(self) -> str:
-        local = (f", local_sgd<={self.periods[-1]}, share={self.share}" if self.periods
+        local = (f", local_sgd<={self.periods[-1]}, local_steps={self.local_steps}"
+                 if self.periods
                  else "")
         # early (whether the ranks agree after one calibrated step) and tolerance (whether
         # they undo a change) must agree too: named where not the default, so that a state
@@ -254,6 +258,8 @@ class Auto(Policy, ReducingCompressor):
         self.period = 1  # local SGD's H in force for this step's buckets (1: exchanged)
         self.phase = 0  # this step's place in its window (0 .. period - 1)
         self._target = 1  # the agreed H, in force from the next window
+        self._target_sync = 0  # and its sync option (an index in names: 0 is float32)
+        self._sync = 0  # the sync option of the window in force
         self._trial: dict | None = None  # a change on trial (auto_policy.py, 6)
         self._refused: dict[tuple, float] = {}  # options undone -> the rate they were tried at
         self._suspect: tuple[int, int] | None = None  # the drift the last check saw
@@ -305,10 +311,19 @@ class Auto(Policy, ReducingCompressor):
             raise RuntimeError("compression auto: attach() again during a local SGD window")
         from .auto_local import LocalSGD
 
-        self._local = LocalSGD(params, comm, process_set, name)
+        self._local = LocalSGD(params, comm, process_set, name,
+                               compressor=self._sync_compressor(self._sync))
         if self._local_pending is not None:
-            self._local.load_state_dict(self._local_pending)
+            self._local.load_state_dict(self._local_pending, self._sync_compressor(self._sync))
             self._local_pending = None
+
+    def _sync_compressor(self, option: int):
+        """A fresh compressor for local SGD's syncs through option ``option`` (None: float32),
+        as the candidate of that name is made."""
+        if option == 0:
+            return None
+        like = self.inner[self.names[option]]
+        return type(like)(block=self.block, seed=self.seed, tiers=self.tiers)
 
     def after_step(self) -> None:
         """Call after each optimizer step once attached (DistributedOptimizer does): at a
@@ -465,11 +480,12 @@ class Auto(Policy, ReducingCompressor):
 
     def _advance(self) -> tuple[int, int, bool]:
         """(H, place) of the next step, and whether a window starts there after steps that
-        exchanged gradients (its anchors are the parameters then)."""
+        exchanged gradients or through another sync option (its anchors are the parameters
+        then: equal on every rank)."""
         if self.period > 1 and self.phase < self.period - 1:
             return self.period, self.phase + 1, False
         target = self._target if self._local is not None else 1
-        return target, 0, target > 1 and self.period == 1
+        return target, 0, target > 1 and (self.period == 1 or self._target_sync != self._sync)
 
     def _next_window(self) -> None:
         """The step boundary of local SGD's windows (the module docstring)."""
@@ -484,7 +500,9 @@ class Auto(Policy, ReducingCompressor):
         self._stepped = False
         if starts:
             assert self._local is not None  # a window of H > 1 starts only once attached
-            self._local.restart()  # the ranks' parameters are equal: the window's anchors
+            self._sync = self._target_sync
+            # The ranks' parameters are equal: the window's anchors.
+            self._local.restart(self._sync_compressor(self._sync))
         elif was > 1 and self.period == 1 and self._agreed is None:
             self._calib_from = self._step  # a recalibration waited for this window's end
 
@@ -507,19 +525,20 @@ class Auto(Policy, ReducingCompressor):
         """The decision, its numbers, the step count and the inner compressors' states."""
         # Taken between steps: the step whose buckets were all reduced counts as done, so a
         # restored run numbers its steps (and checks, and windows) as this one would.
-        period, phase, local = self.period, self.phase, None
+        period, phase, local, sync = self.period, self.phase, None, self._sync
         if self._seen:
             period, phase, starts = self._advance()
             if starts:  # the parameters now are the next window's anchors
                 assert self._local is not None  # a window of H > 1 starts only once attached
-                local = self._local.anchored_now()
+                sync = self._target_sync
+                local = self._local.anchored_now(self._sync_compressor(sync))
         if local is None and period > 1:  # mid-window: its anchors
             local = (self._local.state_dict() if self._local is not None
                      else self._local_pending)
         return {"compressor": self.describe(), "seed": self.seed,
                 "auto": {"step": self._step + (1 if self._seen else 0), "size": self._size,
                          "period": period, "phase": phase, "target": self._target,
-                         "local": local,
+                         "target_sync": self._target_sync, "sync": sync, "local": local,
                          "off": self._off,
                          "calib_from": self._calib_from,
                          "choice": dict(self._choice),
@@ -555,9 +574,10 @@ class Auto(Policy, ReducingCompressor):
         self._new_step_state()  # timers start again: a restored step is not measured
         self.period, self.phase = int(a.get("period", 1)), int(a.get("phase", 0))
         self._target = int(a.get("target", 1))
+        self._target_sync, self._sync = int(a.get("target_sync", 0)), int(a.get("sync", 0))
         if a.get("local") is not None:
             if self._local is not None:
-                self._local.load_state_dict(a["local"])
+                self._local.load_state_dict(a["local"], self._sync_compressor(self._sync))
             else:  # the front door attaches later (auto_local.py)
                 self._local_pending = a["local"]
         self._shapes = {k: [tuple(s) for s in v] for k, v in a["shapes"].items()}
@@ -565,15 +585,19 @@ class Auto(Policy, ReducingCompressor):
             model.Decision(**a["decision"]), made=next(ORDER))
 
     def _translated(self, state: dict) -> dict:
-        """``state`` with its options' numbers renumbered to this Auto's, where it was saved
+        """``state`` as this Auto's where it differs only in what steers rank 0's next
+        decisions (the margin; local SGD's prior, ``local_steps``, once ``share``), which need
+        not match; and with its options' numbers renumbered to this Auto's where it was saved
         by an Auto of before int4 was an option (``none|bf16|int8|powersgd8|...``), whose
-        options are a subset of these and whose settings are otherwise the same but for the
-        margin; any other state as it is (``load_state_dict`` then refuses what does not
-        match). An option new to this Auto starts with no residual, as a fresh one does."""
+        options are a subset of these; any other state as it is (``load_state_dict`` then
+        refuses what does not match). An option new to this Auto starts with no residual, as
+        a fresh one does."""
         saved, mine = str(state.get("compressor", "")), self.describe()
         head, here = saved.partition(",")[0], mine.partition(",")[0]
         if saved == mine or not head.startswith("auto("):
             return state
+        if _margin_out(saved) == _margin_out(mine):
+            return {**state, "compressor": mine}
         old = head[len("auto("):].split("|")
         if "int4" in old or not set(old) <= set(self.names):
             return state
@@ -592,5 +616,6 @@ class Auto(Policy, ReducingCompressor):
 
 
 def _margin_out(settings: str) -> str:
-    """``describe()``'s settings without the margin."""
-    return re.sub(r", margin=[^,)]*", "", settings)
+    """``describe()``'s settings without what steers rank 0's decisions only: the margin
+    and local SGD's prior (``local_steps``, once ``share``)."""
+    return re.sub(r", (margin|share|local_steps)=[^,)]*", "", settings)

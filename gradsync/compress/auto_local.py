@@ -8,7 +8,10 @@ after the optimizer's step and before the next backward. A front door that allow
 SGD *attaches* them (``Auto.attach``: the Horovod API's ``DistributedOptimizer`` does it
 itself, a DDP script calls it) and calls ``Auto.after_step()`` after every optimizer step.
 This module is what those two calls run; the averaging itself is ``diloco.DiLoCo``'s (plain
-local SGD: outer lr 1, no momentum, one fragment, no delay), called, not copied.
+local SGD: outer lr 1, no momentum, one fragment, no delay), called, not copied, through the
+*sync option* auto agreed with H: float32, or a quantizer (bf16, int8, int4) of what each
+rank's parameters moved since the window's start, with error feedback across the windows
+(``DiLoCo(compressor=...)``: each rank's and each owner's residual go with the next sync).
 
 Windows. Auto agrees H with its per-bucket choices (``auto_model.choose_period``) and
 counts the steps (``Auto.period``: the H in force for this step's buckets, ``Auto.phase``:
@@ -19,8 +22,10 @@ after each optimizer step:
 - the step ended a window (``phase == period - 1``): the ranks' parameters are averaged
   (``DiLoCo.outer_step``: delta = anchor - theta averaged, anchor moved by it, theta =
   anchor, equal on every rank), timed for auto's drift check;
-- the next step starts a window and the last one was not local (H was 1): a fresh DiLoCo
-  takes the parameters, equal on every rank, as its anchors.
+- the next step starts a window and the last one was not local (H was 1), or its sync
+  option is another: a fresh DiLoCo, through that option, takes the parameters, equal on
+  every rank, as its anchors (a quantizer's residuals of the old one are let go: one
+  sync's rounding).
 
 Nothing is exchanged between syncs: auto's buckets return each rank's own gradient.
 
@@ -48,35 +53,45 @@ class LocalSGD:
         name: names the syncs' collectives (the same on every rank).
     """
 
-    def __init__(self, params, comm="horovod", process_set=None, name: str = "auto.local_sgd"):
+    def __init__(self, params, comm="horovod", process_set=None, name: str = "auto.local_sgd",
+                 compressor=None):
         self.params = list(params)
         if not self.params:
             raise ValueError("local SGD needs the parameters the optimizer steps; got none")
         self.comm, self.process_set, self.name = comm, process_set, name
-        self.diloco = self._fresh()  # made now so that a bad comm fails at attach
+        self.diloco = self._fresh(compressor)  # made now so that a bad comm fails at attach
 
-    def _fresh(self) -> DiLoCo:
-        """A DiLoCo whose anchors are the parameters now (equal on every rank here). It
-        syncs at each ``outer_step`` (sync_every 1): the window is counted by Auto."""
+    def _fresh(self, compressor) -> DiLoCo:
+        """A DiLoCo whose anchors are the parameters now (equal on every rank here), its
+        syncs through ``compressor`` (None: float32). It syncs at each ``outer_step``
+        (sync_every 1): the window is counted by Auto."""
         return DiLoCo(self.params, None, sync_every=1, outer_lr=1.0, outer_momentum=0.0,
-                      nesterov=False, comm=self.comm, process_set=self.process_set,
-                      name=self.name)
+                      nesterov=False, compressor=compressor, comm=self.comm,
+                      process_set=self.process_set, name=self.name)
 
     def sync(self) -> None:
         """Averages the parameters over the ranks (the window's end)."""
         self.diloco.outer_step()
 
-    def restart(self) -> None:
-        """A window starts after steps that exchanged gradients: the anchors are now."""
+    def restart(self, compressor) -> None:
+        """A window starts after steps that exchanged gradients, or through another sync
+        option: the anchors are now."""
         self.diloco._orphan()  # nothing in flight (syncs land at once); stops its thread
-        self.diloco = self._fresh()
+        self.diloco = self._fresh(compressor)
 
-    def anchored_now(self) -> dict:
-        """The state a window starting now will have (anchors: the parameters now)."""
-        return self._fresh().state_dict()
+    def anchored_now(self, compressor) -> dict:
+        """The state a window starting now through ``compressor`` will have (anchors: the
+        parameters now)."""
+        fresh = self._fresh(compressor)
+        state = fresh.state_dict()
+        fresh._orphan()
+        return state
 
     def state_dict(self) -> dict:
         return self.diloco.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, compressor) -> None:
+        """``state`` (a window's: its anchors, its sync's residuals) into a DiLoCo through
+        ``compressor``, the sync option of that window."""
+        self.restart(compressor)
         self.diloco.load_state_dict(state)

@@ -60,43 +60,67 @@ anything: none.
 
 Local SGD's H (only where the user allows it: ``Auto(local_sgd=H_max)``, ``periods`` here).
 Under local SGD every rank steps on its own gradients and the ranks' parameters are averaged
-once every H steps (plain local SGD through ``diloco.py``: one float32 allreduce of every
-parameter, not hidden), so the exchange costs ``sync / H`` a step instead of the per-step
-choice's:
+once every H steps (plain local SGD through ``diloco.py``: outer lr 1, no momentum), in one
+reduction of every parameter through a *sync option* s: none (float32) or one of the
+quantizers among the options (bf16, int8, int4), with error feedback on what each sync
+leaves out. Not hidden, the sync costs ``sync_s / H`` a step:
 
-    sync         = latency + sum_b local(b) + sum_b S_b / rate
-    step_H       = compute + sync / H
+    sync_s     = collectives_s x latency + sum_b (local(b) + ratio_s(b) x S_b / rate
+                                                  + compute_s(b))
+    step_H,s   = compute + sync_s / H
 
-A larger H costs quality (the ranks drift apart for longer), so H is kept as small as the
-link allows. The rule, after the per-step choice above (``choose_period``):
+A larger H costs quality (the ranks drift apart for longer): steps, by a prior the user may
+set (``Auto(local_steps=...)``),
 
-1. If the per-step choice already costs the step at most ``share`` of its compute
-   (``step(choice) - compute <= share x compute``; share 0.1 by default), H = 1: local SGD
-   could save little and would cost quality.
-2. Else H is the smallest of ``periods`` (the powers of two up to the user's maximum, and
-   that maximum) with ``sync / H <= share x compute``, or the largest if none is.
-3. That H is kept only if it pays beyond the margin: ``step_H x (1 + margin) <
-   step(choice)``; else H = 1 (the per-step choice is the more faithful one and close).
+    steps(H)   = 1 + local_steps x max(0, log2(H / LOCAL_FREE))      (LOCAL_FREE = 4)
 
-Worked example (the bucket above; ``local_sgd=16``): int4's 0.266 s a step spends 0.066 s
-on the exchange, more than 10% of 0.2 s; sync = 0.001 + 0.448 = 0.449 s, and sync / H
-<= 0.02 s needs H >= 22.5: none of 2, 4, 8, 16 is enough, so the largest, 16: 0.2 + 0.028 =
-0.228 s a step, which pays (0.228 x 1.05 < 0.266): H = 16. With ``local_sgd=64``, H = 32.
-At 1 Gbit/s int8 (0.221 s) spends 0.021 s, sync = 0.046 s, and H = 4 would take 0.211 s, not
-5% less: H = 1. At 10 Gbit/s none spends 5.5 ms, under 0.02 s: H = 1.
+``local_steps`` is 0.2 by default: on ``gradsync bench compress``'s language model plain
+local SGD reached float32's target in float32's 96 steps at H = 2 and 4, and in 120, 128
+and 160 (1.25, 1.33, 1.67) at H = 8, 16 and 32, with float32 syncs and with int8 ones alike
+(docs/slow-links.md); the rule gives 1.2, 1.4 and 1.6. (DiLoCo's outer Nesterov momentum,
+which auto does not use, took that task 296-328 steps at H = 8.) The rule
+(``choose_period``), after the per-step choice above:
+
+1. Among the allowed H and the sync options, the fastest ``step_H,s x steps(H)``; then the
+   most faithful within the margin of it (the smaller H first, then the more faithful sync).
+2. That (H, s) is taken only where it beats the per-step choice's ``time_to_target`` by more
+   than the margin; else H = 1.
+
+Worked example (the bucket above; ``local_sgd=16``; auto passes its ``tolerance``, 5%, as
+the margin here). At 100 Mbit/s int4's 0.266 s a step is the per-step choice; a float32
+sync takes 0.449 s, an int8 one 0.122 s, an int4 one 0.066 s. With int4 syncs H = 4 takes
+0.2 + 0.0166 = 0.217 s a step (steps 1), H = 8 0.208 x 1.2 = 0.250, H = 16 0.204 x 1.4 =
+0.286: the fastest is H = 4 with int4 syncs, nothing more faithful comes within 5% of it
+(H = 4 with int8: 0.231; H = 2 with int4: 0.233), and it beats int4 every step by 19%:
+H = 4, int4 syncs. At 1 Gbit/s int8 (0.221 s a step) is the per-step choice; the fastest
+is H = 4 with int4 syncs (0.204 s), the most faithful within 5% of it H = 2 with int8 syncs
+(0.211 s), which beats 0.221 by more than 5%: taken. At 10 Gbit/s none takes 0.2055 s a
+step; the best local SGD (H = 4, float32 syncs) 0.2014 s, 2% less: H = 1.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 __all__ = ["Option", "Bucket", "Inputs", "Decision", "wire_time", "step_time", "steps_factor",
            "powersgd_steps",
            "time_to_target", "decide",
-           "PERIODS", "periods_upto", "sync_time", "period_step_time", "choose_period"]
+           "PERIODS", "LOCAL_FREE", "LOCAL_STEPS", "periods_upto", "period_steps",
+           "sync_options", "sync_time", "period_step_time", "choose_period"]
 
 PERIODS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 """Local SGD's candidate H (those up to the user's maximum, and the maximum itself)."""
+
+LOCAL_FREE = 4
+"""The largest H local SGD's prior takes to cost no steps (module docstring)."""
+
+LOCAL_STEPS = 0.2
+"""``Auto(local_steps=)``'s default: local SGD's extra steps (a fraction of float32's) per
+doubling of H beyond ``LOCAL_FREE`` (module docstring)."""
+
+SYNC_OPTIONS = ("none", "bf16", "int8", "int4")
+"""What a local SGD sync may go through, most faithful first (of a bucket's options)."""
 
 
 def periods_upto(most: int) -> tuple[int, ...]:
@@ -153,8 +177,8 @@ class Inputs:
     """How much slower than the fastest choice a more faithful one may be (a fraction)."""
     periods: tuple[int, ...] = ()
     """Local SGD's candidate H, ascending (empty: not allowed)."""
-    share: float = 0.1
-    """The exchange's share of the step's compute that local SGD's H is chosen to reach."""
+    local_steps: float = LOCAL_STEPS
+    """Local SGD's extra steps per doubling of H beyond ``LOCAL_FREE`` (module docstring)."""
 
     def __post_init__(self):
         if not self.rate > 0:
@@ -162,11 +186,11 @@ class Inputs:
         if self.latency < 0 or self.compute < 0 or self.hidden < 0 or self.margin < 0:
             raise ValueError(f"latency, compute, hidden and margin must not be negative: "
                              f"{self.latency}, {self.compute}, {self.hidden}, {self.margin}")
-        if not self.share > 0 or any(
+        if not self.local_steps >= 0 or any(
                 isinstance(h, bool) or not isinstance(h, int) or h < 2 for h in self.periods) \
                 or list(self.periods) != sorted(set(self.periods)):
-            raise ValueError(f"periods must be ascending ints >= 2 and share positive, got "
-                             f"{self.periods}, {self.share}")
+            raise ValueError(f"periods must be ascending ints >= 2 and local_steps >= 0, got "
+                             f"{self.periods}, {self.local_steps}")
         for b in self.buckets:
             if not b.options or b.options[0].name != "none":
                 raise ValueError(f"bucket {b.key!r}: the first option must be none")
@@ -202,6 +226,9 @@ class Decision:
     between (1: the per-bucket choices, every step)."""
     sync: float = 0.0
     """Predicted seconds of one local SGD sync (when ``period`` > 1)."""
+    sync_option: str = "none"
+    """What local SGD's syncs go through (when ``period`` > 1): none (float32), or a
+    quantizer with error feedback."""
     made: int = field(default=0, compare=False)
     """Order of making in this process (``auto.latest`` takes the newest)."""
 
@@ -220,7 +247,8 @@ class Decision:
             return f"none on every tier ({self.reason})"
         local = ""
         if self.period > 1:
-            local = (f"local SGD every {self.period} steps (parameters averaged in float32, "
+            through = "float32" if self.sync_option == "none" else self.sync_option
+            local = (f"local SGD every {self.period} steps (parameters averaged in {through}, "
                      f"{sum(self.sizes.values()) / 1e6:.3g} MB, {self.sync * 1e3:.4g} ms a sync; "
                      f"no gradient exchange between); every step it would be: ")
         tier = {"flat": "flat (placement unknown: every rank's bucket)",
@@ -240,8 +268,10 @@ class Decision:
         if self.tier == "local" or not self.choices:
             return f"none ({self.reason})"
         if self.period > 1:
+            through = "" if self.sync_option == "none" else f" through {self.sync_option}"
             return (f"local SGD H={self.period} "
-                    f"({sum(self.sizes.values()) / 1e6:.3g} MB every {self.period} steps)")
+                    f"({sum(self.sizes.values()) / 1e6:.3g} MB every {self.period} "
+                    f"steps{through})")
         return ", ".join(f"{name} x{count} ({nbytes / 1e6:.3g} MB)"
                          for name, count, nbytes in self.classes())
 
@@ -317,30 +347,46 @@ def decide(inputs: Inputs) -> tuple[int, ...]:
     return tuple(choice)
 
 
-def sync_time(inputs: Inputs) -> float:
-    """Seconds of one local SGD sync: every bucket's parameters in one float32 allreduce."""
-    return (inputs.latency + sum(b.local for b in inputs.buckets)
-            + sum(b.nbytes for b in inputs.buckets) / inputs.rate)
+def period_steps(inputs: Inputs, period: int) -> float:
+    """Local SGD's steps factor at H = ``period`` (module docstring): 1 up to ``LOCAL_FREE``,
+    then ``local_steps`` more per doubling."""
+    return 1.0 + inputs.local_steps * max(0.0, math.log2(period / LOCAL_FREE))
 
 
-def period_step_time(inputs: Inputs, choice, period: int) -> float:
+def sync_options(inputs: Inputs) -> tuple[str, ...]:
+    """The sync options every bucket has, most faithful first (none always)."""
+    names = [{o.name for o in b.options} for b in inputs.buckets]
+    return tuple(n for n in SYNC_OPTIONS if all(n in have for have in names))
+
+
+def sync_time(inputs: Inputs, sync: str = "none") -> float:
+    """Seconds of one local SGD sync: every bucket's parameters in one reduction through
+    ``sync`` (module docstring)."""
+    total, collectives = 0.0, 1
+    for b in inputs.buckets:
+        option = next(o for o in b.options if o.name == sync)
+        collectives = option.collectives
+        total += b.local + option.ratio * b.nbytes / inputs.rate + option.compute
+    return collectives * inputs.latency + total
+
+
+def period_step_time(inputs: Inputs, choice, period: int, sync: str = "none") -> float:
     """Predicted seconds per step with ``choice`` every step (period 1), or local SGD with
-    H = ``period`` (the module docstring)."""
+    H = ``period`` and its syncs through ``sync`` (the module docstring)."""
     if period <= 1:
         return step_time(inputs, choice)
-    return inputs.compute + sync_time(inputs) / period
+    return inputs.compute + sync_time(inputs, sync) / period
 
 
-def choose_period(inputs: Inputs, choice) -> int:
-    """Local SGD's H for the per-step ``choice`` (``decide``'s): the module docstring's rule."""
+def choose_period(inputs: Inputs, choice) -> tuple[int, str]:
+    """Local SGD's (H, sync option) for the per-step ``choice`` (``decide``'s): the module
+    docstring's rule; (1, "none") where local SGD does not pay or is not allowed."""
     if not inputs.periods:
-        return 1
-    best = step_time(inputs, choice)
-    target = inputs.share * inputs.compute
-    if best - inputs.compute <= target:
-        return 1  # the exchange is already a small share of the step: keep every step
-    sync = sync_time(inputs)
-    period = next((h for h in inputs.periods if sync / h <= target), inputs.periods[-1])
-    if period_step_time(inputs, choice, period) * (1.0 + inputs.margin) < best:
-        return period
-    return 1
+        return 1, "none"
+    timed = [((h, s), period_step_time(inputs, choice, h, s) * period_steps(inputs, h))
+             for h in inputs.periods for s in sync_options(inputs)]  # most faithful first
+    fastest = min(t for _, t in timed)
+    pick, t = next((c, t) for c, t in timed if t <= fastest * (1.0 + inputs.margin))
+    if t * (1.0 + inputs.margin) < time_to_target(inputs, choice):
+        return pick
+    return 1, "none"

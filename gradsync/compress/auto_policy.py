@@ -107,7 +107,7 @@ class Policy:
     drift: float
     early: float
     periods: tuple[int, ...]  # local SGD's candidate H (empty: not allowed)
-    share: float
+    local_steps: float
     powersgd_steps: float
     clock: Callable[[], float]
     # Auto's state (auto.Auto._reset, _new_step_state): the steps and what they measured.
@@ -126,6 +126,8 @@ class Policy:
     _choice: dict[str, int]  # bucket -> index in names (absent: none)
     _agreed: dict | None  # the numbers of the last decision
     _target: int  # the agreed H, in force from the next window
+    _target_sync: int  # the agreed sync option (index in names), with it
+    _sync: int  # the sync option of the window in force
     _trial: dict | None  # a change on trial (module docstring, 6)
     _refused: dict[tuple, float]  # options undone -> the rate they were tried at
     _suspect: tuple[int, int] | None  # the drift the last check saw
@@ -272,9 +274,12 @@ class Policy:
             busy = sum(max(times[k] - a["latency"] - a["local"][k], _TINY) for k in keys)
             rate = sum(4 * self._numel(k) for k in keys) / busy
             hidden = max(exchange - blocked, 0.0)
-        elif synced >= 1.0:  # one float32 allreduce of every parameter (auto_local.py)
-            busy = sync - a["latency"] - sum(a["local"][k] for k in keys)
-            rate = sum(4 * self._numel(k) for k in keys) / max(busy, _TINY)
+        elif synced >= 1.0:  # one reduction of every parameter (auto_local.py): its bytes
+            through = self.names[self._sync]  # and what else it spent, by the model
+            used = [next(o for o in b.options if o.name == through) for b in options]
+            busy = (sync - used[0].collectives * a["latency"]
+                    - sum(a["local"][k] + o.compute for k, o in zip(keys, used)))
+            rate = sum(o.ratio * b.nbytes for o, b in zip(used, options)) / max(busy, _TINY)
         compute = max(work, 0.0)
         moved = []
         rate_moved = compute_moved = False
@@ -398,11 +403,11 @@ class Policy:
         inputs = model.Inputs(tuple(buckets), rate=max(numbers["rate"], 1.0),
                               latency=numbers["latency"], compute=numbers["compute"],
                               hidden=numbers["hidden"], margin=self.margin,
-                              periods=periods, share=self.share)
+                              periods=periods, local_steps=self.local_steps)
         if quiet:
-            mine = (*current, self._target)
+            mine = (*current, self._target, self._target_sync)
         elif forced is not None:
-            mine = (*forced, self._target)
+            mine = (*forced, self._target, self._target_sync)
         else:
             per_step = tuple(model.decide(inputs))
             if (self._agreed is not None and per_step != current
@@ -418,16 +423,17 @@ class Policy:
             elif refused_at is not None:
                 del self._refused[per_step]  # the link moved: it may be tried again
             # Local SGD, a change of algorithm, must pay beyond the tolerance.
-            mine = (*per_step, model.choose_period(
-                dataclasses.replace(inputs, margin=self.tolerance), per_step))
+            h, through = model.choose_period(
+                dataclasses.replace(inputs, margin=self.tolerance), per_step)
+            mine = (*per_step, h, self.names.index(through))
         # Rank 0's choice (and H, last) everywhere: the others add zeros (exact in float32).
         codes = torch.tensor(mine if comm.rank == 0 else [0] * len(mine), dtype=torch.float32)
         comm.allreduce_sum_(codes)
-        *codes_of_buckets, period = (int(round(v)) for v in codes.tolist())
+        *codes_of_buckets, period, sync = (int(round(v)) for v in codes.tolist())
         choice = tuple(codes_of_buckets)
         self._agreed = numbers
         self._window, self._latency, self._kappa, self._syncs = [], [], {}, []
-        changed = period != self._target or any(
+        changed = period != self._target or sync != self._target_sync or any(
             self._choice.get(k, 0) != c for k, c in zip(numbers["keys"], choice))
         if (changed and before is not None and period == 1 and self._target == 1
                 and choice != current):
@@ -435,7 +441,7 @@ class Policy:
                            "numbers": numbers,
                            "steps_old": model.steps_factor(inputs, current),
                            "steps_new": model.steps_factor(inputs, choice)}
-        self._target = period
+        self._target, self._target_sync = period, sync
         if changed:
             self._baseline = None  # the new options' exchange is measured afresh
         for k, c in zip(numbers["keys"], choice):
@@ -451,9 +457,10 @@ class Policy:
             choices={k: self.names[c] for k, c in zip(numbers["keys"], choice)},
             sizes={b.key: b.nbytes for b in buckets}, rate=inputs.rate,
             latency=inputs.latency, compute=inputs.compute, hidden=inputs.hidden,
-            predicted=model.period_step_time(inputs, choice, period),
+            predicted=model.period_step_time(inputs, choice, period, self.names[sync]),
             uncompressed=model.step_time(inputs, [0] * len(choice)), period=period,
-            sync=model.sync_time(inputs) if period > 1 else 0.0)
+            sync=model.sync_time(inputs, self.names[sync]) if period > 1 else 0.0,
+            sync_option=self.names[sync] if period > 1 else "none")
         if not changed and self.decision is not None and reason.startswith("drift"):
             self.decision = decision  # the same choice on new numbers: nothing to report
             return
@@ -508,7 +515,7 @@ class Policy:
         log.info("compression auto (step %d): %s; uncompressed until measured again",
                  self._step, why)
         self._choice, self._agreed, self._resized = {}, None, why
-        self._target = 1
+        self._target, self._target_sync = 1, 0
         self._trial, self._refused, self._suspect = None, {}, None
         self._baseline = None
         # Mid-window, calibration starts after the window's sync (the ranks equal again).

@@ -151,13 +151,14 @@ for what, compression in (("auto", "auto"), ("Auto(tiers='all')", quick_auto()))
                      lambda d: hvd.allgather_object(d))
 
 # compression="auto" allowed local SGD (H at most 4), decided once, at step 3 (no drift
-# check in these 8 steps): whatever H it chose (1, 2 or 4: the loopback link decides), every
-# window ends by the last step, so the parameters must end equal on every rank, through
-# DistributedOptimizer's attach and after_step and the Horovod API's DiLoCo reducer.
+# check in these 8 steps): whatever H and sync option it chose (H 1, 2 or 4; float32 or a
+# quantizer: the loopback link decides), every window ends by the last step, so the
+# parameters must end equal on every rank, through DistributedOptimizer's attach and
+# after_step and the Horovod API's DiLoCo reducer.
 torch.manual_seed(0)
 model = Net()
 auto = Auto(tiers="all", warmup=1, calibrate=2, check_every=100, margin=0.0,
-            local_share=0.01, local_sgd=4)
+            local_steps=0.0, local_sgd=4)
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
                                named_parameters=model.named_parameters(), compression=auto)
 train(model, opt, "DistributedOptimizer auto, local_sgd=4", lambda d: hvd.allgather_object(d))
@@ -224,7 +225,7 @@ for label, group, state in (("gradsync", None, HookState(quick_auto())),
 torch.manual_seed(0)
 model = DDP(Net(), bucket_cap_mb=0.0005)
 auto = Auto(tiers="all", warmup=1, calibrate=2, check_every=100, margin=0.0,
-            local_share=0.01, local_sgd=4)
+            local_steps=0.0, local_sgd=4)
 model.register_comm_hook(HookState(auto), compressed_hook)
 auto.attach(list(model.parameters()), comm=TorchComm(dist.new_group(backend="gloo")))
 opt = torch.optim.SGD(model.parameters(), lr=1.0)
