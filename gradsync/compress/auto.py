@@ -34,7 +34,11 @@ order.
    as blocked), and a latency: a one-element allreduce, timed after a
    first one has lined the ranks up. Each candidate's arithmetic is timed on the bucket's
    own gradient, on a one-rank loopback (the same work as on n ranks: an owner sums n
-   chunks of 1/n), in the last warm-up step, which nothing times, or in the first
+   chunks of 1/n), each rank timing its share of the candidates (rank r those whose index
+   is r modulo n, or whose index r modulo their number is, with more ranks than candidates;
+   the agreement's average then reads as the mean of the ranks that timed each: with four
+   ranks on two cores, timing all six candidates on every rank cost the bench's language
+   model about 0.5 s a run), in the last warm-up step, which nothing times, or in the first
    calibrated step for a bucket that step did not have (DDP's buckets before their
    rebuild) and where no warm-up precedes (a recalibration). (Timed in a calibrated step,
    its time is taken out of the step's while the backward pass may run beside it on the
@@ -364,7 +368,7 @@ class Auto(Policy, ReducingCompressor):
         self._times[key] = self._times.get(key, 0.0) + self.clock() - start
         if self._arithmetic_due(key):
             begin = self.clock()
-            self._kappa[key] = self._arithmetic(flat, shapes)
+            self._kappa[key] = self._arithmetic(flat, shapes, comm.rank, comm.size)
             self._aside += self.clock() - begin
         return out
 
@@ -506,18 +510,26 @@ class Auto(Policy, ReducingCompressor):
         elif was > 1 and self.period == 1 and self._agreed is None:
             self._calib_from = self._step  # a recalibration waited for this window's end
 
-    def _arithmetic(self, flat: torch.Tensor, shapes: list[tuple]) -> list[float]:
-        """Seconds of each candidate's arithmetic on this bucket (the best of two runs)."""
+    def _arithmetic(self, flat: torch.Tensor, shapes: list[tuple], rank: int,
+                    size: int) -> list[float]:
+        """Seconds of this rank's share of the candidates' arithmetic on this bucket (the
+        best of two runs; module docstring, 2), each scaled by the ranks over those that
+        time it, so that the agreement's average is their mean; 0 for the others'."""
         loop = Loopback()
         x = flat.detach().to(torch.float32, copy=True)
         out = []
-        for name, c in self.inner.items():
+        count = len(self.inner)
+        for index, c in enumerate(self.inner.values()):
+            timers = sum(1 for r in range(size) if r % count == index % size)
+            if rank % count != index % size:
+                out.append(0.0)
+                continue
             best = float("inf")
             for _ in range(2):
                 begin = self.clock()
                 c._reduce(x.clone(), shapes, loop, None, False)
                 best = min(best, self.clock() - begin)
-            out.append(best)
+            out.append(best * size / timers)
         return out
 
     # ------------------------------------------------------------------ state
