@@ -34,11 +34,13 @@ order.
    as blocked), and a latency: a one-element allreduce, timed after a
    first one has lined the ranks up. Each candidate's arithmetic is timed on the bucket's
    own gradient, on a one-rank loopback (the same work as on n ranks: an owner sums n
-   chunks of 1/n), each rank timing its share of the candidates (rank r those whose index
-   is r modulo n, or whose index r modulo their number is, with more ranks than candidates;
-   the agreement's average then reads as the mean of the ranks that timed each: with four
-   ranks on two cores, timing all six candidates on every rank cost the bench's language
-   model about 0.5 s a run), in the last warm-up step, which nothing times, or in the first
+   chunks of 1/n), one run each after a small one (its first-call costs), the agreement
+   averaging the ranks' runs (the best of two runs on every rank took about half a second
+   of a core per rank on buckets of the bench's language model's sizes; each rank timing
+   only its share of the candidates, one rank's run per candidate, made the candidates'
+   times incomparable: each came from another rank's moment on a shared machine, and the
+   bench's run took PowerSGD rank 8 for the larger bucket, 104 steps to int4's 88), in the
+   last warm-up step, which nothing times, or in the first
    calibrated step for a bucket that step did not have (DDP's buckets before their
    rebuild) and where no warm-up precedes (a recalibration). (Timed in a calibrated step,
    its time is taken out of the step's while the backward pass may run beside it on the
@@ -115,6 +117,8 @@ TOLERANCE = 0.05
 EARLY = 0.5
 """``Auto(early=)``'s default: a first calibrated step that spent more than this share of
 its time in the float32 exchange decides alone (module docstring, 2)."""
+
+_SMALL = 32  # the side of the matrix each candidate runs on before it is timed
 
 _LIVE: "weakref.WeakSet[Auto]" = weakref.WeakSet()
 
@@ -368,7 +372,7 @@ class Auto(Policy, ReducingCompressor):
         self._times[key] = self._times.get(key, 0.0) + self.clock() - start
         if self._arithmetic_due(key):
             begin = self.clock()
-            self._kappa[key] = self._arithmetic(flat, shapes, comm.rank, comm.size)
+            self._kappa[key] = self._arithmetic(flat, shapes)
             self._aside += self.clock() - begin
         return out
 
@@ -510,26 +514,18 @@ class Auto(Policy, ReducingCompressor):
         elif was > 1 and self.period == 1 and self._agreed is None:
             self._calib_from = self._step  # a recalibration waited for this window's end
 
-    def _arithmetic(self, flat: torch.Tensor, shapes: list[tuple], rank: int,
-                    size: int) -> list[float]:
-        """Seconds of this rank's share of the candidates' arithmetic on this bucket (the
-        best of two runs; module docstring, 2), each scaled by the ranks over those that
-        time it, so that the agreement's average is their mean; 0 for the others'."""
+    def _arithmetic(self, flat: torch.Tensor, shapes: list[tuple]) -> list[float]:
+        """Seconds of each candidate's arithmetic on this bucket: one run, after a run on a
+        small matrix has paid its first-call costs (module docstring, 2)."""
         loop = Loopback()
         x = flat.detach().to(torch.float32, copy=True)
+        small = torch.ones(_SMALL * _SMALL)
         out = []
-        count = len(self.inner)
-        for index, c in enumerate(self.inner.values()):
-            timers = sum(1 for r in range(size) if r % count == index % size)
-            if rank % count != index % size:
-                out.append(0.0)
-                continue
-            best = float("inf")
-            for _ in range(2):
-                begin = self.clock()
-                c._reduce(x.clone(), shapes, loop, None, False)
-                best = min(best, self.clock() - begin)
-            out.append(best * size / timers)
+        for c in self.inner.values():
+            c._reduce(small.clone(), [(_SMALL, _SMALL)], loop, None, False)
+            begin = self.clock()
+            c._reduce(x.clone(), shapes, loop, None, False)
+            out.append(self.clock() - begin)
         return out
 
     # ------------------------------------------------------------------ state
