@@ -37,10 +37,9 @@ order.
    chunks of 1/n), one run each after a small one (its first-call costs), the agreement
    averaging the ranks' runs (the best of two runs on every rank took about half a second
    of a core per rank on buckets of the bench's language model's sizes; each rank timing
-   only its share of the candidates, one rank's run per candidate, made the candidates'
-   times incomparable: each came from another rank's moment on a shared machine, and the
-   bench's run took PowerSGD rank 8 for the larger bucket, 104 steps to int4's 88), in the
-   last warm-up step, which nothing times, or in the first
+   only its share of the candidates would make their times incomparable, each from another
+   rank's moment on a shared machine), in the last warm-up step, which nothing times, or in
+   the first
    calibrated step for a bucket that step did not have (DDP's buckets before their
    rebuild) and where no warm-up precedes (a recalibration). (Timed in a calibrated step,
    its time is taken out of the step's while the backward pass may run beside it on the
@@ -62,8 +61,8 @@ order.
    (weighed by their steps factors) do not bear it out.
 
 Local SGD (only with ``local_sgd=H_max`` and the parameters attached, ``auto_local.py``):
-the decision also carries H (``auto_model.choose_period``), sent by rank 0 with the
-choices. With H > 1 a bucket returns this rank's own gradient (no collective) and the
+the decision also carries H and the syncs' option, float32 or a quantizer
+(``auto_model.choose_period``), sent by rank 0 with the choices. With H > 1 a bucket returns this rank's own gradient (no collective) and the
 front door's ``after_step`` averages the parameters at each window's end; a new H takes
 effect at a window's end (or at once from H = 1), where the ranks' parameters are equal.
 Drift checks go on in the windows: the rate is measured from the syncs, compute from every
