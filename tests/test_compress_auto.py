@@ -1006,6 +1006,36 @@ def test_local_sgd_syncs_through_the_quantizer_it_chose():
     assert held and all("residual" in v for v in held.values())
 
 
+def test_a_quantized_sync_slowed_by_what_the_model_leaves_out_is_no_slower_link():
+    """Local SGD's syncs through int8 take 0.1 s more than the model says (0.05 s more per
+    compressed collective); the link is as fast as calibrated. The drift checks measure the
+    link by a probe, as for a compressed exchange, and keep the rate and the choice; read
+    from the syncs, the link looked slower at each check and H grew."""
+    autos, comms, _, params = local_job(2, 1e6, **QUANTIZED)
+    slowed(comms, 0.05)
+    train_local(autos, comms, params, 30, [0.05, 0.05])
+    history = autos[0].history
+    assert [(d.step, d.period, d.sync_option) for d in history] == [(3, 4, "int8")], \
+        [d.summary() for d in history]
+    assert autos[0]._agreed["rate"] == pytest.approx(1e6, rel=0.05)
+
+
+def test_a_slower_link_under_quantized_syncs_is_seen_by_two_probes():
+    """The link slows to a fifth at step 5, inside local SGD's first window (int8 syncs):
+    the probe of the check at step 8 (the first after the decision) reads it, the one at 12
+    confirms it, and the ranks decide again for the slower link."""
+    autos, comms, link, params = local_job(2, 1e6, **QUANTIZED)
+
+    def slow_down(step):
+        if step == 5:
+            link.rate[:] = [2e5, 2e5]
+
+    train_local(autos, comms, params, 14, [0.05, 0.05], on_step=slow_down)
+    last = autos[0].history[-1]
+    assert (last.step, last.reason.startswith("drift: rate")) == (12, True), last.summary()
+    assert last.rate == pytest.approx(2e5, rel=0.05)
+
+
 @pytest.mark.parametrize("options", [LOCAL, QUANTIZED], ids=["float32", "int8"])
 @pytest.mark.parametrize("stop", [4, 7])
 def test_local_sgd_survives_a_state_dict(stop, options):

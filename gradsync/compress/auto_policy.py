@@ -40,7 +40,9 @@ declared below.
    its measure, and after that only where a reading suspects the rate: a compressed
    exchange that moved by more than ``drift`` from its measure is read as a suspicion (not
    as a rate), which the next check's probe confirms or clears (a link as it was: the
-   exchange moved for another reason, and its time is the new measure).
+   exchange moved for another reason, and its time is the new measure). Under local SGD
+   the syncs stand for the exchange: in float32 their time gives the rate, through a
+   quantizer they are probed the same way.
 6. Outcome: a decision that changes a bucket's option is a trial. At the next check, the
    window's median step (every rank's, averaged) is compared with the median step of the
    window that led to it, each times its choice's steps factor (what the model minimises is
@@ -235,7 +237,14 @@ class Policy:
         # first check after a decision and where a reading suspects the rate (module
         # docstring, 4); the suspicion is agreed, so every rank probes or none does.
         suspect_rate = self._suspect is not None and self._suspect[0] != 0
-        wants = compressed and ex and (self._baseline is None or suspect_rate)
+        # Under local SGD the syncs stand for the exchange; through a quantizer, their time
+        # reads the link no better than a compressed exchange's (the arithmetic the model
+        # takes off, timed in the warm-up beside the other ranks', is not what it costs in
+        # a sync: a 100 Mbit/s link read as 101-148 Mbit/s of gradient, in gradsync bench
+        # compress), so they are probed as it is.
+        quantized_sync = not ex and bool(self._syncs) and self._sync != 0
+        wants = (((compressed and bool(ex)) or quantized_sync)
+                 and (self._baseline is None or suspect_rate))
         probe = self._probe(comm, a) if wants else 0.0
         local = [1.0 if w else 0.0,
                  statistics.median(s["period"] - s["blocked"] for s in w) if w else 0.0,
@@ -258,28 +267,34 @@ class Policy:
             self._undo(comm, trial, step_s)  # (the same averages, so the same on every rank)
             return
         rate, hidden = a["rate"], a["hidden"]
+        # This window's exchange: the buckets' where steps exchanged, else local SGD's syncs.
+        if exchanged >= 1.0:
+            measured, quantized = exchange, compressed
+        elif synced >= 1.0:
+            measured, quantized = sync, quantized_sync
+        else:
+            measured, quantized = None, False
         # A compressed exchange that moved from what it took after the decision: the
         # link's rate is suspect (the probe confirms or clears it at the next check).
         hint = 0
-        if exchanged >= 1.0 and compressed and probe_s == 0.0 and self._baseline is not None:
-            hint = -_direction(exchange / max(self._baseline, _TINY) - 1, self.drift)
-        if exchanged >= 1.0 and compressed and self._baseline is None:
-            self._baseline = exchange
-        if exchanged >= 1.0 and probe_s > 0.0:  # the link itself (module docstring, 4)
+        if measured is not None and quantized and probe_s == 0.0 and self._baseline is not None:
+            hint = -_direction(measured / max(self._baseline, _TINY) - 1, self.drift)
+        if measured is not None and quantized and self._baseline is None:
+            self._baseline = measured
+        if measured is not None and probe_s > 0.0:  # the link itself (module docstring, 4)
             nbytes = self._probe_bytes(keys)
             _, _, _, topo = self._placement(comm)
             busy = probe_s - a["latency"] - self._local_seconds(topo, nbytes)
-            rate, hidden = nbytes / max(busy, _TINY), max(exchange - blocked, 0.0)
+            rate = nbytes / max(busy, _TINY)
+            if exchanged >= 1.0:
+                hidden = max(exchange - blocked, 0.0)
         elif exchanged >= 1.0:  # every bucket none: their own float32 exchanges
             busy = sum(max(times[k] - a["latency"] - a["local"][k], _TINY) for k in keys)
             rate = sum(4 * self._numel(k) for k in keys) / busy
             hidden = max(exchange - blocked, 0.0)
-        elif synced >= 1.0:  # one reduction of every parameter (auto_local.py): its bytes
-            through = self.names[self._sync]  # and what else it spent, by the model
-            used = [next(o for o in b.options if o.name == through) for b in options]
-            busy = (sync - used[0].collectives * a["latency"]
-                    - sum(a["local"][k] + o.compute for k, o in zip(keys, used)))
-            rate = sum(o.ratio * b.nbytes for o, b in zip(used, options)) / max(busy, _TINY)
+        elif synced >= 1.0:  # one float32 allreduce of every parameter (auto_local.py)
+            busy = sync - a["latency"] - sum(a["local"][k] for k in keys)
+            rate = sum(4 * self._numel(k) for k in keys) / max(busy, _TINY)
         compute = max(work, 0.0)
         moved = []
         rate_moved = compute_moved = False
@@ -289,19 +304,19 @@ class Policy:
             # A drift counts where the reading before saw it too, the same way (module
             # docstring, 4): one slow probe (a loss episode) is not a slower link. Under
             # local SGD a check without a sync has no new rate: the suspicion waits.
-            fresh = (exchanged >= 1.0 and (probe_s > 0.0 or not compressed)) or synced >= 1.0
+            fresh = measured is not None and (probe_s > 0.0 or not quantized)
             was = self._suspect or (0, 0)
             if fresh:
                 rate_dir = _direction(rate / a["rate"] - 1, self.drift)
-            elif exchanged >= 1.0 and compressed:  # no probe: the exchange's hint
+            elif measured is not None:  # compressed, no probe: the exchange's hint
                 rate_dir = hint
             else:  # local SGD without a sync: the suspicion waits for one
                 rate_dir = was[0]
             compute_dir = _direction((compute - a["compute"]) / max(a["compute"], 1e-3),
                                      self.drift)
             self._suspect = (rate_dir, compute_dir)
-            if probe_s > 0.0 and not rate_dir:  # the link as it was: the exchange moved
-                self._baseline = exchange  # for another reason, its new measure
+            if probe_s > 0.0 and not rate_dir and measured is not None:  # the link as it
+                self._baseline = measured  # was: the exchange moved otherwise, its new measure
             rate_moved = bool(fresh and rate_dir and was[0] == rate_dir)
             compute_moved = bool(compute_dir and was[1] == compute_dir)
             if rate_moved:
