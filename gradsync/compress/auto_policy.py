@@ -441,7 +441,7 @@ class Policy:
             h, through = model.choose_period(
                 dataclasses.replace(inputs, margin=self.tolerance), per_step)
             mine = (*per_step, h, self.names.index(through))
-        # Rank 0's choice (and H, last) everywhere: the others add zeros (exact in float32).
+        # Rank 0's choice (then H and the sync option) everywhere: the others add zeros.
         codes = torch.tensor(mine if comm.rank == 0 else [0] * len(mine), dtype=torch.float32)
         comm.allreduce_sum_(codes)
         *codes_of_buckets, period, sync = (int(round(v)) for v in codes.tolist())
