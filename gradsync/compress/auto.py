@@ -62,13 +62,14 @@ order.
 
 Local SGD (only with ``local_sgd=H_max`` and the parameters attached, ``auto_local.py``):
 the decision also carries H and the syncs' option, float32 or a quantizer
-(``auto_model.choose_period``), sent by rank 0 with the choices. With H > 1 a bucket returns this rank's own gradient (no collective) and the
-front door's ``after_step`` averages the parameters at each window's end; a new H takes
-effect at a window's end (or at once from H = 1), where the ranks' parameters are equal.
-Drift checks go on in the windows: the rate is measured from float32 syncs (through a
-quantizer, a sync is probed as a compressed exchange is: ``auto_policy.py``, 4), compute
-from every step. Changed buckets calibrate again from the window's end; a resize at once (an elastic
-re-formation has given every rank the same parameters).
+(``auto_model.choose_period``), sent by rank 0 with the choices. With H > 1 a bucket
+returns this rank's own gradient (no collective) and the front door's ``after_step``
+averages the parameters at each window's end; a new H takes effect at a window's end (or
+at once from H = 1), where the ranks' parameters are equal. Drift checks go on in the
+windows: the rate is measured from float32 syncs (through a quantizer, a sync is probed as
+a compressed exchange is: ``auto_policy.py``, 4), compute from every step. Changed buckets
+calibrate again from the window's end; a resize at once (an elastic re-formation has given
+every rank the same parameters).
 
 Reports (``auto_policy.py``): a changed decision at INFO (rank 0) and on the timeline;
 ``auto.decision`` is the current one, ``latest()`` the newest of any Auto in the process.

@@ -1,7 +1,7 @@
 """``compression="auto"``: the cost model and the decision, as pure functions of measured numbers.
 
-No clocks and no collectives here (``auto.py`` measures, ``auto_policy.py`` agrees); the same numbers give
-the same decision in every process, which is what lets ranks agree on it.
+No clocks and no collectives here (``auto.py`` measures, ``auto_policy.py`` agrees); the
+same numbers give the same decision in every process, which is what lets ranks agree on it.
 
 The model, per step. The float32 exchange of a bucket of S bytes crosses the slowest tier
 at a measured *rate* (gradient bytes per second through that tier's exchange, the ring's
@@ -362,12 +362,10 @@ def sync_options(inputs: Inputs) -> tuple[str, ...]:
 def sync_time(inputs: Inputs, sync: str = "none") -> float:
     """Seconds of one local SGD sync: every bucket's parameters in one reduction through
     ``sync`` (module docstring)."""
-    total, collectives = 0.0, 1
-    for b in inputs.buckets:
-        option = next(o for o in b.options if o.name == sync)
-        collectives = option.collectives
-        total += b.local + option.ratio * b.nbytes / inputs.rate + option.compute
-    return collectives * inputs.latency + total
+    used = [(b, next(o for o in b.options if o.name == sync)) for b in inputs.buckets]
+    collectives = max((o.collectives for _, o in used), default=1)  # one reduction of all
+    return collectives * inputs.latency + sum(
+        b.local + o.ratio * b.nbytes / inputs.rate + o.compute for b, o in used)
 
 
 def period_step_time(inputs: Inputs, choice, period: int, sync: str = "none") -> float:

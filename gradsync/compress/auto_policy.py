@@ -523,8 +523,8 @@ class Policy:
         if owed is None:
             return
         held = self._owed.setdefault(key, {})
-        for part, value in owed.items():
-            held[part] = held[part] + value if part in held else value.clone()
+        for part, value in owed.items():  # held tensors are never changed in place (state.py)
+            held[part] = held[part] + value if part in held else value
 
     def _recalibrate(self, why: str) -> None:
         log.info("compression auto (step %d): %s; uncompressed until measured again",
