@@ -288,11 +288,14 @@ def test_a_short_run_on_two_emulated_hosts_reports_every_mode_honestly(tmp_path,
     assert math.isclose(rate["floor_s"], step_s * rows["gloo-fp32"]["steps_to_target"])
     assert math.isclose(rows["gloo-fp32"]["x_floor"],
                         rows["gloo-fp32"]["time_to_target"] / rate["floor_s"])
-    # auto decides at its step 4 (DDP's first two steps may count as one: its buckets are
-    # rebuilt after the first), so by step 8, and then says what it chose.
+    # auto decides at its step 5, after the probe step (2) and two float32 steps, or at its
+    # step 3 where the probe read a slow link (a loaded machine's loopback may read so);
+    # DDP's first two steps may count as one (its buckets are rebuilt after the first), so
+    # by step 8 it has decided, and then says what it chose.
     auto = rows["gs-auto"]
+    first = ("step 3 (calibrated)", "step 5 (calibrated)")
     if auto["steps"] >= 8:
-        assert auto["decisions"][0].startswith("step 4 (calibrated)"), auto
+        assert auto["decisions"][0].startswith(first), auto
         assert auto["choice"] != "auto (not decided yet)"
         assert "unshaped: gs-auto chose" in printed
     else:
@@ -302,7 +305,7 @@ def test_a_short_run_on_two_emulated_hosts_reports_every_mode_honestly(tmp_path,
     # test_compress_auto.py; evaluated mid-window, the ranks' average is what is read).
     local = rows["gs-auto-local"]
     if local["steps"] >= 8:
-        assert local["decisions"][0].startswith("step 4 (calibrated)"), local
+        assert local["decisions"][0].startswith(first), local
         assert "unshaped: gs-auto-local chose" in printed
 
 

@@ -300,16 +300,96 @@ def test_the_warm_up_runs_the_leanest_quantizer_and_the_calibration_float32(size
     assert Auto(options=("none", "powersgd")).warm == "none"
 
 
-def test_a_first_calibrated_step_spent_in_the_exchange_decides_alone():
-    """Where the first calibrated step spent more than half its time in the float32
-    exchange (a slow link), the ranks decide after it (step 2 here, warm-up 1); elsewhere
-    after both calibration steps (step 3), having agreed once more that it was not so."""
-    autos, comms, _ = job(2, rate=1e6, early=0.5)
+class Counting(LinkComm):
+    """A LinkComm that counts the bytes of each allreduce, in order."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.sizes: list[int] = []
+
+    def allreduce_sum_(self, t):
+        self.sizes.append(t.numel() * t.element_size())
+        super().allreduce_sum_(t)
+
+
+def probed_job(size: int, rate, latency=1e-3, **settings):
+    group = ThreadGroup(size)
+    link = Link(size, rate, latency)
+    clocks = [Clock() for _ in range(size)]
+    comms = [Counting(group, r, clocks[r], link, None) for r in range(size)]
+    autos = [Auto(clock=clocks[r], warmup=1, calibrate=2, check_every=4, early=0.5,
+                  **settings) for r in range(size)]
+    return autos, comms
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_slow_link_is_decided_on_a_probe_without_a_float32_step(size, monkeypatch):
+    """The first timed step after the warm-up still goes through the warm quantizer, with a
+    float32 probe of the link beside it; where the float32 exchange the probe's rate
+    predicts would have taken more than half the step (a slow link), the ranks decide after
+    it (step 2 here, warm-up 1) on the probe's rate, and no bucket ever crossed the link in
+    float32. Nothing of the gradients is lost across it: the results of every step sum to
+    the exact means, less what the options in force still hold."""
+    from gradsync.compress import auto_policy
+
+    monkeypatch.setattr(auto_policy, "PROBE_BYTES", 1 << 16)  # a quarter of the big bucket
+    autos, comms = probed_job(size, rate=1e6, options=("none", "int8", "int4"))
+    kept: list[list] = [[] for _ in range(size)]
+    train(autos, comms, 4, [0.05] * size, kept=kept)
+    d = autos[0].decision
+    assert (d.step, d.reason) == (2, "calibrated") and d.choices["big"] != "none", d
+    assert [a.decision.choices for a in autos] == [d.choices] * size
+    assert d.rate == pytest.approx(1e6, rel=1e-4)  # the probe's: latency taken off
+    big = 4 * 256 * 256
+    assert 1 << 16 in comms[0].sizes  # the probe, once
+    assert comms[0].sizes.count(1 << 16) == 1 and big not in comms[0].sizes
+    # A change from the warm quantizer is a trial against the step it ran.
+    if d.choices["big"] != "int4" or d.choices["tiny"] != "int4":
+        warm = autos[0].names.index("int4")
+        assert autos[0]._trial is not None and autos[0]._trial["old"] == [warm, warm]
+    n = 256 * 256
+    means = [sum(grad(step, r, n) for r in range(size)) / size for step in range(4)]
+    assert not any(a._owed for a in autos)  # the warm quantizer's, paid in step 2
+    held = torch.zeros(n)  # what the options in force still hold, in the mean's domain
+    for r, a in enumerate(autos):
+        for c in a.inner.values():
+            state = c.state.tensors.get("big", {})
+            if "residual" in state:
+                held += state["residual"] / size
+            piece = state.get(f"owner{r}of{size}")
+            if piece is not None:
+                piece = piece.reshape(-1)
+                end = min(n, (r + 1) * piece.numel())
+                held[r * piece.numel():end] += piece[:end - r * piece.numel()]
+    for r in range(size):
+        total = sum(out[0] for out in kept[r])
+        assert torch.allclose(total + held, sum(means), atol=1e-4), \
+            (total + held - sum(means)).abs().max()
+
+
+def test_a_link_that_is_not_slow_is_calibrated_in_float32_after_its_probe():
+    """Where the probe's rate predicts a float32 exchange under half the step, two float32
+    steps follow the probe step and decide (step 4 here): what the warm quantizer still
+    owed goes with their first exchange, and the probe's step is not in their numbers."""
+    autos, comms = probed_job(2, rate=1e10, latency=1e-5)
+    train(autos, comms, 5, [0.05, 0.05])
+    d = autos[1].decision
+    assert (d.step, d.choices["big"]) == (4, "none")
+    assert 4 * 256 * 256 in comms[0].sizes  # the calibration's float32 exchanges
+    assert d.compute == pytest.approx(0.05, rel=1e-3)
+
+
+def test_a_first_calibrated_float32_step_spent_in_the_exchange_decides_alone():
+    """Without a quantizer among the options (no warm-up quantizer, so no probe), the first
+    calibrated step runs float32; where it spent more than half its time in the exchange,
+    the ranks decide after it (step 2 here, warm-up 1); elsewhere after both calibration
+    steps (step 3), having agreed once more that it was not so."""
+    autos, comms, _ = job(2, rate=1e5, early=0.5, options=("none", "powersgd"))
     train(autos, comms, 4, [0.05, 0.05])
     d = autos[0].decision
     assert (d.step, d.reason) == (2, "calibrated") and d.choices["big"] != "none"
     assert [a.decision.choices for a in autos] == [d.choices] * 2
-    autos, comms, _ = job(2, rate=1e10, latency=1e-5, early=0.5)
+    autos, comms, _ = job(2, rate=1e10, latency=1e-5, early=0.5, options=("none", "powersgd"))
     train(autos, comms, 5, [0.05, 0.05])
     assert (autos[1].decision.step, autos[1].decision.choices["big"]) == (3, "none")
     assert Auto().describe() == Auto(early=0.5).describe()  # the default is not named
@@ -649,6 +729,24 @@ def test_a_resize_recalibrates_and_a_checkpoint_continues():
     d = bigger[2].decision
     assert d.reason == "resize 2 -> 3 ranks" and d.ranks == 3 and d.step == 3, d
     assert all(a.decision.choices == d.choices for a in bigger)
+
+
+@pytest.mark.parametrize("early,saved_after", [(1.0, 3), (0.5, 2), (0.5, 1)])
+def test_a_checkpoint_taken_where_calibration_ends_still_decides(early, saved_after):
+    """A state saved at the end of the step before an agreement (the last calibration step,
+    or the probe step) numbers the next step as done: the agreement's boundary is passed
+    without its first call, and the restored ranks still decide (they never did before)."""
+    autos, comms, _ = job(2, rate=1e6, early=early)
+    train(autos, comms, saved_after, [0.05, 0.05])
+    states = [a.state_dict() for a in autos]
+    fresh = [Auto(clock=comms[r].clock, warmup=1, calibrate=2, check_every=4, early=early)
+             for r in range(2)]
+    for a, state in zip(fresh, states):
+        a.load_state_dict(state)
+    train(fresh, comms, 4, [0.05, 0.05])
+    d = fresh[0].decision
+    assert d is not None and d.reason == "calibrated" and d.choices["big"] != "none", d
+    assert fresh[1].decision.choices == d.choices
 
 
 def test_a_checkpoint_from_before_int4_loads_with_its_choices_by_name():

@@ -23,11 +23,21 @@ order.
    buckets after step 0; connections are made) and run the leanest quantizer among the
    options (``WARM``: int4, else int8, else bf16, else none): what they exchange is measured
    by nothing, and a float32 exchange there would only cost a slow link's time. What the
-   warm-up still owes (each rank's residual and the owners') goes with the first float32
-   exchange of each bucket, so error feedback's sum stays whole across the change (a
-   bucket reduced in tiers, its residuals laid out per host, drops them: one step's
-   rounding).
-   Steps ``warmup`` to ``warmup + calibrate - 1`` run none, timed: each
+   warm quantizer still owes when its steps end (each rank's residual and the owners')
+   goes with each bucket's next exchange, whatever its option, so error feedback's sum
+   stays whole across the change (a bucket reduced in tiers, its residuals laid out per
+   host, drops them: one step's rounding).
+   The probe step (step ``warmup``, where a warm-up precedes, the warm option is a
+   quantizer and ``early`` < 1): the buckets still go through the warm quantizer, timed,
+   and beside them the link is probed (the latency sample below, then one float32
+   allreduce of ``PROBE_BYTES``, or the largest bucket if smaller; neither counted in the
+   step's period). At the next step's first call the ranks agree: where the float32
+   exchange the probe's rate predicts would have blocked more than ``early`` (half) of the
+   step, they decide there, on the probe's rate (no bucket crosses a slow link in float32:
+   at 25 Mbit/s a float32 step of the bench's language model took 2.8 s, an int4 step 0.5 s
+   and the probe 0.5 s); else the calibration below follows from that step, in float32
+   (``auto_policy.py``, 3).
+   Then ``calibrate`` steps run none, timed: each
    bucket's float32 exchange, the step's period, the time the training thread was blocked
    on the exchange (the Horovod API's optimizer reports its waits, ``blocked``, and so does
    the DDP hook, its wait at the end of backward; unreported, the whole exchange is taken
@@ -40,17 +50,16 @@ order.
    only its share of the candidates would make their times incomparable, each from another
    rank's moment on a shared machine), in the last warm-up step, which nothing times, or in
    the first
-   calibrated step for a bucket that step did not have (DDP's buckets before their
+   timed step for a bucket that step did not have (DDP's buckets before their
    rebuild) and where no warm-up precedes (a recalibration). (Timed in a calibrated step,
    its time is taken out of the step's while the backward pass may run beside it on the
    DDP hook's thread: in ``gradsync bench compress`` at 1 Gbit/s the calibration's step
    read 157 ms against float32's 217, and the int8 it chose was undone against that.)
-   Where the first calibrated step spent more than ``early`` (half) of its time in the
-   float32 exchange, it decides alone: the link is what
-   the decision turns on, a step measures it well, and each more float32 step costs the
-   most where the link is slowest (2.8 s a step at 25 Mbit/s on the bench's language model,
-   against 0.5 s with int4). Whether it does is read from the agreement's averages, the
-   same on every rank (an allreduce more where it does not).
+   Without a probe step (no quantizer among the options, ``early`` = 1, a recalibration),
+   where the first calibrated step spent more than ``early`` of its time in the float32
+   exchange, it decides alone: the link is what the decision turns on, and each more
+   float32 step costs the most where the link is slowest. Whether it does is read from the
+   agreement's averages, the same on every rank (an allreduce more where it does not).
 3. Agreement and 4. Drift: ``auto_policy.py`` (the policy half of Auto): every rank's
    numbers are averaged and rank 0's decision taken by all, at the first call of a step;
    every ``check_every`` steps the link and the compute are measured again, and a drift
@@ -116,8 +125,9 @@ TOLERANCE = 0.05
 """``Auto(tolerance=)``'s default."""
 
 EARLY = 0.5
-"""``Auto(early=)``'s default: a first calibrated step that spent more than this share of
-its time in the float32 exchange decides alone (module docstring, 2)."""
+"""``Auto(early=)``'s default: where the probe step predicts (or, without one, the first
+calibrated step measured) a float32 exchange blocking more than this share of the step, the
+ranks decide at once (module docstring, 2)."""
 
 _SMALL = 32  # the side of the matrix each candidate runs on before it is timed
 
@@ -164,10 +174,12 @@ class Auto(Policy, ReducingCompressor):
             steps, no gradient exchange between); None or 1: never. It runs only once the
             front door attached the parameters (``attach``; ``DistributedOptimizer(...,
             local_sgd=H)`` does) and calls ``after_step`` after each optimizer step.
-        early: a first calibrated step that spent more than this share of its time in the
-            float32 exchange decides alone (a slow link: one step measures it, and each more
-            float32 step costs most there); 1: never, every calibration takes ``calibrate``
-            steps.
+        early: where the probe step's probe predicts a float32 exchange that would block
+            more than this share of the step (without a probe step: where the first
+            calibrated step spent more than this share in the float32 exchange), the ranks
+            decide at once (a slow link: one probe measures it, and each float32 step costs
+            most there); 1: never, no probe step, every calibration takes ``calibrate``
+            float32 steps.
         local_steps: local SGD's extra steps to float32's quality, as a fraction of
             float32's, per doubling of H beyond 4 (``auto_model``: a prior, as
             ``powersgd_steps``); 0.2 by default, from ``gradsync bench compress``'s language
@@ -263,6 +275,10 @@ class Auto(Policy, ReducingCompressor):
         self._agreed: dict | None = None  # the numbers of the last decision
         self._off = False
         self._calib_from = self.warmup  # the first timed step of the calibration
+        # The probe step (module docstring, 2): the first timed step after a warm-up, where
+        # a quantizer warms it and the ranks may decide early; None: calibration in float32.
+        self._probe_at: int | None = (self.warmup if self.warmup > 0 and self.early < 1
+                                      and self.warm != "none" else None)
         self._resized: str | None = None
         self.period = 1  # local SGD's H in force for this step's buckets (1: exchanged)
         self.phase = 0  # this step's place in its window (0 .. period - 1)
@@ -287,6 +303,7 @@ class Auto(Policy, ReducingCompressor):
         self._aside = 0.0  # seconds of this step spent measuring (not the step's work)
         self._window: list[dict] = []  # closed steps since the last agreement
         self._latency: list[float] = []
+        self._probes: list[float] = []  # the probe step's float32 probe (seconds)
         self._kappa: dict[str, list[float]] = {}
         self._synced = 0.0  # seconds of this step spent in local SGD's sync
         self._syncs: list[float] = []  # the window's syncs (seconds)
@@ -356,7 +373,8 @@ class Auto(Policy, ReducingCompressor):
             return self._none(flat.detach().to(torch.float32, copy=True), comm, average)
         shapes = [tuple(s) for s in shapes]
         self._at_call(key, shapes, comm)
-        name = self.warm if self._warming() else self.names[self._choice.get(key, 0)]
+        name = (self.warm if self._warming() or self._probing()
+                else self.names[self._choice.get(key, 0)])
         start = self.clock()
         x = flat
         if key in self._owed or self.period > 1 or name == "none":
@@ -419,6 +437,12 @@ class Auto(Policy, ReducingCompressor):
         return (not self._off and self._step < self._calib_from and self._agreed is None
                 and self.period == 1 and not self._choice)
 
+    def _probing(self) -> bool:
+        """The probe step: timed, exchanged through ``self.warm``, with a float32 probe of
+        the link beside it (module docstring, 2)."""
+        return (self._probe_at is not None and self._step == self._probe_at
+                and self._timing() and not self._choice)
+
     def _timing(self) -> bool:
         return (not self._off and self._step >= self._calib_from and self._agreed is None
                 and self.period == 1)
@@ -440,10 +464,19 @@ class Auto(Policy, ReducingCompressor):
         if key in self._seen:
             self._close_step()
             if not self._off:
-                if self._agreed is None and self._step == self._calib_from + self.calibrate:
+                # ">": a state saved at a step's end and loaded numbers the step after it as
+                # its first, so the boundary may be passed without its first call.
+                probe_at = self._probe_at
+                probed = probe_at is not None
+                if self._agreed is None and probe_at is not None and self._step > probe_at:
+                    # Decided from the probe where the link is slow, else calibration goes
+                    # on in float32 (auto_policy.py, 3).
+                    self._agree(comm, self._resized or "calibrated", early=True)
+                elif (self._agreed is None and not probed
+                      and self._step >= self._calib_from + self.calibrate):
                     self._agree(comm, self._resized or "calibrated")
-                elif (self._agreed is None and self._step == self._calib_from + 1
-                      and self.early < 1):
+                elif (self._agreed is None and not probed
+                      and self._step == self._calib_from + 1 and self.early < 1):
                     self._agree(comm, self._resized or "calibrated", early=True)
                 elif self._agreed is not None and self._step % self.check_every == 0:
                     if self._keys() != self._agreed["keys"]:
@@ -460,6 +493,11 @@ class Auto(Policy, ReducingCompressor):
                 begin = self.clock()
                 comm.allreduce_sum_(one)
                 self._latency.append(self.clock() - begin)
+                if self._probing() and self._last_keys:
+                    probe = torch.zeros(self._probe_bytes(self._last_keys) // 4)
+                    begin = self.clock()
+                    comm.allreduce_sum_(probe)
+                    self._probes.append(self.clock() - begin)
             self._start = self.clock()
         self._seen.append(key)
         self._shapes[key] = shapes
@@ -472,13 +510,14 @@ class Auto(Policy, ReducingCompressor):
             self._window.append({"period": now - self._start - self._aside - self._synced,
                                  "exchange": exchange, "local": self.period > 1,
                                  "blocked": blocked, "times": dict(self._times)})
-        warmed = self._warming()
+        warmed = self._warming() or self._probing()
         self._step += 1
         self._last_keys = list(self._seen)
         self._owed = {}  # paid in the step after it was owed, or never (a key not back)
-        if warmed and not self._warming() and self.warm != "none":
-            # Calibration begins, in float32: what the warm-up still owes is sent with the
-            # first float32 exchange of each bucket (``_owe``), and its state goes.
+        if warmed and not (self._warming() or self._probing()) and self.warm != "none":
+            # The warm quantizer's steps end: what they still owe is sent with each
+            # bucket's next exchange, float32 or the option decided (``_owe``), and its
+            # state goes.
             held = self.inner[self.warm].state.tensors
             for k in sorted({k.partition("@")[0] for k in held}):
                 self._owe(self.warm, k)
@@ -549,7 +588,7 @@ class Auto(Policy, ReducingCompressor):
                          "period": period, "phase": phase, "target": self._target,
                          "target_sync": self._target_sync, "sync": sync, "local": local,
                          "off": self._off,
-                         "calib_from": self._calib_from,
+                         "calib_from": self._calib_from, "probe_at": self._probe_at,
                          "choice": dict(self._choice),
                          "agreed": None if self._agreed is None else dict(self._agreed),
                          "trial": None if self._trial is None else dict(self._trial),
@@ -573,6 +612,8 @@ class Auto(Policy, ReducingCompressor):
         a = state["auto"]
         self._size, self._step, self._off = a["size"], int(a["step"]), bool(a["off"])
         self._calib_from, self._resized = int(a["calib_from"]), None
+        probe_at = a.get("probe_at")  # absent in a state saved before the probe step: none
+        self._probe_at = None if probe_at is None else int(probe_at)
         self._choice = {str(k): int(v) for k, v in a["choice"].items()}
         self._agreed = None if a["agreed"] is None else dict(a["agreed"])
         self._trial = None if a.get("trial") is None else dict(a["trial"])

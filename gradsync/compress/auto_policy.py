@@ -10,7 +10,11 @@ declared below.
 3. Agreement: at the first call of the next step, every rank's numbers are averaged (one
    allreduce: the same bytes on every rank), then rank 0's decision is sent to all (a second
    allreduce, every other rank adding zeros): every rank uses rank 0's choice, even where a
-   rank's own arithmetic would have rounded differently.
+   rank's own arithmetic would have rounded differently. After the probe step (``auto.py``,
+   2) the rate is the probe's, compute the step's period less its blocked time, and the
+   hidden part at most what the warm quantizer's exchange hid; decided there only where the
+   float32 exchange so predicted blocks more than ``early`` of the step, and then a change
+   from the warm quantizer is a trial against the probe step (6).
 4. Drift: every ``check_every`` steps the same two allreduces carry the window's numbers;
    the link's rate is measured again, and the step's compute. Beyond ``drift`` (a fraction)
    from what the decision used, the same way at two readings in a row, rank 0 decides again
@@ -103,6 +107,7 @@ class Policy:
     # Auto's settings (auto.Auto.__init__).
     inner: dict[str, Any]  # the candidate compressors by name, most faithful first
     names: tuple[str, ...]  # "none", then the candidates: a bucket's choice indexes it
+    warm: str  # the warm-up's option (a name in names)
     tiers: str
     margin: float
     tolerance: float
@@ -115,10 +120,12 @@ class Policy:
     # Auto's state (auto.Auto._reset, _new_step_state): the steps and what they measured.
     _step: int
     _calib_from: int
+    _probe_at: int | None  # the probe step, while it is ahead or being agreed
     _shapes: dict[str, list[tuple]]
     _last_keys: list[str]
     _window: list[dict]
     _latency: list[float]
+    _probes: list[float]
     _kappa: dict[str, list[float]]
     _syncs: list[float]
     _local: LocalSGD | None
@@ -185,7 +192,8 @@ class Policy:
     def _agree(self, comm, reason: str, early: bool = False) -> None:
         """The calibration's numbers, averaged; rank 0's decision, taken by every rank.
         ``early`` (after the first calibrated step): decided only where that step spent
-        more than ``self.early`` of its time in the float32 exchange (auto.py, 2)."""
+        more than ``self.early`` of its time in the float32 exchange, or, after the probe
+        step, would have by the probe's rate (auto.py, 2); else calibration goes on."""
         keys = self._keys()
         w = self._window
         per = 1 + len(self.inner)
@@ -201,9 +209,14 @@ class Policy:
         else:  # nothing timed here (a state loaded mid-calibration): the same length
             local += [0.0] * (4 + per * len(keys))
         local.append(1.0 if self._local is not None else 0.0)
+        local.append(statistics.median(self._probes) if self._probes else 0.0)
         agreed = self._average(comm, local)
-        if early and (agreed[0] < 1.0 or self.early >= 1
-                      or not agreed[3] > self.early * agreed[2]):
+        probed, self._probe_at = self._probe_at is not None, None
+        if probed and (agreed[0] < 1.0 or not agreed[-1] > 0.0):  # not measured everywhere
+            self._float32_calibration()
+            return
+        if early and not probed and (agreed[0] < 1.0 or self.early >= 1
+                                     or not agreed[3] > self.early * agreed[2]):
             return  # calibration goes on (the same averages: the same on every rank)
         if agreed[0] < 1.0:  # some rank timed nothing: every rank calibrates again
             self._recalibrate("not every rank had timed the calibration")
@@ -213,13 +226,31 @@ class Policy:
         kappa = {k: agreed[6 + i * per:5 + (i + 1) * per] for i, k in enumerate(keys)}
         units, k_local, tier, topo = self._placement(comm)
         local_s = {k: self._local_seconds(topo, 4 * self._numel(k)) for k in keys}
-        busy = sum(max(times[k] - latency - local_s[k], _TINY) for k in keys)
-        numbers = {"keys": keys, "rate": sum(4 * self._numel(k) for k in keys) / busy,
-                   "latency": latency, "compute": max(period - blocked, 0.0),
-                   "hidden": max(exchange - blocked, 0.0), "kappa": kappa, "local": local_s,
+        compute, hidden = max(period - blocked, 0.0), max(exchange - blocked, 0.0)
+        if probed:
+            # The buckets went through the warm quantizer: the probe gives the rate, and
+            # the float32 exchange they would have had is predicted from it; decided here
+            # only where that would have blocked the step for more than ``early`` of it
+            # (auto.py, 2).
+            nbytes = self._probe_bytes(keys)
+            rate = nbytes / max(agreed[-1] - latency - self._local_seconds(topo, nbytes),
+                                _TINY)
+            float32 = sum(latency + local_s[k] + 4 * self._numel(k) / rate for k in keys)
+            hidden = min(hidden, float32)
+            if not float32 - hidden > self.early * (compute + float32 - hidden):
+                self._float32_calibration()
+                return
+        else:
+            busy = sum(max(times[k] - latency - local_s[k], _TINY) for k in keys)
+            rate = sum(4 * self._numel(k) for k in keys) / busy
+        numbers = {"keys": keys, "rate": rate, "latency": latency, "compute": compute,
+                   "hidden": hidden, "kappa": kappa, "local": local_s,
                    "units": units, "per_unit": k_local, "tier": tier,
-                   "attached": agreed[-1]}
-        self._decide(comm, numbers, reason, before=period)
+                   "attached": agreed[-2]}
+        # After the probe step, the step measured went through the warm quantizer: a change
+        # from it is a trial against it (module docstring, 6).
+        under = (self.names.index(self.warm),) * len(keys) if probed else None
+        self._decide(comm, numbers, reason, before=period, under=under)
 
     def _check(self, comm) -> None:
         """The window's numbers, averaged; a decision again where they drifted."""
@@ -401,13 +432,16 @@ class Policy:
         return out
 
     def _decide(self, comm, numbers: dict, reason: str, quiet: bool = False,
-                before: float | None = None, forced: tuple | None = None) -> None:
+                before: float | None = None, forced: tuple | None = None,
+                under: tuple | None = None) -> None:
         """Rank 0's choice for ``numbers``, taken by every rank. ``quiet``: the choice in
         force (a check that found no drift); ``forced``: these options (an undone trial);
         ``before``: the median step of the window the numbers came from, which makes a
-        change a trial (module docstring, 6)."""
+        change a trial (module docstring, 6), from the options in force or ``under``, those
+        that window's steps ran."""
         buckets = self._options(numbers)
         current = tuple(self._choice.get(k, 0) for k in numbers["keys"])
+        measured = current if under is None else under
         # Local SGD only where every rank attached its parameters (a rank that cannot
         # average them would drift away for good).
         periods = self.periods if numbers.get("attached", 0.0) >= 1.0 else ()
@@ -448,13 +482,14 @@ class Policy:
         choice = tuple(codes_of_buckets)
         self._agreed = numbers
         self._window, self._latency, self._kappa, self._syncs = [], [], {}, []
+        self._probes = []
         changed = period != self._target or sync != self._target_sync or any(
             self._choice.get(k, 0) != c for k, c in zip(numbers["keys"], choice))
         if (changed and before is not None and period == 1 and self._target == 1
-                and choice != current):
-            self._trial = {"before": before, "old": list(current), "new": list(choice),
+                and choice != measured):
+            self._trial = {"before": before, "old": list(measured), "new": list(choice),
                            "numbers": numbers,
-                           "steps_old": model.steps_factor(inputs, current),
+                           "steps_old": model.steps_factor(inputs, measured),
                            "steps_new": model.steps_factor(inputs, choice)}
         self._target, self._target_sync = period, sync
         if changed:
@@ -526,6 +561,14 @@ class Policy:
         for part, value in owed.items():  # held tensors are never changed in place (state.py)
             held[part] = held[part] + value if part in held else value
 
+    def _float32_calibration(self) -> None:
+        """After the probe step, where the link is not slow enough to decide on its probe:
+        ``calibrate`` float32 steps follow from this one, measured afresh (the arithmetic's
+        times and the latency samples kept; what the warm quantizer still owed goes with
+        their first exchanges: auto.py's step boundary)."""
+        self._calib_from = self._step
+        self._window, self._probes = [], []
+
     def _recalibrate(self, why: str) -> None:
         log.info("compression auto (step %d): %s; uncompressed until measured again",
                  self._step, why)
@@ -535,7 +578,8 @@ class Policy:
         self._baseline = None
         # Mid-window, calibration starts after the window's sync (the ranks equal again).
         self._calib_from = self._step + (self.period - self.phase if self.period > 1 else 0)
-        self._window, self._latency, self._kappa = [], [], {}
+        self._probe_at = None  # no warm-up before it: calibrated in float32 (auto.py, 2)
+        self._window, self._latency, self._kappa, self._probes = [], [], {}, []
         self._syncs = []
 
     # ------------------------------------------------------------------ reports

@@ -133,7 +133,8 @@ def same_auto_choice(auto, what: str, reasons: tuple, gather) -> None:
 
 def quick_auto():
     # tiers="all": on one host auto would be off; this measures the ranks' own links.
-    # Decided at step 3 (warm-up 1, calibration 2), checked again at steps 4 and 6.
+    # Decided at step 2 on the probe of step 1 where that reads a slow link, else at step 4
+    # (warm-up 1, the probe, calibration 2); checked again at steps 4 and 6.
     return Auto(tiers="all", warmup=1, calibrate=2, check_every=2)
 
 
@@ -151,14 +152,16 @@ for what, compression in (("auto", "auto"), ("Auto(tiers='all')", quick_auto()))
                      lambda d: hvd.allgather_object(d))
 
 # compression="auto" allowed local SGD (H at most 4), decided once, at step 3 (no drift
-# check in these 8 steps): whatever H and sync option it chose (H 1, 2 or 4; float32 or a
-# quantizer: the loopback link decides), every window ends by the last step, so the
+# check in these 8 steps; early=1: after both float32 calibration steps, not on the probe
+# of step 1, which the tiny net's short step may read as a slow link): whatever H and sync
+# option it chose (H 1, 2 or 4; float32 or a quantizer: the loopback link decides), every
+# window ends by the last step, so the
 # parameters must end equal on every rank, through DistributedOptimizer's attach and
 # after_step and the Horovod API's DiLoCo reducer.
 torch.manual_seed(0)
 model = Net()
 auto = Auto(tiers="all", warmup=1, calibrate=2, check_every=100, margin=0.0,
-            local_steps=0.0, local_sgd=4)
+            local_steps=0.0, local_sgd=4, early=1.0)
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
                                named_parameters=model.named_parameters(), compression=auto)
 train(model, opt, "DistributedOptimizer auto, local_sgd=4", lambda d: hvd.allgather_object(d))
