@@ -1,35 +1,40 @@
 """gradsync's compiled fast paths: installed with the package, else built ahead or on first use.
 
-gradsync has one C source today, ``collectives/_shmfast.c`` (the one-step shared-memory
-allreduce, and the heartbeats' beater that needs no GIL: ``beater.py``), a CPython extension
-module. ``load`` finds it in this order:
+gradsync has two C sources, each a CPython extension module: ``collectives/_shmfast.c`` (the
+one-step shared-memory allreduce, and the heartbeats' beater that needs no GIL:
+``beater.py``) and ``compress/_quantfast.c`` (the quantizers' per-block arithmetic:
+``compress/quantized.py``). ``load`` finds each in this order:
 
-1. **Installed**: ``pip install`` and ``pip wheel`` compile it when the machine has a C
-   compiler and Python's headers (setup.py, an optional extension), so the package carries
-   ``gradsync/collectives/_shmfast.<abi>.so`` and ``load`` imports it. An editable install
-   builds it in place, beside the source.
+1. **Installed**: ``pip install`` and ``pip wheel`` compile them when the machine has a C
+   compiler and Python's headers (setup.py, optional extensions), so the package carries
+   ``gradsync/collectives/_shmfast.<abi>.so`` (and ``compress/_quantfast``) and ``load``
+   imports it. An editable install builds them in place, beside their sources.
 2. **Cached**: otherwise (a checkout on ``PYTHONPATH``, an install made without a compiler)
    it is compiled with ``cc`` (or ``$CC``) against this Python's headers into a per-user
    cache, ``$XDG_CACHE_HOME/gradsync`` (default ``~/.cache/gradsync``, else a directory in
    the system's temporary directory), under a name keyed by a hash of the source, the Python
    version and the compile command; every later process, and every rank of every later job,
    loads it from there. ``gradsync build-native`` (``main``) does this ahead of time, for a
-   container image, and says where the module is.
+   container image, and says where the modules are.
 3. **None**: where neither works (no compiler or no headers), one warning line says why and
    callers take their Python path, which computes the same bits (the tests cover both); the
-   heartbeats are then sent by a Python thread, which a long hold of the GIL can silence.
+   heartbeats are then sent by a Python thread, which a long hold of the GIL can silence, and
+   the quantizers run as torch operations, several times slower.
 
 Every module carries the hash of the source it was compiled from (``source_hash``, set by
-setup.py and by the build here) and is loaded only when it matches the ``_shmfast.c`` beside
-this file: an editable install's in-place module that the source has since moved past is
-refused with a warning and the cache's build is used instead, so a stale module never runs.
+setup.py and by the build here) and is loaded only when it matches the source beside it: an
+editable install's in-place module that the source has since moved past is refused with a
+warning and the cache's build is used instead, so a stale module never runs.
 
-When it is built matters: ``World.connect`` calls ``load`` before its connect deadline
-starts, where a first-use compile (about a second, up to ``_COMPILE_TIMEOUT``) costs no
-peer its window; ``ShmGroup``, made inside that window, asks with ``build=False`` and never
-compiles. Concurrent first uses (the ranks of one job starting together) take an exclusive
-lock on the cache entry, so one compiles while the others wait for it; a module is moved
-into place atomically once complete, so nobody ever loads a half-written file.
+When it is built matters: ``World.connect`` calls ``load("_shmfast")`` before its connect
+deadline starts, where a first-use compile (about a second, up to ``_COMPILE_TIMEOUT``) costs
+no peer its window; ``ShmGroup``, made inside that window, asks with ``build=False`` and
+never compiles. The quantizers load ``_quantfast`` at their first exchange (compression is
+optional, and its collectives wait minutes, not a connect window): a first-use compile
+delays that one exchange by about a second. Concurrent first uses (the ranks of one job
+starting together) take an exclusive lock on the cache entry, so one compiles while the
+others wait for it; a module is moved into place atomically once complete, so nobody ever
+loads a half-written file.
 """
 
 from __future__ import annotations
@@ -52,9 +57,13 @@ __all__ = ["load", "cache_dir", "source_hash", "main"]
 
 log = logging.getLogger("gradsync")
 
-_PACKAGE = "gradsync.collectives"
-_SOURCES = {"_shmfast": os.path.join(os.path.dirname(__file__), "collectives", "_shmfast.c")}
+_SOURCES = {"_shmfast": os.path.join(os.path.dirname(__file__), "collectives", "_shmfast.c"),
+            "_quantfast": os.path.join(os.path.dirname(__file__), "compress", "_quantfast.c")}
+_PACKAGES = {"_shmfast": "gradsync.collectives", "_quantfast": "gradsync.compress"}
 _FLAGS = ["-O2", "-fPIC", "-shared", "-fno-strict-aliasing"]
+_SLOWER = {"_shmfast": "slower for small allreduces and with heartbeats that a long hold of "
+                       "the GIL can silence",
+           "_quantfast": "int8, int4 and bf16 compression several times slower"}
 _COMPILE_TIMEOUT = 120.0
 _loaded: dict = {}  # (name, compiler) -> module or None: what load() answered in this process
 _warned: set = set()  # (name, why) already warned about in this process
@@ -79,7 +88,7 @@ def load(name: str, compiler: "str | None" = None, build: bool = True):
     Where it returns None, one warning says why, once per process and module.
 
     Args:
-        name: a module of ``_SOURCES`` (``"_shmfast"``).
+        name: a module of ``_SOURCES`` (``"_shmfast"``, ``"_quantfast"``).
         compiler: the compile command (default ``$CC``, else ``cc``); for tests.
         build: False only loads (the installed or an already cached module) and never
             compiles: for callers inside a deadline, after an earlier ``load`` had the
@@ -98,8 +107,7 @@ def load(name: str, compiler: "str | None" = None, build: bool = True):
         reason = str(exc).strip().splitlines()
         _warn(name, f"compiled {name} unavailable "
                     f"({reason[0] if reason else type(exc).__name__}); using the Python path, "
-                    f"slower for small allreduces and with heartbeats that a long hold of the "
-                    f"GIL can silence: install a C compiler and Python's headers "
+                    f"{_SLOWER.get(name, 'slower')}: install a C compiler and Python's headers "
                     f"(Debian/Ubuntu: apt-get install gcc python3-dev), then run "
                     f"`gradsync build-native` (docs/troubleshooting.md)")
         if not build:
@@ -140,7 +148,7 @@ def _installed(name: str):
     """The module the package was installed with (setup.py built it), if current; else None."""
     # Beside its source, where setup.py puts it (an editable install too): a search of the
     # files only, so a module loaded from the cache under the same name is not taken for it.
-    spec = importlib.machinery.PathFinder.find_spec(f"{_PACKAGE}.{name}",
+    spec = importlib.machinery.PathFinder.find_spec(f"{_PACKAGES[name]}.{name}",
                                                     [os.path.dirname(_SOURCES[name])])
     if spec is None or not isinstance(spec.loader, importlib.machinery.ExtensionFileLoader):
         return None
@@ -185,9 +193,10 @@ def _from_cache(name: str, compiler: "str | None", build: bool):
             fcntl.flock(lock, fcntl.LOCK_EX)  # the ranks of one job start together: one compiles
             if not os.path.exists(path):
                 _compile(command, flags + [f"-I{include}", source], path)
-    loader = importlib.machinery.ExtensionFileLoader(f"{_PACKAGE}.{name}", path)
+    qualified = f"{_PACKAGES[name]}.{name}"
+    loader = importlib.machinery.ExtensionFileLoader(qualified, path)
     return _checked(name, _exec(importlib.util.spec_from_file_location(
-        f"{_PACKAGE}.{name}", path, loader=loader)), path)
+        qualified, path, loader=loader)), path)
 
 
 def _compile(command: list, arguments: list, path: str) -> None:
@@ -214,9 +223,10 @@ def main(argv: "Sequence[str] | None" = None) -> int:
     are; 0 when every one loaded, 1 otherwise."""
     parser = argparse.ArgumentParser(
         prog="gradsync build-native",
-        description="Build gradsync's compiled shared-memory allreduce ahead of its first use "
-                    "(for a container image or a shared checkout) and print where it is. An "
-                    "install made with a C compiler already carries it; otherwise it is built "
+        description="Build gradsync's compiled shared-memory allreduce and quantizer kernels "
+                    "ahead of their first use (for a container image or a shared checkout) and "
+                    "print where they are. An install made with a C compiler already carries "
+                    "them; otherwise they are built "
                     f"into this user's cache ({cache_dir()}, $XDG_CACHE_HOME/gradsync). $CC "
                     "names the compiler (default cc).")
     parser.parse_args(argv)

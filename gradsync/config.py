@@ -97,6 +97,12 @@ class Config:
     """Small shared-memory allreduces take the compiled road (``collectives/_shmfast.c``,
     built on first use with the system C compiler); false keeps them in Python."""
 
+    quant_fast: bool = True
+    """int8, int4 and bf16 compression run their per-block arithmetic compiled
+    (``compress/_quantfast.c``, built as ``shm_fast``'s; the same bits as torch's operations);
+    false keeps torch's operations. Read from the environment by the compressors themselves
+    (``setting``): they also run on torch's own groups, with no World."""
+
     torch_share_buckets: bool = True
     """The torch backend moves a tensor that it reduces in place again and again inside
     backward passes (DDP's buckets), of at least ``shm_slot_bytes``, into a shared-memory file
@@ -288,6 +294,15 @@ class Config:
 
 _SIZE = re.compile(r"(\d+)\s*([KkMmGg])(?:i?[Bb])?")
 _SHIFT = {"K": 10, "M": 20, "G": 30}
+
+
+def setting(name: str, environ: Mapping[str, str] | None = None):
+    """One setting as ``load_config`` would give it from the environment alone (its
+    ``GRADSYNC_*`` variable, else the default): for code that runs without a World."""
+    field = next(f for f in fields(Config) if f.name == name)
+    variable = ENV_PREFIX + name.upper()
+    text = (os.environ if environ is None else environ).get(variable)
+    return field.default if text is None else _parse(field, variable, text)
 
 
 def _parse(field: dataclasses.Field, variable: str, text: str):

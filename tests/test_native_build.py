@@ -65,8 +65,10 @@ def _counting(monkeypatch) -> list:
 
 
 def test_source_hash_is_setup_pys():
-    text = (ROOT / "gradsync" / "collectives" / "_shmfast.c").read_bytes()
-    assert _native.source_hash("_shmfast") == hashlib.sha256(text).hexdigest()[:16]
+    for name, folder in (("_shmfast", "collectives"), ("_quantfast", "compress")):
+        text = (ROOT / "gradsync" / folder / f"{name}.c").read_bytes()
+        assert _native.source_hash(name) == hashlib.sha256(text).hexdigest()[:16]
+        assert f"gradsync/{folder}/{name}.c" in (ROOT / "setup.py").read_text()
     assert "hexdigest()[:16]" in (ROOT / "setup.py").read_text()  # the same digest there
 
 
@@ -150,10 +152,12 @@ def test_build_native_command_in_a_process(tmp_path):
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
     assert done.returncode == 0, done.stderr
-    # an editable install's in-place module where there is one, else a build in the cache
-    match = re.fullmatch(r"_shmfast: loaded \((installed|cached)\) from (\S+)",
-                         done.stdout.strip())
-    assert match and os.path.exists(match[2]), done.stdout
+    # an editable install's in-place modules where there are, else builds in the cache
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 2, done.stdout
+    for name, line in zip(("_shmfast", "_quantfast"), lines):
+        match = re.fullmatch(rf"{name}: loaded \((installed|cached)\) from (\S+)", line)
+        assert match and os.path.exists(match[2]), done.stdout
 
 
 def _wheel(tmp_path: Path, env: dict) -> tuple[Path, str]:
@@ -175,27 +179,34 @@ def _wheel(tmp_path: Path, env: dict) -> tuple[Path, str]:
     return wheels[0], done.stdout + done.stderr
 
 
+MODULES = {"_shmfast": "gradsync/collectives", "_quantfast": "gradsync/compress"}
+
+
 @pytest.mark.slow
-def test_wheel_holds_the_compiled_module(tmp_path):
+def test_wheel_holds_the_compiled_modules(tmp_path):
     wheel, _ = _wheel(tmp_path, {})
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
-        built = [n for n in names if re.fullmatch(r"gradsync/collectives/_shmfast\..*\.so", n)]
-        assert built == [f"gradsync/collectives/_shmfast{SUFFIX}"], names
-        assert "gradsync/collectives/_shmfast.c" in names  # the hash check needs its source
-        archive.extract(built[0], tmp_path / "unpacked")
-    path = str(tmp_path / "unpacked" / built[0])
-    loader = importlib.machinery.ExtensionFileLoader("gradsync.collectives._shmfast", path)
-    module = _native._exec(importlib.util.spec_from_file_location(
-        "gradsync.collectives._shmfast", path, loader=loader))
-    assert module.source_hash == _native.source_hash("_shmfast")  # setup.py's hash is ours
+        for name, folder in MODULES.items():
+            built = [n for n in names if re.fullmatch(rf"{folder}/{name}\..*\.so", n)]
+            assert built == [f"{folder}/{name}{SUFFIX}"], names
+            assert f"{folder}/{name}.c" in names  # the hash check needs its source
+            archive.extract(built[0], tmp_path / "unpacked")
+            path = str(tmp_path / "unpacked" / built[0])
+            qualified = f"{folder.replace('/', '.')}.{name}"
+            loader = importlib.machinery.ExtensionFileLoader(qualified, path)
+            module = _native._exec(importlib.util.spec_from_file_location(
+                qualified, path, loader=loader))
+            assert module.source_hash == _native.source_hash(name)  # setup.py's hash is ours
     assert not wheel.name.endswith("-none-any.whl"), wheel.name  # a platform wheel
 
 
 @pytest.mark.slow
-def test_wheel_without_a_compiler_is_pure_python_with_one_warning(tmp_path):
+def test_wheel_without_a_compiler_is_pure_python_with_one_warning_a_module(tmp_path):
     wheel, output = _wheel(tmp_path, {"CC": "/nonexistent/cc"})
     with zipfile.ZipFile(wheel) as archive:
         assert not [n for n in archive.namelist() if n.endswith(".so")]
-    warnings = re.findall(r'building extension "gradsync.collectives._shmfast" failed', output)
-    assert len(warnings) == 1, output[-3000:]
+    for name, folder in MODULES.items():
+        qualified = f"{folder.replace('/', '.')}.{name}"
+        warnings = re.findall(rf'building extension "{qualified}" failed', output)
+        assert len(warnings) == 1, output[-3000:]

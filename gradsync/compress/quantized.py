@@ -47,15 +47,35 @@ fp8 (``FP8``): the same schedule with e4m3 bytes (scale ``max|x| / 448``): torch
 kernels convert float32 to ``torch.float8_e4m3fn`` and back (nothing else is needed: the
 sums are float64 here), with 3 mantissa bits against int8's 7 but a floating exponent inside
 each block (small values next to large ones keep relative precision).
+
+The arithmetic. int8, int4 and bf16 run their per-block parts (quantize with what the
+rounding lost, the owner's float64 sum, the decode) as compiled kernels, one pass each
+(``_quantfast.c``, installed or built by ``_native.py``), the same bits as the torch
+operations below, which run where the kernels are not there (no compiler) and for fp8. As
+torch operations they are a chain of whole-tensor passes: int4 took 15-20 ms of one core on
+a 3 MB bucket (20 ns per element, more than a 1 Gbit/s link takes to carry its bytes);
+docs/benchmarks.md ("The quantizers compiled") has the figures.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .. import _native
+from ..config import setting
 from .base import ReducingCompressor
 
 __all__ = ["Int8", "Int4", "FP8", "BF16"]
+
+COMPILED = bool(setting("quant_fast"))
+"""Whether int8, int4 and bf16 use the compiled kernels where they load (``quant_fast``:
+``GRADSYNC_QUANT_FAST=0`` keeps torch's operations, for a comparison or to rule the kernels
+out; the tests compare both paths by turning it off)."""
+
+
+def _kernels():
+    """The compiled kernels' module, or None (not wanted, or not there: ``_native``)."""
+    return _native.load("_quantfast") if COMPILED else None
 
 
 class _Quantized(ReducingCompressor):
@@ -65,6 +85,9 @@ class _Quantized(ReducingCompressor):
     QMAX = 1.0
     WIDTH = 1
     """Bytes per element on the wire (``row_bytes`` for codes narrower than a byte)."""
+    KIND: int | None = None
+    """The compiled kernels' code for this encoding (``_quantfast.c``: 0 int8, 1 int4, 2
+    bf16); None: torch's operations only."""
 
     def __init__(self, block: int = 1024, seed: int = 0, tiers: str = "slowest"):
         super().__init__(seed, tiers)
@@ -95,6 +118,49 @@ class _Quantized(ReducingCompressor):
     def _dequantize(self, scales: torch.Tensor, q: torch.Tensor, block: int) -> torch.Tensor:
         return self._decode(q, block) * scales.unsqueeze(1)
 
+    def _fast(self):
+        return _kernels() if self.KIND is not None else None
+
+    def _quantize_kept(self, rows: torch.Tensor, keep: bool):
+        """``_quantize(rows)`` and, where ``keep``, what it lost (``rows`` less what the codes
+        give back; non-finite values zero: a gradient that overflowed must not poison later
+        steps through a residual), else None."""
+        fast = self._fast()
+        if fast is None:
+            scales, q = self._quantize(rows)
+            lost = None
+            if keep:
+                sent = self._dequantize(scales, q, rows.shape[1])
+                lost = torch.nan_to_num(rows - sent, nan=0.0, posinf=0.0, neginf=0.0)
+            return scales, q, lost
+        rows = rows.contiguous()
+        count, block = rows.shape
+        scales = torch.empty(count, dtype=torch.float32)
+        q = torch.empty(count, self.row_bytes(block), dtype=torch.uint8)
+        lost = torch.empty_like(rows) if keep else None
+        fast.quantize(self.KIND, count, block, rows.data_ptr(), scales.data_ptr(),
+                      q.data_ptr(), None if lost is None else lost.data_ptr())
+        return scales, q, lost
+
+    def _values(self, scales: torch.Tensor, q: torch.Tensor, block: int,
+                total: torch.Tensor | None = None) -> torch.Tensor:
+        """``_dequantize``'s float32 values, or, given ``total`` (float64, rows x block),
+        ``total`` with them added, each widened to float64."""
+        fast = self._fast()
+        if fast is None:
+            values = self._dequantize(scales, q, block)
+            return values if total is None else total.add_(values.double())
+        scales, q = scales.contiguous(), q.contiguous()
+        count = scales.numel()
+        if total is not None:
+            fast.dequantize(self.KIND, count, block, scales.data_ptr(), q.data_ptr(), None,
+                            total.data_ptr())
+            return total
+        out = torch.empty(count, block, dtype=torch.float32)
+        fast.dequantize(self.KIND, count, block, scales.data_ptr(), q.data_ptr(),
+                        out.data_ptr(), None)
+        return out
+
     def layout(self, numel: int, size: int) -> tuple[int, int]:
         """(elements per block, blocks per chunk) for ``numel`` elements over ``size`` ranks."""
         per_rank = -(-numel // size)
@@ -108,15 +174,15 @@ class _Quantized(ReducingCompressor):
         block, blocks = self.layout(numel, n)
         chunk = block * blocks
         # Padding is zeros: it quantizes to zero bytes and sums to zero.
-        padded = torch.zeros(n * chunk, dtype=torch.float32)
+        padded = torch.empty(n * chunk, dtype=torch.float32)
+        padded[numel:].zero_()
         since = self.state.begin()
         torch.add(x, self._residual(key, "residual", numel), out=padded[:numel])
         rows = padded.view(n * blocks, block)
-        scales, q = self._quantize(rows)
-        # What this rank's quantization lost stays here. A non-finite gradient (an overflow
-        # that GradScaler will skip) must not poison every later step through the residual.
-        sent = self._dequantize(scales, q, block).reshape(-1)[:numel]
-        residual = torch.nan_to_num(padded[:numel] - sent, nan=0.0, posinf=0.0, neginf=0.0)
+        # What this rank's quantization lost stays here (non-finite values zero).
+        scales, q, lost = self._quantize_kept(rows, keep=True)
+        assert lost is not None
+        residual = lost.reshape(-1)[:numel]  # a view: the padding it keeps is a block a chunk
         # Wire block for rank j: its chunk's scales (4 bytes each), then its bytes.
         codes = blocks * self.row_bytes(block)  # bytes of one chunk's codes
         wire = torch.cat([scales.view(n, blocks).view(torch.uint8),
@@ -127,18 +193,14 @@ class _Quantized(ReducingCompressor):
         # The owner's sum, in float64 (module docstring: overflow is impossible).
         total = torch.zeros(blocks, block, dtype=torch.float64)
         for s in range(n):  # in rank order: the same rounding on every owner
-            total += self._dequantize(their_scales[s], their_q[s].view(blocks, -1),
-                                      block).double()
+            self._values(their_scales[s], their_q[s].view(blocks, -1), block, total)
         if average:
             total /= n
         mine = total.float()
         owner_name = f"owner{comm.rank}of{n}"
         if key is not None:
             mine += self.state.tensor(key, owner_name, (blocks, block))
-        out_scales, out_q = self._quantize(mine)
-        if key is not None:
-            owner = torch.nan_to_num(mine - self._dequantize(out_scales, out_q, block),
-                                     nan=0.0, posinf=0.0, neginf=0.0)
+        out_scales, out_q, owner = self._quantize_kept(mine, keep=key is not None)
         piece = torch.cat([out_scales.view(torch.uint8), out_q.view(-1).view(torch.uint8)])
         gathered = comm.allgather(piece).view(n, 4 * blocks + codes)
         # Every collective returned: only now does the state move (a reduction that a lost
@@ -148,7 +210,8 @@ class _Quantized(ReducingCompressor):
             self.state.put(key, owner_name, owner, since)
         all_scales = _packed(gathered[:, :4 * blocks]).view(torch.float32).reshape(-1)
         all_q = _packed(gathered[:, 4 * blocks:]).view(n * blocks, -1)
-        return self._dequantize(all_scales, all_q, block).reshape(-1)[:numel].clone()
+        out = self._values(all_scales, all_q, block).reshape(-1)
+        return out[:numel].clone() if out.numel() > numel else out
 
 
 def _packed(columns: torch.Tensor) -> torch.Tensor:
@@ -171,6 +234,7 @@ class Int8(_Quantized):
 
     name = "int8"
     QMAX = 127.0
+    KIND = 0
 
     def _encode(self, x):
         return x.round().clamp_(-127, 127).to(torch.int8).view(torch.uint8)
@@ -186,6 +250,7 @@ class Int4(_Quantized):
 
     name = "int4"
     QMAX = 7.0
+    KIND = 1
 
     def row_bytes(self, block):
         return (block + 1) // 2
@@ -224,6 +289,7 @@ class BF16(_Quantized):
 
     name = "bf16"
     WIDTH = 2
+    KIND = 2
 
     def _encode(self, x):
         return x.to(torch.bfloat16).view(torch.uint8)
