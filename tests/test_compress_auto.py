@@ -367,6 +367,34 @@ def test_a_slow_link_is_decided_on_a_probe_without_a_float32_step(size, monkeypa
             (total + held - sum(means)).abs().max()
 
 
+class SlowProbe(Counting):
+    """A Counting comm whose probe-sized allreduces take four times the link's time."""
+
+    def allreduce_sum_(self, t):
+        if t.numel() * t.element_size() == 1 << 16:
+            self.clock.t += 3 * (1 << 16) / self.link.rate[self.rank]
+        super().allreduce_sum_(t)
+
+
+def test_a_probe_slower_than_the_quantized_exchange_is_not_the_links_rate(monkeypatch):
+    """The probe step's quantized exchanges carried their bytes in their time: the link is at
+    least that fast, so a probe that met something else (here it takes four times the
+    link's time) does not make the decision's rate slower than that."""
+    from gradsync.compress import auto_policy
+
+    monkeypatch.setattr(auto_policy, "PROBE_BYTES", 1 << 16)
+    group = ThreadGroup(2)
+    link = Link(2, 1e6)
+    clocks = [Clock() for _ in range(2)]
+    comms = [SlowProbe(group, r, clocks[r], link, None) for r in range(2)]
+    autos = [Auto(clock=clocks[r], warmup=1, calibrate=2, check_every=4, early=0.5,
+                  options=("none", "int8", "int4")) for r in range(2)]
+    train(autos, comms, 3, [0.05, 0.05])
+    d = autos[0].decision
+    assert d is not None and d.step == 2, d
+    assert 0.5e6 < d.rate <= 1e6, d.rate  # the probe alone: 0.25e6
+
+
 def test_a_link_that_is_not_slow_is_calibrated_in_float32_after_its_probe():
     """Where the probe's rate predicts a float32 exchange under half the step, two float32
     steps follow the probe step and decide (step 4 here): what the warm quantizer still

@@ -11,7 +11,8 @@ declared below.
    allreduce: the same bytes on every rank), then rank 0's decision is sent to all (a second
    allreduce, every other rank adding zeros): every rank uses rank 0's choice, even where a
    rank's own arithmetic would have rounded differently. After the probe step (``auto.py``,
-   2) the rate is the probe's, compute the step's period less its blocked time, and the
+   2) the rate is the probe's (at least what the warm quantizer's exchanges carried in their
+   time), compute the step's period less its blocked time, and the
    hidden part at most what the warm quantizer's exchange hid; decided there only where the
    float32 exchange so predicted blocks more than ``early`` of the step, and then a change
    from the warm quantizer is a trial against the probe step (6).
@@ -235,6 +236,15 @@ class Policy:
             nbytes = self._probe_bytes(keys)
             rate = nbytes / max(agreed[-1] - latency - self._local_seconds(topo, nbytes),
                                 _TINY)
+            # The warm quantizer's exchanges carried their bytes in their whole time (its
+            # arithmetic and waits included): the link is at least that fast, whatever the
+            # probe met (in gradsync bench compress at 25 Mbit/s a first probe once read
+            # 8.2 Mbit/s of gradient, the drift checks' 16.2).
+            warm = self.names.index(self.warm)
+            options = self._options({"keys": keys, "kappa": kappa, "local": local_s,
+                                     "units": units, "per_unit": k_local})
+            sent = sum(b.options[warm].ratio * b.nbytes for b in options)
+            rate = max(rate, sent / max(sum(times.values()), _TINY))
             float32 = sum(latency + local_s[k] + 4 * self._numel(k) / rate for k in keys)
             hidden = min(hidden, float32)
             if not float32 - hidden > self.early * (compute + float32 - hidden):
