@@ -120,8 +120,10 @@ static void quantize_rows(int kind, const float *x, Py_ssize_t rows, Py_ssize_t 
                 for (Py_ssize_t i = 0; i < count; i++) out[i] = (uint8_t)(int8_t)(int32_t)c[i];
             } else if (kind == INT4) {
                 uint8_t *out = codes + r * width + at / 2;
-                for (Py_ssize_t j = 0; j < count / 2; j++)
-                    out[j] = (uint8_t)((((int32_t)c[2 * j] + 8) << 4) | ((int32_t)c[2 * j + 1] + 8));
+                for (Py_ssize_t j = 0; j < count / 2; j++) {
+                    int32_t high = (int32_t)c[2 * j] + 8, low = (int32_t)c[2 * j + 1] + 8;
+                    out[j] = (uint8_t)((high << 4) | low);
+                }
                 if (count % 2) out[count / 2] = (uint8_t)((((int32_t)c[count - 1] + 8) << 4) | 8);
             } else {
                 uint16_t *out = (uint16_t *)(codes + r * width) + at;
@@ -158,7 +160,8 @@ static void decode_rows(int kind, const float *scales, const uint8_t *codes, Py_
                 if (count % 2) v[count - 1] = ((float)(in[count / 2] >> 4) - 8.0f) * scale;
             } else {
                 const uint16_t *in = (const uint16_t *)(codes + r * width) + at;
-                for (Py_ssize_t i = 0; i < count; i++) v[i] = float_of((uint32_t)in[i] << 16) * scale;
+                for (Py_ssize_t i = 0; i < count; i++)
+                    v[i] = float_of((uint32_t)in[i] << 16) * scale;
             }
             if (total != NULL) {
                 double *t = total + r * block + at;
@@ -170,16 +173,25 @@ static void decode_rows(int kind, const float *scales, const uint8_t *codes, Py_
     }
 }
 
-static void *address(PyObject *o) {
-    return o == Py_None ? NULL : PyLong_AsVoidPtr(o);
-}
+/* A call's arguments: (kind, rows, block, then four addresses, each an int or None). */
+typedef struct {
+    int kind;
+    Py_ssize_t rows, block;
+    void *at[4];
+} call_args;
 
-static int sizes(PyObject *const *args, int *kind, Py_ssize_t *rows, Py_ssize_t *block) {
-    *kind = (int)PyLong_AsLong(args[0]);
-    *rows = PyLong_AsSsize_t(args[1]);
-    *block = PyLong_AsSsize_t(args[2]);
+static int parse(PyObject *const *args, Py_ssize_t nargs, const char *name, call_args *c) {
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "%s takes 7 arguments", name);
+        return -1;
+    }
+    c->kind = (int)PyLong_AsLong(args[0]);
+    c->rows = PyLong_AsSsize_t(args[1]);
+    c->block = PyLong_AsSsize_t(args[2]);
+    for (int i = 0; i < 4; i++)
+        c->at[i] = args[3 + i] == Py_None ? NULL : PyLong_AsVoidPtr(args[3 + i]);
     if (PyErr_Occurred()) return -1;
-    if (*kind < INT8 || *kind > BF16 || *rows < 0 || *block < 1) {
+    if (c->kind < INT8 || c->kind > BF16 || c->rows < 0 || c->block < 1) {
         PyErr_SetString(PyExc_ValueError, "_quantfast: bad kind, rows or block");
         return -1;
     }
@@ -189,20 +201,10 @@ static int sizes(PyObject *const *args, int *kind, Py_ssize_t *rows, Py_ssize_t 
 /* quantize(kind, rows, block, x, scales, codes, residual or None) */
 static PyObject *py_quantize(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    int kind;
-    Py_ssize_t rows, block;
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "quantize takes 7 arguments");
-        return NULL;
-    }
-    if (sizes(args, &kind, &rows, &block) < 0) return NULL;
-    const float *x = address(args[3]);
-    float *scales = address(args[4]);
-    uint8_t *codes = address(args[5]);
-    float *residual = address(args[6]);
-    if (PyErr_Occurred()) return NULL;
+    call_args c;
+    if (parse(args, nargs, "quantize", &c) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    quantize_rows(kind, x, rows, block, scales, codes, residual);
+    quantize_rows(c.kind, c.at[0], c.rows, c.block, c.at[1], c.at[2], c.at[3]);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -211,24 +213,14 @@ static PyObject *py_quantize(PyObject *self, PyObject *const *args, Py_ssize_t n
  * out = decode * scale, or total += that, widened. */
 static PyObject *py_dequantize(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    int kind;
-    Py_ssize_t rows, block;
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "dequantize takes 7 arguments");
-        return NULL;
-    }
-    if (sizes(args, &kind, &rows, &block) < 0) return NULL;
-    const float *scales = address(args[3]);
-    const uint8_t *codes = address(args[4]);
-    float *out = address(args[5]);
-    double *total = address(args[6]);
-    if (PyErr_Occurred()) return NULL;
-    if ((out == NULL) == (total == NULL)) {
+    call_args c;
+    if (parse(args, nargs, "dequantize", &c) < 0) return NULL;
+    if ((c.at[2] == NULL) == (c.at[3] == NULL)) {
         PyErr_SetString(PyExc_ValueError, "dequantize: give exactly one of out and total");
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    decode_rows(kind, scales, codes, rows, block, out, total);
+    decode_rows(c.kind, c.at[0], c.at[1], c.rows, c.block, c.at[2], c.at[3]);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
