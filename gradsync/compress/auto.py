@@ -303,7 +303,7 @@ class Auto(Policy, ReducingCompressor):
         self._aside = 0.0  # seconds of this step spent measuring (not the step's work)
         self._window: list[dict] = []  # closed steps since the last agreement
         self._latency: list[float] = []
-        self._probes: list[float] = []  # the probe step's float32 probe (seconds)
+        self._probes: list[tuple[float, int]] = []  # the probe step's probe (seconds, bytes)
         self._kappa: dict[str, list[float]] = {}
         self._synced = 0.0  # seconds of this step spent in local SGD's sync
         self._syncs: list[float] = []  # the window's syncs (seconds)
@@ -494,10 +494,12 @@ class Auto(Policy, ReducingCompressor):
                 comm.allreduce_sum_(one)
                 self._latency.append(self.clock() - begin)
                 if self._probing() and self._last_keys:
+                    # Sized by the last step's buckets, the same on every rank (this step's
+                    # are not known yet; with DDP's rebuild after step 0 they may differ).
                     probe = torch.zeros(self._probe_bytes(self._last_keys) // 4)
                     begin = self.clock()
                     comm.allreduce_sum_(probe)
-                    self._probes.append(self.clock() - begin)
+                    self._probes.append((self.clock() - begin, 4 * probe.numel()))
             self._start = self.clock()
         self._seen.append(key)
         self._shapes[key] = shapes

@@ -126,7 +126,7 @@ class Policy:
     _last_keys: list[str]
     _window: list[dict]
     _latency: list[float]
-    _probes: list[float]
+    _probes: list[tuple[float, int]]
     _kappa: dict[str, list[float]]
     _syncs: list[float]
     _local: LocalSGD | None
@@ -210,10 +210,11 @@ class Policy:
         else:  # nothing timed here (a state loaded mid-calibration): the same length
             local += [0.0] * (4 + per * len(keys))
         local.append(1.0 if self._local is not None else 0.0)
-        local.append(statistics.median(self._probes) if self._probes else 0.0)
+        local.append(1.0 if self._probes else 0.0)
+        local.append(statistics.median(p[0] for p in self._probes) if self._probes else 0.0)
         agreed = self._average(comm, local)
         probed, self._probe_at = self._probe_at is not None, None
-        if probed and (agreed[0] < 1.0 or not agreed[-1] > 0.0):  # not measured everywhere
+        if probed and (agreed[0] < 1.0 or agreed[-2] < 1.0):  # not measured everywhere
             self._float32_calibration()
             return
         if early and not probed and (agreed[0] < 1.0 or self.early >= 1
@@ -233,7 +234,7 @@ class Policy:
             # the float32 exchange they would have had is predicted from it; decided here
             # only where that would have blocked the step for more than ``early`` of it
             # (auto.py, 2).
-            nbytes = self._probe_bytes(keys)
+            nbytes = self._probes[0][1]  # every rank probed (agreed[-2]), the same size
             rate = nbytes / max(agreed[-1] - latency - self._local_seconds(topo, nbytes),
                                 _TINY)
             # The warm quantizer's exchanges carried their bytes in their whole time (its
@@ -256,7 +257,7 @@ class Policy:
         numbers = {"keys": keys, "rate": rate, "latency": latency, "compute": compute,
                    "hidden": hidden, "kappa": kappa, "local": local_s,
                    "units": units, "per_unit": k_local, "tier": tier,
-                   "attached": agreed[-2]}
+                   "attached": agreed[-3]}
         # After the probe step, the step measured went through the warm quantizer: a change
         # from it is a trial against it (module docstring, 6).
         under = (self.names.index(self.warm),) * len(keys) if probed else None
