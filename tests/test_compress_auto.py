@@ -312,12 +312,12 @@ class Counting(LinkComm):
         super().allreduce_sum_(t)
 
 
-def probed_job(size: int, rate, latency=1e-3, **settings):
+def probed_job(size: int, rate, latency=1e-3, check_every=4, **settings):
     group = ThreadGroup(size)
     link = Link(size, rate, latency)
     clocks = [Clock() for _ in range(size)]
     comms = [Counting(group, r, clocks[r], link, None) for r in range(size)]
-    autos = [Auto(clock=clocks[r], warmup=1, calibrate=2, check_every=4, early=0.5,
+    autos = [Auto(clock=clocks[r], warmup=1, calibrate=2, check_every=check_every, early=0.5,
                   **settings) for r in range(size)]
     return autos, comms
 
@@ -393,6 +393,24 @@ def test_a_probe_slower_than_the_quantized_exchange_is_not_the_links_rate(monkey
     d = autos[0].decision
     assert d is not None and d.step == 2, d
     assert 0.5e6 < d.rate <= 1e6, d.rate  # the probe alone: 0.25e6
+
+
+def test_a_change_on_trial_is_checked_after_a_few_steps_not_at_the_next_drift_check():
+    """A decision that changes the options (here from the probe step's int4: the tiny bucket
+    goes float32) is a trial, checked ``TRIAL`` (4) steps later, well before the next drift
+    check (step 16 here): a wrong first choice costs 4 steps, not 14."""
+    from gradsync.compress.auto_policy import TRIAL
+
+    autos, comms = probed_job(2, rate=1e6, check_every=16, options=("none", "int8", "int4"))
+    train(autos, comms, 3, [0.05, 0.05])
+    d = autos[0].decision
+    assert d.step == 2 and d.choices["tiny"] != "int4", d.summary()
+    assert all(a._trial is not None and a._trial["at"] == 2 for a in autos)
+    train(autos, comms, TRIAL - 1, [0.05, 0.05])  # steps 3 .. 5: not yet
+    assert all(a._trial is not None for a in autos)
+    train(autos, comms, 1, [0.05, 0.05])  # step 6's first call checks it
+    assert all(a._trial is None for a in autos)
+    assert autos[0]._baseline is not None  # the check ran: the exchange's measure taken
 
 
 def test_a_link_that_is_not_slow_is_calibrated_in_float32_after_its_probe():

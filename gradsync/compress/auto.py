@@ -478,7 +478,8 @@ class Auto(Policy, ReducingCompressor):
                 elif (self._agreed is None and not probed
                       and self._step == self._calib_from + 1 and self.early < 1):
                     self._agree(comm, self._resized or "calibrated", early=True)
-                elif self._agreed is not None and self._step % self.check_every == 0:
+                elif self._agreed is not None and (self._step % self.check_every == 0
+                                                   or self._trial_due()):
                     if self._keys() != self._agreed["keys"]:
                         # The buckets changed (a parameter group added, DDP's buckets
                         # rebuilt): the same keys on every rank, so every rank starts

@@ -48,7 +48,8 @@ declared below.
    exchange moved for another reason, and its time is the new measure). Under local SGD
    the syncs stand for the exchange: in float32 their time gives the rate, through a
    quantizer they are probed the same way.
-6. Outcome: a decision that changes a bucket's option is a trial. At the next check, the
+6. Outcome: a decision that changes a bucket's option is a trial. ``TRIAL`` steps after it
+   (or at the next check, if sooner: a check that comes then, drift and all), the
    window's median step (every rank's, averaged) is compared with the median step of the
    window that led to it, each times its choice's steps factor (what the model minimises is
    the time to the target, not the step: a lossier choice's shorter steps must also pay for
@@ -96,6 +97,10 @@ PROBE_BYTES = 1 << 20
 """Bytes of the float32 allreduce a drift check times where a bucket is compressed (module
 docstring, 4): large enough that the wire, not the latency, is most of its time on the links
 auto weighs (8 ms at 1 Gbit/s, 0.3-0.5 s at 25 Mbit/s, at the checks that need it)."""
+
+TRIAL = 4
+"""Steps after a change on trial at which its outcome is checked, where the next drift check
+is later (module docstring, 6)."""
 
 ORDER = itertools.count(1)
 """Numbers every decision made in this process, newest highest (``auto.latest``)."""
@@ -379,6 +384,11 @@ class Policy:
         self._decide(comm, numbers if moved else a, "drift: " + ", ".join(moved),
                      quiet=not moved, before=step_s if exchanged >= 1.0 else None)
 
+    def _trial_due(self) -> bool:
+        """A change on trial has had ``TRIAL`` steps (module docstring, 6): its outcome is
+        checked now, not at the next drift check (the same on every rank: the trial is)."""
+        return self._trial is not None and self._step >= self._trial.get("at", 0) + TRIAL
+
     def _undo(self, comm, trial: dict, step_s: float) -> None:
         """The change on trial made the steps slower: back to the options before it (module
         docstring, 6)."""
@@ -499,7 +509,7 @@ class Policy:
         if (changed and before is not None and period == 1 and self._target == 1
                 and choice != measured):
             self._trial = {"before": before, "old": list(measured), "new": list(choice),
-                           "numbers": numbers,
+                           "numbers": numbers, "at": self._step,
                            "steps_old": model.steps_factor(inputs, measured),
                            "steps_new": model.steps_factor(inputs, choice)}
         self._target, self._target_sync = period, sync
