@@ -52,9 +52,10 @@ The arithmetic. int8, int4 and bf16 run their per-block parts (quantize with wha
 rounding lost, the owner's float64 sum, the decode) as compiled kernels, one pass each
 (``_quantfast.c``, installed or built by ``_native.py``), the same bits as the torch
 operations below, which run where the kernels are not there (no compiler) and for fp8. As
-torch operations they are a chain of whole-tensor passes: int4 took 15-20 ms of one core on
-a 3 MB bucket (20 ns per element, more than a 1 Gbit/s link takes to carry its bytes);
-docs/benchmarks.md ("The quantizers compiled") has the figures.
+torch operations they are a chain of whole-tensor passes: one rank's int4 reduction of a
+3 MB bucket took 11-20 ms of one core (15-26 ns an element, more than a 1 Gbit/s link takes
+to carry its bytes), compiled 4.5-6.5 ms; docs/benchmarks.md ("The quantizers compiled") has
+the figures and the command.
 """
 
 from __future__ import annotations
