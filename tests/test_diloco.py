@@ -189,6 +189,112 @@ def test_streaming_syncs_fragments_in_turn_overlapped():
     assert not all(torch.equal(final[1][i], final[0][i]) for i in groups[0])
 
 
+def test_carry_on_one_rank_keeps_every_inner_step():
+    """One rank, outer lr 1, no momentum: the outer gradient is the rank's own delta, so the
+    new anchor is where the parameters were when the sync started. With ``carry`` the steps
+    taken in flight are kept on top of it: the parameters follow the inner optimizer alone
+    (to float rounding); without it, those steps are thrown away at every landing."""
+    steps = 12
+
+    def run(**kw):
+        model = fresh_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        outer = DiLoCo(model, opt, sync_every=4, delay=2, outer_lr=1.0, outer_momentum=0.0,
+                       comm=ThreadComm(ThreadGroup(1), 0), **kw)
+        for step in range(steps):
+            inner_step(model, opt, 0, step)
+            outer.outer_step()
+        outer.finish()
+        return flat(model), outer.landed
+
+    alone = fresh_model()
+    opt = torch.optim.SGD(alone.parameters(), lr=0.1)
+    for step in range(steps):
+        inner_step(alone, opt, 0, step)
+    carried, landed = run(carry=True)
+    assert landed == [(6, 0), (10, 0), (12, 0)]  # started at 4, 8, 12; 12: finish()
+    assert torch.allclose(carried, flat(alone), rtol=0, atol=1e-6)
+    replaced, _ = run()
+    assert not torch.allclose(replaced, flat(alone), rtol=0, atol=1e-3)
+
+
+def test_carry_lands_the_new_anchor_plus_the_steps_in_flight():
+    """Two ranks, Nesterov outer step, int8 syncs, delay 1: at each landing a rank's
+    parameters are the new anchor (equal on every rank) plus what that rank moved since the
+    sync started; the anchors stay equal across ranks."""
+    size, steps = 2, 9
+
+    def job(comm):
+        model = fresh_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        outer = DiLoCo(model, opt, sync_every=4, delay=1, outer_lr=0.7, outer_momentum=0.9,
+                       carry=True, compressor=Int8(block=8), comm=comm)
+        seen = []
+        for step in range(steps):
+            inner_step(model, opt, comm.rank, step)
+            before = flat(model)
+            landing = outer.step_count + 1 in {p.land for p in outer.pending}
+            outer.outer_step()
+            if landing:
+                seen.append((before, torch.cat([a.reshape(-1) for a in outer.anchors]).clone(),
+                             flat(model)))
+            if outer.pending:
+                started = outer.pending[0]
+                seen.append(("started", (torch.cat([a.reshape(-1) for a in outer.anchors])
+                                         - started.delta).clone()))
+        return seen
+
+    results, _ = run_ranks(size, job)
+    for rank in range(size):
+        seen = results[rank]
+        starts = [s[1] for s in seen if s[0] == "started"]
+        lands = [s for s in seen if not isinstance(s[0], str)]
+        assert len(lands) == 2 and len(starts) == 2
+        for (before, anchor, after), theta_start in zip(lands, starts):
+            assert torch.allclose(after, anchor + (before - theta_start), atol=1e-6)
+            assert not torch.allclose(after, anchor, atol=1e-6)  # the in-flight step kept
+    for (_, a0, _), (_, a1, _) in zip([s for s in results[0] if not isinstance(s[0], str)],
+                                      [s for s in results[1] if not isinstance(s[0], str)]):
+        assert torch.equal(a0, a1)
+
+
+def test_a_caller_keeping_its_own_schedule_starts_and_counts_the_syncs():
+    """``sync_now(d)`` starts every fragment's sync, landing at the d-th ``tick`` after it
+    (``sync_now(0)``: at once); ``tick`` lands, never starts; a second sync while one is in
+    flight is refused. Each landed reduction's seconds come back, timed on the thread."""
+    size = 2
+
+    def job(comm):
+        model = fresh_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        outer = DiLoCo(model, None, sync_every=1, outer_lr=1.0, outer_momentum=0.0,
+                       carry=True, comm=comm)
+        got = []
+        for step in range(6):
+            inner_step(model, opt, comm.rank, step)
+            got.append(("tick", step, outer.tick()))
+            if step == 1:
+                got.append(("at once", step, outer.sync_now(0)))
+            if step == 2:
+                assert outer.sync_now(2) == []
+                with pytest.raises(RuntimeError, match="in flight"):
+                    outer.sync_now(0)
+        return got, outer.landed
+
+    results, _ = run_ranks(size, job)
+    got, landed = results[0]
+    assert landed == [(2, 0), (5, 0)]  # its 2nd tick at once; started at 3, landed at 5
+    landings = [(what, step) for what, step, seconds in got if seconds]
+    assert landings == [("at once", 1), ("tick", 4)]
+    assert all(s >= 0.0 for _, _, seconds in got for s in seconds)
+
+
+def test_carry_and_mix_are_exclusive():
+    with pytest.raises(ValueError, match="carry"):
+        DiLoCo(fresh_model(), None, sync_every=4, delay=1, mix=0.5, carry=True,
+               comm=ThreadComm(ThreadGroup(1), 0))
+
+
 def test_fragments_cover_every_parameter_once():
     assert fragments_of([10, 10, 10, 10], 2) == [[0, 1], [2, 3]]
     assert fragments_of([100, 1, 1, 1], 2) == [[0], [1, 2, 3]]
@@ -353,7 +459,7 @@ def test_a_new_worker_takes_the_live_outer_state_and_the_cut_sync_is_redone():
         outer = _streaming(model, opt, comm)
         _run(comm, 6, model, opt, outer)
         assert [p.fragment for p in outer.pending] == [0]
-        outer._settle()  # the old group's reduction ends before the new one is used
+        outer.settle()  # the old group's reduction ends before the new one is used
         if r == 1:  # the new worker: a fresh process state
             model = fresh_model()
             opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -23,7 +23,11 @@ turns and the bytes of one window are spread over it. A fragment's sync is *star
 (its delta is taken, the reduction runs in the background) and *lands* ``delay`` inner steps
 later: the reduction overlaps those steps. When it lands, the outer step runs on the
 fragment's anchor, and the fragment's parameters become ``mix * theta + (1 - mix) * anchor``
-(mix 0, the default: the new anchor; the paper's alpha). Worked example, H = 4, F = 2,
+(mix 0, the default: the new anchor; the paper's alpha), or, with ``carry=True``, the new
+anchor plus what they moved since the sync started: the inner steps taken while the bytes
+were on the wire are kept, not overwritten, and go into the fragment's next outer gradient
+(delayed averaging, as in overlap local SGD; ranks then differ by those steps, as they do
+mid-window anyway). Worked example, H = 4, F = 2,
 delay 1: fragment 0 starts at steps 2, 6, 10 and lands at 3, 7, 11; fragment 1 starts at 4,
 8 and lands at 5, 9. With F = 1 and delay 0 this is DiLoCo as above.
 
@@ -46,6 +50,7 @@ step); after a fault its delta is kept instead and reduced again (``_orphan``).
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import torch
 
@@ -78,25 +83,33 @@ def fragments_of(numels: list[int], count: int) -> list[list[int]]:
 class _Pending:
     """One fragment's sync between its start and its landing."""
 
-    __slots__ = ("fragment", "land", "delta", "future", "result")
+    __slots__ = ("fragment", "start", "land", "delta", "future", "result", "seconds")
 
-    def __init__(self, fragment: int, land: int, delta: torch.Tensor):
-        self.fragment, self.land, self.delta = fragment, land, delta
+    def __init__(self, fragment: int, start: int, land: int, delta: torch.Tensor):
+        self.fragment, self.start, self.land, self.delta = fragment, start, land, delta
         self.future = None  # the reduction in flight (None: done, or to be issued again)
         self.result: torch.Tensor | None = None
+        self.seconds: float | None = None  # the reduction's own time, where the reducer tells
 
 
 class _CommReducer:
-    """Runs reductions on one background thread over a ``Comm``, in submission order."""
+    """Runs reductions on one background thread over a ``Comm``, in submission order, each
+    timed on that thread by ``clock`` (``took``)."""
 
-    def __init__(self, comm: Comm, compressor: ReducingCompressor | None):
-        self.comm, self.compressor = comm, compressor
+    def __init__(self, comm: Comm, compressor: ReducingCompressor | None,
+                 clock=time.perf_counter):
+        self.comm, self.compressor, self.clock = comm, compressor, clock
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def start(self, flat: torch.Tensor, shapes: list, key: str):
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="diloco")
-        return self._pool.submit(self._reduce, flat, shapes, key)
+        return self._pool.submit(self._timed, flat, shapes, key)
+
+    def _timed(self, flat, shapes, key) -> tuple[torch.Tensor, float]:
+        begin = self.clock()
+        out = self._reduce(flat, shapes, key)
+        return out, self.clock() - begin
 
     def _reduce(self, flat, shapes, key):
         if self.compressor is not None:
@@ -107,7 +120,12 @@ class _CommReducer:
 
     @staticmethod
     def wait(future) -> torch.Tensor:
-        return future.result()
+        return future.result()[0]
+
+    @staticmethod
+    def took(future) -> float:
+        """Seconds the reduction of ``future`` (done) took on the thread."""
+        return future.result()[1]
 
 
 # Reducers of the front doors above this package, by name (``comm="horovod"``): each front
@@ -145,18 +163,23 @@ class DiLoCo:
             than H // F, so that a fragment lands before the next one starts).
         mix: the share of the local parameters kept when a fragment lands (0: replaced by
             the new anchor).
+        carry: with ``delay``, a fragment that lands becomes the new anchor plus the inner
+            steps taken since its sync started (rather than ``mix``'s blend): no step's work
+            is lost to the overlap.
         compressor: a ``ReducingCompressor`` for the outer gradient (``Int8()``: with error
             feedback); None: a float32 allreduce.
         comm: a ``Comm`` (``TorchComm(group)``, an in-memory one in tests), or ``"horovod"``
             for the Horovod API's collectives (``process_set``, default all ranks).
         name: prefixes the collectives' names and the compressor's keys.
+        clock: times each reduction on the reducer's thread (``_Pending.seconds``), over a
+            ``Comm`` (the Horovod API's collectives are not timed).
     """
 
     def __init__(self, params, inner: torch.optim.Optimizer | None, *, sync_every: int,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
-                 fragments: int = 1, delay: int = 0, mix: float = 0.0,
+                 fragments: int = 1, delay: int = 0, mix: float = 0.0, carry: bool = False,
                  compressor: ReducingCompressor | None = None, comm="horovod",
-                 process_set=None, name: str = "diloco"):
+                 process_set=None, name: str = "diloco", clock=time.perf_counter):
         if isinstance(params, torch.nn.Module):
             params = params.parameters()
         self.params = [p for p in params]
@@ -174,19 +197,23 @@ class DiLoCo:
         if not 0.0 <= mix < 1.0 or outer_lr <= 0 or not 0.0 <= outer_momentum < 1.0:
             raise ValueError(f"need 0 <= mix < 1, outer_lr > 0, 0 <= outer_momentum < 1; got "
                              f"mix={mix}, outer_lr={outer_lr}, outer_momentum={outer_momentum}")
+        if carry and mix:
+            raise ValueError(f"carry keeps the inner steps taken in flight; mix blends them "
+                             f"away: give one, got carry=True and mix={mix}")
         if compressor is not None and not getattr(compressor, "owns_reduction", False):
             raise TypeError(f"compressor must be a gradsync.compress compressor (Int8(), ...), "
                             f"got {compressor!r}")
         self.inner, self.sync_every, self.fragments = inner, sync_every, fragments
         self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
         self.delay, self.mix, self.compressor, self.name = delay, mix, compressor, name
+        self.carry = bool(carry)
         if isinstance(comm, str):
             if comm not in _REDUCERS:
                 raise ValueError(f"comm={comm!r}: no such front door"
                                  + ("; import gradsync.torch first" if comm == "horovod" else ""))
             self._reducer = _REDUCERS[comm](compressor, process_set)
         elif isinstance(comm, Comm) or all(hasattr(comm, a) for a in ("allreduce_sum_", "size")):
-            self._reducer = _CommReducer(comm, compressor)
+            self._reducer = _CommReducer(comm, compressor, clock)
         else:
             raise TypeError(f"comm must be a gradsync.compress Comm or 'horovod', got {comm!r}")
         self.groups = fragments_of([p.numel() for p in self.params], fragments)
@@ -222,19 +249,50 @@ class DiLoCo:
         t = self.step_count
         for fragment, offset in enumerate(self.offsets):
             if t % self.sync_every == offset:
-                self._start(fragment, t)
+                self._start(fragment, t, self.delay)
         for pending in [p for p in self.pending if p.land <= t]:
             self._land(pending)
+
+    # A caller keeping its own schedule (``auto_local.LocalSGD``: auto's windows) counts the
+    # steps with ``tick`` and starts the syncs with ``sync_now``; ``outer_step``, which
+    # starts them by ``sync_every``, is then not called.
+    def tick(self) -> list[float | None]:
+        """Counts an inner step taken and lands the syncs due, starting none: the seconds
+        each landed reduction took (None where the reducer does not time them)."""
+        self._reissue()
+        self.step_count += 1
+        landed = []
+        for pending in [p for p in self.pending if p.land <= self.step_count]:
+            self._land(pending)
+            landed.append(pending.seconds)
+        return landed
+
+    def sync_now(self, delay: int = 0) -> list[float | None]:
+        """Starts every fragment's sync at this step, landing ``delay`` ticks later (0: now,
+        and then returns the seconds each reduction took, as ``tick``)."""
+        if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
+            raise ValueError(f"delay must be an int >= 0, got {delay!r}")
+        if any(p.land > self.step_count for p in self.pending):
+            raise RuntimeError("sync_now: a sync is still in flight")
+        for fragment in range(self.fragments):
+            self._start(fragment, self.step_count, delay)
+        if delay:
+            return []
+        landed = []
+        for pending in list(self.pending):
+            self._land(pending)
+            landed.append(pending.seconds)
+        return landed
 
     def _key(self, fragment: int) -> str:
         return f"{self.name}.fragment{fragment}"
 
-    def _start(self, fragment: int, t: int) -> None:
+    def _start(self, fragment: int, t: int, delay: int) -> None:
         members = self.groups[fragment]
         with torch.no_grad():
             delta = torch.cat([(self.anchors[i] - self.params[i].detach()).reshape(-1).float()
                                for i in members])
-        pending = _Pending(fragment, t + self.delay, delta)
+        pending = _Pending(fragment, t, t + delay, delta)
         self._issue(pending)
         self.pending.append(pending)
 
@@ -245,6 +303,8 @@ class DiLoCo:
     def _wait(self, pending: _Pending) -> None:
         if pending.future is not None:
             result = self._reducer.wait(pending.future)
+            took = getattr(self._reducer, "took", None)
+            pending.seconds = None if took is None else took(pending.future)
             pending.future, pending.result = None, result.reshape(-1).float()
 
     def _land(self, pending: _Pending) -> None:
@@ -253,11 +313,13 @@ class DiLoCo:
         result = pending.result
         assert result is not None  # _wait has just landed it
         mu, lr, offset = self.outer_momentum, self.outer_lr, 0
+        carry = self.carry and pending.land > pending.start
         with torch.no_grad():
             for i in self.groups[pending.fragment]:
                 anchor, param = self.anchors[i], self.params[i]
                 n = anchor.numel()
                 g = result[offset:offset + n].view(anchor.shape).to(anchor.dtype)
+                moved = pending.delta[offset:offset + n].view(anchor.shape)
                 offset += n
                 if mu:
                     buf = self.momenta[i].mul_(mu).add_(g)
@@ -265,7 +327,11 @@ class DiLoCo:
                 else:
                     update = g
                 anchor.sub_(update, alpha=lr)
-                if self.mix:
+                if carry:
+                    # theta - theta_start + new anchor, where theta_start = old anchor - moved
+                    # and new anchor = old anchor - lr * update.
+                    param.add_(moved.to(param.dtype)).sub_(update, alpha=lr)
+                elif self.mix:
                     param.mul_(self.mix).add_(anchor, alpha=1.0 - self.mix)
                 else:
                     param.copy_(anchor)
@@ -278,7 +344,7 @@ class DiLoCo:
             raise TypeError("use_comm is for a DiLoCo over a Comm; the Horovod API's follows "
                             "the job's re-formations by itself")
         self._orphan()
-        self._reducer = _CommReducer(comm, self.compressor)
+        self._reducer = _CommReducer(comm, self.compressor, self._reducer.clock)
 
     def finish(self) -> None:
         """Lands every sync in flight now (at the end of training)."""
@@ -286,7 +352,7 @@ class DiLoCo:
             self._land(pending)
 
     # --------------------------------------------------------------------------- state
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Waits for the reductions in flight (their results are kept, applied at their
         landing step): the state then holds nothing that a background thread still writes."""
         for pending in self.pending:
@@ -302,7 +368,7 @@ class DiLoCo:
                 pending.result = None
         # A reduction cut by a fault has failed, or waits in a collective that will fail, so
         # it writes nothing more. One that could still complete (its peers alive) might write
-        # a compressor tensor of the state loaded next: wait for it first (``_settle``).
+        # a compressor tensor of the state loaded next: wait for it first (``settle``).
         if isinstance(self._reducer, _CommReducer) and self._reducer._pool is not None:
             self._reducer._pool.shutdown(wait=False)
             self._reducer._pool = None
@@ -314,11 +380,12 @@ class DiLoCo:
 
     def state_dict(self) -> dict:
         """The outer state (copies); waits for the syncs in flight first."""
-        self._settle()
+        self.settle()
         return {"settings": self._settings(), "step": self.step_count,
                 "anchors": [a.clone() for a in self.anchors],
                 "momenta": [m.clone() for m in self.momenta],
-                "pending": [{"fragment": p.fragment, "land": p.land, "delta": p.delta.clone(),
+                "pending": [{"fragment": p.fragment, "start": p.start, "land": p.land,
+                             "delta": p.delta.clone(),
                              "result": None if p.result is None else p.result.clone()}
                             for p in self.pending],
                 "compressor": None if self.compressor is None else self.compressor.state_dict()}
@@ -337,7 +404,9 @@ class DiLoCo:
         self.momenta = [m.clone() for m in state["momenta"]]
         self.pending = []
         for p in state["pending"]:
-            pending = _Pending(int(p["fragment"]), int(p["land"]), p["delta"].clone())
+            land = int(p["land"])
+            pending = _Pending(int(p["fragment"]), int(p.get("start", land - self.delay)), land,
+                               p["delta"].clone())
             pending.result = None if p["result"] is None else p["result"].clone()
             self.pending.append(pending)
         if self.compressor is not None:
