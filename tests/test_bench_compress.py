@@ -335,3 +335,40 @@ def test_bucket_cap_and_overlap_reach_ddp_and_the_hook_but_not_torchs_powersgd(t
                         "gs-int8": 1 << 20}
     finally:
         dist.destroy_process_group()
+
+
+def test_streaming_is_evaluated_where_each_sync_has_landed(tmp_path, capsys):
+    """gs-diloco syncs at once, evaluated at whole windows (4, 8, ...); gs-streaming's syncs
+    land a step after they start, so its first segment is a step longer and each ends
+    where one has landed (5, 9, ...). Both report their settings as their choice."""
+    from netns import require_netns
+
+    require_netns()
+    out = tmp_path / "report.json"
+    options = compress.parser().parse_args([
+        "--rates", "unshaped", "--modes", "gs-diloco,gs-streaming", "--diloco-h", "4",
+        "--diloco-sync", "int4", "--streaming-delay", "1", "--outer-lr", "1",
+        "--outer-momentum", "0", "--lm-dim", "32", "--lm-layers", "1", "--lm-heads", "2",
+        "--lm-context", "32", "--val-items", "32", "--max-steps", "12", "--eval-every", "4",
+        "--minutes", "2", "--target-loss", "0.1", "--json", str(out)])
+    assert compress.drive(2, options) == 0, capsys.readouterr().out
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rates"][0]["rows"]}
+    assert [e["step"] for e in rows["gs-diloco"]["evals"]] == [4, 8, 12]
+    assert [e["step"] for e in rows["gs-streaming"]["evals"]] == [5, 9, 13]
+    assert rows["gs-diloco"]["choice"] == "H=4, outer lr 1.0 momentum 0.0, int4"
+    assert rows["gs-streaming"]["choice"] == \
+        "H=4, outer lr 1.0 momentum 0.0, int4, each landing 1 steps later"
+    for row in rows.values():
+        assert not row.get("failed") and not row["reached"] and row["stop"] == "max steps"
+
+
+def test_streaming_options_are_checked_before_anything_runs(capsys):
+    p = compress.parser()
+    for bad in (["--streaming-delay", "4"], ["--streaming-fragments", "2",
+                                             "--streaming-delay", "2"]):
+        options = p.parse_args(["--modes", "gs-streaming", "--diloco-h", "4", *bad])
+        assert compress.drive(2, options) == 2
+        assert "gs-streaming needs" in capsys.readouterr().err
+    s = compress.settings_of(p.parse_args(["--local-overlap", "2", "--streaming-overwrite",
+                                           "--diloco-fp32"]), 4, "/d")
+    assert (s["local_overlap"], s["streaming_carry"], s["diloco_sync"]) == (2, False, "fp32")

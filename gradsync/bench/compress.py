@@ -28,7 +28,9 @@ at fp32, with gradsync's int8, int4 and PowerSGD hooks and with ``compression="a
 behind it under the table; ``gs-auto-local`` the same with local SGD's H among its choices,
 up to ``--local-sgd``), the Horovod API's ``DistributedOptimizer`` with Int8 or PowerSGD
 and ``gradient_lag=1`` (``gs-int8-lag``, ``gs-powersgd-lag``: each step's exchange runs behind
-the next step's compute), and gradsync's DiLoCo (H inner steps, the outer gradient in int8).
+the next step's compute), and gradsync's DiLoCo (H inner steps, the outer gradient in int8
+or ``--diloco-sync``), at once (``gs-diloco``) or overlapped (``gs-streaming``: each sync
+lands ``--streaming-delay`` inner steps after it starts, the steps taken meanwhile kept).
 Every mode trains the same model from the same weights on the same batches with the
 same optimizer (AdamW); only the exchange differs.
 
@@ -144,10 +146,27 @@ def parser() -> argparse.ArgumentParser:
                              help="gs-diloco's inner steps per sync (default 8)")
     compressors.add_argument("--local-sgd", type=_positive(int), default=8, metavar="H",
                              help="gs-auto-local's largest H (Auto(local_sgd=H); default 8)")
+    compressors.add_argument("--local-overlap", type=int, default=0, metavar="D",
+                             help="gs-auto-local's most steps a sync may run behind "
+                                  "(Auto(local_overlap=D); default 0: at once)")
     compressors.add_argument("--outer-lr", type=_positive(float), default=0.7)
     compressors.add_argument("--outer-momentum", type=float, default=0.9)
-    compressors.add_argument("--diloco-fp32", action="store_true",
-                             help="gs-diloco's outer gradient in fp32 (default int8)")
+    compressors.add_argument("--diloco-sync", choices=("int8", "int4", "bf16", "fp32"),
+                             default="int8",
+                             help="gs-diloco's outer gradient on the wire (default int8, "
+                                  "with error feedback)")
+    compressors.add_argument("--diloco-fp32", action="store_const", dest="diloco_sync",
+                             const="fp32", help="the same as --diloco-sync fp32")
+    compressors.add_argument("--streaming-fragments", type=_positive(int), default=1,
+                             metavar="F", help="gs-streaming's fragments, synced in turn "
+                                               "(default 1: the whole model at once)")
+    compressors.add_argument("--streaming-delay", type=_positive(int), default=2, metavar="D",
+                             help="inner steps each gs-streaming sync overlaps before it lands "
+                                  "(default 2); below --diloco-h // F")
+    compressors.add_argument("--streaming-overwrite", action="store_true",
+                             help="gs-streaming's landings overwrite the steps taken in flight "
+                                  "by the new anchor (DiLoCo(mix=0)) instead of keeping them "
+                                  "(carry=True, the default)")
     compressors.add_argument("--bucket-cap-mb", type=_positive(float), metavar="MB",
                              help="DDP's bucket_cap_mb in every DDP mode but gloo-powersgd, "
                                   "which keeps one bucket (default DDP's own, 25)")
@@ -185,9 +204,12 @@ def settings_of(options, hosts: int, data: str) -> dict:
                       "lm_heads": options.lm_heads, "lm_context": options.lm_context,
                       "cnn_width": options.cnn_width},
             "powersgd_rank": options.powersgd_rank, "diloco_h": options.diloco_h,
-            "local_sgd": options.local_sgd,
+            "local_sgd": options.local_sgd, "local_overlap": options.local_overlap,
             "outer_lr": options.outer_lr, "outer_momentum": options.outer_momentum,
-            "diloco_int8": not options.diloco_fp32,
+            "diloco_sync": options.diloco_sync,
+            "streaming_fragments": options.streaming_fragments,
+            "streaming_delay": options.streaming_delay,
+            "streaming_carry": not options.streaming_overwrite,
             "bucket_cap_mb": options.bucket_cap_mb, "overlap": not options.no_overlap,
             "collective_timeout": 120 + 60 * options.minutes,
             "delay": options.delay}
@@ -258,6 +280,12 @@ def drive(hosts: int, options) -> int:
         0 when every mode ran to its end (reached the target or said why not); 1 when a job
         failed; 2 when the bench could not run (no namespaces, bad options).
     """
+    h, fragments, delay = options.diloco_h, options.streaming_fragments, options.streaming_delay
+    if "gs-streaming" in options.modes and (fragments > h or delay >= h // fragments):
+        print(f"gradsync bench compress: gs-streaming needs --streaming-fragments 1 to "
+              f"--diloco-h ({h}) and --streaming-delay below --diloco-h // fragments "
+              f"({h // max(1, fragments)}); got {fragments} and {delay}", file=sys.stderr)
+        return 2
     reason = unavailable_reason()
     if reason is not None:
         print(f"gradsync bench compress emulates hosts with network namespaces, which need "

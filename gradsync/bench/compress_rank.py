@@ -8,15 +8,18 @@ the bench's own collectives (the barrier before each timed segment, the reductio
 validation figures), and the modes over the gradsync backend add a group of their own
 (``new_group(backend="gradsync")``) so that nothing of the bench's travels on it.
 
-**A segment** is ``eval_every`` training steps (for ``gs-diloco``, rounded up to a multiple of
-H, and ``max_steps`` up to whole segments, so that every evaluation sees the synced model,
-equal on every rank): a barrier, then the
-steps, timed on every rank and counted at the slowest (a step is not done until the last rank
-is), then each rank evaluates its share of the validation set with the clock stopped, and one
-allreduce sums the figures. Every rank thus sees the same numbers and takes the same decision:
-stop when the target is met (``reached``), at ``max_steps``, past ``minutes`` of training
-time, or when the loss is no longer finite (``diverged``). The ``floor`` mode trains with no
-exchange for ``floor_steps`` steps and evaluates nothing.
+**A segment** is ``eval_every`` training steps (for ``gs-diloco`` and ``gs-streaming``,
+rounded up to a multiple of H, and ``max_steps`` up to whole segments, so that every
+evaluation sees a window's sync; for ``gs-streaming`` the first segment is
+``--streaming-delay`` steps longer, so that each ends where a sync has just landed): a
+barrier, then the steps, timed on every rank and counted at the slowest (a step is not done
+until the last rank is), then any sync still in flight waited for on the clock (streaming
+fragments, ``gs-auto-local``'s syncs behind a window: the untimed evaluation hides none of
+their bytes), then each rank evaluates its share of the validation set with the clock
+stopped, and one allreduce sums the figures. Every rank thus sees the same numbers and takes
+the same decision: stop when the target is met (``reached``), at ``max_steps``, past
+``minutes`` of training time, or when the loss is no longer finite (``diverged``). The
+``floor`` mode trains with no exchange for ``floor_steps`` steps and evaluates nothing.
 
 **Bytes.** The first rank of each host reads the host's ``eth0`` transmit counter
 (``/proc/net/dev`` shows the namespace's own) around each segment's steps: what the host put
@@ -84,17 +87,28 @@ class _Trainer:
             import gradsync  # noqa: F401  (registers the backend "gradsync")
 
             group = self.group = dist.new_group(backend="gradsync")
-        if mode == "gs-diloco":
-            from gradsync.compress import DiLoCo, Int8, TorchComm
+        if mode in ("gs-diloco", "gs-streaming"):
+            from gradsync.compress import BF16, DiLoCo, Int4, Int8, TorchComm
 
             inner = torch.optim.AdamW(model.parameters(), lr)
-            compressor = Int8(seed=s["seed"]) if s["diloco_int8"] else None
+            sync = s["diloco_sync"]
+            kind = {"int8": Int8, "int4": Int4, "bf16": BF16}.get(sync)
+            streaming = mode == "gs-streaming"
+            fragments, delay = ((s["streaming_fragments"], s["streaming_delay"]) if streaming
+                                else (1, 0))
             self.outer = DiLoCo(model, inner, sync_every=s["diloco_h"], outer_lr=s["outer_lr"],
-                                outer_momentum=s["outer_momentum"], compressor=compressor,
+                                outer_momentum=s["outer_momentum"], fragments=fragments,
+                                delay=delay,
+                                carry=streaming and s.get("streaming_carry", True),
+                                compressor=None if kind is None else kind(seed=s["seed"]),
                                 comm=TorchComm(group))
             self.net, self.opt = model, self.outer
+            overlap = (f", {fragments} fragments" if fragments > 1 else "") + (
+                f", each landing {delay} steps later" if streaming else "") + (
+                ", overwriting the steps in flight" if streaming
+                and not s.get("streaming_carry", True) else "")
             self.choice = (f"H={s['diloco_h']}, outer lr {s['outer_lr']} momentum "
-                           f"{s['outer_momentum']}, {'int8' if compressor else 'fp32'}")
+                           f"{s['outer_momentum']}, {sync}{overlap}")
             return
         # One bucket for torch's PowerSGD hook: with DDP's default buckets its second
         # allreduce, issued from a future's callback, can reach gloo in a different order on
@@ -125,7 +139,8 @@ class _Trainer:
             from gradsync.compress import Auto, HookState, TorchComm, compressed_hook
 
             local = s.get("local_sgd") if mode == "gs-auto-local" else None
-            self.auto = Auto(seed=s["seed"], local_sgd=local)
+            self.auto = Auto(seed=s["seed"], local_sgd=local,
+                             local_overlap=s.get("local_overlap", 0) if local else 0)
             self.net.register_comm_hook(HookState(self.auto, group, overlap=s.get("overlap", True)),
                                         compressed_hook)
             if local:  # as a DDP script does (docs/slow-links.md): the syncs on a group of
@@ -177,13 +192,18 @@ class _Trainer:
 
 def _evaluated(trainer: _Trainer):
     """The model a segment's evaluation runs: the trainer's, or under local SGD mid-window
-    (``gs-auto-local`` with H > 1) a copy holding the ranks' average, as the window's sync
-    will make it (averaged over the bench's own group, outside the timed steps)."""
+    (``gs-auto-local`` with H > 1, ``gs-streaming``, whose ranks differ by the steps carried) a copy holding the
+    ranks' average, as the window's sync will make it (averaged over the bench's own group,
+    outside the timed steps)."""
     import copy
 
     import torch.distributed as dist
 
-    if trainer.auto is None or trainer.auto.period <= 1:
+    if trainer.outer is not None:
+        outer = trainer.outer
+        if not outer.carry and outer.fragments == 1 and not outer.pending:
+            return trainer.model  # a window's end: every rank holds the synced model
+    elif trainer.auto is None or trainer.auto.period <= 1:
         return trainer.model
     average = copy.deepcopy(trainer.model)
     for p in average.parameters():
@@ -204,20 +224,26 @@ def _train(trainer: _Trainer, task, gen, s: dict, floor: bool, measure: bool) ->
 
     segment = s["eval_every"]
     max_steps = s["floor_steps"] if floor else s["max_steps"]
+    shift = 0
     if trainer.outer is not None:  # whole windows only: evaluate the synced model
-        h = s["diloco_h"]
+        h, shift = s["diloco_h"], trainer.outer.delay
         segment = -(-segment // h) * h
-        max_steps = -(-max_steps // segment) * segment
+        max_steps = shift + -(-max_steps // segment) * segment
     steps, clock, sent, evals = 0, 0.0, 0.0, []
     reached, stop = None, None
     while stop is None:
-        count = min(segment, max_steps - steps)
+        count = min(segment + (shift if steps == 0 else 0), max_steps - steps)
         dist.barrier()
         before = tx_bytes() if measure else 0
         start = time.perf_counter()
         for _ in range(count):
             x, y = task.batch(gen)
             trainer.step(x, y)
+        for outer in (trainer.outer, trainer.auto):
+            if outer is not None:
+                # A sync still in flight is waited for on the clock (it lands at its own
+                # step): the untimed evaluation below hides none of its bytes.
+                outer.settle()
         elapsed = time.perf_counter() - start
         wire = tx_bytes() - before if measure else 0
         steps += count

@@ -46,6 +46,9 @@ MODES = {
                    "exchange behind step t + 1's compute",
     "gs-powersgd-lag": "the Horovod API's DistributedOptimizer, PowerSGD, gradient_lag=1",
     "gs-diloco": "gradsync.compress DiLoCo over a gradsync group: H inner steps per sync",
+    "gs-streaming": "gs-diloco with each sync overlapped: it lands --streaming-delay inner "
+                    "steps after it starts, the steps taken meanwhile kept (carry=True; "
+                    "--streaming-overwrite: mix=0), --streaming-fragments fragments in turn",
 }
 """Every mode, in the order each rate runs them (the floor first)."""
 
