@@ -70,13 +70,15 @@ order.
    (weighed by their steps factors) do not bear it out.
 
 Local SGD (only with ``local_sgd=H_max`` and the parameters attached, ``auto_local.py``):
-the decision also carries H and the syncs' option, float32 or a quantizer
+the decision also carries H, the syncs' option, float32 or a quantizer, and, with
+``local_overlap``, how many steps a sync may run behind the next window before it lands
 (``auto_model.choose_period``), sent by rank 0 with the choices. With H > 1 a bucket
 returns this rank's own gradient (no collective) and the front door's ``after_step``
-averages the parameters at each window's end; a new H takes effect at a window's end (or
-at once from H = 1), where the ranks' parameters are equal. Drift checks go on in the
-windows: the rate is measured from float32 syncs (through a quantizer, a sync is probed as
-a compressed exchange is: ``auto_policy.py``, 4), compute from every step. Changed buckets
+averages the parameters at each window's end (at once, or behind); a new H takes effect at
+a window's end (or at once from H = 1). Drift checks go on in the windows: the rate is
+measured from float32 syncs, each reduction timed on its own thread where the comm allows
+(through a quantizer, a sync is probed as a compressed exchange is: ``auto_policy.py``,
+4), compute from every step (a sync behind runs in it). Changed buckets
 calibrate again from the window's end; a resize at once (an elastic re-formation has given
 every rank the same parameters).
 
@@ -184,6 +186,9 @@ class Auto(Policy, ReducingCompressor):
             float32's, per doubling of H beyond 4 (``auto_model``: a prior, as
             ``powersgd_steps``); 0.2 by default, from ``gradsync bench compress``'s language
             model. Set it from your own runs: 0 takes local SGD's steps as free.
+        local_overlap: the most steps a local SGD sync may run behind the next window's
+            steps before it lands (those steps kept on top: ``auto_local.py``), where that
+            pays (``auto_model``); 0: every sync at once.
         clock: seconds, monotonic (tests give their own).
     """
 
@@ -194,7 +199,7 @@ class Auto(Policy, ReducingCompressor):
                  check_every: int = 16, drift: float = 0.25, seed: int = 0,
                  tiers: str = "slowest", local_sgd: int | None = None,
                  local_steps: float = model.LOCAL_STEPS, early: float = EARLY,
-                 clock=time.perf_counter):
+                 local_overlap: int = model.LOCAL_OVERLAP, clock=time.perf_counter):
         super().__init__(seed, tiers)
         unknown = set(options) - set(OPTIONS)
         if unknown:
@@ -220,6 +225,10 @@ class Auto(Policy, ReducingCompressor):
         self.periods = model.periods_upto(local_sgd or 1)
         """Local SGD's candidate H (empty: not allowed)."""
         self.local_steps = float(local_steps)
+        if isinstance(local_overlap, bool) or not isinstance(local_overlap, int) \
+                or local_overlap < 0:
+            raise ValueError(f"auto: local_overlap must be an int >= 0, got {local_overlap!r}")
+        self.local_overlap = local_overlap
         if not 0 < early <= 1:
             raise ValueError(f"auto: early must be in (0, 1], got {early!r}")
         self.early = float(early)
@@ -258,6 +267,9 @@ class Auto(Policy, ReducingCompressor):
         local = (f", local_sgd<={self.periods[-1]}, local_steps={self.local_steps}"
                  if self.periods
                  else "")
+        if self.periods and self.local_overlap != model.LOCAL_OVERLAP:
+            local += f", local_overlap={self.local_overlap}"
+
         # early (whether the ranks agree after one calibrated step) and tolerance (whether
         # they undo a change) must agree too: named where not the default, so that a state
         # of the same settings saved before they existed loads.
@@ -284,6 +296,7 @@ class Auto(Policy, ReducingCompressor):
         self.phase = 0  # this step's place in its window (0 .. period - 1)
         self._target = 1  # the agreed H, in force from the next window
         self._target_sync = 0  # and its sync option (an index in names: 0 is float32)
+        self._target_overlap = 0  # and the steps each sync runs behind (0: at once)
         self._sync = 0  # the sync option of the window in force
         self._trial: dict | None = None  # a change on trial (auto_policy.py, 6)
         self._refused: dict[tuple, float] = {}  # options undone -> the rate they were tried at
@@ -301,6 +314,11 @@ class Auto(Policy, ReducingCompressor):
         self._blocked = 0.0
         self._reported = False
         self._aside = 0.0  # seconds of this step spent measuring (not the step's work)
+        # (begin, end) of this step's measuring: its first call's bookkeeping and collectives
+        # before the step's clock starts, the arithmetic's timing (``blocked``).
+        self._measuring: list[tuple[float, float]] = []
+        self._entered: float | None = None  # the step's first call (clock)
+        self._waited = 0.0  # the waits reported (``blocked``), measuring and all
         self._window: list[dict] = []  # closed steps since the last agreement
         self._latency: list[float] = []
         self._probes: list[tuple[float, int]] = []  # the probe step's probe (seconds, bytes)
@@ -313,8 +331,15 @@ class Auto(Policy, ReducingCompressor):
         """The front door's training thread waited ``seconds`` on this compressor's
         exchange (the Horovod API's optimizer calls it, and the DDP hook, at the end of
         each backward; a front door that does not is taken to block for the whole
-        exchange)."""
-        self._blocked += seconds
+        exchange). The part of the wait spent in this step's measuring (a probe, a latency
+        sample, an agreement, the arithmetic's timing, run where the reductions run) is not
+        the exchange's and is left out: the step's compute is its period, measuring left
+        out, less this wait."""
+        end = self.clock()
+        begin = end - seconds
+        measuring = sum(max(0.0, min(end, b) - max(begin, a)) for a, b in self._measuring)
+        self._blocked += max(0.0, seconds - measuring)
+        self._waited += seconds
         self._reported = True
 
     # ------------------------------------------------------------------ local SGD
@@ -338,7 +363,7 @@ class Auto(Policy, ReducingCompressor):
         from .auto_local import LocalSGD
 
         self._local = LocalSGD(params, comm, process_set, name,
-                               compressor=self._sync_compressor(self._sync))
+                               compressor=self._sync_compressor(self._sync), clock=self.clock)
         if self._local_pending is not None:
             self._local.load_state_dict(self._local_pending, self._sync_compressor(self._sync))
             self._local_pending = None
@@ -352,18 +377,34 @@ class Auto(Policy, ReducingCompressor):
         return type(like)(block=self.block, seed=self.seed, tiers=self.tiers)
 
     def after_step(self) -> None:
-        """Call after each optimizer step once attached (DistributedOptimizer does): at a
-        local SGD window's end, averages the parameters over the ranks (timed: the drift
-        check's rate). Does nothing otherwise, and nothing a second time in a step."""
+        """Call after each optimizer step once attached (DistributedOptimizer does): in a
+        local SGD window, lands a sync due; at its end, averages the parameters over the
+        ranks, at once or behind the next window's first steps (``auto_local.py``). Timed:
+        the drift check's rate (each reduction's own seconds where the reducer tells them)
+        and the step's compute (the seconds the training thread spent here). Does nothing
+        otherwise, and nothing a second time in a step."""
         if self._local is None or self._stepped or not self._seen:
             return
         self._stepped = True
-        if self.period > 1 and self.phase == self.period - 1:
-            begin = self.clock()
-            self._local.sync()
-            spent = self.clock() - begin
-            self._synced += spent
-            self._syncs.append(spent)
+        if self.period <= 1:
+            return
+        begin = self.clock()
+        took = self._local.tick()
+        if self.phase == self.period - 1:
+            period, _, starts = self._advance()
+            # Behind the next window only where it is local SGD through the same option
+            # (its anchors are not taken afresh) and long enough to land the sync in it.
+            behind = min(self._target_overlap, period // 2) if period > 1 and not starts else 0
+            took += self._local.sync(behind)
+        spent = self.clock() - begin
+        self._synced += spent
+        self._syncs.extend(t for t in took if t is not None)
+
+    def settle(self) -> None:
+        """Waits for a local SGD sync still running behind (``local_overlap``); it lands at
+        its own step all the same. Nothing to wait for otherwise."""
+        if self._local is not None:
+            self._local.diloco.settle()
 
     # ------------------------------------------------------------------ the reduction
     def reduce(self, flat: torch.Tensor, shapes: list, comm, key: str | None,
@@ -393,6 +434,7 @@ class Auto(Policy, ReducingCompressor):
             begin = self.clock()
             self._kappa[key] = self._arithmetic(flat, shapes)
             self._aside += self.clock() - begin
+            self._measuring.append((begin, self.clock()))
         return out
 
     def _arithmetic_due(self, key: str) -> bool:
@@ -450,6 +492,7 @@ class Auto(Policy, ReducingCompressor):
     def _at_call(self, key: str, shapes: list[tuple], comm) -> None:
         """A bucket call's bookkeeping: a new world, a new step, and what the step boundary
         brings (an agreement, a drift check): all before the bucket is reduced."""
+        entered = self.clock()
         if self._size != comm.size:
             before = self._size
             self._reset(comm.size)
@@ -502,6 +545,8 @@ class Auto(Policy, ReducingCompressor):
                     comm.allreduce_sum_(probe)
                     self._probes.append((self.clock() - begin, 4 * probe.numel()))
             self._start = self.clock()
+            self._measuring = [(entered, self._start)]  # the step boundary's own work
+            self._entered = entered
         self._seen.append(key)
         self._shapes[key] = shapes
 
@@ -510,7 +555,15 @@ class Auto(Policy, ReducingCompressor):
         exchange = sum(self._times.values())
         if self._start is not None and self._step >= self._calib_from:
             blocked = min(self._blocked, exchange) if self._reported else exchange
+            # The step's compute: its whole span less what the training thread waited (a
+            # front door that reports it), or less the exchange and the measuring it ran
+            # itself (one that does not); the measuring a reporting front door runs beside
+            # the training thread (the DDP hook's thread) overlaps the step's compute.
+            span = now - (self._entered if self._entered is not None else self._start)
+            spent = (self._waited if self._reported
+                     else exchange + sum(b - a for a, b in self._measuring))
             self._window.append({"period": now - self._start - self._aside - self._synced,
+                                 "compute": span - spent - self._synced,
                                  "exchange": exchange, "local": self.period > 1,
                                  "blocked": blocked, "times": dict(self._times)})
         warmed = self._warming() or self._probing()
@@ -526,6 +579,7 @@ class Auto(Policy, ReducingCompressor):
                 self._owe(self.warm, k)
         self._seen, self._times = [], {}
         self._blocked, self._reported, self._aside, self._synced = 0.0, False, 0.0, 0.0
+        self._waited = 0.0
         self._start = now
         self._next_window()
 
@@ -589,7 +643,8 @@ class Auto(Policy, ReducingCompressor):
         return {"compressor": self.describe(), "seed": self.seed,
                 "auto": {"step": self._step + (1 if self._seen else 0), "size": self._size,
                          "period": period, "phase": phase, "target": self._target,
-                         "target_sync": self._target_sync, "sync": sync, "local": local,
+                         "target_sync": self._target_sync,
+                         "target_overlap": self._target_overlap, "sync": sync, "local": local,
                          "off": self._off,
                          "calib_from": self._calib_from, "probe_at": self._probe_at,
                          "choice": dict(self._choice),
@@ -628,6 +683,7 @@ class Auto(Policy, ReducingCompressor):
         self.period, self.phase = int(a.get("period", 1)), int(a.get("phase", 0))
         self._target = int(a.get("target", 1))
         self._target_sync, self._sync = int(a.get("target_sync", 0)), int(a.get("sync", 0))
+        self._target_overlap = int(a.get("target_overlap", 0))
         if a.get("local") is not None:
             if self._local is not None:
                 self._local.load_state_dict(a["local"], self._sync_compressor(self._sync))
@@ -669,6 +725,6 @@ class Auto(Policy, ReducingCompressor):
 
 
 def _margin_out(settings: str) -> str:
-    """``describe()``'s settings without what steers rank 0's decisions only: the margin
-    and local SGD's prior (``local_steps``, once ``share``)."""
-    return re.sub(r", (margin|share|local_steps)=[^,)]*", "", settings)
+    """``describe()``'s settings without what steers rank 0's decisions only: the margin,
+    local SGD's prior (``local_steps``, once ``share``) and how far its syncs may overlap."""
+    return re.sub(r", (margin|share|local_steps|local_overlap)=[^,)]*", "", settings)

@@ -15,13 +15,20 @@ rank's parameters moved since the window's start, with error feedback across the
 
 Windows. Auto agrees H with its per-bucket choices (``auto_model.choose_period``) and
 counts the steps (``Auto.period``: the H in force for this step's buckets, ``Auto.phase``:
-this step's place in its window). A new H takes effect only where the ranks' parameters are
-equal: after a step whose gradients were exchanged (H was 1), or after a window's sync. So,
-after each optimizer step:
+this step's place in its window). A new H takes effect only after a step whose gradients
+were exchanged (H was 1, the ranks' parameters equal) or at a window's end. So, after each
+optimizer step:
 
 - the step ended a window (``phase == period - 1``): the ranks' parameters are averaged
-  (``DiLoCo.outer_step``: delta = anchor - theta averaged, anchor moved by it, theta =
+  (``DiLoCo.sync_now``: delta = anchor - theta averaged, anchor moved by it, theta =
   anchor, equal on every rank), timed for auto's drift check;
+- or, where auto agreed a sync *behind* (``Auto(local_overlap=D)``, ``decision.overlap``
+  = d > 0) and the next window is local SGD through the same option, the sync is started
+  there and lands d steps into the next window (``DiLoCo.tick``, after each step): its
+  reduction runs on DiLoCo's thread behind those steps' compute, and each rank's parameters
+  become the new anchor plus the steps it took meanwhile (``carry``), kept for the next
+  sync. The ranks' parameters then differ by those steps, so a window that starts afresh
+  (after exchanged steps, or through another option) or H = 1 follows only a sync at once;
 - the next step starts a window and the last one was not local (H was 1), or its sync
   option is another: a fresh DiLoCo, through that option, takes the parameters, equal on
   every rank, as its anchors (a quantizer's residuals of the old one are let go: one
@@ -30,11 +37,14 @@ after each optimizer step:
 Nothing is exchanged between syncs: auto's buckets return each rank's own gradient.
 
 State. Mid-window, the anchors (the parameters at the window's start) are what the next
-sync needs, so ``Auto.state_dict`` carries this DiLoCo's state; a state loaded before the
+sync needs, so ``Auto.state_dict`` carries this DiLoCo's state (a sync behind waited for,
+its result kept to land at its step); a state loaded before the
 front door attached is kept until it does.
 """
 
 from __future__ import annotations
+
+import time
 
 from .diloco import DiLoCo
 
@@ -54,29 +64,41 @@ class LocalSGD:
     """
 
     def __init__(self, params, comm="horovod", process_set=None, name: str = "auto.local_sgd",
-                 compressor=None):
+                 compressor=None, clock=time.perf_counter):
         self.params = list(params)
         if not self.params:
             raise ValueError("local SGD needs the parameters the optimizer steps; got none")
-        self.comm, self.process_set, self.name = comm, process_set, name
+        self.comm, self.process_set, self.name, self.clock = comm, process_set, name, clock
         self.diloco = self._fresh(compressor)  # made now so that a bad comm fails at attach
 
     def _fresh(self, compressor) -> DiLoCo:
         """A DiLoCo whose anchors are the parameters now (equal on every rank here), its
-        syncs through ``compressor`` (None: float32). It syncs at each ``outer_step``
-        (sync_every 1): the window is counted by Auto."""
+        syncs through ``compressor`` (None: float32), started by ``sync`` and counted by
+        ``tick``: the window is Auto's. A sync that lands later keeps the steps taken
+        meanwhile (``carry``)."""
         return DiLoCo(self.params, None, sync_every=1, outer_lr=1.0, outer_momentum=0.0,
-                      nesterov=False, compressor=compressor, comm=self.comm,
-                      process_set=self.process_set, name=self.name)
+                      nesterov=False, carry=True, compressor=compressor, comm=self.comm,
+                      process_set=self.process_set, name=self.name, clock=self.clock)
 
-    def sync(self) -> None:
-        """Averages the parameters over the ranks (the window's end)."""
-        self.diloco.outer_step()
+    def tick(self) -> list[float | None]:
+        """An optimizer step taken: lands a sync due (waiting for it if late); the seconds
+        each landed reduction took (None: not timed, over the Horovod API)."""
+        return self.diloco.tick()
+
+    def sync(self, overlap: int = 0) -> list[float | None]:
+        """Averages the parameters over the ranks (the window's end, after ``tick``): at
+        once (``overlap`` 0: the reductions' seconds, as ``tick``), or landing ``overlap``
+        steps later."""
+        return self.diloco.sync_now(overlap)
+
+    def in_flight(self) -> bool:
+        return bool(self.diloco.pending)
 
     def restart(self, compressor) -> None:
         """A window starts after steps that exchanged gradients, or through another sync
-        option: the anchors are now."""
-        self.diloco._orphan()  # nothing in flight (syncs land at once); stops its thread
+        option, where the ranks' parameters are equal (a sync landed at once, or an elastic
+        re-formation): the anchors are now. A sync of a world that is gone is dropped."""
+        self.diloco._orphan()  # stops its thread
         self.diloco = self._fresh(compressor)
 
     def anchored_now(self, compressor) -> dict:

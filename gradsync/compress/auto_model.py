@@ -86,6 +86,22 @@ which auto does not use, took that task 296-328 steps at H = 8.) The rule
 2. That (H, s) is taken only where it beats the per-step choice's ``time_to_target`` by more
    than the margin; else H = 1.
 
+A sync *behind* (only with ``Auto(local_overlap=D)``, ``inputs.overlap``): started at a
+window's end, it lands d steps into the next window, its reduction behind their compute,
+the steps taken meanwhile kept (``auto_local.py``). Each (H, s) is also weighed with the
+fewest d that cover its sync, ``d = min(D, H / 2, ceil(sync_s / compute))``, as
+
+    step_H,s,d  = compute + max(0, sync_s - d x compute) / H
+    steps(H, d) = steps(H) + local_steps x log2((H + 2d) / H)
+
+(the ranks apart for d steps more, counted twice: a prior, measured on the bench's language
+model, unshaped, against 104 steps at H = 4 at once: 113 with d = 1, 122 with d = 2; at
+H = 8, 112 at once and 114-122 with d = 2; the rule gives 1.12, 1.2 and 1.32), and in step
+1 a sync at once is more faithful than one behind (the smaller H first, then at once, then
+the sync option). At 25 Mbit/s the example's int4 sync takes 0.236 s, more than a step:
+H = 4 with it two steps behind takes 0.2 x 1.2 = 0.24 s a step, against 0.259 at once.
+At 100 Mbit/s it takes 0.066 s: at once (0.217) beats one step behind (0.2 x 1.12).
+
 Worked example (the bucket above; ``local_sgd=16``; auto passes its ``tolerance``, 5%, as
 the margin here). At 100 Mbit/s int4's 0.266 s a step is the per-step choice; a float32
 sync takes 0.449 s, an int8 one 0.122 s, an int4 one 0.066 s. With int4 syncs H = 4 takes
@@ -106,7 +122,8 @@ from dataclasses import dataclass, field, fields
 __all__ = ["Option", "Bucket", "Inputs", "Decision", "wire_time", "step_time", "steps_factor",
            "powersgd_steps",
            "time_to_target", "decide",
-           "PERIODS", "LOCAL_FREE", "LOCAL_STEPS", "periods_upto", "period_steps",
+           "PERIODS", "LOCAL_FREE", "LOCAL_STEPS", "LOCAL_OVERLAP", "periods_upto",
+           "period_steps", "overlap_steps",
            "sync_options", "sync_time", "period_step_time", "choose_period"]
 
 PERIODS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -118,6 +135,10 @@ LOCAL_FREE = 4
 LOCAL_STEPS = 0.2
 """``Auto(local_steps=)``'s default: local SGD's extra steps (a fraction of float32's) per
 doubling of H beyond ``LOCAL_FREE`` (module docstring)."""
+
+LOCAL_OVERLAP = 0
+"""``Auto(local_overlap=)``'s default: the most steps a local SGD sync may run behind (0:
+every sync at once, so that the ranks' parameters are equal at each window's end)."""
 
 SYNC_OPTIONS = ("none", "bf16", "int8", "int4")
 """What a local SGD sync may go through, most faithful first (of a bucket's options)."""
@@ -179,6 +200,8 @@ class Inputs:
     """Local SGD's candidate H, ascending (empty: not allowed)."""
     local_steps: float = LOCAL_STEPS
     """Local SGD's extra steps per doubling of H beyond ``LOCAL_FREE`` (module docstring)."""
+    overlap: int = 0
+    """The most steps a local SGD sync may run behind (0: every sync at once)."""
 
     def __post_init__(self):
         if not self.rate > 0:
@@ -191,6 +214,9 @@ class Inputs:
                 or list(self.periods) != sorted(set(self.periods)):
             raise ValueError(f"periods must be ascending ints >= 2 and local_steps >= 0, got "
                              f"{self.periods}, {self.local_steps}")
+        if isinstance(self.overlap, bool) or not isinstance(self.overlap, int) \
+                or self.overlap < 0:
+            raise ValueError(f"overlap must be an int >= 0, got {self.overlap!r}")
         for b in self.buckets:
             if not b.options or b.options[0].name != "none":
                 raise ValueError(f"bucket {b.key!r}: the first option must be none")
@@ -229,6 +255,8 @@ class Decision:
     sync_option: str = "none"
     """What local SGD's syncs go through (when ``period`` > 1): none (float32), or a
     quantizer with error feedback."""
+    overlap: int = 0
+    """Steps each local SGD sync runs behind before it lands (0: at once)."""
     made: int = field(default=0, compare=False)
     """Order of making in this process (``auto.latest`` takes the newest)."""
 
@@ -248,9 +276,11 @@ class Decision:
         local = ""
         if self.period > 1:
             through = "float32" if self.sync_option == "none" else self.sync_option
+            behind = (f", landing {self.overlap} step{'s' if self.overlap > 1 else ''} "
+                      f"later" if self.overlap else "")
             local = (f"local SGD every {self.period} steps (parameters averaged in {through}, "
-                     f"{sum(self.sizes.values()) / 1e6:.3g} MB, {self.sync * 1e3:.4g} ms a sync; "
-                     f"no gradient exchange between); every step it would be: ")
+                     f"{sum(self.sizes.values()) / 1e6:.3g} MB, {self.sync * 1e3:.4g} ms a sync"
+                     f"{behind}; no gradient exchange between); every step it would be: ")
         tier = {"flat": "flat (placement unknown: every rank's bucket)",
                 "all": "every tier (tiers=all: every rank's bucket)"}.get(self.tier, self.tier)
         classes = ", ".join(f"{name} for {count} bucket{'s' if count != 1 else ''} "
@@ -269,9 +299,10 @@ class Decision:
             return f"none ({self.reason})"
         if self.period > 1:
             through = "" if self.sync_option == "none" else f" through {self.sync_option}"
+            behind = f", {self.overlap} behind" if self.overlap else ""
             return (f"local SGD H={self.period} "
                     f"({sum(self.sizes.values()) / 1e6:.3g} MB every {self.period} "
-                    f"steps{through})")
+                    f"steps{through}{behind})")
         return ", ".join(f"{name} x{count} ({nbytes / 1e6:.3g} MB)"
                          for name, count, nbytes in self.classes())
 
@@ -347,10 +378,21 @@ def decide(inputs: Inputs) -> tuple[int, ...]:
     return tuple(choice)
 
 
-def period_steps(inputs: Inputs, period: int) -> float:
+def period_steps(inputs: Inputs, period: int, overlap: int = 0) -> float:
     """Local SGD's steps factor at H = ``period`` (module docstring): 1 up to ``LOCAL_FREE``,
-    then ``local_steps`` more per doubling."""
-    return 1.0 + inputs.local_steps * max(0.0, math.log2(period / LOCAL_FREE))
+    then ``local_steps`` more per doubling; a sync ``overlap`` steps behind, as much again
+    per doubling of H + 2 x overlap over H (free of ``LOCAL_FREE``)."""
+    return 1.0 + inputs.local_steps * (max(0.0, math.log2(period / LOCAL_FREE))
+                                       + math.log2((period + 2 * overlap) / period))
+
+
+def overlap_steps(inputs: Inputs, period: int, sync: str = "none") -> int:
+    """The steps a sync of H = ``period`` through ``sync`` runs behind, if it may (module
+    docstring): the fewest whose compute covers it, at most ``inputs.overlap`` and H / 2."""
+    if inputs.overlap < 1 or period < 2:
+        return 0
+    need = math.ceil(sync_time(inputs, sync) / inputs.compute) if inputs.compute > 0 else 1
+    return max(1, min(inputs.overlap, period // 2, need))
 
 
 def sync_options(inputs: Inputs) -> tuple[str, ...]:
@@ -368,23 +410,31 @@ def sync_time(inputs: Inputs, sync: str = "none") -> float:
         b.local + o.ratio * b.nbytes / inputs.rate + o.compute for b, o in used)
 
 
-def period_step_time(inputs: Inputs, choice, period: int, sync: str = "none") -> float:
+def period_step_time(inputs: Inputs, choice, period: int, sync: str = "none",
+                     overlap: int = 0) -> float:
     """Predicted seconds per step with ``choice`` every step (period 1), or local SGD with
-    H = ``period`` and its syncs through ``sync`` (the module docstring)."""
+    H = ``period``, its syncs through ``sync``, each ``overlap`` steps behind (the module
+    docstring)."""
     if period <= 1:
         return step_time(inputs, choice)
-    return inputs.compute + sync_time(inputs, sync) / period
+    return inputs.compute + max(0.0, sync_time(inputs, sync)
+                                - overlap * inputs.compute) / period
 
 
-def choose_period(inputs: Inputs, choice) -> tuple[int, str]:
-    """Local SGD's (H, sync option) for the per-step ``choice`` (``decide``'s): the module
-    docstring's rule; (1, "none") where local SGD does not pay or is not allowed."""
+def choose_period(inputs: Inputs, choice) -> tuple[int, str, int]:
+    """Local SGD's (H, sync option, overlap) for the per-step ``choice`` (``decide``'s): the
+    module docstring's rule; (1, "none", 0) where local SGD does not pay or is not
+    allowed."""
     if not inputs.periods:
-        return 1, "none"
-    timed = [((h, s), period_step_time(inputs, choice, h, s) * period_steps(inputs, h))
-             for h in inputs.periods for s in sync_options(inputs)]  # most faithful first
+        return 1, "none", 0
+    # Most faithful first: the smaller H, then at once before behind, then the sync option.
+    timed = sorted((((h, s, d), period_step_time(inputs, choice, h, s, d)
+                     * period_steps(inputs, h, d))
+                    for h in inputs.periods for s in sync_options(inputs)
+                    for d in sorted({0, overlap_steps(inputs, h, s)})),
+                   key=lambda c: (c[0][0], c[0][2] > 0, SYNC_OPTIONS.index(c[0][1])))
     fastest = min(t for _, t in timed)
     pick, t = next((c, t) for c, t in timed if t <= fastest * (1.0 + inputs.margin))
     if t * (1.0 + inputs.margin) < time_to_target(inputs, choice):
         return pick
-    return 1, "none"
+    return 1, "none", 0

@@ -46,8 +46,13 @@ declared below.
    exchange that moved by more than ``drift`` from its measure is read as a suspicion (not
    as a rate), which the next check's probe confirms or clears (a link as it was: the
    exchange moved for another reason, and its time is the new measure). Under local SGD
-   the syncs stand for the exchange: in float32 their time gives the rate, through a
-   quantizer they are probed the same way.
+   the syncs stand for the exchange: in float32 their time gives the rate; through a
+   quantizer the first sync after a decision is the measure without a probe (a probe of
+   1 MiB in float32 outweighs an int4 sync of 5 MB of parameters: it cost ``gradsync bench
+   compress`` about 1 s at each check at 25 Mbit/s), and a sync that moved from it is
+   probed as above; never while a sync runs behind the steps (``local_overlap``): it
+   shares the link, and the probe would read it slower (the suspicion waits for the next
+   check).
 6. Outcome: a decision that changes a bucket's option is a trial. ``TRIAL`` steps after it
    (or at the next check, if sooner: a check that comes then, drift and all), the
    window's median step (every rank's, averaged) is compared with the median step of the
@@ -121,6 +126,7 @@ class Policy:
     early: float
     periods: tuple[int, ...]  # local SGD's candidate H (empty: not allowed)
     local_steps: float
+    local_overlap: int  # the most steps a local SGD sync may run behind
     powersgd_steps: float
     clock: Callable[[], float]
     # Auto's state (auto.Auto._reset, _new_step_state): the steps and what they measured.
@@ -142,6 +148,7 @@ class Policy:
     _agreed: dict | None  # the numbers of the last decision
     _target: int  # the agreed H, in force from the next window
     _target_sync: int  # the agreed sync option (index in names), with it
+    _target_overlap: int  # and the steps each sync runs behind (0: at once)
     _sync: int  # the sync option of the window in force
     _trial: dict | None  # a change on trial (module docstring, 6)
     _refused: dict[tuple, float]  # options undone -> the rate they were tried at
@@ -208,12 +215,13 @@ class Policy:
             local += [statistics.median(self._latency) if self._latency else 0.0,
                       statistics.median(s["period"] for s in w),
                       statistics.median(s["exchange"] for s in w),
-                      statistics.median(s["blocked"] for s in w)]
+                      statistics.median(s["blocked"] for s in w),
+                      statistics.median(s["compute"] for s in w)]
             for k in keys:
                 local.append(statistics.median(s["times"].get(k, 0.0) for s in w))
                 local.extend(self._kappa.get(k, [0.0] * len(self.inner)))
         else:  # nothing timed here (a state loaded mid-calibration): the same length
-            local += [0.0] * (4 + per * len(keys))
+            local += [0.0] * (5 + per * len(keys))
         local.append(1.0 if self._local is not None else 0.0)
         local.append(1.0 if self._probes else 0.0)
         local.append(statistics.median(p[0] for p in self._probes) if self._probes else 0.0)
@@ -228,12 +236,12 @@ class Policy:
         if agreed[0] < 1.0:  # some rank timed nothing: every rank calibrates again
             self._recalibrate("not every rank had timed the calibration")
             return
-        latency, period, exchange, blocked = agreed[1:5]
-        times = {k: agreed[5 + i * per] for i, k in enumerate(keys)}
-        kappa = {k: agreed[6 + i * per:5 + (i + 1) * per] for i, k in enumerate(keys)}
+        latency, period, exchange, blocked, compute = agreed[1:6]
+        times = {k: agreed[6 + i * per] for i, k in enumerate(keys)}
+        kappa = {k: agreed[7 + i * per:6 + (i + 1) * per] for i, k in enumerate(keys)}
         units, k_local, tier, topo = self._placement(comm)
         local_s = {k: self._local_seconds(topo, 4 * self._numel(k)) for k in keys}
-        compute, hidden = max(period - blocked, 0.0), max(exchange - blocked, 0.0)
+        compute, hidden = max(compute, 0.0), max(exchange - blocked, 0.0)
         if probed:
             # The buckets went through the warm quantizer: the probe gives the rate, and
             # the float32 exchange they would have had is predicted from it; decided here
@@ -290,11 +298,12 @@ class Policy:
         # a sync: a 100 Mbit/s link read as 101-148 Mbit/s of gradient, in gradsync bench
         # compress), so they are probed as it is.
         quantized_sync = not ex and bool(self._syncs) and self._sync != 0
-        wants = (((compressed and bool(ex)) or quantized_sync)
-                 and (self._baseline is None or suspect_rate))
+        behind = self._local is not None and self._local.in_flight()  # the same on every rank
+        wants = not behind and ((compressed and bool(ex) and (
+            self._baseline is None or suspect_rate)) or (quantized_sync and suspect_rate))
         probe = self._probe(comm, a) if wants else 0.0
         local = [1.0 if w else 0.0,
-                 statistics.median(s["period"] - s["blocked"] for s in w) if w else 0.0,
+                 statistics.median(s["compute"] for s in w) if w else 0.0,
                  statistics.median(s["exchange"] for s in ex) if ex else 0.0,
                  statistics.median(s["blocked"] for s in ex) if ex else 0.0]
         local += [statistics.median(s["times"].get(k, 0.0) for s in ex) if ex else 0.0
@@ -473,11 +482,12 @@ class Policy:
         inputs = model.Inputs(tuple(buckets), rate=max(numbers["rate"], 1.0),
                               latency=numbers["latency"], compute=numbers["compute"],
                               hidden=numbers["hidden"], margin=self.margin,
-                              periods=periods, local_steps=self.local_steps)
+                              periods=periods, local_steps=self.local_steps,
+                              overlap=self.local_overlap)
         if quiet:
-            mine = (*current, self._target, self._target_sync)
+            mine = (*current, self._target, self._target_sync, self._target_overlap)
         elif forced is not None:
-            mine = (*forced, self._target, self._target_sync)
+            mine = (*forced, self._target, self._target_sync, self._target_overlap)
         else:
             per_step = tuple(model.decide(inputs))
             if (self._agreed is not None and per_step != current
@@ -493,18 +503,19 @@ class Policy:
             elif refused_at is not None:
                 del self._refused[per_step]  # the link moved: it may be tried again
             # Local SGD, a change of algorithm, must pay beyond the tolerance.
-            h, through = model.choose_period(
+            h, through, behind = model.choose_period(
                 dataclasses.replace(inputs, margin=self.tolerance), per_step)
-            mine = (*per_step, h, self.names.index(through))
+            mine = (*per_step, h, self.names.index(through), behind)
         # Rank 0's choice (then H and the sync option) everywhere: the others add zeros.
         codes = torch.tensor(mine if comm.rank == 0 else [0] * len(mine), dtype=torch.float32)
         comm.allreduce_sum_(codes)
-        *codes_of_buckets, period, sync = (int(round(v)) for v in codes.tolist())
+        *codes_of_buckets, period, sync, overlap = (int(round(v)) for v in codes.tolist())
         choice = tuple(codes_of_buckets)
         self._agreed = numbers
         self._window, self._latency, self._kappa, self._syncs = [], [], {}, []
         self._probes = []
-        changed = period != self._target or sync != self._target_sync or any(
+        changed = (period, sync, overlap) != (
+            self._target, self._target_sync, self._target_overlap) or any(
             self._choice.get(k, 0) != c for k, c in zip(numbers["keys"], choice))
         if (changed and before is not None and period == 1 and self._target == 1
                 and choice != measured):
@@ -512,7 +523,7 @@ class Policy:
                            "numbers": numbers, "at": self._step,
                            "steps_old": model.steps_factor(inputs, measured),
                            "steps_new": model.steps_factor(inputs, choice)}
-        self._target, self._target_sync = period, sync
+        self._target, self._target_sync, self._target_overlap = period, sync, overlap
         if changed:
             self._baseline = None  # the new options' exchange is measured afresh
         for k, c in zip(numbers["keys"], choice):
@@ -528,10 +539,12 @@ class Policy:
             choices={k: self.names[c] for k, c in zip(numbers["keys"], choice)},
             sizes={b.key: b.nbytes for b in buckets}, rate=inputs.rate,
             latency=inputs.latency, compute=inputs.compute, hidden=inputs.hidden,
-            predicted=model.period_step_time(inputs, choice, period, self.names[sync]),
+            predicted=model.period_step_time(inputs, choice, period, self.names[sync],
+                                             overlap),
             uncompressed=model.step_time(inputs, [0] * len(choice)), period=period,
             sync=model.sync_time(inputs, self.names[sync]) if period > 1 else 0.0,
-            sync_option=self.names[sync] if period > 1 else "none")
+            sync_option=self.names[sync] if period > 1 else "none",
+            overlap=overlap if period > 1 else 0)
         if not changed and self.decision is not None and reason.startswith("drift"):
             self.decision = decision  # the same choice on new numbers: nothing to report
             return
@@ -594,7 +607,7 @@ class Policy:
         log.info("compression auto (step %d): %s; uncompressed until measured again",
                  self._step, why)
         self._choice, self._agreed, self._resized = {}, None, why
-        self._target, self._target_sync = 1, 0
+        self._target, self._target_sync, self._target_overlap = 1, 0, 0
         self._trial, self._refused, self._suspect = None, {}, None
         self._baseline = None
         # Mid-window, calibration starts after the window's sync (the ranks equal again).
