@@ -10,16 +10,16 @@ validation figures), and the modes over the gradsync backend add a group of thei
 
 **A segment** is ``eval_every`` training steps (for ``gs-diloco`` and ``gs-streaming``,
 rounded up to a multiple of H, and ``max_steps`` up to whole segments, so that every
-evaluation sees a window's sync; for ``gs-streaming`` the first segment is
-``--streaming-delay`` steps longer, so that each ends where a sync has just landed): a
-barrier, then the steps, timed on every rank and counted at the slowest (a step is not done
-until the last rank is), then any sync still in flight waited for on the clock (streaming
-fragments, ``gs-auto-local``'s syncs behind a window: the untimed evaluation hides none of
-their bytes), then each rank evaluates its share of the validation set with the clock
-stopped, and one allreduce sums the figures. Every rank thus sees the same numbers and takes
-the same decision: stop when the target is met (``reached``), at ``max_steps``, past
-``minutes`` of training time, or when the loss is no longer finite (``diverged``). The
-``floor`` mode trains with no exchange for ``floor_steps`` steps and evaluates nothing.
+evaluation sees a window's sync), and then as many more as it takes for no sync to be
+running behind the steps (``gs-streaming``'s, ``gs-auto-local``'s with ``--local-overlap``;
+at most ``EXTEND``, then waited for): a barrier, then the steps, timed on every rank and
+counted at the slowest (a step is not done until the last rank is), so that the untimed
+evaluation hides none of a sync's bytes and no mode waits for a sync its next steps would
+hide; then each rank evaluates its share of the validation set with the clock stopped, and
+one allreduce sums the figures. Every rank thus sees the same numbers and takes the same
+decision: stop when the target is met (``reached``), at ``max_steps``, past ``minutes`` of
+training time, or when the loss is no longer finite (``diverged``). The ``floor`` mode
+trains with no exchange for ``floor_steps`` steps and evaluates nothing.
 
 **Bytes.** The first rank of each host reads the host's ``eth0`` transmit counter
 (``/proc/net/dev`` shows the namespace's own) around each segment's steps: what the host put
@@ -212,6 +212,18 @@ def _evaluated(trainer: _Trainer):
     return average
 
 
+EXTEND = 32
+"""The most steps a segment runs past ``eval_every`` for a sync behind the steps to land."""
+
+
+def _in_flight(trainer: _Trainer) -> bool:
+    """Whether a sync runs behind the steps: ``gs-streaming``'s, or ``gs-auto-local``'s
+    with ``--local-overlap``."""
+    if trainer.outer is not None:
+        return bool(trainer.outer.pending)
+    return trainer.auto is not None and trainer.auto.in_flight()
+
+
 def _meets(s: dict, loss: float, accuracy: float) -> bool:
     if s["task"] == "cnn":
         return accuracy >= s["target_accuracy"]
@@ -224,26 +236,30 @@ def _train(trainer: _Trainer, task, gen, s: dict, floor: bool, measure: bool) ->
 
     segment = s["eval_every"]
     max_steps = s["floor_steps"] if floor else s["max_steps"]
-    shift = 0
     if trainer.outer is not None:  # whole windows only: evaluate the synced model
-        h, shift = s["diloco_h"], trainer.outer.delay
+        h = s["diloco_h"]
         segment = -(-segment // h) * h
-        max_steps = shift + -(-max_steps // segment) * segment
+        max_steps = -(-max_steps // segment) * segment
     steps, clock, sent, evals = 0, 0.0, 0.0, []
     reached, stop = None, None
     while stop is None:
-        count = min(segment + (shift if steps == 0 else 0), max_steps - steps)
+        count = min(segment, max_steps - steps)
         dist.barrier()
         before = tx_bytes() if measure else 0
         start = time.perf_counter()
         for _ in range(count):
             x, y = task.batch(gen)
             trainer.step(x, y)
+        # The segment ends where no sync runs behind the steps (the same step on every
+        # rank: the schedule is), a few steps more on the clock: the untimed evaluation
+        # hides none of a sync's bytes, and no mode waits for one its next steps hide.
+        while _in_flight(trainer) and count < segment + EXTEND:
+            x, y = task.batch(gen)
+            trainer.step(x, y)
+            count += 1
         for outer in (trainer.outer, trainer.auto):
             if outer is not None:
-                # A sync still in flight is waited for on the clock (it lands at its own
-                # step): the untimed evaluation below hides none of its bytes.
-                outer.settle()
+                outer.settle()  # (past EXTEND steps: waited for on the clock)
         elapsed = time.perf_counter() - start
         wire = tx_bytes() - before if measure else 0
         steps += count

@@ -269,7 +269,6 @@ class Auto(Policy, ReducingCompressor):
                  else "")
         if self.periods and self.local_overlap != model.LOCAL_OVERLAP:
             local += f", local_overlap={self.local_overlap}"
-
         # early (whether the ranks agree after one calibrated step) and tolerance (whether
         # they undo a change) must agree too: named where not the default, so that a state
         # of the same settings saved before they existed loads.
@@ -331,10 +330,10 @@ class Auto(Policy, ReducingCompressor):
         """The front door's training thread waited ``seconds`` on this compressor's
         exchange (the Horovod API's optimizer calls it, and the DDP hook, at the end of
         each backward; a front door that does not is taken to block for the whole
-        exchange). The part of the wait spent in this step's measuring (a probe, a latency
-        sample, an agreement, the arithmetic's timing, run where the reductions run) is not
-        the exchange's and is left out: the step's compute is its period, measuring left
-        out, less this wait."""
+        exchange). The step's compute is its whole span less the whole wait
+        (``_close_step``); the exchange's share of the wait (what it did not hide) leaves
+        out the part spent in this step's measuring (a probe, a latency sample, an
+        agreement, the arithmetic's timing, run where the reductions run)."""
         end = self.clock()
         begin = end - seconds
         measuring = sum(max(0.0, min(end, b) - max(begin, a)) for a, b in self._measuring)
@@ -399,6 +398,10 @@ class Auto(Policy, ReducingCompressor):
         spent = self.clock() - begin
         self._synced += spent
         self._syncs.extend(t for t in took if t is not None)
+
+    def in_flight(self) -> bool:
+        """Whether a local SGD sync runs behind the steps (``local_overlap``)."""
+        return self._local is not None and self._local.in_flight()
 
     def settle(self) -> None:
         """Waits for a local SGD sync still running behind (``local_overlap``); it lands at

@@ -298,7 +298,7 @@ class Policy:
         # a sync: a 100 Mbit/s link read as 101-148 Mbit/s of gradient, in gradsync bench
         # compress), so they are probed as it is.
         quantized_sync = not ex and bool(self._syncs) and self._sync != 0
-        behind = self._local is not None and self._local.in_flight()  # the same on every rank
+        behind = self._local is not None and self._local.in_flight()  # the same everywhere
         wants = not behind and ((compressed and bool(ex) and (
             self._baseline is None or suspect_rate)) or (quantized_sync and suspect_rate))
         probe = self._probe(comm, a) if wants else 0.0
