@@ -369,6 +369,8 @@ def test_streaming_options_are_checked_before_anything_runs(capsys):
         options = p.parse_args(["--modes", "gs-streaming", "--diloco-h", "4", *bad])
         assert compress.drive(2, options) == 2
         assert "gs-streaming needs" in capsys.readouterr().err
+    assert compress.drive(2, p.parse_args(["--local-overlap", "-1"])) == 2
+    assert "--local-overlap must be 0 or more" in capsys.readouterr().err
     s = compress.settings_of(p.parse_args(["--local-overlap", "2", "--streaming-overwrite",
                                            "--diloco-fp32"]), 4, "/d")
     assert (s["local_overlap"], s["streaming_carry"], s["diloco_sync"]) == (2, False, "fp32")

@@ -280,6 +280,10 @@ def drive(hosts: int, options) -> int:
         0 when every mode ran to its end (reached the target or said why not); 1 when a job
         failed; 2 when the bench could not run (no namespaces, bad options).
     """
+    if options.local_overlap < 0:
+        print(f"gradsync bench compress: --local-overlap must be 0 or more, got "
+              f"{options.local_overlap}", file=sys.stderr)
+        return 2
     h, fragments, delay = options.diloco_h, options.streaming_fragments, options.streaming_delay
     if "gs-streaming" in options.modes and (fragments > h or delay >= h // fragments):
         print(f"gradsync bench compress: gs-streaming needs --streaming-fragments 1 to "

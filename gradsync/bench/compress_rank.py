@@ -192,9 +192,9 @@ class _Trainer:
 
 def _evaluated(trainer: _Trainer):
     """The model a segment's evaluation runs: the trainer's, or under local SGD mid-window
-    (``gs-auto-local`` with H > 1, ``gs-streaming``, whose ranks differ by the steps carried) a copy holding the
-    ranks' average, as the window's sync will make it (averaged over the bench's own group,
-    outside the timed steps)."""
+    (``gs-auto-local`` with H > 1; ``gs-streaming``, whose ranks differ by the steps
+    carried) a copy holding the ranks' average, as the window's sync will make it (averaged
+    over the bench's own group, outside the timed steps)."""
     import copy
 
     import torch.distributed as dist

@@ -95,8 +95,10 @@ fewest d that cover its sync, ``d = min(D, H / 2, ceil(sync_s / compute))``, as
     steps(H, d) = steps(H) + local_steps x log2((H + 2d) / H)
 
 (the ranks apart for d steps more, counted twice: a prior, measured on the bench's language
-model, unshaped, against 104 steps at H = 4 at once: 113 with d = 1, 122 with d = 2; at
-H = 8, 112 at once and 114-122 with d = 2; the rule gives 1.12, 1.2 and 1.32), and in step
+model, unshaped: at H = 4, 104 steps at once, 113, 114 and 115 one, two and three steps
+behind; at H = 8 (25 Mbit/s, four runs), 112 at once and 114 two behind; the rule gives
+1.12, 1.2 and 1.26 times the steps at once at H = 4, 1.1 at H = 8: pessimistic beyond one
+step), and in step
 1 a sync at once is more faithful than one behind (the smaller H first, then at once, then
 the sync option). At 25 Mbit/s the example's int4 sync takes 0.236 s, more than a step:
 H = 4 with it two steps behind takes 0.2 x 1.2 = 0.24 s a step, against 0.259 at once.
