@@ -407,7 +407,7 @@ class Auto(Policy, ReducingCompressor):
         """Waits for a local SGD sync still running behind (``local_overlap``); it lands at
         its own step all the same. Nothing to wait for otherwise."""
         if self._local is not None:
-            self._local.diloco.settle()
+            self._local.settle()
 
     # ------------------------------------------------------------------ the reduction
     def reduce(self, flat: torch.Tensor, shapes: list, comm, key: str | None,

@@ -94,6 +94,10 @@ class LocalSGD:
     def in_flight(self) -> bool:
         return bool(self.diloco.pending)
 
+    def settle(self) -> None:
+        """Waits for a sync in flight (it lands at its own step all the same)."""
+        self.diloco.settle()
+
     def restart(self, compressor) -> None:
         """A window starts after steps that exchanged gradients, or through another sync
         option, where the ranks' parameters are equal (a sync landed at once, or an elastic

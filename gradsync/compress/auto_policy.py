@@ -12,8 +12,8 @@ declared below.
    allreduce, every other rank adding zeros): every rank uses rank 0's choice, even where a
    rank's own arithmetic would have rounded differently. After the probe step (``auto.py``,
    2) the rate is the probe's (at least what the warm quantizer's exchanges carried in their
-   time), compute the step's period less its blocked time, and the
-   hidden part at most what the warm quantizer's exchange hid; decided there only where the
+   time), compute the step's span less the wait the front door reported (``auto.py``,
+   ``_close_step``), and the hidden part at most what the warm quantizer's exchange hid; decided there only where the
    float32 exchange so predicted blocks more than ``early`` of the step, and then a change
    from the warm quantizer is a trial against the probe step (6).
 4. Drift: every ``check_every`` steps the same two allreduces carry the window's numbers;

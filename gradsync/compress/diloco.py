@@ -250,8 +250,7 @@ class DiLoCo:
         for fragment, offset in enumerate(self.offsets):
             if t % self.sync_every == offset:
                 self._start(fragment, t, self.delay)
-        for pending in [p for p in self.pending if p.land <= t]:
-            self._land(pending)
+        self._land_due()
 
     # A caller keeping its own schedule (``auto_local.LocalSGD``: auto's windows) counts the
     # steps with ``tick`` and starts the syncs with ``sync_now``; ``outer_step``, which
@@ -261,11 +260,7 @@ class DiLoCo:
         each landed reduction took (None where the reducer does not time them)."""
         self._reissue()
         self.step_count += 1
-        landed = []
-        for pending in [p for p in self.pending if p.land <= self.step_count]:
-            self._land(pending)
-            landed.append(pending.seconds)
-        return landed
+        return self._land_due()
 
     def sync_now(self, delay: int = 0) -> list[float | None]:
         """Starts every fragment's sync at this step, landing ``delay`` ticks later (0: now,
@@ -276,13 +271,15 @@ class DiLoCo:
             raise RuntimeError("sync_now: a sync is still in flight")
         for fragment in range(self.fragments):
             self._start(fragment, self.step_count, delay)
-        if delay:
-            return []
-        landed = []
-        for pending in list(self.pending):
+        return self._land_due()
+
+    def _land_due(self) -> list[float | None]:
+        """Lands the syncs due at this step: the seconds each reduction took (None where the
+        reducer does not time them)."""
+        due = [p for p in self.pending if p.land <= self.step_count]
+        for pending in due:
             self._land(pending)
-            landed.append(pending.seconds)
-        return landed
+        return [p.seconds for p in due]
 
     def _key(self, fragment: int) -> str:
         return f"{self.name}.fragment{fragment}"
