@@ -337,6 +337,8 @@ def test_bucket_cap_and_overlap_reach_ddp_and_the_hook_but_not_torchs_powersgd(t
         dist.destroy_process_group()
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_streaming_is_evaluated_where_each_sync_has_landed(tmp_path, capsys):
     """gs-diloco syncs at once, evaluated at whole windows (4, 8, ...); gs-streaming's syncs
     land a step after they start, so its first segment is a step longer and each ends
