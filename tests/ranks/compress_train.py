@@ -151,13 +151,14 @@ for what, compression in (("auto", "auto"), ("Auto(tiers='all')", quick_auto()))
                      ("calibrated", "drift", "measured"),
                      lambda d: hvd.allgather_object(d))
 
-# compression="auto" allowed local SGD (H at most 4), decided once, at step 3 (no drift
-# check in these 8 steps; early=1: after both float32 calibration steps, not on the probe
-# of step 1, which the tiny net's short step may read as a slow link): whatever H and sync
-# option it chose (H 1, 2 or 4; float32 or a quantizer: the loopback link decides), every
-# window ends by the last step, so the
-# parameters must end equal on every rank, through DistributedOptimizer's attach and
-# after_step and the Horovod API's DiLoCo reducer.
+# compression="auto" allowed local SGD (H at most 4), decided at step 3 (no drift check in
+# these 8 steps; early=1: after both float32 calibration steps, not on the probe of step 1,
+# which the tiny net's short step may read as a slow link), and where that changed an
+# option, its trial checked TRIAL steps later, which a loaded machine may undo ("measured":
+# CI's stop 64): whatever H and sync option it chose (H 1, 2 or 4; float32 or a quantizer:
+# the loopback link decides), every window ends by the last step, so the parameters must
+# end equal on every rank, through DistributedOptimizer's attach and after_step and the
+# Horovod API's DiLoCo reducer.
 torch.manual_seed(0)
 model = Net()
 auto = Auto(tiers="all", warmup=1, calibrate=2, check_every=100, margin=0.0,
@@ -165,7 +166,7 @@ auto = Auto(tiers="all", warmup=1, calibrate=2, check_every=100, margin=0.0,
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
                                named_parameters=model.named_parameters(), compression=auto)
 train(model, opt, "DistributedOptimizer auto, local_sgd=4", lambda d: hvd.allgather_object(d))
-same_auto_choice(auto, "DistributedOptimizer auto, local_sgd=4", ("calibrated",),
+same_auto_choice(auto, "DistributedOptimizer auto, local_sgd=4", ("calibrated", "measured"),
                  lambda d: hvd.allgather_object(d))
 C.count += 1
 if len(set(hvd.allgather_object((auto.decision.period, auto.period, auto.phase)))) != 1:
@@ -244,7 +245,8 @@ C.count += 1
 digests = tiny_net.all_digests(digest(model), None)
 if len(set(digests)) != 1:
     fail(f"DDP hook, auto, local_sgd=4: parameters differ after step {step}: {digests}")
-same_auto_choice(auto, "DDP hook over gradsync, auto, local_sgd=4", ("calibrated",),
+same_auto_choice(auto, "DDP hook over gradsync, auto, local_sgd=4",
+                 ("calibrated", "measured"),
                  lambda d: tiny_net.all_digests(d, None))
 
 dist.destroy_process_group()
