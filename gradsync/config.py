@@ -53,6 +53,7 @@ _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 TRANSPORTS = ("auto", "tcp", "shm")
 ALGORITHMS = ("auto", "ring", "topo_ring", "doubling", "halving_doubling", "hierarchical", "shm")
+STREAM_MODES = ("auto", "never", "always")  # transport/segment_stores.py's MODES (a test: equal)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,6 +97,12 @@ class Config:
     shm_fast: bool = True
     """Small shared-memory allreduces take the compiled road (``collectives/_shmfast.c``,
     built on first use with the system C compiler); false keeps them in Python."""
+
+    shm_stream: str = "auto"
+    """How the shared-memory allreduce's pieces road writes a rank's slot: ``auto`` measures
+    ordinary stores against streaming ones (non-temporal, past the cache) as it runs and keeps
+    the faster (``transport/segment_stores.py``), ``never`` or ``always``. Needs ``shm_fast``'s
+    compiled module; the bytes are the same either way."""
 
     quant_fast: bool = True
     """int8, int4 and bf16 compression run their per-block arithmetic compiled
@@ -241,6 +248,9 @@ class Config:
                               f"connect_timeout={self.connect_timeout}")
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.shm_stream not in STREAM_MODES:
+            raise ConfigError(f"shm_stream must be one of {STREAM_MODES}, got "
+                              f"{self.shm_stream!r}")
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
         for name in ("chunk_bytes", "shm_slot_bytes"):

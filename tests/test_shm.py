@@ -272,9 +272,10 @@ def _input(count: int, dtype, rank: int) -> np.ndarray:
     return (((np.arange(count) * 7 + rank * 5) % 11) - 5).astype(dtype)
 
 
-def _group_sweep(ctx: Rank, small_bytes: int = 1 << 15, sleep: str = "auto"):
+def _group_sweep(ctx: Rank, small_bytes: int = 1 << 15, sleep: str = "auto",
+                 stream: str = "auto"):
     group = ShmGroup.open(ctx.job, ctx.rank, ctx.size, ctx.barrier, slot_bytes=_SLOT,
-                          small_bytes=small_bytes, sleep=sleep)
+                          small_bytes=small_bytes, sleep=sleep, stream=stream)
     ctx.barrier()  # every rank is past open(): the segment must be gone by now
     out = {"leftover": _leftovers(ctx.job)}
     deadline = time.monotonic() + 10
@@ -293,12 +294,13 @@ def _group_sweep(ctx: Rank, small_bytes: int = 1 << 15, sleep: str = "auto"):
 
 # small_bytes 0: every allreduce takes the two-step road; else those of at most one slot
 # (counts 0, 1, size - 1 and 37 of 4-byte elements) take the one-step road. Waits sleep on
-# futexes or nap.
-@pytest.mark.parametrize("size,small_bytes,sleep", [
-    (1, 1 << 15, "auto"), (2, 1 << 15, "futex"), (3, 1 << 15, "nap"), (4, 1 << 15, "futex"),
-    (2, 0, "nap"), (3, 0, "futex")])
-def test_group_allreduce_and_broadcast_match_numpy(size, small_bytes, sleep):
-    results = _launch(size, _group_sweep, small_bytes, sleep)
+# futexes or nap. The two-step road's slots written by the streaming copy ("always") or not.
+@pytest.mark.parametrize("size,small_bytes,sleep,stream", [
+    (1, 1 << 15, "auto", "auto"), (2, 1 << 15, "futex", "auto"), (3, 1 << 15, "nap", "auto"),
+    (4, 1 << 15, "futex", "always"), (2, 0, "nap", "never"), (3, 0, "futex", "always"),
+    (4, 0, "futex", "always")])
+def test_group_allreduce_and_broadcast_match_numpy(size, small_bytes, sleep, stream):
+    results = _launch(size, _group_sweep, small_bytes, sleep, stream)
     for rank in range(size):
         assert results[rank]["leftover"] == []
     for count in _counts(size):
@@ -311,6 +313,39 @@ def test_group_allreduce_and_broadcast_match_numpy(size, small_bytes, sleep):
                         (count, np.dtype(dtype).name, name, rank)
         root = _input(count, np.float32, size - 1).tobytes()
         assert all(results[r][count, "broadcast"] == root for r in range(size))
+
+
+def _group_stores(ctx: Rank, modes: list[str], calls: int):
+    # Pieces of 256 bytes: 40 of float32 per call (39 timed: the first is not), whole, so the
+    # measured ranks finish a trial (2 x 16 pieces) in the first call and another in the 14th.
+    group = ShmGroup.open(ctx.job, ctx.rank, ctx.size, ctx.barrier, slot_bytes=_SLOT,
+                          small_bytes=0, stream=modes[ctx.rank])
+    deadline, out = time.monotonic() + 10, []
+    for i in range(calls):
+        data = _input(40 * 64, np.float32, ctx.rank + i)
+        group.allreduce(data, make_reducer(Sum, np.float32), deadline)
+        out.append(data.tobytes())
+    group.barrier(deadline)
+    s = group.stores
+    return out, s.measuring, s.streaming, list(s.trials), s.copy is not None
+
+
+# Each rank writes its slots its own way (measured, streamed, or not), so the ranks need not
+# agree; the bytes are the same whatever each chose.
+@pytest.mark.parametrize("modes", [["auto", "auto"], ["always", "never", "auto"]])
+def test_group_pieces_written_either_way_sum_to_the_same_bytes(modes):
+    results = _launch(len(modes), _group_stores, modes, 20)
+    for i in range(20):
+        inputs = [_input(40 * 64, np.float32, r + i) for r in range(len(modes))]
+        want = functools.reduce(np.add, inputs).tobytes()
+        assert all(results[r][0][i] == want for r in range(len(modes))), i
+    for r, mode in enumerate(modes):
+        _, measuring, streaming, trials, copies = results[r]
+        assert copies == (mode != "never") and measuring == (mode == "auto")
+        if mode == "auto":  # two trials of 16 pieces each way, whichever won
+            assert len(trials) == 2 and all(t[0] > 0 and t[1] > 0 for t in trials)
+        else:
+            assert streaming == (mode == "always") and trials == []
 
 
 def _group_mismatch(ctx: Rank, how: str):

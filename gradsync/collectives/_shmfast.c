@@ -1,6 +1,7 @@
 /* gradsync's compiled fast paths: the one-step shared-memory allreduce of the host's segment
- * (transport/host_segment.py) and its barrier, and the beater of heartbeat.py and the data
- * servers (at the end of this file, "The beater").
+ * (transport/host_segment.py) and its barrier, the streaming copy of its pieces road ("The
+ * streaming copy"), and the beater of heartbeat.py and the data servers (at the end of this
+ * file, "The beater").
  *
  * A small allreduce among the ranks of one host is one synchronisation: every rank copies
  * its data into its slot, publishes its arrival counter, waits until every other rank has
@@ -33,6 +34,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <emmintrin.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -366,6 +368,65 @@ static PyObject *py_fold(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     return finish(&q, q.seq & 1);
 }
 
+/* --- The streaming copy ------------------------------------------------------------------
+ *
+ * stream(dst, src) copies src's bytes into dst (the same length) with non-temporal stores:
+ * the lines go towards memory, not into this core's cache, and no line is read for ownership
+ * first. Then a store fence, so that the bytes are visible before the counter that publishes
+ * them (the release store of publish() orders ordinary stores only). The pieces road of
+ * transport/host_segment.py writes its slot this way where the ranks measured it faster
+ * (transport/segment_stores.py says when and why: on some machines a line written by one
+ * core and read by another crosses several times slower than through memory). The GIL is
+ * released: a piece is up to a slot, and a training step's thread may run meanwhile.
+ */
+
+static void stream_bytes(char *d, const char *s, size_t n) {
+    size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+    if (head > n) head = n;
+    memcpy(d, s, head);
+    d += head, s += head, n -= head;
+    for (; n >= 64; n -= 64, d += 64, s += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)s);
+        __m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + 32));
+        __m128i e = _mm_loadu_si128((const __m128i *)(s + 48));
+        _mm_stream_si128((__m128i *)d, a);
+        _mm_stream_si128((__m128i *)(d + 16), b);
+        _mm_stream_si128((__m128i *)(d + 32), c);
+        _mm_stream_si128((__m128i *)(d + 48), e);
+    }
+    for (; n >= 16; n -= 16, d += 16, s += 16)
+        _mm_stream_si128((__m128i *)d, _mm_loadu_si128((const __m128i *)s));
+    memcpy(d, s, n);
+    _mm_sfence();
+}
+
+static PyObject *py_stream(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "stream(dst, src) takes two buffers");
+        return NULL;
+    }
+    Py_buffer dst, src;
+    if (PyObject_GetBuffer(args[0], &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(args[1], &src, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    int same = dst.len == src.len;
+    if (same) {
+        Py_BEGIN_ALLOW_THREADS
+        stream_bytes(dst.buf, src.buf, (size_t)dst.len);
+        Py_END_ALLOW_THREADS
+    } else {
+        PyErr_Format(PyExc_ValueError, "stream: %zd bytes into %zd", src.len, dst.len);
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    if (!same) return NULL;
+    Py_RETURN_NONE;
+}
+
 /* --- The beater: heartbeats that need no GIL ---------------------------------------------
  *
  * A heartbeat link (heartbeat.py) carries a BEAT byte every heartbeat interval, and a data
@@ -669,6 +730,8 @@ static PyMethodDef methods[] = {
      "The one-step allreduce: DONE (0), WAITING (1) or MISMATCH (2)."},
     {"fold", (PyCFunction)(void (*)(void))py_fold, METH_FASTCALL,
      "The fold of call() once every rank has arrived: DONE (0) or MISMATCH (2)."},
+    {"stream", (PyCFunction)(void (*)(void))py_stream, METH_FASTCALL,
+     "Copies src into dst (same length) with non-temporal stores, then a store fence."},
     {"beater_open", py_beater_open, METH_VARARGS, "A running beater: beats every interval."},
     {"beater_add_socket", py_beater_add_socket, METH_VARARGS,
      "A byte on (a dup of) a socket each interval; returns its id."},

@@ -139,5 +139,5 @@ def connect(config, env, store, peers, pairs, use_shm, deadline):
     if group_here:
         group = ShmGroup.open(job, local.index(env.rank), len(local), barrier,
                               slot_bytes=config.shm_slot_bytes, ranks=local,
-                              fast=config.shm_fast)
+                              fast=config.shm_fast, stream=config.shm_stream)
     return pairs, group

@@ -60,6 +60,7 @@ import collections
 import enum
 import mmap
 import os
+import time
 from typing import Callable, Sequence
 
 import numpy as np
@@ -70,6 +71,7 @@ from .segment_layout import (_ALLREDUCE, _BARRIER, _BROADCAST, _CLOSED, _REDUCED
                              segment_bytes)
 from .segment_shared import SharedRoad
 from .segment_small import SmallRoad
+from .segment_stores import Stores
 from .segment_sync import Reducer
 from .shm import CACHE_LINE, attach_segment, unlink_segment
 from .wait import native_ladder
@@ -102,15 +104,16 @@ class ShmGroup(SmallRoad, SharedRoad):
         segment: the mapped segment (``create_group_segment`` or ``attach_segment``).
         local_rank: this process's index among the host's ranks.
         ranks: the global rank of each local rank, for error messages (default: local ranks).
-        small_bytes, sleep, fast: as for ``open``.
+        small_bytes, sleep, fast, stream: as for ``open``.
 
     Attributes:
         fast: whether small allreduces can take the compiled road (``_shmfast.c``).
+        stores: how the pieces road writes this rank's slot (``segment_stores.py``).
     """
 
     def __init__(self, segment: mmap.mmap, local_rank: int, ranks: "Sequence[int] | None" = None,
                  small_bytes: int = DEFAULT_SMALL_BYTES, sleep: str = "auto",
-                 fast: bool = True):
+                 fast: bool = True, stream: str = "auto"):
         super().__init__(segment, local_rank, ranks, sleep)
         self.small_bytes = min(small_bytes, self.slot_bytes)
         # Load only: this runs inside init()'s connect window, so a first-use compile happens
@@ -124,13 +127,14 @@ class ShmGroup(SmallRoad, SharedRoad):
                                            *native_ladder(self._may_spin))
             self._fast_call, self._fast_fold = module.call, module.fold
         self.fast = self._fast_group is not None
+        self.stores = Stores(module.stream if module is not None else None, stream)
         self._shared, self._mapped = {}, collections.OrderedDict()  # (``SharedRoad``'s)
 
     @classmethod
     def open(cls, job: str, local_rank: int, local_size: int, barrier: Callable[[], None],
              slot_bytes: int = DEFAULT_SLOT_BYTES, ranks: "Sequence[int] | None" = None,
              tag: str = "host", small_bytes: int = DEFAULT_SMALL_BYTES,
-             sleep: str = "auto", fast: bool = True) -> "ShmGroup":
+             sleep: str = "auto", fast: bool = True, stream: str = "auto") -> "ShmGroup":
         """Sets up the host's group; every local rank calls it at the same time.
 
         Local rank 0 creates the segment; ``barrier()``; the others attach; ``barrier()``;
@@ -150,13 +154,16 @@ class ShmGroup(SmallRoad, SharedRoad):
                 ``auto`` (futex where available).
             fast: let small allreduces take the compiled road where it can be built
                 (``Config.shm_fast``); False keeps every collective on the Python road.
+            stream: how the pieces road writes this rank's slot: ``auto`` (measured),
+                ``never`` or ``always`` streamed past the cache (``Config.shm_stream``,
+                ``segment_stores.py``); without the compiled module, never.
         """
         name = group_segment_name(job, tag)
         seg = create_group_segment(name, local_size, slot_bytes) if local_rank == 0 else None
         try:
             barrier()  # the segment exists before anyone attaches
             group = cls(seg if seg is not None else attach_segment(name), local_rank, ranks,
-                        small_bytes, sleep, fast)
+                        small_bytes, sleep, fast, stream)
             if group.size != local_size:
                 raise ValueError(f"segment {name} is for {group.size} ranks, not {local_size}")
             barrier()  # everyone has mapped it (and registered its pid) before it is unlinked
@@ -224,6 +231,9 @@ class ShmGroup(SmallRoad, SharedRoad):
             views = self._views_of(flat.dtype)
             step = self.slot_bytes // flat.itemsize
             align = max(1, CACHE_LINE // flat.itemsize)
+            stores = self.stores
+            # The pieces after a call's first, of a whole slot, are timed for ``stores``.
+            timed, ended = stores.measuring and flat.nbytes >= 2 * self.slot_bytes, None
             # An empty array still takes one (empty) piece, so that its signature is checked.
             for start in range(0, max(flat.size, 1), step):
                 piece = flat[start:start + step]
@@ -231,12 +241,18 @@ class ShmGroup(SmallRoad, SharedRoad):
                 slots = [v[seq & 1] for v in views]
                 bounds = self._split(piece.size, align)
                 lo, hi = bounds[self.rank], bounds[self.rank + 1]
-                self._copy_in(piece, slots[self.rank], lo, hi)
+                copy = stores.copy if stores.stream_now() else None
+                self._copy_in(piece, slots[self.rank], lo, hi, copy)
                 self._arrive(seq, _ALLREDUCE, flat.nbytes, signature, deadline, on_idle)
-                self._reduce(piece, slots, lo, hi, reducer, finish)
+                self._reduce(piece, slots, lo, hi, reducer, finish, copy)
                 self._publish(_REDUCED, seq)
                 self._wait(_REDUCED, seq, deadline, on_idle, "finish reducing")
                 self._copy_out(piece, slots, bounds)
+                if timed:
+                    now = time.perf_counter()
+                    if ended is not None and piece.nbytes == self.slot_bytes:
+                        stores.record(now - ended)
+                    ended = now
 
     def fast_code(self, op: enum.Enum, dtype: np.dtype) -> "int | None":
         """The compiled road's kernel code for ``op`` on ``dtype``, or None when an allreduce
@@ -302,19 +318,30 @@ class ShmGroup(SmallRoad, SharedRoad):
 
     # --- the steps of a piece (separate methods so that a profiler can time each) --------
 
-    def _copy_in(self, piece: np.ndarray, slot: np.ndarray, lo: int, hi: int) -> None:
-        slot[:lo] = piece[:lo]
-        slot[hi:piece.size] = piece[hi:]
+    # ``copy(dst, src)``: the streaming copy where this piece streams (``segment_stores.py``)
+
+    def _copy_in(self, piece: np.ndarray, slot: np.ndarray, lo: int, hi: int,
+                 copy: "Callable[[np.ndarray, np.ndarray], None] | None" = None) -> None:
+        if copy is None:
+            slot[:lo] = piece[:lo]
+            slot[hi:piece.size] = piece[hi:]
+        else:
+            copy(slot[:lo], piece[:lo])
+            copy(slot[hi:piece.size], piece[hi:])
 
     def _reduce(self, piece: np.ndarray, slots: list[np.ndarray], lo: int, hi: int,
-                reducer: Reducer, finish: Callable[[np.ndarray], None] | None) -> None:
+                reducer: Reducer, finish: Callable[[np.ndarray], None] | None,
+                copy: "Callable[[np.ndarray, np.ndarray], None] | None" = None) -> None:
         own = piece[lo:hi]
         if own.size:
             for r in self._others:  # a fixed order: the bits never depend on timing
                 reducer(own, slots[r][lo:hi])
             if finish is not None:
                 finish(own)
-        slots[self.rank][lo:hi] = own
+        if copy is None:
+            slots[self.rank][lo:hi] = own
+        else:
+            copy(slots[self.rank][lo:hi], own)
 
     def _copy_out(self, piece: np.ndarray, slots: list[np.ndarray], bounds: list[int]) -> None:
         for r in self._others:
