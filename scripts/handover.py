@@ -10,8 +10,11 @@ Two processes, pinned to the first two CPUs this process may use, take ROUNDS ro
               of a shared mapping, then (after a barrier) reads the other's slot and adds it
     streamed  the same, the slot written by ``_shmfast.c``'s streaming copy (non-temporal
               stores, as ``transport/segment_stores.py`` may choose)
+    latency   a barrier of the two (one cache line each, written by one and read by the
+              other), as a small allreduce's arrival is: microseconds per barrier, times 100
 
-and prints microseconds per MiB for each, one column per round: ``private/ordinary/streamed``.
+and prints microseconds per MiB for each, one column per round:
+``private/ordinary/streamed/latency``.
 On the 2-vCPU AMD virtual machines of docs/benchmarks.md ("The 64 MiB row's two states") the
 ordinary handover moved between 60-90 us and 440-750 us every few seconds while the private
 copies stayed at about 50 us: that is the slow state the pieces road measures its way around.
@@ -30,6 +33,7 @@ from gradsync import _native
 
 MIB = 1 << 20
 HANDOVERS = 200  # per phase
+BARRIERS = 20000
 
 
 def main() -> int:
@@ -61,9 +65,14 @@ def main() -> int:
     columns = []
     for _ in range(rounds):
         row = []
-        for phase in ("private", "ordinary", "streamed"):
+        for phase in ("private", "ordinary", "streamed", "latency"):
             barrier()
             start = time.perf_counter()
+            if phase == "latency":
+                for _ in range(BARRIERS):
+                    barrier()
+                row.append((time.perf_counter() - start) / BARRIERS * 1e8)
+                continue
             for i in range(HANDOVERS):
                 if phase == "private":
                     np.copyto(b, a)
@@ -80,7 +89,8 @@ def main() -> int:
         columns.append("/".join(f"{v:.0f}" for v in row))
     if child:
         os.waitpid(child, 0)
-        print("us per MiB, private/ordinary/streamed, one column per round:")
+        print("us per MiB, private/ordinary/streamed, and 100 x us per barrier, one column "
+              "per round:")
         print(" ".join(columns))
         return 0
     os._exit(0)
