@@ -1179,6 +1179,7 @@ def test_a_sync_behind_survives_a_state_dict():
     train_local(autos, comms, params, 13, [0.05, 0.05])
     assert autos[0]._local.in_flight()
     states = [a.state_dict() for a in autos]
+    assert states[0]["auto"]["check_owed"]  # step 12's check waits for the sync to land
     kept = [[p.clone() for p in ps] for ps in params]
     straight = train_local(autos, comms, params, 3, [0.05, 0.05], start=13)
     again, comms2, _, attach_to = overlapped(attach=False)
@@ -1333,3 +1334,95 @@ def test_local_sgd_survives_a_state_dict(stop, options):
             assert s_h == r_h
             assert all(torch.equal(a, b) for a, b in zip(s_params, r_params))
     assert again[0].state_dict()["auto"]["phase"] == autos[0].state_dict()["auto"]["phase"]
+
+
+class _Beside:
+    """Each rank's compute per step: ``alone`` seconds, and ``extra`` more in a step that
+    begins with a local SGD sync in flight (the contention of a sync behind)."""
+
+    def __init__(self, autos, alone: float, extra: float):
+        self.autos, self.alone, self.extra = autos, alone, extra
+
+    def __getitem__(self, r: int) -> float:
+        return self.alone + (self.extra if self.autos[r].in_flight() else 0.0)
+
+
+def test_what_a_sync_behind_costs_its_steps_is_measured_and_weighed():
+    """The slow sync of the test above, two steps behind at H = 8, but each step it runs
+    beside takes 0.1 s more (its arithmetic and sockets on the steps' cores): the drift check
+    after the first window measures 0.2 s a sync (the median step beside it less the median
+    step alone, times the two steps behind; the compute is the steps' alone, 50 ms), a drift
+    from the 0 the decision assumed, and decides again with it (the model's choice for those
+    numbers: the sync no longer pays to run behind). The checks wait for steps with no sync
+    in flight; a state taken with a check owed keeps it."""
+    autos, comms, link = job(2, 1e6, local_sgd=8, local_overlap=2, **LOCAL)
+    params = [[torch.zeros(s) for shapes in SHAPES.values() for s in shapes]
+              for _ in range(2)]
+    syncs = ThreadGroup(2)
+    for r, (a, p) in enumerate(zip(autos, params)):
+        a.attach(p, comm=LinkComm(syncs, r, Clock(), link))
+    checked: list = [[], []]
+    for r, a in enumerate(autos):
+        check = a._check
+        a._check = lambda comm, r=r, a=a, check=check: (
+            checked[r].append((a._step, a.in_flight())), check(comm))[1]
+    train_local(autos, comms, params, 24, _Beside(autos, 0.05, 0.1))
+    first, d = autos[0].history[0], autos[0].decision
+    assert (first.period, first.overlap, first.contention) == (8, 2, 0.0), first.summary()
+    assert d.reason.startswith("drift: a sync behind adds 0 -> 200 ms"), d.summary()
+    assert d.contention == pytest.approx(0.2, rel=1e-6) and d.compute == pytest.approx(0.05)
+    assert "a sync behind adds 200 ms to the steps beside it" in d.summary()
+    inputs = m.Inputs(tuple(autos[0]._options(autos[0]._agreed)), d.rate, d.latency, 0.05,
+                      periods=m.periods_upto(8), local_steps=autos[0].local_steps, overlap=2,
+                      contention=0.2, margin=autos[0].tolerance)
+    assert (d.period, d.sync_option, d.overlap) == m.choose_period(inputs, m.decide(inputs))
+    assert (d.period, d.overlap) != (8, 2)
+    # Checks every 4 steps: at steps 4 and 8, then 12's waits for the first window's sync
+    # (started after step 11, landing after step 13): at step 14, where it decided again.
+    assert checked[0] == checked[1] and [s for s, _ in checked[0]][:3] == [4, 8, 14], checked
+    assert not any(flying for _, flying in checked[0]) and d.step == 14
+
+
+def test_contention_in_the_model():
+    """The worked bucket at 25 Mbit/s (test_overlap_in_the_model): an int4 sync two steps
+    behind at H = 4 is free in the model until it costs the steps beside it something; at
+    0.1 s a sync at once is faster, as the module docstring's step says."""
+    inputs = m.Inputs((WORKED,), 3.125e6, 1e-3, 0.2, periods=m.periods_upto(16), overlap=2)
+    costly = dataclasses.replace(inputs, contention=0.1)
+    assert m.period_step_time(costly, (), 4, "int4", 2) == pytest.approx(0.2 + 0.1 / 4)
+    assert m.period_step_time(costly, (), 4, "int4", 0) == pytest.approx(
+        m.period_step_time(inputs, (), 4, "int4", 0))  # at once: nothing runs beside
+    assert m.choose_period(inputs, m.decide(inputs)) == (4, "int4", 2)
+    assert m.choose_period(costly, m.decide(costly)) == (4, "int4", 0)
+    with pytest.raises(ValueError, match="contention"):
+        dataclasses.replace(inputs, contention=-0.1)
+
+
+def _span(compute, beside=False, started=0, local=True):
+    return {"compute": compute, "beside": beside, "started": started, "local": local}
+
+
+def test_a_check_reads_the_steps_alone_and_what_a_sync_behind_adds_to_the_others():
+    """``read_steps``: 16 steps of H = 4 with syncs two behind, as ``gradsync bench
+    compress`` ran them at 25 Mbit/s (each window: the step that starts a sync, two with it
+    in flight, one alone), compute 0.18 s alone, 0.06 s more beside a sync, and its
+    evaluation falling in two of the four steps alone (2 s each: left out). Compute 0.18 s,
+    each sync 3 x 0.06 = 0.18 s."""
+    from gradsync.compress.auto_policy import read_steps
+
+    window = []
+    for w in range(4):
+        window += [_span(0.24, beside=True), _span(0.24, beside=True),
+                   _span(0.18 + (2.0 if w % 2 else 0.0)), _span(0.24, True, started=1)]
+    compute, measured, contention = read_steps(window, agreed=0.2)
+    assert compute == pytest.approx(0.18) and measured
+    assert contention == pytest.approx(0.18)
+    # Per-step exchanges (no local SGD): the median of the steps, the evaluation left out.
+    steps = [_span(0.2, local=False)] * 6 + [_span(3.0, local=False)] * 2
+    assert read_steps(steps, 0.5) == (pytest.approx(0.2), False, 0.0)
+    # Fewer than two steps alone: nothing measured, and the steps beside syncs are not the
+    # compute (the agreed one stays); without syncs, the window's median.
+    few = [_span(0.24, beside=True), _span(0.24, True, started=1), _span(0.18)]
+    assert read_steps(few, 0.2) == (0.2, False, 0.0)
+    assert read_steps([_span(0.3, local=False)], 0.2) == (0.3, False, 0.0)
+    assert read_steps([], 0.2) == (0.0, False, 0.0)

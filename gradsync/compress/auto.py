@@ -325,6 +325,11 @@ class Auto(Policy, ReducingCompressor):
         self._synced = 0.0  # seconds of this step spent in local SGD's sync
         self._syncs: list[float] = []  # the window's syncs (seconds)
         self._stepped = False  # after_step since the last step boundary
+        # This step's span (first call to the next step's) had a local SGD sync running
+        # behind: in flight at its start, or started in it (``after_step``); and how many
+        # syncs behind it started.
+        self._beside, self._started = False, 0
+        self._check_owed = False  # a drift check waits for the link: a sync runs behind
 
     def blocked(self, seconds: float) -> None:
         """The front door's training thread waited ``seconds`` on this compressor's
@@ -395,6 +400,8 @@ class Auto(Policy, ReducingCompressor):
             # (its anchors are not taken afresh) and long enough to land the sync in it.
             behind = min(self._target_overlap, period // 2) if period > 1 and not starts else 0
             took += self._local.sync(behind)
+            if behind:
+                self._beside, self._started = True, self._started + 1
         spent = self.clock() - begin
         self._synced += spent
         self._syncs.extend(t for t in took if t is not None)
@@ -525,8 +532,14 @@ class Auto(Policy, ReducingCompressor):
                       and self._step == self._calib_from + 1 and self.early < 1):
                     self._agree(comm, self._resized or "calibrated", early=True)
                 elif self._agreed is not None and (self._step % self.check_every == 0
-                                                   or self._trial_due()):
-                    if self._keys() != self._agreed["keys"]:
+                                                   or self._check_owed or self._trial_due()):
+                    # Not while a sync runs behind (the same on every rank): its allreduces
+                    # would queue on the link behind the sync's bytes (0.05-0.24 s a check
+                    # at 25 Mbit/s); at the first step with none in flight instead.
+                    self._check_owed = self.in_flight() and not self._trial_due()
+                    if self._check_owed:
+                        pass
+                    elif self._keys() != self._agreed["keys"]:
                         # The buckets changed (a parameter group added, DDP's buckets
                         # rebuilt): the same keys on every rank, so every rank starts
                         # calibrating again here, with no collective.
@@ -548,6 +561,7 @@ class Auto(Policy, ReducingCompressor):
                     comm.allreduce_sum_(probe)
                     self._probes.append((self.clock() - begin, 4 * probe.numel()))
             self._start = self.clock()
+            self._beside, self._started = self.in_flight(), 0  # (see __init__)
             self._measuring = [(entered, self._start)]  # the step boundary's own work
             self._entered = entered
         self._seen.append(key)
@@ -568,6 +582,7 @@ class Auto(Policy, ReducingCompressor):
             self._window.append({"period": now - self._start - self._aside - self._synced,
                                  "compute": span - spent - self._synced,
                                  "exchange": exchange, "local": self.period > 1,
+                                 "beside": self._beside, "started": self._started,
                                  "blocked": blocked, "times": dict(self._times)})
         warmed = self._warming() or self._probing()
         self._step += 1
@@ -648,7 +663,7 @@ class Auto(Policy, ReducingCompressor):
                          "period": period, "phase": phase, "target": self._target,
                          "target_sync": self._target_sync,
                          "target_overlap": self._target_overlap, "sync": sync, "local": local,
-                         "off": self._off,
+                         "off": self._off, "check_owed": self._check_owed,
                          "calib_from": self._calib_from, "probe_at": self._probe_at,
                          "choice": dict(self._choice),
                          "agreed": None if self._agreed is None else dict(self._agreed),
@@ -682,6 +697,7 @@ class Auto(Policy, ReducingCompressor):
         suspect = a.get("suspect")
         self._suspect = None if suspect is None else (int(suspect[0]), int(suspect[1]))
         self._baseline = a.get("baseline")
+        self._check_owed = bool(a.get("check_owed", False))
         self._new_step_state()  # timers start again: a restored step is not measured
         self.period, self.phase = int(a.get("period", 1)), int(a.get("phase", 0))
         self._target = int(a.get("target", 1))

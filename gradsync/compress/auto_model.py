@@ -91,14 +91,27 @@ window's end, it lands d steps into the next window, its reduction behind their 
 the steps taken meanwhile kept (``auto_local.py``). Each (H, s) is also weighed with the
 fewest d that cover its sync, ``d = min(D, H / 2, ceil(sync_s / compute))``, as
 
-    step_H,s,d  = compute + max(0, sync_s - d x compute) / H
+    step_H,s,d  = compute + (max(0, sync_s - d x compute) + contention) / H
     steps(H, d) = steps(H) + local_steps x log2((H + 2d) / H)
+
+where ``contention`` (``inputs.contention``, 0 until measured) is what a sync behind adds to
+the steps it runs beside, in all: its arithmetic, its sockets and its Python share the cores
+and the interpreter with the steps' compute. auto measures it once syncs run behind (the
+steps with a sync in flight against those without, times the steps it was behind:
+``auto_policy.py``, ``_contention``) and weighs every H with it, the same per sync whatever
+H: a longer window pays it less often. In ``gradsync bench compress`` at 25 Mbit/s, four
+ranks on two cores, H = 4 with its int4 sync two steps behind ran its steps 1.25-1.5 times
+as long as the compute alone, where the model without it had them at the compute alone;
+measured (53-130 ms a sync), the model put them at 0.211 s against 0.22 s run, and H = 8
+two behind at 0.193 s against gs-streaming's 0.19 s (docs/slow-links.md, "Syncs behind the
+compute, measured").
 
 (the ranks apart for d steps more, counted twice: a prior, measured on the bench's language
 model, unshaped: at H = 4, 104 steps at once, 113, 114 and 115 one, two and three steps
 behind; at H = 8 (25 Mbit/s, four runs), 112 at once and 114 two behind; the rule gives
-1.12, 1.2 and 1.26 times the steps at once at H = 4, 1.1 at H = 8: pessimistic beyond one
-step), and in step
+1.12, 1.2 and 1.26 times the steps at once at H = 4, 1.1 at H = 8: pessimistic there, but
+at 25 Mbit/s H = 4 two behind took 112 steps against 88-100 at once, unshaped, in three
+seeds: docs/slow-links.md, "Syncs behind the compute, measured"), and in step
 1 a sync at once is more faithful than one behind (the smaller H first, then at once, then
 the sync option). At 25 Mbit/s the example's int4 sync takes 0.236 s, more than a step:
 H = 4 with it two steps behind takes 0.2 x 1.2 = 0.24 s a step, against 0.259 at once.
@@ -204,6 +217,9 @@ class Inputs:
     """Local SGD's extra steps per doubling of H beyond ``LOCAL_FREE`` (module docstring)."""
     overlap: int = 0
     """The most steps a local SGD sync may run behind (0: every sync at once)."""
+    contention: float = 0.0
+    """Seconds a local SGD sync behind adds to the steps it runs beside, in all (measured;
+    0 until then: module docstring)."""
 
     def __post_init__(self):
         if not self.rate > 0:
@@ -219,6 +235,8 @@ class Inputs:
         if isinstance(self.overlap, bool) or not isinstance(self.overlap, int) \
                 or self.overlap < 0:
             raise ValueError(f"overlap must be an int >= 0, got {self.overlap!r}")
+        if not self.contention >= 0:
+            raise ValueError(f"contention must be >= 0, got {self.contention!r}")
         for b in self.buckets:
             if not b.options or b.options[0].name != "none":
                 raise ValueError(f"bucket {b.key!r}: the first option must be none")
@@ -259,6 +277,8 @@ class Decision:
     quantizer with error feedback."""
     overlap: int = 0
     """Steps each local SGD sync runs behind before it lands (0: at once)."""
+    contention: float = 0.0
+    """Measured seconds a sync behind adds to the steps it runs beside (0: not measured)."""
     made: int = field(default=0, compare=False)
     """Order of making in this process (``auto.latest`` takes the newest)."""
 
@@ -291,9 +311,15 @@ class Decision:
         return (f"{local}tier {tier}: {classes}; faster tiers: none (float32) | {self.reason}: "
                 f"{self.ranks} ranks on {self.hosts} units, measured {link:.4g} Mbit/s "
                 f"of gradient, latency {self.latency * 1e3:.3g} ms, compute "
-                f"{self.compute * 1e3:.4g} ms/step, hidden {self.hidden * 1e3:.3g} ms; "
+                f"{self.compute * 1e3:.4g} ms/step, hidden {self.hidden * 1e3:.3g} ms"
+                f"{self._contention()}; "
                 f"predicted {self.predicted * 1e3:.4g} ms/step against "
                 f"{self.uncompressed * 1e3:.4g} ms uncompressed")
+
+    def _contention(self) -> str:
+        if not self.contention:
+            return ""
+        return f", a sync behind adds {self.contention * 1e3:.4g} ms to the steps beside it"
 
     def short(self) -> str:
         """The choice alone, for a table cell: ``int8 x2 (5.6 MB), none x1 (0.01 MB)``."""
@@ -419,8 +445,9 @@ def period_step_time(inputs: Inputs, choice, period: int, sync: str = "none",
     docstring)."""
     if period <= 1:
         return step_time(inputs, choice)
-    return inputs.compute + max(0.0, sync_time(inputs, sync)
-                                - overlap * inputs.compute) / period
+    behind = inputs.contention if overlap > 0 else 0.0
+    return inputs.compute + (max(0.0, sync_time(inputs, sync) - overlap * inputs.compute)
+                             + behind) / period
 
 
 def choose_period(inputs: Inputs, choice) -> tuple[int, str, int]:

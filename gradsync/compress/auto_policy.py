@@ -22,7 +22,12 @@ declared below.
    (a single slow probe, a loss episode on a slow link, is not a slower link: read as one,
    it switched a 25 Mbit/s run from int4 to PowerSGD and back, each switch costing
    steps; under local SGD a check without a sync has no new rate, and the first reading
-   waits for the next sync's). A re-decision keeps the options in force where their
+   waits for the next sync's). Under local SGD with syncs behind the steps
+   (``local_overlap``), the check also reads what a sync behind costs the steps it runs
+   beside (``read_steps``: what they took beyond the median step alone, per sync; the
+   compute read is the steps' alone): first measured, or moved by more than
+   ``drift`` of a step's compute, it is a drift too, and the model weighs every H with it
+   (``auto_model``, ``contention``). A re-decision keeps the options in force where their
    predicted time to the target comes within ``tolerance`` of the new choice's: a change
    starts error feedback (and PowerSGD's warm start) afresh and costs steps (at 25 Mbit/s
    the bench's language model went from PowerSGD to int4 at step 32, a near tie, and
@@ -89,14 +94,50 @@ from .powersgd import PowerSGD
 if TYPE_CHECKING:
     from .auto_local import LocalSGD
 
-__all__ = ["Policy", "PROBE_BYTES", "HISTORY"]
+__all__ = ["Policy", "PROBE_BYTES", "HISTORY", "OUTLIER", "read_steps"]
 
 log = logging.getLogger("gradsync")
 
 HISTORY = 32
 """Decisions ``Auto.history`` keeps."""
 
+OUTLIER = 3.0
+"""A step's span longer than this many times its window's median is left out of the
+compute and the contention a drift check reads (an evaluation, a checkpoint between steps:
+in ``gradsync bench compress`` the evaluation's span fell among the few steps with no sync
+behind them, and read the compute as 1852 ms for 219)."""
+
 _TINY = 1e-6  # seconds: a floor for measured wire times (a division by them follows)
+
+
+def read_steps(window: list[dict], agreed: float) -> tuple[float, bool, float]:
+    """What a drift check reads of its window's steps (module docstring, 4): (the compute,
+    whether a sync behind was measured, the seconds it added to the steps beside it in all:
+    ``auto_model``'s ``contention``). ``agreed``: the compute the decision used.
+
+    A step is a span from its first call to the next step's (``auto.py``). The spans in
+    which a local SGD sync behind started, or that began with one in flight, are beside it:
+    its share of the cores falls on them as the steps' work does. A span over ``OUTLIER``
+    times the window's median is not a step's work (an evaluation, a checkpoint): left out.
+    The compute is the median span alone; the median span alone is also what each span
+    beside a sync would have taken, and what they took beyond it, summed, is divided among
+    the syncs that started (the check runs with no sync in flight, ``auto.py``: a window
+    holds whole syncs). With fewer than two spans alone, nothing is measured and the compute
+    is the window's median, or, where syncs ran beside it, ``agreed`` (their spans are not
+    the compute)."""
+    if not window:
+        return 0.0, False, 0.0
+    usual = statistics.median(s["compute"] for s in window)
+    kept = [s for s in window if s["compute"] <= OUTLIER * usual]
+    alone = [s["compute"] for s in kept if not s.get("beside")]
+    beside = [s["compute"] for s in kept if s["local"] and s.get("beside")]
+    if len(alone) < 2:
+        return (agreed if beside else usual), False, 0.0
+    compute = statistics.median(alone)
+    syncs = sum(s.get("started", 0) for s in window)
+    if not beside or syncs < 1:
+        return compute, False, 0.0
+    return compute, True, max(0.0, sum(b - compute for b in beside)) / syncs
 
 PROBE_BYTES = 1 << 20
 """Bytes of the float32 allreduce a drift check times where a bucket is compressed (module
@@ -302,8 +343,8 @@ class Policy:
         wants = not behind and ((compressed and bool(ex) and (
             self._baseline is None or suspect_rate)) or (quantized_sync and suspect_rate))
         probe = self._probe(comm, a) if wants else 0.0
-        local = [1.0 if w else 0.0,
-                 statistics.median(s["compute"] for s in w) if w else 0.0,
+        work_s, beside, contention = read_steps(w, a["compute"])
+        local = [1.0 if w else 0.0, work_s,
                  statistics.median(s["exchange"] for s in ex) if ex else 0.0,
                  statistics.median(s["blocked"] for s in ex) if ex else 0.0]
         local += [statistics.median(s["times"].get(k, 0.0) for s in ex) if ex else 0.0
@@ -311,11 +352,13 @@ class Policy:
         local += [1.0 if ex else 0.0, 1.0 if self._local is not None else 0.0,
                   statistics.median(self._syncs) if self._syncs else 0.0,
                   1.0 if self._syncs else 0.0, probe,
-                  statistics.median(s["period"] for s in ex) if ex else 0.0]
+                  statistics.median(s["period"] for s in ex) if ex else 0.0,
+                  1.0 if beside else 0.0, contention]
         agreed = self._average(comm, local)
         work, exchange, blocked = agreed[1:4]
         times = dict(zip(keys, agreed[4:4 + len(keys)]))
-        exchanged, attached, sync, synced, probe_s, step_s = agreed[4 + len(keys):]
+        (exchanged, attached, sync, synced, probe_s, step_s, beside_everywhere,
+         contention) = agreed[4 + len(keys):]
         trial, self._trial = self._trial, None
         if (trial is not None and agreed[0] >= 1.0 and exchanged >= 1.0
                 and step_s * trial.get("steps_new", 1.0)
@@ -353,7 +396,7 @@ class Policy:
             rate = sum(4 * self._numel(k) for k in keys) / max(busy, _TINY)
         compute = max(work, 0.0)
         moved = []
-        rate_moved = compute_moved = False
+        rate_moved = compute_moved = contention_moved = False
         if agreed[0] < 1.0:
             self._suspect = None  # some rank timed nothing: no drift to judge this time
         else:
@@ -381,6 +424,12 @@ class Policy:
                 moved.append(f"compute {a['compute'] * 1e3:.4g} -> {compute * 1e3:.4g} ms")
             if self.periods and attached >= 1.0 and a.get("attached", 0.0) < 1.0:
                 moved.append("local SGD attached")
+            was = a.get("contention", 0.0)
+            contention_moved = bool(beside_everywhere >= 1.0 and abs(contention - was)
+                                    > self.drift * max(a["compute"], _TINY))
+            if contention_moved:
+                moved.append(f"a sync behind adds {was * 1e3:.4g} -> {contention * 1e3:.4g} "
+                             f"ms to its steps")
             if moved:
                 self._suspect = None
         # Every rank runs the second allreduce, drifted or not: the agreement is rank 0's.
@@ -389,7 +438,8 @@ class Policy:
         # gradsync bench compress).
         numbers = dict(a, rate=rate if rate_moved else a["rate"],
                        compute=compute if compute_moved else a["compute"],
-                       hidden=hidden if rate_moved else a["hidden"], attached=attached)
+                       hidden=hidden if rate_moved else a["hidden"], attached=attached,
+                       contention=contention if contention_moved else a.get("contention", 0.0))
         self._decide(comm, numbers if moved else a, "drift: " + ", ".join(moved),
                      quiet=not moved, before=step_s if exchanged >= 1.0 else None)
 
@@ -483,7 +533,8 @@ class Policy:
                               latency=numbers["latency"], compute=numbers["compute"],
                               hidden=numbers["hidden"], margin=self.margin,
                               periods=periods, local_steps=self.local_steps,
-                              overlap=self.local_overlap)
+                              overlap=self.local_overlap,
+                              contention=numbers.get("contention", 0.0))
         if quiet:
             mine = (*current, self._target, self._target_sync, self._target_overlap)
         elif forced is not None:
@@ -544,7 +595,7 @@ class Policy:
             uncompressed=model.step_time(inputs, [0] * len(choice)), period=period,
             sync=model.sync_time(inputs, self.names[sync]) if period > 1 else 0.0,
             sync_option=self.names[sync] if period > 1 else "none",
-            overlap=overlap if period > 1 else 0)
+            overlap=overlap if period > 1 else 0, contention=inputs.contention)
         if not changed and self.decision is not None and reason.startswith("drift"):
             self.decision = decision  # the same choice on new numbers: nothing to report
             return
