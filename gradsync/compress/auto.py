@@ -537,14 +537,12 @@ class Auto(Policy, ReducingCompressor):
                     # would queue on the link behind the sync's bytes (0.05-0.24 s a check
                     # at 25 Mbit/s); at the first step with none in flight instead.
                     self._check_owed = self.in_flight() and not self._trial_due()
-                    if self._check_owed:
-                        pass
-                    elif self._keys() != self._agreed["keys"]:
+                    if not self._check_owed and self._keys() != self._agreed["keys"]:
                         # The buckets changed (a parameter group added, DDP's buckets
                         # rebuilt): the same keys on every rank, so every rank starts
                         # calibrating again here, with no collective.
                         self._recalibrate("the buckets changed")
-                    else:
+                    elif not self._check_owed:
                         self._check(comm)
         if not self._seen:
             if self._timing():  # a latency sample: the first allreduce lines ranks up
