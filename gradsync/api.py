@@ -19,7 +19,7 @@ import sys
 
 import numpy as np
 
-from . import job
+from . import _native, job
 from .collectives.ops import Average, ReduceOp
 from .collectives.planner import ALGORITHMS as _ALGORITHMS
 from .config import load_config
@@ -202,6 +202,8 @@ def _quick(tensor, op, name, algorithm, inplace):
     prepared = kept.get(key, False)
     if prepared is False:
         prepared = ops.prepare_into(kept, key, world, flat, op, name, shape, algorithm)
+        if _front is _quick and prepared is not None:
+            _compile_front()
     if prepared is None:
         return None
     if inplace:
@@ -211,13 +213,32 @@ def _quick(tensor, op, name, algorithm, inplace):
         if type(tensor) is not np.ndarray:
             result = sys.modules["torch"].from_numpy(flat)
     if prepared.run is not None:
-        engine.run(prepared.run, name, "all_reduce", shape, dtype, None, flat)
+        inline = engine.inline  # Engine.run's inline path for it, compiled (or None)
+        if inline is not None:
+            inline(prepared.run, name, shape, dtype, flat)
+        else:
+            engine.run(prepared.run, name, "all_reduce", shape, dtype, None, flat)
     else:
         name = _name(None, "allreduce")
         description = prepared.prefix + name + prepared.suffix
         engine.run(prepared.run_as, name, "all_reduce", shape, dtype, None,
                    (flat, description, signature_of(description) if prepared.signature else 0))
     return result
+
+
+_front = _quick
+"""What ``allreduce`` and ``allreduce_`` try first: ``_quick``, or once the compiled module
+is loaded (at the first call prepared) its ``Quick``, the same steps in one C call for a
+named call on a NumPy array (anything else it hands to ``_quick``)."""
+
+
+def _compile_front() -> None:
+    """Makes ``_front`` the compiled ``Quick`` where the module is loaded (never built here:
+    the World that prepared the call loaded it)."""
+    global _front
+    module = _native.load("_shmfast", build=False)
+    if module is not None:
+        _front = module.Quick(job, np.ndarray, ReduceOp, _quick)
 
 
 def _full(tensor, op, name, prescale_factor, postscale_factor, algorithm, inplace,
@@ -258,7 +279,7 @@ def allreduce(tensor, op: ReduceOp = Average, name: str | None = None,
             ``halving_doubling``, ``hierarchical``, ``shm`` (see ``collectives/planner.py``).
     """
     if prescale_factor == 1.0 and postscale_factor == 1.0:
-        result = _quick(tensor, op, name, algorithm, False)
+        result = _front(tensor, op, name, algorithm, False)
         if result is not None:
             return result
     return _full(tensor, op, name, prescale_factor, postscale_factor, algorithm, False, False)
@@ -269,7 +290,7 @@ def allreduce_(tensor, op: ReduceOp = Average, name: str | None = None,
                algorithm: str = "auto"):
     """In-place ``allreduce``: the result replaces ``tensor``, which is returned."""
     if prescale_factor == 1.0 and postscale_factor == 1.0:
-        result = _quick(tensor, op, name, algorithm, True)
+        result = _front(tensor, op, name, algorithm, True)
         if result is not None:
             return result
     return _full(tensor, op, name, prescale_factor, postscale_factor, algorithm, True, False)

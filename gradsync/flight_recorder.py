@@ -243,6 +243,10 @@ class Track:
 class Recorder:
     """The process's ring of records (one per process: a rank owns its memory)."""
 
+    # Slots: the engine's compiled inline run (``_shmfast.c``'s Inline) reads ``_slots`` at
+    # its offset, once per operation (the rest, and a test's stand-ins, go in the dict).
+    __slots__ = ("_ids", "_tracks_made", "_slots", "__dict__")
+
     def __init__(self, entries: int = DEFAULT_ENTRIES):
         self._ids = itertools.count()
         self._tracks_made = itertools.count()

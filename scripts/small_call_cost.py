@@ -29,15 +29,22 @@ import subprocess
 import sys
 import threading
 import time
-import types
 
 MODES = ("named", "unnamed", "torch", "one-rank")
 
 
 class _Segment:
-    """The host segment's stand-in: its compiled one-step call does nothing."""
+    """The host segment's stand-in: its compiled one-step call does nothing. Its compiled
+    group is missing as far as a compiled prepared run can tell (``_fast_group`` None), so
+    that run hands each call to this ``allreduce_express``: one Python call where the real
+    one makes the C kernel's."""
 
+    __slots__ = ("_failed", "_segment", "moved", "_seq", "_fast_group")
     small_bytes = 32768
+
+    def __init__(self):
+        self._failed = self._fast_group = None
+        self._segment, self.moved, self._seq = "mapped", 0, 0
 
     def allreduce_express(self, flat, code, divisor, deadline, on_idle, signature):
         pass
@@ -62,6 +69,15 @@ class _World:
 
     def small_road(self, op, dtype, nbytes):
         return (self.segment.allreduce_express, 1) if 0 < nbytes <= 32768 else None
+
+    def small_run(self, description, signature, code, divisor):
+        from gradsync import _native
+
+        module = _native.load("_shmfast", build=False)
+        if module is None or not hasattr(module, "Prepared"):
+            return None  # a tree before the compiled prepared run: its Python closure
+        return module.Prepared(self.segment, self.comm, description, signature, code, divisor,
+                               self.on_group_idle)
 
     def on_group_idle(self, waited):
         pass
@@ -90,7 +106,8 @@ def _call(mode: str):
         world = _World()
         engine = Engine(world, recorder.track("numpy:cost", "numpy API", [0, 1], "numpy",
                                               world.config.timeout, world))
-        job._job = types.SimpleNamespace(world=world, engine=engine, pace=None)
+        job._job = current = job.Job.__new__(job.Job)  # (its slots, as a job's: no start)
+        current.world, current.engine, current.pace = world, engine, None
         if mode == "torch":
             import torch
 

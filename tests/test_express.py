@@ -21,13 +21,12 @@ interpreter and torch's import per rank, and one for the launcher's store) adds 
 
 import threading
 import time
-import types
 
 import numpy as np
 import pytest
 
 import gradsync as gs
-from gradsync import job
+from gradsync import _native, job
 from gradsync.collectives import planner
 from gradsync.config import load_config
 from gradsync.errors import GradsyncError, PeerLostError
@@ -84,6 +83,26 @@ class _World:
     failure = None
 
 
+def _engine(way: str) -> Engine:
+    """An engine over ``_World``; ``compiled``: with its compiled inline run (which records,
+    so it has a track)."""
+    if way == "python":
+        return Engine(_World())
+    engine = Engine(_World(), recorder.track("numpy:test-claim", "numpy API", [0, 1],
+                                             "numpy", 60.0, None))
+    assert engine.inline is not None, ("the compiled module is not built: pip install -e . "
+                                       "(a C compiler and Python's headers)")
+    return engine
+
+
+def _run(engine: Engine, way: str, fn, name: str):
+    """``fn()`` through ``Engine.run``'s inline path: in Python, or compiled
+    (``Engine.inline``, which calls ``fn(call)``)."""
+    if way == "python":
+        return engine.run(fn, name, "barrier")
+    return engine.inline(lambda call: fn(), name, None, None, 0)
+
+
 def test_claim_is_refused_while_anything_is_queued_or_running():
     engine = Engine(_World())
     assert engine.claim()
@@ -113,13 +132,14 @@ def test_release_wakes_a_drain():
     engine.stop()
 
 
-def test_an_inline_run_wakes_a_drain_when_it_ends():
+@pytest.mark.parametrize("way", ["python", "compiled"])
+def test_an_inline_run_wakes_a_drain_when_it_ends(way):
     # Engine.run writes the executor's release out in place: its end must wake a waiter
     # as ``release`` does (drain waits with no limit here: a lost wake-up hangs it).
-    engine = Engine(_World())
+    engine = _engine(way)
     running, finish, drained = threading.Event(), threading.Event(), threading.Event()
-    caller = threading.Thread(target=lambda: engine.run(
-        lambda: (running.set(), finish.wait(10)), "inline", "barrier"))
+    caller = threading.Thread(target=lambda: _run(
+        engine, way, lambda: (running.set(), finish.wait(10)), "inline"))
     caller.start()
     assert running.wait(10)
     waiter = threading.Thread(target=lambda: (engine.drain(), drained.set()), daemon=True)
@@ -134,12 +154,13 @@ def test_an_inline_run_wakes_a_drain_when_it_ends():
     engine.stop()
 
 
-def test_an_inline_run_is_refused_while_the_progress_thread_takes_an_item_off_the_queue():
+@pytest.mark.parametrize("way", ["python", "compiled"])
+def test_an_inline_run_is_refused_while_the_progress_thread_takes_an_item_off_the_queue(way):
     # Engine.run's claim in place, as ``Serial.claim``'s test holds the take: with the queue
     # empty and the asynchronous item taken but not yet run, a synchronous run must queue
     # behind it rather than run first.
     taking, tried = threading.Event(), threading.Event()
-    engine = Engine(_World())
+    engine = _engine(way)
     engine._queue = HeldTake(taking, tried)
     ran: list[str] = []
     first = engine.submit(lambda: ran.append("asynchronous"), "first", "barrier")
@@ -151,8 +172,8 @@ def test_an_inline_run_is_refused_while_the_progress_thread_takes_an_item_off_th
         return submit(*args)
 
     engine.submit = submitting  # type: ignore[method-assign]
-    caller = threading.Thread(target=lambda: engine.run(
-        lambda: ran.append("synchronous"), "second", "barrier"))
+    caller = threading.Thread(target=lambda: _run(
+        engine, way, lambda: ran.append("synchronous"), "second"))
     caller.start()
     deadline = time.monotonic() + 10
     while not submitted.is_set() and not ran:  # refused, or (wrongly) run at once
@@ -165,11 +186,12 @@ def test_an_inline_run_is_refused_while_the_progress_thread_takes_an_item_off_th
     engine.stop()
 
 
-def test_an_inline_run_is_refused_while_an_item_waits_in_the_queue():
+@pytest.mark.parametrize("way", ["python", "compiled"])
+def test_an_inline_run_is_refused_while_an_item_waits_in_the_queue(way):
     # The other half of Engine.run's claim in place: the running lock is free, but an item
     # waits in the queue (pushed, the progress thread not yet awake to take it), so a
     # synchronous run must queue behind it. Holding the executor's lock keeps the item there.
-    engine = Engine(_World())
+    engine = _engine(way)
     ran: list[str] = []
     engine.submit(lambda: ran.append("first"), "first", "barrier").wait(10)  # the thread runs
     queued = Handle("queued")
@@ -182,8 +204,8 @@ def test_an_inline_run_is_refused_while_an_item_waits_in_the_queue():
     engine.submit = submitting  # type: ignore[method-assign]
     with engine._lock:
         engine._queue.append((queued, lambda: ran.append("asynchronous"), None, None))
-        caller = threading.Thread(target=lambda: engine.run(
-            lambda: ran.append("synchronous"), "second", "barrier"))
+        caller = threading.Thread(target=lambda: _run(
+            engine, way, lambda: ran.append("synchronous"), "second"))
         caller.start()
         deadline = time.monotonic() + 10
         while not submitted.is_set() and len(ran) < 2:  # refused, or (wrongly) run at once
@@ -211,13 +233,25 @@ class _SegmentWorld:
         self.failure: "GradsyncError | None" = None
         self.calls: list[tuple] = []
         self.kernel_error: "BaseException | None" = None
+        self.compiled = False
 
     def small_road(self, op, dtype, nbytes):
         ok = dtype in (np.float32, np.float64, np.int32, np.int64) and 0 < nbytes <= 1024
-        return (self._kernel, 7) if ok else None
+        return (self._kernel, 1) if ok else None  # (a valid kernel code, never run)
+
+    def small_run(self, description, signature, code, divisor):
+        """The compiled prepared run over ``_SegmentSlots`` (``compiled``), else None: the
+        Python closure calls ``small_road``'s kernel."""
+        if not self.compiled:
+            return None
+        module = _native.load("_shmfast", build=False)
+        assert module is not None, ("the compiled module is not built: pip install -e . "
+                                    "(a C compiler and Python's headers)")
+        return module.Prepared(_SegmentSlots(self), self.comm, description, signature, code,
+                               divisor, self.on_group_idle)
 
     def _kernel(self, flat, code, divisor, deadline, on_idle, signature):
-        assert flat.ndim == 1 and code == 7 and deadline > time.monotonic()
+        assert flat.ndim == 1 and code == 1 and deadline > time.monotonic()
         self._called("prepared", signature)
         if self.kernel_error is not None:
             raise self.kernel_error
@@ -242,14 +276,36 @@ class _SegmentWorld:
         return self.failure
 
 
-@pytest.fixture
-def segment(monkeypatch):
-    """A ``_SegmentWorld`` installed as the job's World, with its Engine."""
+class _SegmentSlots:
+    """The host segment as a compiled prepared run sees it (its slots) with no compiled group
+    (``_fast_group`` None), so that the run's C begins the collective and hands the call to
+    ``allreduce_express``: the stand-in's kernel."""
+
+    __slots__ = ("_failed", "_segment", "moved", "_seq", "_fast_group", "world")
+
+    def __init__(self, world: _SegmentWorld):
+        self._failed = self._fast_group = None
+        self._segment, self.moved, self._seq, self.world = "mapped", 0, 0, world
+
+    def allreduce_express(self, data, code, divisor, deadline, on_idle, signature):
+        self.world._kernel(data.reshape(-1), code, divisor, deadline, on_idle, signature)
+
+
+@pytest.fixture(params=["python", "compiled"])
+def segment(request, monkeypatch):
+    """A ``_SegmentWorld`` installed as the job's World, with its Engine: the fast case's
+    steps in Python (no compiled prepared run, no ``Engine.inline``) or compiled."""
     world = _SegmentWorld()
     engine = Engine(world, recorder.track("numpy:test-express", "numpy API", [0, 1], "numpy",
                                           world.config.timeout, world))
-    monkeypatch.setattr(job, "_job", types.SimpleNamespace(world=world, engine=engine,
-                                                           pace=None))
+    world.compiled = request.param == "compiled"
+    if world.compiled:
+        assert engine.inline is not None, "Engine.inline was not made"
+    else:
+        engine.inline = None
+    current = job.Job.__new__(job.Job)  # a job's slots, without a start
+    current.world, current.engine, current.pace = world, engine, None
+    monkeypatch.setattr(job, "_job", current)
     yield world, engine
     engine.stop()
 

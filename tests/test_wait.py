@@ -184,7 +184,7 @@ def test_the_compiled_wait_is_handed_the_policys_rungs(monkeypatch):
 
     opened: list = []
     fake = types.SimpleNamespace(open=lambda *args: opened.append(args) or object(),
-                                 call=None, fold=None, stream=None)
+                                 call=None, fold=None, stream=None, Prepared=None)
     monkeypatch.setattr(host_segment._native, "load", lambda name, build=True: fake)
     name = f"gradsync-test-wait-{os.getpid()}"
     segment = host_segment.create_group_segment(name, 1, 4096)

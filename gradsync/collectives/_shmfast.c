@@ -33,6 +33,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 
 #include <emmintrin.h>
 #include <errno.h>
@@ -322,14 +323,41 @@ static int parse(PyObject *const *args, Py_ssize_t nargs, request *q) {
     return 0;
 }
 
-static PyObject *finish(request *q, uint64_t parity) {
+/* The fold of request q once every rank has arrived: DONE, or MISMATCH when the issued words
+ * differ; releases q's buffer. */
+static int fold_request(request *q) {
     int status = MISMATCH;
     if (agree(q->g, q->seq, (uint64_t)q->kind, (uint64_t)q->data.len, q->signature)) {
-        reduce(q->g, q->data.buf, q->data.len, parity, q->code, q->divisor, q->trunc);
+        reduce(q->g, q->data.buf, q->data.len, q->seq & 1, q->code, q->divisor, q->trunc);
         status = DONE;
     }
     PyBuffer_Release(&q->data);
-    return PyLong_FromLong(status);
+    return status;
+}
+
+/* The whole one-step allreduce of request q (or its barrier): copy in, publish, wait up to
+ * the budget (the GIL released), agree and fold. Returns DONE, WAITING or MISMATCH and
+ * releases q's buffer. */
+static int run_request(request *q) {
+    group *g = q->g;
+    uint64_t parity = q->seq & 1, *issued = line(g, g->rank) + ISSUED + 3 * parity;
+    if (q->data.len) memcpy(slot(g, g->rank, parity), q->data.buf, (size_t)q->data.len);
+    issued[0] = (uint64_t)q->kind;
+    issued[1] = (uint64_t)q->data.len;
+    issued[2] = q->signature;
+    publish(g, ARRIVED, q->seq); /* last: a release store, after the slot and the words */
+    if (behind(g, ARRIVED, q->seq) >= 0) {
+        int status;
+        Py_BEGIN_ALLOW_THREADS
+        status = wait_for(g, ARRIVED, q->seq,
+                          q->kind == KIND_BARRIER ? g->barrier_yield_ns : g->yield_ns);
+        Py_END_ALLOW_THREADS
+        if (status == WAITING) {
+            PyBuffer_Release(&q->data);
+            return WAITING;
+        }
+    }
+    return fold_request(q);
 }
 
 /* call(group, data, seq, signature, code, divisor, trunc[, kind]) -> DONE, WAITING or
@@ -337,27 +365,10 @@ static PyObject *finish(request *q, uint64_t parity) {
  * barrier: the arrival and the wait alone); on WAITING, Python waits for the arrivals and
  * then calls fold with the same arguments. */
 static PyObject *py_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
     request q;
     if (parse(args, nargs, &q) < 0) return NULL;
-    group *g = q.g;
-    uint64_t parity = q.seq & 1, *issued = line(g, g->rank) + ISSUED + 3 * parity;
-    if (q.data.len) memcpy(slot(g, g->rank, parity), q.data.buf, (size_t)q.data.len);
-    issued[0] = (uint64_t)q.kind;
-    issued[1] = (uint64_t)q.data.len;
-    issued[2] = q.signature;
-    publish(g, ARRIVED, q.seq); /* last: a release store, after the slot and the words */
-    if (behind(g, ARRIVED, q.seq) >= 0) {
-        int status;
-        Py_BEGIN_ALLOW_THREADS
-        status = wait_for(g, ARRIVED, q.seq,
-                          q.kind == KIND_BARRIER ? g->barrier_yield_ns : g->yield_ns);
-        Py_END_ALLOW_THREADS
-        if (status == WAITING) {
-            PyBuffer_Release(&q.data);
-            return PyLong_FromLong(WAITING);
-        }
-    }
-    return finish(&q, parity);
+    return PyLong_FromLong(run_request(&q));
 }
 
 /* fold(group, data, seq, signature, code, divisor, trunc[, kind]) -> DONE or MISMATCH: the
@@ -365,7 +376,7 @@ static PyObject *py_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 static PyObject *py_fold(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     request q;
     if (parse(args, nargs, &q) < 0) return NULL;
-    return finish(&q, q.seq & 1);
+    return PyLong_FromLong(fold_request(&q));
 }
 
 /* --- The streaming copy ------------------------------------------------------------------
@@ -426,6 +437,899 @@ static PyObject *py_stream(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (!same) return NULL;
     Py_RETURN_NONE;
 }
+
+/* --- The engine's inline run, compiled ---------------------------------------------------
+ *
+ * A small synchronous allreduce on one host (api._quick, the pipeline's fast case) is a few
+ * microseconds, and the Python on the way to call() takes as long as the exchange itself.
+ * The largest part of that Python is the engine's own (pipeline/engine.py's Engine.run, on
+ * the caller's thread): the claim of the executor, the flight recorder's record issued
+ * started (flight_recorder.py's Track.issue), the World's failure, the operation, the
+ * record's end and the pace meter's count (Record.done), the release and the meter's
+ * blocked time. Inline(engine, meter, Record, states, kind) is that path as one C call,
+ * inline(fn, name, shape, dtype, call), which calls fn(call) (the prepared run) between.
+ *
+ * Like call() for _allreduce_small, this is a second implementation of Python steps, not
+ * new steps: it reads and writes the same attributes in the same order, and hands each case
+ * it does not take to the Python that does: a claim refused or a track other than the one it
+ * was made with go to Engine.run (which queues), an error to the engine's _failed (which
+ * fails the record and the World and raises). tests/test_express.py runs the fast case both
+ * ways and compares what each leaves behind; a change to one of those Python steps is a
+ * change here too. A record's fields are flight_recorder.Record's __slots__, written at
+ * their offsets (what the interpreter's own store to a slot does), found once from the
+ * class's member descriptors.
+ *
+ * What it saves is the interpreter's frames and calls, not the attribute traffic: reading
+ * or writing an attribute of an ordinary Python object from C costs about as much as the
+ * interpreter's specialised bytecode does (docs/benchmarks.md, "The engine's inline run in
+ * C": the Comm's begin and the segment's entry written in C the same way were slower than
+ * their Python, and are not here).
+ */
+
+enum {
+    A_TRACK, A_FAILURE, A_STEP_BY_OPS, A_WAKE, A_RUN, A_FAILED, A_RUNNING, A_WORLD,
+    A_RECORDER, A_IDS, A_SEQS, A_ACQUIRE, A_RELEASE, A_EXPRESS, A_FAST_REST, A_FAIL, N_NAMES
+};
+static const char *const NAME_TEXT[N_NAMES] = {
+    "track", "failure", "step_by_ops", "wake", "run", "_failed", "_running", "world",
+    "recorder", "_ids", "_seqs", "acquire", "release", "allreduce_express", "_fast_rest",
+    "_fail"};
+static PyObject *NAME[N_NAMES]; /* interned at the module's init */
+
+/* flight_recorder.Record's fields (its _FIELDS, in that order). */
+enum {
+    F_RECORD_ID, F_TRACK, F_KIND, F_NAME, F_SHAPE, F_DTYPE, F_OUT_SHAPE, F_SEQ, F_PEER,
+    F_CREATED_NS, F_STARTED_NS, F_ENDED_NS, F_STATE, F_ERROR, N_FIELDS
+};
+static const char *const FIELD_TEXT[N_FIELDS] = {
+    "record_id", "track", "kind", "name", "shape", "dtype", "out_shape", "seq", "peer",
+    "created_ns", "started_ns", "ended_ns", "state", "error"};
+
+static PyObject *MINUS_ONE, *ZERO, *ONE; /* made at the module's init */
+
+/* The pending exception, normalized, its traceback on it (what `except ... as exc` holds);
+ * the error indicator is cleared. */
+static PyObject *take_error(void) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb) PyException_SetTraceback(value, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return value;
+}
+
+/* Raises `exc` again (stolen), or, if another error is pending (raised while handling it),
+ * lets that one go on with `exc` as its context, as Python does. */
+static void raise_again(PyObject *exc) {
+    if (PyErr_Occurred()) {
+        PyObject *later = take_error();
+        PyException_SetContext(later, exc);
+        PyErr_SetObject((PyObject *)Py_TYPE(later), later);
+        Py_DECREF(later);
+        return;
+    }
+    PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+    Py_DECREF(exc);
+}
+
+/* The offset of `name`, a writable object slot (__slots__) of `type`, or -1 with an error
+ * set. Found once; a read or a write at it is then what the interpreter's own is. */
+static Py_ssize_t slot_offset(PyTypeObject *type, const char *name) {
+    PyObject *d = PyObject_GetAttrString((PyObject *)type, name);
+    if (!d) return -1;
+    PyMemberDef *m = Py_IS_TYPE(d, &PyMemberDescr_Type) ? ((PyMemberDescrObject *)d)->d_member
+                                                         : NULL;
+    Py_ssize_t offset = m && m->type == T_OBJECT_EX && !(m->flags & READONLY) ? m->offset : -1;
+    Py_DECREF(d);
+    if (offset < 0)
+        PyErr_Format(PyExc_TypeError, "%s's %s is not a writable slot", type->tp_name, name);
+    return offset;
+}
+
+/* The object in obj's slot at `offset` (borrowed), or NULL with AttributeError when unset. */
+static inline PyObject *slot_get(PyObject *obj, Py_ssize_t offset) {
+    PyObject *value = *(PyObject **)((char *)obj + offset);
+    if (!value) PyErr_SetString(PyExc_AttributeError, "a slot read before it was set");
+    return value;
+}
+
+/* obj's slot at `offset` = value. */
+static inline void slot_set(PyObject *obj, Py_ssize_t offset, PyObject *value) {
+    PyObject **slot = (PyObject **)((char *)obj + offset), *old = *slot;
+    Py_INCREF(value);
+    *slot = value;
+    Py_XDECREF(old);
+}
+
+/* --- The prepared run, compiled: Prepared(segment, comm, description, signature, code,
+ * divisor, on_idle), called with the data: a named prepared allreduce's run (pipeline/
+ * operations.py's Prepared.run): the Comm's begin_signed(description, signature)
+ * (transport/comm.py), then the segment's allreduce_express(data, code, divisor, deadline,
+ * on_idle, signature) (transport/segment_small.py), whose C call it makes itself, without
+ * parsing seven arguments. The Comm's and the segment's fields it reads and writes are
+ * their __slots__; a group failed or closed, or a buffer the kernel would refuse, goes to
+ * the Python allreduce_express (which raises what it raises), a wait past the budget or a
+ * mismatch to _fast_rest, an error to the segment's _fail, as in the Python. */
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *segment, *comm, *description, *signature, *on_idle, *code_obj, *divisor_obj;
+    uint64_t signature64, calls; /* calls: runs that made the kernel's call here */
+    int code;
+    long long divisor;
+    /* the offsets of the Comm's seq, description, signature, timeout, _deadline, _sent and
+     * _received, and of the segment's _failed, _segment, _fast_group, moved and _seq */
+    Py_ssize_t c_seq, c_description, c_signature, c_timeout, c_deadline, c_sent, c_received,
+        s_failed, s_segment, s_group, s_moved, s_seq;
+} prepared;
+
+static PyTypeObject PreparedType;
+
+/* `if obj.<slot>: obj.<slot>.clear()` for a dict (or anything with clear). */
+static int clear_if_any(PyObject *obj, Py_ssize_t offset) {
+    PyObject *held = slot_get(obj, offset);
+    if (!held) return -1;
+    if (PyDict_CheckExact(held)) {
+        if (PyDict_GET_SIZE(held)) PyDict_Clear(held);
+        return 0;
+    }
+    int any = PyObject_IsTrue(held);
+    if (any <= 0) return any;
+    PyObject *r = PyObject_CallMethod(held, "clear", NULL);
+    Py_XDECREF(r);
+    return r ? 0 : -1;
+}
+
+/* obj.<slot> += by (an int); the new value into *now. */
+static int slot_add(PyObject *obj, Py_ssize_t offset, long long by, long long *now) {
+    PyObject *was = slot_get(obj, offset), *step, *more;
+    if (!was || !(step = PyLong_FromLongLong(by))) return -1;
+    more = PyNumber_Add(was, step);
+    Py_DECREF(step);
+    if (!more) return -1;
+    long long value = now ? PyLong_AsLongLong(more) : 0;
+    if (value == -1 && PyErr_Occurred()) {
+        Py_DECREF(more);
+        return -1;
+    }
+    slot_set(obj, offset, more);
+    Py_DECREF(more);
+    if (now) *now = value;
+    return 0;
+}
+
+/* The segment's allreduce_express in Python, for what the C does not take. */
+static PyObject *express_in_python(prepared *p, PyObject *data, PyObject *deadline) {
+    PyObject *args[] = {p->segment, data, p->code_obj, p->divisor_obj, deadline, p->on_idle,
+                        p->signature};
+    return PyObject_VectorcallMethod(NAME[A_EXPRESS], args, 7, NULL);
+}
+
+/* The segment's allreduce_express(data, code, divisor, deadline, on_idle, signature). */
+static PyObject *express(prepared *p, PyObject *data, PyObject *deadline) {
+    PyObject *seg = p->segment, *failed, *mapped, *capsule;
+    if (!(failed = slot_get(seg, p->s_failed)) || !(mapped = slot_get(seg, p->s_segment)) ||
+        !(capsule = slot_get(seg, p->s_group)))
+        return NULL;
+    if (failed != Py_None || mapped == Py_None || !PyCapsule_IsValid(capsule, CAPSULE))
+        return express_in_python(p, data, deadline);
+    group *g = PyCapsule_GetPointer(capsule, CAPSULE);
+    request q;
+    if (PyObject_GetBuffer(data, &q.data, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear(); /* the Python entry raises what the kernel raises */
+        return express_in_python(p, data, deadline);
+    }
+    if (q.data.len > g->slot_bytes || q.data.len % ITEMSIZE[p->code & 15]) {
+        PyBuffer_Release(&q.data);
+        return express_in_python(p, data, deadline);
+    }
+    long long seq;
+    if (slot_add(seg, p->s_moved, 2 * (long long)q.data.len, NULL) < 0 ||
+        slot_add(seg, p->s_seq, 1, &seq) < 0) {
+        PyBuffer_Release(&q.data);
+        return NULL;
+    }
+    Py_INCREF(capsule); /* the group lives through the wait, which lets the GIL go */
+    q.g = g;
+    q.seq = (uint64_t)seq;
+    q.signature = p->signature64;
+    q.code = p->code;
+    q.divisor = p->divisor;
+    q.trunc = 0;
+    q.kind = KIND_ALLREDUCE;
+    int status = run_request(&q); /* releases the buffer */
+    Py_DECREF(capsule);
+    p->calls++;
+    if (status == DONE) Py_RETURN_NONE;
+    /* _fast_rest(status, data, seq, signature, code, divisor, False, deadline, on_idle); an
+     * error there fails the group (_fail), then goes on */
+    PyObject *st = PyLong_FromLong(status), *sq = PyLong_FromLongLong(seq),
+             *sig = PyLong_FromUnsignedLongLong(p->signature64), *r = NULL;
+    if (st && sq && sig) {
+        PyObject *args[] = {seg, st, data, sq, sig, p->code_obj, p->divisor_obj, Py_False,
+                            deadline, p->on_idle};
+        r = PyObject_VectorcallMethod(NAME[A_FAST_REST], args, 10, NULL);
+    }
+    Py_XDECREF(st);
+    Py_XDECREF(sq);
+    Py_XDECREF(sig);
+    if (r) {
+        Py_DECREF(r);
+        Py_RETURN_NONE;
+    }
+    PyObject *exc = take_error();
+    PyObject *arg[] = {seg, exc};
+    PyObject *done = PyObject_VectorcallMethod(NAME[A_FAIL], arg, 2, NULL);
+    Py_XDECREF(done);
+    raise_again(exc);
+    return NULL;
+}
+
+/* The run: the Comm's begin_signed(description, signature), then the express entry. */
+static PyObject *prepared_run(prepared *p, PyObject *data) {
+    PyObject *comm = p->comm, *timeout;
+    if (slot_add(comm, p->c_seq, 1, NULL) < 0) return NULL;
+    slot_set(comm, p->c_description, p->description);
+    slot_set(comm, p->c_signature, p->signature);
+    if (!(timeout = slot_get(comm, p->c_timeout))) return NULL;
+    double seconds = PyFloat_AsDouble(timeout);
+    if (seconds == -1.0 && PyErr_Occurred()) return NULL;
+    PyObject *deadline = PyFloat_FromDouble((double)now_ns() / 1e9 + seconds), *result = NULL;
+    if (!deadline) return NULL;
+    slot_set(comm, p->c_deadline, deadline);
+    if (clear_if_any(comm, p->c_sent) == 0 && clear_if_any(comm, p->c_received) == 0)
+        result = express(p, data, deadline);
+    Py_DECREF(deadline);
+    return result;
+}
+
+static PyObject *prepared_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf,
+                                     PyObject *kwnames) {
+    if (PyVectorcall_NARGS(nargsf) != 1 || (kwnames && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_SetString(PyExc_TypeError, "a prepared run takes one argument, the data");
+        return NULL;
+    }
+    return prepared_run((prepared *)self, args[0]);
+}
+
+static int prepared_traverse(prepared *p, visitproc visit, void *arg) {
+    Py_VISIT(p->segment);
+    Py_VISIT(p->comm);
+    Py_VISIT(p->on_idle);
+    return 0;
+}
+
+static int prepared_clear(prepared *p) {
+    Py_CLEAR(p->segment);
+    Py_CLEAR(p->comm);
+    Py_CLEAR(p->on_idle);
+    Py_CLEAR(p->description);
+    Py_CLEAR(p->signature);
+    Py_CLEAR(p->code_obj);
+    Py_CLEAR(p->divisor_obj);
+    return 0;
+}
+
+static void prepared_dealloc(prepared *p) {
+    PyObject_GC_UnTrack(p);
+    prepared_clear(p);
+    Py_TYPE(p)->tp_free((PyObject *)p);
+}
+
+static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *segment, *comm, *description, *signature, *on_idle;
+    int code;
+    long long divisor;
+    static char *keywords[] = {"segment", "comm", "description", "signature", "code",
+                               "divisor", "on_idle", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOUO!iLO:Prepared", keywords, &segment,
+                                     &comm, &description, &PyLong_Type, &signature, &code,
+                                     &divisor, &on_idle))
+        return NULL;
+    int op = code >> 4, dtype = code & 15;
+    if (op < OP_SUM || op > OP_PROD || dtype < T_F32 || dtype > T_I64 || divisor < 0) {
+        PyErr_Format(PyExc_ValueError, "bad kernel code %d or divisor %lld", code, divisor);
+        return NULL;
+    }
+    uint64_t signature64 = PyLong_AsUnsignedLongLongMask(signature);
+    if (signature64 == (uint64_t)-1 && PyErr_Occurred()) return NULL;
+    prepared *p = (prepared *)type->tp_alloc(type, 0);
+    if (!p) return NULL;
+    p->vectorcall = prepared_vectorcall;
+    p->segment = Py_NewRef(segment);
+    p->comm = Py_NewRef(comm);
+    p->description = Py_NewRef(description);
+    p->signature = Py_NewRef(signature);
+    p->on_idle = Py_NewRef(on_idle);
+    p->signature64 = signature64;
+    p->code = code;
+    p->divisor = divisor;
+    PyTypeObject *c = Py_TYPE(comm), *s = Py_TYPE(segment);
+    if (!(p->code_obj = PyLong_FromLong(code)) ||
+        !(p->divisor_obj = PyLong_FromLongLong(divisor)) ||
+        (p->c_seq = slot_offset(c, "seq")) < 0 ||
+        (p->c_description = slot_offset(c, "description")) < 0 ||
+        (p->c_signature = slot_offset(c, "signature")) < 0 ||
+        (p->c_timeout = slot_offset(c, "timeout")) < 0 ||
+        (p->c_deadline = slot_offset(c, "_deadline")) < 0 ||
+        (p->c_sent = slot_offset(c, "_sent")) < 0 ||
+        (p->c_received = slot_offset(c, "_received")) < 0 ||
+        (p->s_failed = slot_offset(s, "_failed")) < 0 ||
+        (p->s_segment = slot_offset(s, "_segment")) < 0 ||
+        (p->s_group = slot_offset(s, "_fast_group")) < 0 ||
+        (p->s_moved = slot_offset(s, "moved")) < 0 || (p->s_seq = slot_offset(s, "_seq")) < 0) {
+        Py_DECREF(p);
+        return NULL;
+    }
+    return (PyObject *)p;
+}
+
+static PyMemberDef prepared_members[] = {
+    {"description", T_OBJECT, offsetof(prepared, description), READONLY,
+     "What the Comm's begin records."},
+    {"signature", T_OBJECT, offsetof(prepared, signature), READONLY,
+     "The description's signature (0: checks off)."},
+    {"calls", T_ULONGLONG, offsetof(prepared, calls), READONLY,
+     "Runs that made the kernel's call in C (not handed to the Python entry)."},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject PreparedType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gradsync.collectives._shmfast.Prepared",
+    .tp_doc = "Prepared(segment, comm, description, signature, code, divisor, on_idle): a "
+              "named prepared allreduce's run, called with its data, in one C call.",
+    .tp_basicsize = sizeof(prepared),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(prepared, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = prepared_new,
+    .tp_traverse = (traverseproc)prepared_traverse,
+    .tp_clear = (inquiry)prepared_clear,
+    .tp_dealloc = (destructor)prepared_dealloc,
+    .tp_members = prepared_members,
+};
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *engine, *acquire, *release, *track, *recorder, *ids, *seqs, *world, *meter;
+    PyObject *record_type, *scheduled, *started, *completed, *kind;
+    Py_ssize_t field[N_FIELDS]; /* the offset of each of the record's slots */
+    /* the offsets of the engine's track, _queue and _sleepers, the recorder's _slots, and
+     * the meter's on, ops, next_mark, blocked_until and blocked_ns */
+    Py_ssize_t e_track, e_queue, e_sleepers, r_slots, m_on, m_ops, m_next_mark, m_until,
+        m_blocked;
+} inline_run;
+
+static inline PyObject *field_of(inline_run *x, PyObject *rec, int f) { /* borrowed, or NULL */
+    return *(PyObject **)((char *)rec + x->field[f]);
+}
+
+static inline void put(inline_run *x, PyObject *rec, int f, PyObject *value) {
+    slot_set(rec, x->field[f], value);
+}
+
+/* A record the ring's slot can take: no __init__ runs (issue sets every field). */
+static inline PyObject *blank(inline_run *x) {
+    PyTypeObject *type = (PyTypeObject *)x->record_type;
+    return type->tp_alloc(type, 0);
+}
+
+/* Track.issue(kind, name, shape, dtype, None, None, True, True), made at `now`. */
+static PyObject *issue(inline_run *x, PyObject *name, PyObject *shape, PyObject *dtype,
+                       PyObject *now) {
+    PyObject *slots = slot_get(x->recorder, x->r_slots); /* one read: (ring, size) */
+    if (!slots) return NULL;
+    if (!PyTuple_Check(slots) || PyTuple_GET_SIZE(slots) != 2 ||
+        !PyList_Check(PyTuple_GET_ITEM(slots, 0))) {
+        PyErr_SetString(PyExc_TypeError, "the recorder's slots are not (ring, size)");
+        return NULL;
+    }
+    Py_INCREF(slots); /* held while its ring is used */
+    PyObject *id = PyIter_Next(x->ids), *rec = NULL, *seq = NULL;
+    if (!id) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "record numbers ran out");
+        goto error;
+    }
+    PyObject *ring = PyTuple_GET_ITEM(slots, 0);
+    Py_ssize_t size = PyLong_AsSsize_t(PyTuple_GET_ITEM(slots, 1));
+    if (size == -1 && PyErr_Occurred()) goto error;
+    if (size > 0) {
+        long long n = PyLong_AsLongLong(id);
+        if (n == -1 && PyErr_Occurred()) goto error;
+        Py_ssize_t at = (Py_ssize_t)(n % size);
+        if (at >= PyList_GET_SIZE(ring)) {
+            PyErr_SetString(PyExc_IndexError, "the recorder's ring is shorter than its size");
+            goto error;
+        }
+        rec = PyList_GET_ITEM(ring, at);
+        PyObject *state = Py_IS_TYPE(rec, (PyTypeObject *)x->record_type)
+                              ? field_of(x, rec, F_STATE) : x->started;
+        if (state == x->scheduled || state == x->started) {
+            /* in flight a whole ring later (or not a Record): its holder keeps it, a new
+             * one goes here */
+            if (!(rec = blank(x))) goto error;
+            Py_INCREF(rec);
+            PyList_SetItem(ring, at, rec); /* takes one reference */
+        } else {
+            Py_INCREF(rec);
+        }
+    } else if (!(rec = blank(x))) {
+        goto error;
+    }
+    if (!(seq = PyIter_Next(x->seqs))) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "sequence numbers ran out");
+        goto error;
+    }
+    put(x, rec, F_RECORD_ID, MINUS_ONE); /* readers leave it alone until it is whole again */
+    put(x, rec, F_TRACK, x->track);
+    put(x, rec, F_KIND, x->kind);
+    put(x, rec, F_NAME, name);
+    put(x, rec, F_SHAPE, shape);
+    put(x, rec, F_DTYPE, dtype);
+    put(x, rec, F_OUT_SHAPE, Py_None);
+    put(x, rec, F_PEER, Py_None);
+    put(x, rec, F_SEQ, seq);
+    put(x, rec, F_CREATED_NS, now);
+    put(x, rec, F_ENDED_NS, ZERO);
+    put(x, rec, F_ERROR, Py_None);
+    put(x, rec, F_STARTED_NS, now);
+    put(x, rec, F_STATE, x->started);
+    put(x, rec, F_RECORD_ID, id);
+    Py_DECREF(id);
+    Py_DECREF(slots);
+    Py_DECREF(seq);
+    return rec;
+error:
+    Py_XDECREF(id);
+    Py_DECREF(slots);
+    Py_XDECREF(rec);
+    return NULL;
+}
+
+/* Record.done(): the end, and the pace meter's count of operations. */
+static int record_done(inline_run *x, PyObject *rec, PyObject *ended) {
+    put(x, rec, F_ENDED_NS, ended);
+    put(x, rec, F_STATE, x->completed);
+    PyObject *on = slot_get(x->meter, x->m_on), *ops, *mark, *more;
+    if (!on) return -1;
+    int counting = PyObject_IsTrue(on);
+    if (counting <= 0) return counting;
+    if (!(ops = slot_get(x->meter, x->m_ops)) || !(more = PyNumber_Add(ops, ONE))) return -1;
+    slot_set(x->meter, x->m_ops, more);
+    mark = slot_get(x->meter, x->m_next_mark);
+    int step = mark ? PyObject_RichCompareBool(more, mark, Py_EQ) : -1;
+    Py_DECREF(more);
+    if (step > 0) {
+        PyObject *r = PyObject_CallMethodNoArgs(x->meter, NAME[A_STEP_BY_OPS]);
+        if (!r) return -1;
+        Py_DECREF(r);
+    }
+    return step < 0 ? -1 : 0;
+}
+
+/* Engine.run's finally: the release, a wake-up for whoever waits, the meter's blocked time
+ * from `began` to `end` (the record's end). An error pending stays pending, unless one of
+ * these raises (then that one goes on, the first as its context). */
+static void finish_claim(inline_run *x, int64_t began, int64_t end) {
+    PyObject *pending = PyErr_Occurred() ? take_error() : NULL, *r, *sleepers, *was;
+    if (!(r = PyObject_CallNoArgs(x->release))) goto out;
+    Py_DECREF(r);
+    if (!(sleepers = slot_get(x->engine, x->e_sleepers))) goto out;
+    int wake = PyObject_IsTrue(sleepers);
+    if (wake < 0) goto out;
+    if (wake) {
+        if (!(r = PyObject_CallMethodNoArgs(x->engine, NAME[A_WAKE]))) goto out;
+        Py_DECREF(r);
+    }
+    if (!(was = slot_get(x->meter, x->m_until))) goto out;
+    long long until = PyLong_AsLongLong(was);
+    if (until == -1 && PyErr_Occurred()) goto out;
+    if (end > until) {
+        PyObject *blocked = slot_get(x->meter, x->m_blocked), *more = NULL,
+                 *by = PyLong_FromLongLong(end - (began > until ? began : until)),
+                 *e = PyLong_FromLongLong(end);
+        if (blocked && by && e && (more = PyNumber_Add(blocked, by))) {
+            slot_set(x->meter, x->m_blocked, more);
+            slot_set(x->meter, x->m_until, e);
+        }
+        Py_XDECREF(more);
+        Py_XDECREF(by);
+        Py_XDECREF(e);
+    }
+out:
+    if (pending) raise_again(pending);
+}
+
+/* Engine.run(fn, name, kind, shape, dtype, None, call): the Python, which queues. */
+static PyObject *run_in_python(inline_run *x, PyObject *const *args) {
+    PyObject *call[] = {x->engine, args[0], args[1], x->kind, args[2], args[3], Py_None,
+                        args[4]};
+    return PyObject_VectorcallMethod(NAME[A_RUN], call, 8, NULL);
+}
+
+/* inline(fn, name, shape, dtype, call), args those five: Engine.run(fn, name, kind, shape,
+ * dtype, None, call) on the caller's thread (the header above). */
+static PyObject *inline_run_args(inline_run *x, PyObject *const *args) {
+    /* The claim (Serial.claim): the engine's track as made, nothing queued, the running lock
+     * taken without blocking; else the Python, which queues behind what runs. */
+    PyObject *queue = slot_get(x->engine, x->e_queue);
+    if (!queue) return NULL;
+    Py_ssize_t queued = *(PyObject **)((char *)x->engine + x->e_track) == x->track
+                            ? PyObject_Length(queue) : 1;
+    if (queued < 0) return NULL;
+    if (queued) return run_in_python(x, args);
+    PyObject *no_wait = Py_False;
+    PyObject *got = PyObject_Vectorcall(x->acquire, &no_wait, 1, NULL);
+    if (!got) return NULL;
+    int claimed = got == Py_True;
+    Py_DECREF(got);
+    if (!claimed) return run_in_python(x, args);
+
+    int64_t began = now_ns(), end;
+    PyObject *result = NULL, *rec = NULL, *at = PyLong_FromLongLong(began);
+    if (at) {
+        rec = issue(x, args[1], args[2], args[3], at);
+        Py_DECREF(at);
+    }
+    if (rec) {
+        PyObject *failure = PyObject_GetAttr(x->world, NAME[A_FAILURE]);
+        if (failure && failure != Py_None)
+            PyErr_SetObject((PyObject *)Py_TYPE(failure), failure); /* raise world.failure */
+        else if (failure)
+            result = Py_IS_TYPE(args[0], &PreparedType)
+                         ? prepared_run((prepared *)args[0], args[4])
+                         : PyObject_CallOneArg(args[0], args[4]);
+        Py_XDECREF(failure);
+    }
+    if (result) {
+        end = now_ns();
+        PyObject *ended = PyLong_FromLongLong(end);
+        if (!ended || record_done(x, rec, ended) < 0) Py_CLEAR(result);
+        Py_XDECREF(ended);
+    } else {
+        /* engine._failed(record, exc): fails the record (and the World), raises */
+        PyObject *exc = take_error();
+        PyObject *arg[] = {x->engine, rec ? rec : Py_None, exc};
+        PyObject *r = PyObject_VectorcallMethod(NAME[A_FAILED], arg, 3, NULL);
+        if (r) { /* it always raises; if not, the error goes on as it was */
+            Py_DECREF(r);
+            PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+        }
+        Py_DECREF(exc);
+        end = now_ns(); /* the record's end, as Record.fail read it, or now without one */
+        PyObject *ended = rec ? field_of(x, rec, F_ENDED_NS) : NULL;
+        int over = 0;
+        long long e = ended && PyLong_Check(ended) ? PyLong_AsLongLongAndOverflow(ended, &over)
+                                                   : -1;
+        if (e > 0 && !over) end = e; /* (raises nothing: the error _failed raised stays) */
+    }
+    finish_claim(x, began, end);
+    Py_XDECREF(rec);
+    if (result && PyErr_Occurred()) Py_CLEAR(result); /* the finally raised */
+    return result;
+}
+
+static PyObject *inline_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf,
+                                   PyObject *kwnames) {
+    if (PyVectorcall_NARGS(nargsf) != 5 || (kwnames && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_SetString(PyExc_TypeError, "inline takes (fn, name, shape, dtype, call)");
+        return NULL;
+    }
+    return inline_run_args((inline_run *)self, args);
+}
+
+static int inline_traverse(inline_run *x, visitproc visit, void *arg) {
+    Py_VISIT(x->engine);
+    Py_VISIT(x->acquire);
+    Py_VISIT(x->release);
+    Py_VISIT(x->track);
+    Py_VISIT(x->recorder);
+    Py_VISIT(x->ids);
+    Py_VISIT(x->seqs);
+    Py_VISIT(x->world);
+    Py_VISIT(x->meter);
+    Py_VISIT(x->record_type);
+    return 0;
+}
+
+static int inline_clear(inline_run *x) {
+    Py_CLEAR(x->engine);
+    Py_CLEAR(x->acquire);
+    Py_CLEAR(x->release);
+    Py_CLEAR(x->track);
+    Py_CLEAR(x->recorder);
+    Py_CLEAR(x->ids);
+    Py_CLEAR(x->seqs);
+    Py_CLEAR(x->world);
+    Py_CLEAR(x->meter);
+    Py_CLEAR(x->record_type);
+    Py_CLEAR(x->scheduled);
+    Py_CLEAR(x->started);
+    Py_CLEAR(x->completed);
+    Py_CLEAR(x->kind);
+    return 0;
+}
+
+static void inline_dealloc(inline_run *x) {
+    PyObject_GC_UnTrack(x);
+    inline_clear(x);
+    Py_TYPE(x)->tp_free((PyObject *)x);
+}
+
+/* Inline(engine, meter, record, states, kind): reads what it keeps off the engine (its
+ * queue, its running lock's acquire and release, its track, its World) and the track (the
+ * recorder's record numbers, the track's sequence numbers), and each field's slot offset
+ * off the record class. */
+static PyObject *inline_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *engine, *meter, *record_type, *kind, *scheduled, *started, *completed;
+    PyObject *running = NULL;
+    static char *keywords[] = {"engine", "meter", "record", "states", "kind", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO!(UUU)U:Inline", keywords, &engine,
+                                     &meter, &PyType_Type, &record_type, &scheduled, &started,
+                                     &completed, &kind))
+        return NULL;
+    inline_run *x = (inline_run *)type->tp_alloc(type, 0);
+    if (!x) return NULL;
+    x->vectorcall = inline_vectorcall;
+    x->engine = Py_NewRef(engine);
+    x->meter = Py_NewRef(meter);
+    x->record_type = Py_NewRef(record_type);
+    x->scheduled = Py_NewRef(scheduled);
+    x->started = Py_NewRef(started);
+    x->completed = Py_NewRef(completed);
+    x->kind = Py_NewRef(kind);
+    if (!(running = PyObject_GetAttr(engine, NAME[A_RUNNING])) ||
+        !(x->acquire = PyObject_GetAttr(running, NAME[A_ACQUIRE])) ||
+        !(x->release = PyObject_GetAttr(running, NAME[A_RELEASE])) ||
+        !(x->track = PyObject_GetAttr(engine, NAME[A_TRACK])) ||
+        !(x->world = PyObject_GetAttr(engine, NAME[A_WORLD])))
+        goto error;
+    Py_CLEAR(running);
+    if (x->track == Py_None) {
+        PyErr_SetString(PyExc_ValueError, "Inline records on the engine's track: it has none");
+        goto error;
+    }
+    if (!(x->recorder = PyObject_GetAttr(x->track, NAME[A_RECORDER])) ||
+        !(x->ids = PyObject_GetAttr(x->recorder, NAME[A_IDS])) ||
+        !(x->seqs = PyObject_GetAttr(x->track, NAME[A_SEQS])))
+        goto error;
+    if (!PyIter_Check(x->ids) || !PyIter_Check(x->seqs)) {
+        PyErr_SetString(PyExc_TypeError, "the record and sequence numbers are not iterators");
+        goto error;
+    }
+    PyTypeObject *e = Py_TYPE(engine), *r = Py_TYPE(x->recorder), *m = Py_TYPE(meter);
+    if ((x->e_track = slot_offset(e, "track")) < 0 ||
+        (x->e_queue = slot_offset(e, "_queue")) < 0 ||
+        (x->e_sleepers = slot_offset(e, "_sleepers")) < 0 ||
+        (x->r_slots = slot_offset(r, "_slots")) < 0 || (x->m_on = slot_offset(m, "on")) < 0 ||
+        (x->m_ops = slot_offset(m, "ops")) < 0 ||
+        (x->m_next_mark = slot_offset(m, "next_mark")) < 0 ||
+        (x->m_until = slot_offset(m, "blocked_until")) < 0 ||
+        (x->m_blocked = slot_offset(m, "blocked_ns")) < 0)
+        goto error;
+    for (int f = 0; f < N_FIELDS; f++)
+        if ((x->field[f] = slot_offset((PyTypeObject *)record_type, FIELD_TEXT[f])) < 0)
+            goto error;
+    return (PyObject *)x;
+error:
+    Py_XDECREF(running);
+    Py_DECREF(x);
+    return NULL;
+}
+
+static PyTypeObject InlineType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gradsync.collectives._shmfast.Inline",
+    .tp_doc = "Inline(engine, meter, record, states, kind): the engine's inline run of an "
+              "operation, called as (fn, name, shape, dtype, call), in one C call.",
+    .tp_basicsize = sizeof(inline_run),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(inline_run, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = inline_new,
+    .tp_traverse = (traverseproc)inline_traverse,
+    .tp_clear = (inquiry)inline_clear,
+    .tp_dealloc = (destructor)inline_dealloc,
+};
+
+/* --- The front, compiled: Quick(job, ndarray, ReduceOp, python), called as api._quick is,
+ * (tensor, op, name, algorithm, inplace): the pipeline's fast case from the public call
+ * (api.py's _quick) for the call it is made for, a named synchronous allreduce of a NumPy
+ * array: the job, its World on one host, the array's checks (C-contiguous, writable in
+ * place: one buffer request), the prepared call looked up under _quick's own key, a copy
+ * for an allreduce out of place, then the engine's compiled inline run with the prepared
+ * run. Anything else (no job, another tensor, an unnamed call, a call not prepared yet, one
+ * that cannot be, an array the buffer request refuses) is `python(...)`'s, api._quick
+ * itself, which prepares what the next call finds here. The fields it reads are __slots__
+ * (job.Job's world and engine, the Engine's prepared and inline, operations.Prepared's run),
+ * their offsets found at the first call of each class. */
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *job_dict, *ndarray, *reduce_op, *python, *last_op, *last_value;
+    PyTypeObject *job_type, *engine_type, *prepared_type; /* the classes the offsets are of */
+    Py_ssize_t j_world, j_engine, e_prepared, e_inline, p_run;
+} quick;
+
+static PyObject *S_JOB, *S_SHARES_HOST, *S_DTYPE, *S_VALUE, *S_COPY; /* interned at init */
+
+/* The offsets of `names` in `type` into `offsets`, unless they are of `type` already; 0, or
+ * -1 (no error set) where one is not a slot of it: a stand-in, which `python` takes. */
+static int offsets_of(PyTypeObject **cached, PyTypeObject *type, const char *const *names,
+                      Py_ssize_t *const *offsets, int n) {
+    if (*cached == type) return 0;
+    for (int i = 0; i < n; i++)
+        if ((*offsets[i] = slot_offset(type, names[i])) < 0) {
+            PyErr_Clear();
+            return -1;
+        }
+    *cached = type; /* (held by the objects that have it, which outlive this call) */
+    return 0;
+}
+
+static PyObject *quick_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf,
+                                  PyObject *kwnames) {
+    quick *q = (quick *)self;
+    if (PyVectorcall_NARGS(nargsf) != 5 || (kwnames && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_SetString(PyExc_TypeError, "quick takes (tensor, op, name, algorithm, inplace)");
+        return NULL;
+    }
+    PyObject *tensor = args[0], *op = args[1], *name = args[2], *algorithm = args[3];
+    int inplace = args[4] == Py_True;
+    PyObject *job = PyDict_GetItemWithError(q->job_dict, S_JOB); /* job._job, borrowed */
+    if (!job) {
+        if (PyErr_Occurred()) return NULL;
+        goto python;
+    }
+    if (job == Py_None || !Py_IS_TYPE(tensor, (PyTypeObject *)q->ndarray) || name == Py_None ||
+        !PyUnicode_CheckExact(name) || !Py_IS_TYPE(op, (PyTypeObject *)q->reduce_op) ||
+        (!inplace && args[4] != Py_False))
+        goto python;
+    static const char *const job_fields[] = {"world", "engine"};
+    Py_ssize_t *const job_offsets[] = {&q->j_world, &q->j_engine};
+    if (offsets_of(&q->job_type, Py_TYPE(job), job_fields, job_offsets, 2) < 0) goto python;
+    PyObject *world = slot_get(job, q->j_world), *engine, *kept, *inline_fn, *shares;
+    if (!world || !(engine = slot_get(job, q->j_engine))) return NULL;
+    static const char *const engine_fields[] = {"prepared", "inline"};
+    Py_ssize_t *const engine_offsets[] = {&q->e_prepared, &q->e_inline};
+    if (offsets_of(&q->engine_type, Py_TYPE(engine), engine_fields, engine_offsets, 2) < 0)
+        goto python;
+    if (!(kept = slot_get(engine, q->e_prepared)) || !(inline_fn = slot_get(engine, q->e_inline)))
+        return NULL;
+    if (!PyDict_CheckExact(kept) || !Py_IS_TYPE(inline_fn, &InlineType)) goto python;
+    if (!(shares = PyObject_GetAttr(world, S_SHARES_HOST))) return NULL;
+    int on_one_host = PyObject_IsTrue(shares);
+    Py_DECREF(shares);
+    if (on_one_host < 0) return NULL;
+    if (!on_one_host) goto python;
+    /* What _quick checks of the array (C-contiguous, writable in place), and its shape. */
+    Py_buffer view;
+    if (PyObject_GetBuffer(tensor, &view, PyBUF_C_CONTIGUOUS | (inplace ? PyBUF_WRITABLE : 0))
+        < 0) {
+        PyErr_Clear();
+        goto python;
+    }
+    PyObject *shape = PyTuple_New(view.ndim);
+    for (int i = 0; shape && i < view.ndim; i++) {
+        PyObject *n = PyLong_FromSsize_t(view.shape[i]);
+        if (!n) Py_CLEAR(shape);
+        else PyTuple_SET_ITEM(shape, i, n);
+    }
+    PyBuffer_Release(&view);
+    if (!shape) return NULL;
+    PyObject *dtype = NULL, *key = NULL, *flat = NULL, *result = NULL, *prepared, *run;
+    if (op != q->last_op) { /* op._value_: ReduceOp's members are few, and live for good */
+        PyObject *value = PyObject_GetAttr(op, S_VALUE);
+        if (!value) goto done;
+        Py_XSETREF(q->last_value, value);
+        Py_XSETREF(q->last_op, Py_NewRef(op));
+    }
+    if (!(dtype = PyObject_GetAttr(tensor, S_DTYPE)) ||
+        !(key = PyTuple_Pack(5, name, dtype, shape, q->last_value, algorithm)))
+        goto done;
+    prepared = PyDict_GetItemWithError(kept, key); /* borrowed */
+    if (!prepared || prepared == Py_None) {
+        if (PyErr_Occurred()) goto done;
+        result = PyObject_Vectorcall(q->python, args, 5, NULL); /* prepares it, or None */
+        goto done;
+    }
+    static const char *const prepared_fields[] = {"run"};
+    Py_ssize_t *const prepared_offsets[] = {&q->p_run};
+    if (offsets_of(&q->prepared_type, Py_TYPE(prepared), prepared_fields, prepared_offsets, 1)
+        < 0) {
+        result = PyObject_Vectorcall(q->python, args, 5, NULL);
+        goto done;
+    }
+    if (!(run = slot_get(prepared, q->p_run))) goto done;
+    if (run == Py_None) { /* (an unnamed call's: not one this takes) */
+        result = PyObject_Vectorcall(q->python, args, 5, NULL);
+        goto done;
+    }
+    flat = inplace ? Py_NewRef(tensor) : PyObject_CallMethodNoArgs(tensor, S_COPY);
+    if (!flat) goto done;
+    PyObject *call[] = {run, name, shape, dtype, flat};
+    PyObject *r = inline_run_args((inline_run *)inline_fn, call);
+    if (r) {
+        Py_DECREF(r);
+        result = Py_NewRef(flat);
+    }
+done:
+    Py_DECREF(shape);
+    Py_XDECREF(dtype);
+    Py_XDECREF(key);
+    Py_XDECREF(flat);
+    return result;
+python:
+    return PyObject_Vectorcall(q->python, args, 5, NULL);
+}
+
+static int quick_traverse(quick *q, visitproc visit, void *arg) {
+    Py_VISIT(q->job_dict);
+    Py_VISIT(q->ndarray);
+    Py_VISIT(q->reduce_op);
+    Py_VISIT(q->python);
+    Py_VISIT(q->last_op);
+    Py_VISIT(q->last_value);
+    return 0;
+}
+
+static int quick_clear(quick *q) {
+    Py_CLEAR(q->job_dict);
+    Py_CLEAR(q->ndarray);
+    Py_CLEAR(q->reduce_op);
+    Py_CLEAR(q->python);
+    Py_CLEAR(q->last_op);
+    Py_CLEAR(q->last_value);
+    return 0;
+}
+
+static void quick_dealloc(quick *q) {
+    PyObject_GC_UnTrack(q);
+    quick_clear(q);
+    Py_TYPE(q)->tp_free((PyObject *)q);
+}
+
+static PyObject *quick_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *job, *ndarray, *reduce_op, *python;
+    static char *keywords[] = {"job", "ndarray", "reduce_op", "python", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!O!O:Quick", keywords, &PyModule_Type,
+                                     &job, &PyType_Type, &ndarray, &PyType_Type, &reduce_op,
+                                     &python))
+        return NULL;
+    if (!PyCallable_Check(python)) {
+        PyErr_SetString(PyExc_TypeError, "Quick's python must be callable");
+        return NULL;
+    }
+    quick *q = (quick *)type->tp_alloc(type, 0);
+    if (!q) return NULL;
+    q->vectorcall = quick_vectorcall;
+    q->job_dict = Py_NewRef(PyModule_GetDict(job));
+    q->ndarray = Py_NewRef(ndarray);
+    q->reduce_op = Py_NewRef(reduce_op);
+    q->python = Py_NewRef(python);
+    return (PyObject *)q;
+}
+
+static PyTypeObject QuickType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gradsync.collectives._shmfast.Quick",
+    .tp_doc = "Quick(job, ndarray, reduce_op, python): api._quick for a named synchronous "
+              "allreduce of a NumPy array, in one C call; python(...) for anything else.",
+    .tp_basicsize = sizeof(quick),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(quick, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = quick_new,
+    .tp_traverse = (traverseproc)quick_traverse,
+    .tp_clear = (inquiry)quick_clear,
+    .tp_dealloc = (destructor)quick_dealloc,
+};
+
 
 /* --- The beater: heartbeats that need no GIL ---------------------------------------------
  *
@@ -752,8 +1656,25 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_shmfast", NULL, -1,
 #endif
 
 PyMODINIT_FUNC PyInit__shmfast(void) {
+    for (int i = 0; i < N_NAMES; i++)
+        if (!NAME[i] && !(NAME[i] = PyUnicode_InternFromString(NAME_TEXT[i]))) return NULL;
+    if ((!MINUS_ONE && !(MINUS_ONE = PyLong_FromLong(-1))) ||
+        (!ZERO && !(ZERO = PyLong_FromLong(0))) || (!ONE && !(ONE = PyLong_FromLong(1))) ||
+        PyType_Ready(&PreparedType) < 0 || PyType_Ready(&InlineType) < 0 ||
+        PyType_Ready(&QuickType) < 0)
+        return NULL;
+    if ((!S_JOB && !(S_JOB = PyUnicode_InternFromString("_job"))) ||
+        (!S_SHARES_HOST && !(S_SHARES_HOST = PyUnicode_InternFromString("shares_host"))) ||
+        (!S_DTYPE && !(S_DTYPE = PyUnicode_InternFromString("dtype"))) ||
+        (!S_VALUE && !(S_VALUE = PyUnicode_InternFromString("_value_"))) ||
+        (!S_COPY && !(S_COPY = PyUnicode_InternFromString("copy"))))
+        return NULL;
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddStringConstant(m, "source_hash", GRADSYNC_SOURCE_HASH) < 0) {
+    if (m == NULL) return NULL;
+    if (PyModule_AddStringConstant(m, "source_hash", GRADSYNC_SOURCE_HASH) < 0 ||
+        PyModule_AddObjectRef(m, "Prepared", (PyObject *)&PreparedType) < 0 ||
+        PyModule_AddObjectRef(m, "Inline", (PyObject *)&InlineType) < 0 ||
+        PyModule_AddObjectRef(m, "Quick", (PyObject *)&QuickType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

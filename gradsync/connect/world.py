@@ -419,6 +419,18 @@ class World:
         code = group.fast_code(op, dtype)
         return None if code is None else (group.allreduce_express, code)
 
+    def small_run(self, description: str, signature: int, code: int,
+                  divisor: int) -> "Callable[[np.ndarray], None] | None":
+        """A prepared small allreduce's run in one compiled call (the Comm's begin with
+        ``description`` and ``signature``, then the segment's ``allreduce_express`` with the
+        kernel ``code`` from ``small_road``: ``SmallRoad.compiled_run``), or None where the
+        segment's compiled road is not built."""
+        group = self.shm_group
+        if group is None:
+            return None
+        return group.compiled_run(self.comm, description, signature, code, divisor,
+                                  self.on_group_idle)
+
     def host_allreduce(self, flat: "np.ndarray", reducer, finish, op, divisor: int,
                        trunc: bool) -> None:
         """Reduces ``flat`` in place over the host's segment (the planner's ``shm``

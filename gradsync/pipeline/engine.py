@@ -38,8 +38,9 @@ import threading
 import time
 from typing import Callable, NoReturn
 
+from .. import _native
 from ..errors import GradsyncError
-from ..flight_recorder import Record, Track
+from ..flight_recorder import COMPLETED, SCHEDULED, STARTED, Record, Track
 from ..liveness.pace import meter
 from .executor import Serial
 
@@ -97,9 +98,22 @@ class Handle:
         return f"<gradsync.Handle {self.name!r} {'done' if self.poll() else 'in flight'}>"
 
 
+def _compiled_inline(engine: "Engine"):
+    """``Engine.inline`` for ``engine``: ``_shmfast.Inline`` over it, or None (no module
+    built, no track). Loaded, never built here: a job's World built it before its engine."""
+    if engine.track is None:
+        return None
+    module = _native.load("_shmfast", build=False)
+    if module is None:
+        return None
+    return module.Inline(engine, meter, Record, (SCHEDULED, STARTED, COMPLETED), "all_reduce")
+
+
 class Engine(Serial["tuple[Handle, Callable, object, Record | None]"]):
     """Executes operations of one World, in issue order (``executor.Serial``: the queue, the
     progress thread, the inline claim)."""
+
+    __slots__ = ("world", "track", "prepared", "inline")  # (``track``: read by ``inline``)
 
     def __init__(self, world, track: "Track | None" = None):
         super().__init__("gradsync-progress")
@@ -110,6 +124,12 @@ class Engine(Serial["tuple[Handle, Callable, object, Record | None]"]):
         self.prepared: dict = {}
         """The ``Prepared`` allreduces of this World (``operations.prepare_allreduce``), or
         None for a call that cannot be prepared, per distinct call (``api`` keys them)."""
+        self.inline = _compiled_inline(self)
+        """``run``'s inline path for an allreduce, compiled (``_shmfast.Inline``), called as
+        ``inline(fn, name, shape, dtype, call)``: ``run(fn, name, "all_reduce", shape, dtype,
+        None, call)`` in one C call, ``fn``'s own steps too where it is a compiled prepared
+        run (``_shmfast.c``, "The small call, compiled whole"). None where the module is not
+        built or nothing is recorded (no track): callers then call ``run``."""
 
     def run(self, fn: Callable, name: str, kind: str, shape=None, dtype=None, out_shape=None,
             call=None):

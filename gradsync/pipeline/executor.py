@@ -58,6 +58,12 @@ class Serial(Generic[T]):
             request's push are one step).
     """
 
+    # Slots for what the engine's compiled inline run (``_shmfast.c``'s Inline) reads per
+    # call at their offsets (``_queue``, ``_sleepers``); a policy's own attributes, and a
+    # test's stand-ins for methods, still go in the instance's dict.
+    __slots__ = ("name", "_queue", "_lock", "_cv", "_sleepers", "_running", "_current",
+                 "_closed", "_thread", "__dict__", "__weakref__")
+
     def __init__(self, name: str, lock: "threading.Lock | threading.RLock | None" = None):
         self.name = name
         self._queue: collections.deque[T] = collections.deque()

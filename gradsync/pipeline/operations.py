@@ -213,6 +213,10 @@ def prepare_allreduce(world, flat: np.ndarray, op: ReduceOp, name: "str | None",
     description, signature = allreduce_signed(world, _CUT if name is None else name,
                                               flat.dtype, shape, op, 1.0, 1.0, alg)
     if name is not None:
+        compiled = world.small_run(description, signature, code, divisor)
+        if compiled is not None:  # the same two steps in one C call
+            return Prepared(description, signature, compiled, None)
+
         def run(data: np.ndarray) -> None:
             deadline = begin(description, signature)  # the World's timeout from now
             kernel(data.reshape(-1) if flatten else data, code, divisor, deadline, on_idle,

@@ -62,6 +62,11 @@ class Comm:
             their own: ``CommView.plans``).
     """
 
+    # Slots for what a compiled prepared run (``_shmfast.c``'s Prepared) writes per call at
+    # their offsets, as ``begin_signed`` does; the rest goes in the instance's dict.
+    __slots__ = ("seq", "description", "signature", "timeout", "_deadline", "_sent",
+                 "_received", "__dict__", "__weakref__")
+
     def __init__(self, rank: int, size: int, pairs: Mapping[int, Pair], timeout: float,
                  on_idle: Callable[[float], None] = lambda waited: None,
                  segment_trials: "int | None" = None):

@@ -120,12 +120,14 @@ class ShmGroup(SmallRoad, SharedRoad):
         # earlier (World.connect builds before its deadline starts; _native.py says why).
         module = _native.load("_shmfast", build=False) if fast else None
         self._fast_call = self._fast_fold = self._fast_group = None  # (``SmallRoad``'s)
+        self._fast_prepared = None
         if module is not None:
             # The compiled wait climbs the same ladder (``wait.py``), handed over here once.
             self._fast_group = module.open(segment, local_rank, self.size, self.slot_bytes,
                                            _control_bytes(self.size), self._futex is not None,
                                            *native_ladder(self._may_spin))
             self._fast_call, self._fast_fold = module.call, module.fold
+            self._fast_prepared = module.Prepared
         self.fast = self._fast_group is not None
         self.stores = Stores(module.stream if module is not None else None, stream)
         self._shared, self._mapped = {}, collections.OrderedDict()  # (``SharedRoad``'s)
@@ -309,6 +311,7 @@ class ShmGroup(SmallRoad, SharedRoad):
                 os.close(fd)
         self._shared, self._mapped = {}, collections.OrderedDict()
         self._fast_call = self._fast_fold = self._fast_group = None  # it holds the address
+        self._fast_prepared = None
         self._ctl.release()
         try:
             self._segment.close()

@@ -53,6 +53,19 @@ class SmallRoad(SegmentRank):
     _fast_call: Callable[..., int] | None
     _fast_fold: Callable[..., int] | None
     _fast_group: object | None
+    _fast_prepared: Callable[..., Callable[[np.ndarray], None]] | None
+
+    def compiled_run(self, comm, description: str, signature: int, code: int, divisor: int,
+                     on_idle: Callable[[float], None]) -> "Callable[[np.ndarray], None] | None":
+        """A named prepared allreduce's run (``pipeline/operations.Prepared.run``) as one C
+        call, ``_shmfast.Prepared``: ``comm.begin_signed(description, signature)``, then
+        ``allreduce_express(data, code, divisor, deadline, on_idle, signature)``, the same
+        steps in C, on the Comm's and this segment's slots (``_shmfast.c``, "The prepared
+        run, compiled"). None where the compiled road is not built."""
+        make = self._fast_prepared
+        if make is None:
+            return None
+        return make(self, comm, description, signature, code, divisor, on_idle)
 
     def allreduce_express(self, flat: np.ndarray, code: int, divisor: int, deadline: float,
                           on_idle: Callable[[float], None], signature: int) -> None:

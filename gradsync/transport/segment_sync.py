@@ -72,6 +72,13 @@ class SegmentRank:
         sleep: as for ``ShmGroup.open``.
     """
 
+    # Slots for what a compiled prepared run (``_shmfast.c``'s Prepared) reads and writes per
+    # call at their offsets, as ``allreduce_express`` does (``_fast_group``: ``SmallRoad``'s,
+    # declared here so that the roads' classes add no slots of their own); the rest goes in
+    # the instance's dict.
+    __slots__ = ("_segment", "_seq", "moved", "_failed", "_fast_group", "__dict__",
+                 "__weakref__")
+
     def __init__(self, segment: mmap.mmap, local_rank: int, ranks: "Sequence[int] | None",
                  sleep: str):
         require_tso()
