@@ -213,16 +213,16 @@ def _quick(tensor, op, name, algorithm, inplace):
         if type(tensor) is not np.ndarray:
             result = sys.modules["torch"].from_numpy(flat)
     if prepared.run is not None:
-        inline = engine.inline  # Engine.run's inline path for it, compiled (or None)
-        if inline is not None:
-            inline(prepared.run, name, shape, dtype, flat)
-        else:
-            engine.run(prepared.run, name, "all_reduce", shape, dtype, None, flat)
+        run, call = prepared.run, flat
     else:
-        name = _name(None, "allreduce")
+        run, name = prepared.run_as, _name(None, "allreduce")
         description = prepared.prefix + name + prepared.suffix
-        engine.run(prepared.run_as, name, "all_reduce", shape, dtype, None,
-                   (flat, description, signature_of(description) if prepared.signature else 0))
+        call = (flat, description, signature_of(description) if prepared.signature else 0)
+    inline = engine.inline  # Engine.run's inline path, compiled (or None)
+    if inline is not None:
+        inline(run, name, shape, dtype, call)
+    else:
+        engine.run(run, name, "all_reduce", shape, dtype, None, call)
     return result
 
 

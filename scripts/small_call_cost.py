@@ -7,10 +7,13 @@ load; counts do not. So, in one process, with no peer:
 
 - ``named``, ``unnamed``, ``torch``: ``gs.allreduce_`` of 4 KiB (a NumPy array, the same
   unnamed, a torch tensor) on a World of two ranks on one host whose segment is a stand-in:
-  its compiled call does nothing, so what is counted is all the Python between the public
+  its compiled call does nothing, so what is counted is all the work between the public
   call and the C call of a real job (the api, the prepared operation's lookup, the engine's
-  claim, record, failure check and release, the Comm's begin). Nothing is exchanged, so the
-  wait for a peer, which a real 4 KiB allreduce adds, is not in it.
+  claim, record, failure check and release, the Comm's begin), in Python or, since session
+  31, compiled (``_shmfast.c``'s Quick, Inline and Prepared: the stand-in has the segment's
+  slots and no compiled group, so the compiled run hands each call to its
+  ``allreduce_express``, one Python call where a real job makes the kernel's). Nothing is
+  exchanged, so the wait for a peer, which a real 4 KiB allreduce adds, is not in it.
 - ``one-rank``: ``gs.allreduce(np.ones(4, np.float32), name="w")`` after ``gs.init()`` alone,
   docs/benchmarks.md's ``onerank.py`` call.
 
