@@ -138,7 +138,8 @@ class Record:
 
     def done(self) -> None:
         """The operation completed, and counts in the pace meter's steps (``pace.py``): the
-        meter's ``op_done`` in place, a call saved on every operation."""
+        meter's ``op_done`` in place, a call saved on every operation. (``_shmfast.c``'s
+        Inline takes these steps too.)"""
         self.ended_ns = _time_ns()
         self.state = COMPLETED
         if meter.on:
@@ -205,6 +206,9 @@ class Track:
                 runs operations in agreed order, not in issue order.
             started: it begins to run now (state ``started``, with the same clock read), as
                 an operation run at once on the caller's thread does: ``start`` saved.
+
+        (The engine's compiled inline run, ``_shmfast.c``'s Inline, issues its records
+        ``started`` with these steps, on ``Record``'s slots: a change here is one there.)
         """
         recorder = self.recorder
         record_id = next(recorder._ids)

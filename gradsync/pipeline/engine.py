@@ -20,7 +20,10 @@ path with a prepared operation, not a road of its own: it keeps the engine's ord
 check and records by construction. On the caller's thread ``run`` writes these steps out in
 place (the executor's claim and release, ``_execute``'s, the pace meter's ``blocked``) and
 times the caller's wait by its record's own clock reads, none of its own: on a call of a few
-microseconds each Python call and clock read shows.
+microseconds each Python call and clock read shows. The same inline path is also compiled
+(``Engine.inline``, ``_shmfast.c``'s Inline: the claim, the record, the failure check, the
+operation, the end and the release in one C call), which the fast case takes where the module
+is built; it hands a refused claim and every error to the steps here.
 
 Fusion is not guessed here from timing (what happens to be queued differs between ranks, so
 fusing it would need a negotiation round per cycle); callers that know a group of tensors
@@ -128,7 +131,7 @@ class Engine(Serial["tuple[Handle, Callable, object, Record | None]"]):
         """``run``'s inline path for an allreduce, compiled (``_shmfast.Inline``), called as
         ``inline(fn, name, shape, dtype, call)``: ``run(fn, name, "all_reduce", shape, dtype,
         None, call)`` in one C call, ``fn``'s own steps too where it is a compiled prepared
-        run (``_shmfast.c``, "The small call, compiled whole"). None where the module is not
+        run (``_shmfast.c``, "The engine's inline run, compiled"). None where the module is not
         built or nothing is recorded (no track): callers then call ``run``."""
 
     def run(self, fn: Callable, name: str, kind: str, shape=None, dtype=None, out_shape=None,
@@ -144,6 +147,9 @@ class Engine(Serial["tuple[Handle, Callable, object, Record | None]"]):
             kind, shape, dtype, out_shape: its record (``Track.issue``): torch's name of the
                 collective, its input's shape and dtype (None for a barrier or an object),
                 its output's shape where it differs.
+
+        ``inline`` is this method's inline path compiled (``_shmfast.c``'s Inline, the same
+        steps): a change here is one there.
         """
         if self._queue or not self._running.acquire(False):  # ``claim``, inline
             return self.submit(fn, name, kind, shape, dtype, out_shape, call).wait()

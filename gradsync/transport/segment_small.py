@@ -72,7 +72,8 @@ class SmallRoad(SegmentRank):
         """``allreduce`` on the compiled road, for a caller that has checked what it checks
         (a prepared allreduce, ``pipeline/operations.Prepared``): ``flat`` a writable
         C-contiguous 1-d array of 1 to ``small_bytes`` bytes, ``code`` from ``fast_code``,
-        ``divisor`` as for ``allreduce`` (no ``trunc``)."""
+        ``divisor`` as for ``allreduce`` (no ``trunc``). (``compiled_run``'s C takes these
+        steps too, on this segment's slots: a change here is one there.)"""
         if self._failed is not None or self._segment is None:
             self._flat(flat, writable=True)  # raises what allreduce raises
         self.moved += 2 * flat.nbytes
