@@ -1,7 +1,8 @@
 /* gradsync's compiled fast paths: the one-step shared-memory allreduce of the host's segment
  * (transport/host_segment.py) and its barrier, the streaming copy of its pieces road ("The
- * streaming copy"), and the beater of heartbeat.py and the data servers (at the end of this
- * file, "The beater").
+ * streaming copy"), the small call's steps on the way to the one-step allreduce ("The small
+ * call's steps, compiled"), and the beater of heartbeat.py and the data servers (at the end
+ * of this file, "The beater").
  *
  * A small allreduce among the ranks of one host is one synchronisation: every rank copies
  * its data into its slot, publishes its arrival counter, waits until every other rank has
@@ -438,33 +439,43 @@ static PyObject *py_stream(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
-/* --- The engine's inline run, compiled ---------------------------------------------------
+/* --- The small call's steps, compiled ------------------------------------------------------
  *
  * A small synchronous allreduce on one host (api._quick, the pipeline's fast case) is a few
- * microseconds, and the Python on the way to call() takes as long as the exchange itself.
- * The largest part of that Python is the engine's own (pipeline/engine.py's Engine.run, on
- * the caller's thread): the claim of the executor, the flight recorder's record issued
- * started (flight_recorder.py's Track.issue), the World's failure, the operation, the
- * record's end and the pace meter's count (Record.done), the release and the meter's
- * blocked time. Inline(engine, meter, Record, states, kind) is that path as one C call,
- * inline(fn, name, shape, dtype, call), which calls fn(call) (the prepared run) between.
+ * microseconds, and the Python on the way to call() took as long as the exchange itself:
+ * some ten Python functions, each a frame of the interpreter. Three objects take those
+ * steps in C:
  *
- * Like call() for _allreduce_small, this is a second implementation of Python steps, not
- * new steps: it reads and writes the same attributes in the same order, and hands each case
- * it does not take to the Python that does: a claim refused or a track other than the one it
- * was made with go to Engine.run (which queues), an error to the engine's _failed (which
- * fails the record and the World and raises). tests/test_express.py runs the fast case both
- * ways and compares what each leaves behind; a change to one of those Python steps is a
- * change here too. A record's fields are flight_recorder.Record's __slots__, written at
- * their offsets (what the interpreter's own store to a slot does), found once from the
- * class's member descriptors.
+ * - Prepared (below, "The prepared run, compiled"): a named prepared allreduce's run, the
+ *   Comm's begin, then the segment's entry and call();
+ * - Inline ("The engine's inline run, compiled"): pipeline/engine.py's Engine.run on the
+ *   caller's thread, the claim, the record issued started (flight_recorder.py's
+ *   Track.issue), the World's failure, the run (a Prepared's in C, any other callable
+ *   called), the record's end and the pace meter's count (Record.done), the release and the
+ *   blocked time;
+ * - Quick ("The front, compiled"): api._quick for a named call on a NumPy array.
  *
- * What it saves is the interpreter's frames and calls, not the attribute traffic: reading
- * or writing an attribute of an ordinary Python object from C costs about as much as the
- * interpreter's specialised bytecode does (docs/benchmarks.md, "The engine's inline run in
- * C": the Comm's begin and the segment's entry written in C the same way were slower than
- * their Python, and are not here).
+ * Like call() for _allreduce_small, each is a second implementation of Python steps, not new
+ * steps: it reads and writes the same fields in the same order, and hands each case it does
+ * not take to the Python that does (named in each section). tests/test_express.py runs the
+ * fast case both ways; tests/test_small_call_compiled.py compares what each leaves behind. A
+ * change to one of those Python steps is a change here too (each says so).
+ *
+ * What C saves is the interpreter's frames and calls, not its attribute traffic: an
+ * attribute of an ordinary object read from C by name (PyObject_GetAttr) costs about 190
+ * machine instructions, more than the interpreter's specialised bytecode, and a first
+ * Prepared written that way ran 900 instructions more than the Python it replaced
+ * (docs/benchmarks.md, "The small call's steps in C"). So the fields these objects touch per
+ * call are the classes' __slots__, found once by their member descriptors (slot_offset) and
+ * then read and written at their offsets, which is what the interpreter itself does with a
+ * slot.
  */
+
+/* --- The engine's inline run, compiled: Inline(engine, meter, Record, states, kind), called
+ * as inline(fn, name, shape, dtype, call): Engine.run(fn, name, kind, shape, dtype, None,
+ * call) on the caller's thread. A claim refused, or a track other than the one it was made
+ * with, goes to Engine.run (which queues); an error to the engine's _failed (which fails the
+ * record and the World, and raises). */
 
 enum {
     A_TRACK, A_FAILURE, A_STEP_BY_OPS, A_WAKE, A_RUN, A_FAILED, A_RUNNING, A_WORLD,
