@@ -35,20 +35,13 @@ from gradsync.pipeline.engine import Engine
 from gradsync.transport.comm import Comm
 from gradsync.transport.host_segment import ShmGroup
 from test_shm import Rank, _launch, _raises
-from test_shm_fast import _input, _reference
+# _compiled: the module must be buildable here (autouse), or the tests would test nothing
+from test_shm_fast import _compiled, _input, _reference  # noqa: F401
 
 _SLOT = 8192
 _DTYPES = ("float32", "float64", "int32", "int64")
 _OPS = {"sum": Sum, "average": Average, "min": Min, "max": Max, "product": Product}
 _MODES = ("compiled", "python", "mixed")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _compiled():
-    """The compiled module must be buildable here, or the tests of it would test nothing."""
-    if _native.load("_shmfast") is None:
-        pytest.fail("the compiled module cannot be built: install a C compiler and Python's "
-                    "headers (apt-get install -y gcc python3-dev)")
 
 
 def _prepared_run(group: ShmGroup, comm: Comm, compiled: bool, description: str,
