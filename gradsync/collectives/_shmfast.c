@@ -1218,22 +1218,26 @@ static PyObject *quick_vectorcall(PyObject *self, PyObject *const *args, size_t 
     Py_DECREF(shares);
     if (on_one_host < 0) return NULL;
     if (!on_one_host) goto python;
+    /* Held from here: what follows allocates (a collection may run finalizers) and calls out. */
+    Py_INCREF(kept);
+    Py_INCREF(inline_fn);
+    PyObject *shape = NULL, *dtype = NULL, *key = NULL, *flat = NULL, *result = NULL,
+             *prepared = NULL, *run = NULL;
     /* What _quick checks of the array (C-contiguous, writable in place), and its shape. */
     Py_buffer view;
     if (PyObject_GetBuffer(tensor, &view, PyBUF_C_CONTIGUOUS | (inplace ? PyBUF_WRITABLE : 0))
         < 0) {
         PyErr_Clear();
-        goto python;
+        goto in_python;
     }
-    PyObject *shape = PyTuple_New(view.ndim);
+    shape = PyTuple_New(view.ndim);
     for (int i = 0; shape && i < view.ndim; i++) {
         PyObject *n = PyLong_FromSsize_t(view.shape[i]);
         if (!n) Py_CLEAR(shape);
         else PyTuple_SET_ITEM(shape, i, n);
     }
     PyBuffer_Release(&view);
-    if (!shape) return NULL;
-    PyObject *dtype = NULL, *key = NULL, *flat = NULL, *result = NULL, *prepared, *run;
+    if (!shape) goto done;
     if (op != q->last_op) { /* op._value_: ReduceOp's members are few, and live for good */
         PyObject *value = PyObject_GetAttr(op, S_VALUE);
         if (!value) goto done;
@@ -1243,24 +1247,24 @@ static PyObject *quick_vectorcall(PyObject *self, PyObject *const *args, size_t 
     if (!(dtype = PyObject_GetAttr(tensor, S_DTYPE)) ||
         !(key = PyTuple_Pack(5, name, dtype, shape, q->last_value, algorithm)))
         goto done;
-    prepared = PyDict_GetItemWithError(kept, key); /* borrowed */
+    prepared = PyDict_GetItemWithError(kept, key); /* borrowed, then held */
     if (!prepared || prepared == Py_None) {
+        prepared = NULL;
         if (PyErr_Occurred()) goto done;
-        result = PyObject_Vectorcall(q->python, args, 5, NULL); /* prepares it, or None */
-        goto done;
+        goto in_python; /* not prepared yet (_quick prepares it), or not preparable */
     }
+    Py_INCREF(prepared);
     static const char *const prepared_fields[] = {"run"};
     Py_ssize_t *const prepared_offsets[] = {&q->p_run};
     if (offsets_of(&q->prepared_type, Py_TYPE(prepared), prepared_fields, prepared_offsets, 1)
-        < 0) {
-        result = PyObject_Vectorcall(q->python, args, 5, NULL);
-        goto done;
-    }
+        < 0)
+        goto in_python;
     if (!(run = slot_get(prepared, q->p_run))) goto done;
     if (run == Py_None) { /* (an unnamed call's: not one this takes) */
-        result = PyObject_Vectorcall(q->python, args, 5, NULL);
-        goto done;
+        run = NULL;
+        goto in_python;
     }
+    Py_INCREF(run);
     flat = inplace ? Py_NewRef(tensor) : PyObject_CallMethodNoArgs(tensor, S_COPY);
     if (!flat) goto done;
     PyObject *call[] = {run, name, shape, dtype, flat};
@@ -1269,11 +1273,18 @@ static PyObject *quick_vectorcall(PyObject *self, PyObject *const *args, size_t 
         Py_DECREF(r);
         result = Py_NewRef(flat);
     }
+    goto done;
+in_python:
+    result = PyObject_Vectorcall(q->python, args, 5, NULL);
 done:
-    Py_DECREF(shape);
+    Py_XDECREF(shape);
     Py_XDECREF(dtype);
     Py_XDECREF(key);
     Py_XDECREF(flat);
+    Py_XDECREF(run);
+    Py_XDECREF(prepared);
+    Py_DECREF(inline_fn);
+    Py_DECREF(kept);
     return result;
 python:
     return PyObject_Vectorcall(q->python, args, 5, NULL);
