@@ -332,3 +332,26 @@ def test_quick_takes_a_named_numpy_call_and_hands_anything_else_to_python(monkey
         monkeypatch.setattr(job, "_job", current)
     assert quick(x, Sum, "q", "auto", True) is x and len(ran) == 4  # back on the C road
     engine.stop()
+
+
+def test_the_compiled_objects_let_what_they_hold_be_collected():
+    # Each holds what it runs on (Inline its engine, which holds it back; a Prepared its
+    # segment and Comm): the collector must see through them (their tp_traverse), or every
+    # job's engine, World and segment would outlive it.
+    import gc
+    import weakref
+
+    engine = _engine(Recorder(8))
+    engine.inline(lambda call: None, "x", None, None, 0)
+    engine.stop()
+    segment = ShmGroup.__new__(ShmGroup)  # its slots alone: never opened, nothing mapped
+    segment._failed = segment._fast_group = None
+    segment._segment, segment.moved, segment._seq = None, 0, 0
+    comm = Comm(0, 2, {}, 10.0)
+    module = _native.load("_shmfast", build=False)
+    segment.held = module.Prepared(segment, comm, "d", 1, 0, 0, lambda waited: None)
+    comm.held = segment  # a cycle through the Comm too
+    held = [weakref.ref(engine), weakref.ref(segment), weakref.ref(comm)]
+    del engine, segment, comm
+    gc.collect()
+    assert [ref() for ref in held] == [None, None, None]
