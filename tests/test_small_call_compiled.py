@@ -16,6 +16,9 @@ leaves equals the one ``Engine.run`` leaves, field by field; the pace meter's co
 operations and its steps; the ring's slot taken over from a record still in flight; a failure
 of the World raised before the operation runs. The claim's halves, the drain's wake-up and
 the prepared call's way through the fast case run both ways in ``tests/test_express.py``.
+
+``Quick``, ``api._quick`` compiled: a named NumPy call taken, every other handed to
+``_quick``. And the three let what they hold be collected (their ``tp_traverse``).
 """
 
 from __future__ import annotations
