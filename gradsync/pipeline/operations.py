@@ -216,6 +216,8 @@ def prepare_allreduce(world, flat: np.ndarray, op: ReduceOp, name: "str | None",
         compiled = world.small_run(description, signature, code, divisor)
         if compiled is not None:  # the same two steps in one C call
             return Prepared(description, signature, compiled, None)
+        # (A real segment with a kernel code always has the compiled run: the closure below is
+        # the Python it stands for, reached where a World's segment has none, a stand-in.)
 
         def run(data: np.ndarray) -> None:
             deadline = begin(description, signature)  # the World's timeout from now
