@@ -1063,8 +1063,9 @@ def test_local_sgd_only_where_allowed_and_attached(caplog):
             seen = train_local(autos, comms, params, 6, [0.05, 0.05])
         d = autos[0].decision
         assert (d.period, autos[1].decision.period) == (expected, expected), d.summary()
-        # H takes effect at the step after the decision (3): the ranks were equal then.
-        assert [h for h, _ in seen[0]] == [1, 1, 1, 1] + [expected] * 2
+        # H takes effect at the step it was agreed in (3), whose buckets follow the
+        # agreement: the ranks were equal then.
+        assert [h for h, _ in seen[0]] == [1, 1, 1] + [expected] * 3
         assert d.short().startswith("local SGD H=8") == (expected == 8)
     assert "not every rank attached" in caplog.text
 
@@ -1091,24 +1092,25 @@ def test_local_sgd_exchanges_nothing_between_syncs_and_averages_at_each_windows_
     counted = []
     seen = train_local(autos, comms, params, 13, [0.05, 0.05],
                        on_step=lambda step: counted.append(comms[0].collectives))
-    # Steps 4 .. 11 are the first window: no collective but the drift checks at steps 4
+    # Steps 3 .. 10 are the first window (agreed at step 3's first call, before its
+    # buckets): no collective but the agreement at step 3 and the drift checks at steps 4
     # and 8 (two each: nothing was compressed, so no probe of the link); the sync after
-    # step 11 is one allreduce (float32: the only option here).
-    assert [h for h, _ in seen[1]][3:] == [1] + [8] * 9
-    assert [b - a for a, b in zip(counted[4:], counted[5:12])] == [2, 0, 0, 0, 2, 0, 0]
-    assert counted[12] - counted[11] == 1
-    for step in (3, 11):  # exchanged, and the window's sync: equal bit for bit
+    # step 10 is one allreduce (float32: the only option here).
+    assert [h for h, _ in seen[1]][2:] == [1] + [8] * 10
+    assert [b - a for a, b in zip(counted[3:], counted[4:11])] == [2, 2, 0, 0, 0, 2, 0]
+    assert counted[11] - counted[10] == 1
+    for step in (2, 10):  # exchanged, and the window's sync: equal bit for bit
         assert all(torch.equal(a, b) for a, b in zip(seen[0][step][1], seen[1][step][1]))
-    for step in (4, 10, 12):  # each rank on its own gradients
+    for step in (3, 9, 11):  # each rank on its own gradients
         assert not torch.equal(seen[0][step][1][0], seen[1][step][1][0])
-    # The sync is the ranks' mean: after step 11, (sum of the two ranks' parameters) / 2.
+    # The sync is the ranks' mean: after step 10, (sum of the two ranks' parameters) / 2.
     alone = [torch.zeros(256, 256), torch.zeros(256, 256)]
     for r in range(2):
-        alone[r].copy_(seen[r][3][1][0])
-        for step in range(4, 12):
+        alone[r].copy_(seen[r][2][1][0])
+        for step in range(3, 11):
             alone[r] -= 0.1 * torch.randn(
                 256 * 256, generator=torch.Generator().manual_seed(step * 10 + r)).view(256, 256)
-    assert torch.allclose(seen[0][11][1][0], (alone[0] + alone[1]) / 2, atol=1e-5)
+    assert torch.allclose(seen[0][10][1][0], (alone[0] + alone[1]) / 2, atol=1e-5)
 
 
 def test_every_rank_takes_rank_0s_h():
@@ -1127,14 +1129,14 @@ def test_every_rank_takes_rank_0s_h():
     autos[1].attach(params[1], comm=comms[1])
     seen = train_local(autos, comms, params, 12, [0.05, 0.05])
     assert [a.decision.period for a in autos] == [8, 8]
-    assert all(torch.equal(a, b) for a, b in zip(seen[0][11][1], seen[1][11][1]))
+    assert all(torch.equal(a, b) for a, b in zip(seen[0][10][1], seen[1][10][1]))
 
 
 def test_a_slow_sync_runs_behind_the_next_windows_first_steps():
     """``local_overlap=2``: the float32 sync (0.263 s) outlasts five steps of 50 ms, so it
     may run two steps behind (H = 8: 0.05 + 0.163 / 8 = 0.070 s a step x 1.32 = 0.093,
-    against 0.0995 at once). The window of steps 4 .. 11 ends in a sync that lands after
-    step 13: each rank then holds the ranks' mean of step 11 plus its own steps 12 and 13,
+    against 0.0995 at once). The window of steps 3 .. 10 ends in a sync that lands after
+    step 12: each rank then holds the ranks' mean of step 10 plus its own steps 11 and 12,
     kept, not overwritten; the ranks never hold the same parameters."""
     autos, comms, link = job(2, 1e6, local_sgd=8, local_overlap=2, **LOCAL)
     params = [[torch.zeros(s) for shapes in SHAPES.values() for s in shapes]
@@ -1146,23 +1148,25 @@ def test_a_slow_sync_runs_behind_the_next_windows_first_steps():
     d = autos[0].decision
     assert (d.period, d.overlap, d.sync_option) == (8, 2, "none"), d.summary()
     assert "landing 2 steps later" in d.summary() and "2 behind" in d.short()
-    assert [h for h, _ in seen[0]] == [1] * 4 + [8] * 11
-    assert autos[0]._local.diloco.landed == [(10, 0)]  # its 10th step: step 13
-    mean = [(a + b) / 2 for a, b in zip(seen[0][11][1], seen[1][11][1])]
+    assert [h for h, _ in seen[0]] == [1] * 3 + [8] * 12
+    assert autos[0]._local.diloco.landed == [(10, 0)]  # its 10th step: step 12
+    mean = [(a + b) / 2 for a, b in zip(seen[0][10][1], seen[1][10][1])]
     for r in range(2):
-        for i, p in enumerate(seen[r][13][1]):
+        for i, p in enumerate(seen[r][12][1]):
             own = sum(torch.randn(p.numel(), generator=torch.Generator().manual_seed(
-                step * 10 + r)) for step in (12, 13)).view(p.shape)
+                step * 10 + r)) for step in (11, 12)).view(p.shape)
             assert torch.allclose(p, mean[i] - 0.1 * own, atol=1e-5), (r, i)
-    for step in (11, 12, 13, 14):
+    for step in (10, 11, 12, 13):
         assert not torch.equal(seen[0][step][1][0], seen[1][step][1][0])
     autos[0].settle()  # nothing in flight: returns at once
 
 
-def test_a_sync_behind_survives_a_state_dict():
-    """A checkpoint after step 12, the window's sync in flight (it lands after step 13): the
+@pytest.mark.parametrize("stop", [12, 13])
+def test_a_sync_behind_survives_a_state_dict(stop):
+    """A checkpoint after step 11, the window's sync in flight (it lands after step 12): the
     restored run, its sync's result in the state, lands it at the same step and goes on bit
-    for bit as the one that was not interrupted."""
+    for bit as the one that was not interrupted. After step 12, the sync landed, step 12's
+    drift check waits (it fell on the sync): the state keeps it owed."""
     def overlapped(attach=True):
         autos, comms, link = job(2, 1e6, local_sgd=8, local_overlap=2, **LOCAL)
         params = [[torch.zeros(s) for shapes in SHAPES.values() for s in shapes]
@@ -1176,18 +1180,19 @@ def test_a_sync_behind_survives_a_state_dict():
         return autos, comms, params, attach_to
 
     autos, comms, params, _ = overlapped()
-    train_local(autos, comms, params, 13, [0.05, 0.05])
-    assert autos[0]._local.in_flight()
+    train_local(autos, comms, params, stop, [0.05, 0.05])
+    assert autos[0]._local.in_flight() == (stop == 12)
     states = [a.state_dict() for a in autos]
-    assert states[0]["auto"]["check_owed"]  # step 12's check waits for the sync to land
+    assert states[0]["auto"]["check_owed"] == (stop == 13)
     kept = [[p.clone() for p in ps] for ps in params]
-    straight = train_local(autos, comms, params, 3, [0.05, 0.05], start=13)
+    straight = train_local(autos, comms, params, 3, [0.05, 0.05], start=stop)
     again, comms2, _, attach_to = overlapped(attach=False)
     for r, (a, _, c) in enumerate(attach_to):
         a.attach(kept[r], comm=c)
         a.load_state_dict(states[r])
-    resumed = train_local(again, comms2, kept, 3, [0.05, 0.05], start=13)
-    assert again[0]._local.diloco.landed == [(10, 0)]
+    resumed = train_local(again, comms2, kept, 3, [0.05, 0.05], start=stop)
+    assert again[0]._local.diloco.landed == ([(10, 0)] if stop == 12 else [])
+    assert again[0]._check_owed is False and again[0].decision.step == autos[0].decision.step
     for s_rank, r_rank in zip(straight, resumed):
         for (s_h, s_params), (r_h, r_params) in zip(s_rank, r_rank):
             assert s_h == r_h
@@ -1234,17 +1239,17 @@ def test_a_faster_link_ends_local_sgd_at_the_windows_end():
     autos, comms, link, params = local_job(2, 1e6)
 
     def speed_up(step):
-        if step == 5:  # inside the first window (steps 4 .. 11)
+        if step == 5:  # inside the first window (steps 3 .. 10)
             link.rate[:] = [1e10, 1e10]
             link.latency[:] = [1e-5, 1e-5]
 
     seen = train_local(autos, comms, params, 30, [0.05, 0.05], on_step=speed_up)
     last = autos[0].history[-1]
-    # Measured from the syncs after steps 11 and 19 (the check of step 16 has none: the
-    # suspicion waits), judged at the check of step 20; the window that began at step 20
-    # runs to its end (its anchors are the parameters then).
+    # Measured from the syncs after steps 10 and 18 (the check of step 16 has none: the
+    # suspicion waits), judged at the check of step 20; the window that began at step 19
+    # runs to its end (step 26: its anchors are the parameters of its start).
     assert (last.reason.startswith("drift: rate"), last.step, last.period) == (True, 20, 1)
-    assert [h for h, _ in seen[0]][11:] == [8] * 17 + [1] * 2
+    assert [h for h, _ in seen[0]][10:] == [8] * 17 + [1] * 3
     assert all(torch.equal(a, b) for a, b in zip(seen[0][29][1], seen[1][29][1]))
 
 
@@ -1263,17 +1268,17 @@ def test_local_sgd_syncs_through_the_quantizer_it_chose():
     d = autos[0].decision
     assert (d.period, d.sync_option, d.step) == (4, "int8", 3), d.summary()
     assert "through int8" in d.short() and "parameters averaged in int8" in d.summary()
-    assert [h for h, _ in seen[0]][3:] == [1] + [4] * 8
-    assert counted[8] - counted[7] == 2  # the sync after step 7: alltoall and allgather
-    alone = [[p.clone() for p in seen[r][3][1]] for r in range(2)]
+    assert [h for h, _ in seen[0]][2:] == [1] + [4] * 9
+    assert counted[7] - counted[6] == 2  # the sync after step 6: alltoall and allgather
+    alone = [[p.clone() for p in seen[r][2][1]] for r in range(2)]
     for r in range(2):
-        for step in range(4, 8):
+        for step in range(3, 7):
             for p, (key, shapes) in zip(alone[r], SHAPES.items()):
                 p -= 0.1 * grad(step, r, p.numel()).view(p.shape)
     mean = [(a + b) / 2 for a, b in zip(*alone)]
-    for step in (7, 11):
+    for step in (6, 10):
         assert all(torch.equal(a, b) for a, b in zip(seen[0][step][1], seen[1][step][1]))
-    after = seen[0][7][1]
+    after = seen[0][6][1]
     assert all(torch.allclose(a, m_, atol=0.02) for a, m_ in zip(after, mean))
     assert not all(torch.equal(a, m_) for a, m_ in zip(after, mean))  # rounded: not exact
     held = autos[0]._local.diloco.compressor.state.tensors
@@ -1308,6 +1313,115 @@ def test_a_slower_link_under_quantized_syncs_is_seen_by_two_probes():
     last = autos[0].history[-1]
     assert (last.step, last.reason.startswith("drift: rate")) == (12, True), last.summary()
     assert last.rate == pytest.approx(2e5, rel=0.05)
+
+
+# The warm-up as a local SGD window: a quantizer among the options, so a probe step, and
+# local SGD attached.
+WARM_LOCAL = {"options": ("none", "int8", "int4"), "local_sgd": 8, "early": 0.5,
+              "calibrate": 2, "check_every": 4}
+
+
+def warm_local_job(size: int, rate, attached=None, warmup=1, comm=Counting, **settings):
+    group = ThreadGroup(size)
+    link = Link(size, rate)
+    clocks = [Clock() for _ in range(size)]
+    comms = [comm(group, r, clocks[r], link, None) for r in range(size)]
+    autos = [Auto(clock=clocks[r], warmup=warmup, **{**WARM_LOCAL, **settings})
+             for r in range(size)]
+    params = [[torch.zeros(s) for shapes in SHAPES.values() for s in shapes]
+              for _ in range(size)]
+    for r, (a, c, p) in enumerate(zip(autos, comms, params)):
+        if attached is None or attached[r]:
+            a.attach(p, comm=c)
+    return autos, comms, params
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_with_local_sgd_attached_the_warm_up_is_a_local_window(size, monkeypatch):
+    """The warm-up and probe steps (0 and 1 here) exchange no gradient: each rank steps on
+    its own, and after the probe step the parameters are averaged once through the warm
+    quantizer (int4), where the warm-up exchanged every step before. The probe still
+    measures the link (once), the ranks decide after it (step 2) on its rate, and no
+    bucket ever crossed the link in float32."""
+    from gradsync.compress import auto_policy
+
+    monkeypatch.setattr(auto_policy, "PROBE_BYTES", 1 << 16)
+    autos, comms, params = warm_local_job(size, 1e6)
+    counted = []
+    seen = train_local(autos, comms, params, 6, [0.05] * size,
+                       on_step=lambda step: counted.append(comms[0].collectives))
+    assert [h for h, _ in seen[0]][:2] == [2, 2]
+    d = autos[0].decision
+    assert (d.step, d.reason) == (2, "calibrated"), d.summary()
+    assert d.rate == pytest.approx(1e6, rel=1e-4)  # the probe's
+    assert [a.decision.short() for a in autos] == [d.short()] * size
+    big = 4 * 256 * 256
+    assert comms[0].sizes.count(1 << 16) == 1 and big not in comms[0].sizes
+    # Step 0: the attach agreed (one allreduce) and nothing else; step 1: the latency
+    # samples, the probe and, after the step, the sync (an alltoall and an allgather).
+    assert counted[1] - counted[0] == 1 and comms[0].sizes[0] == 4
+    assert counted[2] - counted[1] == 3 + 2
+    assert not torch.equal(seen[0][0][1][0], seen[1][0][1][0])  # each rank on its own
+    after = seen[0][1][1]
+    for r in range(1, size):
+        assert all(torch.equal(a, b) for a, b in zip(after, seen[r][1][1]))
+    own = [sum(grad(step, r, 256 * 256) for step in (0, 1)) for r in range(size)]
+    mean = -0.1 * sum(own) / size
+    error = (after[0].reshape(-1) - mean).abs()
+    assert 0 < error.mean() < 0.3 * mean.abs().mean()  # int4's rounding of the mean
+
+
+def test_the_warm_up_exchanges_where_a_rank_did_not_attach(caplog):
+    """Local SGD's warm-up needs every rank's parameters: where one rank did not attach
+    them, every rank exchanges the warm-up's gradients (agreed at the first call) and H
+    stays 1."""
+    autos, comms, params = warm_local_job(2, 1e6, attached=[True, False])
+    with caplog.at_level("WARNING", logger="gradsync"):
+        seen = train_local(autos, comms, params, 4, [0.05, 0.05])
+    assert [h for h, _ in seen[0]] == [1, 1, 1, 1]
+    assert [a.decision.period for a in autos] == [1, 1]
+    assert all(torch.equal(a, b) for a, b in zip(seen[0][1][1], seen[1][1][1]))
+    assert "not every rank attached" in caplog.text
+
+
+def test_a_probe_slower_than_the_warm_windows_sync_is_not_the_links_rate(monkeypatch):
+    """The warm window's sync carried the buckets' elements through the warm quantizer in
+    its time: the link is at least that fast, whatever the probe met (four times the
+    link's time here)."""
+    from gradsync.compress import auto_policy
+
+    monkeypatch.setattr(auto_policy, "PROBE_BYTES", 1 << 16)
+    autos, comms, params = warm_local_job(2, 1e6, comm=SlowProbe)
+    train_local(autos, comms, params, 3, [0.05, 0.05])
+    d = autos[0].decision
+    assert d is not None and d.step == 2, d
+    assert 0.5e6 < d.rate <= 1.3e6, d.rate  # the probe alone: 0.25e6
+
+
+def test_a_state_taken_in_the_warm_window_goes_on_bit_for_bit():
+    """A checkpoint after step 0 of a warm window of three steps (warm-up 2, then the probe
+    step): the restored run holds the window's anchors, times the arithmetic, probes,
+    syncs and decides at the same steps, and goes on bit for bit as the one that was not
+    interrupted."""
+    autos, comms, params = warm_local_job(2, 1e6, warmup=2)
+    train_local(autos, comms, params, 1, [0.05, 0.05])
+    states = [a.state_dict() for a in autos]
+    assert states[0]["auto"]["warm_window"] and states[0]["auto"]["phase"] == 1
+    kept = [[p.clone() for p in ps] for ps in params]
+    straight = train_local(autos, comms, params, 7, [0.05, 0.05], start=1)
+    again, comms2, _ = warm_local_job(2, 1e6, warmup=2, attached=[False, False])
+    for r in range(2):
+        again[r].attach(kept[r], comm=comms2[r])
+        again[r].load_state_dict(states[r])
+    resumed = train_local(again, comms2, kept, 7, [0.05, 0.05], start=1)
+    assert [h for h, _ in straight[0]] == [3, 3] + [4] * 5
+    for s_rank, r_rank in zip(straight, resumed):
+        for (s_h, s_params), (r_h, r_params) in zip(s_rank, r_rank):
+            assert s_h == r_h
+            assert all(torch.equal(a, b) for a, b in zip(s_params, r_params))
+    assert [d.short() for d in again[0].history] == [d.short() for d in autos[0].history]
+    # Mid-window again (the decision's), but not the warm-up's.
+    assert [a.state_dict()["auto"]["warm_window"] for a in (autos[0], again[0])] == [False] * 2
 
 
 @pytest.mark.parametrize("options", [LOCAL, QUANTIZED], ids=["float32", "int8"])
@@ -1378,9 +1492,9 @@ def test_what_a_sync_behind_costs_its_steps_is_measured_and_weighed():
     assert (d.period, d.sync_option, d.overlap) == m.choose_period(inputs, m.decide(inputs))
     assert (d.period, d.overlap) != (8, 2)
     # Checks every 4 steps: at steps 4 and 8, then 12's waits for the first window's sync
-    # (started after step 11, landing after step 13): at step 14, where it decided again.
-    assert checked[0] == checked[1] and [s for s, _ in checked[0]][:3] == [4, 8, 14], checked
-    assert not any(flying for _, flying in checked[0]) and d.step == 14
+    # (started after step 10, landing after step 12): at step 13, where it decided again.
+    assert checked[0] == checked[1] and [s for s, _ in checked[0]][:3] == [4, 8, 13], checked
+    assert not any(flying for _, flying in checked[0]) and d.step == 13
 
 
 def test_contention_in_the_model():

@@ -37,6 +37,15 @@ order.
    at 25 Mbit/s a float32 step of the bench's language model took 2.8 s, an int4 step 0.5 s
    and the probe 0.5 s); else the calibration below follows from that step, in float32
    (``auto_policy.py``, 3).
+   With local SGD allowed and every rank's parameters attached (agreed at the world's
+   first call: one small allreduce), the warm-up and probe steps are a local SGD window of
+   their own (``_warm_locally``): each rank steps on its own gradient (nothing exchanged;
+   the probe and the arithmetic's timing as above) and after the probe step the parameters
+   are averaged once, at once, through the warm quantizer: one exchange of the model's
+   elements where the warm-up exchanged every step (at 25 Mbit/s the bench's language
+   model's int4 step took 0.3-0.4 s a step more than its compute). That sync's time then
+   bounds the rate from below, as the quantized exchanges' do, and the probe step's compute
+   plus it stands for the step a change is tried against.
    Then ``calibrate`` steps run none, timed: each
    bucket's float32 exchange, the step's period, the time the training thread was blocked
    on the exchange (the Horovod API's optimizer reports its waits, ``blocked``, and so does
@@ -75,7 +84,8 @@ the decision also carries H, the syncs' option, float32 or a quantizer, and, wit
 (``auto_model.choose_period``), sent by rank 0 with the choices. With H > 1 a bucket
 returns this rank's own gradient (no collective) and the front door's ``after_step``
 averages the parameters at each window's end (at once, or behind); a new H takes effect at
-a window's end (or at once from H = 1). Drift checks go on in the windows: the rate is
+a window's end, or from H = 1 at once: at the step whose first call agreed it, none of its
+buckets reduced yet. Drift checks go on in the windows: the rate is
 measured from float32 syncs, each reduction timed on its own thread where the comm allows
 (through a quantizer, a sync is probed as a compressed exchange is: ``auto_policy.py``,
 4), compute from every step (a sync behind runs in it). Changed buckets
@@ -291,6 +301,9 @@ class Auto(Policy, ReducingCompressor):
         self._probe_at: int | None = (self.warmup if self.warmup > 0 and self.early < 1
                                       and self.warm != "none" else None)
         self._resized: str | None = None
+        # The warm-up and probe steps are a local SGD window of their own (module docstring,
+        # 2), through the warm quantizer: ``_warm_locally``.
+        self._warm_window = False
         self.period = 1  # local SGD's H in force for this step's buckets (1: exchanged)
         self.phase = 0  # this step's place in its window (0 .. period - 1)
         self._target = 1  # the agreed H, in force from the next window
@@ -451,8 +464,8 @@ class Auto(Policy, ReducingCompressor):
         """Whether this bucket's candidates are timed now (module docstring, 2): in the last
         warm-up step, which nothing times, or else (no warm-up before this calibration, or
         a bucket that step did not have) in the first calibrated step that has it."""
-        if (self._off or self._agreed is not None or self.period != 1 or key in self._kappa
-                or not self.inner):
+        if (self._off or self._agreed is not None or (self.period != 1 and not self._warm_window)
+                or key in self._kappa or not self.inner):
             return False
         return (self._step == self._calib_from - 1 and self._warming()) or self._timing()
 
@@ -485,9 +498,10 @@ class Auto(Policy, ReducingCompressor):
         return x
 
     def _warming(self) -> bool:
-        """A warm-up step: not timed, exchanged through ``self.warm`` (module docstring, 2)."""
+        """A warm-up step: not timed, exchanged through ``self.warm`` (module docstring, 2),
+        or local in the warm-up's window."""
         return (not self._off and self._step < self._calib_from and self._agreed is None
-                and self.period == 1 and not self._choice)
+                and (self.period == 1 or self._warm_window) and not self._choice)
 
     def _probing(self) -> bool:
         """The probe step: timed, exchanged through ``self.warm``, with a float32 probe of
@@ -497,7 +511,7 @@ class Auto(Policy, ReducingCompressor):
 
     def _timing(self) -> bool:
         return (not self._off and self._step >= self._calib_from and self._agreed is None
-                and self.period == 1)
+                and (self.period == 1 or self._warm_window))
 
     def _at_call(self, key: str, shapes: list[tuple], comm) -> None:
         """A bucket call's bookkeeping: a new world, a new step, and what the step boundary
@@ -514,6 +528,8 @@ class Auto(Policy, ReducingCompressor):
                 log.info("compression auto: the world changed from %d to %d ranks; "
                          "uncompressed until measured again", before, comm.size)
                 self._resized = f"resize {before} -> {comm.size} ranks"
+            if not self._off:
+                self._warm_locally(comm)
         if key in self._seen:
             self._close_step()
             if not self._off:
@@ -544,6 +560,8 @@ class Auto(Policy, ReducingCompressor):
                         self._recalibrate("the buckets changed")
                     elif not self._check_owed:
                         self._check(comm)
+                if self.period == 1 and self._target > 1 and self._local is not None:
+                    self._start_window()
         if not self._seen:
             if self._timing():  # a latency sample: the first allreduce lines ranks up
                 one = torch.zeros(1)
@@ -564,6 +582,30 @@ class Auto(Policy, ReducingCompressor):
             self._entered = entered
         self._seen.append(key)
         self._shapes[key] = shapes
+
+    def _start_window(self) -> None:
+        """H > 1 agreed at this step's first call, none of its buckets reduced yet, the last
+        step exchanged (or its window synced at once): the ranks' parameters are equal, so
+        the window starts at this step, its anchors the parameters now."""
+        assert self._local is not None  # (the caller's condition)
+        self.period, self.phase, self._sync = self._target, 0, self._target_sync
+        self._local.restart(self._sync_compressor(self._sync))
+
+    def _warm_locally(self, comm) -> None:
+        """At the first call of a world's first step: where the probe step decides and
+        every rank attached its parameters (agreed here: one small allreduce), the warm-up
+        and probe steps are a local SGD window, each rank on its own gradient, its sync at
+        once through the warm quantizer after the probe step (module docstring, 2). The
+        ranks' parameters are equal here: the job's start, or a re-formation's."""
+        if self._probe_at is None or not self.periods:
+            return
+        attached = self._average(comm, [1.0 if self._local is not None else 0.0])[0]
+        if attached < 1.0:
+            return
+        assert self._local is not None  # attached everywhere, here too
+        self.period, self.phase = self._probe_at + 1, 0
+        self._sync, self._warm_window = self.names.index(self.warm), True
+        self._local.restart(self._sync_compressor(self._sync))
 
     def _close_step(self) -> None:
         now = self.clock()
@@ -619,6 +661,9 @@ class Auto(Policy, ReducingCompressor):
         was = self.period
         self.period, self.phase, starts = self._advance()
         self._stepped = False
+        if self._warm_window and self.phase == 0:  # the warm-up's window ended (synced)
+            self._warm_window = False
+            return
         if starts:
             assert self._local is not None  # a window of H > 1 starts only once attached
             self._sync = self._target_sync
@@ -663,6 +708,7 @@ class Auto(Policy, ReducingCompressor):
                          "target_overlap": self._target_overlap, "sync": sync, "local": local,
                          "off": self._off, "check_owed": self._check_owed,
                          "calib_from": self._calib_from, "probe_at": self._probe_at,
+                         "warm_window": self._warm_window and phase > 0,
                          "choice": dict(self._choice),
                          "agreed": None if self._agreed is None else dict(self._agreed),
                          "trial": None if self._trial is None else dict(self._trial),
@@ -688,6 +734,7 @@ class Auto(Policy, ReducingCompressor):
         self._calib_from, self._resized = int(a["calib_from"]), None
         probe_at = a.get("probe_at")  # absent in a state saved before the probe step: none
         self._probe_at = None if probe_at is None else int(probe_at)
+        self._warm_window = bool(a.get("warm_window", False))
         self._choice = {str(k): int(v) for k, v in a["choice"].items()}
         self._agreed = None if a["agreed"] is None else dict(a["agreed"])
         self._trial = None if a.get("trial") is None else dict(a["trial"])

@@ -15,9 +15,12 @@ rank's parameters moved since the window's start, with error feedback across the
 
 Windows. Auto agrees H with its per-bucket choices (``auto_model.choose_period``) and
 counts the steps (``Auto.period``: the H in force for this step's buckets, ``Auto.phase``:
-this step's place in its window). A new H takes effect only after a step whose gradients
-were exchanged (H was 1, the ranks' parameters equal) or at a window's end. So, after each
-optimizer step:
+this step's place in its window). A new H takes effect at a window's end, or, where H was
+1, at the step whose first call agreed it (none of its buckets reduced yet: the ranks'
+parameters are equal there, after a step that exchanged its gradients or a sync at once).
+The warm-up's steps, with every rank attached, are a window of their own through the warm
+quantizer, synced at once after the probe step (``auto.py``, 2). So, after each optimizer
+step:
 
 - the step ended a window (``phase == period - 1``): the ranks' parameters are averaged
   (``DiLoCo.sync_now``: delta = anchor - theta averaged, anchor moved by it, theta =
@@ -32,7 +35,7 @@ optimizer step:
 - the next step starts a window and the last one was not local (H was 1), or its sync
   option is another: a fresh DiLoCo, through that option, takes the parameters, equal on
   every rank, as its anchors (a quantizer's residuals of the old one are let go: one
-  sync's rounding).
+  sync's rounding); so does a window agreed at a step's first call (``restart``).
 
 Nothing is exchanged between syncs: auto's buckets return each rank's own gradient.
 

@@ -71,10 +71,15 @@ def reference_fall() -> float:
 FALL = reference_fall()
 
 
-def train(model, optimizer, what: str, gather) -> None:
+def train(model, optimizer, what: str, gather, auto=None) -> None:
+    """STEPS steps, and with ``auto`` (local SGD allowed) on to the end of the window in
+    force, whose sync makes the ranks' parameters equal."""
     x, y = batch()
     losses = [whole_loss(model)]
-    for _ in range(STEPS):
+    for step in range(STEPS + 4):
+        if step >= STEPS and (auto is None or auto.period == 1
+                              or auto.phase == auto.period - 1):
+            break  # every step exchanged, or the window's sync just ran
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
@@ -155,17 +160,18 @@ for what, compression in (("auto", "auto"), ("Auto(tiers='all')", quick_auto()))
 # these 8 steps; early=1: after both float32 calibration steps, not on the probe of step 1,
 # which the tiny net's short step may read as a slow link), and where that changed an
 # option, its trial checked TRIAL steps later, which a loaded machine may undo ("measured":
-# CI's stop 64): whatever H and sync option it chose (H 1, 2 or 4; float32 or a quantizer:
-# the loopback link decides), every window ends by the last step, so the parameters must
-# end equal on every rank, through DistributedOptimizer's attach and after_step and the
-# Horovod API's DiLoCo reducer.
+# CI's stop 64): whatever H and sync option it chose (H 1, 2 or 4, from step 3; float32 or
+# a quantizer: the loopback link decides), training goes on to the end of the window in
+# force, so the parameters must end equal on every rank, through DistributedOptimizer's
+# attach and after_step and the Horovod API's DiLoCo reducer.
 torch.manual_seed(0)
 model = Net()
 auto = Auto(tiers="all", warmup=1, calibrate=2, check_every=100, margin=0.0,
             local_steps=0.0, local_sgd=4, early=1.0)
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
                                named_parameters=model.named_parameters(), compression=auto)
-train(model, opt, "DistributedOptimizer auto, local_sgd=4", lambda d: hvd.allgather_object(d))
+train(model, opt, "DistributedOptimizer auto, local_sgd=4", lambda d: hvd.allgather_object(d),
+      auto)
 same_auto_choice(auto, "DistributedOptimizer auto, local_sgd=4", ("calibrated", "measured"),
                  lambda d: hvd.allgather_object(d))
 C.count += 1
