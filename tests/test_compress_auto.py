@@ -1031,9 +1031,10 @@ def local_job(size: int, rate, local_sgd=8, attach=True, **settings):
 
 
 def train_local(autos, comms, params, steps, compute, start=0, on_step=None,
-                after_step=True):
+                after_step=True, optimizers=None):
     """``steps`` steps from step ``start``; returns per rank, per step: (H in force, the
-    parameters after the step)."""
+    parameters after the step). ``optimizers`` (one per rank, over its ``params``) step
+    them; else plain SGD, lr 0.1, here."""
     def body(r):
         seen = []
         for step in range(start, start + steps):
@@ -1046,8 +1047,13 @@ def train_local(autos, comms, params, steps, compute, start=0, on_step=None,
                 g = torch.randn(p.numel(), generator=torch.Generator().manual_seed(step * 10 + r))
                 grads.append(autos[r].reduce(g, shapes, comms[r], key, average=True))
             held = autos[r].period
-            for p, g in zip(params[r], grads):
-                p.sub_(0.1 * g.view(p.shape))
+            if optimizers is not None:
+                for p, g in zip(params[r], grads):
+                    p.grad = g.view(p.shape).clone()
+                optimizers[r].step()
+            else:
+                for p, g in zip(params[r], grads):
+                    p.sub_(0.1 * g.view(p.shape))
             if after_step:
                 autos[r].after_step()
             seen.append((held, [p.clone() for p in params[r]]))
@@ -1253,6 +1259,36 @@ def test_a_faster_link_ends_local_sgd_at_the_windows_end():
     assert all(torch.equal(a, b) for a, b in zip(seen[0][29][1], seen[1][29][1]))
 
 
+@pytest.mark.parametrize("given", [True, False], ids=["optimizer", "no-optimizer"])
+def test_where_local_sgd_ends_the_optimizers_state_is_averaged_too(given, caplog):
+    """SGD with momentum: in local SGD's windows each rank's momentum follows its own
+    gradients. Where a faster link hands back to every step exchanged (the window of steps
+    19 .. 26 ends, H = 1 from step 27), equal gradients on unequal momenta would move the
+    ranks apart for good: with the optimizer given to attach, its state is averaged after
+    that window's sync, and the ranks stay equal bit for bit; without it, a WARNING, and
+    they drift apart."""
+    autos, comms, link, params = local_job(2, 1e6, attach=False)
+    opts = [torch.optim.SGD(p, lr=0.1, momentum=0.9) for p in params]
+    for a, c, p, o in zip(autos, comms, params, opts):
+        a.attach(p, comm=c, optimizer=o if given else None)
+
+    def speed_up(step):
+        if step == 5:
+            link.rate[:] = [1e10, 1e10]
+            link.latency[:] = [1e-5, 1e-5]
+
+    with caplog.at_level("WARNING", logger="gradsync"):
+        seen = train_local(autos, comms, params, 30, [0.05, 0.05], on_step=speed_up,
+                           optimizers=opts)
+    assert [h for h, _ in seen[0]][26:] == [8, 1, 1, 1]
+    equal = [all(torch.equal(a, b) for a, b in zip(seen[0][s][1], seen[1][s][1]))
+             for s in (26, 27, 29)]
+    assert equal == ([True] * 3 if given else [True, False, False])
+    momenta = [[o.state[p]["momentum_buffer"] for p in ps] for o, ps in zip(opts, params)]
+    assert all(torch.equal(a, b) for a, b in zip(*momenta)) == given
+    assert ("pass attach(..., optimizer=opt)" in caplog.text) != given
+
+
 QUANTIZED = {"options": ("none", "int8")}
 
 
@@ -1313,115 +1349,6 @@ def test_a_slower_link_under_quantized_syncs_is_seen_by_two_probes():
     last = autos[0].history[-1]
     assert (last.step, last.reason.startswith("drift: rate")) == (12, True), last.summary()
     assert last.rate == pytest.approx(2e5, rel=0.05)
-
-
-# The warm-up as a local SGD window: a quantizer among the options, so a probe step, and
-# local SGD attached.
-WARM_LOCAL = {"options": ("none", "int8", "int4"), "local_sgd": 8, "early": 0.5,
-              "calibrate": 2, "check_every": 4}
-
-
-def warm_local_job(size: int, rate, attached=None, warmup=1, comm=Counting, **settings):
-    group = ThreadGroup(size)
-    link = Link(size, rate)
-    clocks = [Clock() for _ in range(size)]
-    comms = [comm(group, r, clocks[r], link, None) for r in range(size)]
-    autos = [Auto(clock=clocks[r], warmup=warmup, **{**WARM_LOCAL, **settings})
-             for r in range(size)]
-    params = [[torch.zeros(s) for shapes in SHAPES.values() for s in shapes]
-              for _ in range(size)]
-    for r, (a, c, p) in enumerate(zip(autos, comms, params)):
-        if attached is None or attached[r]:
-            a.attach(p, comm=c)
-    return autos, comms, params
-
-
-@pytest.mark.parametrize("size", [2, 3])
-def test_with_local_sgd_attached_the_warm_up_is_a_local_window(size, monkeypatch):
-    """The warm-up and probe steps (0 and 1 here) exchange no gradient: each rank steps on
-    its own, and after the probe step the parameters are averaged once through the warm
-    quantizer (int4), where the warm-up exchanged every step before. The probe still
-    measures the link (once), the ranks decide after it (step 2) on its rate, and no
-    bucket ever crossed the link in float32."""
-    from gradsync.compress import auto_policy
-
-    monkeypatch.setattr(auto_policy, "PROBE_BYTES", 1 << 16)
-    autos, comms, params = warm_local_job(size, 1e6)
-    counted = []
-    seen = train_local(autos, comms, params, 6, [0.05] * size,
-                       on_step=lambda step: counted.append(comms[0].collectives))
-    assert [h for h, _ in seen[0]][:2] == [2, 2]
-    d = autos[0].decision
-    assert (d.step, d.reason) == (2, "calibrated"), d.summary()
-    assert d.rate == pytest.approx(1e6, rel=1e-4)  # the probe's
-    assert [a.decision.short() for a in autos] == [d.short()] * size
-    big = 4 * 256 * 256
-    assert comms[0].sizes.count(1 << 16) == 1 and big not in comms[0].sizes
-    # Step 0: the attach agreed (one allreduce) and nothing else; step 1: the latency
-    # samples, the probe and, after the step, the sync (an alltoall and an allgather).
-    assert counted[1] - counted[0] == 1 and comms[0].sizes[0] == 4
-    assert counted[2] - counted[1] == 3 + 2
-    assert not torch.equal(seen[0][0][1][0], seen[1][0][1][0])  # each rank on its own
-    after = seen[0][1][1]
-    for r in range(1, size):
-        assert all(torch.equal(a, b) for a, b in zip(after, seen[r][1][1]))
-    own = [sum(grad(step, r, 256 * 256) for step in (0, 1)) for r in range(size)]
-    mean = -0.1 * sum(own) / size
-    error = (after[0].reshape(-1) - mean).abs()
-    assert 0 < error.mean() < 0.3 * mean.abs().mean()  # int4's rounding of the mean
-
-
-def test_the_warm_up_exchanges_where_a_rank_did_not_attach(caplog):
-    """Local SGD's warm-up needs every rank's parameters: where one rank did not attach
-    them, every rank exchanges the warm-up's gradients (agreed at the first call) and H
-    stays 1."""
-    autos, comms, params = warm_local_job(2, 1e6, attached=[True, False])
-    with caplog.at_level("WARNING", logger="gradsync"):
-        seen = train_local(autos, comms, params, 4, [0.05, 0.05])
-    assert [h for h, _ in seen[0]] == [1, 1, 1, 1]
-    assert [a.decision.period for a in autos] == [1, 1]
-    assert all(torch.equal(a, b) for a, b in zip(seen[0][1][1], seen[1][1][1]))
-    assert "not every rank attached" in caplog.text
-
-
-def test_a_probe_slower_than_the_warm_windows_sync_is_not_the_links_rate(monkeypatch):
-    """The warm window's sync carried the buckets' elements through the warm quantizer in
-    its time: the link is at least that fast, whatever the probe met (four times the
-    link's time here)."""
-    from gradsync.compress import auto_policy
-
-    monkeypatch.setattr(auto_policy, "PROBE_BYTES", 1 << 16)
-    autos, comms, params = warm_local_job(2, 1e6, comm=SlowProbe)
-    train_local(autos, comms, params, 3, [0.05, 0.05])
-    d = autos[0].decision
-    assert d is not None and d.step == 2, d
-    assert 0.5e6 < d.rate <= 1.3e6, d.rate  # the probe alone: 0.25e6
-
-
-def test_a_state_taken_in_the_warm_window_goes_on_bit_for_bit():
-    """A checkpoint after step 0 of a warm window of three steps (warm-up 2, then the probe
-    step): the restored run holds the window's anchors, times the arithmetic, probes,
-    syncs and decides at the same steps, and goes on bit for bit as the one that was not
-    interrupted."""
-    autos, comms, params = warm_local_job(2, 1e6, warmup=2)
-    train_local(autos, comms, params, 1, [0.05, 0.05])
-    states = [a.state_dict() for a in autos]
-    assert states[0]["auto"]["warm_window"] and states[0]["auto"]["phase"] == 1
-    kept = [[p.clone() for p in ps] for ps in params]
-    straight = train_local(autos, comms, params, 7, [0.05, 0.05], start=1)
-    again, comms2, _ = warm_local_job(2, 1e6, warmup=2, attached=[False, False])
-    for r in range(2):
-        again[r].attach(kept[r], comm=comms2[r])
-        again[r].load_state_dict(states[r])
-    resumed = train_local(again, comms2, kept, 7, [0.05, 0.05], start=1)
-    assert [h for h, _ in straight[0]] == [3, 3] + [4] * 5
-    for s_rank, r_rank in zip(straight, resumed):
-        for (s_h, s_params), (r_h, r_params) in zip(s_rank, r_rank):
-            assert s_h == r_h
-            assert all(torch.equal(a, b) for a, b in zip(s_params, r_params))
-    assert [d.short() for d in again[0].history] == [d.short() for d in autos[0].history]
-    # Mid-window again (the decision's), but not the warm-up's.
-    assert [a.state_dict()["auto"]["warm_window"] for a in (autos[0], again[0])] == [False] * 2
 
 
 @pytest.mark.parametrize("options", [LOCAL, QUANTIZED], ids=["float32", "int8"])

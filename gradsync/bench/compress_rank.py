@@ -146,7 +146,8 @@ class _Trainer:
             if local:  # as a DDP script does (docs/slow-links.md): the syncs on a group of
                 # their own, after_step after each optimizer step (``step``)
                 self.auto.attach(list(model.parameters()),
-                                 comm=TorchComm(dist.new_group(backend="gradsync")))
+                                 comm=TorchComm(dist.new_group(backend="gradsync")),
+                                 optimizer=self.opt)
             self.choice = "auto (not decided yet)"  # replaced by its decision at the end
         elif mode in ("gs-int8", "gs-int4", "gs-powersgd"):
             from gradsync.compress import HookState, Int4, Int8, PowerSGD, compressed_hook

@@ -37,15 +37,6 @@ order.
    at 25 Mbit/s a float32 step of the bench's language model took 2.8 s, an int4 step 0.5 s
    and the probe 0.5 s); else the calibration below follows from that step, in float32
    (``auto_policy.py``, 3).
-   With local SGD allowed and every rank's parameters attached (agreed at the world's
-   first call: one small allreduce), the warm-up and probe steps are a local SGD window of
-   their own (``_warm_locally``): each rank steps on its own gradient (nothing exchanged;
-   the probe and the arithmetic's timing as above) and after the probe step the parameters
-   are averaged once, at once, through the warm quantizer: one exchange of the model's
-   elements where the warm-up exchanged every step (at 25 Mbit/s the bench's language
-   model's int4 step took 0.3-0.4 s a step more than its compute). That sync's time then
-   bounds the rate from below, as the quantized exchanges' do, and the probe step's compute
-   plus it stands for the step a change is tried against.
    Then ``calibrate`` steps run none, timed: each
    bucket's float32 exchange, the step's period, the time the training thread was blocked
    on the exchange (the Horovod API's optimizer reports its waits, ``blocked``, and so does
@@ -301,9 +292,6 @@ class Auto(Policy, ReducingCompressor):
         self._probe_at: int | None = (self.warmup if self.warmup > 0 and self.early < 1
                                       and self.warm != "none" else None)
         self._resized: str | None = None
-        # The warm-up and probe steps are a local SGD window of their own (module docstring,
-        # 2), through the warm quantizer: ``_warm_locally``.
-        self._warm_window = False
         self.period = 1  # local SGD's H in force for this step's buckets (1: exchanged)
         self.phase = 0  # this step's place in its window (0 .. period - 1)
         self._target = 1  # the agreed H, in force from the next window
@@ -361,7 +349,7 @@ class Auto(Policy, ReducingCompressor):
 
     # ------------------------------------------------------------------ local SGD
     def attach(self, params, comm="horovod", process_set=None,
-               name: str = "auto.local_sgd") -> None:
+               name: str = "auto.local_sgd", optimizer=None) -> None:
         """Gives local SGD the parameters (``auto_local.LocalSGD``): from the next decision
         on, auto may choose H. ``DistributedOptimizer(..., local_sgd=H)`` calls it; a DDP
         script calls it once, with ``comm=TorchComm(group)`` (a group of its own), and
@@ -371,6 +359,9 @@ class Auto(Policy, ReducingCompressor):
             params: the parameters the optimizer steps (the same order on every rank).
             comm: ``"horovod"`` (with ``process_set``) or a ``Comm``.
             name: names the syncs' collectives.
+            optimizer: the optimizer that steps ``params``: where every step is exchanged
+                again after local SGD, its state is averaged over the ranks
+                (``auto_local.py``); without it, a WARNING there.
         """
         if not self.periods:
             raise ValueError(f"{self.describe()} does not allow local SGD: pass "
@@ -380,7 +371,8 @@ class Auto(Policy, ReducingCompressor):
         from .auto_local import LocalSGD
 
         self._local = LocalSGD(params, comm, process_set, name,
-                               compressor=self._sync_compressor(self._sync), clock=self.clock)
+                               compressor=self._sync_compressor(self._sync), clock=self.clock,
+                               optimizer=optimizer)
         if self._local_pending is not None:
             self._local.load_state_dict(self._local_pending, self._sync_compressor(self._sync))
             self._local_pending = None
@@ -413,6 +405,8 @@ class Auto(Policy, ReducingCompressor):
             # (its anchors are not taken afresh) and long enough to land the sync in it.
             behind = min(self._target_overlap, period // 2) if period > 1 and not starts else 0
             took += self._local.sync(behind)
+            if period == 1:  # every step exchanged from here: the optimizers' states too
+                self._local.align_optimizer(self._step + 1)
             if behind:
                 self._beside, self._started = True, self._started + 1
         spent = self.clock() - begin
@@ -464,8 +458,8 @@ class Auto(Policy, ReducingCompressor):
         """Whether this bucket's candidates are timed now (module docstring, 2): in the last
         warm-up step, which nothing times, or else (no warm-up before this calibration, or
         a bucket that step did not have) in the first calibrated step that has it."""
-        if (self._off or self._agreed is not None or (self.period != 1 and not self._warm_window)
-                or key in self._kappa or not self.inner):
+        if (self._off or self._agreed is not None or self.period != 1 or key in self._kappa
+                or not self.inner):
             return False
         return (self._step == self._calib_from - 1 and self._warming()) or self._timing()
 
@@ -498,10 +492,9 @@ class Auto(Policy, ReducingCompressor):
         return x
 
     def _warming(self) -> bool:
-        """A warm-up step: not timed, exchanged through ``self.warm`` (module docstring, 2),
-        or local in the warm-up's window."""
+        """A warm-up step: not timed, exchanged through ``self.warm`` (module docstring, 2)."""
         return (not self._off and self._step < self._calib_from and self._agreed is None
-                and (self.period == 1 or self._warm_window) and not self._choice)
+                and self.period == 1 and not self._choice)
 
     def _probing(self) -> bool:
         """The probe step: timed, exchanged through ``self.warm``, with a float32 probe of
@@ -511,7 +504,7 @@ class Auto(Policy, ReducingCompressor):
 
     def _timing(self) -> bool:
         return (not self._off and self._step >= self._calib_from and self._agreed is None
-                and (self.period == 1 or self._warm_window))
+                and self.period == 1)
 
     def _at_call(self, key: str, shapes: list[tuple], comm) -> None:
         """A bucket call's bookkeeping: a new world, a new step, and what the step boundary
@@ -528,8 +521,6 @@ class Auto(Policy, ReducingCompressor):
                 log.info("compression auto: the world changed from %d to %d ranks; "
                          "uncompressed until measured again", before, comm.size)
                 self._resized = f"resize {before} -> {comm.size} ranks"
-            if not self._off:
-                self._warm_locally(comm)
         if key in self._seen:
             self._close_step()
             if not self._off:
@@ -585,26 +576,10 @@ class Auto(Policy, ReducingCompressor):
 
     def _start_window(self) -> None:
         """H > 1 agreed at this step's first call, none of its buckets reduced yet, the last
-        step exchanged (or its window synced at once): the ranks' parameters are equal, so
+        step exchanged: the ranks' parameters (and their optimizers' states) are equal, so
         the window starts at this step, its anchors the parameters now."""
         assert self._local is not None  # (the caller's condition)
         self.period, self.phase, self._sync = self._target, 0, self._target_sync
-        self._local.restart(self._sync_compressor(self._sync))
-
-    def _warm_locally(self, comm) -> None:
-        """At the first call of a world's first step: where the probe step decides and
-        every rank attached its parameters (agreed here: one small allreduce), the warm-up
-        and probe steps are a local SGD window, each rank on its own gradient, its sync at
-        once through the warm quantizer after the probe step (module docstring, 2). The
-        ranks' parameters are equal here: the job's start, or a re-formation's."""
-        if self._probe_at is None or not self.periods:
-            return
-        attached = self._average(comm, [1.0 if self._local is not None else 0.0])[0]
-        if attached < 1.0:
-            return
-        assert self._local is not None  # attached everywhere, here too
-        self.period, self.phase = self._probe_at + 1, 0
-        self._sync, self._warm_window = self.names.index(self.warm), True
         self._local.restart(self._sync_compressor(self._sync))
 
     def _close_step(self) -> None:
@@ -661,9 +636,6 @@ class Auto(Policy, ReducingCompressor):
         was = self.period
         self.period, self.phase, starts = self._advance()
         self._stepped = False
-        if self._warm_window and self.phase == 0:  # the warm-up's window ended (synced)
-            self._warm_window = False
-            return
         if starts:
             assert self._local is not None  # a window of H > 1 starts only once attached
             self._sync = self._target_sync
@@ -708,7 +680,6 @@ class Auto(Policy, ReducingCompressor):
                          "target_overlap": self._target_overlap, "sync": sync, "local": local,
                          "off": self._off, "check_owed": self._check_owed,
                          "calib_from": self._calib_from, "probe_at": self._probe_at,
-                         "warm_window": self._warm_window and phase > 0,
                          "choice": dict(self._choice),
                          "agreed": None if self._agreed is None else dict(self._agreed),
                          "trial": None if self._trial is None else dict(self._trial),
@@ -734,7 +705,6 @@ class Auto(Policy, ReducingCompressor):
         self._calib_from, self._resized = int(a["calib_from"]), None
         probe_at = a.get("probe_at")  # absent in a state saved before the probe step: none
         self._probe_at = None if probe_at is None else int(probe_at)
-        self._warm_window = bool(a.get("warm_window", False))
         self._choice = {str(k): int(v) for k, v in a["choice"].items()}
         self._agreed = None if a["agreed"] is None else dict(a["agreed"])
         self._trial = None if a.get("trial") is None else dict(a["trial"])

@@ -17,10 +17,8 @@ Windows. Auto agrees H with its per-bucket choices (``auto_model.choose_period``
 counts the steps (``Auto.period``: the H in force for this step's buckets, ``Auto.phase``:
 this step's place in its window). A new H takes effect at a window's end, or, where H was
 1, at the step whose first call agreed it (none of its buckets reduced yet: the ranks'
-parameters are equal there, after a step that exchanged its gradients or a sync at once).
-The warm-up's steps, with every rank attached, are a window of their own through the warm
-quantizer, synced at once after the probe step (``auto.py``, 2). So, after each optimizer
-step:
+parameters are equal there, and so are their optimizers' states, after a step that
+exchanged its gradients). So, after each optimizer step:
 
 - the step ended a window (``phase == period - 1``): the ranks' parameters are averaged
   (``DiLoCo.sync_now``: delta = anchor - theta averaged, anchor moved by it, theta =
@@ -39,6 +37,15 @@ step:
 
 Nothing is exchanged between syncs: auto's buckets return each rank's own gradient.
 
+The optimizer. Between syncs each rank's optimizer also steps on its own gradients, so its
+state (momentum, Adam's moments) differs from the other ranks' at a window's end, which
+local SGD takes as it is (the next window's steps start from it). Where every step is
+exchanged again after the window (H = 1 from there, or a calibration), equal gradients on
+unequal states would move the ranks' parameters apart for good: so at that window's end,
+after its sync, the optimizer's floating-point state is averaged over the ranks too, in
+float32 (``align_optimizer``; the front door gives the optimizer: ``DistributedOptimizer``
+itself, a DDP script ``attach(..., optimizer=opt)``; without it, a WARNING).
+
 State. Mid-window, the anchors (the parameters at the window's start) are what the next
 sync needs, so ``Auto.state_dict`` carries this DiLoCo's state (a sync behind waited for,
 its result kept to land at its step); a state loaded before the
@@ -47,9 +54,14 @@ front door attached is kept until it does.
 
 from __future__ import annotations
 
+import logging
 import time
 
-from .diloco import DiLoCo
+import torch
+
+from .diloco import DiLoCo, reducer_for
+
+log = logging.getLogger("gradsync")
 
 __all__ = ["LocalSGD"]
 
@@ -64,14 +76,18 @@ class LocalSGD:
             group of its own).
         process_set: with ``comm="horovod"``.
         name: names the syncs' collectives (the same on every rank).
+        optimizer: the optimizer that steps ``params`` (its state is averaged where every
+            step is exchanged again after a window: module docstring); None: not known.
     """
 
     def __init__(self, params, comm="horovod", process_set=None, name: str = "auto.local_sgd",
-                 compressor=None, clock=time.perf_counter):
+                 compressor=None, clock=time.perf_counter, optimizer=None):
         self.params = list(params)
         if not self.params:
             raise ValueError("local SGD needs the parameters the optimizer steps; got none")
         self.comm, self.process_set, self.name, self.clock = comm, process_set, name, clock
+        self.optimizer = optimizer
+        self._warned = False
         self.diloco = self._fresh(compressor)  # made now so that a bad comm fails at attach
 
     def _fresh(self, compressor) -> DiLoCo:
@@ -96,6 +112,41 @@ class LocalSGD:
 
     def in_flight(self) -> bool:
         return bool(self.diloco.pending)
+
+    def align_optimizer(self, step: int) -> None:
+        """After a window's sync at once, where every step is exchanged from here: the
+        optimizer's floating-point state of ``params``, averaged over the ranks in float32
+        (one allreduce of its tensors in the parameters' order, each state's keys sorted:
+        the same layout on every rank, which took the same steps). Without the optimizer,
+        a WARNING (``step``: the first step exchanged)."""
+        if self.optimizer is None:
+            if not self._warned:
+                self._warned = True
+                log.warning("compression auto (step %d): local SGD ends, every step exchanged "
+                            "from here, but the optimizer's state (momentum, Adam's moments) "
+                            "differs per rank after the local steps, so the ranks' parameters "
+                            "will drift apart; pass attach(..., optimizer=opt)", step)
+            return
+        held = [(state, key) for p in self.params
+                for state in [self.optimizer.state.get(p, {})]
+                for key in sorted(state, key=str)
+                if torch.is_tensor(state[key]) and state[key].is_floating_point()]
+        if not held:
+            return
+        flat = torch.cat([state[key].detach().reshape(-1).float() for state, key in held])
+        if isinstance(self.comm, str):  # a front door's collectives ("horovod")
+            reducer = reducer_for(self.comm, None, self.process_set)
+            mean = reducer.wait(reducer.start(flat, [tuple(flat.shape)],
+                                              f"{self.name}.optimizer")).reshape(-1)
+        else:  # here, on the training thread: the window's sync has landed
+            self.comm.allreduce_sum_(flat)
+            mean = flat.div_(self.comm.size)
+        at = 0
+        with torch.no_grad():
+            for state, key in held:
+                t = state[key]
+                t.copy_(mean[at:at + t.numel()].view(t.shape).to(t.dtype))
+                at += t.numel()
 
     def settle(self) -> None:
         """Waits for a sync in flight (it lands at its own step all the same)."""

@@ -140,6 +140,21 @@ def register_reducer(name: str, factory) -> None:
     _REDUCERS[name] = factory
 
 
+def reducer_for(comm, compressor: ReducingCompressor | None = None, process_set=None,
+                clock=time.perf_counter):
+    """What reduces over ``comm`` (a ``Comm``, or a front door's name: ``"horovod"``),
+    through ``compressor`` (None: a float32 average): ``start(flat, shapes, key)`` and
+    ``wait(handle)``."""
+    if isinstance(comm, str):
+        if comm not in _REDUCERS:
+            raise ValueError(f"comm={comm!r}: no such front door"
+                             + ("; import gradsync.torch first" if comm == "horovod" else ""))
+        return _REDUCERS[comm](compressor, process_set)
+    if isinstance(comm, Comm) or all(hasattr(comm, a) for a in ("allreduce_sum_", "size")):
+        return _CommReducer(comm, compressor, clock)
+    raise TypeError(f"comm must be a gradsync.compress Comm or 'horovod', got {comm!r}")
+
+
 class DiLoCo:
     """Local SGD / DiLoCo / streaming DiLoCo around an inner optimizer (module docstring).
 
@@ -207,15 +222,7 @@ class DiLoCo:
         self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
         self.delay, self.mix, self.compressor, self.name = delay, mix, compressor, name
         self.carry = bool(carry)
-        if isinstance(comm, str):
-            if comm not in _REDUCERS:
-                raise ValueError(f"comm={comm!r}: no such front door"
-                                 + ("; import gradsync.torch first" if comm == "horovod" else ""))
-            self._reducer = _REDUCERS[comm](compressor, process_set)
-        elif isinstance(comm, Comm) or all(hasattr(comm, a) for a in ("allreduce_sum_", "size")):
-            self._reducer = _CommReducer(comm, compressor, clock)
-        else:
-            raise TypeError(f"comm must be a gradsync.compress Comm or 'horovod', got {comm!r}")
+        self._reducer = reducer_for(comm, compressor, process_set, clock)
         self.groups = fragments_of([p.numel() for p in self.params], fragments)
         self.offsets = [((i + 1) * sync_every // fragments) % sync_every
                         for i in range(fragments)]

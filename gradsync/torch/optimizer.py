@@ -199,7 +199,7 @@ class _DistributedOptimizer(_Optimizer):
             check_layout(self._gs_buckets, self._gs_allgather_object)
             if self._gs_local is not None:  # the same parameters, in the same order, on every rank
                 self._gs_local.attach(params, comm="horovod", process_set=self._gs_process_set,
-                                        name=f"auto.local_sgd.{names[0]}")
+                                        name=f"auto.local_sgd.{names[0]}", optimizer=self)
             ref = weakref.ref(self)
             for slot, param in enumerate(self._gs_slot_param):
                 self._gs_hooks.append(param.register_post_accumulate_grad_hook(

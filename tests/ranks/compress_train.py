@@ -177,6 +177,16 @@ same_auto_choice(auto, "DistributedOptimizer auto, local_sgd=4", ("calibrated", 
 C.count += 1
 if len(set(hvd.allgather_object((auto.decision.period, auto.period, auto.phase)))) != 1:
     fail(f"auto, local_sgd=4: the ranks hold different windows: {auto.decision.summary()}")
+# Where local SGD hands back to every step exchanged, the optimizer's state is averaged
+# over the ranks (auto_local.py's align_optimizer, over the Horovod API here: the optimizer
+# is DistributedOptimizer itself): momenta that differ per rank come out as their mean.
+C.count += 1
+for p in model.parameters():
+    opt.state[p]["momentum_buffer"] = torch.full_like(p, float(R))
+auto._local.align_optimizer(0)
+if any(not torch.equal(opt.state[p]["momentum_buffer"], torch.full_like(p, (N - 1) / 2))
+       for p in model.parameters()):
+    fail("auto, local_sgd=4: the optimizer's state was not averaged over the ranks")
 
 # Collectives: int8 of values it represents exactly sums exactly: integers in [-127, 127],
 # every other one 127, so that every block's scale is 1 (and the sum's is N).
