@@ -1351,6 +1351,150 @@ def test_a_slower_link_under_quantized_syncs_is_seen_by_two_probes():
     assert last.rate == pytest.approx(2e5, rel=0.05)
 
 
+# The warm-up as a local SGD window: a quantizer among the options (so a probe step), local
+# SGD attached with the optimizer.
+WARM_LOCAL = {"options": ("none", "int8", "int4"), "local_sgd": 8, "early": 0.5,
+              "calibrate": 2, "check_every": 4}
+
+
+def warm_local_job(size: int, rate, attached=None, warmup=1, comm=Counting, latency=1e-3,
+                   momentum=0.0, optimizer=True, **settings):
+    """Ranks over ``SHAPES``' parameters, each stepped by SGD (lr 0.1, ``momentum``), attached
+    (``attached[r]``, default every rank) with its optimizer (``optimizer``)."""
+    group = ThreadGroup(size)
+    link = Link(size, rate, latency)
+    clocks = [Clock() for _ in range(size)]
+    comms = [comm(group, r, clocks[r], link, None) for r in range(size)]
+    autos = [Auto(clock=clocks[r], warmup=warmup, **{**WARM_LOCAL, **settings})
+             for r in range(size)]
+    params = [[torch.zeros(s) for shapes in SHAPES.values() for s in shapes]
+              for _ in range(size)]
+    opts = [torch.optim.SGD(p, lr=0.1, momentum=momentum) for p in params]
+    for r, (a, c, p, o) in enumerate(zip(autos, comms, params, opts)):
+        if attached is None or attached[r]:
+            a.attach(p, comm=c, optimizer=o if optimizer else None)
+    return autos, comms, params, opts
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_with_local_sgd_attached_the_warm_up_is_a_local_window(size, monkeypatch):
+    """The warm-up and probe steps (0 and 1 here) exchange no gradient: each rank steps on
+    its own, and after the probe step the parameters are averaged once through the warm
+    quantizer (int4), where the warm-up exchanged every step before. The probe still
+    measures the link (once), the ranks decide after it (step 2) on its rate, local SGD
+    from there, and no bucket ever crossed the link in float32."""
+    from gradsync.compress import auto_policy
+
+    monkeypatch.setattr(auto_policy, "PROBE_BYTES", 1 << 16)
+    autos, comms, params, opts = warm_local_job(size, 1e6)
+    counted = []
+    seen = train_local(autos, comms, params, 6, [0.05] * size, optimizers=opts,
+                       on_step=lambda step: counted.append(comms[0].collectives))
+    d = autos[0].decision
+    assert (d.step, d.reason, d.period) == (2, "calibrated", 4), d.summary()
+    assert [h for h, _ in seen[0]] == [2, 2, 4, 4, 4, 4]
+    assert d.rate == pytest.approx(1e6, rel=1e-4)  # the probe's
+    assert [a.decision.short() for a in autos] == [d.short()] * size
+    big = 4 * 256 * 256
+    assert comms[0].sizes.count(1 << 16) == 1 and big not in comms[0].sizes
+    # Step 0: the attach agreed (one allreduce) and nothing else; step 1: the latency
+    # samples, the probe and, after the step, the sync (an alltoall and an allgather).
+    assert counted[1] - counted[0] == 1 and comms[0].sizes[0] == 4
+    assert counted[2] - counted[1] == 3 + 2
+    assert not torch.equal(seen[0][0][1][0], seen[1][0][1][0])  # each rank on its own
+    after = seen[0][1][1]
+    for r in range(1, size):
+        assert all(torch.equal(a, b) for a, b in zip(after, seen[r][1][1]))
+    own = [sum(grad(step, r, 256 * 256) for step in (0, 1)) for r in range(size)]
+    mean = -0.1 * sum(own) / size
+    error = (after[0].reshape(-1) - mean).abs()
+    assert 0 < error.mean() < 0.3 * mean.abs().mean()  # int4's rounding of the mean
+
+
+@pytest.mark.parametrize("attached,optimizer", [([True, False], True), (None, False)],
+                         ids=["a-rank-not-attached", "no-optimizer"])
+def test_the_warm_up_exchanges_where_a_rank_gave_no_parameters_or_optimizer(
+        attached, optimizer, caplog):
+    """The local warm-up needs every rank's parameters and optimizer (whose state is
+    averaged where every step is exchanged after it): where one rank did not attach, or
+    attached without its optimizer, every rank exchanges the warm-up's gradients (agreed at
+    the first call)."""
+    autos, comms, params, opts = warm_local_job(2, 1e6, attached=attached, optimizer=optimizer)
+    seen = train_local(autos, comms, params, 4, [0.05, 0.05], optimizers=opts)
+    assert [h for h, _ in seen[0]][:2] == [1, 1]
+    assert all(torch.equal(a, b) for a, b in zip(seen[0][1][1], seen[1][1][1]))
+
+
+@pytest.mark.parametrize("restored", [False, True], ids=["straight", "restored"])
+def test_where_the_link_is_fast_the_warm_windows_optimizer_states_are_averaged(restored):
+    """A fast link after the local warm-up: calibration in float32, every step exchanged
+    from step 2. SGD with momentum: each rank's momentum followed its own gradients in the
+    warm window; averaged at step 2's first call (where the ranks agreed that no decision
+    was taken on the probe), the ranks stay equal bit for bit; so too from a state taken
+    at the window's end (the averaging still owed)."""
+    autos, comms, params, opts = warm_local_job(2, 1e10, latency=1e-5, momentum=0.9)
+    seen = train_local(autos, comms, params, 2, [0.05, 0.05], optimizers=opts)
+    if restored:
+        states = [a.state_dict() for a in autos]
+        assert states[0]["auto"]["warm_ended"] and not states[0]["auto"]["warm_window"]
+        again, comms, _, _ = warm_local_job(2, 1e10, latency=1e-5, attached=[False, False])
+        for r in range(2):
+            again[r].attach(params[r], comm=comms[r], optimizer=opts[r])
+            again[r].load_state_dict(states[r])
+        autos = again
+    seen += train_local(autos, comms, params, 6, [0.05, 0.05], start=2, optimizers=opts)
+    assert [h for h, _ in seen[0][:2]] + [h for h, _ in seen[2][:6]] == [2, 2] + [1] * 6
+    # (Restored where the ranks agree, the probe's reading is not in the state: calibrated
+    # from step 3, decided at 5.)
+    assert (autos[0].decision.step, autos[0].decision.period) == (5 if restored else 4, 1)
+    first, later = seen[:2], seen[2:]
+    assert not torch.equal(first[0][0][1][0], first[1][0][1][0])
+    steps = [(first[0][1], first[1][1])] + list(zip(later[0], later[1]))
+    for a_step, b_step in steps:
+        assert all(torch.equal(a, b) for a, b in zip(a_step[1], b_step[1]))
+
+
+def test_a_probe_slower_than_the_warm_windows_sync_is_not_the_links_rate(monkeypatch):
+    """The warm window's sync carried the buckets' elements through the warm quantizer in
+    its time: the link is at least that fast, whatever the probe met (four times the
+    link's time here)."""
+    from gradsync.compress import auto_policy
+
+    monkeypatch.setattr(auto_policy, "PROBE_BYTES", 1 << 16)
+    autos, comms, params, opts = warm_local_job(2, 1e6, comm=SlowProbe)
+    train_local(autos, comms, params, 3, [0.05, 0.05], optimizers=opts)
+    d = autos[0].decision
+    assert d is not None and d.step == 2, d
+    assert 0.5e6 < d.rate <= 1.3e6, d.rate  # the probe alone: 0.25e6
+
+
+def test_a_state_taken_in_the_warm_window_goes_on_bit_for_bit():
+    """A checkpoint after step 0 of a warm window of three steps (warm-up 2, then the probe
+    step): the restored run holds the window's anchors, times the arithmetic, probes,
+    syncs and decides at the same steps, and goes on bit for bit as the one that was not
+    interrupted."""
+    autos, comms, params, opts = warm_local_job(2, 1e6, warmup=2)
+    train_local(autos, comms, params, 1, [0.05, 0.05], optimizers=opts)
+    states = [a.state_dict() for a in autos]
+    assert states[0]["auto"]["warm_window"] and states[0]["auto"]["phase"] == 1
+    kept = [[p.clone() for p in ps] for ps in params]
+    straight = train_local(autos, comms, params, 7, [0.05, 0.05], start=1, optimizers=opts)
+    again, comms2, _, _ = warm_local_job(2, 1e6, warmup=2, attached=[False, False])
+    opts2 = [torch.optim.SGD(p, lr=0.1) for p in kept]
+    for r in range(2):
+        again[r].attach(kept[r], comm=comms2[r], optimizer=opts2[r])
+        again[r].load_state_dict(states[r])
+    resumed = train_local(again, comms2, kept, 7, [0.05, 0.05], start=1, optimizers=opts2)
+    assert [h for h, _ in straight[0]] == [3, 3] + [4] * 5
+    for s_rank, r_rank in zip(straight, resumed):
+        for (s_h, s_params), (r_h, r_params) in zip(s_rank, r_rank):
+            assert s_h == r_h
+            assert all(torch.equal(a, b) for a, b in zip(s_params, r_params))
+    assert [d.short() for d in again[0].history] == [d.short() for d in autos[0].history]
+    # Mid-window again (the decision's), but not the warm-up's.
+    assert [a.state_dict()["auto"]["warm_window"] for a in (autos[0], again[0])] == [False] * 2
+
+
 @pytest.mark.parametrize("options", [LOCAL, QUANTIZED], ids=["float32", "int8"])
 @pytest.mark.parametrize("stop", [4, 7])
 def test_local_sgd_survives_a_state_dict(stop, options):

@@ -37,6 +37,21 @@ order.
    at 25 Mbit/s a float32 step of the bench's language model took 2.8 s, an int4 step 0.5 s
    and the probe 0.5 s); else the calibration below follows from that step, in float32
    (``auto_policy.py``, 3).
+   With local SGD allowed and every rank's parameters attached with its optimizer (agreed
+   at the world's first call: one small allreduce), the warm-up and probe steps are a
+   local SGD window of their own (``_warm_locally``): each rank steps on its own gradient
+   (nothing exchanged; the probe and the arithmetic's timing as above), and after the probe
+   step the parameters are averaged once, at once, through the warm quantizer: one
+   exchange of the model's elements where the warm-up exchanged every step (at 25 Mbit/s
+   the bench's language model's first 10 steps took 1.0-1.3 s more than ``gs-streaming``'s
+   this way, 2.0-2.6 s exchanging). That sync's time bounds the rate from below as the
+   quantized exchanges' do, and the probe step's compute plus it stands for the step a
+   change is tried against. Where what follows exchanges every step (H = 1, or the
+   float32 calibration), the optimizers' states, each of which followed its own rank's
+   gradients in the window, are averaged at that first call too (``auto_local.py``): equal
+   gradients on unequal states would part the ranks for good (a first form of this window,
+   without it, left the bench's AdamW ranks apart at 1 Gbit/s). Without the optimizer (a
+   DDP script's ``attach`` without ``optimizer=``) the warm-up exchanges as above.
    Then ``calibrate`` steps run none, timed: each
    bucket's float32 exchange, the step's period, the time the training thread was blocked
    on the exchange (the Horovod API's optimizer reports its waits, ``blocked``, and so does
@@ -292,6 +307,9 @@ class Auto(Policy, ReducingCompressor):
         self._probe_at: int | None = (self.warmup if self.warmup > 0 and self.early < 1
                                       and self.warm != "none" else None)
         self._resized: str | None = None
+        # The warm-up and probe steps are a local SGD window of their own (module docstring,
+        # 2), through the warm quantizer: ``_warm_locally``.
+        self._warm_window = self._warm_ended = False
         self.period = 1  # local SGD's H in force for this step's buckets (1: exchanged)
         self.phase = 0  # this step's place in its window (0 .. period - 1)
         self._target = 1  # the agreed H, in force from the next window
@@ -405,8 +423,8 @@ class Auto(Policy, ReducingCompressor):
             # (its anchors are not taken afresh) and long enough to land the sync in it.
             behind = min(self._target_overlap, period // 2) if period > 1 and not starts else 0
             took += self._local.sync(behind)
-            if period == 1:  # every step exchanged from here: the optimizers' states too
-                self._local.align_optimizer(self._step + 1)
+            if period == 1 and not self._warm_window:  # every step exchanged from here:
+                self._local.align_optimizer(self._step + 1)  # the optimizers' states too
             if behind:
                 self._beside, self._started = True, self._started + 1
         spent = self.clock() - begin
@@ -458,8 +476,8 @@ class Auto(Policy, ReducingCompressor):
         """Whether this bucket's candidates are timed now (module docstring, 2): in the last
         warm-up step, which nothing times, or else (no warm-up before this calibration, or
         a bucket that step did not have) in the first calibrated step that has it."""
-        if (self._off or self._agreed is not None or self.period != 1 or key in self._kappa
-                or not self.inner):
+        if (self._off or self._agreed is not None or (self.period != 1 and not self._warm_window)
+                or key in self._kappa or not self.inner):
             return False
         return (self._step == self._calib_from - 1 and self._warming()) or self._timing()
 
@@ -492,19 +510,20 @@ class Auto(Policy, ReducingCompressor):
         return x
 
     def _warming(self) -> bool:
-        """A warm-up step: not timed, exchanged through ``self.warm`` (module docstring, 2)."""
+        """A warm-up step: not timed, exchanged through ``self.warm`` (module docstring, 2),
+        or local in the warm-up's window."""
         return (not self._off and self._step < self._calib_from and self._agreed is None
-                and self.period == 1 and not self._choice)
+                and (self.period == 1 or self._warm_window) and not self._choice)
 
     def _probing(self) -> bool:
-        """The probe step: timed, exchanged through ``self.warm``, with a float32 probe of
-        the link beside it (module docstring, 2)."""
+        """The probe step: timed, exchanged through ``self.warm`` (or local in the warm-up's
+        window), with a float32 probe of the link beside it (module docstring, 2)."""
         return (self._probe_at is not None and self._step == self._probe_at
                 and self._timing() and not self._choice)
 
     def _timing(self) -> bool:
         return (not self._off and self._step >= self._calib_from and self._agreed is None
-                and self.period == 1)
+                and (self.period == 1 or self._warm_window))
 
     def _at_call(self, key: str, shapes: list[tuple], comm) -> None:
         """A bucket call's bookkeeping: a new world, a new step, and what the step boundary
@@ -521,6 +540,8 @@ class Auto(Policy, ReducingCompressor):
                 log.info("compression auto: the world changed from %d to %d ranks; "
                          "uncompressed until measured again", before, comm.size)
                 self._resized = f"resize {before} -> {comm.size} ranks"
+            if not self._off:
+                self._warm_locally(comm)
         if key in self._seen:
             self._close_step()
             if not self._off:
@@ -554,6 +575,11 @@ class Auto(Policy, ReducingCompressor):
                 if self.period == 1 and self._target > 1 and self._local is not None:
                     self._start_window()
         if not self._seen:
+            if self._warm_ended:  # the first step after the warm-up's window
+                self._warm_ended = False
+                if self.period == 1:  # exchanged (H = 1, calibration): the optimizers too
+                    assert self._local is not None  # (the warm window was attached)
+                    self._local.align_optimizer(self._step)
             if self._timing():  # a latency sample: the first allreduce lines ranks up
                 one = torch.zeros(1)
                 comm.allreduce_sum_(one)
@@ -580,6 +606,22 @@ class Auto(Policy, ReducingCompressor):
         the window starts at this step, its anchors the parameters now."""
         assert self._local is not None  # (the caller's condition)
         self.period, self.phase, self._sync = self._target, 0, self._target_sync
+        self._local.restart(self._sync_compressor(self._sync))
+
+    def _warm_locally(self, comm) -> None:
+        """At the first call of a world's first step: where the probe step decides and
+        every rank attached its parameters and optimizer (agreed here: one small
+        allreduce), the warm-up and probe steps are a local SGD window through the warm
+        quantizer, synced at once after the probe step (module docstring, 2). The ranks'
+        parameters are equal here: the job's start, or a re-formation's."""
+        if self._probe_at is None or not self.periods:
+            return
+        mine = self._local is not None and self._local.optimizer is not None
+        if self._average(comm, [1.0 if mine else 0.0])[0] < 1.0:
+            return
+        assert self._local is not None
+        self.period, self.phase = self._probe_at + 1, 0
+        self._sync, self._warm_window = self.names.index(self.warm), True
         self._local.restart(self._sync_compressor(self._sync))
 
     def _close_step(self) -> None:
@@ -636,6 +678,9 @@ class Auto(Policy, ReducingCompressor):
         was = self.period
         self.period, self.phase, starts = self._advance()
         self._stepped = False
+        if self._warm_window and self.phase == 0:  # the warm-up's window ended (synced)
+            self._warm_window, self._warm_ended = False, True
+            return
         if starts:
             assert self._local is not None  # a window of H > 1 starts only once attached
             self._sync = self._target_sync
@@ -680,6 +725,8 @@ class Auto(Policy, ReducingCompressor):
                          "target_overlap": self._target_overlap, "sync": sync, "local": local,
                          "off": self._off, "check_owed": self._check_owed,
                          "calib_from": self._calib_from, "probe_at": self._probe_at,
+                         "warm_window": self._warm_window and phase > 0,
+                         "warm_ended": self._warm_ended or (self._warm_window and phase == 0),
                          "choice": dict(self._choice),
                          "agreed": None if self._agreed is None else dict(self._agreed),
                          "trial": None if self._trial is None else dict(self._trial),
@@ -705,6 +752,8 @@ class Auto(Policy, ReducingCompressor):
         self._calib_from, self._resized = int(a["calib_from"]), None
         probe_at = a.get("probe_at")  # absent in a state saved before the probe step: none
         self._probe_at = None if probe_at is None else int(probe_at)
+        self._warm_window = bool(a.get("warm_window", False))
+        self._warm_ended = bool(a.get("warm_ended", False))
         self._choice = {str(k): int(v) for k, v in a["choice"].items()}
         self._agreed = None if a["agreed"] is None else dict(a["agreed"])
         self._trial = None if a.get("trial") is None else dict(a["trial"])

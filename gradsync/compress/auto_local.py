@@ -18,7 +18,9 @@ counts the steps (``Auto.period``: the H in force for this step's buckets, ``Aut
 this step's place in its window). A new H takes effect at a window's end, or, where H was
 1, at the step whose first call agreed it (none of its buckets reduced yet: the ranks'
 parameters are equal there, and so are their optimizers' states, after a step that
-exchanged its gradients). So, after each optimizer step:
+exchanged its gradients). The warm-up's steps, where every rank attached its optimizer too,
+are a window of their own through the warm quantizer, synced at once after the probe step
+(``auto.py``, 2). So, after each optimizer step:
 
 - the step ended a window (``phase == period - 1``): the ranks' parameters are averaged
   (``DiLoCo.sync_now``: delta = anchor - theta averaged, anchor moved by it, theta =
@@ -44,7 +46,9 @@ exchanged again after the window (H = 1 from there, or a calibration), equal gra
 unequal states would move the ranks' parameters apart for good: so at that window's end,
 after its sync, the optimizer's floating-point state is averaged over the ranks too, in
 float32 (``align_optimizer``; the front door gives the optimizer: ``DistributedOptimizer``
-itself, a DDP script ``attach(..., optimizer=opt)``; without it, a WARNING).
+itself, a DDP script ``attach(..., optimizer=opt)``; without it, a WARNING). After the
+warm-up's window that is known only at the next step's first call, where the ranks agree
+what follows: it is averaged there.
 
 State. Mid-window, the anchors (the parameters at the window's start) are what the next
 sync needs, so ``Auto.state_dict`` carries this DiLoCo's state (a sync behind waited for,

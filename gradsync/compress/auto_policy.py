@@ -12,7 +12,7 @@ declared below.
    allreduce, every other rank adding zeros): every rank uses rank 0's choice, even where a
    rank's own arithmetic would have rounded differently. After the probe step (``auto.py``,
    2) the rate is the probe's (at least what the warm quantizer's exchanges carried in their
-   time), compute the step's span less the wait the front door reported (``auto.py``,
+   time, or its sync where the warm-up was a local SGD window), compute the step's span less the wait the front door reported (``auto.py``,
    ``_close_step``), and the hidden part at most what the warm quantizer's exchange hid; decided there only where the
    float32 exchange so predicted blocks more than ``early`` of the step, and then a change
    from the warm quantizer is a trial against the probe step (6).
@@ -265,10 +265,16 @@ class Policy:
                 local.extend(self._kappa.get(k, [0.0] * len(self.inner)))
         else:  # nothing timed here (a state loaded mid-calibration): the same length
             local += [0.0] * (5 + per * len(keys))
+        # The warm-up as a local SGD window (auto.py, 2): its sync, through the warm
+        # quantizer, carried the buckets' elements instead of their exchanges.
+        local.append(1.0 if w and all(s["local"] for s in w) else 0.0)
+        local.append(1.0 if self._syncs else 0.0)
+        local.append(sum(self._syncs))
         local.append(1.0 if self._local is not None else 0.0)
         local.append(1.0 if self._probes else 0.0)
         local.append(statistics.median(p[0] for p in self._probes) if self._probes else 0.0)
         agreed = self._average(comm, local)
+        warm_local, synced, sync_s = agreed[-6] >= 1.0, agreed[-5] >= 1.0, agreed[-4]
         probed, self._probe_at = self._probe_at is not None, None
         if probed and (agreed[0] < 1.0 or agreed[-2] < 1.0):  # not measured everywhere
             self._float32_calibration()
@@ -301,7 +307,12 @@ class Policy:
             options = self._options({"keys": keys, "kappa": kappa, "local": local_s,
                                      "units": units, "per_unit": k_local})
             sent = sum(b.options[warm].ratio * b.nbytes for b in options)
-            rate = max(rate, sent / max(sum(times.values()), _TINY))
+            # Where the warm-up was a local window, its sync carried them (every bucket's
+            # elements, at once), where timed (a Comm's: not the Horovod API's).
+            if not warm_local:
+                rate = max(rate, sent / max(sum(times.values()), _TINY))
+            elif synced:
+                rate = max(rate, sent / max(sync_s, _TINY))
             float32 = sum(latency + local_s[k] + 4 * self._numel(k) / rate for k in keys)
             hidden = min(hidden, float32)
             if not float32 - hidden > self.early * (compute + float32 - hidden):
@@ -317,7 +328,10 @@ class Policy:
         # After the probe step, the step measured went through the warm quantizer: a change
         # from it is a trial against it (module docstring, 6).
         under = (self.names.index(self.warm),) * len(keys) if probed else None
-        self._decide(comm, numbers, reason, before=period, under=under)
+        # A local probe step exchanged nothing: its compute plus the warm sync's seconds
+        # stand for such a step (none hidden), where the sync was timed; else no trial.
+        before = (period + sync_s if synced else None) if probed and warm_local else period
+        self._decide(comm, numbers, reason, before=before, under=under)
 
     def _check(self, comm) -> None:
         """The window's numbers, averaged; a decision again where they drifted."""

@@ -247,20 +247,28 @@ model = DDP(Net(), bucket_cap_mb=0.0005)
 auto = Auto(tiers="all", warmup=1, calibrate=2, check_every=100, margin=0.0,
             local_steps=0.0, local_sgd=4)
 model.register_comm_hook(HookState(auto), compressed_hook)
-auto.attach(list(model.parameters()), comm=TorchComm(dist.new_group(backend="gloo")))
-opt = torch.optim.SGD(model.parameters(), lr=1.0)
+opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.5)
+# With the optimizer, the warm-up and probe steps are a local window (auto.py, 2); where
+# every step is exchanged after a window, the momenta are averaged too.
+auto.attach(list(model.parameters()), comm=TorchComm(dist.new_group(backend="gloo")),
+            optimizer=opt)
 x, y = batch()
+held = []  # H in force for each step's buckets
 for step in range(STEPS + 4):
     if step >= STEPS and (auto.period == 1 or auto.phase == auto.period - 1):
         break  # every step exchanged, or the window's sync just ran
     opt.zero_grad()
     F.cross_entropy(model(x), y).backward()
+    held.append(auto.period)
     opt.step()
     auto.after_step()
 C.count += 1
 digests = tiny_net.all_digests(digest(model), None)
 if len(set(digests)) != 1:
     fail(f"DDP hook, auto, local_sgd=4: parameters differ after step {step}: {digests}")
+C.count += 1
+if held[0] == 1:
+    fail(f"DDP hook, auto, local_sgd=4: the warm-up exchanged (H per step {held})")
 same_auto_choice(auto, "DDP hook over gradsync, auto, local_sgd=4",
                  ("calibrated", "measured"),
                  lambda d: tiny_net.all_digests(d, None))
