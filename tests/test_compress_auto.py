@@ -1337,9 +1337,12 @@ def test_a_quantized_sync_slowed_by_what_the_model_leaves_out_is_no_slower_link(
 
 def test_a_slower_link_under_quantized_syncs_is_seen_by_two_probes():
     """The link slows to a fifth at step 5, inside local SGD's first window (int8 syncs):
-    the probe of the check at step 8 (the first after the decision) reads it, the one at 12
-    confirms it, and the ranks decide again for the slower link."""
+    the probe of the check at step 8 (the first after the calibration's decision) reads it,
+    the one at 12 confirms it, and the ranks decide again for the slower link. That
+    re-decision's rate was read twice: its first sync is its measure, with no probe (none
+    at the checks of steps 16 to 28)."""
     autos, comms, link, params = local_job(2, 1e6, **QUANTIZED)
+    probes = counting_probes(autos)
 
     def slow_down(step):
         if step == 5:
@@ -1349,6 +1352,9 @@ def test_a_slower_link_under_quantized_syncs_is_seen_by_two_probes():
     last = autos[0].history[-1]
     assert (last.step, last.reason.startswith("drift: rate")) == (12, True), last.summary()
     assert last.rate == pytest.approx(2e5, rel=0.05)
+    assert probes == [2, 2]
+    train_local(autos, comms, params, 16, [0.05, 0.05], start=14)
+    assert probes == [2, 2] and autos[0].history[-1].step == 12
 
 
 # The warm-up as a local SGD window: a quantizer among the options (so a probe step), local

@@ -52,12 +52,14 @@ declared below.
    as a rate), which the next check's probe confirms or clears (a link as it was: the
    exchange moved for another reason, and its time is the new measure). Under local SGD
    the syncs stand for the exchange: in float32 their time gives the rate; through a
-   quantizer they are probed as a compressed exchange is, at the first check after a
-   decision (whose sync becomes the measure) and where a sync moved from that measure
-   (a probe of 1 MiB in float32 outweighs an int4 sync of 5 MB of parameters: 0.5-0.7 s at
-   25 Mbit/s, so not at every check); so a link that changed since the decision's reading
-   (or a reading the decision took wrong) is found at the first check, not never: the
-   first sync alone would be measured on the changed link. Never while a sync runs behind
+   quantizer they are probed as a compressed exchange is, where a sync moved from its
+   measure, and at the first check after the calibration's decision (whose sync becomes
+   the measure), whose rate one reading gave: a link that changed since that reading (or a
+   reading taken wrong) is found there, not never (the first sync alone would be measured
+   on the changed link). A re-decision's rate was confirmed by two readings, or kept: its
+   first sync is the measure without a probe (a probe of 1 MiB in float32 outweighs an
+   int4 sync of 5 MB of parameters: 0.5-0.85 s at 25 Mbit/s, where a probe after every
+   re-decision cost ``gradsync bench compress`` 1.5 s a run). Never while a sync runs behind
    the steps (``local_overlap``): it shares the link, and the probe would read it slower
    (the suspicion waits for the next check).
 6. Outcome: a decision that changes a bucket's option is a trial. ``TRIAL`` steps after it
@@ -353,12 +355,19 @@ class Policy:
         # reads the link no better than a compressed exchange's (the arithmetic the model
         # takes off, timed in the warm-up beside the other ranks', is not what it costs in
         # a sync: a 100 Mbit/s link read as 101-148 Mbit/s of gradient, in gradsync bench
-        # compress), so they are probed as it is.
+        # compress), so they are probed as it is: where a sync moved from its measure, and at
+        # the first check after the calibration's decision, whose rate one reading gave (a
+        # re-decision's rate was confirmed by two readings, or kept: its first sync is the
+        # measure without a probe, which cost 0.5-0.85 s a re-decision at 25 Mbit/s).
         quantized_sync = not ex and bool(self._syncs) and self._sync != 0
         behind = self._local is not None and self._local.in_flight()  # the same everywhere
-        wants = not behind and ((compressed and bool(ex)) or quantized_sync) and (
-            self._baseline is None or suspect_rate)
+        unconfirmed = not a.get("confirmed", False)  # no probe since the calibration's
+        wants = not behind and (
+            (compressed and bool(ex) and (self._baseline is None or suspect_rate))
+            or (quantized_sync and (suspect_rate or (self._baseline is None and unconfirmed))))
         probe = self._probe(comm, a) if wants else 0.0
+        if probe > 0.0:
+            a["confirmed"] = True  # (kept by the numbers of the decisions that follow)
         work_s, beside, contention = read_steps(w, a["compute"])
         local = [1.0 if w else 0.0, work_s,
                  statistics.median(s["exchange"] for s in ex) if ex else 0.0,
