@@ -17,4 +17,4 @@ import forked_jobs
 def test_compressors_train_on_both_front_doors(n):
     result = forked_jobs.job(n, "compress_train.py", timeout=150)
     assert result.returncode == 0, result
-    assert result.output.count("count 117") == n, result
+    assert result.output.count("count 120") == n, result

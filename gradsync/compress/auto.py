@@ -48,8 +48,10 @@ order.
    quantized exchanges' do, and the probe step's compute plus it stands for the step a
    change is tried against. Where what follows exchanges every step (H = 1, or the
    float32 calibration), the optimizers' states, each of which followed its own rank's
-   gradients in the window, are averaged at that first call too (``auto_local.py``): equal
-   gradients on unequal states would part the ranks for good (a first form of this window,
+   gradients in the window, are averaged at that first call too, over the buckets' comm
+   (``auto_local.py``; the Horovod API runs this on its controller's thread, where an
+   operation of its own would never run): equal gradients on unequal states would part
+   the ranks for good (a first form of this window,
    without it, left the bench's AdamW ranks apart at 1 Gbit/s). Without the optimizer (a
    DDP script's ``attach`` without ``optimizer=``) the warm-up exchanges as above.
    Then ``calibrate`` steps run none, timed: each
@@ -577,9 +579,9 @@ class Auto(Policy, ReducingCompressor):
         if not self._seen:
             if self._warm_ended:  # the first step after the warm-up's window
                 self._warm_ended = False
-                if self.period == 1:  # exchanged (H = 1, calibration): the optimizers too
+                if self.period == 1:  # exchanged (H = 1, calibration): the optimizers too,
                     assert self._local is not None  # (the warm window was attached)
-                    self._local.align_optimizer(self._step)
+                    self._local.align_optimizer(self._step, comm)  # over the buckets' comm
             if self._timing():  # a latency sample: the first allreduce lines ranks up
                 one = torch.zeros(1)
                 comm.allreduce_sum_(one)

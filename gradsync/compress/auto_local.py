@@ -117,12 +117,14 @@ class LocalSGD:
     def in_flight(self) -> bool:
         return bool(self.diloco.pending)
 
-    def align_optimizer(self, step: int) -> None:
+    def align_optimizer(self, step: int, comm=None) -> None:
         """After a window's sync at once, where every step is exchanged from here: the
         optimizer's floating-point state of ``params``, averaged over the ranks in float32
         (one allreduce of its tensors in the parameters' order, each state's keys sorted:
-        the same layout on every rank, which took the same steps). Without the optimizer,
-        a WARNING (``step``: the first step exchanged)."""
+        the same layout on every rank, which took the same steps), over ``comm`` where given
+        (Auto's, from inside a bucket's reduction: the Horovod API runs it on the
+        controller's thread, where an operation of its own would never run), else over this
+        local SGD's. Without the optimizer, a WARNING (``step``: the first step exchanged)."""
         if self.optimizer is None:
             if not self._warned:
                 self._warned = True
@@ -138,13 +140,14 @@ class LocalSGD:
         if not held:
             return
         flat = torch.cat([state[key].detach().reshape(-1).float() for state, key in held])
-        if isinstance(self.comm, str):  # a front door's collectives ("horovod")
-            reducer = reducer_for(self.comm, None, self.process_set)
+        over = self.comm if comm is None else comm
+        if isinstance(over, str):  # a front door's collectives ("horovod")
+            reducer = reducer_for(over, None, self.process_set)
             mean = reducer.wait(reducer.start(flat, [tuple(flat.shape)],
                                               f"{self.name}.optimizer")).reshape(-1)
-        else:  # here, on the training thread: the window's sync has landed
-            self.comm.allreduce_sum_(flat)
-            mean = flat.div_(self.comm.size)
+        else:  # here, on this thread: the window's sync has landed
+            over.allreduce_sum_(flat)
+            mean = flat.div_(over.size)
         at = 0
         with torch.no_grad():
             for state, key in held:

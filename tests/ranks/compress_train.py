@@ -177,6 +177,26 @@ same_auto_choice(auto, "DistributedOptimizer auto, local_sgd=4", ("calibrated", 
 C.count += 1
 if len(set(hvd.allgather_object((auto.decision.period, auto.period, auto.phase)))) != 1:
     fail(f"auto, local_sgd=4: the ranks hold different windows: {auto.decision.summary()}")
+# The same with the probe step (early's default) and momentum: the warm-up and probe steps
+# are a local window (DistributedOptimizer gives itself as the optimizer), and where every
+# step is exchanged after it (the loopback link: calibration in float32; local SGD never
+# paying beyond a tolerance of 500%), the momenta are averaged on the controller's thread, where
+# the compressor runs (a Horovod-API collective waited for there would never run), so the
+# ranks' momenta and parameters end equal.
+torch.manual_seed(0)
+model = Net()
+auto = Auto(tiers="all", warmup=1, calibrate=2, check_every=100, margin=0.0,
+            local_steps=0.0, local_sgd=4, tolerance=5.0)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.5),
+                               named_parameters=model.named_parameters(), compression=auto)
+train(model, opt, "DistributedOptimizer auto, local_sgd=4, warm window",
+      lambda d: hvd.allgather_object(d), auto)
+C.count += 1
+momenta = hvd.allgather_object(tiny_net.digest(
+    [opt.state[p]["momentum_buffer"] for p in model.parameters()]))
+if len(set(momenta)) != 1 or auto.period != 1:
+    fail(f"auto, local_sgd=4, warm window: the momenta differ between ranks: {momenta} "
+         f"(H {auto.period}: {auto.decision.summary()})")
 # Where local SGD hands back to every step exchanged, the optimizer's state is averaged
 # over the ranks (auto_local.py's align_optimizer, over the Horovod API here: the optimizer
 # is DistributedOptimizer itself): momenta that differ per rank come out as their mean.
