@@ -43,8 +43,8 @@ order.
    (nothing exchanged; the probe and the arithmetic's timing as above), and after the probe
    step the parameters are averaged once, at once, through the warm quantizer: one
    exchange of the model's elements where the warm-up exchanged every step (at 25 Mbit/s
-   the bench's language model's first 10 steps took 1.0-1.3 s more than ``gs-streaming``'s
-   this way, 2.0-2.6 s exchanging). That sync's time bounds the rate from below as the
+   the bench's language model's first 10 steps took 0.75-1.3 s more than ``gs-streaming``'s
+   this way, 2.0-2.5 s exchanging). That sync's time bounds the rate from below as the
    quantized exchanges' do, and the probe step's compute plus it stands for the step a
    change is tried against. Where what follows exchanges every step (H = 1, or the
    float32 calibration), the optimizers' states, each of which followed its own rank's
