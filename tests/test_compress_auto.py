@@ -1420,7 +1420,7 @@ def test_with_local_sgd_attached_the_warm_up_is_a_local_window(size, monkeypatch
 @pytest.mark.parametrize("attached,optimizer", [([True, False], True), (None, False)],
                          ids=["a-rank-not-attached", "no-optimizer"])
 def test_the_warm_up_exchanges_where_a_rank_gave_no_parameters_or_optimizer(
-        attached, optimizer, caplog):
+        attached, optimizer):
     """The local warm-up needs every rank's parameters and optimizer (whose state is
     averaged where every step is exchanged after it): where one rank did not attach, or
     attached without its optimizer, every rank exchanges the warm-up's gradients (agreed at

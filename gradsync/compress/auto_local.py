@@ -133,10 +133,11 @@ class LocalSGD:
                             "differs per rank after the local steps, so the ranks' parameters "
                             "will drift apart; pass attach(..., optimizer=opt)", step)
             return
-        held = [(state, key) for p in self.params
-                for state in [self.optimizer.state.get(p, {})]
-                for key in sorted(state, key=str)
-                if torch.is_tensor(state[key]) and state[key].is_floating_point()]
+        held = []  # (a parameter's state, a key of it), in the same order on every rank
+        for p in self.params:
+            state = self.optimizer.state.get(p, {})
+            held += [(state, key) for key in sorted(state, key=str)
+                     if torch.is_tensor(state[key]) and state[key].is_floating_point()]
         if not held:
             return
         flat = torch.cat([state[key].detach().reshape(-1).float() for state, key in held])

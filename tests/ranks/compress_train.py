@@ -195,8 +195,9 @@ C.count += 1
 momenta = hvd.allgather_object(tiny_net.digest(
     [opt.state[p]["momentum_buffer"] for p in model.parameters()]))
 if len(set(momenta)) != 1 or auto.period != 1:
-    fail(f"auto, local_sgd=4, warm window: the momenta differ between ranks: {momenta} "
-         f"(H {auto.period}: {auto.decision.summary()})")
+    fail(f"auto, local_sgd=4, warm window: expected every step exchanged at the end (H "
+         f"{auto.period}: {auto.decision.summary()}) and the momenta equal on every rank: "
+         f"{momenta}")
 # Where local SGD hands back to every step exchanged, the optimizer's state is averaged
 # over the ranks (auto_local.py's align_optimizer, over the Horovod API here: the optimizer
 # is DistributedOptimizer itself): momenta that differ per rank come out as their mean.
