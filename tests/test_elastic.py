@@ -11,6 +11,7 @@ are in the slow tier.
 import os
 import re
 import sys
+import types
 
 import pytest
 
@@ -106,6 +107,75 @@ def test_sigkill_one_of_four_mid_step_goes_on_at_three_with_identical_parameters
         # forked from a template that imported what the first optimizer imports
         # (forkserver.ELASTIC_PRELOAD): 1.6 s of CPU a worker less
         assert result.output.count("PRELOADED dynamo=True") == 4, result
+
+
+def test_members_that_read_two_generations_form_the_newer_one():
+    """Found in CI (test_elastic_compress, PowerSGD): a new worker was ready as the survivors
+    of a kill re-formed, and they read the newest generation on either side of the next one's
+    publication. One waited in generation 1 for the other, which waited in 2 for it, until the
+    rank's deadline (3 min 52 s). A generation that a newer one replaces before it formed is
+    now aborted (``Generations.publish``). By hand here, the launcher's part played by the
+    test: ``a`` waits in generation 0 for ``b``; generation 1 (``b, a, c``) comes; ``b`` and
+    ``c`` read it. All three must form generation 1 within seconds, not after ``a``'s connect
+    timeout (the elastic timeout: 60 s)."""
+    import subprocess
+    import time
+
+    from harness import RANKS, report
+
+    from gradsync.run.generations import Generations
+    from gradsync.run.ranks import start_store
+
+    store = start_store("127.0.0.1")
+    said: list[str] = []
+    gens = Generations(said.append)
+    gens.host(store, "split", store.port)
+    a, b, c = (types.SimpleNamespace(id=w, host="localhost") for w in "abc")
+    procs: dict[str, subprocess.Popen] = {}
+
+    def start(worker: str) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+        env.update({"GRADSYNC_RANK": "0", "GRADSYNC_SIZE": "1", "GRADSYNC_JOB_ID": "split",
+                    "GRADSYNC_STORE_ADDR": "127.0.0.1", "GRADSYNC_STORE_PORT": str(store.port),
+                    "GRADSYNC_LAUNCHER_PID": str(os.getpid()), "GRADSYNC_ELASTIC_ID": worker,
+                    "GRADSYNC_ELASTIC_TIMEOUT": "60", "GRADSYNC_SECRET": "5e" * 32,
+                    "GS_TEST_DEADLINE": "50",
+                    "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+        procs[worker] = subprocess.Popen([sys.executable, str(RANKS / "elastic_split.py")],
+                                         env=env, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True)
+
+    def until(ready, what: str, seconds: float = 30.0) -> None:
+        end = time.monotonic() + seconds
+        while not ready():
+            assert time.monotonic() < end, f"{what} within {seconds:g} s"
+            time.sleep(0.05)
+
+    try:
+        gens.publish([b, a], now=False)
+        start("a")  # rank 1 of generation 0: it posts its entry, then waits for b's table
+        until(lambda: gens.control.world_store(0).check("peers/1"), "a waits in generation 0")
+        began = time.monotonic()
+        assert gens.publish([b, a, c], now=False) == 1  # c is ready before 0 formed
+        start("b")
+        start("c")
+        outputs = {w: p.communicate(timeout=40)[0] for w, p in procs.items()}
+        took = time.monotonic() - began
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    text = "\n".join(report(f"--- {w} ---", out) for w, out in outputs.items())
+    assert all(p.returncode == 0 for p in procs.values()), text
+    formed = {w: re.search(r"FORMED (.*)", out).group(1) for w, out in outputs.items()}
+    assert formed == {"b": "id=b gen=1 rank=0 size=3 sum=6",
+                      "a": "id=a gen=1 rank=1 size=3 sum=6",
+                      "c": "id=c gen=1 rank=2 size=3 sum=6"}, text
+    assert "worker a: generation 0 failed to form (rank -1 reported: generation 0 was replaced " \
+           "by generation 1 before it formed); waiting for the next" in outputs["a"], text
+    assert took < 20, text  # two starts of a process and one connect; a's timeout is 60 s
+    assert said == []
 
 
 @pytest.mark.slow

@@ -286,7 +286,13 @@ def _growing_job(monkeypatch):
     members = [_Worker(f"{h}[{i}]", h, _FakeRank(h), i) for i, h in enumerate("ab")]
     job.workers, job._counter = list(members), 2
     job._publish(members, 0, 2, now=False)
+    formed(job.generations.control, 0)
     return job, members
+
+
+def formed(control, gen):
+    """Generation ``gen``'s World has formed: its address table is out."""
+    control.world_store(gen).set("peers", "table")
 
 
 def ids(control, gen):
@@ -320,6 +326,7 @@ def test_a_loss_re_forms_at_once_without_the_joiner_still_starting(monkeypatch):
     # the survivor re-forms at once, its old generation aborted; c[2] joins a later one
     assert control.generation() == 1 and ids(control, 1) == ["a[0]"]
     assert control.world_store(0).read_abort()["rank"] == -1
+    formed(control, 1)  # a[0] trains on in it
     control.announce_ready("c[2]")
     job._watch_new()
     job._form(first=False)
@@ -461,6 +468,7 @@ def test_generations_abort_only_what_a_loss_replaces_and_watch_every_open_one():
     assert gens.publish([a, b, c], now=False) == 0 and gens.watched() == [0]
     assert gens.publish([a, c], now=True) == 1  # b was lost
     assert gens.read_abort(0)["rank"] == -1 and gens.open == [1]
+    formed(gens.control, 1)  # a and c train in it
     assert gens.publish([a, c, d], now=False) == 2  # d joined: 1 trains on until its commit
     assert gens.read_abort(1) is None and gens.watched() == [1, 2]
     assert gens.of(1) == [a, c] and ids(gens.control, 2) == ["a[0]", "c[2]", "d[3]"]
@@ -468,6 +476,14 @@ def test_generations_abort_only_what_a_loss_replaces_and_watch_every_open_one():
     assert gens.control.exclusion("b[1]") == ("excluded from the job at generation 2: it "
                                               "exited with status 1")
     assert said == []
+    # Had d come before 1 formed, 1 would be aborted: no member may wait in it for others
+    # that read the newer generation (a CI run's survivors of a kill split so, and waited).
+    e = types.SimpleNamespace(id="e[4]", host="e")
+    assert gens.publish([a, c, d, e], now=False) == 3  # 2 has not formed
+    assert gens.read_abort(2) == {"kind": "PeerLostError", "rank": -1, "peer": None,
+                                  "message": "generation 2 was replaced by generation 3 "
+                                             "before it formed"}
+    assert gens.read_abort(1) is None and gens.open == [1, 3] and gens.watched() == [1, 2, 3]
 
 
 def test_a_failed_read_of_an_abort_record_is_said_once_and_the_client_replaced():

@@ -27,8 +27,9 @@ imports torch and connects costs seconds, and the job trains on meanwhile instea
 for it in the new generation. After a loss it posts a ``PeerLostError`` into the abort record
 of the generations it replaces, so that survivors stop waiting at once; workers that were
 training reach the new generation at their next collective (a failure) or ``commit()`` (only
-new workers: ``check_host_updates`` sees a newer ``gen``; the older generation is not aborted,
-so nothing is rolled back). A new worker that is not yet listed waits for a generation that
+new workers: ``check_host_updates`` sees a newer ``gen``; the older generation is not aborted
+once it has formed, so nothing is rolled back; one not yet formed is, so that its members
+never wait for each other in two generations). A new worker that is not yet listed waits for a generation that
 lists it; one that is excluded before that (it died, or never became ready) stops waiting.
 
 **Fencing.** A worker that comes back after the job moved on without it (SIGCONT after a

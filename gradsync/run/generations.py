@@ -8,8 +8,10 @@ through this module, so everything it ever tells the workers about membership ha
 - **publish** generation ``g``: ``members/<g>`` (the workers in rank order), then ``gen``;
 - **abort** the generations a loss replaces: a ``PeerLostError`` posted into the abort record
   of each generation still *open* (published and not aborted), so that survivors waiting in
-  one stop at once. A generation that only new workers replaced stays open: its workers train
-  on in it until their next ``commit()`` sees the newer ``gen``;
+  one stop at once. A generation that only new workers replaced stays open once it has
+  formed: its workers train on in it until their next ``commit()`` sees the newer ``gen``.
+  One not yet formed is aborted too (its members might wait for each other in two
+  generations);
 - **read** the abort records of the generations workers may still train in (the newest, the
   one before it, every open one): what a worker's heartbeat or a failed collective reported;
 - **exclude** a worker (``excluded/<id>``: why it is out, for it to raise if it comes back),
@@ -25,8 +27,9 @@ record are the elastic policy's (``elastic.py``), which starts and stops the pro
 Example: generation 0 is ``[a, b, c]``. ``b`` dies; the policy publishes ``[a, c]`` as
 generation 1 with ``now=True``: generation 0's abort record gets the loss and 0 is closed.
 Then a new worker ``d`` is ready; the policy publishes ``[a, c, d]`` as generation 2 with
-``now=False``: nothing is aborted, 1 and 2 are open, and a silent worker reported in either
-record is seen.
+``now=False``: generation 1 has formed (``a`` and ``c`` train in it), so nothing is aborted,
+1 and 2 are open, and a silent worker reported in either record is seen. Had ``d`` been ready
+before 1 formed, 1 would have been aborted, and ``a`` and ``c`` would form 2 with ``d``.
 
 The store is the launcher's own, so a failed request is unlikely; a read that fails is said
 once per distinct error and the client replaced (one whose call failed midway may stay out of
@@ -99,10 +102,29 @@ class Generations(Generic[M]):
         if now:
             self.abort_older(f"the job was re-formed as generation {gen} of {len(members)} "
                              "workers")
+        else:
+            self._abort_unformed(gen)
         self.gen, self.members = gen, members
         self.open.append(gen)
         self._of[gen] = members
         return gen
+
+    def _abort_unformed(self, gen: int) -> None:
+        """Aborts the open generations that generation ``gen`` replaces before they formed.
+
+        Only a formed generation trains on until its workers' next ``commit()``. One whose
+        World has not formed may have members that read the newest generation on either side
+        of ``gen``'s publication: one waits for the others in the old generation, they wait
+        for it in ``gen``, each for the whole connect timeout (a CI run's survivors of a kill
+        split so between generation 1, the two of them, and 2, where the new worker came in).
+        Aborted, its members stop waiting and join ``gen``. A generation that forms between
+        the look and the abort fails its first collective and recovers into ``gen``, as
+        after a loss; one whose state the store did not give is left open."""
+        for old in list(self.open):
+            if self.formed(old) is False:
+                self._control.abort(old, f"generation {old} was replaced by generation {gen} "
+                                         "before it formed", None)
+                self.open.remove(old)
 
     def abort_older(self, message: str) -> None:
         """Tells the workers of the open generations to stop waiting; closes them."""
@@ -164,10 +186,11 @@ class Generations(Generic[M]):
         except (RuntimeError, OSError):
             return False
 
-    def formed(self) -> bool | None:
-        """Whether the newest generation's World has published its address table (a member
-        that trained in it has read it); None when the store did not answer."""
+    def formed(self, gen: int | None = None) -> bool | None:
+        """Whether generation ``gen``'s (default the newest) World has published its address
+        table (a member that trained in it has read it); None when the store did not
+        answer."""
         try:
-            return self._control.world_store(self.gen).check("peers")
+            return self._control.world_store(self.gen if gen is None else gen).check("peers")
         except (RuntimeError, OSError):
             return None
