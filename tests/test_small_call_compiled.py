@@ -320,20 +320,83 @@ def test_quick_takes_a_named_numpy_call_and_hands_anything_else_to_python(monkey
         assert quick(*args) == "python"
     assert len(handed) == len(others) and len(ran) == 3
     key = ("q", f32, (2, 2), Sum._value_, "auto")
-    prepared, inline = engine.prepared[key], engine.inline
+    kept, world, inline = engine.prepared, current.world, engine.inline
+    # (A key's entry never changes in its memory, nor a World's host sharing: a change here
+    # is a new memory or World, as a new engine or job has.)
     for change in ("cannot be prepared", "not on one host", "no compiled inline run", "no job"):
         if change == "cannot be prepared":
-            engine.prepared[key] = None
+            engine.prepared = {key: None}
         elif change == "not on one host":
-            engine.world.shares_host = False
+            current.world = _OneHost()
+            current.world.shares_host = False
         elif change == "no compiled inline run":
             engine.inline = None
         else:
             monkeypatch.setattr(job, "_job", None)
         assert quick(x, Sum, "q", "auto", True) == "python", change
-        engine.prepared[key], engine.world.shares_host, engine.inline = prepared, True, inline
+        engine.prepared, current.world, engine.inline = kept, world, inline
         monkeypatch.setattr(job, "_job", current)
     assert quick(x, Sum, "q", "auto", True) is x and len(ran) == 4  # back on the C road
+    engine.stop()
+
+
+def test_quick_remembers_each_names_last_call_and_only_that(monkeypatch):
+    # Quick's memo by name (_shmfast.c, "The memo, by name"): a call that its name's entry
+    # remembers (the same memory, World, dtype, op, algorithm and shape) skips the key's
+    # look-up; any other is looked up as before.
+    from gradsync import job
+    from gradsync.collectives.ops import ReduceOp
+    from gradsync.pipeline import operations
+
+    module = _native.load("_shmfast", build=False)
+    engine = Engine(_OneHost(), Recorder(8).track("numpy:memo", "numpy API", [0, 1], "numpy",
+                                                  60.0, None))
+    current = job.Job.__new__(job.Job)
+    current.world, current.engine, current.pace = engine.world, engine, None
+    monkeypatch.setattr(job, "_job", current)
+    ran: list[str] = []
+
+    def prepare(name, dtype, shape, op=Sum, algorithm="auto"):
+        def run(data):
+            ran.append(f"{name} {dtype} {shape} {op.name} {algorithm}")
+        engine.prepared[(name, np.dtype(dtype), shape, op._value_, algorithm)] = \
+            operations.Prepared(f"allreduce '{name}'", 1, run, None)
+
+    prepare("grad.q", "float32", (2, 2))
+    prepare("grad.r", "float32", (4,))
+    prepare("grad.q", "float32", (1, 4))  # the same name, ndim and size: another shape
+    prepare("grad.q", "float64", (2, 2))
+    prepare("grad.q", "float32", (2, 2), Max)
+    prepare("grad.q", "float32", (2, 2), Sum, "ring")
+    handed = []
+    quick = module.Quick(job, np.ndarray, ReduceOp, lambda *args: handed.append(args))
+    q, r = "grad.q", "grad.r"
+    calls = [(q, np.float32, (2, 2), Sum, "auto"), (r, np.float32, (4,), Sum, "auto"),
+             (q, np.float32, (1, 4), Sum, "auto"), (q, np.float64, (2, 2), Sum, "auto"),
+             (q, np.float32, (2, 2), Max, "auto"), (q, np.float32, (2, 2), Sum, "ring")]
+    for _ in range(3):  # each call of a name after another of it: the entry's or a look-up
+        for name, dtype, shape, op, algorithm in calls:
+            quick(np.ones(shape, dtype), op, "grad." + name[5:], algorithm, True)  # a new str
+    expected = [f"{n} {np.dtype(d)} {s} {o.name} {a}" for n, d, s, o, a in calls]
+    assert ran == expected * 3 and not handed
+    # What the memory held: emptied (as at PREPARED_KEPT), the entry (q's last call) still
+    # runs its call; another call is looked up; another memory (another engine's) or World
+    # is never the entry's.
+    engine.prepared.clear()
+    quick(np.ones((2, 2), np.float32), Sum, "grad.q", "ring", True)
+    assert ran[-1] == "grad.q float32 (2, 2) SUM ring" and not handed
+    quick(np.ones((2, 2), np.float32), Max, "grad.q", "auto", True)  # not prepared any more
+    assert len(handed) == 1
+    engine.prepared = {}
+    quick(np.ones((2, 2), np.float32), Sum, "grad.q", "ring", True)  # not the entry's memory
+    assert len(handed) == 2
+    engine.prepared, ran[:] = {}, []
+    prepare("grad.q", "float32", (2, 2), Sum, "ring")
+    quick(np.ones((2, 2), np.float32), Sum, "grad.q", "ring", True)  # looked up, remembered
+    current.world = _OneHost()
+    current.world.shares_host = False
+    quick(np.ones((2, 2), np.float32), Sum, "grad.q", "ring", True)  # another World: looked at
+    assert len(handed) == 3 and ran == ["grad.q float32 (2, 2) SUM ring"]
     engine.stop()
 
 
@@ -358,3 +421,34 @@ def test_the_compiled_objects_let_what_they_hold_be_collected():
     del engine, segment, comm
     gc.collect()
     assert [ref() for ref in held] == [None, None, None]
+
+
+def test_quicks_memo_lets_what_it_remembers_be_collected(monkeypatch):
+    # The memo holds the World and the engine's memory of each name it remembers: a World
+    # that holds the Quick back (a cycle through the memo) must still be collected.
+    import gc
+    import weakref
+
+    from gradsync import job
+    from gradsync.collectives.ops import ReduceOp
+    from gradsync.pipeline import operations
+
+    module = _native.load("_shmfast", build=False)
+    engine = Engine(_OneHost(), Recorder(8).track("numpy:gc", "numpy API", [0, 1], "numpy",
+                                                  60.0, None))
+    current = job.Job.__new__(job.Job)
+    current.world, current.engine, current.pace = engine.world, engine, None
+    monkeypatch.setattr(job, "_job", current)
+    ran = []
+    engine.prepared[("m", np.dtype(np.float32), (2,), Sum._value_, "auto")] = \
+        operations.Prepared("allreduce 'm'", 1, ran.append, None)
+    quick = module.Quick(job, np.ndarray, ReduceOp, lambda *args: None)
+    quick(np.ones(2, np.float32), Sum, "m", "auto", True)  # remembered
+    assert len(ran) == 1
+    engine.world.quick = quick
+    held = [weakref.ref(engine.world), weakref.ref(engine)]
+    engine.stop()
+    monkeypatch.undo()  # (it holds what it replaced)
+    del engine, current, quick
+    gc.collect()
+    assert [ref() for ref in held] == [None, None]

@@ -1157,15 +1157,66 @@ static PyTypeObject InlineType = {
  * that cannot be, an array the buffer request refuses) is `python(...)`'s, api._quick
  * itself, which prepares what the next call finds here. The fields it reads are __slots__
  * (job.Job's world and engine, the Engine's prepared and inline, operations.Prepared's run),
- * their offsets found at the first call of each class. */
+ * their offsets found at the first call of each class.
+ *
+ * The memo, by name. A training loop repeats its calls, and the key's look-up was a seventh
+ * of the call (the shape's tuple built, the five-tuple hashed and compared: about 1,300 of
+ * 8,700 instructions, valgrind). So Quick remembers, for each name, the last call of that
+ * name it found prepared: (the engine's memory, the World, dtype, op value, algorithm,
+ * shape, Prepared), each the object the call had. A call whose name's entry has its memory
+ * (the dict itself), World, dtype, op value and algorithm, and a shape of the same numbers,
+ * takes the entry's Prepared and shape tuple, one look-up by a string (its hash kept), and
+ * skips the World's shares_host (true when the entry was made; a World's host sharing is
+ * fixed). What it finds is what the dict held for the key: a key's entry never changes
+ * there (operations.prepare_into only adds), and a dict emptied at operations.PREPARED_KEPT
+ * (a bound on its memory) would prepare the key again on the same World the same way;
+ * another job, World or engine is another dict. The memo is emptied at as many names. */
+
+#define MEMO_KEPT 4096 /* names the memo holds before it starts again empty */
+
+enum { M_KEPT, M_WORLD, M_DTYPE, M_VALUE, M_ALGORITHM, M_SHAPE, M_PREPARED, M_FIELDS };
 
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
     PyObject *job_dict, *ndarray, *reduce_op, *python, *last_op, *last_value;
+    PyObject *memo; /* {name: (kept, world, dtype, value, algorithm, shape, prepared)} */
     PyTypeObject *job_type, *engine_type, *prepared_type; /* the classes the offsets are of */
     Py_ssize_t j_world, j_engine, e_prepared, e_inline, p_run;
 } quick;
+
+/* Whether `entry` (the name's memo entry, or NULL) remembers this call: what the World and
+ * memory say (`whole` 0), or everything, its array's view too (`whole` 1). */
+static int memo_holds(quick *q, PyObject *entry, PyObject *kept, PyObject *world,
+                      PyObject *dtype, PyObject *algorithm, const Py_buffer *view) {
+    if (!entry || PyTuple_GET_ITEM(entry, M_KEPT) != kept ||
+        PyTuple_GET_ITEM(entry, M_WORLD) != world)
+        return 0;
+    if (!view) return 1;
+    PyObject *shape = PyTuple_GET_ITEM(entry, M_SHAPE);
+    if (PyTuple_GET_ITEM(entry, M_DTYPE) != dtype ||
+        PyTuple_GET_ITEM(entry, M_VALUE) != q->last_value ||
+        PyTuple_GET_ITEM(entry, M_ALGORITHM) != algorithm ||
+        PyTuple_GET_SIZE(shape) != view->ndim)
+        return 0;
+    for (int i = 0; i < view->ndim; i++)
+        if (PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i)) != view->shape[i])
+            return 0; /* (the view's numbers: never -1 with an error) */
+    return 1;
+}
+
+/* Remembers a call found prepared under `name`; 0, or -1 with an error set. */
+static int memo_set(quick *q, PyObject *name, PyObject *kept, PyObject *world,
+                    PyObject *dtype, PyObject *algorithm, PyObject *shape,
+                    PyObject *prepared) {
+    if (PyDict_GET_SIZE(q->memo) >= MEMO_KEPT) PyDict_Clear(q->memo);
+    PyObject *entry = PyTuple_Pack(M_FIELDS, kept, world, dtype, q->last_value, algorithm,
+                                   shape, prepared);
+    if (!entry) return -1;
+    int r = PyDict_SetItem(q->memo, name, entry);
+    Py_DECREF(entry);
+    return r;
+}
 
 static PyObject *S_JOB, *S_SHARES_HOST, *S_DTYPE, *S_VALUE, *S_COPY; /* interned at init */
 
@@ -1213,14 +1264,20 @@ static PyObject *quick_vectorcall(PyObject *self, PyObject *const *args, size_t 
     if (!(kept = slot_get(engine, q->e_prepared)) || !(inline_fn = slot_get(engine, q->e_inline)))
         return NULL;
     if (!PyDict_CheckExact(kept) || !Py_IS_TYPE(inline_fn, &InlineType)) goto python;
-    if (!(shares = PyObject_GetAttr(world, S_SHARES_HOST))) return NULL;
-    int on_one_host = PyObject_IsTrue(shares);
-    Py_DECREF(shares);
-    if (on_one_host < 0) return NULL;
-    if (!on_one_host) goto python;
+    PyObject *entry = PyDict_GetItemWithError(q->memo, name); /* borrowed (a tuple) */
+    if (!entry && PyErr_Occurred()) return NULL;
+    if (!memo_holds(q, entry, kept, world, NULL, NULL, NULL)) {
+        entry = NULL; /* (a World on one host when its entry was made) */
+        if (!(shares = PyObject_GetAttr(world, S_SHARES_HOST))) return NULL;
+        int on_one_host = PyObject_IsTrue(shares);
+        Py_DECREF(shares);
+        if (on_one_host < 0) return NULL;
+        if (!on_one_host) goto python;
+    }
     /* Held from here: what follows allocates (a collection may run finalizers) and calls out. */
     Py_INCREF(kept);
     Py_INCREF(inline_fn);
+    Py_XINCREF(entry);
     PyObject *shape = NULL, *dtype = NULL, *key = NULL, *flat = NULL, *result = NULL,
              *prepared = NULL, *run = NULL;
     /* What _quick checks of the array (C-contiguous, writable in place), and its shape. */
@@ -1230,30 +1287,42 @@ static PyObject *quick_vectorcall(PyObject *self, PyObject *const *args, size_t 
         PyErr_Clear();
         goto in_python;
     }
-    shape = PyTuple_New(view.ndim);
-    for (int i = 0; shape && i < view.ndim; i++) {
-        PyObject *n = PyLong_FromSsize_t(view.shape[i]);
-        if (!n) Py_CLEAR(shape);
-        else PyTuple_SET_ITEM(shape, i, n);
-    }
-    PyBuffer_Release(&view);
-    if (!shape) goto done;
     if (op != q->last_op) { /* op._value_: ReduceOp's members are few, and live for good */
         PyObject *value = PyObject_GetAttr(op, S_VALUE);
-        if (!value) goto done;
+        if (!value) {
+            PyBuffer_Release(&view);
+            goto done;
+        }
         Py_XSETREF(q->last_value, value);
         Py_XSETREF(q->last_op, Py_NewRef(op));
     }
-    if (!(dtype = PyObject_GetAttr(tensor, S_DTYPE)) ||
-        !(key = PyTuple_Pack(5, name, dtype, shape, q->last_value, algorithm)))
+    if (!(dtype = PyObject_GetAttr(tensor, S_DTYPE))) {
+        PyBuffer_Release(&view);
         goto done;
-    prepared = PyDict_GetItemWithError(kept, key); /* borrowed, then held */
-    if (!prepared || prepared == Py_None) {
-        prepared = NULL;
-        if (PyErr_Occurred()) goto done;
-        goto in_python; /* not prepared yet (_quick prepares it), or not preparable */
     }
-    Py_INCREF(prepared);
+    if (memo_holds(q, entry, kept, world, dtype, algorithm, &view)) {
+        PyBuffer_Release(&view);
+        shape = Py_NewRef(PyTuple_GET_ITEM(entry, M_SHAPE));
+        prepared = Py_NewRef(PyTuple_GET_ITEM(entry, M_PREPARED));
+    } else {
+        shape = PyTuple_New(view.ndim);
+        for (int i = 0; shape && i < view.ndim; i++) {
+            PyObject *n = PyLong_FromSsize_t(view.shape[i]);
+            if (!n) Py_CLEAR(shape);
+            else PyTuple_SET_ITEM(shape, i, n);
+        }
+        PyBuffer_Release(&view);
+        if (!shape || !(key = PyTuple_Pack(5, name, dtype, shape, q->last_value, algorithm)))
+            goto done;
+        prepared = PyDict_GetItemWithError(kept, key); /* borrowed, then held */
+        if (!prepared || prepared == Py_None) {
+            prepared = NULL;
+            if (PyErr_Occurred()) goto done;
+            goto in_python; /* not prepared yet (_quick prepares it), or not preparable */
+        }
+        Py_INCREF(prepared);
+        if (memo_set(q, name, kept, world, dtype, algorithm, shape, prepared) < 0) goto done;
+    }
     static const char *const prepared_fields[] = {"run"};
     Py_ssize_t *const prepared_offsets[] = {&q->p_run};
     if (offsets_of(&q->prepared_type, Py_TYPE(prepared), prepared_fields, prepared_offsets, 1)
@@ -1283,6 +1352,7 @@ done:
     Py_XDECREF(flat);
     Py_XDECREF(run);
     Py_XDECREF(prepared);
+    Py_XDECREF(entry);
     Py_DECREF(inline_fn);
     Py_DECREF(kept);
     return result;
@@ -1297,6 +1367,7 @@ static int quick_traverse(quick *q, visitproc visit, void *arg) {
     Py_VISIT(q->python);
     Py_VISIT(q->last_op);
     Py_VISIT(q->last_value);
+    Py_VISIT(q->memo);
     return 0;
 }
 
@@ -1307,6 +1378,7 @@ static int quick_clear(quick *q) {
     Py_CLEAR(q->python);
     Py_CLEAR(q->last_op);
     Py_CLEAR(q->last_value);
+    Py_CLEAR(q->memo);
     return 0;
 }
 
@@ -1329,6 +1401,10 @@ static PyObject *quick_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     }
     quick *q = (quick *)type->tp_alloc(type, 0);
     if (!q) return NULL;
+    if (!(q->memo = PyDict_New())) {
+        Py_DECREF(q);
+        return NULL;
+    }
     q->vectorcall = quick_vectorcall;
     q->job_dict = Py_NewRef(PyModule_GetDict(job));
     q->ndarray = Py_NewRef(ndarray);
