@@ -496,7 +496,8 @@ static const char *const FIELD_TEXT[N_FIELDS] = {
     "record_id", "track", "kind", "name", "shape", "dtype", "out_shape", "seq", "peer",
     "created_ns", "started_ns", "ended_ns", "state", "error"};
 
-static PyObject *MINUS_ONE, *ZERO, *ONE; /* made at the module's init */
+static PyObject *MINUS_ONE, *ZERO, *ONE, *NO_WAIT; /* made at the module's init (NO_WAIT:
+                                                        (False,)) */
 
 /* The pending exception, normalized, its traceback on it (what `except ... as exc` holds);
  * the error indicator is cleared. */
@@ -923,9 +924,10 @@ static int record_done(inline_run *x, PyObject *rec, PyObject *ended) {
 }
 
 /* Engine.run's finally: the release, a wake-up for whoever waits, the meter's blocked time
- * from `began` to `end` (the record's end). An error pending stays pending, unless one of
- * these raises (then that one goes on, the first as its context). */
-static void finish_claim(inline_run *x, int64_t began, int64_t end) {
+ * from `began` to `end` (the record's end; `end_obj` its int where made, else NULL). An error
+ * pending stays pending, unless one of these raises (then that one goes on, the first as its
+ * context). */
+static void finish_claim(inline_run *x, int64_t began, int64_t end, PyObject *end_obj) {
     PyObject *pending = PyErr_Occurred() ? take_error() : NULL, *r, *sleepers, *was;
     if (!(r = PyObject_CallNoArgs(x->release))) goto out;
     Py_DECREF(r);
@@ -937,12 +939,17 @@ static void finish_claim(inline_run *x, int64_t began, int64_t end) {
         Py_DECREF(r);
     }
     if (!(was = slot_get(x->meter, x->m_until))) goto out;
-    long long until = PyLong_AsLongLong(was);
+    int over = 0; /* (a clock's nanoseconds: several digits, which AsLongLong converts slowly) */
+    long long until = PyLong_AsLongLongAndOverflow(was, &over);
     if (until == -1 && PyErr_Occurred()) goto out;
+    if (over) {
+        PyErr_SetString(PyExc_OverflowError, "the meter's blocked_until is out of range");
+        goto out;
+    }
     if (end > until) {
         PyObject *blocked = slot_get(x->meter, x->m_blocked), *more = NULL,
                  *by = PyLong_FromLongLong(end - (began > until ? began : until)),
-                 *e = PyLong_FromLongLong(end);
+                 *e = end_obj ? Py_NewRef(end_obj) : PyLong_FromLongLong(end);
         if (blocked && by && e && (more = PyNumber_Add(blocked, by))) {
             slot_set(x->meter, x->m_blocked, more);
             slot_set(x->meter, x->m_until, e);
@@ -973,8 +980,8 @@ static PyObject *inline_run_args(inline_run *x, PyObject *const *args) {
                             ? PyObject_Length(queue) : 1;
     if (queued < 0) return NULL;
     if (queued) return run_in_python(x, args);
-    PyObject *no_wait = Py_False;
-    PyObject *got = PyObject_Vectorcall(x->acquire, &no_wait, 1, NULL);
+    /* acquire(False), its arguments a tuple made once: the lock's method takes a tuple */
+    PyObject *got = PyObject_Call(x->acquire, NO_WAIT, NULL);
     if (!got) return NULL;
     int claimed = got == Py_True;
     Py_DECREF(got);
@@ -996,11 +1003,11 @@ static PyObject *inline_run_args(inline_run *x, PyObject *const *args) {
                          : PyObject_CallOneArg(args[0], args[4]);
         Py_XDECREF(failure);
     }
+    PyObject *ended = NULL; /* (the end's int, for the meter too) */
     if (result) {
         end = now_ns();
-        PyObject *ended = PyLong_FromLongLong(end);
+        ended = PyLong_FromLongLong(end);
         if (!ended || record_done(x, rec, ended) < 0) Py_CLEAR(result);
-        Py_XDECREF(ended);
     } else {
         /* engine._failed(record, exc): fails the record (and the World), raises */
         PyObject *exc = take_error();
@@ -1012,13 +1019,14 @@ static PyObject *inline_run_args(inline_run *x, PyObject *const *args) {
         }
         Py_DECREF(exc);
         end = now_ns(); /* the record's end, as Record.fail read it, or now without one */
-        PyObject *ended = rec ? field_of(x, rec, F_ENDED_NS) : NULL;
+        PyObject *failed_at = rec ? field_of(x, rec, F_ENDED_NS) : NULL;
         int over = 0;
-        long long e = ended && PyLong_Check(ended) ? PyLong_AsLongLongAndOverflow(ended, &over)
-                                                   : -1;
+        long long e = failed_at && PyLong_Check(failed_at)
+                          ? PyLong_AsLongLongAndOverflow(failed_at, &over) : -1;
         if (e > 0 && !over) end = e; /* (raises nothing: the error _failed raised stays) */
     }
-    finish_claim(x, began, end);
+    finish_claim(x, began, end, ended);
+    Py_XDECREF(ended);
     Py_XDECREF(rec);
     if (result && PyErr_Occurred()) Py_CLEAR(result); /* the finally raised */
     return result;
@@ -1757,6 +1765,7 @@ PyMODINIT_FUNC PyInit__shmfast(void) {
     for (int i = 0; i < N_NAMES; i++)
         if (!NAME[i] && !(NAME[i] = PyUnicode_InternFromString(NAME_TEXT[i]))) return NULL;
     if ((!MINUS_ONE && !(MINUS_ONE = PyLong_FromLong(-1))) ||
+        (!NO_WAIT && !(NO_WAIT = PyTuple_Pack(1, Py_False))) ||
         (!ZERO && !(ZERO = PyLong_FromLong(0))) || (!ONE && !(ONE = PyLong_FromLong(1))) ||
         PyType_Ready(&PreparedType) < 0 || PyType_Ready(&InlineType) < 0 ||
         PyType_Ready(&QuickType) < 0)
