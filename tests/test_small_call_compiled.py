@@ -340,20 +340,28 @@ def test_quick_takes_a_named_numpy_call_and_hands_anything_else_to_python(monkey
     engine.stop()
 
 
+def _quick_job(monkeypatch, label: str):
+    """The compiled module, the ``job`` module and an engine on a one-host World made the
+    current job's (a job's slots, without a start)."""
+    from gradsync import job
+
+    module = _native.load("_shmfast", build=False)
+    engine = Engine(_OneHost(), Recorder(8).track(label, "numpy API", [0, 1], "numpy", 60.0,
+                                                  None))
+    current = job.Job.__new__(job.Job)
+    current.world, current.engine, current.pace = engine.world, engine, None
+    monkeypatch.setattr(job, "_job", current)
+    return module, job, engine, current
+
+
 def test_quick_remembers_each_names_last_call_and_only_that(monkeypatch):
     # Quick's memo by name (_shmfast.c, "The memo, by name"): a call that its name's entry
     # remembers (the same memory, World, dtype, op, algorithm and shape) skips the key's
     # look-up; any other is looked up as before.
-    from gradsync import job
     from gradsync.collectives.ops import ReduceOp
     from gradsync.pipeline import operations
 
-    module = _native.load("_shmfast", build=False)
-    engine = Engine(_OneHost(), Recorder(8).track("numpy:memo", "numpy API", [0, 1], "numpy",
-                                                  60.0, None))
-    current = job.Job.__new__(job.Job)
-    current.world, current.engine, current.pace = engine.world, engine, None
-    monkeypatch.setattr(job, "_job", current)
+    module, job, engine, current = _quick_job(monkeypatch, "numpy:memo")
     ran: list[str] = []
 
     def prepare(name, dtype, shape, op=Sum, algorithm="auto"):
@@ -429,16 +437,10 @@ def test_quicks_memo_lets_what_it_remembers_be_collected(monkeypatch):
     import gc
     import weakref
 
-    from gradsync import job
     from gradsync.collectives.ops import ReduceOp
     from gradsync.pipeline import operations
 
-    module = _native.load("_shmfast", build=False)
-    engine = Engine(_OneHost(), Recorder(8).track("numpy:gc", "numpy API", [0, 1], "numpy",
-                                                  60.0, None))
-    current = job.Job.__new__(job.Job)
-    current.world, current.engine, current.pace = engine.world, engine, None
-    monkeypatch.setattr(job, "_job", current)
+    module, job, engine, current = _quick_job(monkeypatch, "numpy:gc")
     ran = []
     engine.prepared[("m", np.dtype(np.float32), (2,), Sum._value_, "auto")] = \
         operations.Prepared("allreduce 'm'", 1, ran.append, None)
