@@ -82,6 +82,9 @@ def _connect(settings: dict):
 def shutdown() -> None:
     """Finishes queued operations and closes every connection. ``init()`` may follow."""
     job.close()
+    forget = getattr(_front, "forget", None)  # the compiled front's memo holds the World
+    if forget is not None:
+        forget()
 
 
 def is_initialized() -> bool:

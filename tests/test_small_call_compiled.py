@@ -454,3 +454,37 @@ def test_quicks_memo_lets_what_it_remembers_be_collected(monkeypatch):
     del engine, current, quick
     gc.collect()
     assert [ref() for ref in held] == [None, None]
+
+
+@pytest.mark.parametrize("how", ["a call on another job", "forget"])
+def test_quick_holds_no_world_past_its_job(monkeypatch, how):
+    # Remembered calls hold their World: the first call on another job's memory drops them,
+    # as does forget() (api.shutdown calls it), so a closed World is not kept alive.
+    import gc
+    import weakref
+
+    from gradsync.collectives.ops import ReduceOp
+    from gradsync.pipeline import operations
+
+    module, job, engine, current = _quick_job(monkeypatch, "numpy:old")
+    engine.prepared[("m", np.dtype(np.float32), (2,), Sum._value_, "auto")] = \
+        operations.Prepared("allreduce 'm'", 1, lambda data: None, None)
+    handed = []
+    quick = module.Quick(job, np.ndarray, ReduceOp, lambda *args: handed.append(args))
+    quick(np.ones(2, np.float32), Sum, "m", "auto", True)  # remembered
+    assert not handed
+    old = weakref.ref(engine.world)
+    engine.stop()
+    monkeypatch.undo()
+    del engine, current
+    gc.collect()
+    assert old() is not None  # the memo holds it
+    if how == "forget":
+        quick.forget()
+    else:
+        _, _, engine, _ = _quick_job(monkeypatch, "numpy:new")
+        quick(np.ones(2, np.float32), Sum, "other", "auto", True)  # another job's memory
+        assert len(handed) == 1
+        engine.stop()
+    gc.collect()
+    assert old() is None

@@ -1178,7 +1178,9 @@ static PyTypeObject InlineType = {
  * fixed). What it finds is what the dict held for the key: a key's entry never changes
  * there (operations.prepare_into only adds), and a dict emptied at operations.PREPARED_KEPT
  * (a bound on its memory) would prepare the key again on the same World the same way;
- * another job, World or engine is another dict. The memo is emptied at as many names. */
+ * another job, World or engine is another dict. The memo is emptied at as many names, at the
+ * first call on another memory (a new job: the old World is not held past it), and by
+ * forget() (api.shutdown). */
 
 #define MEMO_KEPT 4096 /* names the memo holds before it starts again empty */
 
@@ -1189,12 +1191,13 @@ typedef struct {
     vectorcallfunc vectorcall;
     PyObject *job_dict, *ndarray, *reduce_op, *python, *last_op, *last_value;
     PyObject *memo; /* {name: (kept, world, dtype, value, algorithm, shape, prepared)} */
+    uintptr_t memo_of; /* the memory its entries are of (its address: the entries hold it) */
     PyTypeObject *job_type, *engine_type, *prepared_type; /* the classes the offsets are of */
     Py_ssize_t j_world, j_engine, e_prepared, e_inline, p_run;
 } quick;
 
-/* Whether `entry` (the name's memo entry, or NULL) remembers this call: what the World and
- * memory say (`whole` 0), or everything, its array's view too (`whole` 1). */
+/* Whether `entry` (the name's memo entry, or NULL) remembers this call: its World and memory
+ * (`view` NULL), or everything, the array's view too. */
 static int memo_holds(quick *q, PyObject *entry, PyObject *kept, PyObject *world,
                       PyObject *dtype, PyObject *algorithm, const Py_buffer *view) {
     if (!entry || PyTuple_GET_ITEM(entry, M_KEPT) != kept ||
@@ -1272,6 +1275,10 @@ static PyObject *quick_vectorcall(PyObject *self, PyObject *const *args, size_t 
     if (!(kept = slot_get(engine, q->e_prepared)) || !(inline_fn = slot_get(engine, q->e_inline)))
         return NULL;
     if (!PyDict_CheckExact(kept) || !Py_IS_TYPE(inline_fn, &InlineType)) goto python;
+    if ((uintptr_t)kept != q->memo_of) { /* another job's memory: the old one's entries go */
+        PyDict_Clear(q->memo);
+        q->memo_of = (uintptr_t)kept;
+    }
     PyObject *entry = PyDict_GetItemWithError(q->memo, name); /* borrowed (a tuple) */
     if (!entry && PyErr_Occurred()) return NULL;
     if (!memo_holds(q, entry, kept, world, NULL, NULL, NULL)) {
@@ -1421,6 +1428,18 @@ static PyObject *quick_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     return (PyObject *)q;
 }
 
+static PyObject *quick_forget(quick *q, PyObject *unused) {
+    PyDict_Clear(q->memo);
+    q->memo_of = 0;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef quick_methods[] = {
+    {"forget", (PyCFunction)quick_forget, METH_NOARGS,
+     "Empties the memo (what it holds of the job's World and prepared calls)."},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyTypeObject QuickType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "gradsync.collectives._shmfast.Quick",
@@ -1431,6 +1450,7 @@ static PyTypeObject QuickType = {
     .tp_vectorcall_offset = offsetof(quick, vectorcall),
     .tp_call = PyVectorcall_Call,
     .tp_new = quick_new,
+    .tp_methods = quick_methods,
     .tp_traverse = (traverseproc)quick_traverse,
     .tp_clear = (inquiry)quick_clear,
     .tp_dealloc = (destructor)quick_dealloc,

@@ -29,8 +29,9 @@ of the generations it replaces, so that survivors stop waiting at once; workers 
 training reach the new generation at their next collective (a failure) or ``commit()`` (only
 new workers: ``check_host_updates`` sees a newer ``gen``; the older generation is not aborted
 once it has formed, so nothing is rolled back; one not yet formed is, so that its members
-never wait for each other in two generations). A new worker that is not yet listed waits for a generation that
-lists it; one that is excluded before that (it died, or never became ready) stops waiting.
+never wait for each other in two generations). A new worker that is not yet listed waits for
+a generation that lists it; one that is excluded before that (it died, or never became ready)
+stops waiting.
 
 **Fencing.** A worker that comes back after the job moved on without it (SIGCONT after a
 SIGSTOP, a partitioned host whose link returns, a kill that did not arrive) can write nothing
