@@ -118,10 +118,11 @@ def test_members_that_read_two_generations_form_the_newer_one():
     test: ``a`` waits in generation 0 for ``b``; generation 1 (``b, a, c``) comes; ``b`` and
     ``c`` read it. All three must form generation 1 within seconds, not after ``a``'s connect
     timeout (the elastic timeout: 60 s)."""
+    import signal
     import subprocess
     import time
 
-    from harness import RANKS, report
+    from harness import RANKS, report, start as start_process
 
     from gradsync.run.generations import Generations
     from gradsync.run.ranks import start_store
@@ -131,7 +132,7 @@ def test_members_that_read_two_generations_form_the_newer_one():
     gens = Generations(said.append)
     gens.host(store, "split", store.port)
     a, b, c = (types.SimpleNamespace(id=w, host="localhost") for w in "abc")
-    procs: dict[str, subprocess.Popen] = {}
+    procs: dict = {}  # worker -> gradsync.run.processes.Process
 
     def start(worker: str) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
@@ -139,11 +140,10 @@ def test_members_that_read_two_generations_form_the_newer_one():
                     "GRADSYNC_STORE_ADDR": "127.0.0.1", "GRADSYNC_STORE_PORT": str(store.port),
                     "GRADSYNC_LAUNCHER_PID": str(os.getpid()), "GRADSYNC_ELASTIC_ID": worker,
                     "GRADSYNC_ELASTIC_TIMEOUT": "60", "GRADSYNC_SECRET": "5e" * 32,
-                    "GS_TEST_DEADLINE": "50",
+                    "GS_TEST_DEADLINE": "35",  # stacks dumped before the 40 s below
                     "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
-        procs[worker] = subprocess.Popen([sys.executable, str(RANKS / "elastic_split.py")],
-                                         env=env, stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT, text=True)
+        procs[worker] = start_process([sys.executable, str(RANKS / "elastic_split.py")], env,
+                                      merge_stderr=True, text=True)
 
     def until(ready, what: str, seconds: float = 30.0) -> None:
         end = time.monotonic() + seconds
@@ -159,15 +159,23 @@ def test_members_that_read_two_generations_form_the_newer_one():
         assert gens.publish([b, a, c], now=False) == 1  # c is ready before 0 formed
         start("b")
         start("c")
-        outputs = {w: p.communicate(timeout=40)[0] for w, p in procs.items()}
+        deadline, outputs = began + 40, {}
+        try:
+            for w, p in procs.items():
+                outputs[w] = p.proc.communicate(timeout=max(0.1, deadline - time.monotonic()))[0]
+        except subprocess.TimeoutExpired:
+            for p in procs.values():
+                p.signal(signal.SIGKILL)
+            raise AssertionError("the workers passed their 40 s deadline:\n" + "\n".join(
+                report(f"--- {w} ---", p.proc.communicate()[0]) for w, p in procs.items()))
         took = time.monotonic() - began
     finally:
         for p in procs.values():
             if p.poll() is None:
-                p.kill()
-                p.wait()
+                p.signal(signal.SIGKILL)
+                p.proc.wait()
     text = "\n".join(report(f"--- {w} ---", out) for w, out in outputs.items())
-    assert all(p.returncode == 0 for p in procs.values()), text
+    assert all(p.proc.returncode == 0 for p in procs.values()), text
     formed = {w: re.search(r"FORMED (.*)", out).group(1) for w, out in outputs.items()}
     assert formed == {"b": "id=b gen=1 rank=0 size=3 sum=6",
                       "a": "id=a gen=1 rank=1 size=3 sum=6",
